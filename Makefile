@@ -1,0 +1,30 @@
+# Set-up and the two commands of the README. `make run` = main job, `make test` = the tests (CI).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test test-fast clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[cpu,test]"
+	# PyPI's torchvision/torchaudio/torchcodec don't match the +cpu torch vLLM pins and break
+	# `import transformers` models; nothing in parley needs them.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/parley up
+
+test: setup
+	$(BIN)/pytest -q -ra
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not e2e and not slow"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,149 @@
+"""The run configuration: one TOML file with a section per role, decoded into typed Structs.
+
+Every role command calls `load_config(path, overrides)`. Unknown keys are rejected with their
+path, bad values fail here (before any work) with a one-line error naming the field and fix.
+Overrides are dotted `section.key=value` strings (values parsed as TOML, else taken as text).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+import msgspec
+
+from actors.config import ActorConfig, SimConfig
+from learner.config import DataConfig, LearnerConfig, RolloutConfig
+from protocol.topology import RUN_NAME, BusSettings
+from scorer.config import JudgeConfig, ScorerConfig
+
+
+class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[run]: identity and where files go."""
+
+    name: str = "local"  # run name: prefixes every subject, stream and bucket
+    dir: str = ""  # run directory; "" = runs/<name>
+
+    def __post_init__(self) -> None:
+        if not RUN_NAME.match(self.name):
+            raise ValueError(f"name={self.name!r} not allowed; use 1-64 of A-Z a-z 0-9 _ -")
+
+
+class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[nats]: how roles reach the bus."""
+
+    url: str = "nats://127.0.0.1:4222"  # comma-separated for a cluster
+    connect_timeout_s: float = 10.0  # first connect only; later drops reconnect forever
+    creds: str = ""  # .creds file (else PARLEY_NATS_CREDS)
+    ca_file: str = ""  # TLS CA (else PARLEY_NATS_CA)
+
+
+class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[up]: the local supervisor."""
+
+    actors: int = 1
+    scorers: int = 1
+    live: bool = True  # live terminal view (off when stdout is not a terminal)
+    eval_items: int = 4  # held-out items in the closing eval of first vs last version
+
+
+class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    nats: NatsSection = msgspec.field(default_factory=NatsSection)
+    bus: BusSettings = msgspec.field(default_factory=BusSettings)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
+    sim: SimConfig = msgspec.field(default_factory=SimConfig)
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
+    scorer: ScorerConfig = msgspec.field(default_factory=ScorerConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    up: UpSection = msgspec.field(default_factory=UpSection)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"runs/{self.run.name}")
+
+
+class ConfigError(ValueError):
+    """A bad config file or override; the message is one line naming the field."""
+
+
+def _parse_value(text: str):
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # bare words are strings: actor.engine.model=smol
+
+
+def apply_override(data: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    key, _, text = override.partition("=")
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {p!r} is not a section")
+    node[parts[-1]] = _parse_value(text.strip())
+
+
+def default_config_path() -> Path:
+    return Path(str(resources.files("deploy") / "configs" / "default.toml"))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read `path` (default: the embedded default), apply overrides, validate."""
+    path = Path(path) if path else default_config_path()
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for o in overrides or []:
+        apply_override(data, o)
+    return convert_config(data, source=str(path))
+
+
+def convert_config(data: dict, source: str = "<config>") -> RunConfig:
+    try:
+        return msgspec.convert(data, RunConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved configuration as TOML (what --dry-run prints and `up` writes per role)."""
+    return "\n".join(_struct_lines(cfg, "")).strip() + "\n"
+
+
+def _struct_lines(obj: msgspec.Struct, prefix: str) -> list[str]:
+    # Sub-Structs become [tables]; everything else (scalars, lists, free maps) is a key = value line.
+    lines, subs = [], []
+    for name in obj.__struct_fields__:
+        v = getattr(obj, name)
+        if isinstance(v, msgspec.Struct):
+            subs.append((name, v))
+        else:
+            lines.append(f"{name} = {_toml_value(msgspec.to_builtins(v))}")
+    out = ([f"[{prefix}]"] if prefix and lines else []) + lines
+    for name, v in subs:
+        out += [""] + _struct_lines(v, f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")

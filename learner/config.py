@@ -1,0 +1,90 @@
+"""Typed configuration of `parley learner` ([learner]) and the training data ([data])."""
+
+from __future__ import annotations
+
+import msgspec
+
+LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+STALE_POLICIES = ("drop", "correct")
+TRANSPORTS = ("objstore", "shared_dir")
+
+
+class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[data]: where tasks come from and how train/eval are split (per reference document)."""
+
+    path: str = "bundled"  # "bundled" or a CollabLLM parquet/jsonl file
+    eval_fraction: float = 0.25
+    split_seed: int = 0
+    eval_path: str = ""  # a separate eval file instead of a split
+    allow_overlap: bool = False  # start even if train and eval share reference targets
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction={self.eval_fraction} must be in [0, 1)")
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[rollout]: what each task asks of the actors."""
+
+    mode: str = "conversation"  # "conversation" | "next_turn"
+    n: int = 4  # samples per task (GRPO group size)
+    max_new_turns: int = 6
+    max_tokens: int = 256  # per assistant turn
+    sim_prompt: str = "lazy_full"
+    system_prompt: str = ""  # a file path or "" for none
+    futures: int = 0  # next_turn: sampled futures per sample
+    future_turns: int = 2
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("conversation", "next_turn"):
+            raise ValueError(f"mode={self.mode!r} not allowed; use conversation or next_turn")
+        if self.n < 2:
+            raise ValueError(f"n={self.n} must be >= 2 (GRPO needs a group)")
+
+
+class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[learner]: feeder, grouping, GRPO, DeepSpeed, weights and checkpoints."""
+
+    model: str = "smol"  # same names as [actor.engine].model
+    steps: int = 3  # stop after this many optimizer steps (0 = run forever)
+    groups_per_step: int = 2
+    max_staleness: int = 1  # versions a group may lag behind the learner
+    stale_policy: str = "drop"  # "drop" | "correct" (truncated importance sampling)
+    group_timeout_s: float = 1800.0  # a partial group is dropped after this
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    kl_coef: float = 0.001  # low-variance (k3) KL to the frozen reference
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 3.0
+    tis_cap: float = 2.0
+    loss_agg: str = "token-mean"
+    scale_advantages: bool = True  # divide by the group std
+    zero_stage: int = 2
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 4096  # token budget of a packed micro-batch
+    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    gradient_checkpointing: bool = False
+    publish_every: int = 1  # versions
+    keep_versions: int = 3
+    transport: str = "objstore"
+    shared_dir: str = ""  # transport = shared_dir
+    checkpoint_every: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss_agg not in LOSS_AGG:
+            raise ValueError(f"loss_agg={self.loss_agg!r} not allowed; use one of {LOSS_AGG}")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ValueError(f"stale_policy={self.stale_policy!r} not allowed; use one of {STALE_POLICIES}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} not allowed; use one of {TRANSPORTS}")
+        if self.transport == "shared_dir" and not self.shared_dir:
+            raise ValueError("transport='shared_dir' needs shared_dir (a directory every actor can read)")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage} not allowed; use 0, 1, 2 or 3")
+        if self.groups_per_step < 1:
+            raise ValueError(f"groups_per_step={self.groups_per_step} must be >= 1")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness={self.max_staleness} must be >= 0")

@@ -1,0 +1,272 @@
+"""GRPO objective as pure tensor functions: group advantages, clipped policy loss with
+dual clip, truncated importance weights, k3 KL, and loss aggregation over packed
+sequences. Called by the learner's train step; holds no model and no optimizer state.
+
+Packed layout: every per-token tensor is 1-D (T,), the tokens of several sequences
+concatenated without padding; `seq_ids` (T,) (or a list of lengths) says which
+sequence each token belongs to, and `mask` (T,) marks the tokens that are trained
+on (assistant tokens), so prompt/user tokens can stay in the pack.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+# exp() of a log-ratio beyond this overflows float32 or turns 0 * inf into NaN;
+# tokens that far off-policy are clipped anyway, so bounding them loses nothing useful.
+_MAX_LOG_RATIO = 20.0
+
+
+def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-6) -> Tensor:
+    """Group-relative advantages for rewards (G, n): G prompts, n samples each.
+
+    scale=True: (r - mean) / (std + eps); scale=False: r - mean (the "no-std"
+    option, which keeps reward units and does not blow up near-flat groups).
+
+    std is the POPULATION std (divide by n, not n - 1): the advantages of a
+    group then have unit population variance, and a group of one sample gives
+    std 0 (advantage 0) instead of NaN. With n small the unbiased std would be
+    sqrt(n / (n - 1)) larger, i.e. uniformly smaller advantages.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (G, n), got shape {tuple(rewards.shape)}")
+    mean = rewards.mean(dim=1, keepdim=True)  # (G, 1)
+    centred = rewards - mean  # (G, n)
+    if not scale:
+        return centred
+    std = rewards.std(dim=1, correction=0, keepdim=True)  # (G, 1)
+    return centred / (std + eps)
+
+
+def zero_advantage_groups(rewards: Tensor, tol: float = 1e-6) -> Tensor:
+    """Bool mask (G,) of groups whose rewards are all equal (within tol): no signal.
+
+    The learner skips these groups and counts them.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (G, n), got shape {tuple(rewards.shape)}")
+    spread = rewards.max(dim=1).values - rewards.min(dim=1).values  # (G,)
+    return spread <= tol
+
+
+def _check_tokens(**tensors: Tensor | None) -> int:
+    lengths = {}
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be a packed 1-D (T,) tensor, got shape {tuple(t.shape)}")
+        lengths[name] = t.shape[0]
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"packed tensors disagree on T: {lengths}")
+    return next(iter(lengths.values()), 0)
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> float:
+    n = int(mask.sum())
+    if n == 0:
+        return 0.0
+    return float(torch.where(mask, x, torch.zeros_like(x)).sum() / n)
+
+
+def _masked_max(x: Tensor, mask: Tensor) -> float:
+    if not bool(mask.any()):
+        return 0.0
+    return float(x[mask].max())
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = 3.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate per token, with dual clip for negative advantages.
+
+    r = exp(logp - old_logp), all (T,).
+      loss = max(-r * A, -clip(r, 1 - clip_low, 1 + clip_high) * A)
+    and, for A < 0 with dual_clip = c:
+      loss = min(loss, -c * A)
+    which bounds the loss (and zeroes its gradient) when a bad token's ratio has
+    grown past c. Asymmetric clip_high > clip_low ("clip higher") lets
+    low-probability tokens with A > 0 grow further.
+
+    Returns the per-token loss (T,), zero outside `mask`, and stats:
+    clip_frac (share of masked tokens where the clipped branch is active),
+    dual_clip_frac, ratio_mean, ratio_max (over masked tokens).
+    """
+    _check_tokens(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    mask = mask.bool()
+
+    log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # (T,)
+    ratio = torch.exp(log_ratio)  # (T,)
+    unclipped = -advantages * ratio  # (T,)
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (T,)
+    loss = torch.maximum(unclipped, clipped)  # (T,)
+    clip_active = clipped > unclipped  # (T,)
+
+    dual_active = torch.zeros_like(mask)
+    if dual_clip is not None:
+        cap = -dual_clip * advantages  # (T,) positive where A < 0
+        negative = advantages < 0
+        dual_active = negative & (loss > cap)
+        loss = torch.where(negative, torch.minimum(loss, cap), loss)
+
+    loss = torch.where(mask, loss, torch.zeros_like(loss))
+    stats = {
+        "clip_frac": _masked_mean(clip_active.to(loss.dtype), mask),
+        "dual_clip_frac": _masked_mean(dual_active.to(loss.dtype), mask),
+        "ratio_mean": _masked_mean(ratio.detach(), mask),
+        "ratio_max": _masked_max(ratio.detach(), mask),
+    }
+    return loss, stats
+
+
+def tis_weights(proximal_logp: Tensor, behaviour_logp: Tensor, cap: float = 2.0) -> Tensor:
+    """Truncated importance weights min(exp(prox - behav), cap), detached, (T,).
+
+    Used when the tokens were generated by a behaviour policy (an older
+    inference-server weight version) that differs from the learner's proximal
+    "old" policy: the weight corrects for the mismatch, the cap bounds variance.
+    """
+    _check_tokens(proximal_logp=proximal_logp, behaviour_logp=behaviour_logp)
+    if cap <= 0:
+        raise ValueError(f"tis cap must be > 0, got {cap}")
+    log_w = (proximal_logp - behaviour_logp).detach().clamp(max=_MAX_LOG_RATIO)  # (T,)
+    return torch.exp(log_w).clamp(max=cap)
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 estimator of KL(policy || ref) per token: exp(d) - d - 1 with d = ref - logp.
+
+    Non-negative, zero when the two agree, and lower variance than log-ratio k1.
+    d is bounded so one wildly divergent token cannot produce inf.
+    """
+    _check_tokens(logp=logp, ref_logp=ref_logp)
+    d = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # (T,)
+    return torch.exp(d) - d - 1.0
+
+
+def _seq_index(seq_ids: Tensor | Sequence[int], n_tokens: int, device: torch.device) -> tuple[Tensor, int]:
+    """(index (T,) in 0..S-1, S) from per-token sequence ids or a list of lengths."""
+    if isinstance(seq_ids, Tensor):
+        if seq_ids.dim() != 1 or seq_ids.shape[0] != n_tokens:
+            raise ValueError(f"seq_ids must be ({n_tokens},), got shape {tuple(seq_ids.shape)}")
+        unique, index = torch.unique(seq_ids, return_inverse=True)
+        return index.to(device), int(unique.numel())
+    lengths = [int(n) for n in seq_ids]
+    if any(n < 0 for n in lengths) or sum(lengths) != n_tokens:
+        raise ValueError(f"sequence lengths {lengths} must be >= 0 and sum to T={n_tokens}")
+    index = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    )
+    return index, len(lengths)
+
+
+def aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor | Sequence[int],
+    mode: str,
+) -> Tensor:
+    """Reduce a per-token quantity (T,) over masked tokens to a scalar.
+
+    token-mean:          sum over all masked tokens / number of masked tokens
+                         (long sequences weigh more).
+    seq-mean-token-sum:  per sequence, sum over its masked tokens; mean over sequences.
+    seq-mean-token-mean: per sequence, mean over its masked tokens; mean over sequences
+                         (every sequence weighs the same).
+    The seq-mean modes average over sequences with at least one masked token: a
+    sequence with none has no loss and would only dilute the mean.
+    No masked token at all gives a zero that keeps the graph.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; allowed: {list(AGG_MODES)}")
+    n_tokens = _check_tokens(per_token=per_token, mask=mask)
+    mask = mask.bool()
+    values = torch.where(mask, per_token, torch.zeros_like(per_token))  # (T,)
+    n_valid = mask.sum()
+    if int(n_valid) == 0:
+        return values.sum()
+
+    if mode == "token-mean":
+        return values.sum() / n_valid
+
+    index, n_seq = _seq_index(seq_ids, n_tokens, per_token.device)
+    seq_sum = values.new_zeros(n_seq).index_add(0, index, values)  # (S,)
+    seq_count = values.new_zeros(n_seq).index_add(0, index, mask.to(values.dtype))  # (S,)
+    has_tokens = seq_count > 0  # (S,)
+    if mode == "seq-mean-token-sum":
+        return seq_sum[has_tokens].mean()
+    return (seq_sum[has_tokens] / seq_count[has_tokens]).mean()
+
+
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor | Sequence[int],
+    *,
+    behaviour_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    kl_coef: float = 0.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = 3.0,
+    tis_cap: float = 2.0,
+    agg_mode: str = "token-mean",
+) -> tuple[Tensor, dict[str, float]]:
+    """loss = aggregate(pg_loss * tis + kl_coef * kl) over a packed batch.
+
+    All per-token inputs are (T,). `advantages` is already broadcast to tokens
+    (each token carries its sequence's advantage). `old_logp` is the proximal
+    policy the ratio is taken against; if `behaviour_logp` (the policy that
+    sampled the tokens) is given, the pg term is reweighted by truncated IS
+    weights min(exp(old - behaviour), tis_cap). `ref_logp` is needed when
+    kl_coef > 0; if given with kl_coef == 0 the KL is still reported.
+
+    Returns (scalar loss, stats): pg_loss, kl_mean, clip_frac, dual_clip_frac,
+    ratio_mean, ratio_max, tis_mean, tis_max (masked-token statistics).
+    """
+    if agg_mode not in AGG_MODES:
+        raise ValueError(f"unknown aggregation mode {agg_mode!r}; allowed: {list(AGG_MODES)}")
+    if kl_coef != 0.0 and ref_logp is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
+    _check_tokens(
+        logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
+        behaviour_logp=behaviour_logp, ref_logp=ref_logp,
+    )
+    mask = mask.bool()
+
+    pg, stats = policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip)  # (T,)
+    if behaviour_logp is None:
+        tis = torch.ones_like(pg)  # (T,) on-policy: nothing to correct
+    else:
+        tis = tis_weights(old_logp, behaviour_logp, tis_cap)  # (T,)
+    per_token = pg * tis  # (T,)
+
+    kl = torch.zeros_like(pg) if ref_logp is None else kl_k3(logp, ref_logp)  # (T,)
+    if kl_coef != 0.0:
+        per_token = per_token + kl_coef * kl
+
+    loss = aggregate(per_token, mask, seq_ids, agg_mode)
+    stats.update(
+        pg_loss=float(aggregate((pg * tis).detach(), mask, seq_ids, agg_mode)),
+        kl_mean=_masked_mean(kl.detach(), mask),
+        tis_mean=_masked_mean(tis, mask),
+        tis_max=_masked_max(tis, mask),
+    )
+    return loss, stats

@@ -1,0 +1,204 @@
+"""Publishing with identity and consuming from the shared durable consumers, with dead-lettering.
+
+Roles publish through `publish()` (Nats-Msg-Id from the message, retried on timeout) and consume
+through `PullWorker`, which decodes each message with the channel's typed decoder, dead-letters
+what cannot be decoded or has failed too often, and hands the rest to the role's handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import nats.errors
+from nats.js.errors import APIError
+
+from protocol import codec, topology
+from protocol.messages import DeadLetter
+
+log = logging.getLogger("parley.bus")
+
+# Process-wide counters shown in heartbeats and the live view ("dead.traj": 3, ...).
+COUNTERS: Counter[str] = Counter()
+
+
+class Poison(Exception):
+    """Raised by a handler for a message that can never succeed: it is dead-lettered, not retried."""
+
+
+class Retry(Exception):
+    """Raised by a handler for a transient failure: the message is nak'ed with `delay` seconds."""
+
+    def __init__(self, reason: str, delay: float = 5.0):
+        super().__init__(reason)
+        self.delay = delay
+
+
+async def publish(js, run: str, key: str, msg: msgspec.Struct, *, attempts: int = 8, timeout: float = 10.0):
+    """Store `msg` on channel `key` exactly once (by Msg-Id); retries timeouts and lost connections."""
+    data = codec.encode(msg)
+    headers = {"Nats-Msg-Id": codec.msg_id(msg)}
+    subj = topology.subject(run, key)
+    delay = 0.25
+    for attempt in range(1, attempts + 1):
+        try:
+            return await js.publish(subj, data, headers=headers, timeout=timeout)
+        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError) as e:
+            # A timed-out publish may still have been stored; the Msg-Id makes the retry harmless.
+            if attempt == attempts:
+                raise
+            log.warning("publish to %s failed (%s), retry %d/%d", subj, type(e).__name__, attempt, attempts)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def dead_letter(js, run: str, *, subject: str, reason: str, consumer: str, payload: bytes) -> None:
+    dl = DeadLetter(subject=subject, reason=reason[:2000], consumer=consumer, payload=payload, created=time.time())
+    await publish(js, run, "dead", dl)
+    COUNTERS[f"dead.{subject.rsplit('.', 1)[-1]}"] += 1
+    log.error("dead-lettered a message from %s: %s", subject, reason[:300])
+
+
+@contextlib.asynccontextmanager
+async def keep_alive(msg, every: float):
+    """Tell the server we are still working on `msg` (in_progress) until the block ends."""
+
+    async def beat():
+        while True:
+            await asyncio.sleep(every)
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+Handler = Callable[[object, object], Awaitable[None]]
+
+
+class PullWorker:
+    """Runs one role's share of a channel's durable consumer.
+
+    The handler gets (decoded message, raw nats Msg) and must ack the raw message when its work is
+    stored. It may raise Retry (nak with delay) or Poison (dead-letter); any other exception is
+    treated as Retry with a back-off. Messages delivered more than `max_deliver` times are
+    dead-lettered with the last error.
+    """
+
+    def __init__(
+        self,
+        js,
+        run: str,
+        key: str,
+        handler: Handler,
+        *,
+        bus: topology.BusSettings,
+        name: str,
+        concurrency: int = 1,
+        fetch_timeout: float = 2.0,
+    ):
+        channel = topology.CHANNELS[key]
+        if channel.durable is None:
+            raise ValueError(f"channel {key!r} has no shared consumer")
+        self.js, self.run, self.key, self.handler = js, run, key, handler
+        self.bus, self.name = bus, name
+        self.durable = channel.durable
+        self.concurrency = concurrency
+        self.fetch_timeout = fetch_timeout
+        self.subject = topology.subject(run, key)
+        self._slots = asyncio.Semaphore(concurrency)
+        self._tasks: set[asyncio.Task] = set()
+        self._last_error: dict[str, str] = {}
+        self.stats: Counter[str] = Counter()
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        sub = await self.js.pull_subscribe_bind(self.durable, stream=topology.stream_name(self.run, self.key))
+        try:
+            while not stop.is_set():
+                # Fetch only as many as we have free slots: the rest stay available to other replicas.
+                await self._slots.acquire()
+                free = 1
+                while free < self.concurrency and not self._slots.locked():
+                    await self._slots.acquire()
+                    free += 1
+                try:
+                    msgs = await sub.fetch(free, timeout=self.fetch_timeout)
+                except nats.errors.TimeoutError:
+                    msgs = []  # no work right now
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, APIError) as e:
+                    log.warning("%s: fetch failed (%s); retrying", self.name, e)
+                    msgs = []
+                    await asyncio.sleep(1.0)
+                for _ in range(free - len(msgs)):
+                    self._slots.release()
+                for m in msgs:
+                    t = asyncio.create_task(self._handle(m))
+                    self._tasks.add(t)
+                    t.add_done_callback(self._tasks.discard)
+                self._reraise_crashes()
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def _reraise_crashes(self) -> None:
+        for t in list(self._tasks):
+            if t.done() and not t.cancelled() and t.exception():
+                raise t.exception()
+
+    async def _handle(self, m) -> None:
+        try:
+            await self._handle_one(m)
+        finally:
+            self._slots.release()
+
+    async def _handle_one(self, m) -> None:
+        self.stats["delivered"] += 1
+        meta = m.metadata
+        ident = f"{meta.stream}:{meta.sequence.stream}"
+        try:
+            obj = codec.decode(self.key, m.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            await self._dead(m, f"decode error: {e}")
+            return
+        if meta.num_delivered > self.bus.max_deliver:
+            reason = self._last_error.pop(ident, "no error recorded in this process")
+            await self._dead(m, f"delivered {meta.num_delivered} times (max_deliver={self.bus.max_deliver}); last error: {reason}")
+            return
+        try:
+            await self.handler(obj, m)
+            self.stats["handled"] += 1
+            self._last_error.pop(ident, None)
+        except Poison as e:
+            await self._dead(m, str(e))
+        except asyncio.CancelledError:
+            raise
+        except Retry as e:
+            self._last_error[ident] = str(e)
+            self.stats["retried"] += 1
+            log.warning("%s: will retry %s in %.1fs: %s", self.name, ident, e.delay, e)
+            with contextlib.suppress(Exception):
+                await m.nak(delay=e.delay)
+        except Exception as e:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
+            self._last_error[ident] = f"{type(e).__name__}: {e}"
+            self.stats["retried"] += 1
+            log.exception("%s: handler failed on %s; nak", self.name, ident)
+            with contextlib.suppress(Exception):
+                await m.nak(delay=min(2.0 * meta.num_delivered, 30.0))
+
+    async def _dead(self, m, reason: str) -> None:
+        self.stats["dead"] += 1
+        await dead_letter(self.js, self.run, subject=m.subject, reason=reason, consumer=self.name, payload=m.data)
+        await m.term()

@@ -1,0 +1,79 @@
+"""Connecting a role to NATS: reconnect forever once up, but fail fast and clearly on first contact.
+
+Every role and tool calls `connect()`; credentials come from arguments or the environment
+(PARLEY_NATS_USER / PARLEY_NATS_PASSWORD, PARLEY_NATS_CREDS for a .creds file, PARLEY_NATS_CA for TLS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+
+import nats
+
+log = logging.getLogger("parley.nats")
+
+
+class NatsUnreachable(ConnectionError):
+    pass
+
+
+def _tls_context(ca_file: str | None) -> ssl.SSLContext | None:
+    if not ca_file:
+        return None
+    ctx = ssl.create_default_context(cafile=ca_file)
+    return ctx
+
+
+async def connect(
+    url: str,
+    *,
+    name: str,
+    first_timeout: float = 10.0,
+    user: str | None = None,
+    password: str | None = None,
+    creds: str | None = None,
+    ca_file: str | None = None,
+):
+    """Connect to `url`; the first attempt is bounded by `first_timeout` seconds, later drops reconnect forever."""
+    user = user or os.environ.get("PARLEY_NATS_USER")
+    password = password or os.environ.get("PARLEY_NATS_PASSWORD")
+    creds = creds or os.environ.get("PARLEY_NATS_CREDS")
+    ca_file = ca_file or os.environ.get("PARLEY_NATS_CA")
+
+    async def on_disconnect():
+        log.warning("%s: disconnected from NATS %s", name, url)
+
+    async def on_reconnect():
+        log.warning("%s: reconnected to NATS %s", name, url)
+
+    async def on_error(e):
+        log.warning("%s: NATS error: %s", name, e)
+
+    kwargs = dict(
+        servers=[u.strip() for u in url.split(",")],
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=1,
+        connect_timeout=min(first_timeout, 5),
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        error_cb=on_error,
+        tls=_tls_context(ca_file),
+    )
+    if user:
+        kwargs.update(user=user, password=password or "")
+    if creds:
+        kwargs.update(user_credentials=creds)
+    try:
+        return await asyncio.wait_for(nats.connect(**kwargs), timeout=first_timeout)
+    except (asyncio.TimeoutError, OSError, nats.errors.NoServersError) as e:
+        raise NatsUnreachable(
+            f"could not connect to NATS at {url} within {first_timeout:.0f}s ({type(e).__name__}: {e}); "
+            "start a server with `parley nats` or pass the right --nats URL"
+        ) from None
+    except nats.errors.Error as e:
+        # Authorization errors and the like: say so, don't hang.
+        raise NatsUnreachable(f"NATS at {url} refused {name}: {e}") from None

@@ -1,0 +1,215 @@
+"""Every message parley puts on the wire, as msgspec Structs encoded with msgpack.
+
+Each Struct names its producer and consumer. Schema evolution follows msgspec's rules: new
+fields go last and carry defaults; fields are never reordered, renamed or retyped. An encoded
+Trajectory from an older schema is kept in tests/data and decoded by the tests.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    """One chat message. Part of Task, Trajectory, EvalRecord and the service requests."""
+
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+class Task(msgspec.Struct, kw_only=True):
+    """A prompt to sample n times. learner.feeder (and eval) -> actor."""
+
+    task_id: str  # unique in the run; the GRPO group id
+    run: str
+    item_id: str  # dataset identity (conv_id/turn_id) for ledgers and leakage checks
+    n: int  # samples (group size)
+    mode: str = "conversation"  # "conversation" | "next_turn"
+    prefix: list[ChatMessage] = []  # dataset conversation prefix; empty = the simulated user opens
+    reference: str = ""  # the reference document the user has in mind
+    title: str = ""
+    summary: str = ""  # one-line goal, for the lazy_summary user
+    system_prompt: str = ""  # assistant system prompt ("" = none)
+    sim_prompt: str = "lazy_full"  # named user-simulator prompt variant
+    max_new_turns: int = 6  # messages (user + assistant) added after the prefix
+    max_tokens: int = 256  # per assistant turn
+    futures: int = 0  # next_turn: k sampled futures for scoring
+    future_turns: int = 2  # next_turn: w turns per future
+    seed: int = 0
+    admitted_version: int = 0  # policy version when the feeder admitted it
+    split: str = "train"  # "train" | "eval"
+    created: float = 0.0  # unix seconds
+
+
+class AssistantTurn(msgspec.Struct, kw_only=True):
+    """One generated assistant turn inside a Trajectory."""
+
+    start: int  # offset of the first generated token in Trajectory.token_ids
+    logprobs: list[float]  # behaviour log-prob of each generated token; len == generated tokens
+    version: int  # policy version that generated this turn
+    finish_reason: str  # "stop" | "length" | "abort"
+    trained: bool = True  # next_turn mode trains only the first turn
+
+
+class FutureRollout(msgspec.Struct, kw_only=True):
+    """A sampled continuation after the trained turn (next_turn mode), scored only."""
+
+    messages: list[ChatMessage]
+    assistant_tokens: int = 0
+
+
+class Trajectory(msgspec.Struct, kw_only=True):
+    """One finished sample of a Task. actor -> scorer (and replay, learner via Scored)."""
+
+    traj_id: str  # f"{task_id}/{sample}"
+    task_id: str
+    sample: int
+    run: str
+    item_id: str
+    messages: list[ChatMessage]
+    token_ids: list[int]  # the whole conversation as the policy saw it, token-in/token-out
+    loss_mask: list[int]  # 1 on assistant-generated tokens that are trained
+    turns: list[AssistantTurn]
+    reference: str = ""
+    prompt_tokens: int = 0  # tokens before the first assistant turn
+    assistant_tokens: int = 0  # all generated assistant tokens (the token_amount metric)
+    sim_fallbacks: list[int] = []  # indices into messages of user turns the simulator failed to produce
+    terminated: str = ""  # "sim_done" | "max_new_turns" | "max_model_len" | "abort"
+    futures: list[FutureRollout] = []
+    mode: str = "conversation"
+    sim_prompt: str = ""
+    model: str = ""
+    actor: str = ""
+    seed: int = 0
+    timings: dict[str, float] = {}  # seconds: "generate", "sim", "total"
+    created: float = 0.0
+
+
+class JudgeOutput(msgspec.Struct, kw_only=True):
+    """The judge's raw reply for one operation, kept for audit and replay."""
+
+    op: str  # "extract" | "interactivity"
+    raw: str
+    attempts: int = 1
+    ok: bool = True
+    error: str = ""
+
+
+class Scored(msgspec.Struct, kw_only=True):
+    """A trajectory with its reward. scorer -> learner (and eval, replay)."""
+
+    traj_id: str
+    task_id: str
+    sample: int
+    run: str
+    metrics: dict[str, float]  # each reward component's metric (bleu, interactivity, token_amount)
+    weights: dict[str, float]  # weight per metric used for the total
+    total: float
+    trajectory: Trajectory
+    document: str = ""  # the document the judge extracted
+    judge: list[JudgeOutput] = []
+    judge_model: str = ""
+    scorer: str = ""
+    timings: dict[str, float] = {}  # seconds: "extract", "interactivity", "total"
+    created: float = 0.0
+
+
+class WeightVersion(msgspec.Struct, kw_only=True):
+    """Announcement of new policy weights. learner -> actors (KV key "current", and history)."""
+
+    version: int
+    step: int
+    transport: str  # "objstore" | "shared_dir"
+    location: str  # object name in the weights object store, or a directory path
+    sha256: str  # of the safetensors file
+    bytes: int
+    created: float
+    run: str = ""
+    files: list[str] = []  # extra files (config.json) beside the safetensors blob
+
+
+class EvalRecord(msgspec.Struct, kw_only=True):
+    """One benchmark conversation with all that re-scoring needs. eval -> EVAL stream, replay."""
+
+    eval_id: str
+    condition: str
+    item_id: str
+    model: str
+    system_prompt: str
+    sim_prompt: str
+    sim_model: str
+    judge_model: str
+    seed: int
+    messages: list[ChatMessage]
+    reference: str
+    assistant_tokens: int
+    metrics: dict[str, float] = {}
+    document: str = ""
+    judge: list[JudgeOutput] = []
+    version: int = -1
+    created: float = 0.0
+
+
+class SimRequest(msgspec.Struct, kw_only=True):
+    """actor -> sim service (request/reply): produce the user's next message."""
+
+    prompt: str  # named prompt variant
+    messages: list[ChatMessage]  # the conversation so far, from the assistant's point of view
+    reference: str = ""
+    title: str = ""
+    summary: str = ""
+    seed: int = 0
+    max_tokens: int = 256
+
+
+class SimReply(msgspec.Struct, kw_only=True):
+    """sim service -> actor."""
+
+    message: str
+    done: bool = False
+    fallback: bool = False  # the simulator's output was unusable; this is a stand-in
+    attempts: int = 1
+    error: str = ""
+    model: str = ""
+
+
+class JudgeRequest(msgspec.Struct, kw_only=True):
+    """scorer -> judge service (request/reply); op is in the subject and repeated here."""
+
+    op: str  # "extract" | "interactivity"
+    messages: list[ChatMessage]
+    seed: int = 0
+
+
+class JudgeReply(msgspec.Struct, kw_only=True):
+    """judge service -> scorer. ok=False is a failure to be retried, never a score of 0."""
+
+    ok: bool
+    document: str = ""
+    levels: dict[str, int] = {}  # interactivity rubric levels 0..3
+    score: float = 0.0  # interactivity 0..1
+    raw: str = ""
+    attempts: int = 1
+    error: str = ""
+    model: str = ""
+
+
+class DeadLetter(msgspec.Struct, kw_only=True):
+    """A message that could not be handled. any consumer -> DEAD stream."""
+
+    subject: str  # where the original came from
+    reason: str
+    consumer: str
+    payload: bytes  # the original bytes, untouched
+    created: float = 0.0
+
+
+class Heartbeat(msgspec.Struct, kw_only=True):
+    """Role status for the live view. every role -> parley.<run>.status.<role>.<id>."""
+
+    role: str
+    id: str
+    state: str  # "starting" | "ready" | "busy" | "stopping"
+    version: int = -1
+    counters: dict[str, float] = {}
+    created: float = 0.0

@@ -1,0 +1,153 @@
+"""Subject names and the JetStream topology of a run: streams, durable consumers, KV, object store.
+
+Every role calls `ensure_topology(js, run, bus)` at start; it is idempotent (create or update).
+Nothing outside protocol/ spells a subject, stream or bucket name: use the helpers here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import msgspec
+from nats.js import api
+from nats.js.errors import BadRequestError, BucketNotFoundError
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+# Services are shared by every run on a cluster: one simulator or judge fleet serves them all.
+SIM_SUBJECT = "parley.svc.sim"
+SIM_QUEUE = "sim"
+JUDGE_SUBJECT = "parley.svc.judge"  # + ".extract" | ".interactivity"
+JUDGE_QUEUE = "judge"
+JUDGE_OPS = ("extract", "interactivity")
+
+WEIGHTS_KEY = "current"  # KV key holding the encoded WeightVersion actors must serve
+
+
+class BusSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Stream and consumer settings; the [bus] section of the run config."""
+
+    max_age_s: float = 7 * 24 * 3600.0  # keep messages a week for replay
+    max_bytes: int = 8 * 1024**3  # per stream
+    replicas: int = 1  # 3 on a 3-node cluster
+    duplicate_window_s: float = 600.0  # Nats-Msg-Id dedupe horizon
+    ack_wait_s: float = 60.0  # unacked work is redelivered after this
+    max_deliver: int = 5  # then dead-lettered by the consumer
+    max_ack_pending: int = 256  # back-pressure: outstanding messages per consumer
+    max_msg_bytes: int = 8 * 1024**2
+
+    def __post_init__(self) -> None:
+        if self.replicas not in (1, 3, 5):
+            raise ValueError(f"replicas={self.replicas} is not allowed; use 1, 3 or 5")
+        if self.max_deliver < 1:
+            raise ValueError(f"max_deliver={self.max_deliver} must be >= 1")
+        if self.ack_wait_s <= 0:
+            raise ValueError(f"ack_wait_s={self.ack_wait_s} must be > 0")
+
+
+@dataclass(frozen=True)
+class Channel:
+    """A stream of one message type, and the durable consumer its readers share."""
+
+    key: str  # "tasks", "traj", ...
+    durable: str | None  # shared durable pull consumer, or None when only replayed
+
+
+CHANNELS: dict[str, Channel] = {
+    "tasks": Channel("tasks", "actor"),  # learner.feeder -> actor       (Task)
+    "traj": Channel("traj", "scorer"),  # actor -> scorer               (Trajectory)
+    "scored": Channel("scored", "learner"),  # scorer -> learner         (Scored)
+    "eval": Channel("eval", None),  # eval -> replay                     (EvalRecord)
+    "dead": Channel("dead", None),  # any consumer -> operators          (DeadLetter)
+}
+
+
+def check_run(run: str) -> str:
+    if not RUN_NAME.match(run):
+        raise ValueError(f"run name {run!r} is not allowed; use 1-64 of A-Z a-z 0-9 _ -")
+    return run
+
+
+def subject(run: str, key: str) -> str:
+    """Subject of a channel: parley.<run>.<key>."""
+    if key not in CHANNELS:
+        raise ValueError(f"unknown channel {key!r}; known: {sorted(CHANNELS)}")
+    return f"parley.{check_run(run)}.{key}"
+
+
+def stream_name(run: str, key: str) -> str:
+    return f"PARLEY_{check_run(run)}_{key.upper()}"
+
+
+def status_subject(run: str, role: str = "*", ident: str = "*") -> str:
+    """Core-NATS heartbeats of the roles (not stored): parley.<run>.status.<role>.<id>."""
+    return f"parley.{check_run(run)}.status.{role}.{ident}"
+
+
+def judge_subject(op: str) -> str:
+    if op not in JUDGE_OPS:
+        raise ValueError(f"unknown judge op {op!r}; allowed: {JUDGE_OPS}")
+    return f"{JUDGE_SUBJECT}.{op}"
+
+
+def kv_bucket(run: str) -> str:
+    return f"parley_{check_run(run)}_weights"
+
+
+def object_bucket(run: str) -> str:
+    return f"parley_{check_run(run)}_blobs"
+
+
+def stream_config(run: str, key: str, bus: BusSettings) -> api.StreamConfig:
+    return api.StreamConfig(
+        name=stream_name(run, key),
+        subjects=[subject(run, key)],
+        retention=api.RetentionPolicy.LIMITS,  # kept for replay; work-queue behaviour comes from the consumer
+        max_age=bus.max_age_s,
+        max_bytes=bus.max_bytes,
+        max_msg_size=bus.max_msg_bytes,
+        storage=api.StorageType.FILE,
+        num_replicas=bus.replicas,
+        duplicate_window=bus.duplicate_window_s,
+        discard=api.DiscardPolicy.OLD,
+    )
+
+
+def consumer_config(durable: str, bus: BusSettings) -> api.ConsumerConfig:
+    return api.ConsumerConfig(
+        durable_name=durable,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=bus.ack_wait_s,
+        # The consumer dead-letters by itself before the server gives up; +1 leaves room for that.
+        max_deliver=bus.max_deliver + 1,
+        max_ack_pending=bus.max_ack_pending,
+    )
+
+
+async def ensure_topology(js, run: str, bus: BusSettings | None = None) -> None:
+    """Create or update every stream, durable consumer, the weights KV and the blob store of a run."""
+    bus = bus or BusSettings()
+    for key, channel in CHANNELS.items():
+        cfg = stream_config(run, key, bus)
+        try:
+            await js.add_stream(cfg)
+        except BadRequestError:
+            await js.update_stream(cfg)  # exists with other settings: bring it to the config
+        if channel.durable:
+            await js.add_consumer(cfg.name, consumer_config(channel.durable, bus))
+    kv_name = kv_bucket(run)
+    try:
+        await js.key_value(kv_name)
+    except BucketNotFoundError:
+        await js.create_key_value(
+            api.KeyValueConfig(bucket=kv_name, history=16, replicas=bus.replicas, storage=api.StorageType.FILE)
+        )
+    ob_name = object_bucket(run)
+    try:
+        await js.object_store(ob_name)
+    except BucketNotFoundError:
+        await js.create_object_store(
+            ob_name, config=api.ObjectStoreConfig(bucket=ob_name, replicas=bus.replicas, storage=api.StorageType.FILE)
+        )

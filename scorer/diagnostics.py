@@ -1,0 +1,108 @@
+"""Reward-signal diagnostics: per-term mean, within-group spread and correlation with
+the total, and a monitor that flags terms whose within-group spread stays flat.
+Read by the learner (step logging) and the live view; pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import msgspec
+import numpy as np
+
+# Below this a standard deviation is treated as exactly zero (constant series).
+_CONSTANT_STD = 1e-12
+
+
+class TermStats(msgspec.Struct, frozen=True):
+    mean: float  # over all samples of the step
+    within_group_std: float  # population std inside each group, averaged over groups
+    corr_with_total: float  # Pearson over all samples; 0.0 when either side is constant
+
+
+def _pearson(x: np.ndarray, y: np.ndarray) -> float:
+    dx, dy = x - x.mean(), y - y.mean()
+    sx, sy = math.sqrt(float(np.mean(dx * dx))), math.sqrt(float(np.mean(dy * dy)))
+    # A constant series has no defined correlation; 0.0 keeps logs and plots finite.
+    if sx < _CONSTANT_STD or sy < _CONSTANT_STD:
+        return 0.0
+    corr = float(np.mean(dx * dy)) / (sx * sy)
+    return max(-1.0, min(1.0, corr))
+
+
+def step_diagnostics(
+    groups: Sequence[Sequence[Mapping[str, float]]],
+    totals: Sequence[Sequence[float]],
+) -> dict[str, TermStats]:
+    """Per-term statistics for one learner step.
+
+    groups[g][i] is the term -> value dict of sample i in group g (the same
+    terms in every sample); totals[g][i] is that sample's total reward.
+    GRPO only learns from differences inside a group, so a term whose
+    within-group std is ~0 contributes nothing to the advantages.
+    """
+    if len(groups) != len(totals):
+        raise ValueError(f"{len(groups)} groups but {len(totals)} total rows")
+    if not groups:
+        return {}
+    for g, (group, total_row) in enumerate(zip(groups, totals)):
+        if len(group) != len(total_row):
+            raise ValueError(f"group {g} has {len(group)} samples but {len(total_row)} totals")
+        if not group:
+            raise ValueError(f"group {g} is empty")
+
+    terms = list(groups[0][0])
+    for g, group in enumerate(groups):
+        for i, sample in enumerate(group):
+            if set(sample) != set(terms):
+                raise ValueError(
+                    f"sample {i} of group {g} has terms {sorted(sample)}, expected {sorted(terms)}"
+                )
+
+    flat_totals = np.array([t for row in totals for t in row], dtype=np.float64)  # (N,)
+    stats: dict[str, TermStats] = {}
+    for term in terms:
+        per_group = [np.array([s[term] for s in group], dtype=np.float64) for group in groups]
+        flat = np.concatenate(per_group)  # (N,)
+        stats[term] = TermStats(
+            mean=float(flat.mean()),
+            within_group_std=float(np.mean([v.std() for v in per_group])),
+            corr_with_total=_pearson(flat, flat_totals),
+        )
+    return stats
+
+
+class SignalMonitor:
+    """Flags terms whose within-group std stayed below `min_std` for `window` steps.
+
+    Such a term "carries no signal": e.g. a length penalty that saturates at its
+    clamp for every sample gives every member of a group the same value.
+    """
+
+    def __init__(self, window: int = 5, min_std: float = 1e-3) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if min_std < 0:
+            raise ValueError(f"min_std must be >= 0, got {min_std}")
+        self.window = window
+        self.min_std = min_std
+        self._steps_flat: dict[str, int] = {}
+
+    def update(self, step_stats: Mapping[str, TermStats]) -> list[str]:
+        """Record one step; return the terms currently carrying no signal."""
+        for term in self._steps_flat:
+            if term not in step_stats:
+                # Absent this step: no evidence it stayed flat, start counting again.
+                self._steps_flat[term] = 0
+        for term, st in step_stats.items():
+            # NaN compares False, so a NaN std resets the count rather than flagging.
+            flat = st.within_group_std < self.min_std
+            self._steps_flat[term] = self._steps_flat.get(term, 0) + 1 if flat else 0
+        return [t for t, n in self._steps_flat.items() if n >= self.window]
+
+    def report(self) -> dict[str, dict[str, bool | int]]:
+        return {
+            term: {"no_signal": n >= self.window, "steps_flat": n}
+            for term, n in self._steps_flat.items()
+        }

@@ -1,0 +1,103 @@
+"""Reward assembly: weighted, optionally clamped sum of per-conversation metrics, the
+average over sampled futures, and the benchmark's MR formula.
+Called by the scorer (rewards for the learner) and by bench/ (MR reporting).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import msgspec
+
+
+def _default_weights() -> dict[str, float]:
+    return {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}
+
+
+class RewardWeights(msgspec.Struct, kw_only=True):
+    """Weight per metric, plus an optional clamp (lo, hi) per metric.
+
+    The clamp bounds the METRIC before it is weighted, so a clamped term
+    contributes at most weight * hi (or weight * lo).
+    """
+
+    weights: dict[str, float] = msgspec.field(default_factory=_default_weights)
+    clamps: dict[str, tuple[float, float]] = msgspec.field(default_factory=dict)
+
+
+def _clamp(name: str, value: float, bounds: tuple[float, float] | None) -> float:
+    if bounds is None:
+        return value
+    lo, hi = bounds
+    if lo > hi:
+        raise ValueError(f"clamp for {name!r} has lo={lo} > hi={hi}")
+    return min(hi, max(lo, value))
+
+
+def weighted_terms(
+    metrics: Mapping[str, float],
+    weights: RewardWeights | Mapping[str, float],
+    clamps: Mapping[str, tuple[float, float]] | None = None,
+) -> dict[str, float]:
+    """Each weighted term w_k * clamp(m_k); the diagnostics read these per term.
+
+    `weights` is a RewardWeights or a plain name -> weight mapping. Explicit
+    `clamps` take precedence over the clamps carried by a RewardWeights.
+    Metrics not named in the weights are ignored (they are logged, not rewarded).
+    """
+    if isinstance(weights, RewardWeights):
+        weight_map: Mapping[str, float] = weights.weights
+        clamp_map: Mapping[str, tuple[float, float]] = (
+            weights.clamps if clamps is None else clamps
+        )
+    else:
+        weight_map = weights
+        clamp_map = clamps or {}
+
+    missing = [name for name in weight_map if name not in metrics]
+    if missing:
+        raise ValueError(
+            f"metrics {missing} are weighted but missing; got metrics {sorted(metrics)}"
+        )
+    return {
+        name: w * _clamp(name, float(metrics[name]), clamp_map.get(name))
+        for name, w in weight_map.items()
+    }
+
+
+def total_reward(
+    metrics: Mapping[str, float],
+    weights: RewardWeights | Mapping[str, float],
+    clamps: Mapping[str, tuple[float, float]] | None = None,
+) -> float:
+    """sum_k w_k * clamp(m_k); raises ValueError if a weighted metric is missing."""
+    return math.fsum(weighted_terms(metrics, weights, clamps).values())
+
+
+def average_futures(per_future: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per-metric mean over sampled futures (next_turn mode).
+
+    Each metric is averaged over futures before weighting, so a clamp acts on
+    the averaged metric, not on each future.
+    """
+    if not per_future:
+        raise ValueError("average_futures needs at least one future, got none")
+    names = set(per_future[0])
+    for i, future in enumerate(per_future[1:], start=1):
+        if set(future) != names:
+            raise ValueError(
+                f"future {i} has metrics {sorted(future)}, future 0 has {sorted(names)}"
+            )
+    n = len(per_future)
+    return {name: math.fsum(f[name] for f in per_future) / n for name in per_future[0]}
+
+
+def mr(bleu: float, interactivity: float, tokens_k: float) -> float:
+    """The benchmark metric: bleu + interactivity - 0.1 * tokens_k.
+
+    Computed per item and then averaged. It is linear, so MR of the column means
+    equals the mean of per-item MR; recomputing published MR from published
+    (rounded) columns agrees within 1e-3.
+    """
+    return bleu + interactivity - 0.1 * tokens_k

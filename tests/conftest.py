@@ -1,0 +1,30 @@
+"""Fixtures chained as in nats.py's own tests: store dir -> real nats-server on a free port -> client -> JetStream."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.natsserver import NatsServer
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    server = NatsServer(tmp_path / "nats", port=0)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def nc(nats_server):
+    from protocol.connect import connect
+
+    client = await connect(nats_server.url, name="pytest")
+    yield client
+    if not client.is_closed:
+        await client.close()
+
+
+@pytest.fixture
+async def js(nc):
+    return nc.jetstream()

@@ -1,0 +1,142 @@
+"""The wire contract against a real nats-server: dedupe, redelivery, dead-letter, crash survival."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from protocol import codec, examples, topology
+from protocol.bus import PullWorker, publish
+from protocol.connect import connect
+
+pytestmark = pytest.mark.integration
+RUN = "itest"
+FAST = topology.BusSettings(ack_wait_s=2.0, max_deliver=3)
+
+
+async def test_every_channel_message_round_trips_through_jetstream(js):
+    await topology.ensure_topology(js, RUN, FAST)
+    await topology.ensure_topology(js, RUN, FAST)  # idempotent
+    for key, msg in examples.channel_examples(RUN).items():
+        ack = await publish(js, RUN, key, msg)
+        stored = await js.get_msg(topology.stream_name(RUN, key), ack.seq)
+        assert codec.decode(key, stored.data) == msg
+
+
+async def test_same_msg_id_is_stored_once(js):
+    await topology.ensure_topology(js, RUN, FAST)
+    traj = examples.trajectory(RUN)
+    first = await publish(js, RUN, "traj", traj)
+    second = await publish(js, RUN, "traj", traj)
+    assert not first.duplicate and second.duplicate
+    info = await js.stream_info(topology.stream_name(RUN, "traj"))
+    assert info.state.messages == 1
+
+
+KILLED_CONSUMER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from protocol.connect import connect
+    from protocol import topology
+    async def main():
+        nc = await connect(sys.argv[1], name="doomed")
+        js = nc.jetstream()
+        sub = await js.pull_subscribe_bind("scorer", stream=topology.stream_name("itest", "traj"))
+        msgs = await sub.fetch(1, timeout=10)
+        print("fetched", msgs[0].metadata.sequence.stream, flush=True)
+        await asyncio.sleep(3600)
+    asyncio.run(main())
+    """
+)
+
+
+async def test_unacked_message_of_a_killed_consumer_goes_to_another(js, nats_server):
+    await topology.ensure_topology(js, RUN, FAST)
+    await publish(js, RUN, "traj", examples.trajectory(RUN))
+    doomed = subprocess.Popen([sys.executable, "-c", KILLED_CONSUMER, nats_server.url], stdout=subprocess.PIPE, text=True)
+    line = await asyncio.to_thread(doomed.stdout.readline)
+    assert line.startswith("fetched")
+    doomed.kill()  # SIGKILL while holding the message unacked
+    doomed.wait()
+
+    got = []
+    stop = asyncio.Event()
+
+    async def handler(traj, msg):
+        got.append((traj.traj_id, msg.metadata.num_delivered))
+        await msg.ack()
+        stop.set()
+
+    worker = PullWorker(js, RUN, "traj", handler, bus=FAST, name="survivor", fetch_timeout=0.5)
+    await asyncio.wait_for(worker.run_until(stop), timeout=20)
+    assert got == [("t-0001/0", 2)]
+
+
+async def test_malformed_message_is_dead_lettered_and_consumer_keeps_going(js):
+    await topology.ensure_topology(js, RUN, FAST)
+    subj = topology.subject(RUN, "traj")
+    await js.publish(subj, b"\xc1 not msgpack", headers={"Nats-Msg-Id": "junk-1"})
+    await js.publish(subj, codec.encode(examples.task(RUN)), headers={"Nats-Msg-Id": "junk-2"})  # wrong schema
+    await publish(js, RUN, "traj", examples.trajectory(RUN))
+
+    handled = []
+    stop = asyncio.Event()
+
+    async def handler(traj, msg):
+        handled.append(traj.traj_id)
+        await msg.ack()
+        stop.set()
+
+    worker = PullWorker(js, RUN, "traj", handler, bus=FAST, name="scorer-t", fetch_timeout=0.5)
+    await asyncio.wait_for(worker.run_until(stop), timeout=20)
+    assert handled == ["t-0001/0"]
+    assert worker.stats["dead"] == 2
+    dead_stream = topology.stream_name(RUN, "dead")
+    letters = [codec.decode("dead", (await js.get_msg(dead_stream, seq)).data) for seq in (1, 2)]
+    assert all(d.subject == subj and d.reason.startswith("decode error") for d in letters)
+    assert letters[0].payload == b"\xc1 not msgpack"
+
+
+async def test_failing_handler_is_retried_then_dead_lettered(js):
+    await topology.ensure_topology(js, RUN, FAST)
+    await publish(js, RUN, "traj", examples.trajectory(RUN))
+    attempts = []
+    stop = asyncio.Event()
+
+    async def handler(traj, msg):
+        attempts.append(msg.metadata.num_delivered)
+        raise RuntimeError("judge exploded")
+
+    worker = PullWorker(js, RUN, "traj", handler, bus=FAST, name="scorer-t", fetch_timeout=0.5)
+    run = asyncio.create_task(worker.run_until(stop))
+    for _ in range(200):
+        if worker.stats["dead"]:
+            break
+        await asyncio.sleep(0.1)
+    stop.set()
+    await run
+    assert attempts == [1, 2, 3]
+    dead = codec.decode("dead", (await js.get_msg(topology.stream_name(RUN, "dead"), 1)).data)
+    assert "judge exploded" in dead.reason and "max_deliver=3" in dead.reason
+
+
+async def test_sigkilled_server_keeps_stored_messages(nats_server):
+    nc = await connect(nats_server.url, name="before")
+    js = nc.jetstream()
+    await topology.ensure_topology(js, RUN, FAST)
+    for s in range(20):
+        await publish(js, RUN, "traj", examples.trajectory(RUN, sample=s))
+    await nc.close()
+    nats_server.kill()
+    nats_server.start()  # same store dir, same port
+    nc = await connect(nats_server.url, name="after")
+    js = nc.jetstream()
+    info = await js.stream_info(topology.stream_name(RUN, "traj"))
+    assert info.state.messages == 20
+    ids = {codec.decode("traj", (await js.get_msg(info.config.name, seq)).data).sample for seq in range(1, 21)}
+    assert ids == set(range(20))
+    await nc.close()

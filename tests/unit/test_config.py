@@ -1,0 +1,42 @@
+"""Run configuration: every shipped file parses; unknown keys and bad values fail with their path."""
+
+from pathlib import Path
+
+import pytest
+
+from deploy.config import ConfigError, RunConfig, convert_config, dump_config, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted(p for p in ROOT.rglob("*.toml") if ".venv" not in p.parts and p.name != "pyproject.toml"))
+def test_every_shipped_config_parses(path):
+    assert isinstance(load_config(path), RunConfig)
+
+
+def test_overrides_and_dump_round_trip():
+    cfg = load_config(None, ["actor.concurrency=3", "actor.engine.model=tiny", "scorer.weights={bleu=2.0}"])
+    assert cfg.actor.concurrency == 3 and cfg.actor.engine.model == "tiny" and cfg.scorer.weights == {"bleu": 2.0}
+    import tomllib
+
+    assert convert_config(tomllib.loads(dump_config(cfg))) == cfg
+
+
+def test_unknown_key_is_rejected_with_its_path():
+    with pytest.raises(ConfigError, match=r"unknown field `bogus` - at `\$\.actor\.engine`"):
+        load_config(None, ["actor.engine.bogus=1"])
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("sim.backend=foo", "backend='foo' not allowed; use one of"),
+        ("learner.loss_agg=mean", "loss_agg='mean' not allowed"),
+        ("bus.replicas=2", "replicas=2 is not allowed"),
+        ("run.name=a.b", "name='a.b' not allowed"),
+        ("rollout.n=1", "n=1 must be >= 2"),
+    ],
+)
+def test_bad_values_name_the_field_and_the_allowed_values(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, [override])

@@ -1,0 +1,91 @@
+"""Unit tests for scorer.diagnostics: per-term statistics and the no-signal monitor."""
+
+import math
+
+import pytest
+
+from scorer.diagnostics import SignalMonitor, TermStats, step_diagnostics
+
+
+def _word_count_term(words: int) -> float:
+    # The users' length term: raw word count times -0.1, clamped to [-1, 1].
+    return max(-1.0, min(1.0, -0.1 * words))
+
+
+def _user_step(step: int) -> tuple[list[list[dict[str, float]]], list[list[float]]]:
+    """4 prompts x 4 samples; documents of 40..900 words, BLEU varying within groups."""
+    groups, totals = [], []
+    for g in range(4):
+        group, row = [], []
+        for i in range(4):
+            words = 40 + 60 * i + 100 * g + 7 * step
+            terms = {
+                "bleu": 0.2 + 0.08 * i + 0.01 * g + 0.005 * step,
+                "length": _word_count_term(words),
+            }
+            group.append(terms)
+            row.append(sum(terms.values()))
+        groups.append(group)
+        totals.append(row)
+    return groups, totals
+
+
+def test_saturated_length_term_is_flagged_and_bleu_is_not():
+    monitor = SignalMonitor(window=5, min_std=1e-3)
+    for step in range(5):
+        stats = step_diagnostics(*_user_step(step))
+        assert stats["length"].mean == pytest.approx(-1.0)
+        assert stats["length"].within_group_std == 0.0
+        assert stats["length"].corr_with_total == 0.0  # constant: nan-safe 0
+        assert stats["bleu"].within_group_std > 1e-3
+        flagged = monitor.update(stats)
+        # Flagged only once it has stayed flat for the whole window.
+        assert flagged == (["length"] if step == 4 else [])
+    report = monitor.report()
+    assert report["length"] == {"no_signal": True, "steps_flat": 5}
+    assert report["bleu"] == {"no_signal": False, "steps_flat": 0}
+
+
+def test_flat_run_resets_when_term_varies_again():
+    monitor = SignalMonitor(window=2, min_std=0.01)
+    flat = {"x": TermStats(mean=0.0, within_group_std=0.0, corr_with_total=0.0)}
+    varied = {"x": TermStats(mean=0.0, within_group_std=0.5, corr_with_total=0.3)}
+    assert monitor.update(flat) == []
+    assert monitor.update(flat) == ["x"]
+    assert monitor.update(varied) == []
+    assert monitor.report()["x"] == {"no_signal": False, "steps_flat": 0}
+
+
+def test_hand_case_statistics():
+    # term a over samples: [1, 2 | 3, 4]; totals [1, 3 | 2, 4].
+    # Pearson: dx = [-1.5, -.5, .5, 1.5], dy = [-1.5, .5, -.5, 1.5] -> 4 / 5 = 0.8.
+    groups = [
+        [{"a": 1.0, "c": 5.0}, {"a": 2.0, "c": 5.0}],
+        [{"a": 3.0, "c": 5.0}, {"a": 4.0, "c": 5.0}],
+    ]
+    totals = [[1.0, 3.0], [2.0, 4.0]]
+    stats = step_diagnostics(groups, totals)
+    assert stats["a"].mean == pytest.approx(2.5)
+    assert stats["a"].within_group_std == pytest.approx(0.5)  # population std 0.5 in each group
+    assert stats["a"].corr_with_total == pytest.approx(0.8)
+    assert stats["c"] == TermStats(mean=5.0, within_group_std=0.0, corr_with_total=0.0)
+
+
+def test_correlation_sign_and_constant_total():
+    groups = [[{"up": 1.0, "down": 3.0}, {"up": 2.0, "down": 2.0}, {"up": 3.0, "down": 1.0}]]
+    stats = step_diagnostics(groups, [[2.0, 4.0, 6.0]])
+    assert stats["up"].corr_with_total == pytest.approx(1.0)
+    assert stats["down"].corr_with_total == pytest.approx(-1.0)
+    # Constant totals (a zero-advantage step): correlation is 0, not nan.
+    stats = step_diagnostics(groups, [[1.0, 1.0, 1.0]])
+    assert stats["up"].corr_with_total == 0.0
+    assert not math.isnan(stats["down"].corr_with_total)
+
+
+def test_shape_mismatch_raises():
+    with pytest.raises(ValueError):
+        step_diagnostics([[{"a": 1.0}]], [[1.0, 2.0]])
+    with pytest.raises(ValueError):
+        step_diagnostics([[{"a": 1.0}], [{"b": 1.0}]], [[1.0], [1.0]])
+    with pytest.raises(ValueError):
+        SignalMonitor(window=0)

@@ -1,0 +1,214 @@
+"""Unit tests for learner.grpo: advantages, clipped loss, TIS, KL, aggregation, composition."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+from learner.grpo import (
+    AGG_MODES,
+    aggregate,
+    group_advantages,
+    grpo_loss,
+    kl_k3,
+    policy_loss,
+    tis_weights,
+    zero_advantage_groups,
+)
+
+LOG = math.log
+
+
+def test_group_advantages_hand_values():
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 4.0]], dtype=torch.float64)
+    # Group 0: mean 2, population std sqrt(2/3). Group 1: mean 4/3, population std sqrt(32)/3.
+    expected = torch.tensor(
+        [[-math.sqrt(1.5), 0.0, math.sqrt(1.5)], [-1 / math.sqrt(2), -1 / math.sqrt(2), math.sqrt(2)]],
+        dtype=torch.float64,
+    )
+    assert_close(group_advantages(rewards, eps=0.0), expected)
+    assert_close(
+        group_advantages(rewards, scale=False),
+        torch.tensor([[-1.0, 0.0, 1.0], [-4 / 3, -4 / 3, 8 / 3]], dtype=torch.float64),
+    )
+
+
+def test_group_advantages_match_numpy_float64():
+    rng = np.random.default_rng(0)
+    rewards = rng.normal(size=(6, 8))
+    eps = 1e-6
+    expected = (rewards - rewards.mean(axis=1, keepdims=True)) / (
+        rewards.std(axis=1, ddof=0, keepdims=True) + eps
+    )
+    got = group_advantages(torch.tensor(rewards, dtype=torch.float32), eps=eps)
+    assert_close(got.double(), torch.from_numpy(expected), rtol=1e-5, atol=1e-5)
+    got64 = group_advantages(torch.from_numpy(rewards), eps=eps)
+    assert_close(got64, torch.from_numpy(expected))
+
+
+def test_flat_group_gives_zero_advantage_and_is_masked():
+    rewards = torch.tensor([[0.7, 0.7, 0.7], [0.1, 0.5, 0.9], [1.0, 1.0 + 1e-9, 1.0]])
+    assert_close(group_advantages(rewards)[0], torch.zeros(3))
+    assert zero_advantage_groups(rewards, tol=1e-6).tolist() == [True, False, True]
+
+
+def test_group_advantages_rejects_1d():
+    with pytest.raises(ValueError):
+        group_advantages(torch.tensor([1.0, 2.0]))
+
+
+def _policy_case():
+    # Token: A>0 clipped high | A>0 inside | A<0 clipped low | A<0 dual clip | A<0 inside | masked.
+    ratios = [1.5, 1.1, 0.5, 5.0, 2.0, 9.0]
+    advantages = torch.tensor([2.0, 1.0, -1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
+    old_logp = torch.full((6,), -1.0, dtype=torch.float64)
+    logp = (old_logp + torch.tensor([LOG(r) for r in ratios], dtype=torch.float64)).requires_grad_()
+    mask = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.bool)
+    return logp, old_logp, advantages, mask
+
+
+def test_policy_loss_hand_cases():
+    logp, old_logp, adv, mask = _policy_case()
+    loss, stats = policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    # A>0, r=1.5 -> -2 * 1.28; A>0, r=1.1 -> -1.1; A<0, r=0.5 -> max(0.5, 0.8) = 0.8;
+    # A<0, r=5 -> min(max(5, 1.28), 3) = 3; A<0, r=2 -> 2; masked -> 0.
+    expected = torch.tensor([-2.56, -1.1, 0.8, 3.0, 2.0, 0.0], dtype=torch.float64)
+    assert_close(loss, expected)
+    assert stats["clip_frac"] == pytest.approx(2 / 5)
+    assert stats["dual_clip_frac"] == pytest.approx(1 / 5)
+    assert stats["ratio_mean"] == pytest.approx((1.5 + 1.1 + 0.5 + 5.0 + 2.0) / 5)
+    assert stats["ratio_max"] == pytest.approx(5.0)
+
+    loss.sum().backward()
+    # d(-A r)/d logp = -A r where unclipped; 0 where a clip (or the dual clip) is active.
+    assert_close(logp.grad, torch.tensor([0.0, -1.1, 0.0, 0.0, 2.0, 0.0], dtype=torch.float64))
+
+
+def test_policy_loss_without_dual_clip():
+    logp, old_logp, adv, mask = _policy_case()
+    loss, stats = policy_loss(logp, old_logp, adv, mask, dual_clip=None)
+    assert loss[3].item() == pytest.approx(5.0)
+    assert stats["dual_clip_frac"] == 0.0
+
+
+def test_policy_loss_rejects_bad_dual_clip():
+    logp, old_logp, adv, mask = _policy_case()
+    with pytest.raises(ValueError):
+        policy_loss(logp, old_logp, adv, mask, dual_clip=1.0)
+
+
+def test_tis_weights_truncated_and_detached():
+    prox = torch.tensor([LOG(1.5), LOG(3.0), LOG(0.25)], requires_grad=True)
+    behaviour = torch.zeros(3)
+    w = tis_weights(prox, behaviour, cap=2.0)
+    assert_close(w, torch.tensor([1.5, 2.0, 0.25]))
+    assert not w.requires_grad
+
+
+def test_kl_k3_zero_when_equal_positive_otherwise():
+    logp = torch.tensor([-0.5, -1.0, -2.0], dtype=torch.float64)
+    assert_close(kl_k3(logp, logp), torch.zeros(3, dtype=torch.float64))
+    ref = logp + torch.tensor([LOG(2.0), -0.3, 1.0], dtype=torch.float64)
+    kl = kl_k3(logp, ref)
+    assert bool((kl > 0).all())
+    # d = log 2: 2 - log 2 - 1.
+    assert kl[0].item() == pytest.approx(1.0 - LOG(2.0))
+
+
+def _packed_batch():
+    # Sequence 0: 3 tokens, all trained. Sequence 1: 3 tokens, last one masked out.
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 12.0, 100.0])
+    mask = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.bool)
+    return values, mask
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", (1 + 2 + 3 + 4 + 12) / 5),  # 4.4
+        ("seq-mean-token-sum", ((1 + 2 + 3) + (4 + 12)) / 2),  # 11
+        ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + (4 + 12) / 2) / 2),  # 5
+    ],
+)
+def test_aggregate_modes(mode, expected):
+    values, mask = _packed_batch()
+    by_ids = aggregate(values, mask, torch.tensor([0, 0, 0, 1, 1, 1]), mode)
+    by_lengths = aggregate(values, mask, [3, 3], mode)
+    by_other_ids = aggregate(values, mask, torch.tensor([7, 7, 7, 2, 2, 2]), mode)
+    for got in (by_ids, by_lengths, by_other_ids):
+        assert_close(got, torch.tensor(expected))
+
+
+def test_aggregate_unknown_mode_raises():
+    values, mask = _packed_batch()
+    with pytest.raises(ValueError, match="seq-mean-token-mean"):
+        aggregate(values, mask, [3, 3], "sum")
+    assert set(AGG_MODES) == {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean"}
+
+
+def test_aggregate_bad_lengths_raise():
+    values, mask = _packed_batch()
+    with pytest.raises(ValueError):
+        aggregate(values, mask, [3, 2], "seq-mean-token-sum")
+
+
+def test_aggregate_nothing_masked_is_zero():
+    values = torch.tensor([1.0, 2.0], requires_grad=True)
+    out = aggregate(values, torch.zeros(2, dtype=torch.bool), [2], "seq-mean-token-mean")
+    assert out.item() == 0.0
+    out.backward()
+    assert_close(values.grad, torch.zeros(2))
+
+
+def test_grpo_loss_on_policy_is_minus_mean_advantage():
+    adv = torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5, -0.5])
+    _, mask = _packed_batch()
+    logp = torch.tensor([-1.0, -2.0, -0.5, -1.5, -0.7, -3.0], requires_grad=True)
+    old = logp.detach().clone()
+    loss, stats = grpo_loss(logp, old, adv, mask, [3, 3], behaviour_logp=old, ref_logp=old, kl_coef=0.1)
+    assert_close(loss, torch.tensor(-(3 * 1.0 - 2 * 0.5) / 5))
+    assert stats["kl_mean"] == 0.0
+    assert stats["clip_frac"] == 0.0
+    assert stats["ratio_mean"] == pytest.approx(1.0)
+    assert stats["tis_mean"] == pytest.approx(1.0) and stats["tis_max"] == pytest.approx(1.0)
+    loss.backward()
+    # d loss / d logp = -A / n_masked on trained tokens.
+    assert_close(logp.grad, torch.tensor([-0.2, -0.2, -0.2, 0.1, 0.1, 0.0]))
+
+
+def test_grpo_loss_composes_parts():
+    torch.manual_seed(0)
+    T = 7
+    logp = (-torch.rand(T) * 2).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(T)
+    behaviour = old + 0.5 * torch.randn(T)
+    ref = logp.detach() + 0.2 * torch.randn(T)
+    adv = torch.randn(T)
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+    lengths = [3, 4]
+    for mode in AGG_MODES:
+        loss, stats = grpo_loss(
+            logp, old, adv, mask, lengths,
+            behaviour_logp=behaviour, ref_logp=ref, kl_coef=0.05, agg_mode=mode,
+        )
+        pg, _ = policy_loss(logp, old, adv, mask)
+        tis = tis_weights(old, behaviour, cap=2.0)
+        expected = aggregate(pg * tis + 0.05 * kl_k3(logp, ref), mask, lengths, mode)
+        assert_close(loss, expected)
+        assert stats["tis_max"] <= 2.0
+        assert stats["kl_mean"] > 0.0
+        assert stats["ratio_max"] >= stats["ratio_mean"]
+
+
+def test_grpo_loss_kl_needs_ref():
+    logp = torch.zeros(2)
+    with pytest.raises(ValueError):
+        grpo_loss(logp, logp, logp, torch.ones(2, dtype=torch.bool), [2], kl_coef=0.1)
+
+
+def test_grpo_loss_unknown_mode_raises():
+    logp = torch.zeros(2)
+    with pytest.raises(ValueError, match="token-mean"):
+        grpo_loss(logp, logp, logp, torch.ones(2, dtype=torch.bool), [2], agg_mode="mean")
