@@ -28,3 +28,11 @@ async def nc(nats_server):
 @pytest.fixture
 async def js(nc):
     return nc.jetstream()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The toy Qwen3 + BPE tokenizer + ChatML template (seconds to build), shared by the session."""
+    from actors.models import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("models") / "tiny")

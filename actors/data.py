@@ -1,0 +1,148 @@
+"""The CollabLLM medium task data: loading, per-reference splits, leakage checks, tasks.
+
+Reads the public `collabllm-multiturn-medium(-large)` parquet schema (prompt, single_turn_prompt,
+single_turn_completion, single_turn_metadata, conv_id, turn_id) or the same records as JSONL; the
+bundled file `actors/datasets/medium.jsonl` is ours. Used by the learner's feeder, eval and
+`parley data check`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from protocol.messages import ChatMessage
+
+BUNDLED = "bundled"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One dataset row: a conversation prefix and the document the user has in mind."""
+
+    item_id: str  # f"{conv_id}/{turn_id}"
+    prefix: tuple[ChatMessage, ...]
+    reference: str
+    single_turn_prompt: str = ""
+    title: str = ""
+    summary: str = ""
+    metadata: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def reference_key(self) -> str:
+        return text_key(self.reference)
+
+    @property
+    def prompt_key(self) -> str:
+        return text_key(self.single_turn_prompt or " ".join(m.content for m in self.prefix))
+
+
+def text_key(text: str) -> str:
+    """Hash of normalized text (case, whitespace and punctuation folded): the unit of overlap."""
+    norm = re.sub(r"[^\w]+", " ", text.lower()).strip()
+    return hashlib.sha256(norm.encode()).hexdigest()[:24]
+
+
+def bundled_path() -> Path:
+    return Path(str(resources.files("actors") / "datasets" / "medium.jsonl"))
+
+
+def _records(path: Path) -> list[dict]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix in (".jsonl", ".json"):
+        with path.open() as f:
+            return [json.loads(line) for line in f if line.strip()]
+    raise ValueError(f"data file {path} has suffix {path.suffix!r}; use .parquet or .jsonl")
+
+
+def _messages(prompt) -> tuple[ChatMessage, ...]:
+    if isinstance(prompt, str):  # some exports store the prompt as JSON text
+        try:
+            prompt = json.loads(prompt)
+        except json.JSONDecodeError:
+            return (ChatMessage("user", prompt),)
+    return tuple(ChatMessage(str(m["role"]), str(m["content"])) for m in prompt or [])
+
+
+def _metadata(raw) -> dict:
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            return {}
+    return dict(raw or {})
+
+
+def load_items(path: str | Path = BUNDLED) -> list[Item]:
+    """Read a CollabLLM medium file (or "bundled"); rows without a reference document are skipped."""
+    p = bundled_path() if str(path) == BUNDLED else Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"data file {p} does not exist; use 'bundled' or a CollabLLM .parquet/.jsonl path")
+    items = []
+    for i, r in enumerate(_records(p)):
+        missing = [k for k in ("prompt", "single_turn_completion") if k not in r]
+        if missing:
+            raise ValueError(f"{p}: record {i} lacks {missing}; is this the collabllm-multiturn-medium schema?")
+        reference = (r.get("single_turn_completion") or "").strip()
+        if not reference:
+            continue
+        meta = _metadata(r.get("single_turn_metadata"))
+        title = str(meta.get("title") or reference.splitlines()[0][:120])
+        items.append(
+            Item(
+                item_id=f"{r.get('conv_id', i)}/{r.get('turn_id', 0)}",
+                prefix=_messages(r.get("prompt")),
+                reference=reference,
+                single_turn_prompt=str(r.get("single_turn_prompt") or ""),
+                title=title,
+                summary=str(meta.get("summary") or r.get("single_turn_prompt") or title),
+                metadata=meta,
+            )
+        )
+    return items
+
+
+def split_items(items: list[Item], eval_fraction: float, seed: int = 0) -> tuple[list[Item], list[Item]]:
+    """Split by reference document, so no reference appears on both sides."""
+    keys = sorted({it.reference_key for it in items})
+    random.Random(seed).shuffle(keys)
+    n_eval = round(len(keys) * eval_fraction)
+    if eval_fraction > 0 and n_eval == 0 and len(keys) > 1:
+        n_eval = 1
+    eval_keys = set(keys[:n_eval])
+    train = [it for it in items if it.reference_key not in eval_keys]
+    held = [it for it in items if it.reference_key in eval_keys]
+    return train, held
+
+
+@dataclass
+class Overlap:
+    """What train and eval share: identical reference targets (label leakage) and prompts."""
+
+    references: list[tuple[str, str]]  # (train item_id, eval item_id)
+    prompts: list[tuple[str, str]]
+
+    @property
+    def leaks(self) -> bool:
+        return bool(self.references)
+
+    def summary(self) -> str:
+        return f"{len(self.references)} shared reference targets, {len(self.prompts)} shared prompts"
+
+
+def find_overlap(train: list[Item], held: list[Item]) -> Overlap:
+    def pairs(key):
+        index: dict[str, list[str]] = {}
+        for it in train:
+            index.setdefault(key(it), []).append(it.item_id)
+        return [(a, it.item_id) for it in held for a in index.get(key(it), [])]
+
+    return Overlap(references=pairs(lambda it: it.reference_key), prompts=pairs(lambda it: it.prompt_key))
