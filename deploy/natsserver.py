@@ -41,12 +41,20 @@ class NatsServer:
         extra_conf: str = "",
         log_file: str | Path | None = None,
         server_name: str | None = None,
+        cluster_name: str | None = None,
+        cluster_port: int = 0,
+        routes: list[str] | tuple[str, ...] = (),
     ):
         self.store_dir = Path(store_dir).resolve()
         self.host, self.port = host, port
         self.extra_conf = extra_conf
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.server_name = server_name
+        # Clustering (JetStream needs a server_name per node and one cluster name): this node listens
+        # for routes on cluster_port and dials `routes` (nats-route://host:port of every node; its own is ignored).
+        if cluster_name and not (server_name and cluster_port):
+            raise ValueError("a clustered NatsServer needs server_name and a fixed cluster_port (routes name it)")
+        self.cluster_name, self.cluster_port, self.routes = cluster_name, cluster_port, list(routes)
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
 
@@ -56,6 +64,12 @@ class NatsServer:
         lines = [f"max_payload: {MAX_PAYLOAD}", "max_pending: 67108864"]
         if self.server_name:
             lines.append(f"server_name: {self.server_name}")
+        if self.cluster_name:
+            routes = ", ".join(f'"{r}"' for r in self.routes)
+            lines.append(
+                f'cluster {{\n  name: "{self.cluster_name}"\n  listen: "{self.host}:{self.cluster_port}"\n'
+                f"  routes: [{routes}]\n}}"
+            )
         conf.write_text("\n".join(lines) + "\n" + self.extra_conf + "\n")
         return conf
 
@@ -141,3 +155,12 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
             return
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (for cluster routes, which must be known before the nodes start)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

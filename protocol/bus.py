@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from protocol import codec, topology
 from protocol.messages import DeadLetter
@@ -48,7 +48,13 @@ async def publish(js, run: str, key: str, msg: msgspec.Struct, *, attempts: int 
     for attempt in range(1, attempts + 1):
         try:
             return await js.publish(subj, data, headers=headers, timeout=timeout)
-        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError) as e:
+        except (
+            nats.errors.TimeoutError,
+            nats.errors.ConnectionClosedError,
+            nats.errors.NoRespondersError,
+            NoStreamResponseError,  # the stream has no leader for a moment (a cluster node died)
+            ServiceUnavailableError,
+        ) as e:
             # A timed-out publish may still have been stored; the Msg-Id makes the retry harmless.
             if attempt == attempts:
                 raise
@@ -133,7 +139,7 @@ class PullWorker:
                     free += 1
                 try:
                     msgs = await sub.fetch(free, timeout=self.fetch_timeout)
-                except nats.errors.TimeoutError:
+                except asyncio.TimeoutError:  # nats' TimeoutError, or the bare one fetch raises on its second request
                     msgs = []  # no work right now
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, APIError) as e:
                     log.warning("%s: fetch failed (%s); retrying", self.name, e)

@@ -49,7 +49,11 @@ async def connect(
     async def on_reconnect():
         log.warning("%s: reconnected to NATS %s", name, url)
 
+    errors: list[str] = []  # the server's reason when the first connect is refused (bad credentials)
+
     async def on_error(e):
+        errors.append(str(e))
+        del errors[:-4]  # only the latest few matter; the connection may live for days
         log.warning("%s: NATS error: %s", name, e)
 
     kwargs = dict(
@@ -70,6 +74,11 @@ async def connect(
     try:
         return await asyncio.wait_for(nats.connect(**kwargs), timeout=first_timeout)
     except (asyncio.TimeoutError, OSError, nats.errors.NoServersError) as e:
+        if any("authorization violation" in err.lower() for err in errors):
+            raise NatsUnreachable(
+                f"NATS at {url} refused {name}: authorization violation; check PARLEY_NATS_USER / "
+                "PARLEY_NATS_PASSWORD (or PARLEY_NATS_CREDS) for this role"
+            ) from None
         raise NatsUnreachable(
             f"could not connect to NATS at {url} within {first_timeout:.0f}s ({type(e).__name__}: {e}); "
             "start a server with `parley nats` or pass the right --nats URL"

@@ -1,6 +1,8 @@
 """Subject names and the JetStream topology of a run: streams, durable consumers, KV, object store.
 
-Every role calls `ensure_topology(js, run, bus)` at start; it is idempotent (create or update).
+Every role calls `ensure_topology(js, run, bus)` at start; it is idempotent (create or update) and
+only asks the server for changes when something is missing or differs, so roles whose NATS user may
+not manage streams (deploy/auth.py) pass once an admin or the learner has set the run up.
 Nothing outside protocol/ spells a subject, stream or bucket name: use the helpers here.
 """
 
@@ -10,8 +12,9 @@ import re
 from dataclasses import dataclass
 
 import msgspec
+import nats.errors
 from nats.js import api
-from nats.js.errors import BadRequestError, BucketNotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -126,28 +129,80 @@ def consumer_config(durable: str, bus: BusSettings) -> api.ConsumerConfig:
     )
 
 
-async def ensure_topology(js, run: str, bus: BusSettings | None = None) -> None:
-    """Create or update every stream, durable consumer, the weights KV and the blob store of a run."""
+class TopologyError(RuntimeError):
+    """The run's topology is missing or differs and this connection could not (or may not) fix it."""
+
+
+# The settings ensure_topology decides; anything else the server fills in is left alone.
+_STREAM_FIELDS = ("subjects", "retention", "max_age", "max_bytes", "max_msg_size", "storage", "num_replicas",
+                  "duplicate_window", "discard")
+_CONSUMER_FIELDS = ("ack_policy", "deliver_policy", "ack_wait", "max_deliver", "max_ack_pending")
+
+
+def _differs(have, want, fields) -> bool:
+    return any(getattr(have, f) != getattr(want, f) for f in fields)
+
+
+async def _manage(what: str, call):
+    # A request the user has no permission for is dropped by the server and simply times out.
+    try:
+        return await call
+    except nats.errors.TimeoutError:
+        raise TopologyError(
+            f"{what}: no answer from JetStream; if this NATS user may not do that (only admin and learner "
+            "manage streams, and each user only sees its own run; see docs/operations.md), start the learner "
+            "or `parley up` first, or check the run name and credentials"
+        ) from None
+
+
+async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, create: bool = True) -> None:
+    """Create or update every stream, durable consumer, the weights KV and the blob store of a run.
+
+    What already exists with the wanted settings is only looked at (INFO requests). create=False
+    only checks that everything exists and raises TopologyError naming what is missing.
+    """
     bus = bus or BusSettings()
     for key, channel in CHANNELS.items():
         cfg = stream_config(run, key, bus)
         try:
-            await js.add_stream(cfg)
-        except BadRequestError:
-            await js.update_stream(cfg)  # exists with other settings: bring it to the config
+            have = (await _manage(f"looking up stream {cfg.name}", js.stream_info(cfg.name))).config
+        except NotFoundError:
+            have = None
+        if have is None and not create:
+            raise TopologyError(f"stream {cfg.name} of run {run!r} does not exist; start the learner or `parley up`")
+        if create and (have is None or _differs(have, cfg, _STREAM_FIELDS)):
+            try:
+                await _manage(f"creating stream {cfg.name}", js.add_stream(cfg))
+            except BadRequestError:
+                await _manage(f"updating stream {cfg.name}", js.update_stream(cfg))  # exists with other settings
         if channel.durable:
-            await js.add_consumer(cfg.name, consumer_config(channel.durable, bus))
+            want = consumer_config(channel.durable, bus)
+            try:
+                lookup = js.consumer_info(cfg.name, channel.durable)
+                have_c = (await _manage(f"looking up consumer {channel.durable}", lookup)).config
+            except NotFoundError:
+                have_c = None
+            if have_c is None and not create:
+                raise TopologyError(f"consumer {channel.durable} on {cfg.name} does not exist; start the learner first")
+            if create and (have_c is None or _differs(have_c, want, _CONSUMER_FIELDS)):
+                await _manage(f"creating consumer {channel.durable} on {cfg.name}", js.add_consumer(cfg.name, want))
     kv_name = kv_bucket(run)
     try:
-        await js.key_value(kv_name)
+        await _manage(f"looking up KV bucket {kv_name}", js.key_value(kv_name))
     except BucketNotFoundError:
-        await js.create_key_value(
-            api.KeyValueConfig(bucket=kv_name, history=16, replicas=bus.replicas, storage=api.StorageType.FILE)
+        if not create:
+            raise TopologyError(f"KV bucket {kv_name} does not exist; start the learner first") from None
+        await _manage(
+            f"creating KV bucket {kv_name}",
+            js.create_key_value(
+                api.KeyValueConfig(bucket=kv_name, history=16, replicas=bus.replicas, storage=api.StorageType.FILE)
+            ),
         )
     ob_name = object_bucket(run)
     try:
-        await js.object_store(ob_name)
+        await _manage(f"looking up object store {ob_name}", js.object_store(ob_name))
     except BucketNotFoundError:
-        await js.create_object_store(
-            ob_name, config=api.ObjectStoreConfig(bucket=ob_name, replicas=bus.replicas, storage=api.StorageType.FILE)
-        )
+        if not create:
+            raise TopologyError(f"object store {ob_name} does not exist; start the learner first") from None
+        ob_config = api.ObjectStoreConfig(bucket=ob_name, replicas=bus.replicas, storage=api.StorageType.FILE)
+        await _manage(f"creating object store {ob_name}", js.create_object_store(ob_name, config=ob_config))

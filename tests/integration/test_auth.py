@@ -1,0 +1,315 @@
+"""Access control against a real nats-server: per-role users from deploy/auth.py.
+
+Anonymous and wrong-password clients are refused; an actor cannot announce weights or publish
+scores; a scorer cannot publish or take tasks; every role can do its own job with its own user,
+both with run-scoped users and with users valid for every run (run="*").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+import subprocess
+
+import nats.errors
+import pytest
+
+from deploy.auth import ROLES, generate_credentials, read_env_file, role_permissions, server_auth_conf
+from deploy.natsserver import NatsServer
+from protocol import codec, examples, status, topology
+from protocol.bus import PullWorker, dead_letter, publish
+from protocol.connect import NatsUnreachable, connect
+from protocol.messages import Heartbeat, JudgeReply, JudgeRequest, Scored, SimReply, SimRequest, WeightVersion
+from protocol.weights import current_version, fetch_version, publish_version
+
+pytestmark = pytest.mark.integration
+RUN = "authrun"
+FAST = topology.BusSettings(ack_wait_s=5.0, max_deliver=3)
+
+
+class Secured:
+    def __init__(self, server: NatsServer, creds: dict, auth_dir):
+        self.server, self.creds, self.auth_dir = server, creds, auth_dir
+
+    async def connect(self, role: str):
+        user, password = self.creds[role]
+        return await connect(self.server.url, name=role, user=user, password=password, first_timeout=5)
+
+
+def _secured_server(tmp_path_factory, cred_run: str):
+    d = tmp_path_factory.mktemp(f"auth-{'any' if cred_run == '*' else cred_run}")
+    creds = generate_credentials(cred_run, d / "auth")
+    server = NatsServer(d / "nats", port=0, extra_conf=server_auth_conf(creds))
+    server.start()
+    return Secured(server, creds, d / "auth")
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    s = _secured_server(tmp_path_factory, RUN)
+    yield s
+    s.server.stop()
+
+
+@pytest.fixture(scope="module")
+def secured_any_run(tmp_path_factory):
+    s = _secured_server(tmp_path_factory, "*")
+    yield s
+    s.server.stop()
+
+
+def violations(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "permissions violation" in r.getMessage().lower()]
+
+
+def test_generated_credentials_are_private_files(secured):
+    for name in ["auth.conf", *(f"{role}.env" for role in ROLES)]:
+        mode = stat.S_IMODE(os.stat(secured.auth_dir / name).st_mode)
+        assert mode == 0o600, f"{name} has mode {oct(mode)}"
+    env = read_env_file(secured.auth_dir / "actor.env")
+    assert (env["PARLEY_NATS_USER"], env["PARLEY_NATS_PASSWORD"]) == secured.creds["actor"]
+    assert len({pw for _, pw in secured.creds.values()}) == len(ROLES)  # a fresh password per role
+
+
+def test_permissions_are_derived_from_the_topology():
+    perms = role_permissions(RUN)
+    pub = {role: set(p["publish"]["allow"]) for role, p in perms.items()}
+    assert topology.subject(RUN, "traj") in pub["actor"] and topology.subject(RUN, "scored") not in pub["actor"]
+    assert topology.subject(RUN, "tasks") in pub["learner"] and topology.subject(RUN, "tasks") not in pub["scorer"]
+    assert not any(s.startswith(f"$KV.{topology.kv_bucket(RUN)}") for s in pub["actor"] | pub["scorer"])
+    for role in set(ROLES) - {"admin"}:
+        assert ">" not in pub[role] and topology.subject(RUN, "dead") in pub[role]
+        assert not any(s.startswith("$JS.API.STREAM.CREATE") for s in pub[role]) or role == "learner"
+    assert perms["sim"]["allow_responses"] and "_INBOX.>" not in pub["sim"]
+    anyrun = role_permissions("*")
+    assert "parley.*.traj" in anyrun["actor"]["publish"]["allow"]
+
+
+async def test_anonymous_and_wrong_password_are_refused(secured, monkeypatch):
+    for var in ("PARLEY_NATS_USER", "PARLEY_NATS_PASSWORD", "PARLEY_NATS_CREDS"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(NatsUnreachable, match="authorization violation"):
+        await connect(secured.server.url, name="anonymous", first_timeout=2)
+    user, _ = secured.creds["actor"]
+    with pytest.raises(NatsUnreachable, match="authorization violation"):
+        await connect(secured.server.url, name="guesser", user=user, password="not-the-password", first_timeout=2)
+
+
+async def test_actor_cannot_announce_weights_or_publish_scores(secured, tmp_path, caplog):
+    admin = await secured.connect("admin")
+    actor = await secured.connect("actor")
+    try:
+        await topology.ensure_topology(admin.jetstream(), RUN, FAST)
+        kv_admin = await admin.jetstream().key_value(topology.kv_bucket(RUN))
+        wv = WeightVersion(version=0, step=0, transport="objstore", location="v0", sha256="0", bytes=0, created=0.0)
+        announced = codec.encode(wv)
+        await kv_admin.put(topology.WEIGHTS_KEY, announced)
+
+        js = actor.jetstream(timeout=1.0)  # a denied request just goes unanswered
+        kv = await js.key_value(topology.kv_bucket(RUN))  # reading is allowed
+        with pytest.raises(nats.errors.TimeoutError):
+            await kv.put(topology.WEIGHTS_KEY, b"forged")
+        assert (await kv.get(topology.WEIGHTS_KEY)).value == announced
+
+        store = await js.object_store(topology.object_bucket(RUN))
+        with pytest.raises(nats.errors.TimeoutError):
+            await store.put("v999999/model.safetensors", b"forged weights")
+
+        scored = Scored(traj_id="t/0", task_id="t", sample=0, run=RUN, metrics={}, weights={}, total=1e9,
+                        trajectory=examples.trajectory(RUN))
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.publish(topology.subject(RUN, "scored"), codec.encode(scored), timeout=1.0)
+        with pytest.raises(topology.TopologyError, match="no answer"):  # may not loosen the streams either
+            await topology.ensure_topology(js, RUN, topology.BusSettings(max_deliver=50))
+
+        info = await admin.jetstream().stream_info(topology.stream_name(RUN, "scored"))
+        assert info.state.messages == 0
+        denied = " ".join(violations(caplog)).lower()
+        assert f"$kv.{topology.kv_bucket(RUN)}.current".lower() in denied
+        assert topology.subject(RUN, "scored") in denied
+        assert "stream.update" in denied or "consumer" in denied
+    finally:
+        await actor.close()
+        await admin.close()
+
+
+async def test_scorer_cannot_publish_or_take_tasks(secured, caplog):
+    admin = await secured.connect("admin")
+    scorer = await secured.connect("scorer")
+    try:
+        await topology.ensure_topology(admin.jetstream(), RUN, FAST)
+        before = (await admin.jetstream().stream_info(topology.stream_name(RUN, "tasks"))).state.messages
+        js = scorer.jetstream(timeout=1.0)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.publish(topology.subject(RUN, "tasks"), codec.encode(examples.task(RUN, "forged")), timeout=1.0)
+        sub = await js.pull_subscribe_bind("actor", stream=topology.stream_name(RUN, "tasks"))
+        with pytest.raises(nats.errors.TimeoutError):
+            await sub.fetch(1, timeout=1.0)
+        after = (await admin.jetstream().stream_info(topology.stream_name(RUN, "tasks"))).state.messages
+        assert after == before
+        denied = " ".join(violations(caplog))
+        assert topology.subject(RUN, "tasks") in denied and "msg.next" in denied.lower()
+    finally:
+        await scorer.close()
+        await admin.close()
+
+
+async def test_verify_only_names_what_is_missing(secured):
+    admin = await secured.connect("admin")
+    try:
+        with pytest.raises(topology.TopologyError, match="stream PARLEY_never_made_TASKS of run 'never_made' does not exist"):
+            await topology.ensure_topology(admin.jetstream(), "never_made", create=False)
+        await topology.ensure_topology(admin.jetstream(), RUN, FAST)
+        await topology.ensure_topology(admin.jetstream(), RUN, FAST, create=False)
+    finally:
+        await admin.close()
+
+
+@pytest.mark.parametrize("which", ["run-scoped", "every-run"])
+async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
+    """learner -> task -> actor (asks sim, reads weights) -> traj -> scorer (asks judge) -> scored -> learner."""
+    secured = request.getfixturevalue("secured" if which == "run-scoped" else "secured_any_run")
+    run = f"job_{which.replace('-', '_')}"
+    if which == "run-scoped":
+        run = RUN  # run-scoped users only see their own run
+    caplog.set_level(logging.WARNING, logger="parley.nats")
+    conns = {role: await secured.connect(role) for role in ("learner", "actor", "scorer", "sim", "judge", "eval")}
+    stop = asyncio.Event()
+    try:
+        learner = conns["learner"].jetstream()
+        await topology.ensure_topology(learner, run, FAST)  # the learner owns the topology
+        for role in ("actor", "scorer", "eval"):  # the others find it in place and change nothing
+            await topology.ensure_topology(conns[role].jetstream(), run, FAST)
+
+        # services answer on the requester's reply subject (allow_responses), nothing else
+        async def sim_cb(msg):
+            req = codec.decode("sim.request", msg.data)
+            await msg.respond(codec.encode(SimReply(message=f"re: {req.messages[-1].content}")))
+
+        async def judge_cb(msg):
+            codec.decode("judge.request", msg.data)
+            await msg.respond(codec.encode(JudgeReply(ok=True, document="the doc")))
+
+        await conns["sim"].subscribe(topology.SIM_SUBJECT, queue=topology.SIM_QUEUE, cb=sim_cb)
+        await conns["judge"].subscribe(topology.judge_subject("extract"), queue=topology.JUDGE_QUEUE, cb=judge_cb)
+        for role in ("sim", "judge"):
+            await conns[role].flush()
+            await conns[role].flush()
+            await status.send(conns[role], run, Heartbeat(role=role, id=f"{role}-0", state="ready"))
+
+        # learner: weights (object store + KV, twice so that pruning deletes a version) and one task
+        for v in (0, 1):
+            state = tmp_path / f"state{v}"
+            state.mkdir()
+            (state / "model.safetensors").write_bytes(os.urandom(300_000))
+            (state / "config.json").write_text('{"model_type": "qwen3"}')
+            await publish_version(learner, run, v, step=v, state_dir=state, transport="objstore", keep=1)
+        await publish(learner, run, "tasks", examples.task(run, "job-1"))
+
+        got = {}
+
+        async def actor_handler(task, msg):
+            js = conns["actor"].jetstream()
+            wv = await current_version(js, run)
+            weights = await fetch_version(js, run, wv, tmp_path / "actor-weights")
+            kv = await js.key_value(topology.kv_bucket(run))  # actors also watch the key (actors/follow.py)
+            watcher = await kv.watch(topology.WEIGHTS_KEY, include_history=False)
+            got["watched"] = codec.decode("weights", (await watcher.updates(timeout=5)).value).version
+            await watcher.stop()
+            reply = await conns["actor"].request(
+                topology.SIM_SUBJECT, codec.encode(SimRequest(prompt="lazy_full", messages=task.prefix)), timeout=5
+            )
+            got["sim"] = codec.decode("sim.reply", reply.data).message
+            got["weights"] = (wv.version, (weights / "model.safetensors").stat().st_size)
+            traj = examples.trajectory(run, task_id=task.task_id)
+            await publish(js, run, "traj", traj)
+            await dead_letter(js, run, subject=msg.subject, reason="permission test", consumer="actor", payload=b"x")
+            await status.send(conns["actor"], run, Heartbeat(role="actor", id="actor-0", state="busy"))
+            await msg.ack()
+
+        async def scorer_handler(traj, msg):
+            request = codec.encode(JudgeRequest(op="extract", messages=traj.messages))
+            reply = await conns["scorer"].request(topology.judge_subject("extract"), request, timeout=5)
+            doc = codec.decode("judge.reply", reply.data).document
+            scored = Scored(traj_id=traj.traj_id, task_id=traj.task_id, sample=traj.sample, run=run,
+                            metrics={"bleu": 0.5}, weights={"bleu": 1.0}, total=0.5, trajectory=traj, document=doc)
+            await publish(conns["scorer"].jetstream(), run, "scored", scored)
+            await msg.ack()
+
+        async def learner_handler(scored, msg):
+            got["scored"] = (scored.traj_id, scored.document)
+            await msg.ack()
+            stop.set()
+
+        workers = [
+            PullWorker(js, run, key, handler, bus=FAST, name=name, fetch_timeout=0.5)
+            for js, key, handler, name in (
+                (conns["actor"].jetstream(), "tasks", actor_handler, "actor"),
+                (conns["scorer"].jetstream(), "traj", scorer_handler, "scorer"),
+                (learner, "scored", learner_handler, "learner"),
+            )
+        ]
+        await asyncio.wait_for(asyncio.gather(*(w.run_until(stop) for w in workers)), timeout=30)
+
+        rec = examples.channel_examples(run)["eval"]
+        await publish(conns["eval"].jetstream(), run, "eval", rec)
+
+        assert got["sim"] == "re: can you help me with a blog post"
+        assert got["weights"] == (1, 300_000) and got["watched"] == 1
+        assert got["scored"] == ("job-1/0", "the doc")
+        admin = await secured.connect("admin")
+        try:
+            for key in ("tasks", "traj", "scored", "eval", "dead"):
+                info = await admin.jetstream().stream_info(topology.stream_name(run, key))
+                assert info.state.messages == 1, key
+        finally:
+            await admin.close()
+        assert violations(caplog) == []
+    finally:
+        stop.set()
+        for nc in conns.values():
+            await nc.close()
+
+
+def make_tls(d) -> tuple[str, str, str]:
+    """A throw-away CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
+    d.mkdir()
+
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=parley test CA")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.pem", "-days", "1", "-extfile", "san.ext")
+    return str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key")
+
+
+async def test_tls_with_role_users(tmp_path, monkeypatch):
+    """The optional TLS block of deploy/nats/*.conf, with PARLEY_NATS_CA on the client side."""
+    ca, cert, key = make_tls(tmp_path / "tls")
+    creds = generate_credentials(RUN, tmp_path / "auth")
+    tls = f'tls {{\n  cert_file: "{cert}"\n  key_file: "{key}"\n}}\n'
+    server = NatsServer(tmp_path / "nats", port=0, extra_conf=server_auth_conf(creds) + tls)
+    server.start()
+    try:
+        url = server.url.replace("nats://", "tls://")
+        with pytest.raises(NatsUnreachable):  # a client that does not trust the CA gets nowhere
+            await connect(url, name="untrusting", user=creds["actor"][0], password=creds["actor"][1], first_timeout=2)
+        monkeypatch.setenv("PARLEY_NATS_CA", ca)
+        admin = await connect(url, name="admin", user=creds["admin"][0], password=creds["admin"][1])
+        actor = await connect(url, name="actor", user=creds["actor"][0], password=creds["actor"][1])
+        try:
+            await topology.ensure_topology(admin.jetstream(), RUN, FAST)
+            await topology.ensure_topology(actor.jetstream(), RUN, FAST)
+            ack = await publish(actor.jetstream(), RUN, "traj", examples.trajectory(RUN))
+            assert ack.stream == topology.stream_name(RUN, "traj")
+        finally:
+            await actor.close()
+            await admin.close()
+    finally:
+        server.stop()

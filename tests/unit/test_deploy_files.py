@@ -1,0 +1,263 @@
+"""The shipped deploy files: every YAML parses, compose/k8s/slurm start real parley commands with
+their own NATS users, k8s manifests carry the keys they need, nats-server accepts the cluster
+configs (`nats-server -t`), the sbatch script passes `bash -n`, the reference run file says what
+DESIGN.md says."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.auth import K8S_SECRET, ROLES, generate_credentials, k8s_secret
+from deploy.config import convert_config, load_config
+from deploy.natsserver import server_binary
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+# DESIGN.md's role commands; some are registered by packages still being built.
+DESIGN_COMMANDS = {"nats", "sim", "judge", "actor", "scorer", "learner", "eval", "replay", "up"}
+YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+K8S = DEPLOY / "k8s"
+
+
+def known_commands() -> set[str]:
+    from deploy.cli import app
+
+    return DESIGN_COMMANDS | {c.name for c in app.registered_commands}
+
+
+def parley_commands(text: str) -> list[str]:
+    """The sub-commands a command line starts: `parley X ...` or `--module deploy.cli X ...`."""
+    text = text.replace("\\\n", " ")  # shell line continuations
+    return re.findall(r"(?:\bparley|--module deploy\.cli)\s+([a-z][a-z-]*)", text)
+
+
+def load_all(path: Path) -> list:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_yaml_parses(path):
+    docs = load_all(path)
+    assert docs, f"{path} holds no document"
+    assert all(isinstance(d, dict) for d in docs)
+
+
+def test_yaml_files_were_found():
+    names = {p.relative_to(DEPLOY).as_posix() for p in YAML_FILES}
+    assert {"compose.yaml", "k8s/nats-values.yaml", "k8s/actor.yaml", "k8s/learner.yaml"} <= names
+
+
+# --- compose ---------------------------------------------------------------------------------
+
+
+def test_compose_services_run_parley_commands_with_their_own_users():
+    compose = load_all(DEPLOY / "compose.yaml")[0]
+    services = compose["services"]
+    assert {"nats1", "nats2", "nats3", "sim", "judge", "actor", "scorer", "learner"} <= set(services)
+    known = known_commands()
+    for name, svc in services.items():
+        command = svc.get("command", [])
+        line = command if isinstance(command, str) else " ".join(command)
+        for cmd in parley_commands(line):
+            assert cmd in known, f"compose service {name} runs `parley {cmd}`, which is not a parley command"
+        if svc.get("image", "").startswith("${PARLEY_IMAGE"):
+            assert "/config/run.toml" in line, f"compose service {name} does not read the run file"
+            (env_file,) = [svc["env_file"]] if isinstance(svc["env_file"], str) else svc["env_file"]
+            role = Path(env_file).stem
+            assert role in ROLES, f"{name} uses credentials of unknown role {role!r}"
+            if name != "topology":
+                assert role == name, f"compose service {name} runs with the {role} user"
+                assert "bus.replicas=3" in line  # every role must agree on the topology it verifies
+    for role in ("sim", "judge", "actor", "scorer", "learner"):
+        assert parley_commands(" ".join(_as_list(services[role]["command"]))) == [role]
+
+
+def _as_list(command) -> list[str]:
+    return [command] if isinstance(command, str) else command
+
+
+def test_compose_gpus_and_scaling():
+    services = load_all(DEPLOY / "compose.yaml")[0]["services"]
+
+    def gpus(name):
+        (dev,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
+        return dev["device_ids"]
+
+    assert gpus("learner") == ["0", "1", "2", "3"]
+    assert gpus("actor") == ["4", "5"] and services["actor"]["deploy"]["replicas"] == 2
+    assert gpus("sim-llm") == ["6"] and gpus("judge-llm") == ["7"]
+    assert services["scorer"]["deploy"]["replicas"] >= 1
+    for i in (1, 2, 3):
+        mounts = " ".join(services[f"nats{i}"]["volumes"])
+        assert f"./nats/cluster-node{i}.conf:" in mounts and (DEPLOY / "nats" / f"cluster-node{i}.conf").exists()
+    assert (DEPLOY / "configs" / "reference-8gpu.toml").exists()
+
+
+def test_compose_actor_gpu_claim_script_is_valid_shell():
+    script = load_all(DEPLOY / "compose.yaml")[0]["services"]["actor"]["command"][-1]
+    proc = subprocess.run(["bash", "-n"], input=script.replace("$$", "$"), text=True, capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- kubernetes ------------------------------------------------------------------------------
+
+
+def k8s_docs() -> list[tuple[str, dict]]:
+    kustomization = load_all(K8S / "kustomization.yaml")[0]
+    out = []
+    for name in kustomization["resources"]:
+        out += [(name, d) for d in load_all(K8S / name)]
+    return out
+
+
+def test_k8s_manifests_have_required_keys():
+    docs = k8s_docs()
+    kinds = {d["kind"] for _, d in docs}
+    assert {"ConfigMap", "Deployment", "StatefulSet", "Job", "PersistentVolumeClaim"} <= kinds
+    for name, d in docs:
+        assert d.get("apiVersion") and d.get("kind") and d.get("metadata", {}).get("name"), name
+        if d["kind"] in ("Deployment", "StatefulSet", "Job"):
+            template = d["spec"]["template"]
+            if d["kind"] != "Job":
+                selector = d["spec"]["selector"]["matchLabels"]
+                assert selector.items() <= template["metadata"]["labels"].items(), f"{name}: selector misses the pods"
+            for c in template["spec"]["containers"]:
+                assert c.get("name") and c.get("image"), name
+            volumes = {v["name"] for v in template["spec"].get("volumes", [])}
+            claims = {t["metadata"]["name"] for t in d["spec"].get("volumeClaimTemplates", [])}
+            for c in template["spec"]["containers"]:
+                for m in c.get("volumeMounts", []):
+                    assert m["name"] in volumes | claims, f"{name}: mount {m['name']} has no volume"
+
+
+def _workload(kind: str, name: str) -> dict:
+    (d,) = [d for _, d in k8s_docs() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return d
+
+
+def _gpus(container: dict) -> int:
+    return int(container["resources"]["limits"].get("nvidia.com/gpu", 0))
+
+
+def test_k8s_roles_gpus_commands_and_credentials(tmp_path):
+    generate_credentials("reference", tmp_path / "auth")
+    secret = yaml.safe_load(k8s_secret(tmp_path / "auth"))
+    assert secret["metadata"]["name"] == K8S_SECRET and "auth.conf" in secret["stringData"]
+    known = known_commands()
+
+    actor = _workload("Deployment", "parley-actor")
+    assert actor["spec"]["replicas"] >= 1 and _gpus(actor["spec"]["template"]["spec"]["containers"][0]) == 1
+    learner = _workload("StatefulSet", "parley-learner")
+    assert _gpus(learner["spec"]["template"]["spec"]["containers"][0]) == 4
+    assert _workload("Deployment", "parley-scorer")["spec"]["replicas"] >= 1
+    for svc in ("sim", "judge"):
+        pod = _workload("Deployment", f"parley-{svc}")["spec"]["template"]["spec"]
+        containers = {c["name"]: c for c in pod["containers"]}
+        assert _gpus(containers["llm"]) == 1 and _gpus(containers[svc]) == 0
+
+    for name, d in k8s_docs():
+        if d["kind"] not in ("Deployment", "StatefulSet", "Job"):
+            continue
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            line = " ".join(c.get("command", []) + c.get("args", []))
+            for cmd in parley_commands(line):
+                assert cmd in known, f"{name}: `parley {cmd}` is not a parley command"
+            if c["image"].startswith("parley"):
+                assert "/config/run.toml" in line, f"{name}/{c['name']} does not read the run file"
+                refs = [e["valueFrom"]["secretKeyRef"] for e in c.get("env", []) if "valueFrom" in e]
+                assert {r["name"] for r in refs} == {K8S_SECRET}
+                for r in refs:
+                    assert r["key"] in secret["stringData"], f"{name}: Secret key {r['key']} is never generated"
+                role = refs[0]["key"].rsplit("-", 1)[0]
+                assert role in (*parley_commands(line), "admin"), f"{name} runs with the {role} user"
+
+
+def test_k8s_run_config_parses_and_secret_template_holds_no_values():
+    (cm,) = [d for _, d in k8s_docs() if d["kind"] == "ConfigMap"]
+    cfg = convert_config(tomllib.loads(cm["data"]["run.toml"]), source="k8s/configmap.yaml")
+    assert cfg.bus.replicas == 3 and cfg.learner.transport == "objstore"
+    template = load_all(K8S / "secret.yaml")[0]
+    assert template["metadata"]["name"] == K8S_SECRET
+    assert "data" not in template and "stringData" not in template  # fail closed: no known password
+    assert "secret.yaml" not in load_all(K8S / "kustomization.yaml")[0]["resources"]
+
+
+def test_nats_helm_values():
+    values = load_all(K8S / "nats-values.yaml")[0]
+    config = values["config"]
+    assert config["cluster"] == {"enabled": True, "replicas": 3}
+    assert config["jetstream"]["enabled"] and config["jetstream"]["fileStore"]["pvc"]["size"]
+    assert config["merge"]["max_payload"] == "<< 8MB >>"
+    include = [v for k, v in config["merge"].items() if k.endswith("$include")]
+    assert include == ["parley-auth/auth.conf"]
+    (patch,) = values["podTemplate"]["patch"]
+    assert patch["value"]["secret"]["secretName"] == K8S_SECRET
+
+
+# --- nats-server configs -----------------------------------------------------------------------
+
+
+def nats_test(conf: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([server_binary(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("node", [1, 2, 3])
+def test_cluster_node_configs_pass_nats_server_t(node, tmp_path):
+    conf = tmp_path / f"cluster-node{node}.conf"
+    shutil.copy(DEPLOY / "nats" / conf.name, conf)
+    generate_credentials("reference", tmp_path / "gen")
+    shutil.copy(tmp_path / "gen" / "auth.conf", tmp_path / "auth.conf")  # what the include finds
+    proc = nats_test(conf)
+    assert proc.returncode == 0 and "is valid" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    text = conf.read_text()
+    assert f"server_name: nats{node}" in text and "max_payload: 8MB" in text and "jetstream" in text
+    assert "# tls {" in text  # the optional TLS block is there, commented
+
+
+def test_auth_example_passes_nats_server_t_and_a_broken_config_does_not(tmp_path):
+    shutil.copy(DEPLOY / "nats" / "cluster-node1.conf", tmp_path / "node.conf")
+    shutil.copy(DEPLOY / "nats" / "auth.conf.example", tmp_path / "auth.conf")
+    assert nats_test(tmp_path / "node.conf").returncode == 0
+    (tmp_path / "auth.conf").write_text("authorization { users = [ {user: a, password: } \n")
+    assert nats_test(tmp_path / "node.conf").returncode != 0  # -t really checks
+
+
+# --- slurm -------------------------------------------------------------------------------------
+
+
+def test_sbatch_passes_bash_n_and_starts_the_reference_layout():
+    script = DEPLOY / "slurm" / "run.sbatch"
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    text = script.read_text()
+    assert "#SBATCH --gres=gpu:8" in text and "#SBATCH --nodes=1" in text
+    known = known_commands()
+    used = parley_commands(text)
+    assert set(used) <= known, f"unknown commands: {set(used) - known}"
+    assert {"sim", "judge", "actor", "scorer", "learner"} <= set(used)
+    assert "deepspeed --include localhost:0,1,2,3" in text
+    for gpu, role in (("4", "actor"), ("5", "actor"), ("6", "Qwen3.5-9B"), ("7", "Qwen3.5-27B")):
+        assert re.search(rf"CUDA_VISIBLE_DEVICES={gpu}\b.*{re.escape(role)}", text), (gpu, role)
+    for role in ("sim", "judge", "actor", "scorer", "learner", "admin"):
+        assert f"as_role {role} " in text
+
+
+# --- the reference run -------------------------------------------------------------------------
+
+
+def test_reference_run_file_is_the_design_reference():
+    cfg = load_config(DEPLOY / "configs" / "reference-8gpu.toml")
+    assert cfg.actor.engine.model.endswith("Qwen3-4B") and cfg.learner.model.endswith("Qwen3-4B")
+    assert cfg.actor.engine.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.actor.engine.dtype == "bfloat16" and cfg.learner.dtype == "bfloat16"
+    assert cfg.sim.backend == "openai" and cfg.judge.backend == "openai"
+    assert "9B" in cfg.sim.model_name.upper() and "27B" in cfg.judge.model_name.upper()
+    assert (cfg.learner.groups_per_step, cfg.rollout.n, cfg.learner.lr, cfg.learner.kl_coef) == (16, 8, 1e-6, 0.001)
+    assert (cfg.rollout.max_tokens, cfg.rollout.max_new_turns, cfg.learner.zero_stage) == (4096, 14, 3)
