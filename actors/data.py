@@ -3,7 +3,7 @@
 Reads the public `collabllm-multiturn-medium(-large)` parquet schema (prompt, single_turn_prompt,
 single_turn_completion, single_turn_metadata, conv_id, turn_id) or the same records as JSONL; the
 bundled file `actors/datasets/medium.jsonl` is ours. Used by the learner's feeder, eval and
-`parley data check`.
+`parley data check`; `task_from_item` turns an item into the Task the actors play.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import hashlib
 import json
 import random
 import re
+import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from protocol.messages import ChatMessage
+from protocol.messages import ChatMessage, Task
 
 BUNDLED = "bundled"
 
@@ -146,3 +147,60 @@ def find_overlap(train: list[Item], held: list[Item]) -> Overlap:
         return [(a, it.item_id) for it in held for a in index.get(key(it), [])]
 
     return Overlap(references=pairs(lambda it: it.reference_key), prompts=pairs(lambda it: it.prompt_key))
+
+
+def system_prompt_text(spec: str) -> str:
+    """The assistant's system prompt named by [rollout].system_prompt: "" = none, a file path, or the
+    name of a bundled prompt (actors/prompts/system/<name>.txt: default, proactive)."""
+    if not spec:
+        return ""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text().strip()
+    bundled = Path(str(resources.files("actors") / "prompts" / "system" / f"{spec}.txt"))
+    if re.fullmatch(r"[A-Za-z0-9_-]+", spec) and bundled.is_file():
+        return bundled.read_text().strip()
+    names = sorted(p.stem for p in bundled.parent.glob("*.txt"))
+    raise ValueError(f"rollout.system_prompt={spec!r} is neither a file nor a bundled prompt; bundled: {names}")
+
+
+def task_from_item(item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, version: int,
+                   split: str = "train") -> Task:
+    """The Task asking for n samples of `item` under the [rollout] settings (a RolloutConfig).
+
+    conversation mode starts from the item's opening request only (the policy then plays every
+    assistant turn); next_turn mode continues the item's whole prefix with one trained turn.
+    """
+    prefix = list(item.prefix)
+    if rollout.mode == "conversation":
+        first_user = next((i for i, m in enumerate(prefix) if m.role == "user"), None)
+        prefix = prefix[: first_user + 1] if first_user is not None else []
+    return Task(
+        task_id=task_id,
+        run=run,
+        item_id=item.item_id,
+        n=n,
+        mode=rollout.mode,
+        prefix=prefix,
+        reference=item.reference,
+        title=item.title,
+        summary=item.summary,
+        system_prompt=system_prompt_text(rollout.system_prompt),
+        sim_prompt=rollout.sim_prompt,
+        max_new_turns=rollout.max_new_turns,
+        max_tokens=rollout.max_tokens,
+        futures=rollout.futures if rollout.mode == "next_turn" else 0,
+        future_turns=rollout.future_turns,
+        seed=seed,
+        admitted_version=version,
+        split=split,
+        created=time.time(),
+    )
+
+
+def train_eval_items(data) -> tuple[list[Item], list[Item]]:
+    """The run's train and held-out items from a [data] section: a separate eval file, or a split."""
+    items = load_items(data.path)
+    if data.eval_path:
+        return items, load_items(data.eval_path)
+    return split_items(items, data.eval_fraction, data.split_seed)

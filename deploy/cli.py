@@ -27,7 +27,26 @@ _register()
 
 
 def main() -> None:
-    app()
+    import sys
+
+    try:
+        from typer._click import exceptions as cx  # typer vendors click since 0.2x
+    except ImportError:  # pragma: no cover - older typer on the real click
+        from click import exceptions as cx
+
+    try:
+        code = app(standalone_mode=False)
+    except cx.NoArgsIsHelpError as e:
+        raise SystemExit(e.exit_code) from None  # the help is printed already
+    except cx.ClickException as e:
+        # A bad option value is one line naming the option (a usage box is hard to grep in a role's log).
+        ctx = getattr(e, "ctx", None)
+        print(f"{ctx.command_path if ctx else 'parley'}: {e.format_message()}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    except typer.Abort:
+        print("parley: aborted", file=sys.stderr)
+        raise SystemExit(1) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

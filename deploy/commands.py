@@ -8,13 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_main, setup_logging
+from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_main, setup_logging
 
 
 def register(app: typer.Typer) -> None:
     app.command("nats", help="Run the real nats-server with JetStream (prints its URL).")(nats_cmd)
     app.command("selfcheck", help="Round-trip every message type through a NATS server and report.")(selfcheck_cmd)
-    for module in ("actors.cli", "scorer.cli", "learner.cli", "deploy.up_cli"):
+    app.command("services", help="User simulator and judge in one process sharing one local engine.")(services_cmd)
+    for module in ("actors.cli", "scorer.cli", "scorer.cli_bench", "learner.cli", "deploy.up_cli"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as e:
@@ -22,6 +23,31 @@ def register(app: typer.Typer) -> None:
                 raise
             continue
         mod.register(app)
+
+
+def services_cmd(
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+    ident: Annotated[Optional[str], typer.Option("--id", help="Instance id (default services-<pid>).")] = None,
+    dry: DryRunOpt = False,
+) -> None:
+    """Serve parley.svc.sim and parley.svc.judge.* from one engine until Ctrl-C / SIGTERM."""
+    import os
+
+    cfg = resolve(config, sets, nats=nats, run=run)
+    if dry:
+        dry_run(cfg)
+    from deploy.services import check_shareable, main
+
+    try:
+        check_shareable(cfg)
+    except ValueError as e:
+        typer.echo(f"parley services: {e}", err=True)
+        raise typer.Exit(2) from None
+    setup_logging(ident or "services")
+    run_main(main, cfg, ident or f"services-{os.getpid()}")
 
 
 def nats_cmd(

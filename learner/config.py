@@ -7,6 +7,7 @@ import msgspec
 LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 STALE_POLICIES = ("drop", "correct")
 TRANSPORTS = ("objstore", "shared_dir")
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -72,6 +73,9 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     shared_dir: str = ""  # transport = shared_dir
     checkpoint_every: int = 1
     seed: int = 0
+    keep_checkpoints: int = 2  # DeepSpeed checkpoints kept in the run dir (0 = all; export needs them)
+    logit_chunk_tokens: int = 1024  # trained positions per lm_head chunk (bounds fp32 logits memory)
+    ledger_flush_s: float = 2.0  # while waiting for data, record newly received samples this often, then ack
 
     def __post_init__(self) -> None:
         if self.loss_agg not in LOSS_AGG:
@@ -88,3 +92,14 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"groups_per_step={self.groups_per_step} must be >= 1")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness={self.max_staleness} must be >= 0")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} not allowed; use one of {DTYPES}")
+        for name in ("publish_every", "checkpoint_every", "micro_batch_tokens", "logit_chunk_tokens", "keep_versions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints={self.keep_checkpoints} must be >= 0 (0 keeps all)")
+        if self.ledger_flush_s <= 0:
+            raise ValueError(f"ledger_flush_s={self.ledger_flush_s} must be > 0")
+        if self.group_timeout_s <= 0:
+            raise ValueError(f"group_timeout_s={self.group_timeout_s} must be > 0")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -63,7 +64,19 @@ async def publish(js, run: str, key: str, msg: msgspec.Struct, *, attempts: int 
             delay = min(delay * 2, 5.0)
 
 
-async def dead_letter(js, run: str, *, subject: str, reason: str, consumer: str, payload: bytes) -> None:
+# Room left in a dead letter for its subject, reason, consumer and headers beside the payload.
+_DEAD_HEADROOM = 16 * 1024
+
+
+async def dead_letter(js, run: str, *, subject: str, reason: str, consumer: str, payload: bytes,
+                      max_bytes: int | None = None) -> None:
+    # The original plus our fields must still fit the server's max_payload (and the stream's
+    # max_msg_bytes): a just-under-limit message would otherwise be refused again as a dead letter.
+    limit = min(getattr(getattr(js, "_nc", None), "max_payload", 0) or 1024**2, max_bytes or 1 << 62) - _DEAD_HEADROOM
+    if len(payload) > limit:
+        digest = hashlib.sha256(payload).hexdigest()
+        reason = f"{reason[:1500]} [payload of {len(payload)} bytes (sha256 {digest}) cut to its first {limit}]"
+        payload = payload[:limit]
     dl = DeadLetter(subject=subject, reason=reason[:2000], consumer=consumer, payload=payload, created=time.time())
     await publish(js, run, "dead", dl)
     COUNTERS[f"dead.{subject.rsplit('.', 1)[-1]}"] += 1
@@ -132,7 +145,13 @@ class PullWorker:
         try:
             while not stop.is_set():
                 # Fetch only as many as we have free slots: the rest stay available to other replicas.
-                await self._slots.acquire()
+                # Wait for a slot in short hops so a stop request is seen even when every slot is busy.
+                # (Polling, not wait_for: a cancelled wait_for can swallow an acquired slot on 3.11.)
+                if self._slots.locked():
+                    await asyncio.sleep(0.05)
+                    self._reraise_crashes()
+                    continue
+                await self._slots.acquire()  # free: returns at once
                 free = 1
                 while free < self.concurrency and not self._slots.locked():
                     await self._slots.acquire()
@@ -205,6 +224,15 @@ class PullWorker:
                 await m.nak(delay=min(2.0 * meta.num_delivered, 30.0))
 
     async def _dead(self, m, reason: str) -> None:
+        try:
+            await dead_letter(self.js, self.run, subject=m.subject, reason=reason, consumer=self.name, payload=m.data,
+                              max_bytes=self.bus.max_msg_bytes)
+        except Exception as e:  # noqa: BLE001 - not stored as a dead letter: keep the message, try again later
+            self.stats["dead_failed"] += 1
+            log.error("%s: could not dead-letter a message from %s (%s: %s); it comes back later",
+                      self.name, m.subject, type(e).__name__, e)
+            with contextlib.suppress(Exception):
+                await m.nak(delay=30.0)
+            return
         self.stats["dead"] += 1
-        await dead_letter(self.js, self.run, subject=m.subject, reason=reason, consumer=self.name, payload=m.data)
         await m.term()

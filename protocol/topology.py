@@ -32,7 +32,7 @@ class BusSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Stream and consumer settings; the [bus] section of the run config."""
 
     max_age_s: float = 7 * 24 * 3600.0  # keep messages a week for replay
-    max_bytes: int = 8 * 1024**3  # per stream
+    max_bytes: int = 1024**3  # per stream; JetStream reserves it on disk up front
     replicas: int = 1  # 3 on a 3-node cluster
     duplicate_window_s: float = 600.0  # Nats-Msg-Id dedupe horizon
     ack_wait_s: float = 60.0  # unacked work is redelivered after this

@@ -1,4 +1,7 @@
-"""Typed configuration of `parley judge` ([judge]) and `parley scorer` ([scorer])."""
+"""Typed configuration of `parley judge` ([judge]) and `parley scorer` ([scorer]).
+
+Decoded by deploy/config.py; read by scorer/judge.py, scorer/scorer.py and scorer/score.py.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,29 @@ import msgspec
 from actors.config import ServiceBackend
 
 BLEU_VARIANTS = ("sacrebleu", "char")
+REWARD_METRICS = ("bleu", "interactivity", "token_amount")
 
 
 class JudgeConfig(ServiceBackend, kw_only=True, forbid_unknown_fields=True):
     """[judge]: the judge service (same backends as the simulator)."""
 
     temperature: float = 0.0
+    # A greedy retry would repeat the same malformed output, so retries sample at this temperature.
+    retry_temperature: float = 0.7
+    # Conversation tokens the judge prompt may hold; 0 = derive from engine.max_model_len (vllm
+    # backend) or no limit (openai backend). Longer conversations keep their newest turns.
+    max_conversation_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.temperature < 0 or self.retry_temperature < 0:
+            raise ValueError(
+                f"temperature={self.temperature}, retry_temperature={self.retry_temperature} must be >= 0"
+            )
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries={self.max_retries} must be >= 0")
+        if self.max_conversation_tokens < 0:
+            raise ValueError(f"max_conversation_tokens={self.max_conversation_tokens} must be >= 0 (0 = derive)")
 
 
 class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -24,15 +44,37 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     )
     clamps: dict[str, list[float]] = {}  # metric -> [lo, hi], applied before weighting
     bleu_variant: str = "sacrebleu"  # "sacrebleu" | "char" (CollabLLM's character-level BLEU)
-    judge_timeout_s: float = 300.0
+    judge_timeout_s: float = 300.0  # one judge request
+    judge_concurrency: int = 16  # judge requests in flight from one scorer
+    retry_delay_s: float = 5.0  # first back-off when the judge is down or fails; doubles each time
+    retry_max_delay_s: float = 30.0
+    # While the judge is unreachable a trajectory is held and asked again (its deliveries are not
+    # spent: a judge restart can take minutes); after this long it is nak'ed and counts one delivery.
+    judge_wait_s: float = 900.0
 
     def __post_init__(self) -> None:
         if self.bleu_variant not in BLEU_VARIANTS:
             raise ValueError(f"bleu_variant={self.bleu_variant!r} not allowed; use one of {BLEU_VARIANTS}")
-        known = {"bleu", "interactivity", "token_amount"}
         for k in [*self.weights, *self.clamps]:
-            if k not in known:
-                raise ValueError(f"unknown reward metric {k!r}; known: {sorted(known)}")
+            if k not in REWARD_METRICS:
+                raise ValueError(f"unknown reward metric {k!r}; known: {list(REWARD_METRICS)}")
         for k, v in self.clamps.items():
             if len(v) != 2 or v[0] > v[1]:
                 raise ValueError(f"clamps.{k}={v} must be [lo, hi] with lo <= hi")
+        if self.concurrency < 1 or self.judge_concurrency < 1:
+            raise ValueError(
+                f"concurrency={self.concurrency}, judge_concurrency={self.judge_concurrency} must be >= 1"
+            )
+        if self.judge_timeout_s <= 0:
+            raise ValueError(f"judge_timeout_s={self.judge_timeout_s} must be > 0")
+        if self.judge_wait_s < 0:
+            raise ValueError(f"judge_wait_s={self.judge_wait_s} must be >= 0")
+        if not 0 < self.retry_delay_s <= self.retry_max_delay_s:
+            raise ValueError(
+                f"retry_delay_s={self.retry_delay_s}, retry_max_delay_s={self.retry_max_delay_s}: "
+                "need 0 < retry_delay_s <= retry_max_delay_s"
+            )
+
+    def retry_delay(self, delivered: int) -> float:
+        """Back-off before redelivery number `delivered` + 1: doubles from retry_delay_s, capped."""
+        return min(self.retry_max_delay_s, self.retry_delay_s * 2 ** max(0, delivered - 1))

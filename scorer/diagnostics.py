@@ -1,6 +1,7 @@
 """Reward-signal diagnostics: per-term mean, within-group spread and correlation with
 the total, and a monitor that flags terms whose within-group spread stays flat.
-Read by the learner (step logging) and the live view; pure Python + numpy.
+Read by the learner (step logging, through diagnose_groups on its Scored groups) and the live
+view; pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from typing import Mapping, Sequence
 
 import msgspec
 import numpy as np
+
+from protocol.messages import Scored
+from scorer.reward import weighted_terms
 
 # Below this a standard deviation is treated as exactly zero (constant series).
 _CONSTANT_STD = 1e-12
@@ -71,6 +75,22 @@ def step_diagnostics(
             corr_with_total=_pearson(flat, flat_totals),
         )
     return stats
+
+
+def diagnose_groups(
+    groups: Sequence[Sequence[Scored]],
+    clamps: Mapping[str, Sequence[float]] | None = None,
+) -> dict[str, TermStats]:
+    """step_diagnostics over the learner's Scored groups of one step.
+
+    Each sample's terms are its weighted terms w_k * clamp(m_k) (scorer.reward.weighted_terms,
+    with the weights the scorer recorded in Scored.weights and `clamps` = [scorer].clamps); the
+    total is Scored.total, the reward the learner trains on.
+    """
+    bounds = {k: (float(v[0]), float(v[1])) for k, v in (clamps or {}).items()}
+    terms = [[weighted_terms(s.metrics, s.weights, bounds) for s in group] for group in groups]
+    totals = [[s.total for s in group] for group in groups]
+    return step_diagnostics(terms, totals)
 
 
 class SignalMonitor:

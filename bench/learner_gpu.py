@@ -1,0 +1,827 @@
+"""GPU benchmark of the learner's GRPO step (issue 9): the bf16 matmul peak, a plain PyTorch training
+step and the parley learner (learner.engine.Trainer under DeepSpeed ZeRO-2/3) on the same packed
+CollabLLM-like tokens of a Qwen3-4B-shaped model, all in one invocation. Run by hand; bench/README.md
+has the device command. Nothing in parley imports this file.
+
+Each measured phase runs in its own child process (this same script with --_phase), so GPU memory is
+fully returned between phases, every phase reports its own peak, and a phase that fails or runs out
+of time leaves the others' figures intact. The parent measures the matmul peak, computes FLOPs and
+MFU from the children's raw timings, prints a markdown table and writes JSON (to $OUT when set).
+
+FLOPs (stated once, used for every row; PaLM-style model FLOPs, recomputation not counted):
+  per sequence of s tokens, training (forward + backward) = 6 * N * s + 6 * L * Hq * d * s^2
+  (N = parameters, tied embedding counted once; the second term is causal attention,
+  12 * L * Hq * d * s^2 / 2), a forward alone is a third of that. Packed sequences attend only
+  within themselves, so the attention term is summed per sequence, never over the whole pack.
+  The learner's row adds the reference model's forward (KL) to its FLOPs; "policy MFU" leaves it out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+import weakref
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as a plain script from anywhere: `learner` must import
+
+VARLEN = "parley_varlen"  # the name our packed-sequence attention is registered under in transformers
+ATTN_CHOICES = ("sdpa", "varlen", "seqloop")
+GiB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 36; 2 with --tiny)")
+    p.add_argument("--budget-tokens", type=int, default=None,
+                   help="token budget of a packed micro-batch (default 8192; 1024 with --tiny)")
+    p.add_argument("--step-tokens", type=int, default=None, help="tokens drawn for one GRPO step (default 4 x budget)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per variant")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them")
+    p.add_argument("--zero", default="2,3", help="ZeRO stages to run the learner with, comma-separated ('' for none)")
+    p.add_argument("--attn", default="sdpa,varlen",
+                   help=f"attention variants, comma-separated, of {list(ATTN_CHOICES)}")
+    p.add_argument("--skip-plain", action="store_true", help="leave out the plain PyTorch step")
+    p.add_argument("--gpus", type=int, default=1, help="ranks for the learner phases (torch.distributed.run when > 1)")
+    p.add_argument("--kl-coef", type=float, default=0.001, help="learner kl_coef; > 0 adds the reference forward")
+    p.add_argument("--budget-s", type=float, default=520.0,
+                   help="wall-clock budget; phases and variants that would overrun it are skipped")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true",
+                   help="2-layer, 4k-vocab model in fp32: runs on CPU (gloo) in about a minute")
+    p.add_argument("--out", default=None, help="JSON path (default $OUT/learner_gpu.json when OUT is set)")
+    # internal: a child process runs one phase
+    p.add_argument("--_phase", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_deadline", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_model-dir", dest="_model_dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.layers is None:
+        args.layers = 2 if args.tiny else 36
+    if args.budget_tokens is None:
+        args.budget_tokens = 1024 if args.tiny else 8192
+    if args.step_tokens is None:
+        args.step_tokens = 4 * args.budget_tokens
+    args.zero_stages = [int(z) for z in args.zero.split(",") if z.strip()]
+    args.attn_list = [a.strip() for a in args.attn.split(",") if a.strip()]
+    errors = []
+    if any(z not in (0, 1, 2, 3) for z in args.zero_stages):
+        errors.append(f"--zero={args.zero!r}: stages must be among 0, 1, 2, 3")
+    if not args.attn_list or any(a not in ATTN_CHOICES for a in args.attn_list):
+        errors.append(f"--attn={args.attn!r}: use a comma-separated subset of {list(ATTN_CHOICES)}")
+    for name in ("layers", "budget_tokens", "step_tokens", "steps", "gpus"):
+        if getattr(args, name) < 1:
+            errors.append(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.warmup < 0:
+        errors.append(f"--warmup={args.warmup} must be >= 0")
+    if errors:
+        p.error("; ".join(errors))
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# model shape, parameter count, FLOPs
+
+
+def model_config(args):
+    from transformers import Qwen3Config
+
+    if args.tiny:
+        shape = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=256, vocab_size=4096)
+    else:  # Qwen3-4B
+        shape = dict(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     intermediate_size=9728, vocab_size=151936)
+    return Qwen3Config(num_hidden_layers=args.layers, tie_word_embeddings=True, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, use_cache=False, **shape)
+
+
+def shape_of(args) -> dict:
+    c = model_config(args)
+    return dict(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
+                kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
+                vocab=c.vocab_size)
+
+
+def count_params(s: dict) -> int:
+    """Parameters of the Qwen3 shape; the tied embedding / lm_head matrix counted once."""
+    h, d = s["hidden"], s["head_dim"]
+    q, kv = s["heads"] * d, s["kv_heads"] * d
+    layer = h * q + 2 * h * kv + q * h + 3 * h * s["intermediate"] + 2 * h + 2 * d  # projections, MLP, norms
+    return s["layers"] * layer + s["vocab"] * h + h
+
+
+def train_flops(s: dict, n_params: int, lengths: list[int]) -> float:
+    """Forward + backward model FLOPs of sequences of these lengths (module docstring)."""
+    attn = s["layers"] * s["heads"] * s["head_dim"]
+    return float(sum(6 * n_params * n + 6 * attn * n * n for n in lengths))
+
+
+# ---------------------------------------------------------------------------------------------
+# a CollabLLM-like batch
+
+
+def conversation_mask(n: int, rng: random.Random) -> list[int]:
+    """Loss mask of an n-token conversation: 2-6 turns of user text (0) then assistant text (1);
+    assistant segments are drawn 1.5x heavier, so about 60% of the tokens are trained."""
+    weights: list[float] = []
+    for _ in range(rng.randint(2, 6)):
+        weights += [rng.uniform(0.5, 1.5), 1.5 * rng.uniform(0.5, 1.5)]
+    total, acc, bounds = sum(weights), 0.0, [0]
+    for w in weights:
+        acc += w
+        bounds.append(round(n * acc / total))
+    mask: list[int] = []
+    for i in range(len(weights)):
+        mask += [i % 2] * (bounds[i + 1] - bounds[i])
+    return mask
+
+
+def draw_samples(args, vocab: int):
+    """Trajectories of budget/8 .. budget tokens (lognormal, median 3/8 of the budget: 1k-8k with the
+    default 8192) until step_tokens are drawn; random token ids (speed does not depend on them),
+    behaviour log-probs of a uniform policy (what a random-init model gives, so ratios stay near 1)."""
+    from learner.engine import Sample
+
+    rng = random.Random(args.seed)
+    lo, hi, median = max(16, args.budget_tokens // 8), args.budget_tokens, 0.375 * args.budget_tokens
+    uniform = -math.log(vocab)
+    samples, total = [], 0
+    while total < args.step_tokens:
+        n = int(min(hi, max(lo, rng.lognormvariate(math.log(median), 0.6))))
+        mask = conversation_mask(n, rng)
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        behaviour = [uniform if m else 0.0 for m in mask]
+        samples.append(Sample(f"bench/{len(samples)}", ids, mask, behaviour, rng.gauss(0.0, 1.0)))
+        total += n
+    return samples
+
+
+# ---------------------------------------------------------------------------------------------
+# attention over packed sequences without a (T, T) mask
+
+
+_pack_slot: tuple | None = None  # (weakref to position_ids, (cu, bounds, max_len)) of the last forward
+
+
+def _packing(position_ids):
+    """Sequence boundaries of a packed (1, T) position_ids (positions restart at 0 per sequence).
+    Every layer of one forward gets the same position_ids object, so this runs (and syncs) once per forward."""
+    global _pack_slot
+    import torch
+
+    if _pack_slot is not None and _pack_slot[0]() is position_ids:
+        return _pack_slot[1]
+    pos = position_ids[0]  # (T,)
+    bounds = torch.nonzero(pos == 0).flatten().tolist() + [pos.numel()]
+    if bounds[0] != 0:
+        raise ValueError("packed position_ids must start a sequence at index 0")
+    cu = torch.tensor(bounds, dtype=torch.int32, device=pos.device)  # (S+1,)
+    info = (cu, bounds, max(b - a for a, b in zip(bounds, bounds[1:])))
+    _pack_slot = (weakref.ref(position_ids), info)
+    return info
+
+
+def seqloop_kernel(q, k, v, bounds, scale):
+    """Causal attention of each packed sequence on its own through SDPA (flash when no mask is
+    given). q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D). The fallback where varlen_attn is missing."""
+    import torch
+    import torch.nn.functional as F
+
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, T, D)
+    outs = [
+        F.scaled_dot_product_attention(qh[None, :, a:b], kh[None, :, a:b], vh[None, :, a:b],
+                                       is_causal=True, scale=scale, enable_gqa=True)[0]
+        for a, b in zip(bounds, bounds[1:])
+    ]  # each (Hq, s, D)
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def make_flash_varlen(expand_kv: bool):
+    """torch.nn.attention.varlen.varlen_attn (flash, CUDA only) behind one signature; its keyword
+    arguments changed between torch releases (is_causal in 2.10, window_size and enable_gqa later).
+    expand_kv repeats the kv heads for GQA, for a release whose varlen_attn refuses fewer kv heads."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+
+    def kernel(q, k, v, cu, max_len, scale):
+        kw = {}
+        if k.shape[1] != q.shape[1]:
+            if expand_kv:
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            elif "enable_gqa" in params:
+                kw["enable_gqa"] = True
+        if "window_size" in params:
+            kw["window_size"] = (-1, 0)  # causal
+        elif "is_causal" in params:
+            kw["is_causal"] = True
+        else:
+            raise RuntimeError(f"varlen_attn{inspect.signature(varlen_attn)} has neither window_size nor is_causal")
+        if "scale" in params:
+            kw["scale"] = scale
+        elif abs(scale - q.shape[-1] ** -0.5) > 1e-9:
+            raise RuntimeError("this varlen_attn takes no scale and the model's is not 1/sqrt(head_dim)")
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+    return kernel
+
+
+_kernel: dict = {"name": None, "fn": None}
+_captured: dict = {"position_ids": None}  # the base model's last position_ids (see capture_positions)
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function (registered as VARLEN): query (1, Hq, T, D), key/value
+    (1, Hkv, T, D) -> ((1, T, Hq, D), None). Sequences come from the position_ids (the attention
+    kwargs carry them; else the ones the base model was called with); the (T, T) mask transformers
+    builds for SDPA is neither built nor read."""
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one packed row, got batch {query.shape[0]}")
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = _captured["position_ids"]
+    if position_ids is None or position_ids.shape[-1] != query.shape[2]:
+        raise RuntimeError("packed attention found no position_ids for this forward")
+    cu, bounds, max_len = _packing(position_ids)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, H, D)
+    if _kernel["name"] == "varlen":
+        out = _kernel["fn"](q, k, v, cu, max_len, scale)
+    else:
+        out = seqloop_kernel(q, k, v, bounds, scale)
+    return out[None], None
+
+
+def capture_positions(model) -> None:
+    """Keep the position_ids each forward of the decoder stack is called with, for a transformers
+    release whose layers do not pass them on to the attention function."""
+    base = model.base_model
+    if getattr(base, "_bench_captures", False):
+        return
+
+    def hook(module, args, kwargs):
+        _captured["position_ids"] = kwargs.get("position_ids")
+
+    base.register_forward_pre_hook(hook, with_kwargs=True)
+    base._bench_captures = True
+
+
+def install_attention(requested: str, device) -> tuple[str, str]:
+    """Register the packed attention and pick its kernel: flash varlen when asked for and it passes a
+    check against the per-sequence kernel (GQA native first, then with expanded kv heads), else
+    seqloop. Returns (kernel used, why)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, packed_attention)
+    if requested == "varlen" and _kernel["name"] == "varlen":
+        return "varlen", _kernel["why"]
+    why = ""
+    if requested == "varlen":
+        if device.type != "cuda":
+            why = "varlen_attn needs CUDA"
+        else:
+            notes = []
+            for expand_kv in (False, True):
+                try:
+                    fn = make_flash_varlen(expand_kv)
+                    err = check_varlen(fn, device)
+                except Exception as e:  # an older torch without the module, or a kernel that refuses the shapes
+                    notes.append(f"{'expanded' if expand_kv else 'native'} GQA: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                if err > 0.05:  # bf16 rounding gives about 1%; a wrong mask or layout gives order 1
+                    notes.append(f"{'expanded' if expand_kv else 'native'} GQA: "
+                                 f"differs from per-sequence SDPA by {err:.3g}")
+                    continue
+                kind = "kv heads expanded" if expand_kv else "native GQA"
+                why = "; ".join(notes + [f"{kind}, max relative diff to per-sequence SDPA {err:.2g}"])
+                _kernel.update(name="varlen", fn=fn, why=why)
+                return "varlen", why
+            why = "varlen_attn unusable: " + "; ".join(notes)
+    _kernel.update(name="seqloop", fn=None, why=why)
+    return "seqloop", why
+
+
+def check_varlen(kernel, device) -> float:
+    """Largest difference of the output and the input gradients between the varlen kernel and
+    seqloop on a small packed GQA input (bf16), relative to each tensor's largest value."""
+    import torch
+
+    torch.manual_seed(0)
+    bounds = [0, 100, 357, 421]
+    shapes = [(421, 4, 128), (421, 2, 128), (421, 2, 128)]
+    base = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in shapes]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    grad = torch.randn(421, 4, 128, device=device, dtype=torch.bfloat16)
+    outs = []
+    runs = (lambda q, k, v: kernel(q, k, v, cu, 257, 128**-0.5),
+            lambda q, k, v: seqloop_kernel(q, k, v, bounds, 128**-0.5))
+    for run in runs:
+        qkv = [t.clone().requires_grad_(True) for t in base]
+        out = run(*qkv)
+        out.backward(grad)
+        outs.append([out.detach()] + [t.grad for t in qkv])
+    return max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(*outs))
+
+
+def use_attention(model, name: str) -> None:
+    """Switch a loaded transformers model between "sdpa" and VARLEN."""
+    if name == VARLEN:
+        capture_positions(model)
+    try:
+        model.set_attn_implementation(name)
+    except (AttributeError, ValueError):  # an older transformers: set it on the config, which every layer reads
+        model.config._attn_implementation = name
+    if model.config._attn_implementation != name:
+        raise RuntimeError(f"could not switch attention to {name!r} (still {model.config._attn_implementation!r})")
+
+
+# ---------------------------------------------------------------------------------------------
+# phases (child processes)
+
+
+def _device_dtype(args):
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", torch.cuda.current_device()), (torch.float32 if args.tiny else torch.bfloat16)
+    return torch.device("cpu"), torch.float32
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_gib(device) -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
+
+
+def build_model(args, device, dtype):
+    from transformers import AutoModelForCausalLM
+    import torch
+
+    torch.manual_seed(args.seed)
+    with device:  # initialise directly on the device: a 4B model's random init on CPU takes minutes
+        model = AutoModelForCausalLM.from_config(model_config(args), dtype=dtype, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def measure(step, args, device, deadline: float, last_s: float | None) -> dict:
+    """Warm-up then timed steps; a variant whose expected time would pass the deadline is skipped."""
+    import torch
+
+    if last_s is not None and time.time() + last_s * (args.warmup + args.steps) * 1.2 > deadline:
+        return {"skipped": "time budget"}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return {"step_s": times, "peak_gib": _peak_gib(device)}
+
+
+def _save(result_path: str, rows: list[dict], extra: dict) -> None:
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"rows": rows, **extra}, f)
+    os.replace(tmp, result_path)  # written after every variant: a crash later keeps these
+
+
+def phase_build(args) -> None:
+    """Write the random model once (from_pretrained is how the learner loads its policy)."""
+    device, dtype = _device_dtype(args)
+    t0 = time.perf_counter()
+    model = build_model(args, device, dtype)
+    model.save_pretrained(args._model_dir)
+    print(f"[build] model written to {args._model_dir} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def phase_plain(args) -> None:
+    """A plain PyTorch step: full (1, T, vocab) logits, log_softmax of the trained rows, the GRPO
+    loss, backward per micro-batch, one fused AdamW step; no DeepSpeed, no reference model."""
+    import torch
+
+    from learner import grpo
+    from learner.engine import Sample, build_batch, pack_by_tokens
+
+    device, dtype = _device_dtype(args)
+    t0 = time.perf_counter()
+    model = build_model(args, device, dtype)
+    built_s = time.perf_counter() - t0
+    seen, n_actual = set(), 0
+    for p in model.parameters():  # tied weights appear once
+        if id(p) not in seen:
+            seen.add(id(p))
+            n_actual += p.numel()
+    t0 = time.perf_counter()
+    model.save_pretrained(args._model_dir)  # the learner phases load these very weights
+    saved_s = time.perf_counter() - t0
+    print(f"[plain] built in {built_s:.1f} s, {n_actual / 1e9:.3f} B parameters, saved in {saved_s:.1f} s", flush=True)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+
+    vocab = model.config.vocab_size
+    samples = draw_samples(args, vocab)
+    micro = pack_by_tokens([len(s.token_ids) for s in samples], args.budget_tokens)
+    packed = [build_batch([samples[j] for j in mb], device) for mb in micro]
+    rng = random.Random(args.seed + 1)
+    n = args.budget_tokens  # one unpacked sequence, every token trained: the ENVIRONMENT.md measurement
+    single = [build_batch([Sample("bench/single", [rng.randrange(vocab) for _ in range(n)], [1] * n,
+                                  [-math.log(vocab)] * n, 1.0)], device)]
+
+    def step(batches) -> None:
+        n_total = sum(b.n_loss_tokens for b in batches)
+        for b in batches:
+            logits = model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False).logits  # (1, T, V)
+            rows = logits[0].index_select(0, b.src).float()  # (N, V)
+            logp = rows.log_softmax(-1).gather(1, b.targets[:, None])[:, 0]  # (N,)
+            loss, _ = grpo.grpo_loss(logp, b.behaviour, b.advantages, torch.ones_like(b.correct), b.seq)
+            (loss * (b.n_loss_tokens / n_total)).backward()
+            del logits, rows, logp, loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    rows: list[dict] = []
+    extra = {"n_params_actual": n_actual, "build_s": built_s, "save_s": saved_s}
+    variants = [("sdpa", "single", single)] + [(a, "packed", packed) for a in args.attn_list]
+    last = None
+    for attn, layout, batches in variants:
+        row = {"phase": "plain", "layout": layout, "attention": attn, "world": 1,
+               "lengths": [n] if layout == "single" else [len(s.token_ids) for s in samples],
+               "micro_batches": len(batches), "trained_tokens": sum(b.n_loss_tokens for b in batches)}
+        try:
+            if attn == "sdpa":
+                use_attention(model, "sdpa")
+            else:
+                kernel, why = install_attention(attn, device)
+                use_attention(model, VARLEN)
+                row.update(attention=kernel, attention_note=why)
+            row.update(measure(lambda: step(batches), args, device, args._deadline, last))
+        except Exception as e:  # record it and go on: the other variants are still worth having
+            row["error"] = f"{type(e).__name__}: {e}"
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if "step_s" in row:
+            last = statistics.median(row["step_s"]) * (len(packed) / len(batches))
+        print(f"[plain] {_brief(row)}", flush=True)
+        rows.append(row)
+        _save(args._result, rows, extra)
+
+
+def phase_learner(args, zero: int) -> None:
+    """parley's learner as it trains: Trainer(LearnerConfig) from the saved weights, then
+    Trainer.train_step(samples) (packing, chunked log-probs of trained tokens, reference forward,
+    GRPO loss, DeepSpeed backward and step)."""
+    import torch
+
+    from learner.config import LearnerConfig
+    from learner.engine import Trainer, build_batch, pack_by_tokens, shard_by_tokens, token_logprobs
+
+    cfg = LearnerConfig(zero_stage=zero, micro_batch_tokens=args.budget_tokens, kl_coef=args.kl_coef,
+                        lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto")
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, args._model_dir)
+    init_s = time.perf_counter() - t0
+    device, rank, world = trainer.device, trainer.rank, torch.distributed.get_world_size()
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    persistent = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
+    tag = f"[zero{zero}]"
+    if rank == 0:
+        print(f"{tag} Trainer ready in {init_s:.1f} s on {world} rank(s)"
+              + (f", {persistent:.1f} GiB allocated" if persistent is not None else ""), flush=True)
+
+    samples = draw_samples(args, trainer.module.config.vocab_size)
+    lengths = [len(s.token_ids) for s in samples]
+    mine = [samples[i] for i in shard_by_tokens(lengths, world)[rank]]
+    first = pack_by_tokens([len(s.token_ids) for s in mine], args.budget_tokens)[0]
+    probe = build_batch([mine[j] for j in first], device)
+    models = [trainer.module] + ([trainer.reference] if trainer.reference is not None else [])
+
+    def probe_logp():
+        with torch.no_grad():
+            lp, _ = token_logprobs(trainer.module, probe, cfg.logit_chunk_tokens, grad=False)
+        return lp.float()
+
+    rows: list[dict] = []
+    extra = {"init_s": init_s, "persistent_gib": persistent}
+    last = None
+    for attn in args.attn_list:
+        row = {"phase": f"learner ZeRO-{zero}", "zero": zero, "layout": "packed", "attention": attn,
+               "world": world, "lengths": lengths, "kl_coef": args.kl_coef,
+               "trained_tokens": sum(sum(s.loss_mask[1:]) for s in samples)}
+        # every rank must take the same branch (the steps are collective): rank 0 decides
+        go = [last is None or time.time() + last * (args.warmup + args.steps) * 1.2 <= args._deadline]
+        if world > 1:
+            torch.distributed.broadcast_object_list(go, src=0)
+        if not go[0]:
+            row["skipped"] = "time budget"
+        else:
+            try:
+                if attn == "sdpa":
+                    for m in models:
+                        use_attention(m, "sdpa")
+                else:
+                    kernel, why = install_attention(attn, device)
+                    for m in models:
+                        use_attention(m, VARLEN)
+                    row.update(attention=kernel, attention_note=why)
+                    # same weights, both attentions: the packed kernel must be a drop-in for SDPA
+                    use_attention(trainer.module, "sdpa")
+                    ref_lp = probe_logp()
+                    use_attention(trainer.module, VARLEN)
+                    diff = (probe_logp() - ref_lp).abs()
+                    row.update(logp_max_abs_diff_vs_sdpa=float(diff.max()),
+                               logp_mean_abs_diff_vs_sdpa=float(diff.mean()))
+                stats: dict = {}
+
+                def step():
+                    stats.update(trainer.train_step(samples))
+
+                row.update(measure(step, args, device, float("inf"), None))
+                row["micro_batches"] = int(stats.get("micro_batches", 0))
+                row["last_step_stats"] = {k: v for k, v in stats.items() if isinstance(v, float)}
+                last = statistics.median(row["step_s"])
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+                if world > 1:
+                    raise  # ranks may now disagree on what comes next; stop rather than hang
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        if rank == 0:
+            print(f"{tag} {_brief(row)}", flush=True)
+            rows.append(row)
+            _save(args._result, rows, extra)
+
+
+def _brief(row: dict) -> str:
+    head = f"{row['layout']} {row['attention']}"
+    if "error" in row:
+        return f"{head}: FAILED {row['error']}"
+    if "skipped" in row:
+        return f"{head}: skipped ({row['skipped']})"
+    med = statistics.median(row["step_s"])
+    tok = sum(row["lengths"])
+    mem = f", peak {row['peak_gib']:.1f} GiB" if row.get("peak_gib") is not None else ""
+    return f"{head}: {med:.3f} s/step, {tok / med:,.0f} tokens/s{mem}"
+
+
+# ---------------------------------------------------------------------------------------------
+# parent: matmul peak, children, report
+
+
+def matmul_peak(tiny: bool) -> dict:
+    """Dense matmul rate: 8192^3 bf16 on a GPU (10 timed after 3 warm-ups, CUDA events);
+    on CPU a 1024^3 fp32 product, only so the --tiny run has a denominator."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    dev = "cuda" if cuda else "cpu"
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    reps = 10
+    for _ in range(3):
+        c = a @ b
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            c = a @ b
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            c = a @ b
+        seconds = time.perf_counter() - t0
+    del a, b, c
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"tflops": 2 * n**3 * reps / seconds / 1e12, "n": n, "dtype": str(dtype).replace("torch.", ""),
+            "device": dev}
+
+
+def machine_info() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for pkg in ("transformers", "deepspeed"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    if torch.cuda.is_available():
+        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), cuda=torch.version.cuda,
+                    flash_sdp=torch.backends.cuda.flash_sdp_enabled(),
+                    mem_efficient_sdp=torch.backends.cuda.mem_efficient_sdp_enabled(),
+                    cudnn_sdp=torch.backends.cuda.cudnn_sdp_enabled(),
+                    gpu_mem_gib=torch.cuda.get_device_properties(0).total_memory / GiB)
+    else:
+        info.update(gpu=None, gpus=0, cpu_threads=torch.get_num_threads())
+    try:
+        import torch.nn.attention.varlen  # noqa: F401
+
+        info["varlen_attn"] = True
+    except ImportError:
+        info["varlen_attn"] = False
+    return info
+
+
+def run_child(args, phase: str, model_dir: str, deadline: float) -> tuple[list[dict], dict, str]:
+    """Run one phase in a child process until the deadline; (rows, extra, status)."""
+    fd, result = tempfile.mkstemp(prefix=f"bench_{phase}_", suffix=".json")
+    os.close(fd)
+    os.unlink(result)
+    script = [str(Path(__file__).resolve())]
+    if phase.startswith("zero") and args.gpus > 1:
+        script = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"] + script
+    cmd = [sys.executable, *script, *sys.argv[1:], "--_phase", phase, "--_result", result,
+           "--_deadline", str(deadline), "--_model-dir", model_dir]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    print(f"== phase {phase} ({deadline - time.time():.0f} s left)", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: a timeout kills all its ranks
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.time()))
+        status = "ok" if rc == 0 else f"exit code {rc}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        status = "killed at the time budget"
+    print(f"== phase {phase}: {status} after {time.perf_counter() - t0:.0f} s", flush=True)
+    rows, extra = [], {}
+    if os.path.exists(result):
+        with open(result) as f:
+            data = json.load(f)
+        rows, extra = data.pop("rows"), data
+        os.unlink(result)
+    return rows, extra, status
+
+
+def compute(rows: list[dict], shape: dict, n_params: int, peak_tflops: float) -> None:
+    """Add FLOPs, TFLOP/s, MFU and ratios to every measured row (in place)."""
+    for r in rows:
+        if "step_s" not in r:
+            continue
+        t = statistics.median(r["step_s"])
+        tokens = sum(r["lengths"])
+        policy = train_flops(shape, n_params, r["lengths"])
+        ref = policy / 3 if r.get("kl_coef", 0) > 0 else 0.0  # reference forward only
+        denom = t * peak_tflops * 1e12 * r["world"]
+        r.update(s_per_step=t, tokens=tokens, tokens_per_s=tokens / t, flops=policy + ref,
+                 tflops_per_gpu=(policy + ref) / t / 1e12 / r["world"], mfu=(policy + ref) / denom,
+                 policy_mfu=policy / denom)
+    plain = {r["attention"]: r for r in rows if r["phase"] == "plain" and r["layout"] == "packed" and "mfu" in r}
+    for r in rows:
+        if "mfu" in r and r["phase"] != "plain":
+            same = plain.get(r["attention"]) or plain.get("sdpa")
+            if same is not None:
+                r["vs_plain"] = {"attention": same["attention"], "mfu_ratio": r["mfu"] / same["mfu"],
+                                 "policy_mfu_ratio": r["policy_mfu"] / same["mfu"],
+                                 "tokens_per_s_ratio": r["tokens_per_s"] / same["tokens_per_s"]}
+
+
+def table(report: dict) -> str:
+    peak = report["peak"]
+    m = report["machine"]
+    lines = [
+        f"{m.get('gpu') or 'CPU'}; torch {m['torch']}, transformers {m['transformers']}, deepspeed {m['deepspeed']}; "
+        f"matmul peak {peak['tflops']:.0f} TFLOP/s ({peak['n']}^3 {peak['dtype']}); "
+        f"{report['model']['params'] / 1e9:.3f} B params, {report['model']['layers']} layers; "
+        f"step: {report['batch']['sequences']} sequences, {report['batch']['tokens']} tokens "
+        f"({report['batch']['min_len']}-{report['batch']['max_len']}), "
+        f"{report['batch']['trained_fraction']:.0%} trained, "
+        f"micro-batch budget {report['batch']['budget_tokens']}",
+        "",
+        "| run | layout | attention | GPUs | micro-batches | s/step | tokens/s | TFLOP/s/GPU | MFU | policy MFU "
+        "| MFU / plain | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        head = f"| {r['phase']} | {r['layout']} | {r['attention']} | {r['world']} | {r.get('micro_batches', '')} |"
+        if "mfu" not in r:
+            why = r.get("error") or f"skipped: {r.get('skipped', 'no result')}"
+            lines.append(f"{head} {why} | | | | | | |")
+            continue
+        ratio = f"{r['vs_plain']['mfu_ratio']:.2f} (vs {r['vs_plain']['attention']})" if "vs_plain" in r else ""
+        policy = f"{r['policy_mfu']:.1%}" if r["policy_mfu"] != r["mfu"] else ""
+        mem = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else ""
+        lines.append(f"{head} {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
+                     f"{r['mfu']:.1%} | {policy} | {ratio} | {mem} |")
+    for p in report["phases"]:
+        if p["status"] != "ok":
+            lines.append(f"\nphase {p['phase']}: {p['status']}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    # DeepSpeed calls collectives that newer torch marks deprecated, once per layer and step
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\..*` is deprecated", category=FutureWarning)
+    if args._phase is not None:
+        if args._phase == "build":
+            phase_build(args)
+        elif args._phase == "plain":
+            phase_plain(args)
+        else:
+            phase_learner(args, int(args._phase.removeprefix("zero")))
+        return 0
+
+    start = time.time()
+    deadline = start + args.budget_s
+    out = args.out or (os.path.join(os.environ["OUT"], "learner_gpu.json") if os.environ.get("OUT") else None)
+    info = machine_info()
+    print(f"machine: {json.dumps(info)}", flush=True)
+    peak = matmul_peak(args.tiny)
+    print(f"matmul peak: {peak['tflops']:.1f} TFLOP/s ({peak['n']}^3 {peak['dtype']} on {peak['device']})", flush=True)
+    shape = shape_of(args)
+    n_params = count_params(shape)
+    vocab = shape["vocab"]
+    samples = draw_samples(args, vocab)
+    lengths = [len(s.token_ids) for s in samples]
+    report = {
+        "machine": info, "peak": peak, "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "model": {**shape, "params": n_params},
+        "batch": {"sequences": len(lengths), "tokens": sum(lengths), "min_len": min(lengths), "max_len": max(lengths),
+                  "trained_fraction": sum(sum(s.loss_mask[1:]) for s in samples) / sum(lengths),
+                  "budget_tokens": args.budget_tokens, "lengths": lengths},
+        "flops_formula": "per sequence of s tokens: train = 6*N*s + 6*L*Hq*d*s^2 (causal attention); "
+                         "forward = train/3; learner rows add the reference forward when kl_coef > 0",
+        "rows": [], "phases": [],
+    }
+
+    def write() -> None:
+        compute(report["rows"], shape, n_params, peak["tflops"])
+        report["table_md"] = table(report)
+        report["elapsed_s"] = time.time() - start
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(report, indent=1))
+            Path(out).with_suffix(".md").write_text(report["table_md"] + "\n")
+
+    model_dir = tempfile.mkdtemp(prefix="parley_bench_model_")
+    try:
+        phases = ["plain"] if not args.skip_plain else (["build"] if args.zero_stages else [])
+        phases += [f"zero{z}" for z in args.zero_stages]
+        for phase in phases:
+            if deadline - time.time() < 20:
+                report["phases"].append({"phase": phase, "status": "skipped: time budget"})
+                continue
+            rows, extra, status = run_child(args, phase, model_dir, deadline)
+            report["rows"] += rows
+            report["phases"].append({"phase": phase, "status": status, **extra})
+            if phase in ("build", "plain") and not (Path(model_dir) / "config.json").exists():
+                print("the model was not written; the learner phases cannot run", flush=True)
+                break
+            write()
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    write()
+    print("\n" + report["table_md"], flush=True)
+    if out:
+        print(f"\nwrote {out}", flush=True)
+    measured = [r for r in report["rows"] if "mfu" in r]
+    return 0 if measured else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

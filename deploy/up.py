@@ -1,0 +1,293 @@
+"""`parley up`: the whole system on one machine, as child processes, with a live view.
+
+Starts nats-server, the sim + judge services, N actors, M scorers and the learner; waits for each
+to report ready; shows the live view; stops everything on Ctrl-C or when a role fails (showing its
+last log lines); after the learner's last step prints a summary and the closing eval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+
+from deploy.config import RunConfig, dump_config
+from deploy.supervisor import Supervisor
+
+log = logging.getLogger("parley.up")
+READY_STATES = ("ready", "busy")
+
+
+def run_dir_for(cfg: RunConfig) -> Path:
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
+    return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every role child, in start order."""
+    c = ["--config", str(config_path)]
+    children = []
+    shared = (
+        cfg.sim.backend == "vllm"
+        and cfg.judge.backend == "vllm"
+        and cfg.sim.engine.model == cfg.judge.engine.model
+    )
+    if shared:
+        children.append(("services", sup.parley_argv("services", *c, "--id", "services")))
+    else:
+        children.append(("sim", sup.parley_argv("sim", *c, "--id", "sim")))
+        children.append(("judge", sup.parley_argv("judge", *c, "--id", "judge")))
+    for i in range(cfg.up.actors):
+        children.append((f"actor-{i}", sup.parley_argv("actor", *c, "--id", f"actor-{i}")))
+    for i in range(cfg.up.scorers):
+        children.append((f"scorer-{i}", sup.parley_argv("scorer", *c, "--id", f"scorer-{i}")))
+    children.append(("learner", sup.parley_argv("learner", *c)))
+    return children
+
+
+def prepare_models(cfg: RunConfig) -> None:
+    """Build the embedded models once, before children race for them."""
+    from actors.models import ensure_model
+
+    for name in sorted({cfg.actor.engine.model, cfg.sim.engine.model, cfg.judge.engine.model, cfg.learner.model}):
+        t0 = time.time()
+        path = ensure_model(name)
+        print(f"model {name}: {path} ({time.time() - t0:.0f}s)", flush=True)
+
+
+async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
+    from deploy.auth import generate_credentials, server_auth_conf
+    from deploy.live import RunWatcher, render, watch
+    from deploy.natsserver import NatsServer
+    from protocol import topology
+    from protocol.connect import connect
+
+    run_dir = run_dir_for(cfg).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run.dir = str(run_dir)
+    print(f"run directory: {run_dir}", flush=True)
+
+    creds = generate_credentials(cfg.run.name, run_dir / "auth")
+    server = NatsServer(run_dir / "nats", port=0, extra_conf=server_auth_conf(creds))
+    cfg.nats.url = server.start()
+    print(f"nats-server: {cfg.nats.url} (store {server.store_dir})", flush=True)
+
+    config_path = run_dir / "config.toml"
+    config_path.write_text(dump_config(cfg))
+    (run_dir / "env").write_text(
+        f"export PARLEY_NATS_URL={cfg.nats.url}\nexport PARLEY_RUN={cfg.run.name}\n"
+        f"# a role started by hand also needs its credentials: source {run_dir / 'auth'}/<role>.env\n"
+    )
+    sup = Supervisor(run_dir)
+    admin = creds["admin"]
+    nc = await connect(cfg.nats.url, name="parley-up", user=admin[0], password=admin[1])
+    js = nc.jetstream()
+    code = 1
+    try:
+        await asyncio.to_thread(prepare_models, cfg)
+        await topology.ensure_topology(js, cfg.run.name, cfg.bus)
+        for name, argv in plan_children(cfg, sup, config_path):
+            role = name.split("-")[0]
+            user, password = creds["services" if role == "services" else role]
+            sup.start(name, argv, env={"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password}, config_text=dump_config(cfg))
+            print(f"started {name}: pid {sup.get(name).proc.pid}, log {sup.get(name).log_path}", flush=True)
+
+        watcher = RunWatcher(nc, cfg.run.name)
+        await watcher.start()
+        if not await _wait_ready(sup, watcher, stop, timeout=1800.0):
+            return _report_failure(sup) if sup.failed() else 130
+        print("all roles ready", flush=True)
+
+        view_stop = asyncio.Event()
+        viewer = asyncio.create_task(watch(nc, cfg.run.name, view_stop)) if live else None
+        code = await _until_done(sup, stop, watcher, quiet=live)
+        view_stop.set()
+        if viewer:
+            await viewer
+        else:
+            from rich.console import Console
+
+            Console(width=110).print(render(await watcher.poll(), cfg.run.name, "(at the last step)"))
+        await watcher.stop()
+        if code == 0:
+            # The services stay up for the closing eval; the rest of the fleet is done.
+            for c in sup.children:
+                if c.name.startswith(("actor", "scorer")):
+                    c.proc.terminate()
+            code = await _closing(cfg, sup, run_dir, creds)
+        return code
+    finally:
+        sup.stop_all()
+        with contextlib.suppress(Exception):
+            await nc.drain()
+        server.stop()
+        print(f"stopped; logs in {run_dir / 'logs'}", flush=True)
+
+
+def ready_children(heartbeats) -> set[str]:
+    """Names of children (as up names them) whose heartbeat says ready or busy."""
+    up = {hb.id for hb in heartbeats if hb.state in READY_STATES}
+    up |= {hb.role for hb in heartbeats if hb.role == "learner" and hb.state in READY_STATES}
+    if {"services-sim", "services-judge"} <= up:
+        up.add("services")
+    return up
+
+
+async def _wait_ready(sup: Supervisor, watcher, stop: asyncio.Event, timeout: float) -> bool:
+    expected = {c.name for c in sup.children}
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline and not stop.is_set():
+        if sup.failed():
+            return False
+        ready = ready_children(watcher.snap.roles.values())
+        missing = sorted(expected - ready)
+        if not missing:
+            return True
+        msg = f"waiting for: {', '.join(missing)}"
+        if msg != last:
+            print(msg, flush=True)
+            last = msg
+        await asyncio.sleep(1.0)
+    return False
+
+
+async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool) -> int:
+    learner = sup.get("learner")
+    last_line, last_t = "", 0.0
+    while not stop.is_set():
+        failed = sup.failed()
+        if failed:
+            return _report_failure(failed)
+        if learner.returncode == 0:
+            return 0
+        snap = await watcher.poll()
+        if not quiet:  # without the live view, a progress line when something moves (or every 30 s)
+            line = progress_line(snap)
+            if line != last_line or time.monotonic() - last_t > 30:
+                print(line, flush=True)
+                last_line, last_t = line, time.monotonic()
+        await asyncio.sleep(1.0)
+    print("interrupted: stopping every role", flush=True)
+    return 130
+
+
+def progress_line(snap) -> str:
+    learner = next((hb for hb in snap.roles.values() if hb.role == "learner"), None)
+    s = snap.streams
+    parts = [
+        f"step {int(learner.counters.get('step', 0)) if learner else '-'}",
+        f"version {learner.version if learner else '-'}",
+        f"tasks {s['tasks'].messages if 'tasks' in s else 0}",
+        f"trajectories {s['traj'].messages if 'traj' in s else 0}",
+        f"scored {s['scored'].messages if 'scored' in s else 0}",
+        f"dead {s['dead'].messages if 'dead' in s else 0}",
+    ]
+    return time.strftime("%H:%M:%S ") + " | ".join(parts)
+
+
+def _report_failure(child) -> int:
+    if not hasattr(child, "tail"):
+        return 1
+    print(f"\n{child.name} exited with code {child.returncode}; its last log lines:\n", flush=True)
+    print(child.tail(30), flush=True)
+    return 1
+
+
+async def _closing(cfg: RunConfig, sup: Supervisor, run_dir: Path, creds: dict) -> int:
+    """Summary of reward terms per step, the closing eval (first vs last version), the report PNGs."""
+    print(summary_text(run_dir), flush=True)
+    rows = read_metrics(run_dir)
+    last = int(rows[-1]["version"]) if rows else 0
+    env = {"PARLEY_NATS_USER": creds["eval"][0], "PARLEY_NATS_PASSWORD": creds["eval"][1]}
+    config = str(run_dir / "config.toml")
+    code = 0
+    if cfg.up.eval_items > 0 and last > 0:
+        export = run_dir / "export" / f"v{last}"
+        steps = [
+            ("export", sup.parley_argv("export", str(run_dir), str(export), "--version", str(last))),
+            (
+                "eval",
+                sup.parley_argv(
+                    "eval", "--config", config, "--services", "nats",
+                    "-C", "first=" + cfg.learner.model, "-C", f"last={export}", "--baseline", "first",
+                    "--n-items", str(cfg.up.eval_items), "--assistant-max-tokens", str(cfg.rollout.max_tokens),
+                    "--max-new-turns", str(cfg.rollout.max_new_turns), "--user-sim-prompt", cfg.rollout.sim_prompt,
+                    "--out", str(run_dir / "eval" / "closing"),
+                ),
+            ),
+        ]
+        print(f"\nclosing eval: version 0 (first) against version {last} (last) on {cfg.up.eval_items} held-out items", flush=True)
+        for name, argv in steps:
+            child = sup.start(name, argv, env=env)
+            code = await asyncio.to_thread(child.proc.wait)
+            if code != 0:
+                _report_failure(child)
+                break
+        if code == 0:
+            table = run_dir / "eval" / "closing" / "table.md"
+            print(table.read_text() if table.exists() else f"(no table at {table})", flush=True)
+            write_eval_summary(run_dir, last)
+    from deploy.report import write_report
+
+    for png in write_report(run_dir, run_dir / "report"):
+        print(f"chart: {png}", flush=True)
+    ckpts = sorted((run_dir / "learner" / "ckpt").glob("*")) if (run_dir / "learner" / "ckpt").exists() else []
+    print(f"checkpoint: {ckpts[-1] if ckpts else '(none)'}", flush=True)
+    return code
+
+
+def write_eval_summary(run_dir: Path, last: int) -> None:
+    """Turn the closing eval's table.csv into RUN_DIR/eval/summary.jsonl rows (per version and metric)."""
+    import csv
+
+    path = run_dir / "eval" / "closing" / "table.csv"
+    if not path.exists():
+        return
+    versions = {"first": 0, "last": last}
+    out = run_dir / "eval" / "summary.jsonl"
+    with path.open() as f, out.open("a") as w:
+        for row in csv.DictReader(f):
+            version = versions.get(row.get("condition", ""))
+            if version is None:
+                continue
+            for metric in ("bleu", "interactivity", "tokens_k", "mr"):
+                if row.get(metric) not in (None, ""):
+                    w.write(json.dumps({"version": version, "metric": metric, "mean": float(row[metric])}) + "\n")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summary_text(run_dir: Path) -> str:
+    rows = read_metrics(run_dir)
+    if not rows:
+        return f"no metrics written ({run_dir / 'metrics.jsonl'} missing)"
+    terms = sorted({t for r in rows for t in (r.get("reward_terms") or {})})
+    head = ["step", "version", *[f"{t} (mean/std)" for t in terms], "reward", "kl", "loss", "no signal"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        rt = r.get("reward_terms") or {}
+        cells = [str(r.get("step")), str(r.get("version"))]
+        for t in terms:
+            stats = rt.get(t) or {}
+            cells.append(f"{_cell(stats.get('mean'))} / {_cell(stats.get('within_group_std'))}")
+        cells += [_cell(r.get("reward_mean")), _cell(r.get("kl_mean")), _cell(r.get("loss")), ", ".join(r.get("no_signal_terms") or []) or "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\nreward terms per step (weighted; mean / mean within-group std)\n" + "\n".join(lines)
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    return str(v)

@@ -1,0 +1,80 @@
+"""Commands `parley up`, `parley top` and `parley report` (light imports only)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_main, setup_logging
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up", help="Run the whole system on this machine (nats, services, actors, scorers, learner) with a live view.")(up_cmd)
+    app.command("top", help="Live view of a running run whose roles may live on other machines.")(top_cmd)
+    app.command("report", help="Write PNG charts of reward terms, KL and eval metrics of a run directory.")(report_cmd)
+
+
+def up_cmd(
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Stop after this many GRPO steps (overrides [learner].steps).")] = None,
+    actors: Annotated[Optional[int], typer.Option("--actors", help="Rollout actors to start (overrides [up].actors).")] = None,
+    scorers: Annotated[Optional[int], typer.Option("--scorers", help="Scorers to start (overrides [up].scorers).")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>).")] = None,
+    live: Annotated[Optional[bool], typer.Option("--live/--no-live", help="Live terminal view (default: on when stdout is a terminal).")] = None,
+    dry: DryRunOpt = False,
+) -> None:
+    extra = []
+    if steps is not None:
+        extra.append(f"learner.steps={steps}")
+    if actors is not None:
+        extra.append(f"up.actors={actors}")
+    if scorers is not None:
+        extra.append(f"up.scorers={scorers}")
+    if run_dir is not None:
+        extra.append(f'run.dir="{run_dir}"')
+    cfg = resolve(config, sets, extra=extra)
+    if dry:
+        dry_run(cfg)
+    if cfg.learner.steps < 1:
+        typer.echo("parley up: --steps must be >= 1 (up stops after the learner's last step)", err=True)
+        raise typer.Exit(2)
+    setup_logging("up", "WARNING")
+    from deploy.up import up_main
+
+    show_live = cfg.up.live and sys.stdout.isatty() if live is None else live
+    run_main(up_main, cfg, show_live)
+
+
+def top_cmd(nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, sets: SetOpt = None) -> None:
+    cfg = resolve(config, sets, nats=nats, run=run)
+    setup_logging("top", "WARNING")
+
+    async def main(stop, cfg):
+        from deploy.live import watch
+        from protocol.connect import connect
+
+        nc = await connect(cfg.nats.url, name="parley-top", first_timeout=cfg.nats.connect_timeout_s)
+        await watch(nc, cfg.run.name, stop)
+        await nc.drain()
+        return 0
+
+    run_main(main, cfg)
+
+
+def report_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `parley up` or `parley learner`.")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Where to write the PNGs (default RUN_DIR/report).")] = None,
+) -> None:
+    from deploy.report import write_report
+
+    try:
+        files = write_report(run_dir, out or run_dir / "report")
+    except FileNotFoundError as e:
+        typer.echo(f"parley report: {e}", err=True)
+        raise typer.Exit(2) from None
+    for f in files:
+        typer.echo(str(f))

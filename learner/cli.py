@@ -1,0 +1,91 @@
+"""`parley learner` and `parley export`: option parsing only. The learner lives in learner/service.py
+(rank 0) and learner/engine.py (every rank) and is imported when the command runs, so
+`parley --help` never imports torch or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_main, setup_logging
+
+
+def register(app: typer.Typer) -> None:
+    app.command("learner", help="GRPO learner: feed tasks, group scored samples, train on DeepSpeed, publish weights.")(
+        learner_cmd
+    )
+    app.command("export", help="Write one weights version of a learner run as a standalone HF checkpoint.")(export_cmd)
+
+
+def learner_cmd(
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+    dry: DryRunOpt = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the run directory's learner state and checkpoint.")
+    ] = False,
+    steps: Annotated[
+        Optional[int], typer.Option("--steps", help="Stop once this many optimizer steps are done in total; overrides learner.steps.")
+    ] = None,
+    allow_overlap: Annotated[
+        bool, typer.Option("--allow-overlap", help="Start even if train and eval share reference targets (recorded in the run).")
+    ] = False,
+) -> None:
+    """Run the learner until `steps` steps are done (exit 0) or Ctrl-C / SIGTERM (state saved).
+
+    Several GPUs: start it under the deepspeed launcher or torchrun (docs/learner.md); rank 0
+    talks to NATS and the other ranks follow its training calls.
+    """
+    extra = [f"learner.steps={steps}"] if steps is not None else []
+    if allow_overlap:
+        extra.append("data.allow_overlap=true")
+    cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
+    if dry:
+        dry_run(cfg)
+    check_leakage(cfg)
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(f"learner{rank or ''}")
+    if rank == 0:
+        from learner.service import main
+
+        run_main(main, cfg, resume)
+    else:
+        from learner.service import follower
+
+        follower(cfg)
+
+
+def check_leakage(cfg) -> None:
+    """Refuse, before any work, to train on reference targets the eval split also scores against."""
+    from actors.data import train_eval_items
+    from scorer.leakage import LeakageError, guard_overlap
+
+    try:
+        train, held = train_eval_items(cfg.data)
+        guard_overlap(train, held, cfg.data.allow_overlap, cfg.run_dir)
+    except (LeakageError, FileNotFoundError, ValueError) as e:
+        typer.echo(f"parley learner: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def export_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/<name>).")],
+    out: Annotated[Path, typer.Argument(help="Directory to write the HF checkpoint to.")],
+    version: Annotated[int, typer.Option("--version", "-v", help="Weights version (= optimizer step) to export.")],
+) -> None:
+    """Copy or consolidate version V into OUT with the base model's tokenizer, ready for vLLM or transformers."""
+    setup_logging("export")
+    from learner.checkpoint import export_version
+
+    try:
+        path = export_version(run_dir, version, out)
+    except FileNotFoundError as e:
+        typer.echo(f"parley export: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(str(path))

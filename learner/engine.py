@@ -1,0 +1,480 @@
+"""The learner's model side: a DeepSpeed engine built from [learner], trajectories packed into
+micro-batches by a token budget, log-probs recomputed without full-vocabulary logits, one GRPO
+optimizer step, and the HF-named weights actors serve. Called by learner.service and the tests.
+
+Not imported at `parley --help` time (learner.cli imports it inside the command), so torch is
+imported at the top; DeepSpeed and transformers where a Trainer is built.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from learner import grpo
+from learner.config import LearnerConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# samples and packing (no model needed)
+
+
+@dataclass
+class Sample:
+    """One trajectory as the learner trains it; all lists are aligned with token_ids."""
+
+    traj_id: str
+    token_ids: list[int]
+    loss_mask: list[int]  # 1 where the token is trained
+    behaviour: list[float]  # behaviour log-prob of each trained token (0.0 elsewhere)
+    advantage: float
+    correct: bool = False  # stale group: truncated importance sampling instead of the PPO ratio
+
+
+def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of sequences grouped into micro-batches of at most `budget` tokens (first-fit
+    decreasing). A sequence longer than the budget gets a micro-batch of its own."""
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(budget - n)  # negative for an oversized sequence: nothing else fits
+    return [sorted(b) for b in bins]
+
+
+def shard_by_tokens(lengths: list[int], world: int) -> list[list[int]]:
+    """Split sequence indices over `world` ranks, balancing tokens (longest first to the lightest rank)."""
+    shards: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        shards[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(s) for s in shards]
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch: sequences concatenated without padding, positions restarting per sequence."""
+
+    input_ids: Tensor  # (1, T)
+    position_ids: Tensor  # (1, T)
+    src: Tensor  # (N,) packed index p-1 whose logits predict each trained token
+    targets: Tensor  # (N,) the trained token ids
+    seq: Tensor  # (N,) which sample (0..S-1 within the batch) each trained token belongs to
+    behaviour: Tensor  # (N,)
+    advantages: Tensor  # (N,)
+    correct: Tensor  # (N,) bool
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(self.targets.numel())
+
+
+def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> PackedBatch:
+    ids, pos, src, tgt, seq, beh, adv, cor = [], [], [], [], [], [], [], []
+    offset = 0
+    for s_idx, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids += s.token_ids
+        pos += range(n)
+        for p in range(1, n):  # token p is predicted by the logits at p-1; token 0 never is
+            if s.loss_mask[p]:
+                src.append(offset + p - 1)
+                tgt.append(s.token_ids[p])
+                seq.append(s_idx)
+                beh.append(s.behaviour[p])
+                adv.append(s.advantage)
+                cor.append(s.correct)
+        offset += n
+
+    def t(x, dtype):
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    return PackedBatch(
+        input_ids=t(ids, torch.long)[None],
+        position_ids=t(pos, torch.long)[None],
+        src=t(src, torch.long),
+        targets=t(tgt, torch.long),
+        seq=t(seq, torch.long),
+        behaviour=t(beh, torch.float32),
+        advantages=t(adv, torch.float32),
+        correct=t(cor, torch.bool),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# log-probs at trained positions only
+
+
+def _logp_entropy(lm_head, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    logits = lm_head(hidden).float()  # (n, V) for this chunk only
+    logp_all = torch.log_softmax(logits, dim=-1)  # (n, V)
+    logp = logp_all.gather(1, targets[:, None])[:, 0]  # (n,)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
+    return logp, entropy
+
+
+def token_logprobs(model, batch: PackedBatch, chunk: int = 1024, grad: bool = True) -> tuple[Tensor, Tensor]:
+    """Raw-distribution log-probs (N,) of the trained tokens and the entropy (N,) of the model's
+    distribution at those positions (detached), for a transformers causal LM.
+
+    Only the hidden states of trained positions go through lm_head, `chunk` at a time, and with
+    grad each chunk is checkpointed: its fp32 (chunk, vocab) logits are recomputed in backward
+    instead of being kept, so memory holds one chunk of logits, never (T, vocab).
+    Sequences are separated by position_ids alone: transformers turns restarting positions into
+    a block-diagonal causal mask when no attention_mask is given (checked in tests).
+    """
+    with torch.set_grad_enabled(grad):
+        return _packed_logprobs(model, batch.input_ids, batch.position_ids, batch.src, batch.targets, chunk, grad)
+
+
+def _packed_logprobs(model, input_ids, position_ids, src, targets, chunk: int, grad: bool) -> tuple[Tensor, Tensor]:
+    base = model.base_model  # the decoder stack without lm_head (Qwen3Model, LlamaModel, ...)
+    lm_head = model.get_output_embeddings()
+    hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # (1, T, H)
+    h = hidden[0].index_select(0, src)  # (N, H)
+    parts_lp, parts_ent = [], []
+    for i in range(0, h.shape[0], chunk):
+        hi, ti = h[i : i + chunk], targets[i : i + chunk]
+        if grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(_logp_entropy, lm_head, hi, ti, use_reentrant=False)
+        else:
+            lp, ent = _logp_entropy(lm_head, hi, ti)
+        parts_lp.append(lp)
+        parts_ent.append(ent.detach())
+    if not parts_lp:
+        zero = h.new_zeros(0, dtype=torch.float32)
+        return zero, zero
+    return torch.cat(parts_lp), torch.cat(parts_ent)
+
+
+class PackedPolicy(torch.nn.Module):
+    """What DeepSpeed wraps: the HF causal LM, with a forward that returns the log-probs and
+    entropies of a packed batch's trained tokens. The forward must go through engine(...):
+    ZeRO-3 counts micro-steps in engine.forward and accumulates gradients only across counted
+    ones (calling the model directly kept just the last micro-batch's gradient)."""
+
+    def __init__(self, model, chunk: int):
+        super().__init__()
+        self.model = model
+        self.chunk = chunk
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, src: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        return _packed_logprobs(self.model, input_ids, position_ids, src, targets, self.chunk, torch.is_grad_enabled())
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """"auto": bf16 on GPU, fp32 on CPU (bf16 matmuls are slow and inexact on this CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """One process with gloo on CPU (env filled in when absent); under the deepspeed launcher or
+    torchrun the env is already set and NCCL is used on GPUs."""
+    import deepspeed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if torch.distributed.is_initialized():
+        return
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def ds_config(cfg: LearnerConfig, dtype: torch.dtype) -> dict:
+    """The DeepSpeed config for [learner]. Gradient accumulation is driven by us: one step() per
+    GRPO step after as many backward() calls as the step has micro-batches (unmanaged mode)."""
+    zero: dict = {"stage": cfg.zero_stage}
+    if cfg.zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True)
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW: DeepSpeed's own CPU/fused kernels need a compiler toolchain (CPU) or
+            # a build (GPU); torch's fused implementation is as fast on a GPU.
+            "params": {
+                "lr": cfg.lr,
+                "weight_decay": cfg.weight_decay,
+                "betas": [0.9, 0.999],
+                "torch_adam": True,
+                "fused": torch.cuda.is_available(),
+            },
+        },
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class Trainer:
+    """The policy under DeepSpeed, an optional frozen reference for KL, and the GRPO step."""
+
+    def __init__(self, cfg: LearnerConfig, model_dir: str | Path):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        init_distributed()
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.dtype = resolve_dtype(cfg.dtype)
+        torch.manual_seed(cfg.seed)
+        conf = ds_config(cfg, self.dtype)
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+
+        self.reference = None
+        if cfg.kl_coef > 0:
+            # A plain second copy of the initial weights, forward only; loaded before ZeRO-3's
+            # partitioning hook (below) exists, so it stays whole.
+            ref = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
+            self.reference = ref.to(device).eval().requires_grad_(False)
+
+        # With ZeRO-3, from_pretrained partitions parameters while loading when this object is alive.
+        self._hf_ds = HfDeepSpeedConfig(conf) if cfg.zero_stage == 3 else None
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
+        model.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        warmup = cfg.warmup_steps
+
+        def schedule(optimizer):
+            # linear warm-up to lr over warmup_steps optimizer steps (the first step already moves), then constant
+            return torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+            )
+
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=PackedPolicy(model, cfg.logit_chunk_tokens),
+            model_parameters=[p for p in model.parameters() if p.requires_grad], config=conf, lr_scheduler=schedule,
+        )
+        self.device = self.engine.device
+        self.rank = torch.distributed.get_rank()
+
+    def close(self) -> None:
+        """Forget the ZeRO-3 loading hook: later from_pretrained calls in this process load plain models."""
+        self._hf_ds = None
+
+    @property
+    def module(self):
+        """The HF model being trained (state-dict names are the checkpoint's)."""
+        return self.engine.module.model
+
+    def _policy_logprobs(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
+        return self.engine(batch.input_ids, batch.position_ids, batch.src, batch.targets)
+
+    # -- the GRPO step --------------------------------------------------------------------------
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """Forward/backward every micro-batch of this rank's share of `samples`, then one optimizer step.
+
+        Every rank is given the same `samples` and trains a token-balanced shard of them. Each
+        micro-batch's loss is weighted by its share of the step's tokens (token-mean) or sequences
+        (seq-mean modes), so the accumulated gradient is that of the step's loss as a whole,
+        however the sequences were sharded and packed.
+        """
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        self.engine.train()
+        world = torch.distributed.get_world_size()
+        mine = [samples[i] for i in shard_by_tokens([len(s.token_ids) for s in samples], world)[self.rank]]
+        micro = pack_by_tokens([len(s.token_ids) for s in mine], cfg.micro_batch_tokens)
+        n_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
+        n_seqs = sum(1 for s in samples if any(s.loss_mask[1:]))
+        if n_tokens == 0:
+            raise ValueError("no trained token in this step's samples")
+        n_micro = len(micro)
+        if world > 1:
+            # ZeRO reduces gradients inside backward(): every rank must run as many of them.
+            count = torch.tensor([n_micro], device=self.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            n_micro = int(count.item())
+        sums: dict[str, float] = {}
+        seen = 0
+        for i in range(n_micro):
+            if i >= len(micro):
+                self._idle_backward()
+                continue
+            batch = build_batch([mine[j] for j in micro[i]], self.device)
+            n = batch.n_loss_tokens
+            if n == 0:
+                self._idle_backward()
+                continue
+            logp, entropy = self._policy_logprobs(batch)
+            ref = None
+            if self.reference is not None:
+                ref, _ = token_logprobs(self.reference, batch, cfg.logit_chunk_tokens, grad=False)
+            # Fresh groups: ratio against the behaviour policy, clipped (PPO). Stale groups under
+            # stale_policy="correct": ratio against our own detached log-probs (its gradient is
+            # the plain policy gradient), reweighted by min(pi/mu, tis_cap).
+            old = torch.where(batch.correct, logp.detach(), batch.behaviour)
+            loss, st = grpo.grpo_loss(
+                logp, old, batch.advantages, torch.ones_like(batch.correct), batch.seq,
+                behaviour_logp=batch.behaviour, ref_logp=ref, kl_coef=cfg.kl_coef,
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
+                tis_cap=cfg.tis_cap, agg_mode=cfg.loss_agg,
+            )
+            share = n / n_tokens if cfg.loss_agg == "token-mean" else len(set(batch.seq.tolist())) / n_seqs
+            # DeepSpeed averages gradients over ranks; the shares already sum to 1 over all ranks.
+            self.engine.backward(loss * share * world)
+            st.update(
+                loss=float(loss.detach()),
+                entropy=float(entropy.mean()),
+                logp_mismatch=float((logp.detach() - batch.behaviour).abs().mean()),
+            )
+            for k, v in st.items():
+                if k.endswith("_max"):
+                    sums[k] = max(sums.get(k, float("-inf")), v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + v * n
+            seen += n
+        self.engine.step()
+        stats = {k: (v if k.endswith("_max") else v / max(seen, 1)) for k, v in sums.items()}
+        grad_norm = self.engine.get_global_grad_norm()
+        elapsed = time.perf_counter() - t0
+        total_tokens = sum(len(s.token_ids) for s in samples)
+        stats.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(self.engine.get_lr()[0]),
+            tokens=float(total_tokens),
+            trained_tokens=float(n_tokens),
+            sequences=float(len(samples)),
+            micro_batches=float(n_micro),
+            train_s=elapsed,
+            tokens_per_s=total_tokens / elapsed,
+        )
+        return stats
+
+    def _idle_backward(self) -> None:
+        """A zero-weighted backward through the whole model, so this rank joins the gradient
+        reductions of a micro-batch it has no data for."""
+        batch = build_batch([Sample("idle", [0, 0], [0, 1], [0.0, 0.0], 0.0)], self.device)
+        logp, _ = self._policy_logprobs(batch)
+        self.engine.backward(logp.sum() * 0.0)
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """hf_weights of the trained model (ZeRO-3: gathered on every rank first)."""
+        import deepspeed
+
+        if self.cfg.zero_stage == 3:
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+                return hf_weights(self.module)
+        return hf_weights(self.module)
+
+    def save_weights(self, out_dir: str | Path) -> Path:
+        """Write model.safetensors + config.json (what publish_version and vLLM's reload read)."""
+        out = Path(out_dir)
+        state = self.hf_state_dict()  # every rank takes part in the ZeRO-3 gather
+        if self.rank == 0:
+            write_weights(state, self.module.config, out)
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()
+        return out
+
+    def save_checkpoint(self, ckpt_dir: str | Path, tag: str) -> None:
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+
+    def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed checkpoint {tag!r} not found under {ckpt_dir}")
+
+
+def hf_weights(model) -> dict[str, Tensor]:
+    """A transformers model's full state dict under its checkpoint names, copied to CPU in its
+    dtype, with tied duplicates (lm_head sharing the embedding) left out as save_pretrained does."""
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if t.numel() and key in seen:
+            continue  # a tied weight already written under its first name
+        seen.add(key)
+        out[name] = t.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def write_weights(state: dict[str, Tensor], config, out_dir: str | Path) -> Path:
+    """model.safetensors (one file, HF names) + config.json into out_dir, written beside and renamed."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    config.to_json_file(str(out / "config.json"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# several ranks: rank 0 runs the learner service and drives; the others replay its calls
+
+
+class Driver:
+    """Rank 0 calls the Trainer through this. With several ranks each call is broadcast first, so
+    the ranks running `follow()` make the same (collective) call with the same arguments."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.world = torch.distributed.get_world_size()
+
+    def __call__(self, name: str, *args):
+        if torch.cuda.is_available():
+            # the current GPU is per thread, and rank 0 calls from asyncio's worker threads
+            torch.cuda.set_device(self.trainer.device)
+        if self.world > 1:
+            torch.distributed.broadcast_object_list([(name, args)], src=0)
+        if name == "stop":
+            return None
+        return getattr(self.trainer, name)(*args)
+
+
+def follow(trainer: Trainer) -> None:
+    """The loop of ranks > 0: replay rank 0's calls until it says stop."""
+    while True:
+        box = [None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        name, args = box[0]
+        if name == "stop":
+            return
+        getattr(trainer, name)(*args)

@@ -1,0 +1,127 @@
+"""The task feeder: publishes one Task per GRPO group from the training split, in a fixed order,
+while the staleness gate is open. Run by learner.service beside the grouping consumer; the
+service tells it which groups were consumed and which version the learner is at.
+
+Task ids are f"{run}-g{index:06d}", so a resumed feeder that republishes from its checkpointed
+index is deduplicated by Msg-Id instead of asking for the same samples twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from dataclasses import dataclass, field
+
+from actors.data import Item, task_from_item
+from protocol.bus import publish
+from protocol.messages import Task
+
+log = logging.getLogger("parley.learner.feeder")
+
+
+def admission_limit(version: int, max_staleness: int, groups_per_step: int) -> int:
+    """The most groups that may have been issued (in flight + consumed) while the learner is at
+    `version`: (version + max_staleness + 1) x groups_per_step.
+
+    Groups are trained in issue order, groups_per_step per step, so the group issued last under
+    this bound is trained by step version + max_staleness + 1, i.e. by a learner at most
+    max_staleness versions ahead of the policy that was current when it was issued.
+    """
+    return (version + max_staleness + 1) * groups_per_step
+
+
+def may_admit(in_flight: int, consumed: int, version: int, max_staleness: int, groups_per_step: int) -> bool:
+    """The staleness gate: one more group may be issued if the count stays within the limit,
+    i.e. in_flight + consumed <= limit holds after admitting it."""
+    return in_flight + consumed + 1 <= admission_limit(version, max_staleness, groups_per_step)
+
+
+def task_id(run: str, index: int) -> str:
+    return f"{run}-g{index:06d}"
+
+
+def item_order(n_items: int, index: int, seed: int) -> int:
+    """Which training item the index-th task uses: every epoch is a fresh seeded permutation."""
+    epoch, pos = divmod(index, n_items)
+    perm = list(range(n_items))
+    random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+    return perm[pos]
+
+
+@dataclass
+class FeederState:
+    """What the checkpoint keeps of the feeder."""
+
+    next_index: int = 0
+    in_flight: set[str] = field(default_factory=set)  # issued task ids whose group is not yet consumed
+    consumed: int = 0  # issued groups trained, dropped or skipped
+
+
+class Feeder:
+    """Publishes tasks while `may_admit` holds; `mark_consumed` and `set_version` reopen the gate."""
+
+    def __init__(self, js, run: str, items: list[Item], rollout, *, max_staleness: int, groups_per_step: int,
+                 seed: int = 0, state: FeederState | None = None):
+        if not items:
+            raise ValueError("the training split is empty; check [data] path and eval_fraction")
+        self.js, self.run_name, self.items, self.rollout = js, run, items, rollout
+        self.max_staleness, self.groups_per_step, self.seed = max_staleness, groups_per_step, seed
+        self.state = state or FeederState()
+        self.version = 0
+        self.paused = False
+        self._wake = asyncio.Event()
+
+    def task(self, index: int) -> Task:
+        item = self.items[item_order(len(self.items), index, self.seed)]
+        return task_from_item(
+            item, run=self.run_name, task_id=task_id(self.run_name, index), n=self.rollout.n, rollout=self.rollout,
+            seed=self.seed * 1_000_003 + index, version=self.version,
+        )
+
+    def is_open(self) -> bool:
+        s = self.state
+        return may_admit(len(s.in_flight), s.consumed, self.version, self.max_staleness, self.groups_per_step)
+
+    def mark_consumed(self, task: str) -> bool:
+        """A group left the learner (trained, dropped or skipped). False if we did not issue it."""
+        if task not in self.state.in_flight:
+            return False
+        self.state.in_flight.discard(task)
+        self.state.consumed += 1
+        self._wake.set()
+        return True
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Re-check the gate (and the stop event) now."""
+        self._wake.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = self.state
+        while not stop.is_set():
+            if self.is_open():
+                if self.paused:
+                    log.info("admission resumed: version %d, %d in flight, %d consumed", self.version, len(s.in_flight), s.consumed)
+                    self.paused = False
+                task = self.task(s.next_index)
+                await publish(self.js, self.run_name, "tasks", task)
+                # Only after the store acknowledged it: a checkpoint never claims an unpublished task.
+                s.in_flight.add(task.task_id)
+                s.next_index += 1
+                continue
+            if not self.paused:
+                limit = admission_limit(self.version, self.max_staleness, self.groups_per_step)
+                log.info(
+                    "admission paused: %d in flight + %d consumed = limit %d at version %d "
+                    "(max_staleness %d, groups_per_step %d)",
+                    len(s.in_flight), s.consumed, limit, self.version, self.max_staleness, self.groups_per_step,
+                )
+                self.paused = True
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=5.0)

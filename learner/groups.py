@@ -1,0 +1,219 @@
+"""Assembling GRPO groups from Scored messages: one group per task, trainable when all n samples
+are in, dropped after a timeout or when too stale (or kept with an importance-sampling correction),
+skipped when every sample has the same reward. Pure bookkeeping; learner.service feeds it from the
+SCORED consumer and takes batches from it. See docs/learner.md for how this state is checkpointed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from protocol.messages import Scored, Trajectory
+
+log = logging.getLogger("parley.learner.groups")
+
+# Rewards closer than this inside a group give no GRPO signal (same tolerance as grpo.zero_advantage_groups).
+ZERO_SPREAD = 1e-6
+
+
+class BadTrajectory(ValueError):
+    """A trajectory the learner can never train on; the consumer dead-letters it with this reason."""
+
+
+def check_trajectory(traj: Trajectory) -> None:
+    """Raise BadTrajectory naming the first inconsistency of the token layout."""
+    n = len(traj.token_ids)
+    if n == 0:
+        raise BadTrajectory(f"{traj.traj_id}: no token ids")
+    if len(traj.loss_mask) != n:
+        raise BadTrajectory(f"{traj.traj_id}: loss_mask has {len(traj.loss_mask)} entries for {n} tokens")
+    if any(m not in (0, 1) for m in traj.loss_mask):
+        raise BadTrajectory(f"{traj.traj_id}: loss_mask must hold only 0 and 1")
+    if traj.loss_mask[0]:
+        raise BadTrajectory(f"{traj.traj_id}: token 0 is marked trained, but nothing predicts it")
+    covered = [False] * n
+    for i, turn in enumerate(traj.turns):
+        end = turn.start + len(turn.logprobs)
+        if turn.start < 1 or end > n:
+            raise BadTrajectory(f"{traj.traj_id}: turn {i} spans [{turn.start}, {end}) outside 1..{n}")
+        for p in range(turn.start, end):
+            covered[p] = True
+    for p, m in enumerate(traj.loss_mask):
+        if m and not covered[p]:
+            raise BadTrajectory(f"{traj.traj_id}: token {p} is trained but no turn has its behaviour log-prob")
+    if not any(traj.loss_mask):
+        raise BadTrajectory(f"{traj.traj_id}: no trained token (loss_mask is all 0)")
+
+
+def behaviour_logprobs(traj: Trajectory) -> list[float]:
+    """Behaviour log-probs aligned with token_ids (0.0 where no turn generated the token)."""
+    out = [0.0] * len(traj.token_ids)
+    for turn in traj.turns:
+        out[turn.start : turn.start + len(turn.logprobs)] = turn.logprobs
+    return out
+
+
+def behaviour_version(traj: Trajectory) -> int:
+    """The oldest policy version that generated a trained turn (the one staleness is measured by)."""
+    trained = [t.version for t in traj.turns if t.trained] or [t.version for t in traj.turns]
+    return min(trained) if trained else 0
+
+
+@dataclass
+class Group:
+    """The samples of one task seen so far."""
+
+    task_id: str
+    first_seen: float  # unix time of the first sample (the timeout counts from here)
+    samples: dict[int, Scored] = field(default_factory=dict)
+    completed: float = 0.0  # unix time the last sample arrived; FIFO order of complete groups
+
+    def min_version(self) -> int:
+        return min(behaviour_version(s.trajectory) for s in self.samples.values())
+
+    def rewards(self) -> list[float]:
+        return [self.samples[i].total for i in sorted(self.samples)]
+
+    def ordered(self) -> list[Scored]:
+        return [self.samples[i] for i in sorted(self.samples)]
+
+
+@dataclass
+class Taken:
+    """A group chosen for a step, with how it is trained."""
+
+    group: Group
+    correct: bool  # stale beyond max_staleness and kept under stale_policy="correct"
+    staleness: int
+
+
+@dataclass
+class Outcome:
+    """A group that left the buffer without being trained, and why."""
+
+    task_id: str
+    kind: str  # "timeout" | "stale" | "zero_advantage"
+    reason: str
+    samples: list[str]  # traj_ids
+
+
+class Grouper:
+    """Buffers Scored by task_id until groups of `n` are complete; idempotent per traj_id.
+
+    `done` remembers every task that was trained, dropped or skipped, so a redelivered or late
+    sample of it is ignored rather than starting a new group.
+    """
+
+    def __init__(self, n: int, *, max_staleness: int, stale_policy: str, timeout_s: float):
+        if n < 1:
+            raise ValueError(f"group size n={n} must be >= 1")
+        if stale_policy not in ("drop", "correct"):
+            raise ValueError(f"stale_policy={stale_policy!r} not allowed; use drop or correct")
+        self.n = n
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self.timeout_s = timeout_s
+        self.buffer: dict[str, Group] = {}
+        self.done: dict[str, str] = {}  # task_id -> "trained" | "timeout" | "stale" | "zero_advantage"
+        self.counters: Counter[str] = Counter()
+
+    # -- intake ---------------------------------------------------------------------------------
+
+    def add(self, scored: Scored, now: float | None = None) -> str:
+        """Buffer one sample: returns "added", "complete" (it completed its group), "duplicate"
+        (this traj_id is already buffered) or "late" (its task is already done)."""
+        if not 0 <= scored.sample < self.n:
+            raise BadTrajectory(f"{scored.traj_id}: sample index {scored.sample} outside 0..{self.n - 1} (group size n={self.n})")
+        if scored.task_id in self.done:
+            self.counters["late"] += 1
+            return "late"
+        now = time.time() if now is None else now
+        group = self.buffer.setdefault(scored.task_id, Group(scored.task_id, first_seen=now))
+        if scored.sample in group.samples:
+            self.counters["duplicate"] += 1
+            return "duplicate"
+        group.samples[scored.sample] = scored
+        if len(group.samples) == self.n:
+            group.completed = now
+            return "complete"
+        return "added"
+
+    def restore(self, group: Group) -> None:
+        self.buffer[group.task_id] = group
+
+    # -- leaving the buffer ---------------------------------------------------------------------
+
+    def ready(self) -> list[Group]:
+        """Complete groups, oldest completion first."""
+        return sorted((g for g in self.buffer.values() if len(g.samples) == self.n), key=lambda g: (g.completed, g.task_id))
+
+    def expire(self, now: float | None = None) -> list[Outcome]:
+        """Drop partial groups older than timeout_s, each with a logged reason."""
+        now = time.time() if now is None else now
+        out = []
+        for g in list(self.buffer.values()):
+            age = now - g.first_seen
+            if len(g.samples) < self.n and age > self.timeout_s:
+                reason = (
+                    f"timeout: {len(g.samples)}/{self.n} samples after {age:.0f}s "
+                    f"(group_timeout_s={self.timeout_s:g}); missing samples {sorted(set(range(self.n)) - set(g.samples))}"
+                )
+                out.append(self._finish(g, "timeout", reason))
+        return out
+
+    def take(self, k: int, learner_version: int) -> tuple[list[Taken], list[Outcome]]:
+        """Choose k trainable groups for a step at `learner_version`.
+
+        Oldest complete groups first. A group whose oldest behaviour version lags more than
+        max_staleness is dropped (stale_policy="drop") or taken with correct=True; a group whose
+        rewards are all equal is skipped (it has no GRPO signal). Dropped and skipped groups are
+        final either way; if fewer than k trainable groups exist, none is taken and ([], outcomes)
+        is returned.
+        """
+        outcomes: list[Outcome] = []
+        chosen: list[Taken] = []
+        for g in self.ready():
+            if len(chosen) == k:
+                break
+            rewards = g.rewards()
+            if max(rewards) - min(rewards) <= ZERO_SPREAD:
+                outcomes.append(self._finish(g, "zero_advantage", f"zero advantage: every sample has reward {rewards[0]:.4g}"))
+                continue
+            behaviour = g.min_version()
+            lag = learner_version - behaviour  # versions the policy moved since the oldest trained turn
+            if lag > self.max_staleness and self.stale_policy == "drop":
+                reason = (
+                    f"stale: behaviour version {behaviour}, learner version {learner_version}, "
+                    f"lag {lag} > max_staleness {self.max_staleness}"
+                )
+                outcomes.append(self._finish(g, "stale", reason))
+                continue
+            chosen.append(Taken(g, correct=lag > self.max_staleness, staleness=lag))
+        if len(chosen) < k:
+            return [], outcomes
+        for t in chosen:
+            del self.buffer[t.group.task_id]
+            self.done[t.group.task_id] = "trained"
+            self.counters["trained"] += 1
+            if t.correct:
+                self.counters["corrected"] += 1
+        return chosen, outcomes
+
+    def untake(self, taken: list[Taken]) -> None:
+        """Put groups of a step that failed back, as if they had never been taken."""
+        for t in taken:
+            self.buffer[t.group.task_id] = t.group
+            self.done.pop(t.group.task_id, None)
+            self.counters["trained"] -= 1
+            if t.correct:
+                self.counters["corrected"] -= 1
+
+    def _finish(self, g: Group, kind: str, reason: str) -> Outcome:
+        del self.buffer[g.task_id]
+        self.done[g.task_id] = kind
+        self.counters[kind] += 1
+        log.warning("group %s %s", g.task_id, reason)
+        return Outcome(g.task_id, kind, reason, [s.traj_id for s in g.ordered()])

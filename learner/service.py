@@ -1,0 +1,351 @@
+"""The learner process on rank 0: feeder, SCORED consumer and grouping, GRPO steps on the
+trainer, weight publication, the ledger/checkpoint protocol that makes resume exact, step logs
+and heartbeats. learner.cli builds it and calls `run()`; the loop in `run()` only routes.
+
+Acknowledgement rule (docs/learner.md): a Scored message is acked only after a ledger write
+that records it (buffered, trained at a checkpointed step, or finished otherwise), so a kill
+at any moment loses no sample and trains none twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections import Counter
+
+from actors.data import train_eval_items
+from learner import checkpoint as ckpt
+from learner.feeder import Feeder, FeederState
+from learner.groups import BadTrajectory, Group, Grouper, Outcome, Taken, behaviour_logprobs, check_trajectory
+from learner.steplog import StepLog
+from protocol import status, topology
+from protocol.bus import COUNTERS, Poison, PullWorker
+from protocol.messages import Heartbeat
+from protocol.weights import publish_version
+
+log = logging.getLogger("parley.learner")
+
+
+class LearnerStateError(RuntimeError):
+    """The run directory's learner state does not fit the command (fresh start over an old run)."""
+
+
+class Learner:
+    def __init__(self, cfg, js, nc, driver, *, model_dir, resume: bool, steps: int):
+        self.cfg, self.lc, self.js, self.nc, self.driver = cfg, cfg.learner, js, nc, driver
+        self.run_name, self.run_dir, self.steps = cfg.run.name, cfg.run_dir, steps
+        self.model_dir = model_dir
+        self.grouper = Grouper(cfg.rollout.n, max_staleness=self.lc.max_staleness, stale_policy=self.lc.stale_policy,
+                               timeout_s=self.lc.group_timeout_s)
+        self.step = 0  # optimizer steps done = the policy version the trainer holds
+        self.ckpt_step, self.tag = 0, ""  # what the last ledger write can vouch for
+        self.uncommitted: list[tuple[Group, bool]] = []  # trained after the last checkpoint (group, feeder-issued)
+        self.pending: list = []  # received messages not yet covered by a ledger write
+        self.last_flush = time.monotonic()
+        self.wait_since = time.monotonic()
+        self.since_step: list[Outcome] = []  # groups dropped/skipped since the last step
+        self.counters: Counter[str] = Counter()
+        self.steplog = StepLog(self.run_dir)
+        self._data = asyncio.Event()
+        self.id = f"{socket.gethostname()}-{os.getpid()}"
+        self.state_name = "starting"
+
+        from scorer.diagnostics import SignalMonitor
+
+        self.monitor = SignalMonitor()
+        feeder_state = self._restore() if resume else self._fresh()
+        train, _ = train_eval_items(cfg.data)
+        self.feeder = Feeder(js, self.run_name, train, cfg.rollout, max_staleness=self.lc.max_staleness,
+                             groups_per_step=self.lc.groups_per_step, seed=self.lc.seed, state=feeder_state)
+        self.feeder.set_version(self.step)
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def _fresh(self) -> FeederState:
+        if ckpt.read_state(self.run_dir) is not None:
+            raise LearnerStateError(
+                f"{ckpt.learner_dir(self.run_dir)} holds a learner state; pass --resume to "
+                "continue it, or use another run name / run.dir for a fresh run"
+            )
+        ckpt.record_base_model(self.run_dir, self.model_dir)
+        return FeederState()
+
+    def _restore(self) -> FeederState:
+        state = ckpt.read_state(self.run_dir)
+        if state is None:
+            log.warning("--resume: no learner state in %s; starting fresh", ckpt.learner_dir(self.run_dir))
+            return self._fresh()
+        if state.tag:
+            self.driver("load_checkpoint", ckpt.ckpt_dir(self.run_dir), state.tag)
+        self.step = self.ckpt_step = state.step
+        self.tag = state.tag
+        self.grouper.done = dict(state.done)
+        self.grouper.counters.update(state.counters)
+        for g in state.groups:
+            self.grouper.restore(Group(g.task_id, g.first_seen, {s.sample: s for s in g.samples}, g.completed))
+        self.steplog.truncate(state.step)
+        log.info(
+            "resumed at step %d (checkpoint %s): %d buffered groups, %d finished tasks, feeder at task %d",
+            state.step, state.tag or "initial weights", len(state.groups), len(state.done), state.next_index,
+        )
+        return FeederState(next_index=state.next_index, in_flight=set(state.in_flight), consumed=state.consumed)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> int:
+        await self.publish(self.step)  # actors learn the baseline (version 0) or the restored version
+        worker = PullWorker(self.js, self.run_name, "scored", self.on_scored, bus=self.cfg.bus, name=f"learner-{self.id}",
+                            concurrency=32, fetch_timeout=1.0)
+        halt = asyncio.Event()
+        background = [
+            asyncio.create_task(self.feeder.run(halt), name="feeder"),
+            asyncio.create_task(worker.run_until(halt), name="scored-consumer"),
+            asyncio.create_task(self.keep_alive(halt), name="keep-alive"),
+            asyncio.create_task(status.heartbeat_loop(self.nc, self.run_name, self.heartbeat, halt), name="heartbeat"),
+        ]
+        self.state_name = "ready"
+        try:
+            while not stop.is_set() and (self.steps == 0 or self.step < self.steps):
+                for t in background:
+                    if t.done():
+                        t.result()  # re-raise a crashed background task here
+                        raise RuntimeError(f"background task {t.get_name()} stopped")
+                self.since_step += self.consume(self.grouper.expire())
+                if await self.try_step():
+                    continue
+                if self.pending and time.monotonic() - self.last_flush >= self.lc.ledger_flush_s:
+                    await self.flush()
+                self._data.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._data.wait(), timeout=0.5)
+        finally:
+            self.state_name = "stopping"
+            halt.set()
+            self.feeder.wake()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self.flush()
+            self.steplog.close()
+        log.info("stopped after step %d", self.step)
+        return 0
+
+    # -- intake ---------------------------------------------------------------------------------
+
+    async def on_scored(self, scored, msg) -> None:
+        """PullWorker handler: buffer the sample; its ack waits for the next ledger write."""
+        try:
+            check_trajectory(scored.trajectory)
+            result = self.grouper.add(scored)
+        except BadTrajectory as e:
+            raise Poison(str(e)) from None
+        self.counters[f"scored.{result}"] += 1
+        self.pending.append(msg)
+        if result == "complete":
+            self._data.set()
+
+    async def keep_alive(self, halt: asyncio.Event) -> None:
+        """Held messages must not be redelivered while a step runs: tell the server we work on them."""
+        every = max(self.cfg.bus.ack_wait_s / 3.0, 0.2)
+        while not halt.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(halt.wait(), timeout=every)
+            for m in list(self.pending):
+                with contextlib.suppress(Exception):
+                    await m.in_progress()
+
+    def consume(self, outcomes: list[Outcome]) -> list[Outcome]:
+        for o in outcomes:
+            self.feeder.mark_consumed(o.task_id)
+            self.counters[f"groups.{o.kind}"] += 1
+        return outcomes
+
+    # -- the step -------------------------------------------------------------------------------
+
+    async def try_step(self) -> bool:
+        taken, outcomes = self.grouper.take(self.lc.groups_per_step, self.step)
+        self.since_step += self.consume(outcomes)
+        if not taken:
+            return False
+        wait_s = time.monotonic() - self.wait_since
+        self.state_name = "busy"
+        samples = self.samples(taken)
+        try:
+            stats = await asyncio.to_thread(self.driver, "train_step", samples)
+        except BaseException:
+            self.grouper.untake(taken)  # not trained: the ledger must keep them buffered
+            raise
+        self.step += 1
+        for t in taken:
+            issued = self.feeder.mark_consumed(t.group.task_id)
+            self.uncommitted.append((t.group, issued))
+        self.feeder.set_version(self.step)
+        stats["wait_s"] = wait_s
+
+        last = self.steps and self.step >= self.steps
+        if self.step % self.lc.publish_every == 0 or last:
+            t0 = time.perf_counter()
+            await self.publish(self.step)
+            stats["publish_s"] = time.perf_counter() - t0
+        if self.step % self.lc.checkpoint_every == 0 or last:
+            t0 = time.perf_counter()
+            tag = ckpt.step_tag(self.step)
+            await asyncio.to_thread(self.driver, "save_checkpoint", ckpt.ckpt_dir(self.run_dir), tag)
+            self.ckpt_step, self.tag = self.step, tag
+            self.uncommitted.clear()
+            stats["checkpoint_s"] = time.perf_counter() - t0
+        # The step's lines go out before the ledger that vouches for them: a resume drops lines
+        # beyond the ledger's step, never misses one.
+        self.steplog.write(self.step, self.metrics(taken, stats), self.trained_entry(taken))
+        self.since_step = []
+        await self.flush()
+        if self.tag == ckpt.step_tag(self.step):
+            ckpt.prune_checkpoints(self.run_dir, self.lc.keep_checkpoints, self.tag)
+        log.info(
+            "step %d: loss %.4f, %d groups, %d tokens, %.1fs train, %.1fs waiting for data",
+            self.step, stats.get("loss", float("nan")), len(taken), int(stats["tokens"]), stats["train_s"], wait_s,
+        )
+        self.wait_since = time.monotonic()
+        self.state_name = "ready"
+        return True
+
+    def samples(self, taken: list[Taken]):
+        import torch
+
+        from learner.engine import Sample
+        from learner.grpo import group_advantages
+
+        rewards = torch.tensor([t.group.rewards() for t in taken], dtype=torch.float64)  # (G, n)
+        adv = group_advantages(rewards, scale=self.lc.scale_advantages)  # (G, n)
+        out = []
+        for gi, t in enumerate(taken):
+            for si, s in enumerate(t.group.ordered()):
+                traj = s.trajectory
+                out.append(Sample(s.traj_id, list(traj.token_ids), list(traj.loss_mask), behaviour_logprobs(traj),
+                                  float(adv[gi, si]), correct=t.correct))
+        return out
+
+    async def publish(self, version: int) -> None:
+        wdir = ckpt.weights_dir(self.run_dir, version)
+        await asyncio.to_thread(self.driver, "save_weights", wdir)
+        wv = await publish_version(self.js, self.run_name, version, self.step, wdir, self.lc.transport,
+                                   shared_dir=self.lc.shared_dir or None, keep=self.lc.keep_versions)
+        ckpt.prune_weights(self.run_dir, self.lc.keep_versions)
+        log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
+
+    # -- the ledger -----------------------------------------------------------------------------
+
+    def snapshot(self) -> ckpt.LearnerState:
+        """The ledger as of the last checkpoint: groups trained after it count as still buffered."""
+        done = dict(self.grouper.done)
+        groups = list(self.grouper.buffer.values())
+        in_flight = set(self.feeder.state.in_flight)
+        consumed = self.feeder.state.consumed
+        for g, issued in self.uncommitted:
+            done.pop(g.task_id, None)
+            groups.append(g)
+            if issued:
+                in_flight.add(g.task_id)
+                consumed -= 1
+        return ckpt.LearnerState(
+            step=self.ckpt_step, tag=self.tag, next_index=self.feeder.state.next_index, in_flight=sorted(in_flight),
+            consumed=consumed, done=done, counters=dict(self.grouper.counters),
+            groups=[ckpt.GroupState(task_id=g.task_id, first_seen=g.first_seen, completed=g.completed, samples=g.ordered())
+                    for g in groups],
+        )
+
+    async def flush(self) -> None:
+        """Write the ledger, then ack every message it now accounts for."""
+        msgs, self.pending = self.pending, []
+        state = self.snapshot()  # taken together with the swap above: nothing slips between them
+        await asyncio.to_thread(ckpt.write_state, self.run_dir, state)
+        self.last_flush = time.monotonic()
+        for m in msgs:
+            with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is ignored as late/duplicate
+                await m.ack()
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def metrics(self, taken: list[Taken], stats: dict) -> dict:
+        from scorer.diagnostics import diagnose_groups
+
+        groups = [t.group.ordered() for t in taken]
+        diag = diagnose_groups(groups, self.cfg.scorer.clamps)
+        no_signal = self.monitor.update(diag)
+        totals = [s.total for g in groups for s in g]
+        hist = Counter(str(t.staleness) for t in taken)
+        mean = sum(totals) / len(totals)
+        return {
+            "version": self.step,
+            **stats,
+            "reward_mean": mean,
+            "reward_std": (sum((x - mean) ** 2 for x in totals) / len(totals)) ** 0.5,
+            "reward_terms": {k: {"mean": v.mean, "within_group_std": v.within_group_std, "corr_with_total": v.corr_with_total}
+                             for k, v in diag.items()},
+            "no_signal_terms": no_signal,
+            "staleness_hist": dict(hist),
+            "groups_corrected": sum(t.correct for t in taken),
+            "groups": dict(self.grouper.counters),
+            "buffered_groups": len(self.grouper.buffer),
+            "feeder": {"in_flight": len(self.feeder.state.in_flight), "consumed": self.feeder.state.consumed,
+                       "next_index": self.feeder.state.next_index, "paused": int(self.feeder.paused)},
+        }
+
+    def trained_entry(self, taken: list[Taken]) -> dict:
+        return {
+            "version": self.step,
+            "traj_ids": [s.traj_id for t in taken for s in t.group.ordered()],
+            "tasks": [t.group.task_id for t in taken],
+            "corrected": [t.group.task_id for t in taken if t.correct],
+            "not_trained": {o.task_id: o.reason for o in self.since_step},
+        }
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            role="learner", id=self.id, state=self.state_name, version=self.step,
+            counters={
+                "step": float(self.step), "buffered_groups": float(len(self.grouper.buffer)),
+                "pending_acks": float(len(self.pending)), "in_flight": float(len(self.feeder.state.in_flight)),
+                **{k: float(v) for k, v in self.grouper.counters.items()},
+                **{k: float(v) for k, v in self.counters.items()},
+                **{k: float(v) for k, v in COUNTERS.items()},
+            },
+        )
+
+
+async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
+    """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps."""
+    from actors.models import ensure_model
+    from learner.engine import Driver, Trainer
+    from protocol.connect import connect
+
+    nc = await connect(cfg.nats.url, name="parley-learner", first_timeout=cfg.nats.connect_timeout_s,
+                       creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
+    js = nc.jetstream()
+    driver = None
+    try:
+        await topology.ensure_topology(js, cfg.run.name, cfg.bus)
+        model_dir = await asyncio.to_thread(ensure_model, cfg.learner.model)
+        trainer = await asyncio.to_thread(Trainer, cfg.learner, model_dir)
+        driver = Driver(trainer)
+        try:
+            learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
+        except LearnerStateError as e:
+            log.error("%s", e)
+            return 2
+        return await learner.run(stop)
+    finally:
+        if driver is not None:
+            driver("stop")
+        with contextlib.suppress(Exception):
+            await nc.drain()
+
+
+def follower(cfg) -> None:
+    """Ranks > 0 under the deepspeed launcher / torchrun: build the same trainer, replay rank 0's calls."""
+    from actors.models import ensure_model
+    from learner.engine import Trainer, follow
+
+    follow(Trainer(cfg.learner, ensure_model(cfg.learner.model)))

@@ -1,0 +1,64 @@
+"""Per-step records of the learner: run_dir/metrics.jsonl (every metric of a step as one JSON
+line), run_dir/tb (the numeric ones as TensorBoard scalars, the staleness histogram) and
+run_dir/trained.jsonl (the resume ledger of which trajectories each step trained).
+Written by learner.service; read by the live view, reports and the resume test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from learner.checkpoint import truncate_jsonl
+
+
+def _flatten(prefix: str, value, out: dict[str, float]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}/{k}" if prefix else str(k), v, out)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        out[prefix] = float(value)
+
+
+class StepLog:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.trained_path = self.dir / "trained.jsonl"
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tb"))
+
+    def truncate(self, step: int) -> None:
+        """On resume: forget steps after the checkpointed one (they are trained again)."""
+        for path in (self.metrics_path, self.trained_path):
+            truncate_jsonl(path, step)
+
+    def write(self, step: int, metrics: dict, trained: dict) -> None:
+        """metrics: nested dict of numbers (and lists/strings, JSONL only); trained: ledger entry."""
+        with self.trained_path.open("a") as f:
+            f.write(json.dumps({"step": step, **trained}) + "\n")
+            f.flush()
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.flush()
+        if self._tb is not None:
+            flat: dict[str, float] = {}
+            _flatten("", {k: v for k, v in metrics.items() if k != "staleness_hist"}, flat)
+            for k, v in flat.items():
+                self._tb.add_scalar(k, v, step)
+            hist = metrics.get("staleness_hist") or {}
+            values = [int(lag) for lag, count in hist.items() for _ in range(int(count))]
+            if values:
+                import numpy as np
+
+                self._tb.add_histogram("staleness", np.array(values), step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,65 @@
+"""`parley judge` and `parley scorer`: option parsing only; the roles live in scorer/judge.py and
+scorer/scorer.py and are imported when a command runs, so `parley --help` stays light."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Annotated, Optional
+
+import typer
+
+from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_main, setup_logging
+
+IdOpt = Annotated[Optional[str], typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<host>-<pid>).")]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("judge", help="Judge service: extract the final document, rate interactivity (NATS request/reply).")(judge_cmd)
+    app.command("scorer", help="Score trajectories (TRAJ) with the judge and publish rewards (SCORED).")(scorer_cmd)
+
+
+def _default_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def judge_cmd(
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+    dry: DryRunOpt = False,
+    ident: IdOpt = None,
+    concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Requests handled at once; overrides judge.concurrency.")] = None,
+) -> None:
+    """Serve the judge on parley.svc.judge.{extract,interactivity} until Ctrl-C / SIGTERM."""
+    extra = [f"judge.concurrency={concurrency}"] if concurrency is not None else []
+    cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
+    if dry:
+        dry_run(cfg)
+    ident = ident or _default_id("judge")
+    setup_logging(ident)
+    from scorer.judge import main
+
+    run_main(main, cfg, ident)
+
+
+def scorer_cmd(
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+    dry: DryRunOpt = False,
+    ident: IdOpt = None,
+    concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Trajectories scored at once; overrides scorer.concurrency.")] = None,
+) -> None:
+    """Pull trajectories of the run, score them through the judge service, publish Scored."""
+    extra = [f"scorer.concurrency={concurrency}"] if concurrency is not None else []
+    cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
+    if dry:
+        dry_run(cfg)
+    ident = ident or _default_id("scorer")
+    setup_logging(ident)
+    from scorer.scorer import main
+
+    run_main(main, cfg, ident)

@@ -1,0 +1,328 @@
+"""`parley eval`, `parley replay`, `parley select` and `parley data check`: option parsing only. The work
+lives in scorer/eval_runner.py, scorer/evallog.py, scorer/benchmark.py, scorer/selection.py and
+scorer/leakage.py, imported when a command runs so that `parley --help` stays light. Registered by
+deploy/commands.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_main, setup_logging
+
+data_app = typer.Typer(help="Dataset tools: leakage checks between training and eval data.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    data_app.command("check", help="Report prompts and reference targets shared by a train and an eval file.")(data_check_cmd)
+    app.add_typer(data_app, name="data")
+    app.command("select", help="Name the best evaluated version of a run by a benchmark metric, with its interval.")(select_cmd)
+    app.command("replay", help="Re-score logged conversations without generating and print the benchmark table.")(replay_cmd)
+    app.command("eval", help="Run the benchmark: conditions over the same items and simulator seeds, table with paired statistics.")(eval_cmd)
+
+
+def _fail(cmd: str, message: str, code: int = 2):
+    typer.echo(f"parley {cmd}: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def data_check_cmd(
+    eval_: Annotated[str, typer.Option("--eval", help="Eval data: 'bundled' or a CollabLLM .parquet/.jsonl file.")],
+    train: Annotated[str, typer.Option("--train", help="Training data: 'bundled' or a CollabLLM .parquet/.jsonl file.")] = "bundled",
+) -> None:
+    """Exit 1 when the files share reference targets (label leakage); shared prompts alone are reported."""
+    from actors.data import find_overlap, load_items
+    from scorer.leakage import describe
+
+    try:
+        train_items, eval_items = load_items(train), load_items(eval_)
+    except (FileNotFoundError, ValueError) as e:
+        _fail("data check", str(e))
+    overlap = find_overlap(train_items, eval_items)
+    typer.echo(describe(overlap, len(train_items), len(eval_items)))
+    if overlap.leaks:
+        _fail(
+            "data check",
+            f"{len(overlap.references)} reference targets of {eval_} also appear in {train}; "
+            "eval on them measures memorization (runs refuse to start unless --allow-overlap)",
+            code=1,
+        )
+
+
+MetricOpt = Annotated[str, typer.Option("--metric", help="bleu | interactivity | mr (the training reward is refused).")]
+
+
+def select_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory (reads RUN_DIR/eval; see docs/benchmark.md).")],
+    metric: MetricOpt = "mr",
+) -> None:
+    from scorer.selection import SelectionError, check_metric, select_best
+
+    try:
+        check_metric(metric)
+        sel = select_best(run_dir, metric)
+    except SelectionError as e:
+        _fail("select", str(e))
+    typer.echo(sel.describe())
+    for version, mean, n in sel.ranking:
+        typer.echo(f"  v{version:<5} {metric} {mean:.4f}  n={n}")
+
+
+def _weight_override(text: str) -> str:
+    """'bleu=1,interactivity=0.5,token_amount=-0.1' -> the TOML override of scorer.weights."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            pairs.append(f"{name.strip()} = {float(value)}")
+        except ValueError:
+            sep = ""
+        if not sep:
+            _fail("replay", f"--weights {text!r}: write name=number pairs separated by commas, e.g. bleu=1,interactivity=1,token_amount=-0.1")
+    return "scorer.weights={" + ", ".join(pairs) + "}"
+
+
+def replay_cmd(
+    logs: Annotated[Optional[list[Path]], typer.Argument(help="Eval logs or scored-trajectory dumps (.parquet / .jsonl).")] = None,
+    stream: Annotated[
+        Optional[str], typer.Option("--stream", help="Also read a run's stored 'eval' or 'scored' stream from NATS (--nats, --run).")
+    ] = None,
+    weights: Annotated[
+        Optional[str], typer.Option("--weights", help="Reward weights, e.g. bleu=1,interactivity=1,token_amount=-0.1 (default: the config's scorer.weights).")
+    ] = None,
+    bleu_variant: Annotated[Optional[str], typer.Option("--bleu-variant", help="sacrebleu | char (default: the config's scorer.bleu_variant).")] = None,
+    judge: Annotated[
+        bool, typer.Option("--judge/--no-judge", help="Re-judge every conversation with the judge service on --nats (else reuse stored verdicts).")
+    ] = False,
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="Condition the others are compared with (default: the first).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Also write table.md, table.csv, chart.png and records.parquet here.")] = None,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+) -> None:
+    """Without --judge nothing is generated or judged: BLEU is recomputed from each stored document,
+    interactivity and token counts are reused, and the reward column applies the weights."""
+    extra = [_weight_override(weights)] if weights else []
+    if bleu_variant:
+        extra.append(f'scorer.bleu_variant="{bleu_variant}"')
+    cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
+    if not logs and not stream:
+        _fail("replay", "nothing to replay: give log files and/or --stream eval|scored")
+    if stream not in (None, "eval", "scored"):
+        _fail("replay", f"--stream {stream!r} not allowed; use eval or scored (TRAJ has no verdicts to reuse)")
+    setup_logging("replay")
+    from scorer.evallog import read_records
+
+    records = []
+    for path in logs or []:
+        try:
+            records += read_records(path)
+        except (FileNotFoundError, ValueError, TypeError) as e:
+            _fail("replay", str(e))
+    run_main(_replay, cfg, records, stream, judge, baseline, out)
+
+
+async def _replay(stop, cfg, records, stream, judge, baseline, out) -> int:
+    from protocol.messages import EvalRecord
+    from scorer.benchmark import METRICS, summarize, to_markdown, write_table
+    from scorer.evallog import from_scored, read_stream, rejudge, reweight, write_parquet
+
+    nc = None
+    if stream or judge:
+        from protocol.connect import connect
+
+        nc = await connect(cfg.nats.url, name="parley-replay", first_timeout=cfg.nats.connect_timeout_s)
+    try:
+        if stream:
+            stored = await read_stream(nc.jetstream(), cfg.run.name, stream)
+            records += [r if isinstance(r, EvalRecord) else from_scored(r) for r in stored]
+        if not records:
+            typer.echo("parley replay: the logs hold no records", err=True)
+            return 2
+        sc = cfg.scorer
+        clamps = {k: (v[0], v[1]) for k, v in sc.clamps.items()}
+        if judge:
+            from scorer.score import JudgeClient, JudgeFailed, JudgeUnavailable, Unscorable
+
+            client = JudgeClient(nc, timeout=sc.judge_timeout_s, concurrency=sc.judge_concurrency)
+            try:
+                records = await rejudge(records, client, sc)
+            except (JudgeUnavailable, JudgeFailed, Unscorable) as e:
+                typer.echo(f"parley replay: {e}", err=True)
+                return 1
+        else:
+            records = reweight(records, sc.weights, clamps=clamps, bleu_variant=sc.bleu_variant)
+    finally:
+        if nc is not None:
+            await nc.drain()
+    conditions = list(dict.fromkeys(r.condition for r in records))
+    try:
+        table = summarize(records, baseline or conditions[0], metrics=(*METRICS, "reward"))
+    except ValueError as e:
+        typer.echo(f"parley replay: {e}", err=True)
+        return 2
+    typer.echo(to_markdown(table))
+    weights = ", ".join(f"{k}={v:g}" for k, v in sc.weights.items())
+    typer.echo(f"{len(records)} conversations, BLEU {sc.bleu_variant}, reward weights {weights}, {'re-judged' if judge else 'stored verdicts'}")
+    if out:
+        paths = write_table(table, out)
+        paths["records"] = write_parquet(records, Path(out) / "records.parquet")
+        typer.echo("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def eval_cmd(
+    conditions: Annotated[
+        list[str], typer.Option("--condition", "-C", help="name=MODEL_OR_CHECKPOINT[,system_prompt=FILE] (repeatable).")
+    ],
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="Condition the others are compared with (default: the first).")] = None,
+    items: Annotated[Optional[str], typer.Option("--items", help="Eval items file (default: the config's eval split).")] = None,
+    n_items: Annotated[int, typer.Option("--n-items", help="Use the first N eval items (0 = all; the reference uses 100).")] = 0,
+    seeds: Annotated[int, typer.Option("--seeds", help="Simulator seeds per item, the same for every condition.")] = 1,
+    sim_prompt: Annotated[str, typer.Option("--user-sim-prompt", help="lazy_full | lazy_summary | cooperative.")] = "lazy_full",
+    max_tokens: Annotated[int, typer.Option("--assistant-max-tokens", help="Tokens per assistant turn.")] = 4096,
+    max_new_turns: Annotated[int, typer.Option("--max-new-turns", help="Messages (user and assistant) per conversation.")] = 14,
+    thinking: Annotated[bool, typer.Option("--thinking/--no-thinking", help="Chat-template thinking for the policy.")] = False,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Policy sampling temperature (default: the config's actor.temperature).")] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Conversations of one condition in flight.")] = 8,
+    services: Annotated[
+        str, typer.Option("--services", help="local: simulator and judge engines in this process; nats: the running `parley sim` / `parley judge` services.")
+    ] = "local",
+    allow_overlap: Annotated[bool, typer.Option("--allow-overlap", help="Run even if eval items share reference targets with the training data.")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default: RUN_DIR/benchmark).")] = None,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+) -> None:
+    """Every condition plays the same items from scratch (the simulated user speaks first) with the same
+    simulator seeds; each conversation is judged, stored in records.parquet (and on the run's EVAL stream
+    with --services nats), and the table with paired statistics is printed and written."""
+    from actors.config import SIM_PROMPTS
+
+    cfg = resolve(config, sets, nats=nats, run=run)
+    if services not in ("local", "nats"):
+        _fail("eval", f"--services {services!r} not allowed; use local or nats")
+    if sim_prompt not in SIM_PROMPTS:
+        _fail("eval", f"--user-sim-prompt {sim_prompt!r} not allowed; use one of {', '.join(SIM_PROMPTS)}")
+    from scorer.eval_runner import EvalSettings, eval_items, parse_condition
+    from scorer.leakage import LeakageError, guard_overlap
+
+    out = out or cfg.run_dir / "benchmark"
+    try:
+        conds = [parse_condition(c) for c in conditions]
+        names = [c.name for c in conds]
+        if baseline is not None and baseline not in names:
+            raise ValueError(f"--baseline {baseline!r} is not one of the conditions {names}")
+        settings = EvalSettings(
+            sim_prompt=sim_prompt, assistant_max_tokens=max_tokens, max_new_turns=max_new_turns, seeds=seeds,
+            thinking=thinking, temperature=cfg.actor.temperature if temperature is None else temperature,
+            top_p=cfg.actor.top_p, concurrency=concurrency, run=cfg.run.name,
+        )
+        train, held = eval_items(cfg.data, items)
+        held = held[:n_items] if n_items > 0 else held
+        if not held:
+            raise ValueError("no eval items: pass --items FILE, or set [data] eval_path or eval_fraction > 0")
+        guard_overlap(train, held, allow_overlap or cfg.data.allow_overlap, out)
+    except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
+        _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
+    setup_logging("eval")
+    run_main(_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out)
+
+
+async def _eval(stop, cfg, conds, held, settings, services, baseline, out) -> int:
+    import asyncio
+
+    import msgspec
+
+    from scorer.benchmark import summarize, to_markdown, write_table
+    from scorer.eval_runner import EvalServices, LocalJudge, LocalSim, Policy, run_eval
+    from scorer.evallog import write_parquet
+
+    nc = sim = judge = None
+    closers = []
+    if services == "nats":
+        from actors.rollout import SimClient
+        from protocol import topology
+        from protocol.bus import publish
+        from protocol.connect import connect
+        from scorer.score import JudgeClient
+
+        nc = await connect(cfg.nats.url, name="parley-eval", first_timeout=cfg.nats.connect_timeout_s,
+                           creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
+        js = nc.jetstream()
+        await topology.ensure_topology(js, cfg.run.name, cfg.bus)
+        sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s)
+        judge = JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
+
+        async def publish_record(rec):
+            await publish(js, cfg.run.name, "eval", rec)
+    else:
+        from actors.backend import LocalBackend, make_backend
+        from actors.sim import Simulator
+        from scorer.judge import Judge
+
+        sim_backend = make_backend(cfg.sim)  # blocks while a local engine loads
+        closers.append(sim_backend.close)
+        if cfg.judge.backend == cfg.sim.backend == "vllm" and cfg.judge.engine == cfg.sim.engine:
+            # One engine serves both roles when they name the same model and settings.
+            judge_backend = LocalBackend(sim_backend.engine, sim_backend.tokenizer, model_name=sim_backend.model_name,
+                                         template_kwargs=sim_backend.template_kwargs, owns_engine=False)
+        else:
+            judge_backend = make_backend(cfg.judge)
+            closers.append(judge_backend.close)
+        sim, judge = LocalSim(Simulator(sim_backend, cfg.sim)), LocalJudge(Judge(judge_backend, cfg.judge))
+        publish_record = None
+
+    async def open_policy(model: str) -> Policy:
+        from actors.backend import open_engine
+
+        # The policy engine takes the actor's engine settings with the condition's model or checkpoint.
+        engine, tokenizer, _ = open_engine(msgspec.structs.replace(cfg.actor.engine, model=model))
+
+        async def close():
+            await asyncio.to_thread(engine.shutdown)
+
+        return Policy(engine=engine, tokenizer=tokenizer, version=-1, close=close)
+
+    svc = EvalServices(open_policy=open_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
+                       template_kwargs=dict(cfg.actor.engine.chat_template_kwargs))
+    done: list = []  # finished conversations, kept when the run is interrupted
+
+    async def on_record(rec):
+        done.append(rec)
+        if publish_record is not None:
+            await publish_record(rec)
+
+    work = asyncio.create_task(run_eval(conds, held, settings, svc, on_record))
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # Ctrl-C / SIGTERM: keep what is finished, skip the table
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            if done:
+                path = write_parquet(done, Path(out) / "records.parquet")
+                typer.echo(f"parley eval: interrupted; {len(done)} finished conversations in {path}", err=True)
+            return 130
+        records = work.result()
+    finally:
+        stopped.cancel()
+        for close in closers:
+            await close()
+        if nc is not None:
+            await nc.drain()
+    path = write_parquet(records, Path(out) / "records.parquet")
+    scored = [r for r in records if r.metrics]
+    if len(scored) < len(records):
+        typer.echo(f"parley eval: {len(records) - len(scored)} conversations unscored (judge failed); "
+                   f"score them with `parley replay {path} --judge`", err=True)
+    table = summarize(scored, baseline)
+    paths = write_table(table, out)
+    typer.echo(to_markdown(table))
+    typer.echo(f"wrote {path}, " + ", ".join(str(p) for p in paths.values()))
+    return 0

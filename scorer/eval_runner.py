@@ -1,0 +1,263 @@
+"""The benchmark runner behind `parley eval`: every condition (a policy model or checkpoint, optionally a
+system prompt) plays the same items with the same simulator seeds, through the actors' conversation
+loop (actors.rollout) and the scorer's judging (scorer.score), and yields one EvalRecord per conversation.
+The simulator and judge are whatever implements their interfaces: the NATS services, or in-process ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from actors.data import Item
+from protocol.messages import ChatMessage, EvalRecord, JudgeReply, JudgeRequest, SimReply, SimRequest, Task
+
+log = logging.getLogger("parley.eval")
+
+CONDITION_FORM = "name=MODEL_OR_CHECKPOINT[,system_prompt=FILE]"
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One row of the table: a policy (model name or checkpoint dir) and its system prompt text."""
+
+    name: str
+    model: str
+    system_prompt: str = ""
+    system_prompt_file: str = ""
+
+
+def _system_prompt_path(value: str) -> Path:
+    """A file path, or a name under actors/prompts/system ("proactive" or "proactive.txt")."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    bundled = Path(str(resources.files("actors") / "prompts" / "system"))
+    for candidate in (bundled / value, bundled / f"{value}.txt"):
+        if candidate.is_file():
+            return candidate
+    names = sorted(p.stem for p in bundled.glob("*.txt"))
+    raise ValueError(f"system_prompt={value!r}: no such file, nor a bundled system prompt (bundled: {names})")
+
+
+def parse_condition(text: str) -> Condition:
+    """'base=smol', 'step50=runs/x/checkpoints/v50', 'proactive=smol,system_prompt=proactive'."""
+    head, *options = [p.strip() for p in text.split(",")]
+    name, sep, model = head.partition("=")
+    if not sep or not name.strip() or not model.strip():
+        raise ValueError(f"condition {text!r} must look like {CONDITION_FORM}")
+    name = name.strip()
+    if not all(c.isalnum() or c in "-_." for c in name):
+        raise ValueError(f"condition name {name!r} may hold only letters, digits, '-', '_' and '.'")
+    prompt_file = ""
+    for opt in options:
+        key, sep, value = opt.partition("=")
+        if key.strip() != "system_prompt" or not sep or not value.strip():
+            raise ValueError(f"condition {text!r}: option {opt!r} not understood; the form is {CONDITION_FORM}")
+        prompt_file = value.strip()
+    prompt = _system_prompt_path(prompt_file).read_text().strip() if prompt_file else ""
+    return Condition(name=name, model=model.strip(), system_prompt=prompt, system_prompt_file=prompt_file)
+
+
+@dataclass
+class EvalSettings:
+    """The benchmark protocol; the defaults are the reference benchmark's (thinking off, lazy_full
+    simulated user, up to 4096 tokens per assistant turn, up to 14 new messages)."""
+
+    sim_prompt: str = "lazy_full"
+    assistant_max_tokens: int = 4096
+    max_new_turns: int = 14
+    seeds: int = 1  # simulator seeds per item; the same for every condition
+    thinking: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    concurrency: int = 8  # conversations of one condition in flight
+    run: str = "eval"
+
+    def __post_init__(self) -> None:
+        if self.seeds < 1:
+            raise ValueError(f"seeds={self.seeds} must be >= 1")
+        if self.assistant_max_tokens < 1:
+            raise ValueError(f"assistant_max_tokens={self.assistant_max_tokens} must be >= 1")
+        if self.max_new_turns < 2:
+            raise ValueError(f"max_new_turns={self.max_new_turns} must be >= 2 (the user opens, the assistant answers)")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency={self.concurrency} must be >= 1")
+
+
+def eval_items(data, items_path: str | None) -> tuple[list[Item], list[Item]]:
+    """(training items, eval items) for the leakage guard and the run: an explicit items file against
+    the training data ([data], a learner.config.DataConfig), else the config's eval file or split."""
+    from actors.data import load_items, split_items
+
+    if data.eval_path and not items_path:
+        return load_items(data.path), load_items(data.eval_path)
+    if items_path:
+        train = load_items(data.path)
+        if not data.eval_path:  # the file is split for training: only its train side is trained on
+            train = split_items(train, data.eval_fraction, data.split_seed)[0]
+        return train, load_items(items_path)
+    return split_items(load_items(data.path), data.eval_fraction, data.split_seed)
+
+
+def make_tasks(items: Sequence[Item], settings: EvalSettings) -> list[Task]:
+    """One task per item and seed. The task id carries no condition, so every condition's simulator
+    sees the same seeds (actors.rollout derives every call's seed from task id, seed and turn)."""
+    tasks = []
+    for item in items:
+        for k in range(settings.seeds):
+            tasks.append(
+                Task(
+                    task_id=f"eval/{item.item_id}/{k}", run=settings.run, item_id=item.item_id, n=1,
+                    mode="conversation", prefix=[],  # from scratch: the simulated user speaks first
+                    reference=item.reference, title=item.title, summary=item.summary,
+                    sim_prompt=settings.sim_prompt, max_new_turns=settings.max_new_turns,
+                    max_tokens=settings.assistant_max_tokens, seed=k, split="eval",
+                )
+            )
+    return tasks
+
+
+class SimLike(Protocol):
+    """actors.rollout.SimClient (the NATS service) or LocalSim."""
+
+    async def ask(self, req: SimRequest) -> SimReply: ...
+
+
+class NotingSim:
+    """Passes requests through and notes the simulator model named in the replies (for EvalRecord.sim_model)."""
+
+    def __init__(self, inner: SimLike, model: str = ""):
+        self.inner, self.model = inner, model
+
+    async def ask(self, req: SimRequest) -> SimReply:
+        reply = await self.inner.ask(req)
+        self.model = reply.model or self.model
+        return reply
+
+
+class LocalSim:
+    """The user simulator in this process (actors.sim.Simulator), for small runs without NATS."""
+
+    def __init__(self, simulator):
+        self.simulator = simulator
+
+    async def ask(self, req: SimRequest) -> SimReply:
+        return await self.simulator.reply(req)
+
+
+class LocalJudge:
+    """The judge in this process (scorer.judge.Judge), with scorer.score's Judge interface."""
+
+    def __init__(self, judge):
+        self.judge = judge
+
+    async def extract(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
+        return await self.judge.handle("extract", JudgeRequest(op="extract", messages=list(messages), seed=seed))
+
+    async def interactivity(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
+        return await self.judge.handle("interactivity", JudgeRequest(op="interactivity", messages=list(messages), seed=seed))
+
+
+@dataclass
+class Policy:
+    """A started policy engine with its tokenizer; `close` is called when its conditions are done."""
+
+    engine: Any
+    tokenizer: Any
+    version: int = -1
+    close: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass
+class EvalServices:
+    open_policy: Callable[[str], Awaitable[Policy]]  # model name or checkpoint dir -> Policy
+    sim: SimLike
+    judge: Any  # scorer.score.Judge
+    scorer_cfg: Any  # scorer.config.ScorerConfig: the BLEU variant (weights only feed Scored.total)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+async def play_condition(
+    cond: Condition, tasks: Sequence[Task], policy: Policy, services: EvalServices, settings: EvalSettings,
+    on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
+) -> list[EvalRecord]:
+    """Every task once with this condition's policy and system prompt, judged; in task order."""
+    from actors.rollout import PolicySettings, run_conversation
+    from scorer.score import JudgeFailed, JudgeUnavailable, score_trajectory
+
+    policy_settings = PolicySettings(
+        max_model_len=policy.engine.settings.max_model_len, temperature=settings.temperature, top_p=settings.top_p,
+        template_kwargs={**services.template_kwargs, "enable_thinking": settings.thinking}, model=cond.model,
+        actor=f"eval-{cond.name}",
+    )
+    slots = asyncio.Semaphore(settings.concurrency)
+    sim = services.sim if isinstance(services.sim, NotingSim) else NotingSim(services.sim)
+
+    async def one(task: Task) -> EvalRecord:
+        task = msgspec.structs.replace(task, system_prompt=cond.system_prompt)
+        async with slots:
+            traj = await run_conversation(
+                policy.engine, sim, task, 0, lambda: policy.version,
+                tokenizer=policy.tokenizer, policy=policy_settings,
+            )
+            metrics, document, judge, judge_model = {}, "", [], ""
+            try:
+                scored = await score_trajectory(traj, services.judge, services.scorer_cfg, scorer="eval")
+                metrics, document, judge, judge_model = dict(scored.metrics), scored.document, list(scored.judge), scored.judge_model
+            except (JudgeFailed, JudgeUnavailable) as e:
+                # The conversation is kept unscored; `parley replay --judge` can score it later.
+                log.warning("condition %s, %s: not scored: %s", cond.name, task.task_id, e)
+        rec = EvalRecord(
+            eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
+            model=cond.model, system_prompt=cond.system_prompt, sim_prompt=task.sim_prompt,
+            sim_model=sim.model, judge_model=judge_model, seed=task.seed, messages=traj.messages,
+            reference=task.reference, assistant_tokens=traj.assistant_tokens, metrics=metrics, document=document,
+            judge=judge, version=policy.version, created=time.time(),
+        )
+        if on_record is not None:
+            await on_record(rec)
+        return rec
+
+    return list(await asyncio.gather(*(one(t) for t in tasks)))
+
+
+async def run_eval(
+    conditions: Sequence[Condition], items: Sequence[Item], settings: EvalSettings, services: EvalServices,
+    on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
+) -> list[EvalRecord]:
+    """All conditions over the same tasks. Conditions that share a model share one engine, and each
+    engine is closed before the next model starts (one policy in memory at a time)."""
+    names = [c.name for c in conditions]
+    if len(set(names)) != len(names):
+        raise ValueError(f"condition names must be unique, got {names}")
+    if not items:
+        raise ValueError("no eval items")
+    tasks = make_tasks(items, settings)
+    by_model: dict[str, list[Condition]] = {}
+    for c in conditions:
+        by_model.setdefault(c.model, []).append(c)
+    records: list[EvalRecord] = []
+    for model, conds in by_model.items():
+        t0 = time.perf_counter()
+        policy = await services.open_policy(model)
+        log.info("policy %s ready in %.1fs", model, time.perf_counter() - t0)
+        try:
+            for cond in conds:
+                t0 = time.perf_counter()
+                recs = await play_condition(cond, tasks, policy, services, settings, on_record)
+                unscored = sum(not r.metrics for r in recs)
+                log.info("condition %s: %d conversations in %.1fs (%d unscored)", cond.name, len(recs), time.perf_counter() - t0, unscored)
+                records += recs
+        finally:
+            if policy.close is not None:
+                await policy.close()
+    return records

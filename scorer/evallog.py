@@ -1,0 +1,246 @@
+"""The eval log: EvalRecords (and Scored trajectories) in Parquet or JSONL, read back exactly; training
+trajectories turned into EvalRecords; and the re-scoring that needs no judge (BLEU from the stored
+document, stored interactivity, new weights). Used by `parley eval`, `parley replay` and scorer.selection.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import msgspec
+import msgspec.inspect as mi
+
+from protocol.messages import EvalRecord, Scored
+from scorer.metrics import BLEU_VARIANTS, token_amount
+from scorer.reward import total_reward
+
+# Which Struct a Parquet file holds, in the file's schema metadata, so a reader never guesses.
+_TYPE_KEY = b"parley.type"
+_LOG_TYPES: dict[str, type] = {"EvalRecord": EvalRecord, "Scored": Scored}
+# Columns whose type has no natural Arrow form are stored as msgspec JSON text (exact for floats too).
+_JSON_KEY = b"parley.encoding"
+
+
+def _arrow_type(t):
+    """Arrow type of a msgspec type, or None when the value is stored as JSON text instead."""
+    import pyarrow as pa
+
+    match t:
+        case mi.StrType():
+            return pa.string()
+        case mi.BoolType():
+            return pa.bool_()
+        case mi.IntType():
+            return pa.int64()
+        case mi.FloatType():
+            return pa.float64()
+        case mi.BytesType():
+            return pa.binary()
+        case mi.ListType(item_type=item):
+            inner = _arrow_type(item)
+            return None if inner is None else pa.list_(inner)
+        case mi.DictType(key_type=mi.StrType(), value_type=value):
+            inner = _arrow_type(value)
+            return None if inner is None else pa.map_(pa.string(), inner)
+        case mi.StructType(fields=fields):
+            inner = [(f.encode_name, _arrow_type(f.type)) for f in fields]
+            return None if any(a is None for _, a in inner) else pa.struct(inner)
+    return None
+
+
+def _schema(cls: type):
+    import pyarrow as pa
+
+    fields = []
+    for f in mi.type_info(cls).fields:
+        arrow = _arrow_type(f.type)
+        fields.append(pa.field(f.encode_name, pa.string(), metadata={_JSON_KEY: b"json"}) if arrow is None else pa.field(f.encode_name, arrow))
+    return pa.schema(fields, metadata={_TYPE_KEY: cls.__name__.encode()})
+
+
+def _maps_to_dicts(value, t):
+    """Arrow hands maps back as lists of (key, value) pairs; turn them into dicts, recursively."""
+    match t:
+        case mi.DictType(value_type=vt):
+            return {k: _maps_to_dicts(v, vt) for k, v in value}
+        case mi.ListType(item_type=it):
+            return [_maps_to_dicts(v, it) for v in value]
+        case mi.StructType(fields=fields):
+            return {f.encode_name: _maps_to_dicts(value[f.encode_name], f.type) for f in fields if f.encode_name in value}
+    return value
+
+
+def write_parquet(records: Sequence[msgspec.Struct], path: str | Path) -> Path:
+    """Write EvalRecords (or Scored) to one Parquet file; read_records gives back equal objects."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not records:
+        raise ValueError(f"no records to write to {path}")
+    cls = type(records[0])
+    if cls.__name__ not in _LOG_TYPES or any(type(r) is not cls for r in records):
+        raise TypeError(f"write_parquet takes a list of one of {sorted(_LOG_TYPES)}, got {sorted({type(r).__name__ for r in records})}")
+    schema = _schema(cls)
+    rows = msgspec.to_builtins(list(records))
+    for field in schema:
+        if field.metadata and field.metadata.get(_JSON_KEY) == b"json":
+            for row in rows:
+                row[field.name] = msgspec.json.encode(row.get(field.name)).decode()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+    tmp.replace(path)  # a reader never sees a half-written log
+    return path
+
+
+def _read_parquet(path: Path) -> list:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    meta = table.schema.metadata or {}
+    name = meta.get(_TYPE_KEY, b"").decode()
+    if name not in _LOG_TYPES:
+        raise ValueError(f"{path} is not a parley log (schema metadata parley.type={name!r}); write it with scorer.evallog.write_parquet")
+    cls = _LOG_TYPES[name]
+    info = {f.encode_name: f.type for f in mi.type_info(cls).fields}
+    json_cols = {f.name for f in table.schema if f.metadata and f.metadata.get(_JSON_KEY) == b"json"}
+    out = []
+    for row in table.to_pylist():
+        # Columns this code does not know (a newer writer) are dropped; missing ones take defaults.
+        row = {k: (json.loads(v) if k in json_cols else _maps_to_dicts(v, info[k])) for k, v in row.items() if k in info}
+        out.append(msgspec.convert(row, cls))
+    return out
+
+
+def _read_jsonl(path: Path) -> list:
+    out = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            raw = msgspec.json.decode(line)
+            cls = EvalRecord if "eval_id" in raw else Scored if "traj_id" in raw else None
+            if cls is None:
+                raise ValueError(f"{path}:{lineno}: neither an EvalRecord (eval_id) nor a Scored trajectory (traj_id)")
+            try:
+                out.append(msgspec.convert(raw, cls))
+            except msgspec.ValidationError as e:
+                raise ValueError(f"{path}:{lineno}: bad {cls.__name__}: {e}") from None
+    return out
+
+
+def write_jsonl(records: Iterable[msgspec.Struct], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        for r in records:
+            f.write(msgspec.json.encode(r) + b"\n")
+    return path
+
+
+def read_log(path: str | Path) -> list:
+    """EvalRecords and/or Scored trajectories from a .parquet or .jsonl file, as stored."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"log {p} does not exist")
+    if p.suffix == ".parquet":
+        return _read_parquet(p)
+    if p.suffix in (".jsonl", ".json"):
+        return _read_jsonl(p)
+    raise ValueError(f"log {p} has suffix {p.suffix!r}; use .parquet or .jsonl")
+
+
+def read_records(path: str | Path) -> list[EvalRecord]:
+    """The log as EvalRecords; training trajectories (Scored) are converted with from_scored."""
+    return [r if isinstance(r, EvalRecord) else from_scored(r) for r in read_log(path)]
+
+
+def from_scored(s: Scored) -> EvalRecord:
+    """A scored training trajectory as an EvalRecord; its condition is the policy version "v<N>"
+    (the newest version that produced one of its turns), so versions can be compared over items."""
+    traj = s.trajectory
+    version = max((t.version for t in traj.turns), default=-1)
+    system = traj.messages[0].content if traj.messages and traj.messages[0].role == "system" else ""
+    return EvalRecord(
+        eval_id=s.traj_id, condition=f"v{version}", item_id=traj.item_id, model=traj.model,
+        system_prompt=system, sim_prompt=traj.sim_prompt, sim_model="", judge_model=s.judge_model,
+        seed=traj.seed, messages=list(traj.messages), reference=traj.reference,
+        assistant_tokens=traj.assistant_tokens, metrics=dict(s.metrics), document=s.document,
+        judge=list(s.judge), version=version, created=s.created,
+    )
+
+
+async def read_stream(js, run: str, key: str) -> list:
+    """Every message stored on a run's channel ("eval" or "scored"), decoded, in stream order."""
+    from nats.js.errors import NotFoundError
+
+    from protocol import codec, topology
+
+    if key not in ("eval", "scored"):
+        raise ValueError(f"replay reads the 'eval' or 'scored' stream, not {key!r}")
+    name = topology.stream_name(run, key)
+    info = await js.stream_info(name)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            msg = await js.get_msg(name, seq)
+        except NotFoundError:  # deleted or aged out in the middle of the range
+            continue
+        out.append(codec.decode(key, msg.data))
+    return out
+
+
+def reweight(
+    records: Iterable[EvalRecord],
+    weights: dict[str, float],
+    *,
+    clamps: dict[str, tuple[float, float]] | None = None,
+    bleu_variant: str = "sacrebleu",
+) -> list[EvalRecord]:
+    """Re-score without any model: BLEU recomputed from the stored extracted document with `bleu_variant`,
+    interactivity reused as stored, tokens from the stored count; "reward" = the weighted total."""
+    if bleu_variant not in BLEU_VARIANTS:
+        raise ValueError(f"bleu_variant={bleu_variant!r} not allowed; use one of {sorted(BLEU_VARIANTS)}")
+    score = BLEU_VARIANTS[bleu_variant]
+    out = []
+    for rec in records:
+        if "interactivity" not in rec.metrics:
+            raise ValueError(
+                f"record {rec.eval_id!r} has no stored interactivity; re-weighting reuses it, so this log needs a judge (--judge)"
+            )
+        metrics = {
+            "bleu": score(rec.document, rec.reference),
+            "interactivity": float(rec.metrics["interactivity"]),
+            "token_amount": token_amount(rec.assistant_tokens),
+        }
+        metrics["reward"] = total_reward(metrics, weights, clamps)
+        out.append(msgspec.structs.replace(rec, metrics=metrics))
+    return out
+
+
+async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]:
+    """Re-score with another judge (a scorer.score.Judge, e.g. JudgeClient over NATS) and the weights,
+    clamps and BLEU variant of `cfg` (a ScorerConfig); nothing is generated. "reward" = the weighted total."""
+    import asyncio
+
+    from protocol.messages import Trajectory
+    from scorer.score import score_trajectory
+
+    async def one(rec: EvalRecord) -> EvalRecord:
+        # Only the conversation, reference, seed and token count matter to the judge and the metrics.
+        traj = Trajectory(
+            traj_id=rec.eval_id, task_id=rec.eval_id, sample=0, run="replay", item_id=rec.item_id,
+            messages=list(rec.messages), token_ids=[], loss_mask=[], turns=[], reference=rec.reference,
+            assistant_tokens=rec.assistant_tokens, seed=rec.seed, sim_prompt=rec.sim_prompt, model=rec.model,
+        )
+        # Failures propagate as scorer.score's errors, which name the record (traj_id = eval_id).
+        scored = await score_trajectory(traj, judge, cfg, scorer="replay")
+        return msgspec.structs.replace(
+            rec, metrics={**scored.metrics, "reward": scored.total}, document=scored.document,
+            judge=list(scored.judge), judge_model=scored.judge_model,
+        )
+
+    return list(await asyncio.gather(*(one(r) for r in records)))

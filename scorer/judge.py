@@ -1,0 +1,297 @@
+"""The judge: extracts the final document of a conversation and rates the assistant's interactivity.
+
+`Judge` answers JudgeRequests with any backend from actors/backend.py (JSON-schema-constrained
+decoding, validation, retries); `parley judge` (scorer/cli.py) serves it on NATS through
+`serve_judge`; scorers reach it with scorer.score.JudgeClient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import string
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from importlib import resources
+
+import msgspec
+
+from protocol import topology
+from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
+from scorer.config import JudgeConfig
+from scorer.metrics import INTERACTIVITY_KEYS, interactivity_from_levels
+
+log = logging.getLogger("parley.judge")
+
+PROMPT_FILES = {"extract": "extract_document.txt", "interactivity": "interactivity.txt"}
+RATIONALE_MAX_CHARS = 300  # "one sentence"; bounded so a rambling judge cannot eat max_tokens
+
+# The decoder may only produce these; a reply that still fails validation (cut off at max_tokens)
+# is retried.
+SCHEMAS: dict[str, dict] = {
+    "extract": {
+        "type": "object",
+        "properties": {"document": {"type": "string"}},
+        "required": ["document"],
+        "additionalProperties": False,
+    },
+    "interactivity": {
+        "type": "object",
+        # Levels first, as the rubric asks, so the rationale cannot crowd them out.
+        "properties": {
+            **{k: {"type": "integer", "enum": [0, 1, 2, 3]} for k in INTERACTIVITY_KEYS},
+            "rationale": {"type": "string", "maxLength": RATIONALE_MAX_CHARS},
+        },
+        "required": [*INTERACTIVITY_KEYS, "rationale"],
+        "additionalProperties": False,
+    },
+}
+
+
+class ExtractVerdict(msgspec.Struct, forbid_unknown_fields=True):
+    document: str
+
+
+class InteractivityVerdict(msgspec.Struct, forbid_unknown_fields=True):
+    understanding: int
+    clarification: int
+    suggestions: int
+    rationale: str = ""
+
+
+_VERDICT_TYPES = {"extract": ExtractVerdict, "interactivity": InteractivityVerdict}
+
+ROLE_LABELS = {"user": "USER", "assistant": "ASSISTANT"}
+_SEPARATOR = "\n\n"
+
+
+def load_prompts() -> dict[str, string.Template]:
+    """The judge prompt templates (scorer/prompts/*.txt), each with one ${conversation} slot."""
+    prompts = {}
+    for op, name in PROMPT_FILES.items():
+        text = (resources.files("scorer") / "prompts" / name).read_text(encoding="utf-8")
+        template = string.Template(text)
+        if "conversation" not in template.get_identifiers():
+            raise ValueError(f"judge prompt scorer/prompts/{name} has no ${{conversation}} slot")
+        prompts[op] = template
+    return prompts
+
+
+def _cut_to(text: str, budget: int, count: Callable[[str], int]) -> str:
+    """The longest head of `text` (on a character boundary) that `count` says fits `budget`."""
+    lo, hi = 0, len(text)
+    while lo < hi:  # binary search: count() may be a tokenizer, so call it O(log n) times
+        mid = (lo + hi + 1) // 2
+        if count(text[:mid]) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo]
+
+
+def render_conversation(
+    messages: Sequence[ChatMessage],
+    max_tokens: int | None = None,
+    count: Callable[[str], int] = len,
+) -> str:
+    """The transcript the judge reads: "USER: ...\\n\\nASSISTANT: ...", system messages left out.
+
+    When it is longer than `max_tokens` (measured by `count`; characters by default), the newest
+    messages are kept, since the final document is usually in the last assistant turns; the
+    opening request is added back if it still fits, with a marker for what was left out. If even
+    the last message alone is too long, its beginning is kept (the document's title and start).
+    """
+    blocks = [f"{ROLE_LABELS.get(m.role, m.role.upper())}: {m.content.strip()}" for m in messages if m.role != "system"]
+    full = _SEPARATOR.join(blocks)
+    if max_tokens is None or count(full) <= max_tokens:
+        return full
+
+    def marker(n: int) -> str:
+        return f"[... {n} earlier message{'s' if n != 1 else ''} left out ...]"
+
+    # Room for the longest marker we could need, so adding it never breaks the budget.
+    budget = max_tokens - count(marker(len(blocks)) + _SEPARATOR * 2)
+    kept: list[str] = []
+    used = 0
+    for block in reversed(blocks):
+        cost = count(block + _SEPARATOR)
+        if used + cost > budget:
+            break
+        kept.insert(0, block)
+        used += cost
+    if not kept:
+        return _cut_to(blocks[-1], max_tokens, count)
+
+    head: list[str] = []
+    omitted = len(blocks) - len(kept)
+    if omitted > 1 and used + count(blocks[0] + _SEPARATOR) <= budget:
+        head, omitted = [blocks[0]], omitted - 1  # the user's opening request frames the rest
+    if omitted == 0:
+        return _SEPARATOR.join(head + kept)
+    return _SEPARATOR.join(head + [marker(omitted)] + kept)
+
+
+def parse_verdict(op: str, raw: str) -> JudgeReply:
+    """A valid judge reply from the model's raw JSON text; raises ValueError if it is not usable."""
+    try:
+        # strict=False: the schema grammar lets raw control characters into strings, which strict
+        # JSON forbids; the text is still unambiguous, so accept it rather than burn a retry.
+        verdict = msgspec.convert(json.loads(raw, strict=False), _VERDICT_TYPES[op])
+    except (ValueError, msgspec.ValidationError) as e:
+        raise ValueError(f"not a valid {op} reply ({e}): {raw[:200]!r}") from None
+    if op == "extract":
+        # A "\udxxx" escape decodes to a lone surrogate, which no UTF-8 reply can carry: replace it.
+        document = verdict.document.encode("utf-8", "replace").decode("utf-8")
+        return JudgeReply(ok=True, document=document.strip(), raw=raw)
+    levels = {k: getattr(verdict, k) for k in INTERACTIVITY_KEYS}
+    return JudgeReply(ok=True, levels=levels, score=interactivity_from_levels(levels), raw=raw)
+
+
+class Judge:
+    """Answers judge requests with one backend: renders the prompt, decodes under the op's JSON
+    schema, validates, retries malformed output up to cfg.max_retries times, and reports a
+    failure as JudgeReply(ok=False) - never as a score."""
+
+    def __init__(self, backend, cfg: JudgeConfig, prompts: dict[str, string.Template] | None = None):
+        self.backend = backend
+        self.cfg = cfg
+        self.prompts = prompts or load_prompts()
+        self.count, self.conversation_budget = self._budget()
+
+    def _budget(self) -> tuple[Callable[[str], int], int | None]:
+        tokenizer = getattr(self.backend, "tokenizer", None)
+        if tokenizer is not None:
+
+            def count(text: str) -> int:
+                return len(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            # No tokenizer at hand (remote endpoint): about 3 characters per token, erring long.
+            def count(text: str) -> int:
+                return len(text) // 3 + 1
+
+        if self.cfg.max_conversation_tokens:
+            return count, self.cfg.max_conversation_tokens
+        max_len = getattr(self.backend, "max_model_len", None)
+        if not max_len:
+            return count, None  # a remote model's context is its own business
+        # What the prompt around the conversation and the answer need, measured on the longest prompt.
+        overhead = max(self._prompt_tokens(op, "") for op in self.prompts)
+        budget = max_len - self.cfg.max_tokens - overhead - 16  # 16: slack for the join of template and text
+        if budget < 64:
+            raise ValueError(
+                f"judge max_tokens={self.cfg.max_tokens} leaves only {budget} tokens for the conversation within "
+                f"max_model_len={max_len}; raise [judge.engine] max_model_len or lower [judge] max_tokens"
+            )
+        return count, budget
+
+    def _prompt_tokens(self, op: str, conversation: str) -> int:
+        messages = self._messages(op, conversation)
+        prompt_ids = getattr(self.backend, "prompt_ids", None)
+        if prompt_ids is not None:
+            return len(prompt_ids(messages))
+        return self.count(messages[0]["content"])
+
+    def _messages(self, op: str, conversation: str) -> list[dict]:
+        return [{"role": "user", "content": self.prompts[op].substitute(conversation=conversation)}]
+
+    async def handle(self, op: str, req: JudgeRequest) -> JudgeReply:
+        model = self.backend.model_name
+        if op not in topology.JUDGE_OPS or req.op != op:
+            return JudgeReply(ok=False, error=f"request op {req.op!r} on the {op!r} subject; allowed: {topology.JUDGE_OPS}", model=model)
+        conversation = render_conversation(req.messages, self.conversation_budget, self.count)
+        messages = self._messages(op, conversation)
+        errors: list[str] = []
+        raw = ""
+        attempts = 1 + self.cfg.max_retries
+        for attempt in range(1, attempts + 1):
+            # The first try uses the configured temperature; retries sample so they can differ.
+            temperature = self.cfg.temperature if attempt == 1 else max(self.cfg.temperature, self.cfg.retry_temperature)
+            try:
+                raw = await self.backend.chat_json(
+                    messages, SCHEMAS[op], max_tokens=self.cfg.max_tokens, temperature=temperature, seed=(req.seed + attempt - 1) % 2**31
+                )
+                reply = parse_verdict(op, raw)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - backend errors and bad output alike are retried, then reported
+                errors.append(f"attempt {attempt}: {type(e).__name__}: {e}")
+                log.warning("judge %s attempt %d/%d failed: %s", op, attempt, attempts, e)
+                continue
+            reply.attempts, reply.model = attempt, model
+            return reply
+        return JudgeReply(ok=False, raw=raw, attempts=attempts, error="; ".join(errors)[-2000:], model=model)
+
+
+def judge_routes(judge: Judge, counters: Counter | None = None) -> dict:
+    """The service routes of both judge ops: subject -> handler(bytes) -> encoded JudgeReply.
+    A request that does not decode gets an ok=False reply naming the error (the requester decides)."""
+    from protocol import codec
+
+    counters = counters if counters is not None else Counter()
+
+    def route(op: str):
+        async def handler(data: bytes) -> bytes:
+            try:
+                req = codec.decode("judge.request", data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                counters["bad_request"] += 1
+                return codec.encode(JudgeReply(ok=False, error=f"request is not a JudgeRequest: {e}", model=judge.backend.model_name))
+            reply = await judge.handle(op, req)
+            counters[f"{op}.{'ok' if reply.ok else 'failed'}"] += 1
+            return codec.encode(reply)
+
+        return handler
+
+    return {topology.judge_subject(op): route(op) for op in topology.JUDGE_OPS}
+
+
+def error_reply(subject: str, data: bytes, exc: BaseException) -> bytes:
+    """What a requester gets when a handler crashed: a failure it retries, never a verdict."""
+    from protocol import codec
+
+    return codec.encode(JudgeReply(ok=False, error=f"judge crashed on {subject}: {type(exc).__name__}: {exc}"))
+
+
+def judge_service(nc, judge: Judge, *, name: str = "judge"):
+    """A Service (actors/service.py) answering both judge subjects in the JUDGE_QUEUE group."""
+    from actors.service import Service
+
+    counters: Counter = Counter()
+    return Service(
+        nc,
+        judge_routes(judge, counters),
+        queue=topology.JUDGE_QUEUE,
+        concurrency=judge.cfg.concurrency,
+        on_error=error_reply,
+        name=name,
+        counters=counters,
+    )
+
+
+async def main(stop: asyncio.Event, cfg, ident: str) -> int:
+    """`parley judge`: load the backend, serve until SIGINT/SIGTERM, close the backend."""
+    from actors.backend import make_backend
+    from protocol import status
+    from protocol.connect import connect
+    from protocol.messages import Heartbeat
+
+    nc = await connect(cfg.nats.url, name=f"parley-{ident}", first_timeout=cfg.nats.connect_timeout_s,
+                       creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
+    await status.send(nc, cfg.run.name, Heartbeat(role="judge", id=ident, state="starting"))
+    t0 = time.perf_counter()
+    backend = make_backend(cfg.judge)  # blocks while a local engine loads (tens of seconds on CPU)
+    log.info("judge backend %s (%s) ready in %.1fs", backend.model_name, cfg.judge.backend, time.perf_counter() - t0)
+    try:
+        try:
+            judge = Judge(backend, cfg.judge)
+        except ValueError as e:  # the context cannot hold prompt + answer: a config error
+            log.error("bad configuration: %s", e)
+            return 2
+        service = judge_service(nc, judge, name=ident)
+        await service.run_until(stop, run=cfg.run.name, role="judge", ident=ident, grace_s=cfg.judge.timeout_s)
+    finally:
+        await backend.close()
+        await nc.drain()
+    return 0

@@ -1,0 +1,71 @@
+"""The leakage guard: training and evaluation must not share reference documents (the BLEU targets).
+`guard_overlap` is called at start by the learner and by `parley eval`; `parley data check` reports.
+Overlap is found by actors.data.find_overlap on normalized-text hashes of references and prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from actors.data import Item, Overlap, find_overlap
+
+log = logging.getLogger("parley.leakage")
+
+OVERLAP_FILE = "overlap.json"
+_EXAMPLES = 3  # pairs named in an error message
+
+
+class LeakageError(ValueError):
+    """Train and eval share reference targets and overlap was not allowed."""
+
+
+def _examples(pairs: list[tuple[str, str]]) -> str:
+    shown = ", ".join(f"train {a} = eval {b}" for a, b in pairs[:_EXAMPLES])
+    return shown + (f" (+{len(pairs) - _EXAMPLES} more)" if len(pairs) > _EXAMPLES else "")
+
+
+def describe(overlap: Overlap, n_train: int, n_eval: int) -> str:
+    """Human-readable report, one line per kind of overlap."""
+    lines = [f"train {n_train} items, eval {n_eval} items: {overlap.summary()}"]
+    if overlap.references:
+        lines.append(f"shared reference targets: {_examples(overlap.references)}")
+    if overlap.prompts:
+        lines.append(f"shared prompts: {_examples(overlap.prompts)}")
+    return "\n".join(lines)
+
+
+def overlap_json(overlap: Overlap, n_train: int, n_eval: int) -> dict:
+    return {
+        "train_items": n_train,
+        "eval_items": n_eval,
+        "references": [list(p) for p in overlap.references],
+        "prompts": [list(p) for p in overlap.prompts],
+        "created": time.time(),
+    }
+
+
+def guard_overlap(train_items: list[Item], eval_items: list[Item], allow: bool, run_dir: str | Path | None) -> Overlap:
+    """Stop a run whose eval items share reference targets with its training items, unless allowed.
+
+    Shared prompts alone are logged, not fatal: a prompt asked again with a different target does not
+    leak the answer. When the run goes ahead despite any overlap, it is written to run_dir/overlap.json
+    so the result tables can be read knowing it.
+    """
+    overlap = find_overlap(train_items, eval_items)
+    if overlap.leaks and not allow:
+        raise LeakageError(
+            f"train and eval share {len(overlap.references)} reference targets and {len(overlap.prompts)} prompts "
+            f"({_examples(overlap.references)}); eval scores on them measure memorization. Use a per-reference split "
+            f"or another eval file, or pass --allow-overlap ([data] allow_overlap = true) to run anyway"
+        )
+    if overlap.references or overlap.prompts:
+        log.warning("%s", describe(overlap, len(train_items), len(eval_items)).replace("\n", "; "))
+        if run_dir is not None:
+            path = Path(run_dir) / OVERLAP_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(overlap_json(overlap, len(train_items), len(eval_items)), indent=1) + "\n")
+            log.warning("overlap recorded in %s", path)
+    return overlap

@@ -1,0 +1,163 @@
+"""Scoring one trajectory: judge calls, metrics, the futures average and the weighted total.
+
+`score_trajectory` is pure apart from the judge it is given, so the scorer role, eval and replay
+all reuse it; `JudgeClient` is the judge over NATS request/reply (the service is scorer/judge.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
+from scorer.config import ScorerConfig
+from scorer.metrics import BLEU_VARIANTS, interactivity_from_levels, token_amount
+from scorer.reward import average_futures, total_reward
+
+
+class JudgeUnavailable(RuntimeError):
+    """Nobody answered (no service, or it timed out): retry later, score nothing."""
+
+
+class JudgeFailed(RuntimeError):
+    """The judge answered but could not give a usable verdict; never scored as 0."""
+
+
+class Unscorable(ValueError):
+    """The trajectory itself cannot be scored (e.g. no reference document); retrying won't help."""
+
+
+class Judge(Protocol):
+    async def extract(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
+
+    async def interactivity(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
+
+
+class JudgeClient:
+    """The judge service over NATS request/reply, with at most `concurrency` requests in flight."""
+
+    def __init__(self, nc, *, timeout: float, concurrency: int = 16):
+        self.nc = nc
+        self.timeout = timeout
+        self._slots = asyncio.Semaphore(concurrency)
+
+    async def extract(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
+        return await self._call("extract", messages, seed)
+
+    async def interactivity(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
+        return await self._call("interactivity", messages, seed)
+
+    async def _call(self, op: str, messages: Sequence[ChatMessage], seed: int) -> JudgeReply:
+        import msgspec
+        import nats.errors
+
+        from protocol import codec, topology
+        from protocol.messages import JudgeRequest
+
+        subject = topology.judge_subject(op)
+        data = codec.encode(JudgeRequest(op=op, messages=list(messages), seed=seed))
+        async with self._slots:
+            try:
+                msg = await self.nc.request(subject, data, timeout=self.timeout)
+            except nats.errors.NoRespondersError:
+                raise JudgeUnavailable(f"no judge service answers on {subject}; is `parley judge` running?") from None
+            except nats.errors.TimeoutError:
+                raise JudgeUnavailable(f"judge on {subject} did not answer within {self.timeout:.0f}s") from None
+        try:
+            return codec.decode("judge.reply", msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise JudgeFailed(f"judge on {subject} sent a reply that is not a JudgeReply: {e}") from None
+
+
+def conversations(traj: Trajectory) -> list[tuple[list[ChatMessage], int]]:
+    """What gets judged: the conversation itself, or one per sampled future (trajectory + future),
+    each with the assistant tokens it holds."""
+    if not traj.futures:
+        return [(list(traj.messages), traj.assistant_tokens)]
+    return [(list(traj.messages) + list(f.messages), traj.assistant_tokens + f.assistant_tokens) for f in traj.futures]
+
+
+def _checked(reply: JudgeReply, op: str, traj_id: str) -> JudgeReply:
+    if not reply.ok:
+        raise JudgeFailed(f"judge {op} failed for {traj_id} after {reply.attempts} attempt(s): {reply.error or 'no error given'}")
+    return reply
+
+
+async def _all(*coros) -> list:
+    """Run concurrently; the first failure cancels the rest and is raised as itself (not a group)."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(c) for c in coros]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+async def _judge_one(judge: Judge, messages, tokens: int, traj: Trajectory, bleu_fn, seed: int, timings: dict[str, float]):
+    async def timed(op: str, call):
+        t0 = time.perf_counter()
+        reply = await call(messages, seed=seed)
+        timings[op] = timings.get(op, 0.0) + time.perf_counter() - t0
+        return reply
+
+    ext, inter = await _all(timed("extract", judge.extract), timed("interactivity", judge.interactivity))
+    outputs = [
+        JudgeOutput(op="extract", raw=ext.raw, attempts=ext.attempts, ok=ext.ok, error=ext.error),
+        JudgeOutput(op="interactivity", raw=inter.raw, attempts=inter.attempts, ok=inter.ok, error=inter.error),
+    ]
+    _checked(ext, "extract", traj.traj_id)
+    _checked(inter, "interactivity", traj.traj_id)
+    try:
+        # The levels are the verdict; recomputing the score keeps one definition of it.
+        interactivity = interactivity_from_levels(inter.levels)
+    except ValueError as e:
+        raise JudgeFailed(f"judge interactivity reply for {traj.traj_id} is unusable: {e}") from None
+    metrics = {
+        "bleu": bleu_fn(ext.document, traj.reference),
+        "interactivity": interactivity,
+        "token_amount": token_amount(tokens),
+    }
+    return metrics, ext, outputs
+
+
+async def score_trajectory(
+    traj: Trajectory, judge: Judge, cfg: ScorerConfig, *, scorer: str = "", seed: int | None = None
+) -> Scored:
+    """Judge `traj` (every future, if it carries any), compute its metrics and weighted total.
+
+    `seed` goes to the judge (default: the trajectory's own seed); a caller retrying after a failed
+    verdict passes a fresh one, or a deterministic judge would fail the same way again.
+    Raises JudgeUnavailable / JudgeFailed when no trustworthy verdict came back (the caller retries
+    later) and Unscorable when the trajectory cannot be scored at all. Never fills in a default.
+    """
+    seed = traj.seed if seed is None else seed
+    if not traj.reference.strip():
+        raise Unscorable(f"trajectory {traj.traj_id} has no reference document; BLEU needs one")
+    bleu_fn = BLEU_VARIANTS[cfg.bleu_variant]
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    results = await _all(*(_judge_one(judge, m, n, traj, bleu_fn, seed, timings) for m, n in conversations(traj)))
+    timings["total"] = time.perf_counter() - t0
+
+    # Each metric is averaged over the futures before weighting, so a clamp bounds the average.
+    metrics = average_futures([m for m, _, _ in results])
+    clamps = {k: (v[0], v[1]) for k, v in cfg.clamps.items()}
+    first_extract = results[0][1]
+    return Scored(
+        traj_id=traj.traj_id,
+        task_id=traj.task_id,
+        sample=traj.sample,
+        run=traj.run,
+        metrics=metrics,
+        weights=dict(cfg.weights),
+        total=total_reward(metrics, cfg.weights, clamps),
+        trajectory=traj,
+        document=first_extract.document,
+        judge=[o for _, _, outputs in results for o in outputs],
+        judge_model=first_extract.model,
+        scorer=scorer,
+        timings=timings,
+        created=time.time(),
+    )

@@ -1,0 +1,134 @@
+"""`parley scorer`: pulls trajectories from TRAJ, has the judge service score them, stores Scored in SCORED.
+
+Replicas share the durable consumer "scorer", so N scorers split the work; a trajectory is acked
+only after its Scored is stored. While the judge is unreachable it waits (held, kept alive); when
+the judge fails on it, it is nak'ed with back-off and dead-lettered after max_deliver deliveries.
+Started by scorer/cli.py (and `parley up`); the scoring itself is scorer/score.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+
+from protocol import bus, status, topology
+from protocol.messages import Heartbeat, Trajectory
+from scorer.config import ScorerConfig
+from scorer.score import Judge, JudgeFailed, JudgeUnavailable, Unscorable, score_trajectory
+
+log = logging.getLogger("parley.scorer")
+
+
+class Scorer:
+    """One scorer replica: the PullWorker handler plus its counters and heartbeat."""
+
+    def __init__(self, nc, run: str, judge: Judge, cfg: ScorerConfig, bus_settings: topology.BusSettings, ident: str):
+        self.nc, self.js = nc, nc.jetstream()
+        self.run, self.judge, self.cfg, self.bus, self.ident = run, judge, cfg, bus_settings, ident
+        self.counters: Counter[str] = Counter()
+        self.in_flight = 0
+        self._stop = asyncio.Event()  # set by run_until's stop
+
+    async def handle(self, traj: Trajectory, msg) -> None:
+        delivered = msg.metadata.num_delivered
+        self.in_flight += 1
+        try:
+            # Judging (and waiting for the judge) can outlast ack_wait; in_progress keeps it ours.
+            async with bus.keep_alive(msg, every=max(0.5, self.bus.ack_wait_s / 3)):
+                try:
+                    scored = await self._unless_stopping(self._score(traj, delivered))
+                except JudgeFailed as e:
+                    self.counters["judge_retry"] += 1
+                    raise bus.Retry(f"JudgeFailed: {e}", delay=self.cfg.retry_delay(delivered)) from None
+                except Unscorable as e:
+                    self.counters["unscorable"] += 1
+                    raise bus.Poison(str(e)) from None
+                ack = await bus.publish(self.js, self.run, "scored", scored)
+        finally:
+            self.in_flight -= 1
+        # Stored (or already stored by an earlier delivery: same Msg-Id) - only now is the work done.
+        await msg.ack()
+        self.counters["duplicate" if ack.duplicate else "scored"] += 1
+        log.info("scored %s: total %.4f %s (%.1fs)", traj.traj_id, scored.total,
+                 {k: round(v, 4) for k, v in scored.metrics.items()}, scored.timings.get("total", 0.0))
+
+    async def _unless_stopping(self, coro):
+        """Await `coro`, but on shutdown give the message back at once (nak, no delay) instead of
+        holding it through a long judge call or wait: another replica can take it now."""
+        work = asyncio.ensure_future(coro)
+        stopping = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        raise bus.Retry("scorer stopping; handed back", delay=0.0)
+
+    async def _score(self, traj: Trajectory, delivered: int):
+        """score_trajectory, waiting here while the judge is unreachable.
+
+        An outage is not the trajectory's fault, so it does not spend its deliveries: we hold the
+        message (kept alive) and ask again with back-off, which also stops this replica fetching
+        more. Only after judge_wait_s is it nak'ed (bus.Retry), to be tried again later.
+        """
+        # A redelivery asks the judge with other seeds (its own retries add 0, 1, 2 ...), so a
+        # verdict that failed to parse is not reproduced exactly.
+        seed = (traj.seed + 1000 * (delivered - 1)) % 2**31
+        waited, attempt = 0.0, 0
+        while True:
+            try:
+                return await score_trajectory(traj, self.judge, self.cfg, scorer=self.ident, seed=seed)
+            except JudgeUnavailable as e:
+                attempt += 1
+                if waited >= self.cfg.judge_wait_s:
+                    self.counters["judge_retry"] += 1
+                    raise bus.Retry(f"JudgeUnavailable for {waited:.1f}s: {e}", delay=self.cfg.retry_delay(delivered)) from None
+                delay = self.cfg.retry_delay(attempt)
+                self.counters["judge_wait"] += 1
+                if attempt == 1 or attempt % 10 == 0:
+                    log.warning("%s: %s; %s waits (%.0fs so far)", self.ident, e, traj.traj_id, waited)
+                await asyncio.sleep(delay)
+                waited += delay
+
+    def heartbeat(self) -> Heartbeat:
+        counters = {k: float(v) for k, v in (self.counters + bus.COUNTERS).items()}
+        counters["in_flight"] = float(self.in_flight)
+        return Heartbeat(role="scorer", id=self.ident, state="busy" if self.in_flight else "ready", counters=counters)
+
+    async def run_until(self, stop: asyncio.Event, *, fetch_timeout: float = 2.0) -> None:
+        self._stop = stop
+        worker = bus.PullWorker(
+            self.js, self.run, "traj", self.handle, bus=self.bus, name=self.ident,
+            concurrency=self.cfg.concurrency, fetch_timeout=fetch_timeout,
+        )
+        beats = asyncio.create_task(status.heartbeat_loop(self.nc, self.run, self.heartbeat, stop))
+        try:
+            await worker.run_until(stop)
+        finally:
+            await status.send(self.nc, self.run, Heartbeat(role="scorer", id=self.ident, state="stopping"))
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
+
+
+async def main(stop: asyncio.Event, cfg, ident: str) -> int:
+    """`parley scorer`: connect, make sure the run's topology exists, score until SIGINT/SIGTERM."""
+    from protocol.connect import connect
+    from scorer.score import JudgeClient
+
+    nc = await connect(cfg.nats.url, name=f"parley-{ident}", first_timeout=cfg.nats.connect_timeout_s,
+                       creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
+    try:
+        await topology.ensure_topology(nc.jetstream(), cfg.run.name, cfg.bus)
+        judge = JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
+        log.info("%s: scoring run %s (concurrency %d, weights %s)", ident, cfg.run.name, cfg.scorer.concurrency, cfg.scorer.weights)
+        await Scorer(nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident).run_until(stop)
+    finally:
+        await nc.drain()
+    return 0

@@ -1,0 +1,168 @@
+"""Checkpoint selection on the benchmark: which policy version is best by BLEU, interactivity or MR,
+with its interval and paired comparisons, and a regression test for early stopping. Reads the
+periodic eval's files under RUN_DIR/eval (layout in docs/benchmark.md); called by `parley select`
+and by the learner. The training reward is refused as a selection metric on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scorer.benchmark import PairedStats, item_values, mean_interval, paired_stats
+from scorer.reward import mr
+
+SELECT_METRICS = ("bleu", "interactivity", "mr")
+# Names people reach for that mean the reward the policy was trained on.
+TRAINING_REWARD_NAMES = ("reward", "total", "training_reward", "train_reward")
+REWARD_REFUSED = (
+    "the training reward is not a selection metric: the policy is optimized against it, so it keeps rising "
+    "while the benchmark can fall (in the seed model card reward rose after step 100 while MR fell from "
+    "1.0761 to 1.0316 at step 129); select by bleu, interactivity or mr on held-out items"
+)
+EVAL_DIR = "eval"
+RECORDS_FILE = "records.parquet"
+SUMMARY_FILE = "summary.jsonl"
+
+
+class SelectionError(ValueError):
+    """A selection request that cannot be answered (bad metric, nothing evaluated)."""
+
+
+@dataclass
+class VersionEval:
+    """One version's benchmark values per item: item_id -> metric -> value (bleu, interactivity, tokens_k, mr)."""
+
+    version: int
+    items: dict[str, dict[str, float]]
+    step: int | None = None
+    source: str = ""
+
+    def values(self, metric: str, items: list[str] | None = None) -> list[float]:
+        return [self.items[i][metric] for i in (items if items is not None else sorted(self.items))]
+
+    def mean(self, metric: str) -> float:
+        return math.fsum(self.values(metric)) / len(self.items)
+
+
+@dataclass
+class Selection:
+    metric: str
+    version: int
+    step: int | None
+    mean: float
+    ci_low: float
+    ci_high: float
+    n: int
+    vs_first: PairedStats | None  # against the earliest evaluated version (the starting policy)
+    first_version: int
+    vs_runner_up: PairedStats | None
+    runner_up: int | None
+    ranking: list[tuple[int, float, int]] = field(default_factory=list)  # (version, mean, n), best first
+
+    def describe(self) -> str:
+        def cmp(label: str, s: PairedStats | None) -> str:
+            if s is None:
+                return ""
+            return f"; vs {label}: {s.mean_diff:+.4f} [{s.ci_low:+.4f}, {s.ci_high:+.4f}] t={s.t:.2f} p={s.p:.3g} n={s.n}"
+
+        step = f" (step {self.step})" if self.step is not None else ""
+        return (
+            f"best by {self.metric}: v{self.version}{step} mean {self.mean:.4f} "
+            f"95% CI [{self.ci_low:.4f}, {self.ci_high:.4f}] n={self.n}"
+            + cmp(f"v{self.first_version}", self.vs_first)
+            + cmp(f"runner-up v{self.runner_up}", self.vs_runner_up)
+        )
+
+
+def check_metric(metric: str) -> str:
+    if metric.lower() in TRAINING_REWARD_NAMES:
+        raise SelectionError(f"--metric {metric}: {REWARD_REFUSED}")
+    if metric not in SELECT_METRICS:
+        raise SelectionError(f"--metric {metric!r} not allowed; use one of {', '.join(SELECT_METRICS)}")
+    return metric
+
+
+def _summary_items(raw: dict, where: str) -> dict[str, dict[str, float]]:
+    items = {}
+    for item, v in (raw.get("items") or {}).items():
+        try:
+            b, i, tk = float(v["bleu"]), float(v["interactivity"]), float(v["tokens_k"])
+        except (KeyError, TypeError, ValueError):
+            raise SelectionError(f"{where}: item {item!r} needs numeric bleu, interactivity and tokens_k, got {v!r}") from None
+        items[item] = {"bleu": b, "interactivity": i, "tokens_k": tk, "mr": mr(b, i, tk)}
+    return items
+
+
+def load_versions(run_dir: str | Path) -> list[VersionEval]:
+    """Every evaluated version of a run, oldest first: RUN_DIR/eval/v<N>/records.parquet, and the
+    versions of RUN_DIR/eval/summary.jsonl that have no records file (a later line for a version wins)."""
+    from scorer.evallog import read_records
+
+    root = Path(run_dir) / EVAL_DIR
+    found: dict[int, VersionEval] = {}
+    summary = root / SUMMARY_FILE
+    if summary.exists():
+        for lineno, line in enumerate(summary.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{summary}:{lineno}"
+            try:
+                raw = json.loads(line)
+                version = int(raw["version"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise SelectionError(f"{where}: not a summary line (needs JSON with an integer 'version')") from None
+            step = raw.get("step")
+            found[version] = VersionEval(version, _summary_items(raw, where), None if step is None else int(step), where)
+    for path in sorted(root.glob(f"v*/{RECORDS_FILE}")):
+        try:
+            version = int(path.parent.name[1:])
+        except ValueError:
+            continue  # not a version directory
+        records = read_records(path)
+        stated = {r.version for r in records} - {-1, version}  # -1: the writer left the version unset
+        if stated:
+            raise SelectionError(f"{path} holds records of versions {sorted(stated)}, expected only {version}")
+        found[version] = VersionEval(version, item_values(records), found.get(version, VersionEval(version, {})).step, str(path))
+    return [found[v] for v in sorted(found) if found[v].items]
+
+
+def _paired(a: VersionEval, b: VersionEval, metric: str) -> PairedStats | None:
+    shared = sorted(set(a.items) & set(b.items))
+    return paired_stats(a.values(metric, shared), b.values(metric, shared)) if shared else None
+
+
+def select_best(run_dir: str | Path, metric: str) -> Selection:
+    """The version with the highest mean of `metric` over its eval items (ties: the earliest)."""
+    check_metric(metric)
+    versions = load_versions(run_dir)
+    if not versions:
+        root = Path(run_dir) / EVAL_DIR
+        raise SelectionError(f"no evaluated versions under {root} (looked for v<N>/{RECORDS_FILE} and {SUMMARY_FILE})")
+    ranked = sorted(versions, key=lambda v: (-v.mean(metric), v.version))
+    best = ranked[0]
+    mean, lo, hi = mean_interval(best.values(metric))
+    first = versions[0]
+    runner = ranked[1] if len(ranked) > 1 else None
+    return Selection(
+        metric=metric, version=best.version, step=best.step, mean=mean, ci_low=lo, ci_high=hi, n=len(best.items),
+        vs_first=_paired(best, first, metric) if first is not best else None, first_version=first.version,
+        vs_runner_up=_paired(best, runner, metric) if runner else None, runner_up=runner.version if runner else None,
+        ranking=[(v.version, v.mean(metric), len(v.items)) for v in ranked],
+    )
+
+
+def regressed(history: list[VersionEval], metric: str, alpha: float = 0.05) -> bool:
+    """True when the latest version is significantly worse than the best earlier one on `metric`:
+    paired over shared items, one-sided p < alpha. Fewer than two shared items never count as a regression."""
+    check_metric(metric)
+    if len(history) < 2:
+        return False
+    latest, earlier = history[-1], history[:-1]
+    best = max(earlier, key=lambda v: v.mean(metric))
+    s = _paired(latest, best, metric)
+    if s is None or s.n < 2 or math.isnan(s.p):
+        return False
+    return s.mean_diff < 0 and s.p / 2 < alpha

@@ -1,0 +1,101 @@
+"""The weight follower against a real nats-server and the real weight transport
+(protocol.weights), with a test-double engine: which announcements are loaded, refused, followed
+back, and when the actor must stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from actors.follow import WeightFollower, WeightsBroken
+from protocol import codec, topology, weights
+from protocol.messages import WeightVersion
+
+pytestmark = pytest.mark.integration
+RUN = "follow"
+BUS = topology.BusSettings(max_bytes=64 << 20)
+
+
+class ReloadEngineDouble:
+    """Test double of PolicyEngine's weight side: records reloads, fails the next `fail` ones."""
+
+    def __init__(self):
+        self.version = 0
+        self.reloads: list[tuple[str, int | None]] = []
+        self.fail = 0
+
+    async def reload_weights(self, path, version=None):
+        self.reloads.append((Path(path).name[:7], version))  # "v000002" of "v000002-<sha>"
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("size mismatch for model.embed_tokens.weight")
+        assert (Path(path) / weights.MODEL_FILE).is_file()
+        if version is not None:
+            self.version = version
+
+
+def state_dir(root: Path, tag: str) -> Path:
+    d = root / tag
+    d.mkdir()
+    (d / weights.MODEL_FILE).write_bytes(f"weights {tag} ".encode() * 1000)
+    (d / weights.CONFIG_FILE).write_text(json.dumps({"tag": tag}))
+    return d
+
+
+async def until(cond, timeout=10.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_follower_loads_refuses_follows_back_and_stops_when_broken(js, tmp_path):
+    await topology.ensure_topology(js, RUN, BUS)
+    engine = ReloadEngineDouble()
+    f = WeightFollower(js, RUN, engine, dest_root=tmp_path / "fetched", poll_s=0.3, base_dir=tmp_path / "base")
+    assert not await f.check()  # nothing announced yet
+
+    wv1 = await weights.publish_version(js, RUN, 1, 10, state_dir(tmp_path, "a"), "objstore")
+    assert await f.check() and engine.version == 1
+    fetched = tmp_path / "fetched" / f"v000001-{wv1.sha256[:12]}"
+    assert (fetched / weights.MODEL_FILE).read_bytes() == (tmp_path / "a" / weights.MODEL_FILE).read_bytes()
+    assert not await f.check()  # served already: nothing fetched again
+
+    stop = asyncio.Event()
+    runner = asyncio.create_task(f.run_until(stop))
+    await weights.publish_version(js, RUN, 2, 20, state_dir(tmp_path, "b"), "objstore")
+    await until(lambda: engine.version == 2)
+    assert not fetched.exists()  # only the served version is kept
+
+    # a blob that does not match its announcement is refused, once, and v2 keeps serving
+    kv = await js.key_value(topology.kv_bucket(RUN))
+    bad = WeightVersion(version=3, step=30, transport="objstore", location=wv1.location, sha256="0" * 64,
+                        bytes=wv1.bytes, created=0.0, run=RUN, files=wv1.files)
+    await kv.put(topology.WEIGHTS_KEY, codec.encode(bad))
+    await until(lambda: 3 in f.refused)
+    assert "verification failed" in f.refused[3] and engine.version == 2
+    n = len(engine.reloads)
+    await asyncio.sleep(1.0)  # several polls: the refused version is not tried again
+    assert len(engine.reloads) == n
+
+    # a load that fails half-way is undone by reloading what was served, then refused
+    engine.fail = 1
+    await weights.publish_version(js, RUN, 4, 40, state_dir(tmp_path, "c"), "objstore")
+    await until(lambda: 4 in f.refused)
+    assert engine.reloads[-2:] == [("v000004", 4), ("v000002", 2)] and engine.version == 2
+    assert "reload failed" in f.refused[4]
+
+    # a resumed learner moves the key back to a lower number with other weights: followed
+    await weights.publish_version(js, RUN, 1, 10, state_dir(tmp_path, "d"), "objstore")
+    await until(lambda: engine.version == 1)
+    assert f.loaded == [1, 2, 1]
+
+    # when even the served weights cannot be restored, the follower (and so the actor) stops
+    engine.fail = 2
+    await weights.publish_version(js, RUN, 5, 50, state_dir(tmp_path, "e"), "objstore")
+    with pytest.raises(WeightsBroken, match="mixed model"):
+        await asyncio.wait_for(runner, 10)

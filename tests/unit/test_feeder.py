@@ -1,0 +1,76 @@
+"""The feeder's staleness gate and its deterministic task order (no NATS: the gate is pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from learner.feeder import Feeder, FeederState, admission_limit, item_order, may_admit, task_id
+
+
+def test_admission_limit_is_version_plus_staleness_plus_one_steps():
+    assert admission_limit(version=0, max_staleness=1, groups_per_step=2) == 4
+    assert admission_limit(version=3, max_staleness=0, groups_per_step=5) == 20
+
+
+def test_gate_admits_until_the_limit_is_reached():
+    # version 0, max_staleness 1, 2 groups per step: 4 groups may be out before the first step
+    assert may_admit(in_flight=0, consumed=0, version=0, max_staleness=1, groups_per_step=2)
+    assert may_admit(in_flight=3, consumed=0, version=0, max_staleness=1, groups_per_step=2)
+    assert not may_admit(in_flight=4, consumed=0, version=0, max_staleness=1, groups_per_step=2)
+    # consuming does not reopen the gate by itself: issued groups are in flight or consumed
+    assert not may_admit(in_flight=2, consumed=2, version=0, max_staleness=1, groups_per_step=2)
+    # a step does
+    assert may_admit(in_flight=2, consumed=2, version=1, max_staleness=1, groups_per_step=2)
+    assert not may_admit(in_flight=4, consumed=2, version=1, max_staleness=1, groups_per_step=2)
+
+
+def test_gate_bounds_staleness_of_every_admitted_group():
+    """Simulate issue-order training: no group is trained more than max_staleness versions after
+    the version at which it was admitted."""
+    for s in (0, 1, 3):
+        for g in (1, 2, 4):
+            admitted_at = []  # version at which group i was admitted
+            version, consumed = 0, 0
+            while len(admitted_at) < 40:
+                while may_admit(len(admitted_at) - consumed, consumed, version, s, g):
+                    admitted_at.append(version)
+                # train one step on the oldest g groups
+                assert len(admitted_at) - consumed >= g
+                for i in range(consumed, consumed + g):
+                    assert version - admitted_at[i] <= s
+                consumed += g
+                version += 1
+
+
+def test_task_ids_and_item_order_are_deterministic():
+    assert task_id("r1", 7) == "r1-g000007"
+    first = [item_order(5, i, seed=3) for i in range(10)]
+    assert first == [item_order(5, i, seed=3) for i in range(10)]
+    assert sorted(first[:5]) == list(range(5)) and sorted(first[5:]) == list(range(5))  # each epoch a permutation
+    assert first != [item_order(5, i, seed=4) for i in range(10)]
+
+
+def test_feeder_state_accounting(tmp_path):
+    from actors.data import load_items
+    from learner.config import RolloutConfig
+
+    items = load_items()[:3]
+    f = Feeder(None, "r1", items, RolloutConfig(n=3), max_staleness=0, groups_per_step=2, seed=1,
+               state=FeederState(next_index=2, in_flight={"r1-g000000", "r1-g000001"}))
+    assert not f.is_open()
+    assert f.mark_consumed("r1-g000000") and not f.mark_consumed("r1-g000000")
+    assert not f.mark_consumed("someone-else")
+    assert f.state.consumed == 1 and f.state.in_flight == {"r1-g000001"}
+    f.set_version(1)
+    assert f.is_open()
+    t = f.task(5)
+    assert (t.task_id, t.n, t.run) == ("r1-g000005", 3, "r1")
+    assert t.item_id == items[item_order(3, 5, 1)].item_id
+    assert f.task(5).seed == t.seed
+
+
+def test_feeder_refuses_an_empty_split():
+    from learner.config import RolloutConfig
+
+    with pytest.raises(ValueError, match="training split is empty"):
+        Feeder(None, "r1", [], RolloutConfig(), max_staleness=1, groups_per_step=1)

@@ -1,0 +1,155 @@
+"""Group assembly: complete groups, idempotence, timeouts, staleness drop/correct, zero advantage,
+and the trajectory checks that decide dead-lettering."""
+
+from __future__ import annotations
+
+import pytest
+
+from learner.groups import BadTrajectory, Grouper, behaviour_logprobs, behaviour_version, check_trajectory
+from protocol.messages import AssistantTurn, Scored, Trajectory
+
+
+def scored(task: str, sample: int, reward: float, version: int = 0) -> Scored:
+    traj = Trajectory(
+        traj_id=f"{task}/{sample}", task_id=task, sample=sample, run="r", item_id="i", messages=[],
+        token_ids=[1, 2, 3, 4, 5, 6], loss_mask=[0, 0, 1, 1, 0, 1],
+        turns=[AssistantTurn(start=2, logprobs=[-0.1, -0.2], version=version, finish_reason="stop"),
+               AssistantTurn(start=5, logprobs=[-0.3], version=version + 1, finish_reason="stop")],
+    )
+    return Scored(traj_id=traj.traj_id, task_id=task, sample=sample, run="r", metrics={"bleu": reward},
+                  weights={"bleu": 1.0}, total=reward, trajectory=traj)
+
+
+def grouper(**kw) -> Grouper:
+    return Grouper(3, **{"max_staleness": 1, "stale_policy": "drop", "timeout_s": 60.0, **kw})
+
+
+def test_group_is_ready_only_when_all_samples_are_in():
+    g = grouper()
+    assert g.add(scored("a", 0, 0.1), now=0) == "added"
+    assert g.add(scored("a", 2, 0.5), now=1) == "added"
+    assert g.take(1, learner_version=0) == ([], [])
+    assert g.add(scored("a", 1, 0.9), now=2) == "complete"
+    taken, dropped = g.take(1, learner_version=0)
+    assert [t.group.task_id for t in taken] == ["a"] and not dropped
+    assert [s.sample for s in taken[0].group.ordered()] == [0, 1, 2]
+    assert taken[0].group.rewards() == [0.1, 0.9, 0.5]
+    assert not taken[0].correct and taken[0].staleness == 0
+    assert g.done == {"a": "trained"} and not g.buffer
+
+
+def test_duplicates_and_late_samples_are_ignored():
+    g = grouper()
+    g.add(scored("a", 0, 0.1))
+    assert g.add(scored("a", 0, 0.7)) == "duplicate"  # a redelivery: the first copy stays
+    assert g.buffer["a"].samples[0].total == 0.1
+    for i in (1, 2):
+        g.add(scored("a", i, 0.2 * i))
+    g.take(1, 0)
+    assert g.add(scored("a", 1, 0.3)) == "late"  # its group was trained already
+    assert g.counters["duplicate"] == 1 and g.counters["late"] == 1 and not g.buffer
+
+
+def test_oldest_complete_groups_go_first_and_k_are_needed():
+    g = grouper()
+    for task, t0 in (("b", 10), ("a", 20), ("c", 30)):
+        for i in range(3):
+            g.add(scored(task, i, float(i)), now=t0 + i)
+    assert g.take(4, 0) == ([], [])  # only three ready: nothing taken
+    taken, _ = g.take(2, 0)
+    assert [t.group.task_id for t in taken] == ["b", "a"]
+    assert list(g.buffer) == ["c"]
+
+
+def test_partial_group_times_out_with_a_reason():
+    g = grouper(timeout_s=60.0)
+    g.add(scored("a", 0, 0.1), now=100)
+    g.add(scored("a", 2, 0.1), now=150)
+    for i in range(3):
+        g.add(scored("b", i, float(i)), now=100)  # complete groups never time out
+    assert g.expire(now=150) == []
+    (out,) = g.expire(now=161)
+    assert (out.task_id, out.kind) == ("a", "timeout")
+    assert "2/3 samples after 61s" in out.reason and "missing samples [1]" in out.reason
+    assert out.samples == ["a/0", "a/2"]
+    assert g.done["a"] == "timeout" and list(g.buffer) == ["b"]
+    assert g.add(scored("a", 1, 0.1)) == "late"
+
+
+def test_stale_group_is_dropped_under_drop_policy():
+    g = grouper(max_staleness=1, stale_policy="drop")
+    for i in range(3):
+        g.add(scored("old", i, float(i), version=0), now=0)
+        g.add(scored("new", i, float(i), version=2), now=1)
+    taken, dropped = g.take(1, learner_version=3)
+    assert [t.group.task_id for t in taken] == ["new"] and taken[0].staleness == 1
+    assert [(o.task_id, o.kind) for o in dropped] == [("old", "stale")]
+    assert "behaviour version 0, learner version 3, lag 3 > max_staleness 1" in dropped[0].reason
+
+
+def test_stale_group_is_corrected_under_correct_policy():
+    g = grouper(max_staleness=1, stale_policy="correct")
+    for i in range(3):
+        g.add(scored("old", i, float(i), version=0))
+    taken, dropped = g.take(1, learner_version=3)
+    assert not dropped and taken[0].correct and taken[0].staleness == 3
+    assert g.counters["corrected"] == 1
+
+
+def test_zero_advantage_group_is_skipped_and_counted():
+    g = grouper()
+    for i in range(3):
+        g.add(scored("flat", i, 0.5), now=0)
+        g.add(scored("live", i, float(i)), now=1)
+    taken, skipped = g.take(1, 0)
+    assert [t.group.task_id for t in taken] == ["live"]
+    assert [(o.task_id, o.kind) for o in skipped] == [("flat", "zero_advantage")]
+    assert g.counters["zero_advantage"] == 1
+
+
+def test_untake_restores_a_failed_step():
+    g = grouper()
+    for i in range(3):
+        g.add(scored("a", i, float(i)))
+    taken, _ = g.take(1, 0)
+    g.untake(taken)
+    assert list(g.buffer) == ["a"] and not g.done and g.counters["trained"] == 0
+
+
+def test_sample_index_outside_the_group_is_bad():
+    with pytest.raises(BadTrajectory, match="sample index 3 outside 0..2"):
+        grouper().add(scored("a", 3, 0.0))
+
+
+def test_behaviour_alignment_and_version():
+    s = scored("a", 0, 0.0, version=4)
+    assert behaviour_logprobs(s.trajectory) == [0.0, 0.0, -0.1, -0.2, 0.0, -0.3]
+    assert behaviour_version(s.trajectory) == 4
+    check_trajectory(s.trajectory)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(loss_mask=[0, 0, 1]), "loss_mask has 3 entries for 6 tokens"),
+        (dict(loss_mask=[1, 0, 1, 1, 0, 1]), "token 0 is marked trained"),
+        (dict(loss_mask=[0, 1, 1, 1, 0, 1]), "token 1 is trained but no turn has its behaviour log-prob"),
+        (dict(loss_mask=[0] * 6), "no trained token"),
+        (dict(token_ids=[]), "no token ids"),
+    ],
+)
+def test_bad_trajectories_are_named(change, message):
+    import msgspec
+
+    traj = msgspec.structs.replace(scored("a", 0, 0.0).trajectory, **change)
+    with pytest.raises(BadTrajectory, match=message):
+        check_trajectory(traj)
+
+
+def test_turn_outside_the_tokens_is_bad():
+    import msgspec
+
+    t = scored("a", 0, 0.0).trajectory
+    turns = [msgspec.structs.replace(t.turns[1], start=5, logprobs=[-0.3, -0.4])]
+    with pytest.raises(BadTrajectory, match=r"turn 0 spans \[5, 7\) outside"):
+        check_trajectory(msgspec.structs.replace(t, turns=turns))

@@ -1,0 +1,179 @@
+"""The judge without a model: transcript rendering and truncation, verdict parsing, retries with a
+backend test double, and the request/reply routes' error replies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from protocol import codec, topology
+from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
+from scorer.config import JudgeConfig
+from scorer.judge import SCHEMAS, Judge, error_reply, judge_routes, load_prompts, parse_verdict, render_conversation
+
+CONV = [
+    ChatMessage("system", "You are a helpful assistant."),
+    ChatMessage("user", "write me a blog post about lisbon"),
+    ChatMessage("assistant", "Happy to. Who is it for, and how long should it be?"),
+    ChatMessage("user", "friends, short"),
+    ChatMessage("assistant", "A Week in Lisbon\n\nThe trams climb the hills."),
+]
+
+
+def test_render_labels_roles_and_leaves_out_the_system_prompt():
+    text = render_conversation(CONV)
+    assert text.startswith("USER: write me a blog post about lisbon\n\nASSISTANT: Happy to.")
+    assert text.endswith("ASSISTANT: A Week in Lisbon\n\nThe trams climb the hills.")
+    assert "helpful assistant" not in text
+
+
+def test_truncation_keeps_the_newest_turns_and_the_opening_request():
+    long_middle = CONV[:2] + [ChatMessage("assistant", "x" * 500), ChatMessage("user", "y" * 500)] + CONV[3:]
+    full = render_conversation(long_middle)
+    text = render_conversation(long_middle, max_tokens=200)
+    assert len(text) <= 200 < len(full)
+    assert text.startswith("USER: write me a blog post about lisbon")
+    assert "[... 2 earlier messages left out ...]" in text
+    assert text.endswith("ASSISTANT: A Week in Lisbon\n\nThe trams climb the hills.")
+
+
+def test_truncation_without_room_for_the_opening():
+    msgs = [ChatMessage("user", "u" * 300), ChatMessage("assistant", "a" * 50), ChatMessage("user", "b" * 50)]
+    text = render_conversation(msgs, max_tokens=170)
+    assert len(text) <= 170
+    assert text.startswith("[... 1 earlier message left out ...]\n\nASSISTANT: aaa") and text.endswith("b" * 50)
+
+
+def test_a_single_overlong_message_keeps_its_beginning():
+    msgs = [ChatMessage("user", "hi"), ChatMessage("assistant", "TITLE\n\n" + "word " * 400)]
+    text = render_conversation(msgs, max_tokens=100, count=lambda s: len(s.split()))
+    assert text.startswith("ASSISTANT: TITLE") and len(text.split()) <= 100
+
+
+def test_prompts_have_the_conversation_slot():
+    prompts = load_prompts()
+    assert set(prompts) == set(topology.JUDGE_OPS)
+    assert "USER: hi" in prompts["extract"].substitute(conversation="USER: hi")
+
+
+def test_interactivity_schema_constrains_levels():
+    props = SCHEMAS["interactivity"]["properties"]
+    assert all(props[k]["enum"] == [0, 1, 2, 3] for k in ("understanding", "clarification", "suggestions"))
+    assert SCHEMAS["extract"]["required"] == ["document"]
+
+
+def test_parse_verdicts():
+    r = parse_verdict("extract", '{"document": "  A Week in Lisbon  "}')
+    assert r.ok and r.document == "A Week in Lisbon"
+    r = parse_verdict("interactivity", '{"understanding": 3, "clarification": 2, "suggestions": 1, "rationale": "ok"}')
+    assert r.levels == {"understanding": 3, "clarification": 2, "suggestions": 1} and r.score == pytest.approx(6 / 9)
+    for op, raw in [
+        ("extract", '{"document": "cut off'),
+        ("extract", '{"doc": "x"}'),
+        ("interactivity", '{"understanding": 4, "clarification": 2, "suggestions": 1, "rationale": ""}'),
+        ("interactivity", '{"understanding": 3, "clarification": 2}'),
+        ("interactivity", '{"understanding": true, "clarification": 2, "suggestions": 1}'),
+    ]:
+        with pytest.raises(ValueError, match=f"not a valid {op} reply|must be an integer"):
+            parse_verdict(op, raw)
+
+
+class ScriptedBackend:
+    """Backend test double: returns the scripted outputs in order (an Exception is raised)."""
+
+    model_name = "scripted"
+
+    def __init__(self, outputs):
+        self.outputs = list(outputs)
+        self.calls: list[dict] = []
+
+    async def chat_json(self, messages, schema, *, max_tokens, temperature, seed):
+        self.calls.append(dict(messages=messages, schema=schema, max_tokens=max_tokens, temperature=temperature, seed=seed))
+        out = self.outputs.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+GOOD = json.dumps({"understanding": 2, "clarification": 3, "suggestions": 1, "rationale": "asked one question"})
+
+
+async def test_judge_retries_malformed_output_then_succeeds():
+    backend = ScriptedBackend(['{"understanding": 2, "clar', RuntimeError("engine hiccup"), GOOD])
+    judge = Judge(backend, JudgeConfig(temperature=0.0, retry_temperature=0.7, max_retries=3, max_tokens=64))
+    reply = await judge.handle("interactivity", JudgeRequest(op="interactivity", messages=CONV, seed=10))
+    assert reply.ok and reply.attempts == 3 and reply.model == "scripted"
+    assert reply.score == pytest.approx(6 / 9) and reply.raw == GOOD
+    # Greedy first, then sampled retries with fresh seeds; always under the op's schema.
+    assert [c["temperature"] for c in backend.calls] == [0.0, 0.7, 0.7]
+    assert [c["seed"] for c in backend.calls] == [10, 11, 12]
+    assert all(c["schema"] is SCHEMAS["interactivity"] and c["max_tokens"] == 64 for c in backend.calls)
+    prompt = backend.calls[0]["messages"][0]["content"]
+    assert "ASSISTANT: A Week in Lisbon" in prompt and "${conversation}" not in prompt
+
+
+async def test_judge_reports_failure_after_max_retries():
+    backend = ScriptedBackend(['{"document": "a'] * 3)
+    judge = Judge(backend, JudgeConfig(max_retries=2))
+    reply = await judge.handle("extract", JudgeRequest(op="extract", messages=CONV))
+    assert not reply.ok and reply.attempts == 3 and reply.document == ""
+    assert "attempt 3" in reply.error and reply.raw == '{"document": "a'
+
+
+async def test_op_mismatch_is_an_error_reply():
+    judge = Judge(ScriptedBackend([]), JudgeConfig())
+    reply = await judge.handle("extract", JudgeRequest(op="interactivity", messages=CONV))
+    assert not reply.ok and "op" in reply.error
+
+
+class TokenBackend(ScriptedBackend):
+    """Adds what a local backend exposes: a tokenizer (one token per word) and its context length."""
+
+    max_model_len = 800
+
+    class tokenizer:  # noqa: N801 - stands in for an HF tokenizer object
+        @staticmethod
+        def encode(text, add_special_tokens=False):
+            return text.split()
+
+    def prompt_ids(self, messages):
+        return messages[0]["content"].split()
+
+
+async def test_budget_follows_the_context_length_and_truncates():
+    backend = TokenBackend(['{"document": "A Week in Lisbon"}'])
+    judge = Judge(backend, JudgeConfig(max_tokens=100))
+    prompt_words = max(len(t.substitute(conversation="").split()) for t in judge.prompts.values())
+    assert judge.conversation_budget == 800 - 100 - prompt_words - 16
+    long_conv = CONV[:2] + [ChatMessage("assistant", "blah " * 900)] + CONV[3:]
+    reply = await judge.handle("extract", JudgeRequest(op="extract", messages=long_conv))
+    assert reply.ok
+    sent = backend.calls[0]["messages"][0]["content"]
+    assert len(sent.split()) <= 800 - 100 and "A Week in Lisbon" in sent and "left out" in sent
+
+
+def test_too_small_context_fails_at_start():
+    class Tiny(TokenBackend):
+        max_model_len = 500
+
+    with pytest.raises(ValueError, match="max_model_len=500"):
+        Judge(Tiny([]), JudgeConfig(max_tokens=200))
+
+
+async def test_routes_answer_bad_requests_with_an_error_reply():
+    routes = judge_routes(Judge(ScriptedBackend(['{"document": "d"}']), JudgeConfig()))
+    assert set(routes) == {topology.judge_subject(op) for op in topology.JUDGE_OPS}
+    bad = codec.decode("judge.reply", await routes[topology.judge_subject("extract")](b"\x93garbage"))
+    assert not bad.ok and "not a JudgeRequest" in bad.error
+    good = codec.decode("judge.reply", await routes[topology.judge_subject("extract")](
+        codec.encode(JudgeRequest(op="extract", messages=CONV))))
+    assert good.ok and good.document == "d"
+    crashed = codec.decode("judge.reply", error_reply("parley.svc.judge.extract", b"", RuntimeError("boom")))
+    assert crashed == JudgeReply(ok=False, error="judge crashed on parley.svc.judge.extract: RuntimeError: boom")
+
+
+def test_raw_control_characters_in_strings_are_accepted():
+    # The schema grammar lets them into strings (strict JSON does not); the text is still clear.
+    r = parse_verdict("extract", '{"document": "Title\x07\n\nBody"}')
+    assert r.ok and r.document == "Title\x07\n\nBody"

@@ -1,0 +1,223 @@
+"""The conversation loop without vLLM or NATS: a scripted policy-engine double and a scripted
+simulator-client double drive run_conversation over the toy tokenizer. Checks what a Trajectory
+promises: the token stream reads back as the chat template's rendering, the loss mask covers
+exactly the generated ids, one log-prob per generated token, versions, terminations, fallbacks,
+next_turn futures; and the simulator client's give-up path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+import pytest
+
+from actors.engine import GenOut
+from actors.rollout import PolicySettings, SimClient, check_task, derive_seed, run_conversation
+from actors.sim import FALLBACK_MESSAGE
+from protocol import codec
+from protocol.bus import Poison, Retry
+from protocol.messages import ChatMessage, SimReply, SimRequest, Task
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+class EngineDouble:
+    """Test double of PolicyEngine.generate: answers with scripted texts (cycled), ends each with
+    <|im_end|> unless max_tokens cuts it, log-prob -0.01 * (position + 1)."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.calls = tok, list(texts), []
+        self.end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=None):
+        self.calls.append(dict(prompt_ids=list(prompt_ids), max_tokens=max_tokens, seed=seed, stop=stop_token_ids))
+        text = self.texts[(len(self.calls) - 1) % len(self.texts)]
+        ids = self.tok.encode(text, add_special_tokens=False) + [self.end]
+        reason = "stop"
+        if len(ids) > max_tokens:
+            ids, reason = ids[:max_tokens], "length"
+        return GenOut(ids, [-0.01 * (i + 1) for i in range(len(ids))], reason, text)
+
+
+class SimClientDouble:
+    """Test double of rollout.SimClient: scripted SimReplies, requests recorded."""
+
+    def __init__(self, replies):
+        self.replies, self.requests = list(replies), []
+
+    async def ask(self, req):
+        self.requests.append(req)
+        return self.replies.pop(0)
+
+
+def task(**kw) -> Task:
+    base = dict(
+        task_id="t1", run="r", item_id="item/0", n=2, prefix=[ChatMessage("user", "help me write a toast")],
+        reference="REF", title="Toast", summary="a toast", system_prompt="You help people write.",
+        sim_prompt="lazy_full", max_new_turns=6, max_tokens=32, seed=5,
+    )
+    return Task(**{**base, **kw})
+
+
+def play(tok, engine, sim, t, sample=0, version_fn=lambda: 0, max_model_len=2048):
+    policy = PolicySettings(max_model_len=max_model_len, model="tiny-double", actor="a1")
+    return asyncio.run(run_conversation(engine, sim, t, sample, version_fn, tokenizer=tok, policy=policy))
+
+
+def assert_consistent(tok, traj):
+    """The invariants every published trajectory must satisfy."""
+    msgs = [{"role": m.role, "content": m.content} for m in traj.messages]
+    gen_prompt = msgs[-1]["role"] == "user"
+    assert tok.decode(traj.token_ids) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen_prompt)
+    assert len(traj.loss_mask) == len(traj.token_ids)
+    expected = [0] * len(traj.token_ids)
+    for turn in traj.turns:
+        n = len(turn.logprobs)
+        expected[turn.start : turn.start + n] = [1] * n
+    assert traj.loss_mask == expected
+    assert traj.assistant_tokens == sum(len(t.logprobs) for t in traj.turns) == sum(traj.loss_mask)
+    assert traj.prompt_tokens == traj.turns[0].start
+    codec.decode("traj", codec.encode(traj))
+
+
+def test_conversation_until_the_simulator_is_done(tok):
+    engine = EngineDouble(tok, ["Who is the toast for?", "Here is a draft toast."])
+    sim = SimClientDouble([SimReply(message="my sister, keep it short"), SimReply(message="perfect, thanks", done=True)])
+    versions = iter([3, 4, 4])
+    traj = play(tok, engine, sim, task(), sample=1, version_fn=lambda: next(versions))
+    assert traj.terminated == "sim_done"
+    assert [m.role for m in traj.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert traj.messages[0].content == "You help people write."
+    assert [m.content for m in traj.messages if m.role == "assistant"] == ["Who is the toast for?", "Here is a draft toast."]
+    assert [t.version for t in traj.turns] == [3, 4]
+    assert all(t.trained and t.finish_reason == "stop" for t in traj.turns)
+    assert (traj.traj_id, traj.sample, traj.mode, traj.actor, traj.model) == ("t1/1", 1, "conversation", "a1", "tiny-double")
+    assert traj.seed == derive_seed("t1", 5, 1) and traj.sim_fallbacks == []
+    assert set(traj.timings) == {"generate", "sim", "total"}
+    assert_consistent(tok, traj)
+    # the simulator sees the conversation without the assistant's system prompt
+    assert [m.role for m in sim.requests[0].messages] == ["user", "assistant"]
+    assert sim.requests[0].reference == "REF" and sim.requests[0].prompt == "lazy_full"
+    # every engine call got its own seed and the template's end-of-turn token as a stop
+    assert len({c["seed"] for c in engine.calls}) == 2
+    assert engine.calls[0]["stop"] == [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_empty_prefix_lets_the_simulator_open_and_budget_ends_on_an_assistant_turn(tok):
+    engine = EngineDouble(tok, ["Sure, what is it about?"])
+    sim = SimClientDouble([SimReply(message="write a poem", done=True), SimReply(message="about the sea")])
+    traj = play(tok, engine, sim, task(prefix=[], system_prompt="", max_new_turns=4))
+    # the opening ignores "done"; 4 messages: user, assistant, user, assistant
+    assert [m.role for m in traj.messages] == ["user", "assistant", "user", "assistant"]
+    assert traj.messages[0].content == "write a poem"
+    assert traj.terminated == "max_new_turns"
+    assert_consistent(tok, traj)
+
+    engine = EngineDouble(tok, ["Sure."])
+    sim = SimClientDouble([SimReply(message="write a poem"), SimReply(message="more")])
+    traj = play(tok, engine, sim, task(prefix=[], max_new_turns=3))
+    # a third message would be a user turn nobody answers: stop after the assistant
+    assert [m.role for m in traj.messages] == ["system", "user", "assistant"]
+    assert traj.terminated == "max_new_turns" and len(sim.requests) == 1
+
+
+def test_simulator_fallbacks_are_recorded_by_message_index(tok):
+    engine = EngineDouble(tok, ["Tell me more.", "Draft one.", "Draft two."])
+    sim = SimClientDouble([
+        SimReply(message=FALLBACK_MESSAGE, fallback=True, error="not JSON"),
+        SimReply(message="add a joke"),
+    ])
+    traj = play(tok, engine, sim, task(max_new_turns=5))
+    assert traj.sim_fallbacks == [3]
+    assert traj.messages[3] == ChatMessage("user", FALLBACK_MESSAGE)
+    assert traj.terminated == "max_new_turns" and len(traj.turns) == 3
+    assert_consistent(tok, traj)
+
+
+def test_a_turn_cut_by_max_tokens_is_closed_untrained(tok):
+    engine = EngineDouble(tok, ["This reply is much longer than the few tokens it may use here."])
+    sim = SimClientDouble([SimReply(message="ok", done=True)])
+    traj = play(tok, engine, sim, task(max_tokens=5))
+    assert traj.turns[0].finish_reason == "length" and len(traj.turns[0].logprobs) == 5
+    assert_consistent(tok, traj)
+
+
+def test_max_model_len_ends_the_conversation(tok):
+    engine = EngineDouble(tok, ["A reply of a good number of tokens, more than a few for sure."])
+    sim = SimClientDouble([SimReply(message="go on")] * 10)
+    t = task(max_new_turns=20)
+    opening = len(tok.apply_chat_template(
+        [{"role": "system", "content": t.system_prompt}, {"role": "user", "content": t.prefix[0].content}],
+        tokenize=True, add_generation_prompt=True,
+    ))
+    traj = play(tok, engine, sim, t, max_model_len=opening + 40)
+    assert traj.terminated == "max_model_len"
+    assert len(traj.token_ids) <= opening + 40 + 2  # at most the untrained closing of a cut turn beyond
+    assert traj.messages[-1].role == "assistant"
+    assert_consistent(tok, traj)
+
+
+def test_next_turn_trains_one_turn_and_samples_futures(tok):
+    prefix = [ChatMessage("user", "help me"), ChatMessage("assistant", "With what?"), ChatMessage("user", "a toast")]
+    engine = EngineDouble(tok, ["Who is it for?", "Draft.", "Another draft."])
+    sim = SimClientDouble([SimReply(message="my sister"), SimReply(message="my friend"), SimReply(message="bye", done=True)])
+    traj = play(tok, engine, sim, task(mode="next_turn", prefix=prefix, futures=3, future_turns=2))
+    assert traj.mode == "next_turn" and traj.terminated == "max_new_turns"
+    assert len(traj.turns) == 1 and traj.turns[0].trained
+    assert [m.role for m in traj.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert_consistent(tok, traj)
+    assert len(traj.futures) == 3
+    main = traj.messages
+    lengths = sorted(len(f.messages) for f in traj.futures)
+    assert lengths == [len(main), len(main) + 2, len(main) + 2]  # the "done" future stops at once
+    for f in traj.futures:
+        assert f.messages[: len(main)] == main
+        extra = f.messages[len(main):]
+        assert [m.role for m in extra] in ([], ["user", "assistant"])
+        assert f.assistant_tokens == sum(
+            len(tok.encode(m.content, add_special_tokens=False)) + 1 for m in extra if m.role == "assistant"
+        )
+
+
+def test_unplayable_tasks_are_poison():
+    for bad in (task(mode="monologue"), task(n=0), task(max_tokens=0), task(prefix=[], max_new_turns=1),
+                task(prefix=[ChatMessage("tool", "x")])):
+        with pytest.raises(Poison):
+            check_task(bad)
+    check_task(task(max_new_turns=1))  # prefix ends with the user: one assistant turn fits
+
+
+class NoRespondersNcDouble:
+    """Test double of a NATS client on which nobody serves the simulator subject."""
+
+    def __init__(self):
+        self.requests = 0
+
+    async def request(self, subject, data, timeout):
+        self.requests += 1
+        raise nats.errors.NoRespondersError
+
+
+def test_sim_client_gives_the_task_back_when_no_simulator_answers():
+    nc = NoRespondersNcDouble()
+    client = SimClient(nc, timeout_s=1.0, attempts=3, backoff_s=0.01)
+    with pytest.raises(Retry, match="user simulator unavailable"):
+        asyncio.run(client.ask(SimRequest(prompt="lazy_full", messages=[])))
+    assert nc.requests == 3
+
+
+def test_special_tokens_generated_mid_turn_stay_in_the_messages(tok):
+    # a weak policy may emit template tokens inside a turn; the readable message keeps them, so
+    # the messages still render to exactly the trained ids
+    engine = EngineDouble(tok, ["Hello<|im_start|> there<|endoftext|>"])
+    sim = SimClientDouble([SimReply(message="ok", done=True)])
+    traj = play(tok, engine, sim, task())
+    gen = traj.token_ids[traj.turns[0].start : traj.turns[0].start + len(traj.turns[0].logprobs)]
+    assert tok.convert_tokens_to_ids("<|im_start|>") in gen
+    assert traj.messages[-1].content == "Hello<|im_start|> there<|endoftext|>"
+    assert_consistent(tok, traj)
