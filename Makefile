@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast clean
+.PHONY: setup run test test-fast faults clean
 
 setup: $(STAMP)
 
@@ -21,10 +21,13 @@ run: setup
 	$(BIN)/parley up
 
 test: setup
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra -m "not faults"
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not e2e and not slow"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+faults: setup
+	$(BIN)/pytest -q -m faults tests/faults -s

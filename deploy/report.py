@@ -34,6 +34,7 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
@@ -52,6 +53,7 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(out_dir / "rewards.png", dpi=110)
     plt.close(fig)
     written.append(out_dir / "rewards.png")
@@ -66,6 +68,7 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(out_dir / "kl.png", dpi=110)
     plt.close(fig)
     written.append(out_dir / "kl.png")
@@ -84,6 +87,7 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.savefig(out_dir / "eval.png", dpi=110)
         plt.close(fig)
         written.append(out_dir / "eval.png")

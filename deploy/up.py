@@ -236,7 +236,7 @@ async def _closing(cfg: RunConfig, sup: Supervisor, run_dir: Path, creds: dict) 
 
     for png in write_report(run_dir, run_dir / "report"):
         print(f"chart: {png}", flush=True)
-    ckpts = sorted((run_dir / "learner" / "ckpt").glob("*")) if (run_dir / "learner" / "ckpt").exists() else []
+    ckpts = sorted(p for p in (run_dir / "learner" / "ckpt").glob("step*") if p.is_dir())
     print(f"checkpoint: {ckpts[-1] if ckpts else '(none)'}", flush=True)
     return code
 
@@ -253,11 +253,8 @@ def write_eval_summary(run_dir: Path, last: int) -> None:
     with path.open() as f, out.open("a") as w:
         for row in csv.DictReader(f):
             version = versions.get(row.get("condition", ""))
-            if version is None:
-                continue
-            for metric in ("bleu", "interactivity", "tokens_k", "mr"):
-                if row.get(metric) not in (None, ""):
-                    w.write(json.dumps({"version": version, "metric": metric, "mean": float(row[metric])}) + "\n")
+            if version is not None and row.get("mean") not in (None, ""):
+                w.write(json.dumps({"version": version, "metric": row["metric"], "mean": float(row["mean"])}) + "\n")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -53,6 +53,7 @@ class Learner:
         self._data = asyncio.Event()
         self.id = f"{socket.gethostname()}-{os.getpid()}"
         self.state_name = "starting"
+        self.live: dict[str, float] = {}  # last step's reward terms and staleness, for the live view
 
         from scorer.diagnostics import SignalMonitor
 
@@ -198,7 +199,9 @@ class Learner:
             stats["checkpoint_s"] = time.perf_counter() - t0
         # The step's lines go out before the ledger that vouches for them: a resume drops lines
         # beyond the ledger's step, never misses one.
-        self.steplog.write(self.step, self.metrics(taken, stats), self.trained_entry(taken))
+        metrics = self.metrics(taken, stats)
+        self.steplog.write(self.step, metrics, self.trained_entry(taken))
+        self.live = live_counters(metrics)
         self.since_step = []
         await self.flush()
         if self.tag == ckpt.step_tag(self.step):
@@ -311,8 +314,25 @@ class Learner:
                 **{k: float(v) for k, v in self.grouper.counters.items()},
                 **{k: float(v) for k, v in self.counters.items()},
                 **{k: float(v) for k, v in COUNTERS.items()},
+                **self.live,
             },
         )
+
+
+def live_counters(metrics: dict) -> dict[str, float]:
+    """What the live view shows of a step: each reward term's mean and within-group std, staleness."""
+    out = {"reward.total": float(metrics.get("reward_mean", 0.0))}
+    for term, st in (metrics.get("reward_terms") or {}).items():
+        out[f"reward.{term}"] = float(st["mean"])
+        out[f"reward.{term}.group_std"] = float(st["within_group_std"])
+    for term in metrics.get("no_signal_terms") or []:
+        out[f"reward.{term}.NO_SIGNAL"] = 1.0
+    hist = metrics.get("staleness_hist") or {}
+    if hist:
+        n = sum(hist.values())
+        out["staleness.mean"] = sum(int(k) * v for k, v in hist.items()) / n
+        out["staleness.max"] = float(max(int(k) for k in hist))
+    return out
 
 
 async def main(stop: asyncio.Event, cfg, resume: bool) -> int:

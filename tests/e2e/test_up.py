@@ -1,0 +1,46 @@
+"""`parley up` on the toy model for 2 steps: every role as a real child process over a real nats-server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "up", "--config", str(ROOT / "deploy/configs/tiny.toml"),
+         "--steps", "2", "--no-live", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=1400, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "all roles ready" in out.stdout
+    assert "reward terms per step" in out.stdout
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert set(rows[0]["reward_terms"]) == {"bleu", "interactivity", "token_amount"}
+
+    # Weights were broadcast after each step (versions 1 and 2) and the actor served them.
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "published weights version 1" in learner_log and "published weights version 2" in learner_log
+    actor_log = (run_dir / "logs" / "actor-0.log").read_text()
+    assert "now serving weights version 2" in actor_log
+
+    # Exactly the trained trajectories are in the ledger, each once.
+    trained = [t for line in (run_dir / "trained.jsonl").read_text().splitlines() for t in json.loads(line)["traj_ids"]]
+    assert len(trained) == len(set(trained)) == 2 * 2  # groups_per_step 1 x n 2 x 2 steps
+
+    assert sorted(p.name for p in (run_dir / "learner" / "ckpt").glob("step*")) == ["step000001", "step000002"]
+    for png in ("rewards.png", "kl.png", "eval.png"):
+        assert (run_dir / "report" / png).stat().st_size > 1000
+    assert "closing eval" in out.stdout and "| last |" in out.stdout
+    for role in ("services", "actor-0", "scorer-0", "learner"):
+        assert (run_dir / "roles" / f"{role}.cmd").exists() and (run_dir / "roles" / f"{role}.toml").exists()
