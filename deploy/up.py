@@ -169,7 +169,7 @@ async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool
         if not quiet:  # without the live view, a progress line when something moves (or every 30 s)
             line = progress_line(snap)
             if line != last_line or time.monotonic() - last_t > 30:
-                print(line, flush=True)
+                print(time.strftime("%H:%M:%S ") + line, flush=True)
                 last_line, last_t = line, time.monotonic()
         await asyncio.sleep(1.0)
     print("interrupted: stopping every role", flush=True)
@@ -187,7 +187,7 @@ def progress_line(snap) -> str:
         f"scored {s['scored'].messages if 'scored' in s else 0}",
         f"dead {s['dead'].messages if 'dead' in s else 0}",
     ]
-    return time.strftime("%H:%M:%S ") + " | ".join(parts)
+    return " | ".join(parts)
 
 
 def _report_failure(child) -> int:

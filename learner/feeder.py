@@ -56,7 +56,7 @@ class FeederState:
 
     next_index: int = 0
     in_flight: set[str] = field(default_factory=set)  # issued task ids whose group is not yet consumed
-    consumed: int = 0  # issued groups trained, dropped or skipped
+    consumed: int = 0  # issued groups trained (a dropped or skipped group gives its slot back)
 
 
 class Feeder:
@@ -84,12 +84,19 @@ class Feeder:
         s = self.state
         return may_admit(len(s.in_flight), s.consumed, self.version, self.max_staleness, self.groups_per_step)
 
-    def mark_consumed(self, task: str) -> bool:
-        """A group left the learner (trained, dropped or skipped). False if we did not issue it."""
+    def mark_consumed(self, task: str, trained: bool = True) -> bool:
+        """A group left the learner. False if we did not issue it.
+
+        Only trained groups count as consumed: the version moves with them. A dropped (stale,
+        timed out) or skipped (zero advantage) group just leaves the in-flight set, so its slot is
+        refilled; counting it would shrink the admission window for good and, after
+        max_staleness x groups_per_step + 1 losses, stop admission altogether.
+        """
         if task not in self.state.in_flight:
             return False
         self.state.in_flight.discard(task)
-        self.state.consumed += 1
+        if trained:
+            self.state.consumed += 1
         self._wake.set()
         return True
 

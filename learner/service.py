@@ -159,7 +159,7 @@ class Learner:
 
     def consume(self, outcomes: list[Outcome]) -> list[Outcome]:
         for o in outcomes:
-            self.feeder.mark_consumed(o.task_id)
+            self.feeder.mark_consumed(o.task_id, trained=False)
             self.counters[f"groups.{o.kind}"] += 1
         return outcomes
 

@@ -136,6 +136,7 @@ class PullWorker:
         self.fetch_timeout = fetch_timeout
         self.subject = topology.subject(run, key)
         self._slots = asyncio.Semaphore(concurrency)
+        self._freed = asyncio.Event()  # a handler gave its slot back
         self._tasks: set[asyncio.Task] = set()
         self._last_error: dict[str, str] = {}
         self.stats: Counter[str] = Counter()
@@ -146,9 +147,13 @@ class PullWorker:
             while not stop.is_set():
                 # Fetch only as many as we have free slots: the rest stay available to other replicas.
                 # Wait for a slot in short hops so a stop request is seen even when every slot is busy.
-                # (Polling, not wait_for: a cancelled wait_for can swallow an acquired slot on 3.11.)
+                # (wait_for on an event, never on acquire: a cancelled wait_for can swallow an acquired
+                # slot on 3.11.) The event wakes us as soon as a handler gives its slot back; a fixed
+                # sleep here left freed slots idle and capped a busy worker at `concurrency` per sleep.
                 if self._slots.locked():
-                    await asyncio.sleep(0.05)
+                    self._freed.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._freed.wait(), timeout=0.05)
                     self._reraise_crashes()
                     continue
                 await self._slots.acquire()  # free: returns at once
@@ -188,6 +193,7 @@ class PullWorker:
             await self._handle_one(m)
         finally:
             self._slots.release()
+            self._freed.set()
 
     async def _handle_one(self, m) -> None:
         self.stats["delivered"] += 1

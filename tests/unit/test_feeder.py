@@ -74,3 +74,18 @@ def test_feeder_refuses_an_empty_split():
 
     with pytest.raises(ValueError, match="training split is empty"):
         Feeder(None, "r1", [], RolloutConfig(), max_staleness=1, groups_per_step=1)
+
+
+def test_dropped_groups_give_their_slot_back_instead_of_shrinking_the_window():
+    # Regression: counting dropped/skipped groups as consumed shrank the window for good and, at
+    # max_staleness 0, one zero-advantage group stopped admission for the rest of the run.
+    from actors.data import load_items
+    from learner.config import RolloutConfig
+
+    f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=2, seed=1,
+               state=FeederState(next_index=2, in_flight={"r1-g000000", "r1-g000001"}))
+    assert not f.is_open()
+    assert f.mark_consumed("r1-g000000", trained=False)  # skipped: zero advantage
+    assert f.state.consumed == 0 and f.is_open()  # its slot is refilled at the same version
+    assert f.mark_consumed("r1-g000001")  # trained
+    assert f.state.consumed == 1 and not f.state.in_flight

@@ -1,0 +1,37 @@
+"""The bench/ scripts still run: each is started with tiny sizes (a real nats-server inside) and must
+print its table. Figures are not checked here; docs/benchmarks.md holds the measured ones."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, *args: str, tmp_path: Path) -> str:
+    # PARLEY_CACHE under tmp_path would rebuild the tiny model; the user's cache is shared on purpose.
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_bus_capacity_prints_its_table(tmp_path):
+    out = run_bench("bus_capacity.py", "--sizes-kb", "4", "--trajectories", "16", "--n", "2", "--slots", "4",
+                    "--repeats", "1", tmp_path=tmp_path)
+    assert "| parley / raw 3-hop | parley / raw 1-hop |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| 4."))
+    assert row.count("|") == 9  # 8 filled columns: every figure is there
+
+
+def test_async_vs_sync_prints_its_table(tmp_path):
+    out = run_bench("async_vs_sync.py", "--staleness", "0", "1", "--seconds", "3", "--step-s", "0.05",
+                    "--median-s", "0.02", "--groups-per-step", "2", "--n", "2", "--slots", "4", tmp_path=tmp_path)
+    assert "| max_staleness | steps | steps/hour | vs sync |" in out
+    assert any(line.startswith("| 1 |") for line in out.splitlines())
+    assert "speedup bound" in out
