@@ -63,6 +63,10 @@ def nats_cmd(
 
     from deploy.natsserver import NatsServer
 
+    # Handlers first: a SIGTERM right after the URL is printed must still stop the server cleanly.
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
     server = NatsServer(store_dir, host=host, port=port)
     try:
         url = server.start()
@@ -71,9 +75,6 @@ def nats_cmd(
         raise typer.Exit(1) from None
     typer.echo(url, nl=True)
     typer.echo(f"nats-server pid {server.proc.pid}, store {server.store_dir}, log {server.log_file}", err=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
     while not done.is_set() and server.proc.poll() is None:
         done.wait(0.5)
     code = server.proc.poll()

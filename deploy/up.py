@@ -99,7 +99,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         watcher = RunWatcher(nc, cfg.run.name)
         await watcher.start()
         if not await _wait_ready(sup, watcher, stop, timeout=1800.0):
-            return _report_failure(sup) if sup.failed() else 130
+            return _report_failure(sup.failed()) if sup.failed() else 130
         print("all roles ready", flush=True)
 
         view_stop = asyncio.Event()
@@ -191,8 +191,6 @@ def progress_line(snap) -> str:
 
 
 def _report_failure(child) -> int:
-    if not hasattr(child, "tail"):
-        return 1
     print(f"\n{child.name} exited with code {child.returncode}; its last log lines:\n", flush=True)
     print(child.tail(30), flush=True)
     return 1

@@ -201,8 +201,8 @@ def init_distributed() -> None:
     torchrun the env is already set and NCCL is used on GPUs."""
     import deepspeed
 
+    chosen_here = "MASTER_PORT" not in os.environ
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -210,7 +210,18 @@ def init_distributed() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if torch.distributed.is_initialized():
         return
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    for attempt in range(5):
+        if chosen_here:
+            # A port found free can be taken by a neighbour (a vLLM engine starting beside us)
+            # before the store binds it: pick another and try again.
+            os.environ["MASTER_PORT"] = str(_free_port())
+        try:
+            deepspeed.init_distributed(dist_backend=backend)
+            return
+        except torch.distributed.DistNetworkError as e:
+            if not chosen_here or "EADDRINUSE" not in str(e) or attempt == 4:
+                raise
 
 
 def ds_config(cfg: LearnerConfig, dtype: torch.dtype) -> dict:
