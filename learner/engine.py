@@ -230,6 +230,10 @@ def ds_config(cfg: LearnerConfig, dtype: torch.dtype) -> dict:
     zero: dict = {"stage": cfg.zero_stage}
     if cfg.zero_stage == 3:
         zero.update(stage3_gather_16bit_weights_on_model_save=True)
+    if not torch.cuda.is_available():
+        # DeepSpeed's default buckets hold 5e8 elements (2 GB in fp32 each): sized for GPUs. On a
+        # CPU machine beside vLLM engines that is the difference between fitting and the OOM killer.
+        zero.update(reduce_bucket_size=int(5e7), allgather_bucket_size=int(5e7))
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
