@@ -29,66 +29,52 @@ def reward_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
-def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
+def _line_chart(series: dict[str, list[tuple[int, float]]], path: Path, *, title: str, xlabel: str, ylabel: str = "") -> Path:
+    """One PNG with a line per series; x values are integers (steps or versions)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in sorted(series.items()):
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     rows = _read_jsonl(metrics_path)
     if not rows:
         raise FileNotFoundError(f"{metrics_path} is missing or empty; is {run_dir} a run directory?")
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for term, pts in sorted(reward_series(rows).items()):
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=term)
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean (weighted term)")
-    ax.set_title(f"reward terms — {run_dir.name}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.savefig(out_dir / "rewards.png", dpi=110)
-    plt.close(fig)
-    written.append(out_dir / "rewards.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key in ("kl_mean", "loss", "clip_frac", "entropy"):
-        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
-    ax.set_xlabel("step")
-    ax.set_title(f"KL and optimisation — {run_dir.name}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.savefig(out_dir / "kl.png", dpi=110)
-    plt.close(fig)
-    written.append(out_dir / "kl.png")
-
+    name = run_dir.name
+    written = [
+        _line_chart(reward_series(rows), out_dir / "rewards.png", title=f"reward terms — {name}", xlabel="step",
+                    ylabel="mean (weighted term)"),
+    ]
+    optim = {
+        key: [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        for key in ("kl_mean", "loss", "clip_frac", "entropy")
+    }
+    written.append(_line_chart({k: v for k, v in optim.items() if v}, out_dir / "kl.png",
+                               title=f"KL and optimisation — {name}", xlabel="step"))
     evals = _read_jsonl(run_dir / "eval" / "summary.jsonl")
     if evals:
-        fig, ax = plt.subplots(figsize=(7, 4))
         by_metric: dict[str, list[tuple[int, float]]] = {}
         for e in evals:
             by_metric.setdefault(e["metric"], []).append((int(e["version"]), float(e["mean"])))
-        for metric, pts in sorted(by_metric.items()):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", label=metric)
-        ax.set_xlabel("policy version")
-        ax.set_title(f"held-out eval — {run_dir.name}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        fig.savefig(out_dir / "eval.png", dpi=110)
-        plt.close(fig)
-        written.append(out_dir / "eval.png")
+        written.append(_line_chart(by_metric, out_dir / "eval.png", title=f"held-out eval — {name}", xlabel="policy version"))
     return written
