@@ -8,6 +8,8 @@ runs on one private event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -43,9 +45,22 @@ class Ctx:
         self.server = NatsServer(root / "nats", port=0)
         self.url = self.server.start()
         self.procs: dict[str, subprocess.Popen] = {}
-        self._start_processes()  # they load their engines while ours loads
-        self.items = load_items()
-        self.run(self._start())
+        try:
+            self._start_processes()  # they load their engines while ours loads
+            self.items = load_items()
+            self.run(self._start())
+        except BaseException:
+            self.kill_processes()  # a failed set-up must not leave engines running for the next tests
+            self.server.stop()
+            raise
+
+    def kill_processes(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its engine processes too
 
     def run(self, coro, timeout: float = 240.0):
         return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
@@ -60,7 +75,8 @@ class Ctx:
     def _spawn(self, name: str, args: list[str], sets: list[str]) -> subprocess.Popen:
         argv = [sys.executable, "-m", "deploy.cli", *args, *[a for kv in sets for a in ("--set", kv)]]
         log = (self.root / f"{name}.log").open("wb")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
+                                start_new_session=True)
         self.procs[name] = proc
         return proc
 
@@ -132,6 +148,7 @@ class Ctx:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.kill_processes()  # whatever engine process outlived its parent
 
         async def stop():
             await self.nc.close()
