@@ -178,7 +178,8 @@ async def _announce(js, run: str, wv: WeightVersion) -> None:
                 log.warning("weights key of run %r held no WeightVersion (%s); replacing it", run, e)
             else:
                 if previous.version > wv.version:
-                    log.warning("weights key moves back from version %d to %d (resumed learner)", previous.version, wv.version)
+                    log.warning("weights key moves back from version %d to %d (resumed learner)", previous.version,
+                                wv.version)
             await kv.update(topology.WEIGHTS_KEY, data, last=entry.revision)
     except KeyWrongLastSequenceError as e:
         raise VersionConflict(

@@ -1,0 +1,524 @@
+"""The fault-injection harness: a small real parley run as child processes (nats-server, `parley
+sim`, `parley judge`, two `parley actor`, a `parley scorer` and `parley learner`), SIGKILLed and
+restarted on a seeded schedule, and the books settled afterwards (`settle`). Used by
+tests/faults/test_chaos.py; what it proves and the figures are in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.natsserver import NatsServer, free_port
+from learner.checkpoint import read_state
+from protocol import codec, topology
+from protocol.messages import Heartbeat
+
+REPO = Path(__file__).resolve().parents[2]
+DROP_KINDS = ("timeout", "stale", "zero_advantage")
+READY = ("ready", "busy")
+
+
+@dataclass
+class Role:
+    """One role process and what happened to it."""
+
+    name: str  # "actor-0", "scorer", ...
+    kind: str  # heartbeat role: "actor" | "scorer" | "learner" | "sim" | "judge"
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen | None = None
+    started: float = 0.0  # unix time of the latest start
+    starts: int = 0
+    kills: int = 0
+    crashes: list[str] = field(default_factory=list)  # exits we did not cause: "code N: last log line"
+    stalled: bool = False
+    held_down: bool = False  # kept down on purpose (the judge outage)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Cluster:
+    """The run's processes. Role processes are `python -m deploy.cli <role>` in their own process
+    group (vLLM's engine core is a child: a kill takes the group). nats-server keeps its store
+    directory and port across kills, as a restarted server on the same host would."""
+
+    def __init__(self, root: Path, model: str, *, run: str, sets: list[str]):
+        self.root, self.model, self.run, self.sets = root, model, run, sets
+        (root / "logs").mkdir(parents=True, exist_ok=True)
+        self.server = NatsServer(root / "nats", port=free_port())
+        self.url = ""
+        self.nats_kills = 0
+        self.roles: dict[str, Role] = {}
+        self.beats: dict[tuple[str, str], Heartbeat] = {}
+        self.events: list[str] = []  # what the chaos loop did, with times
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def add(self, name: str, kind: str, argv: list[str]) -> None:
+        self.roles[name] = Role(name, kind, argv, self.root / "logs" / f"{name}.log")
+
+    def start(self, name: str, *extra: str) -> None:
+        r = self.roles[name]
+        cmd = [sys.executable, "-m", "deploy.cli", *r.argv, *extra, "--nats", self.url,
+               *(x for s in self.sets for x in ("--set", s))]
+        with r.log.open("ab") as out:
+            banner = f"\n===== start {r.starts + 1} at {time.strftime('%H:%M:%S')}: {' '.join(cmd[3:6])} ...\n"
+            out.write(banner.encode())
+            out.flush()
+            r.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env={**os.environ, "PARLEY_LOG": "INFO", "PYTHONUNBUFFERED": "1"},
+                                      start_new_session=True)
+        r.started, r.starts = time.time(), r.starts + 1
+
+    def restart(self, name: str) -> None:
+        # The learner comes back from its ledger and checkpoint; every other role just starts again.
+        self.start(name, *(["--resume"] if self.roles[name].kind == "learner" else []))
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, as a crash or an OOM kill would."""
+        if name == "nats":
+            self.server.kill()
+            self.nats_kills += 1
+            return
+        r = self.roles[name]
+        if r.stalled:
+            self.resume(name)
+        _signal_group(r.proc, signal.SIGKILL)
+        r.proc.wait()
+        r.kills += 1
+
+    def stall(self, name: str) -> None:
+        _signal_group(self.roles[name].proc, signal.SIGSTOP)
+        self.roles[name].stalled = True
+
+    def resume(self, name: str) -> None:
+        _signal_group(self.roles[name].proc, signal.SIGCONT)
+        self.roles[name].stalled = False
+
+    def terminate(self, name: str, timeout: float = 60.0) -> int:
+        """SIGTERM (the role drains and saves), SIGKILL if it hangs; returns the exit code."""
+        r = self.roles[name]
+        if not r.alive:
+            return r.proc.returncode if r.proc else 0
+        _signal_group(r.proc, signal.SIGTERM)
+        try:
+            return r.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _signal_group(r.proc, signal.SIGKILL)
+            r.proc.wait()
+            return -9
+
+    def reap(self) -> list[str]:
+        """Restart roles that exited on their own (a supervisor would); returns what crashed."""
+        crashed = []
+        for r in self.roles.values():
+            if r.proc is not None and not r.held_down and r.proc.poll() is not None:
+                r.crashes.append(f"code {r.proc.returncode}: {last_error(r.log)}")
+                crashed.append(f"{r.name} exited with {r.proc.returncode}")
+                self.restart(r.name)
+        if self.server.proc is not None and self.server.proc.poll() is not None:
+            self.server.start()
+            crashed.append("nats-server exited")
+        return crashed
+
+    def stop_all(self) -> None:
+        for name in self.roles:
+            if self.roles[name].stalled:
+                self.resume(name)
+            self.terminate(name, timeout=30)
+        self.server.stop()
+
+    # -- readiness ------------------------------------------------------------------------------
+
+    def on_beat(self, hb: Heartbeat) -> None:
+        self.beats[(hb.role, hb.id)] = hb
+
+    def beat(self, name: str) -> Heartbeat | None:
+        """The latest heartbeat of the role's current process."""
+        r = self.roles[name]
+        if r.kind == "learner":  # its id is <host>-<pid>
+            found = [hb for (role, ident), hb in self.beats.items() if role == "learner" and r.proc
+                     and ident.endswith(f"-{r.proc.pid}")]
+        else:
+            found = [hb for (role, ident), hb in self.beats.items() if role == r.kind and ident == name]
+        hb = max(found, key=lambda h: h.created) if found else None
+        return hb if hb is not None and hb.created >= r.started else None
+
+    def is_up(self, name: str) -> bool:
+        if name == "nats":
+            return self.server.proc is not None and self.server.proc.poll() is None
+        r = self.roles[name]
+        hb = self.beat(name)
+        return r.alive and not r.stalled and not r.held_down and hb is not None and hb.state in READY
+
+    def note(self, t0: float, text: str) -> None:
+        self.events.append(f"{time.time() - t0:7.1f}s  {text}")
+        print(f"[chaos {time.time() - t0:6.1f}s] {text}", flush=True)
+
+
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unreachable)\b.*$", re.M)
+
+
+def last_error(log: Path) -> str:
+    """The last exception line of a role's log ("nats.errors.TimeoutError: nats: timeout")."""
+    found = [m.group(0) for m in _ERROR_LINE.finditer(log.read_text(errors="replace"))]
+    return found[-1][:300] if found else "(no exception in the log)"
+
+
+def nats_outage_at_start(crash: str) -> bool:
+    """A role that met no NATS server while starting (it is restarted, as any supervisor would)."""
+    return ": nats.errors." in crash or "could not connect to NATS" in crash or "NatsUnreachable" in crash
+
+
+def _signal_group(proc: subprocess.Popen | None, sig: int) -> None:
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+# -- the faults ----------------------------------------------------------------------------------
+
+VICTIMS = ["actor-0", "actor-1", "scorer", "learner", "sim", "judge", "nats"]
+ENGINE_ROLES = {"actor-0", "actor-1", "sim", "judge"}  # a restart costs a vLLM start-up (~40-200 s here)
+
+
+@dataclass
+class Schedule:
+    """When what happens, in seconds from the start of the chaos.
+
+    The stalled actor comes first, with no kill meanwhile, so its task visibly moves to actor-1;
+    then the judge is down for a minute while every engine role is spared (trajectories keep
+    coming and the scorer must hold them); then a role is killed every `kill_every_s`; in the last
+    `cool_down_s` only roles without an engine, so the run is whole again soon after.
+    """
+
+    ack_wait_s: float
+    stall_at_s: float = 5.0
+    outage_s: float = 60.0
+    min_kills: int = 20
+    min_s: float = 300.0  # the chaos runs until min_kills + 2 kills and min_s (or max_s)
+    max_s: float = 420.0
+    cool_down_s: float = 45.0
+    kill_every_s: tuple[float, float] = (10.0, 15.0)
+
+    @property
+    def stall_s(self) -> float:
+        return 3 * self.ack_wait_s  # long enough for the stalled actor's tasks to be redelivered
+
+
+async def retrying(call, what: str, attempts: int = 60):
+    """A JetStream request from the observer, retried while nats-server restarts."""
+    last = None
+    for _ in range(attempts):
+        try:
+            return await call()
+        except Exception as e:  # noqa: BLE001 - timeouts / no responders while the server is down
+            last = e
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"{what} kept failing: {last!r}")
+
+
+class Chaos:
+    """Runs the Schedule on a Cluster: SIGSTOP/SIGCONT, the judge outage, the seeded kills."""
+
+    def __init__(self, cluster: Cluster, js, rng: random.Random, schedule: Schedule):
+        self.cluster, self.js, self.rng, self.s = cluster, js, rng, schedule
+        self.stall: dict = {"state": "pending"}
+        self.outage: dict = {"state": "pending"}
+        self.kills = 0
+        self.bag: list[str] = []
+        self.t0 = self.next_kill = 0.0
+
+    def note(self, text: str) -> None:
+        self.cluster.note(self.t0, text)
+
+    async def run(self) -> None:
+        self.t0 = time.time()
+        self.next_kill = self.t0 + self.rng.uniform(*self.s.kill_every_s)
+        while True:
+            now = time.time()
+            for crash in self.cluster.reap():
+                self.note(f"CRASH {crash}; restarted")
+            el = now - self.t0
+            done = self.kills >= self.s.min_kills + 2 and el >= self.s.min_s or el >= self.s.max_s
+            if done and self.stall["state"] != "stalled" and self.outage["state"] != "down":
+                return
+            await self._stall(now, el)
+            await self._outage(now)
+            if not done and now >= self.next_kill and self.stall["state"] not in ("pending", "stalled"):
+                await self._kill(el)
+            await asyncio.sleep(0.5)
+
+    async def _stored(self, key: str) -> int:
+        stream = topology.stream_name(self.cluster.run, key)
+        return (await retrying(lambda: self.js.stream_info(stream), "stream info")).state.messages
+
+    async def _stall(self, now: float, el: float) -> None:
+        # SIGSTOP actor-0 while it holds work, SIGCONT after 3 x ack_wait; meanwhile the TASKS
+        # consumer must hand its tasks to actor-1 (num_redelivered: such messages now outstanding).
+        c, st = self.cluster, self.stall
+        if st["state"] == "pending" and el >= self.s.stall_at_s:
+            hb = c.beat("actor-0")
+            if c.is_up("actor-1") and hb and hb.state in READY and hb.counters.get("in_flight", 0) > 0:
+                st.update(state="stalled", since=now, holding=hb.counters["in_flight"], max_redelivered=0)
+                c.stall("actor-0")
+                self.note(f"SIGSTOP actor-0 (holding {hb.counters['in_flight']:.0f} conversations)")
+            elif el > 120:
+                st["state"] = "skipped: actor-0 held no work for 2 minutes"
+                self.note(st["state"])
+        elif st["state"] == "stalled":
+            stream = topology.stream_name(c.run, "tasks")
+            info = await retrying(lambda: self.js.consumer_info(stream, "actor"), "consumer info")
+            st["max_redelivered"] = max(st["max_redelivered"], info.num_redelivered)
+            # On a loaded machine actor-1 may take a while to pull: keep actor-0 stopped until a
+            # redelivery was seen (at most 4 x stall_s).
+            waited = now - st["since"]
+            if waited >= self.s.stall_s and (st["max_redelivered"] >= 1 or waited >= 4 * self.s.stall_s):
+                st["state"] = "done"
+                c.resume("actor-0")
+                st["stalled_s"] = round(waited, 1)
+                self.note(f"SIGCONT actor-0 after {waited:.0f}s; TASKS messages redelivered meanwhile: "
+                          f"{st['max_redelivered']}")
+
+    async def _outage(self, now: float) -> None:
+        # The judge down for a minute, right after the stall, while the actors and the simulator are spared.
+        c, out = self.cluster, self.outage
+        if out["state"] == "pending" and self.stall["state"] not in ("pending", "stalled"):
+            out.update(state="down", since=now, traj_before=await self._stored("traj"),
+                       scored_before=await self._stored("scored"), scorer_judge_waits=0)
+            c.kill("judge")
+            c.roles["judge"].held_down = True
+            self.kills += 1
+            self.note(f"kill #{self.kills}: judge, kept down {self.s.outage_s:.0f}s")
+        elif out["state"] == "down":
+            hb = c.beat("scorer")
+            out["scorer_judge_waits"] = max(out["scorer_judge_waits"], hb.counters.get("judge_wait", 0) if hb else 0)
+            if now - out["since"] >= self.s.outage_s:
+                traj, scored = await self._stored("traj"), await self._stored("scored")
+                out.update(state="done", traj_during=traj - out.pop("traj_before"),
+                           scored_during=scored - out.pop("scored_before"), unscored_at_restart=traj - scored)
+                out.pop("since")
+                c.roles["judge"].held_down = False
+                c.restart("judge")
+                self.note(f"judge restarted after {self.s.outage_s:.0f}s; meanwhile {out['traj_during']} trajectories "
+                          f"stored, {out['scored_during']} scored, {traj - scored} waiting to be scored; scorer "
+                          f"judge_wait retries: {out['scorer_judge_waits']:.0f}")
+
+    async def _kill(self, el: float) -> None:
+        c = self.cluster
+        spared = ENGINE_ROLES if self.outage["state"] == "down" or el >= self.s.min_s - self.s.cool_down_s else set()
+        eligible = [v for v in VICTIMS if v not in spared and c.is_up(v)]
+        if not self.bag:
+            self.bag = seeded_bag(self.rng, VICTIMS)
+        # the bag takes every role in turn; when none of its remaining roles may go now, the least killed goes
+        victim = next((v for v in self.bag if v in eligible), None)
+        if victim is None and eligible:
+            victim = min(eligible, key=lambda v: (c.nats_kills if v == "nats" else c.roles[v].kills, self.rng.random()))
+        if victim is None:
+            return
+        if victim in self.bag:
+            self.bag.remove(victim)
+        c.kill(victim)
+        self.kills += 1
+        if victim == "nats":
+            await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # a moment with no server at all
+            c.server.start()
+            self.note(f"kill #{self.kills}: nats-server (restarted on the same store and port)")
+        else:
+            c.restart(victim)
+            self.note(f"kill #{self.kills}: {victim} (restarted)")
+        self.next_kill = time.time() + self.rng.uniform(*self.s.kill_every_s)
+
+    def summary(self) -> dict:
+        kills = {name: r.kills for name, r in self.cluster.roles.items()} | {"nats": self.cluster.nats_kills}
+        stall = {k: v for k, v in self.stall.items() if k != "since"}
+        return {"chaos_s": round(time.time() - self.t0, 1), "kills": kills, "kills_total": sum(kills.values()),
+                "stall": stall, "judge_outage": dict(self.outage)}
+
+
+# -- reading the run back -----------------------------------------------------------------------
+
+
+async def read_channel(js, run: str, key: str) -> list:
+    """Every message stored on a channel, decoded (undecodable ones as None)."""
+    stream = topology.stream_name(run, key)
+    info = await js.stream_info(stream)
+    out = []
+    if not info.state.messages:
+        return out
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            raw = await js.get_msg(stream, seq)
+        except Exception:  # noqa: BLE001 - a removed sequence
+            continue
+        try:
+            out.append(codec.decode(key, raw.data))
+        except Exception:  # noqa: BLE001 - reported by the ledger as unattributable
+            out.append(None)
+    return out
+
+
+async def unacked(js, run: str, key: str, settle_s: float) -> list:
+    """What a channel's durable consumer still owes (never acked or termed), decoded; its roles
+    must be stopped. Fetched through the durable itself, so it is exactly what a restarted role
+    would be given; nothing is acked here."""
+    import nats.errors
+
+    durable = topology.CHANNELS[key].durable
+    stream = topology.stream_name(run, key)
+    sub = await js.pull_subscribe_bind(durable, stream=stream)
+    got: dict[int, object] = {}
+    deadline = time.monotonic() + settle_s
+    try:
+        while True:
+            try:
+                for m in await sub.fetch(64, timeout=1.0):
+                    got[m.metadata.sequence.stream] = codec.decode(key, m.data)
+            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                info = await js.consumer_info(stream, durable)
+                if info.num_pending == 0 and info.num_ack_pending <= len(got) or time.monotonic() > deadline:
+                    break
+    finally:
+        await sub.unsubscribe()
+    return list(got.values())
+
+
+def trained_lines(run_dir: Path) -> list[dict]:
+    path = run_dir / "trained.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- the ledger ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Ledger:
+    tasks: int = 0
+    samples: int = 0
+    trained: int = 0
+    dropped: Counter = field(default_factory=Counter)  # kind -> samples (timeout, stale, zero_advantage)
+    dead: Counter = field(default_factory=Counter)  # channel -> samples dead-lettered
+    pending: Counter = field(default_factory=Counter)  # where a sample waits at shutdown -> samples
+    lost: list[str] = field(default_factory=list)
+    trained_twice: list[str] = field(default_factory=list)
+    inconsistent: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)  # task -> recorded reason of a drop / dead letter
+    steps: int = 0
+
+    def summary(self) -> dict:
+        return {
+            "tasks": self.tasks, "samples": self.samples, "steps": self.steps, "trained": self.trained,
+            "dropped": dict(self.dropped), "dead_lettered": dict(self.dead), "pending": dict(self.pending),
+            "lost": len(self.lost), "trained_twice": len(self.trained_twice), "inconsistent": len(self.inconsistent),
+        }
+
+
+def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[str],
+           unacked_ids: dict[str, set[str]]) -> Ledger:
+    """Account for every (task, sample) the feeder published.
+
+    tasks: Task messages in TASKS; dead: DeadLetters of the run; lines: trained.jsonl; state: the
+    learner's final ledger (LearnerState); buffered_ids: traj ids held in state.groups;
+    unacked_ids: channel -> ids its durable still owes ("tasks": task ids, "traj"/"scored": traj ids).
+    """
+    led = Ledger(steps=len(lines))
+    n_of: dict[str, int] = {}
+    for t in tasks:
+        if t is not None:
+            n_of.setdefault(t.task_id, t.n)
+    led.tasks, led.samples = len(n_of), sum(n_of.values())
+
+    count = Counter(tid for line in lines for tid in line["traj_ids"])
+    led.trained_twice = sorted(tid for tid, c in count.items() if c > 1)
+    not_trained = {task: reason for line in lines for task, reason in line.get("not_trained", {}).items()}
+    steps = [line["step"] for line in lines]
+    if steps != list(range(1, len(steps) + 1)) or (state is not None and state.step != len(steps)):
+        led.inconsistent.append(f"trained.jsonl steps {steps} vs ledger step {state.step if state else None}")
+
+    dead_tasks: dict[str, str] = {}
+    dead_trajs: dict[str, tuple[str, str]] = {}
+    for dl in dead:
+        key = dl.subject.rsplit(".", 1)[-1]
+        try:
+            msg = codec.decode(key, dl.payload)
+        except Exception:  # noqa: BLE001 - junk nobody published on purpose here
+            led.inconsistent.append(f"unattributable dead letter on {dl.subject}: {dl.reason[:100]}")
+            continue
+        if key == "tasks":
+            dead_tasks[msg.task_id] = dl.reason
+        else:
+            dead_trajs[msg.traj_id] = (key, dl.reason)
+
+    done = dict(state.done) if state is not None else {}
+    for task, n in sorted(n_of.items()):
+        for sample in range(n):
+            tid = f"{task}/{sample}"
+            if count[tid] >= 1:
+                led.trained += 1
+                if done.get(task) != "trained":
+                    led.inconsistent.append(f"{tid} is in trained.jsonl but the ledger says {done.get(task)!r}")
+            elif done.get(task) in DROP_KINDS:
+                led.dropped[done[task]] += 1
+                led.reasons[task] = not_trained.get(task, f"{done[task]} (recorded in the learner's ledger)")
+            elif task in dead_tasks:
+                led.dead["tasks"] += 1
+                led.reasons[task] = dead_tasks[task]
+            elif tid in dead_trajs:
+                led.dead[dead_trajs[tid][0]] += 1
+                led.reasons[tid] = dead_trajs[tid][1]
+            elif tid in buffered_ids:
+                led.pending["learner buffer (acked, in the ledger)"] += 1
+            elif tid in unacked_ids.get("scored", set()):
+                led.pending["SCORED, unacked by the learner"] += 1
+            elif tid in unacked_ids.get("traj", set()):
+                led.pending["TRAJ, unacked by the scorer"] += 1
+            elif task in unacked_ids.get("tasks", set()):
+                led.pending["TASKS, unacked by the actors"] += 1
+            else:
+                where = "trained" if done.get(task) == "trained" else done.get(task, "unknown to the learner")
+                led.lost.append(f"{tid} (task {where})")
+    phantom = sorted(tid for tid in count if tid.rsplit("/", 1)[0] not in n_of)
+    led.inconsistent += [f"{tid} trained but its task was never published" for tid in phantom]
+    return led
+
+
+def load_final_state(run_dir: Path):
+    state = read_state(run_dir)
+    buffered = {s.traj_id for g in state.groups for s in g.samples} if state is not None else set()
+    return state, buffered
+
+
+def tasks_played_twice(cluster: Cluster) -> dict[str, list[str]]:
+    """Tasks that more than one actor process finished (a stalled actor's task redelivered), from the logs."""
+    by_task: dict[str, list[str]] = {}
+    pat = re.compile(r"task (\S+): \d+ samples stored")
+    for r in cluster.roles.values():
+        if r.kind != "actor":
+            continue
+        for m in pat.finditer(r.log.read_text(errors="replace")):
+            by_task.setdefault(m.group(1), []).append(r.name)
+    return {t: who for t, who in by_task.items() if len(who) > 1}
+
+
+def seeded_bag(rng: random.Random, names: list[str]) -> list[str]:
+    bag = list(names)
+    rng.shuffle(bag)
+    return bag
