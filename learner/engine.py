@@ -201,7 +201,11 @@ def init_distributed() -> None:
     torchrun the env is already set and NCCL is used on GPUs."""
     import deepspeed
 
-    chosen_here = "MASTER_PORT" not in os.environ
+    # A launcher (torchrun, the deepspeed launcher) owns the rendezvous when it runs several ranks.
+    # A single process picks its own port even if MASTER_PORT was inherited: a parent that ran a
+    # learner in-process (a test, a notebook) still holds that port.
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    chosen_here = not launched
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
