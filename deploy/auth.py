@@ -24,7 +24,8 @@ TOPOLOGY_OWNERS = ("admin", "learner")
 
 API = "$JS.API"  # nats.js.api.DEFAULT_PREFIX, spelled here so that importing this module stays light
 INBOX = "_INBOX.>"  # nats.py's request replies and pull-consumer deliveries
-# A placeholder run name for run="*": every subject token that contains it becomes a `*` wildcard.
+# Sentinel run name used to build the permissions of run="*": topology names are spelled with it, then
+# every subject token that contains it is turned into a `*` wildcard.
 _ANY_RUN = "zzAnyRunzz"
 
 Permissions = dict[str, object]  # {"publish": {"allow": [...]}, "subscribe": {"allow": [...]}, "allow_responses": bool}
