@@ -33,15 +33,7 @@ def judge_cmd(
     concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Requests handled at once; overrides judge.concurrency.")] = None,
 ) -> None:
     """Serve the judge on parley.svc.judge.{extract,interactivity} until Ctrl-C / SIGTERM."""
-    extra = [f"judge.concurrency={concurrency}"] if concurrency is not None else []
-    cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
-    if dry:
-        dry_run(cfg)
-    ident = ident or _default_id("judge")
-    setup_logging(ident)
-    from scorer.judge import main
-
-    run_main(main, cfg, ident)
+    _launch("judge", "scorer.judge", concurrency, config, sets, nats, run, dry, ident)
 
 
 def scorer_cmd(
@@ -54,12 +46,17 @@ def scorer_cmd(
     concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Trajectories scored at once; overrides scorer.concurrency.")] = None,
 ) -> None:
     """Pull trajectories of the run, score them through the judge service, publish Scored."""
-    extra = [f"scorer.concurrency={concurrency}"] if concurrency is not None else []
+    _launch("scorer", "scorer.scorer", concurrency, config, sets, nats, run, dry, ident)
+
+
+def _launch(role: str, module: str, concurrency, config, sets, nats, run, dry: bool, ident) -> None:
+    """Resolve the config (with --concurrency into [role]), then run `module.main` under that role's id."""
+    import importlib
+
+    extra = [f"{role}.concurrency={concurrency}"] if concurrency is not None else []
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
     if dry:
         dry_run(cfg)
-    ident = ident or _default_id("scorer")
+    ident = ident or _default_id(role)
     setup_logging(ident)
-    from scorer.scorer import main
-
-    run_main(main, cfg, ident)
+    run_main(importlib.import_module(module).main, cfg, ident)
