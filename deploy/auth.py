@@ -237,7 +237,8 @@ def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] =
     <role>.env (mode 0600).
 
     auth.conf is the server side (include it in a nats-server config or pass it as NatsServer's
-    extra_conf); <role>.env holds PARLEY_NATS_USER / PARLEY_NATS_PASSWORD for that role's processes.
+    extra_conf); <role>.env holds PARLEY_NATS_USER / PARLEY_NATS_PASSWORD for that role's processes
+    (learner.env also the eval role's, as PARLEY_EVAL_NATS_USER / PASSWORD, for its periodic eval child).
     Returns {role: (user, password)}.
     """
     if run != "*":
@@ -251,7 +252,10 @@ def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] =
     creds = {role: (user_name(run, role), secrets.token_urlsafe(24)) for role in roles}
     _write_private(out / "auth.conf", server_auth_conf(creds, run))
     for role, (user, password) in creds.items():
-        _write_private(out / f"{role}.env", f"PARLEY_NATS_USER={user}\nPARLEY_NATS_PASSWORD={password}\n")
+        text = f"PARLEY_NATS_USER={user}\nPARLEY_NATS_PASSWORD={password}\n"
+        if role == "learner" and "eval" in creds:
+            text += f"PARLEY_EVAL_NATS_USER={creds['eval'][0]}\nPARLEY_EVAL_NATS_PASSWORD={creds['eval'][1]}\n"
+        _write_private(out / f"{role}.env", text)
     return creds
 
 

@@ -45,7 +45,6 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     actors: int = 1
     scorers: int = 1
     live: bool = True  # live terminal view (off when stdout is not a terminal)
-    eval_items: int = 4  # held-out items in the closing eval of first vs last version
 
 
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

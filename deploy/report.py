@@ -1,7 +1,7 @@
 """`parley report RUN_DIR`: PNG charts of a run's reward terms, KL and eval metrics per version.
 
-Reads what the learner writes (RUN_DIR/metrics.jsonl, one JSON object per step) and what the
-periodic / closing eval writes (RUN_DIR/eval/summary.jsonl, one object per version and metric).
+Reads what the learner writes (RUN_DIR/metrics.jsonl, one JSON object per step) and the evaluated
+versions that `parley select` reads (RUN_DIR/eval/v<N>/records.parquet, RUN_DIR/eval/summary.jsonl).
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
     }
     written.append(_line_chart({k: v for k, v in optim.items() if v}, out_dir / "kl.png",
                                title=f"KL and optimisation — {name}", xlabel="step"))
-    evals = _read_jsonl(run_dir / "eval" / "summary.jsonl")
+    from scorer.selection import load_versions
+
+    evals = load_versions(run_dir)  # RUN_DIR/eval/v<N>/records.parquet and summary.jsonl
     if evals:
-        by_metric: dict[str, list[tuple[int, float]]] = {}
-        for e in evals:
-            by_metric.setdefault(e["metric"], []).append((int(e["version"]), float(e["mean"])))
+        by_metric = {m: [(v.version, v.mean(m)) for v in evals] for m in ("bleu", "interactivity", "tokens_k", "mr")}
         written.append(_line_chart(by_metric, out_dir / "eval.png", title=f"held-out eval — {name}", xlabel="policy version"))
     return written

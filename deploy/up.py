@@ -2,7 +2,8 @@
 
 Starts nats-server, the sim + judge services, N actors, M scorers and the learner; waits for each
 to report ready; shows the live view; stops everything on Ctrl-C or when a role fails (showing its
-last log lines); after the learner's last step prints a summary and the closing eval.
+last log lines); after the learner's last step (and its periodic evals) prints the reward summary, the
+eval table of the evaluated versions and the version `parley select` names.
 """
 
 from __future__ import annotations
@@ -93,7 +94,12 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         for name, argv in plan_children(cfg, sup, config_path):
             role = name.split("-")[0]
             user, password = creds["services" if role == "services" else role]
-            sup.start(name, argv, env={"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password}, config_text=dump_config(cfg))
+            env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password}
+            if role == "learner":  # its periodic eval child plays the eval role (sim/judge requests, EVAL stream)
+                from learner.periodic_eval import EVAL_PASSWORD_ENV, EVAL_USER_ENV
+
+                env |= {EVAL_USER_ENV: creds["eval"][0], EVAL_PASSWORD_ENV: creds["eval"][1]}
+            sup.start(name, argv, env=env, config_text=dump_config(cfg))
             print(f"started {name}: pid {sup.get(name).proc.pid}, log {sup.get(name).log_path}", flush=True)
 
         watcher = RunWatcher(nc, cfg.run.name)
@@ -114,11 +120,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
             Console(width=110).print(render(await watcher.poll(), cfg.run.name, "(at the last step)"))
         await watcher.stop()
         if code == 0:
-            # The services stay up for the closing eval; the rest of the fleet is done.
-            for c in sup.children:
-                if c.name.startswith(("actor", "scorer")):
-                    c.proc.terminate()
-            code = await _closing(cfg, sup, run_dir, creds)
+            code = _closing(cfg, run_dir)
         return code
     finally:
         sup.stop_all()
@@ -187,6 +189,12 @@ def progress_line(snap) -> str:
         f"scored {s['scored'].messages if 'scored' in s else 0}",
         f"dead {s['dead'].messages if 'dead' in s else 0}",
     ]
+    c = learner.counters if learner else {}
+    if "eval.queued" in c:
+        running = int(c.get("eval.running", -1))
+        parts.append(f"eval {'v%d running' % running if running >= 0 else 'idle'}, {int(c['eval.queued'])} queued")
+        if "eval.version" in c:
+            parts.append(f"last eval v{int(c['eval.version'])}: mr {c.get('eval.mr', float('nan')):.3f}")
     return " | ".join(parts)
 
 
@@ -196,63 +204,56 @@ def _report_failure(child) -> int:
     return 1
 
 
-async def _closing(cfg: RunConfig, sup: Supervisor, run_dir: Path, creds: dict) -> int:
-    """Summary of reward terms per step, the closing eval (first vs last version), the report PNGs."""
+def _closing(cfg: RunConfig, run_dir: Path) -> int:
+    """Summary of reward terms per step, the periodic eval's table and selection, the report PNGs."""
     print(summary_text(run_dir), flush=True)
-    rows = read_metrics(run_dir)
-    last = int(rows[-1]["version"]) if rows else 0
-    env = {"PARLEY_NATS_USER": creds["eval"][0], "PARLEY_NATS_PASSWORD": creds["eval"][1]}
-    config = str(run_dir / "config.toml")
-    code = 0
-    if cfg.up.eval_items > 0 and last > 0:
-        export = run_dir / "export" / f"v{last}"
-        steps = [
-            ("export", sup.parley_argv("export", str(run_dir), str(export), "--version", str(last))),
-            (
-                "eval",
-                sup.parley_argv(
-                    "eval", "--config", config, "--services", "nats",
-                    "-C", "first=" + cfg.learner.model, "-C", f"last={export}", "--baseline", "first",
-                    "--n-items", str(cfg.up.eval_items), "--assistant-max-tokens", str(cfg.rollout.max_tokens),
-                    "--max-new-turns", str(cfg.rollout.max_new_turns), "--user-sim-prompt", cfg.rollout.sim_prompt,
-                    "--out", str(run_dir / "eval" / "closing"),
-                ),
-            ),
-        ]
-        print(f"\nclosing eval: version 0 (first) against version {last} (last) on {cfg.up.eval_items} held-out items", flush=True)
-        for name, argv in steps:
-            child = sup.start(name, argv, env=env)
-            code = await asyncio.to_thread(child.proc.wait)
-            if code != 0:
-                _report_failure(child)
-                break
-        if code == 0:
-            table = run_dir / "eval" / "closing" / "table.md"
-            print(table.read_text() if table.exists() else f"(no table at {table})", flush=True)
-            write_eval_summary(run_dir, last)
+    print(eval_text(cfg, run_dir), flush=True)
     from deploy.report import write_report
 
     for png in write_report(run_dir, run_dir / "report"):
         print(f"chart: {png}", flush=True)
     ckpts = sorted(p for p in (run_dir / "learner" / "ckpt").glob("step*") if p.is_dir())
     print(f"checkpoint: {ckpts[-1] if ckpts else '(none)'}", flush=True)
-    return code
+    return 0
 
 
-def write_eval_summary(run_dir: Path, last: int) -> None:
-    """Turn the closing eval's table.csv into RUN_DIR/eval/summary.jsonl rows (per version and metric)."""
-    import csv
+def eval_text(cfg: RunConfig, run_dir: Path) -> str:
+    """The evaluated versions side by side (paired against the first), which one `parley select` names
+    by [learner] eval_metric, and why training stopped early if it did; written to RUN_DIR/eval/table.*."""
+    from learner.periodic_eval import eval_root
+    from scorer.benchmark import summarize, to_markdown, write_table
+    from scorer.evallog import read_records
+    from scorer.selection import SelectionError, select_best
 
-    path = run_dir / "eval" / "closing" / "table.csv"
-    if not path.exists():
-        return
-    versions = {"first": 0, "last": last}
-    out = run_dir / "eval" / "summary.jsonl"
-    with path.open() as f, out.open("a") as w:
-        for row in csv.DictReader(f):
-            version = versions.get(row.get("condition", ""))
-            if version is not None and row.get("mean") not in (None, ""):
-                w.write(json.dumps({"version": version, "metric": row["metric"], "mean": float(row["mean"])}) + "\n")
+    lc = cfg.learner
+    if lc.eval_every <= 0:
+        return ("\nperiodic eval is off ([learner] eval_every = 0): no version was evaluated on held-out items; "
+                f"run `parley eval` on exported versions (`parley export {run_dir} OUT --version V`)")
+    root = eval_root(run_dir)
+    records = [r for p in sorted(root.glob("v*/records.parquet"), key=lambda p: int(p.parent.name[1:]))
+               for r in read_records(p) if r.metrics]
+    failed = sorted(p.name for p in root.glob("v*.failed"))
+    lines = [f"\nheld-out eval every {lc.eval_every} versions on {lc.eval_items or 'all'} items ({root})"]
+    if failed:
+        lines.append(f"failed evals (see their eval.log): {', '.join(failed)}")
+    if not records:
+        lines.append("no version has a scored eval")
+        return "\n".join(lines)
+    table = summarize(records, baseline=records[0].condition)
+    write_table(table, root)
+    lines.append(to_markdown(table))
+    try:
+        best = select_best(run_dir, lc.eval_metric)
+        lines.append(best.describe())
+        kept = root / "models" / f"v{best.version}"
+        if kept.is_dir():
+            lines.append(f"model of v{best.version}: {kept}")
+    except SelectionError as e:
+        lines.append(f"no selection: {e}")
+    stop_file = root / "early_stop.json"
+    if stop_file.exists():
+        lines.append("stopped early: " + json.loads(stop_file.read_text())["reason"])
+    return "\n".join(lines)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -76,6 +76,14 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     keep_checkpoints: int = 2  # DeepSpeed checkpoints kept in the run dir (0 = all; export needs them)
     logit_chunk_tokens: int = 1024  # trained positions per lm_head chunk (bounds fp32 logits memory)
     ledger_flush_s: float = 2.0  # while waiting for data, record newly received samples this often, then ack
+    # Periodic eval on the held-out split (learner.periodic_eval): version 0, every eval_every-th version
+    # and the last one are played by `parley eval` through the sim/judge services; 0 = off.
+    eval_every: int = 0
+    eval_items: int = 4  # held-out items per eval (0 = the whole eval split)
+    eval_metric: str = "mr"  # bleu | interactivity | mr: names the best version and drives early_stop
+    early_stop: bool = False  # stop training when eval_metric regresses significantly
+    early_stop_alpha: float = 0.05  # one-sided paired t test level of that regression
+    eval_wait_s: float = 3600.0  # after the last step, how long to wait for the queued evals
 
     def __post_init__(self) -> None:
         if self.loss_agg not in LOSS_AGG:
@@ -101,5 +109,14 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"keep_checkpoints={self.keep_checkpoints} must be >= 0 (0 keeps all)")
         if self.ledger_flush_s <= 0:
             raise ValueError(f"ledger_flush_s={self.ledger_flush_s} must be > 0")
+        if self.eval_every < 0 or self.eval_items < 0:
+            raise ValueError(f"eval_every={self.eval_every} and eval_items={self.eval_items} must be >= 0")
+        from scorer.selection import check_metric
+
+        check_metric(self.eval_metric, label="eval_metric")  # refuses the training reward, with the reason
+        if not 0.0 < self.early_stop_alpha < 1.0:
+            raise ValueError(f"early_stop_alpha={self.early_stop_alpha} must be in (0, 1)")
+        if self.early_stop and self.eval_every == 0:
+            raise ValueError("early_stop = true needs eval_every > 0 (it acts on the periodic eval)")
         if self.group_timeout_s <= 0:
             raise ValueError(f"group_timeout_s={self.group_timeout_s} must be > 0")

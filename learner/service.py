@@ -35,7 +35,7 @@ class LearnerStateError(RuntimeError):
 
 
 class Learner:
-    def __init__(self, cfg, js, nc, driver, *, model_dir, resume: bool, steps: int):
+    def __init__(self, cfg, js, nc, driver, *, model_dir, resume: bool, steps: int, eval_launch=None):
         self.cfg, self.lc, self.js, self.nc, self.driver = cfg, cfg.learner, js, nc, driver
         self.run_name, self.run_dir, self.steps = cfg.run.name, cfg.run_dir, steps
         self.model_dir = model_dir
@@ -63,6 +63,11 @@ class Learner:
         self.feeder = Feeder(js, self.run_name, train, cfg.rollout, max_staleness=self.lc.max_staleness,
                              groups_per_step=self.lc.groups_per_step, seed=self.lc.seed, state=feeder_state)
         self.feeder.set_version(self.step)
+        self.evals = None
+        if self.lc.eval_every > 0:
+            from learner.periodic_eval import PeriodicEval
+
+            self.evals = PeriodicEval(cfg, self.run_dir, launch=eval_launch)
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -102,12 +107,17 @@ class Learner:
         worker = PullWorker(self.js, self.run_name, "scored", self.on_scored, bus=self.cfg.bus, name=f"learner-{self.id}",
                             concurrency=32, fetch_timeout=1.0)
         halt = asyncio.Event()
+        no_more_tasks = asyncio.Event()  # training is over (the evals may still run), or halt
         background = [
-            asyncio.create_task(self.feeder.run(halt), name="feeder"),
+            asyncio.create_task(self.feeder.run(no_more_tasks), name="feeder"),
             asyncio.create_task(worker.run_until(halt), name="scored-consumer"),
             asyncio.create_task(self.keep_alive(halt), name="keep-alive"),
             asyncio.create_task(status.heartbeat_loop(self.nc, self.run_name, self.heartbeat, halt), name="heartbeat"),
         ]
+        if self.evals is not None:
+            background.append(asyncio.create_task(self.evals.run(halt), name="periodic-eval"))
+            if self.evals.due(self.step, last=self.steps > 0 and self.step >= self.steps):
+                await self.evals.submit(self.step, self.step)
         self.state_name = "ready"
         try:
             while not stop.is_set() and (self.steps == 0 or self.step < self.steps):
@@ -115,6 +125,9 @@ class Learner:
                     if t.done():
                         t.result()  # re-raise a crashed background task here
                         raise RuntimeError(f"background task {t.get_name()} stopped")
+                if self.evals is not None and self.evals.regression:
+                    log.warning("early stop at step %d: %s", self.step, self.evals.regression)
+                    break
                 self.since_step += self.consume(self.grouper.expire())
                 if await self.try_step():
                     continue
@@ -123,9 +136,15 @@ class Learner:
                 self._data.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._data.wait(), timeout=0.5)
+            if self.evals is not None and not stop.is_set():
+                no_more_tasks.set()
+                self.feeder.wake()
+                self.state_name = "evaluating"
+                await self.evals.drain(self.lc.eval_wait_s, stop)
         finally:
             self.state_name = "stopping"
             halt.set()
+            no_more_tasks.set()
             self.feeder.wake()
             await asyncio.gather(*background, return_exceptions=True)
             await self.flush()
@@ -190,6 +209,10 @@ class Learner:
             t0 = time.perf_counter()
             await self.publish(self.step)
             stats["publish_s"] = time.perf_counter() - t0
+        if self.evals is not None and self.evals.due(self.step, last=bool(last)):
+            t0 = time.perf_counter()
+            await self.evals.submit(self.step, self.step)
+            stats["eval_export_s"] = time.perf_counter() - t0
         if self.step % self.lc.checkpoint_every == 0 or last:
             t0 = time.perf_counter()
             tag = ckpt.step_tag(self.step)
@@ -315,6 +338,7 @@ class Learner:
                 **{k: float(v) for k, v in self.counters.items()},
                 **{k: float(v) for k, v in COUNTERS.items()},
                 **self.live,
+                **(self.evals.counters() if self.evals is not None else {}),
             },
         )
 

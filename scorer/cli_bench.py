@@ -6,6 +6,7 @@ deploy/commands.py.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -190,10 +191,13 @@ def eval_cmd(
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Policy sampling temperature (default: the config's actor.temperature).")] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", help="Conversations of one condition in flight.")] = 8,
     services: Annotated[
-        str, typer.Option("--services", help="local: simulator and judge engines in this process; nats: the running `parley sim` / `parley judge` services.")
+        str, typer.Option("--services", help="local: simulator and judge engines in this process; nats: the running `parley sim` / `parley judge` services; fleet: as nats, and each condition is played by a `parley actor` and scored by a `parley scorer` started for it.")
     ] = "local",
     allow_overlap: Annotated[bool, typer.Option("--allow-overlap", help="Run even if eval items share reference targets with the training data.")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default: RUN_DIR/benchmark).")] = None,
+    policy_version: Annotated[
+        int, typer.Option("--policy-version", help="Training version the conditions' checkpoints hold, stored in every record (-1: not a run's version).")
+    ] = -1,
     config: ConfigOpt = None,
     sets: SetOpt = None,
     nats: NatsOpt = None,
@@ -205,8 +209,8 @@ def eval_cmd(
     from actors.config import SIM_PROMPTS
 
     cfg = resolve(config, sets, nats=nats, run=run)
-    if services not in ("local", "nats"):
-        _fail("eval", f"--services {services!r} not allowed; use local or nats")
+    if services not in ("local", "nats", "fleet"):
+        _fail("eval", f"--services {services!r} not allowed; use local, nats or fleet")
     if sim_prompt not in SIM_PROMPTS:
         _fail("eval", f"--user-sim-prompt {sim_prompt!r} not allowed; use one of {', '.join(SIM_PROMPTS)}")
     from scorer.eval_runner import EvalSettings, eval_items, parse_condition
@@ -231,21 +235,22 @@ def eval_cmd(
     except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
         _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
     setup_logging("eval")
-    run_main(_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out)
+    run_main(_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out, policy_version)
 
 
-async def _eval(stop, cfg, conds, held, settings, services, baseline, out) -> int:
+async def _eval(stop, cfg, conds, held, settings, services, baseline, out, policy_version=-1) -> int:
     import asyncio
 
     import msgspec
 
     from scorer.benchmark import summarize, to_markdown, write_table
+    from scorer.eval_fleet import FleetError
     from scorer.eval_runner import EvalServices, LocalJudge, LocalSim, Policy, run_eval
     from scorer.evallog import write_parquet
 
     nc = sim = judge = None
     closers = []
-    if services == "nats":
+    if services in ("nats", "fleet"):
         from actors.rollout import SimClient
         from protocol import topology
         from protocol.bus import publish
@@ -287,7 +292,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out) -> in
         async def close():
             await asyncio.to_thread(engine.shutdown)
 
-        return Policy(engine=engine, tokenizer=tokenizer, version=-1, close=close)
+        return Policy(engine=engine, tokenizer=tokenizer, version=policy_version, close=close)
 
     svc = EvalServices(open_policy=open_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
                        template_kwargs=dict(cfg.actor.engine.chat_template_kwargs))
@@ -298,18 +303,27 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out) -> in
         if publish_record is not None:
             await publish_record(rec)
 
-    work = asyncio.create_task(run_eval(conds, held, settings, svc, on_record))
+    if services == "fleet":
+        work = asyncio.create_task(_fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record))
+    else:
+        work = asyncio.create_task(run_eval(conds, held, settings, svc, on_record))
     stopped = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # Ctrl-C / SIGTERM: keep what is finished, skip the table
+        if not work.done() or stop.is_set():  # Ctrl-C / SIGTERM: keep what is finished, skip the table
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             if done:
                 path = write_parquet(done, Path(out) / "records.parquet")
                 typer.echo(f"parley eval: interrupted; {len(done)} finished conversations in {path}", err=True)
             return 130
-        records = work.result()
+        try:
+            records = work.result()
+        except FleetError as e:
+            if done:
+                write_parquet(done, Path(out) / "records.parquet")
+            typer.echo(f"parley eval: {e}", err=True)
+            return 1
     finally:
         stopped.cancel()
         for close in closers:
@@ -326,3 +340,40 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out) -> in
     typer.echo(to_markdown(table))
     typer.echo(f"wrote {path}, " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record) -> list:
+    """--services fleet: one condition after another, each through its own actor and scorer."""
+    import logging
+    import os
+
+    from deploy.config import dump_config
+    from scorer.eval_fleet import FleetSettings, play_condition_fleet
+    from scorer.eval_runner import make_tasks
+
+    log = logging.getLogger("parley.eval")
+    import msgspec
+
+    fleet_dir = Path(out) / "fleet"
+    fleet_dir.mkdir(parents=True, exist_ok=True)
+    config_path = fleet_dir / "config.toml"
+    # The actors sample as the in-process modes do: the eval's temperature, top_p, thinking and concurrency.
+    engine = msgspec.structs.replace(
+        cfg.actor.engine, chat_template_kwargs={**cfg.actor.engine.chat_template_kwargs, "enable_thinking": settings.thinking})
+    actor = msgspec.structs.replace(cfg.actor, temperature=settings.temperature, top_p=settings.top_p,
+                                    concurrency=settings.concurrency, engine=engine)
+    config_path.write_text(dump_config(msgspec.structs.replace(cfg, actor=actor)))
+    sim_model = cfg.sim.engine.model if cfg.sim.backend == "vllm" else cfg.sim.model_name
+    fs = FleetSettings(config_path=config_path, logs_dir=fleet_dir, sim_model=sim_model, policy_version=policy_version,
+                       env={"PARLEY_NATS_URL": cfg.nats.url, **({"PYTHONUNBUFFERED": "1"} if "PYTHONUNBUFFERED" not in os.environ else {})})
+    tasks = make_tasks(held, settings)
+    records = []
+    for cond in conds:
+        t0 = time.perf_counter()
+        recs, lost = await play_condition_fleet(nc, js, cfg, cond, tasks, fs, stop, on_record)
+        log.info("condition %s: %d conversations in %.1fs through the fleet (%d unscored, %d lost)", cond.name, len(recs),
+                 time.perf_counter() - t0, sum(not r.metrics for r in recs), len(lost))
+        records += recs
+        if stop.is_set():
+            break
+    return records

@@ -77,11 +77,12 @@ class Selection:
         )
 
 
-def check_metric(metric: str) -> str:
+def check_metric(metric: str, label: str = "--metric") -> str:
+    """`metric` if it is a selection metric; the training reward is refused with the reason."""
     if metric.lower() in TRAINING_REWARD_NAMES:
-        raise SelectionError(f"--metric {metric}: {REWARD_REFUSED}")
+        raise SelectionError(f"{label} {metric}: {REWARD_REFUSED}")
     if metric not in SELECT_METRICS:
-        raise SelectionError(f"--metric {metric!r} not allowed; use one of {', '.join(SELECT_METRICS)}")
+        raise SelectionError(f"{label} {metric!r} not allowed; use one of {', '.join(SELECT_METRICS)}")
     return metric
 
 
@@ -121,7 +122,7 @@ def load_versions(run_dir: str | Path) -> list[VersionEval]:
             version = int(path.parent.name[1:])
         except ValueError:
             continue  # not a version directory
-        records = read_records(path)
+        records = [r for r in read_records(path) if r.metrics]  # unscored conversations have no values
         stated = {r.version for r in records} - {-1, version}  # -1: the writer left the version unset
         if stated:
             raise SelectionError(f"{path} holds records of versions {sorted(stated)}, expected only {version}")

@@ -41,6 +41,20 @@ def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
     assert sorted(p.name for p in (run_dir / "learner" / "ckpt").glob("step*")) == ["step000001", "step000002"]
     for png in ("rewards.png", "kl.png", "eval.png"):
         assert (run_dir / "report" / png).stat().st_size > 1000
-    assert "closing eval" in out.stdout and "| last |" in out.stdout
+    # The learner's periodic eval (tiny.toml: every version) played versions 0, 1 and 2 on the same
+    # held-out items through `parley eval` and the sim/judge services, under the eval role's credentials.
+    from scorer.evallog import read_records
+
+    for v in (0, 1, 2):
+        recs = read_records(run_dir / "eval" / f"v{v}" / "records.parquet")
+        assert {r.version for r in recs} == {v} and {r.condition for r in recs} == {f"v{v}"}
+        assert sorted(r.item_id for r in recs) == sorted(r.item_id for r in read_records(run_dir / "eval" / "v0" / "records.parquet"))
+    assert "eval: version 2 (step 2) on" in learner_log
+    assert "| v0 |" in out.stdout and "| v2 |" in out.stdout and "best by mr: v" in out.stdout
+    sel = subprocess.run([sys.executable, "-m", "deploy.cli", "select", str(run_dir), "--metric", "mr"],
+                         capture_output=True, text=True, timeout=120)
+    assert sel.returncode == 0 and "best by mr: v" in sel.stdout, sel.stderr
+    best = int(sel.stdout.split("best by mr: v")[1].split()[0])
+    assert [p.name for p in (run_dir / "eval" / "models").iterdir()] == ([f"v{best}"] if best else [])
     for role in ("services", "actor-0", "scorer-0", "learner"):
         assert (run_dir / "roles" / f"{role}.cmd").exists() and (run_dir / "roles" / f"{role}.toml").exists()

@@ -1,0 +1,319 @@
+"""The learner's periodic eval: version 0, every `eval_every`-th version and the last one are played on
+the held-out split by `parley eval` (the same runner, simulator and judge services as the benchmark),
+one version at a time in a child process, while training goes on. Results land in
+RUN_DIR/eval/v<N>/records.parquet, which `parley select` reads; the best version's model is kept in
+RUN_DIR/eval/models/v<N>. With `early_stop`, a significant regression of `eval_metric` stops training.
+
+Layout and semantics: docs/benchmark.md ("Periodic eval and early stop").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("parley.learner.eval")
+
+# A learner started by `parley up` gets the eval role's NATS credentials in these variables and hands
+# them to its eval child as PARLEY_NATS_USER / PASSWORD (the learner's own user may not call sim/judge).
+EVAL_USER_ENV, EVAL_PASSWORD_ENV = "PARLEY_EVAL_NATS_USER", "PARLEY_EVAL_NATS_PASSWORD"
+
+
+@dataclass
+class EvalJob:
+    version: int
+    step: int
+    model: str  # model name or exported checkpoint dir
+
+
+@dataclass
+class EvalOutcome:
+    version: int
+    ok: bool
+    means: dict[str, float] = field(default_factory=dict)
+    n: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+def eval_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "eval"
+
+
+def version_dir(run_dir: str | Path, version: int) -> Path:
+    return eval_root(run_dir) / f"v{version}"
+
+
+def model_dir(run_dir: str | Path, version: int) -> Path:
+    return eval_root(run_dir) / "models" / f"v{version}"
+
+
+def evaluated(run_dir: str | Path, version: int) -> bool:
+    return (version_dir(run_dir, version) / "records.parquet").is_file()
+
+
+def eval_argv(cfg, config_path: Path, job: EvalJob, out: Path) -> list[str]:
+    """`parley eval` for one version on the run's held-out split, through the sim/judge services."""
+    lc = cfg.learner
+    return [
+        sys.executable, "-m", "deploy.cli", "eval", "--config", str(config_path), "--services", "nats",
+        "-C", f"v{job.version}={job.model}", "--policy-version", str(job.version),
+        "--n-items", str(lc.eval_items), "--assistant-max-tokens", str(cfg.rollout.max_tokens),
+        "--max-new-turns", str(cfg.rollout.max_new_turns), "--user-sim-prompt", cfg.rollout.sim_prompt,
+        "--out", str(out),
+    ]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """A SIGKILLed learner must not leave an eval child holding a policy engine."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+async def run_eval_process(argv: list[str], log_path: Path, env: dict[str, str]) -> int:
+    """Run one eval child with its output in log_path; terminated (then killed) when cancelled."""
+    with log_path.open("ab") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        try:
+            return await proc.wait()
+        except asyncio.CancelledError:
+            if proc.returncode is None:
+                proc.terminate()
+                try:
+                    await asyncio.wait_for(proc.wait(), timeout=30.0)
+                except asyncio.TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+            raise
+
+
+Launcher = Callable[[EvalJob, Path], Awaitable[int]]  # (job, partial output dir) -> exit code
+
+
+class PeriodicEval:
+    """Schedules and runs the learner's evals, one at a time, oldest version first.
+
+    `submit(version)` is called right after a version is published: it exports that version's weights
+    at once (they may be pruned before its turn comes) and queues it. `run(halt)` works through the
+    queue; each finished eval is read back, logged, kept as the best model or deleted, and checked for
+    a regression. `launch` is the child-process launcher (a test double in unit tests).
+    """
+
+    def __init__(self, cfg, run_dir: str | Path, *, launch: Launcher | None = None):
+        from deploy.config import dump_config
+        from scorer.selection import check_metric
+
+        self.cfg, self.lc, self.run_dir = cfg, cfg.learner, Path(run_dir)
+        self.metric = check_metric(self.lc.eval_metric)
+        self.root = eval_root(self.run_dir)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.root / "config.toml"
+        self.config_path.write_text(dump_config(cfg))
+        self.queue: asyncio.Queue[EvalJob | None] = asyncio.Queue()
+        self.queued: set[int] = set()
+        self.outcomes: list[EvalOutcome] = []
+        self.current: int | None = None
+        self.unfinished = 0  # submitted and not yet finished (queued or running)
+        self.regression = ""  # why training should stop; "" while it should not
+        self._changed = asyncio.Event()  # an eval finished (drain re-checks)
+        self.launch = launch or self._launch_process
+
+    # -- scheduling -------------------------------------------------------------------------------
+
+    def due(self, version: int, last: bool = False) -> bool:
+        every = self.lc.eval_every
+        if every <= 0 or version in self.queued or evaluated(self.run_dir, version):
+            return False
+        return version == 0 or version % every == 0 or last
+
+    async def submit(self, version: int, step: int) -> None:
+        """Queue `version`; its weights are exported first (the learner keeps only the last few)."""
+        if version == 0:
+            model = self.lc.model
+        else:
+            from learner.checkpoint import export_version
+
+            out = model_dir(self.run_dir, version)
+            t0 = time.perf_counter()
+            try:
+                await asyncio.to_thread(export_version, self.run_dir, version, out)
+            except (OSError, RuntimeError) as e:  # e.g. disk full: that version goes unevaluated, training goes on
+                log.error("eval: version %d not queued, its export failed: %s", version, e)
+                self.outcomes.append(EvalOutcome(version, ok=False, error=f"export: {e}"))
+                return
+            log.info("eval: exported version %d to %s in %.1fs", version, out, time.perf_counter() - t0)
+            model = str(out)
+        self.queued.add(version)
+        self.unfinished += 1
+        self.queue.put_nowait(EvalJob(version=version, step=step, model=model))
+        log.info("eval: version %d queued (%d waiting)", version, self.queue.qsize())
+
+    def counters(self) -> dict[str, float]:
+        """For the learner's heartbeat: the last finished eval's means, what runs and what waits."""
+        out = {"eval.queued": float(self.queue.qsize()), "eval.running": float(-1 if self.current is None else self.current)}
+        done = [o for o in self.outcomes if o.ok]
+        if done:
+            out["eval.version"] = float(done[-1].version)
+            out.update({f"eval.{m}": v for m, v in done[-1].means.items()})
+        out["eval.failed"] = float(sum(not o.ok for o in self.outcomes))
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return self.unfinished > 0
+
+    # -- running ----------------------------------------------------------------------------------
+
+    async def run(self, halt: asyncio.Event) -> None:
+        """Work through the queue until `halt`; an eval in progress is terminated on halt."""
+        while not halt.is_set():
+            get = asyncio.ensure_future(self.queue.get())
+            halted = asyncio.ensure_future(halt.wait())
+            await asyncio.wait({get, halted}, return_when=asyncio.FIRST_COMPLETED)
+            halted.cancel()
+            if not get.done():
+                get.cancel()
+                break
+            job = get.result()
+            if job is None:
+                break
+            self.current = job.version
+            try:
+                work = asyncio.ensure_future(self.evaluate(job))
+                halted = asyncio.ensure_future(halt.wait())
+                await asyncio.wait({work, halted}, return_when=asyncio.FIRST_COMPLETED)
+                halted.cancel()
+                if not work.done():
+                    log.warning("eval: version %d interrupted by shutdown; it is not recorded", job.version)
+                    work.cancel()
+                    await asyncio.gather(work, return_exceptions=True)
+                    break
+                try:
+                    self.outcomes.append(work.result())
+                except Exception as e:  # an eval that breaks must not stop training
+                    log.exception("eval: version %d broke", job.version)
+                    self.outcomes.append(EvalOutcome(job.version, ok=False, error=f"{type(e).__name__}: {e}"))
+            finally:
+                self.current = None
+                self.unfinished -= 1
+                self._changed.set()
+
+    async def drain(self, timeout_s: float, halt: asyncio.Event) -> None:
+        """At the end of training: wait for the queued evals (progress every 30 s) unless halted."""
+        t0 = time.monotonic()
+        while not halt.is_set() and time.monotonic() - t0 < timeout_s:
+            self._changed.clear()  # before the check: a finish after it wakes the wait below
+            if not self.busy:
+                break
+            log.info("eval: waiting for version %s (%d more queued), %.0fs so far",
+                     self.current, self.queue.qsize(), time.monotonic() - t0)
+            waits = [asyncio.ensure_future(halt.wait()), asyncio.ensure_future(self._changed.wait())]
+            await asyncio.wait(waits, timeout=30.0, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+        if self.busy:
+            log.warning("eval: stopping with version %s unfinished and %d queued", self.current, self.queue.qsize())
+
+    async def _launch_process(self, job: EvalJob, out: Path) -> int:
+        env = dict(os.environ)
+        if os.environ.get(EVAL_USER_ENV):
+            env["PARLEY_NATS_USER"] = os.environ[EVAL_USER_ENV]
+            env["PARLEY_NATS_PASSWORD"] = os.environ.get(EVAL_PASSWORD_ENV, "")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        argv = eval_argv(self.cfg, self.config_path, job, out)
+        log.info("eval: version %d: %s (log %s)", job.version, " ".join(argv[2:]), out / "eval.log")
+        return await run_eval_process(argv, out / "eval.log", env)
+
+    async def evaluate(self, job: EvalJob) -> EvalOutcome:
+        """Play one version into a partial directory, then move it into place as eval/v<N>."""
+        final = version_dir(self.run_dir, job.version)
+        partial = self.root / f".v{job.version}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        t0 = time.perf_counter()
+        code = await self.launch(job, partial)
+        seconds = time.perf_counter() - t0
+        if code != 0 or not (partial / "records.parquet").is_file():
+            error = f"parley eval exited {code}; its log: {final.with_name(final.name + '.failed') / 'eval.log'}"
+            failed = final.with_name(final.name + ".failed")
+            shutil.rmtree(failed, ignore_errors=True)
+            partial.rename(failed)
+            log.error("eval: version %d failed after %.0fs: %s", job.version, seconds, error)
+            return EvalOutcome(job.version, ok=False, seconds=seconds, error=error)
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        return self.record(job, seconds)
+
+    def record(self, job: EvalJob, seconds: float) -> EvalOutcome:
+        """Read a finished eval back: log its means, keep the best model, check for a regression."""
+        from scorer.benchmark import METRICS
+        from scorer.selection import SelectionError, load_versions, regressed, select_best
+
+        versions = {v.version: v for v in load_versions(self.run_dir)}
+        mine = versions.get(job.version)
+        if mine is None:
+            log.error("eval: version %d wrote no scored conversation (the judge failed on all)", job.version)
+            return EvalOutcome(job.version, ok=False, seconds=seconds, error="no scored conversations")
+        means = {m: mine.mean(m) for m in METRICS}
+        log.info(
+            "eval: version %d (step %d) on %d held-out items in %.0fs: %s", job.version, job.step, len(mine.items),
+            seconds, ", ".join(f"{m} {v:.4f}" for m, v in means.items()),
+        )
+        with (self.root / "history.jsonl").open("a") as f:
+            f.write(json.dumps({"version": job.version, "step": job.step, "n": len(mine.items), "seconds": round(seconds, 1),
+                                **means, "created": time.time()}) + "\n")
+        try:
+            best = select_best(self.run_dir, self.metric)
+            log.info("eval: %s", best.describe())
+            self._keep_only_model(best.version)
+        except SelectionError as e:
+            log.warning("eval: no selection yet: %s", e)
+        if self.lc.early_stop:
+            history = sorted(versions.values(), key=lambda v: v.version)
+            if regressed(history, self.metric, self.lc.early_stop_alpha):
+                self.regression = self._describe_regression(history)
+                log.warning("eval: early stop: %s", self.regression)
+                (self.root / "early_stop.json").write_text(json.dumps(
+                    {"version": job.version, "step": job.step, "metric": self.metric,
+                     "alpha": self.lc.early_stop_alpha, "reason": self.regression}, indent=1) + "\n")
+        return EvalOutcome(job.version, ok=True, means=means, n=len(mine.items), seconds=seconds)
+
+    def _describe_regression(self, history) -> str:
+        from scorer.benchmark import paired_stats
+
+        latest, earlier = history[-1], history[:-1]
+        best = max(earlier, key=lambda v: v.mean(self.metric))
+        shared = sorted(set(latest.items) & set(best.items))
+        s = paired_stats(latest.values(self.metric, shared), best.values(self.metric, shared))
+        return (f"{self.metric} of version {latest.version} is below version {best.version}'s by {-s.mean_diff:.4f} "
+                f"(95% CI of the difference [{s.ci_low:+.4f}, {s.ci_high:+.4f}], t={s.t:.2f}, one-sided p={s.p / 2:.3g} "
+                f"< alpha {self.lc.early_stop_alpha}, n={s.n})")
+
+    def _keep_only_model(self, best: int) -> None:
+        """Evaluated versions' exported models are deleted except the best one's; versions still waiting
+        for their eval keep theirs until it is done."""
+        root = self.root / "models"
+        if not root.is_dir():
+            return
+        for d in root.iterdir():
+            try:
+                version = int(d.name[1:])
+            except ValueError:
+                continue
+            if version != best and evaluated(self.run_dir, version):
+                shutil.rmtree(d, ignore_errors=True)

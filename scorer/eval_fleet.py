@@ -1,0 +1,185 @@
+"""`parley eval --services fleet`: the benchmark played by the system's own roles over NATS.
+
+Each condition gets a run of its own on the bus (`<run>-eval-<condition>`, streams created fresh and
+deleted afterwards): the eval publishes the condition's tasks to that run's TASKS stream, a
+`parley actor` serving the condition's model plays them against the `parley sim` service and
+publishes trajectories, a `parley scorer` judges them through the `parley judge` service and
+publishes Scored, and the eval takes the Scored messages (as the learner would) and turns each into
+an EvalRecord. A trajectory the scorer dead-letters (the judge failed) becomes an unscored record; a
+task the actor dead-letters is reported as lost. The tasks are `scorer.eval_runner.make_tasks`' (one per
+item and seed, the same ids in every condition's run), so every condition meets the same simulator
+seeds, exactly as in the in-process modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from protocol import codec, topology
+from protocol.messages import DeadLetter, EvalRecord, Scored, Task, Trajectory
+from scorer.eval_runner import Condition
+
+log = logging.getLogger("parley.eval.fleet")
+
+
+class FleetError(RuntimeError):
+    """A role of a condition's fleet failed; the message carries its last log lines."""
+
+
+def condition_run(run: str, condition: str) -> str:
+    """The bus run of one condition: `<run>-eval-<condition>`, cut to the allowed characters and length."""
+    return topology.check_run(re.sub(r"[^A-Za-z0-9_-]", "-", f"{run}-eval-{condition}")[:64])
+
+
+async def delete_run(js, run: str) -> None:
+    """Remove a run's streams (with their consumers), weights KV and blob store; missing ones are fine."""
+    from nats.js.errors import NotFoundError
+
+    for key in topology.CHANNELS:
+        with contextlib.suppress(NotFoundError):
+            await js.delete_stream(topology.stream_name(run, key))
+    for call, name in ((js.delete_key_value, topology.kv_bucket(run)), (js.delete_object_store, topology.object_bucket(run))):
+        with contextlib.suppress(NotFoundError):
+            await call(name)
+
+
+def record_of(cond: Condition, task: Task, traj: Trajectory, scored: Scored | None, *, sim_model: str,
+              version: int) -> EvalRecord:
+    """The EvalRecord of one fleet conversation (unscored when `scored` is None)."""
+    return EvalRecord(
+        eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
+        model=cond.model, system_prompt=cond.system_prompt, sim_prompt=traj.sim_prompt, sim_model=sim_model,
+        judge_model=scored.judge_model if scored else "", seed=task.seed, messages=list(traj.messages),
+        reference=task.reference, assistant_tokens=traj.assistant_tokens,
+        metrics=dict(scored.metrics) if scored else {}, document=scored.document if scored else "",
+        judge=list(scored.judge) if scored else [], version=version, created=time.time(),
+    )
+
+
+@dataclass
+class FleetSettings:
+    config_path: Path  # the resolved run config the roles start with
+    logs_dir: Path  # the roles' logs: <logs_dir>/logs/<role>.log
+    sim_model: str = ""  # recorded in the records (the service's model per the config)
+    policy_version: int = -1
+    progress_s: float = 30.0
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the roles
+
+
+async def play_condition_fleet(
+    nc, js, cfg, cond: Condition, tasks: Sequence[Task], fs: FleetSettings, stop: asyncio.Event,
+    on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
+) -> tuple[list[EvalRecord], list[str]]:
+    """Play `tasks` with `cond` through an actor and a scorer on the condition's own run.
+    Returns (records in task order, ids of tasks lost to a dead-lettered task)."""
+    from deploy.supervisor import Supervisor
+    from protocol.bus import PullWorker, publish
+
+    run = condition_run(cfg.run.name, cond.name)
+    await delete_run(js, run)  # a fresh run: nothing left over from an earlier eval of this condition
+    await topology.ensure_topology(js, run, cfg.bus)
+    by_id = {t.task_id: msgspec.structs.replace(t, run=run, system_prompt=cond.system_prompt) for t in tasks}
+    records: dict[str, EvalRecord] = {}
+    lost: dict[str, str] = {}
+    progressed = asyncio.Event()
+
+    async def keep(task: Task, traj: Trajectory, scored: Scored | None) -> None:
+        if task.task_id in records:
+            return  # a redelivery
+        rec = record_of(cond, task, traj, scored, sim_model=fs.sim_model, version=fs.policy_version)
+        records[task.task_id] = rec
+        progressed.set()
+        if on_record is not None:
+            await on_record(rec)
+
+    async def on_scored(scored: Scored, msg) -> None:
+        task = by_id.get(scored.task_id)
+        if task is not None:
+            await keep(task, scored.trajectory, scored)
+        await msg.ack()
+
+    sup = Supervisor(fs.logs_dir)
+    c = ["--config", str(fs.config_path), "--set", f"run.name={json.dumps(run)}"]
+    ident = re.sub(r"[^A-Za-z0-9_-]", "-", cond.name)
+    roles = [
+        sup.start(f"actor-{ident}", sup.parley_argv("actor", *c, "--set", f"actor.engine.model={json.dumps(cond.model)}",
+                                                    "--id", f"eval-actor-{ident}"), env=fs.env),
+        sup.start(f"scorer-{ident}", sup.parley_argv("scorer", *c, "--id", f"eval-scorer-{ident}"), env=fs.env),
+    ]
+    log.info("condition %s: run %s, actor pid %d, scorer pid %d (logs in %s)", cond.name, run, roles[0].proc.pid,
+             roles[1].proc.pid, sup.run_dir / "logs")
+    halt = asyncio.Event()
+    worker = PullWorker(js, run, "scored", on_scored, bus=cfg.bus, name=f"eval-{ident}", concurrency=16, fetch_timeout=1.0)
+    consumer = asyncio.create_task(worker.run_until(halt), name="scored")
+    try:
+        for t in by_id.values():
+            await publish(js, run, "tasks", t)
+        dead_seq, last_note = 1, time.monotonic()
+        while len(records) + len(lost) < len(by_id):
+            if stop.is_set():
+                break
+            failed = sup.failed()
+            if failed is not None:
+                raise FleetError(f"{failed.name} of condition {cond.name} exited {failed.returncode}; "
+                                 f"its last log lines:\n{failed.tail(20)}")
+            if consumer.done():
+                consumer.result()
+                raise FleetError("the Scored consumer stopped")
+            dead_seq = await _read_dead(js, run, dead_seq, by_id, keep, lost)
+            if time.monotonic() - last_note >= fs.progress_s:
+                log.info("condition %s: %d/%d conversations scored or set aside", cond.name, len(records) + len(lost), len(by_id))
+                last_note = time.monotonic()
+            progressed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(progressed.wait(), timeout=2.0)
+    finally:
+        halt.set()
+        await asyncio.gather(consumer, return_exceptions=True)
+        await asyncio.to_thread(sup.stop_all)
+        with contextlib.suppress(Exception):
+            await delete_run(js, run)
+    for task_id, reason in lost.items():
+        log.error("condition %s: task %s lost: %s", cond.name, task_id, reason)
+    return [records[t] for t in by_id if t in records], sorted(lost)
+
+
+async def _read_dead(js, run: str, seq: int, by_id: dict[str, Task], keep, lost: dict[str, str]) -> int:
+    """Dead letters since `seq`: a trajectory becomes an unscored record, a task is lost. Returns the next seq."""
+    from nats.js.errors import NotFoundError
+
+    name = topology.stream_name(run, "dead")
+    info = await js.stream_info(name)
+    while seq <= info.state.last_seq:
+        try:
+            msg = await js.get_msg(name, seq)
+        except NotFoundError:
+            seq += 1
+            continue
+        seq += 1
+        try:
+            dl = codec.decode("dead", msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        assert isinstance(dl, DeadLetter)
+        if dl.subject == topology.subject(run, "traj"):
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                traj = codec.decode("traj", dl.payload)
+                if traj.task_id in by_id:
+                    log.warning("%s not scored (%s); kept unscored", traj.traj_id, dl.reason)
+                    await keep(by_id[traj.task_id], traj, None)
+        elif dl.subject == topology.subject(run, "tasks"):
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                task = codec.decode("tasks", dl.payload)
+                if task.task_id in by_id:
+                    lost[task.task_id] = f"dead-lettered by {dl.consumer}: {dl.reason}"
+    return seq

@@ -1,0 +1,139 @@
+"""learner.periodic_eval with a test-double launcher in place of the `parley eval` child: which versions
+are evaluated, the export of their weights, the files `parley select` reads, the best model kept, a failed
+eval set aside, and early stop on a planted regression (and not on a planted improvement)."""
+
+import asyncio
+import json
+
+import pytest
+
+from deploy.config import RunConfig
+from learner import checkpoint as ckpt
+from learner.config import LearnerConfig
+from learner.periodic_eval import PeriodicEval, eval_argv, evaluated, model_dir
+from scorer.evallog import write_parquet
+from tests.unit.test_select import version_records
+
+
+def make_run(tmp_path, **learner):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "tokenizer.json").write_text("{}")
+    run_dir = tmp_path / "run"
+    ckpt.record_base_model(run_dir, base)
+    cfg = RunConfig(learner=LearnerConfig(eval_every=2, eval_items=3, **learner))
+    cfg.run.dir = str(run_dir)
+    return cfg, run_dir
+
+
+def publish_weights(run_dir, version):
+    w = ckpt.weights_dir(run_dir, version)
+    w.mkdir(parents=True)
+    (w / "model.safetensors").write_bytes(b"weights of v%d" % version)
+    (w / "config.json").write_text("{}")
+
+
+class PlantedEval:
+    """Test double of the eval child: writes planted records (means per version) or exits non-zero."""
+
+    def __init__(self, plan, fail=()):
+        self.plan, self.fail, self.jobs = plan, set(fail), []
+
+    async def __call__(self, job, out):
+        self.jobs.append(job)
+        if job.version in self.fail:
+            (out / "eval.log").write_text("boom\n")
+            return 1
+        b, i, t = self.plan[job.version]
+        write_parquet(version_records(job.version, b, i, t, noise_seed=job.version + 1), out / "records.parquet")
+        return 0
+
+
+async def play(pe, versions, last):
+    halt = asyncio.Event()
+    runner = asyncio.create_task(pe.run(halt))
+    for v in versions:
+        if pe.due(v, last=v == last):
+            await pe.submit(v, v)
+    await pe.drain(60.0, asyncio.Event())
+    halt.set()
+    await runner
+
+
+def test_schedule_export_files_and_best_model(tmp_path):
+    cfg, run_dir = make_run(tmp_path)
+    plan = {0: (0.45, 0.83, 2.9), 2: (0.48, 0.80, 2.1), 4: (0.47, 0.80, 2.0), 5: (0.46, 0.79, 2.0)}
+    for v in range(1, 6):
+        publish_weights(run_dir, v)
+    double = PlantedEval(plan)
+    pe = PeriodicEval(cfg, run_dir, launch=double)
+    asyncio.run(play(pe, range(0, 6), last=5))
+
+    # version 0, every 2nd, and the last; the base model by name, later versions as exported checkpoints
+    assert [j.version for j in double.jobs] == [0, 2, 4, 5]
+    assert double.jobs[0].model == cfg.learner.model
+    assert double.jobs[1].model == str(model_dir(run_dir, 2))
+    assert all(evaluated(run_dir, v) for v in (0, 2, 4, 5))
+    assert not any(evaluated(run_dir, v) for v in (1, 3))
+    history = [json.loads(x) for x in (run_dir / "eval" / "history.jsonl").read_text().splitlines()]
+    assert [h["version"] for h in history] == [0, 2, 4, 5] and history[1]["n"] == 12
+    # only the best version's model is kept (v2 has the highest MR of the plan)
+    assert sorted(p.name for p in (run_dir / "eval" / "models").iterdir()) == ["v2"]
+    assert (model_dir(run_dir, 2) / "model.safetensors").read_bytes() == b"weights of v2"
+    assert (model_dir(run_dir, 2) / "tokenizer.json").exists()
+    assert pe.counters()["eval.version"] == 5.0 and pe.counters()["eval.failed"] == 0.0
+    assert not pe.regression  # early_stop is off
+    # already evaluated versions are not queued again (a resumed learner)
+    assert not PeriodicEval(cfg, run_dir, launch=double).due(4)
+
+
+def test_failed_eval_is_set_aside_and_training_goes_on(tmp_path):
+    cfg, run_dir = make_run(tmp_path)
+    publish_weights(run_dir, 2)
+    pe = PeriodicEval(cfg, run_dir, launch=PlantedEval({0: (0.45, 0.83, 2.9)}, fail={2}))
+    asyncio.run(play(pe, [0, 2], last=2))
+    assert evaluated(run_dir, 0) and not evaluated(run_dir, 2)
+    assert (run_dir / "eval" / "v2.failed" / "eval.log").read_text() == "boom\n"
+    assert [o.ok for o in pe.outcomes] == [True, False]
+    assert pe.counters()["eval.failed"] == 1.0
+
+
+@pytest.mark.parametrize(("plan", "stops"), [
+    ({0: (0.45, 0.83, 2.9), 2: (0.48, 0.82, 2.1), 4: (0.40, 0.60, 2.1)}, True),  # v4 falls well below v2
+    ({0: (0.45, 0.83, 2.9), 2: (0.48, 0.82, 2.1), 4: (0.49, 0.82, 2.0)}, False),  # keeps improving
+])
+def test_early_stop_on_a_significant_regression_only(tmp_path, plan, stops):
+    cfg, run_dir = make_run(tmp_path, early_stop=True, early_stop_alpha=0.05)
+    for v in (2, 4):
+        publish_weights(run_dir, v)
+    pe = PeriodicEval(cfg, run_dir, launch=PlantedEval(plan))
+    asyncio.run(play(pe, [0, 2, 4], last=4))
+    assert bool(pe.regression) is stops
+    if stops:
+        assert pe.regression.startswith("mr of version 4 is below version 2's")
+        saved = json.loads((run_dir / "eval" / "early_stop.json").read_text())
+        assert saved["version"] == 4 and saved["metric"] == "mr"
+    else:
+        assert not (run_dir / "eval" / "early_stop.json").exists()
+
+
+def test_config_refuses_reward_metric_and_early_stop_without_eval():
+    with pytest.raises(ValueError, match="training reward is not a selection metric"):
+        LearnerConfig(eval_every=1, eval_metric="reward")
+    with pytest.raises(ValueError, match="early_stop = true needs eval_every > 0"):
+        LearnerConfig(early_stop=True)
+
+
+def test_eval_argv_is_the_benchmark_command(tmp_path):
+    cfg, run_dir = make_run(tmp_path)
+    pe = PeriodicEval(cfg, run_dir)
+    from learner.periodic_eval import EvalJob
+
+    argv = eval_argv(cfg, pe.config_path, EvalJob(3, 3, "/m/v3"), tmp_path / "out")
+    assert argv[1:4] == ["-m", "deploy.cli", "eval"]
+    joined = " ".join(argv)
+    assert "--services nats" in joined and "-C v3=/m/v3" in joined and "--policy-version 3" in joined
+    assert "--n-items 3" in joined and f"--max-new-turns {cfg.rollout.max_new_turns}" in joined
+    # the child reads the same configuration the learner runs with
+    assert "eval_every = 2" in pe.config_path.read_text()
