@@ -21,8 +21,8 @@ SetOpt = Annotated[
     Optional[list[str]], typer.Option("--set", "-s", help="Override a config value: section.key=value (repeatable).")
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved configuration and exit.")]
-NatsOpt = Annotated[Optional[str], typer.Option("--nats", help="NATS URL; overrides [nats].url.", envvar="PARLEY_NATS_URL")]
-RunOpt = Annotated[Optional[str], typer.Option("--run", help="Run name; overrides [run].name.", envvar="PARLEY_RUN")]
+NatsOpt = Annotated[Optional[str], typer.Option("--nats", help="NATS URL; overrides the config's nats.url.", envvar="PARLEY_NATS_URL")]
+RunOpt = Annotated[Optional[str], typer.Option("--run", help="Run name; overrides the config's run.name.", envvar="PARLEY_RUN")]
 
 
 def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = None, run: str | None = None, extra: list[str] | None = None):

@@ -20,9 +20,9 @@ def register(app: typer.Typer) -> None:
 def up_cmd(
     config: ConfigOpt = None,
     sets: SetOpt = None,
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Stop after this many GRPO steps (overrides [learner].steps).")] = None,
-    actors: Annotated[Optional[int], typer.Option("--actors", help="Rollout actors to start (overrides [up].actors).")] = None,
-    scorers: Annotated[Optional[int], typer.Option("--scorers", help="Scorers to start (overrides [up].scorers).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Stop after this many GRPO steps (overrides learner.steps).")] = None,
+    actors: Annotated[Optional[int], typer.Option("--actors", help="Rollout actors to start (overrides up.actors).")] = None,
+    scorers: Annotated[Optional[int], typer.Option("--scorers", help="Scorers to start (overrides up.scorers).")] = None,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>).")] = None,
     live: Annotated[Optional[bool], typer.Option("--live/--no-live", help="Live terminal view (default: on when stdout is a terminal).")] = None,
     dry: DryRunOpt = False,

@@ -116,6 +116,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         check_metric(self.eval_metric, label="eval_metric")  # refuses the training reward, with the reason
         if not 0.0 < self.early_stop_alpha < 1.0:
             raise ValueError(f"early_stop_alpha={self.early_stop_alpha} must be in (0, 1)")
+        if self.eval_every > 0 and self.eval_every % self.publish_every:
+            raise ValueError(
+                f"eval_every={self.eval_every} must be a multiple of publish_every={self.publish_every}: "
+                "only published versions are kept for export to the eval"
+            )
         if self.early_stop and self.eval_every == 0:
             raise ValueError("early_stop = true needs eval_every > 0 (it acts on the periodic eval)")
         if self.group_timeout_s <= 0:

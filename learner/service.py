@@ -209,10 +209,6 @@ class Learner:
             t0 = time.perf_counter()
             await self.publish(self.step)
             stats["publish_s"] = time.perf_counter() - t0
-        if self.evals is not None and self.evals.due(self.step, last=bool(last)):
-            t0 = time.perf_counter()
-            await self.evals.submit(self.step, self.step)
-            stats["eval_export_s"] = time.perf_counter() - t0
         if self.step % self.lc.checkpoint_every == 0 or last:
             t0 = time.perf_counter()
             tag = ckpt.step_tag(self.step)
@@ -220,6 +216,11 @@ class Learner:
             self.ckpt_step, self.tag = self.step, tag
             self.uncommitted.clear()
             stats["checkpoint_s"] = time.perf_counter() - t0
+        # after the checkpoint: an unpublished version is exported from it
+        if self.evals is not None and self.evals.due(self.step, last=bool(last)):
+            t0 = time.perf_counter()
+            await self.evals.submit(self.step, self.step)
+            stats["eval_export_s"] = time.perf_counter() - t0
         # The step's lines go out before the ledger that vouches for them: a resume drops lines
         # beyond the ledger's step, never misses one.
         metrics = self.metrics(taken, stats)

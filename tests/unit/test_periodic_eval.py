@@ -123,6 +123,8 @@ def test_config_refuses_reward_metric_and_early_stop_without_eval():
         LearnerConfig(eval_every=1, eval_metric="reward")
     with pytest.raises(ValueError, match="early_stop = true needs eval_every > 0"):
         LearnerConfig(early_stop=True)
+    with pytest.raises(ValueError, match="eval_every=3 must be a multiple of publish_every=2"):
+        LearnerConfig(eval_every=3, publish_every=2)
 
 
 def test_eval_argv_is_the_benchmark_command(tmp_path):
