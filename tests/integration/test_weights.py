@@ -89,3 +89,31 @@ async def test_shared_dir_transport_verifies_in_place(js, tmp_path):
     (got / MODEL_FILE).write_bytes(b"corrupt")
     with pytest.raises(WeightVerifyError, match="has sha256"):
         await fetch_version(js, RUN, wv, tmp_path / "unused")
+
+
+async def test_learner_publication_waits_out_a_nats_outage(nats_server, tmp_path):
+    """The learner's publish retries while nats-server is down and completes once it is back."""
+    import asyncio
+
+    from learner.service import retry_bus
+    from protocol.connect import connect
+
+    nc = await connect(nats_server.url, name="outage")
+    js = nc.jetstream()
+    try:
+        await topology.ensure_topology(js, RUN)
+        state = write_state(tmp_path / "v1", seed=1, mib=1.0)
+        nats_server.stop()
+
+        async def restart_later():
+            await asyncio.sleep(3.0)
+            await asyncio.to_thread(nats_server.start)  # same store dir, same port
+
+        restart = asyncio.create_task(restart_later())
+        wv = await retry_bus(lambda: publish_version(js, RUN, 1, 1, state, "objstore"), what="publish v1",
+                             give_up_s=120.0, first_delay_s=0.5)
+        await restart
+        assert wv.version == 1
+        assert (await current_version(js, RUN)).sha256 == wv.sha256
+    finally:
+        await nc.close()
