@@ -144,24 +144,37 @@ def token_logprobs(model, batch: PackedBatch, chunk: int = 1024, grad: bool = Tr
         return _packed_logprobs(model, batch.input_ids, batch.position_ids, batch.src, batch.targets, chunk, grad)
 
 
-def _packed_logprobs(model, input_ids, position_ids, src, targets, chunk: int, grad: bool) -> tuple[Tensor, Tensor]:
+def _packed_logprobs(model, input_ids, position_ids, src, targets, chunk: int, grad: bool,
+                     min_chunks: int = 0) -> tuple[Tensor, Tensor]:
+    """`min_chunks`: call lm_head at least that often, the extra calls on one hidden row with no weight
+    in the result. ZeRO-3 gathers lm_head's weight at every call (forward, and the checkpointed
+    recompute in backward), a collective: every rank must make as many calls (PackedPolicy)."""
     base = model.base_model  # the decoder stack without lm_head (Qwen3Model, LlamaModel, ...)
     lm_head = model.get_output_embeddings()
     hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # (1, T, H)
     h = hidden[0].index_select(0, src)  # (N, H)
+
+    def head(hi, ti):
+        if grad:
+            return torch.utils.checkpoint.checkpoint(_logp_entropy, lm_head, hi, ti, use_reentrant=False)
+        return _logp_entropy(lm_head, hi, ti)
+
     parts_lp, parts_ent = [], []
     for i in range(0, h.shape[0], chunk):
-        hi, ti = h[i : i + chunk], targets[i : i + chunk]
-        if grad:
-            lp, ent = torch.utils.checkpoint.checkpoint(_logp_entropy, lm_head, hi, ti, use_reentrant=False)
-        else:
-            lp, ent = _logp_entropy(lm_head, hi, ti)
+        lp, ent = head(h[i : i + chunk], targets[i : i + chunk])
         parts_lp.append(lp)
         parts_ent.append(ent.detach())
+    padding = None
+    for _ in range(len(parts_lp), min_chunks):
+        lp, _ = head(hidden[0, :1], input_ids[0, :1])
+        padding = lp.sum() * 0.0 if padding is None else padding + lp.sum() * 0.0
     if not parts_lp:
         zero = h.new_zeros(0, dtype=torch.float32)
-        return zero, zero
-    return torch.cat(parts_lp), torch.cat(parts_ent)
+        return (zero + padding if padding is not None else zero), zero
+    logp = torch.cat(parts_lp)
+    if padding is not None:
+        logp = logp + padding  # zero, but it keeps the padding calls in the graph (and in backward)
+    return logp, torch.cat(parts_ent)
 
 
 class PackedPolicy(torch.nn.Module):
@@ -170,13 +183,24 @@ class PackedPolicy(torch.nn.Module):
     ZeRO-3 counts micro-steps in engine.forward and accumulates gradients only across counted
     ones (calling the model directly kept just the last micro-batch's gradient)."""
 
-    def __init__(self, model, chunk: int):
+    def __init__(self, model, chunk: int, equal_chunks: bool = False):
         super().__init__()
         self.model = model
         self.chunk = chunk
+        # ZeRO-3 on several ranks: lm_head calls are collectives (a parameter all-gather each), and the
+        # ranks' micro-batches hold different numbers of trained tokens, so of lm_head chunks. Every
+        # rank pads to the largest count; without it the ranks' collectives mismatch (gloo aborts
+        # "collective mismatch", NCCL hangs).
+        self.equal_chunks = equal_chunks
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, src: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        return _packed_logprobs(self.model, input_ids, position_ids, src, targets, self.chunk, torch.is_grad_enabled())
+        min_chunks = 0
+        if self.equal_chunks:
+            count = torch.tensor([-(-src.numel() // self.chunk)], device=src.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            min_chunks = int(count.item())
+        return _packed_logprobs(self.model, input_ids, position_ids, src, targets, self.chunk, torch.is_grad_enabled(),
+                                min_chunks=min_chunks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +324,8 @@ class Trainer:
             )
 
         self.engine, _, _, _ = deepspeed.initialize(
-            model=PackedPolicy(model, cfg.logit_chunk_tokens),
+            model=PackedPolicy(model, cfg.logit_chunk_tokens,
+                               equal_chunks=cfg.zero_stage == 3 and torch.distributed.get_world_size() > 1),
             model_parameters=[p for p in model.parameters() if p.requires_grad], config=conf, lr_scheduler=schedule,
         )
         self.device = self.engine.device
