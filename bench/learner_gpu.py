@@ -527,9 +527,12 @@ def phase_learner(args, zero: int) -> None:
 
     samples = draw_samples(args, trainer.module.config.vocab_size)
     lengths = [len(s.token_ids) for s in samples]
-    mine = [samples[i] for i in shard_by_tokens(lengths, world)[rank]]
-    first = pack_by_tokens([len(s.token_ids) for s in mine], args.budget_tokens)[0]
-    probe = build_batch([mine[j] for j in first], device)
+    # The attention check's probe: the same micro-batch on every rank (rank 0's first). Under ZeRO-3 a
+    # forward is collective, and ranks with different batches would call lm_head a different number
+    # of times (one parameter all-gather each): the collectives mismatch and NCCL hangs.
+    shard0 = [samples[i] for i in shard_by_tokens(lengths, world)[0]]
+    first = pack_by_tokens([len(s.token_ids) for s in shard0], args.budget_tokens)[0]
+    probe = build_batch([shard0[j] for j in first], device)
     models = [trainer.module] + ([trainer.reference] if trainer.reference is not None else [])
 
     def probe_logp():
