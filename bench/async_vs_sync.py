@@ -106,9 +106,9 @@ class SleepingLearner:
     the feeder's gate)."""
 
     def __init__(self, js, run: str, bus, feeder, grouper, *, groups_per_step: int, step_s: float,
-                 return_dropped: bool = False):
+                 old_gate: bool = False):
         self.js, self.run, self.bus, self.feeder, self.grouper = js, run, bus, feeder, grouper
-        self.return_dropped = return_dropped
+        self.old_gate = old_gate
         self.groups_per_step, self.step_s = groups_per_step, step_s
         self.version = 0
         self.step_ends: list[float] = []
@@ -131,9 +131,9 @@ class SleepingLearner:
             while not stop.is_set():
                 taken, outcomes = self.grouper.take(self.groups_per_step, self.version)
                 for o in outcomes:
-                    if self.feeder.mark_consumed(o.task_id) and self.return_dropped:
-                        # what-if: a group that was not trained gives its place in the window back
-                        self.feeder.state.consumed -= 1
+                    # as Learner.consume: a group that was not trained gives its place in the window
+                    # back; --old-gate counts it as consumed, the rule before that fix
+                    self.feeder.mark_consumed(o.task_id, trained=self.old_gate)
                     self.dropped += o.kind == "stale"
                 if not taken:
                     self._data.clear()
@@ -198,10 +198,10 @@ def simulate(staleness: int, args, workload: Workload, steps: int = 400) -> dict
             for done_at, task in sorted(complete):
                 if len(chosen) == B:
                     break
-                if version - versions[task] > staleness:
+                if version - versions[task] > staleness and args.stale_policy == "drop":
                     complete.remove((done_at, task))
                     in_flight.discard(task)
-                    consumed += not args.return_dropped
+                    consumed += args.old_gate
                     dropped += 1
                     continue
                 chosen.append((done_at, task))
@@ -243,9 +243,9 @@ async def one_config(url: str, staleness: int, args, workload: Workload, items) 
     await topology.ensure_topology(conns[0].jetstream(), run, bus)
     feeder = Feeder(conns[0].jetstream(), run, items, RolloutConfig(n=args.n), max_staleness=staleness,
                     groups_per_step=args.groups_per_step, seed=0)
-    grouper = Grouper(args.n, max_staleness=staleness, stale_policy="drop", timeout_s=3600.0)
+    grouper = Grouper(args.n, max_staleness=staleness, stale_policy=args.stale_policy, timeout_s=3600.0)
     learner = SleepingLearner(conns[2].jetstream(), run, bus, feeder, grouper, groups_per_step=args.groups_per_step,
-                              step_s=args.step_s, return_dropped=args.return_dropped)
+                              step_s=args.step_s, old_gate=args.old_gate)
     actors = TimedRollouts(conns[1].jetstream(), run, bus, workload, args.slots, args.n, lambda: learner.version,
                            task_slots=args.task_slots)
     stop = asyncio.Event()
@@ -352,9 +352,11 @@ def main() -> int:
     p.add_argument("--step-s", type=float, default=0.4, help="learner step time (the same in every configuration)")
     p.add_argument("--median-s", type=float, default=0.25, help="median rollout duration")
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma: 1.0 makes ~1%% of rollouts 10x the median")
-    p.add_argument("--return-dropped", action="store_true",
-                   help="what-if: dropped/skipped groups do not count as consumed in the feeder's gate "
-                        "(learner.feeder counts them today, which shrinks the window for good)")
+    p.add_argument("--old-gate", action="store_true",
+                   help="the feeder's rule before its fix: dropped/skipped groups count as consumed, which "
+                        "shrinks the admission window for good (learner.feeder no longer does)")
+    p.add_argument("--stale-policy", choices=("drop", "correct"), default="drop",
+                   help="[learner] stale_policy: drop groups lagging beyond max_staleness, or train them corrected")
     p.add_argument("--long-run-steps", type=int, default=400, help="steps of the long simulated run")
     p.add_argument("--quick", action="store_true", help="15 s per configuration")
     p.add_argument("--json", type=Path, help="also write the results here")
