@@ -230,8 +230,8 @@ def eval_text(cfg: RunConfig, run_dir: Path) -> str:
         return ("\nperiodic eval is off ([learner] eval_every = 0): no version was evaluated on held-out items; "
                 f"run `parley eval` on exported versions (`parley export {run_dir} OUT --version V`)")
     root = eval_root(run_dir)
-    records = [r for p in sorted(root.glob("v*/records.parquet"), key=lambda p: int(p.parent.name[1:]))
-               for r in read_records(p) if r.metrics]
+    versions = sorted(int(p.parent.name[1:]) for p in root.glob("v*/records.parquet") if p.parent.name[1:].isdigit())
+    records = [r for v in versions for r in read_records(root / f"v{v}" / "records.parquet") if r.metrics]
     failed = sorted(p.name for p in root.glob("v*.failed"))
     lines = [f"\nheld-out eval every {lc.eval_every} versions on {lc.eval_items or 'all'} items ({root})"]
     if failed:

@@ -139,3 +139,20 @@ def test_eval_argv_is_the_benchmark_command(tmp_path):
     assert "--n-items 3" in joined and f"--max-new-turns {cfg.rollout.max_new_turns}" in joined
     # the child reads the same configuration the learner runs with
     assert "eval_every = 2" in pe.config_path.read_text()
+
+
+def test_up_summary_of_the_evaluated_versions(tmp_path):
+    """`parley up`'s closing text: the versions side by side, the selection, a failed eval named and
+    left out (even with records in it), the early-stop reason."""
+    from deploy.up import eval_text
+
+    for v, (b, i, t) in {0: (0.40, 0.80, 2.0), 3: (0.45, 0.80, 2.0)}.items():
+        write_parquet(version_records(v, b, i, t, noise_seed=v + 1), tmp_path / "eval" / f"v{v}" / "records.parquet")
+    write_parquet(version_records(5, 0.1, 0.1, 2.0, noise_seed=9), tmp_path / "eval" / "v5.failed" / "records.parquet")
+    (tmp_path / "eval" / "early_stop.json").write_text(json.dumps({"reason": "mr of version 5 is below"}))
+    text = eval_text(RunConfig(learner=LearnerConfig(eval_every=3)), tmp_path)
+    assert "| v0 | 12 |" in text and "| v3 | 12 |" in text and "| v5 |" not in text
+    assert "failed evals (see their eval.log): v5.failed" in text
+    assert "best by mr: v3" in text and "stopped early: mr of version 5 is below" in text
+    assert (tmp_path / "eval" / "table.md").exists()
+    assert "periodic eval is off" in eval_text(RunConfig(), tmp_path)
