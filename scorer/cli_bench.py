@@ -244,6 +244,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
     import msgspec
 
     from scorer.benchmark import summarize, to_markdown, write_table
+    from protocol.bus import Retry
     from scorer.eval_fleet import FleetError
     from scorer.eval_runner import EvalServices, LocalJudge, LocalSim, Policy, run_eval
     from scorer.evallog import write_parquet
@@ -319,10 +320,11 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
             return 130
         try:
             records = work.result()
-        except FleetError as e:
+        except (FleetError, Retry) as e:  # Retry: the simulator service did not answer (actors.rollout.SimClient)
             if done:
                 write_parquet(done, Path(out) / "records.parquet")
-            typer.echo(f"parley eval: {e}", err=True)
+            hint = "" if isinstance(e, FleetError) else "; is `parley sim` (or `parley services`) running on this NATS?"
+            typer.echo(f"parley eval: {e}{hint}", err=True)
             return 1
     finally:
         stopped.cancel()

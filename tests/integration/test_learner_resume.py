@@ -75,6 +75,7 @@ def start_learner(url: str, run: str, run_dir: Path, model: Path, log: Path, res
         'learner.stale_policy="correct"', "learner.lr=1e-4", "learner.micro_batch_tokens=256", f"bus.ack_wait_s={BUS.ack_wait_s}",
         f"bus.max_bytes={BUS.max_bytes}",
         "learner.ledger_flush_s=0.5",
+        "learner.eval_every=0",  # no sim/judge services here; the periodic eval has its own tests
     ]
     cmd = [sys.executable, "-m", "deploy.cli", "learner", "--nats", url, "--run", run, "--steps", str(STEPS)]
     for s in sets:
