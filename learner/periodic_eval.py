@@ -73,13 +73,21 @@ def eval_argv(cfg, config_path: Path, job: EvalJob, out: Path) -> list[str]:
     ]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """A SIGKILLed learner must not leave an eval child holding a policy engine."""
-    with contextlib.suppress(Exception):
+def _die_with_parent_hook():
+    """A preexec_fn so that a SIGKILLed learner does not leave an eval child holding a policy engine
+    (prctl PR_SET_PDEATHSIG). Everything is looked up here, in the parent: between fork and exec
+    the child only makes the one C call (no imports, no locks)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
         import ctypes
         import signal
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+        sigterm = int(signal.SIGTERM)
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, sigterm)  # 1 = PR_SET_PDEATHSIG
 
 
 async def run_eval_process(argv: list[str], log_path: Path, env: dict[str, str]) -> int:
@@ -87,7 +95,7 @@ async def run_eval_process(argv: list[str], log_path: Path, env: dict[str, str])
     with log_path.open("ab") as out:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=_die_with_parent_hook(),
         )
         try:
             return await proc.wait()
