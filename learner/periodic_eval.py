@@ -270,10 +270,10 @@ class PeriodicEval:
     def record(self, job: EvalJob, seconds: float) -> EvalOutcome:
         """Read a finished eval back: log its means, keep the best model, check for a regression."""
         from scorer.benchmark import METRICS
-        from scorer.selection import SelectionError, load_versions, regressed, select_best
+        from scorer.selection import SelectionError, load_versions, regression, select_best
 
-        versions = {v.version: v for v in load_versions(self.run_dir)}
-        mine = versions.get(job.version)
+        history = load_versions(self.run_dir)  # oldest first
+        mine = next((v for v in history if v.version == job.version), None)
         if mine is None:
             log.error("eval: version %d wrote no scored conversation (the judge failed on all)", job.version)
             return EvalOutcome(job.version, ok=False, seconds=seconds, error="no scored conversations")
@@ -286,31 +286,19 @@ class PeriodicEval:
             f.write(json.dumps({"version": job.version, "step": job.step, "n": len(mine.items), "seconds": round(seconds, 1),
                                 **means, "created": time.time()}) + "\n")
         try:
-            best = select_best(self.run_dir, self.metric)
+            best = select_best(self.run_dir, self.metric, history)
             log.info("eval: %s", best.describe())
             self._keep_only_model(best.version)
         except SelectionError as e:
             log.warning("eval: no selection yet: %s", e)
-        if self.lc.early_stop:
-            history = sorted(versions.values(), key=lambda v: v.version)
-            if regressed(history, self.metric, self.lc.early_stop_alpha):
-                self.regression = self._describe_regression(history)
-                log.warning("eval: early stop: %s", self.regression)
-                (self.root / "early_stop.json").write_text(json.dumps(
-                    {"version": job.version, "step": job.step, "metric": self.metric,
-                     "alpha": self.lc.early_stop_alpha, "reason": self.regression}, indent=1) + "\n")
+        found = regression(history, self.metric, self.lc.early_stop_alpha) if self.lc.early_stop else None
+        if found is not None:
+            self.regression = found.describe(self.metric, self.lc.early_stop_alpha)
+            log.warning("eval: early stop: %s", self.regression)
+            (self.root / "early_stop.json").write_text(json.dumps(
+                {"version": job.version, "step": job.step, "metric": self.metric,
+                 "alpha": self.lc.early_stop_alpha, "reason": self.regression}, indent=1) + "\n")
         return EvalOutcome(job.version, ok=True, means=means, n=len(mine.items), seconds=seconds)
-
-    def _describe_regression(self, history) -> str:
-        from scorer.benchmark import paired_stats
-
-        latest, earlier = history[-1], history[:-1]
-        best = max(earlier, key=lambda v: v.mean(self.metric))
-        shared = sorted(set(latest.items) & set(best.items))
-        s = paired_stats(latest.values(self.metric, shared), best.values(self.metric, shared))
-        return (f"{self.metric} of version {latest.version} is below version {best.version}'s by {-s.mean_diff:.4f} "
-                f"(95% CI of the difference [{s.ci_low:+.4f}, {s.ci_high:+.4f}], t={s.t:.2f}, one-sided p={s.p / 2:.3g} "
-                f"< alpha {self.lc.early_stop_alpha}, n={s.n})")
 
     def _keep_only_model(self, best: int) -> None:
         """Evaluated versions' exported models are deleted except the best one's; versions still waiting

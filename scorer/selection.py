@@ -135,10 +135,11 @@ def _paired(a: VersionEval, b: VersionEval, metric: str) -> PairedStats | None:
     return paired_stats(a.values(metric, shared), b.values(metric, shared)) if shared else None
 
 
-def select_best(run_dir: str | Path, metric: str) -> Selection:
-    """The version with the highest mean of `metric` over its eval items (ties: the earliest)."""
+def select_best(run_dir: str | Path, metric: str, versions: list[VersionEval] | None = None) -> Selection:
+    """The version with the highest mean of `metric` over its eval items (ties: the earliest).
+    `versions`: load_versions(run_dir) when the caller has read them already."""
     check_metric(metric)
-    versions = load_versions(run_dir)
+    versions = load_versions(run_dir) if versions is None else versions
     if not versions:
         root = Path(run_dir) / EVAL_DIR
         raise SelectionError(f"no evaluated versions under {root} (looked for v<N>/{RECORDS_FILE} and {SUMMARY_FILE})")
@@ -155,15 +156,35 @@ def select_best(run_dir: str | Path, metric: str) -> Selection:
     )
 
 
-def regressed(history: list[VersionEval], metric: str, alpha: float = 0.05) -> bool:
-    """True when the latest version is significantly worse than the best earlier one on `metric`:
+@dataclass
+class Regression:
+    """The latest version against the best earlier one, when it is significantly worse."""
+
+    latest: int
+    best: int
+    stats: PairedStats  # latest - best, paired over their shared items
+
+    def describe(self, metric: str, alpha: float) -> str:
+        s = self.stats
+        return (f"{metric} of version {self.latest} is below version {self.best}'s by {-s.mean_diff:.4f} "
+                f"(95% CI of the difference [{s.ci_low:+.4f}, {s.ci_high:+.4f}], t={s.t:.2f}, one-sided p={s.p / 2:.3g} "
+                f"< alpha {alpha}, n={s.n})")
+
+
+def regression(history: list[VersionEval], metric: str, alpha: float = 0.05) -> Regression | None:
+    """The latest version's regression on `metric` against the best earlier one, if significant:
     paired over shared items, one-sided p < alpha. Fewer than two shared items never count as a regression."""
     check_metric(metric)
     if len(history) < 2:
-        return False
+        return None
     latest, earlier = history[-1], history[:-1]
     best = max(earlier, key=lambda v: v.mean(metric))
     s = _paired(latest, best, metric)
     if s is None or s.n < 2 or math.isnan(s.p):
-        return False
-    return s.mean_diff < 0 and s.p / 2 < alpha
+        return None
+    return Regression(latest.version, best.version, s) if s.mean_diff < 0 and s.p / 2 < alpha else None
+
+
+def regressed(history: list[VersionEval], metric: str, alpha: float = 0.05) -> bool:
+    """True when `regression` finds one."""
+    return regression(history, metric, alpha) is not None
