@@ -23,7 +23,7 @@ from learner.feeder import Feeder, FeederState
 from learner.groups import BadTrajectory, Group, Grouper, Outcome, Taken, behaviour_logprobs, check_trajectory
 from learner.steplog import StepLog
 from protocol import status, topology
-from protocol.bus import COUNTERS, Poison, PullWorker
+from protocol.bus import COUNTERS, Poison, PullWorker, retry_unreachable
 from protocol.messages import Heartbeat
 from protocol.weights import publish_version
 
@@ -257,7 +257,7 @@ class Learner:
     async def publish(self, version: int) -> None:
         wdir = ckpt.weights_dir(self.run_dir, version)
         await asyncio.to_thread(self.driver, "save_weights", wdir)
-        wv = await retry_bus(
+        wv = await retry_unreachable(
             lambda: publish_version(self.js, self.run_name, version, self.step, wdir, self.lc.transport,
                                     shared_dir=self.lc.shared_dir or None, keep=self.lc.keep_versions),
             what=f"publishing weights version {version}",
@@ -345,28 +345,6 @@ class Learner:
                 **(self.evals.counters() if self.evals is not None else {}),
             },
         )
-
-
-async def retry_bus(call, *, what: str, give_up_s: float = 900.0, first_delay_s: float = 1.0):
-    """Await `call()` again while NATS is unreachable (the connection reconnects by itself), with a
-    doubling delay up to 30 s; other errors, or an outage longer than `give_up_s`, are raised."""
-    import nats.errors
-    import nats.js.errors
-
-    t0, delay = time.monotonic(), first_delay_s
-    while True:
-        try:
-            return await call()
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
-                nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError, asyncio.TimeoutError,
-                nats.js.errors.ServiceUnavailableError) as e:
-            waited = time.monotonic() - t0
-            if waited + delay > give_up_s:
-                raise
-            log.warning("%s failed (%s: %s); NATS unreachable? retrying in %.0fs (%.0fs so far)",
-                        what, type(e).__name__, e, delay, waited)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
 
 
 def live_counters(metrics: dict) -> dict[str, float]:

@@ -40,6 +40,38 @@ class Retry(Exception):
         self.delay = delay
 
 
+# What a publish or a JetStream API call raises while the server is away or re-electing a leader.
+PUBLISH_TRANSIENT = (
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.NoRespondersError,
+    NoStreamResponseError,  # the stream has no leader for a moment (a cluster node died)
+    ServiceUnavailableError,
+)
+# ... and, for longer operations (an object-store upload), the connection's own states meanwhile.
+UNREACHABLE = (*PUBLISH_TRANSIENT, nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError,
+               asyncio.TimeoutError)
+
+
+async def retry_unreachable(call: Callable[[], Awaitable], *, what: str, give_up_s: float = 900.0,
+                            first_delay_s: float = 1.0):
+    """Await `call()` again while NATS is unreachable (the connection reconnects by itself), with a
+    doubling delay up to 30 s; other errors, or an outage longer than `give_up_s`, are raised.
+    For compound operations (publish_version) that must not fail a role over a server restart."""
+    t0, delay = time.monotonic(), first_delay_s
+    while True:
+        try:
+            return await call()
+        except UNREACHABLE as e:
+            waited = time.monotonic() - t0
+            if waited + delay > give_up_s:
+                raise
+            log.warning("%s failed (%s: %s); NATS unreachable? retrying in %.0fs (%.0fs so far)",
+                        what, type(e).__name__, e, delay, waited)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+
+
 async def publish(js, run: str, key: str, msg: msgspec.Struct, *, attempts: int = 8, timeout: float = 10.0):
     """Store `msg` on channel `key` exactly once (by Msg-Id); retries timeouts and lost connections."""
     data = codec.encode(msg)
@@ -49,13 +81,7 @@ async def publish(js, run: str, key: str, msg: msgspec.Struct, *, attempts: int 
     for attempt in range(1, attempts + 1):
         try:
             return await js.publish(subj, data, headers=headers, timeout=timeout)
-        except (
-            nats.errors.TimeoutError,
-            nats.errors.ConnectionClosedError,
-            nats.errors.NoRespondersError,
-            NoStreamResponseError,  # the stream has no leader for a moment (a cluster node died)
-            ServiceUnavailableError,
-        ) as e:
+        except PUBLISH_TRANSIENT as e:
             # A timed-out publish may still have been stored; the Msg-Id makes the retry harmless.
             if attempt == attempts:
                 raise
