@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
-import os
-import platform
 import random
 import statistics
 import sys
@@ -364,19 +361,10 @@ def main() -> int:
     if args.quick:
         args.seconds = min(args.seconds, 15.0)
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop
+    from bench.common import report, run
 
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
-    t0 = time.perf_counter()
-    res = runner(bench(args))
-    print(f"async vs sync: {os.cpu_count()} cores, {platform.python_version()}, {args.seconds:g} s per configuration, "
-          f"{time.perf_counter() - t0:.0f} s")
-    print(table(res, args))
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+    res, seconds = run(bench, args)
+    report("async vs sync", f"{args.seconds:g} s per configuration", seconds, table(res, args), res, args.json)
     return 0
 
 

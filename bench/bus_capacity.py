@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -82,6 +80,24 @@ class ZeroCostJudge:
 
 
 # -- setup helpers -------------------------------------------------------------------------------
+
+
+async def _until_done(done: asyncio.Event, jobs: list, stop: asyncio.Event, conns: list, clock: "CpuClock",
+                      t0: float) -> tuple[float, dict]:
+    """Wait until `done` (or a job fails), take wall and CPU time, then stop the jobs and close the
+    connections; a job's failure is raised. Returns (wall seconds, CPU figures)."""
+    waiter = asyncio.create_task(done.wait())
+    finished, _ = await asyncio.wait([waiter, *jobs], return_when=asyncio.FIRST_COMPLETED)
+    wall = time.perf_counter() - t0
+    cpu = clock.stop()
+    stop.set()
+    await asyncio.gather(*jobs, return_exceptions=True)
+    for j in jobs:
+        if j in finished and j.exception() is not None:
+            raise j.exception()
+    for nc in conns:
+        await nc.close()
+    return wall, cpu
 
 
 class CpuClock:
@@ -221,17 +237,7 @@ async def parley_pipeline(url: str, run: str, model_dir: Path, tokenizer, *, tas
     for lo in range(0, tasks, 64):
         await asyncio.gather(*(pbus.publish(fjs, run, "tasks", make_task(run, i, n, tokens))
                                for i in range(lo, min(tasks, lo + 64))))
-    waiter = asyncio.create_task(done.wait())
-    finished, _ = await asyncio.wait([waiter, *jobs], return_when=asyncio.FIRST_COMPLETED)
-    wall = time.perf_counter() - t0
-    cpu = clock.stop()
-    stop.set()
-    await asyncio.gather(*jobs, return_exceptions=True)
-    for j in jobs:
-        if j in finished and j.exception() is not None:
-            raise j.exception()
-    for nc in conns:
-        await nc.close()
+    wall, cpu = await _until_done(done, jobs, stop, conns, clock, t0)
     return {"wall_s": wall, "trajectories": seen["scored"], "traj_per_s": seen["scored"] / wall, **cpu,
             "dead": dict(pbus.COUNTERS), "retried": actor.counters.get("retried", 0) + learner.stats["retried"]}
 
@@ -288,17 +294,7 @@ async def raw_pipeline(url: str, run: str, bus, *, tasks: int, n: int, task_byte
     t0 = time.perf_counter()
     for lo in range(0, first_count, 64):
         await asyncio.gather(*(pjs.publish(subj, payload[first_key]) for _ in range(lo, min(first_count, lo + 64))))
-    waiter = asyncio.create_task(done.wait())
-    finished, _ = await asyncio.wait([waiter, *jobs], return_when=asyncio.FIRST_COMPLETED)
-    wall = time.perf_counter() - t0
-    cpu = clock.stop()
-    stop.set()
-    await asyncio.gather(*jobs, return_exceptions=True)
-    for j in jobs:
-        if j in finished and j.exception() is not None:
-            raise j.exception()
-    for nc in conns:
-        await nc.close()
+    wall, cpu = await _until_done(done, jobs, stop, conns, clock, t0)
     return {"wall_s": wall, "trajectories": consumed["n"], "traj_per_s": consumed["n"] / wall, **cpu}
 
 
@@ -406,19 +402,10 @@ def main() -> int:
     if args.quick:
         args.trajectories = [max(args.n, t // 4) for t in args.trajectories]
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop  # every role runs on uvloop; so does the reference
+    from bench.common import report, run
 
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
-    t0 = time.perf_counter()
-    rows = runner(bench(args))
-    print(f"bus capacity: {os.cpu_count()} cores, {platform.python_version()}, n={args.n}, "
-          f"{args.slots} in flight per hop, {time.perf_counter() - t0:.0f} s")
-    print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1, default=str))
+    rows, seconds = run(bench, args)  # every role runs on uvloop; so does the reference
+    report("bus capacity", f"n={args.n}, {args.slots} in flight per hop", seconds, table(rows), rows, args.json)
     return 0
 
 

@@ -347,7 +347,6 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
 async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record) -> list:
     """--services fleet: one condition after another, each through its own actor and scorer."""
     import logging
-    import os
 
     from deploy.config import dump_config
     from scorer.eval_fleet import FleetSettings, play_condition_fleet
@@ -367,7 +366,7 @@ async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, 
     config_path.write_text(dump_config(msgspec.structs.replace(cfg, actor=actor)))
     sim_model = cfg.sim.engine.model if cfg.sim.backend == "vllm" else cfg.sim.model_name
     fs = FleetSettings(config_path=config_path, logs_dir=fleet_dir, sim_model=sim_model, policy_version=policy_version,
-                       env={"PARLEY_NATS_URL": cfg.nats.url, **({"PYTHONUNBUFFERED": "1"} if "PYTHONUNBUFFERED" not in os.environ else {})})
+                       env={"PARLEY_NATS_URL": cfg.nats.url})  # the URL this eval resolved, over any inherited one
     tasks = make_tasks(held, settings)
     records = []
     for cond in conds:
