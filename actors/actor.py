@@ -158,7 +158,7 @@ def _first_of(eg: BaseExceptionGroup) -> BaseException:
 
 async def main(stop: asyncio.Event, cfg, ident: str, concurrency: int | None = None) -> int:
     """`parley actor`: connect, set up the run's topology, load the policy, serve tasks."""
-    from actors.backend import open_engine
+    from engines.backend import open_engine
     from protocol.connect import connect
 
     nc = await connect(
@@ -181,3 +181,10 @@ async def main(stop: asyncio.Event, cfg, ident: str, concurrency: int | None = N
         with contextlib.suppress(Exception):
             await nc.drain()
     return 0
+
+
+def run(cfg, ident: str) -> int:
+    """`parley actor`'s entry: play tasks until SIGINT/SIGTERM; returns the exit code."""
+    from runtime.process import run_async
+
+    return run_async(main, cfg, ident)

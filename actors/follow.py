@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 
 from protocol import codec, topology
-from protocol.bus import COUNTERS
+from protocol.bus import COUNTERS, UNREACHABLE
 from protocol.messages import WeightVersion
 
 log = logging.getLogger("parley.follow")
@@ -188,7 +188,4 @@ class WeightFollower:
 
 
 def _transient(e: Exception) -> bool:
-    import nats.errors
-
-    return isinstance(e, (nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
-                          nats.errors.ConnectionReconnectingError, asyncio.TimeoutError))
+    return isinstance(e, UNREACHABLE)

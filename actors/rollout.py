@@ -12,7 +12,6 @@ Modes (Task.mode):
 from __future__ import annotations
 
 import asyncio
-import copy
 import hashlib
 import logging
 import time
@@ -84,15 +83,6 @@ class PolicySettings:
     actor: str = ""  # recorded in Trajectory.actor
 
 
-def _fork(chat: ChatTokens) -> ChatTokens:
-    """An independent copy of a conversation's state (the tokenizer is shared)."""
-    c = copy.copy(chat)
-    for name in ("token_ids", "loss_mask", "logprobs", "spans", "finish_reasons"):
-        setattr(c, name, list(getattr(chat, name)))
-    c.messages = [dict(m) for m in chat.messages]
-    return c
-
-
 class _Player:
     """Plays one conversation branch: holds its ChatTokens and what the Trajectory needs."""
 
@@ -155,7 +145,7 @@ class _Player:
         if fallback and not reply.fallback:
             text = FALLBACK_MESSAGE  # a user who is "done" before saying anything
         # Probe on a copy: a user message that leaves no room for an answer is not added.
-        probe = _fork(self.chat)
+        probe = self.chat.fork()
         probe.add_user(text)
         if len(probe) >= self.policy.max_model_len:
             return "max_model_len"
@@ -278,6 +268,6 @@ def _messages(chat: ChatTokens) -> list[ChatMessage]:
 
 async def _future(p: _Player, k: int) -> _Player:
     """Continuation k after the trained turn: future_turns messages, the simulator first."""
-    f = _Player(p.engine, p.sim, p.task, p.policy, p.version_fn, _fork(p.chat), derive_seed(p.seed, "future", k))
+    f = _Player(p.engine, p.sim, p.task, p.policy, p.version_fn, p.chat.fork(), derive_seed(p.seed, "future", k))
     await _play(f, p.task.future_turns, trained=False)
     return f

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import msgspec
 
-from actors.backend import Backend, BackendError
+from engines.backend import Backend, BackendError
 from actors.config import SimConfig
 from protocol import codec, topology
-from protocol.messages import ChatMessage, Heartbeat, SimReply, SimRequest
+from protocol.messages import ChatMessage, SimReply, SimRequest
 
 log = logging.getLogger("parley.sim")
 
@@ -177,8 +177,8 @@ class Simulator:
         return codec.encode(self.fallback(f"internal error: {type(exc).__name__}: {exc}", attempts=0))
 
     def service(self, nc):
-        from actors.backend import is_fatal
-        from actors.service import Service
+        from engines.backend import is_fatal
+        from engines.service import Service
 
         return Service(
             nc, {topology.SIM_SUBJECT: self.handle}, queue=topology.SIM_QUEUE, concurrency=self.cfg.concurrency,
@@ -188,22 +188,18 @@ class Simulator:
 
 async def main(stop: asyncio.Event, cfg, ident: str, default_prompt: str | None = None) -> int:
     """`parley sim`: load the backend, serve until stopped."""
-    from actors.backend import make_backend
-    from protocol import status
-    from protocol.connect import connect
+    from engines.service import serve_backend
 
-    nc = await connect(
-        cfg.nats.url, name=f"parley-sim-{ident}", first_timeout=cfg.nats.connect_timeout_s,
-        creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None,
-    )
-    await status.send(nc, cfg.run.name, Heartbeat(role="sim", id=ident, state="starting"))
-    backend = make_backend(cfg.sim)  # a local engine blocks here while it loads
-    try:
+    def build(nc, backend):
         sim = Simulator(backend, cfg.sim, default_prompt=default_prompt)
-        log.info("sim %s: backend %s (%s), default prompt %s", ident, cfg.sim.backend, backend.model_name,
-                 sim.default_prompt)
-        await sim.service(nc).run_until(stop, run=cfg.run.name, role="sim", ident=ident, grace_s=cfg.sim.timeout_s)
-    finally:
-        await backend.close()
-        await nc.drain()
-    return 0
+        log.info("sim %s: default prompt %s", ident, sim.default_prompt)
+        return [(sim.service(nc), "sim", ident, cfg.sim.timeout_s)]
+
+    return await serve_backend(stop, cfg, ident=ident, roles=[("sim", ident)], backend_cfg=cfg.sim, build=build)
+
+
+def run(cfg, ident: str) -> int:
+    """`parley sim`'s entry: serve the simulator until SIGINT/SIGTERM; returns the exit code."""
+    from runtime.process import run_async
+
+    return run_async(main, cfg, ident)

@@ -275,7 +275,7 @@ async def one_config(url: str, staleness: int, args, workload: Workload, items) 
 
 
 async def bench(args) -> dict:
-    from actors.data import load_items
+    from tasks.data import load_items
     from deploy.natsserver import NatsServer
 
     items = load_items()

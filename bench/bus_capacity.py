@@ -27,9 +27,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.engine import GenOut  # noqa: E402  (light: vLLM is imported only by PolicyEngine)
+from engines.engine import GenOut  # noqa: E402  (light: vLLM is imported only by PolicyEngine)
 from protocol.messages import ChatMessage, JudgeReply, SimReply, Task  # noqa: E402
-from scorer.metrics import INTERACTIVITY_KEYS  # noqa: E402
+from rewards.metrics import INTERACTIVITY_KEYS  # noqa: E402
 
 KB = 1024
 
@@ -38,7 +38,7 @@ KB = 1024
 
 
 class ZeroCostPolicy:
-    """Test double for actors.engine.PolicyEngine: every turn is `tokens` fixed ids (the last one
+    """Test double for engines.engine.PolicyEngine: every turn is `tokens` fixed ids (the last one
     the stop token) with fixed log-probs, returned at once. Enough of the engine for Actor and
     WeightFollower: settings.model, version, generate, reload_weights."""
 
@@ -145,7 +145,8 @@ def bus_settings(max_bytes: int):
 
 
 def run_config(run: str, model_dir: Path, bus, actor_slots: int, scorer_slots: int):
-    from actors.config import ActorConfig, EngineConfig
+    from actors.config import ActorConfig
+    from engines.config import EngineConfig
     from deploy.config import RunConfig, RunSection
     from scorer.config import ScorerConfig
 
@@ -304,7 +305,7 @@ async def raw_pipeline(url: str, run: str, bus, *, tasks: int, n: int, task_byte
 async def bench(args) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from actors.models import ensure_model
+    from engines.models import ensure_model
     from deploy.natsserver import NatsServer
 
     model_dir = ensure_model("tiny")

@@ -1,5 +1,5 @@
 """GPU benchmark of the learner's GRPO step (issue 9): the bf16 matmul peak, a plain PyTorch training
-step and the parley learner (learner.engine.Trainer under DeepSpeed ZeRO-2/3) on the same packed
+step and the parley learner (learner.trainer.Trainer under DeepSpeed ZeRO-2/3) on the same packed
 CollabLLM-like tokens of a Qwen3-4B-shaped model, all in one invocation. Run by hand; bench/README.md
 has the device command. Nothing in parley imports this file.
 
@@ -161,7 +161,7 @@ def draw_samples(args, vocab: int):
     """Trajectories of budget/8 .. budget tokens (lognormal, median 3/8 of the budget: 1k-8k with the
     default 8192) until step_tokens are drawn; random token ids (speed does not depend on them),
     behaviour log-probs of a uniform policy (what a random-init model gives, so ratios stay near 1)."""
-    from learner.engine import Sample
+    from learner.packing import Sample
 
     rng = random.Random(args.seed)
     lo, hi, median = max(16, args.budget_tokens // 8), args.budget_tokens, 0.375 * args.budget_tokens
@@ -436,7 +436,7 @@ def phase_plain(args) -> None:
     import torch
 
     from learner import grpo
-    from learner.engine import Sample, build_batch, pack_by_tokens
+    from learner.packing import Sample, build_batch, pack_by_tokens
 
     device, dtype = _device_dtype(args)
     t0 = time.perf_counter()
@@ -510,7 +510,9 @@ def phase_learner(args, zero: int) -> None:
     import torch
 
     from learner.config import LearnerConfig
-    from learner.engine import Trainer, build_batch, pack_by_tokens, shard_by_tokens, token_logprobs
+    from learner.trainer import Trainer
+    from learner.packing import build_batch, pack_by_tokens, shard_by_tokens
+    from learner.logprobs import token_logprobs
 
     cfg = LearnerConfig(zero_stage=zero, micro_batch_tokens=args.budget_tokens, kl_coef=args.kl_coef,
                         lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto")

@@ -39,8 +39,8 @@ async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from actors.models import ensure_model
-    from learner.engine import hf_weights, write_weights
+    from engines.models import ensure_model
+    from learner.weights_io import hf_weights, write_weights
     from protocol import codec, topology
     from protocol.weights import fetch_version, publish_version
 

@@ -8,14 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_main, setup_logging
+from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_async_main, run_main, setup_logging
 
 
 def register(app: typer.Typer) -> None:
     app.command("nats", help="Run the real nats-server with JetStream (prints its URL).")(nats_cmd)
     app.command("selfcheck", help="Round-trip every message type through a NATS server and report.")(selfcheck_cmd)
     app.command("services", help="User simulator and judge in one process sharing one local engine.")(services_cmd)
-    for module in ("actors.cli", "scorer.cli", "scorer.cli_bench", "learner.cli", "deploy.up_cli"):
+    for module in ("deploy.cli_actor", "deploy.cli_scorer", "deploy.cli_eval", "deploy.cli_learner", "deploy.up_cli"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as e:
@@ -39,7 +39,7 @@ def services_cmd(
     cfg = resolve(config, sets, nats=nats, run=run)
     if dry:
         dry_run(cfg)
-    from deploy.services import check_shareable, main
+    from deploy.services import check_shareable, run
 
     try:
         check_shareable(cfg)
@@ -47,7 +47,7 @@ def services_cmd(
         typer.echo(f"parley services: {e}", err=True)
         raise typer.Exit(2) from None
     setup_logging(ident or "services")
-    run_main(main, cfg, ident or f"services-{os.getpid()}")
+    run_main(run, cfg, ident or f"services-{os.getpid()}")
 
 
 def nats_cmd(
@@ -104,7 +104,7 @@ def selfcheck_cmd(
         cfg.nats.url = server.start()
         typer.echo(f"started nats-server at {cfg.nats.url}")
     try:
-        run_main(_selfcheck, cfg)
+        run_async_main(_selfcheck, cfg)
     finally:
         if server:
             server.stop()

@@ -1,20 +1,17 @@
 """Shared plumbing of every role command: options, config resolution, logging, the asyncio entry.
 
-Role commands (in their own packages) call `resolve()` and `run_main()`; nothing heavy is
-imported here so that `parley --help` stays fast.
+The role commands (deploy/cli_*.py) call `resolve()`, then a role's plain entry function through
+`run_main()`; nothing heavy is imported here so that `parley --help` stays fast.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
-import signal
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from runtime.process import setup_logging  # noqa: F401  (re-exported for the commands)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config TOML (default: the embedded default).")]
 SetOpt = Annotated[
@@ -49,39 +46,15 @@ def dry_run(cfg) -> None:
     raise typer.Exit(0)
 
 
-def setup_logging(role: str, level: str | None = None) -> None:
-    level = level or os.environ.get("PARLEY_LOG", "INFO")
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("nats", "httpx", "urllib3", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def run_main(main, *args) -> None:
-    """Run `main(stop, *args)` on uvloop; SIGINT/SIGTERM set `stop` so the role drains and exits."""
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency; keep Windows-like envs working
-        runner = asyncio.run
-
-    async def wrapper():
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        return await main(stop, *args)
-
-    from protocol.connect import NatsUnreachable
-
-    try:
-        code = runner(wrapper())
-    except NatsUnreachable as e:
-        typer.echo(f"parley: {e}", err=True)
-        raise typer.Exit(3) from None
+def run_main(entry, *args) -> None:
+    """Call a role's plain entry function (config in, exit code out); a non-zero code exits with it."""
+    code = entry(*args)
     if code:
         raise typer.Exit(int(code))
+
+
+def run_async_main(main, *args) -> None:
+    """A command of deploy/'s own that is an async `main(stop, *args)`: run it like a role's entry."""
+    from runtime.process import run_async
+
+    run_main(run_async, main, *args)

@@ -16,6 +16,7 @@ import msgspec
 from actors.config import ActorConfig, SimConfig
 from learner.config import DataConfig, LearnerConfig, RolloutConfig
 from protocol.topology import RUN_NAME, BusSettings
+from runtime.toml import to_toml
 from scorer.config import JudgeConfig, ScorerConfig
 
 
@@ -116,33 +117,4 @@ def convert_config(data: dict, source: str = "<config>") -> RunConfig:
 
 def dump_config(cfg: RunConfig) -> str:
     """The resolved configuration as TOML (what --dry-run prints and `up` writes per role)."""
-    return "\n".join(_struct_lines(cfg, "")).strip() + "\n"
-
-
-def _struct_lines(obj: msgspec.Struct, prefix: str) -> list[str]:
-    # Sub-Structs become [tables]; everything else (scalars, lists, free maps) is a key = value line.
-    lines, subs = [], []
-    for name in obj.__struct_fields__:
-        v = getattr(obj, name)
-        if isinstance(v, msgspec.Struct):
-            subs.append((name, v))
-        else:
-            lines.append(f"{name} = {_toml_value(msgspec.to_builtins(v))}")
-    out = ([f"[{prefix}]"] if prefix and lines else []) + lines
-    for name, v in subs:
-        out += [""] + _struct_lines(v, f"{prefix}.{name}" if prefix else name)
-    return out
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+    return to_toml(cfg)

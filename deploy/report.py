@@ -71,7 +71,7 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
     }
     written.append(_line_chart({k: v for k, v in optim.items() if v}, out_dir / "kl.png",
                                title=f"KL and optimisation — {name}", xlabel="step"))
-    from scorer.selection import load_versions
+    from evaluation.selection import load_versions
 
     evals = load_versions(run_dir)  # RUN_DIR/eval/v<N>/records.parquet and summary.jsonl
     if evals:

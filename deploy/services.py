@@ -26,47 +26,27 @@ def check_shareable(cfg) -> None:
 
 
 async def main(stop: asyncio.Event, cfg, ident: str) -> int:
-    from actors.backend import make_backend
     from actors.sim import Simulator
-    from protocol import status
-    from protocol.connect import connect
-    from protocol.messages import Heartbeat
+    from engines.service import serve_backend
     from scorer.judge import Judge, judge_service
 
-    nc = await connect(
-        cfg.nats.url, name=f"parley-{ident}", first_timeout=cfg.nats.connect_timeout_s,
-        creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None,
-    )
-    for role in ("sim", "judge"):
-        await status.send(nc, cfg.run.name, Heartbeat(role=role, id=f"{ident}-{role}", state="starting"))
     # The engine must hold both workloads' context: the longer max_model_len of the two.
     engine_cfg = cfg.sim.engine
     if cfg.judge.engine.max_model_len > engine_cfg.max_model_len:
         engine_cfg = cfg.judge.engine
     backend_cfg = type(cfg.sim)(**{**{f: getattr(cfg.sim, f) for f in cfg.sim.__struct_fields__}, "engine": engine_cfg})
-    backend = make_backend(backend_cfg)
-    log.info("services %s: one %s engine serves sim and judge (pid %d)", ident, backend.model_name, os.getpid())
-    try:
-        sim = Simulator(backend, cfg.sim)
-        judge = Judge(backend, cfg.judge)
-        services = [
-            asyncio.create_task(
-                sim.service(nc).run_until(stop, run=cfg.run.name, role="sim", ident=f"{ident}-sim", grace_s=cfg.sim.timeout_s)
-            ),
-            asyncio.create_task(
-                judge_service(nc, judge, name=f"{ident}-judge").run_until(
-                    stop, run=cfg.run.name, role="judge", ident=f"{ident}-judge", grace_s=cfg.judge.timeout_s
-                )
-            ),
-        ]
-        # One service failing (its engine died) takes the other down with it: the process exits non-zero.
-        done, _ = await asyncio.wait(services, return_when=asyncio.FIRST_EXCEPTION)
-        stop.set()
-        await asyncio.gather(*services, return_exceptions=True)
-        for t in done:
-            if t.exception():
-                raise t.exception()
-    finally:
-        await backend.close()
-        await nc.drain()
-    return 0
+
+    def build(nc, backend):
+        log.info("services %s: one %s engine serves sim and judge (pid %d)", ident, backend.model_name, os.getpid())
+        sim, judge = Simulator(backend, cfg.sim), Judge(backend, cfg.judge)
+        return [(sim.service(nc), "sim", f"{ident}-sim", cfg.sim.timeout_s),
+                (judge_service(nc, judge, name=f"{ident}-judge"), "judge", f"{ident}-judge", cfg.judge.timeout_s)]
+
+    roles = [("sim", f"{ident}-sim"), ("judge", f"{ident}-judge")]
+    return await serve_backend(stop, cfg, ident=ident, roles=roles, backend_cfg=backend_cfg, build=build)
+
+
+def run(cfg, ident: str) -> int:
+    from runtime.process import run_async
+
+    return run_async(main, cfg, ident)

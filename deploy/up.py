@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from deploy.config import RunConfig, dump_config
-from deploy.supervisor import Supervisor
+from runtime.supervisor import Supervisor
 
 log = logging.getLogger("parley.up")
 READY_STATES = ("ready", "busy")
@@ -52,7 +52,7 @@ def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tu
 
 def prepare_models(cfg: RunConfig) -> None:
     """Build the embedded models once, before children race for them."""
-    from actors.models import ensure_model
+    from engines.models import ensure_model
 
     for name in sorted({cfg.actor.engine.model, cfg.sim.engine.model, cfg.judge.engine.model, cfg.learner.model}):
         t0 = time.time()
@@ -96,7 +96,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
             user, password = creds["services" if role == "services" else role]
             env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password}
             if role == "learner":  # its periodic eval child plays the eval role (sim/judge requests, EVAL stream)
-                from learner.periodic_eval import EVAL_PASSWORD_ENV, EVAL_USER_ENV
+                from evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
 
                 env |= {EVAL_USER_ENV: creds["eval"][0], EVAL_PASSWORD_ENV: creds["eval"][1]}
             sup.start(name, argv, env=env, config_text=dump_config(cfg))
@@ -220,10 +220,10 @@ def _closing(cfg: RunConfig, run_dir: Path) -> int:
 def eval_text(cfg: RunConfig, run_dir: Path) -> str:
     """The evaluated versions side by side (paired against the first), which one `parley select` names
     by [learner] eval_metric, and why training stopped early if it did; written to RUN_DIR/eval/table.*."""
-    from learner.periodic_eval import eval_root
-    from scorer.benchmark import summarize, to_markdown, write_table
-    from scorer.evallog import read_records
-    from scorer.selection import SelectionError, select_best
+    from evaluation.periodic import eval_root
+    from evaluation.benchmark import summarize, to_markdown, write_table
+    from evaluation.evallog import read_records
+    from evaluation.selection import SelectionError, select_best
 
     lc = cfg.learner
     if lc.eval_every <= 0:

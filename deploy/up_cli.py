@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_main, setup_logging
+from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_async_main, setup_logging
 
 
 def register(app: typer.Typer) -> None:
@@ -46,7 +46,7 @@ def up_cmd(
     from deploy.up import up_main
 
     show_live = cfg.up.live and sys.stdout.isatty() if live is None else live
-    run_main(up_main, cfg, show_live)
+    run_async_main(up_main, cfg, show_live)
 
 
 def top_cmd(nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, sets: SetOpt = None) -> None:
@@ -62,7 +62,7 @@ def top_cmd(nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, 
         await nc.drain()
         return 0
 
-    run_main(main, cfg)
+    run_async_main(main, cfg)
 
 
 def report_cmd(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.weights import TRANSPORTS
+
 LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 STALE_POLICIES = ("drop", "correct")
-TRANSPORTS = ("objstore", "shared_dir")
 DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -76,7 +77,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     keep_checkpoints: int = 2  # DeepSpeed checkpoints kept in the run dir (0 = all; export needs them)
     logit_chunk_tokens: int = 1024  # trained positions per lm_head chunk (bounds fp32 logits memory)
     ledger_flush_s: float = 2.0  # while waiting for data, record newly received samples this often, then ack
-    # Periodic eval on the held-out split (learner.periodic_eval): version 0, every eval_every-th version
+    # Periodic eval on the held-out split (evaluation.periodic): version 0, every eval_every-th version
     # and the last one are played by `parley eval` through the sim/judge services; 0 = off.
     eval_every: int = 0
     eval_items: int = 4  # held-out items per eval (0 = the whole eval split)
@@ -111,7 +112,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"ledger_flush_s={self.ledger_flush_s} must be > 0")
         if self.eval_every < 0 or self.eval_items < 0:
             raise ValueError(f"eval_every={self.eval_every} and eval_items={self.eval_items} must be >= 0")
-        from scorer.selection import check_metric
+        from evaluation.selection import check_metric
 
         check_metric(self.eval_metric, label="eval_metric")  # refuses the training reward, with the reason
         if not 0.0 < self.early_stop_alpha < 1.0:

@@ -14,7 +14,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 
-from actors.data import Item, task_from_item
+from tasks.data import Item, task_from_item
 from protocol.bus import publish
 from protocol.messages import Task
 

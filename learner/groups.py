@@ -15,7 +15,7 @@ from protocol.messages import Scored, Trajectory
 
 log = logging.getLogger("parley.learner.groups")
 
-# Rewards closer than this inside a group give no GRPO signal (same tolerance as grpo.zero_advantage_groups).
+# Rewards closer than this inside a group give no GRPO signal: such a group is skipped, not trained.
 ZERO_SPREAD = 1e-6
 
 

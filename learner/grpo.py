@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+from learner.config import LOSS_AGG
+
 
 # exp() of a log-ratio beyond this overflows float32 or turns 0 * inf into NaN;
 # tokens that far off-policy are clipped anyway, so bounding them loses nothing useful.
@@ -41,17 +42,6 @@ def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-6) -> 
         return centred
     std = rewards.std(dim=1, correction=0, keepdim=True)  # (G, 1)
     return centred / (std + eps)
-
-
-def zero_advantage_groups(rewards: Tensor, tol: float = 1e-6) -> Tensor:
-    """Bool mask (G,) of groups whose rewards are all equal (within tol): no signal.
-
-    The learner skips these groups and counts them.
-    """
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be (G, n), got shape {tuple(rewards.shape)}")
-    spread = rewards.max(dim=1).values - rewards.min(dim=1).values  # (G,)
-    return spread <= tol
 
 
 def _check_tokens(**tensors: Tensor | None) -> int:
@@ -192,8 +182,8 @@ def aggregate(
     sequence with none has no loss and would only dilute the mean.
     No masked token at all gives a zero that keeps the graph.
     """
-    if mode not in AGG_MODES:
-        raise ValueError(f"unknown aggregation mode {mode!r}; allowed: {list(AGG_MODES)}")
+    if mode not in LOSS_AGG:
+        raise ValueError(f"unknown aggregation mode {mode!r}; allowed: {list(LOSS_AGG)}")
     n_tokens = _check_tokens(per_token=per_token, mask=mask)
     mask = mask.bool()
     values = torch.where(mask, per_token, torch.zeros_like(per_token))  # (T,)
@@ -241,8 +231,8 @@ def grpo_loss(
     Returns (scalar loss, stats): pg_loss, kl_mean, clip_frac, dual_clip_frac,
     ratio_mean, ratio_max, tis_mean, tis_max (masked-token statistics).
     """
-    if agg_mode not in AGG_MODES:
-        raise ValueError(f"unknown aggregation mode {agg_mode!r}; allowed: {list(AGG_MODES)}")
+    if agg_mode not in LOSS_AGG:
+        raise ValueError(f"unknown aggregation mode {agg_mode!r}; allowed: {list(LOSS_AGG)}")
     if kl_coef != 0.0 and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
     _check_tokens(

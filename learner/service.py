@@ -1,6 +1,6 @@
 """The learner process on rank 0: feeder, SCORED consumer and grouping, GRPO steps on the
 trainer, weight publication, the ledger/checkpoint protocol that makes resume exact, step logs
-and heartbeats. learner.cli builds it and calls `run()`; the loop in `run()` only routes.
+and heartbeats. deploy.cli_learner builds it and calls `run()`; the loop in `run()` only routes.
 
 Acknowledgement rule (docs/learner.md): a Scored message is acked only after a ledger write
 that records it (buffered, trained at a checkpointed step, or finished otherwise), so a kill
@@ -14,10 +14,10 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 from collections import Counter
 
-from actors.data import train_eval_items
 from learner import checkpoint as ckpt
 from learner.feeder import Feeder, FeederState
 from learner.groups import BadTrajectory, Group, Grouper, Outcome, Taken, behaviour_logprobs, check_trajectory
@@ -26,6 +26,7 @@ from protocol import status, topology
 from protocol.bus import COUNTERS, Poison, PullWorker, retry_unreachable
 from protocol.messages import Heartbeat
 from protocol.weights import publish_version
+from tasks.data import train_eval_items
 
 log = logging.getLogger("parley.learner")
 
@@ -55,7 +56,7 @@ class Learner:
         self.state_name = "starting"
         self.live: dict[str, float] = {}  # last step's reward terms and staleness, for the live view
 
-        from scorer.diagnostics import SignalMonitor
+        from rewards.diagnostics import SignalMonitor
 
         self.monitor = SignalMonitor()
         feeder_state = self._restore() if resume else self._fresh()
@@ -65,9 +66,9 @@ class Learner:
         self.feeder.set_version(self.step)
         self.evals = None
         if self.lc.eval_every > 0:
-            from learner.periodic_eval import PeriodicEval
+            from evaluation.periodic import PeriodicEval
 
-            self.evals = PeriodicEval(cfg, self.run_dir, launch=eval_launch)
+            self.evals = PeriodicEval(cfg, self.run_dir, export=ckpt.export_version, launch=eval_launch)
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -241,7 +242,7 @@ class Learner:
     def samples(self, taken: list[Taken]):
         import torch
 
-        from learner.engine import Sample
+        from learner.packing import Sample
         from learner.grpo import group_advantages
 
         rewards = torch.tensor([t.group.rewards() for t in taken], dtype=torch.float64)  # (G, n)
@@ -299,7 +300,7 @@ class Learner:
     # -- reporting ------------------------------------------------------------------------------
 
     def metrics(self, taken: list[Taken], stats: dict) -> dict:
-        from scorer.diagnostics import diagnose_groups
+        from rewards.diagnostics import diagnose_groups
 
         groups = [t.group.ordered() for t in taken]
         diag = diagnose_groups(groups, self.cfg.scorer.clamps)
@@ -365,8 +366,9 @@ def live_counters(metrics: dict) -> dict[str, float]:
 
 async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
     """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps."""
-    from actors.models import ensure_model
-    from learner.engine import Driver, Trainer
+    from engines.models import ensure_model
+    from learner.ranks import Driver
+    from learner.trainer import Trainer
     from protocol.connect import connect
 
     nc = await connect(cfg.nats.url, name="parley-learner", first_timeout=cfg.nats.connect_timeout_s,
@@ -393,7 +395,36 @@ async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
 
 def follower(cfg) -> None:
     """Ranks > 0 under the deepspeed launcher / torchrun: build the same trainer, replay rank 0's calls."""
-    from actors.models import ensure_model
-    from learner.engine import Trainer, follow
+    from engines.models import ensure_model
+    from learner.trainer import Trainer
+    from learner.ranks import follow
 
     follow(Trainer(cfg.learner, ensure_model(cfg.learner.model)))
+
+
+def check_leakage(cfg) -> str | None:
+    """Refuse, before any work, to train on reference targets the eval split also scores against:
+    the reason as one line, or None when the split is clean (or the overlap is allowed and recorded)."""
+    from evaluation.leakage import LeakageError, guard_overlap
+
+    try:
+        train, held = train_eval_items(cfg.data)
+        guard_overlap(train, held, cfg.data.allow_overlap, cfg.run_dir)
+    except (LeakageError, FileNotFoundError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def run(cfg, resume: bool, rank: int = 0) -> int:
+    """`parley learner`'s entry on every rank: the leakage guard, then rank 0 serves the run and the
+    other ranks follow its training calls. Returns the exit code."""
+    problem = check_leakage(cfg)
+    if problem:
+        print(f"parley learner: {problem}", file=sys.stderr)
+        return 2
+    if rank:
+        follower(cfg)
+        return 0
+    from runtime.process import run_async
+
+    return run_async(main, cfg, resume)

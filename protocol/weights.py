@@ -1,6 +1,6 @@
 """Policy weights by version: the learner publishes a version (safetensors + config.json, with sha256),
 actors fetch and verify it. The blob travels by the run's object store or a shared directory; the
-KV key `topology.WEIGHTS_KEY` names the version actors must serve. Called by learner.cli
+KV key `topology.WEIGHTS_KEY` names the version actors must serve. Called by deploy.cli_learner
 (`publish_version`) and the actor's weight follower (`current_version`, `fetch_version`).
 """
 

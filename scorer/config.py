@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.config import ServiceBackend
+from engines.config import ServiceBackend
+from rewards.metrics import BLEU_VARIANTS
+from rewards.reward import REWARD_METRICS, default_weights
 
-BLEU_VARIANTS = ("sacrebleu", "char")
-REWARD_METRICS = ("bleu", "interactivity", "token_amount")
 
 
 class JudgeConfig(ServiceBackend, kw_only=True, forbid_unknown_fields=True):
@@ -39,9 +39,7 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[scorer]: reward assembly."""
 
     concurrency: int = 8  # trajectories scored at once
-    weights: dict[str, float] = msgspec.field(
-        default_factory=lambda: {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}
-    )
+    weights: dict[str, float] = msgspec.field(default_factory=default_weights)
     clamps: dict[str, list[float]] = {}  # metric -> [lo, hi], applied before weighting
     bleu_variant: str = "sacrebleu"  # "sacrebleu" | "char" (CollabLLM's character-level BLEU)
     judge_timeout_s: float = 300.0  # one judge request
@@ -54,7 +52,7 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.bleu_variant not in BLEU_VARIANTS:
-            raise ValueError(f"bleu_variant={self.bleu_variant!r} not allowed; use one of {BLEU_VARIANTS}")
+            raise ValueError(f"bleu_variant={self.bleu_variant!r} not allowed; use one of {tuple(BLEU_VARIANTS)}")
         for k in [*self.weights, *self.clamps]:
             if k not in REWARD_METRICS:
                 raise ValueError(f"unknown reward metric {k!r}; known: {list(REWARD_METRICS)}")

@@ -1,7 +1,7 @@
 """The judge: extracts the final document of a conversation and rates the assistant's interactivity.
 
-`Judge` answers JudgeRequests with any backend from actors/backend.py (JSON-schema-constrained
-decoding, validation, retries); `parley judge` (scorer/cli.py) serves it on NATS through
+`Judge` answers JudgeRequests with any backend from engines/backend.py (JSON-schema-constrained
+decoding, validation, retries); `parley judge` (deploy/cli_scorer.py) serves it on NATS through
 `serve_judge`; scorers reach it with scorer.score.JudgeClient.
 """
 
@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import string
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -21,7 +20,7 @@ import msgspec
 from protocol import topology
 from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
 from scorer.config import JudgeConfig
-from scorer.metrics import INTERACTIVITY_KEYS, interactivity_from_levels
+from rewards.metrics import INTERACTIVITY_KEYS, interactivity_from_levels
 
 log = logging.getLogger("parley.judge")
 
@@ -255,8 +254,8 @@ def error_reply(subject: str, data: bytes, exc: BaseException) -> bytes:
 
 
 def judge_service(nc, judge: Judge, *, name: str = "judge"):
-    """A Service (actors/service.py) answering both judge subjects in the JUDGE_QUEUE group."""
-    from actors.service import Service
+    """A Service (engines/service.py) answering both judge subjects in the JUDGE_QUEUE group."""
+    from engines.service import Service
 
     counters: Counter = Counter()
     return Service(
@@ -272,26 +271,20 @@ def judge_service(nc, judge: Judge, *, name: str = "judge"):
 
 async def main(stop: asyncio.Event, cfg, ident: str) -> int:
     """`parley judge`: load the backend, serve until SIGINT/SIGTERM, close the backend."""
-    from actors.backend import make_backend
-    from protocol import status
-    from protocol.connect import connect
-    from protocol.messages import Heartbeat
+    from engines.service import BadServiceConfig, serve_backend
 
-    nc = await connect(cfg.nats.url, name=f"parley-{ident}", first_timeout=cfg.nats.connect_timeout_s,
-                       creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
-    await status.send(nc, cfg.run.name, Heartbeat(role="judge", id=ident, state="starting"))
-    t0 = time.perf_counter()
-    backend = make_backend(cfg.judge)  # blocks while a local engine loads (tens of seconds on CPU)
-    log.info("judge backend %s (%s) ready in %.1fs", backend.model_name, cfg.judge.backend, time.perf_counter() - t0)
-    try:
+    def build(nc, backend):
         try:
             judge = Judge(backend, cfg.judge)
         except ValueError as e:  # the context cannot hold prompt + answer: a config error
-            log.error("bad configuration: %s", e)
-            return 2
-        service = judge_service(nc, judge, name=ident)
-        await service.run_until(stop, run=cfg.run.name, role="judge", ident=ident, grace_s=cfg.judge.timeout_s)
-    finally:
-        await backend.close()
-        await nc.drain()
-    return 0
+            raise BadServiceConfig(str(e)) from None
+        return [(judge_service(nc, judge, name=ident), "judge", ident, cfg.judge.timeout_s)]
+
+    return await serve_backend(stop, cfg, ident=ident, roles=[("judge", ident)], backend_cfg=cfg.judge, build=build)
+
+
+def run(cfg, ident: str) -> int:
+    """`parley judge`'s entry: serve the judge until SIGINT/SIGTERM; returns the exit code."""
+    from runtime.process import run_async
+
+    return run_async(main, cfg, ident)

@@ -13,8 +13,8 @@ from typing import Protocol
 
 from protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
 from scorer.config import ScorerConfig
-from scorer.metrics import BLEU_VARIANTS, interactivity_from_levels, token_amount
-from scorer.reward import average_futures, total_reward
+from rewards.metrics import BLEU_VARIANTS, interactivity_from_levels, token_amount
+from rewards.reward import average_futures, total_reward
 
 
 class JudgeUnavailable(RuntimeError):

@@ -3,7 +3,7 @@
 Replicas share the durable consumer "scorer", so N scorers split the work; a trajectory is acked
 only after its Scored is stored. While the judge is unreachable it waits (held, kept alive); when
 the judge fails on it, it is nak'ed with back-off and dead-lettered after max_deliver deliveries.
-Started by scorer/cli.py (and `parley up`); the scoring itself is scorer/score.py.
+Started by deploy/cli_scorer.py (and `parley up`); the scoring itself is scorer/score.py.
 """
 
 from __future__ import annotations
@@ -132,3 +132,10 @@ async def main(stop: asyncio.Event, cfg, ident: str) -> int:
     finally:
         await nc.drain()
     return 0
+
+
+def run(cfg, ident: str) -> int:
+    """`parley scorer`'s entry: score trajectories until SIGINT/SIGTERM; returns the exit code."""
+    from runtime.process import run_async
+
+    return run_async(main, cfg, ident)

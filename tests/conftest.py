@@ -33,6 +33,6 @@ async def js(nc):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The toy Qwen3 + BPE tokenizer + ChatML template (seconds to build), shared by the session."""
-    from actors.models import build_tiny
+    from engines.models import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny")

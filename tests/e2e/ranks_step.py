@@ -15,7 +15,7 @@ if str(REPO) not in sys.path:
 
 def step_samples():
     """Sequences of unequal length and trained share; behaviour log-probs near the model's (about -7.6)."""
-    from learner.engine import Sample
+    from learner.packing import Sample
 
     spec = [(120, 100, 1.0), (60, 3, -1.0), (60, 2, 0.5), (40, 30, -0.5)]  # (length, trained tokens, advantage)
     out = []
@@ -30,7 +30,7 @@ def main(model_dir: str, zero: int, out: str) -> None:
     import torch
 
     from learner.config import LearnerConfig
-    from learner.engine import Trainer
+    from learner.trainer import Trainer
 
     cfg = LearnerConfig(model=model_dir, zero_stage=zero, lr=1e-3, kl_coef=0.0, micro_batch_tokens=64,
                         logit_chunk_tokens=8, dtype="float32")

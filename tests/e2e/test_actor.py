@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from actors.actor import Actor
-from actors.backend import open_engine
-from actors.config import EngineConfig
-from actors.data import load_items, task_from_item
+from engines.backend import open_engine
+from engines.config import EngineConfig
+from tasks.data import load_items, task_from_item
 from actors.sim import FALLBACK_MESSAGE
 from deploy.config import load_config
 from deploy.natsserver import NatsServer

@@ -11,8 +11,9 @@ import json
 import pytest
 
 from actors.chat import ChatTokens
-from actors.engine import EngineSettings, PolicyEngine, reference_logprobs
-from actors.models import build_tiny
+from engines.engine import EngineSettings, PolicyEngine
+from tests.reference import reference_logprobs
+from engines.models import build_tiny
 
 # engine start-up takes ~30 s alone, minutes on a busy 2-core box
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -21,20 +21,20 @@ RUN = "evale2e"
 def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model, nats_server):
     from transformers import AutoTokenizer
 
-    from actors.backend import LocalBackend
+    from engines.backend import LocalBackend
     from actors.config import SimConfig
-    from actors.data import load_items
-    from actors.engine import EngineSettings, PolicyEngine
+    from tasks.data import load_items
+    from engines.engine import EngineSettings, PolicyEngine
     from actors.rollout import SimClient
     from actors.sim import Simulator
     from deploy.cli import app
     from protocol import topology
     from protocol.bus import publish
     from protocol.connect import connect
-    from scorer.benchmark import summarize, write_table
+    from evaluation.benchmark import summarize, write_table
     from scorer.config import JudgeConfig, ScorerConfig
-    from scorer.eval_runner import EvalServices, EvalSettings, Policy, parse_condition, run_eval
-    from scorer.evallog import read_records, read_stream, reweight, write_parquet
+    from evaluation.runner import EvalServices, EvalSettings, Policy, parse_condition, run_eval
+    from evaluation.evallog import read_records, read_stream, reweight, write_parquet
     from scorer.judge import Judge, judge_service
     from scorer.score import JudgeClient
 

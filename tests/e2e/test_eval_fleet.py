@@ -34,8 +34,8 @@ def wait_for_line(path: Path, text: str, proc: subprocess.Popen, timeout: float)
 def test_eval_fleet_plays_each_condition_through_an_actor_and_a_scorer(tmp_path, nats_server):
     from protocol import topology
     from protocol.connect import connect
-    from scorer.eval_fleet import condition_run
-    from scorer.evallog import read_records, read_stream
+    from evaluation.fleet import condition_run
+    from evaluation.evallog import read_records, read_stream
 
     config = str(ROOT / "deploy/configs/tiny.toml")
     common = ["--config", config, "--nats", nats_server.url, "--run", RUN]

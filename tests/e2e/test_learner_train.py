@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig
-from learner.engine import Sample, Trainer
+from learner.packing import Sample
+from learner.trainer import Trainer
 from learner.grpo import group_advantages
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -43,7 +44,8 @@ def whole_batch_grad_norm(model_dir, samples: list[Sample]) -> float:
     what DeepSpeed's accumulation over micro-batches must reproduce."""
     from transformers import AutoModelForCausalLM
 
-    from learner.engine import build_batch, token_logprobs
+    from learner.packing import build_batch
+    from learner.logprobs import token_logprobs
     from learner.grpo import grpo_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")

@@ -13,8 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import nats.errors
 import pytest
 
-from actors.backend import OpenAIBackend, make_backend
-from actors.config import EngineConfig, SimConfig
+from engines.backend import OpenAIBackend, make_backend
+from engines.config import EngineConfig
+from actors.config import SimConfig
 from actors.sim import FALLBACK_MESSAGE, SIM_SCHEMA, Simulator
 from protocol import codec, topology
 from protocol.messages import ChatMessage, SimRequest

@@ -43,7 +43,7 @@ def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
         assert (run_dir / "report" / png).stat().st_size > 1000
     # The learner's periodic eval (tiny.toml: every version) played versions 0, 1 and 2 on the same
     # held-out items through `parley eval` and the sim/judge services, under the eval role's credentials.
-    from scorer.evallog import read_records
+    from evaluation.evallog import read_records
 
     for v in (0, 1, 2):
         recs = read_records(run_dir / "eval" / f"v{v}" / "records.parquet")

@@ -16,7 +16,7 @@ from deploy.config import RunConfig
 from learner.config import LearnerConfig, RolloutConfig
 from protocol import topology
 from protocol.bus import publish
-from scorer.selection import select_best
+from evaluation.selection import select_best
 from tests.integration.test_learner_resume import BUS, make_scored, toy  # noqa: F401 (toy: the fixture)
 from tests.unit.test_periodic_eval import PlantedEval
 
@@ -25,7 +25,7 @@ RUN, N, STEPS = "earlystop", 3, 8
 
 
 class TrainerDouble:
-    """Stands in for learner.engine.Driver: the calls the Learner makes, with files where it expects them."""
+    """Stands in for learner.ranks.Driver: the calls the Learner makes, with files where it expects them."""
 
     def __init__(self, step_s: float):
         self.step_s, self.calls = step_s, []

@@ -22,14 +22,14 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from actors.data import load_items
+from tasks.data import load_items
 from deploy.natsserver import NatsServer
 from protocol import bus, codec, examples, topology
 from protocol.connect import connect
 from protocol.messages import ChatMessage, FutureRollout, Trajectory
 from scorer.config import JudgeConfig, ScorerConfig
 from scorer.judge import Judge, judge_service
-from scorer.reward import total_reward
+from rewards.reward import total_reward
 from scorer.score import JudgeClient
 from scorer.scorer import Scorer
 
@@ -52,7 +52,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def judge(tiny_model):
-    from actors.backend import make_backend
+    from engines.backend import make_backend
 
     cfg = msgspec.convert(
         {

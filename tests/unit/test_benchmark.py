@@ -1,4 +1,4 @@
-"""Unit tests for scorer.benchmark: paired t statistics against scipy, the summarize() path on the
+"""Unit tests for evaluation.benchmark: paired t statistics against scipy, the summarize() path on the
 published rows, pairing by item, and the Markdown / CSV / PNG outputs."""
 
 import csv
@@ -9,7 +9,7 @@ import pytest
 import scipy.stats
 
 from protocol.messages import ChatMessage, EvalRecord
-from scorer.benchmark import mean_interval, paired_stats, summarize, to_markdown, write_table
+from evaluation.benchmark import mean_interval, paired_stats, summarize, to_markdown, write_table
 
 # The reference benchmark's published rows: (condition, BLEU, interactivity, tokens (k), MR).
 PUBLISHED = [

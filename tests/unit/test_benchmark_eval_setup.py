@@ -2,8 +2,8 @@
 
 import pytest
 
-from actors.data import load_items
-from scorer.eval_runner import EvalSettings, make_tasks, parse_condition
+from tasks.data import load_items
+from evaluation.runner import EvalSettings, make_tasks, parse_condition
 
 
 def test_parse_condition_forms(tmp_path):
@@ -22,7 +22,7 @@ def test_parse_condition_forms(tmp_path):
     ("=smol", "must look like"),
     ("a b=smol", "may hold only letters"),
     ("base=smol,temperature=0", "option 'temperature=0' not understood"),
-    ("base=smol,system_prompt=missing", "no such file, nor a bundled system prompt"),
+    ("base=smol,system_prompt=missing", "neither a file nor a bundled prompt"),
 ])
 def test_parse_condition_errors(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -41,8 +41,8 @@ def test_tasks_start_from_scratch_with_condition_free_ids():
 
 def test_eval_items_against_training_data(tmp_path):
     from learner.config import DataConfig
-    from scorer.eval_runner import eval_items
-    from scorer.leakage import LeakageError, guard_overlap
+    from evaluation.runner import eval_items
+    from evaluation.leakage import LeakageError, guard_overlap
 
     train, held = eval_items(DataConfig(eval_fraction=0.25), None)  # the config's per-reference split
     assert len(train) + len(held) == 24 and len(held) == 6

@@ -1,4 +1,4 @@
-"""Unit tests for scorer.evallog: exact Parquet/JSONL round trips of EvalRecord and Scored, training
+"""Unit tests for evaluation.evallog: exact Parquet/JSONL round trips of EvalRecord and Scored, training
 trajectories as eval records, re-weighting without a judge, re-judging through a test-double judge,
 and `parley replay` on a log file."""
 
@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 from deploy.cli import app
 from protocol.messages import AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, JudgeReply, Scored, Trajectory
 from scorer.config import ScorerConfig
-from scorer.evallog import from_scored, read_log, read_records, rejudge, reweight, write_jsonl, write_parquet
-from scorer.metrics import bleu, char_bleu
+from evaluation.evallog import from_scored, read_log, read_records, rejudge, reweight, write_jsonl, write_parquet
+from rewards.metrics import bleu, char_bleu
 
 REFERENCE = "Three Days in Lisbon\n\nWe walked the hills of Alfama and ate too many custard tarts in Belem."
 DOCS = [

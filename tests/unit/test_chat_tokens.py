@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from actors.chat import ChatTokens
-from actors.models import ensure_model
+from engines.models import ensure_model
 
 # Written to behave like Qwen3's template with thinking off: the generation prompt carries an
 # empty think block, the last assistant turn after the last user message keeps it, earlier

@@ -1,10 +1,10 @@
-"""Unit tests for scorer.diagnostics: per-term statistics and the no-signal monitor."""
+"""Unit tests for rewards.diagnostics: per-term statistics and the no-signal monitor."""
 
 import math
 
 import pytest
 
-from scorer.diagnostics import SignalMonitor, TermStats, step_diagnostics
+from rewards.diagnostics import SignalMonitor, TermStats, step_diagnostics
 
 
 def _word_count_term(words: int) -> float:

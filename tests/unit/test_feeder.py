@@ -51,7 +51,7 @@ def test_task_ids_and_item_order_are_deterministic():
 
 
 def test_feeder_state_accounting(tmp_path):
-    from actors.data import load_items
+    from tasks.data import load_items
     from learner.config import RolloutConfig
 
     items = load_items()[:3]
@@ -79,7 +79,7 @@ def test_feeder_refuses_an_empty_split():
 def test_dropped_groups_give_their_slot_back_instead_of_shrinking_the_window():
     # Regression: counting dropped/skipped groups as consumed shrank the window for good and, at
     # max_staleness 0, one zero-advantage group stopped admission for the rest of the run.
-    from actors.data import load_items
+    from tasks.data import load_items
     from learner.config import RolloutConfig
 
     f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=2, seed=1,

@@ -1,12 +1,12 @@
-"""Unit tests for scorer.leakage: a planted overlap between two small JSONL files is found, refused
+"""Unit tests for evaluation.leakage: a planted overlap between two small JSONL files is found, refused
 without --allow-overlap, and recorded in run_dir/overlap.json when allowed."""
 
 import json
 
 import pytest
 
-from actors.data import load_items, split_items
-from scorer.leakage import OVERLAP_FILE, LeakageError, guard_overlap
+from tasks.data import load_items, split_items
+from evaluation.leakage import OVERLAP_FILE, LeakageError, guard_overlap
 
 
 def row(conv_id, prompt, reference):

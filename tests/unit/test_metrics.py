@@ -1,11 +1,11 @@
-"""Unit tests for scorer.metrics: BLEU variants, token amount, interactivity levels."""
+"""Unit tests for rewards.metrics: BLEU variants, token amount, interactivity levels."""
 
 import math
 
 import pytest
 import sacrebleu
 
-from scorer.metrics import (
+from rewards.metrics import (
     BLEU_VARIANTS,
     bleu,
     char_bleu,

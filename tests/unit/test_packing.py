@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from learner.engine import Sample, build_batch, pack_by_tokens, shard_by_tokens
+from learner.packing import Sample, build_batch, pack_by_tokens, shard_by_tokens
 
 
 def test_every_sequence_is_packed_once_within_budget():

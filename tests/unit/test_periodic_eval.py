@@ -1,4 +1,4 @@
-"""learner.periodic_eval with a test-double launcher in place of the `parley eval` child: which versions
+"""evaluation.periodic with a test-double launcher in place of the `parley eval` child: which versions
 are evaluated, the export of their weights, the files `parley select` reads, the best model kept, a failed
 eval set aside, and early stop on a planted regression (and not on a planted improvement)."""
 
@@ -10,8 +10,8 @@ import pytest
 from deploy.config import RunConfig
 from learner import checkpoint as ckpt
 from learner.config import LearnerConfig
-from learner.periodic_eval import PeriodicEval, eval_argv, evaluated, model_dir
-from scorer.evallog import write_parquet
+from evaluation.periodic import PeriodicEval, eval_argv, evaluated, model_dir
+from evaluation.evallog import write_parquet
 from tests.unit.test_select import version_records
 
 
@@ -67,7 +67,7 @@ def test_schedule_export_files_and_best_model(tmp_path):
     for v in range(1, 6):
         publish_weights(run_dir, v)
     double = PlantedEval(plan)
-    pe = PeriodicEval(cfg, run_dir, launch=double)
+    pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=double)
     asyncio.run(play(pe, range(0, 6), last=5))
 
     # version 0, every 2nd, and the last; the base model by name, later versions as exported checkpoints
@@ -85,13 +85,13 @@ def test_schedule_export_files_and_best_model(tmp_path):
     assert pe.counters()["eval.version"] == 5.0 and pe.counters()["eval.failed"] == 0.0
     assert not pe.regression  # early_stop is off
     # already evaluated versions are not queued again (a resumed learner)
-    assert not PeriodicEval(cfg, run_dir, launch=double).due(4)
+    assert not PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=double).due(4)
 
 
 def test_failed_eval_is_set_aside_and_training_goes_on(tmp_path):
     cfg, run_dir = make_run(tmp_path)
     publish_weights(run_dir, 2)
-    pe = PeriodicEval(cfg, run_dir, launch=PlantedEval({0: (0.45, 0.83, 2.9)}, fail={2}))
+    pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=PlantedEval({0: (0.45, 0.83, 2.9)}, fail={2}))
     asyncio.run(play(pe, [0, 2], last=2))
     assert evaluated(run_dir, 0) and not evaluated(run_dir, 2)
     assert (run_dir / "eval" / "v2.failed" / "eval.log").read_text() == "boom\n"
@@ -107,7 +107,7 @@ def test_early_stop_on_a_significant_regression_only(tmp_path, plan, stops):
     cfg, run_dir = make_run(tmp_path, early_stop=True, early_stop_alpha=0.05)
     for v in (2, 4):
         publish_weights(run_dir, v)
-    pe = PeriodicEval(cfg, run_dir, launch=PlantedEval(plan))
+    pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=PlantedEval(plan))
     asyncio.run(play(pe, [0, 2, 4], last=4))
     assert bool(pe.regression) is stops
     if stops:
@@ -129,8 +129,8 @@ def test_config_refuses_reward_metric_and_early_stop_without_eval():
 
 def test_eval_argv_is_the_benchmark_command(tmp_path):
     cfg, run_dir = make_run(tmp_path)
-    pe = PeriodicEval(cfg, run_dir)
-    from learner.periodic_eval import EvalJob
+    pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version)
+    from evaluation.periodic import EvalJob
 
     argv = eval_argv(cfg, pe.config_path, EvalJob(3, 3, "/m/v3"), tmp_path / "out")
     assert argv[1:4] == ["-m", "deploy.cli", "eval"]

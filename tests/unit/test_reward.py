@@ -1,19 +1,18 @@
-"""Unit tests for scorer.reward: weighting, clamps, futures averaging, the MR formula."""
+"""Unit tests for rewards.reward: weighting, clamps, futures averaging, the MR formula."""
 
-import msgspec
 import pytest
 
-from scorer.reward import RewardWeights, average_futures, mr, total_reward, weighted_terms
+from rewards.reward import average_futures, default_weights, mr, total_reward, weighted_terms
 
 
 def test_default_weights():
-    assert RewardWeights().weights == {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}
-    assert RewardWeights().clamps == {}
+    assert default_weights() == {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}
+    assert default_weights() is not default_weights()  # a fresh dict each time: configs may edit theirs
 
 
 def test_total_reward_default_weights_hand_numbers():
     metrics = {"bleu": 0.5, "interactivity": 0.8, "token_amount": 2.0}
-    assert total_reward(metrics, RewardWeights()) == pytest.approx(0.5 + 0.8 - 0.2)
+    assert total_reward(metrics, default_weights()) == pytest.approx(0.5 + 0.8 - 0.2)
 
 
 def test_total_reward_accepts_plain_weight_mapping():
@@ -23,12 +22,11 @@ def test_total_reward_accepts_plain_weight_mapping():
 
 def test_clamp_applies_to_metric_before_weighting():
     metrics = {"bleu": 0.5, "interactivity": 0.8, "token_amount": 3.0}
-    weights = RewardWeights(clamps={"token_amount": (0.0, 1.0)})
+    clamps = {"token_amount": (0.0, 1.0)}
     # token_amount clamped to 1.0, then weighted by -0.1.
-    assert total_reward(metrics, weights) == pytest.approx(0.5 + 0.8 - 0.1)
-    assert weighted_terms(metrics, weights)["token_amount"] == pytest.approx(-0.1)
-    # An explicit clamps argument overrides the ones carried by the weights.
-    assert total_reward(metrics, weights, clamps={"bleu": (0.0, 0.25)}) == pytest.approx(
+    assert total_reward(metrics, default_weights(), clamps) == pytest.approx(0.5 + 0.8 - 0.1)
+    assert weighted_terms(metrics, default_weights(), clamps)["token_amount"] == pytest.approx(-0.1)
+    assert total_reward(metrics, default_weights(), clamps={"bleu": (0.0, 0.25)}) == pytest.approx(
         0.25 + 0.8 - 0.3
     )
 
@@ -40,13 +38,7 @@ def test_bad_clamp_raises():
 
 def test_missing_metric_raises():
     with pytest.raises(ValueError, match="interactivity"):
-        total_reward({"bleu": 0.5, "token_amount": 1.0}, RewardWeights())
-
-
-def test_reward_weights_round_trip_msgspec():
-    weights = RewardWeights(clamps={"token_amount": (0.0, 5.0)})
-    decoded = msgspec.json.decode(msgspec.json.encode(weights), type=RewardWeights)
-    assert decoded == weights
+        total_reward({"bleu": 0.5, "token_amount": 1.0}, default_weights())
 
 
 def test_average_futures_per_metric_mean():
@@ -60,9 +52,8 @@ def test_average_futures_per_metric_mean():
 
 def test_average_futures_then_clamp_acts_on_average():
     futures = [{"token_amount": 0.5}, {"token_amount": 2.5}]
-    weights = RewardWeights(weights={"token_amount": -0.1}, clamps={"token_amount": (0.0, 1.0)})
     # Average 1.5 -> clamped 1.0 -> -0.1 (clamping each future first would give -0.075).
-    assert total_reward(average_futures(futures), weights) == pytest.approx(-0.1)
+    assert total_reward(average_futures(futures), {"token_amount": -0.1}, {"token_amount": (0.0, 1.0)}) == pytest.approx(-0.1)
 
 
 def test_average_futures_rejects_empty_and_mismatched():

@@ -11,7 +11,7 @@ import asyncio
 import nats.errors
 import pytest
 
-from actors.engine import GenOut
+from engines.engine import GenOut
 from actors.rollout import PolicySettings, SimClient, check_task, derive_seed, run_conversation
 from actors.sim import FALLBACK_MESSAGE
 from protocol import codec

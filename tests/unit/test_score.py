@@ -9,7 +9,7 @@ import pytest
 from protocol import examples
 from protocol.messages import ChatMessage, FutureRollout, JudgeReply
 from scorer.config import ScorerConfig
-from scorer.metrics import bleu, char_bleu
+from rewards.metrics import bleu, char_bleu
 from scorer.score import JudgeFailed, JudgeUnavailable, Unscorable, conversations, score_trajectory
 
 REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shines below."

@@ -6,8 +6,8 @@ import pytest
 
 from protocol import examples
 from protocol.messages import Scored
-from scorer.diagnostics import SignalMonitor, diagnose_groups
-from scorer.reward import total_reward
+from rewards.diagnostics import SignalMonitor, diagnose_groups
+from rewards.reward import total_reward
 
 # The users' story: raw word count x -0.1, clamped to [-1, 1]. As a metric clamp that is
 # words clamped to [-10, 10] before the -0.1 weight: any document over 10 words sits at -1.

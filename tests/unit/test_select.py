@@ -1,4 +1,4 @@
-"""Unit tests for scorer.selection: the training reward is refused, the best version is picked on a
+"""Unit tests for evaluation.selection: the training reward is refused, the best version is picked on a
 planted set of per-version eval records, summary.jsonl is read, and regressions are detected."""
 
 import json
@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from deploy.cli import app
 from protocol.messages import ChatMessage, EvalRecord
-from scorer.evallog import write_parquet
-from scorer.selection import SelectionError, VersionEval, load_versions, regressed, select_best
+from evaluation.evallog import write_parquet
+from evaluation.selection import SelectionError, VersionEval, load_versions, regressed, select_best
 
 N_ITEMS = 12
 

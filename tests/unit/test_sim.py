@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from actors.backend import BackendError
+from engines.backend import BackendError
 from actors.config import SimConfig
 from actors.sim import (
     FALLBACK_MESSAGE,
@@ -26,7 +26,7 @@ from protocol.messages import ChatMessage, SimReply, SimRequest
 
 
 class ScriptedBackendDouble:
-    """Test double of actors.backend.Backend: returns (or raises) the scripted outputs in order
+    """Test double of engines.backend.Backend: returns (or raises) the scripted outputs in order
     and records every call."""
 
     model_name = "scripted-double"
@@ -215,7 +215,7 @@ def test_rollout_side_modules_import_without_torch_or_vllm():
     import sys
 
     code = (
-        "import sys, actors.cli, actors.sim, actors.service, actors.backend, actors.rollout, actors.follow, "
+        "import sys, deploy.cli_actor, actors.sim, engines.service, engines.backend, actors.rollout, actors.follow, "
         "actors.actor; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

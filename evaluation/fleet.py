@@ -6,7 +6,7 @@ deleted afterwards): the eval publishes the condition's tasks to that run's TASK
 publishes trajectories, a `parley scorer` judges them through the `parley judge` service and
 publishes Scored, and the eval takes the Scored messages (as the learner would) and turns each into
 an EvalRecord. A trajectory the scorer dead-letters (the judge failed) becomes an unscored record; a
-task the actor dead-letters is reported as lost. The tasks are `scorer.eval_runner.make_tasks`' (one per
+task the actor dead-letters is reported as lost. The tasks are `evaluation.runner.make_tasks`' (one per
 item and seed, the same ids in every condition's run), so every condition meets the same simulator
 seeds, exactly as in the in-process modes.
 """
@@ -27,7 +27,7 @@ import msgspec
 
 from protocol import codec, topology
 from protocol.messages import DeadLetter, EvalRecord, Scored, Task, Trajectory
-from scorer.eval_runner import Condition
+from evaluation.runner import Condition
 
 log = logging.getLogger("parley.eval.fleet")
 
@@ -82,7 +82,7 @@ async def play_condition_fleet(
 ) -> tuple[list[EvalRecord], list[str]]:
     """Play `tasks` with `cond` through an actor and a scorer on the condition's own run.
     Returns (records in task order, ids of tasks lost to a dead-lettered task)."""
-    from deploy.supervisor import Supervisor
+    from runtime.supervisor import Supervisor
     from protocol.bus import PullWorker, publish
 
     run = condition_run(cfg.run.name, cond.name)

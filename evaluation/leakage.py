@@ -1,6 +1,6 @@
 """The leakage guard: training and evaluation must not share reference documents (the BLEU targets).
 `guard_overlap` is called at start by the learner and by `parley eval`; `parley data check` reports.
-Overlap is found by actors.data.find_overlap on normalized-text hashes of references and prompts.
+Overlap is found by tasks.data.find_overlap on normalized-text hashes of references and prompts.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from actors.data import Item, Overlap, find_overlap
+from tasks.data import Item, Overlap, find_overlap
 
 log = logging.getLogger("parley.leakage")
 

@@ -1,6 +1,6 @@
 """`parley eval`, `parley replay`, `parley select` and `parley data check`: option parsing only. The work
-lives in scorer/eval_runner.py, scorer/evallog.py, scorer/benchmark.py, scorer/selection.py and
-scorer/leakage.py, imported when a command runs so that `parley --help` stays light. Registered by
+lives in evaluation/runner.py, evaluation/evallog.py, evaluation/benchmark.py, evaluation/selection.py and
+evaluation/leakage.py, imported when a command runs so that `parley --help` stays light. Registered by
 deploy/commands.py.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_main, setup_logging
+from deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_async_main, setup_logging
 
 data_app = typer.Typer(help="Dataset tools: leakage checks between training and eval data.", no_args_is_help=True)
 
@@ -35,8 +35,8 @@ def data_check_cmd(
     train: Annotated[str, typer.Option("--train", help="Training data: 'bundled' or a CollabLLM .parquet/.jsonl file.")] = "bundled",
 ) -> None:
     """Exit 1 when the files share reference targets (label leakage); shared prompts alone are reported."""
-    from actors.data import find_overlap, load_items
-    from scorer.leakage import describe
+    from tasks.data import find_overlap, load_items
+    from evaluation.leakage import describe
 
     try:
         train_items, eval_items = load_items(train), load_items(eval_)
@@ -60,7 +60,7 @@ def select_cmd(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (reads RUN_DIR/eval; see docs/benchmark.md).")],
     metric: MetricOpt = "mr",
 ) -> None:
-    from scorer.selection import SelectionError, check_metric, select_best
+    from evaluation.selection import SelectionError, check_metric, select_best
 
     try:
         check_metric(metric)
@@ -116,7 +116,7 @@ def replay_cmd(
     if stream not in (None, "eval", "scored"):
         _fail("replay", f"--stream {stream!r} not allowed; use eval or scored (TRAJ has no verdicts to reuse)")
     setup_logging("replay")
-    from scorer.evallog import read_records
+    from evaluation.evallog import read_records
 
     records = []
     for path in logs or []:
@@ -124,13 +124,13 @@ def replay_cmd(
             records += read_records(path)
         except (FileNotFoundError, ValueError, TypeError) as e:
             _fail("replay", str(e))
-    run_main(_replay, cfg, records, stream, judge, baseline, out)
+    run_async_main(_replay, cfg, records, stream, judge, baseline, out)
 
 
 async def _replay(stop, cfg, records, stream, judge, baseline, out) -> int:
     from protocol.messages import EvalRecord
-    from scorer.benchmark import METRICS, summarize, to_markdown, write_table
-    from scorer.evallog import from_scored, read_stream, rejudge, reweight, write_parquet
+    from evaluation.benchmark import METRICS, summarize, to_markdown, write_table
+    from evaluation.evallog import from_scored, read_stream, rejudge, reweight, write_parquet
 
     nc = None
     if stream or judge:
@@ -213,8 +213,8 @@ def eval_cmd(
         _fail("eval", f"--services {services!r} not allowed; use local, nats or fleet")
     if sim_prompt not in SIM_PROMPTS:
         _fail("eval", f"--user-sim-prompt {sim_prompt!r} not allowed; use one of {', '.join(SIM_PROMPTS)}")
-    from scorer.eval_runner import EvalSettings, eval_items, parse_condition
-    from scorer.leakage import LeakageError, guard_overlap
+    from evaluation.runner import EvalSettings, eval_items, parse_condition
+    from evaluation.leakage import LeakageError, guard_overlap
 
     out = out or cfg.run_dir / "benchmark"
     try:
@@ -235,7 +235,7 @@ def eval_cmd(
     except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
         _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
     setup_logging("eval")
-    run_main(_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out, policy_version)
+    run_async_main(_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out, policy_version)
 
 
 async def _eval(stop, cfg, conds, held, settings, services, baseline, out, policy_version=-1) -> int:
@@ -243,11 +243,11 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
 
     import msgspec
 
-    from scorer.benchmark import summarize, to_markdown, write_table
+    from evaluation.benchmark import summarize, to_markdown, write_table
     from protocol.bus import Retry
-    from scorer.eval_fleet import FleetError
-    from scorer.eval_runner import EvalServices, LocalJudge, LocalSim, Policy, run_eval
-    from scorer.evallog import write_parquet
+    from evaluation.fleet import FleetError
+    from evaluation.runner import EvalServices, LocalJudge, LocalSim, Policy, run_eval
+    from evaluation.evallog import write_parquet
 
     nc = sim = judge = None
     closers = []
@@ -268,7 +268,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
         async def publish_record(rec):
             await publish(js, cfg.run.name, "eval", rec)
     else:
-        from actors.backend import LocalBackend, make_backend
+        from engines.backend import LocalBackend, make_backend
         from actors.sim import Simulator
         from scorer.judge import Judge
 
@@ -285,7 +285,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
         publish_record = None
 
     async def open_policy(model: str) -> Policy:
-        from actors.backend import open_engine
+        from engines.backend import open_engine
 
         # The policy engine takes the actor's engine settings with the condition's model or checkpoint.
         engine, tokenizer, _ = open_engine(msgspec.structs.replace(cfg.actor.engine, model=model))
@@ -349,8 +349,8 @@ async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, 
     import logging
 
     from deploy.config import dump_config
-    from scorer.eval_fleet import FleetSettings, play_condition_fleet
-    from scorer.eval_runner import make_tasks
+    from evaluation.fleet import FleetSettings, play_condition_fleet
+    from evaluation.runner import make_tasks
 
     log = logging.getLogger("parley.eval")
     import msgspec

@@ -1,6 +1,6 @@
 """The eval log: EvalRecords (and Scored trajectories) in Parquet or JSONL, read back exactly; training
 trajectories turned into EvalRecords; and the re-scoring that needs no judge (BLEU from the stored
-document, stored interactivity, new weights). Used by `parley eval`, `parley replay` and scorer.selection.
+document, stored interactivity, new weights). Used by `parley eval`, `parley replay` and evaluation.selection.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import msgspec
 import msgspec.inspect as mi
 
 from protocol.messages import EvalRecord, Scored
-from scorer.metrics import BLEU_VARIANTS, token_amount
-from scorer.reward import total_reward
+from rewards.metrics import BLEU_VARIANTS, token_amount
+from rewards.reward import total_reward
 
 # Which Struct a Parquet file holds, in the file's schema metadata, so a reader never guesses.
 _TYPE_KEY = b"parley.type"
@@ -103,7 +103,7 @@ def _read_parquet(path: Path) -> list:
     meta = table.schema.metadata or {}
     name = meta.get(_TYPE_KEY, b"").decode()
     if name not in _LOG_TYPES:
-        raise ValueError(f"{path} is not a parley log (schema metadata parley.type={name!r}); write it with scorer.evallog.write_parquet")
+        raise ValueError(f"{path} is not a parley log (schema metadata parley.type={name!r}); write it with evaluation.evallog.write_parquet")
     cls = _LOG_TYPES[name]
     info = {f.encode_name: f.type for f in mi.type_info(cls).fields}
     json_cols = {f.name for f in table.schema if f.metadata and f.metadata.get(_JSON_KEY) == b"json"}

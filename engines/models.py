@@ -142,7 +142,7 @@ def build_tiny(
     """Write a random 2-layer Qwen3 with a ChatML tokenizer to out_dir and return it.
 
     Deterministic for a given seed and corpus. dataset_jsonl defaults to
-    actors/datasets/medium.jsonl when that file exists (its strings join the tokenizer corpus).
+    tasks/datasets/medium.jsonl when that file exists (its strings join the tokenizer corpus).
     """
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM

@@ -11,13 +11,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
 
-from actors.data import Item
+from tasks.data import Item
 from protocol.messages import ChatMessage, EvalRecord, JudgeReply, JudgeRequest, SimReply, SimRequest, Task
 
 log = logging.getLogger("parley.eval")
@@ -36,16 +35,10 @@ class Condition:
 
 
 def _system_prompt_path(value: str) -> Path:
-    """A file path, or a name under actors/prompts/system ("proactive" or "proactive.txt")."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path
-    bundled = Path(str(resources.files("actors") / "prompts" / "system"))
-    for candidate in (bundled / value, bundled / f"{value}.txt"):
-        if candidate.is_file():
-            return candidate
-    names = sorted(p.stem for p in bundled.glob("*.txt"))
-    raise ValueError(f"system_prompt={value!r}: no such file, nor a bundled system prompt (bundled: {names})")
+    """A file path, or a bundled system prompt's name (tasks.data.system_prompt_path)."""
+    from tasks.data import system_prompt_path
+
+    return system_prompt_path(value)
 
 
 def parse_condition(text: str) -> Condition:
@@ -96,7 +89,7 @@ class EvalSettings:
 def eval_items(data, items_path: str | None) -> tuple[list[Item], list[Item]]:
     """(training items, eval items) for the leakage guard and the run: an explicit items file against
     the training data ([data], a learner.config.DataConfig), else the config's eval file or split."""
-    from actors.data import load_items, split_items
+    from tasks.data import load_items, split_items
 
     if data.eval_path and not items_path:
         return load_items(data.path), load_items(data.eval_path)

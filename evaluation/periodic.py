@@ -111,6 +111,8 @@ async def run_eval_process(argv: list[str], log_path: Path, env: dict[str, str])
 
 
 Launcher = Callable[[EvalJob, Path], Awaitable[int]]  # (job, partial output dir) -> exit code
+# (run dir, version, output dir) -> the exported checkpoint: the learner's learner.checkpoint.export_version
+Exporter = Callable[[Path, int, Path], Path]
 
 
 class PeriodicEval:
@@ -119,19 +121,21 @@ class PeriodicEval:
     `submit(version)` is called right after a version is published: it exports that version's weights
     at once (they may be pruned before its turn comes) and queues it. `run(halt)` works through the
     queue; each finished eval is read back, logged, kept as the best model or deleted, and checked for
-    a regression. `launch` is the child-process launcher (a test double in unit tests).
+    a regression. `export` writes a version as a checkpoint (the learner passes its own); `launch` is
+    the child-process launcher (a test double in unit tests).
     """
 
-    def __init__(self, cfg, run_dir: str | Path, *, launch: Launcher | None = None):
-        from deploy.config import dump_config
-        from scorer.selection import check_metric
+    def __init__(self, cfg, run_dir: str | Path, *, export: Exporter, launch: Launcher | None = None):
+        from evaluation.selection import check_metric
+        from runtime.toml import to_toml
 
         self.cfg, self.lc, self.run_dir = cfg, cfg.learner, Path(run_dir)
         self.metric = check_metric(self.lc.eval_metric)
         self.root = eval_root(self.run_dir)
         self.root.mkdir(parents=True, exist_ok=True)
         self.config_path = self.root / "config.toml"
-        self.config_path.write_text(dump_config(cfg))
+        self.config_path.write_text(to_toml(cfg))
+        self.export = export
         self.queue: asyncio.Queue[EvalJob | None] = asyncio.Queue()
         self.queued: set[int] = set()
         self.outcomes: list[EvalOutcome] = []
@@ -154,12 +158,10 @@ class PeriodicEval:
         if version == 0:
             model = self.lc.model
         else:
-            from learner.checkpoint import export_version
-
             out = model_dir(self.run_dir, version)
             t0 = time.perf_counter()
             try:
-                await asyncio.to_thread(export_version, self.run_dir, version, out)
+                await asyncio.to_thread(self.export, self.run_dir, version, out)
             except (OSError, RuntimeError) as e:  # e.g. disk full: that version goes unevaluated, training goes on
                 log.error("eval: version %d not queued, its export failed: %s", version, e)
                 self.outcomes.append(EvalOutcome(version, ok=False, error=f"export: {e}"))
@@ -269,8 +271,8 @@ class PeriodicEval:
 
     def record(self, job: EvalJob, seconds: float) -> EvalOutcome:
         """Read a finished eval back: log its means, keep the best model, check for a regression."""
-        from scorer.benchmark import METRICS
-        from scorer.selection import SelectionError, load_versions, regression, select_best
+        from evaluation.benchmark import METRICS
+        from evaluation.selection import SelectionError, load_versions, regression, select_best
 
         history = load_versions(self.run_dir)  # oldest first
         mine = next((v for v in history if v.version == job.version), None)

@@ -1,5 +1,5 @@
 """`parley learner` and `parley export`: option parsing only. The learner lives in learner/service.py
-(rank 0) and learner/engine.py (every rank) and is imported when the command runs, so
+(rank 0) and learner/trainer.py (every rank) and is imported when the command runs, so
 `parley --help` never imports torch or DeepSpeed.
 """
 
@@ -48,30 +48,11 @@ def learner_cmd(
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
     if dry:
         dry_run(cfg)
-    check_leakage(cfg)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(f"learner{rank or ''}")
-    if rank == 0:
-        from learner.service import main
+    from learner.service import run as learner_run
 
-        run_main(main, cfg, resume)
-    else:
-        from learner.service import follower
-
-        follower(cfg)
-
-
-def check_leakage(cfg) -> None:
-    """Refuse, before any work, to train on reference targets the eval split also scores against."""
-    from actors.data import train_eval_items
-    from scorer.leakage import LeakageError, guard_overlap
-
-    try:
-        train, held = train_eval_items(cfg.data)
-        guard_overlap(train, held, cfg.data.allow_overlap, cfg.run_dir)
-    except (LeakageError, FileNotFoundError, ValueError) as e:
-        typer.echo(f"parley learner: {e}", err=True)
-        raise typer.Exit(2) from None
+    run_main(learner_run, cfg, resume, rank)
 
 
 def export_cmd(

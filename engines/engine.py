@@ -7,7 +7,7 @@ log_softmax of the model's *raw* logits at that position, taken for the sampled 
 temperature, top-p or any constraint (vLLM's logprobs_mode="raw_logprobs", pinned below). At
 our training default temperature=1.0, top_p=1.0 this is exactly the sampling distribution, so
 the behaviour log-prob equals what the learner's fp32 forward pass gives for the same ids
-(see reference_logprobs). With other temperatures / top-p the values stay raw-model log-probs
+(tests/reference.py computes it with transformers). With other temperatures / top-p the values stay raw-model log-probs
 and are not the probabilities the tokens were actually drawn with.
 """
 
@@ -250,22 +250,6 @@ def _refresh_cpu_prepacked(model) -> None:
             and weight.numel() > 0
         ):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-
-
-def reference_logprobs(model, prompt_ids: Sequence[int], gen_ids: Sequence[int]) -> list[float]:
-    """The learner side of the log-prob contract: raw log-probs of gen_ids after prompt_ids
-    under a transformers causal LM, computed in fp32 (one forward pass, no sampling knobs)."""
-    import torch
-
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids) + list(gen_ids)], dtype=torch.long, device=device)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    n = len(prompt_ids)
-    # position t predicts token t+1
-    pred = torch.log_softmax(logits[n - 1 : n - 1 + len(gen_ids)], dim=-1)
-    target = torch.tensor(list(gen_ids), dtype=torch.long, device=device)
-    return pred.gather(1, target[:, None])[:, 0].tolist()
 
 
 def parse_json(out: GenOut) -> Any:

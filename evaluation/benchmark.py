@@ -1,6 +1,6 @@
 """Benchmark statistics: per-condition means of BLEU, interactivity, tokens (k) and MR, and paired
 t statistics of every condition against a baseline over the same items; Markdown, CSV and PNG output.
-Called by `parley eval`, `parley replay` and scorer.selection; pure apart from write_table's files.
+Called by `parley eval`, `parley replay` and evaluation.selection; pure apart from write_table's files.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 
 from protocol.messages import EvalRecord
-from scorer.reward import mr
+from rewards.reward import mr
 
 # The columns of the reference table, in its order. Values are per item (records of one item in one
 # condition are averaged first, e.g. several simulator seeds), then averaged over items.

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scorer.benchmark import PairedStats, item_values, mean_interval, paired_stats
-from scorer.reward import mr
+from evaluation.benchmark import PairedStats, item_values, mean_interval, paired_stats
+from rewards.reward import mr
 
 SELECT_METRICS = ("bleu", "interactivity", "mr")
 # Names people reach for that mean the reward the policy was trained on.
@@ -100,7 +100,7 @@ def _summary_items(raw: dict, where: str) -> dict[str, dict[str, float]]:
 def load_versions(run_dir: str | Path) -> list[VersionEval]:
     """Every evaluated version of a run, oldest first: RUN_DIR/eval/v<N>/records.parquet, and the
     versions of RUN_DIR/eval/summary.jsonl that have no records file (a later line for a version wins)."""
-    from scorer.evallog import read_records
+    from evaluation.evallog import read_records
 
     root = Path(run_dir) / EVAL_DIR
     found: dict[int, VersionEval] = {}

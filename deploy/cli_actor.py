@@ -1,5 +1,5 @@
-"""`parley actor`, `parley sim` and `parley models {tiny,smol}`: option parsing only. The roles live
-in actors/actor.py and actors/sim.py and are imported when a command runs, so `parley --help`
+"""`parley actor`, `parley sim` and `parley models {tiny,smol}`: option parsing only. The roles' entry
+functions (actors.actor.run, actors.sim.run) are imported when a command runs, so `parley --help`
 never imports torch or vLLM."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _bad_config(message: str) -> None:
 
 def _check_model(field: str, value: str) -> None:
     """Fail before any engine starts (a minute on CPU) when the model cannot be found."""
-    from actors.models import KNOWN_MODELS
+    from engines.models import KNOWN_MODELS
 
     if value not in KNOWN_MODELS and not Path(value).expanduser().is_dir():
         _bad_config(f"{field}={value!r} is neither {' nor '.join(KNOWN_MODELS)} nor an existing checkpoint directory")
@@ -62,9 +62,9 @@ def actor_cmd(
     _check_model("actor.engine.model", cfg.actor.engine.model)
     ident = ident or f"actor-{os.getpid()}"
     setup_logging(ident)
-    from actors.actor import main
+    from actors.actor import run as actor_run
 
-    run_main(main, cfg, ident)
+    run_main(actor_run, cfg, ident)
 
 
 def sim_cmd(
@@ -101,9 +101,9 @@ def sim_cmd(
         _bad_config("sim.model_name is empty; with backend='openai' name the served model (--model-name)")
     ident = ident or f"sim-{os.getpid()}"
     setup_logging(ident)
-    from actors.sim import main
+    from actors.sim import run as sim_run
 
-    run_main(main, cfg, ident)
+    run_main(sim_run, cfg, ident)
 
 
 def models_tiny_cmd(
@@ -111,7 +111,7 @@ def models_tiny_cmd(
     seed: Annotated[int, typer.Option("--seed", help="Weight initialisation seed.")] = 0,
 ) -> None:
     """Write the toy model (random weights; for tests and plumbing, not for quality)."""
-    from actors.models import build_tiny
+    from engines.models import build_tiny
 
     typer.echo(f"building the toy model in {out_dir} ...", err=True)
     path = build_tiny(out_dir, seed=seed)
@@ -125,7 +125,7 @@ def models_smol_cmd(
     ] = None,
 ) -> None:
     """Write SmolLM2-135M-Instruct as a plain HF checkpoint (progress on stderr)."""
-    from actors.models import build_smol
+    from engines.models import build_smol
 
     path = build_smol(out_dir, wheel_dir=wheel_dir)
     typer.echo(str(path))

@@ -2,7 +2,7 @@
 
 Reads the public `collabllm-multiturn-medium(-large)` parquet schema (prompt, single_turn_prompt,
 single_turn_completion, single_turn_metadata, conv_id, turn_id) or the same records as JSONL; the
-bundled file `actors/datasets/medium.jsonl` is ours. Used by the learner's feeder, eval and
+bundled file `tasks/datasets/medium.jsonl` is ours. Used by the learner's feeder, eval and
 `parley data check`; `task_from_item` turns an item into the Task the actors play.
 """
 
@@ -50,7 +50,7 @@ def text_key(text: str) -> str:
 
 
 def bundled_path() -> Path:
-    return Path(str(resources.files("actors") / "datasets" / "medium.jsonl"))
+    return Path(str(resources.files("tasks") / "datasets" / "medium.jsonl"))
 
 
 def _records(path: Path) -> list[dict]:
@@ -149,19 +149,23 @@ def find_overlap(train: list[Item], held: list[Item]) -> Overlap:
     return Overlap(references=pairs(lambda it: it.reference_key), prompts=pairs(lambda it: it.prompt_key))
 
 
-def system_prompt_text(spec: str) -> str:
-    """The assistant's system prompt named by [rollout].system_prompt: "" = none, a file path, or the
-    name of a bundled prompt (actors/prompts/system/<name>.txt: default, proactive)."""
-    if not spec:
-        return ""
+def system_prompt_path(spec: str) -> Path:
+    """A file path, or the name of a bundled system prompt (tasks/prompts/system/<name>.txt:
+    default, proactive; "proactive.txt" works too)."""
     path = Path(spec).expanduser()
     if path.is_file():
-        return path.read_text().strip()
-    bundled = Path(str(resources.files("actors") / "prompts" / "system" / f"{spec}.txt"))
-    if re.fullmatch(r"[A-Za-z0-9_-]+", spec) and bundled.is_file():
-        return bundled.read_text().strip()
-    names = sorted(p.stem for p in bundled.parent.glob("*.txt"))
-    raise ValueError(f"rollout.system_prompt={spec!r} is neither a file nor a bundled prompt; bundled: {names}")
+        return path
+    bundled = Path(str(resources.files("tasks") / "prompts" / "system"))
+    name = spec[:-4] if spec.endswith(".txt") else spec
+    if re.fullmatch(r"[A-Za-z0-9_-]+", name) and (bundled / f"{name}.txt").is_file():
+        return bundled / f"{name}.txt"
+    names = sorted(p.stem for p in bundled.glob("*.txt"))
+    raise ValueError(f"system_prompt={spec!r} is neither a file nor a bundled prompt; bundled: {names}")
+
+
+def system_prompt_text(spec: str) -> str:
+    """The assistant's system prompt named by [rollout].system_prompt: "" = none, else as system_prompt_path."""
+    return system_prompt_path(spec).read_text().strip() if spec else ""
 
 
 def task_from_item(item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, version: int,

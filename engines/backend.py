@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from actors.config import EngineConfig, ServiceBackend
+from engines.config import EngineConfig, ServiceBackend
 
 log = logging.getLogger("parley.backend")
 
@@ -53,7 +53,7 @@ class Backend(Protocol):
 
 def engine_settings(cfg: EngineConfig, model_path: str | Path):
     """The PolicyEngine settings of an [*.engine] section, for an already resolved checkpoint dir."""
-    from actors.engine import EngineSettings
+    from engines.engine import EngineSettings
 
     use_fraction = cfg.gpu_memory_utilization > 0
     return EngineSettings(
@@ -91,8 +91,8 @@ def open_engine(cfg: EngineConfig, version: int = 0):
     """
     from transformers import AutoTokenizer
 
-    from actors.engine import PolicyEngine
-    from actors.models import ensure_model
+    from engines.engine import PolicyEngine
+    from engines.models import ensure_model
 
     path = ensure_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -50,7 +50,7 @@ def scorer_cmd(
 
 
 def _launch(role: str, module: str, concurrency, config, sets, nats, run, dry: bool, ident) -> None:
-    """Resolve the config (with --concurrency into [role]), then run `module.main` under that role's id."""
+    """Resolve the config (with --concurrency into [role]), then call `module.run` under that role's id."""
     import importlib
 
     extra = [f"{role}.concurrency={concurrency}"] if concurrency is not None else []
@@ -59,4 +59,4 @@ def _launch(role: str, module: str, concurrency, config, sets, nats, run, dry: b
         dry_run(cfg)
     ident = ident or _default_id(role)
     setup_logging(ident)
-    run_main(importlib.import_module(module).main, cfg, ident)
+    run_main(importlib.import_module(module).run, cfg, ident)

@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 
 from protocol.messages import Scored
-from scorer.reward import weighted_terms
+from rewards.reward import weighted_terms
 
 # Below this a standard deviation is treated as exactly zero (constant series).
 _CONSTANT_STD = 1e-12
@@ -83,7 +83,7 @@ def diagnose_groups(
 ) -> dict[str, TermStats]:
     """step_diagnostics over the learner's Scored groups of one step.
 
-    Each sample's terms are its weighted terms w_k * clamp(m_k) (scorer.reward.weighted_terms,
+    Each sample's terms are its weighted terms w_k * clamp(m_k) (rewards.reward.weighted_terms,
     with the weights the scorer recorded in Scored.weights and `clamps` = [scorer].clamps); the
     total is Scored.total, the reward the learner trains on.
     """

@@ -9,7 +9,6 @@ import math
 from collections import Counter
 from typing import Callable, Mapping
 
-import sacrebleu
 
 
 def bleu(document: str, reference: str) -> float:
@@ -20,6 +19,8 @@ def bleu(document: str, reference: str) -> float:
     """
     if not document.strip():
         return 0.0
+    import sacrebleu  # here, not at the top: configs import this module to name the variants
+
     score = sacrebleu.sentence_bleu(document, [reference]).score / 100.0
     # sacreBLEU reports a perfect match as 100.00000000000004; keep the range exact.
     return min(1.0, max(0.0, score))

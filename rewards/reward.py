@@ -8,25 +8,17 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-import msgspec
+
+# The reward terms the scorer computes, and the weights a run uses unless [scorer].weights says
+# otherwise: token_amount is in thousands, so -0.1 costs 0.1 per thousand assistant tokens.
+REWARD_METRICS = ("bleu", "interactivity", "token_amount")
 
 
-def _default_weights() -> dict[str, float]:
+def default_weights() -> dict[str, float]:
     return {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}
 
 
-class RewardWeights(msgspec.Struct, kw_only=True):
-    """Weight per metric, plus an optional clamp (lo, hi) per metric.
-
-    The clamp bounds the METRIC before it is weighted, so a clamped term
-    contributes at most weight * hi (or weight * lo).
-    """
-
-    weights: dict[str, float] = msgspec.field(default_factory=_default_weights)
-    clamps: dict[str, tuple[float, float]] = msgspec.field(default_factory=dict)
-
-
-def _clamp(name: str, value: float, bounds: tuple[float, float] | None) -> float:
+def _clamp(name: str, value: float, bounds: Sequence[float] | None) -> float:
     if bounds is None:
         return value
     lo, hi = bounds
@@ -37,24 +29,14 @@ def _clamp(name: str, value: float, bounds: tuple[float, float] | None) -> float
 
 def weighted_terms(
     metrics: Mapping[str, float],
-    weights: RewardWeights | Mapping[str, float],
-    clamps: Mapping[str, tuple[float, float]] | None = None,
+    weights: Mapping[str, float],
+    clamps: Mapping[str, Sequence[float]] | None = None,
 ) -> dict[str, float]:
-    """Each weighted term w_k * clamp(m_k); the diagnostics read these per term.
-
-    `weights` is a RewardWeights or a plain name -> weight mapping. Explicit
-    `clamps` take precedence over the clamps carried by a RewardWeights.
-    Metrics not named in the weights are ignored (they are logged, not rewarded).
+    """Each weighted term w_k * clamp(m_k); the diagnostics read these per term. `clamps` bound a
+    metric (lo, hi) before it is weighted. Metrics not named in the weights are ignored (they are
+    logged, not rewarded).
     """
-    if isinstance(weights, RewardWeights):
-        weight_map: Mapping[str, float] = weights.weights
-        clamp_map: Mapping[str, tuple[float, float]] = (
-            weights.clamps if clamps is None else clamps
-        )
-    else:
-        weight_map = weights
-        clamp_map = clamps or {}
-
+    weight_map, clamp_map = weights, clamps or {}
     missing = [name for name in weight_map if name not in metrics]
     if missing:
         raise ValueError(
@@ -68,8 +50,8 @@ def weighted_terms(
 
 def total_reward(
     metrics: Mapping[str, float],
-    weights: RewardWeights | Mapping[str, float],
-    clamps: Mapping[str, tuple[float, float]] | None = None,
+    weights: Mapping[str, float],
+    clamps: Mapping[str, Sequence[float]] | None = None,
 ) -> float:
     """sum_k w_k * clamp(m_k); raises ValueError if a weighted metric is missing."""
     return math.fsum(weighted_terms(metrics, weights, clamps).values())

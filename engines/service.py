@@ -171,3 +171,48 @@ class Service:
         if self.failure is not None:
             raise RuntimeError(f"{self.name}: backend failed: {type(self.failure).__name__}: {self.failure}") \
                 from self.failure
+
+
+class BadServiceConfig(ValueError):
+    """Raised by a `serve_backend` builder when the backend cannot serve the configured work."""
+
+
+# What a builder returns, per service: (the Service, its role, its heartbeat id, stop grace in s).
+Served = tuple[Service, str, str, float]
+
+
+async def serve_backend(stop: asyncio.Event, cfg, *, ident: str, roles: list[tuple[str, str]], backend_cfg,
+                        build: Callable[[object, object], list[Served]]) -> int:
+    """The process around one backend, shared by `parley sim`, `parley judge` and `parley services`:
+    connect, announce every (role, id) as starting, load the backend (a local engine blocks here
+    while it loads), serve what `build(nc, backend)` returns until `stop`, close the backend.
+    One service failing (its engine died) stops the others and is raised: the process exits
+    non-zero. A BadServiceConfig from `build` is logged and gives exit code 2."""
+    from engines.backend import make_backend
+    from protocol.connect import connect
+
+    nc = await connect(cfg.nats.url, name=f"parley-{ident}", first_timeout=cfg.nats.connect_timeout_s,
+                       creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
+    for role, rid in roles:
+        await status.send(nc, cfg.run.name, Heartbeat(role=role, id=rid, state="starting"))
+    t0 = time.perf_counter()
+    backend = make_backend(backend_cfg)
+    log.info("%s: backend %s (%s) ready in %.1fs", ident, backend.model_name, backend_cfg.backend, time.perf_counter() - t0)
+    try:
+        try:
+            served = build(nc, backend)
+        except BadServiceConfig as e:
+            log.error("bad configuration: %s", e)
+            return 2
+        tasks = [asyncio.create_task(svc.run_until(stop, run=cfg.run.name, role=role, ident=rid, grace_s=grace))
+                 for svc, role, rid, grace in served]
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in done:
+            if t.exception():
+                raise t.exception()
+    finally:
+        await backend.close()
+        await nc.drain()
+    return 0

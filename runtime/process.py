@@ -1,0 +1,50 @@
+"""How a role process runs: `run_async(main, *args)` drives `main(stop, *args)` on uvloop with
+SIGINT/SIGTERM setting `stop`, and turns an unreachable NATS into exit code 3 with one line on
+stderr. Each role's plain entry function (config in, exit code out) calls it; deploy/ calls those."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+EXIT_NATS_UNREACHABLE = 3
+
+
+def setup_logging(role: str, level: str | None = None) -> None:
+    level = level or os.environ.get("PARLEY_LOG", "INFO")
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("nats", "httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_async(main, *args) -> int:
+    """Run `main(stop, *args)` to completion; its return value (None = 0) is the exit code."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep Windows-like envs working
+        runner = asyncio.run
+
+    async def wrapper():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await main(stop, *args)
+
+    from protocol.connect import NatsUnreachable
+
+    try:
+        code = runner(wrapper())
+    except NatsUnreachable as e:
+        print(f"parley: {e}", file=sys.stderr)
+        return EXIT_NATS_UNREACHABLE
+    return int(code or 0)

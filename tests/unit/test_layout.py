@@ -1,0 +1,100 @@
+"""The layout is the architecture: roles meet only on the bus. Reads every module's imports with
+`ast` (top level and inside functions) and fails, naming the file and the import, when
+- a role package imports another role package,
+- a role or a neutral package imports deploy/ (the launcher sits on top; nothing calls up into it),
+- protocol/ imports anything of ours but itself,
+- a neutral package imports a role, except evaluation/'s named exceptions below.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLES = ("actors", "scorer", "learner")
+NEUTRAL = ("engines", "tasks", "rewards", "runtime", "evaluation")
+OURS = (*ROLES, *NEUTRAL, "protocol", "deploy")
+
+# evaluation/ plays and scores conversations the way the roles do: these role modules are the
+# thing being evaluated (the conversation loop, the scoring of one trajectory), and nothing else.
+EVALUATED = {
+    "evaluation": {"actors.rollout", "scorer.score"},
+}
+
+
+def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, dotted module) for every import in the file, relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            out.append((node.lineno, mod))
+    return out
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for top in OURS:
+        for path in sorted((root / top).rglob("*.py")):
+            rel = path.relative_to(root)
+            for line, mod in imports_of(path, root):
+                head = mod.split(".")[0]
+                if head not in OURS or head == top:
+                    continue
+                where = f"{rel}:{line}: import of {mod}"
+                if top == "protocol":
+                    bad.append(f"{where} (protocol/ imports nothing of ours)")
+                elif head == "deploy":
+                    bad.append(f"{where} ({top}/ must not import the launcher deploy/)")
+                elif top in ROLES and head in ROLES:
+                    bad.append(f"{where} (role {top}/ imports role {head}/: roles meet only on the bus)")
+                elif top in NEUTRAL and head in ROLES:
+                    allowed = EVALUATED.get(top, set())
+                    if not any(mod == m or mod.startswith(m + ".") for m in allowed):
+                        bad.append(f"{where} (neutral {top}/ imports role {head}/)")
+    return bad
+
+
+def test_no_forbidden_imports():
+    bad = violations()
+    assert not bad, "forbidden imports:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "top, line, expect",
+    [
+        ("learner", "from actors.rollout import run_conversation", "role learner/ imports role actors/"),
+        ("scorer", "from deploy.common import resolve", "must not import the launcher deploy/"),
+        ("protocol", "from engines.engine import PolicyEngine", "protocol/ imports nothing of ours"),
+        ("tasks", "import scorer.judge", "neutral tasks/ imports role scorer/"),
+        ("evaluation", "from actors.sim import Simulator", "neutral evaluation/ imports role actors/"),
+        ("actors", "def f():\n    from learner import grpo", "role actors/ imports role learner/"),
+    ],
+)
+def test_a_forbidden_import_is_named(tmp_path, top, line, expect):
+    """Each rule fails on a planted import, naming the file and the import."""
+    for t in OURS:
+        (tmp_path / t).mkdir()
+    (tmp_path / top / "planted.py").write_text(line + "\n")
+    bad = violations(tmp_path)
+    assert len(bad) == 1 and expect in bad[0] and f"{top}/planted.py" in bad[0], bad
+
+
+def test_allowed_imports_pass(tmp_path):
+    for t in OURS:
+        (tmp_path / t).mkdir()
+    (tmp_path / "learner" / "ok.py").write_text("from protocol import bus\nfrom tasks.data import Item\nfrom rewards import diagnostics\n")
+    (tmp_path / "evaluation" / "ok.py").write_text("from actors.rollout import run_conversation\nfrom scorer.score import score_trajectory\n")
+    (tmp_path / "deploy" / "ok.py").write_text("from learner.service import run\nfrom actors.actor import run\n")
+    assert violations(tmp_path) == []
