@@ -153,11 +153,17 @@ class LocalJudge:
     def __init__(self, judge):
         self.judge = judge
 
+    async def _ask(self, op: str, messages: Sequence[ChatMessage], seed: int) -> JudgeReply:
+        return await self.judge.handle(op, JudgeRequest(op=op, messages=list(messages), seed=seed))
+
     async def extract(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self.judge.handle("extract", JudgeRequest(op="extract", messages=list(messages), seed=seed))
+        return await self._ask("extract", messages, seed)
 
     async def interactivity(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self.judge.handle("interactivity", JudgeRequest(op="interactivity", messages=list(messages), seed=seed))
+        return await self._ask("interactivity", messages, seed)
+
+    async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
+        return await self._ask("interactivity_3level", messages, seed)
 
 
 @dataclass
