@@ -39,21 +39,32 @@ def test_saturated_length_term_is_flagged_and_bleu_is_not():
         assert stats["length"].corr_with_total == 0.0  # constant: nan-safe 0
         assert stats["bleu"].within_group_std > 1e-3
         flagged = monitor.update(stats)
-        # Flagged only once it has stayed flat for the whole window.
-        assert flagged == (["length"] if step == 4 else [])
+        # Flat since the first step: flagged from that step on, not only after the window.
+        assert flagged == ["length"]
     report = monitor.report()
-    assert report["length"] == {"no_signal": True, "steps_flat": 5}
-    assert report["bleu"] == {"no_signal": False, "steps_flat": 0}
+    assert report["length"] == {"no_signal": True, "steps_flat": 5, "steps_seen": 5, "steps_with_signal": 0}
+    assert report["bleu"] == {"no_signal": False, "steps_flat": 0, "steps_seen": 5, "steps_with_signal": 5}
 
 
 def test_flat_run_resets_when_term_varies_again():
     monitor = SignalMonitor(window=2, min_std=0.01)
     flat = {"x": TermStats(mean=0.0, within_group_std=0.0, corr_with_total=0.0)}
     varied = {"x": TermStats(mean=0.0, within_group_std=0.5, corr_with_total=0.3)}
-    assert monitor.update(flat) == []
-    assert monitor.update(flat) == ["x"]
     assert monitor.update(varied) == []
-    assert monitor.report()["x"] == {"no_signal": False, "steps_flat": 0}
+    assert monitor.update(flat) == []  # it carried signal before: one flat step is not enough
+    assert monitor.update(flat) == ["x"]  # the whole window flat
+    assert monitor.update(varied) == []
+    assert monitor.report()["x"] == {"no_signal": False, "steps_flat": 0, "steps_seen": 4, "steps_with_signal": 2}
+
+
+def test_a_term_dead_for_every_step_of_a_short_run_is_flagged_on_each_step():
+    # The embedded default's 3-step run: BLEU 0.0 for every sample, interactivity varying.
+    monitor = SignalMonitor()  # the learner's window of 5 is never reached in 3 steps
+    dead = TermStats(mean=0.0, within_group_std=0.0, corr_with_total=0.0)
+    alive = TermStats(mean=0.4, within_group_std=0.1, corr_with_total=0.9)
+    for _ in range(3):
+        assert monitor.update({"bleu": dead, "interactivity": alive}) == ["bleu"]
+    assert monitor.report()["bleu"]["no_signal"] and not monitor.report()["interactivity"]["no_signal"]
 
 
 def test_hand_case_statistics():
