@@ -95,6 +95,9 @@ def replay_cmd(
         Optional[str], typer.Option("--weights", help="Reward weights, e.g. bleu=1,interactivity=1,token_amount=-0.1 (default: the config's scorer.weights).")
     ] = None,
     bleu_variant: Annotated[Optional[str], typer.Option("--bleu-variant", help="sacrebleu | char (default: the config's scorer.bleu_variant).")] = None,
+    scoring: Annotated[
+        Optional[str], typer.Option("--scoring", help="A named scoring variant: collabllm = the paper's (character BLEU as NLTK computes it, 3-level interactivity, judge extraction); default: the config's [scorer].")
+    ] = None,
     judge: Annotated[
         bool, typer.Option("--judge/--no-judge", help="Re-judge every conversation with the judge service on --nats (else reuse stored verdicts).")
     ] = False,
@@ -107,8 +110,14 @@ def replay_cmd(
 ) -> None:
     """Without --judge nothing is generated or judged: BLEU is recomputed from each stored document,
     interactivity and token counts are reused, and the reward column applies the weights."""
+    from scorer.config import SCORING_VARIANTS
+
     extra = [_weight_override(weights)] if weights else []
-    if bleu_variant:
+    if scoring is not None:
+        if scoring not in SCORING_VARIANTS:
+            _fail("replay", f"--scoring {scoring!r} not allowed; use one of {', '.join(SCORING_VARIANTS)} (or leave it out for the config's [scorer])")
+        extra += [f'scorer.{k}="{v}"' for k, v in SCORING_VARIANTS[scoring].items()]
+    if bleu_variant:  # after --scoring: an explicit variant wins
         extra.append(f'scorer.bleu_variant="{bleu_variant}"')
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
     if not logs and not stream:
@@ -156,7 +165,11 @@ async def _replay(stop, cfg, records, stream, judge, baseline, out) -> int:
                 typer.echo(f"parley replay: {e}", err=True)
                 return 1
         else:
-            records = reweight(records, sc.weights, clamps=clamps, bleu_variant=sc.bleu_variant)
+            try:
+                records = reweight(records, sc.weights, clamps=clamps, bleu_variant=sc.bleu_variant, interactivity=sc.interactivity)
+            except ValueError as e:
+                typer.echo(f"parley replay: {e}", err=True)
+                return 2
     finally:
         if nc is not None:
             await nc.drain()
@@ -168,7 +181,8 @@ async def _replay(stop, cfg, records, stream, judge, baseline, out) -> int:
         return 2
     typer.echo(to_markdown(table))
     weights = ", ".join(f"{k}={v:g}" for k, v in sc.weights.items())
-    typer.echo(f"{len(records)} conversations, BLEU {sc.bleu_variant}, reward weights {weights}, {'re-judged' if judge else 'stored verdicts'}")
+    typer.echo(f"{len(records)} conversations, BLEU {sc.bleu_variant}, interactivity {sc.interactivity}, "
+               f"reward weights {weights}, {'re-judged' if judge else 'stored verdicts'}")
     if out:
         paths = write_table(table, out)
         paths["records"] = write_parquet(records, Path(out) / "records.parquet")

@@ -111,6 +111,9 @@ def interactivity_from_levels(levels: Mapping[str, int]) -> float:
 
 # The 3-level scale of CollabLLM's interactivity judge: high / moderate / low interactivity.
 INTERACTIVITY_3LEVEL = (0.0, 0.5, 1.0)
+# Interactivity scales ([scorer] interactivity) -> the judge op (protocol.topology.JUDGE_OPS) that rates
+# on it: the 0..3 rubric over three criteria, or CollabLLM's 3-level scale.
+INTERACTIVITY_SCALES = {"rubric": "interactivity", "3level": "interactivity_3level"}
 
 
 def interactivity_from_3level(value: float) -> float:

@@ -8,14 +8,12 @@ from __future__ import annotations
 import msgspec
 
 from engines.config import ServiceBackend
-from rewards.metrics import BLEU_VARIANTS
+from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
 from rewards.reward import REWARD_METRICS, default_weights
 
 # Where the document BLEU compares comes from: the judge copies it out ("judge"), or the newest
 # assistant message that looks like a document, chatter stripped (rewards/extract.py; no model).
 EXTRACTORS = ("judge", "last_document")
-# Which judge op rates interactivity: the 0..3 rubric over three criteria, or CollabLLM's 3-level scale.
-INTERACTIVITY_OPS = {"rubric": "interactivity", "3level": "interactivity_3level"}
 # Named scoring variants (`parley replay --scoring NAME`): [scorer] settings they fix. "collabllm" is
 # the paper's scoring: character BLEU as NLTK computes it, the 3-level interactivity judge, and the
 # document copied out by the judge. Token amount is the same in both (docs/rewards.md).
@@ -68,8 +66,8 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"bleu_variant={self.bleu_variant!r} not allowed; use one of {tuple(BLEU_VARIANTS)}")
         if self.extract not in EXTRACTORS:
             raise ValueError(f"extract={self.extract!r} not allowed; use one of {EXTRACTORS}")
-        if self.interactivity not in INTERACTIVITY_OPS:
-            raise ValueError(f"interactivity={self.interactivity!r} not allowed; use one of {tuple(INTERACTIVITY_OPS)}")
+        if self.interactivity not in INTERACTIVITY_SCALES:
+            raise ValueError(f"interactivity={self.interactivity!r} not allowed; use one of {tuple(INTERACTIVITY_SCALES)}")
         for k in [*self.weights, *self.clamps]:
             if k not in REWARD_METRICS:
                 raise ValueError(f"unknown reward metric {k!r}; known: {list(REWARD_METRICS)}")

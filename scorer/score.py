@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
-from scorer.config import INTERACTIVITY_OPS, ScorerConfig
+from scorer.config import ScorerConfig
 from rewards.extract import last_document
-from rewards.metrics import BLEU_VARIANTS, interactivity_from_3level, interactivity_from_levels, token_amount
+from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES, interactivity_from_3level, interactivity_from_levels, token_amount
 from rewards.reward import average_futures, total_reward
 
 
@@ -121,7 +121,7 @@ async def _judge_one(judge: Judge, messages, tokens: int, traj: Trajectory, cfg:
         timings[op] = timings.get(op, 0.0) + time.perf_counter() - t0
         return reply
 
-    inter_op = INTERACTIVITY_OPS[cfg.interactivity]
+    inter_op = INTERACTIVITY_SCALES[cfg.interactivity]
     ops = (["extract"] if cfg.extract == "judge" else []) + [inter_op]
     replies = dict(zip(ops, await _all(*(timed(op) for op in ops))))
     outputs = [JudgeOutput(op=op, raw=r.raw, attempts=r.attempts, ok=r.ok, error=r.error) for op, r in replies.items()]
