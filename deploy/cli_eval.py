@@ -133,13 +133,13 @@ def replay_cmd(
             records += read_records(path)
         except (FileNotFoundError, ValueError, TypeError) as e:
             _fail("replay", str(e))
-    run_async_main(_replay, cfg, records, stream, judge, baseline, out)
+    run_async_main(_replay, cfg, records, stream, judge, baseline, out, scoring)
 
 
-async def _replay(stop, cfg, records, stream, judge, baseline, out) -> int:
+async def _replay(stop, cfg, records, stream, judge, baseline, out, scoring=None) -> int:
     from protocol.messages import EvalRecord
     from evaluation.benchmark import METRICS, summarize, to_markdown, write_table
-    from evaluation.evallog import from_scored, read_stream, rejudge, reweight, write_parquet
+    from evaluation.evallog import from_scored, read_stream, rejudge, reweight, stored_interactivity_scale, write_parquet
 
     nc = None
     if stream or judge:
@@ -166,7 +166,9 @@ async def _replay(stop, cfg, records, stream, judge, baseline, out) -> int:
                 return 1
         else:
             try:
-                records = reweight(records, sc.weights, clamps=clamps, bleu_variant=sc.bleu_variant, interactivity=sc.interactivity)
+                # A named variant fixes the scale; otherwise the stored ratings are reused on whatever scale they are.
+                records = reweight(records, sc.weights, clamps=clamps, bleu_variant=sc.bleu_variant,
+                                   interactivity=sc.interactivity if scoring else None)
             except ValueError as e:
                 typer.echo(f"parley replay: {e}", err=True)
                 return 2
@@ -181,7 +183,8 @@ async def _replay(stop, cfg, records, stream, judge, baseline, out) -> int:
         return 2
     typer.echo(to_markdown(table))
     weights = ", ".join(f"{k}={v:g}" for k, v in sc.weights.items())
-    typer.echo(f"{len(records)} conversations, BLEU {sc.bleu_variant}, interactivity {sc.interactivity}, "
+    scales = sc.interactivity if judge else "/".join(sorted({stored_interactivity_scale(r) for r in records}))
+    typer.echo(f"{len(records)} conversations, BLEU {sc.bleu_variant}, interactivity {scales}, "
                f"reward weights {weights}, {'re-judged' if judge else 'stored verdicts'}")
     if out:
         paths = write_table(table, out)

@@ -206,14 +206,14 @@ def reweight(
     *,
     clamps: dict[str, tuple[float, float]] | None = None,
     bleu_variant: str = "sacrebleu",
-    interactivity: str = "rubric",
+    interactivity: str | None = None,
 ) -> list[EvalRecord]:
     """Re-score without any model: BLEU recomputed from the stored extracted document with `bleu_variant`,
-    interactivity reused as stored (it must be on the `interactivity` scale: another scale needs the
-    judge), tokens from the stored count; "reward" = the weighted total."""
+    interactivity reused as stored (with `interactivity` named, it must be on that scale: another scale
+    needs the judge), tokens from the stored count; "reward" = the weighted total."""
     if bleu_variant not in BLEU_VARIANTS:
         raise ValueError(f"bleu_variant={bleu_variant!r} not allowed; use one of {sorted(BLEU_VARIANTS)}")
-    if interactivity not in INTERACTIVITY_SCALES:
+    if interactivity is not None and interactivity not in INTERACTIVITY_SCALES:
         raise ValueError(f"interactivity={interactivity!r} not allowed; use one of {sorted(INTERACTIVITY_SCALES)}")
     score = BLEU_VARIANTS[bleu_variant]
     out = []
@@ -223,7 +223,7 @@ def reweight(
                 f"record {rec.eval_id!r} has no stored interactivity; re-weighting reuses it, so this log needs a judge (--judge)"
             )
         scale = stored_interactivity_scale(rec)
-        if scale != interactivity:
+        if interactivity is not None and scale != interactivity:
             raise ValueError(
                 f"record {rec.eval_id!r} holds interactivity on the {scale!r} scale, not {interactivity!r}; "
                 "re-rate it with the judge (--judge, a judge service on --nats)"

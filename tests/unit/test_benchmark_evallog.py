@@ -127,7 +127,9 @@ def test_cli_replay_reweights_a_log_without_generating(tmp_path):
     recs = [eval_record("base", k, inter=0.6) for k in range(3)] + [eval_record("new", k, inter=0.8, tokens=900) for k in range(3)]
     log = write_parquet(recs, tmp_path / "records.parquet")
     runner = CliRunner()
-    res = runner.invoke(app, ["replay", str(log), "--weights", "bleu=1,interactivity=0.5", "--out", str(tmp_path / "out")])
+    # The records hold sacreBLEU; the embedded default config compares by character BLEU.
+    res = runner.invoke(app, ["replay", str(log), "--weights", "bleu=1,interactivity=0.5", "--bleu-variant", "sacrebleu",
+                              "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     assert "| condition | n | BLEU | interactivity | tokens (k) | MR | reward |" in res.stdout
     assert "reward weights bleu=1, interactivity=0.5" in res.stdout
@@ -160,9 +162,11 @@ async def test_rejudge_with_the_collabllm_scoring():
     # The re-judged log now holds 3-level verdicts, so a later replay without the judge reuses them...
     again = reweight(out, {"bleu": 1.0, "interactivity": 1.0}, bleu_variant="char", interactivity="3level")
     assert [r.metrics["interactivity"] for r in again] == [0.5, 0.5]
-    # ...and refuses to read them as the rubric (and rubric verdicts as 3-level).
+    # ...and, asked for a scale, refuses to read them as the rubric (and rubric verdicts as 3-level);
+    # asked for none, it reuses what is stored.
     with pytest.raises(ValueError, match="on the '3level' scale, not 'rubric'; re-rate it with the judge"):
-        reweight(out, {"bleu": 1.0})
+        reweight(out, {"bleu": 1.0}, interactivity="rubric")
+    assert [r.metrics["interactivity"] for r in reweight(out, {"bleu": 1.0})] == [0.5, 0.5]
     with pytest.raises(ValueError, match="on the 'rubric' scale, not '3level'"):
         reweight(recs, {"bleu": 1.0}, interactivity="3level")
 
