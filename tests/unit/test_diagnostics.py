@@ -100,3 +100,28 @@ def test_shape_mismatch_raises():
         step_diagnostics([[{"a": 1.0}], [{"b": 1.0}]], [[1.0], [1.0]])
     with pytest.raises(ValueError):
         SignalMonitor(window=0)
+
+
+def test_a_dead_term_of_a_3_step_run_shows_in_the_closing_table_and_the_live_view(tmp_path):
+    # What the learner writes per step (learner.service: metrics() -> metrics.jsonl, live_counters for
+    # the heartbeat) and what `parley up` prints at the end (deploy.up.summary_text).
+    import json
+
+    from deploy.up import summary_text
+    from learner.service import live_counters
+
+    monitor = SignalMonitor()
+    dead = TermStats(mean=0.0, within_group_std=0.0, corr_with_total=0.0)
+    alive = TermStats(mean=0.4, within_group_std=0.1, corr_with_total=0.9)
+    rows = []
+    for step in range(1, 4):
+        stats = {"bleu": dead, "interactivity": alive}
+        rows.append({"step": step, "version": step, "reward_mean": 0.4, "no_signal_terms": monitor.update(stats),
+                     "reward_terms": {k: {"mean": v.mean, "within_group_std": v.within_group_std,
+                                          "corr_with_total": v.corr_with_total} for k, v in stats.items()}})
+        assert live_counters(rows[-1])["reward.bleu.NO_SIGNAL"] == 1.0
+        assert "reward.interactivity.NO_SIGNAL" not in live_counters(rows[-1])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = summary_text(tmp_path).splitlines()
+    body = [line for line in table if line.startswith("| ") and line[2].isdigit()]
+    assert len(body) == 3 and all(line.rstrip(" |").endswith("bleu") for line in body)
