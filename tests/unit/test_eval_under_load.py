@@ -13,8 +13,16 @@ from types import SimpleNamespace
 import pytest
 
 from deploy.cli_eval import _report
-from evaluation.runner import (EvalServices, EvalSettings, NotScored, Policy, parse_condition, read_unscored, run_eval,
-                               score_within_bounds)
+from evaluation.runner import (
+    EvalServices,
+    EvalSettings,
+    NotScored,
+    Policy,
+    parse_condition,
+    read_unscored,
+    run_eval,
+    score_within_bounds,
+)
 from protocol.bus import Retry
 from protocol.messages import JudgeReply, SimReply
 from scorer.config import ScorerConfig
@@ -24,7 +32,7 @@ from tests.unit.test_rollout import EngineDouble
 
 DOC = "Three Days in Lisbon\n\nWe walked the hills of Alfama and ate too many custard tarts in Belem today."
 # Back-off of a millisecond: the waits are real, but the test does not sit through seconds of them.
-FAST = dict(retry_delay_s=0.001, retry_max_delay_s=0.001)
+FAST = {"retry_delay_s": 0.001, "retry_max_delay_s": 0.001}
 
 
 class SimDouble:
@@ -106,7 +114,7 @@ def test_a_judge_that_stays_away_is_reported_per_item_after_the_bound(tok):
 
 def test_a_failed_verdict_is_asked_again_with_a_new_seed(tok):
     judge = JudgeDouble(failing=2)
-    items, records, missing = evaluate(tok, judge, attempts=3, n_items=1)
+    _, records, missing = evaluate(tok, judge, attempts=3, n_items=1)
     assert records[0].metrics and missing == []
     assert len(set(judge.seeds)) == 3  # three verdicts, three seeds
     judge = JudgeDouble(failing=5)
@@ -117,7 +125,7 @@ def test_a_failed_verdict_is_asked_again_with_a_new_seed(tok):
 
 def test_a_silent_simulator_costs_only_its_item(tok):
     items = load_items("bundled")[:3]
-    items_, records, missing = evaluate(tok, JudgeDouble(), sim=SimDouble(absent={items[1].reference}))
+    _, records, missing = evaluate(tok, JudgeDouble(), sim=SimDouble(absent={items[1].reference}))
     assert [r.item_id for r in records] == [items[0].item_id, items[2].item_id]
     assert [(m.item_id, m.stage) for m in missing] == [(items[1].item_id, "conversation")]
     assert "the user simulator did not answer" in missing[0].reason
