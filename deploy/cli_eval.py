@@ -95,6 +95,9 @@ def replay_cmd(
         Optional[str], typer.Option("--weights", help="Reward weights, e.g. bleu=1,interactivity=1,token_amount=-0.1 (default: the config's scorer.weights).")
     ] = None,
     bleu_variant: Annotated[Optional[str], typer.Option("--bleu-variant", help="sacrebleu | char (default: the config's scorer.bleu_variant).")] = None,
+    scoring: Annotated[
+        Optional[str], typer.Option("--scoring", help="A named scoring variant: collabllm = the paper's (character BLEU as NLTK computes it, 3-level interactivity, judge extraction); default: the config's [scorer].")
+    ] = None,
     judge: Annotated[
         bool, typer.Option("--judge/--no-judge", help="Re-judge every conversation with the judge service on --nats (else reuse stored verdicts).")
     ] = False,
@@ -107,8 +110,14 @@ def replay_cmd(
 ) -> None:
     """Without --judge nothing is generated or judged: BLEU is recomputed from each stored document,
     interactivity and token counts are reused, and the reward column applies the weights."""
+    from scorer.config import SCORING_VARIANTS
+
     extra = [_weight_override(weights)] if weights else []
-    if bleu_variant:
+    if scoring is not None:
+        if scoring not in SCORING_VARIANTS:
+            _fail("replay", f"--scoring {scoring!r} not allowed; use one of {', '.join(SCORING_VARIANTS)} (or leave it out for the config's [scorer])")
+        extra += [f'scorer.{k}="{v}"' for k, v in SCORING_VARIANTS[scoring].items()]
+    if bleu_variant:  # after --scoring: an explicit variant wins
         extra.append(f'scorer.bleu_variant="{bleu_variant}"')
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
     if not logs and not stream:
@@ -124,13 +133,13 @@ def replay_cmd(
             records += read_records(path)
         except (FileNotFoundError, ValueError, TypeError) as e:
             _fail("replay", str(e))
-    run_async_main(_replay, cfg, records, stream, judge, baseline, out)
+    run_async_main(_replay, cfg, records, stream, judge, baseline, out, scoring)
 
 
-async def _replay(stop, cfg, records, stream, judge, baseline, out) -> int:
+async def _replay(stop, cfg, records, stream, judge, baseline, out, scoring=None) -> int:
     from protocol.messages import EvalRecord
     from evaluation.benchmark import METRICS, summarize, to_markdown, write_table
-    from evaluation.evallog import from_scored, read_stream, rejudge, reweight, write_parquet
+    from evaluation.evallog import from_scored, read_stream, rejudge, reweight, stored_interactivity_scale, write_parquet
 
     nc = None
     if stream or judge:
@@ -156,7 +165,13 @@ async def _replay(stop, cfg, records, stream, judge, baseline, out) -> int:
                 typer.echo(f"parley replay: {e}", err=True)
                 return 1
         else:
-            records = reweight(records, sc.weights, clamps=clamps, bleu_variant=sc.bleu_variant)
+            try:
+                # A named variant fixes the scale; otherwise the stored ratings are reused on whatever scale they are.
+                records = reweight(records, sc.weights, clamps=clamps, bleu_variant=sc.bleu_variant,
+                                   interactivity=sc.interactivity if scoring else None)
+            except ValueError as e:
+                typer.echo(f"parley replay: {e}", err=True)
+                return 2
     finally:
         if nc is not None:
             await nc.drain()
@@ -168,7 +183,9 @@ async def _replay(stop, cfg, records, stream, judge, baseline, out) -> int:
         return 2
     typer.echo(to_markdown(table))
     weights = ", ".join(f"{k}={v:g}" for k, v in sc.weights.items())
-    typer.echo(f"{len(records)} conversations, BLEU {sc.bleu_variant}, reward weights {weights}, {'re-judged' if judge else 'stored verdicts'}")
+    scales = sc.interactivity if judge else "/".join(sorted({stored_interactivity_scale(r) for r in records}))
+    typer.echo(f"{len(records)} conversations, BLEU {sc.bleu_variant}, interactivity {scales}, "
+               f"reward weights {weights}, {'re-judged' if judge else 'stored verdicts'}")
     if out:
         paths = write_table(table, out)
         paths["records"] = write_parquet(records, Path(out) / "records.parquet")
@@ -243,10 +260,9 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
 
     import msgspec
 
-    from evaluation.benchmark import summarize, to_markdown, write_table
     from protocol.bus import Retry
     from evaluation.fleet import FleetError
-    from evaluation.runner import EvalServices, LocalJudge, LocalSim, Policy, run_eval
+    from evaluation.runner import EvalServices, LocalJudge, LocalSim, NotScored, Policy, run_eval
     from evaluation.evallog import write_parquet
 
     nc = sim = judge = None
@@ -298,6 +314,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
     svc = EvalServices(open_policy=open_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
                        template_kwargs=dict(cfg.actor.engine.chat_template_kwargs))
     done: list = []  # finished conversations, kept when the run is interrupted
+    missing: list[NotScored] = []  # per conversation: not played or not scored, and why
 
     async def on_record(rec):
         done.append(rec)
@@ -305,9 +322,13 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
             await publish_record(rec)
 
     if services == "fleet":
-        work = asyncio.create_task(_fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record))
+        work = asyncio.create_task(_fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record, missing.append))
     else:
-        work = asyncio.create_task(run_eval(conds, held, settings, svc, on_record))
+        if services == "nats":  # the bounds within which slow services are waited for, stated once
+            typer.echo(f"parley eval: waits for the judge up to [scorer] judge_wait_s={cfg.scorer.judge_wait_s:.0f}s per "
+                       f"conversation ({settings.judge_attempts} verdicts at most), for the simulator {sim.attempts} x "
+                       f"[actor] sim_timeout_s={sim.timeout_s:.0f}s per message; what is still missing then is reported", err=True)
+        work = asyncio.create_task(run_eval(conds, held, settings, svc, on_record, missing.append))
     stopped = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -332,25 +353,48 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
             await close()
         if nc is not None:
             await nc.drain()
-    path = write_parquet(records, Path(out) / "records.parquet")
+    return _report(records, missing, len(conds) * len(held) * settings.seeds, baseline, out)
+
+
+def _report(records, missing, expected: int, baseline: str, out) -> int:
+    """Write the records, the per-conversation report of what was not scored, and the table of what was.
+    Exit 0 with a table (some conversations may be unscored, each named); 3 when nothing was scored:
+    no table then, and no traceback, only the reasons."""
+    from evaluation.benchmark import summarize, to_markdown, write_table
+    from evaluation.evallog import write_parquet
+    from evaluation.runner import write_unscored
+
+    out = Path(out)
+    path = write_parquet(records, out / "records.parquet") if records else None
+    report = write_unscored(missing, out)
     scored = [r for r in records if r.metrics]
-    if len(scored) < len(records):
-        typer.echo(f"parley eval: {len(records) - len(scored)} conversations unscored (judge failed); "
-                   f"score them with `parley replay {path} --judge`", err=True)
-    table = summarize(scored, baseline)
+    if missing:
+        typer.echo(f"parley eval: {expected - len(scored)} of {expected} conversations not scored ({report}):", err=True)
+        for m in missing:
+            typer.echo(f"  {m.describe()}", err=True)
+        if path is not None and len(scored) < len(records):
+            typer.echo(f"  the played ones can be scored later with `parley replay {path} --judge`", err=True)
+    if not scored:
+        typer.echo(f"parley eval: no conversation was scored, so there is no table; the reasons are above and in {report}", err=True)
+        return 3
+    try:
+        table = summarize(scored, baseline)
+    except ValueError as e:  # e.g. the baseline condition has no scored conversation
+        typer.echo(f"parley eval: no table: {e}", err=True)
+        return 3
     paths = write_table(table, out)
     typer.echo(to_markdown(table))
-    typer.echo(f"wrote {path}, " + ", ".join(str(p) for p in paths.values()))
+    typer.echo(f"wrote {path}, {report}, " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 
-async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record) -> list:
+async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record, on_missing) -> list:
     """--services fleet: one condition after another, each through its own actor and scorer."""
     import logging
 
     from deploy.config import dump_config
     from evaluation.fleet import FleetSettings, play_condition_fleet
-    from evaluation.runner import make_tasks
+    from evaluation.runner import NotScored, make_tasks
 
     log = logging.getLogger("parley.eval")
     import msgspec
@@ -374,6 +418,15 @@ async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, 
         recs, lost = await play_condition_fleet(nc, js, cfg, cond, tasks, fs, stop, on_record)
         log.info("condition %s: %d conversations in %.1fs through the fleet (%d unscored, %d lost)", cond.name, len(recs),
                  time.perf_counter() - t0, sum(not r.metrics for r in recs), len(lost))
+        by_task = {t.task_id: t for t in tasks}
+        for task_id in lost:
+            task = by_task[task_id]
+            on_missing(NotScored(eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
+                                 stage="conversation", reason="the fleet's actor dead-lettered the task (see the fleet logs)"))
+        for rec in recs:
+            if not rec.metrics:
+                on_missing(NotScored(eval_id=rec.eval_id, condition=cond.name, item_id=rec.item_id, stage="judge",
+                                     reason="the fleet's scorer dead-lettered the trajectory (see the fleet logs)"))
         records += recs
         if stop.is_set():
             break

@@ -13,7 +13,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from protocol.messages import EvalRecord, Scored
-from rewards.metrics import BLEU_VARIANTS, token_amount
+from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES, token_amount
 from rewards.reward import total_reward
 
 # Which Struct a Parquet file holds, in the file's schema metadata, so a reader never guesses.
@@ -193,23 +193,40 @@ async def read_stream(js, run: str, key: str) -> list:
     return out
 
 
+def stored_interactivity_scale(rec: EvalRecord) -> str:
+    """Which scale a record's stored interactivity is on, read from the judge ops it records; a record
+    without any judge output predates the 3-level op, so its scale is the rubric."""
+    ops = {o.op for o in rec.judge}
+    return next((name for name, op in INTERACTIVITY_SCALES.items() if op in ops), "rubric")
+
+
 def reweight(
     records: Iterable[EvalRecord],
     weights: dict[str, float],
     *,
     clamps: dict[str, tuple[float, float]] | None = None,
     bleu_variant: str = "sacrebleu",
+    interactivity: str | None = None,
 ) -> list[EvalRecord]:
     """Re-score without any model: BLEU recomputed from the stored extracted document with `bleu_variant`,
-    interactivity reused as stored, tokens from the stored count; "reward" = the weighted total."""
+    interactivity reused as stored (with `interactivity` named, it must be on that scale: another scale
+    needs the judge), tokens from the stored count; "reward" = the weighted total."""
     if bleu_variant not in BLEU_VARIANTS:
         raise ValueError(f"bleu_variant={bleu_variant!r} not allowed; use one of {sorted(BLEU_VARIANTS)}")
+    if interactivity is not None and interactivity not in INTERACTIVITY_SCALES:
+        raise ValueError(f"interactivity={interactivity!r} not allowed; use one of {sorted(INTERACTIVITY_SCALES)}")
     score = BLEU_VARIANTS[bleu_variant]
     out = []
     for rec in records:
         if "interactivity" not in rec.metrics:
             raise ValueError(
                 f"record {rec.eval_id!r} has no stored interactivity; re-weighting reuses it, so this log needs a judge (--judge)"
+            )
+        scale = stored_interactivity_scale(rec)
+        if interactivity is not None and scale != interactivity:
+            raise ValueError(
+                f"record {rec.eval_id!r} holds interactivity on the {scale!r} scale, not {interactivity!r}; "
+                "re-rate it with the judge (--judge, a judge service on --nats)"
             )
         metrics = {
             "bleu": score(rec.document, rec.reference),

@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evaluation.runner import read_unscored
+
 log = logging.getLogger("parley.learner.eval")
 
 # A learner started by `parley up` gets the eval role's NATS credentials in these variables and hands
@@ -43,6 +45,7 @@ class EvalOutcome:
     n: int = 0
     seconds: float = 0.0
     error: str = ""
+    unscored: list[str] = field(default_factory=list)  # per conversation not scored: "eval_id (stage): reason"
 
 
 def eval_root(run_dir: str | Path) -> Path:
@@ -258,16 +261,25 @@ class PeriodicEval:
         t0 = time.perf_counter()
         code = await self.launch(job, partial)
         seconds = time.perf_counter() - t0
+        unscored = [m.describe() for m in read_unscored(partial)]
         if code != 0 or not (partial / "records.parquet").is_file():
-            error = f"parley eval exited {code}; its log: {final.with_name(final.name + '.failed') / 'eval.log'}"
             failed = final.with_name(final.name + ".failed")
+            if code == 3:  # `parley eval` ran to the end, but scored nothing: say why, per conversation
+                error = f"no conversation scored ({len(unscored)} not): " + "; ".join(unscored)
+            else:
+                error = f"parley eval exited {code}"
+            error += f"; its log: {failed / 'eval.log'}"
             shutil.rmtree(failed, ignore_errors=True)
             partial.rename(failed)
             log.error("eval: version %d failed after %.0fs: %s", job.version, seconds, error)
-            return EvalOutcome(job.version, ok=False, seconds=seconds, error=error)
+            return EvalOutcome(job.version, ok=False, seconds=seconds, error=error, unscored=unscored)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
-        return self.record(job, seconds)
+        for line in unscored:
+            log.warning("eval: version %d: not scored: %s", job.version, line)
+        outcome = self.record(job, seconds)
+        outcome.unscored = unscored
+        return outcome
 
     def record(self, job: EvalJob, seconds: float) -> EvalOutcome:
         """Read a finished eval back: log its means, keep the best model, check for a regression."""
@@ -277,7 +289,7 @@ class PeriodicEval:
         history = load_versions(self.run_dir)  # oldest first
         mine = next((v for v in history if v.version == job.version), None)
         if mine is None:
-            log.error("eval: version %d wrote no scored conversation (the judge failed on all)", job.version)
+            log.error("eval: version %d wrote no scored conversation", job.version)
             return EvalOutcome(job.version, ok=False, seconds=seconds, error="no scored conversations")
         means = {m: mine.mean(m) for m in METRICS}
         log.info(

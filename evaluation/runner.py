@@ -74,6 +74,10 @@ class EvalSettings:
     top_p: float = 1.0
     concurrency: int = 8  # conversations of one condition in flight
     run: str = "eval"
+    # A conversation whose verdict failed (the judge answered ok=False) is judged again with a fresh
+    # seed, this many times in all, before it is reported unscored. (An unreachable or slow judge is
+    # waited for up to [scorer] judge_wait_s instead, as the scorer role waits.)
+    judge_attempts: int = 3
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
@@ -84,6 +88,48 @@ class EvalSettings:
             raise ValueError(f"max_new_turns={self.max_new_turns} must be >= 2 (the user opens, the assistant answers)")
         if self.concurrency < 1:
             raise ValueError(f"concurrency={self.concurrency} must be >= 1")
+        if self.judge_attempts < 1:
+            raise ValueError(f"judge_attempts={self.judge_attempts} must be >= 1")
+
+
+@dataclass(frozen=True)
+class NotScored:
+    """A conversation of the eval that has no score, and why; `parley eval` reports each one and writes
+    them to OUT/unscored.jsonl, the periodic eval quotes them."""
+
+    eval_id: str
+    condition: str
+    item_id: str
+    stage: str  # "conversation": the simulator never answered, nothing was played; "judge": played, not scored
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.eval_id} ({self.stage}): {self.reason}"
+
+
+UNSCORED_FILE = "unscored.jsonl"
+
+
+def write_unscored(missing: Sequence[NotScored], out: str | Path) -> Path:
+    """OUT/unscored.jsonl, one NotScored per line (written, empty, even when everything was scored, so a
+    reader can tell "all scored" from "no report")."""
+    import dataclasses
+    import json
+
+    path = Path(out) / UNSCORED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(dataclasses.asdict(m)) + "\n" for m in missing))
+    return path
+
+
+def read_unscored(out: str | Path) -> list[NotScored]:
+    """What write_unscored wrote in `out`; [] when there is no report."""
+    import json
+
+    path = Path(out) / UNSCORED_FILE
+    if not path.is_file():
+        return []
+    return [NotScored(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 def eval_items(data, items_path: str | None) -> tuple[list[Item], list[Item]]:
@@ -153,11 +199,17 @@ class LocalJudge:
     def __init__(self, judge):
         self.judge = judge
 
+    async def _ask(self, op: str, messages: Sequence[ChatMessage], seed: int) -> JudgeReply:
+        return await self.judge.handle(op, JudgeRequest(op=op, messages=list(messages), seed=seed))
+
     async def extract(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self.judge.handle("extract", JudgeRequest(op="extract", messages=list(messages), seed=seed))
+        return await self._ask("extract", messages, seed)
 
     async def interactivity(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self.judge.handle("interactivity", JudgeRequest(op="interactivity", messages=list(messages), seed=seed))
+        return await self._ask("interactivity", messages, seed)
+
+    async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
+        return await self._ask("interactivity_3level", messages, seed)
 
 
 @dataclass
@@ -179,13 +231,45 @@ class EvalServices:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+async def score_within_bounds(traj, judge, scorer_cfg, attempts: int):
+    """scorer.score.score_trajectory, patient as the scorer role is: while the judge is unreachable or
+    does not answer within [scorer] judge_timeout_s, ask again with [scorer]'s back-off until
+    [scorer] judge_wait_s have passed since the first try; after a failed verdict, ask again with a
+    fresh seed, `attempts` verdicts in all. Then the last error is raised (the caller reports it)."""
+    from scorer.score import JudgeFailed, JudgeUnavailable, score_trajectory
+
+    t0 = time.monotonic()
+    failed = waits = 0
+    while True:
+        seed = (traj.seed + 1000 * failed) % 2**31  # as a redelivery in the scorer role: new seeds
+        try:
+            return await score_trajectory(traj, judge, scorer_cfg, scorer="eval", seed=seed)
+        except JudgeUnavailable as e:
+            waited = time.monotonic() - t0
+            if waited >= scorer_cfg.judge_wait_s:
+                raise JudgeUnavailable(f"{e} (waited {waited:.0f}s, the bound is [scorer] judge_wait_s={scorer_cfg.judge_wait_s:.0f}s)") from None
+            waits += 1
+            if waits == 1 or waits % 10 == 0:
+                log.warning("%s: %s; waiting (%.0fs of at most %.0fs)", traj.traj_id, e, waited, scorer_cfg.judge_wait_s)
+            await asyncio.sleep(min(scorer_cfg.retry_delay(waits), max(0.0, scorer_cfg.judge_wait_s - waited)))
+        except JudgeFailed as e:
+            failed += 1
+            if failed >= attempts:
+                raise JudgeFailed(f"{e} (verdict {failed} of {attempts})") from None
+            log.warning("%s: %s; asking again with a new seed (%d of %d)", traj.traj_id, e, failed + 1, attempts)
+
+
 async def play_condition(
     cond: Condition, tasks: Sequence[Task], policy: Policy, services: EvalServices, settings: EvalSettings,
     on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
+    on_missing: Callable[[NotScored], None] | None = None,
 ) -> list[EvalRecord]:
-    """Every task once with this condition's policy and system prompt, judged; in task order."""
+    """Every task once with this condition's policy and system prompt, judged; in task order. A task
+    whose conversation could not be played (the simulator stayed unreachable) has no record; it and
+    every record left unscored are passed to `on_missing` with the reason."""
     from actors.rollout import PolicySettings, run_conversation
-    from scorer.score import JudgeFailed, JudgeUnavailable, score_trajectory
+    from protocol.bus import Retry
+    from scorer.score import JudgeFailed, JudgeUnavailable, Unscorable
 
     policy_settings = PolicySettings(
         max_model_len=policy.engine.settings.max_model_len, temperature=settings.temperature, top_p=settings.top_p,
@@ -195,20 +279,31 @@ async def play_condition(
     slots = asyncio.Semaphore(settings.concurrency)
     sim = services.sim if isinstance(services.sim, NotingSim) else NotingSim(services.sim)
 
-    async def one(task: Task) -> EvalRecord:
+    def missing(task: Task, stage: str, reason: str) -> None:
+        m = NotScored(eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
+                      stage=stage, reason=reason)
+        log.warning("condition %s: not scored: %s", cond.name, m.describe())
+        if on_missing is not None:
+            on_missing(m)
+
+    async def one(task: Task) -> EvalRecord | None:
         task = msgspec.structs.replace(task, system_prompt=cond.system_prompt)
         async with slots:
-            traj = await run_conversation(
-                policy.engine, sim, task, 0, lambda: policy.version,
-                tokenizer=policy.tokenizer, policy=policy_settings,
-            )
+            try:
+                traj = await run_conversation(
+                    policy.engine, sim, task, 0, lambda: policy.version,
+                    tokenizer=policy.tokenizer, policy=policy_settings,
+                )
+            except Retry as e:  # SimClient gave up after its own retries ([actor] sim_timeout_s each)
+                missing(task, "conversation", f"the user simulator did not answer: {e}")
+                return None
             metrics, document, judge, judge_model = {}, "", [], ""
             try:
-                scored = await score_trajectory(traj, services.judge, services.scorer_cfg, scorer="eval")
+                scored = await score_within_bounds(traj, services.judge, services.scorer_cfg, settings.judge_attempts)
                 metrics, document, judge, judge_model = dict(scored.metrics), scored.document, list(scored.judge), scored.judge_model
-            except (JudgeFailed, JudgeUnavailable) as e:
+            except (JudgeFailed, JudgeUnavailable, Unscorable) as e:
                 # The conversation is kept unscored; `parley replay --judge` can score it later.
-                log.warning("condition %s, %s: not scored: %s", cond.name, task.task_id, e)
+                missing(task, "judge", f"{type(e).__name__}: {e}")
         rec = EvalRecord(
             eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
             model=cond.model, system_prompt=cond.system_prompt, sim_prompt=task.sim_prompt,
@@ -220,12 +315,13 @@ async def play_condition(
             await on_record(rec)
         return rec
 
-    return list(await asyncio.gather(*(one(t) for t in tasks)))
+    return [r for r in await asyncio.gather(*(one(t) for t in tasks)) if r is not None]
 
 
 async def run_eval(
     conditions: Sequence[Condition], items: Sequence[Item], settings: EvalSettings, services: EvalServices,
     on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
+    on_missing: Callable[[NotScored], None] | None = None,
 ) -> list[EvalRecord]:
     """All conditions over the same tasks. Conditions that share a model share one engine, and each
     engine is closed before the next model starts (one policy in memory at a time)."""
@@ -246,9 +342,10 @@ async def run_eval(
         try:
             for cond in conds:
                 t0 = time.perf_counter()
-                recs = await play_condition(cond, tasks, policy, services, settings, on_record)
+                recs = await play_condition(cond, tasks, policy, services, settings, on_record, on_missing)
                 unscored = sum(not r.metrics for r in recs)
-                log.info("condition %s: %d conversations in %.1fs (%d unscored)", cond.name, len(recs), time.perf_counter() - t0, unscored)
+                log.info("condition %s: %d of %d conversations played in %.1fs (%d unscored)", cond.name, len(recs), len(tasks),
+                         time.perf_counter() - t0, unscored)
                 records += recs
         finally:
             if policy.close is not None:

@@ -176,7 +176,7 @@ class SimReply(msgspec.Struct, kw_only=True):
 class JudgeRequest(msgspec.Struct, kw_only=True):
     """scorer -> judge service (request/reply); op is in the subject and repeated here."""
 
-    op: str  # "extract" | "interactivity"
+    op: str  # one of topology.JUDGE_OPS
     messages: list[ChatMessage]
     seed: int = 0
 
@@ -187,7 +187,7 @@ class JudgeReply(msgspec.Struct, kw_only=True):
     ok: bool
     document: str = ""
     levels: dict[str, int] = {}  # interactivity rubric levels 0..3
-    score: float = 0.0  # interactivity 0..1
+    score: float = 0.0  # interactivity 0..1 (interactivity_3level: 0, 0.5 or 1)
     raw: str = ""
     attempts: int = 1
     error: str = ""

@@ -21,9 +21,10 @@ RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # Services are shared by every run on a cluster: one simulator or judge fleet serves them all.
 SIM_SUBJECT = "parley.svc.sim"
 SIM_QUEUE = "sim"
-JUDGE_SUBJECT = "parley.svc.judge"  # + ".extract" | ".interactivity"
+JUDGE_SUBJECT = "parley.svc.judge"  # + "." + one of JUDGE_OPS
 JUDGE_QUEUE = "judge"
-JUDGE_OPS = ("extract", "interactivity")
+# interactivity_3level: the 3-level scale (1 / 0.5 / 0) of CollabLLM's judge, beside the 0..3 rubric.
+JUDGE_OPS = ("extract", "interactivity", "interactivity_3level")
 
 WEIGHTS_KEY = "current"  # KV key holding the encoded WeightVersion actors must serve
 

@@ -94,10 +94,15 @@ def diagnose_groups(
 
 
 class SignalMonitor:
-    """Flags terms whose within-group std stayed below `min_std` for `window` steps.
+    """Flags terms that carry no signal: within-group std below `min_std` for `window` consecutive
+    steps, or on every step seen so far.
 
-    Such a term "carries no signal": e.g. a length penalty that saturates at its
-    clamp for every sample gives every member of a group the same value.
+    Such a term "carries no signal": e.g. a length penalty that saturates at its clamp for every
+    sample gives every member of a group the same value. The second rule is for short runs: a term
+    dead from the first step (BLEU of 0.0 for every sample, as a judge that cannot extract gives) is
+    flagged at once, so a 3-step run shows it in its table and live view instead of never reaching
+    the window. A term that did vary and then went flat needs the whole window, since a few flat
+    steps in a healthy run are noise.
     """
 
     def __init__(self, window: int = 5, min_std: float = 1e-3) -> None:
@@ -107,7 +112,13 @@ class SignalMonitor:
             raise ValueError(f"min_std must be >= 0, got {min_std}")
         self.window = window
         self.min_std = min_std
-        self._steps_flat: dict[str, int] = {}
+        self._steps_flat: dict[str, int] = {}  # consecutive flat steps, up to now
+        self._steps_seen: dict[str, int] = {}
+        self._steps_signal: dict[str, int] = {}  # steps on which the term varied within groups
+
+    def _no_signal(self, term: str) -> bool:
+        flat = self._steps_flat[term]
+        return flat >= self.window or 0 < flat == self._steps_seen[term]
 
     def update(self, step_stats: Mapping[str, TermStats]) -> list[str]:
         """Record one step; return the terms currently carrying no signal."""
@@ -119,10 +130,13 @@ class SignalMonitor:
             # NaN compares False, so a NaN std resets the count rather than flagging.
             flat = st.within_group_std < self.min_std
             self._steps_flat[term] = self._steps_flat.get(term, 0) + 1 if flat else 0
-        return [t for t, n in self._steps_flat.items() if n >= self.window]
+            self._steps_seen[term] = self._steps_seen.get(term, 0) + 1
+            self._steps_signal[term] = self._steps_signal.get(term, 0) + (st.within_group_std >= self.min_std)
+        return [t for t in self._steps_flat if self._no_signal(t)]
 
     def report(self) -> dict[str, dict[str, bool | int]]:
         return {
-            term: {"no_signal": n >= self.window, "steps_flat": n}
+            term: {"no_signal": self._no_signal(term), "steps_flat": n, "steps_seen": self._steps_seen[term],
+                   "steps_with_signal": self._steps_signal[term]}
             for term, n in self._steps_flat.items()
         }

@@ -6,6 +6,7 @@ Pure functions; called by the scorer when it turns a finished rollout into metri
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from typing import Callable, Mapping
 
@@ -27,7 +28,6 @@ def bleu(document: str, reference: str) -> float:
 
 
 _CHAR_BLEU_MAX_N = 4
-_CHAR_BLEU_EPSILON = 0.1
 
 
 def _ngram_counts(seq: str, n: int) -> Counter[str]:
@@ -35,47 +35,44 @@ def _ngram_counts(seq: str, n: int) -> Counter[str]:
 
 
 def char_bleu(document: str, reference: str) -> float:
-    """Sentence BLEU over CHARACTER sequences, the variant CollabLLM reported.
+    """Sentence BLEU over CHARACTER sequences, exactly what CollabLLM reported.
 
-    CollabLLM passed raw strings to an NLTK-style `sentence_bleu`, which iterates
-    a string character by character, so every "token" is one character (spaces
-    and punctuation included). We reproduce that here without depending on NLTK:
+    CollabLLM called NLTK's `sentence_bleu([reference], document)` on raw strings with NLTK's
+    defaults. NLTK iterates a string character by character, so every "token" is one character
+    (spaces and punctuation included). We compute the same number without depending on NLTK
+    (tests/unit/test_metrics.py checks it against NLTK itself):
 
     - n-grams are 1..4-grams of characters, uniform weights 1/4;
-    - modified (clipped) precision p_n = matched / max(1, #hypothesis n-grams);
-    - smoothing like NLTK's method1: a p_n with zero matches becomes
-      epsilon / denominator (epsilon = 0.1) instead of zeroing the score,
-      except that no unigram match at all gives 0.0 (as NLTK does);
-    - brevity penalty exp(1 - r/c) when the document has c < r characters;
+    - modified (clipped) precision p_n = matched / max(1, #document n-grams);
+    - no smoothing (NLTK's method0): no unigram match at all gives 0.0; a higher order with no
+      match counts as the smallest positive float, so the score is positive but negligible
+      (about 1e-77), as NLTK returns it;
+    - brevity penalty exp(1 - r/c) when the document has c <= r characters (1 when c > r);
     - result on a 0..1 scale.
 
-    How it differs from `bleu` (sacreBLEU): sacreBLEU tokenizes with 13a into
-    WORDS (splitting punctuation off), counts word n-grams, uses "exp" smoothing
-    with effective order, and reports 0..100. Character n-grams reward partial
-    word overlap, so char_bleu is typically much higher than word BLEU for the
-    same pair; the two numbers are not comparable.
+    How it differs from `bleu` (sacreBLEU): sacreBLEU tokenizes with 13a into WORDS (splitting
+    punctuation off), counts word n-grams, uses "exp" smoothing with effective order, and reports
+    0..100. Character n-grams reward partial word overlap, so char_bleu is typically much higher
+    than word BLEU for the same pair; the two numbers are not comparable.
     """
     hyp, ref = document, reference
-    if not hyp or not ref:
+    if not hyp:
         return 0.0
-
-    log_sum = 0.0
+    log_terms = []
     for n in range(1, _CHAR_BLEU_MAX_N + 1):
         hyp_counts = _ngram_counts(hyp, n)
         ref_counts = _ngram_counts(ref, n)
         matched = sum(min(c, ref_counts[g]) for g, c in hyp_counts.items())
-        denominator = max(1, sum(hyp_counts.values()))
         if matched == 0:
             if n == 1:
                 return 0.0
-            precision = _CHAR_BLEU_EPSILON / denominator
+            precision = sys.float_info.min  # NLTK's stand-in for log(0)
         else:
-            precision = matched / denominator
-        log_sum += math.log(precision) / _CHAR_BLEU_MAX_N
-
+            precision = matched / max(1, sum(hyp_counts.values()))
+        log_terms.append(math.log(precision) / _CHAR_BLEU_MAX_N)
     c, r = len(hyp), len(ref)
     brevity = 1.0 if c > r else math.exp(1.0 - r / c)
-    return min(1.0, brevity * math.exp(log_sum))
+    return min(1.0, brevity * math.exp(math.fsum(log_terms)))
 
 
 BLEU_VARIANTS: dict[str, Callable[[str, str], float]] = {
@@ -110,3 +107,18 @@ def interactivity_from_levels(levels: Mapping[str, int]) -> float:
             )
         total += level
     return total / len(INTERACTIVITY_KEYS) / _MAX_LEVEL
+
+
+# The 3-level scale of CollabLLM's interactivity judge: high / moderate / low interactivity.
+INTERACTIVITY_3LEVEL = (0.0, 0.5, 1.0)
+# Interactivity scales ([scorer] interactivity) -> the judge op (protocol.topology.JUDGE_OPS) that rates
+# on it: the 0..3 rubric over three criteria, or CollabLLM's 3-level scale.
+INTERACTIVITY_SCALES = {"rubric": "interactivity", "3level": "interactivity_3level"}
+
+
+def interactivity_from_3level(value: float) -> float:
+    """A 3-level verdict (CollabLLM's scale) -> interactivity in 0..1, unchanged; anything but
+    0, 0.5 or 1 is refused rather than rounded (a judge that invents levels is not a rating)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) not in INTERACTIVITY_3LEVEL:
+        raise ValueError(f"3-level interactivity {value!r} must be one of {INTERACTIVITY_3LEVEL}")
+    return float(value)

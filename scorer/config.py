@@ -8,9 +8,18 @@ from __future__ import annotations
 import msgspec
 
 from engines.config import ServiceBackend
-from rewards.metrics import BLEU_VARIANTS
+from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
 from rewards.reward import REWARD_METRICS, default_weights
 
+# Where the document BLEU compares comes from: the judge copies it out ("judge"), or the newest
+# assistant message that looks like a document, chatter stripped (rewards/extract.py; no model).
+EXTRACTORS = ("judge", "last_document")
+# Named scoring variants (`parley replay --scoring NAME`): [scorer] settings they fix. "collabllm" is
+# the paper's scoring: character BLEU as NLTK computes it, the 3-level interactivity judge, and the
+# document copied out by the judge. Token amount is the same in both (docs/rewards.md).
+SCORING_VARIANTS: dict[str, dict[str, str]] = {
+    "collabllm": {"bleu_variant": "char", "interactivity": "3level", "extract": "judge"},
+}
 
 
 class JudgeConfig(ServiceBackend, kw_only=True, forbid_unknown_fields=True):
@@ -42,6 +51,8 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights: dict[str, float] = msgspec.field(default_factory=default_weights)
     clamps: dict[str, list[float]] = {}  # metric -> [lo, hi], applied before weighting
     bleu_variant: str = "sacrebleu"  # "sacrebleu" | "char" (CollabLLM's character-level BLEU)
+    extract: str = "judge"  # "judge" | "last_document": who finds the document BLEU compares
+    interactivity: str = "rubric"  # "rubric" (0..3 on three criteria) | "3level" (CollabLLM's 1 / 0.5 / 0)
     judge_timeout_s: float = 300.0  # one judge request
     judge_concurrency: int = 16  # judge requests in flight from one scorer
     retry_delay_s: float = 5.0  # first back-off when the judge is down or fails; doubles each time
@@ -53,6 +64,10 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.bleu_variant not in BLEU_VARIANTS:
             raise ValueError(f"bleu_variant={self.bleu_variant!r} not allowed; use one of {tuple(BLEU_VARIANTS)}")
+        if self.extract not in EXTRACTORS:
+            raise ValueError(f"extract={self.extract!r} not allowed; use one of {EXTRACTORS}")
+        if self.interactivity not in INTERACTIVITY_SCALES:
+            raise ValueError(f"interactivity={self.interactivity!r} not allowed; use one of {tuple(INTERACTIVITY_SCALES)}")
         for k in [*self.weights, *self.clamps]:
             if k not in REWARD_METRICS:
                 raise ValueError(f"unknown reward metric {k!r}; known: {list(REWARD_METRICS)}")

@@ -20,11 +20,15 @@ import msgspec
 from protocol import topology
 from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
 from scorer.config import JudgeConfig
-from rewards.metrics import INTERACTIVITY_KEYS, interactivity_from_levels
+from rewards.metrics import INTERACTIVITY_3LEVEL, INTERACTIVITY_KEYS, interactivity_from_3level, interactivity_from_levels
 
 log = logging.getLogger("parley.judge")
 
-PROMPT_FILES = {"extract": "extract_document.txt", "interactivity": "interactivity.txt"}
+PROMPT_FILES = {
+    "extract": "extract_document.txt",
+    "interactivity": "interactivity.txt",
+    "interactivity_3level": "interactivity_3level.txt",
+}
 RATIONALE_MAX_CHARS = 300  # "one sentence"; bounded so a rambling judge cannot eat max_tokens
 
 # The decoder may only produce these; a reply that still fails validation (cut off at max_tokens)
@@ -46,6 +50,17 @@ SCHEMAS: dict[str, dict] = {
         "required": [*INTERACTIVITY_KEYS, "rationale"],
         "additionalProperties": False,
     },
+    "interactivity_3level": {
+        "type": "object",
+        # The thought comes first, as in CollabLLM's judge (reason, then rate); bounded like the
+        # rubric's rationale so it cannot crowd out the level.
+        "properties": {
+            "thought": {"type": "string", "maxLength": RATIONALE_MAX_CHARS},
+            "interactivity": {"type": "number", "enum": list(INTERACTIVITY_3LEVEL)},
+        },
+        "required": ["thought", "interactivity"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -60,7 +75,13 @@ class InteractivityVerdict(msgspec.Struct, forbid_unknown_fields=True):
     rationale: str = ""
 
 
-_VERDICT_TYPES = {"extract": ExtractVerdict, "interactivity": InteractivityVerdict}
+class Interactivity3Verdict(msgspec.Struct, forbid_unknown_fields=True):
+    thought: str
+    interactivity: float
+
+
+_VERDICT_TYPES = {"extract": ExtractVerdict, "interactivity": InteractivityVerdict,
+                  "interactivity_3level": Interactivity3Verdict}
 
 ROLE_LABELS = {"user": "USER", "assistant": "ASSISTANT"}
 _SEPARATOR = "\n\n"
@@ -144,6 +165,12 @@ def parse_verdict(op: str, raw: str) -> JudgeReply:
         # A "\udxxx" escape decodes to a lone surrogate, which no UTF-8 reply can carry: replace it.
         document = verdict.document.encode("utf-8", "replace").decode("utf-8")
         return JudgeReply(ok=True, document=document.strip(), raw=raw)
+    if op == "interactivity_3level":
+        try:
+            score = interactivity_from_3level(verdict.interactivity)
+        except ValueError as e:
+            raise ValueError(f"not a valid {op} reply ({e}): {raw[:200]!r}") from None
+        return JudgeReply(ok=True, score=score, raw=raw)
     levels = {k: getattr(verdict, k) for k in INTERACTIVITY_KEYS}
     return JudgeReply(ok=True, levels=levels, score=interactivity_from_levels(levels), raw=raw)
 

@@ -13,7 +13,8 @@ from typing import Protocol
 
 from protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
 from scorer.config import ScorerConfig
-from rewards.metrics import BLEU_VARIANTS, interactivity_from_levels, token_amount
+from rewards.extract import last_document
+from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES, interactivity_from_3level, interactivity_from_levels, token_amount
 from rewards.reward import average_futures, total_reward
 
 
@@ -34,6 +35,8 @@ class Judge(Protocol):
 
     async def interactivity(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
 
+    async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
+
 
 class JudgeClient:
     """The judge service over NATS request/reply, with at most `concurrency` requests in flight."""
@@ -48,6 +51,9 @@ class JudgeClient:
 
     async def interactivity(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
         return await self._call("interactivity", messages, seed)
+
+    async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
+        return await self._call("interactivity_3level", messages, seed)
 
     async def _call(self, op: str, messages: Sequence[ChatMessage], seed: int) -> JudgeReply:
         import msgspec
@@ -95,31 +101,44 @@ async def _all(*coros) -> list:
     return [t.result() for t in tasks]
 
 
-async def _judge_one(judge: Judge, messages, tokens: int, traj: Trajectory, bleu_fn, seed: int, timings: dict[str, float]):
-    async def timed(op: str, call):
+def _interactivity(reply: JudgeReply, op: str, traj_id: str) -> float:
+    """The interactivity metric from a verdict, recomputed from what the judge chose (the rubric's
+    levels, or the 3-level value) so that there is one definition of each scale."""
+    try:
+        if op == "interactivity":
+            return interactivity_from_levels(reply.levels)
+        return interactivity_from_3level(reply.score)
+    except ValueError as e:
+        raise JudgeFailed(f"judge {op} reply for {traj_id} is unusable: {e}") from None
+
+
+async def _judge_one(judge: Judge, messages, tokens: int, traj: Trajectory, cfg: ScorerConfig, seed: int,
+                     timings: dict[str, float]):
+    """Metrics of one conversation, the document BLEU was computed on, the judge model, raw outputs."""
+    async def timed(op: str):
         t0 = time.perf_counter()
-        reply = await call(messages, seed=seed)
+        reply = await getattr(judge, op)(messages, seed=seed)
         timings[op] = timings.get(op, 0.0) + time.perf_counter() - t0
         return reply
 
-    ext, inter = await _all(timed("extract", judge.extract), timed("interactivity", judge.interactivity))
-    outputs = [
-        JudgeOutput(op="extract", raw=ext.raw, attempts=ext.attempts, ok=ext.ok, error=ext.error),
-        JudgeOutput(op="interactivity", raw=inter.raw, attempts=inter.attempts, ok=inter.ok, error=inter.error),
-    ]
-    _checked(ext, "extract", traj.traj_id)
-    _checked(inter, "interactivity", traj.traj_id)
-    try:
-        # The levels are the verdict; recomputing the score keeps one definition of it.
-        interactivity = interactivity_from_levels(inter.levels)
-    except ValueError as e:
-        raise JudgeFailed(f"judge interactivity reply for {traj.traj_id} is unusable: {e}") from None
+    inter_op = INTERACTIVITY_SCALES[cfg.interactivity]
+    ops = (["extract"] if cfg.extract == "judge" else []) + [inter_op]
+    replies = dict(zip(ops, await _all(*(timed(op) for op in ops))))
+    outputs = [JudgeOutput(op=op, raw=r.raw, attempts=r.attempts, ok=r.ok, error=r.error) for op, r in replies.items()]
+    for op, reply in replies.items():
+        _checked(reply, op, traj.traj_id)
+    if cfg.extract == "judge":
+        document = replies["extract"].document
+    else:
+        t0 = time.perf_counter()
+        document = last_document(messages)
+        timings["extract"] = timings.get("extract", 0.0) + time.perf_counter() - t0
     metrics = {
-        "bleu": bleu_fn(ext.document, traj.reference),
-        "interactivity": interactivity,
+        "bleu": BLEU_VARIANTS[cfg.bleu_variant](document, traj.reference),
+        "interactivity": _interactivity(replies[inter_op], inter_op, traj.traj_id),
         "token_amount": token_amount(tokens),
     }
-    return metrics, ext, outputs
+    return metrics, document, replies[inter_op].model, outputs
 
 
 async def score_trajectory(
@@ -135,16 +154,15 @@ async def score_trajectory(
     seed = traj.seed if seed is None else seed
     if not traj.reference.strip():
         raise Unscorable(f"trajectory {traj.traj_id} has no reference document; BLEU needs one")
-    bleu_fn = BLEU_VARIANTS[cfg.bleu_variant]
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    results = await _all(*(_judge_one(judge, m, n, traj, bleu_fn, seed, timings) for m, n in conversations(traj)))
+    results = await _all(*(_judge_one(judge, m, n, traj, cfg, seed, timings) for m, n in conversations(traj)))
     timings["total"] = time.perf_counter() - t0
 
     # Each metric is averaged over the futures before weighting, so a clamp bounds the average.
-    metrics = average_futures([m for m, _, _ in results])
+    metrics = average_futures([m for m, _, _, _ in results])
     clamps = {k: (v[0], v[1]) for k, v in cfg.clamps.items()}
-    first_extract = results[0][1]
+    _, document, judge_model, _ = results[0]
     return Scored(
         traj_id=traj.traj_id,
         task_id=traj.task_id,
@@ -154,9 +172,9 @@ async def score_trajectory(
         weights=dict(cfg.weights),
         total=total_reward(metrics, cfg.weights, clamps),
         trajectory=traj,
-        document=first_extract.document,
-        judge=[o for _, _, outputs in results for o in outputs],
-        judge_model=first_extract.model,
+        document=document,
+        judge=[o for _, _, _, outputs in results for o in outputs],
+        judge_model=judge_model,
         scorer=scorer,
         timings=timings,
         created=time.time(),

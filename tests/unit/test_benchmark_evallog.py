@@ -2,6 +2,7 @@
 trajectories as eval records, re-weighting without a judge, re-judging through a test-double judge,
 and `parley replay` on a log file."""
 
+import msgspec
 import pytest
 from typer.testing import CliRunner
 
@@ -126,7 +127,9 @@ def test_cli_replay_reweights_a_log_without_generating(tmp_path):
     recs = [eval_record("base", k, inter=0.6) for k in range(3)] + [eval_record("new", k, inter=0.8, tokens=900) for k in range(3)]
     log = write_parquet(recs, tmp_path / "records.parquet")
     runner = CliRunner()
-    res = runner.invoke(app, ["replay", str(log), "--weights", "bleu=1,interactivity=0.5", "--out", str(tmp_path / "out")])
+    # The records hold sacreBLEU; the embedded default config compares by character BLEU.
+    res = runner.invoke(app, ["replay", str(log), "--weights", "bleu=1,interactivity=0.5", "--bleu-variant", "sacrebleu",
+                              "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     assert "| condition | n | BLEU | interactivity | tokens (k) | MR | reward |" in res.stdout
     assert "reward weights bleu=1, interactivity=0.5" in res.stdout
@@ -141,3 +144,47 @@ def test_cli_replay_reweights_a_log_without_generating(tmp_path):
     assert res.exit_code == 2 and "unknown reward metric 'fluency'" in res.stderr
     res = runner.invoke(app, ["replay", str(log), "--baseline", "nope"])
     assert res.exit_code == 2 and "baseline condition 'nope'" in res.stderr
+
+
+class ThreeLevelFakeJudge(FakeJudge):
+    async def interactivity_3level(self, messages, *, seed=0):
+        return JudgeReply(ok=True, score=0.5, raw='{"thought": "one question", "interactivity": 0.5}', model=self.model)
+
+
+async def test_rejudge_with_the_collabllm_scoring():
+    from scorer.config import SCORING_VARIANTS
+
+    recs = [eval_record("base", k) for k in range(2)]
+    out = await rejudge(recs, ThreeLevelFakeJudge(), ScorerConfig(**SCORING_VARIANTS["collabllm"]))
+    assert all(r.metrics["interactivity"] == 0.5 for r in out)
+    assert out[0].metrics["bleu"] == char_bleu("Sure — which days?", REFERENCE)
+    assert [o.op for o in out[0].judge] == ["extract", "interactivity_3level"]
+    # The re-judged log now holds 3-level verdicts, so a later replay without the judge reuses them...
+    again = reweight(out, {"bleu": 1.0, "interactivity": 1.0}, bleu_variant="char", interactivity="3level")
+    assert [r.metrics["interactivity"] for r in again] == [0.5, 0.5]
+    # ...and, asked for a scale, refuses to read them as the rubric (and rubric verdicts as 3-level);
+    # asked for none, it reuses what is stored.
+    with pytest.raises(ValueError, match="on the '3level' scale, not 'rubric'; re-rate it with the judge"):
+        reweight(out, {"bleu": 1.0}, interactivity="rubric")
+    assert [r.metrics["interactivity"] for r in reweight(out, {"bleu": 1.0})] == [0.5, 0.5]
+    with pytest.raises(ValueError, match="on the 'rubric' scale, not '3level'"):
+        reweight(recs, {"bleu": 1.0}, interactivity="3level")
+
+
+def test_cli_replay_scoring_collabllm(tmp_path):
+    recs = [eval_record("base", k, inter=0.6) for k in range(3)]
+    log = write_parquet(recs, tmp_path / "records.parquet")
+    runner = CliRunner()
+    # The stored verdicts are on the rubric: the exact variant needs the judge to re-rate them.
+    res = runner.invoke(app, ["replay", str(log), "--scoring", "collabllm"])
+    assert res.exit_code == 2 and "on the 'rubric' scale, not '3level'" in res.stderr
+    res = runner.invoke(app, ["replay", str(log), "--scoring", "paper"])
+    assert res.exit_code == 2 and res.stderr.startswith("parley replay: --scoring 'paper' not allowed; use one of collabllm")
+    threes = [msgspec.structs.replace(r, judge=[JudgeOutput(op="extract", raw="{}"), JudgeOutput(op="interactivity_3level", raw="{}")],
+                                      metrics={**r.metrics, "interactivity": 1.0}) for r in recs]
+    log3 = write_parquet(threes, tmp_path / "threes.parquet")
+    res = runner.invoke(app, ["replay", str(log3), "--scoring", "collabllm", "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert "BLEU char, interactivity 3level" in res.stdout
+    replayed = read_records(tmp_path / "out" / "records.parquet")
+    assert [r.metrics["bleu"] for r in replayed] == [char_bleu(r.document, REFERENCE) for r in recs]

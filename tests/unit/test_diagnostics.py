@@ -39,21 +39,32 @@ def test_saturated_length_term_is_flagged_and_bleu_is_not():
         assert stats["length"].corr_with_total == 0.0  # constant: nan-safe 0
         assert stats["bleu"].within_group_std > 1e-3
         flagged = monitor.update(stats)
-        # Flagged only once it has stayed flat for the whole window.
-        assert flagged == (["length"] if step == 4 else [])
+        # Flat since the first step: flagged from that step on, not only after the window.
+        assert flagged == ["length"]
     report = monitor.report()
-    assert report["length"] == {"no_signal": True, "steps_flat": 5}
-    assert report["bleu"] == {"no_signal": False, "steps_flat": 0}
+    assert report["length"] == {"no_signal": True, "steps_flat": 5, "steps_seen": 5, "steps_with_signal": 0}
+    assert report["bleu"] == {"no_signal": False, "steps_flat": 0, "steps_seen": 5, "steps_with_signal": 5}
 
 
 def test_flat_run_resets_when_term_varies_again():
     monitor = SignalMonitor(window=2, min_std=0.01)
     flat = {"x": TermStats(mean=0.0, within_group_std=0.0, corr_with_total=0.0)}
     varied = {"x": TermStats(mean=0.0, within_group_std=0.5, corr_with_total=0.3)}
-    assert monitor.update(flat) == []
-    assert monitor.update(flat) == ["x"]
     assert monitor.update(varied) == []
-    assert monitor.report()["x"] == {"no_signal": False, "steps_flat": 0}
+    assert monitor.update(flat) == []  # it carried signal before: one flat step is not enough
+    assert monitor.update(flat) == ["x"]  # the whole window flat
+    assert monitor.update(varied) == []
+    assert monitor.report()["x"] == {"no_signal": False, "steps_flat": 0, "steps_seen": 4, "steps_with_signal": 2}
+
+
+def test_a_term_dead_for_every_step_of_a_short_run_is_flagged_on_each_step():
+    # The embedded default's 3-step run: BLEU 0.0 for every sample, interactivity varying.
+    monitor = SignalMonitor()  # the learner's window of 5 is never reached in 3 steps
+    dead = TermStats(mean=0.0, within_group_std=0.0, corr_with_total=0.0)
+    alive = TermStats(mean=0.4, within_group_std=0.1, corr_with_total=0.9)
+    for _ in range(3):
+        assert monitor.update({"bleu": dead, "interactivity": alive}) == ["bleu"]
+    assert monitor.report()["bleu"]["no_signal"] and not monitor.report()["interactivity"]["no_signal"]
 
 
 def test_hand_case_statistics():
@@ -89,3 +100,28 @@ def test_shape_mismatch_raises():
         step_diagnostics([[{"a": 1.0}], [{"b": 1.0}]], [[1.0], [1.0]])
     with pytest.raises(ValueError):
         SignalMonitor(window=0)
+
+
+def test_a_dead_term_of_a_3_step_run_shows_in_the_closing_table_and_the_live_view(tmp_path):
+    # What the learner writes per step (learner.service: metrics() -> metrics.jsonl, live_counters for
+    # the heartbeat) and what `parley up` prints at the end (deploy.up.summary_text).
+    import json
+
+    from deploy.up import summary_text
+    from learner.service import live_counters
+
+    monitor = SignalMonitor()
+    dead = TermStats(mean=0.0, within_group_std=0.0, corr_with_total=0.0)
+    alive = TermStats(mean=0.4, within_group_std=0.1, corr_with_total=0.9)
+    rows = []
+    for step in range(1, 4):
+        stats = {"bleu": dead, "interactivity": alive}
+        rows.append({"step": step, "version": step, "reward_mean": 0.4, "no_signal_terms": monitor.update(stats),
+                     "reward_terms": {k: {"mean": v.mean, "within_group_std": v.within_group_std,
+                                          "corr_with_total": v.corr_with_total} for k, v in stats.items()}})
+        assert live_counters(rows[-1])["reward.bleu.NO_SIGNAL"] == 1.0
+        assert "reward.interactivity.NO_SIGNAL" not in live_counters(rows[-1])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = summary_text(tmp_path).splitlines()
+    body = [line for line in table if line.startswith("| ") and line[2].isdigit()]
+    assert len(body) == 3 and all(line.rstrip(" |").endswith("bleu") for line in body)

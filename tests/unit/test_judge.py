@@ -79,6 +79,21 @@ def test_parse_verdicts():
             parse_verdict(op, raw)
 
 
+def test_3level_schema_and_verdicts():
+    props = SCHEMAS["interactivity_3level"]["properties"]
+    assert props["interactivity"]["enum"] == [0.0, 0.5, 1.0]
+    assert SCHEMAS["interactivity_3level"]["required"] == ["thought", "interactivity"]
+    for raw, score in [('{"thought": "asked about tone", "interactivity": 1}', 1.0),
+                       ('{"thought": "one question", "interactivity": 0.5}', 0.5),
+                       ('{"thought": "guessed", "interactivity": 0}', 0.0)]:
+        r = parse_verdict("interactivity_3level", raw)
+        assert r.ok and r.score == score and r.levels == {}
+    for raw in ['{"thought": "x", "interactivity": 0.7}', '{"interactivity": 1}', '{"thought": "x", "interactivity": true}',
+                '{"thought": "cut off']:
+        with pytest.raises(ValueError, match="not a valid interactivity_3level reply"):
+            parse_verdict("interactivity_3level", raw)
+
+
 class ScriptedBackend:
     """Backend test double: returns the scripted outputs in order (an Exception is raised)."""
 

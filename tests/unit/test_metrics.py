@@ -1,6 +1,8 @@
 """Unit tests for rewards.metrics: BLEU variants, token amount, interactivity levels."""
 
 import math
+import sys
+import warnings
 
 import pytest
 import sacrebleu
@@ -9,6 +11,8 @@ from rewards.metrics import (
     BLEU_VARIANTS,
     bleu,
     char_bleu,
+    INTERACTIVITY_3LEVEL,
+    interactivity_from_3level,
     interactivity_from_levels,
     token_amount,
 )
@@ -44,17 +48,58 @@ def test_char_bleu_identical_is_one():
     assert char_bleu(text, text) == pytest.approx(1.0, abs=1e-12)
 
 
-def test_char_bleu_hand_case_with_smoothing():
-    # "abcd" vs "abce": p1 = 3/4, p2 = 2/3, p3 = 1/2, p4 = 0/1 -> epsilon 0.1 / 1; BP = 1.
-    expected = (0.75 * (2 / 3) * 0.5 * 0.1) ** 0.25
-    assert char_bleu("abcd", "abce") == pytest.approx(expected, abs=1e-12)
+def test_char_bleu_hand_case_all_orders_match():
+    # "abcdab" vs "abcd": p1 = 4/6 (a, b clipped to 1 each), p2 = 3/5 (ab clipped), p3 = 2/4,
+    # p4 = 1/3; c = 6 > r = 4, so BP = 1.
+    expected = ((4 / 6) * (3 / 5) * (2 / 4) * (1 / 3)) ** 0.25
+    assert char_bleu("abcdab", "abcd") == pytest.approx(expected, abs=1e-12)
+
+
+def test_char_bleu_unmatched_order_is_negligible_not_smoothed():
+    # "abcd" vs "abce": p1 = 3/4, p2 = 2/3, p3 = 1/2, p4 = 0/1. No smoothing (NLTK's default, as
+    # CollabLLM used it): the unmatched order counts as the smallest float, not as epsilon 0.1.
+    expected = math.exp((math.log(0.75) + math.log(2 / 3) + math.log(0.5) + math.log(sys.float_info.min)) / 4)
+    assert char_bleu("abcd", "abce") == pytest.approx(expected, rel=1e-12)
+    assert 0.0 < char_bleu("abcd", "abce") < 1e-70
 
 
 def test_char_bleu_hand_case_with_brevity_penalty():
-    # "ab" vs "abcd": p1 = 2/2, p2 = 1/1, p3 and p4 have no n-grams -> 0.1 / 1 each;
-    # BP = exp(1 - 4/2).
-    expected = math.exp(1 - 4 / 2) * (1.0 * 1.0 * 0.1 * 0.1) ** 0.25
-    assert char_bleu("ab", "abcd") == pytest.approx(expected, abs=1e-12)
+    # "abc" vs "abcabc": p1..p3 = 1, p4 has no 4-gram in the document (0/1); BP = exp(1 - 6/3).
+    expected = math.exp(1 - 6 / 3) * math.exp(math.log(sys.float_info.min) / 4)
+    assert char_bleu("abc", "abcabc") == pytest.approx(expected, rel=1e-12)
+
+
+NLTK_CASES = [
+    ("A short memo about the budget.", "A short memo about the budget."),
+    ("The launch moves to Friday; update your plans.", "Dear team, the launch moves to Friday. Please update your plans."),
+    ("Three Days in Lisbon", "Three Days in Lisbon: Hills, Tiles and Too Many Pastries\n\nI landed in Lisbon on a gray morning."),
+    ("abcd", "abce"),
+    ("abc", "xyz"),
+    ("ab", "abcd"),
+    ("", "xyz"),
+    ("x", ""),
+    ("Héllo wörld, ça va? 😀", "Hello world, ca va?"),
+]
+
+
+@pytest.mark.parametrize("hyp,ref", NLTK_CASES)
+def test_char_bleu_equals_nltk_sentence_bleu_on_raw_strings(hyp, ref):
+    nltk_bleu = pytest.importorskip("nltk.translate.bleu_score")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # NLTK warns when an order has no match; that case is tested too
+        expected = float(nltk_bleu.sentence_bleu([ref], hyp))
+    assert char_bleu(hyp, ref) == pytest.approx(expected, rel=1e-12, abs=0.0)
+
+
+def test_char_bleu_on_bundled_documents_equals_nltk():
+    nltk_bleu = pytest.importorskip("nltk.translate.bleu_score")
+    from tasks.data import load_items
+
+    items = load_items("bundled")[:4]
+    for a in items:
+        for b in items:
+            hyp = b.reference[: len(b.reference) // 2]  # also exercises the brevity penalty
+            assert char_bleu(hyp, a.reference) == pytest.approx(float(nltk_bleu.sentence_bleu([a.reference], hyp)), rel=1e-12)
 
 
 def test_char_bleu_counts_spaces_as_characters():
@@ -99,3 +144,14 @@ def test_interactivity_missing_key_raises():
 def test_interactivity_out_of_range_raises(bad):
     with pytest.raises(ValueError, match="clarification"):
         interactivity_from_levels({"understanding": 1, "clarification": bad, "suggestions": 2})
+
+
+def test_interactivity_3level_passes_the_three_levels():
+    assert INTERACTIVITY_3LEVEL == (0.0, 0.5, 1.0)
+    assert [interactivity_from_3level(v) for v in (0, 0.5, 1)] == [0.0, 0.5, 1.0]
+
+
+@pytest.mark.parametrize("bad", [0.25, 2, -1, True, "1", None, float("nan")])
+def test_interactivity_3level_refuses_other_values(bad):
+    with pytest.raises(ValueError, match="must be one of"):
+        interactivity_from_3level(bad)

@@ -174,3 +174,57 @@ async def test_seed_goes_to_the_judge():
     await score_trajectory(_traj(seed=7), SeedJudge(), ScorerConfig())
     await score_trajectory(_traj(seed=7), SeedJudge(), ScorerConfig(), seed=2007)
     assert seen == [7, 2007]
+
+
+async def test_last_document_extractor_asks_no_judge_for_the_document():
+    draft = "A Week in Lisbon\n\n" + "The trams climb the hills while the river shines below us all day. " * 3
+    traj = _traj(messages=[
+        ChatMessage("user", "can you help me with a blog post"),
+        ChatMessage("assistant", "Sure! Here is a draft:\n\n" + draft + "\n\nLet me know what you think!"),
+    ])
+    judge = FakeJudge()
+    scored = await score_trajectory(traj, judge, ScorerConfig(extract="last_document"))
+    assert scored.document == draft.strip()
+    assert scored.metrics["bleu"] == pytest.approx(bleu(draft.strip(), REFERENCE))
+    assert [op for op, _ in judge.calls] == ["interactivity"]
+    assert [o.op for o in scored.judge] == ["interactivity"] and scored.judge_model == "fake"
+
+
+class ThreeLevelJudge(FakeJudge):
+    def __init__(self, value, ok=True):
+        super().__init__()
+        self.value, self.ok = value, ok
+
+    async def interactivity_3level(self, messages, *, seed=0):
+        self.calls.append(("interactivity_3level", len(messages)))
+        if not self.ok:
+            return JudgeReply(ok=False, attempts=2, error="attempt 2: not JSON", model="fake")
+        return JudgeReply(ok=True, score=self.value, raw="{}", model="fake")
+
+
+async def test_collabllm_variant_uses_the_3level_judge_and_nltk_char_bleu():
+    from scorer.config import SCORING_VARIANTS
+
+    traj = _traj()
+    judge = ThreeLevelJudge(0.5)
+    scored = await score_trajectory(traj, judge, ScorerConfig(**SCORING_VARIANTS["collabllm"]))
+    assert sorted(op for op, _ in judge.calls) == ["extract", "interactivity_3level"]
+    assert scored.metrics["interactivity"] == 0.5
+    assert scored.metrics["bleu"] == pytest.approx(char_bleu(traj.messages[-1].content, REFERENCE))
+    # token amount: the same assistant tokens / 1000 as the default scoring
+    assert scored.metrics["token_amount"] == pytest.approx(0.4)
+    assert scored.total == pytest.approx(scored.metrics["bleu"] + 0.5 - 0.04)
+
+
+async def test_3level_value_off_the_scale_or_a_failure_is_never_a_score():
+    cfg = ScorerConfig(interactivity="3level")
+    with pytest.raises(JudgeFailed, match="unusable.*must be one of"):
+        await score_trajectory(_traj(), ThreeLevelJudge(0.7), cfg)
+    with pytest.raises(JudgeFailed, match="interactivity_3level failed"):
+        await score_trajectory(_traj(), ThreeLevelJudge(1.0, ok=False), cfg)
+
+
+@pytest.mark.parametrize("field,value", [("extract", "longest"), ("interactivity", "5level")])
+def test_unknown_variants_are_refused_with_the_allowed_names(field, value):
+    with pytest.raises(ValueError, match=f"{field}='{value}' not allowed; use one of"):
+        ScorerConfig(**{field: value})
