@@ -203,3 +203,22 @@ def test_overlap_names_the_pairs_and_only_label_kinds_leak():
     held = [_It("c", "t1", "p9"), _It("d", "t8", "p2")]
     assert find_overlap(SOURCE, train, held) == {"prompt": [("b", "d")], "target": [("a", "c")]}
     assert leaking(SOURCE, train, held) == {"target": [("a", "c")]}
+
+
+# ---- [env] -----------------------------------------------------------------------------------
+
+
+def test_env_section_names_the_environment_and_its_options(this_checkout):
+    import msgspec
+
+    from environments.config import EnvConfig
+
+    assert EnvConfig().load().name == "collabllm_medium"
+    cfg = msgspec.toml.decode(b'name = "hidden_goal"\noptions = { n_items = 12, seed = 4 }\n', type=EnvConfig)
+    assert len(cfg.load().tasks.train_eval(DataConfig(eval_fraction=0.25))[1]) == 3
+    assert cfg.record() == {"name": "hidden_goal", "distribution": "parley", "version": "0.1.0",
+                            "entry_point": "environments.hidden_goal:environment", "options": {"n_items": 12, "seed": 4}}
+    with pytest.raises(msgspec.ValidationError, match="env.name='hidden goal' is not an environment name"):
+        msgspec.convert({"name": "hidden goal"}, EnvConfig)
+    with pytest.raises(msgspec.ValidationError, match="unknown field `nmae`"):
+        msgspec.convert({"nmae": "hidden_goal"}, EnvConfig)
