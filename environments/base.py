@@ -224,6 +224,8 @@ class EvalProtocol:
     # the columns `parley select --metric` accepts; the training reward is never one of them
     selectable: tuple[str, ...]
     derived: Mapping[str, Callable[[Mapping[str, float], Finished], float]] = field(default_factory=dict)
+    # how a held-out item becomes a benchmark task, when not as in training (TaskSource.task, split "eval")
+    task: TaskBuilder | None = None
 
     def __post_init__(self) -> None:
         if self.select not in self.selectable:
@@ -262,6 +264,11 @@ class Environment:
                 f"environment {self.name!r}: eval columns {unknown} are neither reward metrics "
                 f"{list(self.reward.names)} nor derived columns {sorted(self.eval.derived)}"
             )
+
+    def eval_task(self, item: Any, *, run: str, task_id: str, n: int, rollout: Any, seed: int, version: int) -> Task:
+        """The benchmark's task for a held-out item: the eval protocol's builder, else the training one."""
+        build = self.eval.task or self.tasks.task
+        return build(item, run=run, task_id=task_id, n=n, rollout=rollout, seed=seed, version=version, split="eval")
 
     @property
     def needs_simulator(self) -> bool:

@@ -17,7 +17,7 @@ from environments.base import (
     SimulatorUser,
     TaskSource,
 )
-from protocol.messages import JudgeReply
+from protocol.messages import JudgeReply, Task
 from rewards.metrics import BLEU_VARIANTS, interactivity_from_levels, token_amount
 from rewards.reward import default_weights, mr
 from tasks.data import Item, task_from_item, train_eval_items
@@ -40,6 +40,18 @@ def _tokens_k(metrics: Mapping[str, float], record: Finished) -> float:
 
 def _mr(metrics: Mapping[str, float], record: Finished) -> float:
     return mr(metrics["bleu"], metrics["interactivity"], _tokens_k(metrics, record))
+
+
+def _eval_task(item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, version: int,
+               split: str = "eval") -> Task:
+    """The benchmark plays every item from scratch: the simulated user opens (no dataset prefix),
+    whatever [rollout].mode training uses. The condition supplies the system prompt."""
+    return Task(
+        task_id=task_id, run=run, item_id=item.item_id, n=n, mode="conversation", prefix=[],
+        reference=item.reference, title=item.title, summary=item.summary, sim_prompt=rollout.sim_prompt,
+        max_new_turns=rollout.max_new_turns, max_tokens=rollout.max_tokens, seed=seed,
+        admitted_version=version, split=split,
+    )
 
 
 def environment(bleu_variant: str = "sacrebleu") -> Environment:
@@ -72,5 +84,6 @@ def environment(bleu_variant: str = "sacrebleu") -> Environment:
             select="mr",
             selectable=("bleu", "interactivity", "mr"),
             derived={"tokens_k": _tokens_k, "mr": _mr},
+            task=_eval_task,
         ),
     )

@@ -98,3 +98,16 @@ def test_eval_protocol_is_the_benchmarks():
 
 def test_the_name_is_the_entry_points():
     assert environment().name == NAME == "collabllm_medium"
+
+
+def test_eval_tasks_are_the_benchmarks():
+    from evaluation.runner import EvalSettings, make_tasks
+
+    env = environment()
+    items = tasks_data.load_items()[:3]
+    settings = EvalSettings(seeds=2, max_new_turns=10, assistant_max_tokens=512, sim_prompt="lazy_summary")
+    rollout = RolloutConfig(max_new_turns=settings.max_new_turns, max_tokens=settings.assistant_max_tokens,
+                            sim_prompt=settings.sim_prompt)
+    ours = [env.eval_task(it, run=settings.run, task_id=f"eval/{it.item_id}/{k}", n=1, rollout=rollout, seed=k, version=0)
+            for it in items for k in range(settings.seeds)]
+    assert ours == make_tasks(items, settings)

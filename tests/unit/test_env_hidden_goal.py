@@ -168,6 +168,9 @@ def test_a_task_carries_the_opening_and_the_hidden_goal():
     assert "FINAL: size=<size>, crust=<crust>, topping=<topping>" in t.system_prompt
     assert (t.sim_prompt, t.item_id, t.n, t.max_new_turns, t.admitted_version) == (NAME, "pizza/large.thin.ham", 4, 8, 3)
     assert not env.needs_judge and not env.needs_simulator
+    # the benchmark plays a held-out goal exactly as training plays one
+    e = env.eval_task(PIZZA, run="r", task_id="eval/x/0", n=1, rollout=rollout, seed=0, version=0)
+    assert e.split == "eval" and (e.prefix, e.reference, e.system_prompt) == (t.prefix, t.reference, t.system_prompt)
 
 
 # ---- played by the actor's loop --------------------------------------------------------------
