@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from environments.base import (
-    EvalProtocol,
     Environment,
+    EvalProtocol,
     Finished,
     JudgeMetric,
     PureMetric,

@@ -25,8 +25,8 @@ from functools import cache
 from importlib import resources
 
 from environments.base import (
-    EvalProtocol,
     Environment,
+    EvalProtocol,
     Finished,
     ProgrammaticUser,
     PureMetric,
@@ -77,6 +77,10 @@ def world() -> World:
     return World(domains=domains, nudge=raw["nudge"], thanks=raw["thanks"])
 
 
+def _slug(text: str) -> str:
+    return "-".join(text.split())
+
+
 @dataclass(frozen=True)
 class Goal:
     """One item: a domain and the value the user wants for each of its slots (in slot order)."""
@@ -87,8 +91,7 @@ class Goal:
     @property
     def item_id(self) -> str:
         # the goal itself (values in slot order, no spaces): the same goal has the same id under every seed
-        slug = lambda text: "-".join(text.split())  # noqa: E731
-        return f"{slug(self.domain)}/" + ".".join(slug(v) for _, v in self.values)
+        return f"{_slug(self.domain)}/" + ".".join(_slug(v) for _, v in self.values)
 
     def hidden(self) -> str:
         """The hidden state, carried as Task.reference to the user and the reward."""
@@ -175,7 +178,7 @@ def respond(messages: Sequence[ChatMessage], hidden: str) -> UserTurn:
 
 def goal_match(conv: Finished) -> float:
     """The fraction of the goal's slots the assistant's last message states exactly; 0 without a final line."""
-    domain, goal = parse_hidden(conv.reference)
+    _, goal = parse_hidden(conv.reference)
     answer = final_answer(last_assistant(conv.messages) or "")
     if answer is None:
         return 0.0

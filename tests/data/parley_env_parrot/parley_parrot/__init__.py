@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 
 from environments.base import (
-    EvalProtocol,
     Environment,
+    EvalProtocol,
     ProgrammaticUser,
     PureMetric,
     Reward,
