@@ -56,7 +56,7 @@ class TaskSource:
     task: TaskBuilder
     # item -> {kind: key}: a key present on both sides of the split is an overlap of that kind
     leakage_keys: Callable[[Any], Mapping[str, str]]
-    # the kinds whose overlap is label leakage (the eval refuses it); other kinds are only reported
+    # the kinds whose overlap is label leakage (the leakage guard refuses it); other kinds are only reported
     leaks: tuple[str, ...] = ()
 
 
@@ -65,7 +65,7 @@ def split_by_key(items: Sequence[Any], key: Callable[[Any], str], eval_fraction:
     """Split by a leakage key, so no key is on both sides: a seeded shuffle of the distinct keys,
     the first round(len x eval_fraction) of them (at least one when eval_fraction > 0) held out."""
     if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction={eval_fraction} must be in [0, 1)")
+        raise ValueError(f"eval_fraction={eval_fraction} must be in [0, 1); set [data] eval_fraction")
     keys = sorted({key(it) for it in items})
     random.Random(seed).shuffle(keys)
     n_eval = round(len(keys) * eval_fraction)
