@@ -80,7 +80,8 @@ PLANTED = '''
 import dataclasses
 from environments.hidden_goal import environment
 
-AN_ENV = environment(n_items=4)
+# Named apart from the bundled hidden_goal, which the installed parley registers under that name.
+AN_ENV = dataclasses.replace(environment(n_items=4), name="planted_goal")
 NOT_AN_ENV = 3
 
 def misnamed():
@@ -106,10 +107,10 @@ def test_a_bad_entry_point_is_named(tmp_path, monkeypatch, value, error, match):
 def test_an_environment_object_takes_no_options(tmp_path, monkeypatch):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "planted_envs.py").write_text(PLANTED)
-    install_dist(tmp_path / "site", monkeypatch, "planted", "1.0", {"hidden_goal": "planted_envs:AN_ENV"})
-    assert registry.load("hidden_goal").name == "hidden_goal"
+    install_dist(tmp_path / "site", monkeypatch, "planted", "1.0", {"planted_goal": "planted_envs:AN_ENV"})
+    assert registry.load("planted_goal").name == "planted_goal"
     with pytest.raises(ValueError, match=r"takes no options; got \['seed'\]"):
-        registry.load("hidden_goal", {"seed": 1})
+        registry.load("planted_goal", {"seed": 1})
 
 
 def test_one_name_from_two_distributions_is_refused(tmp_path, monkeypatch):
