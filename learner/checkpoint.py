@@ -29,6 +29,14 @@ class GroupState(msgspec.Struct, kw_only=True):
     samples: list[Scored] = []
 
 
+class IssuedTask(msgspec.Struct, kw_only=True):
+    """When an in-flight task was issued and the announced version it was admitted at."""
+
+    task_id: str
+    at: float  # unix seconds: the task deadline counts from here, across resumes
+    version: int  # Task.admitted_version
+
+
 class LearnerState(msgspec.Struct, kw_only=True):
     """Everything a resumed learner needs besides the model: the ledger of a consistent moment.
 
@@ -41,11 +49,15 @@ class LearnerState(msgspec.Struct, kw_only=True):
     tag: str = ""  # DeepSpeed checkpoint tag holding the model after `step`; "" = the initial weights
     next_index: int = 0  # feeder: next task index to issue
     in_flight: list[str] = []  # feeder: issued task ids not yet consumed
-    consumed: int = 0  # feeder: issued groups trained, dropped or skipped
-    done: dict[str, str] = {}  # task_id -> "trained" | "timeout" | "stale" | "zero_advantage"
+    consumed: int = 0  # feeder: issued groups trained
+    done: dict[str, str] = {}  # task_id -> "trained" | "timeout" | "stale" | "zero_advantage" | "dead" | "deadline"
     groups: list[GroupState] = []
     counters: dict[str, int] = {}
     saved: float = 0.0
+    # New fields go last (older ledgers decode with the defaults):
+    issued: list[IssuedTask] = []  # feeder: issue time and admitted version of each in_flight task
+    dead_seq: int = 1  # next DEAD stream sequence to read; the letters before it are reflected above
+    reasons: dict[str, str] = {}  # task_id -> why it was not trained (every done kind but "trained")
 
 
 def learner_dir(run_dir: str | Path) -> Path:

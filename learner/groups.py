@@ -95,7 +95,7 @@ class Outcome:
     """A group that left the buffer without being trained, and why."""
 
     task_id: str
-    kind: str  # "timeout" | "stale" | "zero_advantage"
+    kind: str  # "timeout" | "stale" | "zero_advantage" | "dead" | "deadline"
     reason: str
     samples: list[str]  # traj_ids
 
@@ -117,7 +117,7 @@ class Grouper:
         self.stale_policy = stale_policy
         self.timeout_s = timeout_s
         self.buffer: dict[str, Group] = {}
-        self.done: dict[str, str] = {}  # task_id -> "trained" | "timeout" | "stale" | "zero_advantage"
+        self.done: dict[str, str] = {}  # task_id -> "trained" or an Outcome kind
         self.counters: Counter[str] = Counter()
 
     # -- intake ---------------------------------------------------------------------------------
@@ -163,6 +163,20 @@ class Grouper:
                 )
                 out.append(self._finish(g, "timeout", reason))
         return out
+
+    def abandon(self, task_id: str, kind: str, reason: str, sample: int | None = None) -> Outcome | None:
+        """Give up a task that can no longer become a complete group: all of it (sample=None: its
+        Task is dead), or because `sample` will never arrive. None when there is nothing to give up:
+        the task is already finished, its group is complete (trainable as it is), or the lost
+        sample is in fact buffered (an earlier delivery of it got through)."""
+        if task_id in self.done:
+            return None
+        g = self.buffer.get(task_id)
+        if g is not None and (len(g.samples) == self.n or sample in g.samples):
+            return None
+        if g is None:
+            g = self.buffer[task_id] = Group(task_id, first_seen=time.time())
+        return self._finish(g, kind, reason)
 
     def take(self, k: int, learner_version: int) -> tuple[list[Taken], list[Outcome]]:
         """Choose k trainable groups for a step at `learner_version`.
