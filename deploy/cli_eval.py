@@ -244,7 +244,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
     import msgspec
 
     from evaluation.benchmark import summarize, to_markdown, write_table
-    from protocol.bus import Retry
+    from protocol.bus import Poison, Retry
     from evaluation.fleet import FleetError
     from evaluation.runner import EvalServices, LocalJudge, LocalSim, Policy, run_eval
     from evaluation.evallog import write_parquet
@@ -262,7 +262,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
                            creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
         js = nc.jetstream()
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)
-        sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s)
+        sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s, wait_s=cfg.actor.sim_wait_s)
         judge = JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
 
         async def publish_record(rec):
@@ -320,7 +320,8 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
             return 130
         try:
             records = work.result()
-        except (FleetError, Retry) as e:  # Retry: the simulator service did not answer (actors.rollout.SimClient)
+        # Retry / Poison: the simulator service answered garbage or stayed unreachable (actors.rollout.SimClient)
+        except (FleetError, Retry, Poison) as e:
             if done:
                 write_parquet(done, Path(out) / "records.parquet")
             hint = "" if isinstance(e, FleetError) else "; is `parley sim` (or `parley services`) running on this NATS?"

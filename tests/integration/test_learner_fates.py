@@ -129,7 +129,7 @@ async def test_dead_lettered_tasks_free_their_slots(js, nc, tmp_path):
     run, run_dir = "fates", tmp_path / "run"
     cfg = make_cfg(run, run_dir, steps=2, groups_per_step=16, max_staleness=1)
     await topology.ensure_topology(js, run, BUS)
-    learner, actor = await drive(js, nc, cfg, lambda i: "poison" if i < 17 else "answer")
+    learner, _ = await drive(js, nc, cfg, lambda i: "poison" if i < 17 else "answer")
 
     assert learner.step == 2
     dead_ids = {f"{run}-g{i:06d}" for i in range(17)}
@@ -148,7 +148,7 @@ async def test_lost_tasks_are_given_up_at_their_deadline(js, nc, tmp_path):
     cfg = make_cfg(run, run_dir, steps=1, groups_per_step=4, max_staleness=0, group_timeout_s=1.0,
                    task_deadline_s=2.0)
     await topology.ensure_topology(js, run, BUS)
-    learner, _ = await drive(js, nc, cfg, lambda i: "lose" if i < 4 else "answer")
+    await drive(js, nc, cfg, lambda i: "lose" if i < 4 else "answer")
 
     state = read_state(run_dir)
     lost = [f"{run}-g{i:06d}" for i in range(4)]
