@@ -87,7 +87,11 @@ def _weight_override(text: str) -> str:
 
 
 def replay_cmd(
-    logs: Annotated[Optional[list[Path]], typer.Argument(help="Eval logs or scored-trajectory dumps (.parquet / .jsonl).")] = None,
+    logs: Annotated[
+        Optional[list[Path]],
+        typer.Argument(help="Eval logs or scored-trajectory dumps (.parquet / .jsonl), directories of them, or a "
+                            "run directory (its learner archive: every trained and dropped sample of the run)."),
+    ] = None,
     stream: Annotated[
         Optional[str], typer.Option("--stream", help="Also read a run's stored 'eval' or 'scored' stream from NATS (--nats, --run).")
     ] = None,
@@ -118,8 +122,12 @@ def replay_cmd(
     setup_logging("replay")
     from evaluation.evallog import read_records
 
+    from learner.checkpoint import archive_dir
+
     records = []
     for path in logs or []:
+        if archive_dir(path).is_dir():  # a run directory: the learner's archive, which outlives the streams
+            path = archive_dir(path)
         try:
             records += read_records(path)
         except (FileNotFoundError, ValueError, TypeError) as e:

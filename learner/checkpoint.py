@@ -1,6 +1,7 @@
 """The learner's durable state: the ledger (step, feeder position, finished tasks, buffered
 groups) in run_dir/learner/state.msgpack, the DeepSpeed checkpoint it points to, the resume
-truncation of the step logs, and `export_version` (any kept version as an HF checkpoint).
+truncation of the step logs, the archive of every group that left the learner (run_dir/learner/
+archive, read by `parley replay`), and `export_version` (any kept version as an HF checkpoint).
 Written and read by learner.service; export is the `parley export` command. Design: docs/learner.md.
 """
 
@@ -97,6 +98,40 @@ def read_state(run_dir: str | Path) -> LearnerState | None:
     if not path.is_file():
         return None
     return msgspec.msgpack.decode(path.read_bytes(), type=LearnerState)
+
+
+def archive_dir(run_dir: str | Path) -> Path:
+    return learner_dir(run_dir) / "archive"
+
+
+def write_archive(run_dir: str | Path, step: int, trained: list[Scored], dropped: list[Scored]) -> list[Path]:
+    """Keep the samples of a step's trained groups, and of the groups dropped or given up since the
+    previous step, as Parquet logs: the streams forget old messages (max_bytes, max_age), the archive
+    does not. A step trained again after a resume replaces its files."""
+    from evaluation.evallog import write_parquet
+
+    root = archive_dir(run_dir)
+    out = []
+    for kind, samples in (("trained", trained), ("dropped", dropped)):
+        path = root / f"{step_tag(step)}-{kind}.parquet"
+        if samples:
+            out.append(write_parquet(samples, path))
+        else:
+            path.unlink(missing_ok=True)
+    return out
+
+
+def truncate_archive(run_dir: str | Path, max_step: int) -> int:
+    """On resume: remove the archive of steps after the ledger's (they are trained again); returns files removed."""
+    root = archive_dir(run_dir)
+    if not root.is_dir():
+        return 0
+    gone = 0
+    for p in root.glob("step*.parquet"):
+        if p.name[4:10].isdigit() and int(p.name[4:10]) > max_step:
+            p.unlink()
+            gone += 1
+    return gone
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int, current: str) -> None:

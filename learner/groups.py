@@ -98,6 +98,7 @@ class Outcome:
     kind: str  # "timeout" | "stale" | "zero_advantage" | "dead" | "deadline"
     reason: str
     samples: list[str]  # traj_ids
+    group: Group | None = None  # what was buffered of it, for the archive
 
 
 class Grouper:
@@ -230,4 +231,4 @@ class Grouper:
         self.done[g.task_id] = kind
         self.counters[kind] += 1
         log.warning("group %s %s", g.task_id, reason)
-        return Outcome(g.task_id, kind, reason, [s.traj_id for s in g.ordered()])
+        return Outcome(g.task_id, kind, reason, [s.traj_id for s in g.ordered()], group=g)

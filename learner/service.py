@@ -100,6 +100,7 @@ class Learner:
         for g in state.groups:
             self.grouper.restore(Group(g.task_id, g.first_seen, {s.sample: s for s in g.samples}, g.completed))
         self.steplog.truncate(state.step)
+        ckpt.truncate_archive(self.run_dir, state.step)
         log.info(
             "resumed at step %d (checkpoint %s): %d buffered groups, %d finished tasks, feeder at task %d",
             state.step, state.tag or "initial weights", len(state.groups), len(state.done), state.next_index,
@@ -291,8 +292,12 @@ class Learner:
         metrics = self.metrics(taken, stats)
         self.steplog.write(self.step, metrics, self.trained_entry(taken))
         self.live = live_counters(metrics)
+        dropped = [s for o in self.since_step if o.group is not None for s in o.group.ordered()]
         self.since_step = []
         await self.flush()
+        # After the ledger: an archived step is one the ledger vouches for (a resume removes later ones).
+        trained = [s for t in taken for s in t.group.ordered()]
+        await asyncio.to_thread(ckpt.write_archive, self.run_dir, self.step, trained, dropped)
         if self.tag == ckpt.step_tag(self.step):
             ckpt.prune_checkpoints(self.run_dir, self.lc.keep_checkpoints, self.tag)
         log.info(

@@ -17,7 +17,7 @@ from learner.checkpoint import read_state
 from learner.config import LearnerConfig, RolloutConfig
 from protocol import codec, topology
 from protocol.bus import Poison, PullWorker, publish
-from protocol.messages import AssistantTurn, Scored, Task, Trajectory
+from protocol.messages import AssistantTurn, ChatMessage, Scored, Task, Trajectory
 
 pytestmark = [pytest.mark.integration]
 
@@ -25,16 +25,21 @@ N = 2
 BUS = topology.BusSettings(max_bytes=16 * 1024**2, ack_wait_s=4.0)
 
 
-def scored_for(task: Task, sample: int) -> Scored:
-    """A minimal trainable sample of `task` (the trainer double never reads the tokens)."""
+def scored_for(task: Task, sample: int, *, flat: bool = False, pad: int = 0) -> Scored:
+    """A minimal trainable sample of `task` (the trainer double never reads the tokens); rewards
+    differ within the group unless `flat` (then it is skipped as zero advantage); `pad` characters
+    of conversation make it bigger on the wire."""
     traj = Trajectory(
         traj_id=f"{task.task_id}/{sample}", task_id=task.task_id, sample=sample, run=task.run, item_id=task.item_id,
-        messages=[], token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1],
+        messages=[ChatMessage("user", "x" * pad), ChatMessage("assistant", "ok")], token_ids=[1, 2, 3, 4],
+        loss_mask=[0, 0, 1, 1], reference=task.reference,
         turns=[AssistantTurn(start=2, logprobs=[-0.5, -0.5], version=task.admitted_version, finish_reason="stop")],
+        assistant_tokens=2,
     )
-    reward = 0.25 + 0.5 * sample  # distinct within the group: never skipped as zero advantage
-    return Scored(traj_id=traj.traj_id, task_id=task.task_id, sample=sample, run=task.run, metrics={"bleu": reward},
-                  weights={"bleu": 1.0}, total=reward, trajectory=traj)
+    reward = 0.5 if flat else 0.25 + 0.5 * sample
+    return Scored(traj_id=traj.traj_id, task_id=task.task_id, sample=sample, run=task.run,
+                  metrics={"bleu": reward, "interactivity": reward, "token_amount": 0.002},
+                  weights={"bleu": 1.0}, total=reward, trajectory=traj, document="the document")
 
 
 class TrainerDouble:
@@ -63,10 +68,11 @@ class TrainerDouble:
 
 
 class ActorDouble:
-    """Takes Tasks from the shared "actor" consumer: `fate(index)` says "answer", "poison" or "lose"."""
+    """Takes Tasks from the shared "actor" consumer: `fate(index)` says "answer", "flat" (answer with
+    equal rewards), "poison" or "lose"."""
 
-    def __init__(self, js, run: str, fate):
-        self.js, self.run, self.fate = js, run, fate
+    def __init__(self, js, run: str, fate, *, bus=BUS, pad: int = 0):
+        self.js, self.run, self.fate, self.bus, self.pad = js, run, fate, bus, pad
         self.seen: list[Task] = []
 
     async def handle(self, task: Task, msg) -> None:
@@ -74,19 +80,19 @@ class ActorDouble:
         fate = self.fate(int(task.task_id.rsplit("-g", 1)[1]))
         if fate == "poison":
             raise Poison(f"test double: task {task.task_id} refused")
-        if fate == "answer":
+        if fate in ("answer", "flat"):
             for i in range(task.n):
-                await publish(self.js, self.run, "scored", scored_for(task, i))
+                await publish(self.js, self.run, "scored", scored_for(task, i, flat=fate == "flat", pad=self.pad))
         await msg.ack()  # "lose": acked, never answered, never dead-lettered
 
     def start(self, stop: asyncio.Event) -> asyncio.Task:
-        worker = PullWorker(self.js, self.run, "tasks", self.handle, bus=BUS, name="actor-double", concurrency=8,
+        worker = PullWorker(self.js, self.run, "tasks", self.handle, bus=self.bus, name="actor-double", concurrency=8,
                             fetch_timeout=0.5)
         return asyncio.create_task(worker.run_until(stop))
 
 
-def make_cfg(run: str, run_dir, **learner) -> RunConfig:
-    cfg = RunConfig(bus=BUS, rollout=RolloutConfig(n=N), learner=LearnerConfig(ledger_flush_s=0.5, **learner))
+def make_cfg(run: str, run_dir, bus=BUS, **learner) -> RunConfig:
+    cfg = RunConfig(bus=bus, rollout=RolloutConfig(n=N), learner=LearnerConfig(ledger_flush_s=0.5, **learner))
     cfg.run.name, cfg.run.dir = run, str(run_dir)
     return cfg
 
@@ -98,14 +104,14 @@ def base_model(tmp_path):
     return base
 
 
-async def drive(js, nc, cfg, fate, *, resume=False, trainer=None, timeout=120.0):
+async def drive(js, nc, cfg, fate, *, resume=False, trainer=None, timeout=120.0, pad=0):
     """Run the Learner with the actor double until its step budget; returns (learner, actor)."""
     from learner.service import Learner
 
     learner = Learner(cfg, js, nc, trainer or TrainerDouble(), model_dir=base_model(cfg.run_dir.parent),
                       resume=resume, steps=cfg.learner.steps)
     halt = asyncio.Event()
-    actor = ActorDouble(js, cfg.run.name, fate)
+    actor = ActorDouble(js, cfg.run.name, fate, bus=cfg.bus, pad=pad)
     job = actor.start(halt)
     try:
         code = await asyncio.wait_for(learner.run(asyncio.Event()), timeout=timeout)

@@ -141,3 +141,24 @@ def test_cli_replay_reweights_a_log_without_generating(tmp_path):
     assert res.exit_code == 2 and "unknown reward metric 'fluency'" in res.stderr
     res = runner.invoke(app, ["replay", str(log), "--baseline", "nope"])
     assert res.exit_code == 2 and "baseline condition 'nope'" in res.stderr
+
+
+def test_the_learner_archive_is_one_log_per_step_and_a_resume_forgets_later_steps(tmp_path):
+    import msgspec
+
+    from learner.checkpoint import archive_dir, truncate_archive, write_archive
+
+    s = scored()
+    late = msgspec.structs.replace(s, traj_id="t2/0", task_id="t2")
+    assert len(write_archive(tmp_path, 1, [s], [])) == 1
+    write_archive(tmp_path, 2, [late], [s])
+    assert sorted(p.name for p in archive_dir(tmp_path).iterdir()) == [
+        "step000001-trained.parquet", "step000002-dropped.parquet", "step000002-trained.parquet"]
+    assert read_log(archive_dir(tmp_path)) == [s, s, late]  # a directory reads in name order
+    assert truncate_archive(tmp_path, 1) == 2 and read_log(archive_dir(tmp_path)) == [s]
+    write_archive(tmp_path, 1, [late], [])  # trained again after a resume: replaced
+    assert read_log(archive_dir(tmp_path)) == [late]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="holds no .parquet or .jsonl logs"):
+        read_log(empty)
