@@ -55,7 +55,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     group_timeout_s: float = 1800.0  # a partial group is dropped after this
     # An issued task that has not become a complete group this long after it was issued is given up
     # (its admission slot freed, the reason in the ledger): the backstop for fates the DEAD stream
-    # does not tell (a letter that lost its payload or aged out). Counted across resumes.
+    # does not tell (a letter that lost its payload or aged out). Counts learner uptime, across resumes.
     task_deadline_s: float = 7200.0
     lr: float = 1e-6
     warmup_steps: int = 0

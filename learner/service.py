@@ -105,9 +105,12 @@ class Learner:
             "resumed at step %d (checkpoint %s): %d buffered groups, %d finished tasks, feeder at task %d",
             state.step, state.tag or "initial weights", len(state.groups), len(state.done), state.next_index,
         )
-        # A ledger from before issue records were kept: the deadline of its tasks counts from now.
-        issued = {i.task_id: Issued(at=i.at, version=i.version) for i in state.issued}
+        # The deadline counts only while a learner runs: the time it was down is added to each issue
+        # time, so the samples actors produced meanwhile (waiting in SCORED) are read before any of
+        # their tasks is given up. A ledger from before issue records were kept counts from now.
         now = time.time()
+        down = max(0.0, now - state.saved)
+        issued = {i.task_id: Issued(at=i.at + down, version=i.version) for i in state.issued}
         in_flight = {t: issued.get(t) or Issued(at=now, version=state.step) for t in state.in_flight}
         return FeederState(next_index=state.next_index, in_flight=in_flight, consumed=state.consumed)
 
@@ -209,8 +212,9 @@ class Learner:
                 letters, nxt = await dead.read_since(self.js, self.run_name, self.dead_seq)
             except (*UNREACHABLE, APIError) as e:
                 if not failing:
-                    log.warning("cannot read the DEAD stream (%s: %s); retrying, task_deadline_s=%g is the backstop "
-                                "meanwhile", type(e).__name__, e, self.lc.task_deadline_s)
+                    log.warning("cannot read the DEAD stream (%s: %s): NATS away, or this user may not read it "
+                                "(deploy/auth.py); retrying, task_deadline_s=%g is the backstop meanwhile",
+                                type(e).__name__, e, self.lc.task_deadline_s)
                 failing = True
             else:
                 failing = False

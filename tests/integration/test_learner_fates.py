@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 
+import msgspec
 import pytest
 
 from deploy.config import RunConfig
@@ -235,3 +236,22 @@ async def test_admission_waits_for_the_announced_version(js, nc, tmp_path):
     assert {0, 1} <= {t.admitted_version for t in tasks} <= {0, 1, 2}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["admission_lag_hist"] for r in rows] == [{"0": 2}, {"0": 2}]
+
+
+def test_a_resumed_deadline_does_not_count_the_time_the_learner_was_down(tmp_path):
+    from learner import checkpoint as ckpt
+    from learner.service import Learner
+
+    run_dir = tmp_path / "run"
+    cfg = make_cfg("down", run_dir, steps=1, groups_per_step=2, max_staleness=0)
+    ckpt.write_state(run_dir, ckpt.LearnerState(in_flight=["down-g000000", "down-g000001"], next_index=2,
+                                                issued=[ckpt.IssuedTask(task_id="down-g000000", at=0.0, version=0)]))
+    state = ckpt.read_state(run_dir)
+    state.saved -= 3 * 3600.0  # written at issue time + 1 s, then three hours down
+    state.issued[0].at = state.saved - 1.0
+    (ckpt.learner_dir(run_dir) / ckpt.STATE_FILE).write_bytes(msgspec.msgpack.encode(state))
+    learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
+    ages = dict(learner.feeder.overdue(-1e9))
+    assert 0.5 < ages["down-g000000"] < 60  # 1 s of uptime (+ this test), not three hours
+    assert ages["down-g000001"] < 60  # no issue record (an older ledger): counted from the resume
+    assert learner.feeder.overdue(cfg.learner.task_deadline_s) == []
