@@ -24,7 +24,7 @@ from learner import checkpoint as ckpt
 from learner.feeder import Feeder, FeederState, Issued
 from learner.groups import BadTrajectory, Group, Grouper, Outcome, Taken, behaviour_logprobs, check_trajectory
 from learner.steplog import StepLog
-from protocol import dead, status, topology
+from protocol import backlog, dead, status, topology
 from protocol.bus import COUNTERS, UNREACHABLE, Poison, PullWorker, retry_unreachable
 from protocol.messages import Heartbeat
 from protocol.weights import publish_version
@@ -53,6 +53,7 @@ class Learner:
         self.since_step: list[Outcome] = []  # groups dropped/skipped since the last step
         self.reasons: dict[str, str] = {}  # task_id -> why it was not trained (kept in the ledger)
         self.dead_seq = 1  # next DEAD stream sequence to read
+        self.backlog: dict[str, float] = {}  # channel -> share of its max_bytes unconsumed (protocol.backlog)
         self.counters: Counter[str] = Counter()
         self.steplog = StepLog(self.run_dir)
         self._data = asyncio.Event()
@@ -127,6 +128,7 @@ class Learner:
             asyncio.create_task(worker.run_until(halt), name="scored-consumer"),
             asyncio.create_task(self.keep_alive(halt), name="keep-alive"),
             asyncio.create_task(self.watch_dead(halt), name="dead-letters"),
+            asyncio.create_task(self.watch_backlog(halt), name="backlog"),
             asyncio.create_task(status.heartbeat_loop(self.nc, self.run_name, self.heartbeat, halt), name="heartbeat"),
         ]
         if self.evals is not None:
@@ -224,6 +226,28 @@ class Learner:
                 self.dead_seq = nxt  # after applying them: a ledger never skips a letter it did not see
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(halt.wait(), timeout=every)
+
+    async def watch_backlog(self, halt: asyncio.Event, every: float = 30.0) -> None:
+        while not halt.is_set():
+            await self.check_backlog()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(halt.wait(), timeout=every)
+
+    async def check_backlog(self) -> None:
+        """Warn (once per crossing) when a channel's unconsumed messages near its stream's limit:
+        past it the stream drops its oldest messages unread."""
+        try:
+            now = await backlog.shares(self.js, self.run_name)
+        except (*UNREACHABLE, APIError) as e:
+            log.debug("backlog check skipped (%s: %s)", type(e).__name__, e)
+            return
+        for key, (share, max_bytes) in now.items():
+            was = self.backlog.get(key, 0.0)
+            if share >= backlog.WARN_SHARE > was:
+                log.warning("%s", backlog.warning(key, share, max_bytes))
+            elif was >= backlog.WARN_SHARE > share:
+                log.info("stream %s: unconsumed messages back to %.0f%% of max_bytes", key, 100 * share)
+            self.backlog[key] = share
 
     def on_dead(self, dl) -> None:
         ref = dead.task_ref(self.run_name, dl)
@@ -419,6 +443,7 @@ class Learner:
                 **{k: float(v) for k, v in self.counters.items()},
                 **{k: float(v) for k, v in COUNTERS.items()},
                 **self.live,
+                **{f"backlog.{k}": v for k, v in self.backlog.items()},
                 **(self.evals.counters() if self.evals is not None else {}),
             },
         )
