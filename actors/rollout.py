@@ -56,7 +56,7 @@ class SimClient:
     handed back (bus.Retry) rather than continued with an invented user message.
     """
 
-    def __init__(self, nc, *, timeout_s: float, wait_s: float = 0.0, attempts: int = 4, backoff_s: float = 1.0,
+    def __init__(self, nc, *, timeout_s: float, wait_s: float, attempts: int = 4, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0):
         self.nc, self.timeout_s, self.wait_s, self.attempts = nc, timeout_s, wait_s, attempts
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
