@@ -253,6 +253,8 @@ class Learner:
         ref = dead.task_ref(self.run_name, dl)
         if ref is None or ref.task_id not in self.feeder.state.in_flight:
             return  # not about a task we issued and still wait for
+        if ref.sample is not None and not 0 <= ref.sample < self.grouper.n:
+            return  # a sample no group has (refused for its index): no real sample of the task is lost
         what = "its Task" if ref.sample is None else f"sample {ref.sample}"
         reason = f"dead: {what} was dead-lettered by {dl.consumer} ({ref.key}): {dl.reason}"
         outcome = self.grouper.abandon(ref.task_id, "dead", reason, sample=ref.sample)

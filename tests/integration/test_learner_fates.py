@@ -255,3 +255,27 @@ def test_a_resumed_deadline_does_not_count_the_time_the_learner_was_down(tmp_pat
     assert 0.5 < ages["down-g000000"] < 60  # 1 s of uptime (+ this test), not three hours
     assert ages["down-g000001"] < 60  # no issue record (an older ledger): counted from the resume
     assert learner.feeder.overdue(cfg.learner.task_deadline_s) == []
+
+
+def test_only_a_real_sample_of_an_issued_task_gives_it_up(tmp_path):
+    from learner.feeder import Issued
+    from learner.service import Learner
+    from protocol.messages import DeadLetter
+
+    cfg = make_cfg("one", tmp_path / "run", steps=1, groups_per_step=2, max_staleness=0)
+    learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)
+    learner.feeder.state.in_flight["one-g000000"] = Issued(at=0.0, version=0)
+    task = Task(task_id="one-g000000", run="one", item_id="i", n=N)
+
+    def letter(sample: int) -> DeadLetter:
+        s = scored_for(task, 0)
+        s.sample = s.trajectory.sample = sample
+        return DeadLetter(subject=topology.subject("one", "scored"), reason="refused", consumer="learner-x",
+                          payload=codec.encode(s))
+
+    learner.on_dead(letter(7))  # outside 0..n-1: a bogus sample, not a lost one
+    assert "one-g000000" in learner.feeder.state.in_flight
+    learner.on_dead(letter(1))
+    assert "one-g000000" not in learner.feeder.state.in_flight
+    assert learner.grouper.done["one-g000000"] == "dead"
+    assert learner.reasons["one-g000000"] == "dead: sample 1 was dead-lettered by learner-x (scored): refused"
