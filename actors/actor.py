@@ -37,7 +37,7 @@ class Actor:
         self.ident = ident
         self.concurrency = concurrency or cfg.actor.concurrency
         self._slots = asyncio.Semaphore(self.concurrency)
-        self.sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s)
+        self.sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s, wait_s=cfg.actor.sim_wait_s)
         self.follower = WeightFollower(js, self.run, engine, dest_root=weights_dir, poll_s=cfg.actor.weights_poll_s,
                                        base_dir=engine.settings.model)
         self.policy = PolicySettings(
@@ -54,7 +54,8 @@ class Actor:
 
     def heartbeat(self) -> Heartbeat:
         counters = {k: float(v) for k, v in (self.counters + bus.COUNTERS).items()}
-        counters.update(in_flight=float(self.in_flight), refused_versions=float(len(self.follower.refused)))
+        counters.update(in_flight=float(self.in_flight), refused_versions=float(len(self.follower.refused)),
+                        sim_waits=float(self.sim.waits))
         state = "busy" if self.state == "ready" and self.in_flight else self.state
         return Heartbeat(role="actor", id=self.ident, state=state, version=self.engine.version, counters=counters)
 

@@ -32,6 +32,9 @@ class ActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     temperature: float = 1.0  # behaviour policy; log-probs are of the raw distribution
     top_p: float = 1.0
     sim_timeout_s: float = 180.0  # one simulator request
+    # While the simulator is unreachable a conversation waits for it (the task held, its deliveries
+    # not spent: a simulator restart can take minutes); after this long the task is dead-lettered.
+    sim_wait_s: float = 900.0
     weights_poll_s: float = 5.0  # poll the weights key as well as watching it
 
     def __post_init__(self) -> None:
@@ -39,3 +42,5 @@ class ActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"concurrency={self.concurrency} must be >= 1")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.sim_wait_s < 0:
+            raise ValueError(f"sim_wait_s={self.sim_wait_s} must be >= 0 (0 gives a task up at the first outage)")

@@ -63,6 +63,8 @@ class ZeroCostPolicy:
 class ZeroCostSim:
     """Test double for actors.rollout.SimClient: the user's opening message, at once."""
 
+    waits = 0  # requests that found the simulator unreachable: never here
+
     async def ask(self, req) -> SimReply:
         return SimReply(message="Write me a short note about the meeting, keep it friendly.", model="zero-cost-sim")
 

@@ -87,7 +87,11 @@ def _weight_override(text: str) -> str:
 
 
 def replay_cmd(
-    logs: Annotated[Optional[list[Path]], typer.Argument(help="Eval logs or scored-trajectory dumps (.parquet / .jsonl).")] = None,
+    logs: Annotated[
+        Optional[list[Path]],
+        typer.Argument(help="Eval logs or scored-trajectory dumps (.parquet / .jsonl), directories of them, or a "
+                            "run directory (its learner archive: every trained and dropped sample of the run)."),
+    ] = None,
     stream: Annotated[
         Optional[str], typer.Option("--stream", help="Also read a run's stored 'eval' or 'scored' stream from NATS (--nats, --run).")
     ] = None,
@@ -127,8 +131,12 @@ def replay_cmd(
     setup_logging("replay")
     from evaluation.evallog import read_records
 
+    from learner.checkpoint import archive_dir
+
     records = []
     for path in logs or []:
+        if archive_dir(path).is_dir():  # a run directory: the learner's archive, which outlives the streams
+            path = archive_dir(path)
         try:
             records += read_records(path)
         except (FileNotFoundError, ValueError, TypeError) as e:
@@ -260,7 +268,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
 
     import msgspec
 
-    from protocol.bus import Retry
+    from protocol.bus import Poison, Retry
     from evaluation.fleet import FleetError
     from evaluation.runner import EvalServices, LocalJudge, LocalSim, NotScored, Policy, run_eval
     from evaluation.evallog import write_parquet
@@ -278,7 +286,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
                            creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
         js = nc.jetstream()
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)
-        sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s)
+        sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s, wait_s=cfg.actor.sim_wait_s)
         judge = JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
 
         async def publish_record(rec):
@@ -341,7 +349,8 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
             return 130
         try:
             records = work.result()
-        except (FleetError, Retry) as e:  # Retry: the simulator service did not answer (actors.rollout.SimClient)
+        # Retry / Poison: the simulator service answered garbage or stayed unreachable (actors.rollout.SimClient)
+        except (FleetError, Retry, Poison) as e:
             if done:
                 write_parquet(done, Path(out) / "records.parquet")
             hint = "" if isinstance(e, FleetError) else "; is `parley sim` (or `parley services`) running on this NATS?"

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from protocol import codec, topology
+from protocol.backlog import WARN_SHARE, unconsumed_share, warning
 from protocol.messages import Heartbeat
 
 STALE_AFTER_S = 10.0  # a role silent this long is shown as "lost"
@@ -25,6 +26,8 @@ class StreamRow:
     pending: int = 0  # not yet delivered to the shared consumer
     ack_pending: int = 0  # delivered, not yet acked (work in progress)
     redelivered: int = 0
+    backlog: float = 0.0  # share of the stream's max_bytes held by unconsumed messages (protocol.backlog)
+    max_bytes: int = 0
 
 
 @dataclass
@@ -59,12 +62,15 @@ class RunWatcher:
             with contextlib.suppress(Exception):
                 info = await self.js.stream_info(name)
                 row.messages = info.state.messages
+                row.max_bytes = info.config.max_bytes or 0
             if channel.durable:
                 with contextlib.suppress(Exception):
                     ci = await self.js.consumer_info(name, channel.durable)
                     row.pending = ci.num_pending or 0
                     row.ack_pending = ci.num_ack_pending or 0
                     row.redelivered = ci.num_redelivered or 0
+                    row.backlog = unconsumed_share(info.state.messages, info.state.bytes,
+                                                   row.pending + row.ack_pending, row.max_bytes)
             self.snap.streams[key] = row
         now = time.time()
         self._traj_hist.append((now, self.snap.streams.get("traj", StreamRow()).messages))
@@ -96,10 +102,14 @@ def render(snap: Snapshot, run: str, title: str = ""):
         roles.add_row(hb.role, hb.id, state, str(hb.version), counters)
 
     streams = Table(title="streams", expand=True)
-    for col in ("stream", "stored", "waiting", "in progress", "redelivered"):
+    for col in ("stream", "stored", "waiting", "in progress", "redelivered", "of max_bytes"):
         streams.add_column(col, justify="right" if col != "stream" else "left")
     for key, row in snap.streams.items():
-        streams.add_row(key, str(row.messages), str(row.pending), str(row.ack_pending), str(row.redelivered))
+        share = f"{row.backlog:.0%}" + (" FULL SOON" if row.backlog >= WARN_SHARE else "")
+        streams.add_row(key, str(row.messages), str(row.pending), str(row.ack_pending), str(row.redelivered), share)
+    warnings = backlog_warnings(snap)
+    if warnings:
+        streams.caption = "\n".join(warnings)
 
     learner = next((hb for hb in snap.roles.values() if hb.role == "learner"), None)
     progress = Table(title="learning", expand=True)
@@ -115,6 +125,11 @@ def render(snap: Snapshot, run: str, title: str = ""):
             if k.startswith(("reward.", "staleness")):
                 progress.add_row(k, _fmt(v))
     return Group(roles, streams, progress)
+
+
+def backlog_warnings(snap: Snapshot) -> list[str]:
+    """One line per stream whose unconsumed messages approach its byte limit."""
+    return [warning(key, row.backlog, row.max_bytes) for key, row in snap.streams.items() if row.backlog >= WARN_SHARE]
 
 
 def _fmt(v: float) -> str:

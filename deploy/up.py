@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from deploy.config import RunConfig, dump_config
+from protocol.backlog import WARN_SHARE
 from runtime.supervisor import Supervisor
 
 log = logging.getLogger("parley.up")
@@ -195,6 +196,8 @@ def progress_line(snap) -> str:
         parts.append(f"eval {'v%d running' % running if running >= 0 else 'idle'}, {int(c['eval.queued'])} queued")
         if "eval.version" in c:
             parts.append(f"last eval v{int(c['eval.version'])}: mr {c.get('eval.mr', float('nan')):.3f}")
+    # A stream about to drop work its consumer has not had (protocol.backlog).
+    parts += [f"BACKLOG {key} {row.backlog:.0%} of max_bytes" for key, row in s.items() if row.backlog >= WARN_SHARE]
     return " | ".join(parts)
 
 

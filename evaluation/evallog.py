@@ -142,10 +142,16 @@ def write_jsonl(records: Iterable[msgspec.Struct], path: str | Path) -> Path:
 
 
 def read_log(path: str | Path) -> list:
-    """EvalRecords and/or Scored trajectories from a .parquet or .jsonl file, as stored."""
+    """EvalRecords and/or Scored trajectories from a .parquet or .jsonl file, as stored, or from every
+    such file in a directory (in name order: the learner's archive names them by step)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"log {p} does not exist")
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.suffix in (".parquet", ".jsonl"))
+        if not files:
+            raise ValueError(f"log directory {p} holds no .parquet or .jsonl logs")
+        return [r for f in files for r in read_log(f)]
     if p.suffix == ".parquet":
         return _read_parquet(p)
     if p.suffix in (".jsonl", ".json"):

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import msgspec
 
-from protocol import codec, topology
-from protocol.messages import DeadLetter, EvalRecord, Scored, Task, Trajectory
+from protocol import dead, topology
+from protocol.messages import EvalRecord, Scored, Task, Trajectory
 from evaluation.runner import Condition
 
 log = logging.getLogger("parley.eval.fleet")
@@ -155,31 +155,14 @@ async def play_condition_fleet(
 
 async def _read_dead(js, run: str, seq: int, by_id: dict[str, Task], keep, lost: dict[str, str]) -> int:
     """Dead letters since `seq`: a trajectory becomes an unscored record, a task is lost. Returns the next seq."""
-    from nats.js.errors import NotFoundError
-
-    name = topology.stream_name(run, "dead")
-    info = await js.stream_info(name)
-    while seq <= info.state.last_seq:
-        try:
-            msg = await js.get_msg(name, seq)
-        except NotFoundError:
-            seq += 1
+    letters, seq = await dead.read_since(js, run, seq)
+    for _, dl in letters:
+        ref = dead.task_ref(run, dl) if dl is not None else None
+        if ref is None or ref.task_id not in by_id or ref.message is None:
             continue
-        seq += 1
-        try:
-            dl = codec.decode("dead", msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            continue
-        assert isinstance(dl, DeadLetter)
-        if dl.subject == topology.subject(run, "traj"):
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                traj = codec.decode("traj", dl.payload)
-                if traj.task_id in by_id:
-                    log.warning("%s not scored (%s); kept unscored", traj.traj_id, dl.reason)
-                    await keep(by_id[traj.task_id], traj, None)
-        elif dl.subject == topology.subject(run, "tasks"):
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                task = codec.decode("tasks", dl.payload)
-                if task.task_id in by_id:
-                    lost[task.task_id] = f"dead-lettered by {dl.consumer}: {dl.reason}"
+        if ref.key == "traj":
+            log.warning("%s not scored (%s); kept unscored", ref.message.traj_id, dl.reason)
+            await keep(by_id[ref.task_id], ref.message, None)
+        elif ref.key == "tasks":
+            lost[ref.task_id] = f"dead-lettered by {dl.consumer}: {dl.reason}"
     return seq

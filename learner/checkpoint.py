@@ -1,6 +1,7 @@
 """The learner's durable state: the ledger (step, feeder position, finished tasks, buffered
 groups) in run_dir/learner/state.msgpack, the DeepSpeed checkpoint it points to, the resume
-truncation of the step logs, and `export_version` (any kept version as an HF checkpoint).
+truncation of the step logs, the archive of every group that left the learner (run_dir/learner/
+archive, read by `parley replay`), and `export_version` (any kept version as an HF checkpoint).
 Written and read by learner.service; export is the `parley export` command. Design: docs/learner.md.
 """
 
@@ -29,6 +30,14 @@ class GroupState(msgspec.Struct, kw_only=True):
     samples: list[Scored] = []
 
 
+class IssuedTask(msgspec.Struct, kw_only=True):
+    """When an in-flight task was issued and the announced version it was admitted at."""
+
+    task_id: str
+    at: float  # unix seconds: the task deadline counts from here, across resumes
+    version: int  # Task.admitted_version
+
+
 class LearnerState(msgspec.Struct, kw_only=True):
     """Everything a resumed learner needs besides the model: the ledger of a consistent moment.
 
@@ -41,11 +50,15 @@ class LearnerState(msgspec.Struct, kw_only=True):
     tag: str = ""  # DeepSpeed checkpoint tag holding the model after `step`; "" = the initial weights
     next_index: int = 0  # feeder: next task index to issue
     in_flight: list[str] = []  # feeder: issued task ids not yet consumed
-    consumed: int = 0  # feeder: issued groups trained, dropped or skipped
-    done: dict[str, str] = {}  # task_id -> "trained" | "timeout" | "stale" | "zero_advantage"
+    consumed: int = 0  # feeder: issued groups trained
+    done: dict[str, str] = {}  # task_id -> "trained" | "timeout" | "stale" | "zero_advantage" | "dead" | "deadline"
     groups: list[GroupState] = []
     counters: dict[str, int] = {}
     saved: float = 0.0
+    # New fields go last (older ledgers decode with the defaults):
+    issued: list[IssuedTask] = []  # feeder: issue time and admitted version of each in_flight task
+    dead_seq: int = 1  # next DEAD stream sequence to read; the letters before it are reflected above
+    reasons: dict[str, str] = {}  # task_id -> why it was not trained (every done kind but "trained")
 
 
 def learner_dir(run_dir: str | Path) -> Path:
@@ -85,6 +98,40 @@ def read_state(run_dir: str | Path) -> LearnerState | None:
     if not path.is_file():
         return None
     return msgspec.msgpack.decode(path.read_bytes(), type=LearnerState)
+
+
+def archive_dir(run_dir: str | Path) -> Path:
+    return learner_dir(run_dir) / "archive"
+
+
+def write_archive(run_dir: str | Path, step: int, trained: list[Scored], dropped: list[Scored]) -> list[Path]:
+    """Keep the samples of a step's trained groups, and of the groups dropped or given up since the
+    previous step, as Parquet logs: the streams forget old messages (max_bytes, max_age), the archive
+    does not. A step trained again after a resume replaces its files."""
+    from evaluation.evallog import write_parquet
+
+    root = archive_dir(run_dir)
+    out = []
+    for kind, samples in (("trained", trained), ("dropped", dropped)):
+        path = root / f"{step_tag(step)}-{kind}.parquet"
+        if samples:
+            out.append(write_parquet(samples, path))
+        else:
+            path.unlink(missing_ok=True)
+    return out
+
+
+def truncate_archive(run_dir: str | Path, max_step: int) -> int:
+    """On resume: remove the archive of steps after the ledger's (they are trained again); returns files removed."""
+    root = archive_dir(run_dir)
+    if not root.is_dir():
+        return 0
+    gone = 0
+    for p in root.glob("step*.parquet"):
+        if p.name[4:10].isdigit() and int(p.name[4:10]) > max_step:
+            p.unlink()
+            gone += 1
+    return gone
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int, current: str) -> None:

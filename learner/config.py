@@ -53,6 +53,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_staleness: int = 1  # versions a group may lag behind the learner
     stale_policy: str = "drop"  # "drop" | "correct" (truncated importance sampling)
     group_timeout_s: float = 1800.0  # a partial group is dropped after this
+    # An issued task that has not become a complete group this long after it was issued is given up
+    # (its admission slot freed, the reason in the ledger): the backstop for fates the DEAD stream
+    # does not tell (a letter that lost its payload or aged out). Counts learner uptime, across resumes.
+    task_deadline_s: float = 7200.0
     lr: float = 1e-6
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -126,3 +130,15 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("early_stop = true needs eval_every > 0 (it acts on the periodic eval)")
         if self.group_timeout_s <= 0:
             raise ValueError(f"group_timeout_s={self.group_timeout_s} must be > 0")
+        if self.task_deadline_s < self.group_timeout_s:
+            raise ValueError(
+                f"task_deadline_s={self.task_deadline_s} must be >= group_timeout_s={self.group_timeout_s}: "
+                "the deadline counts from issue, the group timeout from the first sample, so a shorter "
+                "deadline would cut groups the timeout still waits for"
+            )
+        if self.publish_every > self.max_staleness + 1:
+            raise ValueError(
+                f"publish_every={self.publish_every} must be <= max_staleness + 1 = {self.max_staleness + 1}: "
+                "tasks are admitted on the announced version, so the learner could never get further ahead "
+                "than that and would stop; publish more often or raise max_staleness"
+            )

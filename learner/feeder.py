@@ -1,6 +1,7 @@
 """The task feeder: publishes one Task per GRPO group from the training split, in a fixed order,
 while the staleness gate is open. Run by learner.service beside the grouping consumer; the
-service tells it which groups were consumed and which version the learner is at.
+service tells it which issued tasks are finished (trained, or given up with a reason) and which
+version the learner has announced to the actors.
 
 Task ids are f"{run}-g{index:06d}", so a resumed feeder that republishes from its checkpointed
 index is deduplicated by Msg-Id instead of asking for the same samples twice.
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 from tasks.data import Item, task_from_item
@@ -50,17 +52,30 @@ def item_order(n_items: int, index: int, seed: int) -> int:
     return perm[pos]
 
 
+@dataclass(frozen=True)
+class Issued:
+    """When a task was issued and at which announced version (its Task.admitted_version)."""
+
+    at: float  # unix seconds, so a resumed learner keeps counting the task's deadline
+    version: int
+
+
 @dataclass
 class FeederState:
     """What the checkpoint keeps of the feeder."""
 
     next_index: int = 0
-    in_flight: set[str] = field(default_factory=set)  # issued task ids whose group is not yet consumed
+    in_flight: dict[str, Issued] = field(default_factory=dict)  # issued tasks whose group is not yet finished
     consumed: int = 0  # issued groups trained (a dropped or skipped group gives its slot back)
 
 
 class Feeder:
-    """Publishes tasks while `may_admit` holds; `mark_consumed` and `set_version` reopen the gate."""
+    """Publishes tasks while `may_admit` holds; `mark_consumed` and `set_version` reopen the gate.
+
+    `version` is the version the actors have been told to serve (set after publication succeeded),
+    not the trainer's step: a task admitted "at v" is then sampled with v or newer, so the gate's
+    staleness bound holds for the policy that actually generates it.
+    """
 
     def __init__(self, js, run: str, items: list[Item], rollout, *, max_staleness: int, groups_per_step: int,
                  seed: int = 0, state: FeederState | None = None):
@@ -84,23 +99,30 @@ class Feeder:
         s = self.state
         return may_admit(len(s.in_flight), s.consumed, self.version, self.max_staleness, self.groups_per_step)
 
-    def mark_consumed(self, task: str, trained: bool = True) -> bool:
-        """A group left the learner. False if we did not issue it.
+    def mark_consumed(self, task: str, trained: bool = True) -> Issued | None:
+        """A group left the learner: its issue record, or None if we did not issue it.
 
         Only trained groups count as consumed: the version moves with them. A dropped (stale,
-        timed out) or skipped (zero advantage) group just leaves the in-flight set, so its slot is
-        refilled; counting it would shrink the admission window for good and, after
+        timed out, dead-lettered, past its deadline) or skipped (zero advantage) group just leaves
+        the in-flight set, so its slot is refilled; counting it would shrink the admission window for good and, after
         max_staleness x groups_per_step + 1 losses, stop admission altogether.
         """
-        if task not in self.state.in_flight:
-            return False
-        self.state.in_flight.discard(task)
+        issued = self.state.in_flight.pop(task, None)
+        if issued is None:
+            return None
         if trained:
             self.state.consumed += 1
         self._wake.set()
-        return True
+        return issued
+
+    def overdue(self, deadline_s: float, now: float | None = None) -> list[tuple[str, float]]:
+        """Issued tasks older than `deadline_s`, oldest first, with their age in seconds."""
+        now = time.time() if now is None else now
+        late = [(t, now - i.at) for t, i in self.state.in_flight.items() if now - i.at > deadline_s]
+        return sorted(late, key=lambda x: -x[1])
 
     def set_version(self, version: int) -> None:
+        """The actors have been told to serve `version` (publication succeeded): admit on it."""
         self.version = version
         self._wake.set()
 
@@ -118,7 +140,7 @@ class Feeder:
                 task = self.task(s.next_index)
                 await publish(self.js, self.run_name, "tasks", task)
                 # Only after the store acknowledged it: a checkpoint never claims an unpublished task.
-                s.in_flight.add(task.task_id)
+                s.in_flight[task.task_id] = Issued(at=time.time(), version=task.admitted_version)
                 s.next_index += 1
                 continue
             if not self.paused:

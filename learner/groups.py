@@ -95,9 +95,10 @@ class Outcome:
     """A group that left the buffer without being trained, and why."""
 
     task_id: str
-    kind: str  # "timeout" | "stale" | "zero_advantage"
+    kind: str  # "timeout" | "stale" | "zero_advantage" | "dead" | "deadline"
     reason: str
     samples: list[str]  # traj_ids
+    group: Group | None = None  # what was buffered of it, for the archive
 
 
 class Grouper:
@@ -117,7 +118,7 @@ class Grouper:
         self.stale_policy = stale_policy
         self.timeout_s = timeout_s
         self.buffer: dict[str, Group] = {}
-        self.done: dict[str, str] = {}  # task_id -> "trained" | "timeout" | "stale" | "zero_advantage"
+        self.done: dict[str, str] = {}  # task_id -> "trained" or an Outcome kind
         self.counters: Counter[str] = Counter()
 
     # -- intake ---------------------------------------------------------------------------------
@@ -163,6 +164,20 @@ class Grouper:
                 )
                 out.append(self._finish(g, "timeout", reason))
         return out
+
+    def abandon(self, task_id: str, kind: str, reason: str, sample: int | None = None) -> Outcome | None:
+        """Give up a task that can no longer become a complete group: all of it (sample=None: its
+        Task is dead), or because `sample` will never arrive. None when there is nothing to give up:
+        the task is already finished, its group is complete (trainable as it is), or the lost
+        sample is in fact buffered (an earlier delivery of it got through)."""
+        if task_id in self.done:
+            return None
+        g = self.buffer.get(task_id)
+        if g is not None and (len(g.samples) == self.n or sample in g.samples):
+            return None
+        if g is None:
+            g = self.buffer[task_id] = Group(task_id, first_seen=time.time())
+        return self._finish(g, kind, reason)
 
     def take(self, k: int, learner_version: int) -> tuple[list[Taken], list[Outcome]]:
         """Choose k trainable groups for a step at `learner_version`.
@@ -216,4 +231,4 @@ class Grouper:
         self.done[g.task_id] = kind
         self.counters[kind] += 1
         log.warning("group %s %s", g.task_id, reason)
-        return Outcome(g.task_id, kind, reason, [s.traj_id for s in g.ordered()])
+        return Outcome(g.task_id, kind, reason, [s.traj_id for s in g.ordered()], group=g)

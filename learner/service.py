@@ -18,12 +18,14 @@ import sys
 import time
 from collections import Counter
 
+from nats.js.errors import APIError
+
 from learner import checkpoint as ckpt
-from learner.feeder import Feeder, FeederState
+from learner.feeder import Feeder, FeederState, Issued
 from learner.groups import BadTrajectory, Group, Grouper, Outcome, Taken, behaviour_logprobs, check_trajectory
 from learner.steplog import StepLog
-from protocol import status, topology
-from protocol.bus import COUNTERS, Poison, PullWorker, retry_unreachable
+from protocol import backlog, dead, status, topology
+from protocol.bus import COUNTERS, UNREACHABLE, Poison, PullWorker, retry_unreachable
 from protocol.messages import Heartbeat
 from protocol.weights import publish_version
 from tasks.data import train_eval_items
@@ -44,11 +46,14 @@ class Learner:
                                timeout_s=self.lc.group_timeout_s)
         self.step = 0  # optimizer steps done = the policy version the trainer holds
         self.ckpt_step, self.tag = 0, ""  # what the last ledger write can vouch for
-        self.uncommitted: list[tuple[Group, bool]] = []  # trained after the last checkpoint (group, feeder-issued)
+        self.uncommitted: list[tuple[Group, Issued | None]] = []  # trained after the last checkpoint (group, its issue)
         self.pending: list = []  # received messages not yet covered by a ledger write
         self.last_flush = time.monotonic()
         self.wait_since = time.monotonic()
         self.since_step: list[Outcome] = []  # groups dropped/skipped since the last step
+        self.reasons: dict[str, str] = {}  # task_id -> why it was not trained (kept in the ledger)
+        self.dead_seq = 1  # next DEAD stream sequence to read
+        self.backlog: dict[str, float] = {}  # channel -> share of its max_bytes unconsumed (protocol.backlog)
         self.counters: Counter[str] = Counter()
         self.steplog = StepLog(self.run_dir)
         self._data = asyncio.Event()
@@ -63,7 +68,6 @@ class Learner:
         train, _ = train_eval_items(cfg.data)
         self.feeder = Feeder(js, self.run_name, train, cfg.rollout, max_staleness=self.lc.max_staleness,
                              groups_per_step=self.lc.groups_per_step, seed=self.lc.seed, state=feeder_state)
-        self.feeder.set_version(self.step)
         self.evals = None
         if self.lc.eval_every > 0:
             from evaluation.periodic import PeriodicEval
@@ -91,15 +95,25 @@ class Learner:
         self.step = self.ckpt_step = state.step
         self.tag = state.tag
         self.grouper.done = dict(state.done)
+        self.reasons = dict(state.reasons)
+        self.dead_seq = state.dead_seq
         self.grouper.counters.update(state.counters)
         for g in state.groups:
             self.grouper.restore(Group(g.task_id, g.first_seen, {s.sample: s for s in g.samples}, g.completed))
         self.steplog.truncate(state.step)
+        ckpt.truncate_archive(self.run_dir, state.step)
         log.info(
             "resumed at step %d (checkpoint %s): %d buffered groups, %d finished tasks, feeder at task %d",
             state.step, state.tag or "initial weights", len(state.groups), len(state.done), state.next_index,
         )
-        return FeederState(next_index=state.next_index, in_flight=set(state.in_flight), consumed=state.consumed)
+        # The deadline counts only while a learner runs: the time it was down is added to each issue
+        # time, so the samples actors produced meanwhile (waiting in SCORED) are read before any of
+        # their tasks is given up. A ledger from before issue records were kept counts from now.
+        now = time.time()
+        down = max(0.0, now - state.saved)
+        issued = {i.task_id: Issued(at=i.at + down, version=i.version) for i in state.issued}
+        in_flight = {t: issued.get(t) or Issued(at=now, version=state.step) for t in state.in_flight}
+        return FeederState(next_index=state.next_index, in_flight=in_flight, consumed=state.consumed)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -113,6 +127,8 @@ class Learner:
             asyncio.create_task(self.feeder.run(no_more_tasks), name="feeder"),
             asyncio.create_task(worker.run_until(halt), name="scored-consumer"),
             asyncio.create_task(self.keep_alive(halt), name="keep-alive"),
+            asyncio.create_task(self.watch_dead(halt), name="dead-letters"),
+            asyncio.create_task(self.watch_backlog(halt), name="backlog"),
             asyncio.create_task(status.heartbeat_loop(self.nc, self.run_name, self.heartbeat, halt), name="heartbeat"),
         ]
         if self.evals is not None:
@@ -129,7 +145,7 @@ class Learner:
                 if self.evals is not None and self.evals.regression:
                     log.warning("early stop at step %d: %s", self.step, self.evals.regression)
                     break
-                self.since_step += self.consume(self.grouper.expire())
+                self.since_step += self.consume(self.grouper.expire() + self.overdue())
                 if await self.try_step():
                     continue
                 if self.pending and time.monotonic() - self.last_flush >= self.lc.ledger_flush_s:
@@ -180,8 +196,82 @@ class Learner:
     def consume(self, outcomes: list[Outcome]) -> list[Outcome]:
         for o in outcomes:
             self.feeder.mark_consumed(o.task_id, trained=False)
+            self.reasons[o.task_id] = o.reason
             self.counters[f"groups.{o.kind}"] += 1
         return outcomes
+
+    # -- the fate of issued tasks -----------------------------------------------------------------
+    # An issued task that never becomes a complete group (its Task, or one of its samples, was
+    # dead-lettered; it was lost some other way) would hold its admission slot for good, and
+    # max_staleness x groups_per_step + 1 of them stop admission. The DEAD stream tells most such
+    # fates at once; task_deadline_s catches the rest.
+
+    async def watch_dead(self, halt: asyncio.Event, every: float = 2.0) -> None:
+        """Read the run's dead letters as they come (from the ledger's dead_seq on a resume)."""
+        failing = False
+        while not halt.is_set():
+            try:
+                letters, nxt = await dead.read_since(self.js, self.run_name, self.dead_seq)
+            except (*UNREACHABLE, APIError) as e:
+                if not failing:
+                    log.warning("cannot read the DEAD stream (%s: %s): NATS away, or this user may not read it "
+                                "(deploy/auth.py); retrying, task_deadline_s=%g is the backstop meanwhile",
+                                type(e).__name__, e, self.lc.task_deadline_s)
+                failing = True
+            else:
+                failing = False
+                for _, dl in letters:
+                    if dl is not None:
+                        self.on_dead(dl)
+                self.dead_seq = nxt  # after applying them: a ledger never skips a letter it did not see
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(halt.wait(), timeout=every)
+
+    async def watch_backlog(self, halt: asyncio.Event, every: float = 30.0) -> None:
+        while not halt.is_set():
+            await self.check_backlog()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(halt.wait(), timeout=every)
+
+    async def check_backlog(self) -> None:
+        """Warn (once per crossing) when a channel's unconsumed messages near its stream's limit:
+        past it the stream drops its oldest messages unread."""
+        try:
+            now = await backlog.shares(self.js, self.run_name)
+        except (*UNREACHABLE, APIError) as e:
+            log.debug("backlog check skipped (%s: %s)", type(e).__name__, e)
+            return
+        for key, (share, max_bytes) in now.items():
+            was = self.backlog.get(key, 0.0)
+            if share >= backlog.WARN_SHARE > was:
+                log.warning("%s", backlog.warning(key, share, max_bytes))
+            elif was >= backlog.WARN_SHARE > share:
+                log.info("stream %s: unconsumed messages back to %.0f%% of max_bytes", key, 100 * share)
+            self.backlog[key] = share
+
+    def on_dead(self, dl) -> None:
+        ref = dead.task_ref(self.run_name, dl)
+        if ref is None or ref.task_id not in self.feeder.state.in_flight:
+            return  # not about a task we issued and still wait for
+        if ref.sample is not None and not 0 <= ref.sample < self.grouper.n:
+            return  # a sample no group has (refused for its index): no real sample of the task is lost
+        what = "its Task" if ref.sample is None else f"sample {ref.sample}"
+        reason = f"dead: {what} was dead-lettered by {dl.consumer} ({ref.key}): {dl.reason}"
+        outcome = self.grouper.abandon(ref.task_id, "dead", reason, sample=ref.sample)
+        if outcome is not None:
+            self.since_step += self.consume([outcome])
+
+    def overdue(self) -> list[Outcome]:
+        out = []
+        for task, age in self.feeder.overdue(self.lc.task_deadline_s):
+            g = self.grouper.buffer.get(task)
+            reason = (f"deadline: {len(g.samples) if g else 0}/{self.grouper.n} samples {age:.0f}s after it was "
+                      f"issued (task_deadline_s={self.lc.task_deadline_s:g})")
+            # None while its complete group waits for a step or is being trained: that is progress.
+            outcome = self.grouper.abandon(task, "deadline", reason)
+            if outcome is not None:
+                out.append(outcome)
+        return out
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -198,12 +288,17 @@ class Learner:
         except BaseException:
             self.grouper.untake(taken)  # not trained: the ledger must keep them buffered
             raise
+        admitted_at = self.step  # the version the groups were trained against
         self.step += 1
+        admission_lag: Counter[str] = Counter()
         for t in taken:
             issued = self.feeder.mark_consumed(t.group.task_id)
             self.uncommitted.append((t.group, issued))
-        self.feeder.set_version(self.step)
+            if issued is not None:
+                admission_lag[str(admitted_at - issued.version)] += 1
+        # The feeder's version moves in publish(), once the actors have been told of the new weights.
         stats["wait_s"] = wait_s
+        stats["admission_lag_hist"] = dict(admission_lag)
 
         last = self.steps and self.step >= self.steps
         if self.step % self.lc.publish_every == 0 or last:
@@ -227,8 +322,12 @@ class Learner:
         metrics = self.metrics(taken, stats)
         self.steplog.write(self.step, metrics, self.trained_entry(taken))
         self.live = live_counters(metrics)
+        dropped = [s for o in self.since_step if o.group is not None for s in o.group.ordered()]
         self.since_step = []
         await self.flush()
+        # After the ledger: an archived step is one the ledger vouches for (a resume removes later ones).
+        trained = [s for t in taken for s in t.group.ordered()]
+        await asyncio.to_thread(ckpt.write_archive, self.run_dir, self.step, trained, dropped)
         if self.tag == ckpt.step_tag(self.step):
             ckpt.prune_checkpoints(self.run_dir, self.lc.keep_checkpoints, self.tag)
         log.info(
@@ -264,6 +363,7 @@ class Learner:
             what=f"publishing weights version {version}",
         )
         ckpt.prune_weights(self.run_dir, self.lc.keep_versions)
+        self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 
     # -- the ledger -----------------------------------------------------------------------------
@@ -272,19 +372,21 @@ class Learner:
         """The ledger as of the last checkpoint: groups trained after it count as still buffered."""
         done = dict(self.grouper.done)
         groups = list(self.grouper.buffer.values())
-        in_flight = set(self.feeder.state.in_flight)
+        in_flight = dict(self.feeder.state.in_flight)
         consumed = self.feeder.state.consumed
         for g, issued in self.uncommitted:
             done.pop(g.task_id, None)
             groups.append(g)
-            if issued:
-                in_flight.add(g.task_id)
+            if issued is not None:
+                in_flight[g.task_id] = issued
                 consumed -= 1
         return ckpt.LearnerState(
             step=self.ckpt_step, tag=self.tag, next_index=self.feeder.state.next_index, in_flight=sorted(in_flight),
             consumed=consumed, done=done, counters=dict(self.grouper.counters),
             groups=[ckpt.GroupState(task_id=g.task_id, first_seen=g.first_seen, completed=g.completed, samples=g.ordered())
                     for g in groups],
+            issued=[ckpt.IssuedTask(task_id=t, at=i.at, version=i.version) for t, i in sorted(in_flight.items())],
+            dead_seq=self.dead_seq, reasons=dict(self.reasons),
         )
 
     async def flush(self) -> None:
@@ -343,6 +445,7 @@ class Learner:
                 **{k: float(v) for k, v in self.counters.items()},
                 **{k: float(v) for k, v in COUNTERS.items()},
                 **self.live,
+                **{f"backlog.{k}": v for k, v in self.backlog.items()},
                 **(self.evals.counters() if self.evals is not None else {}),
             },
         )

@@ -68,7 +68,7 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
             await publish(js, RUN, "eval", rec)
 
         services = EvalServices(
-            open_policy=open_policy, sim=SimClient(nc, timeout_s=120), judge=JudgeClient(nc, timeout=120),
+            open_policy=open_policy, sim=SimClient(nc, timeout_s=120, wait_s=600), judge=JudgeClient(nc, timeout=120),
             scorer_cfg=ScorerConfig(),
         )
         try:

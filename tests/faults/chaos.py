@@ -25,7 +25,8 @@ from protocol import codec, topology
 from protocol.messages import Heartbeat
 
 REPO = Path(__file__).resolve().parents[2]
-DROP_KINDS = ("timeout", "stale", "zero_advantage")
+# What the learner records for a task it finished without training it (learner.groups.Outcome.kind).
+DROP_KINDS = ("timeout", "stale", "zero_advantage", "dead", "deadline")
 READY = ("ready", "busy")
 
 
@@ -477,7 +478,8 @@ def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[
                     led.inconsistent.append(f"{tid} is in trained.jsonl but the ledger says {done.get(task)!r}")
             elif done.get(task) in DROP_KINDS:
                 led.dropped[done[task]] += 1
-                led.reasons[task] = not_trained.get(task, f"{done[task]} (recorded in the learner's ledger)")
+                led.reasons[task] = not_trained.get(task) or state.reasons.get(task) or \
+                    f"{done[task]} (recorded in the learner's ledger)"
             elif task in dead_tasks:
                 led.dead["tasks"] += 1
                 led.reasons[task] = dead_tasks[task]

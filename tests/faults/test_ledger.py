@@ -41,3 +41,17 @@ def test_lost_twice_and_inconsistent_are_caught():
     assert any("steps [1, 2, 3]" in x for x in led.inconsistent)  # trained.jsonl ahead of the ledger
     assert any("r-g000001/0" in x and "ledger says None" in x for x in led.inconsistent)
     assert any("r-g000099/0" in x and "never published" in x for x in led.inconsistent)
+
+
+def test_tasks_the_learner_gave_up_are_dropped_with_its_reason_not_lost():
+    # one sample of r-g000000 dead-lettered by the scorer: the learner gives the whole task up; the
+    # other sample (acked, no longer buffered) would otherwise count as lost. r-g000001 passed its deadline.
+    dead = [DeadLetter(subject="parley.r.traj", reason="judge failed", consumer="scorer-0",
+                       payload=codec.encode(examples.trajectory("r", "r-g000000", 0)))]
+    state = LearnerState(step=0, done={"r-g000000": "dead", "r-g000001": "deadline"},
+                         reasons={"r-g000000": "dead: sample 0 was dead-lettered by scorer-0 (traj): judge failed",
+                                  "r-g000001": "deadline: 0/2 samples 7300s after it was issued"})
+    led = settle(tasks(2), dead, [], state, buffered_ids=set(), unacked_ids={})
+    assert led.lost == [] and led.inconsistent == []
+    assert led.dropped == {"dead": 2, "deadline": 2}
+    assert led.reasons["r-g000001"].startswith("deadline: 0/2 samples")

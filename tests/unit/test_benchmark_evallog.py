@@ -188,3 +188,24 @@ def test_cli_replay_scoring_collabllm(tmp_path):
     assert "BLEU char, interactivity 3level" in res.stdout
     replayed = read_records(tmp_path / "out" / "records.parquet")
     assert [r.metrics["bleu"] for r in replayed] == [char_bleu(r.document, REFERENCE) for r in recs]
+
+
+def test_the_learner_archive_is_one_log_per_step_and_a_resume_forgets_later_steps(tmp_path):
+    import msgspec
+
+    from learner.checkpoint import archive_dir, truncate_archive, write_archive
+
+    s = scored()
+    late = msgspec.structs.replace(s, traj_id="t2/0", task_id="t2")
+    assert len(write_archive(tmp_path, 1, [s], [])) == 1
+    write_archive(tmp_path, 2, [late], [s])
+    assert sorted(p.name for p in archive_dir(tmp_path).iterdir()) == [
+        "step000001-trained.parquet", "step000002-dropped.parquet", "step000002-trained.parquet"]
+    assert read_log(archive_dir(tmp_path)) == [s, s, late]  # a directory reads in name order
+    assert truncate_archive(tmp_path, 1) == 2 and read_log(archive_dir(tmp_path)) == [s]
+    write_archive(tmp_path, 1, [late], [])  # trained again after a resume: replaced
+    assert read_log(archive_dir(tmp_path)) == [late]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="holds no .parquet or .jsonl logs"):
+        read_log(empty)

@@ -36,6 +36,9 @@ def test_unknown_key_is_rejected_with_its_path():
         ("bus.replicas=2", "replicas=2 is not allowed"),
         ("run.name=a.b", "name='a.b' not allowed"),
         ("rollout.n=1", "n=1 must be >= 2"),
+        ("learner.task_deadline_s=60", "task_deadline_s=60.0 must be >= group_timeout_s=1800.0"),
+        ("learner.publish_every=3", r"publish_every=3 must be <= max_staleness \+ 1 = 2"),
+        ("actor.sim_wait_s=-1", "sim_wait_s=-1.0 must be >= 0"),
     ],
 )
 def test_bad_values_name_the_field_and_the_allowed_values(override, needle):

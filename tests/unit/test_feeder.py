@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.feeder import Feeder, FeederState, admission_limit, item_order, may_admit, task_id
+from learner.feeder import Feeder, FeederState, Issued, admission_limit, item_order, may_admit, task_id
 
 
 def test_admission_limit_is_version_plus_staleness_plus_one_steps():
@@ -56,11 +56,11 @@ def test_feeder_state_accounting(tmp_path):
 
     items = load_items()[:3]
     f = Feeder(None, "r1", items, RolloutConfig(n=3), max_staleness=0, groups_per_step=2, seed=1,
-               state=FeederState(next_index=2, in_flight={"r1-g000000", "r1-g000001"}))
+               state=FeederState(next_index=2, in_flight={"r1-g000000": Issued(0.0, 0), "r1-g000001": Issued(0.0, 0)}))
     assert not f.is_open()
     assert f.mark_consumed("r1-g000000") and not f.mark_consumed("r1-g000000")
     assert not f.mark_consumed("someone-else")
-    assert f.state.consumed == 1 and f.state.in_flight == {"r1-g000001"}
+    assert f.state.consumed == 1 and set(f.state.in_flight) == {"r1-g000001"}
     f.set_version(1)
     assert f.is_open()
     t = f.task(5)
@@ -83,9 +83,21 @@ def test_dropped_groups_give_their_slot_back_instead_of_shrinking_the_window():
     from learner.config import RolloutConfig
 
     f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=2, seed=1,
-               state=FeederState(next_index=2, in_flight={"r1-g000000", "r1-g000001"}))
+               state=FeederState(next_index=2, in_flight={"r1-g000000": Issued(0.0, 0), "r1-g000001": Issued(0.0, 0)}))
     assert not f.is_open()
     assert f.mark_consumed("r1-g000000", trained=False)  # skipped: zero advantage
     assert f.state.consumed == 0 and f.is_open()  # its slot is refilled at the same version
     assert f.mark_consumed("r1-g000001")  # trained
     assert f.state.consumed == 1 and not f.state.in_flight
+
+
+def test_overdue_lists_tasks_past_their_deadline_oldest_first():
+    from learner.config import RolloutConfig
+    from tasks.data import load_items
+
+    f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=2,
+               state=FeederState(next_index=3, in_flight={"a": Issued(100.0, 0), "b": Issued(50.0, 0), "c": Issued(190.0, 1)}))
+    assert f.overdue(30.0, now=200.0) == [("b", 150.0), ("a", 100.0)]
+    assert f.overdue(300.0, now=200.0) == []
+    assert f.mark_consumed("b", trained=False) == Issued(50.0, 0)
+    assert f.mark_consumed("b") is None

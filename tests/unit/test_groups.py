@@ -153,3 +153,22 @@ def test_turn_outside_the_tokens_is_bad():
     turns = [msgspec.structs.replace(t.turns[1], start=5, logprobs=[-0.3, -0.4])]
     with pytest.raises(BadTrajectory, match=r"turn 0 spans \[5, 7\) outside"):
         check_trajectory(msgspec.structs.replace(t, turns=turns))
+
+
+def test_abandon_gives_up_tasks_that_cannot_complete_and_keeps_those_that_can():
+    g = grouper()
+    g.add(scored("partial", 0, 0.1), now=0)
+    for i in range(3):
+        g.add(scored("complete", i, 0.1 * i), now=0)
+    g.add(scored("got-it", 1, 0.2), now=0)
+    # a whole Task dead: its partial group goes, with the reason; a task never seen is recorded too
+    out = g.abandon("partial", "dead", "dead: its Task was dead-lettered")
+    assert (out.task_id, out.kind, out.samples) == ("partial", "dead", ["partial/0"])
+    assert g.abandon("unseen", "deadline", "deadline: 0/3 samples").samples == []
+    # nothing to give up: a complete group trains as it is; a lost sample that is in fact buffered
+    assert g.abandon("complete", "dead", "x") is None
+    assert g.abandon("got-it", "dead", "x", sample=1) is None
+    assert g.abandon("partial", "dead", "again") is None  # already finished
+    assert g.done == {"partial": "dead", "unseen": "deadline"}
+    assert g.add(scored("partial", 1, 0.3), now=1) == "late"
+    assert g.counters["dead"] == 1 and g.counters["deadline"] == 1

@@ -7,15 +7,16 @@ next_turn futures; and the simulator client's give-up path."""
 from __future__ import annotations
 
 import asyncio
+import types
 
 import nats.errors
 import pytest
 
 from engines.engine import GenOut
-from actors.rollout import PolicySettings, SimClient, check_task, derive_seed, run_conversation
+from actors.rollout import PolicySettings, SimClient, SimUnreachable, check_task, derive_seed, run_conversation
 from actors.sim import FALLBACK_MESSAGE
 from protocol import codec
-from protocol.bus import Poison, Retry
+from protocol.bus import Poison
 from protocol.messages import ChatMessage, SimReply, SimRequest, Task
 
 
@@ -192,23 +193,34 @@ def test_unplayable_tasks_are_poison():
     check_task(task(max_new_turns=1))  # prefix ends with the user: one assistant turn fits
 
 
-class NoRespondersNcDouble:
-    """Test double of a NATS client on which nobody serves the simulator subject."""
+class OutageNcDouble:
+    """Test double of a NATS client whose simulator is away for the first `down` requests."""
 
-    def __init__(self):
-        self.requests = 0
+    def __init__(self, down: int):
+        self.down, self.requests = down, 0
 
     async def request(self, subject, data, timeout):
         self.requests += 1
-        raise nats.errors.NoRespondersError
+        if self.requests <= self.down:
+            raise nats.errors.NoRespondersError
+        return types.SimpleNamespace(data=codec.encode(SimReply(message="back again")))
 
 
-def test_sim_client_gives_the_task_back_when_no_simulator_answers():
-    nc = NoRespondersNcDouble()
-    client = SimClient(nc, timeout_s=1.0, attempts=3, backoff_s=0.01)
-    with pytest.raises(Retry, match="user simulator unavailable"):
+def test_sim_client_waits_out_an_outage_instead_of_giving_the_task_back():
+    # Before sim_wait_s, four unanswered requests turned into bus.Retry: each outage spent one
+    # of the task's deliveries, and an outage of max_deliver of them dead-lettered it.
+    nc = OutageNcDouble(down=6)
+    client = SimClient(nc, timeout_s=1.0, wait_s=60.0, backoff_s=0.001, max_backoff_s=0.001)
+    reply = asyncio.run(client.ask(SimRequest(prompt="lazy_full", messages=[])))
+    assert reply.message == "back again" and nc.requests == 7 and client.waits == 6
+
+
+def test_sim_client_gives_the_task_up_after_sim_wait_s_with_the_reason():
+    nc = OutageNcDouble(down=10**9)
+    client = SimClient(nc, timeout_s=1.0, wait_s=0.05, backoff_s=0.01, max_backoff_s=0.01)
+    with pytest.raises(SimUnreachable, match=r"user simulator unreachable on parley.svc.sim for \d+s \(sim_wait_s=0.05"):
         asyncio.run(client.ask(SimRequest(prompt="lazy_full", messages=[])))
-    assert nc.requests == 3
+    assert isinstance(SimUnreachable("x"), Poison)  # dead-lettered with that reason, not retried
 
 
 def test_special_tokens_generated_mid_turn_stay_in_the_messages(tok):

@@ -1,0 +1,281 @@
+"""Every issued task meets a fate the learner hears of: the real Learner (feeder, SCORED consumer,
+DEAD reader, ledger) on a real nats-server, with a test-double trainer and a test-double actor
+that takes Tasks from the real TASKS consumer and either answers them with Scored samples,
+dead-letters them (the real PullWorker path, as an actor does after a simulator outage or a
+check_task refusal) or loses them silently. Also: admission moves with the announced version."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import msgspec
+import pytest
+
+from deploy.config import RunConfig
+from learner.checkpoint import read_state
+from learner.config import LearnerConfig, RolloutConfig
+from protocol import codec, topology
+from protocol.bus import Poison, PullWorker, publish
+from protocol.messages import AssistantTurn, ChatMessage, Scored, Task, Trajectory
+
+pytestmark = [pytest.mark.integration]
+
+N = 2
+BUS = topology.BusSettings(max_bytes=16 * 1024**2, ack_wait_s=4.0)
+
+
+def scored_for(task: Task, sample: int, *, flat: bool = False, pad: int = 0) -> Scored:
+    """A minimal trainable sample of `task` (the trainer double never reads the tokens); rewards
+    differ within the group unless `flat` (then it is skipped as zero advantage); `pad` characters
+    of conversation make it bigger on the wire."""
+    traj = Trajectory(
+        traj_id=f"{task.task_id}/{sample}", task_id=task.task_id, sample=sample, run=task.run, item_id=task.item_id,
+        messages=[ChatMessage("user", "x" * pad), ChatMessage("assistant", "ok")], token_ids=[1, 2, 3, 4],
+        loss_mask=[0, 0, 1, 1], reference=task.reference,
+        turns=[AssistantTurn(start=2, logprobs=[-0.5, -0.5], version=task.admitted_version, finish_reason="stop")],
+        assistant_tokens=2,
+    )
+    reward = 0.5 if flat else 0.25 + 0.5 * sample
+    return Scored(traj_id=traj.traj_id, task_id=task.task_id, sample=sample, run=task.run,
+                  metrics={"bleu": reward, "interactivity": reward, "token_amount": 0.002},
+                  weights={"bleu": 1.0}, total=reward, trajectory=traj, document="the document")
+
+
+class TrainerDouble:
+    """Stands in for learner.ranks.Driver; `hold` blocks save_weights of that version until released."""
+
+    def __init__(self, hold: int | None = None):
+        self.hold = hold
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, op, *args):
+        if op == "save_weights":
+            out = args[0]
+            if self.hold is not None and out.name == f"v{self.hold:06d}":
+                self.entered.set()
+                self.release.wait(60)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "model.safetensors").write_bytes(b"weights")
+            (out / "config.json").write_text("{}")
+            return out
+        if op == "save_checkpoint":
+            (args[0] / args[1]).mkdir(parents=True, exist_ok=True)
+            return None
+        if op == "train_step":
+            return {"loss": 0.0, "tokens": float(sum(len(s.token_ids) for s in args[0])), "train_s": 0.0}
+        return None
+
+
+class ActorDouble:
+    """Takes Tasks from the shared "actor" consumer: `fate(index)` says "answer", "flat" (answer with
+    equal rewards), "poison" or "lose"."""
+
+    def __init__(self, js, run: str, fate, *, bus=BUS, pad: int = 0):
+        self.js, self.run, self.fate, self.bus, self.pad = js, run, fate, bus, pad
+        self.seen: list[Task] = []
+
+    async def handle(self, task: Task, msg) -> None:
+        self.seen.append(task)
+        fate = self.fate(int(task.task_id.rsplit("-g", 1)[1]))
+        if fate == "poison":
+            raise Poison(f"test double: task {task.task_id} refused")
+        if fate in ("answer", "flat"):
+            for i in range(task.n):
+                await publish(self.js, self.run, "scored", scored_for(task, i, flat=fate == "flat", pad=self.pad))
+        await msg.ack()  # "lose": acked, never answered, never dead-lettered
+
+    def start(self, stop: asyncio.Event) -> asyncio.Task:
+        worker = PullWorker(self.js, self.run, "tasks", self.handle, bus=self.bus, name="actor-double", concurrency=8,
+                            fetch_timeout=0.5)
+        return asyncio.create_task(worker.run_until(stop))
+
+
+def make_cfg(run: str, run_dir, bus=BUS, **learner) -> RunConfig:
+    cfg = RunConfig(bus=bus, rollout=RolloutConfig(n=N), learner=LearnerConfig(ledger_flush_s=0.5, **learner))
+    cfg.run.name, cfg.run.dir = run, str(run_dir)
+    return cfg
+
+
+def base_model(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir(exist_ok=True)
+    (base / "config.json").write_text("{}")
+    return base
+
+
+async def drive(js, nc, cfg, fate, *, resume=False, trainer=None, timeout=120.0, pad=0):
+    """Run the Learner with the actor double until its step budget; returns (learner, actor)."""
+    from learner.service import Learner
+
+    learner = Learner(cfg, js, nc, trainer or TrainerDouble(), model_dir=base_model(cfg.run_dir.parent),
+                      resume=resume, steps=cfg.learner.steps)
+    halt = asyncio.Event()
+    actor = ActorDouble(js, cfg.run.name, fate, bus=cfg.bus, pad=pad)
+    job = actor.start(halt)
+    try:
+        code = await asyncio.wait_for(learner.run(asyncio.Event()), timeout=timeout)
+    finally:
+        halt.set()
+        await asyncio.gather(job, return_exceptions=True)
+    assert code == 0
+    return learner, actor
+
+
+def not_trained(run_dir) -> dict[str, str]:
+    out = {}
+    for line in (run_dir / "trained.jsonl").read_text().splitlines():
+        out |= json.loads(line)["not_trained"]
+    return out
+
+
+async def test_dead_lettered_tasks_free_their_slots(js, nc, tmp_path):
+    # 17 dead tasks with max_staleness 1 and 16 groups per step: before the learner read DEAD, they
+    # held 17 of the 32 slots for good, 15 groups could never fill a step, and the run stopped.
+    run, run_dir = "fates", tmp_path / "run"
+    cfg = make_cfg(run, run_dir, steps=2, groups_per_step=16, max_staleness=1)
+    await topology.ensure_topology(js, run, BUS)
+    learner, _ = await drive(js, nc, cfg, lambda i: "poison" if i < 17 else "answer")
+
+    assert learner.step == 2
+    dead_ids = {f"{run}-g{i:06d}" for i in range(17)}
+    state = read_state(run_dir)
+    assert {t: state.done[t] for t in dead_ids} == {t: "dead" for t in dead_ids}
+    assert not dead_ids & set(state.in_flight)
+    for t in dead_ids:
+        assert state.reasons[t].startswith("dead: its Task was dead-lettered by actor-double (tasks): test double")
+        assert not_trained(run_dir)[t] == state.reasons[t]
+    assert learner.counters["groups.dead"] == 17
+    assert state.dead_seq == 18  # every letter read, and the ledger says so
+
+
+async def test_lost_tasks_are_given_up_at_their_deadline(js, nc, tmp_path):
+    run, run_dir = "deadline", tmp_path / "run"
+    cfg = make_cfg(run, run_dir, steps=1, groups_per_step=4, max_staleness=0, group_timeout_s=1.0,
+                   task_deadline_s=2.0)
+    await topology.ensure_topology(js, run, BUS)
+    await drive(js, nc, cfg, lambda i: "lose" if i < 4 else "answer")
+
+    state = read_state(run_dir)
+    lost = [f"{run}-g{i:06d}" for i in range(4)]
+    assert [state.done[t] for t in lost] == ["deadline"] * 4
+    assert all(state.reasons[t].startswith("deadline: 0/2 samples ") and "task_deadline_s=2" in state.reasons[t]
+               for t in lost)
+
+
+async def test_resume_does_not_restore_a_stall(js, nc, tmp_path):
+    """Tasks in flight when the learner stopped and dead-lettered while it was down are freed by the
+    resumed learner (it reads DEAD from the ledger's position); the default deadline is far away."""
+    from learner.service import Learner
+
+    run, run_dir = "stalled", tmp_path / "run"
+    cfg = make_cfg(run, run_dir, steps=1, groups_per_step=4, max_staleness=0)
+    await topology.ensure_topology(js, run, BUS)
+    first = Learner(cfg, js, nc, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)
+    stop = asyncio.Event()
+    job = asyncio.create_task(first.run(stop))
+    while len(first.feeder.state.in_flight) < 4:  # no actor yet: the four issued tasks wait in TASKS
+        await asyncio.sleep(0.1)
+    stop.set()
+    assert await asyncio.wait_for(job, 60) == 0
+    assert len(read_state(run_dir).in_flight) == 4
+
+    halt = asyncio.Event()
+    refusing = ActorDouble(js, run, lambda i: "poison").start(halt)
+    while (await js.stream_info(topology.stream_name(run, "dead"))).state.messages < 4:
+        await asyncio.sleep(0.1)
+    halt.set()
+    await refusing
+
+    learner, _ = await drive(js, nc, cfg, lambda i: "answer", resume=True)
+    state = read_state(run_dir)
+    assert learner.step == 1
+    assert [state.done[f"{run}-g{i:06d}"] for i in range(4)] == ["dead"] * 4
+
+
+async def test_admission_waits_for_the_announced_version(js, nc, tmp_path):
+    # Before: Feeder.set_version(step) ran before the new weights were published, so tasks were
+    # admitted "at v" while every actor still served v-1 (and, at the edge of the bound, dropped stale).
+    run, run_dir = "announced", tmp_path / "run"
+    cfg = make_cfg(run, run_dir, steps=2, groups_per_step=2, max_staleness=0)
+    await topology.ensure_topology(js, run, BUS)
+    trainer = TrainerDouble(hold=1)
+
+    async def check_while_held():
+        await asyncio.to_thread(trainer.entered.wait, 60)
+        try:
+            return learner_box[0].feeder.version, learner_box[0].feeder.is_open()
+        finally:
+            trainer.release.set()
+
+    from learner.service import Learner
+
+    learner_box = [Learner(cfg, js, nc, trainer, model_dir=base_model(tmp_path), resume=False, steps=2)]
+    halt = asyncio.Event()
+    actor = ActorDouble(js, run, lambda i: "answer")
+    worker = actor.start(halt)
+    try:
+        held, code = await asyncio.wait_for(
+            asyncio.gather(check_while_held(), learner_box[0].run(asyncio.Event())), timeout=120)
+    finally:
+        trainer.release.set()
+        halt.set()
+        await asyncio.gather(worker, return_exceptions=True)
+    assert code == 0
+    assert held == (0, False)  # step 1 trained, version 1 not yet announced: nothing admitted on it
+
+    # Every task says the version it was admitted at, and the gate held for that version.
+    tasks = []
+    info = await js.stream_info(topology.stream_name(run, "tasks"))
+    for seq in range(1, info.state.last_seq + 1):
+        tasks.append(codec.decode("tasks", (await js.get_msg(topology.stream_name(run, "tasks"), seq)).data))
+    for t in tasks:
+        index = int(t.task_id.rsplit("-g", 1)[1])
+        assert index < (t.admitted_version + 0 + 1) * 2
+    assert {0, 1} <= {t.admitted_version for t in tasks} <= {0, 1, 2}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["admission_lag_hist"] for r in rows] == [{"0": 2}, {"0": 2}]
+
+
+def test_a_resumed_deadline_does_not_count_the_time_the_learner_was_down(tmp_path):
+    from learner import checkpoint as ckpt
+    from learner.service import Learner
+
+    run_dir = tmp_path / "run"
+    cfg = make_cfg("down", run_dir, steps=1, groups_per_step=2, max_staleness=0)
+    ckpt.write_state(run_dir, ckpt.LearnerState(in_flight=["down-g000000", "down-g000001"], next_index=2,
+                                                issued=[ckpt.IssuedTask(task_id="down-g000000", at=0.0, version=0)]))
+    state = ckpt.read_state(run_dir)
+    state.saved -= 3 * 3600.0  # written at issue time + 1 s, then three hours down
+    state.issued[0].at = state.saved - 1.0
+    (ckpt.learner_dir(run_dir) / ckpt.STATE_FILE).write_bytes(msgspec.msgpack.encode(state))
+    learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
+    ages = dict(learner.feeder.overdue(-1e9))
+    assert 0.5 < ages["down-g000000"] < 60  # 1 s of uptime (+ this test), not three hours
+    assert ages["down-g000001"] < 60  # no issue record (an older ledger): counted from the resume
+    assert learner.feeder.overdue(cfg.learner.task_deadline_s) == []
+
+
+def test_only_a_real_sample_of_an_issued_task_gives_it_up(tmp_path):
+    from learner.feeder import Issued
+    from learner.service import Learner
+    from protocol.messages import DeadLetter
+
+    cfg = make_cfg("one", tmp_path / "run", steps=1, groups_per_step=2, max_staleness=0)
+    learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)
+    learner.feeder.state.in_flight["one-g000000"] = Issued(at=0.0, version=0)
+    task = Task(task_id="one-g000000", run="one", item_id="i", n=N)
+
+    def letter(sample: int) -> DeadLetter:
+        s = scored_for(task, 0)
+        s.sample = s.trajectory.sample = sample
+        return DeadLetter(subject=topology.subject("one", "scored"), reason="refused", consumer="learner-x",
+                          payload=codec.encode(s))
+
+    learner.on_dead(letter(7))  # outside 0..n-1: a bogus sample, not a lost one
+    assert "one-g000000" in learner.feeder.state.in_flight
+    learner.on_dead(letter(1))
+    assert "one-g000000" not in learner.feeder.state.in_flight
+    assert learner.grouper.done["one-g000000"] == "dead"
+    assert learner.reasons["one-g000000"] == "dead: sample 1 was dead-lettered by learner-x (scored): refused"
