@@ -13,6 +13,7 @@ import secrets
 import sys
 from pathlib import Path
 
+from deploy.natsserver import write_private
 from protocol import topology
 
 ROLES = ("actor", "scorer", "learner", "sim", "judge", "services", "eval", "admin")
@@ -224,14 +225,6 @@ def _run_of(creds: dict[str, tuple[str, str]]) -> str:
     return user[len(prefix) : -len(suffix)]
 
 
-def _write_private(path: Path, text: str) -> None:
-    # Created with 0600 from the start: the password is never readable by others, not even briefly.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
-
-
 def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] = ROLES) -> dict[str, tuple[str, str]]:
     """Make a fresh user and password per role for `run` (or "*": every run); write auth.conf and
     <role>.env (mode 0600).
@@ -250,12 +243,12 @@ def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] =
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     creds = {role: (user_name(run, role), secrets.token_urlsafe(24)) for role in roles}
-    _write_private(out / "auth.conf", server_auth_conf(creds, run))
+    write_private(out / "auth.conf", server_auth_conf(creds, run))
     for role, (user, password) in creds.items():
         text = f"PARLEY_NATS_USER={user}\nPARLEY_NATS_PASSWORD={password}\n"
         if role == "learner" and "eval" in creds:
             text += f"PARLEY_EVAL_NATS_USER={creds['eval'][0]}\nPARLEY_EVAL_NATS_PASSWORD={creds['eval'][1]}\n"
-        _write_private(out / f"{role}.env", text)
+        write_private(out / f"{role}.env", text)
     return creds
 
 

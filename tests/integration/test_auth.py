@@ -73,6 +73,19 @@ def test_generated_credentials_are_private_files(secured):
     assert len({pw for _, pw in secured.creds.values()}) == len(ROLES)  # a fresh password per role
 
 
+def test_server_config_with_passwords_is_private(secured, tmp_path):
+    """`parley up` hands server_auth_conf to NatsServer, which writes it into RUN_DIR/nats/nats-server.conf."""
+    conf = secured.server.store_dir / "nats-server.conf"
+    assert secured.creds["actor"][1] in conf.read_text()
+    assert stat.S_IMODE(os.stat(conf).st_mode) == 0o600
+    # A config left behind world-readable by an older version is made private when rewritten.
+    again = NatsServer(tmp_path / "nats", extra_conf=server_auth_conf(secured.creds))
+    (tmp_path / "nats").mkdir()
+    (tmp_path / "nats" / "nats-server.conf").write_text("old")
+    os.chmod(tmp_path / "nats" / "nats-server.conf", 0o644)
+    assert stat.S_IMODE(os.stat(again.write_config()).st_mode) == 0o600
+
+
 def test_permissions_are_derived_from_the_topology():
     perms = role_permissions(RUN)
     pub = {role: set(p["publish"]["allow"]) for role, p in perms.items()}
