@@ -135,7 +135,7 @@ async def test_actor_cannot_announce_weights_or_publish_scores(secured, tmp_path
         with pytest.raises(nats.errors.TimeoutError):
             await js.publish(topology.subject(RUN, "scored"), codec.encode(scored), timeout=1.0)
         with pytest.raises(topology.TopologyError, match="no answer"):  # may not loosen the streams either
-            await topology.ensure_topology(js, RUN, topology.BusSettings(max_deliver=50))
+            await topology.ensure_topology(js, RUN, topology.BusSettings(ack_wait_s=600.0))
 
         info = await admin.jetstream().stream_info(topology.stream_name(RUN, "scored"))
         assert info.state.messages == 0
