@@ -15,6 +15,7 @@ from pathlib import Path
 
 from deploy.natsserver import write_private
 from protocol import topology
+from protocol.connect import inbox_prefix
 
 ROLES = ("actor", "scorer", "learner", "sim", "judge", "services", "eval", "admin")
 # `services` is one process serving both sim and judge (what `parley up` starts when they share a model).
@@ -24,7 +25,6 @@ COMBINED = {"services": ("sim", "judge")}
 TOPOLOGY_OWNERS = ("admin", "learner")
 
 API = "$JS.API"  # nats.js.api.DEFAULT_PREFIX, spelled here so that importing this module stays light
-INBOX = "_INBOX.>"  # nats.py's request replies and pull-consumer deliveries
 # Sentinel run name used to build the permissions of run="*": topology names are spelled with it, then
 # every subject token that contains it is turned into a `*` wildcard.
 _ANY_RUN = "zzAnyRunzz"
@@ -108,29 +108,35 @@ def _own_topology(run: str) -> list[str]:
     return subjects
 
 
-def _everyone(run: str, role: str) -> tuple[list[str], list[str]]:
+def own_inbox(user: str) -> str:
+    """Where `user` receives request replies and pull-consumer deliveries (protocol.connect.inbox_prefix):
+    the only inboxes it may subscribe to."""
+    return f"{inbox_prefix(user)}.>"
+
+
+def _everyone(run: str, role: str, user: str) -> tuple[list[str], list[str]]:
     """Every role verifies the topology, dead-letters, sends its own heartbeats and reads everyone's."""
     publish = [
         *_verify_topology(run),
         topology.subject(run, "dead"),
         topology.status_subject(run, role, "*"),
     ]
-    subscribe = [INBOX, topology.status_subject(run, "*", "*")]
+    subscribe = [own_inbox(user), topology.status_subject(run, "*", "*")]
     return publish, subscribe
 
 
-def _role_rules(run: str, role: str) -> Permissions:
+def _role_rules(run: str, role: str, user: str) -> Permissions:
     if role == "admin":
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     if role in COMBINED:
-        parts = [_role_rules(run, r) for r in COMBINED[role]]
+        parts = [_role_rules(run, r, user) for r in COMBINED[role]]
         merged: Permissions = {
             side: {"allow": _unique(s for p in parts for s in p[side]["allow"])} for side in ("publish", "subscribe")
         }
         if any(p.get("allow_responses") for p in parts):
             merged["allow_responses"] = True
         return merged
-    publish, subscribe = _everyone(run, role)
+    publish, subscribe = _everyone(run, role, user)
     responses = False
     if role == "actor":
         publish += [topology.subject(run, "traj"), topology.SIM_SUBJECT, *_consume(run, "tasks"), *_read_weights(run)]
@@ -172,17 +178,19 @@ def _wildcard_run(subject: str) -> str:
     return ".".join("*" if _ANY_RUN in token else token for token in subject.split("."))
 
 
-def role_permissions(run: str) -> dict[str, Permissions]:
+def role_permissions(run: str, users: dict[str, str] | None = None) -> dict[str, Permissions]:
     """Publish/subscribe allow-lists of every role for run `run`, or for every run with run="*".
 
     run="*" is for users shared by several runs (a service fleet, a cluster-wide admin): each token
     that names the run (`parley.<run>.traj`, `PARLEY_<run>_TRAJ`, `parley_<run>_weights`) becomes `*`,
-    which also matches other streams' names in the JetStream API subjects.
+    which also matches other streams' names in the JetStream API subjects. Each role subscribes to
+    the inboxes of its own user only: users[role], by default user_name(run, role).
     """
     name = _ANY_RUN if run == "*" else topology.check_run(run)
-    perms = {role: _role_rules(name, role) for role in ROLES}
+    users = {role: user_name(run, role) for role in ROLES} | (users or {})
+    perms = {role: _role_rules(name, role, users[role]) for role in ROLES}
     if run == "*":
-        for rules in perms.values():
+        for role, rules in perms.items():
             for side in ("publish", "subscribe"):
                 rules[side]["allow"] = _unique(_wildcard_run(s) for s in rules[side]["allow"])
     return perms
@@ -200,7 +208,7 @@ def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None) 
     """
     if run is None:
         run = _run_of(creds)
-    perms = role_permissions(run)
+    perms = role_permissions(run, {role: user for role, (user, _) in creds.items()})
     users = []
     for role, (user, password) in creds.items():
         rules = perms[role]

@@ -20,7 +20,7 @@ from deploy.auth import ROLES, generate_credentials, read_env_file, role_permiss
 from deploy.natsserver import NatsServer
 from protocol import codec, examples, status, topology
 from protocol.bus import PullWorker, dead_letter, publish
-from protocol.connect import NatsUnreachable, connect
+from protocol.connect import NatsUnreachable, connect, inbox_prefix
 from protocol.messages import Heartbeat, JudgeReply, JudgeRequest, Scored, SimReply, SimRequest, WeightVersion
 from protocol.weights import current_version, fetch_version, publish_version
 
@@ -96,6 +96,9 @@ def test_permissions_are_derived_from_the_topology():
         assert ">" not in pub[role] and topology.subject(RUN, "dead") in pub[role]
         assert not any(s.startswith("$JS.API.STREAM.CREATE") for s in pub[role]) or role == "learner"
     assert perms["sim"]["allow_responses"] and "_INBOX.>" not in pub["sim"]
+    for role in set(ROLES) - {"admin"}:  # each its own inboxes, nobody every inbox
+        assert f"{inbox_prefix(f'parley-{RUN}-{role}')}.>" in perms[role]["subscribe"]["allow"]
+        assert not any(s.startswith("_INBOX.") or s == ">" for s in perms[role]["subscribe"]["allow"])
     anyrun = role_permissions("*")
     assert "parley.*.traj" in anyrun["actor"]["publish"]["allow"]
 
@@ -167,6 +170,49 @@ async def test_scorer_cannot_publish_or_take_tasks(secured, caplog):
     finally:
         await scorer.close()
         await admin.close()
+
+
+@pytest.mark.parametrize("which", ["run-scoped", "every-run"])
+async def test_no_role_can_read_another_roles_inbox(which, request, caplog):
+    """A scorer's judge reply and its pull deliveries arrive under its own inbox prefix; an actor (or the
+    simulator user every run shares) subscribing to that prefix or to `_INBOX.>` is refused and sees nothing."""
+    secured = request.getfixturevalue("secured" if which == "run-scoped" else "secured_any_run")
+    caplog.set_level(logging.WARNING, logger="parley.nats")
+    conns = {role: await secured.connect(role) for role in ("scorer", "judge", "actor", "sim")}
+    try:
+        scorer_user = secured.creds["scorer"][0]
+        assert conns["scorer"]._inbox_prefix.decode() == inbox_prefix(scorer_user)  # what connect() set
+        spied = []
+
+        async def spy(msg):
+            spied.append(msg.subject)
+
+        wanted = ["_INBOX.>", f"{inbox_prefix(scorer_user)}.>", ">"]
+        for role in ("actor", "sim"):
+            for subj in wanted:
+                await conns[role].subscribe(subj, cb=spy)
+            await conns[role].flush()
+            await conns[role].flush()
+
+        async def judge_cb(msg):
+            await msg.respond(codec.encode(JudgeReply(ok=True, document="private")))
+
+        await conns["judge"].subscribe(topology.judge_subject("extract"), queue=topology.JUDGE_QUEUE, cb=judge_cb)
+        await conns["judge"].flush()
+        await conns["judge"].flush()
+        request_ = codec.encode(JudgeRequest(op="extract", messages=[]))
+        reply = await conns["scorer"].request(topology.judge_subject("extract"), request_, timeout=5)
+        assert codec.decode("judge.reply", reply.data).document == "private"
+        assert reply.subject.startswith(inbox_prefix(scorer_user) + ".")
+        for role in ("actor", "sim"):
+            await conns[role].flush()
+        assert spied == []
+        denied = " ".join(violations(caplog)).lower()
+        for subj in wanted:
+            assert f'subscription to "{subj.lower()}"' in denied, (subj, denied)
+    finally:
+        for nc in conns.values():
+            await nc.close()
 
 
 async def test_verify_only_names_what_is_missing(secured):
