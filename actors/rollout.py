@@ -27,6 +27,7 @@ from actors.sim import FALLBACK_MESSAGE
 from protocol import codec, topology
 from protocol.bus import Poison, Retry
 from protocol.messages import AssistantTurn, ChatMessage, FutureRollout, SimReply, SimRequest, Task, Trajectory
+from protocol.request import request
 
 log = logging.getLogger("parley.rollout")
 
@@ -56,7 +57,7 @@ class SimClient:
         last = ""
         for attempt in range(1, self.attempts + 1):
             try:
-                msg = await self.nc.request(topology.SIM_SUBJECT, data, timeout=self.timeout_s)
+                msg = await request(self.nc, topology.SIM_SUBJECT, data, timeout=self.timeout_s)  # a retry joins
                 return codec.decode("sim.reply", msg.data)
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError) as e:
                 last = f"{type(e).__name__} after {self.timeout_s:.0f}s" if isinstance(e, nats.errors.TimeoutError) \

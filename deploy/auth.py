@@ -8,6 +8,7 @@ per role. `parley up`, the deploy files and `python -m deploy.auth` (see docs/op
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import sys
@@ -201,13 +202,35 @@ def user_name(run: str, role: str) -> str:
     return f"parley-{run}-{role}"
 
 
-def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None) -> str:
+# Beyond the longest request timeout: for clocks of different hosts that disagree (a service
+# answers only before the deadline its requester sent, protocol/request.py).
+RESPONSE_SLACK_S = 60.0
+
+
+def response_window_s(cfg=None) -> float:
+    """How long a service user (sim, judge) may answer a request: the longest request timeout that
+    `cfg` (a RunConfig; None = the defaults) gives a requester, plus RESPONSE_SLACK_S. nats-server's own
+    default is 2 minutes, shorter than the default timeouts: later replies were refused."""
+    if cfg is None:
+        from deploy.config import RunConfig
+
+        cfg = RunConfig()
+    # The actor's and the eval's simulator requests, the scorer's, replay's and the eval's judge requests.
+    return max(cfg.actor.sim_timeout_s, cfg.scorer.judge_timeout_s) + RESPONSE_SLACK_S
+
+
+def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None, *,
+                     response_window: float | None = None) -> str:
     """The `authorization { users = [...] }` block for nats-server, one user per role of `creds`.
 
-    `run` defaults to the run named in the user names that generate_credentials made.
+    `run` defaults to the run named in the user names that generate_credentials made;
+    `response_window` (seconds a service may take to answer) to response_window_s() of the defaults.
     """
     if run is None:
         run = _run_of(creds)
+    window = response_window_s() if response_window is None else response_window
+    if not window > 0:
+        raise ValueError(f"response_window={window} must be > 0 (seconds a service may take to answer)")
     perms = role_permissions(run, {role: user for role, (user, _) in creds.items()})
     users = []
     for role, (user, password) in creds.items():
@@ -217,7 +240,8 @@ def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None) 
             "subscribe": {"allow": rules["subscribe"]["allow"]},
         }
         if rules.get("allow_responses"):
-            body["allow_responses"] = True
+            # One reply per request, allowed for the whole window (not the server's default 2 minutes).
+            body["allow_responses"] = {"max": 1, "expires": f"{math.ceil(window)}s"}
         # JSON strings are valid nats-server config strings; quoting keeps `$JS...` from reading as a variable.
         fields = f"user: {json.dumps(user)}, password: {json.dumps(password)}, permissions: {json.dumps(body)}"
         users.append(f"    {{{fields}}}")
@@ -233,9 +257,10 @@ def _run_of(creds: dict[str, tuple[str, str]]) -> str:
     return user[len(prefix) : -len(suffix)]
 
 
-def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] = ROLES) -> dict[str, tuple[str, str]]:
+def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] = ROLES, *,
+                         response_window: float | None = None) -> dict[str, tuple[str, str]]:
     """Make a fresh user and password per role for `run` (or "*": every run); write auth.conf and
-    <role>.env (mode 0600).
+    <role>.env (mode 0600). `response_window`: see server_auth_conf (pass response_window_s(cfg)).
 
     auth.conf is the server side (include it in a nats-server config or pass it as NatsServer's
     extra_conf); <role>.env holds PARLEY_NATS_USER / PARLEY_NATS_PASSWORD for that role's processes
@@ -251,7 +276,7 @@ def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] =
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     creds = {role: (user_name(run, role), secrets.token_urlsafe(24)) for role in roles}
-    write_private(out / "auth.conf", server_auth_conf(creds, run))
+    write_private(out / "auth.conf", server_auth_conf(creds, run, response_window=response_window))
     for role, (user, password) in creds.items():
         text = f"PARLEY_NATS_USER={user}\nPARLEY_NATS_PASSWORD={password}\n"
         if role == "learner" and "eval" in creds:
@@ -303,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("credentials", help="write auth.conf and <role>.env for a run")
     c.add_argument("run")
     c.add_argument("out_dir")
+    c.add_argument("--config", default=None, help="the run config whose request timeouts the services' reply window covers")
+    c.add_argument("--set", dest="sets", action="append", default=[])
     t = sub.add_parser("topology", help="create the run's streams, consumers and buckets (as admin)")
     t.add_argument("--config", default=None)
     t.add_argument("--set", dest="sets", action="append", default=[])
@@ -317,7 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         print(k8s_secret(args.auth_dir, args.name), end="")
         return 0
     if args.cmd == "credentials":
-        creds = generate_credentials(args.run, args.out_dir)
+        from deploy.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config, args.sets)
+        except ConfigError as e:
+            print(f"deploy.auth: bad configuration: {e}", file=sys.stderr)
+            return 2
+        creds = generate_credentials(args.run, args.out_dir, response_window=response_window_s(cfg))
         print(f"wrote {Path(args.out_dir) / 'auth.conf'} and {', '.join(f'{r}.env' for r in creds)}")
         return 0
     if args.cmd == "permissions":

@@ -332,6 +332,47 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
             await nc.close()
 
 
+async def test_services_may_answer_for_as_long_as_the_config_lets_requesters_wait(tmp_path, caplog):
+    from deploy.auth import response_window_s
+    from deploy.config import load_config
+
+    cfg = load_config(None, ["actor.sim_timeout_s=400", "scorer.judge_timeout_s=30"])
+    assert response_window_s(cfg) >= 400
+    defaults = load_config()
+    assert response_window_s() >= max(defaults.actor.sim_timeout_s, defaults.scorer.judge_timeout_s) > 120
+    creds = generate_credentials(RUN, tmp_path / "auth", response_window=response_window_s(cfg))
+    assert f'"expires": "{response_window_s(cfg):.0f}s"' in (tmp_path / "auth" / "auth.conf").read_text()
+
+    # The server holds a service to the window it is given: with 2 s, an answer after 3 s is refused.
+    caplog.set_level(logging.WARNING, logger="parley.nats")
+    server = NatsServer(tmp_path / "nats", port=0, extra_conf=server_auth_conf(creds, response_window=2.0))
+    server.start()
+    sim = actor = None
+    try:
+        sim = await connect(server.url, name="sim", user=creds["sim"][0], password=creds["sim"][1])
+        actor = await connect(server.url, name="actor", user=creds["actor"][0], password=creds["actor"][1])
+
+        async def answer_after(msg):
+            await asyncio.sleep(float(msg.data))
+            await msg.respond(b"ok")
+
+        async def receive(msg):  # answered in a task, so the slow answer does not hold up the next request
+            asyncio.ensure_future(answer_after(msg))
+
+        await sim.subscribe(topology.SIM_SUBJECT, cb=receive)
+        await sim.flush()
+        await sim.flush()
+        assert (await actor.request(topology.SIM_SUBJECT, b"0.2", timeout=5)).data == b"ok"
+        with pytest.raises(nats.errors.TimeoutError):
+            await actor.request(topology.SIM_SUBJECT, b"3", timeout=5)
+        assert any("publish to" in v.lower() for v in violations(caplog))
+    finally:
+        for nc in (sim, actor):
+            if nc is not None:
+                await nc.close()
+        server.stop()
+
+
 def make_tls(d) -> tuple[str, str, str]:
     """A throw-away CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
     d.mkdir()

@@ -198,7 +198,7 @@ class NoRespondersNcDouble:
     def __init__(self):
         self.requests = 0
 
-    async def request(self, subject, data, timeout):
+    async def request(self, subject, data, timeout, headers=None):
         self.requests += 1
         raise nats.errors.NoRespondersError
 
