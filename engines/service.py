@@ -16,7 +16,8 @@ requesters retry elsewhere. Each request runs in its own task; at most `concurre
 
 Overload never turns into repeated work: a request whose deadline (protocol/request.py) passed while
 it queued is dropped unanswered; one that comes again with the id of a request being computed joins
-that computation, and one whose answer is recent (ANSWER_TTL_S) gets that answer. The counters
+that computation, and one whose answer was computed too late for its requester (within ANSWER_TTL_S)
+gets that answer. The counters
 "expired", "joined", "repeated" and "late" (computed, but its requesters had stopped waiting) say how often.
 """
 
@@ -56,7 +57,7 @@ async def _flush(nc, attempts: int = 15) -> None:
 
 
 # Answers kept for re-sent requests: a computation that finished after its requester's deadline is
-# answered from here when the request comes again, instead of being computed a second time.
+# answered from here when the request comes again (within ANSWER_TTL_S), instead of computed again.
 ANSWERS_KEPT = 4096
 ANSWER_TTL_S = 900.0
 
@@ -171,13 +172,15 @@ class Service:
                     return
                 reply, keep = self.on_error(subject, msg.data, e), False  # a re-send should try again
             waiting = self._joining.pop(key, [msg]) if key else [msg]
-            if key is not None and keep:
+            late = [m for m in waiting if _expired(deadline_and_id(m)[0])]
+            # Nobody waits on a late one's inbox any more (and its response permission may be gone).
+            self.counters["late"] += len(late)
+            if late and key is not None and keep:
+                # Kept only when it reached nobody or not everybody: the re-send that follows gets it.
+                # An answer that was delivered is not: asking again (a retry after ok=False) asks afresh.
                 self._remember(key, reply)
             for m in waiting:
-                if _expired(deadline_and_id(m)[0]):
-                    # Nobody waits on that inbox any more (and its response permission may be gone).
-                    self.counters["late"] += 1
-                else:
+                if not any(m is gone for gone in late):
                     await _respond(m, reply)
             self.counters["served"] += 1
             dt = time.perf_counter() - t0
