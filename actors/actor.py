@@ -39,7 +39,7 @@ class Actor:
         self._slots = asyncio.Semaphore(self.concurrency)
         self.sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s)
         self.follower = WeightFollower(js, self.run, engine, dest_root=weights_dir, poll_s=cfg.actor.weights_poll_s,
-                                       base_dir=engine.settings.model)
+                                       base_dir=engine.settings.model, shared_dir=cfg.learner.shared_dir or None)
         self.policy = PolicySettings(
             max_model_len=cfg.actor.engine.max_model_len,
             temperature=cfg.actor.temperature,

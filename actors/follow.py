@@ -38,13 +38,14 @@ class WeightFollower:
     reloaded if a new version fails half-way through loading."""
 
     def __init__(self, js, run: str, engine, *, dest_root: str | Path, poll_s: float = 5.0,
-                 base_dir: str | Path | None = None, fetch=None):
+                 base_dir: str | Path | None = None, fetch=None, shared_dir: str | Path | None = None):
         from protocol import weights
 
         self.js, self.run, self.engine = js, run, engine
         self.dest_root = Path(dest_root)
         self.poll_s = poll_s
         self._fetch = fetch or weights.fetch_version
+        self.shared_dir = shared_dir  # the only place shared_dir announcements may point into
         self._verify_error = weights.WeightVerifyError
         self.refused: dict[int, str] = {}  # version -> reason, for heartbeats and logs
         self._refused_ids: set[tuple[int, str]] = set()
@@ -95,7 +96,7 @@ class WeightFollower:
         # by identity, so a re-announced number never overwrites the files being served
         dest = self.dest_root / f"v{wv.version:06d}-{wv.sha256[:12]}"
         try:
-            path = await self._fetch(self.js, self.run, wv, dest)
+            path = await self._fetch(self.js, self.run, wv, dest, shared_dir=self.shared_dir)
         except self._verify_error as e:
             return self._refuse(wv, f"verification failed: {e}", dest)
         except Exception as e:  # noqa: BLE001 - a blob we cannot get is refused like a bad one; a newer version may come

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 
 from protocol.weights import TRANSPORTS
@@ -95,6 +97,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"transport={self.transport!r} not allowed; use one of {TRANSPORTS}")
         if self.transport == "shared_dir" and not self.shared_dir:
             raise ValueError("transport='shared_dir' needs shared_dir (a directory every actor can read)")
+        if self.shared_dir:
+            # Once, here: a relative path would otherwise mean another directory in every process's cwd.
+            # Actors check every announced location against it (protocol.weights.resolve_location).
+            self.shared_dir = str(Path(self.shared_dir).expanduser().resolve())
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage} not allowed; use 0, 1, 2 or 3")
         if self.groups_per_step < 1:

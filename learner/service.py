@@ -25,7 +25,7 @@ from learner.steplog import StepLog
 from protocol import status, topology
 from protocol.bus import COUNTERS, Poison, PullWorker, retry_unreachable
 from protocol.messages import Heartbeat
-from protocol.weights import publish_version
+from protocol.weights import ServedVersions, publish_version
 from tasks.data import train_eval_items
 
 log = logging.getLogger("parley.learner")
@@ -40,6 +40,7 @@ class Learner:
         self.cfg, self.lc, self.js, self.nc, self.driver = cfg, cfg.learner, js, nc, driver
         self.run_name, self.run_dir, self.steps = cfg.run.name, cfg.run_dir, steps
         self.model_dir = model_dir
+        self.served = ServedVersions(nc, self.run_name)  # what actors serve is never pruned
         self.grouper = Grouper(cfg.rollout.n, max_staleness=self.lc.max_staleness, stale_policy=self.lc.stale_policy,
                                timeout_s=self.lc.group_timeout_s)
         self.step = 0  # optimizer steps done = the policy version the trainer holds
@@ -104,6 +105,7 @@ class Learner:
     # -- the loop -------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> int:
+        await self.served.start()
         await self.publish(self.step)  # actors learn the baseline (version 0) or the restored version
         worker = PullWorker(self.js, self.run_name, "scored", self.on_scored, bus=self.cfg.bus, name=f"learner-{self.id}",
                             concurrency=32, fetch_timeout=1.0)
@@ -260,7 +262,8 @@ class Learner:
         await asyncio.to_thread(self.driver, "save_weights", wdir)
         wv = await retry_unreachable(
             lambda: publish_version(self.js, self.run_name, version, self.step, wdir, self.lc.transport,
-                                    shared_dir=self.lc.shared_dir or None, keep=self.lc.keep_versions),
+                                    shared_dir=self.lc.shared_dir or None, keep=self.lc.keep_versions,
+                                    protect=self.served.versions()),
             what=f"publishing weights version {version}",
         )
         ckpt.prune_weights(self.run_dir, self.lc.keep_versions)
