@@ -18,7 +18,7 @@ import time
 from collections import Counter
 
 from actors.follow import WeightFollower, WeightsBroken
-from actors.rollout import PolicySettings, SimClient, check_task, run_conversation
+from actors.rollout import PolicySettings, SimClient, check_task, check_task_limits, run_conversation
 from protocol import bus, status, topology
 from protocol.messages import Heartbeat, Task
 
@@ -63,6 +63,7 @@ class Actor:
         if task.run != self.run:
             raise bus.Poison(f"task {task.task_id} belongs to run {task.run!r}, not {self.run!r}")
         check_task(task)
+        check_task_limits(task, self.policy.max_model_len)
         t0 = time.perf_counter()
         # in_progress well before ack_wait runs out, so a long task is not handed to another actor
         async with bus.keep_alive(msg, every=max(0.5, self.cfg.bus.ack_wait_s / 3)):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import msgspec
 
+from protocol.messages import TASK_MAX_FUTURES, TASK_MAX_N, TASK_MAX_NEW_TURNS
 from protocol.weights import TRANSPORTS
 
 LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -44,6 +45,11 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"mode={self.mode!r} not allowed; use conversation or next_turn")
         if self.n < 2:
             raise ValueError(f"n={self.n} must be >= 2 (GRPO needs a group)")
+        # Actors refuse tasks beyond these (actors.rollout.check_task_limits): fail here, not there.
+        for name, most in (("n", TASK_MAX_N), ("max_new_turns", TASK_MAX_NEW_TURNS), ("futures", TASK_MAX_FUTURES),
+                           ("future_turns", TASK_MAX_NEW_TURNS)):
+            if getattr(self, name) > most:
+                raise ValueError(f"{name}={getattr(self, name)} must be <= {most}")
 
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

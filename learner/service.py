@@ -11,19 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 from learner import checkpoint as ckpt
 from learner.feeder import Feeder, FeederState
-from learner.groups import BadTrajectory, Group, Grouper, Outcome, Taken, behaviour_logprobs, check_trajectory
+from learner.groups import (
+    BadTrajectory,
+    Group,
+    Grouper,
+    Outcome,
+    Taken,
+    behaviour_logprobs,
+    check_hostile_values,
+    check_trajectory,
+)
 from learner.steplog import StepLog
-from protocol import status, topology
-from protocol.bus import COUNTERS, Poison, PullWorker, retry_unreachable
+from protocol import codec, status, topology
+from protocol.bus import COUNTERS, Poison, PullWorker, dead_letter, retry_unreachable
 from protocol.messages import Heartbeat
 from protocol.weights import ServedVersions, publish_version
 from tasks.data import train_eval_items
@@ -40,6 +51,7 @@ class Learner:
         self.cfg, self.lc, self.js, self.nc, self.driver = cfg, cfg.learner, js, nc, driver
         self.run_name, self.run_dir, self.steps = cfg.run.name, cfg.run_dir, steps
         self.model_dir = model_dir
+        self.vocab_size = policy_vocab_size(model_dir)  # a token id beyond it is refused at intake
         self.served = ServedVersions(nc, self.run_name)  # what actors serve is never pruned
         self.grouper = Grouper(cfg.rollout.n, max_staleness=self.lc.max_staleness, stale_policy=self.lc.stale_policy,
                                timeout_s=self.lc.group_timeout_s)
@@ -161,6 +173,7 @@ class Learner:
         """PullWorker handler: buffer the sample; its ack waits for the next ledger write."""
         try:
             check_trajectory(scored.trajectory)
+            check_hostile_values(scored, self.vocab_size)
             result = self.grouper.add(scored)
         except BadTrajectory as e:
             raise Poison(str(e)) from None
@@ -200,6 +213,9 @@ class Learner:
         except BaseException:
             self.grouper.untake(taken)  # not trained: the ledger must keep them buffered
             raise
+        if stats.get("skipped"):
+            await self.refuse_step(taken, stats)
+            return True
         self.step += 1
         for t in taken:
             issued = self.feeder.mark_consumed(t.group.task_id)
@@ -240,6 +256,26 @@ class Learner:
         self.wait_since = time.monotonic()
         self.state_name = "ready"
         return True
+
+    async def refuse_step(self, taken: list[Taken], stats: dict) -> None:
+        """The trainer did not apply a step (its loss or gradient norm was not finite): the weights are
+        as before, its groups are final (kind "nonfinite", in the ledger with the next write) and each
+        of their samples goes to DEAD with the reason, for an operator to look at."""
+        reason = (f"not trained: the step over these groups had loss {stats.get('loss', float('nan')):.4g} and "
+                  f"grad norm {stats.get('grad_norm', float('nan')):.4g}; not finite, so it was skipped")
+        self.since_step += self.consume(self.grouper.reject(taken, reason))
+        self.counters["steps.skipped"] += 1
+        subject = topology.subject(self.run_name, "scored")
+        for t in taken:
+            for s in t.group.ordered():
+                await retry_unreachable(
+                    lambda s=s: dead_letter(self.js, self.run_name, subject=subject, reason=f"{s.traj_id}: {reason}",
+                                            consumer=f"learner-{self.id}", payload=codec.encode(s),
+                                            max_bytes=self.cfg.bus.max_msg_bytes),
+                    what=f"dead-lettering {s.traj_id}",
+                )
+        self.state_name = "ready"
+        self.wait_since = time.monotonic()
 
     def samples(self, taken: list[Taken]):
         import torch
@@ -365,6 +401,16 @@ def live_counters(metrics: dict) -> dict[str, float]:
         out["staleness.mean"] = sum(int(k) * v for k, v in hist.items()) / n
         out["staleness.max"] = float(max(int(k) for k in hist))
     return out
+
+
+def policy_vocab_size(model_dir) -> int:
+    """Rows of the policy's embedding (config.json's vocab_size): the token ids it can take."""
+    path = Path(model_dir) / "config.json"
+    conf = json.loads(path.read_text())
+    size = conf.get("vocab_size") or conf.get("text_config", {}).get("vocab_size")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"{path} has no vocab_size; the learner needs it to refuse token ids outside the vocabulary")
+    return size
 
 
 async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
