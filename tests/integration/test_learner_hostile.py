@@ -79,3 +79,53 @@ async def test_hostile_scored_values_are_dead_lettered_and_the_weights_stay_fini
     assert wv.version == STEPS
     weights = load_file(str(await fetch_version(js, RUN, wv, tmp_path / "fetched") / "model.safetensors"))
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+
+
+async def test_a_step_the_trainer_skips_is_dead_lettered_and_training_goes_on(js, nc, toy, tmp_path):
+    """The learner's side of the last line of defence, in process with a test-double trainer whose
+    first step reports a non-finite loss (skipped): that step's groups go to DEAD with the reason and
+    are final in the ledger as "nonfinite", no step or version is counted for it, and later groups train."""
+    import asyncio
+
+    from deploy.config import RunConfig
+    from learner.checkpoint import read_state
+    from learner.config import LearnerConfig, RolloutConfig
+    from learner.service import Learner
+    from tests.integration.test_learner_early_stop import TrainerDouble
+
+    class FirstStepNaNDouble(TrainerDouble):  # test double: the first step's loss is NaN
+        def __call__(self, op, *args):
+            out = super().__call__(op, *args)
+            if op == "train_step" and self.calls.count("train_step") == 1:
+                out |= {"loss": float("nan"), "grad_norm": float("inf"), "skipped": 1.0}
+            elif op == "train_step":
+                out |= {"skipped": 0.0}
+            return out
+
+    model_path, tok, model = toy
+    run, steps = "skipped", 2
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text((model_path / "config.json").read_text())
+    cfg = RunConfig(bus=BUS, rollout=RolloutConfig(n=N),
+                    learner=LearnerConfig(steps=steps, groups_per_step=1, max_staleness=steps, ledger_flush_s=0.5))
+    cfg.run.name, cfg.run.dir = run, str(tmp_path / "run")
+    await topology.ensure_topology(js, run, BUS)
+    for g in range(steps + 1):
+        for i in range(N):
+            await publish(js, run, "scored", make_scored(tok, model, run, g, i))
+    trainer = FirstStepNaNDouble(step_s=0.0)
+    learner = Learner(cfg, js, nc, trainer, model_dir=base, resume=False, steps=steps)
+    assert await asyncio.wait_for(learner.run(asyncio.Event()), timeout=120) == 0
+
+    assert trainer.calls.count("train_step") == steps + 1 and learner.step == steps
+    assert (await current_version(js, run)).version == steps
+    dead_stream = topology.stream_name(run, "dead")
+    info = await js.stream_info(dead_stream)
+    letters = [codec.decode("dead", (await js.get_msg(dead_stream, seq)).data) for seq in range(1, info.state.messages + 1)]
+    first = "task-00"  # the oldest complete group is taken first
+    assert sorted(codec.decode("scored", d.payload).traj_id for d in letters) == [f"{first}/{i}" for i in range(N)]
+    assert all("not finite, so it was skipped" in d.reason for d in letters)
+    assert read_state(tmp_path / "run").done[first] == "nonfinite"
+    trained = [t for line in trained_lines(tmp_path / "run") for t in line["traj_ids"]]
+    assert not any(t.startswith(first) for t in trained) and len(trained) == steps * N
