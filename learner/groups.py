@@ -53,15 +53,20 @@ def check_trajectory(traj: Trajectory) -> None:
 LOGPROB_SLACK = 1e-3
 
 
-def check_hostile_values(scored: Scored, vocab_size: int) -> None:
+def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | None = None) -> None:
     """Raise BadTrajectory for values that decode but that no honest actor or scorer sends: a
     non-finite or out-of-range reward (rewards.reward.hostile_reward), a non-finite or positive
     behaviour log-prob, a token id outside the policy's vocabulary (on a GPU an out-of-range id is a
-    device-side assert that kills the learner, then a crash loop on the redelivered message).
+    device-side assert that kills the learner, then a crash loop on the redelivered message), a
+    conversation longer than the policy's positions (`max_positions`; one such sequence fills a
+    micro-batch of its own whatever the budget, and its activations the memory).
     Kept apart from check_trajectory, which checks the token layout."""
     from rewards.reward import hostile_reward
 
     traj = scored.trajectory
+    if max_positions is not None and len(traj.token_ids) > max_positions:
+        raise BadTrajectory(f"{traj.traj_id}: {len(traj.token_ids)} tokens, more than the policy's "
+                            f"{max_positions} positions")
     why = hostile_reward(scored.metrics, scored.weights, scored.total)
     if why:
         raise BadTrajectory(f"{scored.traj_id}: {why}")

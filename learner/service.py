@@ -51,7 +51,8 @@ class Learner:
         self.cfg, self.lc, self.js, self.nc, self.driver = cfg, cfg.learner, js, nc, driver
         self.run_name, self.run_dir, self.steps = cfg.run.name, cfg.run_dir, steps
         self.model_dir = model_dir
-        self.vocab_size = policy_vocab_size(model_dir)  # a token id beyond it is refused at intake
+        # token ids beyond the vocabulary and conversations beyond the positions are refused at intake
+        self.vocab_size, self.max_positions = policy_limits(model_dir)
         self.served = ServedVersions(nc, self.run_name)  # what actors serve is never pruned
         self.grouper = Grouper(cfg.rollout.n, max_staleness=self.lc.max_staleness, stale_policy=self.lc.stale_policy,
                                timeout_s=self.lc.group_timeout_s)
@@ -173,7 +174,7 @@ class Learner:
         """PullWorker handler: buffer the sample; its ack waits for the next ledger write."""
         try:
             check_trajectory(scored.trajectory)
-            check_hostile_values(scored, self.vocab_size)
+            check_hostile_values(scored, self.vocab_size, self.max_positions)
             result = self.grouper.add(scored)
         except BadTrajectory as e:
             raise Poison(str(e)) from None
@@ -403,14 +404,16 @@ def live_counters(metrics: dict) -> dict[str, float]:
     return out
 
 
-def policy_vocab_size(model_dir) -> int:
-    """Rows of the policy's embedding (config.json's vocab_size): the token ids it can take."""
+def policy_limits(model_dir) -> tuple[int, int | None]:
+    """(rows of the policy's embedding, its positions or None) from config.json: vocab_size, the
+    token ids it can take, and max_position_embeddings, the longest sequence it can be trained on."""
     path = Path(model_dir) / "config.json"
     conf = json.loads(path.read_text())
-    size = conf.get("vocab_size") or conf.get("text_config", {}).get("vocab_size")
+    conf = conf if "vocab_size" in conf else conf.get("text_config", {})  # multimodal configs nest the text model
+    size, positions = conf.get("vocab_size"), conf.get("max_position_embeddings")
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"{path} has no vocab_size; the learner needs it to refuse token ids outside the vocabulary")
-    return size
+    return size, positions if isinstance(positions, int) and positions > 0 else None
 
 
 async def main(stop: asyncio.Event, cfg, resume: bool) -> int:

@@ -34,7 +34,8 @@ async def test_hostile_scored_values_are_dead_lettered_and_the_weights_stay_fini
     from safetensors.torch import load_file
 
     model_path, tok, model = toy
-    vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
+    conf = json.loads((model_path / "config.json").read_text())
+    vocab, positions = conf["vocab_size"], conf["max_position_embeddings"]
     honest = [make_scored(tok, model, RUN, g, i) for g in range(STEPS * GROUPS_PER_STEP) for i in range(N)]
 
     def hostile(group: int, **change):
@@ -44,6 +45,10 @@ async def test_hostile_scored_values_are_dead_lettered_and_the_weights_stay_fini
             traj.turns[0].logprobs[0] = change.pop("logprob")
         if "token" in change:
             traj.token_ids[1] = change.pop("token")
+        if "pad" in change:  # well-formed (mask as long as the tokens), longer than the model's positions
+            pad = change.pop("pad")
+            traj.token_ids += [traj.token_ids[-1]] * pad
+            traj.loss_mask += [0] * pad
         return msgspec.structs.replace(s, **change)
 
     poison = {
@@ -51,6 +56,7 @@ async def test_hostile_scored_values_are_dead_lettered_and_the_weights_stay_fini
         "task-11/0": (hostile(11, metrics={"bleu": 40.0}), "metric bleu=40.0 is outside [0, 1]"),
         "task-12/0": (hostile(12, logprob=3.0), "log-prob 0 is 3.0"),
         "task-13/0": (hostile(13, token=vocab), f"token id {vocab} is outside the policy's vocabulary"),
+        "task-14/0": (hostile(14, pad=positions), f"more than the policy's {positions} positions"),
     }
     await topology.ensure_topology(js, RUN, BUS)
     run_dir, log = tmp_path / "run", tmp_path / "learner.log"

@@ -69,6 +69,13 @@ def test_token_ids_outside_the_vocabulary_are_refused(token):
         check_hostile_values(s, VOCAB)
 
 
+def test_a_conversation_longer_than_the_policy_positions_is_refused():
+    s = scored("t", 0, 0.5)
+    check_hostile_values(s, VOCAB, max_positions=6)
+    with pytest.raises(BadTrajectory, match="6 tokens, more than the policy's 5 positions"):
+        check_hostile_values(s, VOCAB, max_positions=5)
+
+
 def test_a_refused_step_makes_its_groups_final_and_untrained():
     g = Grouper(2, max_staleness=1, stale_policy="drop", timeout_s=60.0)
     for i, r in enumerate((0.1, 0.9)):
