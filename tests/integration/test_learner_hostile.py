@@ -1,7 +1,8 @@
 """Hostile but well-formed Scored messages against the real `parley learner` (real nats-server, real
-DeepSpeed on the toy model): a NaN reward, an out-of-range metric, a positive behaviour log-prob and
-a token id outside the vocabulary are dead-lettered with their reason at intake, and the run goes
-on to its last step with finite weights, having trained only the honest groups."""
+DeepSpeed on the toy model): a NaN reward, an out-of-range metric, a positive behaviour log-prob,
+a token id outside the vocabulary and a conversation longer than the model's positions are
+dead-lettered with their reason at intake, and the run goes on to its last step with finite
+weights, having trained only the honest groups."""
 
 from __future__ import annotations
 
