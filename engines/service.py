@@ -17,8 +17,8 @@ requesters retry elsewhere. Each request runs in its own task; at most `concurre
 Overload never turns into repeated work: a request whose deadline (protocol/request.py) passed while
 it queued is dropped unanswered; one that comes again with the id of a request being computed joins
 that computation, and one whose answer was computed too late for its requester (within ANSWER_TTL_S)
-gets that answer. The counters
-"expired", "joined", "repeated" and "late" (computed, but its requesters had stopped waiting) say how often.
+gets that answer. The counters "expired", "joined", "repeated" and "late" (computed, but its
+requesters had stopped waiting) say how often.
 """
 
 from __future__ import annotations
