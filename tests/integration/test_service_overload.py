@@ -91,3 +91,31 @@ async def test_services_at_three_times_their_capacity_never_compute_twice(secure
     c = service.counters
     assert c["expired"] + c["joined"] + c["repeated"] > 0, dict(c)
     print(f"answered {len(answered)}/{DISTINCT}, computed {sum(computed.values())}, counters {dict(c)}")
+
+
+async def test_a_resent_request_joins_the_computation_under_way(secured):
+    from protocol.request import request
+
+    server, creds = secured
+    sim = await connect(server.url, name="sim", user=creds["sim"][0], password=creds["sim"][1])
+    actor = await connect(server.url, name="actor", user=creds["actor"][0], password=creds["actor"][1])
+    computed, started = Counter(), asyncio.Event()
+
+    async def slow_backend_double(data: bytes) -> bytes:
+        computed[data] += 1
+        started.set()
+        await asyncio.sleep(0.5)
+        return b"the answer to " + data
+
+    service = Service(sim, {topology.SIM_SUBJECT: slow_backend_double}, queue=topology.SIM_QUEUE, concurrency=4)
+    await service.start()
+    try:
+        first = asyncio.create_task(request(actor, topology.SIM_SUBJECT, b"q", timeout=5))
+        await started.wait()  # the first is being computed: the re-send (same id) must not start another
+        second = await request(actor, topology.SIM_SUBJECT, b"q", timeout=5)
+        assert (await first).data == second.data == b"the answer to q"
+        assert computed == {b"q": 1} and service.counters["joined"] == 1
+    finally:
+        await service.stop()
+        await sim.close()
+        await actor.close()
