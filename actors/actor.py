@@ -18,7 +18,7 @@ import time
 from collections import Counter
 
 from actors.follow import WeightFollower, WeightsBroken
-from actors.rollout import PolicySettings, SimClient, check_task, run_conversation
+from actors.rollout import PolicySettings, SimClient, check_task, check_task_limits, run_conversation
 from protocol import bus, status, topology
 from protocol.messages import Heartbeat, Task
 
@@ -39,7 +39,7 @@ class Actor:
         self._slots = asyncio.Semaphore(self.concurrency)
         self.sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s, wait_s=cfg.actor.sim_wait_s)
         self.follower = WeightFollower(js, self.run, engine, dest_root=weights_dir, poll_s=cfg.actor.weights_poll_s,
-                                       base_dir=engine.settings.model)
+                                       base_dir=engine.settings.model, shared_dir=cfg.learner.shared_dir or None)
         self.policy = PolicySettings(
             max_model_len=cfg.actor.engine.max_model_len,
             temperature=cfg.actor.temperature,
@@ -64,6 +64,7 @@ class Actor:
         if task.run != self.run:
             raise bus.Poison(f"task {task.task_id} belongs to run {task.run!r}, not {self.run!r}")
         check_task(task)
+        check_task_limits(task, self.policy.max_model_len)
         t0 = time.perf_counter()
         # in_progress well before ack_wait runs out, so a long task is not handed to another actor
         async with bus.keep_alive(msg, every=max(0.5, self.cfg.bus.ack_wait_s / 3)):

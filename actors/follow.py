@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -38,13 +39,14 @@ class WeightFollower:
     reloaded if a new version fails half-way through loading."""
 
     def __init__(self, js, run: str, engine, *, dest_root: str | Path, poll_s: float = 5.0,
-                 base_dir: str | Path | None = None, fetch=None):
+                 base_dir: str | Path | None = None, fetch=None, shared_dir: str | Path | None = None):
         from protocol import weights
 
         self.js, self.run, self.engine = js, run, engine
         self.dest_root = Path(dest_root)
         self.poll_s = poll_s
         self._fetch = fetch or weights.fetch_version
+        self.shared_dir = shared_dir  # the only place shared_dir announcements may point into
         self._verify_error = weights.WeightVerifyError
         self.refused: dict[int, str] = {}  # version -> reason, for heartbeats and logs
         self._refused_ids: set[tuple[int, str]] = set()
@@ -93,9 +95,12 @@ class WeightFollower:
 
     async def _load(self, wv: WeightVersion) -> bool:
         # by identity, so a re-announced number never overwrites the files being served
+        problem = announcement_problem(wv)
+        if problem:
+            return self._refuse(wv, f"announcement refused: {problem}", None)
         dest = self.dest_root / f"v{wv.version:06d}-{wv.sha256[:12]}"
         try:
-            path = await self._fetch(self.js, self.run, wv, dest)
+            path = await self._fetch(self.js, self.run, wv, dest, shared_dir=self.shared_dir)
         except self._verify_error as e:
             return self._refuse(wv, f"verification failed: {e}", dest)
         except Exception as e:  # noqa: BLE001 - a blob we cannot get is refused like a bad one; a newer version may come
@@ -133,11 +138,11 @@ class WeightFollower:
                 f"weights could not be restored ({e}); stopping rather than serve a mixed model"
             ) from e
 
-    def _refuse(self, wv: WeightVersion, reason: str, dest: Path) -> bool:
+    def _refuse(self, wv: WeightVersion, reason: str, dest: Path | None) -> bool:
         self.refused[wv.version] = reason
         self._refused_ids.add((wv.version, wv.sha256))
         log.error("refused weights version %d: %s; still serving version %d", wv.version, reason, self.engine.version)
-        if Path(dest) != self._served:
+        if dest is not None and Path(dest) != self._served:
             shutil.rmtree(dest, ignore_errors=True)
         return False
 
@@ -185,6 +190,27 @@ class WeightFollower:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+
+
+# Announcements beyond these are refused unread: 2 TiB holds a 1T-parameter bf16 model.
+MAX_WEIGHT_BYTES = 2 * 1024**4
+MAX_WEIGHT_FILES = 64
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def announcement_problem(wv: WeightVersion) -> str | None:
+    """Why an announcement's sizes cannot be honest (None if they can): the learner announces a
+    version >= 0, a blob of 1 byte to MAX_WEIGHT_BYTES, and a few small extra files."""
+    if not _SHA256.fullmatch(wv.sha256):
+        # it also names the local directory (and one that is refused is removed): never a path
+        return f"sha256={wv.sha256[:80]!r} is not 64 hex digits"
+    if wv.version < 0 or wv.step < 0:
+        return f"version={wv.version} / step={wv.step} must be >= 0"
+    if not 1 <= wv.bytes <= MAX_WEIGHT_BYTES:
+        return f"bytes={wv.bytes} is outside 1..{MAX_WEIGHT_BYTES}"
+    if len(wv.files) > MAX_WEIGHT_FILES:
+        return f"{len(wv.files)} extra files (at most {MAX_WEIGHT_FILES})"
+    return None
 
 
 def _transient(e: Exception) -> bool:

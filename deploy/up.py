@@ -62,7 +62,7 @@ def prepare_models(cfg: RunConfig) -> None:
 
 
 async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
-    from deploy.auth import generate_credentials, server_auth_conf
+    from deploy.auth import generate_credentials, response_window_s, server_auth_conf
     from deploy.live import RunWatcher, render, watch
     from deploy.natsserver import NatsServer
     from protocol import topology
@@ -73,8 +73,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
     cfg.run.dir = str(run_dir)
     print(f"run directory: {run_dir}", flush=True)
 
-    creds = generate_credentials(cfg.run.name, run_dir / "auth")
-    server = NatsServer(run_dir / "nats", port=0, extra_conf=server_auth_conf(creds))
+    window = response_window_s(cfg)  # services may answer for as long as this config's requesters wait
+    creds = generate_credentials(cfg.run.name, run_dir / "auth", response_window=window)
+    server = NatsServer(run_dir / "nats", port=0, extra_conf=server_auth_conf(creds, response_window=window))
     cfg.nats.url = server.start()
     print(f"nats-server: {cfg.nats.url} (store {server.store_dir})", flush=True)
 

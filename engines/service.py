@@ -13,6 +13,12 @@ which `fatal(exc)` is true (the backend is gone, e.g. backend.is_fatal) gets no 
 stops taking requests and run_until raises, so the process exits non-zero and is restarted while
 requesters retry elsewhere. Each request runs in its own task; at most `concurrency` run at once
 (the rest wait in the subscription's queue). Replicas share the load through the queue group.
+
+Overload never turns into repeated work: a request whose deadline (protocol/request.py) passed while
+it queued is dropped unanswered; one that comes again with the id of a request being computed joins
+that computation, and one whose answer was computed too late for its requester (within ANSWER_TTL_S)
+gets that answer. The counters "expired", "joined", "repeated" and "late" (computed, but its
+requesters had stopped waiting) say how often.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
 from protocol import status
+from protocol.request import deadline_and_id
 from protocol.messages import Heartbeat
 
 log = logging.getLogger("parley.service")
@@ -47,6 +54,22 @@ async def _flush(nc, attempts: int = 15) -> None:
                 raise
             log.warning("flush failed (%s); NATS reconnecting? retry %d/%d", type(e).__name__, attempt, attempts - 1)
             await asyncio.sleep(1.0)
+
+
+# Answers kept for re-sent requests: a computation that finished after its requester's deadline is
+# answered from here when the request comes again (within ANSWER_TTL_S), instead of computed again.
+ANSWERS_KEPT = 4096
+ANSWER_TTL_S = 900.0
+
+
+def _expired(deadline: float | None) -> bool:
+    return deadline is not None and time.time() > deadline
+
+
+async def _respond(msg, reply: bytes) -> None:
+    if msg.reply:
+        with contextlib.suppress(Exception):  # the requester may have gone; nothing to do
+            await msg.respond(reply)
 
 
 class Service:
@@ -77,6 +100,9 @@ class Service:
         self._tasks: set[asyncio.Task] = set()
         self._subs = []
         self.latency_s = 0.0  # moving average, for the heartbeat
+        # By (subject, request id): the requests of a computation under way, and recent answers.
+        self._joining: dict[tuple[str, str], list] = {}
+        self._answered: OrderedDict[tuple[str, str], tuple[float, bytes]] = OrderedDict()
 
     @property
     def in_flight(self) -> int:
@@ -97,16 +123,38 @@ class Service:
         async def receive(msg) -> None:
             # Runs in the subscription's own task, one message at a time: waiting for a slot here
             # is the back-pressure (further requests queue in the subscription).
+            deadline, rid = deadline_and_id(msg)
+            if _expired(deadline):  # it queued here longer than its requester waits: computing it helps no one
+                self.counters["expired"] += 1
+                return
+            key = (subject, rid) if rid else None
+            answered = self._answered.get(key)
+            if answered and answered[0] > time.monotonic() - ANSWER_TTL_S:
+                # a re-send of a request answered after its first requester gave up
+                self.counters["repeated"] += 1
+                await _respond(msg, answered[1])
+                return
+            if key in self._joining:  # a re-send while the first is being computed: one computation, both answered
+                self._joining[key].append(msg)
+                self.counters["joined"] += 1
+                return
+            if key is not None:
+                self._joining[key] = [msg]
             await self._slots.acquire()
-            t = asyncio.create_task(self._serve(subject, handler, msg))
+            t = asyncio.create_task(self._serve(subject, handler, msg, key))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
         return receive
 
-    async def _serve(self, subject: str, handler: Handler, msg) -> None:
+    async def _serve(self, subject: str, handler: Handler, msg, key: tuple[str, str] | None) -> None:
         t0 = time.perf_counter()
         try:
+            waiting = self._joining.get(key, [msg]) if key else [msg]
+            if all(_expired(deadline_and_id(m)[0]) for m in waiting):  # expired while waiting for a slot
+                self.counters["expired"] += 1
+                return
+            keep = True
             try:
                 reply = await handler(msg.data)
             except asyncio.CancelledError:
@@ -122,15 +170,32 @@ class Service:
                 log.exception("%s: handler for %s failed", self.name, subject)
                 if self.on_error is None:
                     return
-                reply = self.on_error(subject, msg.data, e)
-            if msg.reply:
-                with contextlib.suppress(Exception):  # the requester may have gone; nothing to do
-                    await msg.respond(reply)
+                reply, keep = self.on_error(subject, msg.data, e), False  # a re-send should try again
+            waiting = self._joining.pop(key, [msg]) if key else [msg]
+            late = [m for m in waiting if _expired(deadline_and_id(m)[0])]
+            # Nobody waits on a late one's inbox any more (and its response permission may be gone).
+            self.counters["late"] += len(late)
+            if late and key is not None and keep:
+                # Kept only when it reached nobody or not everybody: the re-send that follows gets it.
+                # An answer that was delivered is not: asking again (a retry after ok=False) asks afresh.
+                self._remember(key, reply)
+            for m in waiting:
+                if not any(m is gone for gone in late):
+                    await _respond(m, reply)
             self.counters["served"] += 1
             dt = time.perf_counter() - t0
             self.latency_s = dt if not self.latency_s else 0.9 * self.latency_s + 0.1 * dt
         finally:
+            if key is not None:
+                self._joining.pop(key, None)
             self._slots.release()
+
+    def _remember(self, key: tuple[str, str], reply: bytes) -> None:
+        now = time.monotonic()
+        self._answered[key] = (now, reply)
+        while self._answered and (len(self._answered) > ANSWERS_KEPT
+                                  or next(iter(self._answered.values()))[0] < now - ANSWER_TTL_S):
+            self._answered.popitem(last=False)
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Unsubscribe (queued requests go unanswered and the requesters retry elsewhere), then

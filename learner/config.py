@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 
+from protocol.messages import TASK_MAX_FUTURES, TASK_MAX_N, TASK_MAX_NEW_TURNS
 from protocol.weights import TRANSPORTS
 
 LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -42,6 +45,11 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"mode={self.mode!r} not allowed; use conversation or next_turn")
         if self.n < 2:
             raise ValueError(f"n={self.n} must be >= 2 (GRPO needs a group)")
+        # Actors refuse tasks beyond these (actors.rollout.check_task_limits): fail here, not there.
+        for name, most in (("n", TASK_MAX_N), ("max_new_turns", TASK_MAX_NEW_TURNS), ("futures", TASK_MAX_FUTURES),
+                           ("future_turns", TASK_MAX_NEW_TURNS)):
+            if getattr(self, name) > most:
+                raise ValueError(f"{name}={getattr(self, name)} must be <= {most}")
 
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -99,6 +107,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"transport={self.transport!r} not allowed; use one of {TRANSPORTS}")
         if self.transport == "shared_dir" and not self.shared_dir:
             raise ValueError("transport='shared_dir' needs shared_dir (a directory every actor can read)")
+        if self.shared_dir:
+            # Once, here: a relative path would otherwise mean another directory in every process's cwd.
+            # Actors check every announced location against it (protocol.weights.resolve_location).
+            self.shared_dir = str(Path(self.shared_dir).expanduser().resolve())
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage} not allowed; use 0, 1, 2 or 3")
         if self.groups_per_step < 1:

@@ -7,6 +7,7 @@ SCORED consumer and takes batches from it. See docs/learner.md for how this stat
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -46,6 +47,37 @@ def check_trajectory(traj: Trajectory) -> None:
             raise BadTrajectory(f"{traj.traj_id}: token {p} is trained but no turn has its behaviour log-prob")
     if not any(traj.loss_mask):
         raise BadTrajectory(f"{traj.traj_id}: no trained token (loss_mask is all 0)")
+
+
+# A sampled token's log-prob is <= 0; vLLM's are computed in float32, so allow rounding above 0.
+LOGPROB_SLACK = 1e-3
+
+
+def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | None = None) -> None:
+    """Raise BadTrajectory for values that decode but that no honest actor or scorer sends: a
+    non-finite or out-of-range reward (rewards.reward.hostile_reward), a non-finite or positive
+    behaviour log-prob, a token id outside the policy's vocabulary (on a GPU an out-of-range id is a
+    device-side assert that kills the learner, then a crash loop on the redelivered message), a
+    conversation longer than the policy's positions (`max_positions`; one such sequence fills a
+    micro-batch of its own whatever the budget, and its activations the memory).
+    Kept apart from check_trajectory, which checks the token layout."""
+    from rewards.reward import hostile_reward
+
+    traj = scored.trajectory
+    if max_positions is not None and len(traj.token_ids) > max_positions:
+        raise BadTrajectory(f"{traj.traj_id}: {len(traj.token_ids)} tokens, more than the policy's "
+                            f"{max_positions} positions")
+    why = hostile_reward(scored.metrics, scored.weights, scored.total)
+    if why:
+        raise BadTrajectory(f"{scored.traj_id}: {why}")
+    for i, turn in enumerate(traj.turns):
+        for j, lp in enumerate(turn.logprobs):
+            if not (math.isfinite(lp) and lp <= LOGPROB_SLACK):
+                raise BadTrajectory(f"{traj.traj_id}: turn {i} log-prob {j} is {lp}; behaviour log-probs are finite "
+                                    "and <= 0")
+    bad = next((t for t in traj.token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadTrajectory(f"{traj.traj_id}: token id {bad} is outside the policy's vocabulary 0..{vocab_size - 1}")
 
 
 def behaviour_logprobs(traj: Trajectory) -> list[float]:
@@ -95,7 +127,7 @@ class Outcome:
     """A group that left the buffer without being trained, and why."""
 
     task_id: str
-    kind: str  # "timeout" | "stale" | "zero_advantage" | "dead" | "deadline"
+    kind: str  # "timeout" | "stale" | "zero_advantage" | "dead" | "deadline" | "nonfinite"
     reason: str
     samples: list[str]  # traj_ids
     group: Group | None = None  # what was buffered of it, for the archive
@@ -225,6 +257,20 @@ class Grouper:
             self.counters["trained"] -= 1
             if t.correct:
                 self.counters["corrected"] -= 1
+
+    def reject(self, taken: list[Taken], reason: str) -> list[Outcome]:
+        """Groups of a step the trainer refused to apply (non-finite loss or gradient): final, never
+        trained, like a dropped group (kind "nonfinite")."""
+        out = []
+        for t in taken:
+            self.done[t.group.task_id] = "nonfinite"
+            self.counters["trained"] -= 1
+            if t.correct:
+                self.counters["corrected"] -= 1
+            self.counters["nonfinite"] += 1
+            log.error("group %s %s", t.group.task_id, reason)
+            out.append(Outcome(t.group.task_id, "nonfinite", reason, [s.traj_id for s in t.group.ordered()], group=t.group))
+        return out
 
     def _finish(self, g: Group, kind: str, reason: str) -> Outcome:
         del self.buffer[g.task_id]

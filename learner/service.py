@@ -11,23 +11,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 from nats.js.errors import APIError
 
 from learner import checkpoint as ckpt
 from learner.feeder import Feeder, FeederState, Issued
-from learner.groups import BadTrajectory, Group, Grouper, Outcome, Taken, behaviour_logprobs, check_trajectory
+from learner.groups import (
+    BadTrajectory,
+    Group,
+    Grouper,
+    Outcome,
+    Taken,
+    behaviour_logprobs,
+    check_hostile_values,
+    check_trajectory,
+)
 from learner.steplog import StepLog
-from protocol import backlog, dead, status, topology
-from protocol.bus import COUNTERS, UNREACHABLE, Poison, PullWorker, retry_unreachable
+from protocol import backlog, codec, dead, status, topology
+from protocol.bus import COUNTERS, UNREACHABLE, Poison, PullWorker, dead_letter, retry_unreachable
 from protocol.messages import Heartbeat
-from protocol.weights import publish_version
+from protocol.weights import ServedVersions, publish_version
 from tasks.data import train_eval_items
 
 log = logging.getLogger("parley.learner")
@@ -42,6 +53,9 @@ class Learner:
         self.cfg, self.lc, self.js, self.nc, self.driver = cfg, cfg.learner, js, nc, driver
         self.run_name, self.run_dir, self.steps = cfg.run.name, cfg.run_dir, steps
         self.model_dir = model_dir
+        # token ids beyond the vocabulary and conversations beyond the positions are refused at intake
+        self.vocab_size, self.max_positions = policy_limits(model_dir)
+        self.served = ServedVersions(nc, self.run_name)  # what actors serve is never pruned
         self.grouper = Grouper(cfg.rollout.n, max_staleness=self.lc.max_staleness, stale_policy=self.lc.stale_policy,
                                timeout_s=self.lc.group_timeout_s)
         self.step = 0  # optimizer steps done = the policy version the trainer holds
@@ -118,6 +132,7 @@ class Learner:
     # -- the loop -------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> int:
+        await self.served.start()
         await self.publish(self.step)  # actors learn the baseline (version 0) or the restored version
         worker = PullWorker(self.js, self.run_name, "scored", self.on_scored, bus=self.cfg.bus, name=f"learner-{self.id}",
                             concurrency=32, fetch_timeout=1.0)
@@ -175,6 +190,7 @@ class Learner:
         """PullWorker handler: buffer the sample; its ack waits for the next ledger write."""
         try:
             check_trajectory(scored.trajectory)
+            check_hostile_values(scored, self.vocab_size, self.max_positions)
             result = self.grouper.add(scored)
         except BadTrajectory as e:
             raise Poison(str(e)) from None
@@ -288,6 +304,9 @@ class Learner:
         except BaseException:
             self.grouper.untake(taken)  # not trained: the ledger must keep them buffered
             raise
+        if stats.get("skipped"):
+            await self.refuse_step(taken, stats)
+            return True
         admitted_at = self.step  # the version the groups were trained against
         self.step += 1
         admission_lag: Counter[str] = Counter()
@@ -338,6 +357,26 @@ class Learner:
         self.state_name = "ready"
         return True
 
+    async def refuse_step(self, taken: list[Taken], stats: dict) -> None:
+        """The trainer did not apply a step (its loss or gradient norm was not finite): the weights are
+        as before, its groups are final (kind "nonfinite", in the ledger with the next write) and each
+        of their samples goes to DEAD with the reason, for an operator to look at."""
+        reason = (f"not trained: the step over these groups had loss {stats.get('loss', float('nan')):.4g} and "
+                  f"grad norm {stats.get('grad_norm', float('nan')):.4g}; not finite, so it was skipped")
+        self.since_step += self.consume(self.grouper.reject(taken, reason))
+        self.counters["steps.skipped"] += 1
+        subject = topology.subject(self.run_name, "scored")
+        for t in taken:
+            for s in t.group.ordered():
+                await retry_unreachable(
+                    lambda s=s: dead_letter(self.js, self.run_name, subject=subject, reason=f"{s.traj_id}: {reason}",
+                                            consumer=f"learner-{self.id}", payload=codec.encode(s),
+                                            max_bytes=self.cfg.bus.max_msg_bytes),
+                    what=f"dead-lettering {s.traj_id}",
+                )
+        self.state_name = "ready"
+        self.wait_since = time.monotonic()
+
     def samples(self, taken: list[Taken]):
         import torch
 
@@ -359,7 +398,8 @@ class Learner:
         await asyncio.to_thread(self.driver, "save_weights", wdir)
         wv = await retry_unreachable(
             lambda: publish_version(self.js, self.run_name, version, self.step, wdir, self.lc.transport,
-                                    shared_dir=self.lc.shared_dir or None, keep=self.lc.keep_versions),
+                                    shared_dir=self.lc.shared_dir or None, keep=self.lc.keep_versions,
+                                    protect=self.served.versions()),
             what=f"publishing weights version {version}",
         )
         ckpt.prune_weights(self.run_dir, self.lc.keep_versions)
@@ -465,6 +505,18 @@ def live_counters(metrics: dict) -> dict[str, float]:
         out["staleness.mean"] = sum(int(k) * v for k, v in hist.items()) / n
         out["staleness.max"] = float(max(int(k) for k in hist))
     return out
+
+
+def policy_limits(model_dir) -> tuple[int, int | None]:
+    """(rows of the policy's embedding, its positions or None) from config.json: vocab_size, the
+    token ids it can take, and max_position_embeddings, the longest sequence it can be trained on."""
+    path = Path(model_dir) / "config.json"
+    conf = json.loads(path.read_text())
+    conf = conf if "vocab_size" in conf else conf.get("text_config", {})  # multimodal configs nest the text model
+    size, positions = conf.get("vocab_size"), conf.get("max_position_embeddings")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"{path} has no vocab_size; the learner needs it to refuse token ids outside the vocabulary")
+    return size, positions if isinstance(positions, int) and positions > 0 else None
 
 
 async def main(stop: asyncio.Event, cfg, resume: bool) -> int:

@@ -4,6 +4,7 @@ rank) and the tests; torch at the top, DeepSpeed and transformers where a Traine
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -80,7 +81,8 @@ def ds_config(cfg: LearnerConfig, dtype: torch.dtype) -> dict:
         "managed_gradient_accumulation": False,
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": dtype == torch.bfloat16},
+        # check_grad_overflow: a non-finite gradient skips the step (see Trainer._apply_if_finite).
+        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True},
         "optimizer": {
             "type": "AdamW",
             # torch's AdamW: DeepSpeed's own CPU/fused kernels need a compiler toolchain (CPU) or
@@ -183,6 +185,7 @@ class Trainer:
             n_micro = int(count.item())
         sums: dict[str, float] = {}
         seen = 0
+        finite_loss = True
         for i in range(n_micro):
             if i >= len(micro):
                 self._idle_backward()
@@ -207,6 +210,9 @@ class Trainer:
                 tis_cap=cfg.tis_cap, agg_mode=cfg.loss_agg,
             )
             share = n / n_tokens if cfg.loss_agg == "token-mean" else len(set(batch.seq.tolist())) / n_seqs
+            # Still backward when it is not finite: the non-finite gradient is what makes the optimizer
+            # skip the step on every rank (_apply_if_finite), and the ranks' collectives stay in step.
+            finite_loss = finite_loss and bool(torch.isfinite(loss.detach()))
             # DeepSpeed averages gradients over ranks; the shares already sum to 1 over all ranks.
             self.engine.backward(loss * share * world)
             st.update(
@@ -220,13 +226,17 @@ class Trainer:
                 else:
                     sums[k] = sums.get(k, 0.0) + v * n
             seen += n
-        self.engine.step()
+        applied, grad_norm = self._apply_if_finite()
         stats = {k: (v if k.endswith("_max") else v / max(seen, 1)) for k, v in sums.items()}
-        grad_norm = self.engine.get_global_grad_norm()
+        if applied and not finite_loss:
+            # Cannot happen (a non-finite loss gives non-finite gradients); if it did, the weights may be
+            # damaged: stop rather than train on and publish them.
+            raise RuntimeError("the optimizer applied a step whose loss was not finite; the weights cannot be trusted")
         elapsed = time.perf_counter() - t0
         total_tokens = sum(len(s.token_ids) for s in samples)
         stats.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            skipped=0.0 if applied else 1.0,  # learner.service dead-letters a skipped step's groups
             lr=float(self.engine.get_lr()[0]),
             tokens=float(total_tokens),
             trained_tokens=float(n_tokens),
@@ -236,6 +246,23 @@ class Trainer:
             tokens_per_s=total_tokens / elapsed,
         )
         return stats
+
+    def _apply_if_finite(self) -> tuple[bool, float | None]:
+        """The optimizer step, unless a gradient is not finite: (applied, global grad norm).
+
+        ZeRO 1-3 check the global gradient norm inside step() and, when it is not finite, clear the
+        gradients and leave weights and optimizer state untouched (their overflow path; bf16 needs
+        `check_grad_overflow`, on in ds_config). Without ZeRO the gradients are whole on every rank
+        (reduced in backward), so they are checked here before the optimizer sees them."""
+        if self.cfg.zero_stage == 0:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            if not all(bool(torch.isfinite(g).all()) for g in grads):
+                self.engine.zero_grad()
+                return False, float("inf")
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        return norm is None or math.isfinite(norm), norm
 
     def _idle_backward(self) -> None:
         """A zero-weighted backward through the whole model, so this rank joins the gradient

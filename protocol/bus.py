@@ -151,6 +151,7 @@ class PullWorker:
         name: str,
         concurrency: int = 1,
         fetch_timeout: float = 2.0,
+        dead_retry_s: float = 30.0,
     ):
         channel = topology.CHANNELS[key]
         if channel.durable is None:
@@ -160,6 +161,7 @@ class PullWorker:
         self.durable = channel.durable
         self.concurrency = concurrency
         self.fetch_timeout = fetch_timeout
+        self.dead_retry_s = dead_retry_s  # a dead letter that could not be stored is tried again after this
         self.subject = topology.subject(run, key)
         self._slots = asyncio.Semaphore(concurrency)
         self._freed = asyncio.Event()  # a handler gave its slot back
@@ -231,8 +233,11 @@ class PullWorker:
             await self._dead(m, f"decode error: {e}")
             return
         if meta.num_delivered > self.bus.max_deliver:
-            reason = self._last_error.pop(ident, "no error recorded in this process")
-            await self._dead(m, f"delivered {meta.num_delivered} times (max_deliver={self.bus.max_deliver}); last error: {reason}")
+            reason = self._last_error.get(ident, "no error recorded in this process")
+            # Forgotten only once stored: a dead letter retried after a failed publish keeps the reason.
+            if await self._dead(m, f"delivered {meta.num_delivered} times (max_deliver={self.bus.max_deliver}); "
+                                   f"last error: {reason}"):
+                self._last_error.pop(ident, None)
             return
         try:
             await self.handler(obj, m)
@@ -255,16 +260,20 @@ class PullWorker:
             with contextlib.suppress(Exception):
                 await m.nak(delay=min(2.0 * meta.num_delivered, 30.0))
 
-    async def _dead(self, m, reason: str) -> None:
+    async def _dead(self, m, reason: str) -> bool:
+        """Dead-letter `m` and term it; False (and `m` nak'ed to come back) if the dead letter was not stored."""
         try:
             await dead_letter(self.js, self.run, subject=m.subject, reason=reason, consumer=self.name, payload=m.data,
                               max_bytes=self.bus.max_msg_bytes)
         except Exception as e:  # noqa: BLE001 - not stored as a dead letter: keep the message, try again later
             self.stats["dead_failed"] += 1
-            log.error("%s: could not dead-letter a message from %s (%s: %s); it comes back later",
-                      self.name, m.subject, type(e).__name__, e)
+            log.error("%s: could not dead-letter a message from %s (%s: %s); it comes back in %.0fs",
+                      self.name, m.subject, type(e).__name__, e, self.dead_retry_s)
+            # The consumer has no server-side delivery limit (topology.consumer_config), so this nak (or,
+            # if it is lost too, ack_wait) always brings the message back and the dead letter is retried.
             with contextlib.suppress(Exception):
-                await m.nak(delay=30.0)
-            return
+                await m.nak(delay=self.dead_retry_s)
+            return False
         self.stats["dead"] += 1
         await m.term()
+        return True

@@ -20,6 +20,20 @@ class NatsUnreachable(ConnectionError):
     pass
 
 
+def inbox_prefix(user: str | None) -> str:
+    """The reply-subject prefix of `user`'s connections: `_INBOX_<user>` (its characters outside
+    A-Z a-z 0-9 _ - percent-encoded, so `parley-*-actor` and every run's users stay distinct).
+
+    deploy/auth.py lets each user subscribe to its own prefix only: no role can read the replies or
+    pull-consumer deliveries of another. Without a user name (anonymous, a .creds file) it is nats.py's
+    default `_INBOX`, which the server's own permissions then govern."""
+    if not user:
+        return "_INBOX"
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "_-") else "".join(f"%{b:02X}" for b in c.encode())
+                   for c in user)
+    return f"_INBOX_{safe}"
+
+
 def _tls_context(ca_file: str | None) -> ssl.SSLContext | None:
     if not ca_file:
         return None
@@ -66,6 +80,7 @@ async def connect(
         reconnected_cb=on_reconnect,
         error_cb=on_error,
         tls=_tls_context(ca_file),
+        inbox_prefix=inbox_prefix(user if not creds else None),
     )
     if user:
         kwargs.update(user=user, password=password or "")

@@ -17,6 +17,13 @@ class ChatMessage(msgspec.Struct, frozen=True):
     content: str
 
 
+# What a Task may ask at most: beyond these it is no honest request, only a way to tie an actor up
+# (the feeder's [rollout] config is held to the same bounds; actors dead-letter anything beyond).
+TASK_MAX_N = 1024  # samples per group
+TASK_MAX_NEW_TURNS = 1000  # messages added to a conversation
+TASK_MAX_FUTURES = 64  # sampled futures per sample (next_turn)
+
+
 class Task(msgspec.Struct, kw_only=True):
     """A prompt to sample n times. learner.feeder (and eval) -> actor."""
 

@@ -124,8 +124,10 @@ def consumer_config(durable: str, bus: BusSettings) -> api.ConsumerConfig:
         ack_policy=api.AckPolicy.EXPLICIT,
         deliver_policy=api.DeliverPolicy.ALL,
         ack_wait=bus.ack_wait_s,
-        # The consumer dead-letters by itself before the server gives up; +1 leaves room for that.
-        max_deliver=bus.max_deliver + 1,
+        # Unlimited on the server: the bus (PullWorker) alone ends a message, by dead-lettering it after
+        # bus.max_deliver deliveries. A server-side limit would strand a message whose dead letter could
+        # not be stored on the server's last delivery: nak'ed, never delivered again, never in DEAD.
+        max_deliver=-1,
         max_ack_pending=bus.max_ack_pending,
     )
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import logging
 import os
 import re
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -34,7 +36,9 @@ TRANSPORTS = ("objstore", "shared_dir")
 # 1-4 MiB), small enough to stay under the server's max_payload (1 MiB on a stock server).
 MAX_CHUNK = 4 * 1024 * 1024
 _PAYLOAD_HEADROOM = 16 * 1024
-_VERSION_DIR = re.compile(r"^v(\d{6,})(?:/|$)")
+# v<version>-<nonce>: every publication gets a fresh name, so re-publishing a version number (a resumed
+# learner) never rewrites what an actor may be loading; the bare v<version> of older runs still matches.
+_VERSION_DIR = re.compile(r"^v(\d{6,})(?:-[0-9a-f]+)?(?:/|$)")
 
 
 class WeightVerifyError(Exception):
@@ -51,6 +55,43 @@ class VersionConflict(RuntimeError):
 
 def version_prefix(version: int) -> str:
     return f"v{version:06d}"
+
+
+def fresh_prefix(version: int) -> str:
+    """The name of one publication of `version`: never used before, never reused."""
+    return f"{version_prefix(version)}-{secrets.token_hex(6)}"
+
+
+def shared_root(shared_dir: str | Path, run: str) -> Path:
+    """The absolute directory that holds run `run`'s shared_dir versions."""
+    return Path(shared_dir).expanduser().resolve() / topology.check_run(run)
+
+
+def _plain_name(wv: WeightVersion, name: str) -> str:
+    # An extra file lands beside the verified model under this name: a path, "..", or the model's own
+    # name would let an announcement write outside the version or replace the checked blob.
+    if not name or "/" in name or "\\" in name or name in (".", "..", MODEL_FILE):
+        raise WeightVerifyError(f"version {wv.version}: extra file name {name!r} is not allowed (a plain file name "
+                                f"other than {MODEL_FILE}); refused")
+    return name
+
+
+def resolve_location(wv: WeightVersion, shared_dir: str | Path | None, run: str) -> Path:
+    """The directory a shared_dir announcement names, resolved under the configured root; anything
+    that resolves elsewhere (an absolute path outside it, `..`, a symlink out) is refused."""
+    if not shared_dir:
+        raise WeightVerifyError(
+            f"version {wv.version} is on the shared_dir transport ({wv.location!r}) but this process has no shared "
+            "directory configured; set [learner] shared_dir to the directory the learner publishes into"
+        )
+    root = shared_root(shared_dir, run)
+    where = (root / wv.location).resolve()  # an absolute location replaces root here, and is checked the same
+    if where == root or not where.is_relative_to(root):
+        raise WeightVerifyError(
+            f"version {wv.version}: location {wv.location!r} resolves to {where}, outside the shared directory {root}; "
+            "refused (is [learner] shared_dir the same for learner and actors?)"
+        )
+    return where
 
 
 def file_digest(path: Path) -> tuple[str, int]:
@@ -92,12 +133,15 @@ async def publish_version(
     transport: str,
     shared_dir: str | Path | None = None,
     keep: int = 3,
+    protect: frozenset[int] | set[int] = frozenset(),
 ) -> WeightVersion:
     """Upload `state_dir` (model.safetensors + config.json and any other small files) as `version`,
-    then point the weights key at it (compare-and-set) and delete versions beyond the newest `keep`.
+    then point the weights key at it (compare-and-set) and delete versions beyond the newest `keep`,
+    except those in `protect` (what actors report serving: ServedVersions).
 
-    Re-publishing a version number (a resumed learner) overwrites that version's blobs; the key
-    always moves to what is published last, even if its number is lower (a rollback is logged).
+    Every publication goes to a fresh name (fresh_prefix): re-publishing a version number (a resumed
+    learner) leaves the earlier blobs alone until pruned; the key always moves to what is published
+    last, even if its number is lower (a rollback is logged).
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} not allowed; use one of {TRANSPORTS}")
@@ -110,7 +154,7 @@ async def publish_version(
     extras = sorted(p.name for p in state_dir.iterdir() if p.is_file() and p.name != MODEL_FILE)
     if CONFIG_FILE not in extras:
         raise FileNotFoundError(f"{state_dir / CONFIG_FILE} does not exist; vLLM needs it beside the weights")
-    prefix = version_prefix(version)
+    prefix = fresh_prefix(version)
     if transport == "objstore":
         store = await js.object_store(topology.object_bucket(run))
         opts = api.ObjectMetaOptions(max_chunk_size=chunk_size(js))
@@ -127,7 +171,7 @@ async def publish_version(
     else:
         if not shared_dir:
             raise ValueError("transport='shared_dir' needs shared_dir (a directory every actor can read)")
-        target = Path(shared_dir) / run / prefix
+        target = shared_root(shared_dir, run) / prefix
         sha, size = await asyncio.to_thread(file_digest, model)
         await asyncio.to_thread(_place_dir, state_dir, target)
         location, files = str(target), extras
@@ -137,7 +181,7 @@ async def publish_version(
         created=time.time(), run=run, files=files,
     )
     await _announce(js, run, wv)
-    await _prune(js, run, transport, shared_dir, keep, current=version)
+    await _prune(js, run, transport, shared_dir, keep, current=version, protect=set(protect))
     return wv
 
 
@@ -155,9 +199,7 @@ def _place_dir(src: Path, target: Path) -> None:
                 os.link(p, tmp / p.name)  # the learner never rewrites a published file, so sharing the inode is safe
             except OSError:
                 shutil.copyfile(p, tmp / p.name)
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+    tmp.rename(target)  # a fresh name (fresh_prefix): nothing there to replace
 
 
 async def _announce(js, run: str, wv: WeightVersion) -> None:
@@ -188,7 +230,9 @@ async def _announce(js, run: str, wv: WeightVersion) -> None:
         ) from e
 
 
-async def _prune(js, run: str, transport: str, shared_dir, keep: int, current: int) -> None:
+async def _prune(js, run: str, transport: str, shared_dir, keep: int, current: int, protect: set[int]) -> None:
+    # By version number: every publication of a kept or protected number stays (an actor that serves
+    # version v may hold the earlier publication of v).
     if transport == "objstore":
         store = await js.object_store(topology.object_bucket(run))
         try:
@@ -196,38 +240,75 @@ async def _prune(js, run: str, transport: str, shared_dir, keep: int, current: i
         except NotFoundError:
             return
         names = [i.name for i in infos if not i.deleted]
-        old = _old_versions([_VERSION_DIR.match(n) for n in names], keep, current)
+        old = _old_versions([_VERSION_DIR.match(n) for n in names], keep, current, protect)
         for name in names:
             m = _VERSION_DIR.match(name)
             if m and int(m.group(1)) in old:
                 await store.delete(name)
     else:
-        root = Path(shared_dir) / run
+        root = shared_root(shared_dir, run)
         dirs = [d for d in root.iterdir() if d.is_dir()]
-        old = _old_versions([_VERSION_DIR.match(d.name) for d in dirs], keep, current)
+        old = _old_versions([_VERSION_DIR.match(d.name) for d in dirs], keep, current, protect)
         for d in dirs:
             m = _VERSION_DIR.match(d.name)
             if m and int(m.group(1)) in old:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _old_versions(matches, keep: int, current: int) -> set[int]:
+def _old_versions(matches, keep: int, current: int, protect: set[int]) -> set[int]:
     versions = sorted({int(m.group(1)) for m in matches if m}, reverse=True)
-    kept = set(versions[:keep]) | {current}
+    kept = set(versions[:keep]) | {current} | protect
     return set(versions) - kept
 
 
-async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash: bool = False) -> Path:
+class ServedVersions:
+    """The weight versions the run's actors report serving (Heartbeat.version), for publish_version's
+    `protect`: an actor reloads from, and falls back to, the version it serves, so it must not be pruned.
+    A report counts until `ttl_s` passes without another (actors beat every few seconds) or the
+    actor says it is stopping."""
+
+    def __init__(self, nc, run: str, ttl_s: float = 120.0):
+        self.nc, self.run, self.ttl_s = nc, run, ttl_s
+        self._seen: dict[str, tuple[int, float]] = {}  # actor id -> (version, monotonic time)
+        self._sub = None
+
+    async def start(self) -> None:
+        async def on_beat(msg) -> None:
+            try:
+                hb = codec.decode("status", msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return
+            if hb.state == "stopping":
+                self._seen.pop(hb.id, None)
+            elif hb.version >= 0:
+                self._seen[hb.id] = (hb.version, time.monotonic())
+
+        self._sub = await self.nc.subscribe(topology.status_subject(self.run, "actor", "*"), cb=on_beat)
+
+    def versions(self) -> set[int]:
+        now = time.monotonic()
+        return {v for v, t in self._seen.values() if now - t <= self.ttl_s}
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+
+async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash: bool = False, *,
+                        shared_dir: str | Path | None = None) -> Path:
     """Fetch and verify version `wv`; returns a directory holding model.safetensors and config.json.
 
     objstore: the files are written into `dest_dir` (created) and `dest_dir` is returned; the
     received bytes are hashed as they are written and checked against the announcement, so the
-    file on disk is the learner's (rehash=True reads it back once more). shared_dir: nothing is copied; the shared version directory is hashed in place
-    and returned. Raises WeightVerifyError(reason) on any mismatch or missing blob.
+    file on disk is the learner's (rehash=True reads it back once more). shared_dir: nothing is
+    copied; the version directory, which must resolve under `shared_dir`/<run> (the configured
+    [learner] shared_dir), is hashed in place and returned. Raises WeightVerifyError(reason) on any
+    mismatch, missing blob, or a location or file name that points anywhere else.
     """
     if wv.transport == "shared_dir":
-        src = Path(wv.location)
-        for name in [MODEL_FILE, *wv.files]:
+        src = resolve_location(wv, shared_dir, run)
+        for name in [MODEL_FILE, *(_plain_name(wv, f) for f in wv.files)]:
             if not (src / name).is_file():
                 raise WeightVerifyError(f"version {wv.version}: {src / name} is missing (pruned or not shared?)")
         await asyncio.to_thread(_verify_file, src / MODEL_FILE, wv)
@@ -235,6 +316,13 @@ async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash:
     if wv.transport != "objstore":
         raise WeightVerifyError(f"version {wv.version}: unknown transport {wv.transport!r}; known: {TRANSPORTS}")
 
+    version_dir = wv.location.rsplit("/", 1)[0]
+    extras = []
+    for obj in wv.files:  # objects of the same publication, each landing under a plain name beside the model
+        folder, _, name = obj.rpartition("/")
+        if folder != version_dir:
+            raise WeightVerifyError(f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused")
+        extras.append((obj, _plain_name(wv, name)))
     dest = Path(dest_dir)
     dest.mkdir(parents=True, exist_ok=True)
     part = dest / f"{MODEL_FILE}.part"
@@ -251,8 +339,8 @@ async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash:
         part.unlink(missing_ok=True)
         raise
     os.replace(part, dest / MODEL_FILE)
-    for obj in wv.files:
-        await _get_object(js, run, obj, dest / obj.rsplit("/", 1)[-1])
+    for obj, name in extras:
+        await _get_object(js, run, obj, dest / name)
     return dest
 
 

@@ -18,6 +18,39 @@ def default_weights() -> dict[str, float]:
     return {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}
 
 
+# What an honest scorer can produce for each metric: BLEU and the rubric score are fractions;
+# token_amount is thousands of assistant tokens (a million would be far beyond any context).
+METRIC_RANGES = {"bleu": (0.0, 1.0), "interactivity": (0.0, 1.0), "token_amount": (0.0, 1000.0)}
+MAX_WEIGHT = 1e6  # |weight| beyond this is no reward design, only an overflow waiting to happen
+
+
+def hostile_reward(metrics: Mapping[str, float], weights: Mapping[str, float], total: float) -> str | None:
+    """Why a scored reward could not come from an honest scorer (None if it could): a non-finite or
+    out-of-range metric or weight, or a total beyond what those metrics and weights can sum to.
+    The learner refuses such a sample: one NaN total makes its group's advantages, and then every
+    weight, NaN."""
+    for name, value in metrics.items():
+        if not math.isfinite(value):
+            return f"metric {name}={value} is not finite"
+        lo, hi = METRIC_RANGES.get(name, (-math.inf, math.inf))
+        if not lo <= value <= hi:
+            return f"metric {name}={value} is outside [{lo:g}, {hi:g}]"
+    for name, w in weights.items():
+        if not (math.isfinite(w) and abs(w) <= MAX_WEIGHT):
+            return f"weight {name}={w} is not a finite number within +-{MAX_WEIGHT:g}"
+    if not math.isfinite(total):
+        return f"total reward {total} is not finite"
+    # A clamp or a futures average only narrows a term, so the terms' extremes bound the total.
+    bound = 0.0
+    for name, w in weights.items():
+        lo, hi = METRIC_RANGES.get(name, (None, None))
+        m = max(abs(lo), abs(hi)) if lo is not None else abs(metrics.get(name, 0.0))
+        bound += abs(w) * m
+    if abs(total) > bound * (1 + 1e-9) + 1e-9:
+        return f"total reward {total} exceeds what its metrics and weights can reach (|total| <= {bound:g})"
+    return None
+
+
 def _clamp(name: str, value: float, bounds: Sequence[float] | None) -> float:
     if bounds is None:
         return value

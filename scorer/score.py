@@ -61,12 +61,13 @@ class JudgeClient:
 
         from protocol import codec, topology
         from protocol.messages import JudgeRequest
+        from protocol.request import request
 
         subject = topology.judge_subject(op)
         data = codec.encode(JudgeRequest(op=op, messages=list(messages), seed=seed))
         async with self._slots:
             try:
-                msg = await self.nc.request(subject, data, timeout=self.timeout)
+                msg = await request(self.nc, subject, data, timeout=self.timeout)  # deadline + id: see protocol/request.py
             except nats.errors.NoRespondersError:
                 raise JudgeUnavailable(f"no judge service answers on {subject}; is `parley judge` running?") from None
             except nats.errors.TimeoutError:

@@ -136,3 +136,25 @@ def test_synthetic_reward_rises(tiny_model):
     print("mean reward per step:", " ".join(f"{r:.2f}" for r in history))
     start, end = sum(history[:3]) / 3, sum(history[-3:]) / 3
     assert end > start + 0.3, f"reward did not rise: {start:.3f} -> {end:.3f}"
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_step_with_a_non_finite_loss_is_not_applied(tiny_model, stage):
+    """The last line of defence: a NaN advantage (a hostile reward that got past intake) makes the
+    loss NaN; the step is skipped (weights and optimizer untouched) and reported, the next one trains."""
+    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=stage, lr=1e-3, micro_batch_tokens=64), tiny_model)
+
+    def batch(adv):
+        return [Sample(f"s{i}", [5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 1, 1], [0.0, 0.0, -1.0, -1.0, -1.0, -1.0], a)
+                for i, a in enumerate(adv)]
+
+    before = params(trainer)
+    stats = trainer.train_step(batch([float("nan"), 1.0, -1.0]))
+    assert stats["skipped"] == 1.0
+    after = params(trainer)
+    assert all(torch.equal(before[n], after[n]) for n in before), "a non-finite step changed the weights"
+    stats = trainer.train_step(batch([1.0, -1.0, 0.5]))
+    assert stats["skipped"] == 0.0
+    trained = params(trainer)
+    assert all(bool(torch.isfinite(p).all()) for p in trained.values())
+    assert any(not torch.equal(after[n], trained[n]) for n in after)

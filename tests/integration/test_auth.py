@@ -20,7 +20,7 @@ from deploy.auth import ROLES, generate_credentials, read_env_file, role_permiss
 from deploy.natsserver import NatsServer
 from protocol import codec, examples, status, topology
 from protocol.bus import PullWorker, dead_letter, publish
-from protocol.connect import NatsUnreachable, connect
+from protocol.connect import NatsUnreachable, connect, inbox_prefix
 from protocol.messages import Heartbeat, JudgeReply, JudgeRequest, Scored, SimReply, SimRequest, WeightVersion
 from protocol.weights import current_version, fetch_version, publish_version
 
@@ -73,6 +73,19 @@ def test_generated_credentials_are_private_files(secured):
     assert len({pw for _, pw in secured.creds.values()}) == len(ROLES)  # a fresh password per role
 
 
+def test_server_config_with_passwords_is_private(secured, tmp_path):
+    """`parley up` hands server_auth_conf to NatsServer, which writes it into RUN_DIR/nats/nats-server.conf."""
+    conf = secured.server.store_dir / "nats-server.conf"
+    assert secured.creds["actor"][1] in conf.read_text()
+    assert stat.S_IMODE(os.stat(conf).st_mode) == 0o600
+    # A config left behind world-readable by an older version is made private when rewritten.
+    again = NatsServer(tmp_path / "nats", extra_conf=server_auth_conf(secured.creds))
+    (tmp_path / "nats").mkdir()
+    (tmp_path / "nats" / "nats-server.conf").write_text("old")
+    os.chmod(tmp_path / "nats" / "nats-server.conf", 0o644)
+    assert stat.S_IMODE(os.stat(again.write_config()).st_mode) == 0o600
+
+
 def test_permissions_are_derived_from_the_topology():
     perms = role_permissions(RUN)
     pub = {role: set(p["publish"]["allow"]) for role, p in perms.items()}
@@ -83,6 +96,9 @@ def test_permissions_are_derived_from_the_topology():
         assert ">" not in pub[role] and topology.subject(RUN, "dead") in pub[role]
         assert not any(s.startswith("$JS.API.STREAM.CREATE") for s in pub[role]) or role == "learner"
     assert perms["sim"]["allow_responses"] and "_INBOX.>" not in pub["sim"]
+    for role in set(ROLES) - {"admin"}:  # each its own inboxes, nobody every inbox
+        assert f"{inbox_prefix(f'parley-{RUN}-{role}')}.>" in perms[role]["subscribe"]["allow"]
+        assert not any(s.startswith("_INBOX.") or s == ">" for s in perms[role]["subscribe"]["allow"])
     anyrun = role_permissions("*")
     assert "parley.*.traj" in anyrun["actor"]["publish"]["allow"]
 
@@ -122,7 +138,7 @@ async def test_actor_cannot_announce_weights_or_publish_scores(secured, tmp_path
         with pytest.raises(nats.errors.TimeoutError):
             await js.publish(topology.subject(RUN, "scored"), codec.encode(scored), timeout=1.0)
         with pytest.raises(topology.TopologyError, match="no answer"):  # may not loosen the streams either
-            await topology.ensure_topology(js, RUN, topology.BusSettings(max_deliver=50))
+            await topology.ensure_topology(js, RUN, topology.BusSettings(ack_wait_s=600.0))
 
         info = await admin.jetstream().stream_info(topology.stream_name(RUN, "scored"))
         assert info.state.messages == 0
@@ -154,6 +170,49 @@ async def test_scorer_cannot_publish_or_take_tasks(secured, caplog):
     finally:
         await scorer.close()
         await admin.close()
+
+
+@pytest.mark.parametrize("which", ["run-scoped", "every-run"])
+async def test_no_role_can_read_another_roles_inbox(which, request, caplog):
+    """A scorer's judge reply and its pull deliveries arrive under its own inbox prefix; an actor (or the
+    simulator user every run shares) subscribing to that prefix or to `_INBOX.>` is refused and sees nothing."""
+    secured = request.getfixturevalue("secured" if which == "run-scoped" else "secured_any_run")
+    caplog.set_level(logging.WARNING, logger="parley.nats")
+    conns = {role: await secured.connect(role) for role in ("scorer", "judge", "actor", "sim")}
+    try:
+        scorer_user = secured.creds["scorer"][0]
+        assert conns["scorer"]._inbox_prefix.decode() == inbox_prefix(scorer_user)  # what connect() set
+        spied = []
+
+        async def spy(msg):
+            spied.append(msg.subject)
+
+        wanted = ["_INBOX.>", f"{inbox_prefix(scorer_user)}.>", ">"]
+        for role in ("actor", "sim"):
+            for subj in wanted:
+                await conns[role].subscribe(subj, cb=spy)
+            await conns[role].flush()
+            await conns[role].flush()
+
+        async def judge_cb(msg):
+            await msg.respond(codec.encode(JudgeReply(ok=True, document="private")))
+
+        await conns["judge"].subscribe(topology.judge_subject("extract"), queue=topology.JUDGE_QUEUE, cb=judge_cb)
+        await conns["judge"].flush()
+        await conns["judge"].flush()
+        request_ = codec.encode(JudgeRequest(op="extract", messages=[]))
+        reply = await conns["scorer"].request(topology.judge_subject("extract"), request_, timeout=5)
+        assert codec.decode("judge.reply", reply.data).document == "private"
+        assert reply.subject.startswith(inbox_prefix(scorer_user) + ".")
+        for role in ("actor", "sim"):
+            await conns[role].flush()
+        assert spied == []
+        denied = " ".join(violations(caplog)).lower()
+        for subj in wanted:
+            assert f'subscription to "{subj.lower()}"' in denied, (subj, denied)
+    finally:
+        for nc in conns.values():
+            await nc.close()
 
 
 async def test_verify_only_names_what_is_missing(secured):
@@ -256,6 +315,14 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
         rec = examples.channel_examples(run)["eval"]
         await publish(conns["eval"].jetstream(), run, "eval", rec)
 
+        # The learner reads the run's dead letters (the fates of the tasks it issued) and how full
+        # every stream is (the backlog warning).
+        from protocol import backlog, dead
+
+        letters, _ = await dead.read_since(learner, run, 0)
+        assert len(letters) == 1
+        assert set(await backlog.shares(learner, run)) >= {"tasks", "traj", "scored"}
+
         assert got["sim"] == "re: can you help me with a blog post"
         assert got["weights"] == (1, 300_000) and got["watched"] == 1
         assert got["scored"] == ("job-1/0", "the doc")
@@ -271,6 +338,47 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
         stop.set()
         for nc in conns.values():
             await nc.close()
+
+
+async def test_services_may_answer_for_as_long_as_the_config_lets_requesters_wait(tmp_path, caplog):
+    from deploy.auth import response_window_s
+    from deploy.config import load_config
+
+    cfg = load_config(None, ["actor.sim_timeout_s=400", "scorer.judge_timeout_s=30"])
+    assert response_window_s(cfg) >= 400
+    defaults = load_config()
+    assert response_window_s() >= max(defaults.actor.sim_timeout_s, defaults.scorer.judge_timeout_s) > 120
+    creds = generate_credentials(RUN, tmp_path / "auth", response_window=response_window_s(cfg))
+    assert f'"expires": "{response_window_s(cfg):.0f}s"' in (tmp_path / "auth" / "auth.conf").read_text()
+
+    # The server holds a service to the window it is given: with 2 s, an answer after 3 s is refused.
+    caplog.set_level(logging.WARNING, logger="parley.nats")
+    server = NatsServer(tmp_path / "nats", port=0, extra_conf=server_auth_conf(creds, response_window=2.0))
+    server.start()
+    sim = actor = None
+    try:
+        sim = await connect(server.url, name="sim", user=creds["sim"][0], password=creds["sim"][1])
+        actor = await connect(server.url, name="actor", user=creds["actor"][0], password=creds["actor"][1])
+
+        async def answer_after(msg):
+            await asyncio.sleep(float(msg.data))
+            await msg.respond(b"ok")
+
+        async def receive(msg):  # answered in a task, so the slow answer does not hold up the next request
+            asyncio.ensure_future(answer_after(msg))
+
+        await sim.subscribe(topology.SIM_SUBJECT, cb=receive)
+        await sim.flush()
+        await sim.flush()
+        assert (await actor.request(topology.SIM_SUBJECT, b"0.2", timeout=5)).data == b"ok"
+        with pytest.raises(nats.errors.TimeoutError):
+            await actor.request(topology.SIM_SUBJECT, b"3", timeout=5)
+        assert any("publish to" in v.lower() for v in violations(caplog))
+    finally:
+        for nc in (sim, actor):
+            if nc is not None:
+                await nc.close()
+        server.stop()
 
 
 def make_tls(d) -> tuple[str, str, str]:

@@ -124,6 +124,44 @@ async def test_failing_handler_is_retried_then_dead_lettered(js):
     assert "judge exploded" in dead.reason and "max_deliver=3" in dead.reason
 
 
+async def test_dead_letter_that_fails_on_the_last_delivery_is_not_stranded(js, monkeypatch):
+    """The dead-letter publish fails once, on the very delivery that exceeds max_deliver: the message
+    must still end in DEAD and leave the consumer, not sit unacked and undelivered for good."""
+    from protocol import bus
+
+    await topology.ensure_topology(js, RUN, FAST)
+    await publish(js, RUN, "traj", examples.trajectory(RUN))
+    real_dead_letter, failed = bus.dead_letter, []
+
+    async def dead_letter_failing_once(*args, **kwargs):  # test double: the DEAD stream is away once
+        if not failed:
+            failed.append(True)
+            raise bus.nats.errors.TimeoutError
+        return await real_dead_letter(*args, **kwargs)
+
+    monkeypatch.setattr(bus, "dead_letter", dead_letter_failing_once)
+    attempts, stop = [], asyncio.Event()
+
+    async def handler(traj, msg):
+        attempts.append(msg.metadata.num_delivered)
+        raise bus.Retry("simulator away", delay=0.1)
+
+    worker = PullWorker(js, RUN, "traj", handler, bus=FAST, name="scorer-t", fetch_timeout=0.5, dead_retry_s=0.2)
+    run = asyncio.create_task(worker.run_until(stop))
+    for _ in range(300):  # a deadline, not a speed target: the nak'ed dead letter comes back after 0.2 s
+        if worker.stats["dead"]:
+            break
+        await asyncio.sleep(0.1)
+    stop.set()
+    await run
+    assert attempts == [1, 2, 3] and failed and worker.stats["dead_failed"] == 1
+    assert worker.stats["dead"] == 1, "the message was stranded: nak'ed on its last server delivery"
+    dead = codec.decode("dead", (await js.get_msg(topology.stream_name(RUN, "dead"), 1)).data)
+    assert "simulator away" in dead.reason
+    info = await js.consumer_info(topology.stream_name(RUN, "traj"), "scorer")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
 async def test_sigkilled_server_keeps_stored_messages(nats_server):
     nc = await connect(nats_server.url, name="before")
     js = nc.jetstream()

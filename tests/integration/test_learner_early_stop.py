@@ -53,7 +53,7 @@ async def test_learner_stops_early_on_a_significant_regression(js, nc, toy, tmp_
     model, tok, hf = toy
     base = tmp_path / "base"
     base.mkdir()
-    (base / "config.json").write_text("{}")
+    (base / "config.json").write_text((model / "config.json").read_text())  # the learner reads vocab_size
     (base / "tokenizer.json").write_text("{}")
     run_dir = tmp_path / "run"
     cfg = RunConfig(

@@ -4,6 +4,7 @@ announcement, verification failures and pruning."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -83,12 +84,94 @@ async def test_shared_dir_transport_verifies_in_place(js, tmp_path):
             js, RUN, v, step=v, state_dir=write_state(tmp_path / f"s{v}", v, 0.5), transport="shared_dir",
             shared_dir=shared, keep=2,
         )
-    assert sorted(p.name for p in (shared / RUN).iterdir()) == ["v000001", "v000002"]
-    got = await fetch_version(js, RUN, wv, tmp_path / "unused")
-    assert got == shared / RUN / "v000002"
+    assert sorted(p.name[:7] for p in (shared / RUN).iterdir()) == ["v000001", "v000002"]
+    got = await fetch_version(js, RUN, wv, tmp_path / "unused", shared_dir=shared)
+    assert got == Path(wv.location) and got.parent == shared / RUN and got.name.startswith("v000002-")
     (got / MODEL_FILE).write_bytes(b"corrupt")
     with pytest.raises(WeightVerifyError, match="has sha256"):
+        await fetch_version(js, RUN, wv, tmp_path / "unused", shared_dir=shared)
+
+
+async def test_shared_dir_locations_outside_the_configured_root_are_refused(js, tmp_path):
+    await topology.ensure_topology(js, RUN)
+    shared = tmp_path / "shared"
+    wv = await publish_version(js, RUN, 1, step=1, state_dir=write_state(tmp_path / "s", 1, 0.1),
+                               transport="shared_dir", shared_dir=shared)
+    elsewhere = write_state(tmp_path / "attacker", 2, 0.1)  # a valid version, but not where versions live
+    (shared / RUN / "escape").symlink_to(elsewhere)
+    for location in (str(elsewhere), "../../attacker", f"{shared / RUN}/../../attacker", "escape", ".", "/"):
+        forged = msgspec.structs.replace(wv, location=location)
+        with pytest.raises(WeightVerifyError, match="outside the shared directory"):
+            await fetch_version(js, RUN, forged, tmp_path / "unused", shared_dir=shared)
+    for files in (["../config.json"], [MODEL_FILE], [".."]):
+        with pytest.raises(WeightVerifyError, match="extra file name"):
+            await fetch_version(js, RUN, msgspec.structs.replace(wv, files=files), tmp_path / "unused", shared_dir=shared)
+    with pytest.raises(WeightVerifyError, match="no shared directory configured"):
         await fetch_version(js, RUN, wv, tmp_path / "unused")
+    # A relative location is taken under the root, like the absolute one the learner announces.
+    relative = msgspec.structs.replace(wv, location=Path(wv.location).name)
+    assert await fetch_version(js, RUN, relative, tmp_path / "unused", shared_dir=shared) == Path(wv.location)
+
+
+async def test_objstore_extra_objects_must_be_plain_files_beside_the_model(js, tmp_path):
+    await topology.ensure_topology(js, RUN)
+    wv = await publish_version(js, RUN, 1, step=1, state_dir=write_state(tmp_path / "s", 1, 0.1), transport="objstore")
+    folder = wv.location.rsplit("/", 1)[0]
+    # An extra object named like the model would overwrite the verified blob with an unverified one.
+    for files, match in (([f"{folder}/{MODEL_FILE}"], "extra file name"), ([f"{folder}/.."], "extra file name"),
+                         (["v000009-00/config.json"], "not beside")):
+        with pytest.raises(WeightVerifyError, match=match):
+            await fetch_version(js, RUN, msgspec.structs.replace(wv, files=files), tmp_path / "actor")
+    assert not (tmp_path / "actor" / MODEL_FILE).exists()
+
+
+@pytest.mark.parametrize("transport", ["objstore", "shared_dir"])
+async def test_republishing_a_version_leaves_what_actors_load_alone(js, tmp_path, transport):
+    """A resumed learner publishes version 2 again: the first publication (an actor may be loading it,
+    or serves it) is not rewritten, and a version an actor serves is not pruned."""
+    await topology.ensure_topology(js, RUN)
+    shared = tmp_path / "shared"
+
+    async def pub(v, seed, protect=frozenset()):
+        return await publish_version(js, RUN, v, step=v, state_dir=write_state(tmp_path / f"s{v}-{seed}", seed, 0.1),
+                                     transport=transport, shared_dir=shared, keep=1, protect=protect)
+
+    first = await pub(2, seed=1)
+    served = await fetch_version(js, RUN, first, tmp_path / "actor-first", shared_dir=shared)
+    second = await pub(2, seed=2)
+    assert second.location != first.location and second.sha256 != first.sha256
+    # the first publication is intact: same bytes, still verifies (the version number is kept)
+    again = await fetch_version(js, RUN, first, tmp_path / "actor-again", shared_dir=shared, rehash=True)
+    assert (again / MODEL_FILE).read_bytes() == (served / MODEL_FILE).read_bytes()
+    # version 2 served by an actor survives keep=1 while 3 and 4 are published
+    await pub(3, seed=3, protect={2})
+    await pub(4, seed=4, protect={2})
+    await fetch_version(js, RUN, second, tmp_path / "actor-2", shared_dir=shared)
+    await pub(5, seed=5)  # nobody serves 2 any more: pruned
+    with pytest.raises(WeightVerifyError):
+        await fetch_version(js, RUN, second, tmp_path / "actor-2b", shared_dir=shared)
+
+
+async def test_served_versions_come_from_the_actors_heartbeats(nc):
+    import asyncio
+
+    from protocol import status
+    from protocol.messages import Heartbeat
+    from protocol.weights import ServedVersions
+
+    served = ServedVersions(nc, RUN)
+    await served.start()
+    for ident, version, state in (("a0", 3, "busy"), ("a1", 5, "ready"), ("a2", 7, "ready"), ("a2", 7, "stopping"),
+                                  ("a3", -1, "starting")):
+        await status.send(nc, RUN, Heartbeat(role="actor", id=ident, state=state, version=version))
+    await status.send(nc, RUN, Heartbeat(role="learner", id="l", state="ready", version=9))  # not an actor
+    for _ in range(100):
+        await nc.flush()
+        if served.versions() == {3, 5}:
+            break
+        await asyncio.sleep(0.05)
+    assert served.versions() == {3, 5}
+    await served.stop()
 
 
 async def test_learner_publication_waits_out_a_nats_outage(nats_server, tmp_path):

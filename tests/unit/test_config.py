@@ -44,3 +44,11 @@ def test_unknown_key_is_rejected_with_its_path():
 def test_bad_values_name_the_field_and_the_allowed_values(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, [override])
+
+
+def test_a_relative_shared_dir_is_made_absolute_once_at_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ['learner.transport="shared_dir"', 'learner.shared_dir="weights/shared"'])
+    assert cfg.learner.shared_dir == str(tmp_path / "weights" / "shared")
+    monkeypatch.chdir("/")  # a child started elsewhere from the dumped config reads the same directory
+    assert convert_config(__import__("tomllib").loads(dump_config(cfg))).learner.shared_dir == cfg.learner.shared_dir

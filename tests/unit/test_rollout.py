@@ -199,7 +199,7 @@ class OutageNcDouble:
     def __init__(self, down: int):
         self.down, self.requests = down, 0
 
-    async def request(self, subject, data, timeout):
+    async def request(self, subject, data, timeout, headers=None):
         self.requests += 1
         if self.requests <= self.down:
             raise nats.errors.NoRespondersError

@@ -1,0 +1,121 @@
+"""The request/reply services under overload, against a real nats-server with the per-role users.
+
+A Service (engines/service.py) with a slow test-double backend is driven by the actor's real
+SimClient at about 3x what the backend can answer within the requests' timeout. Requests that
+expire while queued are dropped, re-sent requests join the computation under way or get its
+answer: every request is answered at most once, nothing is computed twice, no reply is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+import pytest
+
+from actors.rollout import SimClient
+from deploy.auth import generate_credentials, response_window_s, server_auth_conf
+from deploy.config import load_config
+from deploy.natsserver import NatsServer
+from engines.service import Service
+from protocol import codec, topology
+from protocol.bus import Retry
+from protocol.connect import connect, inbox_prefix
+from protocol.messages import SimReply, SimRequest
+
+pytestmark = pytest.mark.integration
+RUN = "overload"
+TIMEOUT_S = 1.0  # what a requester waits for one answer
+WORK_S = 0.25  # what the backend takes for one
+SLOTS = 2  # at once: 8 answers/s, so 8 per timeout
+OFFERED = 3 * SLOTS / WORK_S  # requests per second
+DISTINCT = 60  # requests (each then re-sent by the client while unanswered)
+
+
+@pytest.fixture
+def secured(tmp_path):
+    cfg = load_config(None, [f"actor.sim_timeout_s={TIMEOUT_S}", f"scorer.judge_timeout_s={TIMEOUT_S}"])
+    creds = generate_credentials(RUN, tmp_path / "auth", response_window=response_window_s(cfg))
+    server = NatsServer(tmp_path / "nats", port=0, extra_conf=server_auth_conf(creds, response_window=response_window_s(cfg)))
+    server.start()
+    yield server, creds
+    server.stop()
+
+
+async def test_services_at_three_times_their_capacity_never_compute_twice(secured, caplog):
+    server, creds = secured
+    caplog.set_level(logging.WARNING, logger="parley.nats")
+    conns = {role: await connect(server.url, name=role, user=creds[role][0], password=creds[role][1])
+             for role in ("sim", "actor", "admin")}
+    computed: Counter[int] = Counter()
+
+    async def slow_backend_double(data: bytes) -> bytes:  # test double of an engine that falls behind
+        req = codec.decode("sim.request", data)
+        computed[req.seed] += 1
+        await asyncio.sleep(WORK_S)
+        return codec.encode(SimReply(message=f"answer {req.seed}"))
+
+    # Every reply published to the actor's inbox, seen by the admin (who may read everything).
+    replies: Counter[str] = Counter()
+
+    async def spy(msg):
+        replies[msg.subject] += 1
+
+    await conns["admin"].subscribe(f"{inbox_prefix(creds['actor'][0])}.>", cb=spy)
+    await conns["admin"].flush()
+    service = Service(conns["sim"], {topology.SIM_SUBJECT: slow_backend_double}, queue=topology.SIM_QUEUE,
+                      concurrency=SLOTS, name="sim-overload")
+    await service.start()
+    client = SimClient(conns["actor"], timeout_s=TIMEOUT_S, attempts=4, backoff_s=0.2)
+    try:
+        asks = []
+        for seed in range(DISTINCT):
+            asks.append(asyncio.create_task(client.ask(SimRequest(prompt="lazy_full", messages=[], seed=seed))))
+            await asyncio.sleep(1.0 / OFFERED)
+        results = await asyncio.gather(*asks, return_exceptions=True)
+        await service.stop(grace_s=10)
+        await conns["admin"].flush()
+    finally:
+        for nc in conns.values():
+            await nc.close()
+
+    answered = {seed: r for seed, r in enumerate(results) if isinstance(r, SimReply)}
+    given_up = [r for r in results if not isinstance(r, SimReply)]
+    assert all(isinstance(r, Retry) for r in given_up), given_up
+    assert all(r.message == f"answer {seed}" for seed, r in answered.items())
+    assert computed and max(computed.values()) == 1, f"computed twice: {[s for s, n in computed.items() if n > 1]}"
+    assert replies and max(replies.values()) == 1  # each request (reply inbox) answered at most once
+    assert [r.getMessage() for r in caplog.records if "permissions violation" in r.getMessage().lower()] == []
+    # It was overloaded: work was dropped or joined rather than done again.
+    c = service.counters
+    assert c["expired"] + c["joined"] + c["repeated"] > 0, dict(c)
+    print(f"answered {len(answered)}/{DISTINCT}, computed {sum(computed.values())}, counters {dict(c)}")
+
+
+async def test_a_resent_request_joins_the_computation_under_way(secured):
+    from protocol.request import request
+
+    server, creds = secured
+    sim = await connect(server.url, name="sim", user=creds["sim"][0], password=creds["sim"][1])
+    actor = await connect(server.url, name="actor", user=creds["actor"][0], password=creds["actor"][1])
+    computed, started = Counter(), asyncio.Event()
+
+    async def slow_backend_double(data: bytes) -> bytes:
+        computed[data] += 1
+        started.set()
+        await asyncio.sleep(0.5)
+        return b"the answer to " + data
+
+    service = Service(sim, {topology.SIM_SUBJECT: slow_backend_double}, queue=topology.SIM_QUEUE, concurrency=4)
+    await service.start()
+    try:
+        first = asyncio.create_task(request(actor, topology.SIM_SUBJECT, b"q", timeout=5))
+        await started.wait()  # the first is being computed: the re-send (same id) must not start another
+        second = await request(actor, topology.SIM_SUBJECT, b"q", timeout=5)
+        assert (await first).data == second.data == b"the answer to q"
+        assert computed == {b"q": 1} and service.counters["joined"] == 1
+    finally:
+        await service.stop()
+        await sim.close()
+        await actor.close()

@@ -1,0 +1,120 @@
+"""Values that decode but that no honest producer sends are refused where they arrive, each with a
+reason naming the value: rewards and log-probs and token ids at the learner's intake, task sizes at
+the actor, weight announcements at the actor's follower (issue 14, item 10)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from actors.follow import MAX_WEIGHT_BYTES, announcement_problem
+from actors.rollout import check_task_limits
+from learner.config import RolloutConfig
+from learner.groups import BadTrajectory, Grouper, check_hostile_values
+from protocol import examples
+from protocol.bus import Poison
+from protocol.messages import TASK_MAX_N, WeightVersion
+from rewards.reward import hostile_reward
+from tests.unit.test_groups import scored
+
+VOCAB = 100
+NAN, INF = math.nan, math.inf
+
+
+def test_an_honest_sample_passes():
+    check_hostile_values(scored("t", 0, 0.5), VOCAB)
+    assert hostile_reward({"bleu": 1.0, "interactivity": 0.0, "token_amount": 3.2},
+                          {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}, 1.0 - 0.32) is None
+
+
+@pytest.mark.parametrize("metrics, weights, total, needle", [
+    ({"bleu": 0.5}, {"bleu": 1.0}, NAN, "total reward nan is not finite"),
+    ({"bleu": 0.5}, {"bleu": 1.0}, INF, "total reward inf is not finite"),
+    ({"bleu": NAN}, {"bleu": 1.0}, 0.5, "metric bleu=nan is not finite"),
+    ({"bleu": 7.0}, {"bleu": 1.0}, 0.5, "metric bleu=7.0 is outside [0, 1]"),
+    ({"token_amount": -1.0}, {"token_amount": -0.1}, 0.1, "outside [0, 1000]"),
+    ({"bleu": 0.5}, {"bleu": INF}, 0.5, "weight bleu=inf"),
+    ({"bleu": 0.5}, {"bleu": 1.0}, 1e30, "exceeds what its metrics and weights can reach"),
+    ({"custom": NAN}, {"custom": 1.0}, 0.0, "metric custom=nan is not finite"),
+])
+def test_hostile_rewards_are_refused_with_the_value(metrics, weights, total, needle):
+    s = msgspec.structs.replace(scored("t", 0, 0.5), metrics=metrics, weights=weights, total=total)
+    with pytest.raises(BadTrajectory, match="t/0: ") as e:
+        check_hostile_values(s, VOCAB)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("logprob", [NAN, INF, -INF, 0.5])
+def test_non_finite_or_positive_behaviour_logprobs_are_refused(logprob):
+    s = scored("t", 0, 0.5)
+    s.trajectory.turns[1].logprobs = [logprob]
+    with pytest.raises(BadTrajectory, match=f"turn 1 log-prob 0 is {logprob}"):
+        check_hostile_values(s, VOCAB)
+
+
+def test_a_logprob_of_zero_within_float_rounding_is_honest():
+    s = scored("t", 0, 0.5)
+    s.trajectory.turns[1].logprobs = [0.0]
+    s.trajectory.turns[0].logprobs = [-0.0, 1e-7]
+    check_hostile_values(s, VOCAB)
+
+
+@pytest.mark.parametrize("token", [VOCAB, -1, 2**40])
+def test_token_ids_outside_the_vocabulary_are_refused(token):
+    s = scored("t", 0, 0.5)
+    s.trajectory.token_ids[3] = token
+    with pytest.raises(BadTrajectory, match=f"token id {token} is outside the policy's vocabulary 0..{VOCAB - 1}"):
+        check_hostile_values(s, VOCAB)
+
+
+def test_a_conversation_longer_than_the_policy_positions_is_refused():
+    s = scored("t", 0, 0.5)
+    check_hostile_values(s, VOCAB, max_positions=6)
+    with pytest.raises(BadTrajectory, match="6 tokens, more than the policy's 5 positions"):
+        check_hostile_values(s, VOCAB, max_positions=5)
+
+
+def test_a_refused_step_makes_its_groups_final_and_untrained():
+    g = Grouper(2, max_staleness=1, stale_policy="drop", timeout_s=60.0)
+    for i, r in enumerate((0.1, 0.9)):
+        g.add(scored("t", i, r))
+    taken, _ = g.take(1, 0)
+    out = g.reject(taken, "not trained: loss nan")
+    assert [(o.task_id, o.kind, o.samples) for o in out] == [("t", "nonfinite", ["t/0", "t/1"])]
+    assert g.done["t"] == "nonfinite" and g.counters["trained"] == 0 and g.counters["nonfinite"] == 1
+    assert g.add(scored("t", 0, 0.1)) == "late"  # a redelivered sample of it is not trained later
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("n", TASK_MAX_N + 1, f"n={TASK_MAX_N + 1} exceeds {TASK_MAX_N}"),
+    ("max_new_turns", 10**9, "max_new_turns=1000000000 exceeds"),
+    ("max_tokens", 4097, "max_tokens=4097 exceeds 4096 (this actor's max_model_len)"),
+    ("futures", 10**6, "futures=1000000 exceeds"),
+])
+def test_absurd_task_sizes_are_poison_at_the_actor(field, value, needle):
+    task = msgspec.structs.replace(examples.task("r"), **{field: value})
+    with pytest.raises(Poison, match="task ") as e:
+        check_task_limits(task, max_model_len=4096)
+    assert needle in str(e.value)
+    check_task_limits(examples.task("r"), max_model_len=4096)
+
+
+def test_the_feeder_config_is_held_to_the_same_task_bounds():
+    with pytest.raises(ValueError, match=f"n={TASK_MAX_N + 1} must be <= {TASK_MAX_N}"):
+        RolloutConfig(n=TASK_MAX_N + 1)
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"bytes": 0}, "bytes=0 is outside"),
+    ({"bytes": MAX_WEIGHT_BYTES + 1}, "is outside 1.."),
+    ({"version": -5}, "version=-5"),
+    ({"files": ["v1/x"] * 65}, "65 extra files"),
+    ({"sha256": "../../../../tmp/x" + "0" * 47}, "is not 64 hex digits"),
+])
+def test_absurd_weight_announcements_are_refused(change, needle):
+    good = WeightVersion(version=1, step=1, transport="objstore", location="v000001-ab/model.safetensors",
+                         sha256="a" * 64, bytes=1000, created=0.0)
+    assert announcement_problem(good) is None
+    assert needle in announcement_problem(msgspec.structs.replace(good, **change))
