@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from learner import grpo
+from learner import attention, grpo
 from learner.config import LearnerConfig
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
@@ -157,7 +157,7 @@ class Trainer:
 
     def __init__(self, cfg: LearnerConfig, model_dir: str | Path):
         import deepspeed
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
 
         init_distributed()
@@ -167,12 +167,17 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         conf = ds_config(cfg, self.dtype)
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+        # Before the ZeRO-3 loading hook exists (the guard builds a small plain model).
+        attn, self.attention = attention.resolve(cfg.attention, device)
+        if attn == "sdpa":
+            attention.check_packing_isolated(AutoConfig.from_pretrained(self.model_dir))
 
         self.reference = None
         if cfg.kl_coef > 0:
             # A plain second copy of the initial weights, forward only; loaded before ZeRO-3's
             # partitioning hook (below) exists, so it stays whole.
             ref = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
+            attention.use(ref, attn)
             self.reference = ref.to(device).eval().requires_grad_(False)
 
         # With ZeRO-3, from_pretrained partitions parameters while loading when this object is alive.
@@ -180,6 +185,7 @@ class Trainer:
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
         if cfg.zero_stage == 3:
             restore_computed_buffers(model, self.dtype)
+        attention.use(model, attn)
         model.config.use_cache = False
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
