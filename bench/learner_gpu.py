@@ -412,12 +412,18 @@ def phase_learner(args, zero: int) -> None:
                     row.update(logp_max_abs_diff_vs_sdpa=float(diff.max()),
                                logp_mean_abs_diff_vs_sdpa=float(diff.mean()))
                 stats: dict = {}
+                first: dict = {}
 
                 def step():
                     stats.update(trainer.train_step(samples))
+                    if not first:
+                        first.update(stats)
 
                 row.update(measure(step, args, device, float("inf"), None))
                 row["micro_batches"] = int(stats.get("micro_batches", 0))
+                # the phase's very first step (first variant) is taken from the loaded weights: its kl_mean
+                # and logp_mismatch say whether the policy starts where the reference does
+                row["first_step_stats"] = {k: v for k, v in first.items() if isinstance(v, float)}
                 row["last_step_stats"] = {k: v for k, v in stats.items() if isinstance(v, float)}
                 last = statistics.median(row["step_s"])
             except Exception as e:
