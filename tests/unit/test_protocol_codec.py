@@ -33,6 +33,16 @@ def test_trajectory_from_older_schema_decodes():
     assert traj.mode == "conversation" and traj.timings == {} and traj.futures == []
 
 
+def test_trajectory_of_the_list_schema_decodes():
+    # trajectory_v1.msgpack was encoded by the last schema that carried tokens as msgpack lists of
+    # numbers (before the packed arrays): two turns, ids above 65535.
+    traj = codec.decode("traj", (DATA / "trajectory_v1.msgpack").read_bytes())
+    assert traj.traj_id == "t-v1/1" and len(traj.messages) == 4
+    assert traj.token_ids == [1, 151644, 872, 198, 300, 70000, 151645, 198, 151644, 872, 198, 2000, 151645, 198]
+    assert traj.loss_mask == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 0]
+    assert [(t.start, t.logprobs, t.version) for t in traj.turns] == [(4, [-0.5, -1.25, -0.125], 3), (11, [-2.0, -0.0625], 4)]
+
+
 def test_bad_message_fails_with_a_path():
     raw = msgspec.msgpack.encode({**msgspec.to_builtins(examples.trajectory()), "turns": [{"start": "x"}]})
     with pytest.raises(msgspec.ValidationError, match=r"\$\.turns\[0\]"):
