@@ -22,7 +22,7 @@ from learner import checkpoint as ckpt
 from learner.feeder import Feeder, FeederState
 from learner.groups import BadTrajectory, Group, Grouper, Outcome, Taken, behaviour_logprobs, check_trajectory
 from learner.steplog import StepLog
-from protocol import status, topology
+from protocol import arrays, status, topology
 from protocol.bus import COUNTERS, Poison, PullWorker, retry_unreachable
 from protocol.messages import Heartbeat
 from protocol.weights import publish_version
@@ -251,7 +251,7 @@ class Learner:
         for gi, t in enumerate(taken):
             for si, s in enumerate(t.group.ordered()):
                 traj = s.trajectory
-                out.append(Sample(s.traj_id, list(traj.token_ids), list(traj.loss_mask), behaviour_logprobs(traj),
+                out.append(Sample(s.traj_id, arrays.token_ids(traj), arrays.loss_mask(traj), behaviour_logprobs(traj),
                                   float(adv[gi, si]), correct=t.correct))
         return out
 
