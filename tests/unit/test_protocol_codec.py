@@ -83,3 +83,13 @@ def test_names_come_from_protocol_and_reject_bad_runs():
         topology.subject("bad.name", "traj")
     with pytest.raises(ValueError, match="unknown channel"):
         topology.subject("r1", "nope")
+
+
+def test_packing_lists_and_arrays_gives_the_same_little_endian_bytes():
+    import numpy as np
+
+    ids, mask, lps = [0, 1, 70000, 2**31 - 1], [0, 1, 1, 0], [-0.5, -1.25, 0.0, -3.0e-8]
+    assert arrays.pack_ids(ids) == arrays.pack_ids(np.array(ids)) == np.array(ids, dtype="<i4").tobytes()
+    assert arrays.pack_mask(mask) == arrays.pack_mask(np.array(mask)) == bytes(mask)
+    assert arrays.pack_logprobs(lps) == arrays.pack_logprobs(np.array(lps)) == np.array(lps, dtype="<f4").tobytes()
+    assert arrays.pack_ids([]) == arrays.pack_mask([]) == arrays.pack_logprobs([]) == b""
