@@ -48,6 +48,11 @@ class ChatTokens:
     finish_reasons: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        # The fast (Rust) tokenizer directly: transformers' encode/decode wrappers walk every id in
+        # Python (to_py_obj) before handing the list over, which cost more than the tokenizing.
+        # Its wrapper stays in use where it does more than that (a slow tokenizer, space clean-up).
+        fast = getattr(self.tokenizer, "backend_tokenizer", None)
+        self._fast = fast if fast is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False) else None
         self.messages = [dict(m) for m in self.messages]
         self._has_system = bool(self.messages) and self.messages[0].get("role") == "system"
         self._close_ids, self._suffix_ids = self._assistant_closing()
@@ -75,7 +80,14 @@ class ChatTokens:
 
     def _encode(self, text: str) -> list[int]:
         # The template writes special tokens (BOS, <|im_start|>...) as text itself.
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _reference(self) -> list[dict[str, str]]:
         # Mirror whether the real conversation has a system message: some templates insert a
@@ -166,7 +178,7 @@ class ChatTokens:
         # Special tokens the model emitted mid-turn stay in the text (as their literal form), so
         # the messages render back to exactly these ids; dropping them would make the readable
         # conversation disagree with what was trained.
-        content = self.tokenizer.decode(content_ids, skip_special_tokens=False)
+        content = self._decode(content_ids)
         self.messages.append({"role": "assistant", "content": content})
         self._awaiting = "user"
         return content

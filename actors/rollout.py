@@ -24,7 +24,7 @@ import nats.errors
 
 from actors.chat import ChatTokens
 from actors.sim import FALLBACK_MESSAGE
-from protocol import codec, topology
+from protocol import arrays, codec, topology
 from protocol.bus import Poison, Retry
 from protocol.messages import (
     TASK_MAX_FUTURES,
@@ -156,7 +156,7 @@ class _Player:
             raise Retry("generation aborted (engine stopping)", delay=1.0)
         start = len(self.chat)
         self.chat.add_assistant(out.token_ids, out.finish_reason, logprobs=out.logprobs)
-        self.turns.append(AssistantTurn(start=start, logprobs=list(out.logprobs), version=version,
+        self.turns.append(AssistantTurn(start=start, logprobs_f32=arrays.pack_logprobs(out.logprobs), version=version,
                                         finish_reason=out.finish_reason, trained=trained))
         return not (out.finish_reason == "length" and max_tokens < self.task.max_tokens)
 
@@ -277,7 +277,7 @@ async def run_conversation(
                 p.timings["generate"] += f.timings["generate"]
                 p.timings["sim"] += f.timings["sim"]
             futures = [
-                FutureRollout(messages=_messages(f.chat), assistant_tokens=sum(len(t.logprobs) for t in f.turns))
+                FutureRollout(messages=_messages(f.chat), assistant_tokens=sum(arrays.generated(t) for t in f.turns))
                 for f in branches
             ]
 
@@ -291,12 +291,12 @@ async def run_conversation(
         run=task.run,
         item_id=task.item_id,
         messages=_messages(chat),
-        token_ids=list(chat.token_ids),
-        loss_mask=list(chat.loss_mask),  # next_turn: the main branch holds only the trained turn
+        token_ids_i32=arrays.pack_ids(chat.token_ids),
+        loss_mask_u8=arrays.pack_mask(chat.loss_mask),  # next_turn: the main branch holds only the trained turn
         turns=p.turns,
         reference=task.reference,
         prompt_tokens=p.turns[0].start if p.turns else len(chat.token_ids),
-        assistant_tokens=sum(len(t.logprobs) for t in p.turns),
+        assistant_tokens=sum(arrays.generated(t) for t in p.turns),
         sim_fallbacks=p.sim_fallbacks,
         terminated=terminated,
         futures=futures,

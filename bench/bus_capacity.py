@@ -6,19 +6,26 @@ ChatTokens on the tiny model's tokenizer, publish to TRAJ) with a `ZeroCostPolic
 `ZeroCostSim` client; scorer.scorer.Scorer with a `ZeroCostJudge`; and the learner's intake (PullWorker
 on SCORED, check_trajectory, learner.groups.Grouper, ack), without training. All three doubles are
 named as such and live only here. One real nats-server (deploy/natsserver.py), one process, one
-connection per role. Run by hand (issue 9); tests/integration/test_bench_smoke.py runs it tiny.
+connection per role. Run by hand (issues 9, 17); tests/integration/test_bench_smoke.py runs it tiny.
 
-    .venv/bin/python bench/bus_capacity.py            # 16 KB and 256 KB trajectories, 2 repeats, ~1-2 minutes
-    .venv/bin/python bench/bus_capacity.py --quick    # a quarter of the trajectories, ~20 s
+`--old DIR` also runs the parley path of another checkout (e.g. the commit before a change, from
+`git archive`) in each repeat, against the same server, in a child process that imports only DIR's
+code: before and after in the same run. The ratio old/new is taken within each repeat.
+
+    .venv/bin/python bench/bus_capacity.py            # 16 KB, 256 KB and 2 MB trajectories, 2 repeats, ~2 minutes
+    .venv/bin/python bench/bus_capacity.py --quick    # a quarter of the trajectories
+    .venv/bin/python bench/bus_capacity.py --old /tmp/parley-old   # and the previous code beside it
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -245,6 +252,46 @@ async def parley_pipeline(url: str, run: str, model_dir: Path, tokenizer, *, tas
             "dead": dict(pbus.COUNTERS), "retried": actor.counters.get("retried", 0) + learner.stats["retried"]}
 
 
+# -- the previous code's parley path ----------------------------------------------------------------
+
+# Run with `python -c` in DIR by a clean interpreter, so every module comes from DIR: the bench file
+# of that checkout provides calibrate / parley_pipeline / CpuClock / bus_settings as they were.
+_OLD_CHILD = """
+import asyncio, json, sys
+from pathlib import Path
+sys.path.insert(0, ".")
+import bench.bus_capacity as b
+from bench.common import run
+from engines.models import ensure_model
+from transformers import AutoTokenizer
+
+async def main(a):
+    model_dir = ensure_model("tiny")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tokens, traj_b, scored_b, task_b = await b.calibrate(tok, model_dir, a["target_bytes"])
+    out = await b.parley_pipeline(
+        a["url"], a["run"], model_dir, tok, tasks=a["tasks"], n=a["n"], tokens=tokens, bus=b.bus_settings(a["max_bytes"]),
+        actor_slots=a["slots"], scorer_slots=a["slots"], learner_slots=a["slots"], weights_dir=Path(a["weights_dir"]),
+        clock=b.CpuClock(a["server_pid"]))
+    out.update(tokens_per_traj=tokens, traj_bytes=traj_b, scored_bytes=scored_b)
+    return out
+
+print("RESULT " + json.dumps(run(main, json.loads(sys.argv[1]))[0]))
+"""
+
+
+def old_pipeline(old_dir: Path, **a) -> dict:
+    """parley_pipeline of the checkout in old_dir, in a child process; its figures as it reports them."""
+    env = {**os.environ, "PYTHONPATH": str(old_dir)}
+    proc = subprocess.run([sys.executable, "-c", _OLD_CHILD, json.dumps(a, default=str)], cwd=old_dir, env=env,
+                          capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"the old checkout's parley path in {old_dir} failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 # -- raw JetStream reference ---------------------------------------------------------------------------
 
 
@@ -321,18 +368,27 @@ async def bench(args) -> list[dict]:
             for size_kb, count in zip(args.sizes_kb, args.trajectories):
                 tokens, traj_b, scored_b, task_b = await calibrate(tokenizer, model_dir, size_kb * KB)
                 tasks = max(1, count // args.n)
-                bus = bus_settings(max(64 << 20, int(tasks * args.n * (traj_b + scored_b) * 1.5) + (16 << 20)))
-                results = {"raw3": [], "raw1": [], "parley": []}
+                max_bytes = max(64 << 20, int(tasks * args.n * (traj_b + scored_b) * 1.5) + (16 << 20))
+                bus = bus_settings(max_bytes)
+                # nats-server drops a client as a slow consumer once its pending data pass max_pending
+                # (64 MB, deploy/natsserver.py): 32 fetched 2 MB messages do. Fewer slots for large sizes.
+                slots = min(args.slots, max(1, (args.inflight_mb << 20) // scored_b))
+                results = {"raw3": [], "raw1": [], "parley": [], **({"old": []} if args.old else {})}
                 for rep in range(args.repeats):
                     tag = f"{size_kb}k{rep}"
                     common = dict(tasks=tasks, n=args.n, task_bytes=task_b, traj_bytes=traj_b, scored_bytes=scored_b,
-                                  window=args.slots, clock=clock)
+                                  window=slots, clock=clock)
                     results["raw3"].append(await raw_pipeline(server.url, f"raw3-{tag}", bus, hops=3, **common))
                     results["raw1"].append(await raw_pipeline(server.url, f"raw1-{tag}", bus, hops=1, **common))
                     results["parley"].append(await parley_pipeline(
                         server.url, f"parley-{tag}", model_dir, tokenizer, tasks=tasks, n=args.n, tokens=tokens, bus=bus,
-                        actor_slots=args.slots, scorer_slots=args.slots, learner_slots=args.slots,
+                        actor_slots=slots, scorer_slots=slots, learner_slots=slots,
                         weights_dir=Path(tmp) / f"weights-{tag}", clock=clock))
+                    if args.old:
+                        results["old"].append(old_pipeline(
+                            args.old, url=server.url, run=f"old-{tag}", target_bytes=size_kb * KB, tasks=tasks, n=args.n,
+                            max_bytes=max_bytes, slots=slots, weights_dir=Path(tmp) / f"weights-old-{tag}",
+                            server_pid=server.proc.pid))
                 med = {k: statistics.median(r["traj_per_s"] for r in v) for k, v in results.items()}
                 # CPU milliseconds per trajectory: client (roles or raw code) and nats-server
                 cpu = {k: {c: 1000 * statistics.median(r[f"{c}_cpu_s"] / r["trajectories"] for r in v)
@@ -340,12 +396,19 @@ async def bench(args) -> list[dict]:
                 # the ratio of each repeat is taken within the repeat (same minute of the machine's load)
                 ratio3 = statistics.median(p["traj_per_s"] / r["traj_per_s"] for p, r in zip(results["parley"], results["raw3"]))
                 ratio1 = statistics.median(p["traj_per_s"] / r["traj_per_s"] for p, r in zip(results["parley"], results["raw1"]))
-                rows.append({
+                row = {
                     "size_kb": size_kb, "traj_bytes": traj_b, "scored_bytes": scored_b, "task_bytes": task_b,
-                    "tokens_per_traj": tokens, "trajectories": tasks * args.n, "n": args.n, "slots": args.slots,
+                    "tokens_per_traj": tokens, "trajectories": tasks * args.n, "n": args.n, "slots": slots,
                     "parley_traj_s": med["parley"], "raw3_traj_s": med["raw3"], "raw1_traj_s": med["raw1"],
                     "ratio_raw3": ratio3, "ratio_raw1": ratio1, "cpu_ms_per_traj": cpu, "runs": results,
-                })
+                }
+                if args.old:
+                    old = results["old"][0]
+                    row.update(old_traj_s=med["old"], old_tokens_per_traj=old["tokens_per_traj"],
+                               old_traj_bytes=old["traj_bytes"],
+                               old_ratio_raw3=statistics.median(o["traj_per_s"] / r["traj_per_s"]
+                                                                for o, r in zip(results["old"], results["raw3"])))
+                rows.append(row)
         finally:
             server.stop()
     return rows
@@ -358,16 +421,36 @@ def _ratio(a: float, b: float) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| trajectory | Scored | trajectories | parley traj/s | raw 3-hop traj/s | raw 1-hop traj/s "
-        "| parley / raw 3-hop | parley / raw 1-hop |",
-        "|---|---|---|---|---|---|---|---|",
+        "| trajectory | tokens | bytes / token | Scored | trajectories (in flight) | parley traj/s | raw 3-hop traj/s "
+        "| raw 1-hop traj/s | parley / raw 3-hop | parley / raw 1-hop |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['traj_bytes'] / KB:.1f} KB | {r['scored_bytes'] / KB:.1f} KB | {r['trajectories']} "
+            f"| {r['traj_bytes'] / KB:.1f} KB | {r['tokens_per_traj']} | {r['traj_bytes'] / r['tokens_per_traj']:.1f} "
+            f"| {r['scored_bytes'] / KB:.1f} KB | {r['trajectories']} ({r['slots']}) "
             f"| {r['parley_traj_s']:.0f} | {r['raw3_traj_s']:.0f} | {r['raw1_traj_s']:.0f} "
             f"| {r['ratio_raw3']:.2f} | {r['ratio_raw1']:.2f} |"
         )
+    has_old = all("old_traj_s" in r for r in rows) and rows
+    if has_old:
+        lines += [
+            "",
+            "The previous code (--old) in the same repeats, at the same trajectory bytes:",
+            "",
+            "| trajectory | old tokens | old bytes / token | old traj/s | old / raw 3-hop | new / raw 3-hop "
+            "| old client CPU ms | new client CPU ms | new tokens/s / old tokens/s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            c = r["cpu_ms_per_traj"]
+            tok_gain = (r["parley_traj_s"] * r["tokens_per_traj"]) / (r["old_traj_s"] * r["old_tokens_per_traj"])
+            lines.append(
+                f"| {r['traj_bytes'] / KB:.1f} KB | {r['old_tokens_per_traj']} "
+                f"| {r['old_traj_bytes'] / r['old_tokens_per_traj']:.1f} | {r['old_traj_s']:.0f} "
+                f"| {r['old_ratio_raw3']:.2f} | {r['ratio_raw3']:.2f} | {c['old']['client']:.2f} | {c['parley']['client']:.2f} "
+                f"| {tok_gain:.2f}x |"
+            )
     lines += [
         "",
         "CPU ms per trajectory (client = this process: the three roles, or the raw client code; server = nats-server):",
@@ -389,15 +472,23 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes-kb", type=int, nargs="+", default=[16, 256], help="encoded Trajectory sizes")
-    p.add_argument("--trajectories", type=int, nargs="+", default=[2000, 400], help="trajectories per size")
+    p.add_argument("--sizes-kb", type=int, nargs="+", default=[16, 256, 2048], help="encoded Trajectory sizes")
+    p.add_argument("--trajectories", type=int, nargs="+", default=[2000, 400, 48], help="trajectories per size")
     p.add_argument("--n", type=int, default=4, help="samples per task (group size)")
     p.add_argument("--slots", type=int, default=32,
                    help="in flight per hop: actor conversations, scorer and learner handlers, raw fetch window")
+    p.add_argument("--inflight-mb", type=int, default=16,
+                   help="fewer slots where slots x Scored size would pass this many MB per hop")
     p.add_argument("--repeats", type=int, default=2, help="raw/parley pairs per size; medians reported")
     p.add_argument("--quick", action="store_true", help="a quarter of the trajectories (~30 s)")
     p.add_argument("--json", type=Path, help="also write all runs here")
+    p.add_argument("--old", type=Path,
+                   help="a checkout of the previous code (git archive COMMIT | tar -x -C DIR): its parley path runs "
+                        "in each repeat too")
     args = p.parse_args()
+    if args.old and not (args.old / "bench" / "bus_capacity.py").is_file():
+        p.error(f"--old {args.old}: no bench/bus_capacity.py there; extract a checkout with "
+                f"`git archive COMMIT | tar -x -C {args.old}`")
     if len(args.trajectories) == 1:
         args.trajectories *= len(args.sizes_kb)
     if len(args.trajectories) != len(args.sizes_kb):
@@ -408,7 +499,7 @@ def main() -> int:
     from bench.common import report, run
 
     rows, seconds = run(bench, args)  # every role runs on uvloop; so does the reference
-    report("bus capacity", f"n={args.n}, {args.slots} in flight per hop", seconds, table(rows), rows, args.json)
+    report("bus capacity", f"n={args.n}, up to {args.slots} in flight per hop (at most {args.inflight_mb} MB)", seconds, table(rows), rows, args.json)
     return 0
 
 

@@ -68,7 +68,9 @@ def _maps_to_dicts(value, t):
         case mi.ListType(item_type=it):
             return [_maps_to_dicts(v, it) for v in value]
         case mi.StructType(fields=fields):
-            return {f.encode_name: _maps_to_dicts(value[f.encode_name], f.type) for f in fields if f.encode_name in value}
+            # null: a field the writer omitted (omit_defaults Structs); msgspec.convert fills its default
+            return {f.encode_name: _maps_to_dicts(value[f.encode_name], f.type) for f in fields
+                    if value.get(f.encode_name) is not None}
     return value
 
 
@@ -83,7 +85,8 @@ def write_parquet(records: Sequence[msgspec.Struct], path: str | Path) -> Path:
     if cls.__name__ not in _LOG_TYPES or any(type(r) is not cls for r in records):
         raise TypeError(f"write_parquet takes a list of one of {sorted(_LOG_TYPES)}, got {sorted({type(r).__name__ for r in records})}")
     schema = _schema(cls)
-    rows = msgspec.to_builtins(list(records))
+    # bytes stay bytes for Arrow's binary columns (to_builtins would write them as base64 text)
+    rows = msgspec.to_builtins(list(records), builtin_types=(bytes,))
     for field in schema:
         if field.metadata and field.metadata.get(_JSON_KEY) == b"json":
             for row in rows:

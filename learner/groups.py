@@ -7,11 +7,13 @@ SCORED consumer and takes batches from it. See docs/learner.md for how this stat
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from protocol import arrays
 from protocol.messages import Scored, Trajectory
 
 log = logging.getLogger("parley.learner.groups")
@@ -25,27 +27,34 @@ class BadTrajectory(ValueError):
 
 
 def check_trajectory(traj: Trajectory) -> None:
-    """Raise BadTrajectory naming the first inconsistency of the token layout."""
-    n = len(traj.token_ids)
+    """Raise BadTrajectory naming the first inconsistency of the token layout. Array operations
+    only: the per-token work is numpy's, whatever the conversation's length."""
+    try:
+        n = arrays.token_ids(traj).size
+        mask = arrays.loss_mask(traj)
+        generated = [arrays.generated(turn) for turn in traj.turns]
+        for turn in traj.turns:
+            arrays.turn_logprobs(turn)  # a packed field of a bad length fails here
+    except ValueError as e:
+        raise BadTrajectory(str(e) if str(e).startswith(traj.traj_id) else f"{traj.traj_id}: {e}") from None
     if n == 0:
         raise BadTrajectory(f"{traj.traj_id}: no token ids")
-    if len(traj.loss_mask) != n:
-        raise BadTrajectory(f"{traj.traj_id}: loss_mask has {len(traj.loss_mask)} entries for {n} tokens")
-    if any(m not in (0, 1) for m in traj.loss_mask):
+    if mask.size != n:
+        raise BadTrajectory(f"{traj.traj_id}: loss_mask has {mask.size} entries for {n} tokens")
+    if (mask > 1).any():
         raise BadTrajectory(f"{traj.traj_id}: loss_mask must hold only 0 and 1")
-    if traj.loss_mask[0]:
+    if mask[0]:
         raise BadTrajectory(f"{traj.traj_id}: token 0 is marked trained, but nothing predicts it")
-    covered = [False] * n
-    for i, turn in enumerate(traj.turns):
-        end = turn.start + len(turn.logprobs)
+    covered = np.zeros(n, dtype=bool)
+    for i, (turn, k) in enumerate(zip(traj.turns, generated)):
+        end = turn.start + k
         if turn.start < 1 or end > n:
             raise BadTrajectory(f"{traj.traj_id}: turn {i} spans [{turn.start}, {end}) outside 1..{n}")
-        for p in range(turn.start, end):
-            covered[p] = True
-    for p, m in enumerate(traj.loss_mask):
-        if m and not covered[p]:
-            raise BadTrajectory(f"{traj.traj_id}: token {p} is trained but no turn has its behaviour log-prob")
-    if not any(traj.loss_mask):
+        covered[turn.start : end] = True
+    uncovered = np.flatnonzero(mask.astype(bool) & ~covered)
+    if uncovered.size:
+        raise BadTrajectory(f"{traj.traj_id}: token {uncovered[0]} is trained but no turn has its behaviour log-prob")
+    if not mask.any():
         raise BadTrajectory(f"{traj.traj_id}: no trained token (loss_mask is all 0)")
 
 
@@ -60,31 +69,36 @@ def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | N
     device-side assert that kills the learner, then a crash loop on the redelivered message), a
     conversation longer than the policy's positions (`max_positions`; one such sequence fills a
     micro-batch of its own whatever the budget, and its activations the memory).
-    Kept apart from check_trajectory, which checks the token layout."""
+    Kept apart from check_trajectory, which checks the token layout. Reads the packed or the old
+    list fields alike (protocol.arrays), as arrays."""
     from rewards.reward import hostile_reward
 
     traj = scored.trajectory
-    if max_positions is not None and len(traj.token_ids) > max_positions:
-        raise BadTrajectory(f"{traj.traj_id}: {len(traj.token_ids)} tokens, more than the policy's "
-                            f"{max_positions} positions")
+    ids = arrays.token_ids(traj)
+    if max_positions is not None and ids.size > max_positions:
+        raise BadTrajectory(f"{traj.traj_id}: {ids.size} tokens, more than the policy's {max_positions} positions")
     why = hostile_reward(scored.metrics, scored.weights, scored.total)
     if why:
         raise BadTrajectory(f"{scored.traj_id}: {why}")
     for i, turn in enumerate(traj.turns):
-        for j, lp in enumerate(turn.logprobs):
-            if not (math.isfinite(lp) and lp <= LOGPROB_SLACK):
-                raise BadTrajectory(f"{traj.traj_id}: turn {i} log-prob {j} is {lp}; behaviour log-probs are finite "
-                                    "and <= 0")
-    bad = next((t for t in traj.token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise BadTrajectory(f"{traj.traj_id}: token id {bad} is outside the policy's vocabulary 0..{vocab_size - 1}")
+        lp = arrays.turn_logprobs(turn)
+        bad = ~(np.isfinite(lp) & (lp <= LOGPROB_SLACK))
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise BadTrajectory(f"{traj.traj_id}: turn {i} log-prob {j} is {float(lp[j])}; behaviour log-probs are "
+                                "finite and <= 0")
+    outside = (ids < 0) | (ids >= vocab_size)
+    if outside.any():
+        bad_id = int(ids[int(np.argmax(outside))])
+        raise BadTrajectory(f"{traj.traj_id}: token id {bad_id} is outside the policy's vocabulary 0..{vocab_size - 1}")
 
 
-def behaviour_logprobs(traj: Trajectory) -> list[float]:
-    """Behaviour log-probs aligned with token_ids (0.0 where no turn generated the token)."""
-    out = [0.0] * len(traj.token_ids)
+def behaviour_logprobs(traj: Trajectory) -> np.ndarray:
+    """(T,) float32 behaviour log-probs aligned with the token ids (0.0 where no turn generated the token)."""
+    out = np.zeros(arrays.token_ids(traj).size, dtype=np.float32)
     for turn in traj.turns:
-        out[turn.start : turn.start + len(turn.logprobs)] = turn.logprobs
+        lp = arrays.turn_logprobs(turn)
+        out[turn.start : turn.start + lp.size] = lp
     return out
 
 

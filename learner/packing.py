@@ -6,20 +6,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 
 @dataclass
 class Sample:
-    """One trajectory as the learner trains it; all lists are aligned with token_ids."""
+    """One trajectory as the learner trains it: numpy arrays aligned with token_ids (lists are
+    converted), so a batch is built with array operations and ranks receive it pickled as raw
+    buffers, not as Python numbers."""
 
     traj_id: str
-    token_ids: list[int]
-    loss_mask: list[int]  # 1 where the token is trained
-    behaviour: list[float]  # behaviour log-prob of each trained token (0.0 elsewhere)
+    token_ids: np.ndarray  # (T,) int32
+    loss_mask: np.ndarray  # (T,) bool: True where the token is trained
+    behaviour: np.ndarray  # (T,) float32 behaviour log-prob of each trained token (0.0 elsewhere)
     advantage: float
     correct: bool = False  # stale group: truncated importance sampling instead of the PPO ratio
+
+    def __post_init__(self) -> None:
+        self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
+        self.loss_mask = np.asarray(self.loss_mask).astype(bool, copy=False)
+        self.behaviour = np.asarray(self.behaviour, dtype=np.float32)
+        n = self.token_ids.shape
+        if self.token_ids.ndim != 1 or self.loss_mask.shape != n or self.behaviour.shape != n:
+            raise ValueError(f"sample {self.traj_id}: token_ids {self.token_ids.shape}, loss_mask "
+                             f"{self.loss_mask.shape} and behaviour {self.behaviour.shape} must be one length")
+
+    @property
+    def n_trained(self) -> int:
+        """Trained tokens that can be predicted (token 0 never is)."""
+        return int(np.count_nonzero(self.loss_mask[1:]))
 
 
 def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
@@ -72,32 +89,28 @@ class PackedBatch:
 
 
 def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> PackedBatch:
-    ids, pos, src, tgt, seq, beh, adv, cor = [], [], [], [], [], [], [], []
-    offset = 0
-    for s_idx, s in enumerate(samples):
-        n = len(s.token_ids)
-        ids += s.token_ids
-        pos += range(n)
-        for p in range(1, n):  # token p is predicted by the logits at p-1; token 0 never is
-            if s.loss_mask[p]:
-                src.append(offset + p - 1)
-                tgt.append(s.token_ids[p])
-                seq.append(s_idx)
-                beh.append(s.behaviour[p])
-                adv.append(s.advantage)
-                cor.append(s.correct)
-        offset += n
+    lengths = np.array([s.token_ids.size for s in samples], dtype=np.int64)  # (S,)
+    starts = np.cumsum(lengths) - lengths  # (S,) packed offset of each sample's token 0
+    ids = np.concatenate([s.token_ids for s in samples]) if samples else np.zeros(0, np.int32)  # (T,)
+    trained = np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, bool)  # (T,)
+    trained[starts[lengths > 0]] = False  # token p is predicted by the logits at p-1; token 0 never is
+    idx = np.flatnonzero(trained)  # (N,) packed index of each trained token
+    seq = np.repeat(np.arange(len(samples)), lengths)  # (T,) sample of each packed token
+    pos = np.arange(ids.size) - starts[seq]  # (T,) positions restart at every sample
+    beh = np.concatenate([s.behaviour for s in samples]) if samples else np.zeros(0, np.float32)  # (T,)
+    adv = np.array([s.advantage for s in samples], dtype=np.float32)  # (S,)
+    cor = np.array([s.correct for s in samples], dtype=bool)  # (S,)
 
-    def t(x, dtype):
-        return torch.tensor(x, dtype=dtype, device=device)
+    def t(x: np.ndarray, dtype: torch.dtype) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype)
 
     return PackedBatch(
         input_ids=t(ids, torch.long)[None],
         position_ids=t(pos, torch.long)[None],
-        src=t(src, torch.long),
-        targets=t(tgt, torch.long),
-        seq=t(seq, torch.long),
-        behaviour=t(beh, torch.float32),
-        advantages=t(adv, torch.float32),
-        correct=t(cor, torch.bool),
+        src=t(idx - 1, torch.long),
+        targets=t(ids[idx], torch.long),
+        seq=t(seq[idx], torch.long),
+        behaviour=t(beh[idx], torch.float32),
+        advantages=t(adv[seq[idx]], torch.float32),
+        correct=t(cor[seq[idx]], torch.bool),
     )

@@ -35,7 +35,7 @@ from learner.groups import (
     check_trajectory,
 )
 from learner.steplog import StepLog
-from protocol import backlog, codec, dead, status, topology
+from protocol import arrays, backlog, codec, dead, status, topology
 from protocol.bus import COUNTERS, UNREACHABLE, Poison, PullWorker, dead_letter, retry_unreachable
 from protocol.messages import Heartbeat
 from protocol.weights import ServedVersions, publish_version
@@ -389,7 +389,7 @@ class Learner:
         for gi, t in enumerate(taken):
             for si, s in enumerate(t.group.ordered()):
                 traj = s.trajectory
-                out.append(Sample(s.traj_id, list(traj.token_ids), list(traj.loss_mask), behaviour_logprobs(traj),
+                out.append(Sample(s.traj_id, arrays.token_ids(traj), arrays.loss_mask(traj), behaviour_logprobs(traj),
                                   float(adv[gi, si]), correct=t.correct))
         return out
 

@@ -235,8 +235,8 @@ class Trainer:
         world = torch.distributed.get_world_size()
         mine = [samples[i] for i in shard_by_tokens([len(s.token_ids) for s in samples], world)[self.rank]]
         micro = pack_by_tokens([len(s.token_ids) for s in mine], cfg.micro_batch_tokens)
-        n_tokens = sum(sum(s.loss_mask[1:]) for s in samples)
-        n_seqs = sum(1 for s in samples if any(s.loss_mask[1:]))
+        n_tokens = sum(s.n_trained for s in samples)
+        n_seqs = sum(1 for s in samples if s.n_trained)
         if n_tokens == 0:
             raise ValueError("no trained token in this step's samples")
         n_micro = len(micro)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from protocol.arrays import pack_ids, pack_logprobs, pack_mask
 from protocol.messages import (
     AssistantTurn,
     ChatMessage,
@@ -49,9 +50,9 @@ def trajectory(run: str = "example", task_id: str = "t-0001", sample: int = 0) -
             ChatMessage("user", "can you help me with a blog post"),
             ChatMessage("assistant", "Sure - what is it about?"),
         ],
-        token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
-        loss_mask=[0, 0, 0, 0, 1, 1, 1, 0],
-        turns=[AssistantTurn(start=4, logprobs=[-0.5, -1.25, -0.125], version=3, finish_reason="stop")],
+        token_ids_i32=pack_ids([1, 2, 3, 4, 5, 6, 7, 8]),
+        loss_mask_u8=pack_mask([0, 0, 0, 0, 1, 1, 1, 0]),
+        turns=[AssistantTurn(start=4, logprobs_f32=pack_logprobs([-0.5, -1.25, -0.125]), version=3, finish_reason="stop")],
         reference="A Week in Lisbon\n\nThe trams...",
         prompt_tokens=4,
         assistant_tokens=3,

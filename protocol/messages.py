@@ -1,8 +1,11 @@
 """Every message parley puts on the wire, as msgspec Structs encoded with msgpack.
 
 Each Struct names its producer and consumer. Schema evolution follows msgspec's rules: new
-fields go last and carry defaults; fields are never reordered, renamed or retyped. An encoded
-Trajectory from an older schema is kept in tests/data and decoded by the tests.
+fields go last and carry defaults; fields are never reordered, renamed or retyped. Encoded
+Trajectories from older schemas are kept in tests/data and decoded by the tests.
+
+Token arrays (ids, loss mask, behaviour log-probs) travel packed in bin fields; protocol.arrays
+packs and reads them (and the list fields older producers wrote). Nothing else touches them.
 """
 
 from __future__ import annotations
@@ -48,14 +51,18 @@ class Task(msgspec.Struct, kw_only=True):
     created: float = 0.0  # unix seconds
 
 
-class AssistantTurn(msgspec.Struct, kw_only=True):
+# omit_defaults on the two hot, large Structs: the list fields that today's producers leave empty
+# (and other defaults) are not written; the decoder fills them back in.
+class AssistantTurn(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One generated assistant turn inside a Trajectory."""
 
-    start: int  # offset of the first generated token in Trajectory.token_ids
-    logprobs: list[float]  # behaviour log-prob of each generated token; len == generated tokens
+    start: int  # offset of the first generated token in the trajectory's token ids
+    # schemas v0-v1: behaviour log-prob of each generated token; now empty (see logprobs_f32)
+    logprobs: list[float] = []
     version: int  # policy version that generated this turn
     finish_reason: str  # "stop" | "length" | "abort"
     trained: bool = True  # next_turn mode trains only the first turn
+    logprobs_f32: bytes = b""  # behaviour log-prob of each generated token, float32 LE; one per token
 
 
 class FutureRollout(msgspec.Struct, kw_only=True):
@@ -65,7 +72,7 @@ class FutureRollout(msgspec.Struct, kw_only=True):
     assistant_tokens: int = 0
 
 
-class Trajectory(msgspec.Struct, kw_only=True):
+class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One finished sample of a Task. actor -> scorer (and replay, learner via Scored)."""
 
     traj_id: str  # f"{task_id}/{sample}"
@@ -74,8 +81,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
     run: str
     item_id: str
     messages: list[ChatMessage]
-    token_ids: list[int]  # the whole conversation as the policy saw it, token-in/token-out
-    loss_mask: list[int]  # 1 on assistant-generated tokens that are trained
+    # schemas v0-v1 carried the token arrays as lists; now empty (see token_ids_i32, loss_mask_u8)
+    token_ids: list[int] = []
+    loss_mask: list[int] = []
     turns: list[AssistantTurn]
     reference: str = ""
     prompt_tokens: int = 0  # tokens before the first assistant turn
@@ -90,6 +98,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
     seed: int = 0
     timings: dict[str, float] = {}  # seconds: "generate", "sim", "total"
     created: float = 0.0
+    # the whole conversation as the policy saw it (token-in/token-out), int32 LE
+    token_ids_i32: bytes = b""
+    loss_mask_u8: bytes = b""  # one uint8 per token: 1 on assistant-generated tokens that are trained
 
 
 class JudgeOutput(msgspec.Struct, kw_only=True):

@@ -26,7 +26,7 @@ from actors.sim import FALLBACK_MESSAGE
 from deploy.config import load_config
 from deploy.natsserver import NatsServer
 from learner.config import RolloutConfig
-from protocol import codec, topology
+from protocol import arrays, codec, topology
 from protocol.bus import publish
 from protocol.connect import connect
 
@@ -201,25 +201,27 @@ def check_trajectory(tok, traj, task):
     assert msgs[0] == {"role": "system", "content": task.system_prompt}
     ends_with_user = msgs[-1]["role"] == "user"
     # token-in/token-out: the ids read back as the template's own rendering of the messages
-    assert tok.decode(traj.token_ids) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=ends_with_user)
-    assert len(traj.loss_mask) == len(traj.token_ids)
+    ids, mask = arrays.token_ids(traj).tolist(), arrays.loss_mask(traj).tolist()
+    assert tok.decode(ids) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=ends_with_user)
+    assert len(mask) == len(ids)
     assistant = [m["content"] for m in msgs if m["role"] == "assistant"]
     assert len(traj.turns) == len(assistant) >= 1
-    expected_mask = [0] * len(traj.token_ids)
+    expected_mask = [0] * len(ids)
     for turn, content in zip(traj.turns, assistant):
-        n = len(turn.logprobs)  # one log-prob per generated token
-        gen = traj.token_ids[turn.start : turn.start + n]
+        lps = arrays.turn_logprobs(turn)
+        n = lps.size  # one log-prob per generated token
+        gen = ids[turn.start : turn.start + n]
         assert len(gen) == n and n >= 1
         # the span is this turn's generated text, plus its end-of-turn token when it stopped
         assert turn.finish_reason in ("stop", "length")
         stopped = turn.finish_reason == "stop"
         assert (gen[-1] == tok.convert_tokens_to_ids("<|im_end|>")) == stopped
         assert tok.decode(gen[:-1] if stopped else gen) == content
-        assert tok.decode(traj.token_ids[: turn.start]).endswith("<|im_start|>assistant\n")
-        assert all(lp <= 0.0 for lp in turn.logprobs)
+        assert tok.decode(ids[: turn.start]).endswith("<|im_start|>assistant\n")
+        assert (lps <= 0.0).all()
         expected_mask[turn.start : turn.start + n] = [1] * n
-    assert traj.loss_mask == expected_mask  # exactly the assistant-generated tokens
-    assert traj.assistant_tokens == sum(traj.loss_mask)
+    assert mask == expected_mask  # exactly the assistant-generated tokens
+    assert traj.assistant_tokens == sum(mask)
     assert traj.prompt_tokens == traj.turns[0].start
     for i in traj.sim_fallbacks:
         assert msgs[i] == {"role": "user", "content": FALLBACK_MESSAGE}
@@ -264,7 +266,7 @@ def test_actor_and_simulator_play_a_task_of_four_samples(ctx):
         assert t.sim_prompt == "lazy_full" and t.actor == "a1" and t.model == str(ctx.model)
         assert t.timings["total"] > 0 and t.created > 0
     # samples of a group differ (distinct seeds)
-    assert len({tuple(t.token_ids) for t in by_task["conv-1"]}) == 4
+    assert len({arrays.token_ids(t).tobytes() for t in by_task["conv-1"]}) == 4
     assert len({t.seed for t in by_task["conv-1"]}) == 4
     for t in by_task["next-1"]:
         check_trajectory(ctx.tok, t, nt)

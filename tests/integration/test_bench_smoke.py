@@ -26,7 +26,18 @@ def test_bus_capacity_prints_its_table(tmp_path):
                     "--repeats", "1", tmp_path=tmp_path)
     assert "| parley / raw 3-hop | parley / raw 1-hop |" in out
     row = next(line for line in out.splitlines() if line.startswith("| 4."))
-    assert row.count("|") == 9  # 8 filled columns: every figure is there
+    assert row.count("|") == 11  # 10 filled columns: every figure is there
+
+
+def test_bus_capacity_runs_an_old_checkout_beside_it(tmp_path):
+    # this very commit stands in for "the previous code": what is checked is the child-process route
+    old = tmp_path / "old"
+    old.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    out = run_bench("bus_capacity.py", "--sizes-kb", "4", "--trajectories", "8", "--n", "2", "--slots", "4",
+                    "--repeats", "1", "--old", str(old), tmp_path=tmp_path)
+    assert "| old / raw 3-hop | new / raw 3-hop |" in out
 
 
 def test_async_vs_sync_prints_its_table(tmp_path):

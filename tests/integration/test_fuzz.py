@@ -198,7 +198,7 @@ def fuzz_payloads(key: str, run: str, max_payload: int) -> dict[str, bytes]:
         cases["no-reference"] = codec.encode(msgspec.structs.replace(examples.trajectory(run, "t-ref"), reference=""))
     else:
         bad = examples.scored(run)
-        bad.traj_id, bad.trajectory.loss_mask = "t-mask/0", bad.trajectory.loss_mask[:-1]
+        bad.traj_id, bad.trajectory.loss_mask_u8 = "t-mask/0", bad.trajectory.loss_mask_u8[:-1]
         cases["mask-mismatch"] = codec.encode(bad)
         far = examples.scored(run)
         far.traj_id, far.task_id, far.sample = "t-far/99", "t-far", 99

@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from deploy.cli import app
+from protocol import arrays
 from protocol.messages import AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, JudgeReply, Scored, Trajectory
 from scorer.config import ScorerConfig
 from evaluation.evallog import from_scored, read_log, read_records, rejudge, reweight, write_jsonl, write_parquet
@@ -33,13 +34,18 @@ def eval_record(condition, k, *, inter=0.5, tokens=1234, **kw):
     )
 
 
-def scored(version=2):
+def scored(version=2, packed=True):
+    # packed: token arrays as today's producers write them; else as the list schemas v0-v1 did
+    tokens = (dict(token_ids_i32=arrays.pack_ids([1, 2, 3, 4]), loss_mask_u8=arrays.pack_mask([0, 0, 1, 1])) if packed
+              else dict(token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1]))
+    lps = [[-0.1, -0.2], [-0.3]]
+    lps = [dict(logprobs_f32=arrays.pack_logprobs(x)) if packed else dict(logprobs=x) for x in lps]
     traj = Trajectory(
         traj_id="t1/0", task_id="t1", sample=0, run="r", item_id="item-0",
         messages=[ChatMessage("system", "sys"), ChatMessage("user", "u"), ChatMessage("assistant", "a")],
-        token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1],
-        turns=[AssistantTurn(start=2, logprobs=[-0.1, -0.2], version=version - 1, finish_reason="stop"),
-               AssistantTurn(start=3, logprobs=[-0.3], version=version, finish_reason="length")],
+        **tokens,
+        turns=[AssistantTurn(start=2, version=version - 1, finish_reason="stop", **lps[0]),
+               AssistantTurn(start=3, version=version, finish_reason="length", **lps[1])],
         reference=REFERENCE, assistant_tokens=3, sim_prompt="lazy_full", model="smol", seed=7,
         timings={"generate": 0.5},
     )
@@ -60,8 +66,9 @@ def test_parquet_round_trip_is_exact(tmp_path):
     assert read_records(write_jsonl(recs, tmp_path / "records.jsonl")) == recs
 
 
-def test_scored_round_trip_and_conversion(tmp_path):
-    s = scored()
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "lists"])
+def test_scored_round_trip_and_conversion(tmp_path, packed):
+    s = scored(packed=packed)
     assert read_log(write_parquet([s], tmp_path / "scored.parquet")) == [s]
     assert read_log(write_jsonl([s], tmp_path / "scored.jsonl")) == [s]
     rec = read_records(tmp_path / "scored.parquet")[0]

@@ -187,3 +187,37 @@ def test_qwen3_style_thinking_off(qwen_tok):
     assert render(tok, chat.messages, **kw) != tok.decode(chat.token_ids)
     assert [m["content"] for m in chat.messages if m["role"] == "assistant"] == ["A1", "A2 is long"]
     assert_mask_matches_spans(chat, [gen1, gen2])
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("ChatTokens went through the tokenizer's Python encode/decode wrapper")
+
+
+def test_fast_tokenizer_is_used_directly(tok, monkeypatch):
+    """transformers' encode/decode wrappers walk every id in Python before the Rust tokenizer sees
+    them; with a fast tokenizer ChatTokens goes around them, and its ids and texts stay the same."""
+    import copy
+
+    fast = copy.deepcopy(tok)
+    monkeypatch.setattr(fast, "decode", _refuse)
+    monkeypatch.setattr(fast, "encode", _refuse)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    chat = ChatTokens(fast, [{"role": "user", "content": "Write a title."}])
+    gen = enc(tok, "The Letter") + [special] + enc(tok, " in the Radio") + [end]
+    assert chat.add_assistant(gen, "stop") == tok.decode(gen[:-1], skip_special_tokens=False)
+    chat.add_user("Shorter, please.")
+    assert chat.token_ids == enc(tok, render(tok, chat.messages, gen=True))
+
+
+def test_tokenizer_with_space_clean_up_keeps_its_wrapper(tok):
+    import copy
+
+    cleaning = copy.deepcopy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    calls = []
+    wrapped = cleaning.decode
+    cleaning.decode = lambda ids, **kw: calls.append(ids) or wrapped(ids, **kw)
+    chat = ChatTokens(cleaning, [{"role": "user", "content": "Write a title."}])
+    gen = enc(tok, "The Letter") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert chat.add_assistant(gen, "stop") == "The Letter" and calls == [gen[:-1]]

@@ -3,18 +3,21 @@ and the trajectory checks that decide dead-lettering."""
 
 from __future__ import annotations
 
+import msgspec
+import numpy as np
 import pytest
 
 from learner.groups import BadTrajectory, Grouper, behaviour_logprobs, behaviour_version, check_trajectory
+from protocol import arrays
 from protocol.messages import AssistantTurn, Scored, Trajectory
 
 
 def scored(task: str, sample: int, reward: float, version: int = 0) -> Scored:
     traj = Trajectory(
         traj_id=f"{task}/{sample}", task_id=task, sample=sample, run="r", item_id="i", messages=[],
-        token_ids=[1, 2, 3, 4, 5, 6], loss_mask=[0, 0, 1, 1, 0, 1],
-        turns=[AssistantTurn(start=2, logprobs=[-0.1, -0.2], version=version, finish_reason="stop"),
-               AssistantTurn(start=5, logprobs=[-0.3], version=version + 1, finish_reason="stop")],
+        token_ids_i32=arrays.pack_ids([1, 2, 3, 4, 5, 6]), loss_mask_u8=arrays.pack_mask([0, 0, 1, 1, 0, 1]),
+        turns=[AssistantTurn(start=2, logprobs_f32=arrays.pack_logprobs([-0.1, -0.2]), version=version, finish_reason="stop"),
+               AssistantTurn(start=5, logprobs_f32=arrays.pack_logprobs([-0.3]), version=version + 1, finish_reason="stop")],
     )
     return Scored(traj_id=traj.traj_id, task_id=task, sample=sample, run="r", metrics={"bleu": reward},
                   weights={"bleu": 1.0}, total=reward, trajectory=traj)
@@ -123,34 +126,71 @@ def test_sample_index_outside_the_group_is_bad():
 
 def test_behaviour_alignment_and_version():
     s = scored("a", 0, 0.0, version=4)
-    assert behaviour_logprobs(s.trajectory) == [0.0, 0.0, -0.1, -0.2, 0.0, -0.3]
+    expected = np.array([0.0, 0.0, -0.1, -0.2, 0.0, -0.3], dtype=np.float32)
+    np.testing.assert_array_equal(behaviour_logprobs(s.trajectory), expected)
     assert behaviour_version(s.trajectory) == 4
     check_trajectory(s.trajectory)
+    # the list fields of schemas v0-v1 read the same
+    listed = as_lists(s.trajectory)
+    np.testing.assert_array_equal(behaviour_logprobs(listed), expected)
+    check_trajectory(listed)
 
 
+def as_lists(traj: Trajectory) -> Trajectory:
+    """The same trajectory as an older producer wrote it (token arrays as lists)."""
+    turns = [msgspec.structs.replace(t, logprobs=arrays.turn_logprobs(t).tolist(), logprobs_f32=b"") for t in traj.turns]
+    return msgspec.structs.replace(traj, token_ids=arrays.token_ids(traj).tolist(), loss_mask=arrays.loss_mask(traj).tolist(),
+                                   token_ids_i32=b"", loss_mask_u8=b"", turns=turns)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "lists"])
 @pytest.mark.parametrize(
     "change, message",
     [
         (dict(loss_mask=[0, 0, 1]), "loss_mask has 3 entries for 6 tokens"),
         (dict(loss_mask=[1, 0, 1, 1, 0, 1]), "token 0 is marked trained"),
         (dict(loss_mask=[0, 1, 1, 1, 0, 1]), "token 1 is trained but no turn has its behaviour log-prob"),
+        (dict(loss_mask=[0, 0, 2, 1, 0, 1]), "loss_mask must hold only 0 and 1"),
         (dict(loss_mask=[0] * 6), "no trained token"),
         (dict(token_ids=[]), "no token ids"),
     ],
 )
-def test_bad_trajectories_are_named(change, message):
-    import msgspec
-
-    traj = msgspec.structs.replace(scored("a", 0, 0.0).trajectory, **change)
+def test_bad_trajectories_are_named(change, message, packed):
+    traj = scored("a", 0, 0.0).trajectory
+    if packed:
+        pack = {"loss_mask": ("loss_mask_u8", arrays.pack_mask), "token_ids": ("token_ids_i32", arrays.pack_ids)}
+        traj = msgspec.structs.replace(traj, **{pack[k][0]: pack[k][1](v) for k, v in change.items()})
+        if change.get("token_ids") == []:
+            traj = msgspec.structs.replace(traj, token_ids_i32=b"")
+    else:
+        traj = msgspec.structs.replace(as_lists(traj), **change)
     with pytest.raises(BadTrajectory, match=message):
         check_trajectory(traj)
 
 
-def test_turn_outside_the_tokens_is_bad():
-    import msgspec
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(token_ids_i32=b"\x01\x00\x00"), r"a/0: token_ids_i32 holds 3 bytes, not a whole number of int32"),
+        (dict(loss_mask=[0, -1, 1, 1, 0, 1], loss_mask_u8=b""), r"a/0: loss_mask holds -1, outside uint8"),
+        (dict(token_ids=[1, 2**40, 3, 4, 5, 6], token_ids_i32=b""), r"a/0: token_ids holds 1099511627776, outside int32"),
+    ],
+)
+def test_token_arrays_that_cannot_be_read_are_bad(change, message):
+    with pytest.raises(BadTrajectory, match=message):
+        check_trajectory(msgspec.structs.replace(scored("a", 0, 0.0).trajectory, **change))
 
+
+def test_turn_with_a_bad_logprob_field_is_bad():
     t = scored("a", 0, 0.0).trajectory
-    turns = [msgspec.structs.replace(t.turns[1], start=5, logprobs=[-0.3, -0.4])]
+    turns = [msgspec.structs.replace(t.turns[0], logprobs_f32=b"\x00" * 6), t.turns[1]]
+    with pytest.raises(BadTrajectory, match=r"a/0: turn at 2: logprobs_f32 holds 6 bytes"):
+        check_trajectory(msgspec.structs.replace(t, turns=turns))
+
+
+def test_turn_outside_the_tokens_is_bad():
+    t = scored("a", 0, 0.0).trajectory
+    turns = [msgspec.structs.replace(t.turns[1], start=5, logprobs_f32=arrays.pack_logprobs([-0.3, -0.4]))]
     with pytest.raises(BadTrajectory, match=r"turn 0 spans \[5, 7\) outside"):
         check_trajectory(msgspec.structs.replace(t, turns=turns))
 

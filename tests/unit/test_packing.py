@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,3 +53,56 @@ def test_packed_batch_layout():
     assert batch.advantages.tolist() == [1.0, 1.0, -1.0]
     assert batch.correct.tolist() == [False, False, True]
     assert batch.n_loss_tokens == 3
+
+
+def _reference_batch(samples):
+    """The token-by-token layout build_batch must reproduce with array operations."""
+    ids, pos, src, tgt, seq, beh, adv, cor, offset = [], [], [], [], [], [], [], [], 0
+    for s_idx, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids += [int(x) for x in s.token_ids]
+        pos += range(n)
+        for p in range(1, n):
+            if s.loss_mask[p]:
+                src.append(offset + p - 1)
+                tgt.append(int(s.token_ids[p]))
+                seq.append(s_idx)
+                beh.append(float(s.behaviour[p]))
+                adv.append(s.advantage)
+                cor.append(s.correct)
+        offset += n
+    return ids, pos, src, tgt, seq, beh, adv, cor
+
+
+def test_packed_batch_matches_the_token_by_token_layout():
+    rng = random.Random(1)
+    samples = []
+    for i in range(20):
+        n = rng.choice([1, 2, rng.randint(3, 400)])
+        mask = [rng.random() < 0.5 for _ in range(n)]  # token 0 marked too: it must be left out
+        samples.append(Sample(f"s{i}", [rng.randint(0, 150_000) for _ in range(n)], mask,
+                              [-rng.random() if m else 0.0 for m in mask], advantage=rng.uniform(-2, 2),
+                              correct=rng.random() < 0.3))
+    batch = build_batch(samples)
+    ids, pos, src, tgt, seq, beh, adv, cor = _reference_batch(samples)
+    assert batch.input_ids.tolist() == [ids] and batch.position_ids.tolist() == [pos]
+    assert (batch.src.tolist(), batch.targets.tolist(), batch.seq.tolist()) == (src, tgt, seq)
+    torch.testing.assert_close(batch.behaviour, torch.tensor(beh, dtype=torch.float32))
+    torch.testing.assert_close(batch.advantages, torch.tensor(adv, dtype=torch.float32))
+    assert batch.correct.tolist() == cor
+    assert sum(s.n_trained for s in samples) == batch.n_loss_tokens
+    empty = build_batch([])
+    assert empty.input_ids.shape == (1, 0) and empty.n_loss_tokens == 0
+
+
+def test_sample_holds_arrays_that_pickle_as_buffers():
+    """The learner broadcasts its samples to the other ranks pickled: as arrays that is a few bytes
+    per token, as Python lists it was one pickled number per token and array."""
+    import pickle
+
+    n = 10_000
+    s = Sample("s", list(range(n)), [i % 2 for i in range(n)], [-0.5] * n, advantage=1.0)
+    assert (s.token_ids.dtype, s.loss_mask.dtype, s.behaviour.dtype) == (np.int32, np.bool_, np.float32)
+    assert len(pickle.dumps(s)) < n * (4 + 1 + 4) + 1024
+    with pytest.raises(ValueError, match="sample t: token_ids \\(3,\\), loss_mask \\(2,\\)"):
+        Sample("t", [1, 2, 3], [0, 1], [0.0, 0.0, 0.0], advantage=0.0)

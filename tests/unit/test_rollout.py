@@ -15,7 +15,7 @@ import pytest
 from engines.engine import GenOut
 from actors.rollout import PolicySettings, SimClient, SimUnreachable, check_task, derive_seed, run_conversation
 from actors.sim import FALLBACK_MESSAGE
-from protocol import codec
+from protocol import arrays, codec
 from protocol.bus import Poison
 from protocol.messages import ChatMessage, SimReply, SimRequest, Task
 
@@ -74,16 +74,20 @@ def assert_consistent(tok, traj):
     """The invariants every published trajectory must satisfy."""
     msgs = [{"role": m.role, "content": m.content} for m in traj.messages]
     gen_prompt = msgs[-1]["role"] == "user"
-    assert tok.decode(traj.token_ids) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen_prompt)
-    assert len(traj.loss_mask) == len(traj.token_ids)
-    expected = [0] * len(traj.token_ids)
+    # published packed, nothing in the list fields of the older schemas
+    assert traj.token_ids == traj.loss_mask == [] and all(t.logprobs == [] for t in traj.turns)
+    ids, mask = arrays.token_ids(traj).tolist(), arrays.loss_mask(traj).tolist()
+    assert tok.decode(ids) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen_prompt)
+    assert len(mask) == len(ids)
+    expected = [0] * len(ids)
     for turn in traj.turns:
-        n = len(turn.logprobs)
+        n = arrays.generated(turn)
+        assert arrays.turn_logprobs(turn).size == n
         expected[turn.start : turn.start + n] = [1] * n
-    assert traj.loss_mask == expected
-    assert traj.assistant_tokens == sum(len(t.logprobs) for t in traj.turns) == sum(traj.loss_mask)
+    assert mask == expected
+    assert traj.assistant_tokens == sum(arrays.generated(t) for t in traj.turns) == sum(mask)
     assert traj.prompt_tokens == traj.turns[0].start
-    codec.decode("traj", codec.encode(traj))
+    assert codec.decode("traj", codec.encode(traj)) == traj
 
 
 def test_conversation_until_the_simulator_is_done(tok):
@@ -144,7 +148,7 @@ def test_a_turn_cut_by_max_tokens_is_closed_untrained(tok):
     engine = EngineDouble(tok, ["This reply is much longer than the few tokens it may use here."])
     sim = SimClientDouble([SimReply(message="ok", done=True)])
     traj = play(tok, engine, sim, task(max_tokens=5))
-    assert traj.turns[0].finish_reason == "length" and len(traj.turns[0].logprobs) == 5
+    assert traj.turns[0].finish_reason == "length" and arrays.generated(traj.turns[0]) == 5
     assert_consistent(tok, traj)
 
 
@@ -158,7 +162,7 @@ def test_max_model_len_ends_the_conversation(tok):
     ))
     traj = play(tok, engine, sim, t, max_model_len=opening + 40)
     assert traj.terminated == "max_model_len"
-    assert len(traj.token_ids) <= opening + 40 + 2  # at most the untrained closing of a cut turn beyond
+    assert arrays.token_ids(traj).size <= opening + 40 + 2  # at most the untrained closing of a cut turn beyond
     assert traj.messages[-1].role == "assistant"
     assert_consistent(tok, traj)
 
@@ -229,7 +233,7 @@ def test_special_tokens_generated_mid_turn_stay_in_the_messages(tok):
     engine = EngineDouble(tok, ["Hello<|im_start|> there<|endoftext|>"])
     sim = SimClientDouble([SimReply(message="ok", done=True)])
     traj = play(tok, engine, sim, task())
-    gen = traj.token_ids[traj.turns[0].start : traj.turns[0].start + len(traj.turns[0].logprobs)]
+    gen = arrays.token_ids(traj)[traj.turns[0].start : traj.turns[0].start + arrays.generated(traj.turns[0])].tolist()
     assert tok.convert_tokens_to_ids("<|im_start|>") in gen
     assert traj.messages[-1].content == "Hello<|im_start|> there<|endoftext|>"
     assert_consistent(tok, traj)

@@ -1,0 +1,88 @@
+"""The one conversion between a Trajectory's token arrays and their wire form.
+
+Token ids, the loss mask and behaviour log-probs travel as msgpack bin fields holding packed
+little-endian arrays (int32 ids, uint8 mask, float32 log-probs): msgpack decodes a bin field with
+one copy and numpy views it without another, where a list of Python numbers cost 3-9 bytes and
+one Python object per token at every decode. Schemas before the packed fields (tests/data
+trajectory_v0/v1.msgpack) carried the same values as lists (`token_ids`, `loss_mask`,
+`AssistantTurn.logprobs`); the readers here accept either, so producers write `pack_*` and every
+consumer reads `token_ids` / `loss_mask` / `turn_logprobs`, never the fields themselves.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from protocol.messages import AssistantTurn, Trajectory
+
+IDS = np.dtype("<i4")
+MASK = np.dtype("u1")
+LOGPROBS = np.dtype("<f4")
+
+
+# Producers hold Python lists (what the engine returns): the stdlib's array converts those about
+# a third faster than numpy does; arrays pass through numpy.
+_TYPECODES = {IDS: next(c for c in "il" if array.array(c).itemsize == 4), LOGPROBS: "f"}
+
+
+def _pack(values, dtype: np.dtype) -> bytes:
+    if isinstance(values, list):
+        if dtype == MASK:
+            return bytes(values)  # ValueError for a value outside 0..255
+        packed = array.array(_TYPECODES[dtype], values)
+        if sys.byteorder == "big":
+            packed.byteswap()
+        return packed.tobytes()
+    return np.asarray(values, dtype=dtype).tobytes()
+
+
+def pack_ids(ids: Sequence[int] | np.ndarray) -> bytes:
+    return _pack(ids, IDS)
+
+
+def pack_mask(mask: Sequence[int] | np.ndarray) -> bytes:
+    return _pack(mask, MASK)
+
+
+def pack_logprobs(logprobs: Sequence[float] | np.ndarray) -> bytes:
+    return _pack(logprobs, LOGPROBS)
+
+
+def _view(packed: bytes, old: list, dtype: np.dtype, owner: str, field: str, old_field: str) -> np.ndarray:
+    """A read-only view of the packed field, or the older schema's list as an array."""
+    if packed:
+        if len(packed) % dtype.itemsize:
+            raise ValueError(f"{owner}: {field} holds {len(packed)} bytes, not a whole number of {dtype} "
+                             f"values; pack it with protocol.arrays")
+        return np.frombuffer(packed, dtype=dtype)
+    if not old or dtype.kind == "f":
+        return np.asarray(old, dtype=dtype)
+    lo, hi, info = min(old), max(old), np.iinfo(dtype)
+    if lo < info.min or hi > info.max:
+        raise ValueError(f"{owner}: {old_field} holds {lo if lo < info.min else hi}, outside {dtype} "
+                         f"({info.min}..{info.max})")
+    return np.asarray(old, dtype=dtype)
+
+
+def token_ids(traj: Trajectory) -> np.ndarray:
+    """(T,) int32: the whole conversation's token ids."""
+    return _view(traj.token_ids_i32, traj.token_ids, IDS, traj.traj_id, "token_ids_i32", "token_ids")
+
+
+def loss_mask(traj: Trajectory) -> np.ndarray:
+    """(T,) uint8: 1 on trained tokens."""
+    return _view(traj.loss_mask_u8, traj.loss_mask, MASK, traj.traj_id, "loss_mask_u8", "loss_mask")
+
+
+def turn_logprobs(turn: AssistantTurn) -> np.ndarray:
+    """(n,) float32: the behaviour log-prob of each token the turn generated."""
+    return _view(turn.logprobs_f32, turn.logprobs, LOGPROBS, f"turn at {turn.start}", "logprobs_f32", "logprobs")
+
+
+def generated(turn: AssistantTurn) -> int:
+    """How many tokens the turn generated (one log-prob each)."""
+    return len(turn.logprobs_f32) // LOGPROBS.itemsize if turn.logprobs_f32 else len(turn.logprobs)
