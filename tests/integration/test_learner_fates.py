@@ -101,7 +101,8 @@ def make_cfg(run: str, run_dir, bus=BUS, **learner) -> RunConfig:
 def base_model(tmp_path):
     base = tmp_path / "base"
     base.mkdir(exist_ok=True)
-    (base / "config.json").write_text("{}")
+    # The learner reads vocab_size to refuse token ids outside the vocabulary (scored_for uses ids 1..4).
+    (base / "config.json").write_text('{"vocab_size": 16}')
     return base
 
 
