@@ -12,8 +12,8 @@ import pytest
 from actors.follow import MAX_WEIGHT_BYTES, announcement_problem
 from actors.rollout import check_task_limits
 from learner.config import RolloutConfig
-from learner.groups import BadTrajectory, Grouper, check_hostile_values
-from protocol import examples
+from learner.groups import BadTrajectory, Grouper, check_hostile_values, check_trajectory
+from protocol import arrays, examples
 from protocol.bus import Poison
 from protocol.messages import TASK_MAX_N, WeightVersion
 from rewards.reward import hostile_reward
@@ -46,34 +46,52 @@ def test_hostile_rewards_are_refused_with_the_value(metrics, weights, total, nee
     assert needle in str(e.value)
 
 
+def intake(s, **kw) -> None:
+    """What the learner's SCORED consumer runs on every sample, in its order."""
+    check_trajectory(s.trajectory)
+    check_hostile_values(s, VOCAB, **kw)
+
+
+def set_logprobs(turn, values) -> None:
+    turn.logprobs_f32 = arrays.pack_logprobs(values)
+
+
 @pytest.mark.parametrize("logprob", [NAN, INF, -INF, 0.5])
-def test_non_finite_or_positive_behaviour_logprobs_are_refused(logprob):
+@pytest.mark.parametrize("form", ["packed", "list"])  # a hostile producer may send either schema
+def test_non_finite_or_positive_behaviour_logprobs_are_refused(logprob, form):
     s = scored("t", 0, 0.5)
-    s.trajectory.turns[1].logprobs = [logprob]
+    if form == "packed":
+        set_logprobs(s.trajectory.turns[1], [logprob])
+    else:
+        s.trajectory.turns[1].logprobs_f32, s.trajectory.turns[1].logprobs = b"", [logprob]
     with pytest.raises(BadTrajectory, match=f"turn 1 log-prob 0 is {logprob}"):
-        check_hostile_values(s, VOCAB)
+        intake(s)
 
 
 def test_a_logprob_of_zero_within_float_rounding_is_honest():
     s = scored("t", 0, 0.5)
-    s.trajectory.turns[1].logprobs = [0.0]
-    s.trajectory.turns[0].logprobs = [-0.0, 1e-7]
-    check_hostile_values(s, VOCAB)
+    set_logprobs(s.trajectory.turns[1], [0.0])
+    set_logprobs(s.trajectory.turns[0], [-0.0, 1e-7])
+    intake(s)
 
 
 @pytest.mark.parametrize("token", [VOCAB, -1, 2**40])
 def test_token_ids_outside_the_vocabulary_are_refused(token):
     s = scored("t", 0, 0.5)
-    s.trajectory.token_ids[3] = token
-    with pytest.raises(BadTrajectory, match=f"token id {token} is outside the policy's vocabulary 0..{VOCAB - 1}"):
-        check_hostile_values(s, VOCAB)
+    ids = arrays.token_ids(s.trajectory).tolist()
+    ids[3] = token
+    # the old list field: the packed int32 one cannot even hold 2**40
+    s.trajectory.token_ids_i32, s.trajectory.token_ids = b"", ids
+    msg = "outside int32" if token == 2**40 else f"token id {token} is outside the policy's vocabulary 0..{VOCAB - 1}"
+    with pytest.raises(BadTrajectory, match=msg):
+        intake(s)
 
 
 def test_a_conversation_longer_than_the_policy_positions_is_refused():
     s = scored("t", 0, 0.5)
-    check_hostile_values(s, VOCAB, max_positions=6)
+    intake(s, max_positions=6)
     with pytest.raises(BadTrajectory, match="6 tokens, more than the policy's 5 positions"):
-        check_hostile_values(s, VOCAB, max_positions=5)
+        intake(s, max_positions=5)
 
 
 def test_a_refused_step_makes_its_groups_final_and_untrained():
