@@ -369,8 +369,13 @@ def test_weight_versions_are_followed_and_a_corrupt_blob_is_refused(ctx, tmp_pat
         bad[len(bad) // 2] ^= 0xFF
         store = await ctx.js.object_store(topology.object_bucket(run))
         await store.put("v000002/model.safetensors", bytes(bad))
+        extras = []  # the good extra files, beside the bad blob (the follower refuses extras elsewhere)
+        for name in wv1.files:
+            extra = "v000002/" + name.rsplit("/", 1)[-1]
+            await store.put(extra, (await store.get(name)).data)
+            extras.append(extra)
         wv2 = WeightVersion(version=2, step=2, transport="objstore", location="v000002/model.safetensors",
-                            sha256=wv1.sha256, bytes=wv1.bytes, created=time.time(), run=run, files=wv1.files)
+                            sha256=wv1.sha256, bytes=wv1.bytes, created=time.time(), run=run, files=extras)
         kv = await ctx.js.key_value(topology.kv_bucket(run))
         await kv.put(topology.WEIGHTS_KEY, codec.encode(wv2))
         await until(lambda: 2 in actor.follower.refused)

@@ -109,7 +109,10 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
     for cond in ("base", "proactive"):
         for m in ("bleu", "interactivity", "tokens_k", "mr"):
             assert again.row(cond).means[m] == table.row(cond).means[m]
-    res = CliRunner().invoke(app, ["replay", str(log), "--weights", "bleu=2,interactivity=0.5,token_amount=-1"])
+    # The records were scored with ScorerConfig()'s sacreBLEU; the embedded default config replays with
+    # char BLEU unless told otherwise.
+    res = CliRunner().invoke(app, ["replay", str(log), "--weights", "bleu=2,interactivity=0.5,token_amount=-1",
+                                   "--bleu-variant", "sacrebleu"])
     assert res.exit_code == 0, res.output
     original = (tmp_path / "bench" / "table.md").read_text().split("\n\n")[0]
     for line in original.splitlines()[2:]:
