@@ -83,7 +83,7 @@ def _corpus_texts(extra_jsonl: Path | None, max_chars: int = 2_000_000) -> list[
     texts = [p for p in _CORPUS.split("\n\n") if p.strip()]
     # chat-template words, so role headers are one token each
     texts += ["system\nuser\nassistant\n"] * 20
-    if extra_jsonl is None or not extra_jsonl.is_file():
+    if extra_jsonl is None:
         return texts
 
     def strings(obj):
@@ -141,8 +141,9 @@ def build_tiny(
 ) -> Path:
     """Write a random 2-layer Qwen3 with a ChatML tokenizer to out_dir and return it.
 
-    Deterministic for a given seed and corpus. dataset_jsonl defaults to
-    tasks/datasets/medium.jsonl when that file exists (its strings join the tokenizer corpus).
+    Deterministic for a given seed and corpus. dataset_jsonl defaults to the bundled
+    tasks/datasets/medium.jsonl (its strings join the tokenizer corpus, so the toy vocabulary
+    covers the task's words); a given file that does not exist is an error, not a smaller vocabulary.
     """
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -150,7 +151,11 @@ def build_tiny(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if dataset_jsonl is None:
-        dataset_jsonl = Path(__file__).resolve().parent / "datasets" / "medium.jsonl"
+        from tasks.data import bundled_path
+
+        dataset_jsonl = bundled_path()
+    if not Path(dataset_jsonl).is_file():
+        raise FileNotFoundError(f"tokenizer corpus {dataset_jsonl} does not exist; pass an existing .jsonl or None")
 
     raw = _train_tokenizer(_corpus_texts(Path(dataset_jsonl)), vocab_size)
     tokenizer = PreTrainedTokenizerFast(
