@@ -205,6 +205,37 @@ class PolicyEngine:
             if version is not None:
                 self.version = version
 
+    async def load_ipc(self, announcement: bytes, hold_s: float, version: int | None = None) -> None:
+        """Load a cuda_ipc version (its encoded WeightVersion) in place: the worker opens the
+        learner's GPU buffer, copies and checks it, then loads it, in a keep-mode pause as
+        reload_weights does. The copy is checked before any parameter changes, so a refusal
+        (protocol.weights.WeightVerifyError) leaves the served weights intact. hold_s bounds the
+        whole wait (the learner keeps the buffer that long after it is superseded); past it a
+        TimeoutError says so."""
+        from protocol.weights import WeightVerifyError
+
+        async with self._reload_lock:
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                try:
+                    reasons = await asyncio.wait_for(
+                        self._llm.collective_rpc("parley_load_ipc", kwargs={"announcement": announcement}),
+                        timeout=hold_s,
+                    )
+                except asyncio.TimeoutError:
+                    raise TimeoutError(
+                        f"loading weights by cuda_ipc took over {hold_s:.0f} s (the learner's hold time); "
+                        "is the engine stuck, or the learner's GPU busy?"
+                    ) from None
+                await self._llm.reset_prefix_cache(reset_running_requests=True)
+            finally:
+                await self._llm.resume_generation()
+            bad = [r for r in reasons if r]
+            if bad:
+                raise WeightVerifyError(bad[0])
+            if version is not None:
+                self.version = version
+
     def shutdown(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
@@ -219,6 +250,30 @@ class WorkerExtension:
         # vLLM's own in-place reload (Worker.reload_weights -> model_runner.reload_weights)
         self.reload_weights(weights_path=weights_path)
         _refresh_cpu_prepacked(self.model_runner.get_model())
+
+    def parley_load_ipc(self, announcement: bytes) -> str | None:
+        """Load a cuda_ipc version: copy the learner's buffer, check it, load_weights from the copy.
+        Returns None when loaded, or why the version is refused (nothing was changed then)."""
+        import torch
+
+        from protocol import codec, cuda_ipc
+
+        wv = codec.decode("weights", announcement)
+        if wv.ipc is None:
+            return f"version {wv.version}: announced as {wv.transport!r} without a CUDA IPC buffer"
+        if not torch.cuda.is_available():
+            return f"version {wv.version}: this engine runs without CUDA; cuda_ipc needs actors on the learner's GPUs"
+        try:
+            named, reason = cuda_ipc.receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()))
+        except (LookupError, RuntimeError) as e:  # the GPU is not visible, or the handle no longer opens
+            return f"version {wv.version}: cannot open the learner's buffer: {e}"
+        if reason:
+            return f"version {wv.version}: {reason}"
+        self.model_runner.get_model().load_weights(weights=iter(named))
+        del named  # the staged copy; its memory goes back to torch's cache
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return None
 
 
 def _refresh_cpu_prepacked(model) -> None:

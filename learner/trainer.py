@@ -16,7 +16,7 @@ from learner import grpo
 from learner.config import LearnerConfig
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
-from learner.weights_io import hf_weights, write_weights
+from learner.weights_io import IpcPublisher, hf_tensors, hf_weights, write_weights
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -102,6 +102,9 @@ class Trainer:
     """The policy under DeepSpeed, an optional frozen reference for KL, and the GRPO step."""
 
     def __init__(self, cfg: LearnerConfig, model_dir: str | Path):
+        if cfg.transport == "cuda_ipc" and not torch.cuda.is_available():
+            raise ValueError("learner.transport='cuda_ipc' shares GPU memory, but this learner has no CUDA device; "
+                             "use transport objstore or shared_dir")
         import deepspeed
         from transformers import AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -142,6 +145,7 @@ class Trainer:
         )
         self.device = self.engine.device
         self.rank = torch.distributed.get_rank()
+        self.ipc = IpcPublisher(cfg.ipc_hold_s, cfg.ipc_buffers) if cfg.transport == "cuda_ipc" and self.rank == 0 else None
 
     def close(self) -> None:
         """Forget the ZeRO-3 loading hook: later from_pretrained calls in this process load plain models."""
@@ -264,6 +268,19 @@ class Trainer:
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()
         return out
+
+    def pack_weights(self, version: int):
+        """transport cuda_ipc: the trained weights packed into rank 0's shared GPU buffer; returns
+        the protocol.messages.CudaIpcBuffer to announce on rank 0, None on the other ranks (which
+        take part in the ZeRO-3 gather)."""
+        import contextlib
+
+        import deepspeed
+
+        gather = (deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+                  if self.cfg.zero_stage == 3 else contextlib.nullcontext())
+        with gather:
+            return self.ipc.pack(hf_tensors(self.module), version) if self.rank == 0 else None
 
     def save_checkpoint(self, ckpt_dir: str | Path, tag: str) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)

@@ -114,18 +114,50 @@ class Scored(msgspec.Struct, kw_only=True):
     created: float = 0.0
 
 
+class IpcTensor(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor inside a shared GPU buffer (transport "cuda_ipc"): its checkpoint name, dtype
+    ("bfloat16", ...), shape, byte offset in the buffer and a checksum of its bytes computed on
+    the GPU (protocol.cuda_ipc.checksums). Part of CudaIpcBuffer."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    checksum: list[int]  # two int64 sums, see protocol.cuda_ipc
+
+
+class CudaIpcBuffer(msgspec.Struct, kw_only=True):
+    """What an actor's vLLM worker needs to open the learner's GPU buffer: the fields of torch's
+    CUDA IPC export (torch.multiprocessing.reductions.reduce_tensor) as plain values, the GPU by
+    UUID (device indices differ between processes with other CUDA_VISIBLE_DEVICES) and the
+    tensors laid out in it. learner -> actors, inside WeightVersion."""
+
+    device_uuid: str
+    storage_handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    nbytes: int  # bytes of the buffer's tensor (<= storage_size)
+    hold_s: float  # the learner keeps a superseded buffer at least this long: the reader's deadline
+    tensors: list[IpcTensor] = []
+
+
 class WeightVersion(msgspec.Struct, kw_only=True):
     """Announcement of new policy weights. learner -> actors (KV key "current", and history)."""
 
     version: int
     step: int
-    transport: str  # "objstore" | "shared_dir"
-    location: str  # object name in the weights object store, or a directory path
-    sha256: str  # of the safetensors file
+    transport: str  # "objstore" | "shared_dir" | "cuda_ipc"
+    location: str  # object name in the weights object store, a directory path, or "cuda:<GPU uuid>"
+    sha256: str  # of the safetensors file; cuda_ipc: of the tensor table with its checksums
     bytes: int
     created: float
     run: str = ""
     files: list[str] = []  # extra files (config.json) beside the safetensors blob
+    ipc: CudaIpcBuffer | None = None  # transport "cuda_ipc" only
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):

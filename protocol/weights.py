@@ -22,13 +22,15 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from protocol import codec, topology
-from protocol.messages import WeightVersion
+from protocol.messages import CudaIpcBuffer, WeightVersion
 
 log = logging.getLogger("parley.weights")
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-TRANSPORTS = ("objstore", "shared_dir")
+TRANSPORTS = ("objstore", "shared_dir", "cuda_ipc")
+# Transports whose weights never become a file: the engine loads them itself (publish_ipc_version).
+GPU_TRANSPORTS = ("cuda_ipc",)
 
 # Object-store chunks: big enough that per-message overhead vanishes (150-250 MB/s measured with
 # 1-4 MiB), small enough to stay under the server's max_payload (1 MiB on a stock server).
@@ -101,6 +103,8 @@ async def publish_version(
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} not allowed; use one of {TRANSPORTS}")
+    if transport in GPU_TRANSPORTS:
+        raise ValueError(f"transport={transport!r} publishes GPU buffers, not files; use publish_ipc_version")
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the current version is always kept)")
     state_dir = Path(state_dir)
@@ -138,6 +142,23 @@ async def publish_version(
     )
     await _announce(js, run, wv)
     await _prune(js, run, transport, shared_dir, keep, current=version)
+    return wv
+
+
+async def publish_ipc_version(js, run: str, version: int, step: int, ipc: CudaIpcBuffer) -> WeightVersion:
+    """Announce `version` as the learner's shared GPU buffer `ipc` (transport "cuda_ipc"): nothing
+    is uploaded; the announcement carries the handle and the per-tensor checksums, and its sha256
+    is the digest of that table. The caller keeps the buffer unchanged for ipc.hold_s after it is
+    superseded (learner.weights_io.IpcPublisher)."""
+    from protocol.cuda_ipc import table_digest
+
+    if not ipc.tensors or any(len(t.checksum) == 0 for t in ipc.tensors):
+        raise ValueError(f"version {version}: the shared buffer has no tensor table with checksums; pack it first")
+    wv = WeightVersion(
+        version=version, step=step, transport="cuda_ipc", location=f"cuda:{ipc.device_uuid}",
+        sha256=table_digest(ipc.tensors), bytes=ipc.nbytes, created=time.time(), run=run, ipc=ipc,
+    )
+    await _announce(js, run, wv)
     return wv
 
 
@@ -225,6 +246,8 @@ async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash:
     file on disk is the learner's (rehash=True reads it back once more). shared_dir: nothing is copied; the shared version directory is hashed in place
     and returned. Raises WeightVerifyError(reason) on any mismatch or missing blob.
     """
+    if wv.transport in GPU_TRANSPORTS:
+        raise WeightVerifyError(f"version {wv.version}: transport {wv.transport!r} is loaded by the engine, not fetched")
     if wv.transport == "shared_dir":
         src = Path(wv.location)
         for name in [MODEL_FILE, *wv.files]:
