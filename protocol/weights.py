@@ -150,16 +150,21 @@ async def publish_ipc_version(js, run: str, version: int, step: int, ipc: CudaIp
     is uploaded; the announcement carries the handle and the per-tensor checksums, and its sha256
     is the digest of that table. The caller keeps the buffer unchanged for ipc.hold_s after it is
     superseded (learner.weights_io.IpcPublisher)."""
+    wv = ipc_announcement(run, version, step, ipc)
+    await _announce(js, run, wv)
+    return wv
+
+
+def ipc_announcement(run: str, version: int, step: int, ipc: CudaIpcBuffer) -> WeightVersion:
+    """The WeightVersion that announces a shared GPU buffer (its sha256: the tensor table's digest)."""
     from protocol.cuda_ipc import table_digest
 
     if not ipc.tensors or any(len(t.checksum) == 0 for t in ipc.tensors):
         raise ValueError(f"version {version}: the shared buffer has no tensor table with checksums; pack it first")
-    wv = WeightVersion(
+    return WeightVersion(
         version=version, step=step, transport="cuda_ipc", location=f"cuda:{ipc.device_uuid}",
         sha256=table_digest(ipc.tensors), bytes=ipc.nbytes, created=time.time(), run=run, ipc=ipc,
     )
-    await _announce(js, run, wv)
-    return wv
 
 
 def _place_dir(src: Path, target: Path) -> None:

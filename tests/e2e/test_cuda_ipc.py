@@ -1,0 +1,72 @@
+"""cuda_ipc on a real GPU: this test process plays the learner (the toy model's weights on the GPU,
+packed by learner.weights_io.IpcPublisher and exported as a CUDA IPC handle), a real vLLM engine
+in its own process is the actor. A version loaded by IPC must serve exactly what the same
+weights loaded from files serve; a copy whose checksums do not match is refused and changes
+nothing. Runs only where torch sees a CUDA device (gpu marker); docs/gpu.md has the command."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.engine import EngineSettings, PolicyEngine
+from engines.models import build_tiny
+from protocol import codec
+from protocol.weights import WeightVerifyError, ipc_announcement
+
+pytestmark = [pytest.mark.e2e, pytest.mark.gpu, pytest.mark.timeout(600)]
+
+
+def greedy(loop, engine, prompt):
+    out = loop.run_until_complete(engine.generate(prompt, max_tokens=16, temperature=0.0))
+    return out.token_ids, out.logprobs
+
+
+def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refused(tmp_path):
+    import msgspec
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.weights_io import IpcPublisher, hf_tensors, write_weights, hf_weights
+
+    base = build_tiny(tmp_path / "tiny")
+    learner = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).to("cuda").eval()
+    with torch.no_grad():  # "a training step": other weights than the engine starts with
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for p in learner.parameters():
+            p.add_(torch.randn(p.shape, generator=g, device="cuda", dtype=torch.float32).to(p.dtype) * 0.05)
+    stepped = write_weights(hf_weights(learner), learner.config, tmp_path / "stepped")
+
+    loop = asyncio.new_event_loop()
+    engine = PolicyEngine(EngineSettings(model=str(base), dtype="bfloat16", max_model_len=1024,
+                                         kv_cache_bytes=256 << 20, json_compact=False,
+                                         extra={"enable_prefix_caching": False}))
+    try:
+        prompt = list(range(5, 40))
+        before = greedy(loop, engine, prompt)
+
+        pub = IpcPublisher(hold_s=30.0)
+        ipc = pub.pack(hf_tensors(learner), 1)
+        wv = ipc_announcement("gpu-test", 1, 1, ipc)
+
+        # a wrong checksum: refused before any weight changed
+        bad_tensors = list(ipc.tensors)
+        bad_tensors[3] = msgspec.structs.replace(bad_tensors[3], checksum=[0, 0, 0])
+        bad = msgspec.structs.replace(wv, ipc=msgspec.structs.replace(ipc, tensors=bad_tensors))
+        with pytest.raises(WeightVerifyError, match=f"first: {bad_tensors[3].name}"):
+            loop.run_until_complete(engine.load_ipc(codec.encode(bad), hold_s=30.0, version=1))
+        assert engine.version == 0 and greedy(loop, engine, prompt) == before
+
+        loop.run_until_complete(engine.load_ipc(codec.encode(wv), hold_s=30.0, version=1))
+        assert engine.version == 1
+        by_ipc = greedy(loop, engine, prompt)
+        assert by_ipc != before
+
+        loop.run_until_complete(engine.reload_weights(base, version=0))
+        assert greedy(loop, engine, prompt) == before
+        loop.run_until_complete(engine.reload_weights(stepped, version=1))
+        assert greedy(loop, engine, prompt) == by_ipc  # same bf16 weights, same tokens and log-probs
+    finally:
+        engine.shutdown()
+        loop.close()
