@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 ALIGN = 256  # bytes; every tensor starts on this boundary and its checksummed region is padded to it
 _ROW = ALIGN // 4  # int32 words per checksum row
+_CHUNK_ROWS = 1 << 22  # rows reduced per kernel (1 GiB of buffer, a 1 GiB int32 temporary)
 _REBUILD_ARGS = 15  # torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments (torch 2.x)
 
 
@@ -44,12 +45,7 @@ def view(buffer: "Tensor", entry: IpcTensor) -> "Tensor":
     """The tensor `entry` names, as a view into the uint8 `buffer`."""
     import torch
 
-    dtype = getattr(torch, entry.dtype)
-    n = 1
-    for d in entry.shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    return buffer[entry.offset: entry.offset + nbytes].view(dtype).view(entry.shape)
+    return buffer[entry.offset: entry.offset + _nbytes(entry)].view(getattr(torch, entry.dtype)).view(entry.shape)
 
 
 def pack(named: Iterable[tuple[str, "Tensor"]], buffer: "Tensor", layout: list[IpcTensor]) -> None:
@@ -66,23 +62,47 @@ def pack(named: Iterable[tuple[str, "Tensor"]], buffer: "Tensor", layout: list[I
 
 def checksums(buffer: "Tensor", layout: list[IpcTensor]) -> list[list[int]]:
     """Per tensor, three int64 sums over its padded region read as int32 words in rows of 64:
-    all words, rows weighted by their index, columns weighted by theirs. Integer sums (wrapping)
-    are exact, so any device and kernel order give the same numbers; the weights make a moved or
-    missing row count, not only a changed value. One device sync for the whole table."""
+    all words, rows weighted by their index in the tensor, words weighted by their column. The
+    integer sums (wrapping) are exact, so any device and kernel order give the same numbers; the
+    weights make a moved row or word count, not only a changed value.
+
+    The whole buffer is reduced row by row in a few large kernels, then cut into tensors with
+    cumulative sums at their row boundaries: about 4 ms of an H200 for 8 GB, where per-tensor
+    kernels would be launch-bound (~400 tensors x several kernels). One device sync in all."""
     import torch
 
-    sums = []
-    for e in layout:
-        nbytes = view(buffer, e).numel() * view(buffer, e).element_size()
-        words = buffer[e.offset: e.offset + _padded(nbytes)].view(torch.int32).view(-1, _ROW)
-        cols = words.sum(0, dtype=torch.int64)  # (64,)
-        rows = words.sum(1, dtype=torch.int64)  # (rows,)
-        r = torch.arange(1, rows.numel() + 1, device=buffer.device, dtype=torch.int64)
-        c = torch.arange(1, _ROW + 1, device=buffer.device, dtype=torch.int64)
-        sums.append(torch.stack([cols.sum(), (rows * r).sum(), (cols * c).sum()]))
-    if not sums:
+    if not layout:
         return []
-    return torch.stack(sums).cpu().tolist()
+    dev = buffer.device
+    rows = buffer.view(torch.int32).view(-1, _ROW)  # the buffer is a whole number of rows (plan pads)
+    col_w = torch.arange(1, _ROW + 1, dtype=torch.int32, device=dev)
+    row_sum, col_weighted = [], []
+    for i in range(0, rows.shape[0], _CHUNK_ROWS):  # chunks bound the int32 temporary of the products
+        part = rows[i: i + _CHUNK_ROWS]
+        row_sum.append(part.sum(1, dtype=torch.int64))
+        col_weighted.append((part * col_w).sum(1, dtype=torch.int64))
+    rs = torch.cat(row_sum)  # (R,)
+    idx = torch.arange(1, rs.numel() + 1, dtype=torch.int64, device=dev)
+
+    def prefix(x):  # prefix[k] = sum of x[:k]
+        return torch.cat([x.new_zeros(1), x.cumsum(0)])
+
+    p1, p2, p3 = prefix(rs), prefix(rs * idx), prefix(torch.cat(col_weighted))
+    starts = torch.tensor([e.offset // ALIGN for e in layout], dtype=torch.int64, device=dev)
+    ends = starts + torch.tensor([_padded(_nbytes(e)) // ALIGN for e in layout], dtype=torch.int64, device=dev)
+    s1 = p1[ends] - p1[starts]
+    s2 = (p2[ends] - p2[starts]) - starts * s1  # weights idx - start: 1, 2, ... within the tensor
+    s3 = p3[ends] - p3[starts]
+    return torch.stack([s1, s2, s3], 1).cpu().tolist()
+
+
+def _nbytes(entry: IpcTensor) -> int:
+    import torch
+
+    n = 1
+    for d in entry.shape:
+        n *= d
+    return n * torch.empty((), dtype=getattr(torch, entry.dtype)).element_size()
 
 
 def with_checksums(layout: list[IpcTensor], sums: list[list[int]]) -> list[IpcTensor]:

@@ -146,3 +146,17 @@ def test_learner_config_and_cpu_trainer_refuse_bad_ipc_settings():
 
     with pytest.raises(ValueError, match="cuda_ipc.*no CUDA device"):
         Trainer(LearnerConfig(transport="cuda_ipc"), "/nonexistent")
+
+
+def test_whole_buffer_sums_equal_the_per_tensor_definition():
+    g = torch.Generator().manual_seed(1)
+    tensors = [(f"t{i}", torch.randn(int(torch.randint(1, 3000, (1,), generator=g)), generator=g).to(torch.bfloat16))
+               for i in range(20)]
+    layout, total = cuda_ipc.plan(tensors)
+    buf = torch.zeros(total, dtype=torch.uint8)
+    cuda_ipc.pack(tensors, buf, layout)
+    for e, (s1, s2, _) in zip(layout, cuda_ipc.checksums(buf, layout)):
+        size = -(-cuda_ipc._nbytes(e) // cuda_ipc.ALIGN) * cuda_ipc.ALIGN
+        words = buf[e.offset: e.offset + size].view(torch.int32).view(-1, 64).to(torch.int64)
+        assert s1 == int(words.sum())
+        assert s2 == int((words.sum(1) * torch.arange(1, words.shape[0] + 1)).sum())
