@@ -31,15 +31,17 @@ def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refus
     from learner.weights_io import IpcPublisher, hf_tensors, write_weights, hf_weights
 
     base = build_tiny(tmp_path / "tiny")
-    learner = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).to("cuda").eval()
+    # fp32 as the other toy-model tests (the toy's head_dim 32 has no FlashAttention-3 kernel); the
+    # transport is dtype-blind, and the 4B bf16 path is bench/weight_path.py's
+    learner = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to("cuda").eval()
     with torch.no_grad():  # "a training step": other weights than the engine starts with
         g = torch.Generator(device="cuda").manual_seed(1)
         for p in learner.parameters():
-            p.add_(torch.randn(p.shape, generator=g, device="cuda", dtype=torch.float32).to(p.dtype) * 0.05)
+            p.add_(torch.randn(p.shape, generator=g, device="cuda") * 0.05)
     stepped = write_weights(hf_weights(learner), learner.config, tmp_path / "stepped")
 
     loop = asyncio.new_event_loop()
-    engine = PolicyEngine(EngineSettings(model=str(base), dtype="bfloat16", max_model_len=1024,
+    engine = PolicyEngine(EngineSettings(model=str(base), dtype="float32", max_model_len=1024,
                                          kv_cache_bytes=256 << 20, json_compact=False,
                                          extra={"enable_prefix_caching": False}))
     try:
@@ -70,3 +72,28 @@ def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refus
     finally:
         engine.shutdown()
         loop.close()
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_trainer_packs_what_it_would_save(tiny_model, zero_stage):
+    """Trainer.pack_weights (ZeRO-3: gathered first) fills rank 0's shared buffer with exactly the
+    tensors save_weights writes, and the announced checksums are those of the buffer."""
+    import torch
+
+    from learner.config import LearnerConfig
+    from learner.trainer import Trainer
+    from protocol import cuda_ipc
+
+    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=zero_stage, kl_coef=0.0, transport="cuda_ipc"),
+                      tiny_model)
+    try:
+        expected = trainer.hf_state_dict()
+        ipc = trainer.pack_weights(1)
+        assert [t.name for t in ipc.tensors] == list(expected) and ipc.nbytes == trainer.ipc.total
+        (buf,) = [b.data for b in trainer.ipc.buffers if b.version == 1]
+        for t in ipc.tensors:
+            assert torch.equal(cuda_ipc.view(buf, t).cpu(), expected[t.name])
+        assert cuda_ipc.mismatch(ipc.tensors, cuda_ipc.checksums(buf, ipc.tensors)) is None
+        assert ipc.device_uuid == cuda_ipc.device_uuid(torch.cuda.current_device())
+    finally:
+        trainer.close()
