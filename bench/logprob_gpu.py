@@ -61,10 +61,11 @@ def learner_logprobs(args, samples, dtype):
     from learner.logprobs import token_logprobs
     from learner.packing import build_batch, pack_by_tokens
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to("cuda").eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     out = [None] * len(samples)
     for group in pack_by_tokens([len(s.token_ids) for s in samples], args.budget):
-        batch = build_batch([samples[i] for i in group], "cuda")
+        batch = build_batch([samples[i] for i in group], device)
         lp, _ = token_logprobs(model, batch, chunk=1024, grad=False)
         for j, i in enumerate(group):
             out[i] = lp[batch.seq == j].double().cpu()

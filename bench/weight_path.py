@@ -289,13 +289,24 @@ async def gpu_main(args) -> dict:
                 print(f"[weights] round {label}: {toks} tokens in {dt:.2f} s = {toks / dt:.0f} tok/s, "
                       f"{r['finished']}/{len(outs)} finished by length", file=sys.stderr, flush=True)
 
-            for transport in args.gpu_transports:
+            def save():  # after each phase: a run cut short by its time limit keeps what it measured
+                if args.json:
+                    Path(args.json).write_text(json.dumps(out, indent=2))
+
+            # the slow file transport (objstore: about a minute each way for 8 GB) goes last
+            quick = [t for t in args.gpu_transports if t != "objstore"]
+            for transport in quick:
                 for _ in range(args.repeats if transport == "cuda_ipc" else args.file_repeats):
                     await update(transport)
+            save()
             await round_("no update")
             for transport in args.round_transports:
                 await round_(f"{transport} update after {args.update_after:.1f} s", transport)
             await round_("no update (after)")
+            save()
+            for transport in [t for t in args.gpu_transports if t == "objstore"]:
+                for _ in range(args.file_repeats):
+                    await update(transport)
             stop.set()
             await following
             await nc.close()
