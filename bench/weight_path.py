@@ -162,9 +162,9 @@ class TimedEngine:
         await self.engine.reload_weights(path, version=version)
         self.marks.append((t, time.perf_counter()))
 
-    async def load_ipc(self, announcement, hold_s, version=None):
+    async def load_gpu(self, announcement, hold_s, version=None):
         t = time.perf_counter()
-        await self.engine.load_ipc(announcement, hold_s=hold_s, version=version)
+        await self.engine.load_gpu(announcement, hold_s=hold_s, version=version)
         self.marks.append((t, time.perf_counter()))
 
 
@@ -172,14 +172,14 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
     """One update through the real follower: step end -> (pack | save) -> announce -> the follower
     loads it -> the engine serves `version` with generation resumed. Seconds per phase."""
     from learner.weights_io import hf_tensors, hf_weights, write_weights
-    from protocol.weights import publish_ipc_version, publish_version
+    from protocol.weights import publish_gpu_version, publish_version
 
     timed.marks.clear()
     t0 = time.perf_counter()  # step end
     if transport == "cuda_ipc":
         ipc = await asyncio.to_thread(pub.pack, hf_tensors(model), version)
         t_ready = time.perf_counter()
-        wv = await publish_ipc_version(js, run, version, version, ipc)
+        wv = await publish_gpu_version(js, run, version, version, ipc)
     else:
         state_dir = work / "learner" / f"v{version}"
         await asyncio.to_thread(lambda: write_weights(hf_weights(model), model.config, state_dir))

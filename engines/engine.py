@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,9 +206,10 @@ class PolicyEngine:
             if version is not None:
                 self.version = version
 
-    async def load_ipc(self, announcement: bytes, hold_s: float, version: int | None = None) -> None:
-        """Load a cuda_ipc version (its encoded WeightVersion) in place: the worker opens the
-        learner's GPU buffer, copies and checks it, then loads it, in a keep-mode pause as
+    async def load_gpu(self, announcement: bytes, hold_s: float, version: int | None = None) -> None:
+        """Load a cuda_ipc or nccl version (its encoded WeightVersion) in place: the worker copies
+        the learner's packed buffer (opening its CUDA IPC handle, or receiving it over its own
+        process group with rank 0) and checks it, then loads it, in a keep-mode pause as
         reload_weights does. The copy is checked before any parameter changes, so a refusal
         (protocol.weights.WeightVerifyError) leaves the served weights intact. hold_s bounds the
         whole wait (the learner keeps the buffer that long after it is superseded); past it a
@@ -219,13 +221,13 @@ class PolicyEngine:
             try:
                 try:
                     reasons = await asyncio.wait_for(
-                        self._llm.collective_rpc("parley_load_ipc", kwargs={"announcement": announcement}),
+                        self._llm.collective_rpc("parley_load_gpu", kwargs={"announcement": announcement}),
                         timeout=hold_s,
                     )
                 except asyncio.TimeoutError:
                     raise TimeoutError(
-                        f"loading weights by cuda_ipc took over {hold_s:.0f} s (the learner's hold time); "
-                        "is the engine stuck, or the learner's GPU busy?"
+                        f"loading weights from the learner's GPU buffer took over {hold_s:.0f} s (its hold "
+                        "time); is the engine stuck, or the learner unreachable?"
                     ) from None
                 await self._llm.reset_prefix_cache(reset_running_requests=True)
             finally:
@@ -251,28 +253,46 @@ class WorkerExtension:
         self.reload_weights(weights_path=weights_path)
         _refresh_cpu_prepacked(self.model_runner.get_model())
 
-    def parley_load_ipc(self, announcement: bytes) -> str | None:
-        """Load a cuda_ipc version: copy the learner's buffer, check it, load_weights from the copy.
-        Returns None when loaded, or why the version is refused (nothing was changed then)."""
+    def parley_load_gpu(self, announcement: bytes) -> str | None:
+        """Load a cuda_ipc / nccl version: copy the learner's packed buffer, check it, then
+        reload the model's weights from the copy. Returns None when loaded, or why the version is refused
+        (nothing was changed then)."""
         import torch
 
         from protocol import codec, cuda_ipc
 
         wv = codec.decode("weights", announcement)
-        if wv.ipc is None:
-            return f"version {wv.version}: announced as {wv.transport!r} without a CUDA IPC buffer"
-        if not torch.cuda.is_available():
-            return f"version {wv.version}: this engine runs without CUDA; cuda_ipc needs actors on the learner's GPUs"
-        try:
-            named, reason = cuda_ipc.receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()))
-        except (LookupError, RuntimeError) as e:  # the GPU is not visible, or the handle no longer opens
-            return f"version {wv.version}: cannot open the learner's buffer: {e}"
+        if wv.transport == "cuda_ipc" and wv.ipc is not None:
+            if not torch.cuda.is_available():
+                return f"version {wv.version}: this engine runs without CUDA; cuda_ipc needs actors on the learner's GPUs"
+            try:
+                named, reason = cuda_ipc.receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()))
+            except (LookupError, RuntimeError) as e:  # the GPU is not visible, or the handle no longer opens
+                return f"version {wv.version}: cannot open the learner's buffer: {e}"
+        elif wv.transport == "nccl" and wv.nccl is not None:
+            from protocol import nccl
+
+            if not hasattr(self, "_parley_nccl"):
+                self._parley_nccl = nccl.Receiver(f"{os.uname().nodename}-{os.getpid()}")
+            device = torch.device("cuda", torch.cuda.current_device()) if wv.nccl.backend == "nccl" else torch.device("cpu")
+            try:
+                named, reason = self._parley_nccl.fetch(wv.nccl, wv.version, device)
+            except (RuntimeError, TimeoutError) as e:  # the learner is gone or the transfer broke: rejoin next time
+                return f"version {wv.version}: receiving from {wv.nccl.address} failed: {e}"
+        else:
+            return f"version {wv.version}: announced as {wv.transport!r} without its GPU source"
         if reason:
             return f"version {wv.version}: {reason}"
-        self.model_runner.get_model().load_weights(weights=iter(named))
+        # vLLM's in-place reload, fed our tensors instead of files: the same machinery as
+        # parley_reload_weights (it redoes each layer's post-load processing, which a bare
+        # model.load_weights misses: on CPU the packed linear layers lose their weight_loader)
+        self.reload_weights(weights_iterator=iter(named))
+        model = self.model_runner.get_model()
         del named  # the staged copy; its memory goes back to torch's cache
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        _refresh_cpu_prepacked(model)
         return None
 
 

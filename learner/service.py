@@ -25,7 +25,7 @@ from learner.steplog import StepLog
 from protocol import status, topology
 from protocol.bus import COUNTERS, Poison, PullWorker, retry_unreachable
 from protocol.messages import Heartbeat
-from protocol.weights import publish_ipc_version, publish_version
+from protocol.weights import publish_gpu_version, publish_version
 from tasks.data import train_eval_items
 
 log = logging.getLogger("parley.learner")
@@ -256,8 +256,8 @@ class Learner:
         return out
 
     async def publish(self, version: int) -> None:
-        if self.lc.transport == "cuda_ipc":
-            return await self.publish_ipc(version)
+        if self.lc.transport in ("cuda_ipc", "nccl"):
+            return await self.publish_gpu(version)
         wdir = ckpt.weights_dir(self.run_dir, version)
         await asyncio.to_thread(self.driver, "save_weights", wdir)
         wv = await retry_unreachable(
@@ -268,15 +268,15 @@ class Learner:
         ckpt.prune_weights(self.run_dir, self.lc.keep_versions)
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 
-    async def publish_ipc(self, version: int) -> None:
-        """cuda_ipc: pack the weights into a shared GPU buffer (no file) and announce its handle.
-        Actors copy it on their own time; nothing here waits for them."""
-        ipc = await asyncio.to_thread(self.driver, "pack_weights", version)
+    async def publish_gpu(self, version: int) -> None:
+        """cuda_ipc / nccl: pack the weights into one of rank 0's buffers (no file) and announce
+        where actors get it. Actors copy it on their own time; nothing here waits for them."""
+        source = await asyncio.to_thread(self.driver, "pack_weights", version)
         wv = await retry_unreachable(
-            lambda: publish_ipc_version(self.js, self.run_name, version, self.step, ipc),
+            lambda: publish_gpu_version(self.js, self.run_name, version, self.step, source),
             what=f"announcing weights version {version}",
         )
-        log.info("published weights version %d (%.1f MB, cuda_ipc)", version, wv.bytes / 1e6)
+        log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 
     # -- the ledger -----------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from learner import grpo
 from learner.config import LearnerConfig
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
-from learner.weights_io import IpcPublisher, hf_tensors, hf_weights, write_weights
+from learner.weights_io import IpcPublisher, NcclSender, hf_tensors, hf_weights, write_weights
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -145,11 +145,20 @@ class Trainer:
         )
         self.device = self.engine.device
         self.rank = torch.distributed.get_rank()
-        self.ipc = IpcPublisher(cfg.ipc_hold_s, cfg.ipc_buffers) if cfg.transport == "cuda_ipc" and self.rank == 0 else None
+        # rank 0's packed weight buffers for the GPU transports (no file on that path)
+        self.ipc = self.nccl = None
+        if self.rank == 0 and cfg.transport == "cuda_ipc":
+            self.ipc = IpcPublisher(cfg.ipc_hold_s, cfg.ipc_buffers)
+        elif self.rank == 0 and cfg.transport == "nccl":
+            self.nccl = NcclSender(IpcPublisher(cfg.ipc_hold_s, cfg.ipc_buffers), cfg.nccl_address,
+                                   "nccl" if device.type == "cuda" else "gloo", timeout_s=cfg.ipc_hold_s)
 
     def close(self) -> None:
-        """Forget the ZeRO-3 loading hook: later from_pretrained calls in this process load plain models."""
+        """Forget the ZeRO-3 loading hook: later from_pretrained calls in this process load plain
+        models. Stops the nccl sender's threads."""
         self._hf_ds = None
+        if self.nccl is not None:
+            self.nccl.close()
 
     @property
     def module(self):
@@ -270,9 +279,9 @@ class Trainer:
         return out
 
     def pack_weights(self, version: int):
-        """transport cuda_ipc: the trained weights packed into rank 0's shared GPU buffer; returns
-        the protocol.messages.CudaIpcBuffer to announce on rank 0, None on the other ranks (which
-        take part in the ZeRO-3 gather)."""
+        """transport cuda_ipc / nccl: the trained weights packed into one of rank 0's buffers;
+        returns what to announce (protocol.messages.CudaIpcBuffer / NcclSource) on rank 0, None on
+        the other ranks (which take part in the ZeRO-3 gather)."""
         import contextlib
 
         import deepspeed
@@ -280,7 +289,9 @@ class Trainer:
         gather = (deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
                   if self.cfg.zero_stage == 3 else contextlib.nullcontext())
         with gather:
-            return self.ipc.pack(hf_tensors(self.module), version) if self.rank == 0 else None
+            if self.rank:
+                return None
+            return (self.ipc or self.nccl).pack(hf_tensors(self.module), version)
 
     def save_checkpoint(self, ckpt_dir: str | Path, tag: str) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)

@@ -145,19 +145,33 @@ class CudaIpcBuffer(msgspec.Struct, kw_only=True):
     tensors: list[IpcTensor] = []
 
 
+class NcclSource(msgspec.Struct, kw_only=True):
+    """Where an actor's vLLM worker fetches a version by transport "nccl": it joins the learner
+    rank 0's store at `address`, gets a two-rank process group of its own, asks for the version
+    and receives the packed buffer (the CudaIpcBuffer layout) into its GPU memory. learner ->
+    actors, inside WeightVersion."""
+
+    address: str  # host:port of rank 0's TCPStore, reachable from the actors
+    backend: str  # "nccl" on GPUs; "gloo" where the learner has none (CPU runs, CI)
+    nbytes: int
+    hold_s: float  # as CudaIpcBuffer.hold_s: the learner serves a superseded version this long
+    tensors: list[IpcTensor] = []
+
+
 class WeightVersion(msgspec.Struct, kw_only=True):
     """Announcement of new policy weights. learner -> actors (KV key "current", and history)."""
 
     version: int
     step: int
-    transport: str  # "objstore" | "shared_dir" | "cuda_ipc"
-    location: str  # object name in the weights object store, a directory path, or "cuda:<GPU uuid>"
-    sha256: str  # of the safetensors file; cuda_ipc: of the tensor table with its checksums
+    transport: str  # "objstore" | "shared_dir" | "cuda_ipc" | "nccl"
+    location: str  # object name, directory path, "cuda:<GPU uuid>" (cuda_ipc) or "nccl://host:port"
+    sha256: str  # of the safetensors file; cuda_ipc, nccl: of the tensor table with its checksums
     bytes: int
     created: float
     run: str = ""
     files: list[str] = []  # extra files (config.json) beside the safetensors blob
     ipc: CudaIpcBuffer | None = None  # transport "cuda_ipc" only
+    nccl: NcclSource | None = None  # transport "nccl" only
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):

@@ -22,15 +22,15 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from protocol import codec, topology
-from protocol.messages import CudaIpcBuffer, WeightVersion
+from protocol.messages import CudaIpcBuffer, NcclSource, WeightVersion
 
 log = logging.getLogger("parley.weights")
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-TRANSPORTS = ("objstore", "shared_dir", "cuda_ipc")
-# Transports whose weights never become a file: the engine loads them itself (publish_ipc_version).
-GPU_TRANSPORTS = ("cuda_ipc",)
+TRANSPORTS = ("objstore", "shared_dir", "cuda_ipc", "nccl")
+# Transports whose weights never become a file: the engine loads them itself (publish_gpu_version).
+GPU_TRANSPORTS = ("cuda_ipc", "nccl")
 
 # Object-store chunks: big enough that per-message overhead vanishes (150-250 MB/s measured with
 # 1-4 MiB), small enough to stay under the server's max_payload (1 MiB on a stock server).
@@ -104,7 +104,7 @@ async def publish_version(
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} not allowed; use one of {TRANSPORTS}")
     if transport in GPU_TRANSPORTS:
-        raise ValueError(f"transport={transport!r} publishes GPU buffers, not files; use publish_ipc_version")
+        raise ValueError(f"transport={transport!r} publishes GPU buffers, not files; use publish_gpu_version")
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the current version is always kept)")
     state_dir = Path(state_dir)
@@ -145,26 +145,28 @@ async def publish_version(
     return wv
 
 
-async def publish_ipc_version(js, run: str, version: int, step: int, ipc: CudaIpcBuffer) -> WeightVersion:
-    """Announce `version` as the learner's shared GPU buffer `ipc` (transport "cuda_ipc"): nothing
-    is uploaded; the announcement carries the handle and the per-tensor checksums, and its sha256
-    is the digest of that table. The caller keeps the buffer unchanged for ipc.hold_s after it is
-    superseded (learner.weights_io.IpcPublisher)."""
-    wv = ipc_announcement(run, version, step, ipc)
+async def publish_gpu_version(js, run: str, version: int, step: int, source: CudaIpcBuffer | NcclSource) -> WeightVersion:
+    """Announce `version` as the learner's packed GPU buffer (transport "cuda_ipc" for a
+    CudaIpcBuffer, "nccl" for an NcclSource): nothing is uploaded; the announcement carries what
+    the engine needs to get the buffer and the per-tensor checksums, and its sha256 is the digest
+    of that table. The caller keeps the buffer unchanged for source.hold_s after it is superseded
+    (learner.weights_io.IpcPublisher)."""
+    wv = gpu_announcement(run, version, step, source)
     await _announce(js, run, wv)
     return wv
 
 
-def ipc_announcement(run: str, version: int, step: int, ipc: CudaIpcBuffer) -> WeightVersion:
-    """The WeightVersion that announces a shared GPU buffer (its sha256: the tensor table's digest)."""
+def gpu_announcement(run: str, version: int, step: int, source: CudaIpcBuffer | NcclSource) -> WeightVersion:
+    """The WeightVersion that announces a packed GPU buffer (its sha256: the tensor table's digest)."""
     from protocol.cuda_ipc import table_digest
 
-    if not ipc.tensors or any(len(t.checksum) == 0 for t in ipc.tensors):
+    if not source.tensors or any(len(t.checksum) == 0 for t in source.tensors):
         raise ValueError(f"version {version}: the shared buffer has no tensor table with checksums; pack it first")
-    return WeightVersion(
-        version=version, step=step, transport="cuda_ipc", location=f"cuda:{ipc.device_uuid}",
-        sha256=table_digest(ipc.tensors), bytes=ipc.nbytes, created=time.time(), run=run, ipc=ipc,
-    )
+    common = dict(version=version, step=step, sha256=table_digest(source.tensors), bytes=source.nbytes,
+                  created=time.time(), run=run)
+    if isinstance(source, NcclSource):
+        return WeightVersion(transport="nccl", location=f"nccl://{source.address}", nccl=source, **common)
+    return WeightVersion(transport="cuda_ipc", location=f"cuda:{source.device_uuid}", ipc=source, **common)
 
 
 def _place_dir(src: Path, target: Path) -> None:

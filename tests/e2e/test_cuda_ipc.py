@@ -13,7 +13,7 @@ import pytest
 from engines.engine import EngineSettings, PolicyEngine
 from engines.models import build_tiny
 from protocol import codec
-from protocol.weights import WeightVerifyError, ipc_announcement
+from protocol.weights import WeightVerifyError, gpu_announcement
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -50,17 +50,17 @@ def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refus
 
         pub = IpcPublisher(hold_s=30.0)
         ipc = pub.pack(hf_tensors(learner), 1)
-        wv = ipc_announcement("gpu-test", 1, 1, ipc)
+        wv = gpu_announcement("gpu-test", 1, 1, ipc)
 
         # a wrong checksum: refused before any weight changed
         bad_tensors = list(ipc.tensors)
         bad_tensors[3] = msgspec.structs.replace(bad_tensors[3], checksum=[0, 0, 0])
         bad = msgspec.structs.replace(wv, ipc=msgspec.structs.replace(ipc, tensors=bad_tensors))
         with pytest.raises(WeightVerifyError, match=f"first: {bad_tensors[3].name}"):
-            loop.run_until_complete(engine.load_ipc(codec.encode(bad), hold_s=30.0, version=1))
+            loop.run_until_complete(engine.load_gpu(codec.encode(bad), hold_s=30.0, version=1))
         assert engine.version == 0 and greedy(loop, engine, prompt) == before
 
-        loop.run_until_complete(engine.load_ipc(codec.encode(wv), hold_s=30.0, version=1))
+        loop.run_until_complete(engine.load_gpu(codec.encode(wv), hold_s=30.0, version=1))
         assert engine.version == 1
         by_ipc = greedy(loop, engine, prompt)
         assert by_ipc != before

@@ -111,7 +111,7 @@ def test_table_digest_changes_with_any_checksum():
 
 
 def test_file_paths_refuse_the_gpu_transport():
-    with pytest.raises(ValueError, match="publish_ipc_version"):
+    with pytest.raises(ValueError, match="publish_gpu_version"):
         asyncio.run(weights.publish_version(None, "r", 1, 1, "/nonexistent", "cuda_ipc"))
     wv = announcement([])
     with pytest.raises(weights.WeightVerifyError, match="loaded by the engine"):
