@@ -29,7 +29,7 @@ class ActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     concurrency: int = 8  # conversations in flight
-    temperature: float = 1.0  # behaviour policy; log-probs are of the raw distribution
+    temperature: float = 1.0  # behaviour policy; training needs 1.0 (deploy.config.check_training)
     top_p: float = 1.0
     sim_timeout_s: float = 180.0  # one simulator request
     weights_poll_s: float = 5.0  # poll the weights key as well as watching it

@@ -19,7 +19,6 @@ FLOPs (stated once, used for every row; PaLM-style model FLOPs, recomputation no
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -32,15 +31,14 @@ import sys
 import tempfile
 import time
 import warnings
-import weakref
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as a plain script from anywhere: `learner` must import
 
-VARLEN = "parley_varlen"  # the name our packed-sequence attention is registered under in transformers
-ATTN_CHOICES = ("sdpa", "varlen", "seqloop")
+VARLEN = "parley_varlen"  # learner.attention.VARLEN (kept here so --help imports no torch)
+ATTN_CHOICES = ("sdpa", "varlen")
 GiB = 2**30
 
 
@@ -178,183 +176,23 @@ def draw_samples(args, vocab: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# attention over packed sequences without a (T, T) mask
-
-
-_pack_slot: tuple | None = None  # (weakref to position_ids, (cu, bounds, max_len)) of the last forward
-
-
-def _packing(position_ids):
-    """Sequence boundaries of a packed (1, T) position_ids (positions restart at 0 per sequence).
-    Every layer of one forward gets the same position_ids object, so this runs (and syncs) once per forward."""
-    global _pack_slot
-    import torch
-
-    if _pack_slot is not None and _pack_slot[0]() is position_ids:
-        return _pack_slot[1]
-    pos = position_ids[0]  # (T,)
-    bounds = torch.nonzero(pos == 0).flatten().tolist() + [pos.numel()]
-    if bounds[0] != 0:
-        raise ValueError("packed position_ids must start a sequence at index 0")
-    cu = torch.tensor(bounds, dtype=torch.int32, device=pos.device)  # (S+1,)
-    info = (cu, bounds, max(b - a for a, b in zip(bounds, bounds[1:])))
-    _pack_slot = (weakref.ref(position_ids), info)
-    return info
-
-
-def seqloop_kernel(q, k, v, bounds, scale):
-    """Causal attention of each packed sequence on its own through SDPA (flash when no mask is
-    given). q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D). The fallback where varlen_attn is missing."""
-    import torch
-    import torch.nn.functional as F
-
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, T, D)
-    outs = [
-        F.scaled_dot_product_attention(qh[None, :, a:b], kh[None, :, a:b], vh[None, :, a:b],
-                                       is_causal=True, scale=scale, enable_gqa=True)[0]
-        for a, b in zip(bounds, bounds[1:])
-    ]  # each (Hq, s, D)
-    return torch.cat(outs, dim=1).transpose(0, 1)
-
-
-def make_flash_varlen(expand_kv: bool):
-    """torch.nn.attention.varlen.varlen_attn (flash, CUDA only) behind one signature; its keyword
-    arguments changed between torch releases (is_causal in 2.10, window_size and enable_gqa later).
-    expand_kv repeats the kv heads for GQA, for a release whose varlen_attn refuses fewer kv heads."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-
-    def kernel(q, k, v, cu, max_len, scale):
-        kw = {}
-        if k.shape[1] != q.shape[1]:
-            if expand_kv:
-                rep = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            elif "enable_gqa" in params:
-                kw["enable_gqa"] = True
-        if "window_size" in params:
-            kw["window_size"] = (-1, 0)  # causal
-        elif "is_causal" in params:
-            kw["is_causal"] = True
-        else:
-            raise RuntimeError(f"varlen_attn{inspect.signature(varlen_attn)} has neither window_size nor is_causal")
-        if "scale" in params:
-            kw["scale"] = scale
-        elif abs(scale - q.shape[-1] ** -0.5) > 1e-9:
-            raise RuntimeError("this varlen_attn takes no scale and the model's is not 1/sqrt(head_dim)")
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
-
-    return kernel
-
-
-_kernel: dict = {"name": None, "fn": None}
-_captured: dict = {"position_ids": None}  # the base model's last position_ids (see capture_positions)
-
-
-def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function (registered as VARLEN): query (1, Hq, T, D), key/value
-    (1, Hkv, T, D) -> ((1, T, Hq, D), None). Sequences come from the position_ids (the attention
-    kwargs carry them; else the ones the base model was called with); the (T, T) mask transformers
-    builds for SDPA is neither built nor read."""
-    if query.shape[0] != 1:
-        raise ValueError(f"packed attention expects one packed row, got batch {query.shape[0]}")
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        position_ids = _captured["position_ids"]
-    if position_ids is None or position_ids.shape[-1] != query.shape[2]:
-        raise RuntimeError("packed attention found no position_ids for this forward")
-    cu, bounds, max_len = _packing(position_ids)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, H, D)
-    if _kernel["name"] == "varlen":
-        out = _kernel["fn"](q, k, v, cu, max_len, scale)
-    else:
-        out = seqloop_kernel(q, k, v, bounds, scale)
-    return out[None], None
-
-
-def capture_positions(model) -> None:
-    """Keep the position_ids each forward of the decoder stack is called with, for a transformers
-    release whose layers do not pass them on to the attention function."""
-    base = model.base_model
-    if getattr(base, "_bench_captures", False):
-        return
-
-    def hook(module, args, kwargs):
-        _captured["position_ids"] = kwargs.get("position_ids")
-
-    base.register_forward_pre_hook(hook, with_kwargs=True)
-    base._bench_captures = True
+# attention over packed sequences: the learner's own (learner/attention.py)
 
 
 def install_attention(requested: str, device) -> tuple[str, str]:
-    """Register the packed attention and pick its kernel: flash varlen when asked for and it passes a
-    check against the per-sequence kernel (GQA native first, then with expanded kv heads), else
-    seqloop. Returns (kernel used, why)."""
-    from transformers import AttentionInterface
+    """The packed attention the learner uses on `device` ("varlen" asks for it; the kernel behind it is
+    flash varlen where it is usable and passes its check, else one SDPA call per sequence).
+    Returns (kernel used, why)."""
+    from learner import attention
 
-    AttentionInterface.register(VARLEN, packed_attention)
-    if requested == "varlen" and _kernel["name"] == "varlen":
-        return "varlen", _kernel["why"]
-    why = ""
-    if requested == "varlen":
-        if device.type != "cuda":
-            why = "varlen_attn needs CUDA"
-        else:
-            notes = []
-            for expand_kv in (False, True):
-                try:
-                    fn = make_flash_varlen(expand_kv)
-                    err = check_varlen(fn, device)
-                except Exception as e:  # an older torch without the module, or a kernel that refuses the shapes
-                    notes.append(f"{'expanded' if expand_kv else 'native'} GQA: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                if err > 0.05:  # bf16 rounding gives about 1%; a wrong mask or layout gives order 1
-                    notes.append(f"{'expanded' if expand_kv else 'native'} GQA: "
-                                 f"differs from per-sequence SDPA by {err:.3g}")
-                    continue
-                kind = "kv heads expanded" if expand_kv else "native GQA"
-                why = "; ".join(notes + [f"{kind}, max relative diff to per-sequence SDPA {err:.2g}"])
-                _kernel.update(name="varlen", fn=fn, why=why)
-                return "varlen", why
-            why = "varlen_attn unusable: " + "; ".join(notes)
-    _kernel.update(name="seqloop", fn=None, why=why)
-    return "seqloop", why
-
-
-def check_varlen(kernel, device) -> float:
-    """Largest difference of the output and the input gradients between the varlen kernel and
-    seqloop on a small packed GQA input (bf16), relative to each tensor's largest value."""
-    import torch
-
-    torch.manual_seed(0)
-    bounds = [0, 100, 357, 421]
-    shapes = [(421, 4, 128), (421, 2, 128), (421, 2, 128)]
-    base = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in shapes]
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    grad = torch.randn(421, 4, 128, device=device, dtype=torch.bfloat16)
-    outs = []
-    runs = (lambda q, k, v: kernel(q, k, v, cu, 257, 128**-0.5),
-            lambda q, k, v: seqloop_kernel(q, k, v, bounds, 128**-0.5))
-    for run in runs:
-        qkv = [t.clone().requires_grad_(True) for t in base]
-        out = run(*qkv)
-        out.backward(grad)
-        outs.append([out.detach()] + [t.grad for t in qkv])
-    return max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(*outs))
+    attention.resolve("varlen", device)
+    return attention._kernel["name"], attention._kernel["why"]
 
 
 def use_attention(model, name: str) -> None:
-    """Switch a loaded transformers model between "sdpa" and VARLEN."""
-    if name == VARLEN:
-        capture_positions(model)
-    try:
-        model.set_attn_implementation(name)
-    except (AttributeError, ValueError):  # an older transformers: set it on the config, which every layer reads
-        model.config._attn_implementation = name
-    if model.config._attn_implementation != name:
-        raise RuntimeError(f"could not switch attention to {name!r} (still {model.config._attn_implementation!r})")
+    from learner import attention
+
+    attention.use(model, attention.VARLEN if name == VARLEN else name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,7 +362,7 @@ def phase_learner(args, zero: int) -> None:
     persistent = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
     tag = f"[zero{zero}]"
     if rank == 0:
-        print(f"{tag} Trainer ready in {init_s:.1f} s on {world} rank(s)"
+        print(f"{tag} Trainer ready in {init_s:.1f} s on {world} rank(s), default attention {trainer.attention}"
               + (f", {persistent:.1f} GiB allocated" if persistent is not None else ""), flush=True)
 
     samples = draw_samples(args, trainer.module.config.vocab_size)
@@ -543,7 +381,8 @@ def phase_learner(args, zero: int) -> None:
         return lp.float()
 
     rows: list[dict] = []
-    extra = {"init_s": init_s, "persistent_gib": persistent}
+    # what `parley learner` itself runs with this config (learner.attention: flash varlen on CUDA)
+    extra = {"init_s": init_s, "persistent_gib": persistent, "learner_default_attention": trainer.attention}
     last = None
     for attn in args.attn_list:
         row = {"phase": f"learner ZeRO-{zero}", "zero": zero, "layout": "packed", "attention": attn,
@@ -573,12 +412,18 @@ def phase_learner(args, zero: int) -> None:
                     row.update(logp_max_abs_diff_vs_sdpa=float(diff.max()),
                                logp_mean_abs_diff_vs_sdpa=float(diff.mean()))
                 stats: dict = {}
+                first: dict = {}
 
                 def step():
                     stats.update(trainer.train_step(samples))
+                    if not first:
+                        first.update(stats)
 
                 row.update(measure(step, args, device, float("inf"), None))
                 row["micro_batches"] = int(stats.get("micro_batches", 0))
+                # the phase's very first step (first variant) is taken from the loaded weights: its kl_mean
+                # and logp_mismatch say whether the policy starts where the reference does
+                row["first_step_stats"] = {k: v for k, v in first.items() if isinstance(v, float)}
                 row["last_step_stats"] = {k: v for k, v in stats.items() if isinstance(v, float)}
                 last = statistics.median(row["step_s"])
             except Exception as e:

@@ -45,7 +45,7 @@ def learner_cmd(
     extra = [f"learner.steps={steps}"] if steps is not None else []
     if allow_overlap:
         extra.append("data.allow_overlap=true")
-    cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
+    cfg = resolve(config, sets, nats=nats, run=run, extra=extra, training=True)
     if dry:
         dry_run(cfg)
     rank = int(os.environ.get("RANK", "0"))

@@ -22,9 +22,11 @@ NatsOpt = Annotated[Optional[str], typer.Option("--nats", help="NATS URL; overri
 RunOpt = Annotated[Optional[str], typer.Option("--run", help="Run name; overrides the config's run.name.", envvar="PARLEY_RUN")]
 
 
-def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = None, run: str | None = None, extra: list[str] | None = None):
-    """Load and validate the run config with CLI overrides; exits with a one-line error on bad input."""
-    from deploy.config import ConfigError, load_config
+def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = None, run: str | None = None,
+            extra: list[str] | None = None, training: bool = False):
+    """Load and validate the run config with CLI overrides; exits with a one-line error on bad input.
+    training: also the checks of a run that trains (deploy.config.check_training)."""
+    from deploy.config import ConfigError, check_training, load_config
 
     overrides = list(sets or [])
     if nats:
@@ -33,7 +35,10 @@ def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = N
         overrides.append(f'run.name="{run}"')
     overrides += extra or []
     try:
-        return load_config(config, overrides)
+        cfg = load_config(config, overrides)
+        if training:
+            check_training(cfg)
+        return cfg
     except ConfigError as e:
         typer.echo(f"parley: bad configuration: {e}", err=True)
         raise typer.Exit(2) from None

@@ -115,6 +115,24 @@ def convert_config(data: dict, source: str = "<config>") -> RunConfig:
         raise ConfigError(f"{source}: {e}") from None
 
 
+def check_training(cfg: RunConfig) -> None:
+    """Cross-section checks of a run that trains (`parley learner`, `parley up`), made at their start.
+
+    The actors record the log-prob of each sampled token under the raw distribution, and the learner
+    recomputes the raw distribution; a temperature or top-p other than 1 samples from another
+    distribution, so the PPO ratio and the importance weights would be taken against the wrong
+    behaviour policy, silently. Not checked when the file is loaded: an eval (whose actors sample at
+    the eval's temperature, evaluation/fleet.py) trains nothing and may sample as it likes.
+    """
+    a = cfg.actor
+    if a.temperature != 1.0 or a.top_p != 1.0:
+        raise ConfigError(
+            f"actor.temperature={a.temperature}, actor.top_p={a.top_p}: training needs both at 1.0 (behaviour and "
+            "learner log-probs are of the raw distribution, so another sampling distribution makes the PPO ratio "
+            "wrong); set actor.temperature=1.0 and actor.top_p=1.0 (parley eval --temperature samples otherwise)"
+        )
+
+
 def dump_config(cfg: RunConfig) -> str:
     """The resolved configuration as TOML (what --dry-run prints and `up` writes per role)."""
     return to_toml(cfg)

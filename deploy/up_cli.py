@@ -36,7 +36,7 @@ def up_cmd(
         extra.append(f"up.scorers={scorers}")
     if run_dir is not None:
         extra.append(f'run.dir="{run_dir}"')
-    cfg = resolve(config, sets, extra=extra)
+    cfg = resolve(config, sets, extra=extra, training=True)
     if dry:
         dry_run(cfg)
     if cfg.learner.steps < 1:

@@ -9,6 +9,7 @@ from protocol.weights import TRANSPORTS
 LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 STALE_POLICIES = ("drop", "correct")
 DTYPES = ("auto", "float32", "bfloat16")
+ATTENTIONS = ("auto", "sdpa", "varlen")  # learner.attention
 
 
 class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -68,6 +69,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     micro_batch_tokens: int = 4096  # token budget of a packed micro-batch
     dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
     gradient_checkpointing: bool = False
+    # attention over packed micro-batches: auto = flash varlen on CUDA (SDPA if unusable), SDPA on CPU;
+    # sdpa = transformers' block-diagonal mask; varlen = per-sequence kernel (flash on CUDA, an SDPA call
+    # per sequence on CPU)
+    attention: str = "auto"
     publish_every: int = 1  # versions
     keep_versions: int = 3
     transport: str = "objstore"
@@ -113,6 +118,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"groups_per_step={self.groups_per_step} must be >= 1")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness={self.max_staleness} must be >= 0")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention={self.attention!r} not allowed; use one of {ATTENTIONS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} not allowed; use one of {DTYPES}")
         for name in ("publish_every", "checkpoint_every", "micro_batch_tokens", "logit_chunk_tokens", "keep_versions"):

@@ -138,15 +138,22 @@ def tis_weights(proximal_logp: Tensor, behaviour_logp: Tensor, cap: float = 2.0)
     return torch.exp(log_w).clamp(max=cap)
 
 
-def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k3 estimator of KL(policy || ref) per token: exp(d) - d - 1 with d = ref - logp.
+# The per-token k3 value is bounded as verl's low_var_kl bounds it. Without it one token the reference
+# finds far likelier than the policy (d = 20 after the log-ratio clamp) gives exp(20) ~ 4.9e8: at
+# kl_coef 0.001 that is 5e5 in the loss, dominating every other token, and the gradient norm with it.
+_MAX_KL = 10.0
 
-    Non-negative, zero when the two agree, and lower variance than log-ratio k1.
-    d is bounded so one wildly divergent token cannot produce inf.
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 estimator of KL(policy || ref) per token: exp(d) - d - 1 with d = ref - logp, as verl's
+    low_var_kl: d clamped to [-20, 20] first, then the value to [-10, 10].
+
+    Non-negative, zero when the two agree, and lower variance than log-ratio k1. A token whose
+    value reaches the bound gets no KL gradient (the clamp is flat there), as in verl.
     """
     _check_tokens(logp=logp, ref_logp=ref_logp)
     d = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # (T,)
-    return torch.exp(d) - d - 1.0
+    return (torch.exp(d) - d - 1.0).clamp(-_MAX_KL, _MAX_KL)
 
 
 def _seq_index(seq_ids: Tensor | Sequence[int], n_tokens: int, device: torch.device) -> tuple[Tensor, int]:

@@ -25,8 +25,9 @@ def token_logprobs(model, batch: PackedBatch, chunk: int = 1024, grad: bool = Tr
     Only the hidden states of trained positions go through lm_head, `chunk` at a time, and with
     grad each chunk is checkpointed: its fp32 (chunk, vocab) logits are recomputed in backward
     instead of being kept, so memory holds one chunk of logits, never (T, vocab).
-    Sequences are separated by position_ids alone: transformers turns restarting positions into
-    a block-diagonal causal mask when no attention_mask is given (checked in tests).
+    Sequences are separated by position_ids alone: learner.attention runs a per-sequence kernel on
+    their boundaries, or transformers' SDPA turns the restarts into a block-diagonal causal mask
+    (refused at start where it would not: attention.check_packing_isolated).
     """
     with torch.set_grad_enabled(grad):
         return _packed_logprobs(model, batch.input_ids, batch.position_ids, batch.src, batch.targets, chunk, grad)

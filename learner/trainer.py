@@ -4,6 +4,7 @@ rank) and the tests; torch at the top, DeepSpeed and transformers where a Traine
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from learner import grpo
+from learner import attention, grpo
 from learner.config import LearnerConfig
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
@@ -98,6 +99,59 @@ def ds_config(cfg: LearnerConfig, dtype: torch.dtype) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no init work) and
+    their buffers for real: enough to read what a model's constructor computes for its buffers."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def restore_computed_buffers(model, dtype: torch.dtype) -> int:
+    """Put back the buffers a model computes in its constructor instead of loading them (the
+    non-persistent ones: RoPE's inv_freq, ...), as a plain from_pretrained has them. Returns how
+    many differed.
+
+    Under ZeRO-3, transformers builds the model inside deepspeed.zero.Init, which turns every
+    floating tensor made by torch.arange / torch.ones / ... into the training dtype. RoPE computes
+    inv_freq from torch.arange(..., dtype=torch.float): under bf16 it comes out in bf16, so every
+    rotation angle position * inv_freq is off by up to 2^-9 relative, and from a few hundred
+    positions on the attention pattern differs from the saved model's. On the H200 that was a
+    k3 KL to the (plainly loaded) reference of 0.35-0.40 at the first step, against 0.001 with
+    ZeRO-2. No checkpoint holds these buffers, so loading cannot repair them: they are recomputed
+    here by building the same architecture with its parameters on the meta device.
+    """
+    with _parameters_on_meta():
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # what from_pretrained(dtype=...) sets while it builds
+        try:
+            skeleton = type(model)(model.config)
+        finally:
+            torch.set_default_dtype(previous)
+    differed = 0
+    for name, fresh in skeleton.named_buffers():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if leaf not in owner._non_persistent_buffers_set:
+            continue  # a persistent buffer comes from the checkpoint
+        current = owner._buffers[leaf]
+        if current is not None and current.dtype == fresh.dtype and torch.equal(current.cpu(), fresh):
+            continue
+        differed += 1
+        owner._buffers[leaf] = fresh.to(current.device if current is not None else "cpu")
+    return differed
+
+
 class Trainer:
     """The policy under DeepSpeed, an optional frozen reference for KL, and the GRPO step."""
 
@@ -106,7 +160,7 @@ class Trainer:
             raise ValueError("learner.transport='cuda_ipc' shares GPU memory, but this learner has no CUDA device; "
                              "use transport objstore or shared_dir")
         import deepspeed
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
 
         init_distributed()
@@ -116,17 +170,25 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         conf = ds_config(cfg, self.dtype)
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+        # Before the ZeRO-3 loading hook exists (the guard builds a small plain model).
+        attn, self.attention = attention.resolve(cfg.attention, device)
+        if attn == "sdpa":
+            attention.check_packing_isolated(AutoConfig.from_pretrained(self.model_dir))
 
         self.reference = None
         if cfg.kl_coef > 0:
             # A plain second copy of the initial weights, forward only; loaded before ZeRO-3's
             # partitioning hook (below) exists, so it stays whole.
             ref = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
+            attention.use(ref, attn)
             self.reference = ref.to(device).eval().requires_grad_(False)
 
         # With ZeRO-3, from_pretrained partitions parameters while loading when this object is alive.
         self._hf_ds = HfDeepSpeedConfig(conf) if cfg.zero_stage == 3 else None
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
+        if cfg.zero_stage == 3:
+            restore_computed_buffers(model, self.dtype)
+        attention.use(model, attn)
         model.config.use_cache = False
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

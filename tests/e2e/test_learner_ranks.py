@@ -22,12 +22,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 SCRIPT = Path(__file__).with_name("ranks_step.py")
 
 
-def two_ranks(model_dir, zero: int, out: Path) -> dict:
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:  # torch.distributed.run's static rendezvous needs a real port (0 hangs)
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+
+def two_ranks(model_dir, zero: int, out: Path) -> dict:
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),

@@ -115,6 +115,26 @@ def test_kl_k3_zero_when_equal_positive_otherwise():
     assert kl[0].item() == pytest.approx(1.0 - LOG(2.0))
 
 
+def test_kl_k3_bounded_as_verl_low_var_kl():
+    """verl's low_var_kl: log-ratio clamped to [-20, 20], then the value to [-10, 10]."""
+    logp = torch.tensor([-30.0, -2.0, -1.0, -0.1], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-0.5, -1.5, -1.0, -25.0], dtype=torch.float64)
+    kl = kl_k3(logp, ref)
+    # d = 29.5 -> 20 -> exp(20) - 21 = 4.85e8 -> 10; d = 0.5 -> exp(0.5) - 1.5; d = 0 -> 0;
+    # d = -24.9 -> -20 -> exp(-20) + 19 -> 10.
+    expected = torch.tensor([10.0, math.exp(0.5) - 1.5, 0.0, 10.0], dtype=torch.float64)
+    assert_close(kl, expected)
+    kl.sum().backward()
+    # gradient of exp(d) - d - 1 in logp is 1 - exp(d); none through the clamped tokens
+    assert_close(logp.grad, torch.tensor([0.0, 1.0 - math.exp(0.5), 0.0, 0.0], dtype=torch.float64))
+    # in the loss: the far token weighs kl_coef * 10, not kl_coef * 4.85e8
+    mask = torch.ones(4, dtype=torch.bool)
+    zero = torch.zeros(4, dtype=torch.float64)
+    loss, stats = grpo_loss(logp.detach(), logp.detach(), zero, mask, [4], ref_logp=ref, kl_coef=0.001)
+    assert loss.item() == pytest.approx(0.001 * float(expected.mean()))
+    assert stats["kl_mean"] == pytest.approx(float(expected.mean()))
+
+
 def _packed_batch():
     # Sequence 0: 3 tokens, all trained. Sequence 1: 3 tokens, last one masked out.
     values = torch.tensor([1.0, 2.0, 3.0, 4.0, 12.0, 100.0])
