@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/gpu.md, in the order they were run on the H200, each logging to $OUT
 # (the device tool brings back at most 8 files per call, so each part writes few):
-#     bash bench/gpu_run.sh A    # 4B checkpoint, the e2e tests on CUDA, the bf16 log-prob agreement
-#     bash bench/gpu_run.sh B    # the weight-path bench, the learner bench (ZeRO-2 and ZeRO-3)
+#     bash bench/gpu_run.sh A    # 4B checkpoint, the e2e tests on CUDA, the learner's gpu-marked tests
+#     bash bench/gpu_run.sh B    # the weight-path bench, the bf16 log-prob agreement
+#     bash bench/gpu_run.sh C    # the learner bench (ZeRO-2 and ZeRO-3)
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -25,16 +26,22 @@ A)
     # fp32 toy-model tests need IEEE float32 in Triton (the GPU's TF32 default moves log-probs by 1e-3)
     TRITON_F32_DEFAULT=ieee step tests 330 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/e2e/test_engine.py tests/e2e/test_logprob_agreement.py tests/e2e/test_actor_follow.py \
-        tests/e2e/test_cuda_ipc.py ${GPU_TESTS:-}
-    step logprob_gpu 200 python3 bench/logprob_gpu.py --model "$MODEL" --json "$OUT/logprob_gpu.json"
+        tests/e2e/test_cuda_ipc.py
+    # the learner's gpu-marked tests (GPU_CHECKS.md 1; -s prints their figures)
+    step gpu_tests 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/e2e/test_learner_exact.py \
+        tests/e2e/test_learner_attention.py
     ;;
 B)
     step weight_path 330 python3 bench/weight_path.py --transport cuda_ipc --model "$MODEL" --work /tmp \
         --json "$OUT/weight_path.json"
-    step learner_gpu 240 python3 bench/learner_gpu.py --zero 2,3 --skip-plain --attn varlen --steps 2 --budget-s 230
+    step logprob_gpu 220 python3 bench/logprob_gpu.py --model "$MODEL" --json "$OUT/logprob_gpu.json"
+    ;;
+C)
+    # the learner bench (GPU_CHECKS.md 2); it writes $OUT/learner_gpu.json and .md itself
+    step learner_gpu 500 python3 bench/learner_gpu.py --zero 2,3 --steps 3 --budget-s 480
     ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C" >&2
     exit 2
     ;;
 esac
