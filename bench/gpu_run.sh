@@ -22,13 +22,13 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log to $OUT/NAM
 case "${1:-}" in
 A)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    step build 90 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
     # fp32 toy-model tests need IEEE float32 in Triton (the GPU's TF32 default moves log-probs by 1e-3)
-    TRITON_F32_DEFAULT=ieee step tests 330 python3 -m pytest -q -p no:cacheprovider -rs \
+    TRITON_F32_DEFAULT=ieee step tests 290 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/e2e/test_engine.py tests/e2e/test_logprob_agreement.py tests/e2e/test_actor_follow.py \
         tests/e2e/test_cuda_ipc.py
     # the learner's gpu-marked tests (GPU_CHECKS.md 1; -s prints their figures)
-    step gpu_tests 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/e2e/test_learner_exact.py \
+    step gpu_tests 170 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/e2e/test_learner_exact.py \
         tests/e2e/test_learner_attention.py
     ;;
 B)
