@@ -24,9 +24,11 @@ A)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     step build 90 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
     # fp32 toy-model tests need IEEE float32 in Triton (the GPU's TF32 default moves log-probs by 1e-3)
+    # in this order: with test_cuda_ipc.py last, the run of 2026-12-01 stopped at its 290 s limit
+    # after 11 passed (unexplained); in this order all 13 passed in 118 s
     TRITON_F32_DEFAULT=ieee step tests 290 python3 -m pytest -q -p no:cacheprovider -rs \
-        tests/e2e/test_engine.py tests/e2e/test_logprob_agreement.py tests/e2e/test_actor_follow.py \
-        tests/e2e/test_cuda_ipc.py
+        tests/e2e/test_cuda_ipc.py tests/e2e/test_actor_follow.py tests/e2e/test_logprob_agreement.py \
+        tests/e2e/test_engine.py
     # the learner's gpu-marked tests (GPU_CHECKS.md 1; -s prints their figures)
     step gpu_tests 170 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/e2e/test_learner_exact.py \
         tests/e2e/test_learner_attention.py

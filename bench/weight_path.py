@@ -275,12 +275,14 @@ async def gpu_main(args) -> dict:
                 t = time.perf_counter()
                 gen = asyncio.ensure_future(asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i)
                                                              for i, p in enumerate(prompts)]))
+                done: list[float] = []  # when the last request finished (a slow update may end later)
+                gen.add_done_callback(lambda _: done.append(time.perf_counter()))
                 upd = None
                 if transport:
                     await asyncio.sleep(args.update_after)
                     upd = await update(transport)
                 outs = await gen
-                dt = time.perf_counter() - t
+                dt = done[0] - t
                 toks = sum(len(o.token_ids) for o in outs)
                 r = dict(label=label, transport=transport, seconds=dt, tokens=toks, tok_s=toks / dt,
                          finished=sum(o.finish_reason == "length" for o in outs), requests=len(outs),
