@@ -322,13 +322,15 @@ class Trainer:
     # -- weights and checkpoints ----------------------------------------------------------------
 
     def hf_state_dict(self) -> dict[str, Tensor]:
-        """hf_weights of the trained model (ZeRO-3: gathered on every rank first)."""
+        """hf_weights of the trained model on rank 0, {} on the other ranks: only rank 0 writes the
+        weights, so only it pays for a CPU copy of the whole model. Every rank must call it (under
+        ZeRO-3 the parameters are gathered first, a collective)."""
         import deepspeed
 
         if self.cfg.zero_stage == 3:
             with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
-                return hf_weights(self.module)
-        return hf_weights(self.module)
+                return hf_weights(self.module) if self.rank == 0 else {}
+        return hf_weights(self.module) if self.rank == 0 else {}
 
     def save_weights(self, out_dir: str | Path) -> Path:
         """Write model.safetensors + config.json (what publish_version and vLLM's reload read)."""

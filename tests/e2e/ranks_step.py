@@ -37,8 +37,11 @@ def main(model_dir: str, zero: int, out: str) -> None:
     trainer = Trainer(cfg, model_dir)
     stats = trainer.train_step(step_samples())
     trainer.save_weights(Path(out) / "weights")  # every rank joins the ZeRO-3 gather; rank 0 writes
+    # only the writing rank copies the whole model to the CPU
+    copied = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(copied, len(trainer.hf_state_dict()))
     if torch.distributed.get_rank() == 0:
-        (Path(out) / "stats.json").write_text(json.dumps(stats))
+        (Path(out) / "stats.json").write_text(json.dumps({**stats, "state_dict_sizes": copied}))
 
 
 if __name__ == "__main__":

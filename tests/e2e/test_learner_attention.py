@@ -56,7 +56,7 @@ def logp_and_grads(model, batch, name):
     attention.use(model, name)
     model.zero_grad(set_to_none=True)
     logp, _ = token_logprobs(model, batch, chunk=16, grad=True)
-    (logp * torch.linspace(-1, 1, logp.numel())).sum().backward()
+    (logp * torch.linspace(-1, 1, logp.numel(), device=logp.device)).sum().backward()
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

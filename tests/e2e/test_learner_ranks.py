@@ -50,6 +50,7 @@ def test_two_ranks_zero2_and_zero3_train_the_whole_batch(tiny_model, tmp_path):
     for zero in (2, 3):
         stats = two_ranks(tiny_model, zero, tmp_path / f"z{zero}")
         assert stats["grad_norm"] == pytest.approx(expected, rel=1e-4), zero
+        assert stats["state_dict_sizes"][0] > 0 and stats["state_dict_sizes"][1] == 0, stats["state_dict_sizes"]
         weights[zero] = load_file(tmp_path / f"z{zero}" / "weights" / "model.safetensors")
     assert set(weights[2]) == set(weights[3])
     for k in weights[2]:
