@@ -33,8 +33,9 @@ class WeightsBroken(RuntimeError):
 
 
 class WeightFollower:
-    """Follows the weights key of `run` for `engine` (anything with `version` and
-    `async reload_weights(dir, version=...)`). `dest_root` holds fetched versions; only the
+    """Follows the weights key of `run` for `engine` (anything with `version`,
+    `async reload_weights(dir, version=...)` and, for cuda_ipc / nccl, `async load_gpu(announcement,
+    hold_s=..., version=...)`). `dest_root` holds fetched versions; only the
     one being served is kept. `base_dir` is the checkpoint the engine started from: what is
     reloaded if a new version fails half-way through loading."""
 
@@ -55,6 +56,7 @@ class WeightFollower:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._served: Path | None = Path(base_dir) if base_dir else None  # the weights loaded now
+        self._served_gpu: WeightVersion | None = None  # ... or the cuda_ipc / nccl version loaded now
         self._bad_revision = 0
 
     @property
@@ -94,6 +96,8 @@ class WeightFollower:
             return await self._load(wv)
 
     async def _load(self, wv: WeightVersion) -> bool:
+        if wv.transport in ("cuda_ipc", "nccl"):
+            return await self._load_gpu(wv)
         # by identity, so a re-announced number never overwrites the files being served
         problem = announcement_problem(wv)
         if problem:
@@ -119,16 +123,44 @@ class WeightFollower:
         log.info("now serving weights version %d (was %d, step %d)", wv.version, old, wv.step)
         self.loaded.append(wv.version)
         self.serving = (wv.version, wv.sha256)
+        self._served_gpu = None
         # Keep only the served version on disk (a shared_dir version is not ours to delete).
         previous, self._served = self._served, Path(path)
         if previous is not None and previous != self._served and previous.is_relative_to(self.dest_root):
             shutil.rmtree(previous, ignore_errors=True)
         return True
 
+    async def _load_gpu(self, wv: WeightVersion) -> bool:
+        """cuda_ipc / nccl: no blob to fetch; the engine gets the learner's packed GPU buffer,
+        checks its copy and loads it. A copy that fails its checksums is refused before any
+        weight changed."""
+        source = _gpu_source(wv)
+        if source is None:
+            return self._refuse(wv, f"verification failed: announced as {wv.transport} without its source", None)
+        old = self.engine.version
+        try:
+            await self.engine.load_gpu(codec.encode(wv), hold_s=source.hold_s, version=wv.version)
+        except self._verify_error as e:
+            return self._refuse(wv, f"verification failed: {e}", None)
+        except Exception as e:  # noqa: BLE001 - refused, after putting the served weights back
+            await self._restore(wv, e)
+            return self._refuse(wv, f"reload failed: {type(e).__name__}: {e}", None)
+        log.info("now serving weights version %d (was %d, step %d, %s)", wv.version, old, wv.step, wv.transport)
+        self.loaded.append(wv.version)
+        self.serving = (wv.version, wv.sha256)
+        self._served_gpu = wv
+        return True
+
     async def _restore(self, wv: WeightVersion, error: Exception) -> None:
         # A load that failed half-way may have replaced some tensors already: serving on
         # without reloading what we had would stamp turns of a mixed model with the old version.
         try:
+            if self._served_gpu is not None:
+                # the learner may have overwritten that buffer since: then its checksums refuse it
+                served = self._served_gpu
+                await self.engine.load_gpu(codec.encode(served), hold_s=_gpu_source(served).hold_s,
+                                           version=self.engine.version)
+                return
             if self._served is None:
                 raise RuntimeError("no record of the served weights")
             await self.engine.reload_weights(self._served, version=self.engine.version)
@@ -211,6 +243,10 @@ def announcement_problem(wv: WeightVersion) -> str | None:
     if len(wv.files) > MAX_WEIGHT_FILES:
         return f"{len(wv.files)} extra files (at most {MAX_WEIGHT_FILES})"
     return None
+
+
+def _gpu_source(wv: WeightVersion):
+    return wv.ipc if wv.transport == "cuda_ipc" else wv.nccl
 
 
 def _transient(e: Exception) -> bool:

@@ -7,6 +7,14 @@ verified weights, against a raw copy of the same bytes on the same disk in the s
 started in a temporary directory. Writes a markdown table (and --json).
 
     .venv/bin/python bench/weight_path.py --models tiny smol --repeats 3
+
+On a GPU, `--transport cuda_ipc` measures the whole path instead, on one GPU: a learner (this
+process, a Qwen3-4B-shaped bf16 model on the GPU) and a vLLM engine process (PolicyEngine, CUDA
+graphs) followed by the actor's own WeightFollower; from step end to the engine serving the new
+version with generation resumed, for cuda_ipc against shared_dir and objstore in the same run,
+plus the tokens/s of 64 in-flight requests with and without an update in the middle:
+
+    python3 bench/weight_path.py --transport cuda_ipc --model /tmp/m4b --build 4b --json $OUT/weight_path.json
 """
 
 from __future__ import annotations
@@ -137,14 +145,225 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# -- the GPU path: learner -> engine on one GPU ---------------------------------------------------
+
+
+class TimedEngine:
+    """Wraps the PolicyEngine the follower drives, recording when each load starts and ends."""
+
+    def __init__(self, engine):
+        self.engine, self.marks = engine, []
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    async def reload_weights(self, path, version=None):
+        t = time.perf_counter()
+        await self.engine.reload_weights(path, version=version)
+        self.marks.append((t, time.perf_counter()))
+
+    async def load_gpu(self, announcement, hold_s, version=None):
+        t = time.perf_counter()
+        await self.engine.load_gpu(announcement, hold_s=hold_s, version=version)
+        self.marks.append((t, time.perf_counter()))
+
+
+async def gpu_update(js, run, transport, version, model, pub, work, follower, timed) -> dict:
+    """One update through the real follower: step end -> (pack | save) -> announce -> the follower
+    loads it -> the engine serves `version` with generation resumed. Seconds per phase."""
+    from learner.weights_io import hf_tensors, hf_weights, write_weights
+    from protocol.weights import publish_gpu_version, publish_version
+
+    timed.marks.clear()
+    t0 = time.perf_counter()  # step end
+    if transport == "cuda_ipc":
+        ipc = await asyncio.to_thread(pub.pack, hf_tensors(model), version)
+        t_ready = time.perf_counter()
+        wv = await publish_gpu_version(js, run, version, version, ipc)
+    else:
+        state_dir = work / "learner" / f"v{version}"
+        await asyncio.to_thread(lambda: write_weights(hf_weights(model), model.config, state_dir))
+        t_ready = time.perf_counter()
+        wv = await publish_version(js, run, version, version, state_dir, transport, shared_dir=work / "shared", keep=1)
+    t_announced = time.perf_counter()
+    deadline = t0 + 600
+    while follower.serving != (version, wv.sha256):
+        if time.perf_counter() > deadline or version in follower.refused:
+            raise RuntimeError(f"{transport} version {version} not served: {follower.refused.get(version, 'timed out')}")
+        await asyncio.sleep(0.001)
+    t_served = time.perf_counter()
+    load_start, load_end = timed.marks[-1]
+    if transport != "cuda_ipc":
+        import shutil
+
+        shutil.rmtree(work / "learner", ignore_errors=True)
+    return dict(transport=transport, version=version, bytes=wv.bytes, pack_or_save=t_ready - t0,
+                announce=t_announced - t_ready, until_load=load_start - t_announced, load=load_end - load_start,
+                total=t_served - t0)
+
+
+async def gpu_main(args) -> dict:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actors.follow import WeightFollower
+    from bench.common import random_qwen3
+    from deploy.natsserver import NatsServer
+    from engines.engine import EngineSettings, PolicyEngine
+    from learner.weights_io import IpcPublisher
+    from protocol import topology
+    from protocol.connect import connect
+
+    if args.build:
+        t = time.perf_counter()
+        random_qwen3(args.build, args.model)
+        print(f"[weights] built {args.build} in {args.model}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    # Without a GPU (a smoke run of the file transports on the toy model) the engine is vLLM's CPU
+    # build: fp32 and an explicit KV cache size (docs/gpu.md, ENVIRONMENT.md).
+    gpu = torch.cuda.is_available()
+    dtype = "bfloat16" if gpu else "float32"
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype)).to("cuda" if gpu else "cpu").eval()
+    out: dict = {"model": args.model, "gpu": torch.cuda.get_device_name(0) if gpu else "none (CPU smoke run)",
+                 "torch": torch.__version__, "updates": [], "rounds": []}
+    t = time.perf_counter()
+    engine = PolicyEngine(EngineSettings(model=args.model, dtype=dtype, max_model_len=args.plen + args.tokens + 8,
+                                         kv_cache_bytes=None if gpu else 256 << 20,
+                                         gpu_memory_utilization=args.gpu_mem if gpu else None,
+                                         enforce_eager=args.eager or not gpu, json_compact=False))
+    out["engine_start_s"] = time.perf_counter() - t
+    import vllm
+
+    out["vllm"] = vllm.__version__
+    timed = TimedEngine(engine)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    await engine.generate([11, 12, 13], max_tokens=16, seed=0)  # warm-up
+    prompts = [rng.integers(10, vocab - 10, size=args.plen).tolist() for _ in range(args.n)]
+    probe = rng.integers(10, vocab - 10, size=32).tolist()
+
+    with tempfile.TemporaryDirectory(prefix="parley-weightbench-", dir=args.work) as tmp:
+        work = Path(tmp)
+        server = NatsServer(work / "nats", port=0)
+        url = server.start()
+        stop = asyncio.Event()
+        try:
+            nc = await connect(url, name="weight-bench")
+            js = nc.jetstream()
+            run = "bench-gpu"
+            await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=256 * 1024**2))
+            follower = WeightFollower(js, run, timed, dest_root=work / "actor", poll_s=1.0, base_dir=args.model)
+            following = asyncio.create_task(follower.run_until(stop))
+            pub = IpcPublisher(hold_s=30.0, max_buffers=2)
+            version = 0
+
+            async def update(transport):
+                nonlocal version
+                version += 1
+                with torch.no_grad():  # another version's weights: the probe's log-prob must move
+                    model.model.norm.weight.fill_(1.0 + 0.01 * version)
+                r = await gpu_update(js, run, transport, version, model, pub, work, follower, timed)
+                first = (await engine.generate(probe, max_tokens=1, temperature=0.0)).logprobs[0]
+                r["probe_logprob"] = first
+                out["updates"].append(r)
+                print(f"[weights] {transport:10s} v{version}: {r['bytes'] / 1e9:.2f} GB  pack/save {r['pack_or_save']:.3f}s  "
+                      f"announce {r['announce']:.3f}s  until load {r['until_load']:.3f}s  load {r['load']:.3f}s  "
+                      f"total {r['total']:.3f}s  probe logprob {first:.5f}", file=sys.stderr, flush=True)
+                return r
+
+            async def round_(label, transport=None):
+                t = time.perf_counter()
+                gen = asyncio.ensure_future(asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i)
+                                                             for i, p in enumerate(prompts)]))
+                done: list[float] = []  # when the last request finished (a slow update may end later)
+                gen.add_done_callback(lambda _: done.append(time.perf_counter()))
+                upd = None
+                if transport:
+                    await asyncio.sleep(args.update_after)
+                    upd = await update(transport)
+                outs = await gen
+                dt = done[0] - t
+                toks = sum(len(o.token_ids) for o in outs)
+                r = dict(label=label, transport=transport, seconds=dt, tokens=toks, tok_s=toks / dt,
+                         finished=sum(o.finish_reason == "length" for o in outs), requests=len(outs),
+                         update_total=upd["total"] if upd else None)
+                out["rounds"].append(r)
+                print(f"[weights] round {label}: {toks} tokens in {dt:.2f} s = {toks / dt:.0f} tok/s, "
+                      f"{r['finished']}/{len(outs)} finished by length", file=sys.stderr, flush=True)
+
+            def save():  # after each phase: a run cut short by its time limit keeps what it measured
+                if args.json:
+                    Path(args.json).write_text(json.dumps(out, indent=2))
+
+            # the slow file transport (objstore: about a minute each way for 8 GB) goes last
+            quick = [t for t in args.gpu_transports if t != "objstore"]
+            for transport in quick:
+                for _ in range(args.repeats if transport == "cuda_ipc" else args.file_repeats):
+                    await update(transport)
+            save()
+            await round_("no update")
+            for transport in args.round_transports:
+                await round_(f"{transport} update after {args.update_after:.1f} s", transport)
+            await round_("no update (after)")
+            save()
+            for transport in [t for t in args.gpu_transports if t == "objstore"]:
+                for _ in range(args.file_repeats):
+                    await update(transport)
+            stop.set()
+            await following
+            await nc.close()
+        finally:
+            stop.set()
+            engine.shutdown()
+            server.stop()
+    return out
+
+
+def gpu_table(out: dict) -> str:
+    lines = ["| transport | version | GB | pack / save s | announce s | seen -> load (file: fetch + verify) s | load (pause..resume) s | "
+             "step end -> serving s |", "|---|---|---|---|---|---|---|---|"]
+    for r in out["updates"]:
+        lines.append(f"| {r['transport']} | {r['version']} | {r['bytes'] / 1e9:.2f} | {r['pack_or_save']:.3f} | "
+                     f"{r['announce']:.3f} | {r['until_load']:.3f} | {r['load']:.3f} | {r['total']:.3f} |")
+    lines += ["", "| round (64 requests in flight) | s | tokens | tokens/s | update s |", "|---|---|---|---|---|"]
+    for r in out["rounds"]:
+        upd = f"{r['update_total']:.3f}" if r["update_total"] is not None else "-"
+        lines.append(f"| {r['label']} | {r['seconds']:.2f} | {r['tokens']} | {r['tok_s']:.0f} | {upd} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--transport", default=None, choices=["cuda_ipc"],
+                   help="cuda_ipc: the GPU path into a running engine (needs --model), against the file transports")
+    p.add_argument("--model", default=None, help="GPU path: the checkpoint the learner and the engine start from")
+    p.add_argument("--build", default=None, choices=["0.6b", "4b"], help="GPU path: build a random Qwen3 there first")
+    p.add_argument("--gpu-transports", nargs="+", default=["cuda_ipc", "shared_dir", "objstore"])
+    p.add_argument("--round-transports", nargs="+", default=["cuda_ipc", "shared_dir"],
+                   help="GPU path: transports updated in the middle of a round of in-flight requests")
+    p.add_argument("--file-repeats", type=int, default=1, help="GPU path: repeats of the file transports")
+    p.add_argument("--n", type=int, default=64, help="GPU path: requests in flight")
+    p.add_argument("--plen", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--update-after", type=float, default=1.0, help="GPU path: seconds into a round before the update")
+    p.add_argument("--gpu-mem", type=float, default=0.4)
+    p.add_argument("--eager", action="store_true")
     p.add_argument("--models", nargs="+", default=["tiny", "smol"])
     p.add_argument("--transports", nargs="+", default=["objstore", "shared_dir"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", default=None, help="Directory for the temporary files (default: the system temp dir).")
     p.add_argument("--json", default=None, help="Also write the results as JSON here.")
     args = p.parse_args()
+    if args.transport == "cuda_ipc":
+        if not args.model:
+            p.error("--transport cuda_ipc needs --model DIR (a checkpoint; --build 4b makes one there)")
+        out = asyncio.run(gpu_main(args))
+        print(f"machine: {out['gpu']}, torch {out['torch']}, vLLM {out['vllm']}; engine start {out['engine_start_s']:.0f} s")
+        print(gpu_table(out))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+        sys.exit(0)
     results = asyncio.run(main(args))
     print(f"machine: {cpu_name()}, {__import__('os').cpu_count()} cores; python {platform.python_version()}")
     print(table(results))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +206,38 @@ class PolicyEngine:
             if version is not None:
                 self.version = version
 
+    async def load_gpu(self, announcement: bytes, hold_s: float, version: int | None = None) -> None:
+        """Load a cuda_ipc or nccl version (its encoded WeightVersion) in place: the worker copies
+        the learner's packed buffer (opening its CUDA IPC handle, or receiving it over its own
+        process group with rank 0) and checks it, then loads it, in a keep-mode pause as
+        reload_weights does. The copy is checked before any parameter changes, so a refusal
+        (protocol.weights.WeightVerifyError) leaves the served weights intact. hold_s bounds the
+        whole wait (the learner keeps the buffer that long after it is superseded); past it a
+        TimeoutError says so."""
+        from protocol.weights import WeightVerifyError
+
+        async with self._reload_lock:
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                try:
+                    reasons = await asyncio.wait_for(
+                        self._llm.collective_rpc("parley_load_gpu", kwargs={"announcement": announcement}),
+                        timeout=hold_s,
+                    )
+                except asyncio.TimeoutError:
+                    raise TimeoutError(
+                        f"loading weights from the learner's GPU buffer took over {hold_s:.0f} s (its hold "
+                        "time); is the engine stuck, or the learner unreachable?"
+                    ) from None
+                await self._llm.reset_prefix_cache(reset_running_requests=True)
+            finally:
+                await self._llm.resume_generation()
+            bad = [r for r in reasons if r]
+            if bad:
+                raise WeightVerifyError(bad[0])
+            if version is not None:
+                self.version = version
+
     def shutdown(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
@@ -219,6 +252,48 @@ class WorkerExtension:
         # vLLM's own in-place reload (Worker.reload_weights -> model_runner.reload_weights)
         self.reload_weights(weights_path=weights_path)
         _refresh_cpu_prepacked(self.model_runner.get_model())
+
+    def parley_load_gpu(self, announcement: bytes) -> str | None:
+        """Load a cuda_ipc / nccl version: copy the learner's packed buffer, check it, then
+        reload the model's weights from the copy. Returns None when loaded, or why the version is refused
+        (nothing was changed then)."""
+        import torch
+
+        from protocol import codec, cuda_ipc
+
+        wv = codec.decode("weights", announcement)
+        if wv.transport == "cuda_ipc" and wv.ipc is not None:
+            if not torch.cuda.is_available():
+                return f"version {wv.version}: this engine runs without CUDA; cuda_ipc needs actors on the learner's GPUs"
+            try:
+                named, reason = cuda_ipc.receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()))
+            except (LookupError, RuntimeError) as e:  # the GPU is not visible, or the handle no longer opens
+                return f"version {wv.version}: cannot open the learner's buffer: {e}"
+        elif wv.transport == "nccl" and wv.nccl is not None:
+            from protocol import nccl
+
+            if not hasattr(self, "_parley_nccl"):
+                self._parley_nccl = nccl.Receiver(f"{os.uname().nodename}-{os.getpid()}")
+            device = torch.device("cuda", torch.cuda.current_device()) if wv.nccl.backend == "nccl" else torch.device("cpu")
+            try:
+                named, reason = self._parley_nccl.fetch(wv.nccl, wv.version, device)
+            except (RuntimeError, TimeoutError) as e:  # the learner is gone or the transfer broke: rejoin next time
+                return f"version {wv.version}: receiving from {wv.nccl.address} failed: {e}"
+        else:
+            return f"version {wv.version}: announced as {wv.transport!r} without its GPU source"
+        if reason:
+            return f"version {wv.version}: {reason}"
+        # vLLM's in-place reload, fed our tensors instead of files: the same machinery as
+        # parley_reload_weights (it redoes each layer's post-load processing, which a bare
+        # model.load_weights misses: on CPU the packed linear layers lose their weight_loader)
+        self.reload_weights(weights_iterator=iter(named))
+        model = self.model_runner.get_model()
+        del named  # the staged copy; its memory goes back to torch's cache
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        _refresh_cpu_prepacked(model)
+        return None
 
 
 def _refresh_cpu_prepacked(model) -> None:

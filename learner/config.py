@@ -89,6 +89,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     keep_versions: int = 3
     transport: str = "objstore"
     shared_dir: str = ""  # transport = shared_dir
+    # transport = cuda_ipc (learner and actors on one host, CUDA) or nccl (actors elsewhere): a
+    # superseded packed buffer is kept unchanged at least ipc_hold_s (the actors' deadline for
+    # copying it); ipc_buffers of the packed model's size are held on rank 0's GPU.
+    ipc_hold_s: float = 30.0
+    ipc_buffers: int = 2
+    nccl_address: str = ""  # transport = nccl: host:port of rank 0's store, as the actors reach it
     checkpoint_every: int = 1
     seed: int = 0
     keep_checkpoints: int = 2  # DeepSpeed checkpoints kept in the run dir (0 = all; export needs them)
@@ -110,6 +116,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"stale_policy={self.stale_policy!r} not allowed; use one of {STALE_POLICIES}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} not allowed; use one of {TRANSPORTS}")
+        if self.ipc_hold_s <= 0 or self.ipc_buffers < 1:
+            raise ValueError(f"ipc_hold_s={self.ipc_hold_s} must be > 0 and ipc_buffers={self.ipc_buffers} >= 1")
+        if self.transport == "nccl":
+            from protocol.nccl import parse_address
+
+            parse_address(self.nccl_address)  # raises naming the value and the fix
         if self.transport == "shared_dir" and not self.shared_dir:
             raise ValueError("transport='shared_dir' needs shared_dir (a directory every actor can read)")
         if self.shared_dir:

@@ -38,7 +38,7 @@ from learner.steplog import StepLog
 from protocol import arrays, backlog, codec, dead, status, topology
 from protocol.bus import COUNTERS, UNREACHABLE, Poison, PullWorker, dead_letter, retry_unreachable
 from protocol.messages import Heartbeat
-from protocol.weights import ServedVersions, publish_version
+from protocol.weights import ServedVersions, publish_gpu_version, publish_version
 from tasks.data import train_eval_items
 
 log = logging.getLogger("parley.learner")
@@ -394,6 +394,8 @@ class Learner:
         return out
 
     async def publish(self, version: int) -> None:
+        if self.lc.transport in ("cuda_ipc", "nccl"):
+            return await self.publish_gpu(version)
         wdir = ckpt.weights_dir(self.run_dir, version)
         await asyncio.to_thread(self.driver, "save_weights", wdir)
         wv = await retry_unreachable(
@@ -403,6 +405,17 @@ class Learner:
             what=f"publishing weights version {version}",
         )
         ckpt.prune_weights(self.run_dir, self.lc.keep_versions)
+        self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
+        log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
+
+    async def publish_gpu(self, version: int) -> None:
+        """cuda_ipc / nccl: pack the weights into one of rank 0's buffers (no file) and announce
+        where actors get it. Actors copy it on their own time; nothing here waits for them."""
+        source = await asyncio.to_thread(self.driver, "pack_weights", version)
+        wv = await retry_unreachable(
+            lambda: publish_gpu_version(self.js, self.run_name, version, self.step, source),
+            what=f"announcing weights version {version}",
+        )
         self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 

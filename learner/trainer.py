@@ -18,7 +18,7 @@ from learner import attention, grpo
 from learner.config import LearnerConfig
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
-from learner.weights_io import hf_weights, write_weights
+from learner.weights_io import IpcPublisher, NcclSender, hf_tensors, hf_weights, write_weights
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -158,6 +158,9 @@ class Trainer:
     """The policy under DeepSpeed, an optional frozen reference for KL, and the GRPO step."""
 
     def __init__(self, cfg: LearnerConfig, model_dir: str | Path):
+        if cfg.transport == "cuda_ipc" and not torch.cuda.is_available():
+            raise ValueError("learner.transport='cuda_ipc' shares GPU memory, but this learner has no CUDA device; "
+                             "use transport objstore or shared_dir")
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -206,10 +209,20 @@ class Trainer:
         )
         self.device = self.engine.device
         self.rank = torch.distributed.get_rank()
+        # rank 0's packed weight buffers for the GPU transports (no file on that path)
+        self.ipc = self.nccl = None
+        if self.rank == 0 and cfg.transport == "cuda_ipc":
+            self.ipc = IpcPublisher(cfg.ipc_hold_s, cfg.ipc_buffers)
+        elif self.rank == 0 and cfg.transport == "nccl":
+            self.nccl = NcclSender(IpcPublisher(cfg.ipc_hold_s, cfg.ipc_buffers), cfg.nccl_address,
+                                   "nccl" if device.type == "cuda" else "gloo", timeout_s=cfg.ipc_hold_s)
 
     def close(self) -> None:
-        """Forget the ZeRO-3 loading hook: later from_pretrained calls in this process load plain models."""
+        """Forget the ZeRO-3 loading hook: later from_pretrained calls in this process load plain
+        models. Stops the nccl sender's threads."""
         self._hf_ds = None
+        if self.nccl is not None:
+            self.nccl.close()
 
     @property
     def module(self):
@@ -355,6 +368,21 @@ class Trainer:
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()
         return out
+
+    def pack_weights(self, version: int):
+        """transport cuda_ipc / nccl: the trained weights packed into one of rank 0's buffers;
+        returns what to announce (protocol.messages.CudaIpcBuffer / NcclSource) on rank 0, None on
+        the other ranks (which take part in the ZeRO-3 gather)."""
+        import contextlib
+
+        import deepspeed
+
+        gather = (deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+                  if self.cfg.zero_stage == 3 else contextlib.nullcontext())
+        with gather:
+            if self.rank:
+                return None
+            return (self.ipc or self.nccl).pack(hf_tensors(self.module), version)
 
     def save_checkpoint(self, ckpt_dir: str | Path, tag: str) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)

@@ -132,18 +132,64 @@ class Scored(msgspec.Struct, kw_only=True):
     created: float = 0.0
 
 
+class IpcTensor(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor inside a shared GPU buffer (transport "cuda_ipc"): its checkpoint name, dtype
+    ("bfloat16", ...), shape, byte offset in the buffer and a checksum of its bytes computed on
+    the GPU (protocol.cuda_ipc.checksums). Part of CudaIpcBuffer."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    checksum: list[int]  # two int64 sums, see protocol.cuda_ipc
+
+
+class CudaIpcBuffer(msgspec.Struct, kw_only=True):
+    """What an actor's vLLM worker needs to open the learner's GPU buffer: the fields of torch's
+    CUDA IPC export (torch.multiprocessing.reductions.reduce_tensor) as plain values, the GPU by
+    UUID (device indices differ between processes with other CUDA_VISIBLE_DEVICES) and the
+    tensors laid out in it. learner -> actors, inside WeightVersion."""
+
+    device_uuid: str
+    storage_handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    nbytes: int  # bytes of the buffer's tensor (<= storage_size)
+    hold_s: float  # the learner keeps a superseded buffer at least this long: the reader's deadline
+    tensors: list[IpcTensor] = []
+
+
+class NcclSource(msgspec.Struct, kw_only=True):
+    """Where an actor's vLLM worker fetches a version by transport "nccl": it joins the learner
+    rank 0's store at `address`, gets a two-rank process group of its own, asks for the version
+    and receives the packed buffer (the CudaIpcBuffer layout) into its GPU memory. learner ->
+    actors, inside WeightVersion."""
+
+    address: str  # host:port of rank 0's TCPStore, reachable from the actors
+    backend: str  # "nccl" on GPUs; "gloo" where the learner has none (CPU runs, CI)
+    nbytes: int
+    hold_s: float  # as CudaIpcBuffer.hold_s: the learner serves a superseded version this long
+    tensors: list[IpcTensor] = []
+
+
 class WeightVersion(msgspec.Struct, kw_only=True):
     """Announcement of new policy weights. learner -> actors (KV key "current", and history)."""
 
     version: int
     step: int
-    transport: str  # "objstore" | "shared_dir"
-    location: str  # object name in the weights object store, or a directory path
-    sha256: str  # of the safetensors file
+    transport: str  # "objstore" | "shared_dir" | "cuda_ipc" | "nccl"
+    location: str  # object name, directory path, "cuda:<GPU uuid>" (cuda_ipc) or "nccl://host:port"
+    sha256: str  # of the safetensors file; cuda_ipc, nccl: of the tensor table with its checksums
     bytes: int
     created: float
     run: str = ""
     files: list[str] = []  # extra files (config.json) beside the safetensors blob
+    ipc: CudaIpcBuffer | None = None  # transport "cuda_ipc" only
+    nccl: NcclSource | None = None  # transport "nccl" only
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):

@@ -24,13 +24,15 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from protocol import codec, topology
-from protocol.messages import WeightVersion
+from protocol.messages import CudaIpcBuffer, NcclSource, WeightVersion
 
 log = logging.getLogger("parley.weights")
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-TRANSPORTS = ("objstore", "shared_dir")
+TRANSPORTS = ("objstore", "shared_dir", "cuda_ipc", "nccl")
+# Transports whose weights never become a file: the engine loads them itself (publish_gpu_version).
+GPU_TRANSPORTS = ("cuda_ipc", "nccl")
 
 # Object-store chunks: big enough that per-message overhead vanishes (150-250 MB/s measured with
 # 1-4 MiB), small enough to stay under the server's max_payload (1 MiB on a stock server).
@@ -145,6 +147,8 @@ async def publish_version(
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} not allowed; use one of {TRANSPORTS}")
+    if transport in GPU_TRANSPORTS:
+        raise ValueError(f"transport={transport!r} publishes GPU buffers, not files; use publish_gpu_version")
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the current version is always kept)")
     state_dir = Path(state_dir)
@@ -183,6 +187,30 @@ async def publish_version(
     await _announce(js, run, wv)
     await _prune(js, run, transport, shared_dir, keep, current=version, protect=set(protect))
     return wv
+
+
+async def publish_gpu_version(js, run: str, version: int, step: int, source: CudaIpcBuffer | NcclSource) -> WeightVersion:
+    """Announce `version` as the learner's packed GPU buffer (transport "cuda_ipc" for a
+    CudaIpcBuffer, "nccl" for an NcclSource): nothing is uploaded; the announcement carries what
+    the engine needs to get the buffer and the per-tensor checksums, and its sha256 is the digest
+    of that table. The caller keeps the buffer unchanged for source.hold_s after it is superseded
+    (learner.weights_io.IpcPublisher)."""
+    wv = gpu_announcement(run, version, step, source)
+    await _announce(js, run, wv)
+    return wv
+
+
+def gpu_announcement(run: str, version: int, step: int, source: CudaIpcBuffer | NcclSource) -> WeightVersion:
+    """The WeightVersion that announces a packed GPU buffer (its sha256: the tensor table's digest)."""
+    from protocol.cuda_ipc import table_digest
+
+    if not source.tensors or any(len(t.checksum) == 0 for t in source.tensors):
+        raise ValueError(f"version {version}: the shared buffer has no tensor table with checksums; pack it first")
+    common = dict(version=version, step=step, sha256=table_digest(source.tensors), bytes=source.nbytes,
+                  created=time.time(), run=run)
+    if isinstance(source, NcclSource):
+        return WeightVersion(transport="nccl", location=f"nccl://{source.address}", nccl=source, **common)
+    return WeightVersion(transport="cuda_ipc", location=f"cuda:{source.device_uuid}", ipc=source, **common)
 
 
 def _place_dir(src: Path, target: Path) -> None:
@@ -306,6 +334,8 @@ async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash:
     [learner] shared_dir), is hashed in place and returned. Raises WeightVerifyError(reason) on any
     mismatch, missing blob, or a location or file name that points anywhere else.
     """
+    if wv.transport in GPU_TRANSPORTS:
+        raise WeightVerifyError(f"version {wv.version}: transport {wv.transport!r} is loaded by the engine, not fetched")
     if wv.transport == "shared_dir":
         src = resolve_location(wv, shared_dir, run)
         for name in [MODEL_FILE, *(_plain_name(wv, f) for f in wv.files)]:

@@ -36,3 +36,17 @@ def tiny_model(tmp_path_factory):
     from engines.models import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests run only where torch sees a CUDA device (docs/gpu.md says how to run them)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker)")
+    for item in gpu:
+        item.add_marker(skip)

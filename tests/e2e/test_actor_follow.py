@@ -8,6 +8,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from actors.follow import WeightFollower, WeightsBroken
@@ -99,3 +100,77 @@ async def test_follower_loads_refuses_follows_back_and_stops_when_broken(js, tmp
     await weights.publish_version(js, RUN, 5, 50, state_dir(tmp_path, "e"), "objstore")
     with pytest.raises(WeightsBroken, match="mixed model"):
         await asyncio.wait_for(runner, 10)
+
+
+class IpcEngineDouble(ReloadEngineDouble):
+    """Test double that also takes cuda_ipc / nccl versions: `refuse` makes the next load_gpu fail its
+    checksums (nothing changed), `break_ipc` makes it fail half-way (a restore is needed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ipc_loads: list[int] = []
+        self.refuse = 0
+        self.break_ipc = 0
+
+    async def load_gpu(self, announcement, hold_s, version=None):
+        wv = codec.decode("weights", announcement)
+        assert hold_s == (wv.ipc or wv.nccl).hold_s
+        self.ipc_loads.append(wv.version)
+        if self.refuse:
+            self.refuse -= 1
+            raise weights.WeightVerifyError("checksum mismatch in 1 of 1 tensors (first: w)")
+        if self.break_ipc:
+            self.break_ipc -= 1
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if version is not None:
+            self.version = version
+
+
+def ipc_buffer(tag: int):
+    from protocol.messages import CudaIpcBuffer, IpcTensor
+
+    return CudaIpcBuffer(device_uuid="GPU-test", storage_handle=bytes([tag]) * 64, storage_size=1024,
+                         storage_offset=0, ref_counter_handle=b"/torch_test", ref_counter_offset=tag,
+                         event_handle=b"", event_sync_required=False, nbytes=256, hold_s=5.0,
+                         tensors=[IpcTensor(name="w", dtype="bfloat16", shape=[128], offset=0, checksum=[tag, tag, tag])])
+
+
+async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a_restore(js, tmp_path):
+    run = "follow-ipc"
+    await topology.ensure_topology(js, run, BUS)
+    engine = IpcEngineDouble()
+    f = WeightFollower(js, run, engine, dest_root=tmp_path / "fetched", poll_s=0.3, base_dir=tmp_path / "base")
+    with pytest.raises(ValueError, match="pack it first"):
+        await weights.publish_gpu_version(js, run, 1, 1, msgspec.structs.replace(ipc_buffer(1), tensors=[]))
+
+    wv1 = await weights.publish_gpu_version(js, run, 1, 1, ipc_buffer(1))
+    assert wv1.transport == "cuda_ipc" and wv1.location == "cuda:GPU-test" and wv1.bytes == 256
+    assert await f.check() and engine.version == 1 and engine.ipc_loads == [1]
+    assert not (tmp_path / "fetched").exists()  # nothing is fetched to disk
+    assert not await f.check()
+
+    # a copy that fails its checksums is refused and nothing is reloaded: the engine checked
+    # it before touching a weight
+    engine.refuse = 1
+    await weights.publish_gpu_version(js, run, 2, 2, ipc_buffer(2))
+    assert not await f.check()
+    assert "verification failed: checksum mismatch" in f.refused[2] and engine.version == 1
+    assert engine.reloads == [] and engine.ipc_loads == [1, 2]
+
+    # a load that fails half-way is undone by loading the served cuda_ipc version again
+    engine.break_ipc = 1
+    await weights.publish_gpu_version(js, run, 3, 3, ipc_buffer(3))
+    assert not await f.check()
+    assert engine.ipc_loads == [1, 2, 3, 1] and engine.version == 1 and "reload failed" in f.refused[3]
+
+    # the next file version is followed as before
+    await weights.publish_version(js, run, 4, 4, state_dir(tmp_path, "f"), "objstore")
+    assert await f.check() and engine.version == 4 and engine.reloads[-1] == ("v000004", 4)
+
+    # an nccl version takes the same path, with its own hold time as the engine's deadline
+    from protocol.messages import NcclSource
+
+    src = NcclSource(address="learner:29600", backend="nccl", nbytes=256, hold_s=7.0, tensors=ipc_buffer(5).tensors)
+    wv5 = await weights.publish_gpu_version(js, run, 5, 5, src)
+    assert wv5.transport == "nccl" and wv5.location == "nccl://learner:29600"
+    assert await f.check() and engine.version == 5 and engine.ipc_loads[-1] == 5

@@ -194,3 +194,54 @@ def test_reload_weights_changes_and_restores(ctx, tmp_path):
     restored = greedy()
     assert restored.token_ids == before.token_ids
     assert restored.logprobs == pytest.approx(before.logprobs, abs=1e-6)
+
+
+def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
+    """transport nccl end to end on vLLM (gloo where there is no GPU, as the learner picks): this
+    process plays rank 0's sender, the engine's worker joins it, receives the packed buffer,
+    checks it and loads it; a wrong checksum is refused and changes nothing."""
+    import socket
+
+    import msgspec
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.weights_io import IpcPublisher, NcclSender, hf_tensors
+    from protocol import codec
+    from protocol.weights import WeightVerifyError, gpu_announcement
+
+    prompt = ctx.prompt("Describe the new bridge.")
+
+    def greedy():
+        return ctx.run(ctx.engine.generate(prompt, max_tokens=24, temperature=0.0))
+
+    before = greedy()
+    perturbed = AutoModelForCausalLM.from_pretrained(ctx.path, dtype="float32").eval()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender = NcclSender(IpcPublisher(hold_s=60.0), f"127.0.0.1:{port}", "gloo", timeout_s=60.0)
+    try:
+        source = sender.pack(hf_tensors(perturbed), 1)
+        wv = gpu_announcement("engine-test", 1, 1, source)
+        bad_tensors = list(source.tensors)
+        bad_tensors[0] = msgspec.structs.replace(bad_tensors[0], checksum=[1, 2, 3])
+        bad = msgspec.structs.replace(wv, nccl=msgspec.structs.replace(source, tensors=bad_tensors))
+        with pytest.raises(WeightVerifyError, match="checksum mismatch"):
+            ctx.run(ctx.engine.load_gpu(codec.encode(bad), hold_s=60.0, version=1))
+        assert ctx.engine.version == 0 and greedy().token_ids == before.token_ids
+
+        ctx.run(ctx.engine.load_gpu(codec.encode(wv), hold_s=60.0, version=1))
+        after = greedy()
+        assert ctx.engine.version == 1 and after.token_ids != before.token_ids
+        ref = reference_logprobs(perturbed, prompt, after.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, after.logprobs)) < TOL
+        assert len(sender.actors) == 1  # one join, kept across both requests
+    finally:
+        sender.close()
+        ctx.run(ctx.engine.reload_weights(ctx.path, version=0))
+    assert greedy().token_ids == before.token_ids

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/gpu.md, in the order they were run on the H200, each logging to $OUT
+# (the device tool brings back at most 8 files per call, so each part writes few):
+#     bash bench/gpu_run.sh A    # 4B checkpoint, the e2e tests on CUDA, the learner's gpu-marked tests
+#     bash bench/gpu_run.sh B    # the weight-path bench, the bf16 log-prob agreement
+#     bash bench/gpu_run.sh C    # the learner bench (ZeRO-2 and ZeRO-3)
+# Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
+# and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+MODEL=${MODEL:-/tmp/m4b}
+step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log to $OUT/NAME.log, print its tail
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "[gpu_run] $name: rc=$rc in $((SECONDS - t0)) s"
+    grep -v -E '^\(|INFO|WARNING' "$OUT/$name.log" | tail -n 25
+}
+case "${1:-}" in
+A)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    step build 90 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    # fp32 toy-model tests need IEEE float32 in Triton (the GPU's TF32 default moves log-probs by 1e-3)
+    # in this order: with test_cuda_ipc.py last, the run of 2026-12-01 stopped at its 290 s limit
+    # after 11 passed (unexplained); in this order all 13 passed in 118 s
+    TRITON_F32_DEFAULT=ieee step tests 290 python3 -m pytest -q -p no:cacheprovider -rs \
+        tests/e2e/test_cuda_ipc.py tests/e2e/test_actor_follow.py tests/e2e/test_logprob_agreement.py \
+        tests/e2e/test_engine.py
+    # the learner's gpu-marked tests (GPU_CHECKS.md 1; -s prints their figures)
+    step gpu_tests 170 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/e2e/test_learner_exact.py \
+        tests/e2e/test_learner_attention.py
+    ;;
+B)
+    step weight_path 330 python3 bench/weight_path.py --transport cuda_ipc --model "$MODEL" --work /tmp \
+        --json "$OUT/weight_path.json"
+    step logprob_gpu 220 python3 bench/logprob_gpu.py --model "$MODEL" --json "$OUT/logprob_gpu.json"
+    ;;
+C)
+    # the learner bench (GPU_CHECKS.md 2); it writes $OUT/learner_gpu.json and .md itself
+    step learner_gpu 500 python3 bench/learner_gpu.py --zero 2,3 --steps 3 --budget-s 480
+    ;;
+*)
+    echo "usage: bash bench/gpu_run.sh A|B|C" >&2
+    exit 2
+    ;;
+esac

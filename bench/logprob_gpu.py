@@ -1,0 +1,149 @@
+"""bf16 log-prob agreement on a GPU (issue 16): the behaviour log-probs vLLM returns while sampling
+(engines.engine.PolicyEngine, bf16, CUDA graphs unless --eager) against the log-probs the learner
+recomputes for the same tokens (learner.logprobs.token_logprobs over a transformers model, packed
+micro-batches as learner.trainer builds them), in bf16 and in fp32, on a Qwen3-4B-shaped checkpoint
+with random weights. Prints the distribution of the differences and what they do to the
+importance ratio exp(learner - behaviour); writes JSON with --json. Run by hand on the GPU
+machine (docs/gpu.md has the command); nothing in parley imports this file.
+
+    python3 bench/logprob_gpu.py --model /tmp/m4b --build 4b --json $OUT/logprob_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def stats(d) -> dict:
+    """Summary of the per-token differences d (learner - vLLM), a float64 tensor."""
+    import torch
+
+    a = d.abs()
+    q = torch.quantile(a, torch.tensor([0.5, 0.9, 0.99, 0.999], dtype=torch.float64))
+    ratio = torch.exp(d)
+    return {
+        "tokens": int(d.numel()), "mean": float(d.mean()), "std": float(d.std()), "mean_abs": float(a.mean()),
+        "p50_abs": float(q[0]), "p90_abs": float(q[1]), "p99_abs": float(q[2]), "p999_abs": float(q[3]),
+        "max_abs": float(a.max()),
+        # the PPO ratio at the behaviour policy itself: how often bf16 noise alone leaves [1-0.2, 1+0.28]
+        "ratio_outside_clip": float(((ratio < 0.8) | (ratio > 1.28)).double().mean()),
+        "ratio_p99_dev": float(torch.quantile((ratio - 1).abs(), 0.99)),
+    }
+
+
+async def sample(args, prompts):
+    from engines.engine import EngineSettings, PolicyEngine
+
+    settings = EngineSettings(model=args.model, dtype="bfloat16", max_model_len=args.plen + args.tokens + 8,
+                              kv_cache_bytes=None, gpu_memory_utilization=args.gpu_mem, enforce_eager=args.eager,
+                              json_compact=False)
+    t0 = time.perf_counter()
+    engine = PolicyEngine(settings)
+    start = time.perf_counter() - t0
+    try:
+        outs = await asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i) for i, p in enumerate(prompts)])
+    finally:
+        engine.shutdown()
+    return outs, start
+
+
+def learner_logprobs(args, samples, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.logprobs import token_logprobs
+    from learner.packing import build_batch, pack_by_tokens
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    out = [None] * len(samples)
+    for group in pack_by_tokens([len(s.token_ids) for s in samples], args.budget):
+        batch = build_batch([samples[i] for i in group], device)
+        lp, _ = token_logprobs(model, batch, chunk=1024, grad=False)
+        for j, i in enumerate(group):
+            out[i] = lp[batch.seq == j].double().cpu()
+    del model
+    torch.cuda.empty_cache()
+    return torch.cat(out)
+
+
+def main(args) -> dict:
+    import numpy as np
+    import torch
+
+    from bench.common import random_qwen3
+    from learner.packing import Sample
+
+    if args.build:
+        t0 = time.perf_counter()
+        random_qwen3(args.build, args.model)
+        print(f"[logprob] built {args.build} checkpoint in {args.model} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 150000, size=args.plen).tolist() for _ in range(args.n)]
+    outs, start = asyncio.run(sample(args, prompts))
+    behaviour = torch.tensor([lp for o in outs for lp in o.logprobs], dtype=torch.float64)
+    samples = []
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        n = len(p) + len(o.token_ids)
+        mask = [0] * len(p) + [1] * len(o.token_ids)
+        samples.append(Sample(f"s{i}", p + list(o.token_ids), mask, [0.0] * len(p) + list(o.logprobs), 0.0))
+    result = {"model": args.model, "samples": len(samples), "engine_start_s": start, "eager": args.eager,
+              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
+    try:
+        import vllm
+
+        result["vllm"] = vllm.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    lp16 = learner_logprobs(args, samples, torch.bfloat16)
+    lp32 = learner_logprobs(args, samples, torch.float32)
+    result["learner_bf16_vs_vllm"] = stats(lp16 - behaviour)
+    result["learner_fp32_vs_vllm"] = stats(lp32 - behaviour)
+    result["learner_bf16_vs_fp32"] = stats(lp16 - lp32)
+    per_seq = torch.stack([(lp16[s] - behaviour[s]).sum() for s in _slices(outs)])
+    result["sequence_logratio_bf16_abs"] = {"mean": float(per_seq.abs().mean()), "max": float(per_seq.abs().max())}
+    return result
+
+
+def _slices(outs):
+    i = 0
+    for o in outs:
+        yield slice(i, i + len(o.token_ids))
+        i += len(o.token_ids)
+
+
+def table(r: dict) -> str:
+    lines = ["| comparison | tokens | mean | std | mean abs | p50 abs | p90 abs | p99 abs | p99.9 abs | max abs | "
+             "ratio outside [0.8, 1.28] |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in ("learner_bf16_vs_vllm", "learner_fp32_vs_vllm", "learner_bf16_vs_fp32"):
+        s = r[key]
+        lines.append(f"| {key} | {s['tokens']} | {s['mean']:+.4f} | {s['std']:.4f} | {s['mean_abs']:.4f} | "
+                     f"{s['p50_abs']:.4f} | {s['p90_abs']:.4f} | {s['p99_abs']:.4f} | {s['p999_abs']:.4f} | "
+                     f"{s['max_abs']:.4f} | {100 * s['ratio_outside_clip']:.2f}% |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory (built there with --build)")
+    p.add_argument("--build", choices=["0.6b", "4b"], default=None, help="build a random Qwen3 of this shape first")
+    p.add_argument("--n", type=int, default=64, help="sampled sequences")
+    p.add_argument("--plen", type=int, default=128, help="prompt tokens")
+    p.add_argument("--tokens", type=int, default=512, help="new tokens per sequence")
+    p.add_argument("--budget", type=int, default=8192, help="packed micro-batch tokens (the learner's micro_batch_tokens)")
+    p.add_argument("--gpu-mem", type=float, default=0.5)
+    p.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs / torch.compile")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    r = main(a)
+    print(table(r))
+    print(json.dumps({k: v for k, v in r.items() if not isinstance(v, dict)}))
+    if a.json:
+        Path(a.json).write_text(json.dumps(r, indent=1))

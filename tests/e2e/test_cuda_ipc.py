@@ -1,0 +1,99 @@
+"""cuda_ipc on a real GPU: this test process plays the learner (the toy model's weights on the GPU,
+packed by learner.weights_io.IpcPublisher and exported as a CUDA IPC handle), a real vLLM engine
+in its own process is the actor. A version loaded by IPC must serve exactly what the same
+weights loaded from files serve; a copy whose checksums do not match is refused and changes
+nothing. Runs only where torch sees a CUDA device (gpu marker); docs/gpu.md has the command."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.engine import EngineSettings, PolicyEngine
+from engines.models import build_tiny
+from protocol import codec
+from protocol.weights import WeightVerifyError, gpu_announcement
+
+pytestmark = [pytest.mark.e2e, pytest.mark.gpu, pytest.mark.timeout(600)]
+
+
+def greedy(loop, engine, prompt):
+    out = loop.run_until_complete(engine.generate(prompt, max_tokens=16, temperature=0.0))
+    return out.token_ids, out.logprobs
+
+
+def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refused(tmp_path):
+    import msgspec
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.weights_io import IpcPublisher, hf_tensors, write_weights, hf_weights
+
+    base = build_tiny(tmp_path / "tiny")
+    # fp32 as the other toy-model tests (the toy's head_dim 32 has no FlashAttention-3 kernel); the
+    # transport is dtype-blind, and the 4B bf16 path is bench/weight_path.py's
+    learner = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to("cuda").eval()
+    with torch.no_grad():  # "a training step": other weights than the engine starts with
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for p in learner.parameters():
+            p.add_(torch.randn(p.shape, generator=g, device="cuda") * 0.05)
+    stepped = write_weights(hf_weights(learner), learner.config, tmp_path / "stepped")
+
+    loop = asyncio.new_event_loop()
+    engine = PolicyEngine(EngineSettings(model=str(base), dtype="float32", max_model_len=1024,
+                                         kv_cache_bytes=256 << 20, json_compact=False,
+                                         extra={"enable_prefix_caching": False}))
+    try:
+        prompt = list(range(5, 40))
+        before = greedy(loop, engine, prompt)
+
+        pub = IpcPublisher(hold_s=30.0)
+        ipc = pub.pack(hf_tensors(learner), 1)
+        wv = gpu_announcement("gpu-test", 1, 1, ipc)
+
+        # a wrong checksum: refused before any weight changed
+        bad_tensors = list(ipc.tensors)
+        bad_tensors[3] = msgspec.structs.replace(bad_tensors[3], checksum=[0, 0, 0])
+        bad = msgspec.structs.replace(wv, ipc=msgspec.structs.replace(ipc, tensors=bad_tensors))
+        with pytest.raises(WeightVerifyError, match=f"first: {bad_tensors[3].name}"):
+            loop.run_until_complete(engine.load_gpu(codec.encode(bad), hold_s=30.0, version=1))
+        assert engine.version == 0 and greedy(loop, engine, prompt) == before
+
+        loop.run_until_complete(engine.load_gpu(codec.encode(wv), hold_s=30.0, version=1))
+        assert engine.version == 1
+        by_ipc = greedy(loop, engine, prompt)
+        assert by_ipc != before
+
+        loop.run_until_complete(engine.reload_weights(base, version=0))
+        assert greedy(loop, engine, prompt) == before
+        loop.run_until_complete(engine.reload_weights(stepped, version=1))
+        assert greedy(loop, engine, prompt) == by_ipc  # same bf16 weights, same tokens and log-probs
+    finally:
+        engine.shutdown()
+        loop.close()
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_trainer_packs_what_it_would_save(tiny_model, zero_stage):
+    """Trainer.pack_weights (ZeRO-3: gathered first) fills rank 0's shared buffer with exactly the
+    tensors save_weights writes, and the announced checksums are those of the buffer."""
+    import torch
+
+    from learner.config import LearnerConfig
+    from learner.trainer import Trainer
+    from protocol import cuda_ipc
+
+    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=zero_stage, kl_coef=0.0, transport="cuda_ipc"),
+                      tiny_model)
+    try:
+        expected = trainer.hf_state_dict()
+        ipc = trainer.pack_weights(1)
+        assert [t.name for t in ipc.tensors] == list(expected) and ipc.nbytes == trainer.ipc.total
+        (buf,) = [b.data for b in trainer.ipc.buffers if b.version == 1]
+        for t in ipc.tensors:
+            assert torch.equal(cuda_ipc.view(buf, t).cpu(), expected[t.name])
+        assert cuda_ipc.mismatch(ipc.tensors, cuda_ipc.checksums(buf, ipc.tensors)) is None
+        assert ipc.device_uuid == cuda_ipc.device_uuid(torch.cuda.current_device())
+    finally:
+        trainer.close()

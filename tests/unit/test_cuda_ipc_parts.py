@@ -1,0 +1,162 @@
+"""The cuda_ipc transport's parts that run without a GPU: the buffer layout and packing, the
+checksums both sides compute and their comparison (what makes a wrong transfer a refusal), the
+announcement on the wire, the learner's choice of buffer, and the CPU refusals."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import torch
+
+from learner.config import LearnerConfig
+from learner.weights_io import IpcPublisher
+from protocol import codec, cuda_ipc, weights
+from protocol.messages import CudaIpcBuffer, WeightVersion
+
+
+def named() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed_tokens.weight", torch.randn(40, 64, generator=g).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(7, generator=g).to(torch.bfloat16)),  # odd size: padded
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(16, 64, generator=g)),  # fp32 beside bf16
+    ]
+
+
+def packed():
+    tensors = named()
+    layout, total = cuda_ipc.plan(tensors)
+    buf = torch.zeros(total, dtype=torch.uint8)
+    cuda_ipc.pack(tensors, buf, layout)
+    return tensors, layout, buf
+
+
+def test_layout_is_aligned_and_views_give_the_tensors_back():
+    tensors, layout, buf = packed()
+    assert all(e.offset % cuda_ipc.ALIGN == 0 for e in layout)
+    assert [e.dtype for e in layout] == ["bfloat16", "bfloat16", "float32"]
+    for (name, t), e in zip(tensors, layout):
+        assert e.name == name and torch.equal(cuda_ipc.view(buf, e), t)
+
+
+def test_checksums_refuse_a_changed_byte_a_moved_row_and_a_partial_copy():
+    _, layout, buf = packed()
+    announced = cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))
+    assert cuda_ipc.mismatch(announced, cuda_ipc.checksums(buf.clone(), layout)) is None
+
+    flipped = buf.clone()
+    flipped[layout[1].offset + 3] ^= 0x10
+    assert cuda_ipc.mismatch(announced, cuda_ipc.checksums(flipped, layout)) == (
+        "checksum mismatch in 1 of 3 tensors (first: model.norm.weight)")
+
+    # two rows of the embedding swapped: every value is still there, only the order changed
+    swapped = buf.clone()
+    rows = cuda_ipc.view(swapped, layout[0])
+    rows[[0, 1]] = rows[[1, 0]]
+    assert "model.embed_tokens.weight" in cuda_ipc.mismatch(announced, cuda_ipc.checksums(swapped, layout))
+
+    partial = buf.clone()
+    partial[layout[2].offset + 512:] = 0  # the copy stopped half-way through the last tensor
+    assert "1 of 3" in cuda_ipc.mismatch(announced, cuda_ipc.checksums(partial, layout))
+    assert cuda_ipc.mismatch(announced[:2], cuda_ipc.checksums(buf, layout)) == "3 checksums for 2 announced tensors"
+
+
+def test_pack_refuses_tensors_it_was_not_planned_for():
+    tensors, layout, buf = packed()
+    with pytest.raises(ValueError, match="names or order differ"):
+        cuda_ipc.pack(tensors[::-1], buf, layout)
+    wrong = [(n, t.float()) if i == 0 else (n, t) for i, (n, t) in enumerate(tensors)]
+    with pytest.raises(ValueError, match="model.embed_tokens.weight"):
+        cuda_ipc.pack(wrong, buf, layout)
+
+
+def announcement(tensors) -> WeightVersion:
+    ipc = CudaIpcBuffer(device_uuid="GPU-0", storage_handle=b"\x01" * 64, storage_size=1 << 20, storage_offset=512,
+                        ref_counter_handle=b"/torch_1_2", ref_counter_offset=3, event_handle=b"\x02" * 64,
+                        event_sync_required=True, nbytes=768, hold_s=30.0, tensors=tensors)
+    return WeightVersion(version=4, step=4, transport="cuda_ipc", location="cuda:GPU-0",
+                         sha256=cuda_ipc.table_digest(tensors), bytes=768, created=1.0, run="r", ipc=ipc)
+
+
+def test_announcement_round_trips_and_older_ones_still_decode():
+    _, layout, buf = packed()
+    wv = announcement(cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout)))
+    assert codec.decode("weights", codec.encode(wv)) == wv
+
+    class OldWeightVersion(msgspec.Struct, kw_only=True):  # the schema before cuda_ipc
+        version: int
+        step: int
+        transport: str
+        location: str
+        sha256: str
+        bytes: int
+        created: float
+        run: str = ""
+        files: list[str] = []
+
+    old = OldWeightVersion(version=1, step=1, transport="objstore", location="v000001/model.safetensors",
+                           sha256="0" * 64, bytes=10, created=0.0, files=["v000001/config.json"])
+    decoded = codec.decode("weights", msgspec.msgpack.encode(old))
+    assert decoded.ipc is None and decoded.files == ["v000001/config.json"]
+
+
+def test_table_digest_changes_with_any_checksum():
+    _, layout, buf = packed()
+    a = cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))
+    b = list(a)
+    b[2] = msgspec.structs.replace(b[2], checksum=[b[2].checksum[0] + 1, *b[2].checksum[1:]])
+    assert cuda_ipc.table_digest(a) != cuda_ipc.table_digest(b)
+
+
+def test_file_paths_refuse_the_gpu_transport():
+    with pytest.raises(ValueError, match="publish_gpu_version"):
+        asyncio.run(weights.publish_version(None, "r", 1, 1, "/nonexistent", "cuda_ipc"))
+    wv = announcement([])
+    with pytest.raises(weights.WeightVerifyError, match="loaded by the engine"):
+        asyncio.run(weights.fetch_version(None, "r", wv, "/nonexistent"))
+
+
+def test_publisher_reuses_a_buffer_only_after_the_hold_time(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("learner.weights_io.time.monotonic", lambda: now[0])
+    pub = IpcPublisher(hold_s=10.0, max_buffers=2)
+    tensors = named()
+    b1, t1 = pub.fill(tensors, 1)
+    assert torch.equal(cuda_ipc.view(b1, t1[0]), tensors[0][1])
+    b2, _ = pub.fill(tensors, 2)  # v1 was superseded just now: a second buffer
+    assert b2.data_ptr() != b1.data_ptr()
+    now[0] += 5.0
+    b3, _ = pub.fill(tensors, 3)  # nothing idle and no room: the longest-superseded (v1's) is overwritten
+    assert b3.data_ptr() == b1.data_ptr()
+    now[0] += 11.0
+    b4, _ = pub.fill(tensors, 4)  # v2's buffer has been superseded for 11 s > hold
+    assert b4.data_ptr() == b2.data_ptr() and len(pub.buffers) == 2
+    with pytest.raises(RuntimeError, match="planned once"):
+        pub.fill(tensors[:2], 5)
+
+
+def test_learner_config_and_cpu_trainer_refuse_bad_ipc_settings():
+    with pytest.raises(ValueError, match="ipc_hold_s=0"):
+        LearnerConfig(transport="cuda_ipc", ipc_hold_s=0)
+    if torch.cuda.is_available():
+        pytest.skip("the CPU refusal needs a machine without CUDA")
+    from learner.trainer import Trainer
+
+    with pytest.raises(ValueError, match="cuda_ipc.*no CUDA device"):
+        Trainer(LearnerConfig(transport="cuda_ipc"), "/nonexistent")
+
+
+def test_whole_buffer_sums_equal_the_per_tensor_definition():
+    g = torch.Generator().manual_seed(1)
+    tensors = [(f"t{i}", torch.randn(int(torch.randint(1, 3000, (1,), generator=g)), generator=g).to(torch.bfloat16))
+               for i in range(20)]
+    layout, total = cuda_ipc.plan(tensors)
+    buf = torch.zeros(total, dtype=torch.uint8)
+    cuda_ipc.pack(tensors, buf, layout)
+    for e, (s1, s2, _) in zip(layout, cuda_ipc.checksums(buf, layout)):
+        size = -(-cuda_ipc._nbytes(e) // cuda_ipc.ALIGN) * cuda_ipc.ALIGN
+        words = buf[e.offset: e.offset + size].view(torch.int32).view(-1, 64).to(torch.int64)
+        assert s1 == int(words.sum())
+        assert s2 == int((words.sum(1) * torch.arange(1, words.shape[0] + 1)).sum())
