@@ -29,7 +29,7 @@ A)
     TRITON_F32_DEFAULT=ieee step tests 290 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/e2e/test_cuda_ipc.py tests/e2e/test_actor_follow.py tests/e2e/test_logprob_agreement.py \
         tests/e2e/test_engine.py
-    # the learner's gpu-marked tests (GPU_CHECKS.md 1; -s prints their figures)
+    # the learner's gpu-marked tests (docs/gpu_checks.md 1; -s prints their figures)
     step gpu_tests 170 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/e2e/test_learner_exact.py \
         tests/e2e/test_learner_attention.py
     ;;
@@ -39,7 +39,7 @@ B)
     step logprob_gpu 220 python3 bench/logprob_gpu.py --model "$MODEL" --json "$OUT/logprob_gpu.json"
     ;;
 C)
-    # the learner bench (GPU_CHECKS.md 2); it writes $OUT/learner_gpu.json and .md itself
+    # the learner bench (docs/gpu_checks.md 2); it writes $OUT/learner_gpu.json and .md itself
     step learner_gpu 500 python3 bench/learner_gpu.py --zero 2,3 --steps 3 --budget-s 480
     ;;
 *)
