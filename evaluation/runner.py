@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tasks.data import Item
+from tasks.data import Item, system_prompt_text
 from protocol.messages import ChatMessage, EvalRecord, JudgeReply, JudgeRequest, SimReply, SimRequest, Task
 
 log = logging.getLogger("parley.eval")
@@ -34,13 +34,6 @@ class Condition:
     system_prompt_file: str = ""
 
 
-def _system_prompt_path(value: str) -> Path:
-    """A file path, or a bundled system prompt's name (tasks.data.system_prompt_path)."""
-    from tasks.data import system_prompt_path
-
-    return system_prompt_path(value)
-
-
 def parse_condition(text: str) -> Condition:
     """'base=smol', 'step50=runs/x/checkpoints/v50', 'proactive=smol,system_prompt=proactive'."""
     head, *options = [p.strip() for p in text.split(",")]
@@ -56,7 +49,7 @@ def parse_condition(text: str) -> Condition:
         if key.strip() != "system_prompt" or not sep or not value.strip():
             raise ValueError(f"condition {text!r}: option {opt!r} not understood; the form is {CONDITION_FORM}")
         prompt_file = value.strip()
-    prompt = _system_prompt_path(prompt_file).read_text().strip() if prompt_file else ""
+    prompt = system_prompt_text(prompt_file)
     return Condition(name=name, model=model.strip(), system_prompt=prompt, system_prompt_file=prompt_file)
 
 

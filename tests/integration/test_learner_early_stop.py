@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -17,34 +16,12 @@ from learner.config import LearnerConfig, RolloutConfig
 from protocol import topology
 from protocol.bus import publish
 from evaluation.selection import select_best
+from tests.integration.test_learner_fates import TrainerDouble
 from tests.integration.test_learner_resume import BUS, make_scored, toy  # noqa: F401 (toy: the fixture)
 from tests.unit.test_periodic_eval import PlantedEval
 
 pytestmark = [pytest.mark.integration]
 RUN, N, STEPS = "earlystop", 3, 8
-
-
-class TrainerDouble:
-    """Stands in for learner.ranks.Driver: the calls the Learner makes, with files where it expects them."""
-
-    def __init__(self, step_s: float):
-        self.step_s, self.calls = step_s, []
-
-    def __call__(self, op, *args):
-        self.calls.append(op)
-        if op == "save_weights":
-            out = args[0]
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "model.safetensors").write_bytes(b"weights %d" % len(self.calls))
-            (out / "config.json").write_text("{}")
-            return out
-        if op == "save_checkpoint":
-            (args[0] / args[1]).mkdir(parents=True, exist_ok=True)
-            return None
-        if op == "train_step":
-            time.sleep(self.step_s)  # lets the (instant) planted evals finish between steps
-            return {"loss": 0.0, "tokens": float(sum(len(s.token_ids) for s in args[0])), "train_s": self.step_s}
-        return None
 
 
 async def test_learner_stops_early_on_a_significant_regression(js, nc, toy, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import msgspec
 import pytest
@@ -44,27 +45,30 @@ def scored_for(task: Task, sample: int, *, flat: bool = False, pad: int = 0) -> 
 
 
 class TrainerDouble:
-    """Stands in for learner.ranks.Driver; `hold` blocks save_weights of that version until released."""
+    """Stands in for learner.ranks.Driver: the calls the Learner makes, with files where it expects them.
+    `hold` blocks save_weights of that version until `release` is set; `step_s` is each step's duration."""
 
-    def __init__(self, hold: int | None = None):
-        self.hold = hold
+    def __init__(self, hold: int | None = None, step_s: float = 0.0):
+        self.hold, self.step_s, self.calls = hold, step_s, []
         self.entered, self.release = threading.Event(), threading.Event()
 
     def __call__(self, op, *args):
+        self.calls.append(op)
         if op == "save_weights":
             out = args[0]
             if self.hold is not None and out.name == f"v{self.hold:06d}":
                 self.entered.set()
                 self.release.wait(60)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "model.safetensors").write_bytes(b"weights")
+            (out / "model.safetensors").write_bytes(b"weights %d" % len(self.calls))
             (out / "config.json").write_text("{}")
             return out
         if op == "save_checkpoint":
             (args[0] / args[1]).mkdir(parents=True, exist_ok=True)
             return None
         if op == "train_step":
-            return {"loss": 0.0, "tokens": float(sum(len(s.token_ids) for s in args[0])), "train_s": 0.0}
+            time.sleep(self.step_s)  # lets planted evals finish between steps (early-stop test)
+            return {"loss": 0.0, "tokens": float(sum(len(s.token_ids) for s in args[0])), "train_s": self.step_s}
         return None
 
 
