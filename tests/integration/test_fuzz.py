@@ -351,7 +351,7 @@ async def test_services_answer_malformed_requests_with_an_error(system):
     n_sim = 1 + len(sim_bad)  # +1: the request with no reply subject
     await s.wait(lambda: s.counter("sim", "bad_request") >= sim_before + n_sim,
                  f"sim heartbeat to count {n_sim} bad requests")
-    n_judge = 1 + 2 * len(judge_bad)
+    n_judge = 1 + len(topology.JUDGE_OPS) * len(judge_bad)
     await s.wait(lambda: s.counter("judge", "bad_request") >= judge_before + n_judge,
                  f"judge heartbeat to count {n_judge} bad requests")
 
