@@ -70,6 +70,8 @@ class Learner:
         self.backlog: dict[str, float] = {}  # channel -> share of its max_bytes unconsumed (protocol.backlog)
         self.counters: Counter[str] = Counter()
         self.steplog = StepLog(self.run_dir)
+        self.ledger = ckpt.Ledger(self.run_dir)  # state.msgpack + the sample log: each write costs what changed
+        self.ledger_bytes = 0  # bytes the last ledger write wrote
         self._data = asyncio.Event()
         self.id = f"{socket.gethostname()}-{os.getpid()}"
         self.state_name = "starting"
@@ -91,7 +93,7 @@ class Learner:
     # -- start ----------------------------------------------------------------------------------
 
     def _fresh(self) -> FeederState:
-        if ckpt.read_state(self.run_dir) is not None:
+        if ckpt.has_state(self.run_dir):
             raise LearnerStateError(
                 f"{ckpt.learner_dir(self.run_dir)} holds a learner state; pass --resume to "
                 "continue it, or use another run name / run.dir for a fresh run"
@@ -100,7 +102,7 @@ class Learner:
         return FeederState()
 
     def _restore(self) -> FeederState:
-        state = ckpt.read_state(self.run_dir)
+        state = self.ledger.open()  # the buffered samples come back from the sample log
         if state is None:
             log.warning("--resume: no learner state in %s; starting fresh", ckpt.learner_dir(self.run_dir))
             return self._fresh()
@@ -180,6 +182,7 @@ class Learner:
             self.feeder.wake()
             await asyncio.gather(*background, return_exceptions=True)
             await self.flush()
+            self.ledger.close()
             self.steplog.close()
         log.info("stopped after step %d", self.step)
         return 0
@@ -446,7 +449,9 @@ class Learner:
         """Write the ledger, then ack every message it now accounts for."""
         msgs, self.pending = self.pending, []
         state = self.snapshot()  # taken together with the swap above: nothing slips between them
-        await asyncio.to_thread(ckpt.write_state, self.run_dir, state)
+        before = self.ledger.bytes_written
+        await asyncio.to_thread(self.ledger.write, state)
+        self.ledger_bytes = self.ledger.bytes_written - before
         self.last_flush = time.monotonic()
         for m in msgs:
             with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is ignored as late/duplicate
@@ -494,6 +499,8 @@ class Learner:
             counters={
                 "step": float(self.step), "buffered_groups": float(len(self.grouper.buffer)),
                 "pending_acks": float(len(self.pending)), "in_flight": float(len(self.feeder.state.in_flight)),
+                "ledger.bytes_written": float(self.ledger.bytes_written), "ledger.last_write_bytes": float(self.ledger_bytes),
+                "ledger.compactions": float(self.ledger.compactions),
                 **{k: float(v) for k, v in self.grouper.counters.items()},
                 **{k: float(v) for k, v in self.counters.items()},
                 **{k: float(v) for k, v in COUNTERS.items()},
