@@ -122,9 +122,9 @@ def read_state(run_dir: str | Path) -> LearnerState | None:
         state = msgspec.msgpack.decode(path.read_bytes(), type=LearnerState)
         try:
             _resolve_samples(learner_dir(run_dir), state)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
             if attempt == 4:
-                raise
+                raise LedgerError(f"{e}; restore learner/ from a copy, or start a fresh run (another run name)") from None
             continue
         return state
     return None

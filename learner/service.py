@@ -586,7 +586,7 @@ async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
         driver = Driver(trainer)
         try:
             learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
-        except LearnerStateError as e:
+        except (LearnerStateError, ckpt.LedgerError) as e:
             log.error("%s", e)
             return 2
         return await learner.run(stop)

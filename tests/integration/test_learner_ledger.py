@@ -148,3 +148,25 @@ def test_sigkill_during_writes_and_compactions_loses_no_buffered_sample(tmp_path
     ledger.close()
     logs = sorted(p.name for p in ckpt.learner_dir(run_dir).glob("samples-*.log"))
     assert logs == [state.sample_log]
+
+
+async def test_a_damaged_or_missing_sample_log_stops_the_resume_with_its_name(tmp_path):
+    from learner.service import Learner
+
+    run_dir = tmp_path / "run"
+    cfg = make_cfg("damaged", run_dir, steps=1, groups_per_step=2, max_staleness=0)
+    learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)
+    for sample in range(2):
+        learner.grouper.add(scored_for(task("damaged", 0), sample))
+    await learner.flush()
+    learner.ledger.close()
+    log = ckpt.learner_dir(run_dir) / ckpt.read_state(run_dir).sample_log
+    data = bytearray(log.read_bytes())
+    data[-5] ^= 0xFF  # one byte of the second sample
+    log.write_bytes(bytes(data))
+    with pytest.raises(ckpt.LedgerError, match=r"samples-000001\.log: the ledger names a sample of damaged-g000000 "
+                                               r"at offset \d+, but its checksum does not match"):
+        Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
+    log.unlink()
+    with pytest.raises(ckpt.LedgerError, match=r"sample log is missing; restore learner/"):
+        Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
