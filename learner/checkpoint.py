@@ -1,5 +1,6 @@
 """The learner's durable state: the ledger (step, feeder position, finished tasks, buffered
-groups) in run_dir/learner/state.msgpack, the DeepSpeed checkpoint it points to, the resume
+groups) in run_dir/learner/state.msgpack with the buffered samples themselves in an append-only
+sample log beside it (`Ledger`), the DeepSpeed checkpoint it points to, the resume
 truncation of the step logs, the archive of every group that left the learner (run_dir/learner/
 archive, read by `parley replay`), and `export_version` (any kept version as an HF checkpoint).
 Written and read by learner.service; export is the `parley export` command. Design: docs/learner.md.
@@ -8,9 +9,12 @@ Written and read by learner.service; export is the `parley export` command. Desi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import struct
 import time
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -19,6 +23,14 @@ from protocol.messages import Scored
 
 STATE_FILE = "state.msgpack"
 WEIGHT_FILES = ("model.safetensors", "config.json")
+# The sample log's generations: samples-000001.log, ... (a compaction starts the next one).
+SAMPLE_LOG_PREFIX, SAMPLE_LOG_SUFFIX = "samples-", ".log"
+_RECORD = struct.Struct("<II")  # a sample log record: payload length, crc32 of the payload; then the payload
+# Compact the sample log once its dead records (samples of groups that left) exceed both its live
+# ones and this many bytes: each sample is then written about twice at most, amortised.
+COMPACT_MIN_BYTES = 64 * 1024 * 1024
+
+log = logging.getLogger("parley.learner")
 
 
 class GroupState(msgspec.Struct, kw_only=True):
@@ -27,7 +39,8 @@ class GroupState(msgspec.Struct, kw_only=True):
     task_id: str
     first_seen: float
     completed: float = 0.0
-    samples: list[Scored] = []
+    samples: list[Scored] = []  # inline (ledgers before the sample log; read_state fills it from `refs`)
+    refs: list[int] = []  # offsets of the samples' records in LearnerState.sample_log, in sample order
 
 
 class IssuedTask(msgspec.Struct, kw_only=True):
@@ -59,6 +72,7 @@ class LearnerState(msgspec.Struct, kw_only=True):
     issued: list[IssuedTask] = []  # feeder: issue time and admitted version of each in_flight task
     dead_seq: int = 1  # next DEAD stream sequence to read; the letters before it are reflected above
     reasons: dict[str, str] = {}  # task_id -> why it was not trained (every done kind but "trained")
+    sample_log: str = ""  # the sample log file (in learner_dir) that GroupState.refs point into
 
 
 def learner_dir(run_dir: str | Path) -> Path:
@@ -93,11 +107,172 @@ def write_state(run_dir: str | Path, state: LearnerState) -> Path:
     return path
 
 
+def has_state(run_dir: str | Path) -> bool:
+    return (learner_dir(run_dir) / STATE_FILE).is_file()
+
+
 def read_state(run_dir: str | Path) -> LearnerState | None:
+    """The ledger with every buffered group's samples in GroupState.samples (read from the sample
+    log), or None when there is none. Safe beside a running learner: a compaction that removed the
+    log named by the state just read means a newer state names the new log, so it is read again."""
     path = learner_dir(run_dir) / STATE_FILE
-    if not path.is_file():
-        return None
-    return msgspec.msgpack.decode(path.read_bytes(), type=LearnerState)
+    for attempt in range(5):
+        if not path.is_file():
+            return None
+        state = msgspec.msgpack.decode(path.read_bytes(), type=LearnerState)
+        try:
+            _resolve_samples(learner_dir(run_dir), state)
+        except FileNotFoundError as e:
+            if attempt == 4:
+                raise LedgerError(f"{e}; restore learner/ from a copy, or start a fresh run (another run name)") from None
+            continue
+        return state
+    return None
+
+
+class LedgerError(RuntimeError):
+    """The ledger names a sample that its sample log does not hold intact."""
+
+
+def _resolve_samples(d: Path, state: LearnerState) -> None:
+    if not any(g.refs for g in state.groups):
+        return
+    path = d / state.sample_log
+    if not state.sample_log or not path.is_file():
+        raise FileNotFoundError(f"{path}: the ledger's sample log is missing")
+    with path.open("rb") as f:
+        for g in state.groups:
+            if g.refs:
+                g.samples = [_read_record(f, path, off, g.task_id) for off in g.refs]
+
+
+def _read_record(f, path: Path, offset: int, task_id: str) -> Scored:
+    f.seek(offset)
+    head = f.read(_RECORD.size)
+    problem = ""
+    if len(head) < _RECORD.size:
+        problem = "the file ends there"
+    else:
+        size, crc = _RECORD.unpack(head)
+        data = f.read(size)
+        if len(data) < size:
+            problem = f"the record of {size} bytes is cut at {len(data)}"
+        elif zlib.crc32(data) != crc:
+            problem = "its checksum does not match"
+    if problem:
+        raise LedgerError(
+            f"{path}: the ledger names a sample of {task_id} at offset {offset}, but {problem}; the run directory "
+            "was changed or damaged: restore learner/ from a copy, or start a fresh run (another run name)"
+        )
+    return msgspec.msgpack.decode(data, type=Scored)
+
+
+class Ledger:
+    """Writes the ledger so that each write costs what changed: every buffered sample is appended
+    once to the sample log (`samples-NNNNNN.log`, records of length + crc32 + msgpack Scored), and
+    state.msgpack refers to it by offset. A write appends the samples new since the last one, fsyncs
+    the log, then replaces state.msgpack atomically (write_state): a kill at any point leaves a
+    state whose every offset names a complete record (records after it are never referenced, and
+    their messages were never acked). When the log's dead records (samples of groups that left the
+    learner) outgrow its live ones and COMPACT_MIN_BYTES, the live ones are copied into the next
+    generation, the state names it, and the older generations are removed after the state is in place.
+    Called by learner.service (one write at a time); `bytes_written` counts every byte it wrote."""
+
+    def __init__(self, run_dir: str | Path, compact_min_bytes: int = COMPACT_MIN_BYTES):
+        self.run_dir, self.dir = Path(run_dir), learner_dir(run_dir)
+        self.compact_min_bytes = compact_min_bytes
+        self.log_name = ""
+        self._f = None
+        # (task_id, sample) -> (offset, record bytes, the Scored written there): reused for that very object
+        self.refs: dict[tuple[str, int], tuple[int, int, Scored]] = {}
+        self.dead_bytes = 0  # records in the current log no state refers to any more
+        self.bytes_written = 0
+        self.compactions = 0
+
+    def _generations(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.iterdir()
+                      if p.name.startswith(SAMPLE_LOG_PREFIX) and p.name.endswith(SAMPLE_LOG_SUFFIX))
+
+    def _start_generation(self) -> None:
+        gens = [int(p.name[len(SAMPLE_LOG_PREFIX):-len(SAMPLE_LOG_SUFFIX)]) for p in self._generations()
+                if p.name[len(SAMPLE_LOG_PREFIX):-len(SAMPLE_LOG_SUFFIX)].isdigit()]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self._f is not None:
+            self._f.close()
+        self.log_name = f"{SAMPLE_LOG_PREFIX}{max(gens, default=0) + 1:06d}{SAMPLE_LOG_SUFFIX}"
+        self._f = (self.dir / self.log_name).open("ab")
+        self.dead_bytes = 0
+
+    def open(self) -> LearnerState | None:
+        """On resume: the ledger (samples resolved), with its log adopted for the next writes, so the
+        restored samples are not written again. Generations the state does not name are removed."""
+        state = read_state(self.run_dir)
+        if state is None:
+            return None
+        if state.sample_log and (self.dir / state.sample_log).is_file():
+            self.log_name = state.sample_log
+            self._f = (self.dir / self.log_name).open("ab")
+            for g in state.groups:
+                for off, s in zip(g.refs, g.samples):
+                    size = _RECORD.size + len(msgspec.msgpack.encode(s))
+                    self.refs[(g.task_id, s.sample)] = (off, size, s)
+            self.dead_bytes = max(0, self._f.tell() - sum(r[1] for r in self.refs.values()))
+        for p in self._generations():
+            if p.name != self.log_name:
+                p.unlink(missing_ok=True)  # left by a kill during a compaction, or unreferenced
+        return state
+
+    def _append(self, s: Scored) -> tuple[int, int, Scored]:
+        data = msgspec.msgpack.encode(s)
+        off = self._f.tell()
+        self._f.write(_RECORD.pack(len(data), zlib.crc32(data)))
+        self._f.write(data)
+        size = _RECORD.size + len(data)
+        self.bytes_written += size
+        return off, size, s
+
+    def write(self, state: LearnerState) -> Path:
+        """Record `state` (its groups' samples given inline, as the service builds it): new samples
+        go to the log, state.msgpack gets their offsets."""
+        if self._f is None:
+            self._start_generation()
+        live: dict[tuple[str, int], tuple[int, int, Scored]] = {}
+        for g in state.groups:
+            for s in g.samples:
+                old = self.refs.get((g.task_id, s.sample))
+                live[(g.task_id, s.sample)] = old if old is not None and old[2] is s else None
+        self.dead_bytes += sum(r[1] for k, r in self.refs.items() if live.get(k) is not r)
+        live_bytes = sum(r[1] for r in live.values() if r is not None)
+        old_logs = []
+        if self.dead_bytes > max(live_bytes, self.compact_min_bytes):
+            old_logs = [self.dir / self.log_name]
+            self._start_generation()  # every live sample is written again, into the new generation
+            live = dict.fromkeys(live)
+            self.compactions += 1
+        groups = []
+        for g in state.groups:
+            refs = []
+            for s in g.samples:
+                key = (g.task_id, s.sample)
+                if live[key] is None:
+                    live[key] = self._append(s)
+                refs.append(live[key][0])
+            groups.append(msgspec.structs.replace(g, samples=[], refs=refs))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self.refs = live
+        path = write_state(self.run_dir, msgspec.structs.replace(state, groups=groups, sample_log=self.log_name))
+        self.bytes_written += path.stat().st_size
+        for p in old_logs:
+            p.unlink(missing_ok=True)  # only now: the state in place names the new generation
+        return path
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
 def archive_dir(run_dir: str | Path) -> Path:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import time
@@ -24,6 +25,7 @@ from nats.js.errors import APIError
 
 from learner import checkpoint as ckpt
 from learner.feeder import Feeder, FeederState, Issued
+from learner.publication import Publication, Publisher
 from learner.groups import (
     BadTrajectory,
     Group,
@@ -70,6 +72,9 @@ class Learner:
         self.backlog: dict[str, float] = {}  # channel -> share of its max_bytes unconsumed (protocol.backlog)
         self.counters: Counter[str] = Counter()
         self.steplog = StepLog(self.run_dir)
+        self.ledger = ckpt.Ledger(self.run_dir)  # state.msgpack + the sample log: each write costs what changed
+        self.ledger_bytes = 0  # bytes the last ledger write wrote
+        self.publisher = Publisher()  # uploads and announces versions beside training, one at a time
         self._data = asyncio.Event()
         self.id = f"{socket.gethostname()}-{os.getpid()}"
         self.state_name = "starting"
@@ -91,7 +96,7 @@ class Learner:
     # -- start ----------------------------------------------------------------------------------
 
     def _fresh(self) -> FeederState:
-        if ckpt.read_state(self.run_dir) is not None:
+        if ckpt.has_state(self.run_dir):
             raise LearnerStateError(
                 f"{ckpt.learner_dir(self.run_dir)} holds a learner state; pass --resume to "
                 "continue it, or use another run name / run.dir for a fresh run"
@@ -100,7 +105,7 @@ class Learner:
         return FeederState()
 
     def _restore(self) -> FeederState:
-        state = ckpt.read_state(self.run_dir)
+        state = self.ledger.open()  # the buffered samples come back from the sample log
         if state is None:
             log.warning("--resume: no learner state in %s; starting fresh", ckpt.learner_dir(self.run_dir))
             return self._fresh()
@@ -134,6 +139,7 @@ class Learner:
     async def run(self, stop: asyncio.Event) -> int:
         await self.served.start()
         await self.publish(self.step)  # actors learn the baseline (version 0) or the restored version
+        await self.publisher.drain()
         worker = PullWorker(self.js, self.run_name, "scored", self.on_scored, bus=self.cfg.bus, name=f"learner-{self.id}",
                             concurrency=32, fetch_timeout=1.0)
         halt = asyncio.Event()
@@ -157,6 +163,7 @@ class Learner:
                     if t.done():
                         t.result()  # re-raise a crashed background task here
                         raise RuntimeError(f"background task {t.get_name()} stopped")
+                self.publisher.check()  # a failed publication stops the learner here
                 if self.evals is not None and self.evals.regression:
                     log.warning("early stop at step %d: %s", self.step, self.evals.regression)
                     break
@@ -168,6 +175,9 @@ class Learner:
                 self._data.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._data.wait(), timeout=0.5)
+            # Also after SIGTERM: the upload under way finishes and the newest version is announced.
+            self.state_name = "publishing"
+            await self.publisher.drain()
             if self.evals is not None and not stop.is_set():
                 no_more_tasks.set()
                 self.feeder.wake()
@@ -175,11 +185,13 @@ class Learner:
                 await self.evals.drain(self.lc.eval_wait_s, stop)
         finally:
             self.state_name = "stopping"
+            await self.publisher.abandon()  # only after a crash is anything left: it is never announced
             halt.set()
             no_more_tasks.set()
             self.feeder.wake()
             await asyncio.gather(*background, return_exceptions=True)
             await self.flush()
+            self.ledger.close()
             self.steplog.close()
         log.info("stopped after step %d", self.step)
         return 0
@@ -320,10 +332,11 @@ class Learner:
         stats["admission_lag_hist"] = dict(admission_lag)
 
         last = self.steps and self.step >= self.steps
+        eval_due = self.evals is not None and self.evals.due(self.step, last=bool(last))
         if self.step % self.lc.publish_every == 0 or last:
             t0 = time.perf_counter()
-            await self.publish(self.step)
-            stats["publish_s"] = time.perf_counter() - t0
+            await self.publish(self.step, write_now=eval_due)
+            stats["publish_s"] = time.perf_counter() - t0  # on the step's path: the CPU copy (and the file, for an eval)
         if self.step % self.lc.checkpoint_every == 0 or last:
             t0 = time.perf_counter()
             tag = ckpt.step_tag(self.step)
@@ -332,7 +345,7 @@ class Learner:
             self.uncommitted.clear()
             stats["checkpoint_s"] = time.perf_counter() - t0
         # after the checkpoint: an unpublished version is exported from it
-        if self.evals is not None and self.evals.due(self.step, last=bool(last)):
+        if eval_due:
             t0 = time.perf_counter()
             await self.evals.submit(self.step, self.step)
             stats["eval_export_s"] = time.perf_counter() - t0
@@ -393,27 +406,43 @@ class Learner:
                                   float(adv[gi, si]), correct=t.correct))
         return out
 
-    async def publish(self, version: int) -> None:
+    async def publish(self, version: int, write_now: bool = False) -> None:
+        """Take `version`'s weights now, before the next step can change them, and hand their upload and
+        announcement to the publisher (learner.publication): the next step does not wait for them.
+        objstore / shared_dir: a CPU copy on rank 0 (Trainer.weights_snapshot; ZeRO-3 gathers first),
+        written to weights_dir in the background, or at once with `write_now` (an eval exports it
+        next). cuda_ipc / nccl: packed into one of rank 0's GPU buffers (no file); only the
+        announcement is left for the background."""
         if self.lc.transport in ("cuda_ipc", "nccl"):
-            return await self.publish_gpu(version)
+            source = await asyncio.to_thread(self.driver, "pack_weights", version)
+            self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
+            return
+        snap = await asyncio.to_thread(self.driver, "weights_snapshot")
         wdir = ckpt.weights_dir(self.run_dir, version)
-        await asyncio.to_thread(self.driver, "save_weights", wdir)
+        if write_now:
+            await asyncio.to_thread(snap.write, wdir)
+        self.publisher.submit(Publication(version, lambda: self.upload(version, snap, wdir),
+                                          discard=lambda: shutil.rmtree(wdir, ignore_errors=True)))
+
+    async def upload(self, version: int, snap, wdir: Path) -> None:
+        """In the background: write the file (unless written), upload it (its sha256 is computed once,
+        by the transport as it reads the file), announce it, prune, open admission on it."""
+        await asyncio.to_thread(snap.write, wdir)  # a no-op when written for an eval
         wv = await retry_unreachable(
-            lambda: publish_version(self.js, self.run_name, version, self.step, wdir, self.lc.transport,
+            lambda: publish_version(self.js, self.run_name, version, version, wdir, self.lc.transport,
                                     shared_dir=self.lc.shared_dir or None, keep=self.lc.keep_versions,
                                     protect=self.served.versions()),
             what=f"publishing weights version {version}",
         )
-        ckpt.prune_weights(self.run_dir, self.lc.keep_versions)
+        await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
         self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 
-    async def publish_gpu(self, version: int) -> None:
-        """cuda_ipc / nccl: pack the weights into one of rank 0's buffers (no file) and announce
-        where actors get it. Actors copy it on their own time; nothing here waits for them."""
-        source = await asyncio.to_thread(self.driver, "pack_weights", version)
+    async def announce_gpu(self, version: int, source) -> None:
+        """cuda_ipc / nccl: announce where actors get the packed buffer. Actors copy it on their own
+        time; nothing here waits for them."""
         wv = await retry_unreachable(
-            lambda: publish_gpu_version(self.js, self.run_name, version, self.step, source),
+            lambda: publish_gpu_version(self.js, self.run_name, version, version, source),
             what=f"announcing weights version {version}",
         )
         self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
@@ -446,7 +475,9 @@ class Learner:
         """Write the ledger, then ack every message it now accounts for."""
         msgs, self.pending = self.pending, []
         state = self.snapshot()  # taken together with the swap above: nothing slips between them
-        await asyncio.to_thread(ckpt.write_state, self.run_dir, state)
+        before = self.ledger.bytes_written
+        await asyncio.to_thread(self.ledger.write, state)
+        self.ledger_bytes = self.ledger.bytes_written - before
         self.last_flush = time.monotonic()
         for m in msgs:
             with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is ignored as late/duplicate
@@ -494,6 +525,11 @@ class Learner:
             counters={
                 "step": float(self.step), "buffered_groups": float(len(self.grouper.buffer)),
                 "pending_acks": float(len(self.pending)), "in_flight": float(len(self.feeder.state.in_flight)),
+                "ledger.bytes_written": float(self.ledger.bytes_written), "ledger.last_write_bytes": float(self.ledger_bytes),
+                "ledger.compactions": float(self.ledger.compactions),
+                "weights.publishing": float(self.publisher.running is not None),
+                "weights.waiting": float(self.publisher.waiting is not None),
+                **{f"weights.{k}": float(v) for k, v in self.publisher.counters.items()},
                 **{k: float(v) for k, v in self.grouper.counters.items()},
                 **{k: float(v) for k, v in self.counters.items()},
                 **{k: float(v) for k, v in COUNTERS.items()},
@@ -550,7 +586,7 @@ async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
         driver = Driver(trainer)
         try:
             learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
-        except LearnerStateError as e:
+        except (LearnerStateError, ckpt.LedgerError) as e:
             log.error("%s", e)
             return 2
         return await learner.run(stop)

@@ -18,7 +18,7 @@ from learner import attention, grpo
 from learner.config import LearnerConfig
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
-from learner.weights_io import IpcPublisher, NcclSender, hf_tensors, hf_weights, write_weights
+from learner.weights_io import IpcPublisher, NcclSender, WeightSnapshot, hf_tensors, hf_weights, write_weights
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -381,6 +381,12 @@ class Trainer:
             with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
                 return hf_weights(self.module) if self.rank == 0 else {}
         return hf_weights(self.module) if self.rank == 0 else {}
+
+    def weights_snapshot(self) -> WeightSnapshot | None:
+        """hf_state_dict with the model's config on rank 0 (None on the others): the learner publishes
+        it in the background while the next step runs."""
+        state = self.hf_state_dict()
+        return WeightSnapshot(state, self.module.config.to_json_string()) if self.rank == 0 else None
 
     def save_weights(self, out_dir: str | Path) -> Path:
         """Write model.safetensors + config.json (what publish_version and vLLM's reload read)."""

@@ -1,6 +1,7 @@
 """The trained model's weights under their checkpoint (HF) names, as actors and vLLM load them:
-gathered to CPU without tied duplicates, written as one model.safetensors + config.json; or, for
-transport cuda_ipc, packed into a shared GPU buffer on rank 0 (IpcPublisher)."""
+gathered to CPU without tied duplicates (a WeightSnapshot, taken right after a step), written as
+one model.safetensors + config.json; or, for transport cuda_ipc, packed into a shared GPU buffer
+on rank 0 (IpcPublisher)."""
 
 from __future__ import annotations
 
@@ -244,8 +245,31 @@ def timedelta_s(seconds: float):
     return timedelta(seconds=seconds)
 
 
+@dataclass
+class WeightSnapshot:
+    """The trained weights after one step: CPU copies under HF names (hf_weights) and the model's
+    config.json text. Taken synchronously on rank 0 (Trainer.weights_snapshot), so the next step
+    cannot change what a version announces; written and uploaded later, beside training."""
+
+    state: dict[str, Tensor]
+    config_json: str
+    written: Path | None = None
+
+    def write(self, out_dir: str | Path) -> Path:
+        """Write it once (a second call returns the first file's directory); the CPU copies are freed
+        after, since what follows (upload, hashing) reads the file."""
+        if self.written is None:
+            self.written = _write(self.state, self.config_json, out_dir)
+            self.state = {}
+        return self.written
+
+
 def write_weights(state: dict[str, Tensor], config, out_dir: str | Path) -> Path:
     """model.safetensors (one file, HF names) + config.json into out_dir, written beside and renamed."""
+    return _write(state, config.to_json_string(), out_dir)
+
+
+def _write(state: dict[str, Tensor], config_json: str, out_dir: str | Path) -> Path:
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -253,5 +277,5 @@ def write_weights(state: dict[str, Tensor], config, out_dir: str | Path) -> Path
     tmp = out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")
-    config.to_json_file(str(out / "config.json"))
+    (out / "config.json").write_text(config_json)
     return out

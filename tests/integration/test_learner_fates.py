@@ -44,9 +44,29 @@ def scored_for(task: Task, sample: int, *, flat: bool = False, pad: int = 0) -> 
                   weights={"bleu": 1.0}, total=reward, trajectory=traj, document="the document")
 
 
+class SnapshotDouble:
+    """Stands in for learner.weights_io.WeightSnapshot: writes a few bytes as model.safetensors.
+    Writing the weights directory of version `hold` blocks until `release` is set."""
+
+    def __init__(self, data: bytes, trainer: TrainerDouble):
+        self.data, self.trainer, self.written = data, trainer, None
+
+    def write(self, out):
+        if self.written is None:
+            t = self.trainer
+            if t.hold is not None and out.name == f"v{t.hold:06d}":
+                t.entered.set()
+                t.release.wait(60)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "model.safetensors").write_bytes(self.data)
+            (out / "config.json").write_text("{}")
+            self.written = out
+        return self.written
+
+
 class TrainerDouble:
     """Stands in for learner.ranks.Driver: the calls the Learner makes, with files where it expects them.
-    `hold` blocks save_weights of that version until `release` is set; `step_s` is each step's duration."""
+    `hold` blocks writing the weights of that version until `release` is set; `step_s` is each step's duration."""
 
     def __init__(self, hold: int | None = None, step_s: float = 0.0):
         self.hold, self.step_s, self.calls = hold, step_s, []
@@ -54,15 +74,8 @@ class TrainerDouble:
 
     def __call__(self, op, *args):
         self.calls.append(op)
-        if op == "save_weights":
-            out = args[0]
-            if self.hold is not None and out.name == f"v{self.hold:06d}":
-                self.entered.set()
-                self.release.wait(60)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "model.safetensors").write_bytes(b"weights %d" % len(self.calls))
-            (out / "config.json").write_text("{}")
-            return out
+        if op == "weights_snapshot":
+            return SnapshotDouble(b"weights %d" % len(self.calls), self)
         if op == "save_checkpoint":
             (args[0] / args[1]).mkdir(parents=True, exist_ok=True)
             return None

@@ -1,0 +1,235 @@
+"""Weight publication off the training path: the real Learner, its Publisher and the real
+protocol.weights.publish_version on a real nats-server, with a test-double trainer and actor (as in
+test_learner_fates) and a slow transport double: the object store's upload of a chosen version waits
+until the test lets it go. Shown: the next step starts before the previous version's upload ends;
+with steps faster than uploads at most one upload runs, a version overtaken while waiting is never
+uploaded nor announced, the newest is; each version's sha256 is computed once; a stop during an
+upload lets it finish and announce."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+
+import pytest
+
+from protocol import codec, topology
+from protocol.weights import current_version
+from tests.integration.test_learner_fates import BUS, ActorDouble, TrainerDouble, base_model, make_cfg
+
+pytestmark = [pytest.mark.integration]
+
+
+class SlowStore:
+    """Test double around the run's real object store: the upload of model.safetensors of a version
+    first awaits `gate(version)`; uploads are timed and their concurrency counted."""
+
+    def __init__(self, store, transport: SlowTransport):
+        self._store, self._t = store, transport
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    async def put(self, name, data, meta=None):
+        if not name.endswith("/model.safetensors"):
+            return await self._store.put(name, data, meta=meta)
+        t = self._t
+        version = int(name[1:7])
+        t.started[version] = time.monotonic()
+        t.running += 1
+        t.max_running = max(t.max_running, t.running)
+        try:
+            await t.gate(version)
+            return await self._store.put(name, data, meta=meta)
+        finally:
+            t.running -= 1
+            t.ended[version] = time.monotonic()
+
+
+class SlowTransport:
+    """Test double for the learner's JetStream context: everything goes to the real one, except that
+    object stores come wrapped in SlowStore."""
+
+    def __init__(self, js, gate):
+        self._js, self.gate = js, gate
+        self.started: dict[int, float] = {}
+        self.ended: dict[int, float] = {}
+        self.running = self.max_running = 0
+
+    def __getattr__(self, name):
+        return getattr(self._js, name)
+
+    async def object_store(self, bucket):
+        return SlowStore(await self._js.object_store(bucket), self)
+
+
+class TimedTrainer(TrainerDouble):
+    """TrainerDouble that notes when each train_step begins (event k: step k began)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.began: list[float] = []
+        self.step_began = [threading.Event() for _ in range(8)]
+
+    def __call__(self, op, *args):
+        if op == "train_step":
+            self.began.append(time.monotonic())
+            self.step_began[len(self.began)].set()
+        return super().__call__(op, *args)
+
+
+async def announced(js, run: str) -> list[int]:
+    kv = await js.key_value(topology.kv_bucket(run))
+    return [codec.decode("weights", e.value).version for e in await kv.history(topology.WEIGHTS_KEY) if e.value]
+
+
+async def run_learner(js, nc, cfg, trainer, transport, stop: asyncio.Event | None = None, tmp_path=None):
+    from learner.service import Learner
+
+    learner = Learner(cfg, transport, nc, trainer, model_dir=base_model(cfg.run_dir.parent), resume=False,
+                      steps=cfg.learner.steps)
+    halt = asyncio.Event()
+    worker = ActorDouble(js, cfg.run.name, lambda i: "answer").start(halt)
+    try:
+        code = await asyncio.wait_for(learner.run(stop or asyncio.Event()), timeout=120)
+    finally:
+        halt.set()
+        await asyncio.gather(worker, return_exceptions=True)
+    assert code == 0
+    return learner
+
+
+async def test_the_next_step_starts_before_the_upload_ends(js, nc, tmp_path):
+    run = "overlap"
+    cfg = make_cfg(run, tmp_path / "run", steps=2, groups_per_step=1, max_staleness=1)
+    await topology.ensure_topology(js, run, BUS)
+    trainer = TimedTrainer()
+
+    async def gate(version):
+        if version == 1:  # version 1's upload lasts until step 2 has begun (20 s at most)
+            await asyncio.to_thread(trainer.step_began[2].wait, 20)
+
+    slow = SlowTransport(js, gate)
+    await run_learner(js, nc, cfg, trainer, slow)
+    assert len(trainer.began) == 2
+    assert trainer.began[1] < slow.ended[1], "step 2 waited for version 1's upload"
+    assert slow.max_running == 1
+    assert await announced(js, run) == [0, 1, 2]
+
+
+async def test_a_version_overtaken_while_waiting_is_never_announced(js, nc, tmp_path):
+    run = "supersede"
+    run_dir = tmp_path / "run"
+    cfg = make_cfg(run, run_dir, steps=3, groups_per_step=1, max_staleness=2)
+    await topology.ensure_topology(js, run, BUS)
+    box = []
+
+    async def gate(version):
+        if version == 1:  # slow: versions 2 and 3 are both taken while version 1 uploads
+            t0 = time.monotonic()
+            while not (box and box[0].step == 3 and box[0].publisher.waiting is not None
+                       and box[0].publisher.waiting.version == 3) and time.monotonic() - t0 < 30:
+                await asyncio.sleep(0.05)
+
+    slow = SlowTransport(js, gate)
+    from learner.service import Learner
+
+    learner = Learner(cfg, slow, nc, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=3)
+    box.append(learner)
+    halt = asyncio.Event()
+    worker = ActorDouble(js, run, lambda i: "answer").start(halt)
+    try:
+        assert await asyncio.wait_for(learner.run(asyncio.Event()), timeout=120) == 0
+    finally:
+        halt.set()
+        await asyncio.gather(worker, return_exceptions=True)
+
+    assert sorted(slow.started) == [0, 1, 3]  # version 2 was never uploaded
+    assert slow.max_running == 1
+    assert await announced(js, run) == [0, 1, 3]
+    assert (await current_version(js, run)).version == 3
+    assert learner.publisher.superseded == [2]
+    beat = learner.heartbeat().counters
+    assert beat["weights.superseded"] == 1.0 and beat["weights.published"] == 3.0  # 0, 1, 3
+    weights = run_dir / "learner" / "weights"
+    assert not (weights / "v000002").exists() and (weights / "v000003" / "model.safetensors").is_file()
+
+
+class RealWeightsTrainer(TrainerDouble):
+    """TrainerDouble whose snapshots are real learner.weights_io.WeightSnapshot (safetensors files)."""
+
+    def __call__(self, op, *args):
+        if op == "weights_snapshot":
+            import torch
+
+            from learner.weights_io import WeightSnapshot
+
+            n = sum(c == "train_step" for c in self.calls)
+            self.calls.append(op)
+            return WeightSnapshot({"w": torch.full((256, 256), float(n)), "b": torch.arange(64.0) + n},
+                                  '{"model_type": "double"}')
+        return super().__call__(op, *args)
+
+
+@pytest.mark.parametrize("transport", ["objstore", "shared_dir"])
+async def test_each_version_is_hashed_once(js, nc, tmp_path, monkeypatch, transport):
+    import nats.js.object_store
+
+    digests: list[tuple[bytes, int]] = []  # (digest, bytes hashed) of every sha256 computed
+
+    class CountingSha256:
+        """Test double for hashlib.sha256 (where protocol.weights and nats.py's object store take it)."""
+
+        def __init__(self, data=b""):
+            self._h, self._n = real(), 0
+            self.update(data)
+
+        def update(self, data):
+            self._n += len(data)
+            self._h.update(data)
+
+        def digest(self):
+            digests.append((self._h.digest(), self._n))
+            return self._h.digest()
+
+        def hexdigest(self):
+            return self.digest().hex()
+
+    real = hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", CountingSha256)
+    monkeypatch.setattr(nats.js.object_store, "sha256", CountingSha256)
+
+    run = f"hash-{transport.replace('_', '')}"
+    extra = {"transport": transport, "shared_dir": str(tmp_path / "shared")} if transport == "shared_dir" else {}
+    cfg = make_cfg(run, tmp_path / "run", steps=3, groups_per_step=1, max_staleness=1, **extra)
+    await topology.ensure_topology(js, run, BUS)
+    await run_learner(js, nc, cfg, RealWeightsTrainer(), js)
+
+    kv = await js.key_value(topology.kv_bucket(run))
+    versions = [codec.decode("weights", e.value) for e in await kv.history(topology.WEIGHTS_KEY) if e.value]
+    assert [wv.version for wv in versions] == [0, 1, 2, 3]
+    assert len({wv.sha256 for wv in versions}) == 4  # different weights per step
+    for wv in versions:
+        computed = [n for d, n in digests if d.hex() == wv.sha256]
+        assert computed == [wv.bytes], f"version {wv.version}: sha256 computed {len(computed)} times"
+
+
+async def test_a_stop_during_an_upload_lets_it_finish_and_announce(js, nc, tmp_path):
+    """SIGTERM sets the stop event: the step ends, the upload under way finishes, its version is announced."""
+    run = "stopping"
+    cfg = make_cfg(run, tmp_path / "run", steps=0, groups_per_step=1, max_staleness=0)  # steps=0: forever
+    await topology.ensure_topology(js, run, BUS)
+    stop = asyncio.Event()
+
+    async def gate(version):
+        if version == 1:
+            stop.set()  # the stop comes while version 1 uploads
+            await asyncio.sleep(1.0)
+
+    slow = SlowTransport(js, gate)
+    learner = await run_learner(js, nc, cfg, TrainerDouble(), slow, stop=stop)
+    assert learner.step == 1
+    assert await announced(js, run) == [0, 1]
+    assert learner.publisher.counters["published"] == 2
