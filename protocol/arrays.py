@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from protocol.messages import AssistantTurn, Trajectory
+from protocol.messages import AssistantTurn, Scored, Trajectory
 
 IDS = np.dtype("<i4")
 MASK = np.dtype("u1")
@@ -86,3 +86,14 @@ def turn_logprobs(turn: AssistantTurn) -> np.ndarray:
 def generated(turn: AssistantTurn) -> int:
     """How many tokens the turn generated (one log-prob each)."""
     return len(turn.logprobs_f32) // LOGPROBS.itemsize if turn.logprobs_f32 else len(turn.logprobs)
+
+
+def ref_logprobs(scored: Scored) -> np.ndarray:
+    """(T,) float32: the reference log-prob of each token given its prefix (0.0 at token 0); empty
+    when the scorer sent none."""
+    return _view(scored.ref_logp_f32, [], LOGPROBS, scored.traj_id, "ref_logp_f32", "ref_logp_f32")
+
+
+def reference_logprobs(packed: bytes, owner: str) -> np.ndarray:
+    """(T-1,) float32 of a ReferenceReply's logp_f32."""
+    return _view(packed, [], LOGPROBS, owner, "logp_f32", "logp_f32")
