@@ -92,3 +92,16 @@ def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
     perms = role_permissions("r")
     assert topology.REFERENCE_SUBJECT in perms["reference"]["subscribe"]["allow"] and perms["reference"]["allow_responses"]
     assert topology.REFERENCE_SUBJECT in perms["scorer"]["publish"]["allow"]
+
+
+def test_an_evals_scorer_asks_no_reference_service(tmp_path):
+    from deploy.config import load_config
+    from evaluation.fleet import scorer_args
+
+    path = tmp_path / "run.toml"
+    path.write_text('[learner]\nreference = "service"\n')
+    args = scorer_args(["--config", str(path), "--set", 'run.name="r-eval"'], "base")
+    assert args[0] == "scorer"
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    assert load_config(path).learner.reference == "service"
+    assert load_config(path, sets).learner.reference == "local"
