@@ -94,7 +94,7 @@ def reference_routes(ref: ReferenceModel, counters: Counter | None = None) -> di
     async def handler(data: bytes) -> bytes:
         try:
             req = codec.decode("reference.request", data)
-            ids = arrays._view(req.token_ids_i32, [], arrays.IDS, "reference request", "token_ids_i32", "token_ids_i32")
+            ids = arrays.request_ids(req.token_ids_i32)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             counters["bad_request"] += 1
             return codec.encode(ReferenceReply(ok=False, error=f"request is not a ReferenceRequest: {e}",

@@ -237,3 +237,35 @@ async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc
         assert lp.size == arrays.token_ids(s.trajectory).size and lp[0] == 0.0
         np.testing.assert_array_equal(lp[1:], expected[s.traj_id])
         assert s.timings["reference"] > 0
+
+
+async def test_the_service_refuses_what_it_cannot_answer_with_the_reason(tiny_model):
+    from engines.reference import ReferenceModel, reference_routes
+    from protocol import codec, topology
+    from protocol.messages import ReferenceRequest
+
+    from learner.service import policy_limits
+
+    vocab, positions = policy_limits(tiny_model)
+    ref = ReferenceModel(NAME, tiny_model, chunk=64)
+    handler = reference_routes(ref)[topology.REFERENCE_SUBJECT]
+
+    async def ask(data: bytes):
+        return codec.decode("reference.reply", await handler(data))
+
+    def req(ids, **kw) -> bytes:
+        return codec.encode(ReferenceRequest(model=kw.pop("model", NAME), token_ids_i32=arrays.pack_ids(ids), **kw))
+
+    good = await ask(req([5, 9, 17, 3]))
+    assert good.ok and arrays.reference_logprobs(good.logp_f32, "t").size == 3
+    for data, needle in [
+        (b"\x93not a request", "request is not a ReferenceRequest"),
+        (req([5, 9], model="other"), "holds model 'toy', not 'other'"),
+        (req([5, 9], version=3), "version 3 asked; the reference is the initial weights, version 0"),
+        (req([5]), "1 token(s): a log-prob needs a token and a prefix"),
+        (req([5, vocab]), f"token id {vocab} is outside the vocabulary 0..{vocab - 1}"),
+        (req([5] * (positions + 1)), f"{positions + 1} tokens, more than the model's {positions} positions"),
+        (codec.encode(ReferenceRequest(model=NAME, token_ids_i32=b"\x01\x02\x03")), "holds 3 bytes"),
+    ]:
+        reply = await ask(data)
+        assert not reply.ok and needle in reply.error, (needle, reply.error)
