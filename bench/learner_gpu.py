@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero", default="2,3", help="ZeRO stages to run the learner with, comma-separated ('' for none)")
     p.add_argument("--attn", default="sdpa,varlen",
                    help=f"attention variants, comma-separated, of {list(ATTN_CHOICES)}")
+    p.add_argument("--compile", default="auto",
+                   help="learner [learner] compile values to run, comma-separated, of auto, off, layers "
+                        "(one learner phase per ZeRO stage and value)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each learner phase's first variant, one more step under torch.profiler: "
+                        "the top kernels by device time and the time per kernel kind")
     p.add_argument("--skip-plain", action="store_true", help="leave out the plain PyTorch step")
     p.add_argument("--gpus", type=int, default=1, help="ranks for the learner phases (torch.distributed.run when > 1)")
     p.add_argument("--kl-coef", type=float, default=0.001, help="learner kl_coef; > 0 adds the reference forward")
@@ -92,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.zero_stages = [int(z) for z in args.zero.split(",") if z.strip()]
     args.attn_list = [a.strip() for a in args.attn.split(",") if a.strip()]
     args.ref_list = [r.strip() for r in args.ref.split(",") if r.strip()]
+    args.compile_list = [c.strip() for c in args.compile.split(",") if c.strip()]
     errors = []
     if not args.ref_list or any(r not in REF_CHOICES for r in args.ref_list):
         errors.append(f"--ref={args.ref!r}: use a comma-separated subset of {list(REF_CHOICES)}")
@@ -101,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         errors.append(f"--zero={args.zero!r}: stages must be among 0, 1, 2, 3")
     if not args.attn_list or any(a not in ATTN_CHOICES for a in args.attn_list):
         errors.append(f"--attn={args.attn!r}: use a comma-separated subset of {list(ATTN_CHOICES)}")
+    if not args.compile_list or any(c not in ("auto", "off", "layers") for c in args.compile_list):
+        errors.append(f"--compile={args.compile!r}: use a comma-separated subset of auto, off, layers")
     for name in ("layers", "budget_tokens", "step_tokens", "steps", "gpus"):
         if getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -266,10 +275,15 @@ def measure(step, args, device, deadline: float, last_s: float | None) -> dict:
     return {"step_s": times, "peak_gib": _peak_gib(device)}
 
 
+def _plain(o):
+    """JSON for numpy/torch scalars (the profiler's figures)."""
+    return o.item() if hasattr(o, "item") else str(o)
+
+
 def _save(result_path: str, rows: list[dict], extra: dict) -> None:
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"rows": rows, **extra}, f)
+        json.dump({"rows": rows, **extra}, f, default=_plain)
     os.replace(tmp, result_path)  # written after every variant: a crash later keeps these
 
 
@@ -380,7 +394,47 @@ def fill_service_reference(args, samples, dtype_name: str) -> float:
     return time.perf_counter() - t0
 
 
-def phase_learner(args, zero: int, ref: str = "local") -> None:
+def kernel_kind(name: str) -> str:
+    """A coarse kind of a CUDA kernel, from its name, for the profile's time shares."""
+    n = name.lower()
+    # attention first: flash kernels carry cutlass types in their names
+    for kind, keys in (("attention", ("flash", "fmha", "attn")),
+                       ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul")),
+                       ("communication", ("nccl",)),
+                       ("copy", ("memcpy", "memset", "copy")),
+                       ("reduction", ("reduce", "softmax", "norm")),
+                       ("triton (compiled)", ("triton",))):
+        if any(k in n for k in keys):
+            return kind
+    return "elementwise/other"
+
+
+def profile_step(step, device) -> dict:
+    """One step under torch.profiler: the 25 kernels with the most device time and the share of each
+    kernel kind (kernel_kind) in the device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync(device)
+    wall = time.perf_counter() - t0
+    kernels: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[evt.name] = kernels.get(evt.name, 0.0) + float(evt.device_time) / 1e6
+    busy = sum(kernels.values())
+    kinds: dict[str, float] = {}
+    for name, t in kernels.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return {"wall_s": wall, "kernel_s": busy, "kinds_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": [{"kernel": k[:160], "s": t, "kind": kernel_kind(k)} for k, t in top]}
+
+
+def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local") -> None:
     """parley's learner as it trains: Trainer(LearnerConfig) from the saved weights, then
     Trainer.train_step(samples) (packing, chunked log-probs of trained tokens, reference forward
     (ref "local") or the samples' reference log-probs (ref "service"), GRPO loss, DeepSpeed backward
@@ -393,8 +447,9 @@ def phase_learner(args, zero: int, ref: str = "local") -> None:
     from learner.logprobs import token_logprobs
 
     cfg = LearnerConfig(zero_stage=zero, micro_batch_tokens=args.budget_tokens, kl_coef=args.kl_coef,
-                        lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto", reference=ref)
-    tag = f"[zero{zero}{'' if ref == 'local' else ' ref ' + ref}]"
+                        lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto", compile=compile_mode,
+                        reference=ref)
+    tag = f"[zero{zero} compile={compile_mode}{'' if ref == 'local' else ' ref ' + ref}]"
     samples = draw_samples(args, model_config(args).vocab_size)
     ref_fill_s = None
     if ref == "service":
@@ -408,7 +463,8 @@ def phase_learner(args, zero: int, ref: str = "local") -> None:
     device = torch.device(device) if not isinstance(device, torch.device) else device
     persistent = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
     if rank == 0:
-        print(f"{tag} Trainer ready in {init_s:.1f} s on {world} rank(s), default attention {trainer.attention}"
+        print(f"{tag} Trainer ready in {init_s:.1f} s on {world} rank(s), default attention {trainer.attention}, "
+              f"layers compiled: {trainer.compiled}"
               + (f", {persistent:.1f} GiB allocated" if persistent is not None else ""), flush=True)
 
     lengths = [len(s.token_ids) for s in samples]
@@ -428,11 +484,13 @@ def phase_learner(args, zero: int, ref: str = "local") -> None:
     rows: list[dict] = []
     # what `parley learner` itself runs with this config (learner.attention: flash varlen on CUDA)
     extra = {"init_s": init_s, "persistent_gib": persistent, "learner_default_attention": trainer.attention,
-             "ref_fill_s": ref_fill_s}
+             "compile": compile_mode, "compiled": trainer.compiled, "ref_fill_s": ref_fill_s}
     last = None
     for attn in args.attn_list:
-        row = {"phase": f"learner ZeRO-{zero}" + ("" if ref == "local" else f", ref {ref}"), "zero": zero,
-               "layout": "packed", "attention": attn, "ref": ref,
+        row = {"phase": f"learner ZeRO-{zero}" + ("" if compile_mode == "auto" else f" compile={compile_mode}")
+               + ("" if ref == "local" else f", ref {ref}"),
+               "zero": zero, "compile": compile_mode, "compiled": trainer.compiled, "layout": "packed", "attention": attn,
+               "ref": ref,
                "world": world, "lengths": lengths, "kl_coef": args.kl_coef,
                "trained_tokens": int(sum(s.n_trained for s in samples))}
         # every rank must take the same branch (the steps are collective): rank 0 decides
@@ -473,6 +531,13 @@ def phase_learner(args, zero: int, ref: str = "local") -> None:
                 row["first_step_stats"] = {k: v for k, v in first.items() if isinstance(v, float)}
                 row["last_step_stats"] = {k: v for k, v in stats.items() if isinstance(v, float)}
                 last = statistics.median(row["step_s"])
+                if args.profile and "profile" not in extra and world == 1:
+                    extra["profile"] = prof = profile_step(step, device)
+                    print(f"{tag} profile of one step ({attn}): wall {prof['wall_s']:.3f} s, kernels "
+                          f"{prof['kernel_s']:.3f} s; by kind: "
+                          + ", ".join(f"{k} {v:.3f} s" for k, v in prof["kinds_s"].items()), flush=True)
+                    for t in prof["top"]:
+                        print(f"{tag}   {t['s'] * 1e3:8.1f} ms  {t['kind']:<18} {t['kernel'][:110]}", flush=True)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"
                 if world > 1:
@@ -617,10 +682,11 @@ def compute(rows: list[dict], shape: dict, n_params: int, peak_tflops: float) ->
                                  "policy_mfu_ratio": r["policy_mfu"] / same["mfu"],
                                  "tokens_per_s_ratio": r["tokens_per_s"] / same["tokens_per_s"]}
     # the same learner row with the reference service against its own frozen copy, in the same run
-    local = {(r["zero"], r["attention"], r["world"]): r for r in rows
+    local = {(r["zero"], r.get("compile"), r["attention"], r["world"]): r for r in rows
              if "mfu" in r and r.get("ref") == "local" and "zero" in r}
     for r in rows:
-        same = local.get((r.get("zero"), r["attention"], r["world"])) if r.get("ref") == "service" else None
+        key = (r.get("zero"), r.get("compile"), r["attention"], r["world"])
+        same = local.get(key) if r.get("ref") == "service" else None
         if "mfu" in r and same is not None:
             r["vs_ref_local"] = {"step_s_ratio": r["s_per_step"] / same["s_per_step"],
                                  "tokens_per_s_ratio": r["tokens_per_s"] / same["tokens_per_s"]}
@@ -672,9 +738,10 @@ def main() -> int:
             phase_build(args)
         elif args._phase == "plain":
             phase_plain(args)
-        else:  # "zero<stage>" or "zero<stage>-<ref>"
-            stage, _, ref = args._phase.removeprefix("zero").partition("-")
-            phase_learner(args, int(stage), ref or "local")
+        else:  # "zero<stage>[:<compile>][-<ref>]"
+            head, _, ref = args._phase.removeprefix("zero").partition("-")
+            stage, _, mode = head.partition(":")
+            phase_learner(args, int(stage), mode or "auto", ref or "local")
         return 0
 
     start = time.time()
@@ -712,7 +779,8 @@ def main() -> int:
     model_dir = tempfile.mkdtemp(prefix="parley_bench_model_")
     try:
         phases = ["plain"] if not args.skip_plain else (["build"] if args.zero_stages else [])
-        phases += [f"zero{z}" + ("" if ref == "local" else f"-{ref}") for z in args.zero_stages for ref in args.ref_list]
+        phases += [f"zero{z}" + ("" if c == "auto" else f":{c}") + ("" if ref == "local" else f"-{ref}")
+                   for z in args.zero_stages for c in args.compile_list for ref in args.ref_list]
         for phase in phases:
             if deadline - time.time() < 20:
                 report["phases"].append({"phase": phase, "status": "skipped: time budget"})

@@ -136,6 +136,7 @@ def _choose_kernel(device: torch.device) -> None:
     _kernel.update(name="seqloop", fn=None, why="varlen_attn unusable: " + "; ".join(notes))
 
 
+@torch.compiler.disable
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function (registered as VARLEN): query (1, Hq, T, D), key/value
     (1, Hkv, T, D) -> ((1, T, Hq, D), None). The sequences come from the position_ids (the layers pass

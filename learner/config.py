@@ -14,6 +14,7 @@ STALE_POLICIES = ("drop", "correct")
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTIONS = ("auto", "sdpa", "varlen")  # learner.attention
 REFERENCES = ("local", "service")  # where the KL's reference log-probs come from (learner.trainer)
+COMPILES = ("auto", "off", "layers")  # learner.trainer.compile_layers
 
 
 class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -90,6 +91,9 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # sdpa = transformers' block-diagonal mask; varlen = per-sequence kernel (flash on CUDA, an SDPA call
     # per sequence on CPU)
     attention: str = "auto"
+    # torch.compile of each decoder layer (attention itself stays eager): auto = on CUDA with ZeRO 0-2,
+    # off on CPU and under ZeRO-3 (its parameter hooks run inside the layer); layers = always; off = never
+    compile: str = "auto"
     publish_every: int = 1  # versions
     keep_versions: int = 3
     transport: str = "objstore"
@@ -139,6 +143,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"groups_per_step={self.groups_per_step} must be >= 1")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness={self.max_staleness} must be >= 0")
+        if self.compile not in COMPILES:
+            raise ValueError(f"compile={self.compile!r} not allowed; use one of {COMPILES}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention={self.attention!r} not allowed; use one of {ATTENTIONS}")
         if self.reference not in REFERENCES:

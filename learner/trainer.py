@@ -154,6 +154,24 @@ def restore_computed_buffers(model, dtype: torch.dtype) -> int:
     return differed
 
 
+def compile_layers(model, mode: str, device: torch.device, zero_stage: int) -> bool:
+    """torch.compile each decoder layer of `model` in place ([learner] compile). The norms, rotary
+    embedding, residual adds and SwiGLU around the matmuls fuse into fewer kernels; the attention
+    function stays eager (learner.attention.packed_attention is excluded from tracing: a graph break
+    per layer). One dynamic-shape graph serves every layer and every micro-batch length. "auto" compiles
+    on CUDA under ZeRO 0-2 only: ZeRO-3 gathers parameters in module hooks, which compiled layers
+    would trace. Returns whether the layers were compiled."""
+    if mode == "off" or (mode == "auto" and (device.type != "cuda" or zero_stage == 3)):
+        return False
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        raise ValueError(f"[learner] compile={mode!r}: {type(model.base_model).__name__} has no `layers` list to "
+                         "compile; set compile = \"off\"")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return True
+
+
 class Trainer:
     """The policy under DeepSpeed, an optional frozen reference for KL (kl_coef > 0 and reference =
     "local"), and the GRPO step."""
@@ -185,6 +203,10 @@ class Trainer:
             # samples bring their reference log-probs (computed off the training GPUs).
             ref = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
             attention.use(ref, attn)
+            # compiled exactly when the policy is: the same kernels on the same weights give a step-0 KL
+            # of exactly 0 (a compiled reference beside an eager ZeRO-3 policy differed by up to 0.06 in
+            # bf16 log-probs on the H200)
+            compile_layers(ref, cfg.compile, device, cfg.zero_stage)
             self.reference = ref.to(device).eval().requires_grad_(False)
 
         # With ZeRO-3, from_pretrained partitions parameters while loading when this object is alive.
@@ -193,6 +215,7 @@ class Trainer:
         if cfg.zero_stage == 3:
             restore_computed_buffers(model, self.dtype)
         attention.use(model, attn)
+        self.compiled = compile_layers(model, cfg.compile, device, cfg.zero_stage)
         model.config.use_cache = False
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -64,7 +64,9 @@ def test_two_ranks_start_from_the_saved_weights(tiny_model, zero, tmp_path):
 # lengths, fixed: vs plain mean 0.002, max 0.03, vs reference 0, KL 0; before the fix: vs plain mean
 # 0.03, max 0.27, KL 8e-4 (and the k3 KL of a 4B model at 1-8k tokens was 0.35-0.40 on the H200).
 GPU_REFERENCE_MAX = 1e-3
-GPU_PLAIN_MEAN, GPU_PLAIN_MAX = 1e-2, 0.1
+# With the layers compiled (ZeRO-2's default on CUDA) the fused kernels round differently again: on the
+# H200, vs plain mean 0.0107, max 0.055 (ZeRO-2, compiled), against 0.0088, 0.043 (ZeRO-3, eager).
+GPU_PLAIN_MEAN, GPU_PLAIN_MAX = 1.5e-2, 0.1
 GPU_KL_MEAN = 1e-5
 
 
