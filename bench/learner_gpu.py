@@ -14,6 +14,9 @@ FLOPs (stated once, used for every row; PaLM-style model FLOPs, recomputation no
   12 * L * Hq * d * s^2 / 2), a forward alone is a third of that. Packed sequences attend only
   within themselves, so the attention term is summed per sequence, never over the whole pack.
   The learner's row adds the reference model's forward (KL) to its FLOPs; "policy MFU" leaves it out.
+  With --ref service the learner rows run [learner] reference = "service": each sample's reference
+  log-probs are computed before the Trainer is built (untimed, the reference service's computation),
+  so the step has no reference forward and its FLOPs are the policy's alone.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ if str(REPO) not in sys.path:
 
 VARLEN = "parley_varlen"  # learner.attention.VARLEN (kept here so --help imports no torch)
 ATTN_CHOICES = ("sdpa", "varlen")
+REF_CHOICES = ("local", "service")  # learner.config.REFERENCES
 GiB = 2**30
 
 
@@ -67,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-plain", action="store_true", help="leave out the plain PyTorch step")
     p.add_argument("--gpus", type=int, default=1, help="ranks for the learner phases (torch.distributed.run when > 1)")
     p.add_argument("--kl-coef", type=float, default=0.001, help="learner kl_coef; > 0 adds the reference forward")
+    p.add_argument("--ref", default="local",
+                   help="where the learner rows' reference log-probs come from, comma-separated of "
+                        f"{list(REF_CHOICES)}: local = the learner's frozen copy run in every step; service = "
+                        "[learner] reference = \"service\", the samples' ref filled in beforehand (untimed) "
+                        "the way the reference service computes them")
     p.add_argument("--budget-s", type=float, default=520.0,
                    help="wall-clock budget; phases and variants that would overrun it are skipped")
     p.add_argument("--seed", type=int, default=0)
@@ -88,8 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.step_tokens = 4 * args.budget_tokens
     args.zero_stages = [int(z) for z in args.zero.split(",") if z.strip()]
     args.attn_list = [a.strip() for a in args.attn.split(",") if a.strip()]
+    args.ref_list = [r.strip() for r in args.ref.split(",") if r.strip()]
     args.compile_list = [c.strip() for c in args.compile.split(",") if c.strip()]
     errors = []
+    if not args.ref_list or any(r not in REF_CHOICES for r in args.ref_list):
+        errors.append(f"--ref={args.ref!r}: use a comma-separated subset of {list(REF_CHOICES)}")
+    if "service" in args.ref_list and args.kl_coef <= 0:
+        errors.append(f"--ref service needs --kl-coef > 0 (got {args.kl_coef}): without KL no reference is used")
     if any(z not in (0, 1, 2, 3) for z in args.zero_stages):
         errors.append(f"--zero={args.zero!r}: stages must be among 0, 1, 2, 3")
     if not args.attn_list or any(a not in ATTN_CHOICES for a in args.attn_list):
@@ -355,6 +369,31 @@ def phase_plain(args) -> None:
         _save(args._result, rows, extra)
 
 
+def fill_service_reference(args, samples, dtype_name: str) -> float:
+    """What the reference service (engines/reference.py) computes, put into every sample's `ref`
+    before the Trainer exists (so outside the timing, and before ZeRO-3's loading hook): the saved
+    initial weights loaded plainly, one forward per trajectory with the shared log-prob function.
+    The model is freed afterwards, so the training GPU holds no reference. Returns the seconds taken."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engines.logprobs import sequence_logprobs
+    from learner.trainer import resolve_dtype
+
+    device, _ = _device_dtype(args)
+    t0 = time.perf_counter()
+    ref = AutoModelForCausalLM.from_pretrained(args._model_dir, dtype=resolve_dtype(dtype_name),
+                                               attn_implementation="sdpa").to(device).eval()
+    for s in samples:
+        lp = sequence_logprobs(ref, torch.from_numpy(s.token_ids).to(device), 1024)
+        s.ref = np.concatenate([np.zeros(1, np.float32), lp.cpu().numpy()])  # token 0 has no prefix
+    del ref
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return time.perf_counter() - t0
+
+
 def kernel_kind(name: str) -> str:
     """A coarse kind of a CUDA kernel, from its name, for the profile's time shares."""
     n = name.lower()
@@ -395,10 +434,11 @@ def profile_step(step, device) -> dict:
             "top": [{"kernel": k[:160], "s": t, "kind": kernel_kind(k)} for k, t in top]}
 
 
-def phase_learner(args, zero: int, compile_mode: str = "auto") -> None:
+def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local") -> None:
     """parley's learner as it trains: Trainer(LearnerConfig) from the saved weights, then
-    Trainer.train_step(samples) (packing, chunked log-probs of trained tokens, reference forward,
-    GRPO loss, DeepSpeed backward and step)."""
+    Trainer.train_step(samples) (packing, chunked log-probs of trained tokens, reference forward
+    (ref "local") or the samples' reference log-probs (ref "service"), GRPO loss, DeepSpeed backward
+    and step)."""
     import torch
 
     from learner.config import LearnerConfig
@@ -407,20 +447,26 @@ def phase_learner(args, zero: int, compile_mode: str = "auto") -> None:
     from learner.logprobs import token_logprobs
 
     cfg = LearnerConfig(zero_stage=zero, micro_batch_tokens=args.budget_tokens, kl_coef=args.kl_coef,
-                        lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto", compile=compile_mode)
+                        lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto", compile=compile_mode,
+                        reference=ref)
+    tag = f"[zero{zero} compile={compile_mode}{'' if ref == 'local' else ' ref ' + ref}]"
+    samples = draw_samples(args, model_config(args).vocab_size)
+    ref_fill_s = None
+    if ref == "service":
+        ref_fill_s = fill_service_reference(args, samples, cfg.dtype)
+        print(f"{tag} reference log-probs of {len(samples)} trajectories computed beforehand in {ref_fill_s:.1f} s "
+              "(not timed)", flush=True)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, args._model_dir)
     init_s = time.perf_counter() - t0
     device, rank, world = trainer.device, trainer.rank, torch.distributed.get_world_size()
     device = torch.device(device) if not isinstance(device, torch.device) else device
     persistent = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
-    tag = f"[zero{zero} compile={compile_mode}]"
     if rank == 0:
         print(f"{tag} Trainer ready in {init_s:.1f} s on {world} rank(s), default attention {trainer.attention}, "
               f"layers compiled: {trainer.compiled}"
               + (f", {persistent:.1f} GiB allocated" if persistent is not None else ""), flush=True)
 
-    samples = draw_samples(args, trainer.module.config.vocab_size)
     lengths = [len(s.token_ids) for s in samples]
     # The attention check's probe: the same micro-batch on every rank (rank 0's first). Under ZeRO-3 a
     # forward is collective, and ranks with different batches would call lm_head a different number
@@ -438,13 +484,15 @@ def phase_learner(args, zero: int, compile_mode: str = "auto") -> None:
     rows: list[dict] = []
     # what `parley learner` itself runs with this config (learner.attention: flash varlen on CUDA)
     extra = {"init_s": init_s, "persistent_gib": persistent, "learner_default_attention": trainer.attention,
-             "compile": compile_mode, "compiled": trainer.compiled}
+             "compile": compile_mode, "compiled": trainer.compiled, "ref_fill_s": ref_fill_s}
     last = None
     for attn in args.attn_list:
-        row = {"phase": f"learner ZeRO-{zero}" + ("" if compile_mode == "auto" else f" compile={compile_mode}"),
+        row = {"phase": f"learner ZeRO-{zero}" + ("" if compile_mode == "auto" else f" compile={compile_mode}")
+               + ("" if ref == "local" else f", ref {ref}"),
                "zero": zero, "compile": compile_mode, "compiled": trainer.compiled, "layout": "packed", "attention": attn,
+               "ref": ref,
                "world": world, "lengths": lengths, "kl_coef": args.kl_coef,
-               "trained_tokens": sum(sum(s.loss_mask[1:]) for s in samples)}
+               "trained_tokens": int(sum(s.n_trained for s in samples))}
         # every rank must take the same branch (the steps are collective): rank 0 decides
         go = [last is None or time.time() + last * (args.warmup + args.steps) * 1.2 <= args._deadline]
         if world > 1:
@@ -619,7 +667,8 @@ def compute(rows: list[dict], shape: dict, n_params: int, peak_tflops: float) ->
         t = statistics.median(r["step_s"])
         tokens = sum(r["lengths"])
         policy = train_flops(shape, n_params, r["lengths"])
-        ref = policy / 3 if r.get("kl_coef", 0) > 0 else 0.0  # reference forward only
+        # the reference forward, when the learner runs it (ref "service" computed it before the step)
+        ref = policy / 3 if r.get("kl_coef", 0) > 0 and r.get("ref", "local") == "local" else 0.0
         denom = t * peak_tflops * 1e12 * r["world"]
         r.update(s_per_step=t, tokens=tokens, tokens_per_s=tokens / t, flops=policy + ref,
                  tflops_per_gpu=(policy + ref) / t / 1e12 / r["world"], mfu=(policy + ref) / denom,
@@ -631,6 +680,15 @@ def compute(rows: list[dict], shape: dict, n_params: int, peak_tflops: float) ->
             if same is not None:
                 r["vs_plain"] = {"attention": same["attention"], "mfu_ratio": r["mfu"] / same["mfu"],
                                  "policy_mfu_ratio": r["policy_mfu"] / same["mfu"],
+                                 "tokens_per_s_ratio": r["tokens_per_s"] / same["tokens_per_s"]}
+    # the same learner row with the reference service against its own frozen copy, in the same run
+    local = {(r["zero"], r.get("compile"), r["attention"], r["world"]): r for r in rows
+             if "mfu" in r and r.get("ref") == "local" and "zero" in r}
+    for r in rows:
+        key = (r.get("zero"), r.get("compile"), r["attention"], r["world"])
+        same = local.get(key) if r.get("ref") == "service" else None
+        if "mfu" in r and same is not None:
+            r["vs_ref_local"] = {"step_s_ratio": r["s_per_step"] / same["s_per_step"],
                                  "tokens_per_s_ratio": r["tokens_per_s"] / same["tokens_per_s"]}
 
 
@@ -661,6 +719,10 @@ def table(report: dict) -> str:
         mem = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else ""
         lines.append(f"{head} {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
                      f"{r['mfu']:.1%} | {policy} | {ratio} | {mem} |")
+    for r in report["rows"]:
+        if "vs_ref_local" in r:
+            lines.append(f"\n{r['phase']} {r['attention']}: step time {r['vs_ref_local']['step_s_ratio']:.2f}x the "
+                         "same row with the local reference")
     for p in report["phases"]:
         if p["status"] != "ok":
             lines.append(f"\nphase {p['phase']}: {p['status']}")
@@ -676,9 +738,10 @@ def main() -> int:
             phase_build(args)
         elif args._phase == "plain":
             phase_plain(args)
-        else:
-            stage, _, mode = args._phase.removeprefix("zero").partition(":")
-            phase_learner(args, int(stage), mode or "auto")
+        else:  # "zero<stage>[:<compile>][-<ref>]"
+            head, _, ref = args._phase.removeprefix("zero").partition("-")
+            stage, _, mode = head.partition(":")
+            phase_learner(args, int(stage), mode or "auto", ref or "local")
         return 0
 
     start = time.time()
@@ -697,7 +760,7 @@ def main() -> int:
         "machine": info, "peak": peak, "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
         "model": {**shape, "params": n_params},
         "batch": {"sequences": len(lengths), "tokens": sum(lengths), "min_len": min(lengths), "max_len": max(lengths),
-                  "trained_fraction": sum(sum(s.loss_mask[1:]) for s in samples) / sum(lengths),
+                  "trained_fraction": sum(s.n_trained for s in samples) / sum(lengths),
                   "budget_tokens": args.budget_tokens, "lengths": lengths},
         "flops_formula": "per sequence of s tokens: train = 6*N*s + 6*L*Hq*d*s^2 (causal attention); "
                          "forward = train/3; learner rows add the reference forward when kl_coef > 0",
@@ -716,7 +779,8 @@ def main() -> int:
     model_dir = tempfile.mkdtemp(prefix="parley_bench_model_")
     try:
         phases = ["plain"] if not args.skip_plain else (["build"] if args.zero_stages else [])
-        phases += [f"zero{z}" + ("" if c == "auto" else f":{c}") for z in args.zero_stages for c in args.compile_list]
+        phases += [f"zero{z}" + ("" if c == "auto" else f":{c}") + ("" if ref == "local" else f"-{ref}")
+                   for z in args.zero_stages for c in args.compile_list for ref in args.ref_list]
         for phase in phases:
             if deadline - time.time() < 20:
                 report["phases"].append({"phase": phase, "status": "skipped: time budget"})

@@ -18,7 +18,7 @@ from deploy.natsserver import write_private
 from protocol import topology
 from protocol.connect import inbox_prefix
 
-ROLES = ("actor", "scorer", "learner", "sim", "judge", "services", "eval", "admin")
+ROLES = ("actor", "scorer", "learner", "sim", "judge", "services", "reference", "eval", "admin")
 # `services` is one process serving both sim and judge (what `parley up` starts when they share a model).
 COMBINED = {"services": ("sim", "judge")}
 # Only these may create or change streams, consumers and buckets; the others only verify them
@@ -144,6 +144,7 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
     elif role == "scorer":
         publish += [topology.subject(run, "scored"), *_consume(run, "traj")]
         publish += [topology.judge_subject(op) for op in topology.JUDGE_OPS]
+        publish += [topology.REFERENCE_SUBJECT]  # [learner] reference = "service": one request per trajectory
     elif role == "learner":
         publish += [topology.subject(run, "tasks"), *_consume(run, "scored")]
         publish += [*_read_weights(run), *_write_weights(run)]
@@ -161,6 +162,9 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
         responses = True
     elif role == "judge":
         subscribe += [topology.judge_subject(op) for op in topology.JUDGE_OPS]
+        responses = True
+    elif role == "reference":
+        subscribe += [topology.REFERENCE_SUBJECT]
         responses = True
     else:
         raise ValueError(f"unknown role {role!r}; known: {ROLES}")
@@ -210,15 +214,16 @@ RESPONSE_SLACK_S = 60.0
 
 
 def response_window_s(cfg=None) -> float:
-    """How long a service user (sim, judge) may answer a request: the longest request timeout that
+    """How long a service user (sim, judge, reference) may answer a request: the longest request timeout that
     `cfg` (a RunConfig; None = the defaults) gives a requester, plus RESPONSE_SLACK_S. nats-server's own
     default is 2 minutes, shorter than the default timeouts: later replies were refused."""
     if cfg is None:
         from deploy.config import RunConfig
 
         cfg = RunConfig()
-    # The actor's and the eval's simulator requests, the scorer's, replay's and the eval's judge requests.
-    return max(cfg.actor.sim_timeout_s, cfg.scorer.judge_timeout_s) + RESPONSE_SLACK_S
+    # The actor's and the eval's simulator requests, the scorer's, replay's and the eval's judge requests,
+    # the scorer's reference requests.
+    return max(cfg.actor.sim_timeout_s, cfg.scorer.judge_timeout_s, cfg.scorer.reference_timeout_s) + RESPONSE_SLACK_S
 
 
 def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None, *,

@@ -15,6 +15,8 @@ def register(app: typer.Typer) -> None:
     app.command("nats", help="Run the real nats-server with JetStream (prints its URL).")(nats_cmd)
     app.command("selfcheck", help="Round-trip every message type through a NATS server and report.")(selfcheck_cmd)
     app.command("services", help="User simulator and judge in one process sharing one local engine.")(services_cmd)
+    app.command("reference", help="Reference service: the frozen initial policy's per-token log-probs "
+                "([learner] reference = \"service\").")(reference_cmd)
     for module in ("deploy.cli_actor", "deploy.cli_scorer", "deploy.cli_eval", "deploy.cli_learner", "deploy.up_cli"):
         try:
             mod = __import__(module, fromlist=["register"])
@@ -48,6 +50,26 @@ def services_cmd(
         raise typer.Exit(2) from None
     setup_logging(ident or "services")
     run_main(run, cfg, ident or f"services-{os.getpid()}")
+
+
+def reference_cmd(
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+    ident: Annotated[Optional[str], typer.Option("--id", help="Instance id (default reference-<pid>).")] = None,
+    dry: DryRunOpt = False,
+) -> None:
+    """Serve parley.svc.reference (log-probs of [learner] model's initial weights) until Ctrl-C / SIGTERM."""
+    import os
+
+    cfg = resolve(config, sets, nats=nats, run=run)
+    if dry:
+        dry_run(cfg)
+    from deploy.reference import run
+
+    setup_logging(ident or "reference")
+    run_main(run, cfg, ident or f"reference-{os.getpid()}")
 
 
 def nats_cmd(

@@ -1,6 +1,7 @@
 """`parley up`: the whole system on one machine, as child processes, with a live view.
 
-Starts nats-server, the sim + judge services, N actors, M scorers and the learner; waits for each
+Starts nats-server, the sim + judge services (and the reference service when [learner] reference =
+"service"), N actors, M scorers and the learner; waits for each
 to report ready; shows the live view; stops everything on Ctrl-C or when a role fails (showing its
 last log lines); after the learner's last step (and its periodic evals) prints the reward summary, the
 eval table of the evaluated versions and the version `parley select` names.
@@ -43,6 +44,8 @@ def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tu
     else:
         children.append(("sim", sup.parley_argv("sim", *c, "--id", "sim")))
         children.append(("judge", sup.parley_argv("judge", *c, "--id", "judge")))
+    if cfg.learner.reference == "service":  # the scorers ask it for every trajectory's reference log-probs
+        children.append(("reference", sup.parley_argv("reference", *c, "--id", "reference")))
     for i in range(cfg.up.actors):
         children.append((f"actor-{i}", sup.parley_argv("actor", *c, "--id", f"actor-{i}")))
     for i in range(cfg.up.scorers):

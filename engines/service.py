@@ -247,12 +247,14 @@ Served = tuple[Service, str, str, float]
 
 
 async def serve_backend(stop: asyncio.Event, cfg, *, ident: str, roles: list[tuple[str, str]], backend_cfg,
-                        build: Callable[[object, object], list[Served]]) -> int:
-    """The process around one backend, shared by `parley sim`, `parley judge` and `parley services`:
-    connect, announce every (role, id) as starting, load the backend (a local engine blocks here
-    while it loads), serve what `build(nc, backend)` returns until `stop`, close the backend.
-    One service failing (its engine died) stops the others and is raised: the process exits
-    non-zero. A BadServiceConfig from `build` is logged and gives exit code 2."""
+                        build: Callable[[object, object], list[Served]],
+                        make: Callable[[], object] | None = None) -> int:
+    """The process around one backend, shared by `parley sim`, `parley judge`, `parley services`
+    and `parley reference`: connect, announce every (role, id) as starting, load the backend (a
+    local engine blocks here while it loads), serve what `build(nc, backend)` returns until `stop`,
+    close the backend. The backend is make_backend(backend_cfg), or `make()` for one that is not an
+    LLM engine (the reference model). One service failing (its engine died) stops the others and
+    is raised: the process exits non-zero. A BadServiceConfig from `build` is logged and gives exit code 2."""
     from engines.backend import make_backend
     from protocol.connect import connect
 
@@ -261,8 +263,9 @@ async def serve_backend(stop: asyncio.Event, cfg, *, ident: str, roles: list[tup
     for role, rid in roles:
         await status.send(nc, cfg.run.name, Heartbeat(role=role, id=rid, state="starting"))
     t0 = time.perf_counter()
-    backend = make_backend(backend_cfg)
-    log.info("%s: backend %s (%s) ready in %.1fs", ident, backend.model_name, backend_cfg.backend, time.perf_counter() - t0)
+    backend = make_backend(backend_cfg) if make is None else make()
+    kind = backend_cfg.backend if make is None else type(backend).__name__
+    log.info("%s: backend %s (%s) ready in %.1fs", ident, backend.model_name, kind, time.perf_counter() - t0)
     try:
         try:
             served = build(nc, backend)

@@ -76,6 +76,13 @@ class FleetSettings:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the roles
 
 
+def scorer_args(config_args: list[str], ident: str) -> list[str]:
+    """`parley` arguments of a condition's scorer. An eval trains nothing, so its scorer asks no
+    reference service ([learner] reference = "service" in the run config) for log-probs nobody
+    reads; the eval's NATS user may not ask it either."""
+    return ["scorer", *config_args, "--set", 'learner.reference="local"', "--id", f"eval-scorer-{ident}"]
+
+
 async def play_condition_fleet(
     nc, js, cfg, cond: Condition, tasks: Sequence[Task], fs: FleetSettings, stop: asyncio.Event,
     on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
@@ -114,7 +121,7 @@ async def play_condition_fleet(
     roles = [
         sup.start(f"actor-{ident}", sup.parley_argv("actor", *c, "--set", f"actor.engine.model={json.dumps(cond.model)}",
                                                     "--id", f"eval-actor-{ident}"), env=fs.env),
-        sup.start(f"scorer-{ident}", sup.parley_argv("scorer", *c, "--id", f"eval-scorer-{ident}"), env=fs.env),
+        sup.start(f"scorer-{ident}", sup.parley_argv(*scorer_args(c, ident)), env=fs.env),
     ]
     log.info("condition %s: run %s, actor pid %d, scorer pid %d (logs in %s)", cond.name, run, roles[0].proc.pid,
              roles[1].proc.pid, sup.run_dir / "logs")

@@ -13,6 +13,7 @@ LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 STALE_POLICIES = ("drop", "correct")
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTIONS = ("auto", "sdpa", "varlen")  # learner.attention
+REFERENCES = ("local", "service")  # where the KL's reference log-probs come from (learner.trainer)
 COMPILES = ("auto", "off", "layers")  # learner.trainer.compile_layers
 
 
@@ -71,6 +72,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     warmup_steps: int = 0
     weight_decay: float = 0.0
     kl_coef: float = 0.001  # low-variance (k3) KL to the frozen reference
+    # Where the reference log-probs come from (kl_coef > 0): "local" = a frozen copy of the initial
+    # weights beside the policy, run in every step; "service" = computed once per trajectory by the
+    # reference service (`parley reference`), asked by the scorer, carried in Scored.ref_logp_f32.
+    reference: str = "local"
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float = 3.0
@@ -142,6 +147,13 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"compile={self.compile!r} not allowed; use one of {COMPILES}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention={self.attention!r} not allowed; use one of {ATTENTIONS}")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"reference={self.reference!r} not allowed; use one of {REFERENCES}")
+        if self.reference == "service" and self.kl_coef <= 0:
+            raise ValueError(
+                f"reference='service' with kl_coef={self.kl_coef}: without a KL term no reference is used; "
+                "set learner.kl_coef > 0 or learner.reference = \"local\""
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} not allowed; use one of {DTYPES}")
         for name in ("publish_every", "checkpoint_every", "micro_batch_tokens", "logit_chunk_tokens", "keep_versions"):

@@ -62,13 +62,16 @@ def check_trajectory(traj: Trajectory) -> None:
 LOGPROB_SLACK = 1e-3
 
 
-def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | None = None) -> None:
+def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | None = None, *,
+                         reference: bool = False) -> None:
     """Raise BadTrajectory for values that decode but that no honest actor or scorer sends: a
     non-finite or out-of-range reward (rewards.reward.hostile_reward), a non-finite or positive
     behaviour log-prob, a token id outside the policy's vocabulary (on a GPU an out-of-range id is a
     device-side assert that kills the learner, then a crash loop on the redelivered message), a
     conversation longer than the policy's positions (`max_positions`; one such sequence fills a
-    micro-batch of its own whatever the budget, and its activations the memory).
+    micro-batch of its own whatever the budget, and its activations the memory); with `reference`
+    ([learner] reference = "service") missing reference log-probs, or ones of the wrong length, not
+    finite or positive (check_reference).
     Kept apart from check_trajectory, which checks the token layout. Reads the packed or the old
     list fields alike (protocol.arrays), as arrays."""
     from rewards.reward import hostile_reward
@@ -91,6 +94,28 @@ def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | N
     if outside.any():
         bad_id = int(ids[int(np.argmax(outside))])
         raise BadTrajectory(f"{traj.traj_id}: token id {bad_id} is outside the policy's vocabulary 0..{vocab_size - 1}")
+    if reference:
+        check_reference(scored, ids.size)
+
+
+def check_reference(scored: Scored, n_tokens: int) -> None:
+    """Raise BadTrajectory unless the Scored carries one finite, non-positive reference log-prob per
+    token (Scored.ref_logp_f32), as the learner needs under [learner] reference = "service"."""
+    try:
+        ref = arrays.ref_logprobs(scored)
+    except ValueError as e:
+        raise BadTrajectory(f"{scored.traj_id}: {e}") from None
+    if ref.size == 0:
+        raise BadTrajectory(f"{scored.traj_id}: no reference log-probs (ref_logp_f32) while learner.reference="
+                            "'service'; the scorer fills them in from `parley reference` when it reads the same "
+                            "[learner] reference setting")
+    if ref.size != n_tokens:
+        raise BadTrajectory(f"{scored.traj_id}: {ref.size} reference log-probs for {n_tokens} tokens (one per token)")
+    bad = ~(np.isfinite(ref) & (ref <= LOGPROB_SLACK))
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise BadTrajectory(f"{scored.traj_id}: reference log-prob {j} is {float(ref[j])}; reference log-probs are "
+                            "finite and <= 0")
 
 
 def behaviour_logprobs(traj: Trajectory) -> np.ndarray:

@@ -23,15 +23,22 @@ class Sample:
     behaviour: np.ndarray  # (T,) float32 behaviour log-prob of each trained token (0.0 elsewhere)
     advantage: float
     correct: bool = False  # stale group: truncated importance sampling instead of the PPO ratio
+    # (T,) float32 reference log-prob of each token given its prefix (0.0 at token 0), computed before
+    # the step by the reference service ([learner] reference = "service"); None: the learner's own
+    ref: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
         self.loss_mask = np.asarray(self.loss_mask).astype(bool, copy=False)
         self.behaviour = np.asarray(self.behaviour, dtype=np.float32)
+        if self.ref is not None:
+            self.ref = np.asarray(self.ref, dtype=np.float32)
         n = self.token_ids.shape
         if self.token_ids.ndim != 1 or self.loss_mask.shape != n or self.behaviour.shape != n:
             raise ValueError(f"sample {self.traj_id}: token_ids {self.token_ids.shape}, loss_mask "
                              f"{self.loss_mask.shape} and behaviour {self.behaviour.shape} must be one length")
+        if self.ref is not None and self.ref.shape != n:
+            raise ValueError(f"sample {self.traj_id}: ref {self.ref.shape} and token_ids {n} must be one length")
 
     @property
     def n_trained(self) -> int:
@@ -82,6 +89,7 @@ class PackedBatch:
     behaviour: Tensor  # (N,)
     advantages: Tensor  # (N,)
     correct: Tensor  # (N,) bool
+    ref: Tensor | None = None  # (N,) the samples' reference log-probs, when every sample carries them
 
     @property
     def n_loss_tokens(self) -> int:
@@ -100,6 +108,8 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Pa
     beh = np.concatenate([s.behaviour for s in samples]) if samples else np.zeros(0, np.float32)  # (T,)
     adv = np.array([s.advantage for s in samples], dtype=np.float32)  # (S,)
     cor = np.array([s.correct for s in samples], dtype=bool)  # (S,)
+    with_ref = bool(samples) and all(s.ref is not None for s in samples)
+    ref = np.concatenate([s.ref for s in samples]) if with_ref else None  # (T,)
 
     def t(x: np.ndarray, dtype: torch.dtype) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype)
@@ -113,4 +123,5 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Pa
         behaviour=t(beh[idx], torch.float32),
         advantages=t(adv[seq[idx]], torch.float32),
         correct=t(cor[seq[idx]], torch.bool),
+        ref=t(ref[idx], torch.float32) if ref is not None else None,
     )

@@ -202,7 +202,7 @@ class Learner:
         """PullWorker handler: buffer the sample; its ack waits for the next ledger write."""
         try:
             check_trajectory(scored.trajectory)
-            check_hostile_values(scored, self.vocab_size, self.max_positions)
+            check_hostile_values(scored, self.vocab_size, self.max_positions, reference=self.lc.reference == "service")
             result = self.grouper.add(scored)
         except BadTrajectory as e:
             raise Poison(str(e)) from None
@@ -403,7 +403,8 @@ class Learner:
             for si, s in enumerate(t.group.ordered()):
                 traj = s.trajectory
                 out.append(Sample(s.traj_id, arrays.token_ids(traj), arrays.loss_mask(traj), behaviour_logprobs(traj),
-                                  float(adv[gi, si]), correct=t.correct))
+                                  float(adv[gi, si]), correct=t.correct,
+                                  ref=arrays.ref_logprobs(s) if self.lc.reference == "service" else None))
         return out
 
     async def publish(self, version: int, write_now: bool = False) -> None:

@@ -173,7 +173,8 @@ def compile_layers(model, mode: str, device: torch.device, zero_stage: int) -> b
 
 
 class Trainer:
-    """The policy under DeepSpeed, an optional frozen reference for KL, and the GRPO step."""
+    """The policy under DeepSpeed, an optional frozen reference for KL (kl_coef > 0 and reference =
+    "local"), and the GRPO step."""
 
     def __init__(self, cfg: LearnerConfig, model_dir: str | Path):
         if cfg.transport == "cuda_ipc" and not torch.cuda.is_available():
@@ -196,9 +197,10 @@ class Trainer:
             attention.check_packing_isolated(AutoConfig.from_pretrained(self.model_dir))
 
         self.reference = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and cfg.reference == "local":
             # A plain second copy of the initial weights, forward only; loaded before ZeRO-3's
-            # partitioning hook (below) exists, so it stays whole.
+            # partitioning hook (below) exists, so it stays whole. With reference = "service" the
+            # samples bring their reference log-probs (computed off the training GPUs).
             ref = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
             attention.use(ref, attn)
             # compiled exactly when the policy is: the same kernels on the same weights give a step-0 KL
@@ -266,6 +268,11 @@ class Trainer:
         however the sequences were sharded and packed.
         """
         cfg = self.cfg
+        if cfg.kl_coef > 0 and self.reference is None:
+            missing = [s.traj_id for s in samples if s.ref is None]
+            if missing:  # before any backward: a refused step leaves no gradient behind
+                raise ValueError(f"learner.reference='service' but {len(missing)} sample(s) ({missing[:3]}) carry no "
+                                 "reference log-probs (Sample.ref); the scorer fills them in from the reference service")
         t0 = time.perf_counter()
         self.engine.train()
         world = torch.distributed.get_world_size()
@@ -297,6 +304,8 @@ class Trainer:
             ref = None
             if self.reference is not None:
                 ref, _ = token_logprobs(self.reference, batch, cfg.logit_chunk_tokens, grad=False)
+            elif cfg.kl_coef > 0:  # reference = "service": what the reference service computed for each token
+                ref = batch.ref
             # Fresh groups: ratio against the behaviour policy, clipped (PPO). Stale groups under
             # stale_policy="correct": ratio against our own detached log-probs (its gradient is
             # the plain policy gradient), reweighted by min(pi/mu, tis_cap).

@@ -6,7 +6,9 @@ one copy and numpy views it without another, where a list of Python numbers cost
 one Python object per token at every decode. Schemas before the packed fields (tests/data
 trajectory_v0/v1.msgpack) carried the same values as lists (`token_ids`, `loss_mask`,
 `AssistantTurn.logprobs`); the readers here accept either, so producers write `pack_*` and every
-consumer reads `token_ids` / `loss_mask` / `turn_logprobs`, never the fields themselves.
+consumer reads `token_ids` / `loss_mask` / `turn_logprobs`, never the fields themselves. The
+reference log-probs ([learner] reference = "service": ReferenceRequest/Reply, Scored.ref_logp_f32)
+travel the same way and are read with `request_ids`, `reference_logprobs` and `ref_logprobs`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from protocol.messages import AssistantTurn, Trajectory
+from protocol.messages import AssistantTurn, Scored, Trajectory
 
 IDS = np.dtype("<i4")
 MASK = np.dtype("u1")
@@ -86,3 +88,19 @@ def turn_logprobs(turn: AssistantTurn) -> np.ndarray:
 def generated(turn: AssistantTurn) -> int:
     """How many tokens the turn generated (one log-prob each)."""
     return len(turn.logprobs_f32) // LOGPROBS.itemsize if turn.logprobs_f32 else len(turn.logprobs)
+
+
+def ref_logprobs(scored: Scored) -> np.ndarray:
+    """(T,) float32: the reference log-prob of each token given its prefix (0.0 at token 0); empty
+    when the scorer sent none."""
+    return _view(scored.ref_logp_f32, [], LOGPROBS, scored.traj_id, "ref_logp_f32", "ref_logp_f32")
+
+
+def request_ids(packed: bytes) -> np.ndarray:
+    """(T,) int32 of a ReferenceRequest's token_ids_i32."""
+    return _view(packed, [], IDS, "reference request", "token_ids_i32", "token_ids_i32")
+
+
+def reference_logprobs(packed: bytes, owner: str) -> np.ndarray:
+    """(T-1,) float32 of a ReferenceReply's logp_f32."""
+    return _view(packed, [], LOGPROBS, owner, "logp_f32", "logp_f32")

@@ -15,6 +15,8 @@ from protocol.messages import (
     Heartbeat,
     JudgeReply,
     JudgeRequest,
+    ReferenceReply,
+    ReferenceRequest,
     Scored,
     SimReply,
     SimRequest,
@@ -36,6 +38,8 @@ OTHER_TYPES: dict[str, type] = {
     "sim.reply": SimReply,
     "judge.request": JudgeRequest,
     "judge.reply": JudgeReply,
+    "reference.request": ReferenceRequest,
+    "reference.reply": ReferenceReply,
     "weights": WeightVersion,
     "status": Heartbeat,
 }

@@ -13,6 +13,8 @@ from protocol.messages import (
     JudgeOutput,
     JudgeReply,
     JudgeRequest,
+    ReferenceReply,
+    ReferenceRequest,
     Scored,
     SimReply,
     SimRequest,
@@ -120,6 +122,8 @@ def other_examples() -> dict:
         "sim.reply": SimReply(message="a trip", done=False),
         "judge.request": JudgeRequest(op="extract", messages=[ChatMessage("user", "hi")]),
         "judge.reply": JudgeReply(ok=True, document="doc", levels={"understanding": 2}, score=0.5),
+        "reference.request": ReferenceRequest(model="tiny", token_ids_i32=pack_ids([1, 5, 9])),
+        "reference.reply": ReferenceReply(ok=True, logp_f32=pack_logprobs([-2.5, -0.25]), model="tiny"),
         "weights": WeightVersion(version=1, step=1, transport="objstore", location="v000001", sha256="0" * 64, bytes=10, created=T0),
         "status": Heartbeat(role="actor", id="actor-0", state="ready", version=1, counters={"traj": 3.0}, created=T0),
     }

@@ -128,8 +128,12 @@ class Scored(msgspec.Struct, kw_only=True):
     judge: list[JudgeOutput] = []
     judge_model: str = ""
     scorer: str = ""
-    timings: dict[str, float] = {}  # seconds: "extract", "interactivity", "total"
+    timings: dict[str, float] = {}  # seconds: "extract", "interactivity", "reference", "total"
     created: float = 0.0
+    # [learner] reference = "service": the frozen initial policy's log-prob of each token given its
+    # prefix, float32 LE, one per token of the trajectory (0.0 at token 0, which has no prefix); from
+    # the reference service, asked by the scorer. Empty otherwise (and in older messages).
+    ref_logp_f32: bytes = b""
 
 
 class IpcTensor(msgspec.Struct, frozen=True, array_like=True):
@@ -254,6 +258,26 @@ class JudgeReply(msgspec.Struct, kw_only=True):
     score: float = 0.0  # interactivity 0..1 (interactivity_3level: 0, 0.5 or 1)
     raw: str = ""
     attempts: int = 1
+    error: str = ""
+    model: str = ""
+
+
+class ReferenceRequest(msgspec.Struct, kw_only=True):
+    """scorer -> reference service (request/reply): score a trajectory's tokens under the frozen
+    initial policy. `model` is [learner] model as the learner names it; the service answers only for
+    the model it holds, at version 0 (the initial weights)."""
+
+    model: str
+    token_ids_i32: bytes  # (T,) int32 LE, protocol.arrays.pack_ids
+    version: int = 0
+
+
+class ReferenceReply(msgspec.Struct, kw_only=True):
+    """reference service -> scorer. ok=False is a failure (the request asked for what this service
+    cannot answer), never a log-prob."""
+
+    ok: bool
+    logp_f32: bytes = b""  # (T-1,) float32 LE: the log-prob of tokens 1..T-1, each given its prefix
     error: str = ""
     model: str = ""
 

@@ -25,6 +25,10 @@ JUDGE_SUBJECT = "parley.svc.judge"  # + "." + one of JUDGE_OPS
 JUDGE_QUEUE = "judge"
 # interactivity_3level: the 3-level scale (1 / 0.5 / 0) of CollabLLM's judge, beside the 0..3 rubric.
 JUDGE_OPS = ("extract", "interactivity", "interactivity_3level")
+# The frozen initial policy's log-probs of a trajectory ([learner] reference = "service"); a request
+# names its model, and a service answers only for the one it holds.
+REFERENCE_SUBJECT = "parley.svc.reference"
+REFERENCE_QUEUE = "reference"
 
 WEIGHTS_KEY = "current"  # KV key holding the encoded WeightVersion actors must serve
 

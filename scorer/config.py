@@ -57,9 +57,13 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     judge_concurrency: int = 16  # judge requests in flight from one scorer
     retry_delay_s: float = 5.0  # first back-off when the judge is down or fails; doubles each time
     retry_max_delay_s: float = 30.0
-    # While the judge is unreachable a trajectory is held and asked again (its deliveries are not
-    # spent: a judge restart can take minutes); after this long it is nak'ed and counts one delivery.
+    # While the judge (or the reference service) is unreachable a trajectory is held and asked again
+    # (its deliveries are not spent: a restart can take minutes); after this long it is nak'ed and
+    # counts one delivery.
     judge_wait_s: float = 900.0
+    # [learner] reference = "service": one reference-service request per trajectory; waits for an
+    # unreachable service as for the judge (judge_wait_s), spending no delivery.
+    reference_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.bleu_variant not in BLEU_VARIANTS:
@@ -80,6 +84,8 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.judge_timeout_s <= 0:
             raise ValueError(f"judge_timeout_s={self.judge_timeout_s} must be > 0")
+        if self.reference_timeout_s <= 0:
+            raise ValueError(f"reference_timeout_s={self.reference_timeout_s} must be > 0")
         if self.judge_wait_s < 0:
             raise ValueError(f"judge_wait_s={self.judge_wait_s} must be >= 0")
         if not 0 < self.retry_delay_s <= self.retry_max_delay_s:

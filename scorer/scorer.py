@@ -1,4 +1,6 @@
 """`parley scorer`: pulls trajectories from TRAJ, has the judge service score them, stores Scored in SCORED.
+With [learner] reference = "service" it also asks the reference service for each trajectory's
+reference log-probs (scorer/reference.py) and puts them into the Scored.
 
 Replicas share the durable consumer "scorer", so N scorers split the work; a trajectory is acked
 only after its Scored is stored. While the judge is unreachable it waits (held, kept alive); when
@@ -11,12 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
+
+import msgspec
 
 from protocol import bus, status, topology
 from protocol.messages import Heartbeat, Trajectory
 from scorer.config import ScorerConfig
-from scorer.score import Judge, JudgeFailed, JudgeUnavailable, Unscorable, score_trajectory
+from scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
+from scorer.score import Judge, JudgeFailed, JudgeUnavailable, Unscorable, _all, score_trajectory
 
 log = logging.getLogger("parley.scorer")
 
@@ -24,9 +30,11 @@ log = logging.getLogger("parley.scorer")
 class Scorer:
     """One scorer replica: the PullWorker handler plus its counters and heartbeat."""
 
-    def __init__(self, nc, run: str, judge: Judge, cfg: ScorerConfig, bus_settings: topology.BusSettings, ident: str):
+    def __init__(self, nc, run: str, judge: Judge, cfg: ScorerConfig, bus_settings: topology.BusSettings, ident: str,
+                 reference: ReferenceClient | None = None):
         self.nc, self.js = nc, nc.jetstream()
         self.run, self.judge, self.cfg, self.bus, self.ident = run, judge, cfg, bus_settings, ident
+        self.reference = reference  # [learner] reference = "service": ask it for every trajectory
         self.counters: Counter[str] = Counter()
         self.in_flight = 0
         self._stop = asyncio.Event()  # set by run_until's stop
@@ -42,6 +50,9 @@ class Scorer:
                 except JudgeFailed as e:
                     self.counters["judge_retry"] += 1
                     raise bus.Retry(f"JudgeFailed: {e}", delay=self.cfg.retry_delay(delivered)) from None
+                except ReferenceFailed as e:
+                    self.counters["reference_retry"] += 1
+                    raise bus.Retry(f"ReferenceFailed: {e}", delay=self.cfg.retry_delay(delivered)) from None
                 except Unscorable as e:
                     self.counters["unscorable"] += 1
                     raise bus.Poison(str(e)) from None
@@ -71,26 +82,43 @@ class Scorer:
         raise bus.Retry("scorer stopping; handed back", delay=0.0)
 
     async def _score(self, traj: Trajectory, delivered: int):
-        """score_trajectory, waiting here while the judge is unreachable.
+        """score_trajectory and, with a reference client, the trajectory's reference log-probs
+        (asked at the same time), each waited for here while its service is unreachable."""
+        # A redelivery asks the judge with other seeds (its own retries add 0, 1, 2 ...), so a
+        # verdict that failed to parse is not reproduced exactly.
+        seed = (traj.seed + 1000 * (delivered - 1)) % 2**31
+        judged = self._waiting("judge", traj, delivered,
+                               lambda: score_trajectory(traj, self.judge, self.cfg, scorer=self.ident, seed=seed))
+        if self.reference is None:
+            return await judged
+
+        async def reference() -> tuple[bytes, float]:
+            t0 = time.perf_counter()
+            packed = await self._waiting("reference", traj, delivered, lambda: self.reference.logprobs(traj))
+            return packed, time.perf_counter() - t0
+
+        scored, (ref, ref_s) = await _all(judged, reference())
+        return msgspec.structs.replace(scored, ref_logp_f32=ref, timings={**scored.timings, "reference": ref_s})
+
+    async def _waiting(self, what: str, traj: Trajectory, delivered: int, call):
+        """`await call()`, asked again while its service is unreachable (JudgeUnavailable,
+        ReferenceUnavailable).
 
         An outage is not the trajectory's fault, so it does not spend its deliveries: we hold the
         message (kept alive) and ask again with back-off, which also stops this replica fetching
         more. Only after judge_wait_s is it nak'ed (bus.Retry), to be tried again later.
         """
-        # A redelivery asks the judge with other seeds (its own retries add 0, 1, 2 ...), so a
-        # verdict that failed to parse is not reproduced exactly.
-        seed = (traj.seed + 1000 * (delivered - 1)) % 2**31
         waited, attempt = 0.0, 0
         while True:
             try:
-                return await score_trajectory(traj, self.judge, self.cfg, scorer=self.ident, seed=seed)
-            except JudgeUnavailable as e:
+                return await call()
+            except (JudgeUnavailable, ReferenceUnavailable) as e:
                 attempt += 1
                 if waited >= self.cfg.judge_wait_s:
-                    self.counters["judge_retry"] += 1
-                    raise bus.Retry(f"JudgeUnavailable for {waited:.1f}s: {e}", delay=self.cfg.retry_delay(delivered)) from None
+                    self.counters[f"{what}_retry"] += 1
+                    raise bus.Retry(f"{type(e).__name__} for {waited:.1f}s: {e}", delay=self.cfg.retry_delay(delivered)) from None
                 delay = self.cfg.retry_delay(attempt)
-                self.counters["judge_wait"] += 1
+                self.counters[f"{what}_wait"] += 1
                 if attempt == 1 or attempt % 10 == 0:
                     log.warning("%s: %s; %s waits (%.0fs so far)", self.ident, e, traj.traj_id, waited)
                 await asyncio.sleep(delay)
@@ -127,8 +155,14 @@ async def main(stop: asyncio.Event, cfg, ident: str) -> int:
     try:
         await topology.ensure_topology(nc.jetstream(), cfg.run.name, cfg.bus)
         judge = JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
-        log.info("%s: scoring run %s (concurrency %d, weights %s)", ident, cfg.run.name, cfg.scorer.concurrency, cfg.scorer.weights)
-        await Scorer(nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident).run_until(stop)
+        # The learner's setting decides (one place for the fact): it trains on what we put in ref_logp_f32.
+        reference = None
+        if cfg.learner.reference == "service":
+            reference = ReferenceClient(nc, model=cfg.learner.model, timeout=cfg.scorer.reference_timeout_s,
+                                        concurrency=cfg.scorer.concurrency)
+        log.info("%s: scoring run %s (concurrency %d, weights %s%s)", ident, cfg.run.name, cfg.scorer.concurrency,
+                 cfg.scorer.weights, f", reference log-probs of {cfg.learner.model}" if reference else "")
+        await Scorer(nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident, reference=reference).run_until(stop)
     finally:
         await nc.drain()
     return 0

@@ -39,6 +39,8 @@ def test_unknown_key_is_rejected_with_its_path():
         ("learner.task_deadline_s=60", "task_deadline_s=60.0 must be >= group_timeout_s=1800.0"),
         ("learner.publish_every=3", r"publish_every=3 must be <= max_staleness \+ 1 = 2"),
         ("actor.sim_wait_s=-1", "sim_wait_s=-1.0 must be >= 0"),
+        ("learner.reference=remote", "reference='remote' not allowed; use one of"),
+        ("scorer.reference_timeout_s=0", "reference_timeout_s=0.0 must be > 0"),
     ],
 )
 def test_bad_values_name_the_field_and_the_allowed_values(override, needle):
@@ -52,3 +54,10 @@ def test_a_relative_shared_dir_is_made_absolute_once_at_load(tmp_path, monkeypat
     assert cfg.learner.shared_dir == str(tmp_path / "weights" / "shared")
     monkeypatch.chdir("/")  # a child started elsewhere from the dumped config reads the same directory
     assert convert_config(__import__("tomllib").loads(dump_config(cfg))).learner.shared_dir == cfg.learner.shared_dir
+
+
+def test_a_reference_service_without_kl_fails_at_load_naming_both_keys():
+    with pytest.raises(ConfigError, match=r"reference='service' with kl_coef=0.0.*learner.kl_coef > 0 or "
+                                          r"learner.reference = \"local\" - at `\$\.learner`"):
+        load_config(None, ["learner.reference=service", "learner.kl_coef=0"])
+    assert load_config(None, ["learner.reference=service"]).learner.reference == "service"  # kl_coef 0.001
