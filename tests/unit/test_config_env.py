@@ -53,10 +53,10 @@ def test_explicit_values_are_kept_when_the_environment_allows_them():
     [
         (["env.name=no_such_env"], r"unknown environment 'no_such_env'; known: collabllm_medium, hidden_goal"),
         (["env.name=hidden_goal", "scorer.weights={bleu = 1.0, goal_match = 1.0}"],
-         r"scorer.weights names \['bleu'\], not metrics of environment 'hidden_goal'; its metrics are "
+         r"scorer.weights: unknown reward metric 'bleu' for environment 'hidden_goal'; its metrics are "
          r"\['goal_match', 'exact', 'assistant_turns'\]"),
-        (["scorer.clamps={goal_match = [0.0, 1.0]}"], r"scorer.clamps names \['goal_match'\], not metrics of environment "
-                                                      r"'collabllm_medium'"),
+        (["scorer.clamps={goal_match = [0.0, 1.0]}"], r"scorer.clamps: unknown reward metric 'goal_match' for "
+                                                      r"environment 'collabllm_medium'"),
         (["env.name=hidden_goal", "rollout.sim_prompt=lazy_full"],
          r"rollout.sim_prompt='lazy_full': environment 'hidden_goal' plays a programmatic user"),
         (["env.name=hidden_goal", "learner.eval_metric=mr"],
