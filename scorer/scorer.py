@@ -19,6 +19,7 @@ from collections import Counter
 import msgspec
 
 from protocol import bus, status, topology
+from environments.base import Reward
 from protocol.messages import Heartbeat, Trajectory
 from scorer.config import ScorerConfig
 from scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
@@ -30,10 +31,11 @@ log = logging.getLogger("parley.scorer")
 class Scorer:
     """One scorer replica: the PullWorker handler plus its counters and heartbeat."""
 
-    def __init__(self, nc, run: str, judge: Judge, cfg: ScorerConfig, bus_settings: topology.BusSettings, ident: str,
-                 reference: ReferenceClient | None = None):
+    def __init__(self, nc, run: str, judge: Judge | None, cfg: ScorerConfig, bus_settings: topology.BusSettings,
+                 ident: str, reward: Reward | None = None, reference: ReferenceClient | None = None):
         self.nc, self.js = nc, nc.jetstream()
         self.run, self.judge, self.cfg, self.bus, self.ident = run, judge, cfg, bus_settings, ident
+        self.reward = reward  # the environment's; None = the [scorer] settings' CollabLLM reward
         self.reference = reference  # [learner] reference = "service": ask it for every trajectory
         self.counters: Counter[str] = Counter()
         self.in_flight = 0
@@ -88,7 +90,8 @@ class Scorer:
         # verdict that failed to parse is not reproduced exactly.
         seed = (traj.seed + 1000 * (delivered - 1)) % 2**31
         judged = self._waiting("judge", traj, delivered,
-                               lambda: score_trajectory(traj, self.judge, self.cfg, scorer=self.ident, seed=seed))
+                               lambda: score_trajectory(traj, self.judge, self.cfg, reward=self.reward,
+                                                        scorer=self.ident, seed=seed))
         if self.reference is None:
             return await judged
 
@@ -154,15 +157,20 @@ async def main(stop: asyncio.Event, cfg, ident: str) -> int:
                        creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
     try:
         await topology.ensure_topology(nc.jetstream(), cfg.run.name, cfg.bus)
-        judge = JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
+        env = cfg.env.load()
+        # an environment without judge metrics never asks the judge, so it gets no client (and needs no service)
+        judge = (JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
+                 if env.needs_judge else None)
         # The learner's setting decides (one place for the fact): it trains on what we put in ref_logp_f32.
         reference = None
         if cfg.learner.reference == "service":
             reference = ReferenceClient(nc, model=cfg.learner.model, timeout=cfg.scorer.reference_timeout_s,
                                         concurrency=cfg.scorer.concurrency)
-        log.info("%s: scoring run %s (concurrency %d, weights %s%s)", ident, cfg.run.name, cfg.scorer.concurrency,
-                 cfg.scorer.weights, f", reference log-probs of {cfg.learner.model}" if reference else "")
-        await Scorer(nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident, reference=reference).run_until(stop)
+        log.info("%s: scoring run %s, environment %s (concurrency %d, weights %s, judge ops %s%s)", ident, cfg.run.name,
+                 env.name, cfg.scorer.concurrency, cfg.scorer.weights, list(env.reward.judge_ops) or "none",
+                 f", reference log-probs of {cfg.learner.model}" if reference else "")
+        await Scorer(nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident, reward=env.reward,
+                     reference=reference).run_until(stop)
     finally:
         await nc.drain()
     return 0

@@ -29,7 +29,7 @@ from protocol.connect import connect
 from protocol.messages import ChatMessage, FutureRollout, Trajectory
 from scorer.config import JudgeConfig, ScorerConfig
 from scorer.judge import Judge, judge_service
-from rewards.reward import total_reward
+from rewards.reward import default_weights, total_reward
 from scorer.score import JudgeClient
 from scorer.scorer import Scorer
 
@@ -168,7 +168,7 @@ async def test_trajectories_are_scored_end_to_end(server, judge, nc):
     for t in trajs:
         s = by_id[t.traj_id]
         assert s.trajectory == t and s.scorer == "scorer-a" and s.judge_model == str(judge.backend.model_name)
-        assert set(s.metrics) == {"bleu", "interactivity", "token_amount"} and s.weights == SCORER_CFG.weights
+        assert set(s.metrics) == {"bleu", "interactivity", "token_amount"} and s.weights == default_weights()
         assert 0.0 <= s.metrics["bleu"] <= 1.0
         n_conv = len(t.futures) or 1
         # interactivity is a mean of levels/9 over the judged conversations
