@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from learner.config import LOSS_AGG
+from learner.config import LOSS_AGG, LearnerConfig
+from learner.packing import PackedBatch
 
 
 # exp() of a log-ratio beyond this overflows float32 or turns 0 * inf into NaN;
@@ -267,3 +268,23 @@ def grpo_loss(
         tis_max=_masked_max(tis, mask),
     )
     return loss, stats
+
+
+def batch_loss(
+    logp: Tensor, batch: PackedBatch, cfg: LearnerConfig, ref_logp: Tensor | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """The GRPO loss of one packed micro-batch under [learner]'s settings, as the train step takes it.
+
+    `logp` (N,) are the learner's log-probs of the batch's trained tokens (with their graph),
+    `ref_logp` (N,) the reference model's (None when kl_coef = 0).
+    Fresh groups: ratio against the behaviour policy, clipped (PPO). Stale groups under
+    stale_policy="correct": ratio against our own detached log-probs (its gradient is the plain
+    policy gradient), reweighted by min(pi/mu, tis_cap).
+    """
+    old = torch.where(batch.correct, logp.detach(), batch.behaviour)  # (N,)
+    return grpo_loss(
+        logp, old, batch.advantages, torch.ones_like(batch.correct), batch.seq,
+        behaviour_logp=batch.behaviour, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
+        tis_cap=cfg.tis_cap, agg_mode=cfg.loss_agg,
+    )
