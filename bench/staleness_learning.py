@@ -110,13 +110,13 @@ def one_run(model_dir: Path, staleness: int, policy: str, seed: int, args) -> di
                 for i in range(args.n):
                     samples.append(Sample(
                         f"s{step}-{gi}-{i}", ids[i].tolist(), [0] * PROMPT + [1] * NEW,
-                        [0.0] * PROMPT + lps[i].tolist(), float(adv[i]), correct=lag > staleness))
+                        [0.0] * PROMPT + lps[i].tolist(), float(adv[i])))
             st = trainer.train_step(samples)
             if args.verbose:
                 print(f"  step {step}: reward {history[-1]:.3f}, lags {group_lags}, clip_frac {st.get('clip_frac', 0):.3f}, "
                       f"train {st['train_s']:.2f} s", flush=True)
             stats.append({"max_lag": max(group_lags), "clip_frac": st.get("clip_frac", 0.0),
-                          "ratio_max": st.get("ratio_max", 1.0), "tis_max": st.get("tis_max", 1.0)})
+                          "ratio_max": st.get("ratio_max", 1.0)})
             snapshots[step + 1] = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
             for old in [v for v in snapshots if v < step + 1 - max(group_lags + [10])]:
                 del snapshots[old]

@@ -22,7 +22,6 @@ class Sample:
     loss_mask: np.ndarray  # (T,) bool: True where the token is trained
     behaviour: np.ndarray  # (T,) float32 behaviour log-prob of each trained token (0.0 elsewhere)
     advantage: float
-    correct: bool = False  # stale group: truncated importance sampling instead of the PPO ratio
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
@@ -81,7 +80,6 @@ class PackedBatch:
     seq: Tensor  # (N,) which sample (0..S-1 within the batch) each trained token belongs to
     behaviour: Tensor  # (N,)
     advantages: Tensor  # (N,)
-    correct: Tensor  # (N,) bool
 
     @property
     def n_loss_tokens(self) -> int:
@@ -99,7 +97,6 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Pa
     pos = np.arange(ids.size) - starts[seq]  # (T,) positions restart at every sample
     beh = np.concatenate([s.behaviour for s in samples]) if samples else np.zeros(0, np.float32)  # (T,)
     adv = np.array([s.advantage for s in samples], dtype=np.float32)  # (S,)
-    cor = np.array([s.correct for s in samples], dtype=bool)  # (S,)
 
     def t(x: np.ndarray, dtype: torch.dtype) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype)
@@ -112,5 +109,4 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Pa
         seq=t(seq[idx], torch.long),
         behaviour=t(beh[idx], torch.float32),
         advantages=t(adv[seq[idx]], torch.float32),
-        correct=t(cor[seq[idx]], torch.bool),
     )

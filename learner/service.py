@@ -390,7 +390,7 @@ class Learner:
             for si, s in enumerate(t.group.ordered()):
                 traj = s.trajectory
                 out.append(Sample(s.traj_id, arrays.token_ids(traj), arrays.loss_mask(traj), behaviour_logprobs(traj),
-                                  float(adv[gi, si]), correct=t.correct))
+                                  float(adv[gi, si])))
         return out
 
     async def publish(self, version: int) -> None:
