@@ -89,6 +89,7 @@ def one_run(model_dir: Path, staleness: int, policy: str, seed: int, args) -> di
     history, reached, stats = [], None, []
     try:
         for step in range(args.max_steps + 1):
+            cpu0 = time.process_time()
             sampler.load_state_dict(snapshots[step])
             g = torch.Generator().manual_seed(3000 + seed)  # the same eval draws for every version
             ids, _ = sample(sampler, eval_prompts, args.eval_samples, g)
@@ -100,21 +101,24 @@ def one_run(model_dir: Path, staleness: int, policy: str, seed: int, args) -> di
             if step == args.max_steps:
                 break
             group_lags = lags[step]
+            prompts = [torch.randint(3, 2000, (PROMPT,), generator=gen).tolist() for _ in group_lags]
             samples = []
-            for gi, lag in enumerate(group_lags):
-                behaviour = max(0, step - lag)
+            # the groups of one behaviour version are sampled together (one batch per version)
+            for behaviour in sorted({max(0, step - lag) for lag in group_lags}):
+                mine = [gi for gi, lag in enumerate(group_lags) if max(0, step - lag) == behaviour]
                 sampler.load_state_dict(snapshots[behaviour])
-                prompt = torch.randint(3, 2000, (PROMPT,), generator=gen).tolist()
-                ids, lps = sample(sampler, [prompt], args.n, gen)
-                adv = group_advantages(reward(ids)[None])[0]  # (n,)
-                for i in range(args.n):
+                ids, lps = sample(sampler, [prompts[gi] for gi in mine], args.n, gen)  # (len(mine) * n, ...)
+                adv = group_advantages(reward(ids).reshape(len(mine), args.n)).reshape(-1)  # (len(mine) * n,)
+                for j in range(ids.shape[0]):
                     samples.append(Sample(
-                        f"s{step}-{gi}-{i}", ids[i].tolist(), [0] * PROMPT + [1] * NEW,
-                        [0.0] * PROMPT + lps[i].tolist(), float(adv[i])))
+                        f"s{step}-{mine[j // args.n]}-{j % args.n}", ids[j].tolist(), [0] * PROMPT + [1] * NEW,
+                        [0.0] * PROMPT + lps[j].tolist(), float(adv[j])))
+            cpu = time.process_time()
             st = trainer.train_step(samples)
             if args.verbose:
                 print(f"  step {step}: reward {history[-1]:.3f}, lags {group_lags}, clip_frac {st.get('clip_frac', 0):.3f}, "
-                      f"train {st['train_s']:.2f} s", flush=True)
+                      f"train {st['train_s']:.2f} s wall {time.process_time() - cpu:.2f} s cpu, "
+                      f"sampling {cpu - cpu0:.2f} s cpu", flush=True)
             stats.append({"max_lag": max(group_lags), "clip_frac": st.get("clip_frac", 0.0),
                           "ratio_max": st.get("ratio_max", 1.0)})
             snapshots[step + 1] = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
@@ -128,6 +132,46 @@ def one_run(model_dir: Path, staleness: int, policy: str, seed: int, args) -> di
             "groups_beyond_bound": sum(l > staleness for st in lags[:len(stats)] for l in st),
             "clip_frac_stale_steps": statistics.fmean(s["clip_frac"] for s in stale) if stale else 0.0,
             "ratio_max": max((s["ratio_max"] for s in stats), default=1.0)}
+
+
+def reseeded(base: Path, out: Path, seed: int) -> Path:
+    """The toy model of `base` (its tokenizer and config) with weights initialised from `seed`,
+    as build_tiny(seed=seed) would make them, without training the tokenizer again."""
+    if seed == 0:
+        return base
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(base, out)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base)).to(torch.float32)
+    model.save_pretrained(out)
+    return out
+
+
+def seed_runs(model_dir: Path, configs, seed: int, args) -> list[dict]:
+    """Every configuration for one seed (one process of the pool when --jobs > 1)."""
+    import logging
+    import os
+
+    import torch
+
+    logging.basicConfig(level=logging.ERROR)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # The toy's matrices are tiny: more threads only add synchronisation, which on a shared
+    # machine (a thread waiting for one that is not scheduled) costs more than the work.
+    torch.set_num_threads(args.threads)
+    rows = []
+    for k, pol in configs:
+        t = time.perf_counter()
+        r = one_run(model_dir, k, pol, seed, args)
+        r["wall_s"] = time.perf_counter() - t
+        rows.append(r)
+        print(f"max_staleness {k} {pol} seed {seed}: target at step {r['reached']}, "
+              f"final {r['final']:.2f}, {r['wall_s']:.0f} s", flush=True)
+    return rows
 
 
 def table(rows: list[dict], args) -> str:
@@ -160,13 +204,15 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", default=["0:drop", "1:drop", "2:drop", "1:correct", "2:correct"],
                    help="max_staleness:stale_policy pairs (0 = synchronous)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (toy model init, prompts, sampling)")
-    p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--target", type=float, default=0.5, help="reward level to reach")
     p.add_argument("--window", type=int, default=3, help="versions averaged for the target")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--n", type=int, default=4, help="samples per group (the throughput bench's n)")
-    p.add_argument("--eval-prompts", type=int, default=16)
+    p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-samples", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    p.add_argument("--jobs", type=int, default=3, help="processes: the seeds run side by side")
     p.add_argument("--verbose", action="store_true", help="print every step")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
@@ -177,25 +223,24 @@ def main() -> int:
             raise SystemExit(f"--configs {c!r}: use max_staleness:stale_policy, e.g. 2:correct")
         configs.append((int(k), pol))
 
-    import logging
     import os
 
-    logging.basicConfig(level=logging.ERROR)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from engines.models import build_tiny
 
     t0 = time.perf_counter()
-    rows = []
     with tempfile.TemporaryDirectory(prefix="parley-stl-") as tmp:
-        models = {s: build_tiny(Path(tmp) / f"tiny{s}", seed=s) for s in range(args.seeds)}
-        for k, pol in configs:
-            for s in range(args.seeds):
-                t = time.perf_counter()
-                r = one_run(models[s], k, pol, s, args)
-                r["wall_s"] = time.perf_counter() - t
-                rows.append(r)
-                print(f"max_staleness {k} {pol} seed {s}: target at step {r['reached']}, "
-                      f"final {r['final']:.2f}, {r['wall_s']:.0f} s", flush=True)
+        base = build_tiny(Path(tmp) / "tiny0", seed=0)
+        models = {s: reseeded(base, Path(tmp) / f"tiny{s}", s) for s in range(args.seeds)}
+        jobs = [(models[s], configs, s, args) for s in range(args.seeds)]
+        if args.jobs > 1:
+            import multiprocessing
+
+            with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:
+                per_seed = pool.starmap(seed_runs, jobs)
+        else:
+            per_seed = [seed_runs(*j) for j in jobs]
+    rows = [r for k, pol in configs for runs in per_seed for r in runs
+            if (r["max_staleness"], r["stale_policy"]) == (k, pol)]
     seconds = time.perf_counter() - t0
     print(f"staleness learning check: {os.cpu_count()} cores, {seconds:.0f} s")
     print(table(rows, args))
