@@ -158,7 +158,8 @@ def simulate(staleness: int, args, workload: Workload, steps: int = 400) -> dict
     """The same gate, grouping and workload with a zero-latency bus, as a discrete-event simulation:
     what the design allows, against which the measured run is read. Same rules as the measured
     run: admission_limit, tasks held by the actor, conversation slots, oldest complete group first,
-    groups lagging more than max_staleness dropped, taken groups consumed when their step ends."""
+    groups lagging more than max_staleness dropped, taken groups consumed when their step ends.
+    `lags` lists, per step, each trained group's lag (bench/staleness_learning.py replays them)."""
     import heapq
 
     from learner.feeder import admission_limit
@@ -175,6 +176,7 @@ def simulate(staleness: int, args, workload: Workload, steps: int = 400) -> dict
     complete: list[tuple[float, int]] = []  # (completed at, task)
     events: list[tuple[float, int, int]] = []  # (time, kind 0 = sample end / 1 = step end, task)
     ends, dropped, taken = [], 0, []
+    lags: list[list[int]] = []  # per step: each trained group's lag (versions behind the learner)
     while len(ends) < steps:
         while len(in_flight) + consumed + 1 <= admission_limit(version, staleness, B):
             in_flight.add(issued)
@@ -206,6 +208,7 @@ def simulate(staleness: int, args, workload: Workload, steps: int = 400) -> dict
                 for c in chosen:
                     complete.remove(c)
                 taken = [task for _, task in chosen]
+                lags.append([version - versions[task] for task in taken])
                 busy_until = t + args.step_s
                 heapq.heappush(events, (busy_until, 1, -1))
         t, kind, task = heapq.heappop(events)
@@ -224,7 +227,8 @@ def simulate(staleness: int, args, workload: Workload, steps: int = 400) -> dict
             ends.append(t)
     window = ends[-1] - ends[0]
     return {"steps_per_hour": (len(ends) - 1) / window * 3600.0,
-            "learner_idle": 1.0 - (len(ends) - 1) * args.step_s / window, "stale_dropped": dropped, "steps": len(ends)}
+            "learner_idle": 1.0 - (len(ends) - 1) * args.step_s / window, "stale_dropped": dropped, "steps": len(ends),
+            "lags": lags}
 
 
 async def one_config(url: str, staleness: int, args, workload: Workload, items) -> dict:

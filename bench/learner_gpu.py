@@ -335,7 +335,7 @@ def phase_plain(args) -> None:
             logits = model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False).logits  # (1, T, V)
             rows = logits[0].index_select(0, b.src).float()  # (N, V)
             logp = rows.log_softmax(-1).gather(1, b.targets[:, None])[:, 0]  # (N,)
-            loss, _ = grpo.grpo_loss(logp, b.behaviour, b.advantages, torch.ones_like(b.correct), b.seq)
+            loss, _ = grpo.grpo_loss(logp, b.behaviour, b.advantages, torch.ones_like(b.behaviour, dtype=torch.bool), b.seq)
             (loss * (b.n_loss_tokens / n_total)).backward()
             del logits, rows, logp, loss
         opt.step()

@@ -62,7 +62,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     steps: int = 3  # stop after this many optimizer steps (0 = run forever)
     groups_per_step: int = 2
     max_staleness: int = 1  # versions a group may lag behind the learner
-    stale_policy: str = "drop"  # "drop" | "correct" (truncated importance sampling)
+    stale_policy: str = "drop"  # "drop" | "correct" (train it: the clipped ratio against its behaviour log-probs)
     group_timeout_s: float = 1800.0  # a partial group is dropped after this
     # An issued task that has not become a complete group this long after it was issued is given up
     # (its admission slot freed, the reason in the ledger): the backstop for fates the DEAD stream
@@ -79,7 +79,6 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float = 3.0
-    tis_cap: float = 2.0
     loss_agg: str = "token-mean"
     scale_advantages: bool = True  # divide by the group std
     zero_stage: int = 2

@@ -22,7 +22,6 @@ class Sample:
     loss_mask: np.ndarray  # (T,) bool: True where the token is trained
     behaviour: np.ndarray  # (T,) float32 behaviour log-prob of each trained token (0.0 elsewhere)
     advantage: float
-    correct: bool = False  # stale group: truncated importance sampling instead of the PPO ratio
     # (T,) float32 reference log-prob of each token given its prefix (0.0 at token 0), computed before
     # the step by the reference service ([learner] reference = "service"); None: the learner's own
     ref: np.ndarray | None = None
@@ -88,7 +87,6 @@ class PackedBatch:
     seq: Tensor  # (N,) which sample (0..S-1 within the batch) each trained token belongs to
     behaviour: Tensor  # (N,)
     advantages: Tensor  # (N,)
-    correct: Tensor  # (N,) bool
     ref: Tensor | None = None  # (N,) the samples' reference log-probs, when every sample carries them
 
     @property
@@ -107,7 +105,6 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Pa
     pos = np.arange(ids.size) - starts[seq]  # (T,) positions restart at every sample
     beh = np.concatenate([s.behaviour for s in samples]) if samples else np.zeros(0, np.float32)  # (T,)
     adv = np.array([s.advantage for s in samples], dtype=np.float32)  # (S,)
-    cor = np.array([s.correct for s in samples], dtype=bool)  # (S,)
     with_ref = bool(samples) and all(s.ref is not None for s in samples)
     ref = np.concatenate([s.ref for s in samples]) if with_ref else None  # (T,)
 
@@ -122,6 +119,5 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Pa
         seq=t(seq[idx], torch.long),
         behaviour=t(beh[idx], torch.float32),
         advantages=t(adv[seq[idx]], torch.float32),
-        correct=t(cor[seq[idx]], torch.bool),
         ref=t(ref[idx], torch.float32) if ref is not None else None,
     )

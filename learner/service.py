@@ -411,7 +411,7 @@ class Learner:
             for si, s in enumerate(t.group.ordered()):
                 traj = s.trajectory
                 out.append(Sample(s.traj_id, arrays.token_ids(traj), arrays.loss_mask(traj), behaviour_logprobs(traj),
-                                  float(adv[gi, si]), correct=t.correct,
+                                  float(adv[gi, si]),
                                   ref=arrays.ref_logprobs(s) if self.lc.reference == "service" else None))
         return out
 

@@ -306,16 +306,7 @@ class Trainer:
                 ref, _ = token_logprobs(self.reference, batch, cfg.logit_chunk_tokens, grad=False)
             elif cfg.kl_coef > 0:  # reference = "service": what the reference service computed for each token
                 ref = batch.ref
-            # Fresh groups: ratio against the behaviour policy, clipped (PPO). Stale groups under
-            # stale_policy="correct": ratio against our own detached log-probs (its gradient is
-            # the plain policy gradient), reweighted by min(pi/mu, tis_cap).
-            old = torch.where(batch.correct, logp.detach(), batch.behaviour)
-            loss, st = grpo.grpo_loss(
-                logp, old, batch.advantages, torch.ones_like(batch.correct), batch.seq,
-                behaviour_logp=batch.behaviour, ref_logp=ref, kl_coef=cfg.kl_coef,
-                clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
-                tis_cap=cfg.tis_cap, agg_mode=cfg.loss_agg,
-            )
+            loss, st = grpo.batch_loss(logp, batch, cfg, ref)
             share = n / n_tokens if cfg.loss_agg == "token-mean" else len(set(batch.seq.tolist())) / n_seqs
             # Still backward when it is not finite: the non-finite gradient is what makes the optimizer
             # skip the step on every rank (_apply_if_finite), and the ranks' collectives stay in step.

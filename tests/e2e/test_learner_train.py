@@ -46,12 +46,12 @@ def whole_batch_grad_norm(model_dir, samples: list[Sample]) -> float:
 
     from learner.packing import build_batch
     from learner.logprobs import token_logprobs
-    from learner.grpo import grpo_loss
+    from learner.grpo import batch_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     b = build_batch(samples)
     logp, _ = token_logprobs(model, b, grad=True)
-    loss, _ = grpo_loss(logp, b.behaviour, b.advantages, torch.ones_like(b.correct), b.seq, behaviour_logp=b.behaviour)
+    loss, _ = batch_loss(logp, b, LearnerConfig(kl_coef=0.0))
     loss.backward()
     return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
 

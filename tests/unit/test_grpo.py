@@ -1,4 +1,4 @@
-"""Unit tests for learner.grpo: advantages, clipped loss, TIS, KL, aggregation, composition."""
+"""Unit tests for learner.grpo: advantages, clipped loss, KL, aggregation, composition, the batch loss."""
 
 import math
 
@@ -10,11 +10,11 @@ from torch.testing import assert_close
 from learner.config import LOSS_AGG
 from learner.grpo import (
     aggregate,
+    batch_loss,
     group_advantages,
     grpo_loss,
     kl_k3,
     policy_loss,
-    tis_weights,
 )
 
 LOG = math.log
@@ -97,14 +97,6 @@ def test_policy_loss_rejects_bad_dual_clip():
         policy_loss(logp, old_logp, adv, mask, dual_clip=1.0)
 
 
-def test_tis_weights_truncated_and_detached():
-    prox = torch.tensor([LOG(1.5), LOG(3.0), LOG(0.25)], requires_grad=True)
-    behaviour = torch.zeros(3)
-    w = tis_weights(prox, behaviour, cap=2.0)
-    assert_close(w, torch.tensor([1.5, 2.0, 0.25]))
-    assert not w.requires_grad
-
-
 def test_kl_k3_zero_when_equal_positive_otherwise():
     logp = torch.tensor([-0.5, -1.0, -2.0], dtype=torch.float64)
     assert_close(kl_k3(logp, logp), torch.zeros(3, dtype=torch.float64))
@@ -185,12 +177,11 @@ def test_grpo_loss_on_policy_is_minus_mean_advantage():
     _, mask = _packed_batch()
     logp = torch.tensor([-1.0, -2.0, -0.5, -1.5, -0.7, -3.0], requires_grad=True)
     old = logp.detach().clone()
-    loss, stats = grpo_loss(logp, old, adv, mask, [3, 3], behaviour_logp=old, ref_logp=old, kl_coef=0.1)
+    loss, stats = grpo_loss(logp, old, adv, mask, [3, 3], ref_logp=old, kl_coef=0.1)
     assert_close(loss, torch.tensor(-(3 * 1.0 - 2 * 0.5) / 5))
     assert stats["kl_mean"] == 0.0
     assert stats["clip_frac"] == 0.0
     assert stats["ratio_mean"] == pytest.approx(1.0)
-    assert stats["tis_mean"] == pytest.approx(1.0) and stats["tis_max"] == pytest.approx(1.0)
     loss.backward()
     # d loss / d logp = -A / n_masked on trained tokens.
     assert_close(logp.grad, torch.tensor([-0.2, -0.2, -0.2, 0.1, 0.1, 0.0]))
@@ -201,21 +192,17 @@ def test_grpo_loss_composes_parts():
     T = 7
     logp = (-torch.rand(T) * 2).requires_grad_()
     old = logp.detach() + 0.3 * torch.randn(T)
-    behaviour = old + 0.5 * torch.randn(T)
     ref = logp.detach() + 0.2 * torch.randn(T)
     adv = torch.randn(T)
     mask = torch.tensor([1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
     lengths = [3, 4]
     for mode in LOSS_AGG:
         loss, stats = grpo_loss(
-            logp, old, adv, mask, lengths,
-            behaviour_logp=behaviour, ref_logp=ref, kl_coef=0.05, agg_mode=mode,
+            logp, old, adv, mask, lengths, ref_logp=ref, kl_coef=0.05, agg_mode=mode,
         )
         pg, _ = policy_loss(logp, old, adv, mask)
-        tis = tis_weights(old, behaviour, cap=2.0)
-        expected = aggregate(pg * tis + 0.05 * kl_k3(logp, ref), mask, lengths, mode)
+        expected = aggregate(pg + 0.05 * kl_k3(logp, ref), mask, lengths, mode)
         assert_close(loss, expected)
-        assert stats["tis_max"] <= 2.0
         assert stats["kl_mean"] > 0.0
         assert stats["ratio_max"] >= stats["ratio_mean"]
 
@@ -230,3 +217,28 @@ def test_grpo_loss_unknown_mode_raises():
     logp = torch.zeros(2)
     with pytest.raises(ValueError, match="token-mean"):
         grpo_loss(logp, logp, logp, torch.ones(2, dtype=torch.bool), [2], agg_mode="mean")
+
+
+def test_a_stale_group_is_trained_with_the_clipped_ratio_against_its_behaviour_logprobs():
+    """A group kept beyond max_staleness (stale_policy = "correct") is off-policy data: every token's
+    ratio is taken against the behaviour log-prob the actor recorded and clipped, so a token whose
+    ratio left the trust region in the direction of its advantage gets no gradient. Hand values
+    (clip_low 0.2, clip_high 0.28, dual_clip 3, token-mean over 4 tokens):
+      A = +1, r = 1.6 -> clipped at 1.28: loss -1.28, gradient 0
+      A = +1, r = 0.9 -> inside:          loss -0.9,  gradient -0.9 / 4
+      A = -1, r = 0.5 -> clipped at 0.8:  loss  0.8,  gradient 0
+      A = -1, r = 4   -> dual clip at 3:  loss  3,    gradient 0
+    (The ratio against the learner's own detached log-probs, times min(r, 2), gave loss 0 and
+    gradients (-1.6, -0.9, 0.5, 2) / 4: no trust region at all.)"""
+    from learner.config import LearnerConfig
+    from learner.packing import Sample, build_batch
+
+    up = Sample("up", [5, 6, 7], [0, 1, 1], [0.0, LOG(0.5), LOG(0.5)], advantage=1.0)
+    down = Sample("down", [8, 9, 10], [0, 1, 1], [0.0, LOG(0.5), LOG(0.2)], advantage=-1.0)
+    batch = build_batch([up, down])
+    logp = torch.tensor([LOG(0.8), LOG(0.45), LOG(0.25), LOG(0.8)], requires_grad=True)
+    loss, stats = batch_loss(logp, batch, LearnerConfig(kl_coef=0.0))
+    assert_close(loss, torch.tensor((-1.28 - 0.9 + 0.8 + 3.0) / 4))
+    loss.backward()
+    assert_close(logp.grad, torch.tensor([0.0, -0.9 / 4, 0.0, 0.0]))
+    assert stats["clip_frac"] == pytest.approx(0.5) and stats["dual_clip_frac"] == pytest.approx(0.25)

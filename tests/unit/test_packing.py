@@ -41,7 +41,7 @@ def test_shards_balance_tokens():
 
 def test_packed_batch_layout():
     a = Sample("a", [5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -0.5, -0.25], advantage=1.0)
-    b = Sample("b", [9, 10, 11], [0, 1, 0], [0.0, -2.0, 0.0], advantage=-1.0, correct=True)
+    b = Sample("b", [9, 10, 11], [0, 1, 0], [0.0, -2.0, 0.0], advantage=-1.0)
     batch = build_batch([a, b])
     assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11]]
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]  # restart per sequence: no cross-attention
@@ -51,13 +51,12 @@ def test_packed_batch_layout():
     assert batch.seq.tolist() == [0, 0, 1]
     torch.testing.assert_close(batch.behaviour, torch.tensor([-0.5, -0.25, -2.0]))
     assert batch.advantages.tolist() == [1.0, 1.0, -1.0]
-    assert batch.correct.tolist() == [False, False, True]
     assert batch.n_loss_tokens == 3
 
 
 def _reference_batch(samples):
     """The token-by-token layout build_batch must reproduce with array operations."""
-    ids, pos, src, tgt, seq, beh, adv, cor, offset = [], [], [], [], [], [], [], [], 0
+    ids, pos, src, tgt, seq, beh, adv, offset = [], [], [], [], [], [], [], 0
     for s_idx, s in enumerate(samples):
         n = len(s.token_ids)
         ids += [int(x) for x in s.token_ids]
@@ -69,9 +68,8 @@ def _reference_batch(samples):
                 seq.append(s_idx)
                 beh.append(float(s.behaviour[p]))
                 adv.append(s.advantage)
-                cor.append(s.correct)
         offset += n
-    return ids, pos, src, tgt, seq, beh, adv, cor
+    return ids, pos, src, tgt, seq, beh, adv
 
 
 def test_packed_batch_matches_the_token_by_token_layout():
@@ -81,15 +79,13 @@ def test_packed_batch_matches_the_token_by_token_layout():
         n = rng.choice([1, 2, rng.randint(3, 400)])
         mask = [rng.random() < 0.5 for _ in range(n)]  # token 0 marked too: it must be left out
         samples.append(Sample(f"s{i}", [rng.randint(0, 150_000) for _ in range(n)], mask,
-                              [-rng.random() if m else 0.0 for m in mask], advantage=rng.uniform(-2, 2),
-                              correct=rng.random() < 0.3))
+                              [-rng.random() if m else 0.0 for m in mask], advantage=rng.uniform(-2, 2)))
     batch = build_batch(samples)
-    ids, pos, src, tgt, seq, beh, adv, cor = _reference_batch(samples)
+    ids, pos, src, tgt, seq, beh, adv = _reference_batch(samples)
     assert batch.input_ids.tolist() == [ids] and batch.position_ids.tolist() == [pos]
     assert (batch.src.tolist(), batch.targets.tolist(), batch.seq.tolist()) == (src, tgt, seq)
     torch.testing.assert_close(batch.behaviour, torch.tensor(beh, dtype=torch.float32))
     torch.testing.assert_close(batch.advantages, torch.tensor(adv, dtype=torch.float32))
-    assert batch.correct.tolist() == cor
     assert sum(s.n_trained for s in samples) == batch.n_loss_tokens
     empty = build_batch([])
     assert empty.input_ids.shape == (1, 0) and empty.n_loss_tokens == 0
