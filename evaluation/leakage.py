@@ -1,8 +1,6 @@
 """The leakage guard: training and evaluation must not share reference documents (the BLEU targets).
 `guard_overlap` is called at start by the learner and by `parley eval`; `parley data check` reports.
-Overlap is found by tasks.data.find_overlap on normalized-text hashes of references and prompts; for
-another environment, by its leakage keys (environments.base.find_overlap), refused on the kinds it
-names as leaks (`guard_env_overlap`).
+Overlap is found by tasks.data.find_overlap on normalized-text hashes of references and prompts.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import logging
 import time
 from pathlib import Path
 
-from environments.base import Environment, find_overlap as env_find_overlap
 from tasks.data import Item, Overlap, find_overlap
 
 log = logging.getLogger("parley.leakage")
@@ -70,32 +67,5 @@ def guard_overlap(train_items: list[Item], eval_items: list[Item], allow: bool, 
             path = Path(run_dir) / OVERLAP_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(overlap_json(overlap, len(train_items), len(eval_items)), indent=1) + "\n")
-            log.warning("overlap recorded in %s", path)
-    return overlap
-
-
-def guard_env_overlap(env: Environment, train_items: list, eval_items: list, allow: bool,
-                      run_dir: str | Path | None) -> dict[str, list[tuple[str, str]]]:
-    """guard_overlap for any environment: stop when train and eval share a key of a kind the environment
-    names as leakage (TaskSource.leaks), unless allowed; other shared kinds are only logged. Any overlap
-    of a run that goes ahead is written to run_dir/overlap.json, one list of (train, eval) pairs per kind."""
-    overlap = env_find_overlap(env.tasks, train_items, eval_items)
-    leaks = {k: v for k, v in overlap.items() if k in env.tasks.leaks and v}
-    if leaks and not allow:
-        shown = "; ".join(f"{len(v)} {k} key(s) ({_examples(v)})" for k, v in leaks.items())
-        raise LeakageError(
-            f"environment {env.name!r}: train and eval share {shown}; eval scores on them measure memorization. "
-            f"Change the split ([data] split_seed, eval_fraction) or pass --allow-overlap ([data] allow_overlap = true)"
-        )
-    shared = {k: v for k, v in overlap.items() if v}
-    if shared:
-        log.warning("train %d items, eval %d items: %s", len(train_items), len(eval_items),
-                    "; ".join(f"shared {k}: {_examples(v)}" for k, v in shared.items()))
-        if run_dir is not None:
-            path = Path(run_dir) / OVERLAP_FILE
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"environment": env.name, "train_items": len(train_items),
-                                        "eval_items": len(eval_items), **{k: [list(p) for p in v] for k, v in overlap.items()},
-                                        "created": time.time()}, indent=1) + "\n")
             log.warning("overlap recorded in %s", path)
     return overlap
