@@ -1,6 +1,7 @@
 """`parley actor`: pulls Tasks from the run's TASKS stream (shared durable consumer "actor"), plays
-each task's n samples against the simulator service, publishes one Trajectory per sample and acks
-the task once all of them are stored. Follows the learner's weight versions meanwhile.
+each task's n samples against the user (the simulator service, or the run environment's programmatic
+user in-process), publishes one Trajectory per sample and acks the task once all of them are stored.
+Follows the learner's weight versions meanwhile.
 
 Several actors on one run split the tasks. A task whose actor dies is redelivered after ack_wait
 and replayed from the start; Msg-Ids (traj:<task>/<sample>) keep its trajectories stored once.
@@ -19,10 +20,19 @@ from collections import Counter
 
 from actors.follow import WeightFollower, WeightsBroken
 from actors.rollout import PolicySettings, SimClient, check_task, check_task_limits, run_conversation
+from environments.base import Environment, LocalUser, ProgrammaticUser
 from protocol import bus, status, topology
 from protocol.messages import Heartbeat, Task
 
 log = logging.getLogger("parley.actor")
+
+
+def user_client(env: Environment, nc, actor_cfg) -> SimClient | LocalUser:
+    """Who plays the user: the environment's programmatic user in this process (no service, no
+    request), else the simulator service over NATS. Both answer `await ask(SimRequest)`."""
+    if isinstance(env.user, ProgrammaticUser):
+        return LocalUser(env.user)
+    return SimClient(nc, timeout_s=actor_cfg.sim_timeout_s, wait_s=actor_cfg.sim_wait_s)
 
 
 class Actor:
@@ -37,7 +47,7 @@ class Actor:
         self.ident = ident
         self.concurrency = concurrency or cfg.actor.concurrency
         self._slots = asyncio.Semaphore(self.concurrency)
-        self.sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s, wait_s=cfg.actor.sim_wait_s)
+        self.sim = user_client(cfg.env.load(), nc, cfg.actor)
         self.follower = WeightFollower(js, self.run, engine, dest_root=weights_dir, poll_s=cfg.actor.weights_poll_s,
                                        base_dir=engine.settings.model, shared_dir=cfg.learner.shared_dir or None)
         self.policy = PolicySettings(
@@ -55,7 +65,7 @@ class Actor:
     def heartbeat(self) -> Heartbeat:
         counters = {k: float(v) for k, v in (self.counters + bus.COUNTERS).items()}
         counters.update(in_flight=float(self.in_flight), refused_versions=float(len(self.follower.refused)),
-                        sim_waits=float(self.sim.waits))
+                        sim_waits=float(getattr(self.sim, "waits", 0)))  # a LocalUser never waits
         state = "busy" if self.state == "ready" and self.in_flight else self.state
         return Heartbeat(role="actor", id=self.ident, state=state, version=self.engine.version, counters=counters)
 

@@ -14,6 +14,9 @@ from pathlib import Path
 import msgspec
 
 from actors.config import ActorConfig, SimConfig
+from environments import collabllm
+from environments.base import Environment, ProgrammaticUser
+from environments.config import EnvConfig
 from learner.config import DataConfig, LearnerConfig, RolloutConfig
 from protocol.topology import RUN_NAME, BusSettings
 from runtime.toml import to_toml
@@ -50,6 +53,7 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     run: RunSection = msgspec.field(default_factory=RunSection)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     nats: NatsSection = msgspec.field(default_factory=NatsSection)
     bus: BusSettings = msgspec.field(default_factory=BusSettings)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
@@ -61,9 +65,60 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     up: UpSection = msgspec.field(default_factory=UpSection)
 
+    def __post_init__(self) -> None:
+        try:
+            resolve_environment(self)
+        except LookupError as e:  # an unknown or doubly registered name: a config error like any other
+            raise ValueError(str(e)) from None
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir or f"runs/{self.run.name}")
+
+
+def resolve_environment(cfg: RunConfig) -> Environment:
+    """Check the sections that name the environment's parts against it, and fill in what they leave
+    to it (each "" or {} below), so every role reads concrete values. Run once per decode: a dumped
+    config decodes to the same values.
+
+    - [scorer] weights {} = the environment's default weights; weights and clamps name its metrics.
+    - [scorer] bleu_variant, extract, interactivity are CollabLLM's scoring: they become the
+      collabllm_medium options (the one place a run sets them); another environment's reward has
+      its own options, and does not read them (so one file can serve either with --env).
+    - [rollout] sim_prompt "" = the environment's simulator prompt; a programmatic user takes none.
+    - [learner] eval_metric "" = the environment's `eval.select`; else one of its `eval.selectable`.
+    """
+    sc = cfg.scorer
+    if cfg.env.name == collabllm.NAME:
+        scoring = {k: getattr(sc, k) for k in collabllm.SCORING_OPTIONS}
+        for k, v in scoring.items():
+            if cfg.env.options.get(k, v) != v:
+                raise ValueError(f"env.options.{k}={cfg.env.options[k]!r} differs from scorer.{k}={v!r}; CollabLLM's "
+                                 f"scoring is set in [scorer] ({k} = ...): remove env.options.{k}")
+        cfg.env.options = {**cfg.env.options, **scoring}
+    env = cfg.env.load()
+    names = env.reward.names
+    for what, keys in (("weights", sc.weights), ("clamps", sc.clamps)):
+        unknown = [k for k in keys if k not in names]
+        if unknown:
+            raise ValueError(f"scorer.{what} names {unknown}, not metrics of environment {env.name!r}; "
+                             f"its metrics are {list(names)}")
+    if not sc.weights:
+        sc.weights = env.reward.default_weights()
+    ro = cfg.rollout
+    if isinstance(env.user, ProgrammaticUser):
+        if ro.sim_prompt:
+            raise ValueError(f"rollout.sim_prompt={ro.sim_prompt!r}: environment {env.name!r} plays a programmatic "
+                             "user (no simulator), so it takes no simulator prompt; leave rollout.sim_prompt empty")
+    elif not ro.sim_prompt:
+        ro.sim_prompt = env.user.prompt
+    lc = cfg.learner
+    if not lc.eval_metric:
+        lc.eval_metric = env.eval.select
+    elif lc.eval_metric not in env.eval.selectable:
+        raise ValueError(f"learner.eval_metric={lc.eval_metric!r} is not a selectable metric of environment "
+                         f"{env.name!r}; use one of {list(env.eval.selectable)} (or \"\" for {env.eval.select!r})")
+    return env
 
 
 class ConfigError(ValueError):

@@ -1,6 +1,7 @@
 """`parley up`: the whole system on one machine, as child processes, with a live view.
 
-Starts nats-server, the sim + judge services, N actors, M scorers and the learner; waits for each
+Starts nats-server, the sim + judge services (each only if the run's environment needs it: an LLM
+simulated user, judge metrics), N actors, M scorers and the learner; waits for each
 to report ready; shows the live view; stops everything on Ctrl-C or when a role fails (showing its
 last log lines); after the learner's last step (and its periodic evals) prints the reward summary, the
 eval table of the evaluated versions and the version `parley select` names.
@@ -33,16 +34,20 @@ def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tu
     """(name, argv) of every role child, in start order."""
     c = ["--config", str(config_path)]
     children = []
+    env = cfg.env.load()
     shared = (
-        cfg.sim.backend == "vllm"
+        env.needs_simulator and env.needs_judge
+        and cfg.sim.backend == "vllm"
         and cfg.judge.backend == "vllm"
         and cfg.sim.engine.model == cfg.judge.engine.model
     )
     if shared:
         children.append(("services", sup.parley_argv("services", *c, "--id", "services")))
     else:
-        children.append(("sim", sup.parley_argv("sim", *c, "--id", "sim")))
-        children.append(("judge", sup.parley_argv("judge", *c, "--id", "judge")))
+        if env.needs_simulator:
+            children.append(("sim", sup.parley_argv("sim", *c, "--id", "sim")))
+        if env.needs_judge:
+            children.append(("judge", sup.parley_argv("judge", *c, "--id", "judge")))
     for i in range(cfg.up.actors):
         children.append((f"actor-{i}", sup.parley_argv("actor", *c, "--id", f"actor-{i}")))
     for i in range(cfg.up.scorers):
@@ -52,10 +57,15 @@ def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tu
 
 
 def prepare_models(cfg: RunConfig) -> None:
-    """Build the embedded models once, before children race for them."""
+    """Build the embedded models once, before children race for them (the simulator's and the
+    judge's only if the environment starts those services)."""
     from engines.models import ensure_model
 
-    for name in sorted({cfg.actor.engine.model, cfg.sim.engine.model, cfg.judge.engine.model, cfg.learner.model}):
+    env = cfg.env.load()
+    names = {cfg.actor.engine.model, cfg.learner.model}
+    names |= {cfg.sim.engine.model} if env.needs_simulator else set()
+    names |= {cfg.judge.engine.model} if env.needs_judge else set()
+    for name in sorted(names):
         t0 = time.time()
         path = ensure_model(name)
         print(f"model {name}: {path} ({time.time() - t0:.0f}s)", flush=True)

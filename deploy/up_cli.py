@@ -25,9 +25,12 @@ def up_cmd(
     scorers: Annotated[Optional[int], typer.Option("--scorers", help="Scorers to start (overrides up.scorers).")] = None,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>).")] = None,
     live: Annotated[Optional[bool], typer.Option("--live/--no-live", help="Live terminal view (default: on when stdout is a terminal).")] = None,
+    env: Annotated[Optional[str], typer.Option("--env", help="Environment to train, by entry-point name (overrides env.name; e.g. hidden_goal).")] = None,
     dry: DryRunOpt = False,
 ) -> None:
     extra = []
+    if env is not None:
+        extra.append(f'env.name="{env}"')
     if steps is not None:
         extra.append(f"learner.steps={steps}")
     if actors is not None:

@@ -173,6 +173,9 @@ class Reward:
     """The named metrics of one conversation and the default weights of the total."""
 
     metrics: tuple[Metric, ...]
+    # (conversation, judge replies by op) -> the text the reward judged as the conversation's outcome,
+    # recorded as Scored.document (CollabLLM: the final document); None: nothing is recorded
+    document: Callable[[Finished, Mapping[str, JudgeReply]], str] | None = None
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.metrics]

@@ -18,14 +18,22 @@ from environments.base import (
     TaskSource,
 )
 from protocol.messages import JudgeReply, Task
-from rewards.metrics import BLEU_VARIANTS, interactivity_from_levels, token_amount
+from rewards.extract import EXTRACTORS, last_document
+from rewards.metrics import (
+    BLEU_VARIANTS,
+    INTERACTIVITY_SCALES,
+    interactivity_from_3level,
+    interactivity_from_levels,
+    token_amount,
+)
 from rewards.reward import default_weights, mr
-from tasks.data import Item, task_from_item, train_eval_items
+from tasks.data import SIM_PROMPT, Item, task_from_item, train_eval_items
 
 NAME = "collabllm_medium"
 
-# The simulator prompt a CollabLLM run plays under by default ([rollout].sim_prompt's default).
-SIM_PROMPT = "lazy_full"
+# The options that say how CollabLLM is scored. A run sets them in [scorer] (bleu_variant, extract,
+# interactivity; `parley replay --scoring` names sets of them), and deploy/config.py passes them here.
+SCORING_OPTIONS = ("bleu_variant", "extract", "interactivity")
 
 
 def _leakage_keys(item: Item) -> Mapping[str, str]:
@@ -48,24 +56,44 @@ def _eval_task(item: Item, *, run: str, task_id: str, n: int, rollout, seed: int
     whatever [rollout].mode training uses. The condition supplies the system prompt."""
     return Task(
         task_id=task_id, run=run, item_id=item.item_id, n=n, mode="conversation", prefix=[],
-        reference=item.reference, title=item.title, summary=item.summary, sim_prompt=rollout.sim_prompt,
+        reference=item.reference, title=item.title, summary=item.summary, sim_prompt=rollout.sim_prompt or SIM_PROMPT,
         max_new_turns=rollout.max_new_turns, max_tokens=rollout.max_tokens, seed=seed,
         admitted_version=version, split=split,
     )
 
 
-def environment(bleu_variant: str = "sacrebleu") -> Environment:
-    """CollabLLM medium; `bleu_variant` is [scorer].bleu_variant (sacrebleu | char)."""
-    if bleu_variant not in BLEU_VARIANTS:
-        raise ValueError(f"bleu_variant={bleu_variant!r} not allowed; use one of {tuple(BLEU_VARIANTS)}")
+def _document(conv: Finished, replies: Mapping[str, JudgeReply]) -> str:
+    # what BLEU compared: the judge's copy when it made one, else the newest draft in the conversation
+    return replies["extract"].document if "extract" in replies else last_document(conv.messages)
+
+
+def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interactivity: str = "rubric") -> Environment:
+    """CollabLLM medium, scored as [scorer] says: `bleu_variant` sacrebleu | char; `extract` judge (the
+    judge copies the document out) | last_document (rewards/extract.py, no judge call); `interactivity`
+    rubric (levels 0..3 on three criteria) | 3level (CollabLLM's 1 / 0.5 / 0)."""
+    for name, value, allowed in (("bleu_variant", bleu_variant, tuple(BLEU_VARIANTS)), ("extract", extract, EXTRACTORS),
+                                 ("interactivity", interactivity, tuple(INTERACTIVITY_SCALES))):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r} not allowed; use one of {allowed}")
     bleu_fn = BLEU_VARIANTS[bleu_variant]
     weights = default_weights()
 
-    def bleu(reply: JudgeReply, conv: Finished) -> float:
+    def bleu_of_reply(reply: JudgeReply, conv: Finished) -> float:
         return bleu_fn(reply.document, conv.reference)
 
-    def interactivity(reply: JudgeReply, conv: Finished) -> float:
+    def bleu_of_draft(conv: Finished) -> float:
+        return bleu_fn(last_document(conv.messages), conv.reference)
+
+    def rubric(reply: JudgeReply, conv: Finished) -> float:
         return interactivity_from_levels(reply.levels)  # the levels are the verdict, not reply.score
+
+    def three_level(reply: JudgeReply, conv: Finished) -> float:
+        return interactivity_from_3level(reply.score)
+
+    bleu = (JudgeMetric("bleu", op="extract", value=bleu_of_reply, weight=weights["bleu"]) if extract == "judge"
+            else PureMetric("bleu", compute=bleu_of_draft, weight=weights["bleu"]))
+    inter_op = INTERACTIVITY_SCALES[interactivity]
+    inter_value = rubric if interactivity == "rubric" else three_level
 
     return Environment(
         name=NAME,
@@ -74,11 +102,11 @@ def environment(bleu_variant: str = "sacrebleu") -> Environment:
                          leaks=("reference",)),
         user=SimulatorUser(prompt=SIM_PROMPT),
         reward=Reward(metrics=(
-            JudgeMetric("bleu", op="extract", value=bleu, weight=weights["bleu"]),
-            JudgeMetric("interactivity", op="interactivity", value=interactivity, weight=weights["interactivity"]),
+            bleu,
+            JudgeMetric("interactivity", op=inter_op, value=inter_value, weight=weights["interactivity"]),
             PureMetric("token_amount", compute=lambda conv: token_amount(conv.assistant_tokens),
                        weight=weights["token_amount"]),
-        )),
+        ), document=_document),
         eval=EvalProtocol(
             columns=("bleu", "interactivity", "tokens_k", "mr"),
             select="mr",

@@ -1,6 +1,8 @@
-"""The leakage guard: training and evaluation must not share reference documents (the BLEU targets).
-`guard_overlap` is called at start by the learner and by `parley eval`; `parley data check` reports.
-Overlap is found by tasks.data.find_overlap on normalized-text hashes of references and prompts.
+"""The leakage guard: training and evaluation must not share their labels (CollabLLM: the reference
+documents BLEU compares with). `guard_environment` is any environment's, called at start by the
+learner: overlap by environments.base.find_overlap on the environment's leakage keys, refused on the
+kinds it calls leaks. `guard_overlap` is CollabLLM's (tasks.data.find_overlap on normalized-text
+hashes of references and prompts), called by `parley eval`; `parley data check` reports.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import logging
 import time
 from pathlib import Path
 
+from environments.base import TaskSource
+from environments.base import find_overlap as find_environment_overlap
 from tasks.data import Item, Overlap, find_overlap
 
 log = logging.getLogger("parley.leakage")
@@ -67,5 +71,32 @@ def guard_overlap(train_items: list[Item], eval_items: list[Item], allow: bool, 
             path = Path(run_dir) / OVERLAP_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(overlap_json(overlap, len(train_items), len(eval_items)), indent=1) + "\n")
+            log.warning("overlap recorded in %s", path)
+    return overlap
+
+
+def guard_environment(source: TaskSource, train_items, eval_items, allow: bool,
+                      run_dir: str | Path | None) -> dict[str, list[tuple[str, str]]]:
+    """guard_overlap for any environment: stop a run whose split shares a key of a leaking kind
+    (`source.leaks`), unless allowed; the other kinds are only logged. When the run goes ahead with
+    any overlap, every kind's pairs are written to run_dir/overlap.json. Returns kind -> pairs."""
+    overlap = find_environment_overlap(source, train_items, eval_items)
+    leaks = {k: v for k, v in overlap.items() if k in source.leaks and v}
+    counts = " and ".join([f"{len(v)} {k} targets" for k, v in overlap.items() if k in source.leaks]
+                          + [f"{len(v)} {k} keys" for k, v in overlap.items() if k not in source.leaks])
+    if leaks and not allow:
+        raise LeakageError(
+            f"train and eval share {counts} ({_examples([p for v in leaks.values() for p in v])}); eval scores on "
+            f"them measure memorization. Split by {'/'.join(source.leaks)}, or use another eval set, or pass "
+            "--allow-overlap ([data] allow_overlap = true) to run anyway"
+        )
+    if any(overlap.values()):
+        log.warning("train %d items, eval %d items share %s", len(train_items), len(eval_items), counts)
+        if run_dir is not None:
+            path = Path(run_dir) / OVERLAP_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            saved = {"train_items": len(train_items), "eval_items": len(eval_items), "leaking_kinds": list(source.leaks),
+                     "overlap": {k: [list(p) for p in v] for k, v in overlap.items()}, "created": time.time()}
+            path.write_text(json.dumps(saved, indent=1) + "\n")
             log.warning("overlap recorded in %s", path)
     return overlap

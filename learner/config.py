@@ -36,7 +36,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     n: int = 4  # samples per task (GRPO group size)
     max_new_turns: int = 6
     max_tokens: int = 256  # per assistant turn
-    sim_prompt: str = "lazy_full"
+    sim_prompt: str = ""  # a named simulator prompt; "" = the environment's (deploy/config.py resolves it)
     system_prompt: str = ""  # a file path or "" for none
     futures: int = 0  # next_turn: sampled futures per sample
     future_turns: int = 2
@@ -104,7 +104,9 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # and the last one are played by `parley eval` through the sim/judge services; 0 = off.
     eval_every: int = 0
     eval_items: int = 4  # held-out items per eval (0 = the whole eval split)
-    eval_metric: str = "mr"  # bleu | interactivity | mr: names the best version and drives early_stop
+    # names the best version and drives early_stop: one of the environment's selectable eval columns
+    # (collabllm_medium: bleu | interactivity | mr); "" = the environment's choice (deploy/config.py)
+    eval_metric: str = ""
     early_stop: bool = False  # stop training when eval_metric regresses significantly
     early_stop_alpha: float = 0.05  # one-sided paired t test level of that regression
     eval_wait_s: float = 3600.0  # after the last step, how long to wait for the queued evals
@@ -147,9 +149,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"ledger_flush_s={self.ledger_flush_s} must be > 0")
         if self.eval_every < 0 or self.eval_items < 0:
             raise ValueError(f"eval_every={self.eval_every} and eval_items={self.eval_items} must be >= 0")
-        from evaluation.selection import check_metric
+        from evaluation.selection import REWARD_REFUSED, TRAINING_REWARD_NAMES
 
-        check_metric(self.eval_metric, label="eval_metric")  # refuses the training reward, with the reason
+        if self.eval_metric.lower() in TRAINING_REWARD_NAMES:  # whatever the environment, with the reason
+            raise ValueError(f"eval_metric {self.eval_metric}: {REWARD_REFUSED}")
         if not 0.0 < self.early_stop_alpha < 1.0:
             raise ValueError(f"early_stop_alpha={self.early_stop_alpha} must be in (0, 1)")
         if self.eval_every > 0 and self.eval_every % self.publish_every:

@@ -16,7 +16,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from tasks.data import Item, task_from_item
+from environments.base import TaskBuilder
+from tasks.data import task_from_item
 from protocol.bus import publish
 from protocol.messages import Task
 
@@ -77,11 +78,12 @@ class Feeder:
     staleness bound holds for the policy that actually generates it.
     """
 
-    def __init__(self, js, run: str, items: list[Item], rollout, *, max_staleness: int, groups_per_step: int,
-                 seed: int = 0, state: FeederState | None = None):
+    def __init__(self, js, run: str, items: list, rollout, *, max_staleness: int, groups_per_step: int,
+                 seed: int = 0, state: FeederState | None = None, build: TaskBuilder = task_from_item):
         if not items:
             raise ValueError("the training split is empty; check [data] path and eval_fraction")
         self.js, self.run_name, self.items, self.rollout = js, run, items, rollout
+        self.build = build  # the run environment's task builder (env.tasks.task); CollabLLM's by default
         self.max_staleness, self.groups_per_step, self.seed = max_staleness, groups_per_step, seed
         self.state = state or FeederState()
         self.version = 0
@@ -90,7 +92,7 @@ class Feeder:
 
     def task(self, index: int) -> Task:
         item = self.items[item_order(len(self.items), index, self.seed)]
-        return task_from_item(
+        return self.build(
             item, run=self.run_name, task_id=task_id(self.run_name, index), n=self.rollout.n, rollout=self.rollout,
             seed=self.seed * 1_000_003 + index, version=self.version,
         )

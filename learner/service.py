@@ -23,6 +23,7 @@ from pathlib import Path
 from nats.js.errors import APIError
 
 from learner import checkpoint as ckpt
+from learner import envrecord
 from learner.feeder import Feeder, FeederState, Issued
 from learner.groups import (
     BadTrajectory,
@@ -39,7 +40,6 @@ from protocol import arrays, backlog, codec, dead, status, topology
 from protocol.bus import COUNTERS, UNREACHABLE, Poison, PullWorker, dead_letter, retry_unreachable
 from protocol.messages import Heartbeat
 from protocol.weights import ServedVersions, publish_gpu_version, publish_version
-from tasks.data import train_eval_items
 
 log = logging.getLogger("parley.learner")
 
@@ -78,10 +78,13 @@ class Learner:
         from rewards.diagnostics import SignalMonitor
 
         self.monitor = SignalMonitor()
+        self.env = cfg.env.load()
+        self.env_record = cfg.env.record()  # which environment (distribution, version, options) trains
         feeder_state = self._restore() if resume else self._fresh()
-        train, _ = train_eval_items(cfg.data)
+        train, _ = self.env.tasks.train_eval(cfg.data)
         self.feeder = Feeder(js, self.run_name, train, cfg.rollout, max_staleness=self.lc.max_staleness,
-                             groups_per_step=self.lc.groups_per_step, seed=self.lc.seed, state=feeder_state)
+                             groups_per_step=self.lc.groups_per_step, seed=self.lc.seed, state=feeder_state,
+                             build=self.env.tasks.task)
         self.evals = None
         if self.lc.eval_every > 0:
             from evaluation.periodic import PeriodicEval
@@ -97,6 +100,7 @@ class Learner:
                 "continue it, or use another run name / run.dir for a fresh run"
             )
         ckpt.record_base_model(self.run_dir, self.model_dir)
+        envrecord.write(self.run_dir, self.env_record)
         return FeederState()
 
     def _restore(self) -> FeederState:
@@ -104,6 +108,9 @@ class Learner:
         if state is None:
             log.warning("--resume: no learner state in %s; starting fresh", ckpt.learner_dir(self.run_dir))
             return self._fresh()
+        changed = envrecord.differs(self.run_dir, self.env_record)
+        if changed:
+            raise LearnerStateError(f"--resume: {changed}")
         if state.tag:
             self.driver("load_checkpoint", ckpt.ckpt_dir(self.run_dir), state.tag)
         self.step = self.ckpt_step = state.step
@@ -328,6 +335,7 @@ class Learner:
             t0 = time.perf_counter()
             tag = ckpt.step_tag(self.step)
             await asyncio.to_thread(self.driver, "save_checkpoint", ckpt.ckpt_dir(self.run_dir), tag)
+            envrecord.write(ckpt.ckpt_dir(self.run_dir) / tag, self.env_record)
             self.ckpt_step, self.tag = self.step, tag
             self.uncommitted.clear()
             stats["checkpoint_s"] = time.perf_counter() - t0
@@ -573,11 +581,12 @@ def follower(cfg) -> None:
 def check_leakage(cfg) -> str | None:
     """Refuse, before any work, to train on reference targets the eval split also scores against:
     the reason as one line, or None when the split is clean (or the overlap is allowed and recorded)."""
-    from evaluation.leakage import LeakageError, guard_overlap
+    from evaluation.leakage import LeakageError, guard_environment
 
     try:
-        train, held = train_eval_items(cfg.data)
-        guard_overlap(train, held, cfg.data.allow_overlap, cfg.run_dir)
+        env = cfg.env.load()
+        train, held = env.tasks.train_eval(cfg.data)
+        guard_environment(env.tasks, train, held, cfg.data.allow_overlap, cfg.run_dir)
     except (LeakageError, FileNotFoundError, ValueError) as e:
         return str(e)
     return None

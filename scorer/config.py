@@ -8,12 +8,9 @@ from __future__ import annotations
 import msgspec
 
 from engines.config import ServiceBackend
+from rewards.extract import EXTRACTORS
 from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
-from rewards.reward import REWARD_METRICS, default_weights
 
-# Where the document BLEU compares comes from: the judge copies it out ("judge"), or the newest
-# assistant message that looks like a document, chatter stripped (rewards/extract.py; no model).
-EXTRACTORS = ("judge", "last_document")
 # Named scoring variants (`parley replay --scoring NAME`): [scorer] settings they fix. "collabllm" is
 # the paper's scoring: character BLEU as NLTK computes it, the 3-level interactivity judge, and the
 # document copied out by the judge. Token amount is the same in both (docs/rewards.md).
@@ -48,7 +45,9 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[scorer]: reward assembly."""
 
     concurrency: int = 8  # trajectories scored at once
-    weights: dict[str, float] = msgspec.field(default_factory=default_weights)
+    # metric -> weight in the total; {} = the environment's default weights. The names are checked
+    # against the run's environment by deploy/config.py (RunConfig), which fills this in.
+    weights: dict[str, float] = {}
     clamps: dict[str, list[float]] = {}  # metric -> [lo, hi], applied before weighting
     bleu_variant: str = "sacrebleu"  # "sacrebleu" | "char" (CollabLLM's character-level BLEU)
     extract: str = "judge"  # "judge" | "last_document": who finds the document BLEU compares
@@ -68,9 +67,6 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"extract={self.extract!r} not allowed; use one of {EXTRACTORS}")
         if self.interactivity not in INTERACTIVITY_SCALES:
             raise ValueError(f"interactivity={self.interactivity!r} not allowed; use one of {tuple(INTERACTIVITY_SCALES)}")
-        for k in [*self.weights, *self.clamps]:
-            if k not in REWARD_METRICS:
-                raise ValueError(f"unknown reward metric {k!r}; known: {list(REWARD_METRICS)}")
         for k, v in self.clamps.items():
             if len(v) != 2 or v[0] > v[1]:
                 raise ValueError(f"clamps.{k}={v} must be [lo, hi] with lo <= hi")

@@ -2,19 +2,22 @@
 
 `score_trajectory` is pure apart from the judge it is given, so the scorer role, eval and replay
 all reuse it; `JudgeClient` is the judge over NATS request/reply (the service is scorer/judge.py).
+The metrics are the run's environment's (`environments.base.Reward`): the judge operations its
+judge metrics name are asked, then the reward evaluates the conversation with their replies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from environments import collabllm
+from environments.base import Conversation, Reward
 from protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
 from scorer.config import ScorerConfig
-from rewards.extract import last_document
-from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES, interactivity_from_3level, interactivity_from_levels, token_amount
 from rewards.reward import average_futures, total_reward
 
 
@@ -102,76 +105,80 @@ async def _all(*coros) -> list:
     return [t.result() for t in tasks]
 
 
-def _interactivity(reply: JudgeReply, op: str, traj_id: str) -> float:
-    """The interactivity metric from a verdict, recomputed from what the judge chose (the rubric's
-    levels, or the 3-level value) so that there is one definition of each scale."""
-    try:
-        if op == "interactivity":
-            return interactivity_from_levels(reply.levels)
-        return interactivity_from_3level(reply.score)
-    except ValueError as e:
-        raise JudgeFailed(f"judge {op} reply for {traj_id} is unusable: {e}") from None
+@functools.cache
+def _collabllm_reward(bleu_variant: str, extract: str, interactivity: str) -> Reward:
+    return collabllm.environment(bleu_variant=bleu_variant, extract=extract, interactivity=interactivity).reward
 
 
-async def _judge_one(judge: Judge, messages, tokens: int, traj: Trajectory, cfg: ScorerConfig, seed: int,
+def scorer_reward(cfg: ScorerConfig) -> Reward:
+    """The reward a bare [scorer] section describes: CollabLLM's, scored as its settings say (for
+    callers that hold no environment; a run's roles pass their environment's reward)."""
+    return _collabllm_reward(*(getattr(cfg, k) for k in collabllm.SCORING_OPTIONS))
+
+
+async def _judge_one(judge: Judge | None, messages, tokens: int, traj: Trajectory, reward: Reward, seed: int,
                      timings: dict[str, float]):
-    """Metrics of one conversation, the document BLEU was computed on, the judge model, raw outputs."""
+    """Metrics of one conversation, the document the reward judged, the judge model, raw outputs."""
     async def timed(op: str):
         t0 = time.perf_counter()
         reply = await getattr(judge, op)(messages, seed=seed)
         timings[op] = timings.get(op, 0.0) + time.perf_counter() - t0
         return reply
 
-    inter_op = INTERACTIVITY_SCALES[cfg.interactivity]
-    ops = (["extract"] if cfg.extract == "judge" else []) + [inter_op]
+    ops = reward.judge_ops  # () for an environment without judge metrics: no judge call at all
     replies = dict(zip(ops, await _all(*(timed(op) for op in ops))))
     outputs = [JudgeOutput(op=op, raw=r.raw, attempts=r.attempts, ok=r.ok, error=r.error) for op, r in replies.items()]
     for op, reply in replies.items():
         _checked(reply, op, traj.traj_id)
-    if cfg.extract == "judge":
-        document = replies["extract"].document
-    else:
-        t0 = time.perf_counter()
-        document = last_document(messages)
-        timings["extract"] = timings.get("extract", 0.0) + time.perf_counter() - t0
-    metrics = {
-        "bleu": BLEU_VARIANTS[cfg.bleu_variant](document, traj.reference),
-        "interactivity": _interactivity(replies[inter_op], inter_op, traj.traj_id),
-        "token_amount": token_amount(tokens),
-    }
-    return metrics, document, replies[inter_op].model, outputs
+    conv = Conversation(messages=messages, reference=traj.reference, assistant_tokens=tokens)
+    try:
+        metrics = reward.evaluate(conv, replies)
+    except ValueError as e:
+        # A verdict the metric cannot read is the judge's failure (asked again with another seed); with
+        # no judge in the reward only the conversation went in, and scoring it again gives the same.
+        if ops:
+            raise JudgeFailed(f"judge reply for {traj.traj_id} ({', '.join(ops)}) is unusable: {e}") from None
+        raise Unscorable(f"trajectory {traj.traj_id} cannot be scored: {e}") from None
+    document = reward.document(conv, replies) if reward.document else ""
+    model = ",".join(dict.fromkeys(r.model for r in replies.values()))
+    return metrics, document, model, outputs
 
 
 async def score_trajectory(
-    traj: Trajectory, judge: Judge, cfg: ScorerConfig, *, scorer: str = "", seed: int | None = None
+    traj: Trajectory, judge: Judge | None, cfg: ScorerConfig, *, reward: Reward | None = None, scorer: str = "",
+    seed: int | None = None,
 ) -> Scored:
     """Judge `traj` (every future, if it carries any), compute its metrics and weighted total.
 
-    `seed` goes to the judge (default: the trajectory's own seed); a caller retrying after a failed
-    verdict passes a fresh one, or a deterministic judge would fail the same way again.
+    `reward` is the run's environment's (default: scorer_reward(cfg), CollabLLM's); `judge` may be
+    None when it asks no judge operation. `seed` goes to the judge (default: the trajectory's own
+    seed); a caller retrying after a failed verdict passes a fresh one, or a deterministic judge
+    would fail the same way again. The weights are cfg.weights, or the reward's defaults if empty.
     Raises JudgeUnavailable / JudgeFailed when no trustworthy verdict came back (the caller retries
     later) and Unscorable when the trajectory cannot be scored at all. Never fills in a default.
     """
+    reward = reward or scorer_reward(cfg)
     seed = traj.seed if seed is None else seed
-    if not traj.reference.strip():
-        raise Unscorable(f"trajectory {traj.traj_id} has no reference document; BLEU needs one")
+    if reward.judge_ops and not traj.reference.strip():
+        raise Unscorable(f"trajectory {traj.traj_id} has no reference document; the judge's metrics need one")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    results = await _all(*(_judge_one(judge, m, n, traj, cfg, seed, timings) for m, n in conversations(traj)))
+    results = await _all(*(_judge_one(judge, m, n, traj, reward, seed, timings) for m, n in conversations(traj)))
     timings["total"] = time.perf_counter() - t0
 
     # Each metric is averaged over the futures before weighting, so a clamp bounds the average.
     metrics = average_futures([m for m, _, _, _ in results])
     clamps = {k: (v[0], v[1]) for k, v in cfg.clamps.items()}
     _, document, judge_model, _ = results[0]
+    weights = dict(cfg.weights) or reward.default_weights()
     return Scored(
         traj_id=traj.traj_id,
         task_id=traj.task_id,
         sample=traj.sample,
         run=traj.run,
         metrics=metrics,
-        weights=dict(cfg.weights),
-        total=total_reward(metrics, cfg.weights, clamps),
+        weights=weights,
+        total=total_reward(metrics, weights, clamps),
         trajectory=traj,
         document=document,
         judge=[o for _, _, _, outputs in results for o in outputs],

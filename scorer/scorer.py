@@ -14,6 +14,7 @@ import logging
 from collections import Counter
 
 from protocol import bus, status, topology
+from environments.base import Reward
 from protocol.messages import Heartbeat, Trajectory
 from scorer.config import ScorerConfig
 from scorer.score import Judge, JudgeFailed, JudgeUnavailable, Unscorable, score_trajectory
@@ -24,9 +25,11 @@ log = logging.getLogger("parley.scorer")
 class Scorer:
     """One scorer replica: the PullWorker handler plus its counters and heartbeat."""
 
-    def __init__(self, nc, run: str, judge: Judge, cfg: ScorerConfig, bus_settings: topology.BusSettings, ident: str):
+    def __init__(self, nc, run: str, judge: Judge | None, cfg: ScorerConfig, bus_settings: topology.BusSettings,
+                 ident: str, reward: Reward | None = None):
         self.nc, self.js = nc, nc.jetstream()
         self.run, self.judge, self.cfg, self.bus, self.ident = run, judge, cfg, bus_settings, ident
+        self.reward = reward  # the environment's; None = the [scorer] settings' CollabLLM reward
         self.counters: Counter[str] = Counter()
         self.in_flight = 0
         self._stop = asyncio.Event()  # set by run_until's stop
@@ -83,7 +86,7 @@ class Scorer:
         waited, attempt = 0.0, 0
         while True:
             try:
-                return await score_trajectory(traj, self.judge, self.cfg, scorer=self.ident, seed=seed)
+                return await score_trajectory(traj, self.judge, self.cfg, reward=self.reward, scorer=self.ident, seed=seed)
             except JudgeUnavailable as e:
                 attempt += 1
                 if waited >= self.cfg.judge_wait_s:
@@ -126,9 +129,13 @@ async def main(stop: asyncio.Event, cfg, ident: str) -> int:
                        creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
     try:
         await topology.ensure_topology(nc.jetstream(), cfg.run.name, cfg.bus)
-        judge = JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
-        log.info("%s: scoring run %s (concurrency %d, weights %s)", ident, cfg.run.name, cfg.scorer.concurrency, cfg.scorer.weights)
-        await Scorer(nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident).run_until(stop)
+        env = cfg.env.load()
+        # an environment without judge metrics never asks the judge, so it gets no client (and needs no service)
+        judge = (JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
+                 if env.needs_judge else None)
+        log.info("%s: scoring run %s, environment %s (concurrency %d, weights %s, judge ops %s)", ident, cfg.run.name,
+                 env.name, cfg.scorer.concurrency, cfg.scorer.weights, list(env.reward.judge_ops) or "none")
+        await Scorer(nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident, reward=env.reward).run_until(stop)
     finally:
         await nc.drain()
     return 0

@@ -19,6 +19,10 @@ from pathlib import Path
 
 from protocol.messages import ChatMessage, Task
 
+# The simulator prompt CollabLLM tasks are played under when [rollout].sim_prompt is "" (the
+# environment's own: environments/collabllm.py).
+SIM_PROMPT = "lazy_full"
+
 BUNDLED = "bundled"
 
 
@@ -190,7 +194,7 @@ def task_from_item(item: Item, *, run: str, task_id: str, n: int, rollout, seed:
         title=item.title,
         summary=item.summary,
         system_prompt=system_prompt_text(rollout.system_prompt),
-        sim_prompt=rollout.sim_prompt,
+        sim_prompt=rollout.sim_prompt or SIM_PROMPT,
         max_new_turns=rollout.max_new_turns,
         max_tokens=rollout.max_tokens,
         futures=rollout.futures if rollout.mode == "next_turn" else 0,

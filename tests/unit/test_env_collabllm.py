@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from deploy.config import load_config
 from environments.base import find_overlap, leaking
 from environments.collabllm import NAME, environment
 from learner.config import DataConfig, LearnerConfig, RolloutConfig
@@ -44,7 +45,9 @@ def _traj():
 def test_reward_is_the_scorers():
     env = environment()
     assert env.reward.names == REWARD_METRICS
-    assert env.reward.default_weights() == default_weights() == ScorerConfig().weights
+    # the weights a run reads when [scorer] weights is left out (the embedded default no longer names them)
+    assert env.reward.default_weights() == default_weights() == load_config().scorer.weights == {
+        "bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}
     assert env.reward.judge_ops == ("extract", "interactivity") and env.needs_judge and env.needs_simulator
 
 
@@ -67,7 +70,7 @@ def test_tasks_are_the_feeders():
     train, held = env.tasks.train_eval(data)
     assert (train, held) == tasks_data.train_eval_items(data) and train and held
     assert env.tasks.task is tasks_data.task_from_item
-    assert env.user.prompt == RolloutConfig().sim_prompt
+    assert env.user.prompt == load_config().rollout.sim_prompt == "lazy_full"  # [rollout] sim_prompt "" resolved
 
 
 def test_overlap_is_tasks_find_overlap():
@@ -89,7 +92,7 @@ def test_eval_protocol_is_the_benchmarks():
     env = environment()
     assert env.eval.columns == METRICS
     assert env.eval.selectable == SELECT_METRICS
-    assert env.eval.select == LearnerConfig().eval_metric
+    assert env.eval.select == load_config().learner.eval_metric == "mr"  # [learner] eval_metric "" resolved
     rec = examples.eval_record("unit")
     rec.metrics = {"bleu": 0.31, "interactivity": 0.7, "token_amount": 0.9}  # token_amount as futures would make it
     for column in METRICS:

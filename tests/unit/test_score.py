@@ -10,6 +10,7 @@ from protocol import examples
 from protocol.messages import ChatMessage, FutureRollout, JudgeReply
 from scorer.config import ScorerConfig
 from rewards.metrics import bleu, char_bleu
+from rewards.reward import default_weights
 from scorer.score import JudgeFailed, JudgeUnavailable, Unscorable, conversations, score_trajectory
 
 REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shines below."
@@ -70,7 +71,7 @@ async def test_one_conversation_metrics_and_total():
     assert scored.metrics["token_amount"] == pytest.approx(0.4)
     expected = scored.metrics["bleu"] + 6 / 9 - 0.1 * 0.4
     assert scored.total == pytest.approx(expected)
-    assert scored.weights == cfg.weights
+    assert scored.weights == default_weights()  # [scorer] weights {} = the reward's default weights
     assert (scored.traj_id, scored.task_id, scored.sample, scored.run) == (traj.traj_id, traj.task_id, traj.sample, "unit")
     assert scored.trajectory == traj and scored.scorer == "s-1" and scored.judge_model == "fake"
     assert [o.op for o in scored.judge] == ["extract", "interactivity"] and all(o.ok for o in scored.judge)
