@@ -77,13 +77,6 @@ def eval_argv(cfg, config_path: Path, job: EvalJob, out: Path) -> list[str]:
     ]
 
 
-def run_env_config(cfg):
-    """The run's [env] (environments.config.EnvConfig); CollabLLM medium's for a configuration without one."""
-    from environments.config import EnvConfig
-
-    return getattr(cfg, "env", None) or EnvConfig()
-
-
 def _die_with_parent_hook():
     """A preexec_fn so that a SIGKILLed learner does not leave an eval child holding a policy engine
     (prctl PR_SET_PDEATHSIG). Everything is looked up here, in the parent: between fork and exec
@@ -141,8 +134,7 @@ class PeriodicEval:
         from runtime.toml import to_toml
 
         self.cfg, self.lc, self.run_dir = cfg, cfg.learner, Path(run_dir)
-        env_cfg = run_env_config(cfg)
-        self.env, self.env_record = env_cfg.load(), env_cfg.record()
+        self.env, self.env_record = cfg.env.load(), cfg.env.record()
         self.metric = check_metric(self.lc.eval_metric or self.env.eval.select, label="eval_metric", env=self.env)
         self.root = eval_root(self.run_dir)
         self.root.mkdir(parents=True, exist_ok=True)

@@ -245,7 +245,7 @@ class Policy:
 class EvalServices:
     open_policy: Callable[[str], Awaitable[Policy]]  # model name or checkpoint dir -> Policy
     sim: SimLike
-    judge: Any  # scorer.score.Judge; None when the environment needs no judge
+    judge: Any  # scorer.score.Judge; None when the environment's reward asks no judge operation
     scorer_cfg: Any  # scorer.config.ScorerConfig: the BLEU variant (weights only feed Scored.total)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The run's environment (its [env]); None: CollabLLM medium, scored as scorer_cfg says
@@ -261,8 +261,8 @@ class EvalServices:
         return LocalUser(user) if isinstance(user, ProgrammaticUser) else self.sim
 
 
-async def score_within_bounds(traj, judge, scorer_cfg, attempts: int):
-    """scorer.score.score_trajectory, patient as the scorer role is: while the judge is unreachable or
+async def score_within_bounds(traj, judge, scorer_cfg, attempts: int, reward=None):
+    """scorer.score.score_trajectory with `reward` (None: scorer_cfg's), patient as the scorer role is: while the judge is unreachable or
     does not answer within [scorer] judge_timeout_s, ask again with [scorer]'s back-off until
     [scorer] judge_wait_s have passed since the first try; after a failed verdict, ask again with a
     fresh seed, `attempts` verdicts in all. Then the last error is raised (the caller reports it)."""
@@ -273,7 +273,7 @@ async def score_within_bounds(traj, judge, scorer_cfg, attempts: int):
     while True:
         seed = (traj.seed + 1000 * failed) % 2**31  # as a redelivery in the scorer role: new seeds
         try:
-            return await score_trajectory(traj, judge, scorer_cfg, scorer="eval", seed=seed)
+            return await score_trajectory(traj, judge, scorer_cfg, reward=reward, scorer="eval", seed=seed)
         except JudgeUnavailable as e:
             waited = time.monotonic() - t0
             if waited >= scorer_cfg.judge_wait_s:
@@ -309,7 +309,8 @@ async def play_condition(
     slots = asyncio.Semaphore(settings.concurrency)
     user = services.user()
     sim = user if isinstance(user, NotingSim) else NotingSim(user)
-    env = services.environment
+    # the run's reward; without an environment, the one scorer_cfg describes (scorer.score.scorer_reward)
+    reward = services.env.reward if services.env is not None else None
 
     def missing(task: Task, stage: str, reason: str) -> None:
         m = NotScored(eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
@@ -330,18 +331,13 @@ async def play_condition(
                 missing(task, "conversation", f"the user simulator did not answer: {e}")
                 return None
             metrics, document, judge, judge_model = {}, "", [], ""
-            if not env.needs_judge:  # every metric is a function of the conversation: nothing to wait for
-                try:
-                    metrics = env.reward.evaluate(traj)
-                except ValueError as e:
-                    missing(task, "judge", f"{env.name} reward: {e}")
-            else:
-                try:
-                    scored = await score_within_bounds(traj, services.judge, services.scorer_cfg, settings.judge_attempts)
-                    metrics, document, judge, judge_model = dict(scored.metrics), scored.document, list(scored.judge), scored.judge_model
-                except (JudgeFailed, JudgeUnavailable, Unscorable) as e:
-                    # The conversation is kept unscored; `parley replay --judge` can score it later.
-                    missing(task, "judge", f"{type(e).__name__}: {e}")
+            try:
+                scored = await score_within_bounds(traj, services.judge, services.scorer_cfg, settings.judge_attempts,
+                                                   reward=reward)
+                metrics, document, judge, judge_model = dict(scored.metrics), scored.document, list(scored.judge), scored.judge_model
+            except (JudgeFailed, JudgeUnavailable, Unscorable) as e:
+                # The conversation is kept unscored; `parley replay --judge` can score it later.
+                missing(task, "judge", f"{type(e).__name__}: {e}")
         rec = EvalRecord(
             eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
             model=cond.model, system_prompt=cond.system_prompt, sim_prompt=task.sim_prompt,

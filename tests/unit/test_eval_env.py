@@ -17,6 +17,7 @@ from evaluation.benchmark import summarize, to_markdown
 from evaluation.runner import Condition, EvalServices, EvalSettings, Policy, make_tasks, run_eval
 from learner.config import DataConfig
 from protocol.messages import ChatMessage, EvalRecord
+from scorer.config import ScorerConfig
 from tests.unit.test_environments import this_checkout  # noqa: F401  (fixture: this checkout's entry points)
 
 PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
@@ -62,7 +63,7 @@ def services_for(env, tok):
         return Policy(engine=engine, tokenizer=tok, version=0)
 
     # No simulator and no judge: hidden_goal needs neither, so nothing may ask them.
-    return EvalServices(open_policy=open_policy, sim=None, judge=None, scorer_cfg=None, env=env), engine
+    return EvalServices(open_policy=open_policy, sim=None, judge=None, scorer_cfg=ScorerConfig(), env=env), engine
 
 
 def test_eval_tasks_are_the_environments():
@@ -212,20 +213,6 @@ def test_reweight_recomputes_the_pure_metrics():
     assert out.metrics == pytest.approx({"goal_match": 2 / 3, "exact": 0.0, "assistant_turns": 2.0,
                                          "reward": 2 / 3 - 0.2})
     assert final_answer(messages[-1].content) == {"size": {"large"}, "crust": {"thick"}, "topping": {"ham"}}
-
-
-def test_leakage_guard_uses_the_environments_keys(tmp_path):
-    from evaluation.leakage import OVERLAP_FILE, LeakageError, guard_env_overlap
-
-    env = environment(n_items=30, seed=2)
-    train, held = env.tasks.train_eval(DataConfig(eval_fraction=0.2, split_seed=1))
-    assert guard_env_overlap(env, train, held, allow=False, run_dir=tmp_path) == {"goal": []}
-    assert not (tmp_path / OVERLAP_FILE).exists()
-    with pytest.raises(LeakageError, match=f"share 1 goal key\\(s\\) .*train {held[0].item_id} = eval {held[0].item_id}"):
-        guard_env_overlap(env, [*train, held[0]], held, allow=False, run_dir=tmp_path)
-    guard_env_overlap(env, [*train, held[0]], held, allow=True, run_dir=tmp_path)
-    saved = json.loads((tmp_path / OVERLAP_FILE).read_text())
-    assert saved["environment"] == NAME and saved["goal"] == [[held[0].item_id, held[0].item_id]]
 
 
 def test_an_items_file_is_refused_for_a_seeded_environment():
