@@ -223,3 +223,47 @@ def test_an_items_file_is_refused_for_a_seeded_environment():
     assert len(held) == 3 and not {g.item_id for g in train} & {g.item_id for g in held}
     with pytest.raises(ValueError, match="--items x.jsonl: environment 'hidden_goal' draws its held-out items"):
         eval_items(DataConfig(eval_fraction=0.3), "x.jsonl", env)
+
+
+# ---- the learner's periodic eval ---------------------------------------------------------------
+
+
+def test_periodic_eval_of_hidden_goal_stores_every_column_and_the_environment(tmp_path, this_checkout):
+    from deploy.config import RunConfig
+    from environments.config import EnvConfig
+    from evaluation.periodic import PeriodicEval
+    from evaluation.selection import run_environment, select_best
+    from learner import checkpoint as ckpt
+    from learner.config import LearnerConfig
+    from tests.unit.test_periodic_eval import play
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    run_dir = tmp_path / "run"
+    ckpt.record_base_model(run_dir, base)
+    cfg = RunConfig(env=EnvConfig(name=NAME, options={"n_items": 30}), learner=LearnerConfig(eval_every=1, eval_items=4))
+    cfg.run.dir = str(run_dir)
+    assert cfg.learner.eval_metric == "goal_match"  # the environment's choice, resolved by the config
+    plan = {0: ([0.0, 1 / 3, 0.0, 0.0], [3, 3, 3, 3]), 1: ([1.0, 1.0, 2 / 3, 1.0], [2, 2, 2, 3])}
+
+    async def planted(job, out):
+        from evaluation.evallog import write_parquet
+
+        write_parquet(hidden_goal_records(job.version, *plan[job.version]), out / "records.parquet")
+        return 0
+
+    def export(run_dir, version, out):
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+
+    pe = PeriodicEval(cfg, run_dir, export=export, launch=planted)
+    assert pe.metric == "goal_match"
+    asyncio.run(play(pe, [0, 1], last=1))
+    history = [json.loads(x) for x in (run_dir / "eval" / "history.jsonl").read_text().splitlines()]
+    assert [h["version"] for h in history] == [0, 1]
+    assert history[1]["goal_match"] == pytest.approx((1 + 1 + 2 / 3 + 1) / 4) and history[1]["assistant_turns"] == 2.25
+    assert history[1]["exact"] == 0.75 and "mr" not in history[1]
+    assert history[0]["env"] == cfg.env.record() and history[0]["env"]["name"] == NAME
+    assert run_environment(run_dir).name == NAME  # from the config the periodic eval wrote
+    assert select_best(run_dir).version == 1 and pe.counters()["eval.goal_match"] == history[1]["goal_match"]
