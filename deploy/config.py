@@ -101,8 +101,8 @@ def resolve_environment(cfg: RunConfig) -> Environment:
     for what, keys in (("weights", sc.weights), ("clamps", sc.clamps)):
         unknown = [k for k in keys if k not in names]
         if unknown:
-            raise ValueError(f"scorer.{what} names {unknown}, not metrics of environment {env.name!r}; "
-                             f"its metrics are {list(names)}")
+            raise ValueError(f"scorer.{what}: unknown reward metric {', '.join(map(repr, unknown))} for environment "
+                             f"{env.name!r}; its metrics are {list(names)}")
     if not sc.weights:
         sc.weights = env.reward.default_weights()
     ro = cfg.rollout

@@ -3,7 +3,7 @@
 resolves the run's one name through `load`; the run records `record(name)`.
 
 An entry point names an Environment or a function returning one; the function's keyword
-arguments are the environment's options ([env] options in the run file, once wired).
+arguments are the environment's options ([env] options in the run file).
 """
 
 from __future__ import annotations

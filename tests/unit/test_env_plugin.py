@@ -45,4 +45,4 @@ def test_an_installed_third_party_environment_resolves_by_name(tmp_path, monkeyp
     said = [*task.prefix, ChatMessage("assistant", held[0].item_id.capitalize() + ".")]
     reply = asyncio.run(LocalUser(env.user).ask(SimRequest(prompt=task.sim_prompt, messages=said, reference=task.reference)))
     assert reply.done and reply.model == "programmatic:parrot"
-    assert env.reward.evaluate(Conversation(messages=said, reference=task.reference)) == {"echo": 1.0}
+    assert env.reward.evaluate(Conversation(messages=said, reference=task.reference)) == {"echo": 1.0, "similarity": 1.0}

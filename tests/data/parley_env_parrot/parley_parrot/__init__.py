@@ -1,11 +1,14 @@
 """parrot: the user says a phrase and the assistant should repeat it, word for word.
 
 A complete parley environment in one file, built only from environments.base: a seeded task
-source split by phrase, a programmatic user, one exact metric, and its eval protocol.
+source split by phrase, a programmatic user, an exact metric and a graded one, and its eval protocol.
+The graded one gives even an untrained policy rewards that differ within a group, so GRPO has
+something to learn from at the first step (tests/e2e/test_env_plugin_train.py trains one).
 """
 
 from __future__ import annotations
 
+import difflib
 import random
 import time
 from dataclasses import dataclass
@@ -44,9 +47,18 @@ def respond(messages, phrase: str) -> UserTurn:
     return UserTurn(f"Repeat after me: {phrase}")
 
 
+def said(conv) -> str:
+    last = next((m.content for m in reversed(conv.messages) if m.role == "assistant"), "")
+    return last.strip().strip(".!").lower()
+
+
 def echo(conv) -> float:
-    said = next((m.content for m in reversed(conv.messages) if m.role == "assistant"), "")
-    return 1.0 if said.strip().strip(".!").lower() == conv.reference else 0.0
+    return 1.0 if said(conv) == conv.reference else 0.0
+
+
+def similarity(conv) -> float:
+    # partial credit: how much of the answer lines up with the phrase, character by character (0..1)
+    return difflib.SequenceMatcher(None, said(conv), conv.reference).ratio()
 
 
 def task(item: Phrase, *, run, task_id, n, rollout, seed, version, split="train") -> Task:
@@ -64,6 +76,7 @@ ENVIRONMENT = Environment(
         task=task, leakage_keys=lambda p: {"phrase": p.item_id}, leaks=("phrase",),
     ),
     user=ProgrammaticUser(name="parrot", respond=respond),
-    reward=Reward(metrics=(PureMetric("echo", compute=echo, weight=1.0),)),
-    eval=EvalProtocol(columns=("echo",), select="echo", selectable=("echo",)),
+    reward=Reward(metrics=(PureMetric("echo", compute=echo, weight=1.0),
+                           PureMetric("similarity", compute=similarity, weight=0.5))),
+    eval=EvalProtocol(columns=("echo", "similarity"), select="echo", selectable=("echo", "similarity")),
 )

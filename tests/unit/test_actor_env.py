@@ -1,0 +1,52 @@
+"""Who plays the user in the actor: the environment's programmatic user in-process (hidden_goal,
+played here through the actor's own conversation loop), else the simulator service's client."""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.actor import user_client
+from actors.config import ActorConfig
+from actors.rollout import PolicySettings, SimClient, run_conversation
+from deploy.config import load_config
+from environments.base import LocalUser
+from environments.hidden_goal import Goal
+from engines.engine import GenOut
+
+PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
+
+
+class ScriptedEngine:
+    """Test double of engines.engine.PolicyEngine.generate: says the scripted texts in order."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts = tok, list(texts)
+        self.end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=None):
+        text = self.texts.pop(0)
+        ids = self.tok.encode(text, add_special_tokens=False) + [self.end]
+        return GenOut(ids, [-0.1] * len(ids), "stop", text)
+
+
+def test_collabllm_asks_the_simulator_service():
+    cfg = load_config()
+    assert isinstance(user_client(cfg.env.load(), None, cfg.actor), SimClient)
+
+
+def test_hidden_goal_plays_its_user_in_the_actor(tiny_model):
+    from transformers import AutoTokenizer
+
+    cfg = load_config(None, ["env.name=hidden_goal", "rollout.max_new_turns=8"])
+    env = cfg.env.load()
+    user = user_client(env, None, ActorConfig())  # no connection: nothing is asked over NATS
+    assert isinstance(user, LocalUser)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    task = env.tasks.task(PIZZA, run="r", task_id="r-g000000", n=2, rollout=cfg.rollout, seed=1, version=0)
+    engine = ScriptedEngine(tok, ["Which size and crust?", "And the topping?", "FINAL: size=large, crust=thin, topping=ham"])
+    traj = asyncio.run(run_conversation(engine, user, task, 0, lambda: 0, tokenizer=tok,
+                                        policy=PolicySettings(max_model_len=2048)))
+    assert traj.terminated == "sim_done" and traj.sim_prompt == "hidden_goal"
+    assert [m.content for m in traj.messages if m.role == "user"] == [
+        "I want to order a pizza.", "size: large, crust: thin.", "topping: ham."]
+    assert env.reward.evaluate(traj) == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 3.0}
