@@ -48,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--n-items", type=int, default=120, help="goals drawn per seed ([env] options.n_items)")
     p.add_argument("--eval-fraction", type=float, default=0.2, help="goals held out ([data] eval_fraction)")
     p.add_argument("--eval-seeds", type=int, default=2, help="conversations per held-out goal and version")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, training and eval")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="the eval's sampling temperature (training samples at 1.0: the learner's log-probs are of the raw distribution)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one seed's `parley up` may take")
     p.add_argument("--eval-only", action="store_true", help="skip training: evaluate version 0 only (to debug the eval)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "env_learning")
@@ -77,7 +78,6 @@ def overrides(args, seed: int) -> list[str]:
         f"learner.seed={seed}",
         f"learner.model={json.dumps(args.model)}",
         f"actor.engine.model={json.dumps(args.model)}",
-        f"actor.temperature={args.temperature}",
         "learner.eval_every=0",  # the held-out eval is this script's, after training
         "learner.keep_versions=2",
     ]
