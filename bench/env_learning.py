@@ -51,7 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0,
                    help="the eval's sampling temperature (training samples at 1.0: the learner's log-probs are of the raw distribution)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one seed's `parley up` may take")
+    p.add_argument("--eval-items", type=int, default=0, help="evaluate only the first K held-out goals (0 = all)")
     p.add_argument("--eval-only", action="store_true", help="skip training: evaluate version 0 only (to debug the eval)")
+    p.add_argument("--trained", action="store_true", help="skip training: evaluate the runs already under --out")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "env_learning")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
@@ -121,6 +123,7 @@ async def evaluate(args, seed: int, versions: dict[int, str]) -> list:
 
     env = registry.load(ENV, {"n_items": args.n_items, "seed": seed})
     _, held = env.tasks.train_eval(data_config(args, seed))
+    held = held[:args.eval_items] if args.eval_items > 0 else held
     engine_cfg = EngineConfig(model=args.model, max_model_len=2048, kv_cache_bytes=256 << 20)
     engine, tok, _ = await asyncio.to_thread(open_engine, engine_cfg)
     settings = EvalSettings(sim_prompt="", assistant_max_tokens=args.max_tokens, max_new_turns=args.max_new_turns,
@@ -160,7 +163,7 @@ def one_seed(args, seed: int) -> dict:
     train_s = 0.0
     versions = {0: ""}
     if not args.eval_only:
-        train_s = train(args, seed, run_dir)
+        train_s = 0.0 if args.trained else train(args, seed, run_dir)
         versions[args.steps] = str(export_last(run_dir, args.steps))
     t0 = time.perf_counter()
     records = asyncio.run(evaluate(args, seed, versions))
