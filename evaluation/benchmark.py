@@ -1,6 +1,7 @@
-"""Benchmark statistics: per-condition means of BLEU, interactivity, tokens (k) and MR, and paired
-t statistics of every condition against a baseline over the same items; Markdown, CSV and PNG output.
-Called by `parley eval`, `parley replay` and evaluation.selection; pure apart from write_table's files.
+"""Benchmark statistics: per-condition means of the environment's table columns (CollabLLM medium's:
+BLEU, interactivity, tokens (k) and MR), and paired t statistics of every condition against a baseline
+over the same items; Markdown, CSV and PNG output. Called by `parley eval`, `parley replay` and
+evaluation.selection; pure apart from write_table's files.
 """
 
 from __future__ import annotations
@@ -8,16 +9,18 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Iterable, Sequence
+from functools import cache
 from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from environments.base import Environment
 from protocol.messages import EvalRecord
-from rewards.reward import mr
 
-# The columns of the reference table, in its order. Values are per item (records of one item in one
-# condition are averaged first, e.g. several simulator seeds), then averaged over items.
+# The columns of the reference table (CollabLLM medium's eval protocol), in its order. Values are per
+# item (records of one item in one condition are averaged first, e.g. several simulator seeds), then
+# averaged over items. Another environment's columns are its `eval.columns`.
 METRICS = ("bleu", "interactivity", "tokens_k", "mr")
 LABELS = {"bleu": "BLEU", "interactivity": "interactivity", "tokens_k": "tokens (k)", "mr": "MR", "reward": "reward"}
 CONFIDENCE = 0.95
@@ -97,29 +100,42 @@ def mean_interval(values: Sequence[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def record_value(rec: EvalRecord, metric: str) -> float:
-    """One record's value of a table metric; tokens (k) come from the stored assistant token count."""
-    if metric == "tokens_k":
-        return rec.assistant_tokens / 1000.0
-    if metric == "mr":
-        return mr(record_value(rec, "bleu"), record_value(rec, "interactivity"), record_value(rec, "tokens_k"))
+@cache
+def default_environment() -> Environment:
+    """CollabLLM medium, the environment of a run whose [env] is not given."""
+    from environments import collabllm
+
+    return collabllm.environment()
+
+
+def record_value(rec: EvalRecord, metric: str, env: Environment | None = None) -> float:
+    """One record's value of a table column, as the environment's eval protocol computes it (CollabLLM
+    medium's by default: tokens (k) from the stored assistant token count, MR from BLEU, interactivity
+    and tokens); a stored metric otherwise (e.g. replay's "reward")."""
+    env = env or default_environment()
     try:
-        return float(rec.metrics[metric])
-    except KeyError:
+        return env.eval.value(metric, rec.metrics, rec)
+    except (KeyError, ValueError):  # a derived column raises KeyError for the metric it lacks
+        lacking = metric if metric not in env.eval.derived else next(
+            (m for m in env.reward.names if m not in rec.metrics), metric)
         raise ValueError(
-            f"record {rec.eval_id!r} (condition {rec.condition!r}, item {rec.item_id!r}) has no {metric!r} metric "
+            f"record {rec.eval_id!r} (condition {rec.condition!r}, item {rec.item_id!r}) has no {lacking!r} metric "
             f"(has {sorted(rec.metrics)}); it was not scored: re-score it with `parley replay --judge ...`"
         ) from None
 
 
-def item_values(records: Iterable[EvalRecord], metrics: Sequence[str] = METRICS) -> dict[str, dict[str, float]]:
-    """item_id -> metric -> value, averaging the records of one item (one condition's records only)."""
+def item_values(records: Iterable[EvalRecord], metrics: Sequence[str] | None = None,
+                env: Environment | None = None) -> dict[str, dict[str, float]]:
+    """item_id -> column -> value, averaging the records of one item (one condition's records only).
+    `metrics` defaults to the environment's table columns."""
+    env = env or default_environment()
+    metrics = env.eval.columns if metrics is None else metrics
     sums: dict[str, dict[str, float]] = {}
     counts: dict[str, int] = {}
     for rec in records:
         row = sums.setdefault(rec.item_id, dict.fromkeys(metrics, 0.0))
         for m in metrics:
-            row[m] += record_value(rec, m)
+            row[m] += record_value(rec, m, env)
         counts[rec.item_id] = counts.get(rec.item_id, 0) + 1
     return {item: {m: v / counts[item] for m, v in row.items()} for item, row in sums.items()}
 
@@ -148,10 +164,13 @@ class Table(msgspec.Struct, kw_only=True):
         raise KeyError(f"condition {condition!r} not in the table; have {[r.condition for r in self.rows]}")
 
 
-def summarize(records: list[EvalRecord], baseline: str, metrics: Sequence[str] = METRICS) -> Table:
+def summarize(records: list[EvalRecord], baseline: str, metrics: Sequence[str] | None = None,
+              env: Environment | None = None) -> Table:
     """Group records by condition, average per item then over items, and compare each condition with
     `baseline` by a paired t test over the items both conditions have. Baseline comes first, the
-    others in order of first appearance."""
+    others in order of first appearance. `metrics`: the environment's table columns unless given."""
+    env = env or default_environment()
+    metrics = env.eval.columns if metrics is None else metrics
     by_cond: dict[str, list[EvalRecord]] = {}
     for rec in records:
         by_cond.setdefault(rec.condition, []).append(rec)
@@ -159,7 +178,7 @@ def summarize(records: list[EvalRecord], baseline: str, metrics: Sequence[str] =
         raise ValueError("no eval records to summarize")
     if baseline not in by_cond:
         raise ValueError(f"baseline condition {baseline!r} has no records; conditions are {sorted(by_cond)}")
-    per_item = {c: item_values(recs, metrics) for c, recs in by_cond.items()}
+    per_item = {c: item_values(recs, metrics, env) for c, recs in by_cond.items()}
     base_items = per_item[baseline]
     rows = []
     for cond in [baseline, *(c for c in by_cond if c != baseline)]:

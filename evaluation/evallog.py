@@ -1,6 +1,6 @@
 """The eval log: EvalRecords (and Scored trajectories) in Parquet or JSONL, read back exactly; training
-trajectories turned into EvalRecords; and the re-scoring that needs no judge (BLEU from the stored
-document, stored interactivity, new weights). Used by `parley eval`, `parley replay` and evaluation.selection.
+trajectories turned into EvalRecords; and the re-scoring that needs no judge (the environment's pure
+metrics recomputed, CollabLLM's BLEU from the stored document, stored interactivity, new weights). Used by `parley eval`, `parley replay` and evaluation.selection.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 import msgspec
 import msgspec.inspect as mi
 
-from protocol.messages import EvalRecord, Scored
-from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES, token_amount
+from environments.base import Environment, PureMetric
+from protocol.messages import EvalRecord, JudgeReply, Scored
+from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
 from rewards.reward import total_reward
 
 # Which Struct a Parquet file holds, in the file's schema metadata, so a reader never guesses.
@@ -216,35 +217,54 @@ def reweight(
     clamps: dict[str, tuple[float, float]] | None = None,
     bleu_variant: str = "sacrebleu",
     interactivity: str | None = None,
+    env: Environment | None = None,
 ) -> list[EvalRecord]:
-    """Re-score without any model: BLEU recomputed from the stored extracted document with `bleu_variant`,
-    interactivity reused as stored (with `interactivity` named, it must be on that scale: another scale
-    needs the judge), tokens from the stored count; "reward" = the weighted total."""
-    if bleu_variant not in BLEU_VARIANTS:
-        raise ValueError(f"bleu_variant={bleu_variant!r} not allowed; use one of {sorted(BLEU_VARIANTS)}")
+    """Re-score without any model, metric by metric of the environment's reward (`env`; CollabLLM medium
+    with `bleu_variant` by default): a pure metric is recomputed from the stored conversation; a judge
+    metric of the "extract" operation is recomputed from the stored extracted document (CollabLLM's BLEU,
+    with `bleu_variant`); any other judge metric is reused as stored (CollabLLM's interactivity: with
+    `interactivity` named, it must be on that scale, another scale needs the judge). "reward" = the
+    weighted total."""
+    if env is None:
+        from environments import collabllm
+
+        if bleu_variant not in BLEU_VARIANTS:
+            raise ValueError(f"bleu_variant={bleu_variant!r} not allowed; use one of {sorted(BLEU_VARIANTS)}")
+        env = collabllm.environment(bleu_variant)
     if interactivity is not None and interactivity not in INTERACTIVITY_SCALES:
         raise ValueError(f"interactivity={interactivity!r} not allowed; use one of {sorted(INTERACTIVITY_SCALES)}")
-    score = BLEU_VARIANTS[bleu_variant]
     out = []
     for rec in records:
-        if "interactivity" not in rec.metrics:
-            raise ValueError(
-                f"record {rec.eval_id!r} has no stored interactivity; re-weighting reuses it, so this log needs a judge (--judge)"
-            )
+        metrics = {}
+        for m in env.reward.metrics:
+            if isinstance(m, PureMetric):
+                metrics[m.name] = float(m.compute(rec))
+            elif m.op == EXTRACT_OP:  # the record keeps the extract reply's document
+                metrics[m.name] = float(m.value(JudgeReply(ok=True, document=rec.document), rec))
+            else:
+                metrics[m.name] = _stored(rec, m.name, interactivity)
+        metrics["reward"] = total_reward(metrics, weights, clamps)
+        out.append(msgspec.structs.replace(rec, metrics=metrics))
+    return out
+
+
+EXTRACT_OP = "extract"  # the judge operation whose reply (the document) an EvalRecord stores
+
+
+def _stored(rec: EvalRecord, name: str, interactivity: str | None) -> float:
+    """A judge metric's stored value, to be reused; interactivity's scale checked when one is asked for."""
+    if name not in rec.metrics:
+        raise ValueError(
+            f"record {rec.eval_id!r} has no stored {name}; re-weighting reuses it, so this log needs a judge (--judge)"
+        )
+    if name == "interactivity":
         scale = stored_interactivity_scale(rec)
         if interactivity is not None and scale != interactivity:
             raise ValueError(
                 f"record {rec.eval_id!r} holds interactivity on the {scale!r} scale, not {interactivity!r}; "
                 "re-rate it with the judge (--judge, a judge service on --nats)"
             )
-        metrics = {
-            "bleu": score(rec.document, rec.reference),
-            "interactivity": float(rec.metrics["interactivity"]),
-            "token_amount": token_amount(rec.assistant_tokens),
-        }
-        metrics["reward"] = total_reward(metrics, weights, clamps)
-        out.append(msgspec.structs.replace(rec, metrics=metrics))
-    return out
+    return float(rec.metrics[name])
 
 
 async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]:

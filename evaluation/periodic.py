@@ -65,14 +65,15 @@ def evaluated(run_dir: str | Path, version: int) -> bool:
 
 
 def eval_argv(cfg, config_path: Path, job: EvalJob, out: Path) -> list[str]:
-    """`parley eval` for one version on the run's held-out split, through the sim/judge services."""
+    """`parley eval` for one version on the run's held-out split, through the sim/judge services (the
+    run's environment comes with its config; an empty [rollout] sim_prompt is the environment's own)."""
     lc = cfg.learner
+    sim_prompt = ["--user-sim-prompt", cfg.rollout.sim_prompt] if cfg.rollout.sim_prompt else []
     return [
         sys.executable, "-m", "deploy.cli", "eval", "--config", str(config_path), "--services", "nats",
         "-C", f"v{job.version}={job.model}", "--policy-version", str(job.version),
         "--n-items", str(lc.eval_items), "--assistant-max-tokens", str(cfg.rollout.max_tokens),
-        "--max-new-turns", str(cfg.rollout.max_new_turns), "--user-sim-prompt", cfg.rollout.sim_prompt,
-        "--out", str(out),
+        "--max-new-turns", str(cfg.rollout.max_new_turns), *sim_prompt, "--out", str(out),
     ]
 
 
@@ -133,7 +134,8 @@ class PeriodicEval:
         from runtime.toml import to_toml
 
         self.cfg, self.lc, self.run_dir = cfg, cfg.learner, Path(run_dir)
-        self.metric = check_metric(self.lc.eval_metric)
+        self.env, self.env_record = cfg.env.load(), cfg.env.record()
+        self.metric = check_metric(self.lc.eval_metric or self.env.eval.select, label="eval_metric", env=self.env)
         self.root = eval_root(self.run_dir)
         self.root.mkdir(parents=True, exist_ok=True)
         self.config_path = self.root / "config.toml"
@@ -283,29 +285,28 @@ class PeriodicEval:
 
     def record(self, job: EvalJob, seconds: float) -> EvalOutcome:
         """Read a finished eval back: log its means, keep the best model, check for a regression."""
-        from evaluation.benchmark import METRICS
         from evaluation.selection import SelectionError, load_versions, regression, select_best
 
-        history = load_versions(self.run_dir)  # oldest first
+        history = load_versions(self.run_dir, self.env)  # oldest first
         mine = next((v for v in history if v.version == job.version), None)
         if mine is None:
             log.error("eval: version %d wrote no scored conversation", job.version)
             return EvalOutcome(job.version, ok=False, seconds=seconds, error="no scored conversations")
-        means = {m: mine.mean(m) for m in METRICS}
+        means = {m: mine.mean(m) for m in self.env.eval.columns}  # every column of the table
         log.info(
             "eval: version %d (step %d) on %d held-out items in %.0fs: %s", job.version, job.step, len(mine.items),
             seconds, ", ".join(f"{m} {v:.4f}" for m, v in means.items()),
         )
         with (self.root / "history.jsonl").open("a") as f:
             f.write(json.dumps({"version": job.version, "step": job.step, "n": len(mine.items), "seconds": round(seconds, 1),
-                                **means, "created": time.time()}) + "\n")
+                                **means, "env": self.env_record, "created": time.time()}) + "\n")
         try:
-            best = select_best(self.run_dir, self.metric, history)
+            best = select_best(self.run_dir, self.metric, history, self.env)
             log.info("eval: %s", best.describe())
             self._keep_only_model(best.version)
         except SelectionError as e:
             log.warning("eval: no selection yet: %s", e)
-        found = regression(history, self.metric, self.lc.early_stop_alpha) if self.lc.early_stop else None
+        found = regression(history, self.metric, self.lc.early_stop_alpha, self.env) if self.lc.early_stop else None
         if found is not None:
             self.regression = found.describe(self.metric, self.lc.early_stop_alpha)
             log.warning("eval: early stop: %s", self.regression)

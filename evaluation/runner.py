@@ -2,6 +2,8 @@
 system prompt) plays the same items with the same simulator seeds, through the actors' conversation
 loop (actors.rollout) and the scorer's judging (scorer.score), and yields one EvalRecord per conversation.
 The simulator and judge are whatever implements their interfaces: the NATS services, or in-process ones.
+What is played and scored is the run's environment (environments/): its held-out items and eval tasks,
+its user (a programmatic one runs here, in-process) and its reward; CollabLLM medium unless told otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tasks.data import Item, system_prompt_text
+from environments.base import Environment, LocalUser, ProgrammaticUser
+from evaluation.benchmark import default_environment
+from tasks.data import system_prompt_text
 from protocol.messages import ChatMessage, EvalRecord, JudgeReply, JudgeRequest, SimReply, SimRequest, Task
 
 log = logging.getLogger("parley.eval")
@@ -58,7 +62,7 @@ class EvalSettings:
     """The benchmark protocol; the defaults are the reference benchmark's (thinking off, lazy_full
     simulated user, up to 4096 tokens per assistant turn, up to 14 new messages)."""
 
-    sim_prompt: str = "lazy_full"
+    sim_prompt: str = "lazy_full"  # "" = the environment's own (its SimulatorUser's prompt)
     assistant_max_tokens: int = 4096
     max_new_turns: int = 14
     seeds: int = 1  # simulator seeds per item; the same for every condition
@@ -125,37 +129,59 @@ def read_unscored(out: str | Path) -> list[NotScored]:
     return [NotScored(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def eval_items(data, items_path: str | None) -> tuple[list[Item], list[Item]]:
-    """(training items, eval items) for the leakage guard and the run: an explicit items file against
-    the training data ([data], a learner.config.DataConfig), else the config's eval file or split."""
+def eval_items(data, items_path: str | None, env: Environment | None = None) -> tuple[list, list]:
+    """(training items, eval items) for the leakage guard and the run: the environment's train/eval
+    split of [data] (a learner.config.DataConfig); for CollabLLM medium also an explicit items file
+    against the training data."""
+    from environments import collabllm
+
+    env = env or default_environment()
+    if not items_path:
+        train, held = env.tasks.train_eval(data)
+        return list(train), list(held)
+    if env.name != collabllm.NAME:
+        raise ValueError(f"--items {items_path}: environment {env.name!r} draws its held-out items from its own task "
+                         f"source; leave --items out (an items file is a {collabllm.NAME} dataset)")
     from tasks.data import load_items, split_items
 
-    if data.eval_path and not items_path:
-        return load_items(data.path), load_items(data.eval_path)
-    if items_path:
-        train = load_items(data.path)
-        if not data.eval_path:  # the file is split for training: only its train side is trained on
-            train = split_items(train, data.eval_fraction, data.split_seed)[0]
-        return train, load_items(items_path)
-    return split_items(load_items(data.path), data.eval_fraction, data.split_seed)
+    train = load_items(data.path)
+    if not data.eval_path:  # the file is split for training: only its train side is trained on
+        train = split_items(train, data.eval_fraction, data.split_seed)[0]
+    return train, load_items(items_path)
 
 
-def make_tasks(items: Sequence[Item], settings: EvalSettings) -> list[Task]:
-    """One task per item and seed. The task id carries no condition, so every condition's simulator
-    sees the same seeds (actors.rollout derives every call's seed from task id, seed and turn)."""
-    tasks = []
-    for item in items:
-        for k in range(settings.seeds):
-            tasks.append(
-                Task(
-                    task_id=f"eval/{item.item_id}/{k}", run=settings.run, item_id=item.item_id, n=1,
-                    mode="conversation", prefix=[],  # from scratch: the simulated user speaks first
-                    reference=item.reference, title=item.title, summary=item.summary,
-                    sim_prompt=settings.sim_prompt, max_new_turns=settings.max_new_turns,
-                    max_tokens=settings.assistant_max_tokens, seed=k, split="eval",
-                )
-            )
-    return tasks
+@dataclass(frozen=True)
+class EvalRollout:
+    """The [rollout] fields an environment's task builder reads, as the benchmark sets them: whole
+    conversations, no futures, the task's own system prompt (a condition may replace it)."""
+
+    max_new_turns: int
+    max_tokens: int
+    sim_prompt: str
+    mode: str = "conversation"
+    system_prompt: str = ""
+    futures: int = 0
+    future_turns: int = 0
+
+
+def user_name(env: Environment, settings: EvalSettings) -> str:
+    """The simulator prompt the eval plays under: the settings' own, else the environment's."""
+    if isinstance(env.user, ProgrammaticUser):
+        return env.user.name
+    return settings.sim_prompt or env.user.prompt
+
+
+def make_tasks(items: Sequence, settings: EvalSettings, env: Environment | None = None) -> list[Task]:
+    """One task per item and seed, built by the environment's eval protocol (Environment.eval_task).
+    The task id carries no condition, so every condition's user sees the same seeds (actors.rollout
+    derives every call's seed from task id, seed and turn)."""
+    env = env or default_environment()
+    rollout = EvalRollout(max_new_turns=settings.max_new_turns, max_tokens=settings.assistant_max_tokens,
+                          sim_prompt=user_name(env, settings))
+    return [
+        env.eval_task(item, run=settings.run, task_id=f"eval/{item.item_id}/{k}", n=1, rollout=rollout, seed=k, version=0)
+        for item in items for k in range(settings.seeds)
+    ]
 
 
 class SimLike(Protocol):
@@ -219,13 +245,24 @@ class Policy:
 class EvalServices:
     open_policy: Callable[[str], Awaitable[Policy]]  # model name or checkpoint dir -> Policy
     sim: SimLike
-    judge: Any  # scorer.score.Judge
+    judge: Any  # scorer.score.Judge; None when the environment's reward asks no judge operation
     scorer_cfg: Any  # scorer.config.ScorerConfig: the BLEU variant (weights only feed Scored.total)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The run's environment (its [env]); None: CollabLLM medium, scored as scorer_cfg says
+    env: Environment | None = None
+
+    @property
+    def environment(self) -> Environment:
+        return self.env or default_environment()
+
+    def user(self) -> SimLike:
+        """Who plays the user: the environment's programmatic user in this process, else the simulator."""
+        user = self.environment.user
+        return LocalUser(user) if isinstance(user, ProgrammaticUser) else self.sim
 
 
-async def score_within_bounds(traj, judge, scorer_cfg, attempts: int):
-    """scorer.score.score_trajectory, patient as the scorer role is: while the judge is unreachable or
+async def score_within_bounds(traj, judge, scorer_cfg, attempts: int, reward=None):
+    """scorer.score.score_trajectory with `reward` (None: scorer_cfg's), patient as the scorer role is: while the judge is unreachable or
     does not answer within [scorer] judge_timeout_s, ask again with [scorer]'s back-off until
     [scorer] judge_wait_s have passed since the first try; after a failed verdict, ask again with a
     fresh seed, `attempts` verdicts in all. Then the last error is raised (the caller reports it)."""
@@ -236,7 +273,7 @@ async def score_within_bounds(traj, judge, scorer_cfg, attempts: int):
     while True:
         seed = (traj.seed + 1000 * failed) % 2**31  # as a redelivery in the scorer role: new seeds
         try:
-            return await score_trajectory(traj, judge, scorer_cfg, scorer="eval", seed=seed)
+            return await score_trajectory(traj, judge, scorer_cfg, reward=reward, scorer="eval", seed=seed)
         except JudgeUnavailable as e:
             waited = time.monotonic() - t0
             if waited >= scorer_cfg.judge_wait_s:
@@ -270,7 +307,10 @@ async def play_condition(
         actor=f"eval-{cond.name}",
     )
     slots = asyncio.Semaphore(settings.concurrency)
-    sim = services.sim if isinstance(services.sim, NotingSim) else NotingSim(services.sim)
+    user = services.user()
+    sim = user if isinstance(user, NotingSim) else NotingSim(user)
+    # the run's reward; without an environment, the one scorer_cfg describes (scorer.score.scorer_reward)
+    reward = services.env.reward if services.env is not None else None
 
     def missing(task: Task, stage: str, reason: str) -> None:
         m = NotScored(eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
@@ -280,7 +320,7 @@ async def play_condition(
             on_missing(m)
 
     async def one(task: Task) -> EvalRecord | None:
-        task = msgspec.structs.replace(task, system_prompt=cond.system_prompt)
+        task = msgspec.structs.replace(task, system_prompt=cond.system_prompt or task.system_prompt)
         async with slots:
             try:
                 traj = await run_conversation(
@@ -292,7 +332,8 @@ async def play_condition(
                 return None
             metrics, document, judge, judge_model = {}, "", [], ""
             try:
-                scored = await score_within_bounds(traj, services.judge, services.scorer_cfg, settings.judge_attempts)
+                scored = await score_within_bounds(traj, services.judge, services.scorer_cfg, settings.judge_attempts,
+                                                   reward=reward)
                 metrics, document, judge, judge_model = dict(scored.metrics), scored.document, list(scored.judge), scored.judge_model
             except (JudgeFailed, JudgeUnavailable, Unscorable) as e:
                 # The conversation is kept unscored; `parley replay --judge` can score it later.
@@ -312,7 +353,7 @@ async def play_condition(
 
 
 async def run_eval(
-    conditions: Sequence[Condition], items: Sequence[Item], settings: EvalSettings, services: EvalServices,
+    conditions: Sequence[Condition], items: Sequence[Any], settings: EvalSettings, services: EvalServices,
     on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
     on_missing: Callable[[NotScored], None] | None = None,
 ) -> list[EvalRecord]:
@@ -323,7 +364,7 @@ async def run_eval(
         raise ValueError(f"condition names must be unique, got {names}")
     if not items:
         raise ValueError("no eval items")
-    tasks = make_tasks(items, settings)
+    tasks = make_tasks(items, settings, services.environment)
     by_model: dict[str, list[Condition]] = {}
     for c in conditions:
         by_model.setdefault(c.model, []).append(c)

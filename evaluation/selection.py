@@ -1,7 +1,8 @@
-"""Checkpoint selection on the benchmark: which policy version is best by BLEU, interactivity or MR,
-with its interval and paired comparisons, and a regression test for early stopping. Reads the
-periodic eval's files under RUN_DIR/eval (layout in docs/benchmark.md); called by `parley select`
-and by the learner. The training reward is refused as a selection metric on purpose.
+"""Checkpoint selection on the benchmark: which policy version is best by one of the environment's
+selectable columns (CollabLLM medium: BLEU, interactivity or MR; by default its `eval.select`), with its
+interval and paired comparisons, and a regression test for early stopping. Reads the periodic eval's
+files under RUN_DIR/eval (layout in docs/benchmark.md); called by `parley select` and by the learner.
+The training reward is refused as a selection metric on purpose.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evaluation.benchmark import PairedStats, item_values, mean_interval, paired_stats
+from environments.base import Environment
+from evaluation.benchmark import METRICS, PairedStats, default_environment, item_values, mean_interval, paired_stats
 from rewards.reward import mr
 
+# CollabLLM medium's selectable columns (its eval protocol's); another environment's are its eval.selectable
 SELECT_METRICS = ("bleu", "interactivity", "mr")
 # Names people reach for that mean the reward the policy was trained on.
 TRAINING_REWARD_NAMES = ("reward", "total", "training_reward", "train_reward")
@@ -25,6 +28,7 @@ REWARD_REFUSED = (
 EVAL_DIR = "eval"
 RECORDS_FILE = "records.parquet"
 SUMMARY_FILE = "summary.jsonl"
+CONFIG_FILE = "config.toml"  # RUN_DIR/eval/config.toml: the run's configuration, [env] included (periodic.py)
 
 
 class SelectionError(ValueError):
@@ -77,31 +81,64 @@ class Selection:
         )
 
 
-def check_metric(metric: str, label: str = "--metric") -> str:
-    """`metric` if it is a selection metric; the training reward is refused with the reason."""
+def check_metric(metric: str, label: str = "--metric", env: Environment | None = None) -> str:
+    """`metric` if it is one of the environment's selectable columns (CollabLLM medium's by default);
+    the training reward is refused with the reason."""
+    env = env or default_environment()
     if metric.lower() in TRAINING_REWARD_NAMES:
         raise SelectionError(f"{label} {metric}: {REWARD_REFUSED}")
-    if metric not in SELECT_METRICS:
-        raise SelectionError(f"{label} {metric!r} not allowed; use one of {', '.join(SELECT_METRICS)}")
+    if metric not in env.eval.selectable:
+        raise SelectionError(f"{label} {metric!r} not allowed; use one of {', '.join(env.eval.selectable)} "
+                             f"(the selectable columns of environment {env.name!r})")
     return metric
 
 
-def _summary_items(raw: dict, where: str) -> dict[str, dict[str, float]]:
+def run_environment(run_dir: str | Path) -> Environment:
+    """The environment a run's evals were played in: the [env] section of RUN_DIR/eval/config.toml (the
+    periodic eval writes it), CollabLLM medium when there is none (a run from before environments)."""
+    import tomllib
+
+    import msgspec
+
+    from environments.config import EnvConfig
+
+    path = Path(run_dir) / EVAL_DIR / CONFIG_FILE
+    if not path.is_file():
+        return default_environment()
+    try:
+        raw = tomllib.loads(path.read_text()).get("env")
+        return default_environment() if raw is None else msgspec.convert(raw, EnvConfig).load()
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError, ValueError, LookupError) as e:
+        raise SelectionError(f"{path}: cannot resolve the run's environment from its [env]: {e}") from None
+
+
+def _summary_items(raw: dict, where: str, env: Environment) -> dict[str, dict[str, float]]:
+    """A summary line's items: every table column of the environment per item. A CollabLLM line written
+    before summaries stored every column has no MR; it is computed from the other three."""
+    columns = env.eval.columns
     items = {}
     for item, v in (raw.get("items") or {}).items():
+        if isinstance(v, dict) and env.eval.columns == METRICS and "mr" not in v:
+            try:
+                v = {**v, "mr": mr(float(v["bleu"]), float(v["interactivity"]), float(v["tokens_k"]))}
+            except (KeyError, TypeError, ValueError):
+                pass  # named below
         try:
-            b, i, tk = float(v["bleu"]), float(v["interactivity"]), float(v["tokens_k"])
+            items[item] = {c: float(v[c]) for c in columns}
         except (KeyError, TypeError, ValueError):
-            raise SelectionError(f"{where}: item {item!r} needs numeric bleu, interactivity and tokens_k, got {v!r}") from None
-        items[item] = {"bleu": b, "interactivity": i, "tokens_k": tk, "mr": mr(b, i, tk)}
+            needed = [c for c in columns if c != "mr"] if columns == METRICS else list(columns)
+            raise SelectionError(f"{where}: item {item!r} needs numeric {', '.join(needed[:-1])} and {needed[-1]}, "
+                                 f"got {v!r}") from None
     return items
 
 
-def load_versions(run_dir: str | Path) -> list[VersionEval]:
+def load_versions(run_dir: str | Path, env: Environment | None = None) -> list[VersionEval]:
     """Every evaluated version of a run, oldest first: RUN_DIR/eval/v<N>/records.parquet, and the
-    versions of RUN_DIR/eval/summary.jsonl that have no records file (a later line for a version wins)."""
+    versions of RUN_DIR/eval/summary.jsonl that have no records file (a later line for a version wins).
+    Values are the environment's table columns (`env`: the run's, run_environment)."""
     from evaluation.evallog import read_records
 
+    env = env or run_environment(run_dir)
     root = Path(run_dir) / EVAL_DIR
     found: dict[int, VersionEval] = {}
     summary = root / SUMMARY_FILE
@@ -116,7 +153,7 @@ def load_versions(run_dir: str | Path) -> list[VersionEval]:
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 raise SelectionError(f"{where}: not a summary line (needs JSON with an integer 'version')") from None
             step = raw.get("step")
-            found[version] = VersionEval(version, _summary_items(raw, where), None if step is None else int(step), where)
+            found[version] = VersionEval(version, _summary_items(raw, where, env), None if step is None else int(step), where)
     for path in sorted(root.glob(f"v*/{RECORDS_FILE}")):
         try:
             version = int(path.parent.name[1:])
@@ -126,7 +163,7 @@ def load_versions(run_dir: str | Path) -> list[VersionEval]:
         stated = {r.version for r in records} - {-1, version}  # -1: the writer left the version unset
         if stated:
             raise SelectionError(f"{path} holds records of versions {sorted(stated)}, expected only {version}")
-        found[version] = VersionEval(version, item_values(records), found.get(version, VersionEval(version, {})).step, str(path))
+        found[version] = VersionEval(version, item_values(records, env=env), found.get(version, VersionEval(version, {})).step, str(path))
     return [found[v] for v in sorted(found) if found[v].items]
 
 
@@ -135,11 +172,14 @@ def _paired(a: VersionEval, b: VersionEval, metric: str) -> PairedStats | None:
     return paired_stats(a.values(metric, shared), b.values(metric, shared)) if shared else None
 
 
-def select_best(run_dir: str | Path, metric: str, versions: list[VersionEval] | None = None) -> Selection:
-    """The version with the highest mean of `metric` over its eval items (ties: the earliest).
-    `versions`: load_versions(run_dir) when the caller has read them already."""
-    check_metric(metric)
-    versions = load_versions(run_dir) if versions is None else versions
+def select_best(run_dir: str | Path, metric: str | None = None, versions: list[VersionEval] | None = None,
+                env: Environment | None = None) -> Selection:
+    """The version with the highest mean of `metric` over its eval items (ties: the earliest); `metric`
+    None = the environment's default (`env`: the run's, run_environment). `versions`:
+    load_versions(run_dir) when the caller has read them already."""
+    env = env or run_environment(run_dir)
+    metric = check_metric(env.eval.select if metric is None else metric, env=env)
+    versions = load_versions(run_dir, env) if versions is None else versions
     if not versions:
         root = Path(run_dir) / EVAL_DIR
         raise SelectionError(f"no evaluated versions under {root} (looked for v<N>/{RECORDS_FILE} and {SUMMARY_FILE})")
@@ -171,10 +211,11 @@ class Regression:
                 f"< alpha {alpha}, n={s.n})")
 
 
-def regression(history: list[VersionEval], metric: str, alpha: float = 0.05) -> Regression | None:
+def regression(history: list[VersionEval], metric: str, alpha: float = 0.05,
+               env: Environment | None = None) -> Regression | None:
     """The latest version's regression on `metric` against the best earlier one, if significant:
     paired over shared items, one-sided p < alpha. Fewer than two shared items never count as a regression."""
-    check_metric(metric)
+    check_metric(metric, env=env)
     if len(history) < 2:
         return None
     latest, earlier = history[-1], history[:-1]
@@ -185,6 +226,6 @@ def regression(history: list[VersionEval], metric: str, alpha: float = 0.05) -> 
     return Regression(latest.version, best.version, s) if s.mean_diff < 0 and s.p / 2 < alpha else None
 
 
-def regressed(history: list[VersionEval], metric: str, alpha: float = 0.05) -> bool:
+def regressed(history: list[VersionEval], metric: str, alpha: float = 0.05, env: Environment | None = None) -> bool:
     """True when `regression` finds one."""
-    return regression(history, metric, alpha) is not None
+    return regression(history, metric, alpha, env) is not None
