@@ -81,7 +81,8 @@ class Learner:
         feeder_state = self._restore() if resume else self._fresh()
         train, _ = train_eval_items(cfg.data)
         self.feeder = Feeder(js, self.run_name, train, cfg.rollout, max_staleness=self.lc.max_staleness,
-                             groups_per_step=self.lc.groups_per_step, seed=self.lc.seed, state=feeder_state)
+                             groups_per_step=self.lc.groups_per_step, seed=self.lc.seed, state=feeder_state,
+                             steps=steps)
         self.evals = None
         if self.lc.eval_every > 0:
             from evaluation.periodic import PeriodicEval

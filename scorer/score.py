@@ -14,7 +14,14 @@ from typing import Protocol
 from protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
 from scorer.config import ScorerConfig
 from rewards.extract import last_document
-from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES, interactivity_from_3level, interactivity_from_levels, token_amount
+from rewards.metrics import (
+    BLEU_VARIANTS,
+    INTERACTIVITY_SCALES,
+    interactivity_from_3level,
+    interactivity_from_distribution,
+    interactivity_from_levels,
+    token_amount,
+)
 from rewards.reward import average_futures, total_reward
 
 
@@ -37,6 +44,8 @@ class Judge(Protocol):
 
     async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
 
+    async def interactivity_expected(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
+
 
 class JudgeClient:
     """The judge service over NATS request/reply, with at most `concurrency` requests in flight."""
@@ -54,6 +63,9 @@ class JudgeClient:
 
     async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
         return await self._call("interactivity_3level", messages, seed)
+
+    async def interactivity_expected(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
+        return await self._call("interactivity_expected", messages, seed)
 
     async def _call(self, op: str, messages: Sequence[ChatMessage], seed: int) -> JudgeReply:
         import msgspec
@@ -104,10 +116,12 @@ async def _all(*coros) -> list:
 
 def _interactivity(reply: JudgeReply, op: str, traj_id: str) -> float:
     """The interactivity metric from a verdict, recomputed from what the judge chose (the rubric's
-    levels, or the 3-level value) so that there is one definition of each scale."""
+    levels, their distribution, or the 3-level value) so that there is one definition of each scale."""
     try:
         if op == "interactivity":
             return interactivity_from_levels(reply.levels)
+        if op == "interactivity_expected":
+            return interactivity_from_distribution(reply.distribution)
         return interactivity_from_3level(reply.score)
     except ValueError as e:
         raise JudgeFailed(f"judge {op} reply for {traj_id} is unusable: {e}") from None
