@@ -24,6 +24,9 @@ from environments.base import Environment, LocalUser, ProgrammaticUser
 from protocol import bus, status, topology
 from protocol.messages import Heartbeat, Task
 
+# How long a task admitted at a version the engine does not serve yet waits for that version to load.
+ADMITTED_VERSION_WAIT_S = 120.0
+
 log = logging.getLogger("parley.actor")
 
 
@@ -78,6 +81,13 @@ class Actor:
         t0 = time.perf_counter()
         # in_progress well before ack_wait runs out, so a long task is not handed to another actor
         async with bus.keep_alive(msg, every=max(0.5, self.cfg.bus.ack_wait_s / 3)):
+            if task.admitted_version > self.engine.version:
+                # Admitted on a version announced moments ago: sampling it with the one served now
+                # would make the group a version staler than the gate allowed for (and, at the edge of
+                # max_staleness, dropped after being played). Loading takes seconds; waiting is cheaper.
+                if not await self.follower.reach(task.admitted_version, ADMITTED_VERSION_WAIT_S):
+                    log.warning("task %s admitted at version %d; still serving %d after %.0fs, playing it anyway",
+                                task.task_id, task.admitted_version, self.engine.version, ADMITTED_VERSION_WAIT_S)
             try:
                 async with asyncio.TaskGroup() as tg:
                     for i in range(task.n):

@@ -63,6 +63,19 @@ class WeightFollower:
     def version(self) -> int:
         return self.engine.version
 
+    async def reach(self, version: int, timeout_s: float, poll_s: float = 0.25) -> bool:
+        """Wait until the engine serves `version` or newer (True), at most `timeout_s` (False: the
+        version was refused, is slow to come, or a resumed learner moved the key back). Wakes the
+        poll loop first, so an announcement the watcher has not delivered yet is read now."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self._wake.set()
+        while self.engine.version < version:
+            if version in self.refused or loop.time() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
     async def _read(self) -> WeightVersion | None:
         from nats.js.errors import KeyNotFoundError
 

@@ -5,6 +5,7 @@ running PolicyEngine (`open_engine`), which the actor uses for the policy.
 API:
     backend = make_backend(cfg: ServiceBackend)            # blocks while a local engine loads
     text = await backend.chat_json(messages, schema, max_tokens=..., temperature=..., seed=...)
+    text, top = await backend.chat_json_tokens(..., top_logprobs=k)  # + per-token top-k (local engine)
     backend.model_name                                      # recorded in replies
     await backend.close()
     is_fatal(exc)                                           # the backend is gone for good
@@ -43,6 +44,10 @@ class Backend(Protocol):
     async def chat_json(
         self, messages: list[dict], schema: dict, *, max_tokens: int, temperature: float, seed: int
     ) -> str: ...
+
+    async def chat_json_tokens(
+        self, messages: list[dict], schema: dict, *, max_tokens: int, temperature: float, seed: int, top_logprobs: int
+    ) -> tuple[str, list[tuple[str, dict[str, float]]]]: ...
 
     async def close(self) -> None: ...
 
@@ -123,6 +128,13 @@ class LocalBackend:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def chat_json(self, messages, schema, *, max_tokens, temperature, seed) -> str:
+        text, _ = await self.chat_json_tokens(messages, schema, max_tokens=max_tokens, temperature=temperature,
+                                              seed=seed, top_logprobs=0)
+        return text
+
+    async def chat_json_tokens(self, messages, schema, *, max_tokens, temperature, seed, top_logprobs: int):
+        """chat_json with, per generated token, its text and the `top_logprobs` likeliest tokens'
+        raw log-probs by text (GenOut.top): what an expected rating is computed from."""
         ids = self.prompt_ids(messages)
         room = self.max_model_len - len(ids)
         if room < 8:
@@ -130,9 +142,9 @@ class LocalBackend:
                 f"prompt of {len(ids)} tokens leaves no room to answer within max_model_len={self.max_model_len}"
             )
         out = await self.engine.generate_json(
-            ids, schema, max_tokens=min(max_tokens, room), temperature=temperature, seed=seed
+            ids, schema, max_tokens=min(max_tokens, room), temperature=temperature, seed=seed, top_logprobs=top_logprobs
         )
-        return out.text
+        return out.text, out.top
 
     async def close(self) -> None:
         if self._owns_engine:
@@ -180,6 +192,12 @@ class OpenAIBackend:
         if not resp.choices:
             raise BackendError(f"{self.client.base_url} returned no choices")
         return resp.choices[0].message.content or ""
+
+    async def chat_json_tokens(self, messages, schema, *, max_tokens, temperature, seed, top_logprobs: int):
+        raise BackendError(
+            f"{self.client.base_url}: per-token log-probs are read from a local engine only; serve the judge with "
+            "backend = 'vllm', or rate with [scorer] interactivity = 'rubric' (sampled levels)"
+        )
 
     async def close(self) -> None:
         await self.client.close()

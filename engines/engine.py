@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -52,6 +53,9 @@ class GenOut:
     logprobs: list[float]  # one per token in token_ids: raw log-prob of the sampled token
     finish_reason: str  # "stop" | "length" | "abort"
     text: str
+    # Only when asked for (top_logprobs=k): per position, the sampled token's text and the raw
+    # log-probs of the k likeliest tokens by their text (tokens that decode alike are summed).
+    top: list[tuple[str, dict[str, float]]] = field(default_factory=list)
 
 
 def _engine_args(settings: EngineSettings):
@@ -83,6 +87,29 @@ def _engine_args(settings: EngineSettings):
     return AsyncEngineArgs(**kwargs)
 
 
+def _top_by_text(sampled: int, pos: dict) -> tuple[str, dict[str, float]]:
+    """One position of vLLM's logprobs (token id -> Logprob): the sampled token's text and the
+    candidates' log-probs keyed by text, tokens that decode alike merged (log-sum-exp)."""
+    probs: dict[str, float] = {}
+    for lp in pos.values():
+        text = lp.decoded_token or ""
+        probs[text] = probs.get(text, 0.0) + math.exp(float(lp.logprob))
+    by_text = {text: math.log(p) if p > 0 else float("-inf") for text, p in probs.items()}
+    return pos[sampled].decoded_token or "", by_text
+
+
+# vLLM's CPU build pins each engine's worker threads to cores it picks as if it owned the machine:
+# on a 2-core machine "auto" gives every engine core 0 and leaves core 1 to the engine's scheduler, so
+# the engines of one machine (parley up: actor, services, an eval child) all share one core while the
+# other idles. Unless the operator chose a binding, the OS places them (measured: docs/operations.md).
+CPU_BIND_ENV, CPU_BIND_DEFAULT = "VLLM_CPU_OMP_THREADS_BIND", "nobind"
+
+
+def share_cpu_cores(environ=os.environ) -> str:
+    """Set the CPU binding the engine's workers inherit (unless already set); returns it."""
+    return environ.setdefault(CPU_BIND_ENV, CPU_BIND_DEFAULT)
+
+
 class PolicyEngine:
     """One vLLM engine. Construction blocks while vLLM loads the model (tens of seconds on CPU)
     and spawns its engine-core process; call it from the process's main module guarded by
@@ -93,8 +120,11 @@ class PolicyEngine:
     """
 
     def __init__(self, settings: EngineSettings, version: int = 0):
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if current_platform.is_cpu():
+            share_cpu_cores()
         self.settings = settings
         self.version = version
         self._llm = AsyncLLM.from_engine_args(_engine_args(settings))
@@ -102,7 +132,7 @@ class PolicyEngine:
 
     # -- generation ---------------------------------------------------------------------------
 
-    async def _run(self, prompt_ids: Sequence[int], params) -> GenOut:
+    async def _run(self, prompt_ids: Sequence[int], params, top_logprobs: int = 0) -> GenOut:
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
@@ -127,9 +157,10 @@ class PolicyEngine:
             lps.append(float(pos[tok].logprob))
         if len(lps) != len(ids):
             raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
-        return GenOut(ids, lps, comp.finish_reason or "abort", comp.text)
+        top = [_top_by_text(tok, pos) for tok, pos in zip(ids, comp.logprobs or [])] if top_logprobs else []
+        return GenOut(ids, lps, comp.finish_reason or "abort", comp.text, top)
 
-    def _params(self, max_tokens, temperature, top_p, seed, stop_token_ids, structured=None):
+    def _params(self, max_tokens, temperature, top_p, seed, stop_token_ids, structured=None, top_logprobs=0):
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         return SamplingParams(
@@ -138,7 +169,7 @@ class PolicyEngine:
             top_p=top_p,
             seed=seed,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
-            logprobs=0,
+            logprobs=top_logprobs,
             # we never stream partial outputs
             output_kind=RequestOutputKind.FINAL_ONLY,
             # the text is for logs; keep special tokens out of it
@@ -167,15 +198,17 @@ class PolicyEngine:
         max_tokens: int,
         temperature: float = 1.0,
         seed: int | None = None,
+        top_logprobs: int = 0,
     ) -> GenOut:
         """Like generate, but decoding is constrained to JSON matching `schema`. The text
         parses if finish_reason == "stop"; a "length" finish means max_tokens cut it off.
-        Whitespace between JSON tokens follows EngineSettings.json_compact."""
+        Whitespace between JSON tokens follows EngineSettings.json_compact. top_logprobs=k also
+        returns, per position, the k likeliest tokens' raw log-probs (GenOut.top)."""
         from vllm.sampling_params import StructuredOutputsParams
 
         structured = StructuredOutputsParams(json=schema)
-        params = self._params(max_tokens, temperature, 1.0, seed, None, structured)
-        return await self._run(prompt_ids, params)
+        params = self._params(max_tokens, temperature, 1.0, seed, None, structured, top_logprobs)
+        return await self._run(prompt_ids, params, top_logprobs)
 
     # -- weights ------------------------------------------------------------------------------
 

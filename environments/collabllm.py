@@ -23,6 +23,7 @@ from rewards.metrics import (
     BLEU_VARIANTS,
     INTERACTIVITY_SCALES,
     interactivity_from_3level,
+    interactivity_from_distribution,
     interactivity_from_levels,
     token_amount,
 )
@@ -70,7 +71,8 @@ def _document(conv: Finished, replies: Mapping[str, JudgeReply]) -> str:
 def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interactivity: str = "rubric") -> Environment:
     """CollabLLM medium, scored as [scorer] says: `bleu_variant` sacrebleu | char; `extract` judge (the
     judge copies the document out) | last_document (rewards/extract.py, no judge call); `interactivity`
-    rubric (levels 0..3 on three criteria) | 3level (CollabLLM's 1 / 0.5 / 0)."""
+    rubric (levels 0..3 on three criteria) | rubric_expected (the same rubric, each criterion's expected
+    level under the judge's own distribution over the level tokens) | 3level (CollabLLM's 1 / 0.5 / 0)."""
     for name, value, allowed in (("bleu_variant", bleu_variant, tuple(BLEU_VARIANTS)), ("extract", extract, EXTRACTORS),
                                  ("interactivity", interactivity, tuple(INTERACTIVITY_SCALES))):
         if value not in allowed:
@@ -87,13 +89,16 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
     def rubric(reply: JudgeReply, conv: Finished) -> float:
         return interactivity_from_levels(reply.levels)  # the levels are the verdict, not reply.score
 
+    def rubric_expected(reply: JudgeReply, conv: Finished) -> float:
+        return interactivity_from_distribution(reply.distribution)
+
     def three_level(reply: JudgeReply, conv: Finished) -> float:
         return interactivity_from_3level(reply.score)
 
     bleu = (JudgeMetric("bleu", op="extract", value=bleu_of_reply, weight=weights["bleu"]) if extract == "judge"
             else PureMetric("bleu", compute=bleu_of_draft, weight=weights["bleu"]))
     inter_op = INTERACTIVITY_SCALES[interactivity]
-    inter_value = rubric if interactivity == "rubric" else three_level
+    inter_value = {"rubric": rubric, "rubric_expected": rubric_expected, "3level": three_level}[interactivity]
 
     return Environment(
         name=NAME,

@@ -230,6 +230,9 @@ class LocalJudge:
     async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
         return await self._ask("interactivity_3level", messages, seed)
 
+    async def interactivity_expected(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
+        return await self._ask("interactivity_expected", messages, seed)
+
 
 @dataclass
 class Policy:

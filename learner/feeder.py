@@ -79,12 +79,17 @@ class Feeder:
     """
 
     def __init__(self, js, run: str, items: list, rollout, *, max_staleness: int, groups_per_step: int,
-                 seed: int = 0, state: FeederState | None = None, build: TaskBuilder = task_from_item):
+                 seed: int = 0, state: FeederState | None = None, build: TaskBuilder = task_from_item,
+                 steps: int = 0):
         if not items:
             raise ValueError("the training split is empty; check [data] path and eval_fraction")
         self.js, self.run_name, self.items, self.rollout = js, run, items, rollout
         self.build = build  # the run environment's task builder (env.tasks.task); CollabLLM's by default
         self.max_staleness, self.groups_per_step, self.seed = max_staleness, groups_per_step, seed
+        # A run of `steps` steps trains steps x groups_per_step groups: never more in flight + consumed
+        # than that (a dropped group gives its slot back), so no rollouts are played that no step will
+        # train, competing with the last steps and the final eval for the cores. 0 = no last step.
+        self.total_groups = steps * groups_per_step
         self.state = state or FeederState()
         self.version = 0
         self.paused = False
@@ -97,9 +102,13 @@ class Feeder:
             seed=self.seed * 1_000_003 + index, version=self.version,
         )
 
+    def all_issued(self) -> bool:
+        """Every group the run's last step needs is in flight or trained."""
+        return bool(self.total_groups) and len(self.state.in_flight) + self.state.consumed >= self.total_groups
+
     def is_open(self) -> bool:
         s = self.state
-        return may_admit(len(s.in_flight), s.consumed, self.version, self.max_staleness, self.groups_per_step)
+        return not self.all_issued() and may_admit(len(s.in_flight), s.consumed, self.version, self.max_staleness, self.groups_per_step)
 
     def mark_consumed(self, task: str, trained: bool = True) -> Issued | None:
         """A group left the learner: its issue record, or None if we did not issue it.
@@ -145,7 +154,11 @@ class Feeder:
                 s.in_flight[task.task_id] = Issued(at=time.time(), version=task.admitted_version)
                 s.next_index += 1
                 continue
-            if not self.paused:
+            if not self.paused and self.all_issued():
+                log.info("admission paused: %d in flight + %d consumed = the %d groups the run's last step needs",
+                         len(s.in_flight), s.consumed, self.total_groups)
+                self.paused = True
+            elif not self.paused:
                 limit = admission_limit(self.version, self.max_staleness, self.groups_per_step)
                 log.info(
                     "admission paused: %d in flight + %d consumed = limit %d at version %d "

@@ -89,7 +89,7 @@ class Learner:
         train, _ = self.env.tasks.train_eval(cfg.data)
         self.feeder = Feeder(js, self.run_name, train, cfg.rollout, max_staleness=self.lc.max_staleness,
                              groups_per_step=self.lc.groups_per_step, seed=self.lc.seed, state=feeder_state,
-                             build=self.env.tasks.task)
+                             build=self.env.tasks.task, steps=steps)
         self.evals = None
         if self.lc.eval_every > 0:
             from evaluation.periodic import PeriodicEval

@@ -260,6 +260,9 @@ class JudgeReply(msgspec.Struct, kw_only=True):
     attempts: int = 1
     error: str = ""
     model: str = ""
+    # interactivity_expected: per rubric criterion, the judge's probability of each level ("0".."3")
+    # at the token where it wrote that level; score is the expected rating under it.
+    distribution: dict[str, dict[str, float]] = {}
 
 
 class ReferenceRequest(msgspec.Struct, kw_only=True):

@@ -24,7 +24,9 @@ SIM_QUEUE = "sim"
 JUDGE_SUBJECT = "parley.svc.judge"  # + "." + one of JUDGE_OPS
 JUDGE_QUEUE = "judge"
 # interactivity_3level: the 3-level scale (1 / 0.5 / 0) of CollabLLM's judge, beside the 0..3 rubric.
-JUDGE_OPS = ("extract", "interactivity", "interactivity_3level")
+# interactivity_expected: the 0..3 rubric, scored as the expected level under the judge's own
+# distribution over each level token (the reply carries that distribution).
+JUDGE_OPS = ("extract", "interactivity", "interactivity_3level", "interactivity_expected")
 # The frozen initial policy's log-probs of a trajectory ([learner] reference = "service"); a request
 # names its model, and a service answers only for the one it holds.
 REFERENCE_SUBJECT = "parley.svc.reference"

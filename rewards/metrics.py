@@ -88,6 +88,7 @@ def token_amount(n_assistant_tokens: int) -> float:
 
 INTERACTIVITY_KEYS = ("understanding", "clarification", "suggestions")
 _MAX_LEVEL = 3
+_LEVEL_LABELS = {str(level): level for level in range(_MAX_LEVEL + 1)}  # how a level is written in JSON
 
 
 def interactivity_from_levels(levels: Mapping[str, int]) -> float:
@@ -109,11 +110,34 @@ def interactivity_from_levels(levels: Mapping[str, int]) -> float:
     return total / len(INTERACTIVITY_KEYS) / _MAX_LEVEL
 
 
+def interactivity_from_distribution(dist: Mapping[str, Mapping[str, float]]) -> float:
+    """The rubric rated by expectation: per criterion the judge's probability of each level 0..3
+    (criterion -> {"0": p0, ..., "3": p3}, summing to 1) -> interactivity in 0..1, the mean over the
+    criteria of each one's expected level, over 3. With every probability on one level it is
+    `interactivity_from_levels` of those levels."""
+    total = 0.0
+    for key in INTERACTIVITY_KEYS:
+        if key not in dist:
+            raise ValueError(
+                f"interactivity distribution for {key!r} missing; need all of {list(INTERACTIVITY_KEYS)}, got {sorted(dist)}"
+            )
+        probs = dist[key]
+        bad = [lab for lab in probs if lab not in _LEVEL_LABELS]
+        if bad:
+            raise ValueError(f"interactivity distribution for {key!r} has levels {bad}; levels are {list(_LEVEL_LABELS)}")
+        if any(not math.isfinite(p) or p < 0 for p in probs.values()) or abs(math.fsum(probs.values()) - 1.0) > 1e-6:
+            raise ValueError(f"interactivity distribution for {key!r} is not a distribution: {dict(probs)}")
+        total += math.fsum(_LEVEL_LABELS[lab] * p for lab, p in probs.items())
+    return total / len(INTERACTIVITY_KEYS) / _MAX_LEVEL
+
+
 # The 3-level scale of CollabLLM's interactivity judge: high / moderate / low interactivity.
 INTERACTIVITY_3LEVEL = (0.0, 0.5, 1.0)
 # Interactivity scales ([scorer] interactivity) -> the judge op (protocol.topology.JUDGE_OPS) that rates
-# on it: the 0..3 rubric over three criteria, or CollabLLM's 3-level scale.
-INTERACTIVITY_SCALES = {"rubric": "interactivity", "3level": "interactivity_3level"}
+# on it: the 0..3 rubric over three criteria (the levels the judge wrote), the same rubric rated by
+# the judge's expected level under its own distribution (docs/rewards.md), or CollabLLM's 3-level scale.
+INTERACTIVITY_SCALES = {"rubric": "interactivity", "rubric_expected": "interactivity_expected",
+                        "3level": "interactivity_3level"}
 
 
 def interactivity_from_3level(value: float) -> float:

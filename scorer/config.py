@@ -51,7 +51,10 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     clamps: dict[str, list[float]] = {}  # metric -> [lo, hi], applied before weighting
     bleu_variant: str = "sacrebleu"  # "sacrebleu" | "char" (CollabLLM's character-level BLEU)
     extract: str = "judge"  # "judge" | "last_document": who finds the document BLEU compares
-    interactivity: str = "rubric"  # "rubric" (0..3 on three criteria) | "3level" (CollabLLM's 1 / 0.5 / 0)
+    # "rubric" (0..3 on three criteria, the levels the judge wrote) | "rubric_expected" (the same rubric,
+    # each criterion's expected level under the judge's own distribution; needs a local vllm judge) |
+    # "3level" (CollabLLM's 1 / 0.5 / 0)
+    interactivity: str = "rubric"
     judge_timeout_s: float = 300.0  # one judge request
     judge_concurrency: int = 16  # judge requests in flight from one scorer
     retry_delay_s: float = 5.0  # first back-off when the judge is down or fails; doubles each time

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import re
 import string
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -20,7 +22,13 @@ import msgspec
 from protocol import topology
 from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
 from scorer.config import JudgeConfig
-from rewards.metrics import INTERACTIVITY_3LEVEL, INTERACTIVITY_KEYS, interactivity_from_3level, interactivity_from_levels
+from rewards.metrics import (
+    INTERACTIVITY_3LEVEL,
+    INTERACTIVITY_KEYS,
+    interactivity_from_3level,
+    interactivity_from_distribution,
+    interactivity_from_levels,
+)
 
 log = logging.getLogger("parley.judge")
 
@@ -28,8 +36,12 @@ PROMPT_FILES = {
     "extract": "extract_document.txt",
     "interactivity": "interactivity.txt",
     "interactivity_3level": "interactivity_3level.txt",
+    "interactivity_expected": "interactivity.txt",  # the rubric, rated by its expected levels
 }
 RATIONALE_MAX_CHARS = 300  # "one sentence"; bounded so a rambling judge cannot eat max_tokens
+# interactivity_expected reads the judge's log-probs of this many likeliest tokens at each level's
+# position; the schema leaves only the four level tokens possible there, so 10 holds all of them.
+EXPECTED_TOP_LOGPROBS = 10
 
 # The decoder may only produce these; a reply that still fails validation (cut off at max_tokens)
 # is retried.
@@ -62,6 +74,7 @@ SCHEMAS: dict[str, dict] = {
         "additionalProperties": False,
     },
 }
+SCHEMAS["interactivity_expected"] = SCHEMAS["interactivity"]
 
 
 class ExtractVerdict(msgspec.Struct, forbid_unknown_fields=True):
@@ -81,7 +94,7 @@ class Interactivity3Verdict(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _VERDICT_TYPES = {"extract": ExtractVerdict, "interactivity": InteractivityVerdict,
-                  "interactivity_3level": Interactivity3Verdict}
+                  "interactivity_3level": Interactivity3Verdict, "interactivity_expected": InteractivityVerdict}
 
 ROLE_LABELS = {"user": "USER", "assistant": "ASSISTANT"}
 _SEPARATOR = "\n\n"
@@ -175,6 +188,45 @@ def parse_verdict(op: str, raw: str) -> JudgeReply:
     return JudgeReply(ok=True, levels=levels, score=interactivity_from_levels(levels), raw=raw)
 
 
+def level_distribution(
+    tokens: Sequence[tuple[str, dict[str, float]]], keys: Sequence[str] = INTERACTIVITY_KEYS, max_level: int = 3
+) -> dict[str, dict[str, float]]:
+    """The judge's own distribution over each key's level, read where it wrote the level.
+
+    `tokens` is the generated reply token by token: (the token's text, log-probs of the likeliest
+    tokens by text), as LocalBackend.chat_json_tokens returns it. For each key, the position is the
+    first token after `"key":` that is not whitespace; the probabilities of the candidates that are
+    a level ("0".."max_level", surrounding whitespace ignored) are summed per level and
+    normalised over the levels. Levels must be single tokens: a value that starts with anything
+    else, a key never written, or no level among the candidates is a ValueError (the judge retries).
+    """
+    labels = {str(level) for level in range(max_level + 1)}
+    text = ""
+    out: dict[str, dict[str, float]] = {}
+    waiting = {key: re.compile(r'"' + re.escape(key) + r'"\s*:\s*$') for key in keys}
+    for sampled, candidates in tokens:
+        if sampled.strip():
+            for key, ends_with_key in list(waiting.items()):
+                if not ends_with_key.search(text):
+                    continue
+                del waiting[key]
+                if sampled.strip() not in labels:
+                    raise ValueError(f"the judge's {key!r} value starts with token {sampled!r}, not a level "
+                                     f"{sorted(labels)} in one token; an expected rating needs single-token levels")
+                probs = {lab: 0.0 for lab in sorted(labels)}
+                for cand, lp in candidates.items():
+                    if cand.strip() in labels:
+                        probs[cand.strip()] += math.exp(lp)
+                mass = math.fsum(probs.values())
+                if not mass > 0:
+                    raise ValueError(f"no level {sorted(labels)} among the judge's candidates for {key!r}: {candidates}")
+                out[key] = {lab: p / mass for lab, p in probs.items()}
+        text += sampled
+    if waiting:
+        raise ValueError(f"the judge's reply never wrote {sorted(waiting)}: {text[:200]!r}")
+    return out
+
+
 class Judge:
     """Answers judge requests with one backend: renders the prompt, decodes under the op's JSON
     schema, validates, retries malformed output up to cfg.max_retries times, and reports a
@@ -234,11 +286,21 @@ class Judge:
         for attempt in range(1, attempts + 1):
             # The first try uses the configured temperature; retries sample so they can differ.
             temperature = self.cfg.temperature if attempt == 1 else max(self.cfg.temperature, self.cfg.retry_temperature)
+            seed = (req.seed + attempt - 1) % 2**31
             try:
-                raw = await self.backend.chat_json(
-                    messages, SCHEMAS[op], max_tokens=self.cfg.max_tokens, temperature=temperature, seed=(req.seed + attempt - 1) % 2**31
-                )
-                reply = parse_verdict(op, raw)
+                if op == "interactivity_expected":
+                    raw, tokens = await self.backend.chat_json_tokens(
+                        messages, SCHEMAS[op], max_tokens=self.cfg.max_tokens, temperature=temperature, seed=seed,
+                        top_logprobs=EXPECTED_TOP_LOGPROBS,
+                    )
+                    reply = parse_verdict(op, raw)
+                    reply.distribution = level_distribution(tokens)
+                    reply.score = interactivity_from_distribution(reply.distribution)
+                else:
+                    raw = await self.backend.chat_json(
+                        messages, SCHEMAS[op], max_tokens=self.cfg.max_tokens, temperature=temperature, seed=seed
+                    )
+                    reply = parse_verdict(op, raw)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - backend errors and bad output alike are retried, then reported

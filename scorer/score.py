@@ -40,6 +40,8 @@ class Judge(Protocol):
 
     async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
 
+    async def interactivity_expected(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
+
 
 class JudgeClient:
     """The judge service over NATS request/reply, with at most `concurrency` requests in flight."""
@@ -57,6 +59,9 @@ class JudgeClient:
 
     async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
         return await self._call("interactivity_3level", messages, seed)
+
+    async def interactivity_expected(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
+        return await self._call("interactivity_expected", messages, seed)
 
     async def _call(self, op: str, messages: Sequence[ChatMessage], seed: int) -> JudgeReply:
         import msgspec

@@ -149,6 +149,40 @@ def test_generate_json_follows_schema(ctx):
         assert len(out.logprobs) == len(out.token_ids)
 
 
+def test_generate_json_returns_the_top_logprobs_of_every_position(ctx):
+    schema = {"type": "object", "properties": {"score": {"type": "integer", "enum": [0, 1, 2, 3]}},
+              "required": ["score"], "additionalProperties": False}
+    (out,) = ctx.gather(ctx.engine.generate_json(ctx.prompt("Rate it."), schema, max_tokens=16, seed=1, top_logprobs=5))
+    assert out.finish_reason == "stop" and len(out.top) == len(out.token_ids)
+    # the texts are the reply's (the stop token's own text, kept out of out.text, comes last)
+    assert "".join(text for text, _ in out.top).startswith(out.text)
+    for (text, candidates), lp in zip(out.top, out.logprobs):
+        assert candidates[text] == pytest.approx(lp, abs=1e-5) or candidates[text] > lp  # merged look-alikes add up
+        assert all(v <= 1e-6 for v in candidates.values())
+
+
+def test_expected_interactivity_reply_carries_the_judges_distribution(ctx):
+    from engines.backend import LocalBackend
+    from protocol.messages import ChatMessage, JudgeRequest
+    from rewards.metrics import INTERACTIVITY_KEYS
+    from scorer.config import JudgeConfig
+    from scorer.judge import Judge
+
+    judge = Judge(LocalBackend(ctx.engine, ctx.tok, model_name="tiny", owns_engine=False),
+                  JudgeConfig(max_tokens=400, max_retries=3))
+    conv = [ChatMessage("user", "write a note for my team"), ChatMessage("assistant", "Sure: who reads it, and how formal?")]
+    reply = ctx.run(judge.handle("interactivity_expected", JudgeRequest(op="interactivity_expected", messages=conv)))
+    assert reply.ok, reply.error
+    assert set(reply.distribution) == set(INTERACTIVITY_KEYS)
+    for key, probs in reply.distribution.items():
+        assert set(probs) == {"0", "1", "2", "3"} and sum(probs.values()) == pytest.approx(1.0)
+        assert probs[str(reply.levels[key])] > 0  # the level it wrote is one it gave probability to
+    expected = sum(int(level) * p for probs in reply.distribution.values() for level, p in probs.items()) / 9
+    assert reply.score == pytest.approx(expected)
+    # a rating, not the written levels again: the toy judge is unsure somewhere
+    assert min(max(probs.values()) for probs in reply.distribution.values()) < 0.999
+
+
 def test_reload_weights_changes_and_restores(ctx, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

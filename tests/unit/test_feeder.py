@@ -101,3 +101,21 @@ def test_overdue_lists_tasks_past_their_deadline_oldest_first():
     assert f.overdue(300.0, now=200.0) == []
     assert f.mark_consumed("b", trained=False) == Issued(50.0, 0)
     assert f.mark_consumed("b") is None
+
+
+def test_a_run_of_n_steps_issues_no_group_its_last_step_will_not_train():
+    # Before: at the last version the gate still admitted max_staleness+1 steps' worth of groups,
+    # played beside the final eval and never trained (in `make run`: 4 of 12 groups).
+    from learner.config import RolloutConfig
+    from tasks.data import load_items
+
+    f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=1, groups_per_step=2, steps=3,
+               state=FeederState(next_index=6, consumed=4, in_flight={"r1-g000004": Issued(0.0, 2), "r1-g000005": Issued(0.0, 2)}))
+    f.set_version(2)
+    assert may_admit(2, 4, 2, 1, 2) and f.all_issued() and not f.is_open()  # the gate alone would admit
+    assert f.mark_consumed("r1-g000004", trained=False)  # dropped (stale): its slot is needed again
+    assert not f.all_issued() and f.is_open()
+    unbounded = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=1, groups_per_step=2,
+                       state=FeederState(next_index=6, consumed=4, in_flight={"a": Issued(0.0, 2), "b": Issued(0.0, 2)}))
+    unbounded.set_version(2)
+    assert unbounded.is_open()  # steps = 0: no last step

@@ -10,7 +10,19 @@ import pytest
 from protocol import codec, topology
 from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
 from scorer.config import JudgeConfig
-from scorer.judge import SCHEMAS, Judge, error_reply, judge_routes, load_prompts, parse_verdict, render_conversation
+import math
+
+from scorer.judge import (
+    EXPECTED_TOP_LOGPROBS,
+    SCHEMAS,
+    Judge,
+    error_reply,
+    judge_routes,
+    level_distribution,
+    load_prompts,
+    parse_verdict,
+    render_conversation,
+)
 
 CONV = [
     ChatMessage("system", "You are a helpful assistant."),
@@ -192,3 +204,79 @@ def test_raw_control_characters_in_strings_are_accepted():
     # The schema grammar lets them into strings (strict JSON does not); the text is still clear.
     r = parse_verdict("extract", '{"document": "Title\x07\n\nBody"}')
     assert r.ok and r.document == "Title\x07\n\nBody"
+
+
+# The reply of an expected-rating judge as a local engine returns it: per generated token its text
+# and the log-probs of the likeliest tokens by text (what the schema's grammar left possible).
+LN = math.log
+
+
+def _expected_tokens():
+    return [
+        ('{"', {'{"': 0.0}),
+        ("understanding", {"understanding": 0.0}),
+        ('":', {'":': 0.0}),
+        ("2", {"2": LN(0.6), "3": LN(0.3), "1": LN(0.1)}),  # E = 2.2
+        (',"', {',"': 0.0}),
+        ("clar", {"clar": 0.0}),
+        ("ification", {"ification": 0.0}),
+        ('":', {'":': 0.0}),
+        ("1", {"1": LN(0.5), " 1": LN(0.25), "0": LN(0.25)}),  # " 1" is level 1 too: E = 0.75
+        (',"', {',"': 0.0}),
+        ("suggestions", {"suggestions": 0.0}),
+        ('":', {'":': 0.0}),
+        ("0", {"0": LN(0.4), "3": LN(0.4), "x": LN(0.2)}),  # "x" is no level: renormalised, E = 1.5
+        (',"rationale":"', {}),
+        ("ok", {}),
+        ('"}', {}),
+    ]
+
+
+def test_level_distribution_reads_each_level_where_it_was_written():
+    dist = level_distribution(_expected_tokens())
+    assert dist["understanding"] == pytest.approx({"0": 0.0, "1": 0.1, "2": 0.6, "3": 0.3})
+    assert dist["clarification"] == pytest.approx({"0": 0.25, "1": 0.75, "2": 0.0, "3": 0.0})
+    assert dist["suggestions"] == pytest.approx({"0": 0.5, "1": 0.0, "2": 0.0, "3": 0.5})
+
+
+def test_level_distribution_refuses_a_value_that_is_not_one_level_token():
+    tokens = _expected_tokens()
+    tokens[3] = ("2.", {"2.": 0.0})
+    with pytest.raises(ValueError, match="single-token levels"):
+        level_distribution(tokens)
+    with pytest.raises(ValueError, match=r"never wrote \['suggestions'\]"):
+        level_distribution(_expected_tokens()[:10])
+    tokens = _expected_tokens()
+    tokens[3] = ("2", {"x": 0.0})
+    with pytest.raises(ValueError, match="no level"):
+        level_distribution(tokens)
+
+
+class TokensBackend(ScriptedBackend):
+    """ScriptedBackend that also answers chat_json_tokens with scripted (text, tokens) pairs."""
+
+    async def chat_json_tokens(self, messages, schema, *, max_tokens, temperature, seed, top_logprobs):
+        self.calls.append(dict(schema=schema, seed=seed, top_logprobs=top_logprobs))
+        out = self.outputs.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+async def test_expected_interactivity_carries_the_distribution_and_its_expected_score():
+    raw = "".join(t for t, _ in _expected_tokens())
+    assert json.loads(raw) == {"understanding": 2, "clarification": 1, "suggestions": 0, "rationale": "ok"}
+    not_a_level = list(_expected_tokens())
+    not_a_level[3] = ("two", {"two": 0.0})
+    backend = TokensBackend([(raw, not_a_level), (raw, _expected_tokens())])
+    judge = Judge(backend, JudgeConfig(max_retries=2))
+    reply = await judge.handle("interactivity_expected", JudgeRequest(op="interactivity_expected", messages=CONV))
+    assert reply.ok and reply.attempts == 2  # the first reply had no level token: retried
+    assert reply.levels == {"understanding": 2, "clarification": 1, "suggestions": 0}  # what it wrote
+    assert set(reply.distribution) == {"understanding", "clarification", "suggestions"}
+    assert reply.score == pytest.approx((2.2 + 0.75 + 1.5) / 9)  # 0.49444, not the written levels' 3/9
+    assert all(c["top_logprobs"] == EXPECTED_TOP_LOGPROBS and c["schema"] is SCHEMAS["interactivity"]
+               for c in backend.calls)
+    # through the wire: the scorer reads the distribution back
+    back = codec.decode("judge.reply", codec.encode(reply))
+    assert back.distribution == reply.distribution

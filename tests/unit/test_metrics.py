@@ -13,6 +13,7 @@ from rewards.metrics import (
     char_bleu,
     INTERACTIVITY_3LEVEL,
     interactivity_from_3level,
+    interactivity_from_distribution,
     interactivity_from_levels,
     token_amount,
 )
@@ -155,3 +156,26 @@ def test_interactivity_3level_passes_the_three_levels():
 def test_interactivity_3level_refuses_other_values(bad):
     with pytest.raises(ValueError, match="must be one of"):
         interactivity_from_3level(bad)
+
+
+def test_interactivity_from_distribution_is_the_mean_expected_level_over_3():
+    dist = {
+        "understanding": {"0": 0.0, "1": 0.5, "2": 0.5, "3": 0.0},  # E = 1.5
+        "clarification": {"0": 0.2, "3": 0.8},  # E = 2.4
+        "suggestions": {"2": 1.0},  # E = 2
+    }
+    assert interactivity_from_distribution(dist) == pytest.approx((1.5 + 2.4 + 2.0) / 9)  # 0.65556
+    # all mass on one level per criterion: the sampled rubric's value
+    assert interactivity_from_distribution({k: {"1": 1.0} for k in dist}) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("dist, match", [
+    ({"understanding": {"1": 1.0}, "clarification": {"1": 1.0}}, "'suggestions' missing"),
+    ({"understanding": {"4": 1.0}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}}, r"levels \['4'\]"),
+    ({"understanding": {"1": 0.7}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}}, "not a distribution"),
+    ({"understanding": {"1": 1.5, "2": -0.5}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}}, "not a distribution"),
+    ({"understanding": {"1": float("nan")}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}}, "not a distribution"),
+])
+def test_interactivity_from_distribution_refuses_what_is_not_one(dist, match):
+    with pytest.raises(ValueError, match=match):
+        interactivity_from_distribution(dist)
