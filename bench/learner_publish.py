@@ -101,6 +101,8 @@ async def gaps(args, work: Path) -> dict:
     out = {}
     try:
         for mode, cls in (("background", Learner), ("inline", Inline)):
+            if mode not in args.modes:
+                continue
             run = f"bench-{mode}"
             await topology.ensure_topology(js, run, bus)
             for s in scored_samples(tok, run, args.steps, 2, args.sample_tokens):
@@ -178,6 +180,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096, help="ledger: tokens per sample")
     p.add_argument("--skip-gaps", action="store_true")
     p.add_argument("--skip-ledger", action="store_true")
+    p.add_argument("--modes", nargs="+", default=["background", "inline"], choices=["background", "inline"])
     p.add_argument("--json", default="")
     args = p.parse_args()
     os.environ.setdefault("PARLEY_LOG", "WARNING")
