@@ -2,7 +2,7 @@
 ledger's bytes per write with the sample log and as a full rewrite (issue 15, items 5 and 7).
 
 Gap: the real `learner.service.Learner` with the real `Trainer` (DeepSpeed, CPU, gloo) on a real
-nats-server, publishing every step on the objstore transport; all scored samples are in SCORED
+nats-server, publishing every step (`--transport objstore` or `shared_dir`); all scored samples are in SCORED
 before it starts, so no step waits for data. The gap is the time from the end of one train_step to
 the start of the next (the driver is timed), once with the Learner as shipped (the step takes a CPU
 copy, the Publisher uploads beside the next step) and once with the publication drained before the
@@ -95,11 +95,14 @@ async def gaps(args, work: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     bus = topology.BusSettings(max_bytes=2 * 1024**3)
     lc = dict(model=str(model_dir), steps=args.steps, groups_per_step=1, max_staleness=args.steps, stale_policy="correct",
-              checkpoint_every=10_000, eval_every=0, micro_batch_tokens=4096, lr=1e-5, ledger_flush_s=0.5)
+              checkpoint_every=10_000, eval_every=0, micro_batch_tokens=4096, lr=1e-5, ledger_flush_s=0.5,
+              transport=args.transport, shared_dir=str(work / "shared") if args.transport == "shared_dir" else "")
     trainer = await asyncio.to_thread(Trainer, LearnerConfig(**lc), model_dir)
     out = {}
     try:
         for mode, cls in (("background", Learner), ("inline", Inline)):
+            if mode not in args.modes:
+                continue
             run = f"bench-{mode}"
             await topology.ensure_topology(js, run, bus)
             for s in scored_samples(tok, run, args.steps, 2, args.sample_tokens):
@@ -170,17 +173,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smol")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--transport", default="objstore", choices=["objstore", "shared_dir"])
     p.add_argument("--sample-tokens", type=int, default=128, help="tokens per trained sample in the gap runs")
     p.add_argument("--groups", type=int, default=160, help="ledger: buffered groups at the last write")
     p.add_argument("--n", type=int, default=8, help="ledger: samples per group")
     p.add_argument("--tokens", type=int, default=4096, help="ledger: tokens per sample")
     p.add_argument("--skip-gaps", action="store_true")
+    p.add_argument("--skip-ledger", action="store_true")
+    p.add_argument("--modes", nargs="+", default=["background", "inline"], choices=["background", "inline"])
     p.add_argument("--json", default="")
     args = p.parse_args()
     os.environ.setdefault("PARLEY_LOG", "WARNING")
     with tempfile.TemporaryDirectory(prefix="parley-bench-pub-") as tmp:
         work = Path(tmp)
-        result = {"args": vars(args), "load_before": os.getloadavg(), "ledger": ledger_bytes(args, work)}
+        result = {"args": vars(args), "load_before": os.getloadavg()}
+        if not args.skip_ledger:
+            result["ledger"] = ledger_bytes(args, work)
         if not args.skip_gaps:
             result["gaps"] = asyncio.run(gaps(args, work))
         result["load_after"] = os.getloadavg()

@@ -53,6 +53,11 @@ class StandInActor:
         self.seen: dict[int, object] = {}
         self.answered: set[int] = set()
         self.queue: asyncio.Queue = asyncio.Queue()
+        # One task answered at a time, and release() answers every held task before any later one:
+        # otherwise a task issued after the resume could complete before a released one (both
+        # publishing at once), change which groups step 4 trains, and fail the comparison for
+        # reasons of this double, not of the learner.
+        self.lock = asyncio.Lock()
 
     async def start(self):
         async def on_task(msg):
@@ -68,8 +73,9 @@ class StandInActor:
             task = await self.queue.get()
             index = int(task.task_id.rsplit("-g", 1)[1])
             self.seen[index] = task
-            if self.hold_from is None or index < self.hold_from:
-                await self.answer(index)
+            async with self.lock:
+                if self.hold_from is None or index < self.hold_from:
+                    await self.answer(index)
 
     async def answer(self, index: int):
         if index in self.answered:
@@ -86,9 +92,10 @@ class StandInActor:
             await publish(self.js, self.run, "scored", s)
 
     async def release(self):
-        self.hold_from = None
-        for index in sorted(self.seen):
-            await self.answer(index)
+        async with self.lock:
+            self.hold_from = None
+            for index in sorted(self.seen):
+                await self.answer(index)
 
     def check(self) -> bool:
         """False while answering; re-raises what stopped it (a test bug, not a learner one)."""
