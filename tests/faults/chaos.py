@@ -25,8 +25,6 @@ from protocol import codec, topology
 from protocol.messages import Heartbeat
 
 REPO = Path(__file__).resolve().parents[2]
-# What the learner records for a task it finished without training it (learner.groups.Outcome.kind).
-DROP_KINDS = ("timeout", "stale", "zero_advantage", "dead", "deadline")
 READY = ("ready", "busy")
 
 
@@ -415,9 +413,13 @@ class Ledger:
     tasks: int = 0
     samples: int = 0
     trained: int = 0
-    dropped: Counter = field(default_factory=Counter)  # kind -> samples (timeout, stale, zero_advantage)
-    dead: Counter = field(default_factory=Counter)  # channel -> samples dead-lettered
+    dropped: Counter = field(default_factory=Counter)  # kind -> samples the learner gave up (timeout, dead, ...)
+    dead: Counter = field(default_factory=Counter)  # channel -> samples dead-lettered after the learner's last read
     pending: Counter = field(default_factory=Counter)  # where a sample waits at shutdown -> samples
+    fates: Counter = field(default_factory=Counter)  # per issued task: trained | dropped | dead | waiting | lost
+    dead_reasons: Counter = field(default_factory=Counter)  # every dead letter of the run, by reason_kind
+    poison: dict[str, str] = field(default_factory=dict)  # poison label -> the reason it was dead-lettered with
+    poison_missing: list[str] = field(default_factory=list)  # poison published but not found in DEAD
     lost: list[str] = field(default_factory=list)
     trained_twice: list[str] = field(default_factory=list)
     inconsistent: list[str] = field(default_factory=list)
@@ -428,22 +430,44 @@ class Ledger:
         return {
             "tasks": self.tasks, "samples": self.samples, "steps": self.steps, "trained": self.trained,
             "dropped": dict(self.dropped), "dead_lettered": dict(self.dead), "pending": dict(self.pending),
+            "task_fates": dict(self.fates), "dead_letters_by_reason": dict(self.dead_reasons),
+            "poison": dict(self.poison), "poison_missing": list(self.poison_missing),
             "lost": len(self.lost), "trained_twice": len(self.trained_twice), "inconsistent": len(self.inconsistent),
         }
 
 
-def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[str],
-           unacked_ids: dict[str, set[str]]) -> Ledger:
-    """Account for every (task, sample) the feeder published.
+def reason_kind(reason: str) -> str:
+    """A dead letter's reason without the ids and numbers that differ per message, for counting:
+    "task chaos-g000003: n=1025 exceeds 1024 (...)" -> "n=N exceeds N"."""
+    text = re.sub(r"^(task|sample) \S+: ", "", reason)
+    text = re.split(r" \(|; |: ", text, maxsplit=1)[0]
+    return re.sub(r"\d+(\.\d+)?", "N", text)[:80]
 
-    tasks: Task messages in TASKS; dead: DeadLetters of the run; lines: trained.jsonl; state: the
-    learner's final ledger (LearnerState); buffered_ids: traj ids held in state.groups;
-    unacked_ids: channel -> ids its durable still owes ("tasks": task ids, "traj"/"scored": traj ids).
+
+def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[str],
+           unacked_ids: dict[str, set[str]], poison: dict[str, bytes] | None = None) -> Ledger:
+    """Account for every (task, sample) the feeder published, and for every poison message.
+
+    tasks: Task messages in TASKS (None for one that does not decode); dead: the run's DEAD stream
+    as (stream sequence, DeadLetter or None) pairs; lines: trained.jsonl; state: the learner's
+    final ledger (LearnerState); buffered_ids: traj ids held in state.groups; unacked_ids: channel
+    -> ids its durable still owes ("tasks": task ids, "traj"/"scored": traj ids); poison: label ->
+    the exact payload published straight to TASKS that no actor may play (it must be in DEAD).
+
+    Each issued task ends trained, dropped by the learner with a recorded reason, dead-lettered
+    after the learner's last read of DEAD, or waiting; a sample with no such place is lost.
     """
+    poison = poison or {}
     led = Ledger(steps=len(lines))
+    poison_ids = set()
+    for payload in poison.values():
+        try:
+            poison_ids.add(codec.decode("tasks", payload).task_id)
+        except Exception:  # noqa: BLE001 - the undecodable one names no task
+            pass
     n_of: dict[str, int] = {}
     for t in tasks:
-        if t is not None:
+        if t is not None and t.task_id not in poison_ids:
             n_of.setdefault(t.task_id, t.n)
     led.tasks, led.samples = len(n_of), sum(n_of.values())
 
@@ -454,38 +478,62 @@ def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[
     if steps != list(range(1, len(steps) + 1)) or (state is not None and state.step != len(steps)):
         led.inconsistent.append(f"trained.jsonl steps {steps} vs ledger step {state.step if state else None}")
 
+    done = dict(state.done) if state is not None else {}
+    in_flight = set(state.in_flight) if state is not None else set()
+    read_up_to = state.dead_seq if state is not None else 1  # the learner has applied letters before this
     dead_tasks: dict[str, str] = {}
     dead_trajs: dict[str, tuple[str, str]] = {}
-    for dl in dead:
+    by_payload = {payload: label for label, payload in poison.items()}
+    for seq, dl in dead:
+        if dl is None:
+            led.inconsistent.append(f"DEAD holds an undecodable letter at sequence {seq}")
+            continue
+        led.dead_reasons[reason_kind(dl.reason)] += 1
         key = dl.subject.rsplit(".", 1)[-1]
+        if key == "tasks" and dl.payload in by_payload:
+            led.poison[by_payload[dl.payload]] = dl.reason
+            continue
         try:
             msg = codec.decode(key, dl.payload)
         except Exception:  # noqa: BLE001 - junk nobody published on purpose here
             led.inconsistent.append(f"unattributable dead letter on {dl.subject}: {dl.reason[:100]}")
             continue
         if key == "tasks":
-            dead_tasks[msg.task_id] = dl.reason
+            task, sample = msg.task_id, None
+            dead_tasks[task] = dl.reason
         else:
+            task, sample = msg.task_id, msg.sample
             dead_trajs[msg.traj_id] = (key, dl.reason)
+        # A letter the learner has read (before its dead_seq) about a task it issued must have freed
+        # the task's slot, unless a complete group (or the dead sample itself) was buffered anyway.
+        if task in n_of and seq < read_up_to and task in in_flight and task not in done:
+            held = {tid for tid in buffered_ids if tid.rsplit("/", 1)[0] == task}
+            complete = len(held) == n_of[task]
+            if not complete and (sample is None or f"{task}/{sample}" not in held):
+                led.inconsistent.append(f"the learner read dead letter {seq} ({key}: {dl.reason[:80]}) but still "
+                                        f"holds task {task} in flight")
+    led.poison_missing = sorted(label for label in poison if label not in led.poison)
 
-    done = dict(state.done) if state is not None else {}
     for task, n in sorted(n_of.items()):
+        if task not in done and task not in in_flight and state is not None:
+            led.inconsistent.append(f"task {task} is in TASKS but the learner's ledger neither issued nor finished it")
+        kind = done.get(task)
+        if kind not in (None, "trained"):
+            reason = not_trained.get(task) or (state.reasons.get(task) if state is not None else None)
+            if reason:
+                led.reasons[task] = reason
+            else:
+                led.inconsistent.append(f"task {task} dropped as {kind!r} without a recorded reason")
+        lost_before, dead_before = len(led.lost), sum(led.dead.values())
         for sample in range(n):
             tid = f"{task}/{sample}"
             if count[tid] >= 1:
                 led.trained += 1
-                if done.get(task) != "trained":
-                    led.inconsistent.append(f"{tid} is in trained.jsonl but the ledger says {done.get(task)!r}")
-            elif done.get(task) in DROP_KINDS:
-                led.dropped[done[task]] += 1
-                led.reasons[task] = not_trained.get(task) or state.reasons.get(task) or \
-                    f"{done[task]} (recorded in the learner's ledger)"
-            elif task in dead_tasks:
-                led.dead["tasks"] += 1
-                led.reasons[task] = dead_tasks[task]
-            elif tid in dead_trajs:
-                led.dead[dead_trajs[tid][0]] += 1
-                led.reasons[tid] = dead_trajs[tid][1]
+                if kind != "trained":
+                    led.inconsistent.append(f"{tid} is in trained.jsonl but the ledger says {kind!r}")
+            elif kind not in (None, "trained"):
+                led.dropped[kind] += 1
+            # waiting first: a sample stored before its Task (or another copy of it) was dead-lettered still trains
             elif tid in buffered_ids:
                 led.pending["learner buffer (acked, in the ledger)"] += 1
             elif tid in unacked_ids.get("scored", set()):
@@ -494,9 +542,21 @@ def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[
                 led.pending["TRAJ, unacked by the scorer"] += 1
             elif task in unacked_ids.get("tasks", set()):
                 led.pending["TASKS, unacked by the actors"] += 1
+            elif task in dead_tasks:
+                led.dead["tasks"] += 1
+                led.reasons[task] = dead_tasks[task]
+            elif tid in dead_trajs:
+                led.dead[dead_trajs[tid][0]] += 1
+                led.reasons[tid] = dead_trajs[tid][1]
             else:
-                where = "trained" if done.get(task) == "trained" else done.get(task, "unknown to the learner")
+                where = "trained" if kind == "trained" else kind or "unknown to the learner"
                 led.lost.append(f"{tid} (task {where})")
+        if len(led.lost) > lost_before:
+            led.fates["lost"] += 1
+        elif kind is not None:
+            led.fates["trained" if kind == "trained" else "dropped"] += 1
+        else:
+            led.fates["dead" if sum(led.dead.values()) > dead_before else "waiting"] += 1
     phantom = sorted(tid for tid in count if tid.rsplit("/", 1)[0] not in n_of)
     led.inconsistent += [f"{tid} trained but its task was never published" for tid in phantom]
     return led
