@@ -7,6 +7,7 @@ tests/faults/test_chaos.py; what it proves and the figures are in docs/reliabili
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -18,6 +19,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from deploy.natsserver import NatsServer, free_port
 from learner.checkpoint import read_state
@@ -42,7 +45,8 @@ class Role:
     kills: int = 0
     crashes: list[str] = field(default_factory=list)  # exits we did not cause: "code N: last log line"
     stalled: bool = False
-    held_down: bool = False  # kept down on purpose (the judge outage)
+    held_down: bool = False  # kept down on purpose (an outage, or stopped)
+    finished: bool = False  # exited 0 on its own after its work (the learner at its last step)
 
     @property
     def alive(self) -> bool:
@@ -121,17 +125,23 @@ class Cluster:
             return -9
 
     def reap(self) -> list[str]:
-        """Restart roles that exited on their own (a supervisor would); returns what crashed."""
-        crashed = []
+        """Restart roles that exited on their own (a supervisor would), except a learner that
+        exited 0 (it trained its last step); returns what happened, one line each."""
+        said = []
         for r in self.roles.values():
-            if r.proc is not None and not r.held_down and r.proc.poll() is not None:
-                r.crashes.append(f"code {r.proc.returncode}: {last_error(r.log)}")
-                crashed.append(f"{r.name} exited with {r.proc.returncode}")
-                self.restart(r.name)
+            if r.proc is None or r.held_down or r.proc.poll() is None:
+                continue
+            if r.kind == "learner" and r.proc.returncode == 0:
+                r.finished = r.held_down = True
+                said.append(f"{r.name} exited 0 on its own (its last step); not restarted")
+                continue
+            r.crashes.append(f"code {r.proc.returncode}: {last_error(r.log)}")
+            said.append(f"CRASH {r.name} exited with {r.proc.returncode}; restarted")
+            self.restart(r.name)
         if self.server.proc is not None and self.server.proc.poll() is not None:
             self.server.start()
-            crashed.append("nats-server exited")
-        return crashed
+            said.append("CRASH nats-server exited; restarted")
+        return said
 
     def stop_all(self) -> None:
         for name in self.roles:
@@ -195,26 +205,37 @@ def _signal_group(proc: subprocess.Popen | None, sig: int) -> None:
 
 VICTIMS = ["actor-0", "actor-1", "scorer", "learner", "sim", "judge", "nats"]
 ENGINE_ROLES = {"actor-0", "actor-1", "sim", "judge"}  # a restart costs a vLLM start-up (~40-200 s here)
+ACTORS = ("actor-0", "actor-1")
+# Killed at least once between the judge outage and the simulator outage (the sim's kill is its outage).
+KILL_PHASE = ("actor-0", "actor-1", "scorer", "learner", "nats")
 
 
 @dataclass
 class Schedule:
-    """When what happens, in seconds from the start of the chaos.
+    """When what happens, in seconds from the start of the chaos. In order:
 
-    The stalled actor comes first, with no kill meanwhile, so its task visibly moves to actor-1;
-    then the judge is down for a minute while every engine role is spared (trajectories keep
-    coming and the scorer must hold them); then a role is killed every `kill_every_s`; in the last
-    `cool_down_s` only roles without an engine, so the run is whole again soon after.
+    1. the stalled actor, with no kill meanwhile, so its task visibly moves to actor-1;
+    2. the judge down `judge_outage_s` while every engine role is spared (trajectories keep coming
+       and the scorer must hold them);
+    3. a kill every `kill_every_s` among the actors, the scorer, the learner and nats-server, until
+       each of them was killed once;
+    4. the simulator SIGKILLed and held down `sim_outage_s` once an actor holds conversations (or
+       after `sim_outage_wait_s`): the actors and the simulator are spared, the judge too in its last
+       `cool_down_s`; the scorer, the learner, nats-server (and the judge) are killed every
+       `outage_kill_every_s`;
+    5. after it, roles without an engine only, until `min_kills` + 2 kills (or `max_s`).
     """
 
     ack_wait_s: float
     stall_at_s: float = 5.0
-    outage_s: float = 60.0
+    judge_outage_s: float = 45.0
+    sim_outage_s: float = 300.0
+    sim_outage_wait_s: float = 120.0
     min_kills: int = 20
-    min_s: float = 300.0  # the chaos runs until min_kills + 2 kills and min_s (or max_s)
-    max_s: float = 420.0
-    cool_down_s: float = 45.0
+    max_s: float = 720.0
+    cool_down_s: float = 60.0
     kill_every_s: tuple[float, float] = (10.0, 15.0)
+    outage_kill_every_s: tuple[float, float] = (15.0, 20.0)
 
     @property
     def stall_s(self) -> float:
@@ -234,39 +255,63 @@ async def retrying(call, what: str, attempts: int = 60):
 
 
 class Chaos:
-    """Runs the Schedule on a Cluster: SIGSTOP/SIGCONT, the judge outage, the seeded kills."""
+    """Runs the Schedule on a Cluster: SIGSTOP/SIGCONT, the judge and simulator outages, the seeded kills."""
 
     def __init__(self, cluster: Cluster, js, rng: random.Random, schedule: Schedule):
         self.cluster, self.js, self.rng, self.s = cluster, js, rng, schedule
         self.stall: dict = {"state": "pending"}
-        self.outage: dict = {"state": "pending"}
+        self.outage: dict = {"state": "pending"}  # the judge's
+        self.sim: dict = {"state": "pending"}
         self.kills = 0
+        self.by_phase: Counter[str] = Counter()
+        self.phases: dict[str, float] = {}  # phase boundary -> seconds from the start of the chaos
+        self.load: dict[str, float] = {}  # phase boundary -> 1-minute load average
         self.bag: list[str] = []
-        self.t0 = self.next_kill = 0.0
+        self.t0 = self.next_kill = self.last_poll = 0.0
 
     def note(self, text: str) -> None:
         self.cluster.note(self.t0, text)
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = round(time.time() - self.t0, 1)
+        self.load[phase] = os.getloadavg()[0]  # the machine is shared: how busy it was then
+
+    @property
+    def phase(self) -> str:
+        if self.stall["state"] in ("pending", "stalled"):
+            return "stall"
+        if self.outage["state"] in ("pending", "down"):
+            return "judge outage"
+        if self.sim["state"] == "pending":
+            return "kills"
+        return "sim outage" if self.sim["state"] == "down" else "after"
 
     async def run(self) -> None:
         self.t0 = time.time()
         self.next_kill = self.t0 + self.rng.uniform(*self.s.kill_every_s)
         while True:
             now = time.time()
-            for crash in self.cluster.reap():
-                self.note(f"CRASH {crash}; restarted")
+            for text in self.cluster.reap():
+                self.note(text)
             el = now - self.t0
-            done = self.kills >= self.s.min_kills + 2 and el >= self.s.min_s or el >= self.s.max_s
-            if done and self.stall["state"] != "stalled" and self.outage["state"] != "down":
+            done = self.sim["state"] == "done" and self.kills >= self.s.min_kills + 2 or el >= self.s.max_s
+            if done and self.stall["state"] != "stalled" and "down" not in (self.outage["state"], self.sim["state"]):
+                self.mark("end")
                 return
             await self._stall(now, el)
             await self._outage(now)
-            if not done and now >= self.next_kill and self.stall["state"] not in ("pending", "stalled"):
-                await self._kill(el)
+            await self._sim_outage(now)
+            if not done and now >= self.next_kill and self.phase != "stall":
+                await self._kill(now)
             await asyncio.sleep(0.5)
 
     async def _stored(self, key: str) -> int:
         stream = topology.stream_name(self.cluster.run, key)
         return (await retrying(lambda: self.js.stream_info(stream), "stream info")).state.messages
+
+    async def _consumer(self, key: str):
+        stream = topology.stream_name(self.cluster.run, key)
+        return await retrying(lambda: self.js.consumer_info(stream, topology.CHANNELS[key].durable), "consumer info")
 
     async def _stall(self, now: float, el: float) -> None:
         # SIGSTOP actor-0 while it holds work, SIGCONT after 3 x ack_wait; meanwhile the TASKS
@@ -282,8 +327,7 @@ class Chaos:
                 st["state"] = "skipped: actor-0 held no work for 2 minutes"
                 self.note(st["state"])
         elif st["state"] == "stalled":
-            stream = topology.stream_name(c.run, "tasks")
-            info = await retrying(lambda: self.js.consumer_info(stream, "actor"), "consumer info")
+            info = await self._consumer("tasks")
             st["max_redelivered"] = max(st["max_redelivered"], info.num_redelivered)
             # On a loaded machine actor-1 may take a while to pull: keep actor-0 stopped until a
             # redelivery was seen (at most 4 x stall_s).
@@ -292,63 +336,135 @@ class Chaos:
                 st["state"] = "done"
                 c.resume("actor-0")
                 st["stalled_s"] = round(waited, 1)
+                self.mark("stall over")
                 self.note(f"SIGCONT actor-0 after {waited:.0f}s; TASKS messages redelivered meanwhile: "
                           f"{st['max_redelivered']}")
 
     async def _outage(self, now: float) -> None:
-        # The judge down for a minute, right after the stall, while the actors and the simulator are spared.
+        # The judge down right after the stall, while the actors and the simulator are spared.
         c, out = self.cluster, self.outage
         if out["state"] == "pending" and self.stall["state"] not in ("pending", "stalled"):
             out.update(state="down", since=now, traj_before=await self._stored("traj"),
                        scored_before=await self._stored("scored"), scorer_judge_waits=0)
-            c.kill("judge")
-            c.roles["judge"].held_down = True
-            self.kills += 1
-            self.note(f"kill #{self.kills}: judge, kept down {self.s.outage_s:.0f}s")
+            self._hold_down("judge")
+            self.note(f"kill #{self.kills}: judge, kept down {self.s.judge_outage_s:.0f}s")
         elif out["state"] == "down":
             hb = c.beat("scorer")
             out["scorer_judge_waits"] = max(out["scorer_judge_waits"], hb.counters.get("judge_wait", 0) if hb else 0)
-            if now - out["since"] >= self.s.outage_s:
+            if now - out["since"] >= self.s.judge_outage_s:
                 traj, scored = await self._stored("traj"), await self._stored("scored")
                 out.update(state="done", traj_during=traj - out.pop("traj_before"),
                            scored_during=scored - out.pop("scored_before"), unscored_at_restart=traj - scored)
                 out.pop("since")
-                c.roles["judge"].held_down = False
-                c.restart("judge")
-                self.note(f"judge restarted after {self.s.outage_s:.0f}s; meanwhile {out['traj_during']} trajectories "
-                          f"stored, {out['scored_during']} scored, {traj - scored} waiting to be scored; scorer "
-                          f"judge_wait retries: {out['scorer_judge_waits']:.0f}")
+                self._bring_back("judge")
+                self.mark("judge back")
+                self.note(f"judge restarted after {self.s.judge_outage_s:.0f}s; meanwhile {out['traj_during']} "
+                          f"trajectories stored, {out['scored_during']} scored, {traj - scored} waiting to be scored; "
+                          f"scorer judge_wait retries: {out['scorer_judge_waits']:.0f}")
 
-    async def _kill(self, el: float) -> None:
+    def _actor_counter(self, name: str) -> dict[str, float]:
+        return {a: (hb.counters.get(name, 0.0) if (hb := self.cluster.beat(a)) else 0.0) for a in ACTORS}
+
+    async def _sim_outage(self, now: float) -> None:
+        # The simulator down for minutes while the actors hold their conversations: they must wait
+        # it out (in_progress, no delivery spent, nothing dead-lettered), then finish them.
+        c, out = self.cluster, self.sim
+        if out["state"] == "pending":
+            if self.phase != "kills" or any(self._kills_of(v) == 0 and not (v in c.roles and c.roles[v].finished)
+                                            for v in KILL_PHASE):
+                return
+            out.setdefault("ready_since", now)
+            holding = self._actor_counter("in_flight")
+            if not c.is_up("sim") or (sum(holding.values()) == 0 and now - out["ready_since"] < self.s.sim_outage_wait_s):
+                return
+            tasks = await self._consumer("tasks")
+            out.update(state="down", since=now, conversations_held=holding, tasks_ack_pending=tasks.num_ack_pending,
+                       redelivered_before=tasks.num_redelivered, max_redelivered=tasks.num_redelivered,
+                       dead_before=await self._stored("dead"), traj_before=await self._stored("traj"),
+                       sim_waits_before=self._actor_counter("sim_waits"), tasks_done_before=self._actor_counter("tasks"))
+            out.pop("ready_since")
+            self.mark("sim down")
+            self._hold_down("sim")
+            self.note(f"kill #{self.kills}: sim, kept down {self.s.sim_outage_s:.0f}s; actors hold {holding} "
+                      f"conversations, {tasks.num_ack_pending} tasks unacked")
+        elif out["state"] == "down":
+            if now - self.last_poll >= 5.0:
+                self.last_poll = now
+                out["max_redelivered"] = max(out["max_redelivered"], (await self._consumer("tasks")).num_redelivered)
+            if now - out["since"] >= self.s.sim_outage_s:
+                waits, finished = self._actor_counter("sim_waits"), self._actor_counter("tasks")
+                out.update(state="done", down_s=round(now - out.pop("since"), 1),
+                           sim_waits={a: waits[a] - out["sim_waits_before"][a] for a in ACTORS},
+                           tasks_finished_during={a: finished[a] - out["tasks_done_before"][a] for a in ACTORS},
+                           traj_during=await self._stored("traj") - out.pop("traj_before"),
+                           dead_during=await self._stored("dead") - out.pop("dead_before"))
+                del out["sim_waits_before"], out["tasks_done_before"]
+                self._bring_back("sim")
+                hb = c.beat("learner")
+                out["learner_step_at_end"] = hb.version if hb else None
+                self.mark("sim back")
+                self.note(f"sim restarted after {out['down_s']:.0f}s; actors' sim_waits meanwhile {out['sim_waits']}, "
+                          f"tasks finished {out['tasks_finished_during']}, trajectories stored {out['traj_during']}, "
+                          f"dead letters {out['dead_during']}, TASKS redelivered (most at once) {out['max_redelivered']}")
+
+    def _hold_down(self, name: str) -> None:
+        self.cluster.kill(name)
+        self.cluster.roles[name].held_down = True
+        self.kills += 1
+        self.by_phase[self.phase] += 1
+
+    def _bring_back(self, name: str) -> None:
+        self.cluster.roles[name].held_down = False
+        self.cluster.restart(name)
+
+    def _kills_of(self, victim: str) -> int:
+        return self.cluster.nats_kills if victim == "nats" else self.cluster.roles[victim].kills
+
+    def _spared(self, now: float) -> set[str]:
+        phase = self.phase
+        if phase == "kills":
+            return {"sim", "judge"}  # the sim's kill is its outage; the judge just had one
+        if phase == "sim outage":
+            late = now - self.sim["since"] >= self.s.sim_outage_s - self.s.cool_down_s
+            return {*ACTORS, "sim", *(["judge"] if late else [])}
+        if phase in ("judge outage", "after"):
+            return ENGINE_ROLES
+        return set()
+
+    async def _kill(self, now: float) -> None:
         c = self.cluster
-        spared = ENGINE_ROLES if self.outage["state"] == "down" or el >= self.s.min_s - self.s.cool_down_s else set()
+        spared = self._spared(now)
         eligible = [v for v in VICTIMS if v not in spared and c.is_up(v)]
         if not self.bag:
             self.bag = seeded_bag(self.rng, VICTIMS)
         # the bag takes every role in turn; when none of its remaining roles may go now, the least killed goes
         victim = next((v for v in self.bag if v in eligible), None)
         if victim is None and eligible:
-            victim = min(eligible, key=lambda v: (c.nats_kills if v == "nats" else c.roles[v].kills, self.rng.random()))
+            victim = min(eligible, key=lambda v: (self._kills_of(v), self.rng.random()))
         if victim is None:
             return
         if victim in self.bag:
             self.bag.remove(victim)
+        phase = self.phase
         c.kill(victim)
         self.kills += 1
+        self.by_phase[phase] += 1
         if victim == "nats":
             await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # a moment with no server at all
             c.server.start()
-            self.note(f"kill #{self.kills}: nats-server (restarted on the same store and port)")
+            self.note(f"kill #{self.kills} ({phase}): nats-server (restarted on the same store and port)")
         else:
             c.restart(victim)
-            self.note(f"kill #{self.kills}: {victim} (restarted)")
-        self.next_kill = time.time() + self.rng.uniform(*self.s.kill_every_s)
+            self.note(f"kill #{self.kills} ({phase}): {victim} (restarted)")
+        every = self.s.outage_kill_every_s if phase == "sim outage" else self.s.kill_every_s
+        self.next_kill = time.time() + self.rng.uniform(*every)
 
     def summary(self) -> dict:
         kills = {name: r.kills for name, r in self.cluster.roles.items()} | {"nats": self.cluster.nats_kills}
         stall = {k: v for k, v in self.stall.items() if k != "since"}
         return {"chaos_s": round(time.time() - self.t0, 1), "kills": kills, "kills_total": sum(kills.values()),
-                "stall": stall, "judge_outage": dict(self.outage)}
+                "kills_by_phase": dict(self.by_phase), "phases_s": dict(self.phases), "load_average": dict(self.load), "stall": stall,
+                "judge_outage": dict(self.outage), "sim_outage": dict(self.sim)}
 
 
 # -- reading the run back -----------------------------------------------------------------------
@@ -388,7 +504,10 @@ async def unacked(js, run: str, key: str, settle_s: float) -> list:
         while True:
             try:
                 for m in await sub.fetch(64, timeout=1.0):
-                    got[m.metadata.sequence.stream] = codec.decode(key, m.data)
+                    try:
+                        got[m.metadata.sequence.stream] = codec.decode(key, m.data)
+                    except (msgspec.DecodeError, msgspec.ValidationError):  # unplayable junk still owed
+                        got[m.metadata.sequence.stream] = None
             except (asyncio.TimeoutError, nats.errors.TimeoutError):
                 info = await js.consumer_info(stream, durable)
                 if info.num_pending == 0 and info.num_ack_pending <= len(got) or time.monotonic() > deadline:
@@ -396,6 +515,15 @@ async def unacked(js, run: str, key: str, settle_s: float) -> list:
     finally:
         await sub.unsubscribe()
     return list(got.values())
+
+
+async def publish_poison(js, run: str, poison: dict[str, bytes]) -> None:
+    """Publish each payload straight to the run's TASKS subject, as a hostile or broken producer
+    would (no feeder, no codec check); a Msg-Id per label, so a retried publish is stored once."""
+    subject = topology.subject(run, "tasks")
+    for label, payload in poison.items():
+        await retrying(lambda p=payload, i=f"poison:{label}": js.publish(subject, p, headers={"Nats-Msg-Id": i}),
+                       f"publishing poison {label!r}")
 
 
 def trained_lines(run_dir: Path) -> list[dict]:
@@ -461,10 +589,8 @@ def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[
     led = Ledger(steps=len(lines))
     poison_ids = set()
     for payload in poison.values():
-        try:
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):  # the undecodable one names no task
             poison_ids.add(codec.decode("tasks", payload).task_id)
-        except Exception:  # noqa: BLE001 - the undecodable one names no task
-            pass
     n_of: dict[str, int] = {}
     for t in tasks:
         if t is not None and t.task_id not in poison_ids:
