@@ -40,7 +40,7 @@ from tests.faults.chaos import (
     unacked,
 )
 
-pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.integration, pytest.mark.e2e, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.integration, pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 RUN = "chaos"
 SEED = int(os.environ.get("PARLEY_FAULTS_SEED", "8"))
@@ -110,7 +110,9 @@ async def wait_until(pred, what: str, timeout: float, cluster: Cluster, t0: floa
         for text in cluster.reap():
             cluster.note(t0, text)
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n" + "\n".join(cluster.events[-20:]))
+            not_up = [n for n in cluster.roles if not cluster.is_up(n)]
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (not ready: {not_up})\n"
+                        + "\n".join(cluster.events[-20:]))
         await asyncio.sleep(0.5)
 
 
@@ -136,7 +138,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         await nc.flush()
         for name in cluster.roles:
             cluster.start(name)
-        await wait_until(lambda: all(cluster.is_up(n) for n in cluster.roles), "every role to be ready", 300, cluster,
+        await wait_until(lambda: all(cluster.is_up(n) for n in cluster.roles), "every role to be ready", 600, cluster,
                          t_begin)
         stats["startup_s"] = round(time.time() - t_begin, 1)
         cluster.note(t_begin, f"all roles ready after {stats['startup_s']}s")
@@ -153,10 +155,10 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
 
         # ---- wind down: every role back, the learner to its last step, then the rest drain ------
         await wait_until(lambda: all(cluster.is_up(n) for n in cluster.roles if not cluster.roles[n].finished),
-                         "every role to be ready after the chaos", 360, cluster, t0)
+                         "every role to be ready after the chaos", 600, cluster, t0)
         phases["all ready"] = round(time.time() - t0, 1)
         cluster.note(t0, "chaos over; all roles ready")
-        await wait_until(lambda: learner.finished, f"the learner to stop at its last step ({STEPS})", 480, cluster, t0)
+        await wait_until(lambda: learner.finished, f"the learner to stop at its last step ({STEPS})", 600, cluster, t0)
         phases["learner at its last step"] = round(time.time() - t0, 1)
         cluster.note(t0, "the learner exited 0 after its last step; draining the actors and the scorer")
 
