@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,6 +29,11 @@ from protocol import codec, topology
 from protocol.messages import Heartbeat
 
 REPO = Path(__file__).resolve().parents[2]
+# DeepSpeed builds its CPU comm op (deepspeed_shm_comm) on first use into TORCH_EXTENSIONS_DIR. The
+# default, ~/.cache/torch_extensions, is shared by every checkout on the machine and rebuilt by each
+# one whose venv path differs (minutes on 2 loaded cores, under a lock: every other learner waits,
+# forever if the builder dies). The suite's roles keep their own, built once and reused by later runs.
+TORCH_EXTENSIONS = Path(tempfile.gettempdir()) / "parley-faults-torch-extensions"
 READY = ("ready", "busy")
 
 
@@ -82,7 +88,8 @@ class Cluster:
             out.write(banner.encode())
             out.flush()
             r.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env={**os.environ, "PARLEY_LOG": "INFO", "PYTHONUNBUFFERED": "1"},
+                                      env={**os.environ, "PARLEY_LOG": "INFO", "PYTHONUNBUFFERED": "1",
+                                           "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)},
                                       start_new_session=True)
         r.started, r.starts = time.time(), r.starts + 1
 
@@ -179,6 +186,16 @@ class Cluster:
 
 
 _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unreachable)\b.*$", re.M)
+
+
+def build_deepspeed_ops() -> float:
+    """Build (or find built) DeepSpeed's CPU comm op in TORCH_EXTENSIONS before any role starts, so no
+    learner start waits on a compile; returns the seconds it took."""
+    t0 = time.time()
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=1200,
+                   env={**os.environ, "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)})
+    return time.time() - t0
 
 
 def last_error(log: Path) -> str:

@@ -29,6 +29,7 @@ from tests.faults.chaos import (
     Chaos,
     Cluster,
     Schedule,
+    build_deepspeed_ops,
     load_final_state,
     nats_outage_at_start,
     publish_poison,
@@ -120,11 +121,12 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
     root = tmp_path_factory.mktemp("chaos")
     cluster = cluster_for(root, str(tiny_model))
     rng = random.Random(SEED)
+    stats: dict = {"seed": SEED, "steps_asked": STEPS, "load_average_at_start": os.getloadavg()}
+    stats["deepspeed_op_build_s"] = round(build_deepspeed_ops(), 1)  # before the clock: no role waits on it
     t_begin = time.time()
     cluster.url = cluster.server.start()
     nc = await connect(cluster.url, name="chaos-observer")
     js = nc.jetstream()
-    stats: dict = {"seed": SEED, "steps_asked": STEPS, "load_average_at_start": os.getloadavg()}
     learner = cluster.roles["learner"]
     poison = poison_tasks()
     try:
