@@ -221,9 +221,9 @@ def _signal_group(proc: subprocess.Popen | None, sig: int) -> None:
 # -- the faults ----------------------------------------------------------------------------------
 
 VICTIMS = ["actor-0", "actor-1", "scorer", "learner", "sim", "judge", "nats"]
-ENGINE_ROLES = {"actor-0", "actor-1", "sim", "judge"}  # a restart costs a vLLM start-up (~40-200 s here)
+ENGINE_ROLES = {"actor-0", "actor-1", "sim", "judge"}  # a restart costs a vLLM start-up (~40-250 s here)
 ACTORS = ("actor-0", "actor-1")
-# Killed at least once between the judge outage and the simulator outage (the sim's kill is its outage).
+# Killed at least once in the last phase (the sim's and the judge's kills are their outages).
 KILL_PHASE = ("actor-0", "actor-1", "scorer", "learner", "nats")
 
 
@@ -232,15 +232,15 @@ class Schedule:
     """When what happens, in seconds from the start of the chaos. In order:
 
     1. the stalled actor, with no kill meanwhile, so its task visibly moves to actor-1;
-    2. the judge down `judge_outage_s` while every engine role is spared (trajectories keep coming
-       and the scorer must hold them);
-    3. a kill every `kill_every_s` among the actors, the scorer, the learner and nats-server, until
-       each of them was killed once;
-    4. the simulator SIGKILLed and held down `sim_outage_s` once an actor holds conversations (or
-       after `sim_outage_wait_s`): the actors and the simulator are spared, the judge too in its last
-       `cool_down_s`; the scorer, the learner, nats-server (and the judge) are killed every
-       `outage_kill_every_s`;
-    5. after it, roles without an engine only, until `min_kills` + 2 kills (or `max_s`).
+    2. the simulator SIGKILLed and held down `sim_outage_s` once an actor holds conversations (or
+       after `sim_outage_wait_s`): the actors, the simulator and the judge are spared; the scorer,
+       the learner and nats-server are killed every `outage_kill_every_s`, and so on while the
+       simulator comes back;
+    3. once the restarted simulator is ready, the judge down `judge_outage_s` while every engine
+       role is spared (trajectories keep coming and the scorer must hold them), the others killed
+       as in 2;
+    4. a kill every `kill_every_s` among the actors, the scorer, the learner and nats-server until
+       each of them was killed in this phase's bag and `min_kills` + 2 kills in all (or `max_s`).
     """
 
     ack_wait_s: float
@@ -249,10 +249,9 @@ class Schedule:
     sim_outage_s: float = 300.0
     sim_outage_wait_s: float = 120.0
     min_kills: int = 20
-    max_s: float = 720.0
-    cool_down_s: float = 60.0
+    max_s: float = 1200.0
     kill_every_s: tuple[float, float] = (10.0, 15.0)
-    outage_kill_every_s: tuple[float, float] = (15.0, 20.0)
+    outage_kill_every_s: tuple[float, float] = (20.0, 30.0)
 
     @property
     def stall_s(self) -> float:
@@ -281,6 +280,7 @@ class Chaos:
         self.sim: dict = {"state": "pending"}
         self.kills = 0
         self.by_phase: Counter[str] = Counter()
+        self.phase_kills: Counter[str] = Counter()  # victim -> kills in the last phase
         self.phases: dict[str, float] = {}  # phase boundary -> seconds from the start of the chaos
         self.load: dict[str, float] = {}  # phase boundary -> 1-minute load average
         self.bag: list[str] = []
@@ -297,11 +297,15 @@ class Chaos:
     def phase(self) -> str:
         if self.stall["state"] in ("pending", "stalled"):
             return "stall"
+        if self.sim["state"] in ("pending", "down"):
+            return "sim outage"
         if self.outage["state"] in ("pending", "down"):
             return "judge outage"
-        if self.sim["state"] == "pending":
-            return "kills"
-        return "sim outage" if self.sim["state"] == "down" else "after"
+        return "kills"
+
+    def kill_phase_done(self) -> bool:
+        c = self.cluster
+        return all(self.phase_kills[v] >= 1 or (v in c.roles and c.roles[v].finished) for v in KILL_PHASE)
 
     async def run(self) -> None:
         self.t0 = time.time()
@@ -311,14 +315,15 @@ class Chaos:
             for text in self.cluster.reap():
                 self.note(text)
             el = now - self.t0
-            done = self.sim["state"] == "done" and self.kills >= self.s.min_kills + 2 or el >= self.s.max_s
+            done = self.phase == "kills" and self.kill_phase_done() and self.kills >= self.s.min_kills + 2 \
+                or el >= self.s.max_s
             if done and self.stall["state"] != "stalled" and "down" not in (self.outage["state"], self.sim["state"]):
                 self.mark("end")
                 return
             await self._stall(now, el)
-            await self._outage(now)
             await self._sim_outage(now)
-            if not done and now >= self.next_kill and self.phase != "stall":
+            await self._outage(now)
+            if not done and now >= self.next_kill and self.phase != "stall" and self.sim["state"] != "pending":
                 await self._kill(now)
             await asyncio.sleep(0.5)
 
@@ -360,10 +365,13 @@ class Chaos:
     async def _outage(self, now: float) -> None:
         # The judge down right after the stall, while the actors and the simulator are spared.
         c, out = self.cluster, self.outage
-        if out["state"] == "pending" and self.stall["state"] not in ("pending", "stalled"):
+        if out["state"] == "pending" and self.phase == "judge outage":
+            if not (c.is_up("sim") and c.is_up("judge")):
+                return  # the restarted simulator (and judge) first: trajectories must arrive while it is down
             out.update(state="down", since=now, traj_before=await self._stored("traj"),
                        scored_before=await self._stored("scored"), scorer_judge_waits=0)
             self._hold_down("judge")
+            self.mark("judge down")
             self.note(f"kill #{self.kills}: judge, kept down {self.s.judge_outage_s:.0f}s")
         elif out["state"] == "down":
             hb = c.beat("scorer")
@@ -387,8 +395,7 @@ class Chaos:
         # it out (in_progress, no delivery spent, nothing dead-lettered), then finish them.
         c, out = self.cluster, self.sim
         if out["state"] == "pending":
-            if self.phase != "kills" or any(self._kills_of(v) == 0 and not (v in c.roles and c.roles[v].finished)
-                                            for v in KILL_PHASE):
+            if self.phase != "sim outage":
                 return
             out.setdefault("ready_since", now)
             holding = self._actor_counter("in_flight")
@@ -438,15 +445,9 @@ class Chaos:
         return self.cluster.nats_kills if victim == "nats" else self.cluster.roles[victim].kills
 
     def _spared(self, now: float) -> set[str]:
-        phase = self.phase
-        if phase == "kills":
-            return {"sim", "judge"}  # the sim's kill is its outage; the judge just had one
-        if phase == "sim outage":
-            late = now - self.sim["since"] >= self.s.sim_outage_s - self.s.cool_down_s
-            return {*ACTORS, "sim", *(["judge"] if late else [])}
-        if phase in ("judge outage", "after"):
-            return ENGINE_ROLES
-        return set()
+        if self.phase == "kills":
+            return {"sim", "judge"}  # their kills were their outages; another engine start would stall the run
+        return ENGINE_ROLES  # the outages: the actors hold their work, the other service stays up
 
     async def _kill(self, now: float) -> None:
         c = self.cluster
@@ -466,6 +467,8 @@ class Chaos:
         c.kill(victim)
         self.kills += 1
         self.by_phase[phase] += 1
+        if phase == "kills":
+            self.phase_kills[victim] += 1
         if victim == "nats":
             await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # a moment with no server at all
             c.server.start()
@@ -473,7 +476,7 @@ class Chaos:
         else:
             c.restart(victim)
             self.note(f"kill #{self.kills} ({phase}): {victim} (restarted)")
-        every = self.s.outage_kill_every_s if phase == "sim outage" else self.s.kill_every_s
+        every = self.s.kill_every_s if phase == "kills" else self.s.outage_kill_every_s
         self.next_kill = time.time() + self.rng.uniform(*every)
 
     def summary(self) -> dict:

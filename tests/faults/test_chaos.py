@@ -1,6 +1,6 @@
 """A real small run under fire: roles and nats-server SIGKILLed and restarted at seeded random
-moments, an actor stalled (SIGSTOP) until its task goes to the other actor, the judge down for
-45 s, the user simulator down for 5 minutes while the actors hold their conversations, and poison
+moments, an actor stalled (SIGSTOP) until its task goes to the other actor, the user simulator
+down for 5 minutes while the actors hold their conversations, the judge down for 45 s, and poison
 tasks published straight to TASKS; the bus at its default max_deliver, the learner checkpointing
 every 3 steps and stopping at its last step. Then the books are settled: every (task, sample) the
 feeder published is trained exactly once, dropped with a recorded reason, or still waiting in a
@@ -47,7 +47,7 @@ RUN = "chaos"
 SEED = int(os.environ.get("PARLEY_FAULTS_SEED", "8"))
 ACK_WAIT_S = 8.0
 SCHEDULE = Schedule(ack_wait_s=ACK_WAIT_S)
-STEPS = 12  # learner.steps: the learner stops with exit 0 after its 12th step
+STEPS = 8  # learner.steps: the learner stops with exit 0 after its 8th step
 ACTOR_MAX_MODEL_LEN = 1024
 # A conversation waits this long for an unreachable simulator before its task is given up: the
 # 300 s outage plus up to ~4 minutes for the restarted simulator's engine to load on this loaded
