@@ -29,6 +29,9 @@ from protocol import codec, topology
 from protocol.messages import Heartbeat
 
 REPO = Path(__file__).resolve().parents[2]
+# A restarted nats-server recovers its JetStream store before it reports its port: seconds when the
+# machine is idle, past the default 10 s at load 40-50 (seen: the first run that got that far failed so).
+NATS_START_S = 120.0
 # DeepSpeed builds its CPU comm op (deepspeed_shm_comm) on first use into TORCH_EXTENSIONS_DIR. The
 # default, ~/.cache/torch_extensions, is shared by every checkout on the machine and rebuilt by each
 # one whose venv path differs (minutes on 2 loaded cores, under a lock: every other learner waits,
@@ -146,7 +149,7 @@ class Cluster:
             said.append(f"CRASH {r.name} exited with {r.proc.returncode}; restarted")
             self.restart(r.name)
         if self.server.proc is not None and self.server.proc.poll() is not None:
-            self.server.start()
+            self.server.start(timeout=NATS_START_S)
             said.append("CRASH nats-server exited; restarted")
         return said
 
@@ -471,7 +474,7 @@ class Chaos:
             self.phase_kills[victim] += 1
         if victim == "nats":
             await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # a moment with no server at all
-            c.server.start()
+            c.server.start(timeout=NATS_START_S)
             self.note(f"kill #{self.kills} ({phase}): nats-server (restarted on the same store and port)")
         else:
             c.restart(victim)

@@ -26,6 +26,7 @@ from protocol import codec, dead, examples, topology
 from protocol.connect import connect
 from protocol.messages import TASK_MAX_N, TASK_MAX_NEW_TURNS
 from tests.faults.chaos import (
+    NATS_START_S,
     Chaos,
     Cluster,
     Schedule,
@@ -124,7 +125,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
     stats: dict = {"seed": SEED, "steps_asked": STEPS, "load_average_at_start": os.getloadavg()}
     stats["deepspeed_op_build_s"] = round(build_deepspeed_ops(), 1)  # before the clock: no role waits on it
     t_begin = time.time()
-    cluster.url = cluster.server.start()
+    cluster.url = cluster.server.start(timeout=NATS_START_S)
     nc = await connect(cluster.url, name="chaos-observer")
     js = nc.jetstream()
     learner = cluster.roles["learner"]
