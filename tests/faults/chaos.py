@@ -7,6 +7,7 @@ tests/faults/test_chaos.py; what it proves and the figures are in docs/reliabili
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -14,10 +15,13 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from deploy.natsserver import NatsServer, free_port
 from learner.checkpoint import read_state
@@ -25,8 +29,14 @@ from protocol import codec, topology
 from protocol.messages import Heartbeat
 
 REPO = Path(__file__).resolve().parents[2]
-# What the learner records for a task it finished without training it (learner.groups.Outcome.kind).
-DROP_KINDS = ("timeout", "stale", "zero_advantage", "dead", "deadline")
+# A restarted nats-server recovers its JetStream store before it reports its port: seconds when the
+# machine is idle, past the default 10 s at load 40-50 (seen: the first run that got that far failed so).
+NATS_START_S = 120.0
+# DeepSpeed builds its CPU comm op (deepspeed_shm_comm) on first use into TORCH_EXTENSIONS_DIR. The
+# default, ~/.cache/torch_extensions, is shared by every checkout on the machine and rebuilt by each
+# one whose venv path differs (minutes on 2 loaded cores, under a lock: every other learner waits,
+# forever if the builder dies). The suite's roles keep their own, built once and reused by later runs.
+TORCH_EXTENSIONS = Path(tempfile.gettempdir()) / "parley-faults-torch-extensions"
 READY = ("ready", "busy")
 
 
@@ -44,7 +54,8 @@ class Role:
     kills: int = 0
     crashes: list[str] = field(default_factory=list)  # exits we did not cause: "code N: last log line"
     stalled: bool = False
-    held_down: bool = False  # kept down on purpose (the judge outage)
+    held_down: bool = False  # kept down on purpose (an outage, or stopped)
+    finished: bool = False  # exited 0 on its own after its work (the learner at its last step)
 
     @property
     def alive(self) -> bool:
@@ -80,7 +91,8 @@ class Cluster:
             out.write(banner.encode())
             out.flush()
             r.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env={**os.environ, "PARLEY_LOG": "INFO", "PYTHONUNBUFFERED": "1"},
+                                      env={**os.environ, "PARLEY_LOG": "INFO", "PYTHONUNBUFFERED": "1",
+                                           "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)},
                                       start_new_session=True)
         r.started, r.starts = time.time(), r.starts + 1
 
@@ -123,17 +135,23 @@ class Cluster:
             return -9
 
     def reap(self) -> list[str]:
-        """Restart roles that exited on their own (a supervisor would); returns what crashed."""
-        crashed = []
+        """Restart roles that exited on their own (a supervisor would), except a learner that
+        exited 0 (it trained its last step); returns what happened, one line each."""
+        said = []
         for r in self.roles.values():
-            if r.proc is not None and not r.held_down and r.proc.poll() is not None:
-                r.crashes.append(f"code {r.proc.returncode}: {last_error(r.log)}")
-                crashed.append(f"{r.name} exited with {r.proc.returncode}")
-                self.restart(r.name)
+            if r.proc is None or r.held_down or r.proc.poll() is None:
+                continue
+            if r.kind == "learner" and r.proc.returncode == 0:
+                r.finished = r.held_down = True
+                said.append(f"{r.name} exited 0 on its own (its last step); not restarted")
+                continue
+            r.crashes.append(f"code {r.proc.returncode}: {last_error(r.log)}")
+            said.append(f"CRASH {r.name} exited with {r.proc.returncode}; restarted")
+            self.restart(r.name)
         if self.server.proc is not None and self.server.proc.poll() is not None:
-            self.server.start()
-            crashed.append("nats-server exited")
-        return crashed
+            self.server.start(timeout=NATS_START_S)
+            said.append("CRASH nats-server exited; restarted")
+        return said
 
     def stop_all(self) -> None:
         for name in self.roles:
@@ -173,6 +191,16 @@ class Cluster:
 _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unreachable)\b.*$", re.M)
 
 
+def build_deepspeed_ops() -> float:
+    """Build (or find built) DeepSpeed's CPU comm op in TORCH_EXTENSIONS before any role starts, so no
+    learner start waits on a compile; returns the seconds it took."""
+    t0 = time.time()
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=1200,
+                   env={**os.environ, "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)})
+    return time.time() - t0
+
+
 def last_error(log: Path) -> str:
     """The last exception line of a role's log ("nats.errors.TimeoutError: nats: timeout")."""
     found = [m.group(0) for m in _ERROR_LINE.finditer(log.read_text(errors="replace"))]
@@ -196,27 +224,37 @@ def _signal_group(proc: subprocess.Popen | None, sig: int) -> None:
 # -- the faults ----------------------------------------------------------------------------------
 
 VICTIMS = ["actor-0", "actor-1", "scorer", "learner", "sim", "judge", "nats"]
-ENGINE_ROLES = {"actor-0", "actor-1", "sim", "judge"}  # a restart costs a vLLM start-up (~40-200 s here)
+ENGINE_ROLES = {"actor-0", "actor-1", "sim", "judge"}  # a restart costs a vLLM start-up (~40-250 s here)
+ACTORS = ("actor-0", "actor-1")
+# Killed at least once in the last phase (the sim's and the judge's kills are their outages).
+KILL_PHASE = ("actor-0", "actor-1", "scorer", "learner", "nats")
 
 
 @dataclass
 class Schedule:
-    """When what happens, in seconds from the start of the chaos.
+    """When what happens, in seconds from the start of the chaos. In order:
 
-    The stalled actor comes first, with no kill meanwhile, so its task visibly moves to actor-1;
-    then the judge is down for a minute while every engine role is spared (trajectories keep
-    coming and the scorer must hold them); then a role is killed every `kill_every_s`; in the last
-    `cool_down_s` only roles without an engine, so the run is whole again soon after.
+    1. the stalled actor, with no kill meanwhile, so its task visibly moves to actor-1;
+    2. the simulator SIGKILLed and held down `sim_outage_s` once an actor holds conversations (or
+       after `sim_outage_wait_s`): the actors, the simulator and the judge are spared; the scorer,
+       the learner and nats-server are killed every `outage_kill_every_s`, and so on while the
+       simulator comes back;
+    3. once the restarted simulator is ready, the judge down `judge_outage_s` while every engine
+       role is spared (trajectories keep coming and the scorer must hold them), the others killed
+       as in 2;
+    4. a kill every `kill_every_s` among the actors, the scorer, the learner and nats-server until
+       each of them was killed in this phase's bag and `min_kills` + 2 kills in all (or `max_s`).
     """
 
     ack_wait_s: float
     stall_at_s: float = 5.0
-    outage_s: float = 60.0
+    judge_outage_s: float = 45.0
+    sim_outage_s: float = 300.0
+    sim_outage_wait_s: float = 120.0
     min_kills: int = 20
-    min_s: float = 300.0  # the chaos runs until min_kills + 2 kills and min_s (or max_s)
-    max_s: float = 420.0
-    cool_down_s: float = 45.0
+    max_s: float = 1200.0
     kill_every_s: tuple[float, float] = (10.0, 15.0)
+    outage_kill_every_s: tuple[float, float] = (20.0, 30.0)
 
     @property
     def stall_s(self) -> float:
@@ -236,39 +274,69 @@ async def retrying(call, what: str, attempts: int = 60):
 
 
 class Chaos:
-    """Runs the Schedule on a Cluster: SIGSTOP/SIGCONT, the judge outage, the seeded kills."""
+    """Runs the Schedule on a Cluster: SIGSTOP/SIGCONT, the judge and simulator outages, the seeded kills."""
 
     def __init__(self, cluster: Cluster, js, rng: random.Random, schedule: Schedule):
         self.cluster, self.js, self.rng, self.s = cluster, js, rng, schedule
         self.stall: dict = {"state": "pending"}
-        self.outage: dict = {"state": "pending"}
+        self.outage: dict = {"state": "pending"}  # the judge's
+        self.sim: dict = {"state": "pending"}
         self.kills = 0
+        self.by_phase: Counter[str] = Counter()
+        self.phase_kills: Counter[str] = Counter()  # victim -> kills in the last phase
+        self.phases: dict[str, float] = {}  # phase boundary -> seconds from the start of the chaos
+        self.load: dict[str, float] = {}  # phase boundary -> 1-minute load average
         self.bag: list[str] = []
-        self.t0 = self.next_kill = 0.0
+        self.t0 = self.next_kill = self.last_poll = 0.0
 
     def note(self, text: str) -> None:
         self.cluster.note(self.t0, text)
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = round(time.time() - self.t0, 1)
+        self.load[phase] = os.getloadavg()[0]  # the machine is shared: how busy it was then
+
+    @property
+    def phase(self) -> str:
+        if self.stall["state"] in ("pending", "stalled"):
+            return "stall"
+        if self.sim["state"] in ("pending", "down"):
+            return "sim outage"
+        if self.outage["state"] in ("pending", "down"):
+            return "judge outage"
+        return "kills"
+
+    def kill_phase_done(self) -> bool:
+        c = self.cluster
+        return all(self.phase_kills[v] >= 1 or (v in c.roles and c.roles[v].finished) for v in KILL_PHASE)
 
     async def run(self) -> None:
         self.t0 = time.time()
         self.next_kill = self.t0 + self.rng.uniform(*self.s.kill_every_s)
         while True:
             now = time.time()
-            for crash in self.cluster.reap():
-                self.note(f"CRASH {crash}; restarted")
+            for text in self.cluster.reap():
+                self.note(text)
             el = now - self.t0
-            done = self.kills >= self.s.min_kills + 2 and el >= self.s.min_s or el >= self.s.max_s
-            if done and self.stall["state"] != "stalled" and self.outage["state"] != "down":
+            done = self.phase == "kills" and self.kill_phase_done() and self.kills >= self.s.min_kills + 2 \
+                or el >= self.s.max_s
+            if done and self.stall["state"] != "stalled" and "down" not in (self.outage["state"], self.sim["state"]):
+                self.mark("end")
                 return
             await self._stall(now, el)
+            await self._sim_outage(now)
             await self._outage(now)
-            if not done and now >= self.next_kill and self.stall["state"] not in ("pending", "stalled"):
-                await self._kill(el)
+            if not done and now >= self.next_kill and self.phase != "stall" and self.sim["state"] != "pending":
+                await self._kill(now)
             await asyncio.sleep(0.5)
 
     async def _stored(self, key: str) -> int:
         stream = topology.stream_name(self.cluster.run, key)
         return (await retrying(lambda: self.js.stream_info(stream), "stream info")).state.messages
+
+    async def _consumer(self, key: str):
+        stream = topology.stream_name(self.cluster.run, key)
+        return await retrying(lambda: self.js.consumer_info(stream, topology.CHANNELS[key].durable), "consumer info")
 
     async def _stall(self, now: float, el: float) -> None:
         # SIGSTOP actor-0 while it holds work, SIGCONT after 3 x ack_wait; meanwhile the TASKS
@@ -284,8 +352,7 @@ class Chaos:
                 st["state"] = "skipped: actor-0 held no work for 2 minutes"
                 self.note(st["state"])
         elif st["state"] == "stalled":
-            stream = topology.stream_name(c.run, "tasks")
-            info = await retrying(lambda: self.js.consumer_info(stream, "actor"), "consumer info")
+            info = await self._consumer("tasks")
             st["max_redelivered"] = max(st["max_redelivered"], info.num_redelivered)
             # On a loaded machine actor-1 may take a while to pull: keep actor-0 stopped until a
             # redelivery was seen (at most 4 x stall_s).
@@ -294,63 +361,133 @@ class Chaos:
                 st["state"] = "done"
                 c.resume("actor-0")
                 st["stalled_s"] = round(waited, 1)
+                self.mark("stall over")
                 self.note(f"SIGCONT actor-0 after {waited:.0f}s; TASKS messages redelivered meanwhile: "
                           f"{st['max_redelivered']}")
 
     async def _outage(self, now: float) -> None:
-        # The judge down for a minute, right after the stall, while the actors and the simulator are spared.
+        # The judge down right after the stall, while the actors and the simulator are spared.
         c, out = self.cluster, self.outage
-        if out["state"] == "pending" and self.stall["state"] not in ("pending", "stalled"):
+        if out["state"] == "pending" and self.phase == "judge outage":
+            if not (c.is_up("sim") and c.is_up("judge")):
+                return  # the restarted simulator (and judge) first: trajectories must arrive while it is down
             out.update(state="down", since=now, traj_before=await self._stored("traj"),
                        scored_before=await self._stored("scored"), scorer_judge_waits=0)
-            c.kill("judge")
-            c.roles["judge"].held_down = True
-            self.kills += 1
-            self.note(f"kill #{self.kills}: judge, kept down {self.s.outage_s:.0f}s")
+            self._hold_down("judge")
+            self.mark("judge down")
+            self.note(f"kill #{self.kills}: judge, kept down {self.s.judge_outage_s:.0f}s")
         elif out["state"] == "down":
             hb = c.beat("scorer")
             out["scorer_judge_waits"] = max(out["scorer_judge_waits"], hb.counters.get("judge_wait", 0) if hb else 0)
-            if now - out["since"] >= self.s.outage_s:
+            if now - out["since"] >= self.s.judge_outage_s:
                 traj, scored = await self._stored("traj"), await self._stored("scored")
                 out.update(state="done", traj_during=traj - out.pop("traj_before"),
                            scored_during=scored - out.pop("scored_before"), unscored_at_restart=traj - scored)
                 out.pop("since")
-                c.roles["judge"].held_down = False
-                c.restart("judge")
-                self.note(f"judge restarted after {self.s.outage_s:.0f}s; meanwhile {out['traj_during']} trajectories "
-                          f"stored, {out['scored_during']} scored, {traj - scored} waiting to be scored; scorer "
-                          f"judge_wait retries: {out['scorer_judge_waits']:.0f}")
+                self._bring_back("judge")
+                self.mark("judge back")
+                self.note(f"judge restarted after {self.s.judge_outage_s:.0f}s; meanwhile {out['traj_during']} "
+                          f"trajectories stored, {out['scored_during']} scored, {traj - scored} waiting to be scored; "
+                          f"scorer judge_wait retries: {out['scorer_judge_waits']:.0f}")
 
-    async def _kill(self, el: float) -> None:
+    def _actor_counter(self, name: str) -> dict[str, float]:
+        return {a: (hb.counters.get(name, 0.0) if (hb := self.cluster.beat(a)) else 0.0) for a in ACTORS}
+
+    async def _sim_outage(self, now: float) -> None:
+        # The simulator down for minutes while the actors hold their conversations: they must wait
+        # it out (in_progress, no delivery spent, nothing dead-lettered), then finish them.
+        c, out = self.cluster, self.sim
+        if out["state"] == "pending":
+            if self.phase != "sim outage":
+                return
+            out.setdefault("ready_since", now)
+            holding = self._actor_counter("in_flight")
+            if not c.is_up("sim") or (sum(holding.values()) == 0 and now - out["ready_since"] < self.s.sim_outage_wait_s):
+                return
+            tasks = await self._consumer("tasks")
+            out.update(state="down", since=now, conversations_held=holding, tasks_ack_pending=tasks.num_ack_pending,
+                       redelivered_before=tasks.num_redelivered, max_redelivered=tasks.num_redelivered,
+                       dead_before=await self._stored("dead"), traj_before=await self._stored("traj"),
+                       sim_waits_before=self._actor_counter("sim_waits"), tasks_done_before=self._actor_counter("tasks"))
+            out.pop("ready_since")
+            self.mark("sim down")
+            self._hold_down("sim")
+            self.note(f"kill #{self.kills}: sim, kept down {self.s.sim_outage_s:.0f}s; actors hold {holding} "
+                      f"conversations, {tasks.num_ack_pending} tasks unacked")
+        elif out["state"] == "down":
+            if now - self.last_poll >= 5.0:
+                self.last_poll = now
+                out["max_redelivered"] = max(out["max_redelivered"], (await self._consumer("tasks")).num_redelivered)
+            if now - out["since"] >= self.s.sim_outage_s:
+                waits, finished = self._actor_counter("sim_waits"), self._actor_counter("tasks")
+                out.update(state="done", down_s=round(now - out.pop("since"), 1),
+                           sim_waits={a: waits[a] - out["sim_waits_before"][a] for a in ACTORS},
+                           tasks_finished_during={a: finished[a] - out["tasks_done_before"][a] for a in ACTORS},
+                           traj_during=await self._stored("traj") - out.pop("traj_before"),
+                           dead_during=await self._stored("dead") - out.pop("dead_before"))
+                del out["sim_waits_before"], out["tasks_done_before"]
+                self._bring_back("sim")
+                hb = c.beat("learner")
+                out["learner_step_at_end"] = hb.version if hb else None
+                self.mark("sim back")
+                self.note(f"sim restarted after {out['down_s']:.0f}s; actors' sim_waits meanwhile {out['sim_waits']}, "
+                          f"tasks finished {out['tasks_finished_during']}, trajectories stored {out['traj_during']}, "
+                          f"dead letters {out['dead_during']}, TASKS redelivered (most at once) {out['max_redelivered']}")
+
+    def _hold_down(self, name: str) -> None:
+        self.cluster.kill(name)
+        self.cluster.roles[name].held_down = True
+        self.kills += 1
+        self.by_phase[self.phase] += 1
+
+    def _bring_back(self, name: str) -> None:
+        self.cluster.roles[name].held_down = False
+        self.cluster.restart(name)
+
+    def _kills_of(self, victim: str) -> int:
+        return self.cluster.nats_kills if victim == "nats" else self.cluster.roles[victim].kills
+
+    def _spared(self, now: float) -> set[str]:
+        if self.phase == "kills":
+            return {"sim", "judge"}  # their kills were their outages; another engine start would stall the run
+        return ENGINE_ROLES  # the outages: the actors hold their work, the other service stays up
+
+    async def _kill(self, now: float) -> None:
         c = self.cluster
-        spared = ENGINE_ROLES if self.outage["state"] == "down" or el >= self.s.min_s - self.s.cool_down_s else set()
+        spared = self._spared(now)
         eligible = [v for v in VICTIMS if v not in spared and c.is_up(v)]
         if not self.bag:
             self.bag = seeded_bag(self.rng, VICTIMS)
         # the bag takes every role in turn; when none of its remaining roles may go now, the least killed goes
         victim = next((v for v in self.bag if v in eligible), None)
         if victim is None and eligible:
-            victim = min(eligible, key=lambda v: (c.nats_kills if v == "nats" else c.roles[v].kills, self.rng.random()))
+            victim = min(eligible, key=lambda v: (self._kills_of(v), self.rng.random()))
         if victim is None:
             return
         if victim in self.bag:
             self.bag.remove(victim)
+        phase = self.phase
         c.kill(victim)
         self.kills += 1
+        self.by_phase[phase] += 1
+        if phase == "kills":
+            self.phase_kills[victim] += 1
         if victim == "nats":
             await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # a moment with no server at all
-            c.server.start()
-            self.note(f"kill #{self.kills}: nats-server (restarted on the same store and port)")
+            c.server.start(timeout=NATS_START_S)
+            self.note(f"kill #{self.kills} ({phase}): nats-server (restarted on the same store and port)")
         else:
             c.restart(victim)
-            self.note(f"kill #{self.kills}: {victim} (restarted)")
-        self.next_kill = time.time() + self.rng.uniform(*self.s.kill_every_s)
+            self.note(f"kill #{self.kills} ({phase}): {victim} (restarted)")
+        every = self.s.kill_every_s if phase == "kills" else self.s.outage_kill_every_s
+        self.next_kill = time.time() + self.rng.uniform(*every)
 
     def summary(self) -> dict:
         kills = {name: r.kills for name, r in self.cluster.roles.items()} | {"nats": self.cluster.nats_kills}
         stall = {k: v for k, v in self.stall.items() if k != "since"}
         return {"chaos_s": round(time.time() - self.t0, 1), "kills": kills, "kills_total": sum(kills.values()),
-                "stall": stall, "judge_outage": dict(self.outage)}
+                "kills_by_phase": dict(self.by_phase), "phases_s": dict(self.phases), "load_average": dict(self.load), "stall": stall,
+                "judge_outage": dict(self.outage), "sim_outage": dict(self.sim)}
 
 
 # -- reading the run back -----------------------------------------------------------------------
@@ -390,7 +527,10 @@ async def unacked(js, run: str, key: str, settle_s: float) -> list:
         while True:
             try:
                 for m in await sub.fetch(64, timeout=1.0):
-                    got[m.metadata.sequence.stream] = codec.decode(key, m.data)
+                    try:
+                        got[m.metadata.sequence.stream] = codec.decode(key, m.data)
+                    except (msgspec.DecodeError, msgspec.ValidationError):  # unplayable junk still owed
+                        got[m.metadata.sequence.stream] = None
             except (asyncio.TimeoutError, nats.errors.TimeoutError):
                 info = await js.consumer_info(stream, durable)
                 if info.num_pending == 0 and info.num_ack_pending <= len(got) or time.monotonic() > deadline:
@@ -398,6 +538,15 @@ async def unacked(js, run: str, key: str, settle_s: float) -> list:
     finally:
         await sub.unsubscribe()
     return list(got.values())
+
+
+async def publish_poison(js, run: str, poison: dict[str, bytes]) -> None:
+    """Publish each payload straight to the run's TASKS subject, as a hostile or broken producer
+    would (no feeder, no codec check); a Msg-Id per label, so a retried publish is stored once."""
+    subject = topology.subject(run, "tasks")
+    for label, payload in poison.items():
+        await retrying(lambda p=payload, i=f"poison:{label}": js.publish(subject, p, headers={"Nats-Msg-Id": i}),
+                       f"publishing poison {label!r}")
 
 
 def trained_lines(run_dir: Path) -> list[dict]:
@@ -415,9 +564,13 @@ class Ledger:
     tasks: int = 0
     samples: int = 0
     trained: int = 0
-    dropped: Counter = field(default_factory=Counter)  # kind -> samples (timeout, stale, zero_advantage)
-    dead: Counter = field(default_factory=Counter)  # channel -> samples dead-lettered
+    dropped: Counter = field(default_factory=Counter)  # kind -> samples the learner gave up (timeout, dead, ...)
+    dead: Counter = field(default_factory=Counter)  # channel -> samples dead-lettered after the learner's last read
     pending: Counter = field(default_factory=Counter)  # where a sample waits at shutdown -> samples
+    fates: Counter = field(default_factory=Counter)  # per issued task: trained | dropped | dead | waiting | lost
+    dead_reasons: Counter = field(default_factory=Counter)  # every dead letter of the run, by reason_kind
+    poison: dict[str, str] = field(default_factory=dict)  # poison label -> the reason it was dead-lettered with
+    poison_missing: list[str] = field(default_factory=list)  # poison published but not found in DEAD
     lost: list[str] = field(default_factory=list)
     trained_twice: list[str] = field(default_factory=list)
     inconsistent: list[str] = field(default_factory=list)
@@ -428,22 +581,42 @@ class Ledger:
         return {
             "tasks": self.tasks, "samples": self.samples, "steps": self.steps, "trained": self.trained,
             "dropped": dict(self.dropped), "dead_lettered": dict(self.dead), "pending": dict(self.pending),
+            "task_fates": dict(self.fates), "dead_letters_by_reason": dict(self.dead_reasons),
+            "poison": dict(self.poison), "poison_missing": list(self.poison_missing),
             "lost": len(self.lost), "trained_twice": len(self.trained_twice), "inconsistent": len(self.inconsistent),
         }
 
 
-def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[str],
-           unacked_ids: dict[str, set[str]]) -> Ledger:
-    """Account for every (task, sample) the feeder published.
+def reason_kind(reason: str) -> str:
+    """A dead letter's reason without the ids and numbers that differ per message, for counting:
+    "task chaos-g000003: n=1025 exceeds 1024 (...)" -> "n=N exceeds N"."""
+    text = re.sub(r"^(task|sample) \S+: ", "", reason)
+    text = re.split(r" \(|; |: ", text, maxsplit=1)[0]
+    return re.sub(r"\d+(\.\d+)?", "N", text)[:80]
 
-    tasks: Task messages in TASKS; dead: DeadLetters of the run; lines: trained.jsonl; state: the
-    learner's final ledger (LearnerState); buffered_ids: traj ids held in state.groups;
-    unacked_ids: channel -> ids its durable still owes ("tasks": task ids, "traj"/"scored": traj ids).
+
+def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[str],
+           unacked_ids: dict[str, set[str]], poison: dict[str, bytes] | None = None) -> Ledger:
+    """Account for every (task, sample) the feeder published, and for every poison message.
+
+    tasks: Task messages in TASKS (None for one that does not decode); dead: the run's DEAD stream
+    as (stream sequence, DeadLetter or None) pairs; lines: trained.jsonl; state: the learner's
+    final ledger (LearnerState); buffered_ids: traj ids held in state.groups; unacked_ids: channel
+    -> ids its durable still owes ("tasks": task ids, "traj"/"scored": traj ids); poison: label ->
+    the exact payload published straight to TASKS that no actor may play (it must be in DEAD).
+
+    Each issued task ends trained, dropped by the learner with a recorded reason, dead-lettered
+    after the learner's last read of DEAD, or waiting; a sample with no such place is lost.
     """
+    poison = poison or {}
     led = Ledger(steps=len(lines))
+    poison_ids = set()
+    for payload in poison.values():
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):  # the undecodable one names no task
+            poison_ids.add(codec.decode("tasks", payload).task_id)
     n_of: dict[str, int] = {}
     for t in tasks:
-        if t is not None:
+        if t is not None and t.task_id not in poison_ids:
             n_of.setdefault(t.task_id, t.n)
     led.tasks, led.samples = len(n_of), sum(n_of.values())
 
@@ -454,38 +627,62 @@ def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[
     if steps != list(range(1, len(steps) + 1)) or (state is not None and state.step != len(steps)):
         led.inconsistent.append(f"trained.jsonl steps {steps} vs ledger step {state.step if state else None}")
 
+    done = dict(state.done) if state is not None else {}
+    in_flight = set(state.in_flight) if state is not None else set()
+    read_up_to = state.dead_seq if state is not None else 1  # the learner has applied letters before this
     dead_tasks: dict[str, str] = {}
     dead_trajs: dict[str, tuple[str, str]] = {}
-    for dl in dead:
+    by_payload = {payload: label for label, payload in poison.items()}
+    for seq, dl in dead:
+        if dl is None:
+            led.inconsistent.append(f"DEAD holds an undecodable letter at sequence {seq}")
+            continue
+        led.dead_reasons[reason_kind(dl.reason)] += 1
         key = dl.subject.rsplit(".", 1)[-1]
+        if key == "tasks" and dl.payload in by_payload:
+            led.poison[by_payload[dl.payload]] = dl.reason
+            continue
         try:
             msg = codec.decode(key, dl.payload)
         except Exception:  # noqa: BLE001 - junk nobody published on purpose here
             led.inconsistent.append(f"unattributable dead letter on {dl.subject}: {dl.reason[:100]}")
             continue
         if key == "tasks":
-            dead_tasks[msg.task_id] = dl.reason
+            task, sample = msg.task_id, None
+            dead_tasks[task] = dl.reason
         else:
+            task, sample = msg.task_id, msg.sample
             dead_trajs[msg.traj_id] = (key, dl.reason)
+        # A letter the learner has read (before its dead_seq) about a task it issued must have freed
+        # the task's slot, unless a complete group (or the dead sample itself) was buffered anyway.
+        if task in n_of and seq < read_up_to and task in in_flight and task not in done:
+            held = {tid for tid in buffered_ids if tid.rsplit("/", 1)[0] == task}
+            complete = len(held) == n_of[task]
+            if not complete and (sample is None or f"{task}/{sample}" not in held):
+                led.inconsistent.append(f"the learner read dead letter {seq} ({key}: {dl.reason[:80]}) but still "
+                                        f"holds task {task} in flight")
+    led.poison_missing = sorted(label for label in poison if label not in led.poison)
 
-    done = dict(state.done) if state is not None else {}
     for task, n in sorted(n_of.items()):
+        if task not in done and task not in in_flight and state is not None:
+            led.inconsistent.append(f"task {task} is in TASKS but the learner's ledger neither issued nor finished it")
+        kind = done.get(task)
+        if kind not in (None, "trained"):
+            reason = not_trained.get(task) or (state.reasons.get(task) if state is not None else None)
+            if reason:
+                led.reasons[task] = reason
+            else:
+                led.inconsistent.append(f"task {task} dropped as {kind!r} without a recorded reason")
+        lost_before, dead_before = len(led.lost), sum(led.dead.values())
         for sample in range(n):
             tid = f"{task}/{sample}"
             if count[tid] >= 1:
                 led.trained += 1
-                if done.get(task) != "trained":
-                    led.inconsistent.append(f"{tid} is in trained.jsonl but the ledger says {done.get(task)!r}")
-            elif done.get(task) in DROP_KINDS:
-                led.dropped[done[task]] += 1
-                led.reasons[task] = not_trained.get(task) or state.reasons.get(task) or \
-                    f"{done[task]} (recorded in the learner's ledger)"
-            elif task in dead_tasks:
-                led.dead["tasks"] += 1
-                led.reasons[task] = dead_tasks[task]
-            elif tid in dead_trajs:
-                led.dead[dead_trajs[tid][0]] += 1
-                led.reasons[tid] = dead_trajs[tid][1]
+                if kind != "trained":
+                    led.inconsistent.append(f"{tid} is in trained.jsonl but the ledger says {kind!r}")
+            elif kind not in (None, "trained"):
+                led.dropped[kind] += 1
+            # waiting first: a sample stored before its Task (or another copy of it) was dead-lettered still trains
             elif tid in buffered_ids:
                 led.pending["learner buffer (acked, in the ledger)"] += 1
             elif tid in unacked_ids.get("scored", set()):
@@ -494,9 +691,21 @@ def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[
                 led.pending["TRAJ, unacked by the scorer"] += 1
             elif task in unacked_ids.get("tasks", set()):
                 led.pending["TASKS, unacked by the actors"] += 1
+            elif task in dead_tasks:
+                led.dead["tasks"] += 1
+                led.reasons[task] = dead_tasks[task]
+            elif tid in dead_trajs:
+                led.dead[dead_trajs[tid][0]] += 1
+                led.reasons[tid] = dead_trajs[tid][1]
             else:
-                where = "trained" if done.get(task) == "trained" else done.get(task, "unknown to the learner")
+                where = "trained" if kind == "trained" else kind or "unknown to the learner"
                 led.lost.append(f"{tid} (task {where})")
+        if len(led.lost) > lost_before:
+            led.fates["lost"] += 1
+        elif kind is not None:
+            led.fates["trained" if kind == "trained" else "dropped"] += 1
+        else:
+            led.fates["dead" if sum(led.dead.values()) > dead_before else "waiting"] += 1
     phantom = sorted(tid for tid in count if tid.rsplit("/", 1)[0] not in n_of)
     led.inconsistent += [f"{tid} trained but its task was never published" for tid in phantom]
     return led

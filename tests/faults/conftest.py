@@ -1,5 +1,5 @@
 """The fault-injection suite runs only when asked for: `make faults` (pytest -m faults tests/faults -s).
-A plain `pytest` over the whole tree skips it (it takes 7-10 minutes of both cores)."""
+A plain `pytest` over the whole tree skips it (it takes 15-18 minutes of both cores)."""
 
 import pytest
 
