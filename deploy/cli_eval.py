@@ -53,19 +53,22 @@ def data_check_cmd(
         )
 
 
-MetricOpt = Annotated[str, typer.Option("--metric", help="bleu | interactivity | mr (the training reward is refused).")]
+MetricOpt = Annotated[Optional[str], typer.Option(
+    "--metric", help="A selectable column of the run's environment (collabllm_medium: bleu | interactivity | mr; "
+                     "default: the environment's own choice, mr there); the training reward is refused.")]
 
 
 def select_cmd(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (reads RUN_DIR/eval; see docs/benchmark.md).")],
-    metric: MetricOpt = "mr",
+    metric: MetricOpt = None,
 ) -> None:
-    from evaluation.selection import SelectionError, check_metric, select_best
+    from evaluation.selection import SelectionError, check_metric, run_environment, select_best
 
     try:
-        check_metric(metric)
-        sel = select_best(run_dir, metric)
-    except SelectionError as e:
+        env = run_environment(run_dir)
+        metric = check_metric(env.eval.select if metric is None else metric, env=env)
+        sel = select_best(run_dir, metric, env=env)
+    except (SelectionError, ValueError) as e:  # ValueError: an environment that is not installed
         _fail("select", str(e))
     typer.echo(sel.describe())
     for version, mean, n in sel.ranking:
@@ -209,7 +212,7 @@ def eval_cmd(
     items: Annotated[Optional[str], typer.Option("--items", help="Eval items file (default: the config's eval split).")] = None,
     n_items: Annotated[int, typer.Option("--n-items", help="Use the first N eval items (0 = all; the reference uses 100).")] = 0,
     seeds: Annotated[int, typer.Option("--seeds", help="Simulator seeds per item, the same for every condition.")] = 1,
-    sim_prompt: Annotated[str, typer.Option("--user-sim-prompt", help="lazy_full | lazy_summary | cooperative.")] = "lazy_full",
+    sim_prompt: Annotated[str, typer.Option("--user-sim-prompt", help="lazy_full | lazy_summary | cooperative (default: the environment's; an environment with a programmatic user takes none).")] = "",
     max_tokens: Annotated[int, typer.Option("--assistant-max-tokens", help="Tokens per assistant turn.")] = 4096,
     max_new_turns: Annotated[int, typer.Option("--max-new-turns", help="Messages (user and assistant) per conversation.")] = 14,
     thinking: Annotated[bool, typer.Option("--thinking/--no-thinking", help="Chat-template thinking for the policy.")] = False,
@@ -236,10 +239,17 @@ def eval_cmd(
     cfg = resolve(config, sets, nats=nats, run=run)
     if services not in ("local", "nats", "fleet"):
         _fail("eval", f"--services {services!r} not allowed; use local, nats or fleet")
-    if sim_prompt not in SIM_PROMPTS:
+    try:
+        env = cfg.env.load()
+    except ValueError as e:
+        _fail("eval", str(e))
+    if sim_prompt and not env.needs_simulator:
+        _fail("eval", f"--user-sim-prompt {sim_prompt!r}: environment {env.name!r} plays a programmatic user; leave it out")
+    if sim_prompt and sim_prompt not in SIM_PROMPTS:
         _fail("eval", f"--user-sim-prompt {sim_prompt!r} not allowed; use one of {', '.join(SIM_PROMPTS)}")
+    from environments import collabllm
     from evaluation.runner import EvalSettings, eval_items, parse_condition
-    from evaluation.leakage import LeakageError, guard_overlap
+    from evaluation.leakage import LeakageError, guard_environment, guard_overlap
 
     out = out or cfg.run_dir / "benchmark"
     try:
@@ -252,18 +262,21 @@ def eval_cmd(
             thinking=thinking, temperature=cfg.actor.temperature if temperature is None else temperature,
             top_p=cfg.actor.top_p, concurrency=concurrency, run=cfg.run.name,
         )
-        train, held = eval_items(cfg.data, items)
+        train, held = eval_items(cfg.data, items, env)
         held = held[:n_items] if n_items > 0 else held
         if not held:
             raise ValueError("no eval items: pass --items FILE, or set [data] eval_path or eval_fraction > 0")
-        guard_overlap(train, held, allow_overlap or cfg.data.allow_overlap, out)
+        if env.name == collabllm.NAME:
+            guard_overlap(train, held, allow_overlap or cfg.data.allow_overlap, out)
+        else:
+            guard_environment(env.tasks, train, held, allow_overlap or cfg.data.allow_overlap, out)
     except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
         _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
     setup_logging("eval")
-    run_async_main(_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out, policy_version)
+    run_async_main(_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out, policy_version, env)
 
 
-async def _eval(stop, cfg, conds, held, settings, services, baseline, out, policy_version=-1) -> int:
+async def _eval(stop, cfg, conds, held, settings, services, baseline, out, policy_version=-1, env=None) -> int:
     import asyncio
 
     import msgspec
@@ -273,6 +286,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
     from evaluation.runner import EvalServices, LocalJudge, LocalSim, NotScored, Policy, run_eval
     from evaluation.evallog import write_parquet
 
+    env = env or cfg.env.load()
     nc = sim = judge = None
     closers = []
     if services in ("nats", "fleet"):
@@ -286,8 +300,11 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
                            creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
         js = nc.jetstream()
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)
-        sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s, wait_s=cfg.actor.sim_wait_s)
-        judge = JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
+        # an environment without an LLM user or judge metrics asks no such service
+        if env.needs_simulator:
+            sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s, wait_s=cfg.actor.sim_wait_s)
+        if env.needs_judge:
+            judge = JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
 
         async def publish_record(rec):
             await publish(js, cfg.run.name, "eval", rec)
@@ -296,16 +313,20 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
         from actors.sim import Simulator
         from scorer.judge import Judge
 
-        sim_backend = make_backend(cfg.sim)  # blocks while a local engine loads
-        closers.append(sim_backend.close)
-        if cfg.judge.backend == cfg.sim.backend == "vllm" and cfg.judge.engine == cfg.sim.engine:
-            # One engine serves both roles when they name the same model and settings.
-            judge_backend = LocalBackend(sim_backend.engine, sim_backend.tokenizer, model_name=sim_backend.model_name,
-                                         template_kwargs=sim_backend.template_kwargs, owns_engine=False)
-        else:
-            judge_backend = make_backend(cfg.judge)
-            closers.append(judge_backend.close)
-        sim, judge = LocalSim(Simulator(sim_backend, cfg.sim)), LocalJudge(Judge(judge_backend, cfg.judge))
+        sim_backend = judge_backend = None
+        if env.needs_simulator:  # blocks while a local engine loads; none for a programmatic user
+            sim_backend = make_backend(cfg.sim)
+            closers.append(sim_backend.close)
+            sim = LocalSim(Simulator(sim_backend, cfg.sim))
+        if env.needs_judge:
+            if sim_backend is not None and cfg.judge.backend == cfg.sim.backend == "vllm" and cfg.judge.engine == cfg.sim.engine:
+                # One engine serves both roles when they name the same model and settings.
+                judge_backend = LocalBackend(sim_backend.engine, sim_backend.tokenizer, model_name=sim_backend.model_name,
+                                             template_kwargs=sim_backend.template_kwargs, owns_engine=False)
+            else:
+                judge_backend = make_backend(cfg.judge)
+                closers.append(judge_backend.close)
+            judge = LocalJudge(Judge(judge_backend, cfg.judge))
         publish_record = None
 
     async def open_policy(model: str) -> Policy:
@@ -320,7 +341,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
         return Policy(engine=engine, tokenizer=tokenizer, version=policy_version, close=close)
 
     svc = EvalServices(open_policy=open_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
-                       template_kwargs=dict(cfg.actor.engine.chat_template_kwargs))
+                       template_kwargs=dict(cfg.actor.engine.chat_template_kwargs), env=env)
     done: list = []  # finished conversations, kept when the run is interrupted
     missing: list[NotScored] = []  # per conversation: not played or not scored, and why
 
@@ -330,9 +351,10 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
             await publish_record(rec)
 
     if services == "fleet":
-        work = asyncio.create_task(_fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record, missing.append))
+        work = asyncio.create_task(_fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record,
+                                          missing.append, env))
     else:
-        if services == "nats":  # the bounds within which slow services are waited for, stated once
+        if services == "nats" and sim is not None and judge is not None:  # the bounds slow services are waited for
             typer.echo(f"parley eval: waits for the judge up to [scorer] judge_wait_s={cfg.scorer.judge_wait_s:.0f}s per "
                        f"conversation ({settings.judge_attempts} verdicts at most), for the simulator {sim.attempts} x "
                        f"[actor] sim_timeout_s={sim.timeout_s:.0f}s per message; what is still missing then is reported", err=True)
@@ -362,10 +384,10 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
             await close()
         if nc is not None:
             await nc.drain()
-    return _report(records, missing, len(conds) * len(held) * settings.seeds, baseline, out)
+    return _report(records, missing, len(conds) * len(held) * settings.seeds, baseline, out, env)
 
 
-def _report(records, missing, expected: int, baseline: str, out) -> int:
+def _report(records, missing, expected: int, baseline: str, out, env=None) -> int:
     """Write the records, the per-conversation report of what was not scored, and the table of what was.
     Exit 0 with a table (some conversations may be unscored, each named); 3 when nothing was scored:
     no table then, and no traceback, only the reasons."""
@@ -387,7 +409,7 @@ def _report(records, missing, expected: int, baseline: str, out) -> int:
         typer.echo(f"parley eval: no conversation was scored, so there is no table; the reasons are above and in {report}", err=True)
         return 3
     try:
-        table = summarize(scored, baseline)
+        table = summarize(scored, baseline, env=env)
     except ValueError as e:  # e.g. the baseline condition has no scored conversation
         typer.echo(f"parley eval: no table: {e}", err=True)
         return 3
@@ -397,7 +419,7 @@ def _report(records, missing, expected: int, baseline: str, out) -> int:
     return 0
 
 
-async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record, on_missing) -> list:
+async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record, on_missing, env=None) -> list:
     """--services fleet: one condition after another, each through its own actor and scorer."""
     import logging
 
@@ -420,7 +442,7 @@ async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, 
     sim_model = cfg.sim.engine.model if cfg.sim.backend == "vllm" else cfg.sim.model_name
     fs = FleetSettings(config_path=config_path, logs_dir=fleet_dir, sim_model=sim_model, policy_version=policy_version,
                        env={"PARLEY_NATS_URL": cfg.nats.url})  # the URL this eval resolved, over any inherited one
-    tasks = make_tasks(held, settings)
+    tasks = make_tasks(held, settings, env)
     records = []
     for cond in conds:
         t0 = time.perf_counter()

@@ -193,6 +193,9 @@ async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool
     return 130
 
 
+_EVAL_BOOKKEEPING = ("eval.queued", "eval.running", "eval.version", "eval.failed")
+
+
 def progress_line(snap) -> str:
     learner = next((hb for hb in snap.roles.values() if hb.role == "learner"), None)
     s = snap.streams
@@ -208,8 +211,10 @@ def progress_line(snap) -> str:
     if "eval.queued" in c:
         running = int(c.get("eval.running", -1))
         parts.append(f"eval {'v%d running' % running if running >= 0 else 'idle'}, {int(c['eval.queued'])} queued")
-        if "eval.version" in c:
-            parts.append(f"last eval v{int(c['eval.version'])}: mr {c.get('eval.mr', float('nan')):.3f}")
+        if "eval.version" in c:  # the eval's columns: the environment's (mr for collabllm_medium)
+            shown = [k for k in c if k.startswith("eval.") and k not in _EVAL_BOOKKEEPING]
+            parts.append(f"last eval v{int(c['eval.version'])}: "
+                         + ", ".join(f"{k[5:]} {c[k]:.3f}" for k in (["eval.mr"] if "eval.mr" in c else shown[:2])))
     # A stream about to drop work its consumer has not had (protocol.backlog).
     parts += [f"BACKLOG {key} {row.backlog:.0%} of max_bytes" for key, row in s.items() if row.backlog >= WARN_SHARE]
     return " | ".join(parts)
@@ -256,7 +261,7 @@ def eval_text(cfg: RunConfig, run_dir: Path) -> str:
     if not records:
         lines.append("no version has a scored eval")
         return "\n".join(lines)
-    table = summarize(records, baseline=records[0].condition)
+    table = summarize(records, baseline=records[0].condition, env=cfg.env.load())
     write_table(table, root)
     lines.append(to_markdown(table))
     try:

@@ -267,3 +267,27 @@ def test_periodic_eval_of_hidden_goal_stores_every_column_and_the_environment(tm
     assert history[0]["env"] == cfg.env.record() and history[0]["env"]["name"] == NAME
     assert run_environment(run_dir).name == NAME  # from the config the periodic eval wrote
     assert select_best(run_dir).version == 1 and pe.counters()["eval.goal_match"] == history[1]["goal_match"]
+
+
+def test_parley_select_defaults_to_the_runs_environment(hidden_goal_run, this_checkout):
+    """`parley select RUN_DIR` without --metric picks by the environment's own choice (goal_match for
+    hidden_goal, never CollabLLM's mr), and --metric mr is refused with the environment's columns."""
+    from typer.testing import CliRunner
+
+    from deploy.cli import app
+
+    out = CliRunner().invoke(app, ["select", str(hidden_goal_run)])
+    assert out.exit_code == 0, out.output
+    assert "goal_match" in out.output and "v1" in out.output.splitlines()[0]
+    bad = CliRunner().invoke(app, ["select", str(hidden_goal_run), "--metric", "mr"])
+    assert bad.exit_code != 0 and "'mr' not allowed" in bad.output
+
+
+def test_parley_eval_refuses_a_simulator_prompt_for_a_programmatic_user(this_checkout):
+    from typer.testing import CliRunner
+
+    from deploy.cli import app
+
+    out = CliRunner().invoke(app, ["eval", "-C", "base=x", "--user-sim-prompt", "lazy_full", "--set", "env.name=hidden_goal"])
+    assert out.exit_code == 2, out.output
+    assert "programmatic user" in out.output
