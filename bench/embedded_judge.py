@@ -5,9 +5,11 @@ turns on the first 6 bundled items, 2 conversations each (a lazy opening request
 summary as the user's answer; [rollout] max_tokens per reply, temperature 1), then judges every
 conversation the way the scorer would: extract by the judge vs rewards.extract.last_document,
 sacreBLEU and character BLEU of both against the reference, and interactivity on the rubric and on
-the 3-level scale. Prints one JSON row per conversation and the share of BLEU > 0. Run by hand:
+the 3-level scale, and the rubric by expected level (`rubric_expected`). Prints one JSON row per
+conversation, the share of BLEU > 0 and each interactivity scale's within-pair std. Run by hand:
 
     PYTHONPATH=. python bench/embedded_judge.py > bench/results/embedded_judge_smol.txt
+    PYTHONPATH=. python bench/embedded_judge.py --interactivity-only   # no extraction (faster)
 
 Nothing in parley imports this file. Results and what they decided: docs/rewards.md.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
+import sys
 import time
 
 
@@ -53,8 +57,17 @@ async def main() -> None:
     convs = await asyncio.gather(*(conversation(it, k) for it in items for k in range(2)))
     print(f"# {len(convs)} conversations in {time.time() - t0:.0f}s", flush=True)
 
+    skip_extract = "--interactivity-only" in sys.argv[1:]
+
+    async def no_extract(msgs):
+        from protocol.messages import JudgeReply
+
+        return JudgeReply(ok=False, error="not asked (--interactivity-only)")
+
     async def judged(item, msgs):
-        ext, rub, three = await asyncio.gather(judge.extract(msgs), judge.interactivity(msgs), judge.interactivity_3level(msgs))
+        ext, rub, three, expected = await asyncio.gather(
+            no_extract(msgs) if skip_extract else judge.extract(msgs), judge.interactivity(msgs),
+            judge.interactivity_3level(msgs), judge.interactivity_expected(msgs))
         det = last_document(msgs)
         return {
             "item": item.item_id,
@@ -65,6 +78,8 @@ async def main() -> None:
             "last_doc_char": char_bleu(det, item.reference),
             "rubric": rub.score if rub.ok else None, "rubric_attempts": rub.attempts,
             "three": three.score if three.ok else None, "three_attempts": three.attempts,
+            "expected": expected.score if expected.ok else None, "expected_attempts": expected.attempts,
+            "expected_levels": expected.levels, "expected_distribution": expected.distribution,
             "assistant": [m.content[:160] for m in msgs if m.role == "assistant"],
         }
 
@@ -78,6 +93,11 @@ async def main() -> None:
 
     print(f"# BLEU>0: judge {share('judge_bleu'):.2f}  last_document {share('last_doc_bleu'):.2f};"
           f" judge failures {sum(not r['judge_ok'] for r in rows)}/{n}; total {time.time() - t0:.0f}s")
+    for key in ("rubric", "three", "expected"):  # rows come in pairs: two conversations of one item
+        pairs = [(rows[i][key], rows[i + 1][key]) for i in range(0, n, 2)]
+        stds = [statistics.pstdev(p) for p in pairs if None not in p]
+        print(f"# {key}: within-pair std mean {statistics.fmean(stds) if stds else float('nan'):.4f}, "
+              f"{sum(s > 1e-3 for s in stds)} of {len(stds)} pairs > 1e-3; failed {sum(r[key] is None for r in rows)}/{n}")
     engine.shutdown()
 
 
