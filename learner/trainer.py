@@ -34,10 +34,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def skip_cpu_shm_build() -> bool:
+    """Keep DeepSpeed from building its shared-memory all-reduce op (deepspeed_shm_comm) on CPU.
+
+    DeepSpeed JIT-compiles that op into ~/.cache/torch_extensions the first time a CPU process group
+    starts, behind a lock file. A learner killed while compiling (SIGKILL, the OOM killer) leaves the
+    lock behind, and every later learner on the machine then waits on it forever; under load the
+    compile alone took ~10 min. gloo does the learner's collectives without it (it only speeds up
+    multi-rank CPU all-reduce, which parley's CPU path does not depend on). Returns whether the op
+    was marked unusable."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        return False
+    deepspeed.ops.__compatible_ops__[builder.NAME] = False  # one cached dict: the edit holds for this process
+    return True
+
+
 def init_distributed() -> None:
     """One process with gloo on CPU (env filled in when absent); under the deepspeed launcher or
     torchrun the env is already set and NCCL is used on GPUs."""
     import deepspeed
+
+    if not torch.cuda.is_available():
+        skip_cpu_shm_build()
 
     # A launcher (torchrun, the deepspeed launcher) owns the rendezvous when it runs several ranks.
     # A single process picks its own port even if MASTER_PORT was inherited: a parent that ran a
