@@ -11,22 +11,9 @@ from actors.rollout import PolicySettings, SimClient, run_conversation
 from deploy.config import load_config
 from environments.base import LocalUser
 from environments.hidden_goal import Goal
-from engines.engine import GenOut
+from tests.unit.test_env_hidden_goal import ScriptedEngine  # the scripted policy double
 
 PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
-
-
-class ScriptedEngine:
-    """Test double of engines.engine.PolicyEngine.generate: says the scripted texts in order."""
-
-    def __init__(self, tok, texts):
-        self.tok, self.texts = tok, list(texts)
-        self.end = tok.convert_tokens_to_ids("<|im_end|>")
-
-    async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=None):
-        text = self.texts.pop(0)
-        ids = self.tok.encode(text, add_special_tokens=False) + [self.end]
-        return GenOut(ids, [-0.1] * len(ids), "stop", text)
 
 
 def test_collabllm_asks_the_simulator_service():
