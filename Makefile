@@ -21,7 +21,7 @@ run: setup
 	$(BIN)/parley up
 
 test: setup
-	$(BIN)/pytest -q -ra -m "not faults"
+	$(BIN)/pytest -q -ra --durations=25 -m "not faults"
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not e2e and not slow"

@@ -30,6 +30,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
+from protocol.connect import barrier
 from protocol import status
 from protocol.request import deadline_and_id
 from protocol.messages import Heartbeat
@@ -47,7 +48,7 @@ async def _flush(nc, attempts: int = 15) -> None:
 
     for attempt in range(1, attempts + 1):
         try:
-            await nc.flush(timeout=5)
+            await barrier(nc, timeout=5)
             return
         except (nats.errors.FlushTimeoutError, nats.errors.ConnectionReconnectingError) as e:
             if attempt == attempts:
@@ -112,10 +113,7 @@ class Service:
         for subject, handler in self.routes.items():
             sub = await self.nc.subscribe(subject, queue=self.queue, cb=self._receiver(subject, handler))
             self._subs.append(sub)
-        # Twice: the first flush makes the server see the subscription, the second makes sure the
-        # interest has propagated before anyone relies on it.
-        await _flush(self.nc)
-        await _flush(self.nc)
+        await _flush(self.nc)  # the server has the subscriptions before anyone is told we serve
         log.info("%s: serving %s (queue %s, concurrency %d)", self.name, sorted(self.routes), self.queue,
                  self.concurrency)
 

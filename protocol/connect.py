@@ -101,3 +101,19 @@ async def connect(
     except nats.errors.Error as e:
         # Authorization errors and the like: say so, don't hang.
         raise NatsUnreachable(f"NATS at {url} refused {name}: {e}") from None
+
+
+async def barrier(nc, timeout: float = 5.0) -> None:
+    """Return once the server has processed every command `nc` sent so far (subscriptions, publishes).
+
+    nats-py's `flush()` alone is no such barrier: it writes its PING straight to the socket, while
+    SUB and PUB commands wait in the client's queue for its flusher task, so the PONG can come back
+    before the server has seen them (a subscription not yet live, a permission error not yet
+    reported). So: wait until the flusher has written the queue, then ping."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while nc.pending_data_size > 0 and nc.is_connected:
+        if loop.time() > deadline:
+            raise nats.errors.FlushTimeoutError
+        await asyncio.sleep(0.001)
+    await nc.flush(timeout=max(0.1, deadline - loop.time()))

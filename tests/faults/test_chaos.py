@@ -23,7 +23,7 @@ import msgspec
 import pytest
 
 from protocol import codec, dead, examples, topology
-from protocol.connect import connect
+from protocol.connect import barrier, connect
 from protocol.messages import TASK_MAX_N, TASK_MAX_NEW_TURNS
 from tests.faults.chaos import (
     NATS_START_S,
@@ -138,7 +138,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
             cluster.on_beat(codec.decode("status", msg.data))
 
         await nc.subscribe(topology.status_subject(RUN), cb=on_beat)
-        await nc.flush()
+        await barrier(nc)
         for name in cluster.roles:
             cluster.start(name)
         await wait_until(lambda: all(cluster.is_up(n) for n in cluster.roles), "every role to be ready", 600, cluster,

@@ -16,6 +16,7 @@ from deploy.config import RunConfig
 from protocol import codec, topology
 from protocol.bus import PullWorker, publish
 from protocol.messages import ChatMessage, SimReply, Task
+from protocol.connect import barrier
 from tests.unit.test_rollout import EngineDouble
 
 pytestmark = [pytest.mark.integration]
@@ -66,7 +67,7 @@ async def test_actor_waits_out_a_simulator_outage_without_spending_deliveries(js
             await msg.respond(codec.encode(SimReply(message="Thanks!", done=True)))
 
         sim = await nc.subscribe(topology.SIM_SUBJECT, cb=answer)
-        await nc.flush()
+        await barrier(nc)
         while await stream_messages(js, "traj") < 1:
             assert not worker.done()
             await asyncio.sleep(0.2)

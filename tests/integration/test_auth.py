@@ -20,7 +20,7 @@ from deploy.auth import ROLES, generate_credentials, read_env_file, role_permiss
 from deploy.natsserver import NatsServer
 from protocol import codec, examples, status, topology
 from protocol.bus import PullWorker, dead_letter, publish
-from protocol.connect import NatsUnreachable, connect, inbox_prefix
+from protocol.connect import NatsUnreachable, barrier, connect, inbox_prefix
 from protocol.messages import Heartbeat, JudgeReply, JudgeRequest, Scored, SimReply, SimRequest, WeightVersion
 from protocol.weights import current_version, fetch_version, publish_version
 
@@ -191,21 +191,19 @@ async def test_no_role_can_read_another_roles_inbox(which, request, caplog):
         for role in ("actor", "sim"):
             for subj in wanted:
                 await conns[role].subscribe(subj, cb=spy)
-            await conns[role].flush()
-            await conns[role].flush()
+            await barrier(conns[role])
 
         async def judge_cb(msg):
             await msg.respond(codec.encode(JudgeReply(ok=True, document="private")))
 
         await conns["judge"].subscribe(topology.judge_subject("extract"), queue=topology.JUDGE_QUEUE, cb=judge_cb)
-        await conns["judge"].flush()
-        await conns["judge"].flush()
+        await barrier(conns["judge"])
         request_ = codec.encode(JudgeRequest(op="extract", messages=[]))
         reply = await conns["scorer"].request(topology.judge_subject("extract"), request_, timeout=5)
         assert codec.decode("judge.reply", reply.data).document == "private"
         assert reply.subject.startswith(inbox_prefix(scorer_user) + ".")
         for role in ("actor", "sim"):
-            await conns[role].flush()
+            await barrier(conns[role])
         assert spied == []
         denied = " ".join(violations(caplog)).lower()
         for subj in wanted:
@@ -254,8 +252,7 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
         await conns["sim"].subscribe(topology.SIM_SUBJECT, queue=topology.SIM_QUEUE, cb=sim_cb)
         await conns["judge"].subscribe(topology.judge_subject("extract"), queue=topology.JUDGE_QUEUE, cb=judge_cb)
         for role in ("sim", "judge"):
-            await conns[role].flush()
-            await conns[role].flush()
+            await barrier(conns[role])
             await status.send(conns[role], run, Heartbeat(role=role, id=f"{role}-0", state="ready"))
 
         # learner: weights (object store + KV, twice so that pruning deletes a version) and one task
@@ -368,8 +365,7 @@ async def test_services_may_answer_for_as_long_as_the_config_lets_requesters_wai
             asyncio.ensure_future(answer_after(msg))
 
         await sim.subscribe(topology.SIM_SUBJECT, cb=receive)
-        await sim.flush()
-        await sim.flush()
+        await barrier(sim)
         assert (await actor.request(topology.SIM_SUBJECT, b"0.2", timeout=5)).data == b"ok"
         with pytest.raises(nats.errors.TimeoutError):
             await actor.request(topology.SIM_SUBJECT, b"3", timeout=5)
@@ -438,14 +434,13 @@ async def test_the_reference_service_answers_the_scorer_and_nobody_else_may_ask_
         await conns["reference"].subscribe(topology.REFERENCE_SUBJECT, queue=topology.REFERENCE_QUEUE, cb=answer)
         await conns["judge"].subscribe(topology.REFERENCE_SUBJECT, queue=topology.REFERENCE_QUEUE, cb=answer)
         for role in ("reference", "judge"):
-            await conns[role].flush()
-            await conns[role].flush()
+            await barrier(conns[role])
         data = codec.encode(ReferenceRequest(model="toy", token_ids_i32=b"\x01\x00\x00\x00\x02\x00\x00\x00"))
         for _ in range(4):  # the judge's subscription was refused: every answer comes from the reference user
             reply = await conns["scorer"].request(topology.REFERENCE_SUBJECT, data, timeout=5)
             assert codec.decode("reference.reply", reply.data).ok
         await conns["actor"].publish(topology.REFERENCE_SUBJECT, data)
-        await conns["actor"].flush()
+        await barrier(conns["actor"])
         denied = " ".join(violations(caplog)).lower()
         assert f'subscription to "{topology.REFERENCE_SUBJECT}"' in denied
         assert f'publish to "{topology.REFERENCE_SUBJECT}"' in denied

@@ -33,7 +33,7 @@ import pytest_asyncio
 
 from deploy.natsserver import NatsServer
 from protocol import codec, examples, topology
-from protocol.connect import connect
+from protocol.connect import barrier, connect
 from protocol.messages import (
     AssistantTurn,
     ChatMessage,
@@ -130,7 +130,7 @@ async def system(tmp_path_factory, tiny_model):
 
     for run in (RUN, LRUN):
         await s.nc.subscribe(topology.status_subject(run, "*", "*"), cb=on_beat)
-    await s.nc.flush()
+    await barrier(s.nc)
 
     model = str(tiny_model)
 

@@ -18,6 +18,7 @@ import pytest
 
 from protocol import codec, topology
 from protocol.bus import publish
+from protocol.connect import barrier
 from tests.integration.test_learner_resume import BUS, N, REPO, finish, make_scored, toy, trained_lines, wait_for  # noqa: F401 (toy: a fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -64,7 +65,7 @@ class StandInActor:
             await self.queue.put(codec.decode("tasks", msg.data))
 
         self.sub = await self.nc.subscribe(topology.subject(self.run, "tasks"), cb=on_task)
-        await self.nc.flush()
+        await barrier(self.nc)
         self.worker = asyncio.create_task(self._answer_all())
         return self
 

@@ -21,7 +21,7 @@ from deploy.natsserver import NatsServer
 from engines.service import Service
 from protocol import codec, topology
 from protocol.bus import Retry
-from protocol.connect import connect, inbox_prefix
+from protocol.connect import barrier, connect, inbox_prefix
 from protocol.messages import SimReply, SimRequest
 
 pytestmark = pytest.mark.integration
@@ -63,7 +63,7 @@ async def test_services_at_three_times_their_capacity_never_compute_twice(secure
         replies[msg.subject] += 1
 
     await conns["admin"].subscribe(f"{inbox_prefix(creds['actor'][0])}.>", cb=spy)
-    await conns["admin"].flush()
+    await barrier(conns["admin"])
     service = Service(conns["sim"], {topology.SIM_SUBJECT: slow_backend_double}, queue=topology.SIM_QUEUE,
                       concurrency=SLOTS, name="sim-overload")
     await service.start()
@@ -76,7 +76,7 @@ async def test_services_at_three_times_their_capacity_never_compute_twice(secure
             await asyncio.sleep(1.0 / OFFERED)
         results = await asyncio.gather(*asks, return_exceptions=True)
         await service.stop(grace_s=10)
-        await conns["admin"].flush()
+        await barrier(conns["admin"])
     finally:
         for nc in conns.values():
             await nc.close()
