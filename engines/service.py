@@ -30,10 +30,10 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
-from protocol.connect import barrier
 from protocol import status
-from protocol.request import deadline_and_id
+from protocol.connect import barrier
 from protocol.messages import Heartbeat
+from protocol.request import deadline_and_id
 
 log = logging.getLogger("parley.service")
 
