@@ -74,7 +74,15 @@ SCHEMAS: dict[str, dict] = {
         "additionalProperties": False,
     },
 }
-SCHEMAS["interactivity_expected"] = SCHEMAS["interactivity"]
+# interactivity_expected reads its score from the log-probs at the three level positions, which
+# come first; a rationale written after them cannot change them, and was most of the op's tokens
+# (on the embedded default, the judge's share of the services' engine). So it writes the levels only.
+SCHEMAS["interactivity_expected"] = {
+    "type": "object",
+    "properties": {k: SCHEMAS["interactivity"]["properties"][k] for k in INTERACTIVITY_KEYS},
+    "required": list(INTERACTIVITY_KEYS),
+    "additionalProperties": False,
+}
 
 
 class ExtractVerdict(msgspec.Struct, forbid_unknown_fields=True):

@@ -12,6 +12,7 @@ from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
 from scorer.config import JudgeConfig
 import math
 
+from rewards.metrics import INTERACTIVITY_KEYS
 from scorer.judge import (
     EXPECTED_TOP_LOGPROBS,
     SCHEMAS,
@@ -275,8 +276,26 @@ async def test_expected_interactivity_carries_the_distribution_and_its_expected_
     assert reply.levels == {"understanding": 2, "clarification": 1, "suggestions": 0}  # what it wrote
     assert set(reply.distribution) == {"understanding", "clarification", "suggestions"}
     assert reply.score == pytest.approx((2.2 + 0.75 + 1.5) / 9)  # 0.49444, not the written levels' 3/9
-    assert all(c["top_logprobs"] == EXPECTED_TOP_LOGPROBS and c["schema"] is SCHEMAS["interactivity"]
+    assert all(c["top_logprobs"] == EXPECTED_TOP_LOGPROBS and c["schema"] is SCHEMAS["interactivity_expected"]
                for c in backend.calls)
     # through the wire: the scorer reads the distribution back
     back = codec.decode("judge.reply", codec.encode(reply))
     assert back.distribution == reply.distribution
+
+
+async def test_expected_interactivity_decodes_the_levels_only():
+    """Its score comes from the level positions, which come first: the schema ends after the last
+    level (no rationale to pay for), and a levels-only reply scores exactly as one with a rationale."""
+    schema = SCHEMAS["interactivity_expected"]
+    assert list(schema["properties"]) == list(INTERACTIVITY_KEYS) == schema["required"]
+    assert "rationale" not in schema["properties"] and schema["additionalProperties"] is False
+    levels_only = _expected_tokens()[:13] + [("}", {})]
+    raw = "".join(t for t, _ in levels_only)
+    assert json.loads(raw) == {"understanding": 2, "clarification": 1, "suggestions": 0}
+    short = await Judge(TokensBackend([(raw, levels_only)]), JudgeConfig()).handle(
+        "interactivity_expected", JudgeRequest(op="interactivity_expected", messages=CONV))
+    full_raw = "".join(t for t, _ in _expected_tokens())
+    full = await Judge(TokensBackend([(full_raw, _expected_tokens())]), JudgeConfig()).handle(
+        "interactivity_expected", JudgeRequest(op="interactivity_expected", messages=CONV))
+    assert short.ok and short.score == full.score == pytest.approx((2.2 + 0.75 + 1.5) / 9)
+    assert short.distribution == full.distribution
