@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from deploy.config import RunConfig, dump_config
+from engines.engine import CPU_ENGINES_ENV
 from protocol.backlog import WARN_SHARE
 from runtime.supervisor import Supervisor
 
@@ -57,6 +58,16 @@ def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tu
         children.append((f"scorer-{i}", sup.parley_argv("scorer", *c, "--id", f"scorer-{i}")))
     children.append(("learner", sup.parley_argv("learner", *c)))
     return children
+
+
+def cpu_engines(cfg: RunConfig, children: list[tuple[str, list[str]]]) -> int:
+    """How many vLLM engines this `parley up` runs at once: one per actor, the services' (one shared
+    by sim and judge, or one each), and the learner's periodic eval child while it runs. On CPU they
+    split the cores between them (engines.engine.share_cpu_cores)."""
+    names = [name.split("-")[0] for name, _ in children]
+    n = names.count("actor") + names.count("services")
+    n += names.count("sim") * (cfg.sim.backend == "vllm") + names.count("judge") * (cfg.judge.backend == "vllm")
+    return n + (1 if cfg.learner.eval_every > 0 else 0)
 
 
 def prepare_models(cfg: RunConfig) -> None:
@@ -106,10 +117,12 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
     try:
         await asyncio.to_thread(prepare_models, cfg)
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)
-        for name, argv in plan_children(cfg, sup, config_path):
+        children = plan_children(cfg, sup, config_path)
+        engines = cpu_engines(cfg, children)
+        for name, argv in children:
             role = name.split("-")[0]
             user, password = creds["services" if role == "services" else role]
-            env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password}
+            env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password, CPU_ENGINES_ENV: str(engines)}
             if role == "learner":  # its periodic eval child plays the eval role (sim/judge requests, EVAL stream)
                 from evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
 

@@ -103,11 +103,30 @@ def _top_by_text(sampled: int, pos: dict) -> tuple[str, dict[str, float]]:
 # the engines of one machine (parley up: actor, services, an eval child) all share one core while the
 # other idles. Unless the operator chose a binding, the OS places them (measured: docs/operations.md).
 CPU_BIND_ENV, CPU_BIND_DEFAULT = "VLLM_CPU_OMP_THREADS_BIND", "nobind"
+# Unbound, each engine's torch would start one OpenMP thread per core: `parley up`'s three engines on
+# two cores ran six threads that spin at every barrier waiting for one another. The launcher that knows
+# how many engines share the machine (deploy/up.py) says so here, and each engine takes its share.
+CPU_ENGINES_ENV = "PARLEY_CPU_ENGINES"
 
 
-def share_cpu_cores(environ=os.environ) -> str:
-    """Set the CPU binding the engine's workers inherit (unless already set); returns it."""
-    return environ.setdefault(CPU_BIND_ENV, CPU_BIND_DEFAULT)
+def share_cpu_cores(environ=os.environ, cpus: int | None = None) -> str:
+    """Set the CPU binding the engine's workers inherit (unless already set); returns it.
+
+    Unbound, with PARLEY_CPU_ENGINES=k set and no OMP_NUM_THREADS of the operator's, the workers get
+    OMP_NUM_THREADS = max(1, cpus // k), cpus being the cores this process may run on."""
+    bind = environ.setdefault(CPU_BIND_ENV, CPU_BIND_DEFAULT)
+    engines = environ.get(CPU_ENGINES_ENV)
+    if bind == "nobind" and engines and "OMP_NUM_THREADS" not in environ:
+        try:
+            k = int(engines)
+            if k < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{CPU_ENGINES_ENV}={engines!r}: the number of engines sharing this machine's cores "
+                             "must be a whole number >= 1 (or unset)") from None
+        cpus = cpus or len(os.sched_getaffinity(0))
+        environ["OMP_NUM_THREADS"] = str(max(1, cpus // k))
+    return bind
 
 
 class PolicyEngine:

@@ -12,3 +12,50 @@ def test_engines_are_not_pinned_unless_the_operator_pins_them():
     assert share_cpu_cores(environ) == "nobind" and environ == {CPU_BIND_ENV: "nobind"}
     chosen = {CPU_BIND_ENV: "0-1"}
     assert share_cpu_cores(chosen) == "0-1" and chosen == {CPU_BIND_ENV: "0-1"}
+
+
+def test_unbound_engines_split_the_cores_the_launcher_says_they_share():
+    from engines.engine import CPU_ENGINES_ENV
+
+    three_on_two = {CPU_ENGINES_ENV: "3"}
+    share_cpu_cores(three_on_two, cpus=2)
+    assert three_on_two["OMP_NUM_THREADS"] == "1"  # not 2 each: six spinning threads on two cores
+    two_on_eight = {CPU_ENGINES_ENV: "2"}
+    share_cpu_cores(two_on_eight, cpus=8)
+    assert two_on_eight["OMP_NUM_THREADS"] == "4"
+    operator = {CPU_ENGINES_ENV: "3", "OMP_NUM_THREADS": "2"}
+    share_cpu_cores(operator, cpus=2)
+    assert operator["OMP_NUM_THREADS"] == "2"  # the operator's choice stands
+    pinned = {CPU_ENGINES_ENV: "3", CPU_BIND_ENV: "0"}
+    share_cpu_cores(pinned, cpus=2)
+    assert "OMP_NUM_THREADS" not in pinned  # vLLM sizes a bound engine's threads by its cores
+    alone: dict[str, str] = {}
+    share_cpu_cores(alone, cpus=2)
+    assert "OMP_NUM_THREADS" not in alone  # started by hand: the engine has the machine
+
+
+def test_a_bad_engine_count_names_the_variable():
+    import pytest
+
+    from engines.engine import CPU_ENGINES_ENV
+
+    for bad in ("0", "two"):
+        with pytest.raises(ValueError, match=CPU_ENGINES_ENV):
+            share_cpu_cores({CPU_ENGINES_ENV: bad}, cpus=2)
+
+
+def test_parley_up_counts_the_engines_it_runs_at_once(tmp_path):
+    from deploy.config import load_config
+    from deploy.up import cpu_engines, plan_children
+    from runtime.supervisor import Supervisor
+
+    sup = Supervisor(tmp_path)
+
+    def count(overrides):
+        cfg = load_config(None, overrides)
+        return cpu_engines(cfg, plan_children(cfg, sup, tmp_path / "c.toml"))
+
+    assert count([]) == 3  # the embedded default: the actor's, the services' (sim + judge share one), the eval child's
+    assert count(["up.actors=2", "learner.eval_every=0"]) == 3
+    assert count(["judge.engine.model=\"tiny\""]) == 4  # sim and judge on different models: one engine each
+    assert count(["env.name=\"hidden_goal\""]) == 2  # no simulator, no judge
