@@ -46,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per assistant turn, in training and eval")
     p.add_argument("--max-new-turns", type=int, default=6, help="messages added after the opening line")
     p.add_argument("--n-items", type=int, default=120, help="goals drawn per seed ([env] options.n_items)")
+    p.add_argument("--nudge", default="fixed", help="[env] options.nudge: fixed | slots (the user names the slots not asked yet)")
+    p.add_argument("--answer", default="final", help="[env] options.answer: final (the FINAL line) | mentions (the last message's words)")
+    p.add_argument("--kl-coef", type=float, default=0.001, help="[learner] kl_coef (0: no reference forward pass in a step)")
     p.add_argument("--eval-fraction", type=float, default=0.2, help="goals held out ([data] eval_fraction)")
     p.add_argument("--eval-seeds", type=int, default=2, help="conversations per held-out goal and version")
     p.add_argument("--temperature", type=float, default=1.0,
@@ -65,11 +68,16 @@ def parse_args(argv=None):
     return args
 
 
+def env_options(args, seed: int) -> dict:
+    return {"n_items": args.n_items, "seed": seed, "nudge": args.nudge, "answer": args.answer}
+
+
 def overrides(args, seed: int) -> list[str]:
     """The run's settings, as `--set` overrides of the embedded default (deploy/configs/default.toml)."""
+    options = ", ".join(f"{k} = {json.dumps(v)}" for k, v in env_options(args, seed).items())
     return [
         f"env.name={json.dumps(ENV)}",
-        f"env.options={{n_items = {args.n_items}, seed = {seed}}}",
+        f"env.options={{{options}}}",
         f"data.eval_fraction={args.eval_fraction}",
         f"data.split_seed={seed}",
         f"rollout.n={args.n}",
@@ -77,6 +85,8 @@ def overrides(args, seed: int) -> list[str]:
         f"rollout.max_new_turns={args.max_new_turns}",
         f"learner.groups_per_step={args.groups_per_step}",
         f"learner.lr={args.lr}",
+        f"learner.kl_coef={args.kl_coef}",
+        f"learner.checkpoint_every={args.steps}",  # one DeepSpeed checkpoint, after the last step
         f"learner.seed={seed}",
         f"learner.model={json.dumps(args.model)}",
         f"actor.engine.model={json.dumps(args.model)}",
@@ -121,7 +131,7 @@ async def evaluate(args, seed: int, versions: dict[int, str]) -> list:
     from evaluation.runner import Condition, EvalServices, EvalSettings, Policy, run_eval
     from scorer.config import ScorerConfig
 
-    env = registry.load(ENV, {"n_items": args.n_items, "seed": seed})
+    env = registry.load(ENV, env_options(args, seed))
     _, held = env.tasks.train_eval(data_config(args, seed))
     held = held[:args.eval_items] if args.eval_items > 0 else held
     engine_cfg = EngineConfig(model=args.model, max_model_len=2048, kv_cache_bytes=256 << 20)
@@ -169,7 +179,7 @@ def one_seed(args, seed: int) -> dict:
     records = asyncio.run(evaluate(args, seed, versions))
     eval_s = time.perf_counter() - t0
     write_parquet(records, args.out / f"seed{seed}.records.parquet")
-    env = registry.load(ENV, {"n_items": args.n_items, "seed": seed})
+    env = registry.load(ENV, env_options(args, seed))
     scored = [r for r in records if r.metrics]
     table = summarize(scored, baseline="v0", env=env)
     (args.out / f"seed{seed}.table.md").write_text(to_markdown(table))
@@ -224,8 +234,8 @@ def main(argv=None) -> int:
         (args.out / "results.json").write_text(json.dumps(results, indent=1))  # what is done survives a crash
         print(summary_table(args, results)[0], flush=True)
     table, data = summary_table(args, results)
-    details = (f"{args.model}, {ENV}, {args.steps} steps x {args.groups_per_step} groups x n={args.n}, lr {args.lr}, "
-               f"max_tokens {args.max_tokens}, max_new_turns {args.max_new_turns}, load {os.getloadavg()[0]:.1f}")
+    details = (f"{args.model}, {ENV} (nudge {args.nudge}, answer {args.answer}), {args.steps} steps x {args.groups_per_step} groups x n={args.n}, lr {args.lr}, "
+               f"kl_coef {args.kl_coef}, max_tokens {args.max_tokens}, max_new_turns {args.max_new_turns}, load {os.getloadavg()[0]:.1f}")
     report("env_learning", details, time.perf_counter() - t0, table, {**data, "args": {k: str(v) for k, v in vars(args).items()}},
            args.json)
     return 0

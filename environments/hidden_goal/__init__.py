@@ -6,6 +6,12 @@ slots that message asks about. The assistant ends with one line `FINAL: slot=val
 is the fraction of slots it got exactly right minus TURN_COST per assistant turn, so guessing loses,
 and asking about several slots at once beats asking one at a time.
 
+Two options make the world easier for a small policy without changing what is rewarded (the final
+answer's match with the goal, minus the turn cost): `nudge = "slots"` (the user's answer to a message
+that asks nothing names the slots still unknown) and `answer = "mentions"` (the final answer is the
+last message's plain words: a slot is right when that message names the goal's value and no other
+value of the slot; a FINAL line is not needed). The defaults ("fixed", "final") are the world above.
+
 Goals are drawn from a seed (the domains are domains.toml); the split is by goal. Registered as
 `hidden_goal` in pyproject.toml; docs/environments.md walks through this file.
 """
@@ -21,7 +27,7 @@ import time
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from importlib import resources
 
 from environments.base import (
@@ -40,6 +46,8 @@ from tasks.data import system_prompt_text
 
 NAME = "hidden_goal"
 TURN_COST = 0.05  # reward per assistant turn: asking for every slot at once, then answering, costs 0.1
+NUDGES = ("fixed", "slots")  # [env] options.nudge: world().nudge, or world().nudge_slots naming the unknown slots
+ANSWERS = ("final", "mentions")  # [env] options.answer: the FINAL line, or the last message's words
 
 
 # ---- the world: domains and goals --------------------------------------------------------------
@@ -63,6 +71,7 @@ class Domain:
 class World:
     domains: dict[str, Domain]
     nudge: str
+    nudge_slots: str  # a string.Template: $slots are the slots the user has not been asked about yet
     thanks: str
 
 
@@ -74,7 +83,7 @@ def world() -> World:
             Slot(s["name"], tuple(s["values"]), tuple(s.get("cues", ()))) for s in d["slots"]))
         for d in raw["domain"]
     }
-    return World(domains=domains, nudge=raw["nudge"], thanks=raw["thanks"])
+    return World(domains=domains, nudge=raw["nudge"], nudge_slots=raw["nudge_slots"], thanks=raw["thanks"])
 
 
 def _slug(text: str) -> str:
@@ -153,41 +162,80 @@ def final_answer(text: str) -> dict[str, set[str]] | None:
     return out
 
 
+def stated_values(text: str, slot: Slot) -> set[str]:
+    """The slot's values `text` names as words (normalized). A value inside a longer one that is
+    named ('large' in 'extra large') is not counted on its own."""
+    words = _norm(text)
+    found = set()
+    for value in sorted((_norm(v) for v in slot.values), key=len, reverse=True):
+        word = re.compile(rf"(?<!\S){re.escape(value)}(?!\S)")
+        if word.search(words):
+            found.add(value)
+            words = word.sub("|", words)
+    return found
+
+
+def mentioned_answer(text: str, domain: Domain) -> dict[str, set[str]]:
+    """`answer = "mentions"`: slot -> the values the message names (a slot named with two values is wrong)."""
+    return {_norm(s.name): stated_values(text, s) for s in domain.slots}
+
+
+def is_final(text: str, domain: Domain, answer: str) -> bool:
+    """Whether the message is the assistant's final answer: a FINAL line, or under "mentions" also
+    a message naming exactly one value for every slot."""
+    if final_answer(text) is not None:
+        return True
+    return answer == "mentions" and all(len(v) == 1 for v in mentioned_answer(text, domain).values())
+
+
 def asks_about(text: str, slot: Slot) -> bool:
     words = f" {_norm(text)} "
     return any(f" {_norm(w)} " in words for w in (slot.name, *slot.cues, *slot.values))
 
 
-def respond(messages: Sequence[ChatMessage], hidden: str) -> UserTurn:
+def _join(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
+
+
+def respond(messages: Sequence[ChatMessage], hidden: str, *, nudge: str = "fixed", answer: str = "final") -> UserTurn:
     """The user: the opening line, then a terse truthful answer naming exactly the slots the
-    assistant's last message asks about, until the assistant gives a final answer."""
+    assistant's last message asks about, until the assistant gives a final answer. A message that
+    asks about nothing gets the nudge: world().nudge, or with nudge="slots" world().nudge_slots
+    naming the slots no earlier assistant message asked about (world().nudge once none is left)."""
     domain, goal = parse_hidden(hidden)
     said = last_assistant(messages)
     if said is None:
         return UserTurn(domain.opening)
-    if final_answer(said) is not None:
+    if is_final(said, domain, answer):
         return UserTurn(world().thanks, done=True)
     asked = [s for s in domain.slots if asks_about(said, s)]
-    if not asked:
-        return UserTurn(world().nudge)
-    return UserTurn(", ".join(f"{s.name}: {goal[s.name]}" for s in asked) + ".")
+    if asked:
+        return UserTurn(", ".join(f"{s.name}: {goal[s.name]}" for s in asked) + ".")
+    if nudge == "slots":
+        earlier = [m.content for m in messages if m.role == "assistant"][:-1]  # each was answered
+        unknown = [s.name for s in domain.slots if not any(asks_about(t, s) for t in earlier)]
+        if unknown:
+            return UserTurn(string.Template(world().nudge_slots).substitute(slots=_join(unknown)))
+    return UserTurn(world().nudge)
 
 
 # ---- the reward ------------------------------------------------------------------------------
 
 
-def goal_match(conv: Finished) -> float:
-    """The fraction of the goal's slots the assistant's last message states exactly; 0 without a final line."""
-    _, goal = parse_hidden(conv.reference)
-    answer = final_answer(last_assistant(conv.messages) or "")
-    if answer is None:
+def goal_match(conv: Finished, answer: str = "final") -> float:
+    """The fraction of the goal's slots the assistant's last message states exactly: in its final
+    line (none: 0), or with answer="mentions" in its words (one value of the slot named, the goal's)."""
+    domain, goal = parse_hidden(conv.reference)
+    text = last_assistant(conv.messages) or ""
+    stated = final_answer(text) if answer == "final" else mentioned_answer(text, domain)
+    if stated is None:
         return 0.0
-    right = sum(answer.get(_norm(slot), set()) == {_norm(value)} for slot, value in goal.items())
+    right = sum(stated.get(_norm(slot), set()) == {_norm(value)} for slot, value in goal.items())
     return right / len(goal)
 
 
-def exact(conv: Finished) -> float:
-    return 1.0 if goal_match(conv) == 1.0 else 0.0
+def exact(conv: Finished, answer: str = "final") -> float:
+    return 1.0 if goal_match(conv, answer) == 1.0 else 0.0
 
 
 def assistant_turns(conv: Finished) -> float:
@@ -202,7 +250,7 @@ def system_prompt(domain: Domain) -> str:
     names = [s.name for s in domain.slots]
     return template.substitute(
         domain=domain.name,
-        slots=", ".join(names[:-1]) + f" and {names[-1]}",
+        slots=_join(names),
         example=", ".join(f"{n}=<{n}>" for n in names),
     ).strip()
 
@@ -228,8 +276,12 @@ def _leakage_keys(item: Goal) -> Mapping[str, str]:
     return {"goal": item.item_id}
 
 
-def environment(n_items: int = 120, seed: int = 0) -> Environment:
-    """hidden_goal with `n_items` goals drawn with `seed`; [data] eval_fraction and split_seed split them."""
+def environment(n_items: int = 120, seed: int = 0, nudge: str = "fixed", answer: str = "final") -> Environment:
+    """hidden_goal with `n_items` goals drawn with `seed`; [data] eval_fraction and split_seed split them.
+    `nudge` (NUDGES) and `answer` (ANSWERS): the module docstring; the defaults are the plain world."""
+    for key, value, allowed in (("nudge", nudge, NUDGES), ("answer", answer, ANSWERS)):
+        if value not in allowed:
+            raise ValueError(f"{NAME}: [env] options.{key}={value!r} is not one of {allowed}; set one of those")
     goals = generate(n_items, seed)
 
     def train_eval(data) -> tuple[list[Goal], list[Goal]]:
@@ -242,10 +294,10 @@ def environment(n_items: int = 120, seed: int = 0) -> Environment:
         name=NAME,
         description="hidden_goal: find out the user's hidden order by asking (programmatic user, exact reward)",
         tasks=TaskSource(train_eval=train_eval, task=_task, leakage_keys=_leakage_keys, leaks=("goal",)),
-        user=ProgrammaticUser(name=NAME, respond=respond),
+        user=ProgrammaticUser(name=NAME, respond=partial(respond, nudge=nudge, answer=answer)),
         reward=Reward(metrics=(
-            PureMetric("goal_match", compute=goal_match, weight=1.0),
-            PureMetric("exact", compute=exact),
+            PureMetric("goal_match", compute=partial(goal_match, answer=answer), weight=1.0),
+            PureMetric("exact", compute=partial(exact, answer=answer)),
             PureMetric("assistant_turns", compute=assistant_turns, weight=-TURN_COST),
         )),
         eval=EvalProtocol(columns=("goal_match", "exact", "assistant_turns"), select="goal_match",

@@ -206,3 +206,106 @@ def test_the_actor_loop_plays_the_user_in_process(tiny_model):
     assert [m.content for m in traj.messages if m.role == "user"] == [
         "I want to order a pizza.", "size: large, crust: thin, topping: ham."]
     assert env.reward.evaluate(traj) == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 2.0}
+
+
+# ---- the options: nudge = "slots", answer = "mentions" ---------------------------------------
+
+
+def test_the_default_options_are_the_plain_world():
+    env = environment(n_items=4)
+    said = [user("I want to order a pizza."), assistant("A large thin ham pizza, then.")]
+    # the plain world reads a message naming values as a question about those slots, and rewards no final line
+    assert answered(env.user.respond(said, PIZZA.hidden()).message) == {"size": "large", "crust": "thin", "topping": "ham"}
+    assert env.reward.evaluate(conv(*said))["goal_match"] == 0.0
+    assert env.user.respond([user("."), assistant("Hello!")], PIZZA.hidden()).message == "What do you need to know?"
+
+
+def test_the_slots_nudge_names_the_slots_not_asked_yet():
+    hidden = PIZZA.hidden()
+    nudge = dict(nudge="slots")
+    assert respond([user("I want to order a pizza."), assistant("Hello!")], hidden, **nudge).message == \
+        "Ask me about the size, crust and topping."
+    assert respond([assistant("What size?"), user("size: large."), assistant("Great.")], hidden, **nudge).message == \
+        "Ask me about the crust and topping."
+    assert respond([assistant("Size and crust?"), user("size: large, crust: thin."), assistant("Great.")], hidden,
+                   **nudge).message == "Ask me about the topping."
+    # every slot was asked about: the plain nudge; a question is still answered as in the plain world
+    asked_all = [assistant("Size, crust, topping?"), user("size: large, crust: thin, topping: ham."), assistant("Ok.")]
+    assert respond(asked_all, hidden, **nudge).message == world().nudge
+    assert answered(respond([assistant("What crust?")], hidden, **nudge).message) == {"crust": "thin"}
+
+
+@pytest.mark.parametrize(
+    "last, match",
+    [
+        ("A large pizza, thin crust, ham.", 1.0),
+        ("FINAL: size=large, crust=thin, topping=ham", 1.0),  # a final line is words too
+        ("Large or small? Thin crust with ham.", 2 / 3),  # two sizes named: the size is wrong
+        ("A large thin-crust pizza with ham.", 2 / 3),  # 'thin-crust' is one word, not 'thin'
+        ("A medium thick pizza with olive.", 0.0),
+        ("What would you like?", 0.0),
+    ],
+)
+def test_mentions_answer_by_hand(last, match):
+    env = environment(n_items=4, answer="mentions")
+    assert env.reward.evaluate(conv(user("."), assistant(last)))["goal_match"] == pytest.approx(match)
+
+
+def test_a_value_inside_a_longer_value_is_not_a_rival():
+    shirt = Goal("t-shirt", (("color", "red"), ("size", "extra large"), ("material", "cotton")))
+    env = environment(n_items=4, answer="mentions")
+
+    def match(text):
+        return env.reward.evaluate(conv(user("."), assistant(text), goal=shirt))["goal_match"]
+
+    assert match("A red extra large cotton t-shirt.") == 1.0
+    assert match("A red large cotton t-shirt.") == pytest.approx(2 / 3)
+    assert match("Red, cotton: large or extra large?") == pytest.approx(2 / 3)  # two sizes named
+
+
+def test_under_mentions_a_message_naming_one_value_per_slot_ends_the_conversation():
+    hidden, opts = PIZZA.hidden(), dict(answer="mentions")
+    done = respond([user("."), assistant("A large thin ham pizza, then.")], hidden, **opts)
+    assert done.done and done.message == world().thanks
+    assert respond([assistant("FINAL: size=large")], hidden, **opts).done  # a final line still ends it
+    # two values of a slot, or a slot not named: a question, answered as in the plain world
+    assert answered(respond([assistant("Large or small, thin, ham?")], hidden, **opts).message) == \
+        {"size": "large", "crust": "thin", "topping": "ham"}
+    assert answered(respond([assistant("A large thin one?")], hidden, **opts).message) == {"size": "large", "crust": "thin"}
+
+
+def test_reward_under_mentions_by_hand():
+    env = environment(n_items=4, nudge="slots", answer="mentions")
+    weights = env.reward.default_weights()
+    assert weights == {"goal_match": 1.0, "assistant_turns": -TURN_COST}  # the same reward terms
+    c = conv(user("I want to order a pizza."), assistant("Hello!"), user("Ask me about the size, crust and topping."),
+             assistant("Which size, crust and topping?"), user("size: large, crust: thin, topping: ham."),
+             assistant("A large pizza, thin crust, topping ham, coming up."))
+    m = env.reward.evaluate(c)
+    assert m == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 3.0}
+    assert total_reward(m, weights) == pytest.approx(1.0 - 3 * 0.05)  # 0.85
+
+
+def test_unknown_option_values_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"options.answer='json' is not one of \('final', 'mentions'\)"):
+        environment(answer="json")
+    with pytest.raises(ValueError, match=r"options.nudge='loud' is not one of \('fixed', 'slots'\)"):
+        environment(nudge="loud")
+
+
+def test_the_options_resolve_through_the_registry_and_the_actor_loop(tiny_model):
+    from transformers import AutoTokenizer
+
+    from actors.rollout import PolicySettings, run_conversation
+    from environments import registry
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    env = registry.load(NAME, {"n_items": 4, "nudge": "slots", "answer": "mentions"})
+    task = env.tasks.task(PIZZA, run="r", task_id="t", n=1, rollout=RolloutConfig(max_new_turns=8), seed=1, version=0)
+    engine = ScriptedEngine(tok, ["Hello! How can I help?", "Size, crust, topping?", "Large, thin, ham. Coming up!"])
+    traj = asyncio.run(run_conversation(engine, LocalUser(env.user), task, 0, lambda: 0, tokenizer=tok,
+                                        policy=PolicySettings(max_model_len=2048)))
+    assert traj.terminated == "sim_done"
+    assert [m.content for m in traj.messages if m.role == "user"] == [
+        "I want to order a pizza.", "Ask me about the size, crust and topping.", "size: large, crust: thin, topping: ham."]
+    assert env.reward.evaluate(traj) == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 3.0}
