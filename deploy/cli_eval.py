@@ -247,9 +247,8 @@ def eval_cmd(
         _fail("eval", f"--user-sim-prompt {sim_prompt!r}: environment {env.name!r} plays a programmatic user; leave it out")
     if sim_prompt and sim_prompt not in SIM_PROMPTS:
         _fail("eval", f"--user-sim-prompt {sim_prompt!r} not allowed; use one of {', '.join(SIM_PROMPTS)}")
-    from environments import collabllm
     from evaluation.runner import EvalSettings, eval_items, parse_condition
-    from evaluation.leakage import LeakageError, guard_environment, guard_overlap
+    from evaluation.leakage import LeakageError, guard_environment
 
     out = out or cfg.run_dir / "benchmark"
     try:
@@ -266,10 +265,8 @@ def eval_cmd(
         held = held[:n_items] if n_items > 0 else held
         if not held:
             raise ValueError("no eval items: pass --items FILE, or set [data] eval_path or eval_fraction > 0")
-        if env.name == collabllm.NAME:
-            guard_overlap(train, held, allow_overlap or cfg.data.allow_overlap, out)
-        else:
-            guard_environment(env.tasks, train, held, allow_overlap or cfg.data.allow_overlap, out)
+        # the learner's guard (learner.service): collabllm_medium's keys are its reference and prompt
+        guard_environment(env.tasks, train, held, allow_overlap or cfg.data.allow_overlap, out)
     except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
         _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
     setup_logging("eval")

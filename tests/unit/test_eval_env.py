@@ -291,3 +291,15 @@ def test_parley_eval_refuses_a_simulator_prompt_for_a_programmatic_user(this_che
     out = CliRunner().invoke(app, ["eval", "-C", "base=x", "--user-sim-prompt", "lazy_full", "--set", "env.name=hidden_goal"])
     assert out.exit_code == 2, out.output
     assert "programmatic user" in out.output
+
+
+def test_parley_eval_guards_collabllm_with_the_learners_guard(this_checkout, tmp_path):
+    """`parley eval` stops on shared reference targets through guard_environment, as the learner does."""
+    from typer.testing import CliRunner
+
+    from deploy.cli import app
+
+    out = CliRunner().invoke(app, ["eval", "-C", "base=x", "--items", "bundled", "--out", str(tmp_path),
+                                   "--set", "data.eval_fraction=0.25"])
+    assert out.exit_code == 1, out.output
+    assert "share 18 reference targets" in out.output and "--allow-overlap" in out.output
