@@ -191,7 +191,8 @@ async def main(stop: asyncio.Event, cfg, ident: str, concurrency: int | None = N
     await topology.ensure_topology(js, cfg.run.name, cfg.bus)
     await status.send(nc, cfg.run.name, Heartbeat(role="actor", id=ident, state="starting"))
     t0 = time.perf_counter()
-    engine, tokenizer, path = open_engine(cfg.actor.engine)  # blocks while vLLM loads
+    # the behaviour log-probs are of the distribution sampled at actor.temperature (the learner's too)
+    engine, tokenizer, path = open_engine(cfg.actor.engine, sampled_logprobs=True)  # blocks while vLLM loads
     log.info("%s: policy %s (%s) loaded in %.0fs", ident, cfg.actor.engine.model, path, time.perf_counter() - t0)
     weights_dir = tempfile.mkdtemp(prefix=f"parley-{ident}-weights-")
     try:

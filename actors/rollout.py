@@ -305,6 +305,7 @@ async def run_conversation(
         model=policy.model,
         actor=policy.actor,
         seed=seed,
+        temperature=policy.temperature,
         timings={**{k: round(v, 4) for k, v in p.timings.items()}, "total": round(time.perf_counter() - t0, 4)},
         created=time.time(),
     )

@@ -51,8 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--kl-coef", type=float, default=0.001, help="[learner] kl_coef (0: no reference forward pass in a step)")
     p.add_argument("--eval-fraction", type=float, default=0.2, help="goals held out ([data] eval_fraction)")
     p.add_argument("--eval-seeds", type=int, default=2, help="conversations per held-out goal and version")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="the eval's sampling temperature (training samples at 1.0: the learner's log-probs are of the raw distribution)")
+    p.add_argument("--train-temperature", type=float, default=1.0,
+                   help="actor.temperature: the policy samples at it in training, the learner recomputes softmax(logits / T)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="the eval's sampling temperature (default: --train-temperature, the distribution that was trained)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one seed's `parley up` may take")
     p.add_argument("--eval-items", type=int, default=0, help="evaluate only the first K held-out goals (0 = all)")
     p.add_argument("--eval-only", action="store_true", help="skip training: evaluate version 0 only (to debug the eval)")
@@ -61,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if args.temperature is None:
+        args.temperature = args.train_temperature
     if not 1 <= args.steps <= 30:
         p.error(f"--steps {args.steps}: the benchmark trains 1..30 steps")
     if not args.seeds:
@@ -86,6 +90,7 @@ def overrides(args, seed: int) -> list[str]:
         f"learner.groups_per_step={args.groups_per_step}",
         f"learner.lr={args.lr}",
         f"learner.kl_coef={args.kl_coef}",
+        f"actor.temperature={args.train_temperature}",
         f"learner.checkpoint_every={args.steps}",  # one DeepSpeed checkpoint, after the last step
         f"learner.seed={seed}",
         f"learner.model={json.dumps(args.model)}",
@@ -235,7 +240,7 @@ def main(argv=None) -> int:
         print(summary_table(args, results)[0], flush=True)
     table, data = summary_table(args, results)
     details = (f"{args.model}, {ENV} (nudge {args.nudge}, answer {args.answer}), {args.steps} steps x {args.groups_per_step} groups x n={args.n}, lr {args.lr}, "
-               f"kl_coef {args.kl_coef}, max_tokens {args.max_tokens}, max_new_turns {args.max_new_turns}, load {os.getloadavg()[0]:.1f}")
+               f"kl_coef {args.kl_coef}, temperature {args.train_temperature} (eval {args.temperature}), max_tokens {args.max_tokens}, max_new_turns {args.max_new_turns}, load {os.getloadavg()[0]:.1f}")
     report("env_learning", details, time.perf_counter() - t0, table, {**data, "args": {k: str(v) for k, v in vars(args).items()}},
            args.json)
     return 0

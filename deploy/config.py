@@ -173,18 +173,32 @@ def convert_config(data: dict, source: str = "<config>") -> RunConfig:
 def check_training(cfg: RunConfig) -> None:
     """Cross-section checks of a run that trains (`parley learner`, `parley up`), made at their start.
 
-    The actors record the log-prob of each sampled token under the raw distribution, and the learner
-    recomputes the raw distribution; a temperature or top-p other than 1 samples from another
-    distribution, so the PPO ratio and the importance weights would be taken against the wrong
-    behaviour policy, silently. Not checked when the file is loaded: an eval (whose actors sample at
-    the eval's temperature, evaluation/fleet.py) trains nothing and may sample as it likes.
+    The actors record the log-prob of each sampled token under the distribution it was drawn from,
+    softmax(logits / temperature), and the learner recomputes that distribution from the trajectory's
+    temperature (engines/engine.py's docstring). It does not recompute a top-p cut, and a temperature
+    of 0 (greedy) has no distribution: the PPO ratio and the importance weights would be taken against
+    the wrong behaviour policy, silently. The reference service answers raw log-probs, which a KL to
+    a policy sampled at another temperature would mix with tempered ones. Not checked when the file
+    is loaded: an eval (whose actors sample at the eval's temperature, evaluation/fleet.py) trains
+    nothing and may sample as it likes.
     """
     a = cfg.actor
-    if a.temperature != 1.0 or a.top_p != 1.0:
+    if not (0.0 < a.temperature < float("inf")):
         raise ConfigError(
-            f"actor.temperature={a.temperature}, actor.top_p={a.top_p}: training needs both at 1.0 (behaviour and "
-            "learner log-probs are of the raw distribution, so another sampling distribution makes the PPO ratio "
-            "wrong); set actor.temperature=1.0 and actor.top_p=1.0 (parley eval --temperature samples otherwise)"
+            f"actor.temperature={a.temperature}: training needs a temperature > 0 (at 0 the policy is greedy and "
+            "no sampled token has a log-prob to train); set actor.temperature to 1.0 (the default) or e.g. 0.7"
+        )
+    if a.top_p != 1.0:
+        raise ConfigError(
+            f"actor.top_p={a.top_p}: training needs top_p = 1.0 (the learner recomputes softmax(logits / "
+            "temperature), not a top-p cut, so the PPO ratio would be wrong); set actor.top_p=1.0 and lower "
+            "actor.temperature instead (an eval, which trains nothing, may sample with top-p)"
+        )
+    if a.temperature != 1.0 and cfg.learner.kl_coef > 0 and cfg.learner.reference == "service":
+        raise ConfigError(
+            f"actor.temperature={a.temperature} with learner.reference='service': the reference service answers "
+            "log-probs of the raw model, the policy's are at the actor's temperature; set learner.reference='local' "
+            "(the learner's own reference is taken at each sample's temperature), kl_coef=0 or temperature=1.0"
         )
 
 

@@ -56,8 +56,9 @@ class Backend(Protocol):
 # Local engines
 
 
-def engine_settings(cfg: EngineConfig, model_path: str | Path):
-    """The PolicyEngine settings of an [*.engine] section, for an already resolved checkpoint dir."""
+def engine_settings(cfg: EngineConfig, model_path: str | Path, sampled_logprobs: bool = False):
+    """The PolicyEngine settings of an [*.engine] section, for an already resolved checkpoint dir.
+    sampled_logprobs: the policy's convention (engines.engine's docstring); services keep raw ones."""
     from engines.engine import EngineSettings
 
     use_fraction = cfg.gpu_memory_utilization > 0
@@ -70,6 +71,7 @@ def engine_settings(cfg: EngineConfig, model_path: str | Path):
         tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed,
         enforce_eager=cfg.enforce_eager,
+        sampled_logprobs=sampled_logprobs,
         extra=cpu_workarounds(cfg.max_model_len),
     )
 
@@ -89,8 +91,9 @@ def cpu_workarounds(max_model_len: int) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
 
 
-def open_engine(cfg: EngineConfig, version: int = 0):
+def open_engine(cfg: EngineConfig, version: int = 0, sampled_logprobs: bool = False):
     """Resolve the model ("tiny" | "smol" | dir), start its engine and load its tokenizer.
+    sampled_logprobs: report log-probs of the sampling distribution (the actor's policy).
 
     Returns (PolicyEngine, tokenizer, model_path). Blocks for tens of seconds on CPU.
     """
@@ -103,7 +106,7 @@ def open_engine(cfg: EngineConfig, version: int = 0):
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"model {cfg.model!r} ({path}) has no chat template; parley needs an instruct/chat model")
-    engine = PolicyEngine(engine_settings(cfg, path), version=version)
+    engine = PolicyEngine(engine_settings(cfg, path, sampled_logprobs), version=version)
     return engine, tokenizer, path
 
 

@@ -2,13 +2,17 @@
 per-token log-probs, JSON-constrained generation for the simulator/judge services, and
 in-place weight reloads. Created by actor / service processes; vLLM is imported lazily.
 
-Log-prob convention (the learner must compute the same thing): every returned log-prob is
-log_softmax of the model's *raw* logits at that position, taken for the sampled token — before
-temperature, top-p or any constraint (vLLM's logprobs_mode="raw_logprobs", pinned below). At
-our training default temperature=1.0, top_p=1.0 this is exactly the sampling distribution, so
-the behaviour log-prob equals what the learner's fp32 forward pass gives for the same ids
-(tests/reference.py computes it with transformers). With other temperatures / top-p the values stay raw-model log-probs
-and are not the probabilities the tokens were actually drawn with.
+Log-prob convention (the learner must compute the same thing), chosen per engine by
+EngineSettings.sampled_logprobs:
+- False (services: the judge reads level probabilities): every returned log-prob is log_softmax
+  of the model's *raw* logits at that position, before temperature, top-p or any constraint
+  (vLLM's logprobs_mode="raw_logprobs").
+- True (the actor's policy): log_softmax(logits / temperature), after top-p: the distribution
+  the token was drawn from (vLLM's "processed_logprobs"). The learner recomputes exactly that
+  from Trajectory.temperature (engines.logprobs; training refuses top_p < 1). At temperature 1.0
+  and top_p 1.0 the two conventions give the same numbers.
+In fp32 the behaviour log-prob equals what the learner's forward pass gives for the same ids
+(tests/reference.py computes it with transformers; tests/e2e/test_logprob_agreement.py).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class EngineSettings:
     # token budget on spaces and newlines). vLLM only offers this engine-wide, with the
     # xgrammar (or guidance) backend, so it pins backend="xgrammar".
     json_compact: bool = True
+    # the module docstring: log-probs of the sampling distribution (True) or of the raw model (False)
+    sampled_logprobs: bool = False
     # extra AsyncEngineArgs fields, for what the above does not cover
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -68,7 +74,7 @@ def _engine_args(settings: EngineSettings):
         tensor_parallel_size=settings.tensor_parallel_size,
         seed=settings.seed,
         enforce_eager=settings.enforce_eager,
-        logprobs_mode="raw_logprobs",
+        logprobs_mode="processed_logprobs" if settings.sampled_logprobs else "raw_logprobs",
         disable_log_stats=True,
         # adds parley_reload_weights to vLLM's workers (resolved by name in the workers)
         worker_extension_cls=f"{__name__}.WorkerExtension",

@@ -9,8 +9,10 @@ import torch
 from torch import Tensor
 
 
-def _logp_entropy(lm_head, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+def _logp_entropy(lm_head, hidden: Tensor, targets: Tensor, inv_temp: Tensor | None = None) -> tuple[Tensor, Tensor]:
     logits = lm_head(hidden).float()  # (n, V) for this chunk only
+    if inv_temp is not None:
+        logits = logits * inv_temp[:, None]  # the sampling distribution at temperature T: softmax(logits / T)
     logp_all = torch.log_softmax(logits, dim=-1)  # (n, V)
     logp = logp_all.gather(1, targets[:, None])[:, 0]  # (n,)
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
@@ -18,9 +20,11 @@ def _logp_entropy(lm_head, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Ten
 
 
 def packed_logprobs(model, input_ids: Tensor, position_ids: Tensor, src: Tensor, targets: Tensor, chunk: int,
-                    grad: bool, min_chunks: int = 0) -> tuple[Tensor, Tensor]:
-    """Raw-distribution log-probs (N,) of `targets` read from the logits at packed positions `src`
-    (the position before each target), and the entropy (N,) of the distribution there (detached).
+                    grad: bool, min_chunks: int = 0, inv_temp: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Log-probs (N,) of `targets` read from the logits at packed positions `src` (the position
+    before each target), and the entropy (N,) of the distribution there (detached). The
+    distribution is the raw model's, or with `inv_temp` (N,) the one sampled at temperature
+    1 / inv_temp: log_softmax(logits * inv_temp), what vLLM reports as processed_logprobs.
 
     input_ids, position_ids: (1, T), sequences concatenated with positions restarting at 0 for each.
     With grad each lm_head chunk is checkpointed: its fp32 (chunk, vocab) logits are recomputed in
@@ -33,14 +37,14 @@ def packed_logprobs(model, input_ids: Tensor, position_ids: Tensor, src: Tensor,
     hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # (1, T, H)
     h = hidden[0].index_select(0, src)  # (N, H)
 
-    def head(hi, ti):
+    def head(hi, ti, si=None):
         if grad:
-            return torch.utils.checkpoint.checkpoint(_logp_entropy, lm_head, hi, ti, use_reentrant=False)
-        return _logp_entropy(lm_head, hi, ti)
+            return torch.utils.checkpoint.checkpoint(_logp_entropy, lm_head, hi, ti, si, use_reentrant=False)
+        return _logp_entropy(lm_head, hi, ti, si)
 
     parts_lp, parts_ent = [], []
     for i in range(0, h.shape[0], chunk):
-        lp, ent = head(h[i : i + chunk], targets[i : i + chunk])
+        lp, ent = head(h[i : i + chunk], targets[i : i + chunk], None if inv_temp is None else inv_temp[i : i + chunk])
         parts_lp.append(lp)
         parts_ent.append(ent.detach())
     padding = None

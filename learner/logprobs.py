@@ -12,7 +12,8 @@ from learner.packing import PackedBatch
 
 
 def token_logprobs(model, batch: PackedBatch, chunk: int = 1024, grad: bool = True) -> tuple[Tensor, Tensor]:
-    """Raw-distribution log-probs (N,) of the trained tokens and the entropy (N,) of the model's
+    """Log-probs (N,) of the trained tokens under the distribution they were sampled from (the raw
+    model's, or at each sample's temperature: batch.inv_temp) and the entropy (N,) of that
     distribution at those positions (detached), for a transformers causal LM.
 
     Only the hidden states of trained positions go through lm_head, `chunk` at a time, and with
@@ -23,7 +24,8 @@ def token_logprobs(model, batch: PackedBatch, chunk: int = 1024, grad: bool = Tr
     (refused at start where it would not: attention.check_packing_isolated).
     """
     with torch.set_grad_enabled(grad):
-        return packed_logprobs(model, batch.input_ids, batch.position_ids, batch.src, batch.targets, chunk, grad)
+        return packed_logprobs(model, batch.input_ids, batch.position_ids, batch.src, batch.targets, chunk, grad,
+                               inv_temp=batch.inv_temp)
 
 
 class PackedPolicy(torch.nn.Module):
@@ -42,11 +44,12 @@ class PackedPolicy(torch.nn.Module):
         # "collective mismatch", NCCL hangs).
         self.equal_chunks = equal_chunks
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, src: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, input_ids: Tensor, position_ids: Tensor, src: Tensor, targets: Tensor,
+                inv_temp: Tensor | None = None) -> tuple[Tensor, Tensor]:
         min_chunks = 0
         if self.equal_chunks:
             count = torch.tensor([-(-src.numel() // self.chunk)], device=src.device)
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
             min_chunks = int(count.item())
         return packed_logprobs(self.model, input_ids, position_ids, src, targets, self.chunk, torch.is_grad_enabled(),
-                               min_chunks=min_chunks)
+                               min_chunks=min_chunks, inv_temp=inv_temp)

@@ -25,6 +25,9 @@ class Sample:
     # (T,) float32 reference log-prob of each token given its prefix (0.0 at token 0), computed before
     # the step by the reference service ([learner] reference = "service"); None: the learner's own
     ref: np.ndarray | None = None
+    # the temperature the behaviour policy sampled at (Trajectory.temperature): behaviour holds log-probs
+    # of softmax(logits / temperature), and the learner recomputes that distribution
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
@@ -36,6 +39,9 @@ class Sample:
         if self.token_ids.ndim != 1 or self.loss_mask.shape != n or self.behaviour.shape != n:
             raise ValueError(f"sample {self.traj_id}: token_ids {self.token_ids.shape}, loss_mask "
                              f"{self.loss_mask.shape} and behaviour {self.behaviour.shape} must be one length")
+        if not (self.temperature > 0 and np.isfinite(self.temperature)):
+            raise ValueError(f"sample {self.traj_id}: temperature {self.temperature!r} must be a finite number > 0 "
+                             "(a greedy sample has no distribution to train on)")
         if self.ref is not None and self.ref.shape != n:
             raise ValueError(f"sample {self.traj_id}: ref {self.ref.shape} and token_ids {n} must be one length")
 
@@ -88,6 +94,7 @@ class PackedBatch:
     behaviour: Tensor  # (N,)
     advantages: Tensor  # (N,)
     ref: Tensor | None = None  # (N,) the samples' reference log-probs, when every sample carries them
+    inv_temp: Tensor | None = None  # (N,) 1 / the sample's temperature; None when every sample is at 1.0
 
     @property
     def n_loss_tokens(self) -> int:
@@ -107,6 +114,8 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Pa
     adv = np.array([s.advantage for s in samples], dtype=np.float32)  # (S,)
     with_ref = bool(samples) and all(s.ref is not None for s in samples)
     ref = np.concatenate([s.ref for s in samples]) if with_ref else None  # (T,)
+    temps = np.array([s.temperature for s in samples], dtype=np.float32)  # (S,)
+    inv_temp = (1.0 / temps)[seq[idx]] if bool((temps != 1.0).any()) else None  # (N,)
 
     def t(x: np.ndarray, dtype: torch.dtype) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype)
@@ -120,4 +129,5 @@ def build_batch(samples: list[Sample], device: torch.device | str = "cpu") -> Pa
         behaviour=t(beh[idx], torch.float32),
         advantages=t(adv[seq[idx]], torch.float32),
         ref=t(ref[idx], torch.float32) if ref is not None else None,
+        inv_temp=t(inv_temp, torch.float32) if inv_temp is not None else None,
     )

@@ -412,7 +412,8 @@ class Learner:
                 traj = s.trajectory
                 out.append(Sample(s.traj_id, arrays.token_ids(traj), arrays.loss_mask(traj), behaviour_logprobs(traj),
                                   float(adv[gi, si]),
-                                  ref=arrays.ref_logprobs(s) if self.lc.reference == "service" else None))
+                                  ref=arrays.ref_logprobs(s) if self.lc.reference == "service" else None,
+                                  temperature=traj.temperature))
         return out
 
     async def publish(self, version: int, write_now: bool = False) -> None:

@@ -277,7 +277,7 @@ class Trainer:
         return self.engine.module.model
 
     def _policy_logprobs(self, batch: PackedBatch) -> tuple[Tensor, Tensor]:
-        return self.engine(batch.input_ids, batch.position_ids, batch.src, batch.targets)
+        return self.engine(batch.input_ids, batch.position_ids, batch.src, batch.targets, batch.inv_temp)
 
     # -- the GRPO step --------------------------------------------------------------------------
 

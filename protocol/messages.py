@@ -96,6 +96,8 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str = ""
     actor: str = ""
     seed: int = 0
+    # the policy's sampling temperature: the turns' log-probs are of softmax(logits / temperature)
+    temperature: float = 1.0
     timings: dict[str, float] = {}  # seconds: "generate", "sim", "total"
     created: float = 0.0
     # the whole conversation as the policy saw it (token-in/token-out), int32 LE

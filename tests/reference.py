@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def reference_logprobs(model, prompt_ids: Sequence[int], gen_ids: Sequence[int]) -> list[float]:
-    """The learner side of the log-prob contract: raw log-probs of gen_ids after prompt_ids
-    under a transformers causal LM, computed in fp32 (one forward pass, no sampling knobs)."""
+def reference_logprobs(model, prompt_ids: Sequence[int], gen_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
+    """The learner side of the log-prob contract: log-probs of gen_ids after prompt_ids under a
+    transformers causal LM, computed in fp32 (one forward pass): of the raw model, or of the
+    distribution sampled at `temperature` (log_softmax(logits / temperature))."""
     import torch
 
     device = next(model.parameters()).device
@@ -17,6 +18,6 @@ def reference_logprobs(model, prompt_ids: Sequence[int], gen_ids: Sequence[int])
         logits = model(input_ids=ids).logits[0].float()
     n = len(prompt_ids)
     # position t predicts token t+1
-    pred = torch.log_softmax(logits[n - 1 : n - 1 + len(gen_ids)], dim=-1)
+    pred = torch.log_softmax(logits[n - 1 : n - 1 + len(gen_ids)] / temperature, dim=-1)
     target = torch.tensor(list(gen_ids), dtype=torch.long, device=device)
     return pred.gather(1, target[:, None])[:, 0].tolist()

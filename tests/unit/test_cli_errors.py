@@ -25,9 +25,11 @@ CASES = [
     (["judge", "--set", "judge.temperature=-1"], ["temperature=-1", "$.judge", ">= 0"]),
     (["actor", "--set", "actor.engine.dtype=int8"], ["dtype='int8'", "$.actor.engine", "float32", "bfloat16"]),
     (["actor", "--set", "rollout.n=1"], ["n=1", "$.rollout", ">= 2"]),
-    # a run that trains samples the raw distribution (deploy.config.check_training)
-    (["learner", "--set", "actor.temperature=0.7"], ["actor.temperature=0.7", "actor.top_p=1.0", "training needs both at 1.0"]),
-    (["up", "--set", "actor.top_p=0.9"], ["actor.temperature=1.0", "actor.top_p=0.9", "training needs both at 1.0"]),
+    # a run that trains recomputes the distribution it sampled from (deploy.config.check_training)
+    (["learner", "--set", "actor.temperature=0"], ["actor.temperature=0", "temperature > 0", "greedy"]),
+    (["up", "--set", "actor.top_p=0.9"], ["actor.top_p=0.9", "top_p = 1.0", "actor.temperature"]),
+    (["learner", "--set", "actor.temperature=0.7", "--set", "learner.reference=service"],
+     ["actor.temperature=0.7", "learner.reference='service'", "raw model", "reference='local'"]),
     (["scorer", "--set", "bus.replicas=2"], ["replicas=2", "$.bus", "1, 3 or 5"]),
     (["actor", "--set", "bus.ack_wait_s=0"], ["ack_wait_s=0", "$.bus", "> 0"]),
     (["actor", "--set", "actor.nope=1"], ["unknown field `nope`", "$.actor"]),
@@ -91,6 +93,8 @@ def test_good_values_still_work():
     assert parley("actor", "--dry-run", "--set", "actor.concurrency=3").returncode == 0
     # an actor alone may sample otherwise: the eval fleet's actors play at the eval's temperature
     assert parley("actor", "--dry-run", "--set", "actor.temperature=0.7").returncode == 0
+    # and a run that trains may sample at 0.7: the learner recomputes softmax(logits / 0.7)
+    assert parley("learner", "--dry-run", "--set", "actor.temperature=0.7").returncode == 0
     assert parley("--help").returncode == 0
     # exit code 3 and the NATS URL when the server is unreachable (deploy.common.run_main)
     out = parley("scorer", "--nats", "nats://127.0.0.1:1", "--set", "nats.connect_timeout_s=1")

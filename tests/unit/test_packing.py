@@ -102,3 +102,15 @@ def test_sample_holds_arrays_that_pickle_as_buffers():
     assert len(pickle.dumps(s)) < n * (4 + 1 + 4) + 1024
     with pytest.raises(ValueError, match="sample t: token_ids \\(3,\\), loss_mask \\(2,\\)"):
         Sample("t", [1, 2, 3], [0, 1], [0.0, 0.0, 0.0], advantage=0.0)
+
+
+def test_each_trained_token_carries_its_samples_temperature():
+    a = Sample("a", [5, 6, 7], [0, 1, 1], [0.0, -0.5, -0.25], advantage=1.0, temperature=0.5)
+    b = Sample("b", [9, 10], [0, 1], [0.0, -2.0], advantage=-1.0)
+    batch = build_batch([a, b])
+    torch.testing.assert_close(batch.inv_temp, torch.tensor([2.0, 2.0, 1.0]))
+    # every sample at 1.0: no scaling at all, so such batches compute exactly what they did before
+    assert build_batch([b, Sample("c", [1, 2], [0, 1], [0.0, -1.0], advantage=0.0)]).inv_temp is None
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="sample d: temperature .* must be a finite number > 0"):
+            Sample("d", [1, 2], [0, 1], [0.0, -1.0], advantage=0.0, temperature=bad)
