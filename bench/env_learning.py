@@ -9,7 +9,10 @@ every hidden_goal column at both versions with the item-paired difference, then 
 difference of goal_match over the seeds with its 95% t interval (t over the per-seed differences,
 n - 1 degrees of freedom). Figures and the command: docs/benchmarks.md ("Learning on hidden_goal").
 
-    python bench/env_learning.py --seeds 0,1,2 --steps 20 --out runs/env_learning
+    python bench/env_learning.py --out runs/env_learning
+
+Its defaults are the run `parley up --env hidden_goal` makes (environments/hidden_goal PRESET;
+tests/unit/test_bench_env_learning.py holds the two to the same settings), over seeds 0, 1 and 2.
 
 Nothing in parley imports this file; CI does not run it (tests/integration/test_bench_smoke.py may).
 """
@@ -39,19 +42,19 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smol", help="policy: smol | tiny | a checkpoint dir")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: each draws its own goals and split "
                                                      "([env] options.seed, [data] split_seed) and its own training")
-    p.add_argument("--steps", type=int, default=20, help="GRPO steps per seed (N <= 30)")
+    p.add_argument("--steps", type=int, default=15, help="GRPO steps per seed (N <= 30)")
     p.add_argument("--n", type=int, default=8, help="group size ([rollout] n)")
-    p.add_argument("--groups-per-step", type=int, default=2)
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens per assistant turn, in training and eval")
+    p.add_argument("--groups-per-step", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per assistant turn, in training and eval")
     p.add_argument("--max-new-turns", type=int, default=6, help="messages added after the opening line")
     p.add_argument("--n-items", type=int, default=120, help="goals drawn per seed ([env] options.n_items)")
-    p.add_argument("--nudge", default="fixed", help="[env] options.nudge: fixed | slots (the user names the slots not asked yet)")
-    p.add_argument("--answer", default="final", help="[env] options.answer: final (the FINAL line) | mentions (the last message's words)")
-    p.add_argument("--kl-coef", type=float, default=0.001, help="[learner] kl_coef (0: no reference forward pass in a step)")
+    p.add_argument("--nudge", default="slots", help="[env] options.nudge: fixed | slots (the user names the slots not asked yet)")
+    p.add_argument("--answer", default="mentions", help="[env] options.answer: final (the FINAL line) | mentions (the last message's words)")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="[learner] kl_coef (0: no reference forward pass in a step)")
     p.add_argument("--eval-fraction", type=float, default=0.2, help="goals held out ([data] eval_fraction)")
     p.add_argument("--eval-seeds", type=int, default=2, help="conversations per held-out goal and version")
-    p.add_argument("--train-temperature", type=float, default=1.0,
+    p.add_argument("--train-temperature", type=float, default=0.7,
                    help="actor.temperature: the policy samples at it in training, the learner recomputes softmax(logits / T)")
     p.add_argument("--temperature", type=float, default=None,
                    help="the eval's sampling temperature (default: --train-temperature, the distribution that was trained)")

@@ -25,7 +25,7 @@ def up_cmd(
     scorers: Annotated[Optional[int], typer.Option("--scorers", help="Scorers to start (overrides up.scorers).")] = None,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>).")] = None,
     live: Annotated[Optional[bool], typer.Option("--live/--no-live", help="Live terminal view (default: on when stdout is a terminal).")] = None,
-    env: Annotated[Optional[str], typer.Option("--env", help="Environment to train, by entry-point name (overrides env.name; e.g. hidden_goal).")] = None,
+    env: Annotated[Optional[str], typer.Option("--env", help="Environment to train, by entry-point name (overrides env.name; e.g. hidden_goal). Without --config, the environment's preset is laid over the embedded default (before --set).")] = None,
     dry: DryRunOpt = False,
 ) -> None:
     extra = []
@@ -39,7 +39,11 @@ def up_cmd(
         extra.append(f"up.scorers={scorers}")
     if run_dir is not None:
         extra.append(f'run.dir="{run_dir}"')
-    cfg = resolve(config, sets, extra=extra, training=True)
+    preset = env_preset(env) if env is not None and config is None else ()
+    if preset:
+        typer.echo(f"parley up: environment {env}'s preset (--set wins; --config FILE leaves it out): " + "; ".join(preset),
+                   err=True)
+    cfg = resolve(config, [*preset, *(sets or [])], extra=extra, training=True)
     if dry:
         dry_run(cfg)
     if cfg.learner.steps < 1:
@@ -50,6 +54,18 @@ def up_cmd(
 
     show_live = cfg.up.live and sys.stdout.isatty() if live is None else live
     run_async_main(up_main, cfg, show_live)
+
+
+def env_preset(name: str) -> tuple[str, ...]:
+    """The `--set` overrides environment `name` asks `parley up --env` to lay over the embedded default
+    (environments.base.Environment.preset); an unknown or broken environment is a one-line error."""
+    from environments import registry
+
+    try:
+        return tuple(registry.load(name).preset)
+    except (LookupError, ValueError, TypeError, ImportError) as e:
+        typer.echo(f"parley up: --env {name}: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def top_cmd(nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, sets: SetOpt = None) -> None:

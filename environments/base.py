@@ -259,6 +259,10 @@ class Environment:
     user: UserSide
     reward: Reward
     eval: EvalProtocol
+    # `section.key=value` overrides (the syntax of --set) that `parley up --env NAME` lays over the
+    # embedded default when no --config is given, before the user's --set: the settings under which
+    # this environment is shown to learn (docs/environments.md). Empty: the embedded default as it is.
+    preset: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.eval.columns if c not in self.reward.names and c not in self.eval.derived]

@@ -33,3 +33,24 @@ def test_a_greedy_training_temperature_is_refused_before_any_work():
 def test_the_parser_refuses_what_the_benchmark_does_not_run(argv):
     with pytest.raises(SystemExit):
         env_learning.parse_args(argv)
+
+
+def test_the_benchmarks_defaults_train_what_parley_up_env_hidden_goal_trains():
+    """The figures in docs/benchmarks.md are of bench/env_learning.py's defaults; `parley up --env
+    hidden_goal` (its preset) must train the same run, or the doc would describe another one."""
+    from environments.hidden_goal import PRESET
+
+    bench = load_config(default_config_path(), env_learning.overrides(env_learning.parse_args([]), seed=0))
+    up = load_config(default_config_path(), ['env.name="hidden_goal"', *PRESET])
+    for section, keys in {
+        "env": ("name", "options"),
+        "data": ("eval_fraction", "split_seed"),
+        "rollout": ("n", "max_tokens", "max_new_turns"),
+        "actor": ("temperature", "top_p"),
+        "learner": ("steps", "groups_per_step", "lr", "kl_coef", "model", "seed"),
+    }.items():
+        for key in keys:
+            if (section, key) == ("learner", "steps"):
+                continue  # the bench passes --steps to `parley up`, not as an override
+            assert getattr(getattr(bench, section), key) == getattr(getattr(up, section), key), f"{section}.{key}"
+    assert env_learning.parse_args([]).steps == up.learner.steps
