@@ -71,10 +71,11 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
     }
     written.append(_line_chart({k: v for k, v in optim.items() if v}, out_dir / "kl.png",
                                title=f"KL and optimisation — {name}", xlabel="step"))
-    from evaluation.selection import load_versions
+    from evaluation.selection import load_versions, run_environment
 
-    evals = load_versions(run_dir)  # RUN_DIR/eval/v<N>/records.parquet and summary.jsonl
+    env = run_environment(run_dir)  # the environment the run's evals were played in: its table columns
+    evals = load_versions(run_dir, env)  # RUN_DIR/eval/v<N>/records.parquet and summary.jsonl
     if evals:
-        by_metric = {m: [(v.version, v.mean(m)) for v in evals] for m in ("bleu", "interactivity", "tokens_k", "mr")}
+        by_metric = {m: [(v.version, v.mean(m)) for v in evals] for m in env.eval.columns}
         written.append(_line_chart(by_metric, out_dir / "eval.png", title=f"held-out eval — {name}", xlabel="policy version"))
     return written

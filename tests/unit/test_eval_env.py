@@ -303,3 +303,31 @@ def test_parley_eval_guards_collabllm_with_the_learners_guard(this_checkout, tmp
                                    "--set", "data.eval_fraction=0.25"])
     assert out.exit_code == 1, out.output
     assert "share 18 reference targets" in out.output and "--allow-overlap" in out.output
+
+
+def test_parley_report_charts_the_runs_own_eval_columns(hidden_goal_run, this_checkout):
+    """`parley report` (and the end of `parley up`) charts the held-out eval by the run's environment's
+    columns: a hidden_goal run's evals have no CollabLLM BLEU or MR (it raised KeyError 'bleu' there)."""
+    import json
+
+    from deploy import report
+
+    seen = {}
+
+    original = report._line_chart
+
+    def chart(series, path, **kw):  # a spy on the real chart: what each PNG was drawn from
+        seen[path.name] = series
+        return original(series, path, **kw)
+
+    rows = [{"step": 1, "version": 1, "loss": 0.1, "reward_terms": {"goal_match": {"mean": 0.5}}}]
+    (hidden_goal_run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    report._line_chart = chart
+    try:
+        written = report.write_report(hidden_goal_run, hidden_goal_run / "report")
+    finally:
+        report._line_chart = original
+    assert [p.name for p in written] == ["rewards.png", "kl.png", "eval.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
+    assert set(seen["eval.png"]) == {"goal_match", "exact", "assistant_turns"}
+    assert seen["eval.png"]["goal_match"][1] == (1, pytest.approx((1.0 + 2 / 3 + 1.0 + 1.0) / 4))
