@@ -58,14 +58,18 @@ def up_cmd(
 
 def env_preset(name: str) -> tuple[str, ...]:
     """The `--set` overrides environment `name` asks `parley up --env` to lay over the embedded default
-    (environments.base.Environment.preset); an unknown or broken environment is a one-line error."""
+    (environments.base.Environment.preset); an unknown or unimportable environment is a one-line error.
+    One that cannot be built without options (they come with --set env.options=...) has no preset here:
+    the config's own load then builds it with the options given, and reports what is wrong."""
     from environments import registry
 
     try:
         return tuple(registry.load(name).preset)
-    except (LookupError, ValueError, TypeError, ImportError) as e:
+    except (LookupError, ImportError) as e:
         typer.echo(f"parley up: --env {name}: {e}", err=True)
         raise typer.Exit(2) from None
+    except (ValueError, TypeError):
+        return ()
 
 
 def top_cmd(nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, sets: SetOpt = None) -> None:

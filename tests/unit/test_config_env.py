@@ -122,3 +122,16 @@ def test_up_with_env_alone_lays_the_environments_preset_over_the_default_and_set
 
     unknown = CliRunner().invoke(app, ["up", "--env", "no_such_env", "--dry-run"])
     assert unknown.exit_code == 2 and "--env no_such_env: unknown environment 'no_such_env'" in unknown.stderr
+
+
+def test_an_environment_that_needs_options_has_no_preset_and_is_left_to_the_config(monkeypatch):
+    """A plug-in whose factory needs options cannot be built before --set gives them: `parley up --env`
+    takes no preset for it instead of refusing the run (the config's load builds it with the options)."""
+    from environments import registry
+    from deploy.up_cli import env_preset
+
+    def needs_options(name, options=None):
+        raise ValueError(f"environment {name!r} (pkg:factory) rejected options {{}}: missing 'size'")
+
+    monkeypatch.setattr(registry, "load", needs_options)
+    assert env_preset("sized") == ()
