@@ -6,6 +6,7 @@ SCORED consumer and takes batches from it. See docs/learner.md for how this stat
 
 from __future__ import annotations
 
+import math
 import logging
 import time
 from collections import Counter
@@ -65,8 +66,8 @@ LOGPROB_SLACK = 1e-3
 def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | None = None, *,
                          reference: bool = False) -> None:
     """Raise BadTrajectory for values that decode but that no honest actor or scorer sends: a
-    non-finite or out-of-range reward (rewards.reward.hostile_reward), a non-finite or positive
-    behaviour log-prob, a token id outside the policy's vocabulary (on a GPU an out-of-range id is a
+    non-finite or out-of-range reward (rewards.reward.hostile_reward), a sampling temperature that is
+    not finite and > 0, a non-finite or positive behaviour log-prob, a token id outside the policy's vocabulary (on a GPU an out-of-range id is a
     device-side assert that kills the learner, then a crash loop on the redelivered message), a
     conversation longer than the policy's positions (`max_positions`; one such sequence fills a
     micro-batch of its own whatever the budget, and its activations the memory); with `reference`
@@ -83,6 +84,9 @@ def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | N
     why = hostile_reward(scored.metrics, scored.weights, scored.total)
     if why:
         raise BadTrajectory(f"{scored.traj_id}: {why}")
+    if not (0.0 < traj.temperature < math.inf):  # NaN fails too; learner.packing.Sample would raise at step time
+        raise BadTrajectory(f"{traj.traj_id}: temperature {traj.temperature} is not a finite number > 0; behaviour "
+                            "log-probs are of softmax(logits / temperature)")
     for i, turn in enumerate(traj.turns):
         lp = arrays.turn_logprobs(turn)
         bad = ~(np.isfinite(lp) & (lp <= LOGPROB_SLACK))

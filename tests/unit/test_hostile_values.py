@@ -136,3 +136,15 @@ def test_absurd_weight_announcements_are_refused(change, needle):
                          sha256="a" * 64, bytes=1000, created=0.0)
     assert announcement_problem(good) is None
     assert needle in announcement_problem(msgspec.structs.replace(good, **change))
+
+
+@pytest.mark.parametrize("temperature", [0.0, -0.7, NAN, INF])
+def test_a_temperature_the_learner_cannot_recompute_is_refused_at_intake(temperature):
+    """Behaviour log-probs are of softmax(logits / temperature): a sample claiming 0, a negative, NaN or
+    infinite temperature is dead-lettered at intake, not left to fail the step that packs it."""
+    s = scored("t", 0, 0.5)
+    s.trajectory.temperature = temperature
+    with pytest.raises(BadTrajectory, match=f"t/0: temperature {temperature} is not a finite number > 0"):
+        intake(s)
+    s.trajectory.temperature = 0.7
+    intake(s)  # any positive temperature is the learner's to recompute
