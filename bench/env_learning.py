@@ -11,8 +11,8 @@ n - 1 degrees of freedom). Figures and the command: docs/benchmarks.md ("Learnin
 
     python bench/env_learning.py --out runs/env_learning
 
-Its defaults are the run `parley up --env hidden_goal` makes (environments/hidden_goal PRESET;
-tests/unit/test_bench_env_learning.py holds the two to the same settings), over seeds 0, 1 and 2.
+Its defaults are the run `parley up --env hidden_goal` makes (read from environments/hidden_goal
+PRESET: preset_defaults), over seeds 0, 1 and 2.
 
 Nothing in parley imports this file; CI does not run it (tests/integration/test_bench_smoke.py may).
 """
@@ -37,24 +37,38 @@ ENV = "hidden_goal"
 METRIC = "goal_match"
 
 
+def preset_defaults() -> dict:
+    """The argument defaults: the settings of hidden_goal's preset (what `parley up --env hidden_goal`
+    trains), read from the config they resolve to, so the two cannot drift apart."""
+    from deploy.config import default_config_path, load_config
+    from environments.hidden_goal import PRESET
+
+    cfg = load_config(default_config_path(), [f"env.name={json.dumps(ENV)}", *PRESET])
+    lc, options = cfg.learner, cfg.env.options
+    return {"steps": lc.steps, "n": cfg.rollout.n, "groups_per_step": lc.groups_per_step, "lr": lc.lr,
+            "max_tokens": cfg.rollout.max_tokens, "max_new_turns": cfg.rollout.max_new_turns,
+            "n_items": options["n_items"], "nudge": options["nudge"], "answer": options["answer"],
+            "kl_coef": lc.kl_coef, "eval_fraction": cfg.data.eval_fraction, "train_temperature": cfg.actor.temperature}
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smol", help="policy: smol | tiny | a checkpoint dir")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: each draws its own goals and split "
                                                      "([env] options.seed, [data] split_seed) and its own training")
-    p.add_argument("--steps", type=int, default=15, help="GRPO steps per seed (N <= 30)")
-    p.add_argument("--n", type=int, default=8, help="group size ([rollout] n)")
-    p.add_argument("--groups-per-step", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens per assistant turn, in training and eval")
-    p.add_argument("--max-new-turns", type=int, default=6, help="messages added after the opening line")
-    p.add_argument("--n-items", type=int, default=120, help="goals drawn per seed ([env] options.n_items)")
-    p.add_argument("--nudge", default="slots", help="[env] options.nudge: fixed | slots (the user names the slots not asked yet)")
-    p.add_argument("--answer", default="mentions", help="[env] options.answer: final (the FINAL line) | mentions (the last message's words)")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="[learner] kl_coef (0: no reference forward pass in a step)")
-    p.add_argument("--eval-fraction", type=float, default=0.2, help="goals held out ([data] eval_fraction)")
+    p.add_argument("--steps", type=int, help="GRPO steps per seed (N <= 30)")
+    p.add_argument("--n", type=int, help="group size ([rollout] n)")
+    p.add_argument("--groups-per-step", type=int, help="[learner] groups_per_step")
+    p.add_argument("--lr", type=float, help="[learner] lr")
+    p.add_argument("--max-tokens", type=int, help="tokens per assistant turn, in training and eval")
+    p.add_argument("--max-new-turns", type=int, help="messages added after the opening line")
+    p.add_argument("--n-items", type=int, help="goals drawn per seed ([env] options.n_items)")
+    p.add_argument("--nudge", help="[env] options.nudge: fixed | slots (the user names the slots not asked yet)")
+    p.add_argument("--answer", help="[env] options.answer: final (the FINAL line) | mentions (the last message's words)")
+    p.add_argument("--kl-coef", type=float, help="[learner] kl_coef (0: no reference forward pass in a step)")
+    p.add_argument("--eval-fraction", type=float, help="goals held out ([data] eval_fraction)")
     p.add_argument("--eval-seeds", type=int, default=2, help="conversations per held-out goal and version")
-    p.add_argument("--train-temperature", type=float, default=0.7,
+    p.add_argument("--train-temperature", type=float,
                    help="actor.temperature: the policy samples at it in training, the learner recomputes softmax(logits / T)")
     p.add_argument("--temperature", type=float, default=None,
                    help="the eval's sampling temperature (default: --train-temperature, the distribution that was trained)")
@@ -64,6 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--trained", action="store_true", help="skip training: evaluate the runs already under --out")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "env_learning")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.set_defaults(**preset_defaults())
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.temperature is None:

@@ -9,6 +9,7 @@ holds at temperature 0.7 when the learner takes the samples' temperature."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -136,13 +137,7 @@ def test_at_temperature_07_the_learner_recomputes_the_distribution_vllm_sampled_
     diff = (ours - batch.behaviour).abs()
     print(f"temperature 0.7: max {diff.max():.2e} over {batch.n_loss_tokens} tokens")
     assert diff.max() < TOL
-    raw = build_batch([replaced(s, temperature=1.0) for s in samples])
+    raw = build_batch([dataclasses.replace(s, temperature=1.0) for s in samples])
     wrong, _ = token_logprobs(learner_model, raw, chunk=32, grad=False)
     print(f"the raw distribution instead: mean error {(wrong - batch.behaviour).abs().mean():.3f}")
     assert (wrong - batch.behaviour).abs().mean() > 100 * TOL
-
-
-def replaced(s: Sample, **changes) -> Sample:
-    import dataclasses
-
-    return dataclasses.replace(s, **changes)

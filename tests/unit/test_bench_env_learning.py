@@ -36,8 +36,9 @@ def test_the_parser_refuses_what_the_benchmark_does_not_run(argv):
 
 
 def test_the_benchmarks_defaults_train_what_parley_up_env_hidden_goal_trains():
-    """The figures in docs/benchmarks.md are of bench/env_learning.py's defaults; `parley up --env
-    hidden_goal` (its preset) must train the same run, or the doc would describe another one."""
+    """The figures in docs/benchmarks.md are of bench/env_learning.py's defaults, read from hidden_goal's
+    preset (preset_defaults); the overrides they give `parley up` must train the run the preset does,
+    or the doc would describe another one."""
     from environments.hidden_goal import PRESET
 
     bench = load_config(default_config_path(), env_learning.overrides(env_learning.parse_args([]), seed=0))
