@@ -14,11 +14,14 @@ stops taking requests and run_until raises, so the process exits non-zero and is
 requesters retry elsewhere. Each request runs in its own task; at most `concurrency` run at once
 (the rest wait in the subscription's queue). Replicas share the load through the queue group.
 
-Overload never turns into repeated work: a request whose deadline (protocol/request.py) passed while
-it queued is dropped unanswered; one that comes again with the id of a request being computed joins
-that computation, and one whose answer was computed too late for its requester (within ANSWER_TTL_S)
-gets that answer. The counters "expired", "joined", "repeated" and "late" (computed, but its
-requesters had stopped waiting) say how often.
+Overload never turns into repeated work: a request that waited here longer than its requester waits
+(protocol/request.py; counted on this process's clock from the moment it arrived) is dropped
+unanswered; one that comes again with the payload of a request being computed joins that
+computation, and one whose answer was computed too late for its requester (within ANSWER_TTL_S)
+gets that answer. The key of both is the id derived again from the payload received, never the id
+a header claims: a requester that knows another's id cannot get another's answer ("id_mismatch"
+counts such headers). The counters "expired", "joined", "repeated", "late" (computed, but its
+requesters had stopped waiting) and "shed" (arrived while the queue held QUEUE_BYTES) say how often.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from protocol import status
 from protocol.connect import barrier
 from protocol.messages import Heartbeat
-from protocol.request import deadline_and_id
+from protocol.request import request_id, wait_and_id
 
 log = logging.getLogger("parley.service")
 
@@ -59,12 +62,29 @@ async def _flush(nc, attempts: int = 15) -> None:
 
 # Answers kept for re-sent requests: a computation that finished after its requester's deadline is
 # answered from here when the request comes again (within ANSWER_TTL_S), instead of computed again.
+# Bounded by bytes as well as by count: a reference reply is 4 bytes a token, so 4096 answers of long
+# conversations would otherwise hold gigabytes.
 ANSWERS_KEPT = 4096
+ANSWER_BYTES_KEPT = 64 * 1024**2
 ANSWER_TTL_S = 900.0
+# Requests that arrived and wait for a slot are held by this process (stamped on arrival, so the
+# wait is counted from then), up to this many bytes of payload; beyond it a request is shed
+# unanswered and its requester retries (another replica, or this one once the queue has drained).
+QUEUE_BYTES = 64 * 1024**2
 
 
 def _expired(deadline: float | None) -> bool:
-    return deadline is not None and time.time() > deadline
+    """deadline: time.monotonic() after which the requester no longer waits (None = no deadline)."""
+    return deadline is not None and time.monotonic() > deadline
+
+
+class _Request:
+    """A received request: the message, and when (time.monotonic()) its requester stops waiting."""
+
+    __slots__ = ("msg", "deadline")
+
+    def __init__(self, msg, deadline: float | None):
+        self.msg, self.deadline = msg, deadline
 
 
 async def _respond(msg, reply: bytes) -> None:
@@ -102,8 +122,11 @@ class Service:
         self._subs = []
         self.latency_s = 0.0  # moving average, for the heartbeat
         # By (subject, request id): the requests of a computation under way, and recent answers.
-        self._joining: dict[tuple[str, str], list] = {}
+        self._joining: dict[tuple[str, str], list[_Request]] = {}
         self._answered: OrderedDict[tuple[str, str], tuple[float, bytes]] = OrderedDict()
+        self._answered_bytes = 0
+        self._queued_bytes = 0
+        self._dispatchers: list[asyncio.Task] = []
 
     @property
     def in_flight(self) -> int:
@@ -111,45 +134,83 @@ class Service:
 
     async def start(self) -> None:
         for subject, handler in self.routes.items():
-            sub = await self.nc.subscribe(subject, queue=self.queue, cb=self._receiver(subject, handler))
+            queue: asyncio.Queue = asyncio.Queue()
+            sub = await self.nc.subscribe(subject, queue=self.queue, cb=self._arrival(queue))
             self._subs.append(sub)
+            d = asyncio.create_task(self._dispatch(subject, handler, queue))
+            d.add_done_callback(self._dispatcher_ended)
+            self._dispatchers.append(d)
         await _flush(self.nc)  # the server has the subscriptions before anyone is told we serve
         log.info("%s: serving %s (queue %s, concurrency %d)", self.name, sorted(self.routes), self.queue,
                  self.concurrency)
 
-    def _receiver(self, subject: str, handler: Handler):
-        async def receive(msg) -> None:
-            # Runs in the subscription's own task, one message at a time: waiting for a slot here
-            # is the back-pressure (further requests queue in the subscription).
-            deadline, rid = deadline_and_id(msg)
-            if _expired(deadline):  # it queued here longer than its requester waits: computing it helps no one
-                self.counters["expired"] += 1
+    def _arrival(self, queue: asyncio.Queue):
+        async def arrive(msg) -> None:
+            # nats-py calls this one message at a time, after the message waited in the client's
+            # own queue: it only stamps the arrival and hands on, so that wait is (almost) nil and
+            # the requester's wait is counted from here, on this clock.
+            size = len(msg.data)
+            if self._queued_bytes + size > QUEUE_BYTES and not queue.empty():
+                self.counters["shed"] += 1
                 return
-            key = (subject, rid) if rid else None
-            answered = self._answered.get(key)
+            wait, _ = wait_and_id(msg)
+            self._queued_bytes += size
+            queue.put_nowait(_Request(msg, None if wait is None else time.monotonic() + wait))
+
+        return arrive
+
+    async def _dispatch(self, subject: str, handler: Handler, queue: asyncio.Queue) -> None:
+        # One request at a time, in arrival order: waiting for a slot here is the back-pressure.
+        while True:
+            req: _Request = await queue.get()
+            self._queued_bytes -= len(req.msg.data)
+            if _expired(req.deadline):  # it queued here longer than its requester waits: computing it helps no one
+                self.counters["expired"] += 1
+                continue
+            key = self._key(subject, req.msg)
+            answered = self._answered.get(key) if key else None
             if answered and answered[0] > time.monotonic() - ANSWER_TTL_S:
                 # a re-send of a request answered after its first requester gave up
                 self.counters["repeated"] += 1
-                await _respond(msg, answered[1])
-                return
+                await _respond(req.msg, answered[1])
+                continue
             if key in self._joining:  # a re-send while the first is being computed: one computation, both answered
-                self._joining[key].append(msg)
+                self._joining[key].append(req)
                 self.counters["joined"] += 1
-                return
+                continue
             if key is not None:
-                self._joining[key] = [msg]
+                self._joining[key] = [req]
             await self._slots.acquire()
-            t = asyncio.create_task(self._serve(subject, handler, msg, key))
+            t = asyncio.create_task(self._serve(subject, handler, req, key))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-        return receive
+    def _dispatcher_ended(self, task: asyncio.Task) -> None:
+        # A dispatcher ends only when stopped; one that failed would leave its route deaf: stop serving.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: request dispatch failed: %r", self.name, task.exception())
+            self.failure = self.failure or task.exception()
+            self._failed.set()
 
-    async def _serve(self, subject: str, handler: Handler, msg, key: tuple[str, str] | None) -> None:
+    def _key(self, subject: str, msg) -> tuple[str, str] | None:
+        """The key of joins and remembered answers: the id of the payload received. A request without
+        an id header (an older requester) is served alone; one whose header names another payload is
+        served alone too, and counted."""
+        _, claimed = wait_and_id(msg)
+        if not claimed:
+            return None
+        rid = request_id(subject, msg.data)
+        if claimed != rid:
+            self.counters["id_mismatch"] += 1
+            return None
+        return (subject, rid)
+
+    async def _serve(self, subject: str, handler: Handler, req: _Request, key: tuple[str, str] | None) -> None:
         t0 = time.perf_counter()
+        msg = req.msg
         try:
-            waiting = self._joining.get(key, [msg]) if key else [msg]
-            if all(_expired(deadline_and_id(m)[0]) for m in waiting):  # expired while waiting for a slot
+            waiting = self._joining.get(key, [req]) if key else [req]
+            if all(_expired(r.deadline) for r in waiting):  # expired while waiting for a slot
                 self.counters["expired"] += 1
                 return
             keep = True
@@ -169,17 +230,17 @@ class Service:
                 if self.on_error is None:
                     return
                 reply, keep = self.on_error(subject, msg.data, e), False  # a re-send should try again
-            waiting = self._joining.pop(key, [msg]) if key else [msg]
-            late = [m for m in waiting if _expired(deadline_and_id(m)[0])]
+            waiting = self._joining.pop(key, [req]) if key else [req]
+            late = [r for r in waiting if _expired(r.deadline)]
             # Nobody waits on a late one's inbox any more (and its response permission may be gone).
             self.counters["late"] += len(late)
             if late and key is not None and keep:
                 # Kept only when it reached nobody or not everybody: the re-send that follows gets it.
                 # An answer that was delivered is not: asking again (a retry after ok=False) asks afresh.
                 self._remember(key, reply)
-            for m in waiting:
-                if not any(m is gone for gone in late):
-                    await _respond(m, reply)
+            for r in waiting:
+                if not any(r is gone for gone in late):
+                    await _respond(r.msg, reply)
             self.counters["served"] += 1
             dt = time.perf_counter() - t0
             self.latency_s = dt if not self.latency_s else 0.9 * self.latency_s + 0.1 * dt
@@ -190,10 +251,13 @@ class Service:
 
     def _remember(self, key: tuple[str, str], reply: bytes) -> None:
         now = time.monotonic()
+        if key in self._answered:
+            self._answered_bytes -= len(self._answered.pop(key)[1])
         self._answered[key] = (now, reply)
-        while self._answered and (len(self._answered) > ANSWERS_KEPT
+        self._answered_bytes += len(reply)
+        while self._answered and (len(self._answered) > ANSWERS_KEPT or self._answered_bytes > ANSWER_BYTES_KEPT
                                   or next(iter(self._answered.values()))[0] < now - ANSWER_TTL_S):
-            self._answered.popitem(last=False)
+            self._answered_bytes -= len(self._answered.popitem(last=False)[1][1])
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Unsubscribe (queued requests go unanswered and the requesters retry elsewhere), then
@@ -202,6 +266,10 @@ class Service:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs = []
+        for d in self._dispatchers:  # what still waits for a slot goes unanswered, like the unsubscribed
+            d.cancel()
+        await asyncio.gather(*self._dispatchers, return_exceptions=True)
+        self._dispatchers = []
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
             for t in pending:

@@ -1,8 +1,8 @@
-"""Request/reply with the shared services (user simulator, judge): each request carries its deadline
-and an id in its headers.
+"""Request/reply with the shared services (user simulator, judge, reference): each request carries
+how long its requester waits and an id in its headers.
 
 Requesters (actors.rollout.SimClient, scorer.score.JudgeClient, the eval) send through `request()`;
-the service scaffolding (engines/service.py) reads `deadline_and_id()` to drop work whose requester
+the service scaffolding (engines/service.py) reads `wait_and_id()` to drop work whose requester
 has stopped waiting, and to let a re-sent request join the computation already under way.
 """
 
@@ -10,34 +10,39 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 
-DEADLINE_HEADER = "Parley-Deadline"  # unix seconds after which the requester no longer waits for the reply
+TIMEOUT_HEADER = "Parley-Timeout"  # seconds the requester waits for the reply, counted from when it sends
 ID_HEADER = "Parley-Request-Id"  # equal for a request and its re-sends
 
-# The deadline is a wall-clock time, so a service on another host trusts the two clocks to agree
-# (NTP keeps them within milliseconds); deploy/auth.py's response window leaves room for more.
+# The wait is a duration, not a time of day: the service counts it on its own clock from the moment
+# the request reaches it, so two hosts whose clocks disagree (by any amount) drop nothing that is
+# still awaited. The requester's share of the wait spent in transit is not counted, which can only
+# make the service keep a request a little longer than its requester waits: never shorter.
+MAX_WAIT_S = 86400.0  # a header beyond a day is a bad value, not a wait
 
 
 def request_id(subject: str, data: bytes) -> str:
     """The id of a request: a digest of its subject and payload. A re-sent request (a retry after a
     timeout, a redelivered task or trajectory asking the same question with the same seed) has the
-    same id without the caller keeping any state, and asks for the same answer."""
+    same id without the caller keeping any state, and asks for the same answer. The service derives
+    it again from what it received, so an id names a payload and nothing else."""
     return hashlib.blake2b(subject.encode() + b"\0" + data, digest_size=16).hexdigest()
 
 
 async def request(nc, subject: str, data: bytes, *, timeout: float):
-    """nc.request with the deadline (now + timeout) and the id in the headers."""
-    headers = {DEADLINE_HEADER: f"{time.time() + timeout:.3f}", ID_HEADER: request_id(subject, data)}
+    """nc.request with the wait (the timeout) and the id in the headers."""
+    headers = {TIMEOUT_HEADER: f"{timeout:.3f}", ID_HEADER: request_id(subject, data)}
     return await nc.request(subject, data, timeout=timeout, headers=headers)
 
 
-def deadline_and_id(msg) -> tuple[float | None, str]:
-    """(deadline in unix seconds or None, id or "") of a received request; headers that are missing
-    or do not parse count as absent (an older requester), never as an error."""
+def wait_and_id(msg) -> tuple[float | None, str]:
+    """(seconds its requester waits, or None; the id its header claims, or "") of a received request.
+    Headers that are missing or do not parse, or a wait that is not a finite number in (0, a day],
+    count as absent (an older requester), never as an error."""
     headers = msg.headers or {}
     try:
-        deadline = float(headers.get(DEADLINE_HEADER, "nan"))
+        wait = float(headers.get(TIMEOUT_HEADER, "nan"))
     except ValueError:
-        deadline = math.nan
-    return (deadline if math.isfinite(deadline) else None), str(headers.get(ID_HEADER, ""))[:128]
+        wait = math.nan
+    ok = math.isfinite(wait) and 0.0 < wait <= MAX_WAIT_S
+    return (wait if ok else None), str(headers.get(ID_HEADER, ""))[:128]

@@ -120,3 +120,88 @@ async def test_a_resent_request_joins_the_computation_under_way(secured):
         await service.stop()
         await sim.close()
         await actor.close()
+
+
+async def test_a_request_naming_another_requests_id_does_not_get_its_answer(secured):
+    """A requester that knows another's request id (it travels in a header) and sends its own payload
+    under it is computed on its own payload: the key of joins and kept answers is derived again from
+    what the service received."""
+    from protocol.request import ID_HEADER, request, request_id
+
+    server, creds = secured
+    sim = await connect(server.url, name="sim", user=creds["sim"][0], password=creds["sim"][1])
+    actor = await connect(server.url, name="actor", user=creds["actor"][0], password=creds["actor"][1])
+    started = asyncio.Event()
+
+    async def slow_backend_double(data: bytes) -> bytes:
+        started.set()
+        await asyncio.sleep(0.5)
+        return b"the answer to " + data
+
+    service = Service(sim, {topology.SIM_SUBJECT: slow_backend_double}, queue=topology.SIM_QUEUE, concurrency=4)
+    await service.start()
+    try:
+        secret = asyncio.create_task(request(actor, topology.SIM_SUBJECT, b"private question", timeout=5))
+        await started.wait()  # the victim's request is being computed; the forger joins it by id
+        forged = {ID_HEADER: request_id(topology.SIM_SUBJECT, b"private question")}
+        reply = await actor.request(topology.SIM_SUBJECT, b"mine", timeout=5, headers=forged)
+        assert reply.data == b"the answer to mine"
+        assert (await secret).data == b"the answer to private question"
+        assert service.counters["id_mismatch"] == 1 and service.counters["joined"] == 0
+    finally:
+        await service.stop()
+        await sim.close()
+        await actor.close()
+
+
+async def test_a_service_whose_clock_is_ten_minutes_ahead_still_answers(secured, monkeypatch):
+    """The requester's wait is a duration the service counts on its own clock from arrival: a service
+    host whose wall clock is 10 minutes ahead of the requester's drops nothing (with wall-clock
+    deadlines it dropped every request as expired, and each actor's SimUnreachable poisoned its task)."""
+    import time as real_time
+
+    from protocol.request import request
+
+    server, creds = secured
+    sim = await connect(server.url, name="sim", user=creds["sim"][0], password=creds["sim"][1])
+    actor = await connect(server.url, name="actor", user=creds["actor"][0], password=creds["actor"][1])
+
+    async def backend_double(data: bytes) -> bytes:
+        return b"answered " + data
+
+    class AheadClock:  # the service host's clock: 10 minutes ahead of the requester's
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+        @staticmethod
+        def time() -> float:
+            return real_time.time() + 600.0
+
+    import engines.service
+
+    monkeypatch.setattr(engines.service, "time", AheadClock())
+    service = Service(sim, {topology.SIM_SUBJECT: backend_double}, queue=topology.SIM_QUEUE, concurrency=2)
+    await service.start()
+    try:
+        replies = [await request(actor, topology.SIM_SUBJECT, f"q{i}".encode(), timeout=2) for i in range(3)]
+        assert [r.data for r in replies] == [b"answered q0", b"answered q1", b"answered q2"]
+        assert service.counters["expired"] == 0
+    finally:
+        await service.stop()
+        await sim.close()
+        await actor.close()
+
+
+def test_the_answer_cache_is_bounded_by_bytes(monkeypatch):
+    """Kept answers are bounded by their bytes, not only by their count: 1,000 reference replies of a
+    32k-token conversation (128 KiB each) keep at most ANSWER_BYTES_KEPT."""
+    import engines.service as svc
+
+    service = Service(object(), {}, queue="q")
+    reply = bytes(4 * 32768)
+    for i in range(1000):
+        service._remember(("subject", f"id{i}"), reply)
+    kept = sum(len(r) for _, r in service._answered.values())
+    assert kept <= svc.ANSWER_BYTES_KEPT and service._answered_bytes == kept
+    assert len(service._answered) == svc.ANSWER_BYTES_KEPT // len(reply)
+    assert ("subject", "id999") in service._answered  # the newest are kept
