@@ -92,8 +92,19 @@ def step_tag(step: int) -> str:
     return f"step{step:06d}"
 
 
+def fsync_dir(d: Path) -> None:
+    """Make the directory's entries durable (a rename, a new file): until then a power cut may
+    bring back the old names, whatever was fsynced inside the files."""
+    fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_state(run_dir: str | Path, state: LearnerState) -> Path:
-    """Replace the ledger atomically (write beside, fsync, rename): a crash leaves the old or the new one."""
+    """Replace the ledger atomically (write beside, fsync, rename, fsync the directory): a crash
+    leaves the old or the new one, and once this returns the new one is the one that stays."""
     d = learner_dir(run_dir)
     d.mkdir(parents=True, exist_ok=True)
     state.saved = time.time()
@@ -104,6 +115,7 @@ def write_state(run_dir: str | Path, state: LearnerState) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(d)  # the rename (and a new sample log's entry) must be durable before an old log is unlinked
     return path
 
 
