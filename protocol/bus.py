@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -168,6 +168,15 @@ class PullWorker:
         self._tasks: set[asyncio.Task] = set()
         self._last_error: dict[str, str] = {}
         self.stats: Counter[str] = Counter()
+        # Sizes of the latest messages: a fetch asks for as many as fit bus.fetch_max_bytes at the
+        # largest of them. Until one has been seen, a message may be as large as the stream allows.
+        self._sizes: deque[int] = deque(maxlen=32)
+
+    def batch(self, free: int) -> int:
+        """How many messages to fetch with `free` slots: never more than fit fetch_max_bytes at the
+        largest recent message size, never fewer than one."""
+        largest = max(self._sizes, default=self.bus.max_msg_bytes)
+        return max(1, min(free, self.bus.fetch_max_bytes // max(1, largest)))
 
     async def run_until(self, stop: asyncio.Event) -> None:
         sub = await self.js.pull_subscribe_bind(self.durable, stream=topology.stream_name(self.run, self.key))
@@ -185,8 +194,8 @@ class PullWorker:
                     self._reraise_crashes()
                     continue
                 await self._slots.acquire()  # free: returns at once
-                free = 1
-                while free < self.concurrency and not self._slots.locked():
+                free, most = 1, self.batch(self.concurrency)  # by count and by bytes
+                while free < most and not self._slots.locked():
                     await self._slots.acquire()
                     free += 1
                 try:
@@ -199,6 +208,7 @@ class PullWorker:
                     await asyncio.sleep(1.0)
                 for _ in range(free - len(msgs)):
                     self._slots.release()
+                self._sizes.extend(len(m.data) for m in msgs)
                 for m in msgs:
                     t = asyncio.create_task(self._handle(m))
                     self._tasks.add(t)

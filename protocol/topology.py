@@ -46,6 +46,10 @@ class BusSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_deliver: int = 5  # then dead-lettered by the consumer
     max_ack_pending: int = 256  # back-pressure: outstanding messages per consumer
     max_msg_bytes: int = 8 * 1024**2
+    # One fetch asks for at most this many bytes of messages as well as at most its free slots: the
+    # server cuts off a client whose unsent bytes pass its max_pending (64 MiB, deploy/natsserver.py)
+    # as a slow consumer, and 64 slots of 2 MB trajectories would be twice that in one burst.
+    fetch_max_bytes: int = 16 * 1024**2
 
     def __post_init__(self) -> None:
         if self.replicas not in (1, 3, 5):
@@ -54,6 +58,8 @@ class BusSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"max_deliver={self.max_deliver} must be >= 1")
         if self.ack_wait_s <= 0:
             raise ValueError(f"ack_wait_s={self.ack_wait_s} must be > 0")
+        if self.fetch_max_bytes < 1:
+            raise ValueError(f"fetch_max_bytes={self.fetch_max_bytes} must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -178,3 +178,53 @@ async def test_sigkilled_server_keeps_stored_messages(nats_server):
     ids = {codec.decode("traj", (await js.get_msg(info.config.name, seq)).data).sample for seq in range(1, 21)}
     assert ids == set(range(20))
     await nc.close()
+
+
+async def test_large_messages_are_fetched_within_the_byte_budget_and_the_consumer_is_not_cut_off(tmp_path, caplog):
+    """24 trajectories of 2 MB each and a worker with 24 slots, against a server whose max_pending
+    is 8 MiB: fetching by count alone asks for 48 MB in one burst and the server cuts the client off
+    as a slow consumer (its messages come back after ack_wait, each delivery spent); fetching within
+    fetch_max_bytes keeps every burst under the limit: every message is handled on its first delivery."""
+    import contextlib
+    import logging
+
+    import msgspec
+
+    from deploy.natsserver import NatsServer
+
+    caplog.set_level(logging.WARNING, logger="parley.nats")
+    server = NatsServer(tmp_path / "nats", port=0, extra_conf="max_pending: 8388608")
+    server.start()
+    nc = await connect(server.url, name="big")
+    try:
+        js = nc.jetstream()
+        bus = topology.BusSettings(ack_wait_s=30.0, max_deliver=3, fetch_max_bytes=6 * 1024**2)
+        await topology.ensure_topology(js, RUN, bus)
+        count, size = 24, 2 * 1024**2
+        for i in range(count):
+            big = msgspec.structs.replace(examples.trajectory(RUN, task_id=f"big-{i:02d}"), reference="x" * size)
+            await publish(js, RUN, "traj", big)
+        got: list[tuple[str, int]] = []
+        stop = asyncio.Event()
+
+        async def handler(traj, msg):
+            got.append((traj.traj_id, msg.metadata.num_delivered))
+            await msg.ack()
+            if len(got) == count:
+                stop.set()
+
+        worker = PullWorker(js, RUN, "traj", handler, bus=bus, name="big-scorer", concurrency=count, fetch_timeout=0.5)
+        assert worker.batch(count) == 1  # nothing seen yet: a message may be max_msg_bytes (8 MiB)
+        task = asyncio.create_task(worker.run_until(stop))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=25)  # under ack_wait: no redelivery can have helped
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
+        assert worker.batch(count) == 2  # two 2 MB messages fit 6 MiB
+        assert sorted(t for t, _ in got) == sorted(f"big-{i:02d}/0" for i in range(count))
+        assert all(n == 1 for _, n in got), got
+        assert [r.getMessage() for r in caplog.records if "disconnect" in r.getMessage().lower()] == []
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), timeout=5)
+        server.stop()
