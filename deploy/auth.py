@@ -144,7 +144,7 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
     elif role == "scorer":
         publish += [topology.subject(run, "scored"), *_consume(run, "traj")]
         publish += [topology.judge_subject(op) for op in topology.JUDGE_OPS]
-        publish += [topology.REFERENCE_SUBJECT]  # [learner] reference = "service": one request per trajectory
+        publish += [topology.REFERENCE_SUBJECTS]  # [learner] reference = "service": one request per trajectory
     elif role == "learner":
         publish += [topology.subject(run, "tasks"), *_consume(run, "scored")]
         publish += [*_read_weights(run), *_write_weights(run)]
@@ -164,7 +164,7 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
         subscribe += [topology.judge_subject(op) for op in topology.JUDGE_OPS]
         responses = True
     elif role == "reference":
-        subscribe += [topology.REFERENCE_SUBJECT]
+        subscribe += [topology.REFERENCE_SUBJECTS]
         responses = True
     else:
         raise ValueError(f"unknown role {role!r}; known: {ROLES}")

@@ -1,7 +1,7 @@
 """The reference service's backend: a frozen copy of the policy's initial weights that answers
 "the log-prob of each token given its prefix" for whole trajectories, so the learner's training GPUs
 run no reference forward ([learner] reference = "service"). `parley reference` (deploy/reference.py)
-serves it on topology.REFERENCE_SUBJECT through engines.service; scorers ask it once per trajectory.
+serves it on its model's subject (topology.reference_subject) through engines.service; scorers ask it once per trajectory.
 
 The log-probs come from engines.logprobs, the function the learner computes its own (local)
 reference with, on a plain transformers model loaded from the same checkpoint the learner loads:
@@ -104,7 +104,7 @@ def reference_routes(ref: ReferenceModel, counters: Counter | None = None) -> di
         counters["tokens"] += int(ids.size) if reply.ok else 0
         return codec.encode(reply)
 
-    return {topology.REFERENCE_SUBJECT: handler}
+    return {topology.reference_subject(ref.model_name): handler}
 
 
 def error_reply(subject: str, data: bytes, exc: BaseException) -> bytes:
@@ -113,7 +113,7 @@ def error_reply(subject: str, data: bytes, exc: BaseException) -> bytes:
 
 
 def reference_service(nc, ref: ReferenceModel, *, name: str = "reference", concurrency: int = 2):
-    """A Service (engines/service.py) answering REFERENCE_SUBJECT in the REFERENCE_QUEUE group.
+    """A Service (engines/service.py) answering its model's subject in the REFERENCE_QUEUE group.
     Forwards run one at a time (ReferenceModel's lock); a second slot decodes and checks the next
     request meanwhile. More replicas share the queue group."""
     from engines.service import Service

@@ -27,10 +27,25 @@ JUDGE_QUEUE = "judge"
 # interactivity_expected: the 0..3 rubric, scored as the expected level under the judge's own
 # distribution over each level token (the reply carries that distribution).
 JUDGE_OPS = ("extract", "interactivity", "interactivity_3level", "interactivity_expected")
-# The frozen initial policy's log-probs of a trajectory ([learner] reference = "service"); a request
-# names its model, and a service answers only for the one it holds.
-REFERENCE_SUBJECT = "parley.svc.reference"
+# The frozen initial policy's log-probs of a trajectory ([learner] reference = "service"): one subject
+# per model (reference_subject), so a request reaches only the services that hold the model it names.
+# On one shared subject a service of another run's model took its share of the queue group, refused,
+# and the scorer spent a delivery and redid the judge work (about 1 in 32 dead-lettered with two runs).
+REFERENCE_SUBJECTS = "parley.svc.reference.*"  # every model's subject (permissions)
 REFERENCE_QUEUE = "reference"
+_SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def reference_subject(model: str) -> str:
+    """The subject of the reference service holding `model` (the [learner] model as written: a
+    built-in name, or a path). A name that is a valid subject token is used as it is, so the subject
+    reads; anything else (a path, dots, spaces) by a digest of the name."""
+    import hashlib
+
+    if not model:
+        raise ValueError("a reference request names its model; got an empty name")
+    token = model if _SUBJECT_TOKEN.match(model) else "m-" + hashlib.blake2b(model.encode(), digest_size=10).hexdigest()
+    return f"parley.svc.reference.{token}"
 
 WEIGHTS_KEY = "current"  # KV key holding the encoded WeightVersion actors must serve
 

@@ -39,7 +39,7 @@ class ReferenceClient:
         from protocol.request import request
 
         ids = arrays.token_ids(traj)
-        subject = topology.REFERENCE_SUBJECT
+        subject = topology.reference_subject(self.model)  # only services of this model hear it
         data = codec.encode(ReferenceRequest(model=self.model, token_ids_i32=arrays.pack_ids(ids)))
         async with self._slots:
             try:

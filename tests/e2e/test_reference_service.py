@@ -248,7 +248,7 @@ async def test_the_service_refuses_what_it_cannot_answer_with_the_reason(tiny_mo
 
     vocab, positions = policy_limits(tiny_model)
     ref = ReferenceModel(NAME, tiny_model, chunk=64)
-    handler = reference_routes(ref)[topology.REFERENCE_SUBJECT]
+    handler = reference_routes(ref)[topology.reference_subject(ref.model_name)]
 
     async def ask(data: bytes):
         return codec.decode("reference.reply", await handler(data))

@@ -420,7 +420,7 @@ async def test_tls_with_role_users(tmp_path, monkeypatch):
 
 
 async def test_the_reference_service_answers_the_scorer_and_nobody_else_may_ask_or_serve(secured, caplog):
-    """[learner] reference = "service": the reference user serves topology.REFERENCE_SUBJECT and
+    """[learner] reference = "service": the reference user serves its model's subject and
     answers the scorer; an actor may not ask it, and the judge user may not serve it."""
     from protocol.messages import ReferenceReply, ReferenceRequest
 
@@ -431,19 +431,20 @@ async def test_the_reference_service_answers_the_scorer_and_nobody_else_may_ask_
             codec.decode("reference.request", msg.data)
             await msg.respond(codec.encode(ReferenceReply(ok=True, model="toy")))
 
-        await conns["reference"].subscribe(topology.REFERENCE_SUBJECT, queue=topology.REFERENCE_QUEUE, cb=answer)
-        await conns["judge"].subscribe(topology.REFERENCE_SUBJECT, queue=topology.REFERENCE_QUEUE, cb=answer)
+        subject = topology.reference_subject("toy")
+        await conns["reference"].subscribe(subject, queue=topology.REFERENCE_QUEUE, cb=answer)
+        await conns["judge"].subscribe(subject, queue=topology.REFERENCE_QUEUE, cb=answer)
         for role in ("reference", "judge"):
             await barrier(conns[role])
         data = codec.encode(ReferenceRequest(model="toy", token_ids_i32=b"\x01\x00\x00\x00\x02\x00\x00\x00"))
         for _ in range(4):  # the judge's subscription was refused: every answer comes from the reference user
-            reply = await conns["scorer"].request(topology.REFERENCE_SUBJECT, data, timeout=5)
+            reply = await conns["scorer"].request(subject, data, timeout=5)
             assert codec.decode("reference.reply", reply.data).ok
-        await conns["actor"].publish(topology.REFERENCE_SUBJECT, data)
+        await conns["actor"].publish(subject, data)
         await barrier(conns["actor"])
         denied = " ".join(violations(caplog)).lower()
-        assert f'subscription to "{topology.REFERENCE_SUBJECT}"' in denied
-        assert f'publish to "{topology.REFERENCE_SUBJECT}"' in denied
+        assert f'subscription to "{subject}"' in denied
+        assert f'publish to "{subject}"' in denied
     finally:
         for nc in conns.values():
             await nc.close()

@@ -90,8 +90,8 @@ def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
     assert list(plan).index("reference") < list(plan).index("scorer-0")  # up before anyone asks it
     assert "reference" in ready_children([Heartbeat(role="reference", id="reference", state="ready")])
     perms = role_permissions("r")
-    assert topology.REFERENCE_SUBJECT in perms["reference"]["subscribe"]["allow"] and perms["reference"]["allow_responses"]
-    assert topology.REFERENCE_SUBJECT in perms["scorer"]["publish"]["allow"]
+    assert topology.REFERENCE_SUBJECTS in perms["reference"]["subscribe"]["allow"] and perms["reference"]["allow_responses"]
+    assert topology.REFERENCE_SUBJECTS in perms["scorer"]["publish"]["allow"]
 
 
 def test_an_evals_scorer_asks_no_reference_service(tmp_path):
