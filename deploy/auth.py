@@ -280,8 +280,8 @@ def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] =
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; known: {ROLES}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    os.chmod(out, 0o700)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)  # private from its creation
+    os.chmod(out, 0o700)  # an existing directory keeps its mode through mkdir
     creds = {role: (user_name(run, role), secrets.token_urlsafe(24)) for role in roles}
     write_private(out / "auth.conf", server_auth_conf(creds, run, response_window=response_window))
     for role, (user, password) in creds.items():

@@ -19,11 +19,22 @@ MAX_PAYLOAD = 8 * 1024 * 1024
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write `path` readable by its owner only (0600), from the moment it exists."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)  # an existing file keeps its old mode through O_CREAT
+    """Write `path` readable by its owner only (0600) in one step: the text goes into a new file
+    created 0600 beside it, which then replaces `path`. Truncating an existing file in place would
+    write the secret under the old file's mode (0644, say) until a chmod after it."""
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # created 0600, O_EXCL
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def server_binary() -> str:
