@@ -228,3 +228,55 @@ async def test_large_messages_are_fetched_within_the_byte_budget_and_the_consume
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), timeout=5)
         server.stop()
+
+
+async def test_a_task_held_through_a_server_restart_is_handled_once_and_spends_no_delivery(tmp_path):
+    """A handler keeps its message alive (in_progress) while nats-server is down longer than ack_wait
+    and comes back on the same store: the server delivers the message again at once (in_progress is
+    not persisted: measured, also with an in_progress sent right after the reconnect). The worker that
+    holds it absorbs that copy: the handler runs once, its ack settles the message, and the copy does
+    not count against max_deliver (at max_deliver=1 it was dead-lettered while being worked on)."""
+    import contextlib
+
+    from deploy.natsserver import NatsServer
+    from protocol.bus import keep_alive
+
+    server = NatsServer(tmp_path / "nats", port=0)
+    server.start()
+    nc = await connect(server.url, name="holder")
+    try:
+        js = nc.jetstream()
+        bus = topology.BusSettings(ack_wait_s=3.0, max_deliver=1)
+        await topology.ensure_topology(js, RUN, bus)
+        await publish(js, RUN, "traj", examples.trajectory(RUN, task_id="held"))
+        started, calls, stop = asyncio.Event(), [], asyncio.Event()
+
+        async def handler(traj, msg):
+            calls.append(msg.metadata.num_delivered)
+            started.set()
+            async with keep_alive(msg, every=0.5):
+                await asyncio.sleep(16)  # the outage (8 s, > ack_wait) and the redelivery happen meanwhile
+            await msg.ack()
+            stop.set()
+
+        worker = PullWorker(js, RUN, "traj", handler, bus=bus, name="holder", concurrency=2, fetch_timeout=0.5)
+        task = asyncio.create_task(worker.run_until(stop))
+        await asyncio.wait_for(started.wait(), timeout=10)
+        server.kill()
+        await asyncio.sleep(8)
+        server.start()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=30)
+        await asyncio.sleep(2 * bus.ack_wait_s)  # an unsettled message would come back meanwhile
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
+        assert calls == [1], calls
+        assert worker.stats["absorbed"] >= 1 and worker.stats["dead"] == 0, dict(worker.stats)
+        dead = await js.stream_info(topology.stream_name(RUN, "dead"))
+        assert dead.state.messages == 0
+        info = await js.consumer_info(topology.stream_name(RUN, "traj"), topology.CHANNELS["traj"].durable)
+        assert info.num_ack_pending == 0 and info.num_pending == 0, info
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), timeout=5)
+        server.stop()
