@@ -38,6 +38,9 @@ log = logging.getLogger("parley.learner")
 
 
 class Learner:
+    """Rank 0's learner: builds the parts over one `RunState` (a resume fills it from the ledger
+    first), runs their background tasks and the loop, and answers the heartbeat."""
+
     def __init__(self, cfg, js, nc, driver, *, model_dir, resume: bool, steps: int, eval_launch=None):
         started = time.monotonic()
         self.cfg, self.lc, self.js, self.nc = cfg, cfg.learner, js, nc
