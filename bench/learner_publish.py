@@ -83,9 +83,15 @@ async def gaps(args, work: Path) -> dict:
     class Inline(Learner):
         """The learner before issue 15: the step returns only once its version is announced."""
 
-        async def publish(self, version, write_now=False):
-            await super().publish(version, write_now)
-            await self.publisher.drain()
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            publish = self.weights.publish
+
+            async def publish_and_wait(version, write_now=False):
+                await publish(version, write_now)
+                await self.publisher.drain()
+
+            self.weights.publish = publish_and_wait
 
     server = NatsServer(work / "nats", port=0)
     server.start()

@@ -3,7 +3,8 @@ groups) in run_dir/learner/state.msgpack with the buffered samples themselves in
 sample log beside it (`Ledger`), the DeepSpeed checkpoint it points to, the resume
 truncation of the step logs, the archive of every group that left the learner (run_dir/learner/
 archive, read by `parley replay`), and `export_version` (any kept version as an HF checkpoint).
-Written and read by learner.service; export is the `parley export` command. Design: docs/learner.md.
+Written by learner.intake (the ledger) and learner.stepper (checkpoints, archive), read back by
+learner.resume; export is the `parley export` command. Design: docs/learner.md.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ class Ledger:
     their messages were never acked). When the log's dead records (samples of groups that left the
     learner) outgrow its live ones and COMPACT_MIN_BYTES, the live ones are copied into the next
     generation, the state names it, and the older generations are removed after the state is in place.
-    Called by learner.service (one write at a time); `bytes_written` counts every byte it wrote."""
+    Called by learner.intake (one write at a time); `bytes_written` counts every byte it wrote."""
 
     def __init__(self, run_dir: str | Path, compact_min_bytes: int = COMPACT_MIN_BYTES):
         self.run_dir, self.dir = Path(run_dir), learner_dir(run_dir)

@@ -1,6 +1,6 @@
 """Which environment a run trains: `environment.json` (environments.config.EnvConfig.record(): name,
-distribution, version, entry point, options), written by learner.service in the run directory at a
-fresh start and beside every DeepSpeed checkpoint; a resume whose environment differs is refused,
+distribution, version, entry point, options), written in the run directory at a fresh start
+(learner.resume) and beside every DeepSpeed checkpoint (learner.stepper); a resume whose environment differs is refused,
 since its feeder position and buffered groups would index another environment's tasks.
 """
 

@@ -1,6 +1,6 @@
 """Assembling GRPO groups from Scored messages: one group per task, trainable when all n samples
 are in, dropped after a timeout or when too stale (or kept with an importance-sampling correction),
-skipped when every sample has the same reward. Pure bookkeeping; learner.service feeds it from the
+skipped when every sample has the same reward. Pure bookkeeping; learner.intake feeds it from the
 SCORED consumer and takes batches from it. See docs/learner.md for how this state is checkpointed.
 """
 

@@ -1,6 +1,6 @@
 """Trajectories as the learner trains them (`Sample`), packed into micro-batches without padding
 by a token budget and sharded over ranks by tokens. Pure tensor bookkeeping, no model: used by
-learner.trainer, learner.service and the tests."""
+learner.trainer, learner.stepper and the tests."""
 
 from __future__ import annotations
 

@@ -5,17 +5,27 @@ file, uploading it, hashing, announcing) to `Publisher`, so the next step starts
 Back-pressure: at most one publication runs at a time, and at most one waits behind it. A newer
 version supersedes the one waiting (never the one running, so some version always gets through
 however fast the steps come): the superseded one is never uploaded nor announced, its `discard`
-removes what it had written, and it is counted and logged. Used by learner.service.
+removes what it had written, and it is counted and logged.
+
+`Weights` is the learner's side of it: what each version is taken as, where it is uploaded and
+announced. learner.service builds both; learner.stepper calls `Weights.publish` after a step, the
+service's loop checks, drains and abandons the `Publisher`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+from learner import checkpoint as ckpt
+from protocol.bus import retry_unreachable
+from protocol.weights import ServedVersions, publish_gpu_version, publish_version
 
 log = logging.getLogger("parley.learner")
 
@@ -92,3 +102,55 @@ class Publisher:
                             self.running.version)
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+class Weights:
+    """Publishes the trainer's weights by version through `publisher`; `served` tracks the versions
+    actors serve, which are never pruned. The feeder's version moves once a version is announced."""
+
+    def __init__(self, lc, js, nc, run_name: str, run_dir, driver, publisher: Publisher, feeder) -> None:
+        self.lc, self.js, self.run_name, self.run_dir, self.driver = lc, js, run_name, run_dir, driver
+        self.publisher, self.feeder = publisher, feeder
+        self.served = ServedVersions(nc, run_name)  # what actors serve is never pruned
+
+    async def publish(self, version: int, write_now: bool = False) -> None:
+        """Take `version`'s weights now, before the next step can change them, and hand their upload and
+        announcement to the publisher (learner.publication): the next step does not wait for them.
+        objstore / shared_dir: a CPU copy on rank 0 (Trainer.weights_snapshot; ZeRO-3 gathers first),
+        written to weights_dir in the background, or at once with `write_now` (an eval exports it
+        next). cuda_ipc / nccl: packed into one of rank 0's GPU buffers (no file); only the
+        announcement is left for the background."""
+        if self.lc.transport in ("cuda_ipc", "nccl"):
+            source = await asyncio.to_thread(self.driver, "pack_weights", version)
+            self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
+            return
+        snap = await asyncio.to_thread(self.driver, "weights_snapshot")
+        wdir = ckpt.weights_dir(self.run_dir, version)
+        if write_now:
+            await asyncio.to_thread(snap.write, wdir)
+        self.publisher.submit(Publication(version, lambda: self.upload(version, snap, wdir),
+                                          discard=lambda: shutil.rmtree(wdir, ignore_errors=True)))
+
+    async def upload(self, version: int, snap, wdir: Path) -> None:
+        """In the background: write the file (unless written), upload it (its sha256 is computed once,
+        by the transport as it reads the file), announce it, prune, open admission on it."""
+        await asyncio.to_thread(snap.write, wdir)  # a no-op when written for an eval
+        wv = await retry_unreachable(
+            lambda: publish_version(self.js, self.run_name, version, version, wdir, self.lc.transport,
+                                    shared_dir=self.lc.shared_dir or None, keep=self.lc.keep_versions,
+                                    protect=self.served.versions()),
+            what=f"publishing weights version {version}",
+        )
+        await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
+        self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
+        log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
+
+    async def announce_gpu(self, version: int, source) -> None:
+        """cuda_ipc / nccl: announce where actors get the packed buffer. Actors copy it on their own
+        time; nothing here waits for them."""
+        wv = await retry_unreachable(
+            lambda: publish_gpu_version(self.js, self.run_name, version, version, source),
+            what=f"announcing weights version {version}",
+        )
+        self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
+        log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)

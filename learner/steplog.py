@@ -1,7 +1,7 @@
 """Per-step records of the learner: run_dir/metrics.jsonl (every metric of a step as one JSON
 line), run_dir/tb (the numeric ones as TensorBoard scalars, the staleness histogram) and
 run_dir/trained.jsonl (the resume ledger of which trajectories each step trained).
-Written by learner.service; read by the live view, reports and the resume test.
+Written by learner.stepper (truncated by learner.resume); read by the live view, reports and the resume test.
 """
 
 from __future__ import annotations

@@ -356,7 +356,7 @@ class Trainer:
         total_tokens = sum(len(s.token_ids) for s in samples)
         stats.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            skipped=0.0 if applied else 1.0,  # learner.service dead-letters a skipped step's groups
+            skipped=0.0 if applied else 1.0,  # learner.stepper dead-letters a skipped step's groups
             lr=float(self.engine.get_lr()[0]),
             tokens=float(total_tokens),
             trained_tokens=float(n_tokens),

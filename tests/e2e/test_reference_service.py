@@ -130,7 +130,7 @@ async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny
     from learner.groups import behaviour_logprobs, check_hostile_values
     from learner.trainer import Trainer
 
-    from learner.service import policy_limits
+    from learner.intake import policy_limits
 
     vocab, _ = policy_limits(tiny_model)
     trajs = sampled_trajectories(plain_model(tiny_model), [6, 9], 4, 16, seed=5)
@@ -244,7 +244,7 @@ async def test_the_service_refuses_what_it_cannot_answer_with_the_reason(tiny_mo
     from protocol import codec, topology
     from protocol.messages import ReferenceRequest
 
-    from learner.service import policy_limits
+    from learner.intake import policy_limits
 
     vocab, positions = policy_limits(tiny_model)
     ref = ReferenceModel(NAME, tiny_model, chunk=64)

@@ -41,8 +41,8 @@ async def test_a_filling_backlog_is_warned_about(js, nc, tmp_path, caplog):
     cfg = make_cfg(run, tmp_path / "run", bus=TINY)
     learner = Learner(cfg, js, nc, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)
     with caplog.at_level(logging.WARNING, logger="parley.learner"):
-        await learner.check_backlog()
-        await learner.check_backlog()  # still full: no second warning
+        await learner.backlog.check()
+        await learner.backlog.check()  # still full: no second warning
     warned = [r.getMessage() for r in caplog.records if "unconsumed messages fill" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("stream scored: unconsumed messages fill")
     assert learner.heartbeat().counters["backlog.scored"] >= backlog.WARN_SHARE

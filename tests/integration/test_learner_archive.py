@@ -29,7 +29,7 @@ async def test_replay_of_steps_the_streams_no_longer_hold(js, nc, tmp_path):
     await topology.ensure_topology(js, run, TINY)
     # 10 KB per sample: the stream keeps about six; task 1's group is flat (skipped, archived as dropped)
     learner, _ = await drive(js, nc, cfg, lambda i: "flat" if i == 1 else "answer", pad=10_000)
-    assert learner.step == 3
+    assert learner.state.step == 3
 
     stored = {s.traj_id for s in await read_stream(js, run, "scored")}
     step1 = {f"{run}-g{i:06d}/{s}" for i in (0, 2) for s in (0, 1)}

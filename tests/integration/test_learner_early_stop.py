@@ -52,11 +52,11 @@ async def test_learner_stops_early_on_a_significant_regression(js, nc, toy, tmp_
     code = await asyncio.wait_for(learner.run(asyncio.Event()), timeout=120)
 
     assert code == 0
-    assert 2 <= learner.step < STEPS  # stopped once v2's eval was in, well before the budget
+    assert 2 <= learner.state.step < STEPS  # stopped once v2's eval was in, well before the budget
     assert [j.version for j in evals.jobs][:3] == [0, 1, 2]
     saved = json.loads((run_dir / "eval" / "early_stop.json").read_text())
     assert saved["version"] == 2 and saved["metric"] == "mr"
     assert saved["reason"].startswith("mr of version 2 is below version 1's")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == learner.step
+    assert len(rows) == learner.state.step
     assert select_best(run_dir, "mr").version == 1

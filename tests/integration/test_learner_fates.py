@@ -156,7 +156,7 @@ async def test_dead_lettered_tasks_free_their_slots(js, nc, tmp_path):
     await topology.ensure_topology(js, run, BUS)
     learner, _ = await drive(js, nc, cfg, lambda i: "poison" if i < 17 else "answer")
 
-    assert learner.step == 2
+    assert learner.state.step == 2
     dead_ids = {f"{run}-g{i:06d}" for i in range(17)}
     state = read_state(run_dir)
     assert {t: state.done[t] for t in dead_ids} == {t: "dead" for t in dead_ids}
@@ -164,7 +164,7 @@ async def test_dead_lettered_tasks_free_their_slots(js, nc, tmp_path):
     for t in dead_ids:
         assert state.reasons[t].startswith("dead: its Task was dead-lettered by actor-double (tasks): test double")
         assert not_trained(run_dir)[t] == state.reasons[t]
-    assert learner.counters["groups.dead"] == 17
+    assert learner.state.counters["groups.dead"] == 17
     assert state.dead_seq == 18  # every letter read, and the ledger says so
 
 
@@ -208,7 +208,7 @@ async def test_resume_does_not_restore_a_stall(js, nc, tmp_path):
 
     learner, _ = await drive(js, nc, cfg, lambda i: "answer", resume=True)
     state = read_state(run_dir)
-    assert learner.step == 1
+    assert learner.state.step == 1
     assert [state.done[f"{run}-g{i:06d}"] for i in range(4)] == ["dead"] * 4
 
 
@@ -291,9 +291,9 @@ def test_only_a_real_sample_of_an_issued_task_gives_it_up(tmp_path):
         return DeadLetter(subject=topology.subject("one", "scored"), reason="refused", consumer="learner-x",
                           payload=codec.encode(s))
 
-    learner.on_dead(letter(7))  # outside 0..n-1: a bogus sample, not a lost one
+    learner.fates.on_dead(letter(7))  # outside 0..n-1: a bogus sample, not a lost one
     assert "one-g000000" in learner.feeder.state.in_flight
-    learner.on_dead(letter(1))
+    learner.fates.on_dead(letter(1))
     assert "one-g000000" not in learner.feeder.state.in_flight
     assert learner.grouper.done["one-g000000"] == "dead"
-    assert learner.reasons["one-g000000"] == "dead: sample 1 was dead-lettered by learner-x (scored): refused"
+    assert learner.state.reasons["one-g000000"] == "dead: sample 1 was dead-lettered by learner-x (scored): refused"

@@ -125,7 +125,7 @@ async def test_a_step_the_trainer_skips_is_dead_lettered_and_training_goes_on(js
     learner = Learner(cfg, js, nc, trainer, model_dir=base, resume=False, steps=steps)
     assert await asyncio.wait_for(learner.run(asyncio.Event()), timeout=120) == 0
 
-    assert trainer.calls.count("train_step") == steps + 1 and learner.step == steps
+    assert trainer.calls.count("train_step") == steps + 1 and learner.state.step == steps
     assert (await current_version(js, run)).version == steps
     dead_stream = topology.stream_name(run, "dead")
     info = await js.stream_info(dead_stream)

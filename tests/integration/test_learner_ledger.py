@@ -41,27 +41,27 @@ async def test_bytes_per_flush_stay_o_changes_and_resume_restores_every_sample(t
     for i in range(flushes):  # one more group buffered before each write (half of it: a partial group)
         for sample in range(2 if i % 2 else 1):
             assert learner.grouper.add(scored_for(task("ledger", i), sample, pad=20_000)) in ("added", "complete")
-        await learner.flush()
-        per_write.append(learner.ledger_bytes)
+        await learner.intake.flush()
+        per_write.append(learner.intake.ledger_bytes)
         # What one write of every buffered sample in full (the ledger before the sample log) would cost:
         full_rewrite += sum(len(msgspec.msgpack.encode(g.ordered())) for g in learner.grouper.buffer.values())
-    total = learner.ledger.bytes_written
+    total = learner.intake.ledger.bytes_written
     assert sum(per_write) == total
     sample_bytes = len(msgspec.msgpack.encode(scored_for(task("ledger", 0), 0, pad=20_000)))
     # Each write: the one or two new samples plus a state of ~100 small group records, never the buffer.
     assert max(per_write) < 2 * sample_bytes + 20_000, per_write
     assert per_write[-1] < 2 * sample_bytes + 20_000
     assert total < full_rewrite / 20, (total, full_rewrite)  # measured: ~1/34 of it at 100 writes
-    assert learner.ledger.compactions == 0  # nothing left the buffer: no dead record to drop
+    assert learner.intake.ledger.compactions == 0  # nothing left the buffer: no dead record to drop
 
     before = {t: g.ordered() for t, g in learner.grouper.buffer.items()}
-    learner.ledger.close()
+    learner.intake.ledger.close()
     resumed = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
     assert {t: g.ordered() for t, g in resumed.grouper.buffer.items()} == before  # every sample, field by field
     assert len(before) == flushes and sum(len(v) for v in before.values()) == 150
-    written = resumed.ledger.bytes_written
-    await resumed.flush()  # the restored samples are not written again
-    assert resumed.ledger.bytes_written - written < 20_000
+    written = resumed.intake.ledger.bytes_written
+    await resumed.intake.flush()  # the restored samples are not written again
+    assert resumed.intake.ledger.bytes_written - written < 20_000
 
 
 async def test_an_old_ledger_with_inline_samples_resumes(tmp_path):
@@ -78,7 +78,7 @@ async def test_an_old_ledger_with_inline_samples_resumes(tmp_path):
     ckpt.write_state(run_dir, ckpt.LearnerState(groups=groups))
     learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
     assert [s for g in learner.grouper.buffer.values() for s in g.ordered()] == samples
-    await learner.flush()
+    await learner.intake.flush()
     raw = msgspec.msgpack.decode((ckpt.learner_dir(run_dir) / ckpt.STATE_FILE).read_bytes(), type=ckpt.LearnerState)
     assert [(len(g.samples), len(g.refs)) for g in raw.groups] == [(0, 2), (0, 1)]
     assert [s for g in ckpt.read_state(run_dir).groups for s in g.samples] == samples
@@ -158,8 +158,8 @@ async def test_a_damaged_or_missing_sample_log_stops_the_resume_with_its_name(tm
     learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)
     for sample in range(2):
         learner.grouper.add(scored_for(task("damaged", 0), sample))
-    await learner.flush()
-    learner.ledger.close()
+    await learner.intake.flush()
+    learner.intake.ledger.close()
     log = ckpt.learner_dir(run_dir) / ckpt.read_state(run_dir).sample_log
     data = bytearray(log.read_bytes())
     data[-5] ^= 0xFF  # one byte of the second sample

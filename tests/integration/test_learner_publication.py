@@ -129,7 +129,7 @@ async def test_a_version_overtaken_while_waiting_is_never_announced(js, nc, tmp_
     async def gate(version):
         if version == 1:  # slow: versions 2 and 3 are both taken while version 1 uploads
             t0 = time.monotonic()
-            while not (box and box[0].step == 3 and box[0].publisher.waiting is not None
+            while not (box and box[0].state.step == 3 and box[0].publisher.waiting is not None
                        and box[0].publisher.waiting.version == 3) and time.monotonic() - t0 < 30:
                 await asyncio.sleep(0.05)
 
@@ -230,6 +230,6 @@ async def test_a_stop_during_an_upload_lets_it_finish_and_announce(js, nc, tmp_p
 
     slow = SlowTransport(js, gate)
     learner = await run_learner(js, nc, cfg, TrainerDouble(), slow, stop=stop)
-    assert learner.step == 1
+    assert learner.state.step == 1
     assert await announced(js, run) == [0, 1]
     assert learner.publisher.counters["published"] == 2

@@ -103,12 +103,12 @@ def test_shape_mismatch_raises():
 
 
 def test_a_dead_term_of_a_3_step_run_shows_in_the_closing_table_and_the_live_view(tmp_path):
-    # What the learner writes per step (learner.service: metrics() -> metrics.jsonl, live_counters for
+    # What the learner writes per step (learner.stepper: metrics() -> metrics.jsonl, live_counters for
     # the heartbeat) and what `parley up` prints at the end (deploy.up.summary_text).
     import json
 
     from deploy.up import summary_text
-    from learner.service import live_counters
+    from learner.stepper import live_counters
 
     monitor = SignalMonitor()
     dead = TermStats(mean=0.0, within_group_std=0.0, corr_with_total=0.0)

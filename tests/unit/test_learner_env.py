@@ -14,7 +14,8 @@ from environments import hidden_goal
 from evaluation.leakage import OVERLAP_FILE, LeakageError, guard_environment
 from learner import checkpoint as ckpt
 from learner import envrecord
-from learner.service import Learner, LearnerStateError, check_leakage
+from learner.resume import LearnerStateError
+from learner.service import Learner, check_leakage
 
 
 class TrainerDouble:

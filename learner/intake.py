@@ -1,0 +1,126 @@
+"""The learner's intake and its ledger: the SCORED handler (checks, grouping), the keep-alive of held
+messages, the bookkeeping of groups that leave untrained (`consume`), and the ledger write that
+acks. Owns the messages not yet acked and the `Ledger`; built by learner.service, whose loop and
+parts (learner.stepper, learner.watchers) call it.
+
+Acknowledgement rule (docs/learner.md): a Scored message is acked only after a ledger write that
+records it (buffered, trained at a checkpointed step, or finished otherwise), so a kill at any
+moment loses no sample and trains none twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+
+from learner import checkpoint as ckpt
+from learner.feeder import Feeder
+from learner.groups import BadTrajectory, Grouper, Outcome, check_hostile_values, check_trajectory
+from learner.runstate import RunState
+from protocol.bus import Poison
+
+
+class Intake:
+    def __init__(self, state: RunState, grouper: Grouper, feeder: Feeder, ledger: ckpt.Ledger, *,
+                 limits: tuple[int, int | None], reference_service: bool, ack_wait_s: float, flush_s: float,
+                 started: float):
+        self.state, self.grouper, self.feeder, self.ledger = state, grouper, feeder, ledger
+        # token ids beyond the vocabulary and conversations beyond the positions are refused here
+        self.vocab_size, self.max_positions = limits
+        self.reference_service = reference_service  # Scored messages carry the reference's log-probs
+        self.ack_wait_s, self.flush_s = ack_wait_s, flush_s
+        self.pending: list = []  # received messages not yet covered by a ledger write
+        self.last_flush = started
+        self.ledger_bytes = 0  # bytes the last ledger write wrote
+        self._data = asyncio.Event()
+
+    async def on_scored(self, scored, msg) -> None:
+        """PullWorker handler: buffer the sample; its ack waits for the next ledger write."""
+        try:
+            check_trajectory(scored.trajectory)
+            check_hostile_values(scored, self.vocab_size, self.max_positions, reference=self.reference_service)
+            result = self.grouper.add(scored)
+        except BadTrajectory as e:
+            raise Poison(str(e)) from None
+        self.state.counters[f"scored.{result}"] += 1
+        self.pending.append(msg)
+        if result == "complete":
+            self._data.set()
+
+    async def wait_for_data(self, timeout: float) -> None:
+        """Until a group completes (on_scored) or `timeout` seconds pass."""
+        self._data.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._data.wait(), timeout=timeout)
+
+    async def keep_alive(self, halt: asyncio.Event) -> None:
+        """Held messages must not be redelivered while a step runs: tell the server we work on them."""
+        every = max(self.ack_wait_s / 3.0, 0.2)
+        while not halt.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(halt.wait(), timeout=every)
+            for m in list(self.pending):
+                with contextlib.suppress(Exception):
+                    await m.in_progress()
+
+    def consume(self, outcomes: list[Outcome]) -> list[Outcome]:
+        """Groups that leave untrained: their tasks free their admission slots, their reasons are kept."""
+        for o in outcomes:
+            self.feeder.mark_consumed(o.task_id, trained=False)
+            self.state.reasons[o.task_id] = o.reason
+            self.state.counters[f"groups.{o.kind}"] += 1
+        return outcomes
+
+    # -- the ledger -----------------------------------------------------------------------------
+
+    def snapshot(self) -> ckpt.LearnerState:
+        """The ledger as of the last checkpoint: groups trained after it count as still buffered."""
+        done = dict(self.grouper.done)
+        groups = list(self.grouper.buffer.values())
+        in_flight = dict(self.feeder.state.in_flight)
+        consumed = self.feeder.state.consumed
+        for g, issued in self.state.uncommitted:
+            done.pop(g.task_id, None)
+            groups.append(g)
+            if issued is not None:
+                in_flight[g.task_id] = issued
+                consumed -= 1
+        return ckpt.LearnerState(
+            step=self.state.ckpt_step, tag=self.state.tag, next_index=self.feeder.state.next_index,
+            in_flight=sorted(in_flight), consumed=consumed, done=done, counters=dict(self.grouper.counters),
+            groups=[ckpt.GroupState(task_id=g.task_id, first_seen=g.first_seen, completed=g.completed, samples=g.ordered())
+                    for g in groups],
+            issued=[ckpt.IssuedTask(task_id=t, at=i.at, version=i.version) for t, i in sorted(in_flight.items())],
+            dead_seq=self.state.dead_seq, reasons=dict(self.state.reasons),
+        )
+
+    def flush_due(self) -> bool:
+        """Messages wait for a ledger write and the last one is `ledger_flush_s` old."""
+        return bool(self.pending) and time.monotonic() - self.last_flush >= self.flush_s
+
+    async def flush(self) -> None:
+        """Write the ledger, then ack every message it now accounts for."""
+        msgs, self.pending = self.pending, []
+        state = self.snapshot()  # taken together with the swap above: nothing slips between them
+        before = self.ledger.bytes_written
+        await asyncio.to_thread(self.ledger.write, state)
+        self.ledger_bytes = self.ledger.bytes_written - before
+        self.last_flush = time.monotonic()
+        for m in msgs:
+            with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is ignored as late/duplicate
+                await m.ack()
+
+
+def policy_limits(model_dir) -> tuple[int, int | None]:
+    """(rows of the policy's embedding, its positions or None) from config.json: vocab_size, the
+    token ids it can take, and max_position_embeddings, the longest sequence it can be trained on."""
+    path = Path(model_dir) / "config.json"
+    conf = json.loads(path.read_text())
+    conf = conf if "vocab_size" in conf else conf.get("text_config", {})  # multimodal configs nest the text model
+    size, positions = conf.get("vocab_size"), conf.get("max_position_embeddings")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"{path} has no vocab_size; the learner needs it to refuse token ids outside the vocabulary")
+    return size, positions if isinstance(positions, int) and positions > 0 else None

@@ -1,0 +1,71 @@
+"""How the learner starts on its run directory: a fresh start records the base model and the
+environment (and refuses a directory that holds a learner state); a resume restores the trainer's
+checkpoint, the run state, the buffered groups and the feeder from the ledger, and cuts the step
+logs back to the checkpointed step. Called by learner.service while it builds the parts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from learner import checkpoint as ckpt
+from learner import envrecord
+from learner.feeder import FeederState, Issued
+from learner.groups import Group, Grouper
+from learner.runstate import RunState
+from learner.steplog import StepLog
+
+log = logging.getLogger("parley.learner")
+
+
+class LearnerStateError(RuntimeError):
+    """The run directory's learner state does not fit the command (fresh start over an old run)."""
+
+
+def fresh(run_dir, model_dir, env_record) -> FeederState:
+    if ckpt.has_state(run_dir):
+        raise LearnerStateError(
+            f"{ckpt.learner_dir(run_dir)} holds a learner state; pass --resume to "
+            "continue it, or use another run name / run.dir for a fresh run"
+        )
+    ckpt.record_base_model(run_dir, model_dir)
+    envrecord.write(run_dir, env_record)
+    return FeederState()
+
+
+def restore(run_dir, model_dir, env_record, *, ledger: ckpt.Ledger, driver, state: RunState, grouper: Grouper,
+            steplog: StepLog) -> FeederState:
+    """Fill `state` and `grouper` from the ledger and load its checkpoint into the trainer (`driver`);
+    the feeder's state to build it with."""
+    saved = ledger.open()  # the buffered samples come back from the sample log
+    if saved is None:
+        log.warning("--resume: no learner state in %s; starting fresh", ckpt.learner_dir(run_dir))
+        return fresh(run_dir, model_dir, env_record)
+    changed = envrecord.differs(run_dir, env_record)
+    if changed:
+        raise LearnerStateError(f"--resume: {changed}")
+    if saved.tag:
+        driver("load_checkpoint", ckpt.ckpt_dir(run_dir), saved.tag)
+    state.step = state.ckpt_step = saved.step
+    state.tag = saved.tag
+    grouper.done = dict(saved.done)
+    state.reasons = dict(saved.reasons)
+    state.dead_seq = saved.dead_seq
+    grouper.counters.update(saved.counters)
+    for g in saved.groups:
+        grouper.restore(Group(g.task_id, g.first_seen, {s.sample: s for s in g.samples}, g.completed))
+    steplog.truncate(saved.step)
+    ckpt.truncate_archive(run_dir, saved.step)
+    log.info(
+        "resumed at step %d (checkpoint %s): %d buffered groups, %d finished tasks, feeder at task %d",
+        saved.step, saved.tag or "initial weights", len(saved.groups), len(saved.done), saved.next_index,
+    )
+    # The deadline counts only while a learner runs: the time it was down is added to each issue
+    # time, so the samples actors produced meanwhile (waiting in SCORED) are read before any of
+    # their tasks is given up. A ledger from before issue records were kept counts from now.
+    now = time.time()
+    down = max(0.0, now - saved.saved)
+    issued = {i.task_id: Issued(at=i.at + down, version=i.version) for i in saved.issued}
+    in_flight = {t: issued.get(t) or Issued(at=now, version=saved.step) for t in saved.in_flight}
+    return FeederState(next_index=saved.next_index, in_flight=in_flight, consumed=saved.consumed)

@@ -1,0 +1,31 @@
+"""`RunState`: the learner's state that more than one of its parts reads or writes (the step count,
+what the last checkpoint vouches for, the fates of tasks since the last step, the counters).
+learner.service builds one and hands it to the intake, the stepper and the watchers explicitly;
+learner.resume fills it from the ledger, and the intake's ledger write records it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from learner.feeder import Issued
+from learner.groups import Group, Outcome
+
+
+@dataclass
+class RunState:
+    steps: int  # the step budget; 0 trains forever
+    step: int = 0  # optimizer steps done = the policy version the trainer holds
+    ckpt_step: int = 0  # what the last ledger write can vouch for: the checkpointed step and its tag
+    tag: str = ""
+    uncommitted: list[tuple[Group, Issued | None]] = field(default_factory=list)  # trained after the last checkpoint
+    since_step: list[Outcome] = field(default_factory=list)  # groups dropped/skipped since the last step
+    reasons: dict[str, str] = field(default_factory=dict)  # task_id -> why it was not trained (kept in the ledger)
+    dead_seq: int = 1  # next DEAD stream sequence to read
+    counters: Counter[str] = field(default_factory=Counter)
+    phase: str = "starting"  # what the heartbeat says the learner is doing
+
+    def last(self) -> bool:
+        """The step budget is spent (never with steps = 0)."""
+        return bool(self.steps) and self.step >= self.steps

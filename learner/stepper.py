@@ -1,0 +1,200 @@
+"""The learner's step: take `groups_per_step` trainable groups, train on them, then publish, checkpoint,
+queue the periodic eval, write the step logs and the ledger, archive, prune; a step the trainer
+refused (not finite) dead-letters its samples instead. Owns the step logs, the reward-signal monitor
+and the last step's live counters. Built by learner.service, whose loop calls `try_step`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+from learner import checkpoint as ckpt
+from learner import envrecord
+from learner.feeder import Feeder
+from learner.groups import Grouper, Taken, behaviour_logprobs
+from learner.intake import Intake
+from learner.publication import Weights
+from learner.runstate import RunState
+from learner.steplog import StepLog
+from learner.watchers import Evals
+from protocol import arrays, codec, topology
+from protocol.bus import dead_letter, retry_unreachable
+
+log = logging.getLogger("parley.learner")
+
+
+class Stepper:
+    def __init__(self, state: RunState, cfg, js, driver, *, grouper: Grouper, feeder: Feeder, intake: Intake,
+                 weights: Weights, evals: Evals, steplog: StepLog, env_record, consumer: str, started: float):
+        from rewards.diagnostics import SignalMonitor
+
+        self.state, self.cfg, self.lc, self.js, self.driver = state, cfg, cfg.learner, js, driver
+        self.run_name, self.run_dir = cfg.run.name, cfg.run_dir
+        self.grouper, self.feeder, self.intake, self.weights, self.evals = grouper, feeder, intake, weights, evals
+        self.steplog, self.env_record = steplog, env_record
+        self.consumer = consumer  # who dead-letters a refused step's samples
+        self.wait_since = started  # since when the learner waits for a step's groups
+        self.monitor = SignalMonitor()
+        self.live: dict[str, float] = {}  # last step's reward terms and staleness, for the live view
+
+    async def try_step(self) -> bool:
+        st = self.state
+        taken, outcomes = self.grouper.take(self.lc.groups_per_step, st.step)
+        st.since_step += self.intake.consume(outcomes)
+        if not taken:
+            return False
+        wait_s = time.monotonic() - self.wait_since
+        st.phase = "busy"
+        samples = self.samples(taken)
+        try:
+            stats = await asyncio.to_thread(self.driver, "train_step", samples)
+        except BaseException:
+            self.grouper.untake(taken)  # not trained: the ledger must keep them buffered
+            raise
+        if stats.get("skipped"):
+            await self.refuse_step(taken, stats)
+            return True
+        admitted_at = st.step  # the version the groups were trained against
+        st.step += 1
+        admission_lag: Counter[str] = Counter()
+        for t in taken:
+            issued = self.feeder.mark_consumed(t.group.task_id)
+            st.uncommitted.append((t.group, issued))
+            if issued is not None:
+                admission_lag[str(admitted_at - issued.version)] += 1
+        # The feeder's version moves in publish(), once the actors have been told of the new weights.
+        stats["wait_s"] = wait_s
+        stats["admission_lag_hist"] = dict(admission_lag)
+
+        last = st.last()
+        eval_due = self.evals.due(st.step, last=last)
+        if st.step % self.lc.publish_every == 0 or last:
+            t0 = time.perf_counter()
+            await self.weights.publish(st.step, write_now=eval_due)
+            stats["publish_s"] = time.perf_counter() - t0  # on the step's path: the CPU copy (and the file, for an eval)
+        if st.step % self.lc.checkpoint_every == 0 or last:
+            t0 = time.perf_counter()
+            tag = ckpt.step_tag(st.step)
+            await asyncio.to_thread(self.driver, "save_checkpoint", ckpt.ckpt_dir(self.run_dir), tag)
+            envrecord.write(ckpt.ckpt_dir(self.run_dir) / tag, self.env_record)
+            st.ckpt_step, st.tag = st.step, tag
+            st.uncommitted.clear()
+            stats["checkpoint_s"] = time.perf_counter() - t0
+        # after the checkpoint: an unpublished version is exported from it
+        if eval_due:
+            t0 = time.perf_counter()
+            await self.evals.submit(st.step)
+            stats["eval_export_s"] = time.perf_counter() - t0
+        # The step's lines go out before the ledger that vouches for them: a resume drops lines
+        # beyond the ledger's step, never misses one.
+        metrics = self.metrics(taken, stats)
+        self.steplog.write(st.step, metrics, self.trained_entry(taken))
+        self.live = live_counters(metrics)
+        dropped = [s for o in st.since_step if o.group is not None for s in o.group.ordered()]
+        st.since_step = []
+        await self.intake.flush()
+        # After the ledger: an archived step is one the ledger vouches for (a resume removes later ones).
+        trained = [s for t in taken for s in t.group.ordered()]
+        await asyncio.to_thread(ckpt.write_archive, self.run_dir, st.step, trained, dropped)
+        if st.tag == ckpt.step_tag(st.step):
+            ckpt.prune_checkpoints(self.run_dir, self.lc.keep_checkpoints, st.tag)
+        log.info(
+            "step %d: loss %.4f, %d groups, %d tokens, %.1fs train, %.1fs waiting for data",
+            st.step, stats.get("loss", float("nan")), len(taken), int(stats["tokens"]), stats["train_s"], wait_s,
+        )
+        self.wait_since = time.monotonic()
+        st.phase = "ready"
+        return True
+
+    async def refuse_step(self, taken: list[Taken], stats: dict) -> None:
+        """The trainer did not apply a step (its loss or gradient norm was not finite): the weights are
+        as before, its groups are final (kind "nonfinite", in the ledger with the next write) and each
+        of their samples goes to DEAD with the reason, for an operator to look at."""
+        reason = (f"not trained: the step over these groups had loss {stats.get('loss', float('nan')):.4g} and "
+                  f"grad norm {stats.get('grad_norm', float('nan')):.4g}; not finite, so it was skipped")
+        self.state.since_step += self.intake.consume(self.grouper.reject(taken, reason))
+        self.state.counters["steps.skipped"] += 1
+        subject = topology.subject(self.run_name, "scored")
+        for t in taken:
+            for s in t.group.ordered():
+                await retry_unreachable(
+                    lambda s=s: dead_letter(self.js, self.run_name, subject=subject, reason=f"{s.traj_id}: {reason}",
+                                            consumer=self.consumer, payload=codec.encode(s),
+                                            max_bytes=self.cfg.bus.max_msg_bytes),
+                    what=f"dead-lettering {s.traj_id}",
+                )
+        self.state.phase = "ready"
+        self.wait_since = time.monotonic()
+
+    def samples(self, taken: list[Taken]):
+        import torch
+
+        from learner.packing import Sample
+        from learner.grpo import group_advantages
+
+        rewards = torch.tensor([t.group.rewards() for t in taken], dtype=torch.float64)  # (G, n)
+        adv = group_advantages(rewards, scale=self.lc.scale_advantages)  # (G, n)
+        out = []
+        for gi, t in enumerate(taken):
+            for si, s in enumerate(t.group.ordered()):
+                traj = s.trajectory
+                out.append(Sample(s.traj_id, arrays.token_ids(traj), arrays.loss_mask(traj), behaviour_logprobs(traj),
+                                  float(adv[gi, si]),
+                                  ref=arrays.ref_logprobs(s) if self.lc.reference == "service" else None,
+                                  temperature=traj.temperature))
+        return out
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def metrics(self, taken: list[Taken], stats: dict) -> dict:
+        from rewards.diagnostics import diagnose_groups
+
+        groups = [t.group.ordered() for t in taken]
+        diag = diagnose_groups(groups, self.cfg.scorer.clamps)
+        no_signal = self.monitor.update(diag)
+        totals = [s.total for g in groups for s in g]
+        hist = Counter(str(t.staleness) for t in taken)
+        mean = sum(totals) / len(totals)
+        return {
+            "version": self.state.step,
+            **stats,
+            "reward_mean": mean,
+            "reward_std": (sum((x - mean) ** 2 for x in totals) / len(totals)) ** 0.5,
+            "reward_terms": {k: {"mean": v.mean, "within_group_std": v.within_group_std, "corr_with_total": v.corr_with_total}
+                             for k, v in diag.items()},
+            "no_signal_terms": no_signal,
+            "staleness_hist": dict(hist),
+            "groups_corrected": sum(t.correct for t in taken),
+            "groups": dict(self.grouper.counters),
+            "buffered_groups": len(self.grouper.buffer),
+            "feeder": {"in_flight": len(self.feeder.state.in_flight), "consumed": self.feeder.state.consumed,
+                       "next_index": self.feeder.state.next_index, "paused": int(self.feeder.paused)},
+        }
+
+    def trained_entry(self, taken: list[Taken]) -> dict:
+        return {
+            "version": self.state.step,
+            "traj_ids": [s.traj_id for t in taken for s in t.group.ordered()],
+            "tasks": [t.group.task_id for t in taken],
+            "corrected": [t.group.task_id for t in taken if t.correct],
+            "not_trained": {o.task_id: o.reason for o in self.state.since_step},
+        }
+
+
+def live_counters(metrics: dict) -> dict[str, float]:
+    """What the live view shows of a step: each reward term's mean and within-group std, staleness."""
+    out = {"reward.total": float(metrics.get("reward_mean", 0.0))}
+    for term, st in (metrics.get("reward_terms") or {}).items():
+        out[f"reward.{term}"] = float(st["mean"])
+        out[f"reward.{term}.group_std"] = float(st["within_group_std"])
+    for term in metrics.get("no_signal_terms") or []:
+        out[f"reward.{term}.NO_SIGNAL"] = 1.0
+    hist = metrics.get("staleness_hist") or {}
+    if hist:
+        n = sum(hist.values())
+        out["staleness.mean"] = sum(int(k) * v for k, v in hist.items()) / n
+        out["staleness.max"] = float(max(int(k) for k in hist))
+    return out

@@ -1,0 +1,149 @@
+"""What the learner watches beside its steps: the fates of issued tasks (`Fates`: the DEAD stream and
+the task deadline), the streams' backlog (`Backlog`), and the periodic eval (`Evals`: when a version
+is due, whether it regressed). Built by learner.service; its loop and learner.stepper call them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+
+from nats.js.errors import APIError
+
+from learner import checkpoint as ckpt
+from learner.feeder import Feeder
+from learner.groups import Grouper, Outcome
+from learner.intake import Intake
+from learner.runstate import RunState
+from protocol import backlog, dead
+from protocol.bus import UNREACHABLE
+
+log = logging.getLogger("parley.learner")
+
+
+class Fates:
+    """An issued task that never becomes a complete group (its Task, or one of its samples, was
+    dead-lettered; it was lost some other way) would hold its admission slot for good, and
+    max_staleness x groups_per_step + 1 of them stop admission. The DEAD stream tells most such
+    fates at once; task_deadline_s catches the rest. Reads from and advances `state.dead_seq`."""
+
+    def __init__(self, state: RunState, js, run_name: str, grouper: Grouper, feeder: Feeder, intake: Intake, *,
+                 task_deadline_s: float):
+        self.state, self.js, self.run_name = state, js, run_name
+        self.grouper, self.feeder, self.intake = grouper, feeder, intake
+        self.task_deadline_s = task_deadline_s
+
+    async def watch_dead(self, halt: asyncio.Event, every: float = 2.0) -> None:
+        """Read the run's dead letters as they come (from the ledger's dead_seq on a resume)."""
+        failing = False
+        while not halt.is_set():
+            try:
+                letters, nxt = await dead.read_since(self.js, self.run_name, self.state.dead_seq)
+            except (*UNREACHABLE, APIError) as e:
+                if not failing:
+                    log.warning("cannot read the DEAD stream (%s: %s): NATS away, or this user may not read it "
+                                "(deploy/auth.py); retrying, task_deadline_s=%g is the backstop meanwhile",
+                                type(e).__name__, e, self.task_deadline_s)
+                failing = True
+            else:
+                failing = False
+                for _, dl in letters:
+                    if dl is not None:
+                        self.on_dead(dl)
+                self.state.dead_seq = nxt  # after applying them: a ledger never skips a letter it did not see
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(halt.wait(), timeout=every)
+
+    def on_dead(self, dl) -> None:
+        ref = dead.task_ref(self.run_name, dl)
+        if ref is None or ref.task_id not in self.feeder.state.in_flight:
+            return  # not about a task we issued and still wait for
+        if ref.sample is not None and not 0 <= ref.sample < self.grouper.n:
+            return  # a sample no group has (refused for its index): no real sample of the task is lost
+        what = "its Task" if ref.sample is None else f"sample {ref.sample}"
+        reason = f"dead: {what} was dead-lettered by {dl.consumer} ({ref.key}): {dl.reason}"
+        outcome = self.grouper.abandon(ref.task_id, "dead", reason, sample=ref.sample)
+        if outcome is not None:
+            self.state.since_step += self.intake.consume([outcome])
+
+    def overdue(self) -> list[Outcome]:
+        out = []
+        for task, age in self.feeder.overdue(self.task_deadline_s):
+            g = self.grouper.buffer.get(task)
+            reason = (f"deadline: {len(g.samples) if g else 0}/{self.grouper.n} samples {age:.0f}s after it was "
+                      f"issued (task_deadline_s={self.task_deadline_s:g})")
+            # None while its complete group waits for a step or is being trained: that is progress.
+            outcome = self.grouper.abandon(task, "deadline", reason)
+            if outcome is not None:
+                out.append(outcome)
+        return out
+
+
+class Backlog:
+    """The share of each stream's max_bytes its unconsumed messages fill (protocol.backlog), for the
+    heartbeat, and a warning when one nears the limit."""
+
+    def __init__(self, js, run_name: str):
+        self.js, self.run_name = js, run_name
+        self.shares: dict[str, float] = {}  # channel -> share of its max_bytes unconsumed
+
+    async def watch(self, halt: asyncio.Event, every: float = 30.0) -> None:
+        while not halt.is_set():
+            await self.check()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(halt.wait(), timeout=every)
+
+    async def check(self) -> None:
+        """Warn (once per crossing) when a channel's unconsumed messages near its stream's limit:
+        past it the stream drops its oldest messages unread."""
+        try:
+            now = await backlog.shares(self.js, self.run_name)
+        except (*UNREACHABLE, APIError) as e:
+            log.debug("backlog check skipped (%s: %s)", type(e).__name__, e)
+            return
+        for key, (share, max_bytes) in now.items():
+            was = self.shares.get(key, 0.0)
+            if share >= backlog.WARN_SHARE > was:
+                log.warning("%s", backlog.warning(key, share, max_bytes))
+            elif was >= backlog.WARN_SHARE > share:
+                log.info("stream %s: unconsumed messages back to %.0f%% of max_bytes", key, 100 * share)
+            self.shares[key] = share
+
+
+class Evals:
+    """The periodic eval (evaluation.periodic) as the training loop sees it: which versions are due,
+    the early-stop verdict, the wait for queued evals at the end. With eval_every = 0 it does nothing."""
+
+    def __init__(self, cfg, run_dir, launch=None):
+        self.periodic = None
+        if cfg.learner.eval_every > 0:
+            from evaluation.periodic import PeriodicEval
+
+            self.periodic = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=launch)
+
+    @property
+    def on(self) -> bool:
+        return self.periodic is not None
+
+    def tasks(self, halt: asyncio.Event) -> dict[str, Coroutine]:
+        """The background tasks to run beside training, by name."""
+        return {"periodic-eval": self.periodic.run(halt)} if self.on else {}
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.on and self.periodic.due(step, last=last)
+
+    async def submit(self, step: int) -> None:
+        """Queue `step`'s version (its weights are exported now)."""
+        await self.periodic.submit(step, step)
+
+    def regression(self) -> str:
+        """Why training should stop early; "" while it should not."""
+        return self.periodic.regression if self.on else ""
+
+    async def drain(self, wait_s: float, stop: asyncio.Event) -> None:
+        await self.periodic.drain(wait_s, stop)
+
+    def counters(self) -> dict[str, float]:
+        return self.periodic.counters() if self.on else {}
