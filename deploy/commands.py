@@ -1,4 +1,5 @@
-"""Commands owned by deploy/: `parley nats` and `parley selfcheck`; and the registry of all roles."""
+"""Commands owned by deploy/: `parley nats` and `parley selfcheck`; and the registry of all roles
+(and of `parley auth`, deploy/cli_auth.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def register(app: typer.Typer) -> None:
     app.command("services", help="User simulator and judge in one process sharing one local engine.")(services_cmd)
     app.command("reference", help="Reference service: the frozen initial policy's per-token log-probs "
                 "([learner] reference = \"service\").")(reference_cmd)
-    for module in ("deploy.cli_actor", "deploy.cli_scorer", "deploy.cli_eval", "deploy.cli_learner", "deploy.up_cli"):
+    for module in ("deploy.cli_actor", "deploy.cli_scorer", "deploy.cli_eval", "deploy.cli_learner", "deploy.up_cli",
+                   "deploy.cli_auth"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as e:

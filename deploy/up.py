@@ -86,7 +86,8 @@ def prepare_models(cfg: RunConfig) -> None:
 
 
 async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
-    from deploy.auth import generate_credentials, response_window_s, server_auth_conf
+    from deploy.credentials import generate_credentials, server_auth_conf
+    from deploy.permissions import response_window_s
     from deploy.live import RunWatcher, render, watch
     from deploy.natsserver import NatsServer
     from protocol import topology

@@ -27,7 +27,7 @@ def inbox_prefix(user: str | None) -> str:
     """The reply-subject prefix of `user`'s connections: `_INBOX_<user>` (its characters outside
     A-Z a-z 0-9 _ - percent-encoded, so `parley-*-actor` and every run's users stay distinct).
 
-    deploy/auth.py lets each user subscribe to its own prefix only: no role can read the replies or
+    deploy/permissions.py lets each user subscribe to its own prefix only: no role can read the replies or
     pull-consumer deliveries of another. Without a user name (anonymous, a .creds file) it is nats.py's
     default `_INBOX`, which the server's own permissions then govern."""
     if not user:

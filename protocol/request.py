@@ -16,7 +16,7 @@ DEADLINE_HEADER = "Parley-Deadline"  # unix seconds after which the requester no
 ID_HEADER = "Parley-Request-Id"  # equal for a request and its re-sends
 
 # The deadline is a wall-clock time, so a service on another host trusts the two clocks to agree
-# (NTP keeps them within milliseconds); deploy/auth.py's response window leaves room for more.
+# (NTP keeps them within milliseconds); deploy/permissions.py's response window leaves room for more.
 
 
 def request_id(subject: str, data: bytes) -> str:
