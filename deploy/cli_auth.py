@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_async_main, setup_logging
-from deploy.credentials import K8S_SECRET
 
 
 def register(app: typer.Typer) -> None:
@@ -99,8 +98,8 @@ def permissions_cmd(
 
 def k8s_secret_cmd(
     auth_dir: Annotated[Path, typer.Argument(help="A directory written by `parley auth credentials`.")],
-    name: Annotated[str, typer.Option("--name", help="The Secret's name.")] = K8S_SECRET,
+    name: Annotated[Optional[str], typer.Option("--name", help="The Secret's name (default: the one deploy/k8s/*.yaml read).")] = None,
 ) -> None:
-    from deploy.credentials import k8s_secret
+    from deploy.credentials import K8S_SECRET, k8s_secret
 
-    typer.echo(k8s_secret(auth_dir, name), nl=False)
+    typer.echo(k8s_secret(auth_dir, name or K8S_SECRET), nl=False)
