@@ -10,7 +10,6 @@ and replayed from the start; Msg-Ids (traj:<task>/<sample>) keep its trajectorie
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
@@ -21,7 +20,7 @@ from collections import Counter
 from actors.follow import WeightFollower, WeightsBroken
 from actors.rollout import PolicySettings, SimClient, check_task, check_task_limits, run_conversation
 from environments.base import Environment, LocalUser, ProgrammaticUser
-from protocol import bus, status, topology
+from protocol import bus, status
 from protocol.messages import Heartbeat, Task
 
 # How long a task admitted at a version the engine does not serve yet waits for that version to load.
@@ -181,28 +180,22 @@ def _first_of(eg: BaseExceptionGroup) -> BaseException:
 async def main(stop: asyncio.Event, cfg, ident: str, concurrency: int | None = None) -> int:
     """`parley actor`: connect, set up the run's topology, load the policy, serve tasks."""
     from engines.backend import open_engine
-    from protocol.connect import connect
+    from runtime.role import role_connection
 
-    nc = await connect(
-        cfg.nats.url, name=f"parley-{ident}", first_timeout=cfg.nats.connect_timeout_s,
-        creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None,
-    )
-    js = nc.jetstream()
-    await topology.ensure_topology(js, cfg.run.name, cfg.bus)
-    await status.send(nc, cfg.run.name, Heartbeat(role="actor", id=ident, state="starting"))
-    t0 = time.perf_counter()
-    # the behaviour log-probs are of the distribution sampled at actor.temperature (the learner's too)
-    engine, tokenizer, path = open_engine(cfg.actor.engine, sampled_logprobs=True)  # blocks while vLLM loads
-    log.info("%s: policy %s (%s) loaded in %.0fs", ident, cfg.actor.engine.model, path, time.perf_counter() - t0)
-    weights_dir = tempfile.mkdtemp(prefix=f"parley-{ident}-weights-")
-    try:
-        actor = Actor(nc, js, cfg, engine, tokenizer, ident=ident, concurrency=concurrency, weights_dir=weights_dir)
-        await actor.run_until(stop)
-    finally:
-        await asyncio.to_thread(engine.shutdown)
-        shutil.rmtree(weights_dir, ignore_errors=True)
-        with contextlib.suppress(Exception):
-            await nc.drain()
+    hello = [Heartbeat(role="actor", id=ident, state="starting")]
+    async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus, topology=True,
+                               hello=hello) as (nc, js):
+        t0 = time.perf_counter()
+        # the behaviour log-probs are of the distribution sampled at actor.temperature (the learner's too)
+        engine, tokenizer, path = open_engine(cfg.actor.engine, sampled_logprobs=True)  # blocks while vLLM loads
+        log.info("%s: policy %s (%s) loaded in %.0fs", ident, cfg.actor.engine.model, path, time.perf_counter() - t0)
+        weights_dir = tempfile.mkdtemp(prefix=f"parley-{ident}-weights-")
+        try:
+            actor = Actor(nc, js, cfg, engine, tokenizer, ident=ident, concurrency=concurrency, weights_dir=weights_dir)
+            await actor.run_until(stop)
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+            shutil.rmtree(weights_dir, ignore_errors=True)
     return 0
 
 

@@ -154,9 +154,9 @@ async def _replay(stop, cfg, records, stream, judge, baseline, out, scoring=None
 
     nc = None
     if stream or judge:
-        from protocol.connect import connect
+        from runtime.role import connect_nats
 
-        nc = await connect(cfg.nats.url, name="parley-replay", first_timeout=cfg.nats.connect_timeout_s)
+        nc = await connect_nats(cfg.nats, name="parley-replay")
     try:
         if stream:
             stored = await read_stream(nc.jetstream(), cfg.run.name, stream)
@@ -290,11 +290,10 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
         from actors.rollout import SimClient
         from protocol import topology
         from protocol.bus import publish
-        from protocol.connect import connect
+        from runtime.role import connect_nats
         from scorer.score import JudgeClient
 
-        nc = await connect(cfg.nats.url, name="parley-eval", first_timeout=cfg.nats.connect_timeout_s,
-                           creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
+        nc = await connect_nats(cfg.nats, name="parley-eval")
         js = nc.jetstream()
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)
         # an environment without an LLM user or judge metrics asks no such service

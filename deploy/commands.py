@@ -1,4 +1,5 @@
-"""Commands owned by deploy/: `parley nats` and `parley selfcheck`; and the registry of all roles."""
+"""Commands owned by deploy/: `parley nats` and `parley selfcheck`; and the registry of all roles
+(and of `parley auth`, deploy/cli_auth.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def register(app: typer.Typer) -> None:
     app.command("services", help="User simulator and judge in one process sharing one local engine.")(services_cmd)
     app.command("reference", help="Reference service: the frozen initial policy's per-token log-probs "
                 "([learner] reference = \"service\").")(reference_cmd)
-    for module in ("deploy.cli_actor", "deploy.cli_scorer", "deploy.cli_eval", "deploy.cli_learner", "deploy.up_cli"):
+    for module in ("deploy.cli_actor", "deploy.cli_scorer", "deploy.cli_eval", "deploy.cli_learner", "deploy.up_cli",
+                   "deploy.cli_auth"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as e:
@@ -135,23 +137,21 @@ def selfcheck_cmd(
 async def _selfcheck(stop, cfg) -> int:
     from protocol import codec, examples, topology
     from protocol.bus import publish
-    from protocol.connect import connect
+    from runtime.role import role_connection
 
-    nc = await connect(cfg.nats.url, name="parley-selfcheck", first_timeout=cfg.nats.connect_timeout_s)
-    js = nc.jetstream()
-    t0 = time.perf_counter()
-    await topology.ensure_topology(js, cfg.run.name, cfg.bus)
     failures = 0
-    for key, msg in examples.channel_examples(cfg.run.name).items():
-        ack = await publish(js, cfg.run.name, key, msg)
-        back = await js.get_msg(topology.stream_name(cfg.run.name, key), ack.seq)
-        ok = codec.decode(key, back.data) == msg
-        failures += not ok
-        typer.echo(f"  {key:<7} {type(msg).__name__:<13} {len(back.data):>6} B  {'ok' if ok else 'MISMATCH'}")
-    info = nc._server_info
+    async with role_connection(cfg.nats, name="parley-selfcheck") as (nc, js):
+        t0 = time.perf_counter()
+        await topology.ensure_topology(js, cfg.run.name, cfg.bus)
+        for key, msg in examples.channel_examples(cfg.run.name).items():
+            ack = await publish(js, cfg.run.name, key, msg)
+            back = await js.get_msg(topology.stream_name(cfg.run.name, key), ack.seq)
+            ok = codec.decode(key, back.data) == msg
+            failures += not ok
+            typer.echo(f"  {key:<7} {type(msg).__name__:<13} {len(back.data):>6} B  {'ok' if ok else 'MISMATCH'}")
+        info = nc._server_info
     typer.echo(
         f"selfcheck: {5 - failures}/5 message types round-tripped; server {info.get('version')} "
         f"max_payload {info.get('max_payload', 0) // 1024**2} MiB; {time.perf_counter() - t0:.2f}s"
     )
-    await nc.drain()
     return 1 if failures else 0

@@ -89,7 +89,7 @@ class NatsServer:
                 f'cluster {{\n  name: "{self.cluster_name}"\n  listen: "{self.host}:{self.cluster_port}"\n'
                 f"  routes: [{routes}]\n}}"
             )
-        # extra_conf may hold every role's password (deploy/auth.py): owner-only, like the auth/ files.
+        # extra_conf may hold every role's password (deploy/credentials.py): owner-only, like the auth/ files.
         write_private(conf, "\n".join(lines) + "\n" + self.extra_conf + "\n")
         return conf
 

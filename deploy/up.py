@@ -86,11 +86,12 @@ def prepare_models(cfg: RunConfig) -> None:
 
 
 async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
-    from deploy.auth import generate_credentials, response_window_s, server_auth_conf
+    from deploy.credentials import generate_credentials, server_auth_conf
+    from deploy.permissions import response_window_s
     from deploy.live import RunWatcher, render, watch
     from deploy.natsserver import NatsServer
     from protocol import topology
-    from protocol.connect import connect
+    from runtime.role import connect_nats
 
     run_dir = run_dir_for(cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +103,11 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
     server = NatsServer(run_dir / "nats", port=0, extra_conf=server_auth_conf(creds, response_window=window))
     cfg.nats.url = server.start()
     print(f"nats-server: {cfg.nats.url} (store {server.store_dir})", flush=True)
+    if cfg.nats.creds or cfg.nats.ca_file:
+        # They are for another server: this one has a user and password per role (auth/) and no TLS.
+        print(f"parley up: [nats] creds / ca_file ({cfg.nats.creds or '-'} / {cfg.nats.ca_file or '-'}) are not used "
+              "with up's own nats-server", flush=True)
+        cfg.nats.creds = cfg.nats.ca_file = ""
 
     config_path = run_dir / "config.toml"
     config_path.write_text(dump_config(cfg))
@@ -111,7 +117,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
     )
     sup = Supervisor(run_dir)
     admin = creds["admin"]
-    nc = await connect(cfg.nats.url, name="parley-up", user=admin[0], password=admin[1])
+    nc = await connect_nats(cfg.nats, name="parley-up", user=admin[0], password=admin[1])
     js = nc.jetstream()
     code = 1
     try:

@@ -78,11 +78,10 @@ def top_cmd(nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, 
 
     async def main(stop, cfg):
         from deploy.live import watch
-        from protocol.connect import connect
+        from runtime.role import role_connection
 
-        nc = await connect(cfg.nats.url, name="parley-top", first_timeout=cfg.nats.connect_timeout_s)
-        await watch(nc, cfg.run.name, stop)
-        await nc.drain()
+        async with role_connection(cfg.nats, name="parley-top") as (nc, _):
+            await watch(nc, cfg.run.name, stop)
         return 0
 
     run_async_main(main, cfg)

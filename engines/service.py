@@ -322,31 +322,28 @@ async def serve_backend(stop: asyncio.Event, cfg, *, ident: str, roles: list[tup
     LLM engine (the reference model). One service failing (its engine died) stops the others and
     is raised: the process exits non-zero. A BadServiceConfig from `build` is logged and gives exit code 2."""
     from engines.backend import make_backend
-    from protocol.connect import connect
+    from runtime.role import role_connection
 
-    nc = await connect(cfg.nats.url, name=f"parley-{ident}", first_timeout=cfg.nats.connect_timeout_s,
-                       creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
-    for role, rid in roles:
-        await status.send(nc, cfg.run.name, Heartbeat(role=role, id=rid, state="starting"))
-    t0 = time.perf_counter()
-    backend = make_backend(backend_cfg) if make is None else make()
-    kind = backend_cfg.backend if make is None else type(backend).__name__
-    log.info("%s: backend %s (%s) ready in %.1fs", ident, backend.model_name, kind, time.perf_counter() - t0)
-    try:
+    hello = [Heartbeat(role=role, id=rid, state="starting") for role, rid in roles]
+    async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, hello=hello) as (nc, _):
+        t0 = time.perf_counter()
+        backend = make_backend(backend_cfg) if make is None else make()
+        kind = backend_cfg.backend if make is None else type(backend).__name__
+        log.info("%s: backend %s (%s) ready in %.1fs", ident, backend.model_name, kind, time.perf_counter() - t0)
         try:
-            served = build(nc, backend)
-        except BadServiceConfig as e:
-            log.error("bad configuration: %s", e)
-            return 2
-        tasks = [asyncio.create_task(svc.run_until(stop, run=cfg.run.name, role=role, ident=rid, grace_s=grace))
-                 for svc, role, rid, grace in served]
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for t in done:
-            if t.exception():
-                raise t.exception()
-    finally:
-        await backend.close()
-        await nc.drain()
+            try:
+                served = build(nc, backend)
+            except BadServiceConfig as e:
+                log.error("bad configuration: %s", e)
+                return 2
+            tasks = [asyncio.create_task(svc.run_until(stop, run=cfg.run.name, role=role, ident=rid, grace_s=grace))
+                     for svc, role, rid, grace in served]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for t in done:
+                if t.exception():
+                    raise t.exception()
+        finally:
+            await backend.close()
     return 0

@@ -163,28 +163,24 @@ async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
     from engines.models import ensure_model
     from learner.ranks import Driver
     from learner.trainer import Trainer
-    from protocol.connect import connect
+    from runtime.role import role_connection
 
-    nc = await connect(cfg.nats.url, name="parley-learner", first_timeout=cfg.nats.connect_timeout_s,
-                       creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
-    js = nc.jetstream()
     driver = None
-    try:
-        await topology.ensure_topology(js, cfg.run.name, cfg.bus)
-        model_dir = await asyncio.to_thread(ensure_model, cfg.learner.model)
-        trainer = await asyncio.to_thread(Trainer, cfg.learner, model_dir)
-        driver = Driver(trainer)
+    async with role_connection(cfg.nats, name="parley-learner", run=cfg.run.name, bus=cfg.bus,
+                               topology=True) as (nc, js):
         try:
-            learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
-        except (LearnerStateError, ckpt.LedgerError) as e:
-            log.error("%s", e)
-            return 2
-        return await learner.run(stop)
-    finally:
-        if driver is not None:
-            driver("stop")
-        with contextlib.suppress(Exception):
-            await nc.drain()
+            model_dir = await asyncio.to_thread(ensure_model, cfg.learner.model)
+            trainer = await asyncio.to_thread(Trainer, cfg.learner, model_dir)
+            driver = Driver(trainer)
+            try:
+                learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
+            except (LearnerStateError, ckpt.LedgerError) as e:
+                log.error("%s", e)
+                return 2
+            return await learner.run(stop)
+        finally:
+            if driver is not None:
+                driver("stop")
 
 
 def follower(cfg) -> None:

@@ -44,7 +44,7 @@ class Fates:
             except (*UNREACHABLE, APIError) as e:
                 if not failing:
                     log.warning("cannot read the DEAD stream (%s: %s): NATS away, or this user may not read it "
-                                "(deploy/auth.py); retrying, task_deadline_s=%g is the backstop meanwhile",
+                                "(deploy/permissions.py); retrying, task_deadline_s=%g is the backstop meanwhile",
                                 type(e).__name__, e, self.task_deadline_s)
                 failing = True
             else:

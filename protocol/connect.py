@@ -1,15 +1,18 @@
 """Connecting a role to NATS: reconnect forever once up, but fail fast and clearly on first contact.
 
-Every role and tool calls `connect()`; credentials come from arguments or the environment
+`connect()` is the low-level call: credentials come from its arguments or the environment
 (PARLEY_NATS_USER / PARLEY_NATS_PASSWORD, PARLEY_NATS_CREDS for a .creds file, PARLEY_NATS_CA for TLS).
+Processes open it through runtime/role.py's `role_connection`, which passes the run config's `[nats]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import ssl
+from pathlib import Path
 
 import nats
 
@@ -24,7 +27,7 @@ def inbox_prefix(user: str | None) -> str:
     """The reply-subject prefix of `user`'s connections: `_INBOX_<user>` (its characters outside
     A-Z a-z 0-9 _ - percent-encoded, so `parley-*-actor` and every run's users stay distinct).
 
-    deploy/auth.py lets each user subscribe to its own prefix only: no role can read the replies or
+    deploy/permissions.py lets each user subscribe to its own prefix only: no role can read the replies or
     pull-consumer deliveries of another. Without a user name (anonymous, a .creds file) it is nats.py's
     default `_INBOX`, which the server's own permissions then govern."""
     if not user:
@@ -56,6 +59,8 @@ async def connect(
     password = password or os.environ.get("PARLEY_NATS_PASSWORD")
     creds = creds or os.environ.get("PARLEY_NATS_CREDS")
     ca_file = ca_file or os.environ.get("PARLEY_NATS_CA")
+    if creds:
+        _check_creds(creds, url, name)
 
     async def on_disconnect():
         log.warning("%s: disconnected from NATS %s", name, url)
@@ -90,17 +95,32 @@ async def connect(
         return await asyncio.wait_for(nats.connect(**kwargs), timeout=first_timeout)
     except (asyncio.TimeoutError, OSError, nats.errors.NoServersError) as e:
         if any("authorization violation" in err.lower() for err in errors):
-            raise NatsUnreachable(
-                f"NATS at {url} refused {name}: authorization violation; check PARLEY_NATS_USER / "
-                "PARLEY_NATS_PASSWORD (or PARLEY_NATS_CREDS) for this role"
-            ) from None
+            what = (f"the credentials file {creds} ([nats] creds / PARLEY_NATS_CREDS)" if creds
+                    else "PARLEY_NATS_USER / PARLEY_NATS_PASSWORD (or [nats] creds / PARLEY_NATS_CREDS)")
+            raise NatsUnreachable(f"NATS at {url} refused {name}: authorization violation; check {what} for this role") from None
         raise NatsUnreachable(
             f"could not connect to NATS at {url} within {first_timeout:.0f}s ({type(e).__name__}: {e}); "
             "start a server with `parley nats` or pass the right --nats URL"
         ) from None
     except nats.errors.Error as e:
         # Authorization errors and the like: say so, don't hang.
-        raise NatsUnreachable(f"NATS at {url} refused {name}: {e}") from None
+        using = f" (credentials file {creds})" if creds else ""
+        raise NatsUnreachable(f"NATS at {url} refused {name}{using}: {e}") from None
+
+
+def _check_creds(creds: str, url: str, name: str) -> None:
+    """A .creds file that cannot be used is one line naming it, not a traceback from inside nats.py."""
+    if not Path(creds).is_file():
+        raise NatsUnreachable(
+            f"{name}: the NATS credentials file {creds} ([nats] creds / PARLEY_NATS_CREDS) does not exist; "
+            f"give the path of the .creds file for {url}, or leave creds empty to use PARLEY_NATS_USER / PASSWORD"
+        )
+    if importlib.util.find_spec("nkeys") is None:  # nats.py signs the server's nonce with it
+        raise NatsUnreachable(
+            f"{name}: the NATS credentials file {creds} ([nats] creds / PARLEY_NATS_CREDS) needs the nkeys "
+            "package, which is not installed; pip install 'nats-py[nkeys]', or leave creds empty to use "
+            "PARLEY_NATS_USER / PARLEY_NATS_PASSWORD"
+        )
 
 
 async def barrier(nc, timeout: float = 5.0) -> None:

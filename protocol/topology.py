@@ -2,7 +2,7 @@
 
 Every role calls `ensure_topology(js, run, bus)` at start; it is idempotent (create or update) and
 only asks the server for changes when something is missing or differs, so roles whose NATS user may
-not manage streams (deploy/auth.py) pass once an admin or the learner has set the run up.
+not manage streams (deploy/permissions.py) pass once an admin or the learner has set the run up.
 Nothing outside protocol/ spells a subject, stream or bucket name: use the helpers here.
 """
 

@@ -150,13 +150,11 @@ class Scorer:
 
 async def main(stop: asyncio.Event, cfg, ident: str) -> int:
     """`parley scorer`: connect, make sure the run's topology exists, score until SIGINT/SIGTERM."""
-    from protocol.connect import connect
+    from runtime.role import role_connection
     from scorer.score import JudgeClient
 
-    nc = await connect(cfg.nats.url, name=f"parley-{ident}", first_timeout=cfg.nats.connect_timeout_s,
-                       creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
-    try:
-        await topology.ensure_topology(nc.jetstream(), cfg.run.name, cfg.bus)
+    async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus,
+                               topology=True) as (nc, _):
         env = cfg.env.load()
         # an environment without judge metrics never asks the judge, so it gets no client (and needs no service)
         judge = (JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
@@ -171,8 +169,6 @@ async def main(stop: asyncio.Event, cfg, ident: str) -> int:
                  f", reference log-probs of {cfg.learner.model}" if reference else "")
         await Scorer(nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident, reward=env.reward,
                      reference=reference).run_until(stop)
-    finally:
-        await nc.drain()
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Access control against a real nats-server: per-role users from deploy/auth.py.
+"""Access control against a real nats-server: per-role users from deploy/credentials.py, with
+the permissions of deploy/permissions.py.
 
 Anonymous and wrong-password clients are refused; an actor cannot announce weights or publish
 scores; a scorer cannot publish or take tasks; every role can do its own job with its own user,
@@ -16,8 +17,9 @@ import subprocess
 import nats.errors
 import pytest
 
-from deploy.auth import ROLES, generate_credentials, read_env_file, role_permissions, server_auth_conf
+from deploy.credentials import generate_credentials, read_env_file, server_auth_conf
 from deploy.natsserver import NatsServer
+from deploy.permissions import ROLES, role_permissions
 from protocol import codec, examples, status, topology
 from protocol.bus import PullWorker, dead_letter, publish
 from protocol.connect import NatsUnreachable, barrier, connect, inbox_prefix
@@ -338,7 +340,7 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
 
 
 async def test_services_may_answer_for_as_long_as_the_config_lets_requesters_wait(tmp_path, caplog):
-    from deploy.auth import response_window_s
+    from deploy.permissions import response_window_s
     from deploy.config import load_config
 
     cfg = load_config(None, ["actor.sim_timeout_s=400", "scorer.judge_timeout_s=30"])

@@ -15,9 +15,10 @@ from collections import Counter
 import pytest
 
 from actors.rollout import SimClient, SimUnreachable
-from deploy.auth import generate_credentials, response_window_s, server_auth_conf
 from deploy.config import load_config
+from deploy.credentials import generate_credentials, server_auth_conf
 from deploy.natsserver import NatsServer
+from deploy.permissions import response_window_s
 from engines.service import Service
 from protocol import codec, topology
 from protocol.bus import Retry

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.auth import K8S_SECRET, ROLES, generate_credentials, k8s_secret
 from deploy.config import convert_config, load_config
+from deploy.credentials import K8S_SECRET, generate_credentials, k8s_secret
 from deploy.natsserver import server_binary
+from deploy.permissions import ROLES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # DESIGN.md's role commands; some are registered by packages still being built.
@@ -25,16 +26,27 @@ YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
 K8S = DEPLOY / "k8s"
 
 
+def command_groups() -> dict[str, set[str]]:
+    """`parley GROUP SUB` commands (auth, data, models): {group: its sub-commands}."""
+    from deploy.cli import app
+
+    return {g.name: {c.name for c in g.typer_instance.registered_commands} for g in app.registered_groups}
+
+
 def known_commands() -> set[str]:
     from deploy.cli import app
 
-    return DESIGN_COMMANDS | {c.name for c in app.registered_commands}
+    groups = command_groups()
+    return DESIGN_COMMANDS | {c.name for c in app.registered_commands} | {f"{g} {c}" for g, cs in groups.items() for c in cs}
 
 
 def parley_commands(text: str) -> list[str]:
-    """The sub-commands a command line starts: `parley X ...` or `--module deploy.cli X ...`."""
+    """The sub-commands a command line starts: `parley X ...` or `--module deploy.cli X ...`; for a
+    group, with its sub-command (`auth topology`)."""
     text = text.replace("\\\n", " ")  # shell line continuations
-    return re.findall(r"(?:\bparley|--module deploy\.cli)\s+([a-z][a-z-]*)", text)
+    groups = command_groups()
+    found = re.findall(r"(?:\bparley|--module deploy\.cli)\s+([a-z][a-z-]*)(?:\s+([a-z][a-z-]*))?", text)
+    return [f"{cmd} {sub}" if cmd in groups else cmd for cmd, sub in found]
 
 
 def load_all(path: Path) -> list:

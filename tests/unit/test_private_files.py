@@ -8,7 +8,7 @@ import os
 import stat
 
 import deploy.natsserver as natsserver
-from deploy.auth import generate_credentials
+from deploy.credentials import generate_credentials
 
 
 def _watch_writes(monkeypatch) -> list[int]:

@@ -74,7 +74,7 @@ def test_a_batch_gathers_the_reference_of_its_trained_tokens():
 
 
 def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
-    from deploy.auth import role_permissions
+    from deploy.permissions import role_permissions
     from deploy.config import load_config
     from deploy.up import plan_children, ready_children
     from protocol import topology

@@ -1,20 +1,11 @@
-"""NATS access control: which subjects each role may publish and subscribe to, and per-run credentials.
-
-`role_permissions(run)` derives every subject from protocol/topology.py (and nats.py's own KV and
-object-store stream names); `generate_credentials` writes the server's auth.conf and one env file
-per role. `parley up`, the deploy files and `python -m deploy.auth` (see docs/operations.md) use them.
+"""NATS permissions: which subjects each role may publish and subscribe to, derived from
+protocol/topology.py (and nats.py's own KV and object-store stream names), and how long a service
+may answer. deploy/credentials.py renders them into the server's auth.conf; `parley auth permissions`
+prints them (docs/operations.md).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import secrets
-import sys
-from pathlib import Path
-
-from deploy.natsserver import write_private
 from protocol import topology
 from protocol.connect import inbox_prefix
 
@@ -208,8 +199,9 @@ def user_name(run: str, role: str) -> str:
     return f"parley-{run}-{role}"
 
 
-# Beyond the longest request timeout: for clocks of different hosts that disagree (a service
-# answers only before the deadline its requester sent, protocol/request.py).
+# Beyond the longest request timeout: a service counts its requester's wait from the moment the
+# request reached it (protocol/request.py), so its answer may come that much after the request was
+# published plus the time in transit and in the client's queue.
 RESPONSE_SLACK_S = 60.0
 
 
@@ -224,192 +216,3 @@ def response_window_s(cfg=None) -> float:
     # The actor's and the eval's simulator requests, the scorer's, replay's and the eval's judge requests,
     # the scorer's reference requests.
     return max(cfg.actor.sim_timeout_s, cfg.scorer.judge_timeout_s, cfg.scorer.reference_timeout_s) + RESPONSE_SLACK_S
-
-
-def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None, *,
-                     response_window: float | None = None) -> str:
-    """The `authorization { users = [...] }` block for nats-server, one user per role of `creds`.
-
-    `run` defaults to the run named in the user names that generate_credentials made;
-    `response_window` (seconds a service may take to answer) to response_window_s() of the defaults.
-    """
-    if run is None:
-        run = _run_of(creds)
-    window = response_window_s() if response_window is None else response_window
-    if not window > 0:
-        raise ValueError(f"response_window={window} must be > 0 (seconds a service may take to answer)")
-    perms = role_permissions(run, {role: user for role, (user, _) in creds.items()})
-    users = []
-    for role, (user, password) in creds.items():
-        rules = perms[role]
-        body = {
-            "publish": {"allow": rules["publish"]["allow"]},
-            "subscribe": {"allow": rules["subscribe"]["allow"]},
-        }
-        if rules.get("allow_responses"):
-            # One reply per request, allowed for the whole window (not the server's default 2 minutes).
-            body["allow_responses"] = {"max": 1, "expires": f"{math.ceil(window)}s"}
-        # JSON strings are valid nats-server config strings; quoting keeps `$JS...` from reading as a variable.
-        fields = f"user: {json.dumps(user)}, password: {json.dumps(password)}, permissions: {json.dumps(body)}"
-        users.append(f"    {{{fields}}}")
-    return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
-
-
-def _run_of(creds: dict[str, tuple[str, str]]) -> str:
-    user, _ = next(iter(creds.values()))
-    role = next(iter(creds))
-    prefix, suffix = "parley-", f"-{role}"
-    if not (user.startswith(prefix) and user.endswith(suffix)):
-        raise ValueError(f"cannot tell the run from user {user!r}; pass run= explicitly")
-    return user[len(prefix) : -len(suffix)]
-
-
-def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] = ROLES, *,
-                         response_window: float | None = None) -> dict[str, tuple[str, str]]:
-    """Make a fresh user and password per role for `run` (or "*": every run); write auth.conf and
-    <role>.env (mode 0600). `response_window`: see server_auth_conf (pass response_window_s(cfg)).
-
-    auth.conf is the server side (include it in a nats-server config or pass it as NatsServer's
-    extra_conf); <role>.env holds PARLEY_NATS_USER / PARLEY_NATS_PASSWORD for that role's processes
-    (learner.env also the eval role's, as PARLEY_EVAL_NATS_USER / PASSWORD, for its periodic eval child).
-    Returns {role: (user, password)}.
-    """
-    if run != "*":
-        topology.check_run(run)
-    for role in roles:
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; known: {ROLES}")
-    out = Path(out_dir)
-    out.mkdir(mode=0o700, parents=True, exist_ok=True)  # private from its creation
-    os.chmod(out, 0o700)  # an existing directory keeps its mode through mkdir
-    creds = {role: (user_name(run, role), secrets.token_urlsafe(24)) for role in roles}
-    write_private(out / "auth.conf", server_auth_conf(creds, run, response_window=response_window))
-    for role, (user, password) in creds.items():
-        text = f"PARLEY_NATS_USER={user}\nPARLEY_NATS_PASSWORD={password}\n"
-        if role == "learner" and "eval" in creds:
-            text += f"PARLEY_EVAL_NATS_USER={creds['eval'][0]}\nPARLEY_EVAL_NATS_PASSWORD={creds['eval'][1]}\n"
-        write_private(out / f"{role}.env", text)
-    return creds
-
-
-def read_env_file(path: str | Path) -> dict[str, str]:
-    """KEY=VALUE lines of a <role>.env file, for starting a role with its credentials."""
-    env = {}
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            env[key.strip()] = value.strip()
-    return env
-
-
-K8S_SECRET = "parley-nats-credentials"
-
-
-def k8s_secret(auth_dir: str | Path, name: str = K8S_SECRET) -> str:
-    """A Secret manifest with auth.conf (for the NATS pods) and <role>-user / <role>-password keys
-    (for the role pods' PARLEY_NATS_USER / PARLEY_NATS_PASSWORD), from generate_credentials' files."""
-    auth_dir = Path(auth_dir)
-    data = {"auth.conf": (auth_dir / "auth.conf").read_text()}
-    for role in ROLES:
-        env_file = auth_dir / f"{role}.env"
-        if env_file.exists():
-            env = read_env_file(env_file)
-            data[f"{role}-user"] = env["PARLEY_NATS_USER"]
-            data[f"{role}-password"] = env["PARLEY_NATS_PASSWORD"]
-    manifest = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "type": "Opaque", "stringData": data}
-    return json.dumps(manifest, indent=2) + "\n"  # JSON is YAML; no YAML writer needed
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m deploy.auth credentials RUN DIR` | `topology [--config F] [--set k=v]` | `k8s-secret DIR`
-    | `permissions RUN`.
-
-    `topology` creates the run's streams as the admin user (PARLEY_NATS_USER/PASSWORD from admin.env),
-    so that the other roles, which may only verify it, can start in any order after it.
-    """
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m deploy.auth", description=main.__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("credentials", help="write auth.conf and <role>.env for a run")
-    c.add_argument("run")
-    c.add_argument("out_dir")
-    c.add_argument("--config", default=None, help="the run config whose request timeouts the services' reply window covers")
-    c.add_argument("--set", dest="sets", action="append", default=[])
-    t = sub.add_parser("topology", help="create the run's streams, consumers and buckets (as admin)")
-    t.add_argument("--config", default=None)
-    t.add_argument("--set", dest="sets", action="append", default=[])
-    t.add_argument("--wait", type=float, default=120.0, help="seconds to keep retrying while NATS/JetStream starts")
-    p = sub.add_parser("permissions", help="print the permissions of every role as JSON")
-    p.add_argument("run")
-    k = sub.add_parser("k8s-secret", help="print a Kubernetes Secret of a credentials dir (see deploy/k8s/secret.yaml)")
-    k.add_argument("auth_dir")
-    k.add_argument("--name", default=K8S_SECRET)
-    args = parser.parse_args(argv)
-    if args.cmd == "k8s-secret":
-        print(k8s_secret(args.auth_dir, args.name), end="")
-        return 0
-    if args.cmd == "credentials":
-        from deploy.config import ConfigError, load_config
-
-        try:
-            cfg = load_config(args.config, args.sets)
-        except ConfigError as e:
-            print(f"deploy.auth: bad configuration: {e}", file=sys.stderr)
-            return 2
-        creds = generate_credentials(args.run, args.out_dir, response_window=response_window_s(cfg))
-        print(f"wrote {Path(args.out_dir) / 'auth.conf'} and {', '.join(f'{r}.env' for r in creds)}")
-        return 0
-    if args.cmd == "permissions":
-        print(json.dumps(role_permissions(args.run), indent=2))
-        return 0
-    return _topology(args.config, args.sets, args.wait)
-
-
-def _topology(config: str | None, sets: list[str], wait: float) -> int:
-    import asyncio
-    import time
-
-    from nats.js.errors import APIError
-
-    from deploy.config import ConfigError, load_config
-    from protocol.connect import NatsUnreachable, connect
-
-    # Same environment overrides as the role commands' --nats / --run options.
-    env = [f'nats.url="{os.environ["PARLEY_NATS_URL"]}"'] if os.environ.get("PARLEY_NATS_URL") else []
-    env += [f'run.name="{os.environ["PARLEY_RUN"]}"'] if os.environ.get("PARLEY_RUN") else []
-    try:
-        cfg = load_config(config, env + sets)
-    except ConfigError as e:
-        print(f"deploy.auth: bad configuration: {e}", file=sys.stderr)
-        return 2
-
-    async def run() -> None:
-        nc = await connect(
-            cfg.nats.url, name="parley-topology", first_timeout=cfg.nats.connect_timeout_s,
-            creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None,
-        )  # fmt: skip
-        try:
-            await topology.ensure_topology(nc.jetstream(), cfg.run.name, cfg.bus)
-        finally:
-            await nc.drain()
-
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            asyncio.run(run())
-            break
-        except (NatsUnreachable, topology.TopologyError, APIError) as e:
-            # A cluster that is still electing its JetStream leader answers 503 for a few seconds.
-            if time.monotonic() > deadline:
-                print(f"deploy.auth: {e}", file=sys.stderr)
-                return 3
-            print(f"deploy.auth: not yet ({e}); retrying", file=sys.stderr)
-            time.sleep(2.0)
-    print(f"topology of run {cfg.run.name!r} is in place on {cfg.nats.url}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,105 @@
+"""`parley auth`: per-run NATS credentials, the run's topology made as the admin user, the
+permissions of every role and the Kubernetes Secret (docs/operations.md). The work is in
+deploy/credentials.py and deploy/permissions.py; this module only parses and reports.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_async_main, setup_logging
+
+
+def register(app: typer.Typer) -> None:
+    auth = typer.Typer(
+        help="NATS access control of a run: credentials, the topology (as admin), permissions, the k8s Secret.",
+        no_args_is_help=True,
+    )
+    auth.command("credentials", help="Write auth.conf (the server's users) and <role>.env (each role's user) for a run.")(
+        credentials_cmd
+    )
+    auth.command("topology", help="Create the run's streams, consumers and buckets as the admin user, so that the "
+                 "roles (which may only verify them) can start in any order.")(topology_cmd)
+    auth.command("permissions", help="Print what every role may publish and subscribe to, as JSON.")(permissions_cmd)
+    auth.command("k8s-secret", help="Print a Kubernetes Secret of a credentials directory (see deploy/k8s/secret.yaml).")(
+        k8s_secret_cmd
+    )
+    app.add_typer(auth, name="auth")
+
+
+def credentials_cmd(
+    run: Annotated[str, typer.Argument(help="Run name the users are for; \"*\" makes users valid for every run.")],
+    out_dir: Annotated[Path, typer.Argument(help="Where to write auth.conf and <role>.env (mode 0600).")],
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+) -> None:
+    """A fresh user and password per role; the services' reply window covers the config's request timeouts."""
+    from deploy.credentials import generate_credentials
+    from deploy.permissions import response_window_s
+
+    cfg = resolve(config, sets)
+    creds = generate_credentials(run, out_dir, response_window=response_window_s(cfg))
+    typer.echo(f"wrote {out_dir / 'auth.conf'} and {', '.join(f'{r}.env' for r in creds)}")
+
+
+def topology_cmd(
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+    wait: Annotated[float, typer.Option("--wait", help="Seconds to keep retrying while NATS / JetStream starts.")] = 120.0,
+) -> None:
+    """Connect with the config's [nats] (the admin's PARLEY_NATS_USER / PASSWORD from admin.env) and
+    create or check the run's topology; exit 3 if NATS is not ready within --wait seconds."""
+    cfg = resolve(config, sets, nats=nats, run=run)
+    setup_logging("auth", "WARNING")
+    run_async_main(_topology, cfg, wait)
+
+
+async def _topology(stop, cfg, wait: float) -> int:
+    import asyncio
+    import contextlib
+
+    from nats.js.errors import APIError
+
+    from protocol.connect import NatsUnreachable
+    from protocol.topology import TopologyError
+    from runtime.role import role_connection
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    while True:
+        try:
+            async with role_connection(cfg.nats, name="parley-topology", run=cfg.run.name, bus=cfg.bus, topology=True):
+                break
+        except (NatsUnreachable, TopologyError, APIError) as e:
+            # A cluster that is still electing its JetStream leader answers 503 for a few seconds.
+            if loop.time() > deadline or stop.is_set():
+                typer.echo(f"parley auth topology: {e}", err=True)
+                return 3
+            typer.echo(f"parley auth topology: not yet ({e}); retrying", err=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=2.0)
+    typer.echo(f"topology of run {cfg.run.name!r} is in place on {cfg.nats.url}")
+    return 0
+
+
+def permissions_cmd(
+    run: Annotated[str, typer.Argument(help="Run name; \"*\" gives the permissions of users valid for every run.")],
+) -> None:
+    from deploy.permissions import role_permissions
+
+    typer.echo(json.dumps(role_permissions(run), indent=2))
+
+
+def k8s_secret_cmd(
+    auth_dir: Annotated[Path, typer.Argument(help="A directory written by `parley auth credentials`.")],
+    name: Annotated[Optional[str], typer.Option("--name", help="The Secret's name (default: the one deploy/k8s/*.yaml read).")] = None,
+) -> None:
+    from deploy.credentials import K8S_SECRET, k8s_secret
+
+    typer.echo(k8s_secret(auth_dir, name or K8S_SECRET), nl=False)

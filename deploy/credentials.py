@@ -1,0 +1,110 @@
+"""Per-run NATS credentials: a fresh user and password per role, the server's auth.conf (the users
+with their permissions from deploy/permissions.py), one <role>.env per role, and the Kubernetes
+Secret made of them. `parley up`, `parley auth` and the deploy files (docs/operations.md) use them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+from pathlib import Path
+
+from deploy.natsserver import write_private
+from deploy.permissions import ROLES, response_window_s, role_permissions, user_name
+from protocol import topology
+
+def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None, *,
+                     response_window: float | None = None) -> str:
+    """The `authorization { users = [...] }` block for nats-server, one user per role of `creds`.
+
+    `run` defaults to the run named in the user names that generate_credentials made;
+    `response_window` (seconds a service may take to answer) to response_window_s() of the defaults.
+    """
+    if run is None:
+        run = _run_of(creds)
+    window = response_window_s() if response_window is None else response_window
+    if not window > 0:
+        raise ValueError(f"response_window={window} must be > 0 (seconds a service may take to answer)")
+    perms = role_permissions(run, {role: user for role, (user, _) in creds.items()})
+    users = []
+    for role, (user, password) in creds.items():
+        rules = perms[role]
+        body = {
+            "publish": {"allow": rules["publish"]["allow"]},
+            "subscribe": {"allow": rules["subscribe"]["allow"]},
+        }
+        if rules.get("allow_responses"):
+            # One reply per request, allowed for the whole window (not the server's default 2 minutes).
+            body["allow_responses"] = {"max": 1, "expires": f"{math.ceil(window)}s"}
+        # JSON strings are valid nats-server config strings; quoting keeps `$JS...` from reading as a variable.
+        fields = f"user: {json.dumps(user)}, password: {json.dumps(password)}, permissions: {json.dumps(body)}"
+        users.append(f"    {{{fields}}}")
+    return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
+
+
+def _run_of(creds: dict[str, tuple[str, str]]) -> str:
+    user, _ = next(iter(creds.values()))
+    role = next(iter(creds))
+    prefix, suffix = "parley-", f"-{role}"
+    if not (user.startswith(prefix) and user.endswith(suffix)):
+        raise ValueError(f"cannot tell the run from user {user!r}; pass run= explicitly")
+    return user[len(prefix) : -len(suffix)]
+
+
+def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] = ROLES, *,
+                         response_window: float | None = None) -> dict[str, tuple[str, str]]:
+    """Make a fresh user and password per role for `run` (or "*": every run); write auth.conf and
+    <role>.env (mode 0600). `response_window`: see server_auth_conf (pass response_window_s(cfg)).
+
+    auth.conf is the server side (include it in a nats-server config or pass it as NatsServer's
+    extra_conf); <role>.env holds PARLEY_NATS_USER / PARLEY_NATS_PASSWORD for that role's processes
+    (learner.env also the eval role's, as PARLEY_EVAL_NATS_USER / PASSWORD, for its periodic eval child).
+    Returns {role: (user, password)}.
+    """
+    if run != "*":
+        topology.check_run(run)
+    for role in roles:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; known: {ROLES}")
+    out = Path(out_dir)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)  # private from its creation
+    os.chmod(out, 0o700)  # an existing directory keeps its mode through mkdir
+    creds = {role: (user_name(run, role), secrets.token_urlsafe(24)) for role in roles}
+    write_private(out / "auth.conf", server_auth_conf(creds, run, response_window=response_window))
+    for role, (user, password) in creds.items():
+        text = f"PARLEY_NATS_USER={user}\nPARLEY_NATS_PASSWORD={password}\n"
+        if role == "learner" and "eval" in creds:
+            text += f"PARLEY_EVAL_NATS_USER={creds['eval'][0]}\nPARLEY_EVAL_NATS_PASSWORD={creds['eval'][1]}\n"
+        write_private(out / f"{role}.env", text)
+    return creds
+
+
+def read_env_file(path: str | Path) -> dict[str, str]:
+    """KEY=VALUE lines of a <role>.env file, for starting a role with its credentials."""
+    env = {}
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key.strip()] = value.strip()
+    return env
+
+
+K8S_SECRET = "parley-nats-credentials"
+
+
+def k8s_secret(auth_dir: str | Path, name: str = K8S_SECRET) -> str:
+    """A Secret manifest with auth.conf (for the NATS pods) and <role>-user / <role>-password keys
+    (for the role pods' PARLEY_NATS_USER / PARLEY_NATS_PASSWORD), from generate_credentials' files."""
+    auth_dir = Path(auth_dir)
+    data = {"auth.conf": (auth_dir / "auth.conf").read_text()}
+    for role in ROLES:
+        env_file = auth_dir / f"{role}.env"
+        if env_file.exists():
+            env = read_env_file(env_file)
+            data[f"{role}-user"] = env["PARLEY_NATS_USER"]
+            data[f"{role}-password"] = env["PARLEY_NATS_PASSWORD"]
+    manifest = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "type": "Opaque", "stringData": data}
+    return json.dumps(manifest, indent=2) + "\n"  # JSON is YAML; no YAML writer needed
