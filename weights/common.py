@@ -83,6 +83,8 @@ async def current_version(js, run: str) -> WeightVersion | None:
 
 
 async def announce(js, run: str, wv: WeightVersion) -> None:
+    """Point the run's weights key at `wv` by compare-and-set (VersionConflict if another writer
+    moved it meanwhile); a key holding junk is replaced, a move to a lower version logged."""
     kv = await js.key_value(topology.kv_bucket(run))
     data = codec.encode(wv)
     try:
@@ -111,6 +113,8 @@ async def announce(js, run: str, wv: WeightVersion) -> None:
 
 
 def old_versions(matches, keep: int, current: int, protect: set[int]) -> set[int]:
+    """The version numbers (from VERSION_DIR matches) to prune: all but the newest `keep`, the
+    current one and the protected ones."""
     versions = sorted({int(m.group(1)) for m in matches if m}, reverse=True)
     kept = set(versions[:keep]) | {current} | protect
     return set(versions) - kept
@@ -169,7 +173,6 @@ class Transport:
     kind: str = ""
     gpu: bool = False  # a packed GPU buffer the engine loads itself, not files
     needs_cuda: bool = False  # the learner must have a CUDA device
-    colocated: bool = False  # actors must run on the learner's host and see its GPU
     source_type: type | None = None  # GPU transports: the announcement's source struct (protocol.messages)
 
     # learner side, file transports

@@ -152,7 +152,7 @@ def local_device(uuid: str) -> int:
             return i
     raise LookupError(
         f"the learner's GPU {uuid} is not visible to this process; make it visible (CUDA_VISIBLE_DEVICES) "
-        "or use transport nccl/objstore for actors on other GPUs"
+        "or use [learner.weights] kind nccl or objstore for actors on other GPUs"
     )
 
 
@@ -295,7 +295,7 @@ class IpcPublisher:
 
 class CudaIpc(Transport):
     kind = "cuda_ipc"
-    gpu = needs_cuda = colocated = True
+    gpu = needs_cuda = True  # actors must also see rank 0's GPU (local_device)
     source_type = CudaIpcBuffer
 
     def sender(self, settings, device) -> IpcPublisher:

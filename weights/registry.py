@@ -1,7 +1,7 @@
 """The one registry of weight transports, by kind, and the calls every caller makes through it:
 the learner publishes (`publish_version` for files, `publish_gpu_version` for a packed buffer),
 the actor fetches (`fetch_version`) or its engine receives (`get(kind).receive`). Callers ask a
-transport what it needs (`gpu`, `needs_cuda`, `colocated`) instead of comparing kinds.
+transport what it needs (`gpu`, `needs_cuda`) instead of comparing kinds.
 Used by learner.service, learner.trainer, actors.follow, engines.engine and bench/.
 """
 

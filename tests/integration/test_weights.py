@@ -191,7 +191,7 @@ async def test_learner_publication_waits_out_a_nats_outage(nats_server, tmp_path
             await asyncio.to_thread(nats_server.start)  # same store dir, same port
 
         restart = asyncio.create_task(restart_later())
-        wv = await retry_unreachable(lambda: publish_version(js, RUN, 1, 1, state, "objstore"), what="publish v1",
+        wv = await retry_unreachable(lambda: publish_version(js, RUN, 1, 1, state, ObjstoreWeights()), what="publish v1",
                              give_up_s=120.0, first_delay_s=0.5)
         await restart
         assert wv.version == 1
