@@ -5,7 +5,7 @@ the new version.
 
 The engine serves whatever the key names (version and sha256), also when a resumed learner moves
 it back to a lower version. A version whose blob fails verification
-(protocol.weights.WeightVerifyError) or does not load is refused: the reason is logged once, the
+(weights.common.WeightVerifyError) or does not load is refused: the reason is logged once, the
 actor keeps serving what it has, and that version is not fetched again (the next announcement
 is). If a failed load cannot be undone, WeightsBroken stops the actor.
 """
@@ -24,6 +24,8 @@ import msgspec
 from protocol import codec, topology
 from protocol.bus import COUNTERS, UNREACHABLE
 from protocol.messages import WeightVersion
+from weights import registry
+from weights.common import WeightVerifyError
 
 log = logging.getLogger("parley.follow")
 
@@ -34,21 +36,19 @@ class WeightsBroken(RuntimeError):
 
 class WeightFollower:
     """Follows the weights key of `run` for `engine` (anything with `version`,
-    `async reload_weights(dir, version=...)` and, for cuda_ipc / nccl, `async load_gpu(announcement,
-    hold_s=..., version=...)`). `dest_root` holds fetched versions; only the
+    `async reload_weights(dir, version=...)` and, for a GPU transport (cuda_ipc, nccl), `async
+    load_gpu(announcement, hold_s=..., version=...)`). `settings` is this run's [learner.weights]
+    (a shared_dir announcement must point into its dir). `dest_root` holds fetched versions; only the
     one being served is kept. `base_dir` is the checkpoint the engine started from: what is
     reloaded if a new version fails half-way through loading."""
 
     def __init__(self, js, run: str, engine, *, dest_root: str | Path, poll_s: float = 5.0,
-                 base_dir: str | Path | None = None, fetch=None, shared_dir: str | Path | None = None):
-        from protocol import weights
-
+                 base_dir: str | Path | None = None, fetch=None, settings=None):
         self.js, self.run, self.engine = js, run, engine
         self.dest_root = Path(dest_root)
         self.poll_s = poll_s
-        self._fetch = fetch or weights.fetch_version
-        self.shared_dir = shared_dir  # the only place shared_dir announcements may point into
-        self._verify_error = weights.WeightVerifyError
+        self._fetch = fetch or registry.fetch_version
+        self.settings = settings
         self.refused: dict[int, str] = {}  # version -> reason, for heartbeats and logs
         self._refused_ids: set[tuple[int, str]] = set()
         self.serving: tuple[int, str] = (engine.version, "")  # (version, sha256) loaded now; "" = the base
@@ -56,7 +56,7 @@ class WeightFollower:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._served: Path | None = Path(base_dir) if base_dir else None  # the weights loaded now
-        self._served_gpu: WeightVersion | None = None  # ... or the cuda_ipc / nccl version loaded now
+        self._served_gpu: WeightVersion | None = None  # ... or the GPU-transport version loaded now
         self._bad_revision = 0
 
     @property
@@ -109,16 +109,17 @@ class WeightFollower:
             return await self._load(wv)
 
     async def _load(self, wv: WeightVersion) -> bool:
-        if wv.transport in ("cuda_ipc", "nccl"):
-            return await self._load_gpu(wv)
+        transport = registry.get(wv.transport)
+        if transport is not None and transport.gpu:
+            return await self._load_gpu(wv, transport)
         # by identity, so a re-announced number never overwrites the files being served
         problem = announcement_problem(wv)
         if problem:
             return self._refuse(wv, f"announcement refused: {problem}", None)
         dest = self.dest_root / f"v{wv.version:06d}-{wv.sha256[:12]}"
         try:
-            path = await self._fetch(self.js, self.run, wv, dest, shared_dir=self.shared_dir)
-        except self._verify_error as e:
+            path = await self._fetch(self.js, self.run, wv, dest, settings=self.settings)
+        except WeightVerifyError as e:
             return self._refuse(wv, f"verification failed: {e}", dest)
         except Exception as e:  # noqa: BLE001 - a blob we cannot get is refused like a bad one; a newer version may come
             # Store hiccups (timeouts during a reconnect) are worth another try on the next poll.
@@ -143,17 +144,17 @@ class WeightFollower:
             shutil.rmtree(previous, ignore_errors=True)
         return True
 
-    async def _load_gpu(self, wv: WeightVersion) -> bool:
-        """cuda_ipc / nccl: no blob to fetch; the engine gets the learner's packed GPU buffer,
+    async def _load_gpu(self, wv: WeightVersion, transport) -> bool:
+        """A GPU transport: no blob to fetch; the engine gets the learner's packed GPU buffer,
         checks its copy and loads it. A copy that fails its checksums is refused before any
         weight changed."""
-        source = _gpu_source(wv)
+        source = transport.source(wv)
         if source is None:
             return self._refuse(wv, f"verification failed: announced as {wv.transport} without its source", None)
         old = self.engine.version
         try:
             await self.engine.load_gpu(codec.encode(wv), hold_s=source.hold_s, version=wv.version)
-        except self._verify_error as e:
+        except WeightVerifyError as e:
             return self._refuse(wv, f"verification failed: {e}", None)
         except Exception as e:  # noqa: BLE001 - refused, after putting the served weights back
             await self._restore(wv, e)
@@ -171,7 +172,8 @@ class WeightFollower:
             if self._served_gpu is not None:
                 # the learner may have overwritten that buffer since: then its checksums refuse it
                 served = self._served_gpu
-                await self.engine.load_gpu(codec.encode(served), hold_s=_gpu_source(served).hold_s,
+                source = registry.get(served.transport).source(served)
+                await self.engine.load_gpu(codec.encode(served), hold_s=source.hold_s,
                                            version=self.engine.version)
                 return
             if self._served is None:
@@ -256,10 +258,6 @@ def announcement_problem(wv: WeightVersion) -> str | None:
     if len(wv.files) > MAX_WEIGHT_FILES:
         return f"{len(wv.files)} extra files (at most {MAX_WEIGHT_FILES})"
     return None
-
-
-def _gpu_source(wv: WeightVersion):
-    return wv.ipc if wv.transport == "cuda_ipc" else wv.nccl
 
 
 def _transient(e: Exception) -> bool:

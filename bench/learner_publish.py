@@ -73,6 +73,7 @@ async def gaps(args, work: Path) -> dict:
     from deploy.natsserver import NatsServer
     from engines.models import ensure_model
     from learner.config import LearnerConfig, RolloutConfig
+    from weights.config import ObjstoreWeights, SharedDirWeights
     from learner.ranks import Driver
     from learner.service import Learner
     from learner.trainer import Trainer
@@ -102,7 +103,7 @@ async def gaps(args, work: Path) -> dict:
     bus = topology.BusSettings(max_bytes=2 * 1024**3)
     lc = dict(model=str(model_dir), steps=args.steps, groups_per_step=1, max_staleness=args.steps, stale_policy="correct",
               checkpoint_every=10_000, eval_every=0, micro_batch_tokens=4096, lr=1e-5, ledger_flush_s=0.5,
-              transport=args.transport, shared_dir=str(work / "shared") if args.transport == "shared_dir" else "")
+              weights={"objstore": ObjstoreWeights(), "shared_dir": SharedDirWeights(dir=str(work / "shared"))}[args.transport])
     trainer = await asyncio.to_thread(Trainer, LearnerConfig(**lc), model_dir)
     out = {}
     try:

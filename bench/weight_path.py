@@ -43,6 +43,13 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def file_settings(kind: str, work: Path):
+    """The [learner.weights] of a file transport named on the command line (shared_dir: under work)."""
+    from weights.config import ObjstoreWeights, SharedDirWeights
+
+    return {"objstore": ObjstoreWeights(), "shared_dir": SharedDirWeights(dir=str(work / "shared"))}[kind]
+
+
 async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -50,9 +57,10 @@ async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> 
     from engines.models import ensure_model
     from learner.weights_io import hf_weights, write_weights
     from protocol import codec, topology
-    from protocol.weights import fetch_version, publish_version
+    from weights.registry import fetch_version, publish_version
 
     run = f"bench-{name}-{transport}".replace("_", "-")
+    settings = file_settings(transport, work)
     await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=256 * 1024**2))
     kv = await js.key_value(topology.kv_bucket(run))
     model = AutoModelForCausalLM.from_pretrained(ensure_model(name), dtype=torch.float32)  # what the CPU learner serves
@@ -72,7 +80,7 @@ async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> 
                 if wv.version == version:
                     t_seen = time.perf_counter()
                     path = await fetch_version(js, run, wv, work / f"actor-{name}-{transport}" / f"v{version}",
-                                               shared_dir=work / "shared")
+                                               settings=settings)
                     seen.set_result((t_seen, time.perf_counter(), path, wv))
                     return
 
@@ -82,7 +90,7 @@ async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> 
         t0 = time.perf_counter()  # step end
         await asyncio.to_thread(lambda: write_weights(hf_weights(model), model.config, state_dir))
         t_saved = time.perf_counter()
-        await publish_version(js, run, version, version, state_dir, transport, shared_dir=work / "shared", keep=2)
+        await publish_version(js, run, version, version, state_dir, settings, keep=2)
         t_announced = time.perf_counter()
         t_seen, t_verified, path, wv = await asyncio.wait_for(seen, timeout=300)
         await task
@@ -173,19 +181,20 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
     """One update through the real follower: step end -> (pack | save) -> announce -> the follower
     loads it -> the engine serves `version` with generation resumed. Seconds per phase."""
     from learner.weights_io import hf_tensors, hf_weights, write_weights
-    from protocol.weights import publish_gpu_version, publish_version
+    from weights import registry
 
+    gpu = registry.get(transport).gpu
     timed.marks.clear()
     t0 = time.perf_counter()  # step end
-    if transport == "cuda_ipc":
+    if gpu:
         ipc = await asyncio.to_thread(pub.pack, hf_tensors(model), version)
         t_ready = time.perf_counter()
-        wv = await publish_gpu_version(js, run, version, version, ipc)
+        wv = await registry.publish_gpu_version(js, run, version, version, ipc)
     else:
         state_dir = work / "learner" / f"v{version}"
         await asyncio.to_thread(lambda: write_weights(hf_weights(model), model.config, state_dir))
         t_ready = time.perf_counter()
-        wv = await publish_version(js, run, version, version, state_dir, transport, shared_dir=work / "shared", keep=1)
+        wv = await registry.publish_version(js, run, version, version, state_dir, file_settings(transport, work), keep=1)
     t_announced = time.perf_counter()
     deadline = t0 + 600
     while follower.serving != (version, wv.sha256):
@@ -194,7 +203,7 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
         await asyncio.sleep(0.001)
     t_served = time.perf_counter()
     load_start, load_end = timed.marks[-1]
-    if transport != "cuda_ipc":
+    if not gpu:
         import shutil
 
         shutil.rmtree(work / "learner", ignore_errors=True)
@@ -212,8 +221,8 @@ async def gpu_main(args) -> dict:
     from bench.common import random_qwen3
     from deploy.natsserver import NatsServer
     from engines.engine import EngineSettings, PolicyEngine
-    from learner.weights_io import IpcPublisher
     from protocol import topology
+    from weights.cuda_ipc import IpcPublisher
     from protocol.connect import connect
 
     if args.build:
@@ -253,7 +262,8 @@ async def gpu_main(args) -> dict:
             js = nc.jetstream()
             run = "bench-gpu"
             await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=256 * 1024**2))
-            follower = WeightFollower(js, run, timed, dest_root=work / "actor", poll_s=1.0, base_dir=args.model)
+            follower = WeightFollower(js, run, timed, dest_root=work / "actor", poll_s=1.0, base_dir=args.model,
+                                      settings=file_settings("shared_dir", work))
             following = asyncio.create_task(follower.run_until(stop))
             pub = IpcPublisher(hold_s=30.0, max_buffers=2)
             version = 0

@@ -17,7 +17,7 @@ from actors.config import ActorConfig, SimConfig
 from environments import collabllm
 from environments.base import Environment, ProgrammaticUser
 from environments.config import EnvConfig
-from learner.config import DataConfig, LearnerConfig, RolloutConfig
+from learner.config import DataConfig, LearnerConfig, RolloutConfig, upgrade
 from protocol.topology import RUN_NAME, BusSettings
 from runtime.toml import to_toml
 from scorer.config import JudgeConfig, ScorerConfig
@@ -165,8 +165,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def convert_config(data: dict, source: str = "<config>") -> RunConfig:
     try:
-        return msgspec.convert(data, RunConfig)
-    except msgspec.ValidationError as e:
+        return msgspec.convert(upgrade(data), RunConfig)
+    except (msgspec.ValidationError, ValueError) as e:
         raise ConfigError(f"{source}: {e}") from None
 
 

@@ -265,14 +265,14 @@ class PolicyEngine:
                 self.version = version
 
     async def load_gpu(self, announcement: bytes, hold_s: float, version: int | None = None) -> None:
-        """Load a cuda_ipc or nccl version (its encoded WeightVersion) in place: the worker copies
+        """Load a GPU-transport version (cuda_ipc, nccl; its encoded WeightVersion) in place: the worker copies
         the learner's packed buffer (opening its CUDA IPC handle, or receiving it over its own
         process group with rank 0) and checks it, then loads it, in a keep-mode pause as
         reload_weights does. The copy is checked before any parameter changes, so a refusal
-        (protocol.weights.WeightVerifyError) leaves the served weights intact. hold_s bounds the
+        (weights.common.WeightVerifyError) leaves the served weights intact. hold_s bounds the
         whole wait (the learner keeps the buffer that long after it is superseded); past it a
         TimeoutError says so."""
-        from protocol.weights import WeightVerifyError
+        from weights.common import WeightVerifyError
 
         async with self._reload_lock:
             await self._llm.pause_generation(mode="keep", clear_cache=True)
@@ -312,33 +312,21 @@ class WorkerExtension:
         _refresh_cpu_prepacked(self.model_runner.get_model())
 
     def parley_load_gpu(self, announcement: bytes) -> str | None:
-        """Load a cuda_ipc / nccl version: copy the learner's packed buffer, check it, then
+        """Load a GPU-transport version (cuda_ipc, nccl): copy the learner's packed buffer, check it, then
         reload the model's weights from the copy. Returns None when loaded, or why the version is refused
         (nothing was changed then)."""
         import torch
 
-        from protocol import codec, cuda_ipc
+        from protocol import codec
+        from weights import registry
 
         wv = codec.decode("weights", announcement)
-        if wv.transport == "cuda_ipc" and wv.ipc is not None:
-            if not torch.cuda.is_available():
-                return f"version {wv.version}: this engine runs without CUDA; cuda_ipc needs actors on the learner's GPUs"
-            try:
-                named, reason = cuda_ipc.receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()))
-            except (LookupError, RuntimeError) as e:  # the GPU is not visible, or the handle no longer opens
-                return f"version {wv.version}: cannot open the learner's buffer: {e}"
-        elif wv.transport == "nccl" and wv.nccl is not None:
-            from protocol import nccl
-
-            if not hasattr(self, "_parley_nccl"):
-                self._parley_nccl = nccl.Receiver(f"{os.uname().nodename}-{os.getpid()}")
-            device = torch.device("cuda", torch.cuda.current_device()) if wv.nccl.backend == "nccl" else torch.device("cpu")
-            try:
-                named, reason = self._parley_nccl.fetch(wv.nccl, wv.version, device)
-            except (RuntimeError, TimeoutError) as e:  # the learner is gone or the transfer broke: rejoin next time
-                return f"version {wv.version}: receiving from {wv.nccl.address} failed: {e}"
-        else:
+        transport = registry.get(wv.transport)
+        if transport is None or not transport.gpu or transport.source(wv) is None:
             return f"version {wv.version}: announced as {wv.transport!r} without its GPU source"
+        if not hasattr(self, "_parley_weights"):
+            self._parley_weights = {}  # what a transport keeps between versions (nccl: its joined group)
+        named, reason = transport.receive(wv, self._parley_weights)
         if reason:
             return f"version {wv.version}: {reason}"
         # vLLM's in-place reload, fed our tensors instead of files: the same machinery as

@@ -1,13 +1,13 @@
-"""Typed configuration of `parley learner` ([learner]) and the training data ([data])."""
+"""Typed configuration of `parley learner` ([learner], with [learner.weights] from weights.config) and
+the training data ([data])."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import msgspec
 
 from protocol.messages import TASK_MAX_FUTURES, TASK_MAX_N, TASK_MAX_NEW_TURNS
-from protocol.weights import TRANSPORTS
+from weights.config import ObjstoreWeights, WeightsConfig, upgrade_learner
 
 LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 STALE_POLICIES = ("drop", "correct")
@@ -95,14 +95,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     compile: str = "auto"
     publish_every: int = 1  # versions
     keep_versions: int = 3
-    transport: str = "objstore"
-    shared_dir: str = ""  # transport = shared_dir
-    # transport = cuda_ipc (learner and actors on one host, CUDA) or nccl (actors elsewhere): a
-    # superseded packed buffer is kept unchanged at least ipc_hold_s (the actors' deadline for
-    # copying it); ipc_buffers of the packed model's size are held on rank 0's GPU.
-    ipc_hold_s: float = 30.0
-    ipc_buffers: int = 2
-    nccl_address: str = ""  # transport = nccl: host:port of rank 0's store, as the actors reach it
+    # how versions reach the actors: [learner.weights] kind = objstore | shared_dir | cuda_ipc | nccl
+    weights: WeightsConfig = msgspec.field(default_factory=ObjstoreWeights)
     checkpoint_every: int = 1
     seed: int = 0
     keep_checkpoints: int = 2  # DeepSpeed checkpoints kept in the run dir (0 = all; export needs them)
@@ -124,20 +118,6 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"loss_agg={self.loss_agg!r} not allowed; use one of {LOSS_AGG}")
         if self.stale_policy not in STALE_POLICIES:
             raise ValueError(f"stale_policy={self.stale_policy!r} not allowed; use one of {STALE_POLICIES}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport={self.transport!r} not allowed; use one of {TRANSPORTS}")
-        if self.ipc_hold_s <= 0 or self.ipc_buffers < 1:
-            raise ValueError(f"ipc_hold_s={self.ipc_hold_s} must be > 0 and ipc_buffers={self.ipc_buffers} >= 1")
-        if self.transport == "nccl":
-            from protocol.nccl import parse_address
-
-            parse_address(self.nccl_address)  # raises naming the value and the fix
-        if self.transport == "shared_dir" and not self.shared_dir:
-            raise ValueError("transport='shared_dir' needs shared_dir (a directory every actor can read)")
-        if self.shared_dir:
-            # Once, here: a relative path would otherwise mean another directory in every process's cwd.
-            # Actors check every announced location against it (protocol.weights.resolve_location).
-            self.shared_dir = str(Path(self.shared_dir).expanduser().resolve())
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage} not allowed; use 0, 1, 2 or 3")
         if self.groups_per_step < 1:
@@ -193,3 +173,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "tasks are admitted on the announced version, so the learner could never get further ahead "
                 "than that and would stop; publish more often or raise max_staleness"
             )
+
+
+def upgrade(data: dict) -> dict:
+    """A whole config file's tables with [learner]'s old flat weight keys moved into [learner.weights]
+    (weights.config.upgrade_learner): what deploy.config runs before validating."""
+    if isinstance(data.get("learner"), dict):
+        data = {**data, "learner": upgrade_learner(data["learner"])}
+    return data

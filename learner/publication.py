@@ -25,7 +25,8 @@ from pathlib import Path
 
 from learner import checkpoint as ckpt
 from protocol.bus import retry_unreachable
-from protocol.weights import ServedVersions, publish_gpu_version, publish_version
+from weights import registry
+from weights.common import ServedVersions
 
 log = logging.getLogger("parley.learner")
 
@@ -118,9 +119,9 @@ class Weights:
         announcement to the publisher (learner.publication): the next step does not wait for them.
         objstore / shared_dir: a CPU copy on rank 0 (Trainer.weights_snapshot; ZeRO-3 gathers first),
         written to weights_dir in the background, or at once with `write_now` (an eval exports it
-        next). cuda_ipc / nccl: packed into one of rank 0's GPU buffers (no file); only the
-        announcement is left for the background."""
-        if self.lc.transport in ("cuda_ipc", "nccl"):
+        next). A GPU transport (cuda_ipc, nccl): packed into one of rank 0's GPU buffers (no file);
+        only the announcement is left for the background."""
+        if registry.of(self.lc.weights).gpu:
             source = await asyncio.to_thread(self.driver, "pack_weights", version)
             self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
             return
@@ -136,9 +137,8 @@ class Weights:
         by the transport as it reads the file), announce it, prune, open admission on it."""
         await asyncio.to_thread(snap.write, wdir)  # a no-op when written for an eval
         wv = await retry_unreachable(
-            lambda: publish_version(self.js, self.run_name, version, version, wdir, self.lc.transport,
-                                    shared_dir=self.lc.shared_dir or None, keep=self.lc.keep_versions,
-                                    protect=self.served.versions()),
+            lambda: registry.publish_version(self.js, self.run_name, version, version, wdir, self.lc.weights,
+                                             keep=self.lc.keep_versions, protect=self.served.versions()),
             what=f"publishing weights version {version}",
         )
         await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
@@ -146,10 +146,10 @@ class Weights:
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 
     async def announce_gpu(self, version: int, source) -> None:
-        """cuda_ipc / nccl: announce where actors get the packed buffer. Actors copy it on their own
+        """A GPU transport: announce where actors get the packed buffer. Actors copy it on their own
         time; nothing here waits for them."""
         wv = await retry_unreachable(
-            lambda: publish_gpu_version(self.js, self.run_name, version, version, source),
+            lambda: registry.publish_gpu_version(self.js, self.run_name, version, version, source),
             what=f"announcing weights version {version}",
         )
         self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it

@@ -18,7 +18,8 @@ from learner import attention, grpo
 from learner.config import LearnerConfig
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
-from learner.weights_io import IpcPublisher, NcclSender, WeightSnapshot, hf_tensors, hf_weights, write_weights
+from learner.weights_io import WeightSnapshot, hf_tensors, hf_weights, write_weights
+from weights import registry
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -199,9 +200,10 @@ class Trainer:
     "local"), and the GRPO step."""
 
     def __init__(self, cfg: LearnerConfig, model_dir: str | Path):
-        if cfg.transport == "cuda_ipc" and not torch.cuda.is_available():
-            raise ValueError("learner.transport='cuda_ipc' shares GPU memory, but this learner has no CUDA device; "
-                             "use transport objstore or shared_dir")
+        transport = registry.of(cfg.weights)
+        if transport.needs_cuda and not torch.cuda.is_available():
+            raise ValueError(f"[learner.weights] kind={transport.kind!r} shares GPU memory, but this learner has no "
+                             "CUDA device; use kind objstore or shared_dir")
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -256,20 +258,15 @@ class Trainer:
         )
         self.device = self.engine.device
         self.rank = torch.distributed.get_rank()
-        # rank 0's packed weight buffers for the GPU transports (no file on that path)
-        self.ipc = self.nccl = None
-        if self.rank == 0 and cfg.transport == "cuda_ipc":
-            self.ipc = IpcPublisher(cfg.ipc_hold_s, cfg.ipc_buffers)
-        elif self.rank == 0 and cfg.transport == "nccl":
-            self.nccl = NcclSender(IpcPublisher(cfg.ipc_hold_s, cfg.ipc_buffers), cfg.nccl_address,
-                                   "nccl" if device.type == "cuda" else "gloo", timeout_s=cfg.ipc_hold_s)
+        # rank 0's packer of weight buffers for the GPU transports (no file on that path)
+        self.sender = transport.sender(cfg.weights, device) if self.rank == 0 and transport.gpu else None
 
     def close(self) -> None:
         """Forget the ZeRO-3 loading hook: later from_pretrained calls in this process load plain
-        models. Stops the nccl sender's threads."""
+        models. Stops the GPU transport's sender (the nccl sender's threads)."""
         self._hf_ds = None
-        if self.nccl is not None:
-            self.nccl.close()
+        if self.sender is not None:
+            self.sender.close()
 
     @property
     def module(self):
@@ -421,7 +418,7 @@ class Trainer:
         return out
 
     def pack_weights(self, version: int):
-        """transport cuda_ipc / nccl: the trained weights packed into one of rank 0's buffers;
+        """A GPU transport (cuda_ipc, nccl): the trained weights packed into one of rank 0's buffers;
         returns what to announce (protocol.messages.CudaIpcBuffer / NcclSource) on rank 0, None on
         the other ranks (which take part in the ZeRO-3 gather)."""
         import contextlib
@@ -433,7 +430,7 @@ class Trainer:
         with gather:
             if self.rank:
                 return None
-            return (self.ipc or self.nccl).pack(hf_tensors(self.module), version)
+            return self.sender.pack(hf_tensors(self.module), version)
 
     def save_checkpoint(self, ckpt_dir: str | Path, tag: str) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)

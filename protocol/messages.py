@@ -141,13 +141,13 @@ class Scored(msgspec.Struct, kw_only=True):
 class IpcTensor(msgspec.Struct, frozen=True, array_like=True):
     """One tensor inside a shared GPU buffer (transport "cuda_ipc"): its checkpoint name, dtype
     ("bfloat16", ...), shape, byte offset in the buffer and a checksum of its bytes computed on
-    the GPU (protocol.cuda_ipc.checksums). Part of CudaIpcBuffer."""
+    the GPU (weights.cuda_ipc.checksums). Part of CudaIpcBuffer."""
 
     name: str
     dtype: str
     shape: list[int]
     offset: int
-    checksum: list[int]  # two int64 sums, see protocol.cuda_ipc
+    checksum: list[int]  # two int64 sums, see weights.cuda_ipc
 
 
 class CudaIpcBuffer(msgspec.Struct, kw_only=True):
@@ -187,7 +187,7 @@ class WeightVersion(msgspec.Struct, kw_only=True):
 
     version: int
     step: int
-    transport: str  # "objstore" | "shared_dir" | "cuda_ipc" | "nccl"
+    transport: str  # a kind of weights.registry: "objstore" | "shared_dir" | "cuda_ipc" | "nccl"
     location: str  # object name, directory path, "cuda:<GPU uuid>" (cuda_ipc) or "nccl://host:port"
     sha256: str  # of the safetensors file; cuda_ipc, nccl: of the tensor table with its checksums
     bytes: int

@@ -1,5 +1,5 @@
-"""A msgspec Struct written as TOML that the config loader reads back: sub-Structs become [tables],
-everything else `key = value`. deploy/ prints resolved configs with it; the learner's periodic eval
+"""A msgspec Struct written as TOML that the config loader reads back: sub-Structs become [tables]
+(a tagged one with its tag, e.g. `kind`), everything else `key = value`. deploy/ prints resolved configs with it; the learner's periodic eval
 hands its config to the eval child with it."""
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ def to_toml(obj: msgspec.Struct) -> str:
 def _struct_lines(obj: msgspec.Struct, prefix: str) -> list[str]:
     # Sub-Structs become [tables]; everything else (scalars, lists, free maps) is a key = value line.
     lines, subs = [], []
+    tag = obj.__struct_config__.tag_field  # a tagged union's member ([learner.weights]) says which it is
+    if tag is not None:
+        lines.append(f"{tag} = {_toml_value(obj.__struct_config__.tag)}")
     for name in obj.__struct_fields__:
         v = getattr(obj, name)
         if isinstance(v, msgspec.Struct):

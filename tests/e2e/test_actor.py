@@ -325,7 +325,8 @@ def test_weight_versions_are_followed_and_a_corrupt_blob_is_refused(ctx, tmp_pat
     import torch
     from transformers import AutoModelForCausalLM
 
-    from protocol import weights
+    from weights import common, registry
+    from weights.config import ObjstoreWeights
     from protocol.messages import WeightVersion
 
     run = "weights"
@@ -356,7 +357,8 @@ def test_weight_versions_are_followed_and_a_corrupt_blob_is_refused(ctx, tmp_pat
         await publish(ctx.js, run, "tasks", ctx.task(run, "before", item=3, n=2))
         before = await stored(ctx.js, run, "traj", 2)
 
-        wv1 = await weights.publish_version(ctx.js, run, version=1, step=1, state_dir=v1_dir, transport="objstore")
+        wv1 = await registry.publish_version(ctx.js, run, version=1, step=1, state_dir=v1_dir,
+                                             settings=ObjstoreWeights())
         await until(lambda: ctx.engine.version == 1)
         v1_out = await greedy()
         await publish(ctx.js, run, "tasks", ctx.task(run, "after", item=3, n=2))
@@ -364,7 +366,7 @@ def test_weight_versions_are_followed_and_a_corrupt_blob_is_refused(ctx, tmp_pat
 
         # version 2: the stored blob is corrupted (bytes flipped), its announcement carries the
         # sha256 of the good file
-        good = (v1_dir / weights.MODEL_FILE).read_bytes()
+        good = (v1_dir / common.MODEL_FILE).read_bytes()
         bad = bytearray(good)
         bad[len(bad) // 2] ^= 0xFF
         store = await ctx.js.object_store(topology.object_bucket(run))

@@ -1,5 +1,5 @@
 """The weight follower against a real nats-server and the real weight transport
-(protocol.weights), with a test-double engine: which announcements are loaded, refused, followed
+(weights/), with a test-double engine: which announcements are loaded, refused, followed
 back, and when the actor must stop."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import msgspec
 import pytest
 
 from actors.follow import WeightFollower, WeightsBroken
-from protocol import codec, topology, weights
+from protocol import codec, topology
 from protocol.messages import WeightVersion
+from weights import common, registry
+from weights.config import ObjstoreWeights
 
 pytestmark = pytest.mark.integration
 RUN = "follow"
@@ -33,7 +35,7 @@ class ReloadEngineDouble:
         if self.fail:
             self.fail -= 1
             raise RuntimeError("size mismatch for model.embed_tokens.weight")
-        assert (Path(path) / weights.MODEL_FILE).is_file()
+        assert (Path(path) / common.MODEL_FILE).is_file()
         if version is not None:
             self.version = version
 
@@ -41,8 +43,8 @@ class ReloadEngineDouble:
 def state_dir(root: Path, tag: str) -> Path:
     d = root / tag
     d.mkdir()
-    (d / weights.MODEL_FILE).write_bytes(f"weights {tag} ".encode() * 1000)
-    (d / weights.CONFIG_FILE).write_text(json.dumps({"tag": tag}))
+    (d / common.MODEL_FILE).write_bytes(f"weights {tag} ".encode() * 1000)
+    (d / common.CONFIG_FILE).write_text(json.dumps({"tag": tag}))
     return d
 
 
@@ -60,15 +62,15 @@ async def test_follower_loads_refuses_follows_back_and_stops_when_broken(js, tmp
     f = WeightFollower(js, RUN, engine, dest_root=tmp_path / "fetched", poll_s=0.3, base_dir=tmp_path / "base")
     assert not await f.check()  # nothing announced yet
 
-    wv1 = await weights.publish_version(js, RUN, 1, 10, state_dir(tmp_path, "a"), "objstore")
+    wv1 = await registry.publish_version(js, RUN, 1, 10, state_dir(tmp_path, "a"), ObjstoreWeights())
     assert await f.check() and engine.version == 1
     fetched = tmp_path / "fetched" / f"v000001-{wv1.sha256[:12]}"
-    assert (fetched / weights.MODEL_FILE).read_bytes() == (tmp_path / "a" / weights.MODEL_FILE).read_bytes()
+    assert (fetched / common.MODEL_FILE).read_bytes() == (tmp_path / "a" / common.MODEL_FILE).read_bytes()
     assert not await f.check()  # served already: nothing fetched again
 
     stop = asyncio.Event()
     runner = asyncio.create_task(f.run_until(stop))
-    await weights.publish_version(js, RUN, 2, 20, state_dir(tmp_path, "b"), "objstore")
+    await registry.publish_version(js, RUN, 2, 20, state_dir(tmp_path, "b"), ObjstoreWeights())
     await until(lambda: engine.version == 2)
     assert not fetched.exists()  # only the served version is kept
 
@@ -85,19 +87,19 @@ async def test_follower_loads_refuses_follows_back_and_stops_when_broken(js, tmp
 
     # a load that fails half-way is undone by reloading what was served, then refused
     engine.fail = 1
-    await weights.publish_version(js, RUN, 4, 40, state_dir(tmp_path, "c"), "objstore")
+    await registry.publish_version(js, RUN, 4, 40, state_dir(tmp_path, "c"), ObjstoreWeights())
     await until(lambda: 4 in f.refused)
     assert engine.reloads[-2:] == [("v000004", 4), ("v000002", 2)] and engine.version == 2
     assert "reload failed" in f.refused[4]
 
     # a resumed learner moves the key back to a lower number with other weights: followed
-    await weights.publish_version(js, RUN, 1, 10, state_dir(tmp_path, "d"), "objstore")
+    await registry.publish_version(js, RUN, 1, 10, state_dir(tmp_path, "d"), ObjstoreWeights())
     await until(lambda: engine.version == 1)
     assert f.loaded == [1, 2, 1]
 
     # when even the served weights cannot be restored, the follower (and so the actor) stops
     engine.fail = 2
-    await weights.publish_version(js, RUN, 5, 50, state_dir(tmp_path, "e"), "objstore")
+    await registry.publish_version(js, RUN, 5, 50, state_dir(tmp_path, "e"), ObjstoreWeights())
     with pytest.raises(WeightsBroken, match="mixed model"):
         await asyncio.wait_for(runner, 10)
 
@@ -118,7 +120,7 @@ class IpcEngineDouble(ReloadEngineDouble):
         self.ipc_loads.append(wv.version)
         if self.refuse:
             self.refuse -= 1
-            raise weights.WeightVerifyError("checksum mismatch in 1 of 1 tensors (first: w)")
+            raise common.WeightVerifyError("checksum mismatch in 1 of 1 tensors (first: w)")
         if self.break_ipc:
             self.break_ipc -= 1
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -141,9 +143,9 @@ async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a
     engine = IpcEngineDouble()
     f = WeightFollower(js, run, engine, dest_root=tmp_path / "fetched", poll_s=0.3, base_dir=tmp_path / "base")
     with pytest.raises(ValueError, match="pack it first"):
-        await weights.publish_gpu_version(js, run, 1, 1, msgspec.structs.replace(ipc_buffer(1), tensors=[]))
+        await registry.publish_gpu_version(js, run, 1, 1, msgspec.structs.replace(ipc_buffer(1), tensors=[]))
 
-    wv1 = await weights.publish_gpu_version(js, run, 1, 1, ipc_buffer(1))
+    wv1 = await registry.publish_gpu_version(js, run, 1, 1, ipc_buffer(1))
     assert wv1.transport == "cuda_ipc" and wv1.location == "cuda:GPU-test" and wv1.bytes == 256
     assert await f.check() and engine.version == 1 and engine.ipc_loads == [1]
     assert not (tmp_path / "fetched").exists()  # nothing is fetched to disk
@@ -152,25 +154,25 @@ async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a
     # a copy that fails its checksums is refused and nothing is reloaded: the engine checked
     # it before touching a weight
     engine.refuse = 1
-    await weights.publish_gpu_version(js, run, 2, 2, ipc_buffer(2))
+    await registry.publish_gpu_version(js, run, 2, 2, ipc_buffer(2))
     assert not await f.check()
     assert "verification failed: checksum mismatch" in f.refused[2] and engine.version == 1
     assert engine.reloads == [] and engine.ipc_loads == [1, 2]
 
     # a load that fails half-way is undone by loading the served cuda_ipc version again
     engine.break_ipc = 1
-    await weights.publish_gpu_version(js, run, 3, 3, ipc_buffer(3))
+    await registry.publish_gpu_version(js, run, 3, 3, ipc_buffer(3))
     assert not await f.check()
     assert engine.ipc_loads == [1, 2, 3, 1] and engine.version == 1 and "reload failed" in f.refused[3]
 
     # the next file version is followed as before
-    await weights.publish_version(js, run, 4, 4, state_dir(tmp_path, "f"), "objstore")
+    await registry.publish_version(js, run, 4, 4, state_dir(tmp_path, "f"), ObjstoreWeights())
     assert await f.check() and engine.version == 4 and engine.reloads[-1] == ("v000004", 4)
 
     # an nccl version takes the same path, with its own hold time as the engine's deadline
     from protocol.messages import NcclSource
 
     src = NcclSource(address="learner:29600", backend="nccl", nbytes=256, hold_s=7.0, tensors=ipc_buffer(5).tensors)
-    wv5 = await weights.publish_gpu_version(js, run, 5, 5, src)
+    wv5 = await registry.publish_gpu_version(js, run, 5, 5, src)
     assert wv5.transport == "nccl" and wv5.location == "nccl://learner:29600"
     assert await f.check() and engine.version == 5 and engine.ipc_loads[-1] == 5

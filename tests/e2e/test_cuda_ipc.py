@@ -1,5 +1,5 @@
 """cuda_ipc on a real GPU: this test process plays the learner (the toy model's weights on the GPU,
-packed by learner.weights_io.IpcPublisher and exported as a CUDA IPC handle), a real vLLM engine
+packed by weights.cuda_ipc.IpcPublisher and exported as a CUDA IPC handle), a real vLLM engine
 in its own process is the actor. A version loaded by IPC must serve exactly what the same
 weights loaded from files serve; a copy whose checksums do not match is refused and changes
 nothing. Runs only where torch sees a CUDA device (gpu marker); docs/gpu.md has the command."""
@@ -13,7 +13,8 @@ import pytest
 from engines.engine import EngineSettings, PolicyEngine
 from engines.models import build_tiny
 from protocol import codec
-from protocol.weights import WeightVerifyError, gpu_announcement
+from weights.common import WeightVerifyError
+from weights.registry import gpu_announcement
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -28,7 +29,8 @@ def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refus
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.weights_io import IpcPublisher, hf_tensors, write_weights, hf_weights
+    from learner.weights_io import hf_tensors, hf_weights, write_weights
+    from weights.cuda_ipc import IpcPublisher
 
     base = build_tiny(tmp_path / "tiny")
     # fp32 as the other toy-model tests (the toy's head_dim 32 has no FlashAttention-3 kernel); the
@@ -82,15 +84,16 @@ def test_trainer_packs_what_it_would_save(tiny_model, zero_stage):
 
     from learner.config import LearnerConfig
     from learner.trainer import Trainer
-    from protocol import cuda_ipc
+    from weights import cuda_ipc
+    from weights.config import CudaIpcWeights
 
-    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=zero_stage, kl_coef=0.0, transport="cuda_ipc"),
-                      tiny_model)
+    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=zero_stage, kl_coef=0.0,
+                                    weights=CudaIpcWeights()), tiny_model)
     try:
         expected = trainer.hf_state_dict()
         ipc = trainer.pack_weights(1)
-        assert [t.name for t in ipc.tensors] == list(expected) and ipc.nbytes == trainer.ipc.total
-        (buf,) = [b.data for b in trainer.ipc.buffers if b.version == 1]
+        assert [t.name for t in ipc.tensors] == list(expected) and ipc.nbytes == trainer.sender.total
+        (buf,) = [b.data for b in trainer.sender.buffers if b.version == 1]
         for t in ipc.tensors:
             assert torch.equal(cuda_ipc.view(buf, t).cpu(), expected[t.name])
         assert cuda_ipc.mismatch(ipc.tensors, cuda_ipc.checksums(buf, ipc.tensors)) is None

@@ -240,9 +240,12 @@ def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.weights_io import IpcPublisher, NcclSender, hf_tensors
+    from learner.weights_io import hf_tensors
+    from weights.cuda_ipc import IpcPublisher
+    from weights.nccl import NcclSender
     from protocol import codec
-    from protocol.weights import WeightVerifyError, gpu_announcement
+    from weights.common import WeightVerifyError
+    from weights.registry import gpu_announcement
 
     prompt = ctx.prompt("Describe the new bridge.")
 

@@ -24,7 +24,9 @@ from protocol import codec, examples, status, topology
 from protocol.bus import PullWorker, dead_letter, publish
 from protocol.connect import NatsUnreachable, barrier, connect, inbox_prefix
 from protocol.messages import Heartbeat, JudgeReply, JudgeRequest, Scored, SimReply, SimRequest, WeightVersion
-from protocol.weights import current_version, fetch_version, publish_version
+from weights.common import current_version
+from weights.config import ObjstoreWeights
+from weights.registry import fetch_version, publish_version
 
 pytestmark = pytest.mark.integration
 RUN = "authrun"
@@ -263,7 +265,7 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
             state.mkdir()
             (state / "model.safetensors").write_bytes(os.urandom(300_000))
             (state / "config.json").write_text('{"model_type": "qwen3"}')
-            await publish_version(learner, run, v, step=v, state_dir=state, transport="objstore", keep=1)
+            await publish_version(learner, run, v, step=v, state_dir=state, settings=ObjstoreWeights(), keep=1)
         await publish(learner, run, "tasks", examples.task(run, "job-1"))
 
         got = {}

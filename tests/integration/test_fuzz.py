@@ -366,7 +366,8 @@ async def test_services_answer_malformed_requests_with_an_error(system):
 # -- weight announcements -------------------------------------------------------------------------
 
 async def test_bad_weight_announcements_are_refused_and_counted(system, tiny_model, tmp_path):
-    from protocol.weights import publish_version
+    from weights.config import ObjstoreWeights
+    from weights.registry import publish_version
 
     s = system
     kv = await s.js.key_value(topology.kv_bucket(RUN))
@@ -384,7 +385,7 @@ async def test_bad_weight_announcements_are_refused_and_counted(system, tiny_mod
     await s.wait(lambda: s.counter("actor", "weights.undecodable") >= 1, "the actor to count the undecodable value")
 
     # 2. A good version is served (publishing over the junk works too).
-    good = await publish_version(s.js, RUN, 3, 3, blob, "objstore", keep=8)
+    good = await publish_version(s.js, RUN, 3, 3, blob, ObjstoreWeights(), keep=8)
     await s.wait(lambda: actor_version() == 3, "the actor to serve version 3")
 
     # 3. Announcements whose blob does not match are refused one by one; version 3 stays served.
@@ -406,7 +407,7 @@ async def test_bad_weight_announcements_are_refused_and_counted(system, tiny_mod
         assert f"refused weights version {wv.version}" in log
 
     # 4. Backwards with a verified blob is what a resumed learner announces: followed, with a warning.
-    await publish_version(s.js, RUN, 1, 1, blob, "objstore", keep=8)
+    await publish_version(s.js, RUN, 1, 1, blob, ObjstoreWeights(), keep=8)
     await s.wait(lambda: actor_version() == 1, "the actor to follow the verified version 1 back")
     assert "moved back from version 3 to 1" in s.tail("actor", 200_000)
 

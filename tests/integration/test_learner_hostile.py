@@ -13,7 +13,8 @@ import pytest
 
 from protocol import codec, topology
 from protocol.bus import publish
-from protocol.weights import current_version, fetch_version
+from weights.common import current_version
+from weights.registry import fetch_version
 from tests.integration.test_learner_resume import (  # noqa: F401 - toy is a fixture
     BUS,
     GROUPS_PER_STEP,

@@ -1,5 +1,5 @@
 """Weight publication off the training path: the real Learner, its Publisher and the real
-protocol.weights.publish_version on a real nats-server, with a test-double trainer and actor (as in
+weights.registry.publish_version on a real nats-server, with a test-double trainer and actor (as in
 test_learner_fates) and a slow transport double: the object store's upload of a chosen version waits
 until the test lets it go. Shown: the next step starts before the previous version's upload ends;
 with steps faster than uploads at most one upload runs, a version overtaken while waiting is never
@@ -16,7 +16,8 @@ import time
 import pytest
 
 from protocol import codec, topology
-from protocol.weights import current_version
+from weights.common import current_version
+from weights.config import ObjstoreWeights, SharedDirWeights
 from tests.integration.test_learner_fates import BUS, ActorDouble, TrainerDouble, base_model, make_cfg
 
 pytestmark = [pytest.mark.integration]
@@ -173,14 +174,15 @@ class RealWeightsTrainer(TrainerDouble):
         return super().__call__(op, *args)
 
 
-@pytest.mark.parametrize("transport", ["objstore", "shared_dir"])
-async def test_each_version_is_hashed_once(js, nc, tmp_path, monkeypatch, transport):
+@pytest.mark.parametrize("make", [lambda shared: ObjstoreWeights(), lambda shared: SharedDirWeights(dir=str(shared))],
+                         ids=["objstore", "shared_dir"])
+async def test_each_version_is_hashed_once(js, nc, tmp_path, monkeypatch, make):
     import nats.js.object_store
 
     digests: list[tuple[bytes, int]] = []  # (digest, bytes hashed) of every sha256 computed
 
     class CountingSha256:
-        """Test double for hashlib.sha256 (where protocol.weights and nats.py's object store take it)."""
+        """Test double for hashlib.sha256 (where weights/ and nats.py's object store take it)."""
 
         def __init__(self, data=b""):
             self._h, self._n = real(), 0
@@ -201,9 +203,9 @@ async def test_each_version_is_hashed_once(js, nc, tmp_path, monkeypatch, transp
     monkeypatch.setattr(hashlib, "sha256", CountingSha256)
     monkeypatch.setattr(nats.js.object_store, "sha256", CountingSha256)
 
-    run = f"hash-{transport.replace('_', '')}"
-    extra = {"transport": transport, "shared_dir": str(tmp_path / "shared")} if transport == "shared_dir" else {}
-    cfg = make_cfg(run, tmp_path / "run", steps=3, groups_per_step=1, max_staleness=1, **extra)
+    settings = make(tmp_path / "shared")
+    run = f"hash-{type(settings).__name__.lower()}"
+    cfg = make_cfg(run, tmp_path / "run", steps=3, groups_per_step=1, max_staleness=1, weights=settings)
     await topology.ensure_topology(js, run, BUS)
     await run_learner(js, nc, cfg, RealWeightsTrainer(), js)
 

@@ -21,7 +21,7 @@ from learner.checkpoint import read_state
 from protocol import topology
 from protocol.bus import publish
 from protocol.messages import AssistantTurn, ChatMessage, Scored, Trajectory
-from protocol.weights import current_version
+from weights.common import current_version
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""transport nccl's sender and receiver (protocol.nccl, learner.weights_io.NcclSender) over a real
+"""transport nccl's sender and receiver (weights.nccl: NcclSender, Receiver) over a real
 TCPStore and gloo, both sides in this process: a version arrives whole and checked, a wrong
 checksum and a version no longer held are refused with their reasons, a receiver whose group
 broke joins again, and bad addresses are refused with the fix."""
@@ -11,9 +11,10 @@ import msgspec
 import pytest
 import torch
 
-from learner.config import LearnerConfig
-from learner.weights_io import IpcPublisher, NcclSender
-from protocol.nccl import Receiver, parse_address
+from deploy.config import ConfigError, load_config
+from weights.config import NcclWeights
+from weights.cuda_ipc import IpcPublisher
+from weights.nccl import NcclSender, Receiver, parse_address
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 def test_versions_arrive_checked_and_stale_or_bad_ones_are_refused(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr("learner.weights_io.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
     sender = NcclSender(IpcPublisher(hold_s=10.0), f"127.0.0.1:{free_port()}", "gloo", timeout_s=20.0)
     receiver = Receiver("test-actor")
     try:
@@ -63,8 +64,12 @@ def test_versions_arrive_checked_and_stale_or_bad_ones_are_refused(monkeypatch):
 
 
 def test_bad_addresses_name_the_fix():
-    with pytest.raises(ValueError, match="'nowhere' is not host:port; set learner.nccl_address"):
+    with pytest.raises(ValueError, match=r"'nowhere' is not host:port; set \[learner.weights\] address"):
         parse_address("nowhere")
-    with pytest.raises(ValueError, match="learner.nccl_address"):
-        LearnerConfig(transport="nccl")
-    assert LearnerConfig(transport="nccl", nccl_address="10.0.0.1:29600").nccl_address == "10.0.0.1:29600"
+    with pytest.raises(ValueError, match=r"\[learner.weights\] address"):
+        NcclWeights()
+    with pytest.raises(ConfigError, match=r"\[learner.weights\] address"):  # the old keys: the same check
+        load_config(None, ["learner.transport=nccl"])
+    assert NcclWeights(address="10.0.0.1:29600").address == "10.0.0.1:29600"
+    assert load_config(None, ["learner.transport=nccl", 'learner.nccl_address="10.0.0.1:29600"']).learner.weights \
+        == NcclWeights(address="10.0.0.1:29600")

@@ -11,15 +11,10 @@ import numpy as np
 import pytest
 
 from protocol import topology
-from protocol.weights import (
-    CONFIG_FILE,
-    MODEL_FILE,
-    WeightVerifyError,
-    chunk_size,
-    current_version,
-    fetch_version,
-    publish_version,
-)
+from weights.common import CONFIG_FILE, MODEL_FILE, WeightVerifyError, current_version
+from weights.config import ObjstoreWeights, SharedDirWeights
+from weights.objstore import chunk_size
+from weights.registry import fetch_version, publish_version
 
 pytestmark = pytest.mark.integration
 RUN = "wtest"
@@ -45,7 +40,7 @@ async def test_objstore_round_trip_announce_and_prune(js, tmp_path):
     published = []
     for v in range(5):
         state = write_state(tmp_path / f"state{v}", seed=v)
-        wv = await publish_version(js, RUN, v, step=v, state_dir=state, transport="objstore", keep=3)
+        wv = await publish_version(js, RUN, v, step=v, state_dir=state, settings=ObjstoreWeights(), keep=3)
         published.append(wv)
         assert (await current_version(js, RUN)) == wv
 
@@ -71,51 +66,53 @@ async def test_objstore_round_trip_announce_and_prune(js, tmp_path):
 
 async def test_republishing_a_lower_version_moves_the_key_back(js, tmp_path):
     await topology.ensure_topology(js, RUN)
-    await publish_version(js, RUN, 3, step=3, state_dir=write_state(tmp_path / "a", 1, 0.1), transport="objstore")
-    again = await publish_version(js, RUN, 2, step=2, state_dir=write_state(tmp_path / "b", 2, 0.1), transport="objstore")
+    await publish_version(js, RUN, 3, step=3, state_dir=write_state(tmp_path / "a", 1, 0.1), settings=ObjstoreWeights())
+    again = await publish_version(js, RUN, 2, step=2, state_dir=write_state(tmp_path / "b", 2, 0.1), settings=ObjstoreWeights())
     assert (await current_version(js, RUN)) == again
 
 
 async def test_shared_dir_transport_verifies_in_place(js, tmp_path):
     await topology.ensure_topology(js, RUN)
     shared = tmp_path / "shared"
+    settings = SharedDirWeights(dir=str(shared))
     for v in range(3):
         wv = await publish_version(
-            js, RUN, v, step=v, state_dir=write_state(tmp_path / f"s{v}", v, 0.5), transport="shared_dir",
-            shared_dir=shared, keep=2,
+            js, RUN, v, step=v, state_dir=write_state(tmp_path / f"s{v}", v, 0.5), settings=settings,
+            keep=2,
         )
     assert sorted(p.name[:7] for p in (shared / RUN).iterdir()) == ["v000001", "v000002"]
-    got = await fetch_version(js, RUN, wv, tmp_path / "unused", shared_dir=shared)
+    got = await fetch_version(js, RUN, wv, tmp_path / "unused", settings=settings)
     assert got == Path(wv.location) and got.parent == shared / RUN and got.name.startswith("v000002-")
     (got / MODEL_FILE).write_bytes(b"corrupt")
     with pytest.raises(WeightVerifyError, match="has sha256"):
-        await fetch_version(js, RUN, wv, tmp_path / "unused", shared_dir=shared)
+        await fetch_version(js, RUN, wv, tmp_path / "unused", settings=settings)
 
 
 async def test_shared_dir_locations_outside_the_configured_root_are_refused(js, tmp_path):
     await topology.ensure_topology(js, RUN)
     shared = tmp_path / "shared"
+    settings = SharedDirWeights(dir=str(shared))
     wv = await publish_version(js, RUN, 1, step=1, state_dir=write_state(tmp_path / "s", 1, 0.1),
-                               transport="shared_dir", shared_dir=shared)
+                               settings=settings)
     elsewhere = write_state(tmp_path / "attacker", 2, 0.1)  # a valid version, but not where versions live
     (shared / RUN / "escape").symlink_to(elsewhere)
     for location in (str(elsewhere), "../../attacker", f"{shared / RUN}/../../attacker", "escape", ".", "/"):
         forged = msgspec.structs.replace(wv, location=location)
         with pytest.raises(WeightVerifyError, match="outside the shared directory"):
-            await fetch_version(js, RUN, forged, tmp_path / "unused", shared_dir=shared)
+            await fetch_version(js, RUN, forged, tmp_path / "unused", settings=settings)
     for files in (["../config.json"], [MODEL_FILE], [".."]):
         with pytest.raises(WeightVerifyError, match="extra file name"):
-            await fetch_version(js, RUN, msgspec.structs.replace(wv, files=files), tmp_path / "unused", shared_dir=shared)
+            await fetch_version(js, RUN, msgspec.structs.replace(wv, files=files), tmp_path / "unused", settings=settings)
     with pytest.raises(WeightVerifyError, match="no shared directory configured"):
         await fetch_version(js, RUN, wv, tmp_path / "unused")
     # A relative location is taken under the root, like the absolute one the learner announces.
     relative = msgspec.structs.replace(wv, location=Path(wv.location).name)
-    assert await fetch_version(js, RUN, relative, tmp_path / "unused", shared_dir=shared) == Path(wv.location)
+    assert await fetch_version(js, RUN, relative, tmp_path / "unused", settings=settings) == Path(wv.location)
 
 
 async def test_objstore_extra_objects_must_be_plain_files_beside_the_model(js, tmp_path):
     await topology.ensure_topology(js, RUN)
-    wv = await publish_version(js, RUN, 1, step=1, state_dir=write_state(tmp_path / "s", 1, 0.1), transport="objstore")
+    wv = await publish_version(js, RUN, 1, step=1, state_dir=write_state(tmp_path / "s", 1, 0.1), settings=ObjstoreWeights())
     folder = wv.location.rsplit("/", 1)[0]
     # An extra object named like the model would overwrite the verified blob with an unverified one.
     for files, match in (([f"{folder}/{MODEL_FILE}"], "extra file name"), ([f"{folder}/.."], "extra file name"),
@@ -125,31 +122,32 @@ async def test_objstore_extra_objects_must_be_plain_files_beside_the_model(js, t
     assert not (tmp_path / "actor" / MODEL_FILE).exists()
 
 
-@pytest.mark.parametrize("transport", ["objstore", "shared_dir"])
-async def test_republishing_a_version_leaves_what_actors_load_alone(js, tmp_path, transport):
+@pytest.mark.parametrize("make", [lambda shared: ObjstoreWeights(), lambda shared: SharedDirWeights(dir=str(shared))],
+                         ids=["objstore", "shared_dir"])
+async def test_republishing_a_version_leaves_what_actors_load_alone(js, tmp_path, make):
     """A resumed learner publishes version 2 again: the first publication (an actor may be loading it,
     or serves it) is not rewritten, and a version an actor serves is not pruned."""
     await topology.ensure_topology(js, RUN)
-    shared = tmp_path / "shared"
+    settings = make(tmp_path / "shared")
 
     async def pub(v, seed, protect=frozenset()):
         return await publish_version(js, RUN, v, step=v, state_dir=write_state(tmp_path / f"s{v}-{seed}", seed, 0.1),
-                                     transport=transport, shared_dir=shared, keep=1, protect=protect)
+                                     settings=settings, keep=1, protect=protect)
 
     first = await pub(2, seed=1)
-    served = await fetch_version(js, RUN, first, tmp_path / "actor-first", shared_dir=shared)
+    served = await fetch_version(js, RUN, first, tmp_path / "actor-first", settings=settings)
     second = await pub(2, seed=2)
     assert second.location != first.location and second.sha256 != first.sha256
     # the first publication is intact: same bytes, still verifies (the version number is kept)
-    again = await fetch_version(js, RUN, first, tmp_path / "actor-again", shared_dir=shared, rehash=True)
+    again = await fetch_version(js, RUN, first, tmp_path / "actor-again", settings=settings, rehash=True)
     assert (again / MODEL_FILE).read_bytes() == (served / MODEL_FILE).read_bytes()
     # version 2 served by an actor survives keep=1 while 3 and 4 are published
     await pub(3, seed=3, protect={2})
     await pub(4, seed=4, protect={2})
-    await fetch_version(js, RUN, second, tmp_path / "actor-2", shared_dir=shared)
+    await fetch_version(js, RUN, second, tmp_path / "actor-2", settings=settings)
     await pub(5, seed=5)  # nobody serves 2 any more: pruned
     with pytest.raises(WeightVerifyError):
-        await fetch_version(js, RUN, second, tmp_path / "actor-2b", shared_dir=shared)
+        await fetch_version(js, RUN, second, tmp_path / "actor-2b", settings=settings)
 
 
 async def test_served_versions_come_from_the_actors_heartbeats(nc):
@@ -157,7 +155,7 @@ async def test_served_versions_come_from_the_actors_heartbeats(nc):
 
     from protocol import status
     from protocol.messages import Heartbeat
-    from protocol.weights import ServedVersions
+    from weights.common import ServedVersions
 
     served = ServedVersions(nc, RUN)
     await served.start()
@@ -193,7 +191,7 @@ async def test_learner_publication_waits_out_a_nats_outage(nats_server, tmp_path
             await asyncio.to_thread(nats_server.start)  # same store dir, same port
 
         restart = asyncio.create_task(restart_later())
-        wv = await retry_unreachable(lambda: publish_version(js, RUN, 1, 1, state, "objstore"), what="publish v1",
+        wv = await retry_unreachable(lambda: publish_version(js, RUN, 1, 1, state, ObjstoreWeights()), what="publish v1",
                              give_up_s=120.0, first_delay_s=0.5)
         await restart
         assert wv.version == 1

@@ -19,6 +19,7 @@ CASES = [
     (["learner", "--set", "learner.loss_agg=x"], ["loss_agg='x'", "$.learner", "token-mean", "seq-mean-token-sum"]),
     (["learner", "--set", "learner.zero_stage=5"], ["zero_stage=5", "0, 1, 2 or 3"]),
     (["learner", "--set", "learner.transport=ftp"], ["transport='ftp'", "objstore", "shared_dir"]),
+    (["learner", "--set", "learner.weights.kind=ftp"], ["kind='ftp'", "[learner.weights]", "objstore", "nccl"]),
     (["learner", "--set", "learner.stale_policy=keep"], ["stale_policy='keep'", "drop", "correct"]),
     (["scorer", "--set", "scorer.bleu_variant=foo"], ["bleu_variant='foo'", "sacrebleu", "char"]),
     (["scorer", "--set", "scorer.weights={fluency=1.0}"], ["'fluency'", "bleu", "interactivity", "token_amount"]),

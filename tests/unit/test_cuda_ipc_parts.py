@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig
-from learner.weights_io import IpcPublisher
-from protocol import codec, cuda_ipc, weights
+from protocol import codec
 from protocol.messages import CudaIpcBuffer, WeightVersion
+from weights import common, cuda_ipc, registry
+from weights.config import CudaIpcWeights
+from weights.cuda_ipc import IpcPublisher
 
 
 def named() -> list[tuple[str, torch.Tensor]]:
@@ -112,15 +114,15 @@ def test_table_digest_changes_with_any_checksum():
 
 def test_file_paths_refuse_the_gpu_transport():
     with pytest.raises(ValueError, match="publish_gpu_version"):
-        asyncio.run(weights.publish_version(None, "r", 1, 1, "/nonexistent", "cuda_ipc"))
+        asyncio.run(registry.publish_version(None, "r", 1, 1, "/nonexistent", CudaIpcWeights()))
     wv = announcement([])
-    with pytest.raises(weights.WeightVerifyError, match="loaded by the engine"):
-        asyncio.run(weights.fetch_version(None, "r", wv, "/nonexistent"))
+    with pytest.raises(common.WeightVerifyError, match="loaded by the engine"):
+        asyncio.run(registry.fetch_version(None, "r", wv, "/nonexistent"))
 
 
 def test_publisher_reuses_a_buffer_only_after_the_hold_time(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr("learner.weights_io.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
     pub = IpcPublisher(hold_s=10.0, max_buffers=2)
     tensors = named()
     b1, t1 = pub.fill(tensors, 1)
@@ -138,14 +140,14 @@ def test_publisher_reuses_a_buffer_only_after_the_hold_time(monkeypatch):
 
 
 def test_learner_config_and_cpu_trainer_refuse_bad_ipc_settings():
-    with pytest.raises(ValueError, match="ipc_hold_s=0"):
-        LearnerConfig(transport="cuda_ipc", ipc_hold_s=0)
+    with pytest.raises(ValueError, match="hold_s=0"):
+        CudaIpcWeights(hold_s=0)
     if torch.cuda.is_available():
         pytest.skip("the CPU refusal needs a machine without CUDA")
     from learner.trainer import Trainer
 
     with pytest.raises(ValueError, match="cuda_ipc.*no CUDA device"):
-        Trainer(LearnerConfig(transport="cuda_ipc"), "/nonexistent")
+        Trainer(LearnerConfig(weights=CudaIpcWeights()), "/nonexistent")
 
 
 def test_whole_buffer_sums_equal_the_per_tensor_definition():

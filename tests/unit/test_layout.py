@@ -3,7 +3,10 @@
 - a role package imports another role package,
 - a role or a neutral package imports deploy/ (the launcher sits on top; nothing calls up into it),
 - protocol/ imports anything of ours but itself,
-- a neutral package imports a role, except evaluation/'s named exceptions below.
+- a neutral package imports a role, except evaluation/'s named exceptions below,
+- protocol/ imports torch, vllm or deepspeed (the wire contract loads without them),
+- a transport name ("objstore", "shared_dir", "cuda_ipc", "nccl") is compared as a string outside
+  weights/ (callers ask the transport: weights.registry).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("actors", "scorer", "learner")
-NEUTRAL = ("engines", "tasks", "rewards", "runtime", "evaluation", "environments")
+NEUTRAL = ("engines", "weights", "tasks", "rewards", "runtime", "evaluation", "environments")
 OURS = (*ROLES, *NEUTRAL, "protocol", "deploy")
+HEAVY = ("torch", "vllm", "deepspeed")  # none of these under protocol/
+TRANSPORT_NAMES = {"objstore", "shared_dir", "cuda_ipc", "nccl"}  # compared only inside weights/
 
 # evaluation/ plays and scores conversations the way the roles do: these role modules are the
 # thing being evaluated (the conversation loop, the scoring of one trajectory), and nothing else.
@@ -43,13 +48,35 @@ def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
     return out
 
 
+def transport_compares(path: Path) -> list[tuple[int, list[str]]]:
+    """(line, names) for every comparison (==, !=, in, not in, ...) with transport names as string
+    constants, alone or inside a tuple, list or set literal."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Compare):
+            continue
+        names = []
+        for operand in [node.left, *node.comparators]:
+            consts = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+            names += [c.value for c in consts if isinstance(c, ast.Constant) and c.value in TRANSPORT_NAMES]
+        if names:
+            out.append((node.lineno, names))
+    return out
+
+
 def violations(root: Path = ROOT) -> list[str]:
     bad = []
     for top in OURS:
         for path in sorted((root / top).rglob("*.py")):
             rel = path.relative_to(root)
+            if top != "weights":
+                bad += [f"{rel}:{line}: compares with the transport name {', '.join(map(repr, names))} "
+                        "(outside weights/, ask the transport: weights.registry)"
+                        for line, names in transport_compares(path)]
             for line, mod in imports_of(path, root):
                 head = mod.split(".")[0]
+                if top == "protocol" and head in HEAVY:
+                    bad.append(f"{rel}:{line}: import of {mod} (protocol/ imports no {head})")
                 if head not in OURS or head == top:
                     continue
                 where = f"{rel}:{line}: import of {mod}"
@@ -80,6 +107,13 @@ def test_no_forbidden_imports():
         ("tasks", "import scorer.judge", "neutral tasks/ imports role scorer/"),
         ("evaluation", "from actors.sim import Simulator", "neutral evaluation/ imports role actors/"),
         ("actors", "def f():\n    from learner import grpo", "role actors/ imports role learner/"),
+        ("protocol", "def f():\n    import torch", "protocol/ imports no torch"),
+        ("protocol", "from vllm import LLM", "protocol/ imports no vllm"),
+        ("protocol", "import deepspeed.zero", "protocol/ imports no deepspeed"),
+        ("learner", "if cfg.kind == 'cuda_ipc':\n    pass", "compares with the transport name 'cuda_ipc'"),
+        ("actors", "ok = wv.transport != \"objstore\"", "compares with the transport name 'objstore'"),
+        ("engines", "gpu = kind in (\"cuda_ipc\", \"nccl\")", "compares with the transport name 'cuda_ipc'"),
+        ("deploy", "x = 'shared_dir' not in kinds", "compares with the transport name 'shared_dir'"),
     ],
 )
 def test_a_forbidden_import_is_named(tmp_path, top, line, expect):
@@ -97,4 +131,7 @@ def test_allowed_imports_pass(tmp_path):
     (tmp_path / "learner" / "ok.py").write_text("from protocol import bus\nfrom tasks.data import Item\nfrom rewards import diagnostics\n")
     (tmp_path / "evaluation" / "ok.py").write_text("from actors.rollout import run_conversation\nfrom scorer.score import score_trajectory\n")
     (tmp_path / "deploy" / "ok.py").write_text("from learner.service import run\nfrom actors.actor import run\n")
+    # inside weights/ a transport may name itself; elsewhere naming one without comparing is fine
+    (tmp_path / "weights" / "ok.py").write_text("import torch\nGPU = kind in ('cuda_ipc', 'nccl')\n")
+    (tmp_path / "learner" / "ok2.py").write_text("DEFAULT = 'objstore'\nlog.info('%s', 'nccl')\n")
     assert violations(tmp_path) == []

@@ -4,8 +4,10 @@ handle (torch's own export, as plain values in protocol.messages.CudaIpcBuffer);
 worker on the same host opens the handle, copies the buffer into its own GPU memory, checksums the
 copy and refuses it unless every tensor matches, and only then hands the tensors to load_weights.
 
-Used by learner.weights_io (plan, pack, checksums, export) and engines.engine's WorkerExtension
-(receive). torch is imported inside the functions: protocol/ stays importable without it.
+Rank 0's buffers are held by IpcPublisher (learner.trainer builds it through weights.registry);
+the nccl transport reuses its layout, checksums and buffers. engines.engine's WorkerExtension
+receives through `CudaIpc.receive`. torch is imported inside the functions: the module imports
+without it.
 
 The checksum is against partial or mismatched transfers (a buffer overwritten while read, a wrong
 handle), not against an adversary: both processes trust the same GPU.
@@ -14,12 +16,19 @@ handle), not against an adversary: both processes trust the same GPU.
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from protocol.messages import CudaIpcBuffer, IpcTensor
+from protocol.messages import CudaIpcBuffer, IpcTensor, WeightVersion
+from weights.common import Transport
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+log = logging.getLogger("parley.weights")
 
 ALIGN = 256  # bytes; every tensor starts on this boundary and its checksummed region is padded to it
 _ROW = ALIGN // 4  # int32 words per checksum row
@@ -143,7 +152,7 @@ def local_device(uuid: str) -> int:
             return i
     raise LookupError(
         f"the learner's GPU {uuid} is not visible to this process; make it visible (CUDA_VISIBLE_DEVICES) "
-        "or use transport nccl/objstore for actors on other GPUs"
+        "or use [learner.weights] kind nccl or objstore for actors on other GPUs"
     )
 
 
@@ -189,3 +198,121 @@ def receive(ipc: CudaIpcBuffer, device) -> tuple[list[tuple[str, "Tensor"]], str
     if reason:
         return [], reason
     return [(e.name, view(staged, e)) for e in ipc.tensors], None
+
+
+@dataclass
+class _Buffer:
+    data: "Tensor"  # (bytes,) uint8 on the GPU, exported by CUDA IPC
+    version: int | None = None
+    superseded_at: float | None = None  # monotonic time the next version replaced it
+    readers: int = 0  # nccl sends under way from it
+
+
+class IpcPublisher:
+    """Rank 0's shared GPU buffers for transport cuda_ipc. Each version is packed into a buffer
+    that no reader may be holding: one that never served, or was superseded at least `hold_s`
+    ago (readers give up after hold_s, the announcement says so). When none is free, another is
+    allocated, up to `max_buffers`; past that the longest-superseded one is overwritten and a
+    reader still copying it refuses the version on its checksums (and takes the next one).
+    The learner never waits for actors. Buffers live as long as the learner, so torch's IPC
+    reference counting never has to free one under a reader."""
+
+    def __init__(self, hold_s: float, max_buffers: int = 2):
+        self.hold_s, self.max_buffers = hold_s, max_buffers
+        self.buffers: list[_Buffer] = []
+        self.layout = None
+        self.total = 0
+        self._lock = threading.Lock()  # nccl sender threads take buffers while the learner fills one
+
+    def _new_buffer(self, device) -> _Buffer:
+        import torch
+
+        # zeros: the padding between tensors is part of the checksummed regions
+        self.buffers.append(_Buffer(torch.zeros(self.total, dtype=torch.uint8, device=device)))
+        return self.buffers[-1]
+
+    def _free_buffer(self, device) -> _Buffer:
+        now = time.monotonic()
+        free = [b for b in self.buffers if not b.readers]
+        idle = [b for b in free if b.version is None
+                or (b.superseded_at is not None and now - b.superseded_at >= self.hold_s)]
+        if idle:
+            return idle[0]
+        if len(self.buffers) < self.max_buffers:
+            return self._new_buffer(device)
+        superseded = [b for b in free if b.superseded_at is not None]
+        if not superseded:  # every old buffer is being sent from: never write under a reader
+            log.warning("weights: every buffer is being sent; allocating buffer %d", len(self.buffers) + 1)
+            return self._new_buffer(device)
+        oldest = min(superseded, key=lambda b: b.superseded_at)
+        log.warning("weights: all %d buffers were superseded less than %.0f s ago; overwriting version %d's "
+                    "(an actor still copying it refuses it and takes the next)", len(self.buffers), self.hold_s,
+                    oldest.version)
+        return oldest
+
+    def take(self, version: int) -> _Buffer | None:
+        """The buffer holding `version` for a send (release() it after), or None when that version
+        is gone: overwritten, or superseded longer ago than the hold time."""
+        with self._lock:
+            for b in self.buffers:
+                if b.version == version and (b.superseded_at is None or time.monotonic() - b.superseded_at < self.hold_s):
+                    b.readers += 1
+                    return b
+        return None
+
+    def release(self, buf: _Buffer) -> None:
+        with self._lock:
+            buf.readers -= 1
+
+    def close(self) -> None:
+        """Nothing to stop: the buffers live as long as the learner."""
+
+    def pack(self, named: list[tuple[str, "Tensor"]], version: int):
+        """Copy `named` (GPU tensors) into a free buffer, checksum it on the GPU and export it:
+        the protocol.messages.CudaIpcBuffer to announce."""
+        buf, tensors = self.fill(named, version)
+        return export(buf, tensors, self.hold_s)
+
+    def fill(self, named: list[tuple[str, "Tensor"]], version: int):
+        """pack without the export: (the buffer now holding `version`, its tensor table with checksums)."""
+        layout, total = plan(named)
+        if self.layout is None:
+            self.layout, self.total = layout, total
+        elif layout != self.layout:
+            raise RuntimeError("the model's tensors changed between versions; cuda_ipc buffers are planned once")
+        with self._lock:
+            buf = self._free_buffer(named[0][1].device)
+            buf.version = None  # being written: not to be sent
+            pack(named, buf.data, self.layout)
+            sums = checksums(buf.data, self.layout)  # returns after the copies are done (one sync)
+            now = time.monotonic()
+            for b in self.buffers:
+                if b.version is not None and b.superseded_at is None and b is not buf:
+                    b.superseded_at = now
+            buf.version, buf.superseded_at = version, None
+        return buf.data, with_checksums(self.layout, sums)
+
+
+class CudaIpc(Transport):
+    kind = "cuda_ipc"
+    gpu = needs_cuda = True  # actors must also see rank 0's GPU (local_device)
+    source_type = CudaIpcBuffer
+
+    def sender(self, settings, device) -> IpcPublisher:
+        return IpcPublisher(settings.hold_s, settings.max_buffers)
+
+    def announcement(self, source: CudaIpcBuffer, **common) -> WeightVersion:
+        return WeightVersion(transport=self.kind, location=f"cuda:{source.device_uuid}", ipc=source, **common)
+
+    def source(self, wv: WeightVersion) -> CudaIpcBuffer | None:
+        return wv.ipc
+
+    def receive(self, wv: WeightVersion, state: dict):
+        import torch
+
+        if not torch.cuda.is_available():
+            return [], "this engine runs without CUDA; cuda_ipc needs actors on the learner's GPUs"
+        try:
+            return receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()))
+        except (LookupError, RuntimeError) as e:  # the GPU is not visible, or the handle no longer opens
+            return [], f"cannot open the learner's buffer: {e}"

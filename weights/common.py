@@ -1,0 +1,206 @@
+"""What every weight transport shares: the files of a version, their names and digests, the
+announcement on the run's KV key (compare-and-set) and its reading, the pruning rule, and the
+versions actors report serving. Used by the transports (weights.objstore, weights.shared_dir,
+weights.cuda_ipc, weights.nccl), weights.registry, and the learner's publication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import re
+import secrets
+import time
+from pathlib import Path
+
+import msgspec
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from protocol import codec, topology
+from protocol.messages import WeightVersion
+
+log = logging.getLogger("parley.weights")
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+# v<version>-<nonce>: every publication gets a fresh name, so re-publishing a version number (a resumed
+# learner) never rewrites what an actor may be loading; the bare v<version> of older runs still matches.
+VERSION_DIR = re.compile(r"^v(\d{6,})(?:-[0-9a-f]+)?(?:/|$)")
+
+
+class WeightVerifyError(Exception):
+    """Fetched weights do not match their announcement (sha256 or size) or are missing."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class VersionConflict(RuntimeError):
+    """Another writer changed the weights key between our read and our compare-and-set."""
+
+
+def version_prefix(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def fresh_prefix(version: int) -> str:
+    """The name of one publication of `version`: never used before, never reused."""
+    return f"{version_prefix(version)}-{secrets.token_hex(6)}"
+
+
+def plain_name(wv: WeightVersion, name: str) -> str:
+    # An extra file lands beside the verified model under this name: a path, "..", or the model's own
+    # name would let an announcement write outside the version or replace the checked blob.
+    if not name or "/" in name or "\\" in name or name in (".", "..", MODEL_FILE):
+        raise WeightVerifyError(f"version {wv.version}: extra file name {name!r} is not allowed (a plain file name "
+                                f"other than {MODEL_FILE}); refused")
+    return name
+
+
+def file_digest(path: Path) -> tuple[str, int]:
+    """(sha256 hex, size in bytes) of a file, read in 8 MiB blocks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(8 * 1024 * 1024):
+            h.update(block)
+            size += len(block)
+    return h.hexdigest(), size
+
+
+async def current_version(js, run: str) -> WeightVersion | None:
+    """The version actors must serve now, or None before the learner announced one."""
+    kv = await js.key_value(topology.kv_bucket(run))
+    try:
+        entry = await kv.get(topology.WEIGHTS_KEY)
+    except KeyNotFoundError:  # also a deleted key
+        return None
+    if not entry.value:
+        return None
+    return codec.decode("weights", entry.value)
+
+
+async def announce(js, run: str, wv: WeightVersion) -> None:
+    """Point the run's weights key at `wv` by compare-and-set (VersionConflict if another writer
+    moved it meanwhile); a key holding junk is replaced, a move to a lower version logged."""
+    kv = await js.key_value(topology.kv_bucket(run))
+    data = codec.encode(wv)
+    try:
+        entry = await kv.get(topology.WEIGHTS_KEY)
+    except KeyNotFoundError:
+        entry = None
+    try:
+        if entry is None or not entry.value:
+            await kv.create(topology.WEIGHTS_KEY, data)
+        else:
+            try:
+                previous = codec.decode("weights", entry.value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                # Someone else wrote junk there; what we publish replaces it (actors skip junk meanwhile).
+                log.warning("weights key of run %r held no WeightVersion (%s); replacing it", run, e)
+            else:
+                if previous.version > wv.version:
+                    log.warning("weights key moves back from version %d to %d (resumed learner)", previous.version,
+                                wv.version)
+            await kv.update(topology.WEIGHTS_KEY, data, last=entry.revision)
+    except KeyWrongLastSequenceError as e:
+        raise VersionConflict(
+            f"the weights key of run {run!r} changed while publishing version {wv.version}; "
+            "is a second learner running on this run?"
+        ) from e
+
+
+def old_versions(matches, keep: int, current: int, protect: set[int]) -> set[int]:
+    """The version numbers (from VERSION_DIR matches) to prune: all but the newest `keep`, the
+    current one and the protected ones."""
+    versions = sorted({int(m.group(1)) for m in matches if m}, reverse=True)
+    kept = set(versions[:keep]) | {current} | protect
+    return set(versions) - kept
+
+
+class ServedVersions:
+    """The weight versions the run's actors report serving (Heartbeat.version), for publish_version's
+    `protect`: an actor reloads from, and falls back to, the version it serves, so it must not be pruned.
+    A report counts until `ttl_s` passes without another (actors beat every few seconds) or the
+    actor says it is stopping."""
+
+    def __init__(self, nc, run: str, ttl_s: float = 120.0):
+        self.nc, self.run, self.ttl_s = nc, run, ttl_s
+        self._seen: dict[str, tuple[int, float]] = {}  # actor id -> (version, monotonic time)
+        self._sub = None
+
+    async def start(self) -> None:
+        async def on_beat(msg) -> None:
+            try:
+                hb = codec.decode("status", msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return
+            if hb.state == "stopping":
+                self._seen.pop(hb.id, None)
+            elif hb.version >= 0:
+                self._seen[hb.id] = (hb.version, time.monotonic())
+
+        self._sub = await self.nc.subscribe(topology.status_subject(self.run, "actor", "*"), cb=on_beat)
+
+    def versions(self) -> set[int]:
+        now = time.monotonic()
+        return {v for v, t in self._seen.values() if now - t <= self.ttl_s}
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+
+def verify_file(path: Path, wv: WeightVersion) -> None:
+    sha, size = file_digest(path)
+    if sha != wv.sha256 or size != wv.bytes:
+        raise WeightVerifyError(
+            f"version {wv.version}: {path} has sha256 {sha[:16]}.. / {size} bytes, "
+            f"announced {wv.sha256[:16]}.. / {wv.bytes} bytes"
+        )
+
+
+class Transport:
+    """One way for a version's weights to travel from the learner to the actors; weights.registry
+    holds one instance per kind. A file transport (gpu False) moves model.safetensors + config.json:
+    the learner uploads and prunes, the actor fetches and verifies a directory its engine reloads
+    from. A GPU transport (gpu True) moves rank 0's packed buffer, which the engine's worker
+    receives, checks and loads itself; nothing becomes a file."""
+
+    kind: str = ""
+    gpu: bool = False  # a packed GPU buffer the engine loads itself, not files
+    needs_cuda: bool = False  # the learner must have a CUDA device
+    source_type: type | None = None  # GPU transports: the announcement's source struct (protocol.messages)
+
+    # learner side, file transports
+    async def upload(self, js, run: str, prefix: str, state_dir: Path, extras: list[str],
+                     settings) -> tuple[str, str, int, list[str]]:
+        """Store `state_dir`'s model and `extras` under the fresh name `prefix`:
+        (location, sha256, bytes, files) for the announcement."""
+        raise NotImplementedError(f"transport {self.kind} publishes GPU buffers, not files; use publish_gpu_version")
+
+    async def prune(self, js, run: str, settings, keep: int, current: int, protect: set[int]) -> None:
+        raise NotImplementedError
+
+    # learner side, GPU transports
+    def sender(self, settings, device):
+        """Rank 0's packer: `.pack(named, version)` returns the source to announce; `.close()`."""
+        raise NotImplementedError(f"transport {self.kind} publishes files; it has no GPU sender")
+
+    def announcement(self, source, **common) -> WeightVersion:
+        raise NotImplementedError
+
+    # actor side
+    async def fetch(self, js, run: str, wv: WeightVersion, dest: Path, settings, rehash: bool) -> Path:
+        raise WeightVerifyError(f"version {wv.version}: transport {wv.transport!r} is loaded by the engine, not fetched")
+
+    def source(self, wv: WeightVersion):
+        """The packed buffer's source an announcement carries (None if missing or a file transport)."""
+        return None
+
+    def receive(self, wv: WeightVersion, state: dict):
+        """In the engine's worker: ((name, tensor) views into a checked local copy, None) or ([], reason)."""
+        raise NotImplementedError

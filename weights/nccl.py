@@ -1,0 +1,256 @@
+"""The `nccl` weight transport between the learner's rank 0 and actors on other GPUs or hosts.
+
+Rank 0 runs a TCPStore at [learner.weights] address. An actor's vLLM worker joins it once: it takes a
+number k from the store and both sides build a two-rank process group of their own (rank 0 =
+the learner, rank 1 = this worker) under the store prefix `actor<k>`; no global process group,
+so actors join and leave without touching the learner's training group. Per version the worker
+asks (`req<n>` = version), rank 0 answers (`ack<n>` = "ok" or why not) and sends the packed buffer
+(weights.cuda_ipc's layout, the same per-tensor checksums) which the worker receives into its
+own memory, checks, and only then loads. Every wait has a timeout: a store wait, a send or a
+receive that exceeds it drops that actor's group (the actor joins again for its next version).
+The backend is NCCL on GPUs and gloo where the learner has none (CPU runs and the tests).
+
+NcclSender runs on rank 0 (learner.trainer builds it through weights.registry); Receiver in
+engines.engine's WorkerExtension (through `Nccl.receive`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from protocol.messages import NcclSource, WeightVersion
+from weights.common import Transport
+from weights.cuda_ipc import IpcPublisher, checksums, mismatch, view
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+log = logging.getLogger("parley.nccl")
+
+JOIN_TIMEOUT_S = 60.0  # building a group: both sides connect within this
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"nccl address {address!r} is not host:port; set [learner.weights] address (e.g. 10.0.0.1:29600)")
+    return host, int(port)
+
+
+def store_wait(store, key: str, timeout_s: float) -> bool:
+    """Wait for `key` in the store: True when it is there, False after timeout_s."""
+    import torch.distributed as dist
+
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+        return True
+    except (dist.DistStoreError, RuntimeError) as e:  # the store's timeout; anything else propagates
+        if "timeout" not in str(e).lower() and not isinstance(e, dist.DistStoreError):
+            raise
+        return False
+
+
+def pair_group(store, rank: int, backend: str, timeout_s: float):
+    """A two-rank process group (0 = learner, 1 = actor worker) on `store`, outside any global group."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
+    if backend != "nccl":
+        raise ValueError(f"nccl backend {backend!r} not known; use nccl or gloo")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+class Receiver:
+    """The actor worker's side: joined lazily on the first version, kept while it works."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.address = ""
+        self.store = None  # this actor's PrefixStore
+        self.group = None
+        self.n = 0  # the next request number
+
+    def _join(self, source: NcclSource) -> None:
+        import torch.distributed as dist
+
+        host, port = parse_address(source.address)
+        root = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+        k = root.add("joins", 1)
+        root.set(f"join{k}", self.name)
+        self.store = dist.PrefixStore(f"actor{k}", root)  # keys "actor<k>/<key>"
+        self.group = pair_group(self.store, 1, source.backend, JOIN_TIMEOUT_S)
+        self.address, self.n = source.address, 0
+        log.info("joined the learner's weight sender at %s as actor %d", source.address, k)
+
+    def fetch(self, source: NcclSource, version: int, device) -> tuple[list[tuple[str, "Tensor"]], str | None]:
+        """(name, tensor) views into a received and checked copy of `version`, or ([], reason).
+        Raises (and forgets the group, so the next call joins again) when the transfer breaks."""
+        import torch
+
+        if self.group is None or self.address != source.address:
+            self._join(source)
+        n, self.n = self.n, self.n + 1
+        try:
+            self.store.set(f"req{n}", str(version))
+            if not store_wait(self.store, f"ack{n}", source.hold_s):
+                raise TimeoutError(f"the learner did not answer the request for version {version} in {source.hold_s:.0f} s")
+            ack = self.store.get(f"ack{n}").decode()
+            if ack != "ok":
+                return [], ack
+            staged = torch.empty(source.nbytes, dtype=torch.uint8, device=device)
+            self.group.recv([staged], 0, n).wait(timedelta(seconds=source.hold_s))
+        except BaseException:
+            self.group = None
+            raise
+        reason = mismatch(source.tensors, checksums(staged, source.tensors))
+        if reason:
+            return [], reason
+        return [(e.name, view(staged, e)) for e in source.tensors], None
+
+
+class NcclSender:
+    """Rank 0's side of transport nccl (this module): a TCPStore at `address`, a thread that
+    accepts actors as they join, and one thread per actor that answers its requests from the
+    publisher's held buffers over that actor's own two-rank group. The training loop only fills
+    buffers (pack); sends happen beside it and never wait on it. An actor whose send fails or
+    times out is dropped (it joins again for its next version); one silent for `idle_s` too.
+    The threads block in store waits (no polling); close() wakes each with a stop marker."""
+
+    def __init__(self, publisher: IpcPublisher, address: str, backend: str, timeout_s: float, idle_s: float = 3600.0):
+        import torch
+        import torch.distributed as dist
+
+        host, port = parse_address(address)
+        self.pub, self.address, self.backend = publisher, address, backend
+        self.timeout_s, self.idle_s = timeout_s, idle_s
+        self.device = torch.cuda.current_device() if backend == "nccl" else None
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta_s(timeout_s))
+        # A blocked wait holds its store connection: each thread waits on a connection of its own.
+        self._connect = lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta_s(timeout_s))
+        self.actors: dict[int, str] = {}  # joined actor number -> its name, while served
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._next_join = 1  # the join key the accept thread waits for
+        self._next_req: dict[int, int] = {}  # actor number -> the request key its thread waits for
+        self._threads = [threading.Thread(target=self._accept, name="nccl-accept", daemon=True)]
+        self._threads[0].start()
+
+    def pack(self, named: list[tuple[str, "Tensor"]], version: int):
+        """Fill a held buffer with `version`: the protocol.messages.NcclSource to announce."""
+        _, tensors = self.pub.fill(named, version)
+        return NcclSource(address=self.address, backend=self.backend, nbytes=self.pub.total, hold_s=self.pub.hold_s,
+                          tensors=tensors)
+
+    def close(self) -> None:
+        """Stop accepting and serving: every waiting thread is woken by its stop marker and joined."""
+        self._stop.set()
+        with self._lock:
+            self.store.set(f"join{self._next_join}", "")
+            for k, n in self._next_req.items():
+                self.store.set(f"actor{k}/req{n}", "stop")
+        for t in self._threads:
+            t.join(timeout=self.timeout_s)
+
+    def _accept(self) -> None:
+        store = self._connect()
+        k = 1
+        while True:
+            store.wait([f"join{k}"], timedelta_s(1e6))  # close() sets a stop marker
+            name = store.get(f"join{k}").decode()
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                self._next_join = k + 1
+                t = threading.Thread(target=self._serve, args=(k, name), name=f"nccl-actor{k}", daemon=True)
+                self._threads.append(t)
+            t.start()
+            k += 1
+
+    def _serve(self, k: int, name: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.device is not None:
+            torch.cuda.set_device(self.device)  # per thread
+        store = dist.PrefixStore(f"actor{k}", self._connect())  # keys "actor<k>/<key>"
+        try:
+            group = pair_group(store, 0, self.backend, JOIN_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - that actor never completed its join; the others go on
+            log.warning("weights: actor %d (%s) did not complete its join: %s", k, name, e)
+            return
+        self.actors[k] = name
+        log.info("weights: actor %d (%s) joined the nccl sender", k, name)
+        n = 0
+        try:
+            while True:
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    self._next_req[k] = n
+                # Blocks until the actor asks (or close() marks stop); an actor silent for idle_s
+                # is dropped and joins again when it next asks.
+                if not store_wait(store, f"req{n}", self.idle_s):
+                    raise TimeoutError(f"no request for {self.idle_s:.0f} s")
+                req = store.get(f"req{n}").decode()
+                if req == "stop":
+                    return
+                version = int(req)
+                buf = self.pub.take(version)
+                if buf is None:
+                    store.set(f"ack{n}", f"version {version} is no longer held (superseded over "
+                                         f"{self.pub.hold_s:.0f} s ago or overwritten); the next one will be")
+                else:
+                    try:
+                        store.set(f"ack{n}", "ok")
+                        group.send([buf.data], 1, n).wait(timedelta_s(self.timeout_s))
+                    finally:
+                        self.pub.release(buf)
+                n += 1
+        except Exception as e:  # noqa: BLE001 - that actor is dropped; it joins again for its next version
+            log.warning("weights: actor %d (%s) dropped from the nccl sender: %s", k, name, e)
+        finally:
+            self.actors.pop(k, None)
+            with self._lock:
+                self._next_req.pop(k, None)
+
+
+def timedelta_s(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+class Nccl(Transport):
+    kind = "nccl"
+    gpu = True
+    source_type = NcclSource
+
+    def sender(self, settings, device) -> NcclSender:
+        return NcclSender(IpcPublisher(settings.hold_s, settings.max_buffers), settings.address,
+                          "nccl" if device.type == "cuda" else "gloo", timeout_s=settings.hold_s)
+
+    def announcement(self, source: NcclSource, **common) -> WeightVersion:
+        return WeightVersion(transport=self.kind, location=f"nccl://{source.address}", nccl=source, **common)
+
+    def source(self, wv: WeightVersion) -> NcclSource | None:
+        return wv.nccl
+
+    def receive(self, wv: WeightVersion, state: dict):
+        import os
+
+        import torch
+
+        if "nccl" not in state:  # one receiver per worker: its group is kept while it works
+            state["nccl"] = Receiver(f"{os.uname().nodename}-{os.getpid()}")
+        device = torch.device("cuda", torch.cuda.current_device()) if wv.nccl.backend == "nccl" else torch.device("cpu")
+        try:
+            return state["nccl"].fetch(wv.nccl, wv.version, device)
+        except (RuntimeError, TimeoutError) as e:  # the learner is gone or the transfer broke: rejoin next time
+            return [], f"receiving from {wv.nccl.address} failed: {e}"

@@ -1,0 +1,101 @@
+"""The `shared_dir` weight transport: a version's files hard-linked (or copied) into
+<dir>/<run>/<fresh name> on a file system every actor reads, verified in place by the actors.
+`dir` is [learner.weights] dir on both sides; an announced location must resolve under it.
+Registered in weights.registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+from protocol import topology
+from protocol.messages import WeightVersion
+from weights.common import (
+    MODEL_FILE,
+    VERSION_DIR,
+    Transport,
+    WeightVerifyError,
+    file_digest,
+    old_versions,
+    plain_name,
+    verify_file,
+)
+from weights.config import SharedDirWeights
+
+
+def shared_root(shared_dir: str | Path, run: str) -> Path:
+    """The absolute directory that holds run `run`'s shared_dir versions."""
+    return Path(shared_dir).expanduser().resolve() / topology.check_run(run)
+
+
+def resolve_location(wv: WeightVersion, shared_dir: str | Path | None, run: str) -> Path:
+    """The directory a shared_dir announcement names, resolved under the configured root; anything
+    that resolves elsewhere (an absolute path outside it, `..`, a symlink out) is refused."""
+    if not shared_dir:
+        raise WeightVerifyError(
+            f"version {wv.version} is on the shared_dir transport ({wv.location!r}) but this process has no shared "
+            "directory configured; set [learner.weights] kind = \"shared_dir\" and dir to the directory the "
+            "learner publishes into"
+        )
+    root = shared_root(shared_dir, run)
+    where = (root / wv.location).resolve()  # an absolute location replaces root here, and is checked the same
+    if where == root or not where.is_relative_to(root):
+        raise WeightVerifyError(
+            f"version {wv.version}: location {wv.location!r} resolves to {where}, outside the shared directory {root}; "
+            "refused (is [learner.weights] dir the same for learner and actors?)"
+        )
+    return where
+
+
+def _dir(settings) -> str:
+    # Only a shared_dir configuration names a directory that announcements may point into.
+    return settings.dir if isinstance(settings, SharedDirWeights) else ""
+
+
+class SharedDir(Transport):
+    kind = "shared_dir"
+
+    async def upload(self, js, run, prefix, state_dir, extras, settings):
+        target = shared_root(_dir(settings), run) / prefix
+        sha, size = await asyncio.to_thread(file_digest, state_dir / MODEL_FILE)
+        await asyncio.to_thread(_place_dir, state_dir, target)
+        return str(target), sha, size, extras
+
+    async def prune(self, js, run, settings, keep, current, protect):
+        root = shared_root(_dir(settings), run)
+        dirs = [d for d in root.iterdir() if d.is_dir()]
+        old = old_versions([VERSION_DIR.match(d.name) for d in dirs], keep, current, protect)
+        for d in dirs:
+            m = VERSION_DIR.match(d.name)
+            if m and int(m.group(1)) in old:
+                shutil.rmtree(d, ignore_errors=True)
+
+    async def fetch(self, js, run, wv, dest, settings, rehash):
+        """Nothing is copied: the version directory, which must resolve under dir/<run>, is hashed in
+        place and returned."""
+        src = resolve_location(wv, _dir(settings), run)
+        for name in [MODEL_FILE, *(plain_name(wv, f) for f in wv.files)]:
+            if not (src / name).is_file():
+                raise WeightVerifyError(f"version {wv.version}: {src / name} is missing (pruned or not shared?)")
+        await asyncio.to_thread(verify_file, src / MODEL_FILE, wv)
+        return src
+
+
+def _place_dir(src: Path, target: Path) -> None:
+    """Copy (hard-link when on the same file system) src's files to target, atomically by rename."""
+    if src.resolve() == target.resolve():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for p in src.iterdir():
+        if p.is_file():
+            try:
+                os.link(p, tmp / p.name)  # the learner never rewrites a published file, so sharing the inode is safe
+            except OSError:
+                shutil.copyfile(p, tmp / p.name)
+    tmp.rename(target)  # a fresh name (fresh_prefix): nothing there to replace
