@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 from engines.backend import Backend, BackendError
-from actors.config import SimConfig
+from config.actor import SimConfig
 from protocol import codec, topology
 from protocol.messages import ChatMessage, SimReply, SimRequest
 

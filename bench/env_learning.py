@@ -40,7 +40,7 @@ METRIC = "goal_match"
 def preset_defaults() -> dict:
     """The argument defaults: the settings of hidden_goal's preset (what `parley up --env hidden_goal`
     trains), read from the config they resolve to, so the two cannot drift apart."""
-    from deploy.config import default_config_path, load_config
+    from config.run import default_config_path, load_config
     from environments.hidden_goal import PRESET
 
     cfg = load_config(default_config_path(), [f"env.name={json.dumps(ENV)}", *PRESET])
@@ -138,7 +138,7 @@ def train(args, seed: int, run_dir: Path) -> float:
 
 
 def data_config(args, seed: int):
-    from learner.config import DataConfig
+    from config.learner import DataConfig
 
     return DataConfig(eval_fraction=args.eval_fraction, split_seed=seed)
 
@@ -152,7 +152,7 @@ async def evaluate(args, seed: int, versions: dict[int, str]) -> list:
     from engines.config import EngineConfig
     from environments import registry
     from evaluation.runner import Condition, EvalServices, EvalSettings, Policy, run_eval
-    from scorer.config import ScorerConfig
+    from config.scorer import ScorerConfig
 
     env = registry.load(ENV, env_options(args, seed))
     _, held = env.tasks.train_eval(data_config(args, seed))

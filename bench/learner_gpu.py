@@ -42,7 +42,7 @@ if str(REPO) not in sys.path:
 
 VARLEN = "parley_varlen"  # learner.attention.VARLEN (kept here so --help imports no torch)
 ATTN_CHOICES = ("sdpa", "varlen")
-REF_CHOICES = ("local", "service")  # learner.config.REFERENCES
+REF_CHOICES = ("local", "service")  # config.learner.REFERENCES
 GiB = 2**30
 
 
@@ -441,7 +441,7 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     and step)."""
     import torch
 
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.trainer import Trainer
     from learner.packing import build_batch, pack_by_tokens, shard_by_tokens
     from learner.logprobs import token_logprobs

@@ -69,10 +69,10 @@ def scored_samples(tok, run: str, groups: int, n: int, tokens: int):
 async def gaps(args, work: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from deploy.config import RunConfig
+    from config.run import RunConfig
     from deploy.natsserver import NatsServer
     from engines.models import ensure_model
-    from learner.config import LearnerConfig, RolloutConfig
+    from config.learner import LearnerConfig, RolloutConfig
     from learner.ranks import Driver
     from learner.service import Learner
     from learner.trainer import Trainer

@@ -39,7 +39,7 @@ def main() -> int:
     from bench.learner_gpu import draw_samples
     from engines.models import build_tiny, ensure_model
     from engines.reference import ReferenceModel
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.trainer import Trainer
 
     model_dir = build_tiny(Path(tempfile.mkdtemp(prefix="parley_refbench_")) / "tiny") if args.model == "tiny" \

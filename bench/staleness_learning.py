@@ -72,7 +72,7 @@ def one_run(model_dir: Path, staleness: int, policy: str, seed: int, args) -> di
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.grpo import group_advantages
     from learner.packing import Sample
     from learner.trainer import Trainer

@@ -218,7 +218,7 @@ def response_window_s(cfg=None) -> float:
     `cfg` (a RunConfig; None = the defaults) gives a requester, plus RESPONSE_SLACK_S. nats-server's own
     default is 2 minutes, shorter than the default timeouts: later replies were refused."""
     if cfg is None:
-        from deploy.config import RunConfig
+        from config.run import RunConfig
 
         cfg = RunConfig()
     # The actor's and the eval's simulator requests, the scorer's, replay's and the eval's judge requests,
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         print(k8s_secret(args.auth_dir, args.name), end="")
         return 0
     if args.cmd == "credentials":
-        from deploy.config import ConfigError, load_config
+        from config.run import ConfigError, load_config
 
         try:
             cfg = load_config(args.config, args.sets)
@@ -373,7 +373,7 @@ def _topology(config: str | None, sets: list[str], wait: float) -> int:
 
     from nats.js.errors import APIError
 
-    from deploy.config import ConfigError, load_config
+    from config.run import ConfigError, load_config
     from protocol.connect import NatsUnreachable, connect
 
     # Same environment overrides as the role commands' --nats / --run options.

@@ -117,7 +117,7 @@ def replay_cmd(
 ) -> None:
     """Without --judge nothing is generated or judged: BLEU is recomputed from each stored document,
     interactivity and token counts are reused, and the reward column applies the weights."""
-    from scorer.config import SCORING_VARIANTS
+    from config.scorer import SCORING_VARIANTS
 
     extra = [_weight_override(weights)] if weights else []
     if scoring is not None:
@@ -234,7 +234,7 @@ def eval_cmd(
     """Every condition plays the same items from scratch (the simulated user speaks first) with the same
     simulator seeds; each conversation is judged, stored in records.parquet (and on the run's EVAL stream
     with --services nats), and the table with paired statistics is printed and written."""
-    from actors.config import SIM_PROMPTS
+    from config.actor import SIM_PROMPTS
 
     cfg = resolve(config, sets, nats=nats, run=run)
     if services not in ("local", "nats", "fleet"):
@@ -420,7 +420,7 @@ async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, 
     """--services fleet: one condition after another, each through its own actor and scorer."""
     import logging
 
-    from deploy.config import dump_config
+    from config.run import dump_config
     from evaluation.fleet import FleetSettings, play_condition_fleet
     from evaluation.runner import NotScored, make_tasks
 

@@ -17,7 +17,7 @@ import logging
 import time
 from pathlib import Path
 
-from deploy.config import RunConfig, dump_config
+from config.run import RunConfig, dump_config
 from engines.engine import CPU_ENGINES_ENV
 from protocol.backlog import WARN_SHARE
 from runtime.supervisor import Supervisor

@@ -131,7 +131,7 @@ def read_unscored(out: str | Path) -> list[NotScored]:
 
 def eval_items(data, items_path: str | None, env: Environment | None = None) -> tuple[list, list]:
     """(training items, eval items) for the leakage guard and the run: the environment's train/eval
-    split of [data] (a learner.config.DataConfig); for CollabLLM medium also an explicit items file
+    split of [data] (a config.learner.DataConfig); for CollabLLM medium also an explicit items file
     against the training data."""
     from environments import collabllm
 
@@ -249,7 +249,7 @@ class EvalServices:
     open_policy: Callable[[str], Awaitable[Policy]]  # model name or checkpoint dir -> Policy
     sim: SimLike
     judge: Any  # scorer.score.Judge; None when the environment's reward asks no judge operation
-    scorer_cfg: Any  # scorer.config.ScorerConfig: the BLEU variant (weights only feed Scored.total)
+    scorer_cfg: Any  # config.scorer.ScorerConfig: the BLEU variant (weights only feed Scored.total)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The run's environment (its [env]); None: CollabLLM medium, scored as scorer_cfg says
     env: Environment | None = None

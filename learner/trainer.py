@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from learner import attention, grpo
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
 from learner.weights_io import IpcPublisher, NcclSender, WeightSnapshot, hf_tensors, hf_weights, write_weights

@@ -21,7 +21,7 @@ import msgspec
 
 from protocol import topology
 from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
-from scorer.config import JudgeConfig
+from config.scorer import JudgeConfig
 from rewards.metrics import (
     INTERACTIVITY_3LEVEL,
     INTERACTIVITY_KEYS,

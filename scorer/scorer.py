@@ -21,7 +21,7 @@ import msgspec
 from protocol import bus, status, topology
 from environments.base import Reward
 from protocol.messages import Heartbeat, Trajectory
-from scorer.config import ScorerConfig
+from config.scorer import ScorerConfig
 from scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
 from scorer.score import Judge, JudgeFailed, JudgeUnavailable, Unscorable, _all, score_trajectory
 

@@ -29,7 +29,7 @@ def step_samples():
 def main(model_dir: str, zero: int, out: str) -> None:
     import torch
 
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.trainer import Trainer
 
     cfg = LearnerConfig(model=model_dir, zero_stage=zero, lr=1e-3, kl_coef=0.0, micro_batch_tokens=64,

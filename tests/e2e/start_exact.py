@@ -50,7 +50,7 @@ def start_figures(model_dir, zero: int, dtype_name: str, lengths=LENGTHS) -> dic
     policy to reference as the step reports it, and whether lm_head is still the embedding."""
     import torch
 
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.grpo import kl_k3
     from learner.logprobs import token_logprobs
     from learner.packing import build_batch

@@ -80,7 +80,7 @@ def test_trainer_packs_what_it_would_save(tiny_model, zero_stage):
     tensors save_weights writes, and the announced checksums are those of the buffer."""
     import torch
 
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.trainer import Trainer
     from protocol import cuda_ipc
 

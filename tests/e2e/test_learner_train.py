@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from learner.packing import Sample
 from learner.trainer import Trainer
 from learner.grpo import group_advantages

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from learner.packing import Sample, build_batch, pack_by_tokens
 from protocol import arrays, examples
 from protocol.connect import connect
@@ -200,7 +200,7 @@ class JudgeDouble:  # test double: every verdict valid, no model
 
 async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc, js, nats_server, tiny_model):
     from protocol import bus, codec, topology
-    from scorer.config import ScorerConfig
+    from config.scorer import ScorerConfig
     from scorer.reference import ReferenceClient
     from scorer.scorer import Scorer
 

@@ -15,7 +15,7 @@ import pytest
 
 from engines.backend import OpenAIBackend, make_backend
 from engines.config import EngineConfig
-from actors.config import SimConfig
+from config.actor import SimConfig
 from actors.sim import FALLBACK_MESSAGE, SIM_SCHEMA, Simulator
 from protocol import codec, topology
 from protocol.messages import ChatMessage, SimRequest

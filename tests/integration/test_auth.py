@@ -339,7 +339,7 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
 
 async def test_services_may_answer_for_as_long_as_the_config_lets_requesters_wait(tmp_path, caplog):
     from deploy.auth import response_window_s
-    from deploy.config import load_config
+    from config.run import load_config
 
     cfg = load_config(None, ["actor.sim_timeout_s=400", "scorer.judge_timeout_s=30"])
     assert response_window_s(cfg) >= 400

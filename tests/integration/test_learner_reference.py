@@ -43,8 +43,8 @@ class RecordingTrainerDouble(TrainerDouble):  # test double: keeps the samples o
 
 
 async def test_scored_with_bad_reference_logprobs_is_dead_lettered(js, nc, toy, tmp_path):
-    from deploy.config import RunConfig
-    from learner.config import LearnerConfig, RolloutConfig
+    from config.run import RunConfig
+    from config.learner import LearnerConfig, RolloutConfig
     from learner.service import Learner
 
     model_path, tok, model = toy

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from learner.weights_io import IpcPublisher, NcclSender
 from protocol.nccl import Receiver, parse_address
 

@@ -16,7 +16,7 @@ import pytest
 
 from actors.rollout import SimClient, SimUnreachable
 from deploy.auth import generate_credentials, response_window_s, server_auth_conf
-from deploy.config import load_config
+from config.run import load_config
 from deploy.natsserver import NatsServer
 from engines.service import Service
 from protocol import codec, topology

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench import env_learning
-from deploy.config import ConfigError, check_training, default_config_path, load_config
+from config.run import ConfigError, check_training, default_config_path, load_config
 
 
 def test_the_benchmarks_overrides_are_a_run_that_trains_at_its_temperature():

@@ -25,7 +25,7 @@ CASES = [
     (["judge", "--set", "judge.temperature=-1"], ["temperature=-1", "$.judge", ">= 0"]),
     (["actor", "--set", "actor.engine.dtype=int8"], ["dtype='int8'", "$.actor.engine", "float32", "bfloat16"]),
     (["actor", "--set", "rollout.n=1"], ["n=1", "$.rollout", ">= 2"]),
-    # a run that trains recomputes the distribution it sampled from (deploy.config.check_training)
+    # a run that trains recomputes the distribution it sampled from (config.run.check_training)
     (["learner", "--set", "actor.temperature=0"], ["actor.temperature=0", "temperature > 0", "greedy"]),
     (["up", "--set", "actor.top_p=0.9"], ["actor.top_p=0.9", "top_p = 1.0", "actor.temperature"]),
     (["learner", "--set", "actor.temperature=0.7", "--set", "learner.reference=service"],

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.config import ConfigError, RunConfig, convert_config, dump_config, load_config
+from config.run import ConfigError, RunConfig, convert_config, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.config import ConfigError, convert_config, dump_config, load_config
+from config.run import ConfigError, convert_config, dump_config, load_config
 
 TINY = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "tiny.toml"
 

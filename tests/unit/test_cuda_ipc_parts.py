@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from learner.weights_io import IpcPublisher
 from protocol import codec, cuda_ipc, weights
 from protocol.messages import CudaIpcBuffer, WeightVersion

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from deploy.auth import K8S_SECRET, ROLES, generate_credentials, k8s_secret
-from deploy.config import convert_config, load_config
+from config.run import convert_config, load_config
 from deploy.natsserver import server_binary
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

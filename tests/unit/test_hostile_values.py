@@ -11,7 +11,7 @@ import pytest
 
 from actors.follow import MAX_WEIGHT_BYTES, announcement_problem
 from actors.rollout import check_task_limits
-from learner.config import RolloutConfig
+from config.learner import RolloutConfig
 from learner.groups import BadTrajectory, Grouper, check_hostile_values, check_trajectory
 from protocol import arrays, examples
 from protocol.bus import Poison

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("actors", "scorer", "learner")
-NEUTRAL = ("engines", "tasks", "rewards", "runtime", "evaluation", "environments")
+NEUTRAL = ("config", "engines", "tasks", "rewards", "runtime", "evaluation", "environments")
 OURS = (*ROLES, *NEUTRAL, "protocol", "deploy")
 
 # evaluation/ plays and scores conversations the way the roles do: these role modules are the

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from deploy.config import RunConfig
+from config.run import RunConfig
 from learner import checkpoint as ckpt
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from evaluation.periodic import PeriodicEval, eval_argv, evaluated, model_dir
 from evaluation.evallog import write_parquet
 from tests.unit.test_select import version_records

@@ -75,7 +75,7 @@ def test_a_batch_gathers_the_reference_of_its_trained_tokens():
 
 def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
     from deploy.auth import role_permissions
-    from deploy.config import load_config
+    from config.run import load_config
     from deploy.up import plan_children, ready_children
     from protocol import topology
     from protocol.messages import Heartbeat
@@ -95,7 +95,7 @@ def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
 
 
 def test_an_evals_scorer_asks_no_reference_service(tmp_path):
-    from deploy.config import load_config
+    from config.run import load_config
     from evaluation.fleet import scorer_args
 
     path = tmp_path / "run.toml"

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import msgspec
 
-from actors.config import ActorConfig, SimConfig
+from config.actor import ActorConfig, SimConfig
 from environments import collabllm
 from environments.base import Environment, ProgrammaticUser
-from environments.config import EnvConfig
-from learner.config import DataConfig, LearnerConfig, RolloutConfig
+from config.env import EnvConfig
+from config.learner import DataConfig, LearnerConfig, RolloutConfig
 from protocol.topology import RUN_NAME, BusSettings
 from runtime.toml import to_toml
-from scorer.config import JudgeConfig, ScorerConfig
+from config.scorer import JudgeConfig, ScorerConfig
 
 
 class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -29,7 +29,7 @@ class ActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     concurrency: int = 8  # conversations in flight
-    temperature: float = 1.0  # behaviour policy; training needs > 0 and top_p = 1 (deploy.config.check_training)
+    temperature: float = 1.0  # behaviour policy; training needs > 0 and top_p = 1 (config.run.check_training)
     top_p: float = 1.0
     sim_timeout_s: float = 180.0  # one simulator request
     # While the simulator is unreachable a conversation waits for it (the task held, its deliveries
