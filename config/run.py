@@ -1,37 +1,44 @@
 """The run configuration: one TOML file with a section per role, decoded into typed Structs.
 
-Every role command calls `load_config(path, overrides)`. Unknown keys are rejected with their
-path, bad values fail here (before any work) with a one-line error naming the field and fix.
-Overrides are dotted `section.key=value` strings (values parsed as TOML, else taken as text).
+Every `parley` command calls `load_config(path, overrides)`; each role's entry takes the RunConfig
+and reads its own sections and the shared ones ([run], [env], [nats], [bus], [policy]). Unknown
+keys are rejected with their path, bad values fail here (before any work) with one line naming the
+key, the value, what is allowed and the fix. Keys of earlier releases (RENAMED) are read under their
+new names. Overrides are dotted `section.key=value` strings (values parsed as TOML, else text).
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import tomllib
+from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Annotated, Any
 
 import msgspec
+import msgspec.inspect as mi
 
 from config.actor import ActorConfig, SimConfig
-from environments import collabllm
-from environments.base import Environment, ProgrammaticUser
 from config.env import EnvConfig
 from config.learner import DataConfig, LearnerConfig, RolloutConfig
+from config.policy import PolicySection
+from config.scorer import JudgeConfig, ScorerConfig
+from environments import collabllm
+from environments.base import Environment, ProgrammaticUser
 from protocol.topology import RUN_NAME, BusSettings
 from runtime.toml import to_toml
-from config.scorer import JudgeConfig, ScorerConfig
+
+log = logging.getLogger("parley.config")
 
 
 class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[run]: identity and where files go."""
 
-    name: str = "local"  # run name: prefixes every subject, stream and bucket
+    # run name: prefixes every subject, stream and bucket
+    name: Annotated[str, msgspec.Meta(pattern=RUN_NAME.pattern, description="use 1-64 of A-Z a-z 0-9 _ -")] = "local"
     dir: str = ""  # run directory; "" = runs/<name>
-
-    def __post_init__(self) -> None:
-        if not RUN_NAME.match(self.name):
-            raise ValueError(f"name={self.name!r} not allowed; use 1-64 of A-Z a-z 0-9 _ -")
 
 
 class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -54,6 +61,7 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     run: RunSection = msgspec.field(default_factory=RunSection)
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    policy: PolicySection = msgspec.field(default_factory=PolicySection)
     nats: NatsSection = msgspec.field(default_factory=NatsSection)
     bus: BusSettings = msgspec.field(default_factory=BusSettings)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
@@ -70,6 +78,11 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             resolve_environment(self)
         except LookupError as e:  # an unknown or doubly registered name: a config error like any other
             raise ValueError(str(e)) from None
+        if self.policy.reference == "service" and self.learner.kl_coef <= 0:
+            raise ValueError(
+                f"policy.reference='service' with learner.kl_coef={self.learner.kl_coef}: without a KL term no "
+                "reference is used; set learner.kl_coef > 0 or policy.reference = \"local\""
+            )
 
     @property
     def run_dir(self) -> Path:
@@ -125,6 +138,48 @@ class ConfigError(ValueError):
     """A bad config file or override; the message is one line naming the field."""
 
 
+# Keys of earlier releases -> where they live now. A file or --set that uses one still loads: the
+# key is moved once, here, before decoding (a warning names the new key); giving both is an error.
+RENAMED: dict[str, str] = {
+    "learner.model": "policy.model",
+    "learner.reference": "policy.reference",
+    "actor.temperature": "actor.sampling.temperature",
+    "actor.top_p": "actor.sampling.top_p",
+    **{f"{s}.engine.chat_template_kwargs": f"{s}.engine.template_kwargs" for s in ("actor", "sim", "judge")},
+}
+
+
+def renamed_key(key: str) -> str:
+    """`key` (dotted, maybe below a renamed key) under its current name."""
+    for old, new in RENAMED.items():
+        if key == old or key.startswith(old + "."):
+            return new + key[len(old):]
+    return key
+
+
+def translate(data: dict, source: str = "<config>") -> dict:
+    """Move every old key of `data` (a decoded TOML document) to its new name, in place."""
+    for old, new in RENAMED.items():
+        *old_parents, old_leaf = old.split(".")
+        node = data
+        for p in old_parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or old_leaf not in node:
+            continue
+        *new_parents, new_leaf = new.split(".")
+        target = data
+        for p in new_parents:
+            target = target.setdefault(p, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{source}: {'.'.join(new_parents)} must be a section (it holds {new}, "
+                                  f"the new name of {old})")
+        if new_leaf in target:
+            raise ConfigError(f"{source}: both {old} and {new} are set; {old} is the old name of {new}: keep only {new}")
+        target[new_leaf] = node.pop(old_leaf)
+        log.warning("%s: %s is now %s; read as such (rename it in the file)", source, old, new)
+    return data
+
+
 def _parse_value(text: str):
     try:
         return tomllib.loads(f"v = {text}")["v"]
@@ -136,7 +191,10 @@ def apply_override(data: dict, override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like section.key=value")
     key, _, text = override.partition("=")
-    parts = key.strip().split(".")
+    new = renamed_key(key.strip())
+    if new != key.strip():
+        log.warning("--set %s: %s is now %s; read as such", override, key.strip(), new)
+    parts = new.split(".")
     node = data
     for p in parts[:-1]:
         node = node.setdefault(p, {})
@@ -158,6 +216,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    translate(data, str(path))
     for o in overrides or []:
         apply_override(data, o)
     return convert_config(data, source=str(path))
@@ -165,9 +224,82 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def convert_config(data: dict, source: str = "<config>") -> RunConfig:
     try:
-        return msgspec.convert(data, RunConfig)
+        return msgspec.convert(translate(data, source), RunConfig)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(explain(e, data, source)) from None
+
+
+_STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\[\.\.\.\]")
+_BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+
+
+@cache
+def _run_type() -> mi.Type:
+    return mi.type_info(RunConfig)
+
+
+def explain(e: msgspec.ValidationError, data: dict, source: str) -> str:
+    """msgspec's message ("Expected `int` >= 2 - at `$.rollout.n`") as one line that also gives the
+    value, the whole allowed range and the field's hint: "FILE: rollout.n = 1: expected an int >= 2
+    and <= 1024 (GRPO needs a group)". Errors raised by a section's own checks pass unchanged."""
+    text, sep, at = str(e).rpartition(" - at `")
+    if not sep:
+        return f"{source}: {e}"
+    steps = [m.group(1) if m.group(1) is not None else (int(m.group(2)) if m.group(2) else None)
+             for m in _STEP.finditer(at.rstrip("`"))]
+    key = ".".join(str(s) if isinstance(s, str) else f"[{'...' if s is None else s}]" for s in steps)
+    key = key.replace(".[", "[")
+    if text.startswith("Object contains unknown field"):
+        field = text.split("`")[1]
+        return f"{source}: {key + '.' if key else ''}{field}: unknown key ([{key or 'the top level'}] has no {field!r})"
+    if not (text.startswith("Expected") or text.startswith("Invalid enum value")):
+        return f"{source}: {e}"  # a section's __post_init__ said what is wrong, and how to fix it
+    value, found = data, True
+    for s in steps:
+        try:
+            value = value[s]
+        except (KeyError, IndexError, TypeError):
+            found = False
+            break
+    typ, hint = _run_type(), ""
+    for s in steps:
+        typ, hint = _unwrap(typ, hint)
+        if isinstance(typ, mi.StructType) and isinstance(s, str):
+            typ = next((f.type for f in typ.fields if f.encode_name == s), None)
+        elif isinstance(typ, mi.DictType):
+            typ = typ.value_type
+        elif isinstance(typ, (mi.ListType, mi.TupleType)):
+            typ = typ.item_type if isinstance(typ, mi.ListType) else None
+        else:
+            typ = None
+        hint = ""
+    typ, hint = _unwrap(typ, hint)
+    allowed = _allowed(typ)
+    head = f"{source}: {key} = {value!r}" if found else f"{source}: {key}"
+    got = text.split(", got ", 1)[1] if ", got " in text else ""
+    what = f"expected {allowed}" if allowed else text[0].lower() + text[1:]
+    if got and allowed:
+        what += f", got {got}"
+    return f"{head}: {what}" + (f" ({hint})" if hint else "")
+
+
+def _unwrap(typ: Any, hint: str) -> tuple[Any, str]:
+    if isinstance(typ, mi.Metadata):
+        return typ.type, (typ.extra_json_schema or {}).get("description", hint)
+    return typ, hint
+
+
+def _allowed(typ: Any) -> str:
+    """What a value of `typ` may be, in words; "" when it says no more than its type."""
+    if isinstance(typ, mi.LiteralType):
+        return "one of " + ", ".join(map(repr, typ.values))
+    if isinstance(typ, (mi.IntType, mi.FloatType)):
+        name = "an int" if isinstance(typ, mi.IntType) else "a float"
+        bounds = [f"{op} {getattr(typ, k)}" for k, op in _BOUNDS if getattr(typ, k) is not None]
+        return " ".join([name, " and ".join(bounds)]) if bounds else f"`{'int' if name == 'an int' else 'float'}`"
+    if isinstance(typ, mi.StrType) and typ.pattern:
+        return f"a str matching {typ.pattern!r}"
+    return ""
 
 
 def check_training(cfg: RunConfig) -> None:
@@ -182,23 +314,25 @@ def check_training(cfg: RunConfig) -> None:
     is loaded: an eval (whose actors sample at the eval's temperature, evaluation/fleet.py) trains
     nothing and may sample as it likes.
     """
-    a = cfg.actor
+    a = cfg.actor.sampling
     if not (0.0 < a.temperature < float("inf")):
         raise ConfigError(
-            f"actor.temperature={a.temperature}: training needs a temperature > 0 (at 0 the policy is greedy and "
-            "no sampled token has a log-prob to train); set actor.temperature to 1.0 (the default) or e.g. 0.7"
+            f"actor.sampling.temperature={a.temperature}: training needs a temperature > 0 (at 0 the policy is "
+            "greedy and no sampled token has a log-prob to train); set actor.sampling.temperature to 1.0 (the "
+            "default) or e.g. 0.7"
         )
     if a.top_p != 1.0:
         raise ConfigError(
-            f"actor.top_p={a.top_p}: training needs top_p = 1.0 (the learner recomputes softmax(logits / "
-            "temperature), not a top-p cut, so the PPO ratio would be wrong); set actor.top_p=1.0 and lower "
-            "actor.temperature instead (an eval, which trains nothing, may sample with top-p)"
+            f"actor.sampling.top_p={a.top_p}: training needs top_p = 1.0 (the learner recomputes softmax(logits / "
+            "temperature), not a top-p cut, so the PPO ratio would be wrong); set actor.sampling.top_p=1.0 and lower "
+            "actor.sampling.temperature instead (an eval, which trains nothing, may sample with top-p)"
         )
-    if a.temperature != 1.0 and cfg.learner.kl_coef > 0 and cfg.learner.reference == "service":
+    if a.temperature != 1.0 and cfg.learner.kl_coef > 0 and cfg.policy.reference == "service":
         raise ConfigError(
-            f"actor.temperature={a.temperature} with learner.reference='service': the reference service answers "
-            "log-probs of the raw model, the policy's are at the actor's temperature; set learner.reference='local' "
-            "(the learner's own reference is taken at each sample's temperature), kl_coef=0 or temperature=1.0"
+            f"actor.sampling.temperature={a.temperature} with policy.reference='service': the reference service "
+            "answers log-probs of the raw model, the policy's are at the actor's temperature; set "
+            "policy.reference='local' (the learner's own reference is taken at each sample's temperature), "
+            "learner.kl_coef=0 or actor.sampling.temperature=1.0"
         )
 
 

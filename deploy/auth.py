@@ -144,7 +144,7 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
     elif role == "scorer":
         publish += [topology.subject(run, "scored"), *_consume(run, "traj")]
         publish += [topology.judge_subject(op) for op in topology.JUDGE_OPS]
-        publish += [topology.REFERENCE_SUBJECT]  # [learner] reference = "service": one request per trajectory
+        publish += [topology.REFERENCE_SUBJECT]  # [policy] reference = "service": one request per trajectory
     elif role == "learner":
         publish += [topology.subject(run, "tasks"), *_consume(run, "scored")]
         publish += [*_read_weights(run), *_write_weights(run)]

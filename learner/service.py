@@ -38,6 +38,7 @@ from learner.groups import (
     check_trajectory,
 )
 from learner.steplog import StepLog
+from config.run import RunConfig
 from protocol import arrays, backlog, codec, dead, status, topology
 from protocol.bus import COUNTERS, UNREACHABLE, Poison, PullWorker, dead_letter, retry_unreachable
 from protocol.messages import Heartbeat
@@ -51,7 +52,7 @@ class LearnerStateError(RuntimeError):
 
 
 class Learner:
-    def __init__(self, cfg, js, nc, driver, *, model_dir, resume: bool, steps: int, eval_launch=None):
+    def __init__(self, cfg: RunConfig, js, nc, driver, *, model_dir, resume: bool, steps: int, eval_launch=None):
         self.cfg, self.lc, self.js, self.nc, self.driver = cfg, cfg.learner, js, nc, driver
         self.run_name, self.run_dir, self.steps = cfg.run.name, cfg.run_dir, steps
         self.model_dir = model_dir
@@ -209,7 +210,7 @@ class Learner:
         """PullWorker handler: buffer the sample; its ack waits for the next ledger write."""
         try:
             check_trajectory(scored.trajectory)
-            check_hostile_values(scored, self.vocab_size, self.max_positions, reference=self.lc.reference == "service")
+            check_hostile_values(scored, self.vocab_size, self.max_positions, reference=self.cfg.policy.reference == "service")
             result = self.grouper.add(scored)
         except BadTrajectory as e:
             raise Poison(str(e)) from None
@@ -412,7 +413,7 @@ class Learner:
                 traj = s.trajectory
                 out.append(Sample(s.traj_id, arrays.token_ids(traj), arrays.loss_mask(traj), behaviour_logprobs(traj),
                                   float(adv[gi, si]),
-                                  ref=arrays.ref_logprobs(s) if self.lc.reference == "service" else None,
+                                  ref=arrays.ref_logprobs(s) if self.cfg.policy.reference == "service" else None,
                                   temperature=traj.temperature))
         return out
 
@@ -578,7 +579,7 @@ def policy_limits(model_dir) -> tuple[int, int | None]:
     return size, positions if isinstance(positions, int) and positions > 0 else None
 
 
-async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
+async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
     """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps."""
     from engines.models import ensure_model
     from learner.ranks import Driver
@@ -591,8 +592,8 @@ async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
     driver = None
     try:
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)
-        model_dir = await asyncio.to_thread(ensure_model, cfg.learner.model)
-        trainer = await asyncio.to_thread(Trainer, cfg.learner, model_dir)
+        model_dir = await asyncio.to_thread(ensure_model, cfg.policy.model)
+        trainer = await asyncio.to_thread(Trainer, cfg.learner, model_dir, reference=cfg.policy.reference)
         driver = Driver(trainer)
         try:
             learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
@@ -607,16 +608,16 @@ async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
             await nc.drain()
 
 
-def follower(cfg) -> None:
+def follower(cfg: RunConfig) -> None:
     """Ranks > 0 under the deepspeed launcher / torchrun: build the same trainer, replay rank 0's calls."""
     from engines.models import ensure_model
     from learner.trainer import Trainer
     from learner.ranks import follow
 
-    follow(Trainer(cfg.learner, ensure_model(cfg.learner.model)))
+    follow(Trainer(cfg.learner, ensure_model(cfg.policy.model), reference=cfg.policy.reference))
 
 
-def check_leakage(cfg) -> str | None:
+def check_leakage(cfg: RunConfig) -> str | None:
     """Refuse, before any work, to train on reference targets the eval split also scores against:
     the reason as one line, or None when the split is clean (or the overlap is allowed and recorded)."""
     from evaluation.leakage import LeakageError, guard_environment
@@ -630,7 +631,7 @@ def check_leakage(cfg) -> str | None:
     return None
 
 
-def run(cfg, resume: bool, rank: int = 0) -> int:
+def run(cfg: RunConfig, resume: bool, rank: int = 0) -> int:
     """`parley learner`'s entry on every rank: the leakage guard, then rank 0 serves the run and the
     other ranks follow its training calls. Returns the exit code."""
     problem = check_leakage(cfg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import msgspec
 import nats.errors
@@ -27,7 +28,7 @@ JUDGE_QUEUE = "judge"
 # interactivity_expected: the 0..3 rubric, scored as the expected level under the judge's own
 # distribution over each level token (the reply carries that distribution).
 JUDGE_OPS = ("extract", "interactivity", "interactivity_3level", "interactivity_expected")
-# The frozen initial policy's log-probs of a trajectory ([learner] reference = "service"); a request
+# The frozen initial policy's log-probs of a trajectory ([policy] reference = "service"); a request
 # names its model, and a service answers only for the one it holds.
 REFERENCE_SUBJECT = "parley.svc.reference"
 REFERENCE_QUEUE = "reference"
@@ -40,20 +41,12 @@ class BusSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     max_age_s: float = 7 * 24 * 3600.0  # keep messages a week for replay
     max_bytes: int = 1024**3  # per stream; JetStream reserves it on disk up front
-    replicas: int = 1  # 3 on a 3-node cluster
+    replicas: Literal[1, 3, 5] = 1  # 3 on a 3-node cluster
     duplicate_window_s: float = 600.0  # Nats-Msg-Id dedupe horizon
-    ack_wait_s: float = 60.0  # unacked work is redelivered after this
-    max_deliver: int = 5  # then dead-lettered by the consumer
+    ack_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # unacked work is redelivered after this
+    max_deliver: Annotated[int, msgspec.Meta(ge=1)] = 5  # then dead-lettered by the consumer
     max_ack_pending: int = 256  # back-pressure: outstanding messages per consumer
     max_msg_bytes: int = 8 * 1024**2
-
-    def __post_init__(self) -> None:
-        if self.replicas not in (1, 3, 5):
-            raise ValueError(f"replicas={self.replicas} is not allowed; use 1, 3 or 5")
-        if self.max_deliver < 1:
-            raise ValueError(f"max_deliver={self.max_deliver} must be >= 1")
-        if self.ack_wait_s <= 0:
-            raise ValueError(f"ack_wait_s={self.ack_wait_s} must be > 0")
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ def test_trainer_packs_what_it_would_save(tiny_model, zero_stage):
     from learner.trainer import Trainer
     from protocol import cuda_ipc
 
-    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=zero_stage, kl_coef=0.0, transport="cuda_ipc"),
+    trainer = Trainer(LearnerConfig(zero_stage=zero_stage, kl_coef=0.0, transport="cuda_ipc"),
                       tiny_model)
     try:
         expected = trainer.hf_state_dict()

@@ -420,7 +420,7 @@ async def test_tls_with_role_users(tmp_path, monkeypatch):
 
 
 async def test_the_reference_service_answers_the_scorer_and_nobody_else_may_ask_or_serve(secured, caplog):
-    """[learner] reference = "service": the reference user serves topology.REFERENCE_SUBJECT and
+    """[policy] reference = "service": the reference user serves topology.REFERENCE_SUBJECT and
     answers the scorer; an actor may not ask it, and the judge user may not serve it."""
     from protocol.messages import ReferenceReply, ReferenceRequest
 

@@ -72,7 +72,7 @@ def test_schedule_export_files_and_best_model(tmp_path):
 
     # version 0, every 2nd, and the last; the base model by name, later versions as exported checkpoints
     assert [j.version for j in double.jobs] == [0, 2, 4, 5]
-    assert double.jobs[0].model == cfg.learner.model
+    assert double.jobs[0].model == cfg.policy.model
     assert double.jobs[1].model == str(model_dir(run_dir, 2))
     assert all(evaluated(run_dir, v) for v in (0, 2, 4, 5))
     assert not any(evaluated(run_dir, v) for v in (1, 3))
