@@ -20,6 +20,7 @@ from collections import Counter
 from actors.follow import WeightFollower, WeightsBroken
 from actors.rollout import PolicySettings, SimClient, check_task, check_task_limits, run_conversation
 from environments.base import Environment, LocalUser, ProgrammaticUser
+from config.run import RunConfig
 from protocol import bus, status
 from protocol.messages import Heartbeat, Task
 
@@ -41,7 +42,7 @@ class Actor:
     """The task handler around one policy engine. Conversations in flight, over all tasks, are
     bounded by `concurrency` (one semaphore shared by every sample)."""
 
-    def __init__(self, nc, js, cfg, engine, tokenizer, *, ident: str, concurrency: int | None = None,
+    def __init__(self, nc, js, cfg: RunConfig, engine, tokenizer, *, ident: str, concurrency: int | None = None,
                  weights_dir: str | os.PathLike):
         self.nc, self.js, self.cfg = nc, js, cfg
         self.run = cfg.run.name
@@ -54,9 +55,8 @@ class Actor:
                                        base_dir=engine.settings.model, settings=cfg.learner.weights)
         self.policy = PolicySettings(
             max_model_len=cfg.actor.engine.max_model_len,
-            temperature=cfg.actor.temperature,
-            top_p=cfg.actor.top_p,
-            template_kwargs=dict(cfg.actor.engine.chat_template_kwargs),
+            sampling=cfg.actor.sampling,
+            template_kwargs=dict(cfg.actor.engine.template_kwargs),
             model=cfg.actor.engine.model,
             actor=ident,
         )
@@ -177,7 +177,7 @@ def _first_of(eg: BaseExceptionGroup) -> BaseException:
     return flat[0]
 
 
-async def main(stop: asyncio.Event, cfg, ident: str, concurrency: int | None = None) -> int:
+async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, concurrency: int | None = None) -> int:
     """`parley actor`: connect, set up the run's topology, load the policy, serve tasks."""
     from engines.backend import open_engine
     from runtime.role import role_connection
@@ -186,7 +186,7 @@ async def main(stop: asyncio.Event, cfg, ident: str, concurrency: int | None = N
     async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus, topology=True,
                                hello=hello) as (nc, js):
         t0 = time.perf_counter()
-        # the behaviour log-probs are of the distribution sampled at actor.temperature (the learner's too)
+        # the behaviour log-probs are of the distribution sampled at actor.sampling.temperature (the learner's too)
         engine, tokenizer, path = open_engine(cfg.actor.engine, sampled_logprobs=True)  # blocks while vLLM loads
         log.info("%s: policy %s (%s) loaded in %.0fs", ident, cfg.actor.engine.model, path, time.perf_counter() - t0)
         weights_dir = tempfile.mkdtemp(prefix=f"parley-{ident}-weights-")
@@ -199,7 +199,7 @@ async def main(stop: asyncio.Event, cfg, ident: str, concurrency: int | None = N
     return 0
 
 
-def run(cfg, ident: str) -> int:
+def run(cfg: RunConfig, ident: str) -> int:
     """`parley actor`'s entry: play tasks until SIGINT/SIGTERM; returns the exit code."""
     from runtime.process import run_async
 

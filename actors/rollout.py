@@ -33,6 +33,7 @@ from protocol.messages import (
     AssistantTurn,
     ChatMessage,
     FutureRollout,
+    Sampling,
     SimReply,
     SimRequest,
     Task,
@@ -113,8 +114,7 @@ class PolicySettings:
     """How the policy samples and what it may not exceed."""
 
     max_model_len: int
-    temperature: float = 1.0
-    top_p: float = 1.0
+    sampling: Sampling = field(default_factory=Sampling)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     model: str = ""  # recorded in Trajectory.model
     actor: str = ""  # recorded in Trajectory.actor
@@ -146,8 +146,8 @@ class _Player:
         self.n_calls += 1
         t0 = time.perf_counter()
         out = await self.engine.generate(
-            self.chat.prompt_ids, max_tokens=max_tokens, temperature=self.policy.temperature,
-            top_p=self.policy.top_p, seed=derive_seed(self.seed, "policy", self.n_calls),
+            self.chat.prompt_ids, max_tokens=max_tokens, temperature=self.policy.sampling.temperature,
+            top_p=self.policy.sampling.top_p, seed=derive_seed(self.seed, "policy", self.n_calls),
             stop_token_ids=self.chat.end_token_ids,
         )
         self.timings["generate"] += time.perf_counter() - t0
@@ -305,7 +305,7 @@ async def run_conversation(
         model=policy.model,
         actor=policy.actor,
         seed=seed,
-        temperature=policy.temperature,
+        temperature=policy.sampling.temperature,
         timings={**{k: round(v, 4) for k, v in p.timings.items()}, "total": round(time.perf_counter() - t0, 4)},
         created=time.time(),
     )

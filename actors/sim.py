@@ -22,7 +22,8 @@ from pathlib import Path
 import msgspec
 
 from engines.backend import Backend, BackendError
-from actors.config import SimConfig
+from config.actor import SimConfig
+from config.run import RunConfig
 from protocol import codec, topology
 from protocol.messages import ChatMessage, SimReply, SimRequest
 
@@ -186,7 +187,7 @@ class Simulator:
         )
 
 
-async def main(stop: asyncio.Event, cfg, ident: str, default_prompt: str | None = None) -> int:
+async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, default_prompt: str | None = None) -> int:
     """`parley sim`: load the backend, serve until stopped."""
     from engines.service import serve_backend
 
@@ -198,7 +199,7 @@ async def main(stop: asyncio.Event, cfg, ident: str, default_prompt: str | None 
     return await serve_backend(stop, cfg, ident=ident, roles=[("sim", ident)], backend_cfg=cfg.sim, build=build)
 
 
-def run(cfg, ident: str) -> int:
+def run(cfg: RunConfig, ident: str) -> int:
     """`parley sim`'s entry: serve the simulator until SIGINT/SIGTERM; returns the exit code."""
     from runtime.process import run_async
 

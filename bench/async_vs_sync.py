@@ -232,7 +232,7 @@ def simulate(staleness: int, args, workload: Workload, steps: int = 400) -> dict
 
 
 async def one_config(url: str, staleness: int, args, workload: Workload, items) -> dict:
-    from learner.config import RolloutConfig
+    from config.learner import RolloutConfig
     from learner.feeder import Feeder
     from learner.groups import Grouper
     from protocol import topology

@@ -154,10 +154,10 @@ def bus_settings(max_bytes: int):
 
 
 def run_config(run: str, model_dir: Path, bus, actor_slots: int, scorer_slots: int):
-    from actors.config import ActorConfig
+    from config.actor import ActorConfig
     from engines.config import EngineConfig
-    from deploy.config import RunConfig, RunSection
-    from scorer.config import ScorerConfig
+    from config.run import RunConfig, RunSection
+    from config.scorer import ScorerConfig
 
     return RunConfig(
         run=RunSection(name=run), bus=bus,
@@ -172,7 +172,7 @@ async def calibrate(tokenizer, model_dir: Path, target_bytes: int) -> tuple[int,
     (tokens, trajectory bytes, scored bytes, task bytes), encoded exactly as the roles do."""
     from actors.rollout import PolicySettings, run_conversation
     from protocol import codec
-    from scorer.config import ScorerConfig
+    from config.scorer import ScorerConfig
     from scorer.score import score_trajectory
 
     policy = PolicySettings(max_model_len=1 << 22)

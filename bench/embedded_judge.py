@@ -24,7 +24,7 @@ import time
 
 
 async def main() -> None:
-    from deploy.config import load_config
+    from config.run import load_config
     from engines.backend import LocalBackend, open_engine
     from evaluation.runner import LocalJudge
     from protocol.messages import ChatMessage

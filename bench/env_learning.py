@@ -40,7 +40,7 @@ METRIC = "goal_match"
 def preset_defaults() -> dict:
     """The argument defaults: the settings of hidden_goal's preset (what `parley up --env hidden_goal`
     trains), read from the config they resolve to, so the two cannot drift apart."""
-    from deploy.config import default_config_path, load_config
+    from config.run import default_config_path, load_config
     from environments.hidden_goal import PRESET
 
     cfg = load_config(default_config_path(), [f"env.name={json.dumps(ENV)}", *PRESET])
@@ -48,7 +48,7 @@ def preset_defaults() -> dict:
     return {"steps": lc.steps, "n": cfg.rollout.n, "groups_per_step": lc.groups_per_step, "lr": lc.lr,
             "max_tokens": cfg.rollout.max_tokens, "max_new_turns": cfg.rollout.max_new_turns,
             "n_items": options["n_items"], "nudge": options["nudge"], "answer": options["answer"],
-            "kl_coef": lc.kl_coef, "eval_fraction": cfg.data.eval_fraction, "train_temperature": cfg.actor.temperature}
+            "kl_coef": lc.kl_coef, "eval_fraction": cfg.data.eval_fraction, "train_temperature": cfg.actor.sampling.temperature}
 
 
 def parse_args(argv=None):
@@ -69,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-fraction", type=float, help="goals held out ([data] eval_fraction)")
     p.add_argument("--eval-seeds", type=int, default=2, help="conversations per held-out goal and version")
     p.add_argument("--train-temperature", type=float,
-                   help="actor.temperature: the policy samples at it in training, the learner recomputes softmax(logits / T)")
+                   help="actor.sampling.temperature: the policy samples at it in training, the learner recomputes softmax(logits / T)")
     p.add_argument("--temperature", type=float, default=None,
                    help="the eval's sampling temperature (default: --train-temperature, the distribution that was trained)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one seed's `parley up` may take")
@@ -108,10 +108,10 @@ def overrides(args, seed: int) -> list[str]:
         f"learner.groups_per_step={args.groups_per_step}",
         f"learner.lr={args.lr}",
         f"learner.kl_coef={args.kl_coef}",
-        f"actor.temperature={args.train_temperature}",
+        f"actor.sampling.temperature={args.train_temperature}",
         f"learner.checkpoint_every={args.steps}",  # one DeepSpeed checkpoint, after the last step
         f"learner.seed={seed}",
-        f"learner.model={json.dumps(args.model)}",
+        f"policy.model={json.dumps(args.model)}",
         f"actor.engine.model={json.dumps(args.model)}",
         "learner.eval_every=0",  # the held-out eval is this script's, after training
         "learner.keep_versions=2",
@@ -138,7 +138,7 @@ def train(args, seed: int, run_dir: Path) -> float:
 
 
 def data_config(args, seed: int):
-    from learner.config import DataConfig
+    from config.learner import DataConfig
 
     return DataConfig(eval_fraction=args.eval_fraction, split_seed=seed)
 
@@ -152,7 +152,8 @@ async def evaluate(args, seed: int, versions: dict[int, str]) -> list:
     from engines.config import EngineConfig
     from environments import registry
     from evaluation.runner import Condition, EvalServices, EvalSettings, Policy, run_eval
-    from scorer.config import ScorerConfig
+    from config.scorer import ScorerConfig
+    from protocol.messages import Sampling
 
     env = registry.load(ENV, env_options(args, seed))
     _, held = env.tasks.train_eval(data_config(args, seed))
@@ -160,7 +161,8 @@ async def evaluate(args, seed: int, versions: dict[int, str]) -> list:
     engine_cfg = EngineConfig(model=args.model, max_model_len=2048, kv_cache_bytes=256 << 20)
     engine, tok, _ = await asyncio.to_thread(open_engine, engine_cfg)
     settings = EvalSettings(sim_prompt="", assistant_max_tokens=args.max_tokens, max_new_turns=args.max_new_turns,
-                            seeds=args.eval_seeds, temperature=args.temperature, concurrency=16, run=f"bench-s{seed}")
+                            seeds=args.eval_seeds, sampling=Sampling(temperature=args.temperature), concurrency=16,
+                            run=f"bench-s{seed}")
     records = []
     try:
         for version, weights in versions.items():

@@ -14,7 +14,7 @@ FLOPs (stated once, used for every row; PaLM-style model FLOPs, recomputation no
   12 * L * Hq * d * s^2 / 2), a forward alone is a third of that. Packed sequences attend only
   within themselves, so the attention term is summed per sequence, never over the whole pack.
   The learner's row adds the reference model's forward (KL) to its FLOPs; "policy MFU" leaves it out.
-  With --ref service the learner rows run [learner] reference = "service": each sample's reference
+  With --ref service the learner rows run [policy] reference = "service": each sample's reference
   log-probs are computed before the Trainer is built (untimed, the reference service's computation),
   so the step has no reference forward and its FLOPs are the policy's alone.
 """
@@ -42,7 +42,7 @@ if str(REPO) not in sys.path:
 
 VARLEN = "parley_varlen"  # learner.attention.VARLEN (kept here so --help imports no torch)
 ATTN_CHOICES = ("sdpa", "varlen")
-REF_CHOICES = ("local", "service")  # learner.config.REFERENCES
+REF_CHOICES = ("local", "service")  # config.policy.REFERENCES
 GiB = 2**30
 
 
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ref", default="local",
                    help="where the learner rows' reference log-probs come from, comma-separated of "
                         f"{list(REF_CHOICES)}: local = the learner's frozen copy run in every step; service = "
-                        "[learner] reference = \"service\", the samples' ref filled in beforehand (untimed) "
+                        "[policy] reference = \"service\", the samples' ref filled in beforehand (untimed) "
                         "the way the reference service computes them")
     p.add_argument("--budget-s", type=float, default=520.0,
                    help="wall-clock budget; phases and variants that would overrun it are skipped")
@@ -441,14 +441,13 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     and step)."""
     import torch
 
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.trainer import Trainer
     from learner.packing import build_batch, pack_by_tokens, shard_by_tokens
     from learner.logprobs import token_logprobs
 
     cfg = LearnerConfig(zero_stage=zero, micro_batch_tokens=args.budget_tokens, kl_coef=args.kl_coef,
-                        lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto", compile=compile_mode,
-                        reference=ref)
+                        lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto", compile=compile_mode)
     tag = f"[zero{zero} compile={compile_mode}{'' if ref == 'local' else ' ref ' + ref}]"
     samples = draw_samples(args, model_config(args).vocab_size)
     ref_fill_s = None
@@ -457,7 +456,7 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
         print(f"{tag} reference log-probs of {len(samples)} trajectories computed beforehand in {ref_fill_s:.1f} s "
               "(not timed)", flush=True)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, args._model_dir)
+    trainer = Trainer(cfg, args._model_dir, reference=ref)
     init_s = time.perf_counter() - t0
     device, rank, world = trainer.device, trainer.rank, torch.distributed.get_world_size()
     device = torch.device(device) if not isinstance(device, torch.device) else device

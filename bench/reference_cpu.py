@@ -1,4 +1,4 @@
-"""The learner's step with [learner] reference = "local" against "service", on CPU, interleaved in one
+"""The learner's step with [policy] reference = "local" against "service", on CPU, interleaved in one
 process so both see the same machine load. Run by hand (bench/README.md); nothing imports it.
 
 Two Trainers of one model (`--model`, default the embedded toy; "smol" for SmolLM2-135M) train on the
@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="tiny, smol or a checkpoint dir (as [learner] model)")
+    p.add_argument("--model", default="tiny", help="tiny, smol or a checkpoint dir (as [policy] model)")
     p.add_argument("--budget-tokens", type=int, default=512, help="micro-batch token budget")
     p.add_argument("--step-tokens", type=int, default=2048, help="tokens drawn for one step")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up each)")
@@ -39,7 +39,7 @@ def main() -> int:
     from bench.learner_gpu import draw_samples
     from engines.models import build_tiny, ensure_model
     from engines.reference import ReferenceModel
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.trainer import Trainer
 
     model_dir = build_tiny(Path(tempfile.mkdtemp(prefix="parley_refbench_")) / "tiny") if args.model == "tiny" \
@@ -57,9 +57,8 @@ def main() -> int:
     del ref
 
     def trainer(reference: str) -> Trainer:
-        return Trainer(LearnerConfig(model=str(model_dir), kl_coef=args.kl_coef, reference=reference, lr=1e-6,
-                                     micro_batch_tokens=args.budget_tokens, seed=args.seed, dtype="float32"),
-                       model_dir)
+        return Trainer(LearnerConfig(kl_coef=args.kl_coef, lr=1e-6, micro_batch_tokens=args.budget_tokens,
+                                     seed=args.seed, dtype="float32"), model_dir, reference=reference)
 
     trainers = {"local": trainer("local"), "service": trainer("service")}
     batches = {"local": local_samples, "service": service_samples}

@@ -72,13 +72,13 @@ def one_run(model_dir: Path, staleness: int, policy: str, seed: int, args) -> di
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.grpo import group_advantages
     from learner.packing import Sample
     from learner.trainer import Trainer
 
     lags = schedule(staleness, policy, args.max_steps)
-    cfg = LearnerConfig(model=str(model_dir), zero_stage=2, lr=args.lr, kl_coef=0.0, max_staleness=staleness,
+    cfg = LearnerConfig(zero_stage=2, lr=args.lr, kl_coef=0.0, max_staleness=staleness,
                         stale_policy=policy, seed=seed, micro_batch_tokens=1024)
     trainer = Trainer(cfg, model_dir)
     sampler = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -117,7 +117,7 @@ def replay_cmd(
 ) -> None:
     """Without --judge nothing is generated or judged: BLEU is recomputed from each stored document,
     interactivity and token counts are reused, and the reward column applies the weights."""
-    from scorer.config import SCORING_VARIANTS
+    from config.scorer import SCORING_VARIANTS
 
     extra = [_weight_override(weights)] if weights else []
     if scoring is not None:
@@ -216,7 +216,7 @@ def eval_cmd(
     max_tokens: Annotated[int, typer.Option("--assistant-max-tokens", help="Tokens per assistant turn.")] = 4096,
     max_new_turns: Annotated[int, typer.Option("--max-new-turns", help="Messages (user and assistant) per conversation.")] = 14,
     thinking: Annotated[bool, typer.Option("--thinking/--no-thinking", help="Chat-template thinking for the policy.")] = False,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Policy sampling temperature (default: the config's actor.temperature).")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Policy sampling temperature (default: the config's actor.sampling.temperature).")] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", help="Conversations of one condition in flight.")] = 8,
     services: Annotated[
         str, typer.Option("--services", help="local: simulator and judge engines in this process; nats: the running `parley sim` / `parley judge` services; fleet: as nats, and each condition is played by a `parley actor` and scored by a `parley scorer` started for it.")
@@ -234,7 +234,9 @@ def eval_cmd(
     """Every condition plays the same items from scratch (the simulated user speaks first) with the same
     simulator seeds; each conversation is judged, stored in records.parquet (and on the run's EVAL stream
     with --services nats), and the table with paired statistics is printed and written."""
-    from actors.config import SIM_PROMPTS
+    import msgspec
+
+    from config.actor import SIM_PROMPTS
 
     cfg = resolve(config, sets, nats=nats, run=run)
     if services not in ("local", "nats", "fleet"):
@@ -258,8 +260,9 @@ def eval_cmd(
             raise ValueError(f"--baseline {baseline!r} is not one of the conditions {names}")
         settings = EvalSettings(
             sim_prompt=sim_prompt, assistant_max_tokens=max_tokens, max_new_turns=max_new_turns, seeds=seeds,
-            thinking=thinking, temperature=cfg.actor.temperature if temperature is None else temperature,
-            top_p=cfg.actor.top_p, concurrency=concurrency, run=cfg.run.name,
+            enable_thinking=thinking, concurrency=concurrency, run=cfg.run.name,
+            sampling=cfg.actor.sampling if temperature is None else msgspec.structs.replace(
+                cfg.actor.sampling, temperature=temperature),
         )
         train, held = eval_items(cfg.data, items, env)
         held = held[:n_items] if n_items > 0 else held
@@ -337,7 +340,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
         return Policy(engine=engine, tokenizer=tokenizer, version=policy_version, close=close)
 
     svc = EvalServices(open_policy=open_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
-                       template_kwargs=dict(cfg.actor.engine.chat_template_kwargs), env=env)
+                       template_kwargs=dict(cfg.actor.engine.template_kwargs), env=env)
     done: list = []  # finished conversations, kept when the run is interrupted
     missing: list[NotScored] = []  # per conversation: not played or not scored, and why
 
@@ -419,7 +422,7 @@ async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, 
     """--services fleet: one condition after another, each through its own actor and scorer."""
     import logging
 
-    from deploy.config import dump_config
+    from config.run import dump_config
     from evaluation.fleet import FleetSettings, play_condition_fleet
     from evaluation.runner import NotScored, make_tasks
 
@@ -431,9 +434,9 @@ async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, 
     config_path = fleet_dir / "config.toml"
     # The actors sample as the in-process modes do: the eval's temperature, top_p, thinking and concurrency.
     engine = msgspec.structs.replace(
-        cfg.actor.engine, chat_template_kwargs={**cfg.actor.engine.chat_template_kwargs, "enable_thinking": settings.thinking})
-    actor = msgspec.structs.replace(cfg.actor, temperature=settings.temperature, top_p=settings.top_p,
-                                    concurrency=settings.concurrency, engine=engine)
+        cfg.actor.engine, template_kwargs={**cfg.actor.engine.template_kwargs, "enable_thinking": settings.enable_thinking})
+    actor = msgspec.structs.replace(cfg.actor, sampling=settings.sampling, concurrency=settings.concurrency,
+                                    engine=engine)
     config_path.write_text(dump_config(msgspec.structs.replace(cfg, actor=actor)))
     sim_model = cfg.sim.engine.model if cfg.sim.backend == "vllm" else cfg.sim.model_name
     fs = FleetSettings(config_path=config_path, logs_dir=fleet_dir, sim_model=sim_model, policy_version=policy_version,

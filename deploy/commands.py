@@ -17,7 +17,7 @@ def register(app: typer.Typer) -> None:
     app.command("selfcheck", help="Round-trip every message type through a NATS server and report.")(selfcheck_cmd)
     app.command("services", help="User simulator and judge in one process sharing one local engine.")(services_cmd)
     app.command("reference", help="Reference service: the frozen initial policy's per-token log-probs "
-                "([learner] reference = \"service\").")(reference_cmd)
+                "([policy] reference = \"service\").")(reference_cmd)
     for module in ("deploy.cli_actor", "deploy.cli_scorer", "deploy.cli_eval", "deploy.cli_learner", "deploy.up_cli",
                    "deploy.cli_auth"):
         try:
@@ -62,7 +62,7 @@ def reference_cmd(
     ident: Annotated[Optional[str], typer.Option("--id", help="Instance id (default reference-<pid>).")] = None,
     dry: DryRunOpt = False,
 ) -> None:
-    """Serve parley.svc.reference (log-probs of [learner] model's initial weights) until Ctrl-C / SIGTERM."""
+    """Serve parley.svc.reference (log-probs of [policy] model's initial weights) until Ctrl-C / SIGTERM."""
     import os
 
     cfg = resolve(config, sets, nats=nats, run=run)

@@ -25,8 +25,8 @@ RunOpt = Annotated[Optional[str], typer.Option("--run", help="Run name; override
 def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = None, run: str | None = None,
             extra: list[str] | None = None, training: bool = False):
     """Load and validate the run config with CLI overrides; exits with a one-line error on bad input.
-    training: also the checks of a run that trains (deploy.config.check_training)."""
-    from deploy.config import ConfigError, check_training, load_config
+    training: also the checks of a run that trains (config.run.check_training)."""
+    from config.run import ConfigError, check_training, load_config
 
     overrides = list(sets or [])
     if nats:
@@ -45,7 +45,7 @@ def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = N
 
 
 def dry_run(cfg) -> None:
-    from deploy.config import dump_config
+    from config.run import dump_config
 
     typer.echo(dump_config(cfg))
     raise typer.Exit(0)

@@ -135,7 +135,7 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
     elif role == "scorer":
         publish += [topology.subject(run, "scored"), *_consume(run, "traj")]
         publish += [topology.judge_subject(op) for op in topology.JUDGE_OPS]
-        publish += [topology.REFERENCE_SUBJECTS]  # [learner] reference = "service": one request per trajectory
+        publish += [topology.REFERENCE_SUBJECTS]  # [policy] reference = "service": one request per trajectory
     elif role == "learner":
         publish += [topology.subject(run, "tasks"), *_consume(run, "scored")]
         publish += [*_read_weights(run), *_write_weights(run)]
@@ -210,7 +210,7 @@ def response_window_s(cfg=None) -> float:
     `cfg` (a RunConfig; None = the defaults) gives a requester, plus RESPONSE_SLACK_S. nats-server's own
     default is 2 minutes, shorter than the default timeouts: later replies were refused."""
     if cfg is None:
-        from deploy.config import RunConfig
+        from config.run import RunConfig
 
         cfg = RunConfig()
     # The actor's and the eval's simulator requests, the scorer's, replay's and the eval's judge requests,

@@ -1,6 +1,6 @@
 """`parley reference`: the reference service, a frozen copy of the policy's initial weights that
-answers per-token log-probs of whole trajectories ([learner] reference = "service"; the backend is
-engines/reference.py). It loads what the learner loads: [learner] model through ensure_model, in
+answers per-token log-probs of whole trajectories ([policy] reference = "service"; the backend is
+engines/reference.py). It loads what the learner loads: [policy] model through ensure_model, in
 [learner] dtype, lm_head in chunks of [learner] logit_chunk_tokens. Started by `parley up` when the
 run uses it, or by hand on any machine that reaches the bus (a GPU of its own, or the CPU).
 """
@@ -10,19 +10,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from config.run import RunConfig
+
 log = logging.getLogger("parley.reference")
 
 
-async def main(stop: asyncio.Event, cfg, ident: str) -> int:
+async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
     from engines.models import ensure_model
     from engines.reference import ReferenceModel, reference_service
     from engines.service import serve_backend
 
-    lc = cfg.learner
+    lc, model = cfg.learner, cfg.policy.model
 
     def make():
-        ref = ReferenceModel(lc.model, ensure_model(lc.model), dtype=lc.dtype, chunk=lc.logit_chunk_tokens)
-        log.info("%s: reference %s (%s) on %s in %s", ident, lc.model, ref.model_dir, ref.device, ref.dtype)
+        ref = ReferenceModel(model, ensure_model(model), dtype=lc.dtype, chunk=lc.logit_chunk_tokens)
+        log.info("%s: reference %s (%s) on %s in %s", ident, model, ref.model_dir, ref.device, ref.dtype)
         return ref
 
     def build(nc, ref):
@@ -32,7 +34,7 @@ async def main(stop: asyncio.Event, cfg, ident: str) -> int:
                                make=make)
 
 
-def run(cfg, ident: str) -> int:
+def run(cfg: RunConfig, ident: str) -> int:
     """`parley reference`'s entry: serve until SIGINT/SIGTERM; returns the exit code."""
     from runtime.process import run_async
 

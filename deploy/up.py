@@ -1,7 +1,7 @@
 """`parley up`: the whole system on one machine, as child processes, with a live view.
 
 Starts nats-server, the sim + judge services (each only if the run's environment needs it: an LLM
-simulated user, judge metrics; and the reference service when [learner] reference = "service"), N
+simulated user, judge metrics; and the reference service when [policy] reference = "service"), N
 actors, M scorers and the learner; waits for each
 to report ready; shows the live view; stops everything on Ctrl-C or when a role fails (showing its
 last log lines); after the learner's last step (and its periodic evals) prints the reward summary, the
@@ -17,7 +17,7 @@ import logging
 import time
 from pathlib import Path
 
-from deploy.config import RunConfig, dump_config
+from config.run import RunConfig, dump_config
 from engines.engine import CPU_ENGINES_ENV
 from protocol.backlog import WARN_SHARE
 from runtime.supervisor import Supervisor
@@ -50,7 +50,7 @@ def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tu
             children.append(("sim", sup.parley_argv("sim", *c, "--id", "sim")))
         if env.needs_judge:
             children.append(("judge", sup.parley_argv("judge", *c, "--id", "judge")))
-    if cfg.learner.reference == "service":  # the scorers ask it for every trajectory's reference log-probs
+    if cfg.policy.reference == "service":  # the scorers ask it for every trajectory's reference log-probs
         children.append(("reference", sup.parley_argv("reference", *c, "--id", "reference")))
     for i in range(cfg.up.actors):
         children.append((f"actor-{i}", sup.parley_argv("actor", *c, "--id", f"actor-{i}")))
@@ -76,7 +76,7 @@ def prepare_models(cfg: RunConfig) -> None:
     from engines.models import ensure_model
 
     env = cfg.env.load()
-    names = {cfg.actor.engine.model, cfg.learner.model}
+    names = {cfg.actor.engine.model, cfg.policy.model}
     names |= {cfg.sim.engine.model} if env.needs_simulator else set()
     names |= {cfg.judge.engine.model} if env.needs_judge else set()
     for name in sorted(names):

@@ -171,7 +171,7 @@ class OpenAIBackend:
         self.client = AsyncOpenAI(base_url=cfg.base_url, api_key=key, timeout=cfg.timeout_s, max_retries=2)
         self.model_name = cfg.model_name
         # e.g. {enable_thinking = false} for Qwen3 behind vllm serve
-        self.template_kwargs = dict(cfg.engine.chat_template_kwargs)
+        self.template_kwargs = dict(cfg.engine.template_kwargs)
 
     async def chat_json(self, messages, schema, *, max_tokens, temperature, seed) -> str:
         import openai
@@ -212,5 +212,5 @@ def make_backend(cfg: ServiceBackend) -> Backend:
         return OpenAIBackend(cfg)
     if cfg.backend == "vllm":
         engine, tokenizer, path = open_engine(cfg.engine)
-        return LocalBackend(engine, tokenizer, model_name=cfg.engine.model, template_kwargs=cfg.engine.chat_template_kwargs)
+        return LocalBackend(engine, tokenizer, model_name=cfg.engine.model, template_kwargs=cfg.engine.template_kwargs)
     raise ValueError(f"backend={cfg.backend!r} not allowed; use 'vllm' or 'openai'")

@@ -1,6 +1,6 @@
 """The reference service's backend: a frozen copy of the policy's initial weights that answers
 "the log-prob of each token given its prefix" for whole trajectories, so the learner's training GPUs
-run no reference forward ([learner] reference = "service"). `parley reference` (deploy/reference.py)
+run no reference forward ([policy] reference = "service"). `parley reference` (deploy/reference.py)
 serves it on its model's subject (topology.reference_subject) through engines.service; scorers ask it once per trajectory.
 
 The log-probs come from engines.logprobs, the function the learner computes its own (local)
@@ -26,7 +26,7 @@ log = logging.getLogger("parley.reference")
 
 class ReferenceModel:
     """The frozen initial policy and its per-token log-probs. `model_name` is the name requests
-    must give ([learner] model as written in the config), `model_dir` the checkpoint it resolves to."""
+    must give ([policy] model as written in the config), `model_dir` the checkpoint it resolves to."""
 
     def __init__(self, model_name: str, model_dir: str | Path, *, dtype: str = "auto", chunk: int = 1024,
                  device: str | None = None):
@@ -71,7 +71,7 @@ class ReferenceModel:
         if model != self.model_name:
             return ReferenceReply(ok=False, model=self.model_name,
                                   error=f"this reference service holds model {self.model_name!r}, not {model!r}; "
-                                        "start `parley reference` with the learner's [learner] model")
+                                        "start `parley reference` with the run's [policy] model")
         if version != 0:
             return ReferenceReply(ok=False, model=self.model_name,
                                   error=f"version {version} asked; the reference is the initial weights, version 0")

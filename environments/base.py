@@ -40,7 +40,7 @@ class Conversation:
 
 class TaskBuilder(Protocol):
     """item -> the Task asking for n samples of it; the signature of tasks.data.task_from_item.
-    `rollout` is the [rollout] section (a learner.config.RolloutConfig or anything with its fields)."""
+    `rollout` is the [rollout] section (a config.learner.RolloutConfig or anything with its fields)."""
 
     def __call__(self, item: Any, *, run: str, task_id: str, n: int, rollout: Any, seed: int, version: int,
                  split: str = "train") -> Task: ...

@@ -33,7 +33,7 @@ from tasks.data import SIM_PROMPT, Item, task_from_item, train_eval_items
 NAME = "collabllm_medium"
 
 # The options that say how CollabLLM is scored. A run sets them in [scorer] (bleu_variant, extract,
-# interactivity; `parley replay --scoring` names sets of them), and deploy/config.py passes them here.
+# interactivity; `parley replay --scoring` names sets of them), and config/run.py passes them here.
 SCORING_OPTIONS = ("bleu_variant", "extract", "interactivity")
 
 

@@ -78,9 +78,9 @@ class FleetSettings:
 
 def scorer_args(config_args: list[str], ident: str) -> list[str]:
     """`parley` arguments of a condition's scorer. An eval trains nothing, so its scorer asks no
-    reference service ([learner] reference = "service" in the run config) for log-probs nobody
+    reference service ([policy] reference = "service" in the run config) for log-probs nobody
     reads; the eval's NATS user may not ask it either."""
-    return ["scorer", *config_args, "--set", 'learner.reference="local"', "--id", f"eval-scorer-{ident}"]
+    return ["scorer", *config_args, "--set", 'policy.reference="local"', "--id", f"eval-scorer-{ident}"]
 
 
 async def play_condition_fleet(

@@ -161,7 +161,7 @@ class PeriodicEval:
     async def submit(self, version: int, step: int) -> None:
         """Queue `version`; its weights are exported first (the learner keeps only the last few)."""
         if version == 0:
-            model = self.lc.model
+            model = self.cfg.policy.model
         else:
             out = model_dir(self.run_dir, version)
             t0 = time.perf_counter()

@@ -21,7 +21,7 @@ import msgspec
 from environments.base import Environment, LocalUser, ProgrammaticUser
 from evaluation.benchmark import default_environment
 from tasks.data import system_prompt_text
-from protocol.messages import ChatMessage, EvalRecord, JudgeReply, JudgeRequest, SimReply, SimRequest, Task
+from protocol.messages import ChatMessage, EvalRecord, JudgeReply, JudgeRequest, Sampling, SimReply, SimRequest, Task
 
 log = logging.getLogger("parley.eval")
 
@@ -66,9 +66,8 @@ class EvalSettings:
     assistant_max_tokens: int = 4096
     max_new_turns: int = 14
     seeds: int = 1  # simulator seeds per item; the same for every condition
-    thinking: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
+    enable_thinking: bool = False  # the policy's chat-template option of that name
+    sampling: Sampling = field(default_factory=Sampling)
     concurrency: int = 8  # conversations of one condition in flight
     run: str = "eval"
     # A conversation whose verdict failed (the judge answered ok=False) is judged again with a fresh
@@ -131,7 +130,7 @@ def read_unscored(out: str | Path) -> list[NotScored]:
 
 def eval_items(data, items_path: str | None, env: Environment | None = None) -> tuple[list, list]:
     """(training items, eval items) for the leakage guard and the run: the environment's train/eval
-    split of [data] (a learner.config.DataConfig); for CollabLLM medium also an explicit items file
+    split of [data] (a config.learner.DataConfig); for CollabLLM medium also an explicit items file
     against the training data."""
     from environments import collabllm
 
@@ -249,7 +248,7 @@ class EvalServices:
     open_policy: Callable[[str], Awaitable[Policy]]  # model name or checkpoint dir -> Policy
     sim: SimLike
     judge: Any  # scorer.score.Judge; None when the environment's reward asks no judge operation
-    scorer_cfg: Any  # scorer.config.ScorerConfig: the BLEU variant (weights only feed Scored.total)
+    scorer_cfg: Any  # config.scorer.ScorerConfig: the BLEU variant (weights only feed Scored.total)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The run's environment (its [env]); None: CollabLLM medium, scored as scorer_cfg says
     env: Environment | None = None
@@ -305,8 +304,8 @@ async def play_condition(
     from scorer.score import JudgeFailed, JudgeUnavailable, Unscorable
 
     policy_settings = PolicySettings(
-        max_model_len=policy.engine.settings.max_model_len, temperature=settings.temperature, top_p=settings.top_p,
-        template_kwargs={**services.template_kwargs, "enable_thinking": settings.thinking}, model=cond.model,
+        max_model_len=policy.engine.settings.max_model_len, sampling=settings.sampling,
+        template_kwargs={**services.template_kwargs, "enable_thinking": settings.enable_thinking}, model=cond.model,
         actor=f"eval-{cond.name}",
     )
     slots = asyncio.Semaphore(settings.concurrency)

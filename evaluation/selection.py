@@ -100,7 +100,7 @@ def run_environment(run_dir: str | Path) -> Environment:
 
     import msgspec
 
-    from environments.config import EnvConfig
+    from config.env import EnvConfig
 
     path = Path(run_dir) / EVAL_DIR / CONFIG_FILE
     if not path.is_file():

@@ -1,4 +1,4 @@
-"""Which environment a run trains: `environment.json` (environments.config.EnvConfig.record(): name,
+"""Which environment a run trains: `environment.json` (config.env.EnvConfig.record(): name,
 distribution, version, entry point, options), written in the run directory at a fresh start
 (learner.resume) and beside every DeepSpeed checkpoint (learner.stepper); a resume whose environment differs is refused,
 since its feeder position and buffered groups would index another environment's tasks.

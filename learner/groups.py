@@ -71,7 +71,7 @@ def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | N
     device-side assert that kills the learner, then a crash loop on the redelivered message), a
     conversation longer than the policy's positions (`max_positions`; one such sequence fills a
     micro-batch of its own whatever the budget, and its activations the memory); with `reference`
-    ([learner] reference = "service") missing reference log-probs, or ones of the wrong length, not
+    ([policy] reference = "service") missing reference log-probs, or ones of the wrong length, not
     finite or positive (check_reference).
     Kept apart from check_trajectory, which checks the token layout. Reads the packed or the old
     list fields alike (protocol.arrays), as arrays."""
@@ -104,15 +104,15 @@ def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | N
 
 def check_reference(scored: Scored, n_tokens: int) -> None:
     """Raise BadTrajectory unless the Scored carries one finite, non-positive reference log-prob per
-    token (Scored.ref_logp_f32), as the learner needs under [learner] reference = "service"."""
+    token (Scored.ref_logp_f32), as the learner needs under [policy] reference = "service"."""
     try:
         ref = arrays.ref_logprobs(scored)
     except ValueError as e:
         raise BadTrajectory(f"{scored.traj_id}: {e}") from None
     if ref.size == 0:
-        raise BadTrajectory(f"{scored.traj_id}: no reference log-probs (ref_logp_f32) while learner.reference="
+        raise BadTrajectory(f"{scored.traj_id}: no reference log-probs (ref_logp_f32) while policy.reference="
                             "'service'; the scorer fills them in from `parley reference` when it reads the same "
-                            "[learner] reference setting")
+                            "[policy] reference setting")
     if ref.size != n_tokens:
         raise BadTrajectory(f"{scored.traj_id}: {ref.size} reference log-probs for {n_tokens} tokens (one per token)")
     bad = ~(np.isfinite(ref) & (ref <= LOGPROB_SLACK))

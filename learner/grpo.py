@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from learner.config import LOSS_AGG, LearnerConfig
+from config.learner import LOSS_AGG, LearnerConfig
 from learner.packing import PackedBatch
 
 

@@ -23,7 +23,7 @@ class Sample:
     behaviour: np.ndarray  # (T,) float32 behaviour log-prob of each trained token (0.0 elsewhere)
     advantage: float
     # (T,) float32 reference log-prob of each token given its prefix (0.0 at token 0), computed before
-    # the step by the reference service ([learner] reference = "service"); None: the learner's own
+    # the step by the reference service ([policy] reference = "service"); None: the learner's own
     ref: np.ndarray | None = None
     # the temperature the behaviour policy sampled at (Trajectory.temperature): behaviour holds log-probs
     # of softmax(logits / temperature), and the learner recomputes that distribution

@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 
+from config.run import RunConfig
 from learner import checkpoint as ckpt
 from learner import resume as start
 from learner.feeder import Feeder
@@ -41,7 +42,7 @@ class Learner:
     """Rank 0's learner: builds the parts over one `RunState` (a resume fills it from the ledger
     first), runs their background tasks and the loop, and answers the heartbeat."""
 
-    def __init__(self, cfg, js, nc, driver, *, model_dir, resume: bool, steps: int, eval_launch=None):
+    def __init__(self, cfg: RunConfig, js, nc, driver, *, model_dir, resume: bool, steps: int, eval_launch=None):
         started = time.monotonic()
         self.cfg, self.lc, self.js, self.nc = cfg, cfg.learner, js, nc
         self.run_name, self.run_dir = cfg.run.name, cfg.run_dir
@@ -66,7 +67,7 @@ class Learner:
                              build=env.tasks.task, steps=steps)
         self.evals = Evals(cfg, self.run_dir, launch=eval_launch)
         self.intake = Intake(self.state, self.grouper, self.feeder, ledger, limits=limits,
-                             reference_service=self.lc.reference == "service", ack_wait_s=cfg.bus.ack_wait_s,
+                             reference_service=cfg.policy.reference == "service", ack_wait_s=cfg.bus.ack_wait_s,
                              flush_s=self.lc.ledger_flush_s, started=started)
         self.weights = Weights(self.lc, js, nc, self.run_name, self.run_dir, driver, self.publisher, self.feeder)
         self.fates = Fates(self.state, js, self.run_name, self.grouper, self.feeder, self.intake,
@@ -158,7 +159,7 @@ class Learner:
         )
 
 
-async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
+async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
     """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps."""
     from engines.models import ensure_model
     from learner.ranks import Driver
@@ -169,8 +170,8 @@ async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
     async with role_connection(cfg.nats, name="parley-learner", run=cfg.run.name, bus=cfg.bus,
                                topology=True) as (nc, js):
         try:
-            model_dir = await asyncio.to_thread(ensure_model, cfg.learner.model)
-            trainer = await asyncio.to_thread(Trainer, cfg.learner, model_dir)
+            model_dir = await asyncio.to_thread(ensure_model, cfg.policy.model)
+            trainer = await asyncio.to_thread(Trainer, cfg.learner, model_dir, reference=cfg.policy.reference)
             driver = Driver(trainer)
             try:
                 learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
@@ -183,16 +184,16 @@ async def main(stop: asyncio.Event, cfg, resume: bool) -> int:
                 driver("stop")
 
 
-def follower(cfg) -> None:
+def follower(cfg: RunConfig) -> None:
     """Ranks > 0 under the deepspeed launcher / torchrun: build the same trainer, replay rank 0's calls."""
     from engines.models import ensure_model
     from learner.trainer import Trainer
     from learner.ranks import follow
 
-    follow(Trainer(cfg.learner, ensure_model(cfg.learner.model)))
+    follow(Trainer(cfg.learner, ensure_model(cfg.policy.model), reference=cfg.policy.reference))
 
 
-def check_leakage(cfg) -> str | None:
+def check_leakage(cfg: RunConfig) -> str | None:
     """Refuse, before any work, to train on reference targets the eval split also scores against:
     the reason as one line, or None when the split is clean (or the overlap is allowed and recorded)."""
     from evaluation.leakage import LeakageError, guard_environment
@@ -206,7 +207,7 @@ def check_leakage(cfg) -> str | None:
     return None
 
 
-def run(cfg, resume: bool, rank: int = 0) -> int:
+def run(cfg: RunConfig, resume: bool, rank: int = 0) -> int:
     """`parley learner`'s entry on every rank: the leakage guard, then rank 0 serves the run and the
     other ranks follow its training calls. Returns the exit code."""
     problem = check_leakage(cfg)

@@ -143,7 +143,7 @@ class Stepper:
                 traj = s.trajectory
                 out.append(Sample(s.traj_id, arrays.token_ids(traj), arrays.loss_mask(traj), behaviour_logprobs(traj),
                                   float(adv[gi, si]),
-                                  ref=arrays.ref_logprobs(s) if self.lc.reference == "service" else None,
+                                  ref=arrays.ref_logprobs(s) if self.cfg.policy.reference == "service" else None,
                                   temperature=traj.temperature))
         return out
 

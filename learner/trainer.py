@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from learner import attention, grpo
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
+from config.policy import Reference
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
 from learner.weights_io import WeightSnapshot, hf_tensors, hf_weights, write_weights
@@ -199,7 +200,8 @@ class Trainer:
     """The policy under DeepSpeed, an optional frozen reference for KL (kl_coef > 0 and reference =
     "local"), and the GRPO step."""
 
-    def __init__(self, cfg: LearnerConfig, model_dir: str | Path):
+    def __init__(self, cfg: LearnerConfig, model_dir: str | Path, *, reference: Reference = "local"):
+        """`reference` is the run's [policy] reference: "local" loads a frozen copy when kl_coef > 0."""
         transport = registry.of(cfg.weights)
         if transport.needs_cuda and not torch.cuda.is_available():
             raise ValueError(f"[learner.weights] kind={transport.kind!r} shares GPU memory, but this learner has no "
@@ -221,7 +223,7 @@ class Trainer:
             attention.check_packing_isolated(AutoConfig.from_pretrained(self.model_dir))
 
         self.reference = None
-        if cfg.kl_coef > 0 and cfg.reference == "local":
+        if cfg.kl_coef > 0 and reference == "local":
             # A plain second copy of the initial weights, forward only; loaded before ZeRO-3's
             # partitioning hook (below) exists, so it stays whole. With reference = "service" the
             # samples bring their reference log-probs (computed off the training GPUs).
@@ -290,7 +292,7 @@ class Trainer:
         if cfg.kl_coef > 0 and self.reference is None:
             missing = [s.traj_id for s in samples if s.ref is None]
             if missing:  # before any backward: a refused step leaves no gradient behind
-                raise ValueError(f"learner.reference='service' but {len(missing)} sample(s) ({missing[:3]}) carry no "
+                raise ValueError(f"policy.reference='service' but {len(missing)} sample(s) ({missing[:3]}) carry no "
                                  "reference log-probs (Sample.ref); the scorer fills them in from the reference service")
         t0 = time.perf_counter()
         self.engine.train()

@@ -7,7 +7,7 @@ one Python object per token at every decode. Schemas before the packed fields (t
 trajectory_v0/v1.msgpack) carried the same values as lists (`token_ids`, `loss_mask`,
 `AssistantTurn.logprobs`); the readers here accept either, so producers write `pack_*` and every
 consumer reads `token_ids` / `loss_mask` / `turn_logprobs`, never the fields themselves. The
-reference log-probs ([learner] reference = "service": ReferenceRequest/Reply, Scored.ref_logp_f32)
+reference log-probs ([policy] reference = "service": ReferenceRequest/Reply, Scored.ref_logp_f32)
 travel the same way and are read with `request_ids`, `reference_logprobs` and `ref_logprobs`.
 """
 

@@ -10,7 +10,19 @@ packs and reads them (and the list fields older producers wrote). Nothing else t
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+
+class Sampling(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the policy samples: what the engine takes besides the prompt and the token budget. The
+    one struct for it: [actor.sampling] (config.actor), the eval's settings (evaluation.runner) and
+    the conversation loop read it; a Trajectory records its temperature (Trajectory.temperature).
+    Training also needs temperature > 0 and top_p = 1 (config.run.check_training)."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, description="0 is greedy")] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0, description="1.0 keeps the whole distribution")] = 1.0
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -96,7 +108,8 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str = ""
     actor: str = ""
     seed: int = 0
-    # the policy's sampling temperature: the turns' log-probs are of softmax(logits / temperature)
+    # the policy's sampling temperature (its Sampling's): the turns' log-probs are of
+    # softmax(logits / temperature)
     temperature: float = 1.0
     timings: dict[str, float] = {}  # seconds: "generate", "sim", "total"
     created: float = 0.0
@@ -132,7 +145,7 @@ class Scored(msgspec.Struct, kw_only=True):
     scorer: str = ""
     timings: dict[str, float] = {}  # seconds: "extract", "interactivity", "reference", "total"
     created: float = 0.0
-    # [learner] reference = "service": the frozen initial policy's log-prob of each token given its
+    # [policy] reference = "service": the frozen initial policy's log-prob of each token given its
     # prefix, float32 LE, one per token of the trajectory (0.0 at token 0, which has no prefix); from
     # the reference service, asked by the scorer. Empty otherwise (and in older messages).
     ref_logp_f32: bytes = b""
@@ -269,7 +282,7 @@ class JudgeReply(msgspec.Struct, kw_only=True):
 
 class ReferenceRequest(msgspec.Struct, kw_only=True):
     """scorer -> reference service (request/reply): score a trajectory's tokens under the frozen
-    initial policy. `model` is [learner] model as the learner names it; the service answers only for
+    initial policy. `model` is [policy] model as the learner names it; the service answers only for
     the model it holds, at version 0 (the initial weights)."""
 
     model: str

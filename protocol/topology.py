@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import msgspec
 import nats.errors
@@ -27,7 +28,7 @@ JUDGE_QUEUE = "judge"
 # interactivity_expected: the 0..3 rubric, scored as the expected level under the judge's own
 # distribution over each level token (the reply carries that distribution).
 JUDGE_OPS = ("extract", "interactivity", "interactivity_3level", "interactivity_expected")
-# The frozen initial policy's log-probs of a trajectory ([learner] reference = "service"): one subject
+# The frozen initial policy's log-probs of a trajectory ([policy] reference = "service"): one subject
 # per model (reference_subject), so a request reaches only the services that hold the model it names.
 # On one shared subject a service of another run's model took its share of the queue group, refused,
 # and the scorer spent a delivery and redid the judge work (about 1 in 32 dead-lettered with two runs).
@@ -55,26 +56,16 @@ class BusSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     max_age_s: float = 7 * 24 * 3600.0  # keep messages a week for replay
     max_bytes: int = 1024**3  # per stream; JetStream reserves it on disk up front
-    replicas: int = 1  # 3 on a 3-node cluster
+    replicas: Literal[1, 3, 5] = 1  # 3 on a 3-node cluster
     duplicate_window_s: float = 600.0  # Nats-Msg-Id dedupe horizon
-    ack_wait_s: float = 60.0  # unacked work is redelivered after this
-    max_deliver: int = 5  # then dead-lettered by the consumer
+    ack_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # unacked work is redelivered after this
+    max_deliver: Annotated[int, msgspec.Meta(ge=1)] = 5  # then dead-lettered by the consumer
     max_ack_pending: int = 256  # back-pressure: outstanding messages per consumer
     max_msg_bytes: int = 8 * 1024**2
     # One fetch asks for at most this many bytes of messages as well as at most its free slots: the
     # server cuts off a client whose unsent bytes pass its max_pending (64 MiB, deploy/natsserver.py)
     # as a slow consumer, and 64 slots of 2 MB trajectories would be twice that in one burst.
-    fetch_max_bytes: int = 16 * 1024**2
-
-    def __post_init__(self) -> None:
-        if self.replicas not in (1, 3, 5):
-            raise ValueError(f"replicas={self.replicas} is not allowed; use 1, 3 or 5")
-        if self.max_deliver < 1:
-            raise ValueError(f"max_deliver={self.max_deliver} must be >= 1")
-        if self.ack_wait_s <= 0:
-            raise ValueError(f"ack_wait_s={self.ack_wait_s} must be > 0")
-        if self.fetch_max_bytes < 1:
-            raise ValueError(f"fetch_max_bytes={self.fetch_max_bytes} must be >= 1")
+    fetch_max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024**2
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ from importlib import resources
 
 import msgspec
 
+from config.run import RunConfig
 from protocol import topology
 from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
-from scorer.config import JudgeConfig
+from config.scorer import JudgeConfig
 from rewards.metrics import (
     INTERACTIVITY_3LEVEL,
     INTERACTIVITY_KEYS,
@@ -366,7 +367,7 @@ def judge_service(nc, judge: Judge, *, name: str = "judge"):
     )
 
 
-async def main(stop: asyncio.Event, cfg, ident: str) -> int:
+async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
     """`parley judge`: load the backend, serve until SIGINT/SIGTERM, close the backend."""
     from engines.service import BadServiceConfig, serve_backend
 
@@ -380,7 +381,7 @@ async def main(stop: asyncio.Event, cfg, ident: str) -> int:
     return await serve_backend(stop, cfg, ident=ident, roles=[("judge", ident)], backend_cfg=cfg.judge, build=build)
 
 
-def run(cfg, ident: str) -> int:
+def run(cfg: RunConfig, ident: str) -> int:
     """`parley judge`'s entry: serve the judge until SIGINT/SIGTERM; returns the exit code."""
     from runtime.process import run_async
 

@@ -1,4 +1,4 @@
-"""The reference service over NATS request/reply, as the scorer asks it ([learner] reference =
+"""The reference service over NATS request/reply, as the scorer asks it ([policy] reference =
 "service"): one request per trajectory, its reply turned into Scored.ref_logp_f32. The service is
 engines/reference.py behind `parley reference`."""
 
@@ -22,7 +22,7 @@ class ReferenceFailed(RuntimeError):
 
 class ReferenceClient:
     """Asks the reference service for a trajectory's per-token log-probs under `model` (the
-    learner's [learner] model), with at most `concurrency` requests in flight."""
+    run's [policy] model), with at most `concurrency` requests in flight."""
 
     def __init__(self, nc, *, model: str, timeout: float, concurrency: int = 16):
         self.nc, self.model, self.timeout = nc, model, timeout

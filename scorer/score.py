@@ -17,7 +17,7 @@ from typing import Protocol
 from environments import collabllm
 from environments.base import Conversation, Reward
 from protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
-from scorer.config import ScorerConfig
+from config.scorer import ScorerConfig
 from rewards.reward import average_futures, total_reward
 
 

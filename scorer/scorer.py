@@ -1,5 +1,5 @@
 """`parley scorer`: pulls trajectories from TRAJ, has the judge service score them, stores Scored in SCORED.
-With [learner] reference = "service" it also asks the reference service for each trajectory's
+With [policy] reference = "service" it also asks the reference service for each trajectory's
 reference log-probs (scorer/reference.py) and puts them into the Scored.
 
 Replicas share the durable consumer "scorer", so N scorers split the work; a trajectory is acked
@@ -18,10 +18,11 @@ from collections import Counter
 
 import msgspec
 
+from config.run import RunConfig
 from protocol import bus, status, topology
 from environments.base import Reward
 from protocol.messages import Heartbeat, Trajectory
-from scorer.config import ScorerConfig
+from config.scorer import ScorerConfig
 from scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
 from scorer.score import Judge, JudgeFailed, JudgeUnavailable, Unscorable, _all, score_trajectory
 
@@ -36,7 +37,7 @@ class Scorer:
         self.nc, self.js = nc, nc.jetstream()
         self.run, self.judge, self.cfg, self.bus, self.ident = run, judge, cfg, bus_settings, ident
         self.reward = reward  # the environment's; None = the [scorer] settings' CollabLLM reward
-        self.reference = reference  # [learner] reference = "service": ask it for every trajectory
+        self.reference = reference  # [policy] reference = "service": ask it for every trajectory
         self.counters: Counter[str] = Counter()
         self.in_flight = 0
         self._stop = asyncio.Event()  # set by run_until's stop
@@ -148,7 +149,7 @@ class Scorer:
                 await beats
 
 
-async def main(stop: asyncio.Event, cfg, ident: str) -> int:
+async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
     """`parley scorer`: connect, make sure the run's topology exists, score until SIGINT/SIGTERM."""
     from runtime.role import role_connection
     from scorer.score import JudgeClient
@@ -161,18 +162,18 @@ async def main(stop: asyncio.Event, cfg, ident: str) -> int:
                  if env.needs_judge else None)
         # The learner's setting decides (one place for the fact): it trains on what we put in ref_logp_f32.
         reference = None
-        if cfg.learner.reference == "service":
-            reference = ReferenceClient(nc, model=cfg.learner.model, timeout=cfg.scorer.reference_timeout_s,
+        if cfg.policy.reference == "service":
+            reference = ReferenceClient(nc, model=cfg.policy.model, timeout=cfg.scorer.reference_timeout_s,
                                         concurrency=cfg.scorer.concurrency)
         log.info("%s: scoring run %s, environment %s (concurrency %d, weights %s, judge ops %s%s)", ident, cfg.run.name,
                  env.name, cfg.scorer.concurrency, cfg.scorer.weights, list(env.reward.judge_ops) or "none",
-                 f", reference log-probs of {cfg.learner.model}" if reference else "")
+                 f", reference log-probs of {cfg.policy.model}" if reference else "")
         await Scorer(nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident, reward=env.reward,
                      reference=reference).run_until(stop)
     return 0
 
 
-def run(cfg, ident: str) -> int:
+def run(cfg: RunConfig, ident: str) -> int:
     """`parley scorer`'s entry: score trajectories until SIGINT/SIGTERM; returns the exit code."""
     from runtime.process import run_async
 

@@ -1,5 +1,5 @@
 """How the learner's weights reach the actors, as configured: `[learner.weights]`, a tagged union on
-`kind` with each transport's own fields. learner.config embeds it; the transports (weights.registry)
+`kind` with each transport's own fields. config.learner embeds it; the transports (weights.registry)
 read it on both sides. `upgrade_learner` turns the old flat keys of `[learner]` into this table.
 """
 

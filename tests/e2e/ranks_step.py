@@ -29,10 +29,10 @@ def step_samples():
 def main(model_dir: str, zero: int, out: str) -> None:
     import torch
 
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.trainer import Trainer
 
-    cfg = LearnerConfig(model=model_dir, zero_stage=zero, lr=1e-3, kl_coef=0.0, micro_batch_tokens=64,
+    cfg = LearnerConfig(zero_stage=zero, lr=1e-3, kl_coef=0.0, micro_batch_tokens=64,
                         logit_chunk_tokens=8, dtype="float32")
     trainer = Trainer(cfg, model_dir)
     stats = trainer.train_step(step_samples())

@@ -50,7 +50,7 @@ def start_figures(model_dir, zero: int, dtype_name: str, lengths=LENGTHS) -> dic
     policy to reference as the step reports it, and whether lm_head is still the embedding."""
     import torch
 
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.grpo import kl_k3
     from learner.logprobs import token_logprobs
     from learner.packing import build_batch
@@ -63,7 +63,7 @@ def start_figures(model_dir, zero: int, dtype_name: str, lengths=LENGTHS) -> dic
     samples = trajectories(AutoConfig.from_pretrained(model_dir).vocab_size, lengths)
     # before the Trainer: while a ZeRO-3 Trainer lives, from_pretrained partitions what it loads
     plain = plain_logprobs(model_dir, samples, dtype, device)
-    trainer = Trainer(LearnerConfig(model=str(model_dir), zero_stage=zero, kl_coef=0.001, dtype=dtype_name,
+    trainer = Trainer(LearnerConfig(zero_stage=zero, kl_coef=0.001, dtype=dtype_name,
                                     logit_chunk_tokens=64), model_dir)
     try:
         batch = build_batch(samples, trainer.device)

@@ -23,9 +23,9 @@ from engines.backend import open_engine
 from engines.config import EngineConfig
 from tasks.data import load_items, task_from_item
 from actors.sim import FALLBACK_MESSAGE
-from deploy.config import load_config
+from config.run import load_config
 from deploy.natsserver import NatsServer
-from learner.config import RolloutConfig
+from config.learner import RolloutConfig
 from protocol import arrays, codec, topology
 from protocol.bus import publish
 from protocol.connect import connect

@@ -82,13 +82,12 @@ def test_trainer_packs_what_it_would_save(tiny_model, zero_stage):
     tensors save_weights writes, and the announced checksums are those of the buffer."""
     import torch
 
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.trainer import Trainer
     from weights import cuda_ipc
     from weights.config import CudaIpcWeights
 
-    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=zero_stage, kl_coef=0.0,
-                                    weights=CudaIpcWeights()), tiny_model)
+    trainer = Trainer(LearnerConfig(zero_stage=zero_stage, kl_coef=0.0, weights=CudaIpcWeights()), tiny_model)
     try:
         expected = trainer.hf_state_dict()
         ipc = trainer.pack_weights(1)

@@ -165,7 +165,7 @@ def test_expected_interactivity_reply_carries_the_judges_distribution(ctx):
     from engines.backend import LocalBackend
     from protocol.messages import ChatMessage, JudgeRequest
     from rewards.metrics import INTERACTIVITY_KEYS
-    from scorer.config import JudgeConfig
+    from config.scorer import JudgeConfig
     from scorer.judge import Judge
 
     judge = Judge(LocalBackend(ctx.engine, ctx.tok, model_name="tiny", owns_engine=False),

@@ -22,7 +22,7 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
     from transformers import AutoTokenizer
 
     from engines.backend import LocalBackend
-    from actors.config import SimConfig
+    from config.actor import SimConfig
     from tasks.data import load_items
     from engines.engine import EngineSettings, PolicyEngine
     from actors.rollout import SimClient
@@ -32,7 +32,7 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
     from protocol.bus import publish
     from protocol.connect import connect
     from evaluation.benchmark import summarize, write_table
-    from scorer.config import JudgeConfig, ScorerConfig
+    from config.scorer import JudgeConfig, ScorerConfig
     from evaluation.runner import EvalServices, EvalSettings, Policy, parse_condition, run_eval
     from evaluation.evallog import read_records, read_stream, reweight, write_parquet
     from scorer.judge import Judge, judge_service

@@ -18,11 +18,11 @@ def test_the_benchmark_plays_hidden_goal_and_shows_its_columns(tiny_model):
     from transformers import AutoTokenizer
 
     from engines.engine import EngineSettings, PolicyEngine
-    from environments.config import EnvConfig
+    from config.env import EnvConfig
     from evaluation.benchmark import summarize, to_markdown
     from evaluation.runner import Condition, EvalServices, EvalSettings, Policy, eval_items, run_eval
-    from learner.config import DataConfig
-    from scorer.config import ScorerConfig
+    from config.learner import DataConfig
+    from config.scorer import ScorerConfig
 
     env = EnvConfig(name="hidden_goal", options={"n_items": 20, "seed": 1}).load()
     _, held = eval_items(DataConfig(eval_fraction=0.2), None, env)

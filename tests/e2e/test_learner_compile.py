@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from learner import attention
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from learner.packing import build_batch
 from learner.trainer import compile_layers
 from tests.e2e.test_learner_attention import configs, logp_and_grads, packed_samples

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from learner.packing import Sample
 from learner.trainer import Trainer
 from learner.grpo import group_advantages
@@ -63,7 +63,7 @@ def params(trainer) -> dict[str, torch.Tensor]:
 def test_one_step_changes_every_parameter_and_weights_round_trip(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=2, lr=1e-3, kl_coef=0.01, micro_batch_tokens=64), tiny_model)
+    trainer = Trainer(LearnerConfig(zero_stage=2, lr=1e-3, kl_coef=0.01, micro_batch_tokens=64), tiny_model)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 2000, (PROMPT,), generator=gen).tolist() for _ in range(2)]
     ids, lps = sample(trainer.module, prompts, 4, gen)
@@ -98,7 +98,7 @@ def test_zero3_accumulates_exactly_and_exports(tiny_model, tmp_path):
     batch = samples_for(ids, lps, torch.tensor([[0.0, 1.0, 0.5, 0.2]]))
     expected_norm = whole_batch_grad_norm(tiny_model, batch)
 
-    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=3, lr=1e-3, kl_coef=0.0, micro_batch_tokens=30), tiny_model)
+    trainer = Trainer(LearnerConfig(zero_stage=3, lr=1e-3, kl_coef=0.0, micro_batch_tokens=30), tiny_model)
     try:
         first = trainer.hf_state_dict()
         stats = trainer.train_step(batch)
@@ -123,7 +123,7 @@ def test_zero3_accumulates_exactly_and_exports(tiny_model, tmp_path):
 
 def test_synthetic_reward_rises(tiny_model):
     """Reward = share of sampled tokens with id < 256 (~12% for the random toy model)."""
-    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=2, lr=1e-2, kl_coef=0.0), tiny_model)
+    trainer = Trainer(LearnerConfig(zero_stage=2, lr=1e-2, kl_coef=0.0), tiny_model)
     gen = torch.Generator().manual_seed(0)
     history = []
     for _ in range(16):
@@ -142,7 +142,7 @@ def test_synthetic_reward_rises(tiny_model):
 def test_a_step_with_a_non_finite_loss_is_not_applied(tiny_model, stage):
     """The last line of defence: a NaN advantage (a hostile reward that got past intake) makes the
     loss NaN; the step is skipped (weights and optimizer untouched) and reported, the next one trains."""
-    trainer = Trainer(LearnerConfig(model=str(tiny_model), zero_stage=stage, lr=1e-3, micro_batch_tokens=64), tiny_model)
+    trainer = Trainer(LearnerConfig(zero_stage=stage, lr=1e-3, micro_batch_tokens=64), tiny_model)
 
     def batch(adv):
         return [Sample(f"s{i}", [5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 1, 1], [0.0, 0.0, -1.0, -1.0, -1.0, -1.0], a)

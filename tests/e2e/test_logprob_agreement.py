@@ -128,7 +128,7 @@ def test_weights_written_by_the_learner_reload_into_vllm(vllm, learner_model, tm
 
 
 def test_at_temperature_07_the_learner_recomputes_the_distribution_vllm_sampled_from(vllm, learner_model):
-    """Training at actor.temperature = 0.7: vLLM's behaviour log-probs are of softmax(logits / 0.7),
+    """Training at actor.sampling.temperature = 0.7: vLLM's behaviour log-probs are of softmax(logits / 0.7),
     and so are the learner's for samples that carry temperature 0.7. The raw model's log-probs of
     the same tokens are far from them: a learner that ignored the temperature would fail here."""
     samples = vllm.conversations(seed=2000, temperature=0.7)

@@ -1,4 +1,4 @@
-"""The reference service ([learner] reference = "service") against the learner's own reference, on
+"""The reference service ([policy] reference = "service") against the learner's own reference, on
 the toy model in fp32 on CPU, real nats-server, real DeepSpeed:
 
 - the service's per-token log-probs, asked over the bus the way the scorer asks, equal what the
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from learner.packing import Sample, build_batch, pack_by_tokens
 from protocol import arrays, examples
 from protocol.connect import connect
@@ -28,7 +28,7 @@ from protocol.messages import AssistantTurn, JudgeReply, Scored, Trajectory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
-NAME = "toy"  # the [learner] model name the requests carry; the service holds this one
+NAME = "toy"  # the [policy] model name the requests carry; the service holds this one
 # Learner (packed, SDPA with a block-diagonal mask) vs service (one sequence per forward), fp32:
 # measured max 1.4e-6, mean 4.9e-8 on these 234 tokens; the bound asked of the service.
 LOGP_TOL = 1e-5
@@ -101,7 +101,7 @@ async def test_service_logprobs_equal_the_learners_own_reference(nc, nats_server
         with pytest.raises(ReferenceFailed, match="holds model 'toy', not 'other'"):
             await ReferenceClient(nc, model="other", timeout=60).logprobs(trajs[0])
 
-    cfg = LearnerConfig(model=str(tiny_model), kl_coef=0.01, micro_batch_tokens=64, logit_chunk_tokens=16)
+    cfg = LearnerConfig(kl_coef=0.01, micro_batch_tokens=64, logit_chunk_tokens=16)
     trainer = Trainer(cfg, tiny_model)
     assert trainer.reference is not None
     # every token after the first "trained", so the learner computes the reference log-prob of each
@@ -152,9 +152,8 @@ async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny
 
     def run(reference: str, kl_coef: float = 0.5):
         # kl_coef large enough that the KL term moves the second step's weights (checked below)
-        cfg = LearnerConfig(model=str(tiny_model), zero_stage=2, lr=1e-3, kl_coef=kl_coef, reference=reference,
-                            micro_batch_tokens=64)
-        trainer = Trainer(cfg, tiny_model)
+        cfg = LearnerConfig(zero_stage=2, lr=1e-3, kl_coef=kl_coef, micro_batch_tokens=64)
+        trainer = Trainer(cfg, tiny_model, reference=reference)
         loaded = trainer.reference is not None
         batch = samples(reference == "service")
         if reference == "service":
@@ -200,7 +199,7 @@ class JudgeDouble:  # test double: every verdict valid, no model
 
 async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc, js, nats_server, tiny_model):
     from protocol import bus, codec, topology
-    from scorer.config import ScorerConfig
+    from config.scorer import ScorerConfig
     from scorer.reference import ReferenceClient
     from scorer.scorer import Scorer
 

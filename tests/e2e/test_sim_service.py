@@ -15,7 +15,7 @@ import pytest
 
 from engines.backend import OpenAIBackend, make_backend
 from engines.config import EngineConfig
-from actors.config import SimConfig
+from config.actor import SimConfig
 from actors.sim import FALLBACK_MESSAGE, SIM_SCHEMA, Simulator
 from protocol import codec, topology
 from protocol.messages import ChatMessage, SimRequest
@@ -129,7 +129,7 @@ async def test_openai_backend_sends_a_json_schema_request(nc, monkeypatch):
     monkeypatch.setenv("SIM_TEST_KEY", "sk-test")
     cfg = SimConfig(backend="openai", base_url=f"http://127.0.0.1:{server.server_port}/v1", model_name="Qwen/Qwen3.5-9B",
                     api_key_env="SIM_TEST_KEY", max_tokens=64, temperature=0.3,
-                    engine=EngineConfig(chat_template_kwargs={"enable_thinking": False}))
+                    engine=EngineConfig(template_kwargs={"enable_thinking": False}))
     backend = make_backend(cfg)
     assert isinstance(backend, OpenAIBackend)
     service = Simulator(backend, cfg).service(nc)

@@ -89,7 +89,7 @@ def cluster_for(root, model: str) -> Cluster:
         # judge temperature 1: the toy judge's verdicts vary, so groups carry a GRPO signal
         *engine("judge.engine", 1536), "judge.max_tokens=256", "judge.temperature=1.0",
         "scorer.judge_timeout_s=20", "scorer.retry_delay_s=1", "scorer.retry_max_delay_s=4",
-        f'learner.model="{model}"', f"learner.steps={STEPS}", "learner.checkpoint_every=3",
+        f'policy.model="{model}"', f"learner.steps={STEPS}", "learner.checkpoint_every=3",
         "learner.groups_per_step=2", "learner.max_staleness=2", 'learner.stale_policy="correct"',
         # longer than the simulator outage and its restart: the groups it interrupts are waited for, not timed out
         "learner.group_timeout_s=900", "learner.micro_batch_tokens=512",

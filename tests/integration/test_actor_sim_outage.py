@@ -12,7 +12,7 @@ import types
 import pytest
 
 from actors.actor import Actor
-from deploy.config import RunConfig
+from config.run import RunConfig
 from protocol import codec, topology
 from protocol.bus import PullWorker, publish
 from protocol.messages import ChatMessage, SimReply, Task

@@ -343,7 +343,7 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
 
 async def test_services_may_answer_for_as_long_as_the_config_lets_requesters_wait(tmp_path, caplog):
     from deploy.permissions import response_window_s
-    from deploy.config import load_config
+    from config.run import load_config
 
     cfg = load_config(None, ["actor.sim_timeout_s=400", "scorer.judge_timeout_s=30"])
     assert response_window_s(cfg) >= 400
@@ -424,7 +424,7 @@ async def test_tls_with_role_users(tmp_path, monkeypatch):
 
 
 async def test_the_reference_service_answers_the_scorer_and_nobody_else_may_ask_or_serve(secured, caplog):
-    """[learner] reference = "service": the reference user serves its model's subject and
+    """[policy] reference = "service": the reference user serves its model's subject and
     answers the scorer; an actor may not ask it, and the judge user may not serve it."""
     from protocol.messages import ReferenceReply, ReferenceRequest
 

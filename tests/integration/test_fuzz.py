@@ -149,7 +149,7 @@ async def system(tmp_path_factory, tiny_model):
         "scorer": (["scorer", "--run", RUN, "--id", "scorer-f"],
                    ["scorer.retry_delay_s=1", "scorer.retry_max_delay_s=2", "scorer.judge_timeout_s=60"]),
         "learner": (["learner", "--run", LRUN],
-                    [f'learner.model="{model}"', "rollout.n=2", "learner.groups_per_step=1",
+                    [f'policy.model="{model}"', "rollout.n=2", "learner.groups_per_step=1",
                      "learner.micro_batch_tokens=256", "learner.steps=0", f'run.dir="{root / "learner"}"']),
     }
     for name, (argv, sets) in roles.items():

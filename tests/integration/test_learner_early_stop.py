@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from deploy.config import RunConfig
-from learner.config import LearnerConfig, RolloutConfig
+from config.run import RunConfig
+from config.learner import LearnerConfig, RolloutConfig
 from protocol import topology
 from protocol.bus import publish
 from evaluation.selection import select_best

@@ -14,9 +14,9 @@ import time
 import msgspec
 import pytest
 
-from deploy.config import RunConfig
+from config.run import RunConfig
 from learner.checkpoint import read_state
-from learner.config import LearnerConfig, RolloutConfig
+from config.learner import LearnerConfig, RolloutConfig
 from protocol import codec, topology
 from protocol.bus import Poison, PullWorker, publish
 from protocol.messages import AssistantTurn, ChatMessage, Scored, Task, Trajectory

@@ -95,9 +95,9 @@ async def test_a_step_the_trainer_skips_is_dead_lettered_and_training_goes_on(js
     are final in the ledger as "nonfinite", no step or version is counted for it, and later groups train."""
     import asyncio
 
-    from deploy.config import RunConfig
+    from config.run import RunConfig
     from learner.checkpoint import read_state
-    from learner.config import LearnerConfig, RolloutConfig
+    from config.learner import LearnerConfig, RolloutConfig
     from learner.service import Learner
     from tests.integration.test_learner_early_stop import TrainerDouble
 

@@ -1,4 +1,4 @@
-"""[learner] reference = "service" at the learner's intake, in process with a test-double trainer
+"""[policy] reference = "service" at the learner's intake, in process with a test-double trainer
 (real nats-server): a Scored without reference log-probs, with too few, a NaN or a positive one is
 dead-lettered with the reason, its group never trains, and the honest groups reach the trainer with
 their reference log-probs in Sample.ref, token for token."""
@@ -43,17 +43,18 @@ class RecordingTrainerDouble(TrainerDouble):  # test double: keeps the samples o
 
 
 async def test_scored_with_bad_reference_logprobs_is_dead_lettered(js, nc, toy, tmp_path):
-    from deploy.config import RunConfig
-    from learner.config import LearnerConfig, RolloutConfig
+    from config.run import RunConfig
+    from config.learner import LearnerConfig, RolloutConfig
+    from config.policy import PolicySection
     from learner.service import Learner
 
     model_path, tok, model = toy
     base = tmp_path / "base"
     base.mkdir()
     (base / "config.json").write_text((model_path / "config.json").read_text())
-    cfg = RunConfig(bus=BUS, rollout=RolloutConfig(n=N),
+    cfg = RunConfig(bus=BUS, rollout=RolloutConfig(n=N), policy=PolicySection(reference="service"),
                     learner=LearnerConfig(steps=STEPS, groups_per_step=1, max_staleness=STEPS, ledger_flush_s=0.5,
-                                          reference="service", kl_coef=0.001))
+                                          kl_coef=0.001))
     cfg.run.name, cfg.run.dir = RUN, str(tmp_path / "run")
     await topology.ensure_topology(js, RUN, BUS)
 

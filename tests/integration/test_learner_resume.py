@@ -71,7 +71,7 @@ def toy(tiny_model):
 
 def start_learner(url: str, run: str, run_dir: Path, model: Path, log: Path, resume: bool = False) -> subprocess.Popen:
     sets = [
-        f'run.dir="{run_dir}"', f'learner.model="{model}"', f"rollout.n={N}", f"learner.groups_per_step={GROUPS_PER_STEP}",
+        f'run.dir="{run_dir}"', f'policy.model="{model}"', f"rollout.n={N}", f"learner.groups_per_step={GROUPS_PER_STEP}",
         'learner.stale_policy="correct"', "learner.lr=1e-4", "learner.micro_batch_tokens=256", f"bus.ack_wait_s={BUS.ack_wait_s}",
         f"bus.max_bytes={BUS.max_bytes}",
         "learner.ledger_flush_s=0.5",

@@ -28,7 +28,7 @@ GROUPS_PER_STEP, STEPS, EVERY = 2, 4, 2  # checkpoints after steps 2 and 4; the 
 
 def start(url: str, run: str, run_dir: Path, model: Path, log: Path, resume: bool = False) -> subprocess.Popen:
     sets = [
-        f'run.dir="{run_dir}"', f'learner.model="{model}"', f"rollout.n={N}", f"learner.groups_per_step={GROUPS_PER_STEP}",
+        f'run.dir="{run_dir}"', f'policy.model="{model}"', f"rollout.n={N}", f"learner.groups_per_step={GROUPS_PER_STEP}",
         f"learner.checkpoint_every={EVERY}", "learner.max_staleness=1", 'learner.stale_policy="correct"',
         "learner.lr=1e-3", "learner.micro_batch_tokens=256", 'learner.dtype="float32"', "learner.ledger_flush_s=0.5",
         "learner.eval_every=0", f"bus.ack_wait_s={BUS.ack_wait_s}", f"bus.max_bytes={BUS.max_bytes}",

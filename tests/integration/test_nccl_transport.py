@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from deploy.config import ConfigError, load_config
+from config.run import ConfigError, load_config
 from weights.config import NcclWeights
 from weights.cuda_ipc import IpcPublisher
 from weights.nccl import NcclSender, Receiver, parse_address

@@ -27,7 +27,7 @@ from deploy.natsserver import NatsServer
 from protocol import bus, codec, examples, topology
 from protocol.connect import connect
 from protocol.messages import ChatMessage, FutureRollout, Trajectory
-from scorer.config import JudgeConfig, ScorerConfig
+from config.scorer import JudgeConfig, ScorerConfig
 from scorer.judge import Judge, judge_service
 from rewards.reward import default_weights, total_reward
 from scorer.score import JudgeClient

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 from actors.rollout import SimClient, SimUnreachable
-from deploy.config import load_config
+from config.run import load_config
 from deploy.credentials import generate_credentials, server_auth_conf
 from deploy.natsserver import NatsServer
 from deploy.permissions import response_window_s

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from actors.actor import user_client
-from actors.config import ActorConfig
+from config.actor import ActorConfig
 from actors.rollout import PolicySettings, SimClient, run_conversation
-from deploy.config import load_config
+from config.run import load_config
 from environments.base import LocalUser
 from environments.hidden_goal import Goal
 from tests.unit.test_env_hidden_goal import ScriptedEngine  # the scripted policy double

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench import env_learning
-from deploy.config import ConfigError, check_training, default_config_path, load_config
+from config.run import ConfigError, check_training, default_config_path, load_config
 
 
 def test_the_benchmarks_overrides_are_a_run_that_trains_at_its_temperature():
@@ -18,14 +18,14 @@ def test_the_benchmarks_overrides_are_a_run_that_trains_at_its_temperature():
     check_training(cfg)
     assert cfg.env.name == "hidden_goal"
     assert cfg.env.options == {"n_items": 120, "seed": 1, "nudge": "slots", "answer": "mentions"}
-    assert (cfg.actor.temperature, cfg.learner.lr, cfg.learner.kl_coef, cfg.data.split_seed) == (0.7, 1e-4, 0.0, 1)
+    assert (cfg.actor.sampling.temperature, cfg.learner.lr, cfg.learner.kl_coef, cfg.data.split_seed) == (0.7, 1e-4, 0.0, 1)
     assert cfg.learner.eval_metric == "goal_match" and cfg.learner.checkpoint_every == 15
     assert env_learning.parse_args(["--temperature", "1.0", "--train-temperature", "0.7"]).temperature == 1.0
 
 
 def test_a_greedy_training_temperature_is_refused_before_any_work():
     args = env_learning.parse_args(["--train-temperature", "0"])
-    with pytest.raises(ConfigError, match="actor.temperature=0.0: training needs a temperature > 0"):
+    with pytest.raises(ConfigError, match="actor.sampling.temperature=0.0: training needs a temperature > 0"):
         check_training(load_config(default_config_path(), env_learning.overrides(args, seed=0)))
 
 
@@ -47,8 +47,9 @@ def test_the_benchmarks_defaults_train_what_parley_up_env_hidden_goal_trains():
         "env": ("name", "options"),
         "data": ("eval_fraction", "split_seed"),
         "rollout": ("n", "max_tokens", "max_new_turns"),
-        "actor": ("temperature", "top_p"),
-        "learner": ("steps", "groups_per_step", "lr", "kl_coef", "model", "seed"),
+        "actor": ("sampling",),
+        "policy": ("model",),
+        "learner": ("steps", "groups_per_step", "lr", "kl_coef", "seed"),
     }.items():
         for key in keys:
             if (section, key) == ("learner", "steps"):

@@ -40,7 +40,7 @@ def test_tasks_start_from_scratch_with_condition_free_ids():
 
 
 def test_eval_items_against_training_data(tmp_path):
-    from learner.config import DataConfig
+    from config.learner import DataConfig
     from evaluation.runner import eval_items
     from evaluation.leakage import LeakageError, guard_overlap
 

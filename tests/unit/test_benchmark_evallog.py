@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from deploy.cli import app
 from protocol import arrays
 from protocol.messages import AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, JudgeReply, Scored, Trajectory
-from scorer.config import ScorerConfig
+from config.scorer import ScorerConfig
 from evaluation.evallog import from_scored, read_log, read_records, rejudge, reweight, write_jsonl, write_parquet
 from rewards.metrics import bleu, char_bleu
 
@@ -159,7 +159,7 @@ class ThreeLevelFakeJudge(FakeJudge):
 
 
 async def test_rejudge_with_the_collabllm_scoring():
-    from scorer.config import SCORING_VARIANTS
+    from config.scorer import SCORING_VARIANTS
 
     recs = [eval_record("base", k) for k in range(2)]
     out = await rejudge(recs, ThreeLevelFakeJudge(), ScorerConfig(**SCORING_VARIANTS["collabllm"]))

@@ -15,35 +15,36 @@ REPO = Path(__file__).resolve().parents[2]
 # (argv after `parley`, fragments the one stderr line must contain)
 CASES = [
     # config values, via --set
-    (["actor", "--set", "actor.concurrency=0"], ["concurrency=0", "$.actor", ">= 1"]),
-    (["learner", "--set", "learner.loss_agg=x"], ["loss_agg='x'", "$.learner", "token-mean", "seq-mean-token-sum"]),
-    (["learner", "--set", "learner.zero_stage=5"], ["zero_stage=5", "0, 1, 2 or 3"]),
+    (["actor", "--set", "actor.concurrency=0"], ["default.toml", "actor.concurrency = 0", "an int >= 1"]),
+    (["learner", "--set", "learner.loss_agg=x"], ["learner.loss_agg = 'x'", "token-mean", "seq-mean-token-sum"]),
+    (["learner", "--set", "learner.zero_stage=5"], ["learner.zero_stage = 5", "one of 0, 1, 2, 3"]),
     (["learner", "--set", "learner.transport=ftp"], ["transport='ftp'", "objstore", "shared_dir"]),
     (["learner", "--set", "learner.weights.kind=ftp"], ["kind='ftp'", "[learner.weights]", "objstore", "nccl"]),
-    (["learner", "--set", "learner.stale_policy=keep"], ["stale_policy='keep'", "drop", "correct"]),
+    (["learner", "--set", "learner.stale_policy=keep"], ["learner.stale_policy = 'keep'", "one of 'correct', 'drop'"]),
     (["scorer", "--set", "scorer.bleu_variant=foo"], ["bleu_variant='foo'", "sacrebleu", "char"]),
     (["scorer", "--set", "scorer.weights={fluency=1.0}"], ["'fluency'", "bleu", "interactivity", "token_amount"]),
-    (["judge", "--set", "judge.temperature=-1"], ["temperature=-1", "$.judge", ">= 0"]),
-    (["actor", "--set", "actor.engine.dtype=int8"], ["dtype='int8'", "$.actor.engine", "float32", "bfloat16"]),
-    (["actor", "--set", "rollout.n=1"], ["n=1", "$.rollout", ">= 2"]),
-    # a run that trains recomputes the distribution it sampled from (deploy.config.check_training)
-    (["learner", "--set", "actor.temperature=0"], ["actor.temperature=0", "temperature > 0", "greedy"]),
-    (["up", "--set", "actor.top_p=0.9"], ["actor.top_p=0.9", "top_p = 1.0", "actor.temperature"]),
-    (["learner", "--set", "actor.temperature=0.7", "--set", "learner.reference=service"],
-     ["actor.temperature=0.7", "learner.reference='service'", "raw model", "reference='local'"]),
-    (["scorer", "--set", "bus.replicas=2"], ["replicas=2", "$.bus", "1, 3 or 5"]),
-    (["actor", "--set", "bus.ack_wait_s=0"], ["ack_wait_s=0", "$.bus", "> 0"]),
-    (["actor", "--set", "actor.nope=1"], ["unknown field `nope`", "$.actor"]),
-    (["actor", "--set", "actor.concurrency=abc"], ["Expected `int`", "$.actor.concurrency"]),
+    (["judge", "--set", "judge.temperature=-1"], ["judge.temperature = -1", "a float >= 0.0", "0 is greedy"]),
+    (["actor", "--set", "actor.engine.dtype=int8"], ["actor.engine.dtype = 'int8'", "float32", "bfloat16"]),
+    (["actor", "--set", "rollout.n=1"], ["rollout.n = 1", "an int >= 2 and <= 1024", "GRPO needs a group"]),
+    # a run that trains recomputes the distribution it sampled from (config.run.check_training)
+    (["learner", "--set", "actor.sampling.temperature=0"], ["actor.sampling.temperature=0", "temperature > 0", "greedy"]),
+    (["up", "--set", "actor.sampling.top_p=0.9"], ["actor.sampling.top_p=0.9", "top_p = 1.0", "actor.sampling.temperature"]),
+    (["learner", "--set", "actor.sampling.temperature=0.7", "--set", "policy.reference=service"],
+     ["actor.sampling.temperature=0.7", "policy.reference='service'", "raw model", "reference='local'"]),
+    (["scorer", "--set", "bus.replicas=2"], ["bus.replicas = 2", "one of 1, 3, 5"]),
+    (["actor", "--set", "bus.ack_wait_s=0"], ["bus.ack_wait_s = 0", "a float > 0"]),
+    (["actor", "--set", "actor.nope=1"], ["actor.nope: unknown key", "[actor] has no 'nope'"]),
+    (["actor", "--set", "actor.concurrency=abc"], ["actor.concurrency = 'abc'", "expected an int >= 1, got `str`"]),
+    (["actor", "--set", "actor.sampling.top_p=2"], ["actor.sampling.top_p = 2", "a float > 0.0 and <= 1.0"]),
     (["actor", "--set", "actor"], ["'actor'", "section.key=value"]),
-    (["actor", "--run", "bad.name"], ["name='bad.name'", "$.run", "A-Z a-z 0-9 _ -"]),
+    (["actor", "--run", "bad.name"], ["run.name = 'bad.name'", "A-Z a-z 0-9 _ -"]),
     (["actor", "--config", "/nonexistent/parley.toml"], ["/nonexistent/parley.toml", "does not exist"]),
     # values given as options of a role command
-    (["sim", "--backend", "foo"], ["backend='foo'", "$.sim", "vllm", "openai"]),
+    (["sim", "--backend", "foo"], ["sim.backend = 'foo'", "one of 'openai', 'vllm'"]),
     (["sim", "--backend", "openai"], ["backend='openai'", "base_url"]),
     (["sim", "--backend", "openai", "--base-url", "http://127.0.0.1:9/v1"], ["sim.model_name", "--model-name"]),
-    (["sim", "--user-sim-prompt", "shouty"], ["prompt='shouty'", "lazy_full", "lazy_summary", "cooperative"]),
-    (["actor", "--concurrency", "0"], ["concurrency=0", ">= 1"]),
+    (["sim", "--user-sim-prompt", "shouty"], ["sim.prompt = 'shouty'", "lazy_full", "lazy_summary", "cooperative"]),
+    (["actor", "--concurrency", "0"], ["actor.concurrency = 0", ">= 1"]),
     (["actor", "--set", "actor.engine.model=no-such-model"], ["actor.engine.model='no-such-model'", "tiny", "smol"]),
     (["services", "--set", "sim.engine.model=tiny"], ["sim.engine.model='tiny'", "judge.engine.model='smol'"]),
     # option parsing itself (typer): one line too, naming the option
@@ -72,6 +73,16 @@ def test_bad_value_is_one_line_naming_the_field(argv, fragments):
     assert out.stdout == ""
 
 
+def test_a_key_of_an_earlier_release_is_read_under_its_new_name_and_the_warning_says_which():
+    """config.run.RENAMED: the old key works as the new one (here: its bad value fails the same way),
+    with one warning line naming the new key before the error line."""
+    out = parley("learner", "--set", "actor.temperature=0")
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 2, out.stderr
+    assert "actor.temperature is now actor.sampling.temperature" in lines[0]
+    assert "actor.sampling.temperature=0.0: training needs a temperature > 0" in lines[1]
+
+
 def test_bad_values_fail_before_heavy_imports():
     """The error comes from option parsing and config validation alone: no torch, vLLM or DeepSpeed."""
     code = (
@@ -93,9 +104,9 @@ def test_good_values_still_work():
     """The one-line error path does not swallow success, --help or a role's own exit code."""
     assert parley("actor", "--dry-run", "--set", "actor.concurrency=3").returncode == 0
     # an actor alone may sample otherwise: the eval fleet's actors play at the eval's temperature
-    assert parley("actor", "--dry-run", "--set", "actor.temperature=0.7").returncode == 0
+    assert parley("actor", "--dry-run", "--set", "actor.sampling.temperature=0.7").returncode == 0
     # and a run that trains may sample at 0.7: the learner recomputes softmax(logits / 0.7)
-    assert parley("learner", "--dry-run", "--set", "actor.temperature=0.7").returncode == 0
+    assert parley("learner", "--dry-run", "--set", "actor.sampling.temperature=0.7").returncode == 0
     assert parley("--help").returncode == 0
     # exit code 3 and the NATS URL when the server is unreachable (deploy.common.run_main)
     out = parley("scorer", "--nats", "nats://127.0.0.1:1", "--set", "nats.connect_timeout_s=1")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.config import ConfigError, convert_config, dump_config, load_config
+from config.run import ConfigError, convert_config, dump_config, load_config
 
 TINY = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "tiny.toml"
 
@@ -109,16 +109,16 @@ def test_up_with_env_alone_lays_the_environments_preset_over_the_default_and_set
 
     out = CliRunner().invoke(app, ["up", "--env", "hidden_goal", "--dry-run", "--set", "learner.lr=5e-5"])
     assert out.exit_code == 0, out.output
-    assert "environment hidden_goal's preset" in out.stderr and "actor.temperature=0.7" in out.stderr
+    assert "environment hidden_goal's preset" in out.stderr and "actor.sampling.temperature=0.7" in out.stderr
     dumped = tomllib.loads(out.stdout)
     assert dumped["env"]["options"] == {"n_items": 120, "seed": 0, "nudge": "slots", "answer": "mentions"}
-    assert dumped["actor"]["temperature"] == 0.7 and dumped["rollout"]["n"] == 8
+    assert dumped["actor"]["sampling"]["temperature"] == 0.7 and dumped["rollout"]["n"] == 8
     assert (dumped["learner"]["steps"], dumped["learner"]["eval_every"], dumped["learner"]["eval_items"]) == (15, 5, 24)
     assert dumped["learner"]["lr"] == 5e-5  # the user's --set, over the preset's 1e-4
     assert "learner.lr=1e-4" in PRESET
 
     plain = CliRunner().invoke(app, ["up", "--config", str(TINY), "--env", "hidden_goal", "--dry-run"])
-    assert "preset" not in plain.stderr and tomllib.loads(plain.stdout)["actor"]["temperature"] == 1.0
+    assert "preset" not in plain.stderr and tomllib.loads(plain.stdout)["actor"]["sampling"]["temperature"] == 1.0
 
     unknown = CliRunner().invoke(app, ["up", "--env", "no_such_env", "--dry-run"])
     assert unknown.exit_code == 2 and "--env no_such_env: unknown environment 'no_such_env'" in unknown.stderr

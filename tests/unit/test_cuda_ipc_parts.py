@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from protocol import codec
 from protocol.messages import CudaIpcBuffer, WeightVersion
 from weights import common, cuda_ipc, registry

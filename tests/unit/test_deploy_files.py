@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.config import convert_config, load_config
+from config.run import convert_config, load_config
 from deploy.credentials import K8S_SECRET, generate_credentials, k8s_secret
 from deploy.natsserver import server_binary
 from deploy.permissions import ROLES
@@ -267,8 +267,8 @@ def test_sbatch_passes_bash_n_and_starts_the_reference_layout():
 
 def test_reference_run_file_is_the_design_reference():
     cfg = load_config(DEPLOY / "configs" / "reference-8gpu.toml")
-    assert cfg.actor.engine.model.endswith("Qwen3-4B") and cfg.learner.model.endswith("Qwen3-4B")
-    assert cfg.actor.engine.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.actor.engine.model.endswith("Qwen3-4B") and cfg.policy.model.endswith("Qwen3-4B")
+    assert cfg.actor.engine.template_kwargs == {"enable_thinking": False}
     assert cfg.actor.engine.dtype == "bfloat16" and cfg.learner.dtype == "bfloat16"
     assert cfg.sim.backend == "openai" and cfg.judge.backend == "openai"
     assert "9B" in cfg.sim.model_name.upper() and "27B" in cfg.judge.model_name.upper()

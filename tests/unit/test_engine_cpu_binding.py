@@ -45,7 +45,7 @@ def test_a_bad_engine_count_names_the_variable():
 
 
 def test_parley_up_counts_the_engines_it_runs_at_once(tmp_path):
-    from deploy.config import load_config
+    from config.run import load_config
     from deploy.up import cpu_engines, plan_children
     from runtime.supervisor import Supervisor
 

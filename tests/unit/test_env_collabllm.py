@@ -1,6 +1,6 @@
 """CollabLLM medium as an environment changes nothing: its metrics, weights, data, split, tasks,
 overlap, simulator prompt and benchmark columns are the ones the roles use today, compared
-against the roles' own code (scorer.score, learner.config, evaluation.benchmark/selection)."""
+against the roles' own code (scorer.score, config.learner, evaluation.benchmark/selection)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import asyncio
 
 import pytest
 
-from deploy.config import load_config
+from config.run import load_config
 from environments.base import find_overlap, leaking
 from environments.collabllm import NAME, environment
-from learner.config import DataConfig, LearnerConfig, RolloutConfig
+from config.learner import DataConfig, LearnerConfig, RolloutConfig
 from protocol import examples
 from protocol.messages import ChatMessage, JudgeReply
 from rewards.reward import REWARD_METRICS, default_weights
-from scorer.config import ScorerConfig
+from config.scorer import ScorerConfig
 from scorer.score import score_trajectory
 from tasks import data as tasks_data
 

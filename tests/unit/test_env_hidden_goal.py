@@ -22,7 +22,7 @@ from environments.hidden_goal import (
     system_prompt,
     world,
 )
-from learner.config import DataConfig, RolloutConfig
+from config.learner import DataConfig, RolloutConfig
 from protocol.messages import ChatMessage, Trajectory
 from rewards.reward import total_reward
 

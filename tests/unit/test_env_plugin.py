@@ -13,7 +13,7 @@ from pathlib import Path
 
 from environments import registry
 from environments.base import Conversation, LocalUser
-from learner.config import DataConfig, RolloutConfig
+from config.learner import DataConfig, RolloutConfig
 from protocol.messages import ChatMessage, SimRequest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "data" / "parley_env_parrot"

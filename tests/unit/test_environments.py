@@ -27,7 +27,7 @@ from environments.base import (
     leaking,
     split_by_key,
 )
-from learner.config import DataConfig
+from config.learner import DataConfig
 from protocol.messages import ChatMessage, JudgeReply
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,7 +212,7 @@ def test_overlap_names_the_pairs_and_only_label_kinds_leak():
 def test_env_section_names_the_environment_and_its_options(this_checkout):
     import msgspec
 
-    from environments.config import EnvConfig
+    from config.env import EnvConfig
 
     assert EnvConfig().load().name == "collabllm_medium"
     cfg = msgspec.toml.decode(b'name = "hidden_goal"\noptions = { n_items = 12, seed = 4 }\n', type=EnvConfig)

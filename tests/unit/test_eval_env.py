@@ -15,9 +15,9 @@ import pytest
 from environments.hidden_goal import NAME, Goal, environment, final_answer, world
 from evaluation.benchmark import summarize, to_markdown
 from evaluation.runner import Condition, EvalServices, EvalSettings, Policy, make_tasks, run_eval
-from learner.config import DataConfig
+from config.learner import DataConfig
 from protocol.messages import ChatMessage, EvalRecord
-from scorer.config import ScorerConfig
+from config.scorer import ScorerConfig
 from tests.unit.test_environments import this_checkout  # noqa: F401  (fixture: this checkout's entry points)
 
 PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
@@ -229,12 +229,12 @@ def test_an_items_file_is_refused_for_a_seeded_environment():
 
 
 def test_periodic_eval_of_hidden_goal_stores_every_column_and_the_environment(tmp_path, this_checkout):
-    from deploy.config import RunConfig
-    from environments.config import EnvConfig
+    from config.run import RunConfig
+    from config.env import EnvConfig
     from evaluation.periodic import PeriodicEval
     from evaluation.selection import run_environment, select_best
     from learner import checkpoint as ckpt
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from tests.unit.test_periodic_eval import play
 
     base = tmp_path / "base"

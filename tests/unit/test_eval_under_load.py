@@ -25,7 +25,7 @@ from evaluation.runner import (
 )
 from protocol.bus import Retry
 from protocol.messages import JudgeReply, SimReply
-from scorer.config import ScorerConfig
+from config.scorer import ScorerConfig
 from scorer.score import JudgeFailed, JudgeUnavailable
 from tasks.data import load_items
 from tests.unit.test_rollout import EngineDouble

@@ -52,7 +52,7 @@ def test_task_ids_and_item_order_are_deterministic():
 
 def test_feeder_state_accounting(tmp_path):
     from tasks.data import load_items
-    from learner.config import RolloutConfig
+    from config.learner import RolloutConfig
 
     items = load_items()[:3]
     f = Feeder(None, "r1", items, RolloutConfig(n=3), max_staleness=0, groups_per_step=2, seed=1,
@@ -70,7 +70,7 @@ def test_feeder_state_accounting(tmp_path):
 
 
 def test_feeder_refuses_an_empty_split():
-    from learner.config import RolloutConfig
+    from config.learner import RolloutConfig
 
     with pytest.raises(ValueError, match="training split is empty"):
         Feeder(None, "r1", [], RolloutConfig(), max_staleness=1, groups_per_step=1)
@@ -80,7 +80,7 @@ def test_dropped_groups_give_their_slot_back_instead_of_shrinking_the_window():
     # Regression: counting dropped/skipped groups as consumed shrank the window for good and, at
     # max_staleness 0, one zero-advantage group stopped admission for the rest of the run.
     from tasks.data import load_items
-    from learner.config import RolloutConfig
+    from config.learner import RolloutConfig
 
     f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=2, seed=1,
                state=FeederState(next_index=2, in_flight={"r1-g000000": Issued(0.0, 0), "r1-g000001": Issued(0.0, 0)}))
@@ -92,7 +92,7 @@ def test_dropped_groups_give_their_slot_back_instead_of_shrinking_the_window():
 
 
 def test_overdue_lists_tasks_past_their_deadline_oldest_first():
-    from learner.config import RolloutConfig
+    from config.learner import RolloutConfig
     from tasks.data import load_items
 
     f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=2,
@@ -106,7 +106,7 @@ def test_overdue_lists_tasks_past_their_deadline_oldest_first():
 def test_a_run_of_n_steps_issues_no_group_its_last_step_will_not_train():
     # Before: at the last version the gate still admitted max_staleness+1 steps' worth of groups,
     # played beside the final eval and never trained (in `make run`: 4 of 12 groups).
-    from learner.config import RolloutConfig
+    from config.learner import RolloutConfig
     from tasks.data import load_items
 
     f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=1, groups_per_step=2, steps=3,

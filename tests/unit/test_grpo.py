@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learner.config import LOSS_AGG
+from config.learner import LOSS_AGG
 from learner.grpo import (
     aggregate,
     batch_loss,
@@ -230,7 +230,7 @@ def test_a_stale_group_is_trained_with_the_clipped_ratio_against_its_behaviour_l
       A = -1, r = 4   -> dual clip at 3:  loss  3,    gradient 0
     (The ratio against the learner's own detached log-probs, times min(r, 2), gave loss 0 and
     gradients (-1.6, -0.9, 0.5, 2) / 4: no trust region at all.)"""
-    from learner.config import LearnerConfig
+    from config.learner import LearnerConfig
     from learner.packing import Sample, build_batch
 
     up = Sample("up", [5, 6, 7], [0, 1, 1], [0.0, LOG(0.5), LOG(0.5)], advantage=1.0)

@@ -11,7 +11,8 @@ import pytest
 
 from actors.follow import MAX_WEIGHT_BYTES, announcement_problem
 from actors.rollout import check_task_limits
-from learner.config import RolloutConfig
+from config.learner import RolloutConfig
+from config.run import ConfigError, load_config
 from learner.groups import BadTrajectory, Grouper, check_hostile_values, check_trajectory
 from protocol import arrays, examples
 from protocol.bus import Poison
@@ -120,8 +121,10 @@ def test_absurd_task_sizes_are_poison_at_the_actor(field, value, needle):
 
 
 def test_the_feeder_config_is_held_to_the_same_task_bounds():
-    with pytest.raises(ValueError, match=f"n={TASK_MAX_N + 1} must be <= {TASK_MAX_N}"):
-        RolloutConfig(n=TASK_MAX_N + 1)
+    """[rollout] is decoded with the Task's bounds as constraints (config.learner.RolloutConfig)."""
+    with pytest.raises(ConfigError, match=rf"rollout.n = {TASK_MAX_N + 1}: expected an int >= 2 and <= {TASK_MAX_N}"):
+        load_config(None, [f"rollout.n={TASK_MAX_N + 1}"])
+    assert msgspec.convert({"n": TASK_MAX_N}, RolloutConfig).n == TASK_MAX_N
 
 
 @pytest.mark.parametrize("change, needle", [

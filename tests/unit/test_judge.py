@@ -9,7 +9,7 @@ import pytest
 
 from protocol import codec, topology
 from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
-from scorer.config import JudgeConfig
+from config.scorer import JudgeConfig
 import math
 
 from rewards.metrics import INTERACTIVITY_KEYS

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("actors", "scorer", "learner")
-NEUTRAL = ("engines", "weights", "tasks", "rewards", "runtime", "evaluation", "environments")
+NEUTRAL = ("config", "engines", "weights", "tasks", "rewards", "runtime", "evaluation", "environments")
 OURS = (*ROLES, *NEUTRAL, "protocol", "deploy")
 HEAVY = ("torch", "vllm", "deepspeed")  # none of these under protocol/
 TRANSPORT_NAMES = {"objstore", "shared_dir", "cuda_ipc", "nccl"}  # compared only inside weights/

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from deploy.config import load_config
+from config.run import load_config
 from environments import hidden_goal
 from evaluation.leakage import OVERLAP_FILE, LeakageError, guard_environment
 from learner import checkpoint as ckpt

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from deploy.config import RunConfig
+from config.run import RunConfig
 from learner import checkpoint as ckpt
-from learner.config import LearnerConfig
+from config.learner import LearnerConfig
 from evaluation.periodic import PeriodicEval, eval_argv, evaluated, model_dir
 from evaluation.evallog import write_parquet
 from tests.unit.test_select import version_records
@@ -72,7 +72,7 @@ def test_schedule_export_files_and_best_model(tmp_path):
 
     # version 0, every 2nd, and the last; the base model by name, later versions as exported checkpoints
     assert [j.version for j in double.jobs] == [0, 2, 4, 5]
-    assert double.jobs[0].model == cfg.learner.model
+    assert double.jobs[0].model == cfg.policy.model
     assert double.jobs[1].model == str(model_dir(run_dir, 2))
     assert all(evaluated(run_dir, v) for v in (0, 2, 4, 5))
     assert not any(evaluated(run_dir, v) for v in (1, 3))

@@ -1,4 +1,4 @@
-"""The reference log-probs a Scored carries for [learner] reference = "service": the learner's
+"""The reference log-probs a Scored carries for [policy] reference = "service": the learner's
 intake refuses missing, misaligned, non-finite and positive values with the reason; an old Scored
 without the field still decodes; a Sample's `ref` is gathered with its trained tokens."""
 
@@ -32,7 +32,7 @@ def test_good_reference_logprobs_pass_and_are_read_as_sent():
 
 
 @pytest.mark.parametrize("values,needle", [
-    (None, "no reference log-probs (ref_logp_f32) while learner.reference='service'"),
+    (None, "no reference log-probs (ref_logp_f32) while policy.reference='service'"),
     (GOOD[:-1], "5 reference log-probs for 6 tokens"),
     (GOOD + [-1.0], "7 reference log-probs for 6 tokens"),
     ([0.0, -1.0, math.nan, -1.0, -1.0, -1.0], "reference log-prob 2 is nan"),
@@ -75,7 +75,7 @@ def test_a_batch_gathers_the_reference_of_its_trained_tokens():
 
 def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
     from deploy.permissions import role_permissions
-    from deploy.config import load_config
+    from config.run import load_config
     from deploy.up import plan_children, ready_children
     from protocol import topology
     from protocol.messages import Heartbeat
@@ -84,7 +84,7 @@ def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
     sup = Supervisor(tmp_path)
     names = [name for name, _ in plan_children(load_config(), sup, tmp_path / "c.toml")]
     assert "reference" not in names
-    plan = dict(plan_children(load_config(None, ["learner.reference=service"]), sup, tmp_path / "c.toml"))
+    plan = dict(plan_children(load_config(None, ["policy.reference=service"]), sup, tmp_path / "c.toml"))
     assert plan["reference"][-4:] == ["--config", str(tmp_path / "c.toml"), "--id", "reference"]
     assert plan["reference"][plan["reference"].index("deploy.cli") + 1] == "reference"
     assert list(plan).index("reference") < list(plan).index("scorer-0")  # up before anyone asks it
@@ -95,7 +95,7 @@ def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
 
 
 def test_an_evals_scorer_asks_no_reference_service(tmp_path):
-    from deploy.config import load_config
+    from config.run import load_config
     from evaluation.fleet import scorer_args
 
     path = tmp_path / "run.toml"
@@ -103,5 +103,5 @@ def test_an_evals_scorer_asks_no_reference_service(tmp_path):
     args = scorer_args(["--config", str(path), "--set", 'run.name="r-eval"'], "base")
     assert args[0] == "scorer"
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
-    assert load_config(path).learner.reference == "service"
-    assert load_config(path, sets).learner.reference == "local"
+    assert load_config(path).policy.reference == "service"
+    assert load_config(path, sets).policy.reference == "local"

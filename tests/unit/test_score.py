@@ -8,7 +8,7 @@ import pytest
 
 from protocol import examples
 from protocol.messages import ChatMessage, FutureRollout, JudgeReply
-from scorer.config import ScorerConfig
+from config.scorer import ScorerConfig
 from rewards.metrics import bleu, char_bleu
 from rewards.reward import default_weights
 from scorer.score import JudgeFailed, JudgeUnavailable, Unscorable, conversations, score_trajectory
@@ -204,7 +204,7 @@ class ThreeLevelJudge(FakeJudge):
 
 
 async def test_collabllm_variant_uses_the_3level_judge_and_nltk_char_bleu():
-    from scorer.config import SCORING_VARIANTS
+    from config.scorer import SCORING_VARIANTS
 
     traj = _traj()
     judge = ThreeLevelJudge(0.5)

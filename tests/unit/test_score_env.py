@@ -10,7 +10,7 @@ from environments import hidden_goal
 from environments.base import JudgeMetric, PureMetric, Reward
 from protocol import examples
 from protocol.messages import ChatMessage, JudgeReply
-from scorer.config import ScorerConfig
+from config.scorer import ScorerConfig
 from scorer.score import JudgeFailed, Unscorable, score_trajectory
 
 PIZZA = hidden_goal.Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))

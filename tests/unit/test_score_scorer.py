@@ -9,7 +9,7 @@ import pytest
 
 from protocol import bus, codec, examples, topology
 from protocol.messages import JudgeReply
-from scorer.config import ScorerConfig
+from config.scorer import ScorerConfig
 from scorer.score import JudgeUnavailable
 from scorer.scorer import Scorer
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from engines.backend import BackendError
-from actors.config import SimConfig
+from config.actor import SimConfig
 from actors.sim import (
     FALLBACK_MESSAGE,
     SIM_SCHEMA,

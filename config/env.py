@@ -1,6 +1,6 @@
 """[env]: which environment a run trains, the one key every role resolves the same way.
 
-Decoded by deploy/config.py beside the roles' sections (RunConfig.env), which checks the other
+Decoded by config/run.py beside the roles' sections (RunConfig.env), which checks the other
 sections against the environment; each role calls `load()` at start, and the learner records
 `record()` (learner/envrecord.py). docs/environments.md, "How the roles use it".
 """

@@ -1,0 +1,38 @@
+"""Typed configuration of the rollout side: the policy/service engines, `parley actor` and `parley sim`.
+
+Sections [actor] and [sim] of the run file decode into these Structs (unknown keys rejected);
+the engine and backend Structs they hold live in engines/config.py, the sampling in protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, get_args
+
+import msgspec
+from msgspec import Meta
+
+from engines.config import EngineConfig, ServiceBackend
+from protocol.messages import Sampling
+
+SimPrompt = Literal["lazy_full", "lazy_summary", "cooperative"]
+SIM_PROMPTS = get_args(SimPrompt)
+
+
+class SimConfig(ServiceBackend, kw_only=True, forbid_unknown_fields=True):
+    """[sim]: the user-simulator service."""
+
+    prompt: SimPrompt = "lazy_full"  # default prompt variant when a request names none
+
+
+class ActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[actor]: a rollout actor."""
+
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    concurrency: Annotated[int, Meta(ge=1)] = 8  # conversations in flight
+    # the behaviour policy; training needs temperature > 0 and top_p = 1 (config.run.check_training)
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    sim_timeout_s: float = 180.0  # one simulator request
+    # While the simulator is unreachable a conversation waits for it (the task held, its deliveries
+    # not spent: a simulator restart can take minutes); after this long the task is dead-lettered.
+    sim_wait_s: Annotated[float, Meta(ge=0, description="0 gives a task up at the first outage")] = 900.0
+    weights_poll_s: float = 5.0  # poll the weights key as well as watching it

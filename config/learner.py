@@ -1,0 +1,134 @@
+"""Typed configuration of `parley learner` ([learner], with [learner.weights] from weights.config) and
+the training data ([data])."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, get_args
+
+import msgspec
+from msgspec import Meta
+
+from protocol.messages import TASK_MAX_FUTURES, TASK_MAX_N, TASK_MAX_NEW_TURNS
+from weights.config import ObjstoreWeights, WeightsConfig, upgrade_learner
+
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LOSS_AGG = get_args(LossAgg)
+Attention = Literal["auto", "sdpa", "varlen"]  # learner.attention
+ATTENTIONS = get_args(Attention)
+Compile = Literal["auto", "off", "layers"]  # learner.trainer.compile_layers
+Positive = Annotated[int, Meta(ge=1)]
+
+
+class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[data]: where tasks come from and how train/eval are split (per reference document)."""
+
+    path: str = "bundled"  # "bundled" or a CollabLLM parquet/jsonl file
+    eval_fraction: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.25
+    split_seed: int = 0
+    eval_path: str = ""  # a separate eval file instead of a split
+    allow_overlap: bool = False  # start even if train and eval share reference targets
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[rollout]: what each task asks of the actors."""
+
+    mode: Literal["conversation", "next_turn"] = "conversation"
+    # samples per task (GRPO group size). The upper bounds are the Task's: actors refuse tasks beyond
+    # them (actors.rollout.check_task_limits), so a run fails here, not there.
+    n: Annotated[int, Meta(ge=2, le=TASK_MAX_N, description="GRPO needs a group")] = 4
+    max_new_turns: Annotated[int, Meta(le=TASK_MAX_NEW_TURNS)] = 6
+    max_tokens: int = 256  # per assistant turn
+    sim_prompt: str = ""  # a named simulator prompt; "" = the environment's (config/run.py resolves it)
+    system_prompt: str = ""  # a file path or "" for none
+    futures: Annotated[int, Meta(le=TASK_MAX_FUTURES)] = 0  # next_turn: sampled futures per sample
+    future_turns: Annotated[int, Meta(le=TASK_MAX_NEW_TURNS)] = 2
+
+
+class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[learner]: feeder, grouping, GRPO, DeepSpeed, weights and checkpoints."""
+
+    steps: int = 3  # stop after this many optimizer steps (0 = run forever)
+    groups_per_step: Positive = 2
+    max_staleness: Annotated[int, Meta(ge=0)] = 1  # versions a group may lag behind the learner
+    # "correct": train it (the clipped ratio against its behaviour log-probs)
+    stale_policy: Literal["drop", "correct"] = "drop"
+    group_timeout_s: Annotated[float, Meta(gt=0)] = 1800.0  # a partial group is dropped after this
+    # An issued task that has not become a complete group this long after it was issued is given up
+    # (its admission slot freed, the reason in the ledger): the backstop for fates the DEAD stream
+    # does not tell (a letter that lost its payload or aged out). Counts learner uptime, across resumes.
+    task_deadline_s: float = 7200.0
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    kl_coef: float = 0.001  # low-variance (k3) KL to the frozen reference ([policy] reference says which)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 3.0
+    loss_agg: LossAgg = "token-mean"
+    scale_advantages: bool = True  # divide by the group std
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    grad_clip: float = 1.0
+    micro_batch_tokens: Positive = 4096  # token budget of a packed micro-batch
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    gradient_checkpointing: bool = False
+    # attention over packed micro-batches: auto = flash varlen on CUDA (SDPA if unusable), SDPA on CPU;
+    # sdpa = transformers' block-diagonal mask; varlen = per-sequence kernel (flash on CUDA, an SDPA call
+    # per sequence on CPU)
+    attention: Attention = "auto"
+    # torch.compile of each decoder layer (attention itself stays eager): auto = on CUDA with ZeRO 0-2,
+    # off on CPU and under ZeRO-3 (its parameter hooks run inside the layer); layers = always; off = never
+    compile: Compile = "auto"
+    publish_every: Positive = 1  # versions
+    keep_versions: Positive = 3
+    # how versions reach the actors: [learner.weights] kind = objstore | shared_dir | cuda_ipc | nccl
+    weights: WeightsConfig = msgspec.field(default_factory=ObjstoreWeights)
+    checkpoint_every: Positive = 1
+    seed: int = 0
+    # DeepSpeed checkpoints kept in the run dir (0 = all; export needs them)
+    keep_checkpoints: Annotated[int, Meta(ge=0, description="0 keeps all")] = 2
+    logit_chunk_tokens: Positive = 1024  # trained positions per lm_head chunk (bounds fp32 logits memory)
+    # while waiting for data, record newly received samples this often, then ack
+    ledger_flush_s: Annotated[float, Meta(gt=0)] = 2.0
+    # Periodic eval on the held-out split (evaluation.periodic): version 0, every eval_every-th version
+    # and the last one are played by `parley eval` through the sim/judge services; 0 = off.
+    eval_every: Annotated[int, Meta(ge=0, description="0 = off")] = 0
+    eval_items: Annotated[int, Meta(ge=0)] = 4  # held-out items per eval (0 = the whole eval split)
+    # names the best version and drives early_stop: one of the environment's selectable eval columns
+    # (collabllm_medium: bleu | interactivity | mr); "" = the environment's choice (config/run.py)
+    eval_metric: str = ""
+    early_stop: bool = False  # stop training when eval_metric regresses significantly
+    early_stop_alpha: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.05  # one-sided paired t test level of that regression
+    eval_wait_s: float = 3600.0  # after the last step, how long to wait for the queued evals
+
+    def __post_init__(self) -> None:
+        from evaluation.selection import REWARD_REFUSED, TRAINING_REWARD_NAMES
+
+        if self.eval_metric.lower() in TRAINING_REWARD_NAMES:  # whatever the environment, with the reason
+            raise ValueError(f"eval_metric {self.eval_metric}: {REWARD_REFUSED}")
+        if self.eval_every > 0 and self.eval_every % self.publish_every:
+            raise ValueError(
+                f"eval_every={self.eval_every} must be a multiple of publish_every={self.publish_every}: "
+                "only published versions are kept for export to the eval"
+            )
+        if self.early_stop and self.eval_every == 0:
+            raise ValueError("early_stop = true needs eval_every > 0 (it acts on the periodic eval)")
+        if self.task_deadline_s < self.group_timeout_s:
+            raise ValueError(
+                f"task_deadline_s={self.task_deadline_s} must be >= group_timeout_s={self.group_timeout_s}: "
+                "the deadline counts from issue, the group timeout from the first sample, so a shorter "
+                "deadline would cut groups the timeout still waits for"
+            )
+        if self.publish_every > self.max_staleness + 1:
+            raise ValueError(
+                f"publish_every={self.publish_every} must be <= max_staleness + 1 = {self.max_staleness + 1}: "
+                "tasks are admitted on the announced version, so the learner could never get further ahead "
+                "than that and would stop; publish more often or raise max_staleness"
+            )
+
+
+def upgrade(data: dict) -> dict:
+    """A whole config file's tables with [learner]'s old flat weight keys moved into [learner.weights]
+    (weights.config.upgrade_learner): what config.run runs before validating."""
+    if isinstance(data.get("learner"), dict):
+        data = {**data, "learner": upgrade_learner(data["learner"])}
+    return data

@@ -1,0 +1,347 @@
+"""The run configuration: one TOML file with a section per role, decoded into typed Structs.
+
+Every `parley` command calls `load_config(path, overrides)`; each role's entry takes the RunConfig
+and reads its own sections and the shared ones ([run], [env], [nats], [bus], [policy]). Unknown
+keys are rejected with their path, bad values fail here (before any work) with one line naming the
+key, the value, what is allowed and the fix. Keys of earlier releases (RENAMED) are read under their
+new names. Overrides are dotted `section.key=value` strings (values parsed as TOML, else text).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import tomllib
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import msgspec.inspect as mi
+
+from config.actor import ActorConfig, SimConfig
+from config.env import EnvConfig
+from config.learner import DataConfig, LearnerConfig, RolloutConfig, upgrade
+from config.policy import PolicySection
+from config.scorer import JudgeConfig, ScorerConfig
+from environments import collabllm
+from environments.base import Environment, ProgrammaticUser
+from protocol.topology import RUN_NAME, BusSettings
+from runtime.toml import to_toml
+
+log = logging.getLogger("parley.config")
+
+
+class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[run]: identity and where files go."""
+
+    # run name: prefixes every subject, stream and bucket
+    name: Annotated[str, msgspec.Meta(pattern=RUN_NAME.pattern, description="use 1-64 of A-Z a-z 0-9 _ -")] = "local"
+    dir: str = ""  # run directory; "" = runs/<name>
+
+
+class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[nats]: how roles reach the bus."""
+
+    url: str = "nats://127.0.0.1:4222"  # comma-separated for a cluster
+    connect_timeout_s: float = 10.0  # first connect only; later drops reconnect forever
+    creds: str = ""  # .creds file (else PARLEY_NATS_CREDS)
+    ca_file: str = ""  # TLS CA (else PARLEY_NATS_CA)
+
+
+class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[up]: the local supervisor."""
+
+    actors: int = 1
+    scorers: int = 1
+    live: bool = True  # live terminal view (off when stdout is not a terminal)
+
+
+class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    policy: PolicySection = msgspec.field(default_factory=PolicySection)
+    nats: NatsSection = msgspec.field(default_factory=NatsSection)
+    bus: BusSettings = msgspec.field(default_factory=BusSettings)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
+    sim: SimConfig = msgspec.field(default_factory=SimConfig)
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
+    scorer: ScorerConfig = msgspec.field(default_factory=ScorerConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    up: UpSection = msgspec.field(default_factory=UpSection)
+
+    def __post_init__(self) -> None:
+        try:
+            resolve_environment(self)
+        except LookupError as e:  # an unknown or doubly registered name: a config error like any other
+            raise ValueError(str(e)) from None
+        if self.policy.reference == "service" and self.learner.kl_coef <= 0:
+            raise ValueError(
+                f"policy.reference='service' with learner.kl_coef={self.learner.kl_coef}: without a KL term no "
+                "reference is used; set learner.kl_coef > 0 or policy.reference = \"local\""
+            )
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"runs/{self.run.name}")
+
+
+def resolve_environment(cfg: RunConfig) -> Environment:
+    """Check the sections that name the environment's parts against it, and fill in what they leave
+    to it (each "" or {} below), so every role reads concrete values. Run once per decode: a dumped
+    config decodes to the same values.
+
+    - [scorer] weights {} = the environment's default weights; weights and clamps name its metrics.
+    - [scorer] bleu_variant, extract, interactivity are CollabLLM's scoring: they become the
+      collabllm_medium options (the one place a run sets them); another environment's reward has
+      its own options, and does not read them (so one file can serve either with --env).
+    - [rollout] sim_prompt "" = the environment's simulator prompt; a programmatic user takes none.
+    - [learner] eval_metric "" = the environment's `eval.select`; else one of its `eval.selectable`.
+    """
+    sc = cfg.scorer
+    if cfg.env.name == collabllm.NAME:
+        scoring = {k: getattr(sc, k) for k in collabllm.SCORING_OPTIONS}
+        for k, v in scoring.items():
+            if cfg.env.options.get(k, v) != v:
+                raise ValueError(f"env.options.{k}={cfg.env.options[k]!r} differs from scorer.{k}={v!r}; CollabLLM's "
+                                 f"scoring is set in [scorer] ({k} = ...): remove env.options.{k}")
+        cfg.env.options = {**cfg.env.options, **scoring}
+    env = cfg.env.load()
+    names = env.reward.names
+    for what, keys in (("weights", sc.weights), ("clamps", sc.clamps)):
+        unknown = [k for k in keys if k not in names]
+        if unknown:
+            raise ValueError(f"scorer.{what}: unknown reward metric {', '.join(map(repr, unknown))} for environment "
+                             f"{env.name!r}; its metrics are {list(names)}")
+    if not sc.weights:
+        sc.weights = env.reward.default_weights()
+    ro = cfg.rollout
+    if isinstance(env.user, ProgrammaticUser):
+        if ro.sim_prompt:
+            raise ValueError(f"rollout.sim_prompt={ro.sim_prompt!r}: environment {env.name!r} plays a programmatic "
+                             "user (no simulator), so it takes no simulator prompt; leave rollout.sim_prompt empty")
+    elif not ro.sim_prompt:
+        ro.sim_prompt = env.user.prompt
+    lc = cfg.learner
+    if not lc.eval_metric:
+        lc.eval_metric = env.eval.select
+    elif lc.eval_metric not in env.eval.selectable:
+        raise ValueError(f"learner.eval_metric={lc.eval_metric!r} is not a selectable metric of environment "
+                         f"{env.name!r}; use one of {list(env.eval.selectable)} (or \"\" for {env.eval.select!r})")
+    return env
+
+
+class ConfigError(ValueError):
+    """A bad config file or override; the message is one line naming the field."""
+
+
+# Keys of earlier releases -> where they live now. A file or --set that uses one still loads: the
+# key is moved once, here, before decoding (a warning names the new key); giving both is an error.
+RENAMED: dict[str, str] = {
+    "learner.model": "policy.model",
+    "learner.reference": "policy.reference",
+    "actor.temperature": "actor.sampling.temperature",
+    "actor.top_p": "actor.sampling.top_p",
+    **{f"{s}.engine.chat_template_kwargs": f"{s}.engine.template_kwargs" for s in ("actor", "sim", "judge")},
+}
+
+
+def renamed_key(key: str) -> str:
+    """`key` (dotted, maybe below a renamed key) under its current name."""
+    for old, new in RENAMED.items():
+        if key == old or key.startswith(old + "."):
+            return new + key[len(old):]
+    return key
+
+
+def translate(data: dict, source: str = "<config>") -> dict:
+    """Move every old key of `data` (a decoded TOML document) to its new name, in place."""
+    for old, new in RENAMED.items():
+        *old_parents, old_leaf = old.split(".")
+        node = data
+        for p in old_parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or old_leaf not in node:
+            continue
+        *new_parents, new_leaf = new.split(".")
+        target = data
+        for p in new_parents:
+            target = target.setdefault(p, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{source}: {'.'.join(new_parents)} must be a section (it holds {new}, "
+                                  f"the new name of {old})")
+        if new_leaf in target:
+            raise ConfigError(f"{source}: both {old} and {new} are set; {old} is the old name of {new}: keep only {new}")
+        target[new_leaf] = node.pop(old_leaf)
+        log.warning("%s: %s is now %s; read as such (rename it in the file)", source, old, new)
+    return data
+
+
+def _parse_value(text: str):
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # bare words are strings: actor.engine.model=smol
+
+
+def apply_override(data: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    key, _, text = override.partition("=")
+    new = renamed_key(key.strip())
+    if new != key.strip():
+        log.warning("--set %s: %s is now %s; read as such", override, key.strip(), new)
+    parts = new.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {p!r} is not a section")
+    node[parts[-1]] = _parse_value(text.strip())
+
+
+def default_config_path() -> Path:
+    return Path(str(resources.files("deploy") / "configs" / "default.toml"))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read `path` (default: the embedded default), apply overrides, validate."""
+    path = Path(path) if path else default_config_path()
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    translate(data, str(path))
+    for o in overrides or []:
+        apply_override(data, o)
+    return convert_config(data, source=str(path))
+
+
+def convert_config(data: dict, source: str = "<config>") -> RunConfig:
+    try:
+        data = upgrade(translate(data, source))  # old keys under their new names
+    except ConfigError:
+        raise
+    except ValueError as e:  # config.learner.upgrade: the old weights keys beside [learner.weights]
+        raise ConfigError(f"{source}: {e}") from None
+    try:
+        return msgspec.convert(data, RunConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(explain(e, data, source)) from None
+
+
+_STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\[\.\.\.\]")
+_BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+
+
+@cache
+def _run_type() -> mi.Type:
+    return mi.type_info(RunConfig)
+
+
+def explain(e: msgspec.ValidationError, data: dict, source: str) -> str:
+    """msgspec's message ("Expected `int` >= 2 - at `$.rollout.n`") as one line that also gives the
+    value, the whole allowed range and the field's hint: "FILE: rollout.n = 1: expected an int >= 2
+    and <= 1024 (GRPO needs a group)". Errors raised by a section's own checks pass unchanged."""
+    text, sep, at = str(e).rpartition(" - at `")
+    if not sep:
+        return f"{source}: {e}"
+    steps = [m.group(1) if m.group(1) is not None else (int(m.group(2)) if m.group(2) else None)
+             for m in _STEP.finditer(at.rstrip("`"))]
+    key = ".".join(str(s) if isinstance(s, str) else f"[{'...' if s is None else s}]" for s in steps)
+    key = key.replace(".[", "[")
+    if text.startswith("Object contains unknown field"):
+        field = text.split("`")[1]
+        return f"{source}: {key + '.' if key else ''}{field}: unknown key ([{key or 'the top level'}] has no {field!r})"
+    if not (text.startswith("Expected") or text.startswith("Invalid enum value")):
+        return f"{source}: {e}"  # a section's __post_init__ said what is wrong, and how to fix it
+    value, found = data, True
+    for s in steps:
+        try:
+            value = value[s]
+        except (KeyError, IndexError, TypeError):
+            found = False
+            break
+    typ, hint = _run_type(), ""
+    for s in steps:
+        typ, hint = _unwrap(typ, hint)
+        if isinstance(typ, mi.StructType) and isinstance(s, str):
+            typ = next((f.type for f in typ.fields if f.encode_name == s), None)
+        elif isinstance(typ, mi.DictType):
+            typ = typ.value_type
+        elif isinstance(typ, (mi.ListType, mi.TupleType)):
+            typ = typ.item_type if isinstance(typ, mi.ListType) else None
+        else:
+            typ = None
+        hint = ""
+    typ, hint = _unwrap(typ, hint)
+    allowed = _allowed(typ)
+    head = f"{source}: {key} = {value!r}" if found else f"{source}: {key}"
+    got = text.split(", got ", 1)[1] if ", got " in text else ""
+    what = f"expected {allowed}" if allowed else text[0].lower() + text[1:]
+    if got and allowed:
+        what += f", got {got}"
+    return f"{head}: {what}" + (f" ({hint})" if hint else "")
+
+
+def _unwrap(typ: Any, hint: str) -> tuple[Any, str]:
+    if isinstance(typ, mi.Metadata):
+        return typ.type, (typ.extra_json_schema or {}).get("description", hint)
+    return typ, hint
+
+
+def _allowed(typ: Any) -> str:
+    """What a value of `typ` may be, in words; "" when it says no more than its type."""
+    if isinstance(typ, mi.LiteralType):
+        return "one of " + ", ".join(map(repr, typ.values))
+    if isinstance(typ, (mi.IntType, mi.FloatType)):
+        name = "an int" if isinstance(typ, mi.IntType) else "a float"
+        bounds = [f"{op} {getattr(typ, k)}" for k, op in _BOUNDS if getattr(typ, k) is not None]
+        return " ".join([name, " and ".join(bounds)]) if bounds else f"`{'int' if name == 'an int' else 'float'}`"
+    if isinstance(typ, mi.StrType) and typ.pattern:
+        return f"a str matching {typ.pattern!r}"
+    return ""
+
+
+def check_training(cfg: RunConfig) -> None:
+    """Cross-section checks of a run that trains (`parley learner`, `parley up`), made at their start.
+
+    The actors record the log-prob of each sampled token under the distribution it was drawn from,
+    softmax(logits / temperature), and the learner recomputes that distribution from the trajectory's
+    temperature (engines/engine.py's docstring). It does not recompute a top-p cut, and a temperature
+    of 0 (greedy) has no distribution: the PPO ratio and the importance weights would be taken against
+    the wrong behaviour policy, silently. The reference service answers raw log-probs, which a KL to
+    a policy sampled at another temperature would mix with tempered ones. Not checked when the file
+    is loaded: an eval (whose actors sample at the eval's temperature, evaluation/fleet.py) trains
+    nothing and may sample as it likes.
+    """
+    a = cfg.actor.sampling
+    if not (0.0 < a.temperature < float("inf")):
+        raise ConfigError(
+            f"actor.sampling.temperature={a.temperature}: training needs a temperature > 0 (at 0 the policy is "
+            "greedy and no sampled token has a log-prob to train); set actor.sampling.temperature to 1.0 (the "
+            "default) or e.g. 0.7"
+        )
+    if a.top_p != 1.0:
+        raise ConfigError(
+            f"actor.sampling.top_p={a.top_p}: training needs top_p = 1.0 (the learner recomputes softmax(logits / "
+            "temperature), not a top-p cut, so the PPO ratio would be wrong); set actor.sampling.top_p=1.0 and lower "
+            "actor.sampling.temperature instead (an eval, which trains nothing, may sample with top-p)"
+        )
+    if a.temperature != 1.0 and cfg.learner.kl_coef > 0 and cfg.policy.reference == "service":
+        raise ConfigError(
+            f"actor.sampling.temperature={a.temperature} with policy.reference='service': the reference service "
+            "answers log-probs of the raw model, the policy's are at the actor's temperature; set "
+            "policy.reference='local' (the learner's own reference is taken at each sample's temperature), "
+            "learner.kl_coef=0 or actor.sampling.temperature=1.0"
+        )
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved configuration as TOML (what --dry-run prints and `up` writes per role)."""
+    return to_toml(cfg)
