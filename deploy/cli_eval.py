@@ -167,7 +167,8 @@ async def _replay(stop, cfg, records, stream, judge, baseline, out, scoring=None
         sc = cfg.scorer
         clamps = {k: (v[0], v[1]) for k, v in sc.clamps.items()}
         if judge:
-            from scorer.score import JudgeClient, JudgeFailed, JudgeUnavailable, Unscorable
+            from rollout.judge import JudgeClient, JudgeFailed, JudgeUnavailable
+            from rollout.score import Unscorable
 
             client = JudgeClient(nc, timeout=sc.judge_timeout_s, concurrency=sc.judge_concurrency)
             try:
@@ -280,18 +281,20 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
 
     from protocol.bus import Poison, Retry
     from evaluation.fleet import FleetError
-    from evaluation.runner import EvalServices, LocalJudge, LocalSim, NotScored, Policy, run_eval
+    from evaluation.runner import EvalServices, NotScored, Policy, run_eval
+    from rollout.judge import LocalJudge
+    from rollout.sim import LocalSim
     from evaluation.evallog import write_parquet
 
     env = env or cfg.env.load()
     nc = sim = judge = None
     closers = []
     if services in ("nats", "fleet"):
-        from actors.rollout import SimClient
+        from rollout.sim import SimClient
         from protocol import topology
         from protocol.bus import publish
         from protocol.connect import connect
-        from scorer.score import JudgeClient
+        from rollout.judge import JudgeClient
 
         nc = await connect(cfg.nats.url, name="parley-eval", first_timeout=cfg.nats.connect_timeout_s,
                            creds=cfg.nats.creds or None, ca_file=cfg.nats.ca_file or None)
@@ -368,7 +371,7 @@ async def _eval(stop, cfg, conds, held, settings, services, baseline, out, polic
             return 130
         try:
             records = work.result()
-        # Retry / Poison: the simulator service answered garbage or stayed unreachable (actors.rollout.SimClient)
+        # Retry / Poison: the simulator service answered garbage or stayed unreachable (rollout.sim.SimClient)
         except (FleetError, Retry, Poison) as e:
             if done:
                 write_parquet(done, Path(out) / "records.parquet")

@@ -28,7 +28,7 @@ from rewards.metrics import (
     token_amount,
 )
 from rewards.reward import default_weights, mr
-from tasks.data import SIM_PROMPT, Item, task_from_item, train_eval_items
+from tasks.data import SIM_PROMPT, Item, load_items, split_items, task_from_item, train_eval_items
 
 NAME = "collabllm_medium"
 
@@ -49,6 +49,15 @@ def _tokens_k(metrics: Mapping[str, float], record: Finished) -> float:
 
 def _mr(metrics: Mapping[str, float], record: Finished) -> float:
     return mr(metrics["bleu"], metrics["interactivity"], _tokens_k(metrics, record))
+
+
+def _items_file(data, path: str) -> tuple[list[Item], list[Item]]:
+    """`parley eval --items FILE`: the file's items, against the training data of [data] (only the
+    train side of a file that is split for training)."""
+    train = load_items(data.path)
+    if not data.eval_path:
+        train = split_items(train, data.eval_fraction, data.split_seed)[0]
+    return train, load_items(path)
 
 
 def _eval_task(item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, version: int,
@@ -104,7 +113,7 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
         name=NAME,
         description="CollabLLM medium: help a lazy user write a document (LLM simulator and judge)",
         tasks=TaskSource(train_eval=train_eval_items, task=task_from_item, leakage_keys=_leakage_keys,
-                         leaks=("reference",)),
+                         leaks=("reference",), items_file=_items_file),
         user=SimulatorUser(prompt=SIM_PROMPT),
         reward=Reward(metrics=(
             bleu,
@@ -112,6 +121,7 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
             PureMetric("token_amount", compute=lambda conv: token_amount(conv.assistant_tokens),
                        weight=weights["token_amount"]),
         ), document=_document),
+        scorer_options=SCORING_OPTIONS,
         eval=EvalProtocol(
             columns=("bleu", "interactivity", "tokens_k", "mr"),
             select="mr",

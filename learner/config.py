@@ -48,7 +48,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"mode={self.mode!r} not allowed; use conversation or next_turn")
         if self.n < 2:
             raise ValueError(f"n={self.n} must be >= 2 (GRPO needs a group)")
-        # Actors refuse tasks beyond these (actors.rollout.check_task_limits): fail here, not there.
+        # Actors refuse tasks beyond these (rollout.conversation.check_task_limits): fail here, not there.
         for name, most in (("n", TASK_MAX_N), ("max_new_turns", TASK_MAX_NEW_TURNS), ("futures", TASK_MAX_FUTURES),
                            ("future_turns", TASK_MAX_NEW_TURNS)):
             if getattr(self, name) > most:

@@ -1,6 +1,6 @@
 """Typed configuration of `parley judge` ([judge]) and `parley scorer` ([scorer]).
 
-Decoded by deploy/config.py; read by scorer/judge.py, scorer/scorer.py and scorer/score.py.
+Decoded by deploy/config.py; read by scorer/judge.py, scorer/scorer.py and rollout/score.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from actors.rollout import SimClient, SimUnreachable
+from rollout.sim import SimClient, SimUnreachable
 from deploy.auth import generate_credentials, response_window_s, server_auth_conf
 from deploy.config import load_config
 from deploy.natsserver import NatsServer

@@ -112,6 +112,9 @@ class FakeJudge:
 
     model = "fake-judge"
 
+    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        return await getattr(self, op)(messages, seed=seed)
+
     async def extract(self, messages, *, seed=0):
         doc = next(m.content for m in messages if m.role == "assistant")
         return JudgeReply(ok=True, document=doc, raw=doc, model=self.model)

@@ -26,7 +26,7 @@ from evaluation.runner import (
 from protocol.bus import Retry
 from protocol.messages import JudgeReply, SimReply
 from scorer.config import ScorerConfig
-from scorer.score import JudgeFailed, JudgeUnavailable
+from rollout.judge import JudgeFailed, JudgeUnavailable
 from tasks.data import load_items
 from tests.unit.test_rollout import EngineDouble
 
@@ -61,6 +61,9 @@ class JudgeDouble:
         self.calls += 1
         if self.unavailable is None or self.calls <= self.unavailable:
             raise JudgeUnavailable("judge on parley.svc.judge.extract did not answer within 300s")
+
+    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed=0):
         self._gate()

@@ -11,7 +11,8 @@ from protocol.messages import ChatMessage, FutureRollout, JudgeReply
 from scorer.config import ScorerConfig
 from rewards.metrics import bleu, char_bleu
 from rewards.reward import default_weights
-from scorer.score import JudgeFailed, JudgeUnavailable, Unscorable, conversations, score_trajectory
+from rollout.judge import JudgeFailed, JudgeUnavailable
+from rollout.score import Unscorable, conversations, score_trajectory
 
 REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shines below."
 
@@ -25,6 +26,9 @@ class FakeJudge:
         self.fail_op = fail_op
         self.unavailable = unavailable
         self.calls: list[tuple[str, int]] = []
+
+    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed=0):
         self.calls.append(("extract", len(messages)))
