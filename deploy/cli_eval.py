@@ -116,13 +116,14 @@ def replay_cmd(
 ) -> None:
     """Without --judge nothing is generated or judged: BLEU is recomputed from each stored document,
     interactivity and token counts are reused, and the reward column applies the weights."""
-    from scorer.config import SCORING_VARIANTS
-
     extra = [_weight_override(weights)] if weights else []
-    if scoring is not None:
-        if scoring not in SCORING_VARIANTS:
-            _fail("replay", f"--scoring {scoring!r} not allowed; use one of {', '.join(SCORING_VARIANTS)} (or leave it out for the config's [scorer])")
-        extra += [f'scorer.{k}="{v}"' for k, v in SCORING_VARIANTS[scoring].items()]
+    if scoring is not None:  # the run's environment names its variants
+        env = resolve(config, sets, nats=nats, run=run, extra=extra).env.load()
+        variants = env.scoring_variants
+        if scoring not in variants:
+            allowed = f"use one of {', '.join(variants)}" if variants else f"environment {env.name!r} names none"
+            _fail("replay", f"--scoring {scoring!r} not allowed; {allowed} (or leave it out for the config's [scorer])")
+        extra += [f'scorer.{k}="{v}"' for k, v in variants[scoring].items()]
     if bleu_variant:  # after --scoring: an explicit variant wins
         extra.append(f'scorer.bleu_variant="{bleu_variant}"')
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)

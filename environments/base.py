@@ -270,6 +270,8 @@ class Environment:
     # bleu_variant): deploy/config.py passes their values in as [env] options, so a run sets them in one
     # place, and a caller holding only a [scorer] section builds the reward it describes (default_scored_as).
     scorer_options: tuple[str, ...] = ()
+    # `parley replay --scoring NAME`: named sets of [scorer] settings (of scorer_options) to re-score a log by
+    scoring_variants: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.eval.columns if c not in self.reward.names and c not in self.eval.derived]

@@ -35,6 +35,12 @@ NAME = "collabllm_medium"
 # The options that say how CollabLLM is scored. A run sets them in [scorer] (bleu_variant, extract,
 # interactivity; `parley replay --scoring` names sets of them), and deploy/config.py passes them here.
 SCORING_OPTIONS = ("bleu_variant", "extract", "interactivity")
+# Named scoring variants (`parley replay --scoring NAME`): the [scorer] settings they fix. "collabllm" is
+# the paper's scoring: character BLEU as NLTK computes it, the 3-level interactivity judge, and the
+# document copied out by the judge. Token amount is the same in both (docs/rewards.md).
+SCORING_VARIANTS: dict[str, dict[str, str]] = {
+    "collabllm": {"bleu_variant": "char", "interactivity": "3level", "extract": "judge"},
+}
 
 
 def _leakage_keys(item: Item) -> Mapping[str, str]:
@@ -122,6 +128,7 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
                        weight=weights["token_amount"]),
         ), document=_document),
         scorer_options=SCORING_OPTIONS,
+        scoring_variants=SCORING_VARIANTS,
         eval=EvalProtocol(
             columns=("bleu", "interactivity", "tokens_k", "mr"),
             select="mr",

@@ -162,7 +162,7 @@ class ThreeLevelFakeJudge(FakeJudge):
 
 
 async def test_rejudge_with_the_collabllm_scoring():
-    from scorer.config import SCORING_VARIANTS
+    from environments.collabllm import SCORING_VARIANTS
 
     recs = [eval_record("base", k) for k in range(2)]
     out = await rejudge(recs, ThreeLevelFakeJudge(), ScorerConfig(**SCORING_VARIANTS["collabllm"]))

@@ -208,7 +208,7 @@ class ThreeLevelJudge(FakeJudge):
 
 
 async def test_collabllm_variant_uses_the_3level_judge_and_nltk_char_bleu():
-    from scorer.config import SCORING_VARIANTS
+    from environments.collabllm import SCORING_VARIANTS
 
     traj = _traj()
     judge = ThreeLevelJudge(0.5)
