@@ -210,7 +210,7 @@ def eval_cmd(
         held = held[:n_items] if n_items > 0 else held
         if not held:
             raise ValueError("no eval items: pass --items FILE, or set [data] eval_path or eval_fraction > 0")
-        # the learner's guard (learner.service): collabllm_medium's keys are its reference and prompt
+        # the learner's guard (learner.service), over the environment's leakage keys
         guard_environment(env.tasks, train, held, allow_overlap or cfg.data.allow_overlap, out)
     except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
         _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
