@@ -18,7 +18,8 @@ import time
 from collections import Counter
 
 from actors.follow import WeightFollower, WeightsBroken
-from actors.rollout import PolicySettings, SimClient, check_task, check_task_limits, run_conversation
+from rollout.conversation import PolicySettings, check_task, check_task_limits, run_conversation
+from rollout.sim import SimClient
 from environments.base import Environment, LocalUser, ProgrammaticUser
 from config.run import RunConfig
 from protocol import bus, status

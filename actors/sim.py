@@ -26,12 +26,9 @@ from config.actor import SimConfig
 from config.run import RunConfig
 from protocol import codec, topology
 from protocol.messages import ChatMessage, SimReply, SimRequest
+from rollout.sim import FALLBACK_MESSAGE
 
 log = logging.getLogger("parley.sim")
-
-# What the user "says" when the simulator failed: neutral, so the policy is neither helped nor
-# misled; the actor records its position in Trajectory.sim_fallbacks.
-FALLBACK_MESSAGE = "Please continue."
 
 SIM_SCHEMA = {
     "type": "object",

@@ -68,7 +68,7 @@ class ZeroCostPolicy:
 
 
 class ZeroCostSim:
-    """Test double for actors.rollout.SimClient: the user's opening message, at once."""
+    """Test double for rollout.sim.SimClient: the user's opening message, at once."""
 
     waits = 0  # requests that found the simulator unreachable: never here
 
@@ -77,8 +77,11 @@ class ZeroCostSim:
 
 
 class ZeroCostJudge:
-    """Test double for the judge (scorer.score.Judge): a fixed document and rubric levels that
+    """Test double for the judge (rollout.judge.Judge): a fixed document and rubric levels that
     vary with the seed (so groups have reward spread), at once."""
+
+    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed: int = 0) -> JudgeReply:
         return JudgeReply(ok=True, document="Dear team, the meeting moves to Friday at ten.", raw="{}", model="zero-cost-judge")
@@ -170,10 +173,10 @@ def run_config(run: str, model_dir: Path, bus, actor_slots: int, scorer_slots: i
 async def calibrate(tokenizer, model_dir: Path, target_bytes: int) -> tuple[int, int, int, int]:
     """Tokens per assistant turn so the encoded Trajectory is ~target_bytes; returns
     (tokens, trajectory bytes, scored bytes, task bytes), encoded exactly as the roles do."""
-    from actors.rollout import PolicySettings, run_conversation
+    from rollout.conversation import PolicySettings, run_conversation
     from protocol import codec
     from config.scorer import ScorerConfig
-    from scorer.score import score_trajectory
+    from rollout.score import score_trajectory
 
     policy = PolicySettings(max_model_len=1 << 22)
 

@@ -26,10 +26,10 @@ import time
 async def main() -> None:
     from config.run import load_config
     from engines.backend import LocalBackend, open_engine
-    from evaluation.runner import LocalJudge
     from protocol.messages import ChatMessage
     from rewards.extract import last_document
     from rewards.metrics import bleu, char_bleu
+    from rollout.judge import LocalJudge
     from scorer.judge import Judge
     from tasks.data import load_items
 
@@ -66,8 +66,8 @@ async def main() -> None:
 
     async def judged(item, msgs):
         ext, rub, three, expected = await asyncio.gather(
-            no_extract(msgs) if skip_extract else judge.extract(msgs), judge.interactivity(msgs),
-            judge.interactivity_3level(msgs), judge.interactivity_expected(msgs))
+            no_extract(msgs) if skip_extract else judge.ask("extract", msgs), judge.ask("interactivity", msgs),
+            judge.ask("interactivity_3level", msgs), judge.ask("interactivity_expected", msgs))
         det = last_document(msgs)
         return {
             "item": item.item_id,

@@ -34,7 +34,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     mode: Literal["conversation", "next_turn"] = "conversation"
     # samples per task (GRPO group size). The upper bounds are the Task's: actors refuse tasks beyond
-    # them (actors.rollout.check_task_limits), so a run fails here, not there.
+    # them (rollout.conversation.check_task_limits), so a run fails here, not there.
     n: Annotated[int, Meta(ge=2, le=TASK_MAX_N, description="GRPO needs a group")] = 4
     max_new_turns: Annotated[int, Meta(le=TASK_MAX_NEW_TURNS)] = 6
     max_tokens: int = 256  # per assistant turn

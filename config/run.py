@@ -25,7 +25,6 @@ from config.env import EnvConfig
 from config.learner import DataConfig, LearnerConfig, RolloutConfig, upgrade
 from config.policy import PolicySection
 from config.scorer import JudgeConfig, ScorerConfig
-from environments import collabllm
 from environments.base import Environment, ProgrammaticUser
 from protocol.topology import RUN_NAME, BusSettings
 from runtime.toml import to_toml
@@ -95,20 +94,14 @@ def resolve_environment(cfg: RunConfig) -> Environment:
     config decodes to the same values.
 
     - [scorer] weights {} = the environment's default weights; weights and clamps name its metrics.
-    - [scorer] bleu_variant, extract, interactivity are CollabLLM's scoring: they become the
-      collabllm_medium options (the one place a run sets them); another environment's reward has
-      its own options, and does not read them (so one file can serve either with --env).
+    - [scorer] keys the environment names as its scorer_options (CollabLLM's bleu_variant, extract,
+      interactivity) become its options (the one place a run sets them); another environment's
+      reward does not read them (so one file can serve either with --env).
     - [rollout] sim_prompt "" = the environment's simulator prompt; a programmatic user takes none.
     - [learner] eval_metric "" = the environment's `eval.select`; else one of its `eval.selectable`.
     """
     sc = cfg.scorer
-    if cfg.env.name == collabllm.NAME:
-        scoring = {k: getattr(sc, k) for k in collabllm.SCORING_OPTIONS}
-        for k, v in scoring.items():
-            if cfg.env.options.get(k, v) != v:
-                raise ValueError(f"env.options.{k}={cfg.env.options[k]!r} differs from scorer.{k}={v!r}; CollabLLM's "
-                                 f"scoring is set in [scorer] ({k} = ...): remove env.options.{k}")
-        cfg.env.options = {**cfg.env.options, **scoring}
+    cfg.env.options = cfg.env.scored_as(sc).options
     env = cfg.env.load()
     names = env.reward.names
     for what, keys in (("weights", sc.weights), ("clamps", sc.clamps)):

@@ -1,6 +1,6 @@
 """Typed configuration of `parley judge` ([judge]) and `parley scorer` ([scorer]).
 
-Decoded by config/run.py; read by scorer/judge.py, scorer/scorer.py and scorer/score.py.
+Decoded by config/run.py; read by scorer/judge.py, scorer/scorer.py and rollout/score.py.
 """
 
 from __future__ import annotations
@@ -13,13 +13,6 @@ from msgspec import Meta
 from engines.config import ServiceBackend
 from rewards.extract import EXTRACTORS
 from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
-
-# Named scoring variants (`parley replay --scoring NAME`): [scorer] settings they fix. "collabllm" is
-# the paper's scoring: character BLEU as NLTK computes it, the 3-level interactivity judge, and the
-# document copied out by the judge. Token amount is the same in both (docs/rewards.md).
-SCORING_VARIANTS: dict[str, dict[str, str]] = {
-    "collabllm": {"bleu_variant": "char", "interactivity": "3level", "extract": "judge"},
-}
 
 
 class JudgeConfig(ServiceBackend, kw_only=True, forbid_unknown_fields=True):

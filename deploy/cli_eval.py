@@ -1,12 +1,11 @@
 """`parley eval`, `parley replay`, `parley select` and `parley data check`: option parsing only. The work
-lives in evaluation/runner.py, evaluation/evallog.py, evaluation/benchmark.py, evaluation/selection.py and
-evaluation/leakage.py, imported when a command runs so that `parley --help` stays light. Registered by
-deploy/commands.py.
+lives in evaluation/commands.py (replay, eval local / nats / fleet), evaluation/runner.py,
+evaluation/evallog.py, evaluation/benchmark.py, evaluation/selection.py and evaluation/leakage.py,
+imported when a command runs so that `parley --help` stays light. Registered by deploy/commands.py.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -117,13 +116,14 @@ def replay_cmd(
 ) -> None:
     """Without --judge nothing is generated or judged: BLEU is recomputed from each stored document,
     interactivity and token counts are reused, and the reward column applies the weights."""
-    from config.scorer import SCORING_VARIANTS
-
     extra = [_weight_override(weights)] if weights else []
-    if scoring is not None:
-        if scoring not in SCORING_VARIANTS:
-            _fail("replay", f"--scoring {scoring!r} not allowed; use one of {', '.join(SCORING_VARIANTS)} (or leave it out for the config's [scorer])")
-        extra += [f'scorer.{k}="{v}"' for k, v in SCORING_VARIANTS[scoring].items()]
+    if scoring is not None:  # the run's environment names its variants
+        env = resolve(config, sets, nats=nats, run=run, extra=extra).env.load()
+        variants = env.scoring_variants
+        if scoring not in variants:
+            allowed = f"use one of {', '.join(variants)}" if variants else f"environment {env.name!r} names none"
+            _fail("replay", f"--scoring {scoring!r} not allowed; {allowed} (or leave it out for the config's [scorer])")
+        extra += [f'scorer.{k}="{v}"' for k, v in variants[scoring].items()]
     if bleu_variant:  # after --scoring: an explicit variant wins
         extra.append(f'scorer.bleu_variant="{bleu_variant}"')
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
@@ -144,64 +144,9 @@ def replay_cmd(
             records += read_records(path)
         except (FileNotFoundError, ValueError, TypeError) as e:
             _fail("replay", str(e))
-    run_async_main(_replay, cfg, records, stream, judge, baseline, out, scoring)
+    from evaluation.commands import replay
 
-
-async def _replay(stop, cfg, records, stream, judge, baseline, out, scoring=None) -> int:
-    from protocol.messages import EvalRecord
-    from evaluation.benchmark import METRICS, summarize, to_markdown, write_table
-    from evaluation.evallog import from_scored, read_stream, rejudge, reweight, stored_interactivity_scale, write_parquet
-
-    nc = None
-    if stream or judge:
-        from runtime.role import connect_nats
-
-        nc = await connect_nats(cfg.nats, name="parley-replay")
-    try:
-        if stream:
-            stored = await read_stream(nc.jetstream(), cfg.run.name, stream)
-            records += [r if isinstance(r, EvalRecord) else from_scored(r) for r in stored]
-        if not records:
-            typer.echo("parley replay: the logs hold no records", err=True)
-            return 2
-        sc = cfg.scorer
-        clamps = {k: (v[0], v[1]) for k, v in sc.clamps.items()}
-        if judge:
-            from scorer.score import JudgeClient, JudgeFailed, JudgeUnavailable, Unscorable
-
-            client = JudgeClient(nc, timeout=sc.judge_timeout_s, concurrency=sc.judge_concurrency)
-            try:
-                records = await rejudge(records, client, sc)
-            except (JudgeUnavailable, JudgeFailed, Unscorable) as e:
-                typer.echo(f"parley replay: {e}", err=True)
-                return 1
-        else:
-            try:
-                # A named variant fixes the scale; otherwise the stored ratings are reused on whatever scale they are.
-                records = reweight(records, sc.weights, clamps=clamps, bleu_variant=sc.bleu_variant,
-                                   interactivity=sc.interactivity if scoring else None)
-            except ValueError as e:
-                typer.echo(f"parley replay: {e}", err=True)
-                return 2
-    finally:
-        if nc is not None:
-            await nc.drain()
-    conditions = list(dict.fromkeys(r.condition for r in records))
-    try:
-        table = summarize(records, baseline or conditions[0], metrics=(*METRICS, "reward"))
-    except ValueError as e:
-        typer.echo(f"parley replay: {e}", err=True)
-        return 2
-    typer.echo(to_markdown(table))
-    weights = ", ".join(f"{k}={v:g}" for k, v in sc.weights.items())
-    scales = sc.interactivity if judge else "/".join(sorted({stored_interactivity_scale(r) for r in records}))
-    typer.echo(f"{len(records)} conversations, BLEU {sc.bleu_variant}, interactivity {scales}, "
-               f"reward weights {weights}, {'re-judged' if judge else 'stored verdicts'}")
-    if out:
-        paths = write_table(table, out)
-        paths["records"] = write_parquet(records, Path(out) / "records.parquet")
-        typer.echo("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    run_async_main(replay, cfg, records, stream, judge, baseline, out, scoring)
 
 
 def eval_cmd(
@@ -268,196 +213,32 @@ def eval_cmd(
         held = held[:n_items] if n_items > 0 else held
         if not held:
             raise ValueError("no eval items: pass --items FILE, or set [data] eval_path or eval_fraction > 0")
-        # the learner's guard (learner.service): collabllm_medium's keys are its reference and prompt
+        # the learner's guard (learner.service), over the environment's leakage keys
         guard_environment(env.tasks, train, held, allow_overlap or cfg.data.allow_overlap, out)
     except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
         _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
     setup_logging("eval")
-    run_async_main(_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out, policy_version, env)
+    from evaluation.commands import run_eval
+
+    run_async_main(run_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out, policy_version, env,
+                   _in_process(cfg))
 
 
-async def _eval(stop, cfg, conds, held, settings, services, baseline, out, policy_version=-1, env=None) -> int:
-    import asyncio
+def _in_process(cfg):
+    """The simulator and judge `--services local` runs in this process: the roles' own classes, built
+    here (evaluation/ imports no role) and only when a local engine is opened for them."""
+    from evaluation.commands import InProcess
 
-    import msgspec
-
-    from protocol.bus import Poison, Retry
-    from evaluation.fleet import FleetError
-    from evaluation.runner import EvalServices, LocalJudge, LocalSim, NotScored, Policy, run_eval
-    from evaluation.evallog import write_parquet
-
-    env = env or cfg.env.load()
-    nc = sim = judge = None
-    closers = []
-    if services in ("nats", "fleet"):
-        from actors.rollout import SimClient
-        from protocol import topology
-        from protocol.bus import publish
-        from runtime.role import connect_nats
-        from scorer.score import JudgeClient
-
-        nc = await connect_nats(cfg.nats, name="parley-eval")
-        js = nc.jetstream()
-        await topology.ensure_topology(js, cfg.run.name, cfg.bus)
-        # an environment without an LLM user or judge metrics asks no such service
-        if env.needs_simulator:
-            sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s, wait_s=cfg.actor.sim_wait_s)
-        if env.needs_judge:
-            judge = JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
-
-        async def publish_record(rec):
-            await publish(js, cfg.run.name, "eval", rec)
-    else:
-        from engines.backend import LocalBackend, make_backend
+    def simulator(backend):
         from actors.sim import Simulator
+
+        return Simulator(backend, cfg.sim)
+
+    def judge(backend):
         from scorer.judge import Judge
 
-        sim_backend = judge_backend = None
-        if env.needs_simulator:  # blocks while a local engine loads; none for a programmatic user
-            sim_backend = make_backend(cfg.sim)
-            closers.append(sim_backend.close)
-            sim = LocalSim(Simulator(sim_backend, cfg.sim))
-        if env.needs_judge:
-            if sim_backend is not None and cfg.judge.backend == cfg.sim.backend == "vllm" and cfg.judge.engine == cfg.sim.engine:
-                # One engine serves both roles when they name the same model and settings.
-                judge_backend = LocalBackend(sim_backend.engine, sim_backend.tokenizer, model_name=sim_backend.model_name,
-                                             template_kwargs=sim_backend.template_kwargs, owns_engine=False)
-            else:
-                judge_backend = make_backend(cfg.judge)
-                closers.append(judge_backend.close)
-            judge = LocalJudge(Judge(judge_backend, cfg.judge))
-        publish_record = None
+        return Judge(backend, cfg.judge)
 
-    async def open_policy(model: str) -> Policy:
-        from engines.backend import open_engine
-
-        # The policy engine takes the actor's engine settings with the condition's model or checkpoint.
-        engine, tokenizer, _ = open_engine(msgspec.structs.replace(cfg.actor.engine, model=model))
-
-        async def close():
-            await asyncio.to_thread(engine.shutdown)
-
-        return Policy(engine=engine, tokenizer=tokenizer, version=policy_version, close=close)
-
-    svc = EvalServices(open_policy=open_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
-                       template_kwargs=dict(cfg.actor.engine.template_kwargs), env=env)
-    done: list = []  # finished conversations, kept when the run is interrupted
-    missing: list[NotScored] = []  # per conversation: not played or not scored, and why
-
-    async def on_record(rec):
-        done.append(rec)
-        if publish_record is not None:
-            await publish_record(rec)
-
-    if services == "fleet":
-        work = asyncio.create_task(_fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record,
-                                          missing.append, env))
-    else:
-        if services == "nats" and sim is not None and judge is not None:  # the bounds slow services are waited for
-            typer.echo(f"parley eval: waits for the judge up to [scorer] judge_wait_s={cfg.scorer.judge_wait_s:.0f}s per "
-                       f"conversation ({settings.judge_attempts} verdicts at most), for the simulator {sim.attempts} x "
-                       f"[actor] sim_timeout_s={sim.timeout_s:.0f}s per message; what is still missing then is reported", err=True)
-        work = asyncio.create_task(run_eval(conds, held, settings, svc, on_record, missing.append))
-    stopped = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done() or stop.is_set():  # Ctrl-C / SIGTERM: keep what is finished, skip the table
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            if done:
-                path = write_parquet(done, Path(out) / "records.parquet")
-                typer.echo(f"parley eval: interrupted; {len(done)} finished conversations in {path}", err=True)
-            return 130
-        try:
-            records = work.result()
-        # Retry / Poison: the simulator service answered garbage or stayed unreachable (actors.rollout.SimClient)
-        except (FleetError, Retry, Poison) as e:
-            if done:
-                write_parquet(done, Path(out) / "records.parquet")
-            hint = "" if isinstance(e, FleetError) else "; is `parley sim` (or `parley services`) running on this NATS?"
-            typer.echo(f"parley eval: {e}{hint}", err=True)
-            return 1
-    finally:
-        stopped.cancel()
-        for close in closers:
-            await close()
-        if nc is not None:
-            await nc.drain()
-    return _report(records, missing, len(conds) * len(held) * settings.seeds, baseline, out, env)
+    return InProcess(simulator=simulator, judge=judge)
 
 
-def _report(records, missing, expected: int, baseline: str, out, env=None) -> int:
-    """Write the records, the per-conversation report of what was not scored, and the table of what was.
-    Exit 0 with a table (some conversations may be unscored, each named); 3 when nothing was scored:
-    no table then, and no traceback, only the reasons."""
-    from evaluation.benchmark import summarize, to_markdown, write_table
-    from evaluation.evallog import write_parquet
-    from evaluation.runner import write_unscored
-
-    out = Path(out)
-    path = write_parquet(records, out / "records.parquet") if records else None
-    report = write_unscored(missing, out)
-    scored = [r for r in records if r.metrics]
-    if missing:
-        typer.echo(f"parley eval: {expected - len(scored)} of {expected} conversations not scored ({report}):", err=True)
-        for m in missing:
-            typer.echo(f"  {m.describe()}", err=True)
-        if path is not None and len(scored) < len(records):
-            typer.echo(f"  the played ones can be scored later with `parley replay {path} --judge`", err=True)
-    if not scored:
-        typer.echo(f"parley eval: no conversation was scored, so there is no table; the reasons are above and in {report}", err=True)
-        return 3
-    try:
-        table = summarize(scored, baseline, env=env)
-    except ValueError as e:  # e.g. the baseline condition has no scored conversation
-        typer.echo(f"parley eval: no table: {e}", err=True)
-        return 3
-    paths = write_table(table, out)
-    typer.echo(to_markdown(table))
-    typer.echo(f"wrote {path}, {report}, " + ", ".join(str(p) for p in paths.values()))
-    return 0
-
-
-async def _fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record, on_missing, env=None) -> list:
-    """--services fleet: one condition after another, each through its own actor and scorer."""
-    import logging
-
-    from config.run import dump_config
-    from evaluation.fleet import FleetSettings, play_condition_fleet
-    from evaluation.runner import NotScored, make_tasks
-
-    log = logging.getLogger("parley.eval")
-    import msgspec
-
-    fleet_dir = Path(out) / "fleet"
-    fleet_dir.mkdir(parents=True, exist_ok=True)
-    config_path = fleet_dir / "config.toml"
-    # The actors sample as the in-process modes do: the eval's temperature, top_p, thinking and concurrency.
-    engine = msgspec.structs.replace(
-        cfg.actor.engine, template_kwargs={**cfg.actor.engine.template_kwargs, "enable_thinking": settings.enable_thinking})
-    actor = msgspec.structs.replace(cfg.actor, sampling=settings.sampling, concurrency=settings.concurrency,
-                                    engine=engine)
-    config_path.write_text(dump_config(msgspec.structs.replace(cfg, actor=actor)))
-    sim_model = cfg.sim.engine.model if cfg.sim.backend == "vllm" else cfg.sim.model_name
-    fs = FleetSettings(config_path=config_path, logs_dir=fleet_dir, sim_model=sim_model, policy_version=policy_version,
-                       env={"PARLEY_NATS_URL": cfg.nats.url})  # the URL this eval resolved, over any inherited one
-    tasks = make_tasks(held, settings, env)
-    records = []
-    for cond in conds:
-        t0 = time.perf_counter()
-        recs, lost = await play_condition_fleet(nc, js, cfg, cond, tasks, fs, stop, on_record)
-        log.info("condition %s: %d conversations in %.1fs through the fleet (%d unscored, %d lost)", cond.name, len(recs),
-                 time.perf_counter() - t0, sum(not r.metrics for r in recs), len(lost))
-        by_task = {t.task_id: t for t in tasks}
-        for task_id in lost:
-            task = by_task[task_id]
-            on_missing(NotScored(eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
-                                 stage="conversation", reason="the fleet's actor dead-lettered the task (see the fleet logs)"))
-        for rec in recs:
-            if not rec.metrics:
-                on_missing(NotScored(eval_id=rec.eval_id, condition=cond.name, item_id=rec.item_id, stage="judge",
-                                     reason="the fleet's scorer dead-lettered the trajectory (see the fleet logs)"))
-        records += recs
-        if stop.is_set():
-            break
-    return records

@@ -230,7 +230,7 @@ def progress_line(snap) -> str:
     if "eval.queued" in c:
         running = int(c.get("eval.running", -1))
         parts.append(f"eval {'v%d running' % running if running >= 0 else 'idle'}, {int(c['eval.queued'])} queued")
-        if "eval.version" in c:  # the eval's columns: the environment's (mr for collabllm_medium)
+        if "eval.version" in c:  # the eval's columns: the environment's (Environment.eval)
             shown = [k for k in c if k.startswith("eval.") and k not in _EVAL_BOOKKEEPING]
             parts.append(f"last eval v{int(c['eval.version'])}: "
                          + ", ".join(f"{k[5:]} {c[k]:.3f}" for k in (["eval.mr"] if "eval.mr" in c else shown[:2])))

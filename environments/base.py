@@ -58,6 +58,9 @@ class TaskSource:
     leakage_keys: Callable[[Any], Mapping[str, str]]
     # the kinds whose overlap is label leakage (the leakage guard refuses it); other kinds are only reported
     leaks: tuple[str, ...] = ()
+    # (the [data] section, an items file's path) -> (training items, the file's items): the benchmark's
+    # `--items FILE`; None: the held-out items come from train_eval only
+    items_file: Callable[[Any, str], tuple[Sequence[Any], Sequence[Any]]] | None = None
 
 
 def split_by_key(items: Sequence[Any], key: Callable[[Any], str], eval_fraction: float,
@@ -132,7 +135,7 @@ UserSide = SimulatorUser | ProgrammaticUser
 
 class LocalUser:
     """A ProgrammaticUser behind the simulator client's interface (`await ask(SimRequest) -> SimReply`),
-    so the conversation loop that asks actors.rollout.SimClient can ask this instead, unchanged."""
+    so the conversation loop that asks rollout.sim.SimClient can ask this instead, unchanged."""
 
     def __init__(self, user: ProgrammaticUser):
         self.user = user
@@ -263,6 +266,12 @@ class Environment:
     # embedded default when no --config is given, before the user's --set: the settings under which
     # this environment is shown to learn (docs/environments.md). Empty: the embedded default as it is.
     preset: tuple[str, ...] = ()
+    # The options of this environment a run sets in [scorer] (names of [scorer] keys, e.g. CollabLLM's
+    # bleu_variant): deploy/config.py passes their values in as [env] options, so a run sets them in one
+    # place, and a caller holding only a [scorer] section builds the reward it describes (default_scored_as).
+    scorer_options: tuple[str, ...] = ()
+    # `parley replay --scoring NAME`: named sets of [scorer] settings (of scorer_options) to re-score a log by
+    scoring_variants: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.eval.columns if c not in self.reward.names and c not in self.eval.derived]

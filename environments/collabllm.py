@@ -28,13 +28,19 @@ from rewards.metrics import (
     token_amount,
 )
 from rewards.reward import default_weights, mr
-from tasks.data import SIM_PROMPT, Item, task_from_item, train_eval_items
+from tasks.data import SIM_PROMPT, Item, load_items, split_items, task_from_item, train_eval_items
 
 NAME = "collabllm_medium"
 
 # The options that say how CollabLLM is scored. A run sets them in [scorer] (bleu_variant, extract,
 # interactivity; `parley replay --scoring` names sets of them), and config/run.py passes them here.
 SCORING_OPTIONS = ("bleu_variant", "extract", "interactivity")
+# Named scoring variants (`parley replay --scoring NAME`): the [scorer] settings they fix. "collabllm" is
+# the paper's scoring: character BLEU as NLTK computes it, the 3-level interactivity judge, and the
+# document copied out by the judge. Token amount is the same in both (docs/rewards.md).
+SCORING_VARIANTS: dict[str, dict[str, str]] = {
+    "collabllm": {"bleu_variant": "char", "interactivity": "3level", "extract": "judge"},
+}
 
 
 def _leakage_keys(item: Item) -> Mapping[str, str]:
@@ -49,6 +55,15 @@ def _tokens_k(metrics: Mapping[str, float], record: Finished) -> float:
 
 def _mr(metrics: Mapping[str, float], record: Finished) -> float:
     return mr(metrics["bleu"], metrics["interactivity"], _tokens_k(metrics, record))
+
+
+def _items_file(data, path: str) -> tuple[list[Item], list[Item]]:
+    """`parley eval --items FILE`: the file's items, against the training data of [data] (only the
+    train side of a file that is split for training)."""
+    train = load_items(data.path)
+    if not data.eval_path:
+        train = split_items(train, data.eval_fraction, data.split_seed)[0]
+    return train, load_items(path)
 
 
 def _eval_task(item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, version: int,
@@ -104,7 +119,7 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
         name=NAME,
         description="CollabLLM medium: help a lazy user write a document (LLM simulator and judge)",
         tasks=TaskSource(train_eval=train_eval_items, task=task_from_item, leakage_keys=_leakage_keys,
-                         leaks=("reference",)),
+                         leaks=("reference",), items_file=_items_file),
         user=SimulatorUser(prompt=SIM_PROMPT),
         reward=Reward(metrics=(
             bleu,
@@ -112,6 +127,8 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
             PureMetric("token_amount", compute=lambda conv: token_amount(conv.assistant_tokens),
                        weight=weights["token_amount"]),
         ), document=_document),
+        scorer_options=SCORING_OPTIONS,
+        scoring_variants=SCORING_VARIANTS,
         eval=EvalProtocol(
             columns=("bleu", "interactivity", "tokens_k", "mr"),
             select="mr",

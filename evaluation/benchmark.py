@@ -9,13 +9,13 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Iterable, Sequence
-from functools import cache
 from pathlib import Path
 
 import msgspec
 import numpy as np
 
 from environments.base import Environment
+from config.env import default_environment
 from protocol.messages import EvalRecord
 
 # The columns of the reference table (CollabLLM medium's eval protocol), in its order. Values are per
@@ -98,14 +98,6 @@ def mean_interval(values: Sequence[float]) -> tuple[float, float, float]:
         return mean, math.nan, math.nan
     half = float(_t_dist().ppf(0.5 + CONFIDENCE / 2, arr.size - 1)) * float(np.std(arr, ddof=1)) / math.sqrt(arr.size)
     return mean, mean - half, mean + half
-
-
-@cache
-def default_environment() -> Environment:
-    """CollabLLM medium, the environment of a run whose [env] is not given."""
-    from environments import collabllm
-
-    return collabllm.environment()
 
 
 def record_value(rec: EvalRecord, metric: str, env: Environment | None = None) -> float:

@@ -219,18 +219,18 @@ def reweight(
     interactivity: str | None = None,
     env: Environment | None = None,
 ) -> list[EvalRecord]:
-    """Re-score without any model, metric by metric of the environment's reward (`env`; CollabLLM medium
-    with `bleu_variant` by default): a pure metric is recomputed from the stored conversation; a judge
+    """Re-score without any model, metric by metric of the environment's reward (`env`; by default the
+    default environment scored with `bleu_variant`): a pure metric is recomputed from the stored conversation; a judge
     metric of the "extract" operation is recomputed from the stored extracted document (CollabLLM's BLEU,
     with `bleu_variant`); any other judge metric is reused as stored (CollabLLM's interactivity: with
     `interactivity` named, it must be on that scale, another scale needs the judge). "reward" = the
     weighted total."""
     if env is None:
-        from environments import collabllm
+        from config.env import default_with
 
         if bleu_variant not in BLEU_VARIANTS:
             raise ValueError(f"bleu_variant={bleu_variant!r} not allowed; use one of {sorted(BLEU_VARIANTS)}")
-        env = collabllm.environment(bleu_variant)
+        env = default_with(bleu_variant=bleu_variant)
     if interactivity is not None and interactivity not in INTERACTIVITY_SCALES:
         raise ValueError(f"interactivity={interactivity!r} not allowed; use one of {sorted(INTERACTIVITY_SCALES)}")
     out = []
@@ -268,12 +268,12 @@ def _stored(rec: EvalRecord, name: str, interactivity: str | None) -> float:
 
 
 async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]:
-    """Re-score with another judge (a scorer.score.Judge, e.g. JudgeClient over NATS) and the weights,
+    """Re-score with another judge (a rollout.judge.Judge, e.g. JudgeClient over NATS) and the weights,
     clamps and BLEU variant of `cfg` (a ScorerConfig); nothing is generated. "reward" = the weighted total."""
     import asyncio
 
     from protocol.messages import Trajectory
-    from scorer.score import score_trajectory
+    from rollout.score import score_trajectory
 
     async def one(rec: EvalRecord) -> EvalRecord:
         # Only the conversation, reference, seed and token count matter to the judge and the metrics.
@@ -282,7 +282,7 @@ async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]
             messages=list(rec.messages), token_ids=[], loss_mask=[], turns=[], reference=rec.reference,
             assistant_tokens=rec.assistant_tokens, seed=rec.seed, sim_prompt=rec.sim_prompt, model=rec.model,
         )
-        # Failures propagate as scorer.score's errors, which name the record (traj_id = eval_id).
+        # Failures propagate as rollout.judge's / rollout.score's errors, which name the record (traj_id = eval_id).
         scored = await score_trajectory(traj, judge, cfg, scorer="replay")
         return msgspec.structs.replace(
             rec, metrics={**scored.metrics, "reward": scored.total}, document=scored.document,

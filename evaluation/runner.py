@@ -1,9 +1,10 @@
 """The benchmark runner behind `parley eval`: every condition (a policy model or checkpoint, optionally a
-system prompt) plays the same items with the same simulator seeds, through the actors' conversation
-loop (actors.rollout) and the scorer's judging (scorer.score), and yields one EvalRecord per conversation.
-The simulator and judge are whatever implements their interfaces: the NATS services, or in-process ones.
-What is played and scored is the run's environment (environments/): its held-out items and eval tasks,
-its user (a programmatic one runs here, in-process) and its reward; CollabLLM medium unless told otherwise.
+system prompt) plays the same items with the same simulator seeds, through the conversation loop the
+actors run (rollout.conversation) and the scoring the scorers run (rollout.score), and yields one
+EvalRecord per conversation. The simulator and judge are whatever implements their interfaces
+(rollout.sim, rollout.judge): the NATS services, or in-process ones. What is played and scored is the
+run's environment (environments/): its held-out items and eval tasks, its user (a programmatic one runs
+here, in-process) and its reward; the default environment unless told otherwise.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
 from environments.base import Environment, LocalUser, ProgrammaticUser
-from evaluation.benchmark import default_environment
+from config.env import default_environment
+from protocol.messages import EvalRecord, Sampling, SimReply, SimRequest, Task
+from rollout.sim import UserSide
 from tasks.data import system_prompt_text
-from protocol.messages import ChatMessage, EvalRecord, JudgeReply, JudgeRequest, Sampling, SimReply, SimRequest, Task
 
 log = logging.getLogger("parley.eval")
 
@@ -130,23 +132,17 @@ def read_unscored(out: str | Path) -> list[NotScored]:
 
 def eval_items(data, items_path: str | None, env: Environment | None = None) -> tuple[list, list]:
     """(training items, eval items) for the leakage guard and the run: the environment's train/eval
-    split of [data] (a config.learner.DataConfig); for CollabLLM medium also an explicit items file
-    against the training data."""
-    from environments import collabllm
-
+    split of [data] (a config.learner.DataConfig), or an explicit items file against the training
+    data where the environment reads one (TaskSource.items_file)."""
     env = env or default_environment()
     if not items_path:
         train, held = env.tasks.train_eval(data)
         return list(train), list(held)
-    if env.name != collabllm.NAME:
+    if env.tasks.items_file is None:
         raise ValueError(f"--items {items_path}: environment {env.name!r} draws its held-out items from its own task "
-                         f"source; leave --items out (an items file is a {collabllm.NAME} dataset)")
-    from tasks.data import load_items, split_items
-
-    train = load_items(data.path)
-    if not data.eval_path:  # the file is split for training: only its train side is trained on
-        train = split_items(train, data.eval_fraction, data.split_seed)[0]
-    return train, load_items(items_path)
+                         "source and reads no items file; leave --items out")
+    train, held = env.tasks.items_file(data, items_path)
+    return list(train), list(held)
 
 
 @dataclass(frozen=True)
@@ -172,7 +168,7 @@ def user_name(env: Environment, settings: EvalSettings) -> str:
 
 def make_tasks(items: Sequence, settings: EvalSettings, env: Environment | None = None) -> list[Task]:
     """One task per item and seed, built by the environment's eval protocol (Environment.eval_task).
-    The task id carries no condition, so every condition's user sees the same seeds (actors.rollout
+    The task id carries no condition, so every condition's user sees the same seeds (rollout.conversation
     derives every call's seed from task id, seed and turn)."""
     env = env or default_environment()
     rollout = EvalRollout(max_new_turns=settings.max_new_turns, max_tokens=settings.assistant_max_tokens,
@@ -183,54 +179,16 @@ def make_tasks(items: Sequence, settings: EvalSettings, env: Environment | None 
     ]
 
 
-class SimLike(Protocol):
-    """actors.rollout.SimClient (the NATS service) or LocalSim."""
-
-    async def ask(self, req: SimRequest) -> SimReply: ...
-
-
 class NotingSim:
     """Passes requests through and notes the simulator model named in the replies (for EvalRecord.sim_model)."""
 
-    def __init__(self, inner: SimLike, model: str = ""):
+    def __init__(self, inner: UserSide, model: str = ""):
         self.inner, self.model = inner, model
 
     async def ask(self, req: SimRequest) -> SimReply:
         reply = await self.inner.ask(req)
         self.model = reply.model or self.model
         return reply
-
-
-class LocalSim:
-    """The user simulator in this process (actors.sim.Simulator), for small runs without NATS."""
-
-    def __init__(self, simulator):
-        self.simulator = simulator
-
-    async def ask(self, req: SimRequest) -> SimReply:
-        return await self.simulator.reply(req)
-
-
-class LocalJudge:
-    """The judge in this process (scorer.judge.Judge), with scorer.score's Judge interface."""
-
-    def __init__(self, judge):
-        self.judge = judge
-
-    async def _ask(self, op: str, messages: Sequence[ChatMessage], seed: int) -> JudgeReply:
-        return await self.judge.handle(op, JudgeRequest(op=op, messages=list(messages), seed=seed))
-
-    async def extract(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self._ask("extract", messages, seed)
-
-    async def interactivity(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self._ask("interactivity", messages, seed)
-
-    async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self._ask("interactivity_3level", messages, seed)
-
-    async def interactivity_expected(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self._ask("interactivity_expected", messages, seed)
 
 
 @dataclass
@@ -246,29 +204,30 @@ class Policy:
 @dataclass
 class EvalServices:
     open_policy: Callable[[str], Awaitable[Policy]]  # model name or checkpoint dir -> Policy
-    sim: SimLike
-    judge: Any  # scorer.score.Judge; None when the environment's reward asks no judge operation
+    sim: UserSide
+    judge: Any  # rollout.judge.Judge; None when the environment's reward asks no judge operation
     scorer_cfg: Any  # config.scorer.ScorerConfig: the BLEU variant (weights only feed Scored.total)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # The run's environment (its [env]); None: CollabLLM medium, scored as scorer_cfg says
+    # The run's environment (its [env]); None: the default environment, scored as scorer_cfg says
     env: Environment | None = None
 
     @property
     def environment(self) -> Environment:
         return self.env or default_environment()
 
-    def user(self) -> SimLike:
+    def user(self) -> UserSide:
         """Who plays the user: the environment's programmatic user in this process, else the simulator."""
         user = self.environment.user
         return LocalUser(user) if isinstance(user, ProgrammaticUser) else self.sim
 
 
 async def score_within_bounds(traj, judge, scorer_cfg, attempts: int, reward=None):
-    """scorer.score.score_trajectory with `reward` (None: scorer_cfg's), patient as the scorer role is: while the judge is unreachable or
+    """rollout.score.score_trajectory with `reward` (None: scorer_cfg's), patient as the scorer role is: while the judge is unreachable or
     does not answer within [scorer] judge_timeout_s, ask again with [scorer]'s back-off until
     [scorer] judge_wait_s have passed since the first try; after a failed verdict, ask again with a
     fresh seed, `attempts` verdicts in all. Then the last error is raised (the caller reports it)."""
-    from scorer.score import JudgeFailed, JudgeUnavailable, score_trajectory
+    from rollout.judge import JudgeFailed, JudgeUnavailable
+    from rollout.score import score_trajectory
 
     t0 = time.monotonic()
     failed = waits = 0
@@ -299,9 +258,10 @@ async def play_condition(
     """Every task once with this condition's policy and system prompt, judged; in task order. A task
     whose conversation could not be played (the simulator stayed unreachable) has no record; it and
     every record left unscored are passed to `on_missing` with the reason."""
-    from actors.rollout import PolicySettings, run_conversation
     from protocol.bus import Retry
-    from scorer.score import JudgeFailed, JudgeUnavailable, Unscorable
+    from rollout.conversation import PolicySettings, run_conversation
+    from rollout.judge import JudgeFailed, JudgeUnavailable
+    from rollout.score import Unscorable
 
     policy_settings = PolicySettings(
         max_model_len=policy.engine.settings.max_model_len, sampling=settings.sampling,
@@ -311,7 +271,7 @@ async def play_condition(
     slots = asyncio.Semaphore(settings.concurrency)
     user = services.user()
     sim = user if isinstance(user, NotingSim) else NotingSim(user)
-    # the run's reward; without an environment, the one scorer_cfg describes (scorer.score.scorer_reward)
+    # the run's reward; without an environment, the one scorer_cfg describes (rollout.score.scorer_reward)
     reward = services.env.reward if services.env is not None else None
 
     def missing(task: Task, stage: str, reason: str) -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from environments.base import Environment
-from evaluation.benchmark import METRICS, PairedStats, default_environment, item_values, mean_interval, paired_stats
+from config.env import default_environment
+from evaluation.benchmark import METRICS, PairedStats, item_values, mean_interval, paired_stats
 from rewards.reward import mr
 
 # CollabLLM medium's selectable columns (its eval protocol's); another environment's are its eval.selectable

@@ -27,11 +27,11 @@ def read(directory: str | Path) -> dict[str, Any] | None:
 
 def differs(run_dir: str | Path, record: dict[str, Any]) -> str:
     """Why `record` is not the environment the run in `run_dir` started with ("" if it is). A run
-    directory without the file (written before environments were recorded) trained CollabLLM's
-    bundled task, the only one there was: only that name is accepted, and the file is written."""
+    directory without the file (written before environments were recorded) trained the default
+    environment's bundled task, the only one there was: only that name is accepted, and the file is written."""
     started = read(run_dir)
     if started is None:
-        from environments.collabllm import NAME
+        from config.env import DEFAULT_NAME as NAME
 
         if record.get("name") != NAME:
             return (f"{Path(run_dir) / FILE} is missing, so this run trained {NAME!r}; env.name={record.get('name')!r} "

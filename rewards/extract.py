@@ -1,7 +1,7 @@
 """The deterministic document extractor ([scorer] extract = "last_document"): which assistant message
 holds the final document, with the chatter around it taken off. No model is involved, so a small judge
 that cannot copy a document out (SmolLM2-135M returns titles) still gives BLEU a document to compare.
-Called by scorer/score.py; docs/rewards.md says what it measures and where it is wrong.
+Called by rollout/score.py; docs/rewards.md says what it measures and where it is wrong.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `Judge` answers JudgeRequests with any backend from engines/backend.py (JSON-schema-constrained
 decoding, validation, retries); `parley judge` (deploy/cli_scorer.py) serves it on NATS through
-`serve_judge`; scorers reach it with scorer.score.JudgeClient.
+`serve_judge`; scorers reach it with rollout.judge.JudgeClient.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ reference log-probs (scorer/reference.py) and puts them into the Scored.
 Replicas share the durable consumer "scorer", so N scorers split the work; a trajectory is acked
 only after its Scored is stored. While the judge is unreachable it waits (held, kept alive); when
 the judge fails on it, it is nak'ed with back-off and dead-lettered after max_deliver deliveries.
-Started by deploy/cli_scorer.py (and `parley up`); the scoring itself is scorer/score.py.
+Started by deploy/cli_scorer.py (and `parley up`); the scoring itself is rollout/score.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from environments.base import Reward
 from protocol.messages import Heartbeat, Trajectory
 from config.scorer import ScorerConfig
 from scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
-from scorer.score import Judge, JudgeFailed, JudgeUnavailable, Unscorable, _all, score_trajectory
+from rollout.judge import Judge, JudgeFailed, JudgeUnavailable
+from rollout.score import Unscorable, _all, score_trajectory
 
 log = logging.getLogger("parley.scorer")
 
@@ -36,7 +37,7 @@ class Scorer:
                  ident: str, reward: Reward | None = None, reference: ReferenceClient | None = None):
         self.nc, self.js = nc, nc.jetstream()
         self.run, self.judge, self.cfg, self.bus, self.ident = run, judge, cfg, bus_settings, ident
-        self.reward = reward  # the environment's; None = the [scorer] settings' CollabLLM reward
+        self.reward = reward  # the environment's; None = the reward the [scorer] settings describe (rollout.score.scorer_reward)
         self.reference = reference  # [policy] reference = "service": ask it for every trajectory
         self.counters: Counter[str] = Counter()
         self.in_flight = 0
@@ -151,8 +152,8 @@ class Scorer:
 
 async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
     """`parley scorer`: connect, make sure the run's topology exists, score until SIGINT/SIGTERM."""
+    from rollout.judge import JudgeClient
     from runtime.role import role_connection
-    from scorer.score import JudgeClient
 
     async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus,
                                topology=True) as (nc, _):

@@ -22,7 +22,7 @@ from actors.actor import Actor
 from engines.backend import open_engine
 from engines.config import EngineConfig
 from tasks.data import load_items, task_from_item
-from actors.sim import FALLBACK_MESSAGE
+from rollout.sim import FALLBACK_MESSAGE
 from config.run import load_config
 from deploy.natsserver import NatsServer
 from config.learner import RolloutConfig

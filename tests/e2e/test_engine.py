@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from actors.chat import ChatTokens
+from rollout.chat import ChatTokens
 from engines.engine import EngineSettings, PolicyEngine
 from tests.reference import reference_logprobs
 from engines.models import build_tiny

@@ -25,7 +25,7 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
     from config.actor import SimConfig
     from tasks.data import load_items
     from engines.engine import EngineSettings, PolicyEngine
-    from actors.rollout import SimClient
+    from rollout.sim import SimClient
     from actors.sim import Simulator
     from deploy.cli import app
     from protocol import topology
@@ -36,7 +36,7 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
     from evaluation.runner import EvalServices, EvalSettings, Policy, parse_condition, run_eval
     from evaluation.evallog import read_records, read_stream, reweight, write_parquet
     from scorer.judge import Judge, judge_service
-    from scorer.score import JudgeClient
+    from rollout.judge import JudgeClient
 
     items = load_items("bundled")[:2]
     conditions = [parse_condition("base=tiny"), parse_condition("proactive=tiny,system_prompt=proactive")]

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from actors.chat import ChatTokens
+from rollout.chat import ChatTokens
 from engines.engine import EngineSettings, PolicyEngine
 from learner.packing import Sample, build_batch
 from learner.weights_io import hf_weights, write_weights

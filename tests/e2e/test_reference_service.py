@@ -187,6 +187,9 @@ async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny
 class JudgeDouble:  # test double: every verdict valid, no model
     model = "judge-double"
 
+    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        return await getattr(self, op)(messages, seed=seed)
+
     async def extract(self, messages, *, seed=0):
         return JudgeReply(ok=True, document=messages[-1].content, model=self.model)
 

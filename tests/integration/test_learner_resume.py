@@ -35,7 +35,7 @@ PHRASES = ["Sure, what is the post about?", "Here is a first draft of the letter
 
 def make_scored(tok, model, run: str, group: int, sample: int) -> Scored:
     """A two-turn conversation built token-in/token-out, with real behaviour log-probs."""
-    from actors.chat import ChatTokens
+    from rollout.chat import ChatTokens
     from tests.reference import reference_logprobs
 
     rng = random.Random(group * 100 + sample)

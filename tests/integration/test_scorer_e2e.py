@@ -30,7 +30,7 @@ from protocol.messages import ChatMessage, FutureRollout, Trajectory
 from config.scorer import JudgeConfig, ScorerConfig
 from scorer.judge import Judge, judge_service
 from rewards.reward import default_weights, total_reward
-from scorer.score import JudgeClient
+from rollout.judge import JudgeClient
 from scorer.scorer import Scorer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from actors.rollout import SimClient, SimUnreachable
+from rollout.sim import SimClient, SimUnreachable
 from config.run import load_config
 from deploy.credentials import generate_credentials, server_auth_conf
 from deploy.natsserver import NatsServer

@@ -7,7 +7,8 @@ import asyncio
 
 from actors.actor import user_client
 from config.actor import ActorConfig
-from actors.rollout import PolicySettings, SimClient, run_conversation
+from rollout.conversation import PolicySettings, run_conversation
+from rollout.sim import SimClient
 from config.run import load_config
 from environments.base import LocalUser
 from environments.hidden_goal import Goal

@@ -112,6 +112,9 @@ class FakeJudge:
 
     model = "fake-judge"
 
+    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        return await getattr(self, op)(messages, seed=seed)
+
     async def extract(self, messages, *, seed=0):
         doc = next(m.content for m in messages if m.role == "assistant")
         return JudgeReply(ok=True, document=doc, raw=doc, model=self.model)
@@ -159,7 +162,7 @@ class ThreeLevelFakeJudge(FakeJudge):
 
 
 async def test_rejudge_with_the_collabllm_scoring():
-    from config.scorer import SCORING_VARIANTS
+    from environments.collabllm import SCORING_VARIANTS
 
     recs = [eval_record("base", k) for k in range(2)]
     out = await rejudge(recs, ThreeLevelFakeJudge(), ScorerConfig(**SCORING_VARIANTS["collabllm"]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.chat import ChatTokens
+from rollout.chat import ChatTokens
 from engines.models import ensure_model
 
 # Written to behave like Qwen3's template with thinking off: the generation prompt carries an

@@ -19,7 +19,7 @@ def test_every_shipped_config_parses(path, caplog):
 
 
 def test_one_sampling_struct_serves_the_actor_the_eval_and_the_conversation_loop():
-    from actors.rollout import PolicySettings
+    from rollout.conversation import PolicySettings
     from evaluation.runner import EvalSettings
     from protocol.messages import Sampling
 

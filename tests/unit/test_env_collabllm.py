@@ -1,6 +1,6 @@
 """CollabLLM medium as an environment changes nothing: its metrics, weights, data, split, tasks,
 overlap, simulator prompt and benchmark columns are the ones the roles use today, compared
-against the roles' own code (scorer.score, config.learner, evaluation.benchmark/selection)."""
+against the roles' own code (rollout.score, learner.config, evaluation.benchmark/selection)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from protocol import examples
 from protocol.messages import ChatMessage, JudgeReply
 from rewards.reward import REWARD_METRICS, default_weights
 from config.scorer import ScorerConfig
-from scorer.score import score_trajectory
+from rollout.score import score_trajectory
 from tasks import data as tasks_data
 
 REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shines below."
@@ -24,7 +24,10 @@ LEVELS = {"understanding": 3, "clarification": 1, "suggestions": 2}
 
 
 class JudgeDouble:
-    """Test double of scorer.score.Judge: extracts the last assistant message, fixed levels."""
+    """Test double of rollout.judge.Judge: extracts the last assistant message, fixed levels."""
+
+    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed=0):
         doc = next((m.content for m in reversed(messages) if m.role == "assistant"), "")

@@ -194,7 +194,7 @@ class ScriptedEngine:
 def test_the_actor_loop_plays_the_user_in_process(tiny_model):
     from transformers import AutoTokenizer
 
-    from actors.rollout import PolicySettings, run_conversation
+    from rollout.conversation import PolicySettings, run_conversation
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     env = environment(n_items=4)
@@ -296,7 +296,7 @@ def test_unknown_option_values_are_refused_with_the_choices():
 def test_the_options_resolve_through_the_registry_and_the_actor_loop(tiny_model):
     from transformers import AutoTokenizer
 
-    from actors.rollout import PolicySettings, run_conversation
+    from rollout.conversation import PolicySettings, run_conversation
     from environments import registry
 
     tok = AutoTokenizer.from_pretrained(tiny_model)

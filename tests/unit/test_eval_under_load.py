@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deploy.cli_eval import _report
+from evaluation.commands import report
 from evaluation.runner import (
     EvalServices,
     EvalSettings,
@@ -26,7 +26,7 @@ from evaluation.runner import (
 from protocol.bus import Retry
 from protocol.messages import JudgeReply, SimReply
 from config.scorer import ScorerConfig
-from scorer.score import JudgeFailed, JudgeUnavailable
+from rollout.judge import JudgeFailed, JudgeUnavailable
 from tasks.data import load_items
 from tests.unit.test_rollout import EngineDouble
 
@@ -61,6 +61,9 @@ class JudgeDouble:
         self.calls += 1
         if self.unavailable is None or self.calls <= self.unavailable:
             raise JudgeUnavailable("judge on parley.svc.judge.extract did not answer within 300s")
+
+    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed=0):
         self._gate()
@@ -144,20 +147,20 @@ async def test_score_within_bounds_raises_the_last_error_with_the_bound():
 
 def test_an_eval_that_scored_nothing_reports_why_and_exits_3(tok, tmp_path, capsys):
     items, records, missing = evaluate(tok, JudgeDouble(unavailable=None), scorer=ScorerConfig(judge_wait_s=0.0, **FAST))
-    code = _report(records, missing, len(items), "v0", tmp_path)
+    code = report(records, missing, len(items), "v0", tmp_path)
     err = capsys.readouterr().err
     assert code == 3
     assert f"{len(items)} of {len(items)} conversations not scored" in err and "no conversation was scored" in err
     assert all(f"v0/{i.item_id}/0 (judge): JudgeUnavailable" in err for i in items)
     assert read_unscored(tmp_path) == missing and (tmp_path / "records.parquet").is_file()
     assert not (tmp_path / "table.md").exists()
-    assert _report([], [], 0, "v0", tmp_path / "empty") == 3  # nothing at all: still no traceback
+    assert report([], [], 0, "v0", tmp_path / "empty") == 3  # nothing at all: still no traceback
 
 
 def test_a_partly_scored_eval_has_a_table_and_names_the_rest(tok, tmp_path, capsys):
     items = load_items("bundled")[:3]
     _, records, missing = evaluate(tok, JudgeDouble(), sim=SimDouble(absent={items[0].reference}))
-    assert _report(records, missing, 3, "v0", tmp_path) == 0
+    assert report(records, missing, 3, "v0", tmp_path) == 0
     captured = capsys.readouterr()
     assert "1 of 3 conversations not scored" in captured.err and f"v0/{items[0].item_id}/0 (conversation)" in captured.err
     assert "| v0 |" in captured.out and (tmp_path / "table.md").is_file()

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from actors.follow import MAX_WEIGHT_BYTES, announcement_problem
-from actors.rollout import check_task_limits
+from rollout.conversation import check_task_limits
 from config.learner import RolloutConfig
 from config.run import ConfigError, load_config
 from learner.groups import BadTrajectory, Grouper, check_hostile_values, check_trajectory

@@ -13,8 +13,9 @@ import nats.errors
 import pytest
 
 from engines.engine import GenOut
-from actors.rollout import PolicySettings, SimClient, SimUnreachable, check_task, derive_seed, run_conversation
-from actors.sim import FALLBACK_MESSAGE
+from rollout.conversation import PolicySettings, check_task, derive_seed, run_conversation
+from rollout.sim import SimClient, SimUnreachable
+from rollout.sim import FALLBACK_MESSAGE
 from protocol import arrays, codec
 from protocol.bus import Poison
 from protocol.messages import ChatMessage, SimReply, SimRequest, Task

@@ -11,7 +11,8 @@ from protocol.messages import ChatMessage, FutureRollout, JudgeReply
 from config.scorer import ScorerConfig
 from rewards.metrics import bleu, char_bleu
 from rewards.reward import default_weights
-from scorer.score import JudgeFailed, JudgeUnavailable, Unscorable, conversations, score_trajectory
+from rollout.judge import JudgeFailed, JudgeUnavailable
+from rollout.score import Unscorable, conversations, score_trajectory
 
 REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shines below."
 
@@ -25,6 +26,9 @@ class FakeJudge:
         self.fail_op = fail_op
         self.unavailable = unavailable
         self.calls: list[tuple[str, int]] = []
+
+    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed=0):
         self.calls.append(("extract", len(messages)))
@@ -204,7 +208,7 @@ class ThreeLevelJudge(FakeJudge):
 
 
 async def test_collabllm_variant_uses_the_3level_judge_and_nltk_char_bleu():
-    from config.scorer import SCORING_VARIANTS
+    from environments.collabllm import SCORING_VARIANTS
 
     traj = _traj()
     judge = ThreeLevelJudge(0.5)

@@ -11,7 +11,8 @@ from environments.base import JudgeMetric, PureMetric, Reward
 from protocol import examples
 from protocol.messages import ChatMessage, JudgeReply
 from config.scorer import ScorerConfig
-from scorer.score import JudgeFailed, Unscorable, score_trajectory
+from rollout.judge import JudgeFailed
+from rollout.score import Unscorable, score_trajectory
 
 PIZZA = hidden_goal.Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
 
@@ -25,7 +26,7 @@ def _traj(messages, reference):
 class NoJudge:
     """Fails the test if any judge operation is asked."""
 
-    def __getattr__(self, op):
+    async def ask(self, op, messages, *, seed=0):
         raise AssertionError(f"the judge was asked {op!r}")
 
 
@@ -80,6 +81,9 @@ async def test_a_pure_metric_that_cannot_read_the_conversation_is_unscorable_not
 
 async def test_a_verdict_the_judge_metric_cannot_read_is_judge_failed():
     class Judge:
+        async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+            return await getattr(self, op)(messages, seed=seed)
+
         async def interactivity(self, messages, *, seed=0):
             return JudgeReply(ok=True, levels={"clarification": 1}, model="double")
 

@@ -10,7 +10,7 @@ import pytest
 from protocol import bus, codec, examples, topology
 from protocol.messages import JudgeReply
 from config.scorer import ScorerConfig
-from scorer.score import JudgeUnavailable
+from rollout.judge import JudgeUnavailable
 from scorer.scorer import Scorer
 
 CFG = ScorerConfig(retry_delay_s=0.01, retry_max_delay_s=0.02, judge_wait_s=0.05)
@@ -21,6 +21,9 @@ class FakeJudge:
 
     def __init__(self, *, fail_op: str | None = None, unavailable: bool = False):
         self.fail_op, self.unavailable = fail_op, unavailable
+
+    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed=0):
         if self.unavailable:

@@ -215,7 +215,7 @@ def test_rollout_side_modules_import_without_torch_or_vllm():
     import sys
 
     code = (
-        "import sys, deploy.cli_actor, actors.sim, engines.service, engines.backend, actors.rollout, actors.follow, "
+        "import sys, deploy.cli_actor, actors.sim, engines.service, engines.backend, rollout.conversation, rollout.sim, actors.follow, "
         "actors.actor; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,6 +1,6 @@
 """Token-in / token-out bookkeeping for one multi-turn conversation: the exact token ids the
 policy saw and produced, which of them are trained, and the readable messages alongside.
-Used by the actor's rollout loop; needs only a HF tokenizer (no vLLM).
+Used by rollout.conversation (the loop the actor and the eval run); needs only a HF tokenizer (no vLLM).
 
 Why tokens and not text: re-rendering a conversation through the chat template and
 re-tokenizing it does not reproduce what the model generated (BPE merges across turn

@@ -1,89 +1,32 @@
 """Scoring one trajectory: judge calls, metrics, the futures average and the weighted total.
 
-`score_trajectory` is pure apart from the judge it is given, so the scorer role, eval and replay
-all reuse it; `JudgeClient` is the judge over NATS request/reply (the service is scorer/judge.py).
-The metrics are the run's environment's (`environments.base.Reward`): the judge operations its
+`score_trajectory` is pure apart from the judge it is given (rollout.judge), so the scorer role,
+eval and replay all reuse it. The metrics are the run's environment's (`environments.base.Reward`): the judge operations its
 judge metrics name are asked, then the reward evaluates the conversation with their replies.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import Sequence
 from typing import Protocol
 
-from environments import collabllm
 from environments.base import Conversation, Reward
+from config.env import default_scored_as
 from protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
-from config.scorer import ScorerConfig
 from rewards.reward import average_futures, total_reward
-
-
-class JudgeUnavailable(RuntimeError):
-    """Nobody answered (no service, or it timed out): retry later, score nothing."""
-
-
-class JudgeFailed(RuntimeError):
-    """The judge answered but could not give a usable verdict; never scored as 0."""
+from rollout.judge import Judge, JudgeFailed
 
 
 class Unscorable(ValueError):
     """The trajectory itself cannot be scored (e.g. no reference document); retrying won't help."""
 
 
-class Judge(Protocol):
-    async def extract(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
+class ScoringSettings(Protocol):
+    """What scoring reads of the [scorer] section (config.scorer.ScorerConfig has these)."""
 
-    async def interactivity(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
-
-    async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
-
-    async def interactivity_expected(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply: ...
-
-
-class JudgeClient:
-    """The judge service over NATS request/reply, with at most `concurrency` requests in flight."""
-
-    def __init__(self, nc, *, timeout: float, concurrency: int = 16):
-        self.nc = nc
-        self.timeout = timeout
-        self._slots = asyncio.Semaphore(concurrency)
-
-    async def extract(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self._call("extract", messages, seed)
-
-    async def interactivity(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self._call("interactivity", messages, seed)
-
-    async def interactivity_3level(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self._call("interactivity_3level", messages, seed)
-
-    async def interactivity_expected(self, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
-        return await self._call("interactivity_expected", messages, seed)
-
-    async def _call(self, op: str, messages: Sequence[ChatMessage], seed: int) -> JudgeReply:
-        import msgspec
-        import nats.errors
-
-        from protocol import codec, topology
-        from protocol.messages import JudgeRequest
-        from protocol.request import request
-
-        subject = topology.judge_subject(op)
-        data = codec.encode(JudgeRequest(op=op, messages=list(messages), seed=seed))
-        async with self._slots:
-            try:
-                msg = await request(self.nc, subject, data, timeout=self.timeout)  # deadline + id: see protocol/request.py
-            except nats.errors.NoRespondersError:
-                raise JudgeUnavailable(f"no judge service answers on {subject}; is `parley judge` running?") from None
-            except nats.errors.TimeoutError:
-                raise JudgeUnavailable(f"judge on {subject} did not answer within {self.timeout:.0f}s") from None
-        try:
-            return codec.decode("judge.reply", msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise JudgeFailed(f"judge on {subject} sent a reply that is not a JudgeReply: {e}") from None
+    weights: dict[str, float]  # {} = the reward's default weights
+    clamps: dict[str, list[float]]  # metric -> [low, high]
 
 
 def conversations(traj: Trajectory) -> list[tuple[list[ChatMessage], int]]:
@@ -110,15 +53,10 @@ async def _all(*coros) -> list:
     return [t.result() for t in tasks]
 
 
-@functools.cache
-def _collabllm_reward(bleu_variant: str, extract: str, interactivity: str) -> Reward:
-    return collabllm.environment(bleu_variant=bleu_variant, extract=extract, interactivity=interactivity).reward
-
-
-def scorer_reward(cfg: ScorerConfig) -> Reward:
-    """The reward a bare [scorer] section describes: CollabLLM's, scored as its settings say (for
-    callers that hold no environment; a run's roles pass their environment's reward)."""
-    return _collabllm_reward(*(getattr(cfg, k) for k in collabllm.SCORING_OPTIONS))
+def scorer_reward(cfg) -> Reward:
+    """The reward a bare [scorer] section describes: the default environment's, scored as its
+    settings say (for callers that hold no environment; a run's roles pass their environment's reward)."""
+    return default_scored_as(cfg).reward
 
 
 async def _judge_one(judge: Judge | None, messages, tokens: int, traj: Trajectory, reward: Reward, seed: int,
@@ -126,7 +64,7 @@ async def _judge_one(judge: Judge | None, messages, tokens: int, traj: Trajector
     """Metrics of one conversation, the document the reward judged, the judge model, raw outputs."""
     async def timed(op: str):
         t0 = time.perf_counter()
-        reply = await getattr(judge, op)(messages, seed=seed)
+        reply = await judge.ask(op, messages, seed=seed)
         timings[op] = timings.get(op, 0.0) + time.perf_counter() - t0
         return reply
 
@@ -150,12 +88,12 @@ async def _judge_one(judge: Judge | None, messages, tokens: int, traj: Trajector
 
 
 async def score_trajectory(
-    traj: Trajectory, judge: Judge | None, cfg: ScorerConfig, *, reward: Reward | None = None, scorer: str = "",
+    traj: Trajectory, judge: Judge | None, cfg: ScoringSettings, *, reward: Reward | None = None, scorer: str = "",
     seed: int | None = None,
 ) -> Scored:
     """Judge `traj` (every future, if it carries any), compute its metrics and weighted total.
 
-    `reward` is the run's environment's (default: scorer_reward(cfg), CollabLLM's); `judge` may be
+    `reward` is the run's environment's (default: scorer_reward(cfg), the default environment's); `judge` may be
     None when it asks no judge operation. `seed` goes to the judge (default: the trajectory's own
     seed); a caller retrying after a failed verdict passes a fresh one, or a deterministic judge
     would fail the same way again. The weights are cfg.weights, or the reward's defaults if empty.

@@ -1,6 +1,7 @@
 """One sample of a Task, played out: the policy writes the assistant turns (token-in/token-out,
-with behaviour log-probs and the policy version of each turn), the simulator service writes the
-user turns. Called by the actor for every sample; returns the Trajectory it publishes.
+with behaviour log-probs and the policy version of each turn), the user side (rollout.sim) writes
+the user turns. Called by the actor for every sample and by the eval for every benchmark
+conversation; returns the Trajectory.
 
 Modes (Task.mode):
   conversation  from the prefix (the simulated user opens if it is empty) until the simulator says
@@ -19,12 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-import nats.errors
-
-from actors.chat import ChatTokens
-from actors.sim import FALLBACK_MESSAGE
-from protocol import arrays, codec, topology
+from protocol import arrays
 from protocol.bus import Poison, Retry
 from protocol.messages import (
     TASK_MAX_FUTURES,
@@ -34,12 +30,12 @@ from protocol.messages import (
     ChatMessage,
     FutureRollout,
     Sampling,
-    SimReply,
     SimRequest,
     Task,
     Trajectory,
 )
-from protocol.request import request
+from rollout.chat import ChatTokens
+from rollout.sim import FALLBACK_MESSAGE, UserSide
 
 log = logging.getLogger("parley.rollout")
 
@@ -51,62 +47,6 @@ def derive_seed(*parts: object) -> int:
     across samples of a group (which must differ) and across turns."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
-
-
-class SimUnreachable(Poison):
-    """The simulator service stayed unreachable for the whole of sim_wait_s: the task is given up
-    (dead-lettered with this reason, so the learner frees its admission slot at once)."""
-
-
-class SimClient:
-    """Asks the simulator service for the next user message.
-
-    An unreachable service (timeout, no responder, reconnecting) is not the task's fault: the
-    conversation waits here, asking again with back-off, for up to `wait_s` seconds; the actor
-    meanwhile keeps the task alive (in_progress), so an outage does not spend its deliveries and
-    nothing already generated is replayed. After `wait_s` it gives up with SimUnreachable. A reply
-    that does not decode is the service's bug, not an outage: after `attempts` of them the task is
-    handed back (bus.Retry) rather than continued with an invented user message.
-    """
-
-    def __init__(self, nc, *, timeout_s: float, wait_s: float, attempts: int = 4, backoff_s: float = 1.0,
-                 max_backoff_s: float = 30.0):
-        self.nc, self.timeout_s, self.wait_s, self.attempts = nc, timeout_s, wait_s, attempts
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.waits = 0  # requests that found the service unreachable (shown in the actor's heartbeat)
-
-    async def ask(self, req: SimRequest) -> SimReply:
-        data = codec.encode(req)
-        t0 = time.monotonic()
-        delay, bad_replies, outages = self.backoff_s, 0, 0
-        while True:
-            try:
-                msg = await request(self.nc, topology.SIM_SUBJECT, data, timeout=self.timeout_s)  # a retry joins
-                return codec.decode("sim.reply", msg.data)
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError) as e:
-                last = f"{type(e).__name__} after {self.timeout_s:.0f}s" if isinstance(e, nats.errors.TimeoutError) \
-                    else type(e).__name__
-                outages += 1
-                self.waits += 1
-                waited = time.monotonic() - t0
-                if waited + delay > self.wait_s:
-                    raise SimUnreachable(
-                        f"user simulator unreachable on {topology.SIM_SUBJECT} for {waited:.0f}s "
-                        f"(sim_wait_s={self.wait_s:g}, {outages} requests): {last}"
-                    ) from None
-                if outages == 1 or outages % 10 == 0:
-                    log.warning("user simulator unreachable (%s); waiting for it, %.0fs so far (sim_wait_s=%g)",
-                                last, waited, self.wait_s)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                bad_replies += 1
-                last = f"undecodable reply: {e}"
-                if bad_replies >= self.attempts:
-                    raise Retry(f"user simulator on {topology.SIM_SUBJECT} sent {bad_replies} undecodable replies: "
-                                f"{last}", delay=10.0) from None
-                log.warning("user simulator request failed (%s); retry %d/%d in %.0fs", last, bad_replies,
-                            self.attempts - 1, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.max_backoff_s)
 
 
 @dataclass
@@ -123,7 +63,7 @@ class PolicySettings:
 class _Player:
     """Plays one conversation branch: holds its ChatTokens and what the Trajectory needs."""
 
-    def __init__(self, engine, sim: SimClient, task: Task, policy: PolicySettings, version_fn, chat, seed):
+    def __init__(self, engine, sim: UserSide, task: Task, policy: PolicySettings, version_fn, chat, seed):
         self.engine, self.sim, self.task, self.policy, self.version_fn = engine, sim, task, policy, version_fn
         self.chat = chat
         self.seed = seed
@@ -248,7 +188,7 @@ async def _play(p: _Player, budget: int, trained: bool = True) -> str:
 
 
 async def run_conversation(
-    engine, sim_client: SimClient, task: Task, sample: int, version_fn: Callable[[], int], *,
+    engine, sim_client: UserSide, task: Task, sample: int, version_fn: Callable[[], int], *,
     tokenizer, policy: PolicySettings,
 ) -> Trajectory:
     """Play sample `sample` of `task` and return its Trajectory (not yet published)."""
