@@ -64,7 +64,8 @@ class GenOut:
     top: list[tuple[str, dict[str, float]]] = field(default_factory=list)
 
 
-def _engine_args(settings: EngineSettings):
+def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
+    """AsyncEngineArgs for settings; cpu_bind is the CPU thread binding on a CPU platform, None on GPU."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kwargs: dict[str, Any] = dict(
@@ -89,6 +90,9 @@ def _engine_args(settings: EngineSettings):
         )
     if settings.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    executor = cpu_executor(cpu_bind, settings.tensor_parallel_size) if cpu_bind is not None else None
+    if executor is not None:
+        kwargs["distributed_executor_backend"] = executor
     kwargs.update(settings.extra)
     return AsyncEngineArgs(**kwargs)
 
@@ -135,6 +139,20 @@ def share_cpu_cores(environ=os.environ, cpus: int | None = None) -> str:
     return bind
 
 
+# vLLM's CPU build runs the model in a worker process of its own, spawned by the engine-core process
+# (itself spawned), so that it can set up OpenMP thread binding before torch starts. An unbound engine
+# (CPU_BIND_DEFAULT) has no binding to set up: its one worker runs inside the engine core, with the same
+# threads, which saves a spawn and a second import of torch and vLLM per engine (docs/operations.md).
+# Named by qualname because vLLM's CPU platform turns the name "uni" back into "mp".
+IN_CORE_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+
+
+def cpu_executor(bind: str, tensor_parallel_size: int) -> str | None:
+    """The executor a CPU engine with this binding uses: in the engine core when unbound and on one
+    worker; None (vLLM's multiprocess executor) when the operator binds threads or runs several workers."""
+    return IN_CORE_EXECUTOR if bind == CPU_BIND_DEFAULT and tensor_parallel_size == 1 else None
+
+
 class PolicyEngine:
     """One vLLM engine. Construction blocks while vLLM loads the model (tens of seconds on CPU)
     and spawns its engine-core process; call it from the process's main module guarded by
@@ -148,11 +166,10 @@ class PolicyEngine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if current_platform.is_cpu():
-            share_cpu_cores()
+        cpu_bind = share_cpu_cores() if current_platform.is_cpu() else None
         self.settings = settings
         self.version = version
-        self._llm = AsyncLLM.from_engine_args(_engine_args(settings))
+        self._llm = AsyncLLM.from_engine_args(_engine_args(settings, cpu_bind))
         self._reload_lock = asyncio.Lock()
 
     # -- generation ---------------------------------------------------------------------------

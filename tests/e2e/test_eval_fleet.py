@@ -45,7 +45,9 @@ def test_eval_fleet_plays_each_condition_through_an_actor_and_a_scorer(tmp_path,
         services = subprocess.Popen([sys.executable, "-m", "deploy.cli", "services", *common, "--id", "svc"],
                                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        wait_for_line(services_log, "serves sim and judge", services, timeout=400)
+        # The eval starts while the services load their engine (the start-ups overlap): its actors wait for
+        # the simulator (sim_wait_s) as they would for one that restarts, and nothing is judged before the
+        # simulator, which serves with the judge in one process, has answered.
         bench = tmp_path / "bench"
         res = subprocess.run(
             [sys.executable, "-m", "deploy.cli", "eval", *common, "--services", "fleet",
@@ -54,6 +56,7 @@ def test_eval_fleet_plays_each_condition_through_an_actor_and_a_scorer(tmp_path,
             capture_output=True, text=True, timeout=800, env=env,
         )
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+        wait_for_line(services_log, "serves sim and judge", services, timeout=10)
     finally:
         services.terminate()
         services.wait(60)

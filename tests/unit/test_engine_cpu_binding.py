@@ -59,3 +59,12 @@ def test_parley_up_counts_the_engines_it_runs_at_once(tmp_path):
     assert count(["up.actors=2", "learner.eval_every=0"]) == 3
     assert count(["judge.engine.model=\"tiny\""]) == 4  # sim and judge on different models: one engine each
     assert count(["env.name=\"hidden_goal\""]) == 2  # no simulator, no judge
+
+
+def test_an_unbound_single_worker_engine_runs_its_worker_in_the_engine_core():
+    from engines.engine import IN_CORE_EXECUTOR, cpu_executor
+
+    assert cpu_executor("nobind", 1) == IN_CORE_EXECUTOR  # no binding to set up: no worker process of its own
+    assert cpu_executor("nobind", 2) is None  # several workers: vLLM's multiprocess executor
+    assert cpu_executor("0-1", 1) is None  # the operator's binding needs the worker process vLLM sets up
+    assert cpu_executor("auto", 1) is None
