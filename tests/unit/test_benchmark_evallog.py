@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from deploy.cli import app
 from protocol import arrays
-from protocol.messages import AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, JudgeReply, Scored, Trajectory
+from protocol.messages import AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, Scored, Trajectory
 from scorer.config import ScorerConfig
 from evaluation.evallog import from_scored, read_log, read_records, rejudge, reweight, write_jsonl, write_parquet
 from rewards.metrics import bleu, char_bleu

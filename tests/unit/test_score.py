@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
 from protocol import examples
-from protocol.messages import ChatMessage, FutureRollout, JudgeReply
+from protocol.messages import ChatMessage, FutureRollout
 from scorer.config import ScorerConfig
 from rewards.metrics import bleu, char_bleu
 from rewards.reward import default_weights

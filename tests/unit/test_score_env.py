@@ -8,18 +8,16 @@ import pytest
 
 from environments import hidden_goal
 from environments.base import JudgeMetric, PureMetric, Reward
-from protocol import examples
 from protocol.messages import ChatMessage, JudgeReply
 from scorer.config import ScorerConfig
 from scorer.score import JudgeFailed, Unscorable, score_trajectory
+from tests import factories
 
 PIZZA = hidden_goal.Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
 
 
 def _traj(messages, reference):
-    traj = examples.trajectory("unit")
-    traj.messages, traj.reference, traj.futures, traj.assistant_tokens = messages, reference, [], 30
-    return traj
+    return factories.trajectory(messages=messages, reference=reference, futures=[], assistant_tokens=30)
 
 
 class NoJudge:
