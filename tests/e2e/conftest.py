@@ -2,6 +2,10 @@
 asks for it and shut down after the last test of the session that uses it, all on one private event
 loop that the tests drive with `engines.run(coro)`. Each engine start-up costs 30-90 s on CPU; the
 modules used to start one each. A test that loads other weights leaves with the model's own restored.
+
+vLLM's AsyncLLM belongs to the event loop it was started on, and pytest-asyncio (asyncio_default_fixture_
+loop_scope = "function") gives each async test a loop of its own: so tests that use a shared engine are
+plain `def` tests that run their coroutines with `engines.run`, never `async def` tests.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ ENGINE_FIXTURES = {"raw": ("tiny_engine",), "sampled": ("tiny_policy_engine",)}
 
 
 class Engines:
-    """The shared engines and the event loop they live on (the loop of whatever a test runs
-    through them: vLLM's AsyncLLM belongs to the loop it was started on)."""
+    """The shared engines and the event loop they live on, which is also the loop of whatever a test
+    runs through them (its NATS connections, actors, services)."""
 
     def __init__(self, model_dir):
         self.model_dir = model_dir
