@@ -45,6 +45,8 @@ class Ctx:
         try:
             self._start_processes()  # they load their engines while ours loads
             self.items = load_items()
+            # the toy model's shared engine (tests/e2e/conftest.py); its start is not the scenario's time
+            self.engine = engines.get("raw")
             self.run(self._start())
         except BaseException:
             self.kill_processes()  # a failed set-up must not leave engines running for the next tests
@@ -119,8 +121,6 @@ class Ctx:
         self.js = self.nc.jetstream()
         from transformers import AutoTokenizer
 
-        # the toy model's shared engine (tests/e2e/conftest.py), opened while the processes load theirs
-        self.engine = await self.engines.aget("raw")
         self.tok = AutoTokenizer.from_pretrained(self.model)
         await self.wait_state("main", "sim", "sim")
 
