@@ -1,8 +1,8 @@
 """Rollout actors end to end: a real nats-server, real vLLM engines on the toy model, the user
 simulator run as `parley sim`, and the actor that gets SIGKILLed run as `parley actor` (both as
 `python -m deploy.cli ...` processes with their own engines, started at module set-up so they load
-while this process loads the policy engine its in-process actors share). Everything async here
-runs on one private event loop.
+while this process loads the policy engine its in-process actors share: the toy model's shared one,
+tests/e2e/conftest.py). Everything async here runs on the shared engines' event loop.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from pathlib import Path
 import pytest
 
 from actors.actor import Actor
-from engines.backend import open_engine
-from engines.config import EngineConfig
 from tasks.data import load_items, task_from_item
 from rollout.sim import FALLBACK_MESSAGE
 from config.run import load_config
@@ -30,7 +28,7 @@ from protocol import arrays, codec, topology
 from protocol.bus import publish
 from protocol.connect import connect
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.shared_engine("raw")]
 
 ACK_WAIT_S = 4.0
 # small streams: the server reserves max_bytes per stream from its disk budget, for three runs here
@@ -39,15 +37,16 @@ KILL_RUN = "kill"
 
 
 class Ctx:
-    def __init__(self, root: Path, model: Path):
-        self.root, self.model = root, model
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, root: Path, engines):
+        self.root, self.model, self.engines = root, engines.model_dir, engines
         self.server = NatsServer(root / "nats", port=0)
         self.url = self.server.start()
         self.procs: dict[str, subprocess.Popen] = {}
         try:
             self._start_processes()  # they load their engines while ours loads
             self.items = load_items()
+            # the toy model's shared engine (tests/e2e/conftest.py); its start is not the scenario's time
+            self.engine = engines.get("raw")
             self.run(self._start())
         except BaseException:
             self.kill_processes()  # a failed set-up must not leave engines running for the next tests
@@ -63,7 +62,7 @@ class Ctx:
                 os.killpg(proc.pid, signal.SIGKILL)  # its engine processes too
 
     def run(self, coro, timeout: float = 240.0):
-        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+        return self.engines.run(coro, timeout)
 
     def cfg(self, run: str, *extra: str):
         return load_config(None, [
@@ -120,8 +119,9 @@ class Ctx:
     async def _start(self):
         self.nc = await connect(self.url, name="test-actor")
         self.js = self.nc.jetstream()
-        self.engine, self.tok, _ = open_engine(EngineConfig(model=str(self.model), max_model_len=2048,
-                                                            kv_cache_bytes=128 << 20))
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(self.model)
         await self.wait_state("main", "sim", "sim")
 
     async def start_actor(self, run: str, ident: str, *extra: str):
@@ -150,22 +150,15 @@ class Ctx:
                 proc.wait()
         self.kill_processes()  # whatever engine process outlived its parent
 
-        async def stop():
-            await self.nc.close()
-            self.engine.shutdown()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        self.loop.run_until_complete(stop())
-        self.loop.close()
+        if getattr(self, "nc", None) is not None:
+            self.run(self.nc.close())
+        self.engines.restore("raw")  # the weights test left version 1 loaded
         self.server.stop()
 
 
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory, tiny_model):
-    c = Ctx(tmp_path_factory.mktemp("actor"), tiny_model)
+def ctx(tmp_path_factory, engines):
+    c = Ctx(tmp_path_factory.mktemp("actor"), engines)
     yield c
     c.close()
 

@@ -1,6 +1,7 @@
 """PolicyEngine on a real vLLM (CPU) with the toy model: generation, JSON-constrained
 generation, in-place weight reloads, and the learner/actor log-prob contract (vLLM's sampled
-log-probs equal a transformers fp32 forward pass over the same ids). One engine for the module.
+log-probs equal a transformers fp32 forward pass over the same ids). The engine is the toy model's
+shared one (tests/e2e/conftest.py).
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ import json
 import pytest
 
 from rollout.chat import ChatTokens
-from engines.engine import EngineSettings, PolicyEngine
 from tests.reference import reference_logprobs
-from engines.models import build_tiny
 
 # engine start-up takes ~30 s alone, minutes on a busy 2-core box
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -22,26 +21,19 @@ TOL = 1e-4
 
 
 class Ctx:
-    """The shared engine plus what the tests need around it. Tests drive the engine through
-    one private event loop, so they do not depend on pytest-asyncio's loop scoping."""
+    """The shared engine (tests/e2e/conftest.py) plus what the tests need around it. Tests drive the
+    engine through the shared engines' private event loop, so they do not depend on pytest-asyncio's
+    loop scoping."""
 
-    def __init__(self, root):
+    def __init__(self, engines, engine):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.path = build_tiny(root / "tiny")
+        self.path = engines.model_dir
         self.tok = AutoTokenizer.from_pretrained(self.path)
         self.hf = AutoModelForCausalLM.from_pretrained(self.path, dtype="float32").eval()
         self.end = self.tok.convert_tokens_to_ids("<|im_end|>")
-        self.loop = asyncio.new_event_loop()
-        settings = EngineSettings(model=str(self.path), max_model_len=2048, kv_cache_bytes=256 << 20)
-
-        async def start():
-            return PolicyEngine(settings)
-
-        self.engine = self.run(start())
-
-    def run(self, coro):
-        return self.loop.run_until_complete(coro)
+        self.run = engines.run
+        self.engine = engine
 
     def gather(self, *coros):
         async def all_of():
@@ -57,24 +49,10 @@ class Ctx:
         )
         return self.tok.encode(rendered, add_special_tokens=False)
 
-    def close(self):
-        async def stop():
-            self.engine.shutdown()
-            # let vLLM's output tasks see their cancellation before the loop goes away
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        self.run(stop())
-        self.loop.close()
-
 
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory):
-    c = Ctx(tmp_path_factory.mktemp("engine"))
-    yield c
-    c.close()
+def ctx(engines, tiny_engine):
+    return Ctx(engines, tiny_engine)
 
 
 def test_generate_returns_one_logprob_per_token(ctx):

@@ -2,12 +2,12 @@
 (base, and the proactive system prompt) over the same items and simulator seeds, the user simulator and
 the judge answering as NATS services, every record published to the run's EVAL stream, the table
 written; then a replay of the log with other reward weights reproduces the BLEU and interactivity
-columns exactly without generating. One engine serves policy, simulator and judge to keep CI short.
+columns exactly without generating. One engine (the toy model's shared one) serves policy, simulator and
+judge to keep CI short.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -18,13 +18,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 RUN = "evale2e"
 
 
-def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model, nats_server):
+def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model, nats_server, engines, tiny_engine):
     from transformers import AutoTokenizer
 
     from engines.backend import LocalBackend
     from config.actor import SimConfig
     from tasks.data import load_items
-    from engines.engine import EngineSettings, PolicyEngine
     from rollout.sim import SimClient
     from actors.sim import Simulator
     from deploy.cli import app
@@ -45,12 +44,7 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
     opened = []
 
     async def main():
-        # No chunked prefill: vLLM's CPU runner crashes when it drops the sample of a seeded request
-        # whose prompt was only partly prefilled ("CPU Generator does not use offset").
-        no_chunks = {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048}
-        engine = PolicyEngine(
-            EngineSettings(model=str(tiny_model), max_model_len=2048, kv_cache_bytes=192 << 20, extra=no_chunks)
-        )
+        engine = tiny_engine  # the shared one (tests/e2e/conftest.py): no chunked prefill
         backend = LocalBackend(engine, tok, model_name="tiny", owns_engine=False)
         nc = await connect(nats_server.url, name="eval-e2e")
         js = nc.jetstream()
@@ -80,9 +74,8 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
             await sim_svc.stop(5)
             await judge_svc.stop(5)
             await nc.drain()
-            engine.shutdown()
 
-    records, stored = asyncio.run(main())
+    records, stored = engines.run(main())
     assert opened == ["tiny"]  # both conditions share the model's engine
     assert [(r.condition, r.item_id) for r in records] == [(c.name, it.item_id) for c in conditions for it in items]
     assert sorted(stored, key=lambda r: r.eval_id) == sorted(records, key=lambda r: r.eval_id)

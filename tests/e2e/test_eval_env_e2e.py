@@ -7,17 +7,14 @@ so its goal_match is 0; the point is the path, not the score (bench/env_learning
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]  # 600 s in one run on the loaded 2-core machine
 
 
-def test_the_benchmark_plays_hidden_goal_and_shows_its_columns(tiny_model):
+def test_the_benchmark_plays_hidden_goal_and_shows_its_columns(tiny_model, engines, tiny_engine):
     from transformers import AutoTokenizer
 
-    from engines.engine import EngineSettings, PolicyEngine
     from config.env import EnvConfig
     from evaluation.benchmark import summarize, to_markdown
     from evaluation.runner import Condition, EvalServices, EvalSettings, Policy, eval_items, run_eval
@@ -30,21 +27,11 @@ def test_the_benchmark_plays_hidden_goal_and_shows_its_columns(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     settings = EvalSettings(sim_prompt="", assistant_max_tokens=16, max_new_turns=4, concurrency=4)
 
-    async def main():
-        no_chunks = {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048}
-        engine = PolicyEngine(
-            EngineSettings(model=str(tiny_model), max_model_len=2048, kv_cache_bytes=128 << 20, extra=no_chunks))
+    async def open_policy(model):
+        return Policy(engine=tiny_engine, tokenizer=tok, version=0)  # the shared one: no chunked prefill
 
-        async def open_policy(model):
-            return Policy(engine=engine, tokenizer=tok, version=0)
-
-        try:
-            services = EvalServices(open_policy=open_policy, sim=None, judge=None, scorer_cfg=ScorerConfig(), env=env)
-            return await run_eval([Condition(name="v0", model="tiny")], held, settings, services)
-        finally:
-            engine.shutdown()
-
-    records = asyncio.run(main())
+    services = EvalServices(open_policy=open_policy, sim=None, judge=None, scorer_cfg=ScorerConfig(), env=env)
+    records = engines.run(run_eval([Condition(name="v0", model="tiny")], held, settings, services))
     assert sorted(r.item_id for r in records) == sorted(g.item_id for g in held)
     for rec, goal in zip(sorted(records, key=lambda r: r.item_id), sorted(held, key=lambda g: g.item_id)):
         assert rec.messages[0].role == "system" and "FINAL:" in rec.messages[0].content

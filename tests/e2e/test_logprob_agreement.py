@@ -9,13 +9,13 @@ holds at temperature 0.7 when the learner takes the samples' temperature."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 
 import pytest
 import torch
 
 from rollout.chat import ChatTokens
-from engines.engine import EngineSettings, PolicyEngine
 from learner.packing import Sample, build_batch
 from learner.weights_io import hf_weights, write_weights
 from learner.logprobs import token_logprobs
@@ -26,19 +26,15 @@ TOL = 1e-4  # fp32 on both sides; measured agreement is ~1e-6
 
 
 class Vllm:
-    """One engine for the module, driven through a private event loop."""
+    """The toy model's shared sampled-log-prob engine (tests/e2e/conftest.py), driven through the
+    shared engines' event loop."""
 
-    def __init__(self, model_dir):
+    def __init__(self, engines, engine):
         from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.loop = asyncio.new_event_loop()
-
-        async def start():
-            return PolicyEngine(EngineSettings(model=str(model_dir), max_model_len=1024, kv_cache_bytes=128 << 20,
-                                               sampled_logprobs=True))  # as the actor opens its policy
-
-        self.engine = self.loop.run_until_complete(start())
+        self.tok = AutoTokenizer.from_pretrained(engines.model_dir)
+        self.run = engines.run
+        self.engine = engine
 
     def conversations(self, seed: int, temperature: float = 1.0) -> list[Sample]:
         """Four two-turn conversations as learner Samples (behaviour log-probs from vLLM)."""
@@ -57,25 +53,12 @@ class Vllm:
         async def all_of():
             return await asyncio.gather(*[one(i) for i in range(4)])
 
-        return self.loop.run_until_complete(all_of())
-
-    def close(self):
-        async def stop():
-            self.engine.shutdown()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        self.loop.run_until_complete(stop())
-        self.loop.close()
+        return self.run(all_of())
 
 
 @pytest.fixture(scope="module")
-def vllm(tiny_model):
-    v = Vllm(tiny_model)
-    yield v
-    v.close()
+def vllm(engines, tiny_policy_engine):
+    return Vllm(engines, tiny_policy_engine)
 
 
 @pytest.fixture(scope="module")
@@ -113,15 +96,17 @@ def test_learner_logprobs_match_vllm(vllm, learner_model):
 
 def test_weights_written_by_the_learner_reload_into_vllm(vllm, learner_model, tmp_path):
     """hf_weights + write_weights (what Trainer.save_weights publishes) loaded in place by vLLM:
-    its log-probs then agree with the changed model, not the old one."""
+    its log-probs then agree with the changed model, not the old one. The changed model is a copy, and
+    the shared engine gets the toy model's own weights back after the test (conftest)."""
+    changed = copy.deepcopy(learner_model)
     with torch.no_grad():
-        for p in learner_model.parameters():
+        for p in changed.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    out = write_weights(hf_weights(learner_model), learner_model.config, tmp_path / "v1")
-    vllm.loop.run_until_complete(vllm.engine.reload_weights(out, version=1))
+    out = write_weights(hf_weights(changed), changed.config, tmp_path / "v1")
+    vllm.run(vllm.engine.reload_weights(out, version=1))
 
     batch = build_batch(vllm.conversations(seed=1000))
-    ours, _ = token_logprobs(learner_model, batch, grad=False)
+    ours, _ = token_logprobs(changed, batch, grad=False)
     diff = (ours - batch.behaviour).abs()
     print(f"after reload: max {diff.max():.2e} over {batch.n_loss_tokens} tokens")
     assert diff.max() < TOL

@@ -22,9 +22,10 @@ import torch
 
 from config.learner import LearnerConfig
 from learner.packing import Sample, build_batch, pack_by_tokens
-from protocol import arrays, examples
+from protocol import arrays
 from protocol.connect import connect
-from protocol.messages import AssistantTurn, JudgeReply, Scored, Trajectory
+from protocol.messages import Scored, Trajectory
+from tests import factories
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -50,12 +51,9 @@ def sampled_trajectories(model, prompt_lens: list[int], n: int, new: int, seed: 
                 ids = torch.cat([ids, nxt], dim=1)
         lps = torch.stack(lps, dim=1)
         for i in range(n):
-            traj = examples.trajectory("refsvc", task_id=f"task-{g}", sample=i)
-            traj.token_ids_i32 = arrays.pack_ids(ids[i].numpy())
-            traj.loss_mask_u8 = arrays.pack_mask([0] * plen + [1] * new)
-            traj.turns = [AssistantTurn(start=plen, logprobs_f32=arrays.pack_logprobs(lps[i].numpy()), version=0,
-                                        finish_reason="length")]
-            out.append(traj)
+            out.append(factories.trajectory("refsvc", f"task-{g}", i, token_ids=ids[i].tolist(),
+                                            loss_mask=[0] * plen + [1] * new,
+                                            turns=[factories.turn(plen, lps[i].tolist(), finish_reason="length")]))
     return out
 
 
@@ -139,8 +137,7 @@ async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny
     adv = group_advantages(torch.tensor([[0.1, 0.9, 0.4, 0.6], [0.3, 0.2, 0.8, 0.5]])).reshape(-1)
     received = []
     for i, t in enumerate(trajs):  # scorer -> Scored -> the learner's intake and its Samples
-        s = Scored(traj_id=t.traj_id, task_id=t.task_id, sample=t.sample, run=t.run, metrics={}, weights={},
-                   total=0.0, trajectory=t, ref_logp_f32=arrays.pack_logprobs(ref[t.traj_id]))
+        s = factories.scored(t, {}, ref_logp_f32=arrays.pack_logprobs(ref[t.traj_id]))
         s = msgspec.msgpack.Decoder(Scored).decode(msgspec.msgpack.encode(s))
         check_hostile_values(s, vocab, reference=True)
         received.append((s, float(adv[i])))
@@ -184,22 +181,6 @@ async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny
     assert moved > 100 * max(worst, 1e-7)
 
 
-class JudgeDouble:  # test double: every verdict valid, no model
-    model = "judge-double"
-
-    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
-        return await getattr(self, op)(messages, seed=seed)
-
-    async def extract(self, messages, *, seed=0):
-        return JudgeReply(ok=True, document=messages[-1].content, model=self.model)
-
-    async def interactivity(self, messages, *, seed=0):
-        return JudgeReply(ok=True, levels={"understanding": 2, "clarification": 1, "suggestions": 3}, model=self.model)
-
-    async def interactivity_3level(self, messages, *, seed=0):
-        return JudgeReply(ok=True, score=0.5, model=self.model)
-
-
 async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc, js, nats_server, tiny_model):
     from protocol import bus, codec, topology
     from config.scorer import ScorerConfig
@@ -214,7 +195,8 @@ async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc
         t.run = run
         await bus.publish(js, run, "traj", t)
     cfg = ScorerConfig(concurrency=2, retry_delay_s=0.5, retry_max_delay_s=1.0, reference_timeout_s=30.0)
-    scorer = Scorer(nc, run, JudgeDouble(), cfg, settings, "scorer-test",
+    scorer = Scorer(nc, run, factories.JudgeDouble(document=lambda messages: messages[-1].content,
+                                          levels={"understanding": 2, "clarification": 1, "suggestions": 3}), cfg, settings, "scorer-test",
                     reference=ReferenceClient(nc, model=NAME, timeout=cfg.reference_timeout_s))
     stop = asyncio.Event()
     task = asyncio.create_task(scorer.run_until(stop, fetch_timeout=0.5))

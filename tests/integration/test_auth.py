@@ -23,7 +23,8 @@ from deploy.permissions import ROLES, role_permissions
 from protocol import codec, examples, status, topology
 from protocol.bus import PullWorker, dead_letter, publish
 from protocol.connect import NatsUnreachable, barrier, connect, inbox_prefix
-from protocol.messages import Heartbeat, JudgeReply, JudgeRequest, Scored, SimReply, SimRequest, WeightVersion
+from protocol.messages import Heartbeat, JudgeReply, JudgeRequest, SimReply, SimRequest, WeightVersion
+from tests import factories
 from weights.common import current_version
 from weights.config import ObjstoreWeights
 from weights.registry import fetch_version, publish_version
@@ -137,8 +138,7 @@ async def test_actor_cannot_announce_weights_or_publish_scores(secured, tmp_path
         with pytest.raises(nats.errors.TimeoutError):
             await store.put("v999999/model.safetensors", b"forged weights")
 
-        scored = Scored(traj_id="t/0", task_id="t", sample=0, run=RUN, metrics={}, weights={}, total=1e9,
-                        trajectory=examples.trajectory(RUN))
+        scored = factories.scored(factories.trajectory(RUN, "t", 0), {}, total=1e9)
         with pytest.raises(nats.errors.TimeoutError):
             await js.publish(topology.subject(RUN, "scored"), codec.encode(scored), timeout=1.0)
         with pytest.raises(topology.TopologyError, match="no answer"):  # may not loosen the streams either
@@ -293,8 +293,7 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
             request = codec.encode(JudgeRequest(op="extract", messages=traj.messages))
             reply = await conns["scorer"].request(topology.judge_subject("extract"), request, timeout=5)
             doc = codec.decode("judge.reply", reply.data).document
-            scored = Scored(traj_id=traj.traj_id, task_id=traj.task_id, sample=traj.sample, run=run,
-                            metrics={"bleu": 0.5}, weights={"bleu": 1.0}, total=0.5, trajectory=traj, document=doc)
+            scored = factories.scored(traj, {"bleu": 0.5}, document=doc)
             await publish(conns["scorer"].jetstream(), run, "scored", scored)
             await msg.ack()
 

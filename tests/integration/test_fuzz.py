@@ -35,7 +35,6 @@ from deploy.natsserver import NatsServer
 from protocol import codec, examples, topology
 from protocol.connect import barrier, connect
 from protocol.messages import (
-    AssistantTurn,
     ChatMessage,
     DeadLetter,
     Heartbeat,
@@ -44,8 +43,8 @@ from protocol.messages import (
     Scored,
     SimReply,
     SimRequest,
-    Trajectory,
 )
+from tests import factories
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.timeout(600)]
@@ -415,15 +414,12 @@ async def test_bad_weight_announcements_are_refused_and_counted(system, tiny_mod
 # -- still alive, still working -------------------------------------------------------------------
 
 def _tiny_scored(run: str, task: str, sample: int) -> Scored:
-    traj = Trajectory(
-        traj_id=f"{task}/{sample}", task_id=task, sample=sample, run=run, item_id="fuzz-item",
-        messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")],
-        token_ids=[5, 6, 7, 8, 9], loss_mask=[0, 0, 1, 1, 1],
-        turns=[AssistantTurn(start=2, logprobs=[-1.0, -2.0, -0.5], version=0, finish_reason="stop")],
+    traj = factories.trajectory(
+        run, task, sample, item_id="fuzz-item", messages=[("user", "hi"), ("assistant", "hello")],
+        token_ids=[5, 6, 7, 8, 9], loss_mask=[0, 0, 1, 1, 1], turns=[factories.turn(2, [-1.0, -2.0, -0.5])],
         reference="hello",
     )
-    return Scored(traj_id=traj.traj_id, task_id=task, sample=sample, run=run, metrics={"bleu": 0.5},
-                  weights={"bleu": 1.0}, total=0.5, trajectory=traj)
+    return factories.scored(traj, {"bleu": 0.5})
 
 
 async def test_every_role_still_works_after_the_fuzz(system):

@@ -19,7 +19,8 @@ from learner.checkpoint import read_state
 from config.learner import LearnerConfig, RolloutConfig
 from protocol import codec, topology
 from protocol.bus import Poison, PullWorker, publish
-from protocol.messages import AssistantTurn, ChatMessage, Scored, Task, Trajectory
+from protocol.messages import Scored, Task
+from tests import factories
 
 pytestmark = [pytest.mark.integration]
 
@@ -31,17 +32,14 @@ def scored_for(task: Task, sample: int, *, flat: bool = False, pad: int = 0) -> 
     """A minimal trainable sample of `task` (the trainer double never reads the tokens); rewards
     differ within the group unless `flat` (then it is skipped as zero advantage); `pad` characters
     of conversation make it bigger on the wire."""
-    traj = Trajectory(
-        traj_id=f"{task.task_id}/{sample}", task_id=task.task_id, sample=sample, run=task.run, item_id=task.item_id,
-        messages=[ChatMessage("user", "x" * pad), ChatMessage("assistant", "ok")], token_ids=[1, 2, 3, 4],
-        loss_mask=[0, 0, 1, 1], reference=task.reference,
-        turns=[AssistantTurn(start=2, logprobs=[-0.5, -0.5], version=task.admitted_version, finish_reason="stop")],
-        assistant_tokens=2,
+    traj = factories.trajectory(
+        task.run, task.task_id, sample, item_id=task.item_id, messages=[("user", "x" * pad), ("assistant", "ok")],
+        token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], reference=task.reference,
+        turns=[factories.turn(2, [-0.5, -0.5], task.admitted_version)], assistant_tokens=2,
     )
     reward = 0.5 if flat else 0.25 + 0.5 * sample
-    return Scored(traj_id=traj.traj_id, task_id=task.task_id, sample=sample, run=task.run,
-                  metrics={"bleu": reward, "interactivity": reward, "token_amount": 0.002},
-                  weights={"bleu": 1.0}, total=reward, trajectory=traj, document="the document")
+    return factories.scored(traj, {"bleu": reward, "interactivity": reward, "token_amount": 0.002},
+                            weights={"bleu": 1.0}, document="the document")
 
 
 class SnapshotDouble:

@@ -20,7 +20,8 @@ import pytest
 from learner.checkpoint import read_state
 from protocol import topology
 from protocol.bus import publish
-from protocol.messages import AssistantTurn, ChatMessage, Scored, Trajectory
+from protocol.messages import Scored
+from tests import factories
 from weights.common import current_version
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -45,18 +46,14 @@ def make_scored(tok, model, run: str, group: int, sample: int) -> Scored:
     for t in range(2):
         gen = tok.encode(rng.choice(PHRASES), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
         lps = reference_logprobs(model, conv.prompt_ids, gen)
-        turns.append(AssistantTurn(start=len(conv.token_ids), logprobs=lps, version=0, finish_reason="stop"))
+        turns.append(factories.turn(len(conv.token_ids), lps))
         conv.add_assistant(gen, "stop", lps)
         if t == 0:
             conv.add_user("Go on.")
-    traj = Trajectory(
-        traj_id=f"{task}/{sample}", task_id=task, sample=sample, run=run, item_id=f"item-{group}",
-        messages=[ChatMessage(m["role"], m["content"]) for m in conv.messages],
-        token_ids=conv.token_ids, loss_mask=conv.loss_mask, turns=turns,
-    )
-    reward = rng.random()
-    return Scored(traj_id=traj.traj_id, task_id=task, sample=sample, run=run, metrics={"bleu": reward},
-                  weights={"bleu": 1.0}, total=reward, trajectory=traj)
+    traj = factories.trajectory(run, task, sample, item_id=f"item-{group}",
+                                messages=[(m["role"], m["content"]) for m in conv.messages],
+                                token_ids=conv.token_ids, loss_mask=conv.loss_mask, turns=turns)
+    return factories.scored(traj, {"bleu": rng.random()})
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,11 @@ from typer.testing import CliRunner
 
 from deploy.cli import app
 from protocol import arrays
-from protocol.messages import AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, JudgeReply, Scored, Trajectory
+from protocol.messages import AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, Scored, Trajectory
 from config.scorer import ScorerConfig
 from evaluation.evallog import from_scored, read_log, read_records, rejudge, reweight, write_jsonl, write_parquet
 from rewards.metrics import bleu, char_bleu
+from tests.factories import JudgeDouble, first_assistant
 
 REFERENCE = "Three Days in Lisbon\n\nWe walked the hills of Alfama and ate too many custard tarts in Belem."
 DOCS = [
@@ -107,25 +108,15 @@ def test_reweight_reproduces_stored_bleu_and_applies_new_weights():
         reweight([unjudged], {"bleu": 1.0})
 
 
-class FakeJudge:
-    """Test double for the judge service: returns the first assistant message as the document and fixed levels."""
-
-    model = "fake-judge"
-
-    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
-        return await getattr(self, op)(messages, seed=seed)
-
-    async def extract(self, messages, *, seed=0):
-        doc = next(m.content for m in messages if m.role == "assistant")
-        return JudgeReply(ok=True, document=doc, raw=doc, model=self.model)
-
-    async def interactivity(self, messages, *, seed=0):
-        return JudgeReply(ok=True, levels={"understanding": 3, "clarification": 0, "suggestions": 3}, score=2 / 3, model=self.model)
+def judge_double(**kw) -> JudgeDouble:
+    """The first assistant message as the document and fixed levels."""
+    return JudgeDouble(model="fake-judge", document=first_assistant, raw=lambda doc: doc,
+                       levels={"understanding": 3, "clarification": 0, "suggestions": 3}, score=2 / 3, **kw)
 
 
 async def test_rejudge_with_another_judge():
     recs = [eval_record("base", k) for k in range(2)]
-    out = await rejudge(recs, FakeJudge(), ScorerConfig(weights={"bleu": 1.0, "interactivity": 1.0}))
+    out = await rejudge(recs, judge_double(), ScorerConfig(weights={"bleu": 1.0, "interactivity": 1.0}))
     assert [r.document for r in out] == ["Sure — which days?"] * 2
     assert all(r.judge_model == "fake-judge" and r.metrics["interactivity"] == pytest.approx(2 / 3) for r in out)
     assert out[0].metrics["bleu"] == bleu("Sure — which days?", REFERENCE)
@@ -156,16 +147,11 @@ def test_cli_replay_reweights_a_log_without_generating(tmp_path):
     assert res.exit_code == 2 and "baseline condition 'nope'" in res.stderr
 
 
-class ThreeLevelFakeJudge(FakeJudge):
-    async def interactivity_3level(self, messages, *, seed=0):
-        return JudgeReply(ok=True, score=0.5, raw='{"thought": "one question", "interactivity": 0.5}', model=self.model)
-
-
 async def test_rejudge_with_the_collabllm_scoring():
     from environments.collabllm import SCORING_VARIANTS
 
     recs = [eval_record("base", k) for k in range(2)]
-    out = await rejudge(recs, ThreeLevelFakeJudge(), ScorerConfig(**SCORING_VARIANTS["collabllm"]))
+    out = await rejudge(recs, judge_double(score_3level=0.5, raw_3level='{"thought": "one question", "interactivity": 0.5}'), ScorerConfig(**SCORING_VARIANTS["collabllm"]))
     assert all(r.metrics["interactivity"] == 0.5 for r in out)
     assert out[0].metrics["bleu"] == char_bleu("Sure — which days?", REFERENCE)
     assert [o.op for o in out[0].judge] == ["extract", "interactivity_3level"]

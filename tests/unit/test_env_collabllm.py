@@ -13,36 +13,20 @@ from environments.base import find_overlap, leaking
 from environments.collabllm import NAME, environment
 from config.learner import DataConfig, LearnerConfig, RolloutConfig
 from protocol import examples
-from protocol.messages import ChatMessage, JudgeReply
 from rewards.reward import REWARD_METRICS, default_weights
 from config.scorer import ScorerConfig
 from rollout.score import score_trajectory
 from tasks import data as tasks_data
+from tests import factories
 
 REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shines below."
 LEVELS = {"understanding": 3, "clarification": 1, "suggestions": 2}
 
 
-class JudgeDouble:
-    """Test double of rollout.judge.Judge: extracts the last assistant message, fixed levels."""
-
-    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
-        return await getattr(self, op)(messages, seed=seed)
-
-    async def extract(self, messages, *, seed=0):
-        doc = next((m.content for m in reversed(messages) if m.role == "assistant"), "")
-        return JudgeReply(ok=True, document=doc, model="double")
-
-    async def interactivity(self, messages, *, seed=0):
-        return JudgeReply(ok=True, levels=dict(LEVELS), score=0.5, model="double")
-
-
 def _traj():
-    traj = examples.trajectory("unit")
-    traj.reference, traj.futures, traj.assistant_tokens = REFERENCE, [], 420
-    traj.messages = [ChatMessage("user", "help me with a blog post"),
-                     ChatMessage("assistant", "A Week in Lisbon\n\nThe trams climb the hills.")]
-    return traj
+    return factories.trajectory(reference=REFERENCE, futures=[], assistant_tokens=420,
+                                messages=[("user", "help me with a blog post"),
+                                          ("assistant", "A Week in Lisbon\n\nThe trams climb the hills.")])
 
 
 def test_reward_is_the_scorers():
@@ -56,7 +40,7 @@ def test_reward_is_the_scorers():
 
 @pytest.mark.parametrize("variant", ["sacrebleu", "char"])
 def test_metrics_equal_score_trajectory(variant):
-    traj, judge = _traj(), JudgeDouble()
+    traj, judge = _traj(), factories.JudgeDouble(model="double", levels=LEVELS, score=0.5)
     scored = asyncio.run(score_trajectory(traj, judge, ScorerConfig(bleu_variant=variant)))
     replies = {op: asyncio.run(getattr(judge, op)(traj.messages)) for op in ("extract", "interactivity")}
     assert environment(bleu_variant=variant).reward.evaluate(traj, replies) == pytest.approx(scored.metrics)

@@ -23,8 +23,9 @@ from environments.hidden_goal import (
     world,
 )
 from config.learner import DataConfig, RolloutConfig
-from protocol.messages import ChatMessage, Trajectory
+from protocol.messages import ChatMessage
 from rewards.reward import total_reward
+from tests import factories
 
 PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
 
@@ -38,8 +39,8 @@ def assistant(text):
 
 
 def conv(*messages, goal=PIZZA):
-    return Trajectory(traj_id="t/0", task_id="t", sample=0, run="r", item_id=goal.item_id, messages=list(messages),
-                      token_ids=[], loss_mask=[], turns=[], reference=goal.hidden())
+    return factories.trajectory("r", "t", 0, item_id=goal.item_id, messages=list(messages), token_ids=[],
+                                loss_mask=[], turns=[], reference=goal.hidden())
 
 
 def answered(reply: str) -> dict[str, str]:

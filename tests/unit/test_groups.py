@@ -9,18 +9,15 @@ import pytest
 
 from learner.groups import BadTrajectory, Grouper, behaviour_logprobs, behaviour_version, check_trajectory
 from protocol import arrays
-from protocol.messages import AssistantTurn, Scored, Trajectory
+from protocol.messages import Scored, Trajectory
+from tests import factories
 
 
 def scored(task: str, sample: int, reward: float, version: int = 0) -> Scored:
-    traj = Trajectory(
-        traj_id=f"{task}/{sample}", task_id=task, sample=sample, run="r", item_id="i", messages=[],
-        token_ids_i32=arrays.pack_ids([1, 2, 3, 4, 5, 6]), loss_mask_u8=arrays.pack_mask([0, 0, 1, 1, 0, 1]),
-        turns=[AssistantTurn(start=2, logprobs_f32=arrays.pack_logprobs([-0.1, -0.2]), version=version, finish_reason="stop"),
-               AssistantTurn(start=5, logprobs_f32=arrays.pack_logprobs([-0.3]), version=version + 1, finish_reason="stop")],
-    )
-    return Scored(traj_id=traj.traj_id, task_id=task, sample=sample, run="r", metrics={"bleu": reward},
-                  weights={"bleu": 1.0}, total=reward, trajectory=traj)
+    traj = factories.trajectory("r", task, sample, item_id="i", messages=[], token_ids=[1, 2, 3, 4, 5, 6],
+                                loss_mask=[0, 0, 1, 1, 0, 1],
+                                turns=[factories.turn(2, [-0.1, -0.2], version), factories.turn(5, [-0.3], version + 1)])
+    return factories.scored(traj, {"bleu": reward})
 
 
 def grouper(**kw) -> Grouper:

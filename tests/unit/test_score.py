@@ -2,50 +2,26 @@
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
 from protocol import examples
-from protocol.messages import ChatMessage, FutureRollout, JudgeReply
+from protocol.messages import ChatMessage, FutureRollout
 from config.scorer import ScorerConfig
 from rewards.metrics import bleu, char_bleu
 from rewards.reward import default_weights
 from rollout.judge import JudgeFailed, JudgeUnavailable
 from rollout.score import Unscorable, conversations, score_trajectory
+from tests.factories import JudgeDouble
 
 REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shines below."
 
 
-class FakeJudge:
-    """Judge test double: the extracted document is the last assistant message of the conversation
-    it is shown, and the interactivity levels come from a table keyed by the number of messages."""
-
-    def __init__(self, levels_by_len=None, *, fail_op: str | None = None, unavailable: bool = False):
-        self.levels_by_len = levels_by_len or {}
-        self.fail_op = fail_op
-        self.unavailable = unavailable
-        self.calls: list[tuple[str, int]] = []
-
-    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
-        return await getattr(self, op)(messages, seed=seed)
-
-    async def extract(self, messages, *, seed=0):
-        self.calls.append(("extract", len(messages)))
-        if self.unavailable:
-            raise JudgeUnavailable("no judge service answers")
-        if self.fail_op == "extract":
-            return JudgeReply(ok=False, attempts=4, error="attempt 4: reply cut off", model="fake")
-        doc = next((m.content for m in reversed(messages) if m.role == "assistant"), "")
-        return JudgeReply(ok=True, document=doc, raw=f'{{"document": "{doc[:10]}"}}', model="fake")
-
-    async def interactivity(self, messages, *, seed=0):
-        self.calls.append(("interactivity", len(messages)))
-        await asyncio.sleep(0)
-        if self.fail_op == "interactivity":
-            return JudgeReply(ok=False, attempts=4, error="attempt 4: not JSON", model="fake")
-        levels = self.levels_by_len.get(len(messages), {"understanding": 3, "clarification": 3, "suggestions": 3})
-        return JudgeReply(ok=True, levels=levels, score=0.123, raw="{}", model="fake")
+def judge_double(levels_by_len=None, **kw) -> JudgeDouble:
+    """The extracted document is the last assistant message of the conversation it is shown, and the
+    interactivity levels come from a table keyed by the number of messages."""
+    return JudgeDouble(model="fake", levels_by_len=levels_by_len, score=0.123,
+                       raw=lambda doc: f'{{"document": "{doc[:10]}"}}', **kw)
 
 
 def _traj(**kw):
@@ -64,7 +40,7 @@ def _traj(**kw):
 
 async def test_one_conversation_metrics_and_total():
     traj = _traj()
-    judge = FakeJudge({2: {"understanding": 3, "clarification": 0, "suggestions": 3}})
+    judge = judge_double({2: {"understanding": 3, "clarification": 0, "suggestions": 3}})
     cfg = ScorerConfig()
     scored = await score_trajectory(traj, judge, cfg, scorer="s-1")
     doc = traj.messages[-1].content
@@ -84,7 +60,7 @@ async def test_one_conversation_metrics_and_total():
 
 async def test_char_bleu_variant():
     traj = _traj()
-    scored = await score_trajectory(traj, FakeJudge(), ScorerConfig(bleu_variant="char"))
+    scored = await score_trajectory(traj, judge_double(), ScorerConfig(bleu_variant="char"))
     assert scored.metrics["bleu"] == pytest.approx(char_bleu(traj.messages[-1].content, REFERENCE))
 
 
@@ -96,7 +72,7 @@ async def test_futures_are_averaged_per_metric_before_weighting():
         ]
     )
     # Future 0 -> 4 messages, future 1 -> 3 messages.
-    judge = FakeJudge(
+    judge = judge_double(
         {
             4: {"understanding": 3, "clarification": 3, "suggestions": 3},
             3: {"understanding": 0, "clarification": 0, "suggestions": 0},
@@ -119,7 +95,7 @@ async def test_futures_are_averaged_per_metric_before_weighting():
 async def test_clamps_bound_the_metric_before_weighting():
     traj = _traj(assistant_tokens=5000)  # 5 k tokens
     cfg = ScorerConfig(clamps={"token_amount": [0.0, 1.0], "interactivity": [0.0, 0.5]})
-    scored = await score_trajectory(traj, FakeJudge(), cfg)
+    scored = await score_trajectory(traj, judge_double(), cfg)
     assert scored.metrics["token_amount"] == pytest.approx(5.0)  # stored unclamped
     assert scored.metrics["interactivity"] == pytest.approx(1.0)
     assert scored.total == pytest.approx(scored.metrics["bleu"] + 0.5 - 0.1 * 1.0)
@@ -129,7 +105,7 @@ async def test_clamp_acts_on_the_future_average():
     futures = [FutureRollout(messages=[ChatMessage("user", "go on")], assistant_tokens=t) for t in (0, 2000)]
     traj = _traj(assistant_tokens=0, futures=futures)
     cfg = ScorerConfig(weights={"token_amount": -1.0}, clamps={"token_amount": [0.0, 1.5]})
-    scored = await score_trajectory(traj, FakeJudge(), cfg)
+    scored = await score_trajectory(traj, judge_double(), cfg)
     # mean(0, 2) = 1.0 lies inside the clamp; clamping each future first would give mean(0, 1.5) = 0.75.
     assert scored.total == pytest.approx(-1.0)
 
@@ -137,30 +113,30 @@ async def test_clamp_acts_on_the_future_average():
 @pytest.mark.parametrize("op", ["extract", "interactivity"])
 async def test_judge_failure_raises_and_never_scores_zero(op):
     with pytest.raises(JudgeFailed, match=f"judge {op} failed for t-0001/0 after 4 attempt"):
-        await score_trajectory(_traj(), FakeJudge(fail_op=op), ScorerConfig())
+        await score_trajectory(_traj(), judge_double(fail_op=op), ScorerConfig())
 
 
 async def test_failure_in_one_future_fails_the_whole_trajectory():
     futures = [FutureRollout(messages=[ChatMessage("user", "go on")]), FutureRollout(messages=[])]
-    judge = FakeJudge({3: {"understanding": 9, "clarification": 0, "suggestions": 0}})  # level out of range
+    judge = judge_double({3: {"understanding": 9, "clarification": 0, "suggestions": 0}})  # level out of range
     with pytest.raises(JudgeFailed, match="unusable"):
         await score_trajectory(_traj(futures=futures), judge, ScorerConfig())
 
 
 async def test_unavailable_judge_propagates():
     with pytest.raises(JudgeUnavailable):
-        await score_trajectory(_traj(), FakeJudge(unavailable=True), ScorerConfig())
+        await score_trajectory(_traj(), judge_double(unavailable=True), ScorerConfig())
 
 
 async def test_missing_levels_are_a_failure_not_a_zero():
-    judge = FakeJudge({2: {"understanding": 2}})
+    judge = judge_double({2: {"understanding": 2}})
     with pytest.raises(JudgeFailed, match="clarification"):
         await score_trajectory(_traj(), judge, ScorerConfig())
 
 
 async def test_trajectory_without_reference_is_unscorable():
     with pytest.raises(Unscorable, match="no reference"):
-        await score_trajectory(_traj(reference="  "), FakeJudge(), ScorerConfig())
+        await score_trajectory(_traj(reference="  "), judge_double(), ScorerConfig())
 
 
 def test_retry_delay_doubles_and_is_capped():
@@ -171,13 +147,13 @@ def test_retry_delay_doubles_and_is_capped():
 async def test_seed_goes_to_the_judge():
     seen = []
 
-    class SeedJudge(FakeJudge):
+    class SeedJudgeDouble(JudgeDouble):
         async def extract(self, messages, *, seed=0):
             seen.append(seed)
             return await super().extract(messages, seed=seed)
 
-    await score_trajectory(_traj(seed=7), SeedJudge(), ScorerConfig())
-    await score_trajectory(_traj(seed=7), SeedJudge(), ScorerConfig(), seed=2007)
+    await score_trajectory(_traj(seed=7), SeedJudgeDouble(), ScorerConfig())
+    await score_trajectory(_traj(seed=7), SeedJudgeDouble(), ScorerConfig(), seed=2007)
     assert seen == [7, 2007]
 
 
@@ -187,7 +163,7 @@ async def test_last_document_extractor_asks_no_judge_for_the_document():
         ChatMessage("user", "can you help me with a blog post"),
         ChatMessage("assistant", "Sure! Here is a draft:\n\n" + draft + "\n\nLet me know what you think!"),
     ])
-    judge = FakeJudge()
+    judge = judge_double()
     scored = await score_trajectory(traj, judge, ScorerConfig(extract="last_document"))
     assert scored.document == draft.strip()
     assert scored.metrics["bleu"] == pytest.approx(bleu(draft.strip(), REFERENCE))
@@ -195,23 +171,15 @@ async def test_last_document_extractor_asks_no_judge_for_the_document():
     assert [o.op for o in scored.judge] == ["interactivity"] and scored.judge_model == "fake"
 
 
-class ThreeLevelJudge(FakeJudge):
-    def __init__(self, value, ok=True):
-        super().__init__()
-        self.value, self.ok = value, ok
-
-    async def interactivity_3level(self, messages, *, seed=0):
-        self.calls.append(("interactivity_3level", len(messages)))
-        if not self.ok:
-            return JudgeReply(ok=False, attempts=2, error="attempt 2: not JSON", model="fake")
-        return JudgeReply(ok=True, score=self.value, raw="{}", model="fake")
+def three_level_judge(value, ok=True) -> JudgeDouble:
+    return judge_double(score_3level=value, **({} if ok else {"fail_op": "interactivity_3level", "attempts": 2}))
 
 
 async def test_collabllm_variant_uses_the_3level_judge_and_nltk_char_bleu():
     from environments.collabllm import SCORING_VARIANTS
 
     traj = _traj()
-    judge = ThreeLevelJudge(0.5)
+    judge = three_level_judge(0.5)
     scored = await score_trajectory(traj, judge, ScorerConfig(**SCORING_VARIANTS["collabllm"]))
     assert sorted(op for op, _ in judge.calls) == ["extract", "interactivity_3level"]
     assert scored.metrics["interactivity"] == 0.5
@@ -224,9 +192,9 @@ async def test_collabllm_variant_uses_the_3level_judge_and_nltk_char_bleu():
 async def test_3level_value_off_the_scale_or_a_failure_is_never_a_score():
     cfg = ScorerConfig(interactivity="3level")
     with pytest.raises(JudgeFailed, match="unusable.*must be one of"):
-        await score_trajectory(_traj(), ThreeLevelJudge(0.7), cfg)
+        await score_trajectory(_traj(), three_level_judge(0.7), cfg)
     with pytest.raises(JudgeFailed, match="interactivity_3level failed"):
-        await score_trajectory(_traj(), ThreeLevelJudge(1.0, ok=False), cfg)
+        await score_trajectory(_traj(), three_level_judge(1.0, ok=False), cfg)
 
 
 @pytest.mark.parametrize("field,value", [("extract", "longest"), ("interactivity", "5level")])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from protocol import examples
 from protocol.messages import Scored
 from rewards.diagnostics import SignalMonitor, diagnose_groups
 from rewards.reward import total_reward
+from tests import factories
 
 # The users' story: raw word count x -0.1, clamped to [-1, 1]. As a metric clamp that is
 # words clamped to [-10, 10] before the -0.1 weight: any document over 10 words sits at -1.
@@ -16,12 +16,9 @@ CLAMPS = {"length": [-10.0, 10.0]}
 
 
 def _scored(g: int, i: int, step: int) -> Scored:
-    traj = examples.trajectory("diag", task_id=f"s{step}-g{g}", sample=i)
+    traj = factories.trajectory("diag", task_id=f"s{step}-g{g}", sample=i)
     metrics = {"bleu": 0.2 + 0.08 * i + 0.01 * g, "length": float(40 + 60 * i + 100 * g + 7 * step)}
-    return Scored(
-        traj_id=traj.traj_id, task_id=traj.task_id, sample=i, run="diag", trajectory=traj,
-        metrics=metrics, weights=WEIGHTS, total=total_reward(metrics, WEIGHTS, {"length": (-10.0, 10.0)}),
-    )
+    return factories.scored(traj, metrics, WEIGHTS, total=total_reward(metrics, WEIGHTS, {"length": (-10.0, 10.0)}))
 
 
 def test_saturated_length_term_in_scored_groups_is_flagged_and_bleu_is_not():

@@ -8,19 +8,17 @@ import pytest
 
 from environments import hidden_goal
 from environments.base import JudgeMetric, PureMetric, Reward
-from protocol import examples
 from protocol.messages import ChatMessage, JudgeReply
 from config.scorer import ScorerConfig
 from rollout.judge import JudgeFailed
 from rollout.score import Unscorable, score_trajectory
+from tests import factories
 
 PIZZA = hidden_goal.Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
 
 
 def _traj(messages, reference):
-    traj = examples.trajectory("unit")
-    traj.messages, traj.reference, traj.futures, traj.assistant_tokens = messages, reference, [], 30
-    return traj
+    return factories.trajectory(messages=messages, reference=reference, futures=[], assistant_tokens=30)
 
 
 class NoJudge:

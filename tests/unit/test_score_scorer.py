@@ -12,28 +12,15 @@ from protocol.messages import JudgeReply
 from config.scorer import ScorerConfig
 from rollout.judge import JudgeUnavailable
 from scorer.scorer import Scorer
+from tests.factories import JudgeDouble
 
 CFG = ScorerConfig(retry_delay_s=0.01, retry_max_delay_s=0.02, judge_wait_s=0.05)
 
 
-class FakeJudge:
-    """Judge test double: a fixed document and levels, or a failure reply, or unreachable."""
-
-    def __init__(self, *, fail_op: str | None = None, unavailable: bool = False):
-        self.fail_op, self.unavailable = fail_op, unavailable
-
-    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
-        return await getattr(self, op)(messages, seed=seed)
-
-    async def extract(self, messages, *, seed=0):
-        if self.unavailable:
-            raise JudgeUnavailable("no judge service answers")
-        return JudgeReply(ok=True, document="A Week in Lisbon", raw="{}", model="fake")
-
-    async def interactivity(self, messages, *, seed=0):
-        if self.fail_op == "interactivity":
-            return JudgeReply(ok=False, attempts=4, error="attempt 4: not JSON", model="fake")
-        return JudgeReply(ok=True, levels={"understanding": 2, "clarification": 2, "suggestions": 2}, raw="{}", model="fake")
+def judge_double(**kw) -> JudgeDouble:
+    """A fixed document and levels, or a failure reply, or unreachable."""
+    return JudgeDouble(model="fake", document="A Week in Lisbon", levels={"understanding": 2, "clarification": 2,
+                                                                        "suggestions": 2}, **kw)
 
 
 def _traj(**kw):
@@ -78,7 +65,7 @@ def _scorer(judge, cfg=CFG):
 
 
 async def test_scored_is_stored_then_acked_and_a_redelivery_is_a_duplicate():
-    scorer, js = _scorer(FakeJudge())
+    scorer, js = _scorer(judge_double())
     msg = FakeMsg()
     await scorer.handle(_traj(), msg)
     assert msg.acked == 1 and list(js.stored) == ["scored:t-0001/0"]
@@ -90,7 +77,7 @@ async def test_scored_is_stored_then_acked_and_a_redelivery_is_a_duplicate():
 
 
 async def test_judge_failure_is_nakked_with_back_off_not_scored():
-    scorer, js = _scorer(FakeJudge(fail_op="interactivity"))
+    scorer, js = _scorer(judge_double(fail_op="interactivity"))
     msg = FakeMsg(delivered=3)
     with pytest.raises(bus.Retry) as e:
         await scorer.handle(_traj(), msg)
@@ -98,11 +85,12 @@ async def test_judge_failure_is_nakked_with_back_off_not_scored():
     assert msg.acked == 0 and not js.stored and scorer.counters["judge_retry"] == 1
 
 
-class FlakyJudge(FakeJudge):
-    """Unreachable for the first `down` calls, then answers."""
+class FlakyJudgeDouble(JudgeDouble):
+    """Unreachable for the first `down` calls, then answers as judge_double()."""
 
     def __init__(self, down: int):
-        super().__init__()
+        super().__init__(model="fake", document="A Week in Lisbon",
+                         levels={"understanding": 2, "clarification": 2, "suggestions": 2})
         self.down = down
 
     async def extract(self, messages, *, seed=0):
@@ -114,7 +102,7 @@ class FlakyJudge(FakeJudge):
 
 async def test_an_outage_is_waited_out_without_spending_a_delivery():
     cfg = ScorerConfig(retry_delay_s=0.01, retry_max_delay_s=0.02, judge_wait_s=60.0)
-    scorer, js = _scorer(FlakyJudge(down=3), cfg)
+    scorer, js = _scorer(FlakyJudgeDouble(down=3), cfg)
     msg = FakeMsg()
     await scorer.handle(_traj(), msg)
     assert msg.acked == 1 and len(js.stored) == 1
@@ -122,7 +110,7 @@ async def test_an_outage_is_waited_out_without_spending_a_delivery():
 
 
 async def test_a_long_outage_is_handed_back_with_back_off():
-    scorer, js = _scorer(FakeJudge(unavailable=True))
+    scorer, js = _scorer(judge_double(unavailable=True))
     msg = FakeMsg(delivered=2)
     with pytest.raises(bus.Retry, match="JudgeUnavailable") as e:
         await scorer.handle(_traj(), msg)
@@ -130,14 +118,14 @@ async def test_a_long_outage_is_handed_back_with_back_off():
 
 
 async def test_unscorable_trajectory_is_poison():
-    scorer, _ = _scorer(FakeJudge())
+    scorer, _ = _scorer(judge_double())
     with pytest.raises(bus.Poison, match="no reference"):
         await scorer.handle(_traj(reference=""), FakeMsg())
 
 
 async def test_stopping_hands_a_waiting_message_back_at_once():
     cfg = ScorerConfig(retry_delay_s=5.0, retry_max_delay_s=5.0, judge_wait_s=600.0)
-    scorer, js = _scorer(FakeJudge(unavailable=True), cfg)
+    scorer, js = _scorer(judge_double(unavailable=True), cfg)
     scorer._stop = stop = asyncio.Event()
     msg = FakeMsg()
     task = asyncio.create_task(scorer.handle(_traj(), msg))
@@ -149,12 +137,12 @@ async def test_stopping_hands_a_waiting_message_back_at_once():
 
 
 async def test_slow_judging_keeps_the_message_alive():
-    class SlowJudge(FakeJudge):
+    class SlowJudgeDouble(JudgeDouble):
         async def interactivity(self, messages, *, seed=0):
             await asyncio.sleep(1.2)
             return JudgeReply(ok=True, levels={"understanding": 1, "clarification": 1, "suggestions": 1}, model="slow")
 
-    scorer, _ = _scorer(SlowJudge())  # ack_wait 1.5 s -> in_progress every 0.5 s
+    scorer, _ = _scorer(SlowJudgeDouble(document="A Week in Lisbon"))  # ack_wait 1.5 s -> in_progress every 0.5 s
     msg = FakeMsg()
     await scorer.handle(_traj(), msg)
     assert msg.acked == 1 and msg.progress >= 2

@@ -1,0 +1,116 @@
+"""Wire messages for tests, built on protocol.examples' filled-in ones with the fields a test cares
+about replaced, and the judge test double. Unit, integration and e2e tests import these instead of
+writing out Trajectory/Scored/JudgeReply by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from protocol import arrays, examples
+from protocol.messages import AssistantTurn, ChatMessage, JudgeReply, Scored, Trajectory
+
+
+def turn(start: int, logprobs: Sequence[float], version: int = 0, finish_reason: str = "stop") -> AssistantTurn:
+    """One assistant turn whose generated tokens begin at `start`, its behaviour log-probs packed."""
+    return AssistantTurn(start=start, logprobs_f32=arrays.pack_logprobs(list(logprobs)), version=version,
+                         finish_reason=finish_reason)
+
+
+def trajectory(run: str = "unit", task_id: str = "t-0001", sample: int = 0, *,
+               token_ids: Sequence[int] | None = None, loss_mask: Sequence[int] | None = None,
+               messages: Sequence[ChatMessage | tuple[str, str]] | None = None, **fields) -> Trajectory:
+    """protocol.examples.trajectory with its ids for (run, task_id, sample), the given tokens (packed as
+    today's actors write them), messages ((role, content) pairs or ChatMessages) and any other fields."""
+    traj = examples.trajectory(run, task_id=task_id, sample=sample)
+    if token_ids is not None:
+        fields["token_ids_i32"] = arrays.pack_ids(list(token_ids))
+    if loss_mask is not None:
+        fields["loss_mask_u8"] = arrays.pack_mask(list(loss_mask))
+    if messages is not None:
+        fields["messages"] = [m if isinstance(m, ChatMessage) else ChatMessage(*m) for m in messages]
+    return msgspec.structs.replace(traj, **fields)
+
+
+def scored(traj: Trajectory, metrics: dict[str, float], weights: dict[str, float] | None = None,
+           total: float | None = None, **fields) -> Scored:
+    """The Scored of `traj` with these metrics; `weights` default to 1 for each metric and `total`
+    to the weighted sum (what the scorer computes without clamps)."""
+    weights = {name: 1.0 for name in metrics} if weights is None else weights
+    if total is None:
+        total = sum(weights.get(name, 0.0) * value for name, value in metrics.items())
+    return Scored(traj_id=traj.traj_id, task_id=traj.task_id, sample=traj.sample, run=traj.run, metrics=metrics,
+                  weights=weights, total=total, trajectory=traj, **fields)
+
+
+def last_assistant(messages) -> str:
+    return next((m.content for m in reversed(messages) if m.role == "assistant"), "")
+
+
+def first_assistant(messages) -> str:
+    return next(m.content for m in messages if m.role == "assistant")
+
+
+LEVELS = {"understanding": 3, "clarification": 3, "suggestions": 3}
+
+
+class JudgeDouble:
+    """Test double of the judge client, no model: `extract` answers `document(messages)` (the last
+    assistant message unless told), `interactivity` the levels of `levels_by_len[len(messages)]` or
+    `levels` (with `score`), `interactivity_3level` `score_3level`. `fail_op` makes that operation answer
+    a failed reply after `attempts`,
+    `unavailable` makes extract raise JudgeUnavailable (no judge service answers); every call is
+    recorded in `calls` as (op, number of messages)."""
+
+    def __init__(self, *, model: str = "judge-double", document: Callable | str = last_assistant,
+                 levels: dict[str, int] | None = None, levels_by_len: dict[int, dict[str, int]] | None = None,
+                 score: float = 0.0, score_3level: float = 0.5, raw: Callable | str = "{}", raw_3level: str = "{}",
+                 fail_op: str | None = None, attempts: int = 4, unavailable: bool = False):
+        self.model = model
+        self.document, self.raw, self.raw_3level = document, raw, raw_3level
+        self.levels = dict(LEVELS if levels is None else levels)
+        self.levels_by_len = levels_by_len or {}
+        self.score, self.score_3level = score, score_3level
+        self.fail_op, self.attempts, self.unavailable = fail_op, attempts, unavailable
+        self.calls: list[tuple[str, int]] = []
+
+    def _failed(self, op: str) -> JudgeReply | None:
+        if self.fail_op != op:
+            return None
+        why = "reply cut off" if op == "extract" else "not JSON"
+        return JudgeReply(ok=False, attempts=self.attempts, error=f"attempt {self.attempts}: {why}", model=self.model)
+
+    async def ask(self, op: str, messages, *, seed=0) -> JudgeReply:
+        """rollout.judge.Judge's one entry: the operation by name."""
+        if op not in ("extract", "interactivity", "interactivity_3level"):
+            raise ValueError(f"JudgeDouble has no operation {op!r}")
+        return await getattr(self, op)(messages, seed=seed)
+
+    async def extract(self, messages, *, seed=0):
+        from rollout.judge import JudgeUnavailable
+
+        self.calls.append(("extract", len(messages)))
+        if self.unavailable:
+            raise JudgeUnavailable("no judge service answers")
+        if failed := self._failed("extract"):
+            return failed
+        doc = self.document(messages) if callable(self.document) else self.document
+        raw = self.raw(doc) if callable(self.raw) else self.raw
+        return JudgeReply(ok=True, document=doc, raw=raw, model=self.model)
+
+    async def interactivity(self, messages, *, seed=0):
+        self.calls.append(("interactivity", len(messages)))
+        await asyncio.sleep(0)
+        if failed := self._failed("interactivity"):
+            return failed
+        levels = self.levels_by_len.get(len(messages), self.levels)
+        return JudgeReply(ok=True, levels=dict(levels), score=self.score, raw="{}", model=self.model)
+
+    async def interactivity_3level(self, messages, *, seed=0):
+        self.calls.append(("interactivity_3level", len(messages)))
+        if failed := self._failed("interactivity_3level"):
+            return failed
+        return JudgeReply(ok=True, score=self.score_3level, raw=self.raw_3level, model=self.model)
