@@ -1,6 +1,6 @@
 """CollabLLM medium as an environment changes nothing: its metrics, weights, data, split, tasks,
 overlap, simulator prompt and benchmark columns are the ones the roles use today, compared
-against the roles' own code (rollout.score, learner.config, evaluation.benchmark/selection)."""
+against the roles' own code (rollout.score, config.learner, evaluation.benchmark/selection)."""
 
 from __future__ import annotations
 
