@@ -8,6 +8,7 @@ from typing import Annotated, Literal, get_args
 import msgspec
 from msgspec import Meta
 
+from rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES
 from protocol.messages import TASK_MAX_FUTURES, TASK_MAX_N, TASK_MAX_NEW_TURNS
 from weights.config import ObjstoreWeights, WeightsConfig, upgrade_learner
 
@@ -101,8 +102,6 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     eval_wait_s: float = 3600.0  # after the last step, how long to wait for the queued evals
 
     def __post_init__(self) -> None:
-        from evaluation.selection import REWARD_REFUSED, TRAINING_REWARD_NAMES
-
         if self.eval_metric.lower() in TRAINING_REWARD_NAMES:  # whatever the environment, with the reason
             raise ValueError(f"eval_metric {self.eval_metric}: {REWARD_REFUSED}")
         if self.eval_every > 0 and self.eval_every % self.publish_every:

@@ -32,15 +32,11 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from protocol import status
 from protocol.connect import barrier
 from protocol.messages import Heartbeat
 from protocol.request import request_id, wait_and_id
-
-if TYPE_CHECKING:  # engines/ sits below config/: the run config is only named here
-    from config.run import RunConfig
 
 log = logging.getLogger("parley.service")
 
@@ -316,7 +312,7 @@ class BadServiceConfig(ValueError):
 Served = tuple[Service, str, str, float]
 
 
-async def serve_backend(stop: asyncio.Event, cfg: RunConfig, *, ident: str, roles: list[tuple[str, str]], backend_cfg,
+async def serve_backend(stop: asyncio.Event, cfg, *, ident: str, roles: list[tuple[str, str]], backend_cfg,
                         build: Callable[[object, object], list[Served]],
                         make: Callable[[], object] | None = None) -> int:
     """The process around one backend, shared by `parley sim`, `parley judge`, `parley services`

@@ -15,17 +15,10 @@ from pathlib import Path
 from environments.base import Environment
 from config.env import default_environment
 from evaluation.benchmark import METRICS, PairedStats, item_values, mean_interval, paired_stats
-from rewards.reward import mr
+from rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES, mr
 
 # CollabLLM medium's selectable columns (its eval protocol's); another environment's are its eval.selectable
 SELECT_METRICS = ("bleu", "interactivity", "mr")
-# Names people reach for that mean the reward the policy was trained on.
-TRAINING_REWARD_NAMES = ("reward", "total", "training_reward", "train_reward")
-REWARD_REFUSED = (
-    "the training reward is not a selection metric: the policy is optimized against it, so it keeps rising "
-    "while the benchmark can fall (in the seed model card reward rose after step 100 while MR fell from "
-    "1.0761 to 1.0316 at step 129); select by bleu, interactivity or mr on held-out items"
-)
 EVAL_DIR = "eval"
 RECORDS_FILE = "records.parquet"
 SUMMARY_FILE = "summary.jsonl"

@@ -8,6 +8,13 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+# Names people reach for that mean the reward the policy was trained on.
+TRAINING_REWARD_NAMES = ("reward", "total", "training_reward", "train_reward")
+REWARD_REFUSED = (
+    "the training reward is not a selection metric: the policy is optimized against it, so it keeps rising "
+    "while the benchmark can fall (in the seed model card reward rose after step 100 while MR fell from "
+    "1.0761 to 1.0316 at step 129); select by bleu, interactivity or mr on held-out items"
+)
 
 # The reward terms the scorer computes, and the weights a run uses unless [scorer].weights says
 # otherwise: token_amount is in thousands, so -0.1 costs 0.1 per thousand assistant tokens.

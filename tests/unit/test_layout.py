@@ -7,7 +7,9 @@
   the scoring of one trajectory live in rollout/, so the learner's periodic eval reaches no role),
 - protocol/ imports torch, vllm or deepspeed (the wire contract loads without them),
 - a transport name ("objstore", "shared_dir", "cuda_ipc", "nccl") is compared as a string outside
-  weights/ (callers ask the transport: weights.registry).
+  weights/ (callers ask the transport: weights.registry),
+- a neutral package imports one on its own floor or above it (FLOORS, docs/architecture.md): the
+  neutral packages form no cycle, so each can be read, tested and moved with what is below it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ NEUTRAL = ("config", "engines", "weights", "tasks", "rewards", "runtime", "rollo
 OURS = (*ROLES, *NEUTRAL, "protocol", "deploy")
 HEAVY = ("torch", "vllm", "deepspeed")  # none of these under protocol/
 TRANSPORT_NAMES = {"objstore", "shared_dir", "cuda_ipc", "nccl"}  # compared only inside weights/
+# The neutral packages from the ground up (protocol/ below them all, the roles and deploy/ above):
+# a neutral package imports only packages on lower floors. docs/architecture.md draws the same floors.
+FLOORS = (
+    ("tasks", "rewards", "runtime", "weights"),
+    ("engines", "environments"),
+    ("config",),
+    ("rollout",),
+    ("evaluation",),
+)
+FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}
+assert set(FLOOR) == set(NEUTRAL), "every neutral package has a floor"
 
 
 def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
@@ -83,6 +96,8 @@ def violations(root: Path = ROOT) -> list[str]:
                     bad.append(f"{where} (role {top}/ imports role {head}/: roles meet only on the bus)")
                 elif top in NEUTRAL and head in ROLES:
                     bad.append(f"{where} (neutral {top}/ imports role {head}/)")
+                elif top in NEUTRAL and head in NEUTRAL and FLOOR[head] >= FLOOR[top]:
+                    bad.append(f"{where} (neutral {top}/ imports {head}/, which is not below it: see FLOORS)")
     return bad
 
 
@@ -112,6 +127,9 @@ def test_no_forbidden_imports():
         ("actors", "ok = wv.transport != \"objstore\"", "compares with the transport name 'objstore'"),
         ("engines", "gpu = kind in (\"cuda_ipc\", \"nccl\")", "compares with the transport name 'cuda_ipc'"),
         ("deploy", "x = 'shared_dir' not in kinds", "compares with the transport name 'shared_dir'"),
+        ("config", "from evaluation.selection import REWARD_REFUSED", "neutral config/ imports evaluation/, which is not below it"),
+        ("engines", "from config.run import RunConfig", "neutral engines/ imports config/, which is not below it"),
+        ("tasks", "from rewards.reward import mr", "neutral tasks/ imports rewards/, which is not below it"),
     ],
 )
 def test_a_forbidden_import_is_named(tmp_path, top, line, expect):
