@@ -53,7 +53,7 @@ class Actor:
         self._slots = asyncio.Semaphore(self.concurrency)
         self.sim = user_client(cfg.env.load(), nc, cfg.actor)
         self.follower = WeightFollower(js, self.run, engine, dest_root=weights_dir, poll_s=cfg.actor.weights_poll_s,
-                                       base_dir=engine.settings.model, settings=cfg.learner.weights)
+                                       base_dir=engine.settings.model, settings=cfg.weights)
         self.policy = PolicySettings(
             max_model_len=cfg.actor.engine.max_model_len,
             sampling=cfg.actor.sampling,

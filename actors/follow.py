@@ -37,7 +37,7 @@ class WeightsBroken(RuntimeError):
 class WeightFollower:
     """Follows the weights key of `run` for `engine` (anything with `version`,
     `async reload_weights(dir, version=...)` and, for a GPU transport (cuda_ipc, nccl), `async
-    load_gpu(announcement, hold_s=..., version=...)`). `settings` is this run's [learner.weights]
+    load_gpu(announcement, hold_s=..., version=...)`). `settings` is this run's [weights]
     (a shared_dir announcement must point into its dir). `dest_root` holds fetched versions; only the
     one being served is kept. `base_dir` is the checkpoint the engine started from: what is
     reloaded if a new version fails half-way through loading."""

@@ -44,7 +44,7 @@ def cpu_name() -> str:
 
 
 def file_settings(kind: str, work: Path):
-    """The [learner.weights] of a file transport named on the command line (shared_dir: under work)."""
+    """The [weights] of a file transport named on the command line (shared_dir: under work)."""
     from weights.config import ObjstoreWeights, SharedDirWeights
 
     return {"objstore": ObjstoreWeights(), "shared_dir": SharedDirWeights(dir=str(work / "shared"))}[kind]

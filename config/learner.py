@@ -1,5 +1,4 @@
-"""Typed configuration of `parley learner` ([learner], with [learner.weights] from weights.config) and
-the training data ([data])."""
+"""Typed configuration of `parley learner` ([learner]) and the training data ([data])."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from msgspec import Meta
 
 from rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES
 from protocol.messages import TASK_MAX_FUTURES, TASK_MAX_N, TASK_MAX_NEW_TURNS
-from weights.config import ObjstoreWeights, WeightsConfig, upgrade_learner
 
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 LOSS_AGG = get_args(LossAgg)
@@ -81,8 +79,6 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     compile: Compile = "auto"
     publish_every: Positive = 1  # versions
     keep_versions: Positive = 3
-    # how versions reach the actors: [learner.weights] kind = objstore | shared_dir | cuda_ipc | nccl
-    weights: WeightsConfig = msgspec.field(default_factory=ObjstoreWeights)
     checkpoint_every: Positive = 1
     seed: int = 0
     # DeepSpeed checkpoints kept in the run dir (0 = all; export needs them)
@@ -123,11 +119,3 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "tasks are admitted on the announced version, so the learner could never get further ahead "
                 "than that and would stop; publish more often or raise max_staleness"
             )
-
-
-def upgrade(data: dict) -> dict:
-    """A whole config file's tables with [learner]'s old flat weight keys moved into [learner.weights]
-    (weights.config.upgrade_learner): what config.run runs before validating."""
-    if isinstance(data.get("learner"), dict):
-        data = {**data, "learner": upgrade_learner(data["learner"])}
-    return data

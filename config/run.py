@@ -22,12 +22,13 @@ import msgspec.inspect as mi
 
 from config.actor import ActorConfig, SimConfig
 from config.env import EnvConfig
-from config.learner import DataConfig, LearnerConfig, RolloutConfig, upgrade
+from config.learner import DataConfig, LearnerConfig, RolloutConfig
 from config.policy import PolicySection
 from config.scorer import JudgeConfig, ScorerConfig
 from environments.base import Environment, ProgrammaticUser
 from protocol.topology import RUN_NAME, BusSettings
 from runtime.toml import to_toml
+from weights.config import ObjstoreWeights, WeightsConfig, upgrade
 
 log = logging.getLogger("parley.config")
 
@@ -61,6 +62,9 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     run: RunSection = msgspec.field(default_factory=RunSection)
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     policy: PolicySection = msgspec.field(default_factory=PolicySection)
+    # how versions reach the actors, read by the learner and the actors alike:
+    # [weights] kind = objstore | shared_dir | cuda_ipc | nccl (weights/config.py)
+    weights: WeightsConfig = msgspec.field(default_factory=ObjstoreWeights)
     nats: NatsSection = msgspec.field(default_factory=NatsSection)
     bus: BusSettings = msgspec.field(default_factory=BusSettings)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
@@ -220,7 +224,7 @@ def convert_config(data: dict, source: str = "<config>") -> RunConfig:
         data = upgrade(translate(data, source))  # old keys under their new names
     except ConfigError:
         raise
-    except ValueError as e:  # config.learner.upgrade: the old weights keys beside [learner.weights]
+    except ValueError as e:  # weights.config.upgrade: the old [learner] weight keys beside [weights]
         raise ConfigError(f"{source}: {e}") from None
     try:
         return msgspec.convert(data, RunConfig)

@@ -109,8 +109,9 @@ class Weights:
     """Publishes the trainer's weights by version through `publisher`; `served` tracks the versions
     actors serve, which are never pruned. The feeder's version moves once a version is announced."""
 
-    def __init__(self, lc, js, nc, run_name: str, run_dir, driver, publisher: Publisher, feeder) -> None:
-        self.lc, self.js, self.run_name, self.run_dir, self.driver = lc, js, run_name, run_dir, driver
+    def __init__(self, lc, settings, js, nc, run_name: str, run_dir, driver, publisher: Publisher, feeder) -> None:
+        """`settings`: the run's [weights] (weights.config), the transport every version takes."""
+        self.lc, self.settings, self.js, self.run_name, self.run_dir, self.driver = lc, settings, js, run_name, run_dir, driver
         self.publisher, self.feeder = publisher, feeder
         self.served = ServedVersions(nc, run_name)  # what actors serve is never pruned
 
@@ -121,7 +122,7 @@ class Weights:
         written to weights_dir in the background, or at once with `write_now` (an eval exports it
         next). A GPU transport (cuda_ipc, nccl): packed into one of rank 0's GPU buffers (no file);
         only the announcement is left for the background."""
-        if registry.of(self.lc.weights).gpu:
+        if registry.of(self.settings).gpu:
             source = await asyncio.to_thread(self.driver, "pack_weights", version)
             self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
             return
@@ -137,7 +138,7 @@ class Weights:
         by the transport as it reads the file), announce it, prune, open admission on it."""
         await asyncio.to_thread(snap.write, wdir)  # a no-op when written for an eval
         wv = await retry_unreachable(
-            lambda: registry.publish_version(self.js, self.run_name, version, version, wdir, self.lc.weights,
+            lambda: registry.publish_version(self.js, self.run_name, version, version, wdir, self.settings,
                                              keep=self.lc.keep_versions, protect=self.served.versions()),
             what=f"publishing weights version {version}",
         )

@@ -69,7 +69,7 @@ class Learner:
         self.intake = Intake(self.state, self.grouper, self.feeder, ledger, limits=limits,
                              reference_service=cfg.policy.reference == "service", ack_wait_s=cfg.bus.ack_wait_s,
                              flush_s=self.lc.ledger_flush_s, started=started)
-        self.weights = Weights(self.lc, js, nc, self.run_name, self.run_dir, driver, self.publisher, self.feeder)
+        self.weights = Weights(self.lc, cfg.weights, js, nc, self.run_name, self.run_dir, driver, self.publisher, self.feeder)
         self.fates = Fates(self.state, js, self.run_name, self.grouper, self.feeder, self.intake,
                            task_deadline_s=self.lc.task_deadline_s)
         self.backlog = Backlog(js, self.run_name)
@@ -171,7 +171,8 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
                                topology=True) as (nc, js):
         try:
             model_dir = await asyncio.to_thread(ensure_model, cfg.policy.model)
-            trainer = await asyncio.to_thread(Trainer, cfg.learner, model_dir, reference=cfg.policy.reference)
+            trainer = await asyncio.to_thread(Trainer, cfg.learner, model_dir, reference=cfg.policy.reference,
+                                            weights=cfg.weights)
             driver = Driver(trainer)
             try:
                 learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
@@ -190,7 +191,7 @@ def follower(cfg: RunConfig) -> None:
     from learner.trainer import Trainer
     from learner.ranks import follow
 
-    follow(Trainer(cfg.learner, ensure_model(cfg.policy.model), reference=cfg.policy.reference))
+    follow(Trainer(cfg.learner, ensure_model(cfg.policy.model), reference=cfg.policy.reference, weights=cfg.weights))
 
 
 def check_leakage(cfg: RunConfig) -> str | None:

@@ -21,6 +21,7 @@ from learner.logprobs import PackedPolicy, token_logprobs
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
 from learner.weights_io import WeightSnapshot, hf_tensors, hf_weights, write_weights
 from weights import registry
+from weights.config import ObjstoreWeights, WeightsConfig
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -200,11 +201,14 @@ class Trainer:
     """The policy under DeepSpeed, an optional frozen reference for KL (kl_coef > 0 and reference =
     "local"), and the GRPO step."""
 
-    def __init__(self, cfg: LearnerConfig, model_dir: str | Path, *, reference: Reference = "local"):
-        """`reference` is the run's [policy] reference: "local" loads a frozen copy when kl_coef > 0."""
-        transport = registry.of(cfg.weights)
+    def __init__(self, cfg: LearnerConfig, model_dir: str | Path, *, reference: Reference = "local",
+                 weights: WeightsConfig | None = None):
+        """`reference` is the run's [policy] reference: "local" loads a frozen copy when kl_coef > 0.
+        `weights` is the run's [weights] (objstore when None): a GPU transport packs versions on rank 0."""
+        weights = weights if weights is not None else ObjstoreWeights()
+        transport = registry.of(weights)
         if transport.needs_cuda and not torch.cuda.is_available():
-            raise ValueError(f"[learner.weights] kind={transport.kind!r} shares GPU memory, but this learner has no "
+            raise ValueError(f"[weights] kind={transport.kind!r} shares GPU memory, but this learner has no "
                              "CUDA device; use kind objstore or shared_dir")
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -261,7 +265,7 @@ class Trainer:
         self.device = self.engine.device
         self.rank = torch.distributed.get_rank()
         # rank 0's packer of weight buffers for the GPU transports (no file on that path)
-        self.sender = transport.sender(cfg.weights, device) if self.rank == 0 and transport.gpu else None
+        self.sender = transport.sender(weights, device) if self.rank == 0 and transport.gpu else None
 
     def close(self) -> None:
         """Forget the ZeRO-3 loading hook: later from_pretrained calls in this process load plain

@@ -14,7 +14,7 @@ def to_toml(obj: msgspec.Struct) -> str:
 def _struct_lines(obj: msgspec.Struct, prefix: str) -> list[str]:
     # Sub-Structs become [tables]; everything else (scalars, lists, free maps) is a key = value line.
     lines, subs = [], []
-    tag = obj.__struct_config__.tag_field  # a tagged union's member ([learner.weights]) says which it is
+    tag = obj.__struct_config__.tag_field  # a tagged union's member ([weights]) says which it is
     if tag is not None:
         lines.append(f"{tag} = {_toml_value(obj.__struct_config__.tag)}")
     for name in obj.__struct_fields__:

@@ -152,7 +152,7 @@ def local_device(uuid: str) -> int:
             return i
     raise LookupError(
         f"the learner's GPU {uuid} is not visible to this process; make it visible (CUDA_VISIBLE_DEVICES) "
-        "or use [learner.weights] kind nccl or objstore for actors on other GPUs"
+        "or use [weights] kind nccl or objstore for actors on other GPUs"
     )
 
 

@@ -1,6 +1,6 @@
 """The `nccl` weight transport between the learner's rank 0 and actors on other GPUs or hosts.
 
-Rank 0 runs a TCPStore at [learner.weights] address. An actor's vLLM worker joins it once: it takes a
+Rank 0 runs a TCPStore at [weights] address. An actor's vLLM worker joins it once: it takes a
 number k from the store and both sides build a two-rank process group of their own (rank 0 =
 the learner, rank 1 = this worker) under the store prefix `actor<k>`; no global process group,
 so actors join and leave without touching the learner's training group. Per version the worker
@@ -36,7 +36,7 @@ JOIN_TIMEOUT_S = 60.0  # building a group: both sides connect within this
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"nccl address {address!r} is not host:port; set [learner.weights] address (e.g. 10.0.0.1:29600)")
+        raise ValueError(f"nccl address {address!r} is not host:port; set [weights] address (e.g. 10.0.0.1:29600)")
     return host, int(port)
 
 

@@ -34,7 +34,7 @@ def get(kind: str) -> Transport | None:
 
 
 def of(settings: WeightsConfig) -> Transport:
-    """The transport a [learner.weights] configuration selects."""
+    """The transport a [weights] configuration selects."""
     return TRANSPORTS[type(settings).__struct_config__.tag]
 
 
@@ -108,7 +108,7 @@ async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash:
     """Fetch and verify version `wv`; returns a directory holding model.safetensors and config.json.
 
     objstore: the files are written into `dest_dir`; shared_dir: the version directory, which must
-    resolve under `settings.dir`/<run> (this process's [learner.weights]), is hashed in place and
+    resolve under `settings.dir`/<run> (this process's [weights]), is hashed in place and
     returned. Raises WeightVerifyError(reason) on any mismatch, missing blob, unknown transport, or
     a location or file name that points anywhere else.
     """

@@ -1,6 +1,6 @@
 """The `shared_dir` weight transport: a version's files hard-linked (or copied) into
 <dir>/<run>/<fresh name> on a file system every actor reads, verified in place by the actors.
-`dir` is [learner.weights] dir on both sides; an announced location must resolve under it.
+`dir` is [weights] dir on both sides; an announced location must resolve under it.
 Registered in weights.registry.
 """
 
@@ -37,7 +37,7 @@ def resolve_location(wv: WeightVersion, shared_dir: str | Path | None, run: str)
     if not shared_dir:
         raise WeightVerifyError(
             f"version {wv.version} is on the shared_dir transport ({wv.location!r}) but this process has no shared "
-            "directory configured; set [learner.weights] kind = \"shared_dir\" and dir to the directory the "
+            "directory configured; set [weights] kind = \"shared_dir\" and dir to the directory the "
             "learner publishes into"
         )
     root = shared_root(shared_dir, run)
@@ -45,7 +45,7 @@ def resolve_location(wv: WeightVersion, shared_dir: str | Path | None, run: str)
     if where == root or not where.is_relative_to(root):
         raise WeightVerifyError(
             f"version {wv.version}: location {wv.location!r} resolves to {where}, outside the shared directory {root}; "
-            "refused (is [learner.weights] dir the same for learner and actors?)"
+            "refused (is [weights] dir the same for learner and actors?)"
         )
     return where
 

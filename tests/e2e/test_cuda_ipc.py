@@ -87,7 +87,7 @@ def test_trainer_packs_what_it_would_save(tiny_model, zero_stage):
     from weights import cuda_ipc
     from weights.config import CudaIpcWeights
 
-    trainer = Trainer(LearnerConfig(zero_stage=zero_stage, kl_coef=0.0, weights=CudaIpcWeights()), tiny_model)
+    trainer = Trainer(LearnerConfig(zero_stage=zero_stage, kl_coef=0.0), tiny_model, weights=CudaIpcWeights())
     try:
         expected = trainer.hf_state_dict()
         ipc = trainer.pack_weights(1)

@@ -64,12 +64,12 @@ def test_versions_arrive_checked_and_stale_or_bad_ones_are_refused(monkeypatch):
 
 
 def test_bad_addresses_name_the_fix():
-    with pytest.raises(ValueError, match=r"'nowhere' is not host:port; set \[learner.weights\] address"):
+    with pytest.raises(ValueError, match=r"'nowhere' is not host:port; set \[weights\] address"):
         parse_address("nowhere")
-    with pytest.raises(ValueError, match=r"\[learner.weights\] address"):
+    with pytest.raises(ValueError, match=r"\[weights\] address"):
         NcclWeights()
-    with pytest.raises(ConfigError, match=r"\[learner.weights\] address"):  # the old keys: the same check
+    with pytest.raises(ConfigError, match=r"\[weights\] address"):  # the old keys: the same check
         load_config(None, ["learner.transport=nccl"])
     assert NcclWeights(address="10.0.0.1:29600").address == "10.0.0.1:29600"
-    assert load_config(None, ["learner.transport=nccl", 'learner.nccl_address="10.0.0.1:29600"']).learner.weights \
+    assert load_config(None, ["learner.transport=nccl", 'learner.nccl_address="10.0.0.1:29600"']).weights \
         == NcclWeights(address="10.0.0.1:29600")

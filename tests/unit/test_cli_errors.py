@@ -19,7 +19,7 @@ CASES = [
     (["learner", "--set", "learner.loss_agg=x"], ["learner.loss_agg = 'x'", "token-mean", "seq-mean-token-sum"]),
     (["learner", "--set", "learner.zero_stage=5"], ["learner.zero_stage = 5", "one of 0, 1, 2, 3"]),
     (["learner", "--set", "learner.transport=ftp"], ["transport='ftp'", "objstore", "shared_dir"]),
-    (["learner", "--set", "learner.weights.kind=ftp"], ["kind='ftp'", "[learner.weights]", "objstore", "nccl"]),
+    (["learner", "--set", "weights.kind=ftp"], ["kind='ftp'", "[weights]", "objstore", "nccl"]),
     (["learner", "--set", "learner.stale_policy=keep"], ["learner.stale_policy = 'keep'", "one of 'correct', 'drop'"]),
     (["scorer", "--set", "scorer.bleu_variant=foo"], ["bleu_variant='foo'", "sacrebleu", "char"]),
     (["scorer", "--set", "scorer.weights={fluency=1.0}"], ["'fluency'", "bleu", "interactivity", "token_amount"]),

@@ -68,11 +68,11 @@ def test_bad_values_name_the_field_and_the_allowed_values(override, needle):
 
 def test_a_relative_shared_dir_is_made_absolute_once_at_load(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(None, ['learner.weights={kind="shared_dir", dir="weights/shared"}'])
-    assert cfg.learner.weights == SharedDirWeights(dir=str(tmp_path / "weights" / "shared"))
+    cfg = load_config(None, ['weights={kind="shared_dir", dir="weights/shared"}'])
+    assert cfg.weights == SharedDirWeights(dir=str(tmp_path / "weights" / "shared"))
     monkeypatch.chdir("/")  # a child started elsewhere from the dumped config reads the same directory
-    assert "[learner.weights]\nkind = \"shared_dir\"" in dump_config(cfg)
-    assert convert_config(tomllib.loads(dump_config(cfg))).learner.weights == cfg.learner.weights
+    assert "[weights]\nkind = \"shared_dir\"" in dump_config(cfg)
+    assert convert_config(tomllib.loads(dump_config(cfg))).weights == cfg.weights
 
 
 @pytest.mark.parametrize(
@@ -90,28 +90,28 @@ def test_a_relative_shared_dir_is_made_absolute_once_at_load(tmp_path, monkeypat
     ],
 )
 def test_old_flat_weight_keys_load_as_learner_weights(old, new):
-    """Config files written before [learner.weights] (transport, shared_dir, ipc_hold_s, ipc_buffers,
+    """Config files written before [weights] (transport, shared_dir, ipc_hold_s, ipc_buffers,
     nccl_address in [learner]) load to the same configuration as the new table."""
-    assert load_config(None, old).learner.weights == new
+    assert load_config(None, old).weights == new
 
 
 def test_old_and_new_weight_keys_together_name_the_new_key(tmp_path):
     path = tmp_path / "both.toml"
-    path.write_text('[learner]\ntransport = "objstore"\n\n[learner.weights]\nkind = "objstore"\n')
-    with pytest.raises(ConfigError, match=r"both transport .*\[learner.weights\].*transport -> kind") as e:
+    path.write_text('[learner]\ntransport = "objstore"\n\n[weights]\nkind = "objstore"\n')
+    with pytest.raises(ConfigError, match=r"sets transport .*\[weights\].*transport -> kind") as e:
         load_config(path)
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("override", ["learner.transport=ftp", 'learner.weights={kind="ftp"}'])
+@pytest.mark.parametrize("override", ["learner.transport=ftp", 'weights={kind="ftp"}'])
 def test_an_unknown_weights_kind_names_the_known_ones(override):
     with pytest.raises(ConfigError, match=r"'ftp' not allowed; use one of \('objstore', 'shared_dir', 'cuda_ipc', 'nccl'\)"):
         load_config(None, [override])
 
 
 def test_a_weights_option_of_another_kind_is_refused_with_its_path():
-    with pytest.raises(ConfigError, match=r"learner\.weights\.address: unknown key"):
-        load_config(None, ['learner.weights={kind="cuda_ipc", address="h:1"}'])
+    with pytest.raises(ConfigError, match=r"weights\.address: unknown key \(\[weights\] has no .address.\)"):
+        load_config(None, ['weights={kind="cuda_ipc", address="h:1"}'])
 
 
 def test_a_reference_service_without_kl_fails_at_load_naming_both_keys():

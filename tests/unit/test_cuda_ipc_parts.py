@@ -147,7 +147,7 @@ def test_learner_config_and_cpu_trainer_refuse_bad_ipc_settings():
     from learner.trainer import Trainer
 
     with pytest.raises(ValueError, match="cuda_ipc.*no CUDA device"):
-        Trainer(LearnerConfig(weights=CudaIpcWeights()), "/nonexistent")
+        Trainer(LearnerConfig(), "/nonexistent", weights=CudaIpcWeights())
 
 
 def test_whole_buffer_sums_equal_the_per_tensor_definition():

@@ -195,7 +195,7 @@ def test_k8s_roles_gpus_commands_and_credentials(tmp_path):
 def test_k8s_run_config_parses_and_secret_template_holds_no_values():
     (cm,) = [d for _, d in k8s_docs() if d["kind"] == "ConfigMap"]
     cfg = convert_config(tomllib.loads(cm["data"]["run.toml"]), source="k8s/configmap.yaml")
-    assert cfg.bus.replicas == 3 and cfg.learner.weights == ObjstoreWeights()
+    assert cfg.bus.replicas == 3 and cfg.weights == ObjstoreWeights()
     template = load_all(K8S / "secret.yaml")[0]
     assert template["metadata"]["name"] == K8S_SECRET
     assert "data" not in template and "stringData" not in template  # fail closed: no known password

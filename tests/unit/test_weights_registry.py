@@ -1,4 +1,4 @@
-"""The weights registry: every kind [learner.weights] accepts has exactly one transport, which says
+"""The weights registry: every kind [weights] accepts has exactly one transport, which says
 what it needs; a GPU announcement is made by the transport its source belongs to; the old flat
 keys are translated without touching the caller's table."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from protocol.messages import CudaIpcBuffer, IpcTensor, NcclSource
 from weights import registry
-from weights.config import KINDS, CudaIpcWeights, NcclWeights, ObjstoreWeights, SharedDirWeights, upgrade_learner
+from weights.config import KINDS, CudaIpcWeights, NcclWeights, ObjstoreWeights, SharedDirWeights, upgrade
 
 
 def test_every_configured_kind_has_its_transport():
@@ -44,8 +44,8 @@ def test_a_gpu_announcement_is_made_by_the_transport_of_its_source():
 
 
 def test_upgrading_old_keys_leaves_the_callers_table_alone():
-    old = {"steps": 3, "transport": "cuda_ipc", "ipc_hold_s": 4.0}
-    assert upgrade_learner(old) == {"steps": 3, "weights": {"kind": "cuda_ipc", "hold_s": 4.0}}
-    assert old == {"steps": 3, "transport": "cuda_ipc", "ipc_hold_s": 4.0}
-    new = {"weights": {"kind": "objstore"}}
-    assert upgrade_learner(new) is new
+    old = {"learner": {"steps": 3, "transport": "cuda_ipc", "ipc_hold_s": 4.0}}
+    assert upgrade(old) == {"learner": {"steps": 3}, "weights": {"kind": "cuda_ipc", "hold_s": 4.0}}
+    assert old == {"learner": {"steps": 3, "transport": "cuda_ipc", "ipc_hold_s": 4.0}}
+    new = {"learner": {"steps": 3}, "weights": {"kind": "objstore"}}
+    assert upgrade(new) is new
