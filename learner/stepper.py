@@ -153,7 +153,7 @@ class Stepper:
         from rewards.diagnostics import diagnose_groups
 
         groups = [t.group.ordered() for t in taken]
-        diag = diagnose_groups(groups, self.cfg.scorer.clamps)
+        diag = diagnose_groups(groups)
         no_signal = self.monitor.update(diag)
         totals = [s.total for g in groups for s in g]
         hist = Counter(str(t.staleness) for t in taken)

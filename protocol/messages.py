@@ -149,6 +149,10 @@ class Scored(msgspec.Struct, kw_only=True):
     # prefix, float32 LE, one per token of the trajectory (0.0 at token 0, which has no prefix); from
     # the reference service, asked by the scorer. Empty otherwise (and in older messages).
     ref_logp_f32: bytes = b""
+    # metric -> [lo, hi] the total clamped it to before weighting ([scorer] clamps); with `weights`
+    # the whole recipe of `total`, so a reader (the learner's per-term diagnostics, a replay) needs
+    # no scorer configuration. Empty: no clamp (and in older messages).
+    clamps: dict[str, list[float]] = {}
 
 
 class IpcTensor(msgspec.Struct, frozen=True, array_like=True):

@@ -77,18 +77,15 @@ def step_diagnostics(
     return stats
 
 
-def diagnose_groups(
-    groups: Sequence[Sequence[Scored]],
-    clamps: Mapping[str, Sequence[float]] | None = None,
-) -> dict[str, TermStats]:
+def diagnose_groups(groups: Sequence[Sequence[Scored]]) -> dict[str, TermStats]:
     """step_diagnostics over the learner's Scored groups of one step.
 
     Each sample's terms are its weighted terms w_k * clamp(m_k) (rewards.reward.weighted_terms,
-    with the weights the scorer recorded in Scored.weights and `clamps` = [scorer].clamps); the
+    with the weights and clamps the scorer recorded in Scored.weights and Scored.clamps); the
     total is Scored.total, the reward the learner trains on.
     """
-    bounds = {k: (float(v[0]), float(v[1])) for k, v in (clamps or {}).items()}
-    terms = [[weighted_terms(s.metrics, s.weights, bounds) for s in group] for group in groups]
+    terms = [[weighted_terms(s.metrics, s.weights, {k: (float(v[0]), float(v[1])) for k, v in s.clamps.items()})
+              for s in group] for group in groups]
     totals = [[s.total for s in group] for group in groups]
     return step_diagnostics(terms, totals)
 

@@ -129,4 +129,5 @@ async def score_trajectory(
         scorer=scorer,
         timings=timings,
         created=time.time(),
+        clamps={k: [lo, hi] for k, (lo, hi) in clamps.items()},
     )

@@ -99,6 +99,8 @@ async def test_clamps_bound_the_metric_before_weighting():
     assert scored.metrics["token_amount"] == pytest.approx(5.0)  # stored unclamped
     assert scored.metrics["interactivity"] == pytest.approx(1.0)
     assert scored.total == pytest.approx(scored.metrics["bleu"] + 0.5 - 0.1 * 1.0)
+    # the recipe travels with the total: a reader (the learner's diagnostics) needs no [scorer] section
+    assert scored.clamps == {"token_amount": [0.0, 1.0], "interactivity": [0.0, 0.5]}
 
 
 async def test_clamp_acts_on_the_future_average():
