@@ -74,7 +74,6 @@ async def gaps(args, work: Path) -> dict:
     from engines.models import ensure_model
     from config.learner import LearnerConfig, RolloutConfig
     from weights.config import ObjstoreWeights, SharedDirWeights
-    from config.learner import LearnerConfig, RolloutConfig
     from config.policy import PolicySection
     from learner.ranks import Driver
     from learner.service import Learner
@@ -104,9 +103,9 @@ async def gaps(args, work: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     bus = topology.BusSettings(max_bytes=2 * 1024**3)
     lc = dict(steps=args.steps, groups_per_step=1, max_staleness=args.steps, stale_policy="correct",
-              checkpoint_every=10_000, eval_every=0, micro_batch_tokens=4096, lr=1e-5, ledger_flush_s=0.5,
-              weights={"objstore": ObjstoreWeights(), "shared_dir": SharedDirWeights(dir=str(work / "shared"))}[args.transport])
-    trainer = await asyncio.to_thread(Trainer, LearnerConfig(**lc), model_dir)
+              checkpoint_every=10_000, eval_every=0, micro_batch_tokens=4096, lr=1e-5, ledger_flush_s=0.5)
+    weights = {"objstore": ObjstoreWeights(), "shared_dir": SharedDirWeights(dir=str(work / "shared"))}[args.transport]
+    trainer = await asyncio.to_thread(Trainer, LearnerConfig(**lc), model_dir, weights=weights)
     out = {}
     try:
         for mode, cls in (("background", Learner), ("inline", Inline)):
@@ -116,7 +115,7 @@ async def gaps(args, work: Path) -> dict:
             await topology.ensure_topology(js, run, bus)
             for s in scored_samples(tok, run, args.steps, 2, args.sample_tokens):
                 await publish(js, run, "scored", s)
-            cfg = RunConfig(bus=bus, rollout=RolloutConfig(n=2), learner=LearnerConfig(**lc),
+            cfg = RunConfig(bus=bus, rollout=RolloutConfig(n=2), learner=LearnerConfig(**lc), weights=weights,
                             policy=PolicySection(model=str(model_dir)))
             cfg.run.name, cfg.run.dir = run, str(work / run)
             driver = TimedDriver(Driver(trainer))

@@ -10,7 +10,6 @@ Layout and semantics: docs/benchmark.md ("Periodic eval and early stop").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os

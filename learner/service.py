@@ -12,7 +12,6 @@ ledger's resume is learner.resume.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -31,7 +30,7 @@ from learner.runstate import RunState
 from learner.stepper import Stepper
 from learner.steplog import StepLog
 from learner.watchers import Backlog, Evals, Fates
-from protocol import status, topology
+from protocol import status
 from protocol.bus import COUNTERS, PullWorker
 from protocol.messages import Heartbeat
 

@@ -114,3 +114,17 @@ class JudgeDouble:
         if failed := self._failed("interactivity_3level"):
             return failed
         return JudgeReply(ok=True, score=self.score_3level, raw=self.raw_3level, model=self.model)
+
+
+def perturbed_model(model_dir, seed: int, scale: float = 0.05):
+    """What a learner would publish as a new version: the checkpoint at `model_dir` (fp32, eval mode)
+    with N(0, scale^2) noise from `seed` added to every parameter. Save it with save_pretrained."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return model

@@ -315,20 +315,14 @@ def test_a_killed_actor_task_is_redelivered_and_stored_once(ctx):
 
 
 def test_weight_versions_are_followed_and_a_corrupt_blob_is_refused(ctx, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    from tests import factories
     from weights import common, registry
     from weights.config import ObjstoreWeights
     from protocol.messages import WeightVersion
 
     run = "weights"
     # what the learner publishes: a perturbed copy of the policy, saved the HF way
-    model = AutoModelForCausalLM.from_pretrained(ctx.model, dtype="float32").eval()
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    model = factories.perturbed_model(ctx.model, seed=7)
     v1_dir = tmp_path / "v1"
     model.save_pretrained(v1_dir)
     probe = ctx.tok.encode(ctx.tok.apply_chat_template([{"role": "user", "content": "Describe the old mill."}],

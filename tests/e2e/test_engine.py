@@ -12,6 +12,7 @@ import json
 import pytest
 
 from rollout.chat import ChatTokens
+from tests import factories
 from tests.reference import reference_logprobs
 
 # engine start-up takes ~30 s alone, minutes on a busy 2-core box
@@ -162,9 +163,6 @@ def test_expected_interactivity_reply_carries_the_judges_distribution(ctx):
 
 
 def test_reload_weights_changes_and_restores(ctx, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
     prompt = ctx.prompt("Describe the old mill.")
 
     def greedy():
@@ -173,11 +171,7 @@ def test_reload_weights_changes_and_restores(ctx, tmp_path):
     before = greedy()
 
     # what a learner would publish: a perturbed copy saved the HF way
-    perturbed = AutoModelForCausalLM.from_pretrained(ctx.path, dtype="float32").eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in perturbed.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    perturbed = factories.perturbed_model(ctx.path, seed=1)
     new_dir = tmp_path / "v1"
     perturbed.save_pretrained(new_dir)
 
@@ -215,8 +209,6 @@ def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
     import socket
 
     import msgspec
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from learner.weights_io import hf_tensors
     from weights.cuda_ipc import IpcPublisher
@@ -231,11 +223,7 @@ def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
         return ctx.run(ctx.engine.generate(prompt, max_tokens=24, temperature=0.0))
 
     before = greedy()
-    perturbed = AutoModelForCausalLM.from_pretrained(ctx.path, dtype="float32").eval()
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in perturbed.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    perturbed = factories.perturbed_model(ctx.path, seed=2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
