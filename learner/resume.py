@@ -53,19 +53,20 @@ def restore(run_dir, model_dir, env_record, *, ledger: ckpt.Ledger, driver, stat
     state.reasons = dict(saved.reasons)
     state.dead_seq = saved.dead_seq
     grouper.counters.update(saved.counters)
+    # Timeouts and deadlines count only while a learner runs: the time it was down is added to each
+    # buffered group's first sample and to each issue time (below), so the samples actors produced
+    # meanwhile (waiting in SCORED) are read before any group is timed out or any task given up.
+    now = time.time()
+    down = max(0.0, now - saved.saved)
     for g in saved.groups:
-        grouper.restore(Group(g.task_id, g.first_seen, {s.sample: s for s in g.samples}, g.completed))
+        grouper.restore(Group(g.task_id, g.first_seen + down, {s.sample: s for s in g.samples}, g.completed))
     steplog.truncate(saved.step)
     ckpt.truncate_archive(run_dir, saved.step)
     log.info(
         "resumed at step %d (checkpoint %s): %d buffered groups, %d finished tasks, feeder at task %d",
         saved.step, saved.tag or "initial weights", len(saved.groups), len(saved.done), saved.next_index,
     )
-    # The deadline counts only while a learner runs: the time it was down is added to each issue
-    # time, so the samples actors produced meanwhile (waiting in SCORED) are read before any of
-    # their tasks is given up. A ledger from before issue records were kept counts from now.
-    now = time.time()
-    down = max(0.0, now - saved.saved)
+    # A ledger from before issue records were kept counts each in-flight task's deadline from now.
     issued = {i.task_id: Issued(at=i.at + down, version=i.version) for i in saved.issued}
     in_flight = {t: issued.get(t) or Issued(at=now, version=saved.step) for t in saved.in_flight}
     return FeederState(next_index=saved.next_index, in_flight=in_flight, consumed=saved.consumed)

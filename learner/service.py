@@ -108,7 +108,8 @@ class Learner:
                 if self.evals.regression():
                     log.warning("early stop at step %d: %s", st.step, self.evals.regression())
                     break
-                st.since_step += self.intake.consume(self.grouper.expire() + self.fates.overdue())
+                if worker.caught_up.is_set():  # not before the backlog in SCORED is read: it may complete them
+                    st.since_step += self.intake.consume(self.grouper.expire() + self.fates.overdue())
                 if await self.stepper.try_step():
                     continue
                 if self.intake.flush_due():

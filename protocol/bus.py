@@ -177,6 +177,10 @@ class PullWorker:
         # neither handled twice nor counted against max_deliver (tests/integration/test_bus.py).
         self._held: set[int] = set()
         self._absorbed: Counter[int] = Counter()
+        # Set once a fetch found nothing waiting: every message that was waiting on the consumer when
+        # the worker started has been handed to the handler (whose tasks ran while that fetch waited),
+        # so a resumed learner reads its backlog before it times anything out.
+        self.caught_up = asyncio.Event()
 
     def batch(self, free: int) -> int:
         """How many messages to fetch with `free` slots: never more than fit fetch_max_bytes at the
@@ -204,16 +208,19 @@ class PullWorker:
                 while free < most and not self._slots.locked():
                     await self._slots.acquire()
                     free += 1
+                answered = True  # the server said what it has (maybe nothing), rather than failing
                 try:
                     msgs = await sub.fetch(free, timeout=self.fetch_timeout)
                 except asyncio.TimeoutError:  # nats' TimeoutError, or the bare one fetch raises on its second request
                     msgs = []  # no work right now
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, APIError) as e:
                     log.warning("%s: fetch failed (%s); retrying", self.name, e)
-                    msgs = []
+                    msgs, answered = [], False
                     await asyncio.sleep(1.0)
                 for _ in range(free - len(msgs)):
                     self._slots.release()
+                if answered and not msgs:
+                    self.caught_up.set()
                 self._sizes.extend(len(m.data) for m in msgs)
                 for m in msgs:
                     t = asyncio.create_task(self._handle(m))

@@ -295,3 +295,51 @@ def test_only_a_real_sample_of_an_issued_task_gives_it_up(tmp_path):
     assert "one-g000000" not in learner.feeder.state.in_flight
     assert learner.grouper.done["one-g000000"] == "dead"
     assert learner.state.reasons["one-g000000"] == "dead: sample 1 was dead-lettered by learner-x (scored): refused"
+
+
+def test_a_resumed_group_timeout_does_not_count_the_time_the_learner_was_down(tmp_path):
+    """A partial group buffered when the learner stopped, and the learner away longer than
+    group_timeout_s: the group's age counts learner uptime, so it is not timed out on resume (its
+    missing samples are waiting in SCORED). Before, first_seen came back as wall-clock time and the
+    first loop pass dropped the group and acked its samples as late."""
+    from learner import checkpoint as ckpt
+    from learner.service import Learner
+
+    run_dir = tmp_path / "run"
+    cfg = make_cfg("away", run_dir, steps=1, groups_per_step=1, max_staleness=0, group_timeout_s=600.0)
+    task = Task(task_id="away-g000000", run="away", item_id="item-0", n=N)
+    saved = time.time() - 3 * 3600.0  # three hours down, far past the 600 s timeout
+    ckpt.Ledger(run_dir).write(ckpt.LearnerState(
+        in_flight=[task.task_id], next_index=1,
+        groups=[ckpt.GroupState(task_id=task.task_id, first_seen=saved - 10.0, samples=[scored_for(task, 0)])]))
+    state = ckpt.read_state(run_dir)
+    state.saved = saved
+    (ckpt.learner_dir(run_dir) / ckpt.STATE_FILE).write_bytes(msgspec.msgpack.encode(
+        msgspec.structs.replace(state, groups=[msgspec.structs.replace(g, samples=[]) for g in state.groups])))
+    learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
+    assert task.task_id in learner.grouper.buffer
+    assert learner.grouper.expire() == []  # 10 s of uptime, not three hours
+    later = learner.grouper.expire(now=time.time() + 600.0)
+    assert [o.task_id for o in later] == [task.task_id]  # the timeout itself still works
+
+
+async def test_a_resumed_learner_reads_its_backlog_before_it_times_groups_out(js, nc, tmp_path):
+    """The rest of a buffered group is waiting in SCORED when the learner resumes, and the group is
+    past its timeout by uptime: the learner reads the backlog before any timeout, so the group is
+    trained, not dropped (the first loop pass used to expire it before the first fetch)."""
+    from learner import checkpoint as ckpt
+    from learner.service import Learner
+
+    run_dir = tmp_path / "run"
+    cfg = make_cfg("backlog", run_dir, steps=1, groups_per_step=1, max_staleness=0, group_timeout_s=1.0)
+    await topology.ensure_topology(js, cfg.run.name, cfg.bus)
+    task = Task(task_id="backlog-g000000", run="backlog", item_id="item-0", n=N)
+    ckpt.Ledger(run_dir).write(ckpt.LearnerState(
+        in_flight=[task.task_id], next_index=1,
+        groups=[ckpt.GroupState(task_id=task.task_id, first_seen=time.time() - 30.0, samples=[scored_for(task, 0)])]))
+    for i in range(1, N):  # the samples actors finished while the learner was away
+        await publish(js, cfg.run.name, "scored", scored_for(task, i))
+    learner = Learner(cfg, js, nc, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
+    code = await asyncio.wait_for(learner.run(asyncio.Event()), timeout=60)
+    assert code == 0 and learner.state.step == 1
+    assert learner.grouper.done.get(task.task_id) == "trained", learner.grouper.done
