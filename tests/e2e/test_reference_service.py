@@ -91,12 +91,13 @@ def plain_model(model_dir):
 async def test_service_logprobs_equal_the_learners_own_reference(nc, nats_server, tiny_model):
     from learner.logprobs import token_logprobs
     from learner.trainer import Trainer
-    from scorer.reference import ReferenceClient, ReferenceFailed
+    from scorer.reference import ReferenceClient, ReferenceUnavailable
 
     trajs = sampled_trajectories(plain_model(tiny_model), [5, 11, 23], 3, 14, seed=3)
     async with reference_up(nats_server.url, tiny_model):
         got = await service_logprobs(nc, trajs)
-        with pytest.raises(ReferenceFailed, match="holds model 'toy', not 'other'"):
+        # another model's request reaches no service of this one (its own subject): nobody answers it
+        with pytest.raises(ReferenceUnavailable, match="no reference service answers on parley.svc.reference.other"):
             await ReferenceClient(nc, model="other", timeout=60).logprobs(trajs[0])
 
     cfg = LearnerConfig(kl_coef=0.01, micro_batch_tokens=64, logit_chunk_tokens=16)
