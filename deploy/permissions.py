@@ -106,11 +106,20 @@ def own_inbox(user: str) -> str:
     return f"{inbox_prefix(user)}.>"
 
 
+# The roles that consume a channel through a PullWorker, and so dead-letter what they cannot handle
+# (protocol.bus): the actor (TASKS), the scorer (TRAJ), the learner (SCORED, and the groups a step
+# refused). Nobody else may write a dead letter: the learner acts on them (a letter about a task
+# frees its slot and abandons its group), so a service user, shared by every run with run = "*",
+# could otherwise end any run's groups with a forged letter.
+DEAD_LETTERERS = ("actor", "scorer", "learner")
+
+
 def _everyone(run: str, role: str, user: str) -> tuple[list[str], list[str]]:
-    """Every role verifies the topology, dead-letters, sends its own heartbeats and reads everyone's."""
+    """Every role verifies the topology, sends its own heartbeats and reads everyone's; the consuming
+    roles also dead-letter."""
     publish = [
         *_verify_topology(run),
-        topology.subject(run, "dead"),
+        *([topology.subject(run, "dead")] if role in DEAD_LETTERERS else []),
         topology.status_subject(run, role, "*"),
     ]
     subscribe = [own_inbox(user), topology.status_subject(run, "*", "*")]
