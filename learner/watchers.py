@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Coroutine
 
 from nats.js.errors import APIError
@@ -22,6 +23,8 @@ from protocol.bus import UNREACHABLE
 
 log = logging.getLogger("parley.learner")
 
+EARLY_KEPT = 4096  # letters kept for tasks not in flight yet (the oldest go first beyond it)
+
 
 class Fates:
     """An issued task that never becomes a complete group (its Task, or one of its samples, was
@@ -34,13 +37,19 @@ class Fates:
         self.state, self.js, self.run_name = state, js, run_name
         self.grouper, self.feeder, self.intake = grouper, feeder, intake
         self.task_deadline_s = task_deadline_s
+        self.next_seq = state.dead_seq  # the next DEAD sequence to read
+        # Letters about a task of this run that is not in flight yet, by stream sequence: a Task the
+        # feeder published but had not recorded when its letter was read (the feeder records after the
+        # publish; after a resume it issues again what the ledger had not recorded). Applied when the
+        # task is issued; state.dead_seq stays at the oldest of them, so a resume reads them again.
+        self.early: dict[int, tuple[float, object]] = {}
 
     async def watch_dead(self, halt: asyncio.Event, every: float = 2.0) -> None:
         """Read the run's dead letters as they come (from the ledger's dead_seq on a resume)."""
         failing = False
         while not halt.is_set():
             try:
-                letters, nxt = await dead.read_since(self.js, self.run_name, self.state.dead_seq)
+                letters, nxt = await dead.read_since(self.js, self.run_name, self.next_seq)
             except (*UNREACHABLE, APIError) as e:
                 if not failing:
                     log.warning("cannot read the DEAD stream (%s: %s): NATS away, or this user may not read it "
@@ -49,26 +58,50 @@ class Fates:
                 failing = True
             else:
                 failing = False
-                for _, dl in letters:
-                    if dl is not None:
-                        self.on_dead(dl)
-                self.state.dead_seq = nxt  # after applying them: a ledger never skips a letter it did not see
+                self.take(letters, nxt)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(halt.wait(), timeout=every)
 
-    def on_dead(self, dl) -> None:
+    def take(self, letters, nxt: int) -> None:
+        """Apply letters read from the DEAD stream (seq, letter), keep those about tasks not yet in
+        flight, and move the read position to `nxt`."""
+        now = time.monotonic()
+        for seq, dl in letters:
+            if dl is not None and self.on_dead(dl) == "early":
+                self.early[seq] = (now, dl)
+        self.next_seq = nxt
+        self._settle(now)
+
+    def _settle(self, now: float) -> None:
+        """Apply the kept letters whose task is in flight now; forget those whose task finished, and
+        those kept longer than the task deadline (never issued: the deadline would have freed it)."""
+        for seq, (seen, dl) in sorted(self.early.items()):
+            fate = self.on_dead(dl)
+            if fate != "early" or now - seen > self.task_deadline_s or len(self.early) > EARLY_KEPT:
+                del self.early[seq]
+        # after applying them: a ledger never skips a letter it did not act on
+        self.state.dead_seq = min(self.early, default=self.next_seq)
+
+    def on_dead(self, dl) -> str:
+        """Act on one letter: "applied" (its task's group is given up or its lost sample recorded),
+        "early" (about a task of this run not in flight yet, and not finished), or "ignored"."""
         ref = dead.task_ref(self.run_name, dl)
-        if ref is None or ref.task_id not in self.feeder.state.in_flight:
-            return  # not about a task we issued and still wait for
+        if ref is None or ref.task_id in self.grouper.done:
+            return "ignored"  # not about a task of this run, or about one already finished
+        if ref.task_id not in self.feeder.state.in_flight:
+            return "early"
         if ref.sample is not None and not 0 <= ref.sample < self.grouper.n:
-            return  # a sample no group has (refused for its index): no real sample of the task is lost
+            return "ignored"  # a sample no group has (refused for its index): no real sample of the task is lost
         what = "its Task" if ref.sample is None else f"sample {ref.sample}"
         reason = f"dead: {what} was dead-lettered by {dl.consumer} ({ref.key}): {dl.reason}"
         outcome = self.grouper.abandon(ref.task_id, "dead", reason, sample=ref.sample)
         if outcome is not None:
             self.state.since_step += self.intake.consume([outcome])
+        return "applied"
 
     def overdue(self) -> list[Outcome]:
+        if self.early:  # a task issued since its letter was read
+            self._settle(time.monotonic())
         out = []
         for task, age in self.feeder.overdue(self.task_deadline_s):
             g = self.grouper.buffer.get(task)

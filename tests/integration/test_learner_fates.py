@@ -343,3 +343,27 @@ async def test_a_resumed_learner_reads_its_backlog_before_it_times_groups_out(js
     code = await asyncio.wait_for(learner.run(asyncio.Event()), timeout=60)
     assert code == 0 and learner.state.step == 1
     assert learner.grouper.done.get(task.task_id) == "trained", learner.grouper.done
+
+
+def test_a_letter_read_before_its_task_is_in_flight_frees_the_task_once_it_is(tmp_path):
+    """The feeder records a Task as in flight after publishing it, and a resumed feeder issues again
+    what its ledger had not recorded: a letter about that Task can be read first. It is kept and
+    applied when the task is issued (the slot is freed, not held for task_deadline_s), and the
+    ledger's dead_seq stays at it until then, so a resume reads it again."""
+    from learner.feeder import Issued
+    from learner.service import Learner
+    from protocol.messages import DeadLetter
+
+    cfg = make_cfg("early", tmp_path / "run", steps=1, groups_per_step=2, max_staleness=0)
+    learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)
+    task = Task(task_id="early-g000000", run="early", item_id="i", n=N)
+    dl = DeadLetter(subject=topology.subject("early", "tasks"), reason="poison: no such item", consumer="actor-x",
+                    payload=codec.encode(task))
+    learner.fates.take([(5, dl)], nxt=6)  # read while the task is not in flight yet
+    assert learner.state.dead_seq == 5 and learner.fates.next_seq == 6
+    learner.feeder.state.in_flight[task.task_id] = Issued(at=time.time(), version=0)  # the feeder records it
+    assert learner.fates.overdue() == []  # the loop's pass applies the kept letter
+    assert task.task_id not in learner.feeder.state.in_flight
+    assert learner.grouper.done[task.task_id] == "dead"
+    assert learner.state.reasons[task.task_id] == "dead: its Task was dead-lettered by actor-x (tasks): poison: no such item"
+    assert learner.state.dead_seq == 6 and learner.fates.early == {}
