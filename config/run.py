@@ -26,6 +26,7 @@ from config.learner import DataConfig, LearnerConfig, RolloutConfig
 from config.policy import PolicySection
 from config.scorer import JudgeConfig, ScorerConfig
 from environments.base import Environment, ProgrammaticUser
+from protocol.messages import GREEDY_BELOW
 from protocol.topology import RUN_NAME, BusSettings
 from runtime.toml import to_toml
 from weights.config import ObjstoreWeights, WeightsConfig, upgrade
@@ -318,11 +319,11 @@ def check_training(cfg: RunConfig) -> None:
     nothing and may sample as it likes.
     """
     a = cfg.actor.sampling
-    if not (0.0 < a.temperature < float("inf")):
+    if not (GREEDY_BELOW <= a.temperature < float("inf")):
         raise ConfigError(
-            f"actor.sampling.temperature={a.temperature}: training needs a temperature > 0 (at 0 the policy is "
-            "greedy and no sampled token has a log-prob to train); set actor.sampling.temperature to 1.0 (the "
-            "default) or e.g. 0.7"
+            f"actor.sampling.temperature={a.temperature}: training needs a temperature >= {GREEDY_BELOW:g} (below it "
+            "vLLM samples greedily and no sampled token has a tempered log-prob to train); set "
+            "actor.sampling.temperature to 1.0 (the default) or e.g. 0.7"
         )
     if a.top_p != 1.0:
         raise ConfigError(

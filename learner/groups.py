@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol import arrays
-from protocol.messages import Scored, Trajectory
+from protocol.messages import GREEDY_BELOW, Scored, Trajectory
 
 log = logging.getLogger("parley.learner.groups")
 
@@ -66,8 +66,9 @@ LOGPROB_SLACK = 1e-3
 def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | None = None, *,
                          reference: bool = False) -> None:
     """Raise BadTrajectory for values that decode but that no honest actor or scorer sends: a
-    non-finite or out-of-range reward (rewards.reward.hostile_reward), a sampling temperature that is
-    not finite and > 0, a non-finite or positive behaviour log-prob, a token id outside the policy's vocabulary (on a GPU an out-of-range id is a
+    non-finite or out-of-range reward (rewards.reward.hostile_reward), sampling settings the learner
+    cannot recompute the log-probs of (a temperature below vLLM's greedy threshold or not finite,
+    top_p < 1, a temperature other than 1 against the raw reference service), a non-finite or positive behaviour log-prob, a token id outside the policy's vocabulary (on a GPU an out-of-range id is a
     device-side assert that kills the learner, then a crash loop on the redelivered message), a
     conversation longer than the policy's positions (`max_positions`; one such sequence fills a
     micro-batch of its own whatever the budget, and its activations the memory); with `reference`
@@ -84,9 +85,19 @@ def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | N
     why = hostile_reward(scored.metrics, scored.weights, scored.total)
     if why:
         raise BadTrajectory(f"{scored.traj_id}: {why}")
-    if not (0.0 < traj.temperature < math.inf):  # NaN fails too; learner.packing.Sample would raise at step time
-        raise BadTrajectory(f"{traj.traj_id}: temperature {traj.temperature} is not a finite number > 0; behaviour "
-                            "log-probs are of softmax(logits / temperature)")
+    # The settings that shape the behaviour log-probs, as the learner recomputes them: softmax(logits / T)
+    # with nothing cut away. NaN fails the comparisons too.
+    if not (GREEDY_BELOW <= traj.temperature < math.inf):
+        raise BadTrajectory(f"{traj.traj_id}: temperature {traj.temperature} is not a finite number >= {GREEDY_BELOW:g} "
+                            "(below it vLLM samples greedily and reports untempered log-probs); the learner trains on "
+                            "log-probs of softmax(logits / temperature)")
+    if traj.top_p != 1.0:
+        raise BadTrajectory(f"{traj.traj_id}: top_p {traj.top_p}: its log-probs are renormalized over the top-p "
+                            "nucleus, which the learner does not recompute; actors that train sample with top_p = 1.0")
+    if reference and traj.temperature != 1.0:
+        raise BadTrajectory(f"{traj.traj_id}: temperature {traj.temperature} with [policy] reference = \"service\": "
+                            "the service's reference log-probs are of the raw model, a KL to this tempered policy "
+                            "would mix the two; sample at temperature 1.0 or use the learner's own reference")
     for i, turn in enumerate(traj.turns):
         lp = arrays.turn_logprobs(turn)
         bad = ~(np.isfinite(lp) & (lp <= LOGPROB_SLACK))

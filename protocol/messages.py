@@ -15,10 +15,16 @@ from typing import Annotated
 import msgspec
 
 
+# vLLM samples greedily below this temperature (its _SAMPLING_EPS) and then returns the raw, untempered
+# log-probs: no trained temperature may be below it (config.run.check_training, learner intake). At or
+# above it, logits / temperature grow at most 1e5-fold: finite in every dtype the learner uses.
+GREEDY_BELOW = 1e-5
+
+
 class Sampling(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """How the policy samples: what the engine takes besides the prompt and the token budget. The
     one struct for it: [actor.sampling] (config.actor), the eval's settings (evaluation.runner) and
-    the conversation loop read it; a Trajectory records its temperature (Trajectory.temperature).
+    the conversation loop read it; a Trajectory records both (Trajectory.temperature, .top_p).
     Training also needs temperature > 0 and top_p = 1 (config.run.check_training)."""
 
     temperature: Annotated[float, msgspec.Meta(ge=0.0, description="0 is greedy")] = 1.0
@@ -116,6 +122,9 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the whole conversation as the policy saw it (token-in/token-out), int32 LE
     token_ids_i32: bytes = b""
     loss_mask_u8: bytes = b""  # one uint8 per token: 1 on assistant-generated tokens that are trained
+    # the policy's top-p (its Sampling's): below 1 the reported log-probs are renormalized over the
+    # nucleus, which the learner does not recompute, so the learner refuses such a trajectory
+    top_p: float = 1.0
 
 
 class JudgeOutput(msgspec.Struct, kw_only=True):

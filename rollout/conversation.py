@@ -246,6 +246,7 @@ async def run_conversation(
         actor=policy.actor,
         seed=seed,
         temperature=policy.sampling.temperature,
+        top_p=policy.sampling.top_p,
         timings={**{k: round(v, 4) for k, v in p.timings.items()}, "total": round(time.perf_counter() - t0, 4)},
         created=time.time(),
     )

@@ -25,7 +25,7 @@ def test_the_benchmarks_overrides_are_a_run_that_trains_at_its_temperature():
 
 def test_a_greedy_training_temperature_is_refused_before_any_work():
     args = env_learning.parse_args(["--train-temperature", "0"])
-    with pytest.raises(ConfigError, match="actor.sampling.temperature=0.0: training needs a temperature > 0"):
+    with pytest.raises(ConfigError, match="actor.sampling.temperature=0.0: training needs a temperature >= 1e-05"):
         check_training(load_config(default_config_path(), env_learning.overrides(args, seed=0)))
 
 

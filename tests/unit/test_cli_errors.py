@@ -27,7 +27,7 @@ CASES = [
     (["actor", "--set", "actor.engine.dtype=int8"], ["actor.engine.dtype = 'int8'", "float32", "bfloat16"]),
     (["actor", "--set", "rollout.n=1"], ["rollout.n = 1", "an int >= 2 and <= 1024", "GRPO needs a group"]),
     # a run that trains recomputes the distribution it sampled from (config.run.check_training)
-    (["learner", "--set", "actor.sampling.temperature=0"], ["actor.sampling.temperature=0", "temperature > 0", "greedy"]),
+    (["learner", "--set", "actor.sampling.temperature=0"], ["actor.sampling.temperature=0", "temperature >= 1e-05", "greedily"]),
     (["up", "--set", "actor.sampling.top_p=0.9"], ["actor.sampling.top_p=0.9", "top_p = 1.0", "actor.sampling.temperature"]),
     (["learner", "--set", "actor.sampling.temperature=0.7", "--set", "policy.reference=service"],
      ["actor.sampling.temperature=0.7", "policy.reference='service'", "raw model", "reference='local'"]),
@@ -80,7 +80,7 @@ def test_a_key_of_an_earlier_release_is_read_under_its_new_name_and_the_warning_
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 2, out.stderr
     assert "actor.temperature is now actor.sampling.temperature" in lines[0]
-    assert "actor.sampling.temperature=0.0: training needs a temperature > 0" in lines[1]
+    assert "actor.sampling.temperature=0.0: training needs a temperature >= 1e-05" in lines[1]
 
 
 def test_bad_values_fail_before_heavy_imports():

@@ -147,7 +147,7 @@ def test_a_temperature_the_learner_cannot_recompute_is_refused_at_intake(tempera
     infinite temperature is dead-lettered at intake, not left to fail the step that packs it."""
     s = scored("t", 0, 0.5)
     s.trajectory.temperature = temperature
-    with pytest.raises(BadTrajectory, match=f"t/0: temperature {temperature} is not a finite number > 0"):
+    with pytest.raises(BadTrajectory, match=f"t/0: temperature {temperature} is not a finite number >= 1e-05"):
         intake(s)
     s.trajectory.temperature = 0.7
     intake(s)  # any positive temperature is the learner's to recompute
