@@ -11,7 +11,7 @@ import json
 import msgspec
 import pytest
 
-from protocol import codec, topology
+from protocol import arrays, codec, topology
 from protocol.bus import publish
 from weights.common import current_version
 from weights.registry import fetch_version
@@ -42,16 +42,20 @@ async def test_hostile_scored_values_are_dead_lettered_and_the_weights_stay_fini
 
     def hostile(group: int, **change):
         s = make_scored(tok, model, RUN, group, 0)
-        traj = s.trajectory
+        traj = s.trajectory  # packed, as the actors write it: edit the arrays and pack them again
+        ids, mask = arrays.token_ids(traj).tolist(), arrays.loss_mask(traj).tolist()
         if "logprob" in change:
-            traj.turns[0].logprobs[0] = change.pop("logprob")
+            lps = arrays.turn_logprobs(traj.turns[0]).tolist()
+            lps[0] = change.pop("logprob")
+            traj.turns[0] = msgspec.structs.replace(traj.turns[0], logprobs_f32=arrays.pack_logprobs(lps))
         if "token" in change:
-            traj.token_ids[1] = change.pop("token")
+            ids[1] = change.pop("token")
         if "pad" in change:  # well-formed (mask as long as the tokens), longer than the model's positions
             pad = change.pop("pad")
-            traj.token_ids += [traj.token_ids[-1]] * pad
-            traj.loss_mask += [0] * pad
-        return msgspec.structs.replace(s, **change)
+            ids += [ids[-1]] * pad
+            mask += [0] * pad
+        traj = msgspec.structs.replace(traj, token_ids_i32=arrays.pack_ids(ids), loss_mask_u8=arrays.pack_mask(mask))
+        return msgspec.structs.replace(s, trajectory=traj, **change)
 
     poison = {
         "task-10/0": (hostile(10, total=float("nan")), "total reward nan is not finite"),
