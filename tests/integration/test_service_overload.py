@@ -9,6 +9,7 @@ answer: every request is answered at most once, nothing is computed twice, no re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 
@@ -95,12 +96,24 @@ async def test_services_at_three_times_their_capacity_never_compute_twice(secure
     print(f"answered {len(answered)}/{DISTINCT}, computed {sum(computed.values())}, counters {dict(c)}")
 
 
-async def test_a_resent_request_joins_the_computation_under_way(secured):
-    from protocol.request import request
-
+@contextlib.asynccontextmanager
+async def sim_service(secured, backend, *, concurrency: int):
+    """A Service on the sim subject over `backend` as the sim user, and an actor connection to ask it."""
     server, creds = secured
     sim = await connect(server.url, name="sim", user=creds["sim"][0], password=creds["sim"][1])
     actor = await connect(server.url, name="actor", user=creds["actor"][0], password=creds["actor"][1])
+    service = Service(sim, {topology.SIM_SUBJECT: backend}, queue=topology.SIM_QUEUE, concurrency=concurrency)
+    await service.start()
+    try:
+        yield service, actor
+    finally:
+        await service.stop()
+        await sim.close()
+        await actor.close()
+
+async def test_a_resent_request_joins_the_computation_under_way(secured):
+    from protocol.request import request
+
     computed, started = Counter(), asyncio.Event()
 
     async def slow_backend_double(data: bytes) -> bytes:
@@ -109,18 +122,12 @@ async def test_a_resent_request_joins_the_computation_under_way(secured):
         await asyncio.sleep(0.5)
         return b"the answer to " + data
 
-    service = Service(sim, {topology.SIM_SUBJECT: slow_backend_double}, queue=topology.SIM_QUEUE, concurrency=4)
-    await service.start()
-    try:
+    async with sim_service(secured, slow_backend_double, concurrency=4) as (service, actor):
         first = asyncio.create_task(request(actor, topology.SIM_SUBJECT, b"q", timeout=5))
         await started.wait()  # the first is being computed: the re-send (same id) must not start another
         second = await request(actor, topology.SIM_SUBJECT, b"q", timeout=5)
         assert (await first).data == second.data == b"the answer to q"
         assert computed == {b"q": 1} and service.counters["joined"] == 1
-    finally:
-        await service.stop()
-        await sim.close()
-        await actor.close()
 
 
 async def test_a_request_naming_another_requests_id_does_not_get_its_answer(secured):
@@ -129,9 +136,6 @@ async def test_a_request_naming_another_requests_id_does_not_get_its_answer(secu
     what the service received."""
     from protocol.request import ID_HEADER, request, request_id
 
-    server, creds = secured
-    sim = await connect(server.url, name="sim", user=creds["sim"][0], password=creds["sim"][1])
-    actor = await connect(server.url, name="actor", user=creds["actor"][0], password=creds["actor"][1])
     started = asyncio.Event()
 
     async def slow_backend_double(data: bytes) -> bytes:
@@ -139,9 +143,7 @@ async def test_a_request_naming_another_requests_id_does_not_get_its_answer(secu
         await asyncio.sleep(0.5)
         return b"the answer to " + data
 
-    service = Service(sim, {topology.SIM_SUBJECT: slow_backend_double}, queue=topology.SIM_QUEUE, concurrency=4)
-    await service.start()
-    try:
+    async with sim_service(secured, slow_backend_double, concurrency=4) as (service, actor):
         secret = asyncio.create_task(request(actor, topology.SIM_SUBJECT, b"private question", timeout=5))
         await started.wait()  # the victim's request is being computed; the forger joins it by id
         forged = {ID_HEADER: request_id(topology.SIM_SUBJECT, b"private question")}
@@ -149,10 +151,6 @@ async def test_a_request_naming_another_requests_id_does_not_get_its_answer(secu
         assert reply.data == b"the answer to mine"
         assert (await secret).data == b"the answer to private question"
         assert service.counters["id_mismatch"] == 1 and service.counters["joined"] == 0
-    finally:
-        await service.stop()
-        await sim.close()
-        await actor.close()
 
 
 async def test_a_service_whose_clock_is_ten_minutes_ahead_still_answers(secured, monkeypatch):
@@ -161,11 +159,8 @@ async def test_a_service_whose_clock_is_ten_minutes_ahead_still_answers(secured,
     deadlines it dropped every request as expired, and each actor's SimUnreachable poisoned its task)."""
     import time as real_time
 
+    import engines.service
     from protocol.request import request
-
-    server, creds = secured
-    sim = await connect(server.url, name="sim", user=creds["sim"][0], password=creds["sim"][1])
-    actor = await connect(server.url, name="actor", user=creds["actor"][0], password=creds["actor"][1])
 
     async def backend_double(data: bytes) -> bytes:
         return b"answered " + data
@@ -178,19 +173,11 @@ async def test_a_service_whose_clock_is_ten_minutes_ahead_still_answers(secured,
         def time() -> float:
             return real_time.time() + 600.0
 
-    import engines.service
-
     monkeypatch.setattr(engines.service, "time", AheadClock())
-    service = Service(sim, {topology.SIM_SUBJECT: backend_double}, queue=topology.SIM_QUEUE, concurrency=2)
-    await service.start()
-    try:
+    async with sim_service(secured, backend_double, concurrency=2) as (service, actor):
         replies = [await request(actor, topology.SIM_SUBJECT, f"q{i}".encode(), timeout=2) for i in range(3)]
         assert [r.data for r in replies] == [b"answered q0", b"answered q1", b"answered q2"]
         assert service.counters["expired"] == 0
-    finally:
-        await service.stop()
-        await sim.close()
-        await actor.close()
 
 
 def test_the_answer_cache_is_bounded_by_bytes(monkeypatch):
