@@ -19,7 +19,7 @@ import pytest
 
 from deploy.credentials import generate_credentials, read_env_file, server_auth_conf
 from deploy.natsserver import NatsServer
-from deploy.permissions import ROLES, role_permissions
+from deploy.permissions import DEAD_LETTERERS, ROLES, role_permissions
 from protocol import codec, examples, status, topology
 from protocol.bus import PullWorker, dead_letter, publish
 from protocol.connect import NatsUnreachable, barrier, connect, inbox_prefix
@@ -97,8 +97,9 @@ def test_permissions_are_derived_from_the_topology():
     assert topology.subject(RUN, "traj") in pub["actor"] and topology.subject(RUN, "scored") not in pub["actor"]
     assert topology.subject(RUN, "tasks") in pub["learner"] and topology.subject(RUN, "tasks") not in pub["scorer"]
     assert not any(s.startswith(f"$KV.{topology.kv_bucket(RUN)}") for s in pub["actor"] | pub["scorer"])
-    for role in set(ROLES) - {"admin"}:
-        assert ">" not in pub[role] and topology.subject(RUN, "dead") in pub[role]
+    for role in set(ROLES) - {"admin"}:  # only the consuming roles dead-letter (the learner acts on letters)
+        assert ">" not in pub[role]
+        assert (topology.subject(RUN, "dead") in pub[role]) == (role in DEAD_LETTERERS), role
         assert not any(s.startswith("$JS.API.STREAM.CREATE") for s in pub[role]) or role == "learner"
     assert perms["sim"]["allow_responses"] and "_INBOX.>" not in pub["sim"]
     for role in set(ROLES) - {"admin"}:  # each its own inboxes, nobody every inbox
