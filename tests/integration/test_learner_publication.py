@@ -205,7 +205,8 @@ async def test_each_version_is_hashed_once(js, nc, tmp_path, monkeypatch, make):
 
     settings = make(tmp_path / "shared")
     run = f"hash-{type(settings).__name__.lower()}"
-    cfg = make_cfg(run, tmp_path / "run", steps=3, groups_per_step=1, max_staleness=1, weights=settings)
+    cfg = make_cfg(run, tmp_path / "run", steps=3, groups_per_step=1, max_staleness=1)
+    cfg.weights = settings  # [weights], which the learner and the actors read
     await topology.ensure_topology(js, run, BUS)
     await run_learner(js, nc, cfg, RealWeightsTrainer(), js)
 
