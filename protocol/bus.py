@@ -177,9 +177,10 @@ class PullWorker:
         # neither handled twice nor counted against max_deliver (tests/integration/test_bus.py).
         self._held: set[int] = set()
         self._absorbed: Counter[int] = Counter()
-        # Set once a fetch found nothing waiting: every message that was waiting on the consumer when
-        # the worker started has been handed to the handler (whose tasks ran while that fetch waited),
-        # so a resumed learner reads its backlog before it times anything out.
+        # Set once a fetch came back with fewer messages than it asked for (the consumer had no more
+        # waiting), after the handlers of that fetch have had their first turn: every message waiting
+        # when the worker started has then been handed to the handler, so a resumed learner reads its
+        # backlog before it times anything out. A steady flow below the worker's capacity sets it too.
         self.caught_up = asyncio.Event()
 
     def batch(self, free: int) -> int:
@@ -219,13 +220,13 @@ class PullWorker:
                     await asyncio.sleep(1.0)
                 for _ in range(free - len(msgs)):
                     self._slots.release()
-                if answered and not msgs:
-                    self.caught_up.set()
                 self._sizes.extend(len(m.data) for m in msgs)
                 for m in msgs:
                     t = asyncio.create_task(self._handle(m))
                     self._tasks.add(t)
                     t.add_done_callback(self._tasks.discard)
+                if answered and len(msgs) < free and not self.caught_up.is_set():
+                    asyncio.get_running_loop().call_soon(self.caught_up.set)  # after those tasks' first step
                 self._reraise_crashes()
         finally:
             for t in list(self._tasks):
