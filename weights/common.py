@@ -180,18 +180,20 @@ class Transport:
                      settings) -> tuple[str, str, int, list[str]]:
         """Store `state_dir`'s model and `extras` under the fresh name `prefix`:
         (location, sha256, bytes, files) for the announcement."""
-        raise NotImplementedError(f"transport {self.kind} publishes GPU buffers, not files; use publish_gpu_version")
+        raise self._other_family("upload files", "publish_gpu_version")
 
     async def prune(self, js, run: str, settings, keep: int, current: int, protect: set[int]) -> None:
-        raise NotImplementedError
+        """Remove stored versions beyond `keep`, never `current` or one in `protect`."""
+        raise self._other_family("prune stored files", "nothing: a GPU buffer is reused, not stored")
 
     # learner side, GPU transports
     def sender(self, settings, device):
         """Rank 0's packer: `.pack(named, version)` returns the source to announce; `.close()`."""
-        raise NotImplementedError(f"transport {self.kind} publishes files; it has no GPU sender")
+        raise self._other_family("pack a GPU buffer", "publish_version")
 
     def announcement(self, source, **common) -> WeightVersion:
-        raise NotImplementedError
+        """The WeightVersion that announces `source` (the sender's pack) with the `common` fields."""
+        raise self._other_family("announce a GPU buffer", "publish_version")
 
     # actor side
     async def fetch(self, js, run: str, wv: WeightVersion, dest: Path, settings, rehash: bool) -> Path:
@@ -203,4 +205,11 @@ class Transport:
 
     def receive(self, wv: WeightVersion, state: dict):
         """In the engine's worker: ((name, tensor) views into a checked local copy, None) or ([], reason)."""
-        raise NotImplementedError
+        raise self._other_family("receive a GPU buffer", "fetch_version")
+
+    def _other_family(self, what: str, instead: str) -> TypeError:
+        # Each transport implements one side of this class: files (gpu False: upload, prune, fetch) or a
+        # packed GPU buffer (gpu True: sender, announcement, source, receive). weights.registry calls
+        # only the side `gpu` names, so reaching the other is a caller's bug: say which and what to use.
+        family = "a GPU buffer" if self.gpu else "files"
+        return TypeError(f"transport {self.kind!r} moves {family} and cannot {what}; use {instead}")

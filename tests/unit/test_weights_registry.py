@@ -49,3 +49,14 @@ def test_upgrading_old_keys_leaves_the_callers_table_alone():
     assert old == {"learner": {"steps": 3, "transport": "cuda_ipc", "ipc_hold_s": 4.0}}
     new = {"learner": {"steps": 3}, "weights": {"kind": "objstore"}}
     assert upgrade(new) is new
+
+
+def test_a_transport_asked_for_the_other_family_names_what_to_use():
+    """A file transport has no GPU sender and a GPU transport stores no files: asking is a caller's
+    bug, refused with the kind and the call to use instead."""
+    with pytest.raises(TypeError, match="'objstore' moves files and cannot pack a GPU buffer; use publish_version"):
+        registry.get("objstore").sender(ObjstoreWeights(), "cpu")
+    with pytest.raises(TypeError, match="'cuda_ipc' moves a GPU buffer and cannot upload files; use publish_gpu_version"):
+        import asyncio
+
+        asyncio.run(registry.get("cuda_ipc").upload(None, "r", "p", None, [], CudaIpcWeights()))
