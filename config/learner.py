@@ -65,6 +65,9 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dual_clip: float = 3.0
     loss_agg: LossAgg = "token-mean"
     scale_advantages: bool = True  # divide by the group std
+    # Which group std: "sample" (n - 1, verl's and TRL's GRPO) or "population" (n; parley before
+    # 2026-12, sqrt(n / (n - 1)) larger advantages: 1.15x at n = 4, 1.07x at n = 8).
+    adv_std: Literal["sample", "population"] = "sample"
     zero_stage: Literal[0, 1, 2, 3] = 2
     grad_clip: float = 1.0
     micro_batch_tokens: Positive = 4096  # token budget of a packed micro-batch

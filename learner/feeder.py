@@ -3,8 +3,10 @@ while the staleness gate is open. Run by learner.service beside the grouping con
 service tells it which issued tasks are finished (trained, or given up with a reason) and which
 version the learner has announced to the actors.
 
-Task ids are f"{run}-g{index:06d}", so a resumed feeder that republishes from its checkpointed
-index is deduplicated by Msg-Id instead of asking for the same samples twice.
+Task ids are f"{run}-g{index:06d}". A feeder records a task after the store acknowledged it, so the
+ledger may lag the TASKS stream (a learner killed before its first ledger write has recorded none):
+before issuing, a feeder adopts the tasks the stream holds past its recorded index (`adopt_published`)
+instead of publishing them again, which Msg-Id would deduplicate only within the duplicate window.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
 from environments.base import TaskBuilder
 from tasks.data import task_from_item
+from protocol import codec, topology
 from protocol.bus import publish
 from protocol.messages import Task
 
@@ -101,6 +105,47 @@ class Feeder:
             item, run=self.run_name, task_id=task_id(self.run_name, index), n=self.rollout.n, rollout=self.rollout,
             seed=self.seed * 1_000_003 + index, version=self.version,
         )
+
+    async def adopt_published(self) -> int:
+        """Take the tasks of this run that the TASKS stream holds at or past `next_index` (published by
+        an earlier learner whose ledger never recorded them) as in flight, their deadlines counted
+        from now, and move `next_index` past them. Reads the stream from its end back to the first
+        task below `next_index` (tasks are stored in index order). The number adopted."""
+        from nats.js.errors import NotFoundError
+
+        s = self.state
+        pattern = re.compile(re.escape(self.run_name) + r"-g(\d+)")
+        name = topology.stream_name(self.run_name, "tasks")
+        info = (await self.js.stream_info(name)).state
+        found: dict[int, Task] = {}
+        seq = info.last_seq
+        while seq >= max(info.first_seq, 1):
+            try:
+                raw = await self.js.get_msg(name, seq)
+            except NotFoundError:  # aged out or deleted meanwhile
+                seq -= 1
+                continue
+            seq -= 1
+            try:
+                task = codec.decode("tasks", raw.data)
+            except Exception:  # noqa: BLE001 - a damaged message is the actors' to dead-letter
+                continue
+            m = pattern.fullmatch(task.task_id)
+            if m is None or task.run != self.run_name:
+                continue
+            index = int(m.group(1))
+            if index < s.next_index:
+                break
+            found[index] = task
+        now = time.time()
+        for index, task in sorted(found.items()):
+            if task.task_id not in s.in_flight:
+                s.in_flight[task.task_id] = Issued(at=now, version=task.admitted_version)
+        if found:
+            s.next_index = max(found) + 1
+            log.info("adopted %d tasks the TASKS stream held past the recorded index (%s..%s); issuing from %d",
+                     len(found), task_id(self.run_name, min(found)), task_id(self.run_name, max(found)), s.next_index)
+        return len(found)
 
     def all_issued(self) -> bool:
         """Every group the run's last step needs is in flight or trained."""

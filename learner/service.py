@@ -81,6 +81,8 @@ class Learner:
         await self.weights.served.start()
         await self.weights.publish(st.step)  # actors learn the baseline (version 0) or the restored version
         await self.publisher.drain()
+        # Tasks an earlier learner published and its ledger never recorded are in flight, not new.
+        await self.feeder.adopt_published()
         worker = PullWorker(self.js, self.run_name, "scored", self.intake.on_scored, bus=self.cfg.bus,
                             name=f"learner-{self.id}", concurrency=32, fetch_timeout=1.0)
         halt = asyncio.Event()

@@ -136,7 +136,7 @@ class Stepper:
         from learner.grpo import group_advantages
 
         rewards = torch.tensor([t.group.rewards() for t in taken], dtype=torch.float64)  # (G, n)
-        adv = group_advantages(rewards, scale=self.lc.scale_advantages)  # (G, n)
+        adv = group_advantages(rewards, scale=self.lc.scale_advantages, std=self.lc.adv_std)  # (G, n)
         out = []
         for gi, t in enumerate(taken):
             for si, s in enumerate(t.group.ordered()):

@@ -27,11 +27,35 @@ def test_group_advantages_hand_values():
         [[-math.sqrt(1.5), 0.0, math.sqrt(1.5)], [-1 / math.sqrt(2), -1 / math.sqrt(2), math.sqrt(2)]],
         dtype=torch.float64,
     )
-    assert_close(group_advantages(rewards, eps=0.0), expected)
+    assert_close(group_advantages(rewards, eps=0.0, std="population"), expected)
     assert_close(
         group_advantages(rewards, scale=False),
         torch.tensor([[-1.0, 0.0, 1.0], [-4 / 3, -4 / 3, 8 / 3]], dtype=torch.float64),
     )
+
+
+def test_group_advantages_sample_std_is_the_default_and_exact():
+    # n = 3, rewards 1, 2, 3: mean 2, sample std 1 (sum of squares 2 over n - 1 = 2): advantages -1, 0, 1,
+    # where the population std sqrt(2/3) gives -sqrt(1.5), 0, sqrt(1.5).
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 4.0]], dtype=torch.float64)
+    # group 1: mean 4/3, sample std sqrt((16/9 + 16/9 + 64/9) / 2) = 4 / sqrt(3)
+    expected = torch.tensor([[-1.0, 0.0, 1.0], [-1 / math.sqrt(3), -1 / math.sqrt(3), 2 / math.sqrt(3)]],
+                            dtype=torch.float64)
+    assert_close(group_advantages(rewards, eps=0.0), expected)
+    assert_close(group_advantages(rewards, eps=0.0, std="sample"), expected)
+    # the two conventions differ by sqrt(n / (n - 1)) exactly
+    ratio = group_advantages(rewards, eps=0.0, std="population") / expected
+    assert_close(ratio[expected != 0], torch.full((5,), math.sqrt(1.5), dtype=torch.float64))
+    from config.learner import LearnerConfig
+
+    assert LearnerConfig().adv_std == "sample"
+
+
+def test_a_group_of_one_sample_has_zero_advantage_with_either_std():
+    for std in ("sample", "population"):
+        assert_close(group_advantages(torch.tensor([[0.3], [0.9]]), std=std), torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="population"):
+        group_advantages(torch.tensor([[0.3, 0.4]]), std="unbiased")
 
 
 def test_group_advantages_match_numpy_float64():
@@ -41,9 +65,9 @@ def test_group_advantages_match_numpy_float64():
     expected = (rewards - rewards.mean(axis=1, keepdims=True)) / (
         rewards.std(axis=1, ddof=0, keepdims=True) + eps
     )
-    got = group_advantages(torch.tensor(rewards, dtype=torch.float32), eps=eps)
+    got = group_advantages(torch.tensor(rewards, dtype=torch.float32), eps=eps, std="population")
     assert_close(got.double(), torch.from_numpy(expected), rtol=1e-5, atol=1e-5)
-    got64 = group_advantages(torch.from_numpy(rewards), eps=eps)
+    got64 = group_advantages(torch.from_numpy(rewards), eps=eps, std="population")
     assert_close(got64, torch.from_numpy(expected))
 
 

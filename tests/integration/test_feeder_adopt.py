@@ -1,0 +1,75 @@
+"""A feeder adopts the tasks the TASKS stream holds past its recorded index instead of publishing them
+again (issue 28, item 8): a learner killed before its first ledger write, or between a publish and the
+ledger write that records it, resumes from what the stream holds. Real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from config.learner import RolloutConfig
+from learner.feeder import Feeder, FeederState, Issued, task_id
+from protocol import codec, topology
+from tasks.data import load_items
+
+pytestmark = pytest.mark.integration
+
+RUN = "adopt"
+BUS = topology.BusSettings(max_bytes=16 * 1024**2)
+
+
+def feeder(js, state=None) -> Feeder:
+    return Feeder(js, RUN, load_items()[:5], RolloutConfig(n=2), max_staleness=1, groups_per_step=2, seed=3,
+                  state=state)
+
+
+async def issue_until(f: Feeder, count: int) -> None:
+    stop = asyncio.Event()
+    run = asyncio.create_task(f.run(stop))
+    for _ in range(200):
+        if f.state.next_index >= count:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    f.wake()
+    await asyncio.wait_for(run, 10)
+
+
+async def stored_ids(js) -> list[str]:
+    name = topology.stream_name(RUN, "tasks")
+    info = (await js.stream_info(name)).state
+    return [codec.decode("tasks", (await js.get_msg(name, s)).data).task_id for s in range(info.first_seq, info.last_seq + 1)]
+
+
+async def test_a_feeder_without_a_ledger_adopts_the_published_tasks_and_issues_after_them(js):
+    await topology.ensure_topology(js, RUN, BUS)
+    first = feeder(js)
+    await issue_until(first, 4)  # the gate: (0 + 1 + 1) x 2 = 4 tasks at version 0
+    assert first.state.next_index == 4
+    # The learner dies before any ledger write: its successor starts from an empty state.
+    second = feeder(js, FeederState())
+    assert await second.adopt_published() == 4
+    assert set(second.state.in_flight) == {task_id(RUN, i) for i in range(4)}
+    assert second.state.next_index == 4 and not second.is_open()  # the slots are taken by the adopted tasks
+    second.mark_consumed(task_id(RUN, 0))
+    second.mark_consumed(task_id(RUN, 1))
+    second.set_version(1)
+    await issue_until(second, 6)
+    # Without adoption the second feeder publishes g000000 again (deduplicated by Msg-Id only within
+    # the duplicate window, played a second time after it) and never issues g000004.
+    assert await stored_ids(js) == [task_id(RUN, i) for i in range(6)]
+
+
+async def test_a_resumed_feeder_adopts_only_the_tail_its_ledger_did_not_record(js):
+    await topology.ensure_topology(js, RUN, BUS)
+    await issue_until(feeder(js), 4)
+    recorded = FeederState(next_index=2, in_flight={task_id(RUN, 0): Issued(1.0, 0), task_id(RUN, 1): Issued(1.0, 0)})
+    second = feeder(js, recorded)
+    assert await second.adopt_published() == 2
+    assert second.state.next_index == 4
+    assert second.state.in_flight[task_id(RUN, 0)] == Issued(1.0, 0)  # the recorded issue times stay
+    assert set(second.state.in_flight) == {task_id(RUN, i) for i in range(4)}
+    # Nothing past the recorded index: nothing adopted, nothing moved.
+    third = feeder(js, FeederState(next_index=4))
+    assert await third.adopt_published() == 0 and third.state.next_index == 4 and not third.state.in_flight
