@@ -151,8 +151,8 @@ def replay_cmd(
 
 def eval_cmd(
     conditions: Annotated[
-        list[str], typer.Option("--condition", "-C", help="name=MODEL_OR_CHECKPOINT[,system_prompt=FILE] (repeatable).")
-    ],
+        Optional[list[str]], typer.Option("--condition", "-C", help="name=MODEL_OR_CHECKPOINT[,system_prompt=FILE] (repeatable).")
+    ] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="Condition the others are compared with (default: the first).")] = None,
     items: Annotated[Optional[str], typer.Option("--items", help="Eval items file (default: the config's eval split).")] = None,
     n_items: Annotated[int, typer.Option("--n-items", help="Use the first N eval items (0 = all; the reference uses 100).")] = 0,
@@ -171,6 +171,9 @@ def eval_cmd(
     policy_version: Annotated[
         int, typer.Option("--policy-version", help="Training version the conditions' checkpoints hold, stored in every record (-1: not a run's version).")
     ] = -1,
+    follow: Annotated[
+        bool, typer.Option("--follow", help="Instead of conditions, play one version per JSON line on standard input ({\"version\": N, \"model\": DIR, \"out\": DIR}) with one policy engine that loads each version's weights in place; each is answered on standard output. The learner's periodic eval runs this (--services nats only).")
+    ] = False,
     config: ConfigOpt = None,
     sets: SetOpt = None,
     nats: NatsOpt = None,
@@ -186,6 +189,12 @@ def eval_cmd(
     cfg = resolve(config, sets, nats=nats, run=run)
     if services not in ("local", "nats", "fleet"):
         _fail("eval", f"--services {services!r} not allowed; use local, nats or fleet")
+    if follow and (conditions or services != "nats"):
+        _fail("eval", "--follow reads its versions from standard input and plays them through the NATS services: "
+                      "leave out -C and pass --services nats")
+    if not follow and not conditions:
+        _fail("eval", "no condition: pass -C name=MODEL_OR_CHECKPOINT (repeatable), or --follow")
+    conditions = conditions or []
     try:
         env = cfg.env.load()
     except ValueError as e:
@@ -197,7 +206,7 @@ def eval_cmd(
     from evaluation.runner import EvalSettings, eval_items, parse_condition
     from evaluation.leakage import LeakageError, guard_environment
 
-    out = out or cfg.run_dir / "benchmark"
+    out = out or cfg.run_dir / ("eval" if follow else "benchmark")
     try:
         conds = [parse_condition(c) for c in conditions]
         names = [c.name for c in conds]
@@ -218,6 +227,11 @@ def eval_cmd(
     except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
         _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
     setup_logging("eval")
+    if follow:
+        from evaluation.commands import follow as follow_versions
+
+        run_async_main(follow_versions, cfg, held, settings, env)
+        return
     from evaluation.commands import run_eval
 
     run_async_main(run_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out, policy_version, env,

@@ -93,9 +93,10 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
 
 
 async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, policy_version=-1, env=None,
-                   in_process: InProcess | None = None) -> int:
+                   in_process: InProcess | None = None, open_policy=None) -> int:
     """`parley eval` after its options: every condition played and judged as `services` says (local needs
-    `in_process`), the records on the run's EVAL stream with nats, then `report`. The exit code."""
+    `in_process`), the records on the run's EVAL stream with nats, then `report`. The exit code.
+    `open_policy(model) -> Policy` replaces the engine start per condition (`follow` keeps one engine)."""
     import asyncio
 
     import msgspec
@@ -151,7 +152,7 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
             judge = LocalJudge(in_process.judge(judge_backend))
         publish_record = None
 
-    async def open_policy(model: str) -> Policy:
+    async def start_policy(model: str) -> Policy:
         from engines.backend import open_engine
 
         # The policy engine takes the actor's engine settings with the condition's model or checkpoint.
@@ -162,7 +163,7 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
 
         return Policy(engine=engine, tokenizer=tokenizer, version=policy_version, close=close)
 
-    svc = EvalServices(open_policy=open_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
+    svc = EvalServices(open_policy=open_policy or start_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
                        template_kwargs=dict(cfg.actor.engine.template_kwargs), env=env)
     done: list = []  # finished conversations, kept when the run is interrupted
     missing: list[NotScored] = []  # per conversation: not played or not scored, and why
@@ -285,3 +286,96 @@ async def fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, o
         if stop.is_set():
             break
     return records
+
+
+# `parley eval --follow` answers each job on its standard output with this prefix and a JSON object.
+DONE_MARK = "parley-eval-done "
+
+
+class FollowingPolicy:
+    """One policy engine for a sequence of versions: started from the first job's model, then each
+    version's weights are loaded in place (engines.engine.PolicyEngine.reload_weights, the actors'
+    shared_dir path), so an eval costs its conversations, not an engine start."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.engine = self.tokenizer = None
+        self.model = ""  # what the engine holds now
+        self.starts = self.loads = 0
+
+    async def open(self, model: str, version: int):
+        import asyncio
+
+        import msgspec
+
+        from engines.backend import open_engine
+        from engines.models import ensure_model
+        from evaluation.runner import Policy
+
+        if self.engine is None:
+            self.engine, self.tokenizer, _ = open_engine(msgspec.structs.replace(self.cfg.actor.engine, model=model))
+            self.starts += 1
+        elif model != self.model:
+            path = await asyncio.to_thread(ensure_model, model)
+            await self.engine.reload_weights(path, version=version, abort_inflight=True)
+            self.loads += 1
+        self.model = model
+
+        async def keep():  # the engine outlives the job
+            return None
+
+        return Policy(engine=self.engine, tokenizer=self.tokenizer, version=version, close=keep)
+
+    async def close(self) -> None:
+        import asyncio
+
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+            self.engine = None
+
+
+async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
+    """`parley eval --follow`: play one version per line of standard input, a JSON object
+    {"version": N, "model": MODEL_OR_CHECKPOINT, "out": DIR}, through the NATS services with one
+    long-lived policy engine (FollowingPolicy), and answer each on standard output with DONE_MARK and
+    {"version": N, "code": EXIT_CODE} (the codes of `parley eval`). Ends at end of input (0) or on stop.
+    The learner's periodic eval (evaluation.periodic) runs it as its child."""
+    import asyncio
+    import json
+
+    from evaluation.runner import Condition
+
+    env = env or cfg.env.load()
+    policy = FollowingPolicy(cfg)
+    read_line = read_line or (lambda: asyncio.to_thread(sys.stdin.readline))
+    try:
+        while not stop.is_set():
+            line = await read_line()
+            if not line:
+                return 0
+            if not line.strip():
+                continue
+            try:
+                job = json.loads(line)
+                version, model, out = int(job["version"]), str(job["model"]), Path(job["out"])
+            except (ValueError, KeyError, TypeError) as e:
+                _err(f"parley eval --follow: not a job ({type(e).__name__}: {e}): {line.strip()[:200]!r}; "
+                     'expected {"version": N, "model": "...", "out": "..."}')
+                _out(DONE_MARK + json.dumps({"version": None, "code": 2}))
+                continue
+            name = f"v{version}"
+            t0 = time.perf_counter()
+
+            async def open_policy(m, version=version):
+                return await policy.open(m, version)
+
+            code = await run_eval(stop, cfg, [Condition(name=name, model=model)], held, settings, "nats", name, out,
+                                  version, env, open_policy=open_policy)
+            _err(f"parley eval --follow: version {version} done in {time.perf_counter() - t0:.1f}s (exit {code}; "
+                 f"engine starts {policy.starts}, in-place loads {policy.loads})")
+            _out(DONE_MARK + json.dumps({"version": version, "code": code}))
+            if code == 130:
+                return 130
+        return 130
+    finally:
+        await policy.close()

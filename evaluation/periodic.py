@@ -1,6 +1,7 @@
 """The learner's periodic eval: version 0, every `eval_every`-th version and the last one are played on
-the held-out split by `parley eval` (the same runner, simulator and judge services as the benchmark),
-one version at a time in a child process, while training goes on. Results land in
+the held-out split by `parley eval --follow` (the same runner, simulator and judge services as the
+benchmark), one version at a time in one long-lived child process that loads each version's weights
+into its engine in place, while training goes on. Results land in
 RUN_DIR/eval/v<N>/records.parquet, which `parley select` reads; the best version's model is kept in
 RUN_DIR/eval/models/v<N>. With `early_stop`, a significant regression of `eval_metric` stops training.
 
@@ -10,6 +11,7 @@ Layout and semantics: docs/benchmark.md ("Periodic eval and early stop").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -63,17 +65,21 @@ def evaluated(run_dir: str | Path, version: int) -> bool:
     return (version_dir(run_dir, version) / "records.parquet").is_file()
 
 
-def eval_argv(cfg, config_path: Path, job: EvalJob, out: Path) -> list[str]:
-    """`parley eval` for one version on the run's held-out split, through the sim/judge services (the
-    run's environment comes with its config; an empty [rollout] sim_prompt is the environment's own)."""
+def eval_argv(cfg, config_path: Path, out: Path) -> list[str]:
+    """`parley eval --follow` on the run's held-out split, through the sim/judge services (the run's
+    environment comes with its config; an empty [rollout] sim_prompt is the environment's own): one
+    child for the whole run, told each version on its standard input (`job_line`)."""
     lc = cfg.learner
     sim_prompt = ["--user-sim-prompt", cfg.rollout.sim_prompt] if cfg.rollout.sim_prompt else []
     return [
-        sys.executable, "-m", "deploy.cli", "eval", "--config", str(config_path), "--services", "nats",
-        "-C", f"v{job.version}={job.model}", "--policy-version", str(job.version),
+        sys.executable, "-m", "deploy.cli", "eval", "--config", str(config_path), "--services", "nats", "--follow",
         "--n-items", str(lc.eval_items), "--assistant-max-tokens", str(cfg.rollout.max_tokens),
         "--max-new-turns", str(cfg.rollout.max_new_turns), *sim_prompt, "--out", str(out),
     ]
+
+
+def job_line(job: EvalJob, out: Path) -> bytes:
+    return (json.dumps({"version": job.version, "model": job.model, "out": str(out)}) + "\n").encode()
 
 
 def _die_with_parent_hook():
@@ -93,24 +99,90 @@ def _die_with_parent_hook():
     return lambda: prctl(1, sigterm)  # 1 = PR_SET_PDEATHSIG
 
 
-async def run_eval_process(argv: list[str], log_path: Path, env: dict[str, str]) -> int:
-    """Run one eval child with its output in log_path; terminated (then killed) when cancelled."""
-    with log_path.open("ab") as out:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
-            preexec_fn=_die_with_parent_hook(),
+class FollowingChild:
+    """The learner's one `parley eval --follow` child: started at the first eval (and again after it
+    exits), it keeps its policy engine and loads each version's weights in place, so a version's eval
+    costs its conversations and not an engine start (59-75 s a version on the H200 before, most of it
+    start-up). A reader drains its output all the time (a full pipe would stop it): what it prints
+    while a job runs goes to that job's eval.log, the rest to `log_path`."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path):
+        self.argv, self.env, self.log_path = argv, env, log_path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.reader: asyncio.Task | None = None
+        self.sink = None  # the file the reader writes to now
+        self.answer: asyncio.Future | None = None  # the running job's exit code
+        self.starts = 0
+
+    async def _start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent_hook(),
         )
+        self.starts += 1
+        self.reader = asyncio.create_task(self._read(self.proc), name="eval-child-output")
+        log.info("eval: started its child (pid %d): %s", self.proc.pid, " ".join(self.argv[2:]))
+
+    async def _read(self, proc) -> None:
+        from evaluation.commands import DONE_MARK
+
+        mark = DONE_MARK.encode()
+        with self.log_path.open("ab") as between:
+            while line := await proc.stdout.readline():
+                if line.startswith(mark):
+                    if self.answer is not None and not self.answer.done():
+                        self.answer.set_result(int(json.loads(line[len(mark):])["code"]))
+                    continue
+                out = self.sink or between
+                out.write(line)
+                out.flush()
+        code = await proc.wait()  # end of output: the child exited
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_result(1 if code is None else 128 - code if code < 0 else code or 1)
+            log.error("eval: its child exited with %s in the middle of a version", code)
+
+    async def run(self, job: EvalJob, out: Path) -> int:
+        """Play `job` into `out`; the child's exit code for it (that of a child that died on it)."""
+        if self.proc is None or self.proc.returncode is not None or self.reader is None or self.reader.done():
+            await self._start()
+        self.answer = asyncio.get_running_loop().create_future()
         try:
-            return await proc.wait()
-        except asyncio.CancelledError:
-            if proc.returncode is None:
-                proc.terminate()
+            with (out / "eval.log").open("ab") as job_log:
+                self.sink = job_log
                 try:
-                    await asyncio.wait_for(proc.wait(), timeout=30.0)
-                except asyncio.TimeoutError:
-                    proc.kill()
-                    await proc.wait()
+                    self.proc.stdin.write(job_line(job, out))
+                    await self.proc.stdin.drain()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # it died between jobs: the reader answers with its exit code
+                return await self.answer
+        except asyncio.CancelledError:
+            await self.close()
             raise
+        finally:
+            self.sink = None
+            self.answer = None
+
+    async def close(self) -> None:
+        """End the child: end of input first (it shuts its engine down), then terminate, then kill."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(OSError, RuntimeError):
+                proc.stdin.close()
+            for send, wait_s in ((None, 20.0), (proc.terminate, 20.0), (proc.kill, 10.0)):
+                if send is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        send()
+                try:
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=wait_s)
+                    break
+                except asyncio.TimeoutError:
+                    continue
+        if self.reader is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.reader), timeout=5.0)
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
+            self.reader = None
 
 
 Launcher = Callable[[EvalJob, Path], Awaitable[int]]  # (job, partial output dir) -> exit code
@@ -147,7 +219,8 @@ class PeriodicEval:
         self.unfinished = 0  # submitted and not yet finished (queued or running)
         self.regression = ""  # why training should stop; "" while it should not
         self._changed = asyncio.Event()  # an eval finished (drain re-checks)
-        self.launch = launch or self._launch_process
+        self.child: FollowingChild | None = None
+        self.launch = launch or self._launch_child
 
     # -- scheduling -------------------------------------------------------------------------------
 
@@ -194,7 +267,15 @@ class PeriodicEval:
     # -- running ----------------------------------------------------------------------------------
 
     async def run(self, halt: asyncio.Event) -> None:
-        """Work through the queue until `halt`; an eval in progress is terminated on halt."""
+        """Work through the queue until `halt`; an eval in progress is terminated on halt, and the
+        eval child is ended at the end."""
+        try:
+            await self._work(halt)
+        finally:
+            if self.child is not None:
+                await self.child.close()
+
+    async def _work(self, halt: asyncio.Event) -> None:
         while not halt.is_set():
             get = asyncio.ensure_future(self.queue.get())
             halted = asyncio.ensure_future(halt.wait())
@@ -243,15 +324,16 @@ class PeriodicEval:
         if self.busy:
             log.warning("eval: stopping with version %s unfinished and %d queued", self.current, self.queue.qsize())
 
-    async def _launch_process(self, job: EvalJob, out: Path) -> int:
-        env = dict(os.environ)
-        if os.environ.get(EVAL_USER_ENV):
-            env["PARLEY_NATS_USER"] = os.environ[EVAL_USER_ENV]
-            env["PARLEY_NATS_PASSWORD"] = os.environ.get(EVAL_PASSWORD_ENV, "")
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        argv = eval_argv(self.cfg, self.config_path, job, out)
-        log.info("eval: version %d: %s (log %s)", job.version, " ".join(argv[2:]), out / "eval.log")
-        return await run_eval_process(argv, out / "eval.log", env)
+    async def _launch_child(self, job: EvalJob, out: Path) -> int:
+        if self.child is None:
+            env = dict(os.environ)
+            if os.environ.get(EVAL_USER_ENV):
+                env["PARLEY_NATS_USER"] = os.environ[EVAL_USER_ENV]
+                env["PARLEY_NATS_PASSWORD"] = os.environ.get(EVAL_PASSWORD_ENV, "")
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            self.child = FollowingChild(eval_argv(self.cfg, self.config_path, self.root), env, self.root / "follow.log")
+        log.info("eval: version %d (log %s)", job.version, out / "eval.log")
+        return await self.child.run(job, out)
 
     async def evaluate(self, job: EvalJob) -> EvalOutcome:
         """Play one version into a partial directory, then move it into place as eval/v<N>."""

@@ -50,6 +50,8 @@ def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
         assert {r.version for r in recs} == {v} and {r.condition for r in recs} == {f"v{v}"}
         assert sorted(r.item_id for r in recs) == sorted(r.item_id for r in read_records(run_dir / "eval" / "v0" / "records.parquet"))
     assert "eval: version 2 (step 2) on" in learner_log
+    # One eval child with one policy engine played all three versions, loading versions 1 and 2 in place.
+    assert "engine starts 1, in-place loads 2" in (run_dir / "eval" / "v2" / "eval.log").read_text()
     assert "| v0 |" in out.stdout and "| v2 |" in out.stdout and "best by mr: v" in out.stdout
     sel = subprocess.run([sys.executable, "-m", "deploy.cli", "select", str(run_dir), "--metric", "mr"],
                          capture_output=True, text=True, timeout=120)

@@ -4,6 +4,7 @@ eval set aside, and early stop on a planted regression (and not on a planted imp
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -127,18 +128,62 @@ def test_config_refuses_reward_metric_and_early_stop_without_eval():
         LearnerConfig(eval_every=3, publish_every=2)
 
 
-def test_eval_argv_is_the_benchmark_command(tmp_path):
+def test_eval_argv_is_the_benchmark_command_following_versions(tmp_path):
     cfg, run_dir = make_run(tmp_path)
     pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version)
-    from evaluation.periodic import EvalJob
+    from evaluation.periodic import EvalJob, job_line
 
-    argv = eval_argv(cfg, pe.config_path, EvalJob(3, 3, "/m/v3"), tmp_path / "out")
+    argv = eval_argv(cfg, pe.config_path, tmp_path / "eval")
     assert argv[1:4] == ["-m", "deploy.cli", "eval"]
     joined = " ".join(argv)
-    assert "--services nats" in joined and "-C v3=/m/v3" in joined and "--policy-version 3" in joined
+    assert "--services nats --follow" in joined and "-C" not in argv
     assert "--n-items 3" in joined and f"--max-new-turns {cfg.rollout.max_new_turns}" in joined
+    assert json.loads(job_line(EvalJob(3, 3, "/m/v3"), tmp_path / "out")) == {
+        "version": 3, "model": "/m/v3", "out": str(tmp_path / "out")}
     # the child reads the same configuration the learner runs with
     assert "eval_every = 2" in pe.config_path.read_text()
+
+
+# A test double of `parley eval --follow`: answers each job line with the done mark; "die" in a model
+# name makes it exit 7 in the middle of that job (after a line of output).
+FOLLOW_DOUBLE = r"""
+import json, sys
+from evaluation.commands import DONE_MARK
+print("child up", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    print(f"playing v{job['version']}", flush=True)
+    if "die" in job["model"]:
+        sys.exit(7)
+    print(DONE_MARK + json.dumps({"version": job["version"], "code": 3 if "none" in job["model"] else 0}), flush=True)
+print("end of input", flush=True)
+"""
+
+
+async def test_the_following_child_serves_versions_restarts_after_a_death_and_ends(tmp_path):
+    import os
+    import sys
+
+    from evaluation.periodic import EvalJob, FollowingChild
+
+    script = tmp_path / "double.py"
+    script.write_text(FOLLOW_DOUBLE)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = FollowingChild([sys.executable, str(script)], env, tmp_path / "follow.log")
+    outs = [tmp_path / f"o{i}" for i in range(4)]
+    for o in outs:
+        o.mkdir()
+    assert await child.run(EvalJob(0, 0, "base"), outs[0]) == 0
+    first = child.proc.pid
+    assert await child.run(EvalJob(1, 1, "/m/none"), outs[1]) == 3  # the job's own code
+    assert child.proc.pid == first and child.starts == 1  # one child for both versions
+    assert await child.run(EvalJob(2, 2, "/m/die"), outs[2]) == 7  # died on it: its exit code
+    assert await child.run(EvalJob(3, 3, "/m/v3"), outs[3]) == 0  # started again
+    assert child.starts == 2
+    assert (outs[0] / "eval.log").read_text() == "child up\nplaying v0\n"
+    assert (outs[2] / "eval.log").read_text() == "playing v2\n"
+    await child.close()
+    assert child.proc is None and "end of input" in (tmp_path / "follow.log").read_text()
 
 
 def test_up_summary_of_the_evaluated_versions(tmp_path):
