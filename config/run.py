@@ -57,6 +57,8 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     actors: int = 1
     scorers: int = 1
     live: bool = True  # live terminal view (off when stdout is not a terminal)
+    # the GPU's memory for the memory plan of a run on a GPU (deploy/memory.py); 0 = ask torch.cuda
+    gpu_memory_gib: Annotated[float, msgspec.Meta(ge=0.0, description="0 = detect")] = 0.0
 
 
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

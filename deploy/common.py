@@ -44,10 +44,11 @@ def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = N
         raise typer.Exit(2) from None
 
 
-def dry_run(cfg) -> None:
+def dry_run(cfg, notes: str = "") -> None:
+    """Print the resolved configuration, then `notes` as TOML comments (the output stays a config file)."""
     from config.run import dump_config
 
-    typer.echo(dump_config(cfg))
+    typer.echo(dump_config(cfg) + "".join(f"\n# {line}" for line in notes.splitlines()))
     raise typer.Exit(0)
 
 

@@ -25,15 +25,20 @@ def check_shareable(cfg) -> None:
         )
 
 
+def shared_engine(cfg):
+    """(section, its engine settings) of the one engine: the sim's, or the judge's when its
+    max_model_len is longer (the engine must hold both workloads' context). deploy.memory plans it."""
+    if cfg.judge.engine.max_model_len > cfg.sim.engine.max_model_len:
+        return "judge", cfg.judge.engine
+    return "sim", cfg.sim.engine
+
+
 async def main(stop: asyncio.Event, cfg, ident: str) -> int:
     from actors.sim import Simulator
     from engines.service import serve_backend
     from scorer.judge import Judge, judge_service
 
-    # The engine must hold both workloads' context: the longer max_model_len of the two.
-    engine_cfg = cfg.sim.engine
-    if cfg.judge.engine.max_model_len > engine_cfg.max_model_len:
-        engine_cfg = cfg.judge.engine
+    _, engine_cfg = shared_engine(cfg)
     backend_cfg = type(cfg.sim)(**{**{f: getattr(cfg.sim, f) for f in cfg.sim.__struct_fields__}, "engine": engine_cfg})
 
     def build(nc, backend):

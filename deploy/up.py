@@ -32,10 +32,11 @@ def run_dir_for(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tuple[str, list[str]]]:
-    """(name, argv) of every role child, in start order."""
-    c = ["--config", str(config_path)]
-    children = []
+def service_children(cfg: RunConfig) -> list[str]:
+    """The services `parley up` starts, in start order: "services" (sim and judge in one process, one
+    engine, when both are local engines of one model) or "sim" and/or "judge" (each only if the
+    environment needs it), then "reference" when [policy] reference = "service". Also what
+    deploy.memory plans."""
     env = cfg.env.load()
     shared = (
         env.needs_simulator and env.needs_judge
@@ -43,15 +44,16 @@ def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tu
         and cfg.judge.backend == "vllm"
         and cfg.sim.engine.model == cfg.judge.engine.model
     )
-    if shared:
-        children.append(("services", sup.parley_argv("services", *c, "--id", "services")))
-    else:
-        if env.needs_simulator:
-            children.append(("sim", sup.parley_argv("sim", *c, "--id", "sim")))
-        if env.needs_judge:
-            children.append(("judge", sup.parley_argv("judge", *c, "--id", "judge")))
+    names = ["services"] if shared else ["sim"] * env.needs_simulator + ["judge"] * env.needs_judge
     if cfg.policy.reference == "service":  # the scorers ask it for every trajectory's reference log-probs
-        children.append(("reference", sup.parley_argv("reference", *c, "--id", "reference")))
+        names.append("reference")
+    return names
+
+
+def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every role child, in start order."""
+    c = ["--config", str(config_path)]
+    children = [(name, sup.parley_argv(name, *c, "--id", name)) for name in service_children(cfg)]
     for i in range(cfg.up.actors):
         children.append((f"actor-{i}", sup.parley_argv("actor", *c, "--id", f"actor-{i}")))
     for i in range(cfg.up.scorers):

@@ -45,15 +45,41 @@ def up_cmd(
                    err=True)
     cfg = resolve(config, [*preset, *(sets or [])], extra=extra, training=True)
     if dry:
-        dry_run(cfg)
+        dry_run(cfg, notes=check_memory(cfg, dry=True))
     if cfg.learner.steps < 1:
         typer.echo("parley up: --steps must be >= 1 (up stops after the learner's last step)", err=True)
         raise typer.Exit(2)
+    plan = check_memory(cfg, dry=False)
+    if plan:
+        typer.echo(plan)
     setup_logging("up", "WARNING")
     from deploy.up import up_main
 
     show_live = cfg.up.live and sys.stdout.isatty() if live is None else live
     run_async_main(up_main, cfg, show_live)
+
+
+def check_memory(cfg, dry: bool) -> str:
+    """The GPU memory plan (deploy/memory.py) as text, made before anything starts; "" for a config
+    that puts nothing on a GPU. A run that does not fit is refused here (exit code 2), under --dry-run
+    too; a plan that cannot be made refuses the run, and only says so under --dry-run."""
+    from deploy.memory import PlanError, make_plan
+
+    try:
+        plan = make_plan(cfg)
+    except PlanError as e:
+        typer.echo(f"parley up: {'no' if dry else 'cannot make the'} GPU memory plan: {e}", err=True)
+        if dry:
+            return ""
+        raise typer.Exit(2) from None
+    if plan is None:
+        return ""
+    if plan.fits is False:
+        typer.echo(plan.refusal(), err=True)
+        raise typer.Exit(2)
+    if plan.fits is None and not dry:
+        typer.echo("parley up: the GPU memory plan is not checked (GPU total unknown: set up.gpu_memory_gib)", err=True)
+    return plan.render()
 
 
 def env_preset(name: str) -> tuple[str, ...]:

@@ -20,6 +20,20 @@ from pathlib import Path
 # The names ensure_model() resolves; anything else must be an existing directory.
 KNOWN_MODELS = ("tiny", "smol")
 
+# The shape keys of each embedded model's config.json, known without building it (deploy/memory.py
+# plans GPU memory from them). build_tiny builds tiny from these (its vocabulary is the trained
+# tokenizer's size: vocab_size, 2048, unless asked otherwise); smol's are SmolLM2-135M-Instruct's
+# published config.json (head_dim = hidden_size / num_attention_heads), which build_smol keeps.
+MODEL_SHAPES: dict[str, dict] = {
+    "tiny": dict(model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32,  # 16 is not supported by vLLM's CPU attention
+                 vocab_size=2048, tie_word_embeddings=True),
+    "smol": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                 tie_word_embeddings=True),
+}
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # ChatML: every message is "<|im_start|>{role}\n{content}<|im_end|>\n"; the generation prompt
@@ -171,16 +185,11 @@ def build_tiny(
 
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    shape = {k: v for k, v in MODEL_SHAPES["tiny"].items() if k not in ("model_type", "vocab_size")}
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # 16 is not supported by vLLM's CPU attention
+        **shape,
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
         # wider than the usual 0.02 so next-token distributions are not almost uniform, which
         # makes log-prob comparisons in tests meaningful
         initializer_range=0.1,

@@ -1,0 +1,392 @@
+"""The GPU memory plan of `parley up`: what each process it starts takes on the one GPU they all
+share (every child sees the same first GPU), computed from the run config and the models'
+config.json before any child starts. deploy/up_cli.py prints it (also under --dry-run) and refuses a
+run that does not fit. Computed, not measured: docs/gpu.md, "Train on one GPU".
+
+A config that puts nothing on a GPU by its own words (no vLLM engine with a gpu_memory_utilization,
+no [weights] transport that needs CUDA) is not planned: the CPU configs run as before.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from config.run import RunConfig
+from deploy.services import shared_engine
+from deploy.up import service_children
+from engines.config import EngineConfig
+from engines.models import MODEL_SHAPES
+from weights import registry
+from weights.cuda_ipc import ALIGN
+
+GIB = 1024**3
+HEADROOM = 0.05  # of the GPU kept free: allocator fragmentation, and the plan's own error
+# Per process that holds GPU memory: a torch process's CUDA context with its kernels loaded is about
+# 0.5 GiB; 1.0 also covers cuBLAS workspaces, NCCL's buffers (the learner) and what a vLLM engine
+# allocates outside its fraction. Not measured on the lent machine's image.
+CUDA_CONTEXT_GIB = 1.0
+# DeepSpeed ZeRO's gradient bucket: reduce_bucket_size elements in the training dtype, allocated at
+# every backward (its default, which learner.trainer.ds_config leaves alone on a GPU).
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+# fp32 (chunk, vocab) tensors alive at once at the peak of one lm_head chunk's backward: its logits,
+# their log-softmax, its exp and a gradient (engines.logprobs._logp_entropy, recomputed in backward).
+LOGIT_COPIES = 4
+FP32 = 4
+
+
+class PlanError(ValueError):
+    """The plan cannot be made (a model's shape is unknown); the message names the model and the fix."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A dense decoder's shape, from its config.json."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool  # lm_head shares the embedding's weight
+    qk_norm: bool = False  # Qwen3's RMSNorm on each head's q and k
+    qkv_bias: bool = False  # Qwen2's
+
+    @classmethod
+    def of(cls, config: dict) -> Shape:
+        config = config.get("text_config", config) if "hidden_size" not in config else config
+        need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        missing = [k for k in need if k not in config]
+        if missing:
+            raise PlanError(f"config.json has no {', '.join(missing)}")
+        heads = config["num_attention_heads"]
+        kind = config.get("model_type", "")
+        return cls(
+            hidden=config["hidden_size"], intermediate=config["intermediate_size"], layers=config["num_hidden_layers"],
+            heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads, vocab=config["vocab_size"],
+            tied=bool(config.get("tie_word_embeddings", False)), qk_norm=kind == "qwen3",
+            qkv_bias=bool(config.get("attention_bias", kind == "qwen2")),
+        )
+
+    def tensors(self) -> list[int]:
+        """Elements of every weight a checkpoint holds, a tied lm_head once."""
+        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        layer = [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h, h, h]  # q k v o, gate up down, two norms
+        layer += [q, kv, kv] if self.qkv_bias else []
+        layer += [self.head_dim, self.head_dim] if self.qk_norm else []
+        return [self.vocab * h, *layer * self.layers, h, *([] if self.tied else [self.vocab * h])]
+
+    @property
+    def params(self) -> int:
+        return sum(self.tensors())
+
+    def packed_bytes(self, dtype_bytes: int) -> int:
+        """The cuda_ipc / nccl buffer of these weights: each tensor padded to ALIGN (weights.cuda_ipc.plan)."""
+        return sum(-(-n * dtype_bytes // ALIGN) * ALIGN for n in self.tensors())
+
+    def layer_activation_bytes(self) -> int:
+        """What one decoder layer keeps for backward per token, in bf16 (eager; compiled layers may
+        recompute some of it): each of the two RMSNorms its fp32 input and bf16 output (6h); flash
+        attention q and its output (2 x 2 nq d), k and v (2 x 2 nkv d), the fp32 log-sum-exp (4 nq);
+        Qwen3's q/k norms 6 (nq + nkv) d; SwiGLU the gate, its SiLU, up and their product (4 x 2i)."""
+        h, d = self.hidden, self.head_dim
+        out = 12 * h + 4 * (self.heads + self.kv_heads) * d + 4 * self.heads + 8 * self.intermediate
+        return out + (6 * (self.heads + self.kv_heads) * d if self.qk_norm else 0)
+
+
+def model_shape(name: str) -> Shape:
+    """The shape of "tiny" / "smol" (engines.models.MODEL_SHAPES: nothing is built) or of a checkpoint
+    directory's config.json (no weights are read)."""
+    if name in MODEL_SHAPES:
+        return Shape.of(MODEL_SHAPES[name])
+    path = Path(name).expanduser() / "config.json"
+    try:
+        return Shape.of(json.loads(path.read_text()))
+    except OSError as e:
+        raise PlanError(f"model {name!r}: cannot read {path} ({e.strerror}); give an existing checkpoint "
+                        "directory or one of tiny, smol") from None
+    except (ValueError, PlanError) as e:
+        raise PlanError(f"model {name!r}: {path}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Term:
+    what: str  # the term, with its formula's numbers
+    gib: float = 0.0  # a fixed size
+    share: float = 0.0  # a share of the GPU's total (a vLLM engine's gpu_memory_utilization)
+
+    def at(self, total: float | None) -> float | None:
+        if self.share and total is None:
+            return None
+        return self.gib + self.share * (total or 0.0)
+
+
+@dataclass(frozen=True)
+class Proc:
+    name: str
+    terms: tuple[Term, ...]
+
+    @property
+    def gib(self) -> float:
+        return sum(t.gib for t in self.terms)
+
+    @property
+    def share(self) -> float:
+        return sum(t.share for t in self.terms)
+
+
+@dataclass(frozen=True)
+class Plan:
+    procs: tuple[Proc, ...]
+    total: float | None  # the GPU's GiB; None = unknown
+    source: str  # where the total comes from
+    knobs: tuple[str, ...]  # what to turn when it does not fit
+
+    @property
+    def need(self) -> float | None:
+        if self.total is None:
+            return None
+        return sum(p.gib for p in self.procs) + sum(p.share for p in self.procs) * self.total
+
+    @property
+    def usable(self) -> float | None:
+        return None if self.total is None else self.total * (1 - HEADROOM)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.total is None else self.need <= self.usable
+
+    def render(self) -> str:
+        head = ("GPU memory plan (computed from the config and the models' config.json, not measured): "
+                + (f"GPU total {self.total:.1f} GiB ({self.source})" if self.total is not None
+                   else "GPU total unknown: set up.gpu_memory_gib"))
+        lines = [head]
+        for p in self.procs:
+            lines.append(f"  {p.name:<34}{_size(p.gib, p.share, self.total):>22}")
+            lines += [f"    {_size(t.gib, t.share, self.total):>12}  {t.what}" for t in p.terms]
+        gib, share = sum(p.gib for p in self.procs), sum(p.share for p in self.procs)
+        if self.total is None:
+            lines.append(f"  {'all processes':<34}{_size(gib, share, None):>22}")
+        else:
+            left = self.usable - self.need
+            lines.append(f"  {'all processes':<34}{self.need:>18.2f} GiB, of {self.usable:.2f} usable "
+                         f"({1 - HEADROOM:.0%} of {self.total:.1f}): "
+                         + (f"{left:.2f} GiB to spare" if left >= 0 else f"{-left:.2f} GiB over"))
+        return "\n".join(lines)
+
+    def refusal(self) -> str:
+        return (f"parley up: the processes on the GPU need {self.need:.2f} GiB, more than the {self.usable:.2f} GiB "
+                f"usable ({1 - HEADROOM:.0%} of the GPU's {self.total:.1f} GiB, {self.source}): "
+                f"{self.need - self.usable:.2f} GiB over; nothing was started\n{self.render()}\n"
+                "to fit, turn one of:\n" + "\n".join(f"  {k}" for k in self.knobs))
+
+
+def _size(gib: float, share: float, total: float | None) -> str:
+    if total is not None:
+        return f"{gib + share * total:.2f} GiB"
+    if not share:
+        return f"{gib:.2f} GiB"
+    return f"{gib:.2f} GiB + {share:.2f} x GPU" if gib else f"{share:.2f} x GPU"
+
+
+# -- the processes ------------------------------------------------------------------------------
+
+
+def _gib(nbytes: float) -> float:
+    return nbytes / GIB
+
+
+def _m(n: int) -> str:
+    return f"{n / 1e6:.1f}M"
+
+
+def engine_terms(ec: EngineConfig, shape_of) -> list[Term]:
+    """A vLLM engine: with a gpu_memory_utilization, that share of the GPU, which vLLM reserves and
+    fills (weights, activations, KV cache, CUDA graphs); without one, its weights and kv_cache_bytes."""
+    if ec.gpu_memory_utilization > 0:
+        return [Term(f"vLLM engine {ec.model}: gpu_memory_utilization {ec.gpu_memory_utilization:g} x the GPU "
+                     "(weights, activations, KV cache, CUDA graphs)", share=ec.gpu_memory_utilization)]
+    shape, b = shape_of(ec.model), 4 if ec.dtype == "float32" else 2
+    return [Term(f"vLLM engine {ec.model} weights: {b} B x {_m(shape.params)} params", _gib(b * shape.params)),
+            Term(f"its KV cache: kv_cache_bytes {ec.kv_cache_bytes} (activations and CUDA graphs not counted: "
+                 "give the engine a gpu_memory_utilization)", _gib(ec.kv_cache_bytes))]
+
+
+def learner_dtype_bytes(cfg: RunConfig) -> int:
+    return 4 if cfg.learner.dtype == "float32" else 2  # "auto" is bf16 on a GPU (learner.trainer.resolve_dtype)
+
+
+def micro_batch_tokens(cfg: RunConfig) -> int:
+    """The longest micro-batch: micro_batch_tokens, or one whole trajectory when that is longer (a
+    sequence longer than the budget gets a micro-batch of its own: learner.packing.pack_by_tokens)."""
+    return max(cfg.learner.micro_batch_tokens, cfg.actor.engine.max_model_len)
+
+
+def activation_terms(cfg: RunConfig, shape: Shape, checkpointing: bool) -> list[Term]:
+    """The peak of one micro-batch's forward and backward: T tokens of layer activations (without
+    gradient checkpointing every layer's; with it each layer's bf16 input and one layer's, recomputed)
+    plus the final norm and the trained positions' hidden states (8h per token), and one lm_head
+    chunk's fp32 logits: LOGIT_COPIES x 4 B x chunk x vocab."""
+    t, h, layer = micro_batch_tokens(cfg), shape.hidden, shape.layer_activation_bytes()
+    if checkpointing:
+        per_token = shape.layers * 2 * h + layer + 8 * h
+        how = (f"{t} tokens x ({shape.layers} layers x {2 * h} B layer inputs + one layer's {layer} B + {8 * h} B) "
+               "(gradient checkpointing)")
+    else:
+        per_token = shape.layers * layer + 8 * h
+        how = f"{t} tokens x ({shape.layers} layers x {layer} B + {8 * h} B) (no gradient checkpointing)"
+    chunk = min(cfg.learner.logit_chunk_tokens, t)
+    return [Term(f"activations: {how}", _gib(t * per_token)),
+            Term(f"logits: {LOGIT_COPIES} x {FP32} B x {chunk} tokens (logit_chunk_tokens) x {shape.vocab} vocab",
+                 _gib(LOGIT_COPIES * FP32 * chunk * shape.vocab))]
+
+
+def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
+    """The learner (one rank, DeepSpeed ZeRO 1-3 on one GPU; stage 0 is counted alike, an upper bound):
+    per parameter its weights (p B, the training dtype), gradients (p B: the gradient partition in the
+    training dtype, DeepSpeed's default when grad_accum_dtype is unset), fp32 master weights (4 B)
+    and AdamW's m and v (fp32, on the master weights: 8 B); the frozen local reference (p B); rank
+    0's publication buffers; the gradient bucket; the larger of a micro-batch's activations and the
+    optimizer step's temporaries (the flat gradient and its fp32 copy, p + 4 B, after the
+    activations are freed); the CUDA context."""
+    lc, p, n = cfg.learner, learner_dtype_bytes(cfg), shape.params
+    terms = [Term(f"weights + gradients + fp32 master + Adam m, v: ({p} + {p} + 4 + 8) B x {_m(n)} params",
+                  _gib((2 * p + 12) * n))]
+    if lc.kl_coef > 0 and cfg.policy.reference == "local":
+        terms.append(Term(f"frozen reference (policy.reference = local): {p} B x {_m(n)} params", _gib(p * n)))
+    transport = registry.of(cfg.weights)
+    if transport.gpu:
+        k, packed = cfg.weights.max_buffers, shape.packed_bytes(p)
+        terms.append(Term(f"{transport.kind} buffers: weights.max_buffers {k} x {_gib(packed):.2f} GiB "
+                          f"(the weights in {p} B, a tied lm_head once)", _gib(k * packed)))
+    if lc.zero_stage > 0:
+        terms.append(Term(f"DeepSpeed gradient bucket: reduce_bucket_size {REDUCE_BUCKET_ELEMENTS:,} x {p} B",
+                          _gib(REDUCE_BUCKET_ELEMENTS * p)))
+    act = activation_terms(cfg, shape, lc.gradient_checkpointing)
+    step = Term(f"optimizer step temporaries: ({p} + 4) B x {_m(n)} params (more than a micro-batch's "
+                "activations here)", _gib((p + 4) * n))
+    terms += act if sum(t.gib for t in act) >= step.gib else [step]
+    return [*terms, Term("CUDA context", CUDA_CONTEXT_GIB)]
+
+
+def reference_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
+    """`parley reference` (engines/reference.py): the frozen weights in the learner's dtype, and one
+    trajectory's forward without grad: one layer's temporaries and one lm_head chunk's logits."""
+    p, t = learner_dtype_bytes(cfg), cfg.actor.engine.max_model_len
+    chunk = min(cfg.learner.logit_chunk_tokens, t)
+    return [Term(f"reference weights: {p} B x {_m(shape.params)} params", _gib(p * shape.params)),
+            Term(f"one trajectory's forward: {t} tokens x {shape.layer_activation_bytes()} B + "
+                 f"{LOGIT_COPIES} x {FP32} B x {chunk} x {shape.vocab} logits",
+                 _gib(t * shape.layer_activation_bytes() + LOGIT_COPIES * FP32 * chunk * shape.vocab)),
+            Term("CUDA context", CUDA_CONTEXT_GIB)]
+
+
+def _local_engines(cfg: RunConfig) -> list[tuple[str, str, EngineConfig]]:
+    """(process, the section whose engine it runs, that engine) of every service vLLM engine up starts."""
+    out = []
+    for name in service_children(cfg):
+        if name == "services":
+            section, ec = shared_engine(cfg)
+            out.append(("services (sim + judge)", section, ec))
+        elif name in ("sim", "judge") and getattr(cfg, name).backend == "vllm":  # an openai backend is elsewhere
+            out.append((name, name, getattr(cfg, name).engine))
+    return out
+
+
+def uses_gpu(cfg: RunConfig) -> bool:
+    """Whether the config puts something on a GPU by its own words."""
+    engines = [cfg.actor.engine, *(ec for _, _, ec in _local_engines(cfg))]
+    return any(ec.gpu_memory_utilization > 0 for ec in engines) or registry.of(cfg.weights).needs_cuda
+
+
+def processes(cfg: RunConfig) -> list[Proc]:
+    """Every process `parley up` starts that holds GPU memory, in start order (nats-server and the
+    scorers hold none)."""
+    shapes: dict[str, Shape] = {}
+
+    def shape_of(name: str) -> Shape:
+        if name not in shapes:
+            shapes[name] = model_shape(name)
+        return shapes[name]
+
+    ctx = Term("CUDA context", CUDA_CONTEXT_GIB)
+    procs = [Proc(name, (*engine_terms(ec, shape_of), ctx)) for name, _, ec in _local_engines(cfg)]
+    policy = shape_of(cfg.policy.model)
+    if "reference" in service_children(cfg):
+        procs.append(Proc("reference", tuple(reference_terms(cfg, policy))))
+    transport = registry.of(cfg.weights)
+    staging = []
+    if transport.gpu:  # the engine's worker copies the learner's buffer before checking and loading it
+        packed = policy.packed_bytes(learner_dtype_bytes(cfg))
+        staging = [Term(f"{transport.kind}: its copy of a version while it loads", _gib(packed))]
+    actor = (*engine_terms(cfg.actor.engine, shape_of), *staging, ctx)
+    procs += [Proc(f"actor-{i}", actor) for i in range(cfg.up.actors)]
+    if cfg.learner.eval_every > 0:
+        procs.append(Proc("eval (periodic, [actor.engine])", (*engine_terms(cfg.actor.engine, shape_of), ctx)))
+    procs.append(Proc("learner", tuple(learner_terms(cfg, policy))))
+    return procs
+
+
+def knobs(cfg: RunConfig, procs: list[Proc], total: float) -> list[str]:
+    """What to turn, with each knob's value and what it costs now."""
+    lc, policy = cfg.learner, model_shape(cfg.policy.model)
+    engines = cfg.up.actors + (lc.eval_every > 0)
+    u = cfg.actor.engine.gpu_memory_utilization
+    out = []
+    if u > 0:
+        eval_part = " and the periodic eval's" if lc.eval_every > 0 else ""
+        out.append(f"actor.engine.gpu_memory_utilization = {u:g} (each of the {cfg.up.actors} actors' engines{eval_part}: "
+                   f"{engines} x {u * total:.2f} GiB)")
+    out.append(f"up.actors = {cfg.up.actors}")
+    for name, section, ec in _local_engines(cfg):
+        if ec.gpu_memory_utilization > 0:
+            out.append(f"{section}.engine.gpu_memory_utilization = {ec.gpu_memory_utilization:g} ({name}: "
+                       f"{ec.gpu_memory_utilization * total:.2f} GiB)")
+    if lc.eval_every > 0:
+        ev = next(p for p in procs if p.name.startswith("eval "))
+        out.append(f"learner.eval_every = {lc.eval_every} (0: no periodic eval, whose process takes "
+                   f"{ev.gib + ev.share * total:.2f} GiB)")
+    act = sum(t.gib for t in activation_terms(cfg, policy, lc.gradient_checkpointing))
+    line = f"learner.micro_batch_tokens = {lc.micro_batch_tokens} (activations and logits {act:.2f} GiB)"
+    if not lc.gradient_checkpointing:
+        ckpt = sum(t.gib for t in activation_terms(cfg, policy, True))
+        line += f", or learner.gradient_checkpointing = true ({ckpt:.2f} GiB)"
+    out.append(line)
+    if registry.of(cfg.weights).gpu:
+        out.append(f"weights.max_buffers = {cfg.weights.max_buffers} "
+                   f"({_gib(policy.packed_bytes(learner_dtype_bytes(cfg))):.2f} GiB each on the learner)")
+    if cfg.up.gpu_memory_gib:
+        out.append(f"up.gpu_memory_gib = {cfg.up.gpu_memory_gib:g}, if the GPU has more (0 asks torch.cuda)")
+    return out
+
+
+def detect_gpu_gib() -> float | None:
+    """The first visible GPU's total memory in GiB, asked of torch.cuda in a short child process (so
+    `parley up` itself holds no CUDA context for the whole run); None without CUDA."""
+    code = ("import torch; print(torch.cuda.get_device_properties(0).total_memory "
+            "if torch.cuda.is_available() else 0)")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+        total = int(out.stdout.split()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return total / GIB if total > 0 else None
+
+
+def make_plan(cfg: RunConfig) -> Plan | None:
+    """The plan of this config (None when it puts nothing on a GPU); the total from up.gpu_memory_gib,
+    else torch.cuda. Raises PlanError when a model's shape cannot be read."""
+    if not uses_gpu(cfg):
+        return None
+    procs = processes(cfg)
+    if cfg.up.gpu_memory_gib > 0:
+        total, source = cfg.up.gpu_memory_gib, "up.gpu_memory_gib"
+    else:
+        total, source = detect_gpu_gib(), "torch.cuda, device 0"
+    return Plan(tuple(procs), total, source, tuple(knobs(cfg, procs, total)) if total is not None else ())
