@@ -206,6 +206,9 @@ def _m(n: int) -> str:
     return f"{n / 1e6:.1f}M"
 
 
+ENGINE_WORK_GIB = 1.0  # what an engine with an explicit KV size takes beside weights and KV (estimate)
+
+
 def engine_terms(ec: EngineConfig, shape_of) -> list[Term]:
     """A vLLM engine: with a gpu_memory_utilization, that share of the GPU, which vLLM reserves and
     fills (weights, activations, KV cache, CUDA graphs); without one, its weights and kv_cache_bytes."""
@@ -214,8 +217,9 @@ def engine_terms(ec: EngineConfig, shape_of) -> list[Term]:
                      "(weights, activations, KV cache, CUDA graphs)", share=ec.gpu_memory_utilization)]
     shape, b = shape_of(ec.model), 4 if ec.dtype == "float32" else 2
     return [Term(f"vLLM engine {ec.model} weights: {b} B x {_m(shape.params)} params", _gib(b * shape.params)),
-            Term(f"its KV cache: kv_cache_bytes {ec.kv_cache_bytes} (activations and CUDA graphs not counted: "
-                 "give the engine a gpu_memory_utilization)", _gib(ec.kv_cache_bytes))]
+            Term(f"its KV cache: kv_cache_bytes {ec.kv_cache_bytes} (explicit: vLLM does not profile, so the GPU's "
+                 "other processes starting beside it do not shrink it)", _gib(ec.kv_cache_bytes)),
+            Term("its activations, sampler and CUDA graphs: an estimate, not measured", ENGINE_WORK_GIB)]
 
 
 def learner_dtype_bytes(cfg: RunConfig) -> int:
@@ -339,15 +343,22 @@ def knobs(cfg: RunConfig, procs: list[Proc], total: float) -> list[str]:
     engines = cfg.up.actors + (lc.eval_every > 0)
     u = cfg.actor.engine.gpu_memory_utilization
     out = []
+    eval_part = " and the periodic eval's" if lc.eval_every > 0 else ""
     if u > 0:
-        eval_part = " and the periodic eval's" if lc.eval_every > 0 else ""
         out.append(f"actor.engine.gpu_memory_utilization = {u:g} (each of the {cfg.up.actors} actors' engines{eval_part}: "
                    f"{engines} x {u * total:.2f} GiB)")
+    else:
+        kv = cfg.actor.engine.kv_cache_bytes
+        out.append(f"actor.engine.kv_cache_bytes = {kv} (each of the {cfg.up.actors} actors' engines{eval_part}: "
+                   f"{engines} x {_gib(kv):.2f} GiB of KV cache)")
     out.append(f"up.actors = {cfg.up.actors}")
     for name, section, ec in _local_engines(cfg):
         if ec.gpu_memory_utilization > 0:
             out.append(f"{section}.engine.gpu_memory_utilization = {ec.gpu_memory_utilization:g} ({name}: "
                        f"{ec.gpu_memory_utilization * total:.2f} GiB)")
+        else:
+            out.append(f"{section}.engine.kv_cache_bytes = {ec.kv_cache_bytes} ({name}: {_gib(ec.kv_cache_bytes):.2f} GiB "
+                       "of KV cache)")
     if lc.eval_every > 0:
         ev = next(p for p in procs if p.name.startswith("eval "))
         out.append(f"learner.eval_every = {lc.eval_every} (0: no periodic eval, whose process takes "

@@ -32,8 +32,9 @@ MiB = 1 << 20
 @dataclass
 class EngineSettings:
     """Everything needed to start a PolicyEngine. On CPU give kv_cache_bytes (vLLM treats a
-    memory fraction as a share of host RAM, which breaks with two engines on one machine); on
-    GPU set gpu_memory_utilization and leave kv_cache_bytes None."""
+    memory fraction as a share of host RAM, which breaks with two engines on one machine); on a
+    GPU of its own set gpu_memory_utilization and leave kv_cache_bytes None; on a GPU shared with
+    other processes give kv_cache_bytes (no profiling: see _engine_args)."""
 
     model: str
     dtype: str = "float32"
@@ -64,6 +65,9 @@ class GenOut:
     top: list[tuple[str, dict[str, float]]] = field(default_factory=list)
 
 
+GPU_START_CHECK = 0.02  # the share of the GPU an engine with an explicit KV size asks to be free at start
+
+
 def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
     """AsyncEngineArgs for settings; cpu_bind is the CPU thread binding on a CPU platform, None on GPU."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -90,6 +94,14 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         )
     if settings.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    elif settings.kv_cache_bytes is not None and cpu_bind is None:
+        # A GPU engine with an explicit KV size skips vLLM's memory profiling, which charges the engine
+        # with whatever the GPU's other processes allocate or free meanwhile (it measures free memory
+        # device-wide: with several engines and a learner starting on one GPU that shrinks the KV cache,
+        # or fails its "Error in memory profiling" check). vLLM still checks at start that
+        # gpu_memory_utilization x the GPU is free (0.9 by default, which a shared GPU never has):
+        # the engine asks only that a small share is free, and `parley up` plans the rest.
+        kwargs["gpu_memory_utilization"] = GPU_START_CHECK
     executor = cpu_executor(cpu_bind, settings.tensor_parallel_size) if cpu_bind is not None else None
     if executor is not None:
         kwargs["distributed_executor_backend"] = executor

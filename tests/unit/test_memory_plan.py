@@ -31,13 +31,17 @@ SMOL_PACKED = 2 * SMOL_PARAMS + 61 * 128  # bf16; each of the 61 norms (1152 B) 
 SMOL_ACT_LAYER = 2 * 6 * 576 + 4 * (9 + 3) * 64 + 4 * 9 + 8 * 1536  # bytes a token per layer
 
 
-def gpu1_total(total: float, *, services: bool, actor_u: float = 0.10) -> float:
-    """gpu-1.toml's plan by hand, in GiB: 2 actors and the eval engine at actor_u, the services'
-    engine at 0.10, a 1 GiB CUDA context each, each actor's cuda_ipc copy, and the learner."""
+def gpu1_total(total: float, *, services: bool, actor_kv_gib: float = 4.0) -> float:
+    """gpu-1.toml's plan by hand, in GiB: 2 actors and the eval engine with actor_kv_gib of KV cache, the
+    services' engine with 6 GiB, each engine its bf16 weights and 1 GiB of working memory (the estimate),
+    a 1 GiB CUDA context each, each actor's cuda_ipc copy, and the learner. The total does not enter: the
+    engines' KV caches are explicit (it is a parameter only to say so)."""
+    del total
     learner = (16 * SMOL_PARAMS + 2 * SMOL_PARAMS + 2 * SMOL_PACKED + 5e8 * 2  # states, reference, buffers, bucket
                + 16384 * (30 * SMOL_ACT_LAYER + 8 * 576) + 4 * 4 * 1024 * 49152) / GIB + 1.0
-    engines = 3 * actor_u * total + 3 * 1.0 + 2 * SMOL_PACKED / GIB
-    return engines + learner + ((0.10 * total + 1.0) if services else 0.0)
+    engine = 2 * SMOL_PARAMS / GIB + 1.0 + 1.0  # weights, working memory, context
+    engines = 3 * (engine + actor_kv_gib) + 2 * SMOL_PACKED / GIB
+    return engines + learner + ((engine + 6.0) if services else 0.0)
 
 
 def up(*args: str):
@@ -80,17 +84,28 @@ def test_a_small_gpu_is_refused_with_the_overflow_and_the_knobs():
     msg = out.stderr
     assert f"need {need:.2f} GiB, more than the {usable:.2f} GiB usable" in msg
     assert f"{need - usable:.2f} GiB over; nothing was started" in msg
-    for knob in ("actor.engine.gpu_memory_utilization = 0.1", "up.actors = 2", "sim.engine.gpu_memory_utilization",
+    for knob in ("actor.engine.kv_cache_bytes = 4294967296", "up.actors = 2", "sim.engine.kv_cache_bytes = 6442450944",
                  "learner.micro_batch_tokens = 16384", "learner.gradient_checkpointing = true",
                  "weights.max_buffers = 2", "learner.eval_every = 5", "up.gpu_memory_gib = 24"):
         assert knob in msg, knob
 
 
-def test_a_larger_actor_share_is_refused_naming_what_the_actors_take():
+def test_a_larger_actor_kv_cache_is_refused_naming_what_the_actors_take():
+    out = up("--dry-run", "--set", "up.gpu_memory_gib=80", "--set", f"actor.engine.kv_cache_bytes={20 * GIB}")
+    assert out.exit_code == 2
+    need, usable = gpu1_total(80, services=True, actor_kv_gib=20.0), 80 * 0.95
+    assert f"{need - usable:.2f} GiB over" in out.stderr
+    assert f"actor.engine.kv_cache_bytes = {20 * GIB} (each of the 2 actors' engines and the periodic eval's: " \
+           f"3 x 20.00 GiB of KV cache)" in out.stderr
+
+
+def test_a_gpu_memory_utilization_share_is_planned_as_that_share_of_the_gpu():
     out = up("--dry-run", "--set", "up.gpu_memory_gib=140.4", "--set", "actor.engine.gpu_memory_utilization=0.3")
     assert out.exit_code == 2
-    need, usable = gpu1_total(140.4, services=True, actor_u=0.3), 140.4 * 0.95
-    assert f"{need - usable:.2f} GiB over" in out.stderr
+    base = gpu1_total(140.4, services=True)
+    engine_kv = 2 * SMOL_PARAMS / GIB + 1.0 + 4.0  # what each explicit-KV actor engine counted (not the context)
+    need = base - 3 * engine_kv + 3 * 0.3 * 140.4
+    assert f"{need - 140.4 * 0.95:.2f} GiB over" in out.stderr
     assert f"actor.engine.gpu_memory_utilization = 0.3 (each of the 2 actors' engines and the periodic eval's: " \
            f"3 x {0.3 * 140.4:.2f} GiB)" in out.stderr
 
