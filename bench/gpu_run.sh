@@ -4,6 +4,7 @@
 #     bash bench/gpu_run.sh A    # 4B checkpoint, the e2e tests on CUDA, the learner's gpu-marked tests
 #     bash bench/gpu_run.sh B    # the weight-path bench, the bf16 log-prob agreement
 #     bash bench/gpu_run.sh C    # the learner bench (ZeRO-2 and ZeRO-3)
+#     bash bench/gpu_run.sh U    # every role on one GPU: parley up, gpu-1.toml, hidden_goal (issue 26 2a)
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -42,8 +43,33 @@ C)
     # the learner bench (docs/gpu_checks.md 2); it writes $OUT/learner_gpu.json and .md itself
     step learner_gpu 500 python3 bench/learner_gpu.py --zero 2,3 --steps 3 --budget-s 480
     ;;
+U)
+    # issue 26 2a: every role of `parley up` on this one GPU (deploy/configs/gpu-1.toml), SmolLM2 built
+    # from its wheel, on hidden_goal with its preset's recipe (the CPU run of docs/benchmarks.md) for
+    # STEPS steps, evaluated every EVAL_EVERY versions on the same 24 held-out items; nvidia-smi samples
+    # the GPU every second beside it
+    STEPS=${STEPS:-60}
+    EVAL_EVERY=${EVAL_EVERY:-15}
+    RUN=${RUN_DIR:-/tmp/run-hg}
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,memory.total --format=csv,noheader -lms 1000 \
+        >"$OUT/gpu_samples.csv" 2>/dev/null &
+    SMI=$!
+    step up_hidden_goal "${LIMIT_S:-520}" python3 -m deploy.cli up --config deploy/configs/gpu-1.toml --env hidden_goal \
+        --no-live --run-dir "$RUN" --steps "$STEPS" \
+        --set 'env.options={n_items = 120, seed = 0, nudge = "slots", answer = "mentions"}' \
+        --set data.eval_fraction=0.2 --set rollout.n=8 --set rollout.max_tokens=32 --set rollout.max_new_turns=6 \
+        --set actor.sampling.temperature=0.7 --set learner.groups_per_step=1 --set learner.lr=1e-4 \
+        --set learner.kl_coef=0.0 --set learner.checkpoint_every=5 --set "learner.eval_every=$EVAL_EVERY" \
+        --set learner.eval_items=24
+    kill "$SMI" 2>/dev/null
+    for f in metrics.jsonl eval/history.jsonl summary.json; do
+        [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/$(echo "$f" | tr / _)"
+    done
+    tail -n 300 "$RUN/logs/learner.log" >"$OUT/learner_tail.log" 2>/dev/null
+    tail -n 80 "$RUN/logs/actor-0.log" >"$OUT/actor0_tail.log" 2>/dev/null
+    ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U" >&2
     exit 2
     ;;
 esac

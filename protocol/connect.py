@@ -87,7 +87,7 @@ async def connect(
         tls=_tls_context(ca_file),
         inbox_prefix=inbox_prefix(user if not creds else None),
     )
-    if user:
+    if user and not creds:  # a .creds file is the identity: a user beside it would log in instead, silently
         kwargs.update(user=user, password=password or "")
     if creds:
         kwargs.update(user_credentials=creds)
