@@ -2,6 +2,8 @@
 against a real nats-server with per-role users and TLS, a CA given only as `[nats] ca_file` lets
 `parley selfcheck`, `parley replay`, `parley top` and `parley scorer` in, and a `[nats] creds` file
 given only in the config is the one each command and role tries (it names it when it is refused).
+Against a nats-server in operator (JWT) mode, a real `.creds` file given only as `[nats] creds` logs
+`parley selfcheck` and `parley replay` in (JetStream included), and without it they are refused.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from deploy.credentials import generate_credentials, read_env_file, server_auth_
 from deploy.natsserver import NatsServer
 from protocol import topology
 from protocol.connect import connect
+from tests.integration.nats_operator import operator_setup
 from tests.integration.test_auth import make_tls
 
 pytestmark = pytest.mark.integration
@@ -125,3 +128,60 @@ def test_creds_from_the_config_are_the_ones_used(tls_server, tmp_path, command):
     out = parley(*command, "--config", str(with_creds), env=role_env(auth_dir, "admin"), timeout=180)
     assert out.returncode == 3, (out.returncode, out.stdout, out.stderr)
     assert str(creds) in out.stderr, out.stderr
+
+
+OP_RUN = "credsjwt"
+
+
+@pytest.fixture(scope="module")
+def operator_server(tmp_path_factory):
+    """A nats-server that trusts only an operator made by the test (tests/integration/nats_operator.py):
+    its one JetStream account's user logs in with a .creds file, nobody else gets in."""
+    d = tmp_path_factory.mktemp("credsjwt")
+    setup = operator_setup()
+    creds = setup.write_creds(d / "user.creds")
+    server = NatsServer(d / "nats", port=0, extra_conf=setup.server_conf())
+    server.start()
+    base = f'[run]\nname = "{OP_RUN}"\n\n[nats]\nurl = "{server.url}"\nconnect_timeout_s = 5\n'
+    with_creds, without = d / "creds.toml", d / "nocreds.toml"
+    with_creds.write_text(base.replace("[nats]\n", f'[nats]\ncreds = "{creds}"\n'))
+    without.write_text(base)
+    yield with_creds, without, creds
+    server.stop()
+
+
+def bare_env() -> dict[str, str]:
+    """The test's environment without any NATS credentials or run: only the config file can log in."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PARLEY_NATS") and k != "PARLEY_RUN"}
+
+
+def test_a_creds_file_from_the_config_logs_in_to_an_operator_mode_server(operator_server):
+    with_creds, _, creds = operator_server
+    out = parley("selfcheck", "--external", "--config", str(with_creds), "--run", OP_RUN, env=bare_env())
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert "5/5 message types round-tripped" in out.stdout
+
+    # the scored record selfcheck left on its JetStream stream, read back with the same file
+    out = parley("replay", "--stream", "scored", "--config", str(with_creds), env=bare_env())
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert "1 conversations" in out.stdout
+
+
+@pytest.mark.parametrize("command", [["selfcheck", "--external", "--run", OP_RUN], ["replay", "--stream", "scored"]],
+                         ids=lambda c: c[0])
+def test_without_the_creds_file_the_operator_mode_server_refuses(operator_server, command):
+    _, without, _ = operator_server
+    out = parley(*command, "--config", str(without), env=bare_env())
+    assert out.returncode == 3, (out.returncode, out.stdout, out.stderr)
+    assert "authorization violation" in out.stderr.lower(), out.stderr
+
+
+def test_a_creds_file_of_another_operator_is_refused(operator_server, tmp_path):
+    """The server checks the chain: a well-formed .creds file whose account it does not trust is refused."""
+    with_creds, _, creds = operator_server
+    foreign = operator_setup("elsewhere").write_creds(tmp_path / "foreign.creds")
+    config = tmp_path / "foreign.toml"
+    config.write_text(with_creds.read_text().replace(str(creds), str(foreign)))
+    out = parley("selfcheck", "--external", "--config", str(config), "--run", OP_RUN, env=bare_env())
+    assert out.returncode == 3, (out.returncode, out.stdout, out.stderr)
+    assert str(foreign) in out.stderr, out.stderr
