@@ -154,8 +154,8 @@ def test_up_env_random_words_dry_run_takes_the_preset():
 
 class RandomEngine:
     """Test double of engines.engine.PolicyEngine.generate: max_tokens uniform random ids of `ids`,
-    seeded by the request's seed, so it never ends a turn itself (as a random 151,936-token model
-    almost never samples its end-of-turn token)."""
+    seeded by the request's seed; it never ends a turn itself (a random 151,936-token model rarely
+    samples its end-of-turn token)."""
 
     def __init__(self, ids: range | list[int]):
         self.ids = list(ids)
