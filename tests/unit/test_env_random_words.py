@@ -18,6 +18,7 @@ from config.learner import DataConfig, RolloutConfig
 from environments import registry
 from environments.base import Conversation, LocalUser, find_overlap
 from environments.random_words import NAME, PRESET, THANKS, USER_VOCAB, environment, generate, is_low, respond
+from evaluation.leakage import guard_environment
 from protocol.messages import ChatMessage
 from rewards.reward import total_reward
 
@@ -105,6 +106,10 @@ def test_items_and_split_come_from_the_seed():
                                                                                                     split_seed=5))
     # the leakage guard: one key kind, reported only, never shared by this split
     assert env.tasks.leaks == () and find_overlap(env.tasks, train, held) == {"item": []}
+    assert guard_environment(env.tasks, train, held, allow=False, run_dir=None) == {"item": []}
+    # an item on both sides (a split not made by item) is reported, never refused: no label can leak
+    assert guard_environment(env.tasks, train, held + train[:1], allow=False, run_dir=None)["item"] == \
+        [(train[0].item_id, train[0].item_id)]
     with pytest.raises(ValueError, match=f"{NAME} draws its items from a seed"):
         env.tasks.train_eval(DataConfig(path="data.jsonl"))
 
