@@ -33,31 +33,62 @@ def report(title: str, details: str, seconds: float, table: str, data, json_path
 
 
 # Qwen3 shapes for GPU benches built from a config with random weights (no hub on the GPU machine;
-# random init runs at the speed of trained weights).
+# random init runs at the speed of trained weights). "mini" is for tests: seconds to build on a CPU.
 QWEN3_SHAPES = {
+    "mini": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128),
     "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128),
 }
-QWEN3_VOCAB, QWEN3_EOS, QWEN3_PAD = 151936, 151645, 151643
+QWEN3_VOCAB = 151936
+# The word-level tokenizer's vocabulary: "t<id>" for every id but these, which keep Qwen3's own ids for
+# its chat tokens (so eos and pad are Qwen3's) and take three of its unused ones for the role names.
+QWEN3_PAD, QWEN3_IM_START, QWEN3_EOS = 151643, 151644, 151645  # <|endoftext|>, <|im_start|>, <|im_end|>
+QWEN3_NAMED = {QWEN3_PAD: "<|endoftext|>", QWEN3_IM_START: "<|im_start|>", QWEN3_EOS: "<|im_end|>",
+               151646: "system", 151647: "user", 151648: "assistant"}
+# ChatML with one space between tokens instead of newlines: the word-level tokenizer splits on
+# whitespace and decodes by joining tokens with one space, so a rendered conversation decodes back to
+# exactly its text, and the ids of a conversation appended turn by turn (rollout.chat.ChatTokens) are
+# those of the whole conversation rendered at once. The assistant's turn ends with <|im_end|> (eos).
+WORD_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|> ' + message['role'] + ' ' + message['content'] + ' <|im_end|>' }}"
+    "{%- if not loop.last or add_generation_prompt %}{{- ' ' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|> assistant' }}{%- endif %}"
+)
+
+
+def word_tokenizer():
+    """The word-level tokenizer of random_qwen3: one token per id, "t0".."t151935" but QWEN3_NAMED,
+    <|im_start|> / <|im_end|> / <|endoftext|> special, eos <|im_end|>, the chat template above."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {QWEN3_NAMED.get(i, f"t{i}"): i for i in range(QWEN3_VOCAB)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="t0", eos_token=QWEN3_NAMED[QWEN3_EOS], pad_token=QWEN3_NAMED[QWEN3_PAD],
+        additional_special_tokens=[QWEN3_NAMED[QWEN3_IM_START]], chat_template=WORD_CHAT_TEMPLATE,
+    )
 
 
 def random_qwen3(shape: str, out: str | Path, seed: int = 0) -> Path:
-    """A bf16 Qwen3 checkpoint of `shape` with random weights and a word-level tokenizer of one
-    token per id ("t0".."t151935"), so vLLM has a real tokenizer; built on the GPU when there is
-    one. Kept if `out` already holds one."""
+    """A bf16 Qwen3 checkpoint of `shape` with random weights and word_tokenizer(), so vLLM has a real
+    tokenizer and `parley up` a chat template; built on the GPU when there is one. Weights already in
+    `out` are kept; a tokenizer without the chat template (an older build) is written again."""
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "chat_template.jinja").is_file():
+        word_tokenizer().save_pretrained(out)
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
-    raw = Tokenizer(models.WordLevel({f"t{i}": i for i in range(QWEN3_VOCAB)}, unk_token="t0"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=f"t{QWEN3_EOS}", pad_token=f"t{QWEN3_PAD}").save_pretrained(out)
     cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, max_position_embeddings=8192, tie_word_embeddings=True,
                       rope_theta=1000000.0, bos_token_id=None, eos_token_id=QWEN3_EOS, pad_token_id=QWEN3_PAD,
                       dtype="bfloat16", **QWEN3_SHAPES[shape])

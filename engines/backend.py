@@ -97,17 +97,24 @@ def open_engine(cfg: EngineConfig, version: int = 0, sampled_logprobs: bool = Fa
 
     Returns (PolicyEngine, tokenizer, model_path). Blocks for tens of seconds on CPU.
     """
-    from transformers import AutoTokenizer
-
     from engines.engine import PolicyEngine
     from engines.models import ensure_model
 
     path = ensure_model(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"model {cfg.model!r} ({path}) has no chat template; parley needs an instruct/chat model")
+    tokenizer = chat_tokenizer(cfg.model, path)
     engine = PolicyEngine(engine_settings(cfg, path, sampled_logprobs), version=version)
     return engine, tokenizer, path
+
+
+def chat_tokenizer(model: str, path: str | Path):
+    """The tokenizer of checkpoint `path` (named `model` in the config), refused without a chat template:
+    every conversation is rendered through it (rollout.chat)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"model {model!r} ({path}) has no chat template; parley needs an instruct/chat model")
+    return tokenizer
 
 
 class LocalBackend:
