@@ -7,7 +7,7 @@ The engine serves whatever the key names (version and sha256), also when a resum
 it back to a lower version. A version whose blob fails verification
 (weights.common.WeightVerifyError) or does not load is refused: the reason is logged once, the
 actor keeps serving what it has, and that version is not fetched again (the next announcement
-is). If a failed load cannot be undone, WeightsBroken stops the actor.
+is). A GPU-transport load (cuda_ipc, nccl) that fails is first tried again, GPU_ATTEMPTS times in all. If a failed load cannot be undone, WeightsBroken stops the actor.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class WeightFollower:
         self.settings = settings
         self.refused: dict[int, str] = {}  # version -> reason, for heartbeats and logs
         self._refused_ids: set[tuple[int, str]] = set()
+        self.failing: dict[int, str] = {}  # version -> why its last GPU load failed (tried again: _gpu_failed)
+        self.failures: dict[tuple[int, str], int] = {}  # (version, sha256) -> GPU loads failed so far
         self.serving: tuple[int, str] = (engine.version, "")  # (version, sha256) loaded now; "" = the base
         self.loaded: list[int] = []  # versions reloaded, in order
         self._lock = asyncio.Lock()
@@ -155,10 +157,11 @@ class WeightFollower:
         try:
             await self.engine.load_gpu(codec.encode(wv), hold_s=source.hold_s, version=wv.version)
         except WeightVerifyError as e:
-            return self._refuse(wv, f"verification failed: {e}", None)
+            return self._gpu_failed(wv, f"verification failed: {e}")
         except Exception as e:  # noqa: BLE001 - refused, after putting the served weights back
             await self._restore(wv, e)
-            return self._refuse(wv, f"reload failed: {type(e).__name__}: {e}", None)
+            return self._gpu_failed(wv, f"reload failed: {type(e).__name__}: {e}")
+        self.failing.pop(wv.version, None)
         log.info("now serving weights version %d (was %d, step %d, %s)", wv.version, old, wv.step, wv.transport)
         self.loaded.append(wv.version)
         self.serving = (wv.version, wv.sha256)
@@ -184,6 +187,21 @@ class WeightFollower:
                 f"weights version {wv.version} failed to load ({type(error).__name__}: {error}) and the served "
                 f"weights could not be restored ({e}); stopping rather than serve a mixed model"
             ) from e
+
+    def _gpu_failed(self, wv: WeightVersion, reason: str) -> bool:
+        """A GPU-transport load that failed is tried again at the next polls, GPU_ATTEMPTS times in all,
+        before the version is refused: what fails it usually passes (out of memory while the learner
+        steps on the same GPU, a buffer overwritten while it was copied, a slow copy past hold_s), and
+        the learner keeps the newest version's buffer, so a refusal for good left the actor serving an
+        old version while the learner dropped every group it played as stale, and published no more."""
+        key = (wv.version, wv.sha256)
+        self.failures[key] = self.failures.get(key, 0) + 1
+        if self.failures[key] >= GPU_ATTEMPTS:
+            return self._refuse(wv, f"{reason} ({self.failures[key]} attempts)", None)
+        self.failing[wv.version] = reason
+        log.warning("weights version %d: %s; attempt %d of %d, trying again at the next poll; still serving "
+                    "version %d", wv.version, reason, self.failures[key], GPU_ATTEMPTS, self.engine.version)
+        return False
 
     def _refuse(self, wv: WeightVersion, reason: str, dest: Path | None) -> bool:
         self.refused[wv.version] = reason
@@ -238,6 +256,8 @@ class WeightFollower:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
 
+
+GPU_ATTEMPTS = 3  # GPU-transport loads of one version before it is refused (_gpu_failed)
 
 # Announcements beyond these are refused unread: 2 TiB holds a 1T-parameter bf16 model.
 MAX_WEIGHT_BYTES = 2 * 1024**4

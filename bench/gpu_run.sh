@@ -79,13 +79,16 @@ T)
     nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,memory.total --format=csv,noheader -lms 1000 \
         >"$OUT/gpu_samples_4b.csv" 2>/dev/null &
     SMI=$!
+    nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv,noheader -l 5 \
+        >"$OUT/gpu_apps_4b.csv" 2>/dev/null &
+    APPS=$!
     step up_4b "$((BUDGET_S + 40))" timeout -s INT "$BUDGET_S" python3 -m deploy.cli up --config deploy/configs/gpu-1-4b.toml \
         --no-live --run-dir "$RUN" --steps 1000 --set learner.checkpoint_every=1000 --set "actor.engine.model=\"$MODEL\"" \
         --set "policy.model=\"$MODEL\""
-    kill "$SMI" 2>/dev/null
+    kill "$SMI" "$APPS" 2>/dev/null
     cp "$RUN/metrics.jsonl" "$OUT/metrics_4b.jsonl" 2>/dev/null
+    grep -h -i -E "weights version|refused|out of memory|OutOfMemory" "$RUN"/logs/actor-*.log | head -n 60 >"$OUT/actor_weights_4b.log"
     tail -n 300 "$RUN/logs/learner.log" >"$OUT/learner_4b_tail.log" 2>/dev/null
-    tail -n 80 "$RUN/logs/actor-0.log" >"$OUT/actor0_4b_tail.log" 2>/dev/null
     ;;
 *)
     echo "usage: bash bench/gpu_run.sh A|B|C|U|T" >&2

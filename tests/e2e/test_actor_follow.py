@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from actors.follow import WeightFollower, WeightsBroken
+from actors.follow import GPU_ATTEMPTS, WeightFollower, WeightsBroken
 from protocol import codec, topology
 from protocol.messages import WeightVersion
 from weights import common, registry
@@ -121,7 +121,7 @@ class IpcEngineDouble(ReloadEngineDouble):
         if self.refuse:
             self.refuse -= 1
             raise common.WeightVerifyError("checksum mismatch in 1 of 1 tensors (first: w)")
-        if self.break_ipc:
+        if self.break_ipc and version != self.version:  # a new version's load breaks; the restore works
             self.break_ipc -= 1
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         if version is not None:
@@ -135,6 +135,25 @@ def ipc_buffer(tag: int):
                          storage_offset=0, ref_counter_handle=b"/torch_test", ref_counter_offset=tag,
                          event_handle=b"", event_sync_required=False, nbytes=256, hold_s=5.0,
                          tensors=[IpcTensor(name="w", dtype="bfloat16", shape=[128], offset=0, checksum=[tag, tag, tag])])
+
+
+async def test_a_gpu_load_that_fails_is_tried_again_and_the_version_served(js, tmp_path):
+    """Out of memory while the learner steps on the same GPU (seen on the H200 at the 4B shape): the
+    load fails, the served weights are put back, and the next poll loads the version. Refusing it for
+    good (as before) left the actor on an old version for the rest of the run."""
+    run = "follow-ipc-retry"
+    await topology.ensure_topology(js, run, BUS)
+    engine = IpcEngineDouble()
+    f = WeightFollower(js, run, engine, dest_root=tmp_path / "fetched", poll_s=0.3, base_dir=tmp_path / "base")
+    await registry.publish_gpu_version(js, run, 1, 1, ipc_buffer(1))
+    assert await f.check() and engine.version == 1
+    engine.break_ipc = GPU_ATTEMPTS - 1
+    await registry.publish_gpu_version(js, run, 2, 2, ipc_buffer(2))
+    for _ in range(GPU_ATTEMPTS - 1):
+        assert not await f.check() and engine.version == 1
+        assert 2 not in f.refused and "reload failed" in f.failing[2]
+    assert await f.check() and engine.version == 2 and 2 not in f.failing and not f.refused
+    assert engine.ipc_loads == [1] + [2, 1] * (GPU_ATTEMPTS - 1) + [2]
 
 
 async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a_restore(js, tmp_path):
@@ -151,19 +170,24 @@ async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a
     assert not (tmp_path / "fetched").exists()  # nothing is fetched to disk
     assert not await f.check()
 
-    # a copy that fails its checksums is refused and nothing is reloaded: the engine checked
-    # it before touching a weight
-    engine.refuse = 1
+    # a copy that fails its checksums is refused (after GPU_ATTEMPTS tries) and nothing is reloaded:
+    # the engine checked it before touching a weight
+    engine.refuse = GPU_ATTEMPTS
     await registry.publish_gpu_version(js, run, 2, 2, ipc_buffer(2))
-    assert not await f.check()
+    for attempt in range(GPU_ATTEMPTS):
+        assert not await f.check()
+        assert (2 in f.refused) is (attempt == GPU_ATTEMPTS - 1), attempt  # tried again until the last attempt
     assert "verification failed: checksum mismatch" in f.refused[2] and engine.version == 1
-    assert engine.reloads == [] and engine.ipc_loads == [1, 2]
+    assert engine.reloads == [] and engine.ipc_loads == [1] + [2] * GPU_ATTEMPTS
+    assert not await f.check() and engine.ipc_loads == [1] + [2] * GPU_ATTEMPTS  # refused: not tried again
 
     # a load that fails half-way is undone by loading the served cuda_ipc version again
-    engine.break_ipc = 1
+    engine.break_ipc = GPU_ATTEMPTS
     await registry.publish_gpu_version(js, run, 3, 3, ipc_buffer(3))
-    assert not await f.check()
-    assert engine.ipc_loads == [1, 2, 3, 1] and engine.version == 1 and "reload failed" in f.refused[3]
+    for _ in range(GPU_ATTEMPTS):
+        assert not await f.check()
+    assert engine.ipc_loads[-2 * GPU_ATTEMPTS:] == [3, 1] * GPU_ATTEMPTS and engine.version == 1
+    assert "reload failed" in f.refused[3]
 
     # the next file version is followed as before
     await registry.publish_version(js, run, 4, 4, state_dir(tmp_path, "f"), ObjstoreWeights())
