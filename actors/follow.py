@@ -53,6 +53,7 @@ class WeightFollower:
         self._refused_ids: set[tuple[int, str]] = set()
         self.failing: dict[int, str] = {}  # version -> why its last GPU load failed (tried again: _gpu_failed)
         self.failures: dict[tuple[int, str], int] = {}  # (version, sha256) -> GPU loads failed so far
+        self.retry_at: dict[tuple[int, str], float] = {}  # (version, sha256) -> loop time of its next try
         self.serving: tuple[int, str] = (engine.version, "")  # (version, sha256) loaded now; "" = the base
         self.loaded: list[int] = []  # versions reloaded, in order
         self._lock = asyncio.Lock()
@@ -106,6 +107,8 @@ class WeightFollower:
             # re-announces lower numbers with other weights, and actors must follow it back.
             if wv is None or (wv.version, wv.sha256) == self.serving or (wv.version, wv.sha256) in self._refused_ids:
                 return False
+            if asyncio.get_running_loop().time() < self.retry_at.get((wv.version, wv.sha256), 0.0):
+                return False  # a failed GPU load waits out its backoff (_gpu_failed)
             if wv.version < self.engine.version:
                 log.warning("weights key moved back from version %d to %d; following it", self.engine.version, wv.version)
             return await self._load(wv)
@@ -199,8 +202,10 @@ class WeightFollower:
         if self.failures[key] >= GPU_ATTEMPTS:
             return self._refuse(wv, f"{reason} ({self.failures[key]} attempts)", None)
         self.failing[wv.version] = reason
-        log.warning("weights version %d: %s; attempt %d of %d, trying again at the next poll; still serving "
-                    "version %d", wv.version, reason, self.failures[key], GPU_ATTEMPTS, self.engine.version)
+        wait = self.poll_s * 2 ** (self.failures[key] - 1)  # the learner's next step may free what it needs
+        self.retry_at[key] = asyncio.get_running_loop().time() + wait
+        log.warning("weights version %d: %s; attempt %d of %d, trying again in %.0f s; still serving version %d",
+                    wv.version, reason, self.failures[key], GPU_ATTEMPTS, wait, self.engine.version)
         return False
 
     def _refuse(self, wv: WeightVersion, reason: str, dest: Path | None) -> bool:

@@ -266,6 +266,11 @@ class Trainer:
         self.rank = torch.distributed.get_rank()
         # rank 0's packer of weight buffers for the GPU transports (no file on that path)
         self.sender = transport.sender(weights, device) if self.rank == 0 and transport.gpu else None
+        # On a GPU the actors' engines share (cuda_ipc), the memory this step cached is handed back
+        # after it: PyTorch keeps the peak of a step reserved, and on the H200 at the 4B shape that
+        # left 0.9 GiB free, so no actor could copy the next version (7.5 GiB) and every one was
+        # refused. The next step allocates it again (docs/gpu.md, "Train on one GPU").
+        self.release_cache = transport.shares_device and getattr(device, "type", str(device)) == "cuda"
 
     def close(self) -> None:
         """Forget the ZeRO-3 loading hook: later from_pretrained calls in this process load plain
@@ -355,6 +360,7 @@ class Trainer:
             # Cannot happen (a non-finite loss gives non-finite gradients); if it did, the weights may be
             # damaged: stop rather than train on and publish them.
             raise RuntimeError("the optimizer applied a step whose loss was not finite; the weights cannot be trusted")
+        released = self._release_cache()
         elapsed = time.perf_counter() - t0
         total_tokens = sum(len(s.token_ids) for s in samples)
         stats.update(
@@ -368,7 +374,22 @@ class Trainer:
             train_s=elapsed,
             tokens_per_s=total_tokens / elapsed,
         )
+        if released is not None:
+            stats.update(cache_released_gib=released[0], reserved_gib=released[1], peak_allocated_gib=released[2])
         return stats
+
+    def _release_cache(self) -> tuple[float, float, float] | None:
+        """With `release_cache`: hand PyTorch's cached blocks back to the driver; (GiB released, GiB
+        still reserved, GiB allocated at this step's peak), or None."""
+        if not self.release_cache:
+            return None
+        gib = 1024**3
+        before = torch.cuda.memory_reserved()
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        after = torch.cuda.memory_reserved()
+        return (before - after) / gib, after / gib, peak / gib
 
     def _apply_if_finite(self) -> tuple[bool, float | None]:
         """The optimizer step, unless a gradient is not finite: (applied, global grad norm).

@@ -173,6 +173,9 @@ class Transport:
     kind: str = ""
     gpu: bool = False  # a packed GPU buffer the engine loads itself, not files
     needs_cuda: bool = False  # the learner must have a CUDA device
+    # the actors' engines run on the learner's own GPU (cuda_ipc opens rank 0's memory): the learner
+    # hands its cached memory back after each step (learner.trainer), so their loads find room
+    shares_device: bool = False
     source_type: type | None = None  # GPU transports: the announcement's source struct (protocol.messages)
 
     # learner side, file transports

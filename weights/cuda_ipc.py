@@ -296,6 +296,7 @@ class IpcPublisher:
 class CudaIpc(Transport):
     kind = "cuda_ipc"
     gpu = needs_cuda = True  # actors must also see rank 0's GPU (local_device)
+    shares_device = True
     source_type = CudaIpcBuffer
 
     def sender(self, settings, device) -> IpcPublisher:

@@ -152,6 +152,8 @@ async def test_a_gpu_load_that_fails_is_tried_again_and_the_version_served(js, t
     for _ in range(GPU_ATTEMPTS - 1):
         assert not await f.check() and engine.version == 1
         assert 2 not in f.refused and "reload failed" in f.failing[2]
+        assert not await f.check() and engine.ipc_loads[-1] == 1  # within its backoff: not tried
+        f.retry_at.clear()  # the backoff (poll_s x 2^k) has passed
     assert await f.check() and engine.version == 2 and 2 not in f.failing and not f.refused
     assert engine.ipc_loads == [1] + [2, 1] * (GPU_ATTEMPTS - 1) + [2]
 
@@ -176,6 +178,7 @@ async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a
     await registry.publish_gpu_version(js, run, 2, 2, ipc_buffer(2))
     for attempt in range(GPU_ATTEMPTS):
         assert not await f.check()
+        f.retry_at.clear()  # its backoff has passed
         assert (2 in f.refused) is (attempt == GPU_ATTEMPTS - 1), attempt  # tried again until the last attempt
     assert "verification failed: checksum mismatch" in f.refused[2] and engine.version == 1
     assert engine.reloads == [] and engine.ipc_loads == [1] + [2] * GPU_ATTEMPTS
@@ -186,6 +189,7 @@ async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a
     await registry.publish_gpu_version(js, run, 3, 3, ipc_buffer(3))
     for _ in range(GPU_ATTEMPTS):
         assert not await f.check()
+        f.retry_at.clear()
     assert engine.ipc_loads[-2 * GPU_ATTEMPTS:] == [3, 1] * GPU_ATTEMPTS and engine.version == 1
     assert "reload failed" in f.refused[3]
 

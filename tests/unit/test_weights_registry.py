@@ -19,15 +19,15 @@ def test_every_configured_kind_has_its_transport():
     assert registry.get("carrier-pigeon") is None
 
 
-@pytest.mark.parametrize("settings, gpu, needs_cuda", [
-    (ObjstoreWeights(), False, False),
-    (SharedDirWeights(dir="/srv/w"), False, False),
-    (CudaIpcWeights(), True, True),
-    (NcclWeights(address="h:1"), True, False),  # gloo where rank 0 has no GPU
+@pytest.mark.parametrize("settings, gpu, needs_cuda, shares_device", [
+    (ObjstoreWeights(), False, False, False),
+    (SharedDirWeights(dir="/srv/w"), False, False, False),
+    (CudaIpcWeights(), True, True, True),  # the actors' engines open rank 0's own GPU memory
+    (NcclWeights(address="h:1"), True, False, False),  # gloo where rank 0 has no GPU; actors on other GPUs
 ])
-def test_each_transport_says_what_it_needs(settings, gpu, needs_cuda):
+def test_each_transport_says_what_it_needs(settings, gpu, needs_cuda, shares_device):
     t = registry.of(settings)
-    assert (t.gpu, t.needs_cuda) == (gpu, needs_cuda)
+    assert (t.gpu, t.needs_cuda, t.shares_device) == (gpu, needs_cuda, shares_device)
 
 
 def test_a_gpu_announcement_is_made_by_the_transport_of_its_source():
