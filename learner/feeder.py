@@ -5,8 +5,9 @@ version the learner has announced to the actors.
 
 Task ids are f"{run}-g{index:06d}". A feeder records a task after the store acknowledged it, so the
 ledger may lag the TASKS stream (a learner killed before its first ledger write has recorded none):
-before issuing, a feeder adopts the tasks the stream holds past its recorded index (`adopt_published`)
-instead of publishing them again, which Msg-Id would deduplicate only within the duplicate window.
+before issuing, a resumed feeder adopts the tasks the stream holds past its recorded index
+(`adopt_published`) instead of publishing them again, which Msg-Id would deduplicate only within the
+duplicate window. A fresh start (no --resume) adopts nothing: the run's streams are its own.
 """
 
 from __future__ import annotations

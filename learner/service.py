@@ -55,6 +55,7 @@ class Learner:
         self.publisher = Publisher()  # uploads and announces versions beside training, one at a time
         self.env = env = cfg.env.load()  # the environment this run trains
         env_record = cfg.env.record()  # which environment (distribution, version, options) trains
+        self.resumed = resume  # also when the ledger was never written (learner.resume.restore starts fresh then)
         if resume:
             feeder_state = start.restore(self.run_dir, model_dir, env_record, ledger=ledger, driver=driver,
                                          state=self.state, grouper=self.grouper, steplog=steplog)
@@ -81,8 +82,8 @@ class Learner:
         await self.weights.served.start()
         await self.weights.publish(st.step)  # actors learn the baseline (version 0) or the restored version
         await self.publisher.drain()
-        # Tasks an earlier learner published and its ledger never recorded are in flight, not new.
-        await self.feeder.adopt_published()
+        if self.resumed:  # tasks the learner before this one published and its ledger never recorded
+            await self.feeder.adopt_published()
         worker = PullWorker(self.js, self.run_name, "scored", self.intake.on_scored, bus=self.cfg.bus,
                             name=f"learner-{self.id}", concurrency=32, fetch_timeout=1.0)
         halt = asyncio.Event()

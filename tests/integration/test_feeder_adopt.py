@@ -73,3 +73,47 @@ async def test_a_resumed_feeder_adopts_only_the_tail_its_ledger_did_not_record(j
     # Nothing past the recorded index: nothing adopted, nothing moved.
     third = feeder(js, FeederState(next_index=4))
     assert await third.adopt_published() == 0 and third.state.next_index == 4 and not third.state.in_flight
+
+
+async def test_a_learner_killed_before_its_first_ledger_write_resumes_its_published_tasks(js, nats_server, tiny_model,
+                                                                                           tmp_path):
+    """The real `parley learner`: it publishes its first tasks, is SIGKILLed before any ledger write
+    (no sample arrived), and `--resume` adopts those tasks instead of issuing them again."""
+    import os
+    import signal
+
+    from learner.checkpoint import read_state
+    from tests.integration.test_learner_resume import BUS as RESUME_BUS
+    from tests.integration.test_learner_resume import start_learner, wait_for
+
+    run = "adopt-learner"
+    await topology.ensure_topology(js, run, RESUME_BUS)
+    run_dir, log = tmp_path / "run", tmp_path / "learner.log"
+    proc = start_learner(nats_server.url, run, run_dir, tiny_model, log)
+
+    async def published() -> int:
+        return (await js.stream_info(topology.stream_name(run, "tasks"))).state.messages
+
+    count = 0
+    for _ in range(600):
+        count = await published()
+        if count > 0 or proc.poll() is not None:
+            break
+        await asyncio.sleep(0.2)
+    assert count > 0, log.read_text()[-3000:]
+    await asyncio.sleep(1.0)  # every task the gate lets out
+    count = await published()
+    assert read_state(run_dir) is None, "the learner wrote its ledger: this is not the case under test"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+    proc = start_learner(nats_server.url, run, run_dir, tiny_model, log, resume=True)
+    try:
+        await wait_for(lambda: "adopted" in log.read_text(), 180, "the resumed learner to adopt its tasks", proc, log)
+        text = log.read_text()
+        assert "--resume: no learner state" in text
+        assert f"adopted {count} tasks the TASKS stream held past the recorded index" in text, text[-3000:]
+        assert await published() == count  # nothing issued again: the gate is full of the adopted tasks
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
