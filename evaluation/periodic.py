@@ -154,7 +154,13 @@ class FollowingChild:
                     await self.proc.stdin.drain()
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # it died between jobs: the reader answers with its exit code
-                return await self.answer
+                await asyncio.wait({self.answer, self.reader}, return_when=asyncio.FIRST_COMPLETED)
+                if self.answer.done():
+                    return self.answer.result()
+                problem = self.reader.exception() if not self.reader.cancelled() else None
+                log.error("eval: reading its child's output failed (%r); version %d is not recorded", problem,
+                          job.version)
+                return 1
         except asyncio.CancelledError:
             await self.close()
             raise
