@@ -26,6 +26,7 @@ class Driver:
         if self.world > 1:
             torch.distributed.broadcast_object_list([(name, args)], src=0)
         if name == "stop":
+            leave_together()
             return None
         return getattr(self.trainer, name)(*args)
 
@@ -37,5 +38,16 @@ def follow(trainer: Trainer) -> None:
         torch.distributed.broadcast_object_list(box, src=0)
         name, args = box[0]
         if name == "stop":
+            leave_together()
             return
         getattr(trainer, name)(*args)
+
+
+def leave_together() -> None:
+    """Every rank's last call: wait for the others, then close the process group. A rank that exits
+    with gloo's threads still running was seen to abort in teardown ("terminate called without an
+    active exception", SIGABRT), which torch.distributed.run reports as a failed run."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -42,10 +42,9 @@ def main(model_dir: str, zero: int, out: str) -> None:
     torch.distributed.all_gather_object(copied, len(trainer.hf_state_dict()))
     if torch.distributed.get_rank() == 0:
         (Path(out) / "stats.json").write_text(json.dumps({**stats, "state_dict_sizes": copied}))
-    # Leave together and close the group: a rank that exits with gloo's threads still running was
-    # seen to abort in teardown ("terminate called without an active exception", SIGABRT).
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from learner.ranks import leave_together
+
+    leave_together()  # what the learner's ranks do last
 
 
 if __name__ == "__main__":

@@ -95,6 +95,9 @@ def main(model_dir: str, zero: int, dtype_name: str, out: str) -> None:
     if torch.distributed.get_rank() == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "start.json").write_text(json.dumps(gathered))
+    from learner.ranks import leave_together
+
+    leave_together()  # what the learner's ranks do last
 
 
 if __name__ == "__main__":
