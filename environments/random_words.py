@@ -16,7 +16,6 @@ Registered as `random_words` in pyproject.toml.
 from __future__ import annotations
 
 import random
-import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from environments.base import (
     split_by_key,
 )
 from protocol.messages import ChatMessage, Task
-from tasks.data import system_prompt_text
+from tasks.data import rollout_fields, system_prompt_text
 
 NAME = "random_words"
 # The user's words are "t0".."t151642": one token each of bench.common.random_qwen3's tokenizer (its
@@ -120,14 +119,11 @@ def _task(item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, ver
     """The Task of an item: the user's opening as the prefix, the item id as the hidden reference, no
     system prompt unless [rollout].system_prompt names one."""
     return Task(
-        task_id=task_id, run=run, item_id=item.item_id, n=n, mode=rollout.mode,
+        task_id=task_id, run=run, item_id=item.item_id, n=n,
         prefix=[ChatMessage("user", user_message(item.item_id, 0, user_words))],
         reference=item.item_id, title=NAME,
         system_prompt=system_prompt_text(rollout.system_prompt) if rollout.system_prompt else "",
-        sim_prompt=NAME,
-        max_new_turns=rollout.max_new_turns, max_tokens=rollout.max_tokens,
-        futures=rollout.futures if rollout.mode == "next_turn" else 0, future_turns=rollout.future_turns,
-        seed=seed, admitted_version=version, split=split, created=time.time(),
+        sim_prompt=NAME, seed=seed, admitted_version=version, split=split, **rollout_fields(rollout),
     )
 
 

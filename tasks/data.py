@@ -188,22 +188,25 @@ def task_from_item(item: Item, *, run: str, task_id: str, n: int, rollout, seed:
         run=run,
         item_id=item.item_id,
         n=n,
-        mode=rollout.mode,
         prefix=prefix,
         reference=item.reference,
         title=item.title,
         summary=item.summary,
         system_prompt=system_prompt_text(rollout.system_prompt),
         sim_prompt=rollout.sim_prompt or SIM_PROMPT,
-        max_new_turns=rollout.max_new_turns,
-        max_tokens=rollout.max_tokens,
-        futures=rollout.futures if rollout.mode == "next_turn" else 0,
-        future_turns=rollout.future_turns,
         seed=seed,
         admitted_version=version,
         split=split,
-        created=time.time(),
+        **rollout_fields(rollout),
     )
+
+
+def rollout_fields(rollout) -> dict:
+    """The Task fields every environment's task builder takes from [rollout] as they are: the mode,
+    the turn and token limits, the sampled futures (next_turn mode only), and the creation time."""
+    return dict(mode=rollout.mode, max_new_turns=rollout.max_new_turns, max_tokens=rollout.max_tokens,
+                futures=rollout.futures if rollout.mode == "next_turn" else 0, future_turns=rollout.future_turns,
+                created=time.time())
 
 
 def train_eval_items(data) -> tuple[list[Item], list[Item]]:

@@ -23,7 +23,6 @@ import json
 import random
 import re
 import string
-import time
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from environments.base import (
     split_by_key,
 )
 from protocol.messages import ChatMessage, Task
-from tasks.data import system_prompt_text
+from tasks.data import rollout_fields, system_prompt_text
 
 NAME = "hidden_goal"
 TURN_COST = 0.05  # reward per assistant turn: asking for every slot at once, then answering, costs 0.1
@@ -281,14 +280,11 @@ def _task(item: Goal, *, run: str, task_id: str, n: int, rollout, seed: int, ver
     [rollout].system_prompt replaces the domain's system prompt when set."""
     domain = world().domains[item.domain]
     return Task(
-        task_id=task_id, run=run, item_id=item.item_id, n=n, mode=rollout.mode,
+        task_id=task_id, run=run, item_id=item.item_id, n=n,
         prefix=[ChatMessage("user", domain.opening)],
         reference=item.hidden(), title=domain.name,
         system_prompt=system_prompt_text(rollout.system_prompt) if rollout.system_prompt else system_prompt(domain),
-        sim_prompt=NAME,
-        max_new_turns=rollout.max_new_turns, max_tokens=rollout.max_tokens,
-        futures=rollout.futures if rollout.mode == "next_turn" else 0, future_turns=rollout.future_turns,
-        seed=seed, admitted_version=version, split=split, created=time.time(),
+        sim_prompt=NAME, seed=seed, admitted_version=version, split=split, **rollout_fields(rollout),
     )
 
 
