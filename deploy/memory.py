@@ -326,9 +326,11 @@ def processes(cfg: RunConfig) -> list[Proc]:
         procs.append(Proc("reference", tuple(reference_terms(cfg, policy))))
     transport = registry.of(cfg.weights)
     staging = []
-    if transport.gpu:  # the engine's worker copies the learner's buffer before checking and loading it
+    if transport.receives_copy:  # nccl receives a version into the worker's own buffer before loading it
         packed = policy.packed_bytes(learner_dtype_bytes(cfg))
         staging = [Term(f"{transport.kind}: its copy of a version while it loads", _gib(packed))]
+    # (cuda_ipc loads from the learner's buffer itself within the hold time: no copy is planned; a
+    # reader that comes later copies it first, and if that does not fit the load is tried again)
     actor = (*engine_terms(cfg.actor.engine, shape_of), *staging, ctx)
     procs += [Proc(f"actor-{i}", actor) for i in range(cfg.up.actors)]
     if cfg.learner.eval_every > 0:

@@ -294,13 +294,12 @@ class PolicyEngine:
                 self.version = version
 
     async def load_gpu(self, announcement: bytes, hold_s: float, version: int | None = None) -> None:
-        """Load a GPU-transport version (cuda_ipc, nccl; its encoded WeightVersion) in place: the worker copies
-        the learner's packed buffer (opening its CUDA IPC handle, or receiving it over its own
-        process group with rank 0) and checks it, then loads it, in a keep-mode pause as
-        reload_weights does. The copy is checked before any parameter changes, so a refusal
-        (weights.common.WeightVerifyError) leaves the served weights intact. hold_s bounds the
-        whole wait (the learner keeps the buffer that long after it is superseded); past it a
-        TimeoutError says so."""
+        """Load a GPU-transport version (cuda_ipc, nccl; its encoded WeightVersion) in place: the worker
+        receives the learner's packed buffer (opening its CUDA IPC handle, or over its own process
+        group with rank 0) and checks it, then loads it, in a keep-mode pause as reload_weights does.
+        The buffer is checked before any parameter changes, so a refusal (weights.common.WeightVerifyError)
+        leaves the served weights intact. hold_s bounds the whole wait (the learner holds the buffer
+        that long); past it a TimeoutError says so."""
         from weights.common import WeightVerifyError
 
         async with self._reload_lock:
@@ -341,9 +340,10 @@ class WorkerExtension:
         _refresh_cpu_prepacked(self.model_runner.get_model())
 
     def parley_load_gpu(self, announcement: bytes) -> str | None:
-        """Load a GPU-transport version (cuda_ipc, nccl): copy the learner's packed buffer, check it, then
-        reload the model's weights from the copy. Returns None when loaded, or why the version is refused
-        (nothing was changed then)."""
+        """Load a GPU-transport version (cuda_ipc, nccl): receive the learner's packed buffer and check
+        it, then reload the model's weights from it. Returns None when loaded, or why the version is
+        refused (nothing was changed then); raises when the source changed during the load (the
+        transport's `loaded` says so: the served weights may be mixed, the actor restores them)."""
         import torch
 
         from protocol import codec
@@ -360,13 +360,18 @@ class WorkerExtension:
             return f"version {wv.version}: {reason}"
         # vLLM's in-place reload, fed our tensors instead of files: the same machinery as
         # parley_reload_weights (it redoes each layer's post-load processing, which a bare
-        # model.load_weights misses: on CPU the packed linear layers lose their weight_loader)
+        # model.load_weights misses: on CPU the packed linear layers lose their weight_loader). It
+        # copies each layer's results into the engine's own tensors (CUDA graphs keep their
+        # addresses), so nothing served points into the received buffer afterwards.
         self.reload_weights(weights_iterator=iter(named))
         model = self.model_runner.get_model()
-        del named  # the staged copy; its memory goes back to torch's cache
+        del named  # views of the learner's buffer, or of the staged copy (its memory goes back to torch's cache)
+        broken = transport.loaded(wv, self._parley_weights)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+        if broken:
+            raise RuntimeError(f"version {wv.version}: {broken}")
         _refresh_cpu_prepacked(model)
         return None
 

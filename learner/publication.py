@@ -42,7 +42,7 @@ class Publisher:
     def __init__(self) -> None:
         self.running: Publication | None = None
         self.waiting: Publication | None = None
-        self.counters: Counter[str] = Counter()  # published, superseded
+        self.counters: Counter[str] = Counter()  # published, superseded, skipped_held
         self.superseded: list[int] = []  # versions never announced because a newer one came first
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
@@ -124,6 +124,9 @@ class Weights:
         only the announcement is left for the background."""
         if registry.of(self.settings).gpu:
             source = await asyncio.to_thread(self.driver, "pack_weights", version)
+            if source is None:  # every buffer still held (weights.cuda_ipc.IpcPublisher): the next step's is tried
+                self.publisher.counters["skipped_held"] += 1
+                return
             self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
             return
         snap = await asyncio.to_thread(self.driver, "weights_snapshot")

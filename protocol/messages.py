@@ -191,8 +191,9 @@ class CudaIpcBuffer(msgspec.Struct, kw_only=True):
     event_handle: bytes
     event_sync_required: bool
     nbytes: int  # bytes of the buffer's tensor (<= storage_size)
-    hold_s: float  # the learner keeps a superseded buffer at least this long: the reader's deadline
+    hold_s: float  # the learner leaves the buffer untouched this long after filled_at: the reader's deadline
     tensors: list[IpcTensor] = []
+    filled_at: float = 0.0  # wall-clock time the learner filled it (0: an older learner, hold counted from supersession)
 
 
 class NcclSource(msgspec.Struct, kw_only=True):
@@ -204,7 +205,7 @@ class NcclSource(msgspec.Struct, kw_only=True):
     address: str  # host:port of rank 0's TCPStore, reachable from the actors
     backend: str  # "nccl" on GPUs; "gloo" where the learner has none (CPU runs, CI)
     nbytes: int
-    hold_s: float  # as CudaIpcBuffer.hold_s: the learner serves a superseded version this long
+    hold_s: float  # as CudaIpcBuffer.hold_s: the learner leaves a filled buffer unchanged this long
     tensors: list[IpcTensor] = []
 
 

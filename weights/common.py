@@ -173,6 +173,7 @@ class Transport:
     kind: str = ""
     gpu: bool = False  # a packed GPU buffer the engine loads itself, not files
     needs_cuda: bool = False  # the learner must have a CUDA device
+    receives_copy: bool = False  # a GPU transport whose actor holds a whole copy of a version while it loads
     # the actors' engines run on the learner's own GPU (cuda_ipc opens rank 0's memory): the learner
     # hands its cached memory back after each step (learner.trainer), so their loads find room
     shares_device: bool = False
@@ -207,8 +208,14 @@ class Transport:
         return None
 
     def receive(self, wv: WeightVersion, state: dict):
-        """In the engine's worker: ((name, tensor) views into a checked local copy, None) or ([], reason)."""
+        """In the engine's worker: ((name, tensor) views of a checked buffer, None) or ([], reason)."""
         raise self._other_family("receive a GPU buffer", "fetch_version")
+
+    def loaded(self, wv: WeightVersion, state: dict) -> str | None:
+        """In the engine's worker, after the received tensors were loaded: None, or why the loaded
+        weights cannot be trusted (the source changed while it was read); the engine then raises and
+        the actor restores what it served (actors.follow)."""
+        return None
 
     def _other_family(self, what: str, instead: str) -> TypeError:
         # Each transport implements one side of this class: files (gpu False: upload, prune, fetch) or a

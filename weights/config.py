@@ -33,8 +33,9 @@ class SharedDirWeights(_Weights, tag="shared_dir"):
 
 
 class _Packed(_Weights):
-    # A superseded packed buffer is kept unchanged at least hold_s (the actors' deadline for copying
-    # it); max_buffers of the packed model's size are held on rank 0's GPU.
+    # A filled packed buffer is left unchanged for hold_s (the actors' deadline for loading it; a
+    # version is not published rather than written into a buffer still held); max_buffers of the
+    # packed model's size are held on rank 0's GPU.
     hold_s: float = 30.0
     max_buffers: int = 2
 

@@ -1,13 +1,19 @@
 """The `cuda_ipc` weight transport's GPU side: the learner's rank 0 packs its weights (checkpoint
 names) into one GPU buffer, checksums every tensor on the GPU and exports the buffer as a CUDA IPC
 handle (torch's own export, as plain values in protocol.messages.CudaIpcBuffer); an actor's vLLM
-worker on the same host opens the handle, copies the buffer into its own GPU memory, checksums the
-copy and refuses it unless every tensor matches, and only then hands the tensors to load_weights.
+worker on the same host opens the handle, checksums the buffer and refuses it unless every tensor
+matches, and only then hands the tensors to load_weights.
+
+The hold promise: rank 0 leaves a filled buffer untouched for `hold_s` after `filled_at` (it skips
+publishing a version rather than write into a buffer still held: IpcPublisher). A reader with at
+least half the hold time left loads straight from the learner's buffer (no copy: the 4B shape's
+7.5 GiB stay free on a shared GPU) and, if its load ran past the deadline, checks the buffer again
+afterwards; a later reader copies the buffer into its own memory first and checks the copy.
 
 Rank 0's buffers are held by IpcPublisher (learner.trainer builds it through weights.registry);
 the nccl transport reuses its layout, checksums and buffers. engines.engine's WorkerExtension
-receives through `CudaIpc.receive`. torch is imported inside the functions: the module imports
-without it.
+receives through `CudaIpc.receive` and `CudaIpc.loaded`. torch is imported inside the functions:
+the module imports without it.
 
 The checksum is against partial or mismatched transfers (a buffer overwritten while read, a wrong
 handle), not against an adversary: both processes trust the same GPU.
@@ -156,7 +162,7 @@ def local_device(uuid: str) -> int:
     )
 
 
-def export(buffer: "Tensor", tensors: list[IpcTensor], hold_s: float) -> CudaIpcBuffer:
+def export(buffer: "Tensor", tensors: list[IpcTensor], hold_s: float, filled_at: float = 0.0) -> CudaIpcBuffer:
     """A CUDA IPC handle for `buffer` (1-D uint8 on a GPU) with its tensor table. The caller keeps
     `buffer` alive and unchanged for as long as readers may open it."""
     from torch.multiprocessing.reductions import reduce_tensor
@@ -173,23 +179,53 @@ def export(buffer: "Tensor", tensors: list[IpcTensor], hold_s: float) -> CudaIpc
         device_uuid=device_uuid(device), storage_handle=bytes(handle), storage_size=int(storage_size),
         storage_offset=int(storage_offset), ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
         event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync), nbytes=buffer.numel(),
-        hold_s=float(hold_s), tensors=tensors,
+        hold_s=float(hold_s), tensors=tensors, filled_at=float(filled_at),
     )
 
 
-def receive(ipc: CudaIpcBuffer, device) -> tuple[list[tuple[str, "Tensor"]], str | None]:
-    """Open the learner's buffer, copy it to `device` and check it: ((name, tensor) views into the
-    local copy, None) when every checksum matches, ([], reason) when not. The learner's memory is
-    released before returning; nothing of the model is touched here."""
+DIRECT_SHARE = 0.5  # a reader loads straight from the learner's buffer with at least this share of hold_s left
+
+
+def direct_deadline(ipc: CudaIpcBuffer, now: float | None = None) -> float | None:
+    """The wall-clock time until which the learner promises the buffer unchanged, when enough of it is
+    left to load from the buffer itself (at least DIRECT_SHARE of hold_s); None: copy it first (an
+    announcement from a learner without filled_at, or a reader that comes late)."""
+    if ipc.filled_at <= 0:
+        return None
+    deadline = ipc.filled_at + ipc.hold_s
+    now = time.time() if now is None else now
+    return deadline if deadline - now >= DIRECT_SHARE * ipc.hold_s else None
+
+
+def _open(ipc: CudaIpcBuffer) -> "Tensor":
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    src_dev = local_device(ipc.device_uuid)
-    src = rebuild_cuda_tensor(
-        torch.Tensor, (ipc.nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, src_dev, ipc.storage_handle,
-        ipc.storage_size, ipc.storage_offset, False, ipc.ref_counter_handle, ipc.ref_counter_offset,
-        ipc.event_handle or None, ipc.event_sync_required,
+    return rebuild_cuda_tensor(
+        torch.Tensor, (ipc.nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, local_device(ipc.device_uuid),
+        ipc.storage_handle, ipc.storage_size, ipc.storage_offset, False, ipc.ref_counter_handle,
+        ipc.ref_counter_offset, ipc.event_handle or None, ipc.event_sync_required,
     )
+
+
+def receive(ipc: CudaIpcBuffer, device, state: dict | None = None) -> tuple[list[tuple[str, "Tensor"]], str | None]:
+    """Open the learner's buffer and check it: ((name, tensor) views, None) when every checksum
+    matches, ([], reason) when not; nothing of the model is touched here.
+
+    Within the hold (direct_deadline) the views are into the learner's buffer itself, and `state`
+    keeps what `after_load` needs to tell whether the buffer stayed unchanged until the load
+    ended; past it, into a local copy on `device` (the learner's mapping is closed at once)."""
+    import torch
+
+    src = _open(ipc)
+    deadline = direct_deadline(ipc)
+    if deadline is not None:
+        reason = mismatch(ipc.tensors, checksums(src, ipc.tensors))
+        if reason:
+            return [], reason
+        if state is not None:
+            state["direct"] = (src, ipc, deadline)
+        return [(e.name, view(src, e)) for e in ipc.tensors], None
     staged = torch.empty(ipc.nbytes, dtype=torch.uint8, device=device)
     staged.copy_(src)
     torch.cuda.synchronize(device)
@@ -200,28 +236,54 @@ def receive(ipc: CudaIpcBuffer, device) -> tuple[list[tuple[str, "Tensor"]], str
     return [(e.name, view(staged, e)) for e in ipc.tensors], None
 
 
+def after_load(state: dict, now: float | None = None) -> str | None:
+    """After a direct load: None when the learner's buffer provably stayed unchanged (the load ended
+    within the hold, or its checksums still match); else why the loaded weights may be mixed. Closes
+    the mapping either way."""
+    direct = state.pop("direct", None)
+    if direct is None:
+        return None
+    src, ipc, deadline = direct
+    import torch
+
+    if src.is_cuda:
+        torch.cuda.synchronize(src.device)  # the load's copies out of the buffer are done
+    now = time.time() if now is None else now
+    reason = None
+    if now > deadline:
+        bad = mismatch(ipc.tensors, checksums(src, ipc.tensors))
+        if bad:
+            reason = (f"the learner's buffer changed while it was loaded ({bad}; the load ended "
+                      f"{now - deadline:.1f} s past the hold)")
+    del src
+    return reason
+
+
 @dataclass
 class _Buffer:
     data: "Tensor"  # (bytes,) uint8 on the GPU, exported by CUDA IPC
     version: int | None = None
-    superseded_at: float | None = None  # monotonic time the next version replaced it
+    filled: float | None = None  # monotonic time it was filled with `version`
     readers: int = 0  # nccl sends under way from it
 
 
 class IpcPublisher:
-    """Rank 0's shared GPU buffers for transport cuda_ipc. Each version is packed into a buffer
-    that no reader may be holding: one that never served, or was superseded at least `hold_s`
-    ago (readers give up after hold_s, the announcement says so). When none is free, another is
-    allocated, up to `max_buffers`; past that the longest-superseded one is overwritten and a
-    reader still copying it refuses the version on its checksums (and takes the next one).
-    The learner never waits for actors. Buffers live as long as the learner, so torch's IPC
-    reference counting never has to free one under a reader."""
+    """Rank 0's shared GPU buffers for transport cuda_ipc (and nccl). Each version is packed into a
+    buffer nobody may be reading: one that never served, or was filled at least `hold_s` ago (the
+    announcement promises every buffer unchanged for hold_s after its filled_at), and none being sent
+    from. The oldest such buffer is reused; when there is none, another is allocated, up to
+    `max_buffers`; past that the version is not published at all (`fill` returns None, counted in
+    `skipped`) and the next step's is tried: the learner never waits for actors and never writes into
+    a buffer it promised to hold. One buffer is enough when steps are longer than hold_s. Buffers
+    live as long as the learner, so torch's IPC reference counting never has to free one under a
+    reader."""
 
     def __init__(self, hold_s: float, max_buffers: int = 2):
         self.hold_s, self.max_buffers = hold_s, max_buffers
         self.buffers: list[_Buffer] = []
         self.layout = None
         self.total = 0
+        self.skipped: list[int] = []  # versions not published: every buffer was still held
         self._lock = threading.Lock()  # nccl sender threads take buffers while the learner fills one
 
     def _new_buffer(self, device) -> _Buffer:
@@ -231,31 +293,21 @@ class IpcPublisher:
         self.buffers.append(_Buffer(torch.zeros(self.total, dtype=torch.uint8, device=device)))
         return self.buffers[-1]
 
-    def _free_buffer(self, device) -> _Buffer:
+    def _free_buffer(self, device) -> _Buffer | None:
         now = time.monotonic()
-        free = [b for b in self.buffers if not b.readers]
-        idle = [b for b in free if b.version is None
-                or (b.superseded_at is not None and now - b.superseded_at >= self.hold_s)]
-        if idle:
-            return idle[0]
+        free = [b for b in self.buffers if not b.readers and (b.filled is None or now - b.filled >= self.hold_s)]
+        if free:
+            return min(free, key=lambda b: -1.0 if b.filled is None else b.filled)
         if len(self.buffers) < self.max_buffers:
             return self._new_buffer(device)
-        superseded = [b for b in free if b.superseded_at is not None]
-        if not superseded:  # every old buffer is being sent from: never write under a reader
-            log.warning("weights: every buffer is being sent; allocating buffer %d", len(self.buffers) + 1)
-            return self._new_buffer(device)
-        oldest = min(superseded, key=lambda b: b.superseded_at)
-        log.warning("weights: all %d buffers were superseded less than %.0f s ago; overwriting version %d's "
-                    "(an actor still copying it refuses it and takes the next)", len(self.buffers), self.hold_s,
-                    oldest.version)
-        return oldest
+        return None
 
     def take(self, version: int) -> _Buffer | None:
-        """The buffer holding `version` for a send (release() it after), or None when that version
-        is gone: overwritten, or superseded longer ago than the hold time."""
+        """The buffer holding `version` for a send (release() it after): no fill writes into it
+        meanwhile. None when that version is gone (overwritten, or never published)."""
         with self._lock:
             for b in self.buffers:
-                if b.version == version and (b.superseded_at is None or time.monotonic() - b.superseded_at < self.hold_s):
+                if b.version == version:
                     b.readers += 1
                     return b
         return None
@@ -269,12 +321,16 @@ class IpcPublisher:
 
     def pack(self, named: list[tuple[str, "Tensor"]], version: int):
         """Copy `named` (GPU tensors) into a free buffer, checksum it on the GPU and export it:
-        the protocol.messages.CudaIpcBuffer to announce."""
-        buf, tensors = self.fill(named, version)
-        return export(buf, tensors, self.hold_s)
+        the protocol.messages.CudaIpcBuffer to announce, or None when every buffer is still held."""
+        filled = self.fill(named, version)
+        if filled is None:
+            return None
+        buf, tensors = filled
+        return export(buf, tensors, self.hold_s, filled_at=time.time())
 
     def fill(self, named: list[tuple[str, "Tensor"]], version: int):
-        """pack without the export: (the buffer now holding `version`, its tensor table with checksums)."""
+        """pack without the export: (the buffer now holding `version`, its tensor table with
+        checksums), or None when no buffer may be written (the version is skipped, and logged)."""
         layout, total = plan(named)
         if self.layout is None:
             self.layout, self.total = layout, total
@@ -282,14 +338,16 @@ class IpcPublisher:
             raise RuntimeError("the model's tensors changed between versions; cuda_ipc buffers are planned once")
         with self._lock:
             buf = self._free_buffer(named[0][1].device)
+            if buf is None:
+                self.skipped.append(version)
+                log.warning("weights: version %d not published: all %d buffers were filled less than %.1f s ago "
+                            "or are being sent (weights.hold_s, weights.max_buffers); the next step's is tried",
+                            version, len(self.buffers), self.hold_s)
+                return None
             buf.version = None  # being written: not to be sent
             pack(named, buf.data, self.layout)
             sums = checksums(buf.data, self.layout)  # returns after the copies are done (one sync)
-            now = time.monotonic()
-            for b in self.buffers:
-                if b.version is not None and b.superseded_at is None and b is not buf:
-                    b.superseded_at = now
-            buf.version, buf.superseded_at = version, None
+            buf.version, buf.filled = version, time.monotonic()
         return buf.data, with_checksums(self.layout, sums)
 
 
@@ -314,6 +372,9 @@ class CudaIpc(Transport):
         if not torch.cuda.is_available():
             return [], "this engine runs without CUDA; cuda_ipc needs actors on the learner's GPUs"
         try:
-            return receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()))
+            return receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()), state)
         except (LookupError, RuntimeError) as e:  # the GPU is not visible, or the handle no longer opens
             return [], f"cannot open the learner's buffer: {e}"
+
+    def loaded(self, wv: WeightVersion, state: dict) -> str | None:
+        return after_load(state)

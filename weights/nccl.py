@@ -143,8 +143,12 @@ class NcclSender:
         self._threads[0].start()
 
     def pack(self, named: list[tuple[str, "Tensor"]], version: int):
-        """Fill a held buffer with `version`: the protocol.messages.NcclSource to announce."""
-        _, tensors = self.pub.fill(named, version)
+        """Fill a held buffer with `version`: the protocol.messages.NcclSource to announce, or None
+        when every buffer is still held (IpcPublisher.fill: the version is not published)."""
+        filled = self.pub.fill(named, version)
+        if filled is None:
+            return None
+        _, tensors = filled
         return NcclSource(address=self.address, backend=self.backend, nbytes=self.pub.total, hold_s=self.pub.hold_s,
                           tensors=tensors)
 
@@ -204,8 +208,8 @@ class NcclSender:
                 version = int(req)
                 buf = self.pub.take(version)
                 if buf is None:
-                    store.set(f"ack{n}", f"version {version} is no longer held (superseded over "
-                                         f"{self.pub.hold_s:.0f} s ago or overwritten); the next one will be")
+                    store.set(f"ack{n}", f"version {version} is no longer held (its buffer was refilled "
+                                         f"over {self.pub.hold_s:.0f} s after it was filled); the next one will be")
                 else:
                     try:
                         store.set(f"ack{n}", "ok")
@@ -230,6 +234,7 @@ def timedelta_s(seconds: float):
 class Nccl(Transport):
     kind = "nccl"
     gpu = True
+    receives_copy = True  # received into the actor's own buffer, then loaded
     source_type = NcclSource
 
     def sender(self, settings, device) -> NcclSender:

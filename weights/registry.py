@@ -85,7 +85,7 @@ async def publish_gpu_version(js, run: str, version: int, step: int, source: Cud
     """Announce `version` as the learner's packed GPU buffer (transport "cuda_ipc" for a
     CudaIpcBuffer, "nccl" for an NcclSource): nothing is uploaded; the announcement carries what
     the engine needs to get the buffer and the per-tensor checksums, and its sha256 is the digest
-    of that table. The caller keeps the buffer unchanged for source.hold_s after it is superseded
+    of that table. The caller keeps the buffer unchanged for source.hold_s after it filled it
     (weights.cuda_ipc.IpcPublisher)."""
     wv = gpu_announcement(run, version, step, source)
     await announce(js, run, wv)

@@ -7,6 +7,7 @@ nothing. Runs only where torch sees a CUDA device (gpu marker); docs/gpu.md has 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -66,6 +67,18 @@ def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refus
         assert engine.version == 1
         by_ipc = greedy(loop, engine, prompt)
         assert by_ipc != before
+        # loaded straight from the learner's buffer (filled just now, 30 s hold): nothing served
+        # points into it, so the learner refilling it changes nothing the engine serves
+        saved = pub.buffers[0].data.clone()
+        pub.buffers[0].data.zero_()
+        torch.cuda.synchronize()
+        assert greedy(loop, engine, prompt) == by_ipc
+        pub.buffers[0].data.copy_(saved)
+        # a late reader (under half the hold left): the staged copy, checked, loads the same weights
+        late = msgspec.structs.replace(wv, ipc=msgspec.structs.replace(ipc, filled_at=time.time() - 29.0))
+        loop.run_until_complete(engine.reload_weights(base, version=0))
+        loop.run_until_complete(engine.load_gpu(codec.encode(late), hold_s=30.0, version=1))
+        assert greedy(loop, engine, prompt) == by_ipc
 
         loop.run_until_complete(engine.reload_weights(base, version=0))
         assert greedy(loop, engine, prompt) == before

@@ -47,7 +47,10 @@ def test_versions_arrive_checked_and_stale_or_bad_ones_are_refused(monkeypatch):
         got, reason = receiver.fetch(s1, 1, "cpu")  # v1 superseded just now: still held
         assert reason is None and torch.equal(got[0][1], weights(1)[0][1])
 
-        now[0] += 11.0  # past v1's hold time
+        now[0] += 11.0  # past v1's hold time: still there until a fill reuses its buffer
+        got, reason = receiver.fetch(s1, 1, "cpu")
+        assert reason is None and torch.equal(got[0][1], weights(1)[0][1])
+        assert sender.pack(weights(3), 3) is not None  # into v1's buffer, the oldest past its hold
         got, reason = receiver.fetch(s1, 1, "cpu")
         assert got == [] and "version 1 is no longer held" in reason
 

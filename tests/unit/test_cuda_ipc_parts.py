@@ -120,23 +120,81 @@ def test_file_paths_refuse_the_gpu_transport():
         asyncio.run(registry.fetch_version(None, "r", wv, "/nonexistent"))
 
 
-def test_publisher_reuses_a_buffer_only_after_the_hold_time(monkeypatch):
+def test_publisher_never_writes_into_a_buffer_younger_than_its_hold_time(monkeypatch):
     now = [100.0]
     monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
     pub = IpcPublisher(hold_s=10.0, max_buffers=2)
     tensors = named()
     b1, t1 = pub.fill(tensors, 1)
     assert torch.equal(cuda_ipc.view(b1, t1[0]), tensors[0][1])
-    b2, _ = pub.fill(tensors, 2)  # v1 was superseded just now: a second buffer
-    assert b2.data_ptr() != b1.data_ptr()
+    before = [b.data.clone() for b in pub.buffers]
     now[0] += 5.0
-    b3, _ = pub.fill(tensors, 3)  # nothing idle and no room: the longest-superseded (v1's) is overwritten
-    assert b3.data_ptr() == b1.data_ptr()
-    now[0] += 11.0
-    b4, _ = pub.fill(tensors, 4)  # v2's buffer has been superseded for 11 s > hold
-    assert b4.data_ptr() == b2.data_ptr() and len(pub.buffers) == 2
+    b2, _ = pub.fill(tensors, 2)  # v1's buffer was filled 5 s ago: a second buffer
+    assert b2.data_ptr() != b1.data_ptr()
+    now[0] += 4.0
+    before = [b.data.clone() for b in pub.buffers]
+    other = [(n, t + 1) for n, t in tensors]
+    assert pub.fill(other, 3) is None and pub.skipped == [3]  # both younger than 10 s, no room: not published
+    assert all(torch.equal(b.data, old) for b, old in zip(pub.buffers, before))  # nothing was written
+    for v in (1, 2):  # both versions are still served
+        held = pub.take(v)
+        assert held is not None
+        pub.release(held)
+    now[0] += 1.0  # v1's buffer is 10 s old: reused; v2's (5 s) is not
+    b4, t4 = pub.fill(other, 4)
+    assert b4.data_ptr() == b1.data_ptr() and torch.equal(cuda_ipc.view(b4, t4[0]), other[0][1])
+    assert pub.take(1) is None and len(pub.buffers) == 2
     with pytest.raises(RuntimeError, match="planned once"):
         pub.fill(tensors[:2], 5)
+
+
+def test_one_buffer_is_refilled_once_its_hold_time_is_over(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
+    pub = IpcPublisher(hold_s=3.0, max_buffers=1)
+    tensors = named()
+    b1, _ = pub.fill(tensors, 1)
+    now[0] += 2.9
+    assert pub.fill(tensors, 2) is None  # the only buffer is still held
+    now[0] += 0.1
+    b3, _ = pub.fill(tensors, 3)
+    assert b3.data_ptr() == b1.data_ptr() and len(pub.buffers) == 1 and pub.skipped == [2]
+
+
+def test_a_buffer_being_sent_from_is_never_refilled(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
+    pub = IpcPublisher(hold_s=1.0, max_buffers=1)
+    pub.fill(named(), 1)
+    buf = pub.take(1)  # an nccl send under way
+    now[0] += 60.0
+    assert pub.fill(named(), 2) is None
+    pub.release(buf)
+    assert pub.fill(named(), 3) is not None
+
+
+def test_a_reader_loads_from_the_buffer_itself_only_with_half_the_hold_left():
+    _, layout, buf = packed()
+    sums = cuda_ipc.checksums(buf, layout)
+    ipc = announcement(cuda_ipc.with_checksums(layout, sums)).ipc
+    ipc = msgspec.structs.replace(ipc, hold_s=4.0, filled_at=1000.0)
+    assert cuda_ipc.direct_deadline(ipc, now=1001.9) == 1004.0  # 2.1 s of 4 left
+    assert cuda_ipc.direct_deadline(ipc, now=1002.1) is None  # under half: copy first
+    assert cuda_ipc.direct_deadline(msgspec.structs.replace(ipc, filled_at=0.0), now=1.0) is None  # an older learner
+
+
+def test_after_load_finds_a_buffer_changed_past_its_hold():
+    _, layout, buf = packed()
+    ipc = msgspec.structs.replace(announcement(cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))).ipc,
+                                  hold_s=4.0, filled_at=1000.0)
+    state = {"direct": (buf, ipc, 1004.0)}
+    assert cuda_ipc.after_load(state, now=1005.0) is None and state == {}  # late, but unchanged
+    buf[layout[2].offset] ^= 0x01
+    state = {"direct": (buf, ipc, 1004.0)}
+    assert cuda_ipc.after_load(dict(state), now=1003.0) is None  # within the hold: the promise covers it
+    reason = cuda_ipc.after_load(state, now=1005.0)
+    assert "changed while it was loaded" in reason and "model.layers.0.mlp.up_proj.weight" in reason
+    assert cuda_ipc.after_load({}) is None  # a staged (copied) load: nothing to check
 
 
 def test_learner_config_and_cpu_trainer_refuse_bad_ipc_settings():
@@ -162,3 +220,30 @@ def test_whole_buffer_sums_equal_the_per_tensor_definition():
         words = buf[e.offset: e.offset + size].view(torch.int32).view(-1, 64).to(torch.int64)
         assert s1 == int(words.sum())
         assert s2 == int((words.sum(1) * torch.arange(1, words.shape[0] + 1)).sum())
+
+
+def test_a_version_whose_buffers_are_all_held_is_counted_and_never_announced(tmp_path):
+    """learner.publication.Weights with a GPU transport: a pack that returns None (IpcPublisher.fill
+    found every buffer held) submits nothing, so nothing is announced and the feeder's version stays;
+    the heartbeat's weights.skipped_held counts it. Test doubles for the driver and feeder."""
+    from config.learner import LearnerConfig
+    from learner.publication import Publisher, Weights
+
+    class FeederDouble:
+        version = None
+
+        def set_version(self, v):
+            self.version = v
+
+    packs = {3: None}
+    calls = []
+
+    def driver(op, version):
+        calls.append((op, version))
+        return packs[version]
+
+    feeder, publisher = FeederDouble(), Publisher()
+    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, feeder)
+    asyncio.run(weights.publish(3))
+    assert calls == [("pack_weights", 3)] and not publisher.busy() and feeder.version is None
+    assert publisher.counters["skipped_held"] == 1 and publisher.counters["published"] == 0

@@ -34,13 +34,13 @@ SMOL_ACT_LAYER = 2 * 6 * 576 + 4 * (9 + 3) * 64 + 4 * 9 + 8 * 1536  # bytes a to
 def gpu1_total(total: float, *, services: bool, actor_kv_gib: float = 4.0) -> float:
     """gpu-1.toml's plan by hand, in GiB: 2 actors and the eval engine with actor_kv_gib of KV cache, the
     services' engine with 6 GiB, each engine its bf16 weights and 1 GiB of working memory (the estimate),
-    a 1 GiB CUDA context each, each actor's cuda_ipc copy, and the learner. The total does not enter: the
+    a 1 GiB CUDA context each, and the learner (cuda_ipc actors load from its buffers: no copy). The total does not enter: the
     engines' KV caches are explicit (it is a parameter only to say so)."""
     del total
-    learner = (16 * SMOL_PARAMS + 2 * SMOL_PARAMS + 2 * SMOL_PACKED + 5e8 * 2  # states, reference, buffers, bucket
+    learner = (16 * SMOL_PARAMS + 2 * SMOL_PARAMS + 3 * SMOL_PACKED + 5e8 * 2  # states, reference, 3 buffers, bucket
                + 16384 * (30 * SMOL_ACT_LAYER + 8 * 576) + 4 * 4 * 1024 * 49152) / GIB + 1.0
     engine = 2 * SMOL_PARAMS / GIB + 1.0 + 1.0  # weights, working memory, context
-    engines = 3 * (engine + actor_kv_gib) + 2 * SMOL_PACKED / GIB
+    engines = 3 * (engine + actor_kv_gib)
     return engines + learner + ((engine + 6.0) if services else 0.0)
 
 
@@ -86,7 +86,7 @@ def test_a_small_gpu_is_refused_with_the_overflow_and_the_knobs():
     assert f"{need - usable:.2f} GiB over; nothing was started" in msg
     for knob in ("actor.engine.kv_cache_bytes = 4294967296", "up.actors = 2", "sim.engine.kv_cache_bytes = 6442450944",
                  "learner.micro_batch_tokens = 16384", "learner.gradient_checkpointing = true",
-                 "weights.max_buffers = 2", "learner.eval_every = 5", "up.gpu_memory_gib = 24"):
+                 "weights.max_buffers = 3", "learner.eval_every = 5", "up.gpu_memory_gib = 24"):
         assert knob in msg, knob
 
 
@@ -146,7 +146,7 @@ def test_each_term_of_a_small_shape_by_hand(tmp_path):
     packed = 2 * n + 4 * 192  # in bf16 the 4 q/k norms (64 B) are padded to 256 B
     assert terms["weights + gradients + fp32 master + Adam m, v"] == pytest.approx(16 * n)
     assert terms["frozen reference (policy.reference = local)"] == pytest.approx(2 * n)
-    assert terms["cuda_ipc buffers"] == pytest.approx(2 * packed)
+    assert terms["cuda_ipc buffers"] == pytest.approx(3 * packed)  # gpu-1.toml: weights.max_buffers = 3
     assert terms["DeepSpeed gradient bucket"] == pytest.approx(5e8 * 2)
     assert terms["activations"] == pytest.approx(t * (2 * tiny_act + 8 * 128))
     assert terms["logits"] == pytest.approx(4 * 4 * 512 * 2048)
