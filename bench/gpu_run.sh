@@ -5,7 +5,8 @@
 #     bash bench/gpu_run.sh B    # the weight-path bench, the bf16 log-prob agreement
 #     bash bench/gpu_run.sh C    # the learner bench (ZeRO-2 and ZeRO-3)
 #     bash bench/gpu_run.sh U    # every role on one GPU: parley up, gpu-1.toml, hidden_goal (issue 26 2a)
-#     bash bench/gpu_run.sh T    # the same at the 4B shape on random_words, for a wall budget (issue 26 2b)
+#     bash bench/gpu_run.sh T    # the same at the 4B shape on random_words, for a wall budget (issue 26 2b,
+#                                # 2c with STALENESS="1 0 2")
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -70,25 +71,26 @@ U)
     tail -n 80 "$RUN/logs/actor-0.log" >"$OUT/actor0_tail.log" 2>/dev/null
     ;;
 T)
-    # issue 26 2b: throughput at the reference shape: Qwen3-4B-shaped random weights on the random_words
-    # environment (deploy/configs/gpu-1-4b.toml), every role on this GPU, for a wall budget of
-    # BUDGET_S seconds (the run is stopped then: no final 52 GiB checkpoint on the 64 GiB disk)
+    # issue 26 2b and 2c: throughput at the reference shape: Qwen3-4B-shaped random weights on the
+    # random_words environment (deploy/configs/gpu-1-4b.toml), every role on this GPU, for a wall budget
+    # of BUDGET_S seconds a run (stopped then: no final 52 GiB checkpoint on the 64 GiB disk), once per
+    # max_staleness in STALENESS (default "1"; 2c: "1 0 2"). `parley up` samples the GPU itself
+    # (RUN/gpu); after each run `parley report` draws the timeline and bench/gpu_summary.py writes the
+    # figures: $OUT/summary_4b_s<S>.json, $OUT/gpu_4b_s<S>.png.
     BUDGET_S=${BUDGET_S:-420}
-    RUN=${RUN_DIR:-/tmp/run-4b}
     step build4b 150 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
-    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,memory.total --format=csv,noheader -lms 1000 \
-        >"$OUT/gpu_samples_4b.csv" 2>/dev/null &
-    SMI=$!
-    nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv,noheader -l 5 \
-        >"$OUT/gpu_apps_4b.csv" 2>/dev/null &
-    APPS=$!
-    step up_4b "$((BUDGET_S + 40))" timeout -s INT "$BUDGET_S" python3 -m deploy.cli up --config deploy/configs/gpu-1-4b.toml \
-        --no-live --run-dir "$RUN" --steps 1000 --set learner.checkpoint_every=1000 --set "actor.engine.model=\"$MODEL\"" \
-        --set "policy.model=\"$MODEL\""
-    kill "$SMI" "$APPS" 2>/dev/null
-    cp "$RUN/metrics.jsonl" "$OUT/metrics_4b.jsonl" 2>/dev/null
-    grep -h -i -E "weights version|refused|out of memory|OutOfMemory" "$RUN"/logs/actor-*.log | head -n 60 >"$OUT/actor_weights_4b.log"
-    tail -n 300 "$RUN/logs/learner.log" >"$OUT/learner_4b_tail.log" 2>/dev/null
+    for S in ${STALENESS:-1}; do
+        RUN=/tmp/run-4b-s$S
+        rm -rf "$RUN"
+        step "up_4b_s$S" "$((BUDGET_S + 40))" timeout -s INT "$BUDGET_S" python3 -m deploy.cli up \
+            --config deploy/configs/gpu-1-4b.toml --no-live --run-dir "$RUN" --steps 1000 \
+            --set learner.checkpoint_every=1000 --set "learner.max_staleness=$S" \
+            --set "actor.engine.model=\"$MODEL\"" --set "policy.model=\"$MODEL\""
+        python3 -m deploy.cli report "$RUN" >/dev/null 2>&1 && cp "$RUN/report/gpu.png" "$OUT/gpu_4b_s$S.png"
+        python3 bench/gpu_summary.py "$RUN" --json "$OUT/summary_4b_s$S.json" | head -c 1500
+        grep -h -i -E "refused|out of memory|OutOfMemory|not published" "$RUN"/logs/*.log | head -n 20 \
+            >>"$OUT/problems_4b.log"
+    done
     ;;
 *)
     echo "usage: bash bench/gpu_run.sh A|B|C|U|T" >&2

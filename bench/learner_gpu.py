@@ -153,9 +153,10 @@ def count_params(s: dict) -> int:
 
 
 def train_flops(s: dict, n_params: int, lengths: list[int]) -> float:
-    """Forward + backward model FLOPs of sequences of these lengths (module docstring)."""
-    attn = s["layers"] * s["heads"] * s["head_dim"]
-    return float(sum(6 * n_params * n + 6 * attn * n * n for n in lengths))
+    """Forward + backward model FLOPs of sequences of these lengths (learner.flops, module docstring)."""
+    from learner.flops import train_flops as flops
+
+    return flops(n_params, s["layers"], s["heads"], s["head_dim"], lengths)
 
 
 # ---------------------------------------------------------------------------------------------

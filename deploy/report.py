@@ -1,7 +1,9 @@
-"""`parley report RUN_DIR`: PNG charts of a run's reward terms, KL and eval metrics per version.
+"""`parley report RUN_DIR`: PNG charts of a run's reward terms, KL and eval metrics per version,
+and, for a run on a GPU, a timeline of what the GPU did.
 
-Reads what the learner writes (RUN_DIR/metrics.jsonl, one JSON object per step) and the evaluated
-versions that `parley select` reads (RUN_DIR/eval/v<N>/records.parquet, RUN_DIR/eval/summary.jsonl).
+Reads what the learner writes (RUN_DIR/metrics.jsonl, one JSON object per step), the evaluated
+versions that `parley select` reads (RUN_DIR/eval/v<N>/records.parquet, RUN_DIR/eval/summary.jsonl)
+and the GPU samples `parley up` takes (RUN_DIR/gpu/, deploy/gpu_samples.py).
 """
 
 from __future__ import annotations
@@ -78,4 +80,44 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
     if evals:
         by_metric = {m: [(v.version, v.mean(m)) for v in evals] for m in env.eval.columns}
         written.append(_line_chart(by_metric, out_dir / "eval.png", title=f"held-out eval — {name}", xlabel="policy version"))
+    timeline = gpu_timeline(run_dir, rows, out_dir / "gpu.png", title=f"GPU — {name}")
+    if timeline is not None:
+        written.append(timeline)
     return written
+
+
+def gpu_timeline(run_dir: Path, rows: list[dict], path: Path, *, title: str) -> Path | None:
+    """Utilization (top) and memory by role (bottom) against seconds since the first sample, with a
+    dotted line at each step's end (metrics' ended_at); None when the run has no GPU samples."""
+    from deploy.gpu_samples import read_samples
+
+    samples, by_role = read_samples(run_dir)
+    if not samples:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = samples[0][0]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    top.plot([s[0] - t0 for s in samples], [s[1] for s in samples], lw=0.8, color="tab:blue")
+    top.set_ylabel("utilization %")
+    top.set_ylim(0, 105)
+    bottom.plot([s[0] - t0 for s in samples], [s[2] for s in samples], lw=1.2, color="black", label="GPU total")
+    for role, pts in sorted(by_role.items()):
+        bottom.plot([p[0] - t0 for p in pts], [p[1] for p in pts], lw=1.0, label=role)
+    bottom.set_ylabel("memory GiB")
+    bottom.set_xlabel("seconds since the first sample")
+    bottom.legend(fontsize=7, ncol=3)
+    for r in rows:
+        if isinstance(r.get("ended_at"), (int, float)) and r["ended_at"] >= t0:
+            for ax in (top, bottom):
+                ax.axvline(r["ended_at"] - t0, color="grey", ls=":", lw=0.6)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    top.set_title(f"{title} (dotted: step ends)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

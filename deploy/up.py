@@ -118,6 +118,11 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         f"# a role started by hand also needs its credentials: source {run_dir / 'auth'}/<role>.env\n"
     )
     sup = Supervisor(run_dir)
+    from deploy.gpu_samples import GpuSampler
+    from deploy.memory import uses_gpu
+
+    sampler = GpuSampler.start_if_gpu(uses_gpu(cfg), run_dir,
+                                      lambda: {c.proc.pid: c.name for c in sup.children if c.proc is not None})
     admin = creds["admin"]
     nc = await connect_nats(cfg.nats, name="parley-up", user=admin[0], password=admin[1])
     js = nc.jetstream()
@@ -155,10 +160,14 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
 
             Console(width=110).print(render(await watcher.poll(), cfg.run.name, "(at the last step)"))
         await watcher.stop()
+        if sampler is not None:
+            sampler.stop()  # before the closing report draws its samples
         if code == 0:
             code = _closing(cfg, run_dir)
         return code
     finally:
+        if sampler is not None:
+            sampler.stop()
         sup.stop_all()
         with contextlib.suppress(Exception):
             await nc.drain()

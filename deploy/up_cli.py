@@ -14,7 +14,7 @@ from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run
 def register(app: typer.Typer) -> None:
     app.command("up", help="Run the whole system on this machine (nats, services, actors, scorers, learner) with a live view.")(up_cmd)
     app.command("top", help="Live view of a running run whose roles may live on other machines.")(top_cmd)
-    app.command("report", help="Write PNG charts of reward terms, KL and eval metrics of a run directory.")(report_cmd)
+    app.command("report", help="Write PNG charts of reward terms, KL and eval metrics of a run directory (and its GPU timeline when `parley up` sampled one).")(report_cmd)
 
 
 def up_cmd(

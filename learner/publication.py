@@ -115,26 +115,28 @@ class Weights:
         self.publisher, self.feeder = publisher, feeder
         self.served = ServedVersions(nc, run_name)  # what actors serve is never pruned
 
-    async def publish(self, version: int, write_now: bool = False) -> None:
+    async def publish(self, version: int, write_now: bool = False) -> bool:
         """Take `version`'s weights now, before the next step can change them, and hand their upload and
         announcement to the publisher (learner.publication): the next step does not wait for them.
         objstore / shared_dir: a CPU copy on rank 0 (Trainer.weights_snapshot; ZeRO-3 gathers first),
         written to weights_dir in the background, or at once with `write_now` (an eval exports it
         next). A GPU transport (cuda_ipc, nccl): packed into one of rank 0's GPU buffers (no file);
-        only the announcement is left for the background."""
+        only the announcement is left for the background. False when the GPU transport had no buffer
+        it may write (the version is not published)."""
         if registry.of(self.settings).gpu:
             source = await asyncio.to_thread(self.driver, "pack_weights", version)
             if source is None:  # every buffer still held (weights.cuda_ipc.IpcPublisher): the next step's is tried
                 self.publisher.counters["skipped_held"] += 1
-                return
+                return False
             self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
-            return
+            return True
         snap = await asyncio.to_thread(self.driver, "weights_snapshot")
         wdir = ckpt.weights_dir(self.run_dir, version)
         if write_now:
             await asyncio.to_thread(snap.write, wdir)
         self.publisher.submit(Publication(version, lambda: self.upload(version, snap, wdir),
                                           discard=lambda: shutil.rmtree(wdir, ignore_errors=True)))
+        return True
 
     async def upload(self, version: int, snap, wdir: Path) -> None:
         """In the background: write the file (unless written), upload it (its sha256 is computed once,

@@ -68,13 +68,15 @@ class Stepper:
         # The feeder's version moves in publish(), once the actors have been told of the new weights.
         stats["wait_s"] = wait_s
         stats["admission_lag_hist"] = dict(admission_lag)
+        stats["ended_at"] = time.time()  # wall clock at the step's end: the start of "step end -> serving"
 
         last = st.last()
         eval_due = self.evals.due(st.step, last=last)
         if st.step % self.lc.publish_every == 0 or last:
             t0 = time.perf_counter()
-            await self.weights.publish(st.step, write_now=eval_due)
+            published = await self.weights.publish(st.step, write_now=eval_due)
             stats["publish_s"] = time.perf_counter() - t0  # on the step's path: the CPU copy (and the file, for an eval)
+            stats["publish_skipped_held"] = 0.0 if published else 1.0
         if st.step % self.lc.checkpoint_every == 0 or last:
             t0 = time.perf_counter()
             tag = ckpt.step_tag(st.step)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from learner import attention, grpo
+from learner.flops import shape_of as flops_shape, train_flops
 from config.learner import LearnerConfig
 from config.policy import Reference
 from learner.logprobs import PackedPolicy, token_logprobs
@@ -271,6 +272,9 @@ class Trainer:
         # left 0.9 GiB free, so no actor could copy the next version (7.5 GiB) and every one was
         # refused. The next step allocates it again (docs/gpu.md, "Train on one GPU").
         self.release_cache = transport.shares_device and getattr(device, "type", str(device)) == "cuda"
+        # for the step's model FLOPs (learner.flops): parameters once each (a tied lm_head once; ZeRO-3's
+        # partitioned ones by their full size)
+        self.n_params = sum(getattr(p, "ds_numel", 0) or p.numel() for p in self.module.parameters())
 
     def close(self) -> None:
         """Forget the ZeRO-3 loading hook: later from_pretrained calls in this process load plain
@@ -363,6 +367,7 @@ class Trainer:
         released = self._release_cache()
         elapsed = time.perf_counter() - t0
         total_tokens = sum(len(s.token_ids) for s in samples)
+        flops = train_flops(self.n_params, *flops_shape(self.module.config), (len(s.token_ids) for s in samples))
         stats.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             skipped=0.0 if applied else 1.0,  # learner.stepper dead-letters a skipped step's groups
@@ -373,6 +378,8 @@ class Trainer:
             micro_batches=float(n_micro),
             train_s=elapsed,
             tokens_per_s=total_tokens / elapsed,
+            # the policy's training FLOPs per second per rank (learner.flops; a local reference's forward not counted)
+            model_tflops_per_s=flops / elapsed / 1e12 / torch.distributed.get_world_size(),
         )
         if released is not None:
             stats.update(cache_released_gib=released[0], reserved_gib=released[1], peak_allocated_gib=released[2])

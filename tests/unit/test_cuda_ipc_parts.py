@@ -244,6 +244,6 @@ def test_a_version_whose_buffers_are_all_held_is_counted_and_never_announced(tmp
 
     feeder, publisher = FeederDouble(), Publisher()
     weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, feeder)
-    asyncio.run(weights.publish(3))
+    assert asyncio.run(weights.publish(3)) is False
     assert calls == [("pack_weights", 3)] and not publisher.busy() and feeder.version is None
     assert publisher.counters["skipped_held"] == 1 and publisher.counters["published"] == 0

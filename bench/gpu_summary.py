@@ -1,0 +1,133 @@
+"""The figures of a `parley up` run on one GPU (issue 26 2b and 2c), read from its run directory:
+steps per hour, trained and generated tokens per second, the learner's share of the wall time spent
+in its step, the GPU's utilization, step end -> serving per version, peak GPU memory (in all and per
+role), and the learner's MFU in the live run.
+
+    python3 bench/gpu_summary.py RUN_DIR [--json OUT] [--peak-tflops 989.4]
+
+Reads RUN_DIR/metrics.jsonl (each step's `ended_at`, `train_s`, `trained_tokens`,
+`model_tflops_per_s`), RUN_DIR/logs/actor-*.log (the actors' "now serving weights version N" and
+"... assistant tokens generated so far" lines, with their log times) and RUN_DIR/gpu/ (the samples
+`parley up` takes, deploy/gpu_samples.py). Rates are over the steady window from the first step's
+end to the last's, so start-up (engines, compile, the first groups) is reported apart, as the time
+to the first step. The peak is the H200 SXM's dense bf16 figure from NVIDIA's datasheet (989.4
+TFLOPS); pass the measured matmul peak (bench/learner_gpu.py prints it) to divide by that instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deploy.gpu_samples import read_samples  # noqa: E402
+
+H200_BF16_DENSE_TFLOPS = 989.4
+_LOGTIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_SERVING = re.compile(r"now serving weights version (\d+)")
+_GENERATED = re.compile(r"\((\d+) assistant tokens generated so far\)")
+
+
+def log_time(line: str) -> float | None:
+    m = _LOGTIME.match(line)
+    if not m:
+        return None
+    return dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()  # local time, as logging wrote it
+
+
+def _rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def summarize(run: Path, peak_tflops: float = H200_BF16_DENSE_TFLOPS) -> dict:
+    rows = [r for r in _rows(run) if isinstance(r.get("ended_at"), (int, float))]
+    out: dict = {"run_dir": str(run), "steps": len(rows)}
+    serving: dict[int, list[float]] = {}
+    generated: list[tuple[float, int]] = []
+    for log in sorted((run / "logs").glob("actor-*.log")):
+        per_actor: list[tuple[float, int]] = []
+        for line in log.read_text(errors="replace").splitlines():
+            t = log_time(line)
+            if t is None:
+                continue
+            if m := _SERVING.search(line):
+                serving.setdefault(int(m.group(1)), []).append(t)
+            if m := _GENERATED.search(line):
+                per_actor.append((t, int(m.group(1))))
+        generated.append(per_actor)  # type: ignore[arg-type]
+    samples, by_role = read_samples(run)
+    if samples:
+        out["gpu_memory_peak_gib"] = round(max(s[2] for s in samples), 2)
+        out["gpu_memory_peak_by_role_gib"] = {r: round(max(p[1] for p in pts), 2) for r, pts in by_role.items()}
+    if len(rows) < 2:
+        out["note"] = "fewer than two steps: no steady-state rates"
+        return out
+    t1, tn = rows[0]["ended_at"], rows[-1]["ended_at"]
+    window = tn - t1
+    steady = rows[1:]
+    trained = sum(r.get("trained_tokens", 0.0) for r in steady)
+    out.update(
+        window_s=round(window, 1),
+        first_step_ended_s_after_first_gpu_sample=round(t1 - samples[0][0], 1) if samples else None,
+        steps_per_hour=round(len(steady) / window * 3600, 1),
+        trained_tokens_per_s=round(trained / window, 1),
+        tokens_per_s_all=round(sum(r.get("tokens", 0.0) for r in steady) / window, 1),
+        learner_step_share=round(sum(r.get("train_s", 0.0) for r in steady) / window, 3),
+        train_s_median=round(statistics.median(r["train_s"] for r in steady), 2),
+        wait_s_median=round(statistics.median(r.get("wait_s", 0.0) for r in steady), 2),
+    )
+    tflops = [r["model_tflops_per_s"] for r in steady if isinstance(r.get("model_tflops_per_s"), (int, float))]
+    if tflops:
+        out.update(model_tflops_per_s_median=round(statistics.median(tflops), 1), peak_tflops=peak_tflops,
+                   live_mfu_median=round(statistics.median(tflops) / peak_tflops, 3))
+    for key in ("reserved_gib", "peak_allocated_gib", "cache_released_gib"):
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if vals:
+            out[f"learner_{key}_max"] = round(max(vals), 2)
+    in_window = [s for s in samples if t1 <= s[0] <= tn]
+    if in_window:
+        out["gpu_util_mean_pct"] = round(statistics.mean(s[1] for s in in_window), 1)
+        out["gpu_busy_share"] = round(sum(1 for s in in_window if s[1] > 0) / len(in_window), 3)
+    gen_rate = 0.0
+    for per_actor in generated:
+        pts = [p for p in per_actor if t1 <= p[0] <= tn]
+        if len(pts) >= 2:
+            gen_rate += (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+    out["generated_tokens_per_s"] = round(gen_rate, 1) if gen_rate else None
+    ended = {int(r["step"]): r["ended_at"] for r in rows}
+    lat = {v: round(max(ts) - ended[v], 3) for v, ts in serving.items() if v in ended}
+    out["step_end_to_serving_s"] = lat  # every actor serving it (the last actor's time)
+    if lat:
+        out["step_end_to_serving_median_s"] = round(statistics.median(lat.values()), 3)
+    stale: dict[str, int] = {}
+    for r in rows:
+        for k, v in (r.get("staleness_hist") or {}).items():
+            stale[k] = stale.get(k, 0) + int(v)
+    out["staleness_hist"] = stale
+    out["groups"] = rows[-1].get("groups")
+    out["versions_skipped_held"] = [int(r["step"]) for r in rows if r.get("publish_skipped_held")]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
+    args = ap.parse_args()
+    out = summarize(args.run_dir, args.peak_tflops)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

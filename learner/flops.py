@@ -1,0 +1,25 @@
+"""Model FLOPs of a training step, the figure MFU divides by the GPU's peak: the formula
+bench/learner_gpu.py states and the live learner reports (`model_tflops_per_s` in each step's
+metrics), so the bench and a real run are measured alike.
+
+Per sequence of s tokens, training (forward + backward) = 6 * N * s + 6 * L * Hq * d * s^2 (PaLM-style
+model FLOPs, recomputation not counted; N = parameters with a tied embedding counted once; the
+second term is causal attention, 12 * L * Hq * d * s^2 / 2). Packed sequences attend only within
+themselves, so the attention term is summed per sequence. A forward alone is a third of that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def train_flops(n_params: int, layers: int, heads: int, head_dim: int, lengths: Iterable[int]) -> float:
+    attn = layers * heads * head_dim
+    return float(sum(6 * n_params * n + 6 * attn * n * n for n in lengths))
+
+
+def shape_of(config) -> tuple[int, int, int]:
+    """(layers, query heads, head dim) of an HF config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, heads, head_dim
