@@ -488,8 +488,31 @@ def eval_due(version: int, every: int, last: int) -> bool:
     return every > 0 and (version == 0 or version % every == 0 or version == last)
 
 
+def pickle_site_modules_by_name() -> None:
+    """datasets hashes its transforms with dill, and dill pickles a module by reference only when its
+    file is under the interpreter's own prefix: packages installed outside it (the device's staged
+    site, PYTHONPATH=/tmp/site) fail with "Can't pickle <class 'MonthDayNano'>". They import by name
+    in every process of this run (same sys.path), so treat them as importable too."""
+    try:
+        import dill._dill as _dill
+    except ImportError:
+        return
+    prefix = os.path.realpath(sys.prefix)
+    extra = tuple(os.path.realpath(p) + os.sep for p in sys.path
+                  if p and os.path.isdir(p) and not os.path.realpath(p).startswith(prefix))
+    if not extra or getattr(_dill, "_parley_patched", False):
+        return
+    builtin = _dill._is_builtin_module
+
+    def is_builtin(module) -> bool:
+        return builtin(module) or os.path.realpath(getattr(module, "__file__", None) or "").startswith(extra)
+
+    _dill._is_builtin_module, _dill._parley_patched = is_builtin, True
+
+
 def train(cfg, args) -> Record:
     record = Record(t0=time.time())
+    pickle_site_modules_by_name()
     import torch
     import transformers
     import trl
