@@ -57,6 +57,9 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     actors: int = 1
     scorers: int = 1
     live: bool = True  # live terminal view (off when stdout is not a terminal)
+    # every child serves Prometheus metrics on a free port of 127.0.0.1, printed and written to
+    # RUN_DIR/prometheus-targets.json (a file_sd_configs file)
+    metrics: bool = True
     # the GPU's memory for the memory plan of a run on a GPU (deploy/memory.py); 0 = ask torch.cuda
     gpu_memory_gib: Annotated[float, msgspec.Meta(ge=0.0, description="0 = detect")] = 0.0
 

@@ -127,7 +127,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)
         children = plan_children(cfg, sup, config_path)
         engines = cpu_engines(cfg, children)
-        for name, argv in children:
+        targets: dict[str, str] = {}  # child -> host:port of its metrics
+
+        def start(name: str, argv: list[str]) -> None:
             role = name.split("-")[0]
             user, password = creds["services" if role == "services" else role]
             env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password, CPU_ENGINES_ENV: str(engines)}
@@ -135,8 +137,19 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
                 from evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
 
                 env |= {EVAL_USER_ENV: creds["eval"][0], EVAL_PASSWORD_ENV: creds["eval"][1]}
+            where = ""
+            if cfg.up.metrics:
+                targets[name] = f"127.0.0.1:{free_port()}"
+                argv = [*argv, "--metrics-port", targets[name].split(":")[1], "--metrics-host", "127.0.0.1"]
+                where = f", metrics http://{targets[name]}/metrics"
+                write_scrape_targets(run_dir, cfg.run.name, targets)
             sup.start(name, argv, env=env, config_text=dump_config(cfg))
-            print(f"started {name}: pid {sup.get(name).proc.pid}, log {sup.get(name).log_path}", flush=True)
+            print(f"started {name}: pid {sup.get(name).proc.pid}, log {sup.get(name).log_path}{where}", flush=True)
+
+        for name, argv in children:
+            start(name, argv)
+        if targets:
+            print(f"scrape targets (Prometheus file_sd_configs): {run_dir / SCRAPE_TARGETS}", flush=True)
 
         watcher = RunWatcher(nc, cfg.run.name)
         await watcher.start()
@@ -164,6 +177,27 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
             await nc.drain()
         server.stop()
         print(f"stopped; logs in {run_dir / 'logs'}", flush=True)
+
+
+SCRAPE_TARGETS = "prometheus-targets.json"
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (the child binds it a moment later)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_scrape_targets(run_dir: Path, run: str, targets: dict[str, str]) -> None:
+    """RUN_DIR/prometheus-targets.json: one file_sd_configs entry per child, rewritten as children come and go."""
+    entries = [{"targets": [where], "labels": {"job": "parley", "parley_run": run, "child": name}}
+               for name, where in sorted(targets.items())]
+    tmp = run_dir / (SCRAPE_TARGETS + ".tmp")
+    tmp.write_text(json.dumps(entries, indent=1) + "\n")
+    tmp.replace(run_dir / SCRAPE_TARGETS)
 
 
 def ready_children(heartbeats) -> set[str]:

@@ -157,6 +157,7 @@ class Learner:
                 **{k: float(v) for k, v in COUNTERS.items()},
                 **self.stepper.live,
                 **{f"backlog.{k}": v for k, v in self.backlog.shares.items()},
+                **{f"tasks.{k}": v for k, v in self.backlog.tasks.items()},
                 **self.evals.counters(),
             },
         )
