@@ -64,6 +64,16 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_memory_gib: Annotated[float, msgspec.Meta(ge=0.0, description="0 = detect")] = 0.0
 
 
+class LogSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[log]: where a run's numbers go besides metrics.jsonl and TensorBoard (always written)."""
+
+    # Weights & Biases: the learner's step metrics and eval means, and `parley up`'s eval table and report
+    # charts; online when WANDB_API_KEY is set, else an offline run dir under RUN_DIR/wandb (`wandb sync`)
+    wandb: bool = False
+    wandb_project: str = "parley"
+    wandb_entity: str = ""  # "" = the key's default entity
+
+
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     run: RunSection = msgspec.field(default_factory=RunSection)
     env: EnvConfig = msgspec.field(default_factory=EnvConfig)
@@ -81,6 +91,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scorer: ScorerConfig = msgspec.field(default_factory=ScorerConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     up: UpSection = msgspec.field(default_factory=UpSection)
+    log: LogSection = msgspec.field(default_factory=LogSection)
 
     def __post_init__(self) -> None:
         try:

@@ -287,11 +287,37 @@ def _closing(cfg: RunConfig, run_dir: Path) -> int:
     print(eval_text(cfg, run_dir), flush=True)
     from deploy.report import write_report
 
-    for png in write_report(run_dir, run_dir / "report"):
+    pngs = write_report(run_dir, run_dir / "report")
+    for png in pngs:
         print(f"chart: {png}", flush=True)
+    if cfg.log.wandb:
+        track_report(cfg, run_dir, pngs)
     ckpts = sorted(p for p in (run_dir / "learner" / "ckpt").glob("step*") if p.is_dir())
     print(f"checkpoint: {ckpts[-1] if ckpts else '(none)'}", flush=True)
     return 0
+
+
+def track_report(cfg: RunConfig, run_dir: Path, pngs: list[Path]) -> None:
+    """`[log] wandb`: the report's charts and the eval table (eval/table.csv, written by eval_text) as
+    the "report" run of the run's W&B group, beside the learner's run."""
+    import csv
+
+    from evaluation.periodic import eval_root
+    from runtime.tracking import open_tracker, wandb_mode
+
+    tracker = open_tracker(cfg.log, run_dir=run_dir, run_name=cfg.run.name, job_type="report")
+    tracker.images({f"report/{p.stem}": p for p in pngs})
+    table = eval_root(run_dir) / "table.csv"
+    if table.is_file():
+        with table.open(newline="") as f:
+            header, *rows = list(csv.reader(f))
+        tracker.table("eval/table", header, rows)
+        if (chart := table.with_name("chart.png")).is_file():
+            tracker.images({"eval/chart": chart})
+    tracker.finish()
+    where = run_dir / "wandb"
+    print(f"W&B ({wandb_mode()}): the learner's and the report's runs under {where}"
+          + (f"; upload with `wandb sync {where}/offline-run-*`" if wandb_mode() == "offline" else ""), flush=True)
 
 
 def eval_text(cfg: RunConfig, run_dir: Path) -> str:

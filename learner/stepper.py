@@ -93,6 +93,7 @@ class Stepper:
         # beyond the ledger's step, never misses one.
         metrics = self.metrics(taken, stats)
         self.steplog.write(st.step, metrics, self.trained_entry(taken))
+        self.steplog.log_evals(self.evals.finished())
         self.tokens_total += float(stats.get("tokens", 0.0))
         self.live = live_counters(metrics) | {"train.tokens_total": self.tokens_total}
         dropped = [s for o in st.since_step if o.group is not None for s in o.group.ordered()]

@@ -187,3 +187,7 @@ class Evals:
 
     def counters(self) -> dict[str, float]:
         return self.periodic.counters() if self.on else {}
+
+    def finished(self) -> list[tuple[int, dict[str, float]]]:
+        """(version, its means) of every eval finished so far."""
+        return [(o.version, o.means) for o in self.periodic.outcomes if o.ok] if self.on else []
