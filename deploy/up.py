@@ -54,7 +54,7 @@ def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tu
     """(name, argv) of every role child, in start order."""
     c = ["--config", str(config_path)]
     children = [(name, sup.parley_argv(name, *c, "--id", name)) for name in service_children(cfg)]
-    for i in range(cfg.up.actors):
+    for i in range(cfg.up.first_actors()):
         children.append((f"actor-{i}", sup.parley_argv("actor", *c, "--id", f"actor-{i}")))
     for i in range(cfg.up.scorers):
         children.append((f"scorer-{i}", sup.parley_argv("scorer", *c, "--id", f"scorer-{i}")))
@@ -67,7 +67,7 @@ def cpu_engines(cfg: RunConfig, children: list[tuple[str, list[str]]]) -> int:
     by sim and judge, or one each), and the learner's periodic eval child while it runs. On CPU they
     split the cores between them (engines.engine.share_cpu_cores)."""
     names = [name.split("-")[0] for name, _ in children]
-    n = names.count("actor") + names.count("services")
+    n = cfg.up.most_actors() + names.count("services")  # --actors auto: as many as may run at once
     n += names.count("sim") * (cfg.sim.backend == "vllm") + names.count("judge") * (cfg.judge.backend == "vllm")
     return n + (1 if cfg.learner.eval_every > 0 else 0)
 
@@ -148,6 +148,21 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
 
         for name, argv in children:
             start(name, argv)
+        pool = None
+        if cfg.up.autoscale:
+            from deploy.autoscale import ActorPool, ScalePolicy
+
+            async def retire(name: str) -> None:
+                rc = await asyncio.to_thread(sup.retire, name)
+                if targets.pop(name, None):
+                    write_scrape_targets(run_dir, cfg.run.name, targets)
+                print(f"stopped {name} (exit code {rc})", flush=True)
+
+            actor_argv = lambda name: sup.parley_argv("actor", "--config", str(config_path), "--id", name)  # noqa: E731
+            pool = ActorPool(ScalePolicy.of(cfg), lambda name: start(name, actor_argv(name)), retire,
+                             [n for n, _ in children if n.startswith("actor-")])
+            p = pool.policy
+            print(f"actors: auto, {p.low}..{p.high}, one per {p.per_actor} waiting tasks", flush=True)
         if targets:
             print(f"scrape targets (Prometheus file_sd_configs): {run_dir / SCRAPE_TARGETS}", flush=True)
 
@@ -159,7 +174,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
 
         view_stop = asyncio.Event()
         viewer = asyncio.create_task(watch(nc, cfg.run.name, view_stop)) if live else None
-        code = await _until_done(sup, stop, watcher, quiet=live)
+        code = await _until_done(sup, stop, watcher, quiet=live, pool=pool)
         view_stop.set()
         if viewer:
             await viewer
@@ -228,7 +243,7 @@ async def _wait_ready(sup: Supervisor, watcher, stop: asyncio.Event, timeout: fl
     return False
 
 
-async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool) -> int:
+async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool, pool=None) -> int:
     learner = sup.get("learner")
     last_line, last_t = "", 0.0
     while not stop.is_set():
@@ -238,6 +253,8 @@ async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool
         if learner.returncode == 0:
             return 0
         snap = await watcher.poll()
+        if pool is not None and (did := await scale_step(pool, snap)):
+            print(time.strftime("%H:%M:%S ") + did, flush=True)
         if not quiet:  # without the live view, a progress line when something moves (or every 30 s)
             line = progress_line(snap)
             if line != last_line or time.monotonic() - last_t > 30:
@@ -246,6 +263,13 @@ async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool
         await asyncio.sleep(1.0)
     print("interrupted: stopping every role", flush=True)
     return 130
+
+
+async def scale_step(pool, snap) -> str:
+    """--actors auto: one decision of the actor pool (deploy/autoscale.py) on the live view's snapshot:
+    the TASKS consumer's waiting messages (KEDA's signal) and the children that report ready."""
+    waiting = snap.streams["tasks"].pending if "tasks" in snap.streams else 0
+    return await pool.step(waiting, ready_children(snap.roles.values()), time.monotonic())
 
 
 _EVAL_BOOKKEEPING = ("eval.queued", "eval.running", "eval.version", "eval.failed")
