@@ -22,8 +22,9 @@ NatsOpt = Annotated[Optional[str], typer.Option("--nats", help="NATS URL; overri
 RunOpt = Annotated[Optional[str], typer.Option("--run", help="Run name; overrides the config's run.name.", envvar="PARLEY_RUN")]
 # Off unless asked: an endpoint nobody scrapes is an open port for nothing, and one fixed default port
 # collides as soon as two roles share a host; `parley up` asks each child for one (deploy/up.py).
+METRICS_PORT_ENV = "PARLEY_METRICS_PORT"  # the deploy files set it (9400) beside a port named "metrics"
 MetricsPortOpt = Annotated[Optional[int], typer.Option(
-    "--metrics-port", min=0, max=65535, envvar="PARLEY_METRICS_PORT",
+    "--metrics-port", min=0, max=65535, envvar=METRICS_PORT_ENV,
     help="Serve Prometheus metrics (the heartbeat's numbers) on this port; 0 = a free one, printed at start. Off when not given.")]
 MetricsHostOpt = Annotated[str, typer.Option("--metrics-host", envvar="PARLEY_METRICS_HOST",
                                              help="Address the metrics endpoint listens on.")]
