@@ -67,8 +67,11 @@ class Actor:
 
     def heartbeat(self) -> Heartbeat:
         counters = {k: float(v) for k, v in (self.counters + bus.COUNTERS).items()}
-        counters.update(in_flight=float(self.in_flight), refused_versions=float(len(self.follower.refused)),
+        f = self.follower
+        counters.update(in_flight=float(self.in_flight), refused_versions=float(len(f.refused)),
                         sim_waits=float(getattr(self.sim, "waits", 0)))  # a LocalUser never waits
+        counters.update({"weights.announced": float(f.announced), "weights.lag": float(f.announced - self.engine.version),
+                         "weights.loads": float(len(f.loaded)), "weights.load_s": f.load_s})
         state = "busy" if self.state == "ready" and self.in_flight else self.state
         return Heartbeat(role="actor", id=self.ident, state=state, version=self.engine.version, counters=counters)
 

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import re
 import shutil
+import time
 from pathlib import Path
 
 import msgspec
@@ -56,6 +57,8 @@ class WeightFollower:
         self.retry_at: dict[tuple[int, str], float] = {}  # (version, sha256) -> loop time of its next try
         self.serving: tuple[int, str] = (engine.version, "")  # (version, sha256) loaded now; "" = the base
         self.loaded: list[int] = []  # versions reloaded, in order
+        self.announced = engine.version  # the version the key named when last read
+        self.load_s = 0.0  # seconds the last loaded version took: fetch, verify, load
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._served: Path | None = Path(base_dir) if base_dir else None  # the weights loaded now
@@ -103,6 +106,8 @@ class WeightFollower:
         True if a reload happened."""
         async with self._lock:
             wv = await self._read()
+            if wv is not None:
+                self.announced = wv.version
             # Identity is (version, sha256), not just "newer": a learner resumed from a checkpoint
             # re-announces lower numbers with other weights, and actors must follow it back.
             if wv is None or (wv.version, wv.sha256) == self.serving or (wv.version, wv.sha256) in self._refused_ids:
@@ -111,7 +116,11 @@ class WeightFollower:
                 return False  # a failed GPU load waits out its backoff (_gpu_failed)
             if wv.version < self.engine.version:
                 log.warning("weights key moved back from version %d to %d; following it", self.engine.version, wv.version)
-            return await self._load(wv)
+            t0 = time.perf_counter()
+            loaded = await self._load(wv)
+            if loaded:
+                self.load_s = time.perf_counter() - t0
+            return loaded
 
     async def _load(self, wv: WeightVersion) -> bool:
         transport = registry.get(wv.transport)

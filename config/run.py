@@ -55,10 +55,43 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[up]: the local supervisor."""
 
     actors: int = 1
+    # `--actors auto`: start min_actors, then add and remove actors on the TASKS consumer's waiting
+    # messages, one actor per tasks_per_actor of them, within [min_actors, max_actors] (deploy/autoscale.py)
+    autoscale: bool = False
+    min_actors: Annotated[int, msgspec.Meta(ge=1)] = 1
+    max_actors: Annotated[int, msgspec.Meta(ge=1)] = 4
+    tasks_per_actor: Annotated[int, msgspec.Meta(ge=0, description="0 = actor.concurrency // rollout.n")] = 0
+    scale_down_after_s: Annotated[float, msgspec.Meta(ge=0.0)] = 60.0  # the backlog stays low this long first
     scorers: int = 1
     live: bool = True  # live terminal view (off when stdout is not a terminal)
+    # every child serves Prometheus metrics on a free port of 127.0.0.1, printed and written to
+    # RUN_DIR/prometheus-targets.json (a file_sd_configs file)
+    metrics: bool = True
     # the GPU's memory for the memory plan of a run on a GPU (deploy/memory.py); 0 = ask torch.cuda
     gpu_memory_gib: Annotated[float, msgspec.Meta(ge=0.0, description="0 = detect")] = 0.0
+
+    def __post_init__(self) -> None:
+        if self.min_actors > self.max_actors:
+            raise ValueError(f"up.min_actors={self.min_actors} > up.max_actors={self.max_actors}; "
+                             "the autoscaler's lower bound must not pass its upper one")
+
+    def first_actors(self) -> int:
+        """Actors `parley up` starts with."""
+        return self.min_actors if self.autoscale else self.actors
+
+    def most_actors(self) -> int:
+        """Actors that may run at once (what the memory plan and the CPU split count)."""
+        return self.max_actors if self.autoscale else self.actors
+
+
+class LogSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[log]: where a run's numbers go besides metrics.jsonl and TensorBoard (always written)."""
+
+    # Weights & Biases: the learner's step metrics and eval means, and `parley up`'s eval table and report
+    # charts; online when WANDB_API_KEY is set, else an offline run dir under RUN_DIR/wandb (`wandb sync`)
+    wandb: bool = False
+    wandb_project: str = "parley"
+    wandb_entity: str = ""  # "" = the key's default entity
 
 
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -78,6 +111,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scorer: ScorerConfig = msgspec.field(default_factory=ScorerConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     up: UpSection = msgspec.field(default_factory=UpSection)
+    log: LogSection = msgspec.field(default_factory=LogSection)
 
     def __post_init__(self) -> None:
         try:

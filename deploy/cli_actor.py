@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_main, setup_logging
+from deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
+                           run_main, setup_logging, start_metrics)
 
 IdOpt = Annotated[Optional[str], typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<pid>).")]
 
@@ -53,6 +54,8 @@ def actor_cmd(
     concurrency: Annotated[
         Optional[int], typer.Option("--concurrency", help="Conversations in flight over all tasks; overrides actor.concurrency.")
     ] = None,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "0.0.0.0",
 ) -> None:
     """Pull tasks of the run, play every sample, publish one trajectory per sample, follow weight versions."""
     extra = [f"actor.concurrency={concurrency}"] if concurrency is not None else []
@@ -62,6 +65,7 @@ def actor_cmd(
     _check_model("actor.engine.model", cfg.actor.engine.model)
     ident = ident or f"actor-{os.getpid()}"
     setup_logging(ident)
+    start_metrics(metrics_port, metrics_host, "actor")
     from actors.actor import run as actor_run
 
     run_main(actor_run, cfg, ident)
@@ -83,6 +87,8 @@ def sim_cmd(
     ] = None,
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model name the endpoint serves.")] = None,
     concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Requests handled at once.")] = None,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "0.0.0.0",
 ) -> None:
     """Serve the user simulator on parley.svc.sim (queue group "sim") until Ctrl-C / SIGTERM."""
     extra = []
@@ -101,6 +107,7 @@ def sim_cmd(
         _bad_config("sim.model_name is empty; with backend='openai' name the served model (--model-name)")
     ident = ident or f"sim-{os.getpid()}"
     setup_logging(ident)
+    start_metrics(metrics_port, metrics_host, "sim")
     from actors.sim import run as sim_run
 
     run_main(sim_run, cfg, ident)

@@ -11,7 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_main, setup_logging
+from deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
+                           run_main, setup_logging, start_metrics)
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +37,8 @@ def learner_cmd(
     allow_overlap: Annotated[
         bool, typer.Option("--allow-overlap", help="Start even if train and eval share reference targets (recorded in the run).")
     ] = False,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "0.0.0.0",
 ) -> None:
     """Run the learner until `steps` steps are done (exit 0) or Ctrl-C / SIGTERM (state saved).
 
@@ -50,6 +53,8 @@ def learner_cmd(
         dry_run(cfg)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(f"learner{rank or ''}")
+    if rank == 0:  # the other ranks send no heartbeats: rank 0 speaks for the learner
+        start_metrics(metrics_port, metrics_host, "learner")
     from learner.service import run as learner_run
 
     run_main(learner_run, cfg, resume, rank)

@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_main, setup_logging
+from deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
+                           run_main, setup_logging, start_metrics)
 
 IdOpt = Annotated[Optional[str], typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<host>-<pid>).")]
 
@@ -31,9 +32,11 @@ def judge_cmd(
     dry: DryRunOpt = False,
     ident: IdOpt = None,
     concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Requests handled at once; overrides judge.concurrency.")] = None,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "0.0.0.0",
 ) -> None:
     """Serve the judge on parley.svc.judge.{extract,interactivity} until Ctrl-C / SIGTERM."""
-    _launch("judge", "scorer.judge", concurrency, config, sets, nats, run, dry, ident)
+    _launch("judge", "scorer.judge", concurrency, config, sets, nats, run, dry, ident, metrics_port, metrics_host)
 
 
 def scorer_cmd(
@@ -44,12 +47,15 @@ def scorer_cmd(
     dry: DryRunOpt = False,
     ident: IdOpt = None,
     concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Trajectories scored at once; overrides scorer.concurrency.")] = None,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "0.0.0.0",
 ) -> None:
     """Pull trajectories of the run, score them through the judge service, publish Scored."""
-    _launch("scorer", "scorer.scorer", concurrency, config, sets, nats, run, dry, ident)
+    _launch("scorer", "scorer.scorer", concurrency, config, sets, nats, run, dry, ident, metrics_port, metrics_host)
 
 
-def _launch(role: str, module: str, concurrency, config, sets, nats, run, dry: bool, ident) -> None:
+def _launch(role: str, module: str, concurrency, config, sets, nats, run, dry: bool, ident, metrics_port=None,
+            metrics_host: str = "0.0.0.0") -> None:
     """Resolve the config (with --concurrency into [role]), then call `module.run` under that role's id."""
     import importlib
 
@@ -59,4 +65,5 @@ def _launch(role: str, module: str, concurrency, config, sets, nats, run, dry: b
         dry_run(cfg)
     ident = ident or _default_id(role)
     setup_logging(ident)
+    start_metrics(metrics_port, metrics_host, role)
     run_main(importlib.import_module(module).run, cfg, ident)

@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_async_main, run_main, setup_logging
+from deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
+                           run_async_main, run_main, setup_logging, start_metrics)
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +37,8 @@ def services_cmd(
     run: RunOpt = None,
     ident: Annotated[Optional[str], typer.Option("--id", help="Instance id (default services-<pid>).")] = None,
     dry: DryRunOpt = False,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "0.0.0.0",
 ) -> None:
     """Serve parley.svc.sim and parley.svc.judge.* from one engine until Ctrl-C / SIGTERM."""
     import os
@@ -51,6 +54,7 @@ def services_cmd(
         typer.echo(f"parley services: {e}", err=True)
         raise typer.Exit(2) from None
     setup_logging(ident or "services")
+    start_metrics(metrics_port, metrics_host, "services")
     run_main(run, cfg, ident or f"services-{os.getpid()}")
 
 
@@ -61,6 +65,8 @@ def reference_cmd(
     run: RunOpt = None,
     ident: Annotated[Optional[str], typer.Option("--id", help="Instance id (default reference-<pid>).")] = None,
     dry: DryRunOpt = False,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "0.0.0.0",
 ) -> None:
     """Serve parley.svc.reference (log-probs of [policy] model's initial weights) until Ctrl-C / SIGTERM."""
     import os
@@ -71,6 +77,7 @@ def reference_cmd(
     from deploy.reference import run
 
     setup_logging(ident or "reference")
+    start_metrics(metrics_port, metrics_host, "reference")
     run_main(run, cfg, ident or f"reference-{os.getpid()}")
 
 

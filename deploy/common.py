@@ -20,6 +20,14 @@ SetOpt = Annotated[
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved configuration and exit.")]
 NatsOpt = Annotated[Optional[str], typer.Option("--nats", help="NATS URL; overrides the config's nats.url.", envvar="PARLEY_NATS_URL")]
 RunOpt = Annotated[Optional[str], typer.Option("--run", help="Run name; overrides the config's run.name.", envvar="PARLEY_RUN")]
+# Off unless asked: an endpoint nobody scrapes is an open port for nothing, and one fixed default port
+# collides as soon as two roles share a host; `parley up` asks each child for one (deploy/up.py).
+METRICS_PORT_ENV = "PARLEY_METRICS_PORT"  # the deploy files set it (9400) beside a port named "metrics"
+MetricsPortOpt = Annotated[Optional[int], typer.Option(
+    "--metrics-port", min=0, max=65535, envvar=METRICS_PORT_ENV,
+    help="Serve Prometheus metrics (the heartbeat's numbers) on this port; 0 = a free one, printed at start. Off when not given.")]
+MetricsHostOpt = Annotated[str, typer.Option("--metrics-host", envvar="PARLEY_METRICS_HOST",
+                                             help="Address the metrics endpoint listens on.")]
 
 
 def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = None, run: str | None = None,
@@ -50,6 +58,21 @@ def dry_run(cfg, notes: str = "") -> None:
 
     typer.echo(dump_config(cfg) + "".join(f"\n# {line}" for line in notes.splitlines()))
     raise typer.Exit(0)
+
+
+def start_metrics(port: int | None, host: str, who: str) -> None:
+    """Serve the process's metrics (runtime.metrics) when `port` is given; prints where."""
+    if port is None:
+        return
+    from runtime.metrics import serve
+
+    try:
+        bound = serve(port, host)
+    except OSError as e:
+        typer.echo(f"parley {who}: cannot serve metrics on {host}:{port}: {e}; pick another --metrics-port (0 = any free one)",
+                   err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"parley {who}: metrics on http://{host}:{bound}/metrics", err=True)
 
 
 def run_main(entry, *args) -> None:

@@ -332,7 +332,7 @@ def processes(cfg: RunConfig) -> list[Proc]:
     # (cuda_ipc loads from the learner's buffer itself within the hold time: no copy is planned; a
     # reader that comes later copies it first, and if that does not fit the load is tried again)
     actor = (*engine_terms(cfg.actor.engine, shape_of), *staging, ctx)
-    procs += [Proc(f"actor-{i}", actor) for i in range(cfg.up.actors)]
+    procs += [Proc(f"actor-{i}", actor) for i in range(cfg.up.most_actors())]
     if cfg.learner.eval_every > 0:
         procs.append(Proc("eval (periodic, [actor.engine])", (*engine_terms(cfg.actor.engine, shape_of), ctx)))
     procs.append(Proc("learner", tuple(learner_terms(cfg, policy))))
@@ -342,18 +342,18 @@ def processes(cfg: RunConfig) -> list[Proc]:
 def knobs(cfg: RunConfig, procs: list[Proc], total: float) -> list[str]:
     """What to turn, with each knob's value and what it costs now."""
     lc, policy = cfg.learner, model_shape(cfg.policy.model)
-    engines = cfg.up.actors + (lc.eval_every > 0)
+    engines = cfg.up.most_actors() + (lc.eval_every > 0)
     u = cfg.actor.engine.gpu_memory_utilization
     out = []
     eval_part = " and the periodic eval's" if lc.eval_every > 0 else ""
     if u > 0:
-        out.append(f"actor.engine.gpu_memory_utilization = {u:g} (each of the {cfg.up.actors} actors' engines{eval_part}: "
+        out.append(f"actor.engine.gpu_memory_utilization = {u:g} (each of the {cfg.up.most_actors()} actors' engines{eval_part}: "
                    f"{engines} x {u * total:.2f} GiB)")
     else:
         kv = cfg.actor.engine.kv_cache_bytes
-        out.append(f"actor.engine.kv_cache_bytes = {kv} (each of the {cfg.up.actors} actors' engines{eval_part}: "
+        out.append(f"actor.engine.kv_cache_bytes = {kv} (each of the {cfg.up.most_actors()} actors' engines{eval_part}: "
                    f"{engines} x {_gib(kv):.2f} GiB of KV cache)")
-    out.append(f"up.actors = {cfg.up.actors}")
+    out.append(f"up.actors = {cfg.up.most_actors()}" + (" (up.max_actors: --actors auto)" if cfg.up.autoscale else ""))
     for name, section, ec in _local_engines(cfg):
         if ec.gpu_memory_utilization > 0:
             out.append(f"{section}.engine.gpu_memory_utilization = {ec.gpu_memory_utilization:g} ({name}: "

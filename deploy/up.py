@@ -54,7 +54,7 @@ def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tu
     """(name, argv) of every role child, in start order."""
     c = ["--config", str(config_path)]
     children = [(name, sup.parley_argv(name, *c, "--id", name)) for name in service_children(cfg)]
-    for i in range(cfg.up.actors):
+    for i in range(cfg.up.first_actors()):
         children.append((f"actor-{i}", sup.parley_argv("actor", *c, "--id", f"actor-{i}")))
     for i in range(cfg.up.scorers):
         children.append((f"scorer-{i}", sup.parley_argv("scorer", *c, "--id", f"scorer-{i}")))
@@ -67,7 +67,7 @@ def cpu_engines(cfg: RunConfig, children: list[tuple[str, list[str]]]) -> int:
     by sim and judge, or one each), and the learner's periodic eval child while it runs. On CPU they
     split the cores between them (engines.engine.share_cpu_cores)."""
     names = [name.split("-")[0] for name, _ in children]
-    n = names.count("actor") + names.count("services")
+    n = cfg.up.most_actors() + names.count("services")  # --actors auto: as many as may run at once
     n += names.count("sim") * (cfg.sim.backend == "vllm") + names.count("judge") * (cfg.judge.backend == "vllm")
     return n + (1 if cfg.learner.eval_every > 0 else 0)
 
@@ -132,7 +132,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)
         children = plan_children(cfg, sup, config_path)
         engines = cpu_engines(cfg, children)
-        for name, argv in children:
+        targets: dict[str, str] = {}  # child -> host:port of its metrics
+
+        def start(name: str, argv: list[str]) -> None:
             role = name.split("-")[0]
             user, password = creds["services" if role == "services" else role]
             env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password, CPU_ENGINES_ENV: str(engines)}
@@ -140,8 +142,34 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
                 from evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
 
                 env |= {EVAL_USER_ENV: creds["eval"][0], EVAL_PASSWORD_ENV: creds["eval"][1]}
+            where = ""
+            if cfg.up.metrics:
+                targets[name] = f"127.0.0.1:{free_port()}"
+                argv = [*argv, "--metrics-port", targets[name].split(":")[1], "--metrics-host", "127.0.0.1"]
+                where = f", metrics http://{targets[name]}/metrics"
+                write_scrape_targets(run_dir, cfg.run.name, targets)
             sup.start(name, argv, env=env, config_text=dump_config(cfg))
-            print(f"started {name}: pid {sup.get(name).proc.pid}, log {sup.get(name).log_path}", flush=True)
+            print(f"started {name}: pid {sup.get(name).proc.pid}, log {sup.get(name).log_path}{where}", flush=True)
+
+        for name, argv in children:
+            start(name, argv)
+        pool = None
+        if cfg.up.autoscale:
+            from deploy.autoscale import ActorPool, ScalePolicy
+
+            async def retire(name: str) -> None:
+                rc = await asyncio.to_thread(sup.retire, name)
+                if targets.pop(name, None):
+                    write_scrape_targets(run_dir, cfg.run.name, targets)
+                print(f"stopped {name} (exit code {rc})", flush=True)
+
+            actor_argv = lambda name: sup.parley_argv("actor", "--config", str(config_path), "--id", name)  # noqa: E731
+            pool = ActorPool(ScalePolicy.of(cfg), lambda name: start(name, actor_argv(name)), retire,
+                             [n for n, _ in children if n.startswith("actor-")])
+            p = pool.policy
+            print(f"actors: auto, {p.low}..{p.high}, one per {p.per_actor} waiting tasks", flush=True)
+        if targets:
+            print(f"scrape targets (Prometheus file_sd_configs): {run_dir / SCRAPE_TARGETS}", flush=True)
 
         watcher = RunWatcher(nc, cfg.run.name)
         await watcher.start()
@@ -151,7 +179,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
 
         view_stop = asyncio.Event()
         viewer = asyncio.create_task(watch(nc, cfg.run.name, view_stop)) if live else None
-        code = await _until_done(sup, stop, watcher, quiet=live)
+        code = await _until_done(sup, stop, watcher, quiet=live, pool=pool)
         view_stop.set()
         if viewer:
             await viewer
@@ -173,6 +201,27 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
             await nc.drain()
         server.stop()
         print(f"stopped; logs in {run_dir / 'logs'}", flush=True)
+
+
+SCRAPE_TARGETS = "prometheus-targets.json"
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (the child binds it a moment later)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_scrape_targets(run_dir: Path, run: str, targets: dict[str, str]) -> None:
+    """RUN_DIR/prometheus-targets.json: one file_sd_configs entry per child, rewritten as children come and go."""
+    entries = [{"targets": [where], "labels": {"job": "parley", "parley_run": run, "child": name}}
+               for name, where in sorted(targets.items())]
+    tmp = run_dir / (SCRAPE_TARGETS + ".tmp")
+    tmp.write_text(json.dumps(entries, indent=1) + "\n")
+    tmp.replace(run_dir / SCRAPE_TARGETS)
 
 
 def ready_children(heartbeats) -> set[str]:
@@ -203,7 +252,7 @@ async def _wait_ready(sup: Supervisor, watcher, stop: asyncio.Event, timeout: fl
     return False
 
 
-async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool) -> int:
+async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool, pool=None) -> int:
     learner = sup.get("learner")
     last_line, last_t = "", 0.0
     while not stop.is_set():
@@ -213,6 +262,8 @@ async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool
         if learner.returncode == 0:
             return 0
         snap = await watcher.poll()
+        if pool is not None and (did := await scale_step(pool, snap)):
+            print(time.strftime("%H:%M:%S ") + did, flush=True)
         if not quiet:  # without the live view, a progress line when something moves (or every 30 s)
             line = progress_line(snap)
             if line != last_line or time.monotonic() - last_t > 30:
@@ -221,6 +272,13 @@ async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool
         await asyncio.sleep(1.0)
     print("interrupted: stopping every role", flush=True)
     return 130
+
+
+async def scale_step(pool, snap) -> str:
+    """--actors auto: one decision of the actor pool (deploy/autoscale.py) on the live view's snapshot:
+    the TASKS consumer's waiting messages (KEDA's signal) and the children that report ready."""
+    waiting = snap.streams["tasks"].pending if "tasks" in snap.streams else 0
+    return await pool.step(waiting, ready_children(snap.roles.values()), time.monotonic())
 
 
 _EVAL_BOOKKEEPING = ("eval.queued", "eval.running", "eval.version", "eval.failed")
@@ -262,11 +320,37 @@ def _closing(cfg: RunConfig, run_dir: Path) -> int:
     print(eval_text(cfg, run_dir), flush=True)
     from deploy.report import write_report
 
-    for png in write_report(run_dir, run_dir / "report"):
+    pngs = write_report(run_dir, run_dir / "report")
+    for png in pngs:
         print(f"chart: {png}", flush=True)
+    if cfg.log.wandb:
+        track_report(cfg, run_dir, pngs)
     ckpts = sorted(p for p in (run_dir / "learner" / "ckpt").glob("step*") if p.is_dir())
     print(f"checkpoint: {ckpts[-1] if ckpts else '(none)'}", flush=True)
     return 0
+
+
+def track_report(cfg: RunConfig, run_dir: Path, pngs: list[Path]) -> None:
+    """`[log] wandb`: the report's charts and the eval table (eval/table.csv, written by eval_text) as
+    the "report" run of the run's W&B group, beside the learner's run."""
+    import csv
+
+    from evaluation.periodic import eval_root
+    from runtime.tracking import open_tracker, wandb_mode
+
+    tracker = open_tracker(cfg.log, run_dir=run_dir, run_name=cfg.run.name, job_type="report")
+    tracker.images({f"report/{p.stem}": p for p in pngs})
+    table = eval_root(run_dir) / "table.csv"
+    if table.is_file():
+        with table.open(newline="") as f:
+            header, *rows = list(csv.reader(f))
+        tracker.table("eval/table", header, rows)
+        if (chart := table.with_name("chart.png")).is_file():
+            tracker.images({"eval/chart": chart})
+    tracker.finish()
+    where = run_dir / "wandb"
+    print(f"W&B ({wandb_mode()}): the learner's and the report's runs under {where}"
+          + (f"; upload with `wandb sync {where}/offline-run-*`" if wandb_mode() == "offline" else ""), flush=True)
 
 
 def eval_text(cfg: RunConfig, run_dir: Path) -> str:

@@ -21,7 +21,10 @@ def up_cmd(
     config: ConfigOpt = None,
     sets: SetOpt = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Stop after this many GRPO steps (overrides learner.steps).")] = None,
-    actors: Annotated[Optional[int], typer.Option("--actors", help="Rollout actors to start (overrides up.actors).")] = None,
+    actors: Annotated[Optional[str], typer.Option("--actors", help="Rollout actors to start (overrides up.actors), or "
+                      "\"auto\": between --min-actors and --max-actors on the TASKS backlog.")] = None,
+    min_actors: Annotated[Optional[int], typer.Option("--min-actors", help="--actors auto: the fewest (overrides up.min_actors).")] = None,
+    max_actors: Annotated[Optional[int], typer.Option("--max-actors", help="--actors auto: the most (overrides up.max_actors).")] = None,
     scorers: Annotated[Optional[int], typer.Option("--scorers", help="Scorers to start (overrides up.scorers).")] = None,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>).")] = None,
     live: Annotated[Optional[bool], typer.Option("--live/--no-live", help="Live terminal view (default: on when stdout is a terminal).")] = None,
@@ -33,8 +36,16 @@ def up_cmd(
         extra.append(f'env.name="{env}"')
     if steps is not None:
         extra.append(f"learner.steps={steps}")
-    if actors is not None:
+    if actors == "auto":
+        extra.append("up.autoscale=true")
+    elif actors is not None:
+        if not actors.isdigit():
+            typer.echo(f"parley up: --actors {actors!r}: give a number or \"auto\"", err=True)
+            raise typer.Exit(2)
         extra.append(f"up.actors={actors}")
+    for key, value in (("min_actors", min_actors), ("max_actors", max_actors)):
+        if value is not None:
+            extra.append(f"up.{key}={value}")
     if scorers is not None:
         extra.append(f"up.scorers={scorers}")
     if run_dir is not None:

@@ -18,6 +18,8 @@ import socket
 import sys
 import time
 
+import msgspec
+
 from config.run import RunConfig
 from learner import checkpoint as ckpt
 from learner import resume as start
@@ -50,7 +52,11 @@ class Learner:
         self.grouper = Grouper(cfg.rollout.n, max_staleness=self.lc.max_staleness, stale_policy=self.lc.stale_policy,
                                timeout_s=self.lc.group_timeout_s)
         self.state = RunState(steps=steps)
-        steplog = StepLog(self.run_dir)
+        from runtime.tracking import open_tracker
+
+        tracker = open_tracker(cfg.log, run_dir=self.run_dir, run_name=self.run_name, job_type="learner",
+                               config=msgspec.to_builtins(cfg))
+        steplog = StepLog(self.run_dir, tracker=tracker)
         ledger = ckpt.Ledger(self.run_dir)  # state.msgpack + the sample log: each write costs what changed
         self.publisher = Publisher()  # uploads and announces versions beside training, one at a time
         self.env = env = cfg.env.load()  # the environment this run trains
@@ -135,7 +141,7 @@ class Learner:
             await asyncio.gather(*background, return_exceptions=True)
             await self.intake.flush()
             self.intake.ledger.close()
-            self.stepper.steplog.close()
+            self.stepper.steplog.close(self.evals.finished())
         log.info("stopped after step %d", st.step)
         return 0
 
@@ -157,6 +163,7 @@ class Learner:
                 **{k: float(v) for k, v in COUNTERS.items()},
                 **self.stepper.live,
                 **{f"backlog.{k}": v for k, v in self.backlog.shares.items()},
+                **{f"tasks.{k}": v for k, v in self.backlog.tasks.items()},
                 **self.evals.counters(),
             },
         )

@@ -1,6 +1,7 @@
 """Per-step records of the learner: run_dir/metrics.jsonl (every metric of a step as one JSON
-line), run_dir/tb (the numeric ones as TensorBoard scalars, the staleness histogram) and
-run_dir/trained.jsonl (the resume ledger of which trajectories each step trained).
+line), run_dir/tb (the numeric ones as TensorBoard scalars, the staleness histogram), the same
+numbers to Weights & Biases with `[log] wandb` (a runtime.tracking.Tracker, with each evaluated
+version's means) and run_dir/trained.jsonl (the resume ledger of which trajectories each step trained).
 Written by learner.stepper (truncated by learner.resume); read by the live view, reports and the resume test.
 """
 
@@ -22,8 +23,12 @@ def _flatten(prefix: str, value, out: dict[str, float]) -> None:
 
 
 class StepLog:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, tracker=None):
         self.dir = Path(run_dir)
+        self.tracker = tracker  # runtime.tracking.Tracker, or None
+        self._evals_logged: set[int] = set()
+        if tracker is not None:
+            tracker.axis("eval/*", "eval/version")  # an eval finishes steps after its version was trained
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
         self.trained_path = self.dir / "trained.jsonl"
@@ -46,9 +51,11 @@ class StepLog:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
             f.flush()
+        flat: dict[str, float] = {}
+        _flatten("", {k: v for k, v in metrics.items() if k != "staleness_hist"}, flat)
+        if self.tracker is not None:
+            self.tracker.log(flat, step=step)
         if self._tb is not None:
-            flat: dict[str, float] = {}
-            _flatten("", {k: v for k, v in metrics.items() if k != "staleness_hist"}, flat)
             for k, v in flat.items():
                 self._tb.add_scalar(k, v, step)
             hist = metrics.get("staleness_hist") or {}
@@ -59,6 +66,18 @@ class StepLog:
                 self._tb.add_histogram("staleness", np.array(values), step)
             self._tb.flush()
 
-    def close(self) -> None:
+    def log_evals(self, finished: list[tuple[int, dict[str, float]]]) -> None:
+        """Send each evaluated version's means (version, {column: mean}) to the tracker once."""
+        if self.tracker is None:
+            return
+        for version, means in finished:
+            if version not in self._evals_logged:
+                self._evals_logged.add(version)
+                self.tracker.log({"eval/version": version, **{f"eval/{m}": v for m, v in means.items()}})
+
+    def close(self, finished: list[tuple[int, dict[str, float]]] = ()) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self.tracker is not None:
+            self.log_evals(list(finished))
+            self.tracker.finish()

@@ -38,7 +38,8 @@ class Stepper:
         self.consumer = consumer  # who dead-letters a refused step's samples
         self.wait_since = started  # since when the learner waits for a step's groups
         self.monitor = SignalMonitor()
-        self.live: dict[str, float] = {}  # last step's reward terms and staleness, for the live view
+        self.live: dict[str, float] = {}  # last step's reward terms, staleness and timings, for the heartbeat
+        self.tokens_total = 0.0  # tokens trained on by this process (a counter for the metrics)
 
     async def try_step(self) -> bool:
         st = self.state
@@ -94,7 +95,9 @@ class Stepper:
         # beyond the ledger's step, never misses one.
         metrics = self.metrics(taken, stats)
         self.steplog.write(st.step, metrics, self.trained_entry(taken))
-        self.live = live_counters(metrics)
+        self.steplog.log_evals(self.evals.finished())
+        self.tokens_total += float(stats.get("tokens", 0.0))
+        self.live = live_counters(metrics) | {"train.tokens_total": self.tokens_total}
         dropped = [s for o in st.since_step if o.group is not None for s in o.group.ordered()]
         st.since_step = []
         await self.intake.flush()
@@ -125,7 +128,7 @@ class Stepper:
                 await retry_unreachable(
                     lambda s=s: dead_letter(self.js, self.run_name, subject=subject, reason=f"{s.traj_id}: {reason}",
                                             consumer=self.consumer, payload=codec.encode(s),
-                                            max_bytes=self.cfg.bus.max_msg_bytes),
+                                            max_bytes=self.cfg.bus.max_msg_bytes, cause="nonfinite"),
                     what=f"dead-lettering {s.traj_id}",
                 )
         self.state.phase = "ready"
@@ -186,9 +189,18 @@ class Stepper:
         }
 
 
+# The step's numbers the heartbeat carries as train.<name> (runtime.metrics names their series).
+TRAIN_LIVE = {"loss": "loss", "kl_mean": "kl", "grad_norm": "grad_norm", "tokens": "tokens", "train_s": "step_s",
+              "wait_s": "wait_s", "publish_s": "publish_s", "checkpoint_s": "checkpoint_s"}
+
+
 def live_counters(metrics: dict) -> dict[str, float]:
-    """What the live view shows of a step: each reward term's mean and within-group std, staleness."""
+    """What the heartbeat carries of a step: each reward term's mean and within-group std, staleness,
+    and the step's loss, KL, tokens and timings (TRAIN_LIVE)."""
     out = {"reward.total": float(metrics.get("reward_mean", 0.0))}
+    for key, name in TRAIN_LIVE.items():
+        if isinstance(metrics.get(key), (int, float)):
+            out[f"train.{name}"] = float(metrics[key])
     for term, st in (metrics.get("reward_terms") or {}).items():
         out[f"reward.{term}"] = float(st["mean"])
         out[f"reward.{term}.group_std"] = float(st["within_group_std"])

@@ -116,13 +116,15 @@ class Fates:
 
 class Backlog:
     """The share of each stream's max_bytes its unconsumed messages fill (protocol.backlog), for the
-    heartbeat, and a warning when one nears the limit."""
+    heartbeat, and a warning when one nears the limit; and the TASKS consumer's counts (`tasks`), the
+    signal actors scale on (KEDA in deploy/k8s/actor-scaledobject.yaml, `parley up --actors auto`)."""
 
     def __init__(self, js, run_name: str):
         self.js, self.run_name = js, run_name
         self.shares: dict[str, float] = {}  # channel -> share of its max_bytes unconsumed
+        self.tasks: dict[str, float] = {}  # waiting (no actor took it), playing (held), unplayed (both)
 
-    async def watch(self, halt: asyncio.Event, every: float = 30.0) -> None:
+    async def watch(self, halt: asyncio.Event, every: float = 5.0) -> None:
         while not halt.is_set():
             await self.check()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -132,11 +134,16 @@ class Backlog:
         """Warn (once per crossing) when a channel's unconsumed messages near its stream's limit:
         past it the stream drops its oldest messages unread."""
         try:
-            now = await backlog.shares(self.js, self.run_name)
+            now = await backlog.consumers(self.js, self.run_name)
         except (*UNREACHABLE, APIError) as e:
             log.debug("backlog check skipped (%s: %s)", type(e).__name__, e)
             return
-        for key, (share, max_bytes) in now.items():
+        if "tasks" in now:
+            t = now["tasks"]
+            self.tasks = {"waiting": float(t.waiting), "playing": float(t.in_progress),
+                          "unplayed": float(t.waiting + t.in_progress)}
+        for key, c in now.items():
+            share, max_bytes = c.share, c.max_bytes
             was = self.shares.get(key, 0.0)
             if share >= backlog.WARN_SHARE > was:
                 log.warning("%s", backlog.warning(key, share, max_bytes))
@@ -180,3 +187,7 @@ class Evals:
 
     def counters(self) -> dict[str, float]:
         return self.periodic.counters() if self.on else {}
+
+    def finished(self) -> list[tuple[int, dict[str, float]]]:
+        """(version, its means) of every eval finished so far."""
+        return [(o.version, o.means) for o in self.periodic.outcomes if o.ok] if self.on else []

@@ -24,8 +24,10 @@ from protocol.messages import DeadLetter
 
 log = logging.getLogger("parley.bus")
 
-# Process-wide counters shown in heartbeats and the live view ("dead.traj": 3, ...).
+# Process-wide counters shown in heartbeats and the live view ("dead.traj.poison": 3, ...).
 COUNTERS: Counter[str] = Counter()
+# Why a message was dead-lettered, as counted ("dead.<channel>.<cause>"); the full reason is in the letter.
+DEAD_CAUSES = ("undecodable", "max_deliver", "poison", "nonfinite")
 
 
 class Poison(Exception):
@@ -95,7 +97,10 @@ _DEAD_HEADROOM = 16 * 1024
 
 
 async def dead_letter(js, run: str, *, subject: str, reason: str, consumer: str, payload: bytes,
-                      max_bytes: int | None = None) -> None:
+                      max_bytes: int | None = None, cause: str = "poison") -> None:
+    """Store the message in DEAD with `reason`; `cause` (one of DEAD_CAUSES) is what the counter says."""
+    if cause not in DEAD_CAUSES:
+        raise ValueError(f"dead-letter cause {cause!r} is not one of {DEAD_CAUSES}")
     # The original plus our fields must still fit the server's max_payload (and the stream's
     # max_msg_bytes): a just-under-limit message would otherwise be refused again as a dead letter.
     limit = min(getattr(getattr(js, "_nc", None), "max_payload", 0) or 1024**2, max_bytes or 1 << 62) - _DEAD_HEADROOM
@@ -105,7 +110,7 @@ async def dead_letter(js, run: str, *, subject: str, reason: str, consumer: str,
         payload = payload[:limit]
     dl = DeadLetter(subject=subject, reason=reason[:2000], consumer=consumer, payload=payload, created=time.time())
     await publish(js, run, "dead", dl)
-    COUNTERS[f"dead.{subject.rsplit('.', 1)[-1]}"] += 1
+    COUNTERS[f"dead.{subject.rsplit('.', 1)[-1]}.{cause}"] += 1
     log.error("dead-lettered a message from %s: %s", subject, reason[:300])
 
 
@@ -264,13 +269,13 @@ class PullWorker:
         try:
             obj = codec.decode(self.key, m.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            await self._dead(m, f"decode error: {e}")
+            await self._dead(m, f"decode error: {e}", "undecodable")
             return
         if delivered > self.bus.max_deliver:
             reason = self._last_error.get(ident, "no error recorded in this process")
             # Forgotten only once stored: a dead letter retried after a failed publish keeps the reason.
             if await self._dead(m, f"delivered {delivered} times (max_deliver={self.bus.max_deliver}); "
-                                   f"last error: {reason}"):
+                                   f"last error: {reason}", "max_deliver"):
                 self._last_error.pop(ident, None)
                 self._absorbed.pop(meta.sequence.stream, None)
             return
@@ -297,11 +302,11 @@ class PullWorker:
             with contextlib.suppress(Exception):
                 await m.nak(delay=min(2.0 * meta.num_delivered, 30.0))
 
-    async def _dead(self, m, reason: str) -> bool:
+    async def _dead(self, m, reason: str, cause: str = "poison") -> bool:
         """Dead-letter `m` and term it; False (and `m` nak'ed to come back) if the dead letter was not stored."""
         try:
             await dead_letter(self.js, self.run, subject=m.subject, reason=reason, consumer=self.name, payload=m.data,
-                              max_bytes=self.bus.max_msg_bytes)
+                              max_bytes=self.bus.max_msg_bytes, cause=cause)
         except Exception as e:  # noqa: BLE001 - not stored as a dead letter: keep the message, try again later
             self.stats["dead_failed"] += 1
             log.error("%s: could not dead-letter a message from %s (%s: %s); it comes back in %.0fs",

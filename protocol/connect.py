@@ -18,6 +18,10 @@ import nats
 
 log = logging.getLogger("parley.nats")
 
+# What every role reads from its environment to log in (deploy/credentials.py writes them per role).
+USER_ENV, PASSWORD_ENV = "PARLEY_NATS_USER", "PARLEY_NATS_PASSWORD"
+CREDS_ENV, CA_ENV = "PARLEY_NATS_CREDS", "PARLEY_NATS_CA"
+
 
 class NatsUnreachable(ConnectionError):
     pass
@@ -55,10 +59,10 @@ async def connect(
     ca_file: str | None = None,
 ):
     """Connect to `url`; the first attempt is bounded by `first_timeout` seconds, later drops reconnect forever."""
-    user = user or os.environ.get("PARLEY_NATS_USER")
-    password = password or os.environ.get("PARLEY_NATS_PASSWORD")
-    creds = creds or os.environ.get("PARLEY_NATS_CREDS")
-    ca_file = ca_file or os.environ.get("PARLEY_NATS_CA")
+    user = user or os.environ.get(USER_ENV)
+    password = password or os.environ.get(PASSWORD_ENV)
+    creds = creds or os.environ.get(CREDS_ENV)
+    ca_file = ca_file or os.environ.get(CA_ENV)
     if creds:
         _check_creds(creds, url, name)
 

@@ -1,6 +1,7 @@
 """Role heartbeats on core NATS (not stored): what the live view and `parley up` read.
 
 Every role runs `heartbeat_loop` beside its work; `state()` returns the current Heartbeat fields.
+Each heartbeat sent is also handed to OBSERVERS (runtime.metrics: the process's Prometheus metrics).
 """
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ from protocol.messages import Heartbeat
 
 log = logging.getLogger("parley.status")
 
+# Called with (run, heartbeat) for every heartbeat this process sends; runtime.metrics.serve adds its own.
+OBSERVERS: list[Callable[[str, Heartbeat], None]] = []
+
 
 async def send(nc, run: str, hb: Heartbeat) -> None:
     hb.created = time.time()
+    for observe in OBSERVERS:
+        observe(run, hb)
     with contextlib.suppress(Exception):  # a heartbeat lost during a reconnect is harmless
         await nc.publish(topology.status_subject(run, hb.role, hb.id), codec.encode(hb))
 

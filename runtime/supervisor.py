@@ -90,6 +90,21 @@ class Supervisor:
     def get(self, name: str) -> Child | None:
         return next((c for c in self.children if c.name == name), None)
 
+    def retire(self, name: str, timeout: float = 30.0) -> int | None:
+        """Stop child `name` on purpose (SIGTERM, SIGKILL after `timeout`) and forget it, so its exit
+        is no failure of the run; returns its exit code."""
+        child = self.get(name)
+        if child is None:
+            return None
+        self.children.remove(child)
+        if child.alive:
+            _signal_group(child.proc, signal.SIGTERM)
+        try:
+            return child.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _signal_group(child.proc, signal.SIGKILL)
+            return child.proc.wait()
+
     def stop_all(self, timeout: float = 30.0) -> None:
         """SIGTERM every live child (they drain), then SIGKILL what is left after `timeout`."""
         for c in reversed(self.children):

@@ -1,8 +1,10 @@
-"""`parley up` on the toy model for 2 steps: every role as a real child process over a real nats-server."""
+"""`parley up` on the toy model for 2 steps: every role as a real child process over a real nats-server,
+with `[log] wandb` on (no key: offline run directories, read back from their files)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +19,9 @@ def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "up", "--config", str(ROOT / "deploy/configs/tiny.toml"),
-         "--steps", "2", "--no-live", "--run-dir", str(run_dir)],
+         "--steps", "2", "--no-live", "--run-dir", str(run_dir), "--set", "log.wandb=true"],
         capture_output=True, text=True, timeout=1400, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE")},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "all roles ready" in out.stdout
@@ -60,3 +63,22 @@ def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
     assert [p.name for p in (run_dir / "eval" / "models").iterdir()] == ([f"v{best}"] if best else [])
     for role in ("services", "actor-0", "scorer-0", "learner"):
         assert (run_dir / "roles" / f"{role}.cmd").exists() and (run_dir / "roles" / f"{role}.toml").exists()
+        assert "--metrics-port" in (run_dir / "roles" / f"{role}.cmd").read_text()  # up asks each child for metrics
+    targets = json.loads((run_dir / "prometheus-targets.json").read_text())
+    assert {t["labels"]["child"] for t in targets} == {"services", "actor-0", "scorer-0", "learner"}
+
+    # [log] wandb: the learner's run holds each step's metrics (the numbers of metrics.jsonl and
+    # TensorBoard), and each evaluated version's means; up's report run holds the eval table and charts.
+    from tests.wandb_files import offline_runs
+
+    runs = offline_runs(run_dir / "wandb")
+    assert set(runs) == {"learner", "report"} and {r["run"].run_group for r in runs.values()} == {"tiny"}
+    stepped = {h["_step"]: h for h in runs["learner"]["history"] if "loss" in h}
+    assert sorted(stepped) == [1, 2]
+    for r in rows:
+        assert stepped[r["step"]]["reward_mean"] == pytest.approx(r["reward_mean"])
+        assert stepped[r["step"]]["reward_terms/bleu/mean"] == pytest.approx(r["reward_terms"]["bleu"]["mean"])
+    assert {h["eval/version"] for h in runs["learner"]["history"] if "eval/version" in h} == {0, 1, 2}
+    report = {k for h in runs["report"]["history"] for k in h}
+    assert {"eval/table/_type", "report/rewards/_type", "report/kl/_type"} <= report
+    assert "wandb sync" in out.stdout

@@ -274,3 +274,25 @@ def test_reference_run_file_is_the_design_reference():
     assert "9B" in cfg.sim.model_name.upper() and "27B" in cfg.judge.model_name.upper()
     assert (cfg.learner.groups_per_step, cfg.rollout.n, cfg.learner.lr, cfg.learner.kl_coef) == (16, 8, 1e-6, 0.001)
     assert (cfg.rollout.max_tokens, cfg.rollout.max_new_turns, cfg.learner.zero_stage) == (4096, 14, 2)
+
+
+def test_keda_scales_the_actor_deployment_on_the_tasks_consumer():
+    """The ScaledObject's trigger names the stream and the durable consumer the code creates for the
+    run of the k8s run file, and targets the actor Deployment; lagThreshold is one actor's tasks at once."""
+    from protocol import topology
+
+    (so,) = load_all(K8S / "actor-scaledobject.yaml")
+    (cm,) = load_all(K8S / "configmap.yaml")
+    cfg = convert_config(tomllib.loads(cm["data"]["run.toml"]), source="k8s/configmap.yaml")
+    actor = next(d for d in load_all(K8S / "actor.yaml") if d["kind"] == "Deployment")
+    assert so["apiVersion"].startswith("keda.sh/") and so["kind"] == "ScaledObject"
+    assert so["spec"]["scaleTargetRef"]["name"] == actor["metadata"]["name"]
+    assert 1 <= so["spec"]["minReplicaCount"] < so["spec"]["maxReplicaCount"]
+    (trigger,) = so["spec"]["triggers"]
+    meta = trigger["metadata"]
+    assert trigger["type"] == "nats-jetstream"
+    assert meta["stream"] == topology.stream_name(cfg.run.name, "tasks")
+    assert meta["consumer"] == topology.CHANNELS["tasks"].durable
+    assert int(meta["lagThreshold"]) == cfg.actor.concurrency // cfg.rollout.n
+    # KEDA's CRD is not in every cluster: `kubectl apply -k` must not need it
+    assert "actor-scaledobject.yaml" not in (K8S / "kustomization.yaml").read_text()

@@ -1,0 +1,195 @@
+"""Prometheus metrics of a role process, fed by its own heartbeats: every Heartbeat the process sends
+(protocol.status.send) becomes its latest metrics, so `parley top` and a Prometheus scrape read the
+same numbers, built in one place (each role's `heartbeat()`). `serve(port)` starts the endpoint; the
+`parley <role>` commands call it for `--metrics-port`. FAMILIES names every series a heartbeat key
+becomes; deploy/grafana/parley.json queries only those (tests/unit/test_metrics_export.py).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+
+LABELS = ("run", "role", "instance")  # on every series: the run, the heartbeat's role and its id
+SERVICES = ("sim", "judge", "reference")  # roles that are an engines.service.Service
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric: the heartbeat counter keys it is made of (a full match of `key`, whose named
+    groups become labels), for the roles in `roles` (() = any role)."""
+
+    name: str  # as exposed: counters end in _total
+    kind: str  # "counter" | "gauge"
+    key: str
+    help: str
+    roles: tuple[str, ...] = ()
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return (*LABELS, *re.compile(self.key).groupindex)
+
+
+def _f(name: str, key: str, help: str, *roles: str) -> Family:
+    return Family(name, "counter" if name.endswith("_total") else "gauge", key, help, roles)
+
+
+# First match wins: a role's own families come before the ones of any role.
+FAMILIES: tuple[Family, ...] = (
+    # actor (actors/actor.py heartbeat)
+    _f("parley_actor_tasks_total", r"tasks", "Tasks taken and played to the end.", "actor"),
+    _f("parley_actor_trajectories_total", r"trajectories", "Trajectories published to TRAJ.", "actor"),
+    _f("parley_actor_duplicate_trajectories_total", r"duplicates", "Trajectories TRAJ already held (a redelivery).", "actor"),
+    _f("parley_actor_assistant_tokens_total", r"assistant_tokens", "Policy tokens generated in published trajectories.", "actor"),
+    _f("parley_actor_sim_fallbacks_total", r"sim_fallbacks", "User turns the simulator answered with its fallback.", "actor"),
+    _f("parley_actor_sim_waits_total", r"sim_waits", "Waits for an unreachable simulator service.", "actor"),
+    _f("parley_actor_refused_versions", r"refused_versions", "Weight versions this actor refused (bad blob, failed load).", "actor"),
+    _f("parley_actor_weights_announced_version", r"weights\.announced", "The weight version the learner announces now.", "actor"),
+    _f("parley_actor_version_lag", r"weights\.lag", "Announced version minus the version served.", "actor"),
+    _f("parley_actor_weights_loads_total", r"weights\.loads", "Weight versions loaded into the engine.", "actor"),
+    _f("parley_actor_weights_load_seconds", r"weights\.load_s", "Seconds the last weight version took to fetch, verify and load.", "actor"),
+    _f("parley_actor_weights_undecodable_total", r"weights\.undecodable", "Weights-key values that were no WeightVersion.", "actor"),
+    # scorer (scorer/scorer.py heartbeat)
+    _f("parley_scorer_scored_total", r"scored", "Trajectories scored and stored in SCORED.", "scorer"),
+    _f("parley_scorer_duplicates_total", r"duplicate", "Scored messages SCORED already held (a redelivery).", "scorer"),
+    _f("parley_scorer_unscorable_total", r"unscorable", "Trajectories that can never be scored (dead-lettered).", "scorer"),
+    _f("parley_scorer_retries_total", r"(?P<service>judge|reference)_retry", "Trajectories given back for a later try.", "scorer"),
+    _f("parley_scorer_waits_total", r"(?P<service>judge|reference)_wait", "Waits for an unreachable service.", "scorer"),
+    # services: sim, judge, reference (engines/service.py and each service's handler)
+    _f("parley_service_requests_total", r"(?P<outcome>served|shed|expired|repeated|joined|id_mismatch|errors|late)",
+       "Requests by outcome (engines/service.py).", *SERVICES),
+    _f("parley_service_latency_seconds", r"latency_s", "Recent mean seconds to answer a request.", *SERVICES),
+    _f("parley_service_bad_requests_total", r"bad_request", "Requests that did not decode.", *SERVICES),
+    _f("parley_sim_fallbacks_total", r"fallback", "Simulator replies replaced by the fallback message.", "sim"),
+    _f("parley_sim_malformed_total", r"malformed", "Simulator generations that were malformed.", "sim"),
+    _f("parley_judge_ops_total", r"(?P<op>[a-z0-9_]+)\.(?P<result>ok|failed)", "Judge operations by result.", "judge"),
+    _f("parley_reference_replies_total", r"(?P<result>ok|refused)", "Reference log-prob replies by result.", "reference"),
+    _f("parley_reference_tokens_total", r"tokens", "Tokens whose reference log-probs were computed.", "reference"),
+    # learner (learner/service.py heartbeat, learner.stepper.live_counters)
+    _f("parley_learner_step", r"step", "Optimizer steps done (the latest policy version).", "learner"),
+    _f("parley_learner_trained_tokens_total", r"train\.tokens_total", "Tokens trained on by this process.", "learner"),
+    _f("parley_learner_step_seconds", r"train\.step_s", "Seconds of the last optimizer step.", "learner"),
+    _f("parley_learner_wait_seconds", r"train\.wait_s", "Seconds the last step waited for its groups.", "learner"),
+    _f("parley_learner_step_tokens", r"train\.tokens", "Tokens in the last step.", "learner"),
+    _f("parley_learner_loss", r"train\.loss", "Loss of the last step.", "learner"),
+    _f("parley_learner_kl", r"train\.kl", "Mean KL to the reference in the last step.", "learner"),
+    _f("parley_learner_grad_norm", r"train\.grad_norm", "Gradient norm of the last step.", "learner"),
+    _f("parley_learner_checkpoint_seconds", r"train\.checkpoint_s", "Seconds the last checkpoint took.", "learner"),
+    _f("parley_learner_weights_publish_seconds", r"train\.publish_s",
+       "Seconds the last publication held the step (the copy off the GPU, and the file for an eval).", "learner"),
+    _f("parley_learner_reward", r"reward\.(?P<term>[^.]+)", "Last step's mean of each weighted reward term (term=total: the reward).", "learner"),
+    _f("parley_learner_reward_group_std", r"reward\.(?P<term>[^.]+)\.group_std", "Last step's mean within-group std of each term.", "learner"),
+    _f("parley_learner_reward_no_signal", r"reward\.(?P<term>[^.]+)\.NO_SIGNAL", "1 for a term with no within-group signal for many steps.", "learner"),
+    _f("parley_learner_staleness", r"staleness\.(?P<stat>mean|max)", "Versions the last step's groups lagged behind.", "learner"),
+    _f("parley_learner_buffered_groups", r"buffered_groups", "Groups buffered, complete or not.", "learner"),
+    _f("parley_learner_pending_acks", r"pending_acks", "Scored messages held until the ledger records them.", "learner"),
+    _f("parley_learner_scored_total", r"scored\.(?P<result>[a-z_]+)", "Scored messages taken in, by result.", "learner"),
+    _f("parley_learner_group_fates_total", r"groups\.(?P<kind>[a-z_]+)", "Groups that left the buffer untrained, by kind.", "learner"),
+    _f("parley_learner_groups_total", r"(?P<outcome>trained|corrected|late|duplicate|nonfinite|stale|timeout|dead|deadline|zero_advantage)",
+       "Groups by outcome (learner/groups.py).", "learner"),
+    _f("parley_learner_steps_skipped_total", r"steps\.skipped", "Steps refused for a non-finite loss or gradient.", "learner"),
+    _f("parley_learner_ledger_written_bytes_total", r"ledger\.bytes_written", "Bytes written to the ledger.", "learner"),
+    _f("parley_learner_ledger_last_write_bytes", r"ledger\.last_write_bytes", "Bytes of the last ledger write.", "learner"),
+    _f("parley_learner_ledger_compactions_total", r"ledger\.compactions", "Ledger compactions.", "learner"),
+    _f("parley_learner_weights_publishing", r"weights\.publishing", "1 while a version is being published.", "learner"),
+    _f("parley_learner_weights_waiting", r"weights\.waiting", "1 while a version waits for the one being published.", "learner"),
+    _f("parley_learner_weights_versions_total", r"weights\.(?P<outcome>published|superseded)", "Weight versions by outcome.", "learner"),
+    _f("parley_stream_backlog_ratio", r"backlog\.(?P<channel>[a-z]+)", "Share of a stream's max_bytes its unconsumed messages fill.", "learner"),
+    _f("parley_tasks_waiting", r"tasks\.waiting", "TASKS messages no actor has taken yet (the consumer's pending count: KEDA's signal).", "learner"),
+    _f("parley_tasks_playing", r"tasks\.playing", "TASKS messages an actor holds and has not finished.", "learner"),
+    _f("parley_tasks_unplayed", r"tasks\.unplayed", "Admitted tasks not played yet: waiting + playing.", "learner"),
+    _f("parley_learner_eval_queued", r"eval\.queued", "Versions queued for the periodic eval.", "learner"),
+    _f("parley_learner_eval_running", r"eval\.running", "The version being evaluated (-1: none).", "learner"),
+    _f("parley_learner_eval_version", r"eval\.version", "The last evaluated version.", "learner"),
+    _f("parley_learner_eval_failed", r"eval\.failed", "Periodic evals that failed.", "learner"),
+    _f("parley_learner_eval", r"eval\.(?P<metric>[a-z0-9_]+)", "The last evaluated version's mean of each eval column.", "learner"),
+    # any role
+    _f("parley_dead_letters_total", r"dead\.(?P<channel>[a-z]+)\.(?P<reason>[a-z_]+)",
+       "Messages this process dead-lettered, by the channel they came from and why (protocol/bus.py).", ),
+    _f("parley_in_flight", r"in_flight", "Work in progress (conversations, trajectories, requests; the learner: admitted tasks)."),
+)
+# Not from a counter: from the heartbeat's own fields.
+STATE = Family("parley_role_state", "gauge", "", "1 for the role's state (starting, ready, busy, stopping).")
+VERSION = Family("parley_policy_version", "gauge", "", "The policy version: an actor's served one, the learner's latest.")
+BEAT = Family("parley_heartbeat_timestamp_seconds", "gauge", "", "Unix time of the role's last heartbeat.")
+OTHER = Family("parley_heartbeat_value", "gauge", r"(?P<key>.+)", "A heartbeat counter no family above names.")
+
+
+def exposed_names() -> set[str]:
+    """Every metric name a scrape can show."""
+    return {f.name for f in (*FAMILIES, STATE, VERSION, BEAT, OTHER)}
+
+
+def family_of(role: str, key: str) -> tuple[Family, dict[str, str]]:
+    """The family heartbeat counter `key` of `role` belongs to, and its labels beyond LABELS."""
+    for f in FAMILIES:
+        if (not f.roles or role in f.roles) and (m := _compiled(f.key).fullmatch(key)):
+            return f, m.groupdict()
+    return OTHER, {"key": key}
+
+
+_PATTERNS: dict[str, re.Pattern] = {}
+
+
+def _compiled(key: str) -> re.Pattern:
+    if key not in _PATTERNS:
+        _PATTERNS[key] = re.compile(key)
+    return _PATTERNS[key]
+
+
+class HeartbeatCollector:
+    """A prometheus-client collector over the latest heartbeat of each (role, id) this process sent."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._latest: dict[tuple[str, str], tuple[str, object]] = {}  # (role, id) -> (run, Heartbeat)
+
+    def observe(self, run: str, hb) -> None:
+        """protocol.status's observer: called in the event loop for every heartbeat sent."""
+        with self._lock:
+            self._latest[(hb.role, hb.id)] = (run, hb)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self._lock:
+            beats = list(self._latest.values())
+        out: dict[str, object] = {}
+
+        def add(f: Family, base: list[str], extra: dict[str, str], value: float) -> None:
+            if f.name not in out:
+                cls = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
+                out[f.name] = cls(f.name.removesuffix("_total") if f.kind == "counter" else f.name, f.help,
+                                  labels=list(f.labels))
+            out[f.name].add_metric(base + [extra[k] for k in f.labels[len(LABELS):]], float(value))
+
+        for run, hb in beats:
+            base = [run, hb.role, hb.id]
+            out.setdefault(STATE.name, GaugeMetricFamily(STATE.name, STATE.help, labels=[*LABELS, "state"]))
+            out[STATE.name].add_metric([*base, hb.state], 1.0)
+            add(BEAT, base, {}, hb.created)
+            if hb.version >= 0:
+                add(VERSION, base, {}, hb.version)
+            for key, value in hb.counters.items():
+                f, extra = family_of(hb.role, key)
+                add(f, base, extra, value)
+        yield from out.values()
+
+
+COLLECTOR = HeartbeatCollector()
+
+
+def serve(port: int, host: str = "0.0.0.0") -> int:
+    """Serve /metrics on `host`:`port` (0 = a free port) from a daemon thread; returns the port.
+    From now on every heartbeat this process sends is also its metrics."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from protocol import status
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(COLLECTOR)
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    if COLLECTOR.observe not in status.OBSERVERS:
+        status.OBSERVERS.append(COLLECTOR.observe)
+    return server.server_port
