@@ -6,6 +6,7 @@ broke joins again, and bad addresses are refused with the fix."""
 from __future__ import annotations
 
 import socket
+import time
 
 import msgspec
 import pytest
@@ -50,6 +51,10 @@ def test_versions_arrive_checked_and_stale_or_bad_ones_are_refused(monkeypatch):
         now[0] += 11.0  # past v1's hold time: still there until a fill reuses its buffer
         got, reason = receiver.fetch(s1, 1, "cpu")
         assert reason is None and torch.equal(got[0][1], weights(1)[0][1])
+        for _ in range(200):  # the sender's thread releases its reader guard just after the send
+            if not any(b.readers for b in sender.pub.buffers):
+                break
+            time.sleep(0.01)
         assert sender.pack(weights(3), 3) is not None  # into v1's buffer, the oldest past its hold
         got, reason = receiver.fetch(s1, 1, "cpu")
         assert got == [] and "version 1 is no longer held" in reason
