@@ -89,7 +89,7 @@ T)
             --set "actor.engine.model=\"$MODEL\"" --set "policy.model=\"$MODEL\""
         python3 -m deploy.cli report "$RUN" >/dev/null 2>&1 && cp "$RUN/report/gpu.png" "$OUT/gpu_4b_s$S.png"
         python3 bench/gpu_summary.py "$RUN" --json "$OUT/summary_4b_s$S.json" | head -c 1500
-        grep -h -i -E "refused|out of memory|OutOfMemory|not published" "$RUN"/logs/*.log | head -n 20 \
+        grep -h -i -E "refused|out of memory|OutOfMemory|not published|recompile_limit" "$RUN"/logs/*.log | head -n 20 \
             >>"$OUT/problems_4b.log"
     done
     ;;
