@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from protocol.messages import NcclSource, WeightVersion
-from weights.common import Transport
+from weights.common import Transport, WeightUnavailable
 from weights.cuda_ipc import IpcPublisher, checksums, mismatch, view
 
 if TYPE_CHECKING:
@@ -257,5 +257,5 @@ class Nccl(Transport):
         device = torch.device("cuda", torch.cuda.current_device()) if wv.nccl.backend == "nccl" else torch.device("cpu")
         try:
             return state["nccl"].fetch(wv.nccl, wv.version, device)
-        except (RuntimeError, TimeoutError) as e:  # the learner is gone or the transfer broke: rejoin next time
-            return [], f"receiving from {wv.nccl.address} failed: {e}"
+        except (RuntimeError, TimeoutError) as e:  # the learner is gone, the transfer broke, out of memory
+            raise WeightUnavailable(f"receiving from {wv.nccl.address} failed: {e}") from e  # rejoins next time
