@@ -17,6 +17,7 @@ engines.engine's WorkerExtension (through `Nccl.receive`).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -71,10 +72,20 @@ class Receiver:
 
     def __init__(self, name: str):
         self.name = name
-        self.address = ""
+        self.address = self.instance = ""
         self.store = None  # this actor's PrefixStore
         self.group = None
         self.n = 0  # the next request number
+
+    def _current(self, source: NcclSource) -> bool:
+        """Whether the joined group can serve `source`: the same learner store (address and instance),
+        still reachable, and the sender has not dropped us (an actor silent for its idle_s: `dropped`)."""
+        if self.group is None or (self.address, self.instance) != (source.address, source.instance):
+            return False
+        try:
+            return not self.store.check(["dropped"])
+        except (RuntimeError, TimeoutError):  # the store is gone (the learner restarted) or unreachable
+            return False
 
     def _join(self, source: NcclSource) -> None:
         import torch.distributed as dist
@@ -85,7 +96,7 @@ class Receiver:
         root.set(f"join{k}", self.name)
         self.store = dist.PrefixStore(f"actor{k}", root)  # keys "actor<k>/<key>"
         self.group = pair_group(self.store, 1, source.backend, JOIN_TIMEOUT_S)
-        self.address, self.n = source.address, 0
+        self.address, self.instance, self.n = source.address, source.instance, 0
         log.info("joined the learner's weight sender at %s as actor %d", source.address, k)
 
     def fetch(self, source: NcclSource, version: int, device) -> tuple[list[tuple[str, "Tensor"]], str | None]:
@@ -93,7 +104,8 @@ class Receiver:
         Raises (and forgets the group, so the next call joins again) when the transfer breaks."""
         import torch
 
-        if self.group is None or self.address != source.address:
+        if not self._current(source):  # a new learner, a broken group, or dropped for idling: join again
+            self.group = None
             self._join(source)
         n, self.n = self.n, self.n + 1
         try:
@@ -129,6 +141,7 @@ class NcclSender:
         host, port = parse_address(address)
         self.pub, self.address, self.backend = publisher, address, backend
         self.timeout_s, self.idle_s = timeout_s, idle_s
+        self.instance = secrets.token_hex(6)  # announced (NcclSource.instance): receivers of an older store join again
         self.device = torch.cuda.current_device() if backend == "nccl" else None
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta_s(timeout_s))
@@ -150,7 +163,7 @@ class NcclSender:
             return None
         _, tensors = filled
         return NcclSource(address=self.address, backend=self.backend, nbytes=self.pub.total, hold_s=self.pub.hold_s,
-                          tensors=tensors)
+                          tensors=tensors, instance=self.instance)
 
     def close(self) -> None:
         """Stop accepting and serving: every waiting thread is woken by its stop marker and joined."""
@@ -161,6 +174,7 @@ class NcclSender:
                 self.store.set(f"actor{k}/req{n}", "stop")
         for t in self._threads:
             t.join(timeout=self.timeout_s)
+        self.store = None  # the server goes with it: a new sender (a restarted learner) may take the address
 
     def _accept(self) -> None:
         store = self._connect()
@@ -219,6 +233,10 @@ class NcclSender:
                 n += 1
         except Exception as e:  # noqa: BLE001 - that actor is dropped; it joins again for its next version
             log.warning("weights: actor %d (%s) dropped from the nccl sender: %s", k, name, e)
+            try:  # tells the actor to join again (Receiver._current) rather than ask a thread that is gone
+                store.set("dropped", str(e))
+            except Exception:  # noqa: BLE001 - the store itself broke: the actor finds it gone
+                pass
         finally:
             self.actors.pop(k, None)
             with self._lock:

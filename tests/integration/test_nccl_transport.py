@@ -1,11 +1,13 @@
 """transport nccl's sender and receiver (weights.nccl: NcclSender, Receiver) over a real
 TCPStore and gloo, both sides in this process: a version arrives whole and checked, a wrong
 checksum and a version no longer held are refused with their reasons, a receiver whose group
-broke joins again, and bad addresses are refused with the fix."""
+broke joins again, so does one after a learner restart (same address, a new store) or after the
+sender dropped it for idling, and bad addresses are refused with the fix."""
 
 from __future__ import annotations
 
 import socket
+import time
 
 import msgspec
 import pytest
@@ -76,3 +78,51 @@ def test_bad_addresses_name_the_fix():
     assert NcclWeights(address="10.0.0.1:29600").address == "10.0.0.1:29600"
     assert load_config(None, ["learner.transport=nccl", 'learner.nccl_address="10.0.0.1:29600"']).weights \
         == NcclWeights(address="10.0.0.1:29600")
+
+
+@pytest.mark.parametrize("instance", [True, False], ids=["announced", "older-learner"])
+def test_a_receiver_serves_the_version_of_a_restarted_learner_at_the_same_address(instance):
+    """The learner restarts (its sender closed, a new one at the same address, a new store): the
+    receiver sees the new instance in the announcement (or, from an older learner that announces
+    none, its store gone) and joins the new store and group, and serves the resumed version at its
+    first fetch."""
+    def announced(source):
+        return source if instance else msgspec.structs.replace(source, instance="")
+
+    address = f"127.0.0.1:{free_port()}"
+    first = NcclSender(IpcPublisher(hold_s=5.0), address, "gloo", timeout_s=5.0)
+    receiver = Receiver("test-actor")
+    try:
+        got, reason = receiver.fetch(announced(first.pack(weights(1), 1)), 1, "cpu")
+        assert reason is None and torch.equal(got[0][1], weights(1)[0][1])
+    finally:
+        first.close()
+    resumed = NcclSender(IpcPublisher(hold_s=5.0), address, "gloo", timeout_s=5.0)
+    try:
+        s1 = announced(resumed.pack(weights(11), 1))  # the resumed learner re-announces version 1, other weights
+        got, reason = receiver.fetch(s1, 1, "cpu")
+        assert reason is None and torch.equal(got[0][1], weights(11)[0][1])
+        got, reason = receiver.fetch(announced(resumed.pack(weights(12), 2)), 2, "cpu")
+        assert reason is None and torch.equal(got[1][1], weights(12)[1][1]) and len(resumed.actors) == 1
+    finally:
+        resumed.close()
+
+
+def test_an_actor_dropped_for_idling_rejoins_at_its_next_fetch():
+    """NcclSender drops an actor silent for idle_s (its thread and group go); the actor's next fetch
+    joins again rather than wait out hold_s for an answer nobody will give, and is served."""
+    sender = NcclSender(IpcPublisher(hold_s=3.0), f"127.0.0.1:{free_port()}", "gloo", timeout_s=3.0, idle_s=0.3)
+    receiver = Receiver("test-actor")
+    try:
+        got, reason = receiver.fetch(sender.pack(weights(1), 1), 1, "cpu")
+        assert reason is None
+        deadline = time.monotonic() + 5.0
+        while sender.actors:  # dropped after idle_s
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        got, reason = receiver.fetch(sender.pack(weights(2), 2), 2, "cpu")
+        assert reason is None and torch.equal(got[0][1], weights(2)[0][1])
+        assert time.monotonic() - t0 < 2.0  # joined again at once, not after a timeout
+    finally:
+        sender.close()
