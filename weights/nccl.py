@@ -6,8 +6,10 @@ the learner, rank 1 = this worker) under the store prefix `actor<k>`; no global 
 so actors join and leave without touching the learner's training group. Per version the worker
 asks (`req<n>` = version), rank 0 answers (`ack<n>` = "ok" or why not) and sends the packed buffer
 (weights.cuda_ipc's layout, the same per-tensor checksums) which the worker receives into its
-own memory, checks, and only then loads. Every wait has a timeout: a store wait, a send or a
-receive that exceeds it drops that actor's group (the actor joins again for its next version).
+own memory, checks, and only then loads. Every wait has a timeout on the host (finish: NCCL's
+wait() alone does not block): a store wait, a send or a receive that exceeds it drops that actor's
+group (the actor joins again for its next version), and a sent buffer is given back to the
+publisher only once its send has finished (send_held).
 The backend is NCCL on GPUs and gloo where the learner has none (CPU runs and the tests).
 
 NcclSender runs on rank 0 (learner.trainer builds it through weights.registry); Receiver in
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -52,6 +55,52 @@ def store_wait(store, key: str, timeout_s: float) -> bool:
         if "timeout" not in str(e).lower() and not isinstance(e, dist.DistStoreError):
             raise
         return False
+
+
+def finish(work, timeout_s: float, what: str) -> None:
+    """Return once `work` (a send or receive) has completed, as seen from the host; TimeoutError past
+    timeout_s. gloo's wait() blocks until then (or raises past its timeout); NCCL's, without blocking
+    wait (TORCH_NCCL_BLOCKING_WAIT, off by default), only orders the current stream behind the work
+    and returns at once, so the host polls is_completed() (the work's end event) up to the deadline:
+    a buffer is never given back, nor a received one read, while the transfer may still run."""
+    deadline = time.monotonic() + timeout_s
+    work.wait(timedelta_s(timeout_s))
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not finish in {timeout_s:.0f} s")
+        time.sleep(0.0005)
+
+
+def abort(group) -> bool:
+    """Abort `group`'s communicator (NCCL: its pending kernels end), so a transfer that timed out no
+    longer touches its buffer. False where the group cannot be aborted."""
+    stop = getattr(group, "abort", None)
+    if stop is None:
+        return False
+    try:
+        stop()
+    except Exception as e:  # noqa: BLE001 - treated as not aborted: the buffer stays taken
+        log.warning("weights: aborting a timed-out nccl group failed: %s", e)
+        return False
+    return True
+
+
+def send_held(pub: IpcPublisher, buf, group, n: int, timeout_s: float) -> None:
+    """Send a taken buffer (IpcPublisher.take) to rank 1 and release it once the send has finished
+    (finish). A send that timed out releases it only once its group is aborted; else the buffer stays
+    taken (never refilled: one buffer fewer) rather than be overwritten while it may still be read."""
+    try:
+        finish(group.send([buf.data], 1, n), timeout_s, f"sending request {n}")
+    except TimeoutError:
+        if abort(group):
+            pub.release(buf)
+        else:
+            log.error("weights: a send timed out and its group cannot be aborted; its buffer stays taken")
+        raise
+    except BaseException:
+        pub.release(buf)  # the send failed: nothing in flight reads the buffer
+        raise
+    pub.release(buf)
 
 
 def pair_group(store, rank: int, backend: str, timeout_s: float):
@@ -116,8 +165,10 @@ class Receiver:
             if ack != "ok":
                 return [], ack
             staged = torch.empty(source.nbytes, dtype=torch.uint8, device=device)
-            self.group.recv([staged], 0, n).wait(timedelta(seconds=source.hold_s))
-        except BaseException:
+            finish(self.group.recv([staged], 0, n), source.hold_s, f"receiving version {version}")
+        except BaseException as e:
+            if isinstance(e, TimeoutError):
+                abort(self.group)  # the receive may still be writing `staged`: stop it before it is freed
             self.group = None
             raise
         reason = mismatch(source.tensors, checksums(staged, source.tensors))
@@ -227,9 +278,10 @@ class NcclSender:
                 else:
                     try:
                         store.set(f"ack{n}", "ok")
-                        group.send([buf.data], 1, n).wait(timedelta_s(self.timeout_s))
-                    finally:
+                    except BaseException:
                         self.pub.release(buf)
+                        raise
+                    send_held(self.pub, buf, group, n, self.timeout_s)
                 n += 1
         except Exception as e:  # noqa: BLE001 - that actor is dropped; it joins again for its next version
             log.warning("weights: actor %d (%s) dropped from the nccl sender: %s", k, name, e)

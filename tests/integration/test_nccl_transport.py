@@ -126,3 +126,90 @@ def test_an_actor_dropped_for_idling_rejoins_at_its_next_fetch():
         assert time.monotonic() - t0 < 2.0  # joined again at once, not after a timeout
     finally:
         sender.close()
+
+
+class LaggingWork:
+    """Test double of an NCCL work without blocking wait: wait() returns at once while the transfer
+    runs on (here for `lag_s` more, or for ever); is_completed() says when it has ended."""
+
+    def __init__(self, work, lag_s: float | None):
+        self.work, self.done_at = work, None if lag_s is None else time.monotonic() + lag_s
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        if self.done_at is None or time.monotonic() < self.done_at:
+            return False
+        if self.work is not None:
+            self.work.wait()  # gloo's own send (done by now: the receiver has it), waited once
+            self.work = None
+        return True
+
+
+class LaggingGroup:
+    """The learner's side of a gloo pair group whose sends come back as LaggingWork; aborts are counted."""
+
+    def __init__(self, group, lag_s):
+        self.group, self.lag_s, self.aborted = group, lag_s, 0
+        self.works: list[LaggingWork] = []
+
+    def send(self, tensors, dst, tag):
+        self.works.append(LaggingWork(self.group.send(tensors, dst, tag), self.lag_s))
+        return self.works[-1]
+
+    def abort(self):
+        self.aborted += 1
+
+
+def lagging_sender(monkeypatch, lag_s, timeout_s):
+    import weights.nccl as nccl
+
+    groups, real = [], nccl.pair_group
+
+    def pair_group(store, rank, backend, timeout):
+        g = real(store, rank, backend, timeout)
+        if rank == 0:
+            groups.append(LaggingGroup(g, lag_s))
+            return groups[-1]
+        return g
+
+    monkeypatch.setattr(nccl, "pair_group", pair_group)
+    pub = IpcPublisher(hold_s=5.0)
+    released = []  # at each release: had every send ended?
+    release = pub.release
+    monkeypatch.setattr(pub, "release", lambda buf: (released.append(all(w.is_completed() for w in groups[0].works)),
+                                                     release(buf)))
+    return NcclSender(pub, f"127.0.0.1:{free_port()}", "gloo", timeout_s=timeout_s), groups, released
+
+
+def test_a_sent_buffer_is_released_only_once_its_send_has_finished(monkeypatch):
+    """As NCCL without blocking wait: the send's wait() returns before the transfer ends; the reader
+    guard (IpcPublisher.take/release) is kept until is_completed(), so no fill overwrites the buffer
+    while it is still being read."""
+    sender, groups, released = lagging_sender(monkeypatch, lag_s=0.3, timeout_s=5.0)
+    try:
+        got, reason = Receiver("test-actor").fetch(sender.pack(weights(1), 1), 1, "cpu")
+        assert reason is None
+        deadline = time.monotonic() + 5.0
+        while not released:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert released == [True] and groups[0].aborted == 0
+    finally:
+        sender.close()
+
+
+def test_a_send_that_never_finishes_times_out_on_the_host_and_is_aborted_before_release(monkeypatch):
+    sender, groups, released = lagging_sender(monkeypatch, lag_s=None, timeout_s=0.5)
+    receiver = Receiver("test-actor")
+    try:
+        t0 = time.monotonic()
+        got, reason = receiver.fetch(sender.pack(weights(1), 1), 1, "cpu")  # gloo's own receive completes
+        deadline = time.monotonic() + 5.0
+        while sender.actors or not released:  # the send timed out: its actor dropped, its group aborted
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert time.monotonic() - t0 >= 0.5 and groups[0].aborted == 1 and released == [False]
+    finally:
+        sender.close()
