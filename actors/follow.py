@@ -7,7 +7,10 @@ The engine serves whatever the key names (version and sha256), also when a resum
 it back to a lower version. A version whose blob fails verification
 (weights.common.WeightVerifyError) or does not load is refused: the reason is logged once, the
 actor keeps serving what it has, and that version is not fetched again (the next announcement
-is). A GPU-transport load (cuda_ipc, nccl) that fails is first tried again, GPU_ATTEMPTS times in all. If a failed load cannot be undone, WeightsBroken stops the actor.
+is). A GPU-transport load (cuda_ipc, nccl) is refused at once only for a mismatch; one that failed
+for a reason that passes (weights.common.WeightUnavailable, a timeout, out of memory) is tried again
+with back-off while it is announced, any other failure GPU_ATTEMPTS times in all (_gpu_failed). If a
+failed load cannot be undone, WeightsBroken stops the actor.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from protocol import codec, topology
 from protocol.bus import COUNTERS, UNREACHABLE
 from protocol.messages import WeightVersion
 from weights import registry
-from weights.common import WeightVerifyError
+from weights.common import WeightUnavailable, WeightVerifyError
 
 log = logging.getLogger("parley.follow")
 
@@ -168,11 +171,13 @@ class WeightFollower:
         old = self.engine.version
         try:
             await self.engine.load_gpu(codec.encode(wv), hold_s=source.hold_s, version=wv.version)
-        except WeightVerifyError as e:
-            return self._gpu_failed(wv, f"verification failed: {e}")
-        except Exception as e:  # noqa: BLE001 - refused, after putting the served weights back
+        except WeightVerifyError as e:  # a mismatch: refused for good, nothing changed
+            return self._refuse(wv, f"verification failed: {e}", None)
+        except WeightUnavailable as e:  # it passes, nothing changed: tried again while announced
+            return self._gpu_failed(wv, f"unavailable: {e}", passes=True)
+        except Exception as e:  # noqa: BLE001 - tried again, after putting the served weights back
             await self._restore(wv, e)
-            return self._gpu_failed(wv, f"reload failed: {type(e).__name__}: {e}")
+            return self._gpu_failed(wv, f"reload failed: {type(e).__name__}: {e}", passes=_passes(e))
         self.failing.pop(wv.version, None)
         log.info("now serving weights version %d (was %d, step %d, %s)", wv.version, old, wv.step, wv.transport)
         self.loaded.append(wv.version)
@@ -200,21 +205,24 @@ class WeightFollower:
                 f"weights could not be restored ({e}); stopping rather than serve a mixed model"
             ) from e
 
-    def _gpu_failed(self, wv: WeightVersion, reason: str) -> bool:
-        """A GPU-transport load that failed is tried again at the next polls, GPU_ATTEMPTS times in all,
-        before the version is refused: what fails it usually passes (out of memory while the learner
-        steps on the same GPU, a buffer overwritten while it was copied, a slow copy past hold_s), and
-        the learner keeps the newest version's buffer, so a refusal for good left the actor serving an
-        old version while the learner dropped every group it played as stale, and published no more."""
+    def _gpu_failed(self, wv: WeightVersion, reason: str, passes: bool) -> bool:
+        """A GPU-transport load that failed is tried again at the next polls, with back-off (poll_s x 2^k,
+        at most RETRY_MAX_S): one that `passes` (weights.common.WeightUnavailable: the buffer did not
+        open, the receive broke or timed out; out of memory while the learner steps on the same GPU)
+        for as long as the key announces that version (the learner keeps the newest version's buffer),
+        any other GPU_ATTEMPTS times in all before it is refused. Refusing a passing failure for good
+        left the actor serving an old version while the learner dropped every group it played as
+        stale, and published no more. A mismatch (WeightVerifyError) never comes here: refused at once."""
         key = (wv.version, wv.sha256)
         self.failures[key] = self.failures.get(key, 0) + 1
-        if self.failures[key] >= GPU_ATTEMPTS:
+        if not passes and self.failures[key] >= GPU_ATTEMPTS:
             return self._refuse(wv, f"{reason} ({self.failures[key]} attempts)", None)
         self.failing[wv.version] = reason
-        wait = self.poll_s * 2 ** (self.failures[key] - 1)  # the learner's next step may free what it needs
+        wait = min(self.poll_s * 2 ** (self.failures[key] - 1), RETRY_MAX_S)  # the learner's next step may free it
         self.retry_at[key] = asyncio.get_running_loop().time() + wait
-        log.warning("weights version %d: %s; attempt %d of %d, trying again in %.0f s; still serving version %d",
-                    wv.version, reason, self.failures[key], GPU_ATTEMPTS, wait, self.engine.version)
+        log.warning("weights version %d: %s; attempt %d%s, trying again in %.0f s; still serving version %d",
+                    wv.version, reason, self.failures[key], "" if passes else f" of {GPU_ATTEMPTS}", wait,
+                    self.engine.version)
         return False
 
     def _refuse(self, wv: WeightVersion, reason: str, dest: Path | None) -> bool:
@@ -271,7 +279,8 @@ class WeightFollower:
                 await watcher
 
 
-GPU_ATTEMPTS = 3  # GPU-transport loads of one version before it is refused (_gpu_failed)
+GPU_ATTEMPTS = 3  # GPU-transport loads of one version failing for a reason not known to pass, before it is refused
+RETRY_MAX_S = 60.0  # the longest back-off between two tries of a version whose load failed (_gpu_failed)
 
 # Announcements beyond these are refused unread: 2 TiB holds a 1T-parameter bf16 model.
 MAX_WEIGHT_BYTES = 2 * 1024**4
@@ -296,3 +305,9 @@ def announcement_problem(wv: WeightVersion) -> str | None:
 
 def _transient(e: Exception) -> bool:
     return isinstance(e, UNREACHABLE)
+
+
+def _passes(e: Exception) -> bool:
+    """A GPU load that failed half-way for a reason that passes: past its hold time (the engine's
+    TimeoutError), or out of memory (torch.OutOfMemoryError, also as it comes back from a worker)."""
+    return isinstance(e, TimeoutError) or type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()

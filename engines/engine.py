@@ -297,10 +297,11 @@ class PolicyEngine:
         """Load a GPU-transport version (cuda_ipc, nccl; its encoded WeightVersion) in place: the worker
         receives the learner's packed buffer (opening its CUDA IPC handle, or over its own process
         group with rank 0) and checks it, then loads it, in a keep-mode pause as reload_weights does.
-        The buffer is checked before any parameter changes, so a refusal (weights.common.WeightVerifyError)
-        leaves the served weights intact. hold_s bounds the whole wait (the learner holds the buffer
+        The buffer is checked before any parameter changes, so a refusal (weights.common.WeightVerifyError:
+        a mismatch, for good) or a failure that passes (WeightUnavailable: it did not open, the receive
+        broke or timed out, out of memory) leaves the served weights intact. hold_s bounds the whole wait (the learner holds the buffer
         that long); past it a TimeoutError says so."""
-        from weights.common import WeightVerifyError
+        from weights.common import WeightUnavailable, WeightVerifyError
 
         async with self._reload_lock:
             await self._llm.pause_generation(mode="keep", clear_cache=True)
@@ -319,8 +320,11 @@ class PolicyEngine:
             finally:
                 await self._llm.resume_generation()
             bad = [r for r in reasons if r]
+            refused = [why for kind, why in bad if kind == REFUSED]
+            if refused:  # one worker's mismatch refuses the version, whatever the others say
+                raise WeightVerifyError(refused[0])
             if bad:
-                raise WeightVerifyError(bad[0])
+                raise WeightUnavailable(bad[0][1])
             if version is not None:
                 self.version = version
 
@@ -328,6 +332,11 @@ class PolicyEngine:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             llm.shutdown()
+
+
+# What a worker's parley_load_gpu says of a version it did not load (its reasons cross vLLM's collective_rpc)
+UNAVAILABLE = "unavailable"  # it passes: weights.common.WeightUnavailable, tried again
+REFUSED = "refused"  # for good: weights.common.WeightVerifyError
 
 
 class WorkerExtension:
@@ -339,25 +348,30 @@ class WorkerExtension:
         self.reload_weights(weights_path=weights_path)
         _refresh_cpu_prepacked(self.model_runner.get_model())
 
-    def parley_load_gpu(self, announcement: bytes) -> str | None:
+    def parley_load_gpu(self, announcement: bytes) -> tuple[str, str] | None:
         """Load a GPU-transport version (cuda_ipc, nccl): receive the learner's packed buffer and check
-        it, then reload the model's weights from it. Returns None when loaded, or why the version is
-        refused (nothing was changed then); raises when the source changed during the load (the
+        it, then reload the model's weights from it. Returns None when loaded, or (UNAVAILABLE or
+        REFUSED, why) when not (nothing was changed then): a failure that passes, or one for good
+        (a checksum mismatch, no longer held); raises when the source changed during the load (the
         transport's `loaded` says so: the served weights may be mixed, the actor restores them)."""
         import torch
 
         from protocol import codec
         from weights import registry
+        from weights.common import WeightUnavailable
 
         wv = codec.decode("weights", announcement)
         transport = registry.get(wv.transport)
         if transport is None or not transport.gpu or transport.source(wv) is None:
-            return f"version {wv.version}: announced as {wv.transport!r} without its GPU source"
+            return REFUSED, f"version {wv.version}: announced as {wv.transport!r} without its GPU source"
         if not hasattr(self, "_parley_weights"):
             self._parley_weights = {}  # what a transport keeps between versions (nccl: its joined group)
-        named, reason = transport.receive(wv, self._parley_weights)
+        try:
+            named, reason = transport.receive(wv, self._parley_weights)
+        except WeightUnavailable as e:  # passes (did not open, receive broke, out of memory): tried again
+            return UNAVAILABLE, f"version {wv.version}: {e.reason}"
         if reason:
-            return f"version {wv.version}: {reason}"
+            return REFUSED, f"version {wv.version}: {reason}"
         # vLLM's in-place reload, fed our tensors instead of files: the same machinery as
         # parley_reload_weights (it redoes each layer's post-load processing, which a bare
         # model.load_weights misses: on CPU the packed linear layers lose their weight_loader). It

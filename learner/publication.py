@@ -120,10 +120,13 @@ class Weights:
         announcement to the publisher (learner.publication): the next step does not wait for them.
         objstore / shared_dir: a CPU copy on rank 0 (Trainer.weights_snapshot; ZeRO-3 gathers first),
         written to weights_dir in the background, or at once with `write_now` (an eval exports it
-        next). A GPU transport (cuda_ipc, nccl): packed into one of rank 0's GPU buffers (no file);
-        only the announcement is left for the background. False when the GPU transport had no buffer
+        next). A GPU transport (cuda_ipc, nccl): packed into one of rank 0's GPU buffers (no file,
+        unless `write_now`: then also written, write_for_eval); only the announcement is left for the
+        background. False when the GPU transport had no buffer
         it may write (the version is not published)."""
         if registry.of(self.settings).gpu:
+            if write_now:  # the eval's export reads the weights directory: a GPU buffer is no file
+                await self.write_for_eval(version)
             source = await asyncio.to_thread(self.driver, "pack_weights", version)
             if source is None:  # every buffer still held (weights.cuda_ipc.IpcPublisher): the next step's is tried
                 self.publisher.counters["skipped_held"] += 1
@@ -137,6 +140,14 @@ class Weights:
         self.publisher.submit(Publication(version, lambda: self.upload(version, snap, wdir),
                                           discard=lambda: shutil.rmtree(wdir, ignore_errors=True)))
         return True
+
+    async def write_for_eval(self, version: int) -> None:
+        """A GPU transport: write `version` to its weights directory as the file transports do, for
+        the periodic eval's export (evaluation.periodic, learner.checkpoint.export_version), also when
+        no buffer was free for it; the oldest are pruned as the file transports' are."""
+        snap = await asyncio.to_thread(self.driver, "weights_snapshot")
+        await asyncio.to_thread(snap.write, ckpt.weights_dir(self.run_dir, version))
+        await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
 
     async def upload(self, version: int, snap, wdir: Path) -> None:
         """In the background: write the file (unless written), upload it (its sha256 is computed once,

@@ -207,6 +207,9 @@ class NcclSource(msgspec.Struct, kw_only=True):
     nbytes: int
     hold_s: float  # as CudaIpcBuffer.hold_s: the learner leaves a filled buffer unchanged this long
     tensors: list[IpcTensor] = []
+    # The sender's store, one per learner process: another one (a restarted learner, maybe at the
+    # same address) makes a receiver join again. "" from older learners: then a dead store does.
+    instance: str = ""
 
 
 class WeightVersion(msgspec.Struct, kw_only=True):

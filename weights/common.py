@@ -37,6 +37,17 @@ class WeightVerifyError(Exception):
         self.reason = reason
 
 
+class WeightUnavailable(Exception):
+    """A GPU-transport version that could not be got this time, for a reason that passes (the buffer
+    would not open, the receive broke or timed out, out of memory): nothing of the served weights
+    changed, and the actor tries it again with back-off while it is announced. Only a WeightVerifyError
+    (a checksum or digest mismatch) refuses a version for good."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class VersionConflict(RuntimeError):
     """Another writer changed the weights key between our read and our compare-and-set."""
 
@@ -208,7 +219,9 @@ class Transport:
         return None
 
     def receive(self, wv: WeightVersion, state: dict):
-        """In the engine's worker: ((name, tensor) views of a checked buffer, None) or ([], reason)."""
+        """In the engine's worker: ((name, tensor) views of a checked buffer, None) or ([], reason) for a
+        version refused for good (a checksum mismatch, no longer held); raises WeightUnavailable for a
+        failure that passes (the buffer did not open, the receive broke or timed out)."""
         raise self._other_family("receive a GPU buffer", "fetch_version")
 
     def loaded(self, wv: WeightVersion, state: dict) -> str | None:

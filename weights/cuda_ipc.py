@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 from protocol.messages import CudaIpcBuffer, IpcTensor, WeightVersion
-from weights.common import Transport
+from weights.common import Transport, WeightUnavailable
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -373,8 +373,8 @@ class CudaIpc(Transport):
             return [], "this engine runs without CUDA; cuda_ipc needs actors on the learner's GPUs"
         try:
             return receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()), state)
-        except (LookupError, RuntimeError) as e:  # the GPU is not visible, or the handle no longer opens
-            return [], f"cannot open the learner's buffer: {e}"
+        except (LookupError, RuntimeError) as e:  # the GPU is not visible, the handle did not open, out of memory
+            raise WeightUnavailable(f"cannot open the learner's buffer: {e}") from e
 
     def loaded(self, wv: WeightVersion, state: dict) -> str | None:
         return after_load(state)

@@ -6,8 +6,10 @@ the learner, rank 1 = this worker) under the store prefix `actor<k>`; no global 
 so actors join and leave without touching the learner's training group. Per version the worker
 asks (`req<n>` = version), rank 0 answers (`ack<n>` = "ok" or why not) and sends the packed buffer
 (weights.cuda_ipc's layout, the same per-tensor checksums) which the worker receives into its
-own memory, checks, and only then loads. Every wait has a timeout: a store wait, a send or a
-receive that exceeds it drops that actor's group (the actor joins again for its next version).
+own memory, checks, and only then loads. Every wait has a timeout on the host (finish: NCCL's
+wait() alone does not block): a store wait, a send or a receive that exceeds it drops that actor's
+group (the actor joins again for its next version), and a sent buffer is given back to the
+publisher only once its send has finished (send_held).
 The backend is NCCL on GPUs and gloo where the learner has none (CPU runs and the tests).
 
 NcclSender runs on rank 0 (learner.trainer builds it through weights.registry); Receiver in
@@ -17,12 +19,14 @@ engines.engine's WorkerExtension (through `Nccl.receive`).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from protocol.messages import NcclSource, WeightVersion
-from weights.common import Transport
+from weights.common import Transport, WeightUnavailable
 from weights.cuda_ipc import IpcPublisher, checksums, mismatch, view
 
 if TYPE_CHECKING:
@@ -53,6 +57,52 @@ def store_wait(store, key: str, timeout_s: float) -> bool:
         return False
 
 
+def finish(work, timeout_s: float, what: str) -> None:
+    """Return once `work` (a send or receive) has completed, as seen from the host; TimeoutError past
+    timeout_s. gloo's wait() blocks until then (or raises past its timeout); NCCL's, without blocking
+    wait (TORCH_NCCL_BLOCKING_WAIT, off by default), only orders the current stream behind the work
+    and returns at once, so the host polls is_completed() (the work's end event) up to the deadline:
+    a buffer is never given back, nor a received one read, while the transfer may still run."""
+    deadline = time.monotonic() + timeout_s
+    work.wait(timedelta_s(timeout_s))
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not finish in {timeout_s:.0f} s")
+        time.sleep(0.0005)
+
+
+def abort(group) -> bool:
+    """Abort `group`'s communicator (NCCL: its pending kernels end), so a transfer that timed out no
+    longer touches its buffer. False where the group cannot be aborted."""
+    stop = getattr(group, "abort", None)
+    if stop is None:
+        return False
+    try:
+        stop()
+    except Exception as e:  # noqa: BLE001 - treated as not aborted: the buffer stays taken
+        log.warning("weights: aborting a timed-out nccl group failed: %s", e)
+        return False
+    return True
+
+
+def send_held(pub: IpcPublisher, buf, group, n: int, timeout_s: float) -> None:
+    """Send a taken buffer (IpcPublisher.take) to rank 1 and release it once the send has finished
+    (finish). A send that timed out releases it only once its group is aborted; else the buffer stays
+    taken (never refilled: one buffer fewer) rather than be overwritten while it may still be read."""
+    try:
+        finish(group.send([buf.data], 1, n), timeout_s, f"sending request {n}")
+    except TimeoutError:
+        if abort(group):
+            pub.release(buf)
+        else:
+            log.error("weights: a send timed out and its group cannot be aborted; its buffer stays taken")
+        raise
+    except BaseException:
+        pub.release(buf)  # the send failed: nothing in flight reads the buffer
+        raise
+    pub.release(buf)
+
+
 def pair_group(store, rank: int, backend: str, timeout_s: float):
     """A two-rank process group (0 = learner, 1 = actor worker) on `store`, outside any global group."""
     import torch.distributed as dist
@@ -71,10 +121,20 @@ class Receiver:
 
     def __init__(self, name: str):
         self.name = name
-        self.address = ""
+        self.address = self.instance = ""
         self.store = None  # this actor's PrefixStore
         self.group = None
         self.n = 0  # the next request number
+
+    def _current(self, source: NcclSource) -> bool:
+        """Whether the joined group can serve `source`: the same learner store (address and instance),
+        still reachable, and the sender has not dropped us (an actor silent for its idle_s: `dropped`)."""
+        if self.group is None or (self.address, self.instance) != (source.address, source.instance):
+            return False
+        try:
+            return not self.store.check(["dropped"])
+        except (RuntimeError, TimeoutError):  # the store is gone (the learner restarted) or unreachable
+            return False
 
     def _join(self, source: NcclSource) -> None:
         import torch.distributed as dist
@@ -85,7 +145,7 @@ class Receiver:
         root.set(f"join{k}", self.name)
         self.store = dist.PrefixStore(f"actor{k}", root)  # keys "actor<k>/<key>"
         self.group = pair_group(self.store, 1, source.backend, JOIN_TIMEOUT_S)
-        self.address, self.n = source.address, 0
+        self.address, self.instance, self.n = source.address, source.instance, 0
         log.info("joined the learner's weight sender at %s as actor %d", source.address, k)
 
     def fetch(self, source: NcclSource, version: int, device) -> tuple[list[tuple[str, "Tensor"]], str | None]:
@@ -93,7 +153,8 @@ class Receiver:
         Raises (and forgets the group, so the next call joins again) when the transfer breaks."""
         import torch
 
-        if self.group is None or self.address != source.address:
+        if not self._current(source):  # a new learner, a broken group, or dropped for idling: join again
+            self.group = None
             self._join(source)
         n, self.n = self.n, self.n + 1
         try:
@@ -104,8 +165,10 @@ class Receiver:
             if ack != "ok":
                 return [], ack
             staged = torch.empty(source.nbytes, dtype=torch.uint8, device=device)
-            self.group.recv([staged], 0, n).wait(timedelta(seconds=source.hold_s))
-        except BaseException:
+            finish(self.group.recv([staged], 0, n), source.hold_s, f"receiving version {version}")
+        except BaseException as e:
+            if isinstance(e, TimeoutError):
+                abort(self.group)  # the receive may still be writing `staged`: stop it before it is freed
             self.group = None
             raise
         reason = mismatch(source.tensors, checksums(staged, source.tensors))
@@ -129,6 +192,7 @@ class NcclSender:
         host, port = parse_address(address)
         self.pub, self.address, self.backend = publisher, address, backend
         self.timeout_s, self.idle_s = timeout_s, idle_s
+        self.instance = secrets.token_hex(6)  # announced (NcclSource.instance): receivers of an older store join again
         self.device = torch.cuda.current_device() if backend == "nccl" else None
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta_s(timeout_s))
@@ -150,7 +214,7 @@ class NcclSender:
             return None
         _, tensors = filled
         return NcclSource(address=self.address, backend=self.backend, nbytes=self.pub.total, hold_s=self.pub.hold_s,
-                          tensors=tensors)
+                          tensors=tensors, instance=self.instance)
 
     def close(self) -> None:
         """Stop accepting and serving: every waiting thread is woken by its stop marker and joined."""
@@ -161,6 +225,7 @@ class NcclSender:
                 self.store.set(f"actor{k}/req{n}", "stop")
         for t in self._threads:
             t.join(timeout=self.timeout_s)
+        self.store = None  # the server goes with it: a new sender (a restarted learner) may take the address
 
     def _accept(self) -> None:
         store = self._connect()
@@ -213,12 +278,17 @@ class NcclSender:
                 else:
                     try:
                         store.set(f"ack{n}", "ok")
-                        group.send([buf.data], 1, n).wait(timedelta_s(self.timeout_s))
-                    finally:
+                    except BaseException:
                         self.pub.release(buf)
+                        raise
+                    send_held(self.pub, buf, group, n, self.timeout_s)
                 n += 1
         except Exception as e:  # noqa: BLE001 - that actor is dropped; it joins again for its next version
             log.warning("weights: actor %d (%s) dropped from the nccl sender: %s", k, name, e)
+            try:  # tells the actor to join again (Receiver._current) rather than ask a thread that is gone
+                store.set("dropped", str(e))
+            except Exception:  # noqa: BLE001 - the store itself broke: the actor finds it gone
+                pass
         finally:
             self.actors.pop(k, None)
             with self._lock:
@@ -257,5 +327,5 @@ class Nccl(Transport):
         device = torch.device("cuda", torch.cuda.current_device()) if wv.nccl.backend == "nccl" else torch.device("cpu")
         try:
             return state["nccl"].fetch(wv.nccl, wv.version, device)
-        except (RuntimeError, TimeoutError) as e:  # the learner is gone or the transfer broke: rejoin next time
-            return [], f"receiving from {wv.nccl.address} failed: {e}"
+        except (RuntimeError, TimeoutError) as e:  # the learner is gone, the transfer broke, out of memory
+            raise WeightUnavailable(f"receiving from {wv.nccl.address} failed: {e}") from e  # rejoins next time

@@ -106,13 +106,16 @@ async def test_follower_loads_refuses_follows_back_and_stops_when_broken(js, tmp
 
 class IpcEngineDouble(ReloadEngineDouble):
     """Test double that also takes cuda_ipc / nccl versions: `refuse` makes the next load_gpu fail its
-    checksums (nothing changed), `break_ipc` makes it fail half-way (a restore is needed)."""
+    checksums (nothing changed), `unavailable` fail to get the buffer (it passes; nothing changed),
+    `break_ipc` fail half-way with `break_error` (a restore is needed)."""
 
     def __init__(self):
         super().__init__()
         self.ipc_loads: list[int] = []
         self.refuse = 0
+        self.unavailable = 0
         self.break_ipc = 0
+        self.break_error = "CUDA error: an illegal memory access was encountered"
 
     async def load_gpu(self, announcement, hold_s, version=None):
         wv = codec.decode("weights", announcement)
@@ -121,9 +124,12 @@ class IpcEngineDouble(ReloadEngineDouble):
         if self.refuse:
             self.refuse -= 1
             raise common.WeightVerifyError("checksum mismatch in 1 of 1 tensors (first: w)")
+        if self.unavailable:
+            self.unavailable -= 1
+            raise common.WeightUnavailable("receiving from learner:29600 failed: Connection reset by peer")
         if self.break_ipc and version != self.version:  # a new version's load breaks; the restore works
             self.break_ipc -= 1
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            raise RuntimeError(self.break_error)
         if version is not None:
             self.version = version
 
@@ -158,6 +164,34 @@ async def test_a_gpu_load_that_fails_is_tried_again_and_the_version_served(js, t
     assert engine.ipc_loads == [1] + [2, 1] * (GPU_ATTEMPTS - 1) + [2]
 
 
+async def test_a_gpu_load_failing_for_a_passing_reason_is_tried_past_gpu_attempts_and_served(js, tmp_path):
+    """Out of memory half-way through the load, then a receive that breaks (the learner restarting):
+    both pass, so the version is tried again with back-off for as long as it is announced, more than
+    GPU_ATTEMPTS times, and served once it loads. Only a mismatch refuses a version for good."""
+    run = "follow-ipc-passing"
+    await topology.ensure_topology(js, run, BUS)
+    engine = IpcEngineDouble()
+    f = WeightFollower(js, run, engine, dest_root=tmp_path / "fetched", poll_s=0.3, base_dir=tmp_path / "base")
+    await registry.publish_gpu_version(js, run, 1, 1, ipc_buffer(1))
+    assert await f.check() and engine.version == 1
+    engine.break_ipc, engine.break_error = GPU_ATTEMPTS + 1, "CUDA out of memory. Tried to allocate 2.00 GiB"
+    await registry.publish_gpu_version(js, run, 2, 2, ipc_buffer(2))
+    for _ in range(GPU_ATTEMPTS + 1):
+        assert not await f.check() and engine.version == 1
+        assert 2 not in f.refused and "out of memory" in f.failing[2]
+        f.retry_at.clear()  # its backoff has passed
+    engine.unavailable = GPU_ATTEMPTS + 1
+    for _ in range(GPU_ATTEMPTS + 1):
+        assert not await f.check() and engine.version == 1
+        assert 2 not in f.refused and "unavailable: receiving from" in f.failing[2]
+        f.retry_at.clear()
+    assert list(f.failures.values()) == [2 * GPU_ATTEMPTS + 2]
+    assert await f.check() and engine.version == 2 and 2 not in f.failing and not f.refused
+    # a GPU load that failed half-way was undone each time (the served version loaded again); one
+    # that did not get its buffer changed nothing
+    assert engine.ipc_loads == [1] + [2, 1] * (GPU_ATTEMPTS + 1) + [2] * (GPU_ATTEMPTS + 1) + [2]
+
+
 async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a_restore(js, tmp_path):
     run = "follow-ipc"
     await topology.ensure_topology(js, run, BUS)
@@ -172,17 +206,15 @@ async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a
     assert not (tmp_path / "fetched").exists()  # nothing is fetched to disk
     assert not await f.check()
 
-    # a copy that fails its checksums is refused (after GPU_ATTEMPTS tries) and nothing is reloaded:
-    # the engine checked it before touching a weight
-    engine.refuse = GPU_ATTEMPTS
+    # a copy that fails its checksums is refused at once, for good, and nothing is reloaded: the
+    # engine checked it before touching a weight
+    engine.refuse = 1
     await registry.publish_gpu_version(js, run, 2, 2, ipc_buffer(2))
-    for attempt in range(GPU_ATTEMPTS):
-        assert not await f.check()
-        f.retry_at.clear()  # its backoff has passed
-        assert (2 in f.refused) is (attempt == GPU_ATTEMPTS - 1), attempt  # tried again until the last attempt
+    assert not await f.check() and 2 in f.refused
     assert "verification failed: checksum mismatch" in f.refused[2] and engine.version == 1
-    assert engine.reloads == [] and engine.ipc_loads == [1] + [2] * GPU_ATTEMPTS
-    assert not await f.check() and engine.ipc_loads == [1] + [2] * GPU_ATTEMPTS  # refused: not tried again
+    assert engine.reloads == [] and engine.ipc_loads == [1, 2]
+    f.retry_at.clear()
+    assert not await f.check() and engine.ipc_loads == [1, 2]  # refused: not tried again
 
     # a load that fails half-way is undone by loading the served cuda_ipc version again
     engine.break_ipc = GPU_ATTEMPTS

@@ -1,0 +1,96 @@
+"""How a GPU-transport load that did not happen reaches the actor (engines.engine): the worker's
+parley_load_gpu says whether it passes (the transport's receive raised WeightUnavailable: the buffer
+did not open, the receive broke, out of memory) or refuses for good (a checksum mismatch), and
+PolicyEngine.load_gpu raises WeightUnavailable or WeightVerifyError for it. No vLLM: a test double
+plays AsyncLLM and the worker; the transport's receive is replaced."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.engine import REFUSED, UNAVAILABLE, PolicyEngine, WorkerExtension
+from protocol import codec
+from protocol.messages import IpcTensor, NcclSource
+from weights import registry
+from weights.common import WeightUnavailable, WeightVerifyError
+
+
+def announcement(version: int = 2) -> bytes:
+    src = NcclSource(address="learner:29600", backend="gloo", nbytes=256, hold_s=5.0,
+                     tensors=[IpcTensor(name="w", dtype="bfloat16", shape=[128], offset=0, checksum=[1, 1, 1])])
+    return codec.encode(registry.TRANSPORTS["nccl"].announcement(src, version=version, step=version, sha256="0" * 64,
+                                                                bytes=256, created=0.0, run="r", files=[]))
+
+
+class WorkerDouble(WorkerExtension):
+    """The worker side, with nothing loaded: parley_load_gpu stops at the transport's receive."""
+
+
+class LLMDouble:
+    """AsyncLLM's side that load_gpu uses; collective_rpc runs the worker's method on each worker."""
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    async def pause_generation(self, **kw):
+        pass
+
+    async def resume_generation(self):
+        pass
+
+    async def reset_prefix_cache(self, **kw):
+        pass
+
+    async def collective_rpc(self, method, kwargs):
+        return [getattr(w, method)(**kwargs) for w in self.workers]
+
+
+def engine_of(*workers) -> PolicyEngine:
+    engine = PolicyEngine.__new__(PolicyEngine)  # no vLLM
+    engine.version, engine._llm, engine._reload_lock = 1, LLMDouble(workers), asyncio.Lock()
+    return engine
+
+
+def test_a_receive_that_breaks_passes_and_a_mismatch_refuses(monkeypatch):
+    nccl = registry.TRANSPORTS["nccl"]
+
+    def broken(wv, state):
+        raise WeightUnavailable("receiving from learner:29600 failed: Connection reset by peer")
+
+    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state: broken(wv, state))
+    assert WorkerDouble().parley_load_gpu(announcement()) == (
+        UNAVAILABLE, "version 2: receiving from learner:29600 failed: Connection reset by peer")
+    engine = engine_of(WorkerDouble())
+    with pytest.raises(WeightUnavailable, match="Connection reset"):
+        asyncio.run(engine.load_gpu(announcement(), hold_s=5.0, version=2))
+    assert engine.version == 1
+
+    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state: ([], "checksum mismatch in 1 of 1 tensors"))
+    assert WorkerDouble().parley_load_gpu(announcement()) == (REFUSED, "version 2: checksum mismatch in 1 of 1 tensors")
+    with pytest.raises(WeightVerifyError, match="checksum mismatch"):
+        asyncio.run(engine_of(WorkerDouble()).load_gpu(announcement(), hold_s=5.0, version=2))
+
+
+def test_one_workers_mismatch_refuses_whatever_the_others_say():
+    class Says(WorkerExtension):
+        def __init__(self, said):
+            self.said = said
+
+        def parley_load_gpu(self, announcement):
+            return self.said
+
+    engine = engine_of(Says((UNAVAILABLE, "version 2: out of memory")), Says(None),
+                       Says((REFUSED, "version 2: checksum mismatch")))
+    with pytest.raises(WeightVerifyError, match="checksum mismatch"):
+        asyncio.run(engine.load_gpu(announcement(), hold_s=5.0, version=2))
+
+
+def test_the_nccl_transport_says_a_broken_receive_passes(monkeypatch):
+    class Gone:
+        def fetch(self, source, version, device):
+            raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(WeightUnavailable, match="receiving from learner:29600 failed: Connection closed"):
+        registry.TRANSPORTS["nccl"].receive(codec.decode("weights", announcement()), {"nccl": Gone()})
