@@ -4,8 +4,8 @@ optimizer step the policy's log-probs of two packed trajectories equal the froze
 plain transformers forward of the saved weights over each trajectory alone.
 
 ZeRO-3 used not to: deepspeed.zero.Init made RoPE's inv_freq in bf16 (learner.trainer,
-restore_computed_buffers). In fp32 the two paths agree to rounding; in bf16 both sides run the same
-CPU kernels, so they agree exactly, and the bug moved log-probs by ~0.04 on these 300 tokens."""
+restore_computed_buffers). In fp32 the two paths agree to rounding; in bf16 to the rounding of the
+CPU's bf16 kernels (PLAIN_ATOL), and the bug moved log-probs by ~0.04 on these 300 tokens."""
 
 from __future__ import annotations
 
@@ -23,15 +23,21 @@ from tests.e2e.start_exact import start_figures
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 SCRIPT = Path(__file__).with_name("start_exact.py")
 
-# |policy - plain| per dtype: fp32 differs by summation order only (packed with a block mask vs alone);
-# bf16 on this CPU computes both the same way (measured: 0 on both stages).
-PLAIN_ATOL = {"float32": 1e-5, "bfloat16": 1e-6}
+# |policy - plain| per dtype, max and mean over the trained tokens: fp32 differs by summation order only
+# (packed with a block mask vs alone). In bf16 it depends on the CPU: where both paths take the same
+# kernels it is 0 (measured on the development VM of 2026-12-01); on an AMD EPYC with AVX512-BF16
+# (2026-12-02) the packed and per-sequence matmuls round differently: max 0.0129, mean 9.5e-5. The
+# bounds stay far below what the ZeRO-3 bug did (log-probs moved by ~0.04 on average on these tokens;
+# on the H200 mean 0.03, max 0.27).
+PLAIN_ATOL = {"float32": (1e-5, 1e-5), "bfloat16": (0.03, 1e-3)}
 
 
 def check(figures: dict, dtype: str) -> None:
     assert figures["tied"], "lm_head is no longer the input embedding"
     assert figures["policy_vs_reference_max"] <= 1e-6, figures
-    assert figures["policy_vs_plain_max"] <= PLAIN_ATOL[dtype], figures
+    max_atol, mean_atol = PLAIN_ATOL[dtype]
+    assert figures["policy_vs_plain_max"] <= max_atol, figures
+    assert figures["policy_vs_plain_mean"] <= mean_atol, figures
     assert figures["kl_mean"] <= 1e-9, figures
 
 
