@@ -3,10 +3,11 @@ since a base version, per tensor, and the file rebuilt from the base plus the de
 builds one (weights.registry.publish_version), the actor applies it (weights.registry.fetch_version)
 and serves the result only if its sha256 is the full version's.
 
-Format (measured on SmolLM2-135M, bench/weight_delta.py): per tensor, the positions of the changed
-elements as gaps (uint32) and their new raw values, each zlib level 1. At lr 1e-6 (0.4% of bf16
-values change) that is 1.1 MB for a 269 MB model; the XOR of the raw bytes compressed the same way
-is 3.0 MB and 3.5x slower to build, since zlib then reads every unchanged byte too.
+Format (measured on SmolLM2-135M, bench/weight_delta.py, docs/benchmarks.md): per tensor, the
+positions of the changed elements as gaps (uint32) and their new raw values, each zlib level 1. At
+lr 1e-6 (0.4-0.5% of bf16 values change) that is 1.2-1.7 MB for a 269 MB model, at 1e-5 6.4-10.7 MB;
+the XOR of the raw bytes compressed the same way is 3.0-3.6 and 9.3-13.3 MB and slower to build,
+since zlib then reads every unchanged byte too.
 
     b"PARLEYD1" | u64 header length | header (JSON, DeltaHeader) | per tensor: zlib(gaps), zlib(values)
 
