@@ -201,8 +201,8 @@ class Transport:
         """Remove stored versions beyond `keep`, never `current` or one in `protect`."""
         raise self._other_family("prune stored files", "nothing: a GPU buffer is reused, not stored")
 
-    async def upload_delta(self, js, run: str, prefix: str, path: Path, settings) -> str:
-        """Store the delta file `path` beside the version `prefix` just uploaded: its location."""
+    async def upload_delta(self, js, run: str, prefix: str, path: Path, settings) -> tuple[str, str]:
+        """Store the delta file `path` beside the version `prefix` just uploaded: (location, sha256)."""
         raise self._other_family("upload a delta", "publish_gpu_version")
 
     # learner side, GPU transports

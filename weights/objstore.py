@@ -54,9 +54,9 @@ class Objstore(Transport):
         store = await js.object_store(topology.object_bucket(run))
         location = f"{prefix}/{DELTA_FILE}"
         with path.open("rb") as f:
-            await store.put(location, f, meta=api.ObjectMeta(
+            info = await store.put(location, f, meta=api.ObjectMeta(
                 name=location, options=api.ObjectMetaOptions(max_chunk_size=chunk_size(js))))
-        return location
+        return location, _store_sha_hex(info.digest)  # as for the model: the store hashed what it sent
 
     async def fetch_delta(self, js, run, wv, out, settings):
         delta = wv.delta

@@ -22,7 +22,6 @@ from weights.common import (
     Transport,
     WeightVerifyError,
     announce,
-    file_digest,
     fresh_prefix,
 )
 from weights.config import WeightsConfig
@@ -116,8 +115,7 @@ async def _upload_delta(js, run, transport, prefix, model: Path, sha: str, size:
             log.info("version %s: delta of %.1f MB is over delta_max_share=%.2f of %.1f MB; full only",
                      prefix, built / 1e6, settings.delta_max_share, size / 1e6)
             return None
-        where = await transport.upload_delta(js, run, prefix, out, settings)
-        delta_sha, _ = await asyncio.to_thread(file_digest, out)
+        where, delta_sha = await transport.upload_delta(js, run, prefix, out, settings)
         log.info("version %s: delta against version %d, %.2f MB of %.1f MB (built in %.2fs)", prefix,
                  base_wv.version, built / 1e6, size / 1e6, time.perf_counter() - t0)
         return WeightDelta(base_version=base_wv.version, base_sha256=base_wv.sha256, location=where,

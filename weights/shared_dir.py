@@ -67,8 +67,9 @@ class SharedDir(Transport):
 
     async def upload_delta(self, js, run, prefix, path, settings):
         target = shared_root(_dir(settings), run) / prefix / DELTA_FILE  # upload placed the folder already
+        sha, _ = await asyncio.to_thread(file_digest, path)
         await asyncio.to_thread(shutil.copyfile, path, target)
-        return str(target)
+        return str(target), sha
 
     async def fetch_delta(self, js, run, wv, out, settings):
         """The delta is read in place, like the model: checked here, returned where it lies."""

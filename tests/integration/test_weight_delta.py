@@ -172,3 +172,21 @@ async def test_a_corrupted_delta_is_refused_with_the_served_weights_untouched(js
     assert 2 in follower.refused and engine.version == 1 and follower._served == served.parent
     assert COUNTERS["weights.delta_refused"] == refused + 2
     assert file_digest(served)[0] == served_sha
+
+
+async def test_no_delta_when_it_is_over_delta_max_share(js, tmp_path):
+    """fp32 weights (the CPU learner's): every value moves by lr, far above its fp32 step, so the
+    delta is larger than the file and the version goes out full only."""
+    import torch
+    from safetensors.torch import save_file
+
+    await topology.ensure_topology(js, RUN)
+    pub, learner = learner_weights(js, tmp_path, ObjstoreWeights(full_every=10)), Learner()
+    for v in (1, 2):
+        learner.step(1e-6)
+        d = tmp_path / "run" / "learner" / "weights" / f"v{v:06d}"
+        d.mkdir(parents=True)
+        save_file({n: t.to(torch.float32) for n, t in learner.master.items()}, str(d / MODEL_FILE))
+        (d / CONFIG_FILE).write_text("{}")
+        await pub.upload(v, Snap(), d)
+    assert (await current_version(js, RUN)).delta is None
