@@ -135,7 +135,9 @@ class WeightFollower:
             return self._refuse(wv, f"announcement refused: {problem}", None)
         dest = self.dest_root / f"v{wv.version:06d}-{wv.sha256[:12]}"
         try:
-            path = await self._fetch(self.js, self.run, wv, dest, settings=self.settings)
+            # a delta version is rebuilt from the served files (never written to) when they are its base
+            base = (self.serving[1], self._served) if self._served is not None and self.serving[1] else None
+            path = await self._fetch(self.js, self.run, wv, dest, settings=self.settings, base=base)
         except WeightVerifyError as e:
             return self._refuse(wv, f"verification failed: {e}", dest)
         except Exception as e:  # noqa: BLE001 - a blob we cannot get is refused like a bad one; a newer version may come

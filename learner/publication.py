@@ -114,6 +114,9 @@ class Weights:
         self.lc, self.settings, self.js, self.run_name, self.run_dir, self.driver = lc, settings, js, run_name, run_dir, driver
         self.publisher, self.feeder = publisher, feeder
         self.served = ServedVersions(nc, run_name)  # what actors serve is never pruned
+        # file transports: the version announced last and its directory, the base of the next delta
+        self._base: tuple = ()
+        self._since_full = 0  # versions announced since the last one sent full only
 
     async def publish(self, version: int, write_now: bool = False) -> bool:
         """Take `version`'s weights now, before the next step can change them, and hand their upload and
@@ -153,11 +156,15 @@ class Weights:
         """In the background: write the file (unless written), upload it (its sha256 is computed once,
         by the transport as it reads the file), announce it, prune, open admission on it."""
         await asyncio.to_thread(snap.write, wdir)  # a no-op when written for an eval
+        base = None
+        if self._base and registry.wants_delta(self.settings, self._since_full) and self._base[1].is_dir():
+            base = self._base  # still on disk (prune_weights keeps the newest keep_versions)
         wv = await retry_unreachable(
             lambda: registry.publish_version(self.js, self.run_name, version, version, wdir, self.settings,
-                                             keep=self.lc.keep_versions, protect=self.served.versions()),
+                                             keep=self.lc.keep_versions, protect=self.served.versions(), base=base),
             what=f"publishing weights version {version}",
         )
+        self._base, self._since_full = (wv, wdir), (self._since_full + 1 if wv.delta else 0)
         await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
         self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)

@@ -212,6 +212,18 @@ class NcclSource(msgspec.Struct, kw_only=True):
     instance: str = ""
 
 
+class WeightDelta(msgspec.Struct, kw_only=True):
+    """A file-transport version also sent as the values changed since a base version (weights.delta).
+    learner -> actors, inside WeightVersion.delta; an actor serving the base may apply it instead of
+    fetching the full file, and serves the result only if its sha256 is WeightVersion.sha256."""
+
+    base_version: int
+    base_sha256: str  # sha256 of the base's safetensors file: the actor must serve exactly that
+    location: str  # object name or file path of the delta, beside the full version's files
+    sha256: str  # of the delta file
+    bytes: int
+
+
 class WeightVersion(msgspec.Struct, kw_only=True):
     """Announcement of new policy weights. learner -> actors (KV key "current", and history)."""
 
@@ -226,6 +238,10 @@ class WeightVersion(msgspec.Struct, kw_only=True):
     files: list[str] = []  # extra files (config.json) beside the safetensors blob
     ipc: CudaIpcBuffer | None = None  # transport "cuda_ipc" only
     nccl: NcclSource | None = None  # transport "nccl" only
+    # objstore, shared_dir: the same version as a delta against a base. location/sha256/bytes above
+    # always describe a full copy, uploaded before the announcement: an actor that predates this field
+    # (or lacks the base) fetches that, never the delta.
+    delta: WeightDelta | None = None
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):

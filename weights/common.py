@@ -201,6 +201,10 @@ class Transport:
         """Remove stored versions beyond `keep`, never `current` or one in `protect`."""
         raise self._other_family("prune stored files", "nothing: a GPU buffer is reused, not stored")
 
+    async def upload_delta(self, js, run: str, prefix: str, path: Path, settings) -> tuple[str, str]:
+        """Store the delta file `path` beside the version `prefix` just uploaded: (location, sha256)."""
+        raise self._other_family("upload a delta", "publish_gpu_version")
+
     # learner side, GPU transports
     def sender(self, settings, device):
         """Rank 0's packer: `.pack(named, version)` returns the source to announce; `.close()`."""
@@ -213,6 +217,14 @@ class Transport:
     # actor side
     async def fetch(self, js, run: str, wv: WeightVersion, dest: Path, settings, rehash: bool) -> Path:
         raise WeightVerifyError(f"version {wv.version}: transport {wv.transport!r} is loaded by the engine, not fetched")
+
+    async def fetch_delta(self, js, run: str, wv: WeightVersion, out: Path, settings) -> Path:
+        """The file of `wv.delta`, checked against its sha256 and size (written to `out`, or where it lies)."""
+        raise self._other_family("fetch a delta", "receive")
+
+    async def fetch_extras(self, js, run: str, wv: WeightVersion, dest: Path, settings) -> None:
+        """The version's extra files (config.json) into `dest`, beside a model rebuilt from a delta."""
+        raise self._other_family("fetch files", "receive")
 
     def source(self, wv: WeightVersion):
         """The packed buffer's source an announcement carries (None if missing or a file transport)."""

@@ -14,16 +14,31 @@ class _Weights(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_fie
     pass
 
 
-class ObjstoreWeights(_Weights, tag="objstore"):
+class _Files(_Weights):
+    # Delta versions (weights.delta): between full-only versions, a version also goes out as the
+    # values changed since the one before, which actors serving that one apply instead of fetching
+    # the whole file (a full copy is uploaded every time, for the others). full_every = 1: every
+    # version full only (no deltas). A delta larger than delta_max_share of the model is not sent.
+    full_every: int = 1
+    delta_max_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.full_every < 1 or not 0.0 < self.delta_max_share <= 1.0:
+            raise ValueError(f"full_every={self.full_every} must be >= 1 (1: no deltas) and "
+                             f"delta_max_share={self.delta_max_share} in (0, 1]")
+
+
+class ObjstoreWeights(_Files, tag="objstore"):
     """The run's NATS object store (the default): no shared disk, actors anywhere."""
 
 
-class SharedDirWeights(_Weights, tag="shared_dir"):
+class SharedDirWeights(_Files, tag="shared_dir"):
     """A directory every actor can read (one node, or a shared file system)."""
 
     dir: str = ""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.dir:
             raise ValueError("kind='shared_dir' needs dir (a directory every actor can read); "
                              "set [weights] dir")

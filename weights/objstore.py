@@ -17,6 +17,7 @@ from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from protocol import topology
 from weights.common import MODEL_FILE, VERSION_DIR, Transport, WeightVerifyError, old_versions, plain_name, verify_file
+from weights.delta import DELTA_FILE
 
 # Object-store chunks: big enough that per-message overhead vanishes (150-250 MB/s measured with
 # 1-4 MiB), small enough to stay under the server's max_payload (1 MiB on a stock server).
@@ -49,6 +50,40 @@ class Objstore(Transport):
             files.append(obj)
         return location, sha, size, files
 
+    async def upload_delta(self, js, run, prefix, path, settings):
+        store = await js.object_store(topology.object_bucket(run))
+        location = f"{prefix}/{DELTA_FILE}"
+        with path.open("rb") as f:
+            info = await store.put(location, f, meta=api.ObjectMeta(
+                name=location, options=api.ObjectMetaOptions(max_chunk_size=chunk_size(js))))
+        return location, _store_sha_hex(info.digest)  # as for the model: the store hashed what it sent
+
+    async def fetch_delta(self, js, run, wv, out, settings):
+        delta = wv.delta
+        if delta.location != f"{wv.location.rsplit('/', 1)[0]}/{DELTA_FILE}":
+            raise WeightVerifyError(f"version {wv.version}: delta object {delta.location!r} is not beside "
+                                    f"{wv.location!r}; refused")
+        try:
+            sha, size = await _get_object(js, run, delta.location, out)
+            if (sha, size) != (delta.sha256, delta.bytes):
+                raise WeightVerifyError(f"version {wv.version}: delta has sha256 {sha[:16]}.. / {size} bytes, "
+                                        f"announced {delta.sha256[:16]}.. / {delta.bytes} bytes")
+        except BaseException:
+            out.unlink(missing_ok=True)
+            raise
+        return out
+
+    async def fetch_extras(self, js, run, wv, dest, settings):
+        version_dir = wv.location.rsplit("/", 1)[0]
+        extras = []
+        for obj in wv.files:  # objects of the same publication, each landing under a plain name beside the model
+            folder, _, name = obj.rpartition("/")
+            if folder != version_dir:
+                raise WeightVerifyError(f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused")
+            extras.append((obj, plain_name(wv, name)))
+        for obj, name in extras:
+            await _get_object(js, run, obj, dest / name)
+
     async def prune(self, js, run, settings, keep, current, protect):
         store = await js.object_store(topology.object_bucket(run))
         try:
@@ -67,12 +102,10 @@ class Objstore(Transport):
         written and checked against the announcement, so the file on disk is the learner's
         (rehash=True reads it back once more)."""
         version_dir = wv.location.rsplit("/", 1)[0]
-        extras = []
-        for obj in wv.files:  # objects of the same publication, each landing under a plain name beside the model
-            folder, _, name = obj.rpartition("/")
-            if folder != version_dir:
+        for obj in wv.files:  # checked before any byte is fetched
+            if obj.rpartition("/")[0] != version_dir:
                 raise WeightVerifyError(f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused")
-            extras.append((obj, plain_name(wv, name)))
+            plain_name(wv, obj.rpartition("/")[2])
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         part = dest / f"{MODEL_FILE}.part"
@@ -89,8 +122,7 @@ class Objstore(Transport):
             part.unlink(missing_ok=True)
             raise
         os.replace(part, dest / MODEL_FILE)
-        for obj, name in extras:
-            await _get_object(js, run, obj, dest / name)
+        await self.fetch_extras(js, run, wv, dest, settings)
         return dest
 
 

@@ -7,10 +7,15 @@ Used by learner.service, learner.trainer, actors.follow, engines.engine and benc
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import shutil
 import time
 from pathlib import Path
 
-from protocol.messages import CudaIpcBuffer, NcclSource, WeightVersion
+from protocol.bus import COUNTERS
+from protocol.messages import CudaIpcBuffer, NcclSource, WeightDelta, WeightVersion
+from weights import delta as deltas
 from weights.common import (
     CONFIG_FILE,
     MODEL_FILE,
@@ -24,6 +29,8 @@ from weights.cuda_ipc import CudaIpc
 from weights.nccl import Nccl
 from weights.objstore import Objstore
 from weights.shared_dir import SharedDir
+
+log = logging.getLogger("parley.weights")
 
 TRANSPORTS: dict[str, Transport] = {t.kind: t for t in (Objstore(), SharedDir(), CudaIpc(), Nccl())}
 
@@ -47,6 +54,7 @@ async def publish_version(
     settings: WeightsConfig,
     keep: int = 3,
     protect: frozenset[int] | set[int] = frozenset(),
+    base: tuple[WeightVersion, Path] | None = None,
 ) -> WeightVersion:
     """Upload `state_dir` (model.safetensors + config.json and any other small files) as `version`
     by the transport `settings` selects, then point the weights key at it (compare-and-set) and
@@ -56,6 +64,10 @@ async def publish_version(
     Every publication goes to a fresh name (fresh_prefix): re-publishing a version number (a resumed
     learner) leaves the earlier blobs alone until pruned; the key always moves to what is published
     last, even if its number is lower (a rollback is logged).
+
+    `base`: the version announced before and its state directory (see wants_delta): the version is
+    then also uploaded as a delta against it (weights.delta), unless their layouts differ or the delta
+    is larger than `settings.delta_max_share` of the model. The full copy is uploaded either way.
     """
     transport = of(settings)
     if transport.gpu:
@@ -69,16 +81,47 @@ async def publish_version(
     extras = sorted(p.name for p in state_dir.iterdir() if p.is_file() and p.name != MODEL_FILE)
     if CONFIG_FILE not in extras:
         raise FileNotFoundError(f"{state_dir / CONFIG_FILE} does not exist; vLLM needs it beside the weights")
-    location, sha, size, files = await transport.upload(js, run, fresh_prefix(version), state_dir, extras, settings)
+    prefix = fresh_prefix(version)
+    location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
+    delta = await _upload_delta(js, run, transport, prefix, model, sha, size, base, settings) if base else None
     wv = WeightVersion(
         version=version, step=step, transport=transport.kind, location=location, sha256=sha, bytes=size,
-        created=time.time(), run=run, files=files,
+        created=time.time(), run=run, files=files, delta=delta,
     )
     await announce(js, run, wv)
     # By version number: every publication of a kept or protected number stays (an actor that serves
     # version v may hold the earlier publication of v).
     await transport.prune(js, run, settings, keep, current=version, protect=set(protect))
     return wv
+
+
+def wants_delta(settings: WeightsConfig, since_full: int) -> bool:
+    """Whether the next file version goes out with a delta, `since_full` versions after the last one
+    sent full only: one version in every `settings.full_every` is full only (1: all of them)."""
+    return not of(settings).gpu and since_full < getattr(settings, "full_every", 1) - 1
+
+
+async def _upload_delta(js, run, transport, prefix, model: Path, sha: str, size: int,
+                        base: tuple[WeightVersion, Path], settings) -> WeightDelta | None:
+    base_wv, base_dir = base
+    out = model.parent.parent / f".{prefix}.{deltas.DELTA_FILE}"
+    try:
+        t0 = time.perf_counter()
+        built = await asyncio.to_thread(deltas.build, Path(base_dir) / MODEL_FILE, model, out, base_wv.sha256, sha)
+        if built is None:
+            log.info("version %s: no delta against version %d (the layouts differ); full only", prefix, base_wv.version)
+            return None
+        if built > settings.delta_max_share * size:
+            log.info("version %s: delta of %.1f MB is over delta_max_share=%.2f of %.1f MB; full only",
+                     prefix, built / 1e6, settings.delta_max_share, size / 1e6)
+            return None
+        where, delta_sha = await transport.upload_delta(js, run, prefix, out, settings)
+        log.info("version %s: delta against version %d, %.2f MB of %.1f MB (built in %.2fs)", prefix,
+                 base_wv.version, built / 1e6, size / 1e6, time.perf_counter() - t0)
+        return WeightDelta(base_version=base_wv.version, base_sha256=base_wv.sha256, location=where,
+                           sha256=delta_sha, bytes=built)
+    finally:
+        out.unlink(missing_ok=True)
 
 
 async def publish_gpu_version(js, run: str, version: int, step: int, source: CudaIpcBuffer | NcclSource) -> WeightVersion:
@@ -104,15 +147,46 @@ def gpu_announcement(run: str, version: int, step: int, source: CudaIpcBuffer | 
 
 
 async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash: bool = False, *,
-                        settings: WeightsConfig | None = None) -> Path:
+                        settings: WeightsConfig | None = None, base: tuple[str, Path] | None = None) -> Path:
     """Fetch and verify version `wv`; returns a directory holding model.safetensors and config.json.
 
     objstore: the files are written into `dest_dir`; shared_dir: the version directory, which must
     resolve under `settings.dir`/<run> (this process's [weights]), is hashed in place and
     returned. Raises WeightVerifyError(reason) on any mismatch, missing blob, unknown transport, or
     a location or file name that points anywhere else.
+
+    `base`: (sha256, directory) of the version served now. When `wv` carries a delta against exactly
+    that file, the delta is fetched and applied to a copy of it in `dest_dir` instead, and the result
+    is kept only if its sha256 is the full version's; a delta that fails (missing, corrupt, a wrong
+    digest) is refused, the base left untouched, and the full version fetched as without a base.
     """
     transport = get(wv.transport)
     if transport is None:
         raise WeightVerifyError(f"version {wv.version}: unknown transport {wv.transport!r}; known: {tuple(TRANSPORTS)}")
-    return await transport.fetch(js, run, wv, Path(dest_dir), settings, rehash)
+    dest_dir = Path(dest_dir)
+    if wv.delta is not None and not transport.gpu:
+        if base is not None and base[0] == wv.delta.base_sha256 and (Path(base[1]) / MODEL_FILE).is_file():
+            try:
+                return await _apply_delta(js, run, transport, wv, Path(base[1]), dest_dir, settings)
+            except WeightVerifyError as e:
+                COUNTERS["weights.delta_refused"] += 1
+                log.warning("weights version %d: delta refused (%s); fetching the full version", wv.version, e)
+                shutil.rmtree(dest_dir, ignore_errors=True)
+        else:
+            COUNTERS["weights.delta_no_base"] += 1
+            log.info("weights version %d: the delta needs version %d, not served here; fetching the full version",
+                     wv.version, wv.delta.base_version)
+    return await transport.fetch(js, run, wv, dest_dir, settings, rehash)
+
+
+async def _apply_delta(js, run, transport, wv: WeightVersion, base_dir: Path, dest: Path, settings) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    got = await transport.fetch_delta(js, run, wv, dest / deltas.DELTA_FILE, settings)
+    try:
+        await asyncio.to_thread(deltas.apply, base_dir / MODEL_FILE, got, dest / MODEL_FILE, wv.delta.base_sha256,
+                                wv.sha256, wv.bytes)
+    finally:
+        (dest / deltas.DELTA_FILE).unlink(missing_ok=True)
+    await transport.fetch_extras(js, run, wv, dest, settings)
+    COUNTERS["weights.delta_applied"] += 1
+    return dest

@@ -24,6 +24,7 @@ from weights.common import (
     verify_file,
 )
 from weights.config import SharedDirWeights
+from weights.delta import DELTA_FILE
 
 
 def shared_root(shared_dir: str | Path, run: str) -> Path:
@@ -63,6 +64,32 @@ class SharedDir(Transport):
         sha, size = await asyncio.to_thread(file_digest, state_dir / MODEL_FILE)
         await asyncio.to_thread(_place_dir, state_dir, target)
         return str(target), sha, size, extras
+
+    async def upload_delta(self, js, run, prefix, path, settings):
+        target = shared_root(_dir(settings), run) / prefix / DELTA_FILE  # upload placed the folder already
+        sha, _ = await asyncio.to_thread(file_digest, path)
+        await asyncio.to_thread(shutil.copyfile, path, target)
+        return str(target), sha
+
+    async def fetch_delta(self, js, run, wv, out, settings):
+        """The delta is read in place, like the model: checked here, returned where it lies."""
+        src = resolve_location(wv, _dir(settings), run)
+        where = Path(wv.delta.location).resolve()
+        if where != src / DELTA_FILE:
+            raise WeightVerifyError(f"version {wv.version}: delta {wv.delta.location!r} is not {src / DELTA_FILE}; "
+                                    "refused")
+        if not where.is_file():
+            raise WeightVerifyError(f"version {wv.version}: {where} is missing (pruned?)")
+        sha, size = await asyncio.to_thread(file_digest, where)
+        if (sha, size) != (wv.delta.sha256, wv.delta.bytes):
+            raise WeightVerifyError(f"version {wv.version}: {where} has sha256 {sha[:16]}.. / {size} bytes, "
+                                    f"announced {wv.delta.sha256[:16]}.. / {wv.delta.bytes} bytes")
+        return where
+
+    async def fetch_extras(self, js, run, wv, dest, settings):
+        src = resolve_location(wv, _dir(settings), run)
+        for name in (plain_name(wv, f) for f in wv.files):
+            await asyncio.to_thread(shutil.copyfile, src / name, dest / name)
 
     async def prune(self, js, run, settings, keep, current, protect):
         root = shared_root(_dir(settings), run)

@@ -1,0 +1,201 @@
+"""Delta versions of the file transports (weights.delta): bytes per version, full against delta, and
+the time to build and apply one, then step end -> fetched and verified over the object store.
+
+The learner is played by an fp32 master of the model's weights taking Adam-like steps (Adam moves
+each weight by about lr: master += lr * sign(noise)), saved as bf16 after each step as the learner
+saves them, so most bf16 values do not change from one version to the next.
+
+1. Format: for each lr and step, the delta parley sends (per tensor: changed positions as uint32
+   gaps + values, zlib 1) against the alternatives: raw positions + values, and the XOR of the raw
+   bytes with zlib 1; sizes, build and apply times (apply includes copying the base and hashing).
+2. Path: a real nats-server in a temporary directory; per version, step end -> write the file ->
+   publish_version (full only, or full + delta against the version before) -> the actor's
+   fetch_version (full, or the delta applied to the version it holds, checked against the full
+   sha256). Medians over the steps.
+
+    .venv/bin/python bench/weight_delta.py --model smol --lrs 1e-6 1e-5 --steps 4 --json bench/results/weight_delta_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class Master:
+    """fp32 master weights under their checkpoint names, saved as bf16 safetensors."""
+
+    def __init__(self, model_dir: Path, seed: int = 0):
+        import torch
+        from safetensors.torch import load_file
+
+        self.torch = torch
+        self.master = {n: t.float() for n, t in load_file(str(model_dir / "model.safetensors")).items()}
+        self.g = torch.Generator().manual_seed(seed)
+        self.config = (model_dir / "config.json").read_text()
+
+    def step(self, lr: float) -> None:
+        for t in self.master.values():
+            t += lr * self.torch.sign(self.torch.randn(t.shape, generator=self.g))
+
+    def write(self, d: Path) -> Path:
+        from safetensors.torch import save_file
+
+        d.mkdir(parents=True, exist_ok=True)
+        save_file({n: t.to(self.torch.bfloat16) for n, t in self.master.items()}, str(d / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (d / "config.json").write_text(self.config)
+        return d
+
+
+def alternatives(a_path: Path, b_path: Path) -> dict:
+    """Sizes and build times of the other candidate formats, over the same two files."""
+    import numpy as np
+
+    from weights.delta import _UINT, _layout
+
+    _, _, tensors = _layout(b_path)
+    a = np.memmap(a_path, dtype=np.uint8, mode="r")
+    b = np.memmap(b_path, dtype=np.uint8, mode="r")
+    t0 = time.perf_counter()
+    raw = changed = 0
+    for start, size, count in tensors:
+        x, y = (m[start:start + size * count].view(_UINT[size]) for m in (a, b))
+        idx = np.flatnonzero(x != y)
+        raw += idx.size * 4 + idx.size * size
+        changed += idx.size
+    t_raw = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    xor = sum(len(zlib.compress(np.bitwise_xor(a[s:s + z * c], b[s:s + z * c]).tobytes(), 1)) for s, z, c in tensors)
+    t_xor = time.perf_counter() - t0
+    elements = sum(c for _, _, c in tensors)
+    return dict(changed=changed, elements=elements, raw_idx_val_bytes=raw, raw_idx_val_s=t_raw,
+                xor_zlib1_bytes=xor, xor_zlib1_s=t_xor)
+
+
+def formats(model_dir: Path, lrs: list[float], steps: int, work: Path) -> list[dict]:
+    from weights import delta as deltas
+    from weights.common import file_digest
+
+    rows = []
+    for lr in lrs:
+        m = Master(model_dir)
+        prev = m.write(work / "fmt" / "v0")
+        for k in range(1, steps + 1):
+            m.step(lr)
+            cur = m.write(work / "fmt" / f"v{k}")
+            a, b = prev / "model.safetensors", cur / "model.safetensors"
+            sa, sb = file_digest(a)[0], file_digest(b)[0]
+            t0 = time.perf_counter()
+            size = deltas.build(a, b, work / "fmt" / "d", sa, sb)
+            t_build = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            deltas.apply(a, work / "fmt" / "d", work / "fmt" / "out", sa, sb, b.stat().st_size)
+            t_apply = time.perf_counter() - t0
+            assert file_digest(work / "fmt" / "out")[0] == sb
+            row = dict(lr=lr, step=k, full_bytes=b.stat().st_size, delta_bytes=size, build_s=t_build, apply_s=t_apply,
+                       **alternatives(a, b))
+            rows.append(row)
+            print(f"lr {lr:g} step {k}: changed {row['changed'] / row['elements']:.2%}; full {row['full_bytes'] / 1e6:.1f} MB; "
+                  f"delta {size / 1e6:.2f} MB (build {t_build:.2f}s, apply+verify {t_apply:.2f}s); "
+                  f"raw idx+val {row['raw_idx_val_bytes'] / 1e6:.2f} MB; xor+zlib1 {row['xor_zlib1_bytes'] / 1e6:.2f} MB "
+                  f"({row['xor_zlib1_s']:.2f}s)", file=sys.stderr)
+            shutil.rmtree(prev)
+            prev = cur
+        shutil.rmtree(work / "fmt")
+    return rows
+
+
+async def path(model_dir: Path, lrs: list[float], steps: int, work: Path) -> list[dict]:
+    from deploy.natsserver import NatsServer
+    from protocol import topology
+    from protocol.connect import connect
+    from weights.config import ObjstoreWeights
+    from weights.registry import fetch_version, publish_version
+
+    server = NatsServer(work / "nats", port=0)
+    url = server.start()
+    out = []
+    try:
+        nc = await connect(url, name="weight-delta-bench")
+        js = nc.jetstream()
+        for lr in lrs:
+            for mode in ("full", "delta"):
+                run = f"delta-{mode}-{lr:g}".replace(".", "-")
+                await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=2 * 1024**3))
+                settings = ObjstoreWeights(full_every=1 if mode == "full" else steps + 1)
+                m = Master(model_dir)
+                learner_prev = actor_prev = None
+                rows = []
+                for v in range(steps + 1):  # version 0: the full version both start from (not timed)
+                    m.step(lr)
+                    t0 = time.perf_counter()  # step end
+                    wdir = await asyncio.to_thread(m.write, work / run / "learner" / f"v{v}")
+                    t_write = time.perf_counter()
+                    base = learner_prev if mode == "delta" and learner_prev else None
+                    wv = await publish_version(js, run, v, v, wdir, settings, keep=2, base=base)
+                    t_pub = time.perf_counter()
+                    got = await fetch_version(js, run, wv, work / run / "actor" / f"v{v}", settings=settings,
+                                              base=actor_prev)
+                    t_got = time.perf_counter()
+                    if learner_prev:
+                        shutil.rmtree(learner_prev[1])
+                    if actor_prev:
+                        shutil.rmtree(actor_prev[1])
+                    learner_prev, actor_prev = (wv, wdir), (wv.sha256, got)
+                    if v:
+                        rows.append(dict(write=t_write - t0, publish=t_pub - t_write, fetch_verify=t_got - t_pub,
+                                         total=t_got - t0, fetched_bytes=wv.delta.bytes if wv.delta else wv.bytes,
+                                         delta=wv.delta is not None))
+                assert all(r["delta"] == (mode == "delta") for r in rows), rows
+                med = {k: statistics.median(r[k] for r in rows) for k in ("write", "publish", "fetch_verify", "total",
+                                                                           "fetched_bytes")}
+                med.update(lr=lr, mode=mode, versions=len(rows), full_bytes=wv.bytes)
+                out.append(med)
+                print(f"objstore lr {lr:g} {mode:5s}: fetched {med['fetched_bytes'] / 1e6:.2f} MB; write {med['write']:.2f}s "
+                      f"publish {med['publish']:.2f}s fetch+verify {med['fetch_verify']:.2f}s; step end -> verified "
+                      f"{med['total']:.2f}s", file=sys.stderr)
+                shutil.rmtree(work / run, ignore_errors=True)
+        await nc.close()
+    finally:
+        server.stop()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smol", help="'tiny', 'smol' (engines.models.ensure_model) or a checkpoint directory")
+    p.add_argument("--lrs", nargs="+", type=float, default=[1e-6, 1e-5], help="Adam-like step sizes, one run each")
+    p.add_argument("--steps", type=int, default=4, help="versions per learning rate (after the first full one)")
+    p.add_argument("--skip-path", action="store_true", help="only the format part, no nats-server")
+    p.add_argument("--work", default=None, help="directory for the temporary files (default: the system temp dir)")
+    p.add_argument("--json", default=None, help="also write the results as JSON here")
+    args = p.parse_args()
+
+    from engines.models import ensure_model
+
+    model_dir = Path(ensure_model(args.model))
+    with tempfile.TemporaryDirectory(prefix="parley-deltabench-", dir=args.work) as tmp:
+        work = Path(tmp)
+        result = dict(model=args.model, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      cpus=os.cpu_count(), loadavg_start=os.getloadavg(), formats=formats(model_dir, args.lrs, args.steps, work))
+        if not args.skip_path:
+            result["objstore"] = asyncio.run(path(model_dir, args.lrs, args.steps, work))
+        result["loadavg_end"] = os.getloadavg()
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
