@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config.run import RunConfig
-from deploy.services import shared_engine
-from deploy.up import service_children
+from deploy.services import service_children, shared_engine
 from engines.config import EngineConfig
 from engines.models import MODEL_SHAPES
 from weights import registry

@@ -33,6 +33,24 @@ def shared_engine(cfg):
     return "sim", cfg.sim.engine
 
 
+def service_children(cfg) -> list[str]:
+    """The services `parley up` starts, in start order: "services" (sim and judge in one process, one
+    engine, when both are local engines of one model) or "sim" and/or "judge" (each only if the
+    environment needs it), then "reference" when [policy] reference = "service". deploy.up starts them,
+    deploy.memory plans them."""
+    env = cfg.env.load()
+    shared = (
+        env.needs_simulator and env.needs_judge
+        and cfg.sim.backend == "vllm"
+        and cfg.judge.backend == "vllm"
+        and cfg.sim.engine.model == cfg.judge.engine.model
+    )
+    names = ["services"] if shared else ["sim"] * env.needs_simulator + ["judge"] * env.needs_judge
+    if cfg.policy.reference == "service":  # the scorers ask it for every trajectory's reference log-probs
+        names.append("reference")
+    return names
+
+
 async def main(stop: asyncio.Event, cfg, ident: str) -> int:
     from actors.sim import Simulator
     from engines.service import serve_backend

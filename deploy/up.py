@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from config.run import RunConfig, dump_config
+from deploy.services import service_children
 from engines.engine import CPU_ENGINES_ENV
 from protocol.backlog import WARN_SHARE
 from runtime.supervisor import Supervisor
@@ -30,24 +31,6 @@ def run_dir_for(cfg: RunConfig) -> Path:
     if cfg.run.dir:
         return Path(cfg.run.dir)
     return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def service_children(cfg: RunConfig) -> list[str]:
-    """The services `parley up` starts, in start order: "services" (sim and judge in one process, one
-    engine, when both are local engines of one model) or "sim" and/or "judge" (each only if the
-    environment needs it), then "reference" when [policy] reference = "service". Also what
-    deploy.memory plans."""
-    env = cfg.env.load()
-    shared = (
-        env.needs_simulator and env.needs_judge
-        and cfg.sim.backend == "vllm"
-        and cfg.judge.backend == "vllm"
-        and cfg.sim.engine.model == cfg.judge.engine.model
-    )
-    names = ["services"] if shared else ["sim"] * env.needs_simulator + ["judge"] * env.needs_judge
-    if cfg.policy.reference == "service":  # the scorers ask it for every trajectory's reference log-probs
-        names.append("reference")
-    return names
 
 
 def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tuple[str, list[str]]]:
