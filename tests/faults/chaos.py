@@ -56,6 +56,8 @@ class Role:
     stalled: bool = False
     held_down: bool = False  # kept down on purpose (an outage, or stopped)
     finished: bool = False  # exited 0 on its own after its work (the learner at its last step)
+    env: dict[str, str] = field(default_factory=dict)  # its NATS user, when the server checks them
+    module: str = "deploy.cli"  # what `python -m` runs (tests.faults.clock_ahead: the same, its clock moved)
 
     @property
     def alive(self) -> bool:
@@ -67,10 +69,10 @@ class Cluster:
     group (vLLM's engine core is a child: a kill takes the group). nats-server keeps its store
     directory and port across kills, as a restarted server on the same host would."""
 
-    def __init__(self, root: Path, model: str, *, run: str, sets: list[str]):
+    def __init__(self, root: Path, model: str, *, run: str, sets: list[str], server_conf: str | None = None):
         self.root, self.model, self.run, self.sets = root, model, run, sets
         (root / "logs").mkdir(parents=True, exist_ok=True)
-        self.server = NatsServer(root / "nats", port=free_port())
+        self.server = NatsServer(root / "nats", port=free_port(), extra_conf=server_conf or "")
         self.url = ""
         self.nats_kills = 0
         self.roles: dict[str, Role] = {}
@@ -79,12 +81,13 @@ class Cluster:
 
     # -- processes --------------------------------------------------------------------------------
 
-    def add(self, name: str, kind: str, argv: list[str]) -> None:
-        self.roles[name] = Role(name, kind, argv, self.root / "logs" / f"{name}.log")
+    def add(self, name: str, kind: str, argv: list[str], *, env: dict[str, str] | None = None,
+            module: str = "deploy.cli") -> None:
+        self.roles[name] = Role(name, kind, argv, self.root / "logs" / f"{name}.log", env=env or {}, module=module)
 
     def start(self, name: str, *extra: str) -> None:
         r = self.roles[name]
-        cmd = [sys.executable, "-m", "deploy.cli", *r.argv, *extra, "--nats", self.url,
+        cmd = [sys.executable, "-m", r.module, *r.argv, *extra, "--nats", self.url,
                *(x for s in self.sets for x in ("--set", s))]
         with r.log.open("ab") as out:
             banner = f"\n===== start {r.starts + 1} at {time.strftime('%H:%M:%S')}: {' '.join(cmd[3:6])} ...\n"
@@ -92,7 +95,7 @@ class Cluster:
             out.flush()
             r.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       env={**os.environ, "PARLEY_LOG": "INFO", "PYTHONUNBUFFERED": "1",
-                                           "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)},
+                                           "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS), **r.env},
                                       start_new_session=True)
         r.started, r.starts = time.time(), r.starts + 1
 
@@ -168,6 +171,11 @@ class Cluster:
     def beat(self, name: str) -> Heartbeat | None:
         """The latest heartbeat of the role's current process."""
         r = self.roles[name]
+        if r.kind == "services":  # one process, two heartbeats (<id>-sim, <id>-judge): the older one speaks
+            found = [self.beats.get((k, f"{name}-{k}")) for k in ("sim", "judge")]
+            if any(hb is None or hb.created < r.started for hb in found):
+                return None
+            return min(found, key=lambda h: h.created)
         if r.kind == "learner":  # its id is <host>-<pid>
             found = [hb for (role, ident), hb in self.beats.items() if role == "learner" and r.proc
                      and ident.endswith(f"-{r.proc.pid}")]
@@ -574,6 +582,7 @@ class Ledger:
     lost: list[str] = field(default_factory=list)
     trained_twice: list[str] = field(default_factory=list)
     inconsistent: list[str] = field(default_factory=list)
+    past_deadline: list[str] = field(default_factory=list)  # tasks the ledger still held in flight past task_deadline_s
     reasons: dict[str, str] = field(default_factory=dict)  # task -> recorded reason of a drop / dead letter
     steps: int = 0
 
@@ -584,6 +593,7 @@ class Ledger:
             "task_fates": dict(self.fates), "dead_letters_by_reason": dict(self.dead_reasons),
             "poison": dict(self.poison), "poison_missing": list(self.poison_missing),
             "lost": len(self.lost), "trained_twice": len(self.trained_twice), "inconsistent": len(self.inconsistent),
+            "held_past_deadline": len(self.past_deadline),
         }
 
 
@@ -596,14 +606,18 @@ def reason_kind(reason: str) -> str:
 
 
 def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[str],
-           unacked_ids: dict[str, set[str]], poison: dict[str, bytes] | None = None) -> Ledger:
+           unacked_ids: dict[str, set[str]], poison: dict[str, bytes] | None = None,
+           task_deadline_s: float | None = None, deadline_slack_s: float = 30.0) -> Ledger:
     """Account for every (task, sample) the feeder published, and for every poison message.
 
     tasks: Task messages in TASKS (None for one that does not decode); dead: the run's DEAD stream
     as (stream sequence, DeadLetter or None) pairs; lines: trained.jsonl; state: the learner's
     final ledger (LearnerState); buffered_ids: traj ids held in state.groups; unacked_ids: channel
     -> ids its durable still owes ("tasks": task ids, "traj"/"scored": traj ids); poison: label ->
-    the exact payload published straight to TASKS that no actor may play (it must be in DEAD).
+    the exact payload published straight to TASKS that no actor may play (it must be in DEAD);
+    task_deadline_s: the learner's, to check that no task is still held in flight (its slot taken)
+    longer than that after its issue, by the ledger's own clock (`saved`; a resume moves `at` by the
+    time the learner was down), give or take the deadline watcher's poll (`deadline_slack_s`).
 
     Each issued task ends trained, dropped by the learner with a recorded reason, dead-lettered
     after the learner's last read of DEAD, or waiting; a sample with no such place is lost.
@@ -706,6 +720,9 @@ def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[
             led.fates["trained" if kind == "trained" else "dropped"] += 1
         else:
             led.fates["dead" if sum(led.dead.values()) > dead_before else "waiting"] += 1
+    if task_deadline_s is not None and state is not None:
+        led.past_deadline = sorted(f"{i.task_id} ({state.saved - i.at:.0f}s)" for i in state.issued
+                                   if i.task_id in in_flight and state.saved - i.at > task_deadline_s + deadline_slack_s)
     phantom = sorted(tid for tid in count if tid.rsplit("/", 1)[0] not in n_of)
     led.inconsistent += [f"{tid} trained but its task was never published" for tid in phantom]
     return led

@@ -22,6 +22,7 @@ import time
 import msgspec
 import pytest
 
+from config.run import load_config
 from protocol import codec, dead, examples, topology
 from protocol.connect import barrier, connect
 from protocol.messages import TASK_MAX_N, TASK_MAX_NEW_TURNS
@@ -194,7 +195,8 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         run_dir = root / "run"
         state, buffered = load_final_state(run_dir)
         lines = trained_lines(run_dir)
-        ledger = settle(tasks, letters, lines, state, buffered, owed_ids, poison=poison)
+        deadline_s = load_config(None, cluster.sets).learner.task_deadline_s
+        ledger = settle(tasks, letters, lines, state, buffered, owed_ids, poison=poison, task_deadline_s=deadline_s)
         twice = tasks_played_twice(cluster)
         phases["books"] = round(time.time() - t0, 1)
 
@@ -216,6 +218,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         assert ledger.lost == [], f"lost samples: {ledger.lost[:20]}"
         assert ledger.trained_twice == [], f"trained twice: {ledger.trained_twice[:20]}"
         assert ledger.inconsistent == [], f"inconsistent ledger: {ledger.inconsistent[:20]}"
+        assert ledger.past_deadline == [], f"slots held past task_deadline_s: {ledger.past_deadline[:20]}"
         # every issued task trained, dropped with its reason (learner ledger or dead letter), or waiting
         assert sum(ledger.fates.values()) == ledger.tasks and set(ledger.fates) <= {"trained", "dropped", "dead", "waiting"}
         assert all(ledger.reasons.get(t) for t, kind in state.done.items() if kind != "trained"), ledger.reasons

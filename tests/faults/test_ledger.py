@@ -126,3 +126,16 @@ def test_reason_kind_drops_what_differs_per_message():
     assert reason_kind("delivered 6 times (max_deliver=5); last error: x") == "delivered N times"
     assert reason_kind("task poison-run belongs to run 'elsewhere', not 'chaos'") == \
         "task poison-run belongs to run 'elsewhere', not 'chaos'"
+
+
+def test_a_slot_held_past_its_deadline_is_caught():
+    from learner.checkpoint import IssuedTask
+
+    state = LearnerState(step=0, in_flight=["r-g000000", "r-g000001"], saved=10_000.0,
+                         issued=[IssuedTask(task_id="r-g000000", at=10_000.0 - 7300, version=0),
+                                 IssuedTask(task_id="r-g000001", at=10_000.0 - 60, version=0)])
+    led = settle(tasks(2), [], [], state, buffered_ids=set(), unacked_ids={"tasks": {"r-g000000", "r-g000001"}},
+                 task_deadline_s=7200)
+    assert led.past_deadline == ["r-g000000 (7300s)"] and led.lost == []
+    assert settle(tasks(2), [], [], state, buffered_ids=set(), unacked_ids={"tasks": {"r-g000000", "r-g000001"}},
+                  task_deadline_s=None).past_deadline == []
