@@ -120,14 +120,22 @@ def test_file_paths_refuse_the_gpu_transport():
         asyncio.run(registry.fetch_version(None, "r", wv, "/nonexistent"))
 
 
-def test_publisher_never_writes_into_a_buffer_younger_than_its_hold_time(monkeypatch):
-    now = [100.0]
-    monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
+@pytest.fixture
+def clock(monkeypatch):
+    """The publisher's monotonic clock, set by hand: clock(t0) returns [t], advanced by the test."""
+    def start(t0: float) -> list[float]:
+        now = [t0]
+        monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
+        return now
+    return start
+
+
+def test_publisher_never_writes_into_a_buffer_younger_than_its_hold_time(clock):
+    now = clock(100.0)
     pub = IpcPublisher(hold_s=10.0, max_buffers=2)
     tensors = named()
     b1, t1 = pub.fill(tensors, 1)
     assert torch.equal(cuda_ipc.view(b1, t1[0]), tensors[0][1])
-    before = [b.data.clone() for b in pub.buffers]
     now[0] += 5.0
     b2, _ = pub.fill(tensors, 2)  # v1's buffer was filled 5 s ago: a second buffer
     assert b2.data_ptr() != b1.data_ptr()
@@ -148,9 +156,8 @@ def test_publisher_never_writes_into_a_buffer_younger_than_its_hold_time(monkeyp
         pub.fill(tensors[:2], 5)
 
 
-def test_one_buffer_is_refilled_once_its_hold_time_is_over(monkeypatch):
-    now = [0.0]
-    monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
+def test_one_buffer_is_refilled_once_its_hold_time_is_over(clock):
+    now = clock(0.0)
     pub = IpcPublisher(hold_s=3.0, max_buffers=1)
     tensors = named()
     b1, _ = pub.fill(tensors, 1)
@@ -161,9 +168,8 @@ def test_one_buffer_is_refilled_once_its_hold_time_is_over(monkeypatch):
     assert b3.data_ptr() == b1.data_ptr() and len(pub.buffers) == 1 and pub.skipped == [2]
 
 
-def test_a_buffer_being_sent_from_is_never_refilled(monkeypatch):
-    now = [0.0]
-    monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
+def test_a_buffer_being_sent_from_is_never_refilled(clock):
+    now = clock(0.0)
     pub = IpcPublisher(hold_s=1.0, max_buffers=1)
     pub.fill(named(), 1)
     buf = pub.take(1)  # an nccl send under way
