@@ -155,7 +155,7 @@ class Delivery:
         return getattr(self.msg, name)
 
     async def ack(self) -> None:
-        self._settled(self.msg, "ack")  # before: the work is stored, so an ack lost with the server stands
+        self._settled(self.msg, "ack")  # first: the work is stored, so a copy is settled even if this ack is lost
         await self.msg.ack()
 
     async def term(self) -> None:
