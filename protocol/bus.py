@@ -135,11 +135,38 @@ async def keep_alive(msg, every: float):
 
 Handler = Callable[[object, object], Awaitable[None]]
 
+# How many settled messages a worker remembers (stream sequence and Msg-Id). A restarted nats-server
+# delivers again what it had not recorded as settled: the acks and deliveries of its last moments, and
+# the acks sent while it was down, which reach it after its first redeliveries. Those copies come
+# within seconds of its restart, and a worker settles at most what it holds during the outage.
+SETTLED_KEPT = 4096
+
+
+class Delivery:
+    """A message as a PullWorker hands it to its handler: the nats Msg's attributes and methods, and
+    its ack and term tell the worker, which so knows a copy delivered again as already settled."""
+
+    __slots__ = ("msg", "_settled")
+
+    def __init__(self, msg, settled: Callable[[object, str], None]):
+        self.msg, self._settled = msg, settled
+
+    def __getattr__(self, name):
+        return getattr(self.msg, name)
+
+    async def ack(self) -> None:
+        self._settled(self.msg, "ack")  # first: the work is stored, so a copy is settled even if this ack is lost
+        await self.msg.ack()
+
+    async def term(self) -> None:
+        self._settled(self.msg, "term")
+        await self.msg.term()
+
 
 class PullWorker:
     """Runs one role's share of a channel's durable consumer.
 
-    The handler gets (decoded message, raw nats Msg) and must ack the raw message when its work is
+    The handler gets (decoded message, the nats Msg as a Delivery) and must ack it when its work is
     stored. It may raise Retry (nak with delay) or Poison (dead-letter); any other exception is
     treated as Retry with a back-off. Messages delivered more than `max_deliver` times are
     dead-lettered with the last error.
@@ -182,6 +209,10 @@ class PullWorker:
         # neither handled twice nor counted against max_deliver (tests/integration/test_bus.py).
         self._held: set[int] = set()
         self._absorbed: Counter[int] = Counter()
+        # Messages this worker acked or termed (by stream sequence and Msg-Id), the latest SETTLED_KEPT:
+        # a copy the restarted server delivers after its handler was done (the ack, or the delivery,
+        # lost with the server) is settled again the same way, not handled twice (test_bus.py).
+        self._settled: dict[tuple[int, str | None], str] = {}
         # Set once a fetch came back with fewer messages than it asked for (the consumer had no more
         # waiting), after the handlers of that fetch have had their first turn: every message waiting
         # when the worker started has then been handed to the handler, so a resumed learner reads its
@@ -245,8 +276,29 @@ class PullWorker:
             if t.done() and not t.cancelled() and t.exception():
                 raise t.exception()
 
+    @staticmethod
+    def _identity(m) -> tuple[int, str | None]:
+        return m.metadata.sequence.stream, (m.headers or {}).get("Nats-Msg-Id")
+
+    def _record_settled(self, m, how: str) -> None:
+        self._settled[self._identity(m)] = how
+        while len(self._settled) > SETTLED_KEPT:
+            del self._settled[next(iter(self._settled))]
+
     async def _handle(self, m) -> None:
         seq = m.metadata.sequence.stream
+        how = self._settled.get(self._identity(m))
+        if how is not None:  # settled here already: the server missed it; settle the copy the same way
+            self.stats["settled_again"] += 1
+            log.info("%s: %s:%d came back (delivery %d) after it was settled here; %s again", self.name,
+                     m.metadata.stream, seq, m.metadata.num_delivered, how)
+            try:
+                with contextlib.suppress(Exception):  # lost again: it comes back again, and is settled again
+                    await (m.ack() if how == "ack" else m.term())
+            finally:
+                self._slots.release()
+                self._freed.set()
+            return
         if seq in self._held:  # delivered again while a handler here holds it: that handler acks it
             self._absorbed[seq] += 1
             self.stats["absorbed"] += 1
@@ -280,7 +332,7 @@ class PullWorker:
                 self._absorbed.pop(meta.sequence.stream, None)
             return
         try:
-            await self.handler(obj, m)
+            await self.handler(obj, Delivery(m, self._record_settled))
             self.stats["handled"] += 1
             self._last_error.pop(ident, None)
             self._absorbed.pop(meta.sequence.stream, None)
@@ -317,5 +369,6 @@ class PullWorker:
                 await m.nak(delay=self.dead_retry_s)
             return False
         self.stats["dead"] += 1
+        self._record_settled(m, "term")
         await m.term()
         return True
