@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RUN = "fanout"
 
 
-def _reader(url: str, name: str, start_at: float, out: mp.Queue) -> None:
+def _reader(url: str, name: str, ready: mp.Queue, go_event, out: mp.Queue) -> None:
     async def go():
         from protocol import topology
         from protocol.connect import connect
@@ -38,7 +38,9 @@ def _reader(url: str, name: str, start_at: float, out: mp.Queue) -> None:
         nc = await connect(url, name="fanout-reader")
         js = nc.jetstream()
         await js.object_store(topology.object_bucket(RUN))
-        await asyncio.sleep(max(0.0, start_at - time.time()))  # all readers start together
+        ready.put(1)
+        while not go_event.is_set():  # all readers start together, once every one has connected
+            await asyncio.sleep(0.001)
         t0, w0 = time.perf_counter(), time.time()
         _, size = await _get_object(js, RUN, name, Path(os.devnull))
         dt = time.perf_counter() - t0
@@ -104,14 +106,14 @@ def main() -> None:
                 for n in args.readers:
                     runs = []
                     for _ in range(args.repeat):
-                        q = ctx.Queue()
-                        start_at = time.time() + 3.0 + 0.15 * n  # after every process has connected
-                        procs = [ctx.Process(target=_reader, args=(url, name, start_at, q)) for _ in range(n)]
+                        q, ready, go_event = ctx.Queue(), ctx.Queue(), ctx.Event()
+                        procs = [ctx.Process(target=_reader, args=(url, name, ready, go_event, q)) for _ in range(n)]
                         for pr in procs:
                             pr.start()
-                        while time.time() < start_at - 0.05:
-                            time.sleep(0.01)
+                        for _ in range(n):
+                            ready.get(timeout=300)
                         cpu0 = _cpu_s(server.proc.pid)
+                        go_event.set()
                         got = [q.get(timeout=600) for _ in range(n)]
                         cpu1 = _cpu_s(server.proc.pid)
                         for pr in procs:
