@@ -1,5 +1,6 @@
 """Keeps an actor's engine on the policy version the learner announces: watches the run's weights
-KV key (topology.WEIGHTS_KEY) and also polls it, since a watcher can stall for ~20 s after a
+KV key (topology.WEIGHTS_KEY) and its early key (WEIGHTS_EARLY_KEY: a delta version announced
+before its full copy is stored), and also polls them, since a watcher can stall for ~20 s after a
 server restart. Used by the actor; the engine is reloaded in place, turns started later carry
 the new version.
 
@@ -86,11 +87,21 @@ class WeightFollower:
         return True
 
     async def _read(self) -> WeightVersion | None:
+        """What to serve now: the announcement on WEIGHTS_KEY, or the one on WEIGHTS_EARLY_KEY (a delta
+        version whose full copy is still uploading) when that was created later. A stale early one (a
+        resumed learner, a later version sent full only) is older than WEIGHTS_KEY's and ignored."""
+        kv = await self.js.key_value(topology.kv_bucket(self.run))
+        wv = await self._read_key(kv, topology.WEIGHTS_KEY)
+        early = await self._read_key(kv, topology.WEIGHTS_EARLY_KEY)
+        if early is not None and early.full_pending and (wv is None or early.created > wv.created):
+            return early
+        return wv
+
+    async def _read_key(self, kv, key: str) -> WeightVersion | None:
         from nats.js.errors import KeyNotFoundError
 
-        kv = await self.js.key_value(topology.kv_bucket(self.run))
         try:
-            entry = await kv.get(topology.WEIGHTS_KEY)
+            entry = await kv.get(key)
         except KeyNotFoundError:
             return None
         if not entry.value:
@@ -99,7 +110,7 @@ class WeightFollower:
             return codec.decode("weights", entry.value)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             if self._bad_revision != entry.revision:  # log and count once per bad value, not every poll
-                log.error("weights key (revision %d) holds no WeightVersion: %s", entry.revision, e)
+                log.error("weights key %r (revision %d) holds no WeightVersion: %s", key, entry.revision, e)
                 COUNTERS["weights.undecodable"] += 1  # shown in the actor's heartbeat
             self._bad_revision = entry.revision
             return None
@@ -140,6 +151,10 @@ class WeightFollower:
             path = await self._fetch(self.js, self.run, wv, dest, settings=self.settings, base=base)
         except WeightVerifyError as e:
             return self._refuse(wv, f"verification failed: {e}", dest)
+        except WeightUnavailable as e:  # an early-announced full copy not stored in time: tried again
+            log.warning("weights version %d: %s", wv.version, e)
+            shutil.rmtree(dest, ignore_errors=True)
+            return False
         except Exception as e:  # noqa: BLE001 - a blob we cannot get is refused like a bad one; a newer version may come
             # Store hiccups (timeouts during a reconnect) are worth another try on the next poll.
             if _transient(e):
@@ -235,12 +250,12 @@ class WeightFollower:
             shutil.rmtree(dest, ignore_errors=True)
         return False
 
-    async def _watch(self, stop: asyncio.Event) -> None:
+    async def _watch(self, stop: asyncio.Event, key: str) -> None:
         # The watcher only wakes the poll loop early; reading and loading happen in one place.
         while not stop.is_set():
             try:
                 kv = await self.js.key_value(topology.kv_bucket(self.run))
-                watcher = await kv.watch(topology.WEIGHTS_KEY, include_history=False)
+                watcher = await kv.watch(key, include_history=False)
                 try:
                     while not stop.is_set():
                         try:
@@ -261,7 +276,8 @@ class WeightFollower:
                 await asyncio.sleep(self.poll_s)
 
     async def run_until(self, stop: asyncio.Event) -> None:
-        watcher = asyncio.create_task(self._watch(stop))
+        watchers = [asyncio.create_task(self._watch(stop, key))
+                    for key in (topology.WEIGHTS_KEY, topology.WEIGHTS_EARLY_KEY)]
         try:
             while not stop.is_set():
                 self._wake.clear()  # before reading: an announcement during the read wakes us again
@@ -276,9 +292,9 @@ class WeightFollower:
                 for w in waits:
                     w.cancel()
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for watcher in watchers:
+                watcher.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
 
 
 GPU_ATTEMPTS = 3  # GPU-transport loads of one version failing for a reason not known to pass, before it is refused

@@ -8,6 +8,9 @@
 #     bash bench/gpu_run.sh T    # the same at the 4B shape on random_words, for a wall budget (issue 26 2b,
 #                                # 2c with STALENESS="1 0 2")
 #     bash bench/gpu_run.sh P    # part U's run, then TRL's GRPOTrainer on the same recipe (issue 26 3)
+#     bash bench/gpu_run.sh W1   # issue 27's weight-path table, two calls of under 10 min each: cuda_ipc
+#     bash bench/gpu_run.sh W2   # steady, during 64 requests, objstore full (W1); shared_dir and objstore
+#                                # deltas from real gradients at lr 1e-6 and 1e-5, 4B shape (W2)
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -140,8 +143,23 @@ P)
     T2=$(clock)
     write_clock
     ;;
+W1)
+    # the 4B shape (bench.common.random_qwen3), cuda_ipc x3 steady, a round of 64 requests without and
+    # with a cuda_ipc update (tokens/s around it), objstore full once (about a minute for 8 GB)
+    step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    step weight_path 420 python3 bench/weight_path.py --transport cuda_ipc --model "$MODEL" --work /tmp \
+        --gpu-transports cuda_ipc objstore --round-transports cuda_ipc --repeats 3 --json "$OUT/weight_path.json"
+    ;;
+W2)
+    # deltas from real gradients: AdamW on the fp32 master (64 GB on the GPU), per transport and lr a
+    # full version, then one delta version (objstore: announced before its full copy): bytes per
+    # version, step end -> verified, step end -> full copy stored; the JSON is saved after each case
+    step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    step weight_delta 560 python3 bench/weight_delta.py --model "$MODEL" --grads --skip-formats --lrs 1e-6 1e-5 \
+        --steps 1 --modes delta --kinds shared_dir objstore --work /tmp --json "$OUT/weight_delta_4b.json"
+    ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|W1|W2" >&2
     exit 2
     ;;
 esac

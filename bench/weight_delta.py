@@ -9,9 +9,11 @@ saves them, so most bf16 values do not change from one version to the next.
    gaps + values, zlib 1) against the alternatives: raw positions + values, and the XOR of the raw
    bytes with zlib 1; sizes, build and apply times (apply includes copying the base and hashing).
 2. Path: a real nats-server in a temporary directory; per version, step end -> write the file ->
-   publish_version (full only, or full + delta against the version before) -> the actor's
-   fetch_version (full, or the delta applied to the version it holds, checked against the full
-   sha256). Medians over the steps.
+   publish_version (full only; full then delta, one announcement; or the delta announced early and
+   the full copy after) -> from the first announcement, the actor's fetch_version (full, or the delta
+   applied to the version it holds, checked against the full sha256). `total` is step end -> the
+   actor holds the verified version, `full_stored` step end -> the full copy stored and announced on
+   WEIGHTS_KEY. Medians over the steps.
 
     .venv/bin/python bench/weight_delta.py --model smol --lrs 1e-6 1e-5 --steps 4 --json bench/results/weight_delta_cpu.json
 """
@@ -59,6 +61,54 @@ class Master:
         return d
 
 
+class GradMaster:
+    """Real gradients: the checkpoint as an fp32 model (a GPU when there is one) trained by AdamW on
+    random-token next-token loss, saved as bf16 under its checkpoint names after each step, as the
+    learner saves them. The fp32 master with Adam is 16 bytes a parameter (64 GB at the 4B shape)."""
+
+    def __init__(self, model_dir: Path, seed: int = 0, batch: int = 4, seq: int = 256):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(self.device)
+        self.model.train()
+        self.g = torch.Generator(device=self.device).manual_seed(seed)
+        self.batch, self.seq, self.opt, self.lr = batch, seq, None, None
+
+    def step(self, lr: float) -> None:
+        torch = self.torch
+        if self.opt is None or self.lr != lr:
+            self.opt, self.lr = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0), lr
+        vocab = self.model.config.vocab_size
+        ids = torch.randint(0, vocab, (self.batch, self.seq), generator=self.g, device=self.device)  # (B, T)
+        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.device == "cuda"):
+            loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def write(self, d: Path) -> Path:
+        from learner.weights_io import hf_tensors, write_weights
+
+        state = {n: t.detach().to("cpu", self.torch.bfloat16).contiguous() for n, t in hf_tensors(self.model)}
+        return write_weights(state, self.model.config, d)
+
+
+_GRAD_MASTERS: dict[Path, GradMaster] = {}
+
+
+def learner(model_dir: Path, grads: bool):
+    """A fresh Master, or the one GradMaster of this checkpoint (loading a 4B one takes tens of
+    seconds; each case starts from a full version anyway, so training on is as good)."""
+    if not grads:
+        return Master(model_dir)
+    if model_dir not in _GRAD_MASTERS:
+        _GRAD_MASTERS[model_dir] = GradMaster(model_dir)
+    return _GRAD_MASTERS[model_dir]
+
+
 def alternatives(a_path: Path, b_path: Path) -> dict:
     """Sizes and build times of the other candidate formats, over the same two files."""
     import numpy as np
@@ -84,13 +134,13 @@ def alternatives(a_path: Path, b_path: Path) -> dict:
                 xor_zlib1_bytes=xor, xor_zlib1_s=t_xor)
 
 
-def formats(model_dir: Path, lrs: list[float], steps: int, work: Path) -> list[dict]:
+def formats(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bool = False) -> list[dict]:
     from weights import delta as deltas
     from weights.common import file_digest
 
     rows = []
     for lr in lrs:
-        m = Master(model_dir)
+        m = learner(model_dir, grads)
         prev = m.write(work / "fmt" / "v0")
         for k in range(1, steps + 1):
             m.step(lr)
@@ -117,11 +167,14 @@ def formats(model_dir: Path, lrs: list[float], steps: int, work: Path) -> list[d
     return rows
 
 
-async def path(model_dir: Path, lrs: list[float], steps: int, work: Path) -> list[dict]:
+async def path(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bool = False,
+               kinds: tuple[str, ...] = ("objstore",), modes: tuple[str, ...] = ("full", "delta_after_full", "delta"),
+               save=lambda out: None) -> list[dict]:
     from deploy.natsserver import NatsServer
     from protocol import topology
     from protocol.connect import connect
-    from weights.config import ObjstoreWeights
+    from weights import registry
+    from weights.config import ObjstoreWeights, SharedDirWeights
     from weights.registry import fetch_version, publish_version
 
     server = NatsServer(work / "nats", port=0)
@@ -130,43 +183,62 @@ async def path(model_dir: Path, lrs: list[float], steps: int, work: Path) -> lis
     try:
         nc = await connect(url, name="weight-delta-bench")
         js = nc.jetstream()
-        for lr in lrs:
-            for mode in ("full", "delta"):
-                run = f"delta-{mode}-{lr:g}".replace(".", "-")
-                await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=2 * 1024**3))
-                settings = ObjstoreWeights(full_every=1 if mode == "full" else steps + 1)
-                m = Master(model_dir)
-                learner_prev = actor_prev = None
-                rows = []
-                for v in range(steps + 1):  # version 0: the full version both start from (not timed)
-                    m.step(lr)
-                    t0 = time.perf_counter()  # step end
-                    wdir = await asyncio.to_thread(m.write, work / run / "learner" / f"v{v}")
-                    t_write = time.perf_counter()
-                    base = learner_prev if mode == "delta" and learner_prev else None
-                    wv = await publish_version(js, run, v, v, wdir, settings, keep=2, base=base)
-                    t_pub = time.perf_counter()
-                    got = await fetch_version(js, run, wv, work / run / "actor" / f"v{v}", settings=settings,
-                                              base=actor_prev)
-                    t_got = time.perf_counter()
-                    if learner_prev:
-                        shutil.rmtree(learner_prev[1])
-                    if actor_prev:
-                        shutil.rmtree(actor_prev[1])
-                    learner_prev, actor_prev = (wv, wdir), (wv.sha256, got)
-                    if v:
-                        rows.append(dict(write=t_write - t0, publish=t_pub - t_write, fetch_verify=t_got - t_pub,
-                                         total=t_got - t0, fetched_bytes=wv.delta.bytes if wv.delta else wv.bytes,
-                                         delta=wv.delta is not None))
-                assert all(r["delta"] == (mode == "delta") for r in rows), rows
-                med = {k: statistics.median(r[k] for r in rows) for k in ("write", "publish", "fetch_verify", "total",
-                                                                           "fetched_bytes")}
-                med.update(lr=lr, mode=mode, versions=len(rows), full_bytes=wv.bytes)
-                out.append(med)
-                print(f"objstore lr {lr:g} {mode:5s}: fetched {med['fetched_bytes'] / 1e6:.2f} MB; write {med['write']:.2f}s "
-                      f"publish {med['publish']:.2f}s fetch+verify {med['fetch_verify']:.2f}s; step end -> verified "
-                      f"{med['total']:.2f}s", file=sys.stderr)
-                shutil.rmtree(work / run, ignore_errors=True)
+        objstore = registry.get("objstore")
+        cases = [(kind, lr, mode) for kind in kinds for lr in lrs
+                 for mode in modes if kind == "objstore" or mode != "delta_after_full"]
+        # full: every version full only; delta_after_full: the delta uploaded after the full copy, one
+        # announcement (objstore's order before delta_first); delta: the transport's own order (objstore:
+        # the delta announced early, the full copy after; shared_dir: the full copy, then the delta)
+        for kind, lr, mode in cases:
+            objstore.delta_first = mode != "delta_after_full"  # this process only
+            run = f"delta-{kind}-{mode}-{lr:g}".replace(".", "-").replace("_", "-")
+            await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=2 * 1024**3))
+            full_every = 1 if mode == "full" else steps + 1
+            settings = (ObjstoreWeights(full_every=full_every) if kind == "objstore"
+                        else SharedDirWeights(dir=str(work / "shared"), full_every=full_every))
+            m = learner(model_dir, grads)
+            learner_prev = actor_prev = None
+            rows = []
+            for v in range(steps + 1):  # version 0: the full version both start from (not timed)
+                m.step(lr)
+                t0 = time.perf_counter()  # step end
+                wdir = await asyncio.to_thread(m.write, work / run / "learner" / f"v{v}")
+                t_write = time.perf_counter()
+                base = learner_prev if mode != "full" and learner_prev else None
+                first = asyncio.get_running_loop().create_future()
+                publishing = asyncio.create_task(publish_version(
+                    js, run, v, v, wdir, settings, keep=2, base=base,
+                    on_announced=lambda w: first.done() or first.set_result((w, time.perf_counter()))))
+                announced, t_pub = await first  # the actor starts at the first announcement
+                got = await fetch_version(js, run, announced, work / run / "actor" / f"v{v}", settings=settings,
+                                          base=actor_prev)
+                t_got = time.perf_counter()
+                wv = await publishing
+                t_stored = time.perf_counter()
+                if learner_prev:
+                    shutil.rmtree(learner_prev[1])
+                if actor_prev:
+                    shutil.rmtree(actor_prev[1])
+                learner_prev, actor_prev = (wv, wdir), (wv.sha256, got)
+                if v:
+                    rows.append(dict(write=t_write - t0, publish=t_pub - t_write, fetch_verify=t_got - t_pub,
+                                     total=t_got - t0, full_stored=t_stored - t0,
+                                     fetched_bytes=wv.delta.bytes if wv.delta else wv.bytes,
+                                     delta=wv.delta is not None, early=announced.full_pending))
+            early = mode == "delta" and kind == "objstore"
+            assert all(r["delta"] == (mode != "full") and r["early"] == early for r in rows), rows
+            med = {k: statistics.median(r[k] for r in rows) for k in ("write", "publish", "fetch_verify", "total",
+                                                                       "full_stored", "fetched_bytes")}
+            med.update(kind=kind, lr=lr, mode=mode, versions=len(rows), full_bytes=wv.bytes)
+            out.append(med)
+            save(out)  # after each case: a run cut short by its time limit keeps what it measured
+            print(f"{kind} lr {lr:g} {mode:16s}: fetched {med['fetched_bytes'] / 1e6:.2f} MB; write {med['write']:.2f}s "
+                  f"publish {med['publish']:.2f}s fetch+verify {med['fetch_verify']:.2f}s; step end -> verified "
+                  f"{med['total']:.2f}s (full copy stored {med['full_stored']:.2f}s)", file=sys.stderr)
+            shutil.rmtree(work / run, ignore_errors=True)
+            for name in await js.streams_info():  # each run's streams reserve max_bytes of the server's storage
+                await js.delete_stream(name.config.name)
+        objstore.delta_first = True
         await nc.close()
     finally:
         server.stop()
@@ -179,19 +251,39 @@ def main() -> None:
     p.add_argument("--lrs", nargs="+", type=float, default=[1e-6, 1e-5], help="Adam-like step sizes, one run each")
     p.add_argument("--steps", type=int, default=4, help="versions per learning rate (after the first full one)")
     p.add_argument("--skip-path", action="store_true", help="only the format part, no nats-server")
+    p.add_argument("--skip-formats", action="store_true", help="only the path part")
+    p.add_argument("--grads", action="store_true",
+                   help="real gradients (AdamW on random tokens, GradMaster) instead of lr * sign(noise) steps")
+    p.add_argument("--kinds", nargs="+", default=["objstore"], choices=["objstore", "shared_dir"],
+                   help="file transports of the path part")
+    p.add_argument("--modes", nargs="+", default=["full", "delta_after_full", "delta"],
+                   choices=["full", "delta_after_full", "delta"], help="publication orders of the path part")
+    p.add_argument("--build", default=None, choices=["0.6b", "4b"],
+                   help="build a random Qwen3 of this shape (bench.common.random_qwen3) at --model first")
     p.add_argument("--work", default=None, help="directory for the temporary files (default: the system temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args()
 
     from engines.models import ensure_model
 
-    model_dir = Path(ensure_model(args.model))
+    if args.build:
+        from bench.common import random_qwen3
+
+        random_qwen3(args.build, args.model)
+    model_dir = Path(args.model) if args.build else Path(ensure_model(args.model))
     with tempfile.TemporaryDirectory(prefix="parley-deltabench-", dir=args.work) as tmp:
         work = Path(tmp)
         result = dict(model=args.model, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                      cpus=os.cpu_count(), loadavg_start=os.getloadavg(), formats=formats(model_dir, args.lrs, args.steps, work))
+                      cpus=os.cpu_count(), loadavg_start=os.getloadavg(),
+                      grads=args.grads,
+                      formats=[] if args.skip_formats else formats(model_dir, args.lrs, args.steps, work, args.grads))
         if not args.skip_path:
-            result["objstore"] = asyncio.run(path(model_dir, args.lrs, args.steps, work))
+            def save(rows):
+                if args.json:
+                    Path(args.json).write_text(json.dumps({**result, "objstore": rows}, indent=1) + "\n")
+
+            result["objstore"] = asyncio.run(path(model_dir, args.lrs, args.steps, work, args.grads, tuple(args.kinds),
+                                                  tuple(args.modes), save))
         result["loadavg_end"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -154,19 +154,21 @@ class Weights:
 
     async def upload(self, version: int, snap, wdir: Path) -> None:
         """In the background: write the file (unless written), upload it (its sha256 is computed once,
-        by the transport as it reads the file), announce it, prune, open admission on it."""
+        by the transport as it reads the file; objstore with a delta: the delta first, announced early,
+        then the full copy), announce it, prune. Admission opens on it at its first announcement."""
         await asyncio.to_thread(snap.write, wdir)  # a no-op when written for an eval
         base = None
         if self._base and registry.wants_delta(self.settings, self._since_full) and self._base[1].is_dir():
             base = self._base  # still on disk (prune_weights keeps the newest keep_versions)
         wv = await retry_unreachable(
             lambda: registry.publish_version(self.js, self.run_name, version, version, wdir, self.settings,
-                                             keep=self.lc.keep_versions, protect=self.served.versions(), base=base),
+                                             keep=self.lc.keep_versions, protect=self.served.versions(), base=base,
+                                             # actors can follow from the (early) announcement on
+                                             on_announced=lambda _: self.feeder.set_version(version)),
             what=f"publishing weights version {version}",
         )
         self._base, self._since_full = (wv, wdir), (self._since_full + 1 if wv.delta else 0)
         await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
-        self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 
     async def announce_gpu(self, version: int, source) -> None:

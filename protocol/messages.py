@@ -239,9 +239,12 @@ class WeightVersion(msgspec.Struct, kw_only=True):
     ipc: CudaIpcBuffer | None = None  # transport "cuda_ipc" only
     nccl: NcclSource | None = None  # transport "nccl" only
     # objstore, shared_dir: the same version as a delta against a base. location/sha256/bytes above
-    # always describe a full copy, uploaded before the announcement: an actor that predates this field
-    # (or lacks the base) fetches that, never the delta.
+    # always describe a full copy, stored before WEIGHTS_KEY names the version: an actor that predates
+    # this field (or lacks the base) fetches that, never the delta.
     delta: WeightDelta | None = None
+    # True only on topology.WEIGHTS_EARLY_KEY: the full copy at location is still being uploaded; an
+    # actor without the delta's base waits for it (weights.registry.fetch_version, bounded).
+    full_pending: bool = False
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):

@@ -49,6 +49,10 @@ def reference_subject(model: str) -> str:
     return f"parley.svc.reference.{token}"
 
 WEIGHTS_KEY = "current"  # KV key holding the encoded WeightVersion actors must serve
+# KV key of a delta version announced before its full copy is stored (WeightVersion.full_pending):
+# actors holding the base follow it at once; WEIGHTS_KEY names the same version once the full copy is
+# there, so actors that read only WEIGHTS_KEY (older ones) never see a version whose file is missing.
+WEIGHTS_EARLY_KEY = "current-delta"
 
 
 class BusSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -123,6 +123,14 @@ async def announce(js, run: str, wv: WeightVersion) -> None:
         ) from e
 
 
+async def announce_early(js, run: str, wv: WeightVersion) -> None:
+    """Put `wv` (a delta version whose full copy is still being uploaded, full_pending) on the run's
+    early key (topology.WEIGHTS_EARLY_KEY). No compare-and-set: announce() on WEIGHTS_KEY follows
+    with the same version and does the check; actors take whichever of the two was created last."""
+    kv = await js.key_value(topology.kv_bucket(run))
+    await kv.put(topology.WEIGHTS_EARLY_KEY, codec.encode(wv))
+
+
 def old_versions(matches, keep: int, current: int, protect: set[int]) -> set[int]:
     """The version numbers (from VERSION_DIR matches) to prune: all but the newest `keep`, the
     current one and the protected ones."""
@@ -191,6 +199,10 @@ class Transport:
     source_type: type | None = None  # GPU transports: the announcement's source struct (protocol.messages)
 
     # learner side, file transports
+    # a delta version is stored and announced (early key) before its full copy is uploaded; such a
+    # transport also has full_location(prefix), upload_extras and upload_model (weights.objstore)
+    delta_first: bool = False
+
     async def upload(self, js, run: str, prefix: str, state_dir: Path, extras: list[str],
                      settings) -> tuple[str, str, int, list[str]]:
         """Store `state_dir`'s model and `extras` under the fresh name `prefix`:
@@ -217,6 +229,11 @@ class Transport:
     # actor side
     async def fetch(self, js, run: str, wv: WeightVersion, dest: Path, settings, rehash: bool) -> Path:
         raise WeightVerifyError(f"version {wv.version}: transport {wv.transport!r} is loaded by the engine, not fetched")
+
+    async def wait_full(self, js, run: str, wv: WeightVersion, settings, timeout_s: float) -> None:
+        """Return once the full copy that `wv` (full_pending) names is stored; raise WeightUnavailable
+        after `timeout_s`."""
+        raise self._other_family("wait for a full copy", "receive")
 
     async def fetch_delta(self, js, run: str, wv: WeightVersion, out: Path, settings) -> Path:
         """The file of `wv.delta`, checked against its sha256 and size (written to `out`, or where it lies)."""

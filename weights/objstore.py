@@ -16,7 +16,7 @@ from nats.js.errors import NotFoundError
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from protocol import topology
-from weights.common import MODEL_FILE, VERSION_DIR, Transport, WeightVerifyError, old_versions, plain_name, verify_file
+from weights.common import MODEL_FILE, VERSION_DIR, Transport, WeightUnavailable, WeightVerifyError, old_versions, plain_name, verify_file
 from weights.delta import DELTA_FILE
 
 # Object-store chunks: big enough that per-message overhead vanishes (150-250 MB/s measured with
@@ -34,21 +34,36 @@ def chunk_size(js) -> int:
 
 class Objstore(Transport):
     kind = "objstore"
+    delta_first = True  # the full upload (seconds to a minute) runs after the delta is announced
+
+    def full_location(self, prefix: str) -> str:
+        return f"{prefix}/{MODEL_FILE}"
 
     async def upload(self, js, run, prefix, state_dir, extras, settings):
+        location, sha, size = await self.upload_model(js, run, prefix, state_dir)
+        return location, sha, size, await self.upload_extras(js, run, prefix, state_dir, extras)
+
+    async def upload_model(self, js, run, prefix, state_dir) -> tuple[str, str, int]:
+        """model.safetensors under `prefix`: (location, sha256, bytes)."""
+        store = await js.object_store(topology.object_bucket(run))
+        location = self.full_location(prefix)
+        with (state_dir / MODEL_FILE).open("rb") as f:
+            info = await store.put(location, f, meta=api.ObjectMeta(
+                name=location, options=api.ObjectMetaOptions(max_chunk_size=chunk_size(js))))
+        # The store hashed every byte it sent (sha256 too): no second pass over the file.
+        return location, _store_sha_hex(info.digest), info.size
+
+    async def upload_extras(self, js, run, prefix, state_dir, extras) -> list[str]:
+        """The small files beside the model (config.json): their object names. Before an early
+        announcement, so that an actor rebuilding the model from the delta finds them."""
         store = await js.object_store(topology.object_bucket(run))
         opts = api.ObjectMetaOptions(max_chunk_size=chunk_size(js))
-        location = f"{prefix}/{MODEL_FILE}"
-        with (state_dir / MODEL_FILE).open("rb") as f:
-            info = await store.put(location, f, meta=api.ObjectMeta(name=location, options=opts))
-        # The store hashed every byte it sent (sha256 too): no second pass over the file.
-        sha, size = _store_sha_hex(info.digest), info.size
         files = []
         for name in extras:
             obj = f"{prefix}/{name}"
             await store.put(obj, (state_dir / name).read_bytes(), meta=api.ObjectMeta(name=obj, options=opts))
             files.append(obj)
-        return location, sha, size, files
+        return files
 
     async def upload_delta(self, js, run, prefix, path, settings):
         store = await js.object_store(topology.object_bucket(run))
@@ -57,6 +72,23 @@ class Objstore(Transport):
             info = await store.put(location, f, meta=api.ObjectMeta(
                 name=location, options=api.ObjectMetaOptions(max_chunk_size=chunk_size(js))))
         return location, _store_sha_hex(info.digest)  # as for the model: the store hashed what it sent
+
+    async def wait_full(self, js, run, wv, settings, timeout_s):
+        # The store writes an object's meta after its last chunk: get_info finds it only once complete.
+        store = await js.object_store(topology.object_bucket(run))
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + timeout_s, 0.05
+        while True:
+            try:
+                await store.get_info(wv.location)
+                return
+            except NotFoundError:
+                pass
+            if loop.time() >= deadline:
+                raise WeightUnavailable(f"version {wv.version}: its full copy {wv.location} was not stored within "
+                                        f"{timeout_s:.0f}s of the early announcement; tried again at the next poll")
+            await asyncio.sleep(pause)
+            pause = min(1.0, pause * 2)
 
     async def fetch_delta(self, js, run, wv, out, settings):
         delta = wv.delta

@@ -13,6 +13,8 @@ import shutil
 import time
 from pathlib import Path
 
+import msgspec
+
 from protocol.bus import COUNTERS
 from protocol.messages import CudaIpcBuffer, NcclSource, WeightDelta, WeightVersion
 from weights import delta as deltas
@@ -22,6 +24,8 @@ from weights.common import (
     Transport,
     WeightVerifyError,
     announce,
+    announce_early,
+    file_digest,
     fresh_prefix,
 )
 from weights.config import WeightsConfig
@@ -55,6 +59,7 @@ async def publish_version(
     keep: int = 3,
     protect: frozenset[int] | set[int] = frozenset(),
     base: tuple[WeightVersion, Path] | None = None,
+    on_announced=None,
 ) -> WeightVersion:
     """Upload `state_dir` (model.safetensors + config.json and any other small files) as `version`
     by the transport `settings` selects, then point the weights key at it (compare-and-set) and
@@ -68,6 +73,12 @@ async def publish_version(
     `base`: the version announced before and its state directory (see wants_delta): the version is
     then also uploaded as a delta against it (weights.delta), unless their layouts differ or the delta
     is larger than `settings.delta_max_share` of the model. The full copy is uploaded either way.
+    A transport with `delta_first` (objstore) stores the delta, announces it on the early key
+    (WeightVersion.full_pending, topology.WEIGHTS_EARLY_KEY), then uploads the full copy and only
+    then announces on WEIGHTS_KEY; otherwise the full copy goes first and one announcement follows.
+
+    `on_announced(wv)`: called once, as soon as actors can follow the version (the early
+    announcement when there is one): the caller's version moves there, not after the full upload.
     """
     transport = of(settings)
     if transport.gpu:
@@ -82,13 +93,38 @@ async def publish_version(
     if CONFIG_FILE not in extras:
         raise FileNotFoundError(f"{state_dir / CONFIG_FILE} does not exist; vLLM needs it beside the weights")
     prefix = fresh_prefix(version)
-    location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
-    delta = await _upload_delta(js, run, transport, prefix, model, sha, size, base, settings) if base else None
-    wv = WeightVersion(
-        version=version, step=step, transport=transport.kind, location=location, sha256=sha, bytes=size,
-        created=time.time(), run=run, files=files, delta=delta,
-    )
-    await announce(js, run, wv)
+    common = dict(version=version, step=step, transport=transport.kind, run=run)
+    wv = None
+    if base and transport.delta_first:
+        # Delta first: the actors that hold the base follow in the delta's time, the others wait for
+        # the full copy uploaded next; WEIGHTS_KEY names the version once that copy is stored.
+        sha, size = await asyncio.to_thread(file_digest, model)
+        delta = await _upload_delta(js, run, transport, prefix, model, sha, size, base, settings)
+        if delta is not None:
+            files = await transport.upload_extras(js, run, prefix, state_dir, extras)
+            early = WeightVersion(location=transport.full_location(prefix), sha256=sha, bytes=size, created=time.time(),
+                                  files=files, delta=delta, full_pending=True, **common)
+            await announce_early(js, run, early)
+            if on_announced is not None:
+                on_announced(early)
+            location, got_sha, got_size = await transport.upload_model(js, run, prefix, state_dir)
+            if (got_sha, got_size, location) != (sha, size, early.location):
+                raise RuntimeError(f"version {version}: the full copy uploaded ({location}, {got_sha[:16]}.., "
+                                   f"{got_size} bytes) is not the one announced early ({early.location}, "
+                                   f"{sha[:16]}.., {size} bytes): {model} changed while publishing")
+            wv = msgspec.structs.replace(early, full_pending=False)
+    if wv is None:
+        location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
+        delta = None
+        if base and not transport.delta_first:
+            delta = await _upload_delta(js, run, transport, prefix, model, sha, size, base, settings)
+        wv = WeightVersion(location=location, sha256=sha, bytes=size, created=time.time(), files=files, delta=delta,
+                           **common)
+        await announce(js, run, wv)
+        if on_announced is not None:
+            on_announced(wv)
+    else:
+        await announce(js, run, wv)
     # By version number: every publication of a kept or protected number stays (an actor that serves
     # version v may hold the earlier publication of v).
     await transport.prune(js, run, settings, keep, current=version, protect=set(protect))
@@ -159,6 +195,8 @@ async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash:
     that file, the delta is fetched and applied to a copy of it in `dest_dir` instead, and the result
     is kept only if its sha256 is the full version's; a delta that fails (missing, corrupt, a wrong
     digest) is refused, the base left untouched, and the full version fetched as without a base.
+    An early announcement (full_pending) fetched full waits for the full copy first, at most
+    full_wait_s, then raises WeightUnavailable (not refused: the actor tries again).
     """
     transport = get(wv.transport)
     if transport is None:
@@ -176,7 +214,16 @@ async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash:
             COUNTERS["weights.delta_no_base"] += 1
             log.info("weights version %d: the delta needs version %d, not served here; fetching the full version",
                      wv.version, wv.delta.base_version)
+    if wv.full_pending:  # announced early: its full copy may still be on its way
+        await transport.wait_full(js, run, wv, settings, full_wait_s(wv.bytes))
     return await transport.fetch(js, run, wv, dest_dir, settings, rehash)
+
+
+def full_wait_s(nbytes: int) -> float:
+    """How long an actor waits for the full copy of an early-announced version: the upload at 20 MB/s
+    (objstore measures 150-250 MB/s here, so a slow store or a busy learner), at least a minute.
+    Past it, WeightUnavailable: the version is tried again, not refused."""
+    return max(60.0, nbytes / 20e6)
 
 
 async def _apply_delta(js, run, transport, wv: WeightVersion, base_dir: Path, dest: Path, settings) -> Path:

@@ -6,19 +6,21 @@ are never written."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
 import pytest
+from nats.js.errors import NotFoundError
 
 from actors.follow import WeightFollower
 from learner.publication import Publisher, Weights
 from protocol import topology
 from protocol.bus import COUNTERS
 from weights import delta as deltas
-from weights.common import CONFIG_FILE, MODEL_FILE, current_version, file_digest
+from weights.common import CONFIG_FILE, MODEL_FILE, WeightUnavailable, current_version, file_digest
 from weights.config import ObjstoreWeights, SharedDirWeights
 
 pytestmark = pytest.mark.integration
@@ -190,3 +192,119 @@ async def test_no_delta_when_it_is_over_delta_max_share(js, tmp_path):
         (d / CONFIG_FILE).write_text("{}")
         await pub.upload(v, Snap(), d)
     assert (await current_version(js, RUN)).delta is None
+
+
+class HeldUpload:
+    """Holds the objstore transport's model upload until `release()`: a test double of a slow upload
+    only (the real upload runs after), so what an actor does meanwhile can be checked."""
+
+    def __init__(self, monkeypatch):
+        from weights import registry
+
+        transport = registry.get("objstore")
+        real, self.gate, self.started = transport.upload_model, asyncio.Event(), asyncio.Event()
+
+        async def upload(*args, **kwargs):
+            self.started.set()
+            await self.gate.wait()
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(transport, "upload_model", upload)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+async def _early_v2(js, tmp_path, monkeypatch, lr=1e-6):
+    """v1 published full and served by an actor; v2 published with its full upload held. Returns
+    (follower, engine, v2's learner dir, the publication task, the held upload)."""
+    await topology.ensure_topology(js, RUN)
+    settings = ObjstoreWeights(full_every=10)
+    pub, learner = learner_weights(js, tmp_path, settings), Learner()
+    engine = EngineDouble()
+    follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", settings=settings)
+    learner.step(lr)
+    await pub.upload(1, Snap(), learner.write(tmp_path / "run" / "learner" / "weights" / "v000001"))
+    assert await follower.check() and engine.version == 1
+    held = HeldUpload(monkeypatch)
+    learner.step(lr)
+    wdir = learner.write(tmp_path / "run" / "learner" / "weights" / "v000002")
+    task = asyncio.create_task(pub.upload(2, Snap(), wdir))
+    await asyncio.wait_for(held.started.wait(), 10)  # the delta is stored and announced early by now
+    return follower, engine, wdir, task, held
+
+
+async def test_an_actor_with_the_base_serves_a_delta_version_before_its_full_copy_exists(js, tmp_path, monkeypatch):
+    follower, engine, wdir, task, held = await _early_v2(js, tmp_path, monkeypatch)
+    try:
+        early = await follower._read()
+        assert early.version == 2 and early.full_pending and early.delta is not None
+        store = await js.object_store(topology.object_bucket(RUN))
+        with pytest.raises(NotFoundError):
+            await store.get_info(early.location)  # no full copy yet
+        # what older actors read (WEIGHTS_KEY) still names version 1: they never see a missing file
+        assert (await current_version(js, RUN)).version == 1
+        assert await follower.check()
+        assert engine.loads[-1] == (2, file_digest(wdir / MODEL_FILE)[0])
+        assert not task.done()  # the learner's publication is still uploading the full copy
+    finally:
+        held.release()
+        await asyncio.wait_for(task, 30)
+    wv = await current_version(js, RUN)
+    assert (wv.version, wv.sha256, wv.full_pending) == (2, early.sha256, False)
+    await store.get_info(wv.location)
+    assert not await follower.check()  # the same version, served already: nothing to do
+
+
+async def test_an_actor_without_the_base_gets_the_full_copy_of_an_early_version_once_uploaded(js, tmp_path,
+                                                                                              monkeypatch):
+    _, _, wdir, task, held = await _early_v2(js, tmp_path, monkeypatch)
+    fresh = EngineDouble()
+    follower = WeightFollower(js, RUN, fresh, dest_root=tmp_path / "fresh", settings=ObjstoreWeights(full_every=10))
+    check = asyncio.create_task(follower.check())
+    try:
+        await asyncio.sleep(1.0)
+        assert not check.done() and fresh.loads == []  # waiting for the full copy, not refused
+    finally:
+        held.release()
+    assert await asyncio.wait_for(check, 30)
+    assert fresh.loads == [(2, file_digest(wdir / MODEL_FILE)[0])] and not follower.refused
+    await asyncio.wait_for(task, 30)
+
+
+async def test_the_wait_for_an_early_full_copy_is_bounded_and_not_a_refusal(js, tmp_path, monkeypatch):
+    from weights import registry
+
+    _, _, wdir, task, held = await _early_v2(js, tmp_path, monkeypatch)
+    monkeypatch.setattr(registry, "full_wait_s", lambda nbytes: 0.5)
+    fresh = EngineDouble()
+    follower = WeightFollower(js, RUN, fresh, dest_root=tmp_path / "fresh", settings=ObjstoreWeights(full_every=10))
+    early = await follower._read()
+    with pytest.raises(WeightUnavailable, match="was not stored within"):
+        await registry.fetch_version(js, RUN, early, tmp_path / "fresh" / "x", settings=follower.settings)
+    assert not await follower.check()  # tried, timed out, not refused: tried again later
+    assert not follower.refused and fresh.loads == []
+    held.release()
+    await asyncio.wait_for(task, 30)
+    assert await follower.check() and fresh.loads == [(2, file_digest(wdir / MODEL_FILE)[0])]
+
+
+async def test_a_corrupted_early_delta_is_refused_and_the_full_copy_served_once_uploaded(js, tmp_path, monkeypatch):
+    follower, engine, wdir, task, held = await _early_v2(js, tmp_path, monkeypatch, lr=1e-5)
+    served = follower._served / MODEL_FILE
+    served_sha = file_digest(served)[0]
+    early = await follower._read()
+    store = await js.object_store(topology.object_bucket(RUN))
+    await store.put(early.delta.location, b"PARLEYD1 not a delta")  # its sha256 no longer the announced one
+    refused = COUNTERS["weights.delta_refused"]
+    check = asyncio.create_task(follower.check())
+    try:
+        await asyncio.sleep(1.0)
+        assert COUNTERS["weights.delta_refused"] == refused + 1 and not check.done()
+        assert engine.version == 1 and file_digest(served)[0] == served_sha  # served weights untouched
+    finally:
+        held.release()
+    assert await asyncio.wait_for(check, 30)
+    assert engine.loads[-1] == (2, file_digest(wdir / MODEL_FILE)[0])
+    assert not served.exists()  # the old version removed only after the new one was served
+    await asyncio.wait_for(task, 30)
