@@ -39,7 +39,7 @@ case "${1:-}" in
     # the model (SmolLM2; BUILD=tiny for the smoke run) built before the clock of the run starts (a minute on a fresh machine)
     step build_model 150 "$PY" -c "from engines.models import ensure_model; ensure_model('${BUILD:-smol}')"
     # the wall budget (SIGINT: the learner stops after its step; `plan` then picks from what was kept)
-    step up "${LIMIT_S:-540}" timeout -s INT "${BUDGET_S:-500}" "$PY" -m deploy.cli up --config "$CONFIG" \
+    step up "${LIMIT_S:-530}" timeout -s INT "${BUDGET_S:-480}" "$PY" -m deploy.cli up --config "$CONFIG" \
         --no-live --run-dir "$RUN" --steps "$STEPS" --set "learner.eval_items=$ITEMS" "${EXTRA[@]}"
     for f in metrics.jsonl eval/history.jsonl summary.json; do
         [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/$(echo "$f" | tr / _)"
