@@ -8,7 +8,11 @@
 #                                  # bench/collab_table.py -> $OUT/collab_gpu_h200.json
 # CONFIG defaults to deploy/configs/gpu-1-collab.toml; the CPU smoke run passes the tiny one with
 # EXTRA (more --set arguments for every command) and smaller STEPS / ITEMS. Each command has its own time
-# limit so one hang leaves the others; their logs land in $OUT.
+# limit so one hang leaves the others. The device brings back at most 8 files from $OUT, so each
+# command's log goes to $LOGS and the phase ends by packing them into $OUT/logs<phase>.tar.gz:
+#     phase 1: times.txt metrics.jsonl eval_history.jsonl steps.log logs1.tar.gz
+#     phase 2: times.txt collab_gpu_h200.json eval_table.md eval_chart.png collab_rewards.png
+#              collab_eval.png logs2.tar.gz
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -20,16 +24,22 @@ ITEMS=${ITEMS:-24}         # held-out items, the periodic eval's (its first ITEM
 TURNS=${TURNS:-6}          # as [rollout] max_new_turns / max_tokens of CONFIG: one task shape
 TOKENS=${TOKENS:-256}
 read -r -a EXTRA <<<"${EXTRA:-}"
+LOGS=/tmp/collab-logs${1:-}
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
+pack() {  # every log of this phase (and what else is named) into one file of $OUT
+    tar -czf "$OUT/logs$1.tar.gz" -C "$LOGS" . 2>/dev/null
+}
 PY=${PYTHON:-python3}
 parley() { "$PY" -m deploy.cli "$@"; }
 step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log to $OUT/NAME.log, print its tail
     local name=$1 limit=$2
     shift 2
     local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
     local rc=$?
     echo "[collab_gpu] $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/times.txt"
-    grep -v -E '^\(|INFO|WARNING' "$OUT/$name.log" | tail -n 15
+    grep -v -E '^\(|INFO|WARNING' "$LOGS/$name.log" | tail -n 15
     return $rc
 }
 case "${1:-}" in
@@ -41,21 +51,26 @@ case "${1:-}" in
     # the wall budget (SIGINT: the learner stops after its step; `plan` then picks from what was kept)
     step up "${LIMIT_S:-530}" timeout -s INT "${BUDGET_S:-480}" "$PY" -m deploy.cli up --config "$CONFIG" \
         --no-live --run-dir "$RUN" --steps "$STEPS" --set "learner.eval_items=$ITEMS" "${EXTRA[@]}"
-    for f in metrics.jsonl eval/history.jsonl summary.json; do
+    for f in metrics.jsonl eval/history.jsonl; do
         [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/$(echo "$f" | tr / _)"
     done
     grep -h -E ': step [0-9]+: loss|eval: version' "$RUN/logs/learner.log" >"$OUT/steps.log" 2>/dev/null
-    ls "$RUN/learner/ckpt" >"$OUT/ckpt_list.txt" 2>/dev/null
-    du -sh "$RUN" >>"$OUT/ckpt_list.txt" 2>/dev/null
+    ls "$RUN/learner/ckpt" >"$LOGS/ckpt_list.txt" 2>/dev/null
+    du -sh "$RUN" >>"$LOGS/ckpt_list.txt" 2>/dev/null
+    cp "$RUN/summary.json" "$LOGS/" 2>/dev/null
+    for f in "$RUN"/logs/*.log "$RUN"/eval/follow.log; do  # the roles' logs, their ends
+        [ -f "$f" ] && tail -n 400 "$f" >"$LOGS/run_$(basename "$f")"
+    done
+    pack 1
     ;;
 2)
     [ -d "$RUN/learner" ] || { echo "[collab_gpu] no run in $RUN: run phase 1 first, on this warm machine" >&2; exit 2; }
     M=/tmp/collab-models EV=/tmp/collab-eval RP=/tmp/collab-replay
     rm -rf "$M" "$EV" "$RP"
     # 0, the versions at 25/50/75/100 % of the run and the one `parley select` names by MR
-    parley select "$RUN" --metric mr | tee "$OUT/select.txt"
+    parley select "$RUN" --metric mr 2>&1 | tee "$LOGS/select.txt"
     VERSIONS=$("$PY" bench/collab_table.py plan "$RUN") || exit 1
-    cp "$RUN/collab_plan.json" "$OUT/"
+    cp "$RUN/collab_plan.json" "$LOGS/"
     echo "[collab_gpu] versions: $VERSIONS"
     CONDS=()
     for V in $VERSIONS; do
@@ -76,12 +91,12 @@ case "${1:-}" in
     # sampling at temperature 0.7 and the levels it writes (rubric), not the expected level at greedy
     "$PY" bench/collab_table.py pick "$EV/records.parquet" "v$LAST" /tmp/collab-final.parquet
     rm -rf /tmp/collab-nats
-    parley nats --store-dir /tmp/collab-nats --port 4299 >"$OUT/replay_nats.log" 2>&1 &
+    parley nats --store-dir /tmp/collab-nats --port 4299 >"$LOGS/replay_nats.log" 2>&1 &
     NATS_PID=$!
     J2=(--config "$CONFIG" --nats nats://127.0.0.1:4299 --run collab-replay --set judge.temperature=0.7
         --set scorer.interactivity=\"rubric\" --set judge.engine.enforce_eager=true "${EXTRA[@]}")
     sleep 3
-    parley judge "${J2[@]}" >"$OUT/replay_judge.log" 2>&1 &
+    parley judge "${J2[@]}" >"$LOGS/replay_judge.log" 2>&1 &
     JUDGE_PID=$!
     step replay "${REPLAY_LIMIT_S:-150}" "$PY" -m deploy.cli replay /tmp/collab-final.parquet --judge \
         --out "$RP" "${J2[@]}"
@@ -92,6 +107,9 @@ case "${1:-}" in
     REPLAY_ARG=()
     [ -f "$RP/records.parquet" ] && REPLAY_ARG=(--replay "$RP")
     "$PY" bench/collab_table.py build --run "$RUN" --eval "$EV" "${REPLAY_ARG[@]}" --json "$OUT/collab_gpu_h200.json"
+    cp "$EV/table.csv" "$EV/unscored.jsonl" "$LOGS/" 2>/dev/null
+    cp "$RP/table.md" "$LOGS/replay_table.md" 2>/dev/null
+    pack 2
     ;;
 *)
     echo "usage: bash bench/collab_gpu.sh 1|2" >&2
