@@ -29,6 +29,10 @@ FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 LOWER_BETTER = {"tokens_k"}
 TOKEN_WEIGHT = 0.1  # MR = BLEU + interactivity - 0.1 x tokens (k) (docs/benchmark.md)
 TIE_EPS = 1e-9
+# The rubric's grid: three criteria of 0..3 levels, summed and divided by 9. Under rubric_expected a
+# conversation's value is an expectation, so exact ties are rare; the rounded ties say how often the
+# judge's most likely total level is the same.
+LEVELS = 9
 
 
 def fraction_versions(available: list[int], last: int, fractions=FRACTIONS) -> dict[str, int]:
@@ -90,26 +94,30 @@ def leakage(eval_dir: Path) -> dict:
 def discrimination(groups_by_step: dict[int, list[list[dict[str, float]]]]) -> dict:
     """groups_by_step: step -> its groups, each a list of per-sample metric dicts. Per step: the mean over
     groups of each term's within-group std (population, as the learner's diagnostics), the share of the
-    group's sample pairs whose interactivity is the same value, and the share of groups all at one value."""
-    steps, pair_ties, pairs, flat, ngroups = [], 0, 0, 0, 0
+    group's sample pairs whose interactivity is the same value (also after rounding to the rubric's grid of
+    ninths), and the share of groups all at one value."""
+    steps, pair_ties, rounded_ties, pairs, flat, ngroups = [], 0, 0, 0, 0, 0
     for step in sorted(groups_by_step):
         groups = groups_by_step[step]
         terms = sorted({k for g in groups for s in g for k in s})
         std = {t: float(np.mean([np.std([s[t] for s in g]) for g in groups])) for t in terms}
-        st_ties = st_pairs = st_flat = 0
+        st_ties = st_rounded = st_pairs = st_flat = 0
         for g in groups:
             vals = [s["interactivity"] for s in g]
             for a, b in combinations(vals, 2):
                 st_pairs += 1
                 st_ties += abs(a - b) <= TIE_EPS
+                st_rounded += round(a * LEVELS) == round(b * LEVELS)
             st_flat += max(vals) - min(vals) <= TIE_EPS
         steps.append({"step": step, "groups": len(groups), "within_group_std": std,
                       "interactivity_pair_ties": st_ties / st_pairs if st_pairs else math.nan,
                       "interactivity_flat_groups": st_flat / len(groups)})
-        pair_ties, pairs, flat, ngroups = pair_ties + st_ties, pairs + st_pairs, flat + st_flat, ngroups + len(groups)
+        pair_ties, rounded_ties, pairs = pair_ties + st_ties, rounded_ties + st_rounded, pairs + st_pairs
+        flat, ngroups = flat + st_flat, ngroups + len(groups)
     terms = sorted({t for s in steps for t in s["within_group_std"]})
     return {
         "interactivity_pair_ties": pair_ties / pairs if pairs else math.nan, "pairs": pairs,
+        "interactivity_pair_ties_rounded": rounded_ties / pairs if pairs else math.nan,
         "interactivity_flat_groups": flat / ngroups if ngroups else math.nan, "groups": ngroups,
         "within_group_std_mean": {t: float(np.mean([s["within_group_std"][t] for s in steps])) for t in terms},
         "steps_without_signal": {t: sum(s["within_group_std"][t] <= TIE_EPS for s in steps) for t in terms},

@@ -57,6 +57,12 @@ def test_flags_name_each_metrics_winner_and_whether_tokens_dominate_the_mr_gain(
     assert f["metrics_won_by_arm"]["better"] == ["bleu", "mr"]
 
 
+def test_rounded_ties_count_expected_levels_on_the_rubrics_grid_of_ninths():
+    d = collab_table.discrimination({1: [[{"interactivity": 4.1 / 9}, {"interactivity": 3.9 / 9}, {"interactivity": 5 / 9}]]})
+    assert d["interactivity_pair_ties"] == 0.0
+    assert d["interactivity_pair_ties_rounded"] == pytest.approx(1 / 3)  # 4.1 and 3.9 both round to level 4
+
+
 def test_table_json_carries_n_means_and_paired_intervals():
     rows = {r["condition"]: r for r in collab_table.table_json(fixture_table())}
     assert rows["v0"]["n"] == 2 and rows["v0"]["diff_vs_base"] == {}
@@ -83,6 +89,7 @@ def test_discrimination_counts_same_interactivity_pairs_and_within_group_std():
     }
     d = collab_table.discrimination(groups)
     assert d["pairs"] == 5 and d["interactivity_pair_ties"] == pytest.approx(4 / 5)
+    assert d["interactivity_pair_ties_rounded"] == pytest.approx(4 / 5)  # 0.2 and 0.8: levels 2 and 7
     assert d["groups"] == 3 and d["interactivity_flat_groups"] == pytest.approx(2 / 3)
     step1 = d["per_step"][0]
     assert step1["interactivity_pair_ties"] == pytest.approx(3 / 4)
