@@ -98,6 +98,11 @@ case "${1:-}" in
     sleep 3
     parley judge "${J2[@]}" >"$LOGS/replay_judge.log" 2>&1 &
     JUDGE_PID=$!
+    for _ in $(seq 120); do  # its engine's start: replay asks once and fails on no responder
+        grep -q ": serving " "$LOGS/replay_judge.log" && break
+        kill -0 "$JUDGE_PID" 2>/dev/null || break
+        sleep 1
+    done
     step replay "${REPLAY_LIMIT_S:-150}" "$PY" -m deploy.cli replay /tmp/collab-final.parquet --judge \
         --out "$RP" "${J2[@]}"
     kill "$JUDGE_PID" 2>/dev/null; wait "$JUDGE_PID" 2>/dev/null
