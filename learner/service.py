@@ -75,7 +75,8 @@ class Learner:
         self.intake = Intake(self.state, self.grouper, self.feeder, ledger, limits=limits,
                              reference_service=cfg.policy.reference == "service", ack_wait_s=cfg.bus.ack_wait_s,
                              flush_s=self.lc.ledger_flush_s, started=started)
-        self.weights = Weights(self.lc, cfg.weights, js, nc, self.run_name, self.run_dir, driver, self.publisher, self.feeder)
+        self.weights = Weights(self.lc, cfg.weights, js, nc, self.run_name, self.run_dir, driver, self.publisher, self.feeder,
+                               model_dir=model_dir)
         self.fates = Fates(self.state, js, self.run_name, self.grouper, self.feeder, self.intake,
                            task_deadline_s=self.lc.task_deadline_s)
         self.backlog = Backlog(js, self.run_name)

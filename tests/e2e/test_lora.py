@@ -1,0 +1,94 @@
+"""LoRA adapter versions end to end ([learner.lora], weights.lora): the learner trains one step
+with an adapter on the toy model, publishes only the adapter through the run's object store (real
+nats-server), an actor's follower fetches it and loads it into a real vLLM engine beside the base,
+and the log-probs vLLM reports for the adapter's samples are the learner's with the adapter
+(test_logprob_agreement's tolerance). An adapter for another base is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.test_logprob_agreement import TOL
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+RUN = "loratest"
+RANK = 8
+
+
+def _learner_logprobs(trainer, ids: list[int], start: int, base: bool = False) -> torch.Tensor:
+    """The trainer's log-probs of ids[start:] given their prefix (temperature 1), with the adapter or without."""
+    from learner.logprobs import token_logprobs
+    from learner.lora import base_only
+    from learner.packing import Sample, build_batch
+
+    n = len(ids)
+    sample = Sample("fixed", ids, [0] * start + [1] * (n - start), [0.0] * n, 0.0)
+    with base_only(trainer.peft) if base else torch.no_grad():
+        lp, _ = token_logprobs(trainer.module, build_batch([sample]), grad=False)
+    return lp.double()
+
+
+async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tiny_model, js, tmp_path):
+    from actors.follow import WeightFollower
+    from config.learner import LearnerConfig, LoraSettings
+    from engines.engine import EngineSettings, PolicyEngine
+    from learner.packing import Sample
+    from learner.trainer import Trainer
+    from protocol import topology
+    from weights import lora
+    from weights.config import ObjstoreWeights
+
+    await topology.ensure_topology(js, RUN)
+    cfg = LearnerConfig(zero_stage=2, lr=2e-2, kl_coef=0.01, micro_batch_tokens=256,
+                        lora=LoraSettings(enabled=True, rank=RANK, alpha=16.0))
+    trainer = Trainer(cfg, tiny_model)
+    assert trainer.reference is trainer.module  # the frozen base with adapters off: no second copy
+    frozen = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if not p.requires_grad}
+    trained = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+
+    engine = PolicyEngine(EngineSettings(model=str(tiny_model), max_model_len=512, kv_cache_bytes=64 << 20,
+                                         sampled_logprobs=True, max_lora_rank=RANK, max_loras=2))
+    try:
+        # one GRPO step on samples of the base (vLLM, version 0), rewards favouring the longer replies
+        prompt = list(range(10, 22))
+        outs = [await engine.generate(prompt, max_tokens=12, seed=s) for s in range(4)]
+        samples = [Sample(f"s{i}", prompt + o.token_ids, [0] * len(prompt) + [1] * len(o.token_ids),
+                          [0.0] * len(prompt) + o.logprobs, adv)
+                   for i, (o, adv) in enumerate(zip(outs, [1.0, -1.0, 0.5, -0.5]))]
+        stats = trainer.train_step(samples)
+        assert stats["kl_mean"] == pytest.approx(0.0, abs=1e-6)  # the reference is the base the samples came from
+        for n, p in trainer.module.named_parameters():
+            if n in frozen:
+                assert torch.equal(p.detach(), frozen[n]), f"{n} is frozen but changed"
+        assert any(not torch.equal(trainer.module.get_parameter(n).detach(), t) for n, t in trained.items())
+
+        state, conf = trainer.adapter_snapshot()
+        adir = lora.write_adapter(state, conf, tmp_path / "learner" / "v000001")
+        base = lora.base_identity(tiny_model)
+        wv = await lora.publish_adapter(js, RUN, 1, 1, adir, ObjstoreWeights(), base=base, rank=RANK)
+        assert wv.adapter.base == base and wv.bytes < 1 << 20  # only the adapter travelled
+
+        follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", base_dir=tiny_model)
+        assert await follower.check(), follower.refused
+        assert engine.version == 1 and set(engine.adapters) == {1}
+
+        out = await engine.generate(prompt, max_tokens=16, seed=7)  # on the adapter, the newest version
+        ids = prompt + out.token_ids
+        ours = _learner_logprobs(trainer, ids, len(prompt))
+        theirs = torch.tensor(out.logprobs, dtype=torch.float64)
+        diff = (ours - theirs).abs().max().item()
+        moved = (ours - _learner_logprobs(trainer, ids, len(prompt), base=True)).abs().max().item()
+        print(f"adapter: learner vs vLLM max {diff:.2e} over {len(out.token_ids)} tokens; adapter vs base {moved:.2e}")
+        assert moved > 100 * TOL  # the adapter changed the model, so agreeing means serving it
+        assert diff < TOL
+
+        # an adapter for another base is refused with the reason; the engine keeps serving version 1
+        await lora.publish_adapter(js, RUN, 2, 2, adir, ObjstoreWeights(), base="0" * 32, rank=RANK)
+        assert not await follower.check()
+        assert "base" in follower.refused[2] and engine.version == 1
+    finally:
+        engine.shutdown()
+        trainer.close()
