@@ -190,6 +190,8 @@ class PolicyEngine:
         self._llm = AsyncLLM.from_engine_args(_engine_args(settings, cpu_bind))
         self._reload_lock = asyncio.Lock()
         self.adapters: dict[int, Any] = {}  # version -> its vLLM LoRARequest, loaded (load_adapter)
+        self._users: dict[int, int] = {}  # adapter version -> open conversations started on it (pin)
+        self.base_version = version  # the version of the base alone, no adapter (before the first one)
         self._next_lora_id = 1
 
     # -- generation ---------------------------------------------------------------------------
@@ -205,7 +207,7 @@ class PolicyEngine:
             (prompt,) = await renderer.render_cmpl_async([prompt])
         final = None
         lora = self.adapters.get(self.version if version is None else version)
-        if version is not None and self.adapters and lora is None:
+        if version is not None and lora is None and version != self.base_version:
             raise KeyError(f"adapter version {version} is not loaded (loaded: {sorted(self.adapters)})")
         async for out in self._llm.generate(prompt, params, uuid.uuid4().hex, lora_request=lora):
             final = out
@@ -356,6 +358,34 @@ class PolicyEngine:
         self.version = version
         if old is not None:
             await self._llm.remove_lora(old.lora_int_id)
+        for v in [v for v in self.adapters if v != version and not self._users.get(v)]:
+            await self.drop_adapter(v)  # no open conversation started on it
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether this engine serves LoRA adapter versions (EngineSettings.max_lora_rank > 0)."""
+        return self.settings.max_lora_rank > 0
+
+    def adapter_name(self, version: int) -> str:
+        """The vLLM adapter name `version` is served under ("" for the base alone)."""
+        request = self.adapters.get(version)
+        return request.lora_name if request is not None else ""
+
+    def pin(self, version: int) -> None:
+        """A conversation starts on adapter `version` (or the base): it stays loaded until every such one unpins."""
+        if version not in self.adapters and version != self.base_version:
+            raise KeyError(f"adapter version {version} is not loaded (loaded: {sorted(self.adapters)})")
+        self._users[version] = self._users.get(version, 0) + 1
+
+    async def unpin(self, version: int) -> None:
+        """A conversation started on `version` is over; an older version nobody uses is unloaded."""
+        left = self._users.get(version, 0) - 1
+        if left > 0:
+            self._users[version] = left
+            return
+        self._users.pop(version, None)
+        if version != self.version:
+            await self.drop_adapter(version)
 
     async def drop_adapter(self, version: int) -> None:
         """Unload an adapter version no conversation uses any more (never the newest)."""

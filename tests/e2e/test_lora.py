@@ -92,3 +92,83 @@ async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tin
     finally:
         engine.shutdown()
         trainer.close()
+
+
+def _random_adapter(model_dir, out, seed: int):
+    """A LoRA adapter of random weights on the toy model (peft), written as a version directory."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from config.learner import LoraSettings
+    from learner.lora import adapter_state
+    from weights import lora
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    s = LoraSettings(enabled=True, rank=RANK)
+    peft = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=s.alpha, target_modules=s.target_modules,
+                                            init_lora_weights=False))
+    return lora.write_adapter(*adapter_state(peft), out)
+
+
+async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_model, js, tmp_path):
+    """A conversation that started on adapter version 1 plays every turn on 1 while the actor loads
+    version 2 in the middle of it; version 1 stays loaded until that conversation ends, then goes; a
+    conversation started after plays on 2. The user is hidden_goal's own (environments.base.LocalUser)."""
+    from transformers import AutoTokenizer
+
+    from actors.follow import WeightFollower
+    from config.run import load_config
+    from engines.engine import EngineSettings, PolicyEngine
+    from environments.base import LocalUser
+    from environments.hidden_goal import Goal
+    from protocol import topology
+    from rollout.conversation import PolicySettings, run_conversation
+    from weights import lora
+    from weights.config import ObjstoreWeights
+
+    await topology.ensure_topology(js, RUN)
+    base = lora.base_identity(tiny_model)
+    adapters = {v: _random_adapter(tiny_model, tmp_path / "learner" / f"v{v}", seed=v) for v in (1, 2)}
+    cfg = load_config(None, ["env.name=hidden_goal", "rollout.max_new_turns=8", "rollout.max_tokens=24"])
+    env = cfg.env.load()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    goal = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
+    engine = PolicyEngine(EngineSettings(model=str(tiny_model), max_model_len=1024, kv_cache_bytes=64 << 20,
+                                         sampled_logprobs=True, max_lora_rank=RANK, max_loras=2))
+    try:
+        follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", base_dir=tiny_model)
+        await lora.publish_adapter(js, RUN, 1, 1, adapters[1], ObjstoreWeights(), base=base, rank=RANK)
+        assert await follower.check() and engine.version == 1
+        during: list[set[int]] = []
+
+        class NextVersionMidway:
+            """hidden_goal's user, except that before its second answer the learner publishes version 2
+            and the actor loads it (the conversation is open, one assistant turn played on version 1)."""
+
+            def __init__(self):
+                self.user, self.asked = LocalUser(env.user), 0
+
+            async def ask(self, req):
+                self.asked += 1
+                if self.asked == 2:
+                    await lora.publish_adapter(js, RUN, 2, 2, adapters[2], ObjstoreWeights(), base=base, rank=RANK)
+                    assert await follower.check(), follower.refused
+                    during.append(set(engine.adapters))
+                return await self.user.ask(req)
+
+        policy = PolicySettings(max_model_len=1024)
+        task = env.tasks.task(goal, run=RUN, task_id=f"{RUN}-g0", n=2, rollout=cfg.rollout, seed=1, version=1)
+        first = await run_conversation(engine, NextVersionMidway(), task, 0, lambda: engine.version, tokenizer=tok,
+                                       policy=policy)
+        assert during == [{1, 2}]  # version 2 loaded beside 1 while the conversation was open
+        assert len(first.turns) >= 3 and {t.version for t in first.turns} == {1}
+        assert first.adapter.startswith("v1-")
+        assert set(engine.adapters) == {2}  # no open conversation uses version 1 any more: unloaded
+
+        task2 = env.tasks.task(goal, run=RUN, task_id=f"{RUN}-g1", n=2, rollout=cfg.rollout, seed=2, version=2)
+        second = await run_conversation(engine, LocalUser(env.user), task2, 0, lambda: engine.version, tokenizer=tok,
+                                        policy=policy)
+        assert second.turns and {t.version for t in second.turns} == {2} and second.adapter.startswith("v2-")
+    finally:
+        engine.shutdown()
