@@ -39,3 +39,16 @@ def adapter_state(peft_model) -> tuple[dict, dict]:
     conf = peft_model.peft_config["default"].to_dict()
     conf["target_modules"] = sorted(conf["target_modules"])
     return state, conf
+
+
+def export_merged(base_dir, adapter_dir, out) -> None:
+    """The base model with the adapter of `adapter_dir` (weights.lora.write_adapter's) merged into its
+    weights, saved to `out` as a plain HF checkpoint (safetensors + config.json)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from weights.lora import as_vllm_adapter
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype="auto")  # the base's own dtype
+    merged = PeftModel.from_pretrained(model, str(as_vllm_adapter(adapter_dir))).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)

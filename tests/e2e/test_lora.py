@@ -172,3 +172,23 @@ async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_
         assert second.turns and {t.version for t in second.turns} == {2} and second.adapter.startswith("v2-")
     finally:
         engine.shutdown()
+
+
+def test_merged_export_computes_what_base_plus_adapter_computes(tiny_model, tmp_path):
+    """export_merged (`parley export --merge`): a plain HF checkpoint whose logits are the base's with the adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from learner.lora import export_merged
+    from weights import lora
+
+    adir = _random_adapter(tiny_model, tmp_path / "v1", seed=3)
+    export_merged(tiny_model, adir, tmp_path / "merged")
+    ids = torch.tensor([list(range(5, 25))])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        plain = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, str(lora.as_vllm_adapter(adir)))(ids).logits
+    assert (adapted - plain).abs().max() > 1e-2  # the adapter matters
+    torch.testing.assert_close(merged, adapted, atol=1e-4, rtol=0)
