@@ -110,16 +110,17 @@ class Weights:
     actors serve, which are never pruned. The feeder's version moves once a version is announced."""
 
     def __init__(self, lc, settings, js, nc, run_name: str, run_dir, driver, publisher: Publisher, feeder,
-                 model_dir=None) -> None:
+                 adapter_base: str = "") -> None:
         """`settings`: the run's [weights] (weights.config), the transport every version takes.
-        `model_dir`: the base model, whose identity an adapter version names ([learner.lora])."""
+        `adapter_base`: [learner.lora] on, the base's identity (weights.lora.base_identity) each adapter
+        version names; "" publishes whole weights."""
         self.lc, self.settings, self.js, self.run_name, self.run_dir, self.driver = lc, settings, js, run_name, run_dir, driver
         self.publisher, self.feeder = publisher, feeder
         self.served = ServedVersions(nc, run_name)  # what actors serve is never pruned
         # file transports: the version announced last and its directory, the base of the next delta
         self._base: tuple = ()
         self._since_full = 0  # versions announced since the last one sent full only
-        self.base = lora.base_identity(model_dir) if lc.lora.enabled else ""
+        self.base = adapter_base
 
     async def publish(self, version: int, write_now: bool = False) -> bool:
         """Take `version`'s weights now, before the next step can change them, and hand their upload and
