@@ -29,7 +29,7 @@ import msgspec
 from protocol import codec, topology
 from protocol.bus import COUNTERS, UNREACHABLE
 from protocol.messages import WeightVersion
-from weights import registry
+from weights import lora, registry
 from weights.common import WeightUnavailable, WeightVerifyError
 
 log = logging.getLogger("parley.follow")
@@ -68,6 +68,9 @@ class WeightFollower:
         self._served: Path | None = Path(base_dir) if base_dir else None  # the weights loaded now
         self._served_gpu: WeightVersion | None = None  # ... or the GPU-transport version loaded now
         self._bad_revision = 0
+        self._base_dir = Path(base_dir) if base_dir else None  # the base an adapter version must name
+        self._base_id: str | None = None  # its weights.lora.base_identity, computed at the first adapter
+        self.adapter_dirs: dict[int, Path] = {}  # adapter version -> its fetched directory
 
     @property
     def version(self) -> int:
@@ -145,6 +148,8 @@ class WeightFollower:
         if problem:
             return self._refuse(wv, f"announcement refused: {problem}", None)
         dest = self.dest_root / f"v{wv.version:06d}-{wv.sha256[:12]}"
+        if wv.adapter is not None:
+            return await self._load_adapter(wv, dest)
         try:
             # a delta version is rebuilt from the served files (never written to) when they are its base
             base = (self.serving[1], self._served) if self._served is not None and self.serving[1] else None
@@ -176,6 +181,32 @@ class WeightFollower:
         previous, self._served = self._served, Path(path)
         if previous is not None and previous != self._served and previous.is_relative_to(self.dest_root):
             shutil.rmtree(previous, ignore_errors=True)
+        return True
+
+    async def _load_adapter(self, wv: WeightVersion, dest: Path) -> bool:
+        """A LoRA adapter version: checked against this engine's base and rank limit, fetched and
+        verified, then loaded beside the base under a new adapter id (the base is not reloaded).
+        Adapters of older versions stay loaded while conversations use them (the actor drops them)."""
+        if self._base_id is None:
+            self._base_id = lora.base_identity(self._base_dir) if self._base_dir is not None else ""
+        problem = lora.adapter_problem(wv, self._base_id, getattr(self.engine.settings, "max_lora_rank", 0))
+        if problem:
+            return self._refuse(wv, f"adapter refused: {problem}", None)
+        try:
+            path = await self._fetch(self.js, self.run, wv, dest, settings=self.settings)
+            await self.engine.load_adapter(lora.as_vllm_adapter(path), wv.version)
+        except WeightVerifyError as e:
+            return self._refuse(wv, f"verification failed: {e}", dest)
+        except Exception as e:  # noqa: BLE001 - nothing served changed: the base and older adapters still serve
+            if _transient(e):
+                log.warning("adapter version %d: fetch failed (%s); will retry", wv.version, e)
+                shutil.rmtree(dest, ignore_errors=True)
+                return False
+            return self._refuse(wv, f"adapter load failed: {type(e).__name__}: {e}", dest)
+        log.info("now serving adapter version %d (step %d)", wv.version, wv.step)
+        self.loaded.append(wv.version)
+        self.serving = (wv.version, wv.sha256)
+        self.adapter_dirs[wv.version] = Path(path)
         return True
 
     async def _load_gpu(self, wv: WeightVersion, transport) -> bool:

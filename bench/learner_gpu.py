@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=520.0,
                    help="wall-clock budget; phases and variants that would overrun it are skipped")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="> 0: the learner trains a LoRA adapter of this rank ([learner.lora], alpha 2 x rank); 0: full")
     p.add_argument("--tiny", action="store_true",
                    help="2-layer, 4k-vocab model in fp32: runs on CPU (gloo) in about a minute")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/learner_gpu.json when OUT is set)")
@@ -442,13 +444,16 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     and step)."""
     import torch
 
-    from config.learner import LearnerConfig
+    from config.learner import LearnerConfig, LoraSettings
     from learner.trainer import Trainer
     from learner.packing import build_batch, pack_by_tokens, shard_by_tokens
     from learner.logprobs import token_logprobs
 
     cfg = LearnerConfig(zero_stage=zero, micro_batch_tokens=args.budget_tokens, kl_coef=args.kl_coef,
-                        lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto", compile=compile_mode)
+                        lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto",
+                        compile="off" if args.lora_rank else compile_mode,
+                        lora=LoraSettings(enabled=args.lora_rank > 0, rank=max(args.lora_rank, 1),
+                                          alpha=2.0 * max(args.lora_rank, 1)))
     tag = f"[zero{zero} compile={compile_mode}{'' if ref == 'local' else ' ref ' + ref}]"
     samples = draw_samples(args, model_config(args).vocab_size)
     ref_fill_s = None

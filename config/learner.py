@@ -43,6 +43,27 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     future_turns: Annotated[int, Meta(le=TASK_MAX_NEW_TURNS)] = 2
 
 
+# peft's names for the Linear layers of a Qwen3 / Llama decoder layer: every projection
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """[learner.lora]: train a LoRA adapter (peft) on the frozen base instead of every weight. The
+    reference for KL is then the base itself (the adapter disabled): no second copy is loaded. Actors
+    serve each version as a vLLM LoRA adapter (weights.lora)."""
+
+    enabled: bool = False
+    rank: Annotated[int, Meta(ge=1, le=512)] = 16
+    alpha: Annotated[float, Meta(gt=0)] = 32.0  # the adapter's output is scaled by alpha / rank
+    dropout: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.0
+    target_modules: list[str] = msgspec.field(default_factory=lambda: list(LORA_TARGETS))
+
+    def __post_init__(self) -> None:
+        if self.enabled and not self.target_modules:
+            raise ValueError("[learner.lora] target_modules is empty: name the Linear layers to adapt, e.g. "
+                             f"{list(LORA_TARGETS)}")
+
+
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[learner]: feeder, grouping, GRPO, DeepSpeed, weights and checkpoints."""
 
@@ -99,8 +120,16 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     early_stop: bool = False  # stop training when eval_metric regresses significantly
     early_stop_alpha: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.05  # one-sided paired t test level of that regression
     eval_wait_s: float = 3600.0  # after the last step, how long to wait for the queued evals
+    lora: LoraSettings = msgspec.field(default_factory=LoraSettings)  # [learner.lora]; off by default
 
     def __post_init__(self) -> None:
+        if self.lora.enabled and self.compile == "layers":
+            # peft swaps every targeted Linear for a LoRA layer holding a dict of adapters and a
+            # disable flag the reference flips per forward: a compiled layer guards on that state and
+            # recompiles, so compiled layers give no speed here and have not been checked for equal log-probs
+            raise ValueError('[learner] compile = "layers" with [learner.lora] enabled is not supported: the '
+                             'reference flips the adapters off per forward, which a compiled layer would '
+                             'recompile for; set compile = "auto" (off with LoRA) or "off"')
         if self.eval_metric.lower() in TRAINING_REWARD_NAMES:  # whatever the environment, with the reason
             raise ValueError(f"eval_metric {self.eval_metric}: {REWARD_REFUSED}")
         if self.eval_every > 0 and self.eval_every % self.publish_every:

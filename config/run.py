@@ -354,6 +354,18 @@ def check_training(cfg: RunConfig) -> None:
     is loaded: an eval (whose actors sample at the eval's temperature, evaluation/fleet.py) trains
     nothing and may sample as it likes.
     """
+    lr = cfg.learner.lora
+    if lr.enabled and cfg.actor.engine.max_lora_rank < lr.rank:
+        raise ConfigError(f"[learner.lora] rank={lr.rank} but actor.engine.max_lora_rank="
+                          f"{cfg.actor.engine.max_lora_rank}: the actors could not load the adapters; set "
+                          f"actor.engine.max_lora_rank = {lr.rank}")
+    if lr.enabled:
+        from weights import registry
+
+        transport = registry.of(cfg.weights)
+        if transport.gpu:
+            raise ConfigError(f"[learner.lora] with [weights] kind={transport.kind!r}: an adapter travels as files "
+                              "(megabytes); set weights.kind = \"objstore\" or \"shared_dir\"")
     a = cfg.actor.sampling
     if not (GREEDY_BELOW <= a.temperature < float("inf")):
         raise ConfigError(

@@ -64,13 +64,15 @@ def export_cmd(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/<name>).")],
     out: Annotated[Path, typer.Argument(help="Directory to write the HF checkpoint to.")],
     version: Annotated[int, typer.Option("--version", "-v", help="Weights version (= optimizer step) to export.")],
+    merge: Annotated[bool, typer.Option("--merge", help="A LoRA run: base + adapter merged into a standalone "
+                                        "checkpoint (without it, the adapter alone).")] = False,
 ) -> None:
     """Copy or consolidate version V into OUT with the base model's tokenizer, ready for vLLM or transformers."""
     setup_logging("export")
     from learner.checkpoint import export_version
 
     try:
-        path = export_version(run_dir, version, out)
+        path = export_version(run_dir, version, out, merge=merge)
     except FileNotFoundError as e:
         typer.echo(f"parley export: {e}", err=True)
         raise typer.Exit(2) from None

@@ -72,6 +72,8 @@ def engine_settings(cfg: EngineConfig, model_path: str | Path, sampled_logprobs:
         seed=cfg.seed,
         enforce_eager=cfg.enforce_eager,
         sampled_logprobs=sampled_logprobs,
+        max_lora_rank=cfg.max_lora_rank,
+        max_loras=cfg.max_loras,
         extra=cpu_workarounds(cfg.max_model_len),
     )
 

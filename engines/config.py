@@ -26,6 +26,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
     enforce_eager: bool = True
     template_kwargs: dict[str, bool | str | int] = {}  # chat-template options, e.g. {enable_thinking = false} for Qwen3
+    # LoRA adapter versions ([learner.lora]): the highest adapter rank served (0 = no LoRA, whole weights)
+    max_lora_rank: Annotated[int, Meta(ge=0)] = 0
+    # adapters held at once: the newest and those open conversations started on (>= 2 keeps them pinned)
+    max_loras: Annotated[int, Meta(ge=1)] = 2
 
 
 class ServiceBackend(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -50,6 +50,10 @@ class EngineSettings:
     json_compact: bool = True
     # the module docstring: log-probs of the sampling distribution (True) or of the raw model (False)
     sampled_logprobs: bool = False
+    # LoRA adapter versions (weights.lora): the highest adapter rank served (0 = no LoRA) and how
+    # many adapters the engine holds at once (the newest and those open conversations started on)
+    max_lora_rank: int = 0
+    max_loras: int = 2
     # extra AsyncEngineArgs fields, for what the above does not cover
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -102,6 +106,8 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         # gpu_memory_utilization x the GPU is free (0.9 by default, which a shared GPU never has):
         # the engine asks only that a small share is free, and `parley up` plans the rest.
         kwargs["gpu_memory_utilization"] = GPU_START_CHECK
+    if settings.max_lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras)
     executor = cpu_executor(cpu_bind, settings.tensor_parallel_size) if cpu_bind is not None else None
     if executor is not None:
         kwargs["distributed_executor_backend"] = executor
@@ -183,10 +189,14 @@ class PolicyEngine:
         self.version = version
         self._llm = AsyncLLM.from_engine_args(_engine_args(settings, cpu_bind))
         self._reload_lock = asyncio.Lock()
+        self.adapters: dict[int, Any] = {}  # version -> its vLLM LoRARequest, loaded (load_adapter)
+        self._users: dict[int, int] = {}  # adapter version -> open conversations started on it (pin)
+        self.base_version = version  # the version of the base alone, no adapter (before the first one)
+        self._next_lora_id = 1
 
     # -- generation ---------------------------------------------------------------------------
 
-    async def _run(self, prompt_ids: Sequence[int], params, top_logprobs: int = 0) -> GenOut:
+    async def _run(self, prompt_ids: Sequence[int], params, top_logprobs: int = 0, version: int | None = None) -> GenOut:
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
@@ -196,7 +206,10 @@ class PolicyEngine:
             # deprecated); for token prompts this only validates them. Older vLLM lacks it.
             (prompt,) = await renderer.render_cmpl_async([prompt])
         final = None
-        async for out in self._llm.generate(prompt, params, uuid.uuid4().hex):
+        lora = self.adapters.get(self.version if version is None else version)
+        if version is not None and lora is None and version != self.base_version:
+            raise KeyError(f"adapter version {version} is not loaded (loaded: {sorted(self.adapters)})")
+        async for out in self._llm.generate(prompt, params, uuid.uuid4().hex, lora_request=lora):
             final = out
         if final is None or not final.outputs:
             return GenOut([], [], "abort", "")
@@ -239,11 +252,13 @@ class PolicyEngine:
         top_p: float = 1.0,
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        version: int | None = None,
     ) -> GenOut:
         """Sample a continuation of prompt_ids. The model's eos (from its generation config)
-        always stops; stop_token_ids adds more. A stop token is included in token_ids."""
+        always stops; stop_token_ids adds more. A stop token is included in token_ids. With adapter
+        versions loaded (load_adapter), `version` picks one (None: the newest, `self.version`)."""
         params = self._params(max_tokens, temperature, top_p, seed, stop_token_ids)
-        return await self._run(prompt_ids, params)
+        return await self._run(prompt_ids, params, version=version)
 
     async def generate_json(
         self,
@@ -327,6 +342,58 @@ class PolicyEngine:
                 raise WeightUnavailable(bad[0][1])
             if version is not None:
                 self.version = version
+
+    async def load_adapter(self, adapter_dir: str | Path, version: int) -> None:
+        """Load a LoRA adapter version (weights.lora.as_vllm_adapter's directory) beside the base, under a
+        new adapter id; it becomes the newest (`self.version`). Nothing is paused: the base and the
+        adapters loaded before keep serving."""
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"v{version}-{self._next_lora_id}", self._next_lora_id, str(adapter_dir))
+        self._next_lora_id += 1
+        if not await self._llm.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter of version {version} from {adapter_dir}")
+        old = self.adapters.pop(version, None)
+        self.adapters[version] = request
+        self.version = version
+        if old is not None:
+            await self._llm.remove_lora(old.lora_int_id)
+        for v in [v for v in self.adapters if v != version and not self._users.get(v)]:
+            await self.drop_adapter(v)  # no open conversation started on it
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether this engine serves LoRA adapter versions (EngineSettings.max_lora_rank > 0)."""
+        return self.settings.max_lora_rank > 0
+
+    def adapter_name(self, version: int) -> str:
+        """The vLLM adapter name `version` is served under ("" for the base alone)."""
+        request = self.adapters.get(version)
+        return request.lora_name if request is not None else ""
+
+    def pin(self, version: int) -> None:
+        """A conversation starts on adapter `version` (or the base): it stays loaded until every such one unpins."""
+        if version not in self.adapters and version != self.base_version:
+            raise KeyError(f"adapter version {version} is not loaded (loaded: {sorted(self.adapters)})")
+        self._users[version] = self._users.get(version, 0) + 1
+
+    async def unpin(self, version: int) -> None:
+        """A conversation started on `version` is over; an older version nobody uses is unloaded."""
+        left = self._users.get(version, 0) - 1
+        if left > 0:
+            self._users[version] = left
+            return
+        self._users.pop(version, None)
+        if version != self.version:
+            await self.drop_adapter(version)
+
+    async def drop_adapter(self, version: int) -> None:
+        """Unload an adapter version no conversation uses any more (never the newest)."""
+        if version == self.version:
+            raise ValueError(f"adapter version {version} is the newest; it stays loaded")
+        request = self.adapters.pop(version, None)
+        if request is not None:
+            await self._llm.remove_lora(request.lora_int_id)
 
     def shutdown(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None

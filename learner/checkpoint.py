@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 
 from protocol.messages import Scored
+from weights.lora import ADAPTER_CONFIG, ADAPTER_FILE
 
 STATE_FILE = "state.msgpack"
 WEIGHT_FILES = ("model.safetensors", "config.json")
@@ -395,8 +396,12 @@ def available_versions(run_dir: str | Path) -> list[int]:
     return sorted(found)
 
 
-def export_version(run_dir: str | Path, version: int, out: str | Path) -> Path:
+def export_version(run_dir: str | Path, version: int, out: str | Path, merge: bool = False) -> Path:
     """Write version `version` of a run as a standalone HF checkpoint (weights, config, tokenizer).
+
+    A LoRA run's version ([learner.lora]: its weights directory holds an adapter) is written as the
+    adapter (adapter_model.safetensors + adapter_config.json, peft's layout), or with `merge` as the
+    base with the adapter merged in (learner.lora.export_merged).
 
     Sources, first found: the kept weights directory of that version, the DeepSpeed checkpoint
     of that step (consolidated to full weights), or for version 0 the base model itself.
@@ -406,7 +411,19 @@ def export_version(run_dir: str | Path, version: int, out: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     wdir = weights_dir(run_dir, version)
     tag = step_tag(version)
-    if (wdir / WEIGHT_FILES[0]).is_file():
+    if (wdir / ADAPTER_CONFIG).is_file():
+        if merge:
+            from learner.lora import export_merged
+
+            export_merged(base, wdir, out)
+        else:
+            shutil.copyfile(wdir / WEIGHT_FILES[0], out / ADAPTER_FILE)
+            shutil.copyfile(wdir / ADAPTER_CONFIG, out / ADAPTER_CONFIG)
+            return out
+    elif merge:
+        raise FileNotFoundError(f"version {version} of {run_dir} is no LoRA adapter (no {wdir / ADAPTER_CONFIG}); "
+                                "export it without --merge")
+    elif (wdir / WEIGHT_FILES[0]).is_file():
         for name in WEIGHT_FILES:
             shutil.copyfile(wdir / name, out / name)
     elif (ckpt_dir(run_dir) / tag).is_dir():

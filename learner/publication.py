@@ -25,7 +25,7 @@ from pathlib import Path
 
 from learner import checkpoint as ckpt
 from protocol.bus import retry_unreachable
-from weights import registry
+from weights import lora, registry
 from weights.common import ServedVersions
 
 log = logging.getLogger("parley.learner")
@@ -109,14 +109,18 @@ class Weights:
     """Publishes the trainer's weights by version through `publisher`; `served` tracks the versions
     actors serve, which are never pruned. The feeder's version moves once a version is announced."""
 
-    def __init__(self, lc, settings, js, nc, run_name: str, run_dir, driver, publisher: Publisher, feeder) -> None:
-        """`settings`: the run's [weights] (weights.config), the transport every version takes."""
+    def __init__(self, lc, settings, js, nc, run_name: str, run_dir, driver, publisher: Publisher, feeder,
+                 adapter_base: str = "") -> None:
+        """`settings`: the run's [weights] (weights.config), the transport every version takes.
+        `adapter_base`: [learner.lora] on, the base's identity (weights.lora.base_identity) each adapter
+        version names; "" publishes whole weights."""
         self.lc, self.settings, self.js, self.run_name, self.run_dir, self.driver = lc, settings, js, run_name, run_dir, driver
         self.publisher, self.feeder = publisher, feeder
         self.served = ServedVersions(nc, run_name)  # what actors serve is never pruned
         # file transports: the version announced last and its directory, the base of the next delta
         self._base: tuple = ()
         self._since_full = 0  # versions announced since the last one sent full only
+        self.base = adapter_base
 
     async def publish(self, version: int, write_now: bool = False) -> bool:
         """Take `version`'s weights now, before the next step can change them, and hand their upload and
@@ -127,6 +131,13 @@ class Weights:
         unless `write_now`: then also written, write_for_eval); only the announcement is left for the
         background. False when the GPU transport had no buffer
         it may write (the version is not published)."""
+        if self.base:  # [learner.lora]: only the adapter travels
+            snap = await asyncio.to_thread(self.driver, "adapter_snapshot")
+            wdir = ckpt.weights_dir(self.run_dir, version)
+            await asyncio.to_thread(lora.write_adapter, *snap, wdir)
+            self.publisher.submit(Publication(version, lambda: self.upload_adapter(version, wdir),
+                                              discard=lambda: shutil.rmtree(wdir, ignore_errors=True)))
+            return True
         if registry.of(self.settings).gpu:
             if write_now:  # the eval's export reads the weights directory: a GPU buffer is no file
                 await self.write_for_eval(version)
@@ -170,6 +181,18 @@ class Weights:
         self._base, self._since_full = (wv, wdir), (self._since_full + 1 if wv.delta else 0)
         await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
+
+    async def upload_adapter(self, version: int, wdir: Path) -> None:
+        """In the background: upload the adapter written to `wdir`, announce it on the base, prune."""
+        wv = await retry_unreachable(
+            lambda: lora.publish_adapter(self.js, self.run_name, version, version, wdir, self.settings, base=self.base,
+                                         rank=self.lc.lora.rank, keep=self.lc.keep_versions,
+                                         protect=self.served.versions()),
+            what=f"publishing adapter version {version}",
+        )
+        await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
+        self.feeder.set_version(version)
+        log.info("published adapter version %d (%.2f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 
     async def announce_gpu(self, version: int, source) -> None:
         """A GPU transport: announce where actors get the packed buffer. Actors copy it on their own

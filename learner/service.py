@@ -21,6 +21,7 @@ import time
 import msgspec
 
 from config.run import RunConfig
+from weights import lora
 from learner import checkpoint as ckpt
 from learner import resume as start
 from learner.feeder import Feeder
@@ -75,7 +76,8 @@ class Learner:
         self.intake = Intake(self.state, self.grouper, self.feeder, ledger, limits=limits,
                              reference_service=cfg.policy.reference == "service", ack_wait_s=cfg.bus.ack_wait_s,
                              flush_s=self.lc.ledger_flush_s, started=started)
-        self.weights = Weights(self.lc, cfg.weights, js, nc, self.run_name, self.run_dir, driver, self.publisher, self.feeder)
+        self.weights = Weights(self.lc, cfg.weights, js, nc, self.run_name, self.run_dir, driver, self.publisher, self.feeder,
+                               adapter_base=lora.base_identity(model_dir) if self.lc.lora.enabled else "")
         self.fates = Fates(self.state, js, self.run_name, self.grouper, self.feeder, self.intake,
                            task_deadline_s=self.lc.task_deadline_s)
         self.backlog = Backlog(js, self.run_name)

@@ -19,6 +19,7 @@ from learner.flops import shape_of as flops_shape, train_flops
 from config.learner import LearnerConfig
 from config.policy import Reference
 from learner.logprobs import PackedPolicy, token_logprobs
+from learner.lora import add_adapters, adapter_state, base_only
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
 from learner.weights_io import WeightSnapshot, hf_tensors, hf_weights, write_weights
 from weights import registry
@@ -228,7 +229,7 @@ class Trainer:
             attention.check_packing_isolated(AutoConfig.from_pretrained(self.model_dir))
 
         self.reference = None
-        if cfg.kl_coef > 0 and reference == "local":
+        if cfg.kl_coef > 0 and reference == "local" and not cfg.lora.enabled:
             # A plain second copy of the initial weights, forward only; loaded before ZeRO-3's
             # partitioning hook (below) exists, so it stays whole. With reference = "service" the
             # samples bring their reference log-probs (computed off the training GPUs).
@@ -246,7 +247,11 @@ class Trainer:
         if cfg.zero_stage == 3:
             restore_computed_buffers(model, self.dtype)
         attention.use(model, attn)
-        self.compiled = compile_layers(model, cfg.compile, device, cfg.zero_stage)
+        # [learner.lora]: adapters in place; the frozen base (adapters off) is the local reference
+        self.peft = add_adapters(model, cfg.lora) if cfg.lora.enabled else None
+        if self.peft is not None and cfg.kl_coef > 0 and reference == "local":
+            self.reference = model
+        self.compiled = compile_layers(model, "off" if self.peft is not None else cfg.compile, device, cfg.zero_stage)
         model.config.use_cache = False
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -337,7 +342,8 @@ class Trainer:
             logp, entropy = self._policy_logprobs(batch)
             ref = None
             if self.reference is not None:
-                ref, _ = token_logprobs(self.reference, batch, cfg.logit_chunk_tokens, grad=False)
+                with base_only(self.peft):
+                    ref, _ = token_logprobs(self.reference, batch, cfg.logit_chunk_tokens, grad=False)
             elif cfg.kl_coef > 0:  # reference = "service": what the reference service computed for each token
                 ref = batch.ref
             loss, st = grpo.batch_loss(logp, batch, cfg, ref)
@@ -440,6 +446,19 @@ class Trainer:
         it in the background while the next step runs."""
         state = self.hf_state_dict()
         return WeightSnapshot(state, self.module.config.to_json_string()) if self.rank == 0 else None
+
+    def adapter_snapshot(self) -> tuple[dict, dict] | None:
+        """[learner.lora]: the adapter's tensors and config on rank 0 (learner.lora.adapter_state), None
+        on the others; under ZeRO-3 every rank takes part in gathering the adapter's parameters."""
+        import contextlib
+
+        import deepspeed
+
+        trained = [p for p in self.module.parameters() if p.requires_grad]
+        gather = (deepspeed.zero.GatheredParameters(trained, modifier_rank=None)
+                  if self.cfg.zero_stage == 3 else contextlib.nullcontext())
+        with gather:
+            return adapter_state(self.peft) if self.rank == 0 else None
 
     def save_weights(self, out_dir: str | Path) -> Path:
         """Write model.safetensors + config.json (what publish_version and vLLM's reload read)."""

@@ -125,6 +125,8 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the policy's top-p (its Sampling's): below 1 the reported log-probs are renormalized over the
     # nucleus, which the learner does not recompute, so the learner refuses such a trajectory
     top_p: float = 1.0
+    # the LoRA adapter that produced every turn ("" = whole weights): "<base identity>@<version>"
+    adapter: str = ""
 
 
 class JudgeOutput(msgspec.Struct, kw_only=True):
@@ -224,6 +226,15 @@ class WeightDelta(msgspec.Struct, kw_only=True):
     bytes: int
 
 
+class LoraAdapter(msgspec.Struct, kw_only=True):
+    """A version that is a LoRA adapter on a frozen base, not whole weights ([learner.lora]): the
+    blob (location, sha256, bytes) holds only the adapter's tensors, its peft config among the files.
+    learner -> actors, inside WeightVersion.adapter; an actor whose base is not `base` refuses it."""
+
+    base: str  # the base model's identity (weights.lora.base_identity): config and weight files
+    rank: int  # the adapter's LoRA rank; the actor's engine must allow at least this (max_lora_rank)
+
+
 class WeightVersion(msgspec.Struct, kw_only=True):
     """Announcement of new policy weights. learner -> actors (KV key "current", and history)."""
 
@@ -245,6 +256,8 @@ class WeightVersion(msgspec.Struct, kw_only=True):
     # True only on topology.WEIGHTS_EARLY_KEY: the full copy at location is still being uploaded; an
     # actor without the delta's base waits for it (weights.registry.fetch_version, bounded).
     full_pending: bool = False
+    # a LoRA adapter on the base (LoraAdapter); None: whole weights
+    adapter: LoraAdapter | None = None
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):

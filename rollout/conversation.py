@@ -71,6 +71,9 @@ class _Player:
         self.sim_fallbacks: list[int] = []
         self.timings = {"generate": 0.0, "sim": 0.0}
         self.n_calls = 0  # engine + sim calls: makes every call's seed distinct
+        # an engine serving LoRA adapter versions (engines.engine.PolicyEngine.load_adapter): the version
+        # the conversation started on, which all its turns use (None until the first turn)
+        self.pinned: int | None = None
 
     @property
     def awaiting_assistant(self) -> bool:
@@ -82,13 +85,19 @@ class _Player:
         if room < 1:
             return False
         max_tokens = min(self.task.max_tokens, room)
-        version = self.version_fn()
+        version = self.version_fn() if self.pinned is None else self.pinned
+        pin = {}
+        if getattr(self.engine, "serves_adapters", False):  # adapter versions: every turn on the version it started on
+            if self.pinned is None:
+                self.engine.pin(version)
+                self.pinned = version
+            pin = {"version": version}
         self.n_calls += 1
         t0 = time.perf_counter()
         out = await self.engine.generate(
             self.chat.prompt_ids, max_tokens=max_tokens, temperature=self.policy.sampling.temperature,
             top_p=self.policy.sampling.top_p, seed=derive_seed(self.seed, "policy", self.n_calls),
-            stop_token_ids=self.chat.end_token_ids,
+            stop_token_ids=self.chat.end_token_ids, **pin,
         )
         self.timings["generate"] += time.perf_counter() - t0
         if out.finish_reason == "abort":
@@ -200,6 +209,14 @@ async def run_conversation(
     ]
     chat = ChatTokens(tokenizer, opening, template_kwargs=dict(policy.template_kwargs))
     p = _Player(engine, sim_client, task, policy, version_fn, chat, seed)
+    try:
+        return await _run(p, task, sample, policy, t0, seed)
+    finally:
+        if p.pinned is not None:  # the conversation is over: its adapter may go (PolicyEngine.unpin)
+            await engine.unpin(p.pinned)
+
+
+async def _run(p: _Player, task: Task, sample: int, policy: PolicySettings, t0: float, seed: int) -> Trajectory:
     futures: list[FutureRollout] = []
 
     if task.mode == "conversation":
@@ -249,6 +266,7 @@ async def run_conversation(
         top_p=policy.sampling.top_p,
         timings={**{k: round(v, 4) for k, v in p.timings.items()}, "total": round(time.perf_counter() - t0, 4)},
         created=time.time(),
+        adapter=p.engine.adapter_name(p.pinned) if p.pinned is not None else "",
     )
     return traj
 
@@ -260,5 +278,6 @@ def _messages(chat: ChatTokens) -> list[ChatMessage]:
 async def _future(p: _Player, k: int) -> _Player:
     """Continuation k after the trained turn: future_turns messages, the simulator first."""
     f = _Player(p.engine, p.sim, p.task, p.policy, p.version_fn, p.chat.fork(), derive_seed(p.seed, "future", k))
+    f.pinned = p.pinned  # the branch plays on the conversation's version (its pin is the conversation's)
     await _play(f, p.task.future_turns, trained=False)
     return f

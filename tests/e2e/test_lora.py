@@ -1,0 +1,194 @@
+"""LoRA adapter versions end to end ([learner.lora], weights.lora): the learner trains one step
+with an adapter on the toy model, publishes only the adapter through the run's object store (real
+nats-server), an actor's follower fetches it and loads it into a real vLLM engine beside the base,
+and the log-probs vLLM reports for the adapter's samples are the learner's with the adapter
+(test_logprob_agreement's tolerance). An adapter for another base is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.test_logprob_agreement import TOL
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+RUN = "loratest"
+RANK = 8
+
+
+def _learner_logprobs(trainer, ids: list[int], start: int, base: bool = False) -> torch.Tensor:
+    """The trainer's log-probs of ids[start:] given their prefix (temperature 1), with the adapter or without."""
+    from learner.logprobs import token_logprobs
+    from learner.lora import base_only
+    from learner.packing import Sample, build_batch
+
+    n = len(ids)
+    sample = Sample("fixed", ids, [0] * start + [1] * (n - start), [0.0] * n, 0.0)
+    with base_only(trainer.peft) if base else torch.no_grad():
+        lp, _ = token_logprobs(trainer.module, build_batch([sample]), grad=False)
+    return lp.double()
+
+
+async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tiny_model, js, tmp_path):
+    from actors.follow import WeightFollower
+    from config.learner import LearnerConfig, LoraSettings
+    from engines.engine import EngineSettings, PolicyEngine
+    from learner.packing import Sample
+    from learner.trainer import Trainer
+    from protocol import topology
+    from weights import lora
+    from weights.config import ObjstoreWeights
+
+    await topology.ensure_topology(js, RUN)
+    cfg = LearnerConfig(zero_stage=2, lr=2e-2, kl_coef=0.01, micro_batch_tokens=256,
+                        lora=LoraSettings(enabled=True, rank=RANK, alpha=16.0))
+    trainer = Trainer(cfg, tiny_model)
+    assert trainer.reference is trainer.module  # the frozen base with adapters off: no second copy
+    frozen = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if not p.requires_grad}
+    trained = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+
+    engine = PolicyEngine(EngineSettings(model=str(tiny_model), max_model_len=512, kv_cache_bytes=64 << 20,
+                                         sampled_logprobs=True, max_lora_rank=RANK, max_loras=2))
+    try:
+        # one GRPO step on samples of the base (vLLM, version 0), rewards favouring the longer replies
+        prompt = list(range(10, 22))
+        outs = [await engine.generate(prompt, max_tokens=12, seed=s) for s in range(4)]
+        samples = [Sample(f"s{i}", prompt + o.token_ids, [0] * len(prompt) + [1] * len(o.token_ids),
+                          [0.0] * len(prompt) + o.logprobs, adv)
+                   for i, (o, adv) in enumerate(zip(outs, [1.0, -1.0, 0.5, -0.5]))]
+        stats = trainer.train_step(samples)
+        assert stats["kl_mean"] == pytest.approx(0.0, abs=1e-6)  # the reference is the base the samples came from
+        for n, p in trainer.module.named_parameters():
+            if n in frozen:
+                assert torch.equal(p.detach(), frozen[n]), f"{n} is frozen but changed"
+        assert any(not torch.equal(trainer.module.get_parameter(n).detach(), t) for n, t in trained.items())
+
+        state, conf = trainer.adapter_snapshot()
+        adir = lora.write_adapter(state, conf, tmp_path / "learner" / "v000001")
+        base = lora.base_identity(tiny_model)
+        wv = await lora.publish_adapter(js, RUN, 1, 1, adir, ObjstoreWeights(), base=base, rank=RANK)
+        assert wv.adapter.base == base and wv.bytes < 1 << 20  # only the adapter travelled
+
+        follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", base_dir=tiny_model)
+        assert await follower.check(), follower.refused
+        assert engine.version == 1 and set(engine.adapters) == {1}
+
+        out = await engine.generate(prompt, max_tokens=16, seed=7)  # on the adapter, the newest version
+        ids = prompt + out.token_ids
+        ours = _learner_logprobs(trainer, ids, len(prompt))
+        theirs = torch.tensor(out.logprobs, dtype=torch.float64)
+        diff = (ours - theirs).abs().max().item()
+        moved = (ours - _learner_logprobs(trainer, ids, len(prompt), base=True)).abs().max().item()
+        print(f"adapter: learner vs vLLM max {diff:.2e} over {len(out.token_ids)} tokens; adapter vs base {moved:.2e}")
+        assert moved > 100 * TOL  # the adapter changed the model, so agreeing means serving it
+        assert diff < TOL
+
+        # an adapter for another base is refused with the reason; the engine keeps serving version 1
+        await lora.publish_adapter(js, RUN, 2, 2, adir, ObjstoreWeights(), base="0" * 32, rank=RANK)
+        assert not await follower.check()
+        assert "base" in follower.refused[2] and engine.version == 1
+    finally:
+        engine.shutdown()
+        trainer.close()
+
+
+def _random_adapter(model_dir, out, seed: int):
+    """A LoRA adapter of random weights on the toy model (peft), written as a version directory."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from config.learner import LoraSettings
+    from learner.lora import adapter_state
+    from weights import lora
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    s = LoraSettings(enabled=True, rank=RANK)
+    peft = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=s.alpha, target_modules=s.target_modules,
+                                            init_lora_weights=False))
+    return lora.write_adapter(*adapter_state(peft), out)
+
+
+async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_model, js, tmp_path):
+    """A conversation that started on adapter version 1 plays every turn on 1 while the actor loads
+    version 2 in the middle of it; version 1 stays loaded until that conversation ends, then goes; a
+    conversation started after plays on 2. The user is hidden_goal's own (environments.base.LocalUser)."""
+    from transformers import AutoTokenizer
+
+    from actors.follow import WeightFollower
+    from config.run import load_config
+    from engines.engine import EngineSettings, PolicyEngine
+    from environments.base import LocalUser
+    from environments.hidden_goal import Goal
+    from protocol import topology
+    from rollout.conversation import PolicySettings, run_conversation
+    from weights import lora
+    from weights.config import ObjstoreWeights
+
+    await topology.ensure_topology(js, RUN)
+    base = lora.base_identity(tiny_model)
+    adapters = {v: _random_adapter(tiny_model, tmp_path / "learner" / f"v{v}", seed=v) for v in (1, 2)}
+    cfg = load_config(None, ["env.name=hidden_goal", "rollout.max_new_turns=8", "rollout.max_tokens=24"])
+    env = cfg.env.load()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    goal = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
+    engine = PolicyEngine(EngineSettings(model=str(tiny_model), max_model_len=1024, kv_cache_bytes=64 << 20,
+                                         sampled_logprobs=True, max_lora_rank=RANK, max_loras=2))
+    try:
+        follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", base_dir=tiny_model)
+        await lora.publish_adapter(js, RUN, 1, 1, adapters[1], ObjstoreWeights(), base=base, rank=RANK)
+        assert await follower.check() and engine.version == 1
+        during: list[set[int]] = []
+
+        class NextVersionMidway:
+            """hidden_goal's user, except that before its second answer the learner publishes version 2
+            and the actor loads it (the conversation is open, one assistant turn played on version 1)."""
+
+            def __init__(self):
+                self.user, self.asked = LocalUser(env.user), 0
+
+            async def ask(self, req):
+                self.asked += 1
+                if self.asked == 2:
+                    await lora.publish_adapter(js, RUN, 2, 2, adapters[2], ObjstoreWeights(), base=base, rank=RANK)
+                    assert await follower.check(), follower.refused
+                    during.append(set(engine.adapters))
+                return await self.user.ask(req)
+
+        policy = PolicySettings(max_model_len=1024)
+        task = env.tasks.task(goal, run=RUN, task_id=f"{RUN}-g0", n=2, rollout=cfg.rollout, seed=1, version=1)
+        first = await run_conversation(engine, NextVersionMidway(), task, 0, lambda: engine.version, tokenizer=tok,
+                                       policy=policy)
+        assert during == [{1, 2}]  # version 2 loaded beside 1 while the conversation was open
+        assert len(first.turns) >= 3 and {t.version for t in first.turns} == {1}
+        assert first.adapter.startswith("v1-")
+        assert set(engine.adapters) == {2}  # no open conversation uses version 1 any more: unloaded
+
+        task2 = env.tasks.task(goal, run=RUN, task_id=f"{RUN}-g1", n=2, rollout=cfg.rollout, seed=2, version=2)
+        second = await run_conversation(engine, LocalUser(env.user), task2, 0, lambda: engine.version, tokenizer=tok,
+                                        policy=policy)
+        assert second.turns and {t.version for t in second.turns} == {2} and second.adapter.startswith("v2-")
+    finally:
+        engine.shutdown()
+
+
+def test_merged_export_computes_what_base_plus_adapter_computes(tiny_model, tmp_path):
+    """export_merged (`parley export --merge`): a plain HF checkpoint whose logits are the base's with the adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from learner.lora import export_merged
+    from weights import lora
+
+    adir = _random_adapter(tiny_model, tmp_path / "v1", seed=3)
+    export_merged(tiny_model, adir, tmp_path / "merged")
+    ids = torch.tensor([list(range(5, 25))])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        plain = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, str(lora.as_vllm_adapter(adir)))(ids).logits
+    assert (adapted - plain).abs().max() > 1e-2  # the adapter matters
+    torch.testing.assert_close(merged, adapted, atol=1e-4, rtol=0)

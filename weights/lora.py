@@ -1,0 +1,98 @@
+"""LoRA adapter versions ([learner.lora]): what a version holds when it is an adapter on a frozen
+base, the base's identity, and how an adapter travels. The adapter goes through the file transports
+(objstore, shared_dir) like whole weights, its tensors as the version's blob and its peft config
+(adapter_config.json) among the extra files; the announcement carries protocol.messages.LoraAdapter.
+The learner publishes with publish_adapter; the actor fetches with weights.registry.fetch_version,
+checks the base (adapter_problem) and hands the directory from as_vllm_adapter to its engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from protocol.messages import LoraAdapter, WeightVersion
+from weights.common import MODEL_FILE, announce, fresh_prefix
+
+ADAPTER_CONFIG = "adapter_config.json"  # peft's config of the adapter: rank, alpha, target modules
+ADAPTER_FILE = "adapter_model.safetensors"  # the name vLLM's LoRA loader reads the tensors from
+_HEAD_BYTES = 1 << 20  # of each weight file: its safetensors header and the first tensors' bytes
+
+
+def base_identity(model_dir: str | Path) -> str:
+    """The identity of a base model directory, the same wherever the files lie: sha256 over its
+    config.json (parsed, keys sorted) and, per *.safetensors file by name, its size and its first MiB
+    (the header naming every tensor, then the first tensors' bytes). Cheap at any model size (no full
+    read), and two bases that differ in architecture, layout or weights differ here."""
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    h.update(json.dumps(json.loads((d / "config.json").read_text()), sort_keys=True).encode())
+    for f in sorted(d.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}:".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(_HEAD_BYTES))
+    return h.hexdigest()[:32]
+
+
+def adapter_problem(wv: WeightVersion, base: str, max_rank: int) -> str | None:
+    """Why this actor cannot serve the adapter version `wv` (None if it can): another base, or a rank
+    above its engine's max_lora_rank."""
+    a = wv.adapter
+    if a.base != base:
+        return (f"the adapter is for base {a.base!r}, this actor serves base {base!r}: start the actor on the "
+                "learner's [policy] model")
+    if not 1 <= a.rank <= max_rank:
+        return f"adapter rank {a.rank} is outside 1..{max_rank} (the engine's max_lora_rank); raise [actor] max_lora_rank"
+    return None
+
+
+def as_vllm_adapter(version_dir: str | Path) -> Path:
+    """The fetched version directory as vLLM's LoRA loader reads it: the verified blob also under
+    ADAPTER_FILE (a hard link, no copy)."""
+    d = Path(version_dir)
+    target = d / ADAPTER_FILE
+    if not target.exists():
+        os.link(d / MODEL_FILE, target)
+    if not (d / ADAPTER_CONFIG).is_file():
+        raise FileNotFoundError(f"{d / ADAPTER_CONFIG} is missing: an adapter version carries its peft config")
+    return d
+
+
+def write_adapter(state: dict, adapter_config: dict, out_dir: str | Path) -> Path:
+    """The adapter's tensors (peft names) as MODEL_FILE and its config as ADAPTER_CONFIG in out_dir:
+    what publish_adapter uploads."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{MODEL_FILE}.tmp"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / MODEL_FILE)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=1, sort_keys=True, default=list))
+    return out
+
+
+async def publish_adapter(js, run: str, version: int, step: int, adapter_dir: str | Path, settings, *, base: str,
+                          rank: int, keep: int = 3, protect=frozenset()) -> WeightVersion:
+    """Upload `adapter_dir` (write_adapter's) by the file transport `settings` selects, announce it
+    as an adapter on `base` (the same key and compare-and-set as whole weights), prune old versions."""
+    from weights import registry
+
+    transport = registry.of(settings)
+    if transport.gpu:
+        raise ValueError(f"[weights] kind={transport.kind!r} moves whole weights in GPU memory; a LoRA adapter "
+                         "travels by a file transport: use kind objstore or shared_dir")
+    d = Path(adapter_dir)
+    if not (d / MODEL_FILE).is_file() or not (d / ADAPTER_CONFIG).is_file():
+        raise FileNotFoundError(f"{d} lacks {MODEL_FILE} or {ADAPTER_CONFIG}; write it with write_adapter first")
+    extras = sorted(p.name for p in d.iterdir() if p.is_file() and p.name != MODEL_FILE)
+    location, sha, size, files = await transport.upload(js, run, fresh_prefix(version), d, extras, settings)
+    wv = WeightVersion(version=version, step=step, transport=transport.kind, location=location, sha256=sha,
+                       bytes=size, created=time.time(), run=run, files=files,
+                       adapter=LoraAdapter(base=base, rank=rank))
+    await announce(js, run, wv)
+    await transport.prune(js, run, settings, keep, current=version, protect=set(protect))
+    return wv
