@@ -3,7 +3,7 @@ step with [learner.lora] to an actor's vLLM engine serving the new adapter (snap
 through the object store of a real nats-server, announce, fetch + verify, vLLM add_lora, one generated
 token on it). Prints JSON. Goal: <= 1 s on CPU (SmolLM2), <= 0.05 s on an H200 (4B shape).
 
-  python bench/lora.py --model tiny                      # the toy model, CPU
+  python bench/lora.py --model tiny --out bench/results/lora_cpu_tiny.json   # the toy model, CPU
   python bench/lora.py --model /path/to/SmolLM2 --device cpu
   python bench/lora.py --model qwen3-4b --device cuda    # bench.common.random_qwen3("4b")
 """
@@ -100,5 +100,9 @@ if __name__ == "__main__":
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--versions", type=int, default=4)
+    p.add_argument("--out", type=Path, help="also write the JSON here (vLLM logs to stdout as well)")
     args = p.parse_args()
-    print(json.dumps(asyncio.run(main(args)), indent=1))
+    result = json.dumps(asyncio.run(main(args)), indent=1)
+    print(result)
+    if args.out:
+        args.out.write_text(result + "\n")
