@@ -49,7 +49,10 @@ RUN = "chaos"
 SEED = int(os.environ.get("PARLEY_FAULTS_SEED", "8"))
 ACK_WAIT_S = 8.0
 SCHEDULE = Schedule(ack_wait_s=ACK_WAIT_S)
-STEPS = 8  # learner.steps: the learner stops with exit 0 after its 8th step
+# learner.steps: the learner stops with exit 0 after its last step. Enough steps that it is still
+# training through the whole schedule (kills of every role, the learner's included, and the judge
+# outage with trajectories arriving): on an idle machine 8 steps were over 50 s into it (2026-12-02).
+STEPS = 40
 ACTOR_MAX_MODEL_LEN = 1024
 # A conversation waits this long for an unreachable simulator before its task is given up: the
 # 300 s outage plus up to ~4 minutes for the restarted simulator's engine to load on this loaded
@@ -162,7 +165,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
                          "every role to be ready after the chaos", 600, cluster, t0)
         phases["all ready"] = round(time.time() - t0, 1)
         cluster.note(t0, "chaos over; all roles ready")
-        await wait_until(lambda: learner.finished, f"the learner to stop at its last step ({STEPS})", 600, cluster, t0)
+        await wait_until(lambda: learner.finished, f"the learner to stop at its last step ({STEPS})", 1200, cluster, t0)
         phases["learner at its last step"] = round(time.time() - t0, 1)
         cluster.note(t0, "the learner exited 0 after its last step; draining the actors and the scorer")
 

@@ -56,6 +56,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.integration, pyt
 RUN = "f28"
 ACK_WAIT_S = 8.0
 STEPS = 3
+RESTART_STEPS = 12  # the restart fault: two restart cycles of ~45 s each must find tasks in play
 TASK_DEADLINE_S = 7200.0  # the default, named: the books check no slot is held past it
 
 
@@ -163,7 +164,8 @@ class Run:
     async def finish(self, expect_dead: int = 0) -> tuple:
         """The learner to its last step, the rest drained and stopped, the books settled and checked."""
         c, learner = self.cluster, self.cluster.roles["learner"]
-        await self.wait(lambda: learner.finished, f"the learner to stop at its last step ({STEPS})", 900)
+        steps = self.cfg.learner.steps
+        await self.wait(lambda: learner.finished, f"the learner to stop at its last step ({steps})", 900)
         self.stats["learner_done_s"] = round(time.time() - self.t0, 1)
 
         async def drained() -> bool:
@@ -218,7 +220,7 @@ class Run:
         assert sum(ledger.fates.values()) == ledger.tasks and set(ledger.fates) <= {"trained", "dropped", "dead", "waiting"}
         assert all(ledger.reasons.get(t) for t, kind in state.done.items() if kind != "trained"), ledger.reasons
         assert learner.finished and learner.proc.returncode == 0, learner.crashes
-        assert state.step == STEPS and ledger.steps == STEPS and ledger.trained > 0, (state.step, ledger.steps)
+        assert state.step == steps and ledger.steps == steps and ledger.trained > 0, (state.step, ledger.steps)
         assert len(letters) == expect_dead, [dl.reason if dl else None for _, dl in letters][:10]
         assert not any(crashes.values()), f"roles exited on their own: {crashes}"
         return ledger, state, letters
@@ -254,8 +256,9 @@ def actor_holding(r: Run) -> float:
 async def test_nats_server_restarts_while_the_actor_holds_tasks(small_run):
     """Twice, while the actor holds tasks, nats-server is SIGKILLed and kept down 2.5 x ack_wait_s;
     with max_deliver = 2 a counted copy would dead-letter the task at the second restart, a handled
-    one would play it twice."""
-    r = small_run({"bus.max_deliver": "2"})
+    one would play it twice. Steps enough that tasks are still in play at the second restart: on an
+    idle machine the 3 steps of the other faults were over by the end of the first one (2026-12-02)."""
+    r = small_run({"bus.max_deliver": "2", "learner.steps": str(RESTART_STEPS)})
     try:
         await r.start()
         restarts = []
