@@ -230,7 +230,7 @@ async def test_large_messages_are_fetched_within_the_byte_budget_and_the_consume
         server.stop()
 
 
-async def test_a_task_held_through_a_server_restart_is_handled_once_and_spends_no_delivery(tmp_path):
+async def test_a_task_held_through_a_server_restart_is_handled_once_and_spends_no_delivery(nats_server):
     """A handler keeps its message alive (in_progress) while nats-server is down longer than ack_wait
     and comes back on the same store: the server delivers the message again at once (in_progress is
     not persisted: measured, also with an in_progress sent right after the reconnect). The worker that
@@ -238,11 +238,9 @@ async def test_a_task_held_through_a_server_restart_is_handled_once_and_spends_n
     not count against max_deliver (at max_deliver=1 it was dead-lettered while being worked on)."""
     import contextlib
 
-    from deploy.natsserver import NatsServer
     from protocol.bus import keep_alive
 
-    server = NatsServer(tmp_path / "nats", port=0)
-    server.start()
+    server = nats_server  # killed and restarted on its store below; the fixture stops it
     nc = await connect(server.url, name="holder")
     try:
         js = nc.jetstream()
@@ -279,10 +277,9 @@ async def test_a_task_held_through_a_server_restart_is_handled_once_and_spends_n
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), timeout=5)
-        server.stop()
 
 
-async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_through_two_restarts(tmp_path):
+async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_through_two_restarts(nats_server):
     """The actor's case (tests/faults/test_faults28.py, the nats-server restart): while nats-server is
     down longer than ack_wait, handlers finish their work and store it (the publish waits for the
     server) and ack right after it is back. The restarted server delivers those messages again
@@ -292,11 +289,9 @@ async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_thr
     against max_deliver (= 2: a second restart's copy was dead-lettered, `delivered 3 times`)."""
     import contextlib
 
-    from deploy.natsserver import NatsServer
     from protocol.bus import keep_alive
 
-    server = NatsServer(tmp_path / "nats", port=0)
-    server.start()
+    server = nats_server  # killed and restarted on its store below; the fixture stops it
     nc = await connect(server.url, name="actor-like")
     try:
         js = nc.jetstream()
@@ -349,4 +344,3 @@ async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_thr
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), timeout=5)
-        server.stop()
