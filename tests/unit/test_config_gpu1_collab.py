@@ -1,6 +1,6 @@
 """deploy/configs/gpu-1-collab.toml, issue 31's CollabLLM-medium run on one GPU: it is the run the card's
-table needs (at least 50 steps, the embedded default's scoring, an eval every 10 versions on at least 24
-held-out items) and it keeps on disk every version bench/collab_gpu.sh phase 2 evaluates: 0, the
+table needs (at least 50 steps, the embedded default's scoring, an eval every 10 versions asking for
+24 held-out items) and it keeps on disk every version bench/collab_gpu.sh phase 2 evaluates: 0, the
 versions at 25/50/75/100 % of the run and any version the periodic eval can select."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ def test_the_collab_run_has_the_issues_shape_and_the_embedded_default_scoring():
     cfg = load_config(CONFIG)
     lc = cfg.learner
     assert cfg.env.name == "collabllm_medium"
+    # eval_items asks for 24; the bundled medium data (24 items, eval_fraction 0.2) holds only 5 on
+    # its held-out side, so the run evaluates 5 (issue 31 stays open for a larger bundled set)
     assert lc.steps >= 50 and lc.eval_every == 10 and lc.eval_items >= 24
     assert (cfg.scorer.extract, cfg.scorer.bleu_variant, cfg.scorer.interactivity) == (
         "last_document", "char", "rubric_expected")
