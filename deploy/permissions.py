@@ -30,6 +30,12 @@ def _kv_stream(run: str) -> str:
     return KV_STREAM_TEMPLATE.format(bucket=topology.kv_bucket(run))
 
 
+def _held_stream(run: str) -> str:
+    from nats.js.client import KV_STREAM_TEMPLATE
+
+    return KV_STREAM_TEMPLATE.format(bucket=topology.held_bucket(run))
+
+
 def _obj_stream(run: str) -> str:
     from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
@@ -44,7 +50,8 @@ def _verify_topology(run: str) -> list[str]:
         subjects.append(f"{API}.STREAM.INFO.{stream}")
         if channel.durable:
             subjects.append(f"{API}.CONSUMER.INFO.{stream}.{channel.durable}")
-    subjects += [f"{API}.STREAM.INFO.{_kv_stream(run)}", f"{API}.STREAM.INFO.{_obj_stream(run)}"]
+    subjects += [f"{API}.STREAM.INFO.{_kv_stream(run)}", f"{API}.STREAM.INFO.{_held_stream(run)}",
+                 f"{API}.STREAM.INFO.{_obj_stream(run)}"]
     return subjects
 
 
@@ -86,7 +93,8 @@ def _write_weights(run: str) -> list[str]:
 def _own_topology(run: str) -> list[str]:
     """Create and update the run's streams, their durable consumers, the KV bucket and the object store."""
     subjects = []
-    streams = [topology.stream_name(run, key) for key in topology.CHANNELS] + [_kv_stream(run), _obj_stream(run)]
+    streams = [topology.stream_name(run, key) for key in topology.CHANNELS]
+    streams += [_kv_stream(run), _held_stream(run), _obj_stream(run)]
     for stream in streams:
         subjects += [f"{API}.STREAM.CREATE.{stream}", f"{API}.STREAM.UPDATE.{stream}"]
     for key, channel in topology.CHANNELS.items():
@@ -114,12 +122,18 @@ def own_inbox(user: str) -> str:
 DEAD_LETTERERS = ("actor", "scorer", "learner")
 
 
+def _count_held(run: str) -> list[str]:
+    """Read and write the held KV: the copies of a message a consumer absorbed while it held it
+    (protocol.bus.PullWorker), which its successor does not count against max_deliver."""
+    return [f"$KV.{topology.held_bucket(run)}.>", *_read_stream(_held_stream(run))]
+
+
 def _everyone(run: str, role: str, user: str) -> tuple[list[str], list[str]]:
     """Every role verifies the topology, sends its own heartbeats and reads everyone's; the consuming
-    roles also dead-letter."""
+    roles also dead-letter and count the copies they absorb."""
     publish = [
         *_verify_topology(run),
-        *([topology.subject(run, "dead")] if role in DEAD_LETTERERS else []),
+        *([topology.subject(run, "dead"), *_count_held(run)] if role in DEAD_LETTERERS else []),
         topology.status_subject(run, role, "*"),
     ]
     subscribe = [own_inbox(user), topology.status_subject(run, "*", "*")]

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
-from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
+from nats.js.errors import APIError, KeyWrongLastSequenceError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from protocol import codec, topology
 from protocol.messages import DeadLetter
@@ -207,8 +207,13 @@ class PullWorker:
         # held: after a nats-server restart longer than ack_wait the server delivers every held message
         # again however often it was kept alive (its in_progress is not persisted), and that copy is
         # neither handled twice nor counted against max_deliver (tests/integration/test_bus.py).
+        # The counts are also kept in the run's held KV (topology.held_bucket), so that the worker that
+        # gets a message after its holder died (an actor killed while it waited out the outage) does
+        # not count the copies the holder absorbed either (test_bus.py).
         self._held: set[int] = set()
         self._absorbed: Counter[int] = Counter()
+        self._held_kv = None  # bound on first use
+        self._inherited: set[int] = set()  # held messages whose count another worker left in the KV
         # Messages this worker acked or termed (by stream sequence and Msg-Id), the latest SETTLED_KEPT:
         # a copy the restarted server delivers after its handler was done (the ack, or the delivery,
         # lost with the server) is settled again the same way, not handled twice (test_bus.py).
@@ -304,6 +309,7 @@ class PullWorker:
             self.stats["absorbed"] += 1
             self._slots.release()
             self._freed.set()
+            await self._count_absorbed(seq)
             return
         self._held.add(seq)
         try:
@@ -317,28 +323,31 @@ class PullWorker:
         self.stats["delivered"] += 1
         meta = m.metadata
         ident = f"{meta.stream}:{meta.sequence.stream}"
-        delivered = meta.num_delivered - self._absorbed[meta.sequence.stream]  # absorbed copies cost nothing
+        seq = meta.sequence.stream
+        delivered = meta.num_delivered - self._absorbed[seq]  # absorbed copies cost nothing
         try:
             obj = codec.decode(self.key, m.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             await self._dead(m, f"decode error: {e}", "undecodable")
             return
+        if delivered > self.bus.max_deliver:  # over the limit here: a holder before us may have absorbed copies
+            delivered = meta.num_delivered - max(self._absorbed[seq], await self._absorbed_elsewhere(seq))
         if delivered > self.bus.max_deliver:
             reason = self._last_error.get(ident, "no error recorded in this process")
             # Forgotten only once stored: a dead letter retried after a failed publish keeps the reason.
             if await self._dead(m, f"delivered {delivered} times (max_deliver={self.bus.max_deliver}); "
                                    f"last error: {reason}", "max_deliver"):
                 self._last_error.pop(ident, None)
-                self._absorbed.pop(meta.sequence.stream, None)
+                self._forget_absorbed(seq)
             return
         try:
             await self.handler(obj, Delivery(m, self._record_settled))
             self.stats["handled"] += 1
             self._last_error.pop(ident, None)
-            self._absorbed.pop(meta.sequence.stream, None)
+            self._forget_absorbed(seq)
         except Poison as e:
             if await self._dead(m, str(e)):
-                self._absorbed.pop(meta.sequence.stream, None)
+                self._forget_absorbed(seq)
         except asyncio.CancelledError:
             raise
         except Retry as e:
@@ -353,6 +362,57 @@ class PullWorker:
             log.exception("%s: handler failed on %s; nak", self.name, ident)
             with contextlib.suppress(Exception):
                 await m.nak(delay=min(2.0 * meta.num_delivered, 30.0))
+
+    async def _held_store(self):
+        if self._held_kv is None:
+            self._held_kv = await self.js.key_value(topology.held_bucket(self.run))
+        return self._held_kv
+
+    async def _count_absorbed(self, seq: int) -> None:
+        """Add one absorbed copy of `seq` to the held KV (a compare-and-set increment). Not stored (the
+        server is away again): a successor counts that copy against max_deliver, as before the KV."""
+        key = topology.held_key(self.key, seq)
+        try:
+            kv = await self._held_store()
+            for _ in range(5):
+                try:
+                    entry = await kv.get(key)
+                except NotFoundError:
+                    with contextlib.suppress(KeyWrongLastSequenceError, APIError):
+                        await kv.create(key, b"1")
+                        return
+                    continue
+                try:
+                    await kv.update(key, str(int(entry.value or b"0") + 1).encode(), last=entry.revision)
+                    return
+                except (KeyWrongLastSequenceError, APIError):
+                    continue
+        except Exception as e:  # noqa: BLE001 - the count is a courtesy to a successor, never a failure here
+            log.warning("%s: could not record an absorbed copy of %s (%s: %s)", self.name, key, type(e).__name__, e)
+
+    async def _absorbed_elsewhere(self, seq: int) -> int:
+        """The absorbed copies of `seq` in the held KV (this worker's and its predecessors'); 0 if unknown."""
+        try:
+            entry = await (await self._held_store()).get(topology.held_key(self.key, seq))
+        except NotFoundError:
+            return 0
+        except Exception as e:  # noqa: BLE001 - unreadable: the server's count stands
+            log.warning("%s: could not read absorbed copies of %s:%d (%s: %s)", self.name, self.key, seq, type(e).__name__, e)
+            return 0
+        self._inherited.add(seq)
+        return int(entry.value or b"0")
+
+    def _forget_absorbed(self, seq: int) -> None:
+        """`seq` is settled: drop its absorbed count here, and in the KV if one was stored."""
+        if self._absorbed.pop(seq, 0) or seq in self._inherited:
+            self._inherited.discard(seq)
+            t = asyncio.create_task(self._purge_absorbed(seq))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _purge_absorbed(self, seq: int) -> None:
+        with contextlib.suppress(Exception):  # left behind, it expires with the bucket's ttl
+            await (await self._held_store()).purge(topology.held_key(self.key, seq))
 
     async def _dead(self, m, reason: str, cause: str = "poison") -> bool:
         """Dead-letter `m` and term it; False (and `m` nak'ed to come back) if the dead letter was not stored."""

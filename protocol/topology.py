@@ -125,6 +125,17 @@ def object_bucket(run: str) -> str:
     return f"parley_{check_run(run)}_blobs"
 
 
+def held_bucket(run: str) -> str:
+    """KV of the copies a consumer absorbed while it held a message (protocol.bus.PullWorker), keyed
+    by held_key: a worker that gets the message after the holder died subtracts them from the server's
+    delivery count, as the holder would have."""
+    return f"parley_{check_run(run)}_held"
+
+
+def held_key(key: str, stream_seq: int) -> str:
+    return f"{key}.{stream_seq}"
+
+
 def stream_config(run: str, key: str, bus: BusSettings) -> api.StreamConfig:
     return api.StreamConfig(
         name=stream_name(run, key),
@@ -181,7 +192,7 @@ async def _manage(what: str, call):
 
 
 async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, create: bool = True) -> None:
-    """Create or update every stream, durable consumer, the weights KV and the blob store of a run.
+    """Create or update every stream, durable consumer, the weights and held KVs and the blob store of a run.
 
     What already exists with the wanted settings is only looked at (INFO requests). create=False
     only checks that everything exists and raises TopologyError naming what is missing.
@@ -221,6 +232,19 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
             f"creating KV bucket {kv_name}",
             js.create_key_value(
                 api.KeyValueConfig(bucket=kv_name, history=16, replicas=bus.replicas, storage=api.StorageType.FILE)
+            ),
+        )
+    held_name = held_bucket(run)
+    try:
+        await _manage(f"looking up KV bucket {held_name}", js.key_value(held_name))
+    except BucketNotFoundError:
+        if not create:
+            raise TopologyError(f"KV bucket {held_name} does not exist; start the learner first") from None
+        await _manage(
+            f"creating KV bucket {held_name}",
+            js.create_key_value(  # a count matters while its message is unsettled; kept as long as messages
+                api.KeyValueConfig(bucket=held_name, history=1, ttl=bus.max_age_s, replicas=bus.replicas,
+                                   storage=api.StorageType.FILE)
             ),
         )
     ob_name = object_bucket(run)

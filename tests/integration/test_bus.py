@@ -344,3 +344,62 @@ async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_thr
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), timeout=5)
+
+
+async def test_copies_a_dead_holder_absorbed_do_not_count_against_the_worker_after_it(js):
+    """The chaos run's case (docs/reliability.md, make faults of 2026-12-02): an actor held a task
+    while copies of it came back (there: five nats-server restarts during a simulator outage; here:
+    ack_wait passing with no keep-alive) and absorbed them, then was killed. The server's delivery
+    count includes those copies, so the next actor saw `delivered 6 times (max_deliver=5); last error:
+    no error recorded in this process` and dead-lettered a task that never failed. The holder keeps
+    its absorbed count in the run's held KV, and its successor subtracts it: the task is handled."""
+    bus = topology.BusSettings(ack_wait_s=1.0, max_deliver=3)
+    await topology.ensure_topology(js, RUN, bus)
+    await publish(js, RUN, "tasks", examples.task(RUN, task_id="held-long"))
+    kv = await js.key_value(topology.held_bucket(RUN))
+
+    async def stored() -> int:
+        try:
+            return int((await kv.get(topology.held_key("tasks", 1))).value)
+        except Exception:  # noqa: BLE001 - none stored yet
+            return 0
+
+    async def holder(task, msg):
+        await asyncio.sleep(3600)  # the work outlasts the process, which is killed below
+
+    stop_a = asyncio.Event()
+    a = PullWorker(js, RUN, "tasks", holder, bus=bus, name="holder", concurrency=2, fetch_timeout=0.3)
+    task_a = asyncio.create_task(a.run_until(stop_a))
+    for _ in range(300):
+        if a.stats["absorbed"] >= 2 * bus.max_deliver and await stored() == a.stats["absorbed"]:
+            break
+        await asyncio.sleep(0.05)
+    stop_a.set()  # the holder dies: its handler is cancelled, the task never acked
+    await asyncio.wait_for(task_a, timeout=10)
+    assert a.stats["absorbed"] >= 2 * bus.max_deliver, dict(a.stats)
+
+    handled: list[int] = []
+    stop_b = asyncio.Event()
+
+    async def successor(task, msg):
+        handled.append(msg.metadata.num_delivered)
+        await msg.ack()
+        stop_b.set()
+
+    b = PullWorker(js, RUN, "tasks", successor, bus=bus, name="successor", concurrency=2, fetch_timeout=0.3)
+    task_b = asyncio.create_task(b.run_until(stop_b))
+    try:
+        await asyncio.wait_for(stop_b.wait(), timeout=20)
+    except asyncio.TimeoutError:
+        pass
+    stop_b.set()
+    await asyncio.wait_for(task_b, timeout=10)
+    assert b.stats["dead"] == 0 and len(handled) == 1, (handled, dict(b.stats))
+    assert handled[0] > bus.max_deliver, handled  # the server did count the absorbed copies
+    dead = await js.stream_info(topology.stream_name(RUN, "dead"))
+    assert dead.state.messages == 0
+    for _ in range(50):  # the settled task's count is purged
+        if await stored() == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert await stored() == 0
