@@ -79,12 +79,12 @@ case "${1:-}" in
     done
     CONDS+=(-C "proact=$M/v0,system_prompt=proactive")
     LAST=$(sed -n 's/.*"last": \([0-9]*\).*/\1/p' "$RUN/collab_plan.json")
-    # every arm on the same held-out items and simulator seeds, sim + judge in this process; engines
-    # eager (one start per model: CUDA graph capture would cost more than it saves on 24 items)
+    # every arm on the same held-out items and simulator seeds, sim + judge in this process; one policy
+    # engine for all arms (the checkpoints' weights are swapped in: evaluation.runner.SwappingPolicies),
+    # so CUDA graphs are captured once and pay off over the 7 arms
     step eval "${EVAL_LIMIT_S:-420}" "$PY" -m deploy.cli eval --config "$CONFIG" "${CONDS[@]}" --baseline v0 \
         --services local --n-items "$ITEMS" --max-new-turns "$TURNS" --assistant-max-tokens "$TOKENS" \
-        --concurrency "$ITEMS" --out "$EV" --set actor.engine.enforce_eager=true \
-        --set sim.engine.enforce_eager=true --set judge.engine.enforce_eager=true "${EXTRA[@]}"
+        --concurrency "$ITEMS" --out "$EV" "${EXTRA[@]}"
     cp "$EV/table.md" "$OUT/eval_table.md" 2>/dev/null
     cp "$EV/chart.png" "$OUT/eval_chart.png" 2>/dev/null
     # the final version's conversations judged again by a second judge configuration: the same model

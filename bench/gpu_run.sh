@@ -11,6 +11,8 @@
 #     bash bench/gpu_run.sh W1   # issue 27's weight-path table, two calls of under 10 min each: cuda_ipc
 #     bash bench/gpu_run.sh W2   # steady, during 64 requests, objstore full (W1); shared_dir and objstore
 #                                # deltas from real gradients at lr 1e-6 and 1e-5, 4B shape (W2)
+#     bash bench/gpu_run.sh L    # issue 29: the learner at the 4B shape, full against a rank-16 LoRA adapter,
+#                                # then adapter step end -> serving at the 4B shape
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -158,8 +160,28 @@ W2)
     step weight_delta 560 python3 bench/weight_delta.py --model "$MODEL" --grads --skip-formats --lrs 1e-6 1e-5 \
         --steps 1 --modes delta --kinds shared_dir objstore --work /tmp --json "$OUT/weight_delta_4b.json"
     ;;
+L)
+    # issue 29 in one call: the learner at the 4B shape (bench.common.random_qwen3 inside), ZeRO-2, varlen,
+    # compile off in both (compiled layers are refused with LoRA): full fine-tuning, then a rank-16
+    # adapter on every linear layer (tokens/s, peak GPU memory); then adapter step end -> serving at the
+    # 4B shape (the learner's adapter snapshot, the object store of a real nats-server, the actor's
+    # fetch + verify, vLLM add_lora, one token on it) in what is left of LIMIT_S
+    LIMIT_S=${LIMIT_S:-570}
+    step learner_full 200 python3 bench/learner_gpu.py --zero 2 --attn varlen --compile off --skip-plain \
+        --steps 3 --budget-s 190 --out "$OUT/learner_full_4b.json"
+    step learner_lora 200 python3 bench/learner_gpu.py --zero 2 --attn varlen --compile off --skip-plain \
+        --steps 3 --budget-s 190 --lora-rank 16 --out "$OUT/learner_lora16_4b.json"
+    step build 100 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    LEFT=$((LIMIT_S - SECONDS))
+    if [ "$LEFT" -gt 60 ]; then
+        step lora_serving "$LEFT" python3 bench/lora.py --model "$MODEL" --device cuda --versions 4 \
+            --out "$OUT/lora_h200_4b.json"
+    else
+        echo "[gpu_run] lora_serving: skipped, ${LEFT} s left of LIMIT_S=$LIMIT_S"
+    fi
+    ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|W1|W2" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|W1|W2|L" >&2
     exit 2
     ;;
 esac

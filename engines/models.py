@@ -348,3 +348,30 @@ def ensure_model(name_or_path: str | os.PathLike) -> Path:
         f"unknown model {value!r}: expected one of {', '.join(KNOWN_MODELS)} "
         "or an existing checkpoint directory"
     )
+
+
+# What a checkpoint's config.json may differ in from another of the same shape: where it came from and
+# which library wrote it, and the dtype it was saved in (the engine's own [engine] dtype is served).
+_VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+# The files that make a checkpoint's tokenizer and chat template
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "vocab.json", "merges.txt", "generation_config.json")
+
+
+def weights_swap_key(model: str | os.PathLike) -> str | None:
+    """A key equal for two checkpoint directories exactly when an engine started on one can serve the
+    other by loading its weights in place: the same architecture and shapes (config.json without
+    _VOLATILE_CONFIG) and the same tokenizer and chat template, byte for byte. None for what is not
+    a directory with a config.json (a model name such as "smol": started, never swapped into)."""
+    import hashlib
+
+    d = Path(model)
+    if not (d / "config.json").is_file():
+        return None
+    config = {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k not in _VOLATILE_CONFIG}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for name in _TOKENIZER_FILES:
+        f = d / name
+        h.update(f"{name}:".encode() + (f.read_bytes() if f.is_file() else b"-"))
+    return h.hexdigest()
+

@@ -96,14 +96,15 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
                    in_process: InProcess | None = None, open_policy=None) -> int:
     """`parley eval` after its options: every condition played and judged as `services` says (local needs
     `in_process`), the records on the run's EVAL stream with nats, then `report`. The exit code.
-    `open_policy(model) -> Policy` replaces the engine start per condition (`follow` keeps one engine)."""
+    `open_policy(model) -> Policy` replaces the default, SwappingPolicies (one engine start per base model,
+    the checkpoints of that base swapped into it; `follow` keeps one engine that follows versions)."""
     import asyncio
 
     import msgspec
 
     from evaluation.evallog import write_parquet
     from evaluation.fleet import FleetError
-    from evaluation.runner import EvalServices, NotScored, Policy
+    from evaluation.runner import EvalServices, NotScored, SwappingPolicies
     from evaluation.runner import run_eval as play_conditions
     from protocol.bus import Poison, Retry
     from rollout.judge import LocalJudge
@@ -152,18 +153,18 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
             judge = LocalJudge(in_process.judge(judge_backend))
         publish_record = None
 
-    async def start_policy(model: str) -> Policy:
+    def start_engine(model: str):
         from engines.backend import open_engine
 
         # The policy engine takes the actor's engine settings with the condition's model or checkpoint.
         engine, tokenizer, _ = open_engine(msgspec.structs.replace(cfg.actor.engine, model=model))
+        return engine, tokenizer
 
-        async def close():
-            await asyncio.to_thread(engine.shutdown)
+    if open_policy is None:  # checkpoints of one base share one engine: their weights are swapped in
+        open_policy = SwappingPolicies(start_engine, version=policy_version)
+        closers.append(open_policy.close)
 
-        return Policy(engine=engine, tokenizer=tokenizer, version=policy_version, close=close)
-
-    svc = EvalServices(open_policy=open_policy or start_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
+    svc = EvalServices(open_policy=open_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
                        template_kwargs=dict(cfg.actor.engine.template_kwargs), env=env)
     done: list = []  # finished conversations, kept when the run is interrupted
     missing: list[NotScored] = []  # per conversation: not played or not scored, and why

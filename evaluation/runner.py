@@ -201,6 +201,41 @@ class Policy:
     close: Callable[[], Awaitable[None]] | None = None
 
 
+class SwappingPolicies:
+    """`EvalServices.open_policy` that keeps one engine across conditions whose checkpoints differ
+    only in their weights (engines.models.weights_swap_key): the next one's weights are loaded into
+    the running engine (vLLM's in-place reload, seconds) instead of a new engine being started (tens
+    of seconds on a GPU, more on CPU). Another shape closes the engine and starts one, so one policy
+    is in memory at a time; `close()` ends the last one (the conditions' Policy.close is None)."""
+
+    def __init__(self, start: Callable[[str], tuple[Any, Any]], version: int = -1):
+        self.start, self.version = start, version  # start(model) -> (engine, tokenizer)
+        self.key: str | None = None
+        self.engine = self.tokenizer = None
+        self.starts = self.swaps = 0
+
+    async def __call__(self, model: str) -> Policy:
+        from engines.models import weights_swap_key
+
+        key = weights_swap_key(model)
+        if self.engine is not None and key is not None and key == self.key:
+            t0 = time.perf_counter()
+            await self.engine.reload_weights(model)
+            self.swaps += 1
+            log.info("policy %s: its weights loaded into the running engine in %.1fs", model, time.perf_counter() - t0)
+        else:
+            await self.close()
+            self.engine, self.tokenizer = self.start(model)  # on the loop, as the engine needs: blocks while it loads
+            self.key = key
+            self.starts += 1
+        return Policy(engine=self.engine, tokenizer=self.tokenizer, version=self.version, close=None)
+
+    async def close(self) -> None:
+        engine, self.engine, self.key = self.engine, None, None
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+
+
 @dataclass
 class EvalServices:
     open_policy: Callable[[str], Awaitable[Policy]]  # model name or checkpoint dir -> Policy
@@ -320,7 +355,8 @@ async def run_eval(
     on_missing: Callable[[NotScored], None] | None = None,
 ) -> list[EvalRecord]:
     """All conditions over the same tasks. Conditions that share a model share one engine, and each
-    engine is closed before the next model starts (one policy in memory at a time)."""
+    engine is closed before the next model starts (one policy in memory at a time); `open_policy` may
+    keep its engine for the next model instead (SwappingPolicies: a checkpoint of the same base)."""
     names = [c.name for c in conditions]
     if len(set(names)) != len(names):
         raise ValueError(f"condition names must be unique, got {names}")
