@@ -45,9 +45,9 @@ def test_eval_items_against_training_data(tmp_path):
     from evaluation.leakage import LeakageError, guard_overlap
 
     train, held = eval_items(DataConfig(eval_fraction=0.25), None)  # the config's per-reference split
-    assert len(train) + len(held) == 24 and len(held) == 6
+    assert len(train) + len(held) == 60 and len(held) == 15  # round(60 x 0.25)
     guard_overlap(train, held, allow=False, run_dir=tmp_path)
     train, held = eval_items(DataConfig(eval_fraction=0.25), "bundled")  # the whole file, against its train side
-    assert len(held) == 24
-    with pytest.raises(LeakageError, match="share 18 reference targets"):
+    assert len(held) == 60
+    with pytest.raises(LeakageError, match="share 45 reference targets"):
         guard_overlap(train, held, allow=False, run_dir=tmp_path)
