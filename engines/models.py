@@ -368,8 +368,13 @@ def weights_swap_key(model: str | os.PathLike) -> str | None:
     d = Path(model)
     if not (d / "config.json").is_file():
         return None
-    config = {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k not in _VOLATILE_CONFIG}
-    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    # Through transformers' config class: save_pretrained writes only what differs from the defaults,
+    # the learner's weight files the whole config (learner/weights_io.py), and both mean the same model.
+    from transformers import AutoConfig
+
+    full = AutoConfig.from_pretrained(str(d)).to_dict()
+    config = {k: v for k, v in full.items() if k not in _VOLATILE_CONFIG}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for name in _TOKENIZER_FILES:
         f = d / name
         h.update(f"{name}:".encode() + (f.read_bytes() if f.is_file() else b"-"))

@@ -11,10 +11,23 @@ from engines.models import weights_swap_key
 from evaluation.runner import SwappingPolicies
 
 
-def checkpoint(path, hidden=64, template="{{ messages }}", origin="a"):
+def qwen3(hidden=64):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def checkpoint(path, hidden=64, template="{{ messages }}", origin="a", whole=False):
+    """A checkpoint directory's config and tokenizer files (no weights: the key reads none). whole: the
+    config as the learner writes it with its weights (every field), not save_pretrained's diff."""
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": hidden,
-                                                  "_name_or_path": origin, "torch_dtype": "float32"}))
+    config = qwen3(hidden)
+    config._name_or_path = origin
+    if whole:
+        (path / "config.json").write_text(config.to_json_string(use_diff=False))
+    else:
+        config.save_pretrained(path)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return str(path)
 
@@ -24,7 +37,10 @@ def test_checkpoints_of_one_base_share_a_key_and_other_shapes_or_tokenizers_do_n
     b = checkpoint(tmp_path / "v60", origin="/elsewhere/b")  # only where it came from differs
     wider = checkpoint(tmp_path / "wide", hidden=128)
     templated = checkpoint(tmp_path / "tpl", template="{{ other }}")
-    assert weights_swap_key(a) == weights_swap_key(b) is not None
+    whole = checkpoint(tmp_path / "v50", whole=True)  # the learner's kept weights of a version
+    assert json.loads((tmp_path / "v50" / "config.json").read_text()).keys() != json.loads(
+        (tmp_path / "v0" / "config.json").read_text()).keys()
+    assert weights_swap_key(a) == weights_swap_key(b) == weights_swap_key(whole) is not None
     assert weights_swap_key(wider) != weights_swap_key(a)
     assert weights_swap_key(templated) != weights_swap_key(a)
     assert weights_swap_key("smol") is None and weights_swap_key(tmp_path / "missing") is None
