@@ -185,6 +185,9 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
 
     gpu = registry.get(transport).gpu
     timed.marks.clear()
+    if gpu:  # a buffer to write before the step ends: IpcPublisher skips a version while all are held
+        while (wait := pub.writable_in()) > 0:
+            await asyncio.sleep(min(wait, 1.0))
     t0 = time.perf_counter()  # step end
     if gpu:
         ipc = await asyncio.to_thread(pub.pack, hf_tensors(model), version)
@@ -265,7 +268,7 @@ async def gpu_main(args) -> dict:
             follower = WeightFollower(js, run, timed, dest_root=work / "actor", poll_s=1.0, base_dir=args.model,
                                       settings=file_settings("shared_dir", work))
             following = asyncio.create_task(follower.run_until(stop))
-            pub = IpcPublisher(hold_s=30.0, max_buffers=2)
+            pub = IpcPublisher(hold_s=5.0, max_buffers=2)  # updates wait for a free buffer (gpu_update)
             version = 0
 
             async def update(transport):

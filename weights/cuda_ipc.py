@@ -302,6 +302,17 @@ class IpcPublisher:
             return self._new_buffer(device)
         return None
 
+    def writable_in(self) -> float:
+        """Seconds until a fill would find a buffer to write (0: now): what a publisher that must not
+        skip a version (bench/weight_path.py) waits before its step ends. inf while every buffer is
+        being sent from."""
+        with self._lock:
+            if len(self.buffers) < self.max_buffers or any(not b.readers and b.filled is None for b in self.buffers):
+                return 0.0
+            now = time.monotonic()
+            ages = [now - b.filled for b in self.buffers if not b.readers]
+            return max(0.0, self.hold_s - max(ages)) if ages else float("inf")
+
     def take(self, version: int) -> _Buffer | None:
         """The buffer holding `version` for a send (release() it after): no fill writes into it
         meanwhile. None when that version is gone (overwritten, or never published)."""

@@ -168,6 +168,24 @@ def test_one_buffer_is_refilled_once_its_hold_time_is_over(clock):
     assert b3.data_ptr() == b1.data_ptr() and len(pub.buffers) == 1 and pub.skipped == [2]
 
 
+def test_writable_in_says_when_the_next_fill_finds_a_buffer(clock):
+    now = clock(0.0)
+    pub = IpcPublisher(hold_s=3.0, max_buffers=2)
+    assert pub.writable_in() == 0.0  # none allocated yet
+    pub.fill(named(), 1)
+    assert pub.writable_in() == 0.0  # room for a second buffer
+    now[0] += 1.0
+    pub.fill(named(), 2)
+    assert pub.writable_in() == pytest.approx(2.0)  # v1's buffer is free at 3 s
+    now[0] += 2.0
+    assert pub.writable_in() == 0.0 and pub.fill(named(), 3) is not None
+    held = [pub.take(v) for v in (2, 3)]
+    now[0] += 60.0
+    assert pub.writable_in() == float("inf")  # both being sent from
+    pub.release(held[0])
+    assert pub.writable_in() == 0.0
+
+
 def test_a_buffer_being_sent_from_is_never_refilled(clock):
     now = clock(0.0)
     pub = IpcPublisher(hold_s=1.0, max_buffers=1)
