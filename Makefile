@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/parley up
 
+# Two workers, so the tests that wait on nats-server timeouts overlap the CPU-bound engine and learner
+# tests; `--dist loadscope` is refined in tests/conftest.py (whole modules; the shared engines on one worker).
 test: setup
-	$(BIN)/pytest -q -ra --durations=25 -m "not faults"
+	$(BIN)/pytest -q -ra --durations=25 -m "not faults" -n 2 --dist loadscope
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not e2e and not slow"

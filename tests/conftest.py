@@ -38,6 +38,49 @@ def tiny_model(tmp_path_factory):
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
 
+# The modules whose tests use the session's shared vLLM engines (tests/e2e/conftest.py, which refuses a
+# test that uses them from a module not listed here).
+SHARED_ENGINE_MODULES = frozenset({
+    "tests/e2e/test_actor.py", "tests/e2e/test_engine.py", "tests/e2e/test_eval.py",
+    "tests/e2e/test_eval_env_e2e.py", "tests/e2e/test_logprob_agreement.py",
+})
+# Under pytest-xdist the slow directories are handed out first and the unit tests fill in at the end.
+TIERS = ("tests/e2e/", "tests/integration/")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs `pytest -n 2 --dist loadscope`: each worker takes whole modules, so a module's
+    module-scoped fixtures (a server, an engine, a trained learner) start once, and the modules that
+    share the session's engines go to one worker together, in collection order, so that each engine
+    starts once per run and the e2e teardown's "no later test uses it" holds on that worker. (xdist's
+    own `loadgroup` cannot do this under pytest 9.2: it renames items through a field pytest no longer
+    reads.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    def tier(scope: str) -> int:
+        return next((i for i, prefix in enumerate(TIERS) if scope.startswith(prefix)), len(TIERS))
+
+    class ModulesAndSharedEngines(LoadScopeScheduling):
+        ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "tests/e2e/(shared engines)" if module in SHARED_ENGINE_MODULES else module
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # xdist queued the scopes largest first; keep that within a tier
+                self.workqueue = OrderedDict(sorted(self.workqueue.items(), key=lambda kv: tier(kv[0])))
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return ModulesAndSharedEngines(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu`-marked tests run only where torch sees a CUDA device (docs/gpu.md says how to run them)."""
     gpu = [item for item in items if item.get_closest_marker("gpu")]

@@ -120,6 +120,20 @@ def pytest_configure(config):
         "markers", "shared_engine(name): the test uses that shared engine without its fixture (engines.get(name))")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test that uses the shared engines lives in a module that tests/conftest.py lists, which is
+    how `make test` (pytest-xdist) knows to run them all on one worker."""
+    from tests.conftest import SHARED_ENGINE_MODULES
+
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        uses = "engines" in getattr(item, "fixturenames", ()) or item.get_closest_marker("shared_engine")
+        if uses and module not in SHARED_ENGINE_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the shared engines but {module} is not in SHARED_ENGINE_MODULES "
+                "(tests/conftest.py): add it there, so that pytest-xdist runs it on the engines' worker")
+
+
 def _uses(item, name: str) -> bool:
     if any(f in getattr(item, "fixturenames", ()) for f in ENGINE_FIXTURES[name]):
         return True
