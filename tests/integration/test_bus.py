@@ -286,64 +286,77 @@ async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_thr
     (measured: with the delivery count it had, or as first deliveries when their delivery was lost
     with the process), after their handler is done, so they are no longer held. The worker remembers
     what it settled and acks such a copy again: each task is handled once, and no copy counts
-    against max_deliver (= 2: a second restart's copy was dead-lettered, `delivered 3 times`)."""
+    against max_deliver (= 2: a second restart's copy was dead-lettered, `delivered 3 times`).
+    Whether a copy comes at all is a race between the restarted server's redeliveries and the acks
+    (once in about seven runs the acks won and no copy came): the scenario is played again on a fresh
+    run, up to three times, until the worker has settled a copy again."""
     import contextlib
 
     from protocol.bus import keep_alive
 
     server = nats_server  # killed and restarted on its store below; the fixture stops it
-    nc = await connect(server.url, name="actor-like")
-    try:
-        js = nc.jetstream()
-        bus = topology.BusSettings(ack_wait_s=2.0, max_deliver=2)
-        await topology.ensure_topology(js, RUN, bus)
-        count = 8
-        for i in range(count):
-            await publish(js, RUN, "tasks", examples.task(RUN, task_id=f"restart-{i}"))
-        calls: dict[str, list[int]] = {}
-        down, stop = asyncio.Event(), asyncio.Event()
-        finished: set[str] = set()
 
-        async def handler(task, msg):
-            calls.setdefault(task.task_id, []).append(msg.metadata.num_delivered)
-            async with keep_alive(msg, every=0.5):
-                await down.wait()  # the work ends during the outage...
+    async def attempt(run: str) -> dict:
+        nc = await connect(server.url, name="actor-like")
+        try:
+            js = nc.jetstream()
+            bus = topology.BusSettings(ack_wait_s=2.0, max_deliver=2)
+            await topology.ensure_topology(js, run, bus)
+            count = 8
+            for i in range(count):
+                await publish(js, run, "tasks", examples.task(run, task_id=f"restart-{i}"))
+            calls: dict[str, list[int]] = {}
+            down, stop = asyncio.Event(), asyncio.Event()
+            finished: set[str] = set()
+
+            async def handler(task, msg):
+                calls.setdefault(task.task_id, []).append(msg.metadata.num_delivered)
+                async with keep_alive(msg, every=0.5):
+                    await down.wait()  # the work ends during the outage...
+                    await asyncio.sleep(1.0)
+                    # ... is stored once the server is back, then acked, as the actor does
+                    await publish(js, run, "traj", examples.trajectory(run, task_id=task.task_id), timeout=2.0)
+                await msg.ack()
+                finished.add(task.task_id)
+                if len(finished) == count:
+                    stop.set()
+
+            worker = PullWorker(js, run, "tasks", handler, bus=bus, name="actor-like", concurrency=4, fetch_timeout=0.5)
+            task = asyncio.create_task(worker.run_until(stop))
+            for _ in range(2):  # each restart while 4 tasks are held
+                for _ in range(100):
+                    if len(worker._held) == 4:
+                        break
+                    await asyncio.sleep(0.1)
+                assert len(worker._held) == 4, worker._held
+                server.kill()
+                down.set()
+                await asyncio.sleep(3 * bus.ack_wait_s)
+                server.start()
+                down.clear()
                 await asyncio.sleep(1.0)
-                # ... is stored once the server is back, then acked, as the actor does
-                await publish(js, RUN, "traj", examples.trajectory(RUN, task_id=task.task_id), timeout=2.0)
-            await msg.ack()
-            finished.add(task.task_id)
-            if len(finished) == count:
-                stop.set()
+            down.set()  # the rest finish at once
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=30)
+            await asyncio.sleep(3 * bus.ack_wait_s)  # a copy still to come would be handled meanwhile
+            stop.set()
+            await asyncio.wait_for(task, timeout=10)
+            twice = {t: n for t, n in calls.items() if len(n) > 1}
+            assert twice == {} and len(calls) == count, (calls, dict(worker.stats))
+            assert worker.stats["dead"] == 0, dict(worker.stats)
+            info = await js.consumer_info(topology.stream_name(run, "tasks"), topology.CHANNELS["tasks"].durable)
+            assert info.num_ack_pending == 0 and info.num_pending == 0, info
+            return dict(worker.stats)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), timeout=5)
 
-        worker = PullWorker(js, RUN, "tasks", handler, bus=bus, name="actor-like", concurrency=4, fetch_timeout=0.5)
-        task = asyncio.create_task(worker.run_until(stop))
-        for _ in range(2):  # each restart while 4 tasks are held
-            for _ in range(100):
-                if len(worker._held) == 4:
-                    break
-                await asyncio.sleep(0.1)
-            assert len(worker._held) == 4, worker._held
-            server.kill()
-            down.set()
-            await asyncio.sleep(3 * bus.ack_wait_s)
-            server.start()
-            down.clear()
-            await asyncio.sleep(1.0)
-        down.set()  # the rest finish at once
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=30)
-        await asyncio.sleep(3 * bus.ack_wait_s)  # a copy still to come would be handled meanwhile
-        stop.set()
-        await asyncio.wait_for(task, timeout=10)
-        twice = {t: n for t, n in calls.items() if len(n) > 1}
-        assert twice == {} and len(calls) == count, (calls, dict(worker.stats))
-        assert worker.stats["dead"] == 0 and worker.stats["settled_again"] >= 1, dict(worker.stats)
-        info = await js.consumer_info(topology.stream_name(RUN, "tasks"), topology.CHANNELS["tasks"].durable)
-        assert info.num_ack_pending == 0 and info.num_pending == 0, info
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.close(), timeout=5)
+    tried = []
+    for i in range(3):
+        tried.append(await attempt(f"{RUN}{i}"))
+        if tried[-1].get("settled_again", 0) >= 1:
+            break
+    assert tried[-1].get("settled_again", 0) >= 1, f"no copy came after an ack in {len(tried)} plays: {tried}"
 
 
 async def test_copies_a_dead_holder_absorbed_do_not_count_against_the_worker_after_it(js):
