@@ -222,31 +222,18 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
                 raise TopologyError(f"consumer {channel.durable} on {cfg.name} does not exist; start the learner first")
             if create and (have_c is None or _differs(have_c, want, _CONSUMER_FIELDS)):
                 await _manage(f"creating consumer {channel.durable} on {cfg.name}", js.add_consumer(cfg.name, want))
-    kv_name = kv_bucket(run)
-    try:
-        await _manage(f"looking up KV bucket {kv_name}", js.key_value(kv_name))
-    except BucketNotFoundError:
-        if not create:
-            raise TopologyError(f"KV bucket {kv_name} does not exist; start the learner first") from None
-        await _manage(
-            f"creating KV bucket {kv_name}",
-            js.create_key_value(
-                api.KeyValueConfig(bucket=kv_name, history=16, replicas=bus.replicas, storage=api.StorageType.FILE)
-            ),
-        )
-    held_name = held_bucket(run)
-    try:
-        await _manage(f"looking up KV bucket {held_name}", js.key_value(held_name))
-    except BucketNotFoundError:
-        if not create:
-            raise TopologyError(f"KV bucket {held_name} does not exist; start the learner first") from None
-        await _manage(
-            f"creating KV bucket {held_name}",
-            js.create_key_value(  # a count matters while its message is unsettled; kept as long as messages
-                api.KeyValueConfig(bucket=held_name, history=1, ttl=bus.max_age_s, replicas=bus.replicas,
-                                   storage=api.StorageType.FILE)
-            ),
-        )
+    kv_buckets = (  # the weights announcements; the held KV's counts matter while their message is unsettled
+        api.KeyValueConfig(bucket=kv_bucket(run), history=16, replicas=bus.replicas, storage=api.StorageType.FILE),
+        api.KeyValueConfig(bucket=held_bucket(run), history=1, ttl=bus.max_age_s, replicas=bus.replicas,
+                           storage=api.StorageType.FILE),
+    )
+    for kv_config in kv_buckets:
+        try:
+            await _manage(f"looking up KV bucket {kv_config.bucket}", js.key_value(kv_config.bucket))
+        except BucketNotFoundError:
+            if not create:
+                raise TopologyError(f"KV bucket {kv_config.bucket} does not exist; start the learner first") from None
+            await _manage(f"creating KV bucket {kv_config.bucket}", js.create_key_value(kv_config))
     ob_name = object_bucket(run)
     try:
         await _manage(f"looking up object store {ob_name}", js.object_store(ob_name))
