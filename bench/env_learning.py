@@ -66,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--nudge", help="[env] options.nudge: fixed | slots (the user names the slots not asked yet)")
     p.add_argument("--answer", help="[env] options.answer: final (the FINAL line) | mentions (the last message's words)")
     p.add_argument("--kl-coef", type=float, help="[learner] kl_coef (0: no reference forward pass in a step)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="> 0: train a LoRA adapter of this rank ([learner.lora], alpha 2 x rank, every linear "
+                        "layer; the actors serve it as a vLLM adapter); 0: full fine-tuning")
     p.add_argument("--eval-fraction", type=float, help="goals held out ([data] eval_fraction)")
     p.add_argument("--eval-seeds", type=int, default=2, help="conversations per held-out goal and version")
     p.add_argument("--train-temperature", type=float,
@@ -115,7 +118,12 @@ def overrides(args, seed: int) -> list[str]:
         f"actor.engine.model={json.dumps(args.model)}",
         "learner.eval_every=0",  # the held-out eval is this script's, after training
         "learner.keep_versions=2",
-    ]
+    ] + ([
+        "learner.lora.enabled=true",
+        f"learner.lora.rank={args.lora_rank}",
+        f"learner.lora.alpha={2.0 * args.lora_rank}",
+        f"actor.engine.max_lora_rank={args.lora_rank}",
+    ] if args.lora_rank else [])
 
 
 def train(args, seed: int, run_dir: Path) -> float:
@@ -183,10 +191,11 @@ async def evaluate(args, seed: int, versions: dict[int, str]) -> list:
     return records
 
 
-def export_last(run_dir: Path, version: int) -> Path:
+def export_last(run_dir: Path, version: int, merge: bool = False) -> Path:
+    """The version as a standalone checkpoint; a LoRA run's merged into its base (`parley export --merge`)."""
     from learner.checkpoint import export_version
 
-    return export_version(run_dir, version, run_dir / "export" / f"v{version}")
+    return export_version(run_dir, version, run_dir / "export" / f"v{version}", merge=merge)
 
 
 def one_seed(args, seed: int) -> dict:
@@ -199,7 +208,7 @@ def one_seed(args, seed: int) -> dict:
     versions = {0: ""}
     if not args.eval_only:
         train_s = 0.0 if args.trained else train(args, seed, run_dir)
-        versions[args.steps] = str(export_last(run_dir, args.steps))
+        versions[args.steps] = str(export_last(run_dir, args.steps, merge=args.lora_rank > 0))
     t0 = time.perf_counter()
     records = asyncio.run(evaluate(args, seed, versions))
     eval_s = time.perf_counter() - t0
@@ -260,7 +269,8 @@ def main(argv=None) -> int:
         print(summary_table(args, results)[0], flush=True)
     table, data = summary_table(args, results)
     details = (f"{args.model}, {ENV} (nudge {args.nudge}, answer {args.answer}), {args.steps} steps x {args.groups_per_step} groups x n={args.n}, lr {args.lr}, "
-               f"kl_coef {args.kl_coef}, temperature {args.train_temperature} (eval {args.temperature}), max_tokens {args.max_tokens}, max_new_turns {args.max_new_turns}, load {os.getloadavg()[0]:.1f}")
+               + (f"LoRA rank {args.lora_rank}, " if args.lora_rank else "full fine-tuning, ")
+               + f"kl_coef {args.kl_coef}, temperature {args.train_temperature} (eval {args.temperature}), max_tokens {args.max_tokens}, max_new_turns {args.max_new_turns}, load {os.getloadavg()[0]:.1f}")
     report("env_learning", details, time.perf_counter() - t0, table, {**data, "args": {k: str(v) for k, v in vars(args).items()}},
            args.json)
     return 0
