@@ -379,4 +379,3 @@ def weights_swap_key(model: str | os.PathLike) -> str | None:
         f = d / name
         h.update(f"{name}:".encode() + (f.read_bytes() if f.is_file() else b"-"))
     return h.hexdigest()
-
