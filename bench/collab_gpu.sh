@@ -32,16 +32,9 @@ pack() {  # every log of this phase (and what else is named) into one file of $O
 }
 PY=${PYTHON:-python3}
 parley() { "$PY" -m deploy.cli "$@"; }
-step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log to $OUT/NAME.log, print its tail
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
-    local rc=$?
-    echo "[collab_gpu] $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/times.txt"
-    grep -v -E '^\(|INFO|WARNING' "$LOGS/$name.log" | tail -n 15
-    return $rc
-}
+# step NAME LIMIT_S CMD...: CMD with a time limit, its log in $LOGS/NAME.log, its time in $OUT/times.txt
+STEP_LOGS=$LOGS STEP_TAG=collab_gpu STEP_TIMES=$OUT/times.txt STEP_TAIL=15
+source "$(dirname "$0")/step.sh"
 case "${1:-}" in
 1)
     rm -rf "$RUN"

@@ -19,15 +19,9 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/m4b}
-step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log to $OUT/NAME.log, print its tail
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "[gpu_run] $name: rc=$rc in $((SECONDS - t0)) s"
-    grep -v -E '^\(|INFO|WARNING' "$OUT/$name.log" | tail -n 25
-}
+# step NAME LIMIT_S CMD...: CMD with a time limit, its log in $OUT/NAME.log
+STEP_LOGS=$OUT STEP_TAG=gpu_run
+source "$(dirname "$0")/step.sh"
 case "${1:-}" in
 A)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
