@@ -99,7 +99,7 @@ class Actor:
                 raise _first_of(eg) from None
         await msg.ack()
         self.counters["tasks"] += 1
-        log.info("task %s: %d samples stored in %.1fs (%d assistant tokens generated so far)", task.task_id, task.n,
+        log.info("task %s: %d samples stored in %.2fs (%d assistant tokens generated so far)", task.task_id, task.n,
                  time.perf_counter() - t0, self.counters["assistant_tokens"])
 
     async def _sample(self, task: Task, sample: int) -> None:

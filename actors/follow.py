@@ -65,6 +65,7 @@ class WeightFollower:
         self.load_s = 0.0  # seconds the last loaded version took: fetch, verify, load
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
+        self._changed = asyncio.Event()  # set (and replaced) when what is served changes or a version is refused
         self._served: Path | None = Path(base_dir) if base_dir else None  # the weights loaded now
         self._served_gpu: WeightVersion | None = None  # ... or the GPU-transport version loaded now
         self._bad_revision = 0
@@ -86,8 +87,21 @@ class WeightFollower:
         while self.engine.version < version:
             if version in self.refused or loop.time() >= deadline:
                 return False
-            await asyncio.sleep(poll_s)
+            # woken by the load (or refusal) itself; poll_s only bounds a change made elsewhere
+            changed = self._changed
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout=max(0.0, min(poll_s, deadline - loop.time())))
         return True
+
+    def _served_now(self, wv: WeightVersion) -> None:
+        """Record that `wv` is served now, and wake every reach() waiting for a version."""
+        self.loaded.append(wv.version)
+        self.serving = (wv.version, wv.sha256)
+        self._signal_change()
+
+    def _signal_change(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     async def _read(self) -> WeightVersion | None:
         """What to serve now: the announcement on WEIGHTS_KEY, or the one on WEIGHTS_EARLY_KEY (a delta
@@ -174,8 +188,7 @@ class WeightFollower:
             await self._restore(wv, e)
             return self._refuse(wv, f"reload failed: {type(e).__name__}: {e}", dest)
         log.info("now serving weights version %d (was %d, step %d)", wv.version, old, wv.step)
-        self.loaded.append(wv.version)
-        self.serving = (wv.version, wv.sha256)
+        self._served_now(wv)
         self._served_gpu = None
         # Keep only the served version on disk (a shared_dir version is not ours to delete).
         previous, self._served = self._served, Path(path)
@@ -204,8 +217,7 @@ class WeightFollower:
                 return False
             return self._refuse(wv, f"adapter load failed: {type(e).__name__}: {e}", dest)
         log.info("now serving adapter version %d (step %d)", wv.version, wv.step)
-        self.loaded.append(wv.version)
-        self.serving = (wv.version, wv.sha256)
+        self._served_now(wv)
         self.adapter_dirs[wv.version] = Path(path)
         return True
 
@@ -228,8 +240,7 @@ class WeightFollower:
             return self._gpu_failed(wv, f"reload failed: {type(e).__name__}: {e}", passes=_passes(e))
         self.failing.pop(wv.version, None)
         log.info("now serving weights version %d (was %d, step %d, %s)", wv.version, old, wv.step, wv.transport)
-        self.loaded.append(wv.version)
-        self.serving = (wv.version, wv.sha256)
+        self._served_now(wv)
         self._served_gpu = wv
         return True
 
@@ -276,6 +287,7 @@ class WeightFollower:
     def _refuse(self, wv: WeightVersion, reason: str, dest: Path | None) -> bool:
         self.refused[wv.version] = reason
         self._refused_ids.add((wv.version, wv.sha256))
+        self._signal_change()
         log.error("refused weights version %d: %s; still serving version %d", wv.version, reason, self.engine.version)
         if dest is not None and Path(dest) != self._served:
             shutil.rmtree(dest, ignore_errors=True)

@@ -416,3 +416,41 @@ async def test_copies_a_dead_holder_absorbed_do_not_count_against_the_worker_aft
             break
         await asyncio.sleep(0.1)
     assert await stored() == 0
+
+
+async def test_a_message_published_while_a_worker_waits_is_handled_before_its_fetch_window_closes(js):
+    """A worker with free slots waits for work in one long fetch. A message that arrives during that
+    wait goes to the handler when it arrives, not when the fetch's window (here 5 s) is over
+    or its other slots are filled; otherwise every hop of a rollout (tasks -> actor -> scorer ->
+    learner) would wait out its fetch_timeout whenever messages come one at a time. (nats.py's fetch
+    of N waits for all N within its timeout in the client; the server ends the pull as it delivers.)"""
+    await topology.ensure_topology(js, RUN, FAST)
+    loop = asyncio.get_running_loop()
+    handled_at: list[float] = []
+    stop = asyncio.Event()
+
+    async def handler(traj, msg):
+        handled_at.append(loop.time())
+        await msg.ack()
+
+    async def handled(n: int) -> None:
+        for _ in range(200):
+            if len(handled_at) >= n:
+                return
+            await asyncio.sleep(0.05)
+
+    worker = PullWorker(js, RUN, "traj", handler, bus=FAST, name="idle-scorer", concurrency=8, fetch_timeout=5.0)
+    run = asyncio.create_task(worker.run_until(stop))
+    # the first message: until the worker has seen one it fetches one at a time (it sizes its batches
+    # by the largest message seen), so the case below is that of a worker in steady work
+    await publish(js, RUN, "traj", examples.trajectory(RUN))
+    await handled(1)
+    assert handled_at, "the first message was not handled within 10 s"
+    await asyncio.sleep(1.0)  # the worker is inside its next long fetch now, asking for 8
+    sent_at = loop.time()
+    await publish(js, RUN, "traj", examples.trajectory(RUN, sample=1))
+    await handled(2)
+    stop.set()
+    await asyncio.wait_for(run, timeout=15)
+    assert len(handled_at) == 2, "the second message was not handled within 10 s"
+    assert handled_at[1] - sent_at < 1.5, f"handled {handled_at[1] - sent_at:.2f} s after it was published"
