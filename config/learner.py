@@ -84,6 +84,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float = 3.0
+    # How a token's lag behind the policy that sampled it is corrected (learner/grpo.py): "clip" takes
+    # the PPO clip (clip_low, clip_high, dual_clip) on exp(logp - mu) against the actor's behaviour
+    # log-probs mu; "truncated_is" weights each token's gradient by min(exp(logp - mu), is_cap) and
+    # clips nothing (TRL's and verl's "truncated importance sampling").
+    behaviour_correction: Literal["clip", "truncated_is"] = "clip"
+    is_cap: Annotated[float, Meta(ge=1.0)] = 3.0
     loss_agg: LossAgg = "token-mean"
     scale_advantages: bool = True  # divide by the group std
     # Which group std: "sample" (n - 1, verl's and TRL's GRPO) or "population" (n; parley before

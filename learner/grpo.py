@@ -129,6 +129,50 @@ def policy_loss(
     return loss, stats
 
 
+def truncated_is_loss(
+    logp: Tensor,
+    behaviour_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    is_cap: float = 3.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Policy gradient with a truncated importance weight against the behaviour policy, per token:
+
+      w = min(exp(logp_d - mu), is_cap)     (logp_d = logp detached: the learner's pre-step policy)
+      loss = -A * w * exp(logp - logp_d)    (value -A * w; gradient -A * w * d logp)
+
+    With one optimizer step per batch the learner's pre-step policy is the proximal one, so the PPO
+    ratio against it is 1 and a clip there never binds; what corrects for the actor's lag and for
+    vLLM's numerics is the weight w alone, capped so one far-off token cannot dominate ("truncated IS",
+    TIS; TRL's GRPOTrainer with vllm_importance_sampling_mode = "token_truncate" computes the same).
+    Against policy_loss this keeps the gradient of tokens whose behaviour ratio left the clip range
+    (down-weighted only when past the cap), which the clip zeroes.
+
+    Returns the per-token loss (T,), zero outside `mask`, and stats: is_weight_mean, is_cap_frac
+    (share of masked tokens at the cap), ratio_mean and ratio_max (exp(logp - mu), as policy_loss
+    reports them), clip_frac and dual_clip_frac (0: nothing is clipped).
+    """
+    _check_tokens(logp=logp, old_logp=behaviour_logp, advantages=advantages, mask=mask)
+    if not is_cap >= 1.0:
+        raise ValueError(f"is_cap must be >= 1, got {is_cap}")
+    mask = mask.bool()
+    current = logp.detach()
+    ratio = torch.exp((current - behaviour_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # (T,)
+    weight = ratio.clamp(max=is_cap)  # (T,)
+    loss = -advantages * weight * torch.exp(logp - current)  # (T,)
+    loss = torch.where(mask, loss, torch.zeros_like(loss))
+    zero = torch.zeros_like(mask, dtype=loss.dtype)
+    stats = {
+        "clip_frac": _masked_mean(zero, mask),
+        "dual_clip_frac": _masked_mean(zero, mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "ratio_max": _masked_max(ratio, mask),
+        "is_weight_mean": _masked_mean(weight, mask),
+        "is_cap_frac": _masked_mean((ratio > is_cap).to(loss.dtype), mask),
+    }
+    return loss, stats
+
+
 # The per-token k3 value is bounded as verl's low_var_kl bounds it. Without it one token the reference
 # finds far likelier than the policy (d = 20 after the log-ratio clamp) gives exp(20) ~ 4.9e8: at
 # kl_coef 0.001 that is 5e5 in the loss, dominating every other token, and the gradient norm with it.
@@ -214,6 +258,8 @@ def grpo_loss(
     clip_high: float = 0.28,
     dual_clip: float | None = 3.0,
     agg_mode: str = "token-mean",
+    correction: str = "clip",
+    is_cap: float = 3.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """loss = aggregate(pg_loss + kl_coef * kl) over a packed batch.
 
@@ -221,7 +267,9 @@ def grpo_loss(
     (each token carries its sequence's advantage). `old_logp` is the policy the
     ratio is taken against: in the learner, the behaviour log-probs the actor
     recorded (batch_loss). `ref_logp` is needed when kl_coef > 0; if given with
-    kl_coef == 0 the KL is still reported.
+    kl_coef == 0 the KL is still reported. `correction` says how the lag behind old_logp is
+    handled: "clip" (policy_loss: the clipped ratio, with dual clip) or "truncated_is"
+    (truncated_is_loss: the ratio as a weight capped at is_cap, no clip).
 
     Returns (scalar loss, stats): pg_loss, kl_mean, clip_frac, dual_clip_frac,
     ratio_mean, ratio_max (masked-token statistics).
@@ -235,7 +283,12 @@ def grpo_loss(
     )
     mask = mask.bool()
 
-    pg, stats = policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip)  # (T,)
+    if correction == "clip":
+        pg, stats = policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip)  # (T,)
+    elif correction == "truncated_is":
+        pg, stats = truncated_is_loss(logp, old_logp, advantages, mask, is_cap)  # (T,)
+    else:
+        raise ValueError(f"unknown behaviour correction {correction!r}; allowed: 'clip', 'truncated_is'")
     per_token = pg  # (T,)
 
     kl = torch.zeros_like(pg) if ref_logp is None else kl_k3(logp, ref_logp)  # (T,)
@@ -262,10 +315,12 @@ def batch_loss(
     off-policy data it is: the ratio r = exp(logp - mu) against the behaviour log-probs mu the
     actor recorded is the importance weight, and its clip is the trust region. A ratio against the
     learner's own pre-step log-probs would say nothing: there is one optimizer step per batch, so
-    they equal logp, the ratio is 1 and the clip never binds.
+    they equal logp, the ratio is 1 and the clip never binds. With behaviour_correction =
+    "truncated_is" that ratio is a capped weight instead (truncated_is_loss), and nothing is clipped.
     """
     return grpo_loss(
         logp, batch.behaviour, batch.advantages, torch.ones_like(batch.behaviour, dtype=torch.bool), batch.seq,
         ref_logp=ref_logp, kl_coef=cfg.kl_coef, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip or None, agg_mode=cfg.loss_agg,
+        correction=cfg.behaviour_correction, is_cap=cfg.is_cap,
     )

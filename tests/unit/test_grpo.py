@@ -266,3 +266,54 @@ def test_a_stale_group_is_trained_with_the_clipped_ratio_against_its_behaviour_l
     loss.backward()
     assert_close(logp.grad, torch.tensor([0.0, -0.9 / 4, 0.0, 0.0]))
     assert stats["clip_frac"] == pytest.approx(0.5) and stats["dual_clip_frac"] == pytest.approx(0.25)
+
+
+def test_truncated_is_weights_each_token_by_its_capped_behaviour_ratio_and_clips_nothing():
+    """behaviour_correction = "truncated_is" on the batch above (is_cap 3, token-mean over 4 tokens):
+    each token's weight is min(r, 3) with r = exp(logp - mu) against the actor's behaviour log-probs,
+    its loss -A * weight and its gradient -A * weight / 4, whatever side of a clip range r is on:
+      A = +1, r = 1.6 -> weight 1.6: loss -1.6, gradient -1.6 / 4
+      A = +1, r = 0.9 -> weight 0.9: loss -0.9, gradient -0.9 / 4
+      A = -1, r = 0.5 -> weight 0.5: loss  0.5, gradient  0.5 / 4
+      A = -1, r = 4   -> weight 3:   loss  3,   gradient  3 / 4"""
+    from config.learner import LearnerConfig
+    from learner.packing import Sample, build_batch
+
+    up = Sample("up", [5, 6, 7], [0, 1, 1], [0.0, LOG(0.5), LOG(0.5)], advantage=1.0)
+    down = Sample("down", [8, 9, 10], [0, 1, 1], [0.0, LOG(0.5), LOG(0.2)], advantage=-1.0)
+    batch = build_batch([up, down])
+    logp = torch.tensor([LOG(0.8), LOG(0.45), LOG(0.25), LOG(0.8)], requires_grad=True)
+    cfg = LearnerConfig(kl_coef=0.0, behaviour_correction="truncated_is", is_cap=3.0)
+    loss, stats = batch_loss(logp, batch, cfg)
+    assert_close(loss, torch.tensor((-1.6 - 0.9 + 0.5 + 3.0) / 4))
+    loss.backward()
+    assert_close(logp.grad, torch.tensor([-1.6, -0.9, 0.5, 3.0]) / 4)
+    assert stats["clip_frac"] == 0.0 and stats["is_cap_frac"] == pytest.approx(0.25)
+    assert stats["is_weight_mean"] == pytest.approx((1.6 + 0.9 + 0.5 + 3.0) / 4)
+    assert stats["ratio_max"] == pytest.approx(4.0)
+
+
+def test_truncated_is_on_policy_is_the_plain_policy_gradient():
+    """On-policy (logp = mu) every weight is 1: the loss and gradient of plain REINFORCE with the
+    group advantage, -A per token."""
+    from learner.grpo import truncated_is_loss
+
+    mu = torch.tensor([LOG(0.3), LOG(0.6), LOG(0.9)])
+    logp = mu.clone().requires_grad_(True)
+    adv = torch.tensor([2.0, -1.0, 0.5])
+    loss, stats = truncated_is_loss(logp, mu, adv, torch.tensor([True, True, False]))
+    assert_close(loss.detach(), torch.tensor([-2.0, 1.0, 0.0]))
+    loss.sum().backward()
+    assert_close(logp.grad, torch.tensor([-2.0, 1.0, 0.0]))
+    assert stats["is_weight_mean"] == pytest.approx(1.0)
+
+
+def test_unknown_behaviour_correction_is_refused_at_config_time():
+    import msgspec
+
+    from config.learner import LearnerConfig
+
+    with pytest.raises(msgspec.ValidationError, match="behaviour_correction"):
+        msgspec.convert({"behaviour_correction": "vtrace"}, LearnerConfig)
+    with pytest.raises(msgspec.ValidationError, match="is_cap"):
+        msgspec.convert({"is_cap": 0.5}, LearnerConfig)
