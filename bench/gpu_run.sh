@@ -109,8 +109,8 @@ P)
     HG=(--set 'env.options={n_items = 120, seed = 0, nudge = "slots", answer = "mentions"}'
         --set data.eval_fraction=0.2 --set rollout.n=8 --set rollout.max_tokens=32 --set rollout.max_new_turns=6
         --set actor.sampling.temperature=0.7 --set learner.groups_per_step=1 --set learner.lr=1e-4
-        --set learner.kl_coef=0.0 --set learner.checkpoint_every=5 --set "learner.eval_every=$EVAL_EVERY"
-        --set learner.eval_items=24)
+        --set learner.kl_coef=0.0 --set "learner.eval_every=$EVAL_EVERY" --set learner.eval_items=24
+        --set 'learner.behaviour_correction="truncated_is"' --set learner.checkpoint_every=1000)
     # SmolLM2 built before either clock starts (a minute on the first call of a machine)
     step build_smol 150 python3 -c "from engines.models import ensure_model; ensure_model('smol')"
     grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
@@ -121,12 +121,17 @@ P)
     }
     rm -rf "$RUN" /tmp/peer-trl
     P0=$(clock) P1=null T1=null T2=null
+    # ACTORS policy engines (default 1: a group of 8 conversations of 32-token turns keeps one engine
+    # far from busy, and each engine more is one more start-up beside the others)
     step up_peer "$PARLEY_S" python3 -m deploy.cli up --config deploy/configs/gpu-1.toml --env hidden_goal \
-        --no-live --run-dir "$RUN" --steps "$STEPS" "${HG[@]}"
+        --no-live --run-dir "$RUN" --steps "$STEPS" "${HG[@]}" --set "up.actors=${ACTORS:-1}"
     P1=$(clock)
     cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
     cp "$RUN/eval/history.jsonl" "$OUT/eval_history.jsonl" 2>/dev/null
     grep -h -E ': step [0-9]+: loss|eval: version' "$RUN/logs/learner.log" >"$OUT/parley_steps.log" 2>/dev/null
+    # where a step's time goes: each task's play time and each version's load on the actors, with times
+    grep -h -E 'stored in|now serving|admitted at version|recompile' "$RUN"/logs/actor-*.log >"$OUT/parley_actor.log" 2>/dev/null
+    grep -h -i 'recompile' "$RUN"/logs/learner.log | head -n 5 >>"$OUT/parley_steps.log" 2>/dev/null
     LEFT=$((LIMIT_S - (SECONDS - T0) - 10))
     T1=$(clock)
     write_clock

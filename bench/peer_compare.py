@@ -79,6 +79,29 @@ def at_equal_wall_time(parley: list[dict], trl: list[dict], metric: str = METRIC
     return rows
 
 
+_PLAYED = re.compile(r"task \S+: \d+ samples stored in ([0-9.]+)s")
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return round(xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2, 4)
+
+
+def step_breakdown(metrics: list[dict], actor_lines: list[str]) -> dict:
+    """Where parley's steps 2..N went (medians): the learner waiting for a step's groups, training,
+    publishing; and an actor's time to play a task (a group) from its log."""
+    later = [m for m in metrics if m.get("step", 0) >= 2]
+    out = {k: _median([m.get(k) for m in later]) for k in ("wait_s", "train_s", "publish_s")}
+    out["checkpoints_in_steps_2_to_n"] = sum(1 for m in later if m.get("checkpoint_s") is not None and m is not later[-1])
+    played = [float(m.group(1)) for m in map(_PLAYED.search, actor_lines) if m]
+    out["task_play_s"] = _median(played)
+    out["tasks_played"] = len(played)
+    return out
+
+
 def parley_side(out: Path, clock: dict) -> dict:
     metrics = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl")}
     times = step_times((out / "parley_steps.log").read_text().splitlines(), clock["parley_start_local"])
@@ -86,7 +109,18 @@ def parley_side(out: Path, clock: dict) -> dict:
     evals = [{**{k: e[k] for k in ("version", "step", "n", "seconds") if k in e}, METRIC: e[METRIC],
               "t_result": e["created"] - clock["parley_start"], "t_version": times.get(e["version"], 0.0)}
              for e in read_jsonl(out / "eval_history.jsonl")]
-    return {"steps": steps, "evals": evals, "total_s": clock["parley_end"] - clock["parley_start"]}
+    actor_log = out / "parley_actor.log"
+    breakdown = step_breakdown(list(metrics.values()), actor_log.read_text().splitlines() if actor_log.exists() else [])
+    return {"steps": steps, "evals": evals, "total_s": clock["parley_end"] - clock["parley_start"], "breakdown": breakdown}
+
+
+def at_equal_training_time(parley: dict, trl: dict, metric: str = METRIC) -> list[dict]:
+    """at_equal_wall_time with each system's clock started at the end of its own step 1, so that
+    start-up (engines, compile caches) is left out; reported beside the clock from launch."""
+    def shifted(side):
+        t1 = min(s["t"] for s in side["steps"])
+        return [{**e, "t_result": e["t_result"] - t1} for e in side["evals"] if e["t_result"] >= t1]
+    return at_equal_wall_time(shifted(parley), shifted(trl), metric)
 
 
 def trl_side(peer: dict, launched: float) -> dict:
@@ -120,6 +154,8 @@ def compare(out: Path) -> dict:
         "speedup_trained_tokens_per_s": round(ps["trained_tokens_per_s"] / ts["trained_tokens_per_s"], 3),
         "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}",
         "at_equal_wall_time": at_equal_wall_time(parley["evals"], trl["evals"]),
+        "at_equal_training_time": at_equal_training_time(parley, trl),
+        "parley_breakdown": parley["breakdown"],
         "at_the_shorter_run_s": {"t_s": round(both_end, 1),
                                  "parley": None if p_end is None else {"version": p_end["version"], METRIC: p_end[METRIC]},
                                  "trl": None if t_end is None else {"version": t_end["version"], METRIC: t_end[METRIC]}},
@@ -147,6 +183,11 @@ def render(res: dict) -> str:
         "",
         f"| s since launch | parley {METRIC} | TRL {METRIC} |", "|---|---|---|",
         *(f"| {r['t_s']:.1f} | {_cell(r['parley'])} | {_cell(r['trl'])} |" for r in res["at_equal_wall_time"]),
+        "",
+        f"| s since each one's step 1 ended | parley {METRIC} | TRL {METRIC} |", "|---|---|---|",
+        *(f"| {r['t_s']:.1f} | {_cell(r['parley'])} | {_cell(r['trl'])} |" for r in res["at_equal_training_time"]),
+        "",
+        "parley's steps 2..N (medians): " + ", ".join(f"{k} {v}" for k, v in res["parley_breakdown"].items()),
         "",
         "| setting | parley | TRL | same |", "|---|---|---|---|",
         *(f"| {r['setting']} | {r['parley']} | {r['trl']} | {r['same']} |" for r in res["settings"]),

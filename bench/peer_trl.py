@@ -37,8 +37,8 @@ Settings side by side at the defaults (settings_rows(); also in the output JSON 
 | gradient clip | grad_clip = 1.0 | max_grad_norm = 1.0 | yes |
 | KL | kl_coef = 0.0 | beta = 0.0 | yes |
 | advantage | (r - mean) / (sample std + 1e-6) per group (adv_std = sample) | scale_rewards = group: (r - mean) / (sample std + 1e-4) | yes (eps differs) |
-| clip range | [1 - 0.2, 1 + 0.28] on exp(logp - logp_behaviour) | epsilon = 0.2, epsilon_high = 0.28 on exp(logp - logp_old) | yes |
-| behaviour mismatch | the clipped ratio above is against vLLM's log-probs; dual clip 3.0 for A < 0 | logp_old is TRL's recomputed one (ratio 1 at num_iterations = 1); per-token weight min(exp(logp_old - logp_vllm), 3.0) (token_truncate) | no: same value, clip in a different place |
+| clip range | none (behaviour_correction = truncated_is: the ratio to its pre-step self is 1) | epsilon = 0.2, epsilon_high = 0.28 on exp(logp - logp_old), 1 at num_iterations = 1: never binds | yes |
+| behaviour mismatch | per-token weight min(exp(logp - logp_vllm), 3.0) (behaviour_correction = truncated_is) | logp_old is TRL's recomputed one; per-token weight min(exp(logp_old - logp_vllm), 3.0) (token_truncate) | yes |
 | aggregation | loss_agg = token-mean over the step's trained tokens | loss_type = dapo: token sum / trained tokens of the step | yes |
 | trained tokens | assistant tokens (the loss mask) | env_mask = parley's loss mask | yes |
 | reward | goal_match - 0.05 assistant_turns (parley's scorer) | the same values (reward function = parley's total) | yes |
@@ -46,6 +46,7 @@ Settings side by side at the defaults (settings_rows(); also in the output JSON 
 | policy lag | async: groups up to max_staleness = 1 versions old (older: drop) | synchronous: every group from the current weights | no |
 | precision, kernels | dtype = bfloat16, DeepSpeed ZeRO-2, compile = layers, attention = varlen (packed rows) | fp32 weights + bf16 autocast, SDPA over padded rows | no |
 | gradient checkpointing | false | gradient_checkpointing = false | yes |
+| checkpoints | only after the last step, outside the timed steps | none (save_strategy = no) | yes (none while timed) |
 | engines | 2 actor vLLM engines and an eval engine (processes), cuda_ipc weights | one vLLM engine in the trainer's process, weights loaded each step | no |
 
 Two things seen on CPU. TRL sums the reward in float32: a group of equal totals gets a standard
@@ -84,6 +85,12 @@ GPU_MEMORY_UTILIZATION = 0.1
 # ---- the recipe: a parley run config ------------------------------------------------------------
 
 
+# What the comparison sets on top of the environment's preset, for both systems (bench/gpu_run.sh part P
+# gives parley up the same in its HG list): the loss TRL trains (the capped importance weight, no
+# clip) and no checkpoint inside the timed steps, as TRL saves none.
+PEER_SETS = ['learner.behaviour_correction="truncated_is"', "learner.checkpoint_every=1000"]
+
+
 def load_recipe(config: str | Path | None, sets: list[str], *, env: str = DEFAULT_ENV, steps: int | None = None,
                 eval_every: int | None = None, model: str | None = None):
     """The run config both systems train under: `config` with the environment's preset, then `sets`
@@ -92,7 +99,7 @@ def load_recipe(config: str | Path | None, sets: list[str], *, env: str = DEFAUL
     from config.run import load_config
     from environments import registry
 
-    overrides = [f"env.name={json.dumps(env)}", *registry.load(env).preset, *sets] if env else list(sets)
+    overrides = [f"env.name={json.dumps(env)}", *registry.load(env).preset, *PEER_SETS, *sets] if env else [*PEER_SETS, *sets]
     if steps is not None:
         overrides.append(f"learner.steps={steps}")
     if eval_every is not None:
@@ -113,6 +120,7 @@ def recipe_dict(cfg) -> dict[str, Any]:
         "steps": lc.steps, "lr": lc.lr, "kl_coef": lc.kl_coef, "eval_every": lc.eval_every, "eval_items": lc.eval_items,
         "max_model_len": cfg.actor.engine.max_model_len, "run_name": cfg.run.name, "feeder_seed": lc.seed,
         "reward_weights": dict(cfg.scorer.weights),
+        "behaviour_correction": lc.behaviour_correction, "is_cap": lc.is_cap, "checkpoint_every": lc.checkpoint_every,
     }
 
 
@@ -144,10 +152,12 @@ def trl_kwargs(cfg, *, output_dir: str, vllm: bool = True, gpu: bool = True,
         kw.update(
             vllm_mode="colocate", vllm_gpu_memory_utilization=gpu_memory_utilization,
             vllm_max_model_length=cfg.actor.engine.max_model_len,
-            # parley's dual clip caps a negative-advantage token's ratio at dual_clip; this caps TRL's
-            # per-token correction from vLLM's log-probs to its own at the same value
+            # TRL's per-token correction from vLLM's log-probs to its own, capped: at parley's is_cap
+            # when parley trains the same truncated weight (behaviour_correction = "truncated_is"),
+            # else at parley's dual clip, which caps a negative-advantage token's ratio at that value
             vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
-            vllm_importance_sampling_clip_max=lc.dual_clip or None,
+            vllm_importance_sampling_clip_max=(lc.is_cap if lc.behaviour_correction == "truncated_is"
+                                               else lc.dual_clip or None),
         )
     return kw
 
@@ -184,13 +194,24 @@ def settings_rows(cfg) -> list[dict[str, str]]:
             f"(r - mean) / ({lc.adv_std} std + 1e-6) per group (adv_std = {lc.adv_std})" if lc.scale_advantages else "r - mean",
             "scale_rewards = group: (r - mean) / (sample std + 1e-4)" if lc.scale_advantages else "scale_rewards = none: r - mean",
             "yes (eps differs)" if lc.scale_advantages else "yes"),
-        row("clip range", f"[1 - {lc.clip_low}, 1 + {lc.clip_high}] on exp(logp - logp_behaviour)",
-            f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old)", "yes"),
-        row("behaviour mismatch",
-            f"the clipped ratio above is against vLLM's log-probs; dual clip {lc.dual_clip} for A < 0",
-            "logp_old is TRL's recomputed one (ratio 1 at num_iterations = 1); per-token weight "
-            f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
-            "no: same value, clip in a different place"),
+        *(
+            [row("clip range", "none (behaviour_correction = truncated_is: the ratio to its pre-step self is 1)",
+                 f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old), "
+                 "1 at num_iterations = 1: never binds", "yes"),
+             row("behaviour mismatch",
+                 f"per-token weight min(exp(logp - logp_vllm), {lc.is_cap}) (behaviour_correction = truncated_is)",
+                 "logp_old is TRL's recomputed one; per-token weight "
+                 f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
+                 "yes")]
+            if lc.behaviour_correction == "truncated_is" else
+            [row("clip range", f"[1 - {lc.clip_low}, 1 + {lc.clip_high}] on exp(logp - logp_behaviour)",
+                 f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old)", "yes"),
+             row("behaviour mismatch",
+                 f"the clipped ratio above is against vLLM's log-probs; dual clip {lc.dual_clip} for A < 0",
+                 "logp_old is TRL's recomputed one (ratio 1 at num_iterations = 1); per-token weight "
+                 f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
+                 "no: same value, clip in a different place")]
+        ),
         row("aggregation", f"loss_agg = {lc.loss_agg} over the step's trained tokens" if lc.loss_agg == "token-mean"
             else f"loss_agg = {lc.loss_agg}",
             f"loss_type = {kw['loss_type']}: token sum / trained tokens of the step" if kw["loss_type"] == "dapo"
@@ -204,6 +225,10 @@ def settings_rows(cfg) -> list[dict[str, str]]:
             f"attention = {lc.attention} (packed rows)", "fp32 weights + bf16 autocast, SDPA over padded rows", "no"),
         row("gradient checkpointing", str(lc.gradient_checkpointing).lower(),
             f"gradient_checkpointing = {str(kw['gradient_checkpointing']).lower()}", "yes"),
+        row("checkpoints", "only after the last step, outside the timed steps" if lc.checkpoint_every >= lc.steps > 0
+            else f"every {lc.checkpoint_every} steps and after the last (DeepSpeed, weights and optimizer state; "
+            "the step waits for it)", "none (save_strategy = no)",
+            "yes (none while timed)" if lc.checkpoint_every >= lc.steps > 0 else "no"),
         row("engines", f"{cfg.up.actors} actor vLLM engines and an eval engine (processes), {cfg.weights.__struct_config__.tag} weights",
             "one vLLM engine in the trainer's process, weights loaded each step", "no"),
     ]

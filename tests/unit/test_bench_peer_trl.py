@@ -40,7 +40,7 @@ def test_the_default_recipe_is_part_ps_run_of_parley():
 
 
 def test_trls_config_is_parleys_loss_and_schedule():
-    cfg = peer_trl.load_recipe(None, ["learner.clip_low=0.1", "learner.clip_high=0.3", "learner.dual_clip=4.0"], steps=7)
+    cfg = peer_trl.load_recipe(None, ["learner.clip_low=0.1", "learner.clip_high=0.3", "learner.is_cap=4.0"], steps=7)
     kw = peer_trl.trl_kwargs(cfg, output_dir="/tmp/x")
     assert (kw["num_generations"], kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"]) == (8, 8, 1)
     assert (kw["max_steps"], kw["max_completion_length"], kw["learning_rate"]) == (7, 32, 1e-4)
@@ -49,6 +49,8 @@ def test_trls_config_is_parleys_loss_and_schedule():
     assert (kw["vllm_mode"], kw["use_vllm"], kw["shuffle_dataset"], kw["num_iterations"]) == ("colocate", True, False, 1)
     assert (kw["temperature"], kw["top_p"], kw["max_grad_norm"], kw["gradient_checkpointing"]) == (0.7, 1.0, 1.0, False)
     assert "vllm_mode" not in peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", vllm=False)
+    clipped = peer_trl.load_recipe(None, ['learner.behaviour_correction="clip"', "learner.dual_clip=5.0"])
+    assert peer_trl.trl_kwargs(clipped, output_dir="/tmp/x")["vllm_importance_sampling_clip_max"] == 5.0
 
 
 @pytest.mark.parametrize("sets, match", [
@@ -195,3 +197,15 @@ def test_the_comparison_reads_both_runs_steady_state_and_rewards_at_equal_wall_t
 def test_a_steady_state_needs_two_steps():
     with pytest.raises(ValueError, match="1 step"):
         peer_compare.steady([{"step": 1, "t": 3.0, "trained_tokens": 9}])
+
+
+def test_with_truncated_is_both_train_the_same_capped_weight_and_nothing_is_clipped():
+    cfg = peer_trl.load_recipe(None, ["learner.behaviour_correction=\"truncated_is\"", "learner.is_cap=2.0",
+                                      "learner.checkpoint_every=30", "learner.steps=30"])
+    kw = peer_trl.trl_kwargs(cfg, output_dir="-")
+    assert kw["vllm_importance_sampling_mode"] == "token_truncate"
+    assert kw["vllm_importance_sampling_clip_max"] == 2.0
+    rows = {r["setting"]: r for r in peer_trl.settings_rows(cfg)}
+    assert rows["behaviour mismatch"]["same"] == "yes"
+    assert "min(exp(logp - logp_vllm), 2.0)" in rows["behaviour mismatch"]["parley"]
+    assert rows["checkpoints"]["same"].startswith("yes")  # parley's only checkpoint is after the last step
