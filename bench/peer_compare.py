@@ -95,7 +95,7 @@ def step_breakdown(metrics: list[dict], actor_lines: list[str]) -> dict:
     publishing; and an actor's time to play a task (a group) from its log."""
     later = [m for m in metrics if m.get("step", 0) >= 2]
     out = {k: _median([m.get(k) for m in later]) for k in ("wait_s", "train_s", "publish_s")}
-    out["checkpoints_in_steps_2_to_n"] = sum(1 for m in later if m.get("checkpoint_s") is not None and m is not later[-1])
+    out["checkpoints_before_the_last_step"] = sum(1 for m in later[:-1] if "checkpoint_s" in m)
     played = [float(m.group(1)) for m in map(_PLAYED.search, actor_lines) if m]
     out["task_play_s"] = _median(played)
     out["tasks_played"] = len(played)

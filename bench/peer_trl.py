@@ -162,6 +162,26 @@ def trl_kwargs(cfg, *, output_dir: str, vllm: bool = True, gpu: bool = True,
     return kw
 
 
+def _correction_rows(lc, kw: dict[str, Any], row) -> list[dict[str, str]]:
+    """The clip-range and behaviour-mismatch rows, which depend on [learner] behaviour_correction."""
+    if lc.behaviour_correction == "truncated_is":
+        return [row("clip range", "none (behaviour_correction = truncated_is: the ratio to its pre-step self is 1)",
+                    f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old), "
+                    "1 at num_iterations = 1: never binds", "yes"),
+                row("behaviour mismatch",
+                    f"per-token weight min(exp(logp - logp_vllm), {lc.is_cap}) (behaviour_correction = truncated_is)",
+                    "logp_old is TRL's recomputed one; per-token weight "
+                    f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
+                    "yes")]
+    return [row("clip range", f"[1 - {lc.clip_low}, 1 + {lc.clip_high}] on exp(logp - logp_behaviour)",
+                f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old)", "yes"),
+            row("behaviour mismatch",
+                f"the clipped ratio above is against vLLM's log-probs; dual clip {lc.dual_clip} for A < 0",
+                "logp_old is TRL's recomputed one (ratio 1 at num_iterations = 1); per-token weight "
+                f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
+                "no: same value, clip in a different place")]
+
+
 def settings_rows(cfg) -> list[dict[str, str]]:
     """The loss and schedule settings of both systems, side by side (the docstring's table)."""
     lc, ro, s = cfg.learner, cfg.rollout, cfg.actor.sampling
@@ -194,24 +214,7 @@ def settings_rows(cfg) -> list[dict[str, str]]:
             f"(r - mean) / ({lc.adv_std} std + 1e-6) per group (adv_std = {lc.adv_std})" if lc.scale_advantages else "r - mean",
             "scale_rewards = group: (r - mean) / (sample std + 1e-4)" if lc.scale_advantages else "scale_rewards = none: r - mean",
             "yes (eps differs)" if lc.scale_advantages else "yes"),
-        *(
-            [row("clip range", "none (behaviour_correction = truncated_is: the ratio to its pre-step self is 1)",
-                 f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old), "
-                 "1 at num_iterations = 1: never binds", "yes"),
-             row("behaviour mismatch",
-                 f"per-token weight min(exp(logp - logp_vllm), {lc.is_cap}) (behaviour_correction = truncated_is)",
-                 "logp_old is TRL's recomputed one; per-token weight "
-                 f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
-                 "yes")]
-            if lc.behaviour_correction == "truncated_is" else
-            [row("clip range", f"[1 - {lc.clip_low}, 1 + {lc.clip_high}] on exp(logp - logp_behaviour)",
-                 f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old)", "yes"),
-             row("behaviour mismatch",
-                 f"the clipped ratio above is against vLLM's log-probs; dual clip {lc.dual_clip} for A < 0",
-                 "logp_old is TRL's recomputed one (ratio 1 at num_iterations = 1); per-token weight "
-                 f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
-                 "no: same value, clip in a different place")]
-        ),
+        *_correction_rows(lc, kw, row),
         row("aggregation", f"loss_agg = {lc.loss_agg} over the step's trained tokens" if lc.loss_agg == "token-mean"
             else f"loss_agg = {lc.loss_agg}",
             f"loss_type = {kw['loss_type']}: token sum / trained tokens of the step" if kw["loss_type"] == "dapo"

@@ -209,3 +209,30 @@ def test_with_truncated_is_both_train_the_same_capped_weight_and_nothing_is_clip
     assert rows["behaviour mismatch"]["same"] == "yes"
     assert "min(exp(logp - logp_vllm), 2.0)" in rows["behaviour mismatch"]["parley"]
     assert rows["checkpoints"]["same"].startswith("yes")  # parley's only checkpoint is after the last step
+
+
+def test_the_comparison_also_reads_rewards_from_each_ones_first_step_end(tmp_path):
+    """The clock of each system starts when its own step 1 ended (parley 30 s, TRL 20 s after launch);
+    an eval in before that (TRL's v0 at 10 s) is left out."""
+    _write_runs(tmp_path / "out")
+    res = peer_compare.compare(tmp_path / "out")
+    assert [(r["t_s"], r["parley"], r["trl"]) for r in res["at_equal_training_time"]] == [
+        (5.0, None, {"version": 2, "goal_match": 0.2}),
+        (10.0, {"version": 0, "goal_match": 0.1}, {"version": 3, "goal_match": 0.3}),
+        (20.0, {"version": 3, "goal_match": 0.5}, {"version": 3, "goal_match": 0.3}),
+    ]
+
+
+def test_parleys_step_breakdown_is_the_medians_of_steps_2_to_n_and_of_the_actors_task_lines():
+    metrics = [{"step": 1, "wait_s": 90.0, "train_s": 19.0, "publish_s": 0.5},
+               {"step": 2, "wait_s": 0.9, "train_s": 0.3, "publish_s": 0.02},
+               {"step": 3, "wait_s": 0.7, "train_s": 0.2, "publish_s": 0.04, "checkpoint_s": 2.0},
+               {"step": 4, "wait_s": 0.8, "train_s": 0.4, "publish_s": 0.03, "checkpoint_s": 2.1}]
+    lines = ["2026-12-02 10:00:31,000 actor-0 INFO parley.actors.actor: task gpu1-t000002: 8 samples stored in 1.20s "
+             "(900 assistant tokens generated so far)",
+             "2026-12-02 10:00:32,000 actor-0 INFO parley.actors.actor: task gpu1-t000003: 8 samples stored in 0.80s "
+             "(1800 assistant tokens generated so far)",
+             "2026-12-02 10:00:32,100 actor-0 INFO parley.actors.follow: now serving weights version 3 (was 2)"]
+    assert peer_compare.step_breakdown(metrics, lines) == {
+        "wait_s": 0.8, "train_s": 0.3, "publish_s": 0.03, "checkpoints_before_the_last_step": 1,
+        "task_play_s": 1.0, "tasks_played": 2}
