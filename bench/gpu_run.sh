@@ -145,11 +145,14 @@ P)
     write_clock
     ;;
 W1)
-    # the 4B shape (bench.common.random_qwen3), cuda_ipc x3 steady, a round of 64 requests without and
-    # with a cuda_ipc update (tokens/s around it), objstore full once (about a minute for 8 GB)
+    # the 4B shape (bench.common.random_qwen3), cuda_ipc x4 steady (every tensor changed each version;
+    # the worker logs its receive+check and load times), the same weights once more through shared_dir
+    # (the served log-probs must equal the GPU-loaded ones'), a round of 64 requests without and with a
+    # cuda_ipc update (tokens/s around it)
     step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
     step weight_path 420 python3 bench/weight_path.py --transport cuda_ipc --model "$MODEL" --work /tmp \
-        --gpu-transports cuda_ipc objstore --round-transports cuda_ipc --repeats 3 --json "$OUT/weight_path.json"
+        --gpu-transports cuda_ipc --check-file shared_dir --round-transports cuda_ipc --repeats 4 \
+        --json "$OUT/weight_path.json"
     ;;
 W2)
     # deltas from real gradients: AdamW on the fp32 master (64 GB on the GPU), per transport and lr a

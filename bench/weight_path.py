@@ -222,6 +222,7 @@ async def gpu_main(args) -> dict:
 
     from actors.follow import WeightFollower
     from bench.common import random_qwen3
+    from learner.weights_io import hf_tensors
     from deploy.natsserver import NatsServer
     from engines.engine import EngineSettings, PolicyEngine
     from protocol import topology
@@ -271,14 +272,20 @@ async def gpu_main(args) -> dict:
             pub = IpcPublisher(hold_s=5.0, max_buffers=2)  # updates wait for a free buffer (gpu_update)
             version = 0
 
-            async def update(transport):
+            params = [p for _, p in hf_tensors(model)]
+
+            async def update(transport, change=True):
                 nonlocal version
                 version += 1
-                with torch.no_grad():  # another version's weights: the probe's log-prob must move
-                    model.model.norm.weight.fill_(1.0 + 0.01 * version)
+                if change:  # another version's weights, every tensor by its own factor (a tensor
+                    # left stale or loaded into the wrong slice moves the probe's log-probs)
+                    with torch.no_grad():
+                        for i, t in enumerate(params):
+                            t.mul_(1.0 + 0.02 * ((i + version) % 5 - 2))
                 r = await gpu_update(js, run, transport, version, model, pub, work, follower, timed)
-                first = (await engine.generate(probe, max_tokens=1, temperature=0.0)).logprobs[0]
-                r["probe_logprob"] = first
+                probed = (await engine.generate(probe, max_tokens=8, temperature=0.0)).logprobs
+                first = probed[0]
+                r["probe_logprob"], r["probe_logprobs"] = first, list(probed)
                 out["updates"].append(r)
                 print(f"[weights] {transport:10s} v{version}: {r['bytes'] / 1e9:.2f} GB  pack/save {r['pack_or_save']:.3f}s  "
                       f"announce {r['announce']:.3f}s  until load {r['until_load']:.3f}s  load {r['load']:.3f}s  "
@@ -314,6 +321,15 @@ async def gpu_main(args) -> dict:
             for transport in quick:
                 for _ in range(args.repeats if transport == "cuda_ipc" else args.file_repeats):
                     await update(transport)
+            if args.check_file:  # the same weights again, loaded from files: the served log-probs must not move
+                gpu_probe = out["updates"][-1]
+                r = await update(args.check_file, change=False)
+                diffs = [abs(a - b) for a, b in zip(gpu_probe["probe_logprobs"], r["probe_logprobs"])]
+                out["file_check"] = dict(gpu_transport=gpu_probe["transport"], gpu_version=gpu_probe["version"],
+                                         file_transport=args.check_file, file_version=r["version"],
+                                         max_abs_diff=max(diffs), equal=diffs == [0.0] * len(diffs))
+                print(f"[weights] served log-probs after {gpu_probe['transport']} v{gpu_probe['version']} against the "
+                      f"same weights from {args.check_file}: max |diff| {max(diffs):.3g}", file=sys.stderr, flush=True)
             save()
             await round_("no update")
             for transport in args.round_transports:
@@ -356,6 +372,9 @@ if __name__ == "__main__":
     p.add_argument("--round-transports", nargs="+", default=["cuda_ipc", "shared_dir"],
                    help="GPU path: transports updated in the middle of a round of in-flight requests")
     p.add_argument("--file-repeats", type=int, default=1, help="GPU path: repeats of the file transports")
+    p.add_argument("--check-file", default=None, choices=["shared_dir", "objstore"],
+                   help="GPU path: after the GPU updates, load the same weights through this file transport "
+                        "and compare the served log-probs of a probe (equal when the GPU load is exact)")
     p.add_argument("--n", type=int, default=64, help="GPU path: requests in flight")
     p.add_argument("--plen", type=int, default=128)
     p.add_argument("--tokens", type=int, default=512)
@@ -374,6 +393,9 @@ if __name__ == "__main__":
         out = asyncio.run(gpu_main(args))
         print(f"machine: {out['gpu']}, torch {out['torch']}, vLLM {out['vllm']}; engine start {out['engine_start_s']:.0f} s")
         print(gpu_table(out))
+        if "file_check" in out:
+            print("served log-probs, GPU load against the same weights from files: {equal} "
+                  "(max |diff| {max_abs_diff:.3g})".format(**out["file_check"]))
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))
         sys.exit(0)

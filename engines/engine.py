@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -404,6 +406,8 @@ class PolicyEngine:
 # What a worker's parley_load_gpu says of a version it did not load (its reasons cross vLLM's collective_rpc)
 UNAVAILABLE = "unavailable"  # it passes: weights.common.WeightUnavailable, tried again
 REFUSED = "refused"  # for good: weights.common.WeightVerifyError
+# in a vLLM worker, under the logger vLLM configures in every process (so it reaches the engine's log)
+_worker_log = logging.getLogger("vllm.parley")
 
 
 class WorkerExtension:
@@ -427,6 +431,7 @@ class WorkerExtension:
         from weights import registry
         from weights.common import WeightUnavailable
 
+        t_start = time.perf_counter()
         wv = codec.decode("weights", announcement)
         transport = registry.get(wv.transport)
         if transport is None or not transport.gpu or transport.source(wv) is None:
@@ -439,22 +444,78 @@ class WorkerExtension:
             return UNAVAILABLE, f"version {wv.version}: {e.reason}"
         if reason:
             return REFUSED, f"version {wv.version}: {reason}"
-        # vLLM's in-place reload, fed our tensors instead of files: the same machinery as
-        # parley_reload_weights (it redoes each layer's post-load processing, which a bare
-        # model.load_weights misses: on CPU the packed linear layers lose their weight_loader). It
-        # copies each layer's results into the engine's own tensors (CUDA graphs keep their
-        # addresses), so nothing served points into the received buffer afterwards.
-        self.reload_weights(weights_iterator=iter(named))
         model = self.model_runner.get_model()
+        if not hasattr(self, "_parley_bare_why"):  # the model's layers do not change while it serves
+            self._parley_bare_why = bare_load_refusal(model)
+        t_received = time.perf_counter()
+        if self._parley_bare_why is None:
+            # Every layer of this model takes its weights as loaded (no post-load processing on this
+            # platform): the model's own load_weights copies each received tensor into its parameter
+            # through that parameter's weight_loader (stacking q/k/v, gate/up in place), so the
+            # served tensors keep their addresses (CUDA graphs) and nothing points into the buffer.
+            missing = _not_loaded(model, model.load_weights(iter(named)))
+            if missing:  # never seen: then this model needs the layer-wise reload, now and from now on
+                self._parley_bare_why = (f"a bare load_weights left {len(missing)} parameters unloaded "
+                                         f"(first: {missing[0]})")
+                _worker_log.warning("parley: version %d: %s; reloading it layer by layer", wv.version,
+                                    self._parley_bare_why)
+        if self._parley_bare_why is not None:
+            # vLLM's in-place layer-wise reload, fed our tensors instead of files: the same machinery
+            # as parley_reload_weights (it redoes each layer's post-load processing, which a bare
+            # load_weights misses: on CPU the packed linear layers lose their weight_loader). It
+            # materializes each layer anew, loads it, processes it and copies the result into the
+            # engine's own tensors.
+            self.reload_weights(weights_iterator=iter(named))
         del named  # views of the learner's buffer, or of the staged copy (its memory goes back to torch's cache)
         broken = transport.loaded(wv, self._parley_weights)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            t_loaded = time.perf_counter()
+            torch.cuda.empty_cache()  # a staged copy or the layer-wise reload's layers go back to the GPU
+        else:
+            t_loaded = time.perf_counter()
         if broken:
             raise RuntimeError(f"version {wv.version}: {broken}")
+        _worker_log.info("parley: version %d loaded (%s) in %.4f s: receive+check %.4f s, load %.4f s, "
+                         "release %.4f s", wv.version, "bare load_weights" if self._parley_bare_why is None
+                         else f"layer-wise reload: {self._parley_bare_why}", time.perf_counter() - t_start,
+                         t_received - t_start, t_loaded - t_received, time.perf_counter() - t_loaded)
         _refresh_cpu_prepacked(model)
         return None
+
+
+def bare_load_refusal(model) -> str | None:
+    """None when the model's own load_weights alone loads a new version exactly, decided from vLLM's
+    per-layer metadata; else why vLLM's layer-wise reload is needed (the first layer that says so).
+
+    A bare load is exact when no layer processes its weights after loading on this platform:
+    unquantized linear and embedding layers do so only on CPU (they repack into oneDNN handles
+    there), attention layers only when they carry quantization scales, and any other quantization
+    method (fp8, int4, ...) always does. That is the case of a bf16 or fp32 model on a GPU: its
+    reload then skips the layer-wise machinery, which materializes every layer a second time."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "vLLM's CPU build repacks linear weights after loading"
+    plain = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    for name, module in model.named_modules():
+        if hasattr(module, "base_layer"):  # a LoRA wrapper: its parameters are named under base_layer
+            return f"{name} is wrapped for LoRA"
+        method = getattr(module, "quant_method", None)
+        if method is not None and not isinstance(method, plain):
+            return f"{name or 'the model'} processes its weights after loading ({type(method).__name__})"
+    return None
+
+
+def _not_loaded(model, loaded) -> list[str]:
+    """The model's parameters a load_weights call did not report as loaded (none known when the
+    model's load_weights reports nothing)."""
+    if loaded is None:
+        return []
+    loaded = set(loaded)
+    return [n for n, _ in model.named_parameters() if n not in loaded]
 
 
 def _refresh_cpu_prepacked(model) -> None:
