@@ -121,6 +121,9 @@ class Weights:
         self._base: tuple = ()
         self._since_full = 0  # versions announced since the last one sent full only
         self.base = adapter_base
+        # a GPU transport: the newest version not published because every buffer was still held
+        # (weights.cuda_ipc.IpcPublisher), published as soon as a buffer may be written (retry_held)
+        self.held: int | None = None
 
     async def publish(self, version: int, write_now: bool = False) -> bool:
         """Take `version`'s weights now, before the next step can change them, and hand their upload and
@@ -141,9 +144,11 @@ class Weights:
         if registry.of(self.settings).gpu:
             if write_now:  # the eval's export reads the weights directory: a GPU buffer is no file
                 await self.write_for_eval(version)
+            self.held = None  # this version's weights replace any skipped one's
             source = await asyncio.to_thread(self.driver, "pack_weights", version)
-            if source is None:  # every buffer still held (weights.cuda_ipc.IpcPublisher): the next step's is tried
+            if source is None:  # every buffer still held (weights.cuda_ipc.IpcPublisher): retry_held packs it later
                 self.publisher.counters["skipped_held"] += 1
+                self.held = version
                 return False
             self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
             return True
@@ -154,6 +159,29 @@ class Weights:
         self.publisher.submit(Publication(version, lambda: self.upload(version, snap, wdir),
                                           discard=lambda: shutil.rmtree(wdir, ignore_errors=True)))
         return True
+
+    async def retry_held(self) -> float | None:
+        """Publish the version `publish` skipped because every GPU buffer was still held, once one may
+        be written (no step has changed the weights since: a step's own publish clears it). The
+        learner's loop calls this every round: without it a learner whose admission waits for that
+        version (the actors serve an older one, and max_staleness admits no task at it) would wait
+        for data that never comes. Returns the seconds until a buffer may be written while a version
+        is still held back (the loop waits no longer than that), else None."""
+        if self.held is None:
+            return None
+        wait = await asyncio.to_thread(self.driver, "weights_writable_in")
+        if wait > 0:
+            return wait
+        version, self.held = self.held, None
+        source = await asyncio.to_thread(self.driver, "pack_weights", version)
+        if source is None:  # a buffer was taken for a send meanwhile (nccl): tried again next round
+            self.held = version
+            return 0.0
+        self.publisher.counters["published_after_held"] += 1
+        log.info("weights version %d published once a buffer was free (skipped at its step, every buffer "
+                 "held; no step came in between)", version)
+        self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
+        return None
 
     async def write_for_eval(self, version: int) -> None:
         """A GPU transport: write `version` to its weights directory as the file transports do, for

@@ -123,9 +123,10 @@ class Learner:
                     st.since_step += self.intake.consume(self.grouper.expire() + self.fates.overdue())
                 if await self.stepper.try_step():
                     continue
+                held_in = await self.weights.retry_held()  # a version skipped at its step for held buffers
                 if self.intake.flush_due():
                     await self.intake.flush()
-                await self.intake.wait_for_data(0.5)
+                await self.intake.wait_for_data(0.5 if held_in is None else min(0.5, max(held_in, 0.01)))
             # Also after SIGTERM: the upload under way finishes and the newest version is announced.
             st.phase = "publishing"
             await self.publisher.drain()

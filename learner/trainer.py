@@ -485,6 +485,11 @@ class Trainer:
                 return None
             return self.sender.pack(hf_tensors(self.module), version)
 
+    def weights_writable_in(self) -> float:
+        """Seconds until pack_weights would find a GPU buffer it may write on rank 0 (0: now; inf while
+        every buffer is being sent from); 0 without GPU buffers (a file transport, or another rank)."""
+        return self.sender.writable_in() if self.sender is not None else 0.0
+
     def save_checkpoint(self, ckpt_dir: str | Path, tag: str) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
 

@@ -216,6 +216,10 @@ class NcclSender:
         return NcclSource(address=self.address, backend=self.backend, nbytes=self.pub.total, hold_s=self.pub.hold_s,
                           tensors=tensors, instance=self.instance)
 
+    def writable_in(self) -> float:
+        """IpcPublisher.writable_in of the buffers it sends from."""
+        return self.pub.writable_in()
+
     def close(self) -> None:
         """Stop accepting and serving: every waiting thread is woken by its stop marker and joined."""
         self._stop.set()

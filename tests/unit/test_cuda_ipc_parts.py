@@ -271,3 +271,47 @@ def test_a_version_whose_buffers_are_all_held_is_counted_and_never_announced(tmp
     assert asyncio.run(weights.publish(3)) is False
     assert calls == [("pack_weights", 3)] and not publisher.busy() and feeder.version is None
     assert publisher.counters["skipped_held"] == 1 and publisher.counters["published"] == 0
+
+
+def test_a_version_skipped_for_held_buffers_is_published_once_a_buffer_frees_without_another_step(tmp_path):
+    """The learner's admission may wait for the skipped version itself (actors on an older one, and
+    max_staleness admitting no task at it): no data comes, so no step and no publish. Weights.retry_held,
+    called every round of the learner's loop, packs the held-back version as soon as the trainer says
+    a buffer may be written, and not before; a later step's publish replaces it. Test doubles for the
+    driver, feeder and publisher (seen on the H200: 5 steps, then none, versions 4 and 5 skipped)."""
+    from collections import Counter
+
+    from config.learner import LearnerConfig
+    from learner.publication import Weights
+
+    class PublisherDouble:
+        def __init__(self):
+            self.submitted, self.counters = [], Counter()
+
+        def submit(self, pub):
+            self.submitted.append(pub.version)
+
+    state = {"writable_in": 1.5, "free": False}
+    calls = []
+
+    def driver(op, *args):
+        calls.append(op)
+        if op == "weights_writable_in":
+            return state["writable_in"]
+        return "source" if state["free"] else None
+
+    publisher = PublisherDouble()
+    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, None)
+    assert asyncio.run(weights.retry_held()) is None and calls == []  # nothing held back: no trainer call
+    assert asyncio.run(weights.publish(3)) is False
+    assert asyncio.run(weights.retry_held()) == 1.5  # still held: not packed, the loop waits that long at most
+    assert calls == ["pack_weights", "weights_writable_in"] and publisher.submitted == []
+    state.update(writable_in=0.0, free=True)
+    assert asyncio.run(weights.retry_held()) is None
+    assert publisher.submitted == [3] and publisher.counters["published_after_held"] == 1
+    assert asyncio.run(weights.retry_held()) is None and publisher.submitted == [3]  # once
+    state.update(writable_in=2.0, free=False)
+    asyncio.run(weights.publish(4))
+    state.update(free=True)
+    asyncio.run(weights.publish(5))  # a step's own publish: nothing of 4 is left to retry
+    assert weights.held is None and publisher.submitted == [3, 5]
