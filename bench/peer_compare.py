@@ -49,17 +49,20 @@ def step_times(lines: list[str], start_local: str) -> dict[int, float]:
 
 
 def steady(steps: list[dict]) -> dict:
-    """From [{step, t (s since launch), trained_tokens}]: the first step's end (start-up included), the
-    whole run, and the steady state between the end of step 1 and the end of the last step."""
+    """From [{step, t (s since launch), trained_tokens, signal_tokens}]: the first step's end (start-up
+    included), the whole run, and the steady state between the end of step 1 and the end of the last
+    step. signal_tokens: the trained tokens of groups whose rewards differ (a group of equal rewards
+    has advantage 0 everywhere and adds nothing to the gradient, with no KL term)."""
     steps = sorted(steps, key=lambda s: s["step"])
     if len(steps) < 2:
         raise ValueError(f"{len(steps)} step(s) recorded; the steady state needs two or more")
     first, last = steps[0], steps[-1]
     span = last["t"] - first["t"]
     tokens = sum(s["trained_tokens"] for s in steps[1:])
+    signal = sum(s["signal_tokens"] for s in steps[1:])
     return {"steps": len(steps), "first_step_end_s": round(first["t"], 2), "last_step_end_s": round(last["t"], 2),
             "wall_s_per_step": round(span / (len(steps) - 1), 4), "trained_tokens_per_s": round(tokens / span, 1),
-            "trained_tokens": sum(s["trained_tokens"] for s in steps)}
+            "signal_tokens_per_s": round(signal / span, 1), "trained_tokens": sum(s["trained_tokens"] for s in steps)}
 
 
 def latest(evals: list[dict], t: float) -> dict | None:
@@ -105,7 +108,9 @@ def step_breakdown(metrics: list[dict], actor_lines: list[str]) -> dict:
 def parley_side(out: Path, clock: dict) -> dict:
     metrics = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl")}
     times = step_times((out / "parley_steps.log").read_text().splitlines(), clock["parley_start_local"])
-    steps = [{"step": s, "t": times[s], "trained_tokens": metrics[s]["trained_tokens"]} for s in sorted(metrics) if s in times]
+    # parley trains no group of equal rewards (learner.grouper skips it before a step): every trained token carries signal
+    steps = [{"step": s, "t": times[s], "trained_tokens": metrics[s]["trained_tokens"],
+              "signal_tokens": metrics[s]["trained_tokens"]} for s in sorted(metrics) if s in times]
     evals = [{**{k: e[k] for k in ("version", "step", "n", "seconds") if k in e}, METRIC: e[METRIC],
               "t_result": e["created"] - clock["parley_start"], "t_version": times.get(e["version"], 0.0)}
              for e in read_jsonl(out / "eval_history.jsonl")]
@@ -123,8 +128,17 @@ def at_equal_training_time(parley: dict, trl: dict, metric: str = METRIC) -> lis
     return at_equal_wall_time(shifted(parley), shifted(trl), metric)
 
 
+def signal_tokens(step: dict, n: int) -> float:
+    """A TRL step's trained tokens less its groups of equal rewards' share (flat_groups of the
+    step's conversations / n groups; exact at one group a step)."""
+    groups = max(1, step["conversations"] // n)
+    return step["trained_tokens"] * (1 - step.get("flat_groups", 0) / groups)
+
+
 def trl_side(peer: dict, launched: float) -> dict:
-    steps = [{"step": s["step"], "t": s["t_end"] - launched, "trained_tokens": s["trained_tokens"]} for s in peer["steps"]]
+    n = peer["recipe"]["n"]
+    steps = [{"step": s["step"], "t": s["t_end"] - launched, "trained_tokens": s["trained_tokens"],
+              "signal_tokens": signal_tokens(s, n)} for s in peer["steps"]]
     ends = {s["step"]: s["t"] for s in steps}
     evals = [{"version": e["version"], "n": e["n"], "seconds": e["seconds"], METRIC: e[METRIC],
               "t_result": e["t_end"] - launched, "t_version": ends.get(e["version"], 0.0)} for e in peer["evals"]]
@@ -137,10 +151,14 @@ def trl_side(peer: dict, launched: float) -> dict:
     return {"steps": steps, "evals": evals, "inline_eval_s": round(eval_s, 2), "total_s": end - launched}
 
 
-def compare(out: Path) -> dict:
+def compare(out: Path, trl_out: Path | None = None) -> dict:
+    """`trl_out`: TRL's run from another call of part P (its peer_trl.json and p_clock.json), when
+    parley's side of `out` was re-run alone."""
     clock = json.loads((out / "p_clock.json").read_text())
-    peer = json.loads((out / "peer_trl.json").read_text())
-    parley, trl = parley_side(out, clock), trl_side(peer, clock["trl_start"])
+    trl_dir = trl_out or out
+    peer = json.loads((trl_dir / "peer_trl.json").read_text())
+    trl_clock = json.loads((trl_dir / "p_clock.json").read_text())
+    parley, trl = parley_side(out, clock), trl_side(peer, trl_clock["trl_start"])
     ps, ts = steady(parley["steps"]), steady(trl["steps"])
     # TRL's eval runs between its steps; without it its steady state would be this much shorter
     ts["wall_s_per_step_without_eval"] = round(
@@ -152,6 +170,9 @@ def compare(out: Path) -> dict:
         "parley": {**ps, "total_s": round(parley["total_s"], 1), "evals": parley["evals"]},
         "trl": {**ts, "total_s": round(trl["total_s"], 1), "inline_eval_s": trl["inline_eval_s"], "evals": trl["evals"]},
         "speedup_trained_tokens_per_s": round(ps["trained_tokens_per_s"] / ts["trained_tokens_per_s"], 3),
+        "speedup_signal_tokens_per_s": round(ps["signal_tokens_per_s"] / ts["signal_tokens_per_s"], 3),
+        "runs": {"parley_launched": clock.get("parley_start_local", ""),
+                 "trl_launched_unix": trl_clock["trl_start"], "same_call": trl_out is None},
         "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}",
         "at_equal_wall_time": at_equal_wall_time(parley["evals"], trl["evals"]),
         "at_equal_training_time": at_equal_training_time(parley, trl),
@@ -172,6 +193,8 @@ def render(res: dict) -> str:
     lines = [
         "| | parley | TRL |", "|---|---|---|",
         f"| trained tokens/s (steps 2..N) | {p['trained_tokens_per_s']:,.0f} | {t['trained_tokens_per_s']:,.0f} |",
+        f"| trained tokens of groups with differing rewards /s | {p['signal_tokens_per_s']:,.0f} | "
+        f"{t['signal_tokens_per_s']:,.0f} |",
         f"| wall s/step (steps 2..N) | {p['wall_s_per_step']:.3f} | {t['wall_s_per_step']:.3f} "
         f"({t['wall_s_per_step_without_eval']:.3f} without its inline eval) |",
         f"| end of step 1 (start-up) s | {p['first_step_end_s']:.1f} | {t['first_step_end_s']:.1f} |",
@@ -179,7 +202,9 @@ def render(res: dict) -> str:
         f"| held-out {METRIC}, last | {_cell(p['evals'][-1] if p['evals'] else None)} | "
         f"{_cell(t['evals'][-1] if t['evals'] else None)} |",
         "",
-        f"parley / TRL trained tokens/s: {res['speedup_trained_tokens_per_s']:.2f}x (goal: {GOAL}x)",
+        f"parley / TRL trained tokens/s: {res['speedup_trained_tokens_per_s']:.2f}x (goal: {GOAL}x); "
+        f"counting only groups with differing rewards: {res['speedup_signal_tokens_per_s']:.2f}x"
+        + ("" if res["runs"]["same_call"] else " (TRL's run from another device call: --trl-out)"),
         "",
         f"| s since launch | parley {METRIC} | TRL {METRIC} |", "|---|---|---|",
         *(f"| {r['t_s']:.1f} | {_cell(r['parley'])} | {_cell(r['trl'])} |" for r in res["at_equal_wall_time"]),
@@ -200,8 +225,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the folder bench/gpu_run.sh P wrote")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "peer_trl_h200.json")
     p.add_argument("--date", default="", help="the date of the run, recorded in the JSON")
+    p.add_argument("--trl-out", type=Path, default=None,
+                   help="take TRL's side (peer_trl.json, p_clock.json) from this folder of another part P call")
     args = p.parse_args(argv)
-    res = compare(args.out)
+    res = compare(args.out, args.trl_out)
     if args.date:
         res = {"date": args.date, **res}
     print(render(res))

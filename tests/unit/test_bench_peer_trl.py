@@ -166,11 +166,13 @@ def _write_runs(out: Path) -> None:
     (out / "eval_history.jsonl").write_text(
         json.dumps({"version": 0, "step": 0, "n": 24, "seconds": 20.0, "goal_match": 0.1, "created": 1040.0}) + "\n"
         + json.dumps({"version": 3, "step": 3, "n": 24, "seconds": 2.0, "goal_match": 0.5, "created": 1050.0}) + "\n")
-    steps = [{"step": s, "t_end": 1100.0 + t, "trained_tokens": 100 * s} for s, t in ((1, 20.0), (2, 24.0), (3, 28.0))]
+    # TRL's step 3 trained one group of equal rewards (flat): its tokens carry no gradient
+    steps = [{"step": s, "t_end": 1100.0 + t, "trained_tokens": 100 * s, "conversations": 8, "flat_groups": int(s == 3)}
+             for s, t in ((1, 20.0), (2, 24.0), (3, 28.0))]
     evals = [{"version": 0, "n": 24, "seconds": 1.0, "t_end": 1110.0, "goal_match": 0.1},
              {"version": 2, "n": 24, "seconds": 1.0, "t_end": 1125.0, "goal_match": 0.2},
              {"version": 3, "n": 24, "seconds": 2.0, "t_end": 1130.0, "goal_match": 0.3}]
-    (out / "peer_trl.json").write_text(json.dumps({"recipe": {"steps": 3}, "settings": [], "steps": steps, "evals": evals,
+    (out / "peer_trl.json").write_text(json.dumps({"recipe": {"steps": 3, "n": 8}, "settings": [], "steps": steps, "evals": evals,
                                                    "ended_at": 1131.0}))
 
 
@@ -183,6 +185,9 @@ def test_the_comparison_reads_both_runs_steady_state_and_rewards_at_equal_wall_t
     assert (t["first_step_end_s"], t["wall_s_per_step"], t["trained_tokens_per_s"], t["total_s"]) == (20.0, 4.0, 62.5, 31.0)
     assert t["wall_s_per_step_without_eval"] == 3.5  # the v2 eval ran between steps 2 and 3, the v3 one after
     assert res["speedup_trained_tokens_per_s"] == 4.0
+    # with signal only: parley's 500 tokens in 2 s against TRL's step 2 alone, 200 tokens in 8 s
+    assert (p["signal_tokens_per_s"], t["signal_tokens_per_s"], res["speedup_signal_tokens_per_s"]) == (250.0, 25.0, 10.0)
+    assert res["runs"]["same_call"] is True
     assert [(r["t_s"], r["parley"], r["trl"]) for r in res["at_equal_wall_time"]] == [
         (10.0, None, {"version": 0, "goal_match": 0.1}),
         (25.0, None, {"version": 2, "goal_match": 0.2}),
@@ -192,6 +197,21 @@ def test_the_comparison_reads_both_runs_steady_state_and_rewards_at_equal_wall_t
     ]
     assert res["at_the_shorter_run_s"]["t_s"] == 31.0
     assert "| trained tokens/s (steps 2..N) | 250 | 62 |" in peer_compare.render(res)
+
+
+def test_trls_side_may_come_from_another_call_of_the_part(tmp_path):
+    """--trl-out: parley re-run alone in one call, TRL's run and its launch time read from another."""
+    _write_runs(tmp_path / "both")
+    import shutil
+
+    shutil.copytree(tmp_path / "both", tmp_path / "parley")
+    (tmp_path / "parley" / "peer_trl.json").unlink()
+    clock = json.loads((tmp_path / "parley" / "p_clock.json").read_text())
+    (tmp_path / "parley" / "p_clock.json").write_text(json.dumps({**clock, "trl_start": None, "trl_end": None}))
+    alone, both = peer_compare.compare(tmp_path / "parley", tmp_path / "both"), peer_compare.compare(tmp_path / "both")
+    assert alone["trl"] == both["trl"] and alone["parley"] == both["parley"]
+    assert alone["runs"]["same_call"] is False
+    assert "another device call" in peer_compare.render(alone)
 
 
 def test_a_steady_state_needs_two_steps():
