@@ -189,9 +189,11 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
         while (wait := pub.writable_in()) > 0:
             await asyncio.sleep(min(wait, 1.0))
     t0 = time.perf_counter()  # step end
+    fill = {}
     if gpu:
         ipc = await asyncio.to_thread(pub.pack, hf_tensors(model), version)
         t_ready = time.perf_counter()
+        fill = {f"fill_{k}": v for k, v in pub.fill_s.items()}  # of pack_or_save: the copies, the checksum
         wv = await registry.publish_gpu_version(js, run, version, version, ipc)
     else:
         state_dir = work / "learner" / f"v{version}"
@@ -212,7 +214,7 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
         shutil.rmtree(work / "learner", ignore_errors=True)
     return dict(transport=transport, version=version, bytes=wv.bytes, pack_or_save=t_ready - t0,
                 announce=t_announced - t_ready, until_load=load_start - t_announced, load=load_end - load_start,
-                total=t_served - t0)
+                total=t_served - t0, **fill)
 
 
 async def gpu_main(args) -> dict:

@@ -476,10 +476,12 @@ class WorkerExtension:
             t_loaded = time.perf_counter()
         if broken:
             raise RuntimeError(f"version {wv.version}: {broken}")
-        _worker_log.info("parley: version %d loaded (%s) in %.4f s: receive+check %.4f s, load %.4f s, "
+        parts = self._parley_weights.pop("receive_s", None) or {}
+        _worker_log.info("parley: version %d loaded (%s) in %.4f s: receive+check %.4f s (%s), load %.4f s, "
                          "release %.4f s", wv.version, "bare load_weights" if self._parley_bare_why is None
                          else f"layer-wise reload: {self._parley_bare_why}", time.perf_counter() - t_start,
-                         t_received - t_start, t_loaded - t_received, time.perf_counter() - t_loaded)
+                         t_received - t_start, ", ".join(f"{k} {v:.4f} s" for k, v in parts.items()) or "-",
+                         t_loaded - t_received, time.perf_counter() - t_loaded)
         _refresh_cpu_prepacked(model)
         return None
 

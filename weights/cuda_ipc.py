@@ -217,15 +217,22 @@ def receive(ipc: CudaIpcBuffer, device, state: dict | None = None) -> tuple[list
     ended; past it, into a local copy on `device` (the learner's mapping is closed at once)."""
     import torch
 
+    t0 = time.perf_counter()
     src = _open(ipc)
     deadline = direct_deadline(ipc)
     if deadline is not None:
+        t_open = time.perf_counter()
         reason = mismatch(ipc.tensors, checksums(src, ipc.tensors))
         if reason:
             return [], reason
+        t_check = time.perf_counter()
         if state is not None:
             state["direct"] = (src, ipc, deadline)
-        return [(e.name, view(src, e)) for e in ipc.tensors], None
+        views = [(e.name, view(src, e)) for e in ipc.tensors]
+        if state is not None:  # where a receive's time goes (the worker logs it)
+            state["receive_s"] = {"open": t_open - t0, "checksum": t_check - t_open,
+                                  "views": time.perf_counter() - t_check}
+        return views, None
     staged = torch.empty(ipc.nbytes, dtype=torch.uint8, device=device)
     staged.copy_(src)
     torch.cuda.synchronize(device)
@@ -284,6 +291,7 @@ class IpcPublisher:
         self.layout = None
         self.total = 0
         self.skipped: list[int] = []  # versions not published: every buffer was still held
+        self.fill_s: dict[str, float] = {}  # the last fill's seconds: copying the tensors in, checksumming
         self._lock = threading.Lock()  # nccl sender threads take buffers while the learner fills one
 
     def _new_buffer(self, device) -> _Buffer:
@@ -356,8 +364,15 @@ class IpcPublisher:
                             version, len(self.buffers), self.hold_s)
                 return None
             buf.version = None  # being written: not to be sent
+            t0 = time.perf_counter()
             pack(named, buf.data, self.layout)
+            if buf.data.is_cuda:  # the copies' own time, apart from the checksum's (what a fill costs: bench/weight_path.py)
+                import torch
+
+                torch.cuda.synchronize(buf.data.device)
+            t_copied = time.perf_counter()
             sums = checksums(buf.data, self.layout)  # returns after the copies are done (one sync)
+            self.fill_s = {"copy": t_copied - t0, "checksum": time.perf_counter() - t_copied}
             buf.version, buf.filled = version, time.monotonic()
         return buf.data, with_checksums(self.layout, sums)
 
