@@ -46,7 +46,7 @@ class Learner:
 
     def __init__(self, cfg: RunConfig, js, nc, driver, *, model_dir, resume: bool, steps: int, eval_launch=None):
         started = time.monotonic()
-        self.cfg, self.lc, self.js, self.nc = cfg, cfg.learner, js, nc
+        self.cfg, self.lc, self.js, self.nc, self.driver = cfg, cfg.learner, js, nc, driver
         self.run_name, self.run_dir = cfg.run.name, cfg.run_dir
         self.id = f"{socket.gethostname()}-{os.getpid()}"
         limits = policy_limits(model_dir)
@@ -110,6 +110,9 @@ class Learner:
             await self.evals.submit(st.step)
         st.phase = "ready"
         try:
+            if not st.last():  # the feeder and consumers already run: actors get tasks meanwhile
+                log.info("warm-up before the first step: %.1f s (a zero-weighted forward and backward)",
+                         await asyncio.to_thread(self.driver, "warm_up"))
             while not stop.is_set() and not st.last():
                 for t in background:
                     if t.done():

@@ -421,6 +421,21 @@ class Trainer:
         norm = float(norm) if norm is not None else None
         return norm is None or math.isfinite(norm), norm
 
+    def warm_up(self) -> float:
+        """One zero-weighted forward and backward of a small micro-batch (two sequences), run before the
+        first step while the learner waits for its first groups: the compiled layers are traced and
+        compiled, and the kernels chosen, off the first step's path (on the H200 the first step of
+        SmolLM2 took 14.8 s against 0.3 s for the next ones). The gradient it leaves is exactly zero
+        and no optimizer step follows, so the first step trains as it would without it. Every rank
+        makes it (the ZeRO reductions in backward). Returns its seconds."""
+        t0 = time.perf_counter()
+        self.engine.train()
+        n = max(2, min(64, self.cfg.micro_batch_tokens // 2))
+        pair = [Sample(f"warm-up-{i}", [0] * n, [0] + [1] * (n - 1), [0.0] * n, 0.0) for i in range(2)]
+        logp, _ = self._policy_logprobs(build_batch(pair, self.device))
+        self.engine.backward(logp.sum() * 0.0)
+        return time.perf_counter() - t0
+
     def _idle_backward(self) -> None:
         """A zero-weighted backward through the whole model, so this rank joins the gradient
         reductions of a micro-batch it has no data for."""

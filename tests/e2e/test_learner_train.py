@@ -158,3 +158,24 @@ def test_a_step_with_a_non_finite_loss_is_not_applied(tiny_model, stage):
     trained = params(trainer)
     assert all(bool(torch.isfinite(p).all()) for p in trained.values())
     assert any(not torch.equal(after[n], trained[n]) for n in after)
+
+
+def test_the_warm_up_before_the_first_step_changes_nothing_that_step_trains(tiny_model):
+    """Trainer.warm_up (the learner's start, while it waits for data) leaves a zero gradient and no
+    optimizer step: the first step after it gives bit-identical weights and the same statistics as
+    a first step without it, under ZeRO-2's reductions in backward."""
+    gen = torch.Generator().manual_seed(1)
+    cfg = LearnerConfig(zero_stage=2, lr=1e-3, kl_coef=0.0, micro_batch_tokens=64)
+    cold = Trainer(cfg, tiny_model)
+    prompts = [torch.randint(3, 2000, (PROMPT,), generator=gen).tolist() for _ in range(2)]
+    ids, lps = sample(cold.module, prompts, 4, gen)
+    batch = samples_for(ids, lps, torch.rand(2, 4, generator=gen))
+    cold_stats = cold.train_step(batch)
+    cold_after = params(cold)
+    warm = Trainer(cfg, tiny_model)
+    assert warm.warm_up() > 0
+    assert all(p.grad is None or not p.grad.any() for p in warm.module.parameters())
+    warm_stats = warm.train_step(batch)
+    warm_after = params(warm)
+    assert all(torch.equal(cold_after[n], warm_after[n]) for n in cold_after)
+    assert warm_stats["grad_norm"] == cold_stats["grad_norm"] and warm_stats["loss"] == cold_stats["loss"]
