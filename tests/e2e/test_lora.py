@@ -192,3 +192,32 @@ def test_merged_export_computes_what_base_plus_adapter_computes(tiny_model, tmp_
         adapted = PeftModel.from_pretrained(base, str(lora.as_vllm_adapter(adir)))(ids).logits
     assert (adapted - plain).abs().max() > 1e-2  # the adapter matters
     torch.testing.assert_close(merged, adapted, atol=1e-4, rtol=0)
+
+
+def _lora_steps(model_dir, zero: int, checkpointing: bool) -> dict:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("lora_step.py")
+    done = subprocess.run([sys.executable, str(script), str(model_dir), str(zero), "1" if checkpointing else "0"],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(900)
+def test_an_adapter_trains_the_same_under_zero_3_and_gradient_checkpointing(tiny_model):
+    """[learner.lora] with ZeRO-3 (partitioned base and adapter) and with gradient checkpointing (the
+    forward redone in backward, adapters and all): two steps give the loss, gradient norm and KL of
+    ZeRO-2 without checkpointing, every adapter weight moves and no base weight does. The first step's
+    KL is 0 (the reference is the base, the adapter's B starts at zero); the second's is not."""
+    plain = _lora_steps(tiny_model, 2, False)
+    assert plain["adapter"] and plain["changed"] == plain["adapter"]
+    assert plain["kl_first"] == 0.0 and plain["kl_second"] > 0
+    for zero, checkpointing in ((3, False), (2, True), (3, True)):
+        other = _lora_steps(tiny_model, zero, checkpointing)
+        assert other["changed"] == plain["adapter"], (zero, checkpointing)
+        for key in ("loss", "grad_norm", "kl_second", "loss_second"):
+            assert other[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), (zero, checkpointing, key)

@@ -1,0 +1,51 @@
+"""Run by tests/e2e/test_lora.py, one process per combination: two GRPO steps of a rank-4 LoRA
+adapter on the toy model under one ZeRO stage, with or without gradient checkpointing, and what
+they changed. Each combination gets its own process: a ZeRO-3 engine leaves transformers' ZeRO-3
+flag set for later model loads in the same process. Prints one JSON line. Not a test module itself."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def main(model_dir: str, zero: int, checkpointing: bool) -> None:
+    import deepspeed
+    import torch
+
+    from config.learner import LearnerConfig, LoraSettings
+    from learner.packing import Sample
+    from tests.e2e.ranks_step import step_samples
+
+    from learner.trainer import Trainer
+
+    cfg = LearnerConfig(zero_stage=zero, lr=1e-2, kl_coef=0.01, micro_batch_tokens=64, logit_chunk_tokens=8,
+                        dtype="float32", gradient_checkpointing=checkpointing, lora=LoraSettings(enabled=True, rank=4))
+    trainer = Trainer(cfg, model_dir)
+
+    def weights() -> dict:
+        params = list(trainer.module.parameters())
+        whole = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero == 3 else contextlib.nullcontext()
+        with whole:
+            return {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
+
+    samples: list[Sample] = step_samples()
+    before = weights()
+    first = trainer.train_step(samples)
+    second = trainer.train_step(samples)
+    after = weights()
+    changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
+    adapter = sorted(n for n in before if "lora_" in n)
+    print(json.dumps({"loss": first["loss"], "grad_norm": first["grad_norm"], "kl_first": first["kl_mean"],
+                      "kl_second": second["kl_mean"], "loss_second": second["loss"],
+                      "changed": changed, "adapter": adapter}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1")
