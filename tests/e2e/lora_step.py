@@ -1,7 +1,8 @@
 """Run by tests/e2e/test_lora.py, one process per combination: two GRPO steps of a rank-4 LoRA
 adapter on the toy model under one ZeRO stage, with or without gradient checkpointing, and what
-they changed. Each combination gets its own process: a ZeRO-3 engine leaves transformers' ZeRO-3
-flag set for later model loads in the same process. Prints one JSON line. Not a test module itself."""
+they changed. Each combination gets its own process, so that no DeepSpeed or transformers state of
+one (the ZeRO-3 loading hook until Trainer.close, the gloo group) reaches the next. Prints one JSON
+line. Not a test module itself."""
 
 from __future__ import annotations
 
