@@ -158,6 +158,9 @@ W2)
     # deltas from real gradients: AdamW on the fp32 master (64 GB on the GPU), per transport and lr a
     # full version, then one delta version (objstore: announced before its full copy): bytes per
     # version, step end -> verified, step end -> full copy stored; the JSON is saved after each case
+    # every case holds several 8 GB copies at once (learner, store, actor): the device's disk is 64 GB,
+    # so an earlier part's run directories go first
+    rm -rf /tmp/run-peer /tmp/peer-trl /tmp/parley-deltabench-*
     step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
     step weight_delta 560 python3 bench/weight_delta.py --model "$MODEL" --grads --skip-formats --lrs 1e-6 1e-5 \
         --steps 1 --modes delta --kinds shared_dir objstore --work /tmp --json "$OUT/weight_delta_4b.json"

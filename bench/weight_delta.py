@@ -236,6 +236,9 @@ async def path(model_dir: Path, lrs: list[float], steps: int, work: Path, grads:
                   f"publish {med['publish']:.2f}s fetch+verify {med['fetch_verify']:.2f}s; step end -> verified "
                   f"{med['total']:.2f}s (full copy stored {med['full_stored']:.2f}s)", file=sys.stderr)
             shutil.rmtree(work / run, ignore_errors=True)
+            # the shared directory keeps `keep` versions of every case: 16 GB at the 4B shape, which
+            # filled the H200 machine's 64 GB disk at the next case (2026-12-03)
+            shutil.rmtree(work / "shared", ignore_errors=True)
             for name in await js.streams_info():  # each run's streams reserve max_bytes of the server's storage
                 await js.delete_stream(name.config.name)
         objstore.delta_first = True
