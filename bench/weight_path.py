@@ -323,6 +323,22 @@ async def gpu_main(args) -> dict:
             for transport in quick:
                 for _ in range(args.repeats if transport == "cuda_ipc" else args.file_repeats):
                     await update(transport)
+            if gpu and pub.buffers:  # the checksum of one packed version alone, by each implementation
+                from weights.cuda_ipc import checksums
+
+                out["checksum_s"] = {}
+                for impl in ("torch", "triton"):
+                    times = []
+                    try:
+                        for _ in range(4):
+                            torch.cuda.synchronize()
+                            t = time.perf_counter()
+                            checksums(pub.buffers[0].data, pub.layout, impl=impl)  # ends with a sync (.cpu())
+                            times.append(time.perf_counter() - t)
+                    except Exception as e:  # noqa: BLE001 - no Triton here: said in the JSON
+                        times = [f"{type(e).__name__}: {e}"]
+                    out["checksum_s"][impl] = times
+                print(f"[weights] checksum of {pub.total / 1e9:.2f} GB: {out['checksum_s']}", file=sys.stderr, flush=True)
             if args.check_file:  # the same weights again, loaded from files: the served log-probs must not move
                 gpu_probe = out["updates"][-1]
                 r = await update(args.check_file, change=False)

@@ -75,40 +75,124 @@ def pack(named: Iterable[tuple[str, "Tensor"]], buffer: "Tensor", layout: list[I
         dst.copy_(t.detach())
 
 
-def checksums(buffer: "Tensor", layout: list[IpcTensor]) -> list[list[int]]:
+def checksums(buffer: "Tensor", layout: list[IpcTensor], impl: str | None = None) -> list[list[int]]:
     """Per tensor, three int64 sums over its padded region read as int32 words in rows of 64:
-    all words, rows weighted by their index in the tensor, words weighted by their column. The
-    integer sums (wrapping) are exact, so any device and kernel order give the same numbers; the
-    weights make a moved row or word count, not only a changed value.
+    all words, rows weighted by their index in the tensor, words weighted by their column (the
+    product taken in int32, wrapping). The integer sums (wrapping) are exact, so any device, kernel
+    and order give the same numbers; the weights make a moved row or word count, not only a
+    changed value.
 
-    The whole buffer is reduced row by row in a few large kernels, then cut into tensors with
-    cumulative sums at their row boundaries: about 4 ms of an H200 for 8 GB, where per-tensor
-    kernels would be launch-bound (~400 tensors x several kernels). One device sync in all."""
+    The whole buffer is reduced row by row (`row_sums`), then cut into tensors with cumulative sums
+    at their row boundaries; per-tensor kernels would be launch-bound (~400 tensors x several
+    kernels). One device sync in all. `impl`: "triton" (one fused pass over the buffer: the default
+    on CUDA where Triton runs and agrees with torch), "torch" (a few large kernels a GiB), None: the
+    default."""
     import torch
 
     if not layout:
         return []
     dev = buffer.device
-    rows = buffer.view(torch.int32).view(-1, _ROW)  # the buffer is a whole number of rows (plan pads)
-    col_w = torch.arange(1, _ROW + 1, dtype=torch.int32, device=dev)
-    row_sum, col_weighted = [], []
-    for i in range(0, rows.shape[0], _CHUNK_ROWS):  # chunks bound the int32 temporary of the products
-        part = rows[i: i + _CHUNK_ROWS]
-        row_sum.append(part.sum(1, dtype=torch.int64))
-        col_weighted.append((part * col_w).sum(1, dtype=torch.int64))
-    rs = torch.cat(row_sum)  # (R,)
+    rs, cw = row_sums(buffer.view(torch.int32).view(-1, _ROW), impl)  # the buffer is a whole number of rows (plan pads)
     idx = torch.arange(1, rs.numel() + 1, dtype=torch.int64, device=dev)
 
     def prefix(x):  # prefix[k] = sum of x[:k]
         return torch.cat([x.new_zeros(1), x.cumsum(0)])
 
-    p1, p2, p3 = prefix(rs), prefix(rs * idx), prefix(torch.cat(col_weighted))
+    p1, p2, p3 = prefix(rs), prefix(rs * idx), prefix(cw)
     starts = torch.tensor([e.offset // ALIGN for e in layout], dtype=torch.int64, device=dev)
     ends = starts + torch.tensor([_padded(_nbytes(e)) // ALIGN for e in layout], dtype=torch.int64, device=dev)
     s1 = p1[ends] - p1[starts]
     s2 = (p2[ends] - p2[starts]) - starts * s1  # weights idx - start: 1, 2, ... within the tensor
     s3 = p3[ends] - p3[starts]
     return torch.stack([s1, s2, s3], 1).cpu().tolist()
+
+
+def row_sums(rows: "Tensor", impl: str | None = None) -> tuple["Tensor", "Tensor"]:
+    """For (R, 64) int32 `rows`: each row's sum and its column-weighted sum (word c times c + 1, the
+    product wrapping in int32), both int64, (R,) each."""
+    if impl is None:
+        impl = "triton" if rows.is_cuda and _triton_agrees(rows.device) else "torch"
+    if impl == "triton":
+        return _row_sums_triton(rows)
+    if impl != "torch":
+        raise ValueError(f"checksum impl {impl!r}: 'triton' or 'torch'")
+    return _row_sums_torch(rows)
+
+
+def _row_sums_torch(rows: "Tensor") -> tuple["Tensor", "Tensor"]:
+    import torch
+
+    col_w = torch.arange(1, _ROW + 1, dtype=torch.int32, device=rows.device)
+    row_sum, col_weighted = [], []
+    for i in range(0, rows.shape[0], _CHUNK_ROWS):  # chunks bound the int32 temporary of the products
+        part = rows[i: i + _CHUNK_ROWS]
+        row_sum.append(part.sum(1, dtype=torch.int64))
+        col_weighted.append((part * col_w).sum(1, dtype=torch.int64))
+    return torch.cat(row_sum), torch.cat(col_weighted)
+
+
+_TRITON_ROWS = 64  # rows a Triton program reduces (64 x 256 B = 16 KiB read)
+_triton_kernel = None
+_triton_ok: dict[str, bool] = {}  # per device: the fused kernel gave torch's sums on a test buffer
+
+
+def _row_sums_triton(rows: "Tensor") -> tuple["Tensor", "Tensor"]:
+    """row_sums in one pass: each program reads its rows once and writes both sums (torch's path
+    reads the buffer three times and writes an int32 copy of it)."""
+    import torch
+    import triton
+
+    kernel = _fused_kernel()
+    n = rows.shape[0]
+    out = torch.empty((n, 2), dtype=torch.int64, device=rows.device)
+    if n:
+        kernel[(triton.cdiv(n, _TRITON_ROWS),)](rows, out, n, ROW=_ROW, BLOCK=_TRITON_ROWS)
+    return out[:, 0], out[:, 1]
+
+
+def _fused_kernel():
+    global _triton_kernel
+    if _triton_kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def fused_row_sums(x_ptr, out_ptr, n_rows, ROW: tl.constexpr, BLOCK: tl.constexpr):
+            r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            c = tl.arange(0, ROW)
+            inside = r < n_rows
+            x = tl.load(x_ptr + r[:, None] * ROW + c[None, :], mask=inside[:, None], other=0).to(tl.int64)
+            prod = x * (c[None, :] + 1).to(tl.int64)
+            prod = ((prod + 2147483648) & 4294967295) - 2147483648  # the int32 product torch's path takes
+            tl.store(out_ptr + r * 2, tl.sum(x, axis=1), mask=inside)
+            tl.store(out_ptr + r * 2 + 1, tl.sum(prod, axis=1), mask=inside)
+
+        _triton_kernel = fused_row_sums
+    return _triton_kernel
+
+
+def _triton_agrees(device) -> bool:
+    """Whether the fused kernel runs on `device` and gives exactly torch's sums on a random 4 MiB
+    buffer (extreme words included), checked once per device; else the torch path is used, and
+    logged."""
+    key = str(device)
+    if key not in _triton_ok:
+        import torch
+
+        try:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            probe = torch.randint(-2**31, 2**31 - 1, (16384 + 37, _ROW), dtype=torch.int32, generator=gen)
+            probe[0].fill_(2**31 - 1)
+            probe[1].fill_(-2**31)
+            probe = probe.to(device)
+            got, want = _row_sums_triton(probe), _row_sums_torch(probe)
+            _triton_ok[key] = all(torch.equal(a, b) for a, b in zip(got, want))
+            if not _triton_ok[key]:
+                log.warning("weights: the fused Triton checksum differs from torch's on %s; using torch's", key)
+        except Exception as e:  # noqa: BLE001 - no Triton, no compiler for this GPU: torch's path
+            log.warning("weights: the fused Triton checksum does not run on %s (%s); using torch's", key, e)
+            _triton_ok[key] = False
+    return _triton_ok[key]
 
 
 def _nbytes(entry: IpcTensor) -> int:

@@ -315,3 +315,38 @@ def test_a_version_skipped_for_held_buffers_is_published_once_a_buffer_frees_wit
     state.update(free=True)
     asyncio.run(weights.publish(5))  # a step's own publish: nothing of 4 is left to retry
     assert weights.held is None and publisher.submitted == [3, 5]
+
+
+_FUSED_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from weights import cuda_ipc
+gen = torch.Generator().manual_seed(3)
+tensors = [("a", torch.randn(1000, generator=gen).to(torch.bfloat16)), ("b", torch.randn(70, 33, generator=gen)),
+           ("c", torch.randint(-2**31, 2**31 - 1, (129, 64), dtype=torch.int32, generator=gen))]
+tensors[2][1][0].fill_(2**31 - 1)  # the products of the largest words wrap in int32
+tensors[2][1][1].fill_(-2**31)
+layout, total = cuda_ipc.plan(tensors)
+buf = torch.zeros(total, dtype=torch.uint8)
+cuda_ipc.pack(tensors, buf, layout)
+fused, plain = cuda_ipc.checksums(buf, layout, impl="triton"), cuda_ipc.checksums(buf, layout, impl="torch")
+print(fused == plain, fused != cuda_ipc.checksums(buf.roll(256), layout, impl="triton"))
+"""
+
+
+def test_the_fused_triton_checksum_gives_torchs_sums_exactly():
+    """The GPU's default checksum (one Triton pass over the buffer) against torch's kernels, on
+    Triton's CPU interpreter: equal sums for tensors of three dtypes, words at the int32 extremes
+    included (the column-weighted products wrap as in torch's int32 multiply); moving the buffer by
+    one row changes them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", _FUSED_SCRIPT, root], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "True"]
