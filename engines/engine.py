@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import logging
+import math
 import os
 import time
 import uuid

@@ -183,6 +183,23 @@ class Weights:
         self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
         return None
 
+    async def flush_held(self, timeout_s: float) -> bool:
+        """After the last step (or a stop): retry_held until the held-back version is handed to the
+        publisher, for at most `timeout_s` (the hold time: by then every buffer has been free once).
+        True when nothing is left held back; False, and logged, when the version is given up."""
+        deadline = time.monotonic() + timeout_s
+        while self.held is not None:
+            wait = await self.retry_held()
+            if self.held is None:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("weights version %d never published: no GPU buffer came free within %.1f s "
+                            "after training ended", self.held, timeout_s)
+                return False
+            await asyncio.sleep(min(max(wait or 0.0, 0.01), left, 1.0))
+        return True
+
     async def write_for_eval(self, version: int) -> None:
         """A GPU transport: write `version` to its weights directory as the file transports do, for
         the periodic eval's export (evaluation.periodic, learner.checkpoint.export_version), also when

@@ -130,8 +130,10 @@ class Learner:
                 if self.intake.flush_due():
                     await self.intake.flush()
                 await self.intake.wait_for_data(0.5 if held_in is None else min(0.5, max(held_in, 0.01)))
-            # Also after SIGTERM: the upload under way finishes and the newest version is announced.
+            # Also after SIGTERM: the upload under way finishes and the newest version is announced
+            # (one skipped at its step for held GPU buffers too, once a buffer frees).
             st.phase = "publishing"
+            await self.weights.flush_held(getattr(self.cfg.weights, "hold_s", 0.0) + 1.0)
             await self.publisher.drain()
             if self.evals.on and not stop.is_set():
                 no_more_tasks.set()

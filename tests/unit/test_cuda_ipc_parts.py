@@ -5,6 +5,7 @@ announcement on the wire, the learner's choice of buffer, and the CPU refusals."
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -350,3 +351,37 @@ def test_the_fused_triton_checksum_gives_torchs_sums_exactly():
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True", "True"]
+
+
+def test_the_last_version_skipped_for_held_buffers_is_published_before_the_learner_stops(tmp_path):
+    """Weights.flush_held, after the loop: the held-back last version is packed once a buffer frees
+    (within the hold), and given up with a warning, not waited for forever, when none does."""
+    from collections import Counter
+
+    from config.learner import LearnerConfig
+    from learner.publication import Weights
+
+    class PublisherDouble:
+        def __init__(self):
+            self.submitted, self.counters = [], Counter()
+
+        def submit(self, pub):
+            self.submitted.append(pub.version)
+
+    free_at = [time.monotonic() + 0.3]
+
+    def driver(op, *args):
+        left = free_at[0] - time.monotonic()
+        if op == "weights_writable_in":
+            return max(0.0, left)
+        return "source" if left <= 0 else None
+
+    publisher = PublisherDouble()
+    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, None)
+    assert asyncio.run(weights.publish(30)) is False
+    assert asyncio.run(weights.flush_held(2.0)) is True and publisher.submitted == [30]
+    free_at[0] = float("inf")  # every buffer being sent from, for good
+    assert asyncio.run(weights.publish(31)) is False
+    t = time.monotonic()
+    assert asyncio.run(weights.flush_held(0.3)) is False and publisher.submitted == [30]
+    assert time.monotonic() - t < 1.5
