@@ -123,8 +123,12 @@ P)
     P0=$(clock) P1=null T1=null T2=null
     # ACTORS policy engines (default 1: a group of 8 conversations of 32-token turns keeps one engine
     # far from busy, and each engine more is one more start-up beside the others)
+    # PARLEY_SETS: parley-only settings to try, space-separated KEY=VALUE (e.g. "weights.max_buffers=6
+    # weights.hold_s=1.0"): not part of the shared recipe, so TRL's run does not see them
+    EXTRA=()
+    for kv in ${PARLEY_SETS:-}; do EXTRA+=(--set "$kv"); done
     step up_peer "$PARLEY_S" python3 -m deploy.cli up --config deploy/configs/gpu-1.toml --env hidden_goal \
-        --no-live --run-dir "$RUN" --steps "$STEPS" "${HG[@]}" --set "up.actors=${ACTORS:-1}"
+        --no-live --run-dir "$RUN" --steps "$STEPS" "${HG[@]}" --set "up.actors=${ACTORS:-1}" ${EXTRA[@]+"${EXTRA[@]}"}
     P1=$(clock)
     cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
     cp "$RUN/eval/history.jsonl" "$OUT/eval_history.jsonl" 2>/dev/null
