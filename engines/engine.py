@@ -321,6 +321,9 @@ class PolicyEngine:
         from weights.common import WeightUnavailable, WeightVerifyError
 
         async with self._reload_lock:
+            if not getattr(self, "_gpu_load_prepared", False):  # once, outside the hold-time bound below
+                await self._llm.collective_rpc("parley_prepare_gpu_load")
+                self._gpu_load_prepared = True
             await self._llm.pause_generation(mode="keep", clear_cache=True)
             try:
                 try:
@@ -418,6 +421,18 @@ class WorkerExtension:
         # vLLM's own in-place reload (Worker.reload_weights -> model_runner.reload_weights)
         self.reload_weights(weights_path=weights_path)
         _refresh_cpu_prepacked(self.model_runner.get_model())
+
+    def parley_prepare_gpu_load(self) -> None:
+        """Before this worker's first GPU-transport load, outside its hold-time bound: the checksum's
+        implementation is chosen (the fused Triton kernel compiled and checked on CUDA, a second or
+        two), so the load itself does not pay for it."""
+        import torch
+
+        if torch.cuda.is_available():
+            from weights.cuda_ipc import prepare_checksums
+
+            _worker_log.info("parley: GPU weight checksums by %s",
+                             prepare_checksums(torch.device("cuda", torch.cuda.current_device())))
 
     def parley_load_gpu(self, announcement: bytes) -> tuple[str, str] | None:
         """Load a GPU-transport version (cuda_ipc, nccl): receive the learner's packed buffer and check

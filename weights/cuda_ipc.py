@@ -171,6 +171,14 @@ def _fused_kernel():
     return _triton_kernel
 
 
+def prepare_checksums(device) -> str:
+    """Pick the checksum implementation for `device` now (compiling and checking the fused kernel on
+    CUDA: a second or two the first time), so that no later checksum pays for it; returns its name."""
+    import torch
+
+    return "triton" if torch.device(device).type == "cuda" and _triton_agrees(device) else "torch"
+
+
 def _triton_agrees(device) -> bool:
     """Whether the fused kernel runs on `device` and gives exactly torch's sums on a random 4 MiB
     buffer (extreme words included), checked once per device; else the torch path is used, and

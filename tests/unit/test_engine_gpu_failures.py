@@ -31,9 +31,6 @@ class WorkerDouble(WorkerExtension):
 class LLMDouble:
     """AsyncLLM's side that load_gpu uses; collective_rpc runs the worker's method on each worker."""
 
-    def __init__(self, workers):
-        self.workers = workers
-
     async def pause_generation(self, **kw):
         pass
 
@@ -43,8 +40,12 @@ class LLMDouble:
     async def reset_prefix_cache(self, **kw):
         pass
 
-    async def collective_rpc(self, method, kwargs):
-        return [getattr(w, method)(**kwargs) for w in self.workers]
+    def __init__(self, workers):
+        self.workers, self.calls = workers, []
+
+    async def collective_rpc(self, method, kwargs=None):
+        self.calls.append(method)
+        return [getattr(w, method)(**(kwargs or {})) for w in self.workers]
 
 
 def engine_of(*workers) -> PolicyEngine:
@@ -94,3 +95,16 @@ def test_the_nccl_transport_says_a_broken_receive_passes(monkeypatch):
 
     with pytest.raises(WeightUnavailable, match="receiving from learner:29600 failed: Connection closed"):
         registry.TRANSPORTS["nccl"].receive(codec.decode("weights", announcement()), {"nccl": Gone()})
+
+
+def test_the_checksum_is_prepared_once_before_the_first_load_outside_its_time_bound(monkeypatch):
+    """PolicyEngine.load_gpu asks every worker to choose (on CUDA: compile and check) its checksum
+    before the first load, not inside the hold-time-bounded load: a first compile of a second or two
+    would otherwise eat a short hold (gpu-1.toml: 2 s)."""
+    nccl = registry.TRANSPORTS["nccl"]
+    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state: ([], "checksum mismatch in 1 of 1 tensors"))
+    engine = engine_of(WorkerDouble())
+    for _ in range(2):
+        with pytest.raises(WeightVerifyError):
+            asyncio.run(engine.load_gpu(announcement(), hold_s=5.0, version=2))
+    assert engine._llm.calls == ["parley_prepare_gpu_load", "parley_load_gpu", "parley_load_gpu"]
