@@ -232,8 +232,8 @@ def main(argv=None) -> int:
     if args.date:
         res = {"date": args.date, **res}
     print(render(res))
-    args.json.write_text(json.dumps({"command": "bash bench/gpu_run.sh P; python bench/peer_compare.py --out OUT", **res},
-                                    indent=1) + "\n")
+    command = "bash bench/gpu_run.sh P; python bench/peer_compare.py --out OUT" + (" --trl-out OTHER_OUT" if args.trl_out else "")
+    args.json.write_text(json.dumps({"command": command, **res}, indent=1) + "\n")
     print(f"wrote {args.json}")
     return 0
 
