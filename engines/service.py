@@ -18,7 +18,8 @@ Overload never turns into repeated work: a request that waited here longer than 
 (protocol/request.py; counted on this process's clock from the moment it arrived) is dropped
 unanswered; one that comes again with the payload of a request being computed joins that
 computation, and one whose answer was computed too late for its requester (within ANSWER_TTL_S)
-gets that answer. The key of both is the id derived again from the payload received, never the id
+gets that answer; so does a re-send that says its previous send timed out at the requester
+(protocol.request's resend header), whose answer this clock may have seen as in time. The key of both is the id derived again from the payload received, never the id
 a header claims: a requester that knows another's id cannot get another's answer ("id_mismatch"
 counts such headers). The counters "expired", "joined", "repeated", "late" (computed, but its
 requesters had stopped waiting) and "shed" (arrived while the queue held QUEUE_BYTES) say how often.
@@ -36,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from protocol import status
 from protocol.connect import barrier
 from protocol.messages import Heartbeat
-from protocol.request import request_id, wait_and_id
+from protocol.request import is_resend, request_id, wait_and_id
 
 log = logging.getLogger("parley.service")
 
@@ -123,7 +124,8 @@ class Service:
         self.latency_s = 0.0  # moving average, for the heartbeat
         # By (subject, request id): the requests of a computation under way, and recent answers.
         self._joining: dict[tuple[str, str], list[_Request]] = {}
-        self._answered: OrderedDict[tuple[str, str], tuple[float, bytes]] = OrderedDict()
+        # answers by key: (when, reply, whether a requester of it was late by this clock)
+        self._answered: OrderedDict[tuple[str, str], tuple[float, bytes, bool]] = OrderedDict()
         self._answered_bytes = 0
         self._queued_bytes = 0
         self._dispatchers: list[asyncio.Task] = []
@@ -169,8 +171,10 @@ class Service:
                 continue
             key = self._key(subject, req.msg)
             answered = self._answered.get(key) if key else None
-            if answered and answered[0] > time.monotonic() - ANSWER_TTL_S:
-                # a re-send of a request answered after its first requester gave up
+            if answered and answered[0] > time.monotonic() - ANSWER_TTL_S and (answered[2] or is_resend(req.msg)):
+                # a re-send of a request answered after its first requester gave up: late by this clock,
+                # or delivered in time by this clock while the requester's own wait (which began before
+                # the request reached us) had run out, as its re-send says
                 self.counters["repeated"] += 1
                 await _respond(req.msg, answered[1])
                 continue
@@ -234,10 +238,12 @@ class Service:
             late = [r for r in waiting if _expired(r.deadline)]
             # Nobody waits on a late one's inbox any more (and its response permission may be gone).
             self.counters["late"] += len(late)
-            if late and key is not None and keep:
-                # Kept only when it reached nobody or not everybody: the re-send that follows gets it.
-                # An answer that was delivered is not: asking again (a retry after ok=False) asks afresh.
-                self._remember(key, reply)
+            if key is not None and keep:
+                # A late one (it reached nobody or not everybody) goes to whatever re-sends its payload;
+                # one delivered in time only to a request that says it re-sends after a timeout (it may
+                # have reached a requester that had stopped waiting). Asking again after an answer (a
+                # retry after ok=False) asks afresh.
+                self._remember(key, reply, late=bool(late))
             for r in waiting:
                 if not any(r is gone for gone in late):
                     await _respond(r.msg, reply)
@@ -249,11 +255,11 @@ class Service:
                 self._joining.pop(key, None)
             self._slots.release()
 
-    def _remember(self, key: tuple[str, str], reply: bytes) -> None:
+    def _remember(self, key: tuple[str, str], reply: bytes, late: bool) -> None:
         now = time.monotonic()
         if key in self._answered:
             self._answered_bytes -= len(self._answered.pop(key)[1])
-        self._answered[key] = (now, reply)
+        self._answered[key] = (now, reply, late)
         self._answered_bytes += len(reply)
         while self._answered and (len(self._answered) > ANSWERS_KEPT or self._answered_bytes > ANSWER_BYTES_KEPT
                                   or next(iter(self._answered.values()))[0] < now - ANSWER_TTL_S):

@@ -13,6 +13,9 @@ import math
 
 TIMEOUT_HEADER = "Parley-Timeout"  # seconds the requester waits for the reply, counted from when it sends
 ID_HEADER = "Parley-Request-Id"  # equal for a request and its re-sends
+# on a request sent again because the previous send of the same payload timed out at the requester:
+# an answer the service delivered to that send after the requester had stopped waiting is this one's
+RESEND_HEADER = "Parley-Resend"
 
 # The wait is a duration, not a time of day: the service counts it on its own clock from the moment
 # the request reaches it, so two hosts whose clocks disagree (by any amount) drop nothing that is
@@ -29,10 +32,18 @@ def request_id(subject: str, data: bytes) -> str:
     return hashlib.blake2b(subject.encode() + b"\0" + data, digest_size=16).hexdigest()
 
 
-async def request(nc, subject: str, data: bytes, *, timeout: float):
-    """nc.request with the wait (the timeout) and the id in the headers."""
+async def request(nc, subject: str, data: bytes, *, timeout: float, resend: bool = False):
+    """nc.request with the wait (the timeout) and the id in the headers; `resend`: this payload's
+    previous send timed out here (the service may answer with what it computed for that one)."""
     headers = {TIMEOUT_HEADER: f"{timeout:.3f}", ID_HEADER: request_id(subject, data)}
+    if resend:
+        headers[RESEND_HEADER] = "1"
     return await nc.request(subject, data, timeout=timeout, headers=headers)
+
+
+def is_resend(msg) -> bool:
+    """Whether a received request says it re-sends one that timed out at its requester."""
+    return (msg.headers or {}).get(RESEND_HEADER) == "1"
 
 
 def wait_and_id(msg) -> tuple[float | None, str]:

@@ -58,11 +58,14 @@ class SimClient:
         data = codec.encode(req)
         t0 = time.monotonic()
         delay, bad_replies, outages = self.backoff_s, 0, 0
+        timed_out = False  # the last send timed out: the next one says it re-sends (protocol.request)
         while True:
             try:
-                msg = await request(self.nc, topology.SIM_SUBJECT, data, timeout=self.timeout_s)  # a retry joins
+                # a re-send joins the computation under way, or gets the answer that came too late
+                msg = await request(self.nc, topology.SIM_SUBJECT, data, timeout=self.timeout_s, resend=timed_out)
                 return codec.decode("sim.reply", msg.data)
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError) as e:
+                timed_out = timed_out or isinstance(e, nats.errors.TimeoutError)
                 last = f"{type(e).__name__} after {self.timeout_s:.0f}s" if isinstance(e, nats.errors.TimeoutError) \
                     else type(e).__name__
                 outages += 1
@@ -77,6 +80,7 @@ class SimClient:
                     log.warning("user simulator unreachable (%s); waiting for it, %.0fs so far (sim_wait_s=%g)",
                                 last, waited, self.wait_s)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                timed_out = False  # asked again after an answer: afresh
                 bad_replies += 1
                 last = f"undecodable reply: {e}"
                 if bad_replies >= self.attempts:

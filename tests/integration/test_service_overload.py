@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections import Counter
 
+import nats.errors
 import pytest
 
 from rollout.sim import SimClient, SimUnreachable
@@ -130,6 +131,34 @@ async def test_a_resent_request_joins_the_computation_under_way(secured):
         assert computed == {b"q": 1} and service.counters["joined"] == 1
 
 
+async def test_an_answer_that_came_after_its_requester_stopped_waiting_goes_to_its_resend(secured):
+    """The service counts a request's wait from its arrival, so it can answer in time by its clock
+    after the requester, whose wait began at the send, has given up (seen in CI under load: one
+    request computed twice). The re-send says so (protocol.request's resend header) and gets that
+    answer without a second computation; asking the same again without the header asks afresh."""
+    from protocol.request import ID_HEADER, TIMEOUT_HEADER, request, request_id
+
+    computed: list[int] = []
+
+    async def backend_double(data: bytes) -> bytes:  # test double of an engine
+        computed.append(1)
+        await asyncio.sleep(0.5)
+        return codec.encode(SimReply(message=f"answer {len(computed)}"))
+
+    async with sim_service(secured, backend_double, concurrency=2) as (service, actor):
+        data = codec.encode(SimRequest(prompt="lazy_full", messages=[], seed=7))
+        # the service is told 5 s, the requester waits 0.2 s: its wait ran out before the answer
+        headers = {TIMEOUT_HEADER: "5.000", ID_HEADER: request_id(topology.SIM_SUBJECT, data)}
+        with pytest.raises(nats.errors.TimeoutError):
+            await actor.request(topology.SIM_SUBJECT, data, timeout=0.2, headers=headers)
+        await asyncio.sleep(0.8)  # answered by now, delivered to an inbox nobody reads
+        again = await request(actor, topology.SIM_SUBJECT, data, timeout=2.0, resend=True)
+        assert codec.decode("sim.reply", again.data).message == "answer 1" and len(computed) == 1
+        assert service.counters["repeated"] == 1
+        fresh = await request(actor, topology.SIM_SUBJECT, data, timeout=2.0)
+        assert codec.decode("sim.reply", fresh.data).message == "answer 2" and len(computed) == 2
+
+
 async def test_a_request_naming_another_requests_id_does_not_get_its_answer(secured):
     """A requester that knows another's request id (it travels in a header) and sends its own payload
     under it is computed on its own payload: the key of joins and kept answers is derived again from
@@ -188,8 +217,8 @@ def test_the_answer_cache_is_bounded_by_bytes(monkeypatch):
     service = Service(object(), {}, queue="q")
     reply = bytes(4 * 32768)
     for i in range(1000):
-        service._remember(("subject", f"id{i}"), reply)
-    kept = sum(len(r) for _, r in service._answered.values())
+        service._remember(("subject", f"id{i}"), reply, late=True)
+    kept = sum(len(r) for _, r, _ in service._answered.values())
     assert kept <= svc.ANSWER_BYTES_KEPT and service._answered_bytes == kept
     assert len(service._answered) == svc.ANSWER_BYTES_KEPT // len(reply)
     assert ("subject", "id999") in service._answered  # the newest are kept
