@@ -485,10 +485,9 @@ class WorkerExtension:
         broken = transport.loaded(wv, self._parley_weights)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-            t_loaded = time.perf_counter()
+        t_loaded = time.perf_counter()
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()  # a staged copy or the layer-wise reload's layers go back to the GPU
-        else:
-            t_loaded = time.perf_counter()
         if broken:
             raise RuntimeError(f"version {wv.version}: {broken}")
         parts = self._parley_weights.pop("receive_s", None) or {}

@@ -19,10 +19,11 @@ Overload never turns into repeated work: a request that waited here longer than 
 unanswered; one that comes again with the payload of a request being computed joins that
 computation, and one whose answer was computed too late for its requester (within ANSWER_TTL_S)
 gets that answer; so does a re-send that says its previous send timed out at the requester
-(protocol.request's resend header), whose answer this clock may have seen as in time. The key of both is the id derived again from the payload received, never the id
-a header claims: a requester that knows another's id cannot get another's answer ("id_mismatch"
-counts such headers). The counters "expired", "joined", "repeated", "late" (computed, but its
-requesters had stopped waiting) and "shed" (arrived while the queue held QUEUE_BYTES) say how often.
+(protocol.request's resend header), whose answer this clock may have seen as in time. The key of
+both is the id derived again from the payload received, never the id a header claims: a requester
+that knows another's id cannot get another's answer ("id_mismatch" counts such headers). The
+counters "expired", "joined", "repeated", "late" (computed, but its requesters had stopped waiting)
+and "shed" (arrived while the queue held QUEUE_BYTES) say how often.
 """
 
 from __future__ import annotations

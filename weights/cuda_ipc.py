@@ -318,10 +318,9 @@ def receive(ipc: CudaIpcBuffer, device, state: dict | None = None) -> tuple[list
         if reason:
             return [], reason
         t_check = time.perf_counter()
-        if state is not None:
-            state["direct"] = (src, ipc, deadline)
         views = [(e.name, view(src, e)) for e in ipc.tensors]
-        if state is not None:  # where a receive's time goes (the worker logs it)
+        if state is not None:  # the load's after_load check, and where a receive's time goes (the worker logs it)
+            state["direct"] = (src, ipc, deadline)
             state["receive_s"] = {"open": t_open - t0, "checksum": t_check - t_open,
                                   "views": time.perf_counter() - t_check}
         return views, None
