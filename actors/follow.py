@@ -156,6 +156,8 @@ class WeightFollower:
     async def _load(self, wv: WeightVersion) -> bool:
         transport = registry.get(wv.transport)
         if transport is not None and transport.gpu:
+            if wv.adapter is not None:
+                return await self._load_adapter_gpu(wv, transport)
             return await self._load_gpu(wv, transport)
         # by identity, so a re-announced number never overwrites the files being served
         problem = announcement_problem(wv)
@@ -200,9 +202,7 @@ class WeightFollower:
         """A LoRA adapter version: checked against this engine's base and rank limit, fetched and
         verified, then loaded beside the base under a new adapter id (the base is not reloaded).
         Adapters of older versions stay loaded while conversations use them (the actor drops them)."""
-        if self._base_id is None:
-            self._base_id = lora.base_identity(self._base_dir) if self._base_dir is not None else ""
-        problem = lora.adapter_problem(wv, self._base_id, getattr(self.engine.settings, "max_lora_rank", 0))
+        problem = self._adapter_problem(wv)
         if problem:
             return self._refuse(wv, f"adapter refused: {problem}", None)
         try:
@@ -219,6 +219,36 @@ class WeightFollower:
         log.info("now serving adapter version %d (step %d)", wv.version, wv.step)
         self._served_now(wv)
         self.adapter_dirs[wv.version] = Path(path)
+        return True
+
+    def _adapter_problem(self, wv: WeightVersion) -> str | None:
+        if self._base_id is None:
+            self._base_id = lora.base_identity(self._base_dir) if self._base_dir is not None else ""
+        return lora.adapter_problem(wv, self._base_id, getattr(self.engine.settings, "max_lora_rank", 0))
+
+    async def _load_adapter_gpu(self, wv: WeightVersion, transport) -> bool:
+        """A LoRA adapter in the learner's GPU buffer (cuda_ipc): checked against this engine's base and
+        rank limit, then the engine's worker copies its tensors out of the buffer once their checksums
+        match and hands them to vLLM beside the base (no file, no pause). Nothing served changes when
+        it fails: a mismatch is refused for good, a failure that passes is tried again (_gpu_failed)."""
+        problem = self._adapter_problem(wv)
+        if problem:
+            return self._refuse(wv, f"adapter refused: {problem}", None)
+        source = transport.source(wv)
+        if source is None or not wv.adapter.config:
+            return self._refuse(wv, f"verification failed: adapter announced as {wv.transport} without its "
+                                    "buffer or its peft config", None)
+        try:
+            await self.engine.load_adapter_gpu(codec.encode(wv), wv.version, hold_s=source.hold_s)
+        except WeightVerifyError as e:
+            return self._refuse(wv, f"verification failed: {e}", None)
+        except WeightUnavailable as e:
+            return self._gpu_failed(wv, f"unavailable: {e}", passes=True)
+        except Exception as e:  # noqa: BLE001 - the base and older adapters still serve
+            return self._gpu_failed(wv, f"adapter load failed: {type(e).__name__}: {e}", passes=_passes(e))
+        self.failing.pop(wv.version, None)
+        log.info("now serving adapter version %d (step %d, %s)", wv.version, wv.step, wv.transport)
+        self._served_now(wv)
         return True
 
     async def _load_gpu(self, wv: WeightVersion, transport) -> bool:

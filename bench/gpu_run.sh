@@ -13,6 +13,8 @@
 #                                # deltas from real gradients at lr 1e-6 and 1e-5, 4B shape (W2)
 #     bash bench/gpu_run.sh L    # issue 29: the learner at the 4B shape, full against a rank-16 LoRA adapter,
 #                                # then adapter step end -> serving at the 4B shape
+#     bash bench/gpu_run.sh LI   # issue 29: adapter step end -> serving at the 4B shape in GPU memory
+#                                # (cuda_ipc), then through the object store in the same call
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -189,8 +191,23 @@ L)
         echo "[gpu_run] lora_serving: skipped, ${LEFT} s left of LIMIT_S=$LIMIT_S"
     fi
     ;;
+LI)
+    # issue 29: a rank-16 adapter on every linear layer of the 4B shape, VERSIONS versions: packed into
+    # the learner's cuda_ipc buffer and loaded by vLLM from memory (the last one also from its files:
+    # the log-probs must agree), then the same through the object store, in what is left of LIMIT_S
+    LIMIT_S=${LIMIT_S:-400}
+    step build 100 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    step lora_ipc $((LIMIT_S - SECONDS - 20)) python3 bench/lora.py --model "$MODEL" --device cuda \
+        --transport cuda_ipc --versions "${VERSIONS:-6}" --out "$OUT/lora_h200_4b_cuda_ipc.json"
+    LEFT=$((LIMIT_S - SECONDS))
+    if [ "$LEFT" -gt 120 ]; then
+        step lora_objstore "$LEFT" python3 bench/lora.py --model "$MODEL" --device cuda --versions 4 \
+            --out "$OUT/lora_h200_4b_objstore.json"
+    fi
+    grep -h "staged in memory" "$OUT"/lora_ipc.log | head -n 8 >"$OUT/lora_ipc_worker.log" 2>/dev/null
+    ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|W1|W2|L" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|W1|W2|L|LI" >&2
     exit 2
     ;;
 esac

@@ -2,10 +2,15 @@
 step with [learner.lora] to an actor's vLLM engine serving the new adapter (snapshot, write, upload
 through the object store of a real nats-server, announce, fetch + verify, vLLM add_lora, one generated
 token on it). Prints JSON. Goal: <= 1 s on CPU (SmolLM2), <= 0.05 s on an H200 (4B shape).
+With --transport cuda_ipc (a GPU) the adapter stays in GPU memory instead: packed into the learner's
+shared buffer, announced with its peft config, checked and copied out by the engine's worker and added
+to vLLM from memory; the last version is then also loaded from its files, and the log-probs of the
+same sampled tokens on both must agree (`files_vs_memory_max_abs_logprob_diff`).
 
   python bench/lora.py --model tiny --out bench/results/lora_cpu_tiny.json   # the toy model, CPU
   python bench/lora.py --model /path/to/SmolLM2 --device cpu
   python bench/lora.py --model qwen3-4b --device cuda    # bench.common.random_qwen3("4b")
+  python bench/lora.py --model /tmp/m4b --device cuda --transport cuda_ipc
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ async def main(args) -> dict:
     from protocol import topology
     from protocol.connect import connect
     from weights import lora
-    from weights.config import ObjstoreWeights
+    from weights.config import CudaIpcWeights, ObjstoreWeights
 
     os.environ.setdefault("LOCAL_RANK", "0")
     work = Path(tempfile.mkdtemp(prefix="bench-lora-"))
@@ -57,8 +62,12 @@ async def main(args) -> dict:
     js = nc.jetstream()
     run = "benchlora"
     await topology.ensure_topology(js, run)
+    gpu = args.transport == "cuda_ipc"
+    if gpu and args.device != "cuda":
+        raise SystemExit("--transport cuda_ipc needs --device cuda (the adapter stays in GPU memory)")
     trainer = Trainer(LearnerConfig(zero_stage=2, lr=1e-3, kl_coef=0.0, micro_batch_tokens=4096,
-                                    lora=LoraSettings(enabled=True, rank=args.rank, alpha=2.0 * args.rank)), model)
+                                    lora=LoraSettings(enabled=True, rank=args.rank, alpha=2.0 * args.rank)), model,
+                      weights=CudaIpcWeights() if gpu else None)
     settings = EngineSettings(model=str(model), max_model_len=1024, sampled_logprobs=True, max_lora_rank=args.rank,
                               max_loras=2, dtype="float32" if args.device == "cpu" else "bfloat16",
                               kv_cache_bytes=256 << 20)
@@ -72,10 +81,19 @@ async def main(args) -> dict:
             ids = torch.randint(10, 1000, (256,), generator=gen).tolist()
             trainer.train_step([Sample(f"s{i}", ids, [0] * 128 + [1] * 128, [-5.0] * 256, (-1.0) ** i)
                                 for i in range(4)])
+            if gpu:
+                await asyncio.sleep(trainer.weights_writable_in())  # a buffer past its hold (none skipped)
+                torch.cuda.synchronize()
             t0 = time.perf_counter()  # the step's end
-            state, conf = trainer.adapter_snapshot()
-            wdir = lora.write_adapter(state, conf, work / "learner" / f"v{version}")
-            wv = await lora.publish_adapter(js, run, version, version, wdir, ObjstoreWeights(), base=base, rank=args.rank)
+            if gpu:  # learner.publication.Weights._submit_gpu's path: pack, then announce
+                source, conf = trainer.pack_adapter(version)
+                wv = await lora.publish_adapter_gpu(js, run, version, version, source, base=base, rank=args.rank,
+                                                    adapter_config=conf)
+            else:
+                state, conf = trainer.adapter_snapshot()
+                wdir = lora.write_adapter(state, conf, work / "learner" / f"v{version}")
+                wv = await lora.publish_adapter(js, run, version, version, wdir, ObjstoreWeights(), base=base,
+                                                rank=args.rank)
             t_pub = time.perf_counter()
             assert await follower.check(), follower.refused
             t_loaded = time.perf_counter()
@@ -83,6 +101,19 @@ async def main(args) -> dict:
             t_served = time.perf_counter()
             rows.append({"version": version, "adapter_bytes": wv.bytes, "publish_s": round(t_pub - t0, 4),
                          "load_s": round(t_loaded - t_pub, 4), "step_end_to_serving_s": round(t_served - t0, 4)})
+        check = None
+        if gpu:  # the last version once more, from its files: the same tokens must get the same log-probs
+            prompt = ids[:16]
+            memory = await engine.generate(prompt, max_tokens=32, seed=1)
+            state, conf = trainer.adapter_snapshot()
+            wdir = lora.write_adapter(state, conf, work / "learner" / "files")
+            engine.pin(engine.version)
+            await engine.load_adapter(lora.as_vllm_adapter(wdir), args.versions + 1)
+            files = await engine.generate(prompt, max_tokens=32, seed=1)
+            same = memory.token_ids == files.token_ids
+            check = {"same_tokens": same, "tokens": len(files.token_ids),
+                     "files_vs_memory_max_abs_logprob_diff":
+                         max(abs(a - b) for a, b in zip(memory.logprobs, files.logprobs)) if same else None}
     finally:
         engine.shutdown()
         trainer.close()
@@ -90,7 +121,7 @@ async def main(args) -> dict:
         server.stop()
     steady = [r["step_end_to_serving_s"] for r in rows[1:]] or [rows[0]["step_end_to_serving_s"]]
     return {"bench": "lora_step_end_to_serving", "model": args.model, "device": args.device, "rank": args.rank,
-            "date": time.strftime("%Y-%m-%d"), "versions": rows,
+            "transport": args.transport, "date": time.strftime("%Y-%m-%d"), "versions": rows, "check": check,
             "median_step_end_to_serving_s": sorted(steady)[len(steady) // 2]}
 
 
@@ -99,6 +130,8 @@ if __name__ == "__main__":
     p.add_argument("--model", default="tiny", help="tiny | qwen3-4b (random weights, bench.common) | a model directory")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--transport", choices=("objstore", "cuda_ipc"), default="objstore",
+                   help="how each adapter version travels (cuda_ipc: in GPU memory, needs --device cuda)")
     p.add_argument("--versions", type=int, default=4)
     p.add_argument("--out", type=Path, help="also write the JSON here (vLLM logs to stdout as well)")
     args = p.parse_args()

@@ -363,9 +363,10 @@ def check_training(cfg: RunConfig) -> None:
         from weights import registry
 
         transport = registry.of(cfg.weights)
-        if transport.gpu:
+        if transport.gpu and transport.kind != "cuda_ipc":
             raise ConfigError(f"[learner.lora] with [weights] kind={transport.kind!r}: an adapter travels as files "
-                              "(megabytes); set weights.kind = \"objstore\" or \"shared_dir\"")
+                              "(objstore, shared_dir) or in a shared GPU buffer on the learner's GPUs (cuda_ipc); "
+                              "set weights.kind = \"objstore\", \"shared_dir\" or \"cuda_ipc\"")
     a = cfg.actor.sampling
     if not (GREEDY_BELOW <= a.temperature < float("inf")):
         raise ConfigError(

@@ -195,6 +195,7 @@ class PolicyEngine:
         self._users: dict[int, int] = {}  # adapter version -> open conversations started on it (pin)
         self.base_version = version  # the version of the base alone, no adapter (before the first one)
         self._next_lora_id = 1
+        self._staged: set[int] = set()  # LoRA ids of adapters added from memory (parley_stage_adapter)
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -321,9 +322,7 @@ class PolicyEngine:
         from weights.common import WeightUnavailable, WeightVerifyError
 
         async with self._reload_lock:
-            if not getattr(self, "_gpu_load_prepared", False):  # once, outside the hold-time bound below
-                await self._llm.collective_rpc("parley_prepare_gpu_load")
-                self._gpu_load_prepared = True
+            await self._prepare_gpu_load()
             await self._llm.pause_generation(mode="keep", clear_cache=True)
             try:
                 try:
@@ -348,6 +347,11 @@ class PolicyEngine:
             if version is not None:
                 self.version = version
 
+    async def _prepare_gpu_load(self) -> None:
+        if not getattr(self, "_gpu_load_prepared", False):  # once, outside the hold-time bound of a load
+            await self._llm.collective_rpc("parley_prepare_gpu_load")
+            self._gpu_load_prepared = True
+
     async def load_adapter(self, adapter_dir: str | Path, version: int) -> None:
         """Load a LoRA adapter version (weights.lora.as_vllm_adapter's directory) beside the base, under a
         new adapter id; it becomes the newest (`self.version`). Nothing is paused: the base and the
@@ -358,13 +362,73 @@ class PolicyEngine:
         self._next_lora_id += 1
         if not await self._llm.add_lora(request):
             raise RuntimeError(f"vLLM did not load the adapter of version {version} from {adapter_dir}")
+        await self._adopt_adapter(request, version)
+
+    async def load_adapter_gpu(self, announcement: bytes, version: int, hold_s: float) -> None:
+        """Load a LoRA adapter version that the learner packed into a GPU buffer (cuda_ipc; its encoded
+        WeightVersion): each worker checks the buffer and copies the adapter's tensors out of it
+        (WorkerExtension.parley_stage_adapter), then vLLM adds it from memory as load_adapter adds one
+        from files, beside the base, nothing paused. A mismatch raises WeightVerifyError, a failure
+        that passes WeightUnavailable, a copy past hold_s TimeoutError; nothing served changes then."""
+        await self._prepare_gpu_load()
+        await self._stage_adapter(version, hold_s, announcement=announcement)
+
+    async def load_adapter_tensors(self, tensors: dict, adapter_config: dict, version: int) -> None:
+        """Load a LoRA adapter version from tensors in this process (peft names; adapter_config: its
+        peft config) through the same in-memory path as load_adapter_gpu, without a GPU buffer or a file."""
+        import json
+
+        from safetensors.torch import save
+
+        blob = save({k: v.contiguous() for k, v in tensors.items()})
+        await self._stage_adapter(version, None, tensors=blob, config=json.dumps(adapter_config, default=list))
+
+    async def _stage_adapter(self, version: int, hold_s: float | None, **source) -> None:
+        from vllm.lora.request import LoRARequest
+
+        from weights.common import WeightUnavailable, WeightVerifyError
+
+        lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
+        try:
+            reasons = await asyncio.wait_for(
+                self._llm.collective_rpc("parley_stage_adapter", kwargs={"lora_id": lora_id, **source}), timeout=hold_s)
+        except asyncio.TimeoutError:
+            await self._unstage(lora_id)
+            raise TimeoutError(f"copying adapter version {version} out of the learner's GPU buffer took over "
+                               f"{hold_s:.0f} s (its hold time); is the engine stuck?") from None
+        bad = [r for r in reasons if r]
+        if bad:
+            await self._unstage(lora_id)
+            refused = [why for kind, why in bad if kind == REFUSED]
+            raise WeightVerifyError(refused[0]) if refused else WeightUnavailable(bad[0][1])
+        request = LoRARequest(f"v{version}-{lora_id}", lora_id, f"{STAGED_ADAPTER_PATH}{lora_id}")
+        try:
+            if not await self._llm.add_lora(request):
+                raise RuntimeError(f"vLLM did not add adapter version {version} from memory")
+        except BaseException:
+            await self._unstage(lora_id)
+            raise
+        self._staged.add(lora_id)
+        await self._adopt_adapter(request, version)
+
+    async def _unstage(self, lora_id: int) -> None:
+        self._staged.discard(lora_id)
+        await self._llm.collective_rpc("parley_unstage_adapter", kwargs={"lora_id": lora_id})
+
+    async def _adopt_adapter(self, request, version: int) -> None:
+        """`request` (added to vLLM) now serves `version`, the newest; what it replaces goes."""
         old = self.adapters.pop(version, None)
         self.adapters[version] = request
         self.version = version
         if old is not None:
-            await self._llm.remove_lora(old.lora_int_id)
+            await self._remove_lora(old)
         for v in [v for v in self.adapters if v != version and not self._users.get(v)]:
             await self.drop_adapter(v)  # no open conversation started on it
+
+    async def _remove_lora(self, request) -> None:
+        await self._llm.remove_lora(request.lora_int_id)
+        if request.lora_int_id in self._staged:
+            await self._unstage(request.lora_int_id)
 
     @property
     def serves_adapters(self) -> bool:
@@ -398,7 +462,7 @@ class PolicyEngine:
             raise ValueError(f"adapter version {version} is the newest; it stays loaded")
         request = self.adapters.pop(version, None)
         if request is not None:
-            await self._llm.remove_lora(request.lora_int_id)
+            await self._remove_lora(request)
 
     def shutdown(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None
@@ -433,6 +497,56 @@ class WorkerExtension:
 
             _worker_log.info("parley: GPU weight checksums by %s",
                              prepare_checksums(torch.device("cuda", torch.cuda.current_device())))
+
+    def parley_stage_adapter(self, lora_id: int, announcement: bytes | None = None, tensors: bytes | None = None,
+                             config: str = "") -> tuple[str, str] | None:
+        """Keep a LoRA adapter's tensors in this worker under `lora_id`, for vLLM's LoRA manager to
+        load from memory when the engine adds LoRARequest(lora_int_id=lora_id) (_stage_hook): from a
+        GPU-transport announcement (cuda_ipc: the learner's packed buffer, checked, then copied out of
+        it, so the learner may refill it), or `tensors` handed over as safetensors bytes (vLLM's RPC
+        carries no tensors). `config`: the peft config's JSON (the announcement's LoraAdapter.config
+        when none is given). Returns None, or (UNAVAILABLE or REFUSED, why) as parley_load_gpu does;
+        nothing served changes here."""
+        import json
+
+        from protocol import codec
+        from weights import registry
+        from weights.common import WeightUnavailable
+
+        t0 = time.perf_counter()
+        if tensors is not None:
+            from safetensors.torch import load
+
+            tensors = load(tensors)
+        else:
+            wv = codec.decode("weights", announcement)
+            transport = registry.get(wv.transport)
+            if transport is None or not transport.gpu or transport.source(wv) is None or wv.adapter is None:
+                return REFUSED, f"version {wv.version}: announced as {wv.transport!r} without its GPU source or adapter"
+            state: dict = {}
+            try:
+                named, reason = transport.receive(wv, state)
+            except WeightUnavailable as e:
+                return UNAVAILABLE, f"adapter version {wv.version}: {e.reason}"
+            if reason:
+                return REFUSED, f"adapter version {wv.version}: {reason}"
+            tensors = {name: t.clone() for name, t in named}  # ours: the learner may refill its buffer
+            del named
+            broken = transport.loaded(wv, state)
+            if broken:
+                return UNAVAILABLE, f"adapter version {wv.version}: {broken}"
+            config = config or wv.adapter.config
+        if not hasattr(self, "_parley_adapters"):
+            self._parley_adapters = {}
+            _stage_hook(self.model_runner.lora_manager, self._parley_adapters)
+        self._parley_adapters[lora_id] = (tensors, json.loads(config))
+        _worker_log.info("parley: adapter %d staged in memory (%d tensors) in %.4f s", lora_id, len(tensors),
+                         time.perf_counter() - t0)
+        return None
+
+    def parley_unstage_adapter(self, lora_id: int) -> None:
+        """Forget a staged adapter the engine removed (parley_stage_adapter)."""
+        getattr(self, "_parley_adapters", {}).pop(lora_id, None)
 
     def parley_load_gpu(self, announcement: bytes) -> tuple[str, str] | None:
         """Load a GPU-transport version (cuda_ipc, nccl): receive the learner's packed buffer and check
@@ -498,6 +612,41 @@ class WorkerExtension:
                          t_loaded - t_received, time.perf_counter() - t_loaded)
         _refresh_cpu_prepacked(model)
         return None
+
+
+STAGED_ADAPTER_PATH = "/parley/staged-adapter/"  # + lora id: a LoRARequest path of an adapter held in memory
+
+
+def _stage_hook(manager, staged: dict) -> None:
+    """Make vLLM's worker LoRA manager build an adapter from the tensors staged under its LoRA id
+    (WorkerExtension.parley_stage_adapter) instead of reading lora_path, through the same LoRAModel
+    factory (from_lora_tensors) and the same config checks (PEFTHelper.validate_legal) as its
+    loader from files; any other adapter loads from its files as before. The manager adds and
+    activates what this returns exactly as a file-loaded adapter, also after an eviction."""
+    import inspect
+
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from_files = manager._load_adapter
+
+    def load(lora_request):
+        entry = staged.get(lora_request.lora_int_id)
+        if entry is None:
+            return from_files(lora_request)
+        tensors, config = entry
+        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+        helper.validate_legal(manager.lora_config)
+        model = manager._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        options = {"device": str(next(iter(tensors.values())).device), "dtype": manager.lora_config.lora_dtype,
+                   "model_vocab_size": manager.vocab_size,
+                   "weights_mapper": mapper.get_rename_mapper() if mapper is not None else None,
+                   "skip_prefixes": getattr(model, "lora_skip_prefixes", None)}
+        factory = manager._lora_model_cls.from_lora_tensors
+        known = inspect.signature(factory).parameters
+        return factory(lora_request.lora_int_id, tensors, helper, **{k: v for k, v in options.items() if k in known})
+
+    manager._load_adapter = load
 
 
 def bare_load_refusal(model) -> str | None:

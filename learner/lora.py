@@ -30,12 +30,14 @@ def base_only(peft_model):
     return peft_model.disable_adapter() if peft_model is not None else contextlib.nullcontext()
 
 
-def adapter_state(peft_model) -> tuple[dict, dict]:
+def adapter_state(peft_model, device: str | None = "cpu") -> tuple[dict, dict]:
     """(tensors under peft's saved names, copied to CPU; the adapter's config as a dict): what
-    weights.lora.write_adapter writes and vLLM loads."""
+    weights.lora.write_adapter writes and vLLM loads. device=None: the trained tensors themselves,
+    where they are (no copy; the GPU transport packs them into its buffer at once)."""
     from peft import get_peft_model_state_dict
 
-    state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(peft_model).items()}
+    state = {k: v.detach() if device is None else v.detach().to(device, copy=True)
+             for k, v in get_peft_model_state_dict(peft_model).items()}
     conf = peft_model.peft_config["default"].to_dict()
     conf["target_modules"] = sorted(conf["target_modules"])
     return state, conf

@@ -134,6 +134,16 @@ class Weights:
         unless `write_now`: then also written, write_for_eval); only the announcement is left for the
         background. False when the GPU transport had no buffer
         it may write (the version is not published)."""
+        if self.base and registry.of(self.settings).gpu:  # an adapter in GPU memory (cuda_ipc)
+            self.held = None
+            if not await self._submit_gpu(version):
+                self.publisher.counters["skipped_held"] += 1
+                self.held = version
+            # its files too (the periodic eval's export, parley export), taken while the announcement goes out
+            snap = await asyncio.to_thread(self.driver, "adapter_snapshot")
+            await asyncio.to_thread(lora.write_adapter, *snap, ckpt.weights_dir(self.run_dir, version))
+            await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
+            return self.held is None
         if self.base:  # [learner.lora]: only the adapter travels
             snap = await asyncio.to_thread(self.driver, "adapter_snapshot")
             wdir = ckpt.weights_dir(self.run_dir, version)
@@ -145,12 +155,10 @@ class Weights:
             if write_now:  # the eval's export reads the weights directory: a GPU buffer is no file
                 await self.write_for_eval(version)
             self.held = None  # this version's weights replace any skipped one's
-            source = await asyncio.to_thread(self.driver, "pack_weights", version)
-            if source is None:  # every buffer still held (weights.cuda_ipc.IpcPublisher): retry_held packs it later
+            if not await self._submit_gpu(version):  # every buffer still held: retry_held packs it later
                 self.publisher.counters["skipped_held"] += 1
                 self.held = version
                 return False
-            self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
             return True
         snap = await asyncio.to_thread(self.driver, "weights_snapshot")
         wdir = ckpt.weights_dir(self.run_dir, version)
@@ -173,15 +181,29 @@ class Weights:
         if wait > 0:
             return wait
         version, self.held = self.held, None
-        source = await asyncio.to_thread(self.driver, "pack_weights", version)
-        if source is None:  # a buffer was taken for a send meanwhile (nccl): tried again next round
+        if not await self._submit_gpu(version):  # a buffer was taken for a send meanwhile (nccl): tried again next round
             self.held = version
             return 0.0
         self.publisher.counters["published_after_held"] += 1
         log.info("weights version %d published once a buffer was free (skipped at its step, every buffer "
                  "held; no step came in between)", version)
-        self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
         return None
+
+    async def _submit_gpu(self, version: int) -> bool:
+        """A GPU transport: pack `version` (whole weights, or the adapter alone under [learner.lora])
+        into one of rank 0's buffers and hand its announcement to the publisher; False when no buffer
+        may be written (nothing was packed)."""
+        if self.base:
+            source, conf = await asyncio.to_thread(self.driver, "pack_adapter", version)
+            if source is None:
+                return False
+            self.publisher.submit(Publication(version, lambda: self.announce_adapter_gpu(version, source, conf)))
+            return True
+        source = await asyncio.to_thread(self.driver, "pack_weights", version)
+        if source is None:
+            return False
+        self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
+        return True
 
     async def flush_held(self, timeout_s: float) -> bool:
         """After the last step (or a stop): retry_held until the held-back version is handed to the
@@ -236,6 +258,16 @@ class Weights:
             what=f"publishing adapter version {version}",
         )
         await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
+        self.feeder.set_version(version)
+        log.info("published adapter version %d (%.2f MB, %s)", version, wv.bytes / 1e6, wv.transport)
+
+    async def announce_adapter_gpu(self, version: int, source, adapter_config: dict) -> None:
+        """[learner.lora] under cuda_ipc: announce the adapter packed in `source` on the base."""
+        wv = await retry_unreachable(
+            lambda: lora.publish_adapter_gpu(self.js, self.run_name, version, version, source, base=self.base,
+                                             rank=self.lc.lora.rank, adapter_config=adapter_config),
+            what=f"announcing adapter version {version}",
+        )
         self.feeder.set_version(version)
         log.info("published adapter version %d (%.2f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 

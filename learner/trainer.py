@@ -475,6 +475,23 @@ class Trainer:
         with gather:
             return adapter_state(self.peft) if self.rank == 0 else None
 
+    def pack_adapter(self, version: int):
+        """[learner.lora] under cuda_ipc: the adapter's tensors packed into one of rank 0's GPU buffers
+        (pack_weights for the adapter alone). (the CudaIpcBuffer to announce, the adapter's config) on
+        rank 0, or (None, config) when every buffer is still held; None on the other ranks."""
+        import contextlib
+
+        import deepspeed
+
+        trained = [p for p in self.module.parameters() if p.requires_grad]
+        gather = (deepspeed.zero.GatheredParameters(trained, modifier_rank=None)
+                  if self.cfg.zero_stage == 3 else contextlib.nullcontext())
+        with gather:
+            if self.rank:
+                return None
+            state, conf = adapter_state(self.peft, device=None)
+            return self.sender.pack(sorted(state.items()), version), conf
+
     def save_weights(self, out_dir: str | Path) -> Path:
         """Write model.safetensors + config.json (what publish_version and vLLM's reload read)."""
         out = Path(out_dir)

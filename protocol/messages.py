@@ -228,11 +228,15 @@ class WeightDelta(msgspec.Struct, kw_only=True):
 
 class LoraAdapter(msgspec.Struct, kw_only=True):
     """A version that is a LoRA adapter on a frozen base, not whole weights ([learner.lora]): the
-    blob (location, sha256, bytes) holds only the adapter's tensors, its peft config among the files.
+    blob (location, sha256, bytes) or the GPU buffer (cuda_ipc) holds only the adapter's tensors, its
+    peft config among the files or in `config`.
     learner -> actors, inside WeightVersion.adapter; an actor whose base is not `base` refuses it."""
 
     base: str  # the base model's identity (weights.lora.base_identity): config and weight files
     rank: int  # the adapter's LoRA rank; the actor's engine must allow at least this (max_lora_rank)
+    # the peft config (adapter_config.json's JSON) when the adapter travels in GPU memory (cuda_ipc),
+    # where no file goes with it; "" for the file transports, which carry it among their files
+    config: str = ""
 
 
 class WeightVersion(msgspec.Struct, kw_only=True):

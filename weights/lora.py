@@ -4,6 +4,12 @@ base, the base's identity, and how an adapter travels. The adapter goes through 
 (adapter_config.json) among the extra files; the announcement carries protocol.messages.LoraAdapter.
 The learner publishes with publish_adapter; the actor fetches with weights.registry.fetch_version,
 checks the base (adapter_problem) and hands the directory from as_vllm_adapter to its engine.
+
+Under [weights] kind = "cuda_ipc" the adapter stays in GPU memory instead: the learner packs its
+tensors into one of rank 0's shared buffers (as whole weights are, weights.cuda_ipc) and announces it
+with publish_adapter_gpu, the peft config inside the announcement (LoraAdapter.config); the actor's
+engine worker copies the tensors out of the buffer after checking them and hands them to vLLM's LoRA
+manager without a file (engines.engine.PolicyEngine.load_adapter_gpu).
 """
 
 from __future__ import annotations
@@ -95,4 +101,28 @@ async def publish_adapter(js, run: str, version: int, step: int, adapter_dir: st
                        adapter=LoraAdapter(base=base, rank=rank))
     await announce(js, run, wv)
     await transport.prune(js, run, settings, keep, current=version, protect=set(protect))
+    return wv
+
+
+def config_json(adapter_config: dict) -> str:
+    """The peft config as LoraAdapter.config carries it (the JSON write_adapter writes as ADAPTER_CONFIG)."""
+    return json.dumps(adapter_config, sort_keys=True, default=list)
+
+
+async def publish_adapter_gpu(js, run: str, version: int, step: int, source, *, base: str, rank: int,
+                              adapter_config: dict) -> WeightVersion:
+    """Announce an adapter packed into a shared GPU buffer (`source`: the CudaIpcBuffer that
+    weights.cuda_ipc.IpcPublisher.pack returned for the adapter's tensors): nothing is uploaded; the
+    announcement is whole weights' (weights.registry.gpu_announcement: the tensor table with its
+    checksums) with the adapter's base, rank and peft config."""
+    import msgspec
+
+    from weights import registry
+
+    wv = registry.gpu_announcement(run, version, step, source)
+    if wv.transport != "cuda_ipc":
+        raise ValueError(f"[weights] kind={wv.transport!r}: an adapter travels in GPU memory only by cuda_ipc; "
+                         "use kind cuda_ipc, objstore or shared_dir")
+    wv = msgspec.structs.replace(wv, adapter=LoraAdapter(base=base, rank=rank, config=config_json(adapter_config)))
+    await announce(js, run, wv)
     return wv

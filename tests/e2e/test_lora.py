@@ -174,6 +174,49 @@ async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_
         engine.shutdown()
 
 
+async def test_an_adapter_handed_over_in_memory_serves_what_the_same_adapter_from_files_serves(tiny_model, tmp_path):
+    """The in-memory path of a cuda_ipc adapter version (PolicyEngine.load_adapter_gpu without the GPU
+    buffer: the worker stages the tensors, vLLM's LoRA manager builds the adapter from them through
+    engines.engine._stage_hook): a real vLLM engine serves the same tokens and log-probs on it as on
+    the same adapter loaded from its files, both differ from the base, and replacing it unstages it."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from engines.engine import EngineSettings, PolicyEngine
+    from weights import lora
+    from weights.common import MODEL_FILE
+
+    adir = _random_adapter(tiny_model, tmp_path / "v1", seed=5)
+    tensors = load_file(str(adir / MODEL_FILE))
+    config = json.loads((adir / lora.ADAPTER_CONFIG).read_text())
+    engine = PolicyEngine(EngineSettings(model=str(tiny_model), max_model_len=512, kv_cache_bytes=64 << 20,
+                                         sampled_logprobs=True, max_lora_rank=RANK, max_loras=2))
+    try:
+        prompt = list(range(10, 30))
+        base = await engine.generate(prompt, max_tokens=16, seed=7)
+        await engine.load_adapter(lora.as_vllm_adapter(adir), 1)
+        engine.pin(1)  # kept while version 2 loads, so both serve side by side
+        await engine.load_adapter_tensors(tensors, config, 2)
+        assert set(engine.adapters) == {1, 2} and engine.version == 2
+        files = await engine.generate(prompt, max_tokens=16, seed=7, version=1)
+        memory = await engine.generate(prompt, max_tokens=16, seed=7, version=2)
+        assert memory.token_ids == files.token_ids
+        diff = max(abs(a - b) for a, b in zip(memory.logprobs, files.logprobs))
+        assert diff < TOL, f"in memory vs from files: {diff:.2e}"
+        n = min(len(base.logprobs), len(files.logprobs))
+        moved = max(abs(a - b) for a, b in zip(base.logprobs[:n], files.logprobs[:n]))
+        assert base.token_ids != files.token_ids or moved > 100 * TOL  # the adapter changed what is served
+        await engine.unpin(1)
+        staged = set(engine._staged)
+        await engine.load_adapter_tensors(tensors, config, 3)  # replaces 2: it is removed and unstaged
+        assert set(engine.adapters) == {3} and len(staged) == 1 and not staged & engine._staged
+        again = await engine.generate(prompt, max_tokens=16, seed=7)
+        assert again.token_ids == files.token_ids
+    finally:
+        engine.shutdown()
+
+
 def test_merged_export_computes_what_base_plus_adapter_computes(tiny_model, tmp_path):
     """export_merged (`parley export --merge`): a plain HF checkpoint whose logits are the base's with the adapter."""
     from peft import PeftModel

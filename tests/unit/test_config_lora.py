@@ -20,3 +20,12 @@ def test_lora_refuses_compiled_layers_with_the_reason():
 
 def test_lora_is_off_by_default():
     assert not load_config().learner.lora.enabled
+
+
+def test_lora_travels_by_the_file_transports_or_cuda_ipc_and_refuses_nccl():
+    lora = ["learner.lora.enabled=true", "learner.lora.rank=8", "actor.engine.max_lora_rank=8"]
+    for kind in (['weights.kind="objstore"'], ['weights.kind="cuda_ipc"'],
+                 ['weights.kind="shared_dir"', 'weights.dir="/tmp/w"']):
+        check_training(load_config(None, [*lora, *kind]))
+    with pytest.raises(ConfigError, match="kind='nccl'.*cuda_ipc"):
+        check_training(load_config(None, [*lora, 'weights.kind="nccl"', 'weights.address="10.0.0.1:29600"']))

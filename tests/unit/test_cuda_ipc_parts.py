@@ -5,6 +5,7 @@ announcement on the wire, the learner's choice of buffer, and the CPU refusals."
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import msgspec
@@ -385,3 +386,73 @@ def test_the_last_version_skipped_for_held_buffers_is_published_before_the_learn
     t = time.monotonic()
     assert asyncio.run(weights.flush_held(0.3)) is False and publisher.submitted == [30]
     assert time.monotonic() - t < 1.5
+
+
+def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_and_written_for_export(tmp_path):
+    """[learner.lora] with cuda_ipc: Weights.publish packs the adapter alone (the driver's
+    pack_adapter), hands an announcement job to the publisher, and writes the adapter's files under
+    the version's weights directory (the periodic eval and parley export read them); a version whose
+    buffers are all held is kept back and retry_held packs the adapter again, not whole weights. The
+    announcement carries the base, rank and peft config and round-trips on the wire; nccl refuses.
+    Test doubles for the driver and publisher."""
+    from collections import Counter
+
+    from learner import checkpoint as ckpt
+    from learner.publication import Weights
+    from weights import lora
+
+    class PublisherDouble:
+        def __init__(self):
+            self.submitted, self.counters = [], Counter()
+
+        def submit(self, pub):
+            self.submitted.append(pub)
+
+    conf = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA"}
+    tensors = {"base_model.model.layers.0.q_proj.lora_A.weight": torch.ones(4, 8)}
+    state = {"free": True}
+    calls = []
+
+    def driver(op, *args):
+        calls.append(op)
+        if op == "pack_adapter":
+            return ("source" if state["free"] else None), conf
+        if op == "adapter_snapshot":
+            return tensors, conf
+        return 0.0  # weights_writable_in
+
+    publisher = PublisherDouble()
+    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, None,
+                      adapter_base="b" * 32)
+    assert asyncio.run(weights.publish(1)) is True
+    assert calls == ["pack_adapter", "adapter_snapshot"] and [p.version for p in publisher.submitted] == [1]
+    assert (ckpt.weights_dir(tmp_path, 1) / lora.ADAPTER_CONFIG).is_file()
+    state["free"] = False
+    assert asyncio.run(weights.publish(2)) is False and weights.held == 2
+    assert publisher.counters["skipped_held"] == 1 and len(publisher.submitted) == 1
+    state["free"] = True
+    calls.clear()
+    assert asyncio.run(weights.retry_held()) is None
+    assert calls == ["weights_writable_in", "pack_adapter"] and [p.version for p in publisher.submitted] == [1, 2]
+
+    _, layout, buf = packed()
+    source = cuda_ipc.CudaIpcBuffer(device_uuid="GPU-x", storage_handle=b"h", storage_size=buf.numel(),
+                                    storage_offset=0, ref_counter_handle=b"r", ref_counter_offset=0, event_handle=b"",
+                                    event_sync_required=False,
+                                    nbytes=buf.numel(), hold_s=2.0,
+                                    tensors=cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout)))
+
+    sent = []
+
+    async def announce(js, run, wv):
+        sent.append(wv)
+
+    real = lora.announce
+    lora.announce = announce
+    try:
+        wv = asyncio.run(lora.publish_adapter_gpu(None, "r", 3, 3, source, base="b" * 32, rank=4, adapter_config=conf))
+    finally:
+        lora.announce = real
+    back = codec.decode("weights", codec.encode(sent[0]))
+    assert back == wv and back.transport == "cuda_ipc" and back.ipc is not None
+    assert back.adapter.base == "b" * 32 and back.adapter.rank == 4 and json.loads(back.adapter.config) == conf

@@ -108,3 +108,39 @@ def test_the_checksum_is_prepared_once_before_the_first_load_outside_its_time_bo
         with pytest.raises(WeightVerifyError):
             asyncio.run(engine.load_gpu(announcement(), hold_s=5.0, version=2))
     assert engine._llm.calls == ["parley_prepare_gpu_load", "parley_load_gpu", "parley_load_gpu"]
+
+
+def test_an_adapter_from_a_gpu_buffer_that_fails_changes_nothing_served(monkeypatch):
+    """PolicyEngine.load_adapter_gpu through the worker's parley_stage_adapter: a receive that breaks
+    raises WeightUnavailable (tried again), a mismatch WeightVerifyError (refused), an announcement
+    without an adapter is refused; each time the staged id is dropped again and no adapter is added.
+    The receive is replaced; test doubles for AsyncLLM and the worker."""
+    import msgspec
+
+    from protocol.messages import LoraAdapter
+
+    nccl = registry.TRANSPORTS["nccl"]
+    plain = codec.decode("weights", announcement())
+    adapter = codec.encode(msgspec.structs.replace(plain, adapter=LoraAdapter(base="b", rank=4, config="{}")))
+
+    def engine():
+        e = engine_of(WorkerDouble())
+        e.adapters, e._users, e._staged, e._next_lora_id = {}, {}, set(), 1
+        return e
+
+    def broken(wv, state):
+        raise WeightUnavailable("receiving from learner:29600 failed: Connection reset by peer")
+
+    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state: broken(wv, state))
+    e = engine()
+    with pytest.raises(WeightUnavailable, match="Connection reset"):
+        asyncio.run(e.load_adapter_gpu(adapter, 2, hold_s=5.0))
+    assert e._llm.calls == ["parley_prepare_gpu_load", "parley_stage_adapter", "parley_unstage_adapter"]
+    assert not e.adapters and e.version == 1
+
+    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state: ([], "checksum mismatch in 1 of 1 tensors"))
+    e = engine()
+    with pytest.raises(WeightVerifyError, match="checksum mismatch"):
+        asyncio.run(e.load_adapter_gpu(adapter, 2, hold_s=5.0))
+    assert not e.adapters and not e._staged
+    assert WorkerDouble().parley_stage_adapter(1, announcement=announcement())[0] == REFUSED  # whole weights
