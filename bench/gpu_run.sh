@@ -118,8 +118,8 @@ P)
     grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
     clock() { date '+%s.%N|%F %T.%N'; }
     write_clock() {  # the launch and end of each run, as far as known (a cut call still leaves the file)
-        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s}\n' \
-            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" >"$OUT/p_clock.json"
+        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s}\n' \
+            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "${PARLEY_SETS:-}" "${ACTORS:-1}" >"$OUT/p_clock.json"
     }
     rm -rf "$RUN" /tmp/peer-trl
     P0=$(clock) P1=null T1=null T2=null

@@ -4,8 +4,9 @@ through the object store of a real nats-server, announce, fetch + verify, vLLM a
 token on it). Prints JSON. Goal: <= 1 s on CPU (SmolLM2), <= 0.05 s on an H200 (4B shape).
 With --transport cuda_ipc (a GPU) the adapter stays in GPU memory instead: packed into the learner's
 shared buffer, announced with its peft config, checked and copied out by the engine's worker and added
-to vLLM from memory; the last version is then also loaded from its files, and the log-probs of the
-same sampled tokens on both must agree (`files_vs_memory_max_abs_logprob_diff`).
+to vLLM from memory; the last version is then also loaded from its files and once more from memory,
+and the log-probs of the same sampled tokens are compared (`check`: files vs memory, read against
+memory vs memory again).
 
   python bench/lora.py --model tiny --out bench/results/lora_cpu_tiny.json   # the toy model, CPU
   python bench/lora.py --model /path/to/SmolLM2 --device cpu
@@ -102,18 +103,25 @@ async def main(args) -> dict:
             rows.append({"version": version, "adapter_bytes": wv.bytes, "publish_s": round(t_pub - t0, 4),
                          "load_s": round(t_loaded - t_pub, 4), "step_end_to_serving_s": round(t_served - t0, 4)})
         check = None
-        if gpu:  # the last version once more, from its files: the same tokens must get the same log-probs
+        if gpu:
+            # the last version once more from its files, then from memory again (a fresh adapter id,
+            # another slot): the same tokens must get the same log-probs; memory vs memory again is
+            # the engine's own spread between two loads of one adapter, what files vs memory is read against
             prompt = ids[:16]
             memory = await engine.generate(prompt, max_tokens=32, seed=1)
             state, conf = trainer.adapter_snapshot()
             wdir = lora.write_adapter(state, conf, work / "learner" / "files")
-            engine.pin(engine.version)
             await engine.load_adapter(lora.as_vllm_adapter(wdir), args.versions + 1)
             files = await engine.generate(prompt, max_tokens=32, seed=1)
-            same = memory.token_ids == files.token_ids
-            check = {"same_tokens": same, "tokens": len(files.token_ids),
-                     "files_vs_memory_max_abs_logprob_diff":
-                         max(abs(a - b) for a, b in zip(memory.logprobs, files.logprobs)) if same else None}
+            await engine.load_adapter_tensors(state, conf, args.versions + 2)
+            again = await engine.generate(prompt, max_tokens=32, seed=1)
+
+            def diff(a, b):
+                return max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) if a.token_ids == b.token_ids else None
+
+            check = {"tokens": len(files.token_ids), "files_vs_memory_max_abs_logprob_diff": diff(files, memory),
+                     "memory_again_vs_memory_max_abs_logprob_diff": diff(again, memory),
+                     "memory_again_vs_files_max_abs_logprob_diff": diff(again, files)}
     finally:
         engine.shutdown()
         trainer.close()

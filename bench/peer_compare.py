@@ -180,8 +180,23 @@ def compare(out: Path, trl_out: Path | None = None) -> dict:
         "at_the_shorter_run_s": {"t_s": round(both_end, 1),
                                  "parley": None if p_end is None else {"version": p_end["version"], METRIC: p_end[METRIC]},
                                  "trl": None if t_end is None else {"version": t_end["version"], METRIC: t_end[METRIC]}},
-        "settings": peer["settings"],
+        "settings": parley_settings(peer["settings"], clock),
     }
+
+
+def parley_settings(rows: list[dict], clock: dict) -> list[dict]:
+    """peer_trl.py's settings table (the shared recipe as both read it) with what part P gave parley
+    alone (p_clock.json: PARLEY_SETS and ACTORS, recorded since 2026-12-03): the engines row names the
+    actors that ran, and a last row lists the parley-only settings."""
+    rows = [dict(r) for r in rows]
+    if "actors" in clock:
+        for r in rows:
+            if r["setting"] == "engines":
+                r["parley"] = re.sub(r"^\d+ actor", f"{clock['actors']} actor", r["parley"])
+    if clock.get("parley_sets"):
+        rows.append({"setting": "parley only (PARLEY_SETS, not in TRL's run)", "parley": clock["parley_sets"],
+                     "trl": "-", "same": "no"})
+    return rows
 
 
 def _cell(side: dict | None) -> str:

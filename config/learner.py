@@ -70,6 +70,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     steps: int = 3  # stop after this many optimizer steps (0 = run forever)
     groups_per_step: Positive = 2
     max_staleness: Annotated[int, Meta(ge=0)] = 1  # versions a group may lag behind the learner
+    # Groups issued beyond the staleness gate's limit (learner.feeder.may_admit), so that groups that
+    # come back with equal rewards (skipped: no signal) are replaced without waiting for a whole play.
+    # The bound itself still holds where it is enforced, at training: an extra group that comes back
+    # when no earlier one was skipped lags too far and is dropped (stale_policy "drop") as stale. 0: none.
+    oversample_groups: Annotated[int, Meta(ge=0)] = 0
     # "correct": train it (the clipped ratio against its behaviour log-probs)
     stale_policy: Literal["drop", "correct"] = "drop"
     group_timeout_s: Annotated[float, Meta(gt=0)] = 1800.0  # a partial group is dropped after this
@@ -150,6 +155,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"task_deadline_s={self.task_deadline_s} must be >= group_timeout_s={self.group_timeout_s}: "
                 "the deadline counts from issue, the group timeout from the first sample, so a shorter "
                 "deadline would cut groups the timeout still waits for"
+            )
+        if self.oversample_groups and self.stale_policy != "drop":
+            raise ValueError(
+                f"[learner] oversample_groups={self.oversample_groups} with stale_policy={self.stale_policy!r}: an "
+                "extra group that comes back when no earlier one was skipped lags more than max_staleness and "
+                "would be trained; set stale_policy = \"drop\" or oversample_groups = 0"
             )
         if self.publish_every > self.max_staleness + 1:
             raise ValueError(

@@ -40,10 +40,12 @@ def admission_limit(version: int, max_staleness: int, groups_per_step: int) -> i
     return (version + max_staleness + 1) * groups_per_step
 
 
-def may_admit(in_flight: int, consumed: int, version: int, max_staleness: int, groups_per_step: int) -> bool:
-    """The staleness gate: one more group may be issued if the count stays within the limit,
-    i.e. in_flight + consumed <= limit holds after admitting it."""
-    return in_flight + consumed + 1 <= admission_limit(version, max_staleness, groups_per_step)
+def may_admit(in_flight: int, consumed: int, version: int, max_staleness: int, groups_per_step: int,
+              oversample: int = 0) -> bool:
+    """The staleness gate: one more group may be issued if the count stays within the limit (plus
+    `oversample` groups beyond it, [learner] oversample_groups), i.e. in_flight + consumed <= limit
+    + oversample holds after admitting it."""
+    return in_flight + consumed + 1 <= admission_limit(version, max_staleness, groups_per_step) + oversample
 
 
 def task_id(run: str, index: int) -> str:
@@ -85,12 +87,15 @@ class Feeder:
 
     def __init__(self, js, run: str, items: list, rollout, *, max_staleness: int, groups_per_step: int,
                  seed: int = 0, state: FeederState | None = None, build: TaskBuilder = task_from_item,
-                 steps: int = 0):
+                 steps: int = 0, oversample: int = 0):
         if not items:
             raise ValueError("the training split is empty; check [data] path and eval_fraction")
         self.js, self.run_name, self.items, self.rollout = js, run, items, rollout
         self.build = build  # the run environment's task builder (env.tasks.task); CollabLLM's by default
         self.max_staleness, self.groups_per_step, self.seed = max_staleness, groups_per_step, seed
+        # groups beyond the gate's limit ([learner] oversample_groups): they replace skipped groups at
+        # once; one that comes back when none was skipped is trained too late and dropped as stale
+        self.oversample = oversample
         # A run of `steps` steps trains steps x groups_per_step groups: never more in flight + consumed
         # than that (a dropped group gives its slot back), so no rollouts are played that no step will
         # train, competing with the last steps and the final eval for the cores. 0 = no last step.
@@ -154,7 +159,8 @@ class Feeder:
 
     def is_open(self) -> bool:
         s = self.state
-        return not self.all_issued() and may_admit(len(s.in_flight), s.consumed, self.version, self.max_staleness, self.groups_per_step)
+        return not self.all_issued() and may_admit(len(s.in_flight), s.consumed, self.version, self.max_staleness,
+                                                   self.groups_per_step, self.oversample)
 
     def mark_consumed(self, task: str, trained: bool = True) -> Issued | None:
         """A group left the learner: its issue record, or None if we did not issue it.
@@ -205,11 +211,12 @@ class Feeder:
                          len(s.in_flight), s.consumed, self.total_groups)
                 self.paused = True
             elif not self.paused:
-                limit = admission_limit(self.version, self.max_staleness, self.groups_per_step)
+                limit = admission_limit(self.version, self.max_staleness, self.groups_per_step) + self.oversample
                 log.info(
                     "admission paused: %d in flight + %d consumed = limit %d at version %d "
-                    "(max_staleness %d, groups_per_step %d)",
+                    "(max_staleness %d, groups_per_step %d, oversample_groups %d)",
                     len(s.in_flight), s.consumed, limit, self.version, self.max_staleness, self.groups_per_step,
+                    self.oversample,
                 )
                 self.paused = True
             self._wake.clear()

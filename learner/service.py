@@ -71,7 +71,7 @@ class Learner:
         train, _ = env.tasks.train_eval(cfg.data)
         self.feeder = Feeder(js, self.run_name, train, cfg.rollout, max_staleness=self.lc.max_staleness,
                              groups_per_step=self.lc.groups_per_step, seed=self.lc.seed, state=feeder_state,
-                             build=env.tasks.task, steps=steps)
+                             build=env.tasks.task, steps=steps, oversample=self.lc.oversample_groups)
         self.evals = Evals(cfg, self.run_dir, launch=eval_launch)
         self.intake = Intake(self.state, self.grouper, self.feeder, ledger, limits=limits,
                              reference_service=cfg.policy.reference == "service", ack_wait_s=cfg.bus.ack_wait_s,

@@ -256,3 +256,21 @@ def test_parleys_step_breakdown_is_the_medians_of_steps_2_to_n_and_of_the_actors
     assert peer_compare.step_breakdown(metrics, lines) == {
         "wait_s": 0.8, "train_s": 0.3, "publish_s": 0.03, "checkpoints_before_the_last_step": 1,
         "task_play_s": 1.0, "tasks_played": 2}
+
+
+def test_the_settings_table_names_what_part_p_gave_parley_alone(tmp_path):
+    """PARLEY_SETS and ACTORS (recorded in p_clock.json) reach the comparison's settings table: the
+    engines row names the actors that ran, and a row lists the parley-only settings."""
+    _write_runs(tmp_path / "out")
+    peer = json.loads((tmp_path / "out" / "peer_trl.json").read_text())
+    peer["settings"] = [{"setting": "engines", "parley": "2 actor vLLM engines and an eval engine", "trl": "one",
+                         "same": "no"}]
+    (tmp_path / "out" / "peer_trl.json").write_text(json.dumps(peer))
+    assert peer_compare.compare(tmp_path / "out")["settings"] == peer["settings"]  # older clocks: as it was
+    clock = json.loads((tmp_path / "out" / "p_clock.json").read_text())
+    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": "learner.oversample_groups=2",
+                                                               "actors": 1}))
+    rows = peer_compare.compare(tmp_path / "out")["settings"]
+    assert rows[0]["parley"].startswith("1 actor vLLM engines")
+    assert rows[1] == {"setting": "parley only (PARLEY_SETS, not in TRL's run)", "parley": "learner.oversample_groups=2",
+                       "trl": "-", "same": "no"}

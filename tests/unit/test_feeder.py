@@ -42,6 +42,46 @@ def test_gate_bounds_staleness_of_every_admitted_group():
                 version += 1
 
 
+def test_oversampled_groups_replace_skipped_ones_at_once_and_the_rest_come_back_too_stale():
+    """[learner] oversample_groups: k groups beyond the gate. Simulated in rounds of one play time:
+    a round plays every group the gate admits at once, two of three come back with equal rewards
+    (skipped: their slots are given back), then the learner drops what lags more than max_staleness
+    (the grouper's stale_policy "drop") and trains the oldest group left. Without extras a third of
+    the steps wait a whole extra play; with two extras no step waits. When no group is skipped the
+    extras come back too late and are dropped, never trained past the bound."""
+    def rounds(oversample: int, signal=lambda i: i % 3 == 0, s: int = 1, steps: int = 30) -> tuple[int, int]:
+        back: list[tuple[int, int]] = []  # (index, admitted version) of groups back with a signal
+        version = consumed = index = played = dropped = 0
+        while version < steps:
+            played += 1
+            new = []
+            while may_admit(len(back) + len(new), consumed, version, s, 1, oversample):
+                new.append((index, version))
+                index += 1
+            back += [g for g in new if signal(g[0])]  # the others carry no signal: skipped
+            dropped += sum(version - v > s for _, v in back)
+            back = [g for g in back if version - g[1] <= s]
+            if back:
+                back.pop(0)
+                consumed, version = consumed + 1, version + 1
+        return played, dropped
+
+    plain, dropped_plain = rounds(0)
+    extra, dropped_extra = rounds(2)
+    assert plain >= 40 and dropped_plain == 0  # 30 steps in 40 or more play times
+    assert extra == 30 and dropped_extra == 0
+    every, dropped_every = rounds(2, signal=lambda i: True)
+    assert every == 30 and dropped_every > 0
+
+
+def test_oversampling_refuses_a_stale_policy_that_would_train_the_extras():
+    from config.learner import LearnerConfig
+
+    with pytest.raises(ValueError, match="oversample_groups=2 with stale_policy='correct'"):
+        LearnerConfig(oversample_groups=2, stale_policy="correct")
+    LearnerConfig(oversample_groups=2)
+
+
 def test_task_ids_and_item_order_are_deterministic():
     assert task_id("r1", 7) == "r1-g000007"
     first = [item_order(5, i, seed=3) for i in range(10)]
