@@ -363,7 +363,7 @@ def check_training(cfg: RunConfig) -> None:
         from weights import registry
 
         transport = registry.of(cfg.weights)
-        if transport.gpu and transport.kind != "cuda_ipc":
+        if not transport.carries_adapters:
             raise ConfigError(f"[learner.lora] with [weights] kind={transport.kind!r}: an adapter travels as files "
                               "(objstore, shared_dir) or in a shared GPU buffer on the learner's GPUs (cuda_ipc); "
                               "set weights.kind = \"objstore\", \"shared_dir\" or \"cuda_ipc\"")

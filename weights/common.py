@@ -197,6 +197,9 @@ class Transport:
     # hands its cached memory back after each step (learner.trainer), so their loads find room
     shares_device: bool = False
     source_type: type | None = None  # GPU transports: the announcement's source struct (protocol.messages)
+    # a LoRA adapter version can travel this way ([learner.lora], weights.lora): every file transport,
+    # and cuda_ipc (the adapter packed like whole weights, its config in the announcement)
+    carries_adapters: bool = True
 
     # learner side, file transports
     # a delta version is stored and announced (early key) before its full copy is uploaded; such a

@@ -120,9 +120,9 @@ async def publish_adapter_gpu(js, run: str, version: int, step: int, source, *, 
     from weights import registry
 
     wv = registry.gpu_announcement(run, version, step, source)
-    if wv.transport != "cuda_ipc":
-        raise ValueError(f"[weights] kind={wv.transport!r}: an adapter travels in GPU memory only by cuda_ipc; "
-                         "use kind cuda_ipc, objstore or shared_dir")
+    if not registry.get(wv.transport).carries_adapters:
+        raise ValueError(f"[weights] kind={wv.transport!r} does not carry LoRA adapters; use kind cuda_ipc, "
+                         "objstore or shared_dir")
     wv = msgspec.structs.replace(wv, adapter=LoraAdapter(base=base, rank=rank, config=config_json(adapter_config)))
     await announce(js, run, wv)
     return wv

@@ -308,6 +308,7 @@ def timedelta_s(seconds: float):
 class Nccl(Transport):
     kind = "nccl"
     gpu = True
+    carries_adapters = False  # adapters over nccl are not built: objstore, shared_dir or cuda_ipc
     receives_copy = True  # received into the actor's own buffer, then loaded
     source_type = NcclSource
 
