@@ -75,6 +75,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The bound itself still holds where it is enforced, at training: an extra group that comes back
     # when no earlier one was skipped lags too far and is dropped (stale_policy "drop") as stale. 0: none.
     oversample_groups: Annotated[int, Meta(ge=0)] = 0
+    # Which complete groups a step trains first: "oldest" (completion order) or "freshest" (the newest
+    # behaviour version first: with oversampled groups back, the one least off-policy). Either way
+    # nothing lagging more than max_staleness is trained under stale_policy "drop".
+    group_order: Literal["oldest", "freshest"] = "oldest"
     # "correct": train it (the clipped ratio against its behaviour log-probs)
     stale_policy: Literal["drop", "correct"] = "drop"
     group_timeout_s: Annotated[float, Meta(gt=0)] = 1800.0  # a partial group is dropped after this

@@ -194,12 +194,15 @@ class Grouper:
     sample of it is ignored rather than starting a new group.
     """
 
-    def __init__(self, n: int, *, max_staleness: int, stale_policy: str, timeout_s: float):
+    def __init__(self, n: int, *, max_staleness: int, stale_policy: str, timeout_s: float, order: str = "oldest"):
         if n < 1:
             raise ValueError(f"group size n={n} must be >= 1")
         if stale_policy not in ("drop", "correct"):
             raise ValueError(f"stale_policy={stale_policy!r} not allowed; use drop or correct")
+        if order not in ("oldest", "freshest"):
+            raise ValueError(f"group_order={order!r} not allowed; use oldest or freshest")
         self.n = n
+        self.order = order  # which trainable groups a step takes first ([learner] group_order)
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
         self.timeout_s = timeout_s
@@ -268,16 +271,22 @@ class Grouper:
     def take(self, k: int, learner_version: int) -> tuple[list[Taken], list[Outcome]]:
         """Choose k trainable groups for a step at `learner_version`.
 
-        Oldest complete groups first. A group whose oldest behaviour version lags more than
-        max_staleness is dropped (stale_policy="drop") or taken with correct=True; a group whose
-        rewards are all equal is skipped (it has no GRPO signal). Dropped and skipped groups are
-        final either way; if fewer than k trainable groups exist, none is taken and ([], outcomes)
-        is returned.
+        Oldest complete groups first (order "oldest"), or those of the newest behaviour version first
+        (order "freshest", the oldest completion first among equals). A group whose oldest behaviour
+        version lags more than max_staleness is dropped (stale_policy="drop") or taken with
+        correct=True; a group whose rewards are all equal is skipped (it has no GRPO signal). Dropped
+        and skipped groups are final either way; if fewer than k trainable groups exist, none is
+        taken and ([], outcomes) is returned. Under "freshest" every complete group is looked at, so
+        an older one passed over now is dropped or skipped as soon as it lags too far or has no signal,
+        not left holding its admission slot.
         """
         outcomes: list[Outcome] = []
         chosen: list[Taken] = []
-        for g in self.ready():
-            if len(chosen) == k:
+        ready = self.ready()
+        if self.order == "freshest":
+            ready.sort(key=lambda g: -g.min_version())  # stable: oldest completion first among equals
+        for g in ready:
+            if len(chosen) == k and self.order == "oldest":
                 break
             rewards = g.rewards()
             if max(rewards) - min(rewards) <= ZERO_SPREAD:
@@ -292,7 +301,8 @@ class Grouper:
                 )
                 outcomes.append(self._finish(g, "stale", reason))
                 continue
-            chosen.append(Taken(g, correct=lag > self.max_staleness, staleness=lag))
+            if len(chosen) < k:
+                chosen.append(Taken(g, correct=lag > self.max_staleness, staleness=lag))
         if len(chosen) < k:
             return [], outcomes
         for t in chosen:

@@ -51,7 +51,7 @@ class Learner:
         self.id = f"{socket.gethostname()}-{os.getpid()}"
         limits = policy_limits(model_dir)
         self.grouper = Grouper(cfg.rollout.n, max_staleness=self.lc.max_staleness, stale_policy=self.lc.stale_policy,
-                               timeout_s=self.lc.group_timeout_s)
+                               timeout_s=self.lc.group_timeout_s, order=self.lc.group_order)
         self.state = RunState(steps=steps)
         from runtime.tracking import open_tracker
 

@@ -209,3 +209,37 @@ def test_abandon_gives_up_tasks_that_cannot_complete_and_keeps_those_that_can():
     assert g.done == {"partial": "dead", "unseen": "deadline"}
     assert g.add(scored("partial", 1, 0.3), now=1) == "late"
     assert g.counters["dead"] == 1 and g.counters["deadline"] == 1
+
+
+def test_freshest_order_trains_the_newest_behaviour_first_and_drops_what_it_passed_over_once_too_stale():
+    """[learner] group_order = "freshest": with a group of version 4 and one of version 5 both back at
+    learner version 5, the step trains version 5's (lag 0) where "oldest" trains version 4's (lag 1);
+    the group passed over stays while it may still be trained and is dropped as stale at the next
+    step, even though that step finds a fresher group first. A flat group is skipped either way."""
+    def fill(g):
+        for i in range(3):
+            g.add(scored("flat", i, 0.5, version=3), now=0)
+            g.add(scored("v4", i, float(i), version=4), now=1)
+            g.add(scored("v5", i, float(i), version=5), now=2)
+
+    oldest = grouper(max_staleness=1)
+    fill(oldest)
+    taken, out = oldest.take(1, learner_version=5)
+    assert [t.group.task_id for t in taken] == ["v4"] and taken[0].staleness == 1
+    assert [(o.task_id, o.kind) for o in out] == [("flat", "zero_advantage")]
+
+    fresh = grouper(max_staleness=1, order="freshest")
+    fill(fresh)
+    taken, out = fresh.take(1, learner_version=5)
+    assert [t.group.task_id for t in taken] == ["v5"] and taken[0].staleness == 0
+    assert [(o.task_id, o.kind) for o in out] == [("flat", "zero_advantage")] and list(fresh.buffer) == ["v4"]
+    for i in range(3):
+        fresh.add(scored("v6", i, float(i), version=6), now=3)
+    taken, out = fresh.take(1, learner_version=6)
+    assert [t.group.task_id for t in taken] == ["v6"]
+    assert [(o.task_id, o.kind) for o in out] == [("v4", "stale")] and not fresh.buffer
+
+
+def test_an_unknown_group_order_is_refused():
+    with pytest.raises(ValueError, match="group_order='newest'"):
+        grouper(order="newest")
