@@ -69,6 +69,7 @@ class GenOut:
     # Only when asked for (top_logprobs=k): per position, the sampled token's text and the raw
     # log-probs of the k likeliest tokens by their text (tokens that decode alike are summed).
     top: list[tuple[str, dict[str, float]]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens vLLM took from its prefix cache (computed earlier, same weights)
 
 
 GPU_START_CHECK = 0.02  # the share of the GPU an engine with an explicit KV size asks to be free at start
@@ -196,13 +197,20 @@ class PolicyEngine:
         self.base_version = version  # the version of the base alone, no adapter (before the first one)
         self._next_lora_id = 1
         self._staged: set[int] = set()  # LoRA ids of adapters added from memory (parley_stage_adapter)
+        # Counts whole-weight swaps; every prompt carries it as vLLM's cache_salt, so a swap needs no
+        # prefix-cache reset: new requests never match blocks computed by the weights before it, and
+        # requests in flight keep their KV instead of being preempted and recomputed (a reset with
+        # running requests preempts them all: the 12-16% of generation lost during a cuda_ipc update
+        # on the H200, docs/gpu.md). An adapter is part of vLLM's own block hash already.
+        self._weights_epoch = 0
 
     # -- generation ---------------------------------------------------------------------------
 
     async def _run(self, prompt_ids: Sequence[int], params, top_logprobs: int = 0, version: int | None = None) -> GenOut:
         from vllm.inputs import TokensPrompt
 
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        # the salt names the weights: a prompt's cached KV is reused only under the weights that computed it
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"parley-weights-{self._weights_epoch}")
         renderer = getattr(self._llm, "renderer", None)
         if hasattr(renderer, "render_cmpl_async"):
             # vLLM 0.32 wants prompts pre-processed by its renderer (passing a raw prompt is
@@ -228,7 +236,8 @@ class PolicyEngine:
         if len(lps) != len(ids):
             raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
         top = [_top_by_text(tok, pos) for tok, pos in zip(ids, comp.logprobs or [])] if top_logprobs else []
-        return GenOut(ids, lps, comp.finish_reason or "abort", comp.text, top)
+        return GenOut(ids, lps, comp.finish_reason or "abort", comp.text, top,
+                      cached_tokens=int(getattr(final, "num_cached_tokens", None) or 0))
 
     def _params(self, max_tokens, temperature, top_p, seed, stop_token_ids, structured=None, top_logprobs=0):
         from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -289,24 +298,21 @@ class PolicyEngine:
     ) -> None:
         """Load new weights (safetensors in HF naming, as save_pretrained writes them) in place.
 
-        Generation is paused for the swap. By default in-flight requests are kept: their KV
-        cache is dropped and recomputed with the new weights when generation resumes, so a
-        request that spans the swap has tokens from both versions (its earlier log-probs
-        stay those of the old weights). abort_inflight=True ends them with "abort" instead.
-        The prefix cache is cleared either way, so no stale KV is reused.
+        Generation is paused for the swap. By default in-flight requests are kept with their KV
+        cache (computed by the old weights) and go on with the new ones, so a request that spans
+        the swap has tokens from both versions (its earlier log-probs stay those of the old
+        weights). abort_inflight=True ends them with "abort" instead. Requests started after the
+        swap never reuse KV the old weights computed: prompts are salted by weights
+        (_weights_epoch), so no prefix-cache reset is needed.
         """
         async with self._reload_lock:
-            await self._llm.pause_generation(
-                mode="abort" if abort_inflight else "keep", clear_cache=True
-            )
+            await self._llm.pause_generation(mode="abort" if abort_inflight else "keep", clear_cache=False)
             try:
                 await self._llm.collective_rpc(
                     "parley_reload_weights", kwargs={"weights_path": str(weights_dir)}
                 )
-                # Paused engines do not step, so nothing was cached between the clear above and
-                # the swap; reset again anyway in case a future vLLM changes that.
-                await self._llm.reset_prefix_cache(reset_running_requests=True)
             finally:
+                self._weights_epoch += 1  # also after a failed reload: the weights may be mixed
                 await self._llm.resume_generation()
             if version is not None:
                 self.version = version
@@ -323,7 +329,7 @@ class PolicyEngine:
 
         async with self._reload_lock:
             await self._prepare_gpu_load()
-            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            await self._llm.pause_generation(mode="keep", clear_cache=False)  # salted prompts: no reset (reload_weights)
             try:
                 try:
                     reasons = await asyncio.wait_for(
@@ -335,8 +341,8 @@ class PolicyEngine:
                         f"loading weights from the learner's GPU buffer took over {hold_s:.0f} s (its hold "
                         "time); is the engine stuck, or the learner unreachable?"
                     ) from None
-                await self._llm.reset_prefix_cache(reset_running_requests=True)
             finally:
+                self._weights_epoch += 1  # also after a failure: the weights may be mixed until restored
                 await self._llm.resume_generation()
             bad = [r for r in reasons if r]
             refused = [why for kind, why in bad if kind == REFUSED]

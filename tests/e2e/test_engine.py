@@ -202,6 +202,32 @@ def test_reload_weights_changes_and_restores(ctx, tmp_path):
     assert restored.logprobs == pytest.approx(before.logprobs, abs=1e-6)
 
 
+def test_a_weight_swap_reuses_no_kv_the_old_weights_computed_and_caching_goes_on(ctx, tmp_path):
+    """Prompts are salted by weights (PolicyEngine._weights_epoch), so a swap resets no prefix cache
+    (a reset with requests running preempts them all) and yet a prompt served before it is computed
+    afresh after it: vLLM reports no cached prompt tokens, and the log-probs are the new weights'.
+    The same prompt once more is cached again, under the new weights."""
+    prompt = ctx.prompt("Tell me about " + "the long river and the many bridges across it, " * 24)
+
+    def greedy():
+        return ctx.run(ctx.engine.generate(prompt, max_tokens=8, temperature=0.0))
+
+    greedy()
+    assert greedy().cached_tokens > 0  # the prefix cache is on and holds this prompt
+    perturbed = factories.perturbed_model(ctx.path, seed=2)
+    new_dir = tmp_path / "v1"
+    perturbed.save_pretrained(new_dir)
+    try:
+        ctx.run(ctx.engine.reload_weights(new_dir, version=1))
+        after = greedy()
+        assert after.cached_tokens == 0
+        ref = reference_logprobs(perturbed, prompt, after.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, after.logprobs)) < TOL
+        assert greedy().cached_tokens > 0
+    finally:
+        ctx.run(ctx.engine.reload_weights(ctx.path, version=0))
+
+
 def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
     """transport nccl end to end on vLLM (gloo where there is no GPU, as the learner picks): this
     process plays rank 0's sender, the engine's worker joins it, receives the packed buffer,

@@ -51,6 +51,7 @@ class LLMDouble:
 def engine_of(*workers) -> PolicyEngine:
     engine = PolicyEngine.__new__(PolicyEngine)  # no vLLM
     engine.version, engine._llm, engine._reload_lock = 1, LLMDouble(workers), asyncio.Lock()
+    engine._weights_epoch = 0
     return engine
 
 
