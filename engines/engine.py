@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 import os
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
+from engines.worker import REFUSED, STAGED_ADAPTER_PATH
 
 MiB = 1 << 20
 
@@ -89,7 +89,7 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         logprobs_mode="processed_logprobs" if settings.sampled_logprobs else "raw_logprobs",
         disable_log_stats=True,
         # adds parley_reload_weights to vLLM's workers (resolved by name in the workers)
-        worker_extension_cls=f"{__name__}.WorkerExtension",
+        worker_extension_cls="engines.worker.WorkerExtension",
     )
     if settings.kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_bytes)
@@ -474,250 +474,6 @@ class PolicyEngine:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             llm.shutdown()
-
-
-# What a worker's parley_load_gpu says of a version it did not load (its reasons cross vLLM's collective_rpc)
-UNAVAILABLE = "unavailable"  # it passes: weights.common.WeightUnavailable, tried again
-REFUSED = "refused"  # for good: weights.common.WeightVerifyError
-# in a vLLM worker, under the logger vLLM configures in every process (so it reaches the engine's log)
-_worker_log = logging.getLogger("vllm.parley")
-
-
-class WorkerExtension:
-    """Mixed into each vLLM worker through `worker_extension_cls`; runs in the worker process,
-    so this module must stay import-safe and light."""
-
-    def parley_reload_weights(self, weights_path: str) -> None:
-        # vLLM's own in-place reload (Worker.reload_weights -> model_runner.reload_weights)
-        self.reload_weights(weights_path=weights_path)
-        _refresh_cpu_prepacked(self.model_runner.get_model())
-
-    def parley_prepare_gpu_load(self) -> None:
-        """Before this worker's first GPU-transport load, outside its hold-time bound: the checksum's
-        implementation is chosen (the fused Triton kernel compiled and checked on CUDA, a second or
-        two), so the load itself does not pay for it."""
-        import torch
-
-        if torch.cuda.is_available():
-            from weights.cuda_ipc import prepare_checksums
-
-            _worker_log.info("parley: GPU weight checksums by %s",
-                             prepare_checksums(torch.device("cuda", torch.cuda.current_device())))
-
-    def parley_stage_adapter(self, lora_id: int, announcement: bytes | None = None, tensors: bytes | None = None,
-                             config: str = "") -> tuple[str, str] | None:
-        """Keep a LoRA adapter's tensors in this worker under `lora_id`, for vLLM's LoRA manager to
-        load from memory when the engine adds LoRARequest(lora_int_id=lora_id) (_stage_hook): from a
-        GPU-transport announcement (cuda_ipc: the learner's packed buffer, checked, then copied out of
-        it, so the learner may refill it), or `tensors` handed over as safetensors bytes (vLLM's RPC
-        carries no tensors). `config`: the peft config's JSON (the announcement's LoraAdapter.config
-        when none is given). Returns None, or (UNAVAILABLE or REFUSED, why) as parley_load_gpu does;
-        nothing served changes here."""
-        import json
-
-        from protocol import codec
-        from weights import registry
-        from weights.common import WeightUnavailable
-
-        t0 = time.perf_counter()
-        if tensors is not None:
-            from safetensors.torch import load
-
-            tensors = load(tensors)
-        else:
-            wv = codec.decode("weights", announcement)
-            transport = registry.get(wv.transport)
-            if transport is None or not transport.gpu or transport.source(wv) is None or wv.adapter is None:
-                return REFUSED, f"version {wv.version}: announced as {wv.transport!r} without its GPU source or adapter"
-            state: dict = {}
-            try:
-                named, reason = transport.receive(wv, state)
-            except WeightUnavailable as e:
-                return UNAVAILABLE, f"adapter version {wv.version}: {e.reason}"
-            if reason:
-                return REFUSED, f"adapter version {wv.version}: {reason}"
-            tensors = {name: t.clone() for name, t in named}  # ours: the learner may refill its buffer
-            del named
-            broken = transport.loaded(wv, state)
-            if broken:
-                return UNAVAILABLE, f"adapter version {wv.version}: {broken}"
-            config = config or wv.adapter.config
-        if not hasattr(self, "_parley_adapters"):
-            self._parley_adapters = {}
-            _stage_hook(self.model_runner.lora_manager, self._parley_adapters)
-        self._parley_adapters[lora_id] = (tensors, json.loads(config))
-        _worker_log.info("parley: adapter %d staged in memory (%d tensors) in %.4f s", lora_id, len(tensors),
-                         time.perf_counter() - t0)
-        return None
-
-    def parley_unstage_adapter(self, lora_id: int) -> None:
-        """Forget a staged adapter the engine removed (parley_stage_adapter)."""
-        getattr(self, "_parley_adapters", {}).pop(lora_id, None)
-
-    def parley_load_gpu(self, announcement: bytes) -> tuple[str, str] | None:
-        """Load a GPU-transport version (cuda_ipc, nccl): receive the learner's packed buffer and check
-        it, then reload the model's weights from it. Returns None when loaded, or (UNAVAILABLE or
-        REFUSED, why) when not (nothing was changed then): a failure that passes, or one for good
-        (a checksum mismatch, no longer held); raises when the source changed during the load (the
-        transport's `loaded` says so: the served weights may be mixed, the actor restores them)."""
-        import torch
-
-        from protocol import codec
-        from weights import registry
-        from weights.common import WeightUnavailable
-
-        t_start = time.perf_counter()
-        wv = codec.decode("weights", announcement)
-        transport = registry.get(wv.transport)
-        if transport is None or not transport.gpu or transport.source(wv) is None:
-            return REFUSED, f"version {wv.version}: announced as {wv.transport!r} without its GPU source"
-        if not hasattr(self, "_parley_weights"):
-            self._parley_weights = {}  # what a transport keeps between versions (nccl: its joined group)
-        try:
-            named, reason = transport.receive(wv, self._parley_weights)
-        except WeightUnavailable as e:  # passes (did not open, receive broke, out of memory): tried again
-            return UNAVAILABLE, f"version {wv.version}: {e.reason}"
-        if reason:
-            return REFUSED, f"version {wv.version}: {reason}"
-        model = self.model_runner.get_model()
-        if not hasattr(self, "_parley_bare_why"):  # the model's layers do not change while it serves
-            self._parley_bare_why = bare_load_refusal(model)
-        t_received = time.perf_counter()
-        if self._parley_bare_why is None:
-            # Every layer of this model takes its weights as loaded (no post-load processing on this
-            # platform): the model's own load_weights copies each received tensor into its parameter
-            # through that parameter's weight_loader (stacking q/k/v, gate/up in place), so the
-            # served tensors keep their addresses (CUDA graphs) and nothing points into the buffer.
-            missing = _not_loaded(model, model.load_weights(iter(named)))
-            if missing:  # never seen: then this model needs the layer-wise reload, now and from now on
-                self._parley_bare_why = (f"a bare load_weights left {len(missing)} parameters unloaded "
-                                         f"(first: {missing[0]})")
-                _worker_log.warning("parley: version %d: %s; reloading it layer by layer", wv.version,
-                                    self._parley_bare_why)
-        if self._parley_bare_why is not None:
-            # vLLM's in-place layer-wise reload, fed our tensors instead of files: the same machinery
-            # as parley_reload_weights (it redoes each layer's post-load processing, which a bare
-            # load_weights misses: on CPU the packed linear layers lose their weight_loader). It
-            # materializes each layer anew, loads it, processes it and copies the result into the
-            # engine's own tensors.
-            self.reload_weights(weights_iterator=iter(named))
-        del named  # views of the learner's buffer, or of the staged copy (its memory goes back to torch's cache)
-        broken = transport.loaded(wv, self._parley_weights)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t_loaded = time.perf_counter()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # a staged copy or the layer-wise reload's layers go back to the GPU
-        if broken:
-            raise RuntimeError(f"version {wv.version}: {broken}")
-        parts = self._parley_weights.pop("receive_s", None) or {}
-        _worker_log.info("parley: version %d loaded (%s) in %.4f s: receive+check %.4f s (%s), load %.4f s, "
-                         "release %.4f s", wv.version, "bare load_weights" if self._parley_bare_why is None
-                         else f"layer-wise reload: {self._parley_bare_why}", time.perf_counter() - t_start,
-                         t_received - t_start, ", ".join(f"{k} {v:.4f} s" for k, v in parts.items()) or "-",
-                         t_loaded - t_received, time.perf_counter() - t_loaded)
-        _refresh_cpu_prepacked(model)
-        return None
-
-
-STAGED_ADAPTER_PATH = "/parley/staged-adapter/"  # + lora id: a LoRARequest path of an adapter held in memory
-
-
-def _stage_hook(manager, staged: dict) -> None:
-    """Make vLLM's worker LoRA manager build an adapter from the tensors staged under its LoRA id
-    (WorkerExtension.parley_stage_adapter) instead of reading lora_path, through the same LoRAModel
-    factory (from_lora_tensors) and the same config checks (PEFTHelper.validate_legal) as its
-    loader from files; any other adapter loads from its files as before. The manager adds and
-    activates what this returns exactly as a file-loaded adapter, also after an eviction."""
-    import inspect
-
-    from vllm.lora.peft_helper import PEFTHelper
-
-    from_files = manager._load_adapter
-
-    def load(lora_request):
-        entry = staged.get(lora_request.lora_int_id)
-        if entry is None:
-            return from_files(lora_request)
-        tensors, config = entry
-        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-        helper.validate_legal(manager.lora_config)
-        model = manager._adapter_manager.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        options = {"device": str(next(iter(tensors.values())).device), "dtype": manager.lora_config.lora_dtype,
-                   "model_vocab_size": manager.vocab_size,
-                   "weights_mapper": mapper.get_rename_mapper() if mapper is not None else None,
-                   "skip_prefixes": getattr(model, "lora_skip_prefixes", None)}
-        factory = manager._lora_model_cls.from_lora_tensors
-        known = inspect.signature(factory).parameters
-        return factory(lora_request.lora_int_id, tensors, helper, **{k: v for k, v in options.items() if k in known})
-
-    manager._load_adapter = load
-
-
-def bare_load_refusal(model) -> str | None:
-    """None when the model's own load_weights alone loads a new version exactly, decided from vLLM's
-    per-layer metadata; else why vLLM's layer-wise reload is needed (the first layer that says so).
-
-    A bare load is exact when no layer processes its weights after loading on this platform:
-    unquantized linear and embedding layers do so only on CPU (they repack into oneDNN handles
-    there), attention layers only when they carry quantization scales, and any other quantization
-    method (fp8, int4, ...) always does. That is the case of a bf16 or fp32 model on a GPU: its
-    reload then skips the layer-wise machinery, which materializes every layer a second time."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return "vLLM's CPU build repacks linear weights after loading"
-    plain = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
-    for name, module in model.named_modules():
-        if hasattr(module, "base_layer"):  # a LoRA wrapper: its parameters are named under base_layer
-            return f"{name} is wrapped for LoRA"
-        method = getattr(module, "quant_method", None)
-        if method is not None and not isinstance(method, plain):
-            return f"{name or 'the model'} processes its weights after loading ({type(method).__name__})"
-    return None
-
-
-def _not_loaded(model, loaded) -> list[str]:
-    """The model's parameters a load_weights call did not report as loaded (none known when the
-    model's load_weights reports nothing)."""
-    if loaded is None:
-        return []
-    loaded = set(loaded)
-    return [n for n, _ in model.named_parameters() if n not in loaded]
-
-
-def _refresh_cpu_prepacked(model) -> None:
-    """Work around stale prepacked GEMM weights after an in-place reload on CPU (vLLM 0.32).
-
-    On CPU, vLLM prepacks every linear weight into a oneDNN (or AMX) handle when the model
-    loads. The in-place reload repacks the layers it loads into, but a tied lm_head shares its
-    weight with embed_tokens and receives nothing of its own, so its handle keeps the *old*
-    embedding: logits come out of the previous lm_head (measured: log-probs off by >1 nat on
-    the toy model, while the embedding lookup saw the new weights). Layers that keep their
-    weight tensor next to the packed copy (embeddings, lm_head) are repacked from it here;
-    linear layers drop the tensor after packing and were repacked by the reload itself.
-    GPUs read the shared weight directly and need none of this.
-    """
-    import torch
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (
-            hasattr(module, "cpu_linear")
-            and not getattr(module, "_cpu_skip_gemm_dispatch", False)
-            and isinstance(weight, torch.Tensor)
-            and weight.ndim == 2
-            and weight.numel() > 0
-        ):
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 def parse_json(out: GenOut) -> Any:

@@ -177,7 +177,7 @@ async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_
 async def test_an_adapter_handed_over_in_memory_serves_what_the_same_adapter_from_files_serves(tiny_model, tmp_path):
     """The in-memory path of a cuda_ipc adapter version (PolicyEngine.load_adapter_gpu without the GPU
     buffer: the worker stages the tensors, vLLM's LoRA manager builds the adapter from them through
-    engines.engine._stage_hook): a real vLLM engine serves the same tokens and log-probs on it as on
+    engines.worker._stage_hook): a real vLLM engine serves the same tokens and log-probs on it as on
     the same adapter loaded from its files, both differ from the base, and replacing it unstages it."""
     import json
 

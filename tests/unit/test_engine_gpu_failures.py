@@ -10,7 +10,8 @@ import asyncio
 
 import pytest
 
-from engines.engine import REFUSED, UNAVAILABLE, PolicyEngine, WorkerExtension
+from engines.engine import PolicyEngine
+from engines.worker import REFUSED, UNAVAILABLE, WorkerExtension
 from protocol import codec
 from protocol.messages import IpcTensor, NcclSource
 from weights import registry
