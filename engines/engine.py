@@ -382,12 +382,12 @@ class PolicyEngine:
     async def load_adapter_tensors(self, tensors: dict, adapter_config: dict, version: int) -> None:
         """Load a LoRA adapter version from tensors in this process (peft names; adapter_config: its
         peft config) through the same in-memory path as load_adapter_gpu, without a GPU buffer or a file."""
-        import json
-
         from safetensors.torch import save
 
+        from weights.lora import config_json
+
         blob = save({k: v.contiguous() for k, v in tensors.items()})
-        await self._stage_adapter(version, None, tensors=blob, config=json.dumps(adapter_config, default=list))
+        await self._stage_adapter(version, None, tensors=blob, config=config_json(adapter_config))
 
     async def _stage_adapter(self, version: int, hold_s: float | None, **source) -> None:
         from vllm.lora.request import LoRARequest

@@ -49,7 +49,6 @@ class WorkerExtension:
         import json
 
         from protocol import codec
-        from weights import registry
         from weights.common import WeightUnavailable
 
         t0 = time.perf_counter()
@@ -59,8 +58,8 @@ class WorkerExtension:
             tensors = load(tensors)
         else:
             wv = codec.decode("weights", announcement)
-            transport = registry.get(wv.transport)
-            if transport is None or not transport.gpu or transport.source(wv) is None or wv.adapter is None:
+            transport = _gpu_transport(wv)
+            if transport is None or wv.adapter is None:
                 return REFUSED, f"version {wv.version}: announced as {wv.transport!r} without its GPU source or adapter"
             state: dict = {}
             try:
@@ -96,13 +95,12 @@ class WorkerExtension:
         import torch
 
         from protocol import codec
-        from weights import registry
         from weights.common import WeightUnavailable
 
         t_start = time.perf_counter()
         wv = codec.decode("weights", announcement)
-        transport = registry.get(wv.transport)
-        if transport is None or not transport.gpu or transport.source(wv) is None:
+        transport = _gpu_transport(wv)
+        if transport is None:
             return REFUSED, f"version {wv.version}: announced as {wv.transport!r} without its GPU source"
         if not hasattr(self, "_parley_weights"):
             self._parley_weights = {}  # what a transport keeps between versions (nccl: its joined group)
@@ -151,6 +149,14 @@ class WorkerExtension:
                          t_loaded - t_received, time.perf_counter() - t_loaded)
         _refresh_cpu_prepacked(model)
         return None
+
+
+def _gpu_transport(wv):
+    """The GPU transport that announced `wv`, or None when it names none or carries no GPU source."""
+    from weights import registry
+
+    transport = registry.get(wv.transport)
+    return transport if transport is not None and transport.gpu and transport.source(wv) is not None else None
 
 
 STAGED_ADAPTER_PATH = "/parley/staged-adapter/"  # + lora id: a LoRARequest path of an adapter held in memory

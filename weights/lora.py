@@ -77,7 +77,7 @@ def write_adapter(state: dict, adapter_config: dict, out_dir: str | Path) -> Pat
     tmp = out / f"{MODEL_FILE}.tmp"
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / MODEL_FILE)
-    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=1, sort_keys=True, default=list))
+    (out / ADAPTER_CONFIG).write_text(config_json(adapter_config))
     return out
 
 
@@ -105,8 +105,8 @@ async def publish_adapter(js, run: str, version: int, step: int, adapter_dir: st
 
 
 def config_json(adapter_config: dict) -> str:
-    """The peft config as LoraAdapter.config carries it (the JSON write_adapter writes as ADAPTER_CONFIG)."""
-    return json.dumps(adapter_config, sort_keys=True, default=list)
+    """The peft config as JSON: ADAPTER_CONFIG's text (write_adapter) and LoraAdapter.config (cuda_ipc)."""
+    return json.dumps(adapter_config, indent=1, sort_keys=True, default=list)
 
 
 async def publish_adapter_gpu(js, run: str, version: int, step: int, source, *, base: str, rank: int,

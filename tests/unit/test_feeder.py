@@ -42,35 +42,43 @@ def test_gate_bounds_staleness_of_every_admitted_group():
                 version += 1
 
 
-def test_oversampled_groups_replace_skipped_ones_at_once_and_the_rest_come_back_too_stale():
-    """[learner] oversample_groups: k groups beyond the gate. Simulated in rounds of one play time:
-    a round plays every group the gate admits at once, two of three come back with equal rewards
-    (skipped: their slots are given back), then the learner drops what lags more than max_staleness
-    (the grouper's stale_policy "drop") and trains the oldest group left. Without extras a third of
-    the steps wait a whole extra play; with two extras no step waits. When no group is skipped the
-    extras come back too late and are dropped, never trained past the bound."""
-    def rounds(oversample: int, signal=lambda i: i % 3 == 0, s: int = 1, steps: int = 30) -> tuple[int, int]:
-        back: list[tuple[int, int]] = []  # (index, admitted version) of groups back with a signal
-        version = consumed = index = played = dropped = 0
-        while version < steps:
-            played += 1
-            new = []
-            while may_admit(len(back) + len(new), consumed, version, s, 1, oversample):
-                new.append((index, version))
-                index += 1
-            back += [g for g in new if signal(g[0])]  # the others carry no signal: skipped
-            dropped += sum(version - v > s for _, v in back)
-            back = [g for g in back if version - g[1] <= s]
-            if back:
-                back.pop(0)
-                consumed, version = consumed + 1, version + 1
-        return played, dropped
+def _rounds(oversample: int, signal, s: int = 1, steps: int = 30) -> tuple[int, int]:
+    """Rounds of one play time: a round plays every group the gate admits at once (each comes back
+    complete, sampled at its admitted version, with differing rewards where `signal(index)`), then
+    the learner's real Grouper takes one group for a step. (rounds, groups it dropped as stale)."""
+    from learner.groups import Grouper
+    from tests import factories
 
-    plain, dropped_plain = rounds(0)
-    extra, dropped_extra = rounds(2)
+    grouper = Grouper(2, max_staleness=s, stale_policy="drop", timeout_s=3600.0)
+    in_flight: set[str] = set()
+    version = consumed = index = played = 0
+    while version < steps:
+        played += 1
+        while may_admit(len(in_flight), consumed, version, s, 1, oversample):
+            task = f"g{index}"
+            for sample in (0, 1):
+                traj = factories.trajectory("r", task, sample, item_id="i", messages=[], token_ids=[1, 2, 3],
+                                            loss_mask=[0, 1, 1], turns=[factories.turn(1, [-0.1, -0.2], version)])
+                grouper.add(factories.scored(traj, {"bleu": float(sample) if signal(index) else 0.5}))
+            in_flight.add(task)
+            index += 1
+        taken, finished = grouper.take(1, learner_version=version)
+        in_flight -= {o.task_id for o in finished} | {t.group.task_id for t in taken}
+        if taken:
+            consumed, version = consumed + 1, version + 1
+    return played, grouper.counters["stale"]
+
+
+def test_oversampled_groups_replace_skipped_ones_at_once_and_the_rest_come_back_too_stale():
+    """[learner] oversample_groups: k groups beyond the gate. Two of three groups come back with
+    equal rewards (skipped, their slots given back): without extras a third of the steps wait a whole
+    extra play, with two no step waits. When no group is skipped the extras come back too late and
+    the grouper drops them as stale, never training them past the bound."""
+    plain, dropped_plain = _rounds(0, lambda i: i % 3 == 0)
+    extra, _ = _rounds(2, lambda i: i % 3 == 0)
+    every, dropped_every = _rounds(2, lambda i: True)
     assert plain >= 40 and dropped_plain == 0  # 30 steps in 40 or more play times
-    assert extra == 30 and dropped_extra == 0
-    every, dropped_every = rounds(2, signal=lambda i: True)
+    assert extra == 30
     assert every == 30 and dropped_every > 0
 
 
