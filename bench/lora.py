@@ -104,7 +104,9 @@ async def main(args) -> dict:
             # (bench/weight_path.py); serving: its first generated token
             rows.append({"version": version, "adapter_bytes": wv.bytes, "publish_s": round(t_pub - t0, 4),
                          "load_s": round(t_loaded - t_pub, 4), "step_end_to_added_s": round(t_loaded - t0, 4),
-                         "step_end_to_serving_s": round(t_served - t0, 4)})
+                         "step_end_to_serving_s": round(t_served - t0, 4),
+                         # of publish_s under cuda_ipc: the multi-tensor copy, the checksum (IpcPublisher.fill_s)
+                         **({f"fill_{k}_s": round(v, 4) for k, v in trainer.sender.fill_s.items()} if gpu else {})})
         check = None
         if gpu:
             # the last version once more from its files, then from memory again (a fresh adapter id,

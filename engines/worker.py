@@ -62,13 +62,13 @@ class WorkerExtension:
             if transport is None or wv.adapter is None:
                 return REFUSED, f"version {wv.version}: announced as {wv.transport!r} without its GPU source or adapter"
             state: dict = {}
-            try:
-                named, reason = transport.receive(wv, state)
+            try:  # own=True: views into one copy of the whole buffer (the learner may refill its own)
+                named, reason = transport.receive(wv, state, own=True)
             except WeightUnavailable as e:
                 return UNAVAILABLE, f"adapter version {wv.version}: {e.reason}"
             if reason:
                 return REFUSED, f"adapter version {wv.version}: {reason}"
-            tensors = {name: t.clone() for name, t in named}  # ours: the learner may refill its buffer
+            tensors = dict(named)
             del named
             broken = transport.loaded(wv, state)
             if broken:

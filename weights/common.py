@@ -250,10 +250,12 @@ class Transport:
         """The packed buffer's source an announcement carries (None if missing or a file transport)."""
         return None
 
-    def receive(self, wv: WeightVersion, state: dict):
+    def receive(self, wv: WeightVersion, state: dict, own: bool = False):
         """In the engine's worker: ((name, tensor) views of a checked buffer, None) or ([], reason) for a
         version refused for good (a checksum mismatch, no longer held); raises WeightUnavailable for a
-        failure that passes (the buffer did not open, the receive broke or timed out)."""
+        failure that passes (the buffer did not open, the receive broke or timed out). own=True: the
+        views are into memory of this worker's own, which it may keep (an adapter staged for later),
+        not into the sender's buffer."""
         raise self._other_family("receive a GPU buffer", "fetch_version")
 
     def loaded(self, wv: WeightVersion, state: dict) -> str | None:

@@ -64,15 +64,26 @@ def view(buffer: "Tensor", entry: IpcTensor) -> "Tensor":
 
 
 def pack(named: Iterable[tuple[str, "Tensor"]], buffer: "Tensor", layout: list[IpcTensor]) -> None:
-    """Copy each tensor into its place in `buffer` (the padding stays as it was: zeros)."""
+    """Copy each tensor into its place in `buffer` (the padding stays as it was: zeros).
+
+    Every shape and dtype is checked first, then all tensors go in one multi-tensor copy
+    (torch._foreach_copy_): one call that releases the GIL once, where a copy per tensor (~400 for
+    the 4B shape, ~500 for its rank-16 adapter) waits for the GIL again after each, which under a
+    busy process cost 0.084 s of a fill against 0.010 s alone (H200, 2026-12-03, weight_path.json)."""
+    import torch
+
     named = list(named)
     if [n for n, _ in named] != [e.name for e in layout]:
         raise ValueError("the tensors to pack are not the ones the buffer was planned for (names or order differ)")
+    dsts, srcs = [], []
     for (name, t), e in zip(named, layout):
         dst = view(buffer, e)
         if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
             raise ValueError(f"{name}: {tuple(t.shape)} {t.dtype} does not fit the planned {e.shape} {e.dtype}")
-        dst.copy_(t.detach())
+        dsts.append(dst)
+        srcs.append(t.detach())
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def checksums(buffer: "Tensor", layout: list[IpcTensor], impl: str | None = None) -> list[list[int]]:
@@ -300,18 +311,20 @@ def _open(ipc: CudaIpcBuffer) -> "Tensor":
     )
 
 
-def receive(ipc: CudaIpcBuffer, device, state: dict | None = None) -> tuple[list[tuple[str, "Tensor"]], str | None]:
+def receive(ipc: CudaIpcBuffer, device, state: dict | None = None,
+            own: bool = False) -> tuple[list[tuple[str, "Tensor"]], str | None]:
     """Open the learner's buffer and check it: ((name, tensor) views, None) when every checksum
     matches, ([], reason) when not; nothing of the model is touched here.
 
     Within the hold (direct_deadline) the views are into the learner's buffer itself, and `state`
     keeps what `after_load` needs to tell whether the buffer stayed unchanged until the load
-    ended; past it, into a local copy on `device` (the learner's mapping is closed at once)."""
+    ended; past it, or with own=True (tensors to keep: an adapter), into a local copy on `device`
+    made in one copy of the whole buffer (the learner's mapping is closed at once)."""
     import torch
 
     t0 = time.perf_counter()
     src = _open(ipc)
-    deadline = direct_deadline(ipc)
+    deadline = None if own else direct_deadline(ipc)
     if deadline is not None:
         t_open = time.perf_counter()
         reason = mismatch(ipc.tensors, checksums(src, ipc.tensors))
@@ -326,7 +339,8 @@ def receive(ipc: CudaIpcBuffer, device, state: dict | None = None) -> tuple[list
         return views, None
     staged = torch.empty(ipc.nbytes, dtype=torch.uint8, device=device)
     staged.copy_(src)
-    torch.cuda.synchronize(device)
+    if staged.is_cuda:
+        torch.cuda.synchronize(device)
     del src  # closes our mapping and releases the learner's reference counter
     reason = mismatch(ipc.tensors, checksums(staged, ipc.tensors))
     if reason:
@@ -486,13 +500,13 @@ class CudaIpc(Transport):
     def source(self, wv: WeightVersion) -> CudaIpcBuffer | None:
         return wv.ipc
 
-    def receive(self, wv: WeightVersion, state: dict):
+    def receive(self, wv: WeightVersion, state: dict, own: bool = False):
         import torch
 
         if not torch.cuda.is_available():
             return [], "this engine runs without CUDA; cuda_ipc needs actors on the learner's GPUs"
         try:
-            return receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()), state)
+            return receive(wv.ipc, torch.device("cuda", torch.cuda.current_device()), state, own=own)
         except (LookupError, RuntimeError) as e:  # the GPU is not visible, the handle did not open, out of memory
             raise WeightUnavailable(f"cannot open the learner's buffer: {e}") from e
 

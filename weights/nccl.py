@@ -322,7 +322,7 @@ class Nccl(Transport):
     def source(self, wv: WeightVersion) -> NcclSource | None:
         return wv.nccl
 
-    def receive(self, wv: WeightVersion, state: dict):
+    def receive(self, wv: WeightVersion, state: dict, own: bool = False):
         import os
 
         import torch

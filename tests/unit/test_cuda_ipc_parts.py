@@ -209,6 +209,26 @@ def test_a_reader_loads_from_the_buffer_itself_only_with_half_the_hold_left():
     assert cuda_ipc.direct_deadline(msgspec.structs.replace(ipc, filled_at=0.0), now=1.0) is None  # an older learner
 
 
+def test_a_receive_for_keeping_copies_the_buffer_and_a_direct_one_reads_the_learners(monkeypatch):
+    # an adapter staged for later (own=True) must not be a view into the learner's buffer, which the
+    # learner refills once its hold is over; a direct load within the hold reads the buffer itself
+    tensors, layout, buf = packed()
+    ipc = msgspec.structs.replace(announcement(cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))).ipc,
+                                  nbytes=buf.numel(), hold_s=60.0, filled_at=time.time())
+    monkeypatch.setattr(cuda_ipc, "_open", lambda _ipc: buf)
+    state: dict = {}
+    direct, reason = cuda_ipc.receive(ipc, torch.device("cpu"), state)
+    assert reason is None and "direct" in state
+    kept, reason = cuda_ipc.receive(ipc, torch.device("cpu"), {}, own=True)
+    assert reason is None
+    for (name, want), (_, d), (_, k) in zip(tensors, direct, kept):
+        assert torch.equal(d, want) and torch.equal(k, want), name
+    buf.zero_()  # the learner refills its buffer
+    assert not torch.equal(direct[0][1], tensors[0][1])  # the direct views saw it
+    for (name, want), (_, k) in zip(tensors, kept):
+        assert torch.equal(k, want), name  # the kept copy did not
+
+
 def test_after_load_finds_a_buffer_changed_past_its_hold():
     _, layout, buf = packed()
     ipc = msgspec.structs.replace(announcement(cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))).ipc,
