@@ -117,9 +117,12 @@ P)
     step build_smol 150 python3 -c "from engines.models import ensure_model; ensure_model('smol')"
     grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
     clock() { date '+%s.%N|%F %T.%N'; }
+    SETS_JSON=${PARLEY_SETS:-}
+    SETS_JSON=${SETS_JSON//\\/\\\\}  # a JSON string: backslashes, then quotes (group_order="freshest")
+    SETS_JSON=${SETS_JSON//\"/\\\"}
     write_clock() {  # the launch and end of each run, as far as known (a cut call still leaves the file)
         printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s}\n' \
-            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "${PARLEY_SETS:-}" "${ACTORS:-1}" >"$OUT/p_clock.json"
+            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "$SETS_JSON" "${ACTORS:-1}" >"$OUT/p_clock.json"
     }
     rm -rf "$RUN" /tmp/peer-trl
     P0=$(clock) P1=null T1=null T2=null

@@ -183,6 +183,8 @@ class PolicyEngine:
     them. `version` is the policy version of the loaded weights; the caller stamps it.
     """
 
+    _removing: asyncio.Task | None = None  # adapters a new version replaced, being removed (_adopt_adapter)
+
     def __init__(self, settings: EngineSettings, version: int = 0):
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -364,6 +366,7 @@ class PolicyEngine:
         adapters loaded before keep serving."""
         from vllm.lora.request import LoRARequest
 
+        await self._settled()
         request = LoRARequest(f"v{version}-{self._next_lora_id}", self._next_lora_id, str(adapter_dir))
         self._next_lora_id += 1
         if not await self._llm.add_lora(request):
@@ -394,6 +397,7 @@ class PolicyEngine:
 
         from weights.common import WeightUnavailable, WeightVerifyError
 
+        await self._settled()
         lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
         try:
             reasons = await asyncio.wait_for(
@@ -422,14 +426,31 @@ class PolicyEngine:
         await self._llm.collective_rpc("parley_unstage_adapter", kwargs={"lora_id": lora_id})
 
     async def _adopt_adapter(self, request, version: int) -> None:
-        """`request` (added to vLLM) now serves `version`, the newest; what it replaces goes."""
-        old = self.adapters.pop(version, None)
+        """`request` (added to vLLM) now serves `version`, the newest; what it replaces goes: the
+        request it replaces and every older one no open conversation started on leave `adapters` at
+        once and are removed from vLLM in the background (two RPCs each, off the version's path to
+        serving); the next adapter load and every unload wait for that removal first (_settled), so
+        vLLM never holds more adapters than it did when removals were awaited in line."""
+        gone = [self.adapters.pop(version)] if version in self.adapters else []
         self.adapters[version] = request
         self.version = version
-        if old is not None:
-            await self._remove_lora(old)
-        for v in [v for v in self.adapters if v != version and not self._users.get(v)]:
-            await self.drop_adapter(v)  # no open conversation started on it
+        gone += [self.adapters.pop(v) for v in [v for v in self.adapters if v != version and not self._users.get(v)]]
+        if gone:
+            before = self._removing
+
+            async def remove() -> None:
+                if before is not None:
+                    await before
+                for r in gone:
+                    await self._remove_lora(r)
+
+            self._removing = asyncio.ensure_future(remove())
+
+    async def _settled(self) -> None:
+        """Wait for the background removal of replaced adapters (_adopt_adapter); raises what it raised."""
+        task, self._removing = self._removing, None
+        if task is not None:
+            await task
 
     async def _remove_lora(self, request) -> None:
         await self._llm.remove_lora(request.lora_int_id)
@@ -466,6 +487,7 @@ class PolicyEngine:
         """Unload an adapter version no conversation uses any more (never the newest)."""
         if version == self.version:
             raise ValueError(f"adapter version {version} is the newest; it stays loaded")
+        await self._settled()
         request = self.adapters.pop(version, None)
         if request is not None:
             await self._remove_lora(request)

@@ -43,6 +43,25 @@ def adapter_state(peft_model, device: str | None = "cpu") -> tuple[dict, dict]:
     return state, conf
 
 
+def adapter_params(peft_model) -> list[tuple[str, "torch.nn.Parameter"]] | None:
+    """The adapter's trained parameters under peft's saved names (adapter_state's names, sorted), as
+    the Parameter objects themselves: found once, then read at each version without walking the
+    model's state dict again (get_peft_model_state_dict over the 4B shape's ~900 tensors is most of
+    an adapter version's pack). None when a saved tensor is not a trained parameter (peft saving
+    something else too, modules_to_save): adapter_state each time then. Call it where every
+    parameter is whole (under ZeRO-3: inside the gather)."""
+    from peft import get_peft_model_state_dict
+
+    by_ptr = {p.data_ptr(): p for p in peft_model.parameters() if p.requires_grad and p.numel()}
+    out = []
+    for name, t in sorted(get_peft_model_state_dict(peft_model).items()):
+        p = by_ptr.get(t.data_ptr())
+        if p is None or tuple(p.shape) != tuple(t.shape) or p.dtype != t.dtype:
+            return None
+        out.append((name, p))
+    return out
+
+
 def export_merged(base_dir, adapter_dir, out) -> None:
     """The base model with the adapter of `adapter_dir` (weights.lora.write_adapter's) merged into its
     weights, saved to `out` as a plain HF checkpoint (safetensors + config.json)."""

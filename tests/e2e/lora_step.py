@@ -36,16 +36,29 @@ def main(model_dir: str, zero: int, checkpointing: bool) -> None:
         with whole:
             return {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
 
+    from learner.lora import adapter_params, adapter_state
+
+    def gathered():
+        params = list(trainer.module.parameters())
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero == 3 else contextlib.nullcontext()
+
     samples: list[Sample] = step_samples()
     before = weights()
+    with gathered():  # found once before training, as Trainer.pack_adapter does at its first version
+        cached = adapter_params(trainer.peft)
     first = trainer.train_step(samples)
     second = trainer.train_step(samples)
     after = weights()
+    with gathered():  # after two steps the cached parameters still hold what peft would save
+        state, _ = adapter_state(trainer.peft, device=None)
+        cached_matches = (cached is not None and [n for n, _ in cached] == sorted(state)
+                          and all(torch.equal(p.detach(), state[n]) for n, p in cached))
     changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
     adapter = sorted(n for n in before if "lora_" in n)
     print(json.dumps({"loss": first["loss"], "grad_norm": first["grad_norm"], "kl_first": first["kl_mean"],
                       "kl_second": second["kl_mean"], "loss_second": second["loss"],
-                      "changed": changed, "adapter": adapter}))
+                      "changed": changed, "adapter": adapter,
+                      "cached_matches": cached_matches}))
 
 
 if __name__ == "__main__":

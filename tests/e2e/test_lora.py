@@ -210,7 +210,9 @@ async def test_an_adapter_handed_over_in_memory_serves_what_the_same_adapter_fro
         await engine.unpin(1)
         staged = set(engine._staged)
         await engine.load_adapter_tensors(tensors, config, 3)  # replaces 2: it is removed and unstaged
-        assert set(engine.adapters) == {3} and len(staged) == 1 and not staged & engine._staged
+        assert set(engine.adapters) == {3}  # at once
+        await engine._settled()  # removed from vLLM in the background, off the version's path to serving
+        assert len(staged) == 1 and not staged & engine._staged
         again = await engine.generate(prompt, max_tokens=16, seed=7)
         assert again.token_ids == files.token_ids
     finally:
@@ -254,13 +256,16 @@ def _lora_steps(model_dir, zero: int, checkpointing: bool) -> dict:
 def test_an_adapter_trains_the_same_under_zero_3_and_gradient_checkpointing(tiny_model):
     """[learner.lora] with ZeRO-3 (partitioned base and adapter) and with gradient checkpointing (the
     forward redone in backward, adapters and all): two steps give the loss, gradient norm and KL of
-    ZeRO-2 without checkpointing, every adapter weight moves and no base weight does. The first step's
+    ZeRO-2 without checkpointing, every adapter weight moves and no base weight does, and the adapter's
+parameters found once before the steps (what pack_adapter sends) hold what peft saves after them. The first step's
     KL is 0 (the reference is the base, the adapter's B starts at zero); the second's is not."""
     plain = _lora_steps(tiny_model, 2, False)
     assert plain["adapter"] and plain["changed"] == plain["adapter"]
+    assert plain["cached_matches"]  # learner.lora.adapter_params, found before the steps, reads what peft saves after
     assert plain["kl_first"] == 0.0 and plain["kl_second"] > 0
     for zero, checkpointing in ((3, False), (2, True), (3, True)):
         other = _lora_steps(tiny_model, zero, checkpointing)
         assert other["changed"] == plain["adapter"], (zero, checkpointing)
+        assert other["cached_matches"], (zero, checkpointing)
         for key in ("loss", "grad_norm", "kl_second", "loss_second"):
             assert other[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), (zero, checkpointing, key)

@@ -70,7 +70,7 @@ def test_a_receive_that_breaks_passes_and_a_mismatch_refuses(monkeypatch):
         asyncio.run(engine.load_gpu(announcement(), hold_s=5.0, version=2))
     assert engine.version == 1
 
-    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state: ([], "checksum mismatch in 1 of 1 tensors"))
+    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state, own=False: ([], "checksum mismatch in 1 of 1 tensors"))
     assert WorkerDouble().parley_load_gpu(announcement()) == (REFUSED, "version 2: checksum mismatch in 1 of 1 tensors")
     with pytest.raises(WeightVerifyError, match="checksum mismatch"):
         asyncio.run(engine_of(WorkerDouble()).load_gpu(announcement(), hold_s=5.0, version=2))
@@ -104,7 +104,7 @@ def test_the_checksum_is_prepared_once_before_the_first_load_outside_its_time_bo
     before the first load, not inside the hold-time-bounded load: a first compile of a second or two
     would otherwise eat a short hold (gpu-1.toml: 2 s)."""
     nccl = registry.TRANSPORTS["nccl"]
-    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state: ([], "checksum mismatch in 1 of 1 tensors"))
+    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state, own=False: ([], "checksum mismatch in 1 of 1 tensors"))
     engine = engine_of(WorkerDouble())
     for _ in range(2):
         with pytest.raises(WeightVerifyError):
@@ -133,16 +133,57 @@ def test_an_adapter_from_a_gpu_buffer_that_fails_changes_nothing_served(monkeypa
     def broken(wv, state):
         raise WeightUnavailable("receiving from learner:29600 failed: Connection reset by peer")
 
-    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state: broken(wv, state))
+    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state, own=False: broken(wv, state))
     e = engine()
     with pytest.raises(WeightUnavailable, match="Connection reset"):
         asyncio.run(e.load_adapter_gpu(adapter, 2, hold_s=5.0))
     assert e._llm.calls == ["parley_prepare_gpu_load", "parley_stage_adapter", "parley_unstage_adapter"]
     assert not e.adapters and e.version == 1
 
-    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state: ([], "checksum mismatch in 1 of 1 tensors"))
+    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state, own=False: ([], "checksum mismatch in 1 of 1 tensors"))
     e = engine()
     with pytest.raises(WeightVerifyError, match="checksum mismatch"):
         asyncio.run(e.load_adapter_gpu(adapter, 2, hold_s=5.0))
     assert not e.adapters and not e._staged
     assert WorkerDouble().parley_stage_adapter(1, announcement=announcement())[0] == REFUSED  # whole weights
+
+
+def test_a_replaced_adapter_is_removed_after_the_new_one_serves_and_before_the_next_load():
+    """The adapter a new version replaces (and older ones no conversation uses) leave `adapters` at
+    once, while their removal RPCs run in the background, off the new version's path to serving; the
+    next load waits for them, so vLLM never holds more adapters than max_loras allowed before. A pinned
+    version stays. Test doubles for vLLM (the removal held until released)."""
+
+    class LoraLLMDouble(LLMDouble):
+        def __init__(self):
+            super().__init__([])
+            self.release = asyncio.Event()
+
+        async def add_lora(self, request):
+            self.calls.append(f"add {request.lora_int_id}")
+            return True
+
+        async def remove_lora(self, lora_id):
+            await self.release.wait()
+            self.calls.append(f"remove {lora_id}")
+
+    async def main():
+        e = engine_of()
+        e._llm = llm = LoraLLMDouble()
+        e.adapters, e._users, e._staged, e._next_lora_id = {}, {}, set(), 1
+        await e.load_adapter("/a1", 1)
+        e.pin(1)  # a conversation started on version 1
+        await e.load_adapter("/a2", 2)
+        await e.load_adapter("/a3", 3)  # replaces 2; 1 is pinned
+        assert set(e.adapters) == {1, 3} and e.version == 3
+        assert llm.calls == ["add 1", "add 2", "add 3"]  # 3 served before 2's removal ran
+        load4 = asyncio.ensure_future(e.load_adapter("/a4", 4))
+        await asyncio.sleep(0.05)
+        assert not load4.done() and "add 4" not in llm.calls  # the next load waits for the removal
+        llm.release.set()
+        await load4
+        assert llm.calls[:5] == ["add 1", "add 2", "add 3", "remove 2", "add 4"]
+        await e._settled()
+        assert llm.calls[5:] == ["remove 3"] and set(e.adapters) == {1, 4}
+
+    asyncio.run(main())
