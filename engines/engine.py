@@ -202,8 +202,9 @@ class PolicyEngine:
         # Counts whole-weight swaps; every prompt carries it as vLLM's cache_salt, so a swap needs no
         # prefix-cache reset: new requests never match blocks computed by the weights before it, and
         # requests in flight keep their KV instead of being preempted and recomputed (a reset with
-        # running requests preempts them all: the 12-16% of generation lost during a cuda_ipc update
-        # on the H200, docs/gpu.md). An adapter is part of vLLM's own block hash already.
+        # running requests preempts them all). On the H200 this did not bring back the 12-16% of
+        # generation lost during a cuda_ipc update (12.7% after it, docs/gpu.md): the reset was not
+        # its main cost. An adapter is part of vLLM's own block hash already.
         self._weights_epoch = 0
 
     # -- generation ---------------------------------------------------------------------------
