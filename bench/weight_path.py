@@ -276,14 +276,22 @@ async def gpu_main(args) -> dict:
 
             params = [p for _, p in hf_tensors(model)]
 
-            async def update(transport, change=True):
+            def change(v):  # version v's weights, every tensor by its own factor (a tensor left
+                # stale or loaded into the wrong slice moves the probe's log-probs): the "training
+                # step", done before the step's end, which is when its GPU work is finished; without
+                # the sync its ~400 kernels ran inside the timed pack (and, in a round, inside the
+                # update) until 2026-12-03 evening
+                with torch.no_grad():
+                    for i, t in enumerate(params):
+                        t.mul_(1.0 + 0.02 * ((i + v) % 5 - 2))
+                if gpu:
+                    torch.cuda.synchronize()
+
+            async def update(transport, change_now=True):
                 nonlocal version
                 version += 1
-                if change:  # another version's weights, every tensor by its own factor (a tensor
-                    # left stale or loaded into the wrong slice moves the probe's log-probs)
-                    with torch.no_grad():
-                        for i, t in enumerate(params):
-                            t.mul_(1.0 + 0.02 * ((i + version) % 5 - 2))
+                if change_now:  # else: unchanged (the file check), or changed before (a round)
+                    change(version)
                 r = await gpu_update(js, run, transport, version, model, pub, work, follower, timed)
                 probed = (await engine.generate(probe, max_tokens=8, temperature=0.0)).logprobs
                 first = probed[0]
@@ -295,15 +303,17 @@ async def gpu_main(args) -> dict:
                 return r
 
             async def round_(label, transport=None):
+                if transport:
+                    change(version + 1)
                 t = time.perf_counter()
                 gen = asyncio.ensure_future(asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i)
                                                              for i, p in enumerate(prompts)]))
                 done: list[float] = []  # when the last request finished (a slow update may end later)
                 gen.add_done_callback(lambda _: done.append(time.perf_counter()))
                 upd = None
-                if transport:
+                if transport:  # the step's weights changed before the round: what is timed is the update
                     await asyncio.sleep(args.update_after)
-                    upd = await update(transport)
+                    upd = await update(transport, change_now=False)
                 outs = await gen
                 dt = done[0] - t
                 toks = sum(len(o.token_ids) for o in outs)
@@ -341,7 +351,7 @@ async def gpu_main(args) -> dict:
                 print(f"[weights] checksum of {pub.total / 1e9:.2f} GB: {out['checksum_s']}", file=sys.stderr, flush=True)
             if args.check_file:  # the same weights again, loaded from files: the served log-probs must not move
                 gpu_probe = out["updates"][-1]
-                r = await update(args.check_file, change=False)
+                r = await update(args.check_file, change_now=False)
                 diffs = [abs(a - b) for a, b in zip(gpu_probe["probe_logprobs"], r["probe_logprobs"])]
                 out["file_check"] = dict(gpu_transport=gpu_probe["transport"], gpu_version=gpu_probe["version"],
                                          file_transport=args.check_file, file_version=r["version"],
