@@ -107,6 +107,7 @@ async def main(args) -> dict:
                          "step_end_to_serving_s": round(t_served - t0, 4),
                          # of publish_s under cuda_ipc: the multi-tensor copy, the checksum (IpcPublisher.fill_s)
                          **({f"fill_{k}_s": round(v, 4) for k, v in trainer.sender.fill_s.items()} if gpu else {})})
+            print(f"[lora] {rows[-1]}", file=sys.stderr, flush=True)  # a run cut short keeps its lines
         check = None
         if gpu:
             # the last version once more from its files, then from memory again (a fresh adapter id,
