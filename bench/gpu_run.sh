@@ -121,8 +121,8 @@ P)
     SETS_JSON=${SETS_JSON//\\/\\\\}  # a JSON string: backslashes, then quotes (group_order="freshest")
     SETS_JSON=${SETS_JSON//\"/\\\"}
     write_clock() {  # the launch and end of each run, as far as known (a cut call still leaves the file)
-        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s}\n' \
-            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "$SETS_JSON" "${ACTORS:-1}" >"$OUT/p_clock.json"
+        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s, "parley_steps": %s, "trl_steps": %s}\n' \
+            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "$SETS_JSON" "${ACTORS:-1}" "${PARLEY_STEPS:-$STEPS}" "$STEPS" >"$OUT/p_clock.json"
     }
     rm -rf "$RUN" /tmp/peer-trl
     P0=$(clock) P1=null T1=null T2=null
@@ -130,10 +130,11 @@ P)
     # far from busy, and each engine more is one more start-up beside the others)
     # PARLEY_SETS: parley-only settings to try, space-separated KEY=VALUE (e.g. "weights.max_buffers=6
     # weights.hold_s=1.0"): not part of the shared recipe, so TRL's run does not see them
+    # PARLEY_STEPS (default STEPS): parley's steps, for a comparison at equal wall time (TRL runs STEPS)
     EXTRA=()
     for kv in ${PARLEY_SETS:-}; do EXTRA+=(--set "$kv"); done
     step up_peer "$PARLEY_S" python3 -m deploy.cli up --config deploy/configs/gpu-1.toml --env hidden_goal \
-        --no-live --run-dir "$RUN" --steps "$STEPS" "${HG[@]}" --set "up.actors=${ACTORS:-1}" ${EXTRA[@]+"${EXTRA[@]}"}
+        --no-live --run-dir "$RUN" --steps "${PARLEY_STEPS:-$STEPS}" "${HG[@]}" --set "up.actors=${ACTORS:-1}" ${EXTRA[@]+"${EXTRA[@]}"}
     P1=$(clock)
     cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
     cp "$RUN/eval/history.jsonl" "$OUT/eval_history.jsonl" 2>/dev/null

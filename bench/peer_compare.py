@@ -196,6 +196,9 @@ def parley_settings(rows: list[dict], clock: dict) -> list[dict]:
     if clock.get("parley_sets"):
         rows.append({"setting": "parley only (PARLEY_SETS, not in TRL's run)", "parley": clock["parley_sets"],
                      "trl": "-", "same": "no"})
+    if clock.get("parley_steps") not in (None, clock.get("trl_steps")):  # PARLEY_STEPS: for equal wall time
+        rows.append({"setting": "steps (PARLEY_STEPS)", "parley": str(clock["parley_steps"]),
+                     "trl": str(clock.get("trl_steps")), "same": "no"})
     return rows
 
 

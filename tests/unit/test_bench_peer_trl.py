@@ -274,3 +274,8 @@ def test_the_settings_table_names_what_part_p_gave_parley_alone(tmp_path):
     assert rows[0]["parley"].startswith("1 actor vLLM engines")
     assert rows[1] == {"setting": "parley only (PARLEY_SETS, not in TRL's run)", "parley": "learner.oversample_groups=2",
                        "trl": "-", "same": "no"}
+    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_steps": 36, "trl_steps": 30}))
+    rows = peer_compare.compare(tmp_path / "out")["settings"]  # PARLEY_STEPS: for equal wall time
+    assert rows[-1] == {"setting": "steps (PARLEY_STEPS)", "parley": "36", "trl": "30", "same": "no"}
+    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_steps": 30, "trl_steps": 30}))
+    assert all(r["setting"] != "steps (PARLEY_STEPS)" for r in peer_compare.compare(tmp_path / "out")["settings"])
