@@ -267,5 +267,12 @@ parameters found once before the steps (what pack_adapter sends) hold what peft 
         other = _lora_steps(tiny_model, zero, checkpointing)
         assert other["changed"] == plain["adapter"], (zero, checkpointing)
         assert other["cached_matches"], (zero, checkpointing)
-        for key in ("loss", "grad_norm", "kl_second", "loss_second"):
+        for key in ("loss", "grad_norm"):  # the first step: the same up to fp32 summation order
             assert other[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), (zero, checkpointing, key)
+        # after one AdamW update, a coordinate whose gradient is near Adam's eps (1e-8) moves by
+        # lr x g / (|g| + eps), which the summation order changes by a share of lr: measured on this
+        # VM (2026-12-03, torch 2.13), one of the 16,384 adapter values differed by 4.3e-4 between
+        # ZeRO-2 and ZeRO-3 after step 1 (its update 1e-2), and the second step's KL and loss by 3e-5
+        # relative; a real difference (a gradient not reduced, a stale partition) moves them by far more
+        for key in ("kl_second", "loss_second"):
+            assert other[key] == pytest.approx(plain[key], rel=2e-4, abs=1e-6), (zero, checkpointing, key)
