@@ -323,6 +323,7 @@ class Nccl(Transport):
         return wv.nccl
 
     def receive(self, wv: WeightVersion, state: dict, own: bool = False):
+        # own needs nothing more here: every fetch receives into a buffer of its own (Receiver.fetch)
         import os
 
         import torch
