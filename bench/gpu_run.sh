@@ -11,6 +11,7 @@
 #     bash bench/gpu_run.sh W1   # issue 27's weight-path table, two calls of under 10 min each: cuda_ipc
 #     bash bench/gpu_run.sh W2   # steady, during 64 requests, objstore full (W1); shared_dir and objstore
 #                                # deltas from real gradients at lr 1e-6 and 1e-5, 4B shape (W2)
+#     bash bench/gpu_run.sh W3   # the delta formats at the 4B shape, the block candidate built on the GPU
 #     bash bench/gpu_run.sh L    # issue 29: the learner at the 4B shape, full against a rank-16 LoRA adapter,
 #                                # then adapter step end -> serving at the 4B shape
 #     bash bench/gpu_run.sh LI   # issue 29: adapter step end -> serving at the 4B shape in GPU memory
@@ -174,6 +175,14 @@ W2)
     step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
     step weight_delta 560 python3 bench/weight_delta.py --model "$MODEL" --grads --skip-formats --lrs 1e-6 1e-5 \
         --steps 1 --modes delta --kinds shared_dir objstore --work /tmp --json "$OUT/weight_delta_4b.json"
+    ;;
+W3)
+    # the delta formats at the 4B shape from real gradients (lr 1e-6, 1e-5), the block candidate built
+    # and applied with torch on this GPU (bench/weight_delta.py blocks): bytes, build and apply times
+    rm -rf /tmp/run-peer /tmp/peer-trl /tmp/parley-deltabench-*
+    step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    step weight_delta_formats 460 python3 bench/weight_delta.py --model "$MODEL" --grads --skip-path --lrs 1e-6 1e-5 \
+        --steps 1 --device cuda --work /tmp --json "$OUT/weight_delta_formats_4b.json"
     ;;
 L)
     # issue 29 in one call: the learner at the 4B shape (bench.common.random_qwen3 inside), ZeRO-2, varlen,

@@ -6,8 +6,10 @@ each weight by about lr: master += lr * sign(noise)), saved as bf16 after each s
 saves them, so most bf16 values do not change from one version to the next.
 
 1. Format: for each lr and step, the delta parley sends (per tensor: changed positions as uint32
-   gaps + values, zlib 1) against the alternatives: raw positions + values, and the XOR of the raw
-   bytes with zlib 1; sizes, build and apply times (apply includes copying the base and hashing).
+   gaps + values, zlib 1) against the alternatives: raw positions + values, the XOR of the raw
+   bytes with zlib 1, and blocks of 2^16 words built with torch on --device (what a GPU learner
+   could build without leaving the GPU: `blocks`); sizes, build and apply times (parley's apply
+   includes copying the base and hashing).
 2. Path: a real nats-server in a temporary directory; per version, step end -> write the file ->
    publish_version (full only; full then delta, one announcement; or the delta announced early and
    the full copy after) -> from the first announcement, the actor's fetch_version (full, or the delta
@@ -134,7 +136,52 @@ def alternatives(a_path: Path, b_path: Path) -> dict:
                 xor_zlib1_bytes=xor, xor_zlib1_s=t_xor)
 
 
-def formats(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bool = False) -> list[dict]:
+def blocks(a_path: Path, b_path: Path, device: str = "cpu") -> dict:
+    """A candidate built with torch on `device` (the learner's GPU, where a GPU learner's bf16 tensors
+    already are): the changed 16-bit words of the two files' tensor bytes, as a count per block of
+    2^16 words (int32) + each changed word's offset in its block (16 bits) + its new bits (16 bits):
+    4 bytes a changed word, no compressor, so the learner could build it on the GPU and the actor
+    apply it to a GPU copy of the weights it serves with one scatter. Builds it, applies it to a copy
+    of the base and checks the result bit for bit (the check is not timed)."""
+    import numpy as np
+    import torch
+
+    from weights.delta import _layout
+
+    _, _, tensors = _layout(b_path)
+    lo = min(st for st, _, _ in tensors)
+    hi = max(st + sz * c for st, sz, c in tensors)
+    hi -= (hi - lo) % 2  # whole 16-bit words (bf16: all of it)
+
+    def words(path):
+        raw = np.fromfile(path, dtype=np.uint8, count=hi - lo, offset=lo)
+        return torch.from_numpy(raw.view(np.int16).copy()).to(device)
+
+    x, y = words(a_path), words(b_path)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    pos = torch.nonzero(x != y).flatten()
+    n_blocks = -(-x.numel() // (1 << 16))
+    counts = torch.bincount(pos >> 16, minlength=n_blocks).to(torch.int32)
+    offsets = (pos & 0xFFFF).to(torch.int32).to(torch.int16)  # the low 16 bits (the cast wraps)
+    values = y[pos]
+    sync()
+    t_build = time.perf_counter() - t0
+    base = x.clone()
+    sync()
+    t0 = time.perf_counter()
+    starts = torch.repeat_interleave(torch.arange(n_blocks, device=device, dtype=torch.int64) << 16, counts.long())
+    base[starts + (offsets.to(torch.int64) & 0xFFFF)] = values
+    sync()
+    t_apply = time.perf_counter() - t0
+    assert torch.equal(base, y), "the block delta did not rebuild the target"
+    size = 4 * n_blocks + 4 * pos.numel()
+    return dict(blocks_bytes=size, blocks_build_s=t_build, blocks_apply_s=t_apply, blocks_device=device)
+
+
+def formats(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bool = False,
+            device: str = "cpu") -> list[dict]:
     from weights import delta as deltas
     from weights.common import file_digest
 
@@ -155,12 +202,13 @@ def formats(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bo
             t_apply = time.perf_counter() - t0
             assert file_digest(work / "fmt" / "out")[0] == sb
             row = dict(lr=lr, step=k, full_bytes=b.stat().st_size, delta_bytes=size, build_s=t_build, apply_s=t_apply,
-                       **alternatives(a, b))
+                       **alternatives(a, b), **blocks(a, b, device))
             rows.append(row)
             print(f"lr {lr:g} step {k}: changed {row['changed'] / row['elements']:.2%}; full {row['full_bytes'] / 1e6:.1f} MB; "
                   f"delta {size / 1e6:.2f} MB (build {t_build:.2f}s, apply+verify {t_apply:.2f}s); "
                   f"raw idx+val {row['raw_idx_val_bytes'] / 1e6:.2f} MB; xor+zlib1 {row['xor_zlib1_bytes'] / 1e6:.2f} MB "
-                  f"({row['xor_zlib1_s']:.2f}s)", file=sys.stderr)
+                  f"({row['xor_zlib1_s']:.2f}s); blocks {row['blocks_bytes'] / 1e6:.2f} MB (on {device}: build "
+                  f"{row['blocks_build_s']:.3f}s, apply {row['blocks_apply_s']:.3f}s)", file=sys.stderr)
             shutil.rmtree(prev)
             prev = cur
         shutil.rmtree(work / "fmt")
@@ -264,6 +312,7 @@ def main() -> None:
     p.add_argument("--build", default=None, choices=["0.6b", "4b"],
                    help="build a random Qwen3 of this shape (bench.common.random_qwen3) at --model first")
     p.add_argument("--work", default=None, help="directory for the temporary files (default: the system temp dir)")
+    p.add_argument("--device", default="cpu", help="where the format part builds the block candidate (cpu, cuda)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args()
 
@@ -279,7 +328,8 @@ def main() -> None:
         result = dict(model=args.model, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       cpus=os.cpu_count(), loadavg_start=os.getloadavg(),
                       grads=args.grads,
-                      formats=[] if args.skip_formats else formats(model_dir, args.lrs, args.steps, work, args.grads))
+                      formats=[] if args.skip_formats else formats(model_dir, args.lrs, args.steps, work, args.grads,
+                                                                    args.device))
         if not args.skip_path:
             def save(rows):
                 if args.json:
