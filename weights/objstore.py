@@ -8,12 +8,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import io
+import json
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 
 from nats.js import api
 from nats.js.errors import NotFoundError
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
+from nats.js.object_store import (MSG_ROLLUP_SUBJECT, OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TEMPLATE,
+                                  OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE)
+from nats.nuid import NUID
 
 from protocol import topology
 from weights.common import MODEL_FILE, VERSION_DIR, Transport, WeightUnavailable, WeightVerifyError, old_versions, plain_name, verify_file
@@ -23,6 +28,8 @@ from weights.delta import DELTA_FILE
 # 1-4 MiB), small enough to stay under the server's max_payload (1 MiB on a stock server).
 MAX_CHUNK = 4 * 1024 * 1024
 _PAYLOAD_HEADROOM = 16 * 1024
+PUT_WINDOW = 8  # chunk publishes of one upload awaiting their acks at once (_put_object)
+PUT_ACK_S = 30.0  # the longest wait for one chunk's ack before an upload gives up
 
 
 def chunk_size(js) -> int:
@@ -45,33 +52,25 @@ class Objstore(Transport):
 
     async def upload_model(self, js, run, prefix, state_dir) -> tuple[str, str, int]:
         """model.safetensors under `prefix`: (location, sha256, bytes)."""
-        store = await js.object_store(topology.object_bucket(run))
         location = self.full_location(prefix)
-        with (state_dir / MODEL_FILE).open("rb") as f:
-            info = await store.put(location, f, meta=api.ObjectMeta(
-                name=location, options=api.ObjectMetaOptions(max_chunk_size=chunk_size(js))))
-        # The store hashed every byte it sent (sha256 too): no second pass over the file.
-        return location, _store_sha_hex(info.digest), info.size
+        # _put_object hashed every byte it sent (sha256): no second pass over the file.
+        sha, size = await _put_object(js, run, location, state_dir / MODEL_FILE)
+        return location, sha, size
 
     async def upload_extras(self, js, run, prefix, state_dir, extras) -> list[str]:
         """The small files beside the model (config.json): their object names. Before an early
         announcement, so that an actor rebuilding the model from the delta finds them."""
-        store = await js.object_store(topology.object_bucket(run))
-        opts = api.ObjectMetaOptions(max_chunk_size=chunk_size(js))
         files = []
         for name in extras:
             obj = f"{prefix}/{name}"
-            await store.put(obj, (state_dir / name).read_bytes(), meta=api.ObjectMeta(name=obj, options=opts))
+            await _put_object(js, run, obj, state_dir / name)
             files.append(obj)
         return files
 
     async def upload_delta(self, js, run, prefix, path, settings):
-        store = await js.object_store(topology.object_bucket(run))
         location = f"{prefix}/{DELTA_FILE}"
-        with path.open("rb") as f:
-            info = await store.put(location, f, meta=api.ObjectMeta(
-                name=location, options=api.ObjectMetaOptions(max_chunk_size=chunk_size(js))))
-        return location, _store_sha_hex(info.digest)  # as for the model: the store hashed what it sent
+        sha, _ = await _put_object(js, run, location, path)
+        return location, sha  # as for the model: the upload hashed what it sent
 
     async def wait_full(self, js, run, wv, settings, timeout_s):
         # The store writes an object's meta after its last chunk: get_info finds it only once complete.
@@ -156,6 +155,80 @@ class Objstore(Transport):
         os.replace(part, dest / MODEL_FILE)
         await self.fetch_extras(js, run, wv, dest, settings)
         return dest
+
+
+async def _put_object(js, run: str, name: str, data: Path | bytes) -> tuple[str, int]:
+    """Store `data` (a file, or bytes) as object `name` in the run's object store, in the store's own
+    layout (NATS ADR-20, as nats.py's ObjectStore.put writes it: the chunks on a fresh subject, then
+    the meta message with a rollup, then the chunks of an older object of that name purged), so any
+    client reads it back, ObjectStore.get and _get_object alike. Unlike ObjectStore.put, which waits
+    for each chunk's ack before it reads the next (about 100 MB/s on the 2-core VM), up to
+    PUT_WINDOW chunks are acked at once, and the next chunk is read and hashed in a thread while
+    they are. Chunks go out in order on one connection, so the stream holds them in order. Returns
+    (sha256 hex, bytes). A chunk not acked within PUT_ACK_S, or refused, purges what was sent and raises."""
+    nc = js._nc  # the connection under the JetStream context (chunk_size reads it too)
+    bucket = topology.object_bucket(run)
+    store = await js.object_store(bucket)
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    nuid = NUID().next().decode()
+    chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
+    try:
+        old = await store.get_info(name)
+    except NotFoundError:
+        old = None
+    size_chunk = chunk_size(js)
+    h = hashlib.sha256()
+    acks: asyncio.Queue = asyncio.Queue()
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(f"{inbox}.*", cb=acks.put)
+    sent = acked = total = 0
+
+    def read(f) -> bytes:
+        chunk = f.read(size_chunk)
+        h.update(chunk)
+        return chunk
+
+    async def ack() -> None:
+        nonlocal acked
+        try:
+            msg = await asyncio.wait_for(acks.get(), PUT_ACK_S)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"object {name}: a chunk was not acknowledged within {PUT_ACK_S:.0f} s "
+                               f"({acked} of {sent} were)") from None
+        reply = json.loads(msg.data) if msg.data else {}
+        if "error" in reply or "seq" not in reply:
+            raise RuntimeError(f"object {name}: a chunk was refused by the server: "
+                               f"{reply.get('error') or msg.headers or 'no JetStream stream answered'}")
+        acked += 1
+
+    try:
+        with (data.open("rb") if isinstance(data, Path) else io.BytesIO(data)) as f:
+            while chunk := await asyncio.to_thread(read, f):
+                await nc.publish(chunks, chunk, reply=f"{inbox}.{sent}")
+                sent += 1
+                total += len(chunk)
+                while sent - acked > PUT_WINDOW:
+                    await ack()
+            while acked < sent:
+                await ack()
+        digest = h.digest()
+        info = api.ObjectInfo(name=name, bucket=bucket, nuid=nuid, size=total, chunks=sent,
+                              mtime=datetime.now(timezone.utc).isoformat(),
+                              digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest).decode()),
+                              options=api.ObjectMetaOptions(max_chunk_size=size_chunk))
+        meta = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
+        await js.publish(meta, json.dumps(info.as_dict()).encode(), headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})
+    except BaseException:
+        try:
+            await js.purge_stream(stream, subject=chunks)
+        except Exception:  # noqa: BLE001 - the upload's own error is the one to raise
+            pass
+        raise
+    finally:
+        await sub.unsubscribe()
+    if old is not None and not old.deleted:
+        await js.purge_stream(stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=old.nuid))
+    return digest.hex(), total
 
 
 async def _get_object(js, run: str, name: str, out: Path) -> tuple[str, int]:

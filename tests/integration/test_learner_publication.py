@@ -23,47 +23,35 @@ from tests.integration.test_learner_fates import BUS, ActorDouble, TrainerDouble
 pytestmark = [pytest.mark.integration]
 
 
-class SlowStore:
-    """Test double around the run's real object store: the upload of model.safetensors of a version
-    first awaits `gate(version)`; uploads are timed and their concurrency counted."""
+class SlowUploads:
+    """Test double around the object store's real upload (weights.objstore._put_object, installed
+    with monkeypatch): the upload of a version's model.safetensors first awaits `gate(version)`;
+    uploads are timed and their concurrency counted."""
 
-    def __init__(self, store, transport: SlowTransport):
-        self._store, self._t = store, transport
+    def __init__(self, monkeypatch, gate):
+        from weights import objstore
 
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    async def put(self, name, data, meta=None):
-        if not name.endswith("/model.safetensors"):
-            return await self._store.put(name, data, meta=meta)
-        t = self._t
-        version = int(name[1:7])
-        t.started[version] = time.monotonic()
-        t.running += 1
-        t.max_running = max(t.max_running, t.running)
-        try:
-            await t.gate(version)
-            return await self._store.put(name, data, meta=meta)
-        finally:
-            t.running -= 1
-            t.ended[version] = time.monotonic()
-
-
-class SlowTransport:
-    """Test double for the learner's JetStream context: everything goes to the real one, except that
-    object stores come wrapped in SlowStore."""
-
-    def __init__(self, js, gate):
-        self._js, self.gate = js, gate
+        self.gate = gate
         self.started: dict[int, float] = {}
         self.ended: dict[int, float] = {}
         self.running = self.max_running = 0
+        real = objstore._put_object
 
-    def __getattr__(self, name):
-        return getattr(self._js, name)
+        async def put(js, run, name, data):
+            if not name.endswith("/model.safetensors"):
+                return await real(js, run, name, data)
+            version = int(name[1:7])
+            self.started[version] = time.monotonic()
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+            try:
+                await self.gate(version)
+                return await real(js, run, name, data)
+            finally:
+                self.running -= 1
+                self.ended[version] = time.monotonic()
 
-    async def object_store(self, bucket):
-        return SlowStore(await self._js.object_store(bucket), self)
+        monkeypatch.setattr(objstore, "_put_object", put)
 
 
 class TimedTrainer(TrainerDouble):
@@ -102,7 +90,7 @@ async def run_learner(js, nc, cfg, trainer, transport, stop: asyncio.Event | Non
     return learner
 
 
-async def test_the_next_step_starts_before_the_upload_ends(js, nc, tmp_path):
+async def test_the_next_step_starts_before_the_upload_ends(js, nc, tmp_path, monkeypatch):
     run = "overlap"
     cfg = make_cfg(run, tmp_path / "run", steps=2, groups_per_step=1, max_staleness=1)
     await topology.ensure_topology(js, run, BUS)
@@ -112,15 +100,15 @@ async def test_the_next_step_starts_before_the_upload_ends(js, nc, tmp_path):
         if version == 1:  # version 1's upload lasts until step 2 has begun (20 s at most)
             await asyncio.to_thread(trainer.step_began[2].wait, 20)
 
-    slow = SlowTransport(js, gate)
-    await run_learner(js, nc, cfg, trainer, slow)
+    slow = SlowUploads(monkeypatch, gate)
+    await run_learner(js, nc, cfg, trainer, js)
     assert len(trainer.began) == 2
     assert trainer.began[1] < slow.ended[1], "step 2 waited for version 1's upload"
     assert slow.max_running == 1
     assert await announced(js, run) == [0, 1, 2]
 
 
-async def test_a_version_overtaken_while_waiting_is_never_announced(js, nc, tmp_path):
+async def test_a_version_overtaken_while_waiting_is_never_announced(js, nc, tmp_path, monkeypatch):
     run = "supersede"
     run_dir = tmp_path / "run"
     cfg = make_cfg(run, run_dir, steps=3, groups_per_step=1, max_staleness=2)
@@ -134,10 +122,10 @@ async def test_a_version_overtaken_while_waiting_is_never_announced(js, nc, tmp_
                        and box[0].publisher.waiting.version == 3) and time.monotonic() - t0 < 30:
                 await asyncio.sleep(0.05)
 
-    slow = SlowTransport(js, gate)
+    slow = SlowUploads(monkeypatch, gate)
     from learner.service import Learner
 
-    learner = Learner(cfg, slow, nc, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=3)
+    learner = Learner(cfg, js, nc, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=3)
     box.append(learner)
     halt = asyncio.Event()
     worker = ActorDouble(js, run, lambda i: "answer").start(halt)
@@ -182,7 +170,8 @@ async def test_each_version_is_hashed_once(js, nc, tmp_path, monkeypatch, make):
     digests: list[tuple[bytes, int]] = []  # (digest, bytes hashed) of every sha256 computed
 
     class CountingSha256:
-        """Test double for hashlib.sha256 (where weights/ and nats.py's object store take it)."""
+        """Test double for hashlib.sha256 (where weights/ and nats.py's object store take it: the
+        upload, weights.objstore._put_object, hashes through hashlib)."""
 
         def __init__(self, data=b""):
             self._h, self._n = real(), 0
@@ -219,7 +208,7 @@ async def test_each_version_is_hashed_once(js, nc, tmp_path, monkeypatch, make):
         assert computed == [wv.bytes], f"version {wv.version}: sha256 computed {len(computed)} times"
 
 
-async def test_a_stop_during_an_upload_lets_it_finish_and_announce(js, nc, tmp_path):
+async def test_a_stop_during_an_upload_lets_it_finish_and_announce(js, nc, tmp_path, monkeypatch):
     """SIGTERM sets the stop event: the step ends, the upload under way finishes, its version is announced."""
     run = "stopping"
     cfg = make_cfg(run, tmp_path / "run", steps=0, groups_per_step=1, max_staleness=0)  # steps=0: forever
@@ -231,8 +220,8 @@ async def test_a_stop_during_an_upload_lets_it_finish_and_announce(js, nc, tmp_p
             stop.set()  # the stop comes while version 1 uploads
             await asyncio.sleep(1.0)
 
-    slow = SlowTransport(js, gate)
-    learner = await run_learner(js, nc, cfg, TrainerDouble(), slow, stop=stop)
+    SlowUploads(monkeypatch, gate)
+    learner = await run_learner(js, nc, cfg, TrainerDouble(), js, stop=stop)
     assert learner.state.step == 1
     assert await announced(js, run) == [0, 1]
     assert learner.publisher.counters["published"] == 2

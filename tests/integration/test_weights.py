@@ -198,3 +198,32 @@ async def test_learner_publication_waits_out_a_nats_outage(nats_server, tmp_path
         assert (await current_version(js, RUN)).sha256 == wv.sha256
     finally:
         await nc.close()
+
+
+async def test_a_pipelined_upload_is_an_object_any_client_reads_and_replaces_the_old_one(js, monkeypatch, tmp_path):
+    """weights.objstore._put_object (up to PUT_WINDOW chunks awaiting their acks) writes the object
+    store's own layout: nats.py's ObjectStore.get reads it back and checks its digest, _get_object
+    reads it with the same sha256, and a second upload under the same name replaces the first and
+    purges its chunks (the stream then holds the new chunks and one meta message)."""
+    import hashlib
+    import os
+
+    from nats.js.object_store import OBJ_STREAM_TEMPLATE
+
+    from weights import objstore
+
+    monkeypatch.setattr(objstore, "MAX_CHUNK", 256 * 1024)  # 13 chunks: more than the window below
+    monkeypatch.setattr(objstore, "PUT_WINDOW", 2)
+    await topology.ensure_topology(js, RUN)
+    store = await js.object_store(topology.object_bucket(RUN))
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=topology.object_bucket(RUN))
+    first, second = os.urandom(3 * 1024 * 1024 + 123), os.urandom(2 * 1024 * 1024)
+    sha, size = await objstore._put_object(js, RUN, "v1/blob", first)
+    assert (sha, size) == (hashlib.sha256(first).hexdigest(), len(first))
+    got = await store.get("v1/blob")  # nats.py's reader: checks the digest itself
+    assert got.data == first and got.info.chunks == 13
+    sha, size = await objstore._put_object(js, RUN, "v1/blob", second)
+    assert (await store.get("v1/blob")).data == second
+    assert await objstore._get_object(js, RUN, "v1/blob", tmp_path / "out") == (hashlib.sha256(second).hexdigest(),
+                                                                                 len(second))
+    assert (await js.stream_info(stream)).state.messages == 8 + 1  # the first upload's 13 chunks purged
