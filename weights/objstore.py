@@ -225,7 +225,10 @@ async def _put_object(js, run: str, name: str, data: Path | bytes) -> tuple[str,
             pass
         raise
     finally:
-        await sub.unsubscribe()
+        try:
+            await sub.unsubscribe()
+        except Exception:  # noqa: BLE001 - a closed connection: the upload's own error, if any, is raised
+            pass
     if old is not None and not old.deleted:
         await js.purge_stream(stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=old.nuid))
     return digest.hex(), total

@@ -227,3 +227,25 @@ async def test_a_pipelined_upload_is_an_object_any_client_reads_and_replaces_the
     assert await objstore._get_object(js, RUN, "v1/blob", tmp_path / "out") == (hashlib.sha256(second).hexdigest(),
                                                                                  len(second))
     assert (await js.stream_info(stream)).state.messages == 8 + 1  # the first upload's 13 chunks purged
+
+
+async def test_a_refused_chunk_fails_the_upload_and_leaves_nothing_behind(js, monkeypatch):
+    """A chunk the server refuses (here: the bucket is full) raises with the server's reason; the
+    chunks already sent are purged and no meta is written, so no reader ever sees a partial object."""
+    import os
+
+    from nats.js import api
+    from nats.js.errors import NotFoundError
+    from nats.js.object_store import OBJ_STREAM_TEMPLATE
+
+    from weights import objstore
+
+    run = "refused"
+    monkeypatch.setattr(objstore, "MAX_CHUNK", 256 * 1024)
+    bucket = topology.object_bucket(run)
+    store = await js.create_object_store(bucket, config=api.ObjectStoreConfig(bucket=bucket, max_bytes=1024 * 1024))
+    with pytest.raises(RuntimeError, match="refused by the server"):
+        await objstore._put_object(js, run, "v1/blob", os.urandom(3 * 1024 * 1024))
+    with pytest.raises(NotFoundError):
+        await store.get_info("v1/blob")
+    assert (await js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=bucket))).state.messages == 0
