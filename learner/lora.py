@@ -38,9 +38,14 @@ def adapter_state(peft_model, device: str | None = "cpu") -> tuple[dict, dict]:
 
     state = {k: v.detach() if device is None else v.detach().to(device, copy=True)
              for k, v in get_peft_model_state_dict(peft_model).items()}
+    return state, adapter_config(peft_model)
+
+
+def adapter_config(peft_model) -> dict:
+    """The adapter's peft config as a dict (target modules sorted), as adapter_state returns it."""
     conf = peft_model.peft_config["default"].to_dict()
     conf["target_modules"] = sorted(conf["target_modules"])
-    return state, conf
+    return conf
 
 
 def adapter_params(peft_model) -> list[tuple[str, "torch.nn.Parameter"]] | None:

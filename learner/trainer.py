@@ -19,7 +19,7 @@ from learner.flops import shape_of as flops_shape, train_flops
 from config.learner import LearnerConfig
 from config.policy import Reference
 from learner.logprobs import PackedPolicy, token_logprobs
-from learner.lora import adapter_params, add_adapters, adapter_state, base_only
+from learner.lora import adapter_config, adapter_params, add_adapters, adapter_state, base_only
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
 from learner.weights_io import WeightSnapshot, hf_tensors, hf_weights, write_weights
 from weights import registry
@@ -249,7 +249,7 @@ class Trainer:
         attention.use(model, attn)
         # [learner.lora]: adapters in place; the frozen base (adapters off) is the local reference
         self.peft = add_adapters(model, cfg.lora) if cfg.lora.enabled else None
-        self._adapter = None  # pack_adapter's (trained parameters, saved names -> parameters, config), found once
+        self._adapter = None  # pack_adapter's (trained parameters, (saved name, parameter) list or None), found once
         if self.peft is not None and cfg.kl_coef > 0 and reference == "local":
             self.reference = model
         self.compiled = compile_layers(model, "off" if self.peft is not None else cfg.compile, device, cfg.zero_stage)
@@ -484,22 +484,19 @@ class Trainer:
 
         import deepspeed
 
-        if self._adapter is None:
-            self._adapter = ([p for p in self.module.parameters() if p.requires_grad], None, None)
-        trained, params, conf = self._adapter
+        trained = [p for p in self.module.parameters() if p.requires_grad] if self._adapter is None else self._adapter[0]
         gather = (deepspeed.zero.GatheredParameters(trained, modifier_rank=None)
                   if self.cfg.zero_stage == 3 else contextlib.nullcontext())
         with gather:
             if self.rank:
                 return None
-            if conf is None:
-                params = adapter_params(self.peft)
-                _, conf = adapter_state(self.peft, device=None)
-                self._adapter = (trained, params, conf)
+            if self._adapter is None:  # inside the gather: the parameters are whole (adapter_params)
+                self._adapter = (trained, adapter_params(self.peft))
+            params = self._adapter[1]
             if params is None:
                 state, conf = adapter_state(self.peft, device=None)
                 return self.sender.pack(sorted(state.items()), version), conf
-            return self.sender.pack([(name, p.detach()) for name, p in params], version), conf
+            return self.sender.pack([(name, p.detach()) for name, p in params], version), adapter_config(self.peft)
 
     def save_weights(self, out_dir: str | Path) -> Path:
         """Write model.safetensors + config.json (what publish_version and vLLM's reload read)."""

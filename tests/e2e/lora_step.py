@@ -30,17 +30,15 @@ def main(model_dir: str, zero: int, checkpointing: bool) -> None:
                         dtype="float32", gradient_checkpointing=checkpointing, lora=LoraSettings(enabled=True, rank=4))
     trainer = Trainer(cfg, model_dir)
 
-    def weights() -> dict:
-        params = list(trainer.module.parameters())
-        whole = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero == 3 else contextlib.nullcontext()
-        with whole:
-            return {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
-
     from learner.lora import adapter_params, adapter_state
 
-    def gathered():
+    def gathered():  # every parameter whole (ZeRO-3 partitions them)
         params = list(trainer.module.parameters())
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero == 3 else contextlib.nullcontext()
+
+    def weights() -> dict:
+        with gathered():
+            return {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
 
     samples: list[Sample] = step_samples()
     before = weights()
