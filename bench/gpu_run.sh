@@ -12,6 +12,8 @@
 #     bash bench/gpu_run.sh W2   # steady, during 64 requests, objstore full (W1); shared_dir and objstore
 #                                # deltas from real gradients at lr 1e-6 and 1e-5, 4B shape (W2)
 #     bash bench/gpu_run.sh W3   # the delta formats at the 4B shape, the block candidate built on the GPU
+#     bash bench/gpu_run.sh W4   # deltas built on the learner's GPU and applied on the actor's through the
+#                                # object store (weights.gpu_delta), 4B shape, lr 1e-6 and 1e-5
 #     bash bench/gpu_run.sh L    # issue 29: the learner at the 4B shape, full against a rank-16 LoRA adapter,
 #                                # then adapter step end -> serving at the 4B shape
 #     bash bench/gpu_run.sh LI   # issue 29: adapter step end -> serving at the 4B shape in GPU memory
@@ -183,6 +185,15 @@ W3)
     step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
     step weight_delta_formats 460 python3 bench/weight_delta.py --model "$MODEL" --grads --skip-path --lrs 1e-6 1e-5 \
         --steps 1 --device cuda --work /tmp --json "$OUT/weight_delta_formats_4b.json"
+    ;;
+W4)
+    # weights.gpu_delta from real gradients (AdamW on the fp32 master, 64 GB on the GPU) at the 4B shape:
+    # packed and encoded on this GPU, through a real nats-server's object store, applied to a second
+    # GPU buffer (the actor's) and checked; bytes per version and each phase of step end -> verified
+    rm -rf /tmp/run-peer /tmp/peer-trl /tmp/parley-deltabench-* /tmp/parley-gpudelta-*
+    step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    step gpu_delta "${W4_LIMIT_S:-420}" python3 bench/gpu_delta.py --model "$MODEL" --lrs ${LRS:-1e-6 1e-5} \
+        --steps "${STEPS:-3}" --work /tmp --json "$OUT/gpu_delta_4b.json"
     ;;
 L)
     # issue 29 in one call: the learner at the 4B shape (bench.common.random_qwen3 inside), ZeRO-2, varlen,

@@ -1,0 +1,97 @@
+"""weights.gpu_delta on CPU torch (the same calls run on the GPU): a chain of deltas rebuilds the
+last version bit for bit, a corrupted or misdirected delta is refused with the buffer back on its
+base, and a delta that would be too large is not built."""
+
+import pytest
+import torch
+
+from weights import cuda_ipc, gpu_delta
+from weights.common import WeightVerifyError
+
+
+def _versions(steps: int, lr: float, seed: int = 0):
+    """Packed bf16 buffers of an fp32 master taking Adam-like steps (each weight moves by lr), as a
+    learner publishes them: [(buffer, layout with checksums)]. Some weights sit at zero so that a
+    step moves them across it (a jump of the 16-bit pattern: an exception in the format)."""
+    g = torch.Generator().manual_seed(seed)
+    master = {"embed.weight": torch.randn(300, 64, generator=g) * 0.02,
+              "layer.0.q.weight": torch.randn(64, 64, generator=g) * 0.02,
+              "norm.weight": torch.ones(64), "odd.bias": torch.zeros(37)}
+    layout, size = cuda_ipc.plan((n, t.to(torch.bfloat16)) for n, t in master.items())
+    out = []
+    for k in range(steps + 1):
+        if k:
+            for t in master.values():
+                t += lr * torch.sign(torch.randn(t.shape, generator=g))
+        buf = torch.zeros(size, dtype=torch.uint8)
+        cuda_ipc.pack(((n, t.to(torch.bfloat16)) for n, t in master.items()), buf, layout)
+        out.append((buf, cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))))
+    return out
+
+
+def _delta(a, b, **kw):
+    return gpu_delta.encode(a[0], b[0], cuda_ipc.table_digest(a[1]), cuda_ipc.table_digest(b[1]), **kw)
+
+
+def test_a_chain_of_deltas_rebuilds_the_last_version_bit_for_bit():
+    vs = _versions(4, 3e-5)
+    served = vs[0][0].clone()
+    exceptions = 0
+    for prev, cur in zip(vs, vs[1:]):
+        blob = _delta(prev, cur)
+        header, _ = gpu_delta.read_header(blob)
+        assert 0 < header.changed < header.words
+        exceptions += header.exceptions
+        gpu_delta.apply(served, blob, cuda_ipc.table_digest(prev[1]), cur[1])
+        assert torch.equal(served, cur[0])
+    assert exceptions > 0  # the weights at zero crossed it: the exception path ran too
+    # smaller than the raw bytes of the changed words' positions and values
+    assert len(_delta(vs[0], vs[1])) < 6 * gpu_delta.read_header(_delta(vs[0], vs[1]))[0].changed
+
+
+def test_every_word_of_a_block_may_change():
+    layout, size = cuda_ipc.plan([("w", torch.zeros(8 * gpu_delta.BLOCK, dtype=torch.bfloat16))])
+    a = torch.zeros(size, dtype=torch.uint8)
+    b = a.clone()
+    b.view(torch.int16)[: 2 * gpu_delta.BLOCK] = torch.arange(2 * gpu_delta.BLOCK, dtype=torch.int16) * 300
+    la = cuda_ipc.with_checksums(layout, cuda_ipc.checksums(a, layout))
+    lb = cuda_ipc.with_checksums(layout, cuda_ipc.checksums(b, layout))
+    blob = gpu_delta.encode(a, b, cuda_ipc.table_digest(la), cuda_ipc.table_digest(lb))
+    assert gpu_delta.read_header(blob)[0].changed == 2 * gpu_delta.BLOCK - 1  # the first word stays 0
+    gpu_delta.apply(a, blob, cuda_ipc.table_digest(la), lb)
+    assert torch.equal(a, b)
+
+
+def test_a_corrupted_delta_is_refused_and_the_buffer_keeps_its_base():
+    v0, v1 = _versions(1, 3e-5)
+    blob = bytearray(_delta(v0, v1))
+    blob[-1] ^= 0x01  # the last diff or exception: a wrong word, same length
+    served = v0[0].clone()
+    with pytest.raises(WeightVerifyError, match="checksum mismatch"):
+        gpu_delta.apply(served, bytes(blob), cuda_ipc.table_digest(v0[1]), v1[1])
+    assert torch.equal(served, v0[0])
+
+
+@pytest.mark.parametrize("cut", [1, 100])
+def test_a_truncated_delta_is_refused_before_anything_is_written(cut):
+    v0, v1 = _versions(1, 3e-5)
+    served = v0[0].clone()
+    with pytest.raises(WeightVerifyError, match="bytes of sections"):
+        gpu_delta.apply(served, _delta(v0, v1)[:-cut], cuda_ipc.table_digest(v0[1]), v1[1])
+    assert torch.equal(served, v0[0])
+
+
+def test_a_delta_for_another_base_is_refused():
+    v0, v1, v2 = _versions(2, 3e-5)
+    served = v0[0].clone()
+    with pytest.raises(WeightVerifyError, match="this buffer holds"):
+        gpu_delta.apply(served, _delta(v1, v2), cuda_ipc.table_digest(v0[1]), v2[1])
+    assert torch.equal(served, v0[0])
+
+
+def test_no_delta_when_it_would_be_larger_than_the_share():
+    v0, v1 = _versions(1, 3e-5)
+    blob = _delta(v0, v1)
+    share = (len(blob) - gpu_delta.read_header(blob)[1] - 1) / v1[0].numel()  # a byte under its sections
+    assert _delta(v0, v1, max_share=share) is None
+    assert _delta(v0, v1, max_share=share * 1.2) is not None

@@ -1,0 +1,160 @@
+"""Delta versions built and applied where the weights already are (the learner's and the actor's
+GPUs), without a compressor and without a pass over the model on the host: the changed 16-bit words
+between two packed buffers of one layout (weights.cuda_ipc.plan: every tensor at a 256-byte
+boundary, bf16 words), and the target rebuilt in place from its base.
+
+Format (`b"PARLEYG1"` | u64 header length | header JSON | counts | offsets | diffs | exceptions):
+the buffer's words are cut into blocks of BLOCK = 255 words; per block the number of changed words
+(uint8, at most 255 by construction); per changed word, in order, its offset in its block (uint8)
+and the difference new - old of the two words as 16-bit integers, wrapped, when it lies in
+-127..127 (int8), else -128 and its new bits in `exceptions` (int16, in the same order). With Adam at
+the learning rates our users train with, a bf16 weight that changes moves by one or two steps of its
+last bit, so nearly every difference fits: about 2 bytes a changed word plus one byte per 255 words,
+close to zlib level 1 over gaps and values (weights.delta) and built with a `nonzero`, a `bincount`
+and a gather, applied with a `repeat_interleave` and a scatter (bench/gpu_delta.py measures both).
+
+The result is checked against the target's per-tensor checksums (weights.cuda_ipc.checksums, the
+digest the cuda_ipc transport already announces): on a mismatch or a malformed delta the words
+written are put back, so the buffer still holds its base, and WeightVerifyError says why.
+
+torch is imported inside the functions: the module imports without it.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from protocol.messages import IpcTensor
+from weights.common import WeightVerifyError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+MAGIC = b"PARLEYG1"
+BLOCK = 255  # words a count covers: a count never exceeds what a uint8 holds
+SENTINEL = -128  # a diff of this value: the new word is the next one in `exceptions`
+
+
+class GpuDeltaHeader(msgspec.Struct, kw_only=True):
+    base: str  # weights.cuda_ipc.table_digest of the buffer this delta applies to
+    target: str  # table_digest of the buffer it rebuilds
+    words: int  # 16-bit words in either buffer
+    changed: int
+    exceptions: int
+
+
+def _words(buffer: "Tensor") -> "Tensor":
+    import torch
+
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() % 2:
+        raise ValueError(f"a packed buffer is a 1-D uint8 tensor of whole 16-bit words, got {buffer.dtype} "
+                         f"{tuple(buffer.shape)}")
+    return buffer.view(torch.int16)
+
+
+def encode(base: "Tensor", target: "Tensor", base_name: str, target_name: str,
+           max_share: float = 1.0) -> bytes | None:
+    """The delta turning packed buffer `base` into `target` (same size, same device), named by their
+    table_digest (weights.cuda_ipc); None when it would be larger than `max_share` of the target's bytes (send the full
+    version then). One device-to-host copy of the result."""
+    import torch
+
+    x, y = _words(base), _words(target)
+    if x.shape != y.shape:
+        raise ValueError(f"base has {x.numel()} words, target {y.numel()}: not one layout")
+    n = x.numel()
+    pos = torch.nonzero(x != y).flatten()  # int64, ascending
+    changed = pos.numel()
+    n_blocks = -(-n // BLOCK)
+    # what the format takes, before building it: counts + offsets + diffs (+ exceptions, bounded below)
+    if n_blocks + 2 * changed > max_share * 2 * n:
+        return None
+    blk = torch.div(pos, BLOCK, rounding_mode="floor")
+    counts = torch.bincount(blk, minlength=n_blocks).to(torch.uint8)
+    offsets = (pos - blk * BLOCK).to(torch.uint8)
+    new = y[pos]
+    d = (new.to(torch.int32) - x[pos].to(torch.int32) + 32768).remainder(65536) - 32768  # wrapped to int16
+    exc = (d < -127) | (d > 127)
+    diffs = torch.where(exc, torch.full_like(d, SENTINEL), d).to(torch.int8)
+    exceptions = new[exc]
+    if n_blocks + 2 * changed + 2 * exceptions.numel() > max_share * 2 * n:
+        return None
+    header = msgspec.json.encode(GpuDeltaHeader(base=base_name, target=target_name, words=n, changed=changed,
+                                                exceptions=exceptions.numel()))
+    parts = [t.cpu().numpy().tobytes() for t in (counts, offsets, diffs, exceptions)]
+    return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *parts])
+
+
+def read_header(blob: bytes | memoryview) -> tuple[GpuDeltaHeader, int]:
+    """The header of a delta and the byte offset its sections start at; WeightVerifyError when it
+    is not one or its sections do not add up to its length."""
+    try:
+        if bytes(blob[:8]) != MAGIC:
+            raise WeightVerifyError("not a parley GPU delta (bad magic)")
+        (hn,) = struct.unpack("<Q", bytes(blob[8:16]))
+        header = msgspec.json.decode(bytes(blob[16:16 + hn]), type=GpuDeltaHeader)
+    except (struct.error, msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise WeightVerifyError(f"a malformed GPU delta: {type(e).__name__}: {e}") from None
+    start = 16 + hn
+    want = -(-header.words // BLOCK) + 2 * header.changed + 2 * header.exceptions
+    if len(blob) - start != want:
+        raise WeightVerifyError(f"a GPU delta of {header.words} words, {header.changed} changed, "
+                                f"{header.exceptions} exceptions has {len(blob) - start} bytes of sections, "
+                                f"not {want}")
+    return header, start
+
+
+def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: list[IpcTensor]) -> None:
+    """Rebuild in `buffer` (holding the version named `base_name`) the version whose layout with
+    checksums is `layout`, from `blob` (encode's bytes). Checks the result's checksums against
+    `layout` (weights.cuda_ipc.checksums); raises WeightVerifyError with `buffer` holding its base
+    again when the delta is for another base or another target, malformed, or the result does not
+    match."""
+    import numpy as np
+    import torch
+
+    from weights.cuda_ipc import checksums, mismatch, table_digest
+
+    header, start = read_header(blob)
+    target_name = table_digest(layout)
+    if header.base != base_name or header.target != target_name:
+        raise WeightVerifyError(f"the delta turns {header.base[:16]}.. into {header.target[:16]}..; this buffer "
+                                f"holds {base_name[:16]}.. and the version is {target_name[:16]}..")
+    x = _words(buffer)
+    if header.words != x.numel():
+        raise WeightVerifyError(f"the delta is for {header.words} words, the buffer has {x.numel()}")
+    n_blocks = -(-header.words // BLOCK)
+    dev = buffer.device
+    mv = memoryview(blob)[start:]
+
+    def section(nbytes: int, dtype) -> "Tensor":
+        nonlocal mv
+        part, mv = mv[:nbytes], mv[nbytes:]
+        return torch.from_numpy(np.frombuffer(part, dtype=dtype).copy()).to(dev)
+
+    counts = section(n_blocks, np.uint8)
+    offsets = section(header.changed, np.uint8)
+    diffs = section(header.changed, np.int8)
+    exceptions = section(2 * header.exceptions, np.int16)
+    counts_l = counts.to(torch.int64)
+    sentinel = diffs == SENTINEL
+    if int(counts_l.sum()) != header.changed or int(sentinel.sum()) != header.exceptions:
+        raise WeightVerifyError(f"a malformed GPU delta: its counts add up to {int(counts_l.sum())} and it has "
+                                f"{int(sentinel.sum())} exceptions, the header says {header.changed} and "
+                                f"{header.exceptions}")
+    starts = torch.repeat_interleave(torch.arange(n_blocks, device=dev, dtype=torch.int64) * BLOCK, counts_l)
+    pos = starts + offsets.to(torch.int64)
+    if header.changed and (int(offsets.max()) >= BLOCK or int(pos.max()) >= header.words):
+        raise WeightVerifyError("a malformed GPU delta: a changed word lies outside its block or the buffer")
+    old = x[pos]  # a copy: what goes back on a mismatch
+    new = ((old.to(torch.int32) + diffs.to(torch.int32) + 32768).remainder(65536) - 32768).to(torch.int16)
+    new[sentinel] = exceptions
+    x[pos] = new
+    bad = mismatch(layout, checksums(buffer, layout))
+    if bad:
+        x[pos] = old
+        raise WeightVerifyError(f"base + GPU delta does not give the announced version: {bad}; the buffer "
+                                f"holds its base again")
