@@ -74,7 +74,7 @@ async def run(args) -> dict:
             nc = await connect(server.url, name="bench-gpu-delta")
             js = nc.jetstream()
             run_name = "gpudelta"
-            await topology.ensure_topology(js, run_name, topology.BusSettings(max_bytes=max(1 << 30, 2 * size)))
+            await topology.ensure_topology(js, run_name, topology.BusSettings(max_bytes=256 << 20))  # the streams; the object store has no limit
             store = await js.object_store(topology.object_bucket(run_name))
             for lr in args.lrs:
                 prev_layout = pack(bufs[0])
