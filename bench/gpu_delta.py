@@ -63,7 +63,8 @@ async def run(args) -> dict:
         torch._foreach_copy_([cuda_ipc.view(buf, e) for e in layout], [t for _, t in hf_tensors(m.model)])
         return cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))
 
-    shm = Path("/dev/shm")  # where the actor's fetched delta goes, when it has room for one (a container's is often 64 MB)
+    # where the actor's fetched delta goes, when it has room for one (a container's is often 64 MB)
+    shm = Path("/dev/shm")
     shm_ok = shm.is_dir() and shutil.disk_usage(shm).free > size
     rows = []
     with tempfile.TemporaryDirectory(prefix="parley-gpudelta-", dir=args.work) as tmp, \
@@ -74,7 +75,8 @@ async def run(args) -> dict:
             nc = await connect(server.url, name="bench-gpu-delta")
             js = nc.jetstream()
             run_name = "gpudelta"
-            await topology.ensure_topology(js, run_name, topology.BusSettings(max_bytes=256 << 20))  # the streams; the object store has no limit
+            # the streams' reservation (JetStream reserves it on disk); the object store has no limit
+            await topology.ensure_topology(js, run_name, topology.BusSettings(max_bytes=256 << 20))
             store = await js.object_store(topology.object_bucket(run_name))
             for lr in args.lrs:
                 prev_layout = pack(bufs[0])
@@ -147,13 +149,15 @@ async def run(args) -> dict:
     out = {"bench": "gpu_delta", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "model": str(model_dir), "device": str(dev),
            "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None, "cpus": os.cpu_count(),
-           "loadavg": os.getloadavg(), "checksums": impl, "fetched_to": "/dev/shm" if shm_ok else "work", "rows": rows, "medians": summary}
+           "loadavg": os.getloadavg(), "checksums": impl, "fetched_to": "/dev/shm" if shm_ok else "work",
+           "rows": rows, "medians": summary}
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="'tiny', 'smol' (engines.models.ensure_model) or a checkpoint directory")
+    p.add_argument("--model", default="tiny",
+                   help="'tiny', 'smol' (engines.models.ensure_model) or a checkpoint directory")
     p.add_argument("--lrs", nargs="+", type=float, default=[1e-6, 1e-5], help="AdamW learning rates, one run each")
     p.add_argument("--steps", type=int, default=3, help="versions per learning rate after its first")
     p.add_argument("--max-share", type=float, default=0.5,

@@ -3,6 +3,7 @@ print its table. Figures are not checked here; docs/benchmarks.md holds the meas
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,13 @@ def test_async_vs_sync_prints_its_table(tmp_path):
     assert "| max_staleness | steps | steps/hour | vs sync |" in out
     assert any(line.startswith("| 1 |") for line in out.splitlines())
     assert "speedup bound" in out
+
+
+def test_gpu_delta_rebuilds_each_version_through_the_object_store(tmp_path):
+    # the bench asserts the actor's rebuilt buffer equals the learner's bit for bit (exit 1 otherwise)
+    out = run_bench("gpu_delta.py", "--model", "tiny", "--lrs", "1e-5", "--steps", "2", "--json",
+                    str(tmp_path / "out.json"), tmp_path=tmp_path)
+    assert '"1e-05"' in out
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert [r["step"] for r in rows if r["delta"]] == [1, 2]
+    assert all(0 < r["delta_bytes"] < r["packed_bytes"] for r in rows)
