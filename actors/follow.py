@@ -68,6 +68,12 @@ class WeightFollower:
         self._changed = asyncio.Event()  # set (and replaced) when what is served changes or a version is refused
         self._served: Path | None = Path(base_dir) if base_dir else None  # the weights loaded now
         self._served_gpu: WeightVersion | None = None  # ... or the GPU-transport version loaded now
+        # [weights] delta_format = "packed": (version, table digest) of the packed version served now (its
+        # early and full announcements name it by different sha256s), whether the engine's packed copy
+        # is what it serves from, and the versions whose packed delta failed (their full copy is fetched)
+        self._serving_packed: tuple[int, str] | None = None
+        self._served_packed = False
+        self._delta_failed: set[tuple[int, str]] = set()
         self._bad_revision = 0
         self._base_dir = Path(base_dir) if base_dir else None  # the base an adapter version must name
         self._base_id: str | None = None  # its weights.lora.base_identity, computed at the first adapter
@@ -97,7 +103,11 @@ class WeightFollower:
         """Record that `wv` is served now, and wake every reach() waiting for a version."""
         self.loaded.append(wv.version)
         self.serving = (wv.version, wv.sha256)
+        self._serving_packed = _packed_id(wv)
         self._signal_change()
+
+    def _is_served(self, wv: WeightVersion) -> bool:
+        return (wv.version, wv.sha256) == self.serving or (bool(wv.packed) and _packed_id(wv) == self._serving_packed)
 
     def _signal_change(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
@@ -141,7 +151,7 @@ class WeightFollower:
                 self.announced = wv.version
             # Identity is (version, sha256), not just "newer": a learner resumed from a checkpoint
             # re-announces lower numbers with other weights, and actors must follow it back.
-            if wv is None or (wv.version, wv.sha256) == self.serving or (wv.version, wv.sha256) in self._refused_ids:
+            if wv is None or self._is_served(wv) or (wv.version, wv.sha256) in self._refused_ids:
                 return False
             if asyncio.get_running_loop().time() < self.retry_at.get((wv.version, wv.sha256), 0.0):
                 return False  # a failed GPU load waits out its backoff (_gpu_failed)
@@ -166,6 +176,10 @@ class WeightFollower:
         dest = self.dest_root / f"v{wv.version:06d}-{wv.sha256[:12]}"
         if wv.adapter is not None:
             return await self._load_adapter(wv, dest)
+        if self._packed_on():
+            from_delta = await self._load_packed(wv, transport, dest)
+            if from_delta is not None:
+                return from_delta
         try:
             # a delta version is rebuilt from the served files (never written to) when they are its base
             base = (self.serving[1], self._served) if self._served is not None and self.serving[1] else None
@@ -192,10 +206,74 @@ class WeightFollower:
         log.info("now serving weights version %d (was %d, step %d)", wv.version, old, wv.step)
         self._served_now(wv)
         self._served_gpu = None
+        self._served_packed = False
+        if self._packed_on() and wv.packed:  # the next version's packed delta applies to a copy of this one
+            why = await self.engine.keep_packed(codec.encode(wv), path)
+            if why:
+                log.warning("weights version %d: %s; the next packed delta is not applied here", wv.version, why)
+        elif getattr(self.engine, "packed_name", None) is not None:
+            await self.engine.drop_packed()  # it holds an older version than the one served now
         # Keep only the served version on disk (a shared_dir version is not ours to delete).
         previous, self._served = self._served, Path(path)
         if previous is not None and previous != self._served and previous.is_relative_to(self.dest_root):
             shutil.rmtree(previous, ignore_errors=True)
+        return True
+
+    def _packed_on(self) -> bool:
+        """[weights] delta_format = "packed" here, and an engine that keeps a packed copy."""
+        return getattr(self.settings, "delta_format", "file") == "packed" and hasattr(self.engine, "load_packed_delta")
+
+    async def _load_packed(self, wv: WeightVersion, transport, dest: Path) -> bool | None:
+        """A version with a packed delta against what the engine's packed copy holds: the delta is
+        fetched and the engine applies it to the copy, checks it and loads it (no file of the version
+        on this host). None: not this path (no packed delta, another base, or its delta failed
+        before), the full version is fetched; False: an early announcement this actor cannot use
+        (its full copy comes with the WEIGHTS_KEY announcement), or a fetch that may pass."""
+        delta = wv.delta
+        if delta is None or delta.format != "packed" or not wv.packed:
+            return None
+        key = _packed_id(wv)
+        if getattr(self.engine, "packed_name", None) != delta.base_sha256 or key in self._delta_failed:
+            if wv.full_pending:
+                log.info("weights version %d: its packed delta needs a packed copy of version %d, not held here; "
+                         "waiting for its full copy", wv.version, delta.base_version)
+                return False
+            COUNTERS["weights.delta_no_base"] += 1
+            return None
+        old = self.engine.version
+        path = dest / f".{wv.version}.packed-delta"
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            await transport.fetch_delta(self.js, self.run, wv, path, self.settings)
+            await self.engine.load_packed_delta(codec.encode(wv), path, wv.version)
+        except (WeightVerifyError, WeightUnavailable) as e:  # nothing served changed
+            COUNTERS["weights.delta_refused"] += 1
+            self._delta_failed.add(key)
+            log.warning("weights version %d: packed delta not used (%s); %s", wv.version, e,
+                        "waiting for its full copy" if wv.full_pending else "fetching the full version")
+            shutil.rmtree(dest, ignore_errors=True)
+            return False if wv.full_pending else None
+        except Exception as e:  # noqa: BLE001 - a fetch that may pass is tried again; a failed load is restored
+            shutil.rmtree(dest, ignore_errors=True)
+            if self.engine.version == old and _transient(e):
+                log.warning("weights version %d: packed delta fetch failed (%s); will retry", wv.version, e)
+                return False
+            try:
+                await self.engine.restore_packed(old, revert=True)
+            except Exception as e2:
+                raise WeightsBroken(
+                    f"weights version {wv.version} failed to load from its packed delta ({type(e).__name__}: {e}) "
+                    f"and the served weights could not be restored ({e2}); stopping rather than serve a mixed model"
+                ) from e2
+            return self._refuse(wv, f"reload from its packed delta failed: {type(e).__name__}: {e}", None)
+        finally:
+            path.unlink(missing_ok=True)
+        COUNTERS["weights.delta_applied"] += 1
+        log.info("now serving weights version %d (was %d, step %d) from its packed delta (%.2f MB)", wv.version, old,
+                 wv.step, delta.bytes / 1e6)
+        self._served_now(wv)
+        self._served_gpu = None
+        self._served_packed = True
         return True
 
     async def _load_adapter(self, wv: WeightVersion, dest: Path) -> bool:
@@ -278,6 +356,9 @@ class WeightFollower:
         # A load that failed half-way may have replaced some tensors already: serving on
         # without reloading what we had would stamp turns of a mixed model with the old version.
         try:
+            if self._served_packed:  # served from the engine's packed copy, which still holds it
+                await self.engine.restore_packed(self.engine.version)
+                return
             if self._served_gpu is not None:
                 # the learner may have overwritten that buffer since: then its checksums refuse it
                 served = self._served_gpu
@@ -377,6 +458,16 @@ RETRY_MAX_S = 60.0  # the longest back-off between two tries of a version whose 
 MAX_WEIGHT_BYTES = 2 * 1024**4
 MAX_WEIGHT_FILES = 64
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _packed_id(wv: WeightVersion) -> tuple[int, str] | None:
+    """A packed version's identity: (version, its packed table's digest), the same in its early and
+    its full announcement; None for a version without a packed table."""
+    if not wv.packed:
+        return None
+    from weights.cuda_ipc import table_digest
+
+    return wv.version, table_digest(wv.packed)
 
 
 def announcement_problem(wv: WeightVersion) -> str | None:

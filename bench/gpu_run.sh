@@ -14,6 +14,8 @@
 #     bash bench/gpu_run.sh W3   # the delta formats at the 4B shape, the block candidate built on the GPU
 #     bash bench/gpu_run.sh W4   # deltas built on the learner's GPU and applied on the actor's through the
 #                                # object store (weights.gpu_delta), 4B shape, lr 1e-6 and 1e-5
+#     bash bench/gpu_run.sh W5   # the system's packed-delta path over the object store at the 4B shape: the
+#                                # real follower and engine, [weights] delta_format = "packed"
 #     bash bench/gpu_run.sh L    # issue 29: the learner at the 4B shape, full against a rank-16 LoRA adapter,
 #                                # then adapter step end -> serving at the 4B shape
 #     bash bench/gpu_run.sh LI   # issue 29: adapter step end -> serving at the 4B shape in GPU memory
@@ -194,6 +196,17 @@ W4)
     step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
     step gpu_delta "${W4_LIMIT_S:-420}" python3 bench/gpu_delta.py --model "$MODEL" --lrs ${LRS:-1e-6 1e-5} \
         --steps "${STEPS:-3}" --work /tmp --json "$OUT/gpu_delta_4b.json"
+    ;;
+W5)
+    # [weights] delta_format = "packed" end to end at the 4B shape (bench/weight_path.py objstore_packed):
+    # the learner's packed delta announced early, the full copy written and uploaded after it, the
+    # actor's WeightFollower and PolicyEngine applying it to their packed copy; VERSIONS versions, the
+    # first full (the actor keeps it packed), each later one 1.5% of the values one bf16 step on
+    rm -rf /tmp/run-peer /tmp/peer-trl /tmp/parley-deltabench-* /tmp/parley-gpudelta-* /tmp/parley-weightbench-*
+    step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    step weight_path_packed "${W5_LIMIT_S:-480}" python3 bench/weight_path.py --transport cuda_ipc --model "$MODEL" \
+        --work /tmp --gpu-transports objstore_packed --file-repeats "${VERSIONS:-3}" --round-transports \
+        --json "$OUT/weight_path_packed.json"
     ;;
 L)
     # issue 29 in one call: the learner at the 4B shape (bench.common.random_qwen3 inside), ZeRO-2, varlen,

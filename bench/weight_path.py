@@ -176,13 +176,47 @@ class TimedEngine:
         await self.engine.load_gpu(announcement, hold_s=hold_s, version=version)
         self.marks.append((t, time.perf_counter()))
 
+    # [weights] delta_format = "packed" (objstore_packed below): the engine's packed copy
+    @property
+    def packed_name(self):
+        return self.engine.packed_name
 
-async def gpu_update(js, run, transport, version, model, pub, work, follower, timed) -> dict:
+    async def load_packed_delta(self, announcement, delta_path, version):
+        t = time.perf_counter()
+        await self.engine.load_packed_delta(announcement, delta_path, version)
+        self.marks.append((t, time.perf_counter()))
+
+    async def keep_packed(self, announcement, weights_dir):
+        t = time.perf_counter()
+        why = await self.engine.keep_packed(announcement, weights_dir)
+        self.keep_s = time.perf_counter() - t
+        return why
+
+    async def drop_packed(self):
+        await self.engine.drop_packed()
+
+    async def restore_packed(self, version, revert=False):
+        await self.engine.restore_packed(version, revert=revert)
+
+
+def packed_settings():
+    """objstore_packed: the object store with [weights] delta_format = "packed" (no full-only versions)."""
+    from weights.config import ObjstoreWeights
+
+    return ObjstoreWeights(full_every=1000, delta_format="packed")
+
+
+async def gpu_update(js, run, transport, version, model, pub, work, follower, timed, packer=None) -> dict:
     """One update through the real follower: step end -> (pack | save) -> announce -> the follower
-    loads it -> the engine serves `version` with generation resumed. Seconds per phase."""
+    loads it -> the engine serves `version` with generation resumed. Seconds per phase.
+    objstore_packed: the learner's packed delta (weights.gpu_delta, `packer`) announced early and the
+    full copy written and uploaded after it, as learner.publication does; `full_stored` is step end ->
+    that copy announced."""
     from learner.weights_io import hf_tensors, hf_weights, write_weights
     from weights import registry
 
+    if transport == "objstore_packed":
+        return await packed_update(js, run, version, model, work, follower, timed, packer)
     gpu = registry.get(transport).gpu
     timed.marks.clear()
     if gpu:  # a buffer to write before the step ends: IpcPublisher skips a version while all are held
@@ -215,6 +249,40 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
     return dict(transport=transport, version=version, bytes=wv.bytes, pack_or_save=t_ready - t0,
                 announce=t_announced - t_ready, until_load=load_start - t_announced, load=load_end - load_start,
                 total=t_served - t0, **fill)
+
+
+async def packed_update(js, run, version, model, work, follower, timed, packer) -> dict:
+    import shutil
+
+    from learner.weights_io import hf_tensors, hf_weights, write_weights
+    from weights import registry
+
+    settings = packed_settings()
+    timed.marks.clear()
+    t0 = time.perf_counter()  # step end
+    share = settings.delta_max_share if packer.version is not None else None  # the first one: full only
+    packed = await asyncio.to_thread(packer.pack, hf_tensors(model), version, share)
+    t_ready = time.perf_counter()
+    state_dir = work / "learner" / f"v{version}"
+    publish = asyncio.create_task(registry.publish_version(
+        js, run, version, version, state_dir, settings, keep=2, packed=packed,
+        write=lambda: write_weights(hf_weights(model), model.config, state_dir)))
+    deadline = t0 + 600
+    while follower.version != version:
+        if time.perf_counter() > deadline or version in follower.refused or publish.done() and publish.exception():
+            publish.cancel()
+            why = follower.refused.get(version) or (publish.done() and not publish.cancelled() and publish.exception())
+            raise RuntimeError(f"objstore_packed version {version} not served: {why or 'timed out'}")
+        await asyncio.sleep(0.001)
+    t_served = time.perf_counter()
+    load_start, load_end = timed.marks[-1]
+    wv = await publish
+    t_full = time.perf_counter()
+    shutil.rmtree(work / "learner", ignore_errors=True)
+    return dict(transport="objstore_packed", version=version, bytes=wv.delta.bytes if wv.delta else wv.bytes,
+                delta=wv.delta is not None, pack_or_save=t_ready - t0, announce=load_start - t_ready, until_load=0.0,
+                load=load_end - load_start, total=t_served - t0, full_stored=t_full - t0,
+                keep_packed=getattr(timed, "keep_s", None) if wv.delta is None else None)
 
 
 async def gpu_main(args) -> dict:
@@ -268,8 +336,13 @@ async def gpu_main(args) -> dict:
             js = nc.jetstream()
             run = "bench-gpu"
             await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=256 * 1024**2))
+            follower_settings = file_settings("shared_dir", work)
+            if "objstore_packed" in args.gpu_transports:  # the actor keeps a packed copy: the model's bytes more
+                import msgspec
+
+                follower_settings = msgspec.structs.replace(follower_settings, delta_format="packed")
             follower = WeightFollower(js, run, timed, dest_root=work / "actor", poll_s=1.0, base_dir=args.model,
-                                      settings=file_settings("shared_dir", work))
+                                      settings=follower_settings)
             following = asyncio.create_task(follower.run_until(stop))
             pub = IpcPublisher(hold_s=5.0, max_buffers=2)  # updates wait for a free buffer (gpu_update)
             version = 0
@@ -287,12 +360,27 @@ async def gpu_main(args) -> dict:
                 if gpu:
                     torch.cuda.synchronize()
 
+            def sparse_change(v):  # what Adam at lr 1e-6 does to bf16 weights: 1.5% of the values move
+                # by one step of their last bit (1.4-1.9% changed per version from real gradients at the
+                # 4B shape on the H200, bench/gpu_delta.py); seeded by version
+                g = torch.Generator(device=model.device).manual_seed(v)
+                with torch.no_grad():
+                    for t in params:
+                        words = t.view(torch.int16)
+                        words[torch.rand(words.shape, generator=g, device=t.device) < 0.015] += 1
+                if gpu:
+                    torch.cuda.synchronize()
+
+            from weights.gpu_delta import PackedVersions
+
+            packer = PackedVersions()
+
             async def update(transport, change_now=True):
                 nonlocal version
                 version += 1
                 if change_now:  # else: unchanged (the file check), or changed before (a round)
-                    change(version)
-                r = await gpu_update(js, run, transport, version, model, pub, work, follower, timed)
+                    (sparse_change if transport == "objstore_packed" else change)(version)
+                r = await gpu_update(js, run, transport, version, model, pub, work, follower, timed, packer)
                 probed = (await engine.generate(probe, max_tokens=8, temperature=0.0)).logprobs
                 first = probed[0]
                 r["probe_logprob"], r["probe_logprobs"] = first, list(probed)
@@ -396,8 +484,10 @@ if __name__ == "__main__":
                    help="cuda_ipc: the GPU path into a running engine (needs --model), against the file transports")
     p.add_argument("--model", default=None, help="GPU path: the checkpoint the learner and the engine start from")
     p.add_argument("--build", default=None, choices=["0.6b", "4b"], help="GPU path: build a random Qwen3 there first")
-    p.add_argument("--gpu-transports", nargs="+", default=["cuda_ipc", "shared_dir", "objstore"])
-    p.add_argument("--round-transports", nargs="+", default=["cuda_ipc", "shared_dir"],
+    p.add_argument("--gpu-transports", nargs="+", default=["cuda_ipc", "shared_dir", "objstore"],
+                   help="GPU path: what to update through, in order (objstore_packed: the object store with "
+                        "[weights] delta_format = \"packed\", each version 1.5%% of the values one bf16 step on)")
+    p.add_argument("--round-transports", nargs="*", default=["cuda_ipc", "shared_dir"],
                    help="GPU path: transports updated in the middle of a round of in-flight requests")
     p.add_argument("--file-repeats", type=int, default=1, help="GPU path: repeats of the file transports")
     p.add_argument("--check-file", default=None, choices=["shared_dir", "objstore"],

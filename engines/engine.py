@@ -202,10 +202,11 @@ class PolicyEngine:
         # Counts whole-weight swaps; every prompt carries it as vLLM's cache_salt, so a swap needs no
         # prefix-cache reset: new requests never match blocks computed by the weights before it, and
         # requests in flight keep their KV instead of being preempted and recomputed (a reset with
-        # running requests preempts them all). On the H200 this did not bring back the 12-16% of
-        # generation lost during a cuda_ipc update (12.7% after it, docs/gpu.md): the reset was not
-        # its main cost. An adapter is part of vLLM's own block hash already.
+        # running requests preempts them all). On the H200 generation during a cuda_ipc update kept
+        # 98-99% of its tokens/s with it (2026-12-04, docs/gpu.md). An adapter is part of vLLM's own
+        # block hash already.
         self._weights_epoch = 0
+        self.packed_name: str | None = None  # table digest of the workers' packed copy (keep_packed), None: none
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -355,6 +356,73 @@ class PolicyEngine:
                 raise WeightUnavailable(bad[0][1])
             if version is not None:
                 self.version = version
+
+    # --- [weights] delta_format = "packed" (weights.gpu_delta): a packed copy of the served weights in
+    # each worker, which a version's packed delta is applied to and loaded from
+
+    async def keep_packed(self, announcement: bytes, weights_dir: str | Path) -> str | None:
+        """After reload_weights(weights_dir) of a version whose announcement carries its packed table:
+        each worker keeps a packed copy of it (the model's bytes on its device), checked against the
+        table. None when kept (`packed_name` names it), else why not (logged by the caller; the next
+        packed delta is not applied here, its full version is fetched)."""
+        from weights.cuda_ipc import table_digest
+
+        self.packed_name = None
+        async with self._reload_lock:
+            reasons = await self._llm.collective_rpc(
+                "parley_packed_fill", kwargs={"announcement": announcement, "weights_path": str(weights_dir)})
+        bad = [r for r in reasons if r]
+        if bad:
+            await self.drop_packed()
+            return bad[0]
+        from protocol import codec
+
+        self.packed_name = table_digest(codec.decode("weights", announcement).packed)
+        return None
+
+    async def load_packed_delta(self, announcement: bytes, delta_path: str | Path, version: int) -> None:
+        """Load a version from its packed delta (a file on this host): each worker applies it to its
+        packed copy and checks the result against the announced table while generation runs, then
+        the copy is loaded in a keep-mode pause as reload_weights does. A delta whose base the copy
+        does not hold raises WeightUnavailable (fetch the full version), a malformed or mismatching
+        one WeightVerifyError; neither changed what is served. A load that fails after that raises
+        (the weights may be mixed: the caller restores them, restore_packed)."""
+        from protocol import codec
+        from weights.common import WeightUnavailable, WeightVerifyError
+        from weights.cuda_ipc import table_digest
+
+        async with self._reload_lock:
+            reasons = await self._llm.collective_rpc(
+                "parley_packed_stage", kwargs={"announcement": announcement, "delta_path": str(delta_path)})
+            bad = [r for r in reasons if r]
+            if bad:
+                await self._llm.collective_rpc("parley_packed_revert")  # the workers whose stage took
+                refused = [why for kind, why in bad if kind == REFUSED]
+                raise WeightVerifyError(refused[0]) if refused else WeightUnavailable(bad[0][1])
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await self._llm.collective_rpc("parley_packed_load", kwargs={"version": version})
+            finally:
+                self._weights_epoch += 1  # also after a failure: the weights may be mixed until restored
+                await self._llm.resume_generation()
+            self.packed_name = table_digest(codec.decode("weights", announcement).packed)
+            self.version = version
+
+    async def restore_packed(self, version: int, revert: bool = False) -> None:
+        """Load the packed copy again as `version` (the weights may be mixed after a failed load); with
+        `revert`, after a failed load_packed_delta, what the copy held before that delta."""
+        async with self._reload_lock:
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await self._llm.collective_rpc("parley_packed_load", kwargs={"version": version, "revert": revert})
+            finally:
+                self._weights_epoch += 1
+                await self._llm.resume_generation()
+            self.version = version
+
+    async def drop_packed(self) -> None:
+        self.packed_name = None
+        await self._llm.collective_rpc("parley_packed_drop")
 
     async def _prepare_gpu_load(self) -> None:
         if not getattr(self, "_gpu_load_prepared", False):  # once, outside the hold-time bound of a load

@@ -110,28 +110,8 @@ class WorkerExtension:
             return UNAVAILABLE, f"version {wv.version}: {e.reason}"
         if reason:
             return REFUSED, f"version {wv.version}: {reason}"
-        model = self.model_runner.get_model()
-        if not hasattr(self, "_parley_bare_why"):  # the model's layers do not change while it serves
-            self._parley_bare_why = bare_load_refusal(model)
         t_received = time.perf_counter()
-        if self._parley_bare_why is None:
-            # Every layer of this model takes its weights as loaded (no post-load processing on this
-            # platform): the model's own load_weights copies each received tensor into its parameter
-            # through that parameter's weight_loader (stacking q/k/v, gate/up in place), so the
-            # served tensors keep their addresses (CUDA graphs) and nothing points into the buffer.
-            missing = _not_loaded(model, model.load_weights(iter(named)))
-            if missing:  # never seen: then this model needs the layer-wise reload, now and from now on
-                self._parley_bare_why = (f"a bare load_weights left {len(missing)} parameters unloaded "
-                                         f"(first: {missing[0]})")
-                _worker_log.warning("parley: version %d: %s; reloading it layer by layer", wv.version,
-                                    self._parley_bare_why)
-        if self._parley_bare_why is not None:
-            # vLLM's in-place layer-wise reload, fed our tensors instead of files: the same machinery
-            # as parley_reload_weights (it redoes each layer's post-load processing, which a bare
-            # load_weights misses: on CPU the packed linear layers lose their weight_loader). It
-            # materializes each layer anew, loads it, processes it and copies the result into the
-            # engine's own tensors.
-            self.reload_weights(weights_iterator=iter(named))
+        how = self._parley_load_named(named, wv.version)
         del named  # views of the learner's buffer, or of the staged copy (its memory goes back to torch's cache)
         broken = transport.loaded(wv, self._parley_weights)
         if torch.cuda.is_available():
@@ -143,12 +123,116 @@ class WorkerExtension:
             raise RuntimeError(f"version {wv.version}: {broken}")
         parts = self._parley_weights.pop("receive_s", None) or {}
         _worker_log.info("parley: version %d loaded (%s) in %.4f s: receive+check %.4f s (%s), load %.4f s, "
-                         "release %.4f s", wv.version, "bare load_weights" if self._parley_bare_why is None
-                         else f"layer-wise reload: {self._parley_bare_why}", time.perf_counter() - t_start,
+                         "release %.4f s", wv.version, how, time.perf_counter() - t_start,
                          t_received - t_start, ", ".join(f"{k} {v:.4f} s" for k, v in parts.items()) or "-",
                          t_loaded - t_received, time.perf_counter() - t_loaded)
-        _refresh_cpu_prepacked(model)
         return None
+
+    def _parley_load_named(self, named, version: int) -> str:
+        """Load (checkpoint name, tensor) pairs into the served model in place; says how."""
+        model = self.model_runner.get_model()
+        if not hasattr(self, "_parley_bare_why"):  # the model's layers do not change while it serves
+            self._parley_bare_why = bare_load_refusal(model)
+        if self._parley_bare_why is None:
+            # Every layer of this model takes its weights as loaded (no post-load processing on this
+            # platform): the model's own load_weights copies each received tensor into its parameter
+            # through that parameter's weight_loader (stacking q/k/v, gate/up in place), so the
+            # served tensors keep their addresses (CUDA graphs) and nothing points into the buffer.
+            missing = _not_loaded(model, model.load_weights(iter(named)))
+            if missing:  # never seen: then this model needs the layer-wise reload, now and from now on
+                self._parley_bare_why = (f"a bare load_weights left {len(missing)} parameters unloaded "
+                                         f"(first: {missing[0]})")
+                _worker_log.warning("parley: version %d: %s; reloading it layer by layer", version,
+                                    self._parley_bare_why)
+        if self._parley_bare_why is not None:
+            # vLLM's in-place layer-wise reload, fed our tensors instead of files: the same machinery
+            # as parley_reload_weights (it redoes each layer's post-load processing, which a bare
+            # load_weights misses: on CPU the packed linear layers lose their weight_loader). It
+            # materializes each layer anew, loads it, processes it and copies the result into the
+            # engine's own tensors.
+            self.reload_weights(weights_iterator=iter(named))
+        _refresh_cpu_prepacked(model)
+        return "bare load_weights" if self._parley_bare_why is None else f"layer-wise reload: {self._parley_bare_why}"
+
+    # --- [weights] delta_format = "packed": a packed copy of the served weights (weights.gpu_delta.Mirror)
+
+    def parley_packed_fill(self, announcement: bytes, weights_path: str) -> str | None:
+        """After a file load of a version whose announcement carries its packed table: keep a packed
+        copy of it on this worker's device, from the file just loaded, checked against the table's
+        checksums. None when held; else why not (nothing held then: the next packed delta is not
+        applied here, the full version is fetched)."""
+        import torch
+        from safetensors.torch import load_file
+
+        from protocol import codec
+        from weights.common import WeightVerifyError
+        from weights.gpu_delta import Mirror
+
+        wv = codec.decode("weights", announcement)
+        if not hasattr(self, "_parley_mirror"):
+            self._parley_mirror = Mirror()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        t0 = time.perf_counter()
+        try:  # read on the host and copied into place: the file's tensors never sit beside the copy on the GPU
+            self._parley_mirror.fill(load_file(f"{weights_path}/model.safetensors"), wv.packed, device)
+        except (WeightVerifyError, OSError, RuntimeError) as e:  # OOM too: nothing held, deltas not applied here
+            self._parley_mirror.drop()
+            return f"version {wv.version}: no packed copy kept: {e}"
+        _worker_log.info("parley: version %d kept packed (%.1f MB) in %.4f s", wv.version,
+                         self._parley_mirror.buffer.numel() / 1e6, time.perf_counter() - t0)
+        return None
+
+    def parley_packed_stage(self, announcement: bytes, delta_path: str) -> tuple[str, str] | None:
+        """Apply a version's packed delta (a file fetched beside the served files) to the packed copy,
+        checked against the announced table, before the engine pauses to load it (parley_packed_load).
+        None when staged; (UNAVAILABLE, why) when the copy does not hold the delta's base (fetch the
+        full version), (REFUSED, why) for a delta that is malformed or does not give the announced
+        checksums (the copy holds its base again)."""
+        from pathlib import Path
+
+        from protocol import codec
+        from weights.common import WeightVerifyError
+
+        wv = codec.decode("weights", announcement)
+        mirror = getattr(self, "_parley_mirror", None)
+        if mirror is None or mirror.name != wv.delta.base_sha256:
+            return UNAVAILABLE, f"version {wv.version}: the packed copy here does not hold its delta's base"
+        t0 = time.perf_counter()
+        try:
+            mirror.apply(Path(delta_path).read_bytes(), wv.packed)
+        except WeightVerifyError as e:
+            return REFUSED, f"version {wv.version}: {e.reason}"
+        _worker_log.info("parley: version %d: packed delta (%.2f MB) applied and checked in %.4f s", wv.version,
+                         Path(delta_path).stat().st_size / 1e6, time.perf_counter() - t0)
+        return None
+
+    def parley_packed_load(self, version: int, revert: bool = False) -> None:
+        """Load the packed copy into the served model (after parley_packed_stage; with `revert`, the
+        version it held before the staged delta: a restore after a failed load)."""
+        import torch
+
+        mirror = self._parley_mirror
+        if revert:
+            mirror.revert()
+        t0 = time.perf_counter()
+        how = self._parley_load_named(mirror.named(), version)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        mirror.settle()
+        _worker_log.info("parley: version %d loaded from the packed copy (%s) in %.4f s", version, how,
+                         time.perf_counter() - t0)
+
+    def parley_packed_revert(self) -> None:
+        """Put back what the packed copy held before a staged delta another worker refused."""
+        mirror = getattr(self, "_parley_mirror", None)
+        if mirror is not None:
+            mirror.revert()
+
+    def parley_packed_drop(self) -> None:
+        """Forget the packed copy (the served weights came from elsewhere)."""
+        mirror = getattr(self, "_parley_mirror", None)
+        if mirror is not None:
+            mirror.drop()
 
 
 def _gpu_transport(wv):

@@ -120,6 +120,7 @@ class Weights:
         # file transports: the version announced last and its directory, the base of the next delta
         self._base: tuple = ()
         self._since_full = 0  # versions announced since the last one sent full only
+        self._since_packed = 0  # delta_format "packed": versions packed with a delta since the last one without
         self.base = adapter_base
         # a GPU transport: the newest version not published because every buffer was still held
         # (weights.cuda_ipc.IpcPublisher), published as soon as a buffer may be written (retry_held)
@@ -160,11 +161,17 @@ class Weights:
                 self.held = version
                 return False
             return True
+        packed = None
+        if self.settings.delta_format == "packed":  # taken before the snapshot: the GPU copy, then the host one
+            # counted here, in step order (uploads finish later): one version in full_every goes out full only
+            share = self.settings.delta_max_share if registry.wants_delta(self.settings, self._since_packed) else None
+            packed = await asyncio.to_thread(self.driver, "pack_versions", version, share)
+            self._since_packed = self._since_packed + 1 if packed[1] is not None else 0
         snap = await asyncio.to_thread(self.driver, "weights_snapshot")
         wdir = ckpt.weights_dir(self.run_dir, version)
         if write_now:
             await asyncio.to_thread(snap.write, wdir)
-        self.publisher.submit(Publication(version, lambda: self.upload(version, snap, wdir),
+        self.publisher.submit(Publication(version, lambda: self.upload(version, snap, wdir, packed),
                                           discard=lambda: shutil.rmtree(wdir, ignore_errors=True)))
         return True
 
@@ -230,19 +237,23 @@ class Weights:
         await asyncio.to_thread(snap.write, ckpt.weights_dir(self.run_dir, version))
         await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
 
-    async def upload(self, version: int, snap, wdir: Path) -> None:
+    async def upload(self, version: int, snap, wdir: Path, packed=None) -> None:
         """In the background: write the file (unless written), upload it (its sha256 is computed once,
         by the transport as it reads the file; objstore with a delta: the delta first, announced early,
-        then the full copy), announce it, prune. Admission opens on it at its first announcement."""
-        await asyncio.to_thread(snap.write, wdir)  # a no-op when written for an eval
+        then the full copy), announce it, prune. Admission opens on it at its first announcement.
+        `packed` (Trainer.pack_versions, delta_format "packed"): its delta is uploaded and announced
+        before the file is written (weights.registry.publish_version)."""
         base = None
-        if self._base and registry.wants_delta(self.settings, self._since_full) and self._base[1].is_dir():
-            base = self._base  # still on disk (prune_weights keeps the newest keep_versions)
+        if packed is None:
+            await asyncio.to_thread(snap.write, wdir)  # a no-op when written for an eval
+            if self._base and registry.wants_delta(self.settings, self._since_full) and self._base[1].is_dir():
+                base = self._base  # still on disk (prune_weights keeps the newest keep_versions)
         wv = await retry_unreachable(
             lambda: registry.publish_version(self.js, self.run_name, version, version, wdir, self.settings,
                                              keep=self.lc.keep_versions, protect=self.served.versions(), base=base,
                                              # actors can follow from the (early) announcement on
-                                             on_announced=lambda _: self.feeder.set_version(version)),
+                                             on_announced=lambda _: self.feeder.set_version(version),
+                                             packed=packed, write=None if packed is None else lambda: snap.write(wdir)),
             what=f"publishing weights version {version}",
         )
         self._base, self._since_full = (wv, wdir), (self._since_full + 1 if wv.delta else 0)

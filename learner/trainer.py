@@ -250,6 +250,7 @@ class Trainer:
         # [learner.lora]: adapters in place; the frozen base (adapters off) is the local reference
         self.peft = add_adapters(model, cfg.lora) if cfg.lora.enabled else None
         self._adapter = None  # pack_adapter's (trained parameters, (saved name, parameter) list or None), found once
+        self._packed = None  # pack_versions's weights.gpu_delta.PackedVersions on rank 0, built at its first call
         if self.peft is not None and cfg.kl_coef > 0 and reference == "local":
             self.reference = model
         self.compiled = compile_layers(model, "off" if self.peft is not None else cfg.compile, device, cfg.zero_stage)
@@ -522,6 +523,27 @@ class Trainer:
             if self.rank:
                 return None
             return self.sender.pack(hf_tensors(self.module), version)
+
+    def pack_versions(self, version: int, max_share: float | None):
+        """[weights] delta_format = "packed": the trained weights packed on the device they train on
+        (weights.gpu_delta.PackedVersions, two buffers kept on rank 0), with a delta against the
+        version packed before unless `max_share` is None (a full-only version) or the delta is over
+        it. (table, delta or None, base version or None, base table digest or None) on rank 0, None
+        on the other ranks (which take part in the ZeRO-3 gather)."""
+        import contextlib
+
+        import deepspeed
+
+        from weights.gpu_delta import PackedVersions
+
+        gather = (deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+                  if self.cfg.zero_stage == 3 else contextlib.nullcontext())
+        with gather:
+            if self.rank:
+                return None
+            if self._packed is None:
+                self._packed = PackedVersions()
+            return self._packed.pack(hf_tensors(self.module), version, max_share)
 
     def weights_writable_in(self) -> float:
         """Seconds until pack_weights would find a GPU buffer it may write on rank 0 (0: now; inf while

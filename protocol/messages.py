@@ -215,15 +215,22 @@ class NcclSource(msgspec.Struct, kw_only=True):
 
 
 class WeightDelta(msgspec.Struct, kw_only=True):
-    """A file-transport version also sent as the values changed since a base version (weights.delta).
+    """A file-transport version also sent as the values changed since a base version.
     learner -> actors, inside WeightVersion.delta; an actor serving the base may apply it instead of
-    fetching the full file, and serves the result only if its sha256 is WeightVersion.sha256."""
+    fetching the full file. format "file" (weights.delta): over the safetensors file, the result
+    served only if its sha256 is WeightVersion.sha256; "packed" (weights.gpu_delta): over the
+    version's packed tensors (WeightVersion.packed), built on the learner's GPU and applied to the
+    actor's packed copy of the weights it serves, the result served only if its checksums are
+    WeightVersion.packed's."""
 
     base_version: int
-    base_sha256: str  # sha256 of the base's safetensors file: the actor must serve exactly that
+    # "file": sha256 of the base's safetensors file; "packed": the table digest of the base's packed
+    # tensors (weights.cuda_ipc.table_digest). The actor must serve exactly that.
+    base_sha256: str
     location: str  # object name or file path of the delta, beside the full version's files
     sha256: str  # of the delta file
     bytes: int
+    format: str = "file"
 
 
 class LoraAdapter(msgspec.Struct, kw_only=True):
@@ -262,6 +269,10 @@ class WeightVersion(msgspec.Struct, kw_only=True):
     full_pending: bool = False
     # a LoRA adapter on the base (LoraAdapter); None: whole weights
     adapter: LoraAdapter | None = None
+    # objstore, shared_dir with [weights] delta_format = "packed": the version's tensors in the packed
+    # layout (offsets, checksums; weights.cuda_ipc) that its packed delta rebuilds and that an actor
+    # keeping a packed copy of what it serves checks it against. [] otherwise.
+    packed: list[IpcTensor] = []
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):

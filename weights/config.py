@@ -21,11 +21,21 @@ class _Files(_Weights):
     # version full only (no deltas). A delta larger than delta_max_share of the model is not sent.
     full_every: int = 1
     delta_max_share: float = 0.5
+    # "file": the delta is built on the learner's host from the written file and applied to the
+    # actor's copy of the served file (weights.delta). "packed": built where the learner's weights
+    # are (its GPU) against the version before, in the packed layout (weights.gpu_delta; 2 x the
+    # model's bytes on rank 0's device), and applied to a packed copy of the served weights the
+    # actor's engine keeps (the model's bytes on the actor's device), with no pass over the model on
+    # either host. Learner and actors read the same [weights].
+    delta_format: str = "file"
 
     def __post_init__(self) -> None:
         if self.full_every < 1 or not 0.0 < self.delta_max_share <= 1.0:
             raise ValueError(f"full_every={self.full_every} must be >= 1 (1: no deltas) and "
                              f"delta_max_share={self.delta_max_share} in (0, 1]")
+        if self.delta_format not in ("file", "packed"):
+            raise ValueError(f"delta_format={self.delta_format!r}: 'file' (built from the written file on the "
+                             "learner's host) or 'packed' (built on the learner's GPU, applied on the actor's)")
 
 
 class ObjstoreWeights(_Files, tag="objstore"):

@@ -107,12 +107,12 @@ def read_header(blob: bytes | memoryview) -> tuple[GpuDeltaHeader, int]:
     return header, start
 
 
-def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: list[IpcTensor]) -> None:
+def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: list[IpcTensor]):
     """Rebuild in `buffer` (holding the version named `base_name`) the version whose layout with
     checksums is `layout`, from `blob` (encode's bytes). Checks the result's checksums against
     `layout` (weights.cuda_ipc.checksums); raises WeightVerifyError with `buffer` holding its base
     again when the delta is for another base or another target, malformed, or the result does not
-    match."""
+    match. Returns a callable that puts the base back (a later load from the buffer failed)."""
     import numpy as np
     import torch
 
@@ -158,3 +158,110 @@ def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: li
         x[pos] = old
         raise WeightVerifyError(f"base + GPU delta does not give the announced version: {bad}; the buffer "
                                 f"holds its base again")
+
+    def undo() -> None:
+        x[pos] = old
+
+    return undo
+
+
+class PackedVersions:
+    """The learner's side ([weights] delta_format = "packed"): each version packed into one of two
+    buffers of the cuda_ipc layout on the device its tensors are on (2 x the model's bytes there),
+    checksummed, and encoded as a delta against the version packed before it."""
+
+    def __init__(self) -> None:
+        self.layout: list[IpcTensor] | None = None
+        self.buffers: list = []
+        self.tables: list[list[IpcTensor] | None] = [None, None]
+        self.last = -1  # index of the buffer holding the version packed last
+        self.version: int | None = None  # ... and its number
+
+    def pack(self, named, version: int, max_share: float | None
+             ) -> tuple[list[IpcTensor], bytes | None, int | None, str | None]:
+        """Pack `named` ((checkpoint name, tensor), the same names every version) as `version`;
+        returns its table with checksums, the delta against the version packed before (None: the
+        first, `max_share` None, or larger than `max_share` of the bytes), and that base's number and
+        table_digest (None without a delta): what weights.registry.publish_version takes as `packed`."""
+        import torch
+
+        from weights.cuda_ipc import checksums, pack, plan, table_digest, with_checksums
+
+        named = list(named)
+        if self.layout is None:
+            self.layout, size = plan(named)
+            self.buffers = [torch.zeros(size, dtype=torch.uint8, device=named[0][1].device) for _ in range(2)]
+        cur = 1 - self.last if self.last >= 0 else 0
+        pack(named, self.buffers[cur], self.layout)
+        table = with_checksums(self.layout, checksums(self.buffers[cur], self.layout))
+        self.tables[cur] = table
+        blob = base = None
+        if self.last >= 0 and max_share is not None:
+            base = table_digest(self.tables[self.last])
+            blob = encode(self.buffers[self.last], self.buffers[cur], base, table_digest(table), max_share)
+            if blob is None:
+                base = None
+        base_version = self.version if blob is not None else None
+        self.last, self.version = cur, version
+        return table, blob, base_version, base
+
+
+class Mirror:
+    """The actor's side: a copy of the weights it serves in the learner's packed layout (the model's
+    bytes on its device), which packed deltas are applied to and the engine loads from."""
+
+    def __init__(self) -> None:
+        self.buffer = None
+        self.table: list[IpcTensor] | None = None
+        self.name: str | None = None  # table_digest of what it holds, None: nothing
+        self._undo = None
+
+    def fill(self, tensors: dict, table: list[IpcTensor], device) -> None:
+        """Hold the version whose packed table (with checksums) is `table`, from its tensors by
+        checkpoint name; WeightVerifyError (and nothing held) when they do not give its checksums."""
+        import torch
+
+        from weights.cuda_ipc import _nbytes, _padded, checksums, mismatch, table_digest, view
+
+        size = max(e.offset + _padded(_nbytes(e)) for e in table)
+        if self.buffer is None or self.buffer.numel() != size or self.buffer.device != torch.device(device):
+            self.buffer = None
+            self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.name = self.table = None
+        missing = [e.name for e in table if e.name not in tensors]
+        if missing:
+            raise WeightVerifyError(f"the weights lack {len(missing)} packed tensors (first: {missing[0]})")
+        for e in table:
+            view(self.buffer, e).copy_(tensors[e.name])
+        bad = mismatch(table, checksums(self.buffer, table))
+        if bad:
+            raise WeightVerifyError(f"the served weights are not the announced packed version: {bad}")
+        self.table, self.name, self._undo = table, table_digest(table), None
+
+    def apply(self, blob: bytes | memoryview, table: list[IpcTensor]) -> None:
+        """Turn the held version into the one of `table` with a packed delta (apply); `revert` puts
+        the held one back until `settle`."""
+        from weights.cuda_ipc import table_digest
+
+        if self.name is None:
+            raise WeightVerifyError("no packed copy of the served weights is held here")
+        self._undo = (apply(self.buffer, blob, self.name, table), self.table, self.name)
+        self.table, self.name = table, table_digest(table)
+
+    def revert(self) -> None:
+        if self._undo is not None:
+            undo, self.table, self.name = self._undo
+            undo()
+            self._undo = None
+
+    def settle(self) -> None:
+        self._undo = None
+
+    def named(self) -> list:
+        """(checkpoint name, view into the buffer) of every tensor held, for load_weights."""
+        from weights.cuda_ipc import view
+
+        return [(e.name, view(self.buffer, e)) for e in self.table]
+
+    def drop(self) -> None:
+        self.buffer = self.table = self.name = self._undo = None

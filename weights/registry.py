@@ -60,6 +60,8 @@ async def publish_version(
     protect: frozenset[int] | set[int] = frozenset(),
     base: tuple[WeightVersion, Path] | None = None,
     on_announced=None,
+    packed: tuple[list, bytes | None, int | None, str | None] | None = None,
+    write=None,
 ) -> WeightVersion:
     """Upload `state_dir` (model.safetensors + config.json and any other small files) as `version`
     by the transport `settings` selects, then point the weights key at it (compare-and-set) and
@@ -79,6 +81,17 @@ async def publish_version(
 
     `on_announced(wv)`: called once, as soon as actors can follow the version (the early
     announcement when there is one): the caller's version moves there, not after the full upload.
+
+    `packed` ([weights] delta_format = "packed"; `base` is not used then): (the version's packed table
+    with checksums, its packed delta or None, the base's version, the base's table digest) from
+    weights.gpu_delta.PackedVersions, built on the learner's GPU. Every announcement of the version
+    carries the table (WeightVersion.packed); the delta goes where a file delta would
+    (WeightDelta.format "packed"). With `delta_first` (objstore) the delta is uploaded and announced
+    early before `write()` (the caller's writing of `state_dir`, None: written already) runs, so no
+    pass over the model on the learner's host precedes it: the early announcement names the version
+    by its table's digest (sha256, which actors read as the packed version's identity; its `bytes`
+    are the packed tensors'), and only actors holding the base follow it; the full copy, its sha256
+    and extras come with the WEIGHTS_KEY announcement after it.
     """
     transport = of(settings)
     if transport.gpu:
@@ -86,12 +99,12 @@ async def publish_version(
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the current version is always kept)")
     state_dir = Path(state_dir)
-    model = state_dir / MODEL_FILE
-    if not model.is_file():
-        raise FileNotFoundError(f"{model} does not exist; write the weights before publishing them")
-    extras = sorted(p.name for p in state_dir.iterdir() if p.is_file() and p.name != MODEL_FILE)
-    if CONFIG_FILE not in extras:
-        raise FileNotFoundError(f"{state_dir / CONFIG_FILE} does not exist; vLLM needs it beside the weights")
+    if packed is not None:
+        return await _publish_packed(js, run, version, step, state_dir, settings, transport, keep, protect, packed,
+                                     write, on_announced)
+    if write is not None:
+        await asyncio.to_thread(write)
+    model, extras = _files_of(state_dir)
     prefix = fresh_prefix(version)
     common = dict(version=version, step=step, transport=transport.kind, run=run)
     wv = None
@@ -160,6 +173,57 @@ async def _upload_delta(js, run, transport, prefix, model: Path, sha: str, size:
         out.unlink(missing_ok=True)
 
 
+def _files_of(state_dir: Path) -> tuple[Path, list[str]]:
+    model = state_dir / MODEL_FILE
+    if not model.is_file():
+        raise FileNotFoundError(f"{model} does not exist; write the weights before publishing them")
+    extras = sorted(p.name for p in state_dir.iterdir() if p.is_file() and p.name != MODEL_FILE)
+    if CONFIG_FILE not in extras:
+        raise FileNotFoundError(f"{state_dir / CONFIG_FILE} does not exist; vLLM needs it beside the weights")
+    return model, extras
+
+
+async def _publish_packed(js, run, version, step, state_dir: Path, settings, transport, keep, protect, packed,
+                          write, on_announced) -> WeightVersion:
+    from weights.cuda_ipc import _nbytes, table_digest
+
+    table, blob, base_version, base_digest = packed
+    prefix = fresh_prefix(version)
+    common = dict(version=version, step=step, transport=transport.kind, run=run, packed=table)
+    delta = None
+    announced = False
+    if blob is not None:
+        out = state_dir.parent / f".{prefix}.{deltas.DELTA_FILE}"  # beside the version's directory, not yet written
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(out.write_bytes, blob)
+            where, delta_sha = await transport.upload_delta(js, run, prefix, out, settings)
+        finally:
+            out.unlink(missing_ok=True)
+        delta = WeightDelta(base_version=base_version, base_sha256=base_digest, location=where, sha256=delta_sha,
+                            bytes=len(blob), format="packed")
+        log.info("version %s: packed delta against version %d, %.2f MB", prefix, base_version, len(blob) / 1e6)
+        if transport.delta_first:
+            early = WeightVersion(location=transport.full_location(prefix), sha256=table_digest(table),
+                                  bytes=sum(_nbytes(e) for e in table), created=time.time(), delta=delta,
+                                  full_pending=True, **common)
+            await announce_early(js, run, early)
+            announced = True
+            if on_announced is not None:
+                on_announced(early)
+    if write is not None:
+        await asyncio.to_thread(write)
+    _, extras = _files_of(state_dir)
+    location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
+    wv = WeightVersion(location=location, sha256=sha, bytes=size, created=time.time(), files=files, delta=delta,
+                       **common)
+    await announce(js, run, wv)
+    if on_announced is not None and not announced:
+        on_announced(wv)
+    await transport.prune(js, run, settings, keep, current=version, protect=set(protect))
+    return wv
+
+
 async def publish_gpu_version(js, run: str, version: int, step: int, source: CudaIpcBuffer | NcclSource) -> WeightVersion:
     """Announce `version` as the learner's packed GPU buffer (transport "cuda_ipc" for a
     CudaIpcBuffer, "nccl" for an NcclSource): nothing is uploaded; the announcement carries what
@@ -202,7 +266,7 @@ async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash:
     if transport is None:
         raise WeightVerifyError(f"version {wv.version}: unknown transport {wv.transport!r}; known: {tuple(TRANSPORTS)}")
     dest_dir = Path(dest_dir)
-    if wv.delta is not None and not transport.gpu:
+    if wv.delta is not None and wv.delta.format == "file" and not transport.gpu:  # "packed": actors.follow
         if base is not None and base[0] == wv.delta.base_sha256 and (Path(base[1]) / MODEL_FILE).is_file():
             try:
                 return await _apply_delta(js, run, transport, wv, Path(base[1]), dest_dir, settings)

@@ -225,3 +225,80 @@ async def test_a_stop_during_an_upload_lets_it_finish_and_announce(js, nc, tmp_p
     assert learner.state.step == 1
     assert await announced(js, run) == [0, 1]
     assert learner.publisher.counters["published"] == 2
+
+
+class PackedTrainer(TrainerDouble):
+    """TrainerDouble with bf16 weights that change in a few values each step, real
+    learner.weights_io.WeightSnapshot files and a real weights.gpu_delta.PackedVersions behind
+    pack_versions (what Trainer.pack_versions does after its gather, on CPU tensors here)."""
+
+    def __init__(self):
+        import torch
+
+        from weights.gpu_delta import PackedVersions
+
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.w = (torch.randn(256, 256, generator=gen) * 0.02).to(torch.bfloat16)
+        self.b = torch.ones(64, dtype=torch.bfloat16)
+        self.gen, self.packed = gen, PackedVersions()
+
+    def __call__(self, op, *args):
+        import torch
+
+        from learner.weights_io import WeightSnapshot
+
+        if op == "train_step":
+            flat = self.w.view(-1)
+            idx = torch.randint(0, flat.numel(), (flat.numel() // 50,), generator=self.gen)
+            flat[idx] = (flat[idx].float() * 1.01).to(torch.bfloat16)  # 2% of the values, a step or two each
+        if op == "pack_versions":
+            self.calls.append(op)
+            return self.packed.pack([("w", self.w), ("b", self.b)], *args)
+        if op == "weights_snapshot":
+            self.calls.append(op)
+            return WeightSnapshot({"w": self.w.clone(), "b": self.b.clone()}, '{"model_type": "double"}')
+        return super().__call__(op, *args)
+
+
+async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(js, nc, tmp_path):
+    """[weights] delta_format = "packed", full_every = 3 through the real Learner and publish_version:
+    every announcement carries its version's packed table; the two versions after each full-only one
+    (v0, the learner's start, and v3) also go out as a packed delta against the version before, announced on the early key before their
+    full copy is stored, under their table's digest; each delta, applied to a packed copy of the
+    base's full file, gives the next version's table; one version in three is full only."""
+    from safetensors.torch import load_file
+
+    from weights import objstore
+    from weights.cuda_ipc import table_digest
+    from weights.gpu_delta import Mirror
+
+    run = "packedpub"
+    cfg = make_cfg(run, tmp_path / "run", steps=5, groups_per_step=1, max_staleness=1, keep_versions=10)
+    cfg.weights = ObjstoreWeights(full_every=3, delta_format="packed")
+    await topology.ensure_topology(js, run, BUS)
+    await run_learner(js, nc, cfg, PackedTrainer(), js)
+
+    kv = await js.key_value(topology.kv_bucket(run))
+    final = {wv.version: wv for wv in (codec.decode("weights", e.value) for e in await kv.history(topology.WEIGHTS_KEY)
+                                       if e.value)}
+    early = [codec.decode("weights", e.value) for e in await kv.history(topology.WEIGHTS_EARLY_KEY) if e.value]
+    assert sorted(final) == [0, 1, 2, 3, 4, 5]
+    assert all(wv.packed for wv in final.values())
+    with_delta = sorted(v for v in final if final[v].delta is not None)
+    assert with_delta == [1, 2, 4, 5]  # v0: nothing packed before it; v3 full only (full_every = 3)
+    assert [(e.version, e.sha256, e.full_pending) for e in early] == [
+        (v, table_digest(final[v].packed), True) for v in with_delta]
+    for v in with_delta:
+        delta = final[v].delta
+        assert (delta.format, delta.base_version, delta.base_sha256) == ("packed", v - 1,
+                                                                        table_digest(final[v - 1].packed))
+        base_file, blob = tmp_path / f"base{v}", tmp_path / f"delta{v}"
+        await objstore._get_object(js, run, final[v - 1].location, base_file)
+        await objstore._get_object(js, run, delta.location, blob)
+        held = Mirror()
+        held.fill(load_file(base_file), final[v - 1].packed, "cpu")
+        held.apply(blob.read_bytes(), final[v].packed)  # checked against v's table inside
+        await objstore._get_object(js, run, final[v].location, tmp_path / f"full{v}")
+        full = load_file(tmp_path / f"full{v}")
+        assert all(t.equal(full[n]) for n, t in held.named())
