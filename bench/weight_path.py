@@ -278,6 +278,13 @@ async def packed_update(js, run, version, model, work, follower, timed, packer) 
     load_start, load_end = timed.marks[-1]
     wv = await publish
     t_full = time.perf_counter()
+    if wv.delta is None:  # a full version: the actor keeps it packed before the next one is timed
+        from weights.cuda_ipc import table_digest
+
+        while timed.packed_name != table_digest(wv.packed):
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"objstore_packed version {version}: no packed copy kept by the actor")
+            await asyncio.sleep(0.01)
     shutil.rmtree(work / "learner", ignore_errors=True)
     return dict(transport="objstore_packed", version=version, bytes=wv.delta.bytes if wv.delta else wv.bytes,
                 delta=wv.delta is not None, pack_or_save=t_ready - t0, announce=load_start - t_ready, until_load=0.0,
