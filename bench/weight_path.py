@@ -276,20 +276,28 @@ async def packed_update(js, run, version, model, work, follower, timed, packer) 
         await asyncio.sleep(0.001)
     t_served = time.perf_counter()
     load_start, load_end = timed.marks[-1]
-    wv = await publish
-    t_full = time.perf_counter()
-    if wv.delta is None:  # a full version: the actor keeps it packed before the next one is timed
+    table, blob = packed[0], packed[1]
+    row = dict(transport="objstore_packed", version=version, delta=blob is not None,
+               bytes=len(blob) if blob is not None else 0,  # a full version: its file's, once stored
+               pack_or_save=t_ready - t0, announce=load_start - t_ready, until_load=0.0, load=load_end - load_start,
+               total=t_served - t0)
+    try:  # the full copy, written and uploaded beside (the next version waits for it, as the publisher would)
+        wv = await publish
+        row["full_stored"], row["bytes"] = time.perf_counter() - t0, (row["bytes"] or wv.bytes)
+    except Exception as e:  # noqa: BLE001 - the version was served; what failed after is recorded
+        row["full_error"] = f"{type(e).__name__}: {e}"
+        print(f"[weights] objstore_packed v{version}: its full publication failed after serving: {row['full_error']}",
+              file=sys.stderr, flush=True)
+    if blob is None:  # a full version: the actor keeps it packed before the next one is timed
         from weights.cuda_ipc import table_digest
 
-        while timed.packed_name != table_digest(wv.packed):
+        while timed.packed_name != table_digest(table):
             if time.perf_counter() > deadline:
                 raise RuntimeError(f"objstore_packed version {version}: no packed copy kept by the actor")
             await asyncio.sleep(0.01)
+        row["keep_packed"] = getattr(timed, "keep_s", None)
     shutil.rmtree(work / "learner", ignore_errors=True)
-    return dict(transport="objstore_packed", version=version, bytes=wv.delta.bytes if wv.delta else wv.bytes,
-                delta=wv.delta is not None, pack_or_save=t_ready - t0, announce=load_start - t_ready, until_load=0.0,
-                load=load_end - load_start, total=t_served - t0, full_stored=t_full - t0,
-                keep_packed=getattr(timed, "keep_s", None) if wv.delta is None else None)
+    return row
 
 
 async def gpu_main(args) -> dict:
@@ -395,6 +403,7 @@ async def gpu_main(args) -> dict:
                 print(f"[weights] {transport:10s} v{version}: {r['bytes'] / 1e9:.2f} GB  pack/save {r['pack_or_save']:.3f}s  "
                       f"announce {r['announce']:.3f}s  until load {r['until_load']:.3f}s  load {r['load']:.3f}s  "
                       f"total {r['total']:.3f}s  probe logprob {first:.5f}", file=sys.stderr, flush=True)
+                save()  # a run cut short keeps every update measured (defined below, before the first update)
                 return r
 
             async def round_(label, transport=None):

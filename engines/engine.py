@@ -369,6 +369,7 @@ class PolicyEngine:
 
         self.packed_name = None
         async with self._reload_lock:
+            await self._prepare_gpu_load()  # the checksum kernel compiled before, not inside, the first fill
             reasons = await self._llm.collective_rpc(
                 "parley_packed_fill", kwargs={"announcement": announcement, "weights_path": str(weights_dir)})
         bad = [r for r in reasons if r]

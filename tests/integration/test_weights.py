@@ -249,3 +249,38 @@ async def test_a_refused_chunk_fails_the_upload_and_leaves_nothing_behind(js, mo
     with pytest.raises(NotFoundError):
         await store.get_info("v1/blob")
     assert (await js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=bucket))).state.messages == 0
+
+
+async def test_a_prune_that_times_out_leaves_the_version_announced_and_the_next_prune_deletes_it(js, tmp_path,
+                                                                                                monkeypatch):
+    """Pruning is cleanup after the announcement: an object store delete that times out (an 8 GB object's
+    purge outlasted nats.py's API timeout on the H200) is logged and counted, the publication returns, and
+    the next publication's prune deletes what was left."""
+    import nats.errors
+    from nats.js.object_store import ObjectStore
+
+    from protocol.bus import COUNTERS
+
+    run = "prunetimeout"
+    await topology.ensure_topology(js, run)
+    real, calls = ObjectStore.delete, []
+
+    async def delete_times_out_once(self, name):
+        calls.append(name)
+        if len(calls) == 1:
+            raise nats.errors.TimeoutError
+        return await real(self, name)
+
+    monkeypatch.setattr(ObjectStore, "delete", delete_times_out_once)
+    failed = COUNTERS["weights.prune_failed"]
+    published = [await publish_version(js, run, v, v, write_state(tmp_path / f"s{v}", seed=v, mib=0.5),
+                                       ObjstoreWeights(), keep=1) for v in range(2)]
+    assert await current_version(js, run) == published[1]  # announced although its prune failed
+    assert COUNTERS["weights.prune_failed"] == failed + 1
+    store = await js.object_store(topology.object_bucket(run))
+    assert calls[0] == published[0].location  # the model's delete timed out: it is still there
+    await store.get_info(published[0].location)
+    await publish_version(js, run, 2, 2, write_state(tmp_path / "s2", seed=2, mib=0.5), ObjstoreWeights(), keep=1)
+    for old in published:
+        with pytest.raises(WeightVerifyError, match="not in the store"):
+            await fetch_version(js, run, old, tmp_path / f"gone{old.version}")
