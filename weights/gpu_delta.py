@@ -153,7 +153,11 @@ def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: li
     new = ((old.to(torch.int32) + diffs.to(torch.int32) + 32768).remainder(65536) - 32768).to(torch.int16)
     new[sentinel] = exceptions
     x[pos] = new
-    bad = mismatch(layout, checksums(buffer, layout))
+    try:
+        bad = mismatch(layout, checksums(buffer, layout))
+    except BaseException:  # out of memory in the check, say: the buffer must not stay half-patched
+        x[pos] = old
+        raise
     if bad:
         x[pos] = old
         raise WeightVerifyError(f"base + GPU delta does not give the announced version: {bad}; the buffer "

@@ -95,3 +95,18 @@ def test_no_delta_when_it_would_be_larger_than_the_share():
     share = (len(blob) - gpu_delta.read_header(blob)[1] - 1) / v1[0].numel()  # a byte under its sections
     assert _delta(v0, v1, max_share=share) is None
     assert _delta(v0, v1, max_share=share * 1.2) is not None
+
+
+def test_a_check_that_fails_midway_leaves_the_buffer_on_its_base(monkeypatch):
+    """Out of memory (say) while the result is checked: the words written are put back before the
+    error goes on, so a packed copy never stays half-patched."""
+    v0, v1 = _versions(1, 3e-5)
+    served = v0[0].clone()
+
+    def out_of_memory(*a, **kw):
+        raise RuntimeError("CUDA out of memory (test double)")
+
+    monkeypatch.setattr(cuda_ipc, "checksums", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gpu_delta.apply(served, _delta(v0, v1), cuda_ipc.table_digest(v0[1]), v1[1])
+    assert torch.equal(served, v0[0])
