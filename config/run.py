@@ -367,6 +367,10 @@ def check_training(cfg: RunConfig) -> None:
             raise ConfigError(f"[learner.lora] with [weights] kind={transport.kind!r}: an adapter travels as files "
                               "(objstore, shared_dir) or in a shared GPU buffer on the learner's GPUs (cuda_ipc); "
                               "set weights.kind = \"objstore\", \"shared_dir\" or \"cuda_ipc\"")
+        if getattr(cfg.weights, "delta_format", "file") == "packed":
+            raise ConfigError("[learner.lora] with [weights] delta_format = \"packed\": an adapter version is the "
+                              "adapter alone (megabytes), never a delta of the whole model; set "
+                              "weights.delta_format = \"file\" (the default)")
     a = cfg.actor.sampling
     if not (GREEDY_BELOW <= a.temperature < float("inf")):
         raise ConfigError(

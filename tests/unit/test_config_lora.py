@@ -29,3 +29,15 @@ def test_lora_travels_by_the_file_transports_or_cuda_ipc_and_refuses_nccl():
         check_training(load_config(None, [*lora, *kind]))
     with pytest.raises(ConfigError, match="kind='nccl'.*cuda_ipc"):
         check_training(load_config(None, [*lora, 'weights.kind="nccl"', 'weights.address="10.0.0.1:29600"']))
+
+
+def test_lora_refuses_packed_deltas_with_the_fix():
+    lora = ["learner.lora.enabled=true", "learner.lora.rank=8", "actor.engine.max_lora_rank=8"]
+    with pytest.raises(ConfigError, match='delta_format = "file"'):
+        check_training(load_config(None, [*lora, 'weights.kind="objstore"', 'weights.delta_format="packed"']))
+    check_training(load_config(None, ['weights.kind="objstore"', 'weights.delta_format="packed"']))  # whole weights: fine
+
+
+def test_an_unknown_delta_format_names_the_two_there_are():
+    with pytest.raises(Exception, match="'file'.*'packed'"):
+        load_config(None, ['weights.kind="objstore"', 'weights.delta_format="zstd"'])
