@@ -261,12 +261,19 @@ async def packed_update(js, run, version, model, work, follower, timed, packer) 
     timed.marks.clear()
     t0 = time.perf_counter()  # step end
     share = settings.delta_max_share if packer.version is not None else None  # the first one: full only
-    packed = await asyncio.to_thread(packer.pack, hf_tensors(model), version, share)
-    t_ready = time.perf_counter()
+    table, pending = await asyncio.to_thread(packer.pack, hf_tensors(model), version, share)
+    t_ready = time.perf_counter()  # what the learner's step waits for; the rest is the publication's
     state_dir = work / "learner" / f"v{version}"
-    publish = asyncio.create_task(registry.publish_version(
-        js, run, version, version, state_dir, settings, keep=2, packed=packed,
-        write=lambda: write_weights(hf_weights(model), model.config, state_dir)))
+    encoded: dict = {}
+
+    async def publication():  # learner.publication.Weights.upload: encode, then publish
+        blob, base_version, base = (None, None, None) if pending is None else await asyncio.to_thread(pending.encode)
+        encoded["blob"], encoded["s"] = blob, time.perf_counter() - t_ready
+        return await registry.publish_version(js, run, version, version, state_dir, settings, keep=2,
+                                              packed=(table, blob, base_version, base),
+                                              write=lambda: write_weights(hf_weights(model), model.config, state_dir))
+
+    publish = asyncio.create_task(publication())
     deadline = t0 + 600
     while follower.version != version:
         if time.perf_counter() > deadline or version in follower.refused or publish.done() and publish.exception():
@@ -276,11 +283,11 @@ async def packed_update(js, run, version, model, work, follower, timed, packer) 
         await asyncio.sleep(0.001)
     t_served = time.perf_counter()
     load_start, load_end = timed.marks[-1]
-    table, blob = packed[0], packed[1]
+    blob = encoded.get("blob")
     row = dict(transport="objstore_packed", version=version, delta=blob is not None,
                bytes=len(blob) if blob is not None else 0,  # a full version: its file's, once stored
-               pack_or_save=t_ready - t0, announce=load_start - t_ready, until_load=0.0, load=load_end - load_start,
-               total=t_served - t0)
+               pack_or_save=t_ready - t0, encode=encoded.get("s"), announce=load_start - t_ready, until_load=0.0,
+               load=load_end - load_start, total=t_served - t0)
     try:  # the full copy, written and uploaded beside (the next version waits for it, as the publisher would)
         wv = await publish
         row["full_stored"], row["bytes"] = time.perf_counter() - t0, (row["bytes"] or wv.bytes)

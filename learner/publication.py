@@ -171,8 +171,12 @@ class Weights:
         wdir = ckpt.weights_dir(self.run_dir, version)
         if write_now:
             await asyncio.to_thread(snap.write, wdir)
-        self.publisher.submit(Publication(version, lambda: self.upload(version, snap, wdir, packed),
-                                          discard=lambda: shutil.rmtree(wdir, ignore_errors=True)))
+        def discard() -> None:  # superseded before its upload began
+            shutil.rmtree(wdir, ignore_errors=True)
+            if packed is not None and packed[1] is not None:
+                packed[1].discard()  # its delta is never encoded: the next pack may overwrite the buffers
+
+        self.publisher.submit(Publication(version, lambda: self.upload(version, snap, wdir, packed), discard=discard))
         return True
 
     async def retry_held(self) -> float | None:
@@ -241,9 +245,18 @@ class Weights:
         """In the background: write the file (unless written), upload it (its sha256 is computed once,
         by the transport as it reads the file; objstore with a delta: the delta first, announced early,
         then the full copy), announce it, prune. Admission opens on it at its first announcement.
-        `packed` (Trainer.pack_versions, delta_format "packed"): its delta is uploaded and announced
-        before the file is written (weights.registry.publish_version)."""
+        `packed` (Trainer.pack_versions, delta_format "packed"): its delta is encoded here, beside the
+        next step, then uploaded and announced before the file is written (weights.registry.publish_version)."""
         base = None
+        if packed is not None:
+            table, pending = packed
+            try:
+                blob, base_version, base_digest = ((None, None, None) if pending is None
+                                                   else await asyncio.to_thread(pending.encode))
+            finally:
+                if pending is not None:
+                    pending.discard()  # a cancelled upload: the buffers are free once no encode reads them
+            packed = (table, blob, base_version, base_digest)
         if packed is None:
             await asyncio.to_thread(snap.write, wdir)  # a no-op when written for an eval
             if self._base and registry.wants_delta(self.settings, self._since_full) and self._base[1].is_dir():

@@ -526,10 +526,10 @@ class Trainer:
 
     def pack_versions(self, version: int, max_share: float | None):
         """[weights] delta_format = "packed": the trained weights packed on the device they train on
-        (weights.gpu_delta.PackedVersions, two buffers kept on rank 0), with a delta against the
-        version packed before unless `max_share` is None (a full-only version) or the delta is over
-        it. (table, delta or None, base version or None, base table digest or None) on rank 0, None
-        on the other ranks (which take part in the ZeRO-3 gather)."""
+        (weights.gpu_delta.PackedVersions, two buffers kept on rank 0). (the packed table, the delta
+        against the version packed before to encode in the background, or None: the first version,
+        or `max_share` None for a full-only one) on rank 0, None on the other ranks (which take part
+        in the ZeRO-3 gather)."""
         import contextlib
 
         import deepspeed

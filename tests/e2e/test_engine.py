@@ -312,7 +312,8 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
                 p.add_(mask * torch.randn(p.shape, generator=gen) * 0.05)
         wdir = tmp_path / f"learner-v{k}"
         model.save_pretrained(wdir)
-        table, blob, base_version, base = learner.pack(hf_tensors(model), k, settings.delta_max_share)
+        table, pending = learner.pack(hf_tensors(model), k, settings.delta_max_share)
+        blob, base_version, base = pending.encode() if pending is not None else (None, None, None)
         if corrupt:
             blob = blob[:-1] + bytes([blob[-1] ^ 1])
         return wdir, (table, blob, base_version, base)

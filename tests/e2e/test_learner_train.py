@@ -202,12 +202,13 @@ def test_packed_versions_chain_from_one_step_to_the_next(tiny_model, stage):
     batch = samples_for(ids, lps, torch.tensor([[0.0, 1.0, 0.5, 0.2]]))
     trainer = Trainer(LearnerConfig(zero_stage=stage, lr=1e-7, kl_coef=0.0, micro_batch_tokens=64), tiny_model)
     try:
-        table1, blob1, base1, digest1 = trainer.pack_versions(1, 1.0)
-        assert (blob1, base1, digest1) == (None, None, None)  # nothing packed before it
+        table1, pending1 = trainer.pack_versions(1, 1.0)
+        assert pending1 is None  # nothing packed before it
         actor = Mirror()
         actor.fill(trainer.hf_state_dict(), table1, "cpu")
         trainer.train_step(batch)
-        table2, blob2, base2, digest2 = trainer.pack_versions(2, 1.0)
+        table2, pending2 = trainer.pack_versions(2, 1.0)
+        blob2, base2, digest2 = pending2.encode()  # what the publication does beside the next step
         assert (base2, digest2) == (1, table_digest(table1)) and blob2 is not None
         actor.apply(blob2, table2)
         now = trainer.hf_state_dict()

@@ -237,7 +237,7 @@ class PackedTrainer(TrainerDouble):
 
         from weights.gpu_delta import PackedVersions
 
-        super().__init__()
+        super().__init__(step_s=0.2)  # steps slower than these small uploads: few versions superseded
         gen = torch.Generator().manual_seed(0)
         self.w = (torch.randn(256, 256, generator=gen) * 0.02).to(torch.bfloat16)
         self.b = torch.ones(64, dtype=torch.bfloat16)
@@ -283,16 +283,22 @@ async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(
     final = {wv.version: wv for wv in (codec.decode("weights", e.value) for e in await kv.history(topology.WEIGHTS_KEY)
                                        if e.value)}
     early = [codec.decode("weights", e.value) for e in await kv.history(topology.WEIGHTS_EARLY_KEY) if e.value]
-    assert sorted(final) == [0, 1, 2, 3, 4, 5]
+    # a version overtaken while its upload waited is never announced (learner.publication), on a busy
+    # machine now and then; the deltas are counted at packing, in step order, all the same
+    assert 5 in final and len(final) >= 4
     assert all(wv.packed for wv in final.values())
     with_delta = sorted(v for v in final if final[v].delta is not None)
-    assert with_delta == [1, 2, 4, 5]  # v0: nothing packed before it; v3 full only (full_every = 3)
+    assert with_delta == [v for v in sorted(final) if v in (1, 2, 4, 5)]  # v0: nothing before it; v3 full only
     assert [(e.version, e.sha256, e.full_pending) for e in early] == [
         (v, table_digest(final[v].packed), True) for v in with_delta]
+    checked = 0
     for v in with_delta:
         delta = final[v].delta
-        assert (delta.format, delta.base_version, delta.base_sha256) == ("packed", v - 1,
-                                                                        table_digest(final[v - 1].packed))
+        assert (delta.format, delta.base_version) == ("packed", v - 1)
+        if v - 1 not in final:
+            continue  # its base was overtaken: actors fetch the full copy
+        assert delta.base_sha256 == table_digest(final[v - 1].packed)
+        checked += 1
         base_file, blob = tmp_path / f"base{v}", tmp_path / f"delta{v}"
         await objstore._get_object(js, run, final[v - 1].location, base_file)
         await objstore._get_object(js, run, delta.location, blob)
@@ -302,3 +308,4 @@ async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(
         await objstore._get_object(js, run, final[v].location, tmp_path / f"full{v}")
         full = load_file(tmp_path / f"full{v}")
         assert all(t.equal(full[n]) for n, t in held.named())
+    assert checked >= 1

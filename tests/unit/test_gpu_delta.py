@@ -110,3 +110,41 @@ def test_a_check_that_fails_midway_leaves_the_buffer_on_its_base(monkeypatch):
     with pytest.raises(RuntimeError, match="out of memory"):
         gpu_delta.apply(served, _delta(v0, v1), cuda_ipc.table_digest(v0[1]), v1[1])
     assert torch.equal(served, v0[0])
+
+
+def _named(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [("a", (torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16)), ("b", torch.ones(8, dtype=torch.bfloat16))]
+
+
+def test_packed_versions_chain_with_deltas_encoded_later():
+    learner, actor = gpu_delta.PackedVersions(), gpu_delta.Mirror()
+    named = _named(0)
+    table, pending = learner.pack(named, 1, 0.5)
+    assert pending is None  # nothing packed before it
+    actor.fill(dict(named), table, "cpu")
+    for v in (2, 3):
+        flat = named[0][1].view(-1)
+        flat[::37] = (flat[::37].float() * 1.02).to(torch.bfloat16)
+        table, pending = learner.pack(named, v, 0.5)
+        blob, base_version, base = pending.encode()
+        assert (base_version, base) == (v - 1, actor.name)
+        actor.apply(blob, table)
+        assert all(torch.equal(t, dict(named)[n]) for n, t in actor.named())
+    assert learner.pack(named, 4, None)[1] is None  # a full-only version: nothing to encode
+
+
+def test_the_next_pack_waits_for_the_delta_reading_its_buffer_and_a_discarded_one_frees_it():
+    import threading
+
+    learner = gpu_delta.PackedVersions()
+    named = _named(1)
+    learner.pack(named, 1, 0.5)
+    _, pending = learner.pack(named, 2, 0.5)
+    packed = threading.Event()
+    t = threading.Thread(target=lambda: (learner.pack(named, 3, 0.5), packed.set()), daemon=True)
+    t.start()
+    assert not packed.wait(0.3)  # version 3 would overwrite version 1's buffer, which the delta reads
+    pending.discard()  # version 2 superseded: its delta is never encoded
+    assert packed.wait(10)
+    assert pending.encode() == (None, None, None)
