@@ -185,8 +185,8 @@ class WorkerExtension:
     def parley_packed_stage(self, announcement: bytes, delta_path: str) -> tuple[str, str] | None:
         """Apply a version's packed delta (a file fetched beside the served files) to the packed copy,
         checked against the announced table, before the engine pauses to load it (parley_packed_load).
-        None when staged; (UNAVAILABLE, why) when the copy does not hold the delta's base (fetch the
-        full version), (REFUSED, why) for a delta that is malformed or does not give the announced
+        None when staged; (UNAVAILABLE, why) when the copy does not hold the delta's base or the apply
+        failed for a passing reason (out of memory: the full version is fetched), (REFUSED, why) for a delta that is malformed or does not give the announced
         checksums (the copy holds its base again)."""
         from pathlib import Path
 
@@ -202,6 +202,8 @@ class WorkerExtension:
             mirror.apply(Path(delta_path).read_bytes(), wv.packed)
         except WeightVerifyError as e:
             return REFUSED, f"version {wv.version}: {e.reason}"
+        except (OSError, RuntimeError) as e:  # unreadable, out of memory: the copy holds its base (apply put it back)
+            return UNAVAILABLE, f"version {wv.version}: packed delta not applied: {type(e).__name__}: {e}"
         _worker_log.info("parley: version %d: packed delta (%.2f MB) applied and checked in %.4f s", wv.version,
                          Path(delta_path).stat().st_size / 1e6, time.perf_counter() - t0)
         return None
