@@ -284,7 +284,8 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
     follower the actor. v1 is loaded from its file and kept packed; v2 comes by its delta alone (no
     file of it on the actor's disk) and serves v2's log-probs; v3's delta is corrupted (a wrong word,
     the blob's own sha256 intact), so it is refused and v3 is served from its full copy; v4 comes by
-    its delta again, applied to the copy refilled from v3's file."""
+    its delta again, applied to the copy refilled from v3's file; with the copy dropped (a lost
+    base), v5 is served from its full copy and kept packed again."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -332,7 +333,9 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
                                   settings=settings)
         seen = []
         try:
-            for k, corrupt in ((1, False), (2, False), (3, True), (4, False)):
+            for k, corrupt in ((1, False), (2, False), (3, True), (4, False), (5, False)):
+                if k == 5:  # the actor lost its packed copy (a restart, say): v5's delta has no base here
+                    await ctx.engine.drop_packed()
                 wdir, packed = step(k, corrupt)
                 applied, refused = COUNTERS["weights.delta_applied"], COUNTERS["weights.delta_refused"]
                 wv = await registry.publish_version(js, run, k, k, wdir, settings, packed=packed)
@@ -348,7 +351,7 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
     try:
         # (version, deltas applied, deltas refused, its file on the actor's disk, the packed copy holds it)
         assert ctx.run(scenario(), timeout=300) == [(1, 0, 0, 1, True), (2, 1, 0, 0, True), (3, 0, 1, 1, True),
-                                                    (4, 1, 0, 0, True)]
+                                                    (4, 1, 0, 0, True), (5, 0, 0, 1, True)]
     finally:
         ctx.run(ctx.engine.drop_packed())
         ctx.run(ctx.engine.reload_weights(ctx.path, version=0))
