@@ -268,6 +268,10 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
         k, packed = cfg.weights.max_buffers, shape.packed_bytes(p)
         terms.append(Term(f"{transport.kind} buffers: weights.max_buffers {k} x {_gib(packed):.2f} GiB "
                           f"(the weights in {p} B, a tied lm_head once)", _gib(k * packed)))
+    elif packed_deltas(cfg):
+        packed = shape.packed_bytes(p)
+        terms.append(Term(f"packed versions (weights.delta_format = \"packed\"): 2 x {_gib(packed):.2f} GiB "
+                          f"(the weights in {p} B, a tied lm_head once)", _gib(2 * packed)))
     if lc.zero_stage > 0:
         terms.append(Term(f"DeepSpeed gradient bucket: reduce_bucket_size {REDUCE_BUCKET_ELEMENTS:,} x {p} B",
                           _gib(REDUCE_BUCKET_ELEMENTS * p)))
@@ -302,6 +306,12 @@ def _local_engines(cfg: RunConfig) -> list[tuple[str, str, EngineConfig]]:
     return out
 
 
+def packed_deltas(cfg: RunConfig) -> bool:
+    """[weights] delta_format = "packed" with deltas on (full_every > 1): rank 0 keeps two packed
+    versions on its GPU and every actor's engine a packed copy of what it serves."""
+    return getattr(cfg.weights, "delta_format", "file") == "packed" and getattr(cfg.weights, "full_every", 1) > 1
+
+
 def uses_gpu(cfg: RunConfig) -> bool:
     """Whether the config puts something on a GPU by its own words."""
     engines = [cfg.actor.engine, *(ec for _, _, ec in _local_engines(cfg))]
@@ -328,6 +338,9 @@ def processes(cfg: RunConfig) -> list[Proc]:
     if transport.receives_copy:  # nccl receives a version into the worker's own buffer before loading it
         packed = policy.packed_bytes(learner_dtype_bytes(cfg))
         staging = [Term(f"{transport.kind}: its copy of a version while it loads", _gib(packed))]
+    if packed_deltas(cfg):  # the engine's packed copy of what it serves, outside vLLM's own share
+        packed = policy.packed_bytes(learner_dtype_bytes(cfg))
+        staging = [Term("its packed copy of the served weights (weights.delta_format = \"packed\")", _gib(packed))]
     # (cuda_ipc loads from the learner's buffer itself within the hold time: no copy is planned; a
     # reader that comes later copies it first, and if that does not fit the load is tried again)
     actor = (*engine_terms(cfg.actor.engine, shape_of), *staging, ctx)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from config.run import load_config
 from deploy.cli import app
-from deploy.memory import PlanError, Shape, learner_terms, make_plan, model_shape
+from deploy.memory import PlanError, Shape, learner_terms, make_plan, model_shape, processes
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU1 = ROOT / "deploy" / "configs" / "gpu-1.toml"
@@ -169,3 +169,25 @@ def test_cpu_configs_plan_nothing(path):
     out = CliRunner().invoke(app, ["up", *(["--config", str(path)] if path else []), "--dry-run"])
     assert out.exit_code == 0 and "GPU memory plan" not in out.output
     tomllib.loads(out.stdout)
+
+
+def test_packed_deltas_are_planned_on_the_learner_and_on_every_actor():
+    """[weights] delta_format = "packed": rank 0 keeps two packed versions, every actor's engine a
+    packed copy of what it serves (outside vLLM's share); "file" deltas and full-only versions none."""
+    base = ["policy.model=tiny", "actor.engine.model=tiny", 'weights.kind="objstore"']
+    packed = 2 * 557_824 + 4 * 192  # tiny in bf16, the 4 q/k norms padded (test_each_term_of_a_small_shape_by_hand)
+
+    def terms(sets):
+        procs = processes(load_config(None, [*base, *sets]))  # gpu-1.toml's [weights] is cuda_ipc's
+        learner = {t.what.split(":")[0]: t.gib * GIB for p in procs if p.name == "learner" for t in p.terms}
+        actors = [{t.what: t.gib * GIB for t in p.terms} for p in procs if p.name.startswith("actor-")]
+        return learner, actors
+
+    learner, actors = terms(['weights.delta_format="packed"', "weights.full_every=10"])
+    assert learner['packed versions (weights.delta_format = "packed")'] == pytest.approx(2 * packed)
+    assert actors and all(a['its packed copy of the served weights (weights.delta_format = "packed")']
+                          == pytest.approx(packed) for a in actors)
+    for sets in (['weights.delta_format="file"', "weights.full_every=10"], ['weights.delta_format="packed"']):
+        learner, actors = terms(sets)
+        assert not any(k.startswith("packed versions") for k in learner)
+        assert not any("packed copy" in k for a in actors for k in a)
