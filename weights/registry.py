@@ -192,29 +192,34 @@ async def _publish_packed(js, run, version, step, state_dir: Path, settings, tra
     common = dict(version=version, step=step, transport=transport.kind, run=run, packed=table)
     delta = None
     announced = False
-    if blob is not None:
-        out = state_dir.parent / f".{prefix}.{deltas.DELTA_FILE}"  # beside the version's directory, not yet written
+
+    async def upload_delta() -> WeightDelta:
+        out = state_dir.parent / f".{prefix}.{deltas.DELTA_FILE}"  # beside the version's directory
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             await asyncio.to_thread(out.write_bytes, blob)
             where, delta_sha = await transport.upload_delta(js, run, prefix, out, settings)
         finally:
             out.unlink(missing_ok=True)
-        delta = WeightDelta(base_version=base_version, base_sha256=base_digest, location=where, sha256=delta_sha,
-                            bytes=len(blob), format="packed")
         log.info("version %s: packed delta against version %d, %.2f MB", prefix, base_version, len(blob) / 1e6)
-        if transport.delta_first:
-            early = WeightVersion(location=transport.full_location(prefix), sha256=table_digest(table),
-                                  bytes=sum(_nbytes(e) for e in table), created=time.time(), delta=delta,
-                                  full_pending=True, **common)
-            await announce_early(js, run, early)
-            announced = True
-            if on_announced is not None:
-                on_announced(early)
+        return WeightDelta(base_version=base_version, base_sha256=base_digest, location=where, sha256=delta_sha,
+                           bytes=len(blob), format="packed")
+
+    if blob is not None and transport.delta_first:
+        delta = await upload_delta()
+        early = WeightVersion(location=transport.full_location(prefix), sha256=table_digest(table),
+                              bytes=sum(_nbytes(e) for e in table), created=time.time(), delta=delta,
+                              full_pending=True, **common)
+        await announce_early(js, run, early)
+        announced = True
+        if on_announced is not None:
+            on_announced(early)
     if write is not None:
         await asyncio.to_thread(write)
     _, extras = _files_of(state_dir)
     location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
+    if blob is not None and not transport.delta_first:  # shared_dir: the delta goes into the version's folder
+        delta = await upload_delta()
     wv = WeightVersion(location=location, sha256=sha, bytes=size, created=time.time(), files=files, delta=delta,
                        **common)
     await announce(js, run, wv)
