@@ -244,8 +244,8 @@ class WeightFollower:
         path = dest / f".{wv.version}.packed-delta"
         try:
             dest.mkdir(parents=True, exist_ok=True)
-            await transport.fetch_delta(self.js, self.run, wv, path, self.settings)
-            await self.engine.load_packed_delta(codec.encode(wv), path, wv.version)
+            got = await transport.fetch_delta(self.js, self.run, wv, path, self.settings)  # shared_dir: where it lies
+            await self.engine.load_packed_delta(codec.encode(wv), got, wv.version)
         except (WeightVerifyError, WeightUnavailable) as e:  # nothing served changed
             COUNTERS["weights.delta_refused"] += 1
             self._delta_failed.add(key)

@@ -276,13 +276,14 @@ def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
     assert greedy().token_ids == before.token_ids
 
 
+@pytest.mark.parametrize("kind", ["objstore", "shared_dir"])
 def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_its_full_copy(ctx, tmp_path,
-                                                                                              nats_server):
+                                                                                              nats_server, kind):
     """[weights] delta_format = "packed" end to end on vLLM's CPU build and a real nats-server: this
     process plays the learner (weights.gpu_delta.PackedVersions over the toy model's tensors, 3% of
     the values changed each version, weights.registry.publish_version with `packed`), the actor's
-    follower the actor. v1 is loaded from its file and kept packed; v2 comes by its delta alone (no
-    file of it on the actor's disk) and serves v2's log-probs; v3's delta is corrupted (a wrong word,
+    follower the actor. v1 is loaded from its file and kept packed; v2 comes by its delta alone (its
+    full files never fetched) and serves v2's log-probs; v3's delta is corrupted (a wrong word,
     the blob's own sha256 intact), so it is refused and v3 is served from its full copy; v4 comes by
     its delta again, applied to the copy refilled from v3's file; with the copy dropped (a lost
     base), v5 is served from its full copy and kept packed again."""
@@ -295,16 +296,17 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
     from protocol.bus import COUNTERS
     from protocol.connect import connect
     from weights import registry
-    from weights.config import ObjstoreWeights
+    from weights.config import ObjstoreWeights, SharedDirWeights
     from weights.cuda_ipc import table_digest
     from weights.gpu_delta import PackedVersions
 
     prompt = ctx.prompt("Describe the packed bridge.")
-    settings = ObjstoreWeights(full_every=100, delta_format="packed")
+    settings = (ObjstoreWeights(full_every=100, delta_format="packed") if kind == "objstore" else
+                SharedDirWeights(dir=str(tmp_path / "shared"), full_every=100, delta_format="packed"))
     model = AutoModelForCausalLM.from_pretrained(ctx.path, dtype="float32").eval()
     gen = torch.Generator().manual_seed(5)
     learner = PackedVersions()
-    run = "packed"
+    run = f"packed-{kind}"
 
     def step(k: int, corrupt: bool = False):
         with torch.no_grad():
@@ -329,8 +331,14 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
         nc = await connect(nats_server.url, name="packed-test")
         js = nc.jetstream()
         await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=64 << 20))
+        full_fetches: list[int] = []
+
+        async def fetch(*args, **kw):  # registry.fetch_version, counted: the full version's files
+            full_fetches.append(args[2].version)
+            return await registry.fetch_version(*args, **kw)
+
         follower = WeightFollower(js, run, ctx.engine, dest_root=tmp_path / "actor", poll_s=0.3, base_dir=ctx.path,
-                                  settings=settings)
+                                  settings=settings, fetch=fetch)
         seen = []
         try:
             for k, corrupt in ((1, False), (2, False), (3, True), (4, False), (5, False)):
@@ -340,16 +348,15 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
                 applied, refused = COUNTERS["weights.delta_applied"], COUNTERS["weights.delta_refused"]
                 wv = await registry.publish_version(js, run, k, k, wdir, settings, packed=packed)
                 assert await follower.check() and ctx.engine.version == k
-                files = list((tmp_path / "actor").glob(f"v{k:06d}-*/model.safetensors"))
                 seen.append((k, COUNTERS["weights.delta_applied"] - applied, COUNTERS["weights.delta_refused"] - refused,
-                             len(files), ctx.engine.packed_name == table_digest(wv.packed)))
+                             full_fetches.count(k), ctx.engine.packed_name == table_digest(wv.packed)))
                 assert await served_is_learners(wdir), f"v{k} serves other log-probs than the learner's"
         finally:
             await nc.close()
         return seen
 
     try:
-        # (version, deltas applied, deltas refused, its file on the actor's disk, the packed copy holds it)
+        # (version, deltas applied, deltas refused, its full files fetched, the packed copy holds it)
         assert ctx.run(scenario(), timeout=300) == [(1, 0, 0, 1, True), (2, 1, 0, 0, True), (3, 0, 1, 1, True),
                                                     (4, 1, 0, 0, True), (5, 0, 0, 1, True)]
     finally:
