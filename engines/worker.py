@@ -186,8 +186,9 @@ class WorkerExtension:
         """Apply a version's packed delta (a file fetched beside the served files) to the packed copy,
         checked against the announced table, before the engine pauses to load it (parley_packed_load).
         None when staged; (UNAVAILABLE, why) when the copy does not hold the delta's base or the apply
-        failed for a passing reason (out of memory: the full version is fetched), (REFUSED, why) for a delta that is malformed or does not give the announced
-        checksums (the copy holds its base again)."""
+        failed for a passing reason (out of memory: the full version is fetched), (REFUSED, why) for
+        a delta that is malformed or does not give the announced checksums (the copy holds its base
+        again)."""
         from pathlib import Path
 
         from protocol import codec

@@ -348,8 +348,9 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
                 applied, refused = COUNTERS["weights.delta_applied"], COUNTERS["weights.delta_refused"]
                 wv = await registry.publish_version(js, run, k, k, wdir, settings, packed=packed)
                 assert await follower.check() and ctx.engine.version == k
-                seen.append((k, COUNTERS["weights.delta_applied"] - applied, COUNTERS["weights.delta_refused"] - refused,
-                             full_fetches.count(k), ctx.engine.packed_name == table_digest(wv.packed)))
+                seen.append((k, COUNTERS["weights.delta_applied"] - applied,
+                             COUNTERS["weights.delta_refused"] - refused, full_fetches.count(k),
+                             ctx.engine.packed_name == table_digest(wv.packed)))
                 assert await served_is_learners(wdir), f"v{k} serves other log-probs than the learner's"
         finally:
             await nc.close()

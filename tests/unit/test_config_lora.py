@@ -35,7 +35,8 @@ def test_lora_refuses_packed_deltas_with_the_fix():
     lora = ["learner.lora.enabled=true", "learner.lora.rank=8", "actor.engine.max_lora_rank=8"]
     with pytest.raises(ConfigError, match='delta_format = "file"'):
         check_training(load_config(None, [*lora, 'weights.kind="objstore"', 'weights.delta_format="packed"']))
-    check_training(load_config(None, ['weights.kind="objstore"', 'weights.delta_format="packed"']))  # whole weights: fine
+    # whole weights: fine
+    check_training(load_config(None, ['weights.kind="objstore"', 'weights.delta_format="packed"']))
 
 
 def test_an_unknown_delta_format_names_the_two_there_are():

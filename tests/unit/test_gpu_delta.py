@@ -114,7 +114,8 @@ def test_a_check_that_fails_midway_leaves_the_buffer_on_its_base(monkeypatch):
 
 def _named(seed: int):
     g = torch.Generator().manual_seed(seed)
-    return [("a", (torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16)), ("b", torch.ones(8, dtype=torch.bfloat16))]
+    return [("a", (torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16)),
+            ("b", torch.ones(8, dtype=torch.bfloat16))]
 
 
 def test_packed_versions_chain_with_deltas_encoded_later():
