@@ -254,7 +254,7 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
 async def packed_update(js, run, version, model, work, follower, timed, packer) -> dict:
     import shutil
 
-    from learner.weights_io import hf_tensors, hf_weights, write_weights
+    from learner.weights_io import hf_tensors, write_weights
     from weights import registry
 
     settings = packed_settings()
@@ -266,12 +266,15 @@ async def packed_update(js, run, version, model, work, follower, timed, packer) 
     state_dir = work / "learner" / f"v{version}"
     encoded: dict = {}
 
-    async def publication():  # learner.publication.Weights.upload: encode, then publish
-        blob, base_version, base = (None, None, None) if pending is None else await asyncio.to_thread(pending.encode)
-        encoded["blob"], encoded["s"] = blob, time.perf_counter() - t_ready
-        return await registry.publish_version(js, run, version, version, state_dir, settings, keep=2,
-                                              packed=(table, blob, base_version, base),
-                                              write=lambda: write_weights(hf_weights(model), model.config, state_dir))
+    async def publication():  # learner.publication.Weights.upload: encode, publish, the file from the buffer
+        try:
+            blob, base_version, base = await asyncio.to_thread(pending.encode)
+            encoded["blob"], encoded["s"] = blob, time.perf_counter() - t_ready
+            return await registry.publish_version(
+                js, run, version, version, state_dir, settings, keep=2, packed=(table, blob, base_version, base),
+                write=lambda: write_weights(pending.host_state(), model.config, state_dir))
+        finally:
+            pending.discard()
 
     publish = asyncio.create_task(publication())
     deadline = t0 + 600

@@ -162,19 +162,24 @@ class Weights:
                 return False
             return True
         packed = None
-        if self.settings.delta_format == "packed":  # taken before the snapshot: the GPU copy, then the host one
-            # counted here, in step order (uploads finish later): one version in full_every goes out full only
+        if self.settings.delta_format == "packed":
+            # packed on the GPU in place of the host snapshot: the publication takes the delta and the
+            # full file from the buffers (learner.weights_io.PackedSnapshot). Deltas are counted here, in
+            # step order (uploads finish later): one version in full_every goes out full only.
             share = self.settings.delta_max_share if registry.wants_delta(self.settings, self._since_packed) else None
-            packed = await asyncio.to_thread(self.driver, "pack_versions", version, share)
-            self._since_packed = self._since_packed + 1 if packed[1] is not None else 0
-        snap = await asyncio.to_thread(self.driver, "weights_snapshot")
+            table, snap = await asyncio.to_thread(self.driver, "pack_versions", version, share)
+            packed = (table, snap.pending)
+            self._since_packed = self._since_packed + 1 if snap.pending.base_version is not None else 0
+        else:
+            snap = await asyncio.to_thread(self.driver, "weights_snapshot")
         wdir = ckpt.weights_dir(self.run_dir, version)
         if write_now:
             await asyncio.to_thread(snap.write, wdir)
+
         def discard() -> None:  # superseded before its upload began
             shutil.rmtree(wdir, ignore_errors=True)
-            if packed is not None and packed[1] is not None:
-                packed[1].discard()  # its delta is never encoded: the next pack may overwrite the buffers
+            if packed is not None:
+                packed[1].discard()  # never read: the next pack may overwrite its buffers
 
         self.publisher.submit(Publication(version, lambda: self.upload(version, snap, wdir, packed), discard=discard))
         return True
@@ -246,29 +251,34 @@ class Weights:
         by the transport as it reads the file; objstore with a delta: the delta first, announced early,
         then the full copy), announce it, prune. Admission opens on it at its first announcement.
         `packed` (Trainer.pack_versions, delta_format "packed"): its delta is encoded here, beside the
-        next step, then uploaded and announced before the file is written (weights.registry.publish_version)."""
+        next step, then uploaded and announced before the file is written from the packed buffer
+        (`snap`, a PackedSnapshot; weights.registry.publish_version)."""
         base = None
+        pending = None
         if packed is not None:
             table, pending = packed
             try:
-                blob, base_version, base_digest = ((None, None, None) if pending is None
-                                                   else await asyncio.to_thread(pending.encode))
-            finally:
-                if pending is not None:
-                    pending.discard()  # a cancelled upload: the buffers are free once no encode reads them
+                blob, base_version, base_digest = await asyncio.to_thread(pending.encode)
+            except BaseException:
+                pending.discard()  # cancelled or failed: the buffers are free once no read is under way
+                raise
             packed = (table, blob, base_version, base_digest)
         if packed is None:
             await asyncio.to_thread(snap.write, wdir)  # a no-op when written for an eval
             if self._base and registry.wants_delta(self.settings, self._since_full) and self._base[1].is_dir():
                 base = self._base  # still on disk (prune_weights keeps the newest keep_versions)
-        wv = await retry_unreachable(
-            lambda: registry.publish_version(self.js, self.run_name, version, version, wdir, self.settings,
-                                             keep=self.lc.keep_versions, protect=self.served.versions(), base=base,
-                                             # actors can follow from the (early) announcement on
-                                             on_announced=lambda _: self.feeder.set_version(version),
-                                             packed=packed, write=None if packed is None else lambda: snap.write(wdir)),
-            what=f"publishing weights version {version}",
-        )
+        try:
+            wv = await retry_unreachable(
+                lambda: registry.publish_version(self.js, self.run_name, version, version, wdir, self.settings,
+                                                 keep=self.lc.keep_versions, protect=self.served.versions(), base=base,
+                                                 # actors can follow from the (early) announcement on
+                                                 on_announced=lambda _: self.feeder.set_version(version),
+                                                 packed=packed, write=None if packed is None else lambda: snap.write(wdir)),
+                what=f"publishing weights version {version}",
+            )
+        finally:
+            if pending is not None:
+                pending.discard()  # the file was written from it (or never will be): its buffer is free
         self._base, self._since_full = (wv, wdir), (self._since_full + 1 if wv.delta else 0)
         await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)

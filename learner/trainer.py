@@ -21,7 +21,7 @@ from config.policy import Reference
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.lora import adapter_config, adapter_params, add_adapters, adapter_state, base_only
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
-from learner.weights_io import WeightSnapshot, hf_tensors, hf_weights, write_weights
+from learner.weights_io import PackedSnapshot, WeightSnapshot, hf_tensors, hf_weights, write_weights
 from weights import registry
 from weights.config import ObjstoreWeights, WeightsConfig
 
@@ -526,10 +526,11 @@ class Trainer:
 
     def pack_versions(self, version: int, max_share: float | None):
         """[weights] delta_format = "packed": the trained weights packed on the device they train on
-        (weights.gpu_delta.PackedVersions, two buffers kept on rank 0). (the packed table, the delta
-        against the version packed before to encode in the background, or None: the first version,
-        or `max_share` None for a full-only one) on rank 0, None on the other ranks (which take part
-        in the ZeRO-3 gather)."""
+        (weights.gpu_delta.PackedVersions, two buffers kept on rank 0), in place of weights_snapshot.
+        (the packed table, its learner.weights_io.PackedSnapshot: the delta against the version
+        packed before, unless this is the first or `max_share` is None, and the full file, both taken
+        from the buffers by the publication) on rank 0, None on the other ranks (which take part in
+        the ZeRO-3 gather)."""
         import contextlib
 
         import deepspeed
@@ -543,7 +544,8 @@ class Trainer:
                 return None
             if self._packed is None:
                 self._packed = PackedVersions()
-            return self._packed.pack(hf_tensors(self.module), version, max_share)
+            table, pending = self._packed.pack(hf_tensors(self.module), version, max_share)
+            return table, PackedSnapshot(pending, self.module.config.to_json_string())
 
     def weights_writable_in(self) -> float:
         """Seconds until pack_weights would find a GPU buffer it may write on rank 0 (0: now; inf while

@@ -64,3 +64,21 @@ def _write(state: dict[str, Tensor], config_json: str, out_dir: str | Path) -> P
     os.replace(tmp, out / "model.safetensors")
     (out / "config.json").write_text(config_json)
     return out
+
+
+@dataclass
+class PackedSnapshot:
+    """[weights] delta_format = "packed": a version the learner packed on its GPU
+    (weights.gpu_delta.PendingVersion) instead of copying it to the host on the step; its full file is
+    written from one host copy of the packed buffer when the publication gets to it, beside the next
+    step. `write` as WeightSnapshot's."""
+
+    pending: object
+    config_json: str
+    written: Path | None = None
+
+    def write(self, out_dir: str | Path) -> Path:
+        if self.written is None:
+            self.written = _write(self.pending.host_state(), self.config_json, out_dir)
+        return self.written
+

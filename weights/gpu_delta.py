@@ -175,11 +175,11 @@ def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: li
 class PackedVersions:
     """The learner's side ([weights] delta_format = "packed"): each version packed into one of two
     buffers of the cuda_ipc layout on the device its tensors are on (2 x the model's bytes there) and
-    checksummed, on the training thread (a copy and one fused pass: 0.02 s at the 4B shape); its
-    delta against the version packed before is encoded later, by the publication in the background
-    (PendingDelta), while the next step trains. The next pack overwrites that base buffer, so it
-    waits for the delta still reading it (in practice done: an encode takes 0.3-0.4 s at the 4B
-    shape, a step seconds)."""
+    checksummed, on the training thread (a copy and one fused pass: 0.02 s at the 4B shape). The
+    rest is the publication's, beside the next step (PendingVersion): the delta against the version
+    packed before, and one device-to-host copy of the version for its full file. The next pack
+    overwrites a buffer those read, so it waits until both are done (an encode takes 0.3-0.4 s at
+    the 4B shape, the copy about a second; a step takes seconds)."""
 
     def __init__(self) -> None:
         self.layout: list[IpcTensor] | None = None
@@ -187,13 +187,13 @@ class PackedVersions:
         self.tables: list[list[IpcTensor] | None] = [None, None]
         self.last = -1  # index of the buffer holding the version packed last
         self.version: int | None = None  # ... and its number
-        self.pending: PendingDelta | None = None  # the delta that may still read a buffer
+        self.pending: PendingVersion | None = None  # the version whose publication may still read a buffer
         self.waited_s = 0.0  # how long the last pack waited for it
 
-    def pack(self, named, version: int, max_share: float | None) -> tuple[list[IpcTensor], PendingDelta | None]:
+    def pack(self, named, version: int, max_share: float | None) -> tuple[list[IpcTensor], PendingVersion]:
         """Pack `named` ((checkpoint name, tensor), the same names every version) as `version`;
-        returns its table with checksums and the delta to encode against the version packed before
-        (None: the first one, or `max_share` None: a full-only version)."""
+        returns its table with checksums and what its publication reads from the buffers (a delta
+        against the version packed before unless this is the first one or `max_share` is None)."""
         import torch
 
         from weights.cuda_ipc import checksums, pack, plan, with_checksums
@@ -210,64 +210,89 @@ class PackedVersions:
         pack(named, self.buffers[cur], self.layout)
         table = with_checksums(self.layout, checksums(self.buffers[cur], self.layout))
         self.tables[cur] = table
-        pending = None
-        if self.last >= 0 and max_share is not None:
-            pending = PendingDelta(self.buffers[self.last], self.buffers[cur], self.tables[self.last], table,
-                                   self.version, max_share)
-        self.pending = pending
+        base = (self.buffers[self.last], self.tables[self.last], self.version) if (
+            self.last >= 0 and max_share is not None) else None
+        self.pending = PendingVersion(self.buffers[cur], table, base, max_share)
         self.last, self.version = cur, version
-        return table, pending
+        return table, self.pending
 
 
-class PendingDelta:
-    """A packed version's delta, encoded when the publication gets to it (`encode`, in a thread) or
-    never (`discard`: a superseded version). `done` is set once neither reads the buffers any more."""
+class PendingVersion:
+    """What a packed version's publication reads from the learner's buffers: its delta (`encode`,
+    when it has a base) and one host copy of it for its full file (`host_state`). Each releases its
+    hold when done; `discard` releases what is left (a superseded version, a failed publication).
+    `done` is set once nothing reads the buffers any more; every method is safe from any thread."""
 
-    def __init__(self, base, target, base_table: list[IpcTensor], table: list[IpcTensor], base_version: int,
-                 max_share: float) -> None:
-        self._buffers, self._tables = (base, target), (base_table, table)
-        self.base_version, self.max_share = base_version, max_share
+    def __init__(self, target, table: list[IpcTensor], base, max_share: float | None) -> None:
+        self._target, self._table, self._base, self.max_share = target, table, base, max_share
+        self.base_version = base[2] if base is not None else None
         self.done = threading.Event()
         self._lock = threading.Lock()
-        self._state = "waiting"  # -> "encoding" -> "done", or "waiting" -> "done" (discarded)
+        self._holds = {"delta": base is not None, "host": True}  # still to be read
+        self._busy = 0  # reads under way
+        self._check_done()
+
+    def _take(self, what: str) -> bool:
+        with self._lock:
+            if not self._holds[what]:
+                return False
+            self._holds[what] = False
+            self._busy += 1
+            return True
+
+    def _put(self) -> None:
+        with self._lock:
+            self._busy -= 1
+        self._check_done()
+
+    def _check_done(self) -> None:
+        with self._lock:
+            finished = self._busy == 0 and not any(self._holds.values())
+            if finished:
+                self._target = self._base = None
+        if finished:
+            self.done.set()
 
     def encode(self) -> tuple[bytes | None, int | None, str | None]:
-        """(the delta or None when over max_share, the base's version, the base's table digest):
-        what weights.registry.publish_version takes after the table as `packed`. None, None, None
-        once discarded."""
+        """(the delta or None: no base, over max_share, or discarded; the base's version; the base's
+        table digest): what weights.registry.publish_version takes after the table as `packed`."""
         import torch
 
         from weights.cuda_ipc import table_digest
 
-        with self._lock:
-            if self._state != "waiting":
-                return None, None, None
-            self._state = "encoding"
+        if not self._take("delta"):
+            return None, None, None
         try:
-            base, target = self._buffers
+            (base, base_table, _), target = self._base, self._target
             on = torch.cuda.device(base.device) if base.is_cuda else contextlib.nullcontext()
             with on:  # a worker thread's current GPU is not the learner's
-                name = table_digest(self._tables[0])
-                blob = encode(base, target, name, table_digest(self._tables[1]), self.max_share)
+                name = table_digest(base_table)
+                blob = encode(base, target, name, table_digest(self._table), self.max_share)
                 if base.is_cuda:
                     torch.cuda.synchronize(base.device)
             return (blob, self.base_version, name) if blob is not None else (None, None, None)
         finally:
-            self._finish()
+            self._put()
+
+    def host_state(self) -> dict:
+        """The version's tensors on the host under their checkpoint names, for its full file: one
+        device-to-host copy of the whole buffer (its hold is released right after), then a tensor of
+        its own for each (a file's tensors may not share storage)."""
+        from weights.cuda_ipc import view
+
+        if not self._take("host"):
+            raise RuntimeError("this packed version was discarded; its buffer may hold another version now")
+        try:
+            host = self._target.to("cpu")
+        finally:
+            self._put()
+        return {e.name: view(host, e).clone() for e in self._table}
 
     def discard(self) -> None:
-        """Never encoded (its version is not published): the buffers are free. A no-op once encoding."""
+        """Release every hold not taken yet (a no-op for reads under way: they release their own)."""
         with self._lock:
-            if self._state != "waiting":
-                return
-            self._state, self._buffers = "done", ()
-        self.done.set()
-
-    def _finish(self) -> None:
-        with self._lock:
-            self._state = "done"
-            self._buffers = ()
-        self.done.set()
+            self._holds = {k: False for k in self._holds}
+        self._check_done()
 
 
 class Mirror:

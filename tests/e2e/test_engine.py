@@ -316,7 +316,8 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
         wdir = tmp_path / f"learner-v{k}"
         model.save_pretrained(wdir)
         table, pending = learner.pack(hf_tensors(model), k, settings.delta_max_share)
-        blob, base_version, base = pending.encode() if pending is not None else (None, None, None)
+        blob, base_version, base = pending.encode()
+        pending.discard()  # its full file is model.save_pretrained's here
         if corrupt:
             blob = blob[:-1] + bytes([blob[-1] ^ 1])
         return wdir, (table, blob, base_version, base)

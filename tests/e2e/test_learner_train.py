@@ -182,15 +182,17 @@ def test_the_warm_up_before_the_first_step_changes_nothing_that_step_trains(tiny
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_packed_versions_chain_from_one_step_to_the_next(tiny_model, stage):
+def test_packed_versions_chain_from_one_step_to_the_next(tiny_model, stage, tmp_path):
     """[weights] delta_format = "packed" on the learner: Trainer.pack_versions packs the trained weights
     (ZeRO-3 gathers first) and encodes each version against the one packed before; an actor's packed
     copy of v1 (weights.gpu_delta.Mirror, filled from v1's tensors) turns into v2 with v2's delta alone
-    and then holds exactly the weights the trainer saves. fp32 weights (the CPU learner) change in
+    and then holds exactly the weights the trainer saves, and v2's full file written from the packed
+    buffer holds them too. fp32 weights (the CPU learner) change in
     about half their 16-bit words each step (every low half), so the delta is let up to the whole
     buffer here (max_share 1.0), and the step is small (lr 1e-7: a low half moves by tens of its
     steps, an int8 difference; at 1e-5 by thousands, an exception each, and no delta is smaller than
     the version); bf16 weights on a GPU change in 1-2% of their words at 1e-6 (docs/benchmarks.md)."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from weights.cuda_ipc import table_digest
@@ -202,19 +204,22 @@ def test_packed_versions_chain_from_one_step_to_the_next(tiny_model, stage):
     batch = samples_for(ids, lps, torch.tensor([[0.0, 1.0, 0.5, 0.2]]))
     trainer = Trainer(LearnerConfig(zero_stage=stage, lr=1e-7, kl_coef=0.0, micro_batch_tokens=64), tiny_model)
     try:
-        table1, pending1 = trainer.pack_versions(1, 1.0)
-        assert pending1 is None  # nothing packed before it
+        table1, snap1 = trainer.pack_versions(1, 1.0)
+        assert snap1.pending.encode() == (None, None, None)  # nothing packed before it
         actor = Mirror()
         actor.fill(trainer.hf_state_dict(), table1, "cpu")
+        snap1.pending.discard()
         trainer.train_step(batch)
-        table2, pending2 = trainer.pack_versions(2, 1.0)
-        blob2, base2, digest2 = pending2.encode()  # what the publication does beside the next step
+        table2, snap2 = trainer.pack_versions(2, 1.0)
+        blob2, base2, digest2 = snap2.pending.encode()  # what the publication does beside the next step
         assert (base2, digest2) == (1, table_digest(table1)) and blob2 is not None
         actor.apply(blob2, table2)
         now = trainer.hf_state_dict()
         held = dict(actor.named())
         assert set(held) == set(now) and all(torch.equal(held[k], now[k]) for k in now)
         assert not all(torch.equal(held[k], t) for k, t in plain.state_dict().items() if k in held)  # it trained
-        assert trainer.pack_versions(3, None)[1] is None  # a full-only version: no delta built
+        written = load_file(snap2.write(tmp_path / "v2") / "model.safetensors")  # the full file, from the buffer
+        assert set(written) == set(now) and all(torch.equal(written[k], now[k]) for k in now)
+        assert trainer.pack_versions(3, None)[1].pending.encode()[0] is None  # a full-only version: no delta
     finally:
         trainer.close()

@@ -228,9 +228,9 @@ async def test_a_stop_during_an_upload_lets_it_finish_and_announce(js, nc, tmp_p
 
 
 class PackedTrainer(TrainerDouble):
-    """TrainerDouble with bf16 weights that change in a few values each step, real
-    learner.weights_io.WeightSnapshot files and a real weights.gpu_delta.PackedVersions behind
-    pack_versions (what Trainer.pack_versions does after its gather, on CPU tensors here)."""
+    """TrainerDouble with bf16 weights that change in a few values each step and a real
+    weights.gpu_delta.PackedVersions behind pack_versions, its files written from the packed buffer
+    (what Trainer.pack_versions does after its gather, on CPU tensors here)."""
 
     def __init__(self):
         import torch
@@ -246,7 +246,7 @@ class PackedTrainer(TrainerDouble):
     def __call__(self, op, *args):
         import torch
 
-        from learner.weights_io import WeightSnapshot
+        from learner.weights_io import PackedSnapshot, WeightSnapshot
 
         if op == "train_step":
             flat = self.w.view(-1)
@@ -254,8 +254,9 @@ class PackedTrainer(TrainerDouble):
             flat[idx] = (flat[idx].float() * 1.01).to(torch.bfloat16)  # 2% of the values, a step or two each
         if op == "pack_versions":
             self.calls.append(op)
-            return self.packed.pack([("w", self.w), ("b", self.b)], *args)
-        if op == "weights_snapshot":
+            table, pending = self.packed.pack([("w", self.w), ("b", self.b)], *args)
+            return table, PackedSnapshot(pending, '{"model_type": "double"}')
+        if op == "weights_snapshot":  # the learner's own first version (v0) is not packed this way
             self.calls.append(op)
             return WeightSnapshot({"w": self.w.clone(), "b": self.b.clone()}, '{"model_type": "double"}')
         return super().__call__(op, *args)

@@ -118,12 +118,13 @@ def _named(seed: int):
             ("b", torch.ones(8, dtype=torch.bfloat16))]
 
 
-def test_packed_versions_chain_with_deltas_encoded_later():
+def test_packed_versions_chain_with_deltas_encoded_later_and_files_from_the_buffer():
     learner, actor = gpu_delta.PackedVersions(), gpu_delta.Mirror()
     named = _named(0)
     table, pending = learner.pack(named, 1, 0.5)
-    assert pending is None  # nothing packed before it
-    actor.fill(dict(named), table, "cpu")
+    assert pending.encode() == (None, None, None)  # nothing packed before it
+    actor.fill(pending.host_state(), table, "cpu")  # the full file's tensors, from the buffer
+    assert pending.done.is_set()
     for v in (2, 3):
         flat = named[0][1].view(-1)
         flat[::37] = (flat[::37].float() * 1.02).to(torch.bfloat16)
@@ -131,8 +132,12 @@ def test_packed_versions_chain_with_deltas_encoded_later():
         blob, base_version, base = pending.encode()
         assert (base_version, base) == (v - 1, actor.name)
         actor.apply(blob, table)
-        assert all(torch.equal(t, dict(named)[n]) for n, t in actor.named())
-    assert learner.pack(named, 4, None)[1] is None  # a full-only version: nothing to encode
+        state = pending.host_state()
+        assert all(torch.equal(t, dict(named)[n]) and torch.equal(state[n], t) for n, t in actor.named())
+    table, pending = learner.pack(named, 4, None)  # a full-only version: nothing to encode
+    assert pending.encode() == (None, None, None) and not pending.done.is_set()  # its file is still to come
+    pending.discard()
+    assert pending.done.is_set()
 
 
 def test_the_next_pack_waits_for_the_delta_reading_its_buffer_and_a_discarded_one_frees_it():
@@ -140,12 +145,16 @@ def test_the_next_pack_waits_for_the_delta_reading_its_buffer_and_a_discarded_on
 
     learner = gpu_delta.PackedVersions()
     named = _named(1)
-    learner.pack(named, 1, 0.5)
+    learner.pack(named, 1, 0.5)[1].discard()
     _, pending = learner.pack(named, 2, 0.5)
     packed = threading.Event()
     t = threading.Thread(target=lambda: (learner.pack(named, 3, 0.5), packed.set()), daemon=True)
     t.start()
     assert not packed.wait(0.3)  # version 3 would overwrite version 1's buffer, which the delta reads
-    pending.discard()  # version 2 superseded: its delta is never encoded
+    assert pending.encode()[0] is not None
+    assert not packed.wait(0.3)  # ... and version 2's file is still to be copied from its buffer
+    pending.discard()  # version 2 superseded: its file is never written
     assert packed.wait(10)
     assert pending.encode() == (None, None, None)
+    with pytest.raises(RuntimeError, match="discarded"):
+        pending.host_state()
