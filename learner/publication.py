@@ -42,7 +42,7 @@ class Publisher:
     def __init__(self) -> None:
         self.running: Publication | None = None
         self.waiting: Publication | None = None
-        self.counters: Counter[str] = Counter()  # published, superseded, skipped_held
+        self.counters: Counter[str] = Counter()  # published, superseded, skipped_held, packed_waited
         self.superseded: list[int] = []  # versions never announced because a newer one came first
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
@@ -169,6 +169,11 @@ class Weights:
             share = self.settings.delta_max_share if registry.wants_delta(self.settings, self._since_packed) else None
             table, snap = await asyncio.to_thread(self.driver, "pack_versions", version, share)
             packed = (table, snap.pending)
+            if snap.pending.pack_waited_s > 0.05:  # the version before was still being read from its buffer
+                self.publisher.counters["packed_waited"] += 1
+                log.info("weights version %d: its pack waited %.2f s for the delta and file copy of the version "
+                         "packed before (steps faster than the publication's reads)", version,
+                         snap.pending.pack_waited_s)
             self._since_packed = self._since_packed + 1 if snap.pending.base_version is not None else 0
         else:
             snap = await asyncio.to_thread(self.driver, "weights_snapshot")

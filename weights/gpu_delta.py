@@ -213,6 +213,7 @@ class PackedVersions:
         base = (self.buffers[self.last], self.tables[self.last], self.version) if (
             self.last >= 0 and max_share is not None) else None
         self.pending = PendingVersion(self.buffers[cur], table, base, max_share)
+        self.pending.pack_waited_s = self.waited_s
         self.last, self.version = cur, version
         return table, self.pending
 
@@ -226,6 +227,7 @@ class PendingVersion:
     def __init__(self, target, table: list[IpcTensor], base, max_share: float | None) -> None:
         self._target, self._table, self._base, self.max_share = target, table, base, max_share
         self.base_version = base[2] if base is not None else None
+        self.pack_waited_s = 0.0  # how long its pack waited for the version before it (PackedVersions.pack)
         self.done = threading.Event()
         self._lock = threading.Lock()
         self._holds = {"delta": base is not None, "host": True}  # still to be read
