@@ -162,7 +162,7 @@ class Weights:
                 return False
             return True
         packed = None
-        if self.settings.delta_format == "packed":
+        if self.settings.delta_format == "packed" and self.settings.full_every > 1:  # full_every 1: no deltas
             # packed on the GPU in place of the host snapshot: the publication takes the delta and the
             # full file from the buffers (learner.weights_io.PackedSnapshot). Deltas are counted here, in
             # step order (uploads finish later): one version in full_every goes out full only.

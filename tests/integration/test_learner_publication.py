@@ -317,3 +317,18 @@ async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(
                          / "model.safetensors")
         assert all(t.equal(full[n]) for n, t in held.named())
     assert checked >= 1
+
+
+async def test_packed_format_without_deltas_packs_nothing(js, nc, tmp_path):
+    """delta_format = "packed" with full_every = 1 (no deltas): nothing is packed on the learner and no
+    announcement carries a packed table, so no actor keeps a packed copy (deploy.memory plans none)."""
+    run = "packednodelta"
+    cfg = make_cfg(run, tmp_path / "run", steps=2, groups_per_step=1, max_staleness=1)
+    cfg.weights = ObjstoreWeights(full_every=1, delta_format="packed")
+    await topology.ensure_topology(js, run, BUS)
+    trainer = PackedTrainer()
+    await run_learner(js, nc, cfg, trainer, js)
+    kv = await js.key_value(topology.kv_bucket(run))
+    announced = [codec.decode("weights", e.value) for e in await kv.history(topology.WEIGHTS_KEY) if e.value]
+    assert [wv.version for wv in announced][-1] == 2
+    assert "pack_versions" not in trainer.calls and not any(wv.packed or wv.delta for wv in announced)
