@@ -188,7 +188,6 @@ class PackedVersions:
         self.last = -1  # index of the buffer holding the version packed last
         self.version: int | None = None  # ... and its number
         self.pending: PendingVersion | None = None  # the version whose publication may still read a buffer
-        self.waited_s = 0.0  # how long the last pack waited for it
 
     def pack(self, named, version: int, max_share: float | None) -> tuple[list[IpcTensor], PendingVersion]:
         """Pack `named` ((checkpoint name, tensor), the same names every version) as `version`;
@@ -205,7 +204,7 @@ class PackedVersions:
         t0 = time.perf_counter()
         if self.pending is not None:
             self.pending.done.wait()
-        self.waited_s = time.perf_counter() - t0
+        waited = time.perf_counter() - t0
         cur = 1 - self.last if self.last >= 0 else 0
         pack(named, self.buffers[cur], self.layout)
         table = with_checksums(self.layout, checksums(self.buffers[cur], self.layout))
@@ -213,7 +212,7 @@ class PackedVersions:
         base = (self.buffers[self.last], self.tables[self.last], self.version) if (
             self.last >= 0 and max_share is not None) else None
         self.pending = PendingVersion(self.buffers[cur], table, base, max_share)
-        self.pending.pack_waited_s = self.waited_s
+        self.pending.pack_waited_s = waited
         self.last, self.version = cur, version
         return table, self.pending
 
@@ -312,7 +311,7 @@ class Mirror:
         checkpoint name; WeightVerifyError (and nothing held) when they do not give its checksums."""
         import torch
 
-        from weights.cuda_ipc import _nbytes, _padded, checksums, mismatch, table_digest, view
+        from weights.cuda_ipc import _nbytes, _padded, checksums, mismatch, pack, table_digest
 
         size = max(e.offset + _padded(_nbytes(e)) for e in table)
         if self.buffer is None or self.buffer.numel() != size or self.buffer.device != torch.device(device):
@@ -322,8 +321,10 @@ class Mirror:
         missing = [e.name for e in table if e.name not in tensors]
         if missing:
             raise WeightVerifyError(f"the weights lack {len(missing)} packed tensors (first: {missing[0]})")
-        for e in table:
-            view(self.buffer, e).copy_(tensors[e.name])
+        try:  # the learner's own packing: every shape and dtype checked, then one multi-tensor copy
+            pack([(e.name, tensors[e.name]) for e in table], self.buffer, table)
+        except ValueError as e:
+            raise WeightVerifyError(f"the served weights do not fit the announced packed table: {e}") from None
         bad = mismatch(table, checksums(self.buffer, table))
         if bad:
             raise WeightVerifyError(f"the served weights are not the announced packed version: {bad}")
