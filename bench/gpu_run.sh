@@ -198,14 +198,18 @@ W4)
         --steps "${STEPS:-3}" --work /tmp --json "$OUT/gpu_delta_4b.json"
     ;;
 W5)
-    # [weights] delta_format = "packed" end to end at the 4B shape (bench/weight_path.py objstore_packed):
-    # the learner's packed delta announced early, the full copy written and uploaded after it, the
-    # actor's WeightFollower and PolicyEngine applying it to their packed copy; VERSIONS versions, the
-    # first full (the actor keeps it packed), each later one 1.5% of the values one bf16 step on
+    # [weights] delta_format = "packed" end to end at the 4B shape (bench/weight_path.py): the learner's
+    # packed delta (announced early on the object store), the full copy written and stored after it, the
+    # actor's WeightFollower and PolicyEngine applying it to their packed copy. TRANSPORTS (objstore_packed,
+    # shared_dir_packed) in turn, VERSIONS versions at each of LRS from real AdamW steps of an fp32 master
+    # (LRS= : each version 1.5% of the values one bf16 step on instead), the first version full; then
+    # 64 requests in flight with no update, with a ROUND update in the middle (a step at LRS's first), none
     rm -rf /tmp/run-peer /tmp/peer-trl /tmp/parley-deltabench-* /tmp/parley-gpudelta-* /tmp/parley-weightbench-*
     step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    LRS=${LRS-1e-6 1e-5}
     step weight_path_packed "${W5_LIMIT_S:-480}" python3 bench/weight_path.py --transport cuda_ipc --model "$MODEL" \
-        --work /tmp --gpu-transports objstore_packed --file-repeats "${VERSIONS:-3}" --round-transports \
+        --work /tmp --gpu-transports ${TRANSPORTS:-objstore_packed} --file-repeats "${VERSIONS:-3}" \
+        ${LRS:+--grads $LRS} --round-transports ${ROUND-objstore_packed} --gpu-mem "${GPU_MEM:-0.25}" \
         --json "$OUT/weight_path_packed.json"
     ;;
 L)

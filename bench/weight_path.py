@@ -15,6 +15,10 @@ version with generation resumed, for cuda_ipc against shared_dir and objstore in
 plus the tokens/s of 64 in-flight requests with and without an update in the middle:
 
     python3 bench/weight_path.py --transport cuda_ipc --model /tmp/m4b --build 4b --json $OUT/weight_path.json
+
+`--gpu-transports objstore_packed shared_dir_packed` times [weights] delta_format = "packed" on those
+file transports instead; `--grads 1e-6 1e-5` makes each version a real AdamW step at those rates
+(bench/gpu_run.sh W5).
 """
 
 from __future__ import annotations
@@ -199,11 +203,16 @@ class TimedEngine:
         await self.engine.restore_packed(version, revert=revert)
 
 
-def packed_settings():
-    """objstore_packed: the object store with [weights] delta_format = "packed" (no full-only versions)."""
-    from weights.config import ObjstoreWeights
+PACKED = ("objstore_packed", "shared_dir_packed")  # [weights] delta_format = "packed" on a file transport
 
-    return ObjstoreWeights(full_every=1000, delta_format="packed")
+
+def packed_settings(transport: str, work: Path):
+    """objstore_packed, shared_dir_packed: that file transport with [weights] delta_format = "packed"
+    and no full-only versions after the first (a delta unless it is over delta_max_share)."""
+    import msgspec
+
+    return msgspec.structs.replace(file_settings(transport.removesuffix("_packed"), work), full_every=1000,
+                                   delta_format="packed")
 
 
 async def gpu_update(js, run, transport, version, model, pub, work, follower, timed, packer=None) -> dict:
@@ -215,8 +224,8 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
     from learner.weights_io import hf_tensors, hf_weights, write_weights
     from weights import registry
 
-    if transport == "objstore_packed":
-        return await packed_update(js, run, version, model, work, follower, timed, packer)
+    if transport in PACKED:
+        return await packed_update(js, run, transport, version, model, work, follower, timed, packer)
     gpu = registry.get(transport).gpu
     timed.marks.clear()
     if gpu:  # a buffer to write before the step ends: IpcPublisher skips a version while all are held
@@ -251,13 +260,13 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
                 total=t_served - t0, **fill)
 
 
-async def packed_update(js, run, version, model, work, follower, timed, packer) -> dict:
+async def packed_update(js, run, transport, version, model, work, follower, timed, packer) -> dict:
     import shutil
 
     from learner.weights_io import hf_tensors, write_weights
     from weights import registry
 
-    settings = packed_settings()
+    settings = packed_settings(transport, work)
     timed.marks.clear()
     t0 = time.perf_counter()  # step end
     share = settings.delta_max_share if packer.version is not None else None  # the first one: full only
@@ -282,28 +291,29 @@ async def packed_update(js, run, version, model, work, follower, timed, packer) 
         if time.perf_counter() > deadline or version in follower.refused or publish.done() and publish.exception():
             publish.cancel()
             why = follower.refused.get(version) or (publish.done() and not publish.cancelled() and publish.exception())
-            raise RuntimeError(f"objstore_packed version {version} not served: {why or 'timed out'}")
+            raise RuntimeError(f"{transport} version {version} not served: {why or 'timed out'}")
         await asyncio.sleep(0.001)
     t_served = time.perf_counter()
     load_start, load_end = timed.marks[-1]
     blob = encoded.get("blob")
-    row = dict(transport="objstore_packed", version=version, delta=blob is not None,
+    row = dict(transport=transport, version=version, delta=blob is not None,
                bytes=len(blob) if blob is not None else 0,  # a full version: its file's, once stored
-               pack_or_save=t_ready - t0, encode=encoded.get("s"), announce=load_start - t_ready, until_load=0.0,
+               pack_or_save=t_ready - t0, pack_waited=pending.pack_waited_s, encode=encoded.get("s"),
+               announce=load_start - t_ready, until_load=0.0,
                load=load_end - load_start, total=t_served - t0)
     try:  # the full copy, written and uploaded beside (the next version waits for it, as the publisher would)
         wv = await publish
         row["full_stored"], row["bytes"] = time.perf_counter() - t0, (row["bytes"] or wv.bytes)
     except Exception as e:  # noqa: BLE001 - the version was served; what failed after is recorded
         row["full_error"] = f"{type(e).__name__}: {e}"
-        print(f"[weights] objstore_packed v{version}: its full publication failed after serving: {row['full_error']}",
+        print(f"[weights] {transport} v{version}: its full publication failed after serving: {row['full_error']}",
               file=sys.stderr, flush=True)
     if blob is None:  # a full version: the actor keeps it packed before the next one is timed
         from weights.cuda_ipc import table_digest
 
         while timed.packed_name != table_digest(table):
             if time.perf_counter() > deadline:
-                raise RuntimeError(f"objstore_packed version {version}: no packed copy kept by the actor")
+                raise RuntimeError(f"{transport} version {version}: no packed copy kept by the actor")
             await asyncio.sleep(0.01)
         row["keep_packed"] = getattr(timed, "keep_s", None)
     shutil.rmtree(work / "learner", ignore_errors=True)
@@ -334,7 +344,7 @@ async def gpu_main(args) -> dict:
     dtype = "bfloat16" if gpu else "float32"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype)).to("cuda" if gpu else "cpu").eval()
     out: dict = {"model": args.model, "gpu": torch.cuda.get_device_name(0) if gpu else "none (CPU smoke run)",
-                 "torch": torch.__version__, "updates": [], "rounds": []}
+                 "torch": torch.__version__, "grads_lrs": args.grads, "updates": [], "rounds": []}
     t = time.perf_counter()
     engine = PolicyEngine(EngineSettings(model=args.model, dtype=dtype, max_model_len=args.plen + args.tokens + 8,
                                          kv_cache_bytes=None if gpu else 256 << 20,
@@ -362,10 +372,8 @@ async def gpu_main(args) -> dict:
             run = "bench-gpu"
             await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=256 * 1024**2))
             follower_settings = file_settings("shared_dir", work)
-            if "objstore_packed" in args.gpu_transports:  # the actor keeps a packed copy: the model's bytes more
-                import msgspec
-
-                follower_settings = msgspec.structs.replace(follower_settings, delta_format="packed")
+            if set(PACKED) & set(args.gpu_transports):  # the actor keeps a packed copy: the model's bytes more
+                follower_settings = packed_settings("shared_dir_packed", work)
             follower = WeightFollower(js, run, timed, dest_root=work / "actor", poll_s=1.0, base_dir=args.model,
                                       settings=follower_settings)
             following = asyncio.create_task(follower.run_until(stop))
@@ -396,6 +404,31 @@ async def gpu_main(args) -> dict:
                 if gpu:
                     torch.cuda.synchronize()
 
+            master = None
+            if args.grads:  # real training: the fp32 master trained by AdamW, cast into the bf16 model
+                # after each step as a bf16 DeepSpeed learner's parameters are (16 + 2 bytes a parameter)
+                from bench.weight_delta import GradMaster
+
+                t = time.perf_counter()
+                master = GradMaster(Path(args.model))
+                pairs = list(zip(params, [p for _, p in hf_tensors(master.model)]))
+                print(f"[weights] fp32 master with AdamW on {master.device}: {time.perf_counter() - t:.0f} s",
+                      file=sys.stderr, flush=True)
+            lr_now = {"lr": args.grads[0] if args.grads else None}
+
+            def grad_step(v):  # one AdamW step at lr_now on random-token loss; the bf16 model gets the result
+                master.step(lr_now["lr"])
+                with torch.no_grad():
+                    torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
+                if gpu:
+                    torch.cuda.synchronize()
+
+            def mutate(transport, v):  # version v's weights, before its step's end
+                if master is not None:
+                    grad_step(v)
+                else:
+                    (sparse_change if transport in PACKED else change)(v)
+
             from weights.gpu_delta import PackedVersions
 
             packer = PackedVersions()
@@ -404,21 +437,25 @@ async def gpu_main(args) -> dict:
                 nonlocal version
                 version += 1
                 if change_now:  # else: unchanged (the file check), or changed before (a round)
-                    (sparse_change if transport == "objstore_packed" else change)(version)
+                    mutate(transport, version)
                 r = await gpu_update(js, run, transport, version, model, pub, work, follower, timed, packer)
+                r["lr"] = lr_now["lr"] if master is not None else None
                 probed = (await engine.generate(probe, max_tokens=8, temperature=0.0)).logprobs
                 first = probed[0]
                 r["probe_logprob"], r["probe_logprobs"] = first, list(probed)
                 out["updates"].append(r)
                 print(f"[weights] {transport:10s} v{version}: {r['bytes'] / 1e9:.2f} GB  pack/save {r['pack_or_save']:.3f}s  "
                       f"announce {r['announce']:.3f}s  until load {r['until_load']:.3f}s  load {r['load']:.3f}s  "
-                      f"total {r['total']:.3f}s  probe logprob {first:.5f}", file=sys.stderr, flush=True)
+                      f"total {r['total']:.3f}s  probe logprob {first:.5f}"
+                      + (f"  lr {r['lr']:g}" if r["lr"] else "")
+                      + (f"  full copy stored {r['full_stored']:.1f}s" if r.get("full_stored") else ""),
+                      file=sys.stderr, flush=True)
                 save()  # a run cut short keeps every update measured (defined below, before the first update)
                 return r
 
             async def round_(label, transport=None):
                 if transport:
-                    change(version + 1)
+                    mutate(transport, version + 1)
                 t = time.perf_counter()
                 gen = asyncio.ensure_future(asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i)
                                                              for i, p in enumerate(prompts)]))
@@ -445,8 +482,10 @@ async def gpu_main(args) -> dict:
             # the slow file transport (objstore: about a minute each way for 8 GB) goes last
             quick = [t for t in args.gpu_transports if t != "objstore"]
             for transport in quick:
-                for _ in range(args.repeats if transport == "cuda_ipc" else args.file_repeats):
-                    await update(transport)
+                for lr in args.grads or [None]:  # with real gradients: file_repeats versions at each rate
+                    lr_now["lr"] = lr
+                    for _ in range(args.repeats if transport == "cuda_ipc" else args.file_repeats):
+                        await update(transport)
             if gpu and pub.buffers:  # the checksum of one packed version alone, by each implementation
                 from weights.cuda_ipc import checksums
 
@@ -473,6 +512,7 @@ async def gpu_main(args) -> dict:
                 print(f"[weights] served log-probs after {gpu_probe['transport']} v{gpu_probe['version']} against the "
                       f"same weights from {args.check_file}: max |diff| {max(diffs):.3g}", file=sys.stderr, flush=True)
             save()
+            lr_now["lr"] = args.grads[0] if args.grads else None  # the rounds' update: a step at the first rate
             await round_("no update")
             for transport in args.round_transports:
                 await round_(f"{transport} update after {args.update_after:.1f} s", transport)
@@ -492,10 +532,11 @@ async def gpu_main(args) -> dict:
 
 
 def gpu_table(out: dict) -> str:
-    lines = ["| transport | version | GB | pack / save s | announce s | seen -> load (file: fetch + verify) s | load (pause..resume) s | "
-             "step end -> serving s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| transport | version | lr | GB | pack / save s | announce s | seen -> load (file: fetch + verify) s | "
+             "load (pause..resume) s | step end -> serving s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in out["updates"]:
-        lines.append(f"| {r['transport']} | {r['version']} | {r['bytes'] / 1e9:.2f} | {r['pack_or_save']:.3f} | "
+        lr = f"{r['lr']:g}" if r.get("lr") else "-"
+        lines.append(f"| {r['transport']} | {r['version']} | {lr} | {r['bytes'] / 1e9:.2f} | {r['pack_or_save']:.3f} | "
                      f"{r['announce']:.3f} | {r['until_load']:.3f} | {r['load']:.3f} | {r['total']:.3f} |")
     lines += ["", "| round (64 requests in flight) | s | tokens | tokens/s | update s |", "|---|---|---|---|---|"]
     for r in out["rounds"]:
@@ -511,10 +552,15 @@ if __name__ == "__main__":
     p.add_argument("--model", default=None, help="GPU path: the checkpoint the learner and the engine start from")
     p.add_argument("--build", default=None, choices=["0.6b", "4b"], help="GPU path: build a random Qwen3 there first")
     p.add_argument("--gpu-transports", nargs="+", default=["cuda_ipc", "shared_dir", "objstore"],
-                   help="GPU path: what to update through, in order (objstore_packed: the object store with "
+                   help="GPU path: what to update through, in order (objstore_packed, shared_dir_packed: that "
+                        "file transport with "
                         "[weights] delta_format = \"packed\", each version 1.5%% of the values one bf16 step on)")
     p.add_argument("--round-transports", nargs="*", default=["cuda_ipc", "shared_dir"],
                    help="GPU path: transports updated in the middle of a round of in-flight requests")
+    p.add_argument("--grads", nargs="+", type=float, default=None, metavar="LR",
+                   help="GPU path: each version from a real AdamW step of an fp32 master (bench.weight_delta."
+                        "GradMaster) at each of these learning rates in turn (--file-repeats versions each; "
+                        "a round's update at the first one), not a synthetic change")
     p.add_argument("--file-repeats", type=int, default=1, help="GPU path: repeats of the file transports")
     p.add_argument("--check-file", default=None, choices=["shared_dir", "objstore"],
                    help="GPU path: after the GPU updates, load the same weights through this file transport "
