@@ -60,7 +60,7 @@ async def run(args) -> dict:
     bufs = [torch.zeros(size, dtype=torch.uint8, device=dev) for _ in range(2)]
 
     def pack(buf):
-        torch._foreach_copy_([cuda_ipc.view(buf, e) for e in layout], [t for _, t in hf_tensors(m.model)])
+        torch._foreach_copy_(cuda_ipc.views(buf, layout), [t for _, t in hf_tensors(m.model)])
         return cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))
 
     # where the actor's fetched delta goes, when it has room for one (a container's is often 64 MB)
@@ -87,7 +87,7 @@ async def run(args) -> dict:
                     sync()
                     t0 = time.perf_counter()
                     cur = 1 - prev
-                    torch._foreach_copy_([cuda_ipc.view(bufs[cur], e) for e in layout],
+                    torch._foreach_copy_(cuda_ipc.views(bufs[cur], layout),
                                          [t for _, t in hf_tensors(m.model)])
                     sync()
                     t_pack = time.perf_counter()

@@ -67,7 +67,7 @@ U)
         --no-live --run-dir "$RUN" --steps "$STEPS" \
         --set 'env.options={n_items = 120, seed = 0, nudge = "slots", answer = "mentions"}' \
         --set data.eval_fraction=0.2 --set rollout.n=8 --set rollout.max_tokens=32 --set rollout.max_new_turns=6 \
-        --set actor.sampling.temperature=0.7 --set learner.groups_per_step=1 --set learner.lr=1e-4 \
+        --set actor.sampling.temperature=0.7 --set learner.groups_per_step=1 --set "learner.lr=${LR:-1e-4}" \
         --set learner.kl_coef=0.0 --set learner.checkpoint_every=5 --set "learner.eval_every=$EVAL_EVERY" \
         --set learner.eval_items=24
     kill "$SMI" 2>/dev/null
@@ -106,7 +106,8 @@ P)
     # STEPS steps each, held-out eval every EVAL_EVERY versions, within LIMIT_S seconds in all (parley
     # may take PARLEY_S of them, TRL what is left). `python bench/peer_compare.py --out $OUT` reads the
     # seven files this leaves: up_peer.log, metrics.jsonl, eval_history.jsonl, parley_steps.log,
-    # peer_trl.log, peer_trl.json, p_clock.json (each run's launch, device clock)
+    # peer_trl.log, peer_trl.json, p_clock.json (each run's launch, device clock). LR (default 1e-4,
+    # the hidden_goal recipe's) is the learning rate of both
     STEPS=${STEPS:-30}
     EVAL_EVERY=${EVAL_EVERY:-10}
     LIMIT_S=${LIMIT_S:-580}
@@ -115,7 +116,7 @@ P)
     T0=$SECONDS
     HG=(--set 'env.options={n_items = 120, seed = 0, nudge = "slots", answer = "mentions"}'
         --set data.eval_fraction=0.2 --set rollout.n=8 --set rollout.max_tokens=32 --set rollout.max_new_turns=6
-        --set actor.sampling.temperature=0.7 --set learner.groups_per_step=1 --set learner.lr=1e-4
+        --set actor.sampling.temperature=0.7 --set learner.groups_per_step=1 --set "learner.lr=${LR:-1e-4}"
         --set learner.kl_coef=0.0 --set "learner.eval_every=$EVAL_EVERY" --set learner.eval_items=24
         --set 'learner.behaviour_correction="truncated_is"' --set learner.checkpoint_every=1000)
     # SmolLM2 built before either clock starts (a minute on the first call of a machine)

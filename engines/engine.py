@@ -463,33 +463,38 @@ class PolicyEngine:
         await self._stage_adapter(version, None, tensors=blob, config=config_json(adapter_config))
 
     async def _stage_adapter(self, version: int, hold_s: float | None, **source) -> None:
+        """Stage the adapter in every worker and add it to vLLM there, in one RPC
+        (WorkerExtension.parley_stage_adapter with lora_name), then make it the newest."""
         from vllm.lora.request import LoRARequest
 
         from weights.common import WeightUnavailable, WeightVerifyError
 
         await self._settled()
         lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
-        try:
-            reasons = await asyncio.wait_for(
-                self._llm.collective_rpc("parley_stage_adapter", kwargs={"lora_id": lora_id, **source}), timeout=hold_s)
-        except asyncio.TimeoutError:
-            await self._unstage(lora_id)
-            raise TimeoutError(f"copying adapter version {version} out of the learner's GPU buffer took over "
-                               f"{hold_s:.0f} s (its hold time); is the engine stuck?") from None
-        bad = [r for r in reasons if r]
-        if bad:
-            await self._unstage(lora_id)
-            refused = [why for kind, why in bad if kind == REFUSED]
-            raise WeightVerifyError(refused[0]) if refused else WeightUnavailable(bad[0][1])
         request = LoRARequest(f"v{version}-{lora_id}", lora_id, f"{STAGED_ADAPTER_PATH}{lora_id}")
         try:
-            if not await self._llm.add_lora(request):
-                raise RuntimeError(f"vLLM did not add adapter version {version} from memory")
-        except BaseException:
-            await self._unstage(lora_id)
+            reasons = await asyncio.wait_for(self._llm.collective_rpc(
+                "parley_stage_adapter", kwargs={"lora_id": lora_id, "lora_name": request.lora_name, **source}),
+                timeout=hold_s)
+        except asyncio.TimeoutError:
+            await self._forget(request)
+            raise TimeoutError(f"copying adapter version {version} out of the learner's GPU buffer took over "
+                               f"{hold_s:.0f} s (its hold time); is the engine stuck?") from None
+        except BaseException:  # the add failed in a worker (it unstaged there); the others may hold it
+            await self._forget(request)
             raise
+        bad = [r for r in reasons if r]
+        if bad:
+            await self._forget(request)
+            refused = [why for kind, why in bad if kind == REFUSED]
+            raise WeightVerifyError(refused[0]) if refused else WeightUnavailable(bad[0][1])
         self._staged.add(lora_id)
         await self._adopt_adapter(request, version)
+
+    async def _forget(self, request) -> None:
+        """What a failed _stage_adapter may have left in some workers: the adapter added, its tensors staged."""
+        await self._llm.remove_lora(request.lora_int_id)
+        await self._unstage(request.lora_int_id)
 
     async def _unstage(self, lora_id: int) -> None:
         self._staged.discard(lora_id)

@@ -38,14 +38,16 @@ class WorkerExtension:
                              prepare_checksums(torch.device("cuda", torch.cuda.current_device())))
 
     def parley_stage_adapter(self, lora_id: int, announcement: bytes | None = None, tensors: bytes | None = None,
-                             config: str = "") -> tuple[str, str] | None:
+                             config: str = "", lora_name: str = "") -> tuple[str, str] | None:
         """Keep a LoRA adapter's tensors in this worker under `lora_id`, for vLLM's LoRA manager to
         load from memory when the engine adds LoRARequest(lora_int_id=lora_id) (_stage_hook): from a
         GPU-transport announcement (cuda_ipc: the learner's packed buffer, checked, then copied out of
         it, so the learner may refill it), or `tensors` handed over as safetensors bytes (vLLM's RPC
         carries no tensors). `config`: the peft config's JSON (the announcement's LoraAdapter.config
-        when none is given). Returns None, or (UNAVAILABLE or REFUSED, why) as parley_load_gpu does;
-        nothing served changes here."""
+        when none is given). With `lora_name`, the adapter is then added to this worker's LoRA manager
+        as vLLM's add_lora would (LoRARequest(lora_name, lora_id, STAGED_ADAPTER_PATH + id)): one RPC
+        from the engine instead of two; a failed add unstages it and raises. Returns None, or
+        (UNAVAILABLE or REFUSED, why) as parley_load_gpu does; nothing served changes then."""
         import json
 
         from protocol import codec
@@ -78,8 +80,20 @@ class WorkerExtension:
             self._parley_adapters = {}
             _stage_hook(self.model_runner.lora_manager, self._parley_adapters)
         self._parley_adapters[lora_id] = (tensors, json.loads(config))
-        _worker_log.info("parley: adapter %d staged in memory (%d tensors) in %.4f s", lora_id, len(tensors),
-                         time.perf_counter() - t0)
+        t_staged = time.perf_counter()
+        if lora_name:
+            from vllm.lora.request import LoRARequest
+
+            try:
+                added = self.add_lora(LoRARequest(lora_name, lora_id, f"{STAGED_ADAPTER_PATH}{lora_id}"))
+            except BaseException:
+                self._parley_adapters.pop(lora_id, None)
+                raise
+            if not added:
+                self._parley_adapters.pop(lora_id, None)
+                raise RuntimeError(f"vLLM's LoRA manager did not add adapter {lora_name} (id {lora_id}) from memory")
+        _worker_log.info("parley: adapter %d staged in memory (%d tensors) in %.4f s%s", lora_id, len(tensors),
+                         t_staged - t0, f", added in {time.perf_counter() - t_staged:.4f} s" if lora_name else "")
         return None
 
     def parley_unstage_adapter(self, lora_id: int) -> None:

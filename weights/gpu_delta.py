@@ -279,7 +279,7 @@ class PendingVersion:
         """The version's tensors on the host under their checkpoint names, for its full file: one
         device-to-host copy of the whole buffer (its hold is released right after), then a tensor of
         its own for each (a file's tensors may not share storage)."""
-        from weights.cuda_ipc import view
+        from weights.cuda_ipc import views
 
         if not self._take("host"):
             raise RuntimeError("this packed version was discarded; its buffer may hold another version now")
@@ -287,7 +287,7 @@ class PendingVersion:
             host = self._target.to("cpu")
         finally:
             self._put()
-        return {e.name: view(host, e).clone() for e in self._table}
+        return {e.name: t.clone() for e, t in zip(self._table, views(host, self._table))}
 
     def discard(self) -> None:
         """Release every hold not taken yet (a no-op for reads under way: they release their own)."""
@@ -351,9 +351,9 @@ class Mirror:
 
     def named(self) -> list:
         """(checkpoint name, view into the buffer) of every tensor held, for load_weights."""
-        from weights.cuda_ipc import view
+        from weights.cuda_ipc import views
 
-        return [(e.name, view(self.buffer, e)) for e in self.table]
+        return list(zip([e.name for e in self.table], views(self.buffer, self.table)))
 
     def drop(self) -> None:
         self.buffer = self.table = self.name = self._undo = None

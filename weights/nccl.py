@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from protocol.messages import NcclSource, WeightVersion
 from weights.common import Transport, WeightUnavailable
-from weights.cuda_ipc import IpcPublisher, checksums, mismatch, view
+from weights.cuda_ipc import IpcPublisher, checksums, mismatch, views
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -174,7 +174,7 @@ class Receiver:
         reason = mismatch(source.tensors, checksums(staged, source.tensors))
         if reason:
             return [], reason
-        return [(e.name, view(staged, e)) for e in source.tensors], None
+        return list(zip([e.name for e in source.tensors], views(staged, source.tensors))), None
 
 
 class NcclSender:

@@ -45,6 +45,19 @@ def test_layout_is_aligned_and_views_give_the_tensors_back():
         assert e.name == name and torch.equal(cuda_ipc.view(buf, e), t)
 
 
+def test_views_in_one_pass_are_the_same_tensors_as_view_and_refuse_an_entry_outside_the_buffer():
+    tensors, layout, buf = packed()
+    layout = layout + [msgspec.structs.replace(layout[1], name="scalar", shape=[])]  # a 0-d tensor too
+    for b in (buf, torch.cat([torch.zeros(256, dtype=torch.uint8), buf])[256:]):  # and at a storage offset
+        for e, v in zip(layout, cuda_ipc.views(b, layout), strict=True):
+            one = cuda_ipc.view(b, e)
+            assert (v.dtype, v.shape, v.data_ptr(), v.is_contiguous()) == (one.dtype, one.shape, one.data_ptr(), True)
+            assert torch.equal(v, one)
+    past = msgspec.structs.replace(layout[0], offset=buf.numel() - 2)
+    with pytest.raises(ValueError, match="outside the"):
+        cuda_ipc.views(buf, [past])
+
+
 def test_checksums_refuse_a_changed_byte_a_moved_row_and_a_partial_copy():
     _, layout, buf = packed()
     announced = cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))

@@ -48,6 +48,10 @@ class LLMDouble:
         self.calls.append(method)
         return [getattr(w, method)(**(kwargs or {})) for w in self.workers]
 
+    async def remove_lora(self, lora_id):
+        self.calls.append("remove_lora")
+        return all([w.remove_lora(lora_id) for w in self.workers if hasattr(w, "remove_lora")])
+
 
 def engine_of(*workers) -> PolicyEngine:
     engine = PolicyEngine.__new__(PolicyEngine)  # no vLLM
@@ -137,7 +141,7 @@ def test_an_adapter_from_a_gpu_buffer_that_fails_changes_nothing_served(monkeypa
     e = engine()
     with pytest.raises(WeightUnavailable, match="Connection reset"):
         asyncio.run(e.load_adapter_gpu(adapter, 2, hold_s=5.0))
-    assert e._llm.calls == ["parley_prepare_gpu_load", "parley_stage_adapter", "parley_unstage_adapter"]
+    assert e._llm.calls == ["parley_prepare_gpu_load", "parley_stage_adapter", "remove_lora", "parley_unstage_adapter"]
     assert not e.adapters and e.version == 1
 
     monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state, own=False: ([], "checksum mismatch in 1 of 1 tensors"))
@@ -146,6 +150,47 @@ def test_an_adapter_from_a_gpu_buffer_that_fails_changes_nothing_served(monkeypa
         asyncio.run(e.load_adapter_gpu(adapter, 2, hold_s=5.0))
     assert not e.adapters and not e._staged
     assert WorkerDouble().parley_stage_adapter(1, announcement=announcement())[0] == REFUSED  # whole weights
+
+
+def test_an_adapter_is_staged_and_added_in_one_rpc_and_a_failed_add_leaves_nothing_staged():
+    """parley_stage_adapter with lora_name adds the staged adapter to the worker's LoRA manager
+    itself (what vLLM's add_lora RPC would do), so the engine makes one RPC; when the add fails the
+    worker drops the staged tensors and the engine removes what any worker may have added. Test
+    doubles for the worker's LoRA manager and AsyncLLM."""
+    import types
+
+    import torch
+    from safetensors.torch import save
+
+    class AddingWorker(WorkerExtension):
+        def __init__(self, accept):
+            self.accept, self.added, self.removed = accept, [], []
+            self.model_runner = types.SimpleNamespace(lora_manager=types.SimpleNamespace(_load_adapter=None))
+
+        def add_lora(self, request):
+            self.added.append((request.lora_name, request.lora_int_id, request.lora_path))
+            return self.accept
+
+        def remove_lora(self, lora_id):
+            self.removed.append(lora_id)
+            return False
+
+    blob = save({"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 4)})
+    ok, refusing = AddingWorker(True), AddingWorker(False)
+    e = engine_of(ok, refusing)
+    e.adapters, e._users, e._staged, e._next_lora_id = {}, {}, set(), 1
+    with pytest.raises(RuntimeError, match="did not add adapter v3-1"):
+        asyncio.run(e.load_adapter_tensors({"x": torch.zeros(2)}, {"r": 2}, 3))
+    assert e._llm.calls == ["parley_stage_adapter", "remove_lora", "parley_unstage_adapter"]
+    assert ok.added == refusing.added == [("v3-1", 1, "/parley/staged-adapter/1")] and ok.removed == [1]
+    assert not ok._parley_adapters and not refusing._parley_adapters and not e.adapters and e.version == 1
+
+    e = engine_of(ok)
+    e.adapters, e._users, e._staged, e._next_lora_id = {}, {}, set(), 7
+    asyncio.run(e._stage_adapter(4, None, tensors=blob, config="{}"))
+    assert e._llm.calls == ["parley_stage_adapter"]  # staged and added: nothing else
+    assert ok.added[-1] == ("v4-7", 7, "/parley/staged-adapter/7") and list(ok._parley_adapters) == [7]
+    assert e.version == 4 and e.adapters[4].lora_int_id == 7 and e._staged == {7}
 
 
 def test_a_replaced_adapter_is_removed_after_the_new_one_serves_and_before_the_next_load():
