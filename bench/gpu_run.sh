@@ -204,13 +204,16 @@ W5)
     # actor's WeightFollower and PolicyEngine applying it to their packed copy. TRANSPORTS (objstore_packed,
     # shared_dir_packed) in turn, VERSIONS versions at each of LRS from real AdamW steps of an fp32 master
     # (LRS= : each version 1.5% of the values one bf16 step on instead), the first version full; then
-    # 64 requests in flight with no update, with a ROUND update in the middle (a step at LRS's first), none
+    # 64 requests in flight with no update, with a ROUND update in the middle (a step at LRS's first), none.
+    # Memory: the master with AdamW 64 GB, the bf16 model 8, the two packed buffers 16, the engine
+    # GPU_MEM of the GPU (0.15: 21 GB, KV for the 64 requests) and its packed copy 8 (at 0.25 and a
+    # foreach AdamW the first step ran out of memory, 2026-12-04)
     rm -rf /tmp/run-peer /tmp/peer-trl /tmp/parley-deltabench-* /tmp/parley-gpudelta-* /tmp/parley-weightbench-*
     step build 120 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
     LRS=${LRS-1e-6 1e-5}
     step weight_path_packed "${W5_LIMIT_S:-480}" python3 bench/weight_path.py --transport cuda_ipc --model "$MODEL" \
         --work /tmp --gpu-transports ${TRANSPORTS:-objstore_packed} --file-repeats "${VERSIONS:-3}" \
-        ${LRS:+--grads $LRS} --round-transports ${ROUND-objstore_packed} --gpu-mem "${GPU_MEM:-0.25}" \
+        ${LRS:+--grads $LRS} --round-transports ${ROUND-objstore_packed} --gpu-mem "${GPU_MEM:-0.15}" \
         --json "$OUT/weight_path_packed.json"
     ;;
 L)
