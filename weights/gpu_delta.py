@@ -62,33 +62,56 @@ def encode(base: "Tensor", target: "Tensor", base_name: str, target_name: str,
            max_share: float = 1.0) -> bytes | None:
     """The delta turning packed buffer `base` into `target` (same size, same device), named by their
     table_digest (weights.cuda_ipc); None when it would be larger than `max_share` of the target's bytes (send the full
-    version then). One device-to-host copy of the result."""
+    version then). Built CHUNK_BLOCKS blocks at a time (_chunk_words), each chunk's sections copied to
+    the host as it is done: the bytes do not depend on the chunk size."""
     import torch
 
     x, y = _words(base), _words(target)
     if x.shape != y.shape:
         raise ValueError(f"base has {x.numel()} words, target {y.numel()}: not one layout")
     n = x.numel()
-    pos = torch.nonzero(x != y).flatten()  # int64, ascending
-    changed = pos.numel()
     n_blocks = -(-n // BLOCK)
-    # what the format takes, before building it: counts + offsets + diffs (+ exceptions, bounded below)
-    if n_blocks + 2 * changed > max_share * 2 * n:
-        return None
-    blk = torch.div(pos, BLOCK, rounding_mode="floor")
-    counts = torch.bincount(blk, minlength=n_blocks).to(torch.uint8)
-    offsets = (pos - blk * BLOCK).to(torch.uint8)
-    new = y[pos]
-    d = (new.to(torch.int32) - x[pos].to(torch.int32) + 32768).remainder(65536) - 32768  # wrapped to int16
-    exc = (d < -127) | (d > 127)
-    diffs = torch.where(exc, torch.full_like(d, SENTINEL), d).to(torch.int8)
-    exceptions = new[exc]
-    if n_blocks + 2 * changed + 2 * exceptions.numel() > max_share * 2 * n:
-        return None
+    limit = max_share * 2 * n
+    changed = n_exc = 0
+    sections: list[list] = [[], [], [], []]  # counts, offsets, diffs, exceptions: host arrays in order
+    for w0, w1 in _chunk_words(n):
+        xs, ys = x[w0:w1], y[w0:w1]
+        pos = torch.nonzero(xs != ys).flatten()  # int64, ascending, within the chunk
+        changed += pos.numel()
+        # what the format takes, before building it: counts + offsets + diffs (+ exceptions, bounded below)
+        if n_blocks + 2 * changed > limit:
+            return None
+        blk = torch.div(pos, BLOCK, rounding_mode="floor")
+        counts = torch.bincount(blk, minlength=-(-(w1 - w0) // BLOCK)).to(torch.uint8)
+        offsets = (pos - blk * BLOCK).to(torch.uint8)
+        del blk
+        new = ys[pos]
+        d = (new.to(torch.int32) - xs[pos].to(torch.int32) + 32768).remainder(65536) - 32768  # wrapped to int16
+        del pos
+        exc = (d < -127) | (d > 127)
+        diffs = torch.where(exc, torch.full_like(d, SENTINEL), d).to(torch.int8)
+        exceptions = new[exc]
+        n_exc += exceptions.numel()
+        if n_blocks + 2 * changed + 2 * n_exc > limit:
+            return None
+        for out, t in zip(sections, (counts, offsets, diffs, exceptions)):
+            out.append(t.cpu().numpy().tobytes())
     header = msgspec.json.encode(GpuDeltaHeader(base=base_name, target=target_name, words=n, changed=changed,
-                                                exceptions=exceptions.numel()))
-    parts = [t.cpu().numpy().tobytes() for t in (counts, offsets, diffs, exceptions)]
-    return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *parts])
+                                                exceptions=n_exc))
+    return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *(b"".join(part) for part in sections)])
+
+
+# Blocks encoded and applied at a time: the temporaries (int64 positions of the changed words, their
+# int32 differences) are bounded by a chunk's 67M words (about 1.5 GB at most) instead of growing with
+# the delta: a 1.16 GB delta of the 4B shape (lr 1e-5) ran the actor's GPU out of memory applied in
+# one piece beside a learner (bench/weight_path.py --grads, 2026-12-04).
+CHUNK_BLOCKS = 1 << 18
+
+
+def _chunk_words(n: int) -> list[tuple[int, int]]:
+    """(first word, end word) of each chunk of n words, each a whole number of blocks but the last."""
+    step = CHUNK_BLOCKS * BLOCK
+    return [(w, min(n, w + step)) for w in range(0, n, step)]
 
 
 def read_header(blob: bytes | memoryview) -> tuple[GpuDeltaHeader, int]:
@@ -142,34 +165,60 @@ def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: li
     offsets = section(header.changed, np.uint8)
     diffs = section(header.changed, np.int8)
     exceptions = section(2 * header.exceptions, np.int16)
-    counts_l = counts.to(torch.int64)
     sentinel = diffs == SENTINEL
-    if int(counts_l.sum()) != header.changed or int(sentinel.sum()) != header.exceptions:
-        raise WeightVerifyError(f"a malformed GPU delta: its counts add up to {int(counts_l.sum())} and it has "
+    total = int(counts.sum(dtype=torch.int64))
+    if total != header.changed or int(sentinel.sum()) != header.exceptions:
+        raise WeightVerifyError(f"a malformed GPU delta: its counts add up to {total} and it has "
                                 f"{int(sentinel.sum())} exceptions, the header says {header.changed} and "
                                 f"{header.exceptions}")
-    starts = torch.repeat_interleave(torch.arange(n_blocks, device=dev, dtype=torch.int64) * BLOCK, counts_l)
-    pos = starts + offsets.to(torch.int64)
-    if header.changed and (int(offsets.max()) >= BLOCK or int(pos.max()) >= header.words):
-        raise WeightVerifyError("a malformed GPU delta: a changed word lies outside its block or the buffer")
-    old = x[pos]  # a copy: what goes back on a mismatch
-    new = ((old.to(torch.int32) + diffs.to(torch.int32) + 32768).remainder(65536) - 32768).to(torch.int16)
-    new[sentinel] = exceptions
-    x[pos] = new
+    if header.changed:  # every offset inside its block, the last block's inside the buffer
+        last = int(counts[-1])
+        tail = header.words - (n_blocks - 1) * BLOCK
+        if int(offsets.max()) >= BLOCK or (last and int(offsets[header.changed - last:].max()) >= tail):
+            raise WeightVerifyError("a malformed GPU delta: a changed word lies outside its block or the buffer")
+    # chunk by chunk (CHUNK_BLOCKS blocks): (first block, end block, first changed word, end changed word)
+    edges = list(range(0, n_blocks, CHUNK_BLOCKS)) + [n_blocks]
+    ends = torch.cumsum(counts.to(torch.int64), 0)[torch.tensor(edges[1:], device=dev) - 1].tolist()
+    chunks = list(zip(edges[:-1], edges[1:], [0] + ends[:-1], ends))
+
+    def positions(b0: int, b1: int, c0: int, c1: int) -> "Tensor":
+        starts = torch.repeat_interleave(torch.arange(b0, b1, device=dev, dtype=torch.int64) * BLOCK,
+                                         counts[b0:b1].to(torch.int64), output_size=c1 - c0)
+        return starts + offsets[c0:c1].to(torch.int64)
+
+    olds: list = []  # per chunk, the words it overwrote: what goes back on a mismatch or an undo
+
+    def put_back() -> None:
+        for chunk, old in zip(chunks, olds):
+            if old is not None:
+                x[positions(*chunk)] = old
+
     try:
+        e0 = 0
+        for b0, b1, c0, c1 in chunks:
+            if c1 == c0:
+                olds.append(None)
+                continue
+            pos = positions(b0, b1, c0, c1)
+            old = x[pos]  # a copy
+            olds.append(old)
+            new = ((old.to(torch.int32) + diffs[c0:c1].to(torch.int32) + 32768).remainder(65536) - 32768
+                   ).to(torch.int16)
+            s = sentinel[c0:c1]
+            k = int(s.sum())
+            new[s] = exceptions[e0:e0 + k]
+            e0 += k
+            x[pos] = new
+            del pos, new
         bad = mismatch(layout, checksums(buffer, layout))
-    except BaseException:  # out of memory in the check, say: the buffer must not stay half-patched
-        x[pos] = old
+    except BaseException:  # out of memory midway or in the check, say: the buffer must not stay half-patched
+        put_back()
         raise
     if bad:
-        x[pos] = old
+        put_back()
         raise WeightVerifyError(f"base + GPU delta does not give the announced version: {bad}; the buffer "
                                 f"holds its base again")
-
-    def undo() -> None:
-        x[pos] = old
-
-    return undo
+    return put_back
 
 
 class PackedVersions:

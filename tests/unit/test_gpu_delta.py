@@ -112,6 +112,31 @@ def test_a_check_that_fails_midway_leaves_the_buffer_on_its_base(monkeypatch):
     assert torch.equal(served, v0[0])
 
 
+def test_in_chunks_the_delta_is_the_same_bytes_and_a_failure_in_a_late_chunk_puts_every_chunk_back(monkeypatch):
+    """Encoded and applied a few blocks at a time (CHUNK_BLOCKS, 2^18 blocks on the GPU; 3 here, so
+    the buffer's ~100 blocks make many chunks with changes in each): the same bytes as in one piece,
+    the same result, the undo restores the base, and a corruption found after the last chunk was
+    written (a wrong exception word, the check fails) leaves the buffer on its base."""
+    vs = _versions(2, 3e-5)
+    whole = [_delta(a, b) for a, b in zip(vs, vs[1:])]
+    monkeypatch.setattr(gpu_delta, "CHUNK_BLOCKS", 3)
+    assert len(gpu_delta._chunk_words(vs[0][0].numel() // 2)) > 20
+    assert [_delta(a, b) for a, b in zip(vs, vs[1:])] == whole
+    served = vs[0][0].clone()
+    undo = gpu_delta.apply(served, whole[0], cuda_ipc.table_digest(vs[0][1]), vs[1][1])
+    assert torch.equal(served, vs[1][0])
+    undo()
+    assert torch.equal(served, vs[0][0])
+    blob = bytearray(whole[0])
+    blob[-1] ^= 0x40  # the last section: an exception word, in the buffer's last chunk with changes
+    with pytest.raises(WeightVerifyError, match="checksum mismatch"):
+        gpu_delta.apply(served, bytes(blob), cuda_ipc.table_digest(vs[0][1]), vs[1][1])
+    assert torch.equal(served, vs[0][0])
+    for prev, cur, blob in zip(vs, vs[1:], whole):  # the chain, chunk by chunk
+        gpu_delta.apply(served, blob, cuda_ipc.table_digest(prev[1]), cur[1])
+    assert torch.equal(served, vs[-1][0])
+
+
 def _named(seed: int):
     g = torch.Generator().manual_seed(seed)
     return [("a", (torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16)),
