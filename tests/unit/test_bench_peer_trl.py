@@ -25,6 +25,7 @@ def part_p_sets(eval_every: int) -> list[str]:
     """The --set values bench/gpu_run.sh part P gives both systems (its HG list)."""
     text = (ROOT / "bench" / "gpu_run.sh").read_text()
     body = re.search(r"\n    HG=\((.*?)\)\n", text, re.S).group(1).replace("$EVAL_EVERY", str(eval_every))
+    body = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", body)  # ${LR:-1e-4}: what bash gives with LR unset
     words = shlex.split(body)
     return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
 
