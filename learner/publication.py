@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from learner import checkpoint as ckpt
@@ -137,13 +138,23 @@ class Weights:
         it may write (the version is not published)."""
         if self.base and registry.of(self.settings).gpu:  # an adapter in GPU memory (cuda_ipc)
             self.held = None
-            if not await self._submit_gpu(version):
+            files: asyncio.Future = asyncio.get_running_loop().create_future()
+            if not await self._submit_gpu(version, files):
                 self.publisher.counters["skipped_held"] += 1
                 self.held = version
-            # its files too (the periodic eval's export, parley export), taken while the announcement goes out
-            snap = await asyncio.to_thread(self.driver, "adapter_snapshot")
-            await asyncio.to_thread(lora.write_adapter, *snap, ckpt.weights_dir(self.run_dir, version))
-            await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
+            # its files too (the periodic eval's export, parley export): the snapshot is taken now, after
+            # the pack (nothing on the way to serving waits for it) and before the next step changes the
+            # adapter; the file is written after the announcement, beside the next step, unless the
+            # eval exports this version next or it was held back (then no announcement comes soon)
+            write = None
+            try:
+                write = partial(self._write_adapter, await asyncio.to_thread(self.driver, "adapter_snapshot"), version)
+                if write_now or self.held is not None:
+                    now, write = write, None
+                    await asyncio.to_thread(now)
+            finally:  # the announcement job awaits it, also after a failed snapshot (None); done if it was cancelled
+                if not files.done():
+                    files.set_result(write)
             return self.held is None
         if self.base:  # [learner.lora]: only the adapter travels
             snap = await asyncio.to_thread(self.driver, "adapter_snapshot")
@@ -210,15 +221,16 @@ class Weights:
                  "held; no step came in between)", version)
         return None
 
-    async def _submit_gpu(self, version: int) -> bool:
+    async def _submit_gpu(self, version: int, files: asyncio.Future | None = None) -> bool:
         """A GPU transport: pack `version` (whole weights, or the adapter alone under [learner.lora])
         into one of rank 0's buffers and hand its announcement to the publisher; False when no buffer
-        may be written (nothing was packed)."""
+        may be written (nothing was packed). `files` (an adapter): resolves to what writes the version's
+        files after its announcement, or None when they are written already."""
         if self.base:
             source, conf = await asyncio.to_thread(self.driver, "pack_adapter", version)
             if source is None:
                 return False
-            self.publisher.submit(Publication(version, lambda: self.announce_adapter_gpu(version, source, conf)))
+            self.publisher.submit(Publication(version, lambda: self.announce_adapter_gpu(version, source, conf, files)))
             return True
         source = await asyncio.to_thread(self.driver, "pack_weights", version)
         if source is None:
@@ -300,8 +312,10 @@ class Weights:
         self.feeder.set_version(version)
         log.info("published adapter version %d (%.2f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 
-    async def announce_adapter_gpu(self, version: int, source, adapter_config: dict) -> None:
-        """[learner.lora] under cuda_ipc: announce the adapter packed in `source` on the base."""
+    async def announce_adapter_gpu(self, version: int, source, adapter_config: dict,
+                                   files: asyncio.Future | None = None) -> None:
+        """[learner.lora] under cuda_ipc: announce the adapter packed in `source` on the base, then
+        write its files (`files`, Weights.publish's) beside the next step."""
         wv = await retry_unreachable(
             lambda: lora.publish_adapter_gpu(self.js, self.run_name, version, version, source, base=self.base,
                                              rank=self.lc.lora.rank, adapter_config=adapter_config),
@@ -309,6 +323,14 @@ class Weights:
         )
         self.feeder.set_version(version)
         log.info("published adapter version %d (%.2f MB, %s)", version, wv.bytes / 1e6, wv.transport)
+        write = await files if files is not None else None
+        if write is not None:
+            await asyncio.to_thread(write)
+
+    def _write_adapter(self, snap: tuple[dict, dict], version: int) -> None:
+        """An adapter version's files under its weights directory, the oldest pruned (keep_versions)."""
+        lora.write_adapter(*snap, ckpt.weights_dir(self.run_dir, version))
+        ckpt.prune_weights(self.run_dir, self.lc.keep_versions)
 
     async def announce_gpu(self, version: int, source) -> None:
         """A GPU transport: announce where actors get the packed buffer. Actors copy it on their own

@@ -34,6 +34,7 @@ async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tin
     from actors.follow import WeightFollower
     from config.learner import LearnerConfig, LoraSettings
     from engines.engine import EngineSettings, PolicyEngine
+    from learner.lora import adapter_state
     from learner.packing import Sample
     from learner.trainer import Trainer
     from protocol import topology
@@ -58,6 +59,7 @@ async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tin
         samples = [Sample(f"s{i}", prompt + o.token_ids, [0] * len(prompt) + [1] * len(o.token_ids),
                           [0.0] * len(prompt) + o.logprobs, adv)
                    for i, (o, adv) in enumerate(zip(outs, [1.0, -1.0, 0.5, -0.5]))]
+        untrained, _ = trainer.adapter_snapshot()  # finds the adapter's parameters once, before the step
         stats = trainer.train_step(samples)
         assert stats["kl_mean"] == pytest.approx(0.0, abs=1e-6)  # the reference is the base the samples came from
         for n, p in trainer.module.named_parameters():
@@ -65,7 +67,10 @@ async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tin
                 assert torch.equal(p.detach(), frozen[n]), f"{n} is frozen but changed"
         assert any(not torch.equal(trainer.module.get_parameter(n).detach(), t) for n, t in trained.items())
 
-        state, conf = trainer.adapter_snapshot()
+        state, conf = trainer.adapter_snapshot()  # read from the parameters found before the step
+        saved, _ = adapter_state(trainer.peft)  # what peft saves now
+        assert sorted(state) == sorted(saved) and all(torch.equal(state[k], saved[k]) for k in saved)
+        assert any(not torch.equal(state[k], untrained[k]) for k in saved)
         adir = lora.write_adapter(state, conf, tmp_path / "learner" / "v000001")
         base = lora.base_identity(tiny_model)
         wv = await lora.publish_adapter(js, RUN, 1, 1, adir, ObjstoreWeights(), base=base, rank=RANK)

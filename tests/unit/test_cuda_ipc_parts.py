@@ -421,13 +421,15 @@ def test_the_last_version_skipped_for_held_buffers_is_published_before_the_learn
     assert time.monotonic() - t < 1.5
 
 
-def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_and_written_for_export(tmp_path):
+def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_and_written_for_export(tmp_path,
+                                                                                                       monkeypatch):
     """[learner.lora] with cuda_ipc: Weights.publish packs the adapter alone (the driver's
     pack_adapter), hands an announcement job to the publisher, and writes the adapter's files under
-    the version's weights directory (the periodic eval and parley export read them); a version whose
-    buffers are all held is kept back and retry_held packs the adapter again, not whole weights. The
-    announcement carries the base, rank and peft config and round-trips on the wire; nccl refuses.
-    Test doubles for the driver and publisher."""
+    the version's weights directory (the periodic eval and parley export read them): after the
+    announcement, beside the next step, or at once when the eval exports that version next or the
+    version was held back. A held version is kept back and retry_held packs the adapter again, not
+    whole weights. The announcement carries the base, rank and peft config and round-trips on the
+    wire; nccl refuses. Test doubles for the driver, publisher, feeder and the announcement's bus."""
     from collections import Counter
 
     from learner import checkpoint as ckpt
@@ -441,6 +443,22 @@ def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_a
         def submit(self, pub):
             self.submitted.append(pub)
 
+    class FeederDouble:
+        version = 0
+
+        def set_version(self, v):
+            self.version = v
+
+    class Announced:
+        bytes, transport = 1, "cuda_ipc"
+
+    announced = []
+
+    async def publish_adapter_gpu(js, run, version, step, source, **kw):
+        announced.append((version, ckpt.weights_dir(tmp_path, version).is_dir()))
+        return Announced()
+
+    monkeypatch.setattr(lora, "publish_adapter_gpu", publish_adapter_gpu)
     conf = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA"}
     tensors = {"base_model.model.layers.0.q_proj.lora_A.weight": torch.ones(4, 8)}
     state = {"free": True}
@@ -454,19 +472,32 @@ def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_a
             return tensors, conf
         return 0.0  # weights_writable_in
 
-    publisher = PublisherDouble()
-    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, None,
+    publisher, feeder = PublisherDouble(), FeederDouble()
+    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, feeder,
                       adapter_base="b" * 32)
-    assert asyncio.run(weights.publish(1)) is True
+
+    async def publish_and_announce(version, **kw):
+        published = await weights.publish(version, **kw)
+        written_at_publish = (ckpt.weights_dir(tmp_path, version) / lora.ADAPTER_CONFIG).is_file()
+        await publisher.submitted[-1].job()
+        return published, written_at_publish
+
+    assert asyncio.run(publish_and_announce(1)) == (True, False)  # the step did not wait for the write
     assert calls == ["pack_adapter", "adapter_snapshot"] and [p.version for p in publisher.submitted] == [1]
+    assert announced == [(1, False)] and feeder.version == 1  # announced first, then written
     assert (ckpt.weights_dir(tmp_path, 1) / lora.ADAPTER_CONFIG).is_file()
+    assert asyncio.run(publish_and_announce(2, write_now=True)) == (True, True)  # the eval exports it next
     state["free"] = False
-    assert asyncio.run(weights.publish(2)) is False and weights.held == 2
-    assert publisher.counters["skipped_held"] == 1 and len(publisher.submitted) == 1
+    assert asyncio.run(weights.publish(3)) is False and weights.held == 3
+    assert (ckpt.weights_dir(tmp_path, 3) / lora.ADAPTER_CONFIG).is_file()  # held: no announcement soon
+    assert publisher.counters["skipped_held"] == 1 and len(publisher.submitted) == 2
     state["free"] = True
     calls.clear()
     assert asyncio.run(weights.retry_held()) is None
-    assert calls == ["weights_writable_in", "pack_adapter"] and [p.version for p in publisher.submitted] == [1, 2]
+    assert calls == ["weights_writable_in", "pack_adapter"] and [p.version for p in publisher.submitted] == [1, 2, 3]
+    asyncio.run(publisher.submitted[-1].job())  # its files are there already: nothing waits for a snapshot
+    assert announced[-1] == (3, True) and calls == ["weights_writable_in", "pack_adapter"]
+    monkeypatch.undo()  # the real publish_adapter_gpu below
 
     _, layout, buf = packed()
     source = cuda_ipc.CudaIpcBuffer(device_uuid="GPU-x", storage_handle=b"h", storage_size=buf.numel(),
