@@ -81,12 +81,15 @@ class GradMaster:
 
     def step(self, lr: float) -> None:
         torch = self.torch
-        if self.opt is None or self.lr != lr:
+        if self.opt is None:
             # fused on CUDA: the multi-tensor (foreach) AdamW allocates temporaries the size of the
             # master (16 GB at the 4B shape), out of memory beside an engine (bench/weight_path.py --grads)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0,
                                          fused=self.device == "cuda")
-            self.lr = lr
+        elif self.lr != lr:  # the optimizer's moments carry on, as a learner's would when its rate changes
+            for group in self.opt.param_groups:  # (a fresh AdamW's first step moves nearly every weight by lr)
+                group["lr"] = lr
+        self.lr = lr
         vocab = self.model.config.vocab_size
         ids = torch.randint(0, vocab, (self.batch, self.seq), generator=self.g, device=self.device)  # (B, T)
         with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.device == "cuda"):

@@ -285,7 +285,12 @@ async def packed_update(js, run, transport, version, model, work, follower, time
         finally:
             pending.discard()
 
+    def buffers_free() -> float:  # when nothing reads the learner's buffers any more: a learner whose step
+        pending.done.wait(600)  # is shorter than this waits at its next pack (learner.publication's packed_waited)
+        return time.perf_counter()
+
     publish = asyncio.create_task(publication())
+    released = asyncio.create_task(asyncio.to_thread(buffers_free))
     deadline = t0 + 600
     while follower.version != version:
         if time.perf_counter() > deadline or version in follower.refused or publish.done() and publish.exception():
@@ -308,6 +313,7 @@ async def packed_update(js, run, transport, version, model, work, follower, time
         row["full_error"] = f"{type(e).__name__}: {e}"
         print(f"[weights] {transport} v{version}: its full publication failed after serving: {row['full_error']}",
               file=sys.stderr, flush=True)
+    row["buffers_busy"] = await released - t_ready  # encode + host copy: the shortest step that never waits
     if blob is None:  # a full version: the actor keeps it packed before the next one is timed
         from weights.cuda_ipc import table_digest
 
@@ -422,6 +428,7 @@ async def gpu_main(args) -> dict:
                     torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
                 if gpu:
                     torch.cuda.synchronize()
+                    torch.cuda.empty_cache()  # the step's freed gradients and casts (16-24 GB) back to the engine
 
             def mutate(transport, v):  # version v's weights, before its step's end
                 if master is not None:
@@ -448,7 +455,8 @@ async def gpu_main(args) -> dict:
                       f"announce {r['announce']:.3f}s  until load {r['until_load']:.3f}s  load {r['load']:.3f}s  "
                       f"total {r['total']:.3f}s  probe logprob {first:.5f}"
                       + (f"  lr {r['lr']:g}" if r["lr"] else "")
-                      + (f"  full copy stored {r['full_stored']:.1f}s" if r.get("full_stored") else ""),
+                      + (f"  full copy stored {r['full_stored']:.1f}s" if r.get("full_stored") else "")
+                      + (f"  learner's buffers busy {r['buffers_busy']:.2f}s" if "buffers_busy" in r else ""),
                       file=sys.stderr, flush=True)
                 save()  # a run cut short keeps every update measured (defined below, before the first update)
                 return r
