@@ -148,10 +148,11 @@ class Weights:
             # eval exports this version next or it was held back (then no announcement comes soon)
             write = None
             try:
-                write = partial(self._write_adapter, await asyncio.to_thread(self.driver, "adapter_snapshot"), version)
+                snap = await asyncio.to_thread(self.driver, "adapter_snapshot")
                 if write_now or self.held is not None:
-                    now, write = write, None
-                    await asyncio.to_thread(now)
+                    await asyncio.to_thread(self._write_adapter, snap, version)
+                else:
+                    write = partial(self._write_adapter, snap, version)
             finally:  # the announcement job awaits it, also after a failed snapshot (None); done if it was cancelled
                 if not files.done():
                     files.set_result(write)
