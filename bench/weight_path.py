@@ -465,7 +465,7 @@ async def gpu_main(args) -> dict:
                 if transport:
                     mutate(transport, version + 1)
                 t = time.perf_counter()
-                gen = asyncio.ensure_future(asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i)
+                gen = asyncio.ensure_future(asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i if gpu else None)
                                                              for i, p in enumerate(prompts)]))
                 done: list[float] = []  # when the last request finished (a slow update may end later)
                 gen.add_done_callback(lambda _: done.append(time.perf_counter()))
