@@ -171,6 +171,30 @@ def test_publisher_never_writes_into_a_buffer_younger_than_its_hold_time(clock):
         pub.fill(tensors[:2], 5)
 
 
+def test_a_later_fill_refuses_tensors_of_another_shape_dtype_or_name_and_writes_nothing():
+    # fills after the first reuse the first one's plan and views: a tensor set that differs from
+    # that plan in any tensor's shape, dtype or name (the byte count may be the same) must be
+    # refused before a byte is copied, not packed into the old layout
+    pub = IpcPublisher(hold_s=0.0, max_buffers=1)
+    tensors = named()
+    buf, table = pub.fill(tensors, 1)
+    before = buf.clone()
+    same_bytes = [
+        [(n, t.reshape(64, 40) if i == 0 else t) for i, (n, t) in enumerate(tensors)],  # transposed shape
+        [(n, t.view(torch.float16) if i == 0 else t) for i, (n, t) in enumerate(tensors)],  # bf16 -> fp16
+        [("model.embed_tokens.other" if i == 0 else n, t) for i, (n, t) in enumerate(tensors)],  # renamed
+    ]
+    for v, other in enumerate(same_bytes, start=2):
+        with pytest.raises(RuntimeError, match="planned once"):
+            pub.fill(other, v)
+        assert torch.equal(pub.buffers[0].data, before)
+    moved = [(n, t + 1) for n, t in tensors]  # the same plan: packed into the kept views
+    buf2, table2 = pub.fill(moved, 5)
+    assert buf2.data_ptr() == buf.data_ptr() and table2 != table
+    for (name, t), e in zip(moved, table2):
+        assert torch.equal(cuda_ipc.view(buf2, e), t), name
+
+
 def test_one_buffer_is_refilled_once_its_hold_time_is_over(clock):
     now = clock(0.0)
     pub = IpcPublisher(hold_s=3.0, max_buffers=1)
