@@ -278,7 +278,8 @@ class Grouper:
         and skipped groups are final either way; if fewer than k trainable groups exist, none is
         taken and ([], outcomes) is returned. Under "freshest" every complete group is looked at, so
         an older one passed over now is dropped or skipped as soon as it lags too far or has no signal,
-        not left holding its admission slot.
+        not left holding its admission slot. Partial groups that are already `doomed` are dropped as
+        stale too, whatever the order.
         """
         outcomes: list[Outcome] = []
         chosen: list[Taken] = []
@@ -303,6 +304,7 @@ class Grouper:
                 continue
             if len(chosen) < k:
                 chosen.append(Taken(g, correct=lag > self.max_staleness, staleness=lag))
+        outcomes += self._drop_doomed(learner_version)
         if len(chosen) < k:
             return [], outcomes
         for t in chosen:
@@ -312,6 +314,27 @@ class Grouper:
             if t.correct:
                 self.counters["corrected"] += 1
         return chosen, outcomes
+
+    def doomed(self, task_id: str, learner_version: int) -> bool:
+        """Whether the buffered, partial group of `task_id` can no longer be trained
+        (stale_policy="drop"): a group's staleness is its oldest sample's behaviour version, which
+        later samples can only lower, and the learner's version only rises, so one sample in that
+        lags more than max_staleness dooms the whole group."""
+        g = self.buffer.get(task_id)
+        return (self.stale_policy == "drop" and g is not None and 0 < len(g.samples) < self.n
+                and learner_version - g.min_version() > self.max_staleness)
+
+    def _drop_doomed(self, learner_version: int) -> list[Outcome]:
+        """The doomed partial groups, dropped as stale now, freeing their admission slots, instead of
+        holding them until their last samples come back to be dropped (an oversampled extra at
+        max_staleness 0 held its slot a whole play); their later samples are then `late`, ignored."""
+        out = []
+        for g in [g for g in self.buffer.values() if self.doomed(g.task_id, learner_version)]:
+            behaviour = g.min_version()
+            out.append(self._finish(g, "stale", (
+                f"stale before complete ({len(g.samples)}/{self.n} samples in): behaviour version {behaviour}, "
+                f"learner version {learner_version}, lag {learner_version - behaviour} > max_staleness {self.max_staleness}")))
+        return out
 
     def untake(self, taken: list[Taken]) -> None:
         """Put groups of a step that failed back, as if they had never been taken."""

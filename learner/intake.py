@@ -47,8 +47,8 @@ class Intake:
             raise Poison(str(e)) from None
         self.state.counters[f"scored.{result}"] += 1
         self.pending.append(msg)
-        if result == "complete":
-            self._data.set()
+        if result == "complete" or (result == "added" and self.grouper.doomed(scored.task_id, self.state.step)):
+            self._data.set()  # a step may be taken, or a doomed group dropped (its slot freed) at once
 
     async def wait_for_data(self, timeout: float) -> None:
         """Until a group completes (on_scored) or `timeout` seconds pass."""

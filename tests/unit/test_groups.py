@@ -87,6 +87,29 @@ def test_stale_group_is_dropped_under_drop_policy():
     assert "behaviour version 0, learner version 3, lag 3 > max_staleness 1" in dropped[0].reason
 
 
+def test_a_partial_group_that_already_lags_too_far_is_dropped_at_once_and_its_later_samples_are_late():
+    """A group's staleness is its oldest sample's behaviour version: once one sample in lags more than
+    max_staleness, no later sample can make the group trainable (drop policy). It is dropped at the
+    next take, freeing its admission slot then, not when its last sample comes back (an oversampled
+    extra at max_staleness 0 held the slot a whole play). A partial group within the bound stays,
+    and under stale_policy = "correct" nothing partial is dropped."""
+    g = grouper(max_staleness=0)
+    g.add(scored("doomed", 0, 0.1, version=2), now=0)
+    g.add(scored("fresh", 0, 0.1, version=3), now=0)
+    assert g.doomed("doomed", 3) and not g.doomed("fresh", 3) and not g.doomed("doomed", 2)
+    taken, out = g.take(1, learner_version=3)
+    assert not taken
+    assert [(o.task_id, o.kind) for o in out] == [("doomed", "stale")]
+    assert "1/3 samples in" in out[0].reason and "lag 1 > max_staleness 0" in out[0].reason
+    assert list(g.buffer) == ["fresh"] and g.done["doomed"] == "stale"
+    assert g.add(scored("doomed", 1, 0.2, version=3), now=1) == "late"
+
+    kept = grouper(max_staleness=0, stale_policy="correct")
+    kept.add(scored("old", 0, 0.1, version=0), now=0)
+    assert not kept.doomed("old", 3)
+    assert kept.take(1, learner_version=3) == ([], []) and list(kept.buffer) == ["old"]
+
+
 def test_stale_group_is_corrected_under_correct_policy():
     g = grouper(max_staleness=1, stale_policy="correct")
     for i in range(3):
