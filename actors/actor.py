@@ -18,12 +18,12 @@ import time
 from collections import Counter
 
 from actors.follow import WeightFollower, WeightsBroken
-from rollout.conversation import PolicySettings, check_task, check_task_limits, run_conversation
+from rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
 from rollout.sim import SimClient
 from environments.base import Environment, LocalUser, ProgrammaticUser
 from config.run import RunConfig
 from protocol import bus, status
-from protocol.messages import Heartbeat, Task
+from protocol.messages import ABANDONED_STALE, Heartbeat, Task
 
 # How long a task admitted at a version the engine does not serve yet waits for that version to load.
 ADMITTED_VERSION_WAIT_S = 120.0
@@ -91,10 +91,11 @@ class Actor:
                 if not await self.follower.reach(task.admitted_version, ADMITTED_VERSION_WAIT_S):
                     log.warning("task %s admitted at version %d; still serving %d after %.0fs, playing it anyway",
                                 task.task_id, task.admitted_version, self.engine.version, ADMITTED_VERSION_WAIT_S)
+            watch = self.stale_watch(task)
             try:
                 async with asyncio.TaskGroup() as tg:
                     for i in range(task.n):
-                        tg.create_task(self._sample(task, i))
+                        tg.create_task(self._sample(task, i, watch))
             except ExceptionGroup as eg:
                 raise _first_of(eg) from None
         await msg.ack()
@@ -102,16 +103,26 @@ class Actor:
         log.info("task %s: %d samples stored in %.2fs (%d assistant tokens generated so far)", task.task_id, task.n,
                  time.perf_counter() - t0, self.counters["assistant_tokens"])
 
-    async def _sample(self, task: Task, sample: int) -> None:
+    def stale_watch(self, task: Task) -> StaleWatch | None:
+        """The watch its samples share, so they stop once the learner can no longer train their group
+        (rollout.conversation.StaleWatch): for training tasks under stale_policy "drop", unless
+        [actor] abandon_stale is off."""
+        lc = self.cfg.learner
+        if not self.cfg.actor.abandon_stale or lc.stale_policy != "drop" or task.split != "train":
+            return None
+        return StaleWatch(lambda: self.follower.announced, lc.max_staleness)
+
+    async def _sample(self, task: Task, sample: int, watch: StaleWatch | None = None) -> None:
         async with self._slots:
             self.in_flight += 1
             try:
                 traj = await run_conversation(
                     self.engine, self.sim, task, sample, lambda: self.engine.version,
-                    tokenizer=self.tokenizer, policy=self.policy,
+                    tokenizer=self.tokenizer, policy=self.policy, watch=watch,
                 )
             finally:
                 self.in_flight -= 1
+        self.counters["abandoned_stale"] += traj.terminated == ABANDONED_STALE
         ack = await bus.publish(self.js, self.run, "traj", traj)
         self.counters["trajectories"] += 1
         self.counters["duplicates"] += bool(getattr(ack, "duplicate", False))

@@ -35,9 +35,8 @@ class InProcess:
 async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None) -> int:
     """`parley replay` after its options: re-judge (`judge`) or re-weight the records (and those of the
     run's stored `stream`), print the table and write it to `out`. The exit code."""
-    from protocol.messages import EvalRecord
     from evaluation.benchmark import METRICS, summarize, to_markdown, write_table
-    from evaluation.evallog import from_scored, read_stream, rejudge, reweight, stored_interactivity_scale, write_parquet
+    from evaluation.evallog import as_records, read_stream, rejudge, reweight, stored_interactivity_scale, write_parquet
 
     nc = None
     if stream or judge:
@@ -47,7 +46,7 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
     try:
         if stream:
             stored = await read_stream(nc.jetstream(), cfg.run.name, stream)
-            records += [r if isinstance(r, EvalRecord) else from_scored(r) for r in stored]
+            records += as_records(stored)
         if not records:
             _err("parley replay: the logs hold no records")
             return 2

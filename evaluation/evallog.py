@@ -13,7 +13,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from environments.base import Environment, PureMetric
-from protocol.messages import EvalRecord, JudgeReply, Scored
+from protocol.messages import ABANDONED_STALE, EvalRecord, JudgeReply, Scored
 from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
 from rewards.reward import total_reward
 
@@ -165,7 +165,15 @@ def read_log(path: str | Path) -> list:
 
 def read_records(path: str | Path) -> list[EvalRecord]:
     """The log as EvalRecords; training trajectories (Scored) are converted with from_scored."""
-    return [r if isinstance(r, EvalRecord) else from_scored(r) for r in read_log(path)]
+    return as_records(read_log(path))
+
+
+def as_records(items) -> list[EvalRecord]:
+    """EvalRecords as they are, Scored converted with from_scored; a Scored whose conversation its
+    actor abandoned (protocol.messages.ABANDONED_STALE: cut short, never judged, never trained) is
+    left out, so a replay neither judges half a conversation nor counts its empty reward."""
+    return [r if isinstance(r, EvalRecord) else from_scored(r) for r in items
+            if isinstance(r, EvalRecord) or r.trajectory.terminated != ABANDONED_STALE]
 
 
 def from_scored(s: Scored) -> EvalRecord:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol import arrays
-from protocol.messages import GREEDY_BELOW, Scored, Trajectory
+from protocol.messages import ABANDONED_STALE, GREEDY_BELOW, Scored, Trajectory
 
 log = logging.getLogger("parley.learner.groups")
 
@@ -160,6 +160,11 @@ class Group:
     def min_version(self) -> int:
         return min(behaviour_version(s.trajectory) for s in self.samples.values())
 
+    def abandoned(self) -> Scored | None:
+        """A sample its actor stopped because the group could no longer be trained
+        (protocol.messages.ABANDONED_STALE): the group is then never trained, whatever the versions."""
+        return next((s for _, s in sorted(self.samples.items()) if s.trajectory.terminated == ABANDONED_STALE), None)
+
     def rewards(self) -> list[float]:
         return [self.samples[i].total for i in sorted(self.samples)]
 
@@ -278,12 +283,17 @@ class Grouper:
         and skipped groups are final either way; if fewer than k trainable groups exist, none is
         taken and ([], outcomes) is returned. Under "freshest" every complete group is looked at, so
         an older one passed over now is dropped or skipped as soon as it lags too far or has no signal,
-        not left holding its admission slot. Partial groups that are already `doomed` are dropped as
-        stale too, whatever the order.
+        not left holding its admission slot. Partial groups that are already `doomed`, and groups
+        with a sample its actor abandoned (Group.abandoned), are dropped as stale too, whatever the order.
         """
         outcomes: list[Outcome] = []
         chosen: list[Taken] = []
-        ready = self.ready()
+        ready = []
+        for g in self.ready():  # a complete group with an abandoned sample goes at once, whatever the order
+            if g.abandoned() is not None:
+                outcomes.append(self._finish(g, "stale", self._abandoned_reason(g)))
+            else:
+                ready.append(g)
         if self.order == "freshest":
             ready.sort(key=lambda g: -g.min_version())  # stable: oldest completion first among equals
         for g in ready:
@@ -321,8 +331,10 @@ class Grouper:
         later samples can only lower, and the learner's version only rises, so one sample in that
         lags more than max_staleness dooms the whole group."""
         g = self.buffer.get(task_id)
-        return (self.stale_policy == "drop" and g is not None and 0 < len(g.samples) < self.n
-                and learner_version - g.min_version() > self.max_staleness)
+        if g is None or not 0 < len(g.samples) < self.n:
+            return False
+        return g.abandoned() is not None or (self.stale_policy == "drop"
+                                             and learner_version - g.min_version() > self.max_staleness)
 
     def _drop_doomed(self, learner_version: int) -> list[Outcome]:
         """The doomed partial groups, dropped as stale now, freeing their admission slots, instead of
@@ -330,11 +342,21 @@ class Grouper:
         max_staleness 0 held its slot a whole play); their later samples are then `late`, ignored."""
         out = []
         for g in [g for g in self.buffer.values() if self.doomed(g.task_id, learner_version)]:
+            if g.abandoned() is not None:
+                out.append(self._finish(g, "stale", self._abandoned_reason(g)))
+                continue
             behaviour = g.min_version()
             out.append(self._finish(g, "stale", (
                 f"stale before complete ({len(g.samples)}/{self.n} samples in): behaviour version {behaviour}, "
                 f"learner version {learner_version}, lag {learner_version - behaviour} > max_staleness {self.max_staleness}")))
         return out
+
+    def _abandoned_reason(self, g: Group) -> str:
+        s = g.abandoned()
+        versions = sorted({t.version for t in s.trajectory.turns})
+        return (f"stale: sample {s.sample} was stopped by actor {s.trajectory.actor or '?'} after "
+                f"{len(s.trajectory.turns)} turn(s) (versions {versions}) because the group could no longer be "
+                f"trained; {len(g.samples)}/{self.n} samples in")
 
     def untake(self, taken: list[Taken]) -> None:
         """Put groups of a step that failed back, as if they had never been taken."""

@@ -21,6 +21,7 @@ from learner.feeder import Feeder
 from learner.groups import BadTrajectory, Grouper, Outcome, check_hostile_values, check_trajectory
 from learner.runstate import RunState
 from protocol.bus import Poison
+from protocol.messages import ABANDONED_STALE
 
 
 class Intake:
@@ -40,8 +41,11 @@ class Intake:
     async def on_scored(self, scored, msg) -> None:
         """PullWorker handler: buffer the sample; its ack waits for the next ledger write."""
         try:
-            check_trajectory(scored.trajectory)
-            check_hostile_values(scored, self.vocab_size, self.max_positions, reference=self.reference_service)
+            if scored.trajectory.terminated != ABANDONED_STALE:
+                # what training needs; a sample its actor abandoned (no turn, maybe, and no reward or
+                # reference log-probs) only drops its group as stale, never reaching the GPU
+                check_trajectory(scored.trajectory)
+                check_hostile_values(scored, self.vocab_size, self.max_positions, reference=self.reference_service)
             result = self.grouper.add(scored)
         except BadTrajectory as e:
             raise Poison(str(e)) from None

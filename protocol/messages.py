@@ -69,6 +69,13 @@ class Task(msgspec.Struct, kw_only=True):
     created: float = 0.0  # unix seconds
 
 
+# Trajectory.terminated of a conversation its actor stopped between turns because the learner can no
+# longer train its group (stale_policy "drop": a turn of it, or of another sample of its task, lags the
+# announced version by more than max_staleness). Published as far as it was played, passed on by the
+# scorer unjudged (total 0, no metrics), and its group is dropped as stale by the learner: never trained.
+ABANDONED_STALE = "stale"
+
+
 # omit_defaults on the two hot, large Structs: the list fields that today's producers leave empty
 # (and other defaults) are not written; the decoder fills them back in.
 class AssistantTurn(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -107,7 +114,8 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int = 0  # tokens before the first assistant turn
     assistant_tokens: int = 0  # all generated assistant tokens (the token_amount metric)
     sim_fallbacks: list[int] = []  # indices into messages of user turns the simulator failed to produce
-    terminated: str = ""  # "sim_done" | "max_new_turns" | "max_model_len" | "abort"
+    # "sim_done" | "max_new_turns" | "max_model_len" | "abort" | ABANDONED_STALE
+    terminated: str = ""
     futures: list[FutureRollout] = []
     mode: str = "conversation"
     sim_prompt: str = ""

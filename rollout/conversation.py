@@ -23,6 +23,7 @@ from typing import Any
 from protocol import arrays
 from protocol.bus import Poison, Retry
 from protocol.messages import (
+    ABANDONED_STALE,
     TASK_MAX_FUTURES,
     TASK_MAX_N,
     TASK_MAX_NEW_TURNS,
@@ -60,11 +61,43 @@ class PolicySettings:
     actor: str = ""  # recorded in Trajectory.actor
 
 
+class StaleWatch:
+    """Whether the learner can still train a task's group, watched while its samples play; one is
+    shared by all the samples of a task (an actor makes it; `run_conversation(watch=)`).
+
+    Under stale_policy "drop" a group is trained only if its oldest trained turn lags the learner's
+    version by at most max_staleness (learner.groups: a group's staleness is its oldest sample's).
+    The learner's version is at least the announced one and only rises (a resumed learner re-announces
+    lower numbers, and `announced` follows it back), so once the oldest trained turn of any sample
+    lags `announced()` by more, no sample of the task can be trained: playing on spends the engine on
+    conversations that will be dropped. The samples then stop at their next turn boundary
+    (Trajectory.terminated = ABANDONED_STALE). A generation already running is not cut."""
+
+    def __init__(self, announced: Callable[[], int], max_staleness: int):
+        self.announced, self.max_staleness = announced, max_staleness
+        self.oldest: int | None = None  # the oldest version any sample of the task trained a turn on
+
+    def saw(self, version: int) -> None:
+        self.oldest = version if self.oldest is None else min(self.oldest, version)
+
+    def why(self) -> str:
+        """"" while the group may still be trained, else the reason it cannot."""
+        if self.oldest is None:
+            return ""
+        now = self.announced()
+        if now - self.oldest <= self.max_staleness:
+            return ""
+        return (f"a trained turn of version {self.oldest} lags the announced version {now} by "
+                f"{now - self.oldest} > max_staleness {self.max_staleness}")
+
+
 class _Player:
     """Plays one conversation branch: holds its ChatTokens and what the Trajectory needs."""
 
-    def __init__(self, engine, sim: UserSide, task: Task, policy: PolicySettings, version_fn, chat, seed):
+    def __init__(self, engine, sim: UserSide, task: Task, policy: PolicySettings, version_fn, chat, seed,
+                 watch: StaleWatch | None = None):
         self.engine, self.sim, self.task, self.policy, self.version_fn = engine, sim, task, policy, version_fn
+        self.watch = watch  # None: played to its end whatever the learner's version
         self.chat = chat
         self.seed = seed
         self.turns: list[AssistantTurn] = []
@@ -74,6 +107,7 @@ class _Player:
         # an engine serving LoRA adapter versions (engines.engine.PolicyEngine.load_adapter): the version
         # the conversation started on, which all its turns use (None until the first turn)
         self.pinned: int | None = None
+        self.terminated = ""  # a future branch's: why its _play ended
 
     @property
     def awaiting_assistant(self) -> bool:
@@ -107,6 +141,8 @@ class _Player:
         self.chat.add_assistant(out.token_ids, out.finish_reason, logprobs=out.logprobs)
         self.turns.append(AssistantTurn(start=start, logprobs_f32=arrays.pack_logprobs(out.logprobs), version=version,
                                         finish_reason=out.finish_reason, trained=trained))
+        if trained and self.watch is not None:
+            self.watch.saw(version)
         return not (out.finish_reason == "length" and max_tokens < self.task.max_tokens)
 
     async def user(self, opening: bool = False) -> str:
@@ -176,9 +212,13 @@ def check_task_limits(task: Task, max_model_len: int) -> None:
 async def _play(p: _Player, budget: int, trained: bool = True) -> str:
     """Alternate user / assistant until the simulator is done or `budget` messages were added.
     Stops before a user message that could not be answered within the budget, so a branch
-    ends on an assistant turn. Returns the termination reason."""
+    ends on an assistant turn, and at any turn boundary once the task's group can no longer be
+    trained (StaleWatch). Returns the termination reason."""
     added = 0
     while True:
+        if p.watch is not None and (why := p.watch.why()):
+            log.info("task %s: stopped after %d messages: %s", p.task.task_id, added, why)
+            return ABANDONED_STALE
         if p.awaiting_assistant:
             if added >= budget:
                 return "max_new_turns"
@@ -198,9 +238,11 @@ async def _play(p: _Player, budget: int, trained: bool = True) -> str:
 
 async def run_conversation(
     engine, sim_client: UserSide, task: Task, sample: int, version_fn: Callable[[], int], *,
-    tokenizer, policy: PolicySettings,
+    tokenizer, policy: PolicySettings, watch: StaleWatch | None = None,
 ) -> Trajectory:
-    """Play sample `sample` of `task` and return its Trajectory (not yet published)."""
+    """Play sample `sample` of `task` and return its Trajectory (not yet published). With `watch`
+    (shared by the task's samples) it stops early once the task's group can no longer be trained,
+    terminated ABANDONED_STALE."""
     check_task(task)
     t0 = time.perf_counter()
     seed = derive_seed(task.task_id, task.seed, sample)
@@ -208,7 +250,7 @@ async def run_conversation(
         {"role": m.role, "content": m.content} for m in task.prefix
     ]
     chat = ChatTokens(tokenizer, opening, template_kwargs=dict(policy.template_kwargs))
-    p = _Player(engine, sim_client, task, policy, version_fn, chat, seed)
+    p = _Player(engine, sim_client, task, policy, version_fn, chat, seed, watch)
     try:
         return await _run(p, task, sample, policy, t0, seed)
     finally:
@@ -228,11 +270,15 @@ async def _run(p: _Player, task: Task, sample: int, policy: PolicySettings, t0: 
             terminated = await p.user(opening=len(p.chat) == 0)
         if not terminated:
             terminated = "max_new_turns" if await p.assistant(trained=True) else "max_model_len"
+        if terminated == "max_new_turns" and p.watch is not None and p.watch.why():
+            terminated = ABANDONED_STALE  # its futures are for scoring only: not worth playing
         if task.futures and p.turns and terminated == "max_new_turns":
             branches = await asyncio.gather(*(_future(p, k) for k in range(task.futures)))
             for f in branches:
                 p.timings["generate"] += f.timings["generate"]
                 p.timings["sim"] += f.timings["sim"]
+            if any(f.terminated == ABANDONED_STALE for f in branches):
+                terminated = ABANDONED_STALE  # cut futures would be scored as if complete
             futures = [
                 FutureRollout(messages=_messages(f.chat), assistant_tokens=sum(arrays.generated(t) for t in f.turns))
                 for f in branches
@@ -277,7 +323,8 @@ def _messages(chat: ChatTokens) -> list[ChatMessage]:
 
 async def _future(p: _Player, k: int) -> _Player:
     """Continuation k after the trained turn: future_turns messages, the simulator first."""
-    f = _Player(p.engine, p.sim, p.task, p.policy, p.version_fn, p.chat.fork(), derive_seed(p.seed, "future", k))
+    f = _Player(p.engine, p.sim, p.task, p.policy, p.version_fn, p.chat.fork(), derive_seed(p.seed, "future", k),
+                p.watch)
     f.pinned = p.pinned  # the branch plays on the conversation's version (its pin is the conversation's)
-    await _play(f, p.task.future_turns, trained=False)
+    f.terminated = await _play(f, p.task.future_turns, trained=False)
     return f

@@ -21,7 +21,7 @@ import msgspec
 from config.run import RunConfig
 from protocol import bus, status, topology
 from environments.base import Reward
-from protocol.messages import Heartbeat, Trajectory
+from protocol.messages import ABANDONED_STALE, Heartbeat, Scored, Trajectory
 from config.scorer import ScorerConfig
 from scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
 from rollout.judge import Judge, JudgeFailed, JudgeUnavailable
@@ -88,6 +88,12 @@ class Scorer:
     async def _score(self, traj: Trajectory, delivered: int):
         """score_trajectory and, with a reference client, the trajectory's reference log-probs
         (asked at the same time), each waited for here while its service is unreachable."""
+        if traj.terminated == ABANDONED_STALE:
+            # stopped by its actor because the learner can no longer train its group: nothing to judge
+            # (the learner drops the group as stale), and a judge call or reference pass would be wasted
+            self.counters["abandoned_stale"] += 1
+            return Scored(traj_id=traj.traj_id, task_id=traj.task_id, sample=traj.sample, run=traj.run, metrics={},
+                          weights={}, total=0.0, trajectory=traj, scorer=self.ident, created=time.time())
         # A redelivery asks the judge with other seeds (its own retries add 0, 1, 2 ...), so a
         # verdict that failed to parse is not reproduced exactly.
         seed = (traj.seed + 1000 * (delivered - 1)) % 2**31

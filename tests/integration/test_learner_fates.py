@@ -19,7 +19,7 @@ from learner.checkpoint import read_state
 from config.learner import LearnerConfig, RolloutConfig
 from protocol import codec, topology
 from protocol.bus import Poison, PullWorker, publish
-from protocol.messages import Scored, Task
+from protocol.messages import ABANDONED_STALE, Scored, Task
 from tests import factories
 
 pytestmark = [pytest.mark.integration]
@@ -83,9 +83,18 @@ class TrainerDouble:
         return None
 
 
+def abandoned_for(task: Task, sample: int) -> Scored:
+    """What a real actor and scorer publish for a sample stopped before its first turn because its
+    group could no longer be trained: no turn, no reward, terminated ABANDONED_STALE."""
+    traj = factories.trajectory(task.run, task.task_id, sample, item_id=task.item_id, messages=[("user", "x")],
+                                token_ids=[1, 2], loss_mask=[0, 0], reference=task.reference, turns=[],
+                                terminated=ABANDONED_STALE)
+    return factories.scored(traj, {}, weights={}, total=0.0)
+
+
 class ActorDouble:
     """Takes Tasks from the shared "actor" consumer: `fate(index)` says "answer", "flat" (answer with
-    equal rewards), "poison" or "lose"."""
+    equal rewards), "abandon" (every sample stopped before its first turn), "poison" or "lose"."""
 
     def __init__(self, js, run: str, fate, *, bus=BUS, pad: int = 0):
         self.js, self.run, self.fate, self.bus, self.pad = js, run, fate, bus, pad
@@ -99,6 +108,9 @@ class ActorDouble:
         if fate in ("answer", "flat"):
             for i in range(task.n):
                 await publish(self.js, self.run, "scored", scored_for(task, i, flat=fate == "flat", pad=self.pad))
+        if fate == "abandon":
+            for i in range(task.n):
+                await publish(self.js, self.run, "scored", abandoned_for(task, i))
         await msg.ack()  # "lose": acked, never answered, never dead-lettered
 
     def start(self, stop: asyncio.Event) -> asyncio.Task:
@@ -164,6 +176,23 @@ async def test_dead_lettered_tasks_free_their_slots(js, nc, tmp_path):
         assert not_trained(run_dir)[t] == state.reasons[t]
     assert learner.state.counters["groups.dead"] == 17
     assert state.dead_seq == 18  # every letter read, and the ledger says so
+
+
+async def test_abandoned_samples_drop_their_groups_as_stale_and_free_their_slots(js, nc, tmp_path):
+    # Samples their actor stopped carry no turn and no reward: the learner must neither dead-letter
+    # them as bad trajectories nor hold their slots; 17 such tasks with 32 slots would stall the run.
+    run, run_dir = "abandon", tmp_path / "run"
+    cfg = make_cfg(run, run_dir, steps=2, groups_per_step=16, max_staleness=1)
+    await topology.ensure_topology(js, run, BUS)
+    learner, _ = await drive(js, nc, cfg, lambda i: "abandon" if i < 17 else "answer")
+
+    assert learner.state.step == 2
+    gone = {f"{run}-g{i:06d}" for i in range(17)}
+    state = read_state(run_dir)
+    assert {t: state.done[t] for t in gone} == {t: "stale" for t in gone}
+    assert all("was stopped by actor" in state.reasons[t] and "after 0 turn(s)" in state.reasons[t] for t in gone)
+    assert learner.state.counters["groups.stale"] == 17 and learner.state.counters["groups.dead"] == 0
+    assert (await js.stream_info(topology.stream_name(run, "dead"))).state.messages == 0
 
 
 async def test_lost_tasks_are_given_up_at_their_deadline(js, nc, tmp_path):

@@ -38,3 +38,27 @@ def test_hidden_goal_plays_its_user_in_the_actor(tiny_model):
     assert [m.content for m in traj.messages if m.role == "user"] == [
         "I want to order a pizza.", "size: large, crust: thin.", "topping: ham."]
     assert env.reward.evaluate(traj) == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 3.0}
+
+
+def test_the_actor_watches_staleness_only_where_the_learner_drops_stale_groups():
+    """A task's samples share one StaleWatch reading the announced version, for training tasks under
+    stale_policy "drop"; eval tasks, stale_policy "correct" (a stale group is still trained) and
+    [actor] abandon_stale = false play every conversation to its end."""
+    from types import SimpleNamespace
+
+    from actors.actor import Actor
+    from protocol.messages import Task
+
+    def watch(*sets, split="train", announced=3):
+        me = SimpleNamespace(cfg=load_config(None, list(sets)), follower=SimpleNamespace(announced=announced))
+        return Actor.stale_watch(me, Task(task_id="t", run="r", item_id="i", n=2, split=split))
+
+    w = watch("learner.max_staleness=1")
+    assert w is not None and w.max_staleness == 1 and w.announced() == 3
+    w.saw(2)
+    assert w.why() == ""
+    w.saw(1)
+    assert "lags the announced version 3 by 2 > max_staleness 1" in w.why()
+    assert watch(split="eval") is None
+    assert watch('learner.stale_policy="correct"') is None
+    assert watch("actor.abandon_stale=false") is None

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from deploy.cli import app
 from protocol import arrays
-from protocol.messages import AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, Scored, Trajectory
+from protocol.messages import ABANDONED_STALE, AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, Scored, Trajectory
 from config.scorer import ScorerConfig
 from evaluation.evallog import from_scored, read_log, read_records, rejudge, reweight, write_jsonl, write_parquet
 from rewards.metrics import bleu, char_bleu
@@ -205,3 +205,14 @@ def test_the_learner_archive_is_one_log_per_step_and_a_resume_forgets_later_step
     empty.mkdir()
     with pytest.raises(ValueError, match="holds no .parquet or .jsonl logs"):
         read_log(empty)
+
+
+def test_a_conversation_its_actor_abandoned_is_no_record(tmp_path):
+    """The learner's archive keeps abandoned samples (cut short, never judged, total 0) with their
+    dropped groups; a replay must neither judge half a conversation nor average its empty reward."""
+    s = scored(packed=True)
+    cut = msgspec.structs.replace(s, traj_id="t/1", sample=1, metrics={}, weights={}, total=0.0,
+                                  trajectory=msgspec.structs.replace(s.trajectory, terminated=ABANDONED_STALE))
+    path = write_parquet([s, cut], tmp_path / "archive.parquet")
+    assert len(read_log(path)) == 2
+    assert read_records(path) == [from_scored(s)]

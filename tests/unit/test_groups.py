@@ -9,7 +9,7 @@ import pytest
 
 from learner.groups import BadTrajectory, Grouper, behaviour_logprobs, behaviour_version, check_trajectory
 from protocol import arrays
-from protocol.messages import Scored, Trajectory
+from protocol.messages import ABANDONED_STALE, Scored, Trajectory
 from tests import factories
 
 
@@ -266,3 +266,39 @@ def test_freshest_order_trains_the_newest_behaviour_first_and_drops_what_it_pass
 def test_an_unknown_group_order_is_refused():
     with pytest.raises(ValueError, match="group_order='newest'"):
         grouper(order="newest")
+
+
+def abandoned(task: str, sample: int, version: int = 0, turns: bool = True) -> Scored:
+    """A sample its actor stopped (terminated ABANDONED_STALE): passed on unjudged, total 0."""
+    s = scored(task, sample, 0.0, version)
+    traj = msgspec.structs.replace(s.trajectory, terminated=ABANDONED_STALE, actor="a1",
+                                   **({} if turns else {"turns": []}))
+    return msgspec.structs.replace(s, trajectory=traj, metrics={}, weights={}, total=0.0)
+
+
+def test_a_group_with_a_sample_its_actor_abandoned_is_dropped_as_stale_whatever_the_versions():
+    """An abandoned sample is cut short and unjudged: its group is never trained, even where the
+    learner's own version would allow it (a resumed learner may be behind what the actor saw
+    announced), and a complete group of abandoned samples goes as stale, not as zero advantage."""
+    g = grouper(max_staleness=1)
+    g.add(scored("part", 0, 0.5, version=3), now=0)
+    g.add(abandoned("part", 1, version=3), now=1)
+    assert g.doomed("part", learner_version=3)  # its own versions lag 0: only the abandonment dooms it
+    for i in range(3):
+        g.add(abandoned("whole", i, version=3, turns=i != 2), now=2)
+    for i, r in enumerate((0.1, 0.5, 0.9)):
+        g.add(scored("ok", i, r, version=3), now=3)
+    taken, out = g.take(1, learner_version=3)
+    assert [t.group.task_id for t in taken] == ["ok"]
+    assert sorted((o.task_id, o.kind) for o in out) == [("part", "stale"), ("whole", "stale")]
+    reasons = {o.task_id: o.reason for o in out}
+    assert "sample 1 was stopped by actor a1 after 2 turn(s) (versions [3, 4])" in reasons["part"]
+    assert "2/3 samples in" in reasons["part"] and "3/3 samples in" in reasons["whole"]
+    assert g.add(scored("part", 2, 0.7, version=3), now=4) == "late" and not g.buffer
+
+
+def test_an_abandoned_sample_dooms_its_group_under_the_correct_policy_too():
+    g = grouper(max_staleness=0, stale_policy="correct")
+    g.add(abandoned("a", 0, version=0), now=0)
+    assert g.doomed("a", learner_version=0)
+    assert [(o.task_id, o.kind) for o in g.take(1, learner_version=0)[1]] == [("a", "stale")]

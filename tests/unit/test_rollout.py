@@ -13,12 +13,12 @@ import nats.errors
 import pytest
 
 from engines.engine import GenOut
-from rollout.conversation import PolicySettings, check_task, derive_seed, run_conversation
+from rollout.conversation import PolicySettings, StaleWatch, check_task, derive_seed, run_conversation
 from rollout.sim import SimClient, SimUnreachable
 from rollout.sim import FALLBACK_MESSAGE
 from protocol import arrays, codec
 from protocol.bus import Poison
-from protocol.messages import ChatMessage, SimReply, SimRequest, Task
+from protocol.messages import ABANDONED_STALE, ChatMessage, SimReply, SimRequest, Task
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +66,9 @@ def task(**kw) -> Task:
     return Task(**{**base, **kw})
 
 
-def play(tok, engine, sim, t, sample=0, version_fn=lambda: 0, max_model_len=2048):
+def play(tok, engine, sim, t, sample=0, version_fn=lambda: 0, max_model_len=2048, watch=None):
     policy = PolicySettings(max_model_len=max_model_len, model="tiny-double", actor="a1")
-    return asyncio.run(run_conversation(engine, sim, t, sample, version_fn, tokenizer=tok, policy=policy))
+    return asyncio.run(run_conversation(engine, sim, t, sample, version_fn, tokenizer=tok, policy=policy, watch=watch))
 
 
 def assert_consistent(tok, traj):
@@ -238,3 +238,51 @@ def test_special_tokens_generated_mid_turn_stay_in_the_messages(tok):
     assert tok.convert_tokens_to_ids("<|im_start|>") in gen
     assert traj.messages[-1].content == "Hello<|im_start|> there<|endoftext|>"
     assert_consistent(tok, traj)
+
+
+class AnnouncingEngineDouble(EngineDouble):
+    """EngineDouble whose `at`-th generation ends after the learner announced version `to`."""
+
+    def __init__(self, tok, texts, announced: list[int], at: int, to: int):
+        super().__init__(tok, texts)
+        self.announced, self.at, self.to = announced, at, to
+
+    async def generate(self, *a, **kw):
+        out = await super().generate(*a, **kw)
+        if len(self.calls) == self.at:
+            self.announced[0] = self.to
+        return out
+
+
+def test_a_conversation_stops_at_its_next_turn_once_its_group_can_no_longer_be_trained(tok):
+    """max_staleness 1: the first turn is of version 0; while it was generated the learner announced
+    version 2, so no sample of the task can be trained any more. The conversation stops before asking
+    the simulator again and is published as played (terminated "stale"); a sibling sharing the watch
+    does not play a turn. At max_staleness 2 the same conversation plays to its end."""
+    announced = [0]
+    engine = AnnouncingEngineDouble(tok, ["Who is it for?", "Draft."], announced, at=1, to=2)
+    sim = SimClientDouble([SimReply(message="my sister")] * 3)
+    watch = StaleWatch(lambda: announced[0], max_staleness=1)
+    traj = play(tok, engine, sim, task(), watch=watch)
+    assert traj.terminated == ABANDONED_STALE and [t.version for t in traj.turns] == [0]
+    assert sim.requests == [] and len(engine.calls) == 1
+    assert_consistent(tok, traj)
+    assert "lags the announced version 2 by 2 > max_staleness 1" in watch.why()
+    sibling = play(tok, engine, sim, task(), sample=1, watch=watch)
+    assert sibling.terminated == ABANDONED_STALE and sibling.turns == [] and len(engine.calls) == 1
+
+    announced = [0]
+    engine = AnnouncingEngineDouble(tok, ["Who is it for?", "Draft."], announced, at=1, to=2)
+    sim = SimClientDouble([SimReply(message="my sister")] * 3)
+    traj = play(tok, engine, sim, task(max_new_turns=4), watch=StaleWatch(lambda: announced[0], max_staleness=2))
+    assert traj.terminated == "max_new_turns" and len(traj.turns) == 2
+
+
+def test_next_turn_skips_its_futures_once_its_group_can_no_longer_be_trained(tok):
+    prefix = [ChatMessage("user", "help me"), ChatMessage("assistant", "With what?"), ChatMessage("user", "a toast")]
+    announced = [5]
+    engine = AnnouncingEngineDouble(tok, ["Who is it for?"], announced, at=1, to=6)
+    sim = SimClientDouble([SimReply(message="my sister")] * 3)
+    traj = play(tok, engine, sim, task(mode="next_turn", prefix=prefix, futures=3, future_turns=2),
+                version_fn=lambda: 5, watch=StaleWatch(lambda: announced[0], max_staleness=0))
+    assert traj.terminated == ABANDONED_STALE and traj.futures == [] and len(engine.calls) == 1 and not sim.requests

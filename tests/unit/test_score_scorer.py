@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from protocol import bus, codec, examples, topology
-from protocol.messages import JudgeReply
+from protocol.messages import ABANDONED_STALE, JudgeReply
 from config.scorer import ScorerConfig
 from rollout.judge import JudgeUnavailable
 from scorer.scorer import Scorer
@@ -146,3 +146,15 @@ async def test_slow_judging_keeps_the_message_alive():
     msg = FakeMsg()
     await scorer.handle(_traj(), msg)
     assert msg.acked == 1 and msg.progress >= 2
+
+
+async def test_a_conversation_its_actor_abandoned_is_passed_on_unjudged():
+    """An actor stops a conversation whose group can no longer be trained (ABANDONED_STALE); judging
+    half a conversation would spend the judge on a reward nobody uses: it is stored with total 0 and
+    no metrics, and the judge is never asked (a judge that fails every call would make it a retry)."""
+    scorer, js = _scorer(judge_double(fail_op="extract"))
+    msg = FakeMsg()
+    await scorer.handle(_traj(terminated=ABANDONED_STALE), msg)
+    out = codec.decode("scored", js.stored["scored:t-0001/0"])
+    assert msg.acked == 1 and out.total == 0.0 and out.metrics == {} and out.judge == []
+    assert out.trajectory.terminated == ABANDONED_STALE and scorer.counters["abandoned_stale"] == 1
