@@ -13,6 +13,7 @@ Modes (Task.mode):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -71,7 +72,10 @@ class StaleWatch:
     lower numbers, and `announced` follows it back), so once the oldest trained turn of any sample
     lags `announced()` by more, no sample of the task can be trained: playing on spends the engine on
     conversations that will be dropped. The samples then stop at their next turn boundary
-    (Trajectory.terminated = ABANDONED_STALE). A generation already running is not cut."""
+    (Trajectory.terminated = ABANDONED_STALE), and a generation running then is cut (looked at every
+    POLL_S; the engine aborts the request) and its partial turn left out."""
+
+    POLL_S = 0.25
 
     def __init__(self, announced: Callable[[], int], max_staleness: int):
         self.announced, self.max_staleness = announced, max_staleness
@@ -89,6 +93,10 @@ class StaleWatch:
             return ""
         return (f"a trained turn of version {self.oldest} lags the announced version {now} by "
                 f"{now - self.oldest} > max_staleness {self.max_staleness}")
+
+
+class _Abandoned(Exception):
+    """A generation cut because its task's group can no longer be trained (StaleWatch)."""
 
 
 class _Player:
@@ -128,12 +136,14 @@ class _Player:
             pin = {"version": version}
         self.n_calls += 1
         t0 = time.perf_counter()
-        out = await self.engine.generate(
-            self.chat.prompt_ids, max_tokens=max_tokens, temperature=self.policy.sampling.temperature,
-            top_p=self.policy.sampling.top_p, seed=derive_seed(self.seed, "policy", self.n_calls),
-            stop_token_ids=self.chat.end_token_ids, **pin,
-        )
-        self.timings["generate"] += time.perf_counter() - t0
+        try:
+            out = await self._unless_abandoned(self.engine.generate(
+                self.chat.prompt_ids, max_tokens=max_tokens, temperature=self.policy.sampling.temperature,
+                top_p=self.policy.sampling.top_p, seed=derive_seed(self.seed, "policy", self.n_calls),
+                stop_token_ids=self.chat.end_token_ids, **pin,
+            ))
+        finally:
+            self.timings["generate"] += time.perf_counter() - t0
         if out.finish_reason == "abort":
             # only happens while the engine shuts down; never publish a half-made turn
             raise Retry("generation aborted (engine stopping)", delay=1.0)
@@ -144,6 +154,26 @@ class _Player:
         if trained and self.watch is not None:
             self.watch.saw(version)
         return not (out.finish_reason == "length" and max_tokens < self.task.max_tokens)
+
+    async def _unless_abandoned(self, call):
+        """`await call`, cancelled (raising _Abandoned) once the watch says the task's group can no
+        longer be trained; vLLM aborts a cancelled request. Without a watch, or before any trained turn
+        of the task (nothing can be stale yet), just `await call`."""
+        w = self.watch
+        if w is None or w.oldest is None:
+            return await call
+        job = asyncio.ensure_future(call)
+        try:
+            while not job.done():
+                await asyncio.wait({job}, timeout=w.POLL_S)
+                if not job.done() and w.why():
+                    raise _Abandoned(w.why())
+            return job.result()
+        finally:
+            if not job.done():
+                job.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await job
 
     async def user(self, opening: bool = False) -> str:
         """Ask the simulator for the next user message and append it.
@@ -222,9 +252,13 @@ async def _play(p: _Player, budget: int, trained: bool = True) -> str:
         if p.awaiting_assistant:
             if added >= budget:
                 return "max_new_turns"
+            try:
+                if not await p.assistant(trained=trained):
+                    return "max_model_len"
+            except _Abandoned as e:
+                log.info("task %s: turn cut after %d messages: %s", p.task.task_id, added, e)
+                return ABANDONED_STALE
             added += 1
-            if not await p.assistant(trained=trained):
-                return "max_model_len"
         else:
             opening = len(p.chat) == 0
             # the opening user message is needed whatever the budget; later ones need a reply
@@ -269,7 +303,10 @@ async def _run(p: _Player, task: Task, sample: int, policy: PolicySettings, t0: 
         if not p.awaiting_assistant:
             terminated = await p.user(opening=len(p.chat) == 0)
         if not terminated:
-            terminated = "max_new_turns" if await p.assistant(trained=True) else "max_model_len"
+            try:
+                terminated = "max_new_turns" if await p.assistant(trained=True) else "max_model_len"
+            except _Abandoned:
+                terminated = ABANDONED_STALE
         if terminated == "max_new_turns" and p.watch is not None and p.watch.why():
             terminated = ABANDONED_STALE  # its futures are for scoring only: not worth playing
         if task.futures and p.turns and terminated == "max_new_turns":

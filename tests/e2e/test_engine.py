@@ -73,6 +73,32 @@ def test_generate_returns_one_logprob_per_token(ctx):
     assert again.token_ids == outs[0].token_ids
 
 
+def test_a_cancelled_generation_is_aborted_in_the_engine_and_the_engine_serves_on(ctx):
+    """An actor cuts a turn whose group can no longer be trained by cancelling its generate call
+    (rollout.conversation.StaleWatch): vLLM must then abort the request, not finish it unread."""
+
+    async def cut():
+        llm = ctx.engine._llm
+        job = asyncio.ensure_future(ctx.engine.generate(ctx.prompt("Write a long story."), max_tokens=4000, seed=1))
+        for _ in range(400):  # the request is in the engine
+            await asyncio.sleep(0.01)
+            if llm.output_processor.get_num_unfinished_requests():
+                break
+        assert llm.output_processor.get_num_unfinished_requests() == 1 and not job.done()
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        for _ in range(200):
+            if not llm.output_processor.get_num_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        return llm.output_processor.get_num_unfinished_requests()
+
+    assert ctx.run(cut()) == 0
+    out = ctx.run(ctx.engine.generate(ctx.prompt("Tell me about item 1."), max_tokens=8, seed=2))
+    assert 0 < len(out.token_ids) <= 8
+
+
 def test_logprobs_match_transformers(ctx):
     """The key learner/actor contract, at temperature 1 (our training default)."""
     prompt = ctx.prompt("Write a short note to the team.")

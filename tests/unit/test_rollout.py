@@ -286,3 +286,37 @@ def test_next_turn_skips_its_futures_once_its_group_can_no_longer_be_trained(tok
     traj = play(tok, engine, sim, task(mode="next_turn", prefix=prefix, futures=3, future_turns=2),
                 version_fn=lambda: 5, watch=StaleWatch(lambda: announced[0], max_staleness=0))
     assert traj.terminated == ABANDONED_STALE and traj.futures == [] and len(engine.calls) == 1 and not sim.requests
+
+
+class HangingEngineDouble(EngineDouble):
+    """EngineDouble whose second generation never ends by itself: the learner announces `to` while it
+    runs; records whether it was cancelled (vLLM aborts a cancelled request)."""
+
+    def __init__(self, tok, texts, announced: list[int], to: int):
+        super().__init__(tok, texts)
+        self.announced, self.to, self.cancelled = announced, to, False
+
+    async def generate(self, *a, **kw):
+        out = await super().generate(*a, **kw)
+        if len(self.calls) == 2:
+            self.announced[0] = self.to
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+        return out
+
+
+def test_a_generation_running_when_the_group_becomes_untrainable_is_cut_and_left_out(tok):
+    announced = [0]
+    engine = HangingEngineDouble(tok, ["Who is it for?", "A very long draft"], announced, to=1)
+    sim = SimClientDouble([SimReply(message="my sister")] * 3)
+    traj = play(tok, engine, sim, task(), watch=StaleWatch(lambda: announced[0], max_staleness=0))
+    assert engine.cancelled and traj.terminated == ABANDONED_STALE
+    assert [t.version for t in traj.turns] == [0] and [m.role for m in traj.messages][-1] == "user"
+    assert len(sim.requests) == 1
+    # the cut turn is not in the tokens: the trajectory still reads back as its messages
+    msgs = [{"role": m.role, "content": m.content} for m in traj.messages]
+    assert tok.decode(arrays.token_ids(traj).tolist()) == tok.apply_chat_template(msgs, tokenize=False,
+                                                                                     add_generation_prompt=True)
