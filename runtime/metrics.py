@@ -44,6 +44,8 @@ FAMILIES: tuple[Family, ...] = (
     _f("parley_actor_assistant_tokens_total", r"assistant_tokens", "Policy tokens generated in published trajectories.", "actor"),
     _f("parley_actor_sim_fallbacks_total", r"sim_fallbacks", "User turns the simulator answered with its fallback.", "actor"),
     _f("parley_actor_sim_waits_total", r"sim_waits", "Waits for an unreachable simulator service.", "actor"),
+    _f("parley_actor_abandoned_stale_total", r"abandoned_stale",
+       "Conversations stopped early because the learner could no longer train their group.", "actor"),
     _f("parley_actor_refused_versions", r"refused_versions", "Weight versions this actor refused (bad blob, failed load).", "actor"),
     _f("parley_actor_weights_announced_version", r"weights\.announced", "The weight version the learner announces now.", "actor"),
     _f("parley_actor_version_lag", r"weights\.lag", "Announced version minus the version served.", "actor"),
@@ -54,6 +56,8 @@ FAMILIES: tuple[Family, ...] = (
     _f("parley_scorer_scored_total", r"scored", "Trajectories scored and stored in SCORED.", "scorer"),
     _f("parley_scorer_duplicates_total", r"duplicate", "Scored messages SCORED already held (a redelivery).", "scorer"),
     _f("parley_scorer_unscorable_total", r"unscorable", "Trajectories that can never be scored (dead-lettered).", "scorer"),
+    _f("parley_scorer_abandoned_stale_total", r"abandoned_stale",
+       "Trajectories their actor stopped early, passed on unjudged.", "scorer"),
     _f("parley_scorer_retries_total", r"(?P<service>judge|reference)_retry", "Trajectories given back for a later try.", "scorer"),
     _f("parley_scorer_waits_total", r"(?P<service>judge|reference)_wait", "Waits for an unreachable service.", "scorer"),
     # services: sim, judge, reference (engines/service.py and each service's handler)
