@@ -158,17 +158,21 @@ def not_trained(run_dir) -> dict[str, str]:
     return out
 
 
-async def test_dead_lettered_tasks_free_their_slots(js, nc, tmp_path):
-    # 17 dead tasks with max_staleness 1 and 16 groups per step: before the learner read DEAD, they
-    # held 17 of the 32 slots for good, 15 groups could never fill a step, and the run stopped.
-    run, run_dir = "fates", tmp_path / "run"
+async def seventeen_then_answers(js, nc, run_dir, run: str, fate: str):
+    """Two steps of 16 groups at max_staleness 1 (32 slots) whose first 17 tasks meet `fate`: unless
+    their slots are freed, 15 groups can never fill a step and the run stops. The learner, its ledger
+    and the 17 task ids."""
     cfg = make_cfg(run, run_dir, steps=2, groups_per_step=16, max_staleness=1)
     await topology.ensure_topology(js, run, BUS)
-    learner, _ = await drive(js, nc, cfg, lambda i: "poison" if i < 17 else "answer")
-
+    learner, _ = await drive(js, nc, cfg, lambda i: fate if i < 17 else "answer")
     assert learner.state.step == 2
-    dead_ids = {f"{run}-g{i:06d}" for i in range(17)}
-    state = read_state(run_dir)
+    return learner, read_state(run_dir), {f"{run}-g{i:06d}" for i in range(17)}
+
+
+async def test_dead_lettered_tasks_free_their_slots(js, nc, tmp_path):
+    # before the learner read DEAD, 17 dead tasks held 17 of the 32 slots for good
+    run, run_dir = "fates", tmp_path / "run"
+    learner, state, dead_ids = await seventeen_then_answers(js, nc, run_dir, run, "poison")
     assert {t: state.done[t] for t in dead_ids} == {t: "dead" for t in dead_ids}
     assert not dead_ids & set(state.in_flight)
     for t in dead_ids:
@@ -180,15 +184,9 @@ async def test_dead_lettered_tasks_free_their_slots(js, nc, tmp_path):
 
 async def test_abandoned_samples_drop_their_groups_as_stale_and_free_their_slots(js, nc, tmp_path):
     # Samples their actor stopped carry no turn and no reward: the learner must neither dead-letter
-    # them as bad trajectories nor hold their slots; 17 such tasks with 32 slots would stall the run.
+    # them as bad trajectories nor hold their slots.
     run, run_dir = "abandon", tmp_path / "run"
-    cfg = make_cfg(run, run_dir, steps=2, groups_per_step=16, max_staleness=1)
-    await topology.ensure_topology(js, run, BUS)
-    learner, _ = await drive(js, nc, cfg, lambda i: "abandon" if i < 17 else "answer")
-
-    assert learner.state.step == 2
-    gone = {f"{run}-g{i:06d}" for i in range(17)}
-    state = read_state(run_dir)
+    learner, state, gone = await seventeen_then_answers(js, nc, run_dir, run, "abandon")
     assert {t: state.done[t] for t in gone} == {t: "stale" for t in gone}
     assert all("was stopped by actor" in state.reasons[t] and "after 0 turn(s)" in state.reasons[t] for t in gone)
     assert learner.state.counters["groups.stale"] == 17 and learner.state.counters["groups.dead"] == 0
