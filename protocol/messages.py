@@ -69,10 +69,11 @@ class Task(msgspec.Struct, kw_only=True):
     created: float = 0.0  # unix seconds
 
 
-# Trajectory.terminated of a conversation its actor stopped between turns because the learner can no
-# longer train its group (stale_policy "drop": a turn of it, or of another sample of its task, lags the
-# announced version by more than max_staleness). Published as far as it was played, passed on by the
-# scorer unjudged (total 0, no metrics), and its group is dropped as stale by the learner: never trained.
+# Trajectory.terminated of a conversation its actor stopped (at a turn boundary, or with its running
+# generation cut and left out) because the learner can no longer train its group (stale_policy "drop":
+# a turn of it, or of another sample of its task, lags the announced version by more than
+# max_staleness). Published as far as it was played, passed on by the scorer unjudged (total 0, no
+# metrics), and its group is dropped as stale by the learner: never trained.
 ABANDONED_STALE = "stale"
 
 

@@ -157,10 +157,10 @@ class _Player:
 
     async def _unless_abandoned(self, call):
         """`await call`, cancelled (raising _Abandoned) once the watch says the task's group can no
-        longer be trained; vLLM aborts a cancelled request. Without a watch, or before any trained turn
-        of the task (nothing can be stale yet), just `await call`."""
+        longer be trained (a sibling's turn may doom it while this one's first runs); vLLM aborts a
+        cancelled request. Without a watch, just `await call`."""
         w = self.watch
-        if w is None or w.oldest is None:
+        if w is None:
             return await call
         job = asyncio.ensure_future(call)
         try:
