@@ -166,8 +166,8 @@ class _Player:
         try:
             while not job.done():
                 await asyncio.wait({job}, timeout=w.POLL_S)
-                if not job.done() and w.why():
-                    raise _Abandoned(w.why())
+                if not job.done() and (why := w.why()):
+                    raise _Abandoned(why)
             return job.result()
         finally:
             if not job.done():
