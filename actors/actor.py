@@ -110,7 +110,7 @@ class Actor:
         lc = self.cfg.learner
         if not self.cfg.actor.abandon_stale or lc.stale_policy != "drop" or task.split != "train":
             return None
-        return StaleWatch(lambda: self.follower.announced, lc.max_staleness)
+        return StaleWatch(lambda: self.follower.announced, lc.max_staleness, changed=self.follower.announcement)
 
     async def _sample(self, task: Task, sample: int, watch: StaleWatch | None = None) -> None:
         async with self._slots:

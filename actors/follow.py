@@ -61,7 +61,8 @@ class WeightFollower:
         self.retry_at: dict[tuple[int, str], float] = {}  # (version, sha256) -> loop time of its next try
         self.serving: tuple[int, str] = (engine.version, "")  # (version, sha256) loaded now; "" = the base
         self.loaded: list[int] = []  # versions reloaded, in order
-        self.announced = engine.version  # the version the key named when last read
+        self._announced = engine.version  # the version the key named when last read (`announced`)
+        self._announce = asyncio.Event()  # set (and replaced) when `announced` changes: announcement()
         self.load_s = 0.0  # seconds the last loaded version took: fetch, verify, load
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -82,6 +83,23 @@ class WeightFollower:
     @property
     def version(self) -> int:
         return self.engine.version
+
+    @property
+    def announced(self) -> int:
+        """The version the weights key named when last read (before its load starts)."""
+        return self._announced
+
+    @announced.setter
+    def announced(self, version: int) -> None:
+        if version != self._announced:
+            self._announced = version
+            ev, self._announce = self._announce, asyncio.Event()
+            ev.set()
+
+    def announcement(self) -> asyncio.Event:
+        """An event set when `announced` next changes: what a conversation waits on beside its
+        generation, so it is cut the moment its group can no longer be trained (StaleWatch)."""
+        return self._announce
 
     async def reach(self, version: int, timeout_s: float, poll_s: float = 0.25) -> bool:
         """Wait until the engine serves `version` or newer (True), at most `timeout_s` (False: the

@@ -85,6 +85,7 @@ def at_equal_wall_time(parley: list[dict], trl: list[dict], metric: str = METRIC
 _PLAYED = re.compile(r"task \S+: \d+ samples stored in ([0-9.]+)s")
 _STOPPED = re.compile(r"task \S+: stopped after \d+ messages: ")
 _CUT = re.compile(r"task \S+: turn cut after \d+ messages: ")
+_SIM_CUT = re.compile(r"task \S+: simulator call cut after \d+ messages: ")
 
 
 def _median(xs: list[float]) -> float | None:
@@ -105,9 +106,10 @@ def step_breakdown(metrics: list[dict], actor_lines: list[str]) -> dict:
     out["task_play_s"] = _median(played)
     out["tasks_played"] = len(played)
     # conversations the actor stopped because the learner could no longer train their group
-    # (rollout.conversation: at a turn boundary, or with the running generation cut)
+    # (rollout.conversation: at a turn boundary, or with the running generation or simulator call cut)
     out["conversations_stopped"] = sum(1 for line in actor_lines if _STOPPED.search(line))
     out["generations_cut"] = sum(1 for line in actor_lines if _CUT.search(line))
+    out["simulator_calls_cut"] = sum(1 for line in actor_lines if _SIM_CUT.search(line))
     return out
 
 

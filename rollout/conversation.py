@@ -72,17 +72,32 @@ class StaleWatch:
     lower numbers, and `announced` follows it back), so once the oldest trained turn of any sample
     lags `announced()` by more, no sample of the task can be trained: playing on spends the engine on
     conversations that will be dropped. The samples then stop at their next turn boundary
-    (Trajectory.terminated = ABANDONED_STALE), and a generation running then is cut (looked at every
-    POLL_S; the engine aborts the request) and its partial turn left out."""
+    (Trajectory.terminated = ABANDONED_STALE), and a generation or simulator call running then is cut
+    (the engine aborts the request) and its partial turn left out.
+
+    A running call is cut as soon as what decides changes: a sibling's trained turn of an older version
+    (`saw`), or a new announcement when `changed` is given (actors.follow.Follower.announcement: an
+    event set when `announced()` next changes). The watch is also read every POLL_S, for an
+    `announced` that signals nothing (a generation on the GPU takes a few tenths of a second: a poll
+    alone would let much of it run)."""
 
     POLL_S = 0.25
 
-    def __init__(self, announced: Callable[[], int], max_staleness: int):
-        self.announced, self.max_staleness = announced, max_staleness
+    def __init__(self, announced: Callable[[], int], max_staleness: int,
+                 changed: Callable[[], asyncio.Event] | None = None):
+        self.announced, self.max_staleness, self.changed = announced, max_staleness, changed
         self.oldest: int | None = None  # the oldest version any sample of the task trained a turn on
+        self._moved = asyncio.Event()  # set (and replaced) when `oldest` changes
 
     def saw(self, version: int) -> None:
-        self.oldest = version if self.oldest is None else min(self.oldest, version)
+        if self.oldest is None or version < self.oldest:
+            self.oldest = version
+            moved, self._moved = self._moved, asyncio.Event()
+            moved.set()
+
+    def events(self) -> list[asyncio.Event]:
+        """Events one of which is set when why() may next change."""
+        return [self._moved] if self.changed is None else [self._moved, self.changed()]
 
     def why(self) -> str:
         """"" while the group may still be trained, else the reason it cannot."""
@@ -165,7 +180,14 @@ class _Player:
         job = asyncio.ensure_future(call)
         try:
             while not job.done():
-                await asyncio.wait({job}, timeout=w.POLL_S)
+                # the events are taken before the wait and why() read after it: no change between the
+                # two is missed (nothing else runs until this task awaits)
+                waiters = [asyncio.ensure_future(e.wait()) for e in w.events()]
+                try:
+                    await asyncio.wait({job, *waiters}, timeout=w.POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiter in waiters:
+                        waiter.cancel()
                 if not job.done() and (why := w.why()):
                     raise _Abandoned(why)
             return job.result()
@@ -188,8 +210,10 @@ class _Player:
             seed=derive_seed(self.seed, "sim", self.n_calls),
         )
         t0 = time.perf_counter()
-        reply = await self.sim.ask(req)
-        self.timings["sim"] += time.perf_counter() - t0
+        try:
+            reply = await self._unless_abandoned(self.sim.ask(req))
+        finally:
+            self.timings["sim"] += time.perf_counter() - t0
         if reply.done and not opening:
             return "sim_done"  # the closing "thanks" is not part of the conversation
         text = reply.message
@@ -264,7 +288,11 @@ async def _play(p: _Player, budget: int, trained: bool = True) -> str:
             # the opening user message is needed whatever the budget; later ones need a reply
             if not opening and added + 2 > budget:
                 return "max_new_turns"
-            why = await p.user(opening=opening)
+            try:
+                why = await p.user(opening=opening)
+            except _Abandoned as e:
+                log.info("task %s: simulator call cut after %d messages: %s", p.task.task_id, added, e)
+                return ABANDONED_STALE
             if why:
                 return why
             added += 1
@@ -301,7 +329,10 @@ async def _run(p: _Player, task: Task, sample: int, policy: PolicySettings, t0: 
         # next_turn: get the conversation to a user message, then the one trained turn
         terminated = ""
         if not p.awaiting_assistant:
-            terminated = await p.user(opening=len(p.chat) == 0)
+            try:
+                terminated = await p.user(opening=len(p.chat) == 0)
+            except _Abandoned:
+                terminated = ABANDONED_STALE
         if not terminated:
             try:
                 terminated = "max_new_turns" if await p.assistant(trained=True) else "max_model_len"

@@ -49,12 +49,16 @@ def test_the_actor_watches_staleness_only_where_the_learner_drops_stale_groups()
     from actors.actor import Actor
     from protocol.messages import Task
 
+    announcement = asyncio.Event()
+
     def watch(*sets, split="train", announced=3):
-        me = SimpleNamespace(cfg=load_config(None, list(sets)), follower=SimpleNamespace(announced=announced))
+        follower = SimpleNamespace(announced=announced, announcement=lambda: announcement)
+        me = SimpleNamespace(cfg=load_config(None, list(sets)), follower=follower)
         return Actor.stale_watch(me, Task(task_id="t", run="r", item_id="i", n=2, split=split))
 
     w = watch("learner.max_staleness=1")
     assert w is not None and w.max_staleness == 1 and w.announced() == 3
+    assert announcement in w.events()  # a running call is cut as the follower's announcement arrives
     w.saw(2)
     assert w.why() == ""
     w.saw(1)

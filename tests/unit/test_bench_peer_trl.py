@@ -259,10 +259,13 @@ def test_parleys_step_breakdown_is_the_medians_of_steps_2_to_n_and_of_the_actors
              "2026-12-02 10:00:32,300 actor-0 INFO parley.rollout: task gpu1-t000004: stopped after 0 messages: a "
              "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
              "2026-12-02 10:00:32,400 actor-0 INFO parley.rollout: task gpu1-t000005: turn cut after 3 messages: a "
-             "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0"]
+             "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
+             "2026-12-02 10:00:32,500 actor-0 INFO parley.rollout: task gpu1-t000006: simulator call cut after 2 "
+             "messages: a trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0"]
     assert peer_compare.step_breakdown(metrics, lines) == {
         "wait_s": 0.8, "train_s": 0.3, "publish_s": 0.03, "checkpoints_before_the_last_step": 1,
-        "task_play_s": 1.0, "tasks_played": 2, "conversations_stopped": 2, "generations_cut": 1}
+        "task_play_s": 1.0, "tasks_played": 2, "conversations_stopped": 2, "generations_cut": 1,
+        "simulator_calls_cut": 1}
 
 
 def test_the_settings_table_names_what_part_p_gave_parley_alone(tmp_path):

@@ -320,3 +320,107 @@ def test_a_generation_running_when_the_group_becomes_untrainable_is_cut_and_left
     msgs = [{"role": m.role, "content": m.content} for m in traj.messages]
     assert tok.decode(arrays.token_ids(traj).tolist()) == tok.apply_chat_template(msgs, tokenize=False,
                                                                                      add_generation_prompt=True)
+
+
+def _follower(tmp_path, version=0):
+    """A real actors.follow.WeightFollower (no bus: nothing here reads it) over an engine at `version`:
+    its `announced` setter and announcement() event are what the actor's StaleWatch waits on."""
+    from actors.follow import WeightFollower
+
+    return WeightFollower(None, "r", types.SimpleNamespace(version=version), dest_root=tmp_path)
+
+
+class HangingOnEventEngineDouble(EngineDouble):
+    """EngineDouble whose second generation runs until cancelled; as it starts, `on_second()` runs
+    (an announcement, a sibling's turn). Records whether it was cancelled."""
+
+    def __init__(self, tok, texts, on_second):
+        super().__init__(tok, texts)
+        self.on_second, self.cancelled = on_second, False
+
+    async def generate(self, *a, **kw):
+        out = await super().generate(*a, **kw)
+        if len(self.calls) == 2:
+            self.on_second()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+        return out
+
+
+def _play_within(tok, engine, sim, t, watch, timeout_s=20.0):
+    policy = PolicySettings(max_model_len=2048, model="tiny-double", actor="a1")
+    return asyncio.run(asyncio.wait_for(
+        run_conversation(engine, sim, t, 0, lambda: 0, tokenizer=tok, policy=policy, watch=watch), timeout_s))
+
+
+def test_a_generation_is_cut_when_the_announcement_arrives_not_at_the_next_poll(tok, tmp_path, monkeypatch):
+    """With the follower's announcement event the cut does not wait for the watch's poll: the poll is
+    an hour here, and the hanging generation is still cut (an hour-long wait would time out)."""
+    monkeypatch.setattr(StaleWatch, "POLL_S", 3600.0)
+    follower = _follower(tmp_path)
+    fired = follower.announcement()
+
+    def announce():
+        follower.announced = 1
+
+    engine = HangingOnEventEngineDouble(tok, ["Who is it for?", "A very long draft"], announce)
+    sim = SimClientDouble([SimReply(message="my sister")] * 3)
+    watch = StaleWatch(lambda: follower.announced, 0, changed=follower.announcement)
+    traj = _play_within(tok, engine, sim, task(), watch)
+    assert fired.is_set() and not follower.announcement().is_set()  # set once, then replaced
+    assert engine.cancelled and traj.terminated == ABANDONED_STALE and [t.version for t in traj.turns] == [0]
+
+
+def test_a_generation_is_cut_when_a_siblings_older_turn_dooms_the_group(tok, monkeypatch):
+    """The learner is at version 1 and max_staleness 0; this sample's first turn is of version 1, and
+    while its second runs a sibling trains a turn of version 0 (`saw(0)`): the group cannot be trained
+    any more, and the running generation is cut then, not at the next poll (an hour here)."""
+    monkeypatch.setattr(StaleWatch, "POLL_S", 3600.0)
+    watch = StaleWatch(lambda: 1, 0)
+    engine = HangingOnEventEngineDouble(tok, ["Who is it for?", "A very long draft"], lambda: watch.saw(0))
+    sim = SimClientDouble([SimReply(message="my sister")] * 3)
+    policy = PolicySettings(max_model_len=2048, model="tiny-double", actor="a1")
+    traj = asyncio.run(asyncio.wait_for(
+        run_conversation(engine, sim, task(), 0, lambda: 1, tokenizer=tok, policy=policy, watch=watch), 20.0))
+    assert engine.cancelled and traj.terminated == ABANDONED_STALE and [t.version for t in traj.turns] == [1]
+    assert "lags the announced version 1 by 1 > max_staleness 0" in watch.why()
+
+
+class HangingSimDouble(SimClientDouble):
+    """SimClientDouble whose second request runs until cancelled; `on_second()` runs as it starts."""
+
+    def __init__(self, replies, on_second):
+        super().__init__(replies)
+        self.on_second, self.cancelled = on_second, False
+
+    async def ask(self, req):
+        reply = await super().ask(req)
+        if len(self.requests) == 2:
+            self.on_second()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+        return reply
+
+
+def test_a_simulator_call_running_when_the_group_becomes_untrainable_is_cut(tok, tmp_path, monkeypatch):
+    """The learner announces version 1 while the simulator answers the first assistant turn (version
+    0, max_staleness 0): the call is cut, and the conversation ends on that assistant turn."""
+    monkeypatch.setattr(StaleWatch, "POLL_S", 3600.0)
+    follower = _follower(tmp_path)
+
+    def announce():
+        follower.announced = 1
+
+    engine = EngineDouble(tok, ["Who is it for?", "Draft."])
+    sim = HangingSimDouble([SimReply(message="a toast")] * 3, announce)
+    t = task(prefix=[])  # the simulator opens: its second request answers the assistant's first turn
+    traj = _play_within(tok, engine, sim, t, StaleWatch(lambda: follower.announced, 0, changed=follower.announcement))
+    assert sim.cancelled and traj.terminated == ABANDONED_STALE
+    assert [m.role for m in traj.messages][-2:] == ["user", "assistant"] and len(engine.calls) == 1
+    assert_consistent(tok, traj)
