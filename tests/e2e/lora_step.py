@@ -51,12 +51,16 @@ def main(model_dir: str, zero: int, checkpointing: bool) -> None:
         state, _ = adapter_state(trainer.peft, device=None)
         cached_matches = (cached is not None and [n for n, _ in cached] == sorted(state)
                           and all(torch.equal(p.detach(), state[n]) for n, p in cached))
+        # under ZeRO-1/2 the adapter lies end to end in DeepSpeed's flat buffer: a cuda_ipc fill is one copy
+        from weights.cuda_ipc import one_run
+
+        end_to_end = cached is not None and one_run([(n, p.detach()) for n, p in cached]) is not None
     changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
     adapter = sorted(n for n in before if "lora_" in n)
     print(json.dumps({"loss": first["loss"], "grad_norm": first["grad_norm"], "kl_first": first["kl_mean"],
                       "kl_second": second["kl_mean"], "loss_second": second["loss"],
                       "changed": changed, "adapter": adapter,
-                      "cached_matches": cached_matches}))
+                      "cached_matches": cached_matches, "end_to_end": end_to_end}))
 
 
 if __name__ == "__main__":

@@ -262,11 +262,15 @@ def test_an_adapter_trains_the_same_under_zero_3_and_gradient_checkpointing(tiny
     """[learner.lora] with ZeRO-3 (partitioned base and adapter) and with gradient checkpointing (the
     forward redone in backward, adapters and all): two steps give the loss, gradient norm and KL of
     ZeRO-2 without checkpointing, every adapter weight moves and no base weight does, and the adapter's
-parameters found once before the steps (what pack_adapter sends) hold what peft saves after them. The first step's
+parameters found once before the steps (what pack_adapter sends) hold what peft saves after them, and
+    under ZeRO-2 lie end to end in one storage (so a cuda_ipc fill copies them at once). The first step's
     KL is 0 (the reference is the base, the adapter's B starts at zero); the second's is not."""
     plain = _lora_steps(tiny_model, 2, False)
     assert plain["adapter"] and plain["changed"] == plain["adapter"]
     assert plain["cached_matches"]  # learner.lora.adapter_params, found before the steps, reads what peft saves after
+    # ZeRO-2 keeps the adapter's parameters end to end in one flat buffer after the steps: what makes
+    # a cuda_ipc adapter version one copy (weights.cuda_ipc.one_run, IpcPublisher.fill)
+    assert plain["end_to_end"]
     assert plain["kl_first"] == 0.0 and plain["kl_second"] > 0
     for zero, checkpointing in ((3, False), (2, True), (3, True)):
         other = _lora_steps(tiny_model, zero, checkpointing)

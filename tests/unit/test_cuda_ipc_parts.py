@@ -195,6 +195,63 @@ def test_a_later_fill_refuses_tensors_of_another_shape_dtype_or_name_and_writes_
         assert torch.equal(cuda_ipc.view(buf2, e), t), name
 
 
+def _adapter_like(flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views into one flat tensor, as DeepSpeed's ZeRO-1/2 optimizer holds the trained parameters:
+    in module order (q before k), which is not the sorted order of their names (k before q)."""
+    shapes = {"l0.q.A": (4, 32), "l0.q.B": (64, 4), "l0.k.A": (4, 32), "l0.k.B": (64, 4)}  # 128, 256 elements
+    out, at = {}, 0
+    for name, shape in shapes.items():
+        n = shape[0] * shape[1]
+        out[name] = flat[at: at + n].view(shape)
+        at += n
+    return sorted(out.items())
+
+
+def test_tensors_end_to_end_in_one_storage_are_planned_in_that_order_and_filled_in_one_copy(monkeypatch):
+    """An adapter's parameters under ZeRO-1/2 lie end to end in one flat buffer, in another order than
+    their sorted names: the layout follows the storage, and each fill is one copy of the span (counted
+    in fills_one_copy; the per-tensor pack is not called), giving every tensor back bit for bit. Once
+    a tensor is elsewhere (its parameter re-pointed) the fill copies tensor by tensor again."""
+    flat = torch.randn(768, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    tensors = _adapter_like(flat)
+    assert [n for n, _ in tensors] == ["l0.k.A", "l0.k.B", "l0.q.A", "l0.q.B"] and cuda_ipc.one_run(tensors) == [2, 3, 0, 1]
+    pub = IpcPublisher(hold_s=0.0, max_buffers=1)
+    per_tensor = []
+    real_pack = cuda_ipc.pack
+    monkeypatch.setattr(cuda_ipc, "pack", lambda *a, **kw: per_tensor.append(1) or real_pack(*a, **kw))
+    for v in (1, 2):
+        flat.add_(1)  # a step: the parameters change in place
+        buf, table = pub.fill(tensors, v)
+        assert [e.name for e in table] == ["l0.q.A", "l0.q.B", "l0.k.A", "l0.k.B"] and cuda_ipc.gapless(table)
+        for name, t in tensors:
+            assert torch.equal(cuda_ipc.view(buf, next(e for e in table if e.name == name)), t), name
+    assert pub.fills_one_copy == 2 and per_tensor == []
+    moved = [(n, t.clone() + 1 if n == "l0.k.A" else t) for n, t in tensors]  # one parameter re-pointed
+    buf, table = pub.fill(moved, 3)
+    assert pub.fills_one_copy == 2 and per_tensor == [1]
+    for name, t in moved:
+        assert torch.equal(cuda_ipc.view(buf, next(e for e in table if e.name == name)), t), name
+
+
+def test_tensors_not_end_to_end_in_one_storage_keep_their_order_and_are_copied_one_by_one():
+    flat = torch.zeros(1024, dtype=torch.bfloat16)
+    tensors = _adapter_like(flat[:768])
+    gap = [(n, flat[800:928].view(4, 32) if n == "l0.k.A" else t) for n, t in tensors]  # a hole before it
+    other = [(n, t.clone() if n == "l0.q.B" else t) for n, t in tensors]  # another storage
+    mixed = [(n, t.float() if n == "l0.q.A" else t) for n, t in tensors]  # another dtype
+    strided = [(n, t.t() if n == "l0.q.A" else t) for n, t in tensors]  # not contiguous
+    for case in (gap, other, mixed, strided):
+        assert cuda_ipc.one_run(case) is None
+        pub = IpcPublisher(hold_s=0.0, max_buffers=1)
+        buf, table = pub.fill(case, 1)
+        assert [e.name for e in table] == [n for n, _ in case] and pub.fills_one_copy == 0
+    odd = [("a", flat[:7]), ("b", flat[7:20])]  # end to end, but the layout pads "a" to ALIGN bytes
+    pub = IpcPublisher(hold_s=0.0, max_buffers=1)
+    buf, table = pub.fill(odd, 1)
+    assert cuda_ipc.one_run(odd) == [0, 1] and not cuda_ipc.gapless(table) and pub.fills_one_copy == 0
+    assert torch.equal(cuda_ipc.view(buf, table[1]), flat[7:20])
+
+
 def test_one_buffer_is_refilled_once_its_hold_time_is_over(clock):
     now = clock(0.0)
     pub = IpcPublisher(hold_s=3.0, max_buffers=1)
