@@ -341,19 +341,24 @@ class HangingOnEventEngineDouble(EngineDouble):
     async def generate(self, *a, **kw):
         out = await super().generate(*a, **kw)
         if len(self.calls) == 2:
-            self.on_second()
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled = True
-                raise
+            await _hang_until_cancelled(self)
         return out
 
 
-def _play_within(tok, engine, sim, t, watch, timeout_s=20.0):
+async def _hang_until_cancelled(double) -> None:
+    """double.on_second(), then wait until cancelled (recorded in double.cancelled)."""
+    double.on_second()
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        double.cancelled = True
+        raise
+
+
+def _play_within(tok, engine, sim, t, watch, version_fn=lambda: 0, timeout_s=20.0):
     policy = PolicySettings(max_model_len=2048, model="tiny-double", actor="a1")
     return asyncio.run(asyncio.wait_for(
-        run_conversation(engine, sim, t, 0, lambda: 0, tokenizer=tok, policy=policy, watch=watch), timeout_s))
+        run_conversation(engine, sim, t, 0, version_fn, tokenizer=tok, policy=policy, watch=watch), timeout_s))
 
 
 def test_a_generation_is_cut_when_the_announcement_arrives_not_at_the_next_poll(tok, tmp_path, monkeypatch):
@@ -382,9 +387,7 @@ def test_a_generation_is_cut_when_a_siblings_older_turn_dooms_the_group(tok, mon
     watch = StaleWatch(lambda: 1, 0)
     engine = HangingOnEventEngineDouble(tok, ["Who is it for?", "A very long draft"], lambda: watch.saw(0))
     sim = SimClientDouble([SimReply(message="my sister")] * 3)
-    policy = PolicySettings(max_model_len=2048, model="tiny-double", actor="a1")
-    traj = asyncio.run(asyncio.wait_for(
-        run_conversation(engine, sim, task(), 0, lambda: 1, tokenizer=tok, policy=policy, watch=watch), 20.0))
+    traj = _play_within(tok, engine, sim, task(), watch, version_fn=lambda: 1)
     assert engine.cancelled and traj.terminated == ABANDONED_STALE and [t.version for t in traj.turns] == [1]
     assert "lags the announced version 1 by 1 > max_staleness 0" in watch.why()
 
@@ -399,12 +402,7 @@ class HangingSimDouble(SimClientDouble):
     async def ask(self, req):
         reply = await super().ask(req)
         if len(self.requests) == 2:
-            self.on_second()
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled = True
-                raise
+            await _hang_until_cancelled(self)
         return reply
 
 
