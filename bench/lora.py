@@ -106,7 +106,9 @@ async def main(args) -> dict:
                          "load_s": round(t_loaded - t_pub, 4), "step_end_to_added_s": round(t_loaded - t0, 4),
                          "step_end_to_serving_s": round(t_served - t0, 4),
                          # of publish_s under cuda_ipc: the multi-tensor copy, the checksum (IpcPublisher.fill_s)
-                         **({f"fill_{k}_s": round(v, 4) for k, v in trainer.sender.fill_s.items()} if gpu else {})})
+                         **({f"fill_{k}_s": round(v, 4) for k, v in trainer.sender.fill_s.items()} if gpu else {}),
+                         # fills so far that copied the adapter's span at once (weights.cuda_ipc.one_run)
+                         **({"fills_one_copy": trainer.sender.fills_one_copy} if gpu else {})})
             print(f"[lora] {rows[-1]}", file=sys.stderr, flush=True)  # a run cut short keeps its lines
         check = None
         if gpu:
