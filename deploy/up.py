@@ -111,8 +111,8 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
     js = nc.jetstream()
     code = 1
     try:
+        await topology.ensure_topology(js, cfg.run.name, cfg.bus)  # first: it may refuse (no room), models take minutes
         await asyncio.to_thread(prepare_models, cfg)
-        await topology.ensure_topology(js, cfg.run.name, cfg.bus)
         children = plan_children(cfg, sup, config_path)
         engines = cpu_engines(cfg, children)
         targets: dict[str, str] = {}  # child -> host:port of its metrics

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 import nats.errors
 from nats.js import api
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -179,15 +179,30 @@ def _differs(have, want, fields) -> bool:
     return any(getattr(have, f) != getattr(want, f) for f in fields)
 
 
-async def _manage(what: str, call):
-    # A request the user has no permission for is dropped by the server and simply times out.
+# JetStream's "insufficient storage resources available" (JSStorageResourcesExceededErr) and
+# "insufficient resources" (JSInsufficientResourcesErr): the server's store cannot hold what is asked
+_NO_ROOM = (10047, 10023)
+
+
+async def _manage(what: str, call, room: str = ""):
+    """`await call` (a JetStream API request), its failures as TopologyErrors that say what to do.
+    `room`: what the request reserves on the server's store, named when the store has no room for it."""
     try:
         return await call
     except nats.errors.TimeoutError:
+        # A request the user has no permission for is dropped by the server and simply times out.
         raise TopologyError(
             f"{what}: no answer from JetStream; if this NATS user may not do that (only admin and learner "
             "manage streams, and each user only sees its own run; see docs/operations.md), start the learner "
             "or `parley up` first, or check the run name and credentials"
+        ) from None
+    except APIError as e:
+        if e.err_code not in _NO_ROOM:
+            raise
+        raise TopologyError(
+            f"{what}: JetStream has no room for it ({e.description}){': ' + room if room else ''}. Free disk "
+            "space where nats-server keeps its store (`parley up`: RUN_DIR/nats), raise its jetstream "
+            "max_file_store, or lower [bus] max_bytes (for example --set bus.max_bytes=268435456)"
         ) from None
 
 
@@ -198,6 +213,8 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
     only checks that everything exists and raises TopologyError naming what is missing.
     """
     bus = bus or BusSettings()
+    room = (f"the server reserves each stream's [bus] max_bytes = {bus.max_bytes} bytes on its store up front, "
+            f"{len(CHANNELS)} streams a run ({len(CHANNELS) * bus.max_bytes / 2**30:.1f} GiB)")
     for key, channel in CHANNELS.items():
         cfg = stream_config(run, key, bus)
         try:
@@ -208,9 +225,9 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
             raise TopologyError(f"stream {cfg.name} of run {run!r} does not exist; start the learner or `parley up`")
         if create and (have is None or _differs(have, cfg, _STREAM_FIELDS)):
             try:
-                await _manage(f"creating stream {cfg.name}", js.add_stream(cfg))
+                await _manage(f"creating stream {cfg.name}", js.add_stream(cfg), room)
             except BadRequestError:
-                await _manage(f"updating stream {cfg.name}", js.update_stream(cfg))  # exists with other settings
+                await _manage(f"updating stream {cfg.name}", js.update_stream(cfg), room)  # exists with other settings
         if channel.durable:
             want = consumer_config(channel.durable, bus)
             try:

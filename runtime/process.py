@@ -1,6 +1,7 @@
 """How a role process runs: `run_async(main, *args)` drives `main(stop, *args)` on uvloop with
-SIGINT/SIGTERM setting `stop`, and turns an unreachable NATS into exit code 3 with one line on
-stderr. Each role's plain entry function (config in, exit code out) calls it; deploy/ calls those."""
+SIGINT/SIGTERM setting `stop`, and turns an unreachable NATS into exit code 3 and a run topology
+that is missing or cannot be made (protocol.topology.TopologyError: no such stream yet, no
+permission, no room on the server's store) into exit code 4, each with one line on stderr. Each role's plain entry function (config in, exit code out) calls it; deploy/ calls those."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import sys
 
 EXIT_NATS_UNREACHABLE = 3
+EXIT_TOPOLOGY = 4
 
 
 def setup_logging(role: str, level: str | None = None) -> None:
@@ -41,10 +43,14 @@ def run_async(main, *args) -> int:
         return await main(stop, *args)
 
     from protocol.connect import NatsUnreachable
+    from protocol.topology import TopologyError
 
     try:
         code = runner(wrapper())
     except NatsUnreachable as e:
         print(f"parley: {e}", file=sys.stderr)
         return EXIT_NATS_UNREACHABLE
+    except TopologyError as e:  # says what is missing or full and what to do: a traceback adds nothing
+        print(f"parley: {e}", file=sys.stderr)
+        return EXIT_TOPOLOGY
     return int(code or 0)

@@ -56,3 +56,27 @@ def test_unreachable_nats_fails_fast_with_the_url(tmp_path):
     )
     assert out.returncode == 3
     assert "nats://127.0.0.1:1" in out.stderr
+
+
+def test_a_server_store_without_room_for_the_runs_streams_fails_with_the_setting_to_lower(tmp_path):
+    """nats-server with a 100 MB store and the default [bus] max_bytes (1 GiB a stream, reserved up
+    front): creating the topology fails with one line that names the setting, what it reserves and
+    the fix, and exit code 4, not a traceback. With max_bytes lowered the same check passes."""
+    from deploy.natsserver import NatsServer
+
+    server = NatsServer(tmp_path / "nats", port=0, extra_conf="jetstream {\n  max_file_store: 104857600\n}")
+    server.start()
+    try:
+        env = {**os.environ, "PARLEY_LOG": "ERROR"}
+        out = subprocess.run([*PARLEY, "selfcheck", "--external", "--nats", server.url],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 4, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+        line = next(x for x in out.stderr.splitlines() if x.startswith("parley: "))
+        assert "insufficient storage" in line and "[bus] max_bytes = 1073741824" in line
+        assert "5.0 GiB" in line and "--set bus.max_bytes=" in line
+        out = subprocess.run([*PARLEY, "selfcheck", "--external", "--nats", server.url, "--set", "bus.max_bytes=8388608"],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+    finally:
+        server.stop()
