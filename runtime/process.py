@@ -1,7 +1,8 @@
 """How a role process runs: `run_async(main, *args)` drives `main(stop, *args)` on uvloop with
 SIGINT/SIGTERM setting `stop`, and turns an unreachable NATS into exit code 3 and a run topology
 that is missing or cannot be made (protocol.topology.TopologyError: no such stream yet, no
-permission, no room on the server's store) into exit code 4, each with one line on stderr. Each role's plain entry function (config in, exit code out) calls it; deploy/ calls those."""
+permission, no room on the server's store) into exit code 4, each with one line on stderr. Each
+role's plain entry function (config in, exit code out) calls it; deploy/ calls those."""
 
 from __future__ import annotations
 
