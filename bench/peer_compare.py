@@ -16,6 +16,7 @@ import argparse
 import json
 import re
 import sys
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
@@ -83,9 +84,8 @@ def at_equal_wall_time(parley: list[dict], trl: list[dict], metric: str = METRIC
 
 
 _PLAYED = re.compile(r"task \S+: \d+ samples stored in ([0-9.]+)s")
-_STOPPED = re.compile(r"task \S+: stopped after \d+ messages: ")
-_CUT = re.compile(r"task \S+: turn cut after \d+ messages: ")
-_SIM_CUT = re.compile(r"task \S+: simulator call cut after \d+ messages: ")
+# rollout.conversation's lines for a conversation stopped at a turn boundary or with a call cut
+_STOPPED = re.compile(r"task \S+: (stopped|turn cut|simulator call cut) after \d+ messages: ")
 
 
 def _median(xs: list[float]) -> float | None:
@@ -107,9 +107,9 @@ def step_breakdown(metrics: list[dict], actor_lines: list[str]) -> dict:
     out["tasks_played"] = len(played)
     # conversations the actor stopped because the learner could no longer train their group
     # (rollout.conversation: at a turn boundary, or with the running generation or simulator call cut)
-    out["conversations_stopped"] = sum(1 for line in actor_lines if _STOPPED.search(line))
-    out["generations_cut"] = sum(1 for line in actor_lines if _CUT.search(line))
-    out["simulator_calls_cut"] = sum(1 for line in actor_lines if _SIM_CUT.search(line))
+    how = Counter(m.group(1) for m in map(_STOPPED.search, actor_lines) if m)
+    out.update(conversations_stopped=how["stopped"], generations_cut=how["turn cut"],
+               simulator_calls_cut=how["simulator call cut"])
     return out
 
 

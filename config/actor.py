@@ -36,8 +36,8 @@ class ActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # not spent: a simulator restart can take minutes); after this long the task is dead-lettered.
     sim_wait_s: Annotated[float, Meta(ge=0, description="0 gives a task up at the first outage")] = 900.0
     weights_poll_s: float = 5.0  # poll the weights key as well as watching it
-    # Stop a training conversation (at its next turn boundary, or cutting its running generation) once
-    # the learner can no longer train its group ([learner] stale_policy "drop" and a turn of its task
-    # lagging the announced version by more than max_staleness): published as far as played
-    # (terminated "stale"), never judged or trained. Off: every conversation is played to its end.
+    # Stop a training conversation (at its next turn boundary, or cutting its running generation or
+    # simulator call) once the learner can no longer train its group ([learner] stale_policy "drop" and
+    # a turn of its task lagging the announced version by more than max_staleness): published as far
+    # as played (terminated "stale"), never judged or trained. Off: every conversation is played to its end.
     abandon_stale: bool = True

@@ -70,7 +70,7 @@ class Task(msgspec.Struct, kw_only=True):
 
 
 # Trajectory.terminated of a conversation its actor stopped (at a turn boundary, or with its running
-# generation cut and left out) because the learner can no longer train its group (stale_policy "drop":
+# generation or simulator call cut and left out) because the learner can no longer train its group (stale_policy "drop":
 # a turn of it, or of another sample of its task, lags the announced version by more than
 # max_staleness). Published as far as it was played, passed on by the scorer unjudged (total 0, no
 # metrics), and its group is dropped as stale by the learner: never trained.

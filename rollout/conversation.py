@@ -111,7 +111,12 @@ class StaleWatch:
 
 
 class _Abandoned(Exception):
-    """A generation cut because its task's group can no longer be trained (StaleWatch)."""
+    """A call cut because its task's group can no longer be trained (StaleWatch); `what` was cut
+    ("turn": a generation, "simulator call")."""
+
+    def __init__(self, what: str, why: str):
+        super().__init__(why)
+        self.what = what
 
 
 class _Player:
@@ -156,7 +161,7 @@ class _Player:
                 self.chat.prompt_ids, max_tokens=max_tokens, temperature=self.policy.sampling.temperature,
                 top_p=self.policy.sampling.top_p, seed=derive_seed(self.seed, "policy", self.n_calls),
                 stop_token_ids=self.chat.end_token_ids, **pin,
-            ))
+            ), "turn")
         finally:
             self.timings["generate"] += time.perf_counter() - t0
         if out.finish_reason == "abort":
@@ -170,10 +175,10 @@ class _Player:
             self.watch.saw(version)
         return not (out.finish_reason == "length" and max_tokens < self.task.max_tokens)
 
-    async def _unless_abandoned(self, call):
-        """`await call`, cancelled (raising _Abandoned) once the watch says the task's group can no
-        longer be trained (a sibling's turn may doom it while this one's first runs); vLLM aborts a
-        cancelled request. Without a watch, just `await call`."""
+    async def _unless_abandoned(self, call, what: str):
+        """`await call`, cancelled (raising _Abandoned(what, ...)) once the watch says the task's group
+        can no longer be trained (a sibling's turn may doom it while this one's first runs); vLLM
+        aborts a cancelled request. Without a watch, just `await call`."""
         w = self.watch
         if w is None:
             return await call
@@ -189,7 +194,7 @@ class _Player:
                     for waiter in waiters:
                         waiter.cancel()
                 if not job.done() and (why := w.why()):
-                    raise _Abandoned(why)
+                    raise _Abandoned(what, why)
             return job.result()
         finally:
             if not job.done():
@@ -211,7 +216,7 @@ class _Player:
         )
         t0 = time.perf_counter()
         try:
-            reply = await self._unless_abandoned(self.sim.ask(req))
+            reply = await self._unless_abandoned(self.sim.ask(req), "simulator call")
         finally:
             self.timings["sim"] += time.perf_counter() - t0
         if reply.done and not opening:
@@ -273,29 +278,23 @@ async def _play(p: _Player, budget: int, trained: bool = True) -> str:
         if p.watch is not None and (why := p.watch.why()):
             log.info("task %s: stopped after %d messages: %s", p.task.task_id, added, why)
             return ABANDONED_STALE
-        if p.awaiting_assistant:
-            if added >= budget:
-                return "max_new_turns"
-            try:
+        try:
+            if p.awaiting_assistant:
+                if added >= budget:
+                    return "max_new_turns"
                 if not await p.assistant(trained=trained):
                     return "max_model_len"
-            except _Abandoned as e:
-                log.info("task %s: turn cut after %d messages: %s", p.task.task_id, added, e)
-                return ABANDONED_STALE
-            added += 1
-        else:
-            opening = len(p.chat) == 0
-            # the opening user message is needed whatever the budget; later ones need a reply
-            if not opening and added + 2 > budget:
-                return "max_new_turns"
-            try:
-                why = await p.user(opening=opening)
-            except _Abandoned as e:
-                log.info("task %s: simulator call cut after %d messages: %s", p.task.task_id, added, e)
-                return ABANDONED_STALE
-            if why:
-                return why
-            added += 1
+            else:
+                opening = len(p.chat) == 0
+                # the opening user message is needed whatever the budget; later ones need a reply
+                if not opening and added + 2 > budget:
+                    return "max_new_turns"
+                if why := await p.user(opening=opening):
+                    return why
+        except _Abandoned as e:
+            log.info("task %s: %s cut after %d messages: %s", p.task.task_id, e.what, added, e)
+            return ABANDONED_STALE
+        added += 1
 
 
 async def run_conversation(
@@ -328,16 +327,13 @@ async def _run(p: _Player, task: Task, sample: int, policy: PolicySettings, t0: 
     else:
         # next_turn: get the conversation to a user message, then the one trained turn
         terminated = ""
-        if not p.awaiting_assistant:
-            try:
+        try:
+            if not p.awaiting_assistant:
                 terminated = await p.user(opening=len(p.chat) == 0)
-            except _Abandoned:
-                terminated = ABANDONED_STALE
-        if not terminated:
-            try:
+            if not terminated:
                 terminated = "max_new_turns" if await p.assistant(trained=True) else "max_model_len"
-            except _Abandoned:
-                terminated = ABANDONED_STALE
+        except _Abandoned:
+            terminated = ABANDONED_STALE
         if terminated == "max_new_turns" and p.watch is not None and p.watch.why():
             terminated = ABANDONED_STALE  # its futures are for scoring only: not worth playing
         if task.futures and p.turns and terminated == "max_new_turns":

@@ -422,3 +422,32 @@ def test_a_simulator_call_running_when_the_group_becomes_untrainable_is_cut(tok,
     assert sim.cancelled and traj.terminated == ABANDONED_STALE
     assert [m.role for m in traj.messages][-2:] == ["user", "assistant"] and len(engine.calls) == 1
     assert_consistent(tok, traj)
+
+
+def test_the_stop_and_cut_lines_are_the_ones_part_ps_breakdown_counts(tok, tmp_path, monkeypatch, caplog):
+    """bench/peer_compare.py counts stopped conversations and cut calls from the actor's log: the lines
+    rollout.conversation writes for a boundary stop, a cut generation and a cut simulator call must
+    be the ones it counts, one each."""
+    import logging
+
+    from bench import peer_compare
+
+    monkeypatch.setattr(StaleWatch, "POLL_S", 3600.0)
+    caplog.set_level(logging.INFO, logger="parley.rollout")
+    announced = [0]
+    engine = AnnouncingEngineDouble(tok, ["Who is it for?", "Draft."], announced, at=1, to=2)
+    play(tok, engine, SimClientDouble([SimReply(message="my sister")] * 3), task(),
+         watch=StaleWatch(lambda: announced[0], max_staleness=1))  # stopped at the boundary
+    follower = _follower(tmp_path)
+
+    def announce():
+        follower.announced += 1
+
+    watch = StaleWatch(lambda: follower.announced, 0, changed=follower.announcement)
+    engine = HangingOnEventEngineDouble(tok, ["Who is it for?", "A very long draft"], announce)
+    _play_within(tok, engine, SimClientDouble([SimReply(message="my sister")] * 3), task(), watch)  # turn cut
+    watch = StaleWatch(lambda: follower.announced - 1, 0, changed=follower.announcement)
+    sim = HangingSimDouble([SimReply(message="a toast")] * 3, announce)
+    _play_within(tok, EngineDouble(tok, ["Who is it for?"]), sim, task(prefix=[]), watch)  # simulator call cut
+    counts = peer_compare.step_breakdown([], [r.getMessage() for r in caplog.records])
+    assert (counts["conversations_stopped"], counts["generations_cut"], counts["simulator_calls_cut"]) == (1, 1, 1)
