@@ -88,6 +88,7 @@ async def main(args) -> dict:
             t0 = time.perf_counter()  # the step's end
             if gpu:  # learner.publication.Weights._submit_gpu's path: pack, then announce
                 source, conf = trainer.pack_adapter(version)
+                t_packed = time.perf_counter()
                 wv = await lora.publish_adapter_gpu(js, run, version, version, source, base=base, rank=args.rank,
                                                     adapter_config=conf)
             else:
@@ -96,6 +97,8 @@ async def main(args) -> dict:
                 wv = await lora.publish_adapter(js, run, version, version, wdir, ObjstoreWeights(), base=base,
                                                 rank=args.rank)
             t_pub = time.perf_counter()
+            if not gpu:
+                t_packed = t_pub
             assert await follower.check(), follower.refused
             t_loaded = time.perf_counter()
             await engine.generate(ids[:16], max_tokens=1)  # the first token served on the new adapter
@@ -103,6 +106,8 @@ async def main(args) -> dict:
             # added: vLLM holds the adapter in a LoRA slot, what "serving" means for whole weights
             # (bench/weight_path.py); serving: its first generated token
             rows.append({"version": version, "adapter_bytes": wv.bytes, "publish_s": round(t_pub - t0, 4),
+                         # of publish_s under cuda_ipc: packing (fill and export), then announcing
+                         **({"pack_s": round(t_packed - t0, 4), "announce_s": round(t_pub - t_packed, 4)} if gpu else {}),
                          "load_s": round(t_loaded - t_pub, 4), "step_end_to_added_s": round(t_loaded - t0, 4),
                          "step_end_to_serving_s": round(t_served - t0, 4),
                          # of publish_s under cuda_ipc: the multi-tensor copy, the checksum (IpcPublisher.fill_s)

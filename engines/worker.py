@@ -54,6 +54,7 @@ class WorkerExtension:
         from weights.common import WeightUnavailable
 
         t0 = time.perf_counter()
+        state: dict = {}
         if tensors is not None:
             from safetensors.torch import load
 
@@ -63,7 +64,6 @@ class WorkerExtension:
             transport = _gpu_transport(wv)
             if transport is None or wv.adapter is None:
                 return REFUSED, f"version {wv.version}: announced as {wv.transport!r} without its GPU source or adapter"
-            state: dict = {}
             try:  # own=True: views into one copy of the whole buffer (the learner may refill its own)
                 named, reason = transport.receive(wv, state, own=True)
             except WeightUnavailable as e:
@@ -92,8 +92,10 @@ class WorkerExtension:
             if not added:
                 self._parley_adapters.pop(lora_id, None)
                 raise RuntimeError(f"vLLM's LoRA manager did not add adapter {lora_name} (id {lora_id}) from memory")
-        _worker_log.info("parley: adapter %d staged in memory (%d tensors) in %.4f s%s", lora_id, len(tensors),
-                         t_staged - t0, f", added in {time.perf_counter() - t_staged:.4f} s" if lora_name else "")
+        parts = state.get("receive_s") or {}
+        _worker_log.info("parley: adapter %d staged in memory (%d tensors) in %.4f s%s%s", lora_id, len(tensors),
+                         t_staged - t0, f" ({', '.join(f'{k} {v:.4f} s' for k, v in parts.items())})" if parts else "",
+                         f", added in {time.perf_counter() - t_staged:.4f} s" if lora_name else "")
         return None
 
     def parley_unstage_adapter(self, lora_id: int) -> None:

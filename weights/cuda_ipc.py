@@ -387,6 +387,37 @@ def _open(ipc: CudaIpcBuffer) -> "Tensor":
     )
 
 
+KEEP_OPEN = 8  # the learner's buffers an adapter reader keeps mapped (receive with own=True)
+_kept: "dict[tuple[bytes, int], Tensor]" = {}  # (storage handle, offset) -> the open buffer, oldest first
+
+
+def _release_counter(ipc: CudaIpcBuffer) -> None:
+    """Give back the reference count this export took for its reader (each export takes one), as
+    torch's rebuild_cuda_tensor does when the handle is open already: the learner's torch frees a
+    buffer's export records once every reader has."""
+    import torch
+
+    torch.UntypedStorage._release_ipc_counter_cuda(ipc.ref_counter_handle, ipc.ref_counter_offset)
+
+
+def _open_kept(ipc: CudaIpcBuffer) -> "Tensor":
+    """_open, for a reader that copies the buffer out at once (own=True): the mapping stays open for
+    the next version that comes in the same buffer (the learner reuses its few buffers for as long as
+    it lives), so torch finds it in its own cache of opened handles and does not open the handle
+    again. Holding a mapping costs nothing while the learner lives; after a learner restart at most
+    KEEP_OPEN of its old buffers stay mapped until newer ones push them out."""
+    key = (ipc.storage_handle, ipc.storage_offset)
+    src = _kept.pop(key, None)
+    if src is not None and src.numel() == ipc.nbytes:
+        _release_counter(ipc)  # what torch does for a handle it has open: this export's counter back
+    else:
+        src = _open(ipc)
+    _kept[key] = src
+    while len(_kept) > KEEP_OPEN:
+        _kept.pop(next(iter(_kept)))
+    return src
+
+
 def receive(ipc: CudaIpcBuffer, device, state: dict | None = None,
             own: bool = False) -> tuple[list[tuple[str, "Tensor"]], str | None]:
     """Open the learner's buffer and check it: ((name, tensor) views, None) when every checksum
@@ -395,11 +426,12 @@ def receive(ipc: CudaIpcBuffer, device, state: dict | None = None,
     Within the hold (direct_deadline) the views are into the learner's buffer itself, and `state`
     keeps what `after_load` needs to tell whether the buffer stayed unchanged until the load
     ended; past it, or with own=True (tensors to keep: an adapter), into a local copy on `device`
-    made in one copy of the whole buffer (the learner's mapping is closed at once)."""
+    made in one copy of the whole buffer. With own=True the learner's mapping stays open for its next
+    fill (_open_kept); otherwise it is closed at once. `state["receive_s"]`: where the time went."""
     import torch
 
     t0 = time.perf_counter()
-    src = _open(ipc)
+    src = _open_kept(ipc) if own else _open(ipc)
     deadline = None if own else direct_deadline(ipc)
     if deadline is not None:
         t_open = time.perf_counter()
@@ -413,15 +445,22 @@ def receive(ipc: CudaIpcBuffer, device, state: dict | None = None,
             state["receive_s"] = {"open": t_open - t0, "checksum": t_check - t_open,
                                   "views": time.perf_counter() - t_check}
         return named, None
+    t_open = time.perf_counter()
     staged = torch.empty(ipc.nbytes, dtype=torch.uint8, device=device)
     staged.copy_(src)
     if staged.is_cuda:
         torch.cuda.synchronize(device)
-    del src  # closes our mapping and releases the learner's reference counter
+    del src  # without own: closes our mapping and releases the learner's reference counter
+    t_copy = time.perf_counter()
     reason = mismatch(ipc.tensors, checksums(staged, ipc.tensors))
     if reason:
         return [], reason
-    return list(zip([e.name for e in ipc.tensors], views(staged, ipc.tensors))), None
+    t_check = time.perf_counter()
+    named = list(zip([e.name for e in ipc.tensors], views(staged, ipc.tensors)))
+    if state is not None:
+        state["receive_s"] = {"open": t_open - t0, "copy": t_copy - t_open, "checksum": t_check - t_copy,
+                              "views": time.perf_counter() - t_check}
+    return named, None
 
 
 def after_load(state: dict, now: float | None = None) -> str | None:
@@ -535,7 +574,10 @@ class IpcPublisher:
         if filled is None:
             return None
         buf, tensors = filled
-        return export(buf, tensors, self.hold_s, filled_at=time.time())
+        t0 = time.perf_counter()
+        exported = export(buf, tensors, self.hold_s, filled_at=time.time())
+        self.fill_s["export"] = time.perf_counter() - t0  # torch's IPC export: handle, reference counter, event
+        return exported
 
     def fill(self, named: list[tuple[str, "Tensor"]], version: int):
         """pack without the export: (the buffer now holding `version`, its tensor table with

@@ -601,3 +601,36 @@ def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_a
     back = codec.decode("weights", codec.encode(sent[0]))
     assert back == wv and back.transport == "cuda_ipc" and back.ipc is not None
     assert back.adapter.base == "b" * 32 and back.adapter.rank == 4 and json.loads(back.adapter.config) == conf
+
+
+def test_an_adapter_reader_opens_each_learner_buffer_once(monkeypatch):
+    # receive(own=True) copies the buffer out, so the mapping can stay open for the learner's next fill
+    # of the same buffer: a second version in it opens nothing and gives back its export's counter; a
+    # direct (whole-weight) receive still opens and closes each time; at most KEEP_OPEN stay mapped
+    tensors, layout, buf = packed()
+    table = cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))
+    opened, released = [], []
+
+    def open_double(ipc):  # test double for the CUDA IPC open: a CPU buffer per handle
+        opened.append(ipc.storage_handle)
+        return buf
+
+    monkeypatch.setattr(cuda_ipc, "_open", open_double)
+    monkeypatch.setattr(cuda_ipc, "_release_counter", lambda ipc: released.append(ipc.ref_counter_offset))
+    monkeypatch.setattr(cuda_ipc, "_kept", {})
+
+    def ipc_of(handle: bytes, counter: int):
+        return msgspec.structs.replace(announcement(table).ipc, storage_handle=handle, ref_counter_offset=counter,
+                                       nbytes=buf.numel(), filled_at=0.0)
+
+    for counter, handle in enumerate([b"a", b"b", b"a", b"b", b"a"]):
+        kept, reason = cuda_ipc.receive(ipc_of(handle, counter), torch.device("cpu"), {}, own=True)
+        assert reason is None and all(torch.equal(k, want) for (_, k), (_, want) in zip(kept, tensors))
+    assert opened == [b"a", b"b"] and released == [2, 3, 4]
+    cuda_ipc.receive(ipc_of(b"a", 5), torch.device("cpu"), {})  # not for keeping: opened, not kept
+    assert opened == [b"a", b"b", b"a"] and released == [2, 3, 4]
+    for i in range(cuda_ipc.KEEP_OPEN):  # KEEP_OPEN other buffers push "a" and "b" out
+        cuda_ipc.receive(ipc_of(bytes([i]), 10 + i), torch.device("cpu"), {}, own=True)
+    assert len(cuda_ipc._kept) == cuda_ipc.KEEP_OPEN
+    cuda_ipc.receive(ipc_of(b"a", 99), torch.device("cpu"), {}, own=True)
+    assert opened[-1] == b"a" and 99 not in released
