@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from nats.js.object_store import (MSG_ROLLUP_SUBJECT, OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TEMPLATE,
                                   OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE)
 from nats.nuid import NUID
@@ -36,12 +37,35 @@ _PAYLOAD_HEADROOM = 16 * 1024
 PUT_WINDOW = 8  # chunk publishes of one upload awaiting their acks at once (_put_object)
 PUT_ACK_S = 30.0  # the longest wait for one chunk's ack before an upload gives up
 
+# Purging an object's chunks (a stream purge filtered to its chunk subject) takes time with its size:
+# 0.33 s for 1 GiB, 0.76 s for 2, 2.5 s for 4 and 3.7 s for 8 GiB (256 to 2,048 chunks of 4 MiB) on the
+# 2-core VM's local disk (2026-12-05); on the H200 machine an 8 GB object's purge outlasted nats.py's
+# 5 s API timeout (2026-12-04). The wait is PURGE_FLOOR_S (twice that 5 s: a small object's purge is
+# a round trip, but the server may be busy storing the next version's chunks) plus PURGE_S_PER_GIB per
+# GiB (ten times the VM's 0.46 s/GiB, for a slower or busier disk), at most PURGE_MAX_S: the prune runs
+# inside the learner's publication, and the next version's publication waits behind it. A purge that
+# still outlasts it is made again at the next prune (_delete_object, _purge_left), so a short wait
+# costs a second purge, never chunks left behind.
+PURGE_FLOOR_S = 10.0
+PURGE_S_PER_GIB = 5.0
+PURGE_MAX_S = 120.0
+
+# Chunk subjects whose purge timed out or failed, by bucket: {chunk subject: (object name, nuid,
+# bytes)}, purged again by the next prune of that bucket before anything else. In the module, so that
+# it lasts between the publications of a learner process (the transport object is one for all runs).
+_UNPURGED: dict[str, dict[str, tuple[str, str, int]]] = {}
+
 
 def chunk_size(js) -> int:
     """Object-store chunk size for this connection: MAX_CHUNK, or less when the server's max_payload is smaller."""
     nc = getattr(js, "_nc", None)
     max_payload = getattr(nc, "max_payload", 0) or 1024 * 1024
     return max(64 * 1024, min(MAX_CHUNK, max_payload - _PAYLOAD_HEADROOM))
+
+
+def purge_timeout_s(size: int) -> float:
+    """How long to wait for the purge of an object of `size` bytes (the rule above PURGE_FLOOR_S)."""
+    return min(PURGE_MAX_S, PURGE_FLOOR_S + PURGE_S_PER_GIB * max(0, size or 0) / 2**30)
 
 
 class Objstore(Transport):
@@ -121,24 +145,29 @@ class Objstore(Transport):
             await _get_object(js, run, obj, dest / name)
 
     async def prune(self, js, run, settings, keep, current, protect):
-        store = await js.object_store(topology.object_bucket(run))
+        """Delete the objects of old versions (_delete_object), after purging again the chunks of
+        earlier deletes whose purge timed out or failed (_purge_left). Pruning is cleanup after the
+        announcement: a delete or purge that times out or is refused is logged and counted
+        (weights.prune_failed), and the publication returns."""
+        bucket = topology.object_bucket(run)
+        store = await js.object_store(bucket)
+        await _purge_left(js, store, bucket)
         try:
             infos = await store.list(ignore_deletes=True)
         except NotFoundError:
             return
-        names = [i.name for i in infos if not i.deleted]
-        old = old_versions([VERSION_DIR.match(n) for n in names], keep, current, protect)
-        for name in names:
-            m = VERSION_DIR.match(name)
+        live = [i for i in infos if not i.deleted]
+        old = old_versions([VERSION_DIR.match(i.name) for i in live], keep, current, protect)
+        for info in live:
+            m = VERSION_DIR.match(info.name)
             if m and int(m.group(1)) in old:
                 try:
-                    await store.delete(name)
-                except (NatsTimeoutError, asyncio.TimeoutError) as e:
-                    # The version is announced already; an old object is left for the next prune (purging
-                    # an 8 GB object's 2,000 chunks outlasted the API timeout on the H200, 2026-12-04).
+                    await _delete_object(js, bucket, info)
+                except _DeleteIncomplete as e:
+                    # The version is announced already (purging an 8 GB object's 2,000 chunks outlasted
+                    # nats.py's API timeout on the H200, 2026-12-04).
                     COUNTERS["weights.prune_failed"] += 1
-                    log.warning("pruning %s timed out (%s); left for the next publication's prune", name,
-                                type(e).__name__)
+                    log.warning("pruning %s: %s", info.name, e)
 
     async def fetch(self, js, run, wv, dest, settings, rehash):
         """The files are written into `dest` (created); the received bytes are hashed as they are
@@ -258,6 +287,93 @@ async def _put_object(js, run: str, name: str, data: Path | bytes) -> tuple[str,
     if old is not None and not old.deleted:
         await js.purge_stream(stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=old.nuid))
     return digest.hex(), total
+
+
+class _DeleteIncomplete(Exception):
+    """_delete_object did not finish; the message says what is left and what the next prune does."""
+
+
+async def _purge_chunks(js, bucket: str, chunks: str, size: int) -> None:
+    """Purge the chunk subject `chunks` from the bucket's stream, waiting purge_timeout_s(size): the
+    request nats.py's purge_stream makes ($JS.API.STREAM.PURGE.<stream> under the context's API
+    prefix, {"filter": subject}), whose wait purge_stream fixes at the context's API timeout."""
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    await js._api_request(f"{js._prefix}.STREAM.PURGE.{stream}", json.dumps({"filter": chunks}).encode(),
+                          timeout=purge_timeout_s(size))
+
+
+async def _delete_object(js, bucket: str, info: api.ObjectInfo) -> None:
+    """Delete object `info` (as listed) from `bucket` in the store's own layout (NATS ADR-20, as
+    nats.py's ObjectStore.delete writes it): its meta message replaced, with a rollup, by one marked
+    deleted (size, chunks, digest and mtime emptied, the nuid kept), then its chunk subject purged.
+    Unlike ObjectStore.delete, the purge waits purge_timeout_s(size), not the context's 5 s API timeout;
+    a purge that still times out or is refused leaves the object deleted from the listing (no prune
+    sees it again), so its chunk subject is remembered in _UNPURGED and purged at the next prune
+    (_purge_left). A meta publish that fails purges nothing (ObjectStore.delete purges in a `finally`:
+    the chunks of an object perhaps still listed); it is remembered too, since a publish that timed
+    out may have been stored. Both raise _DeleteIncomplete; anything else (a closed connection) raises
+    as it is, the subject remembered."""
+    if not info.nuid:
+        raise _DeleteIncomplete(f"its meta has no nuid ({info!r}); not deleted")
+    chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid)
+    size = info.size or 0
+    meta = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(info.name.encode()).decode())
+    deleted = dataclasses.replace(info, deleted=True, size=0, chunks=0, digest="", mtime="")
+    try:
+        await js.publish(meta, json.dumps(deleted.as_dict()).encode(), headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})
+    except BaseException as e:
+        _UNPURGED.setdefault(bucket, {})[chunks] = (info.name, info.nuid, size)
+        if isinstance(e, (NatsTimeoutError, asyncio.TimeoutError, APIError)):
+            raise _DeleteIncomplete(f"marking it deleted failed ({type(e).__name__}: {e}); the next prune "
+                                    "deletes it if it is still listed, or purges its chunks") from e
+        raise
+    try:
+        await _purge_chunks(js, bucket, chunks, size)
+    except BaseException as e:
+        _UNPURGED.setdefault(bucket, {})[chunks] = (info.name, info.nuid, size)
+        if isinstance(e, (NatsTimeoutError, asyncio.TimeoutError, APIError)):
+            timed_out = isinstance(e, (NatsTimeoutError, asyncio.TimeoutError))
+            what = f"timed out after {purge_timeout_s(size):.0f} s" if timed_out else "was refused"
+            raise _DeleteIncomplete(f"deleted from the listing, but the purge of its {info.chunks} chunks "
+                                    f"({size / 1e9:.2f} GB) {what} ({type(e).__name__}: {e}); its chunks "
+                                    f"({chunks}) are purged again at the next prune") from e
+        raise
+
+
+async def _purge_left(js, store, bucket: str) -> None:
+    """Purge again the chunk subjects in _UNPURGED[bucket] (a purge of a subject already purged
+    removes nothing). One whose object is listed with that nuid (a meta publish that timed out and
+    was not stored) is not purged: it is dropped, and the listing that follows deletes the object if
+    it is still old. A stream that is gone has nothing left to purge. One that times out or is refused
+    again stays for the next prune, counted in weights.prune_failed."""
+    left = _UNPURGED.get(bucket)
+    for chunks, (name, nuid, size) in list((left or {}).items()):
+        try:
+            info = await store.get_info(name, show_deleted=True)
+        except NotFoundError:
+            info = None
+        except (NatsTimeoutError, asyncio.TimeoutError, APIError) as e:
+            COUNTERS["weights.prune_failed"] += 1
+            log.warning("purging the chunks of %s again: reading its meta failed (%s: %s); tried at the next prune",
+                        name, type(e).__name__, e)
+            continue
+        if info is not None and info.nuid == nuid and not info.deleted:
+            del left[chunks]
+            continue
+        try:
+            await _purge_chunks(js, bucket, chunks, size)
+        except NotFoundError:  # the stream is gone, and its chunks with it
+            pass
+        except (NatsTimeoutError, asyncio.TimeoutError, APIError) as e:
+            COUNTERS["weights.prune_failed"] += 1
+            log.warning("purging the chunks of %s (%s) again failed (%s: %s); tried again at the next prune",
+                        name, chunks, type(e).__name__, e)
+            continue
+        else:
+            log.info("purged the chunks of %s (%s) left by an earlier prune", name, chunks)
+        del left[chunks]
+    if left == {}:
+        _UNPURGED.pop(bucket, None)
 
 
 async def _get_object(js, run: str, name: str, out: Path) -> tuple[str, int]:
