@@ -400,22 +400,24 @@ def _release_counter(ipc: CudaIpcBuffer) -> None:
     torch.UntypedStorage._release_ipc_counter_cuda(ipc.ref_counter_handle, ipc.ref_counter_offset)
 
 
-def _open_kept(ipc: CudaIpcBuffer) -> "Tensor":
+def _open_kept(ipc: CudaIpcBuffer) -> tuple["Tensor", bool]:
     """_open, for a reader that copies the buffer out at once (own=True): the mapping stays open for
     the next version that comes in the same buffer (the learner reuses its few buffers for as long as
-    it lives), so torch finds it in its own cache of opened handles and does not open the handle
-    again. Holding a mapping costs nothing while the learner lives; after a learner restart at most
-    KEEP_OPEN of its old buffers stay mapped until newer ones push them out."""
+    it lives), which then opens no handle: (the buffer, whether a kept mapping was reused). No wait on
+    the export's CUDA event either: the learner has synchronized its fill before it announces (the
+    checksums are read back to its CPU). Holding a mapping costs nothing while the learner lives; after
+    a learner restart at most KEEP_OPEN of its old buffers stay mapped until newer ones push them out."""
     key = (ipc.storage_handle, ipc.storage_offset)
     src = _kept.pop(key, None)
-    if src is not None and src.numel() == ipc.nbytes:
+    reused = src is not None and src.numel() == ipc.nbytes
+    if reused:
         _release_counter(ipc)  # what torch does for a handle it has open: this export's counter back
     else:
         src = _open(ipc)
     _kept[key] = src
     while len(_kept) > KEEP_OPEN:
         _kept.pop(next(iter(_kept)))
-    return src
+    return src, reused
 
 
 def receive(ipc: CudaIpcBuffer, device, state: dict | None = None,
@@ -431,7 +433,7 @@ def receive(ipc: CudaIpcBuffer, device, state: dict | None = None,
     import torch
 
     t0 = time.perf_counter()
-    src = _open_kept(ipc) if own else _open(ipc)
+    src, reused = _open_kept(ipc) if own else (_open(ipc), False)
     deadline = None if own else direct_deadline(ipc)
     if deadline is not None:
         t_open = time.perf_counter()
@@ -453,6 +455,10 @@ def receive(ipc: CudaIpcBuffer, device, state: dict | None = None,
     del src  # without own: closes our mapping and releases the learner's reference counter
     t_copy = time.perf_counter()
     reason = mismatch(ipc.tensors, checksums(staged, ipc.tensors))
+    if reason and reused:  # not refused on a kept mapping's word: the next try opens the handle afresh
+        _kept.pop((ipc.storage_handle, ipc.storage_offset), None)
+        raise WeightUnavailable(f"the learner's buffer, read through a mapping kept from an earlier version, "
+                                f"disagrees with this announcement ({reason}); it is opened afresh at the next try")
     if reason:
         return [], reason
     t_check = time.perf_counter()

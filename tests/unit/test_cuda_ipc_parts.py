@@ -16,6 +16,7 @@ from config.learner import LearnerConfig
 from protocol import codec
 from protocol.messages import CudaIpcBuffer, WeightVersion
 from weights import common, cuda_ipc, registry
+from weights.common import WeightUnavailable
 from weights.config import CudaIpcWeights
 from weights.cuda_ipc import IpcPublisher
 
@@ -634,6 +635,16 @@ def test_an_adapter_reader_opens_each_learner_buffer_once(monkeypatch):
     assert len(cuda_ipc._kept) == cuda_ipc.KEEP_OPEN
     cuda_ipc.receive(ipc_of(b"a", 99), torch.device("cpu"), {}, own=True)
     assert opened[-1] == b"a" and 99 not in released
+    # a kept mapping that disagrees with an announcement's checksums is not its word: no refusal, the
+    # mapping is dropped and the next try opens the handle again
+    wrong = msgspec.structs.replace(ipc_of(b"a", 100), tensors=[msgspec.structs.replace(t, checksum=[0, 0, 0])
+                                                                  for t in table])
+    with pytest.raises(WeightUnavailable, match="opened afresh"):
+        cuda_ipc.receive(wrong, torch.device("cpu"), {}, own=True)
+    assert (b"a", wrong.storage_offset) not in cuda_ipc._kept
+    n = len(opened)
+    cuda_ipc.receive(ipc_of(b"a", 101), torch.device("cpu"), {}, own=True)
+    assert len(opened) == n + 1
 
 
 def test_the_learner_hands_its_cache_back_only_when_the_actors_would_run_short():
