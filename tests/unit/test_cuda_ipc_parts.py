@@ -646,14 +646,3 @@ def test_an_adapter_reader_opens_each_learner_buffer_once(monkeypatch):
     cuda_ipc.receive(ipc_of(b"a", 101), torch.device("cpu"), {}, own=True)
     assert len(opened) == n + 1
 
-
-def test_the_learner_hands_its_cache_back_only_when_the_actors_would_run_short():
-    from learner.trainer import cache_release_needed
-
-    gib = 1 << 30
-    # the 4B shape on the H200: 0.9 GiB free after a step, a 7.5 GiB version to copy: release
-    assert cache_release_needed(int(0.9 * gib), int(7.5 * gib))
-    # SmolLM2 on the H200: ~100 GiB free, a 0.25 GiB version: keep the cache for the next step
-    assert not cache_release_needed(100 * gib, gib // 4)
-    # the line: two versions and 1 GiB of room
-    assert cache_release_needed(3 * gib - 1, gib) and not cache_release_needed(3 * gib, gib)
