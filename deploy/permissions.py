@@ -154,11 +154,13 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
     publish, subscribe = _everyone(run, role, user)
     responses = False
     if role == "actor":
-        publish += [topology.subject(run, "traj"), topology.SIM_SUBJECT, *_consume(run, "tasks"), *_read_weights(run)]
+        publish += [topology.subject(run, "traj"), *_with_withdrawals(topology.SIM_SUBJECT), *_consume(run, "tasks")]
+        publish += _read_weights(run)
     elif role == "scorer":
         publish += [topology.subject(run, "scored"), *_consume(run, "traj")]
-        publish += [topology.judge_subject(op) for op in topology.JUDGE_OPS]
-        publish += [topology.REFERENCE_SUBJECTS]  # [policy] reference = "service": one request per trajectory
+        publish += _with_withdrawals(*(topology.judge_subject(op) for op in topology.JUDGE_OPS))
+        # [policy] reference = "service": one request per trajectory
+        publish += _with_withdrawals(topology.REFERENCE_SUBJECTS)
     elif role == "learner":
         publish += [topology.subject(run, "tasks"), *_consume(run, "scored")]
         publish += [*_read_weights(run), *_write_weights(run)]
@@ -168,17 +170,17 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
         publish += [f"{API}.CONSUMER.INFO.{topology.stream_name(run, key)}.*" for key in topology.CHANNELS]
         publish += [f"{API}.STREAM.INFO.{topology.stream_name(run, key)}" for key in topology.CHANNELS]
     elif role == "eval":
-        publish += [topology.subject(run, "eval"), topology.SIM_SUBJECT, *_read_weights(run)]
-        publish += [topology.judge_subject(op) for op in topology.JUDGE_OPS]
+        publish += [topology.subject(run, "eval"), *_with_withdrawals(topology.SIM_SUBJECT), *_read_weights(run)]
+        publish += _with_withdrawals(*(topology.judge_subject(op) for op in topology.JUDGE_OPS))
         publish += _read_stream(topology.stream_name(run, "eval"))
     elif role == "sim":
-        subscribe += [topology.SIM_SUBJECT]
+        subscribe += _with_withdrawals(topology.SIM_SUBJECT)
         responses = True
     elif role == "judge":
-        subscribe += [topology.judge_subject(op) for op in topology.JUDGE_OPS]
+        subscribe += _with_withdrawals(*(topology.judge_subject(op) for op in topology.JUDGE_OPS))
         responses = True
     elif role == "reference":
-        subscribe += [topology.REFERENCE_SUBJECTS]
+        subscribe += _with_withdrawals(topology.REFERENCE_SUBJECTS)
         responses = True
     else:
         raise ValueError(f"unknown role {role!r}; known: {ROLES}")
@@ -189,6 +191,12 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
         # Services answer on the requester's reply subject only: no blanket publish right on _INBOX.>.
         rules["allow_responses"] = True
     return rules
+
+
+def _with_withdrawals(*subjects: str) -> list[str]:
+    """Service subjects and the subjects of their withdrawals (protocol/request.py): a requester
+    publishes both (a withdrawal when it stops waiting before its timeout), a service hears both."""
+    return [s for subject in subjects for s in (subject, topology.withdraw_subject(subject))]
 
 
 def _unique(items) -> list[str]:

@@ -24,6 +24,15 @@ both is the id derived again from the payload received, never the id a header cl
 that knows another's id cannot get another's answer ("id_mismatch" counts such headers). The
 counters "expired", "joined", "repeated", "late" (computed, but its requesters had stopped waiting)
 and "shed" (arrived while the queue held QUEUE_BYTES) say how often.
+
+A requester that stops waiting before its timeout withdraws its request (protocol/request.py): each
+replica hears the withdrawals of its subjects (no queue group) and looks up the send they name. A
+withdrawn request still queued is dropped, never computed; one being computed is left out of the
+answer, and the computation is cancelled (the handler's task, so a vLLM engine aborts the request)
+once none of its requests is still awaited (all withdrawn or expired); while a joined re-send still
+waits, it goes on for that one. "withdrawn" counts the requests withdrawn here, "cancelled" the
+computations cut. A withdrawal of a send not (yet) received is kept for a while (EARLY_WITHDRAWALS_*),
+since it may be read before its request, and then forgotten.
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ from collections.abc import Awaitable, Callable
 from protocol import status
 from protocol.connect import barrier
 from protocol.messages import Heartbeat
-from protocol.request import is_resend, request_id, wait_and_id
+from protocol.request import is_resend, request_id, send_id, wait_and_id, withdrawal
+from protocol.topology import withdraw_subject
 
 log = logging.getLogger("parley.service")
 
@@ -73,6 +83,12 @@ ANSWER_TTL_S = 900.0
 # wait is counted from then), up to this many bytes of payload; beyond it a request is shed
 # unanswered and its requester retries (another replica, or this one once the queue has drained).
 QUEUE_BYTES = 64 * 1024**2
+# Withdrawals of sends this process has not received: nats-py hands each subscription's messages to a
+# callback task of its own, so a withdrawal can be read before the request it withdraws; and every
+# replica hears every withdrawal of its subjects, mostly of requests another replica holds. Kept (to
+# drop the request if it comes) for a few seconds at most, and at most this many.
+EARLY_WITHDRAWALS_KEPT = 4096
+EARLY_WITHDRAWAL_TTL_S = 30.0
 
 
 def _expired(deadline: float | None) -> bool:
@@ -81,12 +97,31 @@ def _expired(deadline: float | None) -> bool:
 
 
 class _Request:
-    """A received request: the message, and when (time.monotonic()) its requester stops waiting."""
+    """A received request: the message, when (time.monotonic()) its requester stops waiting, its send
+    id ("": it cannot be withdrawn), whether it was withdrawn, and the computation that answers it."""
 
-    __slots__ = ("msg", "deadline")
+    __slots__ = ("msg", "deadline", "send", "withdrawn", "computation")
 
-    def __init__(self, msg, deadline: float | None):
-        self.msg, self.deadline = msg, deadline
+    def __init__(self, msg, deadline: float | None, send: str = ""):
+        self.msg, self.deadline, self.send = msg, deadline, send
+        self.withdrawn = False
+        self.computation: _Computation | None = None
+
+    def awaited(self) -> bool:
+        return not self.withdrawn and not _expired(self.deadline)
+
+
+class _Computation:
+    """One handler call and the requests it answers: the first, and the re-sends that joined it.
+    `work` is the handler's task once started; `cut`: cancelled because nobody awaits it any more."""
+
+    __slots__ = ("requests", "work", "cut")
+
+    def __init__(self, req: _Request):
+        self.requests = [req]
+        self.work: asyncio.Future | None = None
+        self.cut = False
+        req.computation = self
 
 
 async def _respond(msg, reply: bytes) -> None:
@@ -123,8 +158,12 @@ class Service:
         self._tasks: set[asyncio.Task] = set()
         self._subs = []
         self.latency_s = 0.0  # moving average, for the heartbeat
-        # By (subject, request id): the requests of a computation under way, and recent answers.
-        self._joining: dict[tuple[str, str], list[_Request]] = {}
+        # By (subject, request id): the computations under way, and recent answers.
+        self._joining: dict[tuple[str, str], _Computation] = {}
+        # By (subject, send id): the requests received and not yet answered or dropped, which a
+        # withdrawal may name; and withdrawals read before their request: (when, request id).
+        self._sends: dict[tuple[str, str], _Request] = {}
+        self._early: OrderedDict[tuple[str, str], tuple[float, str]] = OrderedDict()
         # answers by key: (when, reply, whether a requester of it was late by this clock)
         self._answered: OrderedDict[tuple[str, str], tuple[float, bytes, bool]] = OrderedDict()
         self._answered_bytes = 0
@@ -138,7 +177,10 @@ class Service:
     async def start(self) -> None:
         for subject, handler in self.routes.items():
             queue: asyncio.Queue = asyncio.Queue()
-            sub = await self.nc.subscribe(subject, queue=self.queue, cb=self._arrival(queue))
+            # withdrawals first, so none of a request this replica receives is missed; no queue group:
+            # only the replica that holds the request knows it
+            self._subs.append(await self.nc.subscribe(withdraw_subject(subject), cb=self._withdrawal(subject)))
+            sub = await self.nc.subscribe(subject, queue=self.queue, cb=self._arrival(subject, queue))
             self._subs.append(sub)
             d = asyncio.create_task(self._dispatch(subject, handler, queue))
             d.add_done_callback(self._dispatcher_ended)
@@ -147,28 +189,74 @@ class Service:
         log.info("%s: serving %s (queue %s, concurrency %d)", self.name, sorted(self.routes), self.queue,
                  self.concurrency)
 
-    def _arrival(self, queue: asyncio.Queue):
+    def _arrival(self, subject: str, queue: asyncio.Queue):
         async def arrive(msg) -> None:
             # nats-py calls this one message at a time, after the message waited in the client's
             # own queue: it only stamps the arrival and hands on, so that wait is (almost) nil and
             # the requester's wait is counted from here, on this clock.
+            wait, claimed = wait_and_id(msg)
+            send = send_id(msg)
+            early = self._early.pop((subject, send), None) if send else None
+            if early is not None and early[1] == claimed:  # withdrawn before it got here
+                self.counters["withdrawn"] += 1
+                return
             size = len(msg.data)
             if self._queued_bytes + size > QUEUE_BYTES and not queue.empty():
                 self.counters["shed"] += 1
                 return
-            wait, _ = wait_and_id(msg)
             self._queued_bytes += size
-            queue.put_nowait(_Request(msg, None if wait is None else time.monotonic() + wait))
+            req = _Request(msg, None if wait is None else time.monotonic() + wait, send)
+            if send:
+                self._sends[(subject, send)] = req
+            queue.put_nowait(req)
 
         return arrive
+
+    def _withdrawal(self, subject: str):
+        async def withdraw(msg) -> None:
+            rid, send = withdrawal(msg)
+            if not send:
+                return
+            req = self._sends.get((subject, send))
+            if req is None:  # not here (yet): another replica's, already answered, or read before its request
+                self._keep_early((subject, send), rid)
+                return
+            if req.withdrawn or wait_and_id(req.msg)[1] != rid:
+                return
+            req.withdrawn = True
+            self.counters["withdrawn"] += 1
+            c = req.computation
+            if c is not None and c.work is not None and not c.work.done() and not any(r.awaited() for r in c.requests):
+                c.cut = True  # nobody reads its answer: stop computing it (a queued one is dropped at dispatch)
+                c.work.cancel()
+
+        return withdraw
+
+    def _keep_early(self, key: tuple[str, str], rid: str) -> None:
+        now = time.monotonic()
+        self._early[key] = (now, rid)
+        self._early.move_to_end(key)
+        while self._early and (len(self._early) > EARLY_WITHDRAWALS_KEPT
+                               or next(iter(self._early.values()))[0] < now - EARLY_WITHDRAWAL_TTL_S):
+            self._early.popitem(last=False)
+
+    def _done(self, subject: str, req: _Request) -> None:
+        """`req` is answered or dropped: a withdrawal of it has nothing left to stop."""
+        if req.send and self._sends.get((subject, req.send)) is req:
+            del self._sends[(subject, req.send)]
+        req.computation = None
 
     async def _dispatch(self, subject: str, handler: Handler, queue: asyncio.Queue) -> None:
         # One request at a time, in arrival order: waiting for a slot here is the back-pressure.
         while True:
             req: _Request = await queue.get()
             self._queued_bytes -= len(req.msg.data)
+            if req.withdrawn:  # its requester withdrew it while it queued (counted then)
+                self._done(subject, req)
+                continue
             if _expired(req.deadline):  # it queued here longer than its requester waits: computing it helps no one
                 self.counters["expired"] += 1
+                self._done(subject, req)
                 continue
             key = self._key(subject, req.msg)
             answered = self._answered.get(key) if key else None
@@ -177,16 +265,21 @@ class Service:
                 # or delivered in time by this clock while the requester's own wait (which began before
                 # the request reached us) had run out, as its re-send says
                 self.counters["repeated"] += 1
+                self._done(subject, req)
                 await _respond(req.msg, answered[1])
                 continue
-            if key in self._joining:  # a re-send while the first is being computed: one computation, both answered
-                self._joining[key].append(req)
+            under_way = self._joining.get(key) if key else None
+            if under_way is not None and not under_way.cut:
+                # a re-send while the first is being computed: one computation, both answered
+                under_way.requests.append(req)
+                req.computation = under_way
                 self.counters["joined"] += 1
                 continue
+            c = _Computation(req)
             if key is not None:
-                self._joining[key] = [req]
+                self._joining[key] = c  # (replacing a cut one, which ends without answering)
             await self._slots.acquire()
-            t = asyncio.create_task(self._serve(subject, handler, req, key))
+            t = asyncio.create_task(self._serve(subject, handler, c, key))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
@@ -210,18 +303,24 @@ class Service:
             return None
         return (subject, rid)
 
-    async def _serve(self, subject: str, handler: Handler, req: _Request, key: tuple[str, str] | None) -> None:
+    async def _serve(self, subject: str, handler: Handler, c: _Computation, key: tuple[str, str] | None) -> None:
         t0 = time.perf_counter()
-        msg = req.msg
+        msg = c.requests[0].msg  # the joined ones carry the same payload
         try:
-            waiting = self._joining.get(key, [req]) if key else [req]
-            if all(_expired(r.deadline) for r in waiting):  # expired while waiting for a slot
-                self.counters["expired"] += 1
+            if not any(r.awaited() for r in c.requests):  # expired or withdrawn while waiting for a slot
+                if not all(r.withdrawn for r in c.requests):  # (the withdrawn are counted already)
+                    self.counters["expired"] += 1
                 return
             keep = True
+            c.work = asyncio.ensure_future(handler(msg.data))
             try:
-                reply = await handler(msg.data)
+                reply = await c.work
             except asyncio.CancelledError:
+                if c.cut and c.work.cancelled() and not asyncio.current_task().cancelling():
+                    # every requester withdrew (_withdrawal): nobody reads an answer. A cancellation
+                    # of this task itself (stop()) goes on as ever.
+                    self.counters["cancelled"] += 1
+                    return
                 raise
             except Exception as e:  # noqa: BLE001 - a bug must still answer the requester
                 self.counters["errors"] += 1
@@ -235,7 +334,9 @@ class Service:
                 if self.on_error is None:
                     return
                 reply, keep = self.on_error(subject, msg.data, e), False  # a re-send should try again
-            waiting = self._joining.pop(key, [req]) if key else [req]
+            if key is not None and self._joining.get(key) is c:
+                del self._joining[key]  # from here a re-send is answered from memory or computed afresh
+            waiting = [r for r in c.requests if not r.withdrawn]
             late = [r for r in waiting if _expired(r.deadline)]
             # Nobody waits on a late one's inbox any more (and its response permission may be gone).
             self.counters["late"] += len(late)
@@ -252,8 +353,10 @@ class Service:
             dt = time.perf_counter() - t0
             self.latency_s = dt if not self.latency_s else 0.9 * self.latency_s + 0.1 * dt
         finally:
-            if key is not None:
-                self._joining.pop(key, None)
+            if key is not None and self._joining.get(key) is c:
+                del self._joining[key]
+            for r in c.requests:
+                self._done(subject, r)
             self._slots.release()
 
     def _remember(self, key: tuple[str, str], reply: bytes, late: bool) -> None:
@@ -282,6 +385,8 @@ class Service:
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        self._sends.clear()  # what still queued goes unanswered: nothing left to withdraw
+        self._early.clear()
 
     def heartbeat(self, role: str, ident: str, state: str = "ready") -> Heartbeat:
         counters = {k: float(v) for k, v in self.counters.items()}

@@ -4,18 +4,34 @@ how long its requester waits and an id in its headers.
 Requesters (rollout.sim.SimClient, rollout.judge.JudgeClient, the eval) send through `request()`;
 the service scaffolding (engines/service.py) reads `wait_and_id()` to drop work whose requester
 has stopped waiting, and to let a re-sent request join the computation already under way.
+
+A requester cancelled while it waits (an actor cutting a conversation whose group went stale) stops
+waiting before its timeout: `request()` then withdraws the request (`withdraw()`), a core-NATS
+message on topology.withdraw_subject(subject) with an empty payload and two headers, the request's
+id and its send id (random per send, so a withdrawal names one send among the re-sends and other
+requesters that share the id, and cannot be forged from the payload). The service drops the request
+if it is still queued, and cancels its computation if nobody else waits for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import math
+import secrets
+
+from protocol.topology import withdraw_subject
+
+log = logging.getLogger("parley.request")
 
 TIMEOUT_HEADER = "Parley-Timeout"  # seconds the requester waits for the reply, counted from when it sends
 ID_HEADER = "Parley-Request-Id"  # equal for a request and its re-sends
 # on a request sent again because the previous send of the same payload timed out at the requester:
 # an answer the service delivered to that send after the requester had stopped waiting is this one's
 RESEND_HEADER = "Parley-Resend"
+# random per send; on a withdrawal, the send it withdraws
+SEND_HEADER = "Parley-Send-Id"
 
 # The wait is a duration, not a time of day: the service counts it on its own clock from the moment
 # the request reaches it, so two hosts whose clocks disagree (by any amount) drop nothing that is
@@ -33,12 +49,30 @@ def request_id(subject: str, data: bytes) -> str:
 
 
 async def request(nc, subject: str, data: bytes, *, timeout: float, resend: bool = False):
-    """nc.request with the wait (the timeout) and the id in the headers; `resend`: this payload's
-    previous send timed out here (the service may answer with what it computed for that one)."""
-    headers = {TIMEOUT_HEADER: f"{timeout:.3f}", ID_HEADER: request_id(subject, data)}
+    """nc.request with the wait (the timeout), the id and a send id in the headers; `resend`: this
+    payload's previous send timed out here (the service may answer with what it computed for that one).
+    Cancelled while it waits, it withdraws the request, then lets the cancellation go on."""
+    rid, send = request_id(subject, data), secrets.token_hex(8)
+    headers = {TIMEOUT_HEADER: f"{timeout:.3f}", ID_HEADER: rid, SEND_HEADER: send}
     if resend:
         headers[RESEND_HEADER] = "1"
-    return await nc.request(subject, data, timeout=timeout, headers=headers)
+    try:
+        return await nc.request(subject, data, timeout=timeout, headers=headers)
+    except asyncio.CancelledError:
+        await withdraw(nc, subject, rid, send)
+        raise
+
+
+async def withdraw(nc, subject: str, rid: str, send: str) -> None:
+    """Tell the services of `subject` that send `send` of request `rid` is no longer awaited, so that
+    they compute no answer nobody reads. Best effort, and never raises: a withdrawal that is lost
+    costs only the computation it would have saved (the service still drops the request once its
+    wait has expired). A core-NATS publish only queues the bytes in the client, so a cancelled
+    caller is not held up."""
+    try:
+        await nc.publish(withdraw_subject(subject), b"", headers={ID_HEADER: rid, SEND_HEADER: send})
+    except Exception as e:  # noqa: BLE001 - closed, draining, reconnecting with a full buffer: nothing to do
+        log.debug("withdrawal of %s on %s not sent: %s: %s", rid, subject, type(e).__name__, e)
 
 
 def is_resend(msg) -> bool:
@@ -57,3 +91,14 @@ def wait_and_id(msg) -> tuple[float | None, str]:
         wait = math.nan
     ok = math.isfinite(wait) and 0.0 < wait <= MAX_WAIT_S
     return (wait if ok else None), str(headers.get(ID_HEADER, ""))[:128]
+
+
+def send_id(msg) -> str:
+    """The send id of a received request, "" for a requester that sends none (it cannot withdraw)."""
+    return str((msg.headers or {}).get(SEND_HEADER, ""))[:64]
+
+
+def withdrawal(msg) -> tuple[str, str]:
+    """(request id, send id) a received withdrawal names; "" for a header that is missing."""
+    headers = msg.headers or {}
+    return str(headers.get(ID_HEADER, ""))[:128], str(headers.get(SEND_HEADER, ""))[:64]

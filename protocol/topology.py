@@ -37,6 +37,18 @@ REFERENCE_QUEUE = "reference"
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
+# A requester that stops waiting before its timeout (cancelled) withdraws its request on this subject
+# (protocol/request.py): every replica serving `subject` listens to it outside the queue group, since
+# only the one that received the request knows it. A suffix token, so `withdraw_subject` of a wildcard
+# (REFERENCE_SUBJECTS) is the wildcard of the withdrawals, and no service subject matches one.
+WITHDRAW_TOKEN = "withdraw"
+
+
+def withdraw_subject(subject: str) -> str:
+    """Where the requests sent to service subject `subject` are withdrawn: <subject>.withdraw."""
+    return f"{subject}.{WITHDRAW_TOKEN}"
+
+
 def reference_subject(model: str) -> str:
     """The subject of the reference service holding `model` (the [learner] model as written: a
     built-in name, or a path). A name that is a valid subject token is used as it is, so the subject

@@ -61,8 +61,10 @@ FAMILIES: tuple[Family, ...] = (
     _f("parley_scorer_retries_total", r"(?P<service>judge|reference)_retry", "Trajectories given back for a later try.", "scorer"),
     _f("parley_scorer_waits_total", r"(?P<service>judge|reference)_wait", "Waits for an unreachable service.", "scorer"),
     # services: sim, judge, reference (engines/service.py and each service's handler)
-    _f("parley_service_requests_total", r"(?P<outcome>served|shed|expired|repeated|joined|id_mismatch|errors|late)",
-       "Requests by outcome (engines/service.py).", *SERVICES),
+    _f("parley_service_requests_total",
+       r"(?P<outcome>served|shed|expired|repeated|joined|id_mismatch|errors|late|withdrawn|cancelled)",
+       "Requests by outcome (engines/service.py; cancelled: computations cut once every requester withdrew).",
+       *SERVICES),
     _f("parley_service_latency_seconds", r"latency_s", "Recent mean seconds to answer a request.", *SERVICES),
     _f("parley_service_bad_requests_total", r"bad_request", "Requests that did not decode.", *SERVICES),
     _f("parley_sim_fallbacks_total", r"fallback", "Simulator replies replaced by the fallback message.", "sim"),

@@ -99,6 +99,60 @@ def test_a_cancelled_generation_is_aborted_in_the_engine_and_the_engine_serves_o
     assert 0 < len(out.token_ids) <= 8
 
 
+def test_a_simulator_request_withdrawn_by_its_cancelled_actor_is_aborted_in_the_engine(ctx, nats_server,
+                                                                                      monkeypatch):
+    """The whole chain of a withdrawal: an actor's SimClient.ask cancelled (StaleWatch) withdraws its
+    request on the bus; the simulator service (engines/service.py over actors/sim.py and a LocalBackend
+    on the shared engine) cancels the computation nobody awaits, and vLLM aborts the request, long
+    before the requester's 300 s wait would have let the service drop it."""
+    from actors.sim import Simulator
+    from config.actor import SimConfig
+    from engines.backend import LocalBackend
+    from protocol.connect import connect
+    from protocol.messages import ChatMessage, SimRequest
+    from rollout.sim import SimClient
+
+    llm = ctx.engine._llm
+    aborted = []
+    abort = llm.abort
+
+    async def recording_abort(request_id, internal=False):  # what vLLM's generate calls when cancelled
+        aborted.append(request_id)
+        await abort(request_id, internal=internal)
+
+    monkeypatch.setattr(llm, "abort", recording_abort)
+
+    async def unfinished_after(condition, timeout_s: float) -> int:
+        for _ in range(int(timeout_s / 0.01)):
+            if condition(llm.output_processor.get_num_unfinished_requests()):
+                break
+            await asyncio.sleep(0.01)
+        return llm.output_processor.get_num_unfinished_requests()
+
+    async def withdraw():
+        nc = await connect(nats_server.url, name="e2e-withdraw")
+        backend = LocalBackend(ctx.engine, ctx.tok, model_name="tiny", owns_engine=False)
+        service = Simulator(backend, SimConfig(max_tokens=1500, max_retries=0)).service(nc)
+        await service.start()
+        try:
+            sim = SimClient(nc, timeout_s=300, wait_s=600)
+            question = SimRequest(prompt="cooperative", messages=[ChatMessage("user", "hi")], seed=3)
+            asking = asyncio.ensure_future(sim.ask(question))
+            assert await unfinished_after(lambda n: n == 1, 30.0) == 1 and not asking.done()
+            asking.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asking
+            return await unfinished_after(lambda n: n == 0, 5.0), dict(service.counters)
+        finally:
+            await service.stop(grace_s=5)
+            await nc.close()
+
+    left, counters = ctx.run(withdraw(), timeout=120)
+    assert len(aborted) == 1, "vLLM generated the answer of a withdrawn request to its end"
+    assert left == 0
+    assert counters.get("withdrawn") == 1 and counters.get("cancelled") == 1 and "served" not in counters
+
+
 def test_logprobs_match_transformers(ctx):
     """The key learner/actor contract, at temperature 1 (our training default)."""
     prompt = ctx.prompt("Write a short note to the team.")
