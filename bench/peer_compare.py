@@ -201,6 +201,13 @@ def parley_settings(rows: list[dict], clock: dict) -> list[dict]:
         for r in rows:
             if r["setting"] == "engines":
                 r["parley"] = re.sub(r"^\d+ actor", f"{clock['actors']} actor", r["parley"])
+    lag = re.search(r"(?:^|\s)learner\.max_staleness=(\d+)(?:\s|$)", clock.get("parley_sets") or "")
+    if lag:  # the recipe's lag row would name the shared value, not the one parley ran with
+        for r in rows:
+            if r["setting"] == "policy lag":
+                n = int(lag.group(1))
+                r["parley"] = re.sub(r"max_staleness = \d+", f"max_staleness = {n} (PARLEY_SETS)", r["parley"])
+                r["same"] = "no" if n else "yes"
     if clock.get("parley_sets"):
         rows.append({"setting": "parley only (PARLEY_SETS, not in TRL's run)", "parley": clock["parley_sets"],
                      "trl": "-", "same": "no"})

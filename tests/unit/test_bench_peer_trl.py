@@ -289,3 +289,24 @@ def test_the_settings_table_names_what_part_p_gave_parley_alone(tmp_path):
     assert rows[-1] == {"setting": "steps (PARLEY_STEPS)", "parley": "36", "trl": "30", "same": "no"}
     (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_steps": 30, "trl_steps": 30}))
     assert all(r["setting"] != "steps (PARLEY_STEPS)" for r in peer_compare.compare(tmp_path / "out")["settings"])
+
+
+def test_a_lag_given_to_parley_alone_is_the_one_its_lag_row_names(tmp_path):
+    """PARLEY_SETS with learner.max_staleness=0 (the lag-0 runs of 2026-12-05): the policy-lag row says
+    parley ran at lag 0, as TRL does, not the shared recipe's lag of 1."""
+    _write_runs(tmp_path / "out")
+    peer = json.loads((tmp_path / "out" / "peer_trl.json").read_text())
+    lag_row = {"setting": "policy lag", "parley": "async: groups up to max_staleness = 1 versions old (older: drop)",
+               "trl": "synchronous: every group from the current weights", "same": "no"}
+    peer["settings"] = [lag_row]
+    (tmp_path / "out" / "peer_trl.json").write_text(json.dumps(peer))
+    clock = json.loads((tmp_path / "out" / "p_clock.json").read_text())
+    sets = 'learner.max_staleness=0 learner.oversample_groups=2 learner.group_order="freshest"'
+    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": sets}))
+    row = peer_compare.compare(tmp_path / "out")["settings"][0]
+    assert "max_staleness = 0 (PARLEY_SETS)" in row["parley"] and row["same"] == "yes"
+    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": "learner.max_staleness=2"}))
+    row = peer_compare.compare(tmp_path / "out")["settings"][0]
+    assert "max_staleness = 2 (PARLEY_SETS)" in row["parley"] and row["same"] == "no"
+    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": "learner.oversample_groups=2"}))
+    assert peer_compare.compare(tmp_path / "out")["settings"][0] == lag_row  # no lag given: the recipe's row
