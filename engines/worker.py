@@ -300,25 +300,31 @@ def _stage_hook(manager, staged: dict) -> None:
 
 def scaled_in_place(lora_model):
     """Fold each module's LoRA scaling into its B matrix now, as vLLM's LoRALayerWeights.optimize
-    does when the manager adds the adapter (`lora_b *= scaling`, then scaling 1, so optimize finds
+    does when the manager adds the adapter (`lora_b * scaling`, then scaling 1, so optimize finds
     nothing left to do), but in one multi-tensor kernel per scaling value instead of one multiply per
-    module: for the 4B shape's 252 modules that was 252 launches inside vLLM's add_lora. The staged
-    tensors are this worker's own copy, so scaling them in place is what vLLM would do to them.
-    Only a scaling the B matrix's dtype holds exactly (alpha / rank = 2, 4, 0.5, 1.5, ...) is folded
-    here: torch's multi-tensor multiply may round the scalar to that dtype first (it does on CPU), which
-    would change the numbers for any other value; those modules are left to vLLM's optimize."""
+    module: for the 4B shape's 252 modules that was 252 launches inside vLLM's add_lora.
+
+    Out of place: the B matrices are new tensors, and the staged ones stay as the learner sent them.
+    vLLM's optimize multiplies in place, and from_lora_tensors hands it the staged tensors themselves
+    (same device and dtype: no copy), so an adapter that vLLM's cache evicted and builds again from
+    them (_stage_hook's load) would have been scaled twice. Only a scaling the B matrix's dtype holds
+    exactly (alpha / rank = 2, 4, 0.5, 1.5, ...) goes through the multi-tensor multiply: torch's may
+    round the scalar to that dtype first (it does on CPU), which would change the numbers for any other
+    value; those are multiplied one module at a time, as optimize does, bit for bit the same."""
     import torch
 
     groups: dict[tuple[float, torch.dtype], list] = {}
     for weights in lora_model.loras.values():
         scaling, b = getattr(weights, "scaling", 1), getattr(weights, "lora_b", None)
-        if (isinstance(scaling, (int, float)) and scaling != 1 and isinstance(b, torch.Tensor)
-                and float(torch.tensor(scaling, dtype=b.dtype)) == scaling):
+        if not isinstance(scaling, (int, float)) or scaling == 1 or not isinstance(b, torch.Tensor):
+            continue
+        if float(torch.tensor(scaling, dtype=b.dtype)) == scaling:
             groups.setdefault((float(scaling), b.dtype), []).append(weights)
+        else:
+            weights.lora_b, weights.scaling = b * scaling, 1
     for (scaling, _), members in groups.items():
-        torch._foreach_mul_([w.lora_b for w in members], scaling)
-        for w in members:
-            w.scaling = 1
+        for w, scaled in zip(members, torch._foreach_mul([w.lora_b for w in members], scaling)):
+            w.lora_b, w.scaling = scaled, 1
     return lora_model
 
 
