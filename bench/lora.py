@@ -97,8 +97,6 @@ async def main(args) -> dict:
                 wv = await lora.publish_adapter(js, run, version, version, wdir, ObjstoreWeights(), base=base,
                                                 rank=args.rank)
             t_pub = time.perf_counter()
-            if not gpu:
-                t_packed = t_pub
             assert await follower.check(), follower.refused
             t_loaded = time.perf_counter()
             await engine.generate(ids[:16], max_tokens=1)  # the first token served on the new adapter

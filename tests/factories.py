@@ -1,5 +1,5 @@
 """Wire messages for tests, built on protocol.examples' filled-in ones with the fields a test cares
-about replaced, and the judge test double. Unit, integration and e2e tests import these instead of
+about replaced, the judge test double and a service engine test double. Unit, integration and e2e tests import these instead of
 writing out Trajectory/Scored/JudgeReply by hand.
 """
 
@@ -128,3 +128,25 @@ def perturbed_model(model_dir, seed: int, scale: float = 0.05):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * scale)
     return model
+
+
+class EngineDouble:
+    """Test double of the engine behind a service handler (engines.service): each call waits until
+    `release` is set, and `ended` records how it ended: "done" (answered with `reply(data)`) or
+    "cancelled"."""
+
+    def __init__(self, reply: Callable[[bytes], bytes] = lambda data: b"answer to " + data):
+        self.reply = reply
+        self.started: list[bytes] = []
+        self.ended: dict[bytes, str] = {}
+        self.release = asyncio.Event()
+
+    async def handle(self, data: bytes) -> bytes:
+        self.started.append(data)
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.ended[data] = "cancelled"
+            raise
+        self.ended[data] = "done"
+        return self.reply(data)

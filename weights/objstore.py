@@ -319,25 +319,24 @@ async def _delete_object(js, bucket: str, info: api.ObjectInfo) -> None:
     size = info.size or 0
     meta = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(info.name.encode()).decode())
     deleted = dataclasses.replace(info, deleted=True, size=0, chunks=0, digest="", mtime="")
+    left = _UNPURGED.setdefault(bucket, {})
+    left[chunks] = (info.name, info.nuid, size)  # until the purge is done: whatever breaks, the next prune finishes it
     try:
         await js.publish(meta, json.dumps(deleted.as_dict()).encode(), headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})
-    except BaseException as e:
-        _UNPURGED.setdefault(bucket, {})[chunks] = (info.name, info.nuid, size)
-        if isinstance(e, (NatsTimeoutError, asyncio.TimeoutError, APIError)):
-            raise _DeleteIncomplete(f"marking it deleted failed ({type(e).__name__}: {e}); the next prune "
-                                    "deletes it if it is still listed, or purges its chunks") from e
-        raise
+    except (NatsTimeoutError, asyncio.TimeoutError, APIError) as e:
+        raise _DeleteIncomplete(f"marking it deleted failed ({type(e).__name__}: {e}); the next prune "
+                                "deletes it if it is still listed, or purges its chunks") from e
     try:
         await _purge_chunks(js, bucket, chunks, size)
-    except BaseException as e:
-        _UNPURGED.setdefault(bucket, {})[chunks] = (info.name, info.nuid, size)
-        if isinstance(e, (NatsTimeoutError, asyncio.TimeoutError, APIError)):
-            timed_out = isinstance(e, (NatsTimeoutError, asyncio.TimeoutError))
-            what = f"timed out after {purge_timeout_s(size):.0f} s" if timed_out else "was refused"
-            raise _DeleteIncomplete(f"deleted from the listing, but the purge of its {info.chunks} chunks "
-                                    f"({size / 1e9:.2f} GB) {what} ({type(e).__name__}: {e}); its chunks "
-                                    f"({chunks}) are purged again at the next prune") from e
-        raise
+    except (NatsTimeoutError, asyncio.TimeoutError, APIError) as e:
+        timed_out = isinstance(e, (NatsTimeoutError, asyncio.TimeoutError))
+        what = f"timed out after {purge_timeout_s(size):.0f} s" if timed_out else "was refused"
+        raise _DeleteIncomplete(f"deleted from the listing, but the purge of its {info.chunks} chunks "
+                                f"({size / 1e9:.2f} GB) {what} ({type(e).__name__}: {e}); its chunks "
+                                f"({chunks}) are purged again at the next prune") from e
+    del left[chunks]
+    if not left:
+        _UNPURGED.pop(bucket, None)
 
 
 async def _purge_left(js, store, bucket: str) -> None:

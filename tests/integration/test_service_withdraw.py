@@ -26,6 +26,7 @@ from protocol.messages import JudgeReply, SimReply, SimRequest
 from protocol.request import request
 from rollout.judge import JudgeClient
 from rollout.sim import SimClient
+from tests.factories import EngineDouble
 
 pytestmark = pytest.mark.integration
 RUN = "withdraw"
@@ -40,28 +41,6 @@ def secured(tmp_path_factory):
     server.start()
     yield server, creds
     server.stop()
-
-
-class EngineDouble:
-    """Test double of the engine behind a service handler: each call waits for `release`, and
-    records whether it finished or was cancelled."""
-
-    def __init__(self, reply=lambda data: b"answer to " + data):
-        self.reply = reply
-        self.started: list[bytes] = []
-        self.finished: list[bytes] = []
-        self.cancelled: list[bytes] = []
-        self.release = asyncio.Event()
-
-    async def handle(self, data: bytes) -> bytes:
-        self.started.append(data)
-        try:
-            await self.release.wait()
-        except asyncio.CancelledError:
-            self.cancelled.append(data)
-            raise
-        self.finished.append(data)
-        return self.reply(data)
 
 
 async def until(condition, timeout: float = 5.0) -> None:
@@ -107,8 +86,8 @@ async def test_an_actor_cancelled_mid_request_stops_the_simulator_computation(se
         asking.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asking
-        await until(lambda: engine.cancelled, timeout=5)  # long before the requester's 60 s wait
-        assert engine.finished == []
+        await until(lambda: "cancelled" in engine.ended.values(), timeout=5)  # long before the requester's 60 s wait
+        assert "done" not in engine.ended.values()
         assert service.counters["withdrawn"] == 1 and service.counters["cancelled"] == 1
         assert service.counters["served"] == 0 and service.in_flight == 0
     assert violations(caplog) == []
@@ -129,7 +108,7 @@ async def test_a_queued_request_withdrawn_is_never_computed(secured, caplog):
         engine.release.set()
         assert (await first).data == b"answer to first"
         await asyncio.sleep(0.3)  # the dispatcher has passed the withdrawn one by
-        assert engine.started == [b"first"] and engine.cancelled == []
+        assert engine.started == [b"first"] and "cancelled" not in engine.ended.values()
         assert service.counters["cancelled"] == 0 and service.counters["served"] == 1
     assert violations(caplog) == []
 
@@ -146,10 +125,10 @@ async def test_a_computation_shared_with_a_second_requester_goes_on_and_answers_
             await leaving
         await until(lambda: service.counters["withdrawn"] == 1)
         await asyncio.sleep(0.2)
-        assert engine.cancelled == []  # still computing, for the second
+        assert "cancelled" not in engine.ended.values()  # still computing, for the second
         engine.release.set()
         assert (await staying).data == b"answer to q"
-        assert engine.started == engine.finished == [b"q"] and service.counters["cancelled"] == 0
+        assert engine.started == [b"q"] and engine.ended == {b"q": "done"} and service.counters["cancelled"] == 0
 
 
 @pytest.mark.parametrize(("requester", "service_role", "subject"), [
@@ -173,6 +152,6 @@ async def test_every_requester_may_withdraw_and_every_service_hears_it(secured, 
         asking.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asking
-        await until(lambda: engine.cancelled)
+        await until(lambda: "cancelled" in engine.ended.values())
         assert service.counters["cancelled"] == 1
     assert violations(caplog) == []

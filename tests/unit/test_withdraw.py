@@ -15,6 +15,7 @@ import engines.service as service_module
 from engines.service import Service
 from protocol import topology
 from protocol.request import ID_HEADER, SEND_HEADER, TIMEOUT_HEADER, request, request_id
+from tests.factories import EngineDouble
 
 SUBJECT = topology.SIM_SUBJECT
 WITHDRAW = topology.withdraw_subject(SUBJECT)
@@ -115,26 +116,6 @@ async def test_a_request_answered_or_timed_out_withdraws_nothing_and_each_send_h
 
 
 # -- the service ------------------------------------------------------------------------------------
-
-
-class EngineDouble:
-    """Test double of an engine behind a handler: each call waits until released, and records how it
-    ended ("done" or "cancelled")."""
-
-    def __init__(self):
-        self.started: list[bytes] = []
-        self.ended: dict[bytes, str] = {}
-        self.release = asyncio.Event()
-
-    async def handle(self, data: bytes) -> bytes:
-        self.started.append(data)
-        try:
-            await self.release.wait()
-        except asyncio.CancelledError:
-            self.ended[data] = "cancelled"
-            raise
-        self.ended[data] = "done"
-        return b"answer to " + data
 
 
 def sent(data: bytes, send: str, wait: float = 60.0) -> MsgDouble:
