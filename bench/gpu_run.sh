@@ -20,6 +20,8 @@
 #                                # then adapter step end -> serving at the 4B shape
 #     bash bench/gpu_run.sh LI   # issue 29: adapter step end -> serving at the 4B shape in GPU memory
 #                                # (cuda_ipc), then through the object store in the same call
+#     bash bench/gpu_run.sh K    # issue 26: does the learner's step read GPU memory it never wrote?
+#                                # SmolLM2's steps with PyTorch's cache filled with 0, NaN, 1e4
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -47,6 +49,14 @@ B)
     step weight_path 330 python3 bench/weight_path.py --transport cuda_ipc --model "$MODEL" --work /tmp \
         --json "$OUT/weight_path.json"
     step logprob_gpu 220 python3 bench/logprob_gpu.py --model "$MODEL" --json "$OUT/logprob_gpu.json"
+    ;;
+K)
+    # issue 26: the learner's cache A/B of 2026-12-05 (docs/gpu.md "Side by side with TRL") asked
+    # whether a step reads memory it never wrote; bench/learner_poison.py answers it (exit 1: it does)
+    step build_smol 150 python3 -c "from engines.models import ensure_model; ensure_model('smol')"
+    grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
+    step poison "${LIMIT_S:-400}" python3 bench/learner_poison.py --model smol --steps "${STEPS:-4}" \
+        --json "$OUT/learner_poison.json"
     ;;
 C)
     # the learner bench (docs/gpu_checks.md 2); it writes $OUT/learner_gpu.json and .md itself
@@ -107,7 +117,8 @@ P)
     # may take PARLEY_S of them, TRL what is left). `python bench/peer_compare.py --out $OUT` reads the
     # seven files this leaves: up_peer.log, metrics.jsonl, eval_history.jsonl, parley_steps.log,
     # peer_trl.log, peer_trl.json, p_clock.json (each run's launch, device clock). LR (default 1e-4,
-    # the hidden_goal recipe's) is the learning rate of both
+    # the hidden_goal recipe's) is the learning rate of both; SEED (default 0: learner.seed) their
+    # training tasks' order and sampling seeds, and TRL's torch seed: the spread of one recipe over seeds
     STEPS=${STEPS:-30}
     EVAL_EVERY=${EVAL_EVERY:-10}
     LIMIT_S=${LIMIT_S:-580}
@@ -118,7 +129,8 @@ P)
         --set data.eval_fraction=0.2 --set rollout.n=8 --set rollout.max_tokens=32 --set rollout.max_new_turns=6
         --set actor.sampling.temperature=0.7 --set learner.groups_per_step=1 --set "learner.lr=${LR:-1e-4}"
         --set learner.kl_coef=0.0 --set "learner.eval_every=$EVAL_EVERY" --set learner.eval_items=24
-        --set 'learner.behaviour_correction="truncated_is"' --set learner.checkpoint_every=1000)
+        --set 'learner.behaviour_correction="truncated_is"' --set learner.checkpoint_every=1000
+        --set "learner.seed=${SEED:-0}")
     # SmolLM2 built before either clock starts (a minute on the first call of a machine)
     step build_smol 150 python3 -c "from engines.models import ensure_model; ensure_model('smol')"
     grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
@@ -127,8 +139,8 @@ P)
     SETS_JSON=${SETS_JSON//\\/\\\\}  # a JSON string: backslashes, then quotes (group_order="freshest")
     SETS_JSON=${SETS_JSON//\"/\\\"}
     write_clock() {  # the launch and end of each run, as far as known (a cut call still leaves the file)
-        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s, "parley_steps": %s, "trl_steps": %s}\n' \
-            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "$SETS_JSON" "${ACTORS:-1}" "${PARLEY_STEPS:-$STEPS}" "$STEPS" >"$OUT/p_clock.json"
+        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s, "parley_steps": %s, "trl_steps": %s, "seed": %s}\n' \
+            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "$SETS_JSON" "${ACTORS:-1}" "${PARLEY_STEPS:-$STEPS}" "$STEPS" "${SEED:-0}" >"$OUT/p_clock.json"
     }
     rm -rf "$RUN" /tmp/peer-trl
     P0=$(clock) P1=null T1=null T2=null

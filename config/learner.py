@@ -116,6 +116,13 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # torch.compile of each decoder layer (attention itself stays eager): auto = on CUDA with ZeRO 0-2,
     # off on CPU and under ZeRO-3 (its parameter hooks run inside the layer); layers = always; off = never
     compile: Compile = "auto"
+    # A learner that shares its GPU with the actors (cuda_ipc) and PyTorch's cache of the step's memory:
+    # "release" hands it back to the driver after every step (the actors copy versions out of what is
+    # free; the next step allocates it again); "keep_when_room" keeps it unless the GPU's free memory is
+    # under two versions plus 1 GiB (learner.trainer.cache_release_needed). docs/gpu.md ("Side by side
+    # with TRL") says why "release" is the default: the H200 runs that kept it trained differently, and
+    # bench/learner_poison.py is the check.
+    gpu_cache: Literal["release", "keep_when_room"] = "release"
     publish_every: Positive = 1  # versions
     keep_versions: Positive = 3
     checkpoint_every: Positive = 1

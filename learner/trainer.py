@@ -199,6 +199,19 @@ def compile_layers(model, mode: str, device: torch.device, zero_stage: int) -> b
     return True
 
 
+RELEASE_VERSIONS = 2  # versions' bytes of free GPU memory the learner leaves its actors (cache_release_needed)
+
+
+def cache_release_needed(free_bytes: int, version_bytes: int) -> bool:
+    """Under [learner] gpu_cache = "keep_when_room": whether a learner that shares its GPU with the
+    actors must still hand its cached blocks back after a step: when the GPU's free memory is under
+    RELEASE_VERSIONS copies of a version plus 1 GiB of working room, what actors copying the next
+    version need (at the 4B shape on the H200 the cached peak left 0.9 GiB free, and every actor's copy
+    of 7.5 GiB was refused). Releasing costs every step: the driver frees the blocks and the next step
+    allocates them again (for SmolLM2 on the H200, 1.1-2.2 GiB each step, 2026-12-03..05)."""
+    return free_bytes < RELEASE_VERSIONS * version_bytes + (1 << 30)
+
+
 class Trainer:
     """The policy under DeepSpeed, an optional frozen reference for KL (kl_coef > 0 and reference =
     "local"), and the GRPO step."""
@@ -277,7 +290,8 @@ class Trainer:
         # On a GPU the actors' engines share (cuda_ipc), the memory this step cached is handed back
         # after it: PyTorch keeps the peak of a step reserved, and on the H200 at the 4B shape that
         # left 0.9 GiB free, so no actor could copy the next version (7.5 GiB) and every one was
-        # refused. The next step allocates it again (docs/gpu.md, "Train on one GPU").
+        # refused. The next step allocates it again (docs/gpu.md, "Train on one GPU"). Under gpu_cache =
+        # "keep_when_room" only when the GPU runs short (cache_release_needed).
         self.release_cache = transport.shares_device and getattr(device, "type", str(device)) == "cuda"
         # for the step's model FLOPs (learner.flops): parameters once each (a tied lm_head once; ZeRO-3's
         # partitioned ones by their full size)
@@ -394,14 +408,18 @@ class Trainer:
         return stats
 
     def _release_cache(self) -> tuple[float, float, float] | None:
-        """With `release_cache`: hand PyTorch's cached blocks back to the driver; (GiB released, GiB
-        still reserved, GiB allocated at this step's peak), or None."""
+        """With `release_cache`: hand PyTorch's cached blocks back to the driver (under gpu_cache =
+        "keep_when_room" only when the actors would run short); (GiB released, GiB still reserved, GiB
+        allocated at this step's peak), or None."""
         if not self.release_cache:
             return None
         gib = 1024**3
         before = torch.cuda.memory_reserved()
         peak = torch.cuda.max_memory_allocated()
-        torch.cuda.empty_cache()
+        version_bytes = getattr(self.sender, "total", 0) or 2 * self.n_params  # before the first pack: bf16
+        if self.cfg.gpu_cache == "release" or cache_release_needed(torch.cuda.mem_get_info(self.device)[0],
+                                                                   version_bytes):
+            torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         after = torch.cuda.memory_reserved()
         return (before - after) / gib, after / gib, peak / gib

@@ -646,3 +646,34 @@ def test_an_adapter_reader_opens_each_learner_buffer_once(monkeypatch):
     cuda_ipc.receive(ipc_of(b"a", 101), torch.device("cpu"), {}, own=True)
     assert len(opened) == n + 1
 
+
+
+def test_the_learner_hands_its_cache_back_only_when_the_actors_would_run_short():
+    from learner.trainer import cache_release_needed
+
+    gib = 1 << 30
+    # the 4B shape on the H200: 0.9 GiB free after a step, a 7.5 GiB version to copy: release
+    assert cache_release_needed(int(0.9 * gib), int(7.5 * gib))
+    # SmolLM2 on the H200: ~100 GiB free, a 0.25 GiB version: keep the cache for the next step
+    assert not cache_release_needed(100 * gib, gib // 4)
+    # the line: two versions and 1 GiB of room
+    assert cache_release_needed(3 * gib - 1, gib) and not cache_release_needed(3 * gib, gib)
+
+
+@pytest.mark.parametrize("setting,free_gib,released", [("release", 100, True), ("keep_when_room", 100, False),
+                                                       ("keep_when_room", 1, True)])
+def test_gpu_cache_decides_whether_the_step_hands_its_cache_back(monkeypatch, setting, free_gib, released):
+    """Trainer._release_cache on a bare Trainer (no model), torch.cuda's memory calls replaced by doubles."""
+    from config.learner import LearnerConfig
+    from learner.trainer import Trainer
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 4 << 30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 << 30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free_gib << 30, 141 << 30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    t = Trainer.__new__(Trainer)
+    t.cfg, t.release_cache, t.sender, t.n_params, t.device = LearnerConfig(gpu_cache=setting), True, None, 135_000_000, "cuda:0"
+    assert t._release_cache() is not None
+    assert calls == (["empty"] if released else [])
