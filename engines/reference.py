@@ -79,7 +79,17 @@ class ReferenceModel:
         if why:
             return ReferenceReply(ok=False, model=self.model_name, error=why)
         async with self._lock:
-            lp = await asyncio.to_thread(self.logprobs, ids)
+            # A forward cannot be stopped once begun. When this request is cancelled meanwhile (its
+            # requester withdrew it: engines/service.py cancels the computation), the device and the
+            # lock stay taken until the forward ends, so the next request's does not start beside it.
+            forward = asyncio.ensure_future(asyncio.to_thread(self.logprobs, ids))
+            try:
+                lp = await asyncio.shield(forward)
+            except asyncio.CancelledError:
+                await asyncio.wait([forward])
+                if not forward.cancelled():
+                    forward.exception()  # read: its error answers nobody
+                raise
         return ReferenceReply(ok=True, logp_f32=arrays.pack_logprobs(lp), model=self.model_name)
 
     async def close(self) -> None:
