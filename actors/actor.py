@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections import Counter
 
@@ -24,6 +23,7 @@ from environments.base import Environment, LocalUser, ProgrammaticUser
 from config.run import RunConfig
 from protocol import bus, status
 from protocol.messages import ABANDONED_STALE, Heartbeat, Task
+from runtime.scratch import scratch_dir
 
 # How long a task admitted at a version the engine does not serve yet waits for that version to load.
 ADMITTED_VERSION_WAIT_S = 120.0
@@ -205,7 +205,8 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, concurrency: int
         # the behaviour log-probs are of the distribution sampled at actor.sampling.temperature (the learner's too)
         engine, tokenizer, path = open_engine(cfg.actor.engine, sampled_logprobs=True)  # blocks while vLLM loads
         log.info("%s: policy %s (%s) loaded in %.0fs", ident, cfg.actor.engine.model, path, time.perf_counter() - t0)
-        weights_dir = tempfile.mkdtemp(prefix=f"parley-{ident}-weights-")
+        # removed below; one a killed actor left is removed by the next actor on this host (runtime.scratch)
+        weights_dir = scratch_dir("weights", ident)
         try:
             actor = Actor(nc, js, cfg, engine, tokenizer, ident=ident, concurrency=concurrency, weights_dir=weights_dir)
             await actor.run_until(stop)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -125,13 +126,13 @@ def selfcheck_cmd(
     """Create the run's topology, publish one of every message type, read each back, compare."""
     setup_logging("selfcheck")
     cfg = resolve(config, sets, nats=nats, run=run or "selfcheck")
-    server = None
+    server = store = None
     if embedded:
-        import tempfile
-
         from deploy.natsserver import NatsServer
+        from runtime.scratch import scratch_dir
 
-        server = NatsServer(tempfile.mkdtemp(prefix="parley-selfcheck-"), port=0)
+        store = scratch_dir("selfcheck")
+        server = NatsServer(str(store), port=0)
         cfg.nats.url = server.start()
         typer.echo(f"started nats-server at {cfg.nats.url}")
     try:
@@ -139,6 +140,8 @@ def selfcheck_cmd(
     finally:
         if server:
             server.stop()
+        if store is not None:
+            shutil.rmtree(store, ignore_errors=True)
 
 
 async def _selfcheck(stop, cfg) -> int:

@@ -330,7 +330,10 @@ def ensure_model(name_or_path: str | os.PathLike) -> Path:
             if (target / "config.json").is_file():
                 return target
             # Build beside the target and rename, so a crash never leaves a half-written dir
-            # that looks complete.
+            # that looks complete. What a killed builder left is removed first: under the lock no
+            # other build of this model runs.
+            for left in target.parent.glob(f".{value}-build-*"):
+                shutil.rmtree(left, ignore_errors=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{value}-build-", dir=target.parent))
             try:
                 _BUILDERS[value](staging)
