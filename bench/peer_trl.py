@@ -444,6 +444,7 @@ class Record:
         if path is None:
             return
         tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps({**self.meta, "started_at": self.t0, "steps": self.steps, "evals": self.evals},
                                   indent=1) + "\n")
         tmp.replace(path)
