@@ -197,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fills", default=None,
                    help=f"comma-separated fills, \"0\" at least once, twice for the noise (default {','.join(FILLS)}; "
                         f"on CPU {','.join(CPU_FILLS)}); on CUDA a run \"{UNFILLED}\" comes first and sizes the fills")
+    p.add_argument("--compile", default=None, choices=("auto", "layers", "off"),
+                   help="[learner] compile (default: the learner's, auto: layers on a GPU under ZeRO-2)")
+    p.add_argument("--attention", default=None, choices=("auto", "sdpa", "varlen"),
+                   help="[learner] attention (default: the learner's, auto: flash varlen on a GPU)")
     p.add_argument("--json", default=None, help="write the runs and the verdict here")
     args = p.parse_args(argv)
 
@@ -218,10 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--fills needs \"0\": the other fills are compared with it")
     if cuda:
         fills = [UNFILLED] + fills
+    learner = {k: v for k, v in (("compile", args.compile), ("attention", args.attention)) if v is not None}
     large = None
     runs = []
     for f in fills:
-        r = run_fill(model_dir, f, args.steps, args.zero, args.dtype, large)
+        r = run_fill(model_dir, f, args.steps, args.zero, args.dtype, large, **learner)
         if f == UNFILLED:  # later runs fill twice its first step's reserved peak
             large = 2 * (r["reserved_peak_bytes"] or (1 << 30))
         runs.append(r)
@@ -237,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu",
                                                "model": args.model, "steps": args.steps, "zero": args.zero,
+                                               "learner": learner,
                                                "verdict": v, "runs": runs}, indent=1))
     return 1 if v["reads_unwritten"] else 0
 
