@@ -117,6 +117,10 @@ def run_fill(model_dir: str, fill: str, steps: int, zero: int, dtype: str, large
 
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True
+    if cuda:
+        # every run compiles its layers afresh: one that met dynamo's recompile limit after the runs
+        # before it would run eager kernels, and differ by their rounding, not by what it read
+        torch._dynamo.reset()
     try:
         trainer = Trainer(LearnerConfig(zero_stage=zero, dtype=dtype, kl_coef=0.0,
                                         behaviour_correction="truncated_is", **learner), model_dir)
@@ -129,6 +133,7 @@ def run_fill(model_dir: str, fill: str, steps: int, zero: int, dtype: str, large
                     torch.cuda.empty_cache()
                 elif cuda:
                     fill_cuda_cache(float(fill), large_bytes, trainer.device)
+                if cuda:
                     torch.cuda.reset_peak_memory_stats(trainer.device)
                 st = trainer.train_step(samples)
                 if cuda and i == 0:
