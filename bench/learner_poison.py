@@ -8,7 +8,7 @@ Why: on the H200 (2026-12-05, docs/gpu.md "Side by side with TRL") three part P 
 learner kept its cached GPU memory between steps (b894bc7, reverted) saw the policy's entropy rise
 in the first steps (1.2-1.7 by step 4), where every run that handed the cache back after each step
 saw it fall (0.87-0.89 at step 4 in the two lag-0 runs of that morning); the actors agreed with the
-learner all along (log-prob gap 0.03-0.05), so the learner's updates themselves differed. A kernel
+learner all along (log-prob gap 0.011-0.047), so the learner's updates themselves differed. A kernel
 or a buffer that reads memory before writing it would do exactly that: memory fresh from the driver
 is usually zeros, memory from PyTorch's cache holds the previous step's values.
 
