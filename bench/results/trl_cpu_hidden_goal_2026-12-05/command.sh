@@ -1,7 +1,7 @@
 #!/bin/bash
 # TRL on CPU (transformers generate), hidden_goal recipe of part P; args: SEED STEPS OUTJSON
 # (run as `EVERY=15 timeout 2400 command.sh SEED 15 OUT.json`, seeds 0, 1, 2 one after another, 2026-12-05
-# 06:45-08:11 UTC, nothing else running but the session's editing). TRL and datasets are not in the
+# 06:45-08:11 UTC; beside seed 0's first steps a 35 s CPU test, a 9 s bench run and the duplicates check). TRL and datasets are not in the
 # project's venv; they were put apart with
 #   .venv/bin/python -m pip install --no-index --no-deps --find-links /opt/pypi/files --target /tmp/trlsite \
 #       trl==1.16.0 datasets==5.0.1 dill multiprocess xxhash pyarrow fsspec pandas==2.3.3 pytz tzdata python-dateutil six
