@@ -416,9 +416,10 @@ class Trainer:
         gib = 1024**3
         before = torch.cuda.memory_reserved()
         peak = torch.cuda.max_memory_allocated()
-        version_bytes = getattr(self.sender, "total", 0) or 2 * self.n_params  # before the first pack: bf16
-        if self.cfg.gpu_cache == "release" or cache_release_needed(torch.cuda.mem_get_info(self.device)[0],
-                                                                   version_bytes):
+        keep = self.cfg.gpu_cache == "keep_when_room" and not cache_release_needed(
+            torch.cuda.mem_get_info(self.device)[0],
+            getattr(self.sender, "total", 0) or 2 * self.n_params)  # before the first pack: bf16 bytes
+        if not keep:
             torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         after = torch.cuda.memory_reserved()

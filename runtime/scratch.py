@@ -3,7 +3,7 @@ way out, but one that is killed (SIGKILL, the OOM killer, a crash of the interpr
 killed actor leaves its copy of the served weights in the temp directory (a model's size: 8 GB at the
 4B shape in bf16), one more at every crash its supervisor restarts it from (the CI machine held 41
 actor and selfcheck directories of killed processes, 2026-12-05). So each scratch directory
-names its host and process, `parley-<kind>-<host>-<pid>-<label>-XXXXXXXX`, and making one first
+names its host and process, `parley-<kind>-<host>-<pid>-<label>-<random>`, and making one first
 removes every directory of that kind on this host whose process is gone.
 
 A process id of another host, or of a live process (one that reused a dead one's id included), is
@@ -61,7 +61,7 @@ def sweep(kind: str, base: str | os.PathLike | None = None) -> list[Path]:
 
 
 def scratch_dir(kind: str, label: str = "", base: str | os.PathLike | None = None) -> Path:
-    """A new private directory `parley-<kind>-<host>-<pid>-<label>-XXXXXXXX` in `base` (the temp
+    """A new private directory `parley-<kind>-<host>-<pid>-<label>-<random>` in `base` (the temp
     directory), after sweeping those of `kind` whose process is gone. The caller removes it when done."""
     sweep(kind, base)
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
