@@ -282,14 +282,15 @@ async def test_a_task_held_through_a_server_restart_is_handled_once_and_spends_n
 async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_through_two_restarts(nats_server):
     """The actor's case (tests/faults/test_faults28.py, the nats-server restart): while nats-server is
     down longer than ack_wait, handlers finish their work and store it (the publish waits for the
-    server) and ack right after it is back. The restarted server delivers those messages again
+    server) and ack right after it is back. The restarted server may deliver those messages again
     (measured: with the delivery count it had, or as first deliveries when their delivery was lost
-    with the process), after their handler is done, so they are no longer held. The worker remembers
-    what it settled and acks such a copy again: each task is handled once, and no copy counts
-    against max_deliver (= 2: a second restart's copy was dead-lettered, `delivered 3 times`).
+    with the process), after their handler is done, so they are no longer held. Each task is handled
+    once, none is dead-lettered (max_deliver = 2: a second restart's copy was dead-lettered,
+    `delivered 3 times`, before the worker remembered what it settled), nothing stays pending.
     Whether a copy comes at all is a race between the restarted server's redeliveries and the acks
-    (once in about seven runs the acks won and no copy came): the scenario is played again on a fresh
-    run, up to three times, until the worker has settled a copy again."""
+    (at stop 48, on a VM three times slower than usual, none came in three plays), so this test does
+    not require one: the copy after an ack is made certain in
+    test_a_copy_delivered_after_its_ack_was_lost_is_settled_again_without_the_handler."""
     import contextlib
 
     from protocol.bus import keep_alive
@@ -351,12 +352,44 @@ async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_thr
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), timeout=5)
 
-    tried = []
-    for i in range(3):
-        tried.append(await attempt(f"{RUN}{i}"))
-        if tried[-1].get("settled_again", 0) >= 1:
+    await attempt(RUN)
+
+
+async def test_a_copy_delivered_after_its_ack_was_lost_is_settled_again_without_the_handler(js):
+    """A handler stores its work and acks, and the ack never reaches the server (here: the first
+    delivery's ack is dropped in the client, a test double for an ack lost in a reconnect). The server
+    delivers the message again after ack_wait; the worker knows it settled it, acks the copy itself
+    and does not run the handler again: the work is stored once, the copy spends no delivery, and the
+    consumer ends with nothing pending."""
+    bus = topology.BusSettings(ack_wait_s=1.0, max_deliver=2)
+    await topology.ensure_topology(js, RUN, bus)
+    await publish(js, RUN, "tasks", examples.task(RUN, task_id="ack-lost"))
+    calls, stop = [], asyncio.Event()
+
+    async def lost_ack() -> None:
+        return None
+
+    async def handler(task, msg):
+        calls.append(msg.metadata.num_delivered)
+        await publish(js, RUN, "traj", examples.trajectory(RUN, task_id=task.task_id))
+        msg.msg.ack = lost_ack  # this delivery's ack is lost on its way
+        await msg.ack()
+
+    worker = PullWorker(js, RUN, "tasks", handler, bus=bus, name="ack-lost", fetch_timeout=0.5)
+    task = asyncio.create_task(worker.run_until(stop))
+    for _ in range(100):  # ack_wait (1 s) passes, the copy comes and is settled
+        if worker.stats["settled_again"]:
             break
-    assert tried[-1].get("settled_again", 0) >= 1, f"no copy came after an ack in {len(tried)} plays: {tried}"
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(2 * bus.ack_wait_s)  # a copy left unsettled would come back meanwhile
+    stop.set()
+    await asyncio.wait_for(task, timeout=10)
+    assert calls == [1], calls
+    assert worker.stats["settled_again"] >= 1 and worker.stats["dead"] == 0, dict(worker.stats)
+    info = await js.consumer_info(topology.stream_name(RUN, "tasks"), topology.CHANNELS["tasks"].durable)
+    assert info.num_ack_pending == 0 and info.num_pending == 0, info
+    dead = await js.stream_info(topology.stream_name(RUN, "dead"))
+    assert dead.state.messages == 0
 
 
 async def test_copies_a_dead_holder_absorbed_do_not_count_against_the_worker_after_it(js):
