@@ -30,6 +30,42 @@ from engines.worker import REFUSED, STAGED_ADAPTER_PATH
 
 MiB = 1 << 20
 
+# vLLM names each ZeroMQ socket between an engine's client and its engine core by a uuid in
+# $VLLM_RPC_BASE_PATH (the temp directory when unset), and a killed engine leaves them there: the CI
+# machine's /tmp held 1,536 of them on 2026-12-05, about a hundred more at every run of the tests.
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+SOCKET_PATH_MAX = 107  # sun_path's 108 bytes, less the NUL
+_socket_dir: str | None = None
+
+
+def engine_socket_dir(environ=os.environ) -> str | None:
+    """Points vLLM's engine sockets at a scratch directory of this process (runtime.scratch, kind
+    "vllm": removed at this process's exit, and by the next process that makes one on this host
+    once this one is gone, killed included) and returns it. An operator's VLLM_RPC_BASE_PATH is
+    kept (None), as is vLLM's default where the directory's name would leave a socket's path over
+    the 107 bytes a Unix socket allows (a long host name)."""
+    global _socket_dir
+    if _socket_dir is not None and environ.get(RPC_DIR_ENV) == _socket_dir and os.path.isdir(_socket_dir):
+        return _socket_dir
+    if environ.get(RPC_DIR_ENV):
+        return None
+    import atexit
+    import logging
+    import shutil
+
+    from runtime.scratch import scratch_dir
+
+    path = str(scratch_dir("vllm"))
+    if len(path) + 1 + len(str(uuid.uuid4())) > SOCKET_PATH_MAX:
+        os.rmdir(path)
+        logging.getLogger("parley.engine").warning(
+            "engine sockets stay in vLLM's default directory: %s/<uuid> would pass the %d bytes a Unix "
+            "socket's path may have (set %s to a short directory to move them)", path, SOCKET_PATH_MAX, RPC_DIR_ENV)
+        return None
+    environ[RPC_DIR_ENV] = _socket_dir = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
 
 @dataclass
 class EngineSettings:
@@ -190,6 +226,7 @@ class PolicyEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cpu_bind = share_cpu_cores() if current_platform.is_cpu() else None
+        engine_socket_dir()
         self.settings = settings
         self.version = version
         self._llm = AsyncLLM.from_engine_args(_engine_args(settings, cpu_bind))

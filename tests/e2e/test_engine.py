@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 
@@ -71,6 +72,19 @@ def test_generate_returns_one_logprob_per_token(ctx):
     # a seed makes a sample reproducible
     again = ctx.run(ctx.engine.generate(prompts[0], max_tokens=24, seed=0))
     assert again.token_ids == outs[0].token_ids
+
+
+def test_the_engines_sockets_are_in_a_scratch_dir_of_this_process(ctx):
+    """vLLM's client-to-engine-core sockets go to engine_socket_dir's directory (swept once this
+    process is gone, killed included), not loose in the temp directory."""
+    import stat
+
+    from engines.engine import RPC_DIR_ENV
+
+    path = os.environ[RPC_DIR_ENV]
+    assert os.path.basename(path).startswith("parley-vllm-") and f"-{os.getpid()}-" in os.path.basename(path)
+    sockets = [e for e in os.scandir(path) if stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode)]
+    assert sockets, os.listdir(path)
 
 
 def test_a_cancelled_generation_is_aborted_in_the_engine_and_the_engine_serves_on(ctx):
