@@ -158,7 +158,6 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         await watcher.start()
         if not await _wait_ready(sup, watcher, stop, timeout=1800.0):
             return _report_failure(sup.failed()) if sup.failed() else 130
-        print("all roles ready", flush=True)
 
         view_stop = asyncio.Event()
         viewer = asyncio.create_task(watch(nc, cfg.run.name, view_stop)) if live else None
@@ -216,22 +215,33 @@ def ready_children(heartbeats) -> set[str]:
     return up
 
 
-async def _wait_ready(sup: Supervisor, watcher, stop: asyncio.Event, timeout: float) -> bool:
+async def _wait_ready(sup: Supervisor, watcher, stop: asyncio.Event, timeout: float, poll_s: float = 1.0) -> bool:
+    """Until every child's heartbeat says ready (True), one fails, `stop` is set or `timeout` passes
+    (False). Prints who it waits for, and each child's start-up as it comes ready: the seconds from
+    this wait's start (the children were just started) to the first heartbeat that said so, to within
+    `poll_s` (on one GPU the engines' start is most of a run's start-up: docs/gpu.md)."""
     expected = {c.name for c in sup.children}
-    deadline = time.monotonic() + timeout
+    t0 = time.monotonic()
+    deadline = t0 + timeout
     last = ""
+    came: set[str] = set()
     while time.monotonic() < deadline and not stop.is_set():
         if sup.failed():
             return False
-        ready = ready_children(watcher.snap.roles.values())
+        ready = ready_children(watcher.snap.roles.values()) & expected
+        new = sorted(ready - came)
+        if new:
+            print(f"ready after {time.monotonic() - t0:.1f} s: {', '.join(new)}", flush=True)
+        came |= ready
         missing = sorted(expected - ready)
         if not missing:
+            print(f"all roles ready in {time.monotonic() - t0:.1f} s", flush=True)
             return True
         msg = f"waiting for: {', '.join(missing)}"
         if msg != last:
             print(msg, flush=True)
             last = msg
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(poll_s)
     return False
 
 

@@ -1,0 +1,56 @@
+"""deploy.up._wait_ready: `parley up` says when each child came ready (its start-up, the most of a run's
+start on one GPU) and how long the wait took, and returns False at once when a child fails."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from deploy import up
+
+
+class SupervisorDouble:
+    """Test double: the children `parley up` started, none of them failing unless told."""
+
+    def __init__(self, names, failed=None):
+        self.children = [SimpleNamespace(name=n) for n in names]
+        self._failed = failed or []
+
+    def failed(self):
+        return self._failed
+
+
+def beat(name: str, state: str = "ready"):
+    role = name.split("-")[0]
+    return SimpleNamespace(id=name, role=role, state=state)
+
+
+async def test_each_child_is_reported_as_it_comes_ready_then_the_whole_wait(capsys):
+    sup = SupervisorDouble(["actor-0", "learner", "scorer-0"])
+    watcher = SimpleNamespace(snap=SimpleNamespace(roles={}))
+
+    async def heartbeats():
+        await asyncio.sleep(0.05)
+        watcher.snap.roles["scorer-0"] = beat("scorer-0")
+        watcher.snap.roles["actor-0"] = beat("actor-0", "starting")
+        await asyncio.sleep(0.1)
+        watcher.snap.roles["learner"] = beat("learner", "busy")
+        watcher.snap.roles["actor-0"] = beat("actor-0")
+
+    task = asyncio.create_task(heartbeats())
+    assert await up._wait_ready(sup, watcher, asyncio.Event(), timeout=5.0, poll_s=0.01)
+    await task
+    lines = capsys.readouterr().out.splitlines()
+    ready = [line for line in lines if line.startswith("ready after ")]
+    assert [line.split(": ", 1)[1] for line in ready] == ["scorer-0", "actor-0, learner"], lines
+    first, second = (float(line.split()[2]) for line in ready)
+    assert 0.04 <= first < second and second >= 0.14, lines
+    assert lines[-1].startswith("all roles ready in ") and float(lines[-1].split()[4]) >= second, lines
+    assert lines[0] == "waiting for: actor-0, learner, scorer-0", lines
+
+
+async def test_a_failed_child_ends_the_wait_at_once(capsys):
+    sup = SupervisorDouble(["actor-0", "learner"], failed=["actor-0"])
+    watcher = SimpleNamespace(snap=SimpleNamespace(roles={}))
+    assert not await asyncio.wait_for(up._wait_ready(sup, watcher, asyncio.Event(), timeout=60.0), 1.0)
+    assert "all roles ready" not in capsys.readouterr().out
