@@ -86,6 +86,9 @@ def at_equal_wall_time(parley: list[dict], trl: list[dict], metric: str = METRIC
 _PLAYED = re.compile(r"task \S+: \d+ samples stored in ([0-9.]+)s")
 # rollout.conversation's lines for a conversation stopped at a turn boundary or with a call cut
 _STOPPED = re.compile(r"task \S+: (stopped|turn cut|simulator call cut) after \d+ messages: ")
+# `parley up`'s start-up lines (deploy.up._wait_ready), counted from its roles' launch
+_READY = re.compile(r"^ready after ([0-9.]+) s: (.+)$")
+_ALL_READY = re.compile(r"^all roles ready in ([0-9.]+) s$")
 
 
 def _median(xs: list[float]) -> float | None:
@@ -113,6 +116,21 @@ def step_breakdown(metrics: list[dict], actor_lines: list[str]) -> dict:
     return out
 
 
+def startup(up_lines: list[str]) -> dict:
+    """When each of parley's roles came ready, in seconds from their launch, and all of them (from
+    `parley up`'s output, part P's up_peer.log); {} for a log from before those lines were printed."""
+    roles: dict[str, float] = {}
+    out: dict = {}
+    for line in up_lines:
+        if m := _READY.match(line.strip()):
+            roles.update((name, float(m.group(1))) for name in m.group(2).split(", "))
+        elif m := _ALL_READY.match(line.strip()):
+            out["all_ready_s"] = float(m.group(1))
+    if roles:
+        out["roles_ready_s"] = roles
+    return out
+
+
 def parley_side(out: Path, clock: dict) -> dict:
     metrics = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl")}
     times = step_times((out / "parley_steps.log").read_text().splitlines(), clock["parley_start_local"])
@@ -124,7 +142,9 @@ def parley_side(out: Path, clock: dict) -> dict:
              for e in read_jsonl(out / "eval_history.jsonl")]
     actor_log = out / "parley_actor.log"
     breakdown = step_breakdown(list(metrics.values()), actor_log.read_text().splitlines() if actor_log.exists() else [])
-    return {"steps": steps, "evals": evals, "total_s": clock["parley_end"] - clock["parley_start"], "breakdown": breakdown}
+    up_log = out / "up_peer.log"
+    return {"steps": steps, "evals": evals, "total_s": clock["parley_end"] - clock["parley_start"], "breakdown": breakdown,
+            "startup": startup(up_log.read_text(errors="replace").splitlines() if up_log.exists() else [])}
 
 
 def at_equal_training_time(parley: dict, trl: dict, metric: str = METRIC) -> list[dict]:
@@ -185,6 +205,7 @@ def compare(out: Path, trl_out: Path | None = None) -> dict:
         "at_equal_wall_time": at_equal_wall_time(parley["evals"], trl["evals"]),
         "at_equal_training_time": at_equal_training_time(parley, trl),
         "parley_breakdown": parley["breakdown"],
+        "parley_startup": parley["startup"],
         "at_the_shorter_run_s": {"t_s": round(both_end, 1),
                                  "parley": None if p_end is None else {"version": p_end["version"], METRIC: p_end[METRIC]},
                                  "trl": None if t_end is None else {"version": t_end["version"], METRIC: t_end[METRIC]}},
@@ -247,6 +268,10 @@ def render(res: dict) -> str:
         "",
         "parley's steps 2..N (medians): " + ", ".join(f"{k} {v}" for k, v in res["parley_breakdown"].items()),
         "",
+        *(["parley's roles ready, s from their launch: "
+           + ", ".join(f"{k} {v}" for k, v in res["parley_startup"].get("roles_ready_s", {}).items())
+           + f"; all {res['parley_startup'].get('all_ready_s', '-')} (step 1 ended {p['first_step_end_s']:.1f} s "
+           "after parley's launch)", ""] if res.get("parley_startup") else []),
         "| setting | parley | TRL | same |", "|---|---|---|---|",
         *(f"| {r['setting']} | {r['parley']} | {r['trl']} | {r['same']} |" for r in res["settings"]),
     ]

@@ -198,6 +198,22 @@ def test_the_comparison_reads_both_runs_steady_state_and_rewards_at_equal_wall_t
     ]
     assert res["at_the_shorter_run_s"]["t_s"] == 31.0
     assert "| trained tokens/s (steps 2..N) | 250 | 62 |" in peer_compare.render(res)
+    assert res["parley_startup"] == {} and "roles ready" not in peer_compare.render(res)  # a log from before the lines
+
+
+def test_the_comparison_reads_when_each_of_parleys_roles_came_ready(tmp_path):
+    _write_runs(tmp_path / "out")
+    (tmp_path / "out" / "up_peer.log").write_text(
+        "started actor-0: pid 5526, log /tmp/run-peer/logs/actor-0.log\n"
+        "waiting for: actor-0, learner, scorer-0\n"
+        "ready after 3.1 s: scorer-0\n"
+        "waiting for: actor-0, learner\n"
+        "ready after 21.0 s: actor-0, learner\n"
+        "all roles ready in 21.0 s\n")
+    res = peer_compare.compare(tmp_path / "out")
+    assert res["parley_startup"] == {"roles_ready_s": {"scorer-0": 3.1, "actor-0": 21.0, "learner": 21.0}, "all_ready_s": 21.0}
+    assert ("parley's roles ready, s from their launch: scorer-0 3.1, actor-0 21.0, learner 21.0; all 21.0 "
+            "(step 1 ended 30.0 s after parley's launch)") in peer_compare.render(res)
 
 
 def test_trls_side_may_come_from_another_call_of_the_part(tmp_path):
