@@ -21,7 +21,8 @@
 #     bash bench/gpu_run.sh LI   # issue 29: adapter step end -> serving at the 4B shape in GPU memory
 #                                # (cuda_ipc), then through the object store in the same call
 #     bash bench/gpu_run.sh K    # issue 26: does the learner's step read GPU memory it never wrote?
-#                                # SmolLM2's steps with PyTorch's cache filled with 0, NaN, 1e4
+#                                # SmolLM2's steps with PyTorch's cache filled with 0, NaN, 1e4; then
+#                                # the live learner's steps with the cache handed back and kept
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -57,6 +58,10 @@ K)
     grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
     step poison "${LIMIT_S:-400}" python3 bench/learner_poison.py --model smol --steps "${STEPS:-4}" \
         --json "$OUT/learner_poison.json"
+    # the live learner's steps (a cuda_ipc version packed after each, no wait between steps) with the
+    # cache handed back and kept, twice each: exit 1 when keeping it moves the steps
+    step cache_ab "${LIMIT_S:-400}" python3 bench/learner_poison.py --model smol --steps "${CACHE_STEPS:-6}" --cache-ab \
+        --json "$OUT/learner_cache_ab.json"
     ;;
 C)
     # the learner bench (docs/gpu_checks.md 2); it writes $OUT/learner_gpu.json and .md itself

@@ -31,6 +31,15 @@ reserved peak sizes the fills. Per step: loss, grad_norm, entropy, skipped,
 and a fingerprint of the weights after it (the float64 sum of each parameter). The verdict compares
 each fill's run with the first "0" run, against what the second "0" run differs by.
 
+`--cache-ab` (CUDA; part K runs it after the fills) asks the question those runs leave open, with the
+learner as it runs live instead: every step followed by a cuda_ipc version packed into one of six
+buffers ([weights] kind cuda_ipc, as part P), nothing between steps that waits for the GPU (the
+fingerprints stay on the device until the run ends; the fills above synchronize before every step),
+and [learner] gpu_cache "release" twice, then "keep_when_room" twice. Part K's first run (2026-12-05,
+H100) found the fills bit-identical, while part P's runs with the cache kept still saw the entropy
+rise (docs/gpu.md, "Three seeds on an H100"). The verdict: does keeping the cache move the figures
+beyond what two runs of one setting differ by (exit 1 if so)?
+
 Nothing in parley imports this file. tests/e2e/test_learner_uninitialized.py runs it on CPU.
 """
 
@@ -150,6 +159,59 @@ def run_fill(model_dir: str, fill: str, steps: int, zero: int, dtype: str, large
     return {"fill": fill, "steps": rows, "reserved_peak_bytes": peak}
 
 
+CACHE_AB = ("release", "release", "keep_when_room", "keep_when_room")
+
+
+def run_cache(model_dir: str, gpu_cache: str, steps: int, zero: int, dtype: str, **learner) -> dict:
+    """One Trainer as the live learner on a GPU it shares with actors (CUDA only): [weights] kind
+    cuda_ipc, a version packed after every step (Trainer.pack_weights, as learner.publication does),
+    [learner] gpu_cache as given, and no wait for the GPU between steps of ours (the weights'
+    fingerprints are summed on the device and read when the run ends). Rows as run_fill's, with
+    each step's cache_released_gib."""
+    import torch
+
+    from config.learner import LearnerConfig
+    from learner.trainer import Trainer
+    from weights.config import CudaIpcWeights
+
+    if not torch.cuda.is_available():
+        raise ValueError("--cache-ab needs CUDA: gpu_cache and cuda_ipc act on a GPU only")
+    torch._dynamo.reset()  # every run compiles afresh (run_fill says why)
+    trainer = Trainer(LearnerConfig(zero_stage=zero, dtype=dtype, kl_coef=0.0, behaviour_correction="truncated_is",
+                                    gpu_cache=gpu_cache, **learner), model_dir,
+                      weights=CudaIpcWeights(max_buffers=6, hold_s=1.0))
+    try:
+        vocab = trainer.module.get_input_embeddings().weight.shape[0]
+        rows, prints = [], []
+        for i, samples in enumerate(batches(vocab, steps)):
+            st = trainer.train_step(samples)
+            trainer.pack_weights(i + 1)
+            prints.append(torch.stack([p.detach().double().sum() for p in trainer.module.parameters()]))
+            rows.append({**{k: float(st.get(k, float("nan"))) for k in FIELDS},
+                         "micro_batches": int(st["micro_batches"]),
+                         "cache_released_gib": float(st.get("cache_released_gib", float("nan")))})
+        for row, fp in zip(rows, prints):
+            row["fingerprint"] = fp.tolist()
+    finally:
+        trainer.close()
+    return {"fill": f"gpu_cache={gpu_cache}", "gpu_cache": gpu_cache, "steps": rows}
+
+
+def cache_verdict(runs: list[dict]) -> dict:
+    """The first "release" run against the first "keep_when_room" one, beside what two runs of each
+    setting differ by (the noise: the larger of the two). The cache moves the steps when a field
+    differs by more than 4x the noise, or is not finite in one run only."""
+    by = {}
+    for r in runs:
+        by.setdefault(r["gpu_cache"], []).append(r)
+    release, keep = by["release"], by["keep_when_room"]
+    noises = [compare(*pair[:2]) for pair in (release, keep) if len(pair) > 1]
+    noise = {k: max((n[k] for n in noises), default=0.0) for k in (*FIELDS, "weights_rel")}
+    d = compare(release[0], keep[0])
+    moves = any(not math.isfinite(d[k]) or d[k] > max(4 * noise[k], 1e-12) for k in d)
+    return {"noise": noise, "diff": d, "cache_moves_steps": moves}
+
+
 def _diff(a: float, b: float) -> float:
     if math.isnan(a) and math.isnan(b):
         return 0.0
@@ -206,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="[learner] compile (default: the learner's, auto: layers on a GPU under ZeRO-2)")
     p.add_argument("--attention", default=None, choices=("auto", "sdpa", "varlen"),
                    help="[learner] attention (default: the learner's, auto: flash varlen on a GPU)")
+    p.add_argument("--cache-ab", action="store_true",
+                   help="(CUDA) instead of the fills: the live learner's steps with a cuda_ipc version packed after "
+                        "each, [learner] gpu_cache release twice and keep_when_room twice")
     p.add_argument("--json", default=None, help="write the runs and the verdict here")
     args = p.parse_args(argv)
 
@@ -213,8 +278,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from engines.models import ensure_model
 
-    model_dir = args.model if os.path.isdir(args.model) else str(ensure_model(args.model))
     cuda = torch.cuda.is_available()
+    if args.cache_ab and not cuda:
+        p.error("--cache-ab needs CUDA: [learner] gpu_cache and cuda_ipc weights act on a GPU only")
+    model_dir = args.model if os.path.isdir(args.model) else str(ensure_model(args.model))
+    learner = {k: v for k, v in (("compile", args.compile), ("attention", args.attention)) if v is not None}
+    if args.cache_ab:
+        return cache_ab(model_dir, args, learner)
     fills = args.fills.split(",") if args.fills else list(FILLS if cuda else CPU_FILLS)
     for f in fills:  # a readable error before any work
         try:
@@ -227,7 +297,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--fills needs \"0\": the other fills are compared with it")
     if cuda:
         fills = [UNFILLED] + fills
-    learner = {k: v for k, v in (("compile", args.compile), ("attention", args.attention)) if v is not None}
     large = None
     runs = []
     for f in fills:
@@ -250,6 +319,30 @@ def main(argv: list[str] | None = None) -> int:
                                                "learner": learner,
                                                "verdict": v, "runs": runs}, indent=1))
     return 1 if v["reads_unwritten"] else 0
+
+
+def cache_ab(model_dir: str, args, learner: dict) -> int:
+    import torch
+
+    runs = []
+    for mode in CACHE_AB:
+        r = run_cache(model_dir, mode, args.steps, args.zero, args.dtype, **learner)
+        runs.append(r)
+        last = r["steps"][-1]
+        print(f"[cache] gpu_cache {mode}: " + ", ".join(f"{k} {last[k]:.6g}" for k in FIELDS)
+              + f" at step {args.steps}; released GiB a step: "
+              + " ".join(f"{row['cache_released_gib']:.2f}" for row in r["steps"]), flush=True)
+    v = cache_verdict(runs)
+    print("[cache] release against keep_when_room: " + ", ".join(f"{k} {d:.3g}" for k, d in v["diff"].items())
+          + f" -> the kept cache moves the steps: {v['cache_moves_steps']}")
+    print("[cache] noise (each setting twice): " + ", ".join(f"{k} {d:.3g}" for k, d in v["noise"].items()))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "model": args.model,
+                                               "steps": args.steps, "zero": args.zero, "learner": learner,
+                                               "weights": "cuda_ipc, max_buffers 6, hold_s 1.0",
+                                               "verdict": v, "runs": runs}, indent=1))
+    return 1 if v["cache_moves_steps"] else 0
 
 
 if __name__ == "__main__":
