@@ -43,17 +43,22 @@ def engine_socket_dir(environ=os.environ) -> str | None:
     "vllm": removed at this process's exit, and by the next process that makes one on this host
     once this one is gone, killed included) and returns it. An operator's VLLM_RPC_BASE_PATH is
     kept (None), as is vLLM's default where the directory's name would leave a socket's path over
-    the 107 bytes a Unix socket allows (a long host name)."""
+    the 107 bytes a Unix socket allows (a long host name). A parent's directory, inherited through
+    the environment, is replaced by one of this process. vLLM's own engine-core processes inherit
+    this process's (they are started after it is set)."""
     global _socket_dir
     if _socket_dir is not None and environ.get(RPC_DIR_ENV) == _socket_dir and os.path.isdir(_socket_dir):
         return _socket_dir
-    if environ.get(RPC_DIR_ENV):
+    from runtime.scratch import owner, scratch_dir
+
+    current = environ.get(RPC_DIR_ENV)
+    # a parent's directory (a test session or a role that started this process) is not the
+    # operator's: it goes when the parent does, so this process makes its own
+    if current and owner(current, "vllm") in (None, os.getpid()):
         return None
     import atexit
     import logging
     import shutil
-
-    from runtime.scratch import scratch_dir
 
     path = str(scratch_dir("vllm"))
     if len(path) + 1 + len(str(uuid.uuid4())) > SOCKET_PATH_MAX:

@@ -37,6 +37,12 @@ def alive(pid: int) -> bool:
     return True
 
 
+def owner(path: str | os.PathLike, kind: str) -> int | None:
+    """The process id in the name of a scratch directory of `kind` made on this host, else None."""
+    m = re.match(rf"^parley-{re.escape(kind)}-{re.escape(_host())}-(\d+)-", Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def sweep(kind: str, base: str | os.PathLike | None = None) -> list[Path]:
     """Remove the scratch directories of `kind` left on this host by processes no longer alive;
     returns what was removed."""

@@ -60,3 +60,16 @@ def test_a_dir_whose_socket_paths_would_be_too_long_is_not_used(monkeypatch, sho
     assert engine.engine_socket_dir(environ) is None
     assert environ == {} and list(short_tmp.iterdir()) == []
     assert "would pass the" in caplog.text and engine.RPC_DIR_ENV in caplog.text
+
+
+def test_a_parents_socket_dir_inherited_through_the_environment_is_replaced(monkeypatch, short_tmp):
+    """A process started by one that runs engines (a test session, a role) inherits its
+    VLLM_RPC_BASE_PATH; that directory goes when the parent exits, so the child makes its own."""
+    fresh(monkeypatch, short_tmp)
+    parents = short_tmp / f"parley-vllm-{scratch._host()}-{os.getppid()}-abc"
+    parents.mkdir()
+    environ = {engine.RPC_DIR_ENV: str(parents)}
+    path = engine.engine_socket_dir(environ)
+    assert path is not None and path != str(parents) and environ[engine.RPC_DIR_ENV] == path
+    assert os.path.basename(path).startswith(f"parley-vllm-{scratch._host()}-{os.getpid()}-")
+    assert parents.exists()  # the parent's, alive: not ours to remove
