@@ -47,15 +47,14 @@ def sweep(kind: str, base: str | os.PathLike | None = None) -> list[Path]:
     """Remove the scratch directories of `kind` left on this host by processes no longer alive;
     returns what was removed."""
     root = Path(base or tempfile.gettempdir())
-    pattern = re.compile(rf"^parley-{re.escape(kind)}-{re.escape(_host())}-(\d+)-")
     removed = []
     try:
         entries = list(root.iterdir())
     except OSError:
         return removed
     for path in entries:
-        m = pattern.match(path.name)
-        if not m or int(m.group(1)) == os.getpid() or alive(int(m.group(1))):
+        pid = owner(path, kind)
+        if pid is None or pid == os.getpid() or alive(pid):
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not path.exists():
