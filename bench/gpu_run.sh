@@ -163,7 +163,8 @@ P)
     cp "$RUN/eval/history.jsonl" "$OUT/eval_history.jsonl" 2>/dev/null
     grep -h -E ': step [0-9]+: loss|eval: version' "$RUN/logs/learner.log" >"$OUT/parley_steps.log" 2>/dev/null
     # where a step's time goes: each task's play time and each version's load on the actors, with times
-    grep -h -E 'stored in|now serving|admitted at version|recompile|stopped after|turn cut after|simulator call cut after' "$RUN"/logs/actor-*.log >"$OUT/parley_actor.log" 2>/dev/null
+    # and where its start-up goes (vLLM's own timing lines: loading, torch.compile, CUDA graphs, engine init)
+    grep -h -E 'stored in|now serving|admitted at version|recompile|stopped after|turn cut after|simulator call cut after|Model loading took|torch.compile took|Graph capturing finished|init engine \(profile|warmup run took' "$RUN"/logs/actor-*.log >"$OUT/parley_actor.log" 2>/dev/null
     grep -h -i 'recompile' "$RUN"/logs/learner.log | head -n 5 >>"$OUT/parley_steps.log" 2>/dev/null
     LEFT=$((LIMIT_S - (SECONDS - T0) - 10))
     T1=$(clock)
