@@ -58,8 +58,8 @@ K)
     grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
     step poison "${LIMIT_S:-400}" python3 bench/learner_poison.py --model smol --steps "${STEPS:-4}" \
         --json "$OUT/learner_poison.json"
-    # the live learner's steps (a cuda_ipc version packed after each, no wait between steps) with the
-    # cache handed back and kept, twice each: exit 1 when keeping it moves the steps
+    # the live learner's steps (a cuda_ipc version packed after each, nothing of the bench's between
+    # steps) with the cache handed back and kept, twice each: exit 1 when keeping it moves the steps
     step cache_ab "${LIMIT_S:-400}" python3 bench/learner_poison.py --model smol --steps "${CACHE_STEPS:-6}" --cache-ab \
         --json "$OUT/learner_cache_ab.json"
     ;;

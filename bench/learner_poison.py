@@ -33,9 +33,10 @@ each fill's run with the first "0" run, against what the second "0" run differs 
 
 `--cache-ab` (CUDA; part K runs it after the fills) asks the question those runs leave open, with the
 learner as it runs live instead: every step followed by a cuda_ipc version packed into one of six
-buffers ([weights] kind cuda_ipc, as part P), nothing between steps that waits for the GPU (the
-fingerprints stay on the device until the run ends; the fills above synchronize before every step),
-and [learner] gpu_cache "release" twice, then "keep_when_room" twice. Part K's first run (2026-12-05,
+buffers ([weights] kind cuda_ipc, as part P), nothing of the bench's own between steps (the
+fingerprints stay on the device until the run ends, where the fills above empty and fill the cache
+and synchronize before every step: between steps only the learner's own pack, which waits for its
+copy, as live), and [learner] gpu_cache "release" twice, then "keep_when_room" twice. Part K's first run (2026-12-05,
 H100) found the fills bit-identical, while part P's runs with the cache kept still saw the entropy
 rise (docs/gpu.md, "Three seeds on an H100"). The verdict: does keeping the cache move the figures
 beyond what two runs of one setting differ by (exit 1 if so)?
@@ -165,8 +166,8 @@ CACHE_AB = ("release", "release", "keep_when_room", "keep_when_room")
 def run_cache(model_dir: str, gpu_cache: str, steps: int, zero: int, dtype: str, **learner) -> dict:
     """One Trainer as the live learner on a GPU it shares with actors (CUDA only): [weights] kind
     cuda_ipc, a version packed after every step (Trainer.pack_weights, as learner.publication does),
-    [learner] gpu_cache as given, and no wait for the GPU between steps of ours (the weights'
-    fingerprints are summed on the device and read when the run ends). Rows as run_fill's, with
+    [learner] gpu_cache as given, and nothing of ours between steps (the weights' fingerprints are
+    summed on the device and read when the run ends). Rows as run_fill's, with
     each step's cache_released_gib."""
     import torch
 
