@@ -3,6 +3,7 @@ in OUT: parley's metrics.jsonl, eval_history.jsonl and parley_steps.log (the lea
 lines), TRL's peer_trl.json (bench/peer_trl.py) and p_clock.json (when each run was launched).
 
     python bench/peer_compare.py --out gpu-out --json bench/results/peer_trl_h200.json
+    python bench/peer_compare.py --over OUT_SEED0 OUT_SEED1 OUT_SEED2 --json SEEDS.json  # one command, seeds
 
 It prints trained tokens/s and wall s/step (steady state: from the end of step 1 to the end of the
 last step, so start-up is reported apart), the held-out reward at equal wall time (each system's
@@ -278,14 +279,69 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
+def over_seeds(outs: list[Path]) -> dict:
+    """Part P calls of one command at several seeds (`SEED`), each compared as `compare` does: per call
+    the seed, parley's settings, the trained-tokens ratio, s/step and both last held-out results; then
+    the means and the paired differences of the last held-out result (parley - TRL, per seed). The goal
+    counts as met by the means when the mean ratio is >= GOAL and the mean paired difference >= 0."""
+    rows = []
+    for out in outs:
+        res = compare(out)
+        clock = json.loads((out / "p_clock.json").read_text())
+        p_last, t_last = res["parley"]["evals"][-1], res["trl"]["evals"][-1]
+        rows.append({"out": str(out), "seed": clock.get("seed", 0), "parley_sets": clock.get("parley_sets", ""),
+                     "ratio": res["speedup_trained_tokens_per_s"], "signal_ratio": res["speedup_signal_tokens_per_s"],
+                     "parley_s_per_step": res["parley"]["wall_s_per_step"], "trl_s_per_step": res["trl"]["wall_s_per_step"],
+                     "parley_last": {"version": p_last["version"], METRIC: p_last[METRIC]},
+                     "trl_last": {"version": t_last["version"], METRIC: t_last[METRIC]},
+                     "difference": round(p_last[METRIC] - t_last[METRIC], 4)})
+    mean = lambda xs: round(sum(xs) / len(xs), 4)  # noqa: E731
+    means = {"ratio": mean([r["ratio"] for r in rows]), "signal_ratio": mean([r["signal_ratio"] for r in rows]),
+             "parley_last": mean([r["parley_last"][METRIC] for r in rows]),
+             "trl_last": mean([r["trl_last"][METRIC] for r in rows]),
+             "difference": mean([r["difference"] for r in rows])}
+    return {"calls": rows, "means": means, "seeds": sorted({r["seed"] for r in rows}),
+            "parley_sets": sorted({r["parley_sets"] for r in rows}),
+            "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}, by the means over seeds",
+            "goal_met_by_the_means": means["ratio"] >= GOAL and means["difference"] >= 0}
+
+
+def render_seeds(res: dict) -> str:
+    lines = [f"| seed | parley / TRL trained tokens/s (groups with differing rewards) | s/step parley / TRL | "
+             f"held-out {METRIC}, last: parley | TRL | parley - TRL |", "|---|---|---|---|---|---|"]
+    for r in res["calls"]:
+        lines.append(f"| {r['seed']} | {r['ratio']:.2f}x ({r['signal_ratio']:.2f}x) | {r['parley_s_per_step']:.3f} / "
+                     f"{r['trl_s_per_step']:.3f} | {_cell(r['parley_last'])} | {_cell(r['trl_last'])} | {r['difference']:+.3f} |")
+    m = res["means"]
+    lines += ["", f"means over {len(res['calls'])} calls: {m['ratio']:.2f}x ({m['signal_ratio']:.2f}x), held-out "
+              f"{METRIC} {m['parley_last']:.3f} against {m['trl_last']:.3f} (paired difference {m['difference']:+.3f}); "
+              f"goal met by the means: {res['goal_met_by_the_means']}"]
+    if len(res["parley_sets"]) > 1:
+        lines.append("note: the calls ran different parley settings (PARLEY_SETS): "
+                     + " | ".join(repr(x) for x in res["parley_sets"]))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="the folder bench/gpu_run.sh P wrote")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="the folder bench/gpu_run.sh P wrote")
+    where.add_argument("--over", type=Path, nargs="+", metavar="OUT",
+                       help="several such folders, one command at several seeds: a table and the means over them")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "peer_trl_h200.json")
     p.add_argument("--date", default="", help="the date of the run, recorded in the JSON")
     p.add_argument("--trl-out", type=Path, default=None,
                    help="take TRL's side (peer_trl.json, p_clock.json) from this folder of another part P call")
     args = p.parse_args(argv)
+    if args.over:
+        if args.trl_out:
+            p.error("--trl-out goes with --out (one parley call against another call's TRL)")
+        res = over_seeds(args.over)
+        print(render_seeds(res))
+        if args.json != p.get_default("json"):
+            args.json.write_text(json.dumps({"date": args.date, **res} if args.date else res, indent=1) + "\n")
+            print(f"wrote {args.json}")
+        return 0
     res = compare(args.out, args.trl_out)
     if args.date:
         res = {"date": args.date, **res}

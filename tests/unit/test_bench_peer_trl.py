@@ -326,3 +326,26 @@ def test_a_lag_given_to_parley_alone_is_the_one_its_lag_row_names(tmp_path):
     assert "max_staleness = 2 (PARLEY_SETS)" in row["parley"] and row["same"] == "no"
     (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": "learner.oversample_groups=2"}))
     assert peer_compare.compare(tmp_path / "out")["settings"][0] == lag_row  # no lag given: the recipe's row
+
+
+def test_calls_at_several_seeds_are_summed_up_by_their_means_and_paired_differences(tmp_path, capsys):
+    """`peer_compare.py --over A B`: one row per call (its seed from p_clock.json), then the means; the
+    goal counts as met by the means only at a mean ratio >= 1.5 and a mean paired difference >= 0."""
+    for name, seed, trl_last in (("s0", 0, 0.3), ("s1", 1, 0.7)):
+        _write_runs(tmp_path / name)
+        clock = json.loads((tmp_path / name / "p_clock.json").read_text())
+        (tmp_path / name / "p_clock.json").write_text(json.dumps({**clock, "seed": seed, "parley_sets": "x=1"}))
+        peer = json.loads((tmp_path / name / "peer_trl.json").read_text())
+        peer["evals"][-1]["goal_match"] = trl_last
+        (tmp_path / name / "peer_trl.json").write_text(json.dumps(peer))
+    res = peer_compare.over_seeds([tmp_path / "s0", tmp_path / "s1"])
+    assert [r["seed"] for r in res["calls"]] == [0, 1]
+    assert [r["difference"] for r in res["calls"]] == [0.2, -0.2]  # parley's last is 0.5 in both
+    assert res["means"] == {"ratio": 4.0, "signal_ratio": 10.0, "parley_last": 0.5, "trl_last": 0.5, "difference": 0.0}
+    assert res["goal_met_by_the_means"] is True  # 4x at an equal mean
+    single = peer_compare.ROOT / "bench" / "results" / "peer_trl_h200.json"  # --out's default --json
+    before = single.stat().st_mtime_ns
+    assert peer_compare.main(["--over", str(tmp_path / "s0"), str(tmp_path / "s1")]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | 4.00x (10.00x) |" in out and "goal met by the means: True" in out
+    assert single.stat().st_mtime_ns == before  # without --json, --over writes nothing
