@@ -328,7 +328,8 @@ def main(argv=None) -> int:
     where.add_argument("--out", type=Path, help="the folder bench/gpu_run.sh P wrote")
     where.add_argument("--over", type=Path, nargs="+", metavar="OUT",
                        help="several such folders, one command at several seeds: a table and the means over them")
-    p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "peer_trl_h200.json")
+    p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "peer_trl_h200.json",
+                   help="where the comparison goes (default for --out: %(default)s; --over writes only where told)")
     p.add_argument("--date", default="", help="the date of the run, recorded in the JSON")
     p.add_argument("--trl-out", type=Path, default=None,
                    help="take TRL's side (peer_trl.json, p_clock.json) from this folder of another part P call")
