@@ -69,9 +69,27 @@ class TimedTrainer(TrainerDouble):
         return super().__call__(op, *args)
 
 
+async def key_history(js, run: str, key: str) -> list[bytes]:
+    """Every value the run's KV holds for `key`, oldest first, read from the bucket's stream one message
+    at a time (direct get, next by subject). Not nats.py's KeyValue.history: its watcher can put the
+    "no more" marker ahead of entries the server has already sent when the client is slow, and then
+    answers NoKeysError for a key with values (CI, 2026-12-05, on a loaded machine)."""
+    from nats.js.errors import NotFoundError
+
+    bucket = topology.kv_bucket(run)
+    values, seq = [], 1
+    while True:
+        try:
+            msg = await js.get_msg(f"KV_{bucket}", seq=seq, subject=f"$KV.{bucket}.{key}", next=True)
+        except NotFoundError:
+            return values
+        if msg.data:  # a delete or purge marker has none
+            values.append(msg.data)
+        seq = msg.seq + 1
+
+
 async def announced(js, run: str) -> list[int]:
-    kv = await js.key_value(topology.kv_bucket(run))
-    return [codec.decode("weights", e.value).version for e in await kv.history(topology.WEIGHTS_KEY) if e.value]
+    return [codec.decode("weights", v).version for v in await key_history(js, run, topology.WEIGHTS_KEY)]
 
 
 async def run_learner(js, nc, cfg, trainer, transport, stop: asyncio.Event | None = None, tmp_path=None):
@@ -199,8 +217,7 @@ async def test_each_version_is_hashed_once(js, nc, tmp_path, monkeypatch, make):
     await topology.ensure_topology(js, run, BUS)
     await run_learner(js, nc, cfg, RealWeightsTrainer(), js)
 
-    kv = await js.key_value(topology.kv_bucket(run))
-    versions = [codec.decode("weights", e.value) for e in await kv.history(topology.WEIGHTS_KEY) if e.value]
+    versions = [codec.decode("weights", v) for v in await key_history(js, run, topology.WEIGHTS_KEY)]
     assert [wv.version for wv in versions] == [0, 1, 2, 3]
     assert len({wv.sha256 for wv in versions}) == 4  # different weights per step
     for wv in versions:
@@ -270,7 +287,6 @@ async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(
     object store announced on the early key before their full copy is stored, under their table's
     digest; shared_dir has no early announcement); each delta, applied to a packed copy of the base's
     full file, gives the next version's table; one version in three is full only."""
-    from nats.js.errors import NoKeysError
     from safetensors.torch import load_file
 
     from weights import registry
@@ -285,13 +301,8 @@ async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(
     await topology.ensure_topology(js, run, BUS)
     await run_learner(js, nc, cfg, PackedTrainer(), js)
 
-    kv = await js.key_value(topology.kv_bucket(run))
-    final = {wv.version: wv for wv in (codec.decode("weights", e.value) for e in await kv.history(topology.WEIGHTS_KEY)
-                                       if e.value)}
-    try:
-        early = [codec.decode("weights", e.value) for e in await kv.history(topology.WEIGHTS_EARLY_KEY) if e.value]
-    except NoKeysError:  # never written (shared_dir)
-        early = []
+    final = {wv.version: wv for wv in (codec.decode("weights", v) for v in await key_history(js, run, topology.WEIGHTS_KEY))}
+    early = [codec.decode("weights", v) for v in await key_history(js, run, topology.WEIGHTS_EARLY_KEY)]  # none: shared_dir
     # a version overtaken while its upload waited is never announced (learner.publication), on a busy
     # machine now and then; the deltas are counted at packing, in step order, all the same
     assert 5 in final and len(final) >= 4
@@ -328,7 +339,6 @@ async def test_packed_format_without_deltas_packs_nothing(js, nc, tmp_path):
     await topology.ensure_topology(js, run, BUS)
     trainer = PackedTrainer()
     await run_learner(js, nc, cfg, trainer, js)
-    kv = await js.key_value(topology.kv_bucket(run))
-    announced = [codec.decode("weights", e.value) for e in await kv.history(topology.WEIGHTS_KEY) if e.value]
+    announced = [codec.decode("weights", v) for v in await key_history(js, run, topology.WEIGHTS_KEY)]
     assert [wv.version for wv in announced][-1] == 2
     assert "pack_versions" not in trainer.calls and not any(wv.packed or wv.delta for wv in announced)
