@@ -288,7 +288,7 @@ async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_thr
     once, none is dead-lettered (max_deliver = 2: a second restart's copy was dead-lettered,
     `delivered 3 times`, before the worker remembered what it settled), nothing stays pending.
     Whether a copy comes at all is a race between the restarted server's redeliveries and the acks
-    (at stop 48, on a VM three times slower than usual, none came in three plays), so this test does
+    (2026-12-05, on a CI machine three times slower than usual: none came in three plays), so this test does
     not require one: the copy after an ack is made certain in
     test_a_copy_delivered_after_its_ack_was_lost_is_settled_again_without_the_handler."""
     import contextlib
@@ -359,8 +359,8 @@ async def test_a_copy_delivered_after_its_ack_was_lost_is_settled_again_without_
     """A handler stores its work and acks, and the ack never reaches the server (here: the first
     delivery's ack is dropped in the client, a test double for an ack lost in a reconnect). The server
     delivers the message again after ack_wait; the worker knows it settled it, acks the copy itself
-    and does not run the handler again: the work is stored once, the copy spends no delivery, and the
-    consumer ends with nothing pending."""
+    and does not run the handler again: the work is stored once, nothing is dead-lettered (max_deliver
+    = 2: the copy is the second delivery), and the consumer ends with nothing pending."""
     bus = topology.BusSettings(ack_wait_s=1.0, max_deliver=2)
     await topology.ensure_topology(js, RUN, bus)
     await publish(js, RUN, "tasks", examples.task(RUN, task_id="ack-lost"))
