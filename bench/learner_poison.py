@@ -108,6 +108,11 @@ def fill_cuda_cache(value: float, large_bytes: int, device) -> None:
     del large, small  # freed to the cache, not to the driver: the step's allocations reuse them
 
 
+def step_row(stats: dict) -> dict:
+    """What a run keeps of a train step's stats: FIELDS and its micro-batches."""
+    return {**{k: float(stats.get(k, float("nan"))) for k in FIELDS}, "micro_batches": int(stats["micro_batches"])}
+
+
 def run_fill(model_dir: str, fill: str, steps: int, zero: int, dtype: str, large_bytes: int | None = None,
              **learner) -> dict:
     """One Trainer, `steps` steps with the memory filled with `fill` before each: per step the
@@ -149,8 +154,7 @@ def run_fill(model_dir: str, fill: str, steps: int, zero: int, dtype: str, large
                 if cuda and i == 0:
                     peak = torch.cuda.max_memory_reserved(trainer.device)
                 sums = [float(p.detach().double().sum()) for p in trainer.module.parameters()]
-                rows.append({**{k: float(st.get(k, float("nan"))) for k in FIELDS},
-                             "micro_batches": int(st["micro_batches"]), "fingerprint": sums})
+                rows.append({**step_row(st), "fingerprint": sums})
         finally:
             trainer.close()
     finally:
@@ -188,9 +192,7 @@ def run_cache(model_dir: str, gpu_cache: str, steps: int, zero: int, dtype: str,
             st = trainer.train_step(samples)
             trainer.pack_weights(i + 1)
             prints.append(torch.stack([p.detach().double().sum() for p in trainer.module.parameters()]))
-            rows.append({**{k: float(st.get(k, float("nan"))) for k in FIELDS},
-                         "micro_batches": int(st["micro_batches"]),
-                         "cache_released_gib": float(st.get("cache_released_gib", float("nan")))})
+            rows.append({**step_row(st), "cache_released_gib": float(st.get("cache_released_gib", float("nan")))})
         for row, fp in zip(rows, prints):
             row["fingerprint"] = fp.tolist()
     finally:

@@ -200,7 +200,8 @@ def compare(out: Path, trl_out: Path | None = None) -> dict:
         "trl": {**ts, "total_s": round(trl["total_s"], 1), "inline_eval_s": trl["inline_eval_s"], "evals": trl["evals"]},
         "speedup_trained_tokens_per_s": round(ps["trained_tokens_per_s"] / ts["trained_tokens_per_s"], 3),
         "speedup_signal_tokens_per_s": round(ps["signal_tokens_per_s"] / ts["signal_tokens_per_s"], 3),
-        "runs": {"parley_launched": clock.get("parley_start_local", ""),
+        "runs": {"parley_launched": clock.get("parley_start_local", ""), "seed": clock.get("seed", 0),
+                 "parley_sets": clock.get("parley_sets", ""),
                  "trl_launched_unix": trl_clock["trl_start"], "same_call": trl_out is None},
         "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}",
         "at_equal_wall_time": at_equal_wall_time(parley["evals"], trl["evals"]),
@@ -287,9 +288,8 @@ def over_seeds(outs: list[Path]) -> dict:
     rows = []
     for out in outs:
         res = compare(out)
-        clock = json.loads((out / "p_clock.json").read_text())
         p_last, t_last = res["parley"]["evals"][-1], res["trl"]["evals"][-1]
-        rows.append({"out": str(out), "seed": clock.get("seed", 0), "parley_sets": clock.get("parley_sets", ""),
+        rows.append({"out": str(out), "seed": res["runs"]["seed"], "parley_sets": res["runs"]["parley_sets"],
                      "ratio": res["speedup_trained_tokens_per_s"], "signal_ratio": res["speedup_signal_tokens_per_s"],
                      "parley_s_per_step": res["parley"]["wall_s_per_step"], "trl_s_per_step": res["trl"]["wall_s_per_step"],
                      "parley_last": {"version": p_last["version"], METRIC: p_last[METRIC]},

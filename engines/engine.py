@@ -35,26 +35,25 @@ MiB = 1 << 20
 # machine's /tmp held 1,536 of them on 2026-12-05, about a hundred more at every run of the tests.
 RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
 SOCKET_PATH_MAX = 107  # sun_path's 108 bytes, less the NUL
-_socket_dir: str | None = None
 
 
 def engine_socket_dir(environ=os.environ) -> str | None:
     """Points vLLM's engine sockets at a scratch directory of this process (runtime.scratch, kind
     "vllm": removed at this process's exit, and by the next process that makes one on this host
-    once this one is gone, killed included) and returns it. An operator's VLLM_RPC_BASE_PATH is
-    kept (None), as is vLLM's default where the directory's name would leave a socket's path over
-    the 107 bytes a Unix socket allows (a long host name). A parent's directory, inherited through
-    the environment, is replaced by one of this process. vLLM's own engine-core processes inherit
-    this process's (they are started after it is set)."""
-    global _socket_dir
-    if _socket_dir is not None and environ.get(RPC_DIR_ENV) == _socket_dir and os.path.isdir(_socket_dir):
-        return _socket_dir
+    once this one is gone, killed included) and returns it; a second engine of the process finds it
+    in the environment. An operator's VLLM_RPC_BASE_PATH is kept (None), as is vLLM's default where
+    the directory's name would leave a socket's path over the 107 bytes a Unix socket allows (a long
+    host name). A parent's directory, inherited through the environment, is replaced by one of this
+    process. vLLM's own engine-core processes inherit this process's (they are started after it is set)."""
     from runtime.scratch import owner, scratch_dir
 
     current = environ.get(RPC_DIR_ENV)
-    # a parent's directory (a test session or a role that started this process) is not the
-    # operator's: it goes when the parent does, so this process makes its own
-    if current and owner(current, "vllm") in (None, os.getpid()):
+    mine = owner(current, "vllm") if current else None
+    if mine == os.getpid():
+        return current
+    # a name not of ours is the operator's, kept; a parent's (a test session or a role that started
+    # this process) goes when the parent does, so this process makes its own
+    if current and mine is None:
         return None
     import atexit
     import logging
@@ -67,7 +66,7 @@ def engine_socket_dir(environ=os.environ) -> str | None:
             "engine sockets stay in vLLM's default directory: %s/<uuid> would pass the %d bytes a Unix "
             "socket's path may have (set %s to a short directory to move them)", path, SOCKET_PATH_MAX, RPC_DIR_ENV)
         return None
-    environ[RPC_DIR_ENV] = _socket_dir = path
+    environ[RPC_DIR_ENV] = path
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
 

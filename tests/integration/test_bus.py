@@ -297,7 +297,7 @@ async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_thr
 
     server = nats_server  # killed and restarted on its store below; the fixture stops it
 
-    async def attempt(run: str) -> dict:
+    async def attempt(run: str) -> None:
         nc = await connect(server.url, name="actor-like")
         try:
             js = nc.jetstream()
@@ -347,7 +347,6 @@ async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_thr
             assert worker.stats["dead"] == 0, dict(worker.stats)
             info = await js.consumer_info(topology.stream_name(run, "tasks"), topology.CHANNELS["tasks"].durable)
             assert info.num_ack_pending == 0 and info.num_pending == 0, info
-            return dict(worker.stats)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), timeout=5)

@@ -27,7 +27,6 @@ def short_tmp():
 
 def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(engine, "_socket_dir", None)
 
 
 def test_the_sockets_go_to_a_scratch_dir_of_this_process_that_a_later_process_sweeps(monkeypatch, short_tmp):
