@@ -169,7 +169,9 @@ P)
     LEFT=$((LIMIT_S - (SECONDS - T0) - 10))
     T1=$(clock)
     write_clock
-    if [ "$LEFT" -ge 60 ]; then
+    if [ "${TRL:-1}" = 0 ]; then  # TRL=0: parley alone (compare with an earlier call's TRL: --trl-out)
+        echo "[gpu_run] peer_trl: skipped, TRL=0" | tee "$OUT/peer_trl.log"
+    elif [ "$LEFT" -ge 60 ]; then
         step peer_trl "$LEFT" python3 bench/peer_trl.py --config deploy/configs/gpu-1.toml --env hidden_goal \
             "${HG[@]}" --steps "$STEPS" --work /tmp/peer-trl --json "$OUT/peer_trl.json"
     else

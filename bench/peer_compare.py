@@ -280,16 +280,25 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def over_seeds(outs: list[Path]) -> dict:
+def over_seeds(outs: list[Path | tuple[Path, Path]]) -> dict:
     """Part P calls of one command at several seeds (`SEED`), each compared as `compare` does: per call
     the seed, parley's settings, the trained-tokens ratio, s/step and both last held-out results; then
     the means and the paired differences of the last held-out result (parley - TRL, per seed). The goal
-    counts as met by the means when the mean ratio is >= GOAL and the mean paired difference >= 0."""
+    counts as met by the means when the mean ratio is >= GOAL and the mean paired difference >= 0.
+    An item (OUT, TRL_OUT) takes TRL's side from another call (`compare`'s `trl_out`: parley ran alone,
+    TRL=0); its row says so (`same_call` false), and the seeds of both sides must agree."""
     rows = []
-    for out in outs:
-        res = compare(out)
+    for item in outs:
+        out, trl_out = item if isinstance(item, tuple) else (item, None)
+        res = compare(out, trl_out)
+        if trl_out is not None:
+            trl_seed = json.loads((trl_out / "p_clock.json").read_text()).get("seed", 0)
+            if trl_seed != res["runs"]["seed"]:
+                raise ValueError(f"{out} ran seed {res['runs']['seed']} but its TRL side {trl_out} ran seed {trl_seed}: "
+                                 "pair each parley call with TRL's call at the same SEED")
         p_last, t_last = res["parley"]["evals"][-1], res["trl"]["evals"][-1]
-        rows.append({"out": str(out), "seed": res["runs"]["seed"], "parley_sets": res["runs"]["parley_sets"],
+        rows.append({"out": str(out), "trl_out": str(trl_out or out), "same_call": trl_out is None,
+                     "seed": res["runs"]["seed"], "parley_sets": res["runs"]["parley_sets"],
                      "ratio": res["speedup_trained_tokens_per_s"], "signal_ratio": res["speedup_signal_tokens_per_s"],
                      "parley_s_per_step": res["parley"]["wall_s_per_step"], "trl_s_per_step": res["trl"]["wall_s_per_step"],
                      "parley_last": {"version": p_last["version"], METRIC: p_last[METRIC]},
@@ -316,6 +325,11 @@ def render_seeds(res: dict) -> str:
     lines += ["", f"means over {len(res['calls'])} calls: {m['ratio']:.2f}x ({m['signal_ratio']:.2f}x), held-out "
               f"{METRIC} {m['parley_last']:.3f} against {m['trl_last']:.3f} (paired difference {m['difference']:+.3f}); "
               f"goal met by the means: {res['goal_met_by_the_means']}"]
+    apart = [r for r in res["calls"] if not r.get("same_call", True)]
+    if apart:
+        lines.append(f"note: TRL's side of seed(s) {', '.join(str(r['seed']) for r in apart)} comes from another call "
+                     "(parley ran alone): its held-out results are TRL's at that seed on that kind of GPU, "
+                     "its ratio carries the machine's noise between calls")
     if len(res["parley_sets"]) > 1:
         lines.append("note: the calls ran different parley settings (PARLEY_SETS): "
                      + " | ".join(repr(x) for x in res["parley_sets"]))
@@ -327,7 +341,8 @@ def main(argv=None) -> int:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", type=Path, help="the folder bench/gpu_run.sh P wrote")
     where.add_argument("--over", type=Path, nargs="+", metavar="OUT",
-                       help="several such folders, one command at several seeds: a table and the means over them")
+                       help="several such folders, one command at several seeds: a table and the means over them; "
+                            "OUT=TRL_OUT takes TRL's side from another call at the same seed (parley ran alone: TRL=0)")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "peer_trl_h200.json",
                    help="where the comparison goes (default for --out: %(default)s; --over writes only where told)")
     p.add_argument("--date", default="", help="the date of the run, recorded in the JSON")
@@ -337,7 +352,12 @@ def main(argv=None) -> int:
     if args.over:
         if args.trl_out:
             p.error("--trl-out goes with --out (one parley call against another call's TRL)")
-        res = over_seeds(args.over)
+        items = [(Path(str(o).split("=", 1)[0]), Path(str(o).split("=", 1)[1])) if "=" in str(o) else o
+                 for o in args.over]
+        try:
+            res = over_seeds(items)
+        except ValueError as e:
+            p.error(str(e))
         print(render_seeds(res))
         if args.json != p.get_default("json"):
             args.json.write_text(json.dumps({"date": args.date, **res} if args.date else res, indent=1) + "\n")

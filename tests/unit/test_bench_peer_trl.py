@@ -349,3 +349,24 @@ def test_calls_at_several_seeds_are_summed_up_by_their_means_and_paired_differen
     out = capsys.readouterr().out
     assert "| 1 | 4.00x (10.00x) |" in out and "goal met by the means: True" in out
     assert single.stat().st_mtime_ns == before  # without --json, --over writes nothing
+
+
+def test_a_parley_call_run_alone_is_paired_with_another_calls_trl_at_the_same_seed(tmp_path, capsys):
+    """`--over OUT=TRL_OUT`: parley's side from OUT (TRL=0), TRL's from TRL_OUT; the row says the two
+    came from different calls, and a pair whose seeds differ is refused with both seeds named."""
+    for name, seed, trl_last in (("p1", 1, 0.9), ("t1", 1, 0.7), ("t2", 2, 0.1)):
+        _write_runs(tmp_path / name)
+        clock = json.loads((tmp_path / name / "p_clock.json").read_text())
+        (tmp_path / name / "p_clock.json").write_text(json.dumps({**clock, "seed": seed}))
+        peer = json.loads((tmp_path / name / "peer_trl.json").read_text())
+        peer["evals"][-1]["goal_match"] = trl_last
+        (tmp_path / name / "peer_trl.json").write_text(json.dumps(peer))
+    res = peer_compare.over_seeds([(tmp_path / "p1", tmp_path / "t1")])
+    row = res["calls"][0]
+    assert row["same_call"] is False and row["trl_out"] == str(tmp_path / "t1")
+    assert row["trl_last"]["goal_match"] == 0.7 and row["difference"] == -0.2  # TRL's from t1, not p1's own 0.9
+    assert peer_compare.main(["--over", f"{tmp_path / 'p1'}={tmp_path / 't1'}"]) == 0
+    assert "TRL's side of seed(s) 1 comes from another call" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        peer_compare.main(["--over", f"{tmp_path / 'p1'}={tmp_path / 't2'}"])
+    assert "ran seed 1 but its TRL side" in capsys.readouterr().err
