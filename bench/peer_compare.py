@@ -182,11 +182,14 @@ def trl_side(peer: dict, launched: float) -> dict:
 
 def compare(out: Path, trl_out: Path | None = None) -> dict:
     """`trl_out`: TRL's run from another call of part P (its peer_trl.json and p_clock.json), when
-    parley's side of `out` was re-run alone."""
+    parley's side of `out` was re-run alone (TRL=0); both calls' SEED must agree (ValueError)."""
     clock = json.loads((out / "p_clock.json").read_text())
     trl_dir = trl_out or out
     peer = json.loads((trl_dir / "peer_trl.json").read_text())
     trl_clock = json.loads((trl_dir / "p_clock.json").read_text())
+    if trl_out is not None and trl_clock.get("seed", 0) != clock.get("seed", 0):
+        raise ValueError(f"{out} ran seed {clock.get('seed', 0)} but its TRL side {trl_out} ran seed "
+                         f"{trl_clock.get('seed', 0)}: pair each parley call with TRL's call at the same SEED")
     parley, trl = parley_side(out, clock), trl_side(peer, trl_clock["trl_start"])
     ps, ts = steady(parley["steps"]), steady(trl["steps"])
     # TRL's eval runs between its steps; without it its steady state would be this much shorter
@@ -286,16 +289,11 @@ def over_seeds(outs: list[Path | tuple[Path, Path]]) -> dict:
     the means and the paired differences of the last held-out result (parley - TRL, per seed). The goal
     counts as met by the means when the mean ratio is >= GOAL and the mean paired difference >= 0.
     An item (OUT, TRL_OUT) takes TRL's side from another call (`compare`'s `trl_out`: parley ran alone,
-    TRL=0); its row says so (`same_call` false), and the seeds of both sides must agree."""
+    TRL=0); its row says so (`same_call` false)."""
     rows = []
     for item in outs:
         out, trl_out = item if isinstance(item, tuple) else (item, None)
         res = compare(out, trl_out)
-        if trl_out is not None:
-            trl_seed = json.loads((trl_out / "p_clock.json").read_text()).get("seed", 0)
-            if trl_seed != res["runs"]["seed"]:
-                raise ValueError(f"{out} ran seed {res['runs']['seed']} but its TRL side {trl_out} ran seed {trl_seed}: "
-                                 "pair each parley call with TRL's call at the same SEED")
         p_last, t_last = res["parley"]["evals"][-1], res["trl"]["evals"][-1]
         rows.append({"out": str(out), "trl_out": str(trl_out or out), "same_call": trl_out is None,
                      "seed": res["runs"]["seed"], "parley_sets": res["runs"]["parley_sets"],
@@ -340,7 +338,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", type=Path, help="the folder bench/gpu_run.sh P wrote")
-    where.add_argument("--over", type=Path, nargs="+", metavar="OUT",
+    where.add_argument("--over", nargs="+", metavar="OUT",
                        help="several such folders, one command at several seeds: a table and the means over them; "
                             "OUT=TRL_OUT takes TRL's side from another call at the same seed (parley ran alone: TRL=0)")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "peer_trl_h200.json",
@@ -352,18 +350,20 @@ def main(argv=None) -> int:
     if args.over:
         if args.trl_out:
             p.error("--trl-out goes with --out (one parley call against another call's TRL)")
-        items = [(Path(str(o).split("=", 1)[0]), Path(str(o).split("=", 1)[1])) if "=" in str(o) else o
-                 for o in args.over]
+        items = [(Path(o.split("=", 1)[0]), Path(o.split("=", 1)[1])) if "=" in o else Path(o) for o in args.over]
         try:
             res = over_seeds(items)
-        except ValueError as e:
+        except ValueError as e:  # a pair of calls at different seeds
             p.error(str(e))
         print(render_seeds(res))
         if args.json != p.get_default("json"):
             args.json.write_text(json.dumps({"date": args.date, **res} if args.date else res, indent=1) + "\n")
             print(f"wrote {args.json}")
         return 0
-    res = compare(args.out, args.trl_out)
+    try:
+        res = compare(args.out, args.trl_out)
+    except ValueError as e:
+        p.error(str(e))
     if args.date:
         res = {"date": args.date, **res}
     print(render(res))

@@ -370,3 +370,6 @@ def test_a_parley_call_run_alone_is_paired_with_another_calls_trl_at_the_same_se
     with pytest.raises(SystemExit):
         peer_compare.main(["--over", f"{tmp_path / 'p1'}={tmp_path / 't2'}"])
     assert "ran seed 1 but its TRL side" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one pair by --out and --trl-out: the same check
+        peer_compare.main(["--out", str(tmp_path / "p1"), "--trl-out", str(tmp_path / "t2"), "--json", str(tmp_path / "x.json")])
+    assert "ran seed 1 but its TRL side" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
