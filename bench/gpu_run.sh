@@ -139,6 +139,16 @@ P)
     # SmolLM2 built before either clock starts (a minute on the first call of a machine)
     step build_smol 150 python3 -c "from engines.models import ensure_model; ensure_model('smol')"
     grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
+    # the staged site holds no bytecode: each process compiles what it imports the first time, and on a
+    # machine's first call that fell on parley's start-up alone, TRL running second (2026-12-05: the
+    # actor's engine began 83 s after launch on the first call). Both clocks start after this import
+    step warm_imports 150 python3 -c "import importlib
+for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.engine.core', 'vllm.v1.worker.gpu_model_runner'):
+    try:
+        importlib.import_module(m)
+    except Exception as e:
+        print('warm_imports: not imported:', m, type(e).__name__, e)"
+    grep -q 'not imported' "$OUT/warm_imports.log" || rm -f "$OUT/warm_imports.log"
     clock() { date '+%s.%N|%F %T.%N'; }
     SETS_JSON=${PARLEY_SETS:-}
     SETS_JSON=${SETS_JSON//\\/\\\\}  # a JSON string: backslashes, then quotes (group_order="freshest")
