@@ -140,7 +140,7 @@ P)
     step build_smol 150 python3 -c "from engines.models import ensure_model; ensure_model('smol')"
     grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
     # the staged site holds no bytecode: each process compiles what it imports the first time, and on a
-    # machine's first call that fell on parley's start-up alone, TRL running second (2026-12-05: the
+    # machine's first call that falls first on parley's start-up, TRL running second (2026-12-05: the
     # actor's engine began 83 s after launch on the first call). Both clocks start after this import
     step warm_imports 150 python3 -c "import importlib
 for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.engine.core', 'vllm.v1.worker.gpu_model_runner'):
