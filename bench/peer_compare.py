@@ -295,7 +295,7 @@ def over_seeds(outs: list[Path | tuple[Path, Path]]) -> dict:
         out, trl_out = item if isinstance(item, tuple) else (item, None)
         res = compare(out, trl_out)
         p_last, t_last = res["parley"]["evals"][-1], res["trl"]["evals"][-1]
-        rows.append({"out": str(out), "trl_out": str(trl_out or out), "same_call": trl_out is None,
+        rows.append({"out": str(out), "trl_out": str(trl_out or out), "same_call": res["runs"]["same_call"],
                      "seed": res["runs"]["seed"], "parley_sets": res["runs"]["parley_sets"],
                      "ratio": res["speedup_trained_tokens_per_s"], "signal_ratio": res["speedup_signal_tokens_per_s"],
                      "parley_s_per_step": res["parley"]["wall_s_per_step"], "trl_s_per_step": res["trl"]["wall_s_per_step"],
@@ -323,7 +323,7 @@ def render_seeds(res: dict) -> str:
     lines += ["", f"means over {len(res['calls'])} calls: {m['ratio']:.2f}x ({m['signal_ratio']:.2f}x), held-out "
               f"{METRIC} {m['parley_last']:.3f} against {m['trl_last']:.3f} (paired difference {m['difference']:+.3f}); "
               f"goal met by the means: {res['goal_met_by_the_means']}"]
-    apart = [r for r in res["calls"] if not r.get("same_call", True)]
+    apart = [r for r in res["calls"] if not r["same_call"]]
     if apart:
         lines.append(f"note: TRL's side of seed(s) {', '.join(str(r['seed']) for r in apart)} comes from another call "
                      "(parley ran alone): its held-out results are TRL's at that seed on that kind of GPU, "
@@ -350,7 +350,8 @@ def main(argv=None) -> int:
     if args.over:
         if args.trl_out:
             p.error("--trl-out goes with --out (one parley call against another call's TRL)")
-        items = [(Path(o.split("=", 1)[0]), Path(o.split("=", 1)[1])) if "=" in o else Path(o) for o in args.over]
+        pairs = [o.partition("=") for o in args.over]  # OUT or OUT=TRL_OUT
+        items = [(Path(out), Path(trl)) if trl else Path(out) for out, _, trl in pairs]
         try:
             res = over_seeds(items)
         except ValueError as e:  # a pair of calls at different seeds

@@ -328,16 +328,21 @@ def test_a_lag_given_to_parley_alone_is_the_one_its_lag_row_names(tmp_path):
     assert peer_compare.compare(tmp_path / "out")["settings"][0] == lag_row  # no lag given: the recipe's row
 
 
+def _seeded_runs(out: Path, seed: int, trl_last: float, **clock_fields) -> None:
+    """`_write_runs` at `seed` (p_clock.json), TRL's last held-out goal_match set to `trl_last`."""
+    _write_runs(out)
+    clock = json.loads((out / "p_clock.json").read_text())
+    (out / "p_clock.json").write_text(json.dumps({**clock, "seed": seed, **clock_fields}))
+    peer = json.loads((out / "peer_trl.json").read_text())
+    peer["evals"][-1]["goal_match"] = trl_last
+    (out / "peer_trl.json").write_text(json.dumps(peer))
+
+
 def test_calls_at_several_seeds_are_summed_up_by_their_means_and_paired_differences(tmp_path, capsys):
     """`peer_compare.py --over A B`: one row per call (its seed from p_clock.json), then the means; the
     goal counts as met by the means only at a mean ratio >= 1.5 and a mean paired difference >= 0."""
     for name, seed, trl_last in (("s0", 0, 0.3), ("s1", 1, 0.7)):
-        _write_runs(tmp_path / name)
-        clock = json.loads((tmp_path / name / "p_clock.json").read_text())
-        (tmp_path / name / "p_clock.json").write_text(json.dumps({**clock, "seed": seed, "parley_sets": "x=1"}))
-        peer = json.loads((tmp_path / name / "peer_trl.json").read_text())
-        peer["evals"][-1]["goal_match"] = trl_last
-        (tmp_path / name / "peer_trl.json").write_text(json.dumps(peer))
+        _seeded_runs(tmp_path / name, seed, trl_last, parley_sets="x=1")
     res = peer_compare.over_seeds([tmp_path / "s0", tmp_path / "s1"])
     assert [r["seed"] for r in res["calls"]] == [0, 1]
     assert [r["difference"] for r in res["calls"]] == [0.2, -0.2]  # parley's last is 0.5 in both
@@ -355,12 +360,7 @@ def test_a_parley_call_run_alone_is_paired_with_another_calls_trl_at_the_same_se
     """`--over OUT=TRL_OUT`: parley's side from OUT (TRL=0), TRL's from TRL_OUT; the row says the two
     came from different calls, and a pair whose seeds differ is refused with both seeds named."""
     for name, seed, trl_last in (("p1", 1, 0.9), ("t1", 1, 0.7), ("t2", 2, 0.1)):
-        _write_runs(tmp_path / name)
-        clock = json.loads((tmp_path / name / "p_clock.json").read_text())
-        (tmp_path / name / "p_clock.json").write_text(json.dumps({**clock, "seed": seed}))
-        peer = json.loads((tmp_path / name / "peer_trl.json").read_text())
-        peer["evals"][-1]["goal_match"] = trl_last
-        (tmp_path / name / "peer_trl.json").write_text(json.dumps(peer))
+        _seeded_runs(tmp_path / name, seed, trl_last)
     res = peer_compare.over_seeds([(tmp_path / "p1", tmp_path / "t1")])
     row = res["calls"][0]
     assert row["same_call"] is False and row["trl_out"] == str(tmp_path / "t1")
