@@ -64,7 +64,8 @@ def steady(steps: list[dict]) -> dict:
     signal = sum(s["signal_tokens"] for s in steps[1:])
     return {"steps": len(steps), "first_step_end_s": round(first["t"], 2), "last_step_end_s": round(last["t"], 2),
             "wall_s_per_step": round(span / (len(steps) - 1), 4), "trained_tokens_per_s": round(tokens / span, 1),
-            "signal_tokens_per_s": round(signal / span, 1), "trained_tokens": sum(s["trained_tokens"] for s in steps)}
+            "signal_tokens_per_s": round(signal / span, 1), "trained_tokens": sum(s["trained_tokens"] for s in steps),
+            "trained_tokens_per_step": round(tokens / (len(steps) - 1), 1)}
 
 
 def latest(evals: list[dict], t: float) -> dict | None:
@@ -203,6 +204,10 @@ def compare(out: Path, trl_out: Path | None = None) -> dict:
         "trl": {**ts, "total_s": round(trl["total_s"], 1), "inline_eval_s": trl["inline_eval_s"], "evals": trl["evals"]},
         "speedup_trained_tokens_per_s": round(ps["trained_tokens_per_s"] / ts["trained_tokens_per_s"], 3),
         "speedup_signal_tokens_per_s": round(ps["signal_tokens_per_s"] / ts["signal_tokens_per_s"], 3),
+        # the same batch a step (one group of n conversations) on both sides: the tokens/s ratio is this
+        # times the ratio of trained tokens per step, which is what each policy chose to write
+        "speedup_steps_per_s": round(ts["wall_s_per_step"] / ps["wall_s_per_step"], 3),
+        "speedup_steps_per_s_without_trls_eval": round(ts["wall_s_per_step_without_eval"] / ps["wall_s_per_step"], 3),
         "runs": {"parley_launched": clock.get("parley_start_local", ""), "seed": clock.get("seed", 0),
                  "parley_sets": clock.get("parley_sets", ""),
                  "trl_launched_unix": trl_clock["trl_start"], "same_call": trl_out is None},
@@ -214,14 +219,16 @@ def compare(out: Path, trl_out: Path | None = None) -> dict:
         "at_the_shorter_run_s": {"t_s": round(both_end, 1),
                                  "parley": None if p_end is None else {"version": p_end["version"], METRIC: p_end[METRIC]},
                                  "trl": None if t_end is None else {"version": t_end["version"], METRIC: t_end[METRIC]}},
-        "settings": parley_settings(peer["settings"], clock),
+        "settings": parley_settings(peer["settings"], clock, peer["recipe"].get("behaviour_correction")),
     }
 
 
-def parley_settings(rows: list[dict], clock: dict) -> list[dict]:
+def parley_settings(rows: list[dict], clock: dict, recipe_correction: str | None = None) -> list[dict]:
     """peer_trl.py's settings table (the shared recipe as both read it) with what part P gave parley
     alone (p_clock.json: PARLEY_SETS and ACTORS, recorded since 2026-12-03): the engines row names the
-    actors that ran, and a last row lists the parley-only settings."""
+    actors that ran, the policy-lag, clip-range and behaviour-mismatch rows the lag and the behaviour
+    correction parley ran with (`recipe_correction`: the one the recipe gave both), and a last row lists
+    the parley-only settings."""
     rows = [dict(r) for r in rows]
     if "actors" in clock:
         for r in rows:
@@ -234,6 +241,9 @@ def parley_settings(rows: list[dict], clock: dict) -> list[dict]:
                 n = int(lag.group(1))
                 r["parley"] = re.sub(r"max_staleness = \d+", f"max_staleness = {n} (PARLEY_SETS)", r["parley"])
                 r["same"] = "no" if n else "yes"
+    mode = re.search(r'(?:^|\s)learner\.behaviour_correction="?(\w+)"?(?:\s|$)', clock.get("parley_sets") or "")
+    if mode and mode.group(1) != recipe_correction:  # the recipe's rows name the correction both were given
+        rows = _parley_correction(rows, mode.group(1), clock["parley_sets"])
     if clock.get("parley_sets"):
         rows.append({"setting": "parley only (PARLEY_SETS, not in TRL's run)", "parley": clock["parley_sets"],
                      "trl": "-", "same": "no"})
@@ -241,6 +251,26 @@ def parley_settings(rows: list[dict], clock: dict) -> list[dict]:
         rows.append({"setting": "steps (PARLEY_STEPS)", "parley": str(clock["parley_steps"]),
                      "trl": str(clock.get("trl_steps")), "same": "no"})
     return rows
+
+
+def _parley_correction(rows: list[dict], mode: str, parley_sets: str) -> list[dict]:
+    """The clip-range and behaviour-mismatch rows with parley's cells for the `mode` PARLEY_SETS gave it
+    (the recipe's config under those settings, described by bench/peer_trl.py); TRL's cells stay those of
+    the correction it ran, and the rows say "no" where parley's differs from it."""
+    sys.path.insert(0, str(ROOT))
+    from bench import peer_trl
+
+    keys = ("behaviour_correction", "clip_low", "clip_high", "dual_clip", "is_cap")  # what the two cells read
+    lc = peer_trl.load_recipe(None, [kv for kv in parley_sets.split() if kv.split("=")[0] in
+                                     {f"learner.{k}" for k in keys}]).learner
+    cells = dict(zip(("clip range", "behaviour mismatch"), peer_trl.parley_correction(lc)))
+    out = []
+    for r in rows:
+        if r["setting"] in cells:
+            r = {**r, "parley": f"{cells[r['setting']]} (PARLEY_SETS: behaviour_correction = {mode})",
+                 "same": "no: parley ran another behaviour correction (PARLEY_SETS)"}
+        out.append(r)
+    return out
 
 
 def _cell(side: dict | None) -> str:
@@ -256,6 +286,7 @@ def render(res: dict) -> str:
         f"{t['signal_tokens_per_s']:,.0f} |",
         f"| wall s/step (steps 2..N) | {p['wall_s_per_step']:.3f} | {t['wall_s_per_step']:.3f} "
         f"({t['wall_s_per_step_without_eval']:.3f} without its inline eval) |",
+        f"| trained tokens a step (steps 2..N) | {p['trained_tokens_per_step']:,.0f} | {t['trained_tokens_per_step']:,.0f} |",
         f"| end of step 1 (start-up) s | {p['first_step_end_s']:.1f} | {t['first_step_end_s']:.1f} |",
         f"| steps, total wall s | {p['steps']}, {p['total_s']:.1f} | {t['steps']}, {t['total_s']:.1f} |",
         f"| held-out {METRIC}, last | {_cell(p['evals'][-1] if p['evals'] else None)} | "
@@ -264,6 +295,9 @@ def render(res: dict) -> str:
         f"parley / TRL trained tokens/s: {res['speedup_trained_tokens_per_s']:.2f}x (goal: {GOAL}x); "
         f"counting only groups with differing rewards: {res['speedup_signal_tokens_per_s']:.2f}x"
         + ("" if res["runs"]["same_call"] else " (TRL's run from another device call: --trl-out)"),
+        f"parley / TRL steps/s, one group a step on both: {res['speedup_steps_per_s']:.2f}x "
+        f"({res['speedup_steps_per_s_without_trls_eval']:.2f}x against TRL's steps without its inline eval); "
+        "the tokens/s ratio is this times the ratio of trained tokens a step, which each policy's replies set",
         "",
         f"| s since launch | parley {METRIC} | TRL {METRIC} |", "|---|---|---|",
         *(f"| {r['t_s']:.1f} | {_cell(r['parley'])} | {_cell(r['trl'])} |" for r in res["at_equal_wall_time"]),
@@ -299,28 +333,39 @@ def over_seeds(outs: list[Path | tuple[Path, Path]]) -> dict:
                      "seed": res["runs"]["seed"], "parley_sets": res["runs"]["parley_sets"],
                      "ratio": res["speedup_trained_tokens_per_s"], "signal_ratio": res["speedup_signal_tokens_per_s"],
                      "parley_s_per_step": res["parley"]["wall_s_per_step"], "trl_s_per_step": res["trl"]["wall_s_per_step"],
+                     "steps_ratio": res["speedup_steps_per_s"],
+                     "steps_ratio_without_trls_eval": res["speedup_steps_per_s_without_trls_eval"],
+                     "parley_tokens_per_step": res["parley"]["trained_tokens_per_step"],
+                     "trl_tokens_per_step": res["trl"]["trained_tokens_per_step"],
                      "parley_last": {"version": p_last["version"], METRIC: p_last[METRIC]},
                      "trl_last": {"version": t_last["version"], METRIC: t_last[METRIC]},
                      "difference": round(p_last[METRIC] - t_last[METRIC], 4)})
     mean = lambda xs: round(sum(xs) / len(xs), 4)  # noqa: E731
     means = {"ratio": mean([r["ratio"] for r in rows]), "signal_ratio": mean([r["signal_ratio"] for r in rows]),
+             "steps_ratio": mean([r["steps_ratio"] for r in rows]),
+             "steps_ratio_without_trls_eval": mean([r["steps_ratio_without_trls_eval"] for r in rows]),
              "parley_last": mean([r["parley_last"][METRIC] for r in rows]),
              "trl_last": mean([r["trl_last"][METRIC] for r in rows]),
              "difference": mean([r["difference"] for r in rows])}
     return {"calls": rows, "means": means, "seeds": sorted({r["seed"] for r in rows}),
-            "parley_sets": sorted({r["parley_sets"] for r in rows}),
+            # the same settings in another order are the same run
+            "parley_sets": sorted({" ".join(sorted(r["parley_sets"].split())) for r in rows}),
             "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}, by the means over seeds",
             "goal_met_by_the_means": means["ratio"] >= GOAL and means["difference"] >= 0}
 
 
 def render_seeds(res: dict) -> str:
     lines = [f"| seed | parley / TRL trained tokens/s (groups with differing rewards) | s/step parley / TRL | "
-             f"held-out {METRIC}, last: parley | TRL | parley - TRL |", "|---|---|---|---|---|---|"]
+             "steps/s ratio (TRL without its eval) | trained tokens a step parley / TRL | "
+             f"held-out {METRIC}, last: parley | TRL | parley - TRL |", "|---|---|---|---|---|---|---|---|"]
     for r in res["calls"]:
         lines.append(f"| {r['seed']} | {r['ratio']:.2f}x ({r['signal_ratio']:.2f}x) | {r['parley_s_per_step']:.3f} / "
-                     f"{r['trl_s_per_step']:.3f} | {_cell(r['parley_last'])} | {_cell(r['trl_last'])} | {r['difference']:+.3f} |")
+                     f"{r['trl_s_per_step']:.3f} | {r['steps_ratio']:.2f}x ({r['steps_ratio_without_trls_eval']:.2f}x) | "
+                     f"{r['parley_tokens_per_step']:,.0f} / {r['trl_tokens_per_step']:,.0f} | "
+                     f"{_cell(r['parley_last'])} | {_cell(r['trl_last'])} | {r['difference']:+.3f} |")
     m = res["means"]
-    lines += ["", f"means over {len(res['calls'])} calls: {m['ratio']:.2f}x ({m['signal_ratio']:.2f}x), held-out "
+    lines += ["", f"means over {len(res['calls'])} calls: {m['ratio']:.2f}x ({m['signal_ratio']:.2f}x) trained tokens/s, "
+              f"{m['steps_ratio']:.2f}x ({m['steps_ratio_without_trls_eval']:.2f}x) steps/s, held-out "
               f"{METRIC} {m['parley_last']:.3f} against {m['trl_last']:.3f} (paired difference {m['difference']:+.3f}); "
               f"goal met by the means: {res['goal_met_by_the_means']}"]
     apart = [r for r in res["calls"] if not r["same_call"]]

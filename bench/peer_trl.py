@@ -162,21 +162,30 @@ def trl_kwargs(cfg, *, output_dir: str, vllm: bool = True, gpu: bool = True,
     return kw
 
 
+def parley_correction(lc) -> tuple[str, str]:
+    """Parley's cells of the clip-range and behaviour-mismatch rows under [learner] behaviour_correction
+    (bench/peer_compare.py names them for a call whose PARLEY_SETS changed it)."""
+    if lc.behaviour_correction == "truncated_is":
+        return ("none (behaviour_correction = truncated_is: the ratio to its pre-step self is 1)",
+                f"per-token weight min(exp(logp - logp_vllm), {lc.is_cap}) (behaviour_correction = truncated_is)")
+    return (f"[1 - {lc.clip_low}, 1 + {lc.clip_high}] on exp(logp - logp_behaviour)",
+            f"the clipped ratio above is against vLLM's log-probs; dual clip {lc.dual_clip} for A < 0")
+
+
 def _correction_rows(lc, kw: dict[str, Any], row) -> list[dict[str, str]]:
     """The clip-range and behaviour-mismatch rows, which depend on [learner] behaviour_correction."""
+    clip, mismatch = parley_correction(lc)
     if lc.behaviour_correction == "truncated_is":
-        return [row("clip range", "none (behaviour_correction = truncated_is: the ratio to its pre-step self is 1)",
+        return [row("clip range", clip,
                     f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old), "
                     "1 at num_iterations = 1: never binds", "yes"),
-                row("behaviour mismatch",
-                    f"per-token weight min(exp(logp - logp_vllm), {lc.is_cap}) (behaviour_correction = truncated_is)",
+                row("behaviour mismatch", mismatch,
                     "logp_old is TRL's recomputed one; per-token weight "
                     f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
                     "yes")]
-    return [row("clip range", f"[1 - {lc.clip_low}, 1 + {lc.clip_high}] on exp(logp - logp_behaviour)",
+    return [row("clip range", clip,
                 f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old)", "yes"),
-            row("behaviour mismatch",
-                f"the clipped ratio above is against vLLM's log-probs; dual clip {lc.dual_clip} for A < 0",
+            row("behaviour mismatch", mismatch,
                 "logp_old is TRL's recomputed one (ratio 1 at num_iterations = 1); per-token weight "
                 f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
                 "no: same value, clip in a different place")]

@@ -346,13 +346,15 @@ def test_calls_at_several_seeds_are_summed_up_by_their_means_and_paired_differen
     res = peer_compare.over_seeds([tmp_path / "s0", tmp_path / "s1"])
     assert [r["seed"] for r in res["calls"]] == [0, 1]
     assert [r["difference"] for r in res["calls"]] == [0.2, -0.2]  # parley's last is 0.5 in both
-    assert res["means"] == {"ratio": 4.0, "signal_ratio": 10.0, "parley_last": 0.5, "trl_last": 0.5, "difference": 0.0}
+    assert res["means"] == {"ratio": 4.0, "signal_ratio": 10.0, "steps_ratio": 4.0, "steps_ratio_without_trls_eval": 3.5,
+                            "parley_last": 0.5, "trl_last": 0.5, "difference": 0.0}
     assert res["goal_met_by_the_means"] is True  # 4x at an equal mean
     single = peer_compare.ROOT / "bench" / "results" / "peer_trl_h200.json"  # --out's default --json
     before = single.stat().st_mtime_ns
     assert peer_compare.main(["--over", str(tmp_path / "s0"), str(tmp_path / "s1")]) == 0
     out = capsys.readouterr().out
-    assert "| 1 | 4.00x (10.00x) |" in out and "goal met by the means: True" in out
+    assert "| 1 | 4.00x (10.00x) | 1.000 / 4.000 | 4.00x (3.50x) | 250 / 250 |" in out
+    assert "goal met by the means: True" in out
     assert single.stat().st_mtime_ns == before  # without --json, --over writes nothing
 
 
@@ -373,3 +375,53 @@ def test_a_parley_call_run_alone_is_paired_with_another_calls_trl_at_the_same_se
     with pytest.raises(SystemExit):  # one pair by --out and --trl-out: the same check
         peer_compare.main(["--out", str(tmp_path / "p1"), "--trl-out", str(tmp_path / "t2"), "--json", str(tmp_path / "x.json")])
     assert "ran seed 1 but its TRL side" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_the_tokens_ratio_is_the_steps_ratio_times_what_each_policy_wrote_a_step(tmp_path):
+    """Both train one group a step, so parley / TRL trained tokens/s is the steps/s ratio times the
+    ratio of trained tokens a step; a parley policy writing half as many tokens halves the first and
+    leaves the second (2026-12-05: 313 against 721 a step at seed 2 gave 0.68x at 1.56x the steps/s)."""
+    _write_runs(tmp_path / "out")
+    (tmp_path / "out" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "trained_tokens": 50 * s}) + "\n" for s in (1, 2, 3)))
+    res = peer_compare.compare(tmp_path / "out")
+    # parley: steps 2-3 trained 250 tokens in 2 s (125 a step); TRL: 500 tokens in 8 s (250 a step)
+    assert (res["parley"]["trained_tokens_per_step"], res["trl"]["trained_tokens_per_step"]) == (125.0, 250.0)
+    assert res["speedup_trained_tokens_per_s"] == 2.0
+    assert (res["speedup_steps_per_s"], res["speedup_steps_per_s_without_trls_eval"]) == (4.0, 3.5)
+    text = peer_compare.render(res)
+    assert "| trained tokens a step (steps 2..N) | 125 | 250 |" in text
+    assert "parley / TRL steps/s, one group a step on both: 4.00x (3.50x against TRL's steps without its inline eval)" in text
+
+
+def test_a_behaviour_correction_given_to_parley_alone_is_the_one_its_rows_name(tmp_path):
+    """PARLEY_SETS with learner.behaviour_correction="clip" (the lag-1 runs of 2026-12-05): the clip-range
+    and behaviour-mismatch rows name parley's clip against vLLM's log-probs and say "no", where the
+    recipe's rows (both at truncated_is) said "yes"; TRL's cells stay those of the loss it ran."""
+    _write_runs(tmp_path / "out")
+    recipe = peer_trl.settings_rows(peer_trl.load_recipe(None, []))
+    peer = json.loads((tmp_path / "out" / "peer_trl.json").read_text())
+    peer["settings"], peer["recipe"]["behaviour_correction"] = recipe, "truncated_is"
+    (tmp_path / "out" / "peer_trl.json").write_text(json.dumps(peer))
+    clock = json.loads((tmp_path / "out" / "p_clock.json").read_text())
+    sets = 'learner.oversample_groups=2 learner.behaviour_correction="clip" learner.clip_high=0.3'
+    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": sets}))
+    rows = {r["setting"]: r for r in peer_compare.compare(tmp_path / "out")["settings"]}
+    before = {r["setting"]: r for r in recipe}
+    assert before["clip range"]["same"] == "yes" and before["clip range"]["parley"].startswith("none")
+    assert rows["clip range"]["parley"] == ("[1 - 0.2, 1 + 0.3] on exp(logp - logp_behaviour) "
+                                            "(PARLEY_SETS: behaviour_correction = clip)")
+    assert "dual clip 3.0 for A < 0" in rows["behaviour mismatch"]["parley"]
+    assert rows["clip range"]["same"].startswith("no") and rows["behaviour mismatch"]["same"].startswith("no")
+    assert rows["behaviour mismatch"]["trl"] == before["behaviour mismatch"]["trl"]
+    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": 'learner.behaviour_correction="truncated_is"'}))
+    rows = {r["setting"]: r for r in peer_compare.compare(tmp_path / "out")["settings"]}
+    assert rows["clip range"] == before["clip range"]  # the recipe's own correction: its rows as they were
+
+
+def test_the_same_parley_settings_in_another_order_are_one_setting(tmp_path):
+    _seeded_runs(tmp_path / "a", 0, 0.3, parley_sets='x=1 learner.behaviour_correction="clip"')
+    _seeded_runs(tmp_path / "b", 1, 0.3, parley_sets='learner.behaviour_correction="clip" x=1')
+    _seeded_runs(tmp_path / "c", 2, 0.3, parley_sets="x=1")
+    assert len(peer_compare.over_seeds([tmp_path / "a", tmp_path / "b"])["parley_sets"]) == 1
+    assert len(peer_compare.over_seeds([tmp_path / "a", tmp_path / "c"])["parley_sets"]) == 2
