@@ -8,6 +8,7 @@
 #     bash bench/gpu_run.sh T    # the same at the 4B shape on random_words, for a wall budget (issue 26 2b,
 #                                # 2c with STALENESS="1 0 2")
 #     bash bench/gpu_run.sh P    # part U's run, then TRL's GRPOTrainer on the same recipe (issue 26 3)
+#     bash bench/gpu_run.sh PS   # part P at each seed of SEEDS in one call, each run packed as one file
 #     bash bench/gpu_run.sh W1   # issue 27's weight-path table, two calls of under 10 min each: cuda_ipc
 #     bash bench/gpu_run.sh W2   # steady, during 64 requests, objstore full (W1); shared_dir and objstore
 #                                # deltas from real gradients at lr 1e-6 and 1e-5, 4B shape (W2)
@@ -174,7 +175,11 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     grep -h -E ': step [0-9]+: loss|eval: version' "$RUN/logs/learner.log" >"$OUT/parley_steps.log" 2>/dev/null
     # where a step's time goes: each task's play time and each version's load on the actors, with times
     # and where its start-up goes (vLLM's own timing lines: loading, torch.compile, CUDA graphs, engine init)
-    grep -h -E 'stored in|now serving|admitted at version|recompile|stopped after|turn cut after|simulator call cut after|Model loading took|torch.compile took|Graph capturing finished|init engine \(profile|warmup run took' "$RUN"/logs/actor-*.log >"$OUT/parley_actor.log" 2>/dev/null
+    # and, first, the actor's start-up lines up to its engine's first timing line (2026-12-05, a warm call:
+    # the engine's init took 9 s of the actor's 70 s to ready, and the log kept nothing of the rest)
+    ACTOR_PAT='stored in|now serving|admitted at version|recompile|stopped after|turn cut after|simulator call cut after|Model loading took|torch.compile took|Graph capturing finished|init engine \(profile|warmup run took'
+    { sed -n '1,/Model loading took/p' "$RUN"/logs/actor-0.log | head -n 150 | grep -v -E "$ACTOR_PAT"
+      grep -h -E "$ACTOR_PAT" "$RUN"/logs/actor-*.log; } >"$OUT/parley_actor.log" 2>/dev/null
     grep -h -i 'recompile' "$RUN"/logs/learner.log | head -n 5 >>"$OUT/parley_steps.log" 2>/dev/null
     LEFT=$((LIMIT_S - (SECONDS - T0) - 10))
     T1=$(clock)
@@ -281,8 +286,25 @@ LI)
     fi
     grep -h "staged in memory" "$OUT"/lora_ipc.log | head -n 8 >"$OUT/lora_ipc_worker.log" 2>/dev/null
     ;;
+PS)
+    # part P once for each seed of SEEDS (default "1 0 2"), one after another in this call, with P's
+    # settings (TRL=0, PARLEY_SETS, STEPS, ...); each run's files packed as $OUT/p_s<SEED>.tgz (the device
+    # brings back 8 files a call, and part P leaves 7-8), unpacked by `tar xzf`. A seed is started only
+    # when RUN_S (default: PARLEY_S + 30 with TRL=0, else LIMIT_S + 20) still fits in CALL_S (default 570)
+    CALL_S=${CALL_S:-570}
+    if [ "${TRL:-1}" = 0 ]; then RUN_S=${RUN_S:-$(( ${PARLEY_S:-330} + 30 ))}; else RUN_S=${RUN_S:-$(( ${LIMIT_S:-580} + 20 ))}; fi
+    for S in ${SEEDS:-1 0 2}; do
+        if [ $((SECONDS + RUN_S)) -gt "$CALL_S" ]; then
+            echo "[gpu_run] PS: seed $S not started: ${SECONDS} s gone, a run may take RUN_S=$RUN_S of CALL_S=$CALL_S"
+            continue
+        fi
+        OUT="$OUT/p_s$S" SEED=$S bash "$0" P | grep -E '^best by|^\[gpu_run\]|Traceback'
+        tar czf "$OUT/p_s$S.tgz" -C "$OUT/p_s$S" . && rm -rf "$OUT/p_s$S"
+        echo "[gpu_run] PS: seed $S ended at ${SECONDS} s"
+    done
+    ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|W1|W2|L|LI" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|W1|W2|W3|W4|W5|L|LI|K" >&2
     exit 2
     ;;
 esac
