@@ -298,9 +298,11 @@ PS)
             echo "[gpu_run] PS: seed $S not started: ${SECONDS} s gone, a run may take RUN_S=$RUN_S of CALL_S=$CALL_S"
             continue
         fi
-        OUT="$OUT/p_s$S" SEED=$S bash "$0" P | grep -E '^best by|^\[gpu_run\]|Traceback'
-        tar czf "$OUT/p_s$S.tgz" -C "$OUT/p_s$S" . && rm -rf "$OUT/p_s$S"
-        echo "[gpu_run] PS: seed $S ended at ${SECONDS} s"
+        NAME=p_s$S
+        [ -e "$OUT/$NAME.tgz" ] && NAME=p_s${S}_$SECONDS  # a seed given twice: a second draw
+        OUT="$OUT/$NAME" SEED=$S bash "$0" P | grep -E '^best by|^\[gpu_run\]|Traceback'
+        tar czf "$OUT/$NAME.tgz" -C "$OUT/$NAME" . && rm -rf "${OUT:?}/$NAME"
+        echo "[gpu_run] PS: seed $S ended at ${SECONDS} s ($NAME.tgz)"
     done
     ;;
 *)

@@ -257,7 +257,8 @@ def _parley_correction(rows: list[dict], mode: str, parley_sets: str) -> list[di
     """The clip-range and behaviour-mismatch rows with parley's cells for the `mode` PARLEY_SETS gave it
     (the recipe's config under those settings, described by bench/peer_trl.py); TRL's cells stay those of
     the correction it ran, and the rows say "no" where parley's differs from it."""
-    sys.path.insert(0, str(ROOT))
+    if str(ROOT) not in sys.path:  # run as `python bench/peer_compare.py`
+        sys.path.insert(0, str(ROOT))
     from bench import peer_trl
 
     keys = ("behaviour_correction", "clip_low", "clip_high", "dual_clip", "is_cap")  # what the two cells read
