@@ -1,14 +1,23 @@
 """Several ranks: rank 0 runs the learner service and drives the Trainer through `Driver`; the
-other ranks run `follow()` and replay its calls, so every collective is made by every rank."""
+other ranks run `follow()` and replay its calls, so every collective is made by every rank. At the
+end every rank calls `leave_together()`, and a launched rank ends its process with `leave_process()`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+import os
+import sys
+from datetime import timedelta
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
 if TYPE_CHECKING:
     from learner.trainer import Trainer
+
+# Every rank has just replayed "stop" when it reaches the last barrier: one still missing after this is
+# gone or stuck (and would otherwise hold the others until DeepSpeed's process-group timeout, 10 minutes).
+LEAVE_TIMEOUT_S = 120
 
 
 class Driver:
@@ -44,10 +53,27 @@ def follow(trainer: Trainer) -> None:
 
 
 def leave_together() -> None:
-    """Every rank's last call: wait for the others, then close the process group. A rank that exits
-    with gloo's threads still running was seen to abort in teardown ("terminate called without an
-    active exception", SIGABRT), which torch.distributed.run reports as a failed run."""
+    """Every rank's last collective: wait for the others (at most LEAVE_TIMEOUT_S), then close the
+    process group, so no rank leaves while another still needs it."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         if torch.distributed.get_world_size() > 1:
-            torch.distributed.barrier()
+            try:
+                torch.distributed.barrier(async_op=True).wait(timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
+            except RuntimeError as e:
+                raise RuntimeError(f"rank {torch.distributed.get_rank()}: the other ranks did not reach the "
+                                   f"learner's last barrier within {LEAVE_TIMEOUT_S} s ({e}); one of them "
+                                   "crashed or hangs, its own log says why") from e
         torch.distributed.destroy_process_group()
+
+
+def leave_process(code: int) -> NoReturn:
+    """A launched rank's exit, after `leave_together`: flush and end the process at once, skipping the
+    interpreter's teardown. gloo's worker threads outlive destroy_process_group (DeepSpeed's engine,
+    optimizer and ZeRO-3 parameters keep the groups alive), and a worker that lets go of a finished
+    collective whose tensor Python had dropped takes the GIL to free it. If the interpreter is
+    finalizing by then, CPython ends that thread with pthread_exit inside the C++ destructor, and the
+    process aborts with all its work done: "terminate called without an active exception", SIGABRT."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

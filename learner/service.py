@@ -228,14 +228,21 @@ def check_leakage(cfg: RunConfig) -> str | None:
 
 def run(cfg: RunConfig, resume: bool, rank: int = 0) -> int:
     """`parley learner`'s entry on every rank: the leakage guard, then rank 0 serves the run and the
-    other ranks follow its training calls. Returns the exit code."""
+    other ranks follow its training calls. Returns the exit code; a rank of several (under a launcher)
+    ends its process with it instead (learner.ranks.leave_process says why)."""
     problem = check_leakage(cfg)
     if problem:
         print(f"parley learner: {problem}", file=sys.stderr)
         return 2
     if rank:
         follower(cfg)
-        return 0
-    from runtime.process import run_async
+        code = 0
+    else:
+        from runtime.process import run_async
 
-    return run_async(main, cfg, resume)
+        code = run_async(main, cfg, resume)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from learner.ranks import leave_process
+
+        leave_process(code)
+    return code

@@ -101,4 +101,7 @@ def main(model_dir: str, zero: int, dtype_name: str, out: str) -> None:
 
 
 if __name__ == "__main__":
+    from learner.ranks import leave_process
+
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    leave_process(0)  # as learner.service.run ends a launched rank

@@ -30,15 +30,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def rank_tails(res: subprocess.CompletedProcess, logs: Path) -> str:
+    """torch.distributed.run's own tail (which rank failed, with which exit code or signal), then the
+    tail of each rank's stderr (where a C++ abort such as "terminate called ..." is written)."""
+    parts = [f"torch.distributed.run exited {res.returncode}:\n{res.stdout[-1000:]}{res.stderr[-3000:]}"]
+    for log in sorted(logs.glob("*/attempt_*/*/stderr.log")):
+        parts.append(f"--- rank {log.parent.name}, end of stderr ---\n{log.read_text(errors='replace')[-4000:]}")
+    return "\n".join(parts)
+
+
 def two_ranks(model_dir, zero: int, out: Path) -> dict:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    logs = out / "logs"  # each rank's stdout and stderr in its own files (--redirects 3)
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-         str(SCRIPT), str(model_dir), str(zero), str(out)],
+         "--log-dir", str(logs), "--redirects", "3", str(SCRIPT), str(model_dir), str(zero), str(out)],
         capture_output=True, text=True, timeout=500, env=env,
     )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]
+    assert res.returncode == 0, rank_tails(res, logs)
     return json.loads((out / "stats.json").read_text())
 
 
