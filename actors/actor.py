@@ -94,14 +94,13 @@ class Actor:
             watch = self.stale_watch(task)
             try:
                 async with asyncio.TaskGroup() as tg:
-                    for i in range(task.n):
-                        tg.create_task(self._sample(task, i, watch))
+                    samples = [tg.create_task(self._sample(task, i, watch)) for i in range(task.n)]
             except ExceptionGroup as eg:
                 raise _first_of(eg) from None
         await msg.ack()
         self.counters["tasks"] += 1
-        log.info("task %s: %d samples stored in %.2fs (%d assistant tokens generated so far)", task.task_id, task.n,
-                 time.perf_counter() - t0, self.counters["assistant_tokens"])
+        log.info("task %s: %d samples stored in %.2fs (%d assistant tokens generated so far); %s", task.task_id, task.n,
+                 time.perf_counter() - t0, self.counters["assistant_tokens"], sample_split([s.result() for s in samples]))
 
     def stale_watch(self, task: Task) -> StaleWatch | None:
         """The watch its samples share, so they stop once the learner can no longer train their group
@@ -112,7 +111,8 @@ class Actor:
             return None
         return StaleWatch(lambda: self.follower.announced, lc.max_staleness, changed=self.follower.announcement)
 
-    async def _sample(self, task: Task, sample: int, watch: StaleWatch | None = None) -> None:
+    async def _sample(self, task: Task, sample: int, watch: StaleWatch | None = None) -> dict[str, float]:
+        """Play and publish one sample; returns its trajectory's timings."""
         async with self._slots:
             self.in_flight += 1
             try:
@@ -128,6 +128,7 @@ class Actor:
         self.counters["duplicates"] += bool(getattr(ack, "duplicate", False))
         self.counters["sim_fallbacks"] += len(traj.sim_fallbacks)
         self.counters["assistant_tokens"] += traj.assistant_tokens
+        return traj.timings
 
     async def run_until(self, stop: asyncio.Event, *, worker_concurrency: int | None = None) -> None:
         """Serve the announced weight version, then take tasks until `stop`; background failures
@@ -174,6 +175,19 @@ class Actor:
                 log.warning("reading the weights key failed (%s: %s); retry %d/%d", type(e).__name__, e, attempt,
                             attempts - 1)
                 await asyncio.sleep(2.0)
+
+
+def sample_split(timings: list[dict[str, float]]) -> str:
+    """Where a task's samples spent their play, as the mean over them: waiting on the policy engine
+    (generate), on the simulator (simulator), and the rest of the conversation loop (chat template,
+    tokenizing, the stale watch)."""
+    if not timings:
+        return "no samples"
+    n = len(timings)
+    gen = sum(t.get("generate", 0.0) for t in timings) / n
+    sim = sum(t.get("sim", 0.0) for t in timings) / n
+    total = sum(t.get("total", 0.0) for t in timings) / n
+    return f"a sample's mean: play {total:.3f}s, generate {gen:.3f}s, simulator {sim:.3f}s, rest {total - gen - sim:.3f}s"
 
 
 def _first_of(eg: BaseExceptionGroup) -> BaseException:

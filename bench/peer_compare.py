@@ -86,6 +86,8 @@ def at_equal_wall_time(parley: list[dict], trl: list[dict], metric: str = METRIC
 
 
 _PLAYED = re.compile(r"task \S+: \d+ samples stored in ([0-9.]+)s")
+# the same line's tail since 2026-12-05 (actors.actor.sample_split): a sample's mean split
+_SPLIT = re.compile(r"a sample's mean: play ([0-9.]+)s, generate ([0-9.]+)s, simulator ([0-9.]+)s, rest (-?[0-9.]+)s")
 # rollout.conversation's lines for a conversation stopped at a turn boundary or with a call cut
 _STOPPED = re.compile(r"task \S+: (stopped|turn cut|simulator call cut) after \d+ messages: ")
 # `parley up`'s start-up lines (deploy.up._wait_ready), counted from its roles' launch
@@ -110,6 +112,10 @@ def step_breakdown(metrics: list[dict], actor_lines: list[str]) -> dict:
     played = [float(m.group(1)) for m in map(_PLAYED.search, actor_lines) if m]
     out["task_play_s"] = _median(played)
     out["tasks_played"] = len(played)
+    split = [m.groups() for m in map(_SPLIT.search, actor_lines) if m]
+    if split:  # where a sample's play went (older logs have no split)
+        for i, k in enumerate(("sample_play_s", "sample_generate_s", "sample_simulator_s", "sample_rest_s")):
+            out[k] = _median([float(g[i]) for g in split])
     # conversations the actor stopped because the learner could no longer train their group
     # (rollout.conversation: at a turn boundary, or with the running generation or simulator call cut)
     how = Counter(m.group(1) for m in map(_STOPPED.search, actor_lines) if m)

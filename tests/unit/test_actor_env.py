@@ -66,3 +66,13 @@ def test_the_actor_watches_staleness_only_where_the_learner_drops_stale_groups()
     assert watch(split="eval") is None
     assert watch('learner.stale_policy="correct"') is None
     assert watch("actor.abandon_stale=false") is None
+
+
+def test_a_tasks_log_line_splits_its_samples_play_into_engine_simulator_and_the_rest():
+    """The tail of the actor's "samples stored in" line: the mean over the task's samples of their
+    trajectory timings, the rest being play less generate and simulator (bench/peer_compare.py reads it)."""
+    from actors.actor import sample_split
+
+    timings = [{"generate": 0.4, "sim": 0.1, "total": 0.6}, {"generate": 0.2, "sim": 0.1, "total": 0.4}]
+    assert sample_split(timings) == "a sample's mean: play 0.500s, generate 0.300s, simulator 0.100s, rest 0.100s"
+    assert sample_split([]) == "no samples"

@@ -268,7 +268,8 @@ def test_parleys_step_breakdown_is_the_medians_of_steps_2_to_n_and_of_the_actors
     lines = ["2026-12-02 10:00:31,000 actor-0 INFO parley.actors.actor: task gpu1-t000002: 8 samples stored in 1.20s "
              "(900 assistant tokens generated so far)",
              "2026-12-02 10:00:32,000 actor-0 INFO parley.actors.actor: task gpu1-t000003: 8 samples stored in 0.80s "
-             "(1800 assistant tokens generated so far)",
+             "(1800 assistant tokens generated so far); a sample's mean: play 0.500s, generate 0.300s, simulator "
+             "0.100s, rest 0.100s",
              "2026-12-02 10:00:32,100 actor-0 INFO parley.actors.follow: now serving weights version 3 (was 2)",
              "2026-12-02 10:00:32,200 actor-0 INFO parley.rollout: task gpu1-t000004: stopped after 1 messages: a "
              "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
@@ -281,7 +282,9 @@ def test_parleys_step_breakdown_is_the_medians_of_steps_2_to_n_and_of_the_actors
     assert peer_compare.step_breakdown(metrics, lines) == {
         "wait_s": 0.8, "train_s": 0.3, "publish_s": 0.03, "checkpoints_before_the_last_step": 1,
         "task_play_s": 1.0, "tasks_played": 2, "conversations_stopped": 2, "generations_cut": 1,
-        "simulator_calls_cut": 1}
+        "simulator_calls_cut": 1,
+        # the second line's split (since 2026-12-05; the first, older line has none)
+        "sample_play_s": 0.5, "sample_generate_s": 0.3, "sample_simulator_s": 0.1, "sample_rest_s": 0.1}
 
 
 def test_the_settings_table_names_what_part_p_gave_parley_alone(tmp_path):
