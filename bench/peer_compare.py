@@ -240,16 +240,16 @@ def parley_settings(rows: list[dict], clock: dict, recipe_correction: str | None
         for r in rows:
             if r["setting"] == "engines":
                 r["parley"] = re.sub(r"^\d+ actor", f"{clock['actors']} actor", r["parley"])
-    lag = re.search(r"(?:^|\s)learner\.max_staleness=(\d+)(?:\s|$)", clock.get("parley_sets") or "")
-    if lag:  # the recipe's lag row would name the shared value, not the one parley ran with
+    sets = parley_sets(clock.get("parley_sets") or "")
+    if "learner.max_staleness" in sets:  # the recipe's lag row would name the shared value, not parley's
+        n = int(sets["learner.max_staleness"])
         for r in rows:
             if r["setting"] == "policy lag":
-                n = int(lag.group(1))
                 r["parley"] = re.sub(r"max_staleness = \d+", f"max_staleness = {n} (PARLEY_SETS)", r["parley"])
                 r["same"] = "no" if n else "yes"
-    mode = re.search(r'(?:^|\s)learner\.behaviour_correction="?(\w+)"?(?:\s|$)', clock.get("parley_sets") or "")
-    if mode and mode.group(1) != recipe_correction:  # the recipe's rows name the correction both were given
-        rows = _parley_correction(rows, mode.group(1), clock["parley_sets"])
+    mode = sets.get("learner.behaviour_correction", "").strip('"')
+    if mode and mode != recipe_correction:  # the recipe's rows name the correction both were given
+        rows = _parley_correction(rows, mode, sets)
     if clock.get("parley_sets"):
         rows.append({"setting": "parley only (PARLEY_SETS, not in TRL's run)", "parley": clock["parley_sets"],
                      "trl": "-", "same": "no"})
@@ -259,7 +259,12 @@ def parley_settings(rows: list[dict], clock: dict, recipe_correction: str | None
     return rows
 
 
-def _parley_correction(rows: list[dict], mode: str, parley_sets: str) -> list[dict]:
+def parley_sets(text: str) -> dict[str, str]:
+    """PARLEY_SETS ("KEY=VALUE KEY=VALUE", split on spaces as part P's shell loop splits it) as a dict."""
+    return dict(kv.split("=", 1) for kv in text.split())
+
+
+def _parley_correction(rows: list[dict], mode: str, sets: dict[str, str]) -> list[dict]:
     """The clip-range and behaviour-mismatch rows with parley's cells for the `mode` PARLEY_SETS gave it
     (the recipe's config under those settings, described by bench/peer_trl.py); TRL's cells stay those of
     the correction it ran, and the rows say "no" where parley's differs from it."""
@@ -268,8 +273,7 @@ def _parley_correction(rows: list[dict], mode: str, parley_sets: str) -> list[di
     from bench import peer_trl
 
     keys = ("behaviour_correction", "clip_low", "clip_high", "dual_clip", "is_cap")  # what the two cells read
-    lc = peer_trl.load_recipe(None, [kv for kv in parley_sets.split() if kv.split("=")[0] in
-                                     {f"learner.{k}" for k in keys}]).learner
+    lc = peer_trl.load_recipe(None, [f"learner.{k}={sets[f'learner.{k}']}" for k in keys if f"learner.{k}" in sets]).learner
     cells = dict(zip(("clip range", "behaviour mismatch"), peer_trl.parley_correction(lc)))
     out = []
     for r in rows:
@@ -356,7 +360,8 @@ def over_seeds(outs: list[Path | tuple[Path, Path]]) -> dict:
              "difference": mean([r["difference"] for r in rows])}
     return {"calls": rows, "means": means, "seeds": sorted({r["seed"] for r in rows}),
             # the same settings in another order are the same run
-            "parley_sets": sorted({" ".join(sorted(r["parley_sets"].split())) for r in rows}),
+            "parley_sets": sorted({" ".join(f"{k}={v}" for k, v in sorted(parley_sets(r["parley_sets"]).items()))
+                                   for r in rows}),
             "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}, by the means over seeds",
             "goal_met_by_the_means": means["ratio"] >= GOAL and means["difference"] >= 0}
 
