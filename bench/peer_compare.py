@@ -6,7 +6,8 @@ lines), TRL's peer_trl.json (bench/peer_trl.py) and p_clock.json (when each run 
     python bench/peer_compare.py --over OUT_SEED0 OUT_SEED1 OUT_SEED2 --json SEEDS.json  # one command, seeds
 
 It prints trained tokens/s and wall s/step (steady state: from the end of step 1 to the end of the
-last step, so start-up is reported apart), the held-out reward at equal wall time (each system's
+last step, so start-up is reported apart; parley's step ends as its learner recorded them, before the
+last step's checkpoint), the held-out reward at equal wall time (each system's
 latest eval result at the times either one reported one, counted from its launch) and the loss
 settings of both, and writes them as JSON. Nothing in parley imports this file.
 """
@@ -139,9 +140,27 @@ def startup(up_lines: list[str]) -> dict:
     return out
 
 
-def parley_side(out: Path, clock: dict) -> dict:
+def recorded_ends(metrics: dict[int, dict], launched: float) -> dict[int, float]:
+    """step -> seconds from the launch to the step's end as the learner recorded it (metrics.jsonl's
+    `ended_at`, the device's wall clock, plus the step's publish), for the steps that carry it. The
+    step's log line comes later, after the step's checkpoint and eval export: the last step takes both,
+    3-4 s on the H100 (2026-12-05), which the steady state must not count (the settings table puts
+    parley's final checkpoint outside the timed steps; TRL's run saves none)."""
+    return {s: m["ended_at"] + m.get("publish_s", 0.0) - launched for s, m in metrics.items() if "ended_at" in m}
+
+
+TIMED_BY = ("recorded", "log")  # parley's step ends: as its learner recorded them, or its log lines (before 2026-12-05 evening)
+
+
+def parley_side(out: Path, clock: dict, timed_by: str = "recorded") -> dict:
     metrics = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl")}
+    # the learner's log lines, overridden by its recorded step ends (a run from before metrics carried
+    # them keeps its lines); timed_by "log": the lines alone, how this file timed parley before 2026-12-05 evening
     times = step_times((out / "parley_steps.log").read_text().splitlines(), clock["parley_start_local"])
+    if timed_by == "recorded":
+        times.update(recorded_ends(metrics, clock["parley_start"]))
+    elif timed_by != "log":
+        raise ValueError(f"timed_by {timed_by!r}: one of {', '.join(TIMED_BY)}")
     # parley trains no group of equal rewards (learner.grouper skips it before a step): every trained token carries signal
     steps = [{"step": s, "t": times[s], "trained_tokens": metrics[s]["trained_tokens"],
               "signal_tokens": metrics[s]["trained_tokens"]} for s in sorted(metrics) if s in times]
@@ -187,9 +206,10 @@ def trl_side(peer: dict, launched: float) -> dict:
     return {"steps": steps, "evals": evals, "inline_eval_s": round(eval_s, 2), "total_s": end - launched}
 
 
-def compare(out: Path, trl_out: Path | None = None) -> dict:
+def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") -> dict:
     """`trl_out`: TRL's run from another call of part P (its peer_trl.json and p_clock.json), when
-    parley's side of `out` was re-run alone (TRL=0); both calls' SEED must agree (ValueError)."""
+    parley's side of `out` was re-run alone (TRL=0); both calls' SEED must agree (ValueError).
+    `timed_by`: where parley's step ends come from (parley_side)."""
     clock = json.loads((out / "p_clock.json").read_text())
     trl_dir = trl_out or out
     peer = json.loads((trl_dir / "peer_trl.json").read_text())
@@ -197,7 +217,7 @@ def compare(out: Path, trl_out: Path | None = None) -> dict:
     if trl_out is not None and trl_clock.get("seed", 0) != clock.get("seed", 0):
         raise ValueError(f"{out} ran seed {clock.get('seed', 0)} but its TRL side {trl_out} ran seed "
                          f"{trl_clock.get('seed', 0)}: pair each parley call with TRL's call at the same SEED")
-    parley, trl = parley_side(out, clock), trl_side(peer, trl_clock["trl_start"])
+    parley, trl = parley_side(out, clock, timed_by), trl_side(peer, trl_clock["trl_start"])
     ps, ts = steady(parley["steps"]), steady(trl["steps"])
     # TRL's eval runs between its steps; without it its steady state would be this much shorter
     ts["wall_s_per_step_without_eval"] = round(
@@ -214,7 +234,7 @@ def compare(out: Path, trl_out: Path | None = None) -> dict:
         # times the ratio of trained tokens per step, which is what each policy chose to write
         "speedup_steps_per_s": round(ts["wall_s_per_step"] / ps["wall_s_per_step"], 3),
         "speedup_steps_per_s_without_trls_eval": round(ts["wall_s_per_step_without_eval"] / ps["wall_s_per_step"], 3),
-        "runs": {"parley_launched": clock.get("parley_start_local", ""), "seed": clock.get("seed", 0),
+        "runs": {"parley_launched": clock.get("parley_start_local", ""), "seed": clock.get("seed", 0), "parley_timed_by": timed_by,
                  "parley_sets": clock.get("parley_sets", ""),
                  "trl_launched_unix": trl_clock["trl_start"], "same_call": trl_out is None},
         "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}",
@@ -328,7 +348,7 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def over_seeds(outs: list[Path | tuple[Path, Path]]) -> dict:
+def over_seeds(outs: list[Path | tuple[Path, Path]], timed_by: str = "recorded") -> dict:
     """Part P calls of one command at several seeds (`SEED`), each compared as `compare` does: per call
     the seed, parley's settings, the trained-tokens ratio, s/step and both last held-out results; then
     the means and the paired differences of the last held-out result (parley - TRL, per seed). The goal
@@ -338,7 +358,7 @@ def over_seeds(outs: list[Path | tuple[Path, Path]]) -> dict:
     rows = []
     for item in outs:
         out, trl_out = item if isinstance(item, tuple) else (item, None)
-        res = compare(out, trl_out)
+        res = compare(out, trl_out, timed_by)
         p_last, t_last = res["parley"]["evals"][-1], res["trl"]["evals"][-1]
         rows.append({"out": str(out), "trl_out": str(trl_out or out), "same_call": res["runs"]["same_call"],
                      "seed": res["runs"]["seed"], "parley_sets": res["runs"]["parley_sets"],
@@ -358,7 +378,7 @@ def over_seeds(outs: list[Path | tuple[Path, Path]]) -> dict:
              "parley_last": mean([r["parley_last"][METRIC] for r in rows]),
              "trl_last": mean([r["trl_last"][METRIC] for r in rows]),
              "difference": mean([r["difference"] for r in rows])}
-    return {"calls": rows, "means": means, "seeds": sorted({r["seed"] for r in rows}),
+    return {"calls": rows, "means": means, "seeds": sorted({r["seed"] for r in rows}), "parley_timed_by": timed_by,
             # the same settings in another order are the same run
             "parley_sets": sorted({" ".join(f"{k}={v}" for k, v in sorted(parley_sets(r["parley_sets"]).items()))
                                    for r in rows}),
@@ -403,6 +423,10 @@ def main(argv=None) -> int:
     p.add_argument("--date", default="", help="the date of the run, recorded in the JSON")
     p.add_argument("--trl-out", type=Path, default=None,
                    help="take TRL's side (peer_trl.json, p_clock.json) from this folder of another part P call")
+    p.add_argument("--timed-by", choices=TIMED_BY, default="recorded",
+                   help="parley's step ends: as its learner recorded them in metrics.jsonl (ended_at + publish_s; "
+                        "default), or its log lines, which come after the last step's checkpoint (how this "
+                        "script timed parley before 2026-12-05 evening, for the old figures)")
     args = p.parse_args(argv)
     if args.over:
         if args.trl_out:
@@ -410,7 +434,7 @@ def main(argv=None) -> int:
         pairs = [o.partition("=") for o in args.over]  # OUT or OUT=TRL_OUT
         items = [(Path(out), Path(trl)) if trl else Path(out) for out, _, trl in pairs]
         try:
-            res = over_seeds(items)
+            res = over_seeds(items, args.timed_by)
         except ValueError as e:  # a pair of calls at different seeds
             p.error(str(e))
         print(render_seeds(res))
@@ -419,7 +443,7 @@ def main(argv=None) -> int:
             print(f"wrote {args.json}")
         return 0
     try:
-        res = compare(args.out, args.trl_out)
+        res = compare(args.out, args.trl_out, args.timed_by)
     except ValueError as e:
         p.error(str(e))
     if args.date:

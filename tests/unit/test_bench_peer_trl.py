@@ -428,3 +428,29 @@ def test_the_same_parley_settings_in_another_order_are_one_setting(tmp_path):
     _seeded_runs(tmp_path / "c", 2, 0.3, parley_sets="x=1")
     assert len(peer_compare.over_seeds([tmp_path / "a", tmp_path / "b"])["parley_sets"]) == 1
     assert len(peer_compare.over_seeds([tmp_path / "a", tmp_path / "c"])["parley_sets"]) == 2
+
+
+def test_parleys_steps_end_when_its_learner_recorded_them_not_after_the_last_checkpoint(tmp_path):
+    """The learner logs a step's line after that step's checkpoint and eval export, and the last step
+    always takes both (3-4 s on the H100, 2026-12-05): timed by its log lines, the steady state would
+    carry the final checkpoint, which the settings table puts outside the timed steps. A step ends at
+    metrics.jsonl's `ended_at` plus its publish, on the device clock that p_clock.json's
+    parley_start shares."""
+    _write_runs(tmp_path / "out")
+    # steps end 30, 31 and 32 s after the launch (+ 0.01 s of publish); the log's step-3 line is at 36 s
+    (tmp_path / "out" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "trained_tokens": 100 * s, "ended_at": 1000.0 + t, "publish_s": 0.01,
+                    **({"checkpoint_s": 3.5} if s == 3 else {})}) + "\n"
+        for s, t in ((1, 29.99), (2, 30.99), (3, 31.99))))
+    (tmp_path / "out" / "parley_steps.log").write_text(
+        "2026-12-02 10:00:30,000 learner INFO parley.learner.stepper: step 1: loss 0.1, 1 groups\n"
+        "2026-12-02 10:00:31,000 learner INFO parley.learner.stepper: step 2: loss 0.1, 1 groups\n"
+        "2026-12-02 10:00:36,000 learner INFO parley.learner.stepper: step 3: loss 0.1, 1 groups\n")
+    p = peer_compare.compare(tmp_path / "out")["parley"]
+    assert (p["first_step_end_s"], p["last_step_end_s"], p["wall_s_per_step"], p["trained_tokens_per_s"]) == (
+        30.0, 32.0, 1.0, 250.0)
+    # timed by the log lines, as before 2026-12-05 evening: the final checkpoint's 4 s were in
+    old = peer_compare.compare(tmp_path / "out", timed_by="log")["parley"]
+    assert (old["last_step_end_s"], old["wall_s_per_step"]) == (36.0, 3.0)
+    with pytest.raises(ValueError, match="timed_by 'wall'"):
+        peer_compare.compare(tmp_path / "out", timed_by="wall")
