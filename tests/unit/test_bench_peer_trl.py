@@ -349,14 +349,14 @@ def test_calls_at_several_seeds_are_summed_up_by_their_means_and_paired_differen
     res = peer_compare.over_seeds([tmp_path / "s0", tmp_path / "s1"])
     assert [r["seed"] for r in res["calls"]] == [0, 1]
     assert [r["difference"] for r in res["calls"]] == [0.2, -0.2]  # parley's last is 0.5 in both
-    assert res["means"] == {"ratio": 4.0, "signal_ratio": 10.0, "steps_ratio": 4.0, "steps_ratio_without_trls_eval": 3.5,
-                            "parley_last": 0.5, "trl_last": 0.5, "difference": 0.0}
+    assert res["means"] == {"ratio": 4.0, "signal_ratio": 10.0, "ratio_without_trls_eval": 3.5, "steps_ratio": 4.0,
+                            "steps_ratio_without_trls_eval": 3.5, "parley_last": 0.5, "trl_last": 0.5, "difference": 0.0}
     assert res["goal_met_by_the_means"] is True  # 4x at an equal mean
     single = peer_compare.ROOT / "bench" / "results" / "peer_trl_h200.json"  # --out's default --json
     before = single.stat().st_mtime_ns
     assert peer_compare.main(["--over", str(tmp_path / "s0"), str(tmp_path / "s1")]) == 0
     out = capsys.readouterr().out
-    assert "| 1 | 4.00x (10.00x) | 1.000 / 4.000 | 4.00x (3.50x) | 250 / 250 |" in out
+    assert "| 1 | 4.00x (10.00x; 3.50x) | 1.000 / 4.000 | 4.00x (3.50x) | 250 / 250 |" in out
     assert "goal met by the means: True" in out
     assert single.stat().st_mtime_ns == before  # without --json, --over writes nothing
 
@@ -392,6 +392,8 @@ def test_the_tokens_ratio_is_the_steps_ratio_times_what_each_policy_wrote_a_step
     assert (res["parley"]["trained_tokens_per_step"], res["trl"]["trained_tokens_per_step"]) == (125.0, 250.0)
     assert res["speedup_trained_tokens_per_s"] == 2.0
     assert (res["speedup_steps_per_s"], res["speedup_steps_per_s_without_trls_eval"]) == (4.0, 3.5)
+    # TRL's steps alone (its v2 eval's 1 s out of the 8): 500 tokens in 7 s against parley's 125 a second
+    assert res["speedup_trained_tokens_per_s_without_trls_eval"] == 1.75
     text = peer_compare.render(res)
     assert "| trained tokens a step (steps 2..N) | 125 | 250 |" in text
     assert "parley / TRL steps/s, one group a step on both: 4.00x (3.50x against TRL's steps without its inline eval)" in text
