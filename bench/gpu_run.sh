@@ -24,6 +24,7 @@
 #     bash bench/gpu_run.sh K    # issue 26: does the learner's step read GPU memory it never wrote?
 #                                # SmolLM2's steps with PyTorch's cache filled with 0, NaN, 1e4; then
 #                                # the live learner's steps with the cache handed back and kept
+#     bash bench/gpu_run.sh M    # issue 26: CUDA MPS, if the image has it, then part PS (MPS_PART) under it
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -305,8 +306,35 @@ PS)
         echo "[gpu_run] PS: seed $S ended at ${SECONDS} s ($NAME.tgz)"
     done
     ;;
+M)
+    # issue 26 item 1: does the image offer CUDA MPS, and does part P (or MPS_PART) run faster under it?
+    # Without MPS the GPU time-slices the processes' kernels: the actor's decode steps wait while the
+    # learner's step runs (2026-12-05: a group played in 0.46-0.65 s, nearly all of it inside the engine's
+    # generate). With a control daemon started, every CUDA process of this user that starts after it runs
+    # its kernels through one MPS server, side by side. Writes $OUT/mps.log (what was found and done);
+    # without the daemon's binary it says so and runs nothing.
+    {
+        echo "[gpu_run] M: $(date -u '+%F %T') UTC"
+        nvidia-smi --query-gpu=name,compute_mode,driver_version --format=csv,noheader
+        command -v nvidia-cuda-mps-control || echo "[gpu_run] M: no nvidia-cuda-mps-control on PATH"
+    } 2>&1 | tee "$OUT/mps.log"
+    command -v nvidia-cuda-mps-control >/dev/null || exit 0
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if ! nvidia-cuda-mps-control -d >>"$OUT/mps.log" 2>&1; then
+        echo "[gpu_run] M: the MPS control daemon did not start" | tee -a "$OUT/mps.log"; exit 0
+    fi
+    trap 'echo quit | nvidia-cuda-mps-control >>"$OUT/mps.log" 2>&1' EXIT
+    # a CUDA process of its own: it fails at once where the server cannot start (a container without its IPC)
+    python3 -c "import torch; x = torch.ones(1, device='cuda'); print('[gpu_run] M: a CUDA context under MPS:', float(x.sum()))" \
+        >>"$OUT/mps.log" 2>&1 || { echo "[gpu_run] M: no CUDA context under MPS" | tee -a "$OUT/mps.log"; exit 0; }
+    echo "[gpu_run] M: servers: $(echo get_server_list | nvidia-cuda-mps-control 2>&1 | tr '\n' ' ')" | tee -a "$OUT/mps.log"
+    bash "$0" "${MPS_PART:-PS}"
+    echo "[gpu_run] M: servers after: $(echo get_server_list | nvidia-cuda-mps-control 2>&1 | tr '\n' ' ')" >>"$OUT/mps.log"
+    tail -n 20 "$CUDA_MPS_LOG_DIRECTORY"/control.log >>"$OUT/mps.log" 2>/dev/null
+    ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|W1|W2|W3|W4|W5|L|LI|K" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|W1|W2|W3|W4|W5|L|LI|K|M" >&2
     exit 2
     ;;
 esac
