@@ -24,7 +24,7 @@
 #     bash bench/gpu_run.sh K    # issue 26: does the learner's step read GPU memory it never wrote?
 #                                # SmolLM2's steps with PyTorch's cache filled with 0, NaN, 1e4; then
 #                                # the live learner's steps with the cache handed back and kept
-#     bash bench/gpu_run.sh M    # issue 26: CUDA MPS, if the image has it, then part PS (MPS_PART) under it
+#     bash bench/gpu_run.sh M    # issue 26: part PS (MPS_PART) with up.gpu_share="mps", if the image has MPS
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -173,6 +173,7 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     P1=$(clock)
     cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
     cp "$RUN/eval/history.jsonl" "$OUT/eval_history.jsonl" 2>/dev/null
+    cp "$RUN/mps/control.log" "$OUT/mps_control.log" 2>/dev/null  # up.gpu_share="mps" (part M) only
     grep -h -E ': step [0-9]+: loss|eval: version' "$RUN/logs/learner.log" >"$OUT/parley_steps.log" 2>/dev/null
     # where a step's time goes: each task's play time and each version's load on the actors, with times
     # and where its start-up goes (vLLM's own timing lines: loading, torch.compile, CUDA graphs, engine init)
@@ -307,31 +308,19 @@ PS)
     done
     ;;
 M)
-    # issue 26 item 1: does the image offer CUDA MPS, and does part P (or MPS_PART) run faster under it?
+    # issue 26 item 1: does the image offer CUDA MPS, and does part PS (or MPS_PART) run faster under it?
     # Without MPS the GPU time-slices the processes' kernels: the actor's decode steps wait while the
-    # learner's step runs (2026-12-05: a group played in 0.46-0.65 s, nearly all of it inside the engine's
-    # generate). With a control daemon started, every CUDA process of this user that starts after it runs
-    # its kernels through one MPS server, side by side. Writes $OUT/mps.log (what was found and done);
-    # without the daemon's binary it says so and runs nothing.
+    # learner's step runs (2026-12-05: a group played in 0.46-0.65 s, 97-99% of it inside the engine's
+    # generate). Part M adds `up.gpu_share="mps"` to PARLEY_SETS: `parley up` then starts the run's own
+    # MPS daemon (deploy/mps.py) and refuses at start, saying why in up_peer.log, where MPS cannot serve.
+    # Writes $OUT/mps.log (the GPU's compute mode, the daemon's binary); without the binary, runs nothing.
     {
         echo "[gpu_run] M: $(date -u '+%F %T') UTC"
         nvidia-smi --query-gpu=name,compute_mode,driver_version --format=csv,noheader
         command -v nvidia-cuda-mps-control || echo "[gpu_run] M: no nvidia-cuda-mps-control on PATH"
     } 2>&1 | tee "$OUT/mps.log"
     command -v nvidia-cuda-mps-control >/dev/null || exit 0
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if ! nvidia-cuda-mps-control -d >>"$OUT/mps.log" 2>&1; then
-        echo "[gpu_run] M: the MPS control daemon did not start" | tee -a "$OUT/mps.log"; exit 0
-    fi
-    trap 'echo quit | nvidia-cuda-mps-control >>"$OUT/mps.log" 2>&1' EXIT
-    # a CUDA process of its own: it fails at once where the server cannot start (a container without its IPC)
-    python3 -c "import torch; x = torch.ones(1, device='cuda'); print('[gpu_run] M: a CUDA context under MPS:', float(x.sum()))" \
-        >>"$OUT/mps.log" 2>&1 || { echo "[gpu_run] M: no CUDA context under MPS" | tee -a "$OUT/mps.log"; exit 0; }
-    echo "[gpu_run] M: servers: $(echo get_server_list | nvidia-cuda-mps-control 2>&1 | tr '\n' ' ')" | tee -a "$OUT/mps.log"
-    bash "$0" "${MPS_PART:-PS}"
-    echo "[gpu_run] M: servers after: $(echo get_server_list | nvidia-cuda-mps-control 2>&1 | tr '\n' ' ')" >>"$OUT/mps.log"
-    tail -n 20 "$CUDA_MPS_LOG_DIRECTORY"/control.log >>"$OUT/mps.log" 2>/dev/null
+    PARLEY_SETS="${PARLEY_SETS:-} up.gpu_share=\"mps\"" bash "$0" "${MPS_PART:-PS}"
     ;;
 *)
     echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|W1|W2|W3|W4|W5|L|LI|K|M" >&2

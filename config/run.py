@@ -15,7 +15,7 @@ import tomllib
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import msgspec.inspect as mi
@@ -69,6 +69,10 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metrics: bool = True
     # the GPU's memory for the memory plan of a run on a GPU (deploy/memory.py); 0 = ask torch.cuda
     gpu_memory_gib: Annotated[float, msgspec.Meta(ge=0.0, description="0 = detect")] = 0.0
+    # how the processes on one GPU share its compute: "plain", the GPU time-slices their kernels; "mps",
+    # `parley up` starts a CUDA MPS daemon for the run and every child's kernels go through its server
+    # (deploy/mps.py; needs nvidia-cuda-mps-control, checked before anything starts)
+    gpu_share: Literal["plain", "mps"] = "plain"
 
     def __post_init__(self) -> None:
         if self.min_actors > self.max_actors:

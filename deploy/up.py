@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -101,6 +102,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         f"# a role started by hand also needs its credentials: source {run_dir / 'auth'}/<role>.env\n"
     )
     sup = Supervisor(run_dir)
+    from deploy.mps import MpsDaemon, MpsError
+
+    mps = MpsDaemon(run_dir) if cfg.up.gpu_share == "mps" else None  # started in the try below
     from deploy.gpu_samples import GpuSampler
     from deploy.memory import uses_gpu
 
@@ -111,6 +115,14 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
     js = nc.jetstream()
     code = 1
     try:
+        if mps is not None:  # before any role: an image where MPS cannot serve is refused here
+            try:
+                await asyncio.to_thread(mps.start)
+            except MpsError as e:
+                print(f"parley up: {e}", file=sys.stderr, flush=True)
+                return 2
+            print(f"CUDA MPS: daemon started (pipes {mps.pipe_dir}, logs {mps.log_dir}); every child runs under it",
+                  flush=True)
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)  # first: it may refuse (no room), models take minutes
         await asyncio.to_thread(prepare_models, cfg)
         children = plan_children(cfg, sup, config_path)
@@ -121,6 +133,8 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
             role = name.split("-")[0]
             user, password = creds["services" if role == "services" else role]
             env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password, CPU_ENGINES_ENV: str(engines)}
+            if mps is not None:
+                env |= mps.env()
             if role == "learner":  # its periodic eval child plays the eval role (sim/judge requests, EVAL stream)
                 from evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
 
@@ -179,6 +193,8 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         if sampler is not None:
             sampler.stop()
         sup.stop_all()
+        if mps is not None:
+            mps.stop()  # after the children: the daemon's server goes once its last client has
         with contextlib.suppress(Exception):
             await nc.drain()
         server.stop()

@@ -55,8 +55,9 @@ def up_cmd(
         typer.echo(f"parley up: environment {env}'s preset (--set wins; --config FILE leaves it out): " + "; ".join(preset),
                    err=True)
     cfg = resolve(config, [*preset, *(sets or [])], extra=extra, training=True)
+    share = check_gpu_share(cfg, dry=dry)
     if dry:
-        dry_run(cfg, notes=check_memory(cfg, dry=True))
+        dry_run(cfg, notes="\n".join(n for n in (check_memory(cfg, dry=True), share) if n))
     if cfg.learner.steps < 1:
         typer.echo("parley up: --steps must be >= 1 (up stops after the learner's last step)", err=True)
         raise typer.Exit(2)
@@ -68,6 +69,28 @@ def up_cmd(
 
     show_live = cfg.up.live and sys.stdout.isatty() if live is None else live
     run_async_main(up_main, cfg, show_live)
+
+
+def check_gpu_share(cfg, dry: bool) -> str:
+    """`[up] gpu_share = "mps"` is checked before anything starts: the config must put something on a
+    GPU and the MPS daemon's binary must be here (deploy/mps.py; a run is refused with exit code 2).
+    Under --dry-run a missing binary is a note (the dry run may be on another machine than the run)."""
+    if cfg.up.gpu_share != "mps":
+        return ""
+    from deploy.memory import uses_gpu
+    from deploy.mps import BINARY, FIX, MpsError, binary
+
+    if not uses_gpu(cfg):
+        typer.echo(f'parley up: [up] gpu_share = "mps", but this config puts nothing on a GPU; {FIX}', err=True)
+        raise typer.Exit(2)
+    try:
+        where = binary()
+    except MpsError as e:
+        if dry:
+            return f"GPU sharing: MPS; {BINARY} is not on this machine's PATH, so `parley up` here would refuse"
+        typer.echo(f"parley up: {e}", err=True)
+        raise typer.Exit(2) from None
+    return f"GPU sharing: MPS, a daemon of the run's own ({where} -d), every child's kernels through its server"
 
 
 def check_memory(cfg, dry: bool) -> str:

@@ -1,0 +1,91 @@
+"""CUDA MPS for `parley up` on one GPU (`[up] gpu_share = "mps"`).
+
+Without MPS the GPU time-slices the kernels of the processes that share it: while the learner's step
+runs, an actor's decode step waits for its turn, which is why a group took 0.31-0.53 s to play beside
+the learner against TRL's 0.27-0.39 s in one process (2026-12-05, docs/gpu.md). Under MPS the processes'
+kernels go through one server and may run side by side.
+
+`parley up` starts a control daemon of its own for the run (`nvidia-cuda-mps-control -d`, the NVIDIA
+driver's utility), with its pipe folder in a short temporary folder (a UNIX socket's path has a length
+limit) and its logs in RUN_DIR/mps; every child gets the two variables that lead its CUDA calls to it;
+at the end the daemon is told to quit. Before any role starts, a short CUDA process is run under the
+daemon, so that an image where MPS cannot serve (a container without the needed IPC, a GPU in
+exclusive mode) is refused at start with the error, not found later in a role's log.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BINARY = "nvidia-cuda-mps-control"
+FIX = 'set [up] gpu_share = "plain" (the GPU time-slices the processes instead)'
+# a CUDA process of our own under the daemon: its server starts with the first client
+CUDA_PROBE = [sys.executable, "-c", "import torch; torch.zeros(1, device='cuda').sum().item()"]
+
+
+class MpsError(RuntimeError):
+    """MPS cannot serve this run; the message names what failed and the fix."""
+
+
+def binary() -> str:
+    """The daemon's path, or MpsError naming what is missing and the fix."""
+    found = shutil.which(BINARY)
+    if found is None:
+        raise MpsError(f'[up] gpu_share = "mps" needs {BINARY} (the NVIDIA driver\'s utilities) on PATH, and it '
+                       f"is not there; install them or {FIX}")
+    return found
+
+
+class MpsDaemon:
+    """One run's MPS control daemon: `start()`, `env()` for the children, `stop()` (idempotent)."""
+
+    def __init__(self, run_dir: Path, probe: list[str] | None = None, timeout_s: float = 120.0):
+        self.binary = binary()
+        self.log_dir = Path(run_dir) / "mps"
+        self.pipe_dir: Path | None = None
+        self.probe = CUDA_PROBE if probe is None else probe
+        self.timeout_s = timeout_s
+
+    def env(self) -> dict[str, str]:
+        """What a child needs for its CUDA calls to go through this daemon."""
+        if self.pipe_dir is None:
+            raise MpsError("the MPS daemon was not started")
+        return {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
+
+    def _run(self, argv: list[str], what: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(argv, env=os.environ | self.env(), input=stdin, capture_output=True, text=True,
+                                  timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise MpsError(f"{what} did not end within {self.timeout_s:.0f} s; {FIX}") from None
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.pipe_dir = Path(tempfile.mkdtemp(prefix="parley-mps-"))
+        started = self._run([self.binary, "-d"], f"{BINARY} -d")
+        if started.returncode != 0:
+            self.stop()
+            raise MpsError(f"{BINARY} -d exited with code {started.returncode}: "
+                           f"{(started.stderr or started.stdout).strip()[-400:]}; {FIX}")
+        probe = self._run(self.probe, "a CUDA process under MPS")
+        if probe.returncode != 0:
+            tail = (probe.stderr or probe.stdout).strip().splitlines()[-3:]
+            self.stop()
+            raise MpsError(f"the MPS daemon started, but a CUDA process could not run under it (exit code "
+                           f"{probe.returncode}: {' | '.join(tail)}; the daemon's log: {self.log_dir}); {FIX}")
+
+    def stop(self) -> None:
+        """Tell the daemon to quit (it stops its server once the last client is gone) and remove the pipes."""
+        if self.pipe_dir is None:
+            return
+        try:
+            self._run([self.binary], "quitting the MPS daemon", stdin="quit\n")
+        except MpsError:
+            pass
+        shutil.rmtree(self.pipe_dir, ignore_errors=True)
+        self.pipe_dir = None
