@@ -212,6 +212,8 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, concurrency: int
     from engines.backend import open_engine
     from runtime.role import role_connection
 
+    # timestamped: with the launch time it tells the process's imports from its connection and engine start
+    log.info("%s: started; connecting, then loading the policy %s", ident, cfg.actor.engine.model)
     hello = [Heartbeat(role="actor", id=ident, state="starting")]
     async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus, topology=True,
                                hello=hello) as (nc, js):
