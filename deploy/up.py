@@ -130,15 +130,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         targets: dict[str, str] = {}  # child -> host:port of its metrics
 
         def start(name: str, argv: list[str]) -> None:
-            role = name.split("-")[0]
-            user, password = creds["services" if role == "services" else role]
-            env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password, CPU_ENGINES_ENV: str(engines)}
-            if mps is not None:
-                env |= mps.env()
-            if role == "learner":  # its periodic eval child plays the eval role (sim/judge requests, EVAL stream)
-                from evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
-
-                env |= {EVAL_USER_ENV: creds["eval"][0], EVAL_PASSWORD_ENV: creds["eval"][1]}
+            env = child_env(name, creds, engines, mps.env() if mps is not None else None)
             where = ""
             if cfg.up.metrics:
                 targets[name] = f"127.0.0.1:{free_port()}"
@@ -202,6 +194,23 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
 
 
 SCRAPE_TARGETS = "prometheus-targets.json"
+
+
+def child_env(name: str, creds: dict[str, tuple[str, str]], engines: int,
+              mps_env: dict[str, str] | None = None) -> dict[str, str]:
+    """What `parley up` adds to child `name`'s environment: its role's NATS user, the count of CPU
+    engines on this host, the run's MPS daemon (`[up] gpu_share = "mps"`: every child's CUDA calls go
+    through it, and so do its own children's: the learner's eval engine, vLLM's engine cores), and for
+    the learner the eval role's user (its periodic eval child plays the eval role)."""
+    role = name.split("-")[0]
+    user, password = creds["services" if role == "services" else role]
+    env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password, CPU_ENGINES_ENV: str(engines)}
+    env |= mps_env or {}
+    if role == "learner":
+        from evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
+
+        env |= {EVAL_USER_ENV: creds["eval"][0], EVAL_PASSWORD_ENV: creds["eval"][1]}
+    return env
 
 
 def free_port() -> int:

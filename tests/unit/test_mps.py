@@ -105,3 +105,20 @@ def test_parley_up_refuses_mps_for_a_config_with_nothing_on_a_gpu(tmp_path, monk
 def test_a_share_other_than_plain_or_mps_is_refused_with_the_key():
     out = CliRunner().invoke(app, ["up", "--config", str(GPU1), "--set", 'up.gpu_share="streams"', "--dry-run"])
     assert out.exit_code != 0 and "up.gpu_share" in out.output
+
+
+def test_every_child_parley_up_starts_carries_the_daemons_variables(tmp_path, monkeypatch):
+    from deploy.up import child_env
+
+    double(tmp_path, monkeypatch)
+    mps = MpsDaemon(tmp_path / "run", probe=[sys.executable, "-c", "pass"])
+    mps.start()
+    creds = {r: (r, f"{r}-pw") for r in ("actor", "scorer", "learner", "services", "eval")}
+    try:
+        for name in ("actor-0", "scorer-0", "learner", "services"):
+            env = child_env(name, creds, 1, mps.env())
+            assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(mps.pipe_dir) and env["CUDA_MPS_LOG_DIRECTORY"] == str(mps.log_dir)
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in child_env("actor-0", creds, 1)  # gpu_share = "plain"
+        assert child_env("learner", creds, 1)["PARLEY_NATS_USER"] == "learner"
+    finally:
+        mps.stop()
