@@ -59,8 +59,10 @@ class MpsDaemon:
 
     def _run(self, argv: list[str], what: str, stdin: str | None = None) -> subprocess.CompletedProcess:
         try:
-            return subprocess.run(argv, env=os.environ | self.env(), input=stdin, capture_output=True, text=True,
-                                  timeout=self.timeout_s)
+            # nothing to say: the child reads an empty input, not up's own (a terminal or an open pipe)
+            feed = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
+            return subprocess.run(argv, env=os.environ | self.env(), capture_output=True, text=True,
+                                  timeout=self.timeout_s, **feed)
         except subprocess.TimeoutExpired:
             raise MpsError(f"{what} did not end within {self.timeout_s:.0f} s; {FIX}") from None
 
