@@ -222,8 +222,6 @@ def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") 
     # TRL's eval runs between its steps; without it its steady state would be this much shorter
     ts["wall_s_per_step_without_eval"] = round(
         (ts["last_step_end_s"] - ts["first_step_end_s"] - trl["inline_eval_s"]) / (ts["steps"] - 1), 4)
-    ts["trained_tokens_per_s_without_eval"] = round(
-        ts["trained_tokens_per_step"] / ts["wall_s_per_step_without_eval"], 1)
     both_end = min(parley["total_s"], trl["total_s"])
     p_end, t_end = latest(parley["evals"], both_end), latest(trl["evals"], both_end)
     return {
