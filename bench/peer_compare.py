@@ -183,6 +183,28 @@ def at_equal_training_time(parley: dict, trl: dict, metric: str = METRIC) -> lis
     return at_equal_wall_time(shifted(parley), shifted(trl), metric)
 
 
+def at_trls_last_version(parley: dict, trl: dict, metric: str = METRIC) -> dict:
+    """The held-out reward at equal training time, read where TRL's run ends: at the end of the step that
+    made TRL's last evaluated version (seconds since TRL's step 1 ended), each side's latest evaluated
+    version whose step had ended by the same time since its own step 1. A version counts when it was
+    trained, not when its eval result came in: TRL evaluates inline, between its steps (its steps pay
+    for it), parley on an engine beside them, whose results can come in after its last step. With as
+    many steps on both sides and parley the faster, that is each one's last; given more steps
+    (PARLEY_STEPS), parley counts with the version it had trained by then."""
+    t1 = {"parley": min(s["t"] for s in parley["steps"]), "trl": min(s["t"] for s in trl["steps"])}
+    # version 0 (t_version 0, before any step) is in by any time
+    shifted = {k: [{**e, "t_version": e["t_version"] - t1[k]} for e in side["evals"]]
+               for k, side in (("parley", parley), ("trl", trl))}
+    if not shifted["trl"]:
+        return {"t_s": None, "parley": None, "trl": None, "difference": None}
+    t = max(e["t_version"] for e in shifted["trl"])
+    p, q = ([e for e in shifted[k] if e["t_version"] <= t + 1e-9] for k in ("parley", "trl"))
+    p, q = (max(xs, key=lambda e: (e["t_version"], e["version"])) if xs else None for xs in (p, q))
+    cell = lambda e: None if e is None else {"version": e["version"], metric: e[metric]}  # noqa: E731
+    return {"t_s": round(t, 1), "parley": cell(p), "trl": cell(q),
+            "difference": None if p is None else round(p[metric] - q[metric], 4)}
+
+
 def signal_tokens(step: dict, n: int) -> float:
     """A TRL step's trained tokens less its groups of equal rewards' share (flat_groups of the
     step's conversations / n groups; exact at one group a step)."""
@@ -244,6 +266,7 @@ def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") 
         "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}",
         "at_equal_wall_time": at_equal_wall_time(parley["evals"], trl["evals"]),
         "at_equal_training_time": at_equal_training_time(parley, trl),
+        "at_trls_last_version": at_trls_last_version(parley, trl),
         "parley_breakdown": parley["breakdown"],
         "parley_startup": parley["startup"],
         "at_the_shorter_run_s": {"t_s": round(both_end, 1),
@@ -312,6 +335,14 @@ def _cell(side: dict | None) -> str:
     return "-" if side is None else f"v{side['version']} {side[METRIC]:.3f}"
 
 
+def _at_trls_end_line(a: dict) -> str:
+    if a["t_s"] is None:
+        return f"held-out {METRIC} at equal training time: TRL recorded no held-out result"
+    diff = "-" if a["difference"] is None else f"{a['difference']:+.3f}"
+    return (f"held-out {METRIC} at equal training time, {a['t_s']:.1f} s after each one's step 1 (the end of TRL's "
+            f"last evaluated step): parley {_cell(a['parley'])}, TRL {_cell(a['trl'])}, parley - TRL {diff}")
+
+
 def render(res: dict) -> str:
     p, t = res["parley"], res["trl"]
     lines = [
@@ -341,6 +372,7 @@ def render(res: dict) -> str:
         f"| s since each one's step 1 ended | parley {METRIC} | TRL {METRIC} |", "|---|---|---|",
         *(f"| {r['t_s']:.1f} | {_cell(r['parley'])} | {_cell(r['trl'])} |" for r in res["at_equal_training_time"]),
         "",
+        *([_at_trls_end_line(res["at_trls_last_version"]), ""] if res.get("at_trls_last_version") else []),
         "parley's steps 2..N (medians): " + ", ".join(f"{k} {v}" for k, v in res["parley_breakdown"].items()),
         "",
         *(["parley's roles ready, s from their launch: "
@@ -376,21 +408,32 @@ def over_seeds(outs: list[Path | tuple[Path, Path]], timed_by: str = "recorded")
                      "trl_tokens_per_step": res["trl"]["trained_tokens_per_step"],
                      "parley_last": {"version": p_last["version"], METRIC: p_last[METRIC]},
                      "trl_last": {"version": t_last["version"], METRIC: t_last[METRIC]},
-                     "difference": round(p_last[METRIC] - t_last[METRIC], 4)})
-    mean = lambda xs: round(sum(xs) / len(xs), 4)  # noqa: E731
+                     "difference": round(p_last[METRIC] - t_last[METRIC], 4),
+                     "at_trls_end": res["at_trls_last_version"]})
+    mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
+    # at equal training time: the calls where parley had trained an evaluated version by TRL's last one
+    at_end = [r["at_trls_end"] for r in rows if r["at_trls_end"]["difference"] is not None]
     means = {"ratio": mean([r["ratio"] for r in rows]), "signal_ratio": mean([r["signal_ratio"] for r in rows]),
              "ratio_without_trls_eval": mean([r["ratio_without_trls_eval"] for r in rows]),
              "steps_ratio": mean([r["steps_ratio"] for r in rows]),
              "steps_ratio_without_trls_eval": mean([r["steps_ratio_without_trls_eval"] for r in rows]),
              "parley_last": mean([r["parley_last"][METRIC] for r in rows]),
              "trl_last": mean([r["trl_last"][METRIC] for r in rows]),
-             "difference": mean([r["difference"] for r in rows])}
+             "difference": mean([r["difference"] for r in rows]),
+             "parley_at_trls_end": mean([a["parley"][METRIC] for a in at_end]),
+             "trl_at_trls_end": mean([a["trl"][METRIC] for a in at_end]),
+             "difference_at_trls_end": mean([a["difference"] for a in at_end]),
+             "calls_at_trls_end": len(at_end)}
     return {"calls": rows, "means": means, "seeds": sorted({r["seed"] for r in rows}), "parley_timed_by": timed_by,
             # the same settings in another order are the same run
             "parley_sets": sorted({" ".join(f"{k}={v}" for k, v in sorted(parley_sets(r["parley_sets"]).items()))
                                    for r in rows}),
             "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}, by the means over seeds",
-            "goal_met_by_the_means": means["ratio"] >= GOAL and means["difference"] >= 0}
+            "goal_met_by_the_means": means["ratio"] >= GOAL and means["difference"] >= 0,
+            # the issue's own terms: the held-out reward at equal wall time (each one's training time, read at
+            # the end of TRL's last evaluated step), in every call
+            "goal_met_at_equal_training_time": (means["ratio"] >= GOAL and len(at_end) == len(rows)
+                                                and means["difference_at_trls_end"] >= 0)}
 
 
 def render_seeds(res: dict) -> str:
@@ -409,6 +452,17 @@ def render_seeds(res: dict) -> str:
               f"{m['steps_ratio']:.2f}x ({m['steps_ratio_without_trls_eval']:.2f}x) steps/s, held-out "
               f"{METRIC} {m['parley_last']:.3f} against {m['trl_last']:.3f} (paired difference {m['difference']:+.3f}); "
               f"goal met by the means: {res['goal_met_by_the_means']}"]
+    if m.get("calls_at_trls_end") is not None:
+        lines.append(
+            f"at equal training time (each call read at the end of TRL's last evaluated step, counted from each "
+            f"one's step 1, with the latest evaluated version each had trained by then; "
+            f"{m['calls_at_trls_end']} of {len(res['calls'])} calls with a parley version by then): "
+            + ("no call" if not m["calls_at_trls_end"] else
+               f"{METRIC} {m['parley_at_trls_end']:.3f} against {m['trl_at_trls_end']:.3f} "
+               f"(paired difference {m['difference_at_trls_end']:+.3f}); per call "
+               + ", ".join(f"seed {r['seed']} {_cell(r['at_trls_end']['parley'])} / {_cell(r['at_trls_end']['trl'])}"
+                           for r in res["calls"]))
+            + f"; goal met at equal training time: {res['goal_met_at_equal_training_time']}")
     apart = [r for r in res["calls"] if not r["same_call"]]
     if apart:
         lines.append(f"note: TRL's side of seed(s) {', '.join(str(r['seed']) for r in apart)} comes from another call "

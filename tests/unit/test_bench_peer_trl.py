@@ -350,8 +350,11 @@ def test_calls_at_several_seeds_are_summed_up_by_their_means_and_paired_differen
     assert [r["seed"] for r in res["calls"]] == [0, 1]
     assert [r["difference"] for r in res["calls"]] == [0.2, -0.2]  # parley's last is 0.5 in both
     assert res["means"] == {"ratio": 4.0, "signal_ratio": 10.0, "ratio_without_trls_eval": 3.5, "steps_ratio": 4.0,
-                            "steps_ratio_without_trls_eval": 3.5, "parley_last": 0.5, "trl_last": 0.5, "difference": 0.0}
-    assert res["goal_met_by_the_means"] is True  # 4x at an equal mean
+                            "steps_ratio_without_trls_eval": 3.5, "parley_last": 0.5, "trl_last": 0.5, "difference": 0.0,
+                            # 8 s after each one's step 1 (TRL's step 3): parley's v3 had ended 2 s after its step 1
+                            "parley_at_trls_end": 0.5, "trl_at_trls_end": 0.5, "difference_at_trls_end": 0.0,
+                            "calls_at_trls_end": 2}
+    assert res["goal_met_by_the_means"] is True and res["goal_met_at_equal_training_time"] is True  # 4x at an equal mean
     single = peer_compare.ROOT / "bench" / "results" / "peer_trl_h200.json"  # --out's default --json
     before = single.stat().st_mtime_ns
     assert peer_compare.main(["--over", str(tmp_path / "s0"), str(tmp_path / "s1")]) == 0
@@ -359,6 +362,38 @@ def test_calls_at_several_seeds_are_summed_up_by_their_means_and_paired_differen
     assert "| 1 | 4.00x (10.00x; 3.50x) | 1.000 / 4.000 | 4.00x (3.50x) | 250 / 250 |" in out
     assert "goal met by the means: True" in out
     assert single.stat().st_mtime_ns == before  # without --json, --over writes nothing
+
+
+def test_with_more_steps_parley_counts_the_version_it_had_trained_when_trls_run_ended(tmp_path, capsys):
+    """PARLEY_STEPS > STEPS: the held-out reward at equal training time is each one's latest evaluated
+    version whose step had ended by the end of TRL's last evaluated step (8 s after TRL's step 1 here),
+    counted from each one's own step 1; parley's v5, ended 12 s after its step 1, comes too late to
+    count, though it is parley's last. When an eval result came in does not matter."""
+    _seeded_runs(tmp_path / "p", 1, 0.3, parley_steps=5, trl_steps=3)
+    ends = {k: 30 + 3 * (k - 1) for k in range(1, 6)}  # parley's steps end 30, 33, ..., 42 s after launch
+    (tmp_path / "p" / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "trained_tokens": 1000}) + "\n" for k in ends))
+    (tmp_path / "p" / "parley_steps.log").write_text("".join(
+        f"2026-12-02 10:00:{t:02d},000 learner INFO parley.learner.stepper: step {k}: loss 0.1, 1 groups\n"
+        for k, t in ends.items()))
+    # every result in late (50-60 s after launch, after parley's last step): they count by their versions
+    (tmp_path / "p" / "eval_history.jsonl").write_text("".join(json.dumps(
+        {"version": v, "step": v, "n": 24, "seconds": 1.0, "goal_match": g, "created": 1000.0 + t}) + "\n"
+        for v, g, t in ((0, 0.1, 50.0), (3, 0.5, 55.0), (5, 0.9, 60.0))))
+    res = peer_compare.compare(tmp_path / "p")
+    assert res["at_trls_last_version"] == {"t_s": 8.0, "parley": {"version": 3, "goal_match": 0.5},
+                                           "trl": {"version": 3, "goal_match": 0.3}, "difference": 0.2}
+    assert ("held-out goal_match at equal training time, 8.0 s after each one's step 1 (the end of TRL's last "
+            "evaluated step): parley v3 0.500, TRL v3 0.300, parley - TRL +0.200") in peer_compare.render(res)
+    seeds = peer_compare.over_seeds([tmp_path / "p"])
+    assert seeds["calls"][0]["difference"] == 0.6  # each one's last: parley's v5 against TRL's v3
+    assert seeds["means"]["difference_at_trls_end"] == 0.2 and seeds["goal_met_at_equal_training_time"] is True
+    # a call where parley had evaluated no version trained by then counts against the goal
+    (tmp_path / "p" / "eval_history.jsonl").write_text(json.dumps(
+        {"version": 5, "step": 5, "n": 24, "seconds": 1.0, "goal_match": 0.9, "created": 1045.0}) + "\n")
+    late = peer_compare.over_seeds([tmp_path / "p"])
+    assert late["calls"][0]["at_trls_end"]["parley"] is None and late["means"]["calls_at_trls_end"] == 0
+    assert late["goal_met_by_the_means"] is True and late["goal_met_at_equal_training_time"] is False
+    assert "0 of 1 calls with a parley version by then): no call" in peer_compare.render_seeds(late)
 
 
 def test_a_parley_call_run_alone_is_paired_with_another_calls_trl_at_the_same_seed(tmp_path, capsys):
