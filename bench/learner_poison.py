@@ -39,7 +39,9 @@ and synchronize before every step: between steps only the learner's own pack, wh
 copy, as live), and [learner] gpu_cache "release" twice, then "keep_when_room" twice. Part K's first run (2026-12-05,
 H100) found the fills bit-identical, while part P's runs with the cache kept still saw the entropy
 rise (docs/gpu.md, "Three seeds on an H100"). The verdict: does keeping the cache move the figures
-beyond what two runs of one setting differ by (exit 1 if so)?
+beyond what two runs of one setting differ by (exit 1 if so)? Each of its steps also keeps its train_s
+and where it went (learner.steplog.PHASES), printed as medians of steps 2..N per setting: the learner's
+step alone on the GPU, against the live run's, where it shares the GPU with the actors' engines.
 
 Nothing in parley imports this file. tests/e2e/test_learner_uninitialized.py runs it on CPU.
 """
@@ -50,12 +52,14 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from learner.steplog import PHASES  # noqa: E402
 
 FILLS = ("0", "0", "nan", "1e4")
 UNFILLED = "unfilled"  # CUDA: every cached block handed back before each step (what release_cache does)
@@ -192,7 +196,9 @@ def run_cache(model_dir: str, gpu_cache: str, steps: int, zero: int, dtype: str,
             st = trainer.train_step(samples)
             trainer.pack_weights(i + 1)
             prints.append(torch.stack([p.detach().double().sum() for p in trainer.module.parameters()]))
-            rows.append({**step_row(st), "cache_released_gib": float(st.get("cache_released_gib", float("nan")))})
+            rows.append({**step_row(st), "cache_released_gib": float(st.get("cache_released_gib", float("nan"))),
+                         # the step's time and where it went, alone on the GPU (the live run shares it with actors)
+                         **{k: float(st[k]) for k in ("train_s", *PHASES)}})
         for row, fp in zip(rows, prints):
             row["fingerprint"] = fp.tolist()
     finally:
@@ -335,6 +341,10 @@ def cache_ab(model_dir: str, args, learner: dict) -> int:
         print(f"[cache] gpu_cache {mode}: " + ", ".join(f"{k} {last[k]:.6g}" for k in FIELDS)
               + f" at step {args.steps}; released GiB a step: "
               + " ".join(f"{row['cache_released_gib']:.2f}" for row in r["steps"]), flush=True)
+        later = r["steps"][1:] or r["steps"]  # step 1 compiles
+        medians = {k: statistics.median(row[k] for row in later) for k in ("train_s", *PHASES)}
+        print(f"[cache] gpu_cache {mode}: steps 2..N, median s: "
+              + ", ".join(f"{k} {v:.4f}" for k, v in medians.items()), flush=True)
     v = cache_verdict(runs)
     print("[cache] release against keep_when_room: " + ", ".join(f"{k} {d:.3g}" for k, d in v["diff"].items())
           + f" -> the kept cache moves the steps: {v['cache_moves_steps']}")

@@ -23,6 +23,9 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python bench/peer_compare.py`
+    sys.path.insert(0, str(ROOT))
+from learner.steplog import PHASES  # noqa: E402
 METRIC = "goal_match"
 GOAL = 1.5  # issue 26: parley at least 1.5x TRL's trained tokens/s at equal or better held-out reward
 # the learner's end-of-step line (learner.stepper) under runtime.process's log format
@@ -109,6 +112,8 @@ def step_breakdown(metrics: list[dict], actor_lines: list[str]) -> dict:
     publishing; and an actor's time to play a task (a group) from its log."""
     later = [m for m in metrics if m.get("step", 0) >= 2]
     out = {k: _median([m.get(k) for m in later]) for k in ("wait_s", "train_s", "publish_s")}
+    if any(PHASES[0] in m for m in later):  # where train_s went (recorded since 2026-12-05 night)
+        out.update((k, _median([m.get(k) for m in later])) for k in PHASES)
     out["checkpoints_before_the_last_step"] = sum(1 for m in later[:-1] if "checkpoint_s" in m)
     played = [float(m.group(1)) for m in map(_PLAYED.search, actor_lines) if m]
     out["task_play_s"] = _median(played)
@@ -315,8 +320,6 @@ def _parley_correction(rows: list[dict], mode: str, sets: dict[str, str]) -> lis
     """The clip-range and behaviour-mismatch rows with parley's cells for the `mode` PARLEY_SETS gave it
     (the recipe's config under those settings, described by bench/peer_trl.py); TRL's cells stay those of
     the correction it ran, and the rows say "no" where parley's differs from it."""
-    if str(ROOT) not in sys.path:  # run as `python bench/peer_compare.py`
-        sys.path.insert(0, str(ROOT))
     from bench import peer_trl
 
     keys = ("behaviour_correction", "clip_low", "clip_high", "dual_clip", "is_cap")  # what the two cells read

@@ -13,6 +13,13 @@ from pathlib import Path
 
 from learner.checkpoint import truncate_jsonl
 
+# where a step's train_s goes, host seconds, each a metric of the step (learner.trainer train_step):
+# building each micro-batch and its forward, loss and loss statistics (these read values back, so the
+# forward's GPU work is inside); backward; reading the micro-batch's statistics back (waits for the
+# backward's GPU work); the optimizer step; handing the cache back. Their sum is train_s less the
+# step's sharding and packing.
+PHASES = ("forward_s", "backward_s", "readback_s", "optimizer_s", "release_s")
+
 
 def _flatten(prefix: str, value, out: dict[str, float]) -> None:
     if isinstance(value, dict):

@@ -21,6 +21,7 @@ from config.policy import Reference
 from learner.logprobs import PackedPolicy, token_logprobs
 from learner.lora import adapter_config, adapter_params, add_adapters, adapter_state, base_only
 from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
+from learner.steplog import PHASES
 from learner.weights_io import PackedSnapshot, WeightSnapshot, hf_tensors, hf_weights, write_weights
 from weights import registry
 from weights.config import ObjstoreWeights, WeightsConfig
@@ -346,14 +347,21 @@ class Trainer:
         sums: dict[str, float] = {}
         seen = 0
         finite_loss = True
+        # host seconds per phase, summed over micro-batches (PHASES); a phase that reads a value back
+        # from the GPU also waits there for the work queued before it
+        phase = dict.fromkeys(PHASES, 0.0)
         for i in range(n_micro):
             if i >= len(micro):
+                t = time.perf_counter()
                 self._idle_backward()
+                phase["backward_s"] += time.perf_counter() - t
                 continue
+            t = time.perf_counter()
             batch = build_batch([mine[j] for j in micro[i]], self.device)
             n = batch.n_loss_tokens
             if n == 0:
                 self._idle_backward()
+                phase["backward_s"] += time.perf_counter() - t
                 continue
             logp, entropy = self._policy_logprobs(batch)
             ref = None
@@ -367,8 +375,12 @@ class Trainer:
             # Still backward when it is not finite: the non-finite gradient is what makes the optimizer
             # skip the step on every rank (_apply_if_finite), and the ranks' collectives stay in step.
             finite_loss = finite_loss and bool(torch.isfinite(loss.detach()))
+            t_backward = time.perf_counter()
+            phase["forward_s"] += t_backward - t
             # DeepSpeed averages gradients over ranks; the shares already sum to 1 over all ranks.
             self.engine.backward(loss * share * world)
+            t = time.perf_counter()
+            phase["backward_s"] += t - t_backward
             st.update(
                 loss=float(loss.detach()),
                 entropy=float(entropy.mean()),
@@ -380,13 +392,18 @@ class Trainer:
                 else:
                     sums[k] = sums.get(k, 0.0) + v * n
             seen += n
+            phase["readback_s"] += time.perf_counter() - t
+        t = time.perf_counter()
         applied, grad_norm = self._apply_if_finite()
+        phase["optimizer_s"] = time.perf_counter() - t
         stats = {k: (v if k.endswith("_max") else v / max(seen, 1)) for k, v in sums.items()}
         if applied and not finite_loss:
             # Cannot happen (a non-finite loss gives non-finite gradients); if it did, the weights may be
             # damaged: stop rather than train on and publish them.
             raise RuntimeError("the optimizer applied a step whose loss was not finite; the weights cannot be trusted")
+        t = time.perf_counter()
         released = self._release_cache()
+        phase["release_s"] = time.perf_counter() - t
         elapsed = time.perf_counter() - t0
         total_tokens = sum(len(s.token_ids) for s in samples)
         flops = train_flops(self.n_params, *flops_shape(self.module.config), (len(s.token_ids) for s in samples))
@@ -399,6 +416,7 @@ class Trainer:
             sequences=float(len(samples)),
             micro_batches=float(n_micro),
             train_s=elapsed,
+            **phase,
             tokens_per_s=total_tokens / elapsed,
             # the policy's training FLOPs per second per rank (learner.flops; a local reference's forward not counted)
             model_tflops_per_s=flops / elapsed / 1e12 / torch.distributed.get_world_size(),

@@ -9,6 +9,7 @@ import torch
 
 from config.learner import LearnerConfig
 from learner.packing import Sample
+from learner.steplog import PHASES
 from learner.trainer import Trainer
 from learner.grpo import group_advantages
 
@@ -73,6 +74,10 @@ def test_one_step_changes_every_parameter_and_weights_round_trip(tiny_model, tmp
     assert stats["micro_batches"] == 4  # 8 x 22 tokens at a 64-token budget: two per micro-batch
     assert stats["grad_norm"] == pytest.approx(whole_batch_grad_norm(tiny_model, batch), rel=1e-4)
     assert stats["logp_mismatch"] < 1e-4  # on-policy: the learner sees what the sampler saw
+    # where train_s went: every phase took time, and together they are the step less its sharding and packing
+    phases = [stats[k] for k in PHASES]
+    assert all(v > 0 for v in phases[:4]) and stats["release_s"] >= 0, dict(zip(PHASES, phases))
+    assert 0.8 * stats["train_s"] <= sum(phases) <= stats["train_s"]
     after = params(trainer)
     unchanged = [n for n in before if torch.equal(before[n], after[n])]
     assert not unchanged, f"parameters not updated: {unchanged}"

@@ -287,6 +287,18 @@ def test_parleys_step_breakdown_is_the_medians_of_steps_2_to_n_and_of_the_actors
         "sample_play_s": 0.5, "sample_generate_s": 0.3, "sample_simulator_s": 0.1, "sample_rest_s": 0.1}
 
 
+def test_where_parleys_training_went_is_read_when_its_steps_recorded_it():
+    """The learner's phases of train_s (learner.steplog.PHASES, recorded since 2026-12-05 night): their
+    medians over steps 2..N join the breakdown; runs from before carry none and get none."""
+    phases = {"forward_s": 0.05, "backward_s": 0.1, "readback_s": 0.01, "optimizer_s": 0.08, "release_s": 0.02}
+    metrics = [{"step": 1, "train_s": 9.0, **{k: 1.0 for k in phases}},
+               *({"step": s, "train_s": 0.3, **{k: v * s / 2 for k, v in phases.items()}} for s in (2, 3, 4))]
+    got = peer_compare.step_breakdown(metrics, [])
+    assert {k: got[k] for k in phases} == pytest.approx({k: v * 1.5 for k, v in phases.items()})  # steps 2-4: step 3
+    assert "forward_s" not in peer_compare.step_breakdown([{k: v for k, v in m.items() if k not in phases}
+                                                          for m in metrics], [])
+
+
 def test_the_settings_table_names_what_part_p_gave_parley_alone(tmp_path):
     """PARLEY_SETS and ACTORS (recorded in p_clock.json) reach the comparison's settings table: the
     engines row names the actors that ran, and a row lists the parley-only settings."""
