@@ -360,8 +360,10 @@ class Trainer:
             batch = build_batch([mine[j] for j in micro[i]], self.device)
             n = batch.n_loss_tokens
             if n == 0:
+                t_backward = time.perf_counter()
+                phase["forward_s"] += t_backward - t
                 self._idle_backward()
-                phase["backward_s"] += time.perf_counter() - t
+                phase["backward_s"] += time.perf_counter() - t_backward
                 continue
             logp, entropy = self._policy_logprobs(batch)
             ref = None
