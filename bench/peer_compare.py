@@ -72,10 +72,11 @@ def steady(steps: list[dict]) -> dict:
             "trained_tokens_per_step": round(tokens / (len(steps) - 1), 1)}
 
 
-def latest(evals: list[dict], t: float) -> dict | None:
-    """The last eval whose result was in by `t` (seconds since launch), or None."""
-    done = [e for e in evals if e["t_result"] <= t]
-    return max(done, key=lambda e: e["t_result"]) if done else None
+def latest(evals: list[dict], t: float, by: str = "t_result") -> dict | None:
+    """The last eval whose result was in by `t` (seconds since launch), or None; `by="t_version"`: the
+    last whose version had been trained by `t`."""
+    done = [e for e in evals if e[by] <= t]
+    return max(done, key=lambda e: e[by]) if done else None
 
 
 def at_equal_wall_time(parley: list[dict], trl: list[dict], metric: str = METRIC) -> list[dict]:
@@ -203,8 +204,7 @@ def at_trls_last_version(parley: dict, trl: dict, metric: str = METRIC) -> dict:
     if not shifted["trl"]:
         return {"t_s": None, "parley": None, "trl": None, "difference": None}
     t = max(e["t_version"] for e in shifted["trl"])
-    p, q = ([e for e in shifted[k] if e["t_version"] <= t + 1e-9] for k in ("parley", "trl"))
-    p, q = (max(xs, key=lambda e: (e["t_version"], e["version"])) if xs else None for xs in (p, q))
+    p, q = latest(shifted["parley"], t, by="t_version"), latest(shifted["trl"], t, by="t_version")
     cell = lambda e: None if e is None else {"version": e["version"], metric: e[metric]}  # noqa: E731
     return {"t_s": round(t, 1), "parley": cell(p), "trl": cell(q),
             "difference": None if p is None else round(p[metric] - q[metric], 4)}
