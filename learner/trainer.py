@@ -451,15 +451,20 @@ class Trainer:
         ZeRO 1-3 check the global gradient norm inside step() and, when it is not finite, clear the
         gradients and leave weights and optimizer state untouched (their overflow path; bf16 needs
         `check_grad_overflow`, on in ds_config). Without ZeRO the gradients are whole on every rank
-        (reduced in backward), so they are checked here before the optimizer sees them."""
+        (reduced in backward), so they are checked here before the optimizer sees them, through their
+        global norm (one read-back; a non-finite gradient makes it non-finite). That norm is also the one
+        reported where DeepSpeed keeps none: its fp32 path without ZeRO clips by a norm it does not store."""
+        own = None
         if self.cfg.zero_stage == 0:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            if not all(bool(torch.isfinite(g).all()) for g in grads):
+            own = float(torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)]))) \
+                if grads else 0.0
+            if not math.isfinite(own):
                 self.engine.zero_grad()
-                return False, float("inf")
+                return False, own
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else None
+        norm = float(norm) if norm is not None else own
         return norm is None or math.isfinite(norm), norm
 
     def warm_up(self) -> float:
