@@ -16,14 +16,14 @@ import shutil
 import time
 from collections import Counter
 
-from actors.follow import WeightFollower, WeightsBroken
-from rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
-from rollout.sim import SimClient
-from environments.base import Environment, LocalUser, ProgrammaticUser
-from config.run import RunConfig
-from protocol import bus, status
-from protocol.messages import ABANDONED_STALE, Heartbeat, Task
-from runtime.scratch import scratch_dir
+from parley.actors.follow import WeightFollower, WeightsBroken
+from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
+from parley.rollout.sim import SimClient
+from parley.environments.base import Environment, LocalUser, ProgrammaticUser
+from parley.config.run import RunConfig
+from parley.protocol import bus, status
+from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Task
+from parley.runtime.scratch import scratch_dir
 
 # How long a task admitted at a version the engine does not serve yet waits for that version to load.
 ADMITTED_VERSION_WAIT_S = 120.0
@@ -209,8 +209,8 @@ def _first_of(eg: BaseExceptionGroup) -> BaseException:
 
 async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, concurrency: int | None = None) -> int:
     """`parley actor`: connect, set up the run's topology, load the policy, serve tasks."""
-    from engines.backend import open_engine
-    from runtime.role import role_connection
+    from parley.engines.backend import open_engine
+    from parley.runtime.role import role_connection
 
     # timestamped: with the launch time it tells the process's imports from its connection and engine start
     log.info("%s: started; connecting, then loading the policy %s", ident, cfg.actor.engine.model)
@@ -234,6 +234,6 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, concurrency: int
 
 def run(cfg: RunConfig, ident: str) -> int:
     """`parley actor`'s entry: play tasks until SIGINT/SIGTERM; returns the exit code."""
-    from runtime.process import run_async
+    from parley.runtime.process import run_async
 
     return run_async(main, cfg, ident)

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import msgspec
 
-from protocol import codec, topology
-from protocol.bus import COUNTERS, UNREACHABLE
-from protocol.messages import WeightVersion
-from weights import lora, registry
-from weights.common import WeightUnavailable, WeightVerifyError
+from parley.protocol import codec, topology
+from parley.protocol.bus import COUNTERS, UNREACHABLE
+from parley.protocol.messages import WeightVersion
+from parley.weights import lora, registry
+from parley.weights.common import WeightUnavailable, WeightVerifyError
 
 log = logging.getLogger("parley.follow")
 
@@ -483,7 +483,7 @@ def _packed_id(wv: WeightVersion) -> tuple[int, str] | None:
     its full announcement; None for a version without a packed table."""
     if not wv.packed:
         return None
-    from weights.cuda_ipc import table_digest
+    from parley.weights.cuda_ipc import table_digest
 
     return wv.version, table_digest(wv.packed)
 

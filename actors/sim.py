@@ -21,12 +21,12 @@ from pathlib import Path
 
 import msgspec
 
-from engines.backend import Backend, BackendError
-from config.actor import SimConfig
-from config.run import RunConfig
-from protocol import codec, topology
-from protocol.messages import ChatMessage, SimReply, SimRequest
-from rollout.sim import FALLBACK_MESSAGE
+from parley.engines.backend import Backend, BackendError
+from parley.config.actor import SimConfig
+from parley.config.run import RunConfig
+from parley.protocol import codec, topology
+from parley.protocol.messages import ChatMessage, SimReply, SimRequest
+from parley.rollout.sim import FALLBACK_MESSAGE
 
 log = logging.getLogger("parley.sim")
 
@@ -45,7 +45,7 @@ class BadRequest(ValueError):
 
 
 def prompts_dir() -> Path:
-    return Path(str(resources.files("actors") / "prompts"))
+    return Path(str(resources.files("parley.actors") / "prompts"))
 
 
 def prompt_names() -> list[str]:
@@ -175,8 +175,8 @@ class Simulator:
         return codec.encode(self.fallback(f"internal error: {type(exc).__name__}: {exc}", attempts=0))
 
     def service(self, nc):
-        from engines.backend import is_fatal
-        from engines.service import Service
+        from parley.engines.backend import is_fatal
+        from parley.engines.service import Service
 
         return Service(
             nc, {topology.SIM_SUBJECT: self.handle}, queue=topology.SIM_QUEUE, concurrency=self.cfg.concurrency,
@@ -186,7 +186,7 @@ class Simulator:
 
 async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, default_prompt: str | None = None) -> int:
     """`parley sim`: load the backend, serve until stopped."""
-    from engines.service import serve_backend
+    from parley.engines.service import serve_backend
 
     def build(nc, backend):
         sim = Simulator(backend, cfg.sim, default_prompt=default_prompt)
@@ -198,6 +198,6 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, default_prompt: 
 
 def run(cfg: RunConfig, ident: str) -> int:
     """`parley sim`'s entry: serve the simulator until SIGINT/SIGTERM; returns the exit code."""
-    from runtime.process import run_async
+    from parley.runtime.process import run_async
 
     return run_async(main, cfg, ident)

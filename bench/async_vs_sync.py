@@ -69,8 +69,8 @@ class TimedRollouts:
         await msg.ack()
 
     async def _sample(self, task, i: int) -> None:
-        from protocol.bus import publish
-        from protocol.messages import AssistantTurn, Scored, Trajectory
+        from parley.protocol.bus import publish
+        from parley.protocol.messages import AssistantTurn, Scored, Trajectory
 
         async with self.slots:
             version = self.version_fn()
@@ -89,7 +89,7 @@ class TimedRollouts:
             weights={"bleu": 1.0}, total=reward, trajectory=traj, created=time.time()))
 
     async def run_until(self, stop: asyncio.Event) -> None:
-        from protocol.bus import PullWorker
+        from parley.protocol.bus import PullWorker
 
         worker = PullWorker(self.js, self.run, "tasks", self.handle, bus=self.bus, name="timed-actor",
                             concurrency=self.task_slots, fetch_timeout=0.5)
@@ -119,7 +119,7 @@ class SleepingLearner:
         await msg.ack()
 
     async def run_until(self, stop: asyncio.Event) -> None:
-        from protocol.bus import PullWorker
+        from parley.protocol.bus import PullWorker
 
         intake = PullWorker(self.js, self.run, "scored", self.on_scored, bus=self.bus, name="sleeping-learner",
                             concurrency=32, fetch_timeout=0.5)
@@ -162,7 +162,7 @@ def simulate(staleness: int, args, workload: Workload, steps: int = 400) -> dict
     `lags` lists, per step, each trained group's lag (bench/staleness_learning.py replays them)."""
     import heapq
 
-    from learner.feeder import admission_limit
+    from parley.learner.feeder import admission_limit
 
     B, n = args.groups_per_step, args.n
     task_slots = args.task_slots or args.slots // n + 1
@@ -232,11 +232,11 @@ def simulate(staleness: int, args, workload: Workload, steps: int = 400) -> dict
 
 
 async def one_config(url: str, staleness: int, args, workload: Workload, items) -> dict:
-    from config.learner import RolloutConfig
-    from learner.feeder import Feeder
-    from learner.groups import Grouper
-    from protocol import topology
-    from protocol.connect import connect
+    from parley.config.learner import RolloutConfig
+    from parley.learner.feeder import Feeder
+    from parley.learner.groups import Grouper
+    from parley.protocol import topology
+    from parley.protocol.connect import connect
 
     run = f"avs-k{staleness}"
     bus = topology.BusSettings(max_bytes=256 << 20, ack_wait_s=120.0, max_ack_pending=4096)
@@ -279,8 +279,8 @@ async def one_config(url: str, staleness: int, args, workload: Workload, items) 
 
 
 async def bench(args) -> dict:
-    from tasks.data import load_items
-    from deploy.natsserver import NatsServer
+    from parley.tasks.data import load_items
+    from parley.deploy.natsserver import NatsServer
 
     items = load_items()
     workload = Workload(args.median_s, args.sigma)

@@ -34,9 +34,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.engine import GenOut  # noqa: E402  (light: vLLM is imported only by PolicyEngine)
-from protocol.messages import ChatMessage, JudgeReply, SimReply, Task  # noqa: E402
-from rewards.metrics import INTERACTIVITY_KEYS  # noqa: E402
+from parley.engines.engine import GenOut  # noqa: E402  (light: vLLM is imported only by PolicyEngine)
+from parley.protocol.messages import ChatMessage, JudgeReply, SimReply, Task  # noqa: E402
+from parley.rewards.metrics import INTERACTIVITY_KEYS  # noqa: E402
 
 KB = 1024
 
@@ -144,23 +144,23 @@ def make_task(run: str, i: int, n: int, tokens: int) -> Task:
 
 
 async def connect(url: str, name: str):
-    from protocol.connect import connect as _connect
+    from parley.protocol.connect import connect as _connect
 
     return await _connect(url, name=name, first_timeout=10.0)
 
 
 def bus_settings(max_bytes: int):
-    from protocol.topology import BusSettings
+    from parley.protocol.topology import BusSettings
 
     # ack_wait well above the run: nothing is redelivered because the machine is slow
     return BusSettings(max_bytes=max_bytes, ack_wait_s=300.0, max_ack_pending=4096)
 
 
 def run_config(run: str, model_dir: Path, bus, actor_slots: int, scorer_slots: int):
-    from config.actor import ActorConfig
-    from engines.config import EngineConfig
-    from config.run import RunConfig, RunSection
-    from config.scorer import ScorerConfig
+    from parley.config.actor import ActorConfig
+    from parley.engines.config import EngineConfig
+    from parley.config.run import RunConfig, RunSection
+    from parley.config.scorer import ScorerConfig
 
     return RunConfig(
         run=RunSection(name=run), bus=bus,
@@ -173,10 +173,10 @@ def run_config(run: str, model_dir: Path, bus, actor_slots: int, scorer_slots: i
 async def calibrate(tokenizer, model_dir: Path, target_bytes: int) -> tuple[int, int, int, int]:
     """Tokens per assistant turn so the encoded Trajectory is ~target_bytes; returns
     (tokens, trajectory bytes, scored bytes, task bytes), encoded exactly as the roles do."""
-    from rollout.conversation import PolicySettings, run_conversation
-    from protocol import codec
-    from config.scorer import ScorerConfig
-    from rollout.score import score_trajectory
+    from parley.rollout.conversation import PolicySettings, run_conversation
+    from parley.protocol import codec
+    from parley.config.scorer import ScorerConfig
+    from parley.rollout.score import score_trajectory
 
     policy = PolicySettings(max_model_len=1 << 22)
 
@@ -200,11 +200,11 @@ async def calibrate(tokenizer, model_dir: Path, target_bytes: int) -> tuple[int,
 async def parley_pipeline(url: str, run: str, model_dir: Path, tokenizer, *, tasks: int, n: int, tokens: int,
                           bus, actor_slots: int, scorer_slots: int, learner_slots: int, weights_dir: Path,
                           clock: CpuClock) -> dict:
-    from actors.actor import Actor
-    from learner.groups import BadTrajectory, Grouper, check_trajectory
-    from protocol import bus as pbus
-    from protocol import topology
-    from scorer.scorer import Scorer
+    from parley.actors.actor import Actor
+    from parley.learner.groups import BadTrajectory, Grouper, check_trajectory
+    from parley.protocol import bus as pbus
+    from parley.protocol import topology
+    from parley.scorer.scorer import Scorer
 
     conns = [await connect(url, f"bench-{r}") for r in ("feeder", "actor", "scorer", "learner")]
     feed_nc, actor_nc, scorer_nc, learner_nc = conns
@@ -265,7 +265,7 @@ from pathlib import Path
 sys.path.insert(0, ".")
 import bench.bus_capacity as b
 from bench.common import run
-from engines.models import ensure_model
+from parley.engines.models import ensure_model
 from transformers import AutoTokenizer
 
 async def main(a):
@@ -306,7 +306,7 @@ async def raw_pipeline(url: str, run: str, bus, *, tasks: int, n: int, task_byte
     hops=1: tasks x n trajectory-sized payloads published and fetched+acked once."""
     from nats.errors import TimeoutError as NatsTimeout
 
-    from protocol import topology
+    from parley.protocol import topology
 
     conns = [await connect(url, f"raw-{i}") for i in range(4)]
     await topology.ensure_topology(conns[0].jetstream(), run, bus)
@@ -357,8 +357,8 @@ async def raw_pipeline(url: str, run: str, bus, *, tasks: int, n: int, task_byte
 async def bench(args) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from engines.models import ensure_model
-    from deploy.natsserver import NatsServer
+    from parley.engines.models import ensure_model
+    from parley.deploy.natsserver import NatsServer
 
     model_dir = ensure_model("tiny")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -31,7 +31,7 @@ pack() {  # every log of this phase (and what else is named) into one file of $O
     tar -czf "$OUT/logs$1.tar.gz" -C "$LOGS" . 2>/dev/null
 }
 PY=${PYTHON:-python3}
-parley() { "$PY" -m deploy.cli "$@"; }
+parley() { "$PY" -m parley.deploy.cli "$@"; }
 # step NAME LIMIT_S CMD...: CMD with a time limit, its log in $LOGS/NAME.log, its time in $OUT/times.txt
 STEP_LOGS=$LOGS STEP_TAG=collab_gpu STEP_TIMES=$OUT/times.txt STEP_TAIL=15
 source "$(dirname "$0")/step.sh"
@@ -42,7 +42,7 @@ case "${1:-}" in
     # the model (SmolLM2; BUILD=tiny for the smoke run) built before the clock of the run starts (a minute on a fresh machine)
     step build_model 150 "$PY" -c "from engines.models import ensure_model; ensure_model('${BUILD:-smol}')"
     # the wall budget (SIGINT: the learner stops after its step; `plan` then picks from what was kept)
-    step up "${LIMIT_S:-530}" timeout -s INT "${BUDGET_S:-480}" "$PY" -m deploy.cli up --config "$CONFIG" \
+    step up "${LIMIT_S:-530}" timeout -s INT "${BUDGET_S:-480}" "$PY" -m parley.deploy.cli up --config "$CONFIG" \
         --no-live --run-dir "$RUN" --steps "$STEPS" --set "learner.eval_items=$ITEMS" "${EXTRA[@]}"
     for f in metrics.jsonl eval/history.jsonl; do
         [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/$(echo "$f" | tr / _)"
@@ -67,7 +67,7 @@ case "${1:-}" in
     echo "[collab_gpu] versions: $VERSIONS"
     CONDS=()
     for V in $VERSIONS; do
-        step "export_v$V" 120 "$PY" -m deploy.cli export "$RUN" "$M/v$V" --version "$V" || exit 1
+        step "export_v$V" 120 "$PY" -m parley.deploy.cli export "$RUN" "$M/v$V" --version "$V" || exit 1
         CONDS+=(-C "v$V=$M/v$V")
     done
     CONDS+=(-C "proact=$M/v0,system_prompt=proactive")
@@ -75,7 +75,7 @@ case "${1:-}" in
     # every arm on the same held-out items and simulator seeds, sim + judge in this process; one policy
     # engine for all arms (the checkpoints' weights are swapped in: evaluation.runner.SwappingPolicies),
     # so CUDA graphs are captured once and pay off over the 7 arms
-    step eval "${EVAL_LIMIT_S:-420}" "$PY" -m deploy.cli eval --config "$CONFIG" "${CONDS[@]}" --baseline v0 \
+    step eval "${EVAL_LIMIT_S:-420}" "$PY" -m parley.deploy.cli eval --config "$CONFIG" "${CONDS[@]}" --baseline v0 \
         --services local --n-items "$ITEMS" --max-new-turns "$TURNS" --assistant-max-tokens "$TOKENS" \
         --concurrency "$ITEMS" --out "$EV" "${EXTRA[@]}"
     cp "$EV/table.md" "$OUT/eval_table.md" 2>/dev/null
@@ -96,11 +96,11 @@ case "${1:-}" in
         kill -0 "$JUDGE_PID" 2>/dev/null || break
         sleep 1
     done
-    step replay "${REPLAY_LIMIT_S:-150}" "$PY" -m deploy.cli replay /tmp/collab-final.parquet --judge \
+    step replay "${REPLAY_LIMIT_S:-150}" "$PY" -m parley.deploy.cli replay /tmp/collab-final.parquet --judge \
         --out "$RP" "${J2[@]}"
     kill "$JUDGE_PID" 2>/dev/null; wait "$JUDGE_PID" 2>/dev/null
     kill "$NATS_PID" 2>/dev/null; wait "$NATS_PID" 2>/dev/null
-    step report 60 "$PY" -m deploy.cli report "$RUN"
+    step report 60 "$PY" -m parley.deploy.cli report "$RUN"
     for f in rewards.png eval.png; do cp "$RUN/report/$f" "$OUT/collab_$f" 2>/dev/null; done
     REPLAY_ARG=()
     [ -f "$RP/records.parquet" ] && REPLAY_ARG=(--replay "$RP")

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from evaluation.benchmark import METRICS, Table, item_values, paired_stats, summarize  # noqa: E402
+from parley.evaluation.benchmark import METRICS, Table, item_values, paired_stats, summarize  # noqa: E402
 
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 # lower is better for tokens (k); higher for the others
@@ -127,8 +127,8 @@ def discrimination(groups_by_step: dict[int, list[list[dict[str, float]]]]) -> d
 
 def archive_groups(run_dir: Path) -> dict[int, list[list[dict[str, float]]]]:
     """The learner's archive (RUN_DIR/learner/archive/stepNNNNNN-trained.parquet): each step's trained groups."""
-    from evaluation.evallog import read_log
-    from learner.checkpoint import archive_dir
+    from parley.evaluation.evallog import read_log
+    from parley.learner.checkpoint import archive_dir
 
     out = {}
     for path in sorted(archive_dir(run_dir).glob("step*-trained.parquet")):
@@ -158,8 +158,8 @@ def replay_compare(original: list, replayed: list, condition: str) -> dict:
 
 
 def _plan(args) -> None:
-    from evaluation.selection import select_best
-    from learner.checkpoint import available_versions
+    from parley.evaluation.selection import select_best
+    from parley.learner.checkpoint import available_versions
 
     run = Path(args.run_dir)
     kept = available_versions(run)
@@ -173,7 +173,7 @@ def _plan(args) -> None:
 
 
 def _pick(args) -> None:
-    from evaluation.evallog import read_records, write_parquet
+    from parley.evaluation.evallog import read_records, write_parquet
 
     recs = [r for r in read_records(args.records) if r.condition == args.condition]
     if not recs:
@@ -182,7 +182,7 @@ def _pick(args) -> None:
 
 
 def _build(args) -> None:
-    from evaluation.evallog import read_records
+    from parley.evaluation.evallog import read_records
 
     run, ev = Path(args.run), Path(args.eval)
     plan = json.loads((run / "collab_plan.json").read_text())

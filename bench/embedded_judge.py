@@ -24,14 +24,14 @@ import time
 
 
 async def main() -> None:
-    from config.run import load_config
-    from engines.backend import LocalBackend, open_engine
-    from protocol.messages import ChatMessage
-    from rewards.extract import last_document
-    from rewards.metrics import bleu, char_bleu
-    from rollout.judge import LocalJudge
-    from scorer.judge import Judge
-    from tasks.data import load_items
+    from parley.config.run import load_config
+    from parley.engines.backend import LocalBackend, open_engine
+    from parley.protocol.messages import ChatMessage
+    from parley.rewards.extract import last_document
+    from parley.rewards.metrics import bleu, char_bleu
+    from parley.rollout.judge import LocalJudge
+    from parley.scorer.judge import Judge
+    from parley.tasks.data import load_items
 
     cfg = load_config("deploy/configs/default.toml")
     t0 = time.time()
@@ -60,7 +60,7 @@ async def main() -> None:
     skip_extract = "--interactivity-only" in sys.argv[1:]
 
     async def no_extract(msgs):
-        from protocol.messages import JudgeReply
+        from parley.protocol.messages import JudgeReply
 
         return JudgeReply(ok=False, error="not asked (--interactivity-only)")
 

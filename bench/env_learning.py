@@ -40,8 +40,8 @@ METRIC = "goal_match"
 def preset_defaults() -> dict:
     """The argument defaults: the settings of hidden_goal's preset (what `parley up --env hidden_goal`
     trains), read from the config they resolve to, so the two cannot drift apart."""
-    from config.run import default_config_path, load_config
-    from environments.hidden_goal import PRESET
+    from parley.config.run import default_config_path, load_config
+    from parley.environments.hidden_goal import PRESET
 
     cfg = load_config(default_config_path(), [f"env.name={json.dumps(ENV)}", *PRESET])
     lc, options = cfg.learner, cfg.env.options
@@ -128,7 +128,7 @@ def overrides(args, seed: int) -> list[str]:
 
 def train(args, seed: int, run_dir: Path) -> float:
     """`parley up` for args.steps steps; its output goes to RUN_DIR/up.log. Returns the wall time."""
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--env", ENV, "--steps", str(args.steps), "--no-live",
+    cmd = [sys.executable, "-m", "parley.deploy.cli", "up", "--env", ENV, "--steps", str(args.steps), "--no-live",
            "--run-dir", str(run_dir)]
     for o in overrides(args, seed):
         cmd += ["--set", o]
@@ -146,7 +146,7 @@ def train(args, seed: int, run_dir: Path) -> float:
 
 
 def data_config(args, seed: int):
-    from config.learner import DataConfig
+    from parley.config.learner import DataConfig
 
     return DataConfig(eval_fraction=args.eval_fraction, split_seed=seed)
 
@@ -156,12 +156,12 @@ async def evaluate(args, seed: int, versions: dict[int, str]) -> list:
     on one engine, reloading the weights in place between versions. Returns the EvalRecords."""
     import msgspec
 
-    from engines.backend import open_engine
-    from engines.config import EngineConfig
-    from environments import registry
-    from evaluation.runner import Condition, EvalServices, EvalSettings, Policy, run_eval
-    from config.scorer import ScorerConfig
-    from protocol.messages import Sampling
+    from parley.engines.backend import open_engine
+    from parley.engines.config import EngineConfig
+    from parley.environments import registry
+    from parley.evaluation.runner import Condition, EvalServices, EvalSettings, Policy, run_eval
+    from parley.config.scorer import ScorerConfig
+    from parley.protocol.messages import Sampling
 
     env = registry.load(ENV, env_options(args, seed))
     _, held = env.tasks.train_eval(data_config(args, seed))
@@ -193,15 +193,15 @@ async def evaluate(args, seed: int, versions: dict[int, str]) -> list:
 
 def export_last(run_dir: Path, version: int, merge: bool = False) -> Path:
     """The version as a standalone checkpoint; a LoRA run's merged into its base (`parley export --merge`)."""
-    from learner.checkpoint import export_version
+    from parley.learner.checkpoint import export_version
 
     return export_version(run_dir, version, run_dir / "export" / f"v{version}", merge=merge)
 
 
 def one_seed(args, seed: int) -> dict:
-    from environments import registry
-    from evaluation.benchmark import summarize, to_markdown
-    from evaluation.evallog import write_parquet
+    from parley.environments import registry
+    from parley.evaluation.benchmark import summarize, to_markdown
+    from parley.evaluation.evallog import write_parquet
 
     run_dir = args.out / f"seed{seed}"
     train_s = 0.0
@@ -232,7 +232,7 @@ def one_seed(args, seed: int) -> dict:
 
 
 def summary_table(args, results: list[dict]) -> tuple[str, dict]:
-    from evaluation.benchmark import paired_stats
+    from parley.evaluation.benchmark import paired_stats
 
     last = f"v{args.steps}"
     lines = [f"| seed | items | train (s) | eval (s) | v0 {METRIC} | {last} {METRIC} | diff [95% CI over items] "

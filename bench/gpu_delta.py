@@ -42,12 +42,12 @@ async def run(args) -> dict:
     import torch
 
     from bench.weight_delta import GradMaster
-    from deploy.natsserver import NatsServer
-    from engines.models import ensure_model
-    from learner.weights_io import hf_tensors
-    from protocol import topology
-    from protocol.connect import connect
-    from weights import cuda_ipc, gpu_delta, objstore
+    from parley.deploy.natsserver import NatsServer
+    from parley.engines.models import ensure_model
+    from parley.learner.weights_io import hf_tensors
+    from parley.protocol import topology
+    from parley.protocol.connect import connect
+    from parley.weights import cuda_ipc, gpu_delta, objstore
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else Path(ensure_model(args.model))
     m = GradMaster(model_dir)

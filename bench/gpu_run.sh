@@ -80,7 +80,7 @@ U)
     nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,memory.total --format=csv,noheader -lms 1000 \
         >"$OUT/gpu_samples.csv" 2>/dev/null &
     SMI=$!
-    step up_hidden_goal "${LIMIT_S:-520}" python3 -m deploy.cli up --config deploy/configs/gpu-1.toml --env hidden_goal \
+    step up_hidden_goal "${LIMIT_S:-520}" python3 -m parley.deploy.cli up --config deploy/configs/gpu-1.toml --env hidden_goal \
         --no-live --run-dir "$RUN" --steps "$STEPS" \
         --set 'env.options={n_items = 120, seed = 0, nudge = "slots", answer = "mentions"}' \
         --set data.eval_fraction=0.2 --set rollout.n=8 --set rollout.max_tokens=32 --set rollout.max_new_turns=6 \
@@ -106,11 +106,11 @@ T)
     for S in ${STALENESS:-1}; do
         RUN=/tmp/run-4b-s$S
         rm -rf "$RUN"
-        step "up_4b_s$S" "$((BUDGET_S + 40))" timeout -s INT "$BUDGET_S" python3 -m deploy.cli up \
+        step "up_4b_s$S" "$((BUDGET_S + 40))" timeout -s INT "$BUDGET_S" python3 -m parley.deploy.cli up \
             --config deploy/configs/gpu-1-4b.toml --no-live --run-dir "$RUN" --steps 1000 \
             --set learner.checkpoint_every=1000 --set "learner.max_staleness=$S" \
             --set "actor.engine.model=\"$MODEL\"" --set "policy.model=\"$MODEL\""
-        python3 -m deploy.cli report "$RUN" >/dev/null 2>&1 && cp "$RUN/report/gpu.png" "$OUT/gpu_4b_s$S.png"
+        python3 -m parley.deploy.cli report "$RUN" >/dev/null 2>&1 && cp "$RUN/report/gpu.png" "$OUT/gpu_4b_s$S.png"
         python3 bench/gpu_summary.py "$RUN" --json "$OUT/summary_4b_s$S.json" | head -c 1500
         grep -h -i -E "refused|out of memory|OutOfMemory|not published|recompile_limit" "$RUN"/logs/*.log | head -n 20 \
             >>"$OUT/problems_4b.log"
@@ -168,7 +168,7 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     # PARLEY_STEPS (default STEPS): parley's steps, for a comparison at equal wall time (TRL runs STEPS)
     EXTRA=()
     for kv in ${PARLEY_SETS:-}; do EXTRA+=(--set "$kv"); done
-    step up_peer "$PARLEY_S" python3 -m deploy.cli up --config deploy/configs/gpu-1.toml --env hidden_goal \
+    step up_peer "$PARLEY_S" python3 -m parley.deploy.cli up --config deploy/configs/gpu-1.toml --env hidden_goal \
         --no-live --run-dir "$RUN" --steps "${PARLEY_STEPS:-$STEPS}" "${HG[@]}" --set "up.actors=${ACTORS:-1}" ${EXTRA[@]+"${EXTRA[@]}"}
     P1=$(clock)
     cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.gpu_samples import read_samples  # noqa: E402
+from parley.deploy.gpu_samples import read_samples  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.4
 _LOGTIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")

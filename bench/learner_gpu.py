@@ -156,7 +156,7 @@ def count_params(s: dict) -> int:
 
 def train_flops(s: dict, n_params: int, lengths: list[int]) -> float:
     """Forward + backward model FLOPs of sequences of these lengths (learner.flops, module docstring)."""
-    from learner.flops import train_flops as flops
+    from parley.learner.flops import train_flops as flops
 
     return flops(n_params, s["layers"], s["heads"], s["head_dim"], lengths)
 
@@ -185,7 +185,7 @@ def draw_samples(args, vocab: int):
     """Trajectories of budget/8 .. budget tokens (lognormal, median 3/8 of the budget: 1k-8k with the
     default 8192) until step_tokens are drawn; random token ids (speed does not depend on them),
     behaviour log-probs of a uniform policy (what a random-init model gives, so ratios stay near 1)."""
-    from learner.packing import Sample
+    from parley.learner.packing import Sample
 
     rng = random.Random(args.seed)
     lo, hi, median = max(16, args.budget_tokens // 8), args.budget_tokens, 0.375 * args.budget_tokens
@@ -209,14 +209,14 @@ def install_attention(requested: str, device) -> tuple[str, str]:
     """The packed attention the learner uses on `device` ("varlen" asks for it; the kernel behind it is
     flash varlen where it is usable and passes its check, else one SDPA call per sequence).
     Returns (kernel used, why)."""
-    from learner import attention
+    from parley.learner import attention
 
     attention.resolve("varlen", device)
     return attention._kernel["name"], attention._kernel["why"]
 
 
 def use_attention(model, name: str) -> None:
-    from learner import attention
+    from parley.learner import attention
 
     attention.use(model, attention.VARLEN if name == VARLEN else name)
 
@@ -304,8 +304,8 @@ def phase_plain(args) -> None:
     loss, backward per micro-batch, one fused AdamW step; no DeepSpeed, no reference model."""
     import torch
 
-    from learner import grpo
-    from learner.packing import Sample, build_batch, pack_by_tokens
+    from parley.learner import grpo
+    from parley.learner.packing import Sample, build_batch, pack_by_tokens
 
     device, dtype = _device_dtype(args)
     t0 = time.perf_counter()
@@ -381,8 +381,8 @@ def fill_service_reference(args, samples, dtype_name: str) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engines.logprobs import sequence_logprobs
-    from learner.trainer import resolve_dtype
+    from parley.engines.logprobs import sequence_logprobs
+    from parley.learner.trainer import resolve_dtype
 
     device, _ = _device_dtype(args)
     t0 = time.perf_counter()
@@ -444,10 +444,10 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     and step)."""
     import torch
 
-    from config.learner import LearnerConfig, LoraSettings
-    from learner.trainer import Trainer
-    from learner.packing import build_batch, pack_by_tokens, shard_by_tokens
-    from learner.logprobs import token_logprobs
+    from parley.config.learner import LearnerConfig, LoraSettings
+    from parley.learner.trainer import Trainer
+    from parley.learner.packing import build_batch, pack_by_tokens, shard_by_tokens
+    from parley.learner.logprobs import token_logprobs
 
     cfg = LearnerConfig(zero_stage=zero, micro_batch_tokens=args.budget_tokens, kl_coef=args.kl_coef,
                         lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto",

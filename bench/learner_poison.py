@@ -59,7 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from learner.steplog import PHASES  # noqa: E402
+from parley.learner.steplog import PHASES  # noqa: E402
 
 FILLS = ("0", "0", "nan", "1e4")
 UNFILLED = "unfilled"  # CUDA: every cached block handed back before each step (what release_cache does)
@@ -75,7 +75,7 @@ def batches(vocab: int, steps: int, seed: int = 0, n: int = 8) -> list[list]:
     group-normalized advantages of random 0/1 rewards (never all equal)."""
     import numpy as np
 
-    from learner.packing import Sample
+    from parley.learner.packing import Sample
 
     rng = np.random.default_rng(seed)
     out = []
@@ -124,8 +124,8 @@ def run_fill(model_dir: str, fill: str, steps: int, zero: int, dtype: str, large
     more [learner] settings (e.g. micro_batch_tokens)."""
     import torch
 
-    from config.learner import LearnerConfig
-    from learner.trainer import Trainer
+    from parley.config.learner import LearnerConfig
+    from parley.learner.trainer import Trainer
 
     cuda = torch.cuda.is_available()
     if not cuda and fill not in CPU_FILLS:
@@ -179,9 +179,9 @@ def run_cache(model_dir: str, gpu_cache: str, steps: int, zero: int, dtype: str,
     each step's cache_released_gib."""
     import torch
 
-    from config.learner import LearnerConfig
-    from learner.trainer import Trainer
-    from weights.config import CudaIpcWeights
+    from parley.config.learner import LearnerConfig
+    from parley.learner.trainer import Trainer
+    from parley.weights.config import CudaIpcWeights
 
     if not torch.cuda.is_available():
         raise ValueError("--cache-ab needs CUDA: gpu_cache and cuda_ipc act on a GPU only")
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engines.models import ensure_model
+    from parley.engines.models import ensure_model
 
     cuda = torch.cuda.is_available()
     if args.cache_ab and not cuda:

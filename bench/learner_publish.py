@@ -1,7 +1,7 @@
 """The learner's step-to-step gap with weight publication beside training and inline, and the
 ledger's bytes per write with the sample log and as a full rewrite (issue 15, items 5 and 7).
 
-Gap: the real `learner.service.Learner` with the real `Trainer` (DeepSpeed, CPU, gloo) on a real
+Gap: the real `parley.learner.service.Learner` with the real `Trainer` (DeepSpeed, CPU, gloo) on a real
 nats-server, publishing every step (`--transport objstore` or `shared_dir`); all scored samples are in SCORED
 before it starts, so no step waits for data. The gap is the time from the end of one train_step to
 the start of the next (the driver is timed), once with the Learner as shipped (the step takes a CPU
@@ -9,7 +9,7 @@ copy, the Publisher uploads beside the next step) and once with the publication 
 step returns (`Inline`, what the learner did before: write, upload, hash and announce on the step's
 path). Checkpoints only after the last step, so they are not in the gaps.
 
-Ledger: `learner.checkpoint.Ledger.write` on a buffer of `--groups` groups of `--n` samples of
+Ledger: `parley.learner.checkpoint.Ledger.write` on a buffer of `--groups` groups of `--n` samples of
 `--tokens` tokens each, one new group per write, against the size of the same state with every
 sample inline (what each write cost before the sample log).
 
@@ -46,7 +46,7 @@ class TimedDriver:
 
 
 def scored_samples(tok, run: str, groups: int, n: int, tokens: int):
-    from protocol.messages import AssistantTurn, ChatMessage, Scored, Trajectory
+    from parley.protocol.messages import AssistantTurn, ChatMessage, Scored, Trajectory
 
     words = tok.encode("Here is a first draft of the letter, with the tone you asked for. ", add_special_tokens=False)
     out = []
@@ -69,18 +69,18 @@ def scored_samples(tok, run: str, groups: int, n: int, tokens: int):
 async def gaps(args, work: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from config.run import RunConfig
-    from deploy.natsserver import NatsServer
-    from engines.models import ensure_model
-    from config.learner import LearnerConfig, RolloutConfig
-    from weights.config import ObjstoreWeights, SharedDirWeights
-    from config.policy import PolicySection
-    from learner.ranks import Driver
-    from learner.service import Learner
-    from learner.trainer import Trainer
-    from protocol import topology
-    from protocol.bus import publish
-    from protocol.connect import connect
+    from parley.config.run import RunConfig
+    from parley.deploy.natsserver import NatsServer
+    from parley.engines.models import ensure_model
+    from parley.config.learner import LearnerConfig, RolloutConfig
+    from parley.weights.config import ObjstoreWeights, SharedDirWeights
+    from parley.config.policy import PolicySection
+    from parley.learner.ranks import Driver
+    from parley.learner.service import Learner
+    from parley.learner.trainer import Trainer
+    from parley.protocol import topology
+    from parley.protocol.bus import publish
+    from parley.protocol.connect import connect
 
     class Inline(Learner):
         """The learner before issue 15: the step returns only once its version is announced."""
@@ -141,9 +141,9 @@ async def gaps(args, work: Path) -> dict:
 def ledger_bytes(args, work: Path) -> dict:
     import msgspec
 
-    from learner import checkpoint as ckpt
-    from protocol import arrays
-    from protocol.messages import AssistantTurn, ChatMessage, Scored, Trajectory
+    from parley.learner import checkpoint as ckpt
+    from parley.protocol import arrays
+    from parley.protocol.messages import AssistantTurn, ChatMessage, Scored, Trajectory
 
     def sample(g: int, i: int) -> Scored:
         t = args.tokens

@@ -39,7 +39,7 @@ def stats(d) -> dict:
 
 
 async def sample(args, prompts):
-    from engines.engine import EngineSettings, PolicyEngine
+    from parley.engines.engine import EngineSettings, PolicyEngine
 
     settings = EngineSettings(model=args.model, dtype="bfloat16", max_model_len=args.plen + args.tokens + 8,
                               kv_cache_bytes=None, gpu_memory_utilization=args.gpu_mem, enforce_eager=args.eager,
@@ -58,8 +58,8 @@ def learner_logprobs(args, samples, dtype):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.logprobs import token_logprobs
-    from learner.packing import build_batch, pack_by_tokens
+    from parley.learner.logprobs import token_logprobs
+    from parley.learner.packing import build_batch, pack_by_tokens
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to(device).eval()
@@ -79,7 +79,7 @@ def main(args) -> dict:
     import torch
 
     from bench.common import random_qwen3
-    from learner.packing import Sample
+    from parley.learner.packing import Sample
 
     if args.build:
         t0 = time.perf_counter()

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def _model(name: str, work: Path) -> Path:
     if name == "tiny":
-        from engines.models import build_tiny
+        from parley.engines.models import build_tiny
 
         return build_tiny(work / "tiny")
     if name.startswith("qwen3-"):
@@ -43,16 +43,16 @@ def _model(name: str, work: Path) -> Path:
 async def main(args) -> dict:
     import torch
 
-    from actors.follow import WeightFollower
-    from config.learner import LearnerConfig, LoraSettings
-    from deploy.natsserver import NatsServer
-    from engines.engine import EngineSettings, PolicyEngine
-    from learner.packing import Sample
-    from learner.trainer import Trainer
-    from protocol import topology
-    from protocol.connect import connect
-    from weights import lora
-    from weights.config import CudaIpcWeights, ObjstoreWeights
+    from parley.actors.follow import WeightFollower
+    from parley.config.learner import LearnerConfig, LoraSettings
+    from parley.deploy.natsserver import NatsServer
+    from parley.engines.engine import EngineSettings, PolicyEngine
+    from parley.learner.packing import Sample
+    from parley.learner.trainer import Trainer
+    from parley.protocol import topology
+    from parley.protocol.connect import connect
+    from parley.weights import lora
+    from parley.weights.config import CudaIpcWeights, ObjstoreWeights
 
     os.environ.setdefault("LOCAL_RANK", "0")
     work = Path(tempfile.mkdtemp(prefix="bench-lora-"))

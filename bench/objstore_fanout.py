@@ -31,9 +31,9 @@ RUN = "fanout"
 
 def _reader(url: str, name: str, ready: mp.Queue, go_event, out: mp.Queue) -> None:
     async def go():
-        from protocol import topology
-        from protocol.connect import connect
-        from weights.objstore import _get_object
+        from parley.protocol import topology
+        from parley.protocol.connect import connect
+        from parley.weights.objstore import _get_object
 
         nc = await connect(url, name="fanout-reader")
         js = nc.jetstream()
@@ -59,9 +59,9 @@ def _cpu_s(pid: int) -> float:
 async def _put(url: str, objects: dict[str, int], work: Path) -> None:
     from nats.js import api
 
-    from protocol import topology
-    from protocol.connect import connect
-    from weights.objstore import chunk_size
+    from parley.protocol import topology
+    from parley.protocol.connect import connect
+    from parley.weights.objstore import chunk_size
 
     nc = await connect(url, name="fanout-writer")
     js = nc.jetstream()
@@ -89,7 +89,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
 
-    from deploy.natsserver import NatsServer
+    from parley.deploy.natsserver import NatsServer
 
     objects = {"full": int(args.full_mb * 1e6), "delta": int(args.delta_mb * 1e6)}
     others = subprocess.run(["ps", "-eo", "pcpu,comm", "--sort=-pcpu"], capture_output=True, text=True).stdout

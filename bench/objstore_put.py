@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 async def main(args) -> dict:
     from nats.js import api
 
-    from deploy.natsserver import NatsServer
-    from protocol import topology
-    from protocol.connect import connect
-    from weights import objstore
+    from parley.deploy.natsserver import NatsServer
+    from parley.protocol import topology
+    from parley.protocol.connect import connect
+    from parley.weights import objstore
 
     with tempfile.TemporaryDirectory(prefix="parley-putbench-", dir=args.work) as tmp:
         work = Path(tmp)
@@ -45,7 +45,7 @@ async def main(args) -> dict:
             src.write_bytes(os.urandom(args.mb << 20))
             store = await js.object_store(topology.object_bucket(run))
             size = objstore.chunk_size(js)
-            times: dict[str, list[float]] = {"nats.py ObjectStore.put": [], "weights.objstore._put_object": []}
+            times: dict[str, list[float]] = {"nats.py ObjectStore.put": [], "parley.weights.objstore._put_object": []}
             for i in range(args.repeats):
                 for how in times:
                     t = time.perf_counter()

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/peer_compare.py`
     sys.path.insert(0, str(ROOT))
-from learner.steplog import PHASES  # noqa: E402
+from parley.learner.steplog import PHASES  # noqa: E402
 METRIC = "goal_match"
 GOAL = 1.5  # issue 26: parley at least 1.5x TRL's trained tokens/s at equal or better held-out reward
 # the learner's end-of-step line (learner.stepper) under runtime.process's log format

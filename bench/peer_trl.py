@@ -96,8 +96,8 @@ def load_recipe(config: str | Path | None, sets: list[str], *, env: str = DEFAUL
     """The run config both systems train under: `config` with the environment's preset, then `sets`
     (as `parley up --config FILE --env ENV --set ...` resolves them; here the preset is laid under
     `sets` even with a config, so that no --set gives the preset's recipe)."""
-    from config.run import load_config
-    from environments import registry
+    from parley.config.run import load_config
+    from parley.environments import registry
 
     overrides = [f"env.name={json.dumps(env)}", *registry.load(env).preset, *PEER_SETS, *sets] if env else [*PEER_SETS, *sets]
     if steps is not None:
@@ -277,7 +277,7 @@ def build_items(cfg, env=None) -> Items:
     """The training tasks parley's feeder issues for this run (learner.feeder.Feeder.task over the
     environment's training split) and the held-out tasks its periodic eval plays (the first
     [learner] eval_items of the split's eval side, built by evaluation.runner.make_tasks)."""
-    from learner.feeder import Feeder
+    from parley.learner.feeder import Feeder
 
     env = env or cfg.env.load()
     lc = cfg.learner
@@ -291,14 +291,14 @@ def build_items(cfg, env=None) -> Items:
 
 def eval_settings(cfg):
     """The settings `parley eval --follow` runs the learner's periodic eval under (evaluation.periodic.eval_argv)."""
-    from evaluation.runner import EvalSettings
+    from parley.evaluation.runner import EvalSettings
 
     return EvalSettings(assistant_max_tokens=cfg.rollout.max_tokens, max_new_turns=cfg.rollout.max_new_turns,
                         sampling=cfg.actor.sampling, run=cfg.run.name)
 
 
 def make_eval_tasks(cfg, held, env) -> list:
-    from evaluation.runner import make_tasks
+    from parley.evaluation.runner import make_tasks
 
     return make_tasks(held, eval_settings(cfg), env)
 
@@ -318,8 +318,8 @@ def trl_sample(traj) -> dict[str, list]:
     """One parley trajectory as TRL's rollout_func returns a sample: the tokens before the first
     assistant turn are the prompt, the rest the completion; env_mask is parley's loss mask over the
     completion (0 on user turns and template tokens) and logprobs the behaviour log-probs (0.0 there)."""
-    from learner.groups import behaviour_logprobs
-    from protocol import arrays
+    from parley.learner.groups import behaviour_logprobs
+    from parley.protocol import arrays
 
     ids = arrays.token_ids(traj).tolist()
     mask = arrays.loss_mask(traj).tolist()
@@ -332,7 +332,7 @@ def trl_sample(traj) -> dict[str, list]:
 def reward_terms(cfg, env, traj) -> dict[str, float]:
     """parley's scoring of one trajectory: every metric of the environment's reward and the weighted
     total under [scorer] (rollout.score.score_trajectory, the scorer role's function; no judge)."""
-    from rollout.score import score_trajectory
+    from parley.rollout.score import score_trajectory
 
     scored = asyncio.run(score_trajectory(traj, None, cfg.scorer, reward=env.reward, scorer="peer_trl"))
     return {**scored.metrics, "total": scored.total}
@@ -374,7 +374,7 @@ class ColocatedEngine:
     def _run(self, requests):
         from vllm import SamplingParams
 
-        from engines.engine import GenOut
+        from parley.engines.engine import GenOut
 
         self.calls += 1
         params = [SamplingParams(n=1, logprobs=0, skip_special_tokens=True, **kw) for _, kw in requests]
@@ -413,7 +413,7 @@ class HFEngine(ColocatedEngine):
     def _run(self, requests):
         import torch
 
-        from engines.engine import GenOut
+        from parley.engines.engine import GenOut
 
         self.calls += 1
         res = []
@@ -463,8 +463,8 @@ class Player:
     """Plays parley tasks on an engine and scores them: the rollout hook and the eval both use it."""
 
     def __init__(self, cfg, env, items: Items, tokenizer, record: Record):
-        from environments.base import LocalUser
-        from rollout.conversation import PolicySettings
+        from parley.environments.base import LocalUser
+        from parley.rollout.conversation import PolicySettings
 
         self.cfg, self.env, self.record = cfg, env, record
         self.tasks = items.by_id()
@@ -481,7 +481,7 @@ class Player:
                                           model=str(cfg.policy.model), actor="trl-eval")
 
     def play(self, engine, jobs: list[tuple[str, int]], policy, version: int) -> list:
-        from rollout.conversation import run_conversation
+        from parley.rollout.conversation import run_conversation
 
         async def main():
             return await engine.play([
@@ -558,7 +558,7 @@ def train(cfg, args) -> Record:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from engines.models import ensure_model
+    from parley.engines.models import ensure_model
 
     env = cfg.env.load()
     items = build_items(cfg, env)

@@ -37,10 +37,10 @@ def main() -> int:
     import torch
 
     from bench.learner_gpu import draw_samples
-    from engines.models import build_tiny, ensure_model
-    from engines.reference import ReferenceModel
-    from config.learner import LearnerConfig
-    from learner.trainer import Trainer
+    from parley.engines.models import build_tiny, ensure_model
+    from parley.engines.reference import ReferenceModel
+    from parley.config.learner import LearnerConfig
+    from parley.learner.trainer import Trainer
 
     model_dir = build_tiny(Path(tempfile.mkdtemp(prefix="parley_refbench_")) / "tiny") if args.model == "tiny" \
         else ensure_model(args.model)

@@ -72,10 +72,10 @@ def one_run(model_dir: Path, staleness: int, policy: str, seed: int, args) -> di
     import torch
     from transformers import AutoModelForCausalLM
 
-    from config.learner import LearnerConfig
-    from learner.grpo import group_advantages
-    from learner.packing import Sample
-    from learner.trainer import Trainer
+    from parley.config.learner import LearnerConfig
+    from parley.learner.grpo import group_advantages
+    from parley.learner.packing import Sample
+    from parley.learner.trainer import Trainer
 
     lags = schedule(staleness, policy, args.max_steps)
     cfg = LearnerConfig(zero_stage=2, lr=args.lr, kl_coef=0.0, max_staleness=staleness,
@@ -225,7 +225,7 @@ def main() -> int:
 
     import os
 
-    from engines.models import build_tiny
+    from parley.engines.models import build_tiny
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="parley-stl-") as tmp:

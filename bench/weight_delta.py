@@ -99,7 +99,7 @@ class GradMaster:
         self.opt.zero_grad(set_to_none=True)
 
     def write(self, d: Path) -> Path:
-        from learner.weights_io import hf_tensors, write_weights
+        from parley.learner.weights_io import hf_tensors, write_weights
 
         state = {n: t.detach().to("cpu", self.torch.bfloat16).contiguous() for n, t in hf_tensors(self.model)}
         return write_weights(state, self.model.config, d)
@@ -122,7 +122,7 @@ def alternatives(a_path: Path, b_path: Path) -> dict:
     """Sizes and build times of the other candidate formats, over the same two files."""
     import numpy as np
 
-    from weights.delta import _UINT, _layout
+    from parley.weights.delta import _UINT, _layout
 
     _, _, tensors = _layout(b_path)
     a = np.memmap(a_path, dtype=np.uint8, mode="r")
@@ -153,7 +153,7 @@ def blocks(a_path: Path, b_path: Path, device: str = "cpu") -> dict:
     import numpy as np
     import torch
 
-    from weights.delta import _layout
+    from parley.weights.delta import _layout
 
     _, _, tensors = _layout(b_path)
     lo = min(st for st, _, _ in tensors)
@@ -189,8 +189,8 @@ def blocks(a_path: Path, b_path: Path, device: str = "cpu") -> dict:
 
 def formats(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bool = False,
             device: str = "cpu") -> list[dict]:
-    from weights import delta as deltas
-    from weights.common import file_digest
+    from parley.weights import delta as deltas
+    from parley.weights.common import file_digest
 
     rows = []
     for lr in lrs:
@@ -225,12 +225,12 @@ def formats(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bo
 async def path(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bool = False,
                kinds: tuple[str, ...] = ("objstore",), modes: tuple[str, ...] = ("full", "delta_after_full", "delta"),
                save=lambda out: None) -> list[dict]:
-    from deploy.natsserver import NatsServer
-    from protocol import topology
-    from protocol.connect import connect
-    from weights import registry
-    from weights.config import ObjstoreWeights, SharedDirWeights
-    from weights.registry import fetch_version, publish_version
+    from parley.deploy.natsserver import NatsServer
+    from parley.protocol import topology
+    from parley.protocol.connect import connect
+    from parley.weights import registry
+    from parley.weights.config import ObjstoreWeights, SharedDirWeights
+    from parley.weights.registry import fetch_version, publish_version
 
     server = NatsServer(work / "nats", port=0)
     url = server.start()
@@ -323,7 +323,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args()
 
-    from engines.models import ensure_model
+    from parley.engines.models import ensure_model
 
     if args.build:
         from bench.common import random_qwen3

@@ -49,7 +49,7 @@ def cpu_name() -> str:
 
 def file_settings(kind: str, work: Path):
     """The [weights] of a file transport named on the command line (shared_dir: under work)."""
-    from weights.config import ObjstoreWeights, SharedDirWeights
+    from parley.weights.config import ObjstoreWeights, SharedDirWeights
 
     return {"objstore": ObjstoreWeights(), "shared_dir": SharedDirWeights(dir=str(work / "shared"))}[kind]
 
@@ -58,10 +58,10 @@ async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engines.models import ensure_model
-    from learner.weights_io import hf_weights, write_weights
-    from protocol import codec, topology
-    from weights.registry import fetch_version, publish_version
+    from parley.engines.models import ensure_model
+    from parley.learner.weights_io import hf_weights, write_weights
+    from parley.protocol import codec, topology
+    from parley.weights.registry import fetch_version, publish_version
 
     run = f"bench-{name}-{transport}".replace("_", "-")
     settings = file_settings(transport, work)
@@ -117,8 +117,8 @@ async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> 
 
 
 async def main(args) -> list[dict]:
-    from deploy.natsserver import NatsServer
-    from protocol.connect import connect
+    from parley.deploy.natsserver import NatsServer
+    from parley.protocol.connect import connect
 
     results = []
     with tempfile.TemporaryDirectory(prefix="parley-weightbench-", dir=args.work) as tmp:
@@ -221,8 +221,8 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
     objstore_packed: the learner's packed delta (weights.gpu_delta, `packer`) announced early and the
     full copy written and uploaded after it, as learner.publication does; `full_stored` is step end ->
     that copy announced."""
-    from learner.weights_io import hf_tensors, hf_weights, write_weights
-    from weights import registry
+    from parley.learner.weights_io import hf_tensors, hf_weights, write_weights
+    from parley.weights import registry
 
     if transport in PACKED:
         return await packed_update(js, run, transport, version, model, work, follower, timed, packer)
@@ -263,8 +263,8 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
 async def packed_update(js, run, transport, version, model, work, follower, timed, packer) -> dict:
     import shutil
 
-    from learner.weights_io import hf_tensors, write_weights
-    from weights import registry
+    from parley.learner.weights_io import hf_tensors, write_weights
+    from parley.weights import registry
 
     settings = packed_settings(transport, work)
     timed.marks.clear()
@@ -315,7 +315,7 @@ async def packed_update(js, run, transport, version, model, work, follower, time
               file=sys.stderr, flush=True)
     row["buffers_busy"] = await released - t_ready  # encode + host copy: the shortest step that never waits
     if blob is None:  # a full version: the actor keeps it packed before the next one is timed
-        from weights.cuda_ipc import table_digest
+        from parley.weights.cuda_ipc import table_digest
 
         while timed.packed_name != table_digest(table):
             if time.perf_counter() > deadline:
@@ -331,14 +331,14 @@ async def gpu_main(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from actors.follow import WeightFollower
+    from parley.actors.follow import WeightFollower
     from bench.common import random_qwen3
-    from learner.weights_io import hf_tensors
-    from deploy.natsserver import NatsServer
-    from engines.engine import EngineSettings, PolicyEngine
-    from protocol import topology
-    from weights.cuda_ipc import IpcPublisher
-    from protocol.connect import connect
+    from parley.learner.weights_io import hf_tensors
+    from parley.deploy.natsserver import NatsServer
+    from parley.engines.engine import EngineSettings, PolicyEngine
+    from parley.protocol import topology
+    from parley.weights.cuda_ipc import IpcPublisher
+    from parley.protocol.connect import connect
 
     if args.build:
         t = time.perf_counter()
@@ -436,7 +436,7 @@ async def gpu_main(args) -> dict:
                 else:
                     (sparse_change if transport in PACKED else change)(v)
 
-            from weights.gpu_delta import PackedVersions
+            from parley.weights.gpu_delta import PackedVersions
 
             packer = PackedVersions()
 
@@ -495,7 +495,7 @@ async def gpu_main(args) -> dict:
                     for _ in range(args.repeats if transport == "cuda_ipc" else args.file_repeats):
                         await update(transport)
             if gpu and pub.buffers:  # the checksum of one packed version alone, by each implementation
-                from weights.cuda_ipc import checksums
+                from parley.weights.cuda_ipc import checksums
 
                 out["checksum_s"] = {}
                 for impl in ("torch", "triton"):

@@ -11,8 +11,8 @@ from typing import Annotated, Literal, get_args
 import msgspec
 from msgspec import Meta
 
-from engines.config import EngineConfig, ServiceBackend
-from protocol.messages import Sampling
+from parley.engines.config import EngineConfig, ServiceBackend
+from parley.protocol.messages import Sampling
 
 SimPrompt = Literal["lazy_full", "lazy_summary", "cooperative"]
 SIM_PROMPTS = get_args(SimPrompt)

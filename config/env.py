@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from environments import collabllm, registry
-from environments.base import Environment
+from parley.environments import collabllm, registry
+from parley.environments.base import Environment
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT_NAME = collabllm.NAME  # the environment of a run whose [env] names none

@@ -7,8 +7,8 @@ from typing import Annotated, Literal, get_args
 import msgspec
 from msgspec import Meta
 
-from rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES
-from protocol.messages import TASK_MAX_FUTURES, TASK_MAX_N, TASK_MAX_NEW_TURNS
+from parley.rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES
+from parley.protocol.messages import TASK_MAX_FUTURES, TASK_MAX_N, TASK_MAX_NEW_TURNS
 
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 LOSS_AGG = get_args(LossAgg)

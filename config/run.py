@@ -20,16 +20,16 @@ from typing import Annotated, Any, Literal
 import msgspec
 import msgspec.inspect as mi
 
-from config.actor import ActorConfig, SimConfig
-from config.env import EnvConfig
-from config.learner import DataConfig, LearnerConfig, RolloutConfig
-from config.policy import PolicySection
-from config.scorer import JudgeConfig, ScorerConfig
-from environments.base import Environment, ProgrammaticUser
-from protocol.messages import GREEDY_BELOW
-from protocol.topology import RUN_NAME, BusSettings
-from runtime.toml import to_toml
-from weights.config import ObjstoreWeights, WeightsConfig, upgrade
+from parley.config.actor import ActorConfig, SimConfig
+from parley.config.env import EnvConfig
+from parley.config.learner import DataConfig, LearnerConfig, RolloutConfig
+from parley.config.policy import PolicySection
+from parley.config.scorer import JudgeConfig, ScorerConfig
+from parley.environments.base import Environment, ProgrammaticUser
+from parley.protocol.messages import GREEDY_BELOW
+from parley.protocol.topology import RUN_NAME, BusSettings
+from parley.runtime.toml import to_toml
+from parley.weights.config import ObjstoreWeights, WeightsConfig, upgrade
 
 log = logging.getLogger("parley.config")
 
@@ -242,7 +242,7 @@ def apply_override(data: dict, override: str) -> None:
 
 
 def default_config_path() -> Path:
-    return Path(str(resources.files("deploy") / "configs" / "default.toml"))
+    return Path(str(resources.files("parley.deploy") / "configs" / "default.toml"))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -364,7 +364,7 @@ def check_training(cfg: RunConfig) -> None:
                           f"{cfg.actor.engine.max_lora_rank}: the actors could not load the adapters; set "
                           f"actor.engine.max_lora_rank = {lr.rank}")
     if lr.enabled:
-        from weights import registry
+        from parley.weights import registry
 
         transport = registry.of(cfg.weights)
         if not transport.carries_adapters:

@@ -10,9 +10,9 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from engines.config import ServiceBackend
-from rewards.extract import EXTRACTORS
-from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
+from parley.engines.config import ServiceBackend
+from parley.rewards.extract import EXTRACTORS
+from parley.rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
 
 
 class JudgeConfig(ServiceBackend, kw_only=True, forbid_unknown_fields=True):

@@ -18,7 +18,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from deploy import commands
+    from parley.deploy import commands
 
     commands.register(app)
 
@@ -26,7 +26,8 @@ def _register() -> None:
 _register()
 
 
-def main() -> None:
+def run(argv: list[str] | None = None) -> int:
+    """One command line (sys.argv's without argv) in this process; its exit code. `parley.command` calls it."""
     import sys
 
     try:
@@ -35,18 +36,24 @@ def main() -> None:
         from click import exceptions as cx
 
     try:
-        code = app(standalone_mode=False)
+        code = app(args=argv, prog_name="parley", standalone_mode=False)
     except cx.NoArgsIsHelpError as e:
-        raise SystemExit(e.exit_code) from None  # the help is printed already
+        return e.exit_code  # the help is printed already
     except cx.ClickException as e:
         # A bad option value is one line naming the option (a usage box is hard to grep in a role's log).
         ctx = getattr(e, "ctx", None)
         print(f"{ctx.command_path if ctx else 'parley'}: {e.format_message()}", file=sys.stderr)
-        raise SystemExit(e.exit_code) from None
+        return e.exit_code
     except typer.Abort:
         print("parley: aborted", file=sys.stderr)
-        raise SystemExit(1) from None
-    raise SystemExit(code if isinstance(code, int) else 0)
+        return 1
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return code if isinstance(code, int) else 0
+
+
+def main() -> None:
+    raise SystemExit(run())
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
+from parley.deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
                            run_main, setup_logging, start_metrics)
 
 IdOpt = Annotated[Optional[str], typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<pid>).")]
@@ -38,7 +38,7 @@ def _bad_config(message: str) -> None:
 
 def _check_model(field: str, value: str) -> None:
     """Fail before any engine starts (a minute on CPU) when the model cannot be found."""
-    from engines.models import KNOWN_MODELS
+    from parley.engines.models import KNOWN_MODELS
 
     if value not in KNOWN_MODELS and not Path(value).expanduser().is_dir():
         _bad_config(f"{field}={value!r} is neither {' nor '.join(KNOWN_MODELS)} nor an existing checkpoint directory")
@@ -66,7 +66,7 @@ def actor_cmd(
     ident = ident or f"actor-{os.getpid()}"
     setup_logging(ident)
     start_metrics(metrics_port, metrics_host, "actor")
-    from actors.actor import run as actor_run
+    from parley.actors.actor import run as actor_run
 
     run_main(actor_run, cfg, ident)
 
@@ -108,7 +108,7 @@ def sim_cmd(
     ident = ident or f"sim-{os.getpid()}"
     setup_logging(ident)
     start_metrics(metrics_port, metrics_host, "sim")
-    from actors.sim import run as sim_run
+    from parley.actors.sim import run as sim_run
 
     run_main(sim_run, cfg, ident)
 
@@ -118,7 +118,7 @@ def models_tiny_cmd(
     seed: Annotated[int, typer.Option("--seed", help="Weight initialisation seed.")] = 0,
 ) -> None:
     """Write the toy model (random weights; for tests and plumbing, not for quality)."""
-    from engines.models import build_tiny
+    from parley.engines.models import build_tiny
 
     typer.echo(f"building the toy model in {out_dir} ...", err=True)
     path = build_tiny(out_dir, seed=seed)
@@ -132,7 +132,7 @@ def models_smol_cmd(
     ] = None,
 ) -> None:
     """Write SmolLM2-135M-Instruct as a plain HF checkpoint (progress on stderr)."""
-    from engines.models import build_smol
+    from parley.engines.models import build_smol
 
     path = build_smol(out_dir, wheel_dir=wheel_dir)
     typer.echo(str(path))

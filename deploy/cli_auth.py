@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_async_main, setup_logging
+from parley.deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_async_main, setup_logging
 
 
 def register(app: typer.Typer) -> None:
@@ -38,8 +38,8 @@ def credentials_cmd(
     sets: SetOpt = None,
 ) -> None:
     """A fresh user and password per role; the services' reply window covers the config's request timeouts."""
-    from deploy.credentials import generate_credentials
-    from deploy.permissions import response_window_s
+    from parley.deploy.credentials import generate_credentials
+    from parley.deploy.permissions import response_window_s
 
     cfg = resolve(config, sets)
     creds = generate_credentials(run, out_dir, response_window=response_window_s(cfg))
@@ -66,9 +66,9 @@ async def _topology(stop, cfg, wait: float) -> int:
 
     from nats.js.errors import APIError
 
-    from protocol.connect import NatsUnreachable
-    from protocol.topology import TopologyError
-    from runtime.role import role_connection
+    from parley.protocol.connect import NatsUnreachable
+    from parley.protocol.topology import TopologyError
+    from parley.runtime.role import role_connection
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
@@ -91,7 +91,7 @@ async def _topology(stop, cfg, wait: float) -> int:
 def permissions_cmd(
     run: Annotated[str, typer.Argument(help="Run name; \"*\" gives the permissions of users valid for every run.")],
 ) -> None:
-    from deploy.permissions import role_permissions
+    from parley.deploy.permissions import role_permissions
 
     typer.echo(json.dumps(role_permissions(run), indent=2))
 
@@ -100,6 +100,6 @@ def k8s_secret_cmd(
     auth_dir: Annotated[Path, typer.Argument(help="A directory written by `parley auth credentials`.")],
     name: Annotated[Optional[str], typer.Option("--name", help="The Secret's name (default: the one deploy/k8s/*.yaml read).")] = None,
 ) -> None:
-    from deploy.credentials import K8S_SECRET, k8s_secret
+    from parley.deploy.credentials import K8S_SECRET, k8s_secret
 
     typer.echo(k8s_secret(auth_dir, name or K8S_SECRET), nl=False)

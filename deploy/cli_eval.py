@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_async_main, setup_logging
+from parley.deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_async_main, setup_logging
 
 data_app = typer.Typer(help="Dataset tools: leakage checks between training and eval data.", no_args_is_help=True)
 
@@ -34,8 +34,8 @@ def data_check_cmd(
     train: Annotated[str, typer.Option("--train", help="Training data: 'bundled' or a CollabLLM .parquet/.jsonl file.")] = "bundled",
 ) -> None:
     """Exit 1 when the files share reference targets (label leakage); shared prompts alone are reported."""
-    from tasks.data import find_overlap, load_items
-    from evaluation.leakage import describe
+    from parley.tasks.data import find_overlap, load_items
+    from parley.evaluation.leakage import describe
 
     try:
         train_items, eval_items = load_items(train), load_items(eval_)
@@ -61,7 +61,7 @@ def select_cmd(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (reads RUN_DIR/eval; see docs/benchmark.md).")],
     metric: MetricOpt = None,
 ) -> None:
-    from evaluation.selection import SelectionError, check_metric, run_environment, select_best
+    from parley.evaluation.selection import SelectionError, check_metric, run_environment, select_best
 
     try:
         env = run_environment(run_dir)
@@ -132,9 +132,9 @@ def replay_cmd(
     if stream not in (None, "eval", "scored"):
         _fail("replay", f"--stream {stream!r} not allowed; use eval or scored (TRAJ has no verdicts to reuse)")
     setup_logging("replay")
-    from evaluation.evallog import read_records
+    from parley.evaluation.evallog import read_records
 
-    from learner.checkpoint import archive_dir
+    from parley.learner.checkpoint import archive_dir
 
     records = []
     for path in logs or []:
@@ -144,7 +144,7 @@ def replay_cmd(
             records += read_records(path)
         except (FileNotFoundError, ValueError, TypeError) as e:
             _fail("replay", str(e))
-    from evaluation.commands import replay
+    from parley.evaluation.commands import replay
 
     run_async_main(replay, cfg, records, stream, judge, baseline, out, scoring)
 
@@ -184,7 +184,7 @@ def eval_cmd(
     with --services nats), and the table with paired statistics is printed and written."""
     import msgspec
 
-    from config.actor import SIM_PROMPTS
+    from parley.config.actor import SIM_PROMPTS
 
     cfg = resolve(config, sets, nats=nats, run=run)
     if services not in ("local", "nats", "fleet"):
@@ -203,8 +203,8 @@ def eval_cmd(
         _fail("eval", f"--user-sim-prompt {sim_prompt!r}: environment {env.name!r} plays a programmatic user; leave it out")
     if sim_prompt and sim_prompt not in SIM_PROMPTS:
         _fail("eval", f"--user-sim-prompt {sim_prompt!r} not allowed; use one of {', '.join(SIM_PROMPTS)}")
-    from evaluation.runner import EvalSettings, eval_items, parse_condition
-    from evaluation.leakage import LeakageError, guard_environment
+    from parley.evaluation.runner import EvalSettings, eval_items, parse_condition
+    from parley.evaluation.leakage import LeakageError, guard_environment
 
     out = out or cfg.run_dir / ("eval" if follow else "benchmark")
     try:
@@ -228,11 +228,11 @@ def eval_cmd(
         _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
     setup_logging("eval")
     if follow:
-        from evaluation.commands import follow as follow_versions
+        from parley.evaluation.commands import follow as follow_versions
 
         run_async_main(follow_versions, cfg, held, settings, env)
         return
-    from evaluation.commands import run_eval
+    from parley.evaluation.commands import run_eval
 
     run_async_main(run_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out, policy_version, env,
                    _in_process(cfg))
@@ -241,15 +241,15 @@ def eval_cmd(
 def _in_process(cfg):
     """The simulator and judge `--services local` runs in this process: the roles' own classes, built
     here (evaluation/ imports no role) and only when a local engine is opened for them."""
-    from evaluation.commands import InProcess
+    from parley.evaluation.commands import InProcess
 
     def simulator(backend):
-        from actors.sim import Simulator
+        from parley.actors.sim import Simulator
 
         return Simulator(backend, cfg.sim)
 
     def judge(backend):
-        from scorer.judge import Judge
+        from parley.scorer.judge import Judge
 
         return Judge(backend, cfg.judge)
 

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
+from parley.deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
                            run_main, setup_logging, start_metrics)
 
 
@@ -55,7 +55,7 @@ def learner_cmd(
     setup_logging(f"learner{rank or ''}")
     if rank == 0:  # the other ranks send no heartbeats: rank 0 speaks for the learner
         start_metrics(metrics_port, metrics_host, "learner")
-    from learner.service import run as learner_run
+    from parley.learner.service import run as learner_run
 
     run_main(learner_run, cfg, resume, rank)
 
@@ -69,7 +69,7 @@ def export_cmd(
 ) -> None:
     """Copy or consolidate version V into OUT with the base model's tokenizer, ready for vLLM or transformers."""
     setup_logging("export")
-    from learner.checkpoint import export_version
+    from parley.learner.checkpoint import export_version
 
     try:
         path = export_version(run_dir, version, out, merge=merge)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
+from parley.deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
                            run_main, setup_logging, start_metrics)
 
 IdOpt = Annotated[Optional[str], typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<host>-<pid>).")]
@@ -36,7 +36,7 @@ def judge_cmd(
     metrics_host: MetricsHostOpt = "0.0.0.0",
 ) -> None:
     """Serve the judge on parley.svc.judge.{extract,interactivity} until Ctrl-C / SIGTERM."""
-    _launch("judge", "scorer.judge", concurrency, config, sets, nats, run, dry, ident, metrics_port, metrics_host)
+    _launch("judge", "parley.scorer.judge", concurrency, config, sets, nats, run, dry, ident, metrics_port, metrics_host)
 
 
 def scorer_cmd(
@@ -51,7 +51,7 @@ def scorer_cmd(
     metrics_host: MetricsHostOpt = "0.0.0.0",
 ) -> None:
     """Pull trajectories of the run, score them through the judge service, publish Scored."""
-    _launch("scorer", "scorer.scorer", concurrency, config, sets, nats, run, dry, ident, metrics_port, metrics_host)
+    _launch("scorer", "parley.scorer.scorer", concurrency, config, sets, nats, run, dry, ident, metrics_port, metrics_host)
 
 
 def _launch(role: str, module: str, concurrency, config, sets, nats, run, dry: bool, ident, metrics_port=None,

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
+from parley.deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
                            run_async_main, run_main, setup_logging, start_metrics)
 
 
@@ -20,8 +20,8 @@ def register(app: typer.Typer) -> None:
     app.command("services", help="User simulator and judge in one process sharing one local engine.")(services_cmd)
     app.command("reference", help="Reference service: the frozen initial policy's per-token log-probs "
                 "([policy] reference = \"service\").")(reference_cmd)
-    for module in ("deploy.cli_actor", "deploy.cli_scorer", "deploy.cli_eval", "deploy.cli_learner", "deploy.up_cli",
-                   "deploy.cli_auth"):
+    for module in ("parley.deploy.cli_actor", "parley.deploy.cli_scorer", "parley.deploy.cli_eval", "parley.deploy.cli_learner", "parley.deploy.up_cli",
+                   "parley.deploy.cli_auth"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as e:
@@ -47,7 +47,7 @@ def services_cmd(
     cfg = resolve(config, sets, nats=nats, run=run)
     if dry:
         dry_run(cfg)
-    from deploy.services import check_shareable, run
+    from parley.deploy.services import check_shareable, run
 
     try:
         check_shareable(cfg)
@@ -75,7 +75,7 @@ def reference_cmd(
     cfg = resolve(config, sets, nats=nats, run=run)
     if dry:
         dry_run(cfg)
-    from deploy.reference import run
+    from parley.deploy.reference import run
 
     setup_logging(ident or "reference")
     start_metrics(metrics_port, metrics_host, "reference")
@@ -93,7 +93,7 @@ def nats_cmd(
     import signal
     import threading
 
-    from deploy.natsserver import NatsServer
+    from parley.deploy.natsserver import NatsServer
 
     # Handlers first: a SIGTERM right after the URL is printed must still stop the server cleanly.
     done = threading.Event()
@@ -128,8 +128,8 @@ def selfcheck_cmd(
     cfg = resolve(config, sets, nats=nats, run=run or "selfcheck")
     server = store = None
     if embedded:
-        from deploy.natsserver import NatsServer
-        from runtime.scratch import scratch_dir
+        from parley.deploy.natsserver import NatsServer
+        from parley.runtime.scratch import scratch_dir
 
         store = scratch_dir("selfcheck")
         server = NatsServer(str(store), port=0)
@@ -145,9 +145,9 @@ def selfcheck_cmd(
 
 
 async def _selfcheck(stop, cfg) -> int:
-    from protocol import codec, examples, topology
-    from protocol.bus import publish
-    from runtime.role import role_connection
+    from parley.protocol import codec, examples, topology
+    from parley.protocol.bus import publish
+    from parley.runtime.role import role_connection
 
     failures = 0
     async with role_connection(cfg.nats, name="parley-selfcheck") as (nc, js):

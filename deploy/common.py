@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from runtime.process import setup_logging  # noqa: F401  (re-exported for the commands)
+from parley.runtime.process import setup_logging  # noqa: F401  (re-exported for the commands)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config TOML (default: the embedded default).")]
 SetOpt = Annotated[
@@ -34,7 +34,7 @@ def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = N
             extra: list[str] | None = None, training: bool = False):
     """Load and validate the run config with CLI overrides; exits with a one-line error on bad input.
     training: also the checks of a run that trains (config.run.check_training)."""
-    from config.run import ConfigError, check_training, load_config
+    from parley.config.run import ConfigError, check_training, load_config
 
     overrides = list(sets or [])
     if nats:
@@ -54,7 +54,7 @@ def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = N
 
 def dry_run(cfg, notes: str = "") -> None:
     """Print the resolved configuration, then `notes` as TOML comments (the output stays a config file)."""
-    from config.run import dump_config
+    from parley.config.run import dump_config
 
     typer.echo(dump_config(cfg) + "".join(f"\n# {line}" for line in notes.splitlines()))
     raise typer.Exit(0)
@@ -64,7 +64,7 @@ def start_metrics(port: int | None, host: str, who: str) -> None:
     """Serve the process's metrics (runtime.metrics) when `port` is given; prints where."""
     if port is None:
         return
-    from runtime.metrics import serve
+    from parley.runtime.metrics import serve
 
     try:
         bound = serve(port, host)
@@ -84,6 +84,6 @@ def run_main(entry, *args) -> None:
 
 def run_async_main(main, *args) -> None:
     """A command of deploy/'s own that is an async `main(stop, *args)`: run it like a role's entry."""
-    from runtime.process import run_async
+    from parley.runtime.process import run_async
 
     run_main(run_async, main, *args)

@@ -11,9 +11,9 @@ import os
 import secrets
 from pathlib import Path
 
-from deploy.natsserver import write_private
-from deploy.permissions import ROLES, response_window_s, role_permissions, user_name
-from protocol import topology
+from parley.deploy.natsserver import write_private
+from parley.deploy.permissions import ROLES, response_window_s, role_permissions, user_name
+from parley.protocol import topology
 
 def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None, *,
                      response_window: float | None = None) -> str:

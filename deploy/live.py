@@ -13,9 +13,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from protocol import codec, topology
-from protocol.backlog import WARN_SHARE, unconsumed_share, warning
-from protocol.messages import Heartbeat
+from parley.protocol import codec, topology
+from parley.protocol.backlog import WARN_SHARE, unconsumed_share, warning
+from parley.protocol.messages import Heartbeat
 
 STALE_AFTER_S = 10.0  # a role silent this long is shown as "lost"
 

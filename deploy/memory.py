@@ -15,12 +15,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.run import RunConfig
-from deploy.services import service_children, shared_engine
-from engines.config import EngineConfig
-from engines.models import MODEL_SHAPES
-from weights import registry
-from weights.cuda_ipc import ALIGN
+from parley.config.run import RunConfig
+from parley.deploy.services import service_children, shared_engine
+from parley.engines.config import EngineConfig
+from parley.engines.models import MODEL_SHAPES
+from parley.weights import registry
+from parley.weights.cuda_ipc import ALIGN
 
 GIB = 1024**3
 HEADROOM = 0.05  # of the GPU kept free: allocator fragmentation, and the plan's own error

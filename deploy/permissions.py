@@ -6,8 +6,8 @@ prints them (docs/operations.md).
 
 from __future__ import annotations
 
-from protocol import topology
-from protocol.connect import inbox_prefix
+from parley.protocol import topology
+from parley.protocol.connect import inbox_prefix
 
 ROLES = ("actor", "scorer", "learner", "sim", "judge", "services", "reference", "eval", "admin")
 # `services` is one process serving both sim and judge (what `parley up` starts when they share a model).
@@ -241,7 +241,7 @@ def response_window_s(cfg=None) -> float:
     `cfg` (a RunConfig; None = the defaults) gives a requester, plus RESPONSE_SLACK_S. nats-server's own
     default is 2 minutes, shorter than the default timeouts: later replies were refused."""
     if cfg is None:
-        from config.run import RunConfig
+        from parley.config.run import RunConfig
 
         cfg = RunConfig()
     # The actor's and the eval's simulator requests, the scorer's, replay's and the eval's judge requests,

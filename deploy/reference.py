@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from config.run import RunConfig
+from parley.config.run import RunConfig
 
 log = logging.getLogger("parley.reference")
 
 
 async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
-    from engines.models import ensure_model
-    from engines.reference import ReferenceModel, reference_service
-    from engines.service import serve_backend
+    from parley.engines.models import ensure_model
+    from parley.engines.reference import ReferenceModel, reference_service
+    from parley.engines.service import serve_backend
 
     lc, model = cfg.learner, cfg.policy.model
 
@@ -36,6 +36,6 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
 
 def run(cfg: RunConfig, ident: str) -> int:
     """`parley reference`'s entry: serve until SIGINT/SIGTERM; returns the exit code."""
-    from runtime.process import run_async
+    from parley.runtime.process import run_async
 
     return run_async(main, cfg, ident)

@@ -73,7 +73,7 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
     }
     written.append(_line_chart({k: v for k, v in optim.items() if v}, out_dir / "kl.png",
                                title=f"KL and optimisation — {name}", xlabel="step"))
-    from evaluation.selection import load_versions, run_environment
+    from parley.evaluation.selection import load_versions, run_environment
 
     env = run_environment(run_dir)  # the environment the run's evals were played in: its table columns
     evals = load_versions(run_dir, env)  # RUN_DIR/eval/v<N>/records.parquet and summary.jsonl
@@ -89,7 +89,7 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
 def gpu_timeline(run_dir: Path, rows: list[dict], path: Path, *, title: str) -> Path | None:
     """Utilization (top) and memory by role (bottom) against seconds since the first sample, with a
     dotted line at each step's end (metrics' ended_at); None when the run has no GPU samples."""
-    from deploy.gpu_samples import read_samples
+    from parley.deploy.gpu_samples import read_samples
 
     samples, by_role = read_samples(run_dir)
     if not samples:

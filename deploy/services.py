@@ -52,9 +52,9 @@ def service_children(cfg) -> list[str]:
 
 
 async def main(stop: asyncio.Event, cfg, ident: str) -> int:
-    from actors.sim import Simulator
-    from engines.service import serve_backend
-    from scorer.judge import Judge, judge_service
+    from parley.actors.sim import Simulator
+    from parley.engines.service import serve_backend
+    from parley.scorer.judge import Judge, judge_service
 
     _, engine_cfg = shared_engine(cfg)
     backend_cfg = type(cfg.sim)(**{**{f: getattr(cfg.sim, f) for f in cfg.sim.__struct_fields__}, "engine": engine_cfg})
@@ -70,6 +70,6 @@ async def main(stop: asyncio.Event, cfg, ident: str) -> int:
 
 
 def run(cfg, ident: str) -> int:
-    from runtime.process import run_async
+    from parley.runtime.process import run_async
 
     return run_async(main, cfg, ident)

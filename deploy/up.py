@@ -18,11 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from config.run import RunConfig, dump_config
-from deploy.services import service_children
-from engines.engine import CPU_ENGINES_ENV
-from protocol.backlog import WARN_SHARE
-from runtime.supervisor import Supervisor
+from parley.config.run import RunConfig, dump_config
+from parley.deploy.services import service_children
+from parley.engines.engine import CPU_ENGINES_ENV
+from parley.protocol.backlog import WARN_SHARE
+from parley.runtime.supervisor import Supervisor
 
 log = logging.getLogger("parley.up")
 READY_STATES = ("ready", "busy")
@@ -59,7 +59,7 @@ def cpu_engines(cfg: RunConfig, children: list[tuple[str, list[str]]]) -> int:
 def prepare_models(cfg: RunConfig) -> None:
     """Build the embedded models once, before children race for them (the simulator's and the
     judge's only if the environment starts those services)."""
-    from engines.models import ensure_model
+    from parley.engines.models import ensure_model
 
     env = cfg.env.load()
     names = {cfg.actor.engine.model, cfg.policy.model}
@@ -72,12 +72,12 @@ def prepare_models(cfg: RunConfig) -> None:
 
 
 async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
-    from deploy.credentials import generate_credentials, server_auth_conf
-    from deploy.permissions import response_window_s
-    from deploy.live import RunWatcher, render, watch
-    from deploy.natsserver import NatsServer
-    from protocol import topology
-    from runtime.role import connect_nats
+    from parley.deploy.credentials import generate_credentials, server_auth_conf
+    from parley.deploy.permissions import response_window_s
+    from parley.deploy.live import RunWatcher, render, watch
+    from parley.deploy.natsserver import NatsServer
+    from parley.protocol import topology
+    from parley.runtime.role import connect_nats
 
     run_dir = run_dir_for(cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -102,11 +102,11 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         f"# a role started by hand also needs its credentials: source {run_dir / 'auth'}/<role>.env\n"
     )
     sup = Supervisor(run_dir)
-    from deploy.mps import MpsDaemon, MpsError
+    from parley.deploy.mps import MpsDaemon, MpsError
 
     mps = MpsDaemon(run_dir) if cfg.up.gpu_share == "mps" else None  # started in the try below
-    from deploy.gpu_samples import GpuSampler
-    from deploy.memory import uses_gpu
+    from parley.deploy.gpu_samples import GpuSampler
+    from parley.deploy.memory import uses_gpu
 
     sampler = GpuSampler.start_if_gpu(uses_gpu(cfg), run_dir,
                                       lambda: {c.proc.pid: c.name for c in sup.children if c.proc is not None})
@@ -144,7 +144,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
             start(name, argv)
         pool = None
         if cfg.up.autoscale:
-            from deploy.autoscale import ActorPool, ScalePolicy
+            from parley.deploy.autoscale import ActorPool, ScalePolicy
 
             async def retire(name: str) -> None:
                 rc = await asyncio.to_thread(sup.retire, name)
@@ -207,7 +207,7 @@ def child_env(name: str, creds: dict[str, tuple[str, str]], engines: int,
     env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password, CPU_ENGINES_ENV: str(engines)}
     env |= mps_env or {}
     if role == "learner":
-        from evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
+        from parley.evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
 
         env |= {EVAL_USER_ENV: creds["eval"][0], EVAL_PASSWORD_ENV: creds["eval"][1]}
     return env
@@ -336,7 +336,7 @@ def _closing(cfg: RunConfig, run_dir: Path) -> int:
     """Summary of reward terms per step, the periodic eval's table and selection, the report PNGs."""
     print(summary_text(run_dir), flush=True)
     print(eval_text(cfg, run_dir), flush=True)
-    from deploy.report import write_report
+    from parley.deploy.report import write_report
 
     pngs = write_report(run_dir, run_dir / "report")
     for png in pngs:
@@ -353,8 +353,8 @@ def track_report(cfg: RunConfig, run_dir: Path, pngs: list[Path]) -> None:
     the "report" run of the run's W&B group, beside the learner's run."""
     import csv
 
-    from evaluation.periodic import eval_root
-    from runtime.tracking import open_tracker, wandb_mode
+    from parley.evaluation.periodic import eval_root
+    from parley.runtime.tracking import open_tracker, wandb_mode
 
     tracker = open_tracker(cfg.log, run_dir=run_dir, run_name=cfg.run.name, job_type="report")
     tracker.images({f"report/{p.stem}": p for p in pngs})
@@ -374,10 +374,10 @@ def track_report(cfg: RunConfig, run_dir: Path, pngs: list[Path]) -> None:
 def eval_text(cfg: RunConfig, run_dir: Path) -> str:
     """The evaluated versions side by side (paired against the first), which one `parley select` names
     by [learner] eval_metric, and why training stopped early if it did; written to RUN_DIR/eval/table.*."""
-    from evaluation.periodic import eval_root
-    from evaluation.benchmark import summarize, to_markdown, write_table
-    from evaluation.evallog import read_records
-    from evaluation.selection import SelectionError, select_best
+    from parley.evaluation.periodic import eval_root
+    from parley.evaluation.benchmark import summarize, to_markdown, write_table
+    from parley.evaluation.evallog import read_records
+    from parley.evaluation.selection import SelectionError, select_best
 
     lc = cfg.learner
     if lc.eval_every <= 0:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_async_main, setup_logging
+from parley.deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_async_main, setup_logging
 
 
 def register(app: typer.Typer) -> None:
@@ -65,7 +65,7 @@ def up_cmd(
     if plan:
         typer.echo(plan)
     setup_logging("up", "WARNING")
-    from deploy.up import up_main
+    from parley.deploy.up import up_main
 
     show_live = cfg.up.live and sys.stdout.isatty() if live is None else live
     run_async_main(up_main, cfg, show_live)
@@ -77,8 +77,8 @@ def check_gpu_share(cfg, dry: bool) -> str:
     Under --dry-run a missing binary is a note (the dry run may be on another machine than the run)."""
     if cfg.up.gpu_share != "mps":
         return ""
-    from deploy.memory import uses_gpu
-    from deploy.mps import BINARY, FIX, MpsError, binary
+    from parley.deploy.memory import uses_gpu
+    from parley.deploy.mps import BINARY, FIX, MpsError, binary
 
     if not uses_gpu(cfg):
         typer.echo(f'parley up: [up] gpu_share = "mps", but this config puts nothing on a GPU; {FIX}', err=True)
@@ -97,7 +97,7 @@ def check_memory(cfg, dry: bool) -> str:
     """The GPU memory plan (deploy/memory.py) as text, made before anything starts; "" for a config
     that puts nothing on a GPU. A run that does not fit is refused here (exit code 2), under --dry-run
     too; a plan that cannot be made refuses the run, and only says so under --dry-run."""
-    from deploy.memory import PlanError, make_plan
+    from parley.deploy.memory import PlanError, make_plan
 
     try:
         plan = make_plan(cfg)
@@ -121,7 +121,7 @@ def env_preset(name: str) -> tuple[str, ...]:
     (environments.base.Environment.preset); an unknown or unimportable environment is a one-line error.
     One that cannot be built without options (they come with --set env.options=...) has no preset here:
     the config's own load then builds it with the options given, and reports what is wrong."""
-    from environments import registry
+    from parley.environments import registry
 
     try:
         return tuple(registry.load(name).preset)
@@ -137,8 +137,8 @@ def top_cmd(nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, 
     setup_logging("top", "WARNING")
 
     async def main(stop, cfg):
-        from deploy.live import watch
-        from runtime.role import role_connection
+        from parley.deploy.live import watch
+        from parley.runtime.role import role_connection
 
         async with role_connection(cfg.nats, name="parley-top") as (nc, _):
             await watch(nc, cfg.run.name, stop)
@@ -151,7 +151,7 @@ def report_cmd(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `parley up` or `parley learner`.")],
     out: Annotated[Optional[Path], typer.Option("--out", help="Where to write the PNGs (default RUN_DIR/report).")] = None,
 ) -> None:
-    from deploy.report import write_report
+    from parley.deploy.report import write_report
 
     try:
         files = write_report(run_dir, out or run_dir / "report")

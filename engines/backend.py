@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from engines.config import EngineConfig, ServiceBackend
+from parley.engines.config import EngineConfig, ServiceBackend
 
 log = logging.getLogger("parley.backend")
 
@@ -59,7 +59,7 @@ class Backend(Protocol):
 def engine_settings(cfg: EngineConfig, model_path: str | Path, sampled_logprobs: bool = False):
     """The PolicyEngine settings of an [*.engine] section, for an already resolved checkpoint dir.
     sampled_logprobs: the policy's convention (engines.engine's docstring); services keep raw ones."""
-    from engines.engine import EngineSettings
+    from parley.engines.engine import EngineSettings
 
     use_fraction = cfg.gpu_memory_utilization > 0
     return EngineSettings(
@@ -99,8 +99,8 @@ def open_engine(cfg: EngineConfig, version: int = 0, sampled_logprobs: bool = Fa
 
     Returns (PolicyEngine, tokenizer, model_path). Blocks for tens of seconds on CPU.
     """
-    from engines.engine import PolicyEngine
-    from engines.models import ensure_model
+    from parley.engines.engine import PolicyEngine
+    from parley.engines.models import ensure_model
 
     path = ensure_model(cfg.model)
     tokenizer = chat_tokenizer(cfg.model, path)

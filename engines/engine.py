@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from engines.worker import REFUSED, STAGED_ADAPTER_PATH
+from parley.engines.worker import REFUSED, STAGED_ADAPTER_PATH
 
 MiB = 1 << 20
 
@@ -45,7 +45,7 @@ def engine_socket_dir(environ=os.environ) -> str | None:
     the directory's name would leave a socket's path over the 107 bytes a Unix socket allows (a long
     host name). A parent's directory, inherited through the environment, is replaced by one of this
     process. vLLM's own engine-core processes inherit this process's (they are started after it is set)."""
-    from runtime.scratch import owner, scratch_dir
+    from parley.runtime.scratch import owner, scratch_dir
 
     current = environ.get(RPC_DIR_ENV)
     mine = owner(current, "vllm") if current else None
@@ -129,7 +129,7 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         logprobs_mode="processed_logprobs" if settings.sampled_logprobs else "raw_logprobs",
         disable_log_stats=True,
         # adds parley_reload_weights to vLLM's workers (resolved by name in the workers)
-        worker_extension_cls="engines.worker.WorkerExtension",
+        worker_extension_cls="parley.engines.worker.WorkerExtension",
     )
     if settings.kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_bytes)
@@ -370,7 +370,7 @@ class PolicyEngine:
         a mismatch, for good) or a failure that passes (WeightUnavailable: it did not open, the receive
         broke or timed out, out of memory) leaves the served weights intact. hold_s bounds the whole wait (the learner holds the buffer
         that long); past it a TimeoutError says so."""
-        from weights.common import WeightUnavailable, WeightVerifyError
+        from parley.weights.common import WeightUnavailable, WeightVerifyError
 
         async with self._reload_lock:
             await self._prepare_gpu_load()
@@ -406,7 +406,7 @@ class PolicyEngine:
         each worker keeps a packed copy of it (the model's bytes on its device), checked against the
         table. None when kept (`packed_name` names it), else why not (logged by the caller; the next
         packed delta is not applied here, its full version is fetched)."""
-        from weights.cuda_ipc import table_digest
+        from parley.weights.cuda_ipc import table_digest
 
         self.packed_name = None
         async with self._reload_lock:
@@ -417,7 +417,7 @@ class PolicyEngine:
         if bad:
             await self.drop_packed()
             return bad[0]
-        from protocol import codec
+        from parley.protocol import codec
 
         self.packed_name = table_digest(codec.decode("weights", announcement).packed)
         return None
@@ -429,9 +429,9 @@ class PolicyEngine:
         does not hold raises WeightUnavailable (fetch the full version), a malformed or mismatching
         one WeightVerifyError; neither changed what is served. A load that fails after that raises
         (the weights may be mixed: the caller restores them, restore_packed)."""
-        from protocol import codec
-        from weights.common import WeightUnavailable, WeightVerifyError
-        from weights.cuda_ipc import table_digest
+        from parley.protocol import codec
+        from parley.weights.common import WeightUnavailable, WeightVerifyError
+        from parley.weights.cuda_ipc import table_digest
 
         async with self._reload_lock:
             reasons = await self._llm.collective_rpc(
@@ -498,7 +498,7 @@ class PolicyEngine:
         peft config) through the same in-memory path as load_adapter_gpu, without a GPU buffer or a file."""
         from safetensors.torch import save
 
-        from weights.lora import config_json
+        from parley.weights.lora import config_json
 
         blob = save({k: v.contiguous() for k, v in tensors.items()})
         await self._stage_adapter(version, None, tensors=blob, config=config_json(adapter_config))
@@ -508,7 +508,7 @@ class PolicyEngine:
         (WorkerExtension.parley_stage_adapter with lora_name), then make it the newest."""
         from vllm.lora.request import LoRARequest
 
-        from weights.common import WeightUnavailable, WeightVerifyError
+        from parley.weights.common import WeightUnavailable, WeightVerifyError
 
         await self._settled()
         lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1

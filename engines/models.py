@@ -165,7 +165,7 @@ def build_tiny(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if dataset_jsonl is None:
-        from tasks.data import bundled_path
+        from parley.tasks.data import bundled_path
 
         dataset_jsonl = bundled_path()
     if not Path(dataset_jsonl).is_file():

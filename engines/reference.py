@@ -18,8 +18,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from protocol import arrays, codec, topology
-from protocol.messages import ReferenceReply
+from parley.protocol import arrays, codec, topology
+from parley.protocol.messages import ReferenceReply
 
 log = logging.getLogger("parley.reference")
 
@@ -61,7 +61,7 @@ class ReferenceModel:
         """(T-1,) float32: the log-prob of tokens 1..T-1 of `ids` (T,), each given its prefix."""
         import torch
 
-        from engines.logprobs import sequence_logprobs
+        from parley.engines.logprobs import sequence_logprobs
 
         lp = sequence_logprobs(self.model, torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.device),
                                self.chunk)
@@ -126,7 +126,7 @@ def reference_service(nc, ref: ReferenceModel, *, name: str = "reference", concu
     """A Service (engines/service.py) answering its model's subject in the REFERENCE_QUEUE group.
     Forwards run one at a time (ReferenceModel's lock); a second slot decodes and checks the next
     request meanwhile. More replicas share the queue group."""
-    from engines.service import Service
+    from parley.engines.service import Service
 
     counters: Counter = Counter()
     return Service(nc, reference_routes(ref, counters), queue=topology.REFERENCE_QUEUE, concurrency=concurrency,

@@ -44,11 +44,11 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
-from protocol import status
-from protocol.connect import barrier
-from protocol.messages import Heartbeat
-from protocol.request import is_resend, request_id, send_id, wait_and_id, withdrawal
-from protocol.topology import withdraw_subject
+from parley.protocol import status
+from parley.protocol.connect import barrier
+from parley.protocol.messages import Heartbeat
+from parley.protocol.request import is_resend, request_id, send_id, wait_and_id, withdrawal
+from parley.protocol.topology import withdraw_subject
 
 log = logging.getLogger("parley.service")
 
@@ -433,8 +433,8 @@ async def serve_backend(stop: asyncio.Event, cfg, *, ident: str, roles: list[tup
     close the backend. The backend is make_backend(backend_cfg), or `make()` for one that is not an
     LLM engine (the reference model). One service failing (its engine died) stops the others and
     is raised: the process exits non-zero. A BadServiceConfig from `build` is logged and gives exit code 2."""
-    from engines.backend import make_backend
-    from runtime.role import role_connection
+    from parley.engines.backend import make_backend
+    from parley.runtime.role import role_connection
 
     hello = [Heartbeat(role=role, id=rid, state="starting") for role, rid in roles]
     async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, hello=hello) as (nc, _):

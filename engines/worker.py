@@ -32,7 +32,7 @@ class WorkerExtension:
         import torch
 
         if torch.cuda.is_available():
-            from weights.cuda_ipc import prepare_checksums
+            from parley.weights.cuda_ipc import prepare_checksums
 
             _worker_log.info("parley: GPU weight checksums by %s",
                              prepare_checksums(torch.device("cuda", torch.cuda.current_device())))
@@ -50,8 +50,8 @@ class WorkerExtension:
         (UNAVAILABLE or REFUSED, why) as parley_load_gpu does; nothing served changes then."""
         import json
 
-        from protocol import codec
-        from weights.common import WeightUnavailable
+        from parley.protocol import codec
+        from parley.weights.common import WeightUnavailable
 
         t0 = time.perf_counter()
         state: dict = {}
@@ -110,8 +110,8 @@ class WorkerExtension:
         transport's `loaded` says so: the served weights may be mixed, the actor restores them)."""
         import torch
 
-        from protocol import codec
-        from weights.common import WeightUnavailable
+        from parley.protocol import codec
+        from parley.weights.common import WeightUnavailable
 
         t_start = time.perf_counter()
         wv = codec.decode("weights", announcement)
@@ -180,9 +180,9 @@ class WorkerExtension:
         import torch
         from safetensors.torch import load_file
 
-        from protocol import codec
-        from weights.common import WeightVerifyError
-        from weights.gpu_delta import Mirror
+        from parley.protocol import codec
+        from parley.weights.common import WeightVerifyError
+        from parley.weights.gpu_delta import Mirror
 
         wv = codec.decode("weights", announcement)
         if not hasattr(self, "_parley_mirror"):
@@ -207,8 +207,8 @@ class WorkerExtension:
         again)."""
         from pathlib import Path
 
-        from protocol import codec
-        from weights.common import WeightVerifyError
+        from parley.protocol import codec
+        from parley.weights.common import WeightVerifyError
 
         wv = codec.decode("weights", announcement)
         mirror = getattr(self, "_parley_mirror", None)
@@ -256,7 +256,7 @@ class WorkerExtension:
 
 def _gpu_transport(wv):
     """The GPU transport that announced `wv`, or None when it names none or carries no GPU source."""
-    from weights import registry
+    from parley.weights import registry
 
     transport = registry.get(wv.transport)
     return transport if transport is not None and transport.gpu and transport.source(wv) is not None else None

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from protocol.messages import ChatMessage, JudgeReply, SimReply, SimRequest, Task
+from parley.protocol.messages import ChatMessage, JudgeReply, SimReply, SimRequest, Task
 
 
 class Finished(Protocol):

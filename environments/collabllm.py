@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from environments.base import (
+from parley.environments.base import (
     Environment,
     EvalProtocol,
     Finished,
@@ -17,9 +17,9 @@ from environments.base import (
     SimulatorUser,
     TaskSource,
 )
-from protocol.messages import JudgeReply, Task
-from rewards.extract import EXTRACTORS, last_document
-from rewards.metrics import (
+from parley.protocol.messages import JudgeReply, Task
+from parley.rewards.extract import EXTRACTORS, last_document
+from parley.rewards.metrics import (
     BLEU_VARIANTS,
     INTERACTIVITY_SCALES,
     interactivity_from_3level,
@@ -27,8 +27,8 @@ from rewards.metrics import (
     interactivity_from_levels,
     token_amount,
 )
-from rewards.reward import default_weights, mr
-from tasks.data import SIM_PROMPT, Item, load_items, split_items, task_from_item, train_eval_items
+from parley.rewards.reward import default_weights, mr
+from parley.tasks.data import SIM_PROMPT, Item, load_items, split_items, task_from_item, train_eval_items
 
 NAME = "collabllm_medium"
 

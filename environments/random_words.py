@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from environments.base import (
+from parley.environments.base import (
     Environment,
     EvalProtocol,
     Finished,
@@ -32,8 +32,8 @@ from environments.base import (
     UserTurn,
     split_by_key,
 )
-from protocol.messages import ChatMessage, Task
-from tasks.data import rollout_fields, system_prompt_text
+from parley.protocol.messages import ChatMessage, Task
+from parley.tasks.data import rollout_fields, system_prompt_text
 
 NAME = "random_words"
 # The user's words are "t0".."t151642": one token each of bench.common.random_qwen3's tokenizer (its

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from environments.base import Environment
+from parley.environments.base import Environment
 
 GROUP = "parley.environments"
 

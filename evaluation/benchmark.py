@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from environments.base import Environment
-from config.env import default_environment
-from protocol.messages import EvalRecord
+from parley.environments.base import Environment
+from parley.config.env import default_environment
+from parley.protocol.messages import EvalRecord
 
 # The columns of the reference table (CollabLLM medium's eval protocol), in its order. Values are per
 # item (records of one item in one condition are averaged first, e.g. several simulator seeds), then

@@ -35,12 +35,12 @@ class InProcess:
 async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None) -> int:
     """`parley replay` after its options: re-judge (`judge`) or re-weight the records (and those of the
     run's stored `stream`), print the table and write it to `out`. The exit code."""
-    from evaluation.benchmark import METRICS, summarize, to_markdown, write_table
-    from evaluation.evallog import as_records, read_stream, rejudge, reweight, stored_interactivity_scale, write_parquet
+    from parley.evaluation.benchmark import METRICS, summarize, to_markdown, write_table
+    from parley.evaluation.evallog import as_records, read_stream, rejudge, reweight, stored_interactivity_scale, write_parquet
 
     nc = None
     if stream or judge:
-        from runtime.role import connect_nats
+        from parley.runtime.role import connect_nats
 
         nc = await connect_nats(cfg.nats, name="parley-replay")
     try:
@@ -53,8 +53,8 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
         sc = cfg.scorer
         clamps = {k: (v[0], v[1]) for k, v in sc.clamps.items()}
         if judge:
-            from rollout.judge import JudgeClient, JudgeFailed, JudgeUnavailable
-            from rollout.score import Unscorable
+            from parley.rollout.judge import JudgeClient, JudgeFailed, JudgeUnavailable
+            from parley.rollout.score import Unscorable
 
             client = JudgeClient(nc, timeout=sc.judge_timeout_s, concurrency=sc.judge_concurrency)
             try:
@@ -101,23 +101,23 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
 
     import msgspec
 
-    from evaluation.evallog import write_parquet
-    from evaluation.fleet import FleetError
-    from evaluation.runner import EvalServices, NotScored, SwappingPolicies
-    from evaluation.runner import run_eval as play_conditions
-    from protocol.bus import Poison, Retry
-    from rollout.judge import LocalJudge
-    from rollout.sim import LocalSim
+    from parley.evaluation.evallog import write_parquet
+    from parley.evaluation.fleet import FleetError
+    from parley.evaluation.runner import EvalServices, NotScored, SwappingPolicies
+    from parley.evaluation.runner import run_eval as play_conditions
+    from parley.protocol.bus import Poison, Retry
+    from parley.rollout.judge import LocalJudge
+    from parley.rollout.sim import LocalSim
 
     env = env or cfg.env.load()
     nc = sim = judge = None
     closers = []
     if services in ("nats", "fleet"):
-        from rollout.sim import SimClient
-        from protocol import topology
-        from protocol.bus import publish
-        from rollout.judge import JudgeClient
-        from runtime.role import connect_nats
+        from parley.rollout.sim import SimClient
+        from parley.protocol import topology
+        from parley.protocol.bus import publish
+        from parley.rollout.judge import JudgeClient
+        from parley.runtime.role import connect_nats
 
         nc = await connect_nats(cfg.nats, name="parley-eval")
         js = nc.jetstream()
@@ -131,7 +131,7 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
         async def publish_record(rec):
             await publish(js, cfg.run.name, "eval", rec)
     else:
-        from engines.backend import LocalBackend, make_backend
+        from parley.engines.backend import LocalBackend, make_backend
 
         if in_process is None:
             raise ValueError("--services local needs the in-process simulator and judge builders (InProcess)")
@@ -153,7 +153,7 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
         publish_record = None
 
     def start_engine(model: str):
-        from engines.backend import open_engine
+        from parley.engines.backend import open_engine
 
         # The policy engine takes the actor's engine settings with the condition's model or checkpoint.
         engine, tokenizer, _ = open_engine(msgspec.structs.replace(cfg.actor.engine, model=model))
@@ -214,9 +214,9 @@ def report(records, missing, expected: int, baseline: str, out, env=None) -> int
     """Write the records, the per-conversation report of what was not scored, and the table of what was.
     Exit 0 with a table (some conversations may be unscored, each named); 3 when nothing was scored:
     no table then, and no traceback, only the reasons."""
-    from evaluation.benchmark import summarize, to_markdown, write_table
-    from evaluation.evallog import write_parquet
-    from evaluation.runner import write_unscored
+    from parley.evaluation.benchmark import summarize, to_markdown, write_table
+    from parley.evaluation.evallog import write_parquet
+    from parley.evaluation.runner import write_unscored
 
     out = Path(out)
     path = write_parquet(records, out / "records.parquet") if records else None
@@ -246,9 +246,9 @@ async def fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, o
     """--services fleet: one condition after another, each through its own actor and scorer."""
     import logging
 
-    from runtime.toml import to_toml
-    from evaluation.fleet import FleetSettings, play_condition_fleet
-    from evaluation.runner import NotScored, make_tasks
+    from parley.runtime.toml import to_toml
+    from parley.evaluation.fleet import FleetSettings, play_condition_fleet
+    from parley.evaluation.runner import NotScored, make_tasks
 
     import msgspec
 
@@ -308,9 +308,9 @@ class FollowingPolicy:
 
         import msgspec
 
-        from engines.backend import open_engine
-        from engines.models import ensure_model
-        from evaluation.runner import Policy
+        from parley.engines.backend import open_engine
+        from parley.engines.models import ensure_model
+        from parley.evaluation.runner import Policy
 
         if self.engine is None:
             self.engine, self.tokenizer, _ = open_engine(msgspec.structs.replace(self.cfg.actor.engine, model=model))
@@ -343,7 +343,7 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     import asyncio
     import json
 
-    from evaluation.runner import Condition
+    from parley.evaluation.runner import Condition
 
     env = env or cfg.env.load()
     policy = FollowingPolicy(cfg)

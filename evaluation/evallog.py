@@ -12,10 +12,10 @@ from pathlib import Path
 import msgspec
 import msgspec.inspect as mi
 
-from environments.base import Environment, PureMetric
-from protocol.messages import ABANDONED_STALE, EvalRecord, JudgeReply, Scored
-from rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
-from rewards.reward import total_reward
+from parley.environments.base import Environment, PureMetric
+from parley.protocol.messages import ABANDONED_STALE, EvalRecord, JudgeReply, Scored
+from parley.rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
+from parley.rewards.reward import total_reward
 
 # Which Struct a Parquet file holds, in the file's schema metadata, so a reader never guesses.
 _TYPE_KEY = b"parley.type"
@@ -195,7 +195,7 @@ async def read_stream(js, run: str, key: str) -> list:
     """Every message stored on a run's channel ("eval" or "scored"), decoded, in stream order."""
     from nats.js.errors import NotFoundError
 
-    from protocol import codec, topology
+    from parley.protocol import codec, topology
 
     if key not in ("eval", "scored"):
         raise ValueError(f"replay reads the 'eval' or 'scored' stream, not {key!r}")
@@ -234,7 +234,7 @@ def reweight(
     `interactivity` named, it must be on that scale, another scale needs the judge). "reward" = the
     weighted total."""
     if env is None:
-        from config.env import default_with
+        from parley.config.env import default_with
 
         if bleu_variant not in BLEU_VARIANTS:
             raise ValueError(f"bleu_variant={bleu_variant!r} not allowed; use one of {sorted(BLEU_VARIANTS)}")
@@ -280,8 +280,8 @@ async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]
     clamps and BLEU variant of `cfg` (a ScorerConfig); nothing is generated. "reward" = the weighted total."""
     import asyncio
 
-    from protocol.messages import Trajectory
-    from rollout.score import score_trajectory
+    from parley.protocol.messages import Trajectory
+    from parley.rollout.score import score_trajectory
 
     async def one(rec: EvalRecord) -> EvalRecord:
         # Only the conversation, reference, seed and token count matter to the judge and the metrics.

@@ -6,7 +6,7 @@ deleted afterwards): the eval publishes the condition's tasks to that run's TASK
 publishes trajectories, a `parley scorer` judges them through the `parley judge` service and
 publishes Scored, and the eval takes the Scored messages (as the learner would) and turns each into
 an EvalRecord. A trajectory the scorer dead-letters (the judge failed) becomes an unscored record; a
-task the actor dead-letters is reported as lost. The tasks are `evaluation.runner.make_tasks`' (one per
+task the actor dead-letters is reported as lost. The tasks are `parley.evaluation.runner.make_tasks`' (one per
 item and seed, the same ids in every condition's run), so every condition meets the same simulator
 seeds, exactly as in the in-process modes.
 """
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import msgspec
 
-from protocol import dead, topology
-from protocol.messages import EvalRecord, Scored, Task, Trajectory
-from evaluation.runner import Condition
+from parley.protocol import dead, topology
+from parley.protocol.messages import EvalRecord, Scored, Task, Trajectory
+from parley.evaluation.runner import Condition
 
 log = logging.getLogger("parley.eval.fleet")
 
@@ -89,8 +89,8 @@ async def play_condition_fleet(
 ) -> tuple[list[EvalRecord], list[str]]:
     """Play `tasks` with `cond` through an actor and a scorer on the condition's own run.
     Returns (records in task order, ids of tasks lost to a dead-lettered task)."""
-    from runtime.supervisor import Supervisor
-    from protocol.bus import PullWorker, publish
+    from parley.runtime.supervisor import Supervisor
+    from parley.protocol.bus import PullWorker, publish
 
     run = condition_run(cfg.run.name, cond.name)
     await delete_run(js, run)  # a fresh run: nothing left over from an earlier eval of this condition

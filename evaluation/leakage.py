@@ -12,9 +12,9 @@ import logging
 import time
 from pathlib import Path
 
-from environments.base import TaskSource
-from environments.base import find_overlap as find_environment_overlap
-from tasks.data import Item, Overlap, find_overlap
+from parley.environments.base import TaskSource
+from parley.environments.base import find_overlap as find_environment_overlap
+from parley.tasks.data import Item, Overlap, find_overlap
 
 log = logging.getLogger("parley.leakage")
 

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evaluation.runner import read_unscored
+from parley.evaluation.runner import read_unscored
 
 log = logging.getLogger("parley.learner.eval")
 
@@ -72,7 +72,7 @@ def eval_argv(cfg, config_path: Path, out: Path) -> list[str]:
     lc = cfg.learner
     sim_prompt = ["--user-sim-prompt", cfg.rollout.sim_prompt] if cfg.rollout.sim_prompt else []
     return [
-        sys.executable, "-m", "deploy.cli", "eval", "--config", str(config_path), "--services", "nats", "--follow",
+        sys.executable, "-m", "parley.deploy.cli", "eval", "--config", str(config_path), "--services", "nats", "--follow",
         "--n-items", str(lc.eval_items), "--assistant-max-tokens", str(cfg.rollout.max_tokens),
         "--max-new-turns", str(cfg.rollout.max_new_turns), *sim_prompt, "--out", str(out),
     ]
@@ -124,7 +124,7 @@ class FollowingChild:
         log.info("eval: started its child (pid %d): %s", self.proc.pid, " ".join(self.argv[2:]))
 
     async def _read(self, proc) -> None:
-        from evaluation.commands import DONE_MARK
+        from parley.evaluation.commands import DONE_MARK
 
         mark = DONE_MARK.encode()
         with self.log_path.open("ab") as between:
@@ -207,8 +207,8 @@ class PeriodicEval:
     """
 
     def __init__(self, cfg, run_dir: str | Path, *, export: Exporter, launch: Launcher | None = None):
-        from evaluation.selection import check_metric
-        from runtime.toml import to_toml
+        from parley.evaluation.selection import check_metric
+        from parley.runtime.toml import to_toml
 
         self.cfg, self.lc, self.run_dir = cfg, cfg.learner, Path(run_dir)
         self.env, self.env_record = cfg.env.load(), cfg.env.record()
@@ -372,7 +372,7 @@ class PeriodicEval:
 
     def record(self, job: EvalJob, seconds: float) -> EvalOutcome:
         """Read a finished eval back: log its means, keep the best model, check for a regression."""
-        from evaluation.selection import SelectionError, load_versions, regression, select_best
+        from parley.evaluation.selection import SelectionError, load_versions, regression, select_best
 
         history = load_versions(self.run_dir, self.env)  # oldest first
         mine = next((v for v in history if v.version == job.version), None)

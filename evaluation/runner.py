@@ -19,11 +19,11 @@ from typing import Any
 
 import msgspec
 
-from environments.base import Environment, LocalUser, ProgrammaticUser
-from config.env import default_environment
-from protocol.messages import EvalRecord, Sampling, SimReply, SimRequest, Task
-from rollout.sim import UserSide
-from tasks.data import system_prompt_text
+from parley.environments.base import Environment, LocalUser, ProgrammaticUser
+from parley.config.env import default_environment
+from parley.protocol.messages import EvalRecord, Sampling, SimReply, SimRequest, Task
+from parley.rollout.sim import UserSide
+from parley.tasks.data import system_prompt_text
 
 log = logging.getLogger("parley.eval")
 
@@ -215,7 +215,7 @@ class SwappingPolicies:
         self.starts = self.swaps = 0
 
     async def __call__(self, model: str) -> Policy:
-        from engines.models import weights_swap_key
+        from parley.engines.models import weights_swap_key
 
         key = weights_swap_key(model)
         if self.engine is not None and key is not None and key == self.key:
@@ -261,8 +261,8 @@ async def score_within_bounds(traj, judge, scorer_cfg, attempts: int, reward=Non
     does not answer within [scorer] judge_timeout_s, ask again with [scorer]'s back-off until
     [scorer] judge_wait_s have passed since the first try; after a failed verdict, ask again with a
     fresh seed, `attempts` verdicts in all. Then the last error is raised (the caller reports it)."""
-    from rollout.judge import JudgeFailed, JudgeUnavailable
-    from rollout.score import score_trajectory
+    from parley.rollout.judge import JudgeFailed, JudgeUnavailable
+    from parley.rollout.score import score_trajectory
 
     t0 = time.monotonic()
     failed = waits = 0
@@ -293,10 +293,10 @@ async def play_condition(
     """Every task once with this condition's policy and system prompt, judged; in task order. A task
     whose conversation could not be played (the simulator stayed unreachable) has no record; it and
     every record left unscored are passed to `on_missing` with the reason."""
-    from protocol.bus import Retry
-    from rollout.conversation import PolicySettings, run_conversation
-    from rollout.judge import JudgeFailed, JudgeUnavailable
-    from rollout.score import Unscorable
+    from parley.protocol.bus import Retry
+    from parley.rollout.conversation import PolicySettings, run_conversation
+    from parley.rollout.judge import JudgeFailed, JudgeUnavailable
+    from parley.rollout.score import Unscorable
 
     policy_settings = PolicySettings(
         max_model_len=policy.engine.settings.max_model_len, sampling=settings.sampling,

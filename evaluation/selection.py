@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from environments.base import Environment
-from config.env import default_environment
-from evaluation.benchmark import METRICS, PairedStats, item_values, mean_interval, paired_stats
-from rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES, mr
+from parley.environments.base import Environment
+from parley.config.env import default_environment
+from parley.evaluation.benchmark import METRICS, PairedStats, item_values, mean_interval, paired_stats
+from parley.rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES, mr
 
 # CollabLLM medium's selectable columns (its eval protocol's); another environment's are its eval.selectable
 SELECT_METRICS = ("bleu", "interactivity", "mr")
@@ -94,7 +94,7 @@ def run_environment(run_dir: str | Path) -> Environment:
 
     import msgspec
 
-    from config.env import EnvConfig
+    from parley.config.env import EnvConfig
 
     path = Path(run_dir) / EVAL_DIR / CONFIG_FILE
     if not path.is_file():
@@ -130,7 +130,7 @@ def load_versions(run_dir: str | Path, env: Environment | None = None) -> list[V
     """Every evaluated version of a run, oldest first: RUN_DIR/eval/v<N>/records.parquet, and the
     versions of RUN_DIR/eval/summary.jsonl that have no records file (a later line for a version wins).
     Values are the environment's table columns (`env`: the run's, run_environment)."""
-    from evaluation.evallog import read_records
+    from parley.evaluation.evallog import read_records
 
     env = env or run_environment(run_dir)
     root = Path(run_dir) / EVAL_DIR

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from config.learner import ATTENTIONS
+from parley.config.learner import ATTENTIONS
 
 log = logging.getLogger("parley.learner")
 

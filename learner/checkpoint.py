@@ -20,8 +20,8 @@ from pathlib import Path
 
 import msgspec
 
-from protocol.messages import Scored
-from weights.lora import ADAPTER_CONFIG, ADAPTER_FILE
+from parley.protocol.messages import Scored
+from parley.weights.lora import ADAPTER_CONFIG, ADAPTER_FILE
 
 STATE_FILE = "state.msgpack"
 WEIGHT_FILES = ("model.safetensors", "config.json")
@@ -297,7 +297,7 @@ def write_archive(run_dir: str | Path, step: int, trained: list[Scored], dropped
     """Keep the samples of a step's trained groups, and of the groups dropped or given up since the
     previous step, as Parquet logs: the streams forget old messages (max_bytes, max_age), the archive
     does not. A step trained again after a resume replaces its files."""
-    from evaluation.evallog import write_parquet
+    from parley.evaluation.evallog import write_parquet
 
     root = archive_dir(run_dir)
     out = []
@@ -413,7 +413,7 @@ def export_version(run_dir: str | Path, version: int, out: str | Path, merge: bo
     tag = step_tag(version)
     if (wdir / ADAPTER_CONFIG).is_file():
         if merge:
-            from learner.lora import export_merged
+            from parley.learner.lora import export_merged
 
             export_merged(base, wdir, out)
         else:

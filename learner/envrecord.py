@@ -31,7 +31,7 @@ def differs(run_dir: str | Path, record: dict[str, Any]) -> str:
     environment's bundled task, the only one there was: only that name is accepted, and the file is written."""
     started = read(run_dir)
     if started is None:
-        from config.env import DEFAULT_NAME as NAME
+        from parley.config.env import DEFAULT_NAME as NAME
 
         if record.get("name") != NAME:
             return (f"{Path(run_dir) / FILE} is missing, so this run trained {NAME!r}; env.name={record.get('name')!r} "

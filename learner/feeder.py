@@ -20,11 +20,11 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from environments.base import TaskBuilder
-from tasks.data import task_from_item
-from protocol import codec, topology
-from protocol.bus import publish
-from protocol.messages import Task
+from parley.environments.base import TaskBuilder
+from parley.tasks.data import task_from_item
+from parley.protocol import codec, topology
+from parley.protocol.bus import publish
+from parley.protocol.messages import Task
 
 log = logging.getLogger("parley.learner.feeder")
 

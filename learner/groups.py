@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protocol import arrays
-from protocol.messages import ABANDONED_STALE, GREEDY_BELOW, Scored, Trajectory
+from parley.protocol import arrays
+from parley.protocol.messages import ABANDONED_STALE, GREEDY_BELOW, Scored, Trajectory
 
 log = logging.getLogger("parley.learner.groups")
 
@@ -76,7 +76,7 @@ def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | N
     finite or positive (check_reference).
     Kept apart from check_trajectory, which checks the token layout. Reads the packed or the old
     list fields alike (protocol.arrays), as arrays."""
-    from rewards.reward import hostile_reward
+    from parley.rewards.reward import hostile_reward
 
     traj = scored.trajectory
     ids = arrays.token_ids(traj)

@@ -15,8 +15,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from config.learner import LOSS_AGG, LearnerConfig
-from learner.packing import PackedBatch
+from parley.config.learner import LOSS_AGG, LearnerConfig
+from parley.learner.packing import PackedBatch
 
 
 # exp() of a log-ratio beyond this overflows float32 or turns 0 * inf into NaN;

@@ -16,12 +16,12 @@ import json
 import time
 from pathlib import Path
 
-from learner import checkpoint as ckpt
-from learner.feeder import Feeder
-from learner.groups import BadTrajectory, Grouper, Outcome, check_hostile_values, check_trajectory
-from learner.runstate import RunState
-from protocol.bus import Poison
-from protocol.messages import ABANDONED_STALE
+from parley.learner import checkpoint as ckpt
+from parley.learner.feeder import Feeder
+from parley.learner.groups import BadTrajectory, Grouper, Outcome, check_hostile_values, check_trajectory
+from parley.learner.runstate import RunState
+from parley.protocol.bus import Poison
+from parley.protocol.messages import ABANDONED_STALE
 
 
 class Intake:

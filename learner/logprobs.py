@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engines.logprobs import packed_logprobs
-from learner.packing import PackedBatch
+from parley.engines.logprobs import packed_logprobs
+from parley.learner.packing import PackedBatch
 
 
 def token_logprobs(model, batch: PackedBatch, chunk: int = 1024, grad: bool = True) -> tuple[Tensor, Tensor]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
-from config.learner import LoraSettings
+from parley.config.learner import LoraSettings
 
 
 def add_adapters(model, settings: LoraSettings):
@@ -73,7 +73,7 @@ def export_merged(base_dir, adapter_dir, out) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from weights.lora import as_vllm_adapter
+    from parley.weights.lora import as_vllm_adapter
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype="auto")  # the base's own dtype
     merged = PeftModel.from_pretrained(model, str(as_vllm_adapter(adapter_dir))).merge_and_unload()

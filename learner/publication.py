@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from learner import checkpoint as ckpt
-from protocol.bus import retry_unreachable
-from weights import lora, registry
-from weights.common import ServedVersions
+from parley.learner import checkpoint as ckpt
+from parley.protocol.bus import retry_unreachable
+from parley.weights import lora, registry
+from parley.weights.common import ServedVersions
 
 log = logging.getLogger("parley.learner")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 if TYPE_CHECKING:
-    from learner.trainer import Trainer
+    from parley.learner.trainer import Trainer
 
 # Every rank has just replayed "stop" when it reaches the last barrier: one still missing after this is
 # gone or stuck (and would otherwise hold the others until DeepSpeed's process-group timeout, 10 minutes).

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 import time
 
-from learner import checkpoint as ckpt
-from learner import envrecord
-from learner.feeder import FeederState, Issued
-from learner.groups import Group, Grouper
-from learner.runstate import RunState
-from learner.steplog import StepLog
+from parley.learner import checkpoint as ckpt
+from parley.learner import envrecord
+from parley.learner.feeder import FeederState, Issued
+from parley.learner.groups import Group, Grouper
+from parley.learner.runstate import RunState
+from parley.learner.steplog import StepLog
 
 log = logging.getLogger("parley.learner")
 

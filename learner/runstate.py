@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from learner.feeder import Issued
-from learner.groups import Group, Outcome
+from parley.learner.feeder import Issued
+from parley.learner.groups import Group, Outcome
 
 
 @dataclass

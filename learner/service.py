@@ -2,7 +2,7 @@
 (learner.intake: SCORED handler, ledger, acks), the stepper (learner.stepper: the GRPO step and its
 logs), weight publication (learner.publication) and the watchers (learner.watchers: dead letters and
 deadlines, backlog, periodic eval); its loop polls the background tasks and re-raises their errors,
-and it builds the heartbeat. deploy.cli_learner calls `run()`.
+and it builds the heartbeat. parley.deploy.cli_learner calls `run()`.
 
 Acknowledgement rule (docs/learner.md): a Scored message is acked only after a ledger write that
 records it (learner.intake), so a kill at any moment loses no sample and trains none twice; the
@@ -20,22 +20,22 @@ import time
 
 import msgspec
 
-from config.run import RunConfig
-from weights import lora
-from learner import checkpoint as ckpt
-from learner import resume as start
-from learner.feeder import Feeder
-from learner.groups import Grouper
-from learner.intake import Intake, policy_limits
-from learner.publication import Publisher, Weights
-from learner.resume import LearnerStateError
-from learner.runstate import RunState
-from learner.stepper import Stepper
-from learner.steplog import StepLog
-from learner.watchers import Backlog, Evals, Fates
-from protocol import status
-from protocol.bus import COUNTERS, PullWorker
-from protocol.messages import Heartbeat
+from parley.config.run import RunConfig
+from parley.weights import lora
+from parley.learner import checkpoint as ckpt
+from parley.learner import resume as start
+from parley.learner.feeder import Feeder
+from parley.learner.groups import Grouper
+from parley.learner.intake import Intake, policy_limits
+from parley.learner.publication import Publisher, Weights
+from parley.learner.resume import LearnerStateError
+from parley.learner.runstate import RunState
+from parley.learner.stepper import Stepper
+from parley.learner.steplog import StepLog
+from parley.learner.watchers import Backlog, Evals, Fates
+from parley.protocol import status
+from parley.protocol.bus import COUNTERS, PullWorker
+from parley.protocol.messages import Heartbeat
 
 log = logging.getLogger("parley.learner")
 
@@ -53,7 +53,7 @@ class Learner:
         self.grouper = Grouper(cfg.rollout.n, max_staleness=self.lc.max_staleness, stale_policy=self.lc.stale_policy,
                                timeout_s=self.lc.group_timeout_s, order=self.lc.group_order)
         self.state = RunState(steps=steps)
-        from runtime.tracking import open_tracker
+        from parley.runtime.tracking import open_tracker
 
         tracker = open_tracker(cfg.log, run_dir=self.run_dir, run_name=self.run_name, job_type="learner",
                                config=msgspec.to_builtins(cfg))
@@ -179,10 +179,10 @@ class Learner:
 
 async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
     """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps."""
-    from engines.models import ensure_model
-    from learner.ranks import Driver
-    from learner.trainer import Trainer
-    from runtime.role import role_connection
+    from parley.engines.models import ensure_model
+    from parley.learner.ranks import Driver
+    from parley.learner.trainer import Trainer
+    from parley.runtime.role import role_connection
 
     driver = None
     async with role_connection(cfg.nats, name="parley-learner", run=cfg.run.name, bus=cfg.bus,
@@ -205,9 +205,9 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
 
 def follower(cfg: RunConfig) -> None:
     """Ranks > 0 under the deepspeed launcher / torchrun: build the same trainer, replay rank 0's calls."""
-    from engines.models import ensure_model
-    from learner.trainer import Trainer
-    from learner.ranks import follow
+    from parley.engines.models import ensure_model
+    from parley.learner.trainer import Trainer
+    from parley.learner.ranks import follow
 
     follow(Trainer(cfg.learner, ensure_model(cfg.policy.model), reference=cfg.policy.reference, weights=cfg.weights))
 
@@ -215,7 +215,7 @@ def follower(cfg: RunConfig) -> None:
 def check_leakage(cfg: RunConfig) -> str | None:
     """Refuse, before any work, to train on reference targets the eval split also scores against:
     the reason as one line, or None when the split is clean (or the overlap is allowed and recorded)."""
-    from evaluation.leakage import LeakageError, guard_environment
+    from parley.evaluation.leakage import LeakageError, guard_environment
 
     try:
         env = cfg.env.load()
@@ -238,11 +238,11 @@ def run(cfg: RunConfig, resume: bool, rank: int = 0) -> int:
         follower(cfg)
         code = 0
     else:
-        from runtime.process import run_async
+        from parley.runtime.process import run_async
 
         code = run_async(main, cfg, resume)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from learner.ranks import leave_process
+        from parley.learner.ranks import leave_process
 
         leave_process(code)
     return code

@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from learner.checkpoint import truncate_jsonl
+from parley.learner.checkpoint import truncate_jsonl
 
 # where a step's train_s goes, host seconds, each a metric of the step (learner.trainer train_step):
 # building each micro-batch and its forward, loss and loss statistics (these read values back, so the

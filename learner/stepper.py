@@ -11,17 +11,17 @@ import logging
 import time
 from collections import Counter
 
-from learner import checkpoint as ckpt
-from learner import envrecord
-from learner.feeder import Feeder
-from learner.groups import Grouper, Taken, behaviour_logprobs
-from learner.intake import Intake
-from learner.publication import Weights
-from learner.runstate import RunState
-from learner.steplog import StepLog
-from learner.watchers import Evals
-from protocol import arrays, codec, topology
-from protocol.bus import dead_letter, retry_unreachable
+from parley.learner import checkpoint as ckpt
+from parley.learner import envrecord
+from parley.learner.feeder import Feeder
+from parley.learner.groups import Grouper, Taken, behaviour_logprobs
+from parley.learner.intake import Intake
+from parley.learner.publication import Weights
+from parley.learner.runstate import RunState
+from parley.learner.steplog import StepLog
+from parley.learner.watchers import Evals
+from parley.protocol import arrays, codec, topology
+from parley.protocol.bus import dead_letter, retry_unreachable
 
 log = logging.getLogger("parley.learner")
 
@@ -29,7 +29,7 @@ log = logging.getLogger("parley.learner")
 class Stepper:
     def __init__(self, state: RunState, cfg, js, driver, *, grouper: Grouper, feeder: Feeder, intake: Intake,
                  weights: Weights, evals: Evals, steplog: StepLog, env_record, consumer: str, started: float):
-        from rewards.diagnostics import SignalMonitor
+        from parley.rewards.diagnostics import SignalMonitor
 
         self.state, self.cfg, self.lc, self.js, self.driver = state, cfg, cfg.learner, js, driver
         self.run_name, self.run_dir = cfg.run.name, cfg.run_dir
@@ -137,8 +137,8 @@ class Stepper:
     def samples(self, taken: list[Taken]):
         import torch
 
-        from learner.packing import Sample
-        from learner.grpo import group_advantages
+        from parley.learner.packing import Sample
+        from parley.learner.grpo import group_advantages
 
         rewards = torch.tensor([t.group.rewards() for t in taken], dtype=torch.float64)  # (G, n)
         adv = group_advantages(rewards, scale=self.lc.scale_advantages, std=self.lc.adv_std)  # (G, n)
@@ -155,7 +155,7 @@ class Stepper:
     # -- reporting ------------------------------------------------------------------------------
 
     def metrics(self, taken: list[Taken], stats: dict) -> dict:
-        from rewards.diagnostics import diagnose_groups
+        from parley.rewards.diagnostics import diagnose_groups
 
         groups = [t.group.ordered() for t in taken]
         diag = diagnose_groups(groups)

@@ -14,17 +14,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from learner import attention, grpo
-from learner.flops import shape_of as flops_shape, train_flops
-from config.learner import LearnerConfig
-from config.policy import Reference
-from learner.logprobs import PackedPolicy, token_logprobs
-from learner.lora import adapter_config, adapter_params, add_adapters, adapter_state, base_only
-from learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
-from learner.steplog import PHASES
-from learner.weights_io import PackedSnapshot, WeightSnapshot, hf_tensors, hf_weights, write_weights
-from weights import registry
-from weights.config import ObjstoreWeights, WeightsConfig
+from parley.learner import attention, grpo
+from parley.learner.flops import shape_of as flops_shape, train_flops
+from parley.config.learner import LearnerConfig
+from parley.config.policy import Reference
+from parley.learner.logprobs import PackedPolicy, token_logprobs
+from parley.learner.lora import adapter_config, adapter_params, add_adapters, adapter_state, base_only
+from parley.learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
+from parley.learner.steplog import PHASES
+from parley.learner.weights_io import PackedSnapshot, WeightSnapshot, hf_tensors, hf_weights, write_weights
+from parley.weights import registry
+from parley.weights.config import ObjstoreWeights, WeightsConfig
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -580,7 +580,7 @@ class Trainer:
 
         import deepspeed
 
-        from weights.gpu_delta import PackedVersions
+        from parley.weights.gpu_delta import PackedVersions
 
         gather = (deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
                   if self.cfg.zero_stage == 3 else contextlib.nullcontext())

@@ -13,13 +13,13 @@ from collections.abc import Coroutine
 
 from nats.js.errors import APIError
 
-from learner import checkpoint as ckpt
-from learner.feeder import Feeder
-from learner.groups import Grouper, Outcome
-from learner.intake import Intake
-from learner.runstate import RunState
-from protocol import backlog, dead
-from protocol.bus import UNREACHABLE
+from parley.learner import checkpoint as ckpt
+from parley.learner.feeder import Feeder
+from parley.learner.groups import Grouper, Outcome
+from parley.learner.intake import Intake
+from parley.learner.runstate import RunState
+from parley.protocol import backlog, dead
+from parley.protocol.bus import UNREACHABLE
 
 log = logging.getLogger("parley.learner")
 
@@ -159,7 +159,7 @@ class Evals:
     def __init__(self, cfg, run_dir, launch=None):
         self.periodic = None
         if cfg.learner.eval_every > 0:
-            from evaluation.periodic import PeriodicEval
+            from parley.evaluation.periodic import PeriodicEval
 
             self.periodic = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=launch)
 

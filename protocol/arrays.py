@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from protocol.messages import AssistantTurn, Scored, Trajectory
+from parley.protocol.messages import AssistantTurn, Scored, Trajectory
 
 IDS = np.dtype("<i4")
 MASK = np.dtype("u1")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol import topology
+from parley.protocol import topology
 
 WARN_SHARE = 0.8  # of the stream's max_bytes held by messages its consumer has not finished
 

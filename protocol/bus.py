@@ -19,8 +19,8 @@ import msgspec
 import nats.errors
 from nats.js.errors import APIError, KeyWrongLastSequenceError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
-from protocol import codec, topology
-from protocol.messages import DeadLetter
+from parley.protocol import codec, topology
+from parley.protocol.messages import DeadLetter
 
 log = logging.getLogger("parley.bus")
 

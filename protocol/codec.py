@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.messages import (
+from parley.protocol.messages import (
     DeadLetter,
     EvalRecord,
     Heartbeat,

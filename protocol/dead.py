@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import msgspec
 from nats.js.errors import NotFoundError
 
-from protocol import codec, topology
-from protocol.messages import DeadLetter
+from parley.protocol import codec, topology
+from parley.protocol.messages import DeadLetter
 
 
 @dataclass(frozen=True)

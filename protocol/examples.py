@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from protocol.arrays import pack_ids, pack_logprobs, pack_mask
-from protocol.messages import (
+from parley.protocol.arrays import pack_ids, pack_logprobs, pack_mask
+from parley.protocol.messages import (
     AssistantTurn,
     ChatMessage,
     DeadLetter,

@@ -21,7 +21,7 @@ import logging
 import math
 import secrets
 
-from protocol.topology import withdraw_subject
+from parley.protocol.topology import withdraw_subject
 
 log = logging.getLogger("parley.request")
 

@@ -12,8 +12,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from protocol import codec, topology
-from protocol.messages import Heartbeat
+from parley.protocol import codec, topology
+from parley.protocol.messages import Heartbeat
 
 log = logging.getLogger("parley.status")
 

@@ -12,8 +12,8 @@ from typing import Mapping, Sequence
 import msgspec
 import numpy as np
 
-from protocol.messages import Scored
-from rewards.reward import weighted_terms
+from parley.protocol.messages import Scored
+from parley.rewards.reward import weighted_terms
 
 # Below this a standard deviation is treated as exactly zero (constant series).
 _CONSTANT_STD = 1e-12

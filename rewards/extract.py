@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from protocol.messages import ChatMessage
+from parley.protocol.messages import ChatMessage
 
 # A message needs this many words, chatter removed, to count as a document rather than a question or
 # a remark; a short draft paragraph passes, "What tone would you like?" does not.

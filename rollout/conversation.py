@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol import arrays
-from protocol.bus import Poison, Retry
-from protocol.messages import (
+from parley.protocol import arrays
+from parley.protocol.bus import Poison, Retry
+from parley.protocol.messages import (
     ABANDONED_STALE,
     TASK_MAX_FUTURES,
     TASK_MAX_N,
@@ -36,8 +36,8 @@ from protocol.messages import (
     Task,
     Trajectory,
 )
-from rollout.chat import ChatTokens
-from rollout.sim import FALLBACK_MESSAGE, UserSide
+from parley.rollout.chat import ChatTokens
+from parley.rollout.sim import FALLBACK_MESSAGE, UserSide
 
 log = logging.getLogger("parley.rollout")
 

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
-from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
+from parley.protocol.messages import ChatMessage, JudgeReply, JudgeRequest
 
 
 class JudgeUnavailable(RuntimeError):
@@ -37,8 +37,8 @@ class JudgeClient:
         import msgspec
         import nats.errors
 
-        from protocol import codec, topology
-        from protocol.request import request
+        from parley.protocol import codec, topology
+        from parley.protocol.request import request
 
         subject = topology.judge_subject(op)
         data = codec.encode(JudgeRequest(op=op, messages=list(messages), seed=seed))

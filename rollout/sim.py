@@ -14,10 +14,10 @@ from typing import Protocol
 import msgspec
 import nats.errors
 
-from protocol import codec, topology
-from protocol.bus import Poison, Retry
-from protocol.messages import SimReply, SimRequest
-from protocol.request import request
+from parley.protocol import codec, topology
+from parley.protocol.bus import Poison, Retry
+from parley.protocol.messages import SimReply, SimRequest
+from parley.protocol.request import request
 
 log = logging.getLogger("parley.rollout")
 

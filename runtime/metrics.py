@@ -191,7 +191,7 @@ def serve(port: int, host: str = "0.0.0.0") -> int:
     From now on every heartbeat this process sends is also its metrics."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from protocol import status
+    from parley.protocol import status
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(COLLECTOR)

@@ -43,8 +43,8 @@ def run_async(main, *args) -> int:
             loop.add_signal_handler(sig, stop.set)
         return await main(stop, *args)
 
-    from protocol.connect import NatsUnreachable
-    from protocol.topology import TopologyError
+    from parley.protocol.connect import NatsUnreachable
+    from parley.protocol.topology import TopologyError
 
     try:
         code = runner(wrapper())

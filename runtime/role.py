@@ -2,7 +2,7 @@
 `[nats]` section, sets up the run's topology when asked, sends the first heartbeats and drains on
 the way out; `connect_nats` is its bare connect, for a command whose connection is optional.
 Every role's `main` and every `parley` command that uses the bus open one of them (inside
-`runtime.process.run_async`, which gives the signal-driven stop and exit code 3 for an unreachable
+`parley.runtime.process.run_async`, which gives the signal-driven stop and exit code 3 for an unreachable
 NATS). This is the only place that maps the config to credentials: protocol.connect.connect is the
 low-level call, which also reads PARLEY_NATS_USER / PASSWORD / CREDS / CA from the environment.
 """
@@ -26,7 +26,7 @@ class NatsSettings(Protocol):
 async def connect_nats(nats: NatsSettings, *, name: str, user: str | None = None, password: str | None = None):
     """Connect with `nats` (the `[nats]` section): its URL, .creds file, TLS CA and first-contact
     timeout; `name` is the connection's name on the server. The caller drains it."""
-    from protocol.connect import connect
+    from parley.protocol.connect import connect
 
     return await connect(
         nats.url, name=name, first_timeout=nats.connect_timeout_s, user=user, password=password,
@@ -54,8 +54,8 @@ async def role_connection(
     (`parley up` as its server's admin); otherwise PARLEY_NATS_USER / PASSWORD as connect() reads them.
     The connection is drained when the body ends, however it ends.
     """
-    from protocol import status
-    from protocol import topology as topo
+    from parley.protocol import status
+    from parley.protocol import topology as topo
 
     nc = await connect_nats(nats, name=name, user=user, password=password)
     try:

@@ -53,7 +53,7 @@ class Supervisor:
         (run_dir / "roles").mkdir(parents=True, exist_ok=True)
 
     def parley_argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "deploy.cli", *args]
+        return [sys.executable, "-m", "parley.deploy.cli", *args]
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, config_text: str | None = None) -> Child:
         child = Child(name=name, argv=argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env or {})

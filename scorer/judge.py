@@ -19,11 +19,11 @@ from importlib import resources
 
 import msgspec
 
-from config.run import RunConfig
-from protocol import topology
-from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
-from config.scorer import JudgeConfig
-from rewards.metrics import (
+from parley.config.run import RunConfig
+from parley.protocol import topology
+from parley.protocol.messages import ChatMessage, JudgeReply, JudgeRequest
+from parley.config.scorer import JudgeConfig
+from parley.rewards.metrics import (
     INTERACTIVITY_3LEVEL,
     INTERACTIVITY_KEYS,
     interactivity_from_3level,
@@ -113,7 +113,7 @@ def load_prompts() -> dict[str, string.Template]:
     """The judge prompt templates (scorer/prompts/*.txt), each with one ${conversation} slot."""
     prompts = {}
     for op, name in PROMPT_FILES.items():
-        text = (resources.files("scorer") / "prompts" / name).read_text(encoding="utf-8")
+        text = (resources.files("parley.scorer") / "prompts" / name).read_text(encoding="utf-8")
         template = string.Template(text)
         if "conversation" not in template.get_identifiers():
             raise ValueError(f"judge prompt scorer/prompts/{name} has no ${{conversation}} slot")
@@ -324,7 +324,7 @@ class Judge:
 def judge_routes(judge: Judge, counters: Counter | None = None) -> dict:
     """The service routes of both judge ops: subject -> handler(bytes) -> encoded JudgeReply.
     A request that does not decode gets an ok=False reply naming the error (the requester decides)."""
-    from protocol import codec
+    from parley.protocol import codec
 
     counters = counters if counters is not None else Counter()
 
@@ -346,14 +346,14 @@ def judge_routes(judge: Judge, counters: Counter | None = None) -> dict:
 
 def error_reply(subject: str, data: bytes, exc: BaseException) -> bytes:
     """What a requester gets when a handler crashed: a failure it retries, never a verdict."""
-    from protocol import codec
+    from parley.protocol import codec
 
     return codec.encode(JudgeReply(ok=False, error=f"judge crashed on {subject}: {type(exc).__name__}: {exc}"))
 
 
 def judge_service(nc, judge: Judge, *, name: str = "judge"):
     """A Service (engines/service.py) answering both judge subjects in the JUDGE_QUEUE group."""
-    from engines.service import Service
+    from parley.engines.service import Service
 
     counters: Counter = Counter()
     return Service(
@@ -369,7 +369,7 @@ def judge_service(nc, judge: Judge, *, name: str = "judge"):
 
 async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
     """`parley judge`: load the backend, serve until SIGINT/SIGTERM, close the backend."""
-    from engines.service import BadServiceConfig, serve_backend
+    from parley.engines.service import BadServiceConfig, serve_backend
 
     def build(nc, backend):
         try:
@@ -383,6 +383,6 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
 
 def run(cfg: RunConfig, ident: str) -> int:
     """`parley judge`'s entry: serve the judge until SIGINT/SIGTERM; returns the exit code."""
-    from runtime.process import run_async
+    from parley.runtime.process import run_async
 
     return run_async(main, cfg, ident)

@@ -8,8 +8,8 @@ import asyncio
 
 import numpy as np
 
-from protocol import arrays
-from protocol.messages import Trajectory
+from parley.protocol import arrays
+from parley.protocol.messages import Trajectory
 
 
 class ReferenceUnavailable(RuntimeError):
@@ -34,9 +34,9 @@ class ReferenceClient:
         import msgspec
         import nats.errors
 
-        from protocol import codec, topology
-        from protocol.messages import ReferenceRequest
-        from protocol.request import request
+        from parley.protocol import codec, topology
+        from parley.protocol.messages import ReferenceRequest
+        from parley.protocol.request import request
 
         ids = arrays.token_ids(traj)
         subject = topology.reference_subject(self.model)  # only services of this model hear it

@@ -18,14 +18,14 @@ from collections import Counter
 
 import msgspec
 
-from config.run import RunConfig
-from protocol import bus, status, topology
-from environments.base import Reward
-from protocol.messages import ABANDONED_STALE, Heartbeat, Scored, Trajectory
-from config.scorer import ScorerConfig
-from scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
-from rollout.judge import Judge, JudgeFailed, JudgeUnavailable
-from rollout.score import Unscorable, _all, score_trajectory
+from parley.config.run import RunConfig
+from parley.protocol import bus, status, topology
+from parley.environments.base import Reward
+from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Scored, Trajectory
+from parley.config.scorer import ScorerConfig
+from parley.scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
+from parley.rollout.judge import Judge, JudgeFailed, JudgeUnavailable
+from parley.rollout.score import Unscorable, _all, score_trajectory
 
 log = logging.getLogger("parley.scorer")
 
@@ -158,8 +158,8 @@ class Scorer:
 
 async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
     """`parley scorer`: connect, make sure the run's topology exists, score until SIGINT/SIGTERM."""
-    from rollout.judge import JudgeClient
-    from runtime.role import role_connection
+    from parley.rollout.judge import JudgeClient
+    from parley.runtime.role import role_connection
 
     async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus,
                                topology=True) as (nc, _):
@@ -182,6 +182,6 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
 
 def run(cfg: RunConfig, ident: str) -> int:
     """`parley scorer`'s entry: score trajectories until SIGINT/SIGTERM; returns the exit code."""
-    from runtime.process import run_async
+    from parley.runtime.process import run_async
 
     return run_async(main, cfg, ident)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from protocol.messages import ChatMessage, Task
+from parley.protocol.messages import ChatMessage, Task
 
 # The simulator prompt CollabLLM tasks are played under when [rollout].sim_prompt is "" (the
 # environment's own: environments/collabllm.py).
@@ -54,7 +54,7 @@ def text_key(text: str) -> str:
 
 
 def bundled_path() -> Path:
-    return Path(str(resources.files("tasks") / "datasets" / "medium.jsonl"))
+    return Path(str(resources.files("parley.tasks") / "datasets" / "medium.jsonl"))
 
 
 def _records(path: Path) -> list[dict]:
@@ -159,7 +159,7 @@ def system_prompt_path(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_file():
         return path
-    bundled = Path(str(resources.files("tasks") / "prompts" / "system"))
+    bundled = Path(str(resources.files("parley.tasks") / "prompts" / "system"))
     name = spec[:-4] if spec.endswith(".txt") else spec
     if re.fullmatch(r"[A-Za-z0-9_-]+", name) and (bundled / f"{name}.txt").is_file():
         return bundled / f"{name}.txt"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.natsserver import NatsServer
+from parley.deploy.natsserver import NatsServer
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def nats_server(tmp_path):
 
 @pytest.fixture
 async def nc(nats_server):
-    from protocol.connect import connect
+    from parley.protocol.connect import connect
 
     client = await connect(nats_server.url, name="pytest")
     yield client
@@ -33,7 +33,7 @@ async def js(nc):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The toy Qwen3 + BPE tokenizer + ChatML template (seconds to build), shared by the session."""
-    from engines.models import build_tiny
+    from parley.engines.models import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny")
 

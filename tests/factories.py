@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from protocol import arrays, examples
-from protocol.messages import AssistantTurn, ChatMessage, JudgeReply, Scored, Trajectory
+from parley.protocol import arrays, examples
+from parley.protocol.messages import AssistantTurn, ChatMessage, JudgeReply, Scored, Trajectory
 
 
 def turn(start: int, logprobs: Sequence[float], version: int = 0, finish_reason: str = "stop") -> AssistantTurn:
@@ -90,7 +90,7 @@ class JudgeDouble:
         return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed=0):
-        from rollout.judge import JudgeUnavailable
+        from parley.rollout.judge import JudgeUnavailable
 
         self.calls.append(("extract", len(messages)))
         if self.unavailable:

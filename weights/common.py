@@ -17,8 +17,8 @@ from pathlib import Path
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from protocol import codec, topology
-from protocol.messages import WeightVersion
+from parley.protocol import codec, topology
+from parley.protocol.messages import WeightVersion
 
 log = logging.getLogger("parley.weights")
 

@@ -80,7 +80,7 @@ class NcclWeights(_Packed, tag="nccl"):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from weights.nccl import parse_address
+        from parley.weights.nccl import parse_address
 
         parse_address(self.address)  # raises naming the value and the fix
 

@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from protocol.messages import CudaIpcBuffer, IpcTensor, WeightVersion
-from weights.common import Transport, WeightUnavailable
+from parley.protocol.messages import CudaIpcBuffer, IpcTensor, WeightVersion
+from parley.weights.common import Transport, WeightUnavailable
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from weights.common import WeightVerifyError, file_digest
+from parley.weights.common import WeightVerifyError, file_digest
 
 MAGIC = b"PARLEYD1"
 DELTA_FILE = "model.delta"  # beside model.safetensors in the version's folder (object prefix or directory)

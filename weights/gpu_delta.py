@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from protocol.messages import IpcTensor
-from weights.common import WeightVerifyError
+from parley.protocol.messages import IpcTensor
+from parley.weights.common import WeightVerifyError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -142,7 +142,7 @@ def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: li
     import numpy as np
     import torch
 
-    from weights.cuda_ipc import checksums, mismatch, table_digest
+    from parley.weights.cuda_ipc import checksums, mismatch, table_digest
 
     header, start = read_header(blob)
     target_name = table_digest(layout)
@@ -244,7 +244,7 @@ class PackedVersions:
         against the version packed before unless this is the first one or `max_share` is None)."""
         import torch
 
-        from weights.cuda_ipc import checksums, pack, plan, with_checksums
+        from parley.weights.cuda_ipc import checksums, pack, plan, with_checksums
 
         named = list(named)
         if self.layout is None:
@@ -308,7 +308,7 @@ class PendingVersion:
         table digest): what weights.registry.publish_version takes after the table as `packed`."""
         import torch
 
-        from weights.cuda_ipc import table_digest
+        from parley.weights.cuda_ipc import table_digest
 
         if not self._take("delta"):
             return None, None, None
@@ -328,7 +328,7 @@ class PendingVersion:
         """The version's tensors on the host under their checkpoint names, for its full file: one
         device-to-host copy of the whole buffer (its hold is released right after), then a tensor of
         its own for each (a file's tensors may not share storage)."""
-        from weights.cuda_ipc import views
+        from parley.weights.cuda_ipc import views
 
         if not self._take("host"):
             raise RuntimeError("this packed version was discarded; its buffer may hold another version now")
@@ -360,7 +360,7 @@ class Mirror:
         checkpoint name; WeightVerifyError (and nothing held) when they do not give its checksums."""
         import torch
 
-        from weights.cuda_ipc import _nbytes, _padded, checksums, mismatch, pack, table_digest
+        from parley.weights.cuda_ipc import _nbytes, _padded, checksums, mismatch, pack, table_digest
 
         size = max(e.offset + _padded(_nbytes(e)) for e in table)
         if self.buffer is None or self.buffer.numel() != size or self.buffer.device != torch.device(device):
@@ -382,7 +382,7 @@ class Mirror:
     def apply(self, blob: bytes | memoryview, table: list[IpcTensor]) -> None:
         """Turn the held version into the one of `table` with a packed delta (apply); `revert` puts
         the held one back until `settle`."""
-        from weights.cuda_ipc import table_digest
+        from parley.weights.cuda_ipc import table_digest
 
         if self.name is None:
             raise WeightVerifyError("no packed copy of the served weights is held here")
@@ -400,7 +400,7 @@ class Mirror:
 
     def named(self) -> list:
         """(checkpoint name, view into the buffer) of every tensor held, for load_weights."""
-        from weights.cuda_ipc import views
+        from parley.weights.cuda_ipc import views
 
         return list(zip([e.name for e in self.table], views(self.buffer, self.table)))
 

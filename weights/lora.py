@@ -20,8 +20,8 @@ import os
 import time
 from pathlib import Path
 
-from protocol.messages import LoraAdapter, WeightVersion
-from weights.common import MODEL_FILE, announce, fresh_prefix
+from parley.protocol.messages import LoraAdapter, WeightVersion
+from parley.weights.common import MODEL_FILE, announce, fresh_prefix
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's config of the adapter: rank, alpha, target modules
 ADAPTER_FILE = "adapter_model.safetensors"  # the name vLLM's LoRA loader reads the tensors from
@@ -85,7 +85,7 @@ async def publish_adapter(js, run: str, version: int, step: int, adapter_dir: st
                           rank: int, keep: int = 3, protect=frozenset()) -> WeightVersion:
     """Upload `adapter_dir` (write_adapter's) by the file transport `settings` selects, announce it
     as an adapter on `base` (the same key and compare-and-set as whole weights), prune old versions."""
-    from weights import registry
+    from parley.weights import registry
 
     transport = registry.of(settings)
     if transport.gpu:
@@ -117,7 +117,7 @@ async def publish_adapter_gpu(js, run: str, version: int, step: int, source, *, 
     checksums) with the adapter's base, rank and peft config."""
     import msgspec
 
-    from weights import registry
+    from parley.weights import registry
 
     wv = registry.gpu_announcement(run, version, step, source)
     if not registry.get(wv.transport).carries_adapters:

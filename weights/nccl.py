@@ -25,9 +25,9 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from protocol.messages import NcclSource, WeightVersion
-from weights.common import Transport, WeightUnavailable
-from weights.cuda_ipc import IpcPublisher, checksums, mismatch, views
+from parley.protocol.messages import NcclSource, WeightVersion
+from parley.weights.common import Transport, WeightUnavailable
+from parley.weights.cuda_ipc import IpcPublisher, checksums, mismatch, views
 
 if TYPE_CHECKING:
     from torch import Tensor

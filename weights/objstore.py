@@ -23,10 +23,10 @@ from nats.js.object_store import (MSG_ROLLUP_SUBJECT, OBJ_CHUNKS_PRE_TEMPLATE, O
                                   OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE)
 from nats.nuid import NUID
 
-from protocol import topology
-from protocol.bus import COUNTERS
-from weights.common import MODEL_FILE, VERSION_DIR, Transport, WeightUnavailable, WeightVerifyError, old_versions, plain_name, verify_file
-from weights.delta import DELTA_FILE
+from parley.protocol import topology
+from parley.protocol.bus import COUNTERS
+from parley.weights.common import MODEL_FILE, VERSION_DIR, Transport, WeightUnavailable, WeightVerifyError, old_versions, plain_name, verify_file
+from parley.weights.delta import DELTA_FILE
 
 log = logging.getLogger("parley.weights")
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import msgspec
 
-from protocol.bus import COUNTERS
-from protocol.messages import CudaIpcBuffer, NcclSource, WeightDelta, WeightVersion
-from weights import delta as deltas
-from weights.common import (
+from parley.protocol.bus import COUNTERS
+from parley.protocol.messages import CudaIpcBuffer, NcclSource, WeightDelta, WeightVersion
+from parley.weights import delta as deltas
+from parley.weights.common import (
     CONFIG_FILE,
     MODEL_FILE,
     Transport,
@@ -28,11 +28,11 @@ from weights.common import (
     file_digest,
     fresh_prefix,
 )
-from weights.config import WeightsConfig
-from weights.cuda_ipc import CudaIpc
-from weights.nccl import Nccl
-from weights.objstore import Objstore
-from weights.shared_dir import SharedDir
+from parley.weights.config import WeightsConfig
+from parley.weights.cuda_ipc import CudaIpc
+from parley.weights.nccl import Nccl
+from parley.weights.objstore import Objstore
+from parley.weights.shared_dir import SharedDir
 
 log = logging.getLogger("parley.weights")
 
@@ -185,7 +185,7 @@ def _files_of(state_dir: Path) -> tuple[Path, list[str]]:
 
 async def _publish_packed(js, run, version, step, state_dir: Path, settings, transport, keep, protect, packed,
                           write, on_announced) -> WeightVersion:
-    from weights.cuda_ipc import _nbytes, table_digest
+    from parley.weights.cuda_ipc import _nbytes, table_digest
 
     table, blob, base_version, base_digest = packed
     prefix = fresh_prefix(version)
@@ -242,7 +242,7 @@ async def publish_gpu_version(js, run: str, version: int, step: int, source: Cud
 
 def gpu_announcement(run: str, version: int, step: int, source: CudaIpcBuffer | NcclSource) -> WeightVersion:
     """The WeightVersion that announces a packed GPU buffer (its sha256: the tensor table's digest)."""
-    from weights.cuda_ipc import table_digest
+    from parley.weights.cuda_ipc import table_digest
 
     if not source.tensors or any(len(t.checksum) == 0 for t in source.tensors):
         raise ValueError(f"version {version}: the shared buffer has no tensor table with checksums; pack it first")

@@ -11,9 +11,9 @@ import os
 import shutil
 from pathlib import Path
 
-from protocol import topology
-from protocol.messages import WeightVersion
-from weights.common import (
+from parley.protocol import topology
+from parley.protocol.messages import WeightVersion
+from parley.weights.common import (
     MODEL_FILE,
     VERSION_DIR,
     Transport,
@@ -23,8 +23,8 @@ from weights.common import (
     plain_name,
     verify_file,
 )
-from weights.config import SharedDirWeights
-from weights.delta import DELTA_FILE
+from parley.weights.config import SharedDirWeights
+from parley.weights.delta import DELTA_FILE
 
 
 def shared_root(shared_dir: str | Path, run: str) -> Path:

@@ -155,7 +155,7 @@ if ! core_done; then
 import pathlib, sys, tomllib
 root, site = map(pathlib.Path, sys.argv[1:3])
 p = tomllib.loads((root / "pyproject.toml").read_text())["project"]
-d = site / f"{p['name']}-{p['version']}.dist-info"
+d = site / f"{p['name'].replace('-', '_')}-{p['version']}.dist-info"
 d.mkdir(parents=True, exist_ok=True)
 (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {p['name']}\nVersion: {p['version']}\n")
 (d / "INSTALLER").write_text("stage.sh\n")

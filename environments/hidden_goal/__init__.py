@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import cache, partial
 from importlib import resources
 
-from environments.base import (
+from parley.environments.base import (
     Environment,
     EvalProtocol,
     Finished,
@@ -40,8 +40,8 @@ from environments.base import (
     UserTurn,
     split_by_key,
 )
-from protocol.messages import ChatMessage, Task
-from tasks.data import rollout_fields, system_prompt_text
+from parley.protocol.messages import ChatMessage, Task
+from parley.tasks.data import rollout_fields, system_prompt_text
 
 NAME = "hidden_goal"
 TURN_COST = 0.05  # reward per assistant turn: asking for every slot at once, then answering, costs 0.1

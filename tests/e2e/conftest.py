@@ -37,7 +37,7 @@ class Engines:
         return self.loop.run_until_complete(coro)
 
     def settings(self, name: str):
-        from engines.engine import EngineSettings
+        from parley.engines.engine import EngineSettings
 
         model = str(self.model_dir)
         if name == "raw":  # the judge's, simulator's and in-process actor's: raw log-probs
@@ -53,7 +53,7 @@ class Engines:
     async def aget(self, name: str):
         """The same from a coroutine running on the loop."""
         if name not in self.open:
-            from engines.engine import PolicyEngine
+            from parley.engines.engine import PolicyEngine
 
             self.open[name] = PolicyEngine(self.settings(name))
         return self.open[name]

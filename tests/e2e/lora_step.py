@@ -20,17 +20,17 @@ def main(model_dir: str, zero: int, checkpointing: bool) -> None:
     import deepspeed
     import torch
 
-    from config.learner import LearnerConfig, LoraSettings
-    from learner.packing import Sample
+    from parley.config.learner import LearnerConfig, LoraSettings
+    from parley.learner.packing import Sample
     from tests.e2e.ranks_step import step_samples
 
-    from learner.trainer import Trainer
+    from parley.learner.trainer import Trainer
 
     cfg = LearnerConfig(zero_stage=zero, lr=1e-2, kl_coef=0.01, micro_batch_tokens=64, logit_chunk_tokens=8,
                         dtype="float32", gradient_checkpointing=checkpointing, lora=LoraSettings(enabled=True, rank=4))
     trainer = Trainer(cfg, model_dir)
 
-    from learner.lora import adapter_params, adapter_state
+    from parley.learner.lora import adapter_params, adapter_state
 
     def gathered():  # every parameter whole (ZeRO-3 partitions them)
         params = list(trainer.module.parameters())
@@ -52,7 +52,7 @@ def main(model_dir: str, zero: int, checkpointing: bool) -> None:
         cached_matches = (cached is not None and [n for n, _ in cached] == sorted(state)
                           and all(torch.equal(p.detach(), state[n]) for n, p in cached))
         # under ZeRO-1/2 the adapter lies end to end in DeepSpeed's flat buffer: a cuda_ipc fill is one copy
-        from weights.cuda_ipc import one_run
+        from parley.weights.cuda_ipc import one_run
 
         end_to_end = cached is not None and one_run([(n, p.detach()) for n, p in cached]) is not None
     changed = sorted(n for n in before if not torch.equal(before[n], after[n]))

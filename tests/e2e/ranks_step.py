@@ -15,7 +15,7 @@ if str(REPO) not in sys.path:
 
 def step_samples():
     """Sequences of unequal length and trained share; behaviour log-probs near the model's (about -7.6)."""
-    from learner.packing import Sample
+    from parley.learner.packing import Sample
 
     spec = [(120, 100, 1.0), (60, 3, -1.0), (60, 2, 0.5), (40, 30, -0.5)]  # (length, trained tokens, advantage)
     out = []
@@ -29,8 +29,8 @@ def step_samples():
 def main(model_dir: str, zero: int, out: str) -> None:
     import torch
 
-    from config.learner import LearnerConfig
-    from learner.trainer import Trainer
+    from parley.config.learner import LearnerConfig
+    from parley.learner.trainer import Trainer
 
     cfg = LearnerConfig(zero_stage=zero, lr=1e-3, kl_coef=0.0, micro_batch_tokens=64,
                         logit_chunk_tokens=8, dtype="float32")
@@ -42,13 +42,13 @@ def main(model_dir: str, zero: int, out: str) -> None:
     torch.distributed.all_gather_object(copied, len(trainer.hf_state_dict()))
     if torch.distributed.get_rank() == 0:
         (Path(out) / "stats.json").write_text(json.dumps({**stats, "state_dict_sizes": copied}))
-    from learner.ranks import leave_together
+    from parley.learner.ranks import leave_together
 
     leave_together()  # what the learner's ranks do last
 
 
 if __name__ == "__main__":
-    from learner.ranks import leave_process
+    from parley.learner.ranks import leave_process
 
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
     leave_process(0)  # as learner.service.run ends a launched rank

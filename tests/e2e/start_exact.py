@@ -18,7 +18,7 @@ LENGTHS = (300, 180)  # long enough that a RoPE computed in bf16 moves the log-p
 
 
 def trajectories(vocab: int, lengths=LENGTHS):
-    from learner.packing import Sample
+    from parley.learner.packing import Sample
 
     out = []
     for i, n in enumerate(lengths):
@@ -50,11 +50,11 @@ def start_figures(model_dir, zero: int, dtype_name: str, lengths=LENGTHS) -> dic
     policy to reference as the step reports it, and whether lm_head is still the embedding."""
     import torch
 
-    from config.learner import LearnerConfig
-    from learner.grpo import kl_k3
-    from learner.logprobs import token_logprobs
-    from learner.packing import build_batch
-    from learner.trainer import Trainer, resolve_dtype
+    from parley.config.learner import LearnerConfig
+    from parley.learner.grpo import kl_k3
+    from parley.learner.logprobs import token_logprobs
+    from parley.learner.packing import build_batch
+    from parley.learner.trainer import Trainer, resolve_dtype
 
     dtype = resolve_dtype(dtype_name)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -95,13 +95,13 @@ def main(model_dir: str, zero: int, dtype_name: str, out: str) -> None:
     if torch.distributed.get_rank() == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "start.json").write_text(json.dumps(gathered))
-    from learner.ranks import leave_together
+    from parley.learner.ranks import leave_together
 
     leave_together()  # what the learner's ranks do last
 
 
 if __name__ == "__main__":
-    from learner.ranks import leave_process
+    from parley.learner.ranks import leave_process
 
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
     leave_process(0)  # as learner.service.run ends a launched rank

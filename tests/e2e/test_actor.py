@@ -1,6 +1,6 @@
 """Rollout actors end to end: a real nats-server, real vLLM engines on the toy model, the user
 simulator run as `parley sim`, and the actor that gets SIGKILLed run as `parley actor` (both as
-`python -m deploy.cli ...` processes with their own engines, started at module set-up so they load
+`python -m parley.deploy.cli ...` processes with their own engines, started at module set-up so they load
 while this process loads the policy engine its in-process actors share: the toy model's shared one,
 tests/e2e/conftest.py). Everything async here runs on the shared engines' event loop.
 """
@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from actors.actor import Actor
-from tasks.data import load_items, task_from_item
-from rollout.sim import FALLBACK_MESSAGE
-from config.run import load_config
-from deploy.natsserver import NatsServer
-from config.learner import RolloutConfig
-from protocol import arrays, codec, topology
-from protocol.bus import publish
-from protocol.connect import connect
+from parley.actors.actor import Actor
+from parley.tasks.data import load_items, task_from_item
+from parley.rollout.sim import FALLBACK_MESSAGE
+from parley.config.run import load_config
+from parley.deploy.natsserver import NatsServer
+from parley.config.learner import RolloutConfig
+from parley.protocol import arrays, codec, topology
+from parley.protocol.bus import publish
+from parley.protocol.connect import connect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.shared_engine("raw")]
 
@@ -72,7 +72,7 @@ class Ctx:
         ])
 
     def _spawn(self, name: str, args: list[str], sets: list[str]) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "deploy.cli", *args, *[a for kv in sets for a in ("--set", kv)]]
+        argv = [sys.executable, "-m", "parley.deploy.cli", *args, *[a for kv in sets for a in ("--set", kv)]]
         log = (self.root / f"{name}.log").open("wb")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
                                 start_new_session=True)
@@ -316,9 +316,9 @@ def test_a_killed_actor_task_is_redelivered_and_stored_once(ctx):
 
 def test_weight_versions_are_followed_and_a_corrupt_blob_is_refused(ctx, tmp_path):
     from tests import factories
-    from weights import common, registry
-    from weights.config import ObjstoreWeights
-    from protocol.messages import WeightVersion
+    from parley.weights import common, registry
+    from parley.weights.config import ObjstoreWeights
+    from parley.protocol.messages import WeightVersion
 
     run = "weights"
     # what the learner publishes: a perturbed copy of the policy, saved the HF way

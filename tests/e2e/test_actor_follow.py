@@ -11,11 +11,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from actors.follow import GPU_ATTEMPTS, WeightFollower, WeightsBroken
-from protocol import codec, topology
-from protocol.messages import WeightVersion
-from weights import common, registry
-from weights.config import ObjstoreWeights
+from parley.actors.follow import GPU_ATTEMPTS, WeightFollower, WeightsBroken
+from parley.protocol import codec, topology
+from parley.protocol.messages import WeightVersion
+from parley.weights import common, registry
+from parley.weights.config import ObjstoreWeights
 
 pytestmark = pytest.mark.integration
 RUN = "follow"
@@ -135,7 +135,7 @@ class IpcEngineDouble(ReloadEngineDouble):
 
 
 def ipc_buffer(tag: int):
-    from protocol.messages import CudaIpcBuffer, IpcTensor
+    from parley.protocol.messages import CudaIpcBuffer, IpcTensor
 
     return CudaIpcBuffer(device_uuid="GPU-test", storage_handle=bytes([tag]) * 64, storage_size=1024,
                          storage_offset=0, ref_counter_handle=b"/torch_test", ref_counter_offset=tag,
@@ -230,7 +230,7 @@ async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a
     assert await f.check() and engine.version == 4 and engine.reloads[-1] == ("v000004", 4)
 
     # an nccl version takes the same path, with its own hold time as the engine's deadline
-    from protocol.messages import NcclSource
+    from parley.protocol.messages import NcclSource
 
     src = NcclSource(address="learner:29600", backend="nccl", nbytes=256, hold_s=7.0, tensors=ipc_buffer(5).tensors)
     wv5 = await registry.publish_gpu_version(js, run, 5, 5, src)

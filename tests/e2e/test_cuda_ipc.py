@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from engines.engine import EngineSettings, PolicyEngine
-from engines.models import build_tiny
-from protocol import codec
-from weights.common import WeightVerifyError
-from weights.registry import gpu_announcement
+from parley.engines.engine import EngineSettings, PolicyEngine
+from parley.engines.models import build_tiny
+from parley.protocol import codec
+from parley.weights.common import WeightVerifyError
+from parley.weights.registry import gpu_announcement
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -30,8 +30,8 @@ def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refus
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.weights_io import hf_tensors, hf_weights, write_weights
-    from weights.cuda_ipc import IpcPublisher
+    from parley.learner.weights_io import hf_tensors, hf_weights, write_weights
+    from parley.weights.cuda_ipc import IpcPublisher
 
     base = build_tiny(tmp_path / "tiny")
     # fp32 as the other toy-model tests (the toy's head_dim 32 has no FlashAttention-3 kernel); the
@@ -95,10 +95,10 @@ def test_trainer_packs_what_it_would_save(tiny_model, zero_stage):
     tensors save_weights writes, and the announced checksums are those of the buffer."""
     import torch
 
-    from config.learner import LearnerConfig
-    from learner.trainer import Trainer
-    from weights import cuda_ipc
-    from weights.config import CudaIpcWeights
+    from parley.config.learner import LearnerConfig
+    from parley.learner.trainer import Trainer
+    from parley.weights import cuda_ipc
+    from parley.weights.config import CudaIpcWeights
 
     trainer = Trainer(LearnerConfig(zero_stage=zero_stage, kl_coef=0.0), tiny_model, weights=CudaIpcWeights())
     try:

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from rollout.chat import ChatTokens
+from parley.rollout.chat import ChatTokens
 from tests import factories
 from tests.reference import reference_logprobs
 
@@ -79,7 +79,7 @@ def test_the_engines_sockets_are_in_a_scratch_dir_of_this_process(ctx):
     process is gone, killed included), not loose in the temp directory."""
     import stat
 
-    from engines.engine import RPC_DIR_ENV
+    from parley.engines.engine import RPC_DIR_ENV
 
     path = os.environ[RPC_DIR_ENV]
     assert os.path.basename(path).startswith("parley-vllm-") and f"-{os.getpid()}-" in os.path.basename(path)
@@ -119,12 +119,12 @@ def test_a_simulator_request_withdrawn_by_its_cancelled_actor_is_aborted_in_the_
     request on the bus; the simulator service (engines/service.py over actors/sim.py and a LocalBackend
     on the shared engine) cancels the computation nobody awaits, and vLLM aborts the request, long
     before the requester's 300 s wait would have let the service drop it."""
-    from actors.sim import Simulator
-    from config.actor import SimConfig
-    from engines.backend import LocalBackend
-    from protocol.connect import connect
-    from protocol.messages import ChatMessage, SimRequest
-    from rollout.sim import SimClient
+    from parley.actors.sim import Simulator
+    from parley.config.actor import SimConfig
+    from parley.engines.backend import LocalBackend
+    from parley.protocol.connect import connect
+    from parley.protocol.messages import ChatMessage, SimRequest
+    from parley.rollout.sim import SimClient
 
     llm = ctx.engine._llm
     aborted = []
@@ -235,11 +235,11 @@ def test_generate_json_returns_the_top_logprobs_of_every_position(ctx):
 
 
 def test_expected_interactivity_reply_carries_the_judges_distribution(ctx):
-    from engines.backend import LocalBackend
-    from protocol.messages import ChatMessage, JudgeRequest
-    from rewards.metrics import INTERACTIVITY_KEYS
-    from config.scorer import JudgeConfig
-    from scorer.judge import Judge
+    from parley.engines.backend import LocalBackend
+    from parley.protocol.messages import ChatMessage, JudgeRequest
+    from parley.rewards.metrics import INTERACTIVITY_KEYS
+    from parley.config.scorer import JudgeConfig
+    from parley.scorer.judge import Judge
 
     judge = Judge(LocalBackend(ctx.engine, ctx.tok, model_name="tiny", owns_engine=False),
                   JudgeConfig(max_tokens=400, max_retries=3))
@@ -330,12 +330,12 @@ def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
 
     import msgspec
 
-    from learner.weights_io import hf_tensors
-    from weights.cuda_ipc import IpcPublisher
-    from weights.nccl import NcclSender
-    from protocol import codec
-    from weights.common import WeightVerifyError
-    from weights.registry import gpu_announcement
+    from parley.learner.weights_io import hf_tensors
+    from parley.weights.cuda_ipc import IpcPublisher
+    from parley.weights.nccl import NcclSender
+    from parley.protocol import codec
+    from parley.weights.common import WeightVerifyError
+    from parley.weights.registry import gpu_announcement
 
     prompt = ctx.prompt("Describe the new bridge.")
 
@@ -384,15 +384,15 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from actors.follow import WeightFollower
-    from learner.weights_io import hf_tensors
-    from protocol import topology
-    from protocol.bus import COUNTERS
-    from protocol.connect import connect
-    from weights import registry
-    from weights.config import ObjstoreWeights, SharedDirWeights
-    from weights.cuda_ipc import table_digest
-    from weights.gpu_delta import PackedVersions
+    from parley.actors.follow import WeightFollower
+    from parley.learner.weights_io import hf_tensors
+    from parley.protocol import topology
+    from parley.protocol.bus import COUNTERS
+    from parley.protocol.connect import connect
+    from parley.weights import registry
+    from parley.weights.config import ObjstoreWeights, SharedDirWeights
+    from parley.weights.cuda_ipc import table_digest
+    from parley.weights.gpu_delta import PackedVersions
 
     prompt = ctx.prompt("Describe the packed bridge.")
     settings = (ObjstoreWeights(full_every=100, delta_format="packed") if kind == "objstore" else

@@ -22,7 +22,7 @@ PARROT = ROOT / "tests" / "data" / "parley_env_parrot"
 
 def _up(env_name: str, run_dir: Path, *extra: str) -> list[str]:
     # no periodic eval: it plays through `parley eval` (the sim/judge services), not what is tested here
-    return [sys.executable, "-m", "deploy.cli", "up", "--config", str(ROOT / "deploy/configs/tiny.toml"),
+    return [sys.executable, "-m", "parley.deploy.cli", "up", "--config", str(ROOT / "deploy/configs/tiny.toml"),
             "--env", env_name, "--no-live", "--run-dir", str(run_dir), "--set", "learner.eval_every=0", *extra]
 
 

@@ -21,21 +21,21 @@ RUN = "evale2e"
 def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model, nats_server, engines, tiny_engine):
     from transformers import AutoTokenizer
 
-    from engines.backend import LocalBackend
-    from config.actor import SimConfig
-    from tasks.data import load_items
-    from rollout.sim import SimClient
-    from actors.sim import Simulator
-    from deploy.cli import app
-    from protocol import topology
-    from protocol.bus import publish
-    from protocol.connect import connect
-    from evaluation.benchmark import summarize, write_table
-    from config.scorer import JudgeConfig, ScorerConfig
-    from evaluation.runner import EvalServices, EvalSettings, Policy, parse_condition, run_eval
-    from evaluation.evallog import read_records, read_stream, reweight, write_parquet
-    from scorer.judge import Judge, judge_service
-    from rollout.judge import JudgeClient
+    from parley.engines.backend import LocalBackend
+    from parley.config.actor import SimConfig
+    from parley.tasks.data import load_items
+    from parley.rollout.sim import SimClient
+    from parley.actors.sim import Simulator
+    from parley.deploy.cli import app
+    from parley.protocol import topology
+    from parley.protocol.bus import publish
+    from parley.protocol.connect import connect
+    from parley.evaluation.benchmark import summarize, write_table
+    from parley.config.scorer import JudgeConfig, ScorerConfig
+    from parley.evaluation.runner import EvalServices, EvalSettings, Policy, parse_condition, run_eval
+    from parley.evaluation.evallog import read_records, read_stream, reweight, write_parquet
+    from parley.scorer.judge import Judge, judge_service
+    from parley.rollout.judge import JudgeClient
 
     items = load_items("bundled")[:2]
     conditions = [parse_condition("base=tiny"), parse_condition("proactive=tiny,system_prompt=proactive")]

@@ -15,11 +15,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]  # 600 s in one run on
 def test_the_benchmark_plays_hidden_goal_and_shows_its_columns(tiny_model, engines, tiny_engine):
     from transformers import AutoTokenizer
 
-    from config.env import EnvConfig
-    from evaluation.benchmark import summarize, to_markdown
-    from evaluation.runner import Condition, EvalServices, EvalSettings, Policy, eval_items, run_eval
-    from config.learner import DataConfig
-    from config.scorer import ScorerConfig
+    from parley.config.env import EnvConfig
+    from parley.evaluation.benchmark import summarize, to_markdown
+    from parley.evaluation.runner import Condition, EvalServices, EvalSettings, Policy, eval_items, run_eval
+    from parley.config.learner import DataConfig
+    from parley.config.scorer import ScorerConfig
 
     env = EnvConfig(name="hidden_goal", options={"n_items": 20, "seed": 1}).load()
     _, held = eval_items(DataConfig(eval_fraction=0.2), None, env)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner import attention
-from learner.logprobs import token_logprobs
-from learner.packing import Sample, build_batch
+from parley.learner import attention
+from parley.learner.logprobs import token_logprobs
+from parley.learner.packing import Sample, build_batch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

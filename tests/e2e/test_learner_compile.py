@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from learner import attention
-from learner.packing import build_batch
-from learner.trainer import compile_layers
+from parley.learner import attention
+from parley.learner.packing import build_batch
+from parley.learner.trainer import compile_layers
 from tests.e2e.test_learner_attention import configs, logp_and_grads, packed_samples
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -50,7 +50,7 @@ def test_a_model_without_a_layer_list_is_refused():
 
 
 def test_bad_compile_value_is_refused_at_config():
-    from config.run import ConfigError, load_config
+    from parley.config.run import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"learner.compile = 'fast': expected one of 'auto', 'layers', 'off'"):
         load_config(None, ["learner.compile=fast"])

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config.learner import LearnerConfig
-from learner.packing import Sample
-from learner.steplog import PHASES
-from learner.trainer import Trainer
-from learner.grpo import group_advantages
+from parley.config.learner import LearnerConfig
+from parley.learner.packing import Sample
+from parley.learner.steplog import PHASES
+from parley.learner.trainer import Trainer
+from parley.learner.grpo import group_advantages
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -45,9 +45,9 @@ def whole_batch_grad_norm(model_dir, samples: list[Sample]) -> float:
     what DeepSpeed's accumulation over micro-batches must reproduce."""
     from transformers import AutoModelForCausalLM
 
-    from learner.packing import build_batch
-    from learner.logprobs import token_logprobs
-    from learner.grpo import batch_loss
+    from parley.learner.packing import build_batch
+    from parley.learner.logprobs import token_logprobs
+    from parley.learner.grpo import batch_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     b = build_batch(samples)
@@ -93,7 +93,7 @@ def test_one_step_changes_every_parameter_and_weights_round_trip(tiny_model, tmp
 def test_zero3_accumulates_exactly_and_exports(tiny_model, tmp_path):
     from safetensors.torch import load_file
 
-    from learner import checkpoint
+    from parley.learner import checkpoint
 
     from transformers import AutoModelForCausalLM
 
@@ -202,8 +202,8 @@ def test_packed_versions_chain_from_one_step_to_the_next(tiny_model, stage, tmp_
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from weights.cuda_ipc import table_digest
-    from weights.gpu_delta import Mirror
+    from parley.weights.cuda_ipc import table_digest
+    from parley.weights.gpu_delta import Mirror
 
     gen = torch.Generator().manual_seed(2)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()

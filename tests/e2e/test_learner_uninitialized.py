@@ -33,8 +33,7 @@ def test_the_nan_fill_catches_a_step_that_reads_unwritten_memory(tiny_model, mon
     zero, which hides garbage but not NaN) is caught by the NaN fill."""
     import torch
 
-    import engines.logprobs as lp
-
+    import parley.engines.logprobs as lp
     real = lp._logp_entropy
 
     def reads_unwritten(lm_head, hidden, targets, inv_temp=None):

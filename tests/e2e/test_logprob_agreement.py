@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 import torch
 
-from rollout.chat import ChatTokens
-from learner.packing import Sample, build_batch
-from learner.weights_io import hf_weights, write_weights
-from learner.logprobs import token_logprobs
+from parley.rollout.chat import ChatTokens
+from parley.learner.packing import Sample, build_batch
+from parley.learner.weights_io import hf_weights, write_weights
+from parley.learner.logprobs import token_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -19,9 +19,9 @@ RANK = 8
 
 def _learner_logprobs(trainer, ids: list[int], start: int, base: bool = False) -> torch.Tensor:
     """The trainer's log-probs of ids[start:] given their prefix (temperature 1), with the adapter or without."""
-    from learner.logprobs import token_logprobs
-    from learner.lora import base_only
-    from learner.packing import Sample, build_batch
+    from parley.learner.logprobs import token_logprobs
+    from parley.learner.lora import base_only
+    from parley.learner.packing import Sample, build_batch
 
     n = len(ids)
     sample = Sample("fixed", ids, [0] * start + [1] * (n - start), [0.0] * n, 0.0)
@@ -31,15 +31,15 @@ def _learner_logprobs(trainer, ids: list[int], start: int, base: bool = False) -
 
 
 async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tiny_model, js, tmp_path):
-    from actors.follow import WeightFollower
-    from config.learner import LearnerConfig, LoraSettings
-    from engines.engine import EngineSettings, PolicyEngine
-    from learner.lora import adapter_state
-    from learner.packing import Sample
-    from learner.trainer import Trainer
-    from protocol import topology
-    from weights import lora
-    from weights.config import ObjstoreWeights
+    from parley.actors.follow import WeightFollower
+    from parley.config.learner import LearnerConfig, LoraSettings
+    from parley.engines.engine import EngineSettings, PolicyEngine
+    from parley.learner.lora import adapter_state
+    from parley.learner.packing import Sample
+    from parley.learner.trainer import Trainer
+    from parley.protocol import topology
+    from parley.weights import lora
+    from parley.weights.config import ObjstoreWeights
 
     await topology.ensure_topology(js, RUN)
     cfg = LearnerConfig(zero_stage=2, lr=2e-2, kl_coef=0.01, micro_batch_tokens=256,
@@ -104,9 +104,9 @@ def _random_adapter(model_dir, out, seed: int):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from config.learner import LoraSettings
-    from learner.lora import adapter_state
-    from weights import lora
+    from parley.config.learner import LoraSettings
+    from parley.learner.lora import adapter_state
+    from parley.weights import lora
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -122,15 +122,15 @@ async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_
     conversation started after plays on 2. The user is hidden_goal's own (environments.base.LocalUser)."""
     from transformers import AutoTokenizer
 
-    from actors.follow import WeightFollower
-    from config.run import load_config
-    from engines.engine import EngineSettings, PolicyEngine
-    from environments.base import LocalUser
-    from environments.hidden_goal import Goal
-    from protocol import topology
-    from rollout.conversation import PolicySettings, run_conversation
-    from weights import lora
-    from weights.config import ObjstoreWeights
+    from parley.actors.follow import WeightFollower
+    from parley.config.run import load_config
+    from parley.engines.engine import EngineSettings, PolicyEngine
+    from parley.environments.base import LocalUser
+    from parley.environments.hidden_goal import Goal
+    from parley.protocol import topology
+    from parley.rollout.conversation import PolicySettings, run_conversation
+    from parley.weights import lora
+    from parley.weights.config import ObjstoreWeights
 
     await topology.ensure_topology(js, RUN)
     base = lora.base_identity(tiny_model)
@@ -188,9 +188,9 @@ async def test_an_adapter_handed_over_in_memory_serves_what_the_same_adapter_fro
 
     from safetensors.torch import load_file
 
-    from engines.engine import EngineSettings, PolicyEngine
-    from weights import lora
-    from weights.common import MODEL_FILE
+    from parley.engines.engine import EngineSettings, PolicyEngine
+    from parley.weights import lora
+    from parley.weights.common import MODEL_FILE
 
     adir = _random_adapter(tiny_model, tmp_path / "v1", seed=5)
     tensors = load_file(str(adir / MODEL_FILE))
@@ -229,8 +229,8 @@ def test_merged_export_computes_what_base_plus_adapter_computes(tiny_model, tmp_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from learner.lora import export_merged
-    from weights import lora
+    from parley.learner.lora import export_merged
+    from parley.weights import lora
 
     adir = _random_adapter(tiny_model, tmp_path / "v1", seed=3)
     export_merged(tiny_model, adir, tmp_path / "merged")

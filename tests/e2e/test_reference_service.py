@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from config.learner import LearnerConfig
-from learner.packing import Sample, build_batch, pack_by_tokens
-from protocol import arrays
-from protocol.connect import connect
-from protocol.messages import Scored, Trajectory
+from parley.config.learner import LearnerConfig
+from parley.learner.packing import Sample, build_batch, pack_by_tokens
+from parley.protocol import arrays
+from parley.protocol.connect import connect
+from parley.protocol.messages import Scored, Trajectory
 from tests import factories
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -60,7 +60,7 @@ def sampled_trajectories(model, prompt_lens: list[int], n: int, new: int, seed: 
 @contextlib.asynccontextmanager
 async def reference_up(url: str, model_dir):
     """The reference service on its own connection, as `parley reference` runs it."""
-    from engines.reference import ReferenceModel, reference_service
+    from parley.engines.reference import ReferenceModel, reference_service
 
     conn = await connect(url, name="reference-test")
     ref = ReferenceModel(NAME, model_dir, dtype="auto", chunk=64)
@@ -75,7 +75,7 @@ async def reference_up(url: str, model_dir):
 
 async def service_logprobs(nc, trajs: list[Trajectory]) -> dict[str, np.ndarray]:
     """What the scorer puts into Scored.ref_logp_f32, per trajectory."""
-    from scorer.reference import ReferenceClient
+    from parley.scorer.reference import ReferenceClient
 
     client = ReferenceClient(nc, model=NAME, timeout=120)
     packed = await asyncio.gather(*(client.logprobs(t) for t in trajs))
@@ -89,9 +89,9 @@ def plain_model(model_dir):
 
 
 async def test_service_logprobs_equal_the_learners_own_reference(nc, nats_server, tiny_model):
-    from learner.logprobs import token_logprobs
-    from learner.trainer import Trainer
-    from scorer.reference import ReferenceClient, ReferenceUnavailable
+    from parley.learner.logprobs import token_logprobs
+    from parley.learner.trainer import Trainer
+    from parley.scorer.reference import ReferenceClient, ReferenceUnavailable
 
     trajs = sampled_trajectories(plain_model(tiny_model), [5, 11, 23], 3, 14, seed=3)
     async with reference_up(nats_server.url, tiny_model):
@@ -125,11 +125,11 @@ def params(trainer) -> dict[str, torch.Tensor]:
 
 
 async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny_model):
-    from learner.grpo import group_advantages
-    from learner.groups import behaviour_logprobs, check_hostile_values
-    from learner.trainer import Trainer
+    from parley.learner.grpo import group_advantages
+    from parley.learner.groups import behaviour_logprobs, check_hostile_values
+    from parley.learner.trainer import Trainer
 
-    from learner.intake import policy_limits
+    from parley.learner.intake import policy_limits
 
     vocab, _ = policy_limits(tiny_model)
     trajs = sampled_trajectories(plain_model(tiny_model), [6, 9], 4, 16, seed=5)
@@ -183,10 +183,10 @@ async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny
 
 
 async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc, js, nats_server, tiny_model):
-    from protocol import bus, codec, topology
-    from config.scorer import ScorerConfig
-    from scorer.reference import ReferenceClient
-    from scorer.scorer import Scorer
+    from parley.protocol import bus, codec, topology
+    from parley.config.scorer import ScorerConfig
+    from parley.scorer.reference import ReferenceClient
+    from parley.scorer.scorer import Scorer
 
     run = "refscore"
     settings = topology.BusSettings(ack_wait_s=30.0, max_deliver=2, max_bytes=16 * 2**20)
@@ -225,11 +225,11 @@ async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc
 
 
 async def test_the_service_refuses_what_it_cannot_answer_with_the_reason(tiny_model):
-    from engines.reference import ReferenceModel, reference_routes
-    from protocol import codec, topology
-    from protocol.messages import ReferenceRequest
+    from parley.engines.reference import ReferenceModel, reference_routes
+    from parley.protocol import codec, topology
+    from parley.protocol.messages import ReferenceRequest
 
-    from learner.intake import policy_limits
+    from parley.learner.intake import policy_limits
 
     vocab, positions = policy_limits(tiny_model)
     ref = ReferenceModel(NAME, tiny_model, chunk=64)

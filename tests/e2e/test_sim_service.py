@@ -13,12 +13,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import nats.errors
 import pytest
 
-from engines.backend import OpenAIBackend, make_backend
-from engines.config import EngineConfig
-from config.actor import SimConfig
-from actors.sim import FALLBACK_MESSAGE, SIM_SCHEMA, Simulator
-from protocol import codec, topology
-from protocol.messages import ChatMessage, SimRequest
+from parley.engines.backend import OpenAIBackend, make_backend
+from parley.engines.config import EngineConfig
+from parley.config.actor import SimConfig
+from parley.actors.sim import FALLBACK_MESSAGE, SIM_SCHEMA, Simulator
+from parley.protocol import codec, topology
+from parley.protocol.messages import ChatMessage, SimRequest
 
 pytestmark = pytest.mark.integration
 

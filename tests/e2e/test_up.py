@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "up", "--config", str(ROOT / "deploy/configs/tiny.toml"),
+        [sys.executable, "-m", "parley.deploy.cli", "up", "--config", str(ROOT / "deploy/configs/tiny.toml"),
          "--steps", "2", "--no-live", "--run-dir", str(run_dir), "--set", "log.wandb=true"],
         capture_output=True, text=True, timeout=1400, cwd=tmp_path,
         env={k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE")},
@@ -46,7 +46,7 @@ def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
         assert (run_dir / "report" / png).stat().st_size > 1000
     # The learner's periodic eval (tiny.toml: every version) played versions 0, 1 and 2 on the same
     # held-out items through `parley eval` and the sim/judge services, under the eval role's credentials.
-    from evaluation.evallog import read_records
+    from parley.evaluation.evallog import read_records
 
     for v in (0, 1, 2):
         recs = read_records(run_dir / "eval" / f"v{v}" / "records.parquet")
@@ -56,7 +56,7 @@ def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
     # One eval child with one policy engine played all three versions, loading versions 1 and 2 in place.
     assert "engine starts 1, in-place loads 2" in (run_dir / "eval" / "v2" / "eval.log").read_text()
     assert "| v0 |" in out.stdout and "| v2 |" in out.stdout and "best by mr: v" in out.stdout
-    sel = subprocess.run([sys.executable, "-m", "deploy.cli", "select", str(run_dir), "--metric", "mr"],
+    sel = subprocess.run([sys.executable, "-m", "parley.deploy.cli", "select", str(run_dir), "--metric", "mr"],
                          capture_output=True, text=True, timeout=120)
     assert sel.returncode == 0 and "best by mr: v" in sel.stdout, sel.stderr
     best = int(sel.stdout.split("best by mr: v")[1].split()[0])

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import msgspec
 
-from deploy.natsserver import NatsServer, free_port
-from learner.checkpoint import read_state
-from protocol import codec, topology
-from protocol.messages import Heartbeat
+from parley.deploy.natsserver import NatsServer, free_port
+from parley.learner.checkpoint import read_state
+from parley.protocol import codec, topology
+from parley.protocol.messages import Heartbeat
 
 REPO = Path(__file__).resolve().parents[2]
 # A restarted nats-server recovers its JetStream store before it reports its port: seconds when the
@@ -57,7 +57,7 @@ class Role:
     held_down: bool = False  # kept down on purpose (an outage, or stopped)
     finished: bool = False  # exited 0 on its own after its work (the learner at its last step)
     env: dict[str, str] = field(default_factory=dict)  # its NATS user, when the server checks them
-    module: str = "deploy.cli"  # what `python -m` runs (tests.faults.clock_ahead: the same, its clock moved)
+    module: str = "parley.deploy.cli"  # what `python -m` runs (tests.faults.clock_ahead: the same, its clock moved)
 
     @property
     def alive(self) -> bool:
@@ -65,7 +65,7 @@ class Role:
 
 
 class Cluster:
-    """The run's processes. Role processes are `python -m deploy.cli <role>` in their own process
+    """The run's processes. Role processes are `python -m parley.deploy.cli <role>` in their own process
     group (vLLM's engine core is a child: a kill takes the group). nats-server keeps its store
     directory and port across kills, as a restarted server on the same host would."""
 
@@ -82,7 +82,7 @@ class Cluster:
     # -- processes --------------------------------------------------------------------------------
 
     def add(self, name: str, kind: str, argv: list[str], *, env: dict[str, str] | None = None,
-            module: str = "deploy.cli") -> None:
+            module: str = "parley.deploy.cli") -> None:
         self.roles[name] = Role(name, kind, argv, self.root / "logs" / f"{name}.log", env=env or {}, module=module)
 
     def start(self, name: str, *extra: str) -> None:

@@ -16,4 +16,4 @@ time.time_ns = lambda: _real_time_ns() + int(AHEAD_S * 1e9)
 
 if __name__ == "__main__":
     sys.argv[0] = "parley"
-    runpy.run_module("deploy.cli", run_name="__main__", alter_sys=True)
+    runpy.run_module("parley.deploy.cli", run_name="__main__", alter_sys=True)

@@ -22,10 +22,10 @@ import time
 import msgspec
 import pytest
 
-from config.run import load_config
-from protocol import codec, dead, examples, topology
-from protocol.connect import barrier, connect
-from protocol.messages import TASK_MAX_N, TASK_MAX_NEW_TURNS
+from parley.config.run import load_config
+from parley.protocol import codec, dead, examples, topology
+from parley.protocol.connect import barrier, connect
+from parley.protocol.messages import TASK_MAX_N, TASK_MAX_NEW_TURNS
 from tests.faults.chaos import (
     NATS_START_S,
     Chaos,

@@ -30,13 +30,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from config.run import load_config
-from deploy.credentials import generate_credentials
-from deploy.permissions import response_window_s
-from learner.checkpoint import read_state
-from protocol import codec, dead, topology
-from protocol.connect import barrier, connect
-from protocol.messages import DeadLetter
+from parley.config.run import load_config
+from parley.deploy.credentials import generate_credentials
+from parley.deploy.permissions import response_window_s
+from parley.learner.checkpoint import read_state
+from parley.protocol import codec, dead, topology
+from parley.protocol.connect import barrier, connect
+from parley.protocol.messages import DeadLetter
 from tests.faults.chaos import (
     NATS_START_S,
     Cluster,
@@ -238,7 +238,7 @@ class Run:
 async def small_run(tmp_path_factory, tiny_model):
     runs = []
 
-    def make(over: dict[str, str] | None = None, *, auth: bool = False, svc_module: str = "deploy.cli") -> Run:
+    def make(over: dict[str, str] | None = None, *, auth: bool = False, svc_module: str = "parley.deploy.cli") -> Run:
         r = Run(tmp_path_factory.mktemp("f28"), str(tiny_model), over or {}, auth=auth, svc_module=svc_module)
         runs.append(r)
         return r
@@ -402,7 +402,7 @@ async def test_a_dead_letter_forged_by_a_service_user_frees_no_slot(small_run):
 
 def two_megabyte_items(path: Path) -> Path:
     """The bundled items with each reference document repeated to just over 2 MB."""
-    from tasks.data import bundled_path
+    from parley.tasks.data import bundled_path
 
     with bundled_path().open() as f, path.open("w") as out:
         for line in f:

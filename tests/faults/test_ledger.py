@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import msgspec
 
-from learner.checkpoint import LearnerState
-from protocol import codec, examples
-from protocol.messages import DeadLetter
+from parley.learner.checkpoint import LearnerState
+from parley.protocol import codec, examples
+from parley.protocol.messages import DeadLetter
 from tests.faults.chaos import reason_kind, settle
 
 
@@ -129,7 +129,7 @@ def test_reason_kind_drops_what_differs_per_message():
 
 
 def test_a_slot_held_past_its_deadline_is_caught():
-    from learner.checkpoint import IssuedTask
+    from parley.learner.checkpoint import IssuedTask
 
     state = LearnerState(step=0, in_flight=["r-g000000", "r-g000001"], saved=10_000.0,
                          issued=[IssuedTask(task_id="r-g000000", at=10_000.0 - 7300, version=0),

@@ -9,15 +9,15 @@ import asyncio
 import sys
 from collections import Counter
 
-from protocol import status, topology
-from protocol.bus import PullWorker
-from protocol.messages import Heartbeat
+from parley.protocol import status, topology
+from parley.protocol.bus import PullWorker
+from parley.protocol.messages import Heartbeat
 
 BUS = topology.BusSettings(max_bytes=16 * 1024**2, ack_wait_s=30.0)
 
 
 async def main(stop: asyncio.Event, url: str, run: str, ident: str, play_s: float) -> int:
-    from protocol.connect import connect
+    from parley.protocol.connect import connect
 
     nc = await connect(url, name=f"parley-{ident}")
     js = nc.jetstream()
@@ -46,7 +46,7 @@ async def main(stop: asyncio.Event, url: str, run: str, ident: str, play_s: floa
 
 
 if __name__ == "__main__":
-    from runtime.process import run_async
+    from parley.runtime.process import run_async
 
     url, run, ident, play_s = sys.argv[1:5]
     sys.exit(run_async(main, url, run, ident, float(play_s)))

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from deploy.autoscale import ActorPool, ScalePolicy
-from deploy.live import RunWatcher
-from deploy.up import scale_step
-from protocol import topology
-from protocol.bus import publish
-from protocol.messages import ChatMessage, Task
-from runtime.supervisor import Supervisor
+from parley.deploy.autoscale import ActorPool, ScalePolicy
+from parley.deploy.live import RunWatcher
+from parley.deploy.up import scale_step
+from parley.protocol import topology
+from parley.protocol.bus import publish
+from parley.protocol.messages import ChatMessage, Task
+from parley.runtime.supervisor import Supervisor
 from tests.integration.actor_double import BUS
 
 pytestmark = [pytest.mark.integration]

@@ -11,12 +11,12 @@ import types
 
 import pytest
 
-from actors.actor import Actor
-from config.run import RunConfig
-from protocol import codec, topology
-from protocol.bus import PullWorker, publish
-from protocol.messages import ChatMessage, SimReply, Task
-from protocol.connect import barrier
+from parley.actors.actor import Actor
+from parley.config.run import RunConfig
+from parley.protocol import codec, topology
+from parley.protocol.bus import PullWorker, publish
+from parley.protocol.messages import ChatMessage, SimReply, Task
+from parley.protocol.connect import barrier
 from tests.unit.test_rollout import EngineDouble
 
 pytestmark = [pytest.mark.integration]

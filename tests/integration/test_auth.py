@@ -17,17 +17,17 @@ import subprocess
 import nats.errors
 import pytest
 
-from deploy.credentials import generate_credentials, read_env_file, server_auth_conf
-from deploy.natsserver import NatsServer
-from deploy.permissions import DEAD_LETTERERS, ROLES, role_permissions
-from protocol import codec, examples, status, topology
-from protocol.bus import PullWorker, dead_letter, publish
-from protocol.connect import NatsUnreachable, barrier, connect, inbox_prefix
-from protocol.messages import Heartbeat, JudgeReply, JudgeRequest, SimReply, SimRequest, WeightVersion
+from parley.deploy.credentials import generate_credentials, read_env_file, server_auth_conf
+from parley.deploy.natsserver import NatsServer
+from parley.deploy.permissions import DEAD_LETTERERS, ROLES, role_permissions
+from parley.protocol import codec, examples, status, topology
+from parley.protocol.bus import PullWorker, dead_letter, publish
+from parley.protocol.connect import NatsUnreachable, barrier, connect, inbox_prefix
+from parley.protocol.messages import Heartbeat, JudgeReply, JudgeRequest, SimReply, SimRequest, WeightVersion
 from tests import factories
-from weights.common import current_version
-from weights.config import ObjstoreWeights
-from weights.registry import fetch_version, publish_version
+from parley.weights.common import current_version
+from parley.weights.config import ObjstoreWeights
+from parley.weights.registry import fetch_version, publish_version
 
 pytestmark = pytest.mark.integration
 RUN = "authrun"
@@ -318,7 +318,7 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
 
         # The learner reads the run's dead letters (the fates of the tasks it issued) and how full
         # every stream is (the backlog warning).
-        from protocol import backlog, dead
+        from parley.protocol import backlog, dead
 
         letters, _ = await dead.read_since(learner, run, 0)
         assert len(letters) == 1
@@ -342,8 +342,8 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
 
 
 async def test_services_may_answer_for_as_long_as_the_config_lets_requesters_wait(tmp_path, caplog):
-    from deploy.permissions import response_window_s
-    from config.run import load_config
+    from parley.deploy.permissions import response_window_s
+    from parley.config.run import load_config
 
     cfg = load_config(None, ["actor.sim_timeout_s=400", "scorer.judge_timeout_s=30"])
     assert response_window_s(cfg) >= 400
@@ -426,7 +426,7 @@ async def test_tls_with_role_users(tmp_path, monkeypatch):
 async def test_the_reference_service_answers_the_scorer_and_nobody_else_may_ask_or_serve(secured, caplog):
     """[policy] reference = "service": the reference user serves its model's subject and
     answers the scorer; an actor may not ask it, and the judge user may not serve it."""
-    from protocol.messages import ReferenceReply, ReferenceRequest
+    from parley.protocol.messages import ReferenceReply, ReferenceRequest
 
     caplog.set_level(logging.WARNING, logger="parley.nats")
     conns = {role: await secured.connect(role) for role in ("scorer", "reference", "actor", "judge")}

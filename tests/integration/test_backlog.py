@@ -8,11 +8,11 @@ import logging
 
 import pytest
 
-from deploy.live import RunWatcher, backlog_warnings, render
-from deploy.up import progress_line
-from protocol import backlog, topology
-from protocol.bus import publish
-from protocol.messages import Task
+from parley.deploy.live import RunWatcher, backlog_warnings, render
+from parley.deploy.up import progress_line
+from parley.protocol import backlog, topology
+from parley.protocol.bus import publish
+from parley.protocol.messages import Task
 from tests.integration.test_learner_fates import TrainerDouble, base_model, make_cfg, scored_for
 
 pytestmark = [pytest.mark.integration]
@@ -26,7 +26,7 @@ def test_share_is_the_unconsumed_messages_at_average_size():
 
 
 async def test_a_filling_backlog_is_warned_about(js, nc, tmp_path, caplog):
-    from learner.service import Learner
+    from parley.learner.service import Learner
 
     run = "backlog"
     await topology.ensure_topology(js, run, TINY)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.connect import barrier
+from parley.protocol.connect import barrier
 
 pytestmark = [pytest.mark.integration]
 
@@ -51,7 +51,7 @@ async def test_the_ping_goes_out_after_every_queued_command(nc, command):
 
 async def test_a_subscription_is_live_when_barrier_returns(nc, nats_server):
     """Another connection's message reaches the new subscription: the server had it before the PONG."""
-    from protocol.connect import connect
+    from parley.protocol.connect import connect
 
     got = []
 

@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-from protocol import codec, examples, topology
-from protocol.bus import PullWorker, publish
-from protocol.connect import connect
+from parley.protocol import codec, examples, topology
+from parley.protocol.bus import PullWorker, publish
+from parley.protocol.connect import connect
 
 pytestmark = pytest.mark.integration
 RUN = "itest"
@@ -40,8 +40,8 @@ async def test_same_msg_id_is_stored_once(js):
 KILLED_CONSUMER = textwrap.dedent(
     """
     import asyncio, sys
-    from protocol.connect import connect
-    from protocol import topology
+    from parley.protocol.connect import connect
+    from parley.protocol import topology
     async def main():
         nc = await connect(sys.argv[1], name="doomed")
         js = nc.jetstream()
@@ -127,7 +127,7 @@ async def test_failing_handler_is_retried_then_dead_lettered(js):
 async def test_dead_letter_that_fails_on_the_last_delivery_is_not_stranded(js, monkeypatch):
     """The dead-letter publish fails once, on the very delivery that exceeds max_deliver: the message
     must still end in DEAD and leave the consumer, not sit unacked and undelivered for good."""
-    from protocol import bus
+    from parley.protocol import bus
 
     await topology.ensure_topology(js, RUN, FAST)
     await publish(js, RUN, "traj", examples.trajectory(RUN))
@@ -190,7 +190,7 @@ async def test_large_messages_are_fetched_within_the_byte_budget_and_the_consume
 
     import msgspec
 
-    from deploy.natsserver import NatsServer
+    from parley.deploy.natsserver import NatsServer
 
     caplog.set_level(logging.WARNING, logger="parley.nats")
     server = NatsServer(tmp_path / "nats", port=0, extra_conf="max_pending: 8388608")
@@ -238,7 +238,7 @@ async def test_a_task_held_through_a_server_restart_is_handled_once_and_spends_n
     not count against max_deliver (at max_deliver=1 it was dead-lettered while being worked on)."""
     import contextlib
 
-    from protocol.bus import keep_alive
+    from parley.protocol.bus import keep_alive
 
     server = nats_server  # killed and restarted on its store below; the fixture stops it
     nc = await connect(server.url, name="holder")
@@ -293,7 +293,7 @@ async def test_tasks_whose_work_ends_during_a_server_outage_are_handled_once_thr
     test_a_copy_delivered_after_its_ack_was_lost_is_settled_again_without_the_handler."""
     import contextlib
 
-    from protocol.bus import keep_alive
+    from parley.protocol.bus import keep_alive
 
     server = nats_server  # killed and restarted on its store below; the fixture stops it
 

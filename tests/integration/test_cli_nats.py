@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.integration
-PARLEY = [sys.executable, "-m", "deploy.cli"]
+PARLEY = [sys.executable, "-m", "parley.deploy.cli"]
 
 
 async def test_parley_nats_prints_a_url_with_jetstream_and_8mb_payload(tmp_path):
@@ -41,7 +41,7 @@ def test_selfcheck_round_trips_every_type():
 
 def test_help_does_not_import_heavy_libraries():
     # `parley --help` must answer at once: torch, vLLM and DeepSpeed load inside commands only.
-    code = "import sys, deploy.cli; print(sorted(m for m in ('torch','vllm','deepspeed','transformers') if m in sys.modules))"
+    code = "import sys, parley.deploy.cli; print(sorted(m for m in ('torch','vllm','deepspeed','transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     out = subprocess.run([*PARLEY, "--help"], capture_output=True, text=True, timeout=30)
@@ -62,7 +62,7 @@ def test_a_server_store_without_room_for_the_runs_streams_fails_with_the_setting
     """nats-server with a 100 MB store and the default [bus] max_bytes (1 GiB a stream, reserved up
     front): creating the topology fails with one line that names the setting, what it reserves and
     the fix, and exit code 4, not a traceback. With max_bytes lowered the same check passes."""
-    from deploy.natsserver import NatsServer
+    from parley.deploy.natsserver import NatsServer
 
     server = NatsServer(tmp_path / "nats", port=0, extra_conf="jetstream {\n  max_file_store: 104857600\n}")
     server.start()

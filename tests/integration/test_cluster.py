@@ -14,10 +14,10 @@ import time
 import pytest
 from nats.js.errors import APIError
 
-from deploy.natsserver import NatsServer, free_port
-from protocol import examples, topology
-from protocol.bus import PullWorker, publish
-from protocol.connect import connect
+from parley.deploy.natsserver import NatsServer, free_port
+from parley.protocol import examples, topology
+from parley.protocol.bus import PullWorker, publish
+from parley.protocol.connect import connect
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(150)]
 RUN = "cluster"

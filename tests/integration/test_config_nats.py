@@ -16,15 +16,15 @@ import sys
 
 import pytest
 
-from deploy.credentials import generate_credentials, read_env_file, server_auth_conf
-from deploy.natsserver import NatsServer
-from protocol import topology
-from protocol.connect import connect
+from parley.deploy.credentials import generate_credentials, read_env_file, server_auth_conf
+from parley.deploy.natsserver import NatsServer
+from parley.protocol import topology
+from parley.protocol.connect import connect
 from tests.integration.nats_operator import operator_setup
 from tests.integration.test_auth import make_tls
 
 pytestmark = pytest.mark.integration
-PARLEY = [sys.executable, "-m", "deploy.cli"]
+PARLEY = [sys.executable, "-m", "parley.deploy.cli"]
 RUN = "cfgnats"
 
 

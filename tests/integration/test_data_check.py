@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from protocol import topology
-from protocol.bus import publish
+from parley.protocol import topology
+from parley.protocol.bus import publish
 from tests.unit.test_benchmark_evallog import eval_record, scored
 
 pytestmark = pytest.mark.integration
-PARLEY = [sys.executable, "-m", "deploy.cli"]
+PARLEY = [sys.executable, "-m", "parley.deploy.cli"]
 
 
 def write_jsonl(path, rows):

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from config.learner import RolloutConfig
-from learner.feeder import Feeder, FeederState, Issued, task_id
-from protocol import codec, topology
-from tasks.data import load_items
+from parley.config.learner import RolloutConfig
+from parley.learner.feeder import Feeder, FeederState, Issued, task_id
+from parley.protocol import codec, topology
+from parley.tasks.data import load_items
 
 pytestmark = pytest.mark.integration
 
@@ -82,7 +82,7 @@ async def test_a_learner_killed_before_its_first_ledger_write_resumes_its_publis
     import os
     import signal
 
-    from learner.checkpoint import read_state
+    from parley.learner.checkpoint import read_state
     from tests.integration.test_learner_resume import BUS as RESUME_BUS
     from tests.integration.test_learner_resume import start_learner, wait_for
 

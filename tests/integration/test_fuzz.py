@@ -31,10 +31,10 @@ import nats.errors
 import pytest
 import pytest_asyncio
 
-from deploy.natsserver import NatsServer
-from protocol import codec, examples, topology
-from protocol.connect import barrier, connect
-from protocol.messages import (
+from parley.deploy.natsserver import NatsServer
+from parley.protocol import codec, examples, topology
+from parley.protocol.connect import barrier, connect
+from parley.protocol.messages import (
     ChatMessage,
     DeadLetter,
     Heartbeat,
@@ -71,7 +71,7 @@ class System:
         self.logs[name] = log
         with log.open("ab") as out:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "deploy.cli", *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", "parley.deploy.cli", *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env={**os.environ, "PARLEY_LOG": "INFO", "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,
             )
@@ -303,8 +303,8 @@ async def test_bad_messages_are_dead_lettered_with_reasons_and_counted(system):
 async def test_model_output_with_lone_surrogates_still_makes_a_reply():
     """Bad input from the model side: a JSON "\\udxxx" escape decodes to a lone surrogate, which
     msgpack cannot encode; the judge used to fail the whole reply on it (seen under the fault suite)."""
-    from actors.sim import parse_reply
-    from scorer.judge import parse_verdict
+    from parley.actors.sim import parse_reply
+    from parley.scorer.judge import parse_verdict
 
     reply = parse_verdict("extract", '{"document": "Dear Ann,\\udeea thanks"}')
     assert codec.decode("judge.reply", codec.encode(reply)).document == "Dear Ann,? thanks"
@@ -370,8 +370,8 @@ async def test_services_answer_malformed_requests_with_an_error(system):
 # -- weight announcements -------------------------------------------------------------------------
 
 async def test_bad_weight_announcements_are_refused_and_counted(system, tiny_model, tmp_path):
-    from weights.config import ObjstoreWeights
-    from weights.registry import publish_version
+    from parley.weights.config import ObjstoreWeights
+    from parley.weights.registry import publish_version
 
     s = system
     kv = await s.js.key_value(topology.kv_bucket(RUN))
@@ -428,7 +428,7 @@ def _tiny_scored(run: str, task: str, sample: int) -> Scored:
 
 
 async def test_every_role_still_works_after_the_fuzz(system):
-    from protocol.bus import publish
+    from parley.protocol.bus import publish
 
     s = system
     s.check_alive()

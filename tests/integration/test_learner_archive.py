@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.evallog import read_log, read_stream
-from learner.checkpoint import archive_dir
-from protocol import topology
+from parley.evaluation.evallog import read_log, read_stream
+from parley.learner.checkpoint import archive_dir
+from parley.protocol import topology
 from tests.integration.test_learner_fates import drive, make_cfg
 
 pytestmark = [pytest.mark.integration]
@@ -43,7 +43,7 @@ async def test_replay_of_steps_the_streams_no_longer_hold(js, nc, tmp_path):
     assert [s.task_id for s in read_log(root / "step000001-dropped.parquet")] == [f"{run}-g000001"] * 2
 
     proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "deploy.cli", "replay", str(run_dir), "--weights", "bleu=1"],
+        subprocess.run, [sys.executable, "-m", "parley.deploy.cli", "replay", str(run_dir), "--weights", "bleu=1"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-from config.run import RunConfig
-from config.learner import LearnerConfig, RolloutConfig
-from protocol import topology
-from protocol.bus import publish
-from evaluation.selection import select_best
+from parley.config.run import RunConfig
+from parley.config.learner import LearnerConfig, RolloutConfig
+from parley.protocol import topology
+from parley.protocol.bus import publish
+from parley.evaluation.selection import select_best
 from tests.integration.test_learner_fates import TrainerDouble
 from tests.integration.test_learner_resume import BUS, make_scored, toy  # noqa: F401 (toy: the fixture)
 from tests.unit.test_periodic_eval import PlantedEval
@@ -25,7 +25,7 @@ RUN, N, STEPS = "earlystop", 3, 8
 
 
 async def test_learner_stops_early_on_a_significant_regression(js, nc, toy, tmp_path):
-    from learner.service import Learner
+    from parley.learner.service import Learner
 
     model, tok, hf = toy
     base = tmp_path / "base"

@@ -14,12 +14,12 @@ import time
 import msgspec
 import pytest
 
-from config.run import RunConfig
-from learner.checkpoint import read_state
-from config.learner import LearnerConfig, RolloutConfig
-from protocol import codec, topology
-from protocol.bus import Poison, PullWorker, publish
-from protocol.messages import ABANDONED_STALE, Scored, Task
+from parley.config.run import RunConfig
+from parley.learner.checkpoint import read_state
+from parley.config.learner import LearnerConfig, RolloutConfig
+from parley.protocol import codec, topology
+from parley.protocol.bus import Poison, PullWorker, publish
+from parley.protocol.messages import ABANDONED_STALE, Scored, Task
 from tests import factories
 
 pytestmark = [pytest.mark.integration]
@@ -135,7 +135,7 @@ def base_model(tmp_path):
 
 async def drive(js, nc, cfg, fate, *, resume=False, trainer=None, timeout=120.0, pad=0):
     """Run the Learner with the actor double until its step budget; returns (learner, actor)."""
-    from learner.service import Learner
+    from parley.learner.service import Learner
 
     learner = Learner(cfg, js, nc, trainer or TrainerDouble(), model_dir=base_model(cfg.run_dir.parent),
                       resume=resume, steps=cfg.learner.steps)
@@ -210,7 +210,7 @@ async def test_lost_tasks_are_given_up_at_their_deadline(js, nc, tmp_path):
 async def test_resume_does_not_restore_a_stall(js, nc, tmp_path):
     """Tasks in flight when the learner stopped and dead-lettered while it was down are freed by the
     resumed learner (it reads DEAD from the ledger's position); the default deadline is far away."""
-    from learner.service import Learner
+    from parley.learner.service import Learner
 
     run, run_dir = "stalled", tmp_path / "run"
     cfg = make_cfg(run, run_dir, steps=1, groups_per_step=4, max_staleness=0)
@@ -252,7 +252,7 @@ async def test_admission_waits_for_the_announced_version(js, nc, tmp_path):
         finally:
             trainer.release.set()
 
-    from learner.service import Learner
+    from parley.learner.service import Learner
 
     learner_box = [Learner(cfg, js, nc, trainer, model_dir=base_model(tmp_path), resume=False, steps=2)]
     halt = asyncio.Event()
@@ -282,8 +282,8 @@ async def test_admission_waits_for_the_announced_version(js, nc, tmp_path):
 
 
 def test_a_resumed_deadline_does_not_count_the_time_the_learner_was_down(tmp_path):
-    from learner import checkpoint as ckpt
-    from learner.service import Learner
+    from parley.learner import checkpoint as ckpt
+    from parley.learner.service import Learner
 
     run_dir = tmp_path / "run"
     cfg = make_cfg("down", run_dir, steps=1, groups_per_step=2, max_staleness=0)
@@ -301,9 +301,9 @@ def test_a_resumed_deadline_does_not_count_the_time_the_learner_was_down(tmp_pat
 
 
 def test_only_a_real_sample_of_an_issued_task_gives_it_up(tmp_path):
-    from learner.feeder import Issued
-    from learner.service import Learner
-    from protocol.messages import DeadLetter
+    from parley.learner.feeder import Issued
+    from parley.learner.service import Learner
+    from parley.protocol.messages import DeadLetter
 
     cfg = make_cfg("one", tmp_path / "run", steps=1, groups_per_step=2, max_staleness=0)
     learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)
@@ -329,8 +329,8 @@ def test_a_resumed_group_timeout_does_not_count_the_time_the_learner_was_down(tm
     group_timeout_s: the group's age counts learner uptime, so it is not timed out on resume (its
     missing samples are waiting in SCORED). Before, first_seen came back as wall-clock time and the
     first loop pass dropped the group and acked its samples as late."""
-    from learner import checkpoint as ckpt
-    from learner.service import Learner
+    from parley.learner import checkpoint as ckpt
+    from parley.learner.service import Learner
 
     run_dir = tmp_path / "run"
     cfg = make_cfg("away", run_dir, steps=1, groups_per_step=1, max_staleness=0, group_timeout_s=600.0)
@@ -354,8 +354,8 @@ async def test_a_resumed_learner_reads_its_backlog_before_it_times_groups_out(js
     """The rest of a buffered group is waiting in SCORED when the learner resumes, and the group is
     past its timeout by uptime: the learner reads the backlog before any timeout, so the group is
     trained, not dropped (the first loop pass used to expire it before the first fetch)."""
-    from learner import checkpoint as ckpt
-    from learner.service import Learner
+    from parley.learner import checkpoint as ckpt
+    from parley.learner.service import Learner
 
     run_dir = tmp_path / "run"
     cfg = make_cfg("backlog", run_dir, steps=1, groups_per_step=1, max_staleness=0, group_timeout_s=1.0)
@@ -377,9 +377,9 @@ def test_a_letter_read_before_its_task_is_in_flight_frees_the_task_once_it_is(tm
     what its ledger had not recorded: a letter about that Task can be read first. It is kept and
     applied when the task is issued (the slot is freed, not held for task_deadline_s), and the
     ledger's dead_seq stays at it until then, so a resume reads it again."""
-    from learner.feeder import Issued
-    from learner.service import Learner
-    from protocol.messages import DeadLetter
+    from parley.learner.feeder import Issued
+    from parley.learner.service import Learner
+    from parley.protocol.messages import DeadLetter
 
     cfg = make_cfg("early", tmp_path / "run", steps=1, groups_per_step=2, max_staleness=0)
     learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)

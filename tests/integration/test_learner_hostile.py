@@ -11,10 +11,10 @@ import json
 import msgspec
 import pytest
 
-from protocol import arrays, codec, topology
-from protocol.bus import publish
-from weights.common import current_version
-from weights.registry import fetch_version
+from parley.protocol import arrays, codec, topology
+from parley.protocol.bus import publish
+from parley.weights.common import current_version
+from parley.weights.registry import fetch_version
 from tests.integration.test_learner_resume import (  # noqa: F401 - toy is a fixture
     BUS,
     GROUPS_PER_STEP,
@@ -99,10 +99,10 @@ async def test_a_step_the_trainer_skips_is_dead_lettered_and_training_goes_on(js
     are final in the ledger as "nonfinite", no step or version is counted for it, and later groups train."""
     import asyncio
 
-    from config.run import RunConfig
-    from learner.checkpoint import read_state
-    from config.learner import LearnerConfig, RolloutConfig
-    from learner.service import Learner
+    from parley.config.run import RunConfig
+    from parley.learner.checkpoint import read_state
+    from parley.config.learner import LearnerConfig, RolloutConfig
+    from parley.learner.service import Learner
     from tests.integration.test_learner_early_stop import TrainerDouble
 
     class FirstStepNaNDouble(TrainerDouble):  # test double: the first step's loss is NaN

@@ -22,7 +22,7 @@ def test_learner_refuses_planted_overlap_and_allows_it_only_when_asked(tmp_path)
     train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     _write(train, ["A first document about tides.", "A second one, about bread."])
     _write(held, ["a first document about TIDES", "Something else entirely."])  # same target after normalization
-    base = [sys.executable, "-m", "deploy.cli", "learner", "--set", f'data.path="{train}"', "--set", f'data.eval_path="{held}"',
+    base = [sys.executable, "-m", "parley.deploy.cli", "learner", "--set", f'data.path="{train}"', "--set", f'data.eval_path="{held}"',
             "--set", f'run.dir="{tmp_path / "run"}"']
     out = subprocess.run([*base, "--nats", "nats://127.0.0.1:1", "--set", "nats.connect_timeout_s=1"],
                          capture_output=True, text=True, timeout=120)

@@ -18,8 +18,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from learner import checkpoint as ckpt
-from protocol.messages import Task
+from parley.learner import checkpoint as ckpt
+from parley.protocol.messages import Task
 from tests.integration.test_learner_fates import TrainerDouble, base_model, make_cfg, scored_for
 
 pytestmark = [pytest.mark.integration]
@@ -32,7 +32,7 @@ def task(run: str, i: int) -> Task:
 
 
 async def test_bytes_per_flush_stay_o_changes_and_resume_restores_every_sample(tmp_path):
-    from learner.service import Learner
+    from parley.learner.service import Learner
 
     run_dir = tmp_path / "run"
     cfg = make_cfg("ledger", run_dir, steps=1, groups_per_step=2, max_staleness=0)
@@ -67,7 +67,7 @@ async def test_bytes_per_flush_stay_o_changes_and_resume_restores_every_sample(t
 async def test_an_old_ledger_with_inline_samples_resumes(tmp_path):
     """A ledger written before the sample log (full Scored inside state.msgpack) still resumes, and
     its samples move into the log with the next write."""
-    from learner.service import Learner
+    from parley.learner.service import Learner
 
     run_dir = tmp_path / "run"
     cfg = make_cfg("old", run_dir, steps=1, groups_per_step=2, max_staleness=0)
@@ -89,7 +89,7 @@ async def test_an_old_ledger_with_inline_samples_resumes(tmp_path):
 # small compaction threshold makes it compact every few writes. Restarted, it resumes from its ledger.
 WRITER = textwrap.dedent("""
     import sys
-    from learner import checkpoint as ckpt
+    from parley.learner import checkpoint as ckpt
     from tests.integration.test_learner_ledger import expected_groups, window_samples
     run_dir = sys.argv[1]
     ledger = ckpt.Ledger(run_dir, compact_min_bytes=40_000)
@@ -151,7 +151,7 @@ def test_sigkill_during_writes_and_compactions_loses_no_buffered_sample(tmp_path
 
 
 async def test_a_damaged_or_missing_sample_log_stops_the_resume_with_its_name(tmp_path):
-    from learner.service import Learner
+    from parley.learner.service import Learner
 
     run_dir = tmp_path / "run"
     cfg = make_cfg("damaged", run_dir, steps=1, groups_per_step=2, max_staleness=0)

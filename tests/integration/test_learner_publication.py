@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from protocol import codec, topology
-from weights.common import current_version
-from weights.config import ObjstoreWeights, SharedDirWeights
+from parley.protocol import codec, topology
+from parley.weights.common import current_version
+from parley.weights.config import ObjstoreWeights, SharedDirWeights
 from tests.integration.test_learner_fates import BUS, ActorDouble, TrainerDouble, base_model, make_cfg
 
 pytestmark = [pytest.mark.integration]
@@ -29,7 +29,7 @@ class SlowUploads:
     uploads are timed and their concurrency counted."""
 
     def __init__(self, monkeypatch, gate):
-        from weights import objstore
+        from parley.weights import objstore
 
         self.gate = gate
         self.started: dict[int, float] = {}
@@ -93,7 +93,7 @@ async def announced(js, run: str) -> list[int]:
 
 
 async def run_learner(js, nc, cfg, trainer, transport, stop: asyncio.Event | None = None, tmp_path=None):
-    from learner.service import Learner
+    from parley.learner.service import Learner
 
     learner = Learner(cfg, transport, nc, trainer, model_dir=base_model(cfg.run_dir.parent), resume=False,
                       steps=cfg.learner.steps)
@@ -141,7 +141,7 @@ async def test_a_version_overtaken_while_waiting_is_never_announced(js, nc, tmp_
                 await asyncio.sleep(0.05)
 
     slow = SlowUploads(monkeypatch, gate)
-    from learner.service import Learner
+    from parley.learner.service import Learner
 
     learner = Learner(cfg, js, nc, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=3)
     box.append(learner)
@@ -171,7 +171,7 @@ class RealWeightsTrainer(TrainerDouble):
         if op == "weights_snapshot":
             import torch
 
-            from learner.weights_io import WeightSnapshot
+            from parley.learner.weights_io import WeightSnapshot
 
             n = sum(c == "train_step" for c in self.calls)
             self.calls.append(op)
@@ -252,7 +252,7 @@ class PackedTrainer(TrainerDouble):
     def __init__(self):
         import torch
 
-        from weights.gpu_delta import PackedVersions
+        from parley.weights.gpu_delta import PackedVersions
 
         super().__init__(step_s=0.2)  # steps slower than these small uploads: few versions superseded
         gen = torch.Generator().manual_seed(0)
@@ -263,7 +263,7 @@ class PackedTrainer(TrainerDouble):
     def __call__(self, op, *args):
         import torch
 
-        from learner.weights_io import PackedSnapshot, WeightSnapshot
+        from parley.learner.weights_io import PackedSnapshot, WeightSnapshot
 
         if op == "train_step":
             flat = self.w.view(-1)
@@ -289,9 +289,9 @@ async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(
     full file, gives the next version's table; one version in three is full only."""
     from safetensors.torch import load_file
 
-    from weights import registry
-    from weights.cuda_ipc import table_digest
-    from weights.gpu_delta import Mirror
+    from parley.weights import registry
+    from parley.weights.cuda_ipc import table_digest
+    from parley.weights.gpu_delta import Mirror
 
     run = f"packedpub-{kind}"
     cfg = make_cfg(run, tmp_path / "run", steps=5, groups_per_step=1, max_staleness=1, keep_versions=10)

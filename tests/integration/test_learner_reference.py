@@ -11,9 +11,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from protocol import arrays, codec, topology
-from protocol.bus import publish
-from protocol.messages import Scored
+from parley.protocol import arrays, codec, topology
+from parley.protocol.bus import publish
+from parley.protocol.messages import Scored
 from tests.integration.test_learner_fates import TrainerDouble
 from tests.integration.test_learner_resume import BUS, make_scored, toy  # noqa: F401 (toy: the fixture)
 
@@ -43,10 +43,10 @@ class RecordingTrainerDouble(TrainerDouble):  # test double: keeps the samples o
 
 
 async def test_scored_with_bad_reference_logprobs_is_dead_lettered(js, nc, toy, tmp_path):
-    from config.run import RunConfig
-    from config.learner import LearnerConfig, RolloutConfig
-    from config.policy import PolicySection
-    from learner.service import Learner
+    from parley.config.run import RunConfig
+    from parley.config.learner import LearnerConfig, RolloutConfig
+    from parley.config.policy import PolicySection
+    from parley.learner.service import Learner
 
     model_path, tok, model = toy
     base = tmp_path / "base"

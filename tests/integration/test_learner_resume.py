@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from learner.checkpoint import read_state
-from protocol import topology
-from protocol.bus import publish
-from protocol.messages import Scored
+from parley.learner.checkpoint import read_state
+from parley.protocol import topology
+from parley.protocol.bus import publish
+from parley.protocol.messages import Scored
 from tests import factories
-from weights.common import current_version
+from parley.weights.common import current_version
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ PHRASES = ["Sure, what is the post about?", "Here is a first draft of the letter
 
 def make_scored(tok, model, run: str, group: int, sample: int) -> Scored:
     """A two-turn conversation built token-in/token-out, with real behaviour log-probs."""
-    from rollout.chat import ChatTokens
+    from parley.rollout.chat import ChatTokens
     from tests.reference import reference_logprobs
 
     rng = random.Random(group * 100 + sample)
@@ -74,7 +74,7 @@ def start_learner(url: str, run: str, run_dir: Path, model: Path, log: Path, res
         "learner.ledger_flush_s=0.5",
         "learner.eval_every=0",  # no sim/judge services here; the periodic eval has its own tests
     ]
-    cmd = [sys.executable, "-m", "deploy.cli", "learner", "--nats", url, "--run", run, "--steps", str(STEPS)]
+    cmd = [sys.executable, "-m", "parley.deploy.cli", "learner", "--nats", url, "--run", run, "--steps", str(STEPS)]
     for s in sets:
         cmd += ["--set", s]
     if resume:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from protocol import codec, topology
-from protocol.bus import publish
-from protocol.connect import barrier
+from parley.protocol import codec, topology
+from parley.protocol.bus import publish
+from parley.protocol.connect import barrier
 from tests.integration.test_learner_resume import BUS, N, REPO, finish, make_scored, toy, trained_lines, wait_for  # noqa: F401 (toy: a fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -33,7 +33,7 @@ def start(url: str, run: str, run_dir: Path, model: Path, log: Path, resume: boo
         "learner.lr=1e-3", "learner.micro_batch_tokens=256", 'learner.dtype="float32"', "learner.ledger_flush_s=0.5",
         "learner.eval_every=0", f"bus.ack_wait_s={BUS.ack_wait_s}", f"bus.max_bytes={BUS.max_bytes}",
     ]
-    cmd = [sys.executable, "-m", "deploy.cli", "learner", "--nats", url, "--run", run, "--steps", str(STEPS)]
+    cmd = [sys.executable, "-m", "parley.deploy.cli", "learner", "--nats", url, "--run", run, "--steps", str(STEPS)]
     for s in sets:
         cmd += ["--set", s]
     if resume:
@@ -127,7 +127,7 @@ def by_index(lines: list[dict]) -> list[tuple[int, list[str]]]:
 def final_weights(run_dir: Path):
     from safetensors.torch import load_file
 
-    from learner import checkpoint as ckpt
+    from parley.learner import checkpoint as ckpt
 
     return load_file(ckpt.weights_dir(run_dir, STEPS) / "model.safetensors")
 
@@ -135,7 +135,7 @@ def final_weights(run_dir: Path):
 async def test_kill_between_checkpoints_resumes_to_the_same_weights(nc, js, nats_server, toy, tmp_path):
     import torch
 
-    from learner.checkpoint import read_state
+    from parley.learner.checkpoint import read_state
 
     model_path = toy[0]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from protocol import topology
-from protocol.bus import publish
+from parley.protocol import topology
+from parley.protocol.bus import publish
 from tests.integration.test_learner_resume import BUS, N, make_scored, toy  # noqa: F401 (toy: the fixture)
 
 pytestmark = [pytest.mark.integration]
@@ -59,7 +59,7 @@ async def test_learner_metrics_endpoint_shows_steps_rewards_and_dead_letters(js,
     sets = [f'run.dir="{run_dir}"', f'policy.model="{model_path}"', f"rollout.n={N}", "learner.groups_per_step=1",
             "learner.micro_batch_tokens=256", f"bus.max_bytes={BUS.max_bytes}", "learner.eval_every=0",
             "learner.ledger_flush_s=0.5", "learner.max_staleness=4"]
-    cmd = [sys.executable, "-m", "deploy.cli", "learner", "--nats", nats_server.url, "--run", RUN, "--steps", "5",
+    cmd = [sys.executable, "-m", "parley.deploy.cli", "learner", "--nats", nats_server.url, "--run", RUN, "--steps", "5",
            "--metrics-port", "0", "--metrics-host", "127.0.0.1"]
     for s in sets:
         cmd += ["--set", s]

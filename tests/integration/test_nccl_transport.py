@@ -13,10 +13,10 @@ import msgspec
 import pytest
 import torch
 
-from config.run import ConfigError, load_config
-from weights.config import NcclWeights
-from weights.cuda_ipc import IpcPublisher
-from weights.nccl import NcclSender, Receiver, parse_address
+from parley.config.run import ConfigError, load_config
+from parley.weights.config import NcclWeights
+from parley.weights.cuda_ipc import IpcPublisher
+from parley.weights.nccl import NcclSender, Receiver, parse_address
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 def test_versions_arrive_checked_and_stale_or_bad_ones_are_refused(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("parley.weights.cuda_ipc.time.monotonic", lambda: now[0])
     sender = NcclSender(IpcPublisher(hold_s=10.0), f"127.0.0.1:{free_port()}", "gloo", timeout_s=20.0)
     receiver = Receiver("test-actor")
     try:
@@ -167,8 +167,7 @@ class LaggingGroup:
 
 
 def lagging_sender(monkeypatch, lag_s, timeout_s):
-    import weights.nccl as nccl
-
+    import parley.weights.nccl as nccl
     groups, real = [], nccl.pair_group
 
     def pair_group(store, rank, backend, timeout):

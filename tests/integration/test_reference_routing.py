@@ -11,10 +11,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from engines.reference import reference_service
-from protocol import arrays, examples
-from protocol.messages import ReferenceReply
-from scorer.reference import ReferenceClient
+from parley.engines.reference import reference_service
+from parley.protocol import arrays, examples
+from parley.protocol.messages import ReferenceReply
+from parley.scorer.reference import ReferenceClient
 
 pytestmark = pytest.mark.integration
 

@@ -22,16 +22,16 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from tasks.data import load_items
-from deploy.natsserver import NatsServer
-from protocol import bus, codec, examples, topology
-from protocol.connect import connect
-from protocol.messages import ChatMessage, FutureRollout, Trajectory
-from config.scorer import JudgeConfig, ScorerConfig
-from scorer.judge import Judge, judge_service
-from rewards.reward import default_weights, total_reward
-from rollout.judge import JudgeClient
-from scorer.scorer import Scorer
+from parley.tasks.data import load_items
+from parley.deploy.natsserver import NatsServer
+from parley.protocol import bus, codec, examples, topology
+from parley.protocol.connect import connect
+from parley.protocol.messages import ChatMessage, FutureRollout, Trajectory
+from parley.config.scorer import JudgeConfig, ScorerConfig
+from parley.scorer.judge import Judge, judge_service
+from parley.rewards.reward import default_weights, total_reward
+from parley.rollout.judge import JudgeClient
+from parley.scorer.scorer import Scorer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -52,7 +52,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def judge(tiny_model):
-    from engines.backend import make_backend
+    from parley.engines.backend import make_backend
 
     cfg = msgspec.convert(
         {

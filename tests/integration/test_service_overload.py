@@ -16,16 +16,16 @@ from collections import Counter
 import nats.errors
 import pytest
 
-from rollout.sim import SimClient, SimUnreachable
-from config.run import load_config
-from deploy.credentials import generate_credentials, server_auth_conf
-from deploy.natsserver import NatsServer
-from deploy.permissions import response_window_s
-from engines.service import Service
-from protocol import codec, topology
-from protocol.bus import Retry
-from protocol.connect import barrier, connect, inbox_prefix
-from protocol.messages import SimReply, SimRequest
+from parley.rollout.sim import SimClient, SimUnreachable
+from parley.config.run import load_config
+from parley.deploy.credentials import generate_credentials, server_auth_conf
+from parley.deploy.natsserver import NatsServer
+from parley.deploy.permissions import response_window_s
+from parley.engines.service import Service
+from parley.protocol import codec, topology
+from parley.protocol.bus import Retry
+from parley.protocol.connect import barrier, connect, inbox_prefix
+from parley.protocol.messages import SimReply, SimRequest
 
 pytestmark = pytest.mark.integration
 RUN = "overload"
@@ -113,7 +113,7 @@ async def sim_service(secured, backend, *, concurrency: int):
         await actor.close()
 
 async def test_a_resent_request_joins_the_computation_under_way(secured):
-    from protocol.request import request
+    from parley.protocol.request import request
 
     computed, started = Counter(), asyncio.Event()
 
@@ -136,7 +136,7 @@ async def test_an_answer_that_came_after_its_requester_stopped_waiting_goes_to_i
     after the requester, whose wait began at the send, has given up (seen in CI under load: one
     request computed twice). The re-send says so (protocol.request's resend header) and gets that
     answer without a second computation; asking the same again without the header asks afresh."""
-    from protocol.request import ID_HEADER, TIMEOUT_HEADER, request, request_id
+    from parley.protocol.request import ID_HEADER, TIMEOUT_HEADER, request, request_id
 
     computed: list[int] = []
 
@@ -163,7 +163,7 @@ async def test_a_request_naming_another_requests_id_does_not_get_its_answer(secu
     """A requester that knows another's request id (it travels in a header) and sends its own payload
     under it is computed on its own payload: the key of joins and kept answers is derived again from
     what the service received."""
-    from protocol.request import ID_HEADER, request, request_id
+    from parley.protocol.request import ID_HEADER, request, request_id
 
     started = asyncio.Event()
 
@@ -188,8 +188,10 @@ async def test_a_service_whose_clock_is_ten_minutes_ahead_still_answers(secured,
     deadlines it dropped every request as expired, and each actor's SimUnreachable poisoned its task)."""
     import time as real_time
 
-    import engines.service
-    from protocol.request import request
+    from parley import engines  # noqa: F401
+
+    import parley.engines.service  # noqa: F401
+    from parley.protocol.request import request
 
     async def backend_double(data: bytes) -> bytes:
         return b"answered " + data
@@ -212,8 +214,7 @@ async def test_a_service_whose_clock_is_ten_minutes_ahead_still_answers(secured,
 def test_the_answer_cache_is_bounded_by_bytes(monkeypatch):
     """Kept answers are bounded by their bytes, not only by their count: 1,000 reference replies of a
     32k-token conversation (128 KiB each) keep at most ANSWER_BYTES_KEPT."""
-    import engines.service as svc
-
+    import parley.engines.service as svc
     service = Service(object(), {}, queue="q")
     reply = bytes(4 * 32768)
     for i in range(1000):

@@ -15,17 +15,17 @@ import logging
 
 import pytest
 
-from config.run import load_config
-from deploy.credentials import generate_credentials, server_auth_conf
-from deploy.natsserver import NatsServer
-from deploy.permissions import response_window_s
-from engines.service import Service
-from protocol import codec, topology
-from protocol.connect import connect
-from protocol.messages import JudgeReply, SimReply, SimRequest
-from protocol.request import request
-from rollout.judge import JudgeClient
-from rollout.sim import SimClient
+from parley.config.run import load_config
+from parley.deploy.credentials import generate_credentials, server_auth_conf
+from parley.deploy.natsserver import NatsServer
+from parley.deploy.permissions import response_window_s
+from parley.engines.service import Service
+from parley.protocol import codec, topology
+from parley.protocol.connect import connect
+from parley.protocol.messages import JudgeReply, SimReply, SimRequest
+from parley.protocol.request import request
+from parley.rollout.judge import JudgeClient
+from parley.rollout.sim import SimClient
 from tests.factories import EngineDouble
 
 pytestmark = pytest.mark.integration

@@ -15,13 +15,13 @@ import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
-from actors.follow import WeightFollower
-from learner.publication import Publisher, Weights
-from protocol import topology
-from protocol.bus import COUNTERS
-from weights import delta as deltas
-from weights.common import CONFIG_FILE, MODEL_FILE, WeightUnavailable, current_version, file_digest
-from weights.config import ObjstoreWeights, SharedDirWeights
+from parley.actors.follow import WeightFollower
+from parley.learner.publication import Publisher, Weights
+from parley.protocol import topology
+from parley.protocol.bus import COUNTERS
+from parley.weights import delta as deltas
+from parley.weights.common import CONFIG_FILE, MODEL_FILE, WeightUnavailable, current_version, file_digest
+from parley.weights.config import ObjstoreWeights, SharedDirWeights
 
 pytestmark = pytest.mark.integration
 RUN = "dtest"
@@ -199,7 +199,7 @@ class HeldUpload:
     only (the real upload runs after), so what an actor does meanwhile can be checked."""
 
     def __init__(self, monkeypatch):
-        from weights import registry
+        from parley.weights import registry
 
         transport = registry.get("objstore")
         real, self.gate, self.started = transport.upload_model, asyncio.Event(), asyncio.Event()
@@ -273,7 +273,7 @@ async def test_an_actor_without_the_base_gets_the_full_copy_of_an_early_version_
 
 
 async def test_the_wait_for_an_early_full_copy_is_bounded_and_not_a_refusal(js, tmp_path, monkeypatch):
-    from weights import registry
+    from parley.weights import registry
 
     _, _, wdir, task, held = await _early_v2(js, tmp_path, monkeypatch)
     monkeypatch.setattr(registry, "full_wait_s", lambda nbytes: 0.5)

@@ -10,11 +10,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from protocol import topology
-from weights.common import CONFIG_FILE, MODEL_FILE, WeightVerifyError, current_version
-from weights.config import ObjstoreWeights, SharedDirWeights
-from weights.objstore import chunk_size
-from weights.registry import fetch_version, publish_version
+from parley.protocol import topology
+from parley.weights.common import CONFIG_FILE, MODEL_FILE, WeightVerifyError, current_version
+from parley.weights.config import ObjstoreWeights, SharedDirWeights
+from parley.weights.objstore import chunk_size
+from parley.weights.registry import fetch_version, publish_version
 
 pytestmark = pytest.mark.integration
 RUN = "wtest"
@@ -153,9 +153,9 @@ async def test_republishing_a_version_leaves_what_actors_load_alone(js, tmp_path
 async def test_served_versions_come_from_the_actors_heartbeats(nc):
     import asyncio
 
-    from protocol import status
-    from protocol.messages import Heartbeat
-    from weights.common import ServedVersions
+    from parley.protocol import status
+    from parley.protocol.messages import Heartbeat
+    from parley.weights.common import ServedVersions
 
     served = ServedVersions(nc, RUN)
     await served.start()
@@ -176,8 +176,8 @@ async def test_learner_publication_waits_out_a_nats_outage(nats_server, tmp_path
     """The learner's publish retries while nats-server is down and completes once it is back."""
     import asyncio
 
-    from protocol.bus import retry_unreachable
-    from protocol.connect import connect
+    from parley.protocol.bus import retry_unreachable
+    from parley.protocol.connect import connect
 
     nc = await connect(nats_server.url, name="outage")
     js = nc.jetstream()
@@ -210,7 +210,7 @@ async def test_a_pipelined_upload_is_an_object_any_client_reads_and_replaces_the
 
     from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
-    from weights import objstore
+    from parley.weights import objstore
 
     monkeypatch.setattr(objstore, "MAX_CHUNK", 256 * 1024)  # 13 chunks: more than the window below
     monkeypatch.setattr(objstore, "PUT_WINDOW", 2)
@@ -238,7 +238,7 @@ async def test_a_refused_chunk_fails_the_upload_and_leaves_nothing_behind(js, mo
     from nats.js.errors import NotFoundError
     from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
-    from weights import objstore
+    from parley.weights import objstore
 
     run = "refused"
     monkeypatch.setattr(objstore, "MAX_CHUNK", 256 * 1024)
@@ -263,8 +263,8 @@ async def test_a_prune_whose_purge_times_out_still_announces_and_the_next_prune_
     from nats.js.manager import JetStreamManager
     from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
-    from protocol.bus import COUNTERS
-    from weights import objstore
+    from parley.protocol.bus import COUNTERS
+    from parley.weights import objstore
 
     run = "prunetimeout"
     monkeypatch.setattr(objstore, "MAX_CHUNK", 128 * 1024)  # several chunks an object
@@ -330,7 +330,7 @@ async def test_a_prune_whose_deleted_meta_times_out_purges_nothing_then_the_next
     from nats.js.errors import NotFoundError
     from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
-    from protocol.bus import COUNTERS
+    from parley.protocol.bus import COUNTERS
 
     run = "prunemeta"
     await topology.ensure_topology(js, run)
@@ -374,7 +374,7 @@ async def test_a_prune_whose_deleted_meta_times_out_purges_nothing_then_the_next
 
 
 def test_the_purge_of_an_object_waits_a_floor_plus_time_per_gib_up_to_a_ceiling():
-    from weights import objstore
+    from parley.weights import objstore
 
     assert objstore.purge_timeout_s(0) == objstore.PURGE_FLOOR_S > 5  # more than nats.py's 5 s API timeout
     assert objstore.purge_timeout_s(8 * 2**30) == objstore.PURGE_FLOOR_S + 8 * objstore.PURGE_S_PER_GIB

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.actor import user_client
-from config.actor import ActorConfig
-from rollout.conversation import PolicySettings, run_conversation
-from rollout.sim import SimClient
-from config.run import load_config
-from environments.base import LocalUser
-from environments.hidden_goal import Goal
+from parley.actors.actor import user_client
+from parley.config.actor import ActorConfig
+from parley.rollout.conversation import PolicySettings, run_conversation
+from parley.rollout.sim import SimClient
+from parley.config.run import load_config
+from parley.environments.base import LocalUser
+from parley.environments.hidden_goal import Goal
 from tests.unit.test_env_hidden_goal import ScriptedEngine  # the scripted policy double
 
 PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
@@ -46,8 +46,8 @@ def test_the_actor_watches_staleness_only_where_the_learner_drops_stale_groups()
     [actor] abandon_stale = false play every conversation to its end."""
     from types import SimpleNamespace
 
-    from actors.actor import Actor
-    from protocol.messages import Task
+    from parley.actors.actor import Actor
+    from parley.protocol.messages import Task
 
     announcement = asyncio.Event()
 
@@ -71,7 +71,7 @@ def test_the_actor_watches_staleness_only_where_the_learner_drops_stale_groups()
 def test_a_tasks_log_line_splits_its_samples_play_into_engine_simulator_and_the_rest():
     """The tail of the actor's "samples stored in" line: the mean over the task's samples of their
     trajectory timings, the rest being play less generate and simulator (bench/peer_compare.py reads it)."""
-    from actors.actor import sample_split
+    from parley.actors.actor import sample_split
 
     timings = [{"generate": 0.4, "sim": 0.1, "total": 0.6}, {"generate": 0.2, "sim": 0.1, "total": 0.4}]
     assert sample_split(timings) == "a sample's mean: play 0.500s, generate 0.300s, simulator 0.100s, rest 0.100s"

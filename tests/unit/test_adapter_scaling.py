@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
 
-from engines.worker import scaled_in_place
+from parley.engines.worker import scaled_in_place
 
 SCALINGS = [2.0, 2.0, 4.0, 1.0, 0.37, 2.0, 3.0, 1.5]  # 0.37: no bfloat16, the rest exact
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from config.run import ConfigError, load_config
-from deploy.autoscale import ActorPool, ScalePolicy
+from parley.config.run import ConfigError, load_config
+from parley.deploy.autoscale import ActorPool, ScalePolicy
 
 
 def test_want_follows_the_backlog_within_the_bounds():
@@ -45,7 +45,7 @@ def test_up_config_of_auto_actors():
 def test_up_cli_takes_actors_auto_and_its_bounds():
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from parley.deploy.cli import app
 
     out = CliRunner().invoke(app, ["up", "--actors", "auto", "--min-actors", "1", "--max-actors", "3", "--dry-run"])
     assert out.exit_code == 0, out.output

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from bench import collab_table
-from evaluation.benchmark import summarize
-from protocol.messages import ChatMessage, EvalRecord
+from parley.evaluation.benchmark import summarize
+from parley.protocol.messages import ChatMessage, EvalRecord
 
 
 def record(condition, item, bleu, inter, tokens):

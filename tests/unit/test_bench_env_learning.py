@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench import env_learning
-from config.run import ConfigError, check_training, default_config_path, load_config
+from parley.config.run import ConfigError, check_training, default_config_path, load_config
 
 
 def test_the_benchmarks_overrides_are_a_run_that_trains_at_its_temperature():
@@ -39,7 +39,7 @@ def test_the_benchmarks_defaults_train_what_parley_up_env_hidden_goal_trains():
     """The figures in docs/benchmarks.md are of bench/env_learning.py's defaults, read from hidden_goal's
     preset (preset_defaults); the overrides they give `parley up` must train the run the preset does,
     or the doc would describe another one."""
-    from environments.hidden_goal import PRESET
+    from parley.environments.hidden_goal import PRESET
 
     bench = load_config(default_config_path(), env_learning.overrides(env_learning.parse_args([]), seed=0))
     up = load_config(default_config_path(), ['env.name="hidden_goal"', *PRESET])

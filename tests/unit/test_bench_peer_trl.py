@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from bench import peer_compare, peer_trl
-from engines.engine import GenOut
-from environments.hidden_goal import parse_hidden
-from learner.feeder import item_order
+from parley.engines.engine import GenOut
+from parley.environments.hidden_goal import parse_hidden
+from parley.learner.feeder import item_order
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from bench.common import QWEN3_EOS, QWEN3_IM_START, QWEN3_NAMED, QWEN3_PAD, QWEN3_VOCAB, random_qwen3
-from engines.backend import chat_tokenizer
-from rollout.chat import ChatTokens
+from parley.engines.backend import chat_tokenizer
+from parley.rollout.chat import ChatTokens
 
 
 @pytest.fixture(scope="module")

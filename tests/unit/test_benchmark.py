@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from protocol.messages import ChatMessage, EvalRecord
-from evaluation.benchmark import mean_interval, paired_stats, summarize, to_markdown, write_table
+from parley.protocol.messages import ChatMessage, EvalRecord
+from parley.evaluation.benchmark import mean_interval, paired_stats, summarize, to_markdown, write_table
 
 # The reference benchmark's published rows: (condition, BLEU, interactivity, tokens (k), MR).
 PUBLISHED = [

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tasks.data import load_items
-from evaluation.runner import EvalSettings, make_tasks, parse_condition
+from parley.tasks.data import load_items
+from parley.evaluation.runner import EvalSettings, make_tasks, parse_condition
 
 
 def test_parse_condition_forms(tmp_path):
@@ -40,9 +40,9 @@ def test_tasks_start_from_scratch_with_condition_free_ids():
 
 
 def test_eval_items_against_training_data(tmp_path):
-    from config.learner import DataConfig
-    from evaluation.runner import eval_items
-    from evaluation.leakage import LeakageError, guard_overlap
+    from parley.config.learner import DataConfig
+    from parley.evaluation.runner import eval_items
+    from parley.evaluation.leakage import LeakageError, guard_overlap
 
     train, held = eval_items(DataConfig(eval_fraction=0.25), None)  # the config's per-reference split
     assert len(train) + len(held) == 60 and len(held) == 15  # round(60 x 0.25)

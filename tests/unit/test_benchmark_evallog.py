@@ -6,12 +6,12 @@ import msgspec
 import pytest
 from typer.testing import CliRunner
 
-from deploy.cli import app
-from protocol import arrays
-from protocol.messages import ABANDONED_STALE, AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, Scored, Trajectory
-from config.scorer import ScorerConfig
-from evaluation.evallog import from_scored, read_log, read_records, rejudge, reweight, write_jsonl, write_parquet
-from rewards.metrics import bleu, char_bleu
+from parley.deploy.cli import app
+from parley.protocol import arrays
+from parley.protocol.messages import ABANDONED_STALE, AssistantTurn, ChatMessage, EvalRecord, JudgeOutput, Scored, Trajectory
+from parley.config.scorer import ScorerConfig
+from parley.evaluation.evallog import from_scored, read_log, read_records, rejudge, reweight, write_jsonl, write_parquet
+from parley.rewards.metrics import bleu, char_bleu
 from tests.factories import JudgeDouble, first_assistant
 
 REFERENCE = "Three Days in Lisbon\n\nWe walked the hills of Alfama and ate too many custard tarts in Belem."
@@ -148,7 +148,7 @@ def test_cli_replay_reweights_a_log_without_generating(tmp_path):
 
 
 async def test_rejudge_with_the_collabllm_scoring():
-    from environments.collabllm import SCORING_VARIANTS
+    from parley.environments.collabllm import SCORING_VARIANTS
 
     recs = [eval_record("base", k) for k in range(2)]
     out = await rejudge(recs, judge_double(score_3level=0.5, raw_3level='{"thought": "one question", "interactivity": 0.5}'), ScorerConfig(**SCORING_VARIANTS["collabllm"]))
@@ -189,7 +189,7 @@ def test_cli_replay_scoring_collabllm(tmp_path):
 def test_the_learner_archive_is_one_log_per_step_and_a_resume_forgets_later_steps(tmp_path):
     import msgspec
 
-    from learner.checkpoint import archive_dir, truncate_archive, write_archive
+    from parley.learner.checkpoint import archive_dir, truncate_archive, write_archive
 
     s = scored()
     late = msgspec.structs.replace(s, traj_id="t2/0", task_id="t2")

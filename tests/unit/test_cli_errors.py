@@ -57,7 +57,7 @@ CASES = [
 
 def parley(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     # The same entry point as the `parley` script; prog name set so messages read "parley <role>".
-    code = "import sys; sys.argv[0] = 'parley'; from deploy.cli import main; main()"
+    code = "import sys; sys.argv[0] = 'parley'; from parley.deploy.cli import main; main()"
     return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -90,7 +90,7 @@ def test_bad_values_fail_before_heavy_imports():
         "heavy = ('torch', 'vllm', 'deepspeed', 'transformers')\n"
         "atexit.register(lambda: print('heavy:', sorted(m for m in heavy if m in sys.modules)))\n"
         "sys.argv = ['parley', *sys.argv[1:]]\n"
-        "from deploy.cli import main\n"
+        "from parley.deploy.cli import main\n"
         "main()\n"
     )
     for argv in (["actor", "--set", "actor.engine.model=no-such-model"], ["learner", "--set", "learner.loss_agg=x"],
@@ -118,7 +118,7 @@ def test_a_role_crash_is_not_mistaken_for_a_usage_error():
     code = (
         "import sys\n"
         "sys.argv = ['parley', 'boom']\n"
-        "from deploy.cli import app, main\n"
+        "from parley.deploy.cli import app, main\n"
         "@app.command('boom')\n"
         "def boom():\n"
         "    raise RuntimeError('kaboom')\n"

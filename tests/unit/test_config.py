@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from config.run import ConfigError, RunConfig, convert_config, dump_config, load_config
-from weights.config import CudaIpcWeights, NcclWeights, ObjstoreWeights, SharedDirWeights
+from parley.config.run import ConfigError, RunConfig, convert_config, dump_config, load_config
+from parley.weights.config import CudaIpcWeights, NcclWeights, ObjstoreWeights, SharedDirWeights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,9 +19,9 @@ def test_every_shipped_config_parses(path, caplog):
 
 
 def test_one_sampling_struct_serves_the_actor_the_eval_and_the_conversation_loop():
-    from rollout.conversation import PolicySettings
-    from evaluation.runner import EvalSettings
-    from protocol.messages import Sampling
+    from parley.rollout.conversation import PolicySettings
+    from parley.evaluation.runner import EvalSettings
+    from parley.protocol.messages import Sampling
 
     for holder in (RunConfig().actor, EvalSettings(), PolicySettings(max_model_len=64)):
         assert type(holder.sampling) is Sampling, holder

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from config.run import ConfigError, convert_config, dump_config, load_config
+from parley.config.run import ConfigError, convert_config, dump_config, load_config
 
 TINY = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "tiny.toml"
 
@@ -79,7 +79,7 @@ def test_bad_environment_settings_fail_at_load_naming_the_value(overrides, needl
 def test_up_takes_the_environment_by_name():
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from parley.deploy.cli import app
 
     out = CliRunner().invoke(app, ["up", "--config", str(TINY), "--env", "hidden_goal", "--dry-run"])
     assert out.exit_code == 0, out.output
@@ -89,8 +89,8 @@ def test_up_takes_the_environment_by_name():
 
 
 def test_up_starts_the_simulator_and_judge_only_when_the_environment_needs_them(tmp_path):
-    from deploy.up import plan_children
-    from runtime.supervisor import Supervisor
+    from parley.deploy.up import plan_children
+    from parley.runtime.supervisor import Supervisor
 
     sup = Supervisor(tmp_path)
     names = lambda cfg: [n for n, _ in plan_children(cfg, sup, tmp_path / "config.toml")]  # noqa: E731
@@ -104,8 +104,8 @@ def test_up_with_env_alone_lays_the_environments_preset_over_the_default_and_set
     under which the benchmark measured learning); a --set beats the preset; --config leaves it out."""
     from typer.testing import CliRunner
 
-    from deploy.cli import app
-    from environments.hidden_goal import PRESET
+    from parley.deploy.cli import app
+    from parley.environments.hidden_goal import PRESET
 
     out = CliRunner().invoke(app, ["up", "--env", "hidden_goal", "--dry-run", "--set", "learner.lr=5e-5"])
     assert out.exit_code == 0, out.output
@@ -127,8 +127,8 @@ def test_up_with_env_alone_lays_the_environments_preset_over_the_default_and_set
 def test_an_environment_that_needs_options_has_no_preset_and_is_left_to_the_config(monkeypatch):
     """A plug-in whose factory needs options cannot be built before --set gives them: `parley up --env`
     takes no preset for it instead of refusing the run (the config's load builds it with the options)."""
-    from environments import registry
-    from deploy.up_cli import env_preset
+    from parley.environments import registry
+    from parley.deploy.up_cli import env_preset
 
     def needs_options(name, options=None):
         raise ValueError(f"environment {name!r} (pkg:factory) rejected options {{}}: missing 'size'")

@@ -14,8 +14,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from bench.common import QWEN3_SHAPES, QWEN3_VOCAB
-from config.run import load_config
-from deploy.cli import app
+from parley.config.run import load_config
+from parley.deploy.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU1_4B = ROOT / "deploy" / "configs" / "gpu-1-4b.toml"

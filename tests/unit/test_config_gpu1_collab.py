@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.collab_table import FRACTIONS
-from config.run import load_config
+from parley.config.run import load_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "gpu-1-collab.toml"
 

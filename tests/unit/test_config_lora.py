@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from config.run import ConfigError, check_training, load_config
+from parley.config.run import ConfigError, check_training, load_config
 
 
 def test_lora_needs_actors_that_load_adapters_of_its_rank():

@@ -12,13 +12,13 @@ import msgspec
 import pytest
 import torch
 
-from config.learner import LearnerConfig
-from protocol import codec
-from protocol.messages import CudaIpcBuffer, WeightVersion
-from weights import common, cuda_ipc, registry
-from weights.common import WeightUnavailable
-from weights.config import CudaIpcWeights
-from weights.cuda_ipc import IpcPublisher
+from parley.config.learner import LearnerConfig
+from parley.protocol import codec
+from parley.protocol.messages import CudaIpcBuffer, WeightVersion
+from parley.weights import common, cuda_ipc, registry
+from parley.weights.common import WeightUnavailable
+from parley.weights.config import CudaIpcWeights
+from parley.weights.cuda_ipc import IpcPublisher
 
 
 def named() -> list[tuple[str, torch.Tensor]]:
@@ -141,7 +141,7 @@ def clock(monkeypatch):
     """The publisher's monotonic clock, set by hand: clock(t0) returns [t], advanced by the test."""
     def start(t0: float) -> list[float]:
         now = [t0]
-        monkeypatch.setattr("weights.cuda_ipc.time.monotonic", lambda: now[0])
+        monkeypatch.setattr("parley.weights.cuda_ipc.time.monotonic", lambda: now[0])
         return now
     return start
 
@@ -343,7 +343,7 @@ def test_learner_config_and_cpu_trainer_refuse_bad_ipc_settings():
         CudaIpcWeights(hold_s=0)
     if torch.cuda.is_available():
         pytest.skip("the CPU refusal needs a machine without CUDA")
-    from learner.trainer import Trainer
+    from parley.learner.trainer import Trainer
 
     with pytest.raises(ValueError, match="cuda_ipc.*no CUDA device"):
         Trainer(LearnerConfig(), "/nonexistent", weights=CudaIpcWeights())
@@ -367,8 +367,8 @@ def test_a_version_whose_buffers_are_all_held_is_counted_and_never_announced(tmp
     """learner.publication.Weights with a GPU transport: a pack that returns None (IpcPublisher.fill
     found every buffer held) submits nothing, so nothing is announced and the feeder's version stays;
     the heartbeat's weights.skipped_held counts it. Test doubles for the driver and feeder."""
-    from config.learner import LearnerConfig
-    from learner.publication import Publisher, Weights
+    from parley.config.learner import LearnerConfig
+    from parley.learner.publication import Publisher, Weights
 
     class FeederDouble:
         version = None
@@ -398,8 +398,8 @@ def test_a_version_skipped_for_held_buffers_is_published_once_a_buffer_frees_wit
     driver, feeder and publisher (seen on the H200: 5 steps, then none, versions 4 and 5 skipped)."""
     from collections import Counter
 
-    from config.learner import LearnerConfig
-    from learner.publication import Weights
+    from parley.config.learner import LearnerConfig
+    from parley.learner.publication import Weights
 
     class PublisherDouble:
         def __init__(self):
@@ -437,7 +437,7 @@ def test_a_version_skipped_for_held_buffers_is_published_once_a_buffer_frees_wit
 _FUSED_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from weights import cuda_ipc
+from parley.weights import cuda_ipc
 gen = torch.Generator().manual_seed(3)
 tensors = [("a", torch.randn(1000, generator=gen).to(torch.bfloat16)), ("b", torch.randn(70, 33, generator=gen)),
            ("c", torch.randint(-2**31, 2**31 - 1, (129, 64), dtype=torch.int32, generator=gen))]
@@ -474,8 +474,8 @@ def test_the_last_version_skipped_for_held_buffers_is_published_before_the_learn
     (within the hold), and given up with a warning, not waited for forever, when none does."""
     from collections import Counter
 
-    from config.learner import LearnerConfig
-    from learner.publication import Weights
+    from parley.config.learner import LearnerConfig
+    from parley.learner.publication import Weights
 
     class PublisherDouble:
         def __init__(self):
@@ -514,9 +514,9 @@ def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_a
     wire; nccl refuses. Test doubles for the driver, publisher, feeder and the announcement's bus."""
     from collections import Counter
 
-    from learner import checkpoint as ckpt
-    from learner.publication import Weights
-    from weights import lora
+    from parley.learner import checkpoint as ckpt
+    from parley.learner.publication import Weights
+    from parley.weights import lora
 
     class PublisherDouble:
         def __init__(self):
@@ -649,7 +649,7 @@ def test_an_adapter_reader_opens_each_learner_buffer_once(monkeypatch):
 
 
 def test_the_learner_hands_its_cache_back_only_when_the_actors_would_run_short():
-    from learner.trainer import cache_release_needed
+    from parley.learner.trainer import cache_release_needed
 
     gib = 1 << 30
     # the 4B shape on the H200: 0.9 GiB free after a step, a 7.5 GiB version to copy: release
@@ -664,8 +664,8 @@ def test_the_learner_hands_its_cache_back_only_when_the_actors_would_run_short()
                                                        ("keep_when_room", 1, True)])
 def test_gpu_cache_decides_whether_the_step_hands_its_cache_back(monkeypatch, setting, free_gib, released):
     """Trainer._release_cache on a bare Trainer (no model), torch.cuda's memory calls replaced by doubles."""
-    from config.learner import LearnerConfig
-    from learner.trainer import Trainer
+    from parley.config.learner import LearnerConfig
+    from parley.learner.trainer import Trainer
 
     calls = []
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 4 << 30)

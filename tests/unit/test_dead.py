@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol import codec, topology
-from protocol.dead import task_ref
-from protocol.messages import DeadLetter, Task
+from parley.protocol import codec, topology
+from parley.protocol.dead import task_ref
+from parley.protocol.messages import DeadLetter, Task
 from tests.unit.test_groups import scored
 
 

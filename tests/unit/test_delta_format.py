@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from protocol import codec
-from protocol.messages import WeightDelta, WeightVersion
-from weights import delta as deltas
-from weights.common import WeightVerifyError, file_digest
-from weights.config import ObjstoreWeights
-from weights.registry import wants_delta
+from parley.protocol import codec
+from parley.protocol.messages import WeightDelta, WeightVersion
+from parley.weights import delta as deltas
+from parley.weights.common import WeightVerifyError, file_digest
+from parley.weights.config import ObjstoreWeights
+from parley.weights.registry import wants_delta
 
 
 def two_versions(tmp_path, changed: float = 0.01):

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.common import METRICS_PORT_ENV
-from deploy.credentials import generate_credentials
-from evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
-from protocol.connect import PASSWORD_ENV, USER_ENV
+from parley.deploy.common import METRICS_PORT_ENV
+from parley.deploy.credentials import generate_credentials
+from parley.evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
+from parley.protocol.connect import PASSWORD_ENV, USER_ENV
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
@@ -32,9 +32,9 @@ def role_env(role: str) -> set[str]:
 
 
 def parley_argv(words: list[str]) -> list[str] | None:
-    """The arguments of the `parley` CLI inside a command line (`parley X ...`, `--module deploy.cli X ...`)."""
+    """The arguments of the `parley` CLI inside a command line (`parley X ...`, `--module parley.deploy.cli X ...`)."""
     for i, w in enumerate(words):
-        if w == "parley" or (w == "deploy.cli" and i and words[i - 1] == "--module"):
+        if w == "parley" or (w == "parley.deploy.cli" and i and words[i - 1] == "--module"):
             return words[i + 1:]
     return None
 
@@ -90,7 +90,7 @@ def dry_run(argv: list[str], run_file: Path, env: dict[str, str]) -> None:
     from typer.main import get_command
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from parley.deploy.cli import app
 
     argv = [str(run_file) if a in ("/config/run.toml", "$CONFIG") else "9400" if a == "$MP" else a for a in argv]
     group = get_command(app)

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config.run import convert_config, load_config
-from deploy.credentials import K8S_SECRET, generate_credentials, k8s_secret
-from deploy.natsserver import server_binary
-from deploy.permissions import ROLES
-from weights.config import ObjstoreWeights
+from parley.config.run import convert_config, load_config
+from parley.deploy.credentials import K8S_SECRET, generate_credentials, k8s_secret
+from parley.deploy.natsserver import server_binary
+from parley.deploy.permissions import ROLES
+from parley.weights.config import ObjstoreWeights
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # DESIGN.md's role commands; some are registered by packages still being built.
@@ -29,24 +29,24 @@ K8S = DEPLOY / "k8s"
 
 def command_groups() -> dict[str, set[str]]:
     """`parley GROUP SUB` commands (auth, data, models): {group: its sub-commands}."""
-    from deploy.cli import app
+    from parley.deploy.cli import app
 
     return {g.name: {c.name for c in g.typer_instance.registered_commands} for g in app.registered_groups}
 
 
 def known_commands() -> set[str]:
-    from deploy.cli import app
+    from parley.deploy.cli import app
 
     groups = command_groups()
     return DESIGN_COMMANDS | {c.name for c in app.registered_commands} | {f"{g} {c}" for g, cs in groups.items() for c in cs}
 
 
 def parley_commands(text: str) -> list[str]:
-    """The sub-commands a command line starts: `parley X ...` or `--module deploy.cli X ...`; for a
+    """The sub-commands a command line starts: `parley X ...` or `--module parley.deploy.cli X ...`; for a
     group, with its sub-command (`auth topology`)."""
     text = text.replace("\\\n", " ")  # shell line continuations
     groups = command_groups()
-    found = re.findall(r"(?:\bparley|--module deploy\.cli)\s+([a-z][a-z-]*)(?:\s+([a-z][a-z-]*))?", text)
+    found = re.findall(r"(?:\bparley|--module parley\.deploy\.cli)\s+([a-z][a-z-]*)(?:\s+([a-z][a-z-]*))?", text)
     return [f"{cmd} {sub}" if cmd in groups else cmd for cmd, sub in found]
 
 
@@ -279,7 +279,7 @@ def test_reference_run_file_is_the_design_reference():
 def test_keda_scales_the_actor_deployment_on_the_tasks_consumer():
     """The ScaledObject's trigger names the stream and the durable consumer the code creates for the
     run of the k8s run file, and targets the actor Deployment; lagThreshold is one actor's tasks at once."""
-    from protocol import topology
+    from parley.protocol import topology
 
     (so,) = load_all(K8S / "actor-scaledobject.yaml")
     (cm,) = load_all(K8S / "configmap.yaml")

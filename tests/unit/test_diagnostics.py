@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rewards.diagnostics import SignalMonitor, TermStats, step_diagnostics
+from parley.rewards.diagnostics import SignalMonitor, TermStats, step_diagnostics
 
 
 def _word_count_term(words: int) -> float:
@@ -107,8 +107,8 @@ def test_a_dead_term_of_a_3_step_run_shows_in_the_closing_table_and_the_live_vie
     # the heartbeat) and what `parley up` prints at the end (deploy.up.summary_text).
     import json
 
-    from deploy.up import summary_text
-    from learner.stepper import live_counters
+    from parley.deploy.up import summary_text
+    from parley.learner.stepper import live_counters
 
     monitor = SignalMonitor()
     dead = TermStats(mean=0.0, within_group_std=0.0, corr_with_total=0.0)

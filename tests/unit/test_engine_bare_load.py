@@ -13,10 +13,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.platforms import current_platform
 
-from engines.worker import WorkerExtension, bare_load_refusal
-from protocol import codec
-from protocol.messages import IpcTensor, NcclSource
-from weights import registry
+from parley.engines.worker import WorkerExtension, bare_load_refusal
+from parley.protocol import codec
+from parley.protocol.messages import IpcTensor, NcclSource
+from parley.weights import registry
 
 
 class ProcessesAfterLoading(QuantizeMethodBase):

@@ -4,7 +4,7 @@ shared one core; parley leaves placement to the OS unless the operator chose a b
 
 from __future__ import annotations
 
-from engines.engine import CPU_BIND_ENV, share_cpu_cores
+from parley.engines.engine import CPU_BIND_ENV, share_cpu_cores
 
 
 def test_engines_are_not_pinned_unless_the_operator_pins_them():
@@ -15,7 +15,7 @@ def test_engines_are_not_pinned_unless_the_operator_pins_them():
 
 
 def test_unbound_engines_split_the_cores_the_launcher_says_they_share():
-    from engines.engine import CPU_ENGINES_ENV
+    from parley.engines.engine import CPU_ENGINES_ENV
 
     three_on_two = {CPU_ENGINES_ENV: "3"}
     share_cpu_cores(three_on_two, cpus=2)
@@ -37,7 +37,7 @@ def test_unbound_engines_split_the_cores_the_launcher_says_they_share():
 def test_a_bad_engine_count_names_the_variable():
     import pytest
 
-    from engines.engine import CPU_ENGINES_ENV
+    from parley.engines.engine import CPU_ENGINES_ENV
 
     for bad in ("0", "two"):
         with pytest.raises(ValueError, match=CPU_ENGINES_ENV):
@@ -45,9 +45,9 @@ def test_a_bad_engine_count_names_the_variable():
 
 
 def test_parley_up_counts_the_engines_it_runs_at_once(tmp_path):
-    from config.run import load_config
-    from deploy.up import cpu_engines, plan_children
-    from runtime.supervisor import Supervisor
+    from parley.config.run import load_config
+    from parley.deploy.up import cpu_engines, plan_children
+    from parley.runtime.supervisor import Supervisor
 
     sup = Supervisor(tmp_path)
 
@@ -62,7 +62,7 @@ def test_parley_up_counts_the_engines_it_runs_at_once(tmp_path):
 
 
 def test_an_unbound_single_worker_engine_runs_its_worker_in_the_engine_core():
-    from engines.engine import IN_CORE_EXECUTOR, cpu_executor
+    from parley.engines.engine import IN_CORE_EXECUTOR, cpu_executor
 
     assert cpu_executor("nobind", 1) == IN_CORE_EXECUTOR  # no binding to set up: no worker process of its own
     assert cpu_executor("nobind", 2) is None  # several workers: vLLM's multiprocess executor

@@ -10,12 +10,12 @@ import asyncio
 
 import pytest
 
-from engines.engine import PolicyEngine
-from engines.worker import REFUSED, UNAVAILABLE, WorkerExtension
-from protocol import codec
-from protocol.messages import IpcTensor, NcclSource
-from weights import registry
-from weights.common import WeightUnavailable, WeightVerifyError
+from parley.engines.engine import PolicyEngine
+from parley.engines.worker import REFUSED, UNAVAILABLE, WorkerExtension
+from parley.protocol import codec
+from parley.protocol.messages import IpcTensor, NcclSource
+from parley.weights import registry
+from parley.weights.common import WeightUnavailable, WeightVerifyError
 
 
 def announcement(version: int = 2) -> bytes:
@@ -123,7 +123,7 @@ def test_an_adapter_from_a_gpu_buffer_that_fails_changes_nothing_served(monkeypa
     The receive is replaced; test doubles for AsyncLLM and the worker."""
     import msgspec
 
-    from protocol.messages import LoraAdapter
+    from parley.protocol.messages import LoraAdapter
 
     nccl = registry.TRANSPORTS["nccl"]
     plain = codec.decode("weights", announcement())

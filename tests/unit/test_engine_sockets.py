@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engines import engine
-from runtime import scratch
+from parley.engines import engine
+from parley.runtime import scratch
 
 
 @pytest.fixture

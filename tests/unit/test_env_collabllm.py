@@ -8,15 +8,15 @@ import asyncio
 
 import pytest
 
-from config.run import load_config
-from environments.base import find_overlap, leaking
-from environments.collabllm import NAME, environment
-from config.learner import DataConfig, LearnerConfig, RolloutConfig
-from protocol import examples
-from rewards.reward import REWARD_METRICS, default_weights
-from config.scorer import ScorerConfig
-from rollout.score import score_trajectory
-from tasks import data as tasks_data
+from parley.config.run import load_config
+from parley.environments.base import find_overlap, leaking
+from parley.environments.collabllm import NAME, environment
+from parley.config.learner import DataConfig, LearnerConfig, RolloutConfig
+from parley.protocol import examples
+from parley.rewards.reward import REWARD_METRICS, default_weights
+from parley.config.scorer import ScorerConfig
+from parley.rollout.score import score_trajectory
+from parley.tasks import data as tasks_data
 from tests import factories
 
 REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shines below."
@@ -73,8 +73,8 @@ def test_overlap_is_tasks_find_overlap():
 
 
 def test_eval_protocol_is_the_benchmarks():
-    from evaluation.benchmark import METRICS, record_value
-    from evaluation.selection import SELECT_METRICS
+    from parley.evaluation.benchmark import METRICS, record_value
+    from parley.evaluation.selection import SELECT_METRICS
 
     env = environment()
     assert env.eval.columns == METRICS
@@ -91,7 +91,7 @@ def test_the_name_is_the_entry_points():
 
 
 def test_eval_tasks_are_the_benchmarks():
-    from evaluation.runner import EvalSettings, make_tasks
+    from parley.evaluation.runner import EvalSettings, make_tasks
 
     env = environment()
     items = tasks_data.load_items()[:3]

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from environments.base import LocalUser, find_overlap, leaking
-from environments.hidden_goal import (
+from parley.environments.base import LocalUser, find_overlap, leaking
+from parley.environments.hidden_goal import (
     NAME,
     TURN_COST,
     Goal,
@@ -22,9 +22,9 @@ from environments.hidden_goal import (
     system_prompt,
     world,
 )
-from config.learner import DataConfig, RolloutConfig
-from protocol.messages import ChatMessage
-from rewards.reward import total_reward
+from parley.config.learner import DataConfig, RolloutConfig
+from parley.protocol.messages import ChatMessage
+from parley.rewards.reward import total_reward
 from tests import factories
 
 PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
@@ -185,7 +185,7 @@ class ScriptedEngine:
         self.end = tok.convert_tokens_to_ids("<|im_end|>")
 
     async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=None):
-        from engines.engine import GenOut
+        from parley.engines.engine import GenOut
 
         text = self.texts.pop(0)
         ids = self.tok.encode(text, add_special_tokens=False) + [self.end]
@@ -195,7 +195,7 @@ class ScriptedEngine:
 def test_the_actor_loop_plays_the_user_in_process(tiny_model):
     from transformers import AutoTokenizer
 
-    from rollout.conversation import PolicySettings, run_conversation
+    from parley.rollout.conversation import PolicySettings, run_conversation
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     env = environment(n_items=4)
@@ -297,8 +297,8 @@ def test_unknown_option_values_are_refused_with_the_choices():
 def test_the_options_resolve_through_the_registry_and_the_actor_loop(tiny_model):
     from transformers import AutoTokenizer
 
-    from rollout.conversation import PolicySettings, run_conversation
-    from environments import registry
+    from parley.rollout.conversation import PolicySettings, run_conversation
+    from parley.environments import registry
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     env = registry.load(NAME, {"n_items": 4, "nudge": "slots", "answer": "mentions"})

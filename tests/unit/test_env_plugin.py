@@ -11,10 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from environments import registry
-from environments.base import Conversation, LocalUser
-from config.learner import DataConfig, RolloutConfig
-from protocol.messages import ChatMessage, SimRequest
+from parley.environments import registry
+from parley.environments.base import Conversation, LocalUser
+from parley.config.learner import DataConfig, RolloutConfig
+from parley.protocol.messages import ChatMessage, SimRequest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "data" / "parley_env_parrot"
 

@@ -14,13 +14,13 @@ import zlib
 
 import pytest
 
-from config.learner import DataConfig, RolloutConfig
-from environments import registry
-from environments.base import Conversation, LocalUser, find_overlap
-from environments.random_words import NAME, PRESET, THANKS, USER_VOCAB, environment, generate, is_low, respond
-from evaluation.leakage import guard_environment
-from protocol.messages import ChatMessage
-from rewards.reward import total_reward
+from parley.config.learner import DataConfig, RolloutConfig
+from parley.environments import registry
+from parley.environments.base import Conversation, LocalUser, find_overlap
+from parley.environments.random_words import NAME, PRESET, THANKS, USER_VOCAB, environment, generate, is_low, respond
+from parley.evaluation.leakage import guard_environment
+from parley.protocol.messages import ChatMessage
+from parley.rewards.reward import total_reward
 
 LOW, HIGH = "t0", "t2"  # crc32 "t0" = 0x2c539ea1, "t2" = 0xc25dff8d: below and above 2^31
 
@@ -136,13 +136,13 @@ def test_it_loads_through_the_registry_by_name_with_its_options():
     assert env.name == NAME and env.preset == PRESET
     assert len(env.tasks.train_eval(DataConfig(eval_fraction=0.2))[0]) == 8
     assert len(env.user.respond([], "x").message.split()) == 8
-    assert registry.record(NAME).entry_point == "environments.random_words:environment"
+    assert registry.record(NAME).entry_point == "parley.environments.random_words:environment"
 
 
 def test_up_env_random_words_dry_run_takes_the_preset():
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from parley.deploy.cli import app
 
     out = CliRunner().invoke(app, ["up", "--env", NAME, "--dry-run"])
     assert out.exit_code == 0, out.output
@@ -166,7 +166,7 @@ class RandomEngine:
         self.ids = list(ids)
 
     async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=None):
-        from engines.engine import GenOut
+        from parley.engines.engine import GenOut
 
         rng = random.Random(seed)
         ids = [rng.choice(self.ids) for _ in range(max_tokens)]
@@ -174,7 +174,7 @@ class RandomEngine:
 
 
 def play_group(env, tok, ids, *, n=8, max_tokens=384, turns=3):
-    from rollout.conversation import PolicySettings, run_conversation
+    from parley.rollout.conversation import PolicySettings, run_conversation
 
     item = env.tasks.train_eval(DataConfig(eval_fraction=0.0))[0][0]
     # the opening is the prefix; 2 x turns - 1 new messages are the conversation, one more lets the user end it

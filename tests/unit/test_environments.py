@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from environments import registry
-from environments.base import (
+from parley.environments import registry
+from parley.environments.base import (
     Conversation,
     EvalProtocol,
     JudgeMetric,
@@ -27,8 +27,8 @@ from environments.base import (
     leaking,
     split_by_key,
 )
-from config.learner import DataConfig
-from protocol.messages import ChatMessage, JudgeReply
+from parley.config.learner import DataConfig
+from parley.protocol.messages import ChatMessage, JudgeReply
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def pyproject_entries() -> dict[str, str]:
 
 @pytest.fixture
 def this_checkout(tmp_path, monkeypatch):
-    install_dist(tmp_path / "site", monkeypatch, "parley", "0.1.0", pyproject_entries())
+    install_dist(tmp_path / "site", monkeypatch, "parley-grpo", "0.1.0", pyproject_entries())
 
 
 # ---- registry --------------------------------------------------------------------------------
@@ -61,7 +61,7 @@ def test_bundled_environments_resolve_by_name(this_checkout):
         env = registry.load(name)
         assert env.name == name
         assert registry.record(name).as_dict() == {
-            "name": name, "distribution": "parley", "version": "0.1.0", "entry_point": pyproject_entries()[name]}
+            "name": name, "distribution": "parley-grpo", "version": "0.1.0", "entry_point": pyproject_entries()[name]}
 
 
 def test_options_reach_the_environment(this_checkout):
@@ -78,7 +78,7 @@ def test_an_unknown_name_lists_the_known_ones(this_checkout):
 
 PLANTED = '''
 import dataclasses
-from environments.hidden_goal import environment
+from parley.environments.hidden_goal import environment
 
 # Named apart from the bundled hidden_goal, which the installed parley registers under that name.
 AN_ENV = dataclasses.replace(environment(n_items=4), name="planted_goal")
@@ -170,7 +170,7 @@ def test_eval_columns_must_be_metrics_or_derived():
 
 
 def registry_free_hidden_goal():
-    from environments.hidden_goal import environment
+    from parley.environments.hidden_goal import environment
 
     return environment(n_items=4)
 
@@ -212,13 +212,13 @@ def test_overlap_names_the_pairs_and_only_label_kinds_leak():
 def test_env_section_names_the_environment_and_its_options(this_checkout):
     import msgspec
 
-    from config.env import EnvConfig
+    from parley.config.env import EnvConfig
 
     assert EnvConfig().load().name == "collabllm_medium"
     cfg = msgspec.toml.decode(b'name = "hidden_goal"\noptions = { n_items = 12, seed = 4 }\n', type=EnvConfig)
     assert len(cfg.load().tasks.train_eval(DataConfig(eval_fraction=0.25))[1]) == 3
-    assert cfg.record() == {"name": "hidden_goal", "distribution": "parley", "version": "0.1.0",
-                            "entry_point": "environments.hidden_goal:environment", "options": {"n_items": 12, "seed": 4}}
+    assert cfg.record() == {"name": "hidden_goal", "distribution": "parley-grpo", "version": "0.1.0",
+                            "entry_point": "parley.environments.hidden_goal:environment", "options": {"n_items": 12, "seed": 4}}
     with pytest.raises(msgspec.ValidationError, match="env.name='hidden goal' is not an environment name"):
         msgspec.convert({"name": "hidden goal"}, EnvConfig)
     with pytest.raises(msgspec.ValidationError, match="unknown field `nmae`"):

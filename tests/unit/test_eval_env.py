@@ -12,12 +12,12 @@ import re
 
 import pytest
 
-from environments.hidden_goal import NAME, Goal, environment, final_answer, world
-from evaluation.benchmark import summarize, to_markdown
-from evaluation.runner import Condition, EvalServices, EvalSettings, Policy, make_tasks, run_eval
-from config.learner import DataConfig
-from protocol.messages import ChatMessage, EvalRecord
-from config.scorer import ScorerConfig
+from parley.environments.hidden_goal import NAME, Goal, environment, final_answer, world
+from parley.evaluation.benchmark import summarize, to_markdown
+from parley.evaluation.runner import Condition, EvalServices, EvalSettings, Policy, make_tasks, run_eval
+from parley.config.learner import DataConfig
+from parley.protocol.messages import ChatMessage, EvalRecord
+from parley.config.scorer import ScorerConfig
 from tests.unit.test_environments import this_checkout  # noqa: F401  (fixture: this checkout's entry points)
 
 PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
@@ -39,7 +39,7 @@ class ScriptedPolicy:
         self.calls = 0
 
     async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=None):
-        from engines.engine import GenOut
+        from parley.engines.engine import GenOut
 
         self.calls += 1
         prompt = self.tok.decode(prompt_ids)
@@ -111,7 +111,7 @@ def test_hidden_goal_is_played_and_scored_without_simulator_or_judge(tiny_model)
 
 
 def test_columns_of_another_environment_are_named_when_missing():
-    from evaluation.benchmark import record_value
+    from parley.evaluation.benchmark import record_value
 
     rec = EvalRecord(eval_id="v0/x/0", condition="v0", item_id="x", model="m", system_prompt="", sim_prompt=NAME,
                      sim_model="", judge_model="", seed=0, messages=[], reference="", assistant_tokens=3,
@@ -137,7 +137,7 @@ def hidden_goal_records(version, match, turns):
 
 @pytest.fixture
 def hidden_goal_run(tmp_path):
-    from evaluation.evallog import write_parquet
+    from parley.evaluation.evallog import write_parquet
 
     # v1 matches most of the goal (and has the most exact answers); v2 matches less with fewer turns
     plan = {0: ([0.0, 1 / 3, 0.0, 1 / 3], [1, 1, 1, 1]), 1: ([1.0, 2 / 3, 1.0, 1.0], [3, 2, 3, 3]),
@@ -149,7 +149,7 @@ def hidden_goal_run(tmp_path):
 
 
 def test_select_picks_by_goal_match_by_default(hidden_goal_run, this_checkout):
-    from evaluation.selection import load_versions, run_environment, select_best
+    from parley.evaluation.selection import load_versions, run_environment, select_best
 
     env = run_environment(hidden_goal_run)
     assert env.name == NAME and env.eval.select == "goal_match"
@@ -162,7 +162,7 @@ def test_select_picks_by_goal_match_by_default(hidden_goal_run, this_checkout):
 
 
 def test_select_refuses_columns_the_environment_has_not(hidden_goal_run, this_checkout):
-    from evaluation.selection import SelectionError, select_best
+    from parley.evaluation.selection import SelectionError, select_best
 
     with pytest.raises(SelectionError, match="'mr' not allowed; use one of goal_match, exact .*'hidden_goal'"):
         select_best(hidden_goal_run, "mr")
@@ -173,7 +173,7 @@ def test_select_refuses_columns_the_environment_has_not(hidden_goal_run, this_ch
 
 
 def test_an_unresolvable_env_section_is_named(tmp_path, this_checkout):
-    from evaluation.selection import SelectionError, run_environment
+    from parley.evaluation.selection import SelectionError, run_environment
 
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "config.toml").write_text('[env]\nname = "no_such_env"\n')
@@ -182,7 +182,7 @@ def test_an_unresolvable_env_section_is_named(tmp_path, this_checkout):
 
 
 def test_summary_lines_hold_every_column(tmp_path, this_checkout):
-    from evaluation.selection import SelectionError, load_versions, select_best
+    from parley.evaluation.selection import SelectionError, load_versions, select_best
 
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "config.toml").write_text('[env]\nname = "hidden_goal"\n')
@@ -199,7 +199,7 @@ def test_summary_lines_hold_every_column(tmp_path, this_checkout):
 
 
 def test_reweight_recomputes_the_pure_metrics():
-    from evaluation.evallog import reweight
+    from parley.evaluation.evallog import reweight
 
     env = environment(n_items=4)
     messages = [ChatMessage("user", "I want to order a pizza."), ChatMessage("assistant", "Size, crust, topping?"),
@@ -216,7 +216,7 @@ def test_reweight_recomputes_the_pure_metrics():
 
 
 def test_an_items_file_is_refused_for_a_seeded_environment():
-    from evaluation.runner import eval_items
+    from parley.evaluation.runner import eval_items
 
     env = environment(n_items=10)
     train, held = eval_items(DataConfig(eval_fraction=0.3), None, env)
@@ -229,12 +229,12 @@ def test_an_items_file_is_refused_for_a_seeded_environment():
 
 
 def test_periodic_eval_of_hidden_goal_stores_every_column_and_the_environment(tmp_path, this_checkout):
-    from config.run import RunConfig
-    from config.env import EnvConfig
-    from evaluation.periodic import PeriodicEval
-    from evaluation.selection import run_environment, select_best
-    from learner import checkpoint as ckpt
-    from config.learner import LearnerConfig
+    from parley.config.run import RunConfig
+    from parley.config.env import EnvConfig
+    from parley.evaluation.periodic import PeriodicEval
+    from parley.evaluation.selection import run_environment, select_best
+    from parley.learner import checkpoint as ckpt
+    from parley.config.learner import LearnerConfig
     from tests.unit.test_periodic_eval import play
 
     base = tmp_path / "base"
@@ -248,7 +248,7 @@ def test_periodic_eval_of_hidden_goal_stores_every_column_and_the_environment(tm
     plan = {0: ([0.0, 1 / 3, 0.0, 0.0], [3, 3, 3, 3]), 1: ([1.0, 1.0, 2 / 3, 1.0], [2, 2, 2, 3])}
 
     async def planted(job, out):
-        from evaluation.evallog import write_parquet
+        from parley.evaluation.evallog import write_parquet
 
         write_parquet(hidden_goal_records(job.version, *plan[job.version]), out / "records.parquet")
         return 0
@@ -274,7 +274,7 @@ def test_parley_select_defaults_to_the_runs_environment(hidden_goal_run, this_ch
     hidden_goal, never CollabLLM's mr), and --metric mr is refused with the environment's columns."""
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from parley.deploy.cli import app
 
     out = CliRunner().invoke(app, ["select", str(hidden_goal_run)])
     assert out.exit_code == 0, out.output
@@ -286,7 +286,7 @@ def test_parley_select_defaults_to_the_runs_environment(hidden_goal_run, this_ch
 def test_parley_eval_refuses_a_simulator_prompt_for_a_programmatic_user(this_checkout):
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from parley.deploy.cli import app
 
     out = CliRunner().invoke(app, ["eval", "-C", "base=x", "--user-sim-prompt", "lazy_full", "--set", "env.name=hidden_goal"])
     assert out.exit_code == 2, out.output
@@ -297,7 +297,7 @@ def test_parley_eval_guards_collabllm_with_the_learners_guard(this_checkout, tmp
     """`parley eval` stops on shared reference targets through guard_environment, as the learner does."""
     from typer.testing import CliRunner
 
-    from deploy.cli import app
+    from parley.deploy.cli import app
 
     out = CliRunner().invoke(app, ["eval", "-C", "base=x", "--items", "bundled", "--out", str(tmp_path),
                                    "--set", "data.eval_fraction=0.25"])
@@ -310,7 +310,7 @@ def test_parley_report_charts_the_runs_own_eval_columns(hidden_goal_run, this_ch
     columns: a hidden_goal run's evals have no CollabLLM BLEU or MR (it raised KeyError 'bleu' there)."""
     import json
 
-    from deploy import report
+    from parley.deploy import report
 
     seen = {}
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from engines.models import weights_swap_key
-from evaluation.runner import SwappingPolicies
+from parley.engines.models import weights_swap_key
+from parley.evaluation.runner import SwappingPolicies
 
 
 def qwen3(hidden=64):

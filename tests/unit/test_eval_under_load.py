@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from evaluation.commands import report
-from evaluation.runner import (
+from parley.evaluation.commands import report
+from parley.evaluation.runner import (
     EvalServices,
     EvalSettings,
     NotScored,
@@ -23,11 +23,11 @@ from evaluation.runner import (
     run_eval,
     score_within_bounds,
 )
-from protocol.bus import Retry
-from protocol.messages import JudgeReply, SimReply
-from config.scorer import ScorerConfig
-from rollout.judge import JudgeFailed, JudgeUnavailable
-from tasks.data import load_items
+from parley.protocol.bus import Retry
+from parley.protocol.messages import JudgeReply, SimReply
+from parley.config.scorer import ScorerConfig
+from parley.rollout.judge import JudgeFailed, JudgeUnavailable
+from parley.tasks.data import load_items
 from tests.unit.test_rollout import EngineDouble
 
 DOC = "Three Days in Lisbon\n\nWe walked the hills of Alfama and ate too many custard tarts in Belem today."
@@ -135,7 +135,7 @@ def test_a_silent_simulator_costs_only_its_item(tok):
 
 
 async def test_score_within_bounds_raises_the_last_error_with_the_bound():
-    from protocol import examples
+    from parley.protocol import examples
 
     traj = examples.trajectory("unit")
     traj.futures = []
@@ -167,8 +167,8 @@ def test_a_partly_scored_eval_has_a_table_and_names_the_rest(tok, tmp_path, caps
 
 
 def test_periodic_eval_quotes_the_per_item_reasons(tmp_path):
-    from evaluation.runner import write_unscored
-    from learner import checkpoint as ckpt
+    from parley.evaluation.runner import write_unscored
+    from parley.learner import checkpoint as ckpt
     from tests.unit.test_periodic_eval import make_run
 
     cfg, run_dir = make_run(tmp_path)
@@ -178,7 +178,7 @@ def test_periodic_eval_quotes_the_per_item_reasons(tmp_path):
         (out / "eval.log").write_text("...\n")
         return 3
 
-    from evaluation.periodic import EvalJob, PeriodicEval
+    from parley.evaluation.periodic import EvalJob, PeriodicEval
 
     pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=scored_nothing)
     outcome = asyncio.run(pe.evaluate(EvalJob(version=0, step=0, model="tiny")))

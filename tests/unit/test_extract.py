@@ -3,8 +3,8 @@ and what chatter is taken off it."""
 
 from __future__ import annotations
 
-from protocol.messages import ChatMessage
-from rewards.extract import MIN_DOCUMENT_WORDS, last_document, looks_like_document, strip_chatter
+from parley.protocol.messages import ChatMessage
+from parley.rewards.extract import MIN_DOCUMENT_WORDS, last_document, looks_like_document, strip_chatter
 
 DRAFT = (
     "Three Days in Lisbon\n\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.feeder import Feeder, FeederState, Issued, admission_limit, item_order, may_admit, task_id
+from parley.learner.feeder import Feeder, FeederState, Issued, admission_limit, item_order, may_admit, task_id
 
 
 def test_admission_limit_is_version_plus_staleness_plus_one_steps():
@@ -46,7 +46,7 @@ def _rounds(oversample: int, signal, s: int = 1, steps: int = 30) -> tuple[int, 
     """Rounds of one play time: a round plays every group the gate admits at once (each comes back
     complete, sampled at its admitted version, with differing rewards where `signal(index)`), then
     the learner's real Grouper takes one group for a step. (rounds, groups it dropped as stale)."""
-    from learner.groups import Grouper
+    from parley.learner.groups import Grouper
     from tests import factories
 
     grouper = Grouper(2, max_staleness=s, stale_policy="drop", timeout_s=3600.0)
@@ -83,7 +83,7 @@ def test_oversampled_groups_replace_skipped_ones_at_once_and_the_rest_come_back_
 
 
 def test_oversampling_refuses_a_stale_policy_that_would_train_the_extras():
-    from config.learner import LearnerConfig
+    from parley.config.learner import LearnerConfig
 
     with pytest.raises(ValueError, match="oversample_groups=2 with stale_policy='correct'"):
         LearnerConfig(oversample_groups=2, stale_policy="correct")
@@ -99,8 +99,8 @@ def test_task_ids_and_item_order_are_deterministic():
 
 
 def test_feeder_state_accounting(tmp_path):
-    from tasks.data import load_items
-    from config.learner import RolloutConfig
+    from parley.tasks.data import load_items
+    from parley.config.learner import RolloutConfig
 
     items = load_items()[:3]
     f = Feeder(None, "r1", items, RolloutConfig(n=3), max_staleness=0, groups_per_step=2, seed=1,
@@ -118,7 +118,7 @@ def test_feeder_state_accounting(tmp_path):
 
 
 def test_feeder_refuses_an_empty_split():
-    from config.learner import RolloutConfig
+    from parley.config.learner import RolloutConfig
 
     with pytest.raises(ValueError, match="training split is empty"):
         Feeder(None, "r1", [], RolloutConfig(), max_staleness=1, groups_per_step=1)
@@ -127,8 +127,8 @@ def test_feeder_refuses_an_empty_split():
 def test_dropped_groups_give_their_slot_back_instead_of_shrinking_the_window():
     # Regression: counting dropped/skipped groups as consumed shrank the window for good and, at
     # max_staleness 0, one zero-advantage group stopped admission for the rest of the run.
-    from tasks.data import load_items
-    from config.learner import RolloutConfig
+    from parley.tasks.data import load_items
+    from parley.config.learner import RolloutConfig
 
     f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=2, seed=1,
                state=FeederState(next_index=2, in_flight={"r1-g000000": Issued(0.0, 0), "r1-g000001": Issued(0.0, 0)}))
@@ -140,8 +140,8 @@ def test_dropped_groups_give_their_slot_back_instead_of_shrinking_the_window():
 
 
 def test_overdue_lists_tasks_past_their_deadline_oldest_first():
-    from config.learner import RolloutConfig
-    from tasks.data import load_items
+    from parley.config.learner import RolloutConfig
+    from parley.tasks.data import load_items
 
     f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=2,
                state=FeederState(next_index=3, in_flight={"a": Issued(100.0, 0), "b": Issued(50.0, 0), "c": Issued(190.0, 1)}))
@@ -154,8 +154,8 @@ def test_overdue_lists_tasks_past_their_deadline_oldest_first():
 def test_a_run_of_n_steps_issues_no_group_its_last_step_will_not_train():
     # Before: at the last version the gate still admitted max_staleness+1 steps' worth of groups,
     # played beside the final eval and never trained (in `make run`: 4 of 12 groups).
-    from config.learner import RolloutConfig
-    from tasks.data import load_items
+    from parley.config.learner import RolloutConfig
+    from parley.tasks.data import load_items
 
     f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=1, groups_per_step=2, steps=3,
                state=FeederState(next_index=6, consumed=4, in_flight={"r1-g000004": Issued(0.0, 2), "r1-g000005": Issued(0.0, 2)}))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.follow import WeightFollower
+from parley.actors.follow import WeightFollower
 
 
 class EngineDouble:
@@ -44,7 +44,7 @@ async def test_reach_returns_when_the_follower_serves_the_version_not_at_its_nex
     """The load wakes reach() itself: a task admitted at the version just published starts as soon as
     the actor serves it. (It used to poll every 0.25 s, a quarter second added to every group admitted
     at a step's end, which is all of them; here the poll is 10 s so only the wake-up can pass.)"""
-    from protocol.messages import WeightVersion
+    from parley.protocol.messages import WeightVersion
 
     engine = EngineDouble()
     follower = WeightFollower(None, "r", engine, dest_root=tmp_path)
@@ -70,7 +70,7 @@ async def test_a_refusal_wakes_reach_at_once(tmp_path):
 
     async def refuse_later():
         await asyncio.sleep(0.2)
-        from protocol.messages import WeightVersion
+        from parley.protocol.messages import WeightVersion
         follower._refuse(WeightVersion(run="r", version=3, step=3, sha256="cd" * 32, location="",
                                        transport="cuda_ipc", bytes=0, created=0.0), "sha256 mismatch", None)
 

@@ -5,8 +5,8 @@ base, and a delta that would be too large is not built."""
 import pytest
 import torch
 
-from weights import cuda_ipc, gpu_delta
-from weights.common import WeightVerifyError
+from parley.weights import cuda_ipc, gpu_delta
+from parley.weights.common import WeightVerifyError
 
 
 def _versions(steps: int, lr: float, seed: int = 0):

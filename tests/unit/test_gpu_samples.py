@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from deploy.gpu_samples import GpuSampler, read_samples, role_of
-from deploy.report import write_report
+from parley.deploy.gpu_samples import GpuSampler, read_samples, role_of
+from parley.deploy.report import write_report
 
 
 def fake_smi(bin_dir: Path, pid: int) -> None:

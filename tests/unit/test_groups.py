@@ -7,9 +7,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from learner.groups import BadTrajectory, Grouper, behaviour_logprobs, behaviour_version, check_trajectory
-from protocol import arrays
-from protocol.messages import ABANDONED_STALE, Scored, Trajectory
+from parley.learner.groups import BadTrajectory, Grouper, behaviour_logprobs, behaviour_version, check_trajectory
+from parley.protocol import arrays
+from parley.protocol.messages import ABANDONED_STALE, Scored, Trajectory
 from tests import factories
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from config.learner import LOSS_AGG
-from learner.grpo import (
+from parley.config.learner import LOSS_AGG
+from parley.learner.grpo import (
     aggregate,
     batch_loss,
     group_advantages,
@@ -46,7 +46,7 @@ def test_group_advantages_sample_std_is_the_default_and_exact():
     # the two conventions differ by sqrt(n / (n - 1)) exactly
     ratio = group_advantages(rewards, eps=0.0, std="population") / expected
     assert_close(ratio[expected != 0], torch.full((5,), math.sqrt(1.5), dtype=torch.float64))
-    from config.learner import LearnerConfig
+    from parley.config.learner import LearnerConfig
 
     assert LearnerConfig().adv_std == "sample"
 
@@ -254,8 +254,8 @@ def test_a_stale_group_is_trained_with_the_clipped_ratio_against_its_behaviour_l
       A = -1, r = 4   -> dual clip at 3:  loss  3,    gradient 0
     (The ratio against the learner's own detached log-probs, times min(r, 2), gave loss 0 and
     gradients (-1.6, -0.9, 0.5, 2) / 4: no trust region at all.)"""
-    from config.learner import LearnerConfig
-    from learner.packing import Sample, build_batch
+    from parley.config.learner import LearnerConfig
+    from parley.learner.packing import Sample, build_batch
 
     up = Sample("up", [5, 6, 7], [0, 1, 1], [0.0, LOG(0.5), LOG(0.5)], advantage=1.0)
     down = Sample("down", [8, 9, 10], [0, 1, 1], [0.0, LOG(0.5), LOG(0.2)], advantage=-1.0)
@@ -276,8 +276,8 @@ def test_truncated_is_weights_each_token_by_its_capped_behaviour_ratio_and_clips
       A = +1, r = 0.9 -> weight 0.9: loss -0.9, gradient -0.9 / 4
       A = -1, r = 0.5 -> weight 0.5: loss  0.5, gradient  0.5 / 4
       A = -1, r = 4   -> weight 3:   loss  3,   gradient  3 / 4"""
-    from config.learner import LearnerConfig
-    from learner.packing import Sample, build_batch
+    from parley.config.learner import LearnerConfig
+    from parley.learner.packing import Sample, build_batch
 
     up = Sample("up", [5, 6, 7], [0, 1, 1], [0.0, LOG(0.5), LOG(0.5)], advantage=1.0)
     down = Sample("down", [8, 9, 10], [0, 1, 1], [0.0, LOG(0.5), LOG(0.2)], advantage=-1.0)
@@ -296,7 +296,7 @@ def test_truncated_is_weights_each_token_by_its_capped_behaviour_ratio_and_clips
 def test_truncated_is_on_policy_is_the_plain_policy_gradient():
     """On-policy (logp = mu) every weight is 1: the loss and gradient of plain REINFORCE with the
     group advantage, -A per token."""
-    from learner.grpo import truncated_is_loss
+    from parley.learner.grpo import truncated_is_loss
 
     mu = torch.tensor([LOG(0.3), LOG(0.6), LOG(0.9)])
     logp = mu.clone().requires_grad_(True)
@@ -311,7 +311,7 @@ def test_truncated_is_on_policy_is_the_plain_policy_gradient():
 def test_unknown_behaviour_correction_is_refused_at_config_time():
     import msgspec
 
-    from config.learner import LearnerConfig
+    from parley.config.learner import LearnerConfig
 
     with pytest.raises(msgspec.ValidationError, match="behaviour_correction"):
         msgspec.convert({"behaviour_correction": "vtrace"}, LearnerConfig)

@@ -9,15 +9,15 @@ import math
 import msgspec
 import pytest
 
-from actors.follow import MAX_WEIGHT_BYTES, announcement_problem
-from rollout.conversation import check_task_limits
-from config.learner import RolloutConfig
-from config.run import ConfigError, load_config
-from learner.groups import BadTrajectory, Grouper, check_hostile_values, check_trajectory
-from protocol import arrays, examples
-from protocol.bus import Poison
-from protocol.messages import TASK_MAX_N, WeightVersion
-from rewards.reward import hostile_reward
+from parley.actors.follow import MAX_WEIGHT_BYTES, announcement_problem
+from parley.rollout.conversation import check_task_limits
+from parley.config.learner import RolloutConfig
+from parley.config.run import ConfigError, load_config
+from parley.learner.groups import BadTrajectory, Grouper, check_hostile_values, check_trajectory
+from parley.protocol import arrays, examples
+from parley.protocol.bus import Poison
+from parley.protocol.messages import TASK_MAX_N, WeightVersion
+from parley.rewards.reward import hostile_reward
 from tests.unit.test_groups import scored
 
 VOCAB = 100

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from protocol import codec, topology
-from protocol.messages import ChatMessage, JudgeReply, JudgeRequest
-from config.scorer import JudgeConfig
+from parley.protocol import codec, topology
+from parley.protocol.messages import ChatMessage, JudgeReply, JudgeRequest
+from parley.config.scorer import JudgeConfig
 import math
 
-from rewards.metrics import INTERACTIVITY_KEYS
-from scorer.judge import (
+from parley.rewards.metrics import INTERACTIVITY_KEYS
+from parley.scorer.judge import (
     EXPECTED_TOP_LOGPROBS,
     SCHEMAS,
     Judge,

@@ -9,7 +9,9 @@
 - a transport name ("objstore", "shared_dir", "cuda_ipc", "nccl") is compared as a string outside
   weights/ (callers ask the transport: weights.registry),
 - a neutral package imports one on its own floor or above it (FLOORS, docs/architecture.md): the
-  neutral packages form no cycle, so each can be read, tested and moved with what is below it.
+  neutral packages form no cycle, so each can be read, tested and moved with what is below it,
+- a package of ours is imported by its bare folder name (`import config`) instead of under the one
+  import name, `parley.config` (the folders sit at the root; installed they live under parley/).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ assert set(FLOOR) == set(NEUTRAL), "every neutral package has a floor"
 
 
 def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
-    """(line, dotted module) for every import in the file, relative imports resolved."""
+    """(line, dotted module) for every import in the file, relative imports resolved (under parley.)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     out = []
@@ -49,7 +51,7 @@ def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                mod = ".".join([*base, node.module] if node.module else base)
+                mod = "parley." + ".".join([*base, node.module] if node.module else base)
             else:
                 mod = node.module or ""
             out.append((node.lineno, mod))
@@ -82,6 +84,10 @@ def violations(root: Path = ROOT) -> list[str]:
                         "(outside weights/, ask the transport: weights.registry)"
                         for line, names in transport_compares(path)]
             for line, mod in imports_of(path, root):
+                if mod.split(".")[0] in OURS:
+                    bad.append(f"{rel}:{line}: import of {mod} by its bare name (import parley.{mod})")
+                    continue
+                mod = mod.removeprefix("parley.")
                 head = mod.split(".")[0]
                 if top == "protocol" and head in HEAVY:
                     bad.append(f"{rel}:{line}: import of {mod} (protocol/ imports no {head})")
@@ -109,17 +115,17 @@ def test_no_forbidden_imports():
 @pytest.mark.parametrize(
     "top, line, expect",
     [
-        ("learner", "from actors.actor import Actor", "role learner/ imports role actors/"),
-        ("scorer", "from deploy.common import resolve", "must not import the launcher deploy/"),
-        ("protocol", "from engines.engine import PolicyEngine", "protocol/ imports nothing of ours"),
-        ("tasks", "import scorer.judge", "neutral tasks/ imports role scorer/"),
-        ("evaluation", "from actors.sim import Simulator", "neutral evaluation/ imports role actors/"),
-        ("evaluation", "def f():\n    from scorer.judge import Judge", "neutral evaluation/ imports role scorer/"),
-        ("evaluation", "import learner.checkpoint", "neutral evaluation/ imports role learner/"),
-        ("rollout", "from actors.sim import FALLBACK_MESSAGE", "neutral rollout/ imports role actors/"),
-        ("rollout", "from scorer.config import ScorerConfig", "neutral rollout/ imports role scorer/"),
-        ("rollout", "from deploy.config import RunConfig", "rollout/ must not import the launcher deploy/"),
-        ("actors", "def f():\n    from learner import grpo", "role actors/ imports role learner/"),
+        ("learner", "from parley.actors.actor import Actor", "role learner/ imports role actors/"),
+        ("scorer", "from parley.deploy.common import resolve", "must not import the launcher deploy/"),
+        ("protocol", "from parley.engines.engine import PolicyEngine", "protocol/ imports nothing of ours"),
+        ("tasks", "import parley.scorer.judge", "neutral tasks/ imports role scorer/"),
+        ("evaluation", "from parley.actors.sim import Simulator", "neutral evaluation/ imports role actors/"),
+        ("evaluation", "def f():\n    from parley.scorer.judge import Judge", "neutral evaluation/ imports role scorer/"),
+        ("evaluation", "import parley.learner.checkpoint", "neutral evaluation/ imports role learner/"),
+        ("rollout", "from parley.actors.sim import FALLBACK_MESSAGE", "neutral rollout/ imports role actors/"),
+        ("rollout", "from parley.scorer.config import ScorerConfig", "neutral rollout/ imports role scorer/"),
+        ("rollout", "from parley.deploy.config import RunConfig", "rollout/ must not import the launcher deploy/"),
+        ("actors", "def f():\n    from parley.learner import grpo", "role actors/ imports role learner/"),
         ("protocol", "def f():\n    import torch", "protocol/ imports no torch"),
         ("protocol", "from vllm import LLM", "protocol/ imports no vllm"),
         ("protocol", "import deepspeed.zero", "protocol/ imports no deepspeed"),
@@ -127,9 +133,11 @@ def test_no_forbidden_imports():
         ("actors", "ok = wv.transport != \"objstore\"", "compares with the transport name 'objstore'"),
         ("engines", "gpu = kind in (\"cuda_ipc\", \"nccl\")", "compares with the transport name 'cuda_ipc'"),
         ("deploy", "x = 'shared_dir' not in kinds", "compares with the transport name 'shared_dir'"),
-        ("config", "from evaluation.selection import REWARD_REFUSED", "neutral config/ imports evaluation/, which is not below it"),
-        ("engines", "from config.run import RunConfig", "neutral engines/ imports config/, which is not below it"),
-        ("tasks", "from rewards.reward import mr", "neutral tasks/ imports rewards/, which is not below it"),
+        ("config", "from parley.evaluation.selection import REWARD_REFUSED", "neutral config/ imports evaluation/, which is not below it"),
+        ("engines", "from parley.config.run import RunConfig", "neutral engines/ imports config/, which is not below it"),
+        ("tasks", "from parley.rewards.reward import mr", "neutral tasks/ imports rewards/, which is not below it"),
+        ("learner", "from config.run import RunConfig", "import of config.run by its bare name"),
+        ("deploy", "def f():\n    import weights.registry", "import of weights.registry by its bare name"),
     ],
 )
 def test_a_forbidden_import_is_named(tmp_path, top, line, expect):
@@ -144,12 +152,12 @@ def test_a_forbidden_import_is_named(tmp_path, top, line, expect):
 def test_allowed_imports_pass(tmp_path):
     for t in OURS:
         (tmp_path / t).mkdir()
-    (tmp_path / "learner" / "ok.py").write_text("from protocol import bus\nfrom tasks.data import Item\nfrom rewards import diagnostics\n")
-    (tmp_path / "evaluation" / "ok.py").write_text("from rollout.conversation import run_conversation\nfrom rollout.score import score_trajectory\n")
-    (tmp_path / "rollout" / "ok.py").write_text("from environments.base import Reward\nfrom protocol.bus import Retry\n")
-    (tmp_path / "actors" / "ok.py").write_text("from rollout.conversation import run_conversation\n")
-    (tmp_path / "scorer" / "ok.py").write_text("from rollout.score import score_trajectory\n")
-    (tmp_path / "deploy" / "ok.py").write_text("from learner.service import run\nfrom actors.actor import run\n")
+    (tmp_path / "learner" / "ok.py").write_text("from parley.protocol import bus\nfrom parley.tasks.data import Item\nfrom parley.rewards import diagnostics\n")
+    (tmp_path / "evaluation" / "ok.py").write_text("from parley.rollout.conversation import run_conversation\nfrom parley.rollout.score import score_trajectory\n")
+    (tmp_path / "rollout" / "ok.py").write_text("from parley.environments.base import Reward\nfrom parley.protocol.bus import Retry\n")
+    (tmp_path / "actors" / "ok.py").write_text("from parley.rollout.conversation import run_conversation\n")
+    (tmp_path / "scorer" / "ok.py").write_text("from parley.rollout.score import score_trajectory\n")
+    (tmp_path / "deploy" / "ok.py").write_text("from parley.learner.service import run\nfrom parley.actors.actor import run\n")
     # inside weights/ a transport may name itself; elsewhere naming one without comparing is fine
     (tmp_path / "weights" / "ok.py").write_text("import torch\nGPU = kind in ('cuda_ipc', 'nccl')\n")
     (tmp_path / "learner" / "ok2.py").write_text("DEFAULT = 'objstore'\nlog.info('%s', 'nccl')\n")
@@ -157,7 +165,7 @@ def test_allowed_imports_pass(tmp_path):
 
 
 def _module_file(mod: str, root: Path) -> Path | None:
-    base = root.joinpath(*mod.split("."))
+    base = root.joinpath(*mod.removeprefix("parley.").split("."))
     for p in (base.with_suffix(".py"), base / "__init__.py"):
         if p.is_file():
             return p
@@ -171,14 +179,14 @@ def reach(start: Path, root: Path = ROOT) -> dict[str, str]:
     todo = [start]
     while todo:
         path = todo.pop()
-        here = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        here = "parley." + ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         tree = ast.parse(path.read_text(), filename=str(path))
         found = [mod for _, mod in imports_of(path, root)]
         # `from pkg import mod` names a module too
         found += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
                   and not n.level for a in n.names]
         for mod in found:
-            if mod.split(".")[0] in OURS and mod not in seen and (f := _module_file(mod, root)):
+            if mod.startswith("parley.") and mod not in seen and (f := _module_file(mod, root)):
                 seen[mod] = here
                 todo.append(f)
     return seen
@@ -188,7 +196,7 @@ def reach(start: Path, root: Path = ROOT) -> dict[str, str]:
 def test_the_learner_reaches_no_other_role(start):
     """The learner's imports, followed through evaluation/ (the periodic eval, the leakage guard)
     and every neutral package, never arrive at actors/ or scorer/."""
-    bad = {m: by for m, by in reach(ROOT / start).items() if m.split(".")[0] in ROLES and m.split(".")[0] != "learner"}
+    bad = {m: by for m, by in reach(ROOT / start).items() if m.split(".")[1] in ROLES and m.split(".")[1] != "learner"}
     assert not bad, f"{start} reaches " + ", ".join(f"{m} (imported by {by})" for m, by in sorted(bad.items()))
 
 
@@ -196,8 +204,8 @@ def test_reach_follows_imports_through_neutral_packages(tmp_path):
     """The walk above can fail: a learner module that reaches a role through evaluation/ is found."""
     for t in OURS:
         (tmp_path / t).mkdir()
-    (tmp_path / "learner" / "a.py").write_text("def f():\n    from evaluation import periodic\n")
-    (tmp_path / "evaluation" / "periodic.py").write_text("from scorer.judge import Judge\n")
+    (tmp_path / "learner" / "a.py").write_text("def f():\n    from parley.evaluation import periodic\n")
+    (tmp_path / "evaluation" / "periodic.py").write_text("from parley.scorer.judge import Judge\n")
     (tmp_path / "scorer" / "judge.py").write_text("")
-    assert reach(tmp_path / "learner" / "a.py", tmp_path) == {"evaluation.periodic": "learner.a",
-                                                               "scorer.judge": "evaluation.periodic"}
+    assert reach(tmp_path / "learner" / "a.py", tmp_path) == {"parley.evaluation.periodic": "parley.learner.a",
+                                                               "parley.scorer.judge": "parley.evaluation.periodic"}

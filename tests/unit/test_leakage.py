@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tasks.data import load_items, split_items
-from evaluation.leakage import OVERLAP_FILE, LeakageError, guard_overlap
+from parley.tasks.data import load_items, split_items
+from parley.evaluation.leakage import OVERLAP_FILE, LeakageError, guard_overlap
 
 
 def row(conv_id, prompt, reference):

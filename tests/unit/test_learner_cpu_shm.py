@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.trainer import skip_cpu_shm_build
+from parley.learner.trainer import skip_cpu_shm_build
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU accelerator's op")

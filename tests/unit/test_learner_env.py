@@ -9,13 +9,13 @@ import json
 
 import pytest
 
-from config.run import load_config
-from environments import hidden_goal
-from evaluation.leakage import OVERLAP_FILE, LeakageError, guard_environment
-from learner import checkpoint as ckpt
-from learner import envrecord
-from learner.resume import LearnerStateError
-from learner.service import Learner, check_leakage
+from parley.config.run import load_config
+from parley.environments import hidden_goal
+from parley.evaluation.leakage import OVERLAP_FILE, LeakageError, guard_environment
+from parley.learner import checkpoint as ckpt
+from parley.learner import envrecord
+from parley.learner.resume import LearnerStateError
+from parley.learner.service import Learner, check_leakage
 
 
 class TrainerDouble:
@@ -60,7 +60,7 @@ def test_the_feeder_issues_the_environments_tasks_and_the_run_records_it(tmp_pat
     assert hidden_goal.parse_hidden(tasks[0].reference)[1]  # the hidden goal travels as the reference
     record = json.loads((tmp_path / "run" / "environment.json").read_text())
     assert {k: record[k] for k in ("name", "distribution", "entry_point", "options")} == {
-        "name": "hidden_goal", "distribution": "parley", "entry_point": "environments.hidden_goal:environment",
+        "name": "hidden_goal", "distribution": "parley-grpo", "entry_point": "parley.environments.hidden_goal:environment",
         "options": {"n_items": 12, "seed": 3}}
     assert record["version"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 
-from learner import checkpoint as ckpt
+from parley.learner import checkpoint as ckpt
 
 
 def test_state_rename_is_followed_by_an_fsync_of_its_directory(tmp_path, monkeypatch):
@@ -39,7 +39,7 @@ def test_compaction_unlinks_the_old_log_only_after_the_directory_is_synced(tmp_p
     from pathlib import Path
 
     from tests.integration.test_learner_fates import scored_for
-    from protocol.messages import Task
+    from parley.protocol.messages import Task
 
     events: list[str] = []
     real_fsync, real_unlink = os.fsync, Path.unlink

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from config.run import load_config
-from deploy.cli import app
-from deploy.memory import PlanError, Shape, learner_terms, make_plan, model_shape, processes
+from parley.config.run import load_config
+from parley.deploy.cli import app
+from parley.deploy.memory import PlanError, Shape, learner_terms, make_plan, model_shape, processes
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU1 = ROOT / "deploy" / "configs" / "gpu-1.toml"
@@ -56,7 +56,7 @@ def test_the_smol_shape_is_known_without_building_it():
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU: its total is detected")
 def test_gpu1_dry_run_exits_0_on_a_cpu_machine_and_prints_the_plan():
-    code = "import sys; sys.argv[0] = 'parley'; from deploy.cli import main; main()"
+    code = "import sys; sys.argv[0] = 'parley'; from parley.deploy.cli import main; main()"
     proc = subprocess.run([sys.executable, "-c", code, "up", "--config", str(GPU1), "--dry-run"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -111,8 +111,8 @@ def test_a_gpu_memory_utilization_share_is_planned_as_that_share_of_the_gpu():
 
 
 def test_up_refuses_before_it_starts_anything(monkeypatch):
-    import deploy.up
-
+    from parley import deploy  # noqa: F401
+    import parley.deploy.up  # noqa: F401
     def started(*a, **k):
         raise AssertionError("up_main ran: the plan should have refused first")
 

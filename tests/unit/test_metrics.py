@@ -7,7 +7,7 @@ import warnings
 import pytest
 import sacrebleu
 
-from rewards.metrics import (
+from parley.rewards.metrics import (
     BLEU_VARIANTS,
     bleu,
     char_bleu,
@@ -94,7 +94,7 @@ def test_char_bleu_equals_nltk_sentence_bleu_on_raw_strings(hyp, ref):
 
 def test_char_bleu_on_bundled_documents_equals_nltk():
     nltk_bleu = pytest.importorskip("nltk.translate.bleu_score")
-    from tasks.data import load_items
+    from parley.tasks.data import load_items
 
     items = load_items("bundled")[:4]
     for a in items:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from protocol.messages import Heartbeat
-from runtime import metrics
+from parley.protocol.messages import Heartbeat
+from parley.runtime import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "parley.json"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from deploy.cli import app
-from deploy.mps import BINARY, MpsDaemon, MpsError
+from parley.deploy.cli import app
+from parley.deploy.mps import BINARY, MpsDaemon, MpsError
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU1 = ROOT / "deploy" / "configs" / "gpu-1.toml"
@@ -108,7 +108,7 @@ def test_a_share_other_than_plain_or_mps_is_refused_with_the_key():
 
 
 def test_every_child_parley_up_starts_carries_the_daemons_variables(tmp_path, monkeypatch):
-    from deploy.up import child_env
+    from parley.deploy.up import child_env
 
     double(tmp_path, monkeypatch)
     mps = MpsDaemon(tmp_path / "run", probe=[sys.executable, "-c", "pass"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.packing import Sample, build_batch, pack_by_tokens, shard_by_tokens
+from parley.learner.packing import Sample, build_batch, pack_by_tokens, shard_by_tokens
 
 
 def test_every_sequence_is_packed_once_within_budget():

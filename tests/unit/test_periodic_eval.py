@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from config.run import RunConfig
-from learner import checkpoint as ckpt
-from config.learner import LearnerConfig
-from evaluation.periodic import PeriodicEval, eval_argv, evaluated, model_dir
-from evaluation.evallog import write_parquet
+from parley.config.run import RunConfig
+from parley.learner import checkpoint as ckpt
+from parley.config.learner import LearnerConfig
+from parley.evaluation.periodic import PeriodicEval, eval_argv, evaluated, model_dir
+from parley.evaluation.evallog import write_parquet
 from tests.unit.test_select import version_records
 
 
@@ -131,10 +131,10 @@ def test_config_refuses_reward_metric_and_early_stop_without_eval():
 def test_eval_argv_is_the_benchmark_command_following_versions(tmp_path):
     cfg, run_dir = make_run(tmp_path)
     pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version)
-    from evaluation.periodic import EvalJob, job_line
+    from parley.evaluation.periodic import EvalJob, job_line
 
     argv = eval_argv(cfg, pe.config_path, tmp_path / "eval")
-    assert argv[1:4] == ["-m", "deploy.cli", "eval"]
+    assert argv[1:4] == ["-m", "parley.deploy.cli", "eval"]
     joined = " ".join(argv)
     assert "--services nats --follow" in joined and "-C" not in argv
     assert "--n-items 3" in joined and f"--max-new-turns {cfg.rollout.max_new_turns}" in joined
@@ -148,7 +148,7 @@ def test_eval_argv_is_the_benchmark_command_following_versions(tmp_path):
 # name makes it exit 7 in the middle of that job (after a line of output).
 FOLLOW_DOUBLE = r"""
 import json, sys
-from evaluation.commands import DONE_MARK
+from parley.evaluation.commands import DONE_MARK
 print("child up", flush=True)
 for line in sys.stdin:
     job = json.loads(line)
@@ -164,7 +164,7 @@ async def test_the_following_child_serves_versions_restarts_after_a_death_and_en
     import os
     import sys
 
-    from evaluation.periodic import EvalJob, FollowingChild
+    from parley.evaluation.periodic import EvalJob, FollowingChild
 
     script = tmp_path / "double.py"
     script.write_text(FOLLOW_DOUBLE)
@@ -189,7 +189,7 @@ async def test_the_following_child_serves_versions_restarts_after_a_death_and_en
 def test_up_summary_of_the_evaluated_versions(tmp_path):
     """`parley up`'s closing text: the versions side by side, the selection, a failed eval named and
     left out (even with records in it), the early-stop reason."""
-    from deploy.up import eval_text
+    from parley.deploy.up import eval_text
 
     for v, (b, i, t) in {0: (0.40, 0.80, 2.0), 3: (0.45, 0.80, 2.0)}.items():
         write_parquet(version_records(v, b, i, t, noise_seed=v + 1), tmp_path / "eval" / f"v{v}" / "records.parquet")

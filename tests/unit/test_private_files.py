@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import stat
 
-import deploy.natsserver as natsserver
-from deploy.credentials import generate_credentials
+import parley.deploy.natsserver as natsserver
+from parley.deploy.credentials import generate_credentials
 
 
 def _watch_writes(monkeypatch) -> list[int]:

@@ -5,8 +5,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from protocol import arrays, codec, examples, topology
-from protocol.messages import Trajectory
+from parley.protocol import arrays, codec, examples, topology
+from parley.protocol.messages import Trajectory
 
 DATA = Path(__file__).parent.parent / "data"
 

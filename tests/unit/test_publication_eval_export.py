@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from learner import checkpoint as ckpt
-from learner.publication import Weights
-from weights.config import CudaIpcWeights, NcclWeights
+from parley.learner import checkpoint as ckpt
+from parley.learner.publication import Weights
+from parley.weights.config import CudaIpcWeights, NcclWeights
 
 
 class SnapshotDouble:

@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from engines.reference import ReferenceModel
+from parley.engines.reference import ReferenceModel
 
 
 class SlowForwardDouble(ReferenceModel):

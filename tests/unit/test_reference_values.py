@@ -11,10 +11,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from learner.groups import BadTrajectory, check_hostile_values, check_reference
-from learner.packing import Sample, build_batch
-from protocol import arrays, codec
-from protocol.messages import Scored
+from parley.learner.groups import BadTrajectory, check_hostile_values, check_reference
+from parley.learner.packing import Sample, build_batch
+from parley.protocol import arrays, codec
+from parley.protocol.messages import Scored
 from tests.unit.test_groups import scored
 
 VOCAB = 100
@@ -74,19 +74,19 @@ def test_a_batch_gathers_the_reference_of_its_trained_tokens():
 
 
 def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
-    from deploy.permissions import role_permissions
-    from config.run import load_config
-    from deploy.up import plan_children, ready_children
-    from protocol import topology
-    from protocol.messages import Heartbeat
-    from runtime.supervisor import Supervisor
+    from parley.deploy.permissions import role_permissions
+    from parley.config.run import load_config
+    from parley.deploy.up import plan_children, ready_children
+    from parley.protocol import topology
+    from parley.protocol.messages import Heartbeat
+    from parley.runtime.supervisor import Supervisor
 
     sup = Supervisor(tmp_path)
     names = [name for name, _ in plan_children(load_config(), sup, tmp_path / "c.toml")]
     assert "reference" not in names
     plan = dict(plan_children(load_config(None, ["policy.reference=service"]), sup, tmp_path / "c.toml"))
     assert plan["reference"][-4:] == ["--config", str(tmp_path / "c.toml"), "--id", "reference"]
-    assert plan["reference"][plan["reference"].index("deploy.cli") + 1] == "reference"
+    assert plan["reference"][plan["reference"].index("parley.deploy.cli") + 1] == "reference"
     assert list(plan).index("reference") < list(plan).index("scorer-0")  # up before anyone asks it
     assert "reference" in ready_children([Heartbeat(role="reference", id="reference", state="ready")])
     perms = role_permissions("r")
@@ -95,8 +95,8 @@ def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
 
 
 def test_an_evals_scorer_asks_no_reference_service(tmp_path):
-    from config.run import load_config
-    from evaluation.fleet import scorer_args
+    from parley.config.run import load_config
+    from parley.evaluation.fleet import scorer_args
 
     path = tmp_path / "run.toml"
     path.write_text('[learner]\nreference = "service"\n')

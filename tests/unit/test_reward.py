@@ -2,7 +2,7 @@
 
 import pytest
 
-from rewards.reward import average_futures, default_weights, mr, total_reward, weighted_terms
+from parley.rewards.reward import average_futures, default_weights, mr, total_reward, weighted_terms
 
 
 def test_default_weights():

@@ -12,13 +12,13 @@ import types
 import nats.errors
 import pytest
 
-from engines.engine import GenOut
-from rollout.conversation import PolicySettings, StaleWatch, check_task, derive_seed, run_conversation
-from rollout.sim import SimClient, SimUnreachable
-from rollout.sim import FALLBACK_MESSAGE
-from protocol import arrays, codec
-from protocol.bus import Poison
-from protocol.messages import ABANDONED_STALE, ChatMessage, SimReply, SimRequest, Task
+from parley.engines.engine import GenOut
+from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, derive_seed, run_conversation
+from parley.rollout.sim import SimClient, SimUnreachable
+from parley.rollout.sim import FALLBACK_MESSAGE
+from parley.protocol import arrays, codec
+from parley.protocol.bus import Poison
+from parley.protocol.messages import ABANDONED_STALE, ChatMessage, SimReply, SimRequest, Task
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +325,7 @@ def test_a_generation_running_when_the_group_becomes_untrainable_is_cut_and_left
 def _follower(tmp_path, version=0):
     """A real actors.follow.WeightFollower (no bus: nothing here reads it) over an engine at `version`:
     its `announced` setter and announcement() event are what the actor's StaleWatch waits on."""
-    from actors.follow import WeightFollower
+    from parley.actors.follow import WeightFollower
 
     return WeightFollower(None, "r", types.SimpleNamespace(version=version), dest_root=tmp_path)
 

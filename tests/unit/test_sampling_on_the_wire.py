@@ -9,10 +9,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from config.run import ConfigError, check_training, load_config
-from learner.groups import BadTrajectory, check_hostile_values
-from protocol import codec
-from protocol.messages import GREEDY_BELOW, Trajectory
+from parley.config.run import ConfigError, check_training, load_config
+from parley.learner.groups import BadTrajectory, check_hostile_values
+from parley.protocol import codec
+from parley.protocol.messages import GREEDY_BELOW, Trajectory
 from tests import factories
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from protocol import examples
-from protocol.messages import ChatMessage, FutureRollout
-from config.scorer import ScorerConfig
-from rewards.metrics import bleu, char_bleu
-from rewards.reward import default_weights
-from rollout.judge import JudgeFailed, JudgeUnavailable
-from rollout.score import Unscorable, conversations, score_trajectory
+from parley.protocol import examples
+from parley.protocol.messages import ChatMessage, FutureRollout
+from parley.config.scorer import ScorerConfig
+from parley.rewards.metrics import bleu, char_bleu
+from parley.rewards.reward import default_weights
+from parley.rollout.judge import JudgeFailed, JudgeUnavailable
+from parley.rollout.score import Unscorable, conversations, score_trajectory
 from tests.factories import JudgeDouble
 
 REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shines below."
@@ -178,7 +178,7 @@ def three_level_judge(value, ok=True) -> JudgeDouble:
 
 
 async def test_collabllm_variant_uses_the_3level_judge_and_nltk_char_bleu():
-    from environments.collabllm import SCORING_VARIANTS
+    from parley.environments.collabllm import SCORING_VARIANTS
 
     traj = _traj()
     judge = three_level_judge(0.5)

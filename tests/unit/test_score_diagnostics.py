@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.messages import Scored
-from rewards.diagnostics import SignalMonitor, diagnose_groups
-from rewards.reward import total_reward
+from parley.protocol.messages import Scored
+from parley.rewards.diagnostics import SignalMonitor, diagnose_groups
+from parley.rewards.reward import total_reward
 from tests import factories
 
 # The users' story: raw word count x -0.1, clamped to [-1, 1]. As a metric clamp that is

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from environments import hidden_goal
-from environments.base import JudgeMetric, PureMetric, Reward
-from protocol.messages import ChatMessage, JudgeReply
-from config.scorer import ScorerConfig
-from rollout.judge import JudgeFailed
-from rollout.score import Unscorable, score_trajectory
+from parley.environments import hidden_goal
+from parley.environments.base import JudgeMetric, PureMetric, Reward
+from parley.protocol.messages import ChatMessage, JudgeReply
+from parley.config.scorer import ScorerConfig
+from parley.rollout.judge import JudgeFailed
+from parley.rollout.score import Unscorable, score_trajectory
 from tests import factories
 
 PIZZA = hidden_goal.Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))

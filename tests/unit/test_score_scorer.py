@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from protocol import bus, codec, examples, topology
-from protocol.messages import ABANDONED_STALE, JudgeReply
-from config.scorer import ScorerConfig
-from rollout.judge import JudgeUnavailable
-from scorer.scorer import Scorer
+from parley.protocol import bus, codec, examples, topology
+from parley.protocol.messages import ABANDONED_STALE, JudgeReply
+from parley.config.scorer import ScorerConfig
+from parley.rollout.judge import JudgeUnavailable
+from parley.scorer.scorer import Scorer
 from tests.factories import JudgeDouble
 
 CFG = ScorerConfig(retry_delay_s=0.01, retry_max_delay_s=0.02, judge_wait_s=0.05)

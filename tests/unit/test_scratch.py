@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from runtime import scratch
+from parley.runtime import scratch
 
 
 def dead_pid() -> int:
@@ -40,7 +40,7 @@ def test_a_dead_process_is_told_from_a_live_one():
 def test_a_model_build_removes_what_a_killed_build_left(tmp_path, monkeypatch):
     """engines.models.ensure_model builds in a staging dir beside the cache entry; one a killed build
     left (a model's size) is removed by the next build, which holds the build lock."""
-    from engines import models
+    from parley.engines import models
 
     monkeypatch.setenv("PARLEY_CACHE", str(tmp_path))
     left = tmp_path / "models" / ".tiny-build-abc123"

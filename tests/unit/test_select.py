@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from deploy.cli import app
-from protocol.messages import ChatMessage, EvalRecord
-from evaluation.evallog import write_parquet
-from evaluation.selection import SelectionError, VersionEval, load_versions, regressed, select_best
+from parley.deploy.cli import app
+from parley.protocol.messages import ChatMessage, EvalRecord
+from parley.evaluation.evallog import write_parquet
+from parley.evaluation.selection import SelectionError, VersionEval, load_versions, regressed, select_best
 
 N_ITEMS = 12
 

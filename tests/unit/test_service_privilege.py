@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from deploy.credentials import generate_credentials, server_auth_conf
-from protocol import topology
+from parley.deploy.credentials import generate_credentials, server_auth_conf
+from parley.protocol import topology
 
 SERVICES = ("sim", "judge", "services", "reference")
 

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from engines.backend import BackendError
-from config.actor import SimConfig
-from actors.sim import (
+from parley.engines.backend import BackendError
+from parley.config.actor import SimConfig
+from parley.actors.sim import (
     FALLBACK_MESSAGE,
     SIM_SCHEMA,
     BadRequest,
@@ -21,8 +21,8 @@ from actors.sim import (
     sim_messages,
     swap_roles,
 )
-from protocol import codec
-from protocol.messages import ChatMessage, SimReply, SimRequest
+from parley.protocol import codec
+from parley.protocol.messages import ChatMessage, SimReply, SimRequest
 
 
 class ScriptedBackendDouble:
@@ -215,8 +215,8 @@ def test_rollout_side_modules_import_without_torch_or_vllm():
     import sys
 
     code = (
-        "import sys, deploy.cli_actor, actors.sim, engines.service, engines.backend, rollout.conversation, rollout.sim, actors.follow, "
-        "actors.actor; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+        "import sys, parley.deploy.cli_actor, parley.actors.sim, parley.engines.service, parley.engines.backend, "
+        "parley.rollout.conversation, parley.rollout.sim, parley.actors.follow, parley.actors.actor; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

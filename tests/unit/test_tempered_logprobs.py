@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.logprobs import token_logprobs
-from learner.packing import Sample, build_batch
+from parley.learner.logprobs import token_logprobs
+from parley.learner.packing import Sample, build_batch
 from tests.reference import reference_logprobs
 
 

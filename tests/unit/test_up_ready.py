@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from deploy import up
+from parley.deploy import up
 
 
 class SupervisorDouble:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.messages import CudaIpcBuffer, IpcTensor, NcclSource
-from weights import registry
-from weights.config import KINDS, CudaIpcWeights, NcclWeights, ObjstoreWeights, SharedDirWeights, upgrade
+from parley.protocol.messages import CudaIpcBuffer, IpcTensor, NcclSource
+from parley.weights import registry
+from parley.weights.config import KINDS, CudaIpcWeights, NcclWeights, ObjstoreWeights, SharedDirWeights, upgrade
 
 
 def test_every_configured_kind_has_its_transport():

@@ -11,10 +11,10 @@ import asyncio
 import nats.errors
 import pytest
 
-import engines.service as service_module
-from engines.service import Service
-from protocol import topology
-from protocol.request import ID_HEADER, SEND_HEADER, TIMEOUT_HEADER, request, request_id
+import parley.engines.service as service_module
+from parley.engines.service import Service
+from parley.protocol import topology
+from parley.protocol.request import ID_HEADER, SEND_HEADER, TIMEOUT_HEADER, request, request_id
 from tests.factories import EngineDouble
 
 SUBJECT = topology.SIM_SUBJECT

@@ -13,7 +13,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from environments.base import (
+from parley.environments.base import (
     Environment,
     EvalProtocol,
     ProgrammaticUser,
@@ -23,7 +23,7 @@ from environments.base import (
     UserTurn,
     split_by_key,
 )
-from protocol.messages import ChatMessage, Task
+from parley.protocol.messages import ChatMessage, Task
 
 ADJECTIVES = ("red", "quiet", "brave", "small", "golden", "early")
 NOUNS = ("kite", "river", "lantern", "harbour", "violin", "orchard")
