@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast faults clean
+.PHONY: setup run test lint test-fast faults clean
 
 setup: $(STAMP)
 
@@ -22,8 +22,13 @@ run: setup
 
 # Two workers, so the tests that wait on nats-server timeouts overlap the CPU-bound engine and learner
 # tests; `--dist loadscope` is refined in tests/conftest.py (whole modules; the shared engines on one worker).
-test: setup
+test: setup lint
 	$(BIN)/pytest -q -ra --durations=25 -m "not faults" -n 2 --dist loadscope
+
+# ruff: the checks and the format of pyproject's [tool.ruff]; `make test` runs it first
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not e2e and not slow"

@@ -17,12 +17,12 @@ import time
 from collections import Counter
 
 from parley.actors.follow import WeightFollower, WeightsBroken
-from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
-from parley.rollout.sim import SimClient
-from parley.environments.base import Environment, LocalUser, ProgrammaticUser
 from parley.config.run import RunConfig
+from parley.environments.base import Environment, LocalUser, ProgrammaticUser
 from parley.protocol import bus, status
 from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Task
+from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
+from parley.rollout.sim import SimClient
 from parley.runtime.scratch import scratch_dir
 
 # How long a task admitted at a version the engine does not serve yet waits for that version to load.
@@ -43,8 +43,18 @@ class Actor:
     """The task handler around one policy engine. Conversations in flight, over all tasks, are
     bounded by `concurrency` (one semaphore shared by every sample)."""
 
-    def __init__(self, nc, js, cfg: RunConfig, engine, tokenizer, *, ident: str, concurrency: int | None = None,
-                 weights_dir: str | os.PathLike):
+    def __init__(
+        self,
+        nc,
+        js,
+        cfg: RunConfig,
+        engine,
+        tokenizer,
+        *,
+        ident: str,
+        concurrency: int | None = None,
+        weights_dir: str | os.PathLike,
+    ):
         self.nc, self.js, self.cfg = nc, js, cfg
         self.run = cfg.run.name
         self.engine, self.tokenizer = engine, tokenizer
@@ -52,8 +62,15 @@ class Actor:
         self.concurrency = concurrency or cfg.actor.concurrency
         self._slots = asyncio.Semaphore(self.concurrency)
         self.sim = user_client(cfg.env.load(), nc, cfg.actor)
-        self.follower = WeightFollower(js, self.run, engine, dest_root=weights_dir, poll_s=cfg.actor.weights_poll_s,
-                                       base_dir=engine.settings.model, settings=cfg.weights)
+        self.follower = WeightFollower(
+            js,
+            self.run,
+            engine,
+            dest_root=weights_dir,
+            poll_s=cfg.actor.weights_poll_s,
+            base_dir=engine.settings.model,
+            settings=cfg.weights,
+        )
         self.policy = PolicySettings(
             max_model_len=cfg.actor.engine.max_model_len,
             sampling=cfg.actor.sampling,
@@ -68,10 +85,19 @@ class Actor:
     def heartbeat(self) -> Heartbeat:
         counters = {k: float(v) for k, v in (self.counters + bus.COUNTERS).items()}
         f = self.follower
-        counters.update(in_flight=float(self.in_flight), refused_versions=float(len(f.refused)),
-                        sim_waits=float(getattr(self.sim, "waits", 0)))  # a LocalUser never waits
-        counters.update({"weights.announced": float(f.announced), "weights.lag": float(f.announced - self.engine.version),
-                         "weights.loads": float(len(f.loaded)), "weights.load_s": f.load_s})
+        counters.update(
+            in_flight=float(self.in_flight),
+            refused_versions=float(len(f.refused)),
+            sim_waits=float(getattr(self.sim, "waits", 0)),
+        )  # a LocalUser never waits
+        counters.update(
+            {
+                "weights.announced": float(f.announced),
+                "weights.lag": float(f.announced - self.engine.version),
+                "weights.loads": float(len(f.loaded)),
+                "weights.load_s": f.load_s,
+            }
+        )
         state = "busy" if self.state == "ready" and self.in_flight else self.state
         return Heartbeat(role="actor", id=self.ident, state=state, version=self.engine.version, counters=counters)
 
@@ -89,8 +115,13 @@ class Actor:
                 # would make the group a version staler than the gate allowed for (and, at the edge of
                 # max_staleness, dropped after being played). Loading takes seconds; waiting is cheaper.
                 if not await self.follower.reach(task.admitted_version, ADMITTED_VERSION_WAIT_S):
-                    log.warning("task %s admitted at version %d; still serving %d after %.0fs, playing it anyway",
-                                task.task_id, task.admitted_version, self.engine.version, ADMITTED_VERSION_WAIT_S)
+                    log.warning(
+                        "task %s admitted at version %d; still serving %d after %.0fs, playing it anyway",
+                        task.task_id,
+                        task.admitted_version,
+                        self.engine.version,
+                        ADMITTED_VERSION_WAIT_S,
+                    )
             watch = self.stale_watch(task)
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -99,8 +130,14 @@ class Actor:
                 raise _first_of(eg) from None
         await msg.ack()
         self.counters["tasks"] += 1
-        log.info("task %s: %d samples stored in %.2fs (%d assistant tokens generated so far); %s", task.task_id, task.n,
-                 time.perf_counter() - t0, self.counters["assistant_tokens"], sample_split([s.result() for s in samples]))
+        log.info(
+            "task %s: %d samples stored in %.2fs (%d assistant tokens generated so far); %s",
+            task.task_id,
+            task.n,
+            time.perf_counter() - t0,
+            self.counters["assistant_tokens"],
+            sample_split([s.result() for s in samples]),
+        )
 
     def stale_watch(self, task: Task) -> StaleWatch | None:
         """The watch its samples share, so they stop once the learner can no longer train their group
@@ -117,8 +154,14 @@ class Actor:
             self.in_flight += 1
             try:
                 traj = await run_conversation(
-                    self.engine, self.sim, task, sample, lambda: self.engine.version,
-                    tokenizer=self.tokenizer, policy=self.policy, watch=watch,
+                    self.engine,
+                    self.sim,
+                    task,
+                    sample,
+                    lambda: self.engine.version,
+                    tokenizer=self.tokenizer,
+                    policy=self.policy,
+                    watch=watch,
                 )
             finally:
                 self.in_flight -= 1
@@ -136,7 +179,12 @@ class Actor:
         await self._first_check()
         n = max(1, self.cfg.rollout.n)
         worker = bus.PullWorker(
-            self.js, self.run, "tasks", self.handle, bus=self.cfg.bus, name=self.ident,
+            self.js,
+            self.run,
+            "tasks",
+            self.handle,
+            bus=self.cfg.bus,
+            name=self.ident,
             # enough tasks to keep every conversation slot busy, plus one waiting in line
             concurrency=worker_concurrency or max(1, self.concurrency // n) + 1,
         )
@@ -159,7 +207,6 @@ class Actor:
             self.state = "stopping"
             await status.send(self.nc, self.run, self.heartbeat())
 
-
     async def _first_check(self, attempts: int = 30) -> None:
         """Load the announced version before taking tasks. Loading the engine blocks the loop for
         a minute, so this first read may meet a reconnect (nats-server restarted meanwhile): retry."""
@@ -172,8 +219,9 @@ class Actor:
             except Exception as e:  # noqa: BLE001 - timeouts / no responders while the server comes back
                 if attempt == attempts:
                     raise
-                log.warning("reading the weights key failed (%s: %s); retry %d/%d", type(e).__name__, e, attempt,
-                            attempts - 1)
+                log.warning(
+                    "reading the weights key failed (%s: %s); retry %d/%d", type(e).__name__, e, attempt, attempts - 1
+                )
                 await asyncio.sleep(2.0)
 
 
@@ -187,7 +235,9 @@ def sample_split(timings: list[dict[str, float]]) -> str:
     gen = sum(t.get("generate", 0.0) for t in timings) / n
     sim = sum(t.get("sim", 0.0) for t in timings) / n
     total = sum(t.get("total", 0.0) for t in timings) / n
-    return f"a sample's mean: play {total:.3f}s, generate {gen:.3f}s, simulator {sim:.3f}s, rest {total - gen - sim:.3f}s"
+    return (
+        f"a sample's mean: play {total:.3f}s, generate {gen:.3f}s, simulator {sim:.3f}s, rest {total - gen - sim:.3f}s"
+    )
 
 
 def _first_of(eg: BaseExceptionGroup) -> BaseException:
@@ -215,8 +265,9 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, concurrency: int
     # timestamped: with the launch time it tells the process's imports from its connection and engine start
     log.info("%s: started; connecting, then loading the policy %s", ident, cfg.actor.engine.model)
     hello = [Heartbeat(role="actor", id=ident, state="starting")]
-    async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus, topology=True,
-                               hello=hello) as (nc, js):
+    async with role_connection(
+        cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus, topology=True, hello=hello
+    ) as (nc, js):
         t0 = time.perf_counter()
         # the behaviour log-probs are of the distribution sampled at actor.sampling.temperature (the learner's too)
         engine, tokenizer, path = open_engine(cfg.actor.engine, sampled_logprobs=True)  # blocks while vLLM loads

@@ -47,8 +47,18 @@ class WeightFollower:
     one being served is kept. `base_dir` is the checkpoint the engine started from: what is
     reloaded if a new version fails half-way through loading."""
 
-    def __init__(self, js, run: str, engine, *, dest_root: str | Path, poll_s: float = 5.0,
-                 base_dir: str | Path | None = None, fetch=None, settings=None):
+    def __init__(
+        self,
+        js,
+        run: str,
+        engine,
+        *,
+        dest_root: str | Path,
+        poll_s: float = 5.0,
+        base_dir: str | Path | None = None,
+        fetch=None,
+        settings=None,
+    ):
         self.js, self.run, self.engine = js, run, engine
         self.dest_root = Path(dest_root)
         self.poll_s = poll_s
@@ -174,7 +184,9 @@ class WeightFollower:
             if asyncio.get_running_loop().time() < self.retry_at.get((wv.version, wv.sha256), 0.0):
                 return False  # a failed GPU load waits out its backoff (_gpu_failed)
             if wv.version < self.engine.version:
-                log.warning("weights key moved back from version %d to %d; following it", self.engine.version, wv.version)
+                log.warning(
+                    "weights key moved back from version %d to %d; following it", self.engine.version, wv.version
+                )
             t0 = time.perf_counter()
             loaded = await self._load(wv)
             if loaded:
@@ -253,8 +265,12 @@ class WeightFollower:
         key = _packed_id(wv)
         if getattr(self.engine, "packed_name", None) != delta.base_sha256 or key in self._delta_failed:
             if wv.full_pending:
-                log.info("weights version %d: its packed delta needs a packed copy of version %d, not held here; "
-                         "waiting for its full copy", wv.version, delta.base_version)
+                log.info(
+                    "weights version %d: its packed delta needs a packed copy of version %d, not held here; "
+                    "waiting for its full copy",
+                    wv.version,
+                    delta.base_version,
+                )
                 return False
             COUNTERS["weights.delta_no_base"] += 1
             return None
@@ -267,8 +283,12 @@ class WeightFollower:
         except (WeightVerifyError, WeightUnavailable) as e:  # nothing served changed
             COUNTERS["weights.delta_refused"] += 1
             self._delta_failed.add(key)
-            log.warning("weights version %d: packed delta not used (%s); %s", wv.version, e,
-                        "waiting for its full copy" if wv.full_pending else "fetching the full version")
+            log.warning(
+                "weights version %d: packed delta not used (%s); %s",
+                wv.version,
+                e,
+                "waiting for its full copy" if wv.full_pending else "fetching the full version",
+            )
             shutil.rmtree(dest, ignore_errors=True)
             return False if wv.full_pending else None
         except Exception as e:  # noqa: BLE001 - a fetch that may pass is tried again; a failed load is restored
@@ -287,8 +307,13 @@ class WeightFollower:
         finally:
             path.unlink(missing_ok=True)
         COUNTERS["weights.delta_applied"] += 1
-        log.info("now serving weights version %d (was %d, step %d) from its packed delta (%.2f MB)", wv.version, old,
-                 wv.step, delta.bytes / 1e6)
+        log.info(
+            "now serving weights version %d (was %d, step %d) from its packed delta (%.2f MB)",
+            wv.version,
+            old,
+            wv.step,
+            delta.bytes / 1e6,
+        )
         self._served_now(wv)
         self._served_gpu = None
         self._served_packed = True
@@ -332,8 +357,11 @@ class WeightFollower:
             return self._refuse(wv, f"adapter refused: {problem}", None)
         source = transport.source(wv)
         if source is None or not wv.adapter.config:
-            return self._refuse(wv, f"verification failed: adapter announced as {wv.transport} without its "
-                                    "buffer or its peft config", None)
+            return self._refuse(
+                wv,
+                f"verification failed: adapter announced as {wv.transport} without its buffer or its peft config",
+                None,
+            )
         try:
             await self.engine.load_adapter_gpu(codec.encode(wv), wv.version, hold_s=source.hold_s)
         except WeightVerifyError as e:
@@ -381,8 +409,7 @@ class WeightFollower:
                 # the learner may have overwritten that buffer since: then its checksums refuse it
                 served = self._served_gpu
                 source = registry.get(served.transport).source(served)
-                await self.engine.load_gpu(codec.encode(served), hold_s=source.hold_s,
-                                           version=self.engine.version)
+                await self.engine.load_gpu(codec.encode(served), hold_s=source.hold_s, version=self.engine.version)
                 return
             if self._served is None:
                 raise RuntimeError("no record of the served weights")
@@ -408,9 +435,15 @@ class WeightFollower:
         self.failing[wv.version] = reason
         wait = min(self.poll_s * 2 ** (self.failures[key] - 1), RETRY_MAX_S)  # the learner's next step may free it
         self.retry_at[key] = asyncio.get_running_loop().time() + wait
-        log.warning("weights version %d: %s; attempt %d%s, trying again in %.0f s; still serving version %d",
-                    wv.version, reason, self.failures[key], "" if passes else f" of {GPU_ATTEMPTS}", wait,
-                    self.engine.version)
+        log.warning(
+            "weights version %d: %s; attempt %d%s, trying again in %.0f s; still serving version %d",
+            wv.version,
+            reason,
+            self.failures[key],
+            "" if passes else f" of {GPU_ATTEMPTS}",
+            wait,
+            self.engine.version,
+        )
         return False
 
     def _refuse(self, wv: WeightVersion, reason: str, dest: Path | None) -> bool:
@@ -448,8 +481,9 @@ class WeightFollower:
                 await asyncio.sleep(self.poll_s)
 
     async def run_until(self, stop: asyncio.Event) -> None:
-        watchers = [asyncio.create_task(self._watch(stop, key))
-                    for key in (topology.WEIGHTS_KEY, topology.WEIGHTS_EARLY_KEY)]
+        watchers = [
+            asyncio.create_task(self._watch(stop, key)) for key in (topology.WEIGHTS_KEY, topology.WEIGHTS_EARLY_KEY)
+        ]
         try:
             while not stop.is_set():
                 self._wake.clear()  # before reading: an announcement during the read wakes us again

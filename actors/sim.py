@@ -21,9 +21,9 @@ from pathlib import Path
 
 import msgspec
 
-from parley.engines.backend import Backend, BackendError
 from parley.config.actor import SimConfig
 from parley.config.run import RunConfig
+from parley.engines.backend import Backend, BackendError
 from parley.protocol import codec, topology
 from parley.protocol.messages import ChatMessage, SimReply, SimRequest
 from parley.rollout.sim import FALLBACK_MESSAGE
@@ -80,7 +80,11 @@ def sim_messages(template: string.Template, req: SimRequest) -> list[dict[str, s
     and alternates, which strict chat templates require, and an empty conversation still has a
     user query to answer."""
     system = template.substitute(title=req.title, reference=req.reference, summary=req.summary)
-    return [{"role": "system", "content": system}, {"role": "user", "content": opening_note()}, *swap_roles(req.messages)]
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": opening_note()},
+        *swap_roles(req.messages),
+    ]
 
 
 def _json_object(raw: str) -> dict:
@@ -133,7 +137,11 @@ class Simulator:
     def fallback(self, error: str, attempts: int) -> SimReply:
         self.counters["fallback"] += 1
         return SimReply(
-            message=FALLBACK_MESSAGE, done=False, fallback=True, attempts=attempts, error=error[:1000],
+            message=FALLBACK_MESSAGE,
+            done=False,
+            fallback=True,
+            attempts=attempts,
+            error=error[:1000],
             model=self.backend.model_name,
         )
 
@@ -151,7 +159,10 @@ class Simulator:
             try:
                 # A new seed per attempt, or a seeded retry would repeat the same bad output.
                 raw = await self.backend.chat_json(
-                    messages, SIM_SCHEMA, max_tokens=max_tokens, temperature=self.cfg.temperature,
+                    messages,
+                    SIM_SCHEMA,
+                    max_tokens=max_tokens,
+                    temperature=self.cfg.temperature,
                     seed=(req.seed + attempt - 1) % 2**31,
                 )
                 message, done = parse_reply(raw)
@@ -179,8 +190,14 @@ class Simulator:
         from parley.engines.service import Service
 
         return Service(
-            nc, {topology.SIM_SUBJECT: self.handle}, queue=topology.SIM_QUEUE, concurrency=self.cfg.concurrency,
-            on_error=self.on_error, name="sim", counters=self.counters, fatal=is_fatal,
+            nc,
+            {topology.SIM_SUBJECT: self.handle},
+            queue=topology.SIM_QUEUE,
+            concurrency=self.cfg.concurrency,
+            on_error=self.on_error,
+            name="sim",
+            counters=self.counters,
+            fatal=is_fatal,
         )
 
 

@@ -78,21 +78,48 @@ class TimedRollouts:
             await asyncio.sleep(d)
             self.busy_s += d
         traj = Trajectory(
-            traj_id=f"{task.task_id}/{i}", task_id=task.task_id, sample=i, run=self.run, item_id=task.item_id,
-            messages=[], token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1],
+            traj_id=f"{task.task_id}/{i}",
+            task_id=task.task_id,
+            sample=i,
+            run=self.run,
+            item_id=task.item_id,
+            messages=[],
+            token_ids=[1, 2, 3, 4],
+            loss_mask=[0, 0, 1, 1],
             turns=[AssistantTurn(start=2, logprobs=[-0.5, -0.7], version=version, finish_reason="stop")],
             reference=task.reference,
         )
         reward = random.Random(task.seed * 31 + i).random()  # distinct within a group: every group has signal
-        await publish(self.js, self.run, "scored", Scored(
-            traj_id=traj.traj_id, task_id=task.task_id, sample=i, run=self.run, metrics={"bleu": reward},
-            weights={"bleu": 1.0}, total=reward, trajectory=traj, created=time.time()))
+        await publish(
+            self.js,
+            self.run,
+            "scored",
+            Scored(
+                traj_id=traj.traj_id,
+                task_id=task.task_id,
+                sample=i,
+                run=self.run,
+                metrics={"bleu": reward},
+                weights={"bleu": 1.0},
+                total=reward,
+                trajectory=traj,
+                created=time.time(),
+            ),
+        )
 
     async def run_until(self, stop: asyncio.Event) -> None:
         from parley.protocol.bus import PullWorker
 
-        worker = PullWorker(self.js, self.run, "tasks", self.handle, bus=self.bus, name="timed-actor",
-                            concurrency=self.task_slots, fetch_timeout=0.5)
+        worker = PullWorker(
+            self.js,
+            self.run,
+            "tasks",
+            self.handle,
+            bus=self.bus,
+            name="timed-actor",
+            concurrency=self.task_slots,
+            fetch_timeout=0.5,
+        )
         await worker.run_until(stop)
 
 
@@ -102,8 +129,9 @@ class SleepingLearner:
     groups (stale ones are dropped), step, mark them consumed, move the version (which reopens
     the feeder's gate)."""
 
-    def __init__(self, js, run: str, bus, feeder, grouper, *, groups_per_step: int, step_s: float,
-                 old_gate: bool = False):
+    def __init__(
+        self, js, run: str, bus, feeder, grouper, *, groups_per_step: int, step_s: float, old_gate: bool = False
+    ):
         self.js, self.run, self.bus, self.feeder, self.grouper = js, run, bus, feeder, grouper
         self.old_gate = old_gate
         self.groups_per_step, self.step_s = groups_per_step, step_s
@@ -121,8 +149,16 @@ class SleepingLearner:
     async def run_until(self, stop: asyncio.Event) -> None:
         from parley.protocol.bus import PullWorker
 
-        intake = PullWorker(self.js, self.run, "scored", self.on_scored, bus=self.bus, name="sleeping-learner",
-                            concurrency=32, fetch_timeout=0.5)
+        intake = PullWorker(
+            self.js,
+            self.run,
+            "scored",
+            self.on_scored,
+            bus=self.bus,
+            name="sleeping-learner",
+            concurrency=32,
+            fetch_timeout=0.5,
+        )
         job = asyncio.create_task(intake.run_until(stop))
         try:
             while not stop.is_set():
@@ -136,7 +172,7 @@ class SleepingLearner:
                     self._data.clear()
                     try:
                         await asyncio.wait_for(self._data.wait(), timeout=0.2)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                     if job.done():
                         job.result()
@@ -226,9 +262,13 @@ def simulate(staleness: int, args, workload: Workload, steps: int = 400) -> dict
             busy_until = None
             ends.append(t)
     window = ends[-1] - ends[0]
-    return {"steps_per_hour": (len(ends) - 1) / window * 3600.0,
-            "learner_idle": 1.0 - (len(ends) - 1) * args.step_s / window, "stale_dropped": dropped, "steps": len(ends),
-            "lags": lags}
+    return {
+        "steps_per_hour": (len(ends) - 1) / window * 3600.0,
+        "learner_idle": 1.0 - (len(ends) - 1) * args.step_s / window,
+        "stale_dropped": dropped,
+        "steps": len(ends),
+        "lags": lags,
+    }
 
 
 async def one_config(url: str, staleness: int, args, workload: Workload, items) -> dict:
@@ -242,16 +282,42 @@ async def one_config(url: str, staleness: int, args, workload: Workload, items) 
     bus = topology.BusSettings(max_bytes=256 << 20, ack_wait_s=120.0, max_ack_pending=4096)
     conns = [await connect(url, name=f"avs-{r}", first_timeout=10.0) for r in ("feeder", "actor", "learner")]
     await topology.ensure_topology(conns[0].jetstream(), run, bus)
-    feeder = Feeder(conns[0].jetstream(), run, items, RolloutConfig(n=args.n), max_staleness=staleness,
-                    groups_per_step=args.groups_per_step, seed=0)
+    feeder = Feeder(
+        conns[0].jetstream(),
+        run,
+        items,
+        RolloutConfig(n=args.n),
+        max_staleness=staleness,
+        groups_per_step=args.groups_per_step,
+        seed=0,
+    )
     grouper = Grouper(args.n, max_staleness=staleness, stale_policy=args.stale_policy, timeout_s=3600.0)
-    learner = SleepingLearner(conns[2].jetstream(), run, bus, feeder, grouper, groups_per_step=args.groups_per_step,
-                              step_s=args.step_s, old_gate=args.old_gate)
-    actors = TimedRollouts(conns[1].jetstream(), run, bus, workload, args.slots, args.n, lambda: learner.version,
-                           task_slots=args.task_slots)
+    learner = SleepingLearner(
+        conns[2].jetstream(),
+        run,
+        bus,
+        feeder,
+        grouper,
+        groups_per_step=args.groups_per_step,
+        step_s=args.step_s,
+        old_gate=args.old_gate,
+    )
+    actors = TimedRollouts(
+        conns[1].jetstream(),
+        run,
+        bus,
+        workload,
+        args.slots,
+        args.n,
+        lambda: learner.version,
+        task_slots=args.task_slots,
+    )
     stop = asyncio.Event()
-    jobs = [asyncio.create_task(feeder.run(stop)), asyncio.create_task(actors.run_until(stop)),
-            asyncio.create_task(learner.run_until(stop))]
+    jobs = [
+        asyncio.create_task(feeder.run(stop)),
+        asyncio.create_task(actors.run_until(stop)),
+        asyncio.create_task(learner.run_until(stop)),
+    ]
     t0 = time.perf_counter()
     done, _ = await asyncio.wait(jobs, timeout=args.seconds, return_when=asyncio.FIRST_EXCEPTION)
     stop.set()
@@ -270,17 +336,20 @@ async def one_config(url: str, staleness: int, args, workload: Workload, items) 
     window = ends[-1] - ends[0]
     steps = len(ends) - 1
     return {
-        "max_staleness": staleness, "steps": len(ends), "window_s": window,
+        "max_staleness": staleness,
+        "steps": len(ends),
+        "window_s": window,
         "steps_per_hour": steps / window * 3600.0,
         "learner_idle": 1.0 - steps * args.step_s / window,
         "actor_busy": actors.busy_s / (args.slots * wall),
-        "stale_dropped": learner.dropped, "wall_s": wall,
+        "stale_dropped": learner.dropped,
+        "wall_s": wall,
     }
 
 
 async def bench(args) -> dict:
-    from parley.tasks.data import load_items
     from parley.deploy.natsserver import NatsServer
+    from parley.tasks.data import load_items
 
     items = load_items()
     workload = Workload(args.median_s, args.sigma)
@@ -305,9 +374,17 @@ async def bench(args) -> dict:
     # holds at once (a task keeps its place until its slowest sample ends), whichever is slowest.
     async_period = max(args.step_s, per_step * mean_d / args.slots, args.groups_per_step * group_s / task_slots)
     free_period = max(args.step_s, per_step * mean_d / args.slots)
-    return {"rows": rows, "mean_rollout_s": mean_d, "longest_of_step_s": longest, "group_s": group_s,
-            "task_slots": task_slots, "ideal_sync_period_s": sync_period, "ideal_async_period_s": async_period,
-            "ideal_speedup": sync_period / async_period, "ideal_speedup_unbounded_tasks": sync_period / free_period}
+    return {
+        "rows": rows,
+        "mean_rollout_s": mean_d,
+        "longest_of_step_s": longest,
+        "group_s": group_s,
+        "task_slots": task_slots,
+        "ideal_sync_period_s": sync_period,
+        "ideal_async_period_s": async_period,
+        "ideal_speedup": sync_period / async_period,
+        "ideal_speedup_unbounded_tasks": sync_period / free_period,
+    }
 
 
 def table(res: dict, args) -> str:
@@ -328,8 +405,10 @@ def table(res: dict, args) -> str:
             f"| {lr['steps_per_hour'] / lr_base['steps_per_hour']:.2f}x | {lr['learner_idle']:.0%} | {lr['stale_dropped']} |"
         )
     lines.append("")
-    lines.append(f"simulated: the same rules with a zero-latency bus (simulate()), over the measured number of steps; "
-                 f"long run: {args.long_run_steps} simulated steps.")
+    lines.append(
+        f"simulated: the same rules with a zero-latency bus (simulate()), over the measured number of steps; "
+        f"long run: {args.long_run_steps} simulated steps."
+    )
     lines.append(
         f"workload: {args.groups_per_step} groups x n={args.n} per step, {args.slots} slots, step {args.step_s}s, "
         f"rollout lognormal median {args.median_s}s sigma {args.sigma} (mean {res['mean_rollout_s']:.3f}s, slowest of "
@@ -348,16 +427,29 @@ def main() -> int:
     p.add_argument("--groups-per-step", type=int, default=4)
     p.add_argument("--n", type=int, default=4, help="samples per group")
     p.add_argument("--slots", type=int, default=16, help="actor conversation slots (the same in every configuration)")
-    p.add_argument("--task-slots", type=int, default=0,
-                   help="tasks the actor holds at once; 0 = the real actor's rule, slots // n + 1")
+    p.add_argument(
+        "--task-slots",
+        type=int,
+        default=0,
+        help="tasks the actor holds at once; 0 = the real actor's rule, slots // n + 1",
+    )
     p.add_argument("--step-s", type=float, default=0.4, help="learner step time (the same in every configuration)")
     p.add_argument("--median-s", type=float, default=0.25, help="median rollout duration")
-    p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma: 1.0 makes ~1%% of rollouts 10x the median")
-    p.add_argument("--old-gate", action="store_true",
-                   help="the feeder's rule before its fix: dropped/skipped groups count as consumed, which "
-                        "shrinks the admission window for good (learner.feeder no longer does)")
-    p.add_argument("--stale-policy", choices=("drop", "correct"), default="drop",
-                   help="[learner] stale_policy: drop groups lagging beyond max_staleness, or train them corrected")
+    p.add_argument(
+        "--sigma", type=float, default=1.0, help="lognormal sigma: 1.0 makes ~1%% of rollouts 10x the median"
+    )
+    p.add_argument(
+        "--old-gate",
+        action="store_true",
+        help="the feeder's rule before its fix: dropped/skipped groups count as consumed, which "
+        "shrinks the admission window for good (learner.feeder no longer does)",
+    )
+    p.add_argument(
+        "--stale-policy",
+        choices=("drop", "correct"),
+        default="drop",
+        help="[learner] stale_policy: drop groups lagging beyond max_staleness, or train them corrected",
+    )
     p.add_argument("--long-run-steps", type=int, default=400, help="steps of the long simulated run")
     p.add_argument("--quick", action="store_true", help="15 s per configuration")
     p.add_argument("--json", type=Path, help="also write the results here")

@@ -35,7 +35,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parley.engines.engine import GenOut  # noqa: E402  (light: vLLM is imported only by PolicyEngine)
-from parley.protocol.messages import ChatMessage, JudgeReply, SimReply, Task  # noqa: E402
+from parley.protocol.messages import JudgeReply, SimReply, Task  # noqa: E402
 from parley.rewards.metrics import INTERACTIVITY_KEYS  # noqa: E402
 
 KB = 1024
@@ -84,7 +84,9 @@ class ZeroCostJudge:
         return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed: int = 0) -> JudgeReply:
-        return JudgeReply(ok=True, document="Dear team, the meeting moves to Friday at ten.", raw="{}", model="zero-cost-judge")
+        return JudgeReply(
+            ok=True, document="Dear team, the meeting moves to Friday at ten.", raw="{}", model="zero-cost-judge"
+        )
 
     async def interactivity(self, messages, *, seed: int = 0) -> JudgeReply:
         levels = {k: (seed >> (2 * i)) % 4 for i, k in enumerate(INTERACTIVITY_KEYS)}
@@ -94,8 +96,9 @@ class ZeroCostJudge:
 # -- setup helpers -------------------------------------------------------------------------------
 
 
-async def _until_done(done: asyncio.Event, jobs: list, stop: asyncio.Event, conns: list, clock: "CpuClock",
-                      t0: float) -> tuple[float, dict]:
+async def _until_done(
+    done: asyncio.Event, jobs: list, stop: asyncio.Event, conns: list, clock: CpuClock, t0: float
+) -> tuple[float, dict]:
     """Wait until `done` (or a job fails), take wall and CPU time, then stop the jobs and close the
     connections; a job's failure is raised. Returns (wall seconds, CPU figures)."""
     waiter = asyncio.create_task(done.wait())
@@ -134,12 +137,19 @@ class CpuClock:
         return {"client_cpu_s": self._self() - self._t0[0], "server_cpu_s": self._server() - self._t0[1]}
 
 
-
 def make_task(run: str, i: int, n: int, tokens: int) -> Task:
     return Task(
-        task_id=f"{run}-t{i:06d}", run=run, item_id=f"bench/{i}", n=n, max_new_turns=2, max_tokens=tokens,
+        task_id=f"{run}-t{i:06d}",
+        run=run,
+        item_id=f"bench/{i}",
+        n=n,
+        max_new_turns=2,
+        max_tokens=tokens,
         reference="Dear team, the weekly meeting moves to Friday at ten. Please bring the figures.",
-        title="meeting note", summary="a short note", seed=i, created=time.time(),
+        title="meeting note",
+        summary="a short note",
+        seed=i,
+        created=time.time(),
     )
 
 
@@ -158,14 +168,18 @@ def bus_settings(max_bytes: int):
 
 def run_config(run: str, model_dir: Path, bus, actor_slots: int, scorer_slots: int):
     from parley.config.actor import ActorConfig
-    from parley.engines.config import EngineConfig
     from parley.config.run import RunConfig, RunSection
     from parley.config.scorer import ScorerConfig
+    from parley.engines.config import EngineConfig
 
     return RunConfig(
-        run=RunSection(name=run), bus=bus,
-        actor=ActorConfig(engine=EngineConfig(model=str(model_dir), max_model_len=1 << 22), concurrency=actor_slots,
-                          weights_poll_s=5.0),
+        run=RunSection(name=run),
+        bus=bus,
+        actor=ActorConfig(
+            engine=EngineConfig(model=str(model_dir), max_model_len=1 << 22),
+            concurrency=actor_slots,
+            weights_poll_s=5.0,
+        ),
         scorer=ScorerConfig(concurrency=scorer_slots),
     )
 
@@ -173,17 +187,18 @@ def run_config(run: str, model_dir: Path, bus, actor_slots: int, scorer_slots: i
 async def calibrate(tokenizer, model_dir: Path, target_bytes: int) -> tuple[int, int, int, int]:
     """Tokens per assistant turn so the encoded Trajectory is ~target_bytes; returns
     (tokens, trajectory bytes, scored bytes, task bytes), encoded exactly as the roles do."""
-    from parley.rollout.conversation import PolicySettings, run_conversation
-    from parley.protocol import codec
     from parley.config.scorer import ScorerConfig
+    from parley.protocol import codec
+    from parley.rollout.conversation import PolicySettings, run_conversation
     from parley.rollout.score import score_trajectory
 
     policy = PolicySettings(max_model_len=1 << 22)
 
     async def sizes(tokens: int):
         task = make_task("calib", 0, 1, tokens)
-        traj = await run_conversation(ZeroCostPolicy(model_dir, tokens), ZeroCostSim(), task, 0, lambda: 0,
-                                      tokenizer=tokenizer, policy=policy)
+        traj = await run_conversation(
+            ZeroCostPolicy(model_dir, tokens), ZeroCostSim(), task, 0, lambda: 0, tokenizer=tokenizer, policy=policy
+        )
         scored = await score_trajectory(traj, ZeroCostJudge(), ScorerConfig())
         return len(codec.encode(traj)), len(codec.encode(scored)), len(codec.encode(task))
 
@@ -197,9 +212,22 @@ async def calibrate(tokenizer, model_dir: Path, target_bytes: int) -> tuple[int,
 # -- parley's path ---------------------------------------------------------------------------------
 
 
-async def parley_pipeline(url: str, run: str, model_dir: Path, tokenizer, *, tasks: int, n: int, tokens: int,
-                          bus, actor_slots: int, scorer_slots: int, learner_slots: int, weights_dir: Path,
-                          clock: CpuClock) -> dict:
+async def parley_pipeline(
+    url: str,
+    run: str,
+    model_dir: Path,
+    tokenizer,
+    *,
+    tasks: int,
+    n: int,
+    tokens: int,
+    bus,
+    actor_slots: int,
+    scorer_slots: int,
+    learner_slots: int,
+    weights_dir: Path,
+    clock: CpuClock,
+) -> dict:
     from parley.actors.actor import Actor
     from parley.learner.groups import BadTrajectory, Grouper, check_trajectory
     from parley.protocol import bus as pbus
@@ -231,12 +259,27 @@ async def parley_pipeline(url: str, run: str, model_dir: Path, tokenizer, *, tas
         if seen["scored"] >= total:
             done.set()
 
-    actor = Actor(actor_nc, actor_nc.jetstream(), cfg, ZeroCostPolicy(model_dir, tokens), tokenizer,
-                  ident="bench-actor", weights_dir=weights_dir)
+    actor = Actor(
+        actor_nc,
+        actor_nc.jetstream(),
+        cfg,
+        ZeroCostPolicy(model_dir, tokens),
+        tokenizer,
+        ident="bench-actor",
+        weights_dir=weights_dir,
+    )
     actor.sim = ZeroCostSim()
     scorer = Scorer(scorer_nc, run, ZeroCostJudge(), cfg.scorer, bus, "bench-scorer")
-    learner = pbus.PullWorker(learner_nc.jetstream(), run, "scored", on_scored, bus=bus, name="bench-learner",
-                              concurrency=learner_slots, fetch_timeout=1.0)
+    learner = pbus.PullWorker(
+        learner_nc.jetstream(),
+        run,
+        "scored",
+        on_scored,
+        bus=bus,
+        name="bench-learner",
+        concurrency=learner_slots,
+        fetch_timeout=1.0,
+    )
     jobs = [
         asyncio.create_task(actor.run_until(stop)),
         asyncio.create_task(scorer.run_until(stop, fetch_timeout=1.0)),
@@ -248,11 +291,18 @@ async def parley_pipeline(url: str, run: str, model_dir: Path, tokenizer, *, tas
     t0 = time.perf_counter()
     # tasks go out pipelined, 64 publishes in flight: the feeder is not what is measured
     for lo in range(0, tasks, 64):
-        await asyncio.gather(*(pbus.publish(fjs, run, "tasks", make_task(run, i, n, tokens))
-                               for i in range(lo, min(tasks, lo + 64))))
+        await asyncio.gather(
+            *(pbus.publish(fjs, run, "tasks", make_task(run, i, n, tokens)) for i in range(lo, min(tasks, lo + 64)))
+        )
     wall, cpu = await _until_done(done, jobs, stop, conns, clock, t0)
-    return {"wall_s": wall, "trajectories": seen["scored"], "traj_per_s": seen["scored"] / wall, **cpu,
-            "dead": dict(pbus.COUNTERS), "retried": actor.counters.get("retried", 0) + learner.stats["retried"]}
+    return {
+        "wall_s": wall,
+        "trajectories": seen["scored"],
+        "traj_per_s": seen["scored"] / wall,
+        **cpu,
+        "dead": dict(pbus.COUNTERS),
+        "retried": actor.counters.get("retried", 0) + learner.stats["retried"],
+    }
 
 
 # -- the previous code's parley path ----------------------------------------------------------------
@@ -286,20 +336,38 @@ print("RESULT " + json.dumps(run(main, json.loads(sys.argv[1]))[0]))
 def old_pipeline(old_dir: Path, **a) -> dict:
     """parley_pipeline of the checkout in old_dir, in a child process; its figures as it reports them."""
     env = {**os.environ, "PYTHONPATH": str(old_dir)}
-    proc = subprocess.run([sys.executable, "-c", _OLD_CHILD, json.dumps(a, default=str)], cwd=old_dir, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _OLD_CHILD, json.dumps(a, default=str)],
+        cwd=old_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise RuntimeError(f"the old checkout's parley path in {old_dir} failed (exit {proc.returncode}):\n"
-                           f"{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+        raise RuntimeError(
+            f"the old checkout's parley path in {old_dir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 # -- raw JetStream reference ---------------------------------------------------------------------------
 
 
-async def raw_pipeline(url: str, run: str, bus, *, tasks: int, n: int, task_bytes: int, traj_bytes: int,
-                       scored_bytes: int, window: int, hops: int, clock: CpuClock) -> dict:
+async def raw_pipeline(
+    url: str,
+    run: str,
+    bus,
+    *,
+    tasks: int,
+    n: int,
+    task_bytes: int,
+    traj_bytes: int,
+    scored_bytes: int,
+    window: int,
+    hops: int,
+    clock: CpuClock,
+) -> dict:
     """Plain client code on the same streams and durable consumers: publish, then per hop fetch up
     to `window` messages, publish what the next hop gets (awaiting the publish acks together), and
     ack. hops=3: task -> n trajectories -> scored -> consumed, the bytes parley moves on each hop;
@@ -327,7 +395,7 @@ async def raw_pipeline(url: str, run: str, bus, *, tasks: int, n: int, task_byte
         while not stop.is_set():
             try:
                 msgs = await sub.fetch(window, timeout=0.5)
-            except (asyncio.TimeoutError, NatsTimeout):
+            except (TimeoutError, NatsTimeout):
                 continue
             if dst:
                 subj = topology.subject(run, dst)
@@ -357,8 +425,8 @@ async def raw_pipeline(url: str, run: str, bus, *, tasks: int, n: int, task_byte
 async def bench(args) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from parley.engines.models import ensure_model
     from parley.deploy.natsserver import NatsServer
+    from parley.engines.models import ensure_model
 
     model_dir = ensure_model("tiny")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -379,38 +447,92 @@ async def bench(args) -> list[dict]:
                 results = {"raw3": [], "raw1": [], "parley": [], **({"old": []} if args.old else {})}
                 for rep in range(args.repeats):
                     tag = f"{size_kb}k{rep}"
-                    common = dict(tasks=tasks, n=args.n, task_bytes=task_b, traj_bytes=traj_b, scored_bytes=scored_b,
-                                  window=slots, clock=clock)
+                    common = dict(
+                        tasks=tasks,
+                        n=args.n,
+                        task_bytes=task_b,
+                        traj_bytes=traj_b,
+                        scored_bytes=scored_b,
+                        window=slots,
+                        clock=clock,
+                    )
                     results["raw3"].append(await raw_pipeline(server.url, f"raw3-{tag}", bus, hops=3, **common))
                     results["raw1"].append(await raw_pipeline(server.url, f"raw1-{tag}", bus, hops=1, **common))
-                    results["parley"].append(await parley_pipeline(
-                        server.url, f"parley-{tag}", model_dir, tokenizer, tasks=tasks, n=args.n, tokens=tokens, bus=bus,
-                        actor_slots=slots, scorer_slots=slots, learner_slots=slots,
-                        weights_dir=Path(tmp) / f"weights-{tag}", clock=clock))
+                    results["parley"].append(
+                        await parley_pipeline(
+                            server.url,
+                            f"parley-{tag}",
+                            model_dir,
+                            tokenizer,
+                            tasks=tasks,
+                            n=args.n,
+                            tokens=tokens,
+                            bus=bus,
+                            actor_slots=slots,
+                            scorer_slots=slots,
+                            learner_slots=slots,
+                            weights_dir=Path(tmp) / f"weights-{tag}",
+                            clock=clock,
+                        )
+                    )
                     if args.old:
-                        results["old"].append(old_pipeline(
-                            args.old, url=server.url, run=f"old-{tag}", target_bytes=size_kb * KB, tasks=tasks, n=args.n,
-                            max_bytes=max_bytes, slots=slots, weights_dir=Path(tmp) / f"weights-old-{tag}",
-                            server_pid=server.proc.pid))
+                        results["old"].append(
+                            old_pipeline(
+                                args.old,
+                                url=server.url,
+                                run=f"old-{tag}",
+                                target_bytes=size_kb * KB,
+                                tasks=tasks,
+                                n=args.n,
+                                max_bytes=max_bytes,
+                                slots=slots,
+                                weights_dir=Path(tmp) / f"weights-old-{tag}",
+                                server_pid=server.proc.pid,
+                            )
+                        )
                 med = {k: statistics.median(r["traj_per_s"] for r in v) for k, v in results.items()}
                 # CPU milliseconds per trajectory: client (roles or raw code) and nats-server
-                cpu = {k: {c: 1000 * statistics.median(r[f"{c}_cpu_s"] / r["trajectories"] for r in v)
-                           for c in ("client", "server")} for k, v in results.items()}
+                cpu = {
+                    k: {
+                        c: 1000 * statistics.median(r[f"{c}_cpu_s"] / r["trajectories"] for r in v)
+                        for c in ("client", "server")
+                    }
+                    for k, v in results.items()
+                }
                 # the ratio of each repeat is taken within the repeat (same minute of the machine's load)
-                ratio3 = statistics.median(p["traj_per_s"] / r["traj_per_s"] for p, r in zip(results["parley"], results["raw3"]))
-                ratio1 = statistics.median(p["traj_per_s"] / r["traj_per_s"] for p, r in zip(results["parley"], results["raw1"]))
+                ratio3 = statistics.median(
+                    p["traj_per_s"] / r["traj_per_s"] for p, r in zip(results["parley"], results["raw3"])
+                )
+                ratio1 = statistics.median(
+                    p["traj_per_s"] / r["traj_per_s"] for p, r in zip(results["parley"], results["raw1"])
+                )
                 row = {
-                    "size_kb": size_kb, "traj_bytes": traj_b, "scored_bytes": scored_b, "task_bytes": task_b,
-                    "tokens_per_traj": tokens, "trajectories": tasks * args.n, "n": args.n, "slots": slots,
-                    "parley_traj_s": med["parley"], "raw3_traj_s": med["raw3"], "raw1_traj_s": med["raw1"],
-                    "ratio_raw3": ratio3, "ratio_raw1": ratio1, "cpu_ms_per_traj": cpu, "runs": results,
+                    "size_kb": size_kb,
+                    "traj_bytes": traj_b,
+                    "scored_bytes": scored_b,
+                    "task_bytes": task_b,
+                    "tokens_per_traj": tokens,
+                    "trajectories": tasks * args.n,
+                    "n": args.n,
+                    "slots": slots,
+                    "parley_traj_s": med["parley"],
+                    "raw3_traj_s": med["raw3"],
+                    "raw1_traj_s": med["raw1"],
+                    "ratio_raw3": ratio3,
+                    "ratio_raw1": ratio1,
+                    "cpu_ms_per_traj": cpu,
+                    "runs": results,
                 }
                 if args.old:
                     old = results["old"][0]
-                    row.update(old_traj_s=med["old"], old_tokens_per_traj=old["tokens_per_traj"],
-                               old_traj_bytes=old["traj_bytes"],
-                               old_ratio_raw3=statistics.median(o["traj_per_s"] / r["traj_per_s"]
-                                                                for o, r in zip(results["old"], results["raw3"])))
+                    row.update(
+                        old_traj_s=med["old"],
+                        old_tokens_per_traj=old["tokens_per_traj"],
+                        old_traj_bytes=old["traj_bytes"],
+                        old_ratio_raw3=statistics.median(
+                            o["traj_per_s"] / r["traj_per_s"] for o, r in zip(results["old"], results["raw3"])
+                        ),
+                    )
                 rows.append(row)
         finally:
             server.stop()
@@ -478,20 +600,33 @@ def main() -> int:
     p.add_argument("--sizes-kb", type=int, nargs="+", default=[16, 256, 2048], help="encoded Trajectory sizes")
     p.add_argument("--trajectories", type=int, nargs="+", default=[2000, 400, 48], help="trajectories per size")
     p.add_argument("--n", type=int, default=4, help="samples per task (group size)")
-    p.add_argument("--slots", type=int, default=32,
-                   help="in flight per hop: actor conversations, scorer and learner handlers, raw fetch window")
-    p.add_argument("--inflight-mb", type=int, default=16,
-                   help="fewer slots where slots x Scored size would pass this many MB per hop")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=32,
+        help="in flight per hop: actor conversations, scorer and learner handlers, raw fetch window",
+    )
+    p.add_argument(
+        "--inflight-mb",
+        type=int,
+        default=16,
+        help="fewer slots where slots x Scored size would pass this many MB per hop",
+    )
     p.add_argument("--repeats", type=int, default=2, help="raw/parley pairs per size; medians reported")
     p.add_argument("--quick", action="store_true", help="a quarter of the trajectories (~30 s)")
     p.add_argument("--json", type=Path, help="also write all runs here")
-    p.add_argument("--old", type=Path,
-                   help="a checkout of the previous code (git archive COMMIT | tar -x -C DIR): its parley path runs "
-                        "in each repeat too")
+    p.add_argument(
+        "--old",
+        type=Path,
+        help="a checkout of the previous code (git archive COMMIT | tar -x -C DIR): its parley path runs "
+        "in each repeat too",
+    )
     args = p.parse_args()
     if args.old and not (args.old / "bench" / "bus_capacity.py").is_file():
-        p.error(f"--old {args.old}: no bench/bus_capacity.py there; extract a checkout with "
-                f"`git archive COMMIT | tar -x -C {args.old}`")
+        p.error(
+            f"--old {args.old}: no bench/bus_capacity.py there; extract a checkout with "
+            f"`git archive COMMIT | tar -x -C {args.old}`"
+        )
     if len(args.trajectories) == 1:
         args.trajectories *= len(args.sizes_kb)
     if len(args.trajectories) != len(args.sizes_kb):
@@ -502,7 +637,14 @@ def main() -> int:
     from bench.common import report, run
 
     rows, seconds = run(bench, args)  # every role runs on uvloop; so does the reference
-    report("bus capacity", f"n={args.n}, up to {args.slots} in flight per hop (at most {args.inflight_mb} MB)", seconds, table(rows), rows, args.json)
+    report(
+        "bus capacity",
+        f"n={args.n}, up to {args.slots} in flight per hop (at most {args.inflight_mb} MB)",
+        seconds,
+        table(rows),
+        rows,
+        args.json,
+    )
     return 0
 
 

@@ -50,12 +50,27 @@ def fraction_versions(available: list[int], last: int, fractions=FRACTIONS) -> d
 def table_json(table: Table) -> list[dict]:
     rows = []
     for r in table.rows:
-        rows.append({
-            "condition": r.condition, "n": r.n, "models": r.models,
-            "means": r.means, "intervals": {m: list(v) for m, v in r.intervals.items()},
-            "diff_vs_base": {m: {"diff": s.mean_diff, "ci_low": s.ci_low, "ci_high": s.ci_high, "t": s.t,
-                                 "df": s.df, "p": s.p, "n": s.n} for m, s in r.diffs.items()},
-        })
+        rows.append(
+            {
+                "condition": r.condition,
+                "n": r.n,
+                "models": r.models,
+                "means": r.means,
+                "intervals": {m: list(v) for m, v in r.intervals.items()},
+                "diff_vs_base": {
+                    m: {
+                        "diff": s.mean_diff,
+                        "ci_low": s.ci_low,
+                        "ci_high": s.ci_high,
+                        "t": s.t,
+                        "df": s.df,
+                        "p": s.p,
+                        "n": s.n,
+                    }
+                    for m, s in r.diffs.items()
+                },
+            }
+        )
     return rows
 
 
@@ -74,7 +89,9 @@ def flags(table: Table) -> dict:
         tok = -TOKEN_WEIGHT * r.diffs["tokens_k"].mean_diff
         rest = r.diffs["bleu"].mean_diff + r.diffs["interactivity"].mean_diff
         token[r.condition] = {
-            "mr_diff": d_mr, "token_term": tok, "bleu_plus_interactivity": rest,
+            "mr_diff": d_mr,
+            "token_term": tok,
+            "bleu_plus_interactivity": rest,
             "token_share": tok / d_mr if d_mr != 0 else math.nan,
             "dominated_by_tokens": bool(d_mr > 0 and tok > 0.5 * d_mr),
         }
@@ -109,16 +126,24 @@ def discrimination(groups_by_step: dict[int, list[list[dict[str, float]]]]) -> d
                 st_ties += abs(a - b) <= TIE_EPS
                 st_rounded += round(a * LEVELS) == round(b * LEVELS)
             st_flat += max(vals) - min(vals) <= TIE_EPS
-        steps.append({"step": step, "groups": len(groups), "within_group_std": std,
-                      "interactivity_pair_ties": st_ties / st_pairs if st_pairs else math.nan,
-                      "interactivity_flat_groups": st_flat / len(groups)})
+        steps.append(
+            {
+                "step": step,
+                "groups": len(groups),
+                "within_group_std": std,
+                "interactivity_pair_ties": st_ties / st_pairs if st_pairs else math.nan,
+                "interactivity_flat_groups": st_flat / len(groups),
+            }
+        )
         pair_ties, rounded_ties, pairs = pair_ties + st_ties, rounded_ties + st_rounded, pairs + st_pairs
         flat, ngroups = flat + st_flat, ngroups + len(groups)
     terms = sorted({t for s in steps for t in s["within_group_std"]})
     return {
-        "interactivity_pair_ties": pair_ties / pairs if pairs else math.nan, "pairs": pairs,
+        "interactivity_pair_ties": pair_ties / pairs if pairs else math.nan,
+        "pairs": pairs,
         "interactivity_pair_ties_rounded": rounded_ties / pairs if pairs else math.nan,
-        "interactivity_flat_groups": flat / ngroups if ngroups else math.nan, "groups": ngroups,
+        "interactivity_flat_groups": flat / ngroups if ngroups else math.nan,
+        "groups": ngroups,
         "within_group_std_mean": {t: float(np.mean([s["within_group_std"][t] for s in steps])) for t in terms},
         "steps_without_signal": {t: sum(s["within_group_std"][t] <= TIE_EPS for s in steps) for t in terms},
         "per_step": steps,
@@ -152,8 +177,15 @@ def replay_compare(original: list, replayed: list, condition: str) -> dict:
         x, y = [b[i][m] for i in shared], [a[i][m] for i in shared]
         s = paired_stats(x, y)
         corr = float(np.corrcoef(x, y)[0, 1]) if len(shared) > 1 and np.std(x) > 0 and np.std(y) > 0 else math.nan
-        out[m] = {"original": float(np.mean(y)), "replayed": float(np.mean(x)), "diff": s.mean_diff,
-                  "ci_low": s.ci_low, "ci_high": s.ci_high, "p": s.p, "pearson_r": corr}
+        out[m] = {
+            "original": float(np.mean(y)),
+            "replayed": float(np.mean(x)),
+            "diff": s.mean_diff,
+            "ci_low": s.ci_low,
+            "ci_high": s.ci_high,
+            "p": s.p,
+            "pearson_r": corr,
+        }
     return out
 
 
@@ -168,7 +200,8 @@ def _plan(args) -> None:
     sel = select_best(run, "mr").version
     versions = sorted({0, *fr.values(), sel})
     (Path(args.json) if args.json else run / "collab_plan.json").write_text(
-        json.dumps({"last": last, "fractions": fr, "selected_mr": sel, "versions": versions}, indent=1))
+        json.dumps({"last": last, "fractions": fr, "selected_mr": sel, "versions": versions}, indent=1)
+    )
     print(" ".join(str(v) for v in versions))
 
 
@@ -189,7 +222,9 @@ def _build(args) -> None:
     records = read_records(ev / "records.parquet")
     table = summarize(records, "v0")
     out = {
-        "plan": plan, "table": table_json(table), "flags": {**flags(table), "leakage": leakage(ev)},
+        "plan": plan,
+        "table": table_json(table),
+        "flags": {**flags(table), "leakage": leakage(ev)},
         "discrimination": discrimination(archive_groups(run)),
     }
     if args.replay:

@@ -35,19 +35,43 @@ def report(title: str, details: str, seconds: float, table: str, data, json_path
 # Qwen3 shapes for GPU benches built from a config with random weights (no hub on the GPU machine;
 # random init runs at the speed of trained weights). "mini" is for tests: seconds to build on a CPU.
 QWEN3_SHAPES = {
-    "mini": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "mini": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
+    "0.6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "4b": dict(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 QWEN3_VOCAB = 151936
 # The word-level tokenizer's vocabulary: "t<id>" for every id but these, which keep Qwen3's own ids for
 # its chat tokens (so eos and pad are Qwen3's) and take three of its unused ones for the role names.
 QWEN3_PAD, QWEN3_IM_START, QWEN3_EOS = 151643, 151644, 151645  # <|endoftext|>, <|im_start|>, <|im_end|>
-QWEN3_NAMED = {QWEN3_PAD: "<|endoftext|>", QWEN3_IM_START: "<|im_start|>", QWEN3_EOS: "<|im_end|>",
-               151646: "system", 151647: "user", 151648: "assistant"}
+QWEN3_NAMED = {
+    QWEN3_PAD: "<|endoftext|>",
+    QWEN3_IM_START: "<|im_start|>",
+    QWEN3_EOS: "<|im_end|>",
+    151646: "system",
+    151647: "user",
+    151648: "assistant",
+}
 # ChatML with one space between tokens instead of newlines: the word-level tokenizer splits on
 # whitespace and decodes by joining tokens with one space, so a rendered conversation decodes back to
 # exactly its text, and the ids of a conversation appended turn by turn (rollout.chat.ChatTokens) are
@@ -71,8 +95,12 @@ def word_tokenizer():
     raw = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
-        tokenizer_object=raw, unk_token="t0", eos_token=QWEN3_NAMED[QWEN3_EOS], pad_token=QWEN3_NAMED[QWEN3_PAD],
-        additional_special_tokens=[QWEN3_NAMED[QWEN3_IM_START]], chat_template=WORD_CHAT_TEMPLATE,
+        tokenizer_object=raw,
+        unk_token="t0",
+        eos_token=QWEN3_NAMED[QWEN3_EOS],
+        pad_token=QWEN3_NAMED[QWEN3_PAD],
+        additional_special_tokens=[QWEN3_NAMED[QWEN3_IM_START]],
+        chat_template=WORD_CHAT_TEMPLATE,
     )
 
 
@@ -89,9 +117,17 @@ def random_qwen3(shape: str, out: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, max_position_embeddings=8192, tie_word_embeddings=True,
-                      rope_theta=1000000.0, bos_token_id=None, eos_token_id=QWEN3_EOS, pad_token_id=QWEN3_PAD,
-                      dtype="bfloat16", **QWEN3_SHAPES[shape])
+    cfg = Qwen3Config(
+        vocab_size=QWEN3_VOCAB,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        bos_token_id=None,
+        eos_token_id=QWEN3_EOS,
+        pad_token_id=QWEN3_PAD,
+        dtype="bfloat16",
+        **QWEN3_SHAPES[shape],
+    )
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()

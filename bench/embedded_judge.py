@@ -66,20 +66,30 @@ async def main() -> None:
 
     async def judged(item, msgs):
         ext, rub, three, expected = await asyncio.gather(
-            no_extract(msgs) if skip_extract else judge.ask("extract", msgs), judge.ask("interactivity", msgs),
-            judge.ask("interactivity_3level", msgs), judge.ask("interactivity_expected", msgs))
+            no_extract(msgs) if skip_extract else judge.ask("extract", msgs),
+            judge.ask("interactivity", msgs),
+            judge.ask("interactivity_3level", msgs),
+            judge.ask("interactivity_expected", msgs),
+        )
         det = last_document(msgs)
         return {
             "item": item.item_id,
-            "judge_ok": ext.ok, "judge_attempts": ext.attempts, "judge_doc": ext.document[:120],
+            "judge_ok": ext.ok,
+            "judge_attempts": ext.attempts,
+            "judge_doc": ext.document[:120],
             "judge_bleu": bleu(ext.document, item.reference) if ext.ok else None,
-            "last_doc_bleu": bleu(det, item.reference), "last_doc_words": len(det.split()),
+            "last_doc_bleu": bleu(det, item.reference),
+            "last_doc_words": len(det.split()),
             "judge_char": char_bleu(ext.document, item.reference) if ext.ok else None,
             "last_doc_char": char_bleu(det, item.reference),
-            "rubric": rub.score if rub.ok else None, "rubric_attempts": rub.attempts,
-            "three": three.score if three.ok else None, "three_attempts": three.attempts,
-            "expected": expected.score if expected.ok else None, "expected_attempts": expected.attempts,
-            "expected_levels": expected.levels, "expected_distribution": expected.distribution,
+            "rubric": rub.score if rub.ok else None,
+            "rubric_attempts": rub.attempts,
+            "three": three.score if three.ok else None,
+            "three_attempts": three.attempts,
+            "expected": expected.score if expected.ok else None,
+            "expected_attempts": expected.attempts,
+            "expected_levels": expected.levels,
+            "expected_distribution": expected.distribution,
             "assistant": [m.content[:160] for m in msgs if m.role == "assistant"],
         }
 
@@ -91,13 +101,17 @@ async def main() -> None:
     def share(key):
         return sum(1 for r in rows if r[key] is not None and r[key] > 0) / n
 
-    print(f"# BLEU>0: judge {share('judge_bleu'):.2f}  last_document {share('last_doc_bleu'):.2f};"
-          f" judge failures {sum(not r['judge_ok'] for r in rows)}/{n}; total {time.time() - t0:.0f}s")
+    print(
+        f"# BLEU>0: judge {share('judge_bleu'):.2f}  last_document {share('last_doc_bleu'):.2f};"
+        f" judge failures {sum(not r['judge_ok'] for r in rows)}/{n}; total {time.time() - t0:.0f}s"
+    )
     for key in ("rubric", "three", "expected"):  # rows come in pairs: two conversations of one item
         pairs = [(rows[i][key], rows[i + 1][key]) for i in range(0, n, 2)]
         stds = [statistics.pstdev(p) for p in pairs if None not in p]
-        print(f"# {key}: within-pair std mean {statistics.fmean(stds) if stds else float('nan'):.4f}, "
-              f"{sum(s > 1e-3 for s in stds)} of {len(stds)} pairs > 1e-3; failed {sum(r[key] is None for r in rows)}/{n}")
+        print(
+            f"# {key}: within-pair std mean {statistics.fmean(stds) if stds else float('nan'):.4f}, "
+            f"{sum(s > 1e-3 for s in stds)} of {len(stds)} pairs > 1e-3; failed {sum(r[key] is None for r in rows)}/{n}"
+        )
     engine.shutdown()
 
 

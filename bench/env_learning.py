@@ -45,17 +45,33 @@ def preset_defaults() -> dict:
 
     cfg = load_config(default_config_path(), [f"env.name={json.dumps(ENV)}", *PRESET])
     lc, options = cfg.learner, cfg.env.options
-    return {"steps": lc.steps, "n": cfg.rollout.n, "groups_per_step": lc.groups_per_step, "lr": lc.lr,
-            "max_tokens": cfg.rollout.max_tokens, "max_new_turns": cfg.rollout.max_new_turns,
-            "n_items": options["n_items"], "nudge": options["nudge"], "answer": options["answer"],
-            "kl_coef": lc.kl_coef, "eval_fraction": cfg.data.eval_fraction, "train_temperature": cfg.actor.sampling.temperature}
+    return {
+        "steps": lc.steps,
+        "n": cfg.rollout.n,
+        "groups_per_step": lc.groups_per_step,
+        "lr": lc.lr,
+        "max_tokens": cfg.rollout.max_tokens,
+        "max_new_turns": cfg.rollout.max_new_turns,
+        "n_items": options["n_items"],
+        "nudge": options["nudge"],
+        "answer": options["answer"],
+        "kl_coef": lc.kl_coef,
+        "eval_fraction": cfg.data.eval_fraction,
+        "train_temperature": cfg.actor.sampling.temperature,
+    }
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="smol", help="policy: smol | tiny | a checkpoint dir")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: each draws its own goals and split "
-                                                     "([env] options.seed, [data] split_seed) and its own training")
+    p.add_argument(
+        "--seeds",
+        default="0,1,2",
+        help="comma-separated seeds: each draws its own goals and split "
+        "([env] options.seed, [data] split_seed) and its own training",
+    )
     p.add_argument("--steps", type=int, help="GRPO steps per seed (N <= 30)")
     p.add_argument("--n", type=int, help="group size ([rollout] n)")
     p.add_argument("--groups-per-step", type=int, help="[learner] groups_per_step")
@@ -64,20 +80,35 @@ def parse_args(argv=None):
     p.add_argument("--max-new-turns", type=int, help="messages added after the opening line")
     p.add_argument("--n-items", type=int, help="goals drawn per seed ([env] options.n_items)")
     p.add_argument("--nudge", help="[env] options.nudge: fixed | slots (the user names the slots not asked yet)")
-    p.add_argument("--answer", help="[env] options.answer: final (the FINAL line) | mentions (the last message's words)")
+    p.add_argument(
+        "--answer", help="[env] options.answer: final (the FINAL line) | mentions (the last message's words)"
+    )
     p.add_argument("--kl-coef", type=float, help="[learner] kl_coef (0: no reference forward pass in a step)")
-    p.add_argument("--lora-rank", type=int, default=0,
-                   help="> 0: train a LoRA adapter of this rank ([learner.lora], alpha 2 x rank, every linear "
-                        "layer; the actors serve it as a vLLM adapter); 0: full fine-tuning")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="> 0: train a LoRA adapter of this rank ([learner.lora], alpha 2 x rank, every linear "
+        "layer; the actors serve it as a vLLM adapter); 0: full fine-tuning",
+    )
     p.add_argument("--eval-fraction", type=float, help="goals held out ([data] eval_fraction)")
     p.add_argument("--eval-seeds", type=int, default=2, help="conversations per held-out goal and version")
-    p.add_argument("--train-temperature", type=float,
-                   help="actor.sampling.temperature: the policy samples at it in training, the learner recomputes softmax(logits / T)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="the eval's sampling temperature (default: --train-temperature, the distribution that was trained)")
+    p.add_argument(
+        "--train-temperature",
+        type=float,
+        help="actor.sampling.temperature: the policy samples at it in training, the learner recomputes softmax(logits / T)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="the eval's sampling temperature (default: --train-temperature, the distribution that was trained)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one seed's `parley up` may take")
     p.add_argument("--eval-items", type=int, default=0, help="evaluate only the first K held-out goals (0 = all)")
-    p.add_argument("--eval-only", action="store_true", help="skip training: evaluate version 0 only (to debug the eval)")
+    p.add_argument(
+        "--eval-only", action="store_true", help="skip training: evaluate version 0 only (to debug the eval)"
+    )
     p.add_argument("--trained", action="store_true", help="skip training: evaluate the runs already under --out")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "env_learning")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -118,18 +149,33 @@ def overrides(args, seed: int) -> list[str]:
         f"actor.engine.model={json.dumps(args.model)}",
         "learner.eval_every=0",  # the held-out eval is this script's, after training
         "learner.keep_versions=2",
-    ] + ([
-        "learner.lora.enabled=true",
-        f"learner.lora.rank={args.lora_rank}",
-        f"learner.lora.alpha={2.0 * args.lora_rank}",
-        f"actor.engine.max_lora_rank={args.lora_rank}",
-    ] if args.lora_rank else [])
+    ] + (
+        [
+            "learner.lora.enabled=true",
+            f"learner.lora.rank={args.lora_rank}",
+            f"learner.lora.alpha={2.0 * args.lora_rank}",
+            f"actor.engine.max_lora_rank={args.lora_rank}",
+        ]
+        if args.lora_rank
+        else []
+    )
 
 
 def train(args, seed: int, run_dir: Path) -> float:
     """`parley up` for args.steps steps; its output goes to RUN_DIR/up.log. Returns the wall time."""
-    cmd = [sys.executable, "-m", "parley.deploy.cli", "up", "--env", ENV, "--steps", str(args.steps), "--no-live",
-           "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "parley.deploy.cli",
+        "up",
+        "--env",
+        ENV,
+        "--steps",
+        str(args.steps),
+        "--no-live",
+        "--run-dir",
+        str(run_dir),
+    ]
     for o in overrides(args, seed):
         cmd += ["--set", o]
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -140,8 +186,10 @@ def train(args, seed: int, run_dir: Path) -> float:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, timeout=args.timeout)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"seed {seed}: `parley up` exited {proc.returncode} after {seconds:.0f}s; "
-                         f"see {run_dir.parent / f'seed{seed}.up.log'} and {run_dir / 'logs'}")
+        raise SystemExit(
+            f"seed {seed}: `parley up` exited {proc.returncode} after {seconds:.0f}s; "
+            f"see {run_dir.parent / f'seed{seed}.up.log'} and {run_dir / 'logs'}"
+        )
     return seconds
 
 
@@ -156,21 +204,27 @@ async def evaluate(args, seed: int, versions: dict[int, str]) -> list:
     on one engine, reloading the weights in place between versions. Returns the EvalRecords."""
     import msgspec
 
+    from parley.config.scorer import ScorerConfig
     from parley.engines.backend import open_engine
     from parley.engines.config import EngineConfig
     from parley.environments import registry
     from parley.evaluation.runner import Condition, EvalServices, EvalSettings, Policy, run_eval
-    from parley.config.scorer import ScorerConfig
     from parley.protocol.messages import Sampling
 
     env = registry.load(ENV, env_options(args, seed))
     _, held = env.tasks.train_eval(data_config(args, seed))
-    held = held[:args.eval_items] if args.eval_items > 0 else held
+    held = held[: args.eval_items] if args.eval_items > 0 else held
     engine_cfg = EngineConfig(model=args.model, max_model_len=2048, kv_cache_bytes=256 << 20)
     engine, tok, _ = await asyncio.to_thread(open_engine, engine_cfg)
-    settings = EvalSettings(sim_prompt="", assistant_max_tokens=args.max_tokens, max_new_turns=args.max_new_turns,
-                            seeds=args.eval_seeds, sampling=Sampling(temperature=args.temperature), concurrency=16,
-                            run=f"bench-s{seed}")
+    settings = EvalSettings(
+        sim_prompt="",
+        assistant_max_tokens=args.max_tokens,
+        max_new_turns=args.max_new_turns,
+        seeds=args.eval_seeds,
+        sampling=Sampling(temperature=args.temperature),
+        concurrency=16,
+        run=f"bench-s{seed}",
+    )
     records = []
     try:
         for version, weights in versions.items():
@@ -184,7 +238,10 @@ async def evaluate(args, seed: int, versions: dict[int, str]) -> list:
             cond = Condition(name=f"v{version}", model=weights or args.model)
             t0 = time.perf_counter()
             recs = await run_eval([cond], held, settings, services)
-            print(f"seed {seed}: v{version} played {len(recs)} conversations in {time.perf_counter() - t0:.0f}s", flush=True)
+            print(
+                f"seed {seed}: v{version} played {len(recs)} conversations in {time.perf_counter() - t0:.0f}s",
+                flush=True,
+            )
             records += [msgspec.structs.replace(r, version=version) for r in recs]
     finally:
         await asyncio.to_thread(engine.shutdown)
@@ -218,12 +275,21 @@ def one_seed(args, seed: int) -> dict:
     table = summarize(scored, baseline="v0", env=env)
     (args.out / f"seed{seed}.table.md").write_text(to_markdown(table))
     rows = {r.condition: r for r in table.rows}
-    out = {"seed": seed, "train_s": round(train_s, 1), "eval_s": round(eval_s, 1), "items": rows["v0"].n,
-           "unscored": len(records) - len(scored),
-           "final_line": {c: sum("final:" in (r.messages[-1].content.lower() if r.messages else "")
-                                 for r in records if r.condition == c) / max(1, sum(r.condition == c for r in records))
-                          for c in rows},
-           "means": {c: row.means for c, row in rows.items()}}
+    out = {
+        "seed": seed,
+        "train_s": round(train_s, 1),
+        "eval_s": round(eval_s, 1),
+        "items": rows["v0"].n,
+        "unscored": len(records) - len(scored),
+        "final_line": {
+            c: sum(
+                "final:" in (r.messages[-1].content.lower() if r.messages else "") for r in records if r.condition == c
+            )
+            / max(1, sum(r.condition == c for r in records))
+            for c in rows
+        },
+        "means": {c: row.means for c, row in rows.items()},
+    }
     last = f"v{args.steps}"
     if last in rows:
         d = rows[last].diffs[METRIC]
@@ -235,26 +301,40 @@ def summary_table(args, results: list[dict]) -> tuple[str, dict]:
     from parley.evaluation.benchmark import paired_stats
 
     last = f"v{args.steps}"
-    lines = [f"| seed | items | train (s) | eval (s) | v0 {METRIC} | {last} {METRIC} | diff [95% CI over items] "
-             f"| v0 exact | {last} exact | v0 turns | {last} turns | FINAL line v0 / {last} |",
-             "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    lines = [
+        f"| seed | items | train (s) | eval (s) | v0 {METRIC} | {last} {METRIC} | diff [95% CI over items] "
+        f"| v0 exact | {last} exact | v0 turns | {last} turns | FINAL line v0 / {last} |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
     for r in results:
         m0, m1 = r["means"]["v0"], r["means"].get(last, {})
         ip = r.get("item_paired")
         diff = f"{ip['diff']:+.3f} [{ip['ci'][0]:+.3f}, {ip['ci'][1]:+.3f}]" if ip else "-"
-        lines.append(f"| {r['seed']} | {r['items']} | {r['train_s']:.0f} | {r['eval_s']:.0f} | {m0[METRIC]:.3f} | "
-                     f"{m1.get(METRIC, float('nan')):.3f} | {diff} | {m0['exact']:.3f} | {m1.get('exact', float('nan')):.3f} | "
-                     f"{m0['assistant_turns']:.2f} | {m1.get('assistant_turns', float('nan')):.2f} | "
-                     f"{r['final_line']['v0']:.2f} / {r['final_line'].get(last, float('nan')):.2f} |")
+        lines.append(
+            f"| {r['seed']} | {r['items']} | {r['train_s']:.0f} | {r['eval_s']:.0f} | {m0[METRIC]:.3f} | "
+            f"{m1.get(METRIC, float('nan')):.3f} | {diff} | {m0['exact']:.3f} | {m1.get('exact', float('nan')):.3f} | "
+            f"{m0['assistant_turns']:.2f} | {m1.get('assistant_turns', float('nan')):.2f} | "
+            f"{r['final_line']['v0']:.2f} / {r['final_line'].get(last, float('nan')):.2f} |"
+        )
     data: dict = {"seeds": results}
     trained = [r for r in results if last in r["means"]]
     if trained:
         s = paired_stats([r["means"][last][METRIC] for r in trained], [r["means"]["v0"][METRIC] for r in trained])
-        data["paired_over_seeds"] = {"metric": METRIC, "diff": s.mean_diff, "ci": [s.ci_low, s.ci_high], "t": s.t,
-                                     "df": s.df, "p": s.p, "n": s.n}
-        lines += ["", f"{METRIC} {last} - v0, paired over {s.n} seeds: {s.mean_diff:+.4f}, 95% CI "
-                      f"[{s.ci_low:+.4f}, {s.ci_high:+.4f}] (t = {s.t:.2f}, df = {s.df}, p = {s.p:.3g}; "
-                      f"t interval over the per-seed differences)"]
+        data["paired_over_seeds"] = {
+            "metric": METRIC,
+            "diff": s.mean_diff,
+            "ci": [s.ci_low, s.ci_high],
+            "t": s.t,
+            "df": s.df,
+            "p": s.p,
+            "n": s.n,
+        }
+        lines += [
+            "",
+            f"{METRIC} {last} - v0, paired over {s.n} seeds: {s.mean_diff:+.4f}, 95% CI "
+            f"[{s.ci_low:+.4f}, {s.ci_high:+.4f}] (t = {s.t:.2f}, df = {s.df}, p = {s.p:.3g}; "
+            f"t interval over the per-seed differences)",
+        ]
     return "\n".join(lines), data
 
 
@@ -268,11 +348,19 @@ def main(argv=None) -> int:
         (args.out / "results.json").write_text(json.dumps(results, indent=1))  # what is done survives a crash
         print(summary_table(args, results)[0], flush=True)
     table, data = summary_table(args, results)
-    details = (f"{args.model}, {ENV} (nudge {args.nudge}, answer {args.answer}), {args.steps} steps x {args.groups_per_step} groups x n={args.n}, lr {args.lr}, "
-               + (f"LoRA rank {args.lora_rank}, " if args.lora_rank else "full fine-tuning, ")
-               + f"kl_coef {args.kl_coef}, temperature {args.train_temperature} (eval {args.temperature}), max_tokens {args.max_tokens}, max_new_turns {args.max_new_turns}, load {os.getloadavg()[0]:.1f}")
-    report("env_learning", details, time.perf_counter() - t0, table, {**data, "args": {k: str(v) for k, v in vars(args).items()}},
-           args.json)
+    details = (
+        f"{args.model}, {ENV} (nudge {args.nudge}, answer {args.answer}), {args.steps} steps x {args.groups_per_step} groups x n={args.n}, lr {args.lr}, "
+        + (f"LoRA rank {args.lora_rank}, " if args.lora_rank else "full fine-tuning, ")
+        + f"kl_coef {args.kl_coef}, temperature {args.train_temperature} (eval {args.temperature}), max_tokens {args.max_tokens}, max_new_turns {args.max_new_turns}, load {os.getloadavg()[0]:.1f}"
+    )
+    report(
+        "env_learning",
+        details,
+        time.perf_counter() - t0,
+        table,
+        {**data, "args": {k: str(v) for k, v in vars(args).items()}},
+        args.json,
+    )
     return 0
 
 

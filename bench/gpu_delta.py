@@ -55,8 +55,12 @@ async def run(args) -> dict:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     impl = cuda_ipc.prepare_checksums(dev)
     layout, size = cuda_ipc.plan((n, t.to(torch.bfloat16)) for n, t in hf_tensors(m.model))
-    print(f"[gpu_delta] {model_dir.name}: {len(layout)} tensors, {size / 1e6:.1f} MB packed, on {dev} "
-          f"(checksums: {impl})", file=sys.stderr, flush=True)
+    print(
+        f"[gpu_delta] {model_dir.name}: {len(layout)} tensors, {size / 1e6:.1f} MB packed, on {dev} "
+        f"(checksums: {impl})",
+        file=sys.stderr,
+        flush=True,
+    )
     bufs = [torch.zeros(size, dtype=torch.uint8, device=dev) for _ in range(2)]
 
     def pack(buf):
@@ -67,8 +71,10 @@ async def run(args) -> dict:
     shm = Path("/dev/shm")
     shm_ok = shm.is_dir() and shutil.disk_usage(shm).free > size
     rows = []
-    with tempfile.TemporaryDirectory(prefix="parley-gpudelta-", dir=args.work) as tmp, \
-            tempfile.TemporaryDirectory(prefix="parley-gpudelta-", dir=shm if shm_ok else tmp) as fetched:
+    with (
+        tempfile.TemporaryDirectory(prefix="parley-gpudelta-", dir=args.work) as tmp,
+        tempfile.TemporaryDirectory(prefix="parley-gpudelta-", dir=shm if shm_ok else tmp) as fetched,
+    ):
         server = NatsServer(Path(tmp) / "nats", port=0, extra_conf="max_payload: 8MB")
         server.start()
         try:
@@ -87,18 +93,25 @@ async def run(args) -> dict:
                     sync()
                     t0 = time.perf_counter()
                     cur = 1 - prev
-                    torch._foreach_copy_(cuda_ipc.views(bufs[cur], layout),
-                                         [t for _, t in hf_tensors(m.model)])
+                    torch._foreach_copy_(cuda_ipc.views(bufs[cur], layout), [t for _, t in hf_tensors(m.model)])
                     sync()
                     t_pack = time.perf_counter()
                     cur_layout = cuda_ipc.with_checksums(layout, cuda_ipc.checksums(bufs[cur], layout))
                     t_sum = time.perf_counter()
-                    blob = gpu_delta.encode(bufs[prev], bufs[cur], cuda_ipc.table_digest(prev_layout),
-                                            cuda_ipc.table_digest(cur_layout), max_share=args.max_share)
+                    blob = gpu_delta.encode(
+                        bufs[prev],
+                        bufs[cur],
+                        cuda_ipc.table_digest(prev_layout),
+                        cuda_ipc.table_digest(cur_layout),
+                        max_share=args.max_share,
+                    )
                     t_enc = time.perf_counter()
                     if blob is None:
-                        print(f"[gpu_delta] lr {lr:g} step {k}: delta over {args.max_share} of the model, "
-                              f"a full version", file=sys.stderr, flush=True)
+                        print(
+                            f"[gpu_delta] lr {lr:g} step {k}: delta over {args.max_share} of the model, a full version",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         rows.append(dict(lr=lr, step=k, delta=False))
                         actor.copy_(bufs[cur])
                         prev, prev_layout = cur, cur_layout
@@ -118,20 +131,35 @@ async def run(args) -> dict:
                     out.unlink()
                     await store.delete(name)
                     del got
-                    row = dict(lr=lr, step=k, delta=True, packed_bytes=size, changed=header.changed,
-                               changed_share=header.changed / header.words, exceptions=header.exceptions,
-                               delta_bytes=len(blob),
-                               blocks4_bytes=4 * -(-header.words // (1 << 16)) + 4 * header.changed,
-                               pack_s=t_pack - t0, checksum_s=t_sum - t_pack, encode_s=t_enc - t_sum,
-                               put_s=t_put - t_enc, get_s=t_get - t_put, apply_s=t_apply - t_get,
-                               total_s=t_apply - t0)
+                    row = dict(
+                        lr=lr,
+                        step=k,
+                        delta=True,
+                        packed_bytes=size,
+                        changed=header.changed,
+                        changed_share=header.changed / header.words,
+                        exceptions=header.exceptions,
+                        delta_bytes=len(blob),
+                        blocks4_bytes=4 * -(-header.words // (1 << 16)) + 4 * header.changed,
+                        pack_s=t_pack - t0,
+                        checksum_s=t_sum - t_pack,
+                        encode_s=t_enc - t_sum,
+                        put_s=t_put - t_enc,
+                        get_s=t_get - t_put,
+                        apply_s=t_apply - t_get,
+                        total_s=t_apply - t0,
+                    )
                     rows.append(row)
-                    print(f"[gpu_delta] lr {lr:g} step {k}: changed {row['changed_share']:.2%} "
-                          f"({header.exceptions} exceptions); delta {len(blob) / 1e6:.1f} MB (blocks4 "
-                          f"{row['blocks4_bytes'] / 1e6:.1f} MB) of {size / 1e6:.0f} MB; pack {row['pack_s']:.3f} "
-                          f"checksum {row['checksum_s']:.3f} encode {row['encode_s']:.3f} put {row['put_s']:.3f} "
-                          f"get {row['get_s']:.3f} apply {row['apply_s']:.3f}: step end -> verified "
-                          f"{row['total_s']:.3f} s", file=sys.stderr, flush=True)
+                    print(
+                        f"[gpu_delta] lr {lr:g} step {k}: changed {row['changed_share']:.2%} "
+                        f"({header.exceptions} exceptions); delta {len(blob) / 1e6:.1f} MB (blocks4 "
+                        f"{row['blocks4_bytes'] / 1e6:.1f} MB) of {size / 1e6:.0f} MB; pack {row['pack_s']:.3f} "
+                        f"checksum {row['checksum_s']:.3f} encode {row['encode_s']:.3f} put {row['put_s']:.3f} "
+                        f"get {row['get_s']:.3f} apply {row['apply_s']:.3f}: step end -> verified "
+                        f"{row['total_s']:.3f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     del blob
                     prev, prev_layout = cur, cur_layout
                     if dev.type == "cuda":
@@ -143,25 +171,39 @@ async def run(args) -> dict:
     for lr in args.lrs:
         mine = [r for r in rows if r["lr"] == lr and r["delta"]]
         if mine:
-            summary[f"{lr:g}"] = {k: statistics.median(r[k] for r in mine)
-                                  for k in ("delta_bytes", "changed_share", "encode_s", "put_s", "get_s", "apply_s",
-                                            "total_s")}
-    out = {"bench": "gpu_delta", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "model": str(model_dir), "device": str(dev),
-           "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None, "cpus": os.cpu_count(),
-           "loadavg": os.getloadavg(), "checksums": impl, "fetched_to": "/dev/shm" if shm_ok else "work",
-           "rows": rows, "medians": summary}
+            summary[f"{lr:g}"] = {
+                k: statistics.median(r[k] for r in mine)
+                for k in ("delta_bytes", "changed_share", "encode_s", "put_s", "get_s", "apply_s", "total_s")
+            }
+    out = {
+        "bench": "gpu_delta",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": str(model_dir),
+        "device": str(dev),
+        "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "checksums": impl,
+        "fetched_to": "/dev/shm" if shm_ok else "work",
+        "rows": rows,
+        "medians": summary,
+    }
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny",
-                   help="'tiny', 'smol' (engines.models.ensure_model) or a checkpoint directory")
+    p.add_argument(
+        "--model", default="tiny", help="'tiny', 'smol' (engines.models.ensure_model) or a checkpoint directory"
+    )
     p.add_argument("--lrs", nargs="+", type=float, default=[1e-6, 1e-5], help="AdamW learning rates, one run each")
     p.add_argument("--steps", type=int, default=3, help="versions per learning rate after its first")
-    p.add_argument("--max-share", type=float, default=0.5,
-                   help="no delta above this share of the packed bytes ([weights] delta_max_share)")
+    p.add_argument(
+        "--max-share",
+        type=float,
+        default=0.5,
+        help="no delta above this share of the packed bytes ([weights] delta_max_share)",
+    )
     p.add_argument("--work", default=None, help="directory for the server's store (default: the system temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args()

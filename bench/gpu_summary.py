@@ -85,8 +85,11 @@ def summarize(run: Path, peak_tflops: float = H200_BF16_DENSE_TFLOPS) -> dict:
     )
     tflops = [r["model_tflops_per_s"] for r in steady if isinstance(r.get("model_tflops_per_s"), (int, float))]
     if tflops:
-        out.update(model_tflops_per_s_median=round(statistics.median(tflops), 1), peak_tflops=peak_tflops,
-                   live_mfu_median=round(statistics.median(tflops) / peak_tflops, 3))
+        out.update(
+            model_tflops_per_s_median=round(statistics.median(tflops), 1),
+            peak_tflops=peak_tflops,
+            live_mfu_median=round(statistics.median(tflops) / peak_tflops, 3),
+        )
     for key in ("reserved_gib", "peak_allocated_gib", "cache_released_gib"):
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         if vals:
@@ -117,7 +120,9 @@ def summarize(run: Path, peak_tflops: float = H200_BF16_DENSE_TFLOPS) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)

@@ -51,38 +51,62 @@ GiB = 2**30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 36; 2 with --tiny)")
-    p.add_argument("--budget-tokens", type=int, default=None,
-                   help="token budget of a packed micro-batch (default 8192; 1024 with --tiny)")
+    p.add_argument(
+        "--budget-tokens",
+        type=int,
+        default=None,
+        help="token budget of a packed micro-batch (default 8192; 1024 with --tiny)",
+    )
     p.add_argument("--step-tokens", type=int, default=None, help="tokens drawn for one GRPO step (default 4 x budget)")
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them")
     p.add_argument("--zero", default="2,3", help="ZeRO stages to run the learner with, comma-separated ('' for none)")
-    p.add_argument("--attn", default="sdpa,varlen",
-                   help=f"attention variants, comma-separated, of {list(ATTN_CHOICES)}")
-    p.add_argument("--compile", default="auto",
-                   help="learner [learner] compile values to run, comma-separated, of auto, off, layers "
-                        "(one learner phase per ZeRO stage and value)")
-    p.add_argument("--profile", action="store_true",
-                   help="after each learner phase's first variant, one more step under torch.profiler: "
-                        "the top kernels by device time and the time per kernel kind")
+    p.add_argument(
+        "--attn", default="sdpa,varlen", help=f"attention variants, comma-separated, of {list(ATTN_CHOICES)}"
+    )
+    p.add_argument(
+        "--compile",
+        default="auto",
+        help="learner [learner] compile values to run, comma-separated, of auto, off, layers "
+        "(one learner phase per ZeRO stage and value)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each learner phase's first variant, one more step under torch.profiler: "
+        "the top kernels by device time and the time per kernel kind",
+    )
     p.add_argument("--skip-plain", action="store_true", help="leave out the plain PyTorch step")
     p.add_argument("--gpus", type=int, default=1, help="ranks for the learner phases (torch.distributed.run when > 1)")
     p.add_argument("--kl-coef", type=float, default=0.001, help="learner kl_coef; > 0 adds the reference forward")
-    p.add_argument("--ref", default="local",
-                   help="where the learner rows' reference log-probs come from, comma-separated of "
-                        f"{list(REF_CHOICES)}: local = the learner's frozen copy run in every step; service = "
-                        "[policy] reference = \"service\", the samples' ref filled in beforehand (untimed) "
-                        "the way the reference service computes them")
-    p.add_argument("--budget-s", type=float, default=520.0,
-                   help="wall-clock budget; phases and variants that would overrun it are skipped")
+    p.add_argument(
+        "--ref",
+        default="local",
+        help="where the learner rows' reference log-probs come from, comma-separated of "
+        f"{list(REF_CHOICES)}: local = the learner's frozen copy run in every step; service = "
+        '[policy] reference = "service", the samples\' ref filled in beforehand (untimed) '
+        "the way the reference service computes them",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=520.0,
+        help="wall-clock budget; phases and variants that would overrun it are skipped",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lora-rank", type=int, default=0,
-                   help="> 0: the learner trains a LoRA adapter of this rank ([learner.lora], alpha 2 x rank); 0: full")
-    p.add_argument("--tiny", action="store_true",
-                   help="2-layer, 4k-vocab model in fp32: runs on CPU (gloo) in about a minute")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="> 0: the learner trains a LoRA adapter of this rank ([learner.lora], alpha 2 x rank); 0: full",
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="2-layer, 4k-vocab model in fp32: runs on CPU (gloo) in about a minute"
+    )
     p.add_argument("--out", default=None, help="JSON path (default $OUT/learner_gpu.json when OUT is set)")
     # internal: a child process runs one phase
     p.add_argument("--_phase", default=None, help=argparse.SUPPRESS)
@@ -130,20 +154,44 @@ def model_config(args):
     from transformers import Qwen3Config
 
     if args.tiny:
-        shape = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                     intermediate_size=256, vocab_size=4096)
+        shape = dict(
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=256,
+            vocab_size=4096,
+        )
     else:  # Qwen3-4B
-        shape = dict(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     intermediate_size=9728, vocab_size=151936)
-    return Qwen3Config(num_hidden_layers=args.layers, tie_word_embeddings=True, max_position_embeddings=40960,
-                       rms_norm_eps=1e-6, use_cache=False, **shape)
+        shape = dict(
+            hidden_size=2560,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=9728,
+            vocab_size=151936,
+        )
+    return Qwen3Config(
+        num_hidden_layers=args.layers,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        use_cache=False,
+        **shape,
+    )
 
 
 def shape_of(args) -> dict:
     c = model_config(args)
-    return dict(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
-                kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
-                vocab=c.vocab_size)
+    return dict(
+        hidden=c.hidden_size,
+        layers=c.num_hidden_layers,
+        heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        intermediate=c.intermediate_size,
+        vocab=c.vocab_size,
+    )
 
 
 def count_params(s: dict) -> int:
@@ -248,8 +296,8 @@ def _peak_gib(device) -> float | None:
 
 
 def build_model(args, device, dtype):
-    from transformers import AutoModelForCausalLM
     import torch
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
     with device:  # initialise directly on the device: a 4B model's random init on CPU takes minutes
@@ -329,8 +377,12 @@ def phase_plain(args) -> None:
     packed = [build_batch([samples[j] for j in mb], device) for mb in micro]
     rng = random.Random(args.seed + 1)
     n = args.budget_tokens  # one unpacked sequence, every token trained: the ENVIRONMENT.md measurement
-    single = [build_batch([Sample("bench/single", [rng.randrange(vocab) for _ in range(n)], [1] * n,
-                                  [-math.log(vocab)] * n, 1.0)], device)]
+    single = [
+        build_batch(
+            [Sample("bench/single", [rng.randrange(vocab) for _ in range(n)], [1] * n, [-math.log(vocab)] * n, 1.0)],
+            device,
+        )
+    ]
 
     def step(batches) -> None:
         n_total = sum(b.n_loss_tokens for b in batches)
@@ -338,7 +390,9 @@ def phase_plain(args) -> None:
             logits = model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False).logits  # (1, T, V)
             rows = logits[0].index_select(0, b.src).float()  # (N, V)
             logp = rows.log_softmax(-1).gather(1, b.targets[:, None])[:, 0]  # (N,)
-            loss, _ = grpo.grpo_loss(logp, b.behaviour, b.advantages, torch.ones_like(b.behaviour, dtype=torch.bool), b.seq)
+            loss, _ = grpo.grpo_loss(
+                logp, b.behaviour, b.advantages, torch.ones_like(b.behaviour, dtype=torch.bool), b.seq
+            )
             (loss * (b.n_loss_tokens / n_total)).backward()
             del logits, rows, logp, loss
         opt.step()
@@ -349,9 +403,15 @@ def phase_plain(args) -> None:
     variants = [("sdpa", "single", single)] + [(a, "packed", packed) for a in args.attn_list]
     last = None
     for attn, layout, batches in variants:
-        row = {"phase": "plain", "layout": layout, "attention": attn, "world": 1,
-               "lengths": [n] if layout == "single" else [len(s.token_ids) for s in samples],
-               "micro_batches": len(batches), "trained_tokens": sum(b.n_loss_tokens for b in batches)}
+        row = {
+            "phase": "plain",
+            "layout": layout,
+            "attention": attn,
+            "world": 1,
+            "lengths": [n] if layout == "single" else [len(s.token_ids) for s in samples],
+            "micro_batches": len(batches),
+            "trained_tokens": sum(b.n_loss_tokens for b in batches),
+        }
         try:
             if attn == "sdpa":
                 use_attention(model, "sdpa")
@@ -386,8 +446,13 @@ def fill_service_reference(args, samples, dtype_name: str) -> float:
 
     device, _ = _device_dtype(args)
     t0 = time.perf_counter()
-    ref = AutoModelForCausalLM.from_pretrained(args._model_dir, dtype=resolve_dtype(dtype_name),
-                                               attn_implementation="sdpa").to(device).eval()
+    ref = (
+        AutoModelForCausalLM.from_pretrained(
+            args._model_dir, dtype=resolve_dtype(dtype_name), attn_implementation="sdpa"
+        )
+        .to(device)
+        .eval()
+    )
     for s in samples:
         lp = sequence_logprobs(ref, torch.from_numpy(s.token_ids).to(device), 1024)
         s.ref = np.concatenate([np.zeros(1, np.float32), lp.cpu().numpy()])  # token 0 has no prefix
@@ -401,12 +466,14 @@ def kernel_kind(name: str) -> str:
     """A coarse kind of a CUDA kernel, from its name, for the profile's time shares."""
     n = name.lower()
     # attention first: flash kernels carry cutlass types in their names
-    for kind, keys in (("attention", ("flash", "fmha", "attn")),
-                       ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul")),
-                       ("communication", ("nccl",)),
-                       ("copy", ("memcpy", "memset", "copy")),
-                       ("reduction", ("reduce", "softmax", "norm")),
-                       ("triton (compiled)", ("triton",))):
+    for kind, keys in (
+        ("attention", ("flash", "fmha", "attn")),
+        ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul")),
+        ("communication", ("nccl",)),
+        ("copy", ("memcpy", "memset", "copy")),
+        ("reduction", ("reduce", "softmax", "norm")),
+        ("triton (compiled)", ("triton",)),
+    ):
         if any(k in n for k in keys):
             return kind
     return "elementwise/other"
@@ -433,8 +500,12 @@ def profile_step(step, device) -> dict:
     for name, t in kernels.items():
         kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
-    return {"wall_s": wall, "kernel_s": busy, "kinds_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "top": [{"kernel": k[:160], "s": t, "kind": kernel_kind(k)} for k, t in top]}
+    return {
+        "wall_s": wall,
+        "kernel_s": busy,
+        "kinds_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "top": [{"kernel": k[:160], "s": t, "kind": kernel_kind(k)} for k, t in top],
+    }
 
 
 def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local") -> None:
@@ -445,22 +516,30 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     import torch
 
     from parley.config.learner import LearnerConfig, LoraSettings
-    from parley.learner.trainer import Trainer
-    from parley.learner.packing import build_batch, pack_by_tokens, shard_by_tokens
     from parley.learner.logprobs import token_logprobs
+    from parley.learner.packing import build_batch, pack_by_tokens, shard_by_tokens
+    from parley.learner.trainer import Trainer
 
-    cfg = LearnerConfig(zero_stage=zero, micro_batch_tokens=args.budget_tokens, kl_coef=args.kl_coef,
-                        lr=1e-6, seed=args.seed, dtype="float32" if args.tiny else "auto",
-                        compile="off" if args.lora_rank else compile_mode,
-                        lora=LoraSettings(enabled=args.lora_rank > 0, rank=max(args.lora_rank, 1),
-                                          alpha=2.0 * max(args.lora_rank, 1)))
+    cfg = LearnerConfig(
+        zero_stage=zero,
+        micro_batch_tokens=args.budget_tokens,
+        kl_coef=args.kl_coef,
+        lr=1e-6,
+        seed=args.seed,
+        dtype="float32" if args.tiny else "auto",
+        compile="off" if args.lora_rank else compile_mode,
+        lora=LoraSettings(enabled=args.lora_rank > 0, rank=max(args.lora_rank, 1), alpha=2.0 * max(args.lora_rank, 1)),
+    )
     tag = f"[zero{zero} compile={compile_mode}{'' if ref == 'local' else ' ref ' + ref}]"
     samples = draw_samples(args, model_config(args).vocab_size)
     ref_fill_s = None
     if ref == "service":
         ref_fill_s = fill_service_reference(args, samples, cfg.dtype)
-        print(f"{tag} reference log-probs of {len(samples)} trajectories computed beforehand in {ref_fill_s:.1f} s "
-              "(not timed)", flush=True)
+        print(
+            f"{tag} reference log-probs of {len(samples)} trajectories computed beforehand in {ref_fill_s:.1f} s "
+            "(not timed)",
+            flush=True,
+        )
     t0 = time.perf_counter()
     trainer = Trainer(cfg, args._model_dir, reference=ref)
     init_s = time.perf_counter() - t0
@@ -468,9 +547,12 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     device = torch.device(device) if not isinstance(device, torch.device) else device
     persistent = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
     if rank == 0:
-        print(f"{tag} Trainer ready in {init_s:.1f} s on {world} rank(s), default attention {trainer.attention}, "
-              f"layers compiled: {trainer.compiled}"
-              + (f", {persistent:.1f} GiB allocated" if persistent is not None else ""), flush=True)
+        print(
+            f"{tag} Trainer ready in {init_s:.1f} s on {world} rank(s), default attention {trainer.attention}, "
+            f"layers compiled: {trainer.compiled}"
+            + (f", {persistent:.1f} GiB allocated" if persistent is not None else ""),
+            flush=True,
+        )
 
     lengths = [len(s.token_ids) for s in samples]
     # The attention check's probe: the same micro-batch on every rank (rank 0's first). Under ZeRO-3 a
@@ -488,16 +570,31 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
 
     rows: list[dict] = []
     # what `parley learner` itself runs with this config (learner.attention: flash varlen on CUDA)
-    extra = {"init_s": init_s, "persistent_gib": persistent, "learner_default_attention": trainer.attention,
-             "compile": compile_mode, "compiled": trainer.compiled, "ref_fill_s": ref_fill_s}
+    extra = {
+        "init_s": init_s,
+        "persistent_gib": persistent,
+        "learner_default_attention": trainer.attention,
+        "compile": compile_mode,
+        "compiled": trainer.compiled,
+        "ref_fill_s": ref_fill_s,
+    }
     last = None
     for attn in args.attn_list:
-        row = {"phase": f"learner ZeRO-{zero}" + ("" if compile_mode == "auto" else f" compile={compile_mode}")
-               + ("" if ref == "local" else f", ref {ref}"),
-               "zero": zero, "compile": compile_mode, "compiled": trainer.compiled, "layout": "packed", "attention": attn,
-               "ref": ref,
-               "world": world, "lengths": lengths, "kl_coef": args.kl_coef,
-               "trained_tokens": int(sum(s.n_trained for s in samples))}
+        row = {
+            "phase": f"learner ZeRO-{zero}"
+            + ("" if compile_mode == "auto" else f" compile={compile_mode}")
+            + ("" if ref == "local" else f", ref {ref}"),
+            "zero": zero,
+            "compile": compile_mode,
+            "compiled": trainer.compiled,
+            "layout": "packed",
+            "attention": attn,
+            "ref": ref,
+            "world": world,
+            "lengths": lengths,
+            "kl_coef": args.kl_coef,
+            "trained_tokens": int(sum(s.n_trained for s in samples)),
+        }
         # every rank must take the same branch (the steps are collective): rank 0 decides
         go = [last is None or time.time() + last * (args.warmup + args.steps) * 1.2 <= args._deadline]
         if world > 1:
@@ -519,8 +616,9 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
                     ref_lp = probe_logp()
                     use_attention(trainer.module, VARLEN)
                     diff = (probe_logp() - ref_lp).abs()
-                    row.update(logp_max_abs_diff_vs_sdpa=float(diff.max()),
-                               logp_mean_abs_diff_vs_sdpa=float(diff.mean()))
+                    row.update(
+                        logp_max_abs_diff_vs_sdpa=float(diff.max()), logp_mean_abs_diff_vs_sdpa=float(diff.mean())
+                    )
                 stats: dict = {}
                 first: dict = {}
 
@@ -538,9 +636,12 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
                 last = statistics.median(row["step_s"])
                 if args.profile and "profile" not in extra and world == 1:
                     extra["profile"] = prof = profile_step(step, device)
-                    print(f"{tag} profile of one step ({attn}): wall {prof['wall_s']:.3f} s, kernels "
-                          f"{prof['kernel_s']:.3f} s; by kind: "
-                          + ", ".join(f"{k} {v:.3f} s" for k, v in prof["kinds_s"].items()), flush=True)
+                    print(
+                        f"{tag} profile of one step ({attn}): wall {prof['wall_s']:.3f} s, kernels "
+                        f"{prof['kernel_s']:.3f} s; by kind: "
+                        + ", ".join(f"{k} {v:.3f} s" for k, v in prof["kinds_s"].items()),
+                        flush=True,
+                    )
                     for t in prof["top"]:
                         print(f"{tag}   {t['s'] * 1e3:8.1f} ms  {t['kind']:<18} {t['kernel'][:110]}", flush=True)
             except Exception as e:
@@ -601,8 +702,12 @@ def matmul_peak(tiny: bool) -> dict:
     del a, b, c
     if cuda:
         torch.cuda.empty_cache()
-    return {"tflops": 2 * n**3 * reps / seconds / 1e12, "n": n, "dtype": str(dtype).replace("torch.", ""),
-            "device": dev}
+    return {
+        "tflops": 2 * n**3 * reps / seconds / 1e12,
+        "n": n,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": dev,
+    }
 
 
 def machine_info() -> dict:
@@ -617,11 +722,15 @@ def machine_info() -> dict:
         except md.PackageNotFoundError:
             info[pkg] = None
     if torch.cuda.is_available():
-        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), cuda=torch.version.cuda,
-                    flash_sdp=torch.backends.cuda.flash_sdp_enabled(),
-                    mem_efficient_sdp=torch.backends.cuda.mem_efficient_sdp_enabled(),
-                    cudnn_sdp=torch.backends.cuda.cudnn_sdp_enabled(),
-                    gpu_mem_gib=torch.cuda.get_device_properties(0).total_memory / GiB)
+        info.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpus=torch.cuda.device_count(),
+            cuda=torch.version.cuda,
+            flash_sdp=torch.backends.cuda.flash_sdp_enabled(),
+            mem_efficient_sdp=torch.backends.cuda.mem_efficient_sdp_enabled(),
+            cudnn_sdp=torch.backends.cuda.cudnn_sdp_enabled(),
+            gpu_mem_gib=torch.cuda.get_device_properties(0).total_memory / GiB,
+        )
     else:
         info.update(gpu=None, gpus=0, cpu_threads=torch.get_num_threads())
     try:
@@ -641,8 +750,19 @@ def run_child(args, phase: str, model_dir: str, deadline: float) -> tuple[list[d
     script = [str(Path(__file__).resolve())]
     if phase.startswith("zero") and args.gpus > 1:
         script = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"] + script
-    cmd = [sys.executable, *script, *sys.argv[1:], "--_phase", phase, "--_result", result,
-           "--_deadline", str(deadline), "--_model-dir", model_dir]
+    cmd = [
+        sys.executable,
+        *script,
+        *sys.argv[1:],
+        "--_phase",
+        phase,
+        "--_result",
+        result,
+        "--_deadline",
+        str(deadline),
+        "--_model-dir",
+        model_dir,
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     print(f"== phase {phase} ({deadline - time.time():.0f} s left)", flush=True)
     t0 = time.perf_counter()
@@ -675,26 +795,40 @@ def compute(rows: list[dict], shape: dict, n_params: int, peak_tflops: float) ->
         # the reference forward, when the learner runs it (ref "service" computed it before the step)
         ref = policy / 3 if r.get("kl_coef", 0) > 0 and r.get("ref", "local") == "local" else 0.0
         denom = t * peak_tflops * 1e12 * r["world"]
-        r.update(s_per_step=t, tokens=tokens, tokens_per_s=tokens / t, flops=policy + ref,
-                 tflops_per_gpu=(policy + ref) / t / 1e12 / r["world"], mfu=(policy + ref) / denom,
-                 policy_mfu=policy / denom)
+        r.update(
+            s_per_step=t,
+            tokens=tokens,
+            tokens_per_s=tokens / t,
+            flops=policy + ref,
+            tflops_per_gpu=(policy + ref) / t / 1e12 / r["world"],
+            mfu=(policy + ref) / denom,
+            policy_mfu=policy / denom,
+        )
     plain = {r["attention"]: r for r in rows if r["phase"] == "plain" and r["layout"] == "packed" and "mfu" in r}
     for r in rows:
         if "mfu" in r and r["phase"] != "plain":
             same = plain.get(r["attention"]) or plain.get("sdpa")
             if same is not None:
-                r["vs_plain"] = {"attention": same["attention"], "mfu_ratio": r["mfu"] / same["mfu"],
-                                 "policy_mfu_ratio": r["policy_mfu"] / same["mfu"],
-                                 "tokens_per_s_ratio": r["tokens_per_s"] / same["tokens_per_s"]}
+                r["vs_plain"] = {
+                    "attention": same["attention"],
+                    "mfu_ratio": r["mfu"] / same["mfu"],
+                    "policy_mfu_ratio": r["policy_mfu"] / same["mfu"],
+                    "tokens_per_s_ratio": r["tokens_per_s"] / same["tokens_per_s"],
+                }
     # the same learner row with the reference service against its own frozen copy, in the same run
-    local = {(r["zero"], r.get("compile"), r["attention"], r["world"]): r for r in rows
-             if "mfu" in r and r.get("ref") == "local" and "zero" in r}
+    local = {
+        (r["zero"], r.get("compile"), r["attention"], r["world"]): r
+        for r in rows
+        if "mfu" in r and r.get("ref") == "local" and "zero" in r
+    }
     for r in rows:
         key = (r.get("zero"), r.get("compile"), r["attention"], r["world"])
         same = local.get(key) if r.get("ref") == "service" else None
         if "mfu" in r and same is not None:
-            r["vs_ref_local"] = {"step_s_ratio": r["s_per_step"] / same["s_per_step"],
-                                 "tokens_per_s_ratio": r["tokens_per_s"] / same["tokens_per_s"]}
+            r["vs_ref_local"] = {
+                "step_s_ratio": r["s_per_step"] / same["s_per_step"],
+                "tokens_per_s_ratio": r["tokens_per_s"] / same["tokens_per_s"],
+            }
 
 
 def table(report: dict) -> str:
@@ -722,12 +856,16 @@ def table(report: dict) -> str:
         ratio = f"{r['vs_plain']['mfu_ratio']:.2f} (vs {r['vs_plain']['attention']})" if "vs_plain" in r else ""
         policy = f"{r['policy_mfu']:.1%}" if r["policy_mfu"] != r["mfu"] else ""
         mem = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else ""
-        lines.append(f"{head} {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
-                     f"{r['mfu']:.1%} | {policy} | {ratio} | {mem} |")
+        lines.append(
+            f"{head} {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
+            f"{r['mfu']:.1%} | {policy} | {ratio} | {mem} |"
+        )
     for r in report["rows"]:
         if "vs_ref_local" in r:
-            lines.append(f"\n{r['phase']} {r['attention']}: step time {r['vs_ref_local']['step_s_ratio']:.2f}x the "
-                         "same row with the local reference")
+            lines.append(
+                f"\n{r['phase']} {r['attention']}: step time {r['vs_ref_local']['step_s_ratio']:.2f}x the "
+                "same row with the local reference"
+            )
     for p in report["phases"]:
         if p["status"] != "ok":
             lines.append(f"\nphase {p['phase']}: {p['status']}")
@@ -762,14 +900,23 @@ def main() -> int:
     samples = draw_samples(args, vocab)
     lengths = [len(s.token_ids) for s in samples]
     report = {
-        "machine": info, "peak": peak, "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "machine": info,
+        "peak": peak,
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
         "model": {**shape, "params": n_params},
-        "batch": {"sequences": len(lengths), "tokens": sum(lengths), "min_len": min(lengths), "max_len": max(lengths),
-                  "trained_fraction": sum(s.n_trained for s in samples) / sum(lengths),
-                  "budget_tokens": args.budget_tokens, "lengths": lengths},
+        "batch": {
+            "sequences": len(lengths),
+            "tokens": sum(lengths),
+            "min_len": min(lengths),
+            "max_len": max(lengths),
+            "trained_fraction": sum(s.n_trained for s in samples) / sum(lengths),
+            "budget_tokens": args.budget_tokens,
+            "lengths": lengths,
+        },
         "flops_formula": "per sequence of s tokens: train = 6*N*s + 6*L*Hq*d*s^2 (causal attention); "
-                         "forward = train/3; learner rows add the reference forward when kl_coef > 0",
-        "rows": [], "phases": [],
+        "forward = train/3; learner rows add the reference forward when kl_coef > 0",
+        "rows": [],
+        "phases": [],
     }
 
     def write() -> None:
@@ -784,8 +931,12 @@ def main() -> int:
     model_dir = tempfile.mkdtemp(prefix="parley_bench_model_")
     try:
         phases = ["plain"] if not args.skip_plain else (["build"] if args.zero_stages else [])
-        phases += [f"zero{z}" + ("" if c == "auto" else f":{c}") + ("" if ref == "local" else f"-{ref}")
-                   for z in args.zero_stages for c in args.compile_list for ref in args.ref_list]
+        phases += [
+            f"zero{z}" + ("" if c == "auto" else f":{c}") + ("" if ref == "local" else f"-{ref}")
+            for z in args.zero_stages
+            for c in args.compile_list
+            for ref in args.ref_list
+        ]
         for phase in phases:
             if deadline - time.time() < 20:
                 report["phases"].append({"phase": phase, "status": "skipped: time budget"})

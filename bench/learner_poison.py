@@ -88,7 +88,7 @@ def batches(vocab: int, steps: int, seed: int = 0, n: int = 8) -> list[list]:
             length = int(rng.integers(150, 261))
             ids = rng.integers(3, vocab, length)
             mask = np.zeros(length, dtype=bool)
-            mask[length // 3:] = True
+            mask[length // 3 :] = True
             behaviour = np.where(mask, -rng.uniform(0.05, 3.0, length), 0.0).astype(np.float32)
             group.append(Sample(f"s{step}-{i}", ids, mask, behaviour, float(adv[i]), temperature=0.7))
         out.append(group)
@@ -104,8 +104,10 @@ def fill_cuda_cache(value: float, large_bytes: int, device) -> None:
     torch.cuda.empty_cache()
     large = torch.empty(large_bytes // 4, dtype=torch.float32, device=device)
     large.fill_(value)
-    small = [torch.empty(SMALL_BLOCK // 4, dtype=torch.float32, device=device)
-             for _ in range(SMALL_POOL_BYTES // SMALL_BLOCK)]
+    small = [
+        torch.empty(SMALL_BLOCK // 4, dtype=torch.float32, device=device)
+        for _ in range(SMALL_POOL_BYTES // SMALL_BLOCK)
+    ]
     for t in small:
         t.fill_(value)
     torch.cuda.synchronize(device)
@@ -117,8 +119,9 @@ def step_row(stats: dict) -> dict:
     return {**{k: float(stats.get(k, float("nan"))) for k in FIELDS}, "micro_batches": int(stats["micro_batches"])}
 
 
-def run_fill(model_dir: str, fill: str, steps: int, zero: int, dtype: str, large_bytes: int | None = None,
-             **learner) -> dict:
+def run_fill(
+    model_dir: str, fill: str, steps: int, zero: int, dtype: str, large_bytes: int | None = None, **learner
+) -> dict:
     """One Trainer, `steps` steps with the memory filled with `fill` before each: per step the
     FIELDS and the weights' fingerprint; and the reserved peak of the first step (CUDA). `learner`:
     more [learner] settings (e.g. micro_batch_tokens)."""
@@ -141,8 +144,10 @@ def run_fill(model_dir: str, fill: str, steps: int, zero: int, dtype: str, large
         # before it would run eager kernels, and differ by their rounding, not by what it read
         torch._dynamo.reset()
     try:
-        trainer = Trainer(LearnerConfig(zero_stage=zero, dtype=dtype, kl_coef=0.0,
-                                        behaviour_correction="truncated_is", **learner), model_dir)
+        trainer = Trainer(
+            LearnerConfig(zero_stage=zero, dtype=dtype, kl_coef=0.0, behaviour_correction="truncated_is", **learner),
+            model_dir,
+        )
         try:
             vocab = trainer.module.get_input_embeddings().weight.shape[0]
             rows, peak = [], None
@@ -186,9 +191,18 @@ def run_cache(model_dir: str, gpu_cache: str, steps: int, zero: int, dtype: str,
     if not torch.cuda.is_available():
         raise ValueError("--cache-ab needs CUDA: gpu_cache and cuda_ipc act on a GPU only")
     torch._dynamo.reset()  # every run compiles afresh (run_fill says why)
-    trainer = Trainer(LearnerConfig(zero_stage=zero, dtype=dtype, kl_coef=0.0, behaviour_correction="truncated_is",
-                                    gpu_cache=gpu_cache, **learner), model_dir,
-                      weights=CudaIpcWeights(max_buffers=6, hold_s=1.0))
+    trainer = Trainer(
+        LearnerConfig(
+            zero_stage=zero,
+            dtype=dtype,
+            kl_coef=0.0,
+            behaviour_correction="truncated_is",
+            gpu_cache=gpu_cache,
+            **learner,
+        ),
+        model_dir,
+        weights=CudaIpcWeights(max_buffers=6, hold_s=1.0),
+    )
     try:
         vocab = trainer.module.get_input_embeddings().weight.shape[0]
         rows, prints = [], []
@@ -196,9 +210,14 @@ def run_cache(model_dir: str, gpu_cache: str, steps: int, zero: int, dtype: str,
             st = trainer.train_step(samples)
             trainer.pack_weights(i + 1)
             prints.append(torch.stack([p.detach().double().sum() for p in trainer.module.parameters()]))
-            rows.append({**step_row(st), "cache_released_gib": float(st.get("cache_released_gib", float("nan"))),
-                         # the step's time and where it went, alone on the GPU (the live run shares it with actors)
-                         **{k: float(st[k]) for k in ("train_s", *PHASES)}})
+            rows.append(
+                {
+                    **step_row(st),
+                    "cache_released_gib": float(st.get("cache_released_gib", float("nan"))),
+                    # the step's time and where it went, alone on the GPU (the live run shares it with actors)
+                    **{k: float(st[k]) for k in ("train_s", *PHASES)},
+                }
+            )
         for row, fp in zip(rows, prints):
             row["fingerprint"] = fp.tolist()
     finally:
@@ -259,27 +278,45 @@ def verdict(runs: list[dict]) -> dict:
         else:
             reads = any(not math.isfinite(d[k]) or d[k] > max(4 * noise[k], 1e-12) for k in d)
         rows.append({"fill": r["fill"], "diff": d, "reads_unwritten": reads})
-    return {"noise": noise, "fills": rows,
-            "reads_unwritten": any(r["reads_unwritten"] for r in rows if r["reads_unwritten"] is not None)}
+    return {
+        "noise": noise,
+        "fills": rows,
+        "reads_unwritten": any(r["reads_unwritten"] for r in rows if r["reads_unwritten"] is not None),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="tiny", help="tiny, smol (engines.models.ensure_model) or a model directory")
     p.add_argument("--steps", type=int, default=4, help="GRPO steps per fill (default 4)")
     p.add_argument("--zero", type=int, default=2, help="ZeRO stage (default 2, the learner's)")
     p.add_argument("--dtype", default="auto", help="[learner] dtype (auto: bf16 on a GPU, fp32 on CPU)")
-    p.add_argument("--fills", default=None,
-                   help=f"comma-separated fills, \"0\" at least once, twice for the noise (default {','.join(FILLS)}; "
-                        f"on CPU {','.join(CPU_FILLS)}); on CUDA a run \"{UNFILLED}\" comes first and sizes the fills")
-    p.add_argument("--compile", default=None, choices=("auto", "layers", "off"),
-                   help="[learner] compile (default: the learner's, auto: layers on a GPU under ZeRO-2)")
-    p.add_argument("--attention", default=None, choices=("auto", "sdpa", "varlen"),
-                   help="[learner] attention (default: the learner's, auto: flash varlen on a GPU)")
-    p.add_argument("--cache-ab", action="store_true",
-                   help="(CUDA) instead of the fills: the live learner's steps with a cuda_ipc version packed after "
-                        "each, [learner] gpu_cache release twice and keep_when_room twice")
+    p.add_argument(
+        "--fills",
+        default=None,
+        help=f'comma-separated fills, "0" at least once, twice for the noise (default {",".join(FILLS)}; '
+        f'on CPU {",".join(CPU_FILLS)}); on CUDA a run "{UNFILLED}" comes first and sizes the fills',
+    )
+    p.add_argument(
+        "--compile",
+        default=None,
+        choices=("auto", "layers", "off"),
+        help="[learner] compile (default: the learner's, auto: layers on a GPU under ZeRO-2)",
+    )
+    p.add_argument(
+        "--attention",
+        default=None,
+        choices=("auto", "sdpa", "varlen"),
+        help="[learner] attention (default: the learner's, auto: flash varlen on a GPU)",
+    )
+    p.add_argument(
+        "--cache-ab",
+        action="store_true",
+        help="(CUDA) instead of the fills: the live learner's steps with a cuda_ipc version packed after "
+        "each, [learner] gpu_cache release twice and keep_when_room twice",
+    )
     p.add_argument("--json", default=None, help="write the runs and the verdict here")
     args = p.parse_args(argv)
 
@@ -303,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and set(fills) - set(CPU_FILLS):
         p.error(f"--fills {args.fills}: on CPU only {' and '.join(sorted(set(CPU_FILLS)))} (no allocator to fill)")
     if "0" not in fills:
-        p.error("--fills needs \"0\": the other fills are compared with it")
+        p.error('--fills needs "0": the other fills are compared with it')
     if cuda:
         fills = [UNFILLED] + fills
     large = None
@@ -314,19 +351,34 @@ def main(argv: list[str] | None = None) -> int:
             large = 2 * (r["reserved_peak_bytes"] or (1 << 30))
         runs.append(r)
         last = r["steps"][-1]
-        print(f"[poison] fill {f}: " + ", ".join(f"{k} {last[k]:.6g}" for k in FIELDS) + f" at step {args.steps}",
-              flush=True)
+        print(
+            f"[poison] fill {f}: " + ", ".join(f"{k} {last[k]:.6g}" for k in FIELDS) + f" at step {args.steps}",
+            flush=True,
+        )
     v = verdict(runs)
     for row in v["fills"]:
-        print(f"[poison] fill {row['fill']}: " + ", ".join(f"{k} {d:.3g}" for k, d in row["diff"].items())
-              + ("" if row["reads_unwritten"] is None else f" -> reads unwritten memory: {row['reads_unwritten']}"))
+        print(
+            f"[poison] fill {row['fill']}: "
+            + ", ".join(f"{k} {d:.3g}" for k, d in row["diff"].items())
+            + ("" if row["reads_unwritten"] is None else f" -> reads unwritten memory: {row['reads_unwritten']}")
+        )
     print("[poison] noise (fill 0 twice): " + ", ".join(f"{k} {d:.3g}" for k, d in v["noise"].items()))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu",
-                                               "model": args.model, "steps": args.steps, "zero": args.zero,
-                                               "learner": learner,
-                                               "verdict": v, "runs": runs}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name() if cuda else "cpu",
+                    "model": args.model,
+                    "steps": args.steps,
+                    "zero": args.zero,
+                    "learner": learner,
+                    "verdict": v,
+                    "runs": runs,
+                },
+                indent=1,
+            )
+        )
     return 1 if v["reads_unwritten"] else 0
 
 
@@ -338,23 +390,43 @@ def cache_ab(model_dir: str, args, learner: dict) -> int:
         r = run_cache(model_dir, mode, args.steps, args.zero, args.dtype, **learner)
         runs.append(r)
         last = r["steps"][-1]
-        print(f"[cache] gpu_cache {mode}: " + ", ".join(f"{k} {last[k]:.6g}" for k in FIELDS)
-              + f" at step {args.steps}; released GiB a step: "
-              + " ".join(f"{row['cache_released_gib']:.2f}" for row in r["steps"]), flush=True)
+        print(
+            f"[cache] gpu_cache {mode}: "
+            + ", ".join(f"{k} {last[k]:.6g}" for k in FIELDS)
+            + f" at step {args.steps}; released GiB a step: "
+            + " ".join(f"{row['cache_released_gib']:.2f}" for row in r["steps"]),
+            flush=True,
+        )
         later = r["steps"][1:] or r["steps"]  # step 1 compiles
         medians = {k: statistics.median(row[k] for row in later) for k in ("train_s", *PHASES)}
-        print(f"[cache] gpu_cache {mode}: steps 2..N, median s: "
-              + ", ".join(f"{k} {v:.4f}" for k, v in medians.items()), flush=True)
+        print(
+            f"[cache] gpu_cache {mode}: steps 2..N, median s: " + ", ".join(f"{k} {v:.4f}" for k, v in medians.items()),
+            flush=True,
+        )
     v = cache_verdict(runs)
-    print("[cache] release against keep_when_room: " + ", ".join(f"{k} {d:.3g}" for k, d in v["diff"].items())
-          + f" -> the kept cache moves the steps: {v['cache_moves_steps']}")
+    print(
+        "[cache] release against keep_when_room: "
+        + ", ".join(f"{k} {d:.3g}" for k, d in v["diff"].items())
+        + f" -> the kept cache moves the steps: {v['cache_moves_steps']}"
+    )
     print("[cache] noise (each setting twice): " + ", ".join(f"{k} {d:.3g}" for k, d in v["noise"].items()))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "model": args.model,
-                                               "steps": args.steps, "zero": args.zero, "learner": learner,
-                                               "weights": "cuda_ipc, max_buffers 6, hold_s 1.0",
-                                               "verdict": v, "runs": runs}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "model": args.model,
+                    "steps": args.steps,
+                    "zero": args.zero,
+                    "learner": learner,
+                    "weights": "cuda_ipc, max_buffers 6, hold_s 1.0",
+                    "verdict": v,
+                    "runs": runs,
+                },
+                indent=1,
+            )
+        )
     return 1 if v["cache_moves_steps"] else 0
 
 

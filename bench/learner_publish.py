@@ -53,34 +53,49 @@ def scored_samples(tok, run: str, groups: int, n: int, tokens: int):
     for g in range(groups):
         for i in range(n):
             prompt = (words * 8)[:32]
-            reply = (words * (tokens // len(words) + 1))[g + i: g + i + tokens - 32]
+            reply = (words * (tokens // len(words) + 1))[g + i : g + i + tokens - 32]
             traj = Trajectory(
-                traj_id=f"bench-{g:03d}/{i}", task_id=f"bench-{g:03d}", sample=i, run=run, item_id=f"item-{g}",
+                traj_id=f"bench-{g:03d}/{i}",
+                task_id=f"bench-{g:03d}",
+                sample=i,
+                run=run,
+                item_id=f"item-{g}",
                 messages=[ChatMessage("user", "Write the letter."), ChatMessage("assistant", "...")],
-                token_ids=prompt + reply, loss_mask=[0] * len(prompt) + [1] * len(reply),
+                token_ids=prompt + reply,
+                loss_mask=[0] * len(prompt) + [1] * len(reply),
                 turns=[AssistantTurn(start=len(prompt), logprobs=[-2.0] * len(reply), version=0, finish_reason="stop")],
             )
             reward = 0.1 + 0.8 * i / max(1, n - 1)
-            out.append(Scored(traj_id=traj.traj_id, task_id=traj.task_id, sample=i, run=run, metrics={"bleu": reward},
-                              weights={"bleu": 1.0}, total=reward, trajectory=traj))
+            out.append(
+                Scored(
+                    traj_id=traj.traj_id,
+                    task_id=traj.task_id,
+                    sample=i,
+                    run=run,
+                    metrics={"bleu": reward},
+                    weights={"bleu": 1.0},
+                    total=reward,
+                    trajectory=traj,
+                )
+            )
     return out
 
 
 async def gaps(args, work: Path) -> dict:
     from transformers import AutoTokenizer
 
+    from parley.config.learner import LearnerConfig, RolloutConfig
+    from parley.config.policy import PolicySection
     from parley.config.run import RunConfig
     from parley.deploy.natsserver import NatsServer
     from parley.engines.models import ensure_model
-    from parley.config.learner import LearnerConfig, RolloutConfig
-    from parley.weights.config import ObjstoreWeights, SharedDirWeights
-    from parley.config.policy import PolicySection
     from parley.learner.ranks import Driver
     from parley.learner.service import Learner
     from parley.learner.trainer import Trainer
     from parley.protocol import topology
     from parley.protocol.bus import publish
     from parley.protocol.connect import connect
+    from parley.weights.config import ObjstoreWeights, SharedDirWeights
 
     class Inline(Learner):
         """The learner before issue 15: the step returns only once its version is announced."""
@@ -102,8 +117,17 @@ async def gaps(args, work: Path) -> dict:
     model_dir = ensure_model(args.model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     bus = topology.BusSettings(max_bytes=2 * 1024**3)
-    lc = dict(steps=args.steps, groups_per_step=1, max_staleness=args.steps, stale_policy="correct",
-              checkpoint_every=10_000, eval_every=0, micro_batch_tokens=4096, lr=1e-5, ledger_flush_s=0.5)
+    lc = dict(
+        steps=args.steps,
+        groups_per_step=1,
+        max_staleness=args.steps,
+        stale_policy="correct",
+        checkpoint_every=10_000,
+        eval_every=0,
+        micro_batch_tokens=4096,
+        lr=1e-5,
+        ledger_flush_s=0.5,
+    )
     weights = {"objstore": ObjstoreWeights(), "shared_dir": SharedDirWeights(dir=str(work / "shared"))}[args.transport]
     trainer = await asyncio.to_thread(Trainer, LearnerConfig(**lc), model_dir, weights=weights)
     out = {}
@@ -115,8 +139,13 @@ async def gaps(args, work: Path) -> dict:
             await topology.ensure_topology(js, run, bus)
             for s in scored_samples(tok, run, args.steps, 2, args.sample_tokens):
                 await publish(js, run, "scored", s)
-            cfg = RunConfig(bus=bus, rollout=RolloutConfig(n=2), learner=LearnerConfig(**lc), weights=weights,
-                            policy=PolicySection(model=str(model_dir)))
+            cfg = RunConfig(
+                bus=bus,
+                rollout=RolloutConfig(n=2),
+                learner=LearnerConfig(**lc),
+                weights=weights,
+                policy=PolicySection(model=str(model_dir)),
+            )
             cfg.run.name, cfg.run.dir = run, str(work / run)
             driver = TimedDriver(Driver(trainer))
             learner = cls(cfg, js, nc, driver, model_dir=model_dir, resume=False, steps=args.steps)
@@ -125,12 +154,21 @@ async def gaps(args, work: Path) -> dict:
             spans = driver.spans
             g = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
             size = (work / run / "learner" / "weights" / f"v{args.steps:06d}" / "model.safetensors").stat().st_size
-            out[mode] = {"gaps_s": g, "median_gap_s": statistics.median(g), "train_s": [b - a for a, b in spans],
-                         "wall_s": time.monotonic() - t0, "weights_bytes": size,
-                         "published": dict(learner.publisher.counters), "superseded": learner.publisher.superseded}
-            print(f"{mode}: gaps {[round(x, 2) for x in g]} s (median {out[mode]['median_gap_s']:.2f}), "
-                  f"train {[round(b - a, 2) for a, b in spans]} s, {size / 1e6:.0f} MB weights, "
-                  f"published {dict(learner.publisher.counters)}", flush=True)
+            out[mode] = {
+                "gaps_s": g,
+                "median_gap_s": statistics.median(g),
+                "train_s": [b - a for a, b in spans],
+                "wall_s": time.monotonic() - t0,
+                "weights_bytes": size,
+                "published": dict(learner.publisher.counters),
+                "superseded": learner.publisher.superseded,
+            }
+            print(
+                f"{mode}: gaps {[round(x, 2) for x in g]} s (median {out[mode]['median_gap_s']:.2f}), "
+                f"train {[round(b - a, 2) for a, b in spans]} s, {size / 1e6:.0f} MB weights, "
+                f"published {dict(learner.publisher.counters)}",
+                flush=True,
+            )
     finally:
         trainer.close()
         await nc.close()
@@ -150,31 +188,63 @@ def ledger_bytes(args, work: Path) -> dict:
         ids = [(g * 7919 + i * 104729 + k * 31) % 150_000 for k in range(t)]
         # as actors send it: packed arrays (protocol.arrays), the conversation's text beside them
         traj = Trajectory(
-            traj_id=f"r-g{g:06d}/{i}", task_id=f"r-g{g:06d}", sample=i, run="r", item_id=f"item-{g}",
+            traj_id=f"r-g{g:06d}/{i}",
+            task_id=f"r-g{g:06d}",
+            sample=i,
+            run="r",
+            item_id=f"item-{g}",
             messages=[ChatMessage("user", "w" * (t // 2)), ChatMessage("assistant", "x" * (t * 3))],
-            token_ids_i32=arrays.pack_ids(ids), loss_mask_u8=arrays.pack_mask([0] * (t // 4) + [1] * (t - t // 4)),
-            turns=[AssistantTurn(start=t // 4, version=0, finish_reason="stop",
-                                 logprobs_f32=arrays.pack_logprobs([-0.5 - 1e-4 * k for k in range(t - t // 4)]))],
+            token_ids_i32=arrays.pack_ids(ids),
+            loss_mask_u8=arrays.pack_mask([0] * (t // 4) + [1] * (t - t // 4)),
+            turns=[
+                AssistantTurn(
+                    start=t // 4,
+                    version=0,
+                    finish_reason="stop",
+                    logprobs_f32=arrays.pack_logprobs([-0.5 - 1e-4 * k for k in range(t - t // 4)]),
+                )
+            ],
         )
-        return Scored(traj_id=traj.traj_id, task_id=traj.task_id, sample=i, run="r", metrics={"bleu": 0.5},
-                      weights={"bleu": 1.0}, total=0.5, trajectory=traj, document="d" * (t * 2))
+        return Scored(
+            traj_id=traj.traj_id,
+            task_id=traj.task_id,
+            sample=i,
+            run="r",
+            metrics={"bleu": 0.5},
+            weights={"bleu": 1.0},
+            total=0.5,
+            trajectory=traj,
+            document="d" * (t * 2),
+        )
 
     ledger = ckpt.Ledger(work / "ledger")
     groups, rows = [], []
     for g in range(args.groups):
-        groups.append(ckpt.GroupState(task_id=f"r-g{g:06d}", first_seen=float(g), samples=[sample(g, i) for i in range(args.n)]))
+        groups.append(
+            ckpt.GroupState(task_id=f"r-g{g:06d}", first_seen=float(g), samples=[sample(g, i) for i in range(args.n)])
+        )
         state = ckpt.LearnerState(step=0, groups=groups)
         before = ledger.bytes_written
         ledger.write(state)
         rows.append((ledger.bytes_written - before, len(msgspec.msgpack.encode(state))))
     ledger.close()
     new, full = zip(*rows)
-    res = {"groups": args.groups, "n": args.n, "tokens": args.tokens, "sample_bytes": len(msgspec.msgpack.encode(sample(0, 0))),
-           "last_write_bytes": new[-1], "last_full_rewrite_bytes": full[-1], "total_bytes": sum(new),
-           "total_full_rewrite_bytes": sum(full)}
-    print(f"ledger: {args.groups} groups x {args.n} samples x {args.tokens} tokens ({res['sample_bytes'] / 1e3:.0f} kB "
-          f"a sample): last write {new[-1] / 1e6:.2f} MB (full rewrite {full[-1] / 1e6:.1f} MB); "
-          f"{args.groups} writes {sum(new) / 1e6:.1f} MB (full rewrite {sum(full) / 1e6:.0f} MB)", flush=True)
+    res = {
+        "groups": args.groups,
+        "n": args.n,
+        "tokens": args.tokens,
+        "sample_bytes": len(msgspec.msgpack.encode(sample(0, 0))),
+        "last_write_bytes": new[-1],
+        "last_full_rewrite_bytes": full[-1],
+        "total_bytes": sum(new),
+        "total_full_rewrite_bytes": sum(full),
+    }
+    print(
+        f"ledger: {args.groups} groups x {args.n} samples x {args.tokens} tokens ({res['sample_bytes'] / 1e3:.0f} kB "
+        f"a sample): last write {new[-1] / 1e6:.2f} MB (full rewrite {full[-1] / 1e6:.1f} MB); "
+        f"{args.groups} writes {sum(new) / 1e6:.1f} MB (full rewrite {sum(full) / 1e6:.0f} MB)",
+        flush=True,
+    )
     return res
 
 

@@ -29,8 +29,14 @@ def stats(d) -> dict:
     q = torch.quantile(a, torch.tensor([0.5, 0.9, 0.99, 0.999], dtype=torch.float64))
     ratio = torch.exp(d)
     return {
-        "tokens": int(d.numel()), "mean": float(d.mean()), "std": float(d.std()), "mean_abs": float(a.mean()),
-        "p50_abs": float(q[0]), "p90_abs": float(q[1]), "p99_abs": float(q[2]), "p999_abs": float(q[3]),
+        "tokens": int(d.numel()),
+        "mean": float(d.mean()),
+        "std": float(d.std()),
+        "mean_abs": float(a.mean()),
+        "p50_abs": float(q[0]),
+        "p90_abs": float(q[1]),
+        "p99_abs": float(q[2]),
+        "p999_abs": float(q[3]),
         "max_abs": float(a.max()),
         # the PPO ratio at the behaviour policy itself: how often bf16 noise alone leaves [1-0.2, 1+0.28]
         "ratio_outside_clip": float(((ratio < 0.8) | (ratio > 1.28)).double().mean()),
@@ -41,14 +47,22 @@ def stats(d) -> dict:
 async def sample(args, prompts):
     from parley.engines.engine import EngineSettings, PolicyEngine
 
-    settings = EngineSettings(model=args.model, dtype="bfloat16", max_model_len=args.plen + args.tokens + 8,
-                              kv_cache_bytes=None, gpu_memory_utilization=args.gpu_mem, enforce_eager=args.eager,
-                              json_compact=False)
+    settings = EngineSettings(
+        model=args.model,
+        dtype="bfloat16",
+        max_model_len=args.plen + args.tokens + 8,
+        kv_cache_bytes=None,
+        gpu_memory_utilization=args.gpu_mem,
+        enforce_eager=args.eager,
+        json_compact=False,
+    )
     t0 = time.perf_counter()
     engine = PolicyEngine(settings)
     start = time.perf_counter() - t0
     try:
-        outs = await asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i) for i, p in enumerate(prompts)])
+        outs = await asyncio.gather(
+            *[engine.generate(p, max_tokens=args.tokens, seed=i) for i, p in enumerate(prompts)]
+        )
     finally:
         engine.shutdown()
     return outs, start
@@ -91,11 +105,16 @@ def main(args) -> dict:
     behaviour = torch.tensor([lp for o in outs for lp in o.logprobs], dtype=torch.float64)
     samples = []
     for i, (p, o) in enumerate(zip(prompts, outs)):
-        n = len(p) + len(o.token_ids)
         mask = [0] * len(p) + [1] * len(o.token_ids)
         samples.append(Sample(f"s{i}", p + list(o.token_ids), mask, [0.0] * len(p) + list(o.logprobs), 0.0))
-    result = {"model": args.model, "samples": len(samples), "engine_start_s": start, "eager": args.eager,
-              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
+    result = {
+        "model": args.model,
+        "samples": len(samples),
+        "engine_start_s": start,
+        "eager": args.eager,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+    }
     try:
         import vllm
 
@@ -120,13 +139,18 @@ def _slices(outs):
 
 
 def table(r: dict) -> str:
-    lines = ["| comparison | tokens | mean | std | mean abs | p50 abs | p90 abs | p99 abs | p99.9 abs | max abs | "
-             "ratio outside [0.8, 1.28] |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| comparison | tokens | mean | std | mean abs | p50 abs | p90 abs | p99 abs | p99.9 abs | max abs | "
+        "ratio outside [0.8, 1.28] |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for key in ("learner_bf16_vs_vllm", "learner_fp32_vs_vllm", "learner_bf16_vs_fp32"):
         s = r[key]
-        lines.append(f"| {key} | {s['tokens']} | {s['mean']:+.4f} | {s['std']:.4f} | {s['mean_abs']:.4f} | "
-                     f"{s['p50_abs']:.4f} | {s['p90_abs']:.4f} | {s['p99_abs']:.4f} | {s['p999_abs']:.4f} | "
-                     f"{s['max_abs']:.4f} | {100 * s['ratio_outside_clip']:.2f}% |")
+        lines.append(
+            f"| {key} | {s['tokens']} | {s['mean']:+.4f} | {s['std']:.4f} | {s['mean_abs']:.4f} | "
+            f"{s['p50_abs']:.4f} | {s['p90_abs']:.4f} | {s['p99_abs']:.4f} | {s['p999_abs']:.4f} | "
+            f"{s['max_abs']:.4f} | {100 * s['ratio_outside_clip']:.2f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -137,7 +161,9 @@ if __name__ == "__main__":
     p.add_argument("--n", type=int, default=64, help="sampled sequences")
     p.add_argument("--plen", type=int, default=128, help="prompt tokens")
     p.add_argument("--tokens", type=int, default=512, help="new tokens per sequence")
-    p.add_argument("--budget", type=int, default=8192, help="packed micro-batch tokens (the learner's micro_batch_tokens)")
+    p.add_argument(
+        "--budget", type=int, default=8192, help="packed micro-batch tokens (the learner's micro_batch_tokens)"
+    )
     p.add_argument("--gpu-mem", type=float, default=0.5)
     p.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs / torch.compile")
     p.add_argument("--json", default=None)

@@ -66,12 +66,26 @@ async def main(args) -> dict:
     gpu = args.transport == "cuda_ipc"
     if gpu and args.device != "cuda":
         raise SystemExit("--transport cuda_ipc needs --device cuda (the adapter stays in GPU memory)")
-    trainer = Trainer(LearnerConfig(zero_stage=2, lr=1e-3, kl_coef=0.0, micro_batch_tokens=4096,
-                                    lora=LoraSettings(enabled=True, rank=args.rank, alpha=2.0 * args.rank)), model,
-                      weights=CudaIpcWeights() if gpu else None)
-    settings = EngineSettings(model=str(model), max_model_len=1024, sampled_logprobs=True, max_lora_rank=args.rank,
-                              max_loras=2, dtype="float32" if args.device == "cpu" else "bfloat16",
-                              kv_cache_bytes=256 << 20)
+    trainer = Trainer(
+        LearnerConfig(
+            zero_stage=2,
+            lr=1e-3,
+            kl_coef=0.0,
+            micro_batch_tokens=4096,
+            lora=LoraSettings(enabled=True, rank=args.rank, alpha=2.0 * args.rank),
+        ),
+        model,
+        weights=CudaIpcWeights() if gpu else None,
+    )
+    settings = EngineSettings(
+        model=str(model),
+        max_model_len=1024,
+        sampled_logprobs=True,
+        max_lora_rank=args.rank,
+        max_loras=2,
+        dtype="float32" if args.device == "cpu" else "bfloat16",
+        kv_cache_bytes=256 << 20,
+    )
     engine = PolicyEngine(settings)
     follower = WeightFollower(js, run, engine, dest_root=work / "actor", base_dir=model)
     base = lora.base_identity(model)
@@ -80,8 +94,9 @@ async def main(args) -> dict:
     try:
         for version in range(1, args.versions + 1):
             ids = torch.randint(10, 1000, (256,), generator=gen).tolist()
-            trainer.train_step([Sample(f"s{i}", ids, [0] * 128 + [1] * 128, [-5.0] * 256, (-1.0) ** i)
-                                for i in range(4)])
+            trainer.train_step(
+                [Sample(f"s{i}", ids, [0] * 128 + [1] * 128, [-5.0] * 256, (-1.0) ** i) for i in range(4)]
+            )
             if gpu:
                 await asyncio.sleep(trainer.weights_writable_in())  # a buffer past its hold (none skipped)
                 torch.cuda.synchronize()
@@ -89,13 +104,15 @@ async def main(args) -> dict:
             if gpu:  # learner.publication.Weights._submit_gpu's path: pack, then announce
                 source, conf = trainer.pack_adapter(version)
                 t_packed = time.perf_counter()
-                wv = await lora.publish_adapter_gpu(js, run, version, version, source, base=base, rank=args.rank,
-                                                    adapter_config=conf)
+                wv = await lora.publish_adapter_gpu(
+                    js, run, version, version, source, base=base, rank=args.rank, adapter_config=conf
+                )
             else:
                 state, conf = trainer.adapter_snapshot()
                 wdir = lora.write_adapter(state, conf, work / "learner" / f"v{version}")
-                wv = await lora.publish_adapter(js, run, version, version, wdir, ObjstoreWeights(), base=base,
-                                                rank=args.rank)
+                wv = await lora.publish_adapter(
+                    js, run, version, version, wdir, ObjstoreWeights(), base=base, rank=args.rank
+                )
             t_pub = time.perf_counter()
             assert await follower.check(), follower.refused
             t_loaded = time.perf_counter()
@@ -103,15 +120,22 @@ async def main(args) -> dict:
             t_served = time.perf_counter()
             # added: vLLM holds the adapter in a LoRA slot, what "serving" means for whole weights
             # (bench/weight_path.py); serving: its first generated token
-            rows.append({"version": version, "adapter_bytes": wv.bytes, "publish_s": round(t_pub - t0, 4),
-                         # of publish_s under cuda_ipc: packing (fill and export), then announcing
-                         **({"pack_s": round(t_packed - t0, 4), "announce_s": round(t_pub - t_packed, 4)} if gpu else {}),
-                         "load_s": round(t_loaded - t_pub, 4), "step_end_to_added_s": round(t_loaded - t0, 4),
-                         "step_end_to_serving_s": round(t_served - t0, 4),
-                         # of publish_s under cuda_ipc: the multi-tensor copy, the checksum (IpcPublisher.fill_s)
-                         **({f"fill_{k}_s": round(v, 4) for k, v in trainer.sender.fill_s.items()} if gpu else {}),
-                         # fills so far that copied the adapter's span at once (weights.cuda_ipc.one_run)
-                         **({"fills_one_copy": trainer.sender.fills_one_copy} if gpu else {})})
+            rows.append(
+                {
+                    "version": version,
+                    "adapter_bytes": wv.bytes,
+                    "publish_s": round(t_pub - t0, 4),
+                    # of publish_s under cuda_ipc: packing (fill and export), then announcing
+                    **({"pack_s": round(t_packed - t0, 4), "announce_s": round(t_pub - t_packed, 4)} if gpu else {}),
+                    "load_s": round(t_loaded - t_pub, 4),
+                    "step_end_to_added_s": round(t_loaded - t0, 4),
+                    "step_end_to_serving_s": round(t_served - t0, 4),
+                    # of publish_s under cuda_ipc: the multi-tensor copy, the checksum (IpcPublisher.fill_s)
+                    **({f"fill_{k}_s": round(v, 4) for k, v in trainer.sender.fill_s.items()} if gpu else {}),
+                    # fills so far that copied the adapter's span at once (weights.cuda_ipc.one_run)
+                    **({"fills_one_copy": trainer.sender.fills_one_copy} if gpu else {}),
+                }
+            )
             print(f"[lora] {rows[-1]}", file=sys.stderr, flush=True)  # a run cut short keeps its lines
         check = None
         if gpu:
@@ -130,18 +154,29 @@ async def main(args) -> dict:
             def diff(a, b):
                 return max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) if a.token_ids == b.token_ids else None
 
-            check = {"tokens": len(files.token_ids), "files_vs_memory_max_abs_logprob_diff": diff(files, memory),
-                     "memory_again_vs_memory_max_abs_logprob_diff": diff(again, memory),
-                     "memory_again_vs_files_max_abs_logprob_diff": diff(again, files)}
+            check = {
+                "tokens": len(files.token_ids),
+                "files_vs_memory_max_abs_logprob_diff": diff(files, memory),
+                "memory_again_vs_memory_max_abs_logprob_diff": diff(again, memory),
+                "memory_again_vs_files_max_abs_logprob_diff": diff(again, files),
+            }
     finally:
         engine.shutdown()
         trainer.close()
         await nc.close()
         server.stop()
     steady = [r["step_end_to_serving_s"] for r in rows[1:]] or [rows[0]["step_end_to_serving_s"]]
-    return {"bench": "lora_step_end_to_serving", "model": args.model, "device": args.device, "rank": args.rank,
-            "transport": args.transport, "date": time.strftime("%Y-%m-%d"), "versions": rows, "check": check,
-            "median_step_end_to_serving_s": sorted(steady)[len(steady) // 2]}
+    return {
+        "bench": "lora_step_end_to_serving",
+        "model": args.model,
+        "device": args.device,
+        "rank": args.rank,
+        "transport": args.transport,
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": rows,
+        "check": check,
+        "median_step_end_to_serving_s": sorted(steady)[len(steady) // 2],
+    }
 
 
 if __name__ == "__main__":
@@ -149,8 +184,12 @@ if __name__ == "__main__":
     p.add_argument("--model", default="tiny", help="tiny | qwen3-4b (random weights, bench.common) | a model directory")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--transport", choices=("objstore", "cuda_ipc"), default="objstore",
-                   help="how each adapter version travels (cuda_ipc: in GPU memory, needs --device cuda)")
+    p.add_argument(
+        "--transport",
+        choices=("objstore", "cuda_ipc"),
+        default="objstore",
+        help="how each adapter version travels (cuda_ipc: in GPU memory, needs --device cuda)",
+    )
     p.add_argument("--versions", type=int, default=4)
     p.add_argument("--out", type=Path, help="also write the JSON here (vLLM logs to stdout as well)")
     args = p.parse_args()

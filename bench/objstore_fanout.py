@@ -74,7 +74,9 @@ async def _put(url: str, objects: dict[str, int], work: Path) -> None:
                 f.write(os.urandom(1 << 20))
             f.write(os.urandom(nbytes % (1 << 20)))
         with path.open("rb") as f:
-            await store.put(name, f, meta=api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=chunk_size(js))))
+            await store.put(
+                name, f, meta=api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=chunk_size(js)))
+            )
         path.unlink()
     await nc.close()
 
@@ -82,8 +84,12 @@ async def _put(url: str, objects: dict[str, int], work: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full-mb", type=float, default=256.0, help="size of the full-version object, MB (1e6 bytes)")
-    p.add_argument("--delta-mb", type=float, default=1.5,
-                   help="size of the delta object, MB (SmolLM2 at lr 1e-6: 1.2-1.7 MB, bench/weight_delta.py)")
+    p.add_argument(
+        "--delta-mb",
+        type=float,
+        default=1.5,
+        help="size of the delta object, MB (SmolLM2 at lr 1e-6: 1.2-1.7 MB, bench/weight_delta.py)",
+    )
     p.add_argument("--readers", nargs="+", type=int, default=[1, 4, 16], help="concurrent reader processes per case")
     p.add_argument("--repeat", type=int, default=1, help="runs of each case (the median wall is kept)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -93,8 +99,13 @@ def main() -> None:
 
     objects = {"full": int(args.full_mb * 1e6), "delta": int(args.delta_mb * 1e6)}
     others = subprocess.run(["ps", "-eo", "pcpu,comm", "--sort=-pcpu"], capture_output=True, text=True).stdout
-    result = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cpus=os.cpu_count(),
-                  loadavg_start=os.getloadavg(), top_processes_start=others.splitlines()[:8], cases=[])
+    result = dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        cpus=os.cpu_count(),
+        loadavg_start=os.getloadavg(),
+        top_processes_start=others.splitlines()[:8],
+        cases=[],
+    )
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="parley-fanout-") as tmp:
         work = Path(tmp)
@@ -121,17 +132,28 @@ def main() -> None:
                         wall = max(e for _, e, _, _ in got) - min(s for s, _, _, _ in got)
                         assert all(size == nbytes for *_, size in got), got
                         per = sorted(nbytes / dt / 1e6 for _, _, dt, _ in got)
-                        runs.append(dict(readers=n, wall_s=wall, aggregate_mb_s=n * nbytes / wall / 1e6,
-                                         per_reader_mb_s_min=per[0], per_reader_mb_s_median=per[len(per) // 2],
-                                         per_reader_mb_s_max=per[-1], server_cpu_s=cpu1 - cpu0,
-                                         server_cpu_s_per_gb=(cpu1 - cpu0) / (n * nbytes / 1e9)))
+                        runs.append(
+                            dict(
+                                readers=n,
+                                wall_s=wall,
+                                aggregate_mb_s=n * nbytes / wall / 1e6,
+                                per_reader_mb_s_min=per[0],
+                                per_reader_mb_s_median=per[len(per) // 2],
+                                per_reader_mb_s_max=per[-1],
+                                server_cpu_s=cpu1 - cpu0,
+                                server_cpu_s_per_gb=(cpu1 - cpu0) / (n * nbytes / 1e9),
+                            )
+                        )
                     runs.sort(key=lambda r: r["wall_s"])
                     case = dict(object=name, bytes=nbytes, **runs[len(runs) // 2])
                     result["cases"].append(case)
-                    print(f"{name} {nbytes / 1e6:.1f} MB x {n:2d} readers: wall {case['wall_s']:.2f}s, aggregate "
-                          f"{case['aggregate_mb_s']:.0f} MB/s, per reader {case['per_reader_mb_s_median']:.0f} MB/s "
-                          f"(min {case['per_reader_mb_s_min']:.0f}), server CPU {case['server_cpu_s']:.2f}s "
-                          f"({case['server_cpu_s_per_gb']:.2f} s/GB)", file=sys.stderr)
+                    print(
+                        f"{name} {nbytes / 1e6:.1f} MB x {n:2d} readers: wall {case['wall_s']:.2f}s, aggregate "
+                        f"{case['aggregate_mb_s']:.0f} MB/s, per reader {case['per_reader_mb_s_median']:.0f} MB/s "
+                        f"(min {case['per_reader_mb_s_min']:.0f}), server CPU {case['server_cpu_s']:.2f}s "
+                        f"({case['server_cpu_s_per_gb']:.2f} s/GB)",
+                        file=sys.stderr,
+                    )
         finally:
             server.stop()
     result["loadavg_end"] = os.getloadavg()

@@ -40,7 +40,9 @@ async def main(args) -> dict:
             nc = await connect(server.url, name="bench-put")
             js = nc.jetstream()
             run = "putbench"
-            await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=(args.mb << 20) * (2 * args.repeats + 1)))
+            await topology.ensure_topology(
+                js, run, topology.BusSettings(max_bytes=(args.mb << 20) * (2 * args.repeats + 1))
+            )
             src = work / "blob"
             src.write_bytes(os.urandom(args.mb << 20))
             store = await js.object_store(topology.object_bucket(run))
@@ -51,25 +53,39 @@ async def main(args) -> dict:
                     t = time.perf_counter()
                     if how.startswith("nats.py"):
                         with src.open("rb") as f:
-                            await store.put(f"a{i}", f, meta=api.ObjectMeta(
-                                name=f"a{i}", options=api.ObjectMetaOptions(max_chunk_size=size)))
+                            await store.put(
+                                f"a{i}",
+                                f,
+                                meta=api.ObjectMeta(name=f"a{i}", options=api.ObjectMetaOptions(max_chunk_size=size)),
+                            )
                     else:
                         await objstore._put_object(js, run, f"b{i}", src)
                     dt = time.perf_counter() - t
                     times[how].append(dt)
-                    print(f"[put] {how:30s} {args.mb} MB in {dt:.2f} s = {args.mb / dt:.0f} MB/s", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"[put] {how:30s} {args.mb} MB in {dt:.2f} s = {args.mb / dt:.0f} MB/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             t = time.perf_counter()
             await objstore._get_object(js, run, f"b{args.repeats - 1}", work / "out")
             read_s = time.perf_counter() - t
             await nc.close()
         finally:
             server.stop()
-    out = {"bench": "objstore_put", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mb": args.mb,
-           "chunk_bytes": size, "put_window": objstore.PUT_WINDOW, "cpus": os.cpu_count(),
-           "loadavg": os.getloadavg(), "seconds": times,
-           "median_mb_s": {k: round(args.mb / statistics.median(v), 1) for k, v in times.items()},
-           "read_back_s": read_s, "read_back_mb_s": round(args.mb / read_s, 1)}
+    out = {
+        "bench": "objstore_put",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "mb": args.mb,
+        "chunk_bytes": size,
+        "put_window": objstore.PUT_WINDOW,
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "seconds": times,
+        "median_mb_s": {k: round(args.mb / statistics.median(v), 1) for k, v in times.items()},
+        "read_back_s": read_s,
+        "read_back_mb_s": round(args.mb / read_s, 1),
+    }
     print(json.dumps(out, indent=1))
     return out
 

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/peer_compare.py`
     sys.path.insert(0, str(ROOT))
 from parley.learner.steplog import PHASES  # noqa: E402
+
 METRIC = "goal_match"
 GOAL = 1.5  # issue 26: parley at least 1.5x TRL's trained tokens/s at equal or better held-out reward
 # the learner's end-of-step line (learner.stepper) under runtime.process's log format
@@ -66,10 +67,16 @@ def steady(steps: list[dict]) -> dict:
     span = last["t"] - first["t"]
     tokens = sum(s["trained_tokens"] for s in steps[1:])
     signal = sum(s["signal_tokens"] for s in steps[1:])
-    return {"steps": len(steps), "first_step_end_s": round(first["t"], 2), "last_step_end_s": round(last["t"], 2),
-            "wall_s_per_step": round(span / (len(steps) - 1), 4), "trained_tokens_per_s": round(tokens / span, 1),
-            "signal_tokens_per_s": round(signal / span, 1), "trained_tokens": sum(s["trained_tokens"] for s in steps),
-            "trained_tokens_per_step": round(tokens / (len(steps) - 1), 1)}
+    return {
+        "steps": len(steps),
+        "first_step_end_s": round(first["t"], 2),
+        "last_step_end_s": round(last["t"], 2),
+        "wall_s_per_step": round(span / (len(steps) - 1), 4),
+        "trained_tokens_per_s": round(tokens / span, 1),
+        "signal_tokens_per_s": round(signal / span, 1),
+        "trained_tokens": sum(s["trained_tokens"] for s in steps),
+        "trained_tokens_per_step": round(tokens / (len(steps) - 1), 1),
+    }
 
 
 def latest(evals: list[dict], t: float, by: str = "t_result") -> dict | None:
@@ -84,9 +91,13 @@ def at_equal_wall_time(parley: list[dict], trl: list[dict], metric: str = METRIC
     rows = []
     for t in sorted({e["t_result"] for e in (*parley, *trl)}):
         p, q = latest(parley, t), latest(trl, t)
-        rows.append({"t_s": round(t, 1),
-                     "parley": None if p is None else {"version": p["version"], metric: p[metric]},
-                     "trl": None if q is None else {"version": q["version"], metric: q[metric]}})
+        rows.append(
+            {
+                "t_s": round(t, 1),
+                "parley": None if p is None else {"version": p["version"], metric: p[metric]},
+                "trl": None if q is None else {"version": q["version"], metric: q[metric]},
+            }
+        )
     return rows
 
 
@@ -126,8 +137,11 @@ def step_breakdown(metrics: list[dict], actor_lines: list[str]) -> dict:
     # conversations the actor stopped because the learner could no longer train their group
     # (rollout.conversation: at a turn boundary, or with the running generation or simulator call cut)
     how = Counter(m.group(1) for m in map(_STOPPED.search, actor_lines) if m)
-    out.update(conversations_stopped=how["stopped"], generations_cut=how["turn cut"],
-               simulator_calls_cut=how["simulator call cut"])
+    out.update(
+        conversations_stopped=how["stopped"],
+        generations_cut=how["turn cut"],
+        simulator_calls_cut=how["simulator call cut"],
+    )
     return out
 
 
@@ -155,7 +169,10 @@ def recorded_ends(metrics: dict[int, dict], launched: float) -> dict[int, float]
     return {s: m["ended_at"] + m.get("publish_s", 0.0) - launched for s, m in metrics.items() if "ended_at" in m}
 
 
-TIMED_BY = ("recorded", "log")  # parley's step ends: as its learner recorded them, or its log lines (before 2026-12-05 evening)
+TIMED_BY = (
+    "recorded",
+    "log",
+)  # parley's step ends: as its learner recorded them, or its log lines (before 2026-12-05 evening)
 
 
 def parley_side(out: Path, clock: dict, timed_by: str = "recorded") -> dict:
@@ -168,24 +185,45 @@ def parley_side(out: Path, clock: dict, timed_by: str = "recorded") -> dict:
     elif timed_by != "log":
         raise ValueError(f"timed_by {timed_by!r}: one of {', '.join(TIMED_BY)}")
     # parley trains no group of equal rewards (learner.grouper skips it before a step): every trained token carries signal
-    steps = [{"step": s, "t": times[s], "trained_tokens": metrics[s]["trained_tokens"],
-              "signal_tokens": metrics[s]["trained_tokens"]} for s in sorted(metrics) if s in times]
-    evals = [{**{k: e[k] for k in ("version", "step", "n", "seconds") if k in e}, METRIC: e[METRIC],
-              "t_result": e["created"] - clock["parley_start"], "t_version": times.get(e["version"], 0.0)}
-             for e in read_jsonl(out / "eval_history.jsonl")]
+    steps = [
+        {
+            "step": s,
+            "t": times[s],
+            "trained_tokens": metrics[s]["trained_tokens"],
+            "signal_tokens": metrics[s]["trained_tokens"],
+        }
+        for s in sorted(metrics)
+        if s in times
+    ]
+    evals = [
+        {
+            **{k: e[k] for k in ("version", "step", "n", "seconds") if k in e},
+            METRIC: e[METRIC],
+            "t_result": e["created"] - clock["parley_start"],
+            "t_version": times.get(e["version"], 0.0),
+        }
+        for e in read_jsonl(out / "eval_history.jsonl")
+    ]
     actor_log = out / "parley_actor.log"
     breakdown = step_breakdown(list(metrics.values()), actor_log.read_text().splitlines() if actor_log.exists() else [])
     up_log = out / "up_peer.log"
-    return {"steps": steps, "evals": evals, "total_s": clock["parley_end"] - clock["parley_start"], "breakdown": breakdown,
-            "startup": startup(up_log.read_text(errors="replace").splitlines() if up_log.exists() else [])}
+    return {
+        "steps": steps,
+        "evals": evals,
+        "total_s": clock["parley_end"] - clock["parley_start"],
+        "breakdown": breakdown,
+        "startup": startup(up_log.read_text(errors="replace").splitlines() if up_log.exists() else []),
+    }
 
 
 def at_equal_training_time(parley: dict, trl: dict, metric: str = METRIC) -> list[dict]:
     """at_equal_wall_time with each system's clock started at the end of its own step 1, so that
     start-up (engines, compile caches) is left out; reported beside the clock from launch."""
+
     def shifted(side):
         t1 = min(s["t"] for s in side["steps"])
         return [{**e, "t_result": e["t_result"] - t1} for e in side["evals"] if e["t_result"] >= t1]
+
     return at_equal_wall_time(shifted(parley), shifted(trl), metric)
 
 
@@ -199,15 +237,21 @@ def at_trls_last_version(parley: dict, trl: dict, metric: str = METRIC) -> dict:
     (PARLEY_STEPS), parley counts with the version it had trained by then."""
     t1 = {"parley": min(s["t"] for s in parley["steps"]), "trl": min(s["t"] for s in trl["steps"])}
     # version 0 (t_version 0, before any step) is in by any time
-    shifted = {k: [{**e, "t_version": e["t_version"] - t1[k]} for e in side["evals"]]
-               for k, side in (("parley", parley), ("trl", trl))}
+    shifted = {
+        k: [{**e, "t_version": e["t_version"] - t1[k]} for e in side["evals"]]
+        for k, side in (("parley", parley), ("trl", trl))
+    }
     if not shifted["trl"]:
         return {"t_s": None, "parley": None, "trl": None, "difference": None}
     t = max(e["t_version"] for e in shifted["trl"])
     p, q = latest(shifted["parley"], t, by="t_version"), latest(shifted["trl"], t, by="t_version")
     cell = lambda e: None if e is None else {"version": e["version"], metric: e[metric]}  # noqa: E731
-    return {"t_s": round(t, 1), "parley": cell(p), "trl": cell(q),
-            "difference": None if p is None else round(p[metric] - q[metric], 4)}
+    return {
+        "t_s": round(t, 1),
+        "parley": cell(p),
+        "trl": cell(q),
+        "difference": None if p is None else round(p[metric] - q[metric], 4),
+    }
 
 
 def signal_tokens(step: dict, n: int) -> float:
@@ -219,11 +263,27 @@ def signal_tokens(step: dict, n: int) -> float:
 
 def trl_side(peer: dict, launched: float) -> dict:
     n = peer["recipe"]["n"]
-    steps = [{"step": s["step"], "t": s["t_end"] - launched, "trained_tokens": s["trained_tokens"],
-              "signal_tokens": signal_tokens(s, n)} for s in peer["steps"]]
+    steps = [
+        {
+            "step": s["step"],
+            "t": s["t_end"] - launched,
+            "trained_tokens": s["trained_tokens"],
+            "signal_tokens": signal_tokens(s, n),
+        }
+        for s in peer["steps"]
+    ]
     ends = {s["step"]: s["t"] for s in steps}
-    evals = [{"version": e["version"], "n": e["n"], "seconds": e["seconds"], METRIC: e[METRIC],
-              "t_result": e["t_end"] - launched, "t_version": ends.get(e["version"], 0.0)} for e in peer["evals"]]
+    evals = [
+        {
+            "version": e["version"],
+            "n": e["n"],
+            "seconds": e["seconds"],
+            METRIC: e[METRIC],
+            "t_result": e["t_end"] - launched,
+            "t_version": ends.get(e["version"], 0.0),
+        }
+        for e in peer["evals"]
+    ]
     # TRL evaluates version k right after step k, before step k + 1: inside the steady state for k >= 1
     # up to the last step but one
     numbers = [s["step"] for s in steps]
@@ -242,19 +302,29 @@ def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") 
     peer = json.loads((trl_dir / "peer_trl.json").read_text())
     trl_clock = json.loads((trl_dir / "p_clock.json").read_text())
     if trl_out is not None and trl_clock.get("seed", 0) != clock.get("seed", 0):
-        raise ValueError(f"{out} ran seed {clock.get('seed', 0)} but its TRL side {trl_out} ran seed "
-                         f"{trl_clock.get('seed', 0)}: pair each parley call with TRL's call at the same SEED")
+        raise ValueError(
+            f"{out} ran seed {clock.get('seed', 0)} but its TRL side {trl_out} ran seed "
+            f"{trl_clock.get('seed', 0)}: pair each parley call with TRL's call at the same SEED"
+        )
     parley, trl = parley_side(out, clock, timed_by), trl_side(peer, trl_clock["trl_start"])
     ps, ts = steady(parley["steps"]), steady(trl["steps"])
     # TRL's eval runs between its steps; without it its steady state would be this much shorter
     ts["wall_s_per_step_without_eval"] = round(
-        (ts["last_step_end_s"] - ts["first_step_end_s"] - trl["inline_eval_s"]) / (ts["steps"] - 1), 4)
+        (ts["last_step_end_s"] - ts["first_step_end_s"] - trl["inline_eval_s"]) / (ts["steps"] - 1), 4
+    )
     both_end = min(parley["total_s"], trl["total_s"])
     p_end, t_end = latest(parley["evals"], both_end), latest(trl["evals"], both_end)
     return {
-        "recipe": peer["recipe"], "versions": peer.get("versions", {}), "device": peer.get("device", ""),
+        "recipe": peer["recipe"],
+        "versions": peer.get("versions", {}),
+        "device": peer.get("device", ""),
         "parley": {**ps, "total_s": round(parley["total_s"], 1), "evals": parley["evals"]},
-        "trl": {**ts, "total_s": round(trl["total_s"], 1), "inline_eval_s": trl["inline_eval_s"], "evals": trl["evals"]},
+        "trl": {
+            **ts,
+            "total_s": round(trl["total_s"], 1),
+            "inline_eval_s": trl["inline_eval_s"],
+            "evals": trl["evals"],
+        },
         "speedup_trained_tokens_per_s": round(ps["trained_tokens_per_s"] / ts["trained_tokens_per_s"], 3),
         "speedup_signal_tokens_per_s": round(ps["signal_tokens_per_s"] / ts["signal_tokens_per_s"], 3),
         # the same batch a step (one group of n conversations) on both sides: the tokens/s ratio is this
@@ -264,19 +334,27 @@ def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") 
         # parley's eval runs beside its steps on an engine of its own; TRL's between its steps: the
         # ratio against TRL's steps alone is the lower bound, what a TRL user evaluating elsewhere would see
         "speedup_trained_tokens_per_s_without_trls_eval": round(
-            ps["trained_tokens_per_s"] * ts["wall_s_per_step_without_eval"] / ts["trained_tokens_per_step"], 3),
-        "runs": {"parley_launched": clock.get("parley_start_local", ""), "seed": clock.get("seed", 0), "parley_timed_by": timed_by,
-                 "parley_sets": clock.get("parley_sets", ""),
-                 "trl_launched_unix": trl_clock["trl_start"], "same_call": trl_out is None},
+            ps["trained_tokens_per_s"] * ts["wall_s_per_step_without_eval"] / ts["trained_tokens_per_step"], 3
+        ),
+        "runs": {
+            "parley_launched": clock.get("parley_start_local", ""),
+            "seed": clock.get("seed", 0),
+            "parley_timed_by": timed_by,
+            "parley_sets": clock.get("parley_sets", ""),
+            "trl_launched_unix": trl_clock["trl_start"],
+            "same_call": trl_out is None,
+        },
         "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}",
         "at_equal_wall_time": at_equal_wall_time(parley["evals"], trl["evals"]),
         "at_equal_training_time": at_equal_training_time(parley, trl),
         "at_trls_last_version": at_trls_last_version(parley, trl),
         "parley_breakdown": parley["breakdown"],
         "parley_startup": parley["startup"],
-        "at_the_shorter_run_s": {"t_s": round(both_end, 1),
-                                 "parley": None if p_end is None else {"version": p_end["version"], METRIC: p_end[METRIC]},
-                                 "trl": None if t_end is None else {"version": t_end["version"], METRIC: t_end[METRIC]}},
+        "at_the_shorter_run_s": {
+            "t_s": round(both_end, 1),
+            "parley": None if p_end is None else {"version": p_end["version"], METRIC: p_end[METRIC]},
+            "trl": None if t_end is None else {"version": t_end["version"], METRIC: t_end[METRIC]},
+        },
         "settings": parley_settings(peer["settings"], clock, peer["recipe"].get("behaviour_correction")),
     }
 
@@ -303,11 +381,23 @@ def parley_settings(rows: list[dict], clock: dict, recipe_correction: str | None
     if mode and mode != recipe_correction:  # the recipe's rows name the correction both were given
         rows = _parley_correction(rows, mode, sets)
     if clock.get("parley_sets"):
-        rows.append({"setting": "parley only (PARLEY_SETS, not in TRL's run)", "parley": clock["parley_sets"],
-                     "trl": "-", "same": "no"})
+        rows.append(
+            {
+                "setting": "parley only (PARLEY_SETS, not in TRL's run)",
+                "parley": clock["parley_sets"],
+                "trl": "-",
+                "same": "no",
+            }
+        )
     if clock.get("parley_steps") not in (None, clock.get("trl_steps")):  # PARLEY_STEPS: for equal wall time
-        rows.append({"setting": "steps (PARLEY_STEPS)", "parley": str(clock["parley_steps"]),
-                     "trl": str(clock.get("trl_steps")), "same": "no"})
+        rows.append(
+            {
+                "setting": "steps (PARLEY_STEPS)",
+                "parley": str(clock["parley_steps"]),
+                "trl": str(clock.get("trl_steps")),
+                "same": "no",
+            }
+        )
     return rows
 
 
@@ -323,13 +413,18 @@ def _parley_correction(rows: list[dict], mode: str, sets: dict[str, str]) -> lis
     from bench import peer_trl
 
     keys = ("behaviour_correction", "clip_low", "clip_high", "dual_clip", "is_cap")  # what the two cells read
-    lc = peer_trl.load_recipe(None, [f"learner.{k}={sets[f'learner.{k}']}" for k in keys if f"learner.{k}" in sets]).learner
+    lc = peer_trl.load_recipe(
+        None, [f"learner.{k}={sets[f'learner.{k}']}" for k in keys if f"learner.{k}" in sets]
+    ).learner
     cells = dict(zip(("clip range", "behaviour mismatch"), peer_trl.parley_correction(lc)))
     out = []
     for r in rows:
         if r["setting"] in cells:
-            r = {**r, "parley": f"{cells[r['setting']]} (PARLEY_SETS: behaviour_correction = {mode})",
-                 "same": "no: parley ran another behaviour correction (PARLEY_SETS)"}
+            r = {
+                **r,
+                "parley": f"{cells[r['setting']]} (PARLEY_SETS: behaviour_correction = {mode})",
+                "same": "no: parley ran another behaviour correction (PARLEY_SETS)",
+            }
         out.append(r)
     return out
 
@@ -342,14 +437,17 @@ def _at_trls_end_line(a: dict) -> str:
     if a["t_s"] is None:
         return f"held-out {METRIC} at equal training time: TRL recorded no held-out result"
     diff = "-" if a["difference"] is None else f"{a['difference']:+.3f}"
-    return (f"held-out {METRIC} at equal training time, {a['t_s']:.1f} s after each one's step 1 (the end of TRL's "
-            f"last evaluated step): parley {_cell(a['parley'])}, TRL {_cell(a['trl'])}, parley - TRL {diff}")
+    return (
+        f"held-out {METRIC} at equal training time, {a['t_s']:.1f} s after each one's step 1 (the end of TRL's "
+        f"last evaluated step): parley {_cell(a['parley'])}, TRL {_cell(a['trl'])}, parley - TRL {diff}"
+    )
 
 
 def render(res: dict) -> str:
     p, t = res["parley"], res["trl"]
     lines = [
-        "| | parley | TRL |", "|---|---|---|",
+        "| | parley | TRL |",
+        "|---|---|---|",
         f"| trained tokens/s (steps 2..N) | {p['trained_tokens_per_s']:,.0f} | {t['trained_tokens_per_s']:,.0f} |",
         f"| trained tokens of groups with differing rewards /s | {p['signal_tokens_per_s']:,.0f} | "
         f"{t['signal_tokens_per_s']:,.0f} |",
@@ -369,20 +467,30 @@ def render(res: dict) -> str:
         f"({res['speedup_steps_per_s_without_trls_eval']:.2f}x against TRL's steps without its inline eval); "
         "the tokens/s ratio is this times the ratio of trained tokens a step, which each policy's replies set",
         "",
-        f"| s since launch | parley {METRIC} | TRL {METRIC} |", "|---|---|---|",
+        f"| s since launch | parley {METRIC} | TRL {METRIC} |",
+        "|---|---|---|",
         *(f"| {r['t_s']:.1f} | {_cell(r['parley'])} | {_cell(r['trl'])} |" for r in res["at_equal_wall_time"]),
         "",
-        f"| s since each one's step 1 ended | parley {METRIC} | TRL {METRIC} |", "|---|---|---|",
+        f"| s since each one's step 1 ended | parley {METRIC} | TRL {METRIC} |",
+        "|---|---|---|",
         *(f"| {r['t_s']:.1f} | {_cell(r['parley'])} | {_cell(r['trl'])} |" for r in res["at_equal_training_time"]),
         "",
         *([_at_trls_end_line(res["at_trls_last_version"]), ""] if res.get("at_trls_last_version") else []),
         "parley's steps 2..N (medians): " + ", ".join(f"{k} {v}" for k, v in res["parley_breakdown"].items()),
         "",
-        *(["parley's roles ready, s from their launch: "
-           + ", ".join(f"{k} {v}" for k, v in res["parley_startup"].get("roles_ready_s", {}).items())
-           + f"; all {res['parley_startup'].get('all_ready_s', '-')} (step 1 ended {p['first_step_end_s']:.1f} s "
-           "after parley's launch)", ""] if res.get("parley_startup") else []),
-        "| setting | parley | TRL | same |", "|---|---|---|---|",
+        *(
+            [
+                "parley's roles ready, s from their launch: "
+                + ", ".join(f"{k} {v}" for k, v in res["parley_startup"].get("roles_ready_s", {}).items())
+                + f"; all {res['parley_startup'].get('all_ready_s', '-')} (step 1 ended {p['first_step_end_s']:.1f} s "
+                "after parley's launch)",
+                "",
+            ]
+            if res.get("parley_startup")
+            else []
+        ),
+        "| setting | parley | TRL | same |",
+        "|---|---|---|---|",
         *(f"| {r['setting']} | {r['parley']} | {r['trl']} | {r['same']} |" for r in res["settings"]),
     ]
     return "\n".join(lines)
@@ -400,80 +508,117 @@ def over_seeds(outs: list[Path | tuple[Path, Path]], timed_by: str = "recorded")
         out, trl_out = item if isinstance(item, tuple) else (item, None)
         res = compare(out, trl_out, timed_by)
         p_last, t_last = res["parley"]["evals"][-1], res["trl"]["evals"][-1]
-        rows.append({"out": str(out), "trl_out": str(trl_out or out), "same_call": res["runs"]["same_call"],
-                     "seed": res["runs"]["seed"], "parley_sets": res["runs"]["parley_sets"],
-                     "ratio": res["speedup_trained_tokens_per_s"], "signal_ratio": res["speedup_signal_tokens_per_s"],
-                     "ratio_without_trls_eval": res["speedup_trained_tokens_per_s_without_trls_eval"],
-                     "parley_s_per_step": res["parley"]["wall_s_per_step"], "trl_s_per_step": res["trl"]["wall_s_per_step"],
-                     "steps_ratio": res["speedup_steps_per_s"],
-                     "steps_ratio_without_trls_eval": res["speedup_steps_per_s_without_trls_eval"],
-                     "parley_tokens_per_step": res["parley"]["trained_tokens_per_step"],
-                     "trl_tokens_per_step": res["trl"]["trained_tokens_per_step"],
-                     "parley_last": {"version": p_last["version"], METRIC: p_last[METRIC]},
-                     "trl_last": {"version": t_last["version"], METRIC: t_last[METRIC]},
-                     "difference": round(p_last[METRIC] - t_last[METRIC], 4),
-                     "at_trls_end": res["at_trls_last_version"]})
+        rows.append(
+            {
+                "out": str(out),
+                "trl_out": str(trl_out or out),
+                "same_call": res["runs"]["same_call"],
+                "seed": res["runs"]["seed"],
+                "parley_sets": res["runs"]["parley_sets"],
+                "ratio": res["speedup_trained_tokens_per_s"],
+                "signal_ratio": res["speedup_signal_tokens_per_s"],
+                "ratio_without_trls_eval": res["speedup_trained_tokens_per_s_without_trls_eval"],
+                "parley_s_per_step": res["parley"]["wall_s_per_step"],
+                "trl_s_per_step": res["trl"]["wall_s_per_step"],
+                "steps_ratio": res["speedup_steps_per_s"],
+                "steps_ratio_without_trls_eval": res["speedup_steps_per_s_without_trls_eval"],
+                "parley_tokens_per_step": res["parley"]["trained_tokens_per_step"],
+                "trl_tokens_per_step": res["trl"]["trained_tokens_per_step"],
+                "parley_last": {"version": p_last["version"], METRIC: p_last[METRIC]},
+                "trl_last": {"version": t_last["version"], METRIC: t_last[METRIC]},
+                "difference": round(p_last[METRIC] - t_last[METRIC], 4),
+                "at_trls_end": res["at_trls_last_version"],
+            }
+        )
     mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
     # at equal training time: the calls where parley had trained an evaluated version by TRL's last one
     at_end = [r["at_trls_end"] for r in rows if r["at_trls_end"]["difference"] is not None]
-    means = {"ratio": mean([r["ratio"] for r in rows]), "signal_ratio": mean([r["signal_ratio"] for r in rows]),
-             "ratio_without_trls_eval": mean([r["ratio_without_trls_eval"] for r in rows]),
-             "steps_ratio": mean([r["steps_ratio"] for r in rows]),
-             "steps_ratio_without_trls_eval": mean([r["steps_ratio_without_trls_eval"] for r in rows]),
-             "parley_last": mean([r["parley_last"][METRIC] for r in rows]),
-             "trl_last": mean([r["trl_last"][METRIC] for r in rows]),
-             "difference": mean([r["difference"] for r in rows]),
-             "parley_at_trls_end": mean([a["parley"][METRIC] for a in at_end]),
-             "trl_at_trls_end": mean([a["trl"][METRIC] for a in at_end]),
-             "difference_at_trls_end": mean([a["difference"] for a in at_end]),
-             "calls_at_trls_end": len(at_end)}
-    return {"calls": rows, "means": means, "seeds": sorted({r["seed"] for r in rows}), "parley_timed_by": timed_by,
-            # the same settings in another order are the same run
-            "parley_sets": sorted({" ".join(f"{k}={v}" for k, v in sorted(parley_sets(r["parley_sets"]).items()))
-                                   for r in rows}),
-            "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}, by the means over seeds",
-            "goal_met_by_the_means": means["ratio"] >= GOAL and means["difference"] >= 0,
-            # the issue's own terms: the held-out reward at equal wall time (each one's training time, read at
-            # the end of TRL's last evaluated step), in every call
-            "goal_met_at_equal_training_time": (means["ratio"] >= GOAL and len(at_end) == len(rows)
-                                                and means["difference_at_trls_end"] >= 0)}
+    means = {
+        "ratio": mean([r["ratio"] for r in rows]),
+        "signal_ratio": mean([r["signal_ratio"] for r in rows]),
+        "ratio_without_trls_eval": mean([r["ratio_without_trls_eval"] for r in rows]),
+        "steps_ratio": mean([r["steps_ratio"] for r in rows]),
+        "steps_ratio_without_trls_eval": mean([r["steps_ratio_without_trls_eval"] for r in rows]),
+        "parley_last": mean([r["parley_last"][METRIC] for r in rows]),
+        "trl_last": mean([r["trl_last"][METRIC] for r in rows]),
+        "difference": mean([r["difference"] for r in rows]),
+        "parley_at_trls_end": mean([a["parley"][METRIC] for a in at_end]),
+        "trl_at_trls_end": mean([a["trl"][METRIC] for a in at_end]),
+        "difference_at_trls_end": mean([a["difference"] for a in at_end]),
+        "calls_at_trls_end": len(at_end),
+    }
+    return {
+        "calls": rows,
+        "means": means,
+        "seeds": sorted({r["seed"] for r in rows}),
+        "parley_timed_by": timed_by,
+        # the same settings in another order are the same run
+        "parley_sets": sorted(
+            {" ".join(f"{k}={v}" for k, v in sorted(parley_sets(r["parley_sets"]).items())) for r in rows}
+        ),
+        "goal": f"parley >= {GOAL}x TRL's trained tokens/s at equal or better held-out {METRIC}, by the means over seeds",
+        "goal_met_by_the_means": means["ratio"] >= GOAL and means["difference"] >= 0,
+        # the issue's own terms: the held-out reward at equal wall time (each one's training time, read at
+        # the end of TRL's last evaluated step), in every call
+        "goal_met_at_equal_training_time": (
+            means["ratio"] >= GOAL and len(at_end) == len(rows) and means["difference_at_trls_end"] >= 0
+        ),
+    }
 
 
 def render_seeds(res: dict) -> str:
-    lines = [f"| seed | parley / TRL trained tokens/s (groups with differing rewards; TRL without its eval) | "
-             "s/step parley / TRL | steps/s ratio (TRL without its eval) | trained tokens a step parley / TRL | "
-             f"held-out {METRIC}, last: parley | TRL | parley - TRL |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| seed | parley / TRL trained tokens/s (groups with differing rewards; TRL without its eval) | "
+        "s/step parley / TRL | steps/s ratio (TRL without its eval) | trained tokens a step parley / TRL | "
+        f"held-out {METRIC}, last: parley | TRL | parley - TRL |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["calls"]:
-        lines.append(f"| {r['seed']} | {r['ratio']:.2f}x ({r['signal_ratio']:.2f}x; {r['ratio_without_trls_eval']:.2f}x) | "
-                     f"{r['parley_s_per_step']:.3f} / "
-                     f"{r['trl_s_per_step']:.3f} | {r['steps_ratio']:.2f}x ({r['steps_ratio_without_trls_eval']:.2f}x) | "
-                     f"{r['parley_tokens_per_step']:,.0f} / {r['trl_tokens_per_step']:,.0f} | "
-                     f"{_cell(r['parley_last'])} | {_cell(r['trl_last'])} | {r['difference']:+.3f} |")
+        lines.append(
+            f"| {r['seed']} | {r['ratio']:.2f}x ({r['signal_ratio']:.2f}x; {r['ratio_without_trls_eval']:.2f}x) | "
+            f"{r['parley_s_per_step']:.3f} / "
+            f"{r['trl_s_per_step']:.3f} | {r['steps_ratio']:.2f}x ({r['steps_ratio_without_trls_eval']:.2f}x) | "
+            f"{r['parley_tokens_per_step']:,.0f} / {r['trl_tokens_per_step']:,.0f} | "
+            f"{_cell(r['parley_last'])} | {_cell(r['trl_last'])} | {r['difference']:+.3f} |"
+        )
     m = res["means"]
-    lines += ["", f"means over {len(res['calls'])} calls: {m['ratio']:.2f}x ({m['signal_ratio']:.2f}x; "
-              f"{m['ratio_without_trls_eval']:.2f}x against TRL without its eval) trained tokens/s, "
-              f"{m['steps_ratio']:.2f}x ({m['steps_ratio_without_trls_eval']:.2f}x) steps/s, held-out "
-              f"{METRIC} {m['parley_last']:.3f} against {m['trl_last']:.3f} (paired difference {m['difference']:+.3f}); "
-              f"goal met by the means: {res['goal_met_by_the_means']}"]
+    lines += [
+        "",
+        f"means over {len(res['calls'])} calls: {m['ratio']:.2f}x ({m['signal_ratio']:.2f}x; "
+        f"{m['ratio_without_trls_eval']:.2f}x against TRL without its eval) trained tokens/s, "
+        f"{m['steps_ratio']:.2f}x ({m['steps_ratio_without_trls_eval']:.2f}x) steps/s, held-out "
+        f"{METRIC} {m['parley_last']:.3f} against {m['trl_last']:.3f} (paired difference {m['difference']:+.3f}); "
+        f"goal met by the means: {res['goal_met_by_the_means']}",
+    ]
     if m.get("calls_at_trls_end") is not None:
         lines.append(
             f"at equal training time (each call read at the end of TRL's last evaluated step, counted from each "
             f"one's step 1, with the latest evaluated version each had trained by then; "
             f"{m['calls_at_trls_end']} of {len(res['calls'])} calls with a parley version by then): "
-            + ("no call" if not m["calls_at_trls_end"] else
-               f"{METRIC} {m['parley_at_trls_end']:.3f} against {m['trl_at_trls_end']:.3f} "
-               f"(paired difference {m['difference_at_trls_end']:+.3f}); per call "
-               + ", ".join(f"seed {r['seed']} {_cell(r['at_trls_end']['parley'])} / {_cell(r['at_trls_end']['trl'])}"
-                           for r in res["calls"]))
-            + f"; goal met at equal training time: {res['goal_met_at_equal_training_time']}")
+            + (
+                "no call"
+                if not m["calls_at_trls_end"]
+                else f"{METRIC} {m['parley_at_trls_end']:.3f} against {m['trl_at_trls_end']:.3f} "
+                f"(paired difference {m['difference_at_trls_end']:+.3f}); per call "
+                + ", ".join(
+                    f"seed {r['seed']} {_cell(r['at_trls_end']['parley'])} / {_cell(r['at_trls_end']['trl'])}"
+                    for r in res["calls"]
+                )
+            )
+            + f"; goal met at equal training time: {res['goal_met_at_equal_training_time']}"
+        )
     apart = [r for r in res["calls"] if not r["same_call"]]
     if apart:
-        lines.append(f"note: TRL's side of seed(s) {', '.join(str(r['seed']) for r in apart)} comes from another call "
-                     "(parley ran alone): its held-out results are TRL's at that seed on that kind of GPU, "
-                     "its ratio carries the machine's noise between calls")
+        lines.append(
+            f"note: TRL's side of seed(s) {', '.join(str(r['seed']) for r in apart)} comes from another call "
+            "(parley ran alone): its held-out results are TRL's at that seed on that kind of GPU, "
+            "its ratio carries the machine's noise between calls"
+        )
     if len(res["parley_sets"]) > 1:
-        lines.append("note: the calls ran different parley settings (PARLEY_SETS): "
-                     + " | ".join(repr(x) for x in res["parley_sets"]))
+        lines.append(
+            "note: the calls ran different parley settings (PARLEY_SETS): "
+            + " | ".join(repr(x) for x in res["parley_sets"])
+        )
     return "\n".join(lines)
 
 
@@ -481,18 +626,34 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", type=Path, help="the folder bench/gpu_run.sh P wrote")
-    where.add_argument("--over", nargs="+", metavar="OUT",
-                       help="several such folders, one command at several seeds: a table and the means over them; "
-                            "OUT=TRL_OUT takes TRL's side from another call at the same seed (parley ran alone: TRL=0)")
-    p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "peer_trl_h200.json",
-                   help="where the comparison goes (default for --out: %(default)s; --over writes only where told)")
+    where.add_argument(
+        "--over",
+        nargs="+",
+        metavar="OUT",
+        help="several such folders, one command at several seeds: a table and the means over them; "
+        "OUT=TRL_OUT takes TRL's side from another call at the same seed (parley ran alone: TRL=0)",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=ROOT / "bench" / "results" / "peer_trl_h200.json",
+        help="where the comparison goes (default for --out: %(default)s; --over writes only where told)",
+    )
     p.add_argument("--date", default="", help="the date of the run, recorded in the JSON")
-    p.add_argument("--trl-out", type=Path, default=None,
-                   help="take TRL's side (peer_trl.json, p_clock.json) from this folder of another part P call")
-    p.add_argument("--timed-by", choices=TIMED_BY, default="recorded",
-                   help="parley's step ends: as its learner recorded them in metrics.jsonl (ended_at + publish_s; "
-                        "default), or its log lines, which come after the last step's checkpoint (how this "
-                        "script timed parley before 2026-12-05 evening, for the old figures)")
+    p.add_argument(
+        "--trl-out",
+        type=Path,
+        default=None,
+        help="take TRL's side (peer_trl.json, p_clock.json) from this folder of another part P call",
+    )
+    p.add_argument(
+        "--timed-by",
+        choices=TIMED_BY,
+        default="recorded",
+        help="parley's step ends: as its learner recorded them in metrics.jsonl (ended_at + publish_s; "
+        "default), or its log lines, which come after the last step's checkpoint (how this "
+        "script timed parley before 2026-12-05 evening, for the old figures)",
+    )
     args = p.parse_args(argv)
     if args.over:
         if args.trl_out:
@@ -515,7 +676,9 @@ def main(argv=None) -> int:
     if args.date:
         res = {"date": args.date, **res}
     print(render(res))
-    command = "bash bench/gpu_run.sh P; python bench/peer_compare.py --out OUT" + (" --trl-out OTHER_OUT" if args.trl_out else "")
+    command = "bash bench/gpu_run.sh P; python bench/peer_compare.py --out OUT" + (
+        " --trl-out OTHER_OUT" if args.trl_out else ""
+    )
     args.json.write_text(json.dumps({"command": command, **res}, indent=1) + "\n")
     print(f"wrote {args.json}")
     return 0

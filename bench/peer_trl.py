@@ -91,15 +91,24 @@ GPU_MEMORY_UTILIZATION = 0.1
 PEER_SETS = ['learner.behaviour_correction="truncated_is"', "learner.checkpoint_every=1000"]
 
 
-def load_recipe(config: str | Path | None, sets: list[str], *, env: str = DEFAULT_ENV, steps: int | None = None,
-                eval_every: int | None = None, model: str | None = None):
+def load_recipe(
+    config: str | Path | None,
+    sets: list[str],
+    *,
+    env: str = DEFAULT_ENV,
+    steps: int | None = None,
+    eval_every: int | None = None,
+    model: str | None = None,
+):
     """The run config both systems train under: `config` with the environment's preset, then `sets`
     (as `parley up --config FILE --env ENV --set ...` resolves them; here the preset is laid under
     `sets` even with a config, so that no --set gives the preset's recipe)."""
     from parley.config.run import load_config
     from parley.environments import registry
 
-    overrides = [f"env.name={json.dumps(env)}", *registry.load(env).preset, *PEER_SETS, *sets] if env else [*PEER_SETS, *sets]
+    overrides = (
+        [f"env.name={json.dumps(env)}", *registry.load(env).preset, *PEER_SETS, *sets] if env else [*PEER_SETS, *sets]
+    )
     if steps is not None:
         overrides.append(f"learner.steps={steps}")
     if eval_every is not None:
@@ -113,51 +122,92 @@ def recipe_dict(cfg) -> dict[str, Any]:
     """The values the comparison holds equal, for the output JSON."""
     lc, ro = cfg.learner, cfg.rollout
     return {
-        "env": cfg.env.name, "env_options": dict(cfg.env.options), "model": cfg.policy.model,
-        "eval_fraction": cfg.data.eval_fraction, "split_seed": cfg.data.split_seed,
-        "n": ro.n, "groups_per_step": lc.groups_per_step, "max_tokens": ro.max_tokens, "max_new_turns": ro.max_new_turns,
-        "temperature": cfg.actor.sampling.temperature, "top_p": cfg.actor.sampling.top_p,
-        "steps": lc.steps, "lr": lc.lr, "kl_coef": lc.kl_coef, "eval_every": lc.eval_every, "eval_items": lc.eval_items,
-        "max_model_len": cfg.actor.engine.max_model_len, "run_name": cfg.run.name, "feeder_seed": lc.seed,
+        "env": cfg.env.name,
+        "env_options": dict(cfg.env.options),
+        "model": cfg.policy.model,
+        "eval_fraction": cfg.data.eval_fraction,
+        "split_seed": cfg.data.split_seed,
+        "n": ro.n,
+        "groups_per_step": lc.groups_per_step,
+        "max_tokens": ro.max_tokens,
+        "max_new_turns": ro.max_new_turns,
+        "temperature": cfg.actor.sampling.temperature,
+        "top_p": cfg.actor.sampling.top_p,
+        "steps": lc.steps,
+        "lr": lc.lr,
+        "kl_coef": lc.kl_coef,
+        "eval_every": lc.eval_every,
+        "eval_items": lc.eval_items,
+        "max_model_len": cfg.actor.engine.max_model_len,
+        "run_name": cfg.run.name,
+        "feeder_seed": lc.seed,
         "reward_weights": dict(cfg.scorer.weights),
-        "behaviour_correction": lc.behaviour_correction, "is_cap": lc.is_cap, "checkpoint_every": lc.checkpoint_every,
+        "behaviour_correction": lc.behaviour_correction,
+        "is_cap": lc.is_cap,
+        "checkpoint_every": lc.checkpoint_every,
     }
 
 
-def trl_kwargs(cfg, *, output_dir: str, vllm: bool = True, gpu: bool = True,
-               gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> dict[str, Any]:
+def trl_kwargs(
+    cfg, *, output_dir: str, vllm: bool = True, gpu: bool = True, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+) -> dict[str, Any]:
     """GRPOConfig's arguments for the run `cfg` describes (no TRL import: the unit test reads them)."""
     lc, ro, sampling = cfg.learner, cfg.rollout, cfg.actor.sampling
     if lc.loss_agg not in TRL_LOSS_TYPE:
         raise ValueError(f"learner.loss_agg={lc.loss_agg!r} has no TRL loss_type; use one of {sorted(TRL_LOSS_TYPE)}")
     if lc.scale_advantages and lc.adv_std != "sample":
-        raise ValueError(f"learner.adv_std={lc.adv_std!r}: TRL divides by the sample std only; set adv_std = \"sample\"")
+        raise ValueError(f'learner.adv_std={lc.adv_std!r}: TRL divides by the sample std only; set adv_std = "sample"')
     kw: dict[str, Any] = dict(
-        output_dir=output_dir, max_steps=lc.steps, seed=lc.seed,
-        per_device_train_batch_size=ro.n * lc.groups_per_step, gradient_accumulation_steps=1,
-        num_generations=ro.n, max_completion_length=ro.max_tokens,
+        output_dir=output_dir,
+        max_steps=lc.steps,
+        seed=lc.seed,
+        per_device_train_batch_size=ro.n * lc.groups_per_step,
+        gradient_accumulation_steps=1,
+        num_generations=ro.n,
+        max_completion_length=ro.max_tokens,
         shuffle_dataset=False,  # the dataset is already in the order parley's feeder issues the tasks
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
-        learning_rate=lc.lr, warmup_steps=lc.warmup_steps,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=0,
+        learning_rate=lc.lr,
+        warmup_steps=lc.warmup_steps,
         lr_scheduler_type="constant_with_warmup" if lc.warmup_steps else "constant",
-        weight_decay=lc.weight_decay, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=lc.grad_clip,
-        beta=lc.kl_coef, loss_type=TRL_LOSS_TYPE[lc.loss_agg], epsilon=lc.clip_low, epsilon_high=lc.clip_high,
-        scale_rewards="group" if lc.scale_advantages else "none", num_iterations=1, importance_sampling_level="token",
-        mask_truncated_completions=False, gradient_checkpointing=lc.gradient_checkpointing,
-        bf16=gpu, use_cpu=not gpu,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, remove_unused_columns=False,
+        weight_decay=lc.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=lc.grad_clip,
+        beta=lc.kl_coef,
+        loss_type=TRL_LOSS_TYPE[lc.loss_agg],
+        epsilon=lc.clip_low,
+        epsilon_high=lc.clip_high,
+        scale_rewards="group" if lc.scale_advantages else "none",
+        num_iterations=1,
+        importance_sampling_level="token",
+        mask_truncated_completions=False,
+        gradient_checkpointing=lc.gradient_checkpointing,
+        bf16=gpu,
+        use_cpu=not gpu,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        remove_unused_columns=False,
         use_vllm=vllm,
     )
     if vllm:
         kw.update(
-            vllm_mode="colocate", vllm_gpu_memory_utilization=gpu_memory_utilization,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=gpu_memory_utilization,
             vllm_max_model_length=cfg.actor.engine.max_model_len,
             # TRL's per-token correction from vLLM's log-probs to its own, capped: at parley's is_cap
             # when parley trains the same truncated weight (behaviour_correction = "truncated_is"),
             # else at parley's dual clip, which caps a negative-advantage token's ratio at that value
-            vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
-            vllm_importance_sampling_clip_max=(lc.is_cap if lc.behaviour_correction == "truncated_is"
-                                               else lc.dual_clip or None),
+            vllm_importance_sampling_correction=True,
+            vllm_importance_sampling_mode="token_truncate",
+            vllm_importance_sampling_clip_max=(
+                lc.is_cap if lc.behaviour_correction == "truncated_is" else lc.dual_clip or None
+            ),
         )
     return kw
 
@@ -166,29 +216,51 @@ def parley_correction(lc) -> tuple[str, str]:
     """Parley's cells of the clip-range and behaviour-mismatch rows under [learner] behaviour_correction
     (bench/peer_compare.py names them for a call whose PARLEY_SETS changed it)."""
     if lc.behaviour_correction == "truncated_is":
-        return ("none (behaviour_correction = truncated_is: the ratio to its pre-step self is 1)",
-                f"per-token weight min(exp(logp - logp_vllm), {lc.is_cap}) (behaviour_correction = truncated_is)")
-    return (f"[1 - {lc.clip_low}, 1 + {lc.clip_high}] on exp(logp - logp_behaviour)",
-            f"the clipped ratio above is against vLLM's log-probs; dual clip {lc.dual_clip} for A < 0")
+        return (
+            "none (behaviour_correction = truncated_is: the ratio to its pre-step self is 1)",
+            f"per-token weight min(exp(logp - logp_vllm), {lc.is_cap}) (behaviour_correction = truncated_is)",
+        )
+    return (
+        f"[1 - {lc.clip_low}, 1 + {lc.clip_high}] on exp(logp - logp_behaviour)",
+        f"the clipped ratio above is against vLLM's log-probs; dual clip {lc.dual_clip} for A < 0",
+    )
 
 
 def _correction_rows(lc, kw: dict[str, Any], row) -> list[dict[str, str]]:
     """The clip-range and behaviour-mismatch rows, which depend on [learner] behaviour_correction."""
     clip, mismatch = parley_correction(lc)
     if lc.behaviour_correction == "truncated_is":
-        return [row("clip range", clip,
-                    f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old), "
-                    "1 at num_iterations = 1: never binds", "yes"),
-                row("behaviour mismatch", mismatch,
-                    "logp_old is TRL's recomputed one; per-token weight "
-                    f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
-                    "yes")]
-    return [row("clip range", clip,
-                f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old)", "yes"),
-            row("behaviour mismatch", mismatch,
-                "logp_old is TRL's recomputed one (ratio 1 at num_iterations = 1); per-token weight "
+        return [
+            row(
+                "clip range",
+                clip,
+                f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old), "
+                "1 at num_iterations = 1: never binds",
+                "yes",
+            ),
+            row(
+                "behaviour mismatch",
+                mismatch,
+                "logp_old is TRL's recomputed one; per-token weight "
                 f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
-                "no: same value, clip in a different place")]
+                "yes",
+            ),
+        ]
+    return [
+        row(
+            "clip range",
+            clip,
+            f"epsilon = {kw['epsilon']}, epsilon_high = {kw['epsilon_high']} on exp(logp - logp_old)",
+            "yes",
+        ),
+        row(
+            "behaviour mismatch",
+            mismatch,
+            "logp_old is TRL's recomputed one (ratio 1 at num_iterations = 1); per-token weight "
+            f"min(exp(logp_old - logp_vllm), {kw['vllm_importance_sampling_clip_max']}) (token_truncate)",
+            "no: same value, clip in a different place",
+        ),
+    ]
 
 
 def settings_rows(cfg) -> list[dict[str, str]]:
@@ -203,46 +275,109 @@ def settings_rows(cfg) -> list[dict[str, str]]:
 
     return [
         row("group size", f"rollout.n = {ro.n}", f"num_generations = {kw['num_generations']}", "yes"),
-        row("batch per optimizer step", f"groups_per_step = {lc.groups_per_step} group = {ro.n * lc.groups_per_step} conversations",
-            f"per_device_train_batch_size = {kw['per_device_train_batch_size']}, gradient_accumulation_steps = 1", "yes"),
-        row("tokens per assistant turn", f"rollout.max_tokens = {ro.max_tokens}",
-            f"{ro.max_tokens} (the rollout hook; max_completion_length = {kw['max_completion_length']} is not read by it)", "yes"),
-        row("messages per conversation", f"max_new_turns = {ro.max_new_turns}",
-            f"{ro.max_new_turns} (parley's loop in the rollout hook)", "yes"),
-        row("sampling", f"temperature {s.temperature}, top_p {s.top_p}",
-            f"temperature = {kw['temperature']}, top_p = {kw['top_p']}", "yes"),
-        row("log-probs trained", f"log_softmax(logits / {s.temperature})", f"log_softmax(logits / {kw['temperature']})", "yes"),
-        row("learning rate", f"lr = {lc.lr}, {sched}",
-            f"learning_rate = {kw['learning_rate']}, lr_scheduler_type = {kw['lr_scheduler_type']}", "yes"),
-        row("optimizer", f"torch AdamW betas (0.9, 0.999), eps 1e-08, weight_decay {lc.weight_decay}",
+        row(
+            "batch per optimizer step",
+            f"groups_per_step = {lc.groups_per_step} group = {ro.n * lc.groups_per_step} conversations",
+            f"per_device_train_batch_size = {kw['per_device_train_batch_size']}, gradient_accumulation_steps = 1",
+            "yes",
+        ),
+        row(
+            "tokens per assistant turn",
+            f"rollout.max_tokens = {ro.max_tokens}",
+            f"{ro.max_tokens} (the rollout hook; max_completion_length = {kw['max_completion_length']} is not read by it)",
+            "yes",
+        ),
+        row(
+            "messages per conversation",
+            f"max_new_turns = {ro.max_new_turns}",
+            f"{ro.max_new_turns} (parley's loop in the rollout hook)",
+            "yes",
+        ),
+        row(
+            "sampling",
+            f"temperature {s.temperature}, top_p {s.top_p}",
+            f"temperature = {kw['temperature']}, top_p = {kw['top_p']}",
+            "yes",
+        ),
+        row(
+            "log-probs trained",
+            f"log_softmax(logits / {s.temperature})",
+            f"log_softmax(logits / {kw['temperature']})",
+            "yes",
+        ),
+        row(
+            "learning rate",
+            f"lr = {lc.lr}, {sched}",
+            f"learning_rate = {kw['learning_rate']}, lr_scheduler_type = {kw['lr_scheduler_type']}",
+            "yes",
+        ),
+        row(
+            "optimizer",
+            f"torch AdamW betas (0.9, 0.999), eps 1e-08, weight_decay {lc.weight_decay}",
             f"torch AdamW (fused) betas ({kw['adam_beta1']}, {kw['adam_beta2']}), eps {kw['adam_epsilon']}, "
-            f"weight_decay = {kw['weight_decay']}", "yes"),
+            f"weight_decay = {kw['weight_decay']}",
+            "yes",
+        ),
         row("gradient clip", f"grad_clip = {lc.grad_clip}", f"max_grad_norm = {kw['max_grad_norm']}", "yes"),
         row("KL", f"kl_coef = {lc.kl_coef}", f"beta = {kw['beta']}", "yes"),
-        row("advantage",
-            f"(r - mean) / ({lc.adv_std} std + 1e-6) per group (adv_std = {lc.adv_std})" if lc.scale_advantages else "r - mean",
-            "scale_rewards = group: (r - mean) / (sample std + 1e-4)" if lc.scale_advantages else "scale_rewards = none: r - mean",
-            "yes (eps differs)" if lc.scale_advantages else "yes"),
+        row(
+            "advantage",
+            f"(r - mean) / ({lc.adv_std} std + 1e-6) per group (adv_std = {lc.adv_std})"
+            if lc.scale_advantages
+            else "r - mean",
+            "scale_rewards = group: (r - mean) / (sample std + 1e-4)"
+            if lc.scale_advantages
+            else "scale_rewards = none: r - mean",
+            "yes (eps differs)" if lc.scale_advantages else "yes",
+        ),
         *_correction_rows(lc, kw, row),
-        row("aggregation", f"loss_agg = {lc.loss_agg} over the step's trained tokens" if lc.loss_agg == "token-mean"
+        row(
+            "aggregation",
+            f"loss_agg = {lc.loss_agg} over the step's trained tokens"
+            if lc.loss_agg == "token-mean"
             else f"loss_agg = {lc.loss_agg}",
-            f"loss_type = {kw['loss_type']}: token sum / trained tokens of the step" if kw["loss_type"] == "dapo"
-            else f"loss_type = {kw['loss_type']}", "yes"),
+            f"loss_type = {kw['loss_type']}: token sum / trained tokens of the step"
+            if kw["loss_type"] == "dapo"
+            else f"loss_type = {kw['loss_type']}",
+            "yes",
+        ),
         row("trained tokens", "assistant tokens (the loss mask)", "env_mask = parley's loss mask", "yes"),
         row("reward", f"{reward} (parley's scorer)", "the same values (reward function = parley's total)", "yes"),
         row("group with equal rewards", "skipped: not a step", "trained with advantage 0: a step", "no"),
-        row("policy lag", f"async: groups up to max_staleness = {lc.max_staleness} versions old (older: {lc.stale_policy})",
-            "synchronous: every group from the current weights", "no" if lc.max_staleness else "yes"),
-        row("precision, kernels", f"dtype = {lc.dtype}, DeepSpeed ZeRO-{lc.zero_stage}, compile = {lc.compile}, "
-            f"attention = {lc.attention} (packed rows)", "fp32 weights + bf16 autocast, SDPA over padded rows", "no"),
-        row("gradient checkpointing", str(lc.gradient_checkpointing).lower(),
-            f"gradient_checkpointing = {str(kw['gradient_checkpointing']).lower()}", "yes"),
-        row("checkpoints", "only after the last step, outside the timed steps" if lc.checkpoint_every >= lc.steps > 0
+        row(
+            "policy lag",
+            f"async: groups up to max_staleness = {lc.max_staleness} versions old (older: {lc.stale_policy})",
+            "synchronous: every group from the current weights",
+            "no" if lc.max_staleness else "yes",
+        ),
+        row(
+            "precision, kernels",
+            f"dtype = {lc.dtype}, DeepSpeed ZeRO-{lc.zero_stage}, compile = {lc.compile}, "
+            f"attention = {lc.attention} (packed rows)",
+            "fp32 weights + bf16 autocast, SDPA over padded rows",
+            "no",
+        ),
+        row(
+            "gradient checkpointing",
+            str(lc.gradient_checkpointing).lower(),
+            f"gradient_checkpointing = {str(kw['gradient_checkpointing']).lower()}",
+            "yes",
+        ),
+        row(
+            "checkpoints",
+            "only after the last step, outside the timed steps"
+            if lc.checkpoint_every >= lc.steps > 0
             else f"every {lc.checkpoint_every} steps and after the last (DeepSpeed, weights and optimizer state; "
-            "the step waits for it)", "none (save_strategy = no)",
-            "yes (none while timed)" if lc.checkpoint_every >= lc.steps > 0 else "no"),
-        row("engines", f"{cfg.up.actors} actor vLLM engines and an eval engine (processes), {cfg.weights.__struct_config__.tag} weights",
-            "one vLLM engine in the trainer's process, weights loaded each step", "no"),
+            "the step waits for it)",
+            "none (save_strategy = no)",
+            "yes (none while timed)" if lc.checkpoint_every >= lc.steps > 0 else "no",
+        ),
+        row(
+            "engines",
+            f"{cfg.up.actors} actor vLLM engines and an eval engine (processes), {cfg.weights.__struct_config__.tag} weights",
+            "one vLLM engine in the trainer's process, weights loaded each step",
+            "no",
+        ),
     ]
 
 
@@ -283,18 +418,32 @@ def build_items(cfg, env=None) -> Items:
     lc = cfg.learner
     train, held = env.tasks.train_eval(cfg.data)
     held = list(held)[: lc.eval_items] if lc.eval_items > 0 else list(held)
-    feeder = Feeder(None, cfg.run.name, list(train), cfg.rollout, max_staleness=lc.max_staleness,
-                    groups_per_step=lc.groups_per_step, seed=lc.seed, build=env.tasks.task, steps=lc.steps)
-    return Items(train=[feeder.task(i) for i in range(lc.steps * lc.groups_per_step)],
-                 held=make_eval_tasks(cfg, held, env))
+    feeder = Feeder(
+        None,
+        cfg.run.name,
+        list(train),
+        cfg.rollout,
+        max_staleness=lc.max_staleness,
+        groups_per_step=lc.groups_per_step,
+        seed=lc.seed,
+        build=env.tasks.task,
+        steps=lc.steps,
+    )
+    return Items(
+        train=[feeder.task(i) for i in range(lc.steps * lc.groups_per_step)], held=make_eval_tasks(cfg, held, env)
+    )
 
 
 def eval_settings(cfg):
     """The settings `parley eval --follow` runs the learner's periodic eval under (evaluation.periodic.eval_argv)."""
     from parley.evaluation.runner import EvalSettings
 
-    return EvalSettings(assistant_max_tokens=cfg.rollout.max_tokens, max_new_turns=cfg.rollout.max_new_turns,
-                        sampling=cfg.actor.sampling, run=cfg.run.name)
+    return EvalSettings(
+        assistant_max_tokens=cfg.rollout.max_tokens,
+        max_new_turns=cfg.rollout.max_new_turns,
+        sampling=cfg.actor.sampling,
+        run=cfg.run.name,
+    )
 
 
 def make_eval_tasks(cfg, held, env) -> list:
@@ -325,8 +474,12 @@ def trl_sample(traj) -> dict[str, list]:
     mask = arrays.loss_mask(traj).tolist()
     logprobs = behaviour_logprobs(traj).tolist()
     start = traj.prompt_tokens
-    return {"prompt_ids": ids[:start], "completion_ids": ids[start:], "logprobs": logprobs[start:],
-            "env_mask": mask[start:]}
+    return {
+        "prompt_ids": ids[:start],
+        "completion_ids": ids[start:],
+        "logprobs": logprobs[start:],
+        "env_mask": mask[start:],
+    }
 
 
 def reward_terms(cfg, env, traj) -> dict[str, float]:
@@ -360,8 +513,19 @@ class ColocatedEngine:
 
     async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, seed, stop_token_ids):
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append((list(prompt_ids), dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                                    seed=seed, stop_token_ids=list(stop_token_ids or [])), fut))
+        self.pending.append(
+            (
+                list(prompt_ids),
+                dict(
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    seed=seed,
+                    stop_token_ids=list(stop_token_ids or []),
+                ),
+                fut,
+            )
+        )
         self._flush_if_all_wait()
         return await fut
 
@@ -378,7 +542,9 @@ class ColocatedEngine:
 
         self.calls += 1
         params = [SamplingParams(n=1, logprobs=0, skip_special_tokens=True, **kw) for _, kw in requests]
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], sampling_params=params, use_tqdm=False)
+        outs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids, _ in requests], sampling_params=params, use_tqdm=False
+        )
         res = []
         for out in outs:
             comp = out.outputs[0]
@@ -424,10 +590,19 @@ class HFEngine(ColocatedEngine):
             x = torch.tensor([ids], device=self.model.device)
             with torch.no_grad():
                 out = self.model.generate(
-                    x, attention_mask=torch.ones_like(x), do_sample=True, temperature=kw["temperature"], top_p=kw["top_p"],
-                    top_k=0, max_new_tokens=kw["max_tokens"], eos_token_id=kw["stop_token_ids"] or None,
-                    pad_token_id=self.tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True)
-            new = out.sequences[0, len(ids):].tolist()
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    do_sample=True,
+                    temperature=kw["temperature"],
+                    top_p=kw["top_p"],
+                    top_k=0,
+                    max_new_tokens=kw["max_tokens"],
+                    eos_token_id=kw["stop_token_ids"] or None,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+            new = out.sequences[0, len(ids) :].tolist()
             lps = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, new)]
             stopped = bool(new) and new[-1] in kw["stop_token_ids"]
             res.append(GenOut(new, lps, "stop" if stopped else "length", self.tokenizer.decode(new)))
@@ -454,8 +629,9 @@ class Record:
             return
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({**self.meta, "started_at": self.t0, "steps": self.steps, "evals": self.evals},
-                                  indent=1) + "\n")
+        tmp.write_text(
+            json.dumps({**self.meta, "started_at": self.t0, "steps": self.steps, "evals": self.evals}, indent=1) + "\n"
+        )
         tmp.replace(path)
 
 
@@ -473,21 +649,36 @@ class Player:
         self.user = LocalUser(env.user)
         tk = dict(cfg.actor.engine.template_kwargs)
         ml = cfg.actor.engine.max_model_len
-        self.train_policy = PolicySettings(max_model_len=ml, sampling=cfg.actor.sampling, template_kwargs=tk,
-                                           model=str(cfg.policy.model), actor="trl")
+        self.train_policy = PolicySettings(
+            max_model_len=ml, sampling=cfg.actor.sampling, template_kwargs=tk, model=str(cfg.policy.model), actor="trl"
+        )
         ev = eval_settings(cfg)
-        self.eval_policy = PolicySettings(max_model_len=ml, sampling=ev.sampling,
-                                          template_kwargs={**tk, "enable_thinking": ev.enable_thinking},
-                                          model=str(cfg.policy.model), actor="trl-eval")
+        self.eval_policy = PolicySettings(
+            max_model_len=ml,
+            sampling=ev.sampling,
+            template_kwargs={**tk, "enable_thinking": ev.enable_thinking},
+            model=str(cfg.policy.model),
+            actor="trl-eval",
+        )
 
     def play(self, engine, jobs: list[tuple[str, int]], policy, version: int) -> list:
         from parley.rollout.conversation import run_conversation
 
         async def main():
-            return await engine.play([
-                run_conversation(engine, self.user, self.tasks[key], sample, lambda: version,
-                                 tokenizer=self.tokenizer, policy=policy)
-                for key, sample in jobs])
+            return await engine.play(
+                [
+                    run_conversation(
+                        engine,
+                        self.user,
+                        self.tasks[key],
+                        sample,
+                        lambda: version,
+                        tokenizer=self.tokenizer,
+                        policy=policy,
+                    )
+                    for key, sample in jobs
+                ]
+            )
 
         return asyncio.run(main())
 
@@ -501,14 +692,19 @@ class Player:
         out["parley_total"] = [m["total"] for m in terms]
         totals = out["parley_total"]
         n = self.cfg.rollout.n
-        self.record.rollouts.append({
-            "at_step": trainer.state.global_step, "gen_s": round(gen_s, 4), "score_s": round(time.time() - t0 - gen_s, 4),
-            "conversations": len(trajs), "trained_tokens": sum(sum(s["env_mask"]) for s in samples),
-            "tokens": sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
-            "reward_mean": sum(totals) / len(totals),
-            "flat_groups": sum(len(set(totals[i:i + n])) == 1 for i in range(0, len(totals), n)),
-            **{f"{k}_mean": sum(m[k] for m in terms) / len(terms) for k in self.env.reward.names},
-        })
+        self.record.rollouts.append(
+            {
+                "at_step": trainer.state.global_step,
+                "gen_s": round(gen_s, 4),
+                "score_s": round(time.time() - t0 - gen_s, 4),
+                "conversations": len(trajs),
+                "trained_tokens": sum(sum(s["env_mask"]) for s in samples),
+                "tokens": sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
+                "reward_mean": sum(totals) / len(totals),
+                "flat_groups": sum(len(set(totals[i : i + n])) == 1 for i in range(0, len(totals), n)),
+                **{f"{k}_mean": sum(m[k] for m in terms) / len(terms) for k in self.env.reward.names},
+            }
+        )
         return out
 
     def evaluate(self, engine, version: int) -> dict:
@@ -517,8 +713,14 @@ class Player:
         trajs = self.play(engine, jobs, self.eval_policy, version)
         metrics = [reward_terms(self.cfg, self.env, t) for t in trajs]
         t1 = time.time()
-        return {"version": version, "n": len(trajs), "t_start": t0, "t_end": t1, "seconds": round(t1 - t0, 3),
-                **eval_means(self.env, metrics, trajs)}
+        return {
+            "version": version,
+            "n": len(trajs),
+            "t_start": t0,
+            "t_end": t1,
+            "seconds": round(t1 - t0, 3),
+            **eval_means(self.env, metrics, trajs),
+        }
 
 
 def eval_due(version: int, every: int, last: int) -> bool:
@@ -536,8 +738,11 @@ def pickle_site_modules_by_name() -> None:
     except ImportError:
         return
     prefix = os.path.realpath(sys.prefix)
-    extra = tuple(os.path.realpath(p) + os.sep for p in sys.path
-                  if p and os.path.isdir(p) and not os.path.realpath(p).startswith(prefix))
+    extra = tuple(
+        os.path.realpath(p) + os.sep
+        for p in sys.path
+        if p and os.path.isdir(p) and not os.path.realpath(p).startswith(prefix)
+    )
     if not extra or getattr(_dill, "_parley_patched", False):
         return
     builtin = _dill._is_builtin_module
@@ -569,18 +774,26 @@ def train(cfg, args) -> Record:
         tokenizer.pad_token = tokenizer.eos_token
     gpu = torch.cuda.is_available()
     vllm = not args.no_vllm
-    kwargs = trl_kwargs(cfg, output_dir=str(args.work), vllm=vllm, gpu=gpu,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+    kwargs = trl_kwargs(
+        cfg, output_dir=str(args.work), vllm=vllm, gpu=gpu, gpu_memory_utilization=args.gpu_memory_utilization
+    )
     versions = {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
     if vllm:
         import vllm as vllm_module
 
         versions["vllm"] = vllm_module.__version__
     record.meta = {
-        "system": "trl", "command": " ".join(sys.argv), "versions": versions,
-        "device": torch.cuda.get_device_name(0) if gpu else "cpu", "model_path": str(path), "engine": "vllm" if vllm else "hf",
-        "recipe": recipe_dict(cfg), "trl_config": kwargs, "settings": settings_rows(cfg),
-        "train_task_ids": [t.task_id for t in items.train], "eval_item_ids": [t.item_id for t in items.held],
+        "system": "trl",
+        "command": " ".join(sys.argv),
+        "versions": versions,
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "model_path": str(path),
+        "engine": "vllm" if vllm else "hf",
+        "recipe": recipe_dict(cfg),
+        "trl_config": kwargs,
+        "settings": settings_rows(cfg),
+        "train_task_ids": [t.task_id for t in items.train],
+        "eval_item_ids": [t.item_id for t in items.held],
     }
     player = Player(cfg, env, items, tokenizer, record)
 
@@ -614,8 +827,12 @@ def train(cfg, args) -> Record:
                 t._last_loaded_step = t.state.global_step
             ev = player.evaluate(engine_of(t), version)
             record.evals.append({**ev, "step": t.state.global_step})
-            print(f"[peer_trl] eval v{version}: " + ", ".join(f"{c} {ev[c]:.4f}" for c in env.eval.columns)
-                  + f" ({ev['seconds']:.1f} s)", flush=True)
+            print(
+                f"[peer_trl] eval v{version}: "
+                + ", ".join(f"{c} {ev[c]:.4f}" for c in env.eval.columns)
+                + f" ({ev['seconds']:.1f} s)",
+                flush=True,
+            )
 
         def on_train_begin(self, args_, state, control, **kw):
             record.meta["train_begin_at"] = time.time()
@@ -635,15 +852,31 @@ def train(cfg, args) -> Record:
 
         def on_log(self, args_, state, control, logs=None, **kw):
             if record.steps and logs:
-                keep = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std",
-                        "clip_ratio/region_mean", "sampling/importance_sampling_ratio/mean",
-                        "sampling/sampling_logp_difference/mean", "completions/mean_length")
+                keep = (
+                    "loss",
+                    "grad_norm",
+                    "learning_rate",
+                    "reward",
+                    "reward_std",
+                    "frac_reward_zero_std",
+                    "clip_ratio/region_mean",
+                    "sampling/importance_sampling_ratio/mean",
+                    "sampling/sampling_logp_difference/mean",
+                    "completions/mean_length",
+                )
                 record.steps[-1].update({k: logs[k] for k in keep if k in logs})
 
     dataset = Dataset.from_dict({"prompt": [t.task_id for t in items.train]})
     clock = Clock()
-    trainer = GRPOTrainer(model=str(path), reward_funcs=parley_total, args=GRPOConfig(**kwargs), train_dataset=dataset,
-                          processing_class=tokenizer, rollout_func=rollout_func, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=str(path),
+        reward_funcs=parley_total,
+        args=GRPOConfig(**kwargs),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=rollout_func,
+        callbacks=[clock],
+    )
     clock.trainer = trainer
     record.meta["trainer_ready_at"] = time.time()
     trainer.train()
@@ -653,21 +886,38 @@ def train(cfg, args) -> Record:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the parley run config whose recipe TRL runs")
     p.add_argument("--env", default=DEFAULT_ENV, help="environment (its preset is laid under --set; '' = none)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override, as `parley up --set` takes it (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override, as `parley up --set` takes it (repeatable)",
+    )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (learner.steps; default: the config's)")
     p.add_argument("--eval-every", type=int, default=None, help="learner.eval_every (default: the config's)")
     p.add_argument("--model", default=None, help="policy: smol | tiny | a checkpoint dir (default: policy.model)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION,
-                   help="TRL's vllm_gpu_memory_utilization (colocated engine's share of the GPU)")
-    p.add_argument("--no-vllm", action="store_true",
-                   help="generate with transformers instead of TRL's colocated vLLM (a CPU smoke test of the data path)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=GPU_MEMORY_UTILIZATION,
+        help="TRL's vllm_gpu_memory_utilization (colocated engine's share of the GPU)",
+    )
+    p.add_argument(
+        "--no-vllm",
+        action="store_true",
+        help="generate with transformers instead of TRL's colocated vLLM (a CPU smoke test of the data path)",
+    )
     p.add_argument("--work", type=Path, default=Path("/tmp/peer_trl"), help="TRL's output_dir (nothing is saved there)")
     p.add_argument("--json", type=Path, default=None, help="write the per-step records and eval points here")
-    p.add_argument("--dry-run", action="store_true", help="print the recipe, TRL's config and the settings table; train nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the recipe, TRL's config and the settings table; train nothing"
+    )
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps {args.steps}: must be >= 1")
@@ -676,19 +926,35 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg = load_recipe(args.config, args.sets, env=args.env, steps=args.steps, eval_every=args.eval_every,
-                      model=args.model)
+    cfg = load_recipe(
+        args.config, args.sets, env=args.env, steps=args.steps, eval_every=args.eval_every, model=args.model
+    )
     if args.dry_run:
-        print(json.dumps({"recipe": recipe_dict(cfg), "trl_config": trl_kwargs(cfg, output_dir=str(args.work),
-                          vllm=not args.no_vllm, gpu_memory_utilization=args.gpu_memory_utilization)}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "recipe": recipe_dict(cfg),
+                    "trl_config": trl_kwargs(
+                        cfg,
+                        output_dir=str(args.work),
+                        vllm=not args.no_vllm,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                    ),
+                },
+                indent=1,
+            )
+        )
         print(settings_markdown(settings_rows(cfg)))
         return 0
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func's "experimental" notice
     record = train(cfg, args)
     steps = record.steps
     if steps:
-        print(f"[peer_trl] {len(steps)} steps, {sum(s.get('trained_tokens', 0) for s in steps)} trained tokens, "
-              f"{record.meta['ended_at'] - record.t0:.1f} s in all", flush=True)
+        print(
+            f"[peer_trl] {len(steps)} steps, {sum(s.get('trained_tokens', 0) for s in steps)} trained tokens, "
+            f"{record.meta['ended_at'] - record.t0:.1f} s in all",
+            flush=True,
+        )
     return 0
 
 

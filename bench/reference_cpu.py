@@ -37,13 +37,16 @@ def main() -> int:
     import torch
 
     from bench.learner_gpu import draw_samples
+    from parley.config.learner import LearnerConfig
     from parley.engines.models import build_tiny, ensure_model
     from parley.engines.reference import ReferenceModel
-    from parley.config.learner import LearnerConfig
     from parley.learner.trainer import Trainer
 
-    model_dir = build_tiny(Path(tempfile.mkdtemp(prefix="parley_refbench_")) / "tiny") if args.model == "tiny" \
+    model_dir = (
+        build_tiny(Path(tempfile.mkdtemp(prefix="parley_refbench_")) / "tiny")
+        if args.model == "tiny"
         else ensure_model(args.model)
+    )
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     ns = argparse.Namespace(seed=args.seed, budget_tokens=args.budget_tokens, step_tokens=args.step_tokens)
     local_samples = draw_samples(ns, vocab)
@@ -57,8 +60,13 @@ def main() -> int:
     del ref
 
     def trainer(reference: str) -> Trainer:
-        return Trainer(LearnerConfig(kl_coef=args.kl_coef, lr=1e-6, micro_batch_tokens=args.budget_tokens,
-                                     seed=args.seed, dtype="float32"), model_dir, reference=reference)
+        return Trainer(
+            LearnerConfig(
+                kl_coef=args.kl_coef, lr=1e-6, micro_batch_tokens=args.budget_tokens, seed=args.seed, dtype="float32"
+            ),
+            model_dir,
+            reference=reference,
+        )
 
     trainers = {"local": trainer("local"), "service": trainer("service")}
     batches = {"local": local_samples, "service": service_samples}
@@ -71,12 +79,21 @@ def main() -> int:
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = sum(len(s.token_ids) for s in local_samples)
-    print(json.dumps({
-        "model": args.model, "tokens_per_step": tokens, "sequences": len(local_samples),
-        "threads": torch.get_num_threads(), "step_s": times, "median_s": med,
-        "service_over_local": med["service"] / med["local"],
-        "reference_service_s_for_the_batch": ref_s,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "tokens_per_step": tokens,
+                "sequences": len(local_samples),
+                "threads": torch.get_num_threads(),
+                "step_s": times,
+                "median_s": med,
+                "service_over_local": med["service"] / med["local"],
+                "reference_service_s_for_the_batch": ref_s,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

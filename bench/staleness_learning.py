@@ -63,8 +63,9 @@ def schedule(staleness: int, policy: str, steps: int) -> list[list[int]]:
     workload: 4 groups x n = 4 per step, 16 slots, lognormal rollouts, a 0.4 s step)."""
     from bench.async_vs_sync import Workload, simulate
 
-    a = argparse.Namespace(groups_per_step=4, n=4, task_slots=0, slots=16, step_s=0.4, stale_policy=policy,
-                           old_gate=False)
+    a = argparse.Namespace(
+        groups_per_step=4, n=4, task_slots=0, slots=16, step_s=0.4, stale_policy=policy, old_gate=False
+    )
     return simulate(staleness, a, Workload(0.25, 1.0), steps=steps)["lags"]
 
 
@@ -78,8 +79,15 @@ def one_run(model_dir: Path, staleness: int, policy: str, seed: int, args) -> di
     from parley.learner.trainer import Trainer
 
     lags = schedule(staleness, policy, args.max_steps)
-    cfg = LearnerConfig(zero_stage=2, lr=args.lr, kl_coef=0.0, max_staleness=staleness,
-                        stale_policy=policy, seed=seed, micro_batch_tokens=1024)
+    cfg = LearnerConfig(
+        zero_stage=2,
+        lr=args.lr,
+        kl_coef=0.0,
+        max_staleness=staleness,
+        stale_policy=policy,
+        seed=seed,
+        micro_batch_tokens=1024,
+    )
     trainer = Trainer(cfg, model_dir)
     sampler = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     gen = torch.Generator().manual_seed(1000 + seed)
@@ -94,7 +102,7 @@ def one_run(model_dir: Path, staleness: int, policy: str, seed: int, args) -> di
             g = torch.Generator().manual_seed(3000 + seed)  # the same eval draws for every version
             ids, _ = sample(sampler, eval_prompts, args.eval_samples, g)
             history.append(float(reward(ids).mean()))
-            window = history[-args.window:]
+            window = history[-args.window :]
             if reached is None and len(window) == args.window and statistics.fmean(window) >= args.target:
                 reached = step
                 break
@@ -110,28 +118,48 @@ def one_run(model_dir: Path, staleness: int, policy: str, seed: int, args) -> di
                 ids, lps = sample(sampler, [prompts[gi] for gi in mine], args.n, gen)  # (len(mine) * n, ...)
                 adv = group_advantages(reward(ids).reshape(len(mine), args.n)).reshape(-1)  # (len(mine) * n,)
                 for j in range(ids.shape[0]):
-                    samples.append(Sample(
-                        f"s{step}-{mine[j // args.n]}-{j % args.n}", ids[j].tolist(), [0] * PROMPT + [1] * NEW,
-                        [0.0] * PROMPT + lps[j].tolist(), float(adv[j])))
+                    samples.append(
+                        Sample(
+                            f"s{step}-{mine[j // args.n]}-{j % args.n}",
+                            ids[j].tolist(),
+                            [0] * PROMPT + [1] * NEW,
+                            [0.0] * PROMPT + lps[j].tolist(),
+                            float(adv[j]),
+                        )
+                    )
             cpu = time.process_time()
             st = trainer.train_step(samples)
             if args.verbose:
-                print(f"  step {step}: reward {history[-1]:.3f}, lags {group_lags}, clip_frac {st.get('clip_frac', 0):.3f}, "
-                      f"train {st['train_s']:.2f} s wall {time.process_time() - cpu:.2f} s cpu, "
-                      f"sampling {cpu - cpu0:.2f} s cpu", flush=True)
-            stats.append({"max_lag": max(group_lags), "clip_frac": st.get("clip_frac", 0.0),
-                          "ratio_max": st.get("ratio_max", 1.0)})
+                print(
+                    f"  step {step}: reward {history[-1]:.3f}, lags {group_lags}, clip_frac {st.get('clip_frac', 0):.3f}, "
+                    f"train {st['train_s']:.2f} s wall {time.process_time() - cpu:.2f} s cpu, "
+                    f"sampling {cpu - cpu0:.2f} s cpu",
+                    flush=True,
+                )
+            stats.append(
+                {
+                    "max_lag": max(group_lags),
+                    "clip_frac": st.get("clip_frac", 0.0),
+                    "ratio_max": st.get("ratio_max", 1.0),
+                }
+            )
             snapshots[step + 1] = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
             for old in [v for v in snapshots if v < step + 1 - max(group_lags + [10])]:
                 del snapshots[old]
     finally:
         trainer.close()
     stale = [s for s in stats if s["max_lag"] > 0]
-    return {"max_staleness": staleness, "stale_policy": policy, "seed": seed, "reached": reached,
-            "rewards": history, "final": history[-1],
-            "groups_beyond_bound": sum(l > staleness for st in lags[:len(stats)] for l in st),
-            "clip_frac_stale_steps": statistics.fmean(s["clip_frac"] for s in stale) if stale else 0.0,
-            "ratio_max": max((s["ratio_max"] for s in stats), default=1.0)}
+    return {
+        "max_staleness": staleness,
+        "stale_policy": policy,
+        "seed": seed,
+        "reached": reached,
+        "rewards": history,
+        "final": history[-1],
+        "groups_beyond_bound": sum(lag > staleness for st in lags[: len(stats)] for lag in st),
+        "clip_frac_stale_steps": statistics.fmean(s["clip_frac"] for s in stale) if stale else 0.0,
+        "ratio_max": max((s["ratio_max"] for s in stats), default=1.0),
+    }
 
 
 def reseeded(base: Path, out: Path, seed: int) -> Path:
@@ -169,8 +197,11 @@ def seed_runs(model_dir: Path, configs, seed: int, args) -> list[dict]:
         r = one_run(model_dir, k, pol, seed, args)
         r["wall_s"] = time.perf_counter() - t
         rows.append(r)
-        print(f"max_staleness {k} {pol} seed {seed}: target at step {r['reached']}, "
-              f"final {r['final']:.2f}, {r['wall_s']:.0f} s", flush=True)
+        print(
+            f"max_staleness {k} {pol} seed {seed}: target at step {r['reached']}, "
+            f"final {r['final']:.2f}, {r['wall_s']:.0f} s",
+            flush=True,
+        )
     return rows
 
 
@@ -180,11 +211,14 @@ def table(rows: list[dict], args) -> str:
         key = (r["max_staleness"], r["stale_policy"])
         if key not in configs:
             configs.append(key)
-    lines = [f"target: mean reward over {args.window} versions >= {args.target} (start ~0.12), "
-             f"at most {args.max_steps} steps; lr {args.lr}; {args.n} samples x 4 groups per step",
-             "", "| max_staleness | stale_policy | steps to target per seed | mean | groups beyond the bound "
-             "| clip frac (steps with lag > 0) | ratio max | reward at the end |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"target: mean reward over {args.window} versions >= {args.target} (start ~0.12), "
+        f"at most {args.max_steps} steps; lr {args.lr}; {args.n} samples x 4 groups per step",
+        "",
+        "| max_staleness | stale_policy | steps to target per seed | mean | groups beyond the bound "
+        "| clip frac (steps with lag > 0) | ratio max | reward at the end |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for k, p in configs:
         rs = [r for r in rows if (r["max_staleness"], r["stale_policy"]) == (k, p)]
         steps = [r["reached"] for r in rs]
@@ -195,14 +229,19 @@ def table(rows: list[dict], args) -> str:
         lines.append(
             f"| {k}{' (sync)' if k == 0 else ''} | {p} | {shown} | {mean_s} | "
             f"{sum(r['groups_beyond_bound'] for r in rs)} | {statistics.fmean(r['clip_frac_stale_steps'] for r in rs):.3f} | "
-            f"{max(r['ratio_max'] for r in rs):.2f} | {finals} |")
+            f"{max(r['ratio_max'] for r in rs):.2f} | {finals} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", default=["0:drop", "1:drop", "2:drop", "1:correct", "2:correct"],
-                   help="max_staleness:stale_policy pairs (0 = synchronous)")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=["0:drop", "1:drop", "2:drop", "1:correct", "2:correct"],
+        help="max_staleness:stale_policy pairs (0 = synchronous)",
+    )
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (toy model init, prompts, sampling)")
     p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--target", type=float, default=0.5, help="reward level to reach")
@@ -239,8 +278,13 @@ def main() -> int:
                 per_seed = pool.starmap(seed_runs, jobs)
         else:
             per_seed = [seed_runs(*j) for j in jobs]
-    rows = [r for k, pol in configs for runs in per_seed for r in runs
-            if (r["max_staleness"], r["stale_policy"]) == (k, pol)]
+    rows = [
+        r
+        for k, pol in configs
+        for runs in per_seed
+        for r in runs
+        if (r["max_staleness"], r["stale_policy"]) == (k, pol)
+    ]
     seconds = time.perf_counter() - t0
     print(f"staleness learning check: {os.cpu_count()} cores, {seconds:.0f} s")
     print(table(rows, args))

@@ -57,8 +57,11 @@ class Master:
         from safetensors.torch import save_file
 
         d.mkdir(parents=True, exist_ok=True)
-        save_file({n: t.to(self.torch.bfloat16) for n, t in self.master.items()}, str(d / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {n: t.to(self.torch.bfloat16) for n, t in self.master.items()},
+            str(d / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         (d / "config.json").write_text(self.config)
         return d
 
@@ -84,8 +87,7 @@ class GradMaster:
         if self.opt is None:
             # fused on CUDA: the multi-tensor (foreach) AdamW allocates temporaries the size of the
             # master (16 GB at the 4B shape), out of memory beside an engine (bench/weight_path.py --grads)
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0,
-                                         fused=self.device == "cuda")
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0, fused=self.device == "cuda")
         elif self.lr != lr:  # the optimizer's moments carry on, as a learner's would when its rate changes
             for group in self.opt.param_groups:  # (a fresh AdamW's first step moves nearly every weight by lr)
                 group["lr"] = lr
@@ -130,17 +132,25 @@ def alternatives(a_path: Path, b_path: Path) -> dict:
     t0 = time.perf_counter()
     raw = changed = 0
     for start, size, count in tensors:
-        x, y = (m[start:start + size * count].view(_UINT[size]) for m in (a, b))
+        x, y = (m[start : start + size * count].view(_UINT[size]) for m in (a, b))
         idx = np.flatnonzero(x != y)
         raw += idx.size * 4 + idx.size * size
         changed += idx.size
     t_raw = time.perf_counter() - t0
     t0 = time.perf_counter()
-    xor = sum(len(zlib.compress(np.bitwise_xor(a[s:s + z * c], b[s:s + z * c]).tobytes(), 1)) for s, z, c in tensors)
+    xor = sum(
+        len(zlib.compress(np.bitwise_xor(a[s : s + z * c], b[s : s + z * c]).tobytes(), 1)) for s, z, c in tensors
+    )
     t_xor = time.perf_counter() - t0
     elements = sum(c for _, _, c in tensors)
-    return dict(changed=changed, elements=elements, raw_idx_val_bytes=raw, raw_idx_val_s=t_raw,
-                xor_zlib1_bytes=xor, xor_zlib1_s=t_xor)
+    return dict(
+        changed=changed,
+        elements=elements,
+        raw_idx_val_bytes=raw,
+        raw_idx_val_s=t_raw,
+        xor_zlib1_bytes=xor,
+        xor_zlib1_s=t_xor,
+    )
 
 
 def blocks(a_path: Path, b_path: Path, device: str = "cpu") -> dict:
@@ -187,8 +197,9 @@ def blocks(a_path: Path, b_path: Path, device: str = "cpu") -> dict:
     return dict(blocks_bytes=size, blocks_build_s=t_build, blocks_apply_s=t_apply, blocks_device=device)
 
 
-def formats(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bool = False,
-            device: str = "cpu") -> list[dict]:
+def formats(
+    model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bool = False, device: str = "cpu"
+) -> list[dict]:
     from parley.weights import delta as deltas
     from parley.weights.common import file_digest
 
@@ -208,23 +219,41 @@ def formats(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bo
             deltas.apply(a, work / "fmt" / "d", work / "fmt" / "out", sa, sb, b.stat().st_size)
             t_apply = time.perf_counter() - t0
             assert file_digest(work / "fmt" / "out")[0] == sb
-            row = dict(lr=lr, step=k, full_bytes=b.stat().st_size, delta_bytes=size, build_s=t_build, apply_s=t_apply,
-                       **alternatives(a, b), **blocks(a, b, device))
+            row = dict(
+                lr=lr,
+                step=k,
+                full_bytes=b.stat().st_size,
+                delta_bytes=size,
+                build_s=t_build,
+                apply_s=t_apply,
+                **alternatives(a, b),
+                **blocks(a, b, device),
+            )
             rows.append(row)
-            print(f"lr {lr:g} step {k}: changed {row['changed'] / row['elements']:.2%}; full {row['full_bytes'] / 1e6:.1f} MB; "
-                  f"delta {size / 1e6:.2f} MB (build {t_build:.2f}s, apply+verify {t_apply:.2f}s); "
-                  f"raw idx+val {row['raw_idx_val_bytes'] / 1e6:.2f} MB; xor+zlib1 {row['xor_zlib1_bytes'] / 1e6:.2f} MB "
-                  f"({row['xor_zlib1_s']:.2f}s); blocks {row['blocks_bytes'] / 1e6:.2f} MB (on {device}: build "
-                  f"{row['blocks_build_s']:.3f}s, apply {row['blocks_apply_s']:.3f}s)", file=sys.stderr)
+            print(
+                f"lr {lr:g} step {k}: changed {row['changed'] / row['elements']:.2%}; full {row['full_bytes'] / 1e6:.1f} MB; "
+                f"delta {size / 1e6:.2f} MB (build {t_build:.2f}s, apply+verify {t_apply:.2f}s); "
+                f"raw idx+val {row['raw_idx_val_bytes'] / 1e6:.2f} MB; xor+zlib1 {row['xor_zlib1_bytes'] / 1e6:.2f} MB "
+                f"({row['xor_zlib1_s']:.2f}s); blocks {row['blocks_bytes'] / 1e6:.2f} MB (on {device}: build "
+                f"{row['blocks_build_s']:.3f}s, apply {row['blocks_apply_s']:.3f}s)",
+                file=sys.stderr,
+            )
             shutil.rmtree(prev)
             prev = cur
         shutil.rmtree(work / "fmt")
     return rows
 
 
-async def path(model_dir: Path, lrs: list[float], steps: int, work: Path, grads: bool = False,
-               kinds: tuple[str, ...] = ("objstore",), modes: tuple[str, ...] = ("full", "delta_after_full", "delta"),
-               save=lambda out: None) -> list[dict]:
+async def path(
+    model_dir: Path,
+    lrs: list[float],
+    steps: int,
+    work: Path,
+    grads: bool = False,
+    kinds: tuple[str, ...] = ("objstore",),
+    modes: tuple[str, ...] = ("full", "delta_after_full", "delta"),
+    save=lambda out: None,
+) -> list[dict]:
     from parley.deploy.natsserver import NatsServer
     from parley.protocol import topology
     from parley.protocol.connect import connect
@@ -239,8 +268,13 @@ async def path(model_dir: Path, lrs: list[float], steps: int, work: Path, grads:
         nc = await connect(url, name="weight-delta-bench")
         js = nc.jetstream()
         objstore = registry.get("objstore")
-        cases = [(kind, lr, mode) for kind in kinds for lr in lrs
-                 for mode in modes if kind == "objstore" or mode != "delta_after_full"]
+        cases = [
+            (kind, lr, mode)
+            for kind in kinds
+            for lr in lrs
+            for mode in modes
+            if kind == "objstore" or mode != "delta_after_full"
+        ]
         # full: every version full only; delta_after_full: the delta uploaded after the full copy, one
         # announcement (objstore's order before delta_first); delta: the transport's own order (objstore:
         # the delta announced early, the full copy after; shared_dir: the full copy, then the delta)
@@ -249,8 +283,11 @@ async def path(model_dir: Path, lrs: list[float], steps: int, work: Path, grads:
             run = f"delta-{kind}-{mode}-{lr:g}".replace(".", "-").replace("_", "-")
             await topology.ensure_topology(js, run, topology.BusSettings(max_bytes=2 * 1024**3))
             full_every = 1 if mode == "full" else steps + 1
-            settings = (ObjstoreWeights(full_every=full_every) if kind == "objstore"
-                        else SharedDirWeights(dir=str(work / "shared"), full_every=full_every))
+            settings = (
+                ObjstoreWeights(full_every=full_every)
+                if kind == "objstore"
+                else SharedDirWeights(dir=str(work / "shared"), full_every=full_every)
+            )
             m = learner(model_dir, grads)
             learner_prev = actor_prev = None
             rows = []
@@ -261,12 +298,23 @@ async def path(model_dir: Path, lrs: list[float], steps: int, work: Path, grads:
                 t_write = time.perf_counter()
                 base = learner_prev if mode != "full" and learner_prev else None
                 first = asyncio.get_running_loop().create_future()
-                publishing = asyncio.create_task(publish_version(
-                    js, run, v, v, wdir, settings, keep=2, base=base,
-                    on_announced=lambda w: first.done() or first.set_result((w, time.perf_counter()))))
+                publishing = asyncio.create_task(
+                    publish_version(
+                        js,
+                        run,
+                        v,
+                        v,
+                        wdir,
+                        settings,
+                        keep=2,
+                        base=base,
+                        on_announced=lambda w: first.done() or first.set_result((w, time.perf_counter())),
+                    )
+                )
                 announced, t_pub = await first  # the actor starts at the first announcement
-                got = await fetch_version(js, run, announced, work / run / "actor" / f"v{v}", settings=settings,
-                                          base=actor_prev)
+                got = await fetch_version(
+                    js, run, announced, work / run / "actor" / f"v{v}", settings=settings, base=actor_prev
+                )
                 t_got = time.perf_counter()
                 wv = await publishing
                 t_stored = time.perf_counter()
@@ -276,20 +324,33 @@ async def path(model_dir: Path, lrs: list[float], steps: int, work: Path, grads:
                     shutil.rmtree(actor_prev[1])
                 learner_prev, actor_prev = (wv, wdir), (wv.sha256, got)
                 if v:
-                    rows.append(dict(write=t_write - t0, publish=t_pub - t_write, fetch_verify=t_got - t_pub,
-                                     total=t_got - t0, full_stored=t_stored - t0,
-                                     fetched_bytes=wv.delta.bytes if wv.delta else wv.bytes,
-                                     delta=wv.delta is not None, early=announced.full_pending))
+                    rows.append(
+                        dict(
+                            write=t_write - t0,
+                            publish=t_pub - t_write,
+                            fetch_verify=t_got - t_pub,
+                            total=t_got - t0,
+                            full_stored=t_stored - t0,
+                            fetched_bytes=wv.delta.bytes if wv.delta else wv.bytes,
+                            delta=wv.delta is not None,
+                            early=announced.full_pending,
+                        )
+                    )
             early = mode == "delta" and kind == "objstore"
             assert all(r["delta"] == (mode != "full") and r["early"] == early for r in rows), rows
-            med = {k: statistics.median(r[k] for r in rows) for k in ("write", "publish", "fetch_verify", "total",
-                                                                       "full_stored", "fetched_bytes")}
+            med = {
+                k: statistics.median(r[k] for r in rows)
+                for k in ("write", "publish", "fetch_verify", "total", "full_stored", "fetched_bytes")
+            }
             med.update(kind=kind, lr=lr, mode=mode, versions=len(rows), full_bytes=wv.bytes)
             out.append(med)
             save(out)  # after each case: a run cut short by its time limit keeps what it measured
-            print(f"{kind} lr {lr:g} {mode:16s}: fetched {med['fetched_bytes'] / 1e6:.2f} MB; write {med['write']:.2f}s "
-                  f"publish {med['publish']:.2f}s fetch+verify {med['fetch_verify']:.2f}s; step end -> verified "
-                  f"{med['total']:.2f}s (full copy stored {med['full_stored']:.2f}s)", file=sys.stderr)
+            print(
+                f"{kind} lr {lr:g} {mode:16s}: fetched {med['fetched_bytes'] / 1e6:.2f} MB; write {med['write']:.2f}s "
+                f"publish {med['publish']:.2f}s fetch+verify {med['fetch_verify']:.2f}s; step end -> verified "
+                f"{med['total']:.2f}s (full copy stored {med['full_stored']:.2f}s)",
+                file=sys.stderr,
+            )
             shutil.rmtree(work / run, ignore_errors=True)
             # the shared directory keeps `keep` versions of every case: 16 GB at the 4B shape, which
             # filled the H200 machine's 64 GB disk at the next case (2026-12-03)
@@ -305,19 +366,38 @@ async def path(model_dir: Path, lrs: list[float], steps: int, work: Path, grads:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smol", help="'tiny', 'smol' (engines.models.ensure_model) or a checkpoint directory")
+    p.add_argument(
+        "--model", default="smol", help="'tiny', 'smol' (engines.models.ensure_model) or a checkpoint directory"
+    )
     p.add_argument("--lrs", nargs="+", type=float, default=[1e-6, 1e-5], help="Adam-like step sizes, one run each")
     p.add_argument("--steps", type=int, default=4, help="versions per learning rate (after the first full one)")
     p.add_argument("--skip-path", action="store_true", help="only the format part, no nats-server")
     p.add_argument("--skip-formats", action="store_true", help="only the path part")
-    p.add_argument("--grads", action="store_true",
-                   help="real gradients (AdamW on random tokens, GradMaster) instead of lr * sign(noise) steps")
-    p.add_argument("--kinds", nargs="+", default=["objstore"], choices=["objstore", "shared_dir"],
-                   help="file transports of the path part")
-    p.add_argument("--modes", nargs="+", default=["full", "delta_after_full", "delta"],
-                   choices=["full", "delta_after_full", "delta"], help="publication orders of the path part")
-    p.add_argument("--build", default=None, choices=["0.6b", "4b"],
-                   help="build a random Qwen3 of this shape (bench.common.random_qwen3) at --model first")
+    p.add_argument(
+        "--grads",
+        action="store_true",
+        help="real gradients (AdamW on random tokens, GradMaster) instead of lr * sign(noise) steps",
+    )
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["objstore"],
+        choices=["objstore", "shared_dir"],
+        help="file transports of the path part",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["full", "delta_after_full", "delta"],
+        choices=["full", "delta_after_full", "delta"],
+        help="publication orders of the path part",
+    )
+    p.add_argument(
+        "--build",
+        default=None,
+        choices=["0.6b", "4b"],
+        help="build a random Qwen3 of this shape (bench.common.random_qwen3) at --model first",
+    )
     p.add_argument("--work", default=None, help="directory for the temporary files (default: the system temp dir)")
     p.add_argument("--device", default="cpu", help="where the format part builds the block candidate (cpu, cuda)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
@@ -332,18 +412,25 @@ def main() -> None:
     model_dir = Path(args.model) if args.build else Path(ensure_model(args.model))
     with tempfile.TemporaryDirectory(prefix="parley-deltabench-", dir=args.work) as tmp:
         work = Path(tmp)
-        result = dict(model=args.model, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                      cpus=os.cpu_count(), loadavg_start=os.getloadavg(),
-                      grads=args.grads,
-                      formats=[] if args.skip_formats else formats(model_dir, args.lrs, args.steps, work, args.grads,
-                                                                    args.device))
+        result = dict(
+            model=args.model,
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            cpus=os.cpu_count(),
+            loadavg_start=os.getloadavg(),
+            grads=args.grads,
+            formats=[]
+            if args.skip_formats
+            else formats(model_dir, args.lrs, args.steps, work, args.grads, args.device),
+        )
         if not args.skip_path:
+
             def save(rows):
                 if args.json:
                     Path(args.json).write_text(json.dumps({**result, "objstore": rows}, indent=1) + "\n")
 
-            result["objstore"] = asyncio.run(path(model_dir, args.lrs, args.steps, work, args.grads, tuple(args.kinds),
-                                                  tuple(args.modes), save))
+            result["objstore"] = asyncio.run(
+                path(model_dir, args.lrs, args.steps, work, args.grads, tuple(args.kinds), tuple(args.modes), save)
+            )
         result["loadavg_end"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -83,8 +83,9 @@ async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> 
                 wv = codec.decode("weights", entry.value)
                 if wv.version == version:
                     t_seen = time.perf_counter()
-                    path = await fetch_version(js, run, wv, work / f"actor-{name}-{transport}" / f"v{version}",
-                                               settings=settings)
+                    path = await fetch_version(
+                        js, run, wv, work / f"actor-{name}-{transport}" / f"v{version}", settings=settings
+                    )
                     seen.set_result((t_seen, time.perf_counter(), path, wv))
                     return
 
@@ -107,8 +108,15 @@ async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> 
         raw_dst.unlink()
         # The actor may see the key before publish_version returns (it prunes old versions last).
         rows.append(
-            dict(save=t_saved - t0, publish=t_seen - t_saved, publish_return=t_announced - t_saved,
-                 fetch=t_verified - t_seen, total=t_verified - t0, raw_copy=raw, bytes=wv.bytes)
+            dict(
+                save=t_saved - t0,
+                publish=t_seen - t_saved,
+                publish_return=t_announced - t_saved,
+                fetch=t_verified - t_seen,
+                total=t_verified - t0,
+                raw_copy=raw,
+                bytes=wv.bytes,
+            )
         )
         shutil.rmtree(state_dir.parent, ignore_errors=True)  # next repeat writes from scratch
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -211,8 +219,9 @@ def packed_settings(transport: str, work: Path):
     and no full-only versions after the first (a delta unless it is over delta_max_share)."""
     import msgspec
 
-    return msgspec.structs.replace(file_settings(transport.removesuffix("_packed"), work), full_every=1000,
-                                   delta_format="packed")
+    return msgspec.structs.replace(
+        file_settings(transport.removesuffix("_packed"), work), full_every=1000, delta_format="packed"
+    )
 
 
 async def gpu_update(js, run, transport, version, model, pub, work, follower, timed, packer=None) -> dict:
@@ -242,12 +251,16 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
         state_dir = work / "learner" / f"v{version}"
         await asyncio.to_thread(lambda: write_weights(hf_weights(model), model.config, state_dir))
         t_ready = time.perf_counter()
-        wv = await registry.publish_version(js, run, version, version, state_dir, file_settings(transport, work), keep=1)
+        wv = await registry.publish_version(
+            js, run, version, version, state_dir, file_settings(transport, work), keep=1
+        )
     t_announced = time.perf_counter()
     deadline = t0 + 600
     while follower.serving != (version, wv.sha256):
         if time.perf_counter() > deadline or version in follower.refused:
-            raise RuntimeError(f"{transport} version {version} not served: {follower.refused.get(version, 'timed out')}")
+            raise RuntimeError(
+                f"{transport} version {version} not served: {follower.refused.get(version, 'timed out')}"
+            )
         await asyncio.sleep(0.001)
     t_served = time.perf_counter()
     load_start, load_end = timed.marks[-1]
@@ -255,9 +268,17 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
         import shutil
 
         shutil.rmtree(work / "learner", ignore_errors=True)
-    return dict(transport=transport, version=version, bytes=wv.bytes, pack_or_save=t_ready - t0,
-                announce=t_announced - t_ready, until_load=load_start - t_announced, load=load_end - load_start,
-                total=t_served - t0, **fill)
+    return dict(
+        transport=transport,
+        version=version,
+        bytes=wv.bytes,
+        pack_or_save=t_ready - t0,
+        announce=t_announced - t_ready,
+        until_load=load_start - t_announced,
+        load=load_end - load_start,
+        total=t_served - t0,
+        **fill,
+    )
 
 
 async def packed_update(js, run, transport, version, model, work, follower, timed, packer) -> dict:
@@ -280,8 +301,16 @@ async def packed_update(js, run, transport, version, model, work, follower, time
             blob, base_version, base = await asyncio.to_thread(pending.encode)
             encoded["blob"], encoded["s"] = blob, time.perf_counter() - t_ready
             return await registry.publish_version(
-                js, run, version, version, state_dir, settings, keep=2, packed=(table, blob, base_version, base),
-                write=lambda: write_weights(pending.host_state(), model.config, state_dir))
+                js,
+                run,
+                version,
+                version,
+                state_dir,
+                settings,
+                keep=2,
+                packed=(table, blob, base_version, base),
+                write=lambda: write_weights(pending.host_state(), model.config, state_dir),
+            )
         finally:
             pending.discard()
 
@@ -301,18 +330,29 @@ async def packed_update(js, run, transport, version, model, work, follower, time
     t_served = time.perf_counter()
     load_start, load_end = timed.marks[-1]
     blob = encoded.get("blob")
-    row = dict(transport=transport, version=version, delta=blob is not None,
-               bytes=len(blob) if blob is not None else 0,  # a full version: its file's, once stored
-               pack_or_save=t_ready - t0, pack_waited=pending.pack_waited_s, encode=encoded.get("s"),
-               announce=load_start - t_ready, until_load=0.0,
-               load=load_end - load_start, total=t_served - t0)
+    row = dict(
+        transport=transport,
+        version=version,
+        delta=blob is not None,
+        bytes=len(blob) if blob is not None else 0,  # a full version: its file's, once stored
+        pack_or_save=t_ready - t0,
+        pack_waited=pending.pack_waited_s,
+        encode=encoded.get("s"),
+        announce=load_start - t_ready,
+        until_load=0.0,
+        load=load_end - load_start,
+        total=t_served - t0,
+    )
     try:  # the full copy, written and uploaded beside (the next version waits for it, as the publisher would)
         wv = await publish
         row["full_stored"], row["bytes"] = time.perf_counter() - t0, (row["bytes"] or wv.bytes)
     except Exception as e:  # noqa: BLE001 - the version was served; what failed after is recorded
         row["full_error"] = f"{type(e).__name__}: {e}"
-        print(f"[weights] {transport} v{version}: its full publication failed after serving: {row['full_error']}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[weights] {transport} v{version}: its full publication failed after serving: {row['full_error']}",
+            file=sys.stderr,
+            flush=True,
+        )
     row["buffers_busy"] = await released - t_ready  # encode + host copy: the shortest step that never waits
     if blob is None:  # a full version: the actor keeps it packed before the next one is timed
         from parley.weights.cuda_ipc import table_digest
@@ -331,31 +371,52 @@ async def gpu_main(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from parley.actors.follow import WeightFollower
     from bench.common import random_qwen3
-    from parley.learner.weights_io import hf_tensors
+    from parley.actors.follow import WeightFollower
     from parley.deploy.natsserver import NatsServer
     from parley.engines.engine import EngineSettings, PolicyEngine
+    from parley.learner.weights_io import hf_tensors
     from parley.protocol import topology
-    from parley.weights.cuda_ipc import IpcPublisher
     from parley.protocol.connect import connect
+    from parley.weights.cuda_ipc import IpcPublisher
 
     if args.build:
         t = time.perf_counter()
         random_qwen3(args.build, args.model)
-        print(f"[weights] built {args.build} in {args.model}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"[weights] built {args.build} in {args.model}: {time.perf_counter() - t:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     # Without a GPU (a smoke run of the file transports on the toy model) the engine is vLLM's CPU
     # build: fp32 and an explicit KV cache size (docs/gpu.md, ENVIRONMENT.md).
     gpu = torch.cuda.is_available()
     dtype = "bfloat16" if gpu else "float32"
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype)).to("cuda" if gpu else "cpu").eval()
-    out: dict = {"model": args.model, "gpu": torch.cuda.get_device_name(0) if gpu else "none (CPU smoke run)",
-                 "torch": torch.__version__, "grads_lrs": args.grads, "updates": [], "rounds": []}
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype))
+        .to("cuda" if gpu else "cpu")
+        .eval()
+    )
+    out: dict = {
+        "model": args.model,
+        "gpu": torch.cuda.get_device_name(0) if gpu else "none (CPU smoke run)",
+        "torch": torch.__version__,
+        "grads_lrs": args.grads,
+        "updates": [],
+        "rounds": [],
+    }
     t = time.perf_counter()
-    engine = PolicyEngine(EngineSettings(model=args.model, dtype=dtype, max_model_len=args.plen + args.tokens + 8,
-                                         kv_cache_bytes=None if gpu else 256 << 20,
-                                         gpu_memory_utilization=args.gpu_mem if gpu else None,
-                                         enforce_eager=args.eager or not gpu, json_compact=False))
+    engine = PolicyEngine(
+        EngineSettings(
+            model=args.model,
+            dtype=dtype,
+            max_model_len=args.plen + args.tokens + 8,
+            kv_cache_bytes=None if gpu else 256 << 20,
+            gpu_memory_utilization=args.gpu_mem if gpu else None,
+            enforce_eager=args.eager or not gpu,
+            json_compact=False,
+        )
+    )
     out["engine_start_s"] = time.perf_counter() - t
     import vllm
 
@@ -380,8 +441,9 @@ async def gpu_main(args) -> dict:
             follower_settings = file_settings("shared_dir", work)
             if set(PACKED) & set(args.gpu_transports):  # the actor keeps a packed copy: the model's bytes more
                 follower_settings = packed_settings("shared_dir_packed", work)
-            follower = WeightFollower(js, run, timed, dest_root=work / "actor", poll_s=1.0, base_dir=args.model,
-                                      settings=follower_settings)
+            follower = WeightFollower(
+                js, run, timed, dest_root=work / "actor", poll_s=1.0, base_dir=args.model, settings=follower_settings
+            )
             following = asyncio.create_task(follower.run_until(stop))
             pub = IpcPublisher(hold_s=5.0, max_buffers=2)  # updates wait for a free buffer (gpu_update)
             version = 0
@@ -418,8 +480,11 @@ async def gpu_main(args) -> dict:
                 t = time.perf_counter()
                 master = GradMaster(Path(args.model))
                 pairs = list(zip(params, [p for _, p in hf_tensors(master.model)]))
-                print(f"[weights] fp32 master with AdamW on {master.device}: {time.perf_counter() - t:.0f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[weights] fp32 master with AdamW on {master.device}: {time.perf_counter() - t:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             lr_now = {"lr": args.grads[0] if args.grads else None}
 
             def grad_step(v):  # one AdamW step at lr_now on random-token loss; the bf16 model gets the result
@@ -451,13 +516,16 @@ async def gpu_main(args) -> dict:
                 first = probed[0]
                 r["probe_logprob"], r["probe_logprobs"] = first, list(probed)
                 out["updates"].append(r)
-                print(f"[weights] {transport:10s} v{version}: {r['bytes'] / 1e9:.2f} GB  pack/save {r['pack_or_save']:.3f}s  "
-                      f"announce {r['announce']:.3f}s  until load {r['until_load']:.3f}s  load {r['load']:.3f}s  "
-                      f"total {r['total']:.3f}s  probe logprob {first:.5f}"
-                      + (f"  lr {r['lr']:g}" if r["lr"] else "")
-                      + (f"  full copy stored {r['full_stored']:.1f}s" if r.get("full_stored") else "")
-                      + (f"  learner's buffers busy {r['buffers_busy']:.2f}s" if "buffers_busy" in r else ""),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[weights] {transport:10s} v{version}: {r['bytes'] / 1e9:.2f} GB  pack/save {r['pack_or_save']:.3f}s  "
+                    f"announce {r['announce']:.3f}s  until load {r['until_load']:.3f}s  load {r['load']:.3f}s  "
+                    f"total {r['total']:.3f}s  probe logprob {first:.5f}"
+                    + (f"  lr {r['lr']:g}" if r["lr"] else "")
+                    + (f"  full copy stored {r['full_stored']:.1f}s" if r.get("full_stored") else "")
+                    + (f"  learner's buffers busy {r['buffers_busy']:.2f}s" if "buffers_busy" in r else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
                 save()  # a run cut short keeps every update measured (defined below, before the first update)
                 return r
 
@@ -465,8 +533,14 @@ async def gpu_main(args) -> dict:
                 if transport:
                     mutate(transport, version + 1)
                 t = time.perf_counter()
-                gen = asyncio.ensure_future(asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i if gpu else None)
-                                                             for i, p in enumerate(prompts)]))
+                gen = asyncio.ensure_future(
+                    asyncio.gather(
+                        *[
+                            engine.generate(p, max_tokens=args.tokens, seed=i if gpu else None)
+                            for i, p in enumerate(prompts)
+                        ]
+                    )
+                )
                 done: list[float] = []  # when the last request finished (a slow update may end later)
                 gen.add_done_callback(lambda _: done.append(time.perf_counter()))
                 upd = None
@@ -476,12 +550,23 @@ async def gpu_main(args) -> dict:
                 outs = await gen
                 dt = done[0] - t
                 toks = sum(len(o.token_ids) for o in outs)
-                r = dict(label=label, transport=transport, seconds=dt, tokens=toks, tok_s=toks / dt,
-                         finished=sum(o.finish_reason == "length" for o in outs), requests=len(outs),
-                         update_total=upd["total"] if upd else None)
+                r = dict(
+                    label=label,
+                    transport=transport,
+                    seconds=dt,
+                    tokens=toks,
+                    tok_s=toks / dt,
+                    finished=sum(o.finish_reason == "length" for o in outs),
+                    requests=len(outs),
+                    update_total=upd["total"] if upd else None,
+                )
                 out["rounds"].append(r)
-                print(f"[weights] round {label}: {toks} tokens in {dt:.2f} s = {toks / dt:.0f} tok/s, "
-                      f"{r['finished']}/{len(outs)} finished by length", file=sys.stderr, flush=True)
+                print(
+                    f"[weights] round {label}: {toks} tokens in {dt:.2f} s = {toks / dt:.0f} tok/s, "
+                    f"{r['finished']}/{len(outs)} finished by length",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
             def save():  # after each phase: a run cut short by its time limit keeps what it measured
                 if args.json:
@@ -509,16 +594,27 @@ async def gpu_main(args) -> dict:
                     except Exception as e:  # noqa: BLE001 - no Triton here: said in the JSON
                         times = [f"{type(e).__name__}: {e}"]
                     out["checksum_s"][impl] = times
-                print(f"[weights] checksum of {pub.total / 1e9:.2f} GB: {out['checksum_s']}", file=sys.stderr, flush=True)
+                print(
+                    f"[weights] checksum of {pub.total / 1e9:.2f} GB: {out['checksum_s']}", file=sys.stderr, flush=True
+                )
             if args.check_file:  # the same weights again, loaded from files: the served log-probs must not move
                 gpu_probe = out["updates"][-1]
                 r = await update(args.check_file, change_now=False)
                 diffs = [abs(a - b) for a, b in zip(gpu_probe["probe_logprobs"], r["probe_logprobs"])]
-                out["file_check"] = dict(gpu_transport=gpu_probe["transport"], gpu_version=gpu_probe["version"],
-                                         file_transport=args.check_file, file_version=r["version"],
-                                         max_abs_diff=max(diffs), equal=diffs == [0.0] * len(diffs))
-                print(f"[weights] served log-probs after {gpu_probe['transport']} v{gpu_probe['version']} against the "
-                      f"same weights from {args.check_file}: max |diff| {max(diffs):.3g}", file=sys.stderr, flush=True)
+                out["file_check"] = dict(
+                    gpu_transport=gpu_probe["transport"],
+                    gpu_version=gpu_probe["version"],
+                    file_transport=args.check_file,
+                    file_version=r["version"],
+                    max_abs_diff=max(diffs),
+                    equal=diffs == [0.0] * len(diffs),
+                )
+                print(
+                    f"[weights] served log-probs after {gpu_probe['transport']} v{gpu_probe['version']} against the "
+                    f"same weights from {args.check_file}: max |diff| {max(diffs):.3g}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             save()
             lr_now["lr"] = args.grads[0] if args.grads else None  # the rounds' update: a step at the first rate
             await round_("no update")
@@ -540,12 +636,17 @@ async def gpu_main(args) -> dict:
 
 
 def gpu_table(out: dict) -> str:
-    lines = ["| transport | version | lr | GB | pack / save s | announce s | seen -> load (file: fetch + verify) s | "
-             "load (pause..resume) s | step end -> serving s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| transport | version | lr | GB | pack / save s | announce s | seen -> load (file: fetch + verify) s | "
+        "load (pause..resume) s | step end -> serving s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in out["updates"]:
         lr = f"{r['lr']:g}" if r.get("lr") else "-"
-        lines.append(f"| {r['transport']} | {r['version']} | {lr} | {r['bytes'] / 1e9:.2f} | {r['pack_or_save']:.3f} | "
-                     f"{r['announce']:.3f} | {r['until_load']:.3f} | {r['load']:.3f} | {r['total']:.3f} |")
+        lines.append(
+            f"| {r['transport']} | {r['version']} | {lr} | {r['bytes'] / 1e9:.2f} | {r['pack_or_save']:.3f} | "
+            f"{r['announce']:.3f} | {r['until_load']:.3f} | {r['load']:.3f} | {r['total']:.3f} |"
+        )
     lines += ["", "| round (64 requests in flight) | s | tokens | tokens/s | update s |", "|---|---|---|---|---|"]
     for r in out["rounds"]:
         upd = f"{r['update_total']:.3f}" if r["update_total"] is not None else "-"
@@ -555,24 +656,46 @@ def gpu_table(out: dict) -> str:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--transport", default=None, choices=["cuda_ipc"],
-                   help="cuda_ipc: the GPU path into a running engine (needs --model), against the file transports")
+    p.add_argument(
+        "--transport",
+        default=None,
+        choices=["cuda_ipc"],
+        help="cuda_ipc: the GPU path into a running engine (needs --model), against the file transports",
+    )
     p.add_argument("--model", default=None, help="GPU path: the checkpoint the learner and the engine start from")
     p.add_argument("--build", default=None, choices=["0.6b", "4b"], help="GPU path: build a random Qwen3 there first")
-    p.add_argument("--gpu-transports", nargs="+", default=["cuda_ipc", "shared_dir", "objstore"],
-                   help="GPU path: what to update through, in order (objstore_packed, shared_dir_packed: that "
-                        "file transport with "
-                        "[weights] delta_format = \"packed\", each version 1.5%% of the values one bf16 step on)")
-    p.add_argument("--round-transports", nargs="*", default=["cuda_ipc", "shared_dir"],
-                   help="GPU path: transports updated in the middle of a round of in-flight requests")
-    p.add_argument("--grads", nargs="+", type=float, default=None, metavar="LR",
-                   help="GPU path: each version from a real AdamW step of an fp32 master (bench.weight_delta."
-                        "GradMaster) at each of these learning rates in turn (--file-repeats versions each; "
-                        "a round's update at the first one), not a synthetic change")
+    p.add_argument(
+        "--gpu-transports",
+        nargs="+",
+        default=["cuda_ipc", "shared_dir", "objstore"],
+        help="GPU path: what to update through, in order (objstore_packed, shared_dir_packed: that "
+        "file transport with "
+        '[weights] delta_format = "packed", each version 1.5%% of the values one bf16 step on)',
+    )
+    p.add_argument(
+        "--round-transports",
+        nargs="*",
+        default=["cuda_ipc", "shared_dir"],
+        help="GPU path: transports updated in the middle of a round of in-flight requests",
+    )
+    p.add_argument(
+        "--grads",
+        nargs="+",
+        type=float,
+        default=None,
+        metavar="LR",
+        help="GPU path: each version from a real AdamW step of an fp32 master (bench.weight_delta."
+        "GradMaster) at each of these learning rates in turn (--file-repeats versions each; "
+        "a round's update at the first one), not a synthetic change",
+    )
     p.add_argument("--file-repeats", type=int, default=1, help="GPU path: repeats of the file transports")
-    p.add_argument("--check-file", default=None, choices=["shared_dir", "objstore"],
-                   help="GPU path: after the GPU updates, load the same weights through this file transport "
-                        "and compare the served log-probs of a probe (equal when the GPU load is exact)")
+    p.add_argument(
+        "--check-file",
+        default=None,
+        choices=["shared_dir", "objstore"],
+        help="GPU path: after the GPU updates, load the same weights through this file transport "
+        "and compare the served log-probs of a probe (equal when the GPU load is exact)",
+    )
     p.add_argument("--n", type=int, default=64, help="GPU path: requests in flight")
     p.add_argument("--plen", type=int, default=128)
     p.add_argument("--tokens", type=int, default=512)
@@ -589,11 +712,15 @@ if __name__ == "__main__":
         if not args.model:
             p.error("--transport cuda_ipc needs --model DIR (a checkpoint; --build 4b makes one there)")
         out = asyncio.run(gpu_main(args))
-        print(f"machine: {out['gpu']}, torch {out['torch']}, vLLM {out['vllm']}; engine start {out['engine_start_s']:.0f} s")
+        print(
+            f"machine: {out['gpu']}, torch {out['torch']}, vLLM {out['vllm']}; engine start {out['engine_start_s']:.0f} s"
+        )
         print(gpu_table(out))
         if "file_check" in out:
-            print("served log-probs, GPU load against the same weights from files: {equal} "
-                  "(max |diff| {max_abs_diff:.3g})".format(**out["file_check"]))
+            print(
+                "served log-probs, GPU load against the same weights from files: {equal} "
+                "(max |diff| {max_abs_diff:.3g})".format(**out["file_check"])
+            )
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))
         sys.exit(0)

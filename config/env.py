@@ -28,13 +28,14 @@ class EnvConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
-            raise ValueError(f"env.name={self.name!r} is not an environment name; use an entry-point name such "
-                             f"as {DEFAULT_NAME!r}")
+            raise ValueError(
+                f"env.name={self.name!r} is not an environment name; use an entry-point name such as {DEFAULT_NAME!r}"
+            )
 
     def load(self) -> Environment:
         return registry.load(self.name, self.options)
 
-    def scored_as(self, scorer: Any) -> "EnvConfig":
+    def scored_as(self, scorer: Any) -> EnvConfig:
         """This [env] with the environment's scorer_options taken from `scorer` (the [scorer] section,
         or anything with its keys), the one place a run sets them. An [env] option that says otherwise
         is refused: which of the two a run scored by would be a guess."""
@@ -42,8 +43,10 @@ class EnvConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for k in self.load().scorer_options:
             v = getattr(scorer, k)
             if options.get(k, v) != v:
-                raise ValueError(f"env.options.{k}={options[k]!r} differs from scorer.{k}={v!r}; {self.name}'s "
-                                 f"scoring is set in [scorer] ({k} = ...): remove env.options.{k}")
+                raise ValueError(
+                    f"env.options.{k}={options[k]!r} differs from scorer.{k}={v!r}; {self.name}'s "
+                    f"scoring is set in [scorer] ({k} = ...): remove env.options.{k}"
+                )
             options[k] = v
         return EnvConfig(name=self.name, options=options)
 

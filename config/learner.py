@@ -7,8 +7,8 @@ from typing import Annotated, Literal, get_args
 import msgspec
 from msgspec import Meta
 
-from parley.rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES
 from parley.protocol.messages import TASK_MAX_FUTURES, TASK_MAX_N, TASK_MAX_NEW_TURNS
+from parley.rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES
 
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 LOSS_AGG = get_args(LossAgg)
@@ -60,8 +60,9 @@ class LoraSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.enabled and not self.target_modules:
-            raise ValueError("[learner.lora] target_modules is empty: name the Linear layers to adapt, e.g. "
-                             f"{list(LORA_TARGETS)}")
+            raise ValueError(
+                f"[learner.lora] target_modules is empty: name the Linear layers to adapt, e.g. {list(LORA_TARGETS)}"
+            )
 
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -149,9 +150,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             # peft swaps every targeted Linear for a LoRA layer holding a dict of adapters and a
             # disable flag the reference flips per forward: a compiled layer guards on that state and
             # recompiles, so compiled layers give no speed here and have not been checked for equal log-probs
-            raise ValueError('[learner] compile = "layers" with [learner.lora] enabled is not supported: the '
-                             'reference flips the adapters off per forward, which a compiled layer would '
-                             'recompile for; set compile = "auto" (off with LoRA) or "off"')
+            raise ValueError(
+                '[learner] compile = "layers" with [learner.lora] enabled is not supported: the '
+                "reference flips the adapters off per forward, which a compiled layer would "
+                'recompile for; set compile = "auto" (off with LoRA) or "off"'
+            )
         if self.eval_metric.lower() in TRAINING_REWARD_NAMES:  # whatever the environment, with the reason
             raise ValueError(f"eval_metric {self.eval_metric}: {REWARD_REFUSED}")
         if self.eval_every > 0 and self.eval_every % self.publish_every:
@@ -171,7 +174,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"[learner] oversample_groups={self.oversample_groups} with stale_policy={self.stale_policy!r}: an "
                 "extra group that comes back when no earlier one was skipped lags more than max_staleness and "
-                "would be trained; set stale_policy = \"drop\" or oversample_groups = 0"
+                'would be trained; set stale_policy = "drop" or oversample_groups = 0'
             )
         if self.publish_every > self.max_staleness + 1:
             raise ValueError(

@@ -76,8 +76,10 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.min_actors > self.max_actors:
-            raise ValueError(f"up.min_actors={self.min_actors} > up.max_actors={self.max_actors}; "
-                             "the autoscaler's lower bound must not pass its upper one")
+            raise ValueError(
+                f"up.min_actors={self.min_actors} > up.max_actors={self.max_actors}; "
+                "the autoscaler's lower bound must not pass its upper one"
+            )
 
     def first_actors(self) -> int:
         """Actors `parley up` starts with."""
@@ -125,7 +127,7 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.policy.reference == "service" and self.learner.kl_coef <= 0:
             raise ValueError(
                 f"policy.reference='service' with learner.kl_coef={self.learner.kl_coef}: without a KL term no "
-                "reference is used; set learner.kl_coef > 0 or policy.reference = \"local\""
+                'reference is used; set learner.kl_coef > 0 or policy.reference = "local"'
             )
 
     @property
@@ -152,23 +154,29 @@ def resolve_environment(cfg: RunConfig) -> Environment:
     for what, keys in (("weights", sc.weights), ("clamps", sc.clamps)):
         unknown = [k for k in keys if k not in names]
         if unknown:
-            raise ValueError(f"scorer.{what}: unknown reward metric {', '.join(map(repr, unknown))} for environment "
-                             f"{env.name!r}; its metrics are {list(names)}")
+            raise ValueError(
+                f"scorer.{what}: unknown reward metric {', '.join(map(repr, unknown))} for environment "
+                f"{env.name!r}; its metrics are {list(names)}"
+            )
     if not sc.weights:
         sc.weights = env.reward.default_weights()
     ro = cfg.rollout
     if isinstance(env.user, ProgrammaticUser):
         if ro.sim_prompt:
-            raise ValueError(f"rollout.sim_prompt={ro.sim_prompt!r}: environment {env.name!r} plays a programmatic "
-                             "user (no simulator), so it takes no simulator prompt; leave rollout.sim_prompt empty")
+            raise ValueError(
+                f"rollout.sim_prompt={ro.sim_prompt!r}: environment {env.name!r} plays a programmatic "
+                "user (no simulator), so it takes no simulator prompt; leave rollout.sim_prompt empty"
+            )
     elif not ro.sim_prompt:
         ro.sim_prompt = env.user.prompt
     lc = cfg.learner
     if not lc.eval_metric:
         lc.eval_metric = env.eval.select
     elif lc.eval_metric not in env.eval.selectable:
-        raise ValueError(f"learner.eval_metric={lc.eval_metric!r} is not a selectable metric of environment "
-                         f"{env.name!r}; use one of {list(env.eval.selectable)} (or \"\" for {env.eval.select!r})")
+        raise ValueError(
+            f"learner.eval_metric={lc.eval_metric!r} is not a selectable metric of environment "
+            f'{env.name!r}; use one of {list(env.eval.selectable)} (or "" for {env.eval.select!r})'
+        )
     return env
 
 
@@ -191,7 +199,7 @@ def renamed_key(key: str) -> str:
     """`key` (dotted, maybe below a renamed key) under its current name."""
     for old, new in RENAMED.items():
         if key == old or key.startswith(old + "."):
-            return new + key[len(old):]
+            return new + key[len(old) :]
     return key
 
 
@@ -209,10 +217,13 @@ def translate(data: dict, source: str = "<config>") -> dict:
         for p in new_parents:
             target = target.setdefault(p, {})
             if not isinstance(target, dict):
-                raise ConfigError(f"{source}: {'.'.join(new_parents)} must be a section (it holds {new}, "
-                                  f"the new name of {old})")
+                raise ConfigError(
+                    f"{source}: {'.'.join(new_parents)} must be a section (it holds {new}, the new name of {old})"
+                )
         if new_leaf in target:
-            raise ConfigError(f"{source}: both {old} and {new} are set; {old} is the old name of {new}: keep only {new}")
+            raise ConfigError(
+                f"{source}: both {old} and {new} are set; {old} is the old name of {new}: keep only {new}"
+            )
         target[new_leaf] = node.pop(old_leaf)
         log.warning("%s: %s is now %s; read as such (rename it in the file)", source, old, new)
     return data
@@ -289,8 +300,10 @@ def explain(e: msgspec.ValidationError, data: dict, source: str) -> str:
     text, sep, at = str(e).rpartition(" - at `")
     if not sep:
         return f"{source}: {e}"
-    steps = [m.group(1) if m.group(1) is not None else (int(m.group(2)) if m.group(2) else None)
-             for m in _STEP.finditer(at.rstrip("`"))]
+    steps = [
+        m.group(1) if m.group(1) is not None else (int(m.group(2)) if m.group(2) else None)
+        for m in _STEP.finditer(at.rstrip("`"))
+    ]
     key = ".".join(str(s) if isinstance(s, str) else f"[{'...' if s is None else s}]" for s in steps)
     key = key.replace(".[", "[")
     if text.startswith("Object contains unknown field"):
@@ -360,21 +373,27 @@ def check_training(cfg: RunConfig) -> None:
     """
     lr = cfg.learner.lora
     if lr.enabled and cfg.actor.engine.max_lora_rank < lr.rank:
-        raise ConfigError(f"[learner.lora] rank={lr.rank} but actor.engine.max_lora_rank="
-                          f"{cfg.actor.engine.max_lora_rank}: the actors could not load the adapters; set "
-                          f"actor.engine.max_lora_rank = {lr.rank}")
+        raise ConfigError(
+            f"[learner.lora] rank={lr.rank} but actor.engine.max_lora_rank="
+            f"{cfg.actor.engine.max_lora_rank}: the actors could not load the adapters; set "
+            f"actor.engine.max_lora_rank = {lr.rank}"
+        )
     if lr.enabled:
         from parley.weights import registry
 
         transport = registry.of(cfg.weights)
         if not transport.carries_adapters:
-            raise ConfigError(f"[learner.lora] with [weights] kind={transport.kind!r}: an adapter travels as files "
-                              "(objstore, shared_dir) or in a shared GPU buffer on the learner's GPUs (cuda_ipc); "
-                              "set weights.kind = \"objstore\", \"shared_dir\" or \"cuda_ipc\"")
+            raise ConfigError(
+                f"[learner.lora] with [weights] kind={transport.kind!r}: an adapter travels as files "
+                "(objstore, shared_dir) or in a shared GPU buffer on the learner's GPUs (cuda_ipc); "
+                'set weights.kind = "objstore", "shared_dir" or "cuda_ipc"'
+            )
         if getattr(cfg.weights, "delta_format", "file") == "packed":
-            raise ConfigError("[learner.lora] with [weights] delta_format = \"packed\": an adapter version is the "
-                              "adapter alone (megabytes), never a delta of the whole model; set "
-                              "weights.delta_format = \"file\" (the default)")
+            raise ConfigError(
+                '[learner.lora] with [weights] delta_format = "packed": an adapter version is the '
+                "adapter alone (megabytes), never a delta of the whole model; set "
+                'weights.delta_format = "file" (the default)'
+            )
     a = cfg.actor.sampling
     if not (GREEDY_BELOW <= a.temperature < float("inf")):
         raise ConfigError(

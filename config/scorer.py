@@ -59,7 +59,9 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.extract not in EXTRACTORS:
             raise ValueError(f"extract={self.extract!r} not allowed; use one of {EXTRACTORS}")
         if self.interactivity not in INTERACTIVITY_SCALES:
-            raise ValueError(f"interactivity={self.interactivity!r} not allowed; use one of {tuple(INTERACTIVITY_SCALES)}")
+            raise ValueError(
+                f"interactivity={self.interactivity!r} not allowed; use one of {tuple(INTERACTIVITY_SCALES)}"
+            )
         for k, v in self.clamps.items():
             if len(v) != 2 or v[0] > v[1]:
                 raise ValueError(f"clamps.{k}={v} must be [lo, hi] with lo <= hi")

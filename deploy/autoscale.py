@@ -39,8 +39,13 @@ class ActorPool:
     """The actor children of one `parley up`: `spawn(name)` starts one, `retire(name)` stops it (and
     forgets it); `step` makes one scaling decision from the waiting count and the ready children."""
 
-    def __init__(self, policy: ScalePolicy, spawn: Callable[[str], None], retire: Callable[[str], Awaitable[None]],
-                 names: list[str]):
+    def __init__(
+        self,
+        policy: ScalePolicy,
+        spawn: Callable[[str], None],
+        retire: Callable[[str], Awaitable[None]],
+        names: list[str],
+    ):
         self.policy, self.spawn, self.retire = policy, spawn, retire
         self.names = list(names)  # running actors, oldest first
         self.next = len(self.names)
@@ -48,7 +53,7 @@ class ActorPool:
         self.fewer_since: float | None = None  # since when the backlog has wanted fewer actors
 
     async def step(self, waiting: int, ready: set[str], now: float) -> str:
-        """"" or what was done ("added actor-2", "removed actor-2")."""
+        """ "" or what was done ("added actor-2", "removed actor-2")."""
         if self.starting in ready:
             self.starting = None
         want = self.policy.want(waiting)
@@ -78,7 +83,9 @@ class ActorPool:
         return ""
 
     def _say(self, what: str, waiting: int, want: int) -> str:
-        line = (f"{what}: {waiting} tasks waiting, {self.policy.per_actor} per actor -> {want} wanted "
-                f"(bounds {self.policy.low}..{self.policy.high}); {len(self.names)} actors now")
+        line = (
+            f"{what}: {waiting} tasks waiting, {self.policy.per_actor} per actor -> {want} wanted "
+            f"(bounds {self.policy.low}..{self.policy.high}); {len(self.names)} actors now"
+        )
         log.info("%s", line)
         return line

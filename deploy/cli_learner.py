@@ -7,12 +7,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from parley.deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
-                           run_main, setup_logging, start_metrics)
+from parley.deploy.common import (
+    ConfigOpt,
+    DryRunOpt,
+    MetricsHostOpt,
+    MetricsPortOpt,
+    NatsOpt,
+    RunOpt,
+    SetOpt,
+    dry_run,
+    resolve,
+    run_main,
+    setup_logging,
+    start_metrics,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -32,10 +44,14 @@ def learner_cmd(
         bool, typer.Option("--resume", help="Continue from the run directory's learner state and checkpoint.")
     ] = False,
     steps: Annotated[
-        Optional[int], typer.Option("--steps", help="Stop once this many optimizer steps are done in total; overrides learner.steps.")
+        int | None,
+        typer.Option("--steps", help="Stop once this many optimizer steps are done in total; overrides learner.steps."),
     ] = None,
     allow_overlap: Annotated[
-        bool, typer.Option("--allow-overlap", help="Start even if train and eval share reference targets (recorded in the run).")
+        bool,
+        typer.Option(
+            "--allow-overlap", help="Start even if train and eval share reference targets (recorded in the run)."
+        ),
     ] = False,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = "0.0.0.0",
@@ -64,8 +80,13 @@ def export_cmd(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/<name>).")],
     out: Annotated[Path, typer.Argument(help="Directory to write the HF checkpoint to.")],
     version: Annotated[int, typer.Option("--version", "-v", help="Weights version (= optimizer step) to export.")],
-    merge: Annotated[bool, typer.Option("--merge", help="A LoRA run: base + adapter merged into a standalone "
-                                        "checkpoint (without it, the adapter alone).")] = False,
+    merge: Annotated[
+        bool,
+        typer.Option(
+            "--merge",
+            help="A LoRA run: base + adapter merged into a standalone checkpoint (without it, the adapter alone).",
+        ),
+    ] = False,
 ) -> None:
     """Copy or consolidate version V into OUT with the base model's tokenizer, ready for vLLM or transformers."""
     setup_logging("export")

@@ -6,22 +6,43 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from parley.deploy.common import (ConfigOpt, DryRunOpt, MetricsHostOpt, MetricsPortOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve,
-                           run_async_main, run_main, setup_logging, start_metrics)
+from parley.deploy.common import (
+    ConfigOpt,
+    DryRunOpt,
+    MetricsHostOpt,
+    MetricsPortOpt,
+    NatsOpt,
+    RunOpt,
+    SetOpt,
+    dry_run,
+    resolve,
+    run_async_main,
+    run_main,
+    setup_logging,
+    start_metrics,
+)
 
 
 def register(app: typer.Typer) -> None:
     app.command("nats", help="Run the real nats-server with JetStream (prints its URL).")(nats_cmd)
     app.command("selfcheck", help="Round-trip every message type through a NATS server and report.")(selfcheck_cmd)
     app.command("services", help="User simulator and judge in one process sharing one local engine.")(services_cmd)
-    app.command("reference", help="Reference service: the frozen initial policy's per-token log-probs "
-                "([policy] reference = \"service\").")(reference_cmd)
-    for module in ("parley.deploy.cli_actor", "parley.deploy.cli_scorer", "parley.deploy.cli_eval", "parley.deploy.cli_learner", "parley.deploy.up_cli",
-                   "parley.deploy.cli_auth"):
+    app.command(
+        "reference",
+        help='Reference service: the frozen initial policy\'s per-token log-probs ([policy] reference = "service").',
+    )(reference_cmd)
+    for module in (
+        "parley.deploy.cli_actor",
+        "parley.deploy.cli_scorer",
+        "parley.deploy.cli_eval",
+        "parley.deploy.cli_learner",
+        "parley.deploy.up_cli",
+        "parley.deploy.cli_auth",
+    ):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as e:
@@ -36,7 +57,7 @@ def services_cmd(
     sets: SetOpt = None,
     nats: NatsOpt = None,
     run: RunOpt = None,
-    ident: Annotated[Optional[str], typer.Option("--id", help="Instance id (default services-<pid>).")] = None,
+    ident: Annotated[str | None, typer.Option("--id", help="Instance id (default services-<pid>).")] = None,
     dry: DryRunOpt = False,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = "0.0.0.0",
@@ -64,7 +85,7 @@ def reference_cmd(
     sets: SetOpt = None,
     nats: NatsOpt = None,
     run: RunOpt = None,
-    ident: Annotated[Optional[str], typer.Option("--id", help="Instance id (default reference-<pid>).")] = None,
+    ident: Annotated[str | None, typer.Option("--id", help="Instance id (default reference-<pid>).")] = None,
     dry: DryRunOpt = False,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = "0.0.0.0",
@@ -83,9 +104,9 @@ def reference_cmd(
 
 
 def nats_cmd(
-    store_dir: Annotated[Path, typer.Option("--store-dir", help="JetStream store directory (kept across restarts).")] = Path(
-        "runs/nats"
-    ),
+    store_dir: Annotated[
+        Path, typer.Option("--store-dir", help="JetStream store directory (kept across restarts).")
+    ] = Path("runs/nats"),
     port: Annotated[int, typer.Option("--port", help="Client port; 0 picks a free one.")] = 4222,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
 ) -> None:
@@ -121,7 +142,9 @@ def selfcheck_cmd(
     sets: SetOpt = None,
     nats: NatsOpt = None,
     run: RunOpt = None,
-    embedded: Annotated[bool, typer.Option("--embedded/--external", help="Start a throw-away nats-server for the check.")] = True,
+    embedded: Annotated[
+        bool, typer.Option("--embedded/--external", help="Start a throw-away nats-server for the check.")
+    ] = True,
 ) -> None:
     """Create the run's topology, publish one of every message type, read each back, compare."""
     setup_logging("selfcheck")

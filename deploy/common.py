@@ -7,31 +7,52 @@ The role commands (deploy/cli_*.py) call `resolve()`, then a role's plain entry 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from parley.runtime.process import setup_logging  # noqa: F401  (re-exported for the commands)
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Run config TOML (default: the embedded default).")]
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="Run config TOML (default: the embedded default).")
+]
 SetOpt = Annotated[
-    Optional[list[str]], typer.Option("--set", "-s", help="Override a config value: section.key=value (repeatable).")
+    list[str] | None, typer.Option("--set", "-s", help="Override a config value: section.key=value (repeatable).")
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved configuration and exit.")]
-NatsOpt = Annotated[Optional[str], typer.Option("--nats", help="NATS URL; overrides the config's nats.url.", envvar="PARLEY_NATS_URL")]
-RunOpt = Annotated[Optional[str], typer.Option("--run", help="Run name; overrides the config's run.name.", envvar="PARLEY_RUN")]
+NatsOpt = Annotated[
+    str | None, typer.Option("--nats", help="NATS URL; overrides the config's nats.url.", envvar="PARLEY_NATS_URL")
+]
+RunOpt = Annotated[
+    str | None, typer.Option("--run", help="Run name; overrides the config's run.name.", envvar="PARLEY_RUN")
+]
 # Off unless asked: an endpoint nobody scrapes is an open port for nothing, and one fixed default port
 # collides as soon as two roles share a host; `parley up` asks each child for one (deploy/up.py).
 METRICS_PORT_ENV = "PARLEY_METRICS_PORT"  # the deploy files set it (9400) beside a port named "metrics"
-MetricsPortOpt = Annotated[Optional[int], typer.Option(
-    "--metrics-port", min=0, max=65535, envvar=METRICS_PORT_ENV,
-    help="Serve Prometheus metrics (the heartbeat's numbers) on this port; 0 = a free one, printed at start. Off when not given.")]
-MetricsHostOpt = Annotated[str, typer.Option("--metrics-host", envvar="PARLEY_METRICS_HOST",
-                                             help="Address the metrics endpoint listens on.")]
+MetricsPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port",
+        min=0,
+        max=65535,
+        envvar=METRICS_PORT_ENV,
+        help="Serve Prometheus metrics (the heartbeat's numbers) on this port; 0 = a free one, printed at start. Off when not given.",
+    ),
+]
+MetricsHostOpt = Annotated[
+    str, typer.Option("--metrics-host", envvar="PARLEY_METRICS_HOST", help="Address the metrics endpoint listens on.")
+]
 
 
-def resolve(config: Path | None, sets: list[str] | None, *, nats: str | None = None, run: str | None = None,
-            extra: list[str] | None = None, training: bool = False):
+def resolve(
+    config: Path | None,
+    sets: list[str] | None,
+    *,
+    nats: str | None = None,
+    run: str | None = None,
+    extra: list[str] | None = None,
+    training: bool = False,
+):
     """Load and validate the run config with CLI overrides; exits with a one-line error on bad input.
     training: also the checks of a run that trains (config.run.check_training)."""
     from parley.config.run import ConfigError, check_training, load_config
@@ -69,8 +90,10 @@ def start_metrics(port: int | None, host: str, who: str) -> None:
     try:
         bound = serve(port, host)
     except OSError as e:
-        typer.echo(f"parley {who}: cannot serve metrics on {host}:{port}: {e}; pick another --metrics-port (0 = any free one)",
-                   err=True)
+        typer.echo(
+            f"parley {who}: cannot serve metrics on {host}:{port}: {e}; pick another --metrics-port (0 = any free one)",
+            err=True,
+        )
         raise typer.Exit(2) from None
     typer.echo(f"parley {who}: metrics on http://{host}:{bound}/metrics", err=True)
 

@@ -15,8 +15,10 @@ from parley.deploy.natsserver import write_private
 from parley.deploy.permissions import ROLES, response_window_s, role_permissions, user_name
 from parley.protocol import topology
 
-def server_auth_conf(creds: dict[str, tuple[str, str]], run: str | None = None, *,
-                     response_window: float | None = None) -> str:
+
+def server_auth_conf(
+    creds: dict[str, tuple[str, str]], run: str | None = None, *, response_window: float | None = None
+) -> str:
     """The `authorization { users = [...] }` block for nats-server, one user per role of `creds`.
 
     `run` defaults to the run named in the user names that generate_credentials made;
@@ -53,8 +55,9 @@ def _run_of(creds: dict[str, tuple[str, str]]) -> str:
     return user[len(prefix) : -len(suffix)]
 
 
-def generate_credentials(run: str, out_dir: str | Path, roles: tuple[str, ...] = ROLES, *,
-                         response_window: float | None = None) -> dict[str, tuple[str, str]]:
+def generate_credentials(
+    run: str, out_dir: str | Path, roles: tuple[str, ...] = ROLES, *, response_window: float | None = None
+) -> dict[str, tuple[str, str]]:
     """Make a fresh user and password per role for `run` (or "*": every run); write auth.conf and
     <role>.env (mode 0600). `response_window`: see server_auth_conf (pass response_window_s(cfg)).
 

@@ -25,8 +25,9 @@ APPS_HEADER = "time,pid,role,used_mib\n"
 
 
 def _query(args: list[str]) -> list[list[str]]:
-    out = subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                         timeout=10, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
     return [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
@@ -52,8 +53,10 @@ class GpuSampler:
             return None
         sampler = cls(run_dir, sessions)
         sampler.start()
-        print(f"GPU samples: {sampler.dir} (nvidia-smi every {sampler.interval_s:g} s; `parley report` draws them)",
-              flush=True)
+        print(
+            f"GPU samples: {sampler.dir} (nvidia-smi every {sampler.interval_s:g} s; `parley report` draws them)",
+            flush=True,
+        )
         return sampler
 
     def start(self) -> None:

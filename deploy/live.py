@@ -69,8 +69,9 @@ class RunWatcher:
                     row.pending = ci.num_pending or 0
                     row.ack_pending = ci.num_ack_pending or 0
                     row.redelivered = ci.num_redelivered or 0
-                    row.backlog = unconsumed_share(info.state.messages, info.state.bytes,
-                                                   row.pending + row.ack_pending, row.max_bytes)
+                    row.backlog = unconsumed_share(
+                        info.state.messages, info.state.bytes, row.pending + row.ack_pending, row.max_bytes
+                    )
             self.snap.streams[key] = row
         now = time.time()
         self._traj_hist.append((now, self.snap.streams.get("traj", StreamRow()).messages))

@@ -66,10 +66,15 @@ class Shape:
         heads = config["num_attention_heads"]
         kind = config.get("model_type", "")
         return cls(
-            hidden=config["hidden_size"], intermediate=config["intermediate_size"], layers=config["num_hidden_layers"],
-            heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads, vocab=config["vocab_size"],
-            tied=bool(config.get("tie_word_embeddings", False)), qk_norm=kind == "qwen3",
+            hidden=config["hidden_size"],
+            intermediate=config["intermediate_size"],
+            layers=config["num_hidden_layers"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab=config["vocab_size"],
+            tied=bool(config.get("tie_word_embeddings", False)),
+            qk_norm=kind == "qwen3",
             qkv_bias=bool(config.get("attention_bias", kind == "qwen2")),
         )
 
@@ -108,8 +113,10 @@ def model_shape(name: str) -> Shape:
     try:
         return Shape.of(json.loads(path.read_text()))
     except OSError as e:
-        raise PlanError(f"model {name!r}: cannot read {path} ({e.strerror}); give an existing checkpoint "
-                        "directory or one of tiny, smol") from None
+        raise PlanError(
+            f"model {name!r}: cannot read {path} ({e.strerror}); give an existing checkpoint "
+            "directory or one of tiny, smol"
+        ) from None
     except (ValueError, PlanError) as e:
         raise PlanError(f"model {name!r}: {path}: {e}") from None
 
@@ -162,9 +169,11 @@ class Plan:
         return None if self.total is None else self.need <= self.usable
 
     def render(self) -> str:
-        head = ("GPU memory plan (computed from the config and the models' config.json, not measured): "
-                + (f"GPU total {self.total:.1f} GiB ({self.source})" if self.total is not None
-                   else "GPU total unknown: set up.gpu_memory_gib"))
+        head = "GPU memory plan (computed from the config and the models' config.json, not measured): " + (
+            f"GPU total {self.total:.1f} GiB ({self.source})"
+            if self.total is not None
+            else "GPU total unknown: set up.gpu_memory_gib"
+        )
         lines = [head]
         for p in self.procs:
             lines.append(f"  {p.name:<34}{_size(p.gib, p.share, self.total):>22}")
@@ -174,16 +183,20 @@ class Plan:
             lines.append(f"  {'all processes':<34}{_size(gib, share, None):>22}")
         else:
             left = self.usable - self.need
-            lines.append(f"  {'all processes':<34}{self.need:>18.2f} GiB, of {self.usable:.2f} usable "
-                         f"({1 - HEADROOM:.0%} of {self.total:.1f}): "
-                         + (f"{left:.2f} GiB to spare" if left >= 0 else f"{-left:.2f} GiB over"))
+            lines.append(
+                f"  {'all processes':<34}{self.need:>18.2f} GiB, of {self.usable:.2f} usable "
+                f"({1 - HEADROOM:.0%} of {self.total:.1f}): "
+                + (f"{left:.2f} GiB to spare" if left >= 0 else f"{-left:.2f} GiB over")
+            )
         return "\n".join(lines)
 
     def refusal(self) -> str:
-        return (f"parley up: the processes on the GPU need {self.need:.2f} GiB, more than the {self.usable:.2f} GiB "
-                f"usable ({1 - HEADROOM:.0%} of the GPU's {self.total:.1f} GiB, {self.source}): "
-                f"{self.need - self.usable:.2f} GiB over; nothing was started\n{self.render()}\n"
-                "to fit, turn one of:\n" + "\n".join(f"  {k}" for k in self.knobs))
+        return (
+            f"parley up: the processes on the GPU need {self.need:.2f} GiB, more than the {self.usable:.2f} GiB "
+            f"usable ({1 - HEADROOM:.0%} of the GPU's {self.total:.1f} GiB, {self.source}): "
+            f"{self.need - self.usable:.2f} GiB over; nothing was started\n{self.render()}\n"
+            "to fit, turn one of:\n" + "\n".join(f"  {k}" for k in self.knobs)
+        )
 
 
 def _size(gib: float, share: float, total: float | None) -> str:
@@ -212,13 +225,23 @@ def engine_terms(ec: EngineConfig, shape_of) -> list[Term]:
     """A vLLM engine: with a gpu_memory_utilization, that share of the GPU, which vLLM reserves and
     fills (weights, activations, KV cache, CUDA graphs); without one, its weights and kv_cache_bytes."""
     if ec.gpu_memory_utilization > 0:
-        return [Term(f"vLLM engine {ec.model}: gpu_memory_utilization {ec.gpu_memory_utilization:g} x the GPU "
-                     "(weights, activations, KV cache, CUDA graphs)", share=ec.gpu_memory_utilization)]
+        return [
+            Term(
+                f"vLLM engine {ec.model}: gpu_memory_utilization {ec.gpu_memory_utilization:g} x the GPU "
+                "(weights, activations, KV cache, CUDA graphs)",
+                share=ec.gpu_memory_utilization,
+            )
+        ]
     shape, b = shape_of(ec.model), 4 if ec.dtype == "float32" else 2
-    return [Term(f"vLLM engine {ec.model} weights: {b} B x {_m(shape.params)} params", _gib(b * shape.params)),
-            Term(f"its KV cache: kv_cache_bytes {ec.kv_cache_bytes} (explicit: vLLM does not profile, so the GPU's "
-                 "other processes starting beside it do not shrink it)", _gib(ec.kv_cache_bytes)),
-            Term("its activations, sampler and CUDA graphs: an estimate, not measured", ENGINE_WORK_GIB)]
+    return [
+        Term(f"vLLM engine {ec.model} weights: {b} B x {_m(shape.params)} params", _gib(b * shape.params)),
+        Term(
+            f"its KV cache: kv_cache_bytes {ec.kv_cache_bytes} (explicit: vLLM does not profile, so the GPU's "
+            "other processes starting beside it do not shrink it)",
+            _gib(ec.kv_cache_bytes),
+        ),
+        Term("its activations, sampler and CUDA graphs: an estimate, not measured", ENGINE_WORK_GIB),
+    ]
 
 
 def learner_dtype_bytes(cfg: RunConfig) -> int:
@@ -239,15 +262,21 @@ def activation_terms(cfg: RunConfig, shape: Shape, checkpointing: bool) -> list[
     t, h, layer = micro_batch_tokens(cfg), shape.hidden, shape.layer_activation_bytes()
     if checkpointing:
         per_token = shape.layers * 2 * h + layer + 8 * h
-        how = (f"{t} tokens x ({shape.layers} layers x {2 * h} B layer inputs + one layer's {layer} B + {8 * h} B) "
-               "(gradient checkpointing)")
+        how = (
+            f"{t} tokens x ({shape.layers} layers x {2 * h} B layer inputs + one layer's {layer} B + {8 * h} B) "
+            "(gradient checkpointing)"
+        )
     else:
         per_token = shape.layers * layer + 8 * h
         how = f"{t} tokens x ({shape.layers} layers x {layer} B + {8 * h} B) (no gradient checkpointing)"
     chunk = min(cfg.learner.logit_chunk_tokens, t)
-    return [Term(f"activations: {how}", _gib(t * per_token)),
-            Term(f"logits: {LOGIT_COPIES} x {FP32} B x {chunk} tokens (logit_chunk_tokens) x {shape.vocab} vocab",
-                 _gib(LOGIT_COPIES * FP32 * chunk * shape.vocab))]
+    return [
+        Term(f"activations: {how}", _gib(t * per_token)),
+        Term(
+            f"logits: {LOGIT_COPIES} x {FP32} B x {chunk} tokens (logit_chunk_tokens) x {shape.vocab} vocab",
+            _gib(LOGIT_COPIES * FP32 * chunk * shape.vocab),
+        ),
+    ]
 
 
 def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
@@ -259,25 +288,45 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
     optimizer step's temporaries (the flat gradient and its fp32 copy, p + 4 B, after the
     activations are freed); the CUDA context."""
     lc, p, n = cfg.learner, learner_dtype_bytes(cfg), shape.params
-    terms = [Term(f"weights + gradients + fp32 master + Adam m, v: ({p} + {p} + 4 + 8) B x {_m(n)} params",
-                  _gib((2 * p + 12) * n))]
+    terms = [
+        Term(
+            f"weights + gradients + fp32 master + Adam m, v: ({p} + {p} + 4 + 8) B x {_m(n)} params",
+            _gib((2 * p + 12) * n),
+        )
+    ]
     if lc.kl_coef > 0 and cfg.policy.reference == "local":
         terms.append(Term(f"frozen reference (policy.reference = local): {p} B x {_m(n)} params", _gib(p * n)))
     transport = registry.of(cfg.weights)
     if transport.gpu:
         k, packed = cfg.weights.max_buffers, shape.packed_bytes(p)
-        terms.append(Term(f"{transport.kind} buffers: weights.max_buffers {k} x {_gib(packed):.2f} GiB "
-                          f"(the weights in {p} B, a tied lm_head once)", _gib(k * packed)))
+        terms.append(
+            Term(
+                f"{transport.kind} buffers: weights.max_buffers {k} x {_gib(packed):.2f} GiB "
+                f"(the weights in {p} B, a tied lm_head once)",
+                _gib(k * packed),
+            )
+        )
     elif packed_deltas(cfg):
         packed = shape.packed_bytes(p)
-        terms.append(Term(f"packed versions (weights.delta_format = \"packed\"): 2 x {_gib(packed):.2f} GiB "
-                          f"(the weights in {p} B, a tied lm_head once)", _gib(2 * packed)))
+        terms.append(
+            Term(
+                f'packed versions (weights.delta_format = "packed"): 2 x {_gib(packed):.2f} GiB '
+                f"(the weights in {p} B, a tied lm_head once)",
+                _gib(2 * packed),
+            )
+        )
     if lc.zero_stage > 0:
-        terms.append(Term(f"DeepSpeed gradient bucket: reduce_bucket_size {REDUCE_BUCKET_ELEMENTS:,} x {p} B",
-                          _gib(REDUCE_BUCKET_ELEMENTS * p)))
+        terms.append(
+            Term(
+                f"DeepSpeed gradient bucket: reduce_bucket_size {REDUCE_BUCKET_ELEMENTS:,} x {p} B",
+                _gib(REDUCE_BUCKET_ELEMENTS * p),
+            )
+        )
     act = activation_terms(cfg, shape, lc.gradient_checkpointing)
-    step = Term(f"optimizer step temporaries: ({p} + 4) B x {_m(n)} params (more than a micro-batch's "
-                "activations here)", _gib((p + 4) * n))
+    step = Term(
+        f"optimizer step temporaries: ({p} + 4) B x {_m(n)} params (more than a micro-batch's activations here)",
+        _gib((p + 4) * n),
+    )
     terms += act if sum(t.gib for t in act) >= step.gib else [step]
     return [*terms, Term("CUDA context", CUDA_CONTEXT_GIB)]
 
@@ -287,11 +336,15 @@ def reference_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
     trajectory's forward without grad: one layer's temporaries and one lm_head chunk's logits."""
     p, t = learner_dtype_bytes(cfg), cfg.actor.engine.max_model_len
     chunk = min(cfg.learner.logit_chunk_tokens, t)
-    return [Term(f"reference weights: {p} B x {_m(shape.params)} params", _gib(p * shape.params)),
-            Term(f"one trajectory's forward: {t} tokens x {shape.layer_activation_bytes()} B + "
-                 f"{LOGIT_COPIES} x {FP32} B x {chunk} x {shape.vocab} logits",
-                 _gib(t * shape.layer_activation_bytes() + LOGIT_COPIES * FP32 * chunk * shape.vocab)),
-            Term("CUDA context", CUDA_CONTEXT_GIB)]
+    return [
+        Term(f"reference weights: {p} B x {_m(shape.params)} params", _gib(p * shape.params)),
+        Term(
+            f"one trajectory's forward: {t} tokens x {shape.layer_activation_bytes()} B + "
+            f"{LOGIT_COPIES} x {FP32} B x {chunk} x {shape.vocab} logits",
+            _gib(t * shape.layer_activation_bytes() + LOGIT_COPIES * FP32 * chunk * shape.vocab),
+        ),
+        Term("CUDA context", CUDA_CONTEXT_GIB),
+    ]
 
 
 def _local_engines(cfg: RunConfig) -> list[tuple[str, str, EngineConfig]]:
@@ -340,7 +393,7 @@ def processes(cfg: RunConfig) -> list[Proc]:
         staging = [Term(f"{transport.kind}: its copy of a version while it loads", _gib(packed))]
     if packed_deltas(cfg):  # the engine's packed copy of what it serves, outside vLLM's own share
         packed = policy.packed_bytes(learner_dtype_bytes(cfg))
-        staging = [Term("its packed copy of the served weights (weights.delta_format = \"packed\")", _gib(packed))]
+        staging = [Term('its packed copy of the served weights (weights.delta_format = "packed")', _gib(packed))]
     # (cuda_ipc loads from the learner's buffer itself within the hold time: no copy is planned; a
     # reader that comes later copies it first, and if that does not fit the load is tried again)
     actor = (*engine_terms(cfg.actor.engine, shape_of), *staging, ctx)
@@ -359,24 +412,34 @@ def knobs(cfg: RunConfig, procs: list[Proc], total: float) -> list[str]:
     out = []
     eval_part = " and the periodic eval's" if lc.eval_every > 0 else ""
     if u > 0:
-        out.append(f"actor.engine.gpu_memory_utilization = {u:g} (each of the {cfg.up.most_actors()} actors' engines{eval_part}: "
-                   f"{engines} x {u * total:.2f} GiB)")
+        out.append(
+            f"actor.engine.gpu_memory_utilization = {u:g} (each of the {cfg.up.most_actors()} actors' engines{eval_part}: "
+            f"{engines} x {u * total:.2f} GiB)"
+        )
     else:
         kv = cfg.actor.engine.kv_cache_bytes
-        out.append(f"actor.engine.kv_cache_bytes = {kv} (each of the {cfg.up.most_actors()} actors' engines{eval_part}: "
-                   f"{engines} x {_gib(kv):.2f} GiB of KV cache)")
+        out.append(
+            f"actor.engine.kv_cache_bytes = {kv} (each of the {cfg.up.most_actors()} actors' engines{eval_part}: "
+            f"{engines} x {_gib(kv):.2f} GiB of KV cache)"
+        )
     out.append(f"up.actors = {cfg.up.most_actors()}" + (" (up.max_actors: --actors auto)" if cfg.up.autoscale else ""))
     for name, section, ec in _local_engines(cfg):
         if ec.gpu_memory_utilization > 0:
-            out.append(f"{section}.engine.gpu_memory_utilization = {ec.gpu_memory_utilization:g} ({name}: "
-                       f"{ec.gpu_memory_utilization * total:.2f} GiB)")
+            out.append(
+                f"{section}.engine.gpu_memory_utilization = {ec.gpu_memory_utilization:g} ({name}: "
+                f"{ec.gpu_memory_utilization * total:.2f} GiB)"
+            )
         else:
-            out.append(f"{section}.engine.kv_cache_bytes = {ec.kv_cache_bytes} ({name}: {_gib(ec.kv_cache_bytes):.2f} GiB "
-                       "of KV cache)")
+            out.append(
+                f"{section}.engine.kv_cache_bytes = {ec.kv_cache_bytes} ({name}: {_gib(ec.kv_cache_bytes):.2f} GiB "
+                "of KV cache)"
+            )
     if lc.eval_every > 0:
         ev = next(p for p in procs if p.name.startswith("eval "))
-        out.append(f"learner.eval_every = {lc.eval_every} (0: no periodic eval, whose process takes "
-                   f"{ev.gib + ev.share * total:.2f} GiB)")
+        out.append(
+            f"learner.eval_every = {lc.eval_every} (0: no periodic eval, whose process takes "
+            f"{ev.gib + ev.share * total:.2f} GiB)"
+        )
     act = sum(t.gib for t in activation_terms(cfg, policy, lc.gradient_checkpointing))
     line = f"learner.micro_batch_tokens = {lc.micro_batch_tokens} (activations and logits {act:.2f} GiB)"
     if not lc.gradient_checkpointing:
@@ -384,8 +447,10 @@ def knobs(cfg: RunConfig, procs: list[Proc], total: float) -> list[str]:
         line += f", or learner.gradient_checkpointing = true ({ckpt:.2f} GiB)"
     out.append(line)
     if registry.of(cfg.weights).gpu:
-        out.append(f"weights.max_buffers = {cfg.weights.max_buffers} "
-                   f"({_gib(policy.packed_bytes(learner_dtype_bytes(cfg))):.2f} GiB each on the learner)")
+        out.append(
+            f"weights.max_buffers = {cfg.weights.max_buffers} "
+            f"({_gib(policy.packed_bytes(learner_dtype_bytes(cfg))):.2f} GiB each on the learner)"
+        )
     if cfg.up.gpu_memory_gib:
         out.append(f"up.gpu_memory_gib = {cfg.up.gpu_memory_gib:g}, if the GPU has more (0 asks torch.cuda)")
     return out
@@ -394,8 +459,7 @@ def knobs(cfg: RunConfig, procs: list[Proc], total: float) -> list[str]:
 def detect_gpu_gib() -> float | None:
     """The first visible GPU's total memory in GiB, asked of torch.cuda in a short child process (so
     `parley up` itself holds no CUDA context for the whole run); None without CUDA."""
-    code = ("import torch; print(torch.cuda.get_device_properties(0).total_memory "
-            "if torch.cuda.is_available() else 0)")
+    code = "import torch; print(torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0)"
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
         total = int(out.stdout.split()[-1])

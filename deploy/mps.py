@@ -36,8 +36,10 @@ def binary() -> str:
     """The daemon's path, or MpsError naming what is missing and the fix."""
     found = shutil.which(BINARY)
     if found is None:
-        raise MpsError(f'[up] gpu_share = "mps" needs {BINARY} (the NVIDIA driver\'s utilities) on PATH, and it '
-                       f"is not there; install them or {FIX}")
+        raise MpsError(
+            f'[up] gpu_share = "mps" needs {BINARY} (the NVIDIA driver\'s utilities) on PATH, and it '
+            f"is not there; install them or {FIX}"
+        )
     return found
 
 
@@ -61,8 +63,9 @@ class MpsDaemon:
         try:
             # nothing to say: the child reads an empty input, not up's own (a terminal or an open pipe)
             feed = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
-            return subprocess.run(argv, env=os.environ | self.env(), capture_output=True, text=True,
-                                  timeout=self.timeout_s, **feed)
+            return subprocess.run(
+                argv, env=os.environ | self.env(), capture_output=True, text=True, timeout=self.timeout_s, **feed
+            )
         except subprocess.TimeoutExpired:
             raise MpsError(f"{what} did not end within {self.timeout_s:.0f} s; {FIX}") from None
 
@@ -72,14 +75,18 @@ class MpsDaemon:
         started = self._run([self.binary, "-d"], f"{BINARY} -d")
         if started.returncode != 0:
             self.stop()
-            raise MpsError(f"{BINARY} -d exited with code {started.returncode}: "
-                           f"{(started.stderr or started.stdout).strip()[-400:]}; {FIX}")
+            raise MpsError(
+                f"{BINARY} -d exited with code {started.returncode}: "
+                f"{(started.stderr or started.stdout).strip()[-400:]}; {FIX}"
+            )
         probe = self._run(self.probe, "a CUDA process under MPS")
         if probe.returncode != 0:
             tail = (probe.stderr or probe.stdout).strip().splitlines()[-3:]
             self.stop()
-            raise MpsError(f"the MPS daemon started, but a CUDA process could not run under it (exit code "
-                           f"{probe.returncode}: {' | '.join(tail)}; the daemon's log: {self.log_dir}); {FIX}")
+            raise MpsError(
+                f"the MPS daemon started, but a CUDA process could not run under it (exit code "
+                f"{probe.returncode}: {' | '.join(tail)}; the daemon's log: {self.log_dir}); {FIX}"
+            )
 
     def stop(self) -> None:
         """Tell the daemon to quit (it stops its server once the last client is gone) and remove the pipes."""

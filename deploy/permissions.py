@@ -50,8 +50,11 @@ def _verify_topology(run: str) -> list[str]:
         subjects.append(f"{API}.STREAM.INFO.{stream}")
         if channel.durable:
             subjects.append(f"{API}.CONSUMER.INFO.{stream}.{channel.durable}")
-    subjects += [f"{API}.STREAM.INFO.{_kv_stream(run)}", f"{API}.STREAM.INFO.{_held_stream(run)}",
-                 f"{API}.STREAM.INFO.{_obj_stream(run)}"]
+    subjects += [
+        f"{API}.STREAM.INFO.{_kv_stream(run)}",
+        f"{API}.STREAM.INFO.{_held_stream(run)}",
+        f"{API}.STREAM.INFO.{_obj_stream(run)}",
+    ]
     return subjects
 
 
@@ -166,7 +169,10 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
         publish += [*_read_weights(run), *_write_weights(run)]
         # It may re-read what it trained on, read the dead letters (the fates of the tasks it issued),
         # and see how far every shared consumer has got and how full every stream is (backlog).
-        publish += [*_read_stream(topology.stream_name(run, "scored")), *_read_stream(topology.stream_name(run, "dead"))]
+        publish += [
+            *_read_stream(topology.stream_name(run, "scored")),
+            *_read_stream(topology.stream_name(run, "dead")),
+        ]
         publish += [f"{API}.CONSUMER.INFO.{topology.stream_name(run, key)}.*" for key in topology.CHANNELS]
         publish += [f"{API}.STREAM.INFO.{topology.stream_name(run, key)}" for key in topology.CHANNELS]
     elif role == "eval":

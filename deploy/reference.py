@@ -30,8 +30,9 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
     def build(nc, ref):
         return [(reference_service(nc, ref, name=ident), "reference", ident, 30.0)]
 
-    return await serve_backend(stop, cfg, ident=ident, roles=[("reference", ident)], backend_cfg=None, build=build,
-                               make=make)
+    return await serve_backend(
+        stop, cfg, ident=ident, roles=[("reference", ident)], backend_cfg=None, build=build, make=make
+    )
 
 
 def run(cfg: RunConfig, ident: str) -> int:

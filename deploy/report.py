@@ -31,7 +31,9 @@ def reward_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
-def _line_chart(series: dict[str, list[tuple[int, float]]], path: Path, *, title: str, xlabel: str, ylabel: str = "") -> Path:
+def _line_chart(
+    series: dict[str, list[tuple[int, float]]], path: Path, *, title: str, xlabel: str, ylabel: str = ""
+) -> Path:
     """One PNG with a line per series; x values are integers (steps or versions)."""
     import matplotlib
 
@@ -64,22 +66,35 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = run_dir.name
     written = [
-        _line_chart(reward_series(rows), out_dir / "rewards.png", title=f"reward terms — {name}", xlabel="step",
-                    ylabel="mean (weighted term)"),
+        _line_chart(
+            reward_series(rows),
+            out_dir / "rewards.png",
+            title=f"reward terms — {name}",
+            xlabel="step",
+            ylabel="mean (weighted term)",
+        ),
     ]
     optim = {
         key: [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         for key in ("kl_mean", "loss", "clip_frac", "entropy")
     }
-    written.append(_line_chart({k: v for k, v in optim.items() if v}, out_dir / "kl.png",
-                               title=f"KL and optimisation — {name}", xlabel="step"))
+    written.append(
+        _line_chart(
+            {k: v for k, v in optim.items() if v},
+            out_dir / "kl.png",
+            title=f"KL and optimisation — {name}",
+            xlabel="step",
+        )
+    )
     from parley.evaluation.selection import load_versions, run_environment
 
     env = run_environment(run_dir)  # the environment the run's evals were played in: its table columns
     evals = load_versions(run_dir, env)  # RUN_DIR/eval/v<N>/records.parquet and summary.jsonl
     if evals:
         by_metric = {m: [(v.version, v.mean(m)) for v in evals] for m in env.eval.columns}
-        written.append(_line_chart(by_metric, out_dir / "eval.png", title=f"held-out eval — {name}", xlabel="policy version"))
+        written.append(
+            _line_chart(by_metric, out_dir / "eval.png", title=f"held-out eval — {name}", xlabel="policy version")
+        )
     timeline = gpu_timeline(run_dir, rows, out_dir / "gpu.png", title=f"GPU — {name}")
     if timeline is not None:
         written.append(timeline)

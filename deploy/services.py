@@ -17,7 +17,9 @@ log = logging.getLogger("parley.services")
 def check_shareable(cfg) -> None:
     """One engine can serve both only if both want the same local model."""
     if cfg.sim.backend != "vllm" or cfg.judge.backend != "vllm":
-        raise ValueError("parley services shares a local engine; with an openai backend run `parley sim` and `parley judge`")
+        raise ValueError(
+            "parley services shares a local engine; with an openai backend run `parley sim` and `parley judge`"
+        )
     if cfg.sim.engine.model != cfg.judge.engine.model:
         raise ValueError(
             f"sim.engine.model={cfg.sim.engine.model!r} and judge.engine.model={cfg.judge.engine.model!r} differ; "
@@ -40,7 +42,8 @@ def service_children(cfg) -> list[str]:
     deploy.memory plans them."""
     env = cfg.env.load()
     shared = (
-        env.needs_simulator and env.needs_judge
+        env.needs_simulator
+        and env.needs_judge
         and cfg.sim.backend == "vllm"
         and cfg.judge.backend == "vllm"
         and cfg.sim.engine.model == cfg.judge.engine.model
@@ -62,8 +65,10 @@ async def main(stop: asyncio.Event, cfg, ident: str) -> int:
     def build(nc, backend):
         log.info("services %s: one %s engine serves sim and judge (pid %d)", ident, backend.model_name, os.getpid())
         sim, judge = Simulator(backend, cfg.sim), Judge(backend, cfg.judge)
-        return [(sim.service(nc), "sim", f"{ident}-sim", cfg.sim.timeout_s),
-                (judge_service(nc, judge, name=f"{ident}-judge"), "judge", f"{ident}-judge", cfg.judge.timeout_s)]
+        return [
+            (sim.service(nc), "sim", f"{ident}-sim", cfg.sim.timeout_s),
+            (judge_service(nc, judge, name=f"{ident}-judge"), "judge", f"{ident}-judge", cfg.judge.timeout_s),
+        ]
 
     roles = [("sim", f"{ident}-sim"), ("judge", f"{ident}-judge")]
     return await serve_backend(stop, cfg, ident=ident, roles=roles, backend_cfg=backend_cfg, build=build)

@@ -73,9 +73,9 @@ def prepare_models(cfg: RunConfig) -> None:
 
 async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
     from parley.deploy.credentials import generate_credentials, server_auth_conf
-    from parley.deploy.permissions import response_window_s
     from parley.deploy.live import RunWatcher, render, watch
     from parley.deploy.natsserver import NatsServer
+    from parley.deploy.permissions import response_window_s
     from parley.protocol import topology
     from parley.runtime.role import connect_nats
 
@@ -91,8 +91,11 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
     print(f"nats-server: {cfg.nats.url} (store {server.store_dir})", flush=True)
     if cfg.nats.creds or cfg.nats.ca_file:
         # They are for another server: this one has a user and password per role (auth/) and no TLS.
-        print(f"parley up: [nats] creds / ca_file ({cfg.nats.creds or '-'} / {cfg.nats.ca_file or '-'}) are not used "
-              "with up's own nats-server", flush=True)
+        print(
+            f"parley up: [nats] creds / ca_file ({cfg.nats.creds or '-'} / {cfg.nats.ca_file or '-'}) are not used "
+            "with up's own nats-server",
+            flush=True,
+        )
         cfg.nats.creds = cfg.nats.ca_file = ""
 
     config_path = run_dir / "config.toml"
@@ -108,8 +111,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
     from parley.deploy.gpu_samples import GpuSampler
     from parley.deploy.memory import uses_gpu
 
-    sampler = GpuSampler.start_if_gpu(uses_gpu(cfg), run_dir,
-                                      lambda: {c.proc.pid: c.name for c in sup.children if c.proc is not None})
+    sampler = GpuSampler.start_if_gpu(
+        uses_gpu(cfg), run_dir, lambda: {c.proc.pid: c.name for c in sup.children if c.proc is not None}
+    )
     admin = creds["admin"]
     nc = await connect_nats(cfg.nats, name="parley-up", user=admin[0], password=admin[1])
     js = nc.jetstream()
@@ -121,8 +125,10 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
             except MpsError as e:
                 print(f"parley up: {e}", file=sys.stderr, flush=True)
                 return 2
-            print(f"CUDA MPS: daemon started (pipes {mps.pipe_dir}, logs {mps.log_dir}); every child runs under it",
-                  flush=True)
+            print(
+                f"CUDA MPS: daemon started (pipes {mps.pipe_dir}, logs {mps.log_dir}); every child runs under it",
+                flush=True,
+            )
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)  # first: it may refuse (no room), models take minutes
         await asyncio.to_thread(prepare_models, cfg)
         children = plan_children(cfg, sup, config_path)
@@ -153,8 +159,12 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
                 print(f"stopped {name} (exit code {rc})", flush=True)
 
             actor_argv = lambda name: sup.parley_argv("actor", "--config", str(config_path), "--id", name)  # noqa: E731
-            pool = ActorPool(ScalePolicy.of(cfg), lambda name: start(name, actor_argv(name)), retire,
-                             [n for n, _ in children if n.startswith("actor-")])
+            pool = ActorPool(
+                ScalePolicy.of(cfg),
+                lambda name: start(name, actor_argv(name)),
+                retire,
+                [n for n, _ in children if n.startswith("actor-")],
+            )
             p = pool.policy
             print(f"actors: auto, {p.low}..{p.high}, one per {p.per_actor} waiting tasks", flush=True)
         if targets:
@@ -196,8 +206,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
 SCRAPE_TARGETS = "prometheus-targets.json"
 
 
-def child_env(name: str, creds: dict[str, tuple[str, str]], engines: int,
-              mps_env: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(
+    name: str, creds: dict[str, tuple[str, str]], engines: int, mps_env: dict[str, str] | None = None
+) -> dict[str, str]:
     """What `parley up` adds to child `name`'s environment: its role's NATS user, the count of CPU
     engines on this host, the run's MPS daemon (`[up] gpu_share = "mps"`: every child's CUDA calls go
     through it, and so do its own children's: the learner's eval engine, vLLM's engine cores), and for
@@ -224,8 +235,10 @@ def free_port() -> int:
 
 def write_scrape_targets(run_dir: Path, run: str, targets: dict[str, str]) -> None:
     """RUN_DIR/prometheus-targets.json: one file_sd_configs entry per child, rewritten as children come and go."""
-    entries = [{"targets": [where], "labels": {"job": "parley", "parley_run": run, "child": name}}
-               for name, where in sorted(targets.items())]
+    entries = [
+        {"targets": [where], "labels": {"job": "parley", "parley_run": run, "child": name}}
+        for name, where in sorted(targets.items())
+    ]
     tmp = run_dir / (SCRAPE_TARGETS + ".tmp")
     tmp.write_text(json.dumps(entries, indent=1) + "\n")
     tmp.replace(run_dir / SCRAPE_TARGETS)
@@ -316,11 +329,13 @@ def progress_line(snap) -> str:
     c = learner.counters if learner else {}
     if "eval.queued" in c:
         running = int(c.get("eval.running", -1))
-        parts.append(f"eval {'v%d running' % running if running >= 0 else 'idle'}, {int(c['eval.queued'])} queued")
+        parts.append(f"eval {f'v{running} running' if running >= 0 else 'idle'}, {int(c['eval.queued'])} queued")
         if "eval.version" in c:  # the eval's columns: the environment's (Environment.eval)
             shown = [k for k in c if k.startswith("eval.") and k not in _EVAL_BOOKKEEPING]
-            parts.append(f"last eval v{int(c['eval.version'])}: "
-                         + ", ".join(f"{k[5:]} {c[k]:.3f}" for k in (["eval.mr"] if "eval.mr" in c else shown[:2])))
+            parts.append(
+                f"last eval v{int(c['eval.version'])}: "
+                + ", ".join(f"{k[5:]} {c[k]:.3f}" for k in (["eval.mr"] if "eval.mr" in c else shown[:2]))
+            )
     # A stream about to drop work its consumer has not had (protocol.backlog).
     parts += [f"BACKLOG {key} {row.backlog:.0%} of max_bytes" for key, row in s.items() if row.backlog >= WARN_SHARE]
     return " | ".join(parts)
@@ -367,22 +382,27 @@ def track_report(cfg: RunConfig, run_dir: Path, pngs: list[Path]) -> None:
             tracker.images({"eval/chart": chart})
     tracker.finish()
     where = run_dir / "wandb"
-    print(f"W&B ({wandb_mode()}): the learner's and the report's runs under {where}"
-          + (f"; upload with `wandb sync {where}/offline-run-*`" if wandb_mode() == "offline" else ""), flush=True)
+    print(
+        f"W&B ({wandb_mode()}): the learner's and the report's runs under {where}"
+        + (f"; upload with `wandb sync {where}/offline-run-*`" if wandb_mode() == "offline" else ""),
+        flush=True,
+    )
 
 
 def eval_text(cfg: RunConfig, run_dir: Path) -> str:
     """The evaluated versions side by side (paired against the first), which one `parley select` names
     by [learner] eval_metric, and why training stopped early if it did; written to RUN_DIR/eval/table.*."""
-    from parley.evaluation.periodic import eval_root
     from parley.evaluation.benchmark import summarize, to_markdown, write_table
     from parley.evaluation.evallog import read_records
+    from parley.evaluation.periodic import eval_root
     from parley.evaluation.selection import SelectionError, select_best
 
     lc = cfg.learner
     if lc.eval_every <= 0:
-        return ("\nperiodic eval is off ([learner] eval_every = 0): no version was evaluated on held-out items; "
-                f"run `parley eval` on exported versions (`parley export {run_dir} OUT --version V`)")
+        return (
+            "\nperiodic eval is off ([learner] eval_every = 0): no version was evaluated on held-out items; "
+            f"run `parley eval` on exported versions (`parley export {run_dir} OUT --version V`)"
+        )
     root = eval_root(run_dir)
     versions = sorted(int(p.parent.name[1:]) for p in root.glob("v*/records.parquet") if p.parent.name[1:].isdigit())
     records = [r for v in versions for r in read_records(root / f"v{v}" / "records.parquet") if r.metrics]
@@ -430,7 +450,12 @@ def summary_text(run_dir: Path) -> str:
         for t in terms:
             stats = rt.get(t) or {}
             cells.append(f"{_cell(stats.get('mean'))} / {_cell(stats.get('within_group_std'))}")
-        cells += [_cell(r.get("reward_mean")), _cell(r.get("kl_mean")), _cell(r.get("loss")), ", ".join(r.get("no_signal_terms") or []) or "-"]
+        cells += [
+            _cell(r.get("reward_mean")),
+            _cell(r.get("kl_mean")),
+            _cell(r.get("loss")),
+            ", ".join(r.get("no_signal_terms") or []) or "-",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\nreward terms per step (weighted; mean / mean within-group std)\n" + "\n".join(lines)
 

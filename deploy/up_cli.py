@@ -4,31 +4,69 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from parley.deploy.common import ConfigOpt, DryRunOpt, NatsOpt, RunOpt, SetOpt, dry_run, resolve, run_async_main, setup_logging
+from parley.deploy.common import (
+    ConfigOpt,
+    DryRunOpt,
+    NatsOpt,
+    RunOpt,
+    SetOpt,
+    dry_run,
+    resolve,
+    run_async_main,
+    setup_logging,
+)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("up", help="Run the whole system on this machine (nats, services, actors, scorers, learner) with a live view.")(up_cmd)
+    app.command(
+        "up", help="Run the whole system on this machine (nats, services, actors, scorers, learner) with a live view."
+    )(up_cmd)
     app.command("top", help="Live view of a running run whose roles may live on other machines.")(top_cmd)
-    app.command("report", help="Write PNG charts of reward terms, KL and eval metrics of a run directory (and its GPU timeline when `parley up` sampled one).")(report_cmd)
+    app.command(
+        "report",
+        help="Write PNG charts of reward terms, KL and eval metrics of a run directory (and its GPU timeline when `parley up` sampled one).",
+    )(report_cmd)
 
 
 def up_cmd(
     config: ConfigOpt = None,
     sets: SetOpt = None,
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Stop after this many GRPO steps (overrides learner.steps).")] = None,
-    actors: Annotated[Optional[str], typer.Option("--actors", help="Rollout actors to start (overrides up.actors), or "
-                      "\"auto\": between --min-actors and --max-actors on the TASKS backlog.")] = None,
-    min_actors: Annotated[Optional[int], typer.Option("--min-actors", help="--actors auto: the fewest (overrides up.min_actors).")] = None,
-    max_actors: Annotated[Optional[int], typer.Option("--max-actors", help="--actors auto: the most (overrides up.max_actors).")] = None,
-    scorers: Annotated[Optional[int], typer.Option("--scorers", help="Scorers to start (overrides up.scorers).")] = None,
-    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>).")] = None,
-    live: Annotated[Optional[bool], typer.Option("--live/--no-live", help="Live terminal view (default: on when stdout is a terminal).")] = None,
-    env: Annotated[Optional[str], typer.Option("--env", help="Environment to train, by entry-point name (overrides env.name; e.g. hidden_goal). Without --config, the environment's preset is laid over the embedded default (before --set).")] = None,
+    steps: Annotated[
+        int | None, typer.Option("--steps", help="Stop after this many GRPO steps (overrides learner.steps).")
+    ] = None,
+    actors: Annotated[
+        str | None,
+        typer.Option(
+            "--actors",
+            help="Rollout actors to start (overrides up.actors), or "
+            '"auto": between --min-actors and --max-actors on the TASKS backlog.',
+        ),
+    ] = None,
+    min_actors: Annotated[
+        int | None, typer.Option("--min-actors", help="--actors auto: the fewest (overrides up.min_actors).")
+    ] = None,
+    max_actors: Annotated[
+        int | None, typer.Option("--max-actors", help="--actors auto: the most (overrides up.max_actors).")
+    ] = None,
+    scorers: Annotated[int | None, typer.Option("--scorers", help="Scorers to start (overrides up.scorers).")] = None,
+    run_dir: Annotated[
+        Path | None, typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>).")
+    ] = None,
+    live: Annotated[
+        bool | None,
+        typer.Option("--live/--no-live", help="Live terminal view (default: on when stdout is a terminal)."),
+    ] = None,
+    env: Annotated[
+        str | None,
+        typer.Option(
+            "--env",
+            help="Environment to train, by entry-point name (overrides env.name; e.g. hidden_goal). Without --config, the environment's preset is laid over the embedded default (before --set).",
+        ),
+    ] = None,
     dry: DryRunOpt = False,
 ) -> None:
     extra = []
@@ -40,7 +78,7 @@ def up_cmd(
         extra.append("up.autoscale=true")
     elif actors is not None:
         if not actors.isdigit():
-            typer.echo(f"parley up: --actors {actors!r}: give a number or \"auto\"", err=True)
+            typer.echo(f'parley up: --actors {actors!r}: give a number or "auto"', err=True)
             raise typer.Exit(2)
         extra.append(f"up.actors={actors}")
     for key, value in (("min_actors", min_actors), ("max_actors", max_actors)):
@@ -52,8 +90,10 @@ def up_cmd(
         extra.append(f'run.dir="{run_dir}"')
     preset = env_preset(env) if env is not None and config is None else ()
     if preset:
-        typer.echo(f"parley up: environment {env}'s preset (--set wins; --config FILE leaves it out): " + "; ".join(preset),
-                   err=True)
+        typer.echo(
+            f"parley up: environment {env}'s preset (--set wins; --config FILE leaves it out): " + "; ".join(preset),
+            err=True,
+        )
     cfg = resolve(config, [*preset, *(sets or [])], extra=extra, training=True)
     share = check_gpu_share(cfg, dry=dry)
     if dry:
@@ -149,7 +189,7 @@ def top_cmd(nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, 
 
 def report_cmd(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `parley up` or `parley learner`.")],
-    out: Annotated[Optional[Path], typer.Option("--out", help="Where to write the PNGs (default RUN_DIR/report).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Where to write the PNGs (default RUN_DIR/report).")] = None,
 ) -> None:
     from parley.deploy.report import write_report
 

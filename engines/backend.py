@@ -123,8 +123,15 @@ class LocalBackend:
     """A vLLM engine in this process. Renders the chat with the model's own template and decodes
     under the JSON schema (vLLM structured outputs)."""
 
-    def __init__(self, engine, tokenizer, *, model_name: str, template_kwargs: dict[str, Any] | None = None,
-                 owns_engine: bool = True):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        model_name: str,
+        template_kwargs: dict[str, Any] | None = None,
+        owns_engine: bool = True,
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -140,8 +147,9 @@ class LocalBackend:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def chat_json(self, messages, schema, *, max_tokens, temperature, seed) -> str:
-        text, _ = await self.chat_json_tokens(messages, schema, max_tokens=max_tokens, temperature=temperature,
-                                              seed=seed, top_logprobs=0)
+        text, _ = await self.chat_json_tokens(
+            messages, schema, max_tokens=max_tokens, temperature=temperature, seed=seed, top_logprobs=0
+        )
         return text
 
     async def chat_json_tokens(self, messages, schema, *, max_tokens, temperature, seed, top_logprobs: int):

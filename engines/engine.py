@@ -22,9 +22,10 @@ import json
 import math
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from parley.engines.worker import REFUSED, STAGED_ADAPTER_PATH
 
@@ -64,7 +65,11 @@ def engine_socket_dir(environ=os.environ) -> str | None:
         os.rmdir(path)
         logging.getLogger("parley.engine").warning(
             "engine sockets stay in vLLM's default directory: %s/<uuid> would pass the %d bytes a Unix "
-            "socket's path may have (set %s to a short directory to move them)", path, SOCKET_PATH_MAX, RPC_DIR_ENV)
+            "socket's path may have (set %s to a short directory to move them)",
+            path,
+            SOCKET_PATH_MAX,
+            RPC_DIR_ENV,
+        )
         return None
     environ[RPC_DIR_ENV] = path
     atexit.register(shutil.rmtree, path, ignore_errors=True)
@@ -136,9 +141,7 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
     if settings.json_compact:
         from vllm.config import StructuredOutputsConfig
 
-        kwargs["structured_outputs_config"] = StructuredOutputsConfig(
-            backend="xgrammar", disable_any_whitespace=True
-        )
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
     if settings.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     elif settings.kv_cache_bytes is not None and cpu_bind is None:
@@ -193,8 +196,10 @@ def share_cpu_cores(environ=os.environ, cpus: int | None = None) -> str:
             if k < 1:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"{CPU_ENGINES_ENV}={engines!r}: the number of engines sharing this machine's cores "
-                             "must be a whole number >= 1 (or unset)") from None
+            raise ValueError(
+                f"{CPU_ENGINES_ENV}={engines!r}: the number of engines sharing this machine's cores "
+                "must be a whole number >= 1 (or unset)"
+            ) from None
         cpus = cpus or len(os.sched_getaffinity(0))
         environ["OMP_NUM_THREADS"] = str(max(1, cpus // k))
     return bind
@@ -251,7 +256,9 @@ class PolicyEngine:
 
     # -- generation ---------------------------------------------------------------------------
 
-    async def _run(self, prompt_ids: Sequence[int], params, top_logprobs: int = 0, version: int | None = None) -> GenOut:
+    async def _run(
+        self, prompt_ids: Sequence[int], params, top_logprobs: int = 0, version: int | None = None
+    ) -> GenOut:
         from vllm.inputs import TokensPrompt
 
         # the salt names the weights: a prompt's cached KV is reused only under the weights that computed it
@@ -281,8 +288,14 @@ class PolicyEngine:
         if len(lps) != len(ids):
             raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
         top = [_top_by_text(tok, pos) for tok, pos in zip(ids, comp.logprobs or [])] if top_logprobs else []
-        return GenOut(ids, lps, comp.finish_reason or "abort", comp.text, top,
-                      cached_tokens=int(getattr(final, "num_cached_tokens", None) or 0))
+        return GenOut(
+            ids,
+            lps,
+            comp.finish_reason or "abort",
+            comp.text,
+            top,
+            cached_tokens=int(getattr(final, "num_cached_tokens", None) or 0),
+        )
 
     def _params(self, max_tokens, temperature, top_p, seed, stop_token_ids, structured=None, top_logprobs=0):
         from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -353,9 +366,7 @@ class PolicyEngine:
         async with self._reload_lock:
             await self._llm.pause_generation(mode="abort" if abort_inflight else "keep", clear_cache=False)
             try:
-                await self._llm.collective_rpc(
-                    "parley_reload_weights", kwargs={"weights_path": str(weights_dir)}
-                )
+                await self._llm.collective_rpc("parley_reload_weights", kwargs={"weights_path": str(weights_dir)})
             finally:
                 self._weights_epoch += 1  # also after a failed reload: the weights may be mixed
                 await self._llm.resume_generation()
@@ -374,14 +385,16 @@ class PolicyEngine:
 
         async with self._reload_lock:
             await self._prepare_gpu_load()
-            await self._llm.pause_generation(mode="keep", clear_cache=False)  # salted prompts: no reset (reload_weights)
+            await self._llm.pause_generation(
+                mode="keep", clear_cache=False
+            )  # salted prompts: no reset (reload_weights)
             try:
                 try:
                     reasons = await asyncio.wait_for(
                         self._llm.collective_rpc("parley_load_gpu", kwargs={"announcement": announcement}),
                         timeout=hold_s,
                     )
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise TimeoutError(
                         f"loading weights from the learner's GPU buffer took over {hold_s:.0f} s (its hold "
                         "time); is the engine stuck, or the learner unreachable?"
@@ -412,7 +425,8 @@ class PolicyEngine:
         async with self._reload_lock:
             await self._prepare_gpu_load()  # the checksum kernel compiled before, not inside, the first fill
             reasons = await self._llm.collective_rpc(
-                "parley_packed_fill", kwargs={"announcement": announcement, "weights_path": str(weights_dir)})
+                "parley_packed_fill", kwargs={"announcement": announcement, "weights_path": str(weights_dir)}
+            )
         bad = [r for r in reasons if r]
         if bad:
             await self.drop_packed()
@@ -435,7 +449,8 @@ class PolicyEngine:
 
         async with self._reload_lock:
             reasons = await self._llm.collective_rpc(
-                "parley_packed_stage", kwargs={"announcement": announcement, "delta_path": str(delta_path)})
+                "parley_packed_stage", kwargs={"announcement": announcement, "delta_path": str(delta_path)}
+            )
             bad = [r for r in reasons if r]
             if bad:
                 await self._llm.collective_rpc("parley_packed_revert")  # the workers whose stage took
@@ -514,13 +529,18 @@ class PolicyEngine:
         lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
         request = LoRARequest(f"v{version}-{lora_id}", lora_id, f"{STAGED_ADAPTER_PATH}{lora_id}")
         try:
-            reasons = await asyncio.wait_for(self._llm.collective_rpc(
-                "parley_stage_adapter", kwargs={"lora_id": lora_id, "lora_name": request.lora_name, **source}),
-                timeout=hold_s)
-        except asyncio.TimeoutError:
+            reasons = await asyncio.wait_for(
+                self._llm.collective_rpc(
+                    "parley_stage_adapter", kwargs={"lora_id": lora_id, "lora_name": request.lora_name, **source}
+                ),
+                timeout=hold_s,
+            )
+        except TimeoutError:
             await self._forget(request)
-            raise TimeoutError(f"copying adapter version {version} out of the learner's GPU buffer took over "
-                               f"{hold_s:.0f} s (its hold time); is the engine stuck?") from None
+            raise TimeoutError(
+                f"copying adapter version {version} out of the learner's GPU buffer took over "
+                f"{hold_s:.0f} s (its hold time); is the engine stuck?"
+            ) from None
         except BaseException:  # the add failed in a worker (it unstaged there); the others may hold it
             await self._forget(request)
             raise

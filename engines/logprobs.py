@@ -19,8 +19,17 @@ def _logp_entropy(lm_head, hidden: Tensor, targets: Tensor, inv_temp: Tensor | N
     return logp, entropy
 
 
-def packed_logprobs(model, input_ids: Tensor, position_ids: Tensor, src: Tensor, targets: Tensor, chunk: int,
-                    grad: bool, min_chunks: int = 0, inv_temp: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def packed_logprobs(
+    model,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    src: Tensor,
+    targets: Tensor,
+    chunk: int,
+    grad: bool,
+    min_chunks: int = 0,
+    inv_temp: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Log-probs (N,) of `targets` read from the logits at packed positions `src` (the position
     before each target), and the entropy (N,) of the distribution there (detached). The
     distribution is the raw model's, or with `inv_temp` (N,) the one sampled at temperature

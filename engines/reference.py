@@ -28,8 +28,15 @@ class ReferenceModel:
     """The frozen initial policy and its per-token log-probs. `model_name` is the name requests
     must give ([policy] model as written in the config), `model_dir` the checkpoint it resolves to."""
 
-    def __init__(self, model_name: str, model_dir: str | Path, *, dtype: str = "auto", chunk: int = 1024,
-                 device: str | None = None):
+    def __init__(
+        self,
+        model_name: str,
+        model_dir: str | Path,
+        *,
+        dtype: str = "auto",
+        chunk: int = 1024,
+        device: str | None = None,
+    ):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -63,18 +70,25 @@ class ReferenceModel:
 
         from parley.engines.logprobs import sequence_logprobs
 
-        lp = sequence_logprobs(self.model, torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.device),
-                               self.chunk)
+        lp = sequence_logprobs(
+            self.model, torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.device), self.chunk
+        )
         return lp.cpu().numpy().astype(np.float32, copy=False)
 
     async def answer(self, model: str, version: int, ids: np.ndarray) -> ReferenceReply:
         if model != self.model_name:
-            return ReferenceReply(ok=False, model=self.model_name,
-                                  error=f"this reference service holds model {self.model_name!r}, not {model!r}; "
-                                        "start `parley reference` with the run's [policy] model")
+            return ReferenceReply(
+                ok=False,
+                model=self.model_name,
+                error=f"this reference service holds model {self.model_name!r}, not {model!r}; "
+                "start `parley reference` with the run's [policy] model",
+            )
         if version != 0:
-            return ReferenceReply(ok=False, model=self.model_name,
-                                  error=f"version {version} asked; the reference is the initial weights, version 0")
+            return ReferenceReply(
+                ok=False,
+                model=self.model_name,
+                error=f"version {version} asked; the reference is the initial weights, version 0",
+            )
         why = self.check(ids)
         if why:
             return ReferenceReply(ok=False, model=self.model_name, error=why)
@@ -107,8 +121,9 @@ def reference_routes(ref: ReferenceModel, counters: Counter | None = None) -> di
             ids = arrays.request_ids(req.token_ids_i32)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             counters["bad_request"] += 1
-            return codec.encode(ReferenceReply(ok=False, error=f"request is not a ReferenceRequest: {e}",
-                                               model=ref.model_name))
+            return codec.encode(
+                ReferenceReply(ok=False, error=f"request is not a ReferenceRequest: {e}", model=ref.model_name)
+            )
         reply = await ref.answer(req.model, req.version, ids)
         counters["ok" if reply.ok else "refused"] += 1
         counters["tokens"] += int(ids.size) if reply.ok else 0
@@ -129,5 +144,12 @@ def reference_service(nc, ref: ReferenceModel, *, name: str = "reference", concu
     from parley.engines.service import Service
 
     counters: Counter = Counter()
-    return Service(nc, reference_routes(ref, counters), queue=topology.REFERENCE_QUEUE, concurrency=concurrency,
-                   on_error=error_reply, name=name, counters=counters)
+    return Service(
+        nc,
+        reference_routes(ref, counters),
+        queue=topology.REFERENCE_QUEUE,
+        concurrency=concurrency,
+        on_error=error_reply,
+        name=name,
+        counters=counters,
+    )

@@ -186,8 +186,9 @@ class Service:
             d.add_done_callback(self._dispatcher_ended)
             self._dispatchers.append(d)
         await _flush(self.nc)  # the server has the subscriptions before anyone is told we serve
-        log.info("%s: serving %s (queue %s, concurrency %d)", self.name, sorted(self.routes), self.queue,
-                 self.concurrency)
+        log.info(
+            "%s: serving %s (queue %s, concurrency %d)", self.name, sorted(self.routes), self.queue, self.concurrency
+        )
 
     def _arrival(self, subject: str, queue: asyncio.Queue):
         async def arrive(msg) -> None:
@@ -236,8 +237,10 @@ class Service:
         now = time.monotonic()
         self._early[key] = (now, rid)
         self._early.move_to_end(key)
-        while self._early and (len(self._early) > EARLY_WITHDRAWALS_KEPT
-                               or next(iter(self._early.values()))[0] < now - EARLY_WITHDRAWAL_TTL_S):
+        while self._early and (
+            len(self._early) > EARLY_WITHDRAWALS_KEPT
+            or next(iter(self._early.values()))[0] < now - EARLY_WITHDRAWAL_TTL_S
+        ):
             self._early.popitem(last=False)
 
     def _done(self, subject: str, req: _Request) -> None:
@@ -365,8 +368,11 @@ class Service:
             self._answered_bytes -= len(self._answered.pop(key)[1])
         self._answered[key] = (now, reply, late)
         self._answered_bytes += len(reply)
-        while self._answered and (len(self._answered) > ANSWERS_KEPT or self._answered_bytes > ANSWER_BYTES_KEPT
-                                  or next(iter(self._answered.values()))[0] < now - ANSWER_TTL_S):
+        while self._answered and (
+            len(self._answered) > ANSWERS_KEPT
+            or self._answered_bytes > ANSWER_BYTES_KEPT
+            or next(iter(self._answered.values()))[0] < now - ANSWER_TTL_S
+        ):
             self._answered_bytes -= len(self._answered.popitem(last=False)[1][1])
 
     async def stop(self, grace_s: float = 30.0) -> None:
@@ -393,8 +399,9 @@ class Service:
         counters.update(in_flight=float(self.in_flight), latency_s=round(self.latency_s, 3))
         return Heartbeat(role=role, id=ident, state=("busy" if self.in_flight else state), counters=counters)
 
-    async def run_until(self, stop: asyncio.Event, *, run: str, role: str, ident: str, grace_s: float = 30.0,
-                        heartbeat_s: float = 2.0) -> None:
+    async def run_until(
+        self, stop: asyncio.Event, *, run: str, role: str, ident: str, grace_s: float = 30.0, heartbeat_s: float = 2.0
+    ) -> None:
         """Serve until `stop` is set, sending heartbeats on the run's status subject."""
         await self.start()
         beats = asyncio.create_task(
@@ -412,8 +419,9 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await beats
         if self.failure is not None:
-            raise RuntimeError(f"{self.name}: backend failed: {type(self.failure).__name__}: {self.failure}") \
-                from self.failure
+            raise RuntimeError(
+                f"{self.name}: backend failed: {type(self.failure).__name__}: {self.failure}"
+            ) from self.failure
 
 
 class BadServiceConfig(ValueError):
@@ -424,9 +432,16 @@ class BadServiceConfig(ValueError):
 Served = tuple[Service, str, str, float]
 
 
-async def serve_backend(stop: asyncio.Event, cfg, *, ident: str, roles: list[tuple[str, str]], backend_cfg,
-                        build: Callable[[object, object], list[Served]],
-                        make: Callable[[], object] | None = None) -> int:
+async def serve_backend(
+    stop: asyncio.Event,
+    cfg,
+    *,
+    ident: str,
+    roles: list[tuple[str, str]],
+    backend_cfg,
+    build: Callable[[object, object], list[Served]],
+    make: Callable[[], object] | None = None,
+) -> int:
     """The process around one backend, shared by `parley sim`, `parley judge`, `parley services`
     and `parley reference`: connect, announce every (role, id) as starting, load the backend (a
     local engine blocks here while it loads), serve what `build(nc, backend)` returns until `stop`,
@@ -448,8 +463,10 @@ async def serve_backend(stop: asyncio.Event, cfg, *, ident: str, roles: list[tup
             except BadServiceConfig as e:
                 log.error("bad configuration: %s", e)
                 return 2
-            tasks = [asyncio.create_task(svc.run_until(stop, run=cfg.run.name, role=role, ident=rid, grace_s=grace))
-                     for svc, role, rid, grace in served]
+            tasks = [
+                asyncio.create_task(svc.run_until(stop, run=cfg.run.name, role=role, ident=rid, grace_s=grace))
+                for svc, role, rid, grace in served
+            ]
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -34,11 +34,19 @@ class WorkerExtension:
         if torch.cuda.is_available():
             from parley.weights.cuda_ipc import prepare_checksums
 
-            _worker_log.info("parley: GPU weight checksums by %s",
-                             prepare_checksums(torch.device("cuda", torch.cuda.current_device())))
+            _worker_log.info(
+                "parley: GPU weight checksums by %s",
+                prepare_checksums(torch.device("cuda", torch.cuda.current_device())),
+            )
 
-    def parley_stage_adapter(self, lora_id: int, announcement: bytes | None = None, tensors: bytes | None = None,
-                             config: str = "", lora_name: str = "") -> tuple[str, str] | None:
+    def parley_stage_adapter(
+        self,
+        lora_id: int,
+        announcement: bytes | None = None,
+        tensors: bytes | None = None,
+        config: str = "",
+        lora_name: str = "",
+    ) -> tuple[str, str] | None:
         """Keep a LoRA adapter's tensors in this worker under `lora_id`, for vLLM's LoRA manager to
         load from memory when the engine adds LoRARequest(lora_int_id=lora_id) (_stage_hook): from a
         GPU-transport announcement (cuda_ipc: the learner's packed buffer, checked, then copied out of
@@ -93,9 +101,14 @@ class WorkerExtension:
                 self._parley_adapters.pop(lora_id, None)
                 raise RuntimeError(f"vLLM's LoRA manager did not add adapter {lora_name} (id {lora_id}) from memory")
         parts = state.get("receive_s") or {}
-        _worker_log.info("parley: adapter %d staged in memory (%d tensors) in %.4f s%s%s", lora_id, len(tensors),
-                         t_staged - t0, f" ({', '.join(f'{k} {v:.4f} s' for k, v in parts.items())})" if parts else "",
-                         f", added in {time.perf_counter() - t_staged:.4f} s" if lora_name else "")
+        _worker_log.info(
+            "parley: adapter %d staged in memory (%d tensors) in %.4f s%s%s",
+            lora_id,
+            len(tensors),
+            t_staged - t0,
+            f" ({', '.join(f'{k} {v:.4f} s' for k, v in parts.items())})" if parts else "",
+            f", added in {time.perf_counter() - t_staged:.4f} s" if lora_name else "",
+        )
         return None
 
     def parley_unstage_adapter(self, lora_id: int) -> None:
@@ -138,10 +151,16 @@ class WorkerExtension:
         if broken:
             raise RuntimeError(f"version {wv.version}: {broken}")
         parts = self._parley_weights.pop("receive_s", None) or {}
-        _worker_log.info("parley: version %d loaded (%s) in %.4f s: receive+check %.4f s (%s), load %.4f s, "
-                         "release %.4f s", wv.version, how, time.perf_counter() - t_start,
-                         t_received - t_start, ", ".join(f"{k} {v:.4f} s" for k, v in parts.items()) or "-",
-                         t_loaded - t_received, time.perf_counter() - t_loaded)
+        _worker_log.info(
+            "parley: version %d loaded (%s) in %.4f s: receive+check %.4f s (%s), load %.4f s, release %.4f s",
+            wv.version,
+            how,
+            time.perf_counter() - t_start,
+            t_received - t_start,
+            ", ".join(f"{k} {v:.4f} s" for k, v in parts.items()) or "-",
+            t_loaded - t_received,
+            time.perf_counter() - t_loaded,
+        )
         return None
 
     def _parley_load_named(self, named, version: int) -> str:
@@ -156,10 +175,12 @@ class WorkerExtension:
             # served tensors keep their addresses (CUDA graphs) and nothing points into the buffer.
             missing = _not_loaded(model, model.load_weights(iter(named)))
             if missing:  # never seen: then this model needs the layer-wise reload, now and from now on
-                self._parley_bare_why = (f"a bare load_weights left {len(missing)} parameters unloaded "
-                                         f"(first: {missing[0]})")
-                _worker_log.warning("parley: version %d: %s; reloading it layer by layer", version,
-                                    self._parley_bare_why)
+                self._parley_bare_why = (
+                    f"a bare load_weights left {len(missing)} parameters unloaded (first: {missing[0]})"
+                )
+                _worker_log.warning(
+                    "parley: version %d: %s; reloading it layer by layer", version, self._parley_bare_why
+                )
         if self._parley_bare_why is not None:
             # vLLM's in-place layer-wise reload, fed our tensors instead of files: the same machinery
             # as parley_reload_weights (it redoes each layer's post-load processing, which a bare
@@ -194,8 +215,12 @@ class WorkerExtension:
         except (WeightVerifyError, OSError, RuntimeError) as e:  # OOM too: nothing held, deltas not applied here
             self._parley_mirror.drop()
             return f"version {wv.version}: no packed copy kept: {e}"
-        _worker_log.info("parley: version %d kept packed (%.1f MB) in %.4f s", wv.version,
-                         self._parley_mirror.buffer.numel() / 1e6, time.perf_counter() - t0)
+        _worker_log.info(
+            "parley: version %d kept packed (%.1f MB) in %.4f s",
+            wv.version,
+            self._parley_mirror.buffer.numel() / 1e6,
+            time.perf_counter() - t0,
+        )
         return None
 
     def parley_packed_stage(self, announcement: bytes, delta_path: str) -> tuple[str, str] | None:
@@ -221,8 +246,12 @@ class WorkerExtension:
             return REFUSED, f"version {wv.version}: {e.reason}"
         except (OSError, RuntimeError) as e:  # unreadable, out of memory: the copy holds its base (apply put it back)
             return UNAVAILABLE, f"version {wv.version}: packed delta not applied: {type(e).__name__}: {e}"
-        _worker_log.info("parley: version %d: packed delta (%.2f MB) applied and checked in %.4f s", wv.version,
-                         Path(delta_path).stat().st_size / 1e6, time.perf_counter() - t0)
+        _worker_log.info(
+            "parley: version %d: packed delta (%.2f MB) applied and checked in %.4f s",
+            wv.version,
+            Path(delta_path).stat().st_size / 1e6,
+            time.perf_counter() - t0,
+        )
         return None
 
     def parley_packed_load(self, version: int, revert: bool = False) -> None:
@@ -238,8 +267,9 @@ class WorkerExtension:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         mirror.settle()
-        _worker_log.info("parley: version %d loaded from the packed copy (%s) in %.4f s", version, how,
-                         time.perf_counter() - t0)
+        _worker_log.info(
+            "parley: version %d loaded from the packed copy (%s) in %.4f s", version, how, time.perf_counter() - t0
+        )
 
     def parley_packed_revert(self) -> None:
         """Put back what the packed copy held before a staged delta another worker refused."""
@@ -286,14 +316,18 @@ def _stage_hook(manager, staged: dict) -> None:
         helper.validate_legal(manager.lora_config)
         model = manager._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
-        options = {"device": str(next(iter(tensors.values())).device), "dtype": manager.lora_config.lora_dtype,
-                   "model_vocab_size": manager.vocab_size,
-                   "weights_mapper": mapper.get_rename_mapper() if mapper is not None else None,
-                   "skip_prefixes": getattr(model, "lora_skip_prefixes", None)}
+        options = {
+            "device": str(next(iter(tensors.values())).device),
+            "dtype": manager.lora_config.lora_dtype,
+            "model_vocab_size": manager.vocab_size,
+            "weights_mapper": mapper.get_rename_mapper() if mapper is not None else None,
+            "skip_prefixes": getattr(model, "lora_skip_prefixes", None),
+        }
         factory = manager._lora_model_cls.from_lora_tensors
         known = inspect.signature(factory).parameters
-        return scaled_in_place(factory(lora_request.lora_int_id, tensors, helper,
-                                       **{k: v for k, v in options.items() if k in known}))
+        return scaled_in_place(
+            factory(lora_request.lora_int_id, tensors, helper, **{k: v for k, v in options.items() if k in known})
+        )
 
     manager._load_adapter = load
 

@@ -42,8 +42,9 @@ class TaskBuilder(Protocol):
     """item -> the Task asking for n samples of it; the signature of tasks.data.task_from_item.
     `rollout` is the [rollout] section (a config.learner.RolloutConfig or anything with its fields)."""
 
-    def __call__(self, item: Any, *, run: str, task_id: str, n: int, rollout: Any, seed: int, version: int,
-                 split: str = "train") -> Task: ...
+    def __call__(
+        self, item: Any, *, run: str, task_id: str, n: int, rollout: Any, seed: int, version: int, split: str = "train"
+    ) -> Task: ...
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ class TaskSource:
     items_file: Callable[[Any, str], tuple[Sequence[Any], Sequence[Any]]] | None = None
 
 
-def split_by_key(items: Sequence[Any], key: Callable[[Any], str], eval_fraction: float,
-                 seed: int = 0) -> tuple[list[Any], list[Any]]:
+def split_by_key(
+    items: Sequence[Any], key: Callable[[Any], str], eval_fraction: float, seed: int = 0
+) -> tuple[list[Any], list[Any]]:
     """Split by a leakage key, so no key is on both sides: a seeded shuffle of the distinct keys,
     the first round(len x eval_fraction) of them (at least one when eval_fraction > 0) held out."""
     if not 0.0 <= eval_fraction < 1.0:

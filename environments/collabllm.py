@@ -66,15 +66,27 @@ def _items_file(data, path: str) -> tuple[list[Item], list[Item]]:
     return train, load_items(path)
 
 
-def _eval_task(item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, version: int,
-               split: str = "eval") -> Task:
+def _eval_task(
+    item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, version: int, split: str = "eval"
+) -> Task:
     """The benchmark plays every item from scratch: the simulated user opens (no dataset prefix),
     whatever [rollout].mode training uses. The condition supplies the system prompt."""
     return Task(
-        task_id=task_id, run=run, item_id=item.item_id, n=n, mode="conversation", prefix=[],
-        reference=item.reference, title=item.title, summary=item.summary, sim_prompt=rollout.sim_prompt or SIM_PROMPT,
-        max_new_turns=rollout.max_new_turns, max_tokens=rollout.max_tokens, seed=seed,
-        admitted_version=version, split=split,
+        task_id=task_id,
+        run=run,
+        item_id=item.item_id,
+        n=n,
+        mode="conversation",
+        prefix=[],
+        reference=item.reference,
+        title=item.title,
+        summary=item.summary,
+        sim_prompt=rollout.sim_prompt or SIM_PROMPT,
+        max_new_turns=rollout.max_new_turns,
+        max_tokens=rollout.max_tokens,
+        seed=seed,
+        admitted_version=version,
+        split=split,
     )
 
 
@@ -88,8 +100,11 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
     judge copies the document out) | last_document (rewards/extract.py, no judge call); `interactivity`
     rubric (levels 0..3 on three criteria) | rubric_expected (the same rubric, each criterion's expected
     level under the judge's own distribution over the level tokens) | 3level (CollabLLM's 1 / 0.5 / 0)."""
-    for name, value, allowed in (("bleu_variant", bleu_variant, tuple(BLEU_VARIANTS)), ("extract", extract, EXTRACTORS),
-                                 ("interactivity", interactivity, tuple(INTERACTIVITY_SCALES))):
+    for name, value, allowed in (
+        ("bleu_variant", bleu_variant, tuple(BLEU_VARIANTS)),
+        ("extract", extract, EXTRACTORS),
+        ("interactivity", interactivity, tuple(INTERACTIVITY_SCALES)),
+    ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} not allowed; use one of {allowed}")
     bleu_fn = BLEU_VARIANTS[bleu_variant]
@@ -110,23 +125,37 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
     def three_level(reply: JudgeReply, conv: Finished) -> float:
         return interactivity_from_3level(reply.score)
 
-    bleu = (JudgeMetric("bleu", op="extract", value=bleu_of_reply, weight=weights["bleu"]) if extract == "judge"
-            else PureMetric("bleu", compute=bleu_of_draft, weight=weights["bleu"]))
+    bleu = (
+        JudgeMetric("bleu", op="extract", value=bleu_of_reply, weight=weights["bleu"])
+        if extract == "judge"
+        else PureMetric("bleu", compute=bleu_of_draft, weight=weights["bleu"])
+    )
     inter_op = INTERACTIVITY_SCALES[interactivity]
     inter_value = {"rubric": rubric, "rubric_expected": rubric_expected, "3level": three_level}[interactivity]
 
     return Environment(
         name=NAME,
         description="CollabLLM medium: help a lazy user write a document (LLM simulator and judge)",
-        tasks=TaskSource(train_eval=train_eval_items, task=task_from_item, leakage_keys=_leakage_keys,
-                         leaks=("reference",), items_file=_items_file),
+        tasks=TaskSource(
+            train_eval=train_eval_items,
+            task=task_from_item,
+            leakage_keys=_leakage_keys,
+            leaks=("reference",),
+            items_file=_items_file,
+        ),
         user=SimulatorUser(prompt=SIM_PROMPT),
-        reward=Reward(metrics=(
-            bleu,
-            JudgeMetric("interactivity", op=inter_op, value=inter_value, weight=weights["interactivity"]),
-            PureMetric("token_amount", compute=lambda conv: token_amount(conv.assistant_tokens),
-                       weight=weights["token_amount"]),
-        ), document=_document),
+        reward=Reward(
+            metrics=(
+                bleu,
+                JudgeMetric("interactivity", op=inter_op, value=inter_value, weight=weights["interactivity"]),
+                PureMetric(
+                    "token_amount",
+                    compute=lambda conv: token_amount(conv.assistant_tokens),
+                    weight=weights["token_amount"],
+                ),
+            ),
+            document=_document,
+        ),
         scorer_options=SCORING_OPTIONS,
         scoring_variants=SCORING_VARIANTS,
         eval=EvalProtocol(

@@ -114,16 +114,34 @@ def word_count(conv: Finished) -> float:
 # ---- tasks -----------------------------------------------------------------------------------
 
 
-def _task(item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, version: int, split: str = "train",
-          user_words: int) -> Task:
+def _task(
+    item: Item,
+    *,
+    run: str,
+    task_id: str,
+    n: int,
+    rollout,
+    seed: int,
+    version: int,
+    split: str = "train",
+    user_words: int,
+) -> Task:
     """The Task of an item: the user's opening as the prefix, the item id as the hidden reference, no
     system prompt unless [rollout].system_prompt names one."""
     return Task(
-        task_id=task_id, run=run, item_id=item.item_id, n=n,
+        task_id=task_id,
+        run=run,
+        item_id=item.item_id,
+        n=n,
         prefix=[ChatMessage("user", user_message(item.item_id, 0, user_words))],
-        reference=item.item_id, title=NAME,
+        reference=item.item_id,
+        title=NAME,
         system_prompt=system_prompt_text(rollout.system_prompt) if rollout.system_prompt else "",
-        sim_prompt=NAME, seed=seed, admitted_version=version, split=split, **rollout_fields(rollout),
+        sim_prompt=NAME,
+        seed=seed,
+        admitted_version=version,
+        split=split,
+        **rollout_fields(rollout),
     )
 
 
@@ -133,34 +151,41 @@ def _leakage_keys(item: Item) -> Mapping[str, str]:
     return {"item": item.item_id}
 
 
-def environment(n_items: int = 200, seed: int = 0, turns: int = 3, user_words: int = 64,
-                threshold: float = 0.5) -> Environment:
+def environment(
+    n_items: int = 200, seed: int = 0, turns: int = 3, user_words: int = 64, threshold: float = 0.5
+) -> Environment:
     """random_words with `n_items` items of `seed`, `turns` assistant turns after user messages of
     `user_words` words, and `threshold` the share of words that are low; [data] eval_fraction and
     split_seed split the items."""
     if turns < 1 or user_words < 1:
         raise ValueError(f"{NAME}: [env] options.turns={turns} and user_words={user_words} must both be >= 1")
     if not 0.0 < threshold < 1.0:
-        raise ValueError(f"{NAME}: [env] options.threshold={threshold} must be in (0, 1): the share of words "
-                         "that are low")
+        raise ValueError(
+            f"{NAME}: [env] options.threshold={threshold} must be in (0, 1): the share of words that are low"
+        )
     items = generate(n_items, seed)
 
     def train_eval(data) -> tuple[list[Item], list[Item]]:
         if str(data.path) not in ("bundled", "") or data.eval_path:
-            raise ValueError(f"{NAME} draws its items from a seed; leave [data] path = 'bundled' and eval_path "
-                             f"empty (got path={data.path!r}, eval_path={data.eval_path!r}), set [env] options instead")
+            raise ValueError(
+                f"{NAME} draws its items from a seed; leave [data] path = 'bundled' and eval_path "
+                f"empty (got path={data.path!r}, eval_path={data.eval_path!r}), set [env] options instead"
+            )
         return split_by_key(items, lambda it: it.item_id, data.eval_fraction, data.split_seed)
 
     return Environment(
         name=NAME,
         description="random_words: random user words, reward = share of low-hashing assistant words (throughput runs)",
-        tasks=TaskSource(train_eval=train_eval, task=partial(_task, user_words=user_words),
-                         leakage_keys=_leakage_keys, leaks=()),
+        tasks=TaskSource(
+            train_eval=train_eval, task=partial(_task, user_words=user_words), leakage_keys=_leakage_keys, leaks=()
+        ),
         user=ProgrammaticUser(name=NAME, respond=partial(respond, turns=turns, user_words=user_words)),
-        reward=Reward(metrics=(
-            PureMetric("low_share", compute=partial(low_share, threshold=threshold), weight=1.0),
-            PureMetric("assistant_words", compute=word_count),
-        )),
+        reward=Reward(
+            metrics=(
+                PureMetric("low_share", compute=partial(low_share, threshold=threshold), weight=1.0),
+                PureMetric("assistant_words", compute=word_count),
+            )
+        ),
         eval=EvalProtocol(columns=("low_share", "assistant_words"), select="low_share", selectable=("low_share",)),
         preset=PRESET,
     )

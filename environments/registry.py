@@ -72,11 +72,15 @@ def load(name: str, options: Mapping[str, Any] | None = None) -> Environment:
         if not isinstance(env, Environment):
             raise TypeError(f"entry point {name!r} -> {ep.value} returned {type(env).__name__}, not an Environment")
     else:
-        raise TypeError(f"entry point {name!r} -> {ep.value} is a {type(target).__name__}, "
-                        "not an Environment or a function returning one")
+        raise TypeError(
+            f"entry point {name!r} -> {ep.value} is a {type(target).__name__}, "
+            "not an Environment or a function returning one"
+        )
     if env.name != name:
-        raise ValueError(f"entry point {name!r} -> {ep.value} built an environment named {env.name!r}; "
-                         "the two names must be the same")
+        raise ValueError(
+            f"entry point {name!r} -> {ep.value} built an environment named {env.name!r}; "
+            "the two names must be the same"
+        )
     return env
 
 
@@ -91,8 +95,12 @@ class EnvironmentRecord:
     entry_point: str  # module:attribute
 
     def as_dict(self) -> dict[str, str]:
-        return {"name": self.name, "distribution": self.distribution, "version": self.version,
-                "entry_point": self.entry_point}
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "entry_point": self.entry_point,
+        }
 
 
 def record(name: str) -> EnvironmentRecord:

@@ -14,8 +14,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from parley.environments.base import Environment
 from parley.config.env import default_environment
+from parley.environments.base import Environment
 from parley.protocol.messages import EvalRecord
 
 # The columns of the reference table (CollabLLM medium's eval protocol), in its order. Values are per
@@ -51,7 +51,9 @@ def _as_array(name: str, values: Sequence[float]) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{name} must be a flat list of numbers, got shape {arr.shape}")
     if not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name} holds {int(np.sum(~np.isfinite(arr)))} non-finite values; drop or re-score those items")
+        raise ValueError(
+            f"{name} holds {int(np.sum(~np.isfinite(arr)))} non-finite values; drop or re-score those items"
+        )
     return arr
 
 
@@ -80,7 +82,9 @@ def paired_stats(a: Sequence[float], b: Sequence[float]) -> PairedStats:
     if se <= 1e-12 * max(1.0, abs(mean)):
         if mean == 0.0 or abs(mean) <= 1e-12:
             return PairedStats(mean_diff=mean, t=0.0, df=df, p=1.0, ci_low=mean, ci_high=mean, n=n)
-        return PairedStats(mean_diff=mean, t=math.copysign(math.inf, mean), df=df, p=0.0, ci_low=mean, ci_high=mean, n=n)
+        return PairedStats(
+            mean_diff=mean, t=math.copysign(math.inf, mean), df=df, p=0.0, ci_low=mean, ci_high=mean, n=n
+        )
     t = mean / se
     dist = _t_dist()
     p = float(2.0 * dist.sf(abs(t), df))
@@ -108,16 +112,20 @@ def record_value(rec: EvalRecord, metric: str, env: Environment | None = None) -
     try:
         return env.eval.value(metric, rec.metrics, rec)
     except (KeyError, ValueError):  # a derived column raises KeyError for the metric it lacks
-        lacking = metric if metric not in env.eval.derived else next(
-            (m for m in env.reward.names if m not in rec.metrics), metric)
+        lacking = (
+            metric
+            if metric not in env.eval.derived
+            else next((m for m in env.reward.names if m not in rec.metrics), metric)
+        )
         raise ValueError(
             f"record {rec.eval_id!r} (condition {rec.condition!r}, item {rec.item_id!r}) has no {lacking!r} metric "
             f"(has {sorted(rec.metrics)}); it was not scored: re-score it with `parley replay --judge ...`"
         ) from None
 
 
-def item_values(records: Iterable[EvalRecord], metrics: Sequence[str] | None = None,
-                env: Environment | None = None) -> dict[str, dict[str, float]]:
+def item_values(
+    records: Iterable[EvalRecord], metrics: Sequence[str] | None = None, env: Environment | None = None
+) -> dict[str, dict[str, float]]:
     """item_id -> column -> value, averaging the records of one item (one condition's records only).
     `metrics` defaults to the environment's table columns."""
     env = env or default_environment()
@@ -156,8 +164,9 @@ class Table(msgspec.Struct, kw_only=True):
         raise KeyError(f"condition {condition!r} not in the table; have {[r.condition for r in self.rows]}")
 
 
-def summarize(records: list[EvalRecord], baseline: str, metrics: Sequence[str] | None = None,
-              env: Environment | None = None) -> Table:
+def summarize(
+    records: list[EvalRecord], baseline: str, metrics: Sequence[str] | None = None, env: Environment | None = None
+) -> Table:
     """Group records by condition, average per item then over items, and compare each condition with
     `baseline` by a paired t test over the items both conditions have. Baseline comes first, the
     others in order of first appearance. `metrics`: the environment's table columns unless given."""
@@ -182,12 +191,19 @@ def summarize(records: list[EvalRecord], baseline: str, metrics: Sequence[str] |
         diffs = {}
         shared = sorted(set(items) & set(base_items))
         if cond != baseline and shared:
-            diffs = {m: paired_stats([items[i][m] for i in shared], [base_items[i][m] for i in shared]) for m in metrics}
+            diffs = {
+                m: paired_stats([items[i][m] for i in shared], [base_items[i][m] for i in shared]) for m in metrics
+            }
         models = sorted({r.model for r in by_cond[cond]})
         rows.append(
             ConditionRow(
-                condition=cond, n=len(items), records=len(by_cond[cond]), means=means, intervals=intervals,
-                diffs=diffs, models=models,
+                condition=cond,
+                n=len(items),
+                records=len(by_cond[cond]),
+                means=means,
+                intervals=intervals,
+                diffs=diffs,
+                models=models,
             )
         )
     return Table(baseline=baseline, metrics=list(metrics), rows=rows)
@@ -237,7 +253,21 @@ def to_markdown(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
-CSV_FIELDS = ("condition", "metric", "n", "mean", "mean_ci_low", "mean_ci_high", "diff", "diff_ci_low", "diff_ci_high", "t", "df", "p", "n_paired")
+CSV_FIELDS = (
+    "condition",
+    "metric",
+    "n",
+    "mean",
+    "mean_ci_low",
+    "mean_ci_high",
+    "diff",
+    "diff_ci_low",
+    "diff_ci_high",
+    "t",
+    "df",
+    "p",
+    "n_paired",
+)
 
 
 def write_csv(table: Table, path: Path) -> None:
@@ -275,7 +305,9 @@ def write_chart(table: Table, path: Path) -> None:
             s = r.diffs.get(m)
             if s is not None and not math.isnan(s.p) and s.p < 1 - CONFIDENCE:
                 ax.annotate("*", (i, highs[i] if np.isfinite(highs[i]) else means[i]), ha="center", va="bottom")
-    fig.suptitle(f"mean and 95% interval per condition; * = paired p < {1 - CONFIDENCE:.2f} vs {table.baseline}", fontsize=9)
+    fig.suptitle(
+        f"mean and 95% interval per condition; * = paired p < {1 - CONFIDENCE:.2f} vs {table.baseline}", fontsize=9
+    )
     fig.savefig(path, dpi=120)
 
 

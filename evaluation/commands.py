@@ -36,7 +36,14 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
     """`parley replay` after its options: re-judge (`judge`) or re-weight the records (and those of the
     run's stored `stream`), print the table and write it to `out`. The exit code."""
     from parley.evaluation.benchmark import METRICS, summarize, to_markdown, write_table
-    from parley.evaluation.evallog import as_records, read_stream, rejudge, reweight, stored_interactivity_scale, write_parquet
+    from parley.evaluation.evallog import (
+        as_records,
+        read_stream,
+        rejudge,
+        reweight,
+        stored_interactivity_scale,
+        write_parquet,
+    )
 
     nc = None
     if stream or judge:
@@ -65,8 +72,13 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
         else:
             try:
                 # A named variant fixes the scale; otherwise the stored ratings are reused on whatever scale they are.
-                records = reweight(records, sc.weights, clamps=clamps, bleu_variant=sc.bleu_variant,
-                                   interactivity=sc.interactivity if scoring else None)
+                records = reweight(
+                    records,
+                    sc.weights,
+                    clamps=clamps,
+                    bleu_variant=sc.bleu_variant,
+                    interactivity=sc.interactivity if scoring else None,
+                )
             except ValueError as e:
                 _err(f"parley replay: {e}")
                 return 2
@@ -82,8 +94,10 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
     _out(to_markdown(table))
     weights = ", ".join(f"{k}={v:g}" for k, v in sc.weights.items())
     scales = sc.interactivity if judge else "/".join(sorted({stored_interactivity_scale(r) for r in records}))
-    _out(f"{len(records)} conversations, BLEU {sc.bleu_variant}, interactivity {scales}, "
-               f"reward weights {weights}, {'re-judged' if judge else 'stored verdicts'}")
+    _out(
+        f"{len(records)} conversations, BLEU {sc.bleu_variant}, interactivity {scales}, "
+        f"reward weights {weights}, {'re-judged' if judge else 'stored verdicts'}"
+    )
     if out:
         paths = write_table(table, out)
         paths["records"] = write_parquet(records, Path(out) / "records.parquet")
@@ -91,8 +105,20 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
     return 0
 
 
-async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, policy_version=-1, env=None,
-                   in_process: InProcess | None = None, open_policy=None) -> int:
+async def run_eval(
+    stop,
+    cfg,
+    conds,
+    held,
+    settings,
+    services,
+    baseline,
+    out,
+    policy_version=-1,
+    env=None,
+    in_process: InProcess | None = None,
+    open_policy=None,
+) -> int:
     """`parley eval` after its options: every condition played and judged as `services` says (local needs
     `in_process`), the records on the run's EVAL stream with nats, then `report`. The exit code.
     `open_policy(model) -> Policy` replaces the default, SwappingPolicies (one engine start per base model,
@@ -113,10 +139,10 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
     nc = sim = judge = None
     closers = []
     if services in ("nats", "fleet"):
-        from parley.rollout.sim import SimClient
         from parley.protocol import topology
         from parley.protocol.bus import publish
         from parley.rollout.judge import JudgeClient
+        from parley.rollout.sim import SimClient
         from parley.runtime.role import connect_nats
 
         nc = await connect_nats(cfg.nats, name="parley-eval")
@@ -142,10 +168,19 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
             closers.append(sim_backend.close)
             sim = LocalSim(in_process.simulator(sim_backend))
         if env.needs_judge:
-            if sim_backend is not None and cfg.judge.backend == cfg.sim.backend == "vllm" and cfg.judge.engine == cfg.sim.engine:
+            if (
+                sim_backend is not None
+                and cfg.judge.backend == cfg.sim.backend == "vllm"
+                and cfg.judge.engine == cfg.sim.engine
+            ):
                 # One engine serves both roles when they name the same model and settings.
-                judge_backend = LocalBackend(sim_backend.engine, sim_backend.tokenizer, model_name=sim_backend.model_name,
-                                             template_kwargs=sim_backend.template_kwargs, owns_engine=False)
+                judge_backend = LocalBackend(
+                    sim_backend.engine,
+                    sim_backend.tokenizer,
+                    model_name=sim_backend.model_name,
+                    template_kwargs=sim_backend.template_kwargs,
+                    owns_engine=False,
+                )
             else:
                 judge_backend = make_backend(cfg.judge)
                 closers.append(judge_backend.close)
@@ -163,8 +198,14 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
         open_policy = SwappingPolicies(start_engine, version=policy_version)
         closers.append(open_policy.close)
 
-    svc = EvalServices(open_policy=open_policy, sim=sim, judge=judge, scorer_cfg=cfg.scorer,
-                       template_kwargs=dict(cfg.actor.engine.template_kwargs), env=env)
+    svc = EvalServices(
+        open_policy=open_policy,
+        sim=sim,
+        judge=judge,
+        scorer_cfg=cfg.scorer,
+        template_kwargs=dict(cfg.actor.engine.template_kwargs),
+        env=env,
+    )
     done: list = []  # finished conversations, kept when the run is interrupted
     missing: list[NotScored] = []  # per conversation: not played or not scored, and why
 
@@ -174,13 +215,16 @@ async def run_eval(stop, cfg, conds, held, settings, services, baseline, out, po
             await publish_record(rec)
 
     if services == "fleet":
-        work = asyncio.create_task(fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record,
-                                          missing.append, env))
+        work = asyncio.create_task(
+            fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, on_record, missing.append, env)
+        )
     else:
         if services == "nats" and sim is not None and judge is not None:  # the bounds slow services are waited for
-            _err(f"parley eval: waits for the judge up to [scorer] judge_wait_s={cfg.scorer.judge_wait_s:.0f}s per "
-                       f"conversation ({settings.judge_attempts} verdicts at most), for the simulator {sim.attempts} x "
-                       f"[actor] sim_timeout_s={sim.timeout_s:.0f}s per message; what is still missing then is reported")
+            _err(
+                f"parley eval: waits for the judge up to [scorer] judge_wait_s={cfg.scorer.judge_wait_s:.0f}s per "
+                f"conversation ({settings.judge_attempts} verdicts at most), for the simulator {sim.attempts} x "
+                f"[actor] sim_timeout_s={sim.timeout_s:.0f}s per message; what is still missing then is reported"
+            )
         work = asyncio.create_task(play_conditions(conds, held, settings, svc, on_record, missing.append))
     stopped = asyncio.create_task(stop.wait())
     try:
@@ -229,7 +273,9 @@ def report(records, missing, expected: int, baseline: str, out, env=None) -> int
         if path is not None and len(scored) < len(records):
             _err(f"  the played ones can be scored later with `parley replay {path} --judge`")
     if not scored:
-        _err(f"parley eval: no conversation was scored, so there is no table; the reasons are above and in {unscored_path}")
+        _err(
+            f"parley eval: no conversation was scored, so there is no table; the reasons are above and in {unscored_path}"
+        )
         return 3
     try:
         table = summarize(scored, baseline, env=env)
@@ -246,11 +292,11 @@ async def fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, o
     """--services fleet: one condition after another, each through its own actor and scorer."""
     import logging
 
-    from parley.runtime.toml import to_toml
+    import msgspec
+
     from parley.evaluation.fleet import FleetSettings, play_condition_fleet
     from parley.evaluation.runner import NotScored, make_tasks
-
-    import msgspec
+    from parley.runtime.toml import to_toml
 
     log = logging.getLogger("parley.eval")
 
@@ -259,29 +305,57 @@ async def fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, o
     config_path = fleet_dir / "config.toml"
     # The actors sample as the in-process modes do: the eval's temperature, top_p, thinking and concurrency.
     engine = msgspec.structs.replace(
-        cfg.actor.engine, template_kwargs={**cfg.actor.engine.template_kwargs, "enable_thinking": settings.enable_thinking})
-    actor = msgspec.structs.replace(cfg.actor, sampling=settings.sampling, concurrency=settings.concurrency,
-                                    engine=engine)
+        cfg.actor.engine,
+        template_kwargs={**cfg.actor.engine.template_kwargs, "enable_thinking": settings.enable_thinking},
+    )
+    actor = msgspec.structs.replace(
+        cfg.actor, sampling=settings.sampling, concurrency=settings.concurrency, engine=engine
+    )
     config_path.write_text(to_toml(msgspec.structs.replace(cfg, actor=actor)))
     sim_model = cfg.sim.engine.model if cfg.sim.backend == "vllm" else cfg.sim.model_name
-    fs = FleetSettings(config_path=config_path, logs_dir=fleet_dir, sim_model=sim_model, policy_version=policy_version,
-                       env={"PARLEY_NATS_URL": cfg.nats.url})  # the URL this eval resolved, over any inherited one
+    fs = FleetSettings(
+        config_path=config_path,
+        logs_dir=fleet_dir,
+        sim_model=sim_model,
+        policy_version=policy_version,
+        env={"PARLEY_NATS_URL": cfg.nats.url},
+    )  # the URL this eval resolved, over any inherited one
     tasks = make_tasks(held, settings, env)
     records = []
     for cond in conds:
         t0 = time.perf_counter()
         recs, lost = await play_condition_fleet(nc, js, cfg, cond, tasks, fs, stop, on_record)
-        log.info("condition %s: %d conversations in %.1fs through the fleet (%d unscored, %d lost)", cond.name, len(recs),
-                 time.perf_counter() - t0, sum(not r.metrics for r in recs), len(lost))
+        log.info(
+            "condition %s: %d conversations in %.1fs through the fleet (%d unscored, %d lost)",
+            cond.name,
+            len(recs),
+            time.perf_counter() - t0,
+            sum(not r.metrics for r in recs),
+            len(lost),
+        )
         by_task = {t.task_id: t for t in tasks}
         for task_id in lost:
             task = by_task[task_id]
-            on_missing(NotScored(eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
-                                 stage="conversation", reason="the fleet's actor dead-lettered the task (see the fleet logs)"))
+            on_missing(
+                NotScored(
+                    eval_id=f"{cond.name}/{task.item_id}/{task.seed}",
+                    condition=cond.name,
+                    item_id=task.item_id,
+                    stage="conversation",
+                    reason="the fleet's actor dead-lettered the task (see the fleet logs)",
+                )
+            )
         for rec in recs:
             if not rec.metrics:
-                on_missing(NotScored(eval_id=rec.eval_id, condition=cond.name, item_id=rec.item_id, stage="judge",
-                                     reason="the fleet's scorer dead-lettered the trajectory (see the fleet logs)"))
+                on_missing(
+                    NotScored(
+                        eval_id=rec.eval_id,
+                        condition=cond.name,
+                        item_id=rec.item_id,
+                        stage="judge",
+                        reason="the fleet's scorer dead-lettered the trajectory (see the fleet logs)",
+                    )
+                )
         records += recs
         if stop.is_set():
             break
@@ -359,8 +433,10 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
                 job = json.loads(line)
                 version, model, out = int(job["version"]), str(job["model"]), Path(job["out"])
             except (ValueError, KeyError, TypeError) as e:
-                _err(f"parley eval --follow: not a job ({type(e).__name__}: {e}): {line.strip()[:200]!r}; "
-                     'expected {"version": N, "model": "...", "out": "..."}')
+                _err(
+                    f"parley eval --follow: not a job ({type(e).__name__}: {e}): {line.strip()[:200]!r}; "
+                    'expected {"version": N, "model": "...", "out": "..."}'
+                )
                 _out(DONE_MARK + json.dumps({"version": None, "code": 2}))
                 continue
             name = f"v{version}"
@@ -369,10 +445,23 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
             async def open_policy(m, version=version):
                 return await policy.open(m, version)
 
-            code = await run_eval(stop, cfg, [Condition(name=name, model=model)], held, settings, "nats", name, out,
-                                  version, env, open_policy=open_policy)
-            _err(f"parley eval --follow: version {version} done in {time.perf_counter() - t0:.1f}s (exit {code}; "
-                 f"engine starts {policy.starts}, in-place loads {policy.loads})")
+            code = await run_eval(
+                stop,
+                cfg,
+                [Condition(name=name, model=model)],
+                held,
+                settings,
+                "nats",
+                name,
+                out,
+                version,
+                env,
+                open_policy=open_policy,
+            )
+            _err(
+                f"parley eval --follow: version {version} done in {time.perf_counter() - t0:.1f}s (exit {code}; "
+                f"engine starts {policy.starts}, in-place loads {policy.loads})"
+            )
             _out(DONE_MARK + json.dumps({"version": version, "code": code}))
             if code == 130:
                 return 130

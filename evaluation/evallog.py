@@ -57,7 +57,11 @@ def _schema(cls: type):
     fields = []
     for f in mi.type_info(cls).fields:
         arrow = _arrow_type(f.type)
-        fields.append(pa.field(f.encode_name, pa.string(), metadata={_JSON_KEY: b"json"}) if arrow is None else pa.field(f.encode_name, arrow))
+        fields.append(
+            pa.field(f.encode_name, pa.string(), metadata={_JSON_KEY: b"json"})
+            if arrow is None
+            else pa.field(f.encode_name, arrow)
+        )
     return pa.schema(fields, metadata={_TYPE_KEY: cls.__name__.encode()})
 
 
@@ -70,8 +74,11 @@ def _maps_to_dicts(value, t):
             return [_maps_to_dicts(v, it) for v in value]
         case mi.StructType(fields=fields):
             # null: a field the writer omitted (omit_defaults Structs); msgspec.convert fills its default
-            return {f.encode_name: _maps_to_dicts(value[f.encode_name], f.type) for f in fields
-                    if value.get(f.encode_name) is not None}
+            return {
+                f.encode_name: _maps_to_dicts(value[f.encode_name], f.type)
+                for f in fields
+                if value.get(f.encode_name) is not None
+            }
     return value
 
 
@@ -84,7 +91,9 @@ def write_parquet(records: Sequence[msgspec.Struct], path: str | Path) -> Path:
         raise ValueError(f"no records to write to {path}")
     cls = type(records[0])
     if cls.__name__ not in _LOG_TYPES or any(type(r) is not cls for r in records):
-        raise TypeError(f"write_parquet takes a list of one of {sorted(_LOG_TYPES)}, got {sorted({type(r).__name__ for r in records})}")
+        raise TypeError(
+            f"write_parquet takes a list of one of {sorted(_LOG_TYPES)}, got {sorted({type(r).__name__ for r in records})}"
+        )
     schema = _schema(cls)
     # bytes stay bytes for Arrow's binary columns (to_builtins would write them as base64 text)
     rows = msgspec.to_builtins(list(records), builtin_types=(bytes,))
@@ -107,14 +116,18 @@ def _read_parquet(path: Path) -> list:
     meta = table.schema.metadata or {}
     name = meta.get(_TYPE_KEY, b"").decode()
     if name not in _LOG_TYPES:
-        raise ValueError(f"{path} is not a parley log (schema metadata parley.type={name!r}); write it with evaluation.evallog.write_parquet")
+        raise ValueError(
+            f"{path} is not a parley log (schema metadata parley.type={name!r}); write it with evaluation.evallog.write_parquet"
+        )
     cls = _LOG_TYPES[name]
     info = {f.encode_name: f.type for f in mi.type_info(cls).fields}
     json_cols = {f.name for f in table.schema if f.metadata and f.metadata.get(_JSON_KEY) == b"json"}
     out = []
     for row in table.to_pylist():
         # Columns this code does not know (a newer writer) are dropped; missing ones take defaults.
-        row = {k: (json.loads(v) if k in json_cols else _maps_to_dicts(v, info[k])) for k, v in row.items() if k in info}
+        row = {
+            k: (json.loads(v) if k in json_cols else _maps_to_dicts(v, info[k])) for k, v in row.items() if k in info
+        }
         out.append(msgspec.convert(row, cls))
     return out
 
@@ -172,8 +185,11 @@ def as_records(items) -> list[EvalRecord]:
     """EvalRecords as they are, Scored converted with from_scored; a Scored whose conversation its
     actor abandoned (protocol.messages.ABANDONED_STALE: cut short, never judged, never trained) is
     left out, so a replay neither judges half a conversation nor counts its empty reward."""
-    return [r if isinstance(r, EvalRecord) else from_scored(r) for r in items
-            if isinstance(r, EvalRecord) or r.trajectory.terminated != ABANDONED_STALE]
+    return [
+        r if isinstance(r, EvalRecord) else from_scored(r)
+        for r in items
+        if isinstance(r, EvalRecord) or r.trajectory.terminated != ABANDONED_STALE
+    ]
 
 
 def from_scored(s: Scored) -> EvalRecord:
@@ -183,11 +199,23 @@ def from_scored(s: Scored) -> EvalRecord:
     version = max((t.version for t in traj.turns), default=-1)
     system = traj.messages[0].content if traj.messages and traj.messages[0].role == "system" else ""
     return EvalRecord(
-        eval_id=s.traj_id, condition=f"v{version}", item_id=traj.item_id, model=traj.model,
-        system_prompt=system, sim_prompt=traj.sim_prompt, sim_model="", judge_model=s.judge_model,
-        seed=traj.seed, messages=list(traj.messages), reference=traj.reference,
-        assistant_tokens=traj.assistant_tokens, metrics=dict(s.metrics), document=s.document,
-        judge=list(s.judge), version=version, created=s.created,
+        eval_id=s.traj_id,
+        condition=f"v{version}",
+        item_id=traj.item_id,
+        model=traj.model,
+        system_prompt=system,
+        sim_prompt=traj.sim_prompt,
+        sim_model="",
+        judge_model=s.judge_model,
+        seed=traj.seed,
+        messages=list(traj.messages),
+        reference=traj.reference,
+        assistant_tokens=traj.assistant_tokens,
+        metrics=dict(s.metrics),
+        document=s.document,
+        judge=list(s.judge),
+        version=version,
+        created=s.created,
     )
 
 
@@ -286,15 +314,29 @@ async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]
     async def one(rec: EvalRecord) -> EvalRecord:
         # Only the conversation, reference, seed and token count matter to the judge and the metrics.
         traj = Trajectory(
-            traj_id=rec.eval_id, task_id=rec.eval_id, sample=0, run="replay", item_id=rec.item_id,
-            messages=list(rec.messages), token_ids=[], loss_mask=[], turns=[], reference=rec.reference,
-            assistant_tokens=rec.assistant_tokens, seed=rec.seed, sim_prompt=rec.sim_prompt, model=rec.model,
+            traj_id=rec.eval_id,
+            task_id=rec.eval_id,
+            sample=0,
+            run="replay",
+            item_id=rec.item_id,
+            messages=list(rec.messages),
+            token_ids=[],
+            loss_mask=[],
+            turns=[],
+            reference=rec.reference,
+            assistant_tokens=rec.assistant_tokens,
+            seed=rec.seed,
+            sim_prompt=rec.sim_prompt,
+            model=rec.model,
         )
         # Failures propagate as rollout.judge's / rollout.score's errors, which name the record (traj_id = eval_id).
         scored = await score_trajectory(traj, judge, cfg, scorer="replay")
         return msgspec.structs.replace(
-            rec, metrics={**scored.metrics, "reward": scored.total}, document=scored.document,
-            judge=list(scored.judge), judge_model=scored.judge_model,
+            rec,
+            metrics={**scored.metrics, "reward": scored.total},
+            document=scored.document,
+            judge=list(scored.judge),
+            judge_model=scored.judge_model,
         )
 
     return list(await asyncio.gather(*(one(r) for r in records)))

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import msgspec
 
+from parley.evaluation.runner import Condition
 from parley.protocol import dead, topology
 from parley.protocol.messages import EvalRecord, Scored, Task, Trajectory
-from parley.evaluation.runner import Condition
 
 log = logging.getLogger("parley.eval.fleet")
 
@@ -48,21 +48,36 @@ async def delete_run(js, run: str) -> None:
     for key in topology.CHANNELS:
         with contextlib.suppress(NotFoundError):
             await js.delete_stream(topology.stream_name(run, key))
-    for call, name in ((js.delete_key_value, topology.kv_bucket(run)), (js.delete_object_store, topology.object_bucket(run))):
+    for call, name in (
+        (js.delete_key_value, topology.kv_bucket(run)),
+        (js.delete_object_store, topology.object_bucket(run)),
+    ):
         with contextlib.suppress(NotFoundError):
             await call(name)
 
 
-def record_of(cond: Condition, task: Task, traj: Trajectory, scored: Scored | None, *, sim_model: str,
-              version: int) -> EvalRecord:
+def record_of(
+    cond: Condition, task: Task, traj: Trajectory, scored: Scored | None, *, sim_model: str, version: int
+) -> EvalRecord:
     """The EvalRecord of one fleet conversation (unscored when `scored` is None)."""
     return EvalRecord(
-        eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
-        model=cond.model, system_prompt=cond.system_prompt, sim_prompt=traj.sim_prompt, sim_model=sim_model,
-        judge_model=scored.judge_model if scored else "", seed=task.seed, messages=list(traj.messages),
-        reference=task.reference, assistant_tokens=traj.assistant_tokens,
-        metrics=dict(scored.metrics) if scored else {}, document=scored.document if scored else "",
-        judge=list(scored.judge) if scored else [], version=version, created=time.time(),
+        eval_id=f"{cond.name}/{task.item_id}/{task.seed}",
+        condition=cond.name,
+        item_id=task.item_id,
+        model=cond.model,
+        system_prompt=cond.system_prompt,
+        sim_prompt=traj.sim_prompt,
+        sim_model=sim_model,
+        judge_model=scored.judge_model if scored else "",
+        seed=task.seed,
+        messages=list(traj.messages),
+        reference=task.reference,
+        assistant_tokens=traj.assistant_tokens,
+        metrics=dict(scored.metrics) if scored else {},
+        document=scored.document if scored else "",
+        judge=list(scored.judge) if scored else [],
+        version=version,
+        created=time.time(),
     )
 
 
@@ -84,13 +99,19 @@ def scorer_args(config_args: list[str], ident: str) -> list[str]:
 
 
 async def play_condition_fleet(
-    nc, js, cfg, cond: Condition, tasks: Sequence[Task], fs: FleetSettings, stop: asyncio.Event,
+    nc,
+    js,
+    cfg,
+    cond: Condition,
+    tasks: Sequence[Task],
+    fs: FleetSettings,
+    stop: asyncio.Event,
     on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
 ) -> tuple[list[EvalRecord], list[str]]:
     """Play `tasks` with `cond` through an actor and a scorer on the condition's own run.
     Returns (records in task order, ids of tasks lost to a dead-lettered task)."""
-    from parley.runtime.supervisor import Supervisor
     from parley.protocol.bus import PullWorker, publish
+    from parley.runtime.supervisor import Supervisor
 
     run = condition_run(cfg.run.name, cond.name)
     await delete_run(js, run)  # a fresh run: nothing left over from an earlier eval of this condition
@@ -119,14 +140,27 @@ async def play_condition_fleet(
     c = ["--config", str(fs.config_path), "--set", f"run.name={json.dumps(run)}"]
     ident = re.sub(r"[^A-Za-z0-9_-]", "-", cond.name)
     roles = [
-        sup.start(f"actor-{ident}", sup.parley_argv("actor", *c, "--set", f"actor.engine.model={json.dumps(cond.model)}",
-                                                    "--id", f"eval-actor-{ident}"), env=fs.env),
+        sup.start(
+            f"actor-{ident}",
+            sup.parley_argv(
+                "actor", *c, "--set", f"actor.engine.model={json.dumps(cond.model)}", "--id", f"eval-actor-{ident}"
+            ),
+            env=fs.env,
+        ),
         sup.start(f"scorer-{ident}", sup.parley_argv(*scorer_args(c, ident)), env=fs.env),
     ]
-    log.info("condition %s: run %s, actor pid %d, scorer pid %d (logs in %s)", cond.name, run, roles[0].proc.pid,
-             roles[1].proc.pid, sup.run_dir / "logs")
+    log.info(
+        "condition %s: run %s, actor pid %d, scorer pid %d (logs in %s)",
+        cond.name,
+        run,
+        roles[0].proc.pid,
+        roles[1].proc.pid,
+        sup.run_dir / "logs",
+    )
     halt = asyncio.Event()
-    worker = PullWorker(js, run, "scored", on_scored, bus=cfg.bus, name=f"eval-{ident}", concurrency=16, fetch_timeout=1.0)
+    worker = PullWorker(
+        js, run, "scored", on_scored, bus=cfg.bus, name=f"eval-{ident}", concurrency=16, fetch_timeout=1.0
+    )
     consumer = asyncio.create_task(worker.run_until(halt), name="scored")
     try:
         for t in by_id.values():
@@ -137,14 +171,21 @@ async def play_condition_fleet(
                 break
             failed = sup.failed()
             if failed is not None:
-                raise FleetError(f"{failed.name} of condition {cond.name} exited {failed.returncode}; "
-                                 f"its last log lines:\n{failed.tail(20)}")
+                raise FleetError(
+                    f"{failed.name} of condition {cond.name} exited {failed.returncode}; "
+                    f"its last log lines:\n{failed.tail(20)}"
+                )
             if consumer.done():
                 consumer.result()
                 raise FleetError("the Scored consumer stopped")
             dead_seq = await _read_dead(js, run, dead_seq, by_id, keep, lost)
             if time.monotonic() - last_note >= fs.progress_s:
-                log.info("condition %s: %d/%d conversations scored or set aside", cond.name, len(records) + len(lost), len(by_id))
+                log.info(
+                    "condition %s: %d/%d conversations scored or set aside",
+                    cond.name,
+                    len(records) + len(lost),
+                    len(by_id),
+                )
                 last_note = time.monotonic()
             progressed.clear()
             with contextlib.suppress(asyncio.TimeoutError):

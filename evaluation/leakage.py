@@ -75,15 +75,18 @@ def guard_overlap(train_items: list[Item], eval_items: list[Item], allow: bool, 
     return overlap
 
 
-def guard_environment(source: TaskSource, train_items, eval_items, allow: bool,
-                      run_dir: str | Path | None) -> dict[str, list[tuple[str, str]]]:
+def guard_environment(
+    source: TaskSource, train_items, eval_items, allow: bool, run_dir: str | Path | None
+) -> dict[str, list[tuple[str, str]]]:
     """guard_overlap for any environment: stop a run whose split shares a key of a leaking kind
     (`source.leaks`), unless allowed; the other kinds are only logged. When the run goes ahead with
     any overlap, every kind's pairs are written to run_dir/overlap.json. Returns kind -> pairs."""
     overlap = find_environment_overlap(source, train_items, eval_items)
     leaks = {k: v for k, v in overlap.items() if k in source.leaks and v}
-    counts = " and ".join([f"{len(v)} {k} targets" for k, v in overlap.items() if k in source.leaks]
-                          + [f"{len(v)} {k} keys" for k, v in overlap.items() if k not in source.leaks])
+    counts = " and ".join(
+        [f"{len(v)} {k} targets" for k, v in overlap.items() if k in source.leaks]
+        + [f"{len(v)} {k} keys" for k, v in overlap.items() if k not in source.leaks]
+    )
     if leaks and not allow:
         raise LeakageError(
             f"train and eval share {counts} ({_examples([p for v in leaks.values() for p in v])}); eval scores on "
@@ -95,8 +98,13 @@ def guard_environment(source: TaskSource, train_items, eval_items, allow: bool,
         if run_dir is not None:
             path = Path(run_dir) / OVERLAP_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
-            saved = {"train_items": len(train_items), "eval_items": len(eval_items), "leaking_kinds": list(source.leaks),
-                     "overlap": {k: [list(p) for p in v] for k, v in overlap.items()}, "created": time.time()}
+            saved = {
+                "train_items": len(train_items),
+                "eval_items": len(eval_items),
+                "leaking_kinds": list(source.leaks),
+                "overlap": {k: [list(p) for p in v] for k, v in overlap.items()},
+                "created": time.time(),
+            }
             path.write_text(json.dumps(saved, indent=1) + "\n")
             log.warning("overlap recorded in %s", path)
     return overlap

@@ -72,9 +72,24 @@ def eval_argv(cfg, config_path: Path, out: Path) -> list[str]:
     lc = cfg.learner
     sim_prompt = ["--user-sim-prompt", cfg.rollout.sim_prompt] if cfg.rollout.sim_prompt else []
     return [
-        sys.executable, "-m", "parley.deploy.cli", "eval", "--config", str(config_path), "--services", "nats", "--follow",
-        "--n-items", str(lc.eval_items), "--assistant-max-tokens", str(cfg.rollout.max_tokens),
-        "--max-new-turns", str(cfg.rollout.max_new_turns), *sim_prompt, "--out", str(out),
+        sys.executable,
+        "-m",
+        "parley.deploy.cli",
+        "eval",
+        "--config",
+        str(config_path),
+        "--services",
+        "nats",
+        "--follow",
+        "--n-items",
+        str(lc.eval_items),
+        "--assistant-max-tokens",
+        str(cfg.rollout.max_tokens),
+        "--max-new-turns",
+        str(cfg.rollout.max_new_turns),
+        *sim_prompt,
+        "--out",
+        str(out),
     ]
 
 
@@ -116,8 +131,12 @@ class FollowingChild:
 
     async def _start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent_hook(),
+            *self.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self.env,
+            preexec_fn=_die_with_parent_hook(),
         )
         self.starts += 1
         self.reader = asyncio.create_task(self._read(self.proc), name="eval-child-output")
@@ -131,7 +150,7 @@ class FollowingChild:
             while line := await proc.stdout.readline():
                 if line.startswith(mark):
                     if self.answer is not None and not self.answer.done():
-                        self.answer.set_result(int(json.loads(line[len(mark):])["code"]))
+                        self.answer.set_result(int(json.loads(line[len(mark) :])["code"]))
                     continue
                 out = self.sink or between
                 out.write(line)
@@ -158,8 +177,9 @@ class FollowingChild:
                 if self.answer.done():
                     return self.answer.result()
                 problem = self.reader.exception() if not self.reader.cancelled() else None
-                log.error("eval: reading its child's output failed (%r); version %d is not recorded", problem,
-                          job.version)
+                log.error(
+                    "eval: reading its child's output failed (%r); version %d is not recorded", problem, job.version
+                )
                 return 1
         except asyncio.CancelledError:
             await self.close()
@@ -181,7 +201,7 @@ class FollowingChild:
                 try:
                     await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=wait_s)
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
         if self.reader is not None:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -258,7 +278,10 @@ class PeriodicEval:
 
     def counters(self) -> dict[str, float]:
         """For the learner's heartbeat: the last finished eval's means, what runs and what waits."""
-        out = {"eval.queued": float(self.queue.qsize()), "eval.running": float(-1 if self.current is None else self.current)}
+        out = {
+            "eval.queued": float(self.queue.qsize()),
+            "eval.running": float(-1 if self.current is None else self.current),
+        }
         done = [o for o in self.outcomes if o.ok]
         if done:
             out["eval.version"] = float(done[-1].version)
@@ -321,8 +344,12 @@ class PeriodicEval:
             self._changed.clear()  # before the check: a finish after it wakes the wait below
             if not self.busy:
                 break
-            log.info("eval: waiting for version %s (%d more queued), %.0fs so far",
-                     self.current, self.queue.qsize(), time.monotonic() - t0)
+            log.info(
+                "eval: waiting for version %s (%d more queued), %.0fs so far",
+                self.current,
+                self.queue.qsize(),
+                time.monotonic() - t0,
+            )
             waits = [asyncio.ensure_future(halt.wait()), asyncio.ensure_future(self._changed.wait())]
             await asyncio.wait(waits, timeout=30.0, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
@@ -381,12 +408,28 @@ class PeriodicEval:
             return EvalOutcome(job.version, ok=False, seconds=seconds, error="no scored conversations")
         means = {m: mine.mean(m) for m in self.env.eval.columns}  # every column of the table
         log.info(
-            "eval: version %d (step %d) on %d held-out items in %.0fs: %s", job.version, job.step, len(mine.items),
-            seconds, ", ".join(f"{m} {v:.4f}" for m, v in means.items()),
+            "eval: version %d (step %d) on %d held-out items in %.0fs: %s",
+            job.version,
+            job.step,
+            len(mine.items),
+            seconds,
+            ", ".join(f"{m} {v:.4f}" for m, v in means.items()),
         )
         with (self.root / "history.jsonl").open("a") as f:
-            f.write(json.dumps({"version": job.version, "step": job.step, "n": len(mine.items), "seconds": round(seconds, 1),
-                                **means, "env": self.env_record, "created": time.time()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "version": job.version,
+                        "step": job.step,
+                        "n": len(mine.items),
+                        "seconds": round(seconds, 1),
+                        **means,
+                        "env": self.env_record,
+                        "created": time.time(),
+                    }
+                )
+                + "\n"
+            )
         try:
             best = select_best(self.run_dir, self.metric, history, self.env)
             log.info("eval: %s", best.describe())
@@ -397,9 +440,19 @@ class PeriodicEval:
         if found is not None:
             self.regression = found.describe(self.metric, self.lc.early_stop_alpha)
             log.warning("eval: early stop: %s", self.regression)
-            (self.root / "early_stop.json").write_text(json.dumps(
-                {"version": job.version, "step": job.step, "metric": self.metric,
-                 "alpha": self.lc.early_stop_alpha, "reason": self.regression}, indent=1) + "\n")
+            (self.root / "early_stop.json").write_text(
+                json.dumps(
+                    {
+                        "version": job.version,
+                        "step": job.step,
+                        "metric": self.metric,
+                        "alpha": self.lc.early_stop_alpha,
+                        "reason": self.regression,
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
         return EvalOutcome(job.version, ok=True, means=means, n=len(mine.items), seconds=seconds)
 
     def _keep_only_model(self, best: int) -> None:

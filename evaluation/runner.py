@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from parley.environments.base import Environment, LocalUser, ProgrammaticUser
 from parley.config.env import default_environment
+from parley.environments.base import Environment, LocalUser, ProgrammaticUser
 from parley.protocol.messages import EvalRecord, Sampling, SimReply, SimRequest, Task
 from parley.rollout.sim import UserSide
 from parley.tasks.data import system_prompt_text
@@ -139,8 +139,10 @@ def eval_items(data, items_path: str | None, env: Environment | None = None) -> 
         train, held = env.tasks.train_eval(data)
         return list(train), list(held)
     if env.tasks.items_file is None:
-        raise ValueError(f"--items {items_path}: environment {env.name!r} draws its held-out items from its own task "
-                         "source and reads no items file; leave --items out")
+        raise ValueError(
+            f"--items {items_path}: environment {env.name!r} draws its held-out items from its own task "
+            "source and reads no items file; leave --items out"
+        )
     train, held = env.tasks.items_file(data, items_path)
     return list(train), list(held)
 
@@ -171,11 +173,17 @@ def make_tasks(items: Sequence, settings: EvalSettings, env: Environment | None 
     The task id carries no condition, so every condition's user sees the same seeds (rollout.conversation
     derives every call's seed from task id, seed and turn)."""
     env = env or default_environment()
-    rollout = EvalRollout(max_new_turns=settings.max_new_turns, max_tokens=settings.assistant_max_tokens,
-                          sim_prompt=user_name(env, settings))
+    rollout = EvalRollout(
+        max_new_turns=settings.max_new_turns,
+        max_tokens=settings.assistant_max_tokens,
+        sim_prompt=user_name(env, settings),
+    )
     return [
-        env.eval_task(item, run=settings.run, task_id=f"eval/{item.item_id}/{k}", n=1, rollout=rollout, seed=k, version=0)
-        for item in items for k in range(settings.seeds)
+        env.eval_task(
+            item, run=settings.run, task_id=f"eval/{item.item_id}/{k}", n=1, rollout=rollout, seed=k, version=0
+        )
+        for item in items
+        for k in range(settings.seeds)
     ]
 
 
@@ -273,10 +281,14 @@ async def score_within_bounds(traj, judge, scorer_cfg, attempts: int, reward=Non
         except JudgeUnavailable as e:
             waited = time.monotonic() - t0
             if waited >= scorer_cfg.judge_wait_s:
-                raise JudgeUnavailable(f"{e} (waited {waited:.0f}s, the bound is [scorer] judge_wait_s={scorer_cfg.judge_wait_s:.0f}s)") from None
+                raise JudgeUnavailable(
+                    f"{e} (waited {waited:.0f}s, the bound is [scorer] judge_wait_s={scorer_cfg.judge_wait_s:.0f}s)"
+                ) from None
             waits += 1
             if waits == 1 or waits % 10 == 0:
-                log.warning("%s: %s; waiting (%.0fs of at most %.0fs)", traj.traj_id, e, waited, scorer_cfg.judge_wait_s)
+                log.warning(
+                    "%s: %s; waiting (%.0fs of at most %.0fs)", traj.traj_id, e, waited, scorer_cfg.judge_wait_s
+                )
             await asyncio.sleep(min(scorer_cfg.retry_delay(waits), max(0.0, scorer_cfg.judge_wait_s - waited)))
         except JudgeFailed as e:
             failed += 1
@@ -286,7 +298,11 @@ async def score_within_bounds(traj, judge, scorer_cfg, attempts: int, reward=Non
 
 
 async def play_condition(
-    cond: Condition, tasks: Sequence[Task], policy: Policy, services: EvalServices, settings: EvalSettings,
+    cond: Condition,
+    tasks: Sequence[Task],
+    policy: Policy,
+    services: EvalServices,
+    settings: EvalSettings,
     on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
     on_missing: Callable[[NotScored], None] | None = None,
 ) -> list[EvalRecord]:
@@ -299,8 +315,10 @@ async def play_condition(
     from parley.rollout.score import Unscorable
 
     policy_settings = PolicySettings(
-        max_model_len=policy.engine.settings.max_model_len, sampling=settings.sampling,
-        template_kwargs={**services.template_kwargs, "enable_thinking": settings.enable_thinking}, model=cond.model,
+        max_model_len=policy.engine.settings.max_model_len,
+        sampling=settings.sampling,
+        template_kwargs={**services.template_kwargs, "enable_thinking": settings.enable_thinking},
+        model=cond.model,
         actor=f"eval-{cond.name}",
     )
     slots = asyncio.Semaphore(settings.concurrency)
@@ -310,8 +328,13 @@ async def play_condition(
     reward = services.env.reward if services.env is not None else None
 
     def missing(task: Task, stage: str, reason: str) -> None:
-        m = NotScored(eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
-                      stage=stage, reason=reason)
+        m = NotScored(
+            eval_id=f"{cond.name}/{task.item_id}/{task.seed}",
+            condition=cond.name,
+            item_id=task.item_id,
+            stage=stage,
+            reason=reason,
+        )
         log.warning("condition %s: not scored: %s", cond.name, m.describe())
         if on_missing is not None:
             on_missing(m)
@@ -321,26 +344,49 @@ async def play_condition(
         async with slots:
             try:
                 traj = await run_conversation(
-                    policy.engine, sim, task, 0, lambda: policy.version,
-                    tokenizer=policy.tokenizer, policy=policy_settings,
+                    policy.engine,
+                    sim,
+                    task,
+                    0,
+                    lambda: policy.version,
+                    tokenizer=policy.tokenizer,
+                    policy=policy_settings,
                 )
             except Retry as e:  # SimClient gave up after its own retries ([actor] sim_timeout_s each)
                 missing(task, "conversation", f"the user simulator did not answer: {e}")
                 return None
             metrics, document, judge, judge_model = {}, "", [], ""
             try:
-                scored = await score_within_bounds(traj, services.judge, services.scorer_cfg, settings.judge_attempts,
-                                                   reward=reward)
-                metrics, document, judge, judge_model = dict(scored.metrics), scored.document, list(scored.judge), scored.judge_model
+                scored = await score_within_bounds(
+                    traj, services.judge, services.scorer_cfg, settings.judge_attempts, reward=reward
+                )
+                metrics, document, judge, judge_model = (
+                    dict(scored.metrics),
+                    scored.document,
+                    list(scored.judge),
+                    scored.judge_model,
+                )
             except (JudgeFailed, JudgeUnavailable, Unscorable) as e:
                 # The conversation is kept unscored; `parley replay --judge` can score it later.
                 missing(task, "judge", f"{type(e).__name__}: {e}")
         rec = EvalRecord(
-            eval_id=f"{cond.name}/{task.item_id}/{task.seed}", condition=cond.name, item_id=task.item_id,
-            model=cond.model, system_prompt=cond.system_prompt, sim_prompt=task.sim_prompt,
-            sim_model=sim.model, judge_model=judge_model, seed=task.seed, messages=traj.messages,
-            reference=task.reference, assistant_tokens=traj.assistant_tokens, metrics=metrics, document=document,
-            judge=judge, version=policy.version, created=time.time(),
+            eval_id=f"{cond.name}/{task.item_id}/{task.seed}",
+            condition=cond.name,
+            item_id=task.item_id,
+            model=cond.model,
+            system_prompt=cond.system_prompt,
+            sim_prompt=task.sim_prompt,
+            sim_model=sim.model,
+            judge_model=judge_model,
+            seed=task.seed,
+            messages=traj.messages,
+            reference=task.reference,
+            assistant_tokens=traj.assistant_tokens,
+            metrics=metrics,
+            document=document,
+            judge=judge,
+            version=policy.version,
+            created=time.time(),
         )
         if on_record is not None:
             await on_record(rec)
@@ -350,7 +396,10 @@ async def play_condition(
 
 
 async def run_eval(
-    conditions: Sequence[Condition], items: Sequence[Any], settings: EvalSettings, services: EvalServices,
+    conditions: Sequence[Condition],
+    items: Sequence[Any],
+    settings: EvalSettings,
+    services: EvalServices,
     on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
     on_missing: Callable[[NotScored], None] | None = None,
 ) -> list[EvalRecord]:
@@ -376,8 +425,14 @@ async def run_eval(
                 t0 = time.perf_counter()
                 recs = await play_condition(cond, tasks, policy, services, settings, on_record, on_missing)
                 unscored = sum(not r.metrics for r in recs)
-                log.info("condition %s: %d of %d conversations played in %.1fs (%d unscored)", cond.name, len(recs), len(tasks),
-                         time.perf_counter() - t0, unscored)
+                log.info(
+                    "condition %s: %d of %d conversations played in %.1fs (%d unscored)",
+                    cond.name,
+                    len(recs),
+                    len(tasks),
+                    time.perf_counter() - t0,
+                    unscored,
+                )
                 records += recs
         finally:
             if policy.close is not None:

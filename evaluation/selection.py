@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parley.environments.base import Environment
 from parley.config.env import default_environment
+from parley.environments.base import Environment
 from parley.evaluation.benchmark import METRICS, PairedStats, item_values, mean_interval, paired_stats
 from parley.rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES, mr
 
@@ -64,7 +64,9 @@ class Selection:
         def cmp(label: str, s: PairedStats | None) -> str:
             if s is None:
                 return ""
-            return f"; vs {label}: {s.mean_diff:+.4f} [{s.ci_low:+.4f}, {s.ci_high:+.4f}] t={s.t:.2f} p={s.p:.3g} n={s.n}"
+            return (
+                f"; vs {label}: {s.mean_diff:+.4f} [{s.ci_low:+.4f}, {s.ci_high:+.4f}] t={s.t:.2f} p={s.p:.3g} n={s.n}"
+            )
 
         step = f" (step {self.step})" if self.step is not None else ""
         return (
@@ -82,8 +84,10 @@ def check_metric(metric: str, label: str = "--metric", env: Environment | None =
     if metric.lower() in TRAINING_REWARD_NAMES:
         raise SelectionError(f"{label} {metric}: {REWARD_REFUSED}")
     if metric not in env.eval.selectable:
-        raise SelectionError(f"{label} {metric!r} not allowed; use one of {', '.join(env.eval.selectable)} "
-                             f"(the selectable columns of environment {env.name!r})")
+        raise SelectionError(
+            f"{label} {metric!r} not allowed; use one of {', '.join(env.eval.selectable)} "
+            f"(the selectable columns of environment {env.name!r})"
+        )
     return metric
 
 
@@ -121,8 +125,9 @@ def _summary_items(raw: dict, where: str, env: Environment) -> dict[str, dict[st
             items[item] = {c: float(v[c]) for c in columns}
         except (KeyError, TypeError, ValueError):
             needed = [c for c in columns if c != "mr"] if columns == METRICS else list(columns)
-            raise SelectionError(f"{where}: item {item!r} needs numeric {', '.join(needed[:-1])} and {needed[-1]}, "
-                                 f"got {v!r}") from None
+            raise SelectionError(
+                f"{where}: item {item!r} needs numeric {', '.join(needed[:-1])} and {needed[-1]}, got {v!r}"
+            ) from None
     return items
 
 
@@ -147,7 +152,9 @@ def load_versions(run_dir: str | Path, env: Environment | None = None) -> list[V
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 raise SelectionError(f"{where}: not a summary line (needs JSON with an integer 'version')") from None
             step = raw.get("step")
-            found[version] = VersionEval(version, _summary_items(raw, where, env), None if step is None else int(step), where)
+            found[version] = VersionEval(
+                version, _summary_items(raw, where, env), None if step is None else int(step), where
+            )
     for path in sorted(root.glob(f"v*/{RECORDS_FILE}")):
         try:
             version = int(path.parent.name[1:])
@@ -157,7 +164,9 @@ def load_versions(run_dir: str | Path, env: Environment | None = None) -> list[V
         stated = {r.version for r in records} - {-1, version}  # -1: the writer left the version unset
         if stated:
             raise SelectionError(f"{path} holds records of versions {sorted(stated)}, expected only {version}")
-        found[version] = VersionEval(version, item_values(records, env=env), found.get(version, VersionEval(version, {})).step, str(path))
+        found[version] = VersionEval(
+            version, item_values(records, env=env), found.get(version, VersionEval(version, {})).step, str(path)
+        )
     return [found[v] for v in sorted(found) if found[v].items]
 
 
@@ -166,8 +175,12 @@ def _paired(a: VersionEval, b: VersionEval, metric: str) -> PairedStats | None:
     return paired_stats(a.values(metric, shared), b.values(metric, shared)) if shared else None
 
 
-def select_best(run_dir: str | Path, metric: str | None = None, versions: list[VersionEval] | None = None,
-                env: Environment | None = None) -> Selection:
+def select_best(
+    run_dir: str | Path,
+    metric: str | None = None,
+    versions: list[VersionEval] | None = None,
+    env: Environment | None = None,
+) -> Selection:
     """The version with the highest mean of `metric` over its eval items (ties: the earliest); `metric`
     None = the environment's default (`env`: the run's, run_environment). `versions`:
     load_versions(run_dir) when the caller has read them already."""
@@ -183,9 +196,17 @@ def select_best(run_dir: str | Path, metric: str | None = None, versions: list[V
     first = versions[0]
     runner = ranked[1] if len(ranked) > 1 else None
     return Selection(
-        metric=metric, version=best.version, step=best.step, mean=mean, ci_low=lo, ci_high=hi, n=len(best.items),
-        vs_first=_paired(best, first, metric) if first is not best else None, first_version=first.version,
-        vs_runner_up=_paired(best, runner, metric) if runner else None, runner_up=runner.version if runner else None,
+        metric=metric,
+        version=best.version,
+        step=best.step,
+        mean=mean,
+        ci_low=lo,
+        ci_high=hi,
+        n=len(best.items),
+        vs_first=_paired(best, first, metric) if first is not best else None,
+        first_version=first.version,
+        vs_runner_up=_paired(best, runner, metric) if runner else None,
+        runner_up=runner.version if runner else None,
         ranking=[(v.version, v.mean(metric), len(v.items)) for v in ranked],
     )
 
@@ -200,13 +221,16 @@ class Regression:
 
     def describe(self, metric: str, alpha: float) -> str:
         s = self.stats
-        return (f"{metric} of version {self.latest} is below version {self.best}'s by {-s.mean_diff:.4f} "
-                f"(95% CI of the difference [{s.ci_low:+.4f}, {s.ci_high:+.4f}], t={s.t:.2f}, one-sided p={s.p / 2:.3g} "
-                f"< alpha {alpha}, n={s.n})")
+        return (
+            f"{metric} of version {self.latest} is below version {self.best}'s by {-s.mean_diff:.4f} "
+            f"(95% CI of the difference [{s.ci_low:+.4f}, {s.ci_high:+.4f}], t={s.t:.2f}, one-sided p={s.p / 2:.3g} "
+            f"< alpha {alpha}, n={s.n})"
+        )
 
 
-def regression(history: list[VersionEval], metric: str, alpha: float = 0.05,
-               env: Environment | None = None) -> Regression | None:
+def regression(
+    history: list[VersionEval], metric: str, alpha: float = 0.05, env: Environment | None = None
+) -> Regression | None:
     """The latest version's regression on `metric` against the best earlier one, if significant:
     paired over shared items, one-sided p < alpha. Fewer than two shared items never count as a regression."""
     check_metric(metric, env=env)

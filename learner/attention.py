@@ -50,8 +50,9 @@ def seqloop(q: Tensor, k: Tensor, v: Tensor, bounds: list[int], scale: float) ->
     The reference the varlen kernel is checked against, and its fallback."""
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, T, D)
     outs = [
-        F.scaled_dot_product_attention(qh[None, :, a:b], kh[None, :, a:b], vh[None, :, a:b],
-                                       is_causal=True, scale=scale, enable_gqa=True)[0]
+        F.scaled_dot_product_attention(
+            qh[None, :, a:b], kh[None, :, a:b], vh[None, :, a:b], is_causal=True, scale=scale, enable_gqa=True
+        )[0]
         for a, b in zip(bounds, bounds[1:])
     ]  # each (Hq, s, D)
     return torch.cat(outs, dim=1).transpose(0, 1)
@@ -98,8 +99,7 @@ def check_varlen(kernel, device, dtype=torch.bfloat16) -> float:
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     grad = torch.randn(421, 4, 128, device=device, dtype=dtype, generator=gen)
     outs = []
-    runs = (lambda q, k, v: kernel(q, k, v, cu, 257, 128**-0.5),
-            lambda q, k, v: seqloop(q, k, v, bounds, 128**-0.5))
+    runs = (lambda q, k, v: kernel(q, k, v, cu, 257, 128**-0.5), lambda q, k, v: seqloop(q, k, v, bounds, 128**-0.5))
     for run in runs:
         qkv = [t.clone().requires_grad_(True) for t in base]
         out = run(*qkv)
@@ -208,8 +208,15 @@ def resolve(requested: str, device: torch.device) -> tuple[str, str]:
 # -- the start-up guard ---------------------------------------------------------------------------
 
 # A model of the loaded architecture this small builds in milliseconds on the CPU.
-_SMALL = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-              num_key_value_heads=1, head_dim=32, vocab_size=64)
+_SMALL = dict(
+    num_hidden_layers=1,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    vocab_size=64,
+)
 
 
 def packing_leak(config, attention: str = "sdpa") -> float:
@@ -251,5 +258,5 @@ def check_packing_isolated(config) -> None:
         raise RuntimeError(
             f"transformers {transformers.__version__} lets packed sequences attend to each other (a sequence's "
             f"logits change by {leak:.3g} when packed after another): install the range pyproject.toml pins, or "
-            "set [learner] attention = \"varlen\""
+            'set [learner] attention = "varlen"'
         )

@@ -138,7 +138,9 @@ def read_state(run_dir: str | Path) -> LearnerState | None:
             _resolve_samples(learner_dir(run_dir), state)
         except FileNotFoundError as e:
             if attempt == 4:
-                raise LedgerError(f"{e}; restore learner/ from a copy, or start a fresh run (another run name)") from None
+                raise LedgerError(
+                    f"{e}; restore learner/ from a copy, or start a fresh run (another run name)"
+                ) from None
             continue
         return state
     return None
@@ -206,12 +208,16 @@ class Ledger:
     def _generations(self) -> list[Path]:
         if not self.dir.is_dir():
             return []
-        return sorted(p for p in self.dir.iterdir()
-                      if p.name.startswith(SAMPLE_LOG_PREFIX) and p.name.endswith(SAMPLE_LOG_SUFFIX))
+        return sorted(
+            p for p in self.dir.iterdir() if p.name.startswith(SAMPLE_LOG_PREFIX) and p.name.endswith(SAMPLE_LOG_SUFFIX)
+        )
 
     def _start_generation(self) -> None:
-        gens = [int(p.name[len(SAMPLE_LOG_PREFIX):-len(SAMPLE_LOG_SUFFIX)]) for p in self._generations()
-                if p.name[len(SAMPLE_LOG_PREFIX):-len(SAMPLE_LOG_SUFFIX)].isdigit()]
+        gens = [
+            int(p.name[len(SAMPLE_LOG_PREFIX) : -len(SAMPLE_LOG_SUFFIX)])
+            for p in self._generations()
+            if p.name[len(SAMPLE_LOG_PREFIX) : -len(SAMPLE_LOG_SUFFIX)].isdigit()
+        ]
         self.dir.mkdir(parents=True, exist_ok=True)
         if self._f is not None:
             self._f.close()
@@ -421,8 +427,9 @@ def export_version(run_dir: str | Path, version: int, out: str | Path, merge: bo
             shutil.copyfile(wdir / ADAPTER_CONFIG, out / ADAPTER_CONFIG)
             return out
     elif merge:
-        raise FileNotFoundError(f"version {version} of {run_dir} is no LoRA adapter (no {wdir / ADAPTER_CONFIG}); "
-                                "export it without --merge")
+        raise FileNotFoundError(
+            f"version {version} of {run_dir} is no LoRA adapter (no {wdir / ADAPTER_CONFIG}); export it without --merge"
+        )
     elif (wdir / WEIGHT_FILES[0]).is_file():
         for name in WEIGHT_FILES:
             shutil.copyfile(wdir / name, out / name)
@@ -439,7 +446,11 @@ def export_version(run_dir: str | Path, version: int, out: str | Path, merge: bo
         )
     # Tokenizer, chat template and generation config come from the base model: training never changes them.
     for p in base.iterdir():
-        if p.is_file() and p.suffix not in (".safetensors", ".bin") and p.name not in ("config.json", "model.safetensors.index.json"):
+        if (
+            p.is_file()
+            and p.suffix not in (".safetensors", ".bin")
+            and p.name not in ("config.json", "model.safetensors.index.json")
+        ):
             shutil.copyfile(p, out / p.name)
     return out
 

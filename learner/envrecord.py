@@ -34,14 +34,18 @@ def differs(run_dir: str | Path, record: dict[str, Any]) -> str:
         from parley.config.env import DEFAULT_NAME as NAME
 
         if record.get("name") != NAME:
-            return (f"{Path(run_dir) / FILE} is missing, so this run trained {NAME!r}; env.name={record.get('name')!r} "
-                    f"cannot resume it: set env.name={NAME!r}, or use another run directory for a fresh run")
+            return (
+                f"{Path(run_dir) / FILE} is missing, so this run trained {NAME!r}; env.name={record.get('name')!r} "
+                f"cannot resume it: set env.name={NAME!r}, or use another run directory for a fresh run"
+            )
         write(run_dir, record)
         return ""
     keys = sorted(set(started) | set(record))
     changed = [f"{k} {started.get(k)!r} -> {record.get(k)!r}" for k in keys if started.get(k) != record.get(k)]
     if not changed:
         return ""
-    return (f"the run started with environment {started.get('name')!r} ({Path(run_dir) / FILE}) and this config "
-            f"differs: {'; '.join(changed)}. Resume with the [env] (and its package version) the run started with, "
-            "or use another run directory for a fresh run")
+    return (
+        f"the run started with environment {started.get('name')!r} ({Path(run_dir) / FILE}) and this config "
+        f"differs: {'; '.join(changed)}. Resume with the [env] (and its package version) the run started with, "
+        "or use another run directory for a fresh run"
+    )

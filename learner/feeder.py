@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 
 from parley.environments.base import TaskBuilder
-from parley.tasks.data import task_from_item
 from parley.protocol import codec, topology
 from parley.protocol.bus import publish
 from parley.protocol.messages import Task
+from parley.tasks.data import task_from_item
 
 log = logging.getLogger("parley.learner.feeder")
 
@@ -40,8 +40,9 @@ def admission_limit(version: int, max_staleness: int, groups_per_step: int) -> i
     return (version + max_staleness + 1) * groups_per_step
 
 
-def may_admit(in_flight: int, consumed: int, version: int, max_staleness: int, groups_per_step: int,
-              oversample: int = 0) -> bool:
+def may_admit(
+    in_flight: int, consumed: int, version: int, max_staleness: int, groups_per_step: int, oversample: int = 0
+) -> bool:
     """The staleness gate: one more group may be issued if the count stays within the limit (plus
     `oversample` groups beyond it, [learner] oversample_groups), i.e. in_flight + consumed <= limit
     + oversample holds after admitting it."""
@@ -85,9 +86,21 @@ class Feeder:
     staleness bound holds for the policy that actually generates it.
     """
 
-    def __init__(self, js, run: str, items: list, rollout, *, max_staleness: int, groups_per_step: int,
-                 seed: int = 0, state: FeederState | None = None, build: TaskBuilder = task_from_item,
-                 steps: int = 0, oversample: int = 0):
+    def __init__(
+        self,
+        js,
+        run: str,
+        items: list,
+        rollout,
+        *,
+        max_staleness: int,
+        groups_per_step: int,
+        seed: int = 0,
+        state: FeederState | None = None,
+        build: TaskBuilder = task_from_item,
+        steps: int = 0,
+        oversample: int = 0,
+    ):
         if not items:
             raise ValueError("the training split is empty; check [data] path and eval_fraction")
         self.js, self.run_name, self.items, self.rollout = js, run, items, rollout
@@ -108,8 +121,13 @@ class Feeder:
     def task(self, index: int) -> Task:
         item = self.items[item_order(len(self.items), index, self.seed)]
         return self.build(
-            item, run=self.run_name, task_id=task_id(self.run_name, index), n=self.rollout.n, rollout=self.rollout,
-            seed=self.seed * 1_000_003 + index, version=self.version,
+            item,
+            run=self.run_name,
+            task_id=task_id(self.run_name, index),
+            n=self.rollout.n,
+            rollout=self.rollout,
+            seed=self.seed * 1_000_003 + index,
+            version=self.version,
         )
 
     async def adopt_published(self) -> int:
@@ -149,8 +167,13 @@ class Feeder:
                 s.in_flight[task.task_id] = Issued(at=now, version=task.admitted_version)
         if found:
             s.next_index = max(found) + 1
-            log.info("adopted %d tasks the TASKS stream held past the recorded index (%s..%s); issuing from %d",
-                     len(found), task_id(self.run_name, min(found)), task_id(self.run_name, max(found)), s.next_index)
+            log.info(
+                "adopted %d tasks the TASKS stream held past the recorded index (%s..%s); issuing from %d",
+                len(found),
+                task_id(self.run_name, min(found)),
+                task_id(self.run_name, max(found)),
+                s.next_index,
+            )
         return len(found)
 
     def all_issued(self) -> bool:
@@ -159,8 +182,9 @@ class Feeder:
 
     def is_open(self) -> bool:
         s = self.state
-        return not self.all_issued() and may_admit(len(s.in_flight), s.consumed, self.version, self.max_staleness,
-                                                   self.groups_per_step, self.oversample)
+        return not self.all_issued() and may_admit(
+            len(s.in_flight), s.consumed, self.version, self.max_staleness, self.groups_per_step, self.oversample
+        )
 
     def mark_consumed(self, task: str, trained: bool = True) -> Issued | None:
         """A group left the learner: its issue record, or None if we did not issue it.
@@ -198,7 +222,12 @@ class Feeder:
         while not stop.is_set():
             if self.is_open():
                 if self.paused:
-                    log.info("admission resumed: version %d, %d in flight, %d consumed", self.version, len(s.in_flight), s.consumed)
+                    log.info(
+                        "admission resumed: version %d, %d in flight, %d consumed",
+                        self.version,
+                        len(s.in_flight),
+                        s.consumed,
+                    )
                     self.paused = False
                 task = self.task(s.next_index)
                 await publish(self.js, self.run_name, "tasks", task)
@@ -207,15 +236,24 @@ class Feeder:
                 s.next_index += 1
                 continue
             if not self.paused and self.all_issued():
-                log.info("admission paused: %d in flight + %d consumed = the %d groups the run's last step needs",
-                         len(s.in_flight), s.consumed, self.total_groups)
+                log.info(
+                    "admission paused: %d in flight + %d consumed = the %d groups the run's last step needs",
+                    len(s.in_flight),
+                    s.consumed,
+                    self.total_groups,
+                )
                 self.paused = True
             elif not self.paused:
                 limit = admission_limit(self.version, self.max_staleness, self.groups_per_step) + self.oversample
                 log.info(
                     "admission paused: %d in flight + %d consumed = limit %d at version %d "
                     "(max_staleness %d, groups_per_step %d, oversample_groups %d)",
-                    len(s.in_flight), s.consumed, limit, self.version, self.max_staleness, self.groups_per_step,
+                    len(s.in_flight),
+                    s.consumed,
+                    limit,
+                    self.version,
+                    self.max_staleness,
+                    self.groups_per_step,
                     self.oversample,
                 )
                 self.paused = True

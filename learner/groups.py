@@ -6,8 +6,8 @@ SCORED consumer and takes batches from it. See docs/learner.md for how this stat
 
 from __future__ import annotations
 
-import math
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -63,8 +63,9 @@ def check_trajectory(traj: Trajectory) -> None:
 LOGPROB_SLACK = 1e-3
 
 
-def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | None = None, *,
-                         reference: bool = False) -> None:
+def check_hostile_values(
+    scored: Scored, vocab_size: int, max_positions: int | None = None, *, reference: bool = False
+) -> None:
     """Raise BadTrajectory for values that decode but that no honest actor or scorer sends: a
     non-finite or out-of-range reward (rewards.reward.hostile_reward), sampling settings the learner
     cannot recompute the log-probs of (a temperature below vLLM's greedy threshold or not finite,
@@ -88,23 +89,30 @@ def check_hostile_values(scored: Scored, vocab_size: int, max_positions: int | N
     # The settings that shape the behaviour log-probs, as the learner recomputes them: softmax(logits / T)
     # with nothing cut away. NaN fails the comparisons too.
     if not (GREEDY_BELOW <= traj.temperature < math.inf):
-        raise BadTrajectory(f"{traj.traj_id}: temperature {traj.temperature} is not a finite number >= {GREEDY_BELOW:g} "
-                            "(below it vLLM samples greedily and reports untempered log-probs); the learner trains on "
-                            "log-probs of softmax(logits / temperature)")
+        raise BadTrajectory(
+            f"{traj.traj_id}: temperature {traj.temperature} is not a finite number >= {GREEDY_BELOW:g} "
+            "(below it vLLM samples greedily and reports untempered log-probs); the learner trains on "
+            "log-probs of softmax(logits / temperature)"
+        )
     if traj.top_p != 1.0:
-        raise BadTrajectory(f"{traj.traj_id}: top_p {traj.top_p}: its log-probs are renormalized over the top-p "
-                            "nucleus, which the learner does not recompute; actors that train sample with top_p = 1.0")
+        raise BadTrajectory(
+            f"{traj.traj_id}: top_p {traj.top_p}: its log-probs are renormalized over the top-p "
+            "nucleus, which the learner does not recompute; actors that train sample with top_p = 1.0"
+        )
     if reference and traj.temperature != 1.0:
-        raise BadTrajectory(f"{traj.traj_id}: temperature {traj.temperature} with [policy] reference = \"service\": "
-                            "the service's reference log-probs are of the raw model, a KL to this tempered policy "
-                            "would mix the two; sample at temperature 1.0 or use the learner's own reference")
+        raise BadTrajectory(
+            f'{traj.traj_id}: temperature {traj.temperature} with [policy] reference = "service": '
+            "the service's reference log-probs are of the raw model, a KL to this tempered policy "
+            "would mix the two; sample at temperature 1.0 or use the learner's own reference"
+        )
     for i, turn in enumerate(traj.turns):
         lp = arrays.turn_logprobs(turn)
         bad = ~(np.isfinite(lp) & (lp <= LOGPROB_SLACK))
         if bad.any():
             j = int(np.argmax(bad))
-            raise BadTrajectory(f"{traj.traj_id}: turn {i} log-prob {j} is {float(lp[j])}; behaviour log-probs are "
-                                "finite and <= 0")
+            raise BadTrajectory(
+                f"{traj.traj_id}: turn {i} log-prob {j} is {float(lp[j])}; behaviour log-probs are finite and <= 0"
+            )
     outside = (ids < 0) | (ids >= vocab_size)
     if outside.any():
         bad_id = int(ids[int(np.argmax(outside))])
@@ -121,16 +129,19 @@ def check_reference(scored: Scored, n_tokens: int) -> None:
     except ValueError as e:
         raise BadTrajectory(f"{scored.traj_id}: {e}") from None
     if ref.size == 0:
-        raise BadTrajectory(f"{scored.traj_id}: no reference log-probs (ref_logp_f32) while policy.reference="
-                            "'service'; the scorer fills them in from `parley reference` when it reads the same "
-                            "[policy] reference setting")
+        raise BadTrajectory(
+            f"{scored.traj_id}: no reference log-probs (ref_logp_f32) while policy.reference="
+            "'service'; the scorer fills them in from `parley reference` when it reads the same "
+            "[policy] reference setting"
+        )
     if ref.size != n_tokens:
         raise BadTrajectory(f"{scored.traj_id}: {ref.size} reference log-probs for {n_tokens} tokens (one per token)")
     bad = ~(np.isfinite(ref) & (ref <= LOGPROB_SLACK))
     if bad.any():
         j = int(np.argmax(bad))
-        raise BadTrajectory(f"{scored.traj_id}: reference log-prob {j} is {float(ref[j])}; reference log-probs are "
-                            "finite and <= 0")
+        raise BadTrajectory(
+            f"{scored.traj_id}: reference log-prob {j} is {float(ref[j])}; reference log-probs are finite and <= 0"
+        )
 
 
 def behaviour_logprobs(traj: Trajectory) -> np.ndarray:
@@ -221,7 +232,9 @@ class Grouper:
         """Buffer one sample: returns "added", "complete" (it completed its group), "duplicate"
         (this traj_id is already buffered) or "late" (its task is already done)."""
         if not 0 <= scored.sample < self.n:
-            raise BadTrajectory(f"{scored.traj_id}: sample index {scored.sample} outside 0..{self.n - 1} (group size n={self.n})")
+            raise BadTrajectory(
+                f"{scored.traj_id}: sample index {scored.sample} outside 0..{self.n - 1} (group size n={self.n})"
+            )
         if scored.task_id in self.done:
             self.counters["late"] += 1
             return "late"
@@ -243,7 +256,9 @@ class Grouper:
 
     def ready(self) -> list[Group]:
         """Complete groups, oldest completion first."""
-        return sorted((g for g in self.buffer.values() if len(g.samples) == self.n), key=lambda g: (g.completed, g.task_id))
+        return sorted(
+            (g for g in self.buffer.values() if len(g.samples) == self.n), key=lambda g: (g.completed, g.task_id)
+        )
 
     def expire(self, now: float | None = None) -> list[Outcome]:
         """Drop partial groups older than timeout_s, each with a logged reason."""
@@ -301,7 +316,9 @@ class Grouper:
                 break
             rewards = g.rewards()
             if max(rewards) - min(rewards) <= ZERO_SPREAD:
-                outcomes.append(self._finish(g, "zero_advantage", f"zero advantage: every sample has reward {rewards[0]:.4g}"))
+                outcomes.append(
+                    self._finish(g, "zero_advantage", f"zero advantage: every sample has reward {rewards[0]:.4g}")
+                )
                 continue
             behaviour = g.min_version()
             lag = learner_version - behaviour  # versions the policy moved since the oldest trained turn
@@ -333,8 +350,9 @@ class Grouper:
         g = self.buffer.get(task_id)
         if g is None or not 0 < len(g.samples) < self.n:
             return False
-        return g.abandoned() is not None or (self.stale_policy == "drop"
-                                             and learner_version - g.min_version() > self.max_staleness)
+        return g.abandoned() is not None or (
+            self.stale_policy == "drop" and learner_version - g.min_version() > self.max_staleness
+        )
 
     def _drop_doomed(self, learner_version: int) -> list[Outcome]:
         """The doomed partial groups, dropped as stale now, freeing their admission slots, instead of
@@ -346,17 +364,26 @@ class Grouper:
                 out.append(self._finish(g, "stale", self._abandoned_reason(g)))
                 continue
             behaviour = g.min_version()
-            out.append(self._finish(g, "stale", (
-                f"stale before complete ({len(g.samples)}/{self.n} samples in): behaviour version {behaviour}, "
-                f"learner version {learner_version}, lag {learner_version - behaviour} > max_staleness {self.max_staleness}")))
+            out.append(
+                self._finish(
+                    g,
+                    "stale",
+                    (
+                        f"stale before complete ({len(g.samples)}/{self.n} samples in): behaviour version {behaviour}, "
+                        f"learner version {learner_version}, lag {learner_version - behaviour} > max_staleness {self.max_staleness}"
+                    ),
+                )
+            )
         return out
 
     def _abandoned_reason(self, g: Group) -> str:
         s = g.abandoned()
         versions = sorted({t.version for t in s.trajectory.turns})
-        return (f"stale: sample {s.sample} was stopped by actor {s.trajectory.actor or '?'} after "
-                f"{len(s.trajectory.turns)} turn(s) (versions {versions}) because the group could no longer be "
-                f"trained; {len(g.samples)}/{self.n} samples in")
+        return (
+            f"stale: sample {s.sample} was stopped by actor {s.trajectory.actor or '?'} after "
+            f"{len(s.trajectory.turns)} turn(s) (versions {versions}) because the group could no longer be "
+            f"trained; {len(g.samples)}/{self.n} samples in"
+        )
 
     def untake(self, taken: list[Taken]) -> None:
         """Put groups of a step that failed back, as if they had never been taken."""
@@ -378,7 +405,9 @@ class Grouper:
                 self.counters["corrected"] -= 1
             self.counters["nonfinite"] += 1
             log.error("group %s %s", t.group.task_id, reason)
-            out.append(Outcome(t.group.task_id, "nonfinite", reason, [s.traj_id for s in t.group.ordered()], group=t.group))
+            out.append(
+                Outcome(t.group.task_id, "nonfinite", reason, [s.traj_id for s in t.group.ordered()], group=t.group)
+            )
         return out
 
     def _finish(self, g: Group, kind: str, reason: str) -> Outcome:

@@ -10,14 +10,13 @@ on (assistant tokens), so prompt/user tokens can stay in the pack.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from parley.config.learner import LOSS_AGG, LearnerConfig
 from parley.learner.packing import PackedBatch
-
 
 # exp() of a log-ratio beyond this overflows float32 or turns 0 * inf into NaN;
 # tokens that far off-policy are clipped anyway, so bounding them loses nothing useful.
@@ -200,9 +199,7 @@ def _seq_index(seq_ids: Tensor | Sequence[int], n_tokens: int, device: torch.dev
     lengths = [int(n) for n in seq_ids]
     if any(n < 0 for n in lengths) or sum(lengths) != n_tokens:
         raise ValueError(f"sequence lengths {lengths} must be >= 0 and sum to T={n_tokens}")
-    index = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-    )
+    index = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
     return index, len(lengths)
 
 
@@ -278,7 +275,11 @@ def grpo_loss(
     if kl_coef != 0.0 and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
     _check_tokens(
-        logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,
+        logp=logp,
+        old_logp=old_logp,
+        advantages=advantages,
+        mask=mask,
+        ref_logp=ref_logp,
     )
     mask = mask.bool()
 
@@ -318,8 +319,17 @@ def batch_loss(
     "truncated_is" that ratio is a capped weight instead (truncated_is_loss), and nothing is clipped.
     """
     return grpo_loss(
-        logp, batch.behaviour, batch.advantages, torch.ones_like(batch.behaviour, dtype=torch.bool), batch.seq,
-        ref_logp=ref_logp, kl_coef=cfg.kl_coef, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip or None, agg_mode=cfg.loss_agg,
-        correction=cfg.behaviour_correction, is_cap=cfg.is_cap,
+        logp,
+        batch.behaviour,
+        batch.advantages,
+        torch.ones_like(batch.behaviour, dtype=torch.bool),
+        batch.seq,
+        ref_logp=ref_logp,
+        kl_coef=cfg.kl_coef,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip or None,
+        agg_mode=cfg.loss_agg,
+        correction=cfg.behaviour_correction,
+        is_cap=cfg.is_cap,
     )

@@ -25,9 +25,19 @@ from parley.protocol.messages import ABANDONED_STALE
 
 
 class Intake:
-    def __init__(self, state: RunState, grouper: Grouper, feeder: Feeder, ledger: ckpt.Ledger, *,
-                 limits: tuple[int, int | None], reference_service: bool, ack_wait_s: float, flush_s: float,
-                 started: float):
+    def __init__(
+        self,
+        state: RunState,
+        grouper: Grouper,
+        feeder: Feeder,
+        ledger: ckpt.Ledger,
+        *,
+        limits: tuple[int, int | None],
+        reference_service: bool,
+        ack_wait_s: float,
+        flush_s: float,
+        started: float,
+    ):
         self.state, self.grouper, self.feeder, self.ledger = state, grouper, feeder, ledger
         # token ids beyond the vocabulary and conversations beyond the positions are refused here
         self.vocab_size, self.max_positions = limits
@@ -93,12 +103,20 @@ class Intake:
                 in_flight[g.task_id] = issued
                 consumed -= 1
         return ckpt.LearnerState(
-            step=self.state.ckpt_step, tag=self.state.tag, next_index=self.feeder.state.next_index,
-            in_flight=sorted(in_flight), consumed=consumed, done=done, counters=dict(self.grouper.counters),
-            groups=[ckpt.GroupState(task_id=g.task_id, first_seen=g.first_seen, completed=g.completed, samples=g.ordered())
-                    for g in groups],
+            step=self.state.ckpt_step,
+            tag=self.state.tag,
+            next_index=self.feeder.state.next_index,
+            in_flight=sorted(in_flight),
+            consumed=consumed,
+            done=done,
+            counters=dict(self.grouper.counters),
+            groups=[
+                ckpt.GroupState(task_id=g.task_id, first_seen=g.first_seen, completed=g.completed, samples=g.ordered())
+                for g in groups
+            ],
             issued=[ckpt.IssuedTask(task_id=t, at=i.at, version=i.version) for t, i in sorted(in_flight.items())],
-            dead_seq=self.state.dead_seq, reasons=dict(self.state.reasons),
+            dead_seq=self.state.dead_seq,
+            reasons=dict(self.state.reasons),
         )
 
     def flush_due(self) -> bool:

@@ -24,8 +24,9 @@ def token_logprobs(model, batch: PackedBatch, chunk: int = 1024, grad: bool = Tr
     (refused at start where it would not: attention.check_packing_isolated).
     """
     with torch.set_grad_enabled(grad):
-        return packed_logprobs(model, batch.input_ids, batch.position_ids, batch.src, batch.targets, chunk, grad,
-                               inv_temp=batch.inv_temp)
+        return packed_logprobs(
+            model, batch.input_ids, batch.position_ids, batch.src, batch.targets, chunk, grad, inv_temp=batch.inv_temp
+        )
 
 
 class PackedPolicy(torch.nn.Module):
@@ -44,12 +45,22 @@ class PackedPolicy(torch.nn.Module):
         # "collective mismatch", NCCL hangs).
         self.equal_chunks = equal_chunks
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, src: Tensor, targets: Tensor,
-                inv_temp: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, src: Tensor, targets: Tensor, inv_temp: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         min_chunks = 0
         if self.equal_chunks:
             count = torch.tensor([-(-src.numel() // self.chunk)], device=src.device)
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
             min_chunks = int(count.item())
-        return packed_logprobs(self.model, input_ids, position_ids, src, targets, self.chunk, torch.is_grad_enabled(),
-                               min_chunks=min_chunks, inv_temp=inv_temp)
+        return packed_logprobs(
+            self.model,
+            input_ids,
+            position_ids,
+            src,
+            targets,
+            self.chunk,
+            torch.is_grad_enabled(),
+            min_chunks=min_chunks,
+            inv_temp=inv_temp,
+        )

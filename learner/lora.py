@@ -6,8 +6,12 @@ and config for publication (weights.lora). Used by learner.trainer.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 from parley.config.learner import LoraSettings
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_adapters(model, settings: LoraSettings):
@@ -18,10 +22,17 @@ def add_adapters(model, settings: LoraSettings):
 
     missing = [t for t in settings.target_modules if not any(n.endswith(f".{t}") for n, _ in model.named_modules())]
     if missing:
-        raise ValueError(f"[learner.lora] target_modules {missing} name no module of {type(model).__name__}; "
-                         "use the names of its Linear layers, e.g. q_proj, v_proj")
-    conf = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                      target_modules=list(settings.target_modules), bias="none")
+        raise ValueError(
+            f"[learner.lora] target_modules {missing} name no module of {type(model).__name__}; "
+            "use the names of its Linear layers, e.g. q_proj, v_proj"
+        )
+    conf = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        bias="none",
+    )
     return get_peft_model(model, conf)
 
 
@@ -36,8 +47,10 @@ def adapter_state(peft_model, device: str | None = "cpu") -> tuple[dict, dict]:
     where they are (no copy; the GPU transport packs them into its buffer at once)."""
     from peft import get_peft_model_state_dict
 
-    state = {k: v.detach() if device is None else v.detach().to(device, copy=True)
-             for k, v in get_peft_model_state_dict(peft_model).items()}
+    state = {
+        k: v.detach() if device is None else v.detach().to(device, copy=True)
+        for k, v in get_peft_model_state_dict(peft_model).items()
+    }
     return state, adapter_config(peft_model)
 
 
@@ -48,7 +61,7 @@ def adapter_config(peft_model) -> dict:
     return conf
 
 
-def adapter_params(peft_model) -> list[tuple[str, "torch.nn.Parameter"]] | None:
+def adapter_params(peft_model) -> list[tuple[str, torch.nn.Parameter]] | None:
     """The adapter's trained parameters under peft's saved names (adapter_state's names, sorted), as
     the Parameter objects themselves: found once, then read at each version without walking the
     model's state dict again (get_peft_model_state_dict over the 4B shape's ~900 tensors is most of

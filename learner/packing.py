@@ -37,11 +37,15 @@ class Sample:
             self.ref = np.asarray(self.ref, dtype=np.float32)
         n = self.token_ids.shape
         if self.token_ids.ndim != 1 or self.loss_mask.shape != n or self.behaviour.shape != n:
-            raise ValueError(f"sample {self.traj_id}: token_ids {self.token_ids.shape}, loss_mask "
-                             f"{self.loss_mask.shape} and behaviour {self.behaviour.shape} must be one length")
+            raise ValueError(
+                f"sample {self.traj_id}: token_ids {self.token_ids.shape}, loss_mask "
+                f"{self.loss_mask.shape} and behaviour {self.behaviour.shape} must be one length"
+            )
         if not (self.temperature > 0 and np.isfinite(self.temperature)):
-            raise ValueError(f"sample {self.traj_id}: temperature {self.temperature!r} must be a finite number > 0 "
-                             "(a greedy sample has no distribution to train on)")
+            raise ValueError(
+                f"sample {self.traj_id}: temperature {self.temperature!r} must be a finite number > 0 "
+                "(a greedy sample has no distribution to train on)"
+            )
         if self.ref is not None and self.ref.shape != n:
             raise ValueError(f"sample {self.traj_id}: ref {self.ref.shape} and token_ids {n} must be one length")
 

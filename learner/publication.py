@@ -55,8 +55,11 @@ class Publisher:
         if old is not None:
             self.superseded.append(old.version)
             self.counters["superseded"] += 1
-            log.info("weights version %d superseded by version %d before its upload began: never announced",
-                     old.version, pub.version)
+            log.info(
+                "weights version %d superseded by version %d before its upload began: never announced",
+                old.version,
+                pub.version,
+            )
             if old.discard is not None:
                 old.discard()
         if self._task is None or self._task.done():
@@ -100,8 +103,9 @@ class Publisher:
                 old.discard()
         if self._task is not None and not self._task.done():
             if self.running is not None:
-                log.warning("weights version %d abandoned during its upload at stop: never announced",
-                            self.running.version)
+                log.warning(
+                    "weights version %d abandoned during its upload at stop: never announced", self.running.version
+                )
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
@@ -110,12 +114,20 @@ class Weights:
     """Publishes the trainer's weights by version through `publisher`; `served` tracks the versions
     actors serve, which are never pruned. The feeder's version moves once a version is announced."""
 
-    def __init__(self, lc, settings, js, nc, run_name: str, run_dir, driver, publisher: Publisher, feeder,
-                 adapter_base: str = "") -> None:
+    def __init__(
+        self, lc, settings, js, nc, run_name: str, run_dir, driver, publisher: Publisher, feeder, adapter_base: str = ""
+    ) -> None:
         """`settings`: the run's [weights] (weights.config), the transport every version takes.
         `adapter_base`: [learner.lora] on, the base's identity (weights.lora.base_identity) each adapter
         version names; "" publishes whole weights."""
-        self.lc, self.settings, self.js, self.run_name, self.run_dir, self.driver = lc, settings, js, run_name, run_dir, driver
+        self.lc, self.settings, self.js, self.run_name, self.run_dir, self.driver = (
+            lc,
+            settings,
+            js,
+            run_name,
+            run_dir,
+            driver,
+        )
         self.publisher, self.feeder = publisher, feeder
         self.served = ServedVersions(nc, run_name)  # what actors serve is never pruned
         # file transports: the version announced last and its directory, the base of the next delta
@@ -161,8 +173,13 @@ class Weights:
             snap = await asyncio.to_thread(self.driver, "adapter_snapshot")
             wdir = ckpt.weights_dir(self.run_dir, version)
             await asyncio.to_thread(lora.write_adapter, *snap, wdir)
-            self.publisher.submit(Publication(version, lambda: self.upload_adapter(version, wdir),
-                                              discard=lambda: shutil.rmtree(wdir, ignore_errors=True)))
+            self.publisher.submit(
+                Publication(
+                    version,
+                    lambda: self.upload_adapter(version, wdir),
+                    discard=lambda: shutil.rmtree(wdir, ignore_errors=True),
+                )
+            )
             return True
         if registry.of(self.settings).gpu:
             if write_now:  # the eval's export reads the weights directory: a GPU buffer is no file
@@ -183,9 +200,12 @@ class Weights:
             packed = (table, snap.pending)
             if snap.pending.pack_waited_s > 0.05:  # the version before was still being read from its buffer
                 self.publisher.counters["packed_waited"] += 1
-                log.info("weights version %d: its pack waited %.2f s for the delta and file copy of the version "
-                         "packed before (steps faster than the publication's reads)", version,
-                         snap.pending.pack_waited_s)
+                log.info(
+                    "weights version %d: its pack waited %.2f s for the delta and file copy of the version "
+                    "packed before (steps faster than the publication's reads)",
+                    version,
+                    snap.pending.pack_waited_s,
+                )
             self._since_packed = self._since_packed + 1 if snap.pending.base_version is not None else 0
         else:
             snap = await asyncio.to_thread(self.driver, "weights_snapshot")
@@ -214,12 +234,17 @@ class Weights:
         if wait > 0:
             return wait
         version, self.held = self.held, None
-        if not await self._submit_gpu(version):  # a buffer was taken for a send meanwhile (nccl): tried again next round
+        if not await self._submit_gpu(
+            version
+        ):  # a buffer was taken for a send meanwhile (nccl): tried again next round
             self.held = version
             return 0.0
         self.publisher.counters["published_after_held"] += 1
-        log.info("weights version %d published once a buffer was free (skipped at its step, every buffer "
-                 "held; no step came in between)", version)
+        log.info(
+            "weights version %d published once a buffer was free (skipped at its step, every buffer "
+            "held; no step came in between)",
+            version,
+        )
         return None
 
     async def _submit_gpu(self, version: int, files: asyncio.Future | None = None) -> bool:
@@ -250,8 +275,11 @@ class Weights:
                 break
             left = deadline - time.monotonic()
             if left <= 0:
-                log.warning("weights version %d never published: no GPU buffer came free within %.1f s "
-                            "after training ended", self.held, timeout_s)
+                log.warning(
+                    "weights version %d never published: no GPU buffer came free within %.1f s after training ended",
+                    self.held,
+                    timeout_s,
+                )
                 return False
             await asyncio.sleep(min(max(wait or 0.0, 0.01), left, 1.0))
         return True
@@ -287,11 +315,21 @@ class Weights:
                 base = self._base  # still on disk (prune_weights keeps the newest keep_versions)
         try:
             wv = await retry_unreachable(
-                lambda: registry.publish_version(self.js, self.run_name, version, version, wdir, self.settings,
-                                                 keep=self.lc.keep_versions, protect=self.served.versions(), base=base,
-                                                 # actors can follow from the (early) announcement on
-                                                 on_announced=lambda _: self.feeder.set_version(version),
-                                                 packed=packed, write=None if packed is None else lambda: snap.write(wdir)),
+                lambda: registry.publish_version(
+                    self.js,
+                    self.run_name,
+                    version,
+                    version,
+                    wdir,
+                    self.settings,
+                    keep=self.lc.keep_versions,
+                    protect=self.served.versions(),
+                    base=base,
+                    # actors can follow from the (early) announcement on
+                    on_announced=lambda _: self.feeder.set_version(version),
+                    packed=packed,
+                    write=None if packed is None else lambda: snap.write(wdir),
+                ),
                 what=f"publishing weights version {version}",
             )
         finally:
@@ -304,22 +342,40 @@ class Weights:
     async def upload_adapter(self, version: int, wdir: Path) -> None:
         """In the background: upload the adapter written to `wdir`, announce it on the base, prune."""
         wv = await retry_unreachable(
-            lambda: lora.publish_adapter(self.js, self.run_name, version, version, wdir, self.settings, base=self.base,
-                                         rank=self.lc.lora.rank, keep=self.lc.keep_versions,
-                                         protect=self.served.versions()),
+            lambda: lora.publish_adapter(
+                self.js,
+                self.run_name,
+                version,
+                version,
+                wdir,
+                self.settings,
+                base=self.base,
+                rank=self.lc.lora.rank,
+                keep=self.lc.keep_versions,
+                protect=self.served.versions(),
+            ),
             what=f"publishing adapter version {version}",
         )
         await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
         self.feeder.set_version(version)
         log.info("published adapter version %d (%.2f MB, %s)", version, wv.bytes / 1e6, wv.transport)
 
-    async def announce_adapter_gpu(self, version: int, source, adapter_config: dict,
-                                   files: asyncio.Future | None = None) -> None:
+    async def announce_adapter_gpu(
+        self, version: int, source, adapter_config: dict, files: asyncio.Future | None = None
+    ) -> None:
         """[learner.lora] under cuda_ipc: announce the adapter packed in `source` on the base, then
         write its files (`files`, Weights.publish's) beside the next step."""
         wv = await retry_unreachable(
-            lambda: lora.publish_adapter_gpu(self.js, self.run_name, version, version, source, base=self.base,
-                                             rank=self.lc.lora.rank, adapter_config=adapter_config),
+            lambda: lora.publish_adapter_gpu(
+                self.js,
+                self.run_name,
+                version,
+                version,
+                source,
+                base=self.base,
+                rank=self.lc.lora.rank,
+                adapter_config=adapter_config,
+            ),
             what=f"announcing adapter version {version}",
         )
         self.feeder.set_version(version)

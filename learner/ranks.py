@@ -60,9 +60,11 @@ def leave_together() -> None:
             try:
                 torch.distributed.barrier(async_op=True).wait(timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
             except RuntimeError as e:
-                raise RuntimeError(f"rank {torch.distributed.get_rank()}: the other ranks did not reach the "
-                                   f"learner's last barrier within {LEAVE_TIMEOUT_S} s ({e}); one of them "
-                                   "crashed or hangs, its own log says why") from e
+                raise RuntimeError(
+                    f"rank {torch.distributed.get_rank()}: the other ranks did not reach the "
+                    f"learner's last barrier within {LEAVE_TIMEOUT_S} s ({e}); one of them "
+                    "crashed or hangs, its own log says why"
+                ) from e
         torch.distributed.destroy_process_group()
 
 

@@ -34,8 +34,9 @@ def fresh(run_dir, model_dir, env_record) -> FeederState:
     return FeederState()
 
 
-def restore(run_dir, model_dir, env_record, *, ledger: ckpt.Ledger, driver, state: RunState, grouper: Grouper,
-            steplog: StepLog) -> FeederState:
+def restore(
+    run_dir, model_dir, env_record, *, ledger: ckpt.Ledger, driver, state: RunState, grouper: Grouper, steplog: StepLog
+) -> FeederState:
     """Fill `state` and `grouper` from the ledger and load its checkpoint into the trainer (`driver`);
     the feeder's state to build it with."""
     saved = ledger.open()  # the buffered samples come back from the sample log
@@ -64,7 +65,11 @@ def restore(run_dir, model_dir, env_record, *, ledger: ckpt.Ledger, driver, stat
     ckpt.truncate_archive(run_dir, saved.step)
     log.info(
         "resumed at step %d (checkpoint %s): %d buffered groups, %d finished tasks, feeder at task %d",
-        saved.step, saved.tag or "initial weights", len(saved.groups), len(saved.done), saved.next_index,
+        saved.step,
+        saved.tag or "initial weights",
+        len(saved.groups),
+        len(saved.done),
+        saved.next_index,
     )
     # A ledger from before issue records were kept counts each in-flight task's deadline from now.
     issued = {i.task_id: Issued(at=i.at + down, version=i.version) for i in saved.issued}

@@ -21,7 +21,6 @@ import time
 import msgspec
 
 from parley.config.run import RunConfig
-from parley.weights import lora
 from parley.learner import checkpoint as ckpt
 from parley.learner import resume as start
 from parley.learner.feeder import Feeder
@@ -30,12 +29,13 @@ from parley.learner.intake import Intake, policy_limits
 from parley.learner.publication import Publisher, Weights
 from parley.learner.resume import LearnerStateError
 from parley.learner.runstate import RunState
-from parley.learner.stepper import Stepper
 from parley.learner.steplog import StepLog
+from parley.learner.stepper import Stepper
 from parley.learner.watchers import Backlog, Evals, Fates
 from parley.protocol import status
 from parley.protocol.bus import COUNTERS, PullWorker
 from parley.protocol.messages import Heartbeat
+from parley.weights import lora
 
 log = logging.getLogger("parley.learner")
 
@@ -50,13 +50,19 @@ class Learner:
         self.run_name, self.run_dir = cfg.run.name, cfg.run_dir
         self.id = f"{socket.gethostname()}-{os.getpid()}"
         limits = policy_limits(model_dir)
-        self.grouper = Grouper(cfg.rollout.n, max_staleness=self.lc.max_staleness, stale_policy=self.lc.stale_policy,
-                               timeout_s=self.lc.group_timeout_s, order=self.lc.group_order)
+        self.grouper = Grouper(
+            cfg.rollout.n,
+            max_staleness=self.lc.max_staleness,
+            stale_policy=self.lc.stale_policy,
+            timeout_s=self.lc.group_timeout_s,
+            order=self.lc.group_order,
+        )
         self.state = RunState(steps=steps)
         from parley.runtime.tracking import open_tracker
 
-        tracker = open_tracker(cfg.log, run_dir=self.run_dir, run_name=self.run_name, job_type="learner",
-                               config=msgspec.to_builtins(cfg))
+        tracker = open_tracker(
+            cfg.log, run_dir=self.run_dir, run_name=self.run_name, job_type="learner", config=msgspec.to_builtins(cfg)
+        )
         steplog = StepLog(self.run_dir, tracker=tracker)
         ledger = ckpt.Ledger(self.run_dir)  # state.msgpack + the sample log: each write costs what changed
         self.publisher = Publisher()  # uploads and announces versions beside training, one at a time
@@ -64,26 +70,81 @@ class Learner:
         env_record = cfg.env.record()  # which environment (distribution, version, options) trains
         self.resumed = resume  # also when the ledger was never written (learner.resume.restore starts fresh then)
         if resume:
-            feeder_state = start.restore(self.run_dir, model_dir, env_record, ledger=ledger, driver=driver,
-                                         state=self.state, grouper=self.grouper, steplog=steplog)
+            feeder_state = start.restore(
+                self.run_dir,
+                model_dir,
+                env_record,
+                ledger=ledger,
+                driver=driver,
+                state=self.state,
+                grouper=self.grouper,
+                steplog=steplog,
+            )
         else:
             feeder_state = start.fresh(self.run_dir, model_dir, env_record)
         train, _ = env.tasks.train_eval(cfg.data)
-        self.feeder = Feeder(js, self.run_name, train, cfg.rollout, max_staleness=self.lc.max_staleness,
-                             groups_per_step=self.lc.groups_per_step, seed=self.lc.seed, state=feeder_state,
-                             build=env.tasks.task, steps=steps, oversample=self.lc.oversample_groups)
+        self.feeder = Feeder(
+            js,
+            self.run_name,
+            train,
+            cfg.rollout,
+            max_staleness=self.lc.max_staleness,
+            groups_per_step=self.lc.groups_per_step,
+            seed=self.lc.seed,
+            state=feeder_state,
+            build=env.tasks.task,
+            steps=steps,
+            oversample=self.lc.oversample_groups,
+        )
         self.evals = Evals(cfg, self.run_dir, launch=eval_launch)
-        self.intake = Intake(self.state, self.grouper, self.feeder, ledger, limits=limits,
-                             reference_service=cfg.policy.reference == "service", ack_wait_s=cfg.bus.ack_wait_s,
-                             flush_s=self.lc.ledger_flush_s, started=started)
-        self.weights = Weights(self.lc, cfg.weights, js, nc, self.run_name, self.run_dir, driver, self.publisher, self.feeder,
-                               adapter_base=lora.base_identity(model_dir) if self.lc.lora.enabled else "")
-        self.fates = Fates(self.state, js, self.run_name, self.grouper, self.feeder, self.intake,
-                           task_deadline_s=self.lc.task_deadline_s)
+        self.intake = Intake(
+            self.state,
+            self.grouper,
+            self.feeder,
+            ledger,
+            limits=limits,
+            reference_service=cfg.policy.reference == "service",
+            ack_wait_s=cfg.bus.ack_wait_s,
+            flush_s=self.lc.ledger_flush_s,
+            started=started,
+        )
+        self.weights = Weights(
+            self.lc,
+            cfg.weights,
+            js,
+            nc,
+            self.run_name,
+            self.run_dir,
+            driver,
+            self.publisher,
+            self.feeder,
+            adapter_base=lora.base_identity(model_dir) if self.lc.lora.enabled else "",
+        )
+        self.fates = Fates(
+            self.state,
+            js,
+            self.run_name,
+            self.grouper,
+            self.feeder,
+            self.intake,
+            task_deadline_s=self.lc.task_deadline_s,
+        )
         self.backlog = Backlog(js, self.run_name)
-        self.stepper = Stepper(self.state, cfg, js, driver, grouper=self.grouper, feeder=self.feeder,
-                               intake=self.intake, weights=self.weights, evals=self.evals, steplog=steplog,
-                               env_record=env_record, consumer=f"learner-{self.id}", started=started)
+        self.stepper = Stepper(
+            self.state,
+            cfg,
+            js,
+            driver,
+            grouper=self.grouper,
+            feeder=self.feeder,
+            intake=self.intake,
+            weights=self.weights,
+            evals=self.evals,
+            steplog=steplog,
+            env_record=env_record,
+            consumer=f"learner-{self.id}",
+            started=started,
+        )
 
     async def run(self, stop: asyncio.Event) -> int:
         st = self.state
@@ -92,8 +153,16 @@ class Learner:
         await self.publisher.drain()
         if self.resumed:  # tasks the learner before this one published and its ledger never recorded
             await self.feeder.adopt_published()
-        worker = PullWorker(self.js, self.run_name, "scored", self.intake.on_scored, bus=self.cfg.bus,
-                            name=f"learner-{self.id}", concurrency=32, fetch_timeout=1.0)
+        worker = PullWorker(
+            self.js,
+            self.run_name,
+            "scored",
+            self.intake.on_scored,
+            bus=self.cfg.bus,
+            name=f"learner-{self.id}",
+            concurrency=32,
+            fetch_timeout=1.0,
+        )
         halt = asyncio.Event()
         no_more_tasks = asyncio.Event()  # training is over (the evals may still run), or halt
         jobs = {
@@ -111,8 +180,10 @@ class Learner:
         st.phase = "ready"
         try:
             if not st.last():  # the feeder and consumers already run: actors get tasks meanwhile
-                log.info("warm-up before the first step: %.1f s (a zero-weighted forward and backward)",
-                         await asyncio.to_thread(self.driver, "warm_up"))
+                log.info(
+                    "warm-up before the first step: %.1f s (a zero-weighted forward and backward)",
+                    await asyncio.to_thread(self.driver, "warm_up"),
+                )
             while not stop.is_set() and not st.last():
                 for t in background:
                     if t.done():
@@ -156,10 +227,15 @@ class Learner:
     def heartbeat(self) -> Heartbeat:
         st, ledger = self.state, self.intake.ledger
         return Heartbeat(
-            role="learner", id=self.id, state=st.phase, version=st.step,
+            role="learner",
+            id=self.id,
+            state=st.phase,
+            version=st.step,
             counters={
-                "step": float(st.step), "buffered_groups": float(len(self.grouper.buffer)),
-                "pending_acks": float(len(self.intake.pending)), "in_flight": float(len(self.feeder.state.in_flight)),
+                "step": float(st.step),
+                "buffered_groups": float(len(self.grouper.buffer)),
+                "pending_acks": float(len(self.intake.pending)),
+                "in_flight": float(len(self.feeder.state.in_flight)),
                 "ledger.bytes_written": float(ledger.bytes_written),
                 "ledger.last_write_bytes": float(self.intake.ledger_bytes),
                 "ledger.compactions": float(ledger.compactions),
@@ -185,12 +261,15 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
     from parley.runtime.role import role_connection
 
     driver = None
-    async with role_connection(cfg.nats, name="parley-learner", run=cfg.run.name, bus=cfg.bus,
-                               topology=True) as (nc, js):
+    async with role_connection(cfg.nats, name="parley-learner", run=cfg.run.name, bus=cfg.bus, topology=True) as (
+        nc,
+        js,
+    ):
         try:
             model_dir = await asyncio.to_thread(ensure_model, cfg.policy.model)
-            trainer = await asyncio.to_thread(Trainer, cfg.learner, model_dir, reference=cfg.policy.reference,
-                                            weights=cfg.weights)
+            trainer = await asyncio.to_thread(
+                Trainer, cfg.learner, model_dir, reference=cfg.policy.reference, weights=cfg.weights
+            )
             driver = Driver(trainer)
             try:
                 learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
@@ -206,8 +285,8 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
 def follower(cfg: RunConfig) -> None:
     """Ranks > 0 under the deepspeed launcher / torchrun: build the same trainer, replay rank 0's calls."""
     from parley.engines.models import ensure_model
-    from parley.learner.trainer import Trainer
     from parley.learner.ranks import follow
+    from parley.learner.trainer import Trainer
 
     follow(Trainer(cfg.learner, ensure_model(cfg.policy.model), reference=cfg.policy.reference, weights=cfg.weights))
 

@@ -27,8 +27,23 @@ log = logging.getLogger("parley.learner")
 
 
 class Stepper:
-    def __init__(self, state: RunState, cfg, js, driver, *, grouper: Grouper, feeder: Feeder, intake: Intake,
-                 weights: Weights, evals: Evals, steplog: StepLog, env_record, consumer: str, started: float):
+    def __init__(
+        self,
+        state: RunState,
+        cfg,
+        js,
+        driver,
+        *,
+        grouper: Grouper,
+        feeder: Feeder,
+        intake: Intake,
+        weights: Weights,
+        evals: Evals,
+        steplog: StepLog,
+        env_record,
+        consumer: str,
+        started: float,
+    ):
         from parley.rewards.diagnostics import SignalMonitor
 
         self.state, self.cfg, self.lc, self.js, self.driver = state, cfg, cfg.learner, js, driver
@@ -76,7 +91,9 @@ class Stepper:
         if st.step % self.lc.publish_every == 0 or last:
             t0 = time.perf_counter()
             published = await self.weights.publish(st.step, write_now=eval_due)
-            stats["publish_s"] = time.perf_counter() - t0  # on the step's path: the CPU copy (and the file, for an eval)
+            stats["publish_s"] = (
+                time.perf_counter() - t0
+            )  # on the step's path: the CPU copy (and the file, for an eval)
             stats["publish_skipped_held"] = 0.0 if published else 1.0
         if st.step % self.lc.checkpoint_every == 0 or last:
             t0 = time.perf_counter()
@@ -108,7 +125,12 @@ class Stepper:
             ckpt.prune_checkpoints(self.run_dir, self.lc.keep_checkpoints, st.tag)
         log.info(
             "step %d: loss %.4f, %d groups, %d tokens, %.1fs train, %.1fs waiting for data",
-            st.step, stats.get("loss", float("nan")), len(taken), int(stats["tokens"]), stats["train_s"], wait_s,
+            st.step,
+            stats.get("loss", float("nan")),
+            len(taken),
+            int(stats["tokens"]),
+            stats["train_s"],
+            wait_s,
         )
         self.wait_since = time.monotonic()
         st.phase = "ready"
@@ -118,17 +140,26 @@ class Stepper:
         """The trainer did not apply a step (its loss or gradient norm was not finite): the weights are
         as before, its groups are final (kind "nonfinite", in the ledger with the next write) and each
         of their samples goes to DEAD with the reason, for an operator to look at."""
-        reason = (f"not trained: the step over these groups had loss {stats.get('loss', float('nan')):.4g} and "
-                  f"grad norm {stats.get('grad_norm', float('nan')):.4g}; not finite, so it was skipped")
+        reason = (
+            f"not trained: the step over these groups had loss {stats.get('loss', float('nan')):.4g} and "
+            f"grad norm {stats.get('grad_norm', float('nan')):.4g}; not finite, so it was skipped"
+        )
         self.state.since_step += self.intake.consume(self.grouper.reject(taken, reason))
         self.state.counters["steps.skipped"] += 1
         subject = topology.subject(self.run_name, "scored")
         for t in taken:
             for s in t.group.ordered():
                 await retry_unreachable(
-                    lambda s=s: dead_letter(self.js, self.run_name, subject=subject, reason=f"{s.traj_id}: {reason}",
-                                            consumer=self.consumer, payload=codec.encode(s),
-                                            max_bytes=self.cfg.bus.max_msg_bytes, cause="nonfinite"),
+                    lambda s=s: dead_letter(
+                        self.js,
+                        self.run_name,
+                        subject=subject,
+                        reason=f"{s.traj_id}: {reason}",
+                        consumer=self.consumer,
+                        payload=codec.encode(s),
+                        max_bytes=self.cfg.bus.max_msg_bytes,
+                        cause="nonfinite",
+                    ),
                     what=f"dead-lettering {s.traj_id}",
                 )
         self.state.phase = "ready"
@@ -137,8 +168,8 @@ class Stepper:
     def samples(self, taken: list[Taken]):
         import torch
 
-        from parley.learner.packing import Sample
         from parley.learner.grpo import group_advantages
+        from parley.learner.packing import Sample
 
         rewards = torch.tensor([t.group.rewards() for t in taken], dtype=torch.float64)  # (G, n)
         adv = group_advantages(rewards, scale=self.lc.scale_advantages, std=self.lc.adv_std)  # (G, n)
@@ -146,10 +177,17 @@ class Stepper:
         for gi, t in enumerate(taken):
             for si, s in enumerate(t.group.ordered()):
                 traj = s.trajectory
-                out.append(Sample(s.traj_id, arrays.token_ids(traj), arrays.loss_mask(traj), behaviour_logprobs(traj),
-                                  float(adv[gi, si]),
-                                  ref=arrays.ref_logprobs(s) if self.cfg.policy.reference == "service" else None,
-                                  temperature=traj.temperature))
+                out.append(
+                    Sample(
+                        s.traj_id,
+                        arrays.token_ids(traj),
+                        arrays.loss_mask(traj),
+                        behaviour_logprobs(traj),
+                        float(adv[gi, si]),
+                        ref=arrays.ref_logprobs(s) if self.cfg.policy.reference == "service" else None,
+                        temperature=traj.temperature,
+                    )
+                )
         return out
 
     # -- reporting ------------------------------------------------------------------------------
@@ -168,15 +206,21 @@ class Stepper:
             **stats,
             "reward_mean": mean,
             "reward_std": (sum((x - mean) ** 2 for x in totals) / len(totals)) ** 0.5,
-            "reward_terms": {k: {"mean": v.mean, "within_group_std": v.within_group_std, "corr_with_total": v.corr_with_total}
-                             for k, v in diag.items()},
+            "reward_terms": {
+                k: {"mean": v.mean, "within_group_std": v.within_group_std, "corr_with_total": v.corr_with_total}
+                for k, v in diag.items()
+            },
             "no_signal_terms": no_signal,
             "staleness_hist": dict(hist),
             "groups_corrected": sum(t.correct for t in taken),
             "groups": dict(self.grouper.counters),
             "buffered_groups": len(self.grouper.buffer),
-            "feeder": {"in_flight": len(self.feeder.state.in_flight), "consumed": self.feeder.state.consumed,
-                       "next_index": self.feeder.state.next_index, "paused": int(self.feeder.paused)},
+            "feeder": {
+                "in_flight": len(self.feeder.state.in_flight),
+                "consumed": self.feeder.state.consumed,
+                "next_index": self.feeder.state.next_index,
+                "paused": int(self.feeder.paused),
+            },
         }
 
     def trained_entry(self, taken: list[Taken]) -> dict:
@@ -190,8 +234,16 @@ class Stepper:
 
 
 # The step's numbers the heartbeat carries as train.<name> (runtime.metrics names their series).
-TRAIN_LIVE = {"loss": "loss", "kl_mean": "kl", "grad_norm": "grad_norm", "tokens": "tokens", "train_s": "step_s",
-              "wait_s": "wait_s", "publish_s": "publish_s", "checkpoint_s": "checkpoint_s"}
+TRAIN_LIVE = {
+    "loss": "loss",
+    "kl_mean": "kl",
+    "grad_norm": "grad_norm",
+    "tokens": "tokens",
+    "train_s": "step_s",
+    "wait_s": "wait_s",
+    "publish_s": "publish_s",
+    "checkpoint_s": "checkpoint_s",
+}
 
 
 def live_counters(metrics: dict) -> dict[str, float]:

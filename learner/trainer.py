@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from parley.learner import attention, grpo
-from parley.learner.flops import shape_of as flops_shape, train_flops
 from parley.config.learner import LearnerConfig
 from parley.config.policy import Reference
+from parley.learner import attention, grpo
+from parley.learner.flops import shape_of as flops_shape
+from parley.learner.flops import train_flops
 from parley.learner.logprobs import PackedPolicy, token_logprobs
-from parley.learner.lora import adapter_config, adapter_params, add_adapters, adapter_state, base_only
+from parley.learner.lora import adapter_config, adapter_params, adapter_state, add_adapters, base_only
 from parley.learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
 from parley.learner.steplog import PHASES
 from parley.learner.weights_io import PackedSnapshot, WeightSnapshot, hf_tensors, hf_weights, write_weights
@@ -28,7 +29,7 @@ from parley.weights.config import ObjstoreWeights, WeightsConfig
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """"auto": bf16 on GPU, fp32 on CPU (bf16 matmuls are slow and inexact on this CPU)."""
+    """ "auto": bf16 on GPU, fp32 on CPU (bf16 matmuls are slow and inexact on this CPU)."""
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
@@ -193,8 +194,10 @@ def compile_layers(model, mode: str, device: torch.device, zero_stage: int) -> b
         return False
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        raise ValueError(f"[learner] compile={mode!r}: {type(model.base_model).__name__} has no `layers` list to "
-                         "compile; set compile = \"off\"")
+        raise ValueError(
+            f"[learner] compile={mode!r}: {type(model.base_model).__name__} has no `layers` list to "
+            'compile; set compile = "off"'
+        )
     for layer in layers:
         layer.compile(dynamic=True)
     return True
@@ -217,15 +220,23 @@ class Trainer:
     """The policy under DeepSpeed, an optional frozen reference for KL (kl_coef > 0 and reference =
     "local"), and the GRPO step."""
 
-    def __init__(self, cfg: LearnerConfig, model_dir: str | Path, *, reference: Reference = "local",
-                 weights: WeightsConfig | None = None):
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        model_dir: str | Path,
+        *,
+        reference: Reference = "local",
+        weights: WeightsConfig | None = None,
+    ):
         """`reference` is the run's [policy] reference: "local" loads a frozen copy when kl_coef > 0.
         `weights` is the run's [weights] (objstore when None): a GPU transport packs versions on rank 0."""
         weights = weights if weights is not None else ObjstoreWeights()
         transport = registry.of(weights)
         if transport.needs_cuda and not torch.cuda.is_available():
-            raise ValueError(f"[weights] kind={transport.kind!r} shares GPU memory, but this learner has no "
-                             "CUDA device; use kind objstore or shared_dir")
+            raise ValueError(
+                f"[weights] kind={transport.kind!r} shares GPU memory, but this learner has no "
+                "CUDA device; use kind objstore or shared_dir"
+            )
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -236,7 +247,9 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.dtype)
         torch.manual_seed(cfg.seed)
         conf = ds_config(cfg, self.dtype)
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+        device = (
+            torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+        )
         # Before the ZeRO-3 loading hook exists (the guard builds a small plain model).
         attn, self.attention = attention.resolve(cfg.attention, device)
         if attn == "sdpa":
@@ -263,7 +276,9 @@ class Trainer:
         attention.use(model, attn)
         # [learner.lora]: adapters in place; the frozen base (adapters off) is the local reference
         self.peft = add_adapters(model, cfg.lora) if cfg.lora.enabled else None
-        self._adapter = None  # _adapter_tensors's (trained parameters, (saved name, parameter) list or None), found once
+        self._adapter = (
+            None  # _adapter_tensors's (trained parameters, (saved name, parameter) list or None), found once
+        )
         self._packed = None  # pack_versions's weights.gpu_delta.PackedVersions on rank 0, built at its first call
         if self.peft is not None and cfg.kl_coef > 0 and reference == "local":
             self.reference = model
@@ -280,9 +295,14 @@ class Trainer:
             )
 
         self.engine, _, _, _ = deepspeed.initialize(
-            model=PackedPolicy(model, cfg.logit_chunk_tokens,
-                               equal_chunks=cfg.zero_stage == 3 and torch.distributed.get_world_size() > 1),
-            model_parameters=[p for p in model.parameters() if p.requires_grad], config=conf, lr_scheduler=schedule,
+            model=PackedPolicy(
+                model,
+                cfg.logit_chunk_tokens,
+                equal_chunks=cfg.zero_stage == 3 and torch.distributed.get_world_size() > 1,
+            ),
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=conf,
+            lr_scheduler=schedule,
         )
         self.device = self.engine.device
         self.rank = torch.distributed.get_rank()
@@ -327,8 +347,10 @@ class Trainer:
         if cfg.kl_coef > 0 and self.reference is None:
             missing = [s.traj_id for s in samples if s.ref is None]
             if missing:  # before any backward: a refused step leaves no gradient behind
-                raise ValueError(f"policy.reference='service' but {len(missing)} sample(s) ({missing[:3]}) carry no "
-                                 "reference log-probs (Sample.ref); the scorer fills them in from the reference service")
+                raise ValueError(
+                    f"policy.reference='service' but {len(missing)} sample(s) ({missing[:3]}) carry no "
+                    "reference log-probs (Sample.ref); the scorer fills them in from the reference service"
+                )
         t0 = time.perf_counter()
         self.engine.train()
         world = torch.distributed.get_world_size()
@@ -437,8 +459,8 @@ class Trainer:
         before = torch.cuda.memory_reserved()
         peak = torch.cuda.max_memory_allocated()
         keep = self.cfg.gpu_cache == "keep_when_room" and not cache_release_needed(
-            torch.cuda.mem_get_info(self.device)[0],
-            getattr(self.sender, "total", 0) or 2 * self.n_params)  # before the first pack: bf16 bytes
+            torch.cuda.mem_get_info(self.device)[0], getattr(self.sender, "total", 0) or 2 * self.n_params
+        )  # before the first pack: bf16 bytes
         if not keep:
             torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -457,8 +479,11 @@ class Trainer:
         own = None
         if self.cfg.zero_stage == 0:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            own = float(torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)]))) \
-                if grads else 0.0
+            own = (
+                float(torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)])))
+                if grads
+                else 0.0
+            )
             if not math.isfinite(own):
                 self.engine.zero_grad()
                 return False, own
@@ -530,9 +555,14 @@ class Trainer:
 
         import deepspeed
 
-        trained = [p for p in self.module.parameters() if p.requires_grad] if self._adapter is None else self._adapter[0]
-        gather = (deepspeed.zero.GatheredParameters(trained, modifier_rank=None)
-                  if self.cfg.zero_stage == 3 else contextlib.nullcontext())
+        trained = (
+            [p for p in self.module.parameters() if p.requires_grad] if self._adapter is None else self._adapter[0]
+        )
+        gather = (
+            deepspeed.zero.GatheredParameters(trained, modifier_rank=None)
+            if self.cfg.zero_stage == 3
+            else contextlib.nullcontext()
+        )
         with gather:
             if self.rank:
                 return None
@@ -562,8 +592,11 @@ class Trainer:
 
         import deepspeed
 
-        gather = (deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
-                  if self.cfg.zero_stage == 3 else contextlib.nullcontext())
+        gather = (
+            deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+            if self.cfg.zero_stage == 3
+            else contextlib.nullcontext()
+        )
         with gather:
             if self.rank:
                 return None
@@ -582,8 +615,11 @@ class Trainer:
 
         from parley.weights.gpu_delta import PackedVersions
 
-        gather = (deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
-                  if self.cfg.zero_stage == 3 else contextlib.nullcontext())
+        gather = (
+            deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+            if self.cfg.zero_stage == 3
+            else contextlib.nullcontext()
+        )
         with gather:
             if self.rank:
                 return None

@@ -32,8 +32,17 @@ class Fates:
     max_staleness x groups_per_step + 1 of them stop admission. The DEAD stream tells most such
     fates at once; task_deadline_s catches the rest. Reads from and advances `state.dead_seq`."""
 
-    def __init__(self, state: RunState, js, run_name: str, grouper: Grouper, feeder: Feeder, intake: Intake, *,
-                 task_deadline_s: float):
+    def __init__(
+        self,
+        state: RunState,
+        js,
+        run_name: str,
+        grouper: Grouper,
+        feeder: Feeder,
+        intake: Intake,
+        *,
+        task_deadline_s: float,
+    ):
         self.state, self.js, self.run_name = state, js, run_name
         self.grouper, self.feeder, self.intake = grouper, feeder, intake
         self.task_deadline_s = task_deadline_s
@@ -52,9 +61,13 @@ class Fates:
                 letters, nxt = await dead.read_since(self.js, self.run_name, self.next_seq)
             except (*UNREACHABLE, APIError) as e:
                 if not failing:
-                    log.warning("cannot read the DEAD stream (%s: %s): NATS away, or this user may not read it "
-                                "(deploy/permissions.py); retrying, task_deadline_s=%g is the backstop meanwhile",
-                                type(e).__name__, e, self.task_deadline_s)
+                    log.warning(
+                        "cannot read the DEAD stream (%s: %s): NATS away, or this user may not read it "
+                        "(deploy/permissions.py); retrying, task_deadline_s=%g is the backstop meanwhile",
+                        type(e).__name__,
+                        e,
+                        self.task_deadline_s,
+                    )
                 failing = True
             else:
                 failing = False
@@ -105,8 +118,10 @@ class Fates:
         out = []
         for task, age in self.feeder.overdue(self.task_deadline_s):
             g = self.grouper.buffer.get(task)
-            reason = (f"deadline: {len(g.samples) if g else 0}/{self.grouper.n} samples {age:.0f}s after it was "
-                      f"issued (task_deadline_s={self.task_deadline_s:g})")
+            reason = (
+                f"deadline: {len(g.samples) if g else 0}/{self.grouper.n} samples {age:.0f}s after it was "
+                f"issued (task_deadline_s={self.task_deadline_s:g})"
+            )
             # None while its complete group waits for a step or is being trained: that is progress.
             outcome = self.grouper.abandon(task, "deadline", reason)
             if outcome is not None:
@@ -140,8 +155,11 @@ class Backlog:
             return
         if "tasks" in now:
             t = now["tasks"]
-            self.tasks = {"waiting": float(t.waiting), "playing": float(t.in_progress),
-                          "unplayed": float(t.waiting + t.in_progress)}
+            self.tasks = {
+                "waiting": float(t.waiting),
+                "playing": float(t.in_progress),
+                "unplayed": float(t.waiting + t.in_progress),
+            }
         for key, c in now.items():
             share, max_bytes = c.share, c.max_bytes
             was = self.shares.get(key, 0.0)

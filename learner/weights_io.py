@@ -81,4 +81,3 @@ class PackedSnapshot:
         if self.written is None:
             self.written = _write(self.pending.host_state(), self.config_json, out_dir)
         return self.written
-

@@ -45,8 +45,14 @@ def _options(config, sets) -> list[str]:
     return out
 
 
-def up(config: str | Path | None = None, *args: str, steps: int | None = None, sets: tuple[str, ...] = (),
-       run_dir: str | Path | None = None, env: str | None = None) -> int:
+def up(
+    config: str | Path | None = None,
+    *args: str,
+    steps: int | None = None,
+    sets: tuple[str, ...] = (),
+    run_dir: str | Path | None = None,
+    env: str | None = None,
+) -> int:
     """`parley up`: the whole system on this machine (the embedded default without `config`)."""
     extra = [*_options(config, sets), "--no-live"]
     extra += ["--steps", str(steps)] if steps is not None else []

@@ -58,15 +58,18 @@ def _view(packed: bytes, old: list, dtype: np.dtype, owner: str, field: str, old
     """A read-only view of the packed field, or the older schema's list as an array."""
     if packed:
         if len(packed) % dtype.itemsize:
-            raise ValueError(f"{owner}: {field} holds {len(packed)} bytes, not a whole number of {dtype} "
-                             f"values; pack it with protocol.arrays")
+            raise ValueError(
+                f"{owner}: {field} holds {len(packed)} bytes, not a whole number of {dtype} "
+                f"values; pack it with protocol.arrays"
+            )
         return np.frombuffer(packed, dtype=dtype)
     if not old or dtype.kind == "f":
         return np.asarray(old, dtype=dtype)
     lo, hi, info = min(old), max(old), np.iinfo(dtype)
     if lo < info.min or hi > info.max:
-        raise ValueError(f"{owner}: {old_field} holds {lo if lo < info.min else hi}, outside {dtype} "
-                         f"({info.min}..{info.max})")
+        raise ValueError(
+            f"{owner}: {old_field} holds {lo if lo < info.min else hi}, outside {dtype} ({info.min}..{info.max})"
+        )
     return np.asarray(old, dtype=dtype)
 
 

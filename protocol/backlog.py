@@ -23,8 +23,10 @@ def unconsumed_share(stored_msgs: int, stored_bytes: int, unconsumed_msgs: int, 
 
 
 def warning(key: str, share: float, max_bytes: int) -> str:
-    return (f"stream {key}: unconsumed messages fill {share:.0%} of its max_bytes={max_bytes}; when it is full the "
-            f"oldest are dropped unread: add consumers of {key}, or raise [bus] max_bytes")
+    return (
+        f"stream {key}: unconsumed messages fill {share:.0%} of its max_bytes={max_bytes}; when it is full the "
+        f"oldest are dropped unread: add consumers of {key}, or raise [bus] max_bytes"
+    )
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,9 @@ async def consumers(js, run: str) -> dict[str, ConsumerBacklog]:
         ci = await js.consumer_info(name, channel.durable)
         waiting, held = ci.num_pending or 0, ci.num_ack_pending or 0
         max_bytes = info.config.max_bytes or 0
-        out[key] = ConsumerBacklog(waiting, held, unconsumed_share(info.state.messages, info.state.bytes, waiting + held,
-                                                                   max_bytes), max_bytes)
+        out[key] = ConsumerBacklog(
+            waiting, held, unconsumed_share(info.state.messages, info.state.bytes, waiting + held, max_bytes), max_bytes
+        )
     return out
 
 

@@ -17,7 +17,13 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
-from nats.js.errors import APIError, KeyWrongLastSequenceError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import (
+    APIError,
+    KeyWrongLastSequenceError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 from parley.protocol import codec, topology
 from parley.protocol.messages import DeadLetter
@@ -51,12 +57,17 @@ PUBLISH_TRANSIENT = (
     ServiceUnavailableError,
 )
 # ... and, for longer operations (an object-store upload), the connection's own states meanwhile.
-UNREACHABLE = (*PUBLISH_TRANSIENT, nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError,
-               asyncio.TimeoutError)
+UNREACHABLE = (
+    *PUBLISH_TRANSIENT,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    asyncio.TimeoutError,
+)
 
 
-async def retry_unreachable(call: Callable[[], Awaitable], *, what: str, give_up_s: float = 900.0,
-                            first_delay_s: float = 1.0):
+async def retry_unreachable(
+    call: Callable[[], Awaitable], *, what: str, give_up_s: float = 900.0, first_delay_s: float = 1.0
+):
     """Await `call()` again while NATS is unreachable (the connection reconnects by itself), with a
     doubling delay up to 30 s; other errors, or an outage longer than `give_up_s`, are raised.
     For compound operations (publish_version) that must not fail a role over a server restart."""
@@ -68,8 +79,14 @@ async def retry_unreachable(call: Callable[[], Awaitable], *, what: str, give_up
             waited = time.monotonic() - t0
             if waited + delay > give_up_s:
                 raise
-            log.warning("%s failed (%s: %s); NATS unreachable? retrying in %.0fs (%.0fs so far)",
-                        what, type(e).__name__, e, delay, waited)
+            log.warning(
+                "%s failed (%s: %s); NATS unreachable? retrying in %.0fs (%.0fs so far)",
+                what,
+                type(e).__name__,
+                e,
+                delay,
+                waited,
+            )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)
 
@@ -96,8 +113,17 @@ async def publish(js, run: str, key: str, msg: msgspec.Struct, *, attempts: int 
 _DEAD_HEADROOM = 16 * 1024
 
 
-async def dead_letter(js, run: str, *, subject: str, reason: str, consumer: str, payload: bytes,
-                      max_bytes: int | None = None, cause: str = "poison") -> None:
+async def dead_letter(
+    js,
+    run: str,
+    *,
+    subject: str,
+    reason: str,
+    consumer: str,
+    payload: bytes,
+    max_bytes: int | None = None,
+    cause: str = "poison",
+) -> None:
     """Store the message in DEAD with `reason`; `cause` (one of DEAD_CAUSES) is what the counter says."""
     if cause not in DEAD_CAUSES:
         raise ValueError(f"dead-letter cause {cause!r} is not one of {DEAD_CAUSES}")
@@ -253,7 +279,7 @@ class PullWorker:
                 answered = True  # the server said what it has (maybe nothing), rather than failing
                 try:
                     msgs = await sub.fetch(free, timeout=self.fetch_timeout)
-                except asyncio.TimeoutError:  # nats' TimeoutError, or the bare one fetch raises on its second request
+                except TimeoutError:  # nats' TimeoutError, or the bare one fetch raises on its second request
                     msgs = []  # no work right now
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError, APIError) as e:
                     log.warning("%s: fetch failed (%s); retrying", self.name, e)
@@ -295,8 +321,14 @@ class PullWorker:
         how = self._settled.get(self._identity(m))
         if how is not None:  # settled here already: the server missed it; settle the copy the same way
             self.stats["settled_again"] += 1
-            log.info("%s: %s:%d came back (delivery %d) after it was settled here; %s again", self.name,
-                     m.metadata.stream, seq, m.metadata.num_delivered, how)
+            log.info(
+                "%s: %s:%d came back (delivery %d) after it was settled here; %s again",
+                self.name,
+                m.metadata.stream,
+                seq,
+                m.metadata.num_delivered,
+                how,
+            )
             try:
                 with contextlib.suppress(Exception):  # lost again: it comes back again, and is settled again
                     await (m.ack() if how == "ack" else m.term())
@@ -335,8 +367,11 @@ class PullWorker:
         if delivered > self.bus.max_deliver:
             reason = self._last_error.get(ident, "no error recorded in this process")
             # Forgotten only once stored: a dead letter retried after a failed publish keeps the reason.
-            if await self._dead(m, f"delivered {delivered} times (max_deliver={self.bus.max_deliver}); "
-                                   f"last error: {reason}", "max_deliver"):
+            if await self._dead(
+                m,
+                f"delivered {delivered} times (max_deliver={self.bus.max_deliver}); last error: {reason}",
+                "max_deliver",
+            ):
                 self._last_error.pop(ident, None)
                 self._forget_absorbed(seq)
             return
@@ -397,7 +432,9 @@ class PullWorker:
         except NotFoundError:
             return 0
         except Exception as e:  # noqa: BLE001 - unreadable: the server's count stands
-            log.warning("%s: could not read absorbed copies of %s:%d (%s: %s)", self.name, self.key, seq, type(e).__name__, e)
+            log.warning(
+                "%s: could not read absorbed copies of %s:%d (%s: %s)", self.name, self.key, seq, type(e).__name__, e
+            )
             return 0
         self._inherited.add(seq)
         return int(entry.value or b"0")
@@ -417,12 +454,26 @@ class PullWorker:
     async def _dead(self, m, reason: str, cause: str = "poison") -> bool:
         """Dead-letter `m` and term it; False (and `m` nak'ed to come back) if the dead letter was not stored."""
         try:
-            await dead_letter(self.js, self.run, subject=m.subject, reason=reason, consumer=self.name, payload=m.data,
-                              max_bytes=self.bus.max_msg_bytes, cause=cause)
+            await dead_letter(
+                self.js,
+                self.run,
+                subject=m.subject,
+                reason=reason,
+                consumer=self.name,
+                payload=m.data,
+                max_bytes=self.bus.max_msg_bytes,
+                cause=cause,
+            )
         except Exception as e:  # noqa: BLE001 - not stored as a dead letter: keep the message, try again later
             self.stats["dead_failed"] += 1
-            log.error("%s: could not dead-letter a message from %s (%s: %s); it comes back in %.0fs",
-                      self.name, m.subject, type(e).__name__, e, self.dead_retry_s)
+            log.error(
+                "%s: could not dead-letter a message from %s (%s: %s); it comes back in %.0fs",
+                self.name,
+                m.subject,
+                type(e).__name__,
+                e,
+                self.dead_retry_s,
+            )
             # The consumer has no server-side delivery limit (topology.consumer_config), so this nak (or,
             # if it is lost too, ack_wait) always brings the message back and the dead letter is retried.
             with contextlib.suppress(Exception):

@@ -36,8 +36,9 @@ def inbox_prefix(user: str | None) -> str:
     default `_INBOX`, which the server's own permissions then govern."""
     if not user:
         return "_INBOX"
-    safe = "".join(c if c.isascii() and (c.isalnum() or c in "_-") else "".join(f"%{b:02X}" for b in c.encode())
-                   for c in user)
+    safe = "".join(
+        c if c.isascii() and (c.isalnum() or c in "_-") else "".join(f"%{b:02X}" for b in c.encode()) for c in user
+    )
     return f"_INBOX_{safe}"
 
 
@@ -97,11 +98,16 @@ async def connect(
         kwargs.update(user_credentials=creds)
     try:
         return await asyncio.wait_for(nats.connect(**kwargs), timeout=first_timeout)
-    except (asyncio.TimeoutError, OSError, nats.errors.NoServersError) as e:
+    except (TimeoutError, OSError, nats.errors.NoServersError) as e:
         if any("authorization violation" in err.lower() for err in errors):
-            what = (f"the credentials file {creds} ([nats] creds / PARLEY_NATS_CREDS)" if creds
-                    else "PARLEY_NATS_USER / PARLEY_NATS_PASSWORD (or [nats] creds / PARLEY_NATS_CREDS)")
-            raise NatsUnreachable(f"NATS at {url} refused {name}: authorization violation; check {what} for this role") from None
+            what = (
+                f"the credentials file {creds} ([nats] creds / PARLEY_NATS_CREDS)"
+                if creds
+                else "PARLEY_NATS_USER / PARLEY_NATS_PASSWORD (or [nats] creds / PARLEY_NATS_CREDS)"
+            )
+            raise NatsUnreachable(
+                f"NATS at {url} refused {name}: authorization violation; check {what} for this role"
+            ) from None
         raise NatsUnreachable(
             f"could not connect to NATS at {url} within {first_timeout:.0f}s ({type(e).__name__}: {e}); "
             "start a server with `parley nats` or pass the right --nats URL"

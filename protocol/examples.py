@@ -54,7 +54,9 @@ def trajectory(run: str = "example", task_id: str = "t-0001", sample: int = 0) -
         ],
         token_ids_i32=pack_ids([1, 2, 3, 4, 5, 6, 7, 8]),
         loss_mask_u8=pack_mask([0, 0, 0, 0, 1, 1, 1, 0]),
-        turns=[AssistantTurn(start=4, logprobs_f32=pack_logprobs([-0.5, -1.25, -0.125]), version=3, finish_reason="stop")],
+        turns=[
+            AssistantTurn(start=4, logprobs_f32=pack_logprobs([-0.5, -1.25, -0.125]), version=3, finish_reason="stop")
+        ],
         reference="A Week in Lisbon\n\nThe trams...",
         prompt_tokens=4,
         assistant_tokens=3,
@@ -109,21 +111,37 @@ def eval_record(run: str = "example") -> EvalRecord:
 
 
 def dead_letter(run: str = "example") -> DeadLetter:
-    return DeadLetter(subject=f"parley.{run}.traj", reason="decode error: example", consumer="scorer-0", payload=b"\x01\x02", created=T0)
+    return DeadLetter(
+        subject=f"parley.{run}.traj",
+        reason="decode error: example",
+        consumer="scorer-0",
+        payload=b"\x01\x02",
+        created=T0,
+    )
 
 
 def channel_examples(run: str = "example") -> dict:
-    return {"tasks": task(run), "traj": trajectory(run), "scored": scored(run), "eval": eval_record(run), "dead": dead_letter(run)}
+    return {
+        "tasks": task(run),
+        "traj": trajectory(run),
+        "scored": scored(run),
+        "eval": eval_record(run),
+        "dead": dead_letter(run),
+    }
 
 
 def other_examples() -> dict:
     return {
-        "sim.request": SimRequest(prompt="lazy_full", messages=[ChatMessage("assistant", "What is it about?")], reference="doc"),
+        "sim.request": SimRequest(
+            prompt="lazy_full", messages=[ChatMessage("assistant", "What is it about?")], reference="doc"
+        ),
         "sim.reply": SimReply(message="a trip", done=False),
         "judge.request": JudgeRequest(op="extract", messages=[ChatMessage("user", "hi")]),
         "judge.reply": JudgeReply(ok=True, document="doc", levels={"understanding": 2}, score=0.5),
         "reference.request": ReferenceRequest(model="tiny", token_ids_i32=pack_ids([1, 5, 9])),
         "reference.reply": ReferenceReply(ok=True, logp_f32=pack_logprobs([-2.5, -0.25]), model="tiny"),
-        "weights": WeightVersion(version=1, step=1, transport="objstore", location="v000001", sha256="0" * 64, bytes=10, created=T0),
+        "weights": WeightVersion(
+            version=1, step=1, transport="objstore", location="v000001", sha256="0" * 64, bytes=10, created=T0
+        ),
         "status": Heartbeat(role="actor", id="actor-0", state="ready", version=1, counters={"traj": 3.0}, created=T0),
     }

@@ -14,7 +14,6 @@ from typing import Annotated
 
 import msgspec
 
-
 # vLLM samples greedily below this temperature (its _SAMPLING_EPS) and then returns the raw, untempered
 # log-probs: no trained temperature may be below it (config.run.check_training, learner intake). At or
 # above it, logits / temperature grow at most 1e5-fold: finite in every dtype the learner uses.
@@ -204,7 +203,9 @@ class CudaIpcBuffer(msgspec.Struct, kw_only=True):
     nbytes: int  # bytes of the buffer's tensor (<= storage_size)
     hold_s: float  # the learner leaves the buffer untouched this long after filled_at: the reader's deadline
     tensors: list[IpcTensor] = []
-    filled_at: float = 0.0  # wall-clock time the learner filled it (0: an older learner, hold counted from supersession)
+    filled_at: float = (
+        0.0  # wall-clock time the learner filled it (0: an older learner, hold counted from supersession)
+    )
 
 
 class NcclSource(msgspec.Struct, kw_only=True):

@@ -60,6 +60,7 @@ def reference_subject(model: str) -> str:
     token = model if _SUBJECT_TOKEN.match(model) else "m-" + hashlib.blake2b(model.encode(), digest_size=10).hexdigest()
     return f"parley.svc.reference.{token}"
 
+
 WEIGHTS_KEY = "current"  # KV key holding the encoded WeightVersion actors must serve
 # KV key of a delta version announced before its full copy is stored (WeightVersion.full_pending):
 # actors holding the base follow it at once; WEIGHTS_KEY names the same version once the full copy is
@@ -182,8 +183,17 @@ class TopologyError(RuntimeError):
 
 
 # The settings ensure_topology decides; anything else the server fills in is left alone.
-_STREAM_FIELDS = ("subjects", "retention", "max_age", "max_bytes", "max_msg_size", "storage", "num_replicas",
-                  "duplicate_window", "discard")
+_STREAM_FIELDS = (
+    "subjects",
+    "retention",
+    "max_age",
+    "max_bytes",
+    "max_msg_size",
+    "storage",
+    "num_replicas",
+    "duplicate_window",
+    "discard",
+)
 _CONSUMER_FIELDS = ("ack_policy", "deliver_policy", "ack_wait", "max_deliver", "max_ack_pending")
 
 
@@ -225,8 +235,10 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
     only checks that everything exists and raises TopologyError naming what is missing.
     """
     bus = bus or BusSettings()
-    room = (f"the server reserves each stream's [bus] max_bytes = {bus.max_bytes} bytes on its store up front, "
-            f"{len(CHANNELS)} streams a run ({len(CHANNELS) * bus.max_bytes / 2**30:.1f} GiB)")
+    room = (
+        f"the server reserves each stream's [bus] max_bytes = {bus.max_bytes} bytes on its store up front, "
+        f"{len(CHANNELS)} streams a run ({len(CHANNELS) * bus.max_bytes / 2**30:.1f} GiB)"
+    )
     for key, channel in CHANNELS.items():
         cfg = stream_config(run, key, bus)
         try:
@@ -253,8 +265,9 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
                 await _manage(f"creating consumer {channel.durable} on {cfg.name}", js.add_consumer(cfg.name, want))
     kv_buckets = (  # the weights announcements; the held KV's counts matter while their message is unsettled
         api.KeyValueConfig(bucket=kv_bucket(run), history=16, replicas=bus.replicas, storage=api.StorageType.FILE),
-        api.KeyValueConfig(bucket=held_bucket(run), history=1, ttl=bus.max_age_s, replicas=bus.replicas,
-                           storage=api.StorageType.FILE),
+        api.KeyValueConfig(
+            bucket=held_bucket(run), history=1, ttl=bus.max_age_s, replicas=bus.replicas, storage=api.StorageType.FILE
+        ),
     )
     for kv_config in kv_buckets:
         try:

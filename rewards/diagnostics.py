@@ -7,7 +7,7 @@ view; pure Python + numpy.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 import numpy as np
@@ -60,9 +60,7 @@ def step_diagnostics(
     for g, group in enumerate(groups):
         for i, sample in enumerate(group):
             if set(sample) != set(terms):
-                raise ValueError(
-                    f"sample {i} of group {g} has terms {sorted(sample)}, expected {sorted(terms)}"
-                )
+                raise ValueError(f"sample {i} of group {g} has terms {sorted(sample)}, expected {sorted(terms)}")
 
     flat_totals = np.array([t for row in totals for t in row], dtype=np.float64)  # (N,)
     stats: dict[str, TermStats] = {}
@@ -84,8 +82,13 @@ def diagnose_groups(groups: Sequence[Sequence[Scored]]) -> dict[str, TermStats]:
     with the weights and clamps the scorer recorded in Scored.weights and Scored.clamps); the
     total is Scored.total, the reward the learner trains on.
     """
-    terms = [[weighted_terms(s.metrics, s.weights, {k: (float(v[0]), float(v[1])) for k, v in s.clamps.items()})
-              for s in group] for group in groups]
+    terms = [
+        [
+            weighted_terms(s.metrics, s.weights, {k: (float(v[0]), float(v[1])) for k, v in s.clamps.items()})
+            for s in group
+        ]
+        for group in groups
+    ]
     totals = [[s.total for s in group] for group in groups]
     return step_diagnostics(terms, totals)
 
@@ -133,7 +136,11 @@ class SignalMonitor:
 
     def report(self) -> dict[str, dict[str, bool | int]]:
         return {
-            term: {"no_signal": self._no_signal(term), "steps_flat": n, "steps_seen": self._steps_seen[term],
-                   "steps_with_signal": self._steps_signal[term]}
+            term: {
+                "no_signal": self._no_signal(term),
+                "steps_flat": n,
+                "steps_seen": self._steps_seen[term],
+                "steps_with_signal": self._steps_signal[term],
+            }
             for term, n in self._steps_flat.items()
         }

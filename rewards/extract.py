@@ -76,6 +76,7 @@ def looks_like_document(text: str) -> bool:
     questions = sum("?" in e for e in ends)
     return questions * 2 < max(1, len(ends))
 
+
 # Where the document BLEU compares comes from: the judge copies it out ("judge"), or the newest
 # assistant message that looks like a document, chatter stripped (last_document below; no model).
 EXTRACTORS = ("judge", "last_document")

@@ -8,8 +8,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import Counter
-from typing import Callable, Mapping
-
+from collections.abc import Callable, Mapping
 
 
 def bleu(document: str, reference: str) -> float:
@@ -97,15 +96,12 @@ def interactivity_from_levels(levels: Mapping[str, int]) -> float:
     for key in INTERACTIVITY_KEYS:
         if key not in levels:
             raise ValueError(
-                f"interactivity level {key!r} missing; need all of {list(INTERACTIVITY_KEYS)}, "
-                f"got {sorted(levels)}"
+                f"interactivity level {key!r} missing; need all of {list(INTERACTIVITY_KEYS)}, got {sorted(levels)}"
             )
         level = levels[key]
         # bool is an int subclass; a True from a sloppy judge parse is not a level.
         if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= _MAX_LEVEL:
-            raise ValueError(
-                f"interactivity level {key!r}={level!r} must be an integer in 0..{_MAX_LEVEL}"
-            )
+            raise ValueError(f"interactivity level {key!r}={level!r} must be an integer in 0..{_MAX_LEVEL}")
         total += level
     return total / len(INTERACTIVITY_KEYS) / _MAX_LEVEL
 
@@ -124,7 +120,9 @@ def interactivity_from_distribution(dist: Mapping[str, Mapping[str, float]]) -> 
         probs = dist[key]
         bad = [lab for lab in probs if lab not in _LEVEL_LABELS]
         if bad:
-            raise ValueError(f"interactivity distribution for {key!r} has levels {bad}; levels are {list(_LEVEL_LABELS)}")
+            raise ValueError(
+                f"interactivity distribution for {key!r} has levels {bad}; levels are {list(_LEVEL_LABELS)}"
+            )
         if any(not math.isfinite(p) or p < 0 for p in probs.values()) or abs(math.fsum(probs.values()) - 1.0) > 1e-6:
             raise ValueError(f"interactivity distribution for {key!r} is not a distribution: {dict(probs)}")
         total += math.fsum(_LEVEL_LABELS[lab] * p for lab, p in probs.items())
@@ -136,8 +134,11 @@ INTERACTIVITY_3LEVEL = (0.0, 0.5, 1.0)
 # Interactivity scales ([scorer] interactivity) -> the judge op (protocol.topology.JUDGE_OPS) that rates
 # on it: the 0..3 rubric over three criteria (the levels the judge wrote), the same rubric rated by
 # the judge's expected level under its own distribution (docs/rewards.md), or CollabLLM's 3-level scale.
-INTERACTIVITY_SCALES = {"rubric": "interactivity", "rubric_expected": "interactivity_expected",
-                        "3level": "interactivity_3level"}
+INTERACTIVITY_SCALES = {
+    "rubric": "interactivity",
+    "rubric_expected": "interactivity_expected",
+    "3level": "interactivity_3level",
+}
 
 
 def interactivity_from_3level(value: float) -> float:

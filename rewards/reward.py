@@ -6,7 +6,7 @@ Called by the scorer (rewards for the learner) and by bench/ (MR reporting).
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 # Names people reach for that mean the reward the policy was trained on.
 TRAINING_REWARD_NAMES = ("reward", "total", "training_reward", "train_reward")
@@ -79,13 +79,8 @@ def weighted_terms(
     weight_map, clamp_map = weights, clamps or {}
     missing = [name for name in weight_map if name not in metrics]
     if missing:
-        raise ValueError(
-            f"metrics {missing} are weighted but missing; got metrics {sorted(metrics)}"
-        )
-    return {
-        name: w * _clamp(name, float(metrics[name]), clamp_map.get(name))
-        for name, w in weight_map.items()
-    }
+        raise ValueError(f"metrics {missing} are weighted but missing; got metrics {sorted(metrics)}")
+    return {name: w * _clamp(name, float(metrics[name]), clamp_map.get(name)) for name, w in weight_map.items()}
 
 
 def total_reward(
@@ -108,9 +103,7 @@ def average_futures(per_future: Sequence[Mapping[str, float]]) -> dict[str, floa
     names = set(per_future[0])
     for i, future in enumerate(per_future[1:], start=1):
         if set(future) != names:
-            raise ValueError(
-                f"future {i} has metrics {sorted(future)}, future 0 has {sorted(names)}"
-            )
+            raise ValueError(f"future {i} has metrics {sorted(future)}, future 0 has {sorted(names)}")
     n = len(per_future)
     return {name: math.fsum(f[name] for f in per_future) / n for name in per_future[0]}
 

@@ -11,8 +11,9 @@ think block). The learner must score exactly the sampled ids, so we only ever ap
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 # Stand-in texts for the reference history used to measure template deltas. They never reach
 # the token stream; the assistant one must be unique so we can find where its turn ends.
@@ -52,7 +53,9 @@ class ChatTokens:
         # Python (to_py_obj) before handing the list over, which cost more than the tokenizing.
         # Its wrapper stays in use where it does more than that (a slow tokenizer, space clean-up).
         fast = getattr(self.tokenizer, "backend_tokenizer", None)
-        self._fast = fast if fast is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False) else None
+        self._fast = (
+            fast if fast is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False) else None
+        )
         self.messages = [dict(m) for m in self.messages]
         self._has_system = bool(self.messages) and self.messages[0].get("role") == "system"
         self._close_ids, self._suffix_ids = self._assistant_closing()
@@ -110,7 +113,7 @@ class ChatTokens:
         part (up to and including the stop token; the model generates it) and the inter-turn
         suffix (e.g. the "\\n" after <|im_end|>; never generated)."""
         rendered = self._render(self._reference(), add_generation_prompt=False)
-        after = rendered[self._after_reference_assistant(rendered):]
+        after = rendered[self._after_reference_assistant(rendered) :]
         self._closing_text = after
         after_ids = self._encode(after)
 
@@ -121,8 +124,7 @@ class ChatTokens:
         cut = next((i for i, t in enumerate(after_ids) if t in ends), None)
         if cut is None:
             raise ValueError(
-                f"no end-of-turn token {sorted(ends)} in the template's assistant closing "
-                f"{after!r}; pass end_token_ids"
+                f"no end-of-turn token {sorted(ends)} in the template's assistant closing {after!r}; pass end_token_ids"
             )
         self.end_token_ids = sorted(ends)
         return after_ids[: cut + 1], after_ids[cut + 1 :]
@@ -140,7 +142,7 @@ class ChatTokens:
         start = self._after_reference_assistant(extended)
         if not extended.startswith(closing_text, start):
             raise ValueError("chat template closes an assistant turn differently when a user follows")
-        return self._encode(extended[start + len(closing_text):])
+        return self._encode(extended[start + len(closing_text) :])
 
     # -- appending ----------------------------------------------------------------------------
 
@@ -196,7 +198,7 @@ class ChatTokens:
         self.messages.append({"role": "user", "content": text})
         self._awaiting = "assistant"
 
-    def fork(self) -> "ChatTokens":
+    def fork(self) -> ChatTokens:
         """An independent copy (the tokenizer is shared), e.g. to try a user message."""
         c = copy.copy(self)
         for name in ("token_ids", "loss_mask", "logprobs", "spans", "finish_reasons"):

@@ -83,8 +83,9 @@ class StaleWatch:
 
     POLL_S = 0.25
 
-    def __init__(self, announced: Callable[[], int], max_staleness: int,
-                 changed: Callable[[], asyncio.Event] | None = None):
+    def __init__(
+        self, announced: Callable[[], int], max_staleness: int, changed: Callable[[], asyncio.Event] | None = None
+    ):
         self.announced, self.max_staleness, self.changed = announced, max_staleness, changed
         self.oldest: int | None = None  # the oldest version any sample of the task trained a turn on
         self._moved = asyncio.Event()  # set (and replaced) when `oldest` changes
@@ -100,14 +101,16 @@ class StaleWatch:
         return [self._moved] if self.changed is None else [self._moved, self.changed()]
 
     def why(self) -> str:
-        """"" while the group may still be trained, else the reason it cannot."""
+        """ "" while the group may still be trained, else the reason it cannot."""
         if self.oldest is None:
             return ""
         now = self.announced()
         if now - self.oldest <= self.max_staleness:
             return ""
-        return (f"a trained turn of version {self.oldest} lags the announced version {now} by "
-                f"{now - self.oldest} > max_staleness {self.max_staleness}")
+        return (
+            f"a trained turn of version {self.oldest} lags the announced version {now} by "
+            f"{now - self.oldest} > max_staleness {self.max_staleness}"
+        )
 
 
 class _Abandoned(Exception):
@@ -122,8 +125,17 @@ class _Abandoned(Exception):
 class _Player:
     """Plays one conversation branch: holds its ChatTokens and what the Trajectory needs."""
 
-    def __init__(self, engine, sim: UserSide, task: Task, policy: PolicySettings, version_fn, chat, seed,
-                 watch: StaleWatch | None = None):
+    def __init__(
+        self,
+        engine,
+        sim: UserSide,
+        task: Task,
+        policy: PolicySettings,
+        version_fn,
+        chat,
+        seed,
+        watch: StaleWatch | None = None,
+    ):
         self.engine, self.sim, self.task, self.policy, self.version_fn = engine, sim, task, policy, version_fn
         self.watch = watch  # None: played to its end whatever the learner's version
         self.chat = chat
@@ -157,11 +169,18 @@ class _Player:
         self.n_calls += 1
         t0 = time.perf_counter()
         try:
-            out = await self._unless_abandoned(self.engine.generate(
-                self.chat.prompt_ids, max_tokens=max_tokens, temperature=self.policy.sampling.temperature,
-                top_p=self.policy.sampling.top_p, seed=derive_seed(self.seed, "policy", self.n_calls),
-                stop_token_ids=self.chat.end_token_ids, **pin,
-            ), "turn")
+            out = await self._unless_abandoned(
+                self.engine.generate(
+                    self.chat.prompt_ids,
+                    max_tokens=max_tokens,
+                    temperature=self.policy.sampling.temperature,
+                    top_p=self.policy.sampling.top_p,
+                    seed=derive_seed(self.seed, "policy", self.n_calls),
+                    stop_token_ids=self.chat.end_token_ids,
+                    **pin,
+                ),
+                "turn",
+            )
         finally:
             self.timings["generate"] += time.perf_counter() - t0
         if out.finish_reason == "abort":
@@ -169,8 +188,15 @@ class _Player:
             raise Retry("generation aborted (engine stopping)", delay=1.0)
         start = len(self.chat)
         self.chat.add_assistant(out.token_ids, out.finish_reason, logprobs=out.logprobs)
-        self.turns.append(AssistantTurn(start=start, logprobs_f32=arrays.pack_logprobs(out.logprobs), version=version,
-                                        finish_reason=out.finish_reason, trained=trained))
+        self.turns.append(
+            AssistantTurn(
+                start=start,
+                logprobs_f32=arrays.pack_logprobs(out.logprobs),
+                version=version,
+                finish_reason=out.finish_reason,
+                trained=trained,
+            )
+        )
         if trained and self.watch is not None:
             self.watch.saw(version)
         return not (out.finish_reason == "length" and max_tokens < self.task.max_tokens)
@@ -211,7 +237,9 @@ class _Player:
         req = SimRequest(
             prompt=t.sim_prompt,
             messages=[ChatMessage(m["role"], m["content"]) for m in self.chat.messages if m["role"] != "system"],
-            reference=t.reference, title=t.title, summary=t.summary,
+            reference=t.reference,
+            title=t.title,
+            summary=t.summary,
             seed=derive_seed(self.seed, "sim", self.n_calls),
         )
         t0 = time.perf_counter()
@@ -233,8 +261,12 @@ class _Player:
         self.chat = probe
         if fallback:
             self.sim_fallbacks.append(len(self.chat.messages) - 1)
-            log.info("task %s: user turn %d is a simulator fallback (%s)", t.task_id, len(self.chat.messages) - 1,
-                     reply.error[:200])
+            log.info(
+                "task %s: user turn %d is a simulator fallback (%s)",
+                t.task_id,
+                len(self.chat.messages) - 1,
+                reply.error[:200],
+            )
         return ""
 
 
@@ -259,9 +291,13 @@ def check_task(task: Task) -> None:
 def check_task_limits(task: Task, max_model_len: int) -> None:
     """Poison for a Task whose sizes no honest feeder sends (protocol.messages TASK_MAX_*), or whose
     turns could not fit this actor's context: refused on arrival, before any work is started."""
-    limits = (("n", task.n, TASK_MAX_N), ("max_new_turns", task.max_new_turns, TASK_MAX_NEW_TURNS),
-              ("futures", task.futures, TASK_MAX_FUTURES), ("future_turns", task.future_turns, TASK_MAX_NEW_TURNS),
-              ("max_tokens", task.max_tokens, max_model_len))
+    limits = (
+        ("n", task.n, TASK_MAX_N),
+        ("max_new_turns", task.max_new_turns, TASK_MAX_NEW_TURNS),
+        ("futures", task.futures, TASK_MAX_FUTURES),
+        ("future_turns", task.future_turns, TASK_MAX_NEW_TURNS),
+        ("max_tokens", task.max_tokens, max_model_len),
+    )
     for name, value, most in limits:
         if value > most:
             where = "this actor's max_model_len" if name == "max_tokens" else "the most a task may ask"
@@ -298,8 +334,15 @@ async def _play(p: _Player, budget: int, trained: bool = True) -> str:
 
 
 async def run_conversation(
-    engine, sim_client: UserSide, task: Task, sample: int, version_fn: Callable[[], int], *,
-    tokenizer, policy: PolicySettings, watch: StaleWatch | None = None,
+    engine,
+    sim_client: UserSide,
+    task: Task,
+    sample: int,
+    version_fn: Callable[[], int],
+    *,
+    tokenizer,
+    policy: PolicySettings,
+    watch: StaleWatch | None = None,
 ) -> Trajectory:
     """Play sample `sample` of `task` and return its Trajectory (not yet published). With `watch`
     (shared by the task's samples) it stops early once the task's group can no longer be trained,
@@ -387,8 +430,9 @@ def _messages(chat: ChatTokens) -> list[ChatMessage]:
 
 async def _future(p: _Player, k: int) -> _Player:
     """Continuation k after the trained turn: future_turns messages, the simulator first."""
-    f = _Player(p.engine, p.sim, p.task, p.policy, p.version_fn, p.chat.fork(), derive_seed(p.seed, "future", k),
-                p.watch)
+    f = _Player(
+        p.engine, p.sim, p.task, p.policy, p.version_fn, p.chat.fork(), derive_seed(p.seed, "future", k), p.watch
+    )
     f.pinned = p.pinned  # the branch plays on the conversation's version (its pin is the conversation's)
     f.terminated = await _play(f, p.task.future_turns, trained=False)
     return f

@@ -44,7 +44,9 @@ class JudgeClient:
         data = codec.encode(JudgeRequest(op=op, messages=list(messages), seed=seed))
         async with self._slots:
             try:
-                msg = await request(self.nc, subject, data, timeout=self.timeout)  # deadline + id: see protocol/request.py
+                msg = await request(
+                    self.nc, subject, data, timeout=self.timeout
+                )  # deadline + id: see protocol/request.py
             except nats.errors.NoRespondersError:
                 raise JudgeUnavailable(f"no judge service answers on {subject}; is `parley judge` running?") from None
             except nats.errors.TimeoutError:

@@ -11,8 +11,8 @@ import asyncio
 import time
 from typing import Protocol
 
-from parley.environments.base import Conversation, Reward
 from parley.config.env import default_scored_as
+from parley.environments.base import Conversation, Reward
 from parley.protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
 from parley.rewards.reward import average_futures, total_reward
 from parley.rollout.judge import Judge, JudgeFailed
@@ -39,7 +39,9 @@ def conversations(traj: Trajectory) -> list[tuple[list[ChatMessage], int]]:
 
 def _checked(reply: JudgeReply, op: str, traj_id: str) -> JudgeReply:
     if not reply.ok:
-        raise JudgeFailed(f"judge {op} failed for {traj_id} after {reply.attempts} attempt(s): {reply.error or 'no error given'}")
+        raise JudgeFailed(
+            f"judge {op} failed for {traj_id} after {reply.attempts} attempt(s): {reply.error or 'no error given'}"
+        )
     return reply
 
 
@@ -59,9 +61,11 @@ def scorer_reward(cfg) -> Reward:
     return default_scored_as(cfg).reward
 
 
-async def _judge_one(judge: Judge | None, messages, tokens: int, traj: Trajectory, reward: Reward, seed: int,
-                     timings: dict[str, float]):
+async def _judge_one(
+    judge: Judge | None, messages, tokens: int, traj: Trajectory, reward: Reward, seed: int, timings: dict[str, float]
+):
     """Metrics of one conversation, the document the reward judged, the judge model, raw outputs."""
+
     async def timed(op: str):
         t0 = time.perf_counter()
         reply = await judge.ask(op, messages, seed=seed)
@@ -88,7 +92,12 @@ async def _judge_one(judge: Judge | None, messages, tokens: int, traj: Trajector
 
 
 async def score_trajectory(
-    traj: Trajectory, judge: Judge | None, cfg: ScoringSettings, *, reward: Reward | None = None, scorer: str = "",
+    traj: Trajectory,
+    judge: Judge | None,
+    cfg: ScoringSettings,
+    *,
+    reward: Reward | None = None,
+    scorer: str = "",
     seed: int | None = None,
 ) -> Scored:
     """Judge `traj` (every future, if it carries any), compute its metrics and weighted total.

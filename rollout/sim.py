@@ -48,8 +48,16 @@ class SimClient:
     handed back (bus.Retry) rather than continued with an invented user message.
     """
 
-    def __init__(self, nc, *, timeout_s: float, wait_s: float, attempts: int = 4, backoff_s: float = 1.0,
-                 max_backoff_s: float = 30.0):
+    def __init__(
+        self,
+        nc,
+        *,
+        timeout_s: float,
+        wait_s: float,
+        attempts: int = 4,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+    ):
         self.nc, self.timeout_s, self.wait_s, self.attempts = nc, timeout_s, wait_s, attempts
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.waits = 0  # requests that found the service unreachable (shown in the actor's heartbeat)
@@ -64,10 +72,17 @@ class SimClient:
                 # a re-send joins the computation under way, or gets the answer that came too late
                 msg = await request(self.nc, topology.SIM_SUBJECT, data, timeout=self.timeout_s, resend=timed_out)
                 return codec.decode("sim.reply", msg.data)
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError) as e:
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.NoRespondersError,
+                nats.errors.ConnectionReconnectingError,
+            ) as e:
                 timed_out = timed_out or isinstance(e, nats.errors.TimeoutError)
-                last = f"{type(e).__name__} after {self.timeout_s:.0f}s" if isinstance(e, nats.errors.TimeoutError) \
+                last = (
+                    f"{type(e).__name__} after {self.timeout_s:.0f}s"
+                    if isinstance(e, nats.errors.TimeoutError)
                     else type(e).__name__
+                )
                 outages += 1
                 self.waits += 1
                 waited = time.monotonic() - t0
@@ -77,17 +92,28 @@ class SimClient:
                         f"(sim_wait_s={self.wait_s:g}, {outages} requests): {last}"
                     ) from None
                 if outages == 1 or outages % 10 == 0:
-                    log.warning("user simulator unreachable (%s); waiting for it, %.0fs so far (sim_wait_s=%g)",
-                                last, waited, self.wait_s)
+                    log.warning(
+                        "user simulator unreachable (%s); waiting for it, %.0fs so far (sim_wait_s=%g)",
+                        last,
+                        waited,
+                        self.wait_s,
+                    )
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 timed_out = False  # asked again after an answer: afresh
                 bad_replies += 1
                 last = f"undecodable reply: {e}"
                 if bad_replies >= self.attempts:
-                    raise Retry(f"user simulator on {topology.SIM_SUBJECT} sent {bad_replies} undecodable replies: "
-                                f"{last}", delay=10.0) from None
-                log.warning("user simulator request failed (%s); retry %d/%d in %.0fs", last, bad_replies,
-                            self.attempts - 1, delay)
+                    raise Retry(
+                        f"user simulator on {topology.SIM_SUBJECT} sent {bad_replies} undecodable replies: {last}",
+                        delay=10.0,
+                    ) from None
+                log.warning(
+                    "user simulator request failed (%s); retry %d/%d in %.0fs",
+                    last,
+                    bad_replies,
+                    self.attempts - 1,
+                    delay,
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
 

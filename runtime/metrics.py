@@ -40,37 +40,99 @@ FAMILIES: tuple[Family, ...] = (
     # actor (actors/actor.py heartbeat)
     _f("parley_actor_tasks_total", r"tasks", "Tasks taken and played to the end.", "actor"),
     _f("parley_actor_trajectories_total", r"trajectories", "Trajectories published to TRAJ.", "actor"),
-    _f("parley_actor_duplicate_trajectories_total", r"duplicates", "Trajectories TRAJ already held (a redelivery).", "actor"),
-    _f("parley_actor_assistant_tokens_total", r"assistant_tokens", "Policy tokens generated in published trajectories.", "actor"),
-    _f("parley_actor_sim_fallbacks_total", r"sim_fallbacks", "User turns the simulator answered with its fallback.", "actor"),
+    _f(
+        "parley_actor_duplicate_trajectories_total",
+        r"duplicates",
+        "Trajectories TRAJ already held (a redelivery).",
+        "actor",
+    ),
+    _f(
+        "parley_actor_assistant_tokens_total",
+        r"assistant_tokens",
+        "Policy tokens generated in published trajectories.",
+        "actor",
+    ),
+    _f(
+        "parley_actor_sim_fallbacks_total",
+        r"sim_fallbacks",
+        "User turns the simulator answered with its fallback.",
+        "actor",
+    ),
     _f("parley_actor_sim_waits_total", r"sim_waits", "Waits for an unreachable simulator service.", "actor"),
-    _f("parley_actor_abandoned_stale_total", r"abandoned_stale",
-       "Conversations stopped early because the learner could no longer train their group.", "actor"),
-    _f("parley_actor_refused_versions", r"refused_versions", "Weight versions this actor refused (bad blob, failed load).", "actor"),
-    _f("parley_actor_weights_announced_version", r"weights\.announced", "The weight version the learner announces now.", "actor"),
+    _f(
+        "parley_actor_abandoned_stale_total",
+        r"abandoned_stale",
+        "Conversations stopped early because the learner could no longer train their group.",
+        "actor",
+    ),
+    _f(
+        "parley_actor_refused_versions",
+        r"refused_versions",
+        "Weight versions this actor refused (bad blob, failed load).",
+        "actor",
+    ),
+    _f(
+        "parley_actor_weights_announced_version",
+        r"weights\.announced",
+        "The weight version the learner announces now.",
+        "actor",
+    ),
     _f("parley_actor_version_lag", r"weights\.lag", "Announced version minus the version served.", "actor"),
     _f("parley_actor_weights_loads_total", r"weights\.loads", "Weight versions loaded into the engine.", "actor"),
-    _f("parley_actor_weights_load_seconds", r"weights\.load_s", "Seconds the last weight version took to fetch, verify and load.", "actor"),
-    _f("parley_actor_weights_undecodable_total", r"weights\.undecodable", "Weights-key values that were no WeightVersion.", "actor"),
+    _f(
+        "parley_actor_weights_load_seconds",
+        r"weights\.load_s",
+        "Seconds the last weight version took to fetch, verify and load.",
+        "actor",
+    ),
+    _f(
+        "parley_actor_weights_undecodable_total",
+        r"weights\.undecodable",
+        "Weights-key values that were no WeightVersion.",
+        "actor",
+    ),
     # scorer (scorer/scorer.py heartbeat)
     _f("parley_scorer_scored_total", r"scored", "Trajectories scored and stored in SCORED.", "scorer"),
     _f("parley_scorer_duplicates_total", r"duplicate", "Scored messages SCORED already held (a redelivery).", "scorer"),
-    _f("parley_scorer_unscorable_total", r"unscorable", "Trajectories that can never be scored (dead-lettered).", "scorer"),
-    _f("parley_scorer_abandoned_stale_total", r"abandoned_stale",
-       "Trajectories their actor stopped early, passed on unjudged.", "scorer"),
-    _f("parley_scorer_retries_total", r"(?P<service>judge|reference)_retry", "Trajectories given back for a later try.", "scorer"),
-    _f("parley_scorer_waits_total", r"(?P<service>judge|reference)_wait", "Waits for an unreachable service.", "scorer"),
+    _f(
+        "parley_scorer_unscorable_total",
+        r"unscorable",
+        "Trajectories that can never be scored (dead-lettered).",
+        "scorer",
+    ),
+    _f(
+        "parley_scorer_abandoned_stale_total",
+        r"abandoned_stale",
+        "Trajectories their actor stopped early, passed on unjudged.",
+        "scorer",
+    ),
+    _f(
+        "parley_scorer_retries_total",
+        r"(?P<service>judge|reference)_retry",
+        "Trajectories given back for a later try.",
+        "scorer",
+    ),
+    _f(
+        "parley_scorer_waits_total", r"(?P<service>judge|reference)_wait", "Waits for an unreachable service.", "scorer"
+    ),
     # services: sim, judge, reference (engines/service.py and each service's handler)
-    _f("parley_service_requests_total",
-       r"(?P<outcome>served|shed|expired|repeated|joined|id_mismatch|errors|late|withdrawn|cancelled)",
-       "Requests by outcome (engines/service.py; cancelled: computations cut once every requester withdrew).",
-       *SERVICES),
+    _f(
+        "parley_service_requests_total",
+        r"(?P<outcome>served|shed|expired|repeated|joined|id_mismatch|errors|late|withdrawn|cancelled)",
+        "Requests by outcome (engines/service.py; cancelled: computations cut once every requester withdrew).",
+        *SERVICES,
+    ),
     _f("parley_service_latency_seconds", r"latency_s", "Recent mean seconds to answer a request.", *SERVICES),
     _f("parley_service_bad_requests_total", r"bad_request", "Requests that did not decode.", *SERVICES),
     _f("parley_sim_fallbacks_total", r"fallback", "Simulator replies replaced by the fallback message.", "sim"),
     _f("parley_sim_malformed_total", r"malformed", "Simulator generations that were malformed.", "sim"),
     _f("parley_judge_ops_total", r"(?P<op>[a-z0-9_]+)\.(?P<result>ok|failed)", "Judge operations by result.", "judge"),
-    _f("parley_reference_replies_total", r"(?P<result>ok|refused)", "Reference log-prob replies by result.", "reference"),
+    _f(
+        "parley_reference_replies_total",
+        r"(?P<result>ok|refused)",
+        "Reference log-prob replies by result.",
+        "reference",
+    ),
     _f("parley_reference_tokens_total", r"tokens", "Tokens whose reference log-probs were computed.", "reference"),
     # learner (learner/service.py heartbeat, learner.stepper.live_counters)
     _f("parley_learner_step", r"step", "Optimizer steps done (the latest policy version).", "learner"),
@@ -82,42 +144,125 @@ FAMILIES: tuple[Family, ...] = (
     _f("parley_learner_kl", r"train\.kl", "Mean KL to the reference in the last step.", "learner"),
     _f("parley_learner_grad_norm", r"train\.grad_norm", "Gradient norm of the last step.", "learner"),
     _f("parley_learner_checkpoint_seconds", r"train\.checkpoint_s", "Seconds the last checkpoint took.", "learner"),
-    _f("parley_learner_weights_publish_seconds", r"train\.publish_s",
-       "Seconds the last publication held the step (the copy off the GPU, and the file for an eval).", "learner"),
-    _f("parley_learner_reward", r"reward\.(?P<term>[^.]+)", "Last step's mean of each weighted reward term (term=total: the reward).", "learner"),
-    _f("parley_learner_reward_group_std", r"reward\.(?P<term>[^.]+)\.group_std", "Last step's mean within-group std of each term.", "learner"),
-    _f("parley_learner_reward_no_signal", r"reward\.(?P<term>[^.]+)\.NO_SIGNAL", "1 for a term with no within-group signal for many steps.", "learner"),
-    _f("parley_learner_staleness", r"staleness\.(?P<stat>mean|max)", "Versions the last step's groups lagged behind.", "learner"),
+    _f(
+        "parley_learner_weights_publish_seconds",
+        r"train\.publish_s",
+        "Seconds the last publication held the step (the copy off the GPU, and the file for an eval).",
+        "learner",
+    ),
+    _f(
+        "parley_learner_reward",
+        r"reward\.(?P<term>[^.]+)",
+        "Last step's mean of each weighted reward term (term=total: the reward).",
+        "learner",
+    ),
+    _f(
+        "parley_learner_reward_group_std",
+        r"reward\.(?P<term>[^.]+)\.group_std",
+        "Last step's mean within-group std of each term.",
+        "learner",
+    ),
+    _f(
+        "parley_learner_reward_no_signal",
+        r"reward\.(?P<term>[^.]+)\.NO_SIGNAL",
+        "1 for a term with no within-group signal for many steps.",
+        "learner",
+    ),
+    _f(
+        "parley_learner_staleness",
+        r"staleness\.(?P<stat>mean|max)",
+        "Versions the last step's groups lagged behind.",
+        "learner",
+    ),
     _f("parley_learner_buffered_groups", r"buffered_groups", "Groups buffered, complete or not.", "learner"),
-    _f("parley_learner_pending_acks", r"pending_acks", "Scored messages held until the ledger records them.", "learner"),
-    _f("parley_learner_scored_total", r"scored\.(?P<result>[a-z_]+)", "Scored messages taken in, by result.", "learner"),
-    _f("parley_learner_group_fates_total", r"groups\.(?P<kind>[a-z_]+)", "Groups that left the buffer untrained, by kind.", "learner"),
-    _f("parley_learner_groups_total", r"(?P<outcome>trained|corrected|late|duplicate|nonfinite|stale|timeout|dead|deadline|zero_advantage)",
-       "Groups by outcome (learner/groups.py).", "learner"),
-    _f("parley_learner_steps_skipped_total", r"steps\.skipped", "Steps refused for a non-finite loss or gradient.", "learner"),
-    _f("parley_learner_ledger_written_bytes_total", r"ledger\.bytes_written", "Bytes written to the ledger.", "learner"),
-    _f("parley_learner_ledger_last_write_bytes", r"ledger\.last_write_bytes", "Bytes of the last ledger write.", "learner"),
+    _f(
+        "parley_learner_pending_acks", r"pending_acks", "Scored messages held until the ledger records them.", "learner"
+    ),
+    _f(
+        "parley_learner_scored_total", r"scored\.(?P<result>[a-z_]+)", "Scored messages taken in, by result.", "learner"
+    ),
+    _f(
+        "parley_learner_group_fates_total",
+        r"groups\.(?P<kind>[a-z_]+)",
+        "Groups that left the buffer untrained, by kind.",
+        "learner",
+    ),
+    _f(
+        "parley_learner_groups_total",
+        r"(?P<outcome>trained|corrected|late|duplicate|nonfinite|stale|timeout|dead|deadline|zero_advantage)",
+        "Groups by outcome (learner/groups.py).",
+        "learner",
+    ),
+    _f(
+        "parley_learner_steps_skipped_total",
+        r"steps\.skipped",
+        "Steps refused for a non-finite loss or gradient.",
+        "learner",
+    ),
+    _f(
+        "parley_learner_ledger_written_bytes_total", r"ledger\.bytes_written", "Bytes written to the ledger.", "learner"
+    ),
+    _f(
+        "parley_learner_ledger_last_write_bytes",
+        r"ledger\.last_write_bytes",
+        "Bytes of the last ledger write.",
+        "learner",
+    ),
     _f("parley_learner_ledger_compactions_total", r"ledger\.compactions", "Ledger compactions.", "learner"),
     _f("parley_learner_weights_publishing", r"weights\.publishing", "1 while a version is being published.", "learner"),
-    _f("parley_learner_weights_waiting", r"weights\.waiting", "1 while a version waits for the one being published.", "learner"),
-    _f("parley_learner_weights_versions_total", r"weights\.(?P<outcome>published|superseded)", "Weight versions by outcome.", "learner"),
-    _f("parley_stream_backlog_ratio", r"backlog\.(?P<channel>[a-z]+)", "Share of a stream's max_bytes its unconsumed messages fill.", "learner"),
-    _f("parley_tasks_waiting", r"tasks\.waiting", "TASKS messages no actor has taken yet (the consumer's pending count: KEDA's signal).", "learner"),
+    _f(
+        "parley_learner_weights_waiting",
+        r"weights\.waiting",
+        "1 while a version waits for the one being published.",
+        "learner",
+    ),
+    _f(
+        "parley_learner_weights_versions_total",
+        r"weights\.(?P<outcome>published|superseded)",
+        "Weight versions by outcome.",
+        "learner",
+    ),
+    _f(
+        "parley_stream_backlog_ratio",
+        r"backlog\.(?P<channel>[a-z]+)",
+        "Share of a stream's max_bytes its unconsumed messages fill.",
+        "learner",
+    ),
+    _f(
+        "parley_tasks_waiting",
+        r"tasks\.waiting",
+        "TASKS messages no actor has taken yet (the consumer's pending count: KEDA's signal).",
+        "learner",
+    ),
     _f("parley_tasks_playing", r"tasks\.playing", "TASKS messages an actor holds and has not finished.", "learner"),
     _f("parley_tasks_unplayed", r"tasks\.unplayed", "Admitted tasks not played yet: waiting + playing.", "learner"),
     _f("parley_learner_eval_queued", r"eval\.queued", "Versions queued for the periodic eval.", "learner"),
     _f("parley_learner_eval_running", r"eval\.running", "The version being evaluated (-1: none).", "learner"),
     _f("parley_learner_eval_version", r"eval\.version", "The last evaluated version.", "learner"),
     _f("parley_learner_eval_failed", r"eval\.failed", "Periodic evals that failed.", "learner"),
-    _f("parley_learner_eval", r"eval\.(?P<metric>[a-z0-9_]+)", "The last evaluated version's mean of each eval column.", "learner"),
+    _f(
+        "parley_learner_eval",
+        r"eval\.(?P<metric>[a-z0-9_]+)",
+        "The last evaluated version's mean of each eval column.",
+        "learner",
+    ),
     # any role
-    _f("parley_dead_letters_total", r"dead\.(?P<channel>[a-z]+)\.(?P<reason>[a-z_]+)",
-       "Messages this process dead-lettered, by the channel they came from and why (protocol/bus.py).", ),
-    _f("parley_in_flight", r"in_flight", "Work in progress (conversations, trajectories, requests; the learner: admitted tasks)."),
+    _f(
+        "parley_dead_letters_total",
+        r"dead\.(?P<channel>[a-z]+)\.(?P<reason>[a-z_]+)",
+        "Messages this process dead-lettered, by the channel they came from and why (protocol/bus.py).",
+    ),
+    _f(
+        "parley_in_flight",
+        r"in_flight",
+        "Work in progress (conversations, trajectories, requests; the learner: admitted tasks).",
+    ),
 )
 # Not from a counter: from the heartbeat's own fields.
 STATE = Family("parley_role_state", "gauge", "", "1 for the role's state (starting, ready, busy, stopping).")
-VERSION = Family("parley_policy_version", "gauge", "", "The policy version: an actor's served one, the learner's latest.")
+VERSION = Family(
+    "parley_policy_version", "gauge", "", "The policy version: an actor's served one, the learner's latest."
+)
 BEAT = Family("parley_heartbeat_timestamp_seconds", "gauge", "", "Unix time of the role's last heartbeat.")
 OTHER = Family("parley_heartbeat_value", "gauge", r"(?P<key>.+)", "A heartbeat counter no family above names.")
 
@@ -166,9 +311,10 @@ class HeartbeatCollector:
         def add(f: Family, base: list[str], extra: dict[str, str], value: float) -> None:
             if f.name not in out:
                 cls = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
-                out[f.name] = cls(f.name.removesuffix("_total") if f.kind == "counter" else f.name, f.help,
-                                  labels=list(f.labels))
-            out[f.name].add_metric(base + [extra[k] for k in f.labels[len(LABELS):]], float(value))
+                out[f.name] = cls(
+                    f.name.removesuffix("_total") if f.kind == "counter" else f.name, f.help, labels=list(f.labels)
+                )
+            out[f.name].add_metric(base + [extra[k] for k in f.labels[len(LABELS) :]], float(value))
 
         for run, hb in beats:
             base = [run, hb.role, hb.id]

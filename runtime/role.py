@@ -62,7 +62,9 @@ async def role_connection(
         js = nc.jetstream()
         if topology:
             if run is None or bus is None:
-                raise ValueError(f"{name}: role_connection(topology=True) needs run= and bus= (the run's name and [bus])")
+                raise ValueError(
+                    f"{name}: role_connection(topology=True) needs run= and bus= (the run's name and [bus])"
+                )
             await topo.ensure_topology(js, run, bus)
         for hb in hello:
             await status.send(nc, run, hb)

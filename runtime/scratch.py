@@ -60,8 +60,13 @@ def sweep(kind: str, base: str | os.PathLike | None = None) -> list[Path]:
         if not path.exists():
             removed.append(path)
     if removed:
-        log.info("removed %d scratch director%s of %s left by processes that are gone: %s", len(removed),
-                 "y" if len(removed) == 1 else "ies", kind, ", ".join(p.name for p in removed[:3]))
+        log.info(
+            "removed %d scratch director%s of %s left by processes that are gone: %s",
+            len(removed),
+            "y" if len(removed) == 1 else "ies",
+            kind,
+            ", ".join(p.name for p in removed[:3]),
+        )
     return removed
 
 

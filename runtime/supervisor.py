@@ -55,7 +55,9 @@ class Supervisor:
     def parley_argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "parley.deploy.cli", *args]
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, config_text: str | None = None) -> Child:
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, config_text: str | None = None
+    ) -> Child:
         child = Child(name=name, argv=argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env or {})
         roles = self.run_dir / "roles"
         (roles / f"{name}.cmd").write_text(

@@ -67,8 +67,16 @@ def open_tracker(section, *, run_dir: Path, run_name: str, job_type: str, config
     id_file.write_text(run_id + "\n")
     mode = wandb_mode()
     run = wandb.init(
-        project=section.wandb_project, entity=section.wandb_entity or None, group=run_name, job_type=job_type,
-        name=f"{run_name}-{job_type}", id=run_id, resume="allow", dir=str(run_dir), mode=mode, config=config or {},
+        project=section.wandb_project,
+        entity=section.wandb_entity or None,
+        group=run_name,
+        job_type=job_type,
+        name=f"{run_name}-{job_type}",
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        mode=mode,
+        config=config or {},
         settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
     )
     log.info("W&B %s run %s (%s) in %s", job_type, run_id, mode, run.dir)

@@ -20,9 +20,9 @@ from importlib import resources
 import msgspec
 
 from parley.config.run import RunConfig
+from parley.config.scorer import JudgeConfig
 from parley.protocol import topology
 from parley.protocol.messages import ChatMessage, JudgeReply, JudgeRequest
-from parley.config.scorer import JudgeConfig
 from parley.rewards.metrics import (
     INTERACTIVITY_3LEVEL,
     INTERACTIVITY_KEYS,
@@ -102,8 +102,12 @@ class Interactivity3Verdict(msgspec.Struct, forbid_unknown_fields=True):
     interactivity: float
 
 
-_VERDICT_TYPES = {"extract": ExtractVerdict, "interactivity": InteractivityVerdict,
-                  "interactivity_3level": Interactivity3Verdict, "interactivity_expected": InteractivityVerdict}
+_VERDICT_TYPES = {
+    "extract": ExtractVerdict,
+    "interactivity": InteractivityVerdict,
+    "interactivity_3level": Interactivity3Verdict,
+    "interactivity_expected": InteractivityVerdict,
+}
 
 ROLE_LABELS = {"user": "USER", "assistant": "ASSISTANT"}
 _SEPARATOR = "\n\n"
@@ -220,15 +224,19 @@ def level_distribution(
                     continue
                 del waiting[key]
                 if sampled.strip() not in labels:
-                    raise ValueError(f"the judge's {key!r} value starts with token {sampled!r}, not a level "
-                                     f"{sorted(labels)} in one token; an expected rating needs single-token levels")
+                    raise ValueError(
+                        f"the judge's {key!r} value starts with token {sampled!r}, not a level "
+                        f"{sorted(labels)} in one token; an expected rating needs single-token levels"
+                    )
                 probs = {lab: 0.0 for lab in sorted(labels)}
                 for cand, lp in candidates.items():
                     if cand.strip() in labels:
                         probs[cand.strip()] += math.exp(lp)
                 mass = math.fsum(probs.values())
                 if not mass > 0:
-                    raise ValueError(f"no level {sorted(labels)} among the judge's candidates for {key!r}: {candidates}")
+                    raise ValueError(
+                        f"no level {sorted(labels)} among the judge's candidates for {key!r}: {candidates}"
+                    )
                 out[key] = {lab: p / mass for lab, p in probs.items()}
         text += sampled
     if waiting:
@@ -286,7 +294,11 @@ class Judge:
     async def handle(self, op: str, req: JudgeRequest) -> JudgeReply:
         model = self.backend.model_name
         if op not in topology.JUDGE_OPS or req.op != op:
-            return JudgeReply(ok=False, error=f"request op {req.op!r} on the {op!r} subject; allowed: {topology.JUDGE_OPS}", model=model)
+            return JudgeReply(
+                ok=False,
+                error=f"request op {req.op!r} on the {op!r} subject; allowed: {topology.JUDGE_OPS}",
+                model=model,
+            )
         conversation = render_conversation(req.messages, self.conversation_budget, self.count)
         messages = self._messages(op, conversation)
         errors: list[str] = []
@@ -294,12 +306,18 @@ class Judge:
         attempts = 1 + self.cfg.max_retries
         for attempt in range(1, attempts + 1):
             # The first try uses the configured temperature; retries sample so they can differ.
-            temperature = self.cfg.temperature if attempt == 1 else max(self.cfg.temperature, self.cfg.retry_temperature)
+            temperature = (
+                self.cfg.temperature if attempt == 1 else max(self.cfg.temperature, self.cfg.retry_temperature)
+            )
             seed = (req.seed + attempt - 1) % 2**31
             try:
                 if op == "interactivity_expected":
                     raw, tokens = await self.backend.chat_json_tokens(
-                        messages, SCHEMAS[op], max_tokens=self.cfg.max_tokens, temperature=temperature, seed=seed,
+                        messages,
+                        SCHEMAS[op],
+                        max_tokens=self.cfg.max_tokens,
+                        temperature=temperature,
+                        seed=seed,
                         top_logprobs=EXPECTED_TOP_LOGPROBS,
                     )
                     reply = parse_verdict(op, raw)
@@ -334,7 +352,9 @@ def judge_routes(judge: Judge, counters: Counter | None = None) -> dict:
                 req = codec.decode("judge.request", data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 counters["bad_request"] += 1
-                return codec.encode(JudgeReply(ok=False, error=f"request is not a JudgeRequest: {e}", model=judge.backend.model_name))
+                return codec.encode(
+                    JudgeReply(ok=False, error=f"request is not a JudgeRequest: {e}", model=judge.backend.model_name)
+                )
             reply = await judge.handle(op, req)
             counters[f"{op}.{'ok' if reply.ok else 'failed'}"] += 1
             return codec.encode(reply)

@@ -45,10 +45,13 @@ class ReferenceClient:
             try:
                 msg = await request(self.nc, subject, data, timeout=self.timeout)
             except nats.errors.NoRespondersError:
-                raise ReferenceUnavailable(f"no reference service answers on {subject}; is `parley reference` "
-                                           "running?") from None
+                raise ReferenceUnavailable(
+                    f"no reference service answers on {subject}; is `parley reference` running?"
+                ) from None
             except nats.errors.TimeoutError:
-                raise ReferenceUnavailable(f"reference on {subject} did not answer within {self.timeout:.0f}s") from None
+                raise ReferenceUnavailable(
+                    f"reference on {subject} did not answer within {self.timeout:.0f}s"
+                ) from None
         try:
             reply = codec.decode("reference.reply", msg.data)
             lp = arrays.reference_logprobs(reply.logp_f32, traj.traj_id) if reply.ok else None
@@ -57,6 +60,8 @@ class ReferenceClient:
         if lp is None:
             raise ReferenceFailed(f"reference refused {traj.traj_id}: {reply.error or 'no error given'}")
         if lp.size != ids.size - 1:
-            raise ReferenceFailed(f"reference sent {lp.size} log-probs for the {ids.size} tokens of {traj.traj_id} "
-                                  f"(want {ids.size - 1}: every token after the first)")
+            raise ReferenceFailed(
+                f"reference sent {lp.size} log-probs for the {ids.size} tokens of {traj.traj_id} "
+                f"(want {ids.size - 1}: every token after the first)"
+            )
         return arrays.pack_logprobs(np.concatenate([np.zeros(1, np.float32), lp]))

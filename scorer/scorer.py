@@ -19,13 +19,13 @@ from collections import Counter
 import msgspec
 
 from parley.config.run import RunConfig
-from parley.protocol import bus, status, topology
-from parley.environments.base import Reward
-from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Scored, Trajectory
 from parley.config.scorer import ScorerConfig
-from parley.scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
+from parley.environments.base import Reward
+from parley.protocol import bus, status, topology
+from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Scored, Trajectory
 from parley.rollout.judge import Judge, JudgeFailed, JudgeUnavailable
 from parley.rollout.score import Unscorable, _all, score_trajectory
+from parley.scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
 
 log = logging.getLogger("parley.scorer")
 
@@ -33,11 +33,22 @@ log = logging.getLogger("parley.scorer")
 class Scorer:
     """One scorer replica: the PullWorker handler plus its counters and heartbeat."""
 
-    def __init__(self, nc, run: str, judge: Judge | None, cfg: ScorerConfig, bus_settings: topology.BusSettings,
-                 ident: str, reward: Reward | None = None, reference: ReferenceClient | None = None):
+    def __init__(
+        self,
+        nc,
+        run: str,
+        judge: Judge | None,
+        cfg: ScorerConfig,
+        bus_settings: topology.BusSettings,
+        ident: str,
+        reward: Reward | None = None,
+        reference: ReferenceClient | None = None,
+    ):
         self.nc, self.js = nc, nc.jetstream()
         self.run, self.judge, self.cfg, self.bus, self.ident = run, judge, cfg, bus_settings, ident
-        self.reward = reward  # the environment's; None = the reward the [scorer] settings describe (rollout.score.scorer_reward)
+        self.reward = (
+            reward  # the environment's; None = the reward the [scorer] settings describe (rollout.score.scorer_reward)
+        )
         self.reference = reference  # [policy] reference = "service": ask it for every trajectory
         self.counters: Counter[str] = Counter()
         self.in_flight = 0
@@ -66,8 +77,13 @@ class Scorer:
         # Stored (or already stored by an earlier delivery: same Msg-Id) - only now is the work done.
         await msg.ack()
         self.counters["duplicate" if ack.duplicate else "scored"] += 1
-        log.info("scored %s: total %.4f %s (%.1fs)", traj.traj_id, scored.total,
-                 {k: round(v, 4) for k, v in scored.metrics.items()}, scored.timings.get("total", 0.0))
+        log.info(
+            "scored %s: total %.4f %s (%.1fs)",
+            traj.traj_id,
+            scored.total,
+            {k: round(v, 4) for k, v in scored.metrics.items()},
+            scored.timings.get("total", 0.0),
+        )
 
     async def _unless_stopping(self, coro):
         """Await `coro`, but on shutdown give the message back at once (nak, no delay) instead of
@@ -92,14 +108,27 @@ class Scorer:
             # stopped by its actor because the learner can no longer train its group: nothing to judge
             # (the learner drops the group as stale), and a judge call or reference pass would be wasted
             self.counters["abandoned_stale"] += 1
-            return Scored(traj_id=traj.traj_id, task_id=traj.task_id, sample=traj.sample, run=traj.run, metrics={},
-                          weights={}, total=0.0, trajectory=traj, scorer=self.ident, created=time.time())
+            return Scored(
+                traj_id=traj.traj_id,
+                task_id=traj.task_id,
+                sample=traj.sample,
+                run=traj.run,
+                metrics={},
+                weights={},
+                total=0.0,
+                trajectory=traj,
+                scorer=self.ident,
+                created=time.time(),
+            )
         # A redelivery asks the judge with other seeds (its own retries add 0, 1, 2 ...), so a
         # verdict that failed to parse is not reproduced exactly.
         seed = (traj.seed + 1000 * (delivered - 1)) % 2**31
-        judged = self._waiting("judge", traj, delivered,
-                               lambda: score_trajectory(traj, self.judge, self.cfg, reward=self.reward,
-                                                        scorer=self.ident, seed=seed))
+        judged = self._waiting(
+            "judge",
+            traj,
+            delivered,
+            lambda: score_trajectory(traj, self.judge, self.cfg, reward=self.reward, scorer=self.ident, seed=seed),
+        )
         if self.reference is None:
             return await judged
 
@@ -127,7 +156,9 @@ class Scorer:
                 attempt += 1
                 if waited >= self.cfg.judge_wait_s:
                     self.counters[f"{what}_retry"] += 1
-                    raise bus.Retry(f"{type(e).__name__} for {waited:.1f}s: {e}", delay=self.cfg.retry_delay(delivered)) from None
+                    raise bus.Retry(
+                        f"{type(e).__name__} for {waited:.1f}s: {e}", delay=self.cfg.retry_delay(delivered)
+                    ) from None
                 delay = self.cfg.retry_delay(attempt)
                 self.counters[f"{what}_wait"] += 1
                 if attempt == 1 or attempt % 10 == 0:
@@ -143,8 +174,14 @@ class Scorer:
     async def run_until(self, stop: asyncio.Event, *, fetch_timeout: float = 2.0) -> None:
         self._stop = stop
         worker = bus.PullWorker(
-            self.js, self.run, "traj", self.handle, bus=self.bus, name=self.ident,
-            concurrency=self.cfg.concurrency, fetch_timeout=fetch_timeout,
+            self.js,
+            self.run,
+            "traj",
+            self.handle,
+            bus=self.bus,
+            name=self.ident,
+            concurrency=self.cfg.concurrency,
+            fetch_timeout=fetch_timeout,
         )
         beats = asyncio.create_task(status.heartbeat_loop(self.nc, self.run, self.heartbeat, stop))
         try:
@@ -161,22 +198,36 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
     from parley.rollout.judge import JudgeClient
     from parley.runtime.role import role_connection
 
-    async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus,
-                               topology=True) as (nc, _):
+    async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus, topology=True) as (
+        nc,
+        _,
+    ):
         env = cfg.env.load()
         # an environment without judge metrics never asks the judge, so it gets no client (and needs no service)
-        judge = (JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
-                 if env.needs_judge else None)
+        judge = (
+            JudgeClient(nc, timeout=cfg.scorer.judge_timeout_s, concurrency=cfg.scorer.judge_concurrency)
+            if env.needs_judge
+            else None
+        )
         # The learner's setting decides (one place for the fact): it trains on what we put in ref_logp_f32.
         reference = None
         if cfg.policy.reference == "service":
-            reference = ReferenceClient(nc, model=cfg.policy.model, timeout=cfg.scorer.reference_timeout_s,
-                                        concurrency=cfg.scorer.concurrency)
-        log.info("%s: scoring run %s, environment %s (concurrency %d, weights %s, judge ops %s%s)", ident, cfg.run.name,
-                 env.name, cfg.scorer.concurrency, cfg.scorer.weights, list(env.reward.judge_ops) or "none",
-                 f", reference log-probs of {cfg.policy.model}" if reference else "")
-        await Scorer(nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident, reward=env.reward,
-                     reference=reference).run_until(stop)
+            reference = ReferenceClient(
+                nc, model=cfg.policy.model, timeout=cfg.scorer.reference_timeout_s, concurrency=cfg.scorer.concurrency
+            )
+        log.info(
+            "%s: scoring run %s, environment %s (concurrency %d, weights %s, judge ops %s%s)",
+            ident,
+            cfg.run.name,
+            env.name,
+            cfg.scorer.concurrency,
+            cfg.scorer.weights,
+            list(env.reward.judge_ops) or "none",
+            f", reference log-probs of {cfg.policy.model}" if reference else "",
+        )
+        await Scorer(
+            nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident, reward=env.reward, reference=reference
+        ).run_until(stop)
     return 0
 
 

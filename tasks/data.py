@@ -172,8 +172,9 @@ def system_prompt_text(spec: str) -> str:
     return system_prompt_path(spec).read_text().strip() if spec else ""
 
 
-def task_from_item(item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, version: int,
-                   split: str = "train") -> Task:
+def task_from_item(
+    item: Item, *, run: str, task_id: str, n: int, rollout, seed: int, version: int, split: str = "train"
+) -> Task:
     """The Task asking for n samples of `item` under the [rollout] settings (a RolloutConfig).
 
     conversation mode starts from the item's opening request only (the policy then plays every
@@ -204,9 +205,14 @@ def task_from_item(item: Item, *, run: str, task_id: str, n: int, rollout, seed:
 def rollout_fields(rollout) -> dict:
     """The Task fields every environment's task builder takes from [rollout] as they are: the mode,
     the turn and token limits, the sampled futures (next_turn mode only), and the creation time."""
-    return dict(mode=rollout.mode, max_new_turns=rollout.max_new_turns, max_tokens=rollout.max_tokens,
-                futures=rollout.futures if rollout.mode == "next_turn" else 0, future_turns=rollout.future_turns,
-                created=time.time())
+    return dict(
+        mode=rollout.mode,
+        max_new_turns=rollout.max_new_turns,
+        max_tokens=rollout.max_tokens,
+        futures=rollout.futures if rollout.mode == "next_turn" else 0,
+        future_turns=rollout.future_turns,
+        created=time.time(),
+    )
 
 
 def train_eval_items(data) -> tuple[list[Item], list[Item]]:

@@ -40,10 +40,15 @@ def tiny_model(tmp_path_factory):
 
 # The modules whose tests use the session's shared vLLM engines (tests/e2e/conftest.py, which refuses a
 # test that uses them from a module not listed here).
-SHARED_ENGINE_MODULES = frozenset({
-    "tests/e2e/test_actor.py", "tests/e2e/test_engine.py", "tests/e2e/test_eval.py",
-    "tests/e2e/test_eval_env_e2e.py", "tests/e2e/test_logprob_agreement.py",
-})
+SHARED_ENGINE_MODULES = frozenset(
+    {
+        "tests/e2e/test_actor.py",
+        "tests/e2e/test_engine.py",
+        "tests/e2e/test_eval.py",
+        "tests/e2e/test_eval_env_e2e.py",
+        "tests/e2e/test_logprob_agreement.py",
+    }
+)
 # Under pytest-xdist the slow directories are handed out first and the unit tests fill in at the end.
 TIERS = ("tests/e2e/", "tests/integration/")
 

@@ -16,13 +16,21 @@ from parley.protocol.messages import AssistantTurn, ChatMessage, JudgeReply, Sco
 
 def turn(start: int, logprobs: Sequence[float], version: int = 0, finish_reason: str = "stop") -> AssistantTurn:
     """One assistant turn whose generated tokens begin at `start`, its behaviour log-probs packed."""
-    return AssistantTurn(start=start, logprobs_f32=arrays.pack_logprobs(list(logprobs)), version=version,
-                         finish_reason=finish_reason)
+    return AssistantTurn(
+        start=start, logprobs_f32=arrays.pack_logprobs(list(logprobs)), version=version, finish_reason=finish_reason
+    )
 
 
-def trajectory(run: str = "unit", task_id: str = "t-0001", sample: int = 0, *,
-               token_ids: Sequence[int] | None = None, loss_mask: Sequence[int] | None = None,
-               messages: Sequence[ChatMessage | tuple[str, str]] | None = None, **fields) -> Trajectory:
+def trajectory(
+    run: str = "unit",
+    task_id: str = "t-0001",
+    sample: int = 0,
+    *,
+    token_ids: Sequence[int] | None = None,
+    loss_mask: Sequence[int] | None = None,
+    messages: Sequence[ChatMessage | tuple[str, str]] | None = None,
+    **fields,
+) -> Trajectory:
     """protocol.examples.trajectory with its ids for (run, task_id, sample), the given tokens (packed as
     today's actors write them), messages ((role, content) pairs or ChatMessages) and any other fields."""
     traj = examples.trajectory(run, task_id=task_id, sample=sample)
@@ -35,15 +43,29 @@ def trajectory(run: str = "unit", task_id: str = "t-0001", sample: int = 0, *,
     return msgspec.structs.replace(traj, **fields)
 
 
-def scored(traj: Trajectory, metrics: dict[str, float], weights: dict[str, float] | None = None,
-           total: float | None = None, **fields) -> Scored:
+def scored(
+    traj: Trajectory,
+    metrics: dict[str, float],
+    weights: dict[str, float] | None = None,
+    total: float | None = None,
+    **fields,
+) -> Scored:
     """The Scored of `traj` with these metrics; `weights` default to 1 for each metric and `total`
     to the weighted sum (what the scorer computes without clamps)."""
     weights = {name: 1.0 for name in metrics} if weights is None else weights
     if total is None:
         total = sum(weights.get(name, 0.0) * value for name, value in metrics.items())
-    return Scored(traj_id=traj.traj_id, task_id=traj.task_id, sample=traj.sample, run=traj.run, metrics=metrics,
-                  weights=weights, total=total, trajectory=traj, **fields)
+    return Scored(
+        traj_id=traj.traj_id,
+        task_id=traj.task_id,
+        sample=traj.sample,
+        run=traj.run,
+        metrics=metrics,
+        weights=weights,
+        total=total,
+        trajectory=traj,
+        **fields,
+    )
 
 
 def last_assistant(messages) -> str:
@@ -65,10 +87,21 @@ class JudgeDouble:
     `unavailable` makes extract raise JudgeUnavailable (no judge service answers); every call is
     recorded in `calls` as (op, number of messages)."""
 
-    def __init__(self, *, model: str = "judge-double", document: Callable | str = last_assistant,
-                 levels: dict[str, int] | None = None, levels_by_len: dict[int, dict[str, int]] | None = None,
-                 score: float = 0.0, score_3level: float = 0.5, raw: Callable | str = "{}", raw_3level: str = "{}",
-                 fail_op: str | None = None, attempts: int = 4, unavailable: bool = False):
+    def __init__(
+        self,
+        *,
+        model: str = "judge-double",
+        document: Callable | str = last_assistant,
+        levels: dict[str, int] | None = None,
+        levels_by_len: dict[int, dict[str, int]] | None = None,
+        score: float = 0.0,
+        score_3level: float = 0.5,
+        raw: Callable | str = "{}",
+        raw_3level: str = "{}",
+        fail_op: str | None = None,
+        attempts: int = 4,
+        unavailable: bool = False,
+    ):
         self.model = model
         self.document, self.raw, self.raw_3level = document, raw, raw_3level
         self.levels = dict(LEVELS if levels is None else levels)

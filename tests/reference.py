@@ -3,10 +3,12 @@ transformers forward pass (no packing, no DeepSpeed), to check engines and the l
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
-def reference_logprobs(model, prompt_ids: Sequence[int], gen_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
+def reference_logprobs(
+    model, prompt_ids: Sequence[int], gen_ids: Sequence[int], temperature: float = 1.0
+) -> list[float]:
     """The learner side of the log-prob contract: log-probs of gen_ids after prompt_ids under a
     transformers causal LM, computed in fp32 (one forward pass): of the raw model, or of the
     distribution sampled at `temperature` (log_softmax(logits / temperature))."""

@@ -65,8 +65,10 @@ def plain_name(wv: WeightVersion, name: str) -> str:
     # An extra file lands beside the verified model under this name: a path, "..", or the model's own
     # name would let an announcement write outside the version or replace the checked blob.
     if not name or "/" in name or "\\" in name or name in (".", "..", MODEL_FILE):
-        raise WeightVerifyError(f"version {wv.version}: extra file name {name!r} is not allowed (a plain file name "
-                                f"other than {MODEL_FILE}); refused")
+        raise WeightVerifyError(
+            f"version {wv.version}: extra file name {name!r} is not allowed (a plain file name "
+            f"other than {MODEL_FILE}); refused"
+        )
     return name
 
 
@@ -113,8 +115,9 @@ async def announce(js, run: str, wv: WeightVersion) -> None:
                 log.warning("weights key of run %r held no WeightVersion (%s); replacing it", run, e)
             else:
                 if previous.version > wv.version:
-                    log.warning("weights key moves back from version %d to %d (resumed learner)", previous.version,
-                                wv.version)
+                    log.warning(
+                        "weights key moves back from version %d to %d (resumed learner)", previous.version, wv.version
+                    )
             await kv.update(topology.WEIGHTS_KEY, data, last=entry.revision)
     except KeyWrongLastSequenceError as e:
         raise VersionConflict(
@@ -206,8 +209,9 @@ class Transport:
     # transport also has full_location(prefix), upload_extras and upload_model (weights.objstore)
     delta_first: bool = False
 
-    async def upload(self, js, run: str, prefix: str, state_dir: Path, extras: list[str],
-                     settings) -> tuple[str, str, int, list[str]]:
+    async def upload(
+        self, js, run: str, prefix: str, state_dir: Path, extras: list[str], settings
+    ) -> tuple[str, str, int, list[str]]:
         """Store `state_dir`'s model and `extras` under the fresh name `prefix`:
         (location, sha256, bytes, files) for the announcement."""
         raise self._other_family("upload files", "publish_gpu_version")
@@ -231,7 +235,9 @@ class Transport:
 
     # actor side
     async def fetch(self, js, run: str, wv: WeightVersion, dest: Path, settings, rehash: bool) -> Path:
-        raise WeightVerifyError(f"version {wv.version}: transport {wv.transport!r} is loaded by the engine, not fetched")
+        raise WeightVerifyError(
+            f"version {wv.version}: transport {wv.transport!r} is loaded by the engine, not fetched"
+        )
 
     async def wait_full(self, js, run: str, wv: WeightVersion, settings, timeout_s: float) -> None:
         """Return once the full copy that `wv` (full_pending) names is stored; raise WeightUnavailable

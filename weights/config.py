@@ -31,11 +31,15 @@ class _Files(_Weights):
 
     def __post_init__(self) -> None:
         if self.full_every < 1 or not 0.0 < self.delta_max_share <= 1.0:
-            raise ValueError(f"full_every={self.full_every} must be >= 1 (1: no deltas) and "
-                             f"delta_max_share={self.delta_max_share} in (0, 1]")
+            raise ValueError(
+                f"full_every={self.full_every} must be >= 1 (1: no deltas) and "
+                f"delta_max_share={self.delta_max_share} in (0, 1]"
+            )
         if self.delta_format not in ("file", "packed"):
-            raise ValueError(f"delta_format={self.delta_format!r}: 'file' (built from the written file on the "
-                             "learner's host) or 'packed' (built on the learner's GPU, applied on the actor's)")
+            raise ValueError(
+                f"delta_format={self.delta_format!r}: 'file' (built from the written file on the "
+                "learner's host) or 'packed' (built on the learner's GPU, applied on the actor's)"
+            )
 
 
 class ObjstoreWeights(_Files, tag="objstore"):
@@ -50,8 +54,7 @@ class SharedDirWeights(_Files, tag="shared_dir"):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.dir:
-            raise ValueError("kind='shared_dir' needs dir (a directory every actor can read); "
-                             "set [weights] dir")
+            raise ValueError("kind='shared_dir' needs dir (a directory every actor can read); set [weights] dir")
         # Once, here: a relative path would otherwise mean another directory in every process's cwd.
         # Actors check every announced location against it (weights.shared_dir.resolve_location).
         self.dir = str(Path(self.dir).expanduser().resolve())
@@ -90,8 +93,10 @@ KINDS = tuple(t.__struct_config__.tag for t in (ObjstoreWeights, SharedDirWeight
 
 # The flat [learner] keys of older config files and the [weights] field each became.
 LEGACY_KEYS = {"shared_dir": "dir", "ipc_hold_s": "hold_s", "ipc_buffers": "max_buffers", "nccl_address": "address"}
-_FIELDS = {t.__struct_config__.tag: set(t.__struct_fields__)
-           for t in (ObjstoreWeights, SharedDirWeights, CudaIpcWeights, NcclWeights)}
+_FIELDS = {
+    t.__struct_config__.tag: set(t.__struct_fields__)
+    for t in (ObjstoreWeights, SharedDirWeights, CudaIpcWeights, NcclWeights)
+}
 
 
 def upgrade(data: dict) -> dict:
@@ -108,9 +113,12 @@ def upgrade(data: dict) -> dict:
     if not old:
         return data
     if "weights" in data:
-        raise ValueError(f"[learner] sets {', '.join(old)} (the old form) and [weights] is set too; "
-                         f"move them into [weights] (transport -> kind, "
-                         + ", ".join(f"{k} -> {v}" for k, v in LEGACY_KEYS.items()) + ")")
+        raise ValueError(
+            f"[learner] sets {', '.join(old)} (the old form) and [weights] is set too; "
+            f"move them into [weights] (transport -> kind, "
+            + ", ".join(f"{k} -> {v}" for k, v in LEGACY_KEYS.items())
+            + ")"
+        )
     kind = section.get("transport", "objstore")
     if kind not in KINDS:
         raise ValueError(f"transport={kind!r} not allowed; use one of {KINDS} (now [weights] kind)")

@@ -25,8 +25,9 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from parley.protocol.messages import CudaIpcBuffer, IpcTensor, WeightVersion
 from parley.weights.common import Transport, WeightUnavailable
@@ -46,24 +47,27 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def plan(named: Iterable[tuple[str, "Tensor"]]) -> tuple[list[IpcTensor], int]:
+def plan(named: Iterable[tuple[str, Tensor]]) -> tuple[list[IpcTensor], int]:
     """The buffer layout for these tensors, in order: entries without checksums, total bytes."""
     out, offset = [], 0
     for name, t in named:
-        out.append(IpcTensor(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
-                             offset=offset, checksum=[]))
+        out.append(
+            IpcTensor(
+                name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, checksum=[]
+            )
+        )
         offset += _padded(t.numel() * t.element_size())
     return out, offset
 
 
-def view(buffer: "Tensor", entry: IpcTensor) -> "Tensor":
+def view(buffer: Tensor, entry: IpcTensor) -> Tensor:
     """The tensor `entry` names, as a view into the uint8 `buffer`."""
     import torch
 
-    return buffer[entry.offset: entry.offset + _nbytes(entry)].view(getattr(torch, entry.dtype)).view(entry.shape)
+    return buffer[entry.offset : entry.offset + _nbytes(entry)].view(getattr(torch, entry.dtype)).view(entry.shape)
 
 
-def one_run(named: list[tuple[str, "Tensor"]]) -> list[int] | None:
+def one_run(named: list[tuple[str, Tensor]]) -> list[int] | None:
     """The order in which `named`'s tensors lie end to end in one storage, nothing between them, each
     contiguous and of one dtype; None when they do not. DeepSpeed's ZeRO-1/2 optimizer keeps the trained
     parameters so (views into one flat buffer per group: the LoRA adapter's, whose peft names sort in
@@ -91,7 +95,7 @@ def gapless(layout: list[IpcTensor]) -> bool:
     return all(b.offset == a.offset + _nbytes(a) for a, b in zip(layout, layout[1:]))
 
 
-def views(buffer: "Tensor", entries: Iterable[IpcTensor]) -> list["Tensor"]:
+def views(buffer: Tensor, entries: Iterable[IpcTensor]) -> list[Tensor]:
     """view() of each entry, in one pass: one typed view of the whole buffer per dtype, then one
     as_strided per tensor instead of a slice and two views (each a Python call into torch). A
     version's tensors are viewed on every pack and receive: for the 504 tensors of the 4B shape's
@@ -100,7 +104,7 @@ def views(buffer: "Tensor", entries: Iterable[IpcTensor]) -> list["Tensor"]:
     import torch
 
     size, base = buffer.numel(), buffer.storage_offset()
-    typed: dict[str, "Tensor"] = {}
+    typed: dict[str, Tensor] = {}
     out = []
     for e in entries:
         item = _itemsize(e.dtype)
@@ -123,8 +127,9 @@ def views(buffer: "Tensor", entries: Iterable[IpcTensor]) -> list["Tensor"]:
     return out
 
 
-def pack(named: Iterable[tuple[str, "Tensor"]], buffer: "Tensor", layout: list[IpcTensor],
-         dsts: list["Tensor"] | None = None) -> None:
+def pack(
+    named: Iterable[tuple[str, Tensor]], buffer: Tensor, layout: list[IpcTensor], dsts: list[Tensor] | None = None
+) -> None:
     """Copy each tensor into its place in `buffer` (the padding stays as it was: zeros).
 
     Every shape and dtype is checked first, then all tensors go in one multi-tensor copy
@@ -152,7 +157,7 @@ def pack(named: Iterable[tuple[str, "Tensor"]], buffer: "Tensor", layout: list[I
         torch._foreach_copy_(dsts, [t.detach() for _, t in named])
 
 
-def checksums(buffer: "Tensor", layout: list[IpcTensor], impl: str | None = None) -> list[list[int]]:
+def checksums(buffer: Tensor, layout: list[IpcTensor], impl: str | None = None) -> list[list[int]]:
     """Per tensor, three int64 sums over its padded region read as int32 words in rows of 64:
     all words, rows weighted by their index in the tensor, words weighted by their column (the
     product taken in int32, wrapping). The integer sums (wrapping) are exact, so any device, kernel
@@ -184,7 +189,7 @@ def checksums(buffer: "Tensor", layout: list[IpcTensor], impl: str | None = None
     return torch.stack([s1, s2, s3], 1).cpu().tolist()
 
 
-def row_sums(rows: "Tensor", impl: str | None = None) -> tuple["Tensor", "Tensor"]:
+def row_sums(rows: Tensor, impl: str | None = None) -> tuple[Tensor, Tensor]:
     """For (R, 64) int32 `rows`: each row's sum and its column-weighted sum (word c times c + 1, the
     product wrapping in int32), both int64, (R,) each."""
     if impl is None:
@@ -196,13 +201,13 @@ def row_sums(rows: "Tensor", impl: str | None = None) -> tuple["Tensor", "Tensor
     return _row_sums_torch(rows)
 
 
-def _row_sums_torch(rows: "Tensor") -> tuple["Tensor", "Tensor"]:
+def _row_sums_torch(rows: Tensor) -> tuple[Tensor, Tensor]:
     import torch
 
     col_w = torch.arange(1, _ROW + 1, dtype=torch.int32, device=rows.device)
     row_sum, col_weighted = [], []
     for i in range(0, rows.shape[0], _CHUNK_ROWS):  # chunks bound the int32 temporary of the products
-        part = rows[i: i + _CHUNK_ROWS]
+        part = rows[i : i + _CHUNK_ROWS]
         row_sum.append(part.sum(1, dtype=torch.int64))
         col_weighted.append((part * col_w).sum(1, dtype=torch.int64))
     return torch.cat(row_sum), torch.cat(col_weighted)
@@ -213,7 +218,7 @@ _triton_kernel = None
 _triton_ok: dict[str, bool] = {}  # per device: the fused kernel gave torch's sums on a test buffer
 
 
-def _row_sums_triton(rows: "Tensor") -> tuple["Tensor", "Tensor"]:
+def _row_sums_triton(rows: Tensor) -> tuple[Tensor, Tensor]:
     """row_sums in one pass: each program reads its rows once and writes both sums (torch's path
     reads the buffer three times and writes an int32 copy of it)."""
     import torch
@@ -266,9 +271,9 @@ def _triton_agrees(device) -> bool:
 
         try:
             gen = torch.Generator(device="cpu").manual_seed(0)
-            probe = torch.randint(-2**31, 2**31 - 1, (16384 + 37, _ROW), dtype=torch.int32, generator=gen)
+            probe = torch.randint(-(2**31), 2**31 - 1, (16384 + 37, _ROW), dtype=torch.int32, generator=gen)
             probe[0].fill_(2**31 - 1)
-            probe[1].fill_(-2**31)
+            probe[1].fill_(-(2**31))
             probe = probe.to(device)
             got, want = _row_sums_triton(probe), _row_sums_torch(probe)
             _triton_ok[key] = all(torch.equal(a, b) for a, b in zip(got, want))
@@ -300,8 +305,10 @@ def _nbytes(entry: IpcTensor) -> int:
 
 
 def with_checksums(layout: list[IpcTensor], sums: list[list[int]]) -> list[IpcTensor]:
-    return [IpcTensor(name=e.name, dtype=e.dtype, shape=e.shape, offset=e.offset, checksum=list(s))
-            for e, s in zip(layout, sums, strict=True)]
+    return [
+        IpcTensor(name=e.name, dtype=e.dtype, shape=e.shape, offset=e.offset, checksum=list(s))
+        for e, s in zip(layout, sums, strict=True)
+    ]
 
 
 def mismatch(announced: list[IpcTensor], sums: list[list[int]]) -> str | None:
@@ -341,7 +348,7 @@ def local_device(uuid: str) -> int:
     )
 
 
-def export(buffer: "Tensor", tensors: list[IpcTensor], hold_s: float, filled_at: float = 0.0) -> CudaIpcBuffer:
+def export(buffer: Tensor, tensors: list[IpcTensor], hold_s: float, filled_at: float = 0.0) -> CudaIpcBuffer:
     """A CUDA IPC handle for `buffer` (1-D uint8 on a GPU) with its tensor table. The caller keeps
     `buffer` alive and unchanged for as long as readers may open it."""
     from torch.multiprocessing.reductions import reduce_tensor
@@ -350,15 +357,40 @@ def export(buffer: "Tensor", tensors: list[IpcTensor], hold_s: float, filled_at:
         raise ValueError("export needs a whole 1-D CUDA buffer (storage offset 0)")
     fn, args = reduce_tensor(buffer)
     if getattr(fn, "__name__", "") != "rebuild_cuda_tensor" or len(args) != _REBUILD_ARGS:
-        raise RuntimeError(f"this torch exports CUDA tensors as {getattr(fn, '__name__', fn)} with {len(args)} "
-                           f"arguments; cuda_ipc knows rebuild_cuda_tensor with {_REBUILD_ARGS}")
-    (_cls, _size, _stride, _offset, _storage_cls, _dtype, device, handle, storage_size, storage_offset,
-     _grad, ref_handle, ref_offset, event_handle, event_sync) = args
+        raise RuntimeError(
+            f"this torch exports CUDA tensors as {getattr(fn, '__name__', fn)} with {len(args)} "
+            f"arguments; cuda_ipc knows rebuild_cuda_tensor with {_REBUILD_ARGS}"
+        )
+    (
+        _cls,
+        _size,
+        _stride,
+        _offset,
+        _storage_cls,
+        _dtype,
+        device,
+        handle,
+        storage_size,
+        storage_offset,
+        _grad,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = args
     return CudaIpcBuffer(
-        device_uuid=device_uuid(device), storage_handle=bytes(handle), storage_size=int(storage_size),
-        storage_offset=int(storage_offset), ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
-        event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync), nbytes=buffer.numel(),
-        hold_s=float(hold_s), tensors=tensors, filled_at=float(filled_at),
+        device_uuid=device_uuid(device),
+        storage_handle=bytes(handle),
+        storage_size=int(storage_size),
+        storage_offset=int(storage_offset),
+        ref_counter_handle=bytes(ref_handle),
+        ref_counter_offset=int(ref_offset),
+        event_handle=bytes(event_handle or b""),
+        event_sync_required=bool(event_sync),
+        nbytes=buffer.numel(),
+        hold_s=float(hold_s),
+        tensors=tensors,
+        filled_at=float(filled_at),
     )
 
 
@@ -376,19 +408,31 @@ def direct_deadline(ipc: CudaIpcBuffer, now: float | None = None) -> float | Non
     return deadline if deadline - now >= DIRECT_SHARE * ipc.hold_s else None
 
 
-def _open(ipc: CudaIpcBuffer) -> "Tensor":
+def _open(ipc: CudaIpcBuffer) -> Tensor:
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     return rebuild_cuda_tensor(
-        torch.Tensor, (ipc.nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, local_device(ipc.device_uuid),
-        ipc.storage_handle, ipc.storage_size, ipc.storage_offset, False, ipc.ref_counter_handle,
-        ipc.ref_counter_offset, ipc.event_handle or None, ipc.event_sync_required,
+        torch.Tensor,
+        (ipc.nbytes,),
+        (1,),
+        0,
+        torch.UntypedStorage,
+        torch.uint8,
+        local_device(ipc.device_uuid),
+        ipc.storage_handle,
+        ipc.storage_size,
+        ipc.storage_offset,
+        False,
+        ipc.ref_counter_handle,
+        ipc.ref_counter_offset,
+        ipc.event_handle or None,
+        ipc.event_sync_required,
     )
 
 
 KEEP_OPEN = 8  # the learner's buffers an adapter reader keeps mapped (receive with own=True)
-_kept: "dict[tuple[bytes, int], Tensor]" = {}  # (storage handle, offset) -> the open buffer, oldest first
+_kept: dict[tuple[bytes, int], Tensor] = {}  # (storage handle, offset) -> the open buffer, oldest first
 
 
 def _release_counter(ipc: CudaIpcBuffer) -> None:
@@ -400,7 +444,7 @@ def _release_counter(ipc: CudaIpcBuffer) -> None:
     torch.UntypedStorage._release_ipc_counter_cuda(ipc.ref_counter_handle, ipc.ref_counter_offset)
 
 
-def _open_kept(ipc: CudaIpcBuffer) -> tuple["Tensor", bool]:
+def _open_kept(ipc: CudaIpcBuffer) -> tuple[Tensor, bool]:
     """_open, for a reader that copies the buffer out at once (own=True): the mapping stays open for
     the next version that comes in the same buffer (the learner reuses its few buffers for as long as
     it lives), which then opens no handle: (the buffer, whether a kept mapping was reused). No wait on
@@ -420,8 +464,9 @@ def _open_kept(ipc: CudaIpcBuffer) -> tuple["Tensor", bool]:
     return src, reused
 
 
-def receive(ipc: CudaIpcBuffer, device, state: dict | None = None,
-            own: bool = False) -> tuple[list[tuple[str, "Tensor"]], str | None]:
+def receive(
+    ipc: CudaIpcBuffer, device, state: dict | None = None, own: bool = False
+) -> tuple[list[tuple[str, Tensor]], str | None]:
     """Open the learner's buffer and check it: ((name, tensor) views, None) when every checksum
     matches, ([], reason) when not; nothing of the model is touched here.
 
@@ -444,8 +489,11 @@ def receive(ipc: CudaIpcBuffer, device, state: dict | None = None,
         named = list(zip([e.name for e in ipc.tensors], views(src, ipc.tensors)))
         if state is not None:  # the load's after_load check, and where a receive's time goes (the worker logs it)
             state["direct"] = (src, ipc, deadline)
-            state["receive_s"] = {"open": t_open - t0, "checksum": t_check - t_open,
-                                  "views": time.perf_counter() - t_check}
+            state["receive_s"] = {
+                "open": t_open - t0,
+                "checksum": t_check - t_open,
+                "views": time.perf_counter() - t_check,
+            }
         return named, None
     t_open = time.perf_counter()
     staged = torch.empty(ipc.nbytes, dtype=torch.uint8, device=device)
@@ -457,15 +505,21 @@ def receive(ipc: CudaIpcBuffer, device, state: dict | None = None,
     reason = mismatch(ipc.tensors, checksums(staged, ipc.tensors))
     if reason and reused:  # not refused on a kept mapping's word: the next try opens the handle afresh
         _kept.pop((ipc.storage_handle, ipc.storage_offset), None)
-        raise WeightUnavailable(f"the learner's buffer, read through a mapping kept from an earlier version, "
-                                f"disagrees with this announcement ({reason}); it is opened afresh at the next try")
+        raise WeightUnavailable(
+            f"the learner's buffer, read through a mapping kept from an earlier version, "
+            f"disagrees with this announcement ({reason}); it is opened afresh at the next try"
+        )
     if reason:
         return [], reason
     t_check = time.perf_counter()
     named = list(zip([e.name for e in ipc.tensors], views(staged, ipc.tensors)))
     if state is not None:
-        state["receive_s"] = {"open": t_open - t0, "copy": t_copy - t_open, "checksum": t_check - t_copy,
-                              "views": time.perf_counter() - t_check}
+        state["receive_s"] = {
+            "open": t_open - t0,
+            "copy": t_copy - t_open,
+            "checksum": t_check - t_copy,
+            "views": time.perf_counter() - t_check,
+        }
     return named, None
 
 
@@ -486,20 +540,22 @@ def after_load(state: dict, now: float | None = None) -> str | None:
     if now > deadline:
         bad = mismatch(ipc.tensors, checksums(src, ipc.tensors))
         if bad:
-            reason = (f"the learner's buffer changed while it was loaded ({bad}; the load ended "
-                      f"{now - deadline:.1f} s past the hold)")
+            reason = (
+                f"the learner's buffer changed while it was loaded ({bad}; the load ended "
+                f"{now - deadline:.1f} s past the hold)"
+            )
     del src
     return reason
 
 
 @dataclass
 class _Buffer:
-    data: "Tensor"  # (bytes,) uint8 on the GPU, exported by CUDA IPC
+    data: Tensor  # (bytes,) uint8 on the GPU, exported by CUDA IPC
     version: int | None = None
     filled: float | None = None  # monotonic time it was filled with `version`
     readers: int = 0  # nccl sends under way from it
     views: list | None = None  # views(data, the publisher's layout), made at its first fill
-    run: "Tensor | None" = None  # the layout's whole span as one typed view (IpcPublisher's one-copy fill)
+    run: Tensor | None = None  # the layout's whole span as one typed view (IpcPublisher's one-copy fill)
 
 
 class IpcPublisher:
@@ -573,7 +629,7 @@ class IpcPublisher:
     def close(self) -> None:
         """Nothing to stop: the buffers live as long as the learner."""
 
-    def pack(self, named: list[tuple[str, "Tensor"]], version: int):
+    def pack(self, named: list[tuple[str, Tensor]], version: int):
         """Copy `named` (GPU tensors) into a free buffer, checksum it on the GPU and export it:
         the protocol.messages.CudaIpcBuffer to announce, or None when every buffer is still held."""
         filled = self.fill(named, version)
@@ -585,7 +641,7 @@ class IpcPublisher:
         self.fill_s["export"] = time.perf_counter() - t0  # torch's IPC export: handle, reference counter, event
         return exported
 
-    def fill(self, named: list[tuple[str, "Tensor"]], version: int):
+    def fill(self, named: list[tuple[str, Tensor]], version: int):
         """pack without the export: (the buffer now holding `version`, its tensor table with
         checksums), or None when no buffer may be written (the version is skipped, and logged)."""
         # planned at the first fill; later ones compare each tensor's name, shape and dtype with
@@ -612,9 +668,13 @@ class IpcPublisher:
             buf = self._free_buffer(named[0][1].device)
             if buf is None:
                 self.skipped.append(version)
-                log.warning("weights: version %d not published: all %d buffers were filled less than %.1f s ago "
-                            "or are being sent (weights.hold_s, weights.max_buffers); the next step's is tried",
-                            version, len(self.buffers), self.hold_s)
+                log.warning(
+                    "weights: version %d not published: all %d buffers were filled less than %.1f s ago "
+                    "or are being sent (weights.hold_s, weights.max_buffers); the next step's is tried",
+                    version,
+                    len(self.buffers),
+                    self.hold_s,
+                )
                 return None
             buf.version = None  # being written: not to be sent
             t0 = time.perf_counter()
@@ -630,7 +690,9 @@ class IpcPublisher:
                 if buf.views is None:
                     buf.views = views(buf.data, self.layout)
                 pack(named, buf.data, self.layout, dsts=buf.views)
-            if buf.data.is_cuda:  # the copies' own time, apart from the checksum's (what a fill costs: bench/weight_path.py)
+            if (
+                buf.data.is_cuda
+            ):  # the copies' own time, apart from the checksum's (what a fill costs: bench/weight_path.py)
                 import torch
 
                 torch.cuda.synchronize(buf.data.device)

@@ -33,8 +33,23 @@ from parley.weights.common import WeightVerifyError, file_digest
 MAGIC = b"PARLEYD1"
 DELTA_FILE = "model.delta"  # beside model.safetensors in the version's folder (object prefix or directory)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-             "F32": 4, "I32": 4, "U32": 4, "F64": 8, "I64": 8, "U64": 8}
+_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+}
 
 
 class DeltaTensor(msgspec.Struct, array_like=True):
@@ -85,15 +100,18 @@ def build(base: Path, target: Path, out: Path, base_sha256: str, sha256: str) ->
     b = np.memmap(target, dtype=np.uint8, mode="r")
     entries, blobs = [], []
     for start, size, count in tensors:
-        x = a[start:start + size * count].view(_UINT[size])
-        y = b[start:start + size * count].view(_UINT[size])
+        x = a[start : start + size * count].view(_UINT[size])
+        y = b[start : start + size * count].view(_UINT[size])
         idx = np.flatnonzero(x != y)
         gaps = np.diff(idx, prepend=0).astype(np.uint32)  # the first is the index itself
         gz, vz = zlib.compress(gaps.tobytes(), 1), zlib.compress(y[idx].tobytes(), 1)
         entries.append(DeltaTensor(start, size, count, len(idx), len(gz), len(vz)))
         blobs += [gz, vz]
-    header = msgspec.json.encode(DeltaHeader(base_sha256=base_sha256, sha256=sha256, bytes=os.path.getsize(target),
-                                             prefix=prefix, tensors=entries))
+    header = msgspec.json.encode(
+        DeltaHeader(
+            base_sha256=base_sha256, sha256=sha256, bytes=os.path.getsize(target), prefix=prefix, tensors=entries
+        )
+    )
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(MAGIC + struct.pack("<Q", len(header)) + header)
@@ -115,9 +133,11 @@ def apply(base: Path, delta: Path, out: Path, base_sha256: str, sha256: str, siz
             (n,) = struct.unpack("<Q", f.read(8))
             header = msgspec.json.decode(f.read(n), type=DeltaHeader)
             if (header.base_sha256, header.sha256, header.bytes) != (base_sha256, sha256, size):
-                raise WeightVerifyError(f"{delta} turns {header.base_sha256[:16]}.. into {header.sha256[:16]}.. "
-                                        f"({header.bytes} bytes), announced {base_sha256[:16]}.. -> {sha256[:16]}.. "
-                                        f"({size} bytes)")
+                raise WeightVerifyError(
+                    f"{delta} turns {header.base_sha256[:16]}.. into {header.sha256[:16]}.. "
+                    f"({header.bytes} bytes), announced {base_sha256[:16]}.. -> {sha256[:16]}.. "
+                    f"({size} bytes)"
+                )
             if os.path.getsize(base) != size:
                 raise WeightVerifyError(f"base {base} has {os.path.getsize(base)} bytes, the delta needs {size}")
             shutil.copyfile(base, part)
@@ -128,15 +148,19 @@ def apply(base: Path, delta: Path, out: Path, base_sha256: str, sha256: str, siz
                 idx = np.cumsum(np.frombuffer(zlib.decompress(f.read(t.gaps_z)), dtype=np.uint32), dtype=np.int64)
                 values = np.frombuffer(zlib.decompress(f.read(t.values_z)), dtype=_UINT[t.itemsize])
                 if len(idx) != t.changed or len(values) != t.changed or (len(idx) and idx[-1] >= t.count):
-                    raise WeightVerifyError(f"{delta}: tensor at byte {t.start}: {len(idx)} positions, "
-                                            f"{len(values)} values, {t.changed} announced, {t.count} elements")
-                mm[t.start:t.start + t.itemsize * t.count].view(_UINT[t.itemsize])[idx] = values
+                    raise WeightVerifyError(
+                        f"{delta}: tensor at byte {t.start}: {len(idx)} positions, "
+                        f"{len(values)} values, {t.changed} announced, {t.count} elements"
+                    )
+                mm[t.start : t.start + t.itemsize * t.count].view(_UINT[t.itemsize])[idx] = values
             mm.flush()
             del mm
         got, got_size = file_digest(part)
         if (got, got_size) != (sha256, size):
-            raise WeightVerifyError(f"base + delta gives sha256 {got[:16]}.. / {got_size} bytes, "
-                                    f"the full version is {sha256[:16]}.. / {size} bytes")
+            raise WeightVerifyError(
+                f"base + delta gives sha256 {got[:16]}.. / {got_size} bytes, "
+                f"the full version is {sha256[:16]}.. / {size} bytes"
+            )
     except (zlib.error, msgspec.DecodeError, msgspec.ValidationError, struct.error, ValueError) as e:
         part.unlink(missing_ok=True)
         raise WeightVerifyError(f"{delta} is malformed: {type(e).__name__}: {e}") from None

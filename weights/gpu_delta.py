@@ -49,17 +49,17 @@ class GpuDeltaHeader(msgspec.Struct, kw_only=True):
     exceptions: int
 
 
-def _words(buffer: "Tensor") -> "Tensor":
+def _words(buffer: Tensor) -> Tensor:
     import torch
 
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() % 2:
-        raise ValueError(f"a packed buffer is a 1-D uint8 tensor of whole 16-bit words, got {buffer.dtype} "
-                         f"{tuple(buffer.shape)}")
+        raise ValueError(
+            f"a packed buffer is a 1-D uint8 tensor of whole 16-bit words, got {buffer.dtype} {tuple(buffer.shape)}"
+        )
     return buffer.view(torch.int16)
 
 
-def encode(base: "Tensor", target: "Tensor", base_name: str, target_name: str,
-           max_share: float = 1.0) -> bytes | None:
+def encode(base: Tensor, target: Tensor, base_name: str, target_name: str, max_share: float = 1.0) -> bytes | None:
     """The delta turning packed buffer `base` into `target` (same size, same device), named by their
     table_digest (weights.cuda_ipc); None when it would be larger than `max_share` of the target's bytes (send the full
     version then). Built CHUNK_BLOCKS blocks at a time (_chunk_words), each chunk's sections copied to
@@ -96,8 +96,9 @@ def encode(base: "Tensor", target: "Tensor", base_name: str, target_name: str,
             return None
         for out, t in zip(sections, (counts, offsets, diffs, exceptions)):
             out.append(t.cpu().numpy().tobytes())
-    header = msgspec.json.encode(GpuDeltaHeader(base=base_name, target=target_name, words=n, changed=changed,
-                                                exceptions=n_exc))
+    header = msgspec.json.encode(
+        GpuDeltaHeader(base=base_name, target=target_name, words=n, changed=changed, exceptions=n_exc)
+    )
     return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *(b"".join(part) for part in sections)])
 
 
@@ -121,19 +122,21 @@ def read_header(blob: bytes | memoryview) -> tuple[GpuDeltaHeader, int]:
         if bytes(blob[:8]) != MAGIC:
             raise WeightVerifyError("not a parley GPU delta (bad magic)")
         (hn,) = struct.unpack("<Q", bytes(blob[8:16]))
-        header = msgspec.json.decode(bytes(blob[16:16 + hn]), type=GpuDeltaHeader)
+        header = msgspec.json.decode(bytes(blob[16 : 16 + hn]), type=GpuDeltaHeader)
     except (struct.error, msgspec.DecodeError, msgspec.ValidationError) as e:
         raise WeightVerifyError(f"a malformed GPU delta: {type(e).__name__}: {e}") from None
     start = 16 + hn
     want = -(-header.words // BLOCK) + 2 * header.changed + 2 * header.exceptions
     if len(blob) - start != want:
-        raise WeightVerifyError(f"a GPU delta of {header.words} words, {header.changed} changed, "
-                                f"{header.exceptions} exceptions has {len(blob) - start} bytes of sections, "
-                                f"not {want}")
+        raise WeightVerifyError(
+            f"a GPU delta of {header.words} words, {header.changed} changed, "
+            f"{header.exceptions} exceptions has {len(blob) - start} bytes of sections, "
+            f"not {want}"
+        )
     return header, start
 
 
-def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: list[IpcTensor]):
+def apply(buffer: Tensor, blob: bytes | memoryview, base_name: str, layout: list[IpcTensor]):
     """Rebuild in `buffer` (holding the version named `base_name`) the version whose layout with
     checksums is `layout`, from `blob` (encode's bytes). Checks the result's checksums against
     `layout` (weights.cuda_ipc.checksums); raises WeightVerifyError with `buffer` holding its base
@@ -147,8 +150,10 @@ def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: li
     header, start = read_header(blob)
     target_name = table_digest(layout)
     if header.base != base_name or header.target != target_name:
-        raise WeightVerifyError(f"the delta turns {header.base[:16]}.. into {header.target[:16]}..; this buffer "
-                                f"holds {base_name[:16]}.. and the version is {target_name[:16]}..")
+        raise WeightVerifyError(
+            f"the delta turns {header.base[:16]}.. into {header.target[:16]}..; this buffer "
+            f"holds {base_name[:16]}.. and the version is {target_name[:16]}.."
+        )
     x = _words(buffer)
     if header.words != x.numel():
         raise WeightVerifyError(f"the delta is for {header.words} words, the buffer has {x.numel()}")
@@ -156,7 +161,7 @@ def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: li
     dev = buffer.device
     mv = memoryview(blob)[start:]
 
-    def section(nbytes: int, dtype) -> "Tensor":
+    def section(nbytes: int, dtype) -> Tensor:
         nonlocal mv
         part, mv = mv[:nbytes], mv[nbytes:]
         return torch.from_numpy(np.frombuffer(part, dtype=dtype).copy()).to(dev)
@@ -168,22 +173,27 @@ def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: li
     sentinel = diffs == SENTINEL
     total = int(counts.sum(dtype=torch.int64))
     if total != header.changed or int(sentinel.sum()) != header.exceptions:
-        raise WeightVerifyError(f"a malformed GPU delta: its counts add up to {total} and it has "
-                                f"{int(sentinel.sum())} exceptions, the header says {header.changed} and "
-                                f"{header.exceptions}")
+        raise WeightVerifyError(
+            f"a malformed GPU delta: its counts add up to {total} and it has "
+            f"{int(sentinel.sum())} exceptions, the header says {header.changed} and "
+            f"{header.exceptions}"
+        )
     if header.changed:  # every offset inside its block, the last block's inside the buffer
         last = int(counts[-1])
         tail = header.words - (n_blocks - 1) * BLOCK
-        if int(offsets.max()) >= BLOCK or (last and int(offsets[header.changed - last:].max()) >= tail):
+        if int(offsets.max()) >= BLOCK or (last and int(offsets[header.changed - last :].max()) >= tail):
             raise WeightVerifyError("a malformed GPU delta: a changed word lies outside its block or the buffer")
     # chunk by chunk (CHUNK_BLOCKS blocks): (first block, end block, first changed word, end changed word)
     edges = list(range(0, n_blocks, CHUNK_BLOCKS)) + [n_blocks]
     ends = torch.cumsum(counts.to(torch.int64), 0)[torch.tensor(edges[1:], device=dev) - 1].tolist()
     chunks = list(zip(edges[:-1], edges[1:], [0] + ends[:-1], ends))
 
-    def positions(b0: int, b1: int, c0: int, c1: int) -> "Tensor":
-        starts = torch.repeat_interleave(torch.arange(b0, b1, device=dev, dtype=torch.int64) * BLOCK,
-                                         counts[b0:b1].to(torch.int64), output_size=c1 - c0)
+    def positions(b0: int, b1: int, c0: int, c1: int) -> Tensor:
+        starts = torch.repeat_interleave(
+            torch.arange(b0, b1, device=dev, dtype=torch.int64) * BLOCK,
+            counts[b0:b1].to(torch.int64),
+            output_size=c1 - c0,
+        )
         return starts + offsets[c0:c1].to(torch.int64)
 
     olds: list = []  # per chunk, the words it overwrote: what goes back on a mismatch or an undo
@@ -202,11 +212,12 @@ def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: li
             pos = positions(b0, b1, c0, c1)
             old = x[pos]  # a copy
             olds.append(old)
-            new = ((old.to(torch.int32) + diffs[c0:c1].to(torch.int32) + 32768).remainder(65536) - 32768
-                   ).to(torch.int16)
+            new = ((old.to(torch.int32) + diffs[c0:c1].to(torch.int32) + 32768).remainder(65536) - 32768).to(
+                torch.int16
+            )
             s = sentinel[c0:c1]
             k = int(s.sum())
-            new[s] = exceptions[e0:e0 + k]
+            new[s] = exceptions[e0 : e0 + k]
             e0 += k
             x[pos] = new
             del pos, new
@@ -216,8 +227,9 @@ def apply(buffer: "Tensor", blob: bytes | memoryview, base_name: str, layout: li
         raise
     if bad:
         put_back()
-        raise WeightVerifyError(f"base + GPU delta does not give the announced version: {bad}; the buffer "
-                                f"holds its base again")
+        raise WeightVerifyError(
+            f"base + GPU delta does not give the announced version: {bad}; the buffer holds its base again"
+        )
     return put_back
 
 
@@ -258,8 +270,11 @@ class PackedVersions:
         pack(named, self.buffers[cur], self.layout)
         table = with_checksums(self.layout, checksums(self.buffers[cur], self.layout))
         self.tables[cur] = table
-        base = (self.buffers[self.last], self.tables[self.last], self.version) if (
-            self.last >= 0 and max_share is not None) else None
+        base = (
+            (self.buffers[self.last], self.tables[self.last], self.version)
+            if (self.last >= 0 and max_share is not None)
+            else None
+        )
         self.pending = PendingVersion(self.buffers[cur], table, base, max_share)
         self.pending.pack_waited_s = waited
         self.last, self.version = cur, version

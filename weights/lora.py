@@ -48,10 +48,14 @@ def adapter_problem(wv: WeightVersion, base: str, max_rank: int) -> str | None:
     above its engine's max_lora_rank."""
     a = wv.adapter
     if a.base != base:
-        return (f"the adapter is for base {a.base!r}, this actor serves base {base!r}: start the actor on the "
-                "learner's [policy] model")
+        return (
+            f"the adapter is for base {a.base!r}, this actor serves base {base!r}: start the actor on the "
+            "learner's [policy] model"
+        )
     if not 1 <= a.rank <= max_rank:
-        return f"adapter rank {a.rank} is outside 1..{max_rank} (the engine's max_lora_rank); raise [actor] max_lora_rank"
+        return (
+            f"adapter rank {a.rank} is outside 1..{max_rank} (the engine's max_lora_rank); raise [actor] max_lora_rank"
+        )
     return None
 
 
@@ -81,24 +85,46 @@ def write_adapter(state: dict, adapter_config: dict, out_dir: str | Path) -> Pat
     return out
 
 
-async def publish_adapter(js, run: str, version: int, step: int, adapter_dir: str | Path, settings, *, base: str,
-                          rank: int, keep: int = 3, protect=frozenset()) -> WeightVersion:
+async def publish_adapter(
+    js,
+    run: str,
+    version: int,
+    step: int,
+    adapter_dir: str | Path,
+    settings,
+    *,
+    base: str,
+    rank: int,
+    keep: int = 3,
+    protect=frozenset(),
+) -> WeightVersion:
     """Upload `adapter_dir` (write_adapter's) by the file transport `settings` selects, announce it
     as an adapter on `base` (the same key and compare-and-set as whole weights), prune old versions."""
     from parley.weights import registry
 
     transport = registry.of(settings)
     if transport.gpu:
-        raise ValueError(f"[weights] kind={transport.kind!r} moves whole weights in GPU memory; a LoRA adapter "
-                         "travels by a file transport: use kind objstore or shared_dir")
+        raise ValueError(
+            f"[weights] kind={transport.kind!r} moves whole weights in GPU memory; a LoRA adapter "
+            "travels by a file transport: use kind objstore or shared_dir"
+        )
     d = Path(adapter_dir)
     if not (d / MODEL_FILE).is_file() or not (d / ADAPTER_CONFIG).is_file():
         raise FileNotFoundError(f"{d} lacks {MODEL_FILE} or {ADAPTER_CONFIG}; write it with write_adapter first")
     extras = sorted(p.name for p in d.iterdir() if p.is_file() and p.name != MODEL_FILE)
     location, sha, size, files = await transport.upload(js, run, fresh_prefix(version), d, extras, settings)
-    wv = WeightVersion(version=version, step=step, transport=transport.kind, location=location, sha256=sha,
-                       bytes=size, created=time.time(), run=run, files=files,
-                       adapter=LoraAdapter(base=base, rank=rank))
+    wv = WeightVersion(
+        version=version,
+        step=step,
+        transport=transport.kind,
+        location=location,
+        sha256=sha,
+        bytes=size,
+        created=time.time(),
+        run=run,
+        files=files,
+        adapter=LoraAdapter(base=base, rank=rank),
+    )
     await announce(js, run, wv)
     await transport.prune(js, run, settings, keep, current=version, protect=set(protect))
     return wv
@@ -109,8 +135,9 @@ def config_json(adapter_config: dict) -> str:
     return json.dumps(adapter_config, indent=1, sort_keys=True, default=list)
 
 
-async def publish_adapter_gpu(js, run: str, version: int, step: int, source, *, base: str, rank: int,
-                              adapter_config: dict) -> WeightVersion:
+async def publish_adapter_gpu(
+    js, run: str, version: int, step: int, source, *, base: str, rank: int, adapter_config: dict
+) -> WeightVersion:
     """Announce an adapter packed into a shared GPU buffer (`source`: the CudaIpcBuffer that
     weights.cuda_ipc.IpcPublisher.pack returned for the adapter's tensors): nothing is uploaded; the
     announcement is whole weights' (weights.registry.gpu_announcement: the tensor table with its
@@ -121,8 +148,9 @@ async def publish_adapter_gpu(js, run: str, version: int, step: int, source, *, 
 
     wv = registry.gpu_announcement(run, version, step, source)
     if not registry.get(wv.transport).carries_adapters:
-        raise ValueError(f"[weights] kind={wv.transport!r} does not carry LoRA adapters; use kind cuda_ipc, "
-                         "objstore or shared_dir")
+        raise ValueError(
+            f"[weights] kind={wv.transport!r} does not carry LoRA adapters; use kind cuda_ipc, objstore or shared_dir"
+        )
     wv = msgspec.structs.replace(wv, adapter=LoraAdapter(base=base, rank=rank, config=config_json(adapter_config)))
     await announce(js, run, wv)
     return wv

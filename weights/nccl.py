@@ -148,7 +148,7 @@ class Receiver:
         self.address, self.instance, self.n = source.address, source.instance, 0
         log.info("joined the learner's weight sender at %s as actor %d", source.address, k)
 
-    def fetch(self, source: NcclSource, version: int, device) -> tuple[list[tuple[str, "Tensor"]], str | None]:
+    def fetch(self, source: NcclSource, version: int, device) -> tuple[list[tuple[str, Tensor]], str | None]:
         """(name, tensor) views into a received and checked copy of `version`, or ([], reason).
         Raises (and forgets the group, so the next call joins again) when the transfer breaks."""
         import torch
@@ -160,7 +160,9 @@ class Receiver:
         try:
             self.store.set(f"req{n}", str(version))
             if not store_wait(self.store, f"ack{n}", source.hold_s):
-                raise TimeoutError(f"the learner did not answer the request for version {version} in {source.hold_s:.0f} s")
+                raise TimeoutError(
+                    f"the learner did not answer the request for version {version} in {source.hold_s:.0f} s"
+                )
             ack = self.store.get(f"ack{n}").decode()
             if ack != "ok":
                 return [], ack
@@ -194,8 +196,7 @@ class NcclSender:
         self.timeout_s, self.idle_s = timeout_s, idle_s
         self.instance = secrets.token_hex(6)  # announced (NcclSource.instance): receivers of an older store join again
         self.device = torch.cuda.current_device() if backend == "nccl" else None
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta_s(timeout_s))
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta_s(timeout_s))
         # A blocked wait holds its store connection: each thread waits on a connection of its own.
         self._connect = lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta_s(timeout_s))
         self.actors: dict[int, str] = {}  # joined actor number -> its name, while served
@@ -206,15 +207,21 @@ class NcclSender:
         self._threads = [threading.Thread(target=self._accept, name="nccl-accept", daemon=True)]
         self._threads[0].start()
 
-    def pack(self, named: list[tuple[str, "Tensor"]], version: int):
+    def pack(self, named: list[tuple[str, Tensor]], version: int):
         """Fill a held buffer with `version`: the protocol.messages.NcclSource to announce, or None
         when every buffer is still held (IpcPublisher.fill: the version is not published)."""
         filled = self.pub.fill(named, version)
         if filled is None:
             return None
         _, tensors = filled
-        return NcclSource(address=self.address, backend=self.backend, nbytes=self.pub.total, hold_s=self.pub.hold_s,
-                          tensors=tensors, instance=self.instance)
+        return NcclSource(
+            address=self.address,
+            backend=self.backend,
+            nbytes=self.pub.total,
+            hold_s=self.pub.hold_s,
+            tensors=tensors,
+            instance=self.instance,
+        )
 
     def writable_in(self) -> float:
         """IpcPublisher.writable_in of the buffers it sends from."""
@@ -277,8 +284,11 @@ class NcclSender:
                 version = int(req)
                 buf = self.pub.take(version)
                 if buf is None:
-                    store.set(f"ack{n}", f"version {version} is no longer held (its buffer was refilled "
-                                         f"over {self.pub.hold_s:.0f} s after it was filled); the next one will be")
+                    store.set(
+                        f"ack{n}",
+                        f"version {version} is no longer held (its buffer was refilled "
+                        f"over {self.pub.hold_s:.0f} s after it was filled); the next one will be",
+                    )
                 else:
                     try:
                         store.set(f"ack{n}", "ok")
@@ -313,8 +323,12 @@ class Nccl(Transport):
     source_type = NcclSource
 
     def sender(self, settings, device) -> NcclSender:
-        return NcclSender(IpcPublisher(settings.hold_s, settings.max_buffers), settings.address,
-                          "nccl" if device.type == "cuda" else "gloo", timeout_s=settings.hold_s)
+        return NcclSender(
+            IpcPublisher(settings.hold_s, settings.max_buffers),
+            settings.address,
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout_s=settings.hold_s,
+        )
 
     def announcement(self, source: NcclSource, **common) -> WeightVersion:
         return WeightVersion(transport=self.kind, location=f"nccl://{source.address}", nccl=source, **common)

@@ -13,19 +13,33 @@ import io
 import json
 import logging
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
-from nats.js.object_store import (MSG_ROLLUP_SUBJECT, OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TEMPLATE,
-                                  OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE)
+from nats.js.object_store import (
+    MSG_ROLLUP_SUBJECT,
+    OBJ_CHUNKS_PRE_TEMPLATE,
+    OBJ_DIGEST_TEMPLATE,
+    OBJ_META_PRE_TEMPLATE,
+    OBJ_STREAM_TEMPLATE,
+)
 from nats.nuid import NUID
 
 from parley.protocol import topology
 from parley.protocol.bus import COUNTERS
-from parley.weights.common import MODEL_FILE, VERSION_DIR, Transport, WeightUnavailable, WeightVerifyError, old_versions, plain_name, verify_file
+from parley.weights.common import (
+    MODEL_FILE,
+    VERSION_DIR,
+    Transport,
+    WeightUnavailable,
+    WeightVerifyError,
+    old_versions,
+    plain_name,
+    verify_file,
+)
 from parley.weights.delta import DELTA_FILE
 
 log = logging.getLogger("parley.weights")
@@ -113,21 +127,26 @@ class Objstore(Transport):
             except NotFoundError:
                 pass
             if loop.time() >= deadline:
-                raise WeightUnavailable(f"version {wv.version}: its full copy {wv.location} was not stored within "
-                                        f"{timeout_s:.0f}s of the early announcement; tried again at the next poll")
+                raise WeightUnavailable(
+                    f"version {wv.version}: its full copy {wv.location} was not stored within "
+                    f"{timeout_s:.0f}s of the early announcement; tried again at the next poll"
+                )
             await asyncio.sleep(pause)
             pause = min(1.0, pause * 2)
 
     async def fetch_delta(self, js, run, wv, out, settings):
         delta = wv.delta
         if delta.location != f"{wv.location.rsplit('/', 1)[0]}/{DELTA_FILE}":
-            raise WeightVerifyError(f"version {wv.version}: delta object {delta.location!r} is not beside "
-                                    f"{wv.location!r}; refused")
+            raise WeightVerifyError(
+                f"version {wv.version}: delta object {delta.location!r} is not beside {wv.location!r}; refused"
+            )
         try:
             sha, size = await _get_object(js, run, delta.location, out)
             if (sha, size) != (delta.sha256, delta.bytes):
-                raise WeightVerifyError(f"version {wv.version}: delta has sha256 {sha[:16]}.. / {size} bytes, "
-                                        f"announced {delta.sha256[:16]}.. / {delta.bytes} bytes")
+                raise WeightVerifyError(
+                    f"version {wv.version}: delta has sha256 {sha[:16]}.. / {size} bytes, "
+                    f"announced {delta.sha256[:16]}.. / {delta.bytes} bytes"
+                )
         except BaseException:
             out.unlink(missing_ok=True)
             raise
@@ -139,7 +158,9 @@ class Objstore(Transport):
         for obj in wv.files:  # objects of the same publication, each landing under a plain name beside the model
             folder, _, name = obj.rpartition("/")
             if folder != version_dir:
-                raise WeightVerifyError(f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused")
+                raise WeightVerifyError(
+                    f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused"
+                )
             extras.append((obj, plain_name(wv, name)))
         for obj, name in extras:
             await _get_object(js, run, obj, dest / name)
@@ -176,7 +197,9 @@ class Objstore(Transport):
         version_dir = wv.location.rsplit("/", 1)[0]
         for obj in wv.files:  # checked before any byte is fetched
             if obj.rpartition("/")[0] != version_dir:
-                raise WeightVerifyError(f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused")
+                raise WeightVerifyError(
+                    f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused"
+                )
             plain_name(wv, obj.rpartition("/")[2])
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
@@ -233,18 +256,21 @@ async def _put_object(js, run: str, name: str, data: Path | bytes) -> tuple[str,
         nonlocal acked, replied
         try:
             msg = await asyncio.wait_for(acks.get(), PUT_ACK_S)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"object {name}: a chunk was not acknowledged within {PUT_ACK_S:.0f} s "
-                               f"({acked} of {sent} were)") from None
+        except TimeoutError:
+            raise TimeoutError(
+                f"object {name}: a chunk was not acknowledged within {PUT_ACK_S:.0f} s ({acked} of {sent} were)"
+            ) from None
         replied += 1
         reply = json.loads(msg.data) if msg.data else {}
         if "error" in reply or "seq" not in reply:
-            raise RuntimeError(f"object {name}: a chunk was refused by the server: "
-                               f"{reply.get('error') or msg.headers or 'no JetStream stream answered'}")
+            raise RuntimeError(
+                f"object {name}: a chunk was refused by the server: "
+                f"{reply.get('error') or msg.headers or 'no JetStream stream answered'}"
+            )
         acked += 1
 
     try:
-        with (data.open("rb") if isinstance(data, Path) else io.BytesIO(data)) as f:
+        with data.open("rb") if isinstance(data, Path) else io.BytesIO(data) as f:
             while chunk := await asyncio.to_thread(read, f):
                 await nc.publish(chunks, chunk, reply=f"{inbox}.{sent}")
                 sent += 1
@@ -254,10 +280,16 @@ async def _put_object(js, run: str, name: str, data: Path | bytes) -> tuple[str,
             while acked < sent:
                 await ack()
         digest = h.digest()
-        info = api.ObjectInfo(name=name, bucket=bucket, nuid=nuid, size=total, chunks=sent,
-                              mtime=datetime.now(timezone.utc).isoformat(),
-                              digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest).decode()),
-                              options=api.ObjectMetaOptions(max_chunk_size=size_chunk))
+        info = api.ObjectInfo(
+            name=name,
+            bucket=bucket,
+            nuid=nuid,
+            size=total,
+            chunks=sent,
+            mtime=datetime.now(UTC).isoformat(),
+            digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest).decode()),
+            options=api.ObjectMetaOptions(max_chunk_size=size_chunk),
+        )
         meta = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
         await js.publish(meta, json.dumps(info.as_dict()).encode(), headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})
     except BaseException:
@@ -298,8 +330,9 @@ async def _purge_chunks(js, bucket: str, chunks: str, size: int) -> None:
     request nats.py's purge_stream makes ($JS.API.STREAM.PURGE.<stream> under the context's API
     prefix, {"filter": subject}), whose wait purge_stream fixes at the context's API timeout."""
     stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
-    await js._api_request(f"{js._prefix}.STREAM.PURGE.{stream}", json.dumps({"filter": chunks}).encode(),
-                          timeout=purge_timeout_s(size))
+    await js._api_request(
+        f"{js._prefix}.STREAM.PURGE.{stream}", json.dumps({"filter": chunks}).encode(), timeout=purge_timeout_s(size)
+    )
 
 
 async def _delete_object(js, bucket: str, info: api.ObjectInfo) -> None:
@@ -323,17 +356,21 @@ async def _delete_object(js, bucket: str, info: api.ObjectInfo) -> None:
     left[chunks] = (info.name, info.nuid, size)  # until the purge is done: whatever breaks, the next prune finishes it
     try:
         await js.publish(meta, json.dumps(deleted.as_dict()).encode(), headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})
-    except (NatsTimeoutError, asyncio.TimeoutError, APIError) as e:
-        raise _DeleteIncomplete(f"marking it deleted failed ({type(e).__name__}: {e}); the next prune "
-                                "deletes it if it is still listed, or purges its chunks") from e
+    except (TimeoutError, NatsTimeoutError, APIError) as e:
+        raise _DeleteIncomplete(
+            f"marking it deleted failed ({type(e).__name__}: {e}); the next prune "
+            "deletes it if it is still listed, or purges its chunks"
+        ) from e
     try:
         await _purge_chunks(js, bucket, chunks, size)
-    except (NatsTimeoutError, asyncio.TimeoutError, APIError) as e:
+    except (TimeoutError, NatsTimeoutError, APIError) as e:
         timed_out = isinstance(e, (NatsTimeoutError, asyncio.TimeoutError))
         what = f"timed out after {purge_timeout_s(size):.0f} s" if timed_out else "was refused"
-        raise _DeleteIncomplete(f"deleted from the listing, but the purge of its {info.chunks} chunks "
-                                f"({size / 1e9:.2f} GB) {what} ({type(e).__name__}: {e}); its chunks "
-                                f"({chunks}) are purged again at the next prune") from e
+        raise _DeleteIncomplete(
+            f"deleted from the listing, but the purge of its {info.chunks} chunks "
+            f"({size / 1e9:.2f} GB) {what} ({type(e).__name__}: {e}); its chunks "
+            f"({chunks}) are purged again at the next prune"
+        ) from e
     del left[chunks]
     if not left:
         _UNPURGED.pop(bucket, None)
@@ -351,10 +388,14 @@ async def _purge_left(js, store, bucket: str) -> None:
             info = await store.get_info(name, show_deleted=True)
         except NotFoundError:
             info = None
-        except (NatsTimeoutError, asyncio.TimeoutError, APIError) as e:
+        except (TimeoutError, NatsTimeoutError, APIError) as e:
             COUNTERS["weights.prune_failed"] += 1
-            log.warning("purging the chunks of %s again: reading its meta failed (%s: %s); tried at the next prune",
-                        name, type(e).__name__, e)
+            log.warning(
+                "purging the chunks of %s again: reading its meta failed (%s: %s); tried at the next prune",
+                name,
+                type(e).__name__,
+                e,
+            )
             continue
         if info is not None and info.nuid == nuid and not info.deleted:
             del left[chunks]
@@ -363,10 +404,15 @@ async def _purge_left(js, store, bucket: str) -> None:
             await _purge_chunks(js, bucket, chunks, size)
         except NotFoundError:  # the stream is gone, and its chunks with it
             pass
-        except (NatsTimeoutError, asyncio.TimeoutError, APIError) as e:
+        except (TimeoutError, NatsTimeoutError, APIError) as e:
             COUNTERS["weights.prune_failed"] += 1
-            log.warning("purging the chunks of %s (%s) again failed (%s: %s); tried again at the next prune",
-                        name, chunks, type(e).__name__, e)
+            log.warning(
+                "purging the chunks of %s (%s) again failed (%s: %s); tried again at the next prune",
+                name,
+                chunks,
+                type(e).__name__,
+                e,
+            )
             continue
         else:
             log.info("purged the chunks of %s (%s) left by an earlier prune", name, chunks)
@@ -415,7 +461,9 @@ async def _get_object(js, run: str, name: str, out: Path) -> tuple[str, int]:
             pending.cancel()
     sha = h.hexdigest()
     if sha != _store_sha_hex(info.digest) or size != info.size:
-        raise WeightVerifyError(f"object {name}: the bytes read do not match the store's digest/size (changed while reading?)")
+        raise WeightVerifyError(
+            f"object {name}: the bytes read do not match the store's digest/size (changed while reading?)"
+        )
     return sha, size
 
 

@@ -100,8 +100,9 @@ async def publish_version(
         raise ValueError(f"keep={keep} must be >= 1 (the current version is always kept)")
     state_dir = Path(state_dir)
     if packed is not None:
-        return await _publish_packed(js, run, version, step, state_dir, settings, transport, keep, protect, packed,
-                                     write, on_announced)
+        return await _publish_packed(
+            js, run, version, step, state_dir, settings, transport, keep, protect, packed, write, on_announced
+        )
     if write is not None:
         await asyncio.to_thread(write)
     model, extras = _files_of(state_dir)
@@ -115,24 +116,35 @@ async def publish_version(
         delta = await _upload_delta(js, run, transport, prefix, model, sha, size, base, settings)
         if delta is not None:
             files = await transport.upload_extras(js, run, prefix, state_dir, extras)
-            early = WeightVersion(location=transport.full_location(prefix), sha256=sha, bytes=size, created=time.time(),
-                                  files=files, delta=delta, full_pending=True, **common)
+            early = WeightVersion(
+                location=transport.full_location(prefix),
+                sha256=sha,
+                bytes=size,
+                created=time.time(),
+                files=files,
+                delta=delta,
+                full_pending=True,
+                **common,
+            )
             await announce_early(js, run, early)
             if on_announced is not None:
                 on_announced(early)
             location, got_sha, got_size = await transport.upload_model(js, run, prefix, state_dir)
             if (got_sha, got_size, location) != (sha, size, early.location):
-                raise RuntimeError(f"version {version}: the full copy uploaded ({location}, {got_sha[:16]}.., "
-                                   f"{got_size} bytes) is not the one announced early ({early.location}, "
-                                   f"{sha[:16]}.., {size} bytes): {model} changed while publishing")
+                raise RuntimeError(
+                    f"version {version}: the full copy uploaded ({location}, {got_sha[:16]}.., "
+                    f"{got_size} bytes) is not the one announced early ({early.location}, "
+                    f"{sha[:16]}.., {size} bytes): {model} changed while publishing"
+                )
             wv = msgspec.structs.replace(early, full_pending=False)
     if wv is None:
         location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
         delta = None
         if base and not transport.delta_first:
             delta = await _upload_delta(js, run, transport, prefix, model, sha, size, base, settings)
-        wv = WeightVersion(location=location, sha256=sha, bytes=size, created=time.time(), files=files, delta=delta,
-                           **common)
+        wv = WeightVersion(
+            location=location, sha256=sha, bytes=size, created=time.time(), files=files, delta=delta, **common
+        )
         await announce(js, run, wv)
         if on_announced is not None:
             on_announced(wv)
@@ -150,8 +162,9 @@ def wants_delta(settings: WeightsConfig, since_full: int) -> bool:
     return not of(settings).gpu and since_full < getattr(settings, "full_every", 1) - 1
 
 
-async def _upload_delta(js, run, transport, prefix, model: Path, sha: str, size: int,
-                        base: tuple[WeightVersion, Path], settings) -> WeightDelta | None:
+async def _upload_delta(
+    js, run, transport, prefix, model: Path, sha: str, size: int, base: tuple[WeightVersion, Path], settings
+) -> WeightDelta | None:
     base_wv, base_dir = base
     out = model.parent.parent / f".{prefix}.{deltas.DELTA_FILE}"
     try:
@@ -161,14 +174,26 @@ async def _upload_delta(js, run, transport, prefix, model: Path, sha: str, size:
             log.info("version %s: no delta against version %d (the layouts differ); full only", prefix, base_wv.version)
             return None
         if built > settings.delta_max_share * size:
-            log.info("version %s: delta of %.1f MB is over delta_max_share=%.2f of %.1f MB; full only",
-                     prefix, built / 1e6, settings.delta_max_share, size / 1e6)
+            log.info(
+                "version %s: delta of %.1f MB is over delta_max_share=%.2f of %.1f MB; full only",
+                prefix,
+                built / 1e6,
+                settings.delta_max_share,
+                size / 1e6,
+            )
             return None
         where, delta_sha = await transport.upload_delta(js, run, prefix, out, settings)
-        log.info("version %s: delta against version %d, %.2f MB of %.1f MB (built in %.2fs)", prefix,
-                 base_wv.version, built / 1e6, size / 1e6, time.perf_counter() - t0)
-        return WeightDelta(base_version=base_wv.version, base_sha256=base_wv.sha256, location=where,
-                           sha256=delta_sha, bytes=built)
+        log.info(
+            "version %s: delta against version %d, %.2f MB of %.1f MB (built in %.2fs)",
+            prefix,
+            base_wv.version,
+            built / 1e6,
+            size / 1e6,
+            time.perf_counter() - t0,
+        )
+        return WeightDelta(
+            base_version=base_wv.version, base_sha256=base_wv.sha256, location=where, sha256=delta_sha, bytes=built
+        )
     finally:
         out.unlink(missing_ok=True)
 
@@ -183,8 +208,9 @@ def _files_of(state_dir: Path) -> tuple[Path, list[str]]:
     return model, extras
 
 
-async def _publish_packed(js, run, version, step, state_dir: Path, settings, transport, keep, protect, packed,
-                          write, on_announced) -> WeightVersion:
+async def _publish_packed(
+    js, run, version, step, state_dir: Path, settings, transport, keep, protect, packed, write, on_announced
+) -> WeightVersion:
     from parley.weights.cuda_ipc import _nbytes, table_digest
 
     table, blob, base_version, base_digest = packed
@@ -202,14 +228,26 @@ async def _publish_packed(js, run, version, step, state_dir: Path, settings, tra
         finally:
             out.unlink(missing_ok=True)
         log.info("version %s: packed delta against version %d, %.2f MB", prefix, base_version, len(blob) / 1e6)
-        return WeightDelta(base_version=base_version, base_sha256=base_digest, location=where, sha256=delta_sha,
-                           bytes=len(blob), format="packed")
+        return WeightDelta(
+            base_version=base_version,
+            base_sha256=base_digest,
+            location=where,
+            sha256=delta_sha,
+            bytes=len(blob),
+            format="packed",
+        )
 
     if blob is not None and transport.delta_first:
         delta = await upload_delta()
-        early = WeightVersion(location=transport.full_location(prefix), sha256=table_digest(table),
-                              bytes=sum(_nbytes(e) for e in table), created=time.time(), delta=delta,
-                              full_pending=True, **common)
+        early = WeightVersion(
+            location=transport.full_location(prefix),
+            sha256=table_digest(table),
+            bytes=sum(_nbytes(e) for e in table),
+            created=time.time(),
+            delta=delta,
+            full_pending=True,
+            **common,
+        )
         await announce_early(js, run, early)
         announced = True
         if on_announced is not None:
@@ -220,8 +258,9 @@ async def _publish_packed(js, run, version, step, state_dir: Path, settings, tra
     location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
     if blob is not None and not transport.delta_first:  # shared_dir: the delta goes into the version's folder
         delta = await upload_delta()
-    wv = WeightVersion(location=location, sha256=sha, bytes=size, created=time.time(), files=files, delta=delta,
-                       **common)
+    wv = WeightVersion(
+        location=location, sha256=sha, bytes=size, created=time.time(), files=files, delta=delta, **common
+    )
     await announce(js, run, wv)
     if on_announced is not None and not announced:
         on_announced(wv)
@@ -229,7 +268,9 @@ async def _publish_packed(js, run, version, step, state_dir: Path, settings, tra
     return wv
 
 
-async def publish_gpu_version(js, run: str, version: int, step: int, source: CudaIpcBuffer | NcclSource) -> WeightVersion:
+async def publish_gpu_version(
+    js, run: str, version: int, step: int, source: CudaIpcBuffer | NcclSource
+) -> WeightVersion:
     """Announce `version` as the learner's packed GPU buffer (transport "cuda_ipc" for a
     CudaIpcBuffer, "nccl" for an NcclSource): nothing is uploaded; the announcement carries what
     the engine needs to get the buffer and the per-tensor checksums, and its sha256 is the digest
@@ -247,12 +288,27 @@ def gpu_announcement(run: str, version: int, step: int, source: CudaIpcBuffer | 
     if not source.tensors or any(len(t.checksum) == 0 for t in source.tensors):
         raise ValueError(f"version {version}: the shared buffer has no tensor table with checksums; pack it first")
     transport = next(t for t in TRANSPORTS.values() if t.gpu and t.source_type is type(source))
-    return transport.announcement(source, version=version, step=step, sha256=table_digest(source.tensors),
-                                  bytes=source.nbytes, created=time.time(), run=run)
+    return transport.announcement(
+        source,
+        version=version,
+        step=step,
+        sha256=table_digest(source.tensors),
+        bytes=source.nbytes,
+        created=time.time(),
+        run=run,
+    )
 
 
-async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash: bool = False, *,
-                        settings: WeightsConfig | None = None, base: tuple[str, Path] | None = None) -> Path:
+async def fetch_version(
+    js,
+    run: str,
+    wv: WeightVersion,
+    dest_dir: Path,
+    rehash: bool = False,
+    *,
+    settings: WeightsConfig | None = None,
+    base: tuple[str, Path] | None = None,
+) -> Path:
     """Fetch and verify version `wv`; returns a directory holding model.safetensors and config.json.
 
     objstore: the files are written into `dest_dir`; shared_dir: the version directory, which must
@@ -281,8 +337,11 @@ async def fetch_version(js, run: str, wv: WeightVersion, dest_dir: Path, rehash:
                 shutil.rmtree(dest_dir, ignore_errors=True)
         else:
             COUNTERS["weights.delta_no_base"] += 1
-            log.info("weights version %d: the delta needs version %d, not served here; fetching the full version",
-                     wv.version, wv.delta.base_version)
+            log.info(
+                "weights version %d: the delta needs version %d, not served here; fetching the full version",
+                wv.version,
+                wv.delta.base_version,
+            )
     if wv.full_pending:  # announced early: its full copy may still be on its way
         await transport.wait_full(js, run, wv, settings, full_wait_s(wv.bytes))
     return await transport.fetch(js, run, wv, dest_dir, settings, rehash)
@@ -299,8 +358,9 @@ async def _apply_delta(js, run, transport, wv: WeightVersion, base_dir: Path, de
     dest.mkdir(parents=True, exist_ok=True)
     got = await transport.fetch_delta(js, run, wv, dest / deltas.DELTA_FILE, settings)
     try:
-        await asyncio.to_thread(deltas.apply, base_dir / MODEL_FILE, got, dest / MODEL_FILE, wv.delta.base_sha256,
-                                wv.sha256, wv.bytes)
+        await asyncio.to_thread(
+            deltas.apply, base_dir / MODEL_FILE, got, dest / MODEL_FILE, wv.delta.base_sha256, wv.sha256, wv.bytes
+        )
     finally:
         (dest / deltas.DELTA_FILE).unlink(missing_ok=True)
     await transport.fetch_extras(js, run, wv, dest, settings)

@@ -38,7 +38,7 @@ def resolve_location(wv: WeightVersion, shared_dir: str | Path | None, run: str)
     if not shared_dir:
         raise WeightVerifyError(
             f"version {wv.version} is on the shared_dir transport ({wv.location!r}) but this process has no shared "
-            "directory configured; set [weights] kind = \"shared_dir\" and dir to the directory the "
+            'directory configured; set [weights] kind = "shared_dir" and dir to the directory the '
             "learner publishes into"
         )
     root = shared_root(shared_dir, run)
@@ -76,14 +76,17 @@ class SharedDir(Transport):
         src = resolve_location(wv, _dir(settings), run)
         where = Path(wv.delta.location).resolve()
         if where != src / DELTA_FILE:
-            raise WeightVerifyError(f"version {wv.version}: delta {wv.delta.location!r} is not {src / DELTA_FILE}; "
-                                    "refused")
+            raise WeightVerifyError(
+                f"version {wv.version}: delta {wv.delta.location!r} is not {src / DELTA_FILE}; refused"
+            )
         if not where.is_file():
             raise WeightVerifyError(f"version {wv.version}: {where} is missing (pruned?)")
         sha, size = await asyncio.to_thread(file_digest, where)
         if (sha, size) != (wv.delta.sha256, wv.delta.bytes):
-            raise WeightVerifyError(f"version {wv.version}: {where} has sha256 {sha[:16]}.. / {size} bytes, "
-                                    f"announced {wv.delta.sha256[:16]}.. / {wv.delta.bytes} bytes")
+            raise WeightVerifyError(
+                f"version {wv.version}: {where} has sha256 {sha[:16]}.. / {size} bytes, "
+                f"announced {wv.delta.sha256[:16]}.. / {wv.delta.bytes} bytes"
+            )
         return where
 
     async def fetch_extras(self, js, run, wv, dest, settings):

@@ -98,8 +98,11 @@ class World:
 def world() -> World:
     raw = tomllib.loads((resources.files(__name__) / "domains.toml").read_text())
     domains = {
-        d["name"]: Domain(d["name"], d["opening"], tuple(
-            Slot(s["name"], tuple(s["values"]), tuple(s.get("cues", ()))) for s in d["slots"]))
+        d["name"]: Domain(
+            d["name"],
+            d["opening"],
+            tuple(Slot(s["name"], tuple(s["values"]), tuple(s.get("cues", ()))) for s in d["slots"]),
+        )
         for d in raw["domain"]
     }
     return World(domains=domains, nudge=raw["nudge"], nudge_slots=raw["nudge_slots"], thanks=raw["thanks"])
@@ -148,8 +151,10 @@ def parse_hidden(hidden: str) -> tuple[Domain, dict[str, str]]:
         domain = world().domains[raw["domain"]]
         goal = {s.name: str(raw["goal"][s.name]) for s in domain.slots}
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"hidden state {hidden[:120]!r} is not a {NAME} goal ({type(e).__name__}: {e}); "
-                         f"tasks of {NAME} carry Goal.hidden() as their reference") from None
+        raise ValueError(
+            f"hidden state {hidden[:120]!r} is not a {NAME} goal ({type(e).__name__}: {e}); "
+            f"tasks of {NAME} carry Goal.hidden() as their reference"
+        ) from None
     return domain, goal
 
 
@@ -274,17 +279,26 @@ def system_prompt(domain: Domain) -> str:
     ).strip()
 
 
-def _task(item: Goal, *, run: str, task_id: str, n: int, rollout, seed: int, version: int,
-          split: str = "train") -> Task:
+def _task(
+    item: Goal, *, run: str, task_id: str, n: int, rollout, seed: int, version: int, split: str = "train"
+) -> Task:
     """The Task for a goal: the user's opening line as the prefix, the goal as the hidden reference.
     [rollout].system_prompt replaces the domain's system prompt when set."""
     domain = world().domains[item.domain]
     return Task(
-        task_id=task_id, run=run, item_id=item.item_id, n=n,
+        task_id=task_id,
+        run=run,
+        item_id=item.item_id,
+        n=n,
         prefix=[ChatMessage("user", domain.opening)],
-        reference=item.hidden(), title=domain.name,
+        reference=item.hidden(),
+        title=domain.name,
         system_prompt=system_prompt_text(rollout.system_prompt) if rollout.system_prompt else system_prompt(domain),
-        sim_prompt=NAME, seed=seed, admitted_version=version, split=split, **rollout_fields(rollout),
+        sim_prompt=NAME,
+        seed=seed,
+        admitted_version=version,
+        split=split,
+        **rollout_fields(rollout),
     )
 
 
@@ -302,8 +316,10 @@ def environment(n_items: int = 120, seed: int = 0, nudge: str = "fixed", answer:
 
     def train_eval(data) -> tuple[list[Goal], list[Goal]]:
         if str(data.path) not in ("bundled", "") or data.eval_path:
-            raise ValueError(f"{NAME} draws its goals from a seed; leave [data] path = 'bundled' and eval_path "
-                             f"empty (got path={data.path!r}, eval_path={data.eval_path!r}), set [env] options instead")
+            raise ValueError(
+                f"{NAME} draws its goals from a seed; leave [data] path = 'bundled' and eval_path "
+                f"empty (got path={data.path!r}, eval_path={data.eval_path!r}), set [env] options instead"
+            )
         return split_by_key(goals, lambda g: g.item_id, data.eval_fraction, data.split_seed)
 
     return Environment(
@@ -311,12 +327,15 @@ def environment(n_items: int = 120, seed: int = 0, nudge: str = "fixed", answer:
         description="hidden_goal: find out the user's hidden order by asking (programmatic user, exact reward)",
         tasks=TaskSource(train_eval=train_eval, task=_task, leakage_keys=_leakage_keys, leaks=("goal",)),
         user=ProgrammaticUser(name=NAME, respond=partial(respond, nudge=nudge, answer=answer)),
-        reward=Reward(metrics=(
-            PureMetric("goal_match", compute=partial(goal_match, answer=answer), weight=1.0),
-            PureMetric("exact", compute=partial(exact, answer=answer)),
-            PureMetric("assistant_turns", compute=assistant_turns, weight=-TURN_COST),
-        )),
-        eval=EvalProtocol(columns=("goal_match", "exact", "assistant_turns"), select="goal_match",
-                          selectable=("goal_match", "exact")),
+        reward=Reward(
+            metrics=(
+                PureMetric("goal_match", compute=partial(goal_match, answer=answer), weight=1.0),
+                PureMetric("exact", compute=partial(exact, answer=answer)),
+                PureMetric("assistant_turns", compute=assistant_turns, weight=-TURN_COST),
+            )
+        ),
+        eval=EvalProtocol(
+            columns=("goal_match", "exact", "assistant_turns"), select="goal_match", selectable=("goal_match", "exact")
+        ),
         preset=PRESET,
     )

@@ -117,7 +117,8 @@ def tiny_policy_engine(engines):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "shared_engine(name): the test uses that shared engine without its fixture (engines.get(name))")
+        "markers", "shared_engine(name): the test uses that shared engine without its fixture (engines.get(name))"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -131,7 +132,8 @@ def pytest_collection_modifyitems(config, items):
         if uses and module not in SHARED_ENGINE_MODULES:
             raise pytest.UsageError(
                 f"{item.nodeid} uses the shared engines but {module} is not in SHARED_ENGINE_MODULES "
-                "(tests/conftest.py): add it there, so that pytest-xdist runs it on the engines' worker")
+                "(tests/conftest.py): add it there, so that pytest-xdist runs it on the engines' worker"
+            )
 
 
 def _uses(item, name: str) -> bool:
@@ -149,7 +151,7 @@ def pytest_runtest_teardown(item, nextitem):
     if _engines is None:
         return
     items = item.session.items
-    later = items[items.index(item) + 1:] if nextitem is not None else []
+    later = items[items.index(item) + 1 :] if nextitem is not None else []
     for name in list(_engines.open):
         if not _uses(item, name):
             continue

@@ -22,12 +22,19 @@ def main(model_dir: str, zero: int, checkpointing: bool) -> None:
 
     from parley.config.learner import LearnerConfig, LoraSettings
     from parley.learner.packing import Sample
+    from parley.learner.trainer import Trainer
     from tests.e2e.ranks_step import step_samples
 
-    from parley.learner.trainer import Trainer
-
-    cfg = LearnerConfig(zero_stage=zero, lr=1e-2, kl_coef=0.01, micro_batch_tokens=64, logit_chunk_tokens=8,
-                        dtype="float32", gradient_checkpointing=checkpointing, lora=LoraSettings(enabled=True, rank=4))
+    cfg = LearnerConfig(
+        zero_stage=zero,
+        lr=1e-2,
+        kl_coef=0.01,
+        micro_batch_tokens=64,
+        logit_chunk_tokens=8,
+        dtype="float32",
+        gradient_checkpointing=checkpointing,
+        lora=LoraSettings(enabled=True, rank=4),
+    )
     trainer = Trainer(cfg, model_dir)
 
     from parley.learner.lora import adapter_params, adapter_state
@@ -49,18 +56,32 @@ def main(model_dir: str, zero: int, checkpointing: bool) -> None:
     after = weights()
     with gathered():  # after two steps the cached parameters still hold what peft would save
         state, _ = adapter_state(trainer.peft, device=None)
-        cached_matches = (cached is not None and [n for n, _ in cached] == sorted(state)
-                          and all(torch.equal(p.detach(), state[n]) for n, p in cached))
+        cached_matches = (
+            cached is not None
+            and [n for n, _ in cached] == sorted(state)
+            and all(torch.equal(p.detach(), state[n]) for n, p in cached)
+        )
         # under ZeRO-1/2 the adapter lies end to end in DeepSpeed's flat buffer: a cuda_ipc fill is one copy
         from parley.weights.cuda_ipc import one_run
 
         end_to_end = cached is not None and one_run([(n, p.detach()) for n, p in cached]) is not None
     changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
     adapter = sorted(n for n in before if "lora_" in n)
-    print(json.dumps({"loss": first["loss"], "grad_norm": first["grad_norm"], "kl_first": first["kl_mean"],
-                      "kl_second": second["kl_mean"], "loss_second": second["loss"],
-                      "changed": changed, "adapter": adapter,
-                      "cached_matches": cached_matches, "end_to_end": end_to_end}))
+    print(
+        json.dumps(
+            {
+                "loss": first["loss"],
+                "grad_norm": first["grad_norm"],
+                "kl_first": first["kl_mean"],
+                "kl_second": second["kl_mean"],
+                "loss_second": second["loss"],
+                "changed": changed,
+                "adapter": adapter,
+                "cached_matches": cached_matches,
+                "end_to_end": end_to_end,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ def main(model_dir: str, zero: int, out: str) -> None:
     from parley.config.learner import LearnerConfig
     from parley.learner.trainer import Trainer
 
-    cfg = LearnerConfig(zero_stage=zero, lr=1e-3, kl_coef=0.0, micro_batch_tokens=64,
-                        logit_chunk_tokens=8, dtype="float32")
+    cfg = LearnerConfig(
+        zero_stage=zero, lr=1e-3, kl_coef=0.0, micro_batch_tokens=64, logit_chunk_tokens=8, dtype="float32"
+    )
     trainer = Trainer(cfg, model_dir)
     stats = trainer.train_step(step_samples())
     trainer.save_weights(Path(out) / "weights")  # every rank joins the ZeRO-3 gather; rank 0 writes

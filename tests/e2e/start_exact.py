@@ -63,8 +63,7 @@ def start_figures(model_dir, zero: int, dtype_name: str, lengths=LENGTHS) -> dic
     samples = trajectories(AutoConfig.from_pretrained(model_dir).vocab_size, lengths)
     # before the Trainer: while a ZeRO-3 Trainer lives, from_pretrained partitions what it loads
     plain = plain_logprobs(model_dir, samples, dtype, device)
-    trainer = Trainer(LearnerConfig(zero_stage=zero, kl_coef=0.001, dtype=dtype_name,
-                                    logit_chunk_tokens=64), model_dir)
+    trainer = Trainer(LearnerConfig(zero_stage=zero, kl_coef=0.001, dtype=dtype_name, logit_chunk_tokens=64), model_dir)
     try:
         batch = build_batch(samples, trainer.device)
         trainer.engine.eval()

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 
 from parley.actors.actor import Actor
-from parley.tasks.data import load_items, task_from_item
-from parley.rollout.sim import FALLBACK_MESSAGE
+from parley.config.learner import RolloutConfig
 from parley.config.run import load_config
 from parley.deploy.natsserver import NatsServer
-from parley.config.learner import RolloutConfig
 from parley.protocol import arrays, codec, topology
 from parley.protocol.bus import publish
 from parley.protocol.connect import connect
+from parley.rollout.sim import FALLBACK_MESSAGE
+from parley.tasks.data import load_items, task_from_item
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.shared_engine("raw")]
 
@@ -65,17 +65,27 @@ class Ctx:
         return self.engines.run(coro, timeout)
 
     def cfg(self, run: str, *extra: str):
-        return load_config(None, [
-            f'run.name="{run}"', f'nats.url="{self.url}"', f'actor.engine.model="{self.model}"',
-            "actor.engine.max_model_len=2048", f"actor.engine.kv_cache_bytes={128 << 20}",
-            "actor.weights_poll_s=1.0", "rollout.n=4", *BUS, *extra,
-        ])
+        return load_config(
+            None,
+            [
+                f'run.name="{run}"',
+                f'nats.url="{self.url}"',
+                f'actor.engine.model="{self.model}"',
+                "actor.engine.max_model_len=2048",
+                f"actor.engine.kv_cache_bytes={128 << 20}",
+                "actor.weights_poll_s=1.0",
+                "rollout.n=4",
+                *BUS,
+                *extra,
+            ],
+        )
 
     def _spawn(self, name: str, args: list[str], sets: list[str]) -> subprocess.Popen:
         argv = [sys.executable, "-m", "parley.deploy.cli", *args, *[a for kv in sets for a in ("--set", kv)]]
         log = (self.root / f"{name}.log").open("wb")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2], start_new_session=True
+        )
         self.procs[name] = proc
         return proc
 
@@ -86,11 +96,15 @@ class Ctx:
         engine = [f"model={self.model}", "max_model_len=2048", f"kv_cache_bytes={128 << 20}"]
         # 96 tokens: the random toy model closes its JSON string in time often enough, and the
         # simulator's retries and fallbacks get exercised too
-        self._spawn("sim", ["sim", "--nats", self.url, "--run", "main", "--id", "sim", "--concurrency", "8"],
-                    [*(f"sim.engine.{kv}" for kv in engine), "sim.max_tokens=96", "sim.max_retries=3"])
+        self._spawn(
+            "sim",
+            ["sim", "--nats", self.url, "--run", "main", "--id", "sim", "--concurrency", "8"],
+            [*(f"sim.engine.{kv}" for kv in engine), "sim.max_tokens=96", "sim.max_retries=3"],
+        )
         # one conversation at a time, so it is surely caught mid-task
         self.doomed = self._spawn(
-            "doomed", ["actor", "--nats", self.url, "--run", KILL_RUN, "--id", "doomed", "--concurrency", "1"],
+            "doomed",
+            ["actor", "--nats", self.url, "--run", KILL_RUN, "--id", "doomed", "--concurrency", "1"],
             [*(f"actor.engine.{kv}" for kv in engine), "rollout.n=4", *BUS],
         )
 
@@ -127,16 +141,16 @@ class Ctx:
     async def start_actor(self, run: str, ident: str, *extra: str):
         cfg = self.cfg(run, *extra)
         await topology.ensure_topology(self.js, run, cfg.bus)
-        actor = Actor(self.nc, self.js, cfg, self.engine, self.tok, ident=ident,
-                      weights_dir=self.root / f"weights-{ident}")
+        actor = Actor(
+            self.nc, self.js, cfg, self.engine, self.tok, ident=ident, weights_dir=self.root / f"weights-{ident}"
+        )
         stop = asyncio.Event()
         job = asyncio.create_task(actor.run_until(stop))
         return actor, stop, job
 
     def task(self, run: str, task_id: str, item: int = 0, **rollout):
         ro = RolloutConfig(**{"n": 4, "max_new_turns": 4, "max_tokens": 24, "system_prompt": "proactive", **rollout})
-        return task_from_item(self.items[item], run=run, task_id=task_id, n=ro.n, rollout=ro, seed=item,
-                              version=0)
+        return task_from_item(self.items[item], run=run, task_id=task_id, n=ro.n, rollout=ro, seed=item, version=0)
 
     def close(self):
         for proc in self.procs.values():
@@ -172,7 +186,9 @@ async def stored(js, run: str, key: str, expect: int, timeout: float = 120.0) ->
             raise TimeoutError(f"{stream}: {info.state.messages} of {expect} messages after {timeout}s")
         await asyncio.sleep(0.05)
     first = info.state.first_seq
-    return [codec.decode(key, (await js.get_msg(stream, seq)).data) for seq in range(first, first + info.state.messages)]
+    return [
+        codec.decode(key, (await js.get_msg(stream, seq)).data) for seq in range(first, first + info.state.messages)
+    ]
 
 
 async def settled(js, run: str, timeout: float = 30.0):
@@ -274,8 +290,10 @@ def test_actor_and_simulator_play_a_task_of_four_samples(ctx):
     assert {b.state for b in beats} <= {"ready", "busy", "stopping"}
     user_turns = sum(len(t.messages) - 2 for t in trajs) // 2  # at least this many were asked for
     assert sim.counters["served"] >= user_turns and sim.counters.get("errors", 0) == 0
-    print(f"\nsimulator: {sim.counters}; turns per conversation: "
-          f"{[len(t.turns) for t in by_task['conv-1']]}, terminated: {[t.terminated for t in by_task['conv-1']]}")
+    print(
+        f"\nsimulator: {sim.counters}; turns per conversation: "
+        f"{[len(t.turns) for t in by_task['conv-1']]}, terminated: {[t.terminated for t in by_task['conv-1']]}"
+    )
 
 
 def test_a_killed_actor_task_is_redelivered_and_stored_once(ctx):
@@ -300,8 +318,10 @@ def test_a_killed_actor_task_is_redelivered_and_stored_once(ctx):
         return task, before, rescuer, trajs, info, after
 
     task, before, rescuer, trajs, info, after = ctx.run(scenario(), timeout=400)
-    print(f"\nkilled after {before} of 4 samples; rescuer stored {rescuer.counters['trajectories']} "
-          f"({rescuer.counters['duplicates']} duplicates)")
+    print(
+        f"\nkilled after {before} of 4 samples; rescuer stored {rescuer.counters['trajectories']} "
+        f"({rescuer.counters['duplicates']} duplicates)"
+    )
     assert 1 <= before < 4, f"the actor was not killed mid-task ({before} of 4 stored)"
     assert after == 4  # every (task, sample) stored once
     assert sorted(t.traj_id for t in trajs) == [f"doomed-1/{i}" for i in range(4)]
@@ -315,19 +335,22 @@ def test_a_killed_actor_task_is_redelivered_and_stored_once(ctx):
 
 
 def test_weight_versions_are_followed_and_a_corrupt_blob_is_refused(ctx, tmp_path):
-    from tests import factories
+    from parley.protocol.messages import WeightVersion
     from parley.weights import common, registry
     from parley.weights.config import ObjstoreWeights
-    from parley.protocol.messages import WeightVersion
+    from tests import factories
 
     run = "weights"
     # what the learner publishes: a perturbed copy of the policy, saved the HF way
     model = factories.perturbed_model(ctx.model, seed=7)
     v1_dir = tmp_path / "v1"
     model.save_pretrained(v1_dir)
-    probe = ctx.tok.encode(ctx.tok.apply_chat_template([{"role": "user", "content": "Describe the old mill."}],
-                                                      tokenize=False, add_generation_prompt=True),
-                           add_special_tokens=False)
+    probe = ctx.tok.encode(
+        ctx.tok.apply_chat_template(
+            [{"role": "user", "content": "Describe the old mill."}], tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )
 
     async def greedy():
         return await ctx.engine.generate(probe, max_tokens=16, temperature=0.0)
@@ -344,8 +367,9 @@ def test_weight_versions_are_followed_and_a_corrupt_blob_is_refused(ctx, tmp_pat
         await publish(ctx.js, run, "tasks", ctx.task(run, "before", item=3, n=2))
         before = await stored(ctx.js, run, "traj", 2)
 
-        wv1 = await registry.publish_version(ctx.js, run, version=1, step=1, state_dir=v1_dir,
-                                             settings=ObjstoreWeights())
+        wv1 = await registry.publish_version(
+            ctx.js, run, version=1, step=1, state_dir=v1_dir, settings=ObjstoreWeights()
+        )
         await until(lambda: ctx.engine.version == 1)
         v1_out = await greedy()
         await publish(ctx.js, run, "tasks", ctx.task(run, "after", item=3, n=2))
@@ -363,8 +387,17 @@ def test_weight_versions_are_followed_and_a_corrupt_blob_is_refused(ctx, tmp_pat
             extra = "v000002/" + name.rsplit("/", 1)[-1]
             await store.put(extra, (await store.get(name)).data)
             extras.append(extra)
-        wv2 = WeightVersion(version=2, step=2, transport="objstore", location="v000002/model.safetensors",
-                            sha256=wv1.sha256, bytes=wv1.bytes, created=time.time(), run=run, files=extras)
+        wv2 = WeightVersion(
+            version=2,
+            step=2,
+            transport="objstore",
+            location="v000002/model.safetensors",
+            sha256=wv1.sha256,
+            bytes=wv1.bytes,
+            created=time.time(),
+            run=run,
+            files=extras,
+        )
         kv = await ctx.js.key_value(topology.kv_bucket(run))
         await kv.put(topology.WEIGHTS_KEY, codec.encode(wv2))
         await until(lambda: 2 in actor.follower.refused)

@@ -76,8 +76,17 @@ async def test_follower_loads_refuses_follows_back_and_stops_when_broken(js, tmp
 
     # a blob that does not match its announcement is refused, once, and v2 keeps serving
     kv = await js.key_value(topology.kv_bucket(RUN))
-    bad = WeightVersion(version=3, step=30, transport="objstore", location=wv1.location, sha256="0" * 64,
-                        bytes=wv1.bytes, created=0.0, run=RUN, files=wv1.files)
+    bad = WeightVersion(
+        version=3,
+        step=30,
+        transport="objstore",
+        location=wv1.location,
+        sha256="0" * 64,
+        bytes=wv1.bytes,
+        created=0.0,
+        run=RUN,
+        files=wv1.files,
+    )
     await kv.put(topology.WEIGHTS_KEY, codec.encode(bad))
     await until(lambda: 3 in f.refused)
     assert "verification failed" in f.refused[3] and engine.version == 2
@@ -137,10 +146,19 @@ class IpcEngineDouble(ReloadEngineDouble):
 def ipc_buffer(tag: int):
     from parley.protocol.messages import CudaIpcBuffer, IpcTensor
 
-    return CudaIpcBuffer(device_uuid="GPU-test", storage_handle=bytes([tag]) * 64, storage_size=1024,
-                         storage_offset=0, ref_counter_handle=b"/torch_test", ref_counter_offset=tag,
-                         event_handle=b"", event_sync_required=False, nbytes=256, hold_s=5.0,
-                         tensors=[IpcTensor(name="w", dtype="bfloat16", shape=[128], offset=0, checksum=[tag, tag, tag])])
+    return CudaIpcBuffer(
+        device_uuid="GPU-test",
+        storage_handle=bytes([tag]) * 64,
+        storage_size=1024,
+        storage_offset=0,
+        ref_counter_handle=b"/torch_test",
+        ref_counter_offset=tag,
+        event_handle=b"",
+        event_sync_required=False,
+        nbytes=256,
+        hold_s=5.0,
+        tensors=[IpcTensor(name="w", dtype="bfloat16", shape=[128], offset=0, checksum=[tag, tag, tag])],
+    )
 
 
 async def test_a_gpu_load_that_fails_is_tried_again_and_the_version_served(js, tmp_path):
@@ -222,7 +240,7 @@ async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a
     for _ in range(GPU_ATTEMPTS):
         assert not await f.check()
         f.retry_at.clear()
-    assert engine.ipc_loads[-2 * GPU_ATTEMPTS:] == [3, 1] * GPU_ATTEMPTS and engine.version == 1
+    assert engine.ipc_loads[-2 * GPU_ATTEMPTS :] == [3, 1] * GPU_ATTEMPTS and engine.version == 1
     assert "reload failed" in f.refused[3]
 
     # the next file version is followed as before

@@ -44,9 +44,16 @@ def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refus
     stepped = write_weights(hf_weights(learner), learner.config, tmp_path / "stepped")
 
     loop = asyncio.new_event_loop()
-    engine = PolicyEngine(EngineSettings(model=str(base), dtype="float32", max_model_len=1024,
-                                         kv_cache_bytes=256 << 20, json_compact=False,
-                                         extra={"enable_prefix_caching": False}))
+    engine = PolicyEngine(
+        EngineSettings(
+            model=str(base),
+            dtype="float32",
+            max_model_len=1024,
+            kv_cache_bytes=256 << 20,
+            json_compact=False,
+            extra={"enable_prefix_caching": False},
+        )
+    )
     try:
         prompt = list(range(5, 40))
         before = greedy(loop, engine, prompt)

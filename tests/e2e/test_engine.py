@@ -113,8 +113,7 @@ def test_a_cancelled_generation_is_aborted_in_the_engine_and_the_engine_serves_o
     assert 0 < len(out.token_ids) <= 8
 
 
-def test_a_simulator_request_withdrawn_by_its_cancelled_actor_is_aborted_in_the_engine(ctx, nats_server,
-                                                                                      monkeypatch):
+def test_a_simulator_request_withdrawn_by_its_cancelled_actor_is_aborted_in_the_engine(ctx, nats_server, monkeypatch):
     """The whole chain of a withdrawal: an actor's SimClient.ask cancelled (StaleWatch) withdraws its
     request on the bus; the simulator service (engines/service.py over actors/sim.py and a LocalBackend
     on the shared engine) cancels the computation nobody awaits, and vLLM aborts the request, long
@@ -209,9 +208,7 @@ def test_generate_json_follows_schema(ctx):
         "additionalProperties": False,
     }
     prompt = ctx.prompt("Reply in JSON.")
-    outs = ctx.gather(
-        *[ctx.engine.generate_json(prompt, schema, max_tokens=48, seed=s) for s in range(4)]
-    )
+    outs = ctx.gather(*[ctx.engine.generate_json(prompt, schema, max_tokens=48, seed=s) for s in range(4)])
     for out in outs:
         assert out.finish_reason == "stop", out.text
         value = json.loads(out.text)
@@ -223,8 +220,12 @@ def test_generate_json_follows_schema(ctx):
 
 
 def test_generate_json_returns_the_top_logprobs_of_every_position(ctx):
-    schema = {"type": "object", "properties": {"score": {"type": "integer", "enum": [0, 1, 2, 3]}},
-              "required": ["score"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"score": {"type": "integer", "enum": [0, 1, 2, 3]}},
+        "required": ["score"],
+        "additionalProperties": False,
+    }
     (out,) = ctx.gather(ctx.engine.generate_json(ctx.prompt("Rate it."), schema, max_tokens=16, seed=1, top_logprobs=5))
     assert out.finish_reason == "stop" and len(out.top) == len(out.token_ids)
     # the texts are the reply's (the stop token's own text, kept out of out.text, comes last)
@@ -235,15 +236,20 @@ def test_generate_json_returns_the_top_logprobs_of_every_position(ctx):
 
 
 def test_expected_interactivity_reply_carries_the_judges_distribution(ctx):
+    from parley.config.scorer import JudgeConfig
     from parley.engines.backend import LocalBackend
     from parley.protocol.messages import ChatMessage, JudgeRequest
     from parley.rewards.metrics import INTERACTIVITY_KEYS
-    from parley.config.scorer import JudgeConfig
     from parley.scorer.judge import Judge
 
-    judge = Judge(LocalBackend(ctx.engine, ctx.tok, model_name="tiny", owns_engine=False),
-                  JudgeConfig(max_tokens=400, max_retries=3))
-    conv = [ChatMessage("user", "write a note for my team"), ChatMessage("assistant", "Sure: who reads it, and how formal?")]
+    judge = Judge(
+        LocalBackend(ctx.engine, ctx.tok, model_name="tiny", owns_engine=False),
+        JudgeConfig(max_tokens=400, max_retries=3),
+    )
+    conv = [
+        ChatMessage("user", "write a note for my team"),
+        ChatMessage("assistant", "Sure: who reads it, and how formal?"),
+    ]
     reply = ctx.run(judge.handle("interactivity_expected", JudgeRequest(op="interactivity_expected", messages=conv)))
     assert reply.ok, reply.error
     assert set(reply.distribution) == set(INTERACTIVITY_KEYS)
@@ -331,10 +337,10 @@ def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
     import msgspec
 
     from parley.learner.weights_io import hf_tensors
-    from parley.weights.cuda_ipc import IpcPublisher
-    from parley.weights.nccl import NcclSender
     from parley.protocol import codec
     from parley.weights.common import WeightVerifyError
+    from parley.weights.cuda_ipc import IpcPublisher
+    from parley.weights.nccl import NcclSender
     from parley.weights.registry import gpu_announcement
 
     prompt = ctx.prompt("Describe the new bridge.")
@@ -371,8 +377,9 @@ def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["objstore", "shared_dir"])
-def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_its_full_copy(ctx, tmp_path,
-                                                                                              nats_server, kind):
+def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_its_full_copy(
+    ctx, tmp_path, nats_server, kind
+):
     """[weights] delta_format = "packed" end to end on vLLM's CPU build and a real nats-server: this
     process plays the learner (weights.gpu_delta.PackedVersions over the toy model's tensors, 3% of
     the values changed each version, weights.registry.publish_version with `packed`), the actor's
@@ -395,8 +402,11 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
     from parley.weights.gpu_delta import PackedVersions
 
     prompt = ctx.prompt("Describe the packed bridge.")
-    settings = (ObjstoreWeights(full_every=100, delta_format="packed") if kind == "objstore" else
-                SharedDirWeights(dir=str(tmp_path / "shared"), full_every=100, delta_format="packed"))
+    settings = (
+        ObjstoreWeights(full_every=100, delta_format="packed")
+        if kind == "objstore"
+        else SharedDirWeights(dir=str(tmp_path / "shared"), full_every=100, delta_format="packed")
+    )
     model = AutoModelForCausalLM.from_pretrained(ctx.path, dtype="float32").eval()
     gen = torch.Generator().manual_seed(5)
     learner = PackedVersions()
@@ -418,8 +428,9 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
 
     async def served_is_learners(wdir):
         after = await ctx.engine.generate(prompt, max_tokens=16, temperature=0.0)
-        ref = reference_logprobs(AutoModelForCausalLM.from_pretrained(wdir, dtype="float32").eval(), prompt,
-                                 after.token_ids)
+        ref = reference_logprobs(
+            AutoModelForCausalLM.from_pretrained(wdir, dtype="float32").eval(), prompt, after.token_ids
+        )
         return max(abs(a - b) for a, b in zip(ref, after.logprobs)) < TOL
 
     async def scenario():
@@ -432,8 +443,16 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
             full_fetches.append(args[2].version)
             return await registry.fetch_version(*args, **kw)
 
-        follower = WeightFollower(js, run, ctx.engine, dest_root=tmp_path / "actor", poll_s=0.3, base_dir=ctx.path,
-                                  settings=settings, fetch=fetch)
+        follower = WeightFollower(
+            js,
+            run,
+            ctx.engine,
+            dest_root=tmp_path / "actor",
+            poll_s=0.3,
+            base_dir=ctx.path,
+            settings=settings,
+            fetch=fetch,
+        )
         seen = []
         try:
             for k, corrupt in ((1, False), (2, False), (3, True), (4, False), (5, False)):
@@ -443,9 +462,15 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
                 applied, refused = COUNTERS["weights.delta_applied"], COUNTERS["weights.delta_refused"]
                 wv = await registry.publish_version(js, run, k, k, wdir, settings, packed=packed)
                 assert await follower.check() and ctx.engine.version == k
-                seen.append((k, COUNTERS["weights.delta_applied"] - applied,
-                             COUNTERS["weights.delta_refused"] - refused, full_fetches.count(k),
-                             ctx.engine.packed_name == table_digest(wv.packed)))
+                seen.append(
+                    (
+                        k,
+                        COUNTERS["weights.delta_applied"] - applied,
+                        COUNTERS["weights.delta_refused"] - refused,
+                        full_fetches.count(k),
+                        ctx.engine.packed_name == table_digest(wv.packed),
+                    )
+                )
                 assert await served_is_learners(wdir), f"v{k} serves other log-probs than the learner's"
         finally:
             await nc.close()
@@ -453,8 +478,13 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
 
     try:
         # (version, deltas applied, deltas refused, its full files fetched, the packed copy holds it)
-        assert ctx.run(scenario(), timeout=300) == [(1, 0, 0, 1, True), (2, 1, 0, 0, True), (3, 0, 1, 1, True),
-                                                    (4, 1, 0, 0, True), (5, 0, 0, 1, True)]
+        assert ctx.run(scenario(), timeout=300) == [
+            (1, 0, 0, 1, True),
+            (2, 1, 0, 0, True),
+            (3, 0, 1, 1, True),
+            (4, 1, 0, 0, True),
+            (5, 0, 0, 1, True),
+        ]
     finally:
         ctx.run(ctx.engine.drop_packed())
         ctx.run(ctx.engine.reload_weights(ctx.path, version=0))

@@ -22,8 +22,22 @@ PARROT = ROOT / "tests" / "data" / "parley_env_parrot"
 
 def _up(env_name: str, run_dir: Path, *extra: str) -> list[str]:
     # no periodic eval: it plays through `parley eval` (the sim/judge services), not what is tested here
-    return [sys.executable, "-m", "parley.deploy.cli", "up", "--config", str(ROOT / "deploy/configs/tiny.toml"),
-            "--env", env_name, "--no-live", "--run-dir", str(run_dir), "--set", "learner.eval_every=0", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "parley.deploy.cli",
+        "up",
+        "--config",
+        str(ROOT / "deploy/configs/tiny.toml"),
+        "--env",
+        env_name,
+        "--no-live",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "learner.eval_every=0",
+        *extra,
+    ]
 
 
 def _no_services(run_dir: Path) -> None:
@@ -35,21 +49,41 @@ def test_an_environment_installed_from_a_package_trains_one_step(tmp_path):
     src, site = tmp_path / "src", tmp_path / "site"
     shutil.copytree(PARROT, src)  # pip builds in the source tree; tests/data stays as committed
     pip = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--no-cache-dir",
-         "--quiet", "--target", str(site), str(src)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--no-cache-dir",
+            "--quiet",
+            "--target",
+            str(site),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert pip.returncode == 0, pip.stdout + pip.stderr
     # Only the children's path holds the package: every role finds `parrot` through its entry point.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
     run_dir = tmp_path / "run"
-    out = subprocess.run(_up("parrot", run_dir, "--steps", "1"), capture_output=True, text=True, timeout=1400,
-                         cwd=tmp_path, env=env)
+    out = subprocess.run(
+        _up("parrot", run_dir, "--steps", "1"), capture_output=True, text=True, timeout=1400, cwd=tmp_path, env=env
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
     record = json.loads((run_dir / "environment.json").read_text())
-    assert record == {"name": "parrot", "distribution": "parley-parrot", "version": "0.3.1",
-                      "entry_point": "parley_parrot:ENVIRONMENT", "options": {}}
+    assert record == {
+        "name": "parrot",
+        "distribution": "parley-parrot",
+        "version": "0.3.1",
+        "entry_point": "parley_parrot:ENVIRONMENT",
+        "options": {},
+    }
     assert json.loads((run_dir / "learner" / "ckpt" / "step000001" / "environment.json").read_text()) == record
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
@@ -63,8 +97,14 @@ def test_up_with_hidden_goal_starts_no_simulator_or_judge(tmp_path):
     reward (goal match 0, the same number of turns): the learner drops each group as zero-advantage
     and would never reach a step. The run is stopped once a complete group reached it."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_up("hidden_goal", run_dir, "--steps", "1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
+    proc = subprocess.Popen(
+        _up("hidden_goal", run_dir, "--steps", "1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     learner_log = run_dir / "logs" / "learner.log"
     deadline = time.monotonic() + 1200
     try:

@@ -21,21 +21,21 @@ RUN = "evale2e"
 def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model, nats_server, engines, tiny_engine):
     from transformers import AutoTokenizer
 
-    from parley.engines.backend import LocalBackend
-    from parley.config.actor import SimConfig
-    from parley.tasks.data import load_items
-    from parley.rollout.sim import SimClient
     from parley.actors.sim import Simulator
+    from parley.config.actor import SimConfig
+    from parley.config.scorer import JudgeConfig, ScorerConfig
     from parley.deploy.cli import app
+    from parley.engines.backend import LocalBackend
+    from parley.evaluation.benchmark import summarize, write_table
+    from parley.evaluation.evallog import read_records, read_stream, reweight, write_parquet
+    from parley.evaluation.runner import EvalServices, EvalSettings, Policy, parse_condition, run_eval
     from parley.protocol import topology
     from parley.protocol.bus import publish
     from parley.protocol.connect import connect
-    from parley.evaluation.benchmark import summarize, write_table
-    from parley.config.scorer import JudgeConfig, ScorerConfig
-    from parley.evaluation.runner import EvalServices, EvalSettings, Policy, parse_condition, run_eval
-    from parley.evaluation.evallog import read_records, read_stream, reweight, write_parquet
-    from parley.scorer.judge import Judge, judge_service
     from parley.rollout.judge import JudgeClient
+    from parley.rollout.sim import SimClient
+    from parley.scorer.judge import Judge, judge_service
+    from parley.tasks.data import load_items
 
     items = load_items("bundled")[:2]
     conditions = [parse_condition("base=tiny"), parse_condition("proactive=tiny,system_prompt=proactive")]
@@ -62,7 +62,9 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
             await publish(js, RUN, "eval", rec)
 
         services = EvalServices(
-            open_policy=open_policy, sim=SimClient(nc, timeout_s=120, wait_s=600), judge=JudgeClient(nc, timeout=120),
+            open_policy=open_policy,
+            sim=SimClient(nc, timeout_s=120, wait_s=600),
+            judge=JudgeClient(nc, timeout=120),
             scorer_cfg=ScorerConfig(),
         )
         try:
@@ -104,8 +106,10 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
             assert again.row(cond).means[m] == table.row(cond).means[m]
     # The records were scored with ScorerConfig()'s sacreBLEU; the embedded default config replays with
     # char BLEU unless told otherwise.
-    res = CliRunner().invoke(app, ["replay", str(log), "--weights", "bleu=2,interactivity=0.5,token_amount=-1",
-                                   "--bleu-variant", "sacrebleu"])
+    res = CliRunner().invoke(
+        app,
+        ["replay", str(log), "--weights", "bleu=2,interactivity=0.5,token_amount=-1", "--bleu-variant", "sacrebleu"],
+    )
     assert res.exit_code == 0, res.output
     original = (tmp_path / "bench" / "table.md").read_text().split("\n\n")[0]
     for line in original.splitlines()[2:]:

@@ -16,10 +16,10 @@ def test_the_benchmark_plays_hidden_goal_and_shows_its_columns(tiny_model, engin
     from transformers import AutoTokenizer
 
     from parley.config.env import EnvConfig
-    from parley.evaluation.benchmark import summarize, to_markdown
-    from parley.evaluation.runner import Condition, EvalServices, EvalSettings, Policy, eval_items, run_eval
     from parley.config.learner import DataConfig
     from parley.config.scorer import ScorerConfig
+    from parley.evaluation.benchmark import summarize, to_markdown
+    from parley.evaluation.runner import Condition, EvalServices, EvalSettings, Policy, eval_items, run_eval
 
     env = EnvConfig(name="hidden_goal", options={"n_items": 20, "seed": 1}).load()
     _, held = eval_items(DataConfig(eval_fraction=0.2), None, env)
@@ -43,4 +43,3 @@ def test_the_benchmark_plays_hidden_goal_and_shows_its_columns(tiny_model, engin
     table = summarize(records, baseline="v0", env=env)
     assert table.metrics == ["goal_match", "exact", "assistant_turns"] and table.row("v0").n == len(held)
     print(to_markdown(table))
-

@@ -32,28 +32,54 @@ def wait_for_line(path: Path, text: str, proc: subprocess.Popen, timeout: float)
 
 
 def test_eval_fleet_plays_each_condition_through_an_actor_and_a_scorer(tmp_path, nats_server):
+    from parley.evaluation.evallog import read_records, read_stream
+    from parley.evaluation.fleet import condition_run
     from parley.protocol import topology
     from parley.protocol.connect import connect
-    from parley.evaluation.fleet import condition_run
-    from parley.evaluation.evallog import read_records, read_stream
 
     config = str(ROOT / "deploy/configs/tiny.toml")
     common = ["--config", config, "--nats", nats_server.url, "--run", RUN]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     services_log = tmp_path / "services.log"
     with services_log.open("wb") as out:
-        services = subprocess.Popen([sys.executable, "-m", "parley.deploy.cli", "services", *common, "--id", "svc"],
-                                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        services = subprocess.Popen(
+            [sys.executable, "-m", "parley.deploy.cli", "services", *common, "--id", "svc"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         # The eval starts while the services load their engine (the start-ups overlap): its actors wait for
         # the simulator (sim_wait_s) as they would for one that restarts, and nothing is judged before the
         # simulator, which serves with the judge in one process, has answered.
         bench = tmp_path / "bench"
         res = subprocess.run(
-            [sys.executable, "-m", "parley.deploy.cli", "eval", *common, "--services", "fleet",
-             "-C", "base=tiny", "-C", "proactive=tiny,system_prompt=proactive", "--n-items", "2",
-             "--assistant-max-tokens", "24", "--max-new-turns", "4", "--out", str(bench)],
-            capture_output=True, text=True, timeout=800, env=env,
+            [
+                sys.executable,
+                "-m",
+                "parley.deploy.cli",
+                "eval",
+                *common,
+                "--services",
+                "fleet",
+                "-C",
+                "base=tiny",
+                "-C",
+                "proactive=tiny,system_prompt=proactive",
+                "--n-items",
+                "2",
+                "--assistant-max-tokens",
+                "24",
+                "--max-new-turns",
+                "4",
+                "--out",
+                str(bench),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=800,
+            env=env,
         )
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
         wait_for_line(services_log, "serves sim and judge", services, timeout=10)

@@ -19,8 +19,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 def configs():
     from transformers import LlamaConfig, Qwen3Config
 
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=97, max_position_embeddings=512)
+    shape = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=97,
+        max_position_embeddings=512,
+    )
     return {"qwen3": Qwen3Config(**shape, tie_word_embeddings=True), "llama": LlamaConfig(**shape)}  # Qwen3, SmolLM2
 
 

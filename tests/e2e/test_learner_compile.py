@@ -32,8 +32,13 @@ def _compiled(model) -> list[bool]:
 
 @pytest.mark.parametrize(
     "mode,device,zero,expect",
-    [("auto", "cpu", 2, False), ("off", "cuda", 2, False), ("auto", "cuda", 3, False),
-     ("auto", "cuda", 2, True), ("layers", "cpu", 3, True)],
+    [
+        ("auto", "cpu", 2, False),
+        ("off", "cuda", 2, False),
+        ("auto", "cuda", 3, False),
+        ("auto", "cuda", 2, True),
+        ("layers", "cpu", 3, True),
+    ],
 )
 def test_which_modes_compile(mode, device, zero, expect):
     model = _model()  # on the CPU whatever `device` says: compiling is lazy, nothing runs here
@@ -56,8 +61,9 @@ def test_bad_compile_value_is_refused_at_config():
         load_config(None, ["learner.compile=fast"])
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                    reason="inductor on CPU needs a C compiler")
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor on CPU needs a C compiler"
+)
 def test_compiled_layers_match_eager_on_cpu():
     eager = _model()
     compiled = _model()
@@ -82,8 +88,9 @@ def test_compiled_layers_match_eager_on_cuda():
     lp_e, g_e = logp_and_grads(eager, batch, name)
     lp_c, g_c = logp_and_grads(compiled, batch, name)
     d_lp = float((lp_c - lp_e).abs().max())
-    d_g = max(float((g_c[n].float() - g_e[n].float()).abs().max()) / (float(g_e[n].float().abs().max()) + 1e-6)
-              for n in g_e)
+    d_g = max(
+        float((g_c[n].float() - g_e[n].float()).abs().max()) / (float(g_e[n].float().abs().max()) + 1e-6) for n in g_e
+    )
     print(f"compiled vs eager ({why}), bf16: max |dlogp| {d_lp:.3g}, max relative grad diff {d_g:.3g}")
     # bf16: fused kernels round differently (~2^-8 relative); a wrong graph moves log-probs by ~0.1-1
     assert d_lp <= 3e-2

@@ -51,11 +51,30 @@ def test_one_rank_starts_from_the_saved_weights(tiny_model, zero, dtype):
 def test_two_ranks_start_from_the_saved_weights(tiny_model, zero, tmp_path):
     from tests.e2e.test_learner_ranks import free_port
 
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
     res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(SCRIPT), str(tiny_model), str(zero), "bfloat16", str(tmp_path)],
-        capture_output=True, text=True, timeout=500, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(SCRIPT),
+            str(tiny_model),
+            str(zero),
+            "bfloat16",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env=env,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]
     per_rank = json.loads((tmp_path / "start.json").read_text())

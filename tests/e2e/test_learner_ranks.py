@@ -41,12 +41,34 @@ def rank_tails(res: subprocess.CompletedProcess, logs: Path) -> str:
 
 def two_ranks(model_dir, zero: int, out: Path) -> dict:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
     logs = out / "logs"  # each rank's stdout and stderr in its own files (--redirects 3)
     res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-         "--log-dir", str(logs), "--redirects", "3", str(SCRIPT), str(model_dir), str(zero), str(out)],
-        capture_output=True, text=True, timeout=500, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            "--log-dir",
+            str(logs),
+            "--redirects",
+            "3",
+            str(SCRIPT),
+            str(model_dir),
+            str(zero),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env=env,
     )
     assert res.returncode == 0, rank_tails(res, logs)
     return json.loads((out / "stats.json").read_text())
@@ -64,4 +86,6 @@ def test_two_ranks_zero2_and_zero3_train_the_whole_batch(tiny_model, tmp_path):
         weights[zero] = load_file(tmp_path / f"z{zero}" / "weights" / "model.safetensors")
     assert set(weights[2]) == set(weights[3])
     for k in weights[2]:
-        torch.testing.assert_close(weights[3][k], weights[2][k], rtol=1e-4, atol=2e-5)  # AdamW magnifies fp noise where a gradient is ~0; steps are 1e-3
+        torch.testing.assert_close(
+            weights[3][k], weights[2][k], rtol=1e-4, atol=2e-5
+        )  # AdamW magnifies fp noise where a gradient is ~0; steps are 1e-3

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from parley.config.learner import LearnerConfig
+from parley.learner.grpo import group_advantages
 from parley.learner.packing import Sample
 from parley.learner.steplog import PHASES
 from parley.learner.trainer import Trainer
-from parley.learner.grpo import group_advantages
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -45,9 +45,9 @@ def whole_batch_grad_norm(model_dir, samples: list[Sample]) -> float:
     what DeepSpeed's accumulation over micro-batches must reproduce."""
     from transformers import AutoModelForCausalLM
 
-    from parley.learner.packing import build_batch
-    from parley.learner.logprobs import token_logprobs
     from parley.learner.grpo import batch_loss
+    from parley.learner.logprobs import token_logprobs
+    from parley.learner.packing import build_batch
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     b = build_batch(samples)
@@ -92,10 +92,9 @@ def test_one_step_changes_every_parameter_and_weights_round_trip(tiny_model, tmp
 
 def test_zero3_accumulates_exactly_and_exports(tiny_model, tmp_path):
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from parley.learner import checkpoint
-
-    from transformers import AutoModelForCausalLM
 
     # Everything that loads a plain model comes first: while a ZeRO-3 trainer lives,
     # from_pretrained partitions what it loads.
@@ -152,8 +151,10 @@ def test_a_step_with_a_non_finite_loss_is_not_applied(tiny_model, stage):
     trainer = Trainer(LearnerConfig(zero_stage=stage, lr=1e-3, micro_batch_tokens=64), tiny_model)
 
     def batch(adv):
-        return [Sample(f"s{i}", [5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 1, 1], [0.0, 0.0, -1.0, -1.0, -1.0, -1.0], a)
-                for i, a in enumerate(adv)]
+        return [
+            Sample(f"s{i}", [5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 1, 1], [0.0, 0.0, -1.0, -1.0, -1.0, -1.0], a)
+            for i, a in enumerate(adv)
+        ]
 
     before = params(trainer)
     stats = trainer.train_step(batch([float("nan"), 1.0, -1.0]))

@@ -18,8 +18,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 @pytest.mark.parametrize("dtype,micro_batch_tokens", [("float32", 600), ("bfloat16", 8192)])
 def test_a_learner_step_reads_no_memory_it_never_wrote(tiny_model, dtype, micro_batch_tokens):
-    runs = [run_fill(str(tiny_model), fill, 3, 2, dtype, micro_batch_tokens=micro_batch_tokens)
-            for fill in ("0", "0", "nan")]
+    runs = [
+        run_fill(str(tiny_model), fill, 3, 2, dtype, micro_batch_tokens=micro_batch_tokens)
+        for fill in ("0", "0", "nan")
+    ]
     many = micro_batch_tokens < 1000
     assert all((s["micro_batches"] > 1) == many and s["skipped"] == 0.0 for r in runs for s in r["steps"])
     v = verdict(runs)
@@ -34,6 +36,7 @@ def test_the_nan_fill_catches_a_step_that_reads_unwritten_memory(tiny_model, mon
     import torch
 
     import parley.engines.logprobs as lp
+
     real = lp._logp_entropy
 
     def reads_unwritten(lm_head, hidden, targets, inv_temp=None):

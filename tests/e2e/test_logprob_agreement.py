@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 import torch
 
-from parley.rollout.chat import ChatTokens
+from parley.learner.logprobs import token_logprobs
 from parley.learner.packing import Sample, build_batch
 from parley.learner.weights_io import hf_weights, write_weights
-from parley.learner.logprobs import token_logprobs
+from parley.rollout.chat import ChatTokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -40,11 +40,17 @@ class Vllm:
         """Four two-turn conversations as learner Samples (behaviour log-probs from vLLM)."""
 
         async def one(i):
-            conv = ChatTokens(self.tok, [{"role": "system", "content": "You help people write."},
-                                         {"role": "user", "content": f"Write a short note about topic {i}."}])
+            conv = ChatTokens(
+                self.tok,
+                [
+                    {"role": "system", "content": "You help people write."},
+                    {"role": "user", "content": f"Write a short note about topic {i}."},
+                ],
+            )
             for turn in range(2):
-                out = await self.engine.generate(conv.prompt_ids, max_tokens=24, temperature=temperature,
-                                                 seed=seed + 10 * i + turn)
+                out = await self.engine.generate(
+                    conv.prompt_ids, max_tokens=24, temperature=temperature, seed=seed + 10 * i + turn
+                )
                 conv.add_assistant(out.token_ids, out.finish_reason, out.logprobs)
                 if turn == 0:
                     conv.add_user("Good, now make it longer.")

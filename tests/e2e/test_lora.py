@@ -42,23 +42,43 @@ async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tin
     from parley.weights.config import ObjstoreWeights
 
     await topology.ensure_topology(js, RUN)
-    cfg = LearnerConfig(zero_stage=2, lr=2e-2, kl_coef=0.01, micro_batch_tokens=256,
-                        lora=LoraSettings(enabled=True, rank=RANK, alpha=16.0))
+    cfg = LearnerConfig(
+        zero_stage=2,
+        lr=2e-2,
+        kl_coef=0.01,
+        micro_batch_tokens=256,
+        lora=LoraSettings(enabled=True, rank=RANK, alpha=16.0),
+    )
     trainer = Trainer(cfg, tiny_model)
     assert trainer.reference is trainer.module  # the frozen base with adapters off: no second copy
     frozen = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if not p.requires_grad}
     trained = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
 
-    engine = PolicyEngine(EngineSettings(model=str(tiny_model), max_model_len=512, kv_cache_bytes=64 << 20,
-                                         sampled_logprobs=True, max_lora_rank=RANK, max_loras=2))
+    engine = PolicyEngine(
+        EngineSettings(
+            model=str(tiny_model),
+            max_model_len=512,
+            kv_cache_bytes=64 << 20,
+            sampled_logprobs=True,
+            max_lora_rank=RANK,
+            max_loras=2,
+        )
+    )
     try:
         # one GRPO step on samples of the base (vLLM, version 0), rewards favouring the longer replies
         prompt = list(range(10, 22))
         outs = [await engine.generate(prompt, max_tokens=12, seed=s) for s in range(4)]
-        samples = [Sample(f"s{i}", prompt + o.token_ids, [0] * len(prompt) + [1] * len(o.token_ids),
-                          [0.0] * len(prompt) + o.logprobs, adv)
-                   for i, (o, adv) in enumerate(zip(outs, [1.0, -1.0, 0.5, -0.5]))]
+        samples = [
+            Sample(
+                f"s{i}",
+                prompt + o.token_ids,
+                [0] * len(prompt) + [1] * len(o.token_ids),
+                [0.0] * len(prompt) + o.logprobs,
+                adv,
+            )
+            for i, (o, adv) in enumerate(zip(outs, [1.0, -1.0, 0.5, -0.5]))
+        ]
         untrained, _ = trainer.adapter_snapshot()  # finds the adapter's parameters once, before the step
         stats = trainer.train_step(samples)
         assert stats["kl_mean"] == pytest.approx(0.0, abs=1e-6)  # the reference is the base the samples came from
@@ -111,8 +131,9 @@ def _random_adapter(model_dir, out, seed: int):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     s = LoraSettings(enabled=True, rank=RANK)
-    peft = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=s.alpha, target_modules=s.target_modules,
-                                            init_lora_weights=False))
+    peft = get_peft_model(
+        model, LoraConfig(r=RANK, lora_alpha=s.alpha, target_modules=s.target_modules, init_lora_weights=False)
+    )
     return lora.write_adapter(*adapter_state(peft), out)
 
 
@@ -139,8 +160,16 @@ async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_
     env = cfg.env.load()
     tok = AutoTokenizer.from_pretrained(tiny_model)
     goal = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
-    engine = PolicyEngine(EngineSettings(model=str(tiny_model), max_model_len=1024, kv_cache_bytes=64 << 20,
-                                         sampled_logprobs=True, max_lora_rank=RANK, max_loras=2))
+    engine = PolicyEngine(
+        EngineSettings(
+            model=str(tiny_model),
+            max_model_len=1024,
+            kv_cache_bytes=64 << 20,
+            sampled_logprobs=True,
+            max_lora_rank=RANK,
+            max_loras=2,
+        )
+    )
     try:
         follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", base_dir=tiny_model)
         await lora.publish_adapter(js, RUN, 1, 1, adapters[1], ObjstoreWeights(), base=base, rank=RANK)
@@ -164,16 +193,18 @@ async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_
 
         policy = PolicySettings(max_model_len=1024)
         task = env.tasks.task(goal, run=RUN, task_id=f"{RUN}-g0", n=2, rollout=cfg.rollout, seed=1, version=1)
-        first = await run_conversation(engine, NextVersionMidway(), task, 0, lambda: engine.version, tokenizer=tok,
-                                       policy=policy)
+        first = await run_conversation(
+            engine, NextVersionMidway(), task, 0, lambda: engine.version, tokenizer=tok, policy=policy
+        )
         assert during == [{1, 2}]  # version 2 loaded beside 1 while the conversation was open
         assert len(first.turns) >= 3 and {t.version for t in first.turns} == {1}
         assert first.adapter.startswith("v1-")
         assert set(engine.adapters) == {2}  # no open conversation uses version 1 any more: unloaded
 
         task2 = env.tasks.task(goal, run=RUN, task_id=f"{RUN}-g1", n=2, rollout=cfg.rollout, seed=2, version=2)
-        second = await run_conversation(engine, LocalUser(env.user), task2, 0, lambda: engine.version, tokenizer=tok,
-                                        policy=policy)
+        second = await run_conversation(
+            engine, LocalUser(env.user), task2, 0, lambda: engine.version, tokenizer=tok, policy=policy
+        )
         assert second.turns and {t.version for t in second.turns} == {2} and second.adapter.startswith("v2-")
     finally:
         engine.shutdown()
@@ -195,8 +226,16 @@ async def test_an_adapter_handed_over_in_memory_serves_what_the_same_adapter_fro
     adir = _random_adapter(tiny_model, tmp_path / "v1", seed=5)
     tensors = load_file(str(adir / MODEL_FILE))
     config = json.loads((adir / lora.ADAPTER_CONFIG).read_text())
-    engine = PolicyEngine(EngineSettings(model=str(tiny_model), max_model_len=512, kv_cache_bytes=64 << 20,
-                                         sampled_logprobs=True, max_lora_rank=RANK, max_loras=2))
+    engine = PolicyEngine(
+        EngineSettings(
+            model=str(tiny_model),
+            max_model_len=512,
+            kv_cache_bytes=64 << 20,
+            sampled_logprobs=True,
+            max_lora_rank=RANK,
+            max_loras=2,
+        )
+    )
     try:
         prompt = list(range(10, 30))
         base = await engine.generate(prompt, max_tokens=16, seed=7)
@@ -251,8 +290,12 @@ def _lora_steps(model_dir, zero: int, checkpointing: bool) -> dict:
     from pathlib import Path
 
     script = Path(__file__).with_name("lora_step.py")
-    done = subprocess.run([sys.executable, str(script), str(model_dir), str(zero), "1" if checkpointing else "0"],
-                          capture_output=True, text=True, timeout=400)
+    done = subprocess.run(
+        [sys.executable, str(script), str(model_dir), str(zero), "1" if checkpointing else "0"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -260,11 +303,11 @@ def _lora_steps(model_dir, zero: int, checkpointing: bool) -> dict:
 @pytest.mark.timeout(900)
 def test_an_adapter_trains_the_same_under_zero_3_and_gradient_checkpointing(tiny_model):
     """[learner.lora] with ZeRO-3 (partitioned base and adapter) and with gradient checkpointing (the
-    forward redone in backward, adapters and all): two steps give the loss, gradient norm and KL of
-    ZeRO-2 without checkpointing, every adapter weight moves and no base weight does, and the adapter's
-parameters found once before the steps (what pack_adapter sends) hold what peft saves after them, and
-    under ZeRO-2 lie end to end in one storage (so a cuda_ipc fill copies them at once). The first step's
-    KL is 0 (the reference is the base, the adapter's B starts at zero); the second's is not."""
+        forward redone in backward, adapters and all): two steps give the loss, gradient norm and KL of
+        ZeRO-2 without checkpointing, every adapter weight moves and no base weight does, and the adapter's
+    parameters found once before the steps (what pack_adapter sends) hold what peft saves after them, and
+        under ZeRO-2 lie end to end in one storage (so a cuda_ipc fill copies them at once). The first step's
+        KL is 0 (the reference is the base, the adapter's B starts at zero); the second's is not."""
     plain = _lora_steps(tiny_model, 2, False)
     assert plain["adapter"] and plain["changed"] == plain["adapter"]
     assert plain["cached_matches"]  # learner.lora.adapter_params, found before the steps, reads what peft saves after

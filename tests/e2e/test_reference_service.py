@@ -51,9 +51,16 @@ def sampled_trajectories(model, prompt_lens: list[int], n: int, new: int, seed: 
                 ids = torch.cat([ids, nxt], dim=1)
         lps = torch.stack(lps, dim=1)
         for i in range(n):
-            out.append(factories.trajectory("refsvc", f"task-{g}", i, token_ids=ids[i].tolist(),
-                                            loss_mask=[0] * plen + [1] * new,
-                                            turns=[factories.turn(plen, lps[i].tolist(), finish_reason="length")]))
+            out.append(
+                factories.trajectory(
+                    "refsvc",
+                    f"task-{g}",
+                    i,
+                    token_ids=ids[i].tolist(),
+                    loss_mask=[0] * plen + [1] * new,
+                    turns=[factories.turn(plen, lps[i].tolist(), finish_reason="length")],
+                )
+            )
     return out
 
 
@@ -104,8 +111,16 @@ async def test_service_logprobs_equal_the_learners_own_reference(nc, nats_server
     trainer = Trainer(cfg, tiny_model)
     assert trainer.reference is not None
     # every token after the first "trained", so the learner computes the reference log-prob of each
-    samples = [Sample(t.traj_id, arrays.token_ids(t), [0] + [1] * (arrays.token_ids(t).size - 1),
-                      np.zeros(arrays.token_ids(t).size, np.float32), 0.0) for t in trajs]
+    samples = [
+        Sample(
+            t.traj_id,
+            arrays.token_ids(t),
+            [0] + [1] * (arrays.token_ids(t).size - 1),
+            np.zeros(arrays.token_ids(t).size, np.float32),
+            0.0,
+        )
+        for t in trajs
+    ]
     diffs = []
     for micro in pack_by_tokens([len(s.token_ids) for s in samples], cfg.micro_batch_tokens):
         assert len(micro) > 1 or len(samples[micro[0]].token_ids) > 32  # packed, as the learner trains
@@ -125,11 +140,10 @@ def params(trainer) -> dict[str, torch.Tensor]:
 
 
 async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny_model):
-    from parley.learner.grpo import group_advantages
     from parley.learner.groups import behaviour_logprobs, check_hostile_values
-    from parley.learner.trainer import Trainer
-
+    from parley.learner.grpo import group_advantages
     from parley.learner.intake import policy_limits
+    from parley.learner.trainer import Trainer
 
     vocab, _ = policy_limits(tiny_model)
     trajs = sampled_trajectories(plain_model(tiny_model), [6, 9], 4, 16, seed=5)
@@ -144,9 +158,17 @@ async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny
         received.append((s, float(adv[i])))
 
     def samples(with_ref: bool) -> list[Sample]:
-        return [Sample(s.traj_id, arrays.token_ids(s.trajectory), arrays.loss_mask(s.trajectory),
-                       behaviour_logprobs(s.trajectory), a, ref=arrays.ref_logprobs(s) if with_ref else None)
-                for s, a in received]
+        return [
+            Sample(
+                s.traj_id,
+                arrays.token_ids(s.trajectory),
+                arrays.loss_mask(s.trajectory),
+                behaviour_logprobs(s.trajectory),
+                a,
+                ref=arrays.ref_logprobs(s) if with_ref else None,
+            )
+            for s, a in received
+        ]
 
     def run(reference: str, kl_coef: float = 0.5):
         # kl_coef large enough that the KL term moves the second step's weights (checked below)
@@ -183,8 +205,8 @@ async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny
 
 
 async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc, js, nats_server, tiny_model):
-    from parley.protocol import bus, codec, topology
     from parley.config.scorer import ScorerConfig
+    from parley.protocol import bus, codec, topology
     from parley.scorer.reference import ReferenceClient
     from parley.scorer.scorer import Scorer
 
@@ -196,9 +218,18 @@ async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc
         t.run = run
         await bus.publish(js, run, "traj", t)
     cfg = ScorerConfig(concurrency=2, retry_delay_s=0.5, retry_max_delay_s=1.0, reference_timeout_s=30.0)
-    scorer = Scorer(nc, run, factories.JudgeDouble(document=lambda messages: messages[-1].content,
-                                          levels={"understanding": 2, "clarification": 1, "suggestions": 3}), cfg, settings, "scorer-test",
-                    reference=ReferenceClient(nc, model=NAME, timeout=cfg.reference_timeout_s))
+    scorer = Scorer(
+        nc,
+        run,
+        factories.JudgeDouble(
+            document=lambda messages: messages[-1].content,
+            levels={"understanding": 2, "clarification": 1, "suggestions": 3},
+        ),
+        cfg,
+        settings,
+        "scorer-test",
+        reference=ReferenceClient(nc, model=NAME, timeout=cfg.reference_timeout_s),
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(scorer.run_until(stop, fetch_timeout=0.5))
     try:
@@ -226,10 +257,9 @@ async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc
 
 async def test_the_service_refuses_what_it_cannot_answer_with_the_reason(tiny_model):
     from parley.engines.reference import ReferenceModel, reference_routes
+    from parley.learner.intake import policy_limits
     from parley.protocol import codec, topology
     from parley.protocol.messages import ReferenceRequest
-
-    from parley.learner.intake import policy_limits
 
     vocab, positions = policy_limits(tiny_model)
     ref = ReferenceModel(NAME, tiny_model, chunk=64)

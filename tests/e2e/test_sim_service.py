@@ -13,10 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import nats.errors
 import pytest
 
+from parley.actors.sim import FALLBACK_MESSAGE, SIM_SCHEMA, Simulator
+from parley.config.actor import SimConfig
 from parley.engines.backend import OpenAIBackend, make_backend
 from parley.engines.config import EngineConfig
-from parley.config.actor import SimConfig
-from parley.actors.sim import FALLBACK_MESSAGE, SIM_SCHEMA, Simulator
 from parley.protocol import codec, topology
 from parley.protocol.messages import ChatMessage, SimRequest
 
@@ -108,11 +108,21 @@ class ChatEndpointDouble(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 - http.server's naming
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         ChatEndpointDouble.seen.append((self.path, self.headers.get("Authorization"), body))
-        out = json.dumps({
-            "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": '{"message": "shorter please", "done": false}'}}],
-        }).encode()
+        out = json.dumps(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": '{"message": "shorter please", "done": false}'},
+                    }
+                ],
+            }
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))
@@ -127,9 +137,15 @@ async def test_openai_backend_sends_a_json_schema_request(nc, monkeypatch):
     server = ThreadingHTTPServer(("127.0.0.1", 0), ChatEndpointDouble)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv("SIM_TEST_KEY", "sk-test")
-    cfg = SimConfig(backend="openai", base_url=f"http://127.0.0.1:{server.server_port}/v1", model_name="Qwen/Qwen3.5-9B",
-                    api_key_env="SIM_TEST_KEY", max_tokens=64, temperature=0.3,
-                    engine=EngineConfig(template_kwargs={"enable_thinking": False}))
+    cfg = SimConfig(
+        backend="openai",
+        base_url=f"http://127.0.0.1:{server.server_port}/v1",
+        model_name="Qwen/Qwen3.5-9B",
+        api_key_env="SIM_TEST_KEY",
+        max_tokens=64,
+        temperature=0.3,
+        engine=EngineConfig(template_kwargs={"enable_thinking": False}),
+    )
     backend = make_backend(cfg)
     assert isinstance(backend, OpenAIBackend)
     service = Simulator(backend, cfg).service(nc)

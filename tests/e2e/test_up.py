@@ -18,9 +18,25 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "parley.deploy.cli", "up", "--config", str(ROOT / "deploy/configs/tiny.toml"),
-         "--steps", "2", "--no-live", "--run-dir", str(run_dir), "--set", "log.wandb=true"],
-        capture_output=True, text=True, timeout=1400, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "parley.deploy.cli",
+            "up",
+            "--config",
+            str(ROOT / "deploy/configs/tiny.toml"),
+            "--steps",
+            "2",
+            "--no-live",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "log.wandb=true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1400,
+        cwd=tmp_path,
         env={k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE")},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -51,13 +67,19 @@ def test_up_runs_two_steps_and_writes_summary_checkpoint_and_charts(tmp_path):
     for v in (0, 1, 2):
         recs = read_records(run_dir / "eval" / f"v{v}" / "records.parquet")
         assert {r.version for r in recs} == {v} and {r.condition for r in recs} == {f"v{v}"}
-        assert sorted(r.item_id for r in recs) == sorted(r.item_id for r in read_records(run_dir / "eval" / "v0" / "records.parquet"))
+        assert sorted(r.item_id for r in recs) == sorted(
+            r.item_id for r in read_records(run_dir / "eval" / "v0" / "records.parquet")
+        )
     assert "eval: version 2 (step 2) on" in learner_log
     # One eval child with one policy engine played all three versions, loading versions 1 and 2 in place.
     assert "engine starts 1, in-place loads 2" in (run_dir / "eval" / "v2" / "eval.log").read_text()
     assert "| v0 |" in out.stdout and "| v2 |" in out.stdout and "best by mr: v" in out.stdout
-    sel = subprocess.run([sys.executable, "-m", "parley.deploy.cli", "select", str(run_dir), "--metric", "mr"],
-                         capture_output=True, text=True, timeout=120)
+    sel = subprocess.run(
+        [sys.executable, "-m", "parley.deploy.cli", "select", str(run_dir), "--metric", "mr"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sel.returncode == 0 and "best by mr: v" in sel.stdout, sel.stderr
     best = int(sel.stdout.split("best by mr: v")[1].split()[0])
     assert [p.name for p in (run_dir / "eval" / "models").iterdir()] == ([f"v{best}"] if best else [])

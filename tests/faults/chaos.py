@@ -81,22 +81,48 @@ class Cluster:
 
     # -- processes --------------------------------------------------------------------------------
 
-    def add(self, name: str, kind: str, argv: list[str], *, env: dict[str, str] | None = None,
-            module: str = "parley.deploy.cli") -> None:
+    def add(
+        self,
+        name: str,
+        kind: str,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        module: str = "parley.deploy.cli",
+    ) -> None:
         self.roles[name] = Role(name, kind, argv, self.root / "logs" / f"{name}.log", env=env or {}, module=module)
 
     def start(self, name: str, *extra: str) -> None:
         r = self.roles[name]
-        cmd = [sys.executable, "-m", r.module, *r.argv, *extra, "--nats", self.url,
-               *(x for s in self.sets for x in ("--set", s))]
+        cmd = [
+            sys.executable,
+            "-m",
+            r.module,
+            *r.argv,
+            *extra,
+            "--nats",
+            self.url,
+            *(x for s in self.sets for x in ("--set", s)),
+        ]
         with r.log.open("ab") as out:
             banner = f"\n===== start {r.starts + 1} at {time.strftime('%H:%M:%S')}: {' '.join(cmd[3:6])} ...\n"
             out.write(banner.encode())
             out.flush()
-            r.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env={**os.environ, "PARLEY_LOG": "INFO", "PYTHONUNBUFFERED": "1",
-                                           "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS), **r.env},
-                                      start_new_session=True)
+            r.proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={
+                    **os.environ,
+                    "PARLEY_LOG": "INFO",
+                    "PYTHONUNBUFFERED": "1",
+                    "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS),
+                    **r.env,
+                },
+                start_new_session=True,
+            )
         r.started, r.starts = time.time(), r.starts + 1
 
     def restart(self, name: str) -> None:
@@ -177,8 +203,11 @@ class Cluster:
                 return None
             return min(found, key=lambda h: h.created)
         if r.kind == "learner":  # its id is <host>-<pid>
-            found = [hb for (role, ident), hb in self.beats.items() if role == "learner" and r.proc
-                     and ident.endswith(f"-{r.proc.pid}")]
+            found = [
+                hb
+                for (role, ident), hb in self.beats.items()
+                if role == "learner" and r.proc and ident.endswith(f"-{r.proc.pid}")
+            ]
         else:
             found = [hb for (role, ident), hb in self.beats.items() if role == r.kind and ident == name]
         hb = max(found, key=lambda h: h.created) if found else None
@@ -204,8 +233,14 @@ def build_deepspeed_ops() -> float:
     learner start waits on a compile; returns the seconds it took."""
     t0 = time.time()
     code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=1200,
-                   env={**os.environ, "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)})
+    subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=1200,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)},
+    )
     return time.time() - t0
 
 
@@ -326,8 +361,12 @@ class Chaos:
             for text in self.cluster.reap():
                 self.note(text)
             el = now - self.t0
-            done = self.phase == "kills" and self.kill_phase_done() and self.kills >= self.s.min_kills + 2 \
+            done = (
+                self.phase == "kills"
+                and self.kill_phase_done()
+                and self.kills >= self.s.min_kills + 2
                 or el >= self.s.max_s
+            )
             if done and self.stall["state"] != "stalled" and "down" not in (self.outage["state"], self.sim["state"]):
                 self.mark("end")
                 return
@@ -370,8 +409,10 @@ class Chaos:
                 c.resume("actor-0")
                 st["stalled_s"] = round(waited, 1)
                 self.mark("stall over")
-                self.note(f"SIGCONT actor-0 after {waited:.0f}s; TASKS messages redelivered meanwhile: "
-                          f"{st['max_redelivered']}")
+                self.note(
+                    f"SIGCONT actor-0 after {waited:.0f}s; TASKS messages redelivered meanwhile: "
+                    f"{st['max_redelivered']}"
+                )
 
     async def _outage(self, now: float) -> None:
         # The judge down right after the stall, while the actors and the simulator are spared.
@@ -379,8 +420,13 @@ class Chaos:
         if out["state"] == "pending" and self.phase == "judge outage":
             if not (c.is_up("sim") and c.is_up("judge")):
                 return  # the restarted simulator (and judge) first: trajectories must arrive while it is down
-            out.update(state="down", since=now, traj_before=await self._stored("traj"),
-                       scored_before=await self._stored("scored"), scorer_judge_waits=0)
+            out.update(
+                state="down",
+                since=now,
+                traj_before=await self._stored("traj"),
+                scored_before=await self._stored("scored"),
+                scorer_judge_waits=0,
+            )
             self._hold_down("judge")
             self.mark("judge down")
             self.note(f"kill #{self.kills}: judge, kept down {self.s.judge_outage_s:.0f}s")
@@ -389,14 +435,20 @@ class Chaos:
             out["scorer_judge_waits"] = max(out["scorer_judge_waits"], hb.counters.get("judge_wait", 0) if hb else 0)
             if now - out["since"] >= self.s.judge_outage_s:
                 traj, scored = await self._stored("traj"), await self._stored("scored")
-                out.update(state="done", traj_during=traj - out.pop("traj_before"),
-                           scored_during=scored - out.pop("scored_before"), unscored_at_restart=traj - scored)
+                out.update(
+                    state="done",
+                    traj_during=traj - out.pop("traj_before"),
+                    scored_during=scored - out.pop("scored_before"),
+                    unscored_at_restart=traj - scored,
+                )
                 out.pop("since")
                 self._bring_back("judge")
                 self.mark("judge back")
-                self.note(f"judge restarted after {self.s.judge_outage_s:.0f}s; meanwhile {out['traj_during']} "
-                          f"trajectories stored, {out['scored_during']} scored, {traj - scored} waiting to be scored; "
-                          f"scorer judge_wait retries: {out['scorer_judge_waits']:.0f}")
+                self.note(
+                    f"judge restarted after {self.s.judge_outage_s:.0f}s; meanwhile {out['traj_during']} "
+                    f"trajectories stored, {out['scored_during']} scored, {traj - scored} waiting to be scored; "
+                    f"scorer judge_wait retries: {out['scorer_judge_waits']:.0f}"
+                )
 
     def _actor_counter(self, name: str) -> dict[str, float]:
         return {a: (hb.counters.get(name, 0.0) if (hb := self.cluster.beat(a)) else 0.0) for a in ACTORS}
@@ -410,37 +462,54 @@ class Chaos:
                 return
             out.setdefault("ready_since", now)
             holding = self._actor_counter("in_flight")
-            if not c.is_up("sim") or (sum(holding.values()) == 0 and now - out["ready_since"] < self.s.sim_outage_wait_s):
+            if not c.is_up("sim") or (
+                sum(holding.values()) == 0 and now - out["ready_since"] < self.s.sim_outage_wait_s
+            ):
                 return
             tasks = await self._consumer("tasks")
-            out.update(state="down", since=now, conversations_held=holding, tasks_ack_pending=tasks.num_ack_pending,
-                       redelivered_before=tasks.num_redelivered, max_redelivered=tasks.num_redelivered,
-                       dead_before=await self._stored("dead"), traj_before=await self._stored("traj"),
-                       sim_waits_before=self._actor_counter("sim_waits"), tasks_done_before=self._actor_counter("tasks"))
+            out.update(
+                state="down",
+                since=now,
+                conversations_held=holding,
+                tasks_ack_pending=tasks.num_ack_pending,
+                redelivered_before=tasks.num_redelivered,
+                max_redelivered=tasks.num_redelivered,
+                dead_before=await self._stored("dead"),
+                traj_before=await self._stored("traj"),
+                sim_waits_before=self._actor_counter("sim_waits"),
+                tasks_done_before=self._actor_counter("tasks"),
+            )
             out.pop("ready_since")
             self.mark("sim down")
             self._hold_down("sim")
-            self.note(f"kill #{self.kills}: sim, kept down {self.s.sim_outage_s:.0f}s; actors hold {holding} "
-                      f"conversations, {tasks.num_ack_pending} tasks unacked")
+            self.note(
+                f"kill #{self.kills}: sim, kept down {self.s.sim_outage_s:.0f}s; actors hold {holding} "
+                f"conversations, {tasks.num_ack_pending} tasks unacked"
+            )
         elif out["state"] == "down":
             if now - self.last_poll >= 5.0:
                 self.last_poll = now
                 out["max_redelivered"] = max(out["max_redelivered"], (await self._consumer("tasks")).num_redelivered)
             if now - out["since"] >= self.s.sim_outage_s:
                 waits, finished = self._actor_counter("sim_waits"), self._actor_counter("tasks")
-                out.update(state="done", down_s=round(now - out.pop("since"), 1),
-                           sim_waits={a: waits[a] - out["sim_waits_before"][a] for a in ACTORS},
-                           tasks_finished_during={a: finished[a] - out["tasks_done_before"][a] for a in ACTORS},
-                           traj_during=await self._stored("traj") - out.pop("traj_before"),
-                           dead_during=await self._stored("dead") - out.pop("dead_before"))
+                out.update(
+                    state="done",
+                    down_s=round(now - out.pop("since"), 1),
+                    sim_waits={a: waits[a] - out["sim_waits_before"][a] for a in ACTORS},
+                    tasks_finished_during={a: finished[a] - out["tasks_done_before"][a] for a in ACTORS},
+                    traj_during=await self._stored("traj") - out.pop("traj_before"),
+                    dead_during=await self._stored("dead") - out.pop("dead_before"),
+                )
                 del out["sim_waits_before"], out["tasks_done_before"]
                 self._bring_back("sim")
                 hb = c.beat("learner")
                 out["learner_step_at_end"] = hb.version if hb else None
                 self.mark("sim back")
-                self.note(f"sim restarted after {out['down_s']:.0f}s; actors' sim_waits meanwhile {out['sim_waits']}, "
-                          f"tasks finished {out['tasks_finished_during']}, trajectories stored {out['traj_during']}, "
-                          f"dead letters {out['dead_during']}, TASKS redelivered (most at once) {out['max_redelivered']}")
+                self.note(
+                    f"sim restarted after {out['down_s']:.0f}s; actors' sim_waits meanwhile {out['sim_waits']}, "
+                    f"tasks finished {out['tasks_finished_during']}, trajectories stored {out['traj_during']}, "
+                    f"dead letters {out['dead_during']}, TASKS redelivered (most at once) {out['max_redelivered']}"
+                )
 
     def _hold_down(self, name: str) -> None:
         self.cluster.kill(name)
@@ -493,9 +562,17 @@ class Chaos:
     def summary(self) -> dict:
         kills = {name: r.kills for name, r in self.cluster.roles.items()} | {"nats": self.cluster.nats_kills}
         stall = {k: v for k, v in self.stall.items() if k != "since"}
-        return {"chaos_s": round(time.time() - self.t0, 1), "kills": kills, "kills_total": sum(kills.values()),
-                "kills_by_phase": dict(self.by_phase), "phases_s": dict(self.phases), "load_average": dict(self.load), "stall": stall,
-                "judge_outage": dict(self.outage), "sim_outage": dict(self.sim)}
+        return {
+            "chaos_s": round(time.time() - self.t0, 1),
+            "kills": kills,
+            "kills_total": sum(kills.values()),
+            "kills_by_phase": dict(self.by_phase),
+            "phases_s": dict(self.phases),
+            "load_average": dict(self.load),
+            "stall": stall,
+            "judge_outage": dict(self.outage),
+            "sim_outage": dict(self.sim),
+        }
 
 
 # -- reading the run back -----------------------------------------------------------------------
@@ -539,7 +616,7 @@ async def unacked(js, run: str, key: str, settle_s: float) -> list:
                         got[m.metadata.sequence.stream] = codec.decode(key, m.data)
                     except (msgspec.DecodeError, msgspec.ValidationError):  # unplayable junk still owed
                         got[m.metadata.sequence.stream] = None
-            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 info = await js.consumer_info(stream, durable)
                 if info.num_pending == 0 and info.num_ack_pending <= len(got) or time.monotonic() > deadline:
                     break
@@ -553,8 +630,10 @@ async def publish_poison(js, run: str, poison: dict[str, bytes]) -> None:
     would (no feeder, no codec check); a Msg-Id per label, so a retried publish is stored once."""
     subject = topology.subject(run, "tasks")
     for label, payload in poison.items():
-        await retrying(lambda p=payload, i=f"poison:{label}": js.publish(subject, p, headers={"Nats-Msg-Id": i}),
-                       f"publishing poison {label!r}")
+        await retrying(
+            lambda p=payload, i=f"poison:{label}": js.publish(subject, p, headers={"Nats-Msg-Id": i}),
+            f"publishing poison {label!r}",
+        )
 
 
 def trained_lines(run_dir: Path) -> list[dict]:
@@ -588,11 +667,20 @@ class Ledger:
 
     def summary(self) -> dict:
         return {
-            "tasks": self.tasks, "samples": self.samples, "steps": self.steps, "trained": self.trained,
-            "dropped": dict(self.dropped), "dead_lettered": dict(self.dead), "pending": dict(self.pending),
-            "task_fates": dict(self.fates), "dead_letters_by_reason": dict(self.dead_reasons),
-            "poison": dict(self.poison), "poison_missing": list(self.poison_missing),
-            "lost": len(self.lost), "trained_twice": len(self.trained_twice), "inconsistent": len(self.inconsistent),
+            "tasks": self.tasks,
+            "samples": self.samples,
+            "steps": self.steps,
+            "trained": self.trained,
+            "dropped": dict(self.dropped),
+            "dead_lettered": dict(self.dead),
+            "pending": dict(self.pending),
+            "task_fates": dict(self.fates),
+            "dead_letters_by_reason": dict(self.dead_reasons),
+            "poison": dict(self.poison),
+            "poison_missing": list(self.poison_missing),
+            "lost": len(self.lost),
+            "trained_twice": len(self.trained_twice),
+            "inconsistent": len(self.inconsistent),
             "held_past_deadline": len(self.past_deadline),
         }
 
@@ -605,9 +693,17 @@ def reason_kind(reason: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", text)[:80]
 
 
-def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[str],
-           unacked_ids: dict[str, set[str]], poison: dict[str, bytes] | None = None,
-           task_deadline_s: float | None = None, deadline_slack_s: float = 30.0) -> Ledger:
+def settle(
+    tasks: list,
+    dead: list,
+    lines: list[dict],
+    state,
+    buffered_ids: set[str],
+    unacked_ids: dict[str, set[str]],
+    poison: dict[str, bytes] | None = None,
+    task_deadline_s: float | None = None,
+    deadline_slack_s: float = 30.0,
+) -> Ledger:
     """Account for every (task, sample) the feeder published, and for every poison message.
 
     tasks: Task messages in TASKS (None for one that does not decode); dead: the run's DEAD stream
@@ -673,8 +769,10 @@ def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[
             held = {tid for tid in buffered_ids if tid.rsplit("/", 1)[0] == task}
             complete = len(held) == n_of[task]
             if not complete and (sample is None or f"{task}/{sample}" not in held):
-                led.inconsistent.append(f"the learner read dead letter {seq} ({key}: {dl.reason[:80]}) but still "
-                                        f"holds task {task} in flight")
+                led.inconsistent.append(
+                    f"the learner read dead letter {seq} ({key}: {dl.reason[:80]}) but still "
+                    f"holds task {task} in flight"
+                )
     led.poison_missing = sorted(label for label in poison if label not in led.poison)
 
     for task, n in sorted(n_of.items()):
@@ -721,8 +819,11 @@ def settle(tasks: list, dead: list, lines: list[dict], state, buffered_ids: set[
         else:
             led.fates["dead" if sum(led.dead.values()) > dead_before else "waiting"] += 1
     if task_deadline_s is not None and state is not None:
-        led.past_deadline = sorted(f"{i.task_id} ({state.saved - i.at:.0f}s)" for i in state.issued
-                                   if i.task_id in in_flight and state.saved - i.at > task_deadline_s + deadline_slack_s)
+        led.past_deadline = sorted(
+            f"{i.task_id} ({state.saved - i.at:.0f}s)"
+            for i in state.issued
+            if i.task_id in in_flight and state.saved - i.at > task_deadline_s + deadline_slack_s
+        )
     phantom = sorted(tid for tid in count if tid.rsplit("/", 1)[0] not in n_of)
     led.inconsistent += [f"{tid} trained but its task was never published" for tid in phantom]
     return led

@@ -64,6 +64,7 @@ assert SIM_WAIT_S > SCHEDULE.sim_outage_s + 240
 def poison_tasks() -> dict[str, bytes]:
     """Messages published straight to TASKS that no actor may play: well-formed Tasks with values no
     honest feeder sends, one of another run, and one that does not decode. Each must end in DEAD."""
+
     def task(task_id: str, **values) -> bytes:
         return codec.encode(msgspec.structs.replace(examples.task(RUN, task_id), **{"n": 3, **values}))
 
@@ -78,26 +79,49 @@ def poison_tasks() -> dict[str, bytes]:
 
 def cluster_for(root, model: str) -> Cluster:
     def engine(section: str, length: int) -> list[str]:
-        return [f'{section}.model="{model}"', f"{section}.max_model_len={length}",
-                f"{section}.kv_cache_bytes={128 * 2**20}"]
+        return [
+            f'{section}.model="{model}"',
+            f"{section}.max_model_len={length}",
+            f"{section}.kv_cache_bytes={128 * 2**20}",
+        ]
 
     # actor.concurrency 24 = 9 tasks per actor (n=3): more than the feeder admits at once, so
     # actor-1 always has room for the stalled actor's tasks.
     sets = [
         # bus.max_deliver stays at its default (5): outages must not spend deliveries
-        f'run.dir="{root / "run"}"', f"bus.ack_wait_s={ACK_WAIT_S}", f"bus.max_bytes={64 * 2**20}",
-        "rollout.n=3", "rollout.max_new_turns=3", "rollout.max_tokens=24",
-        *engine("actor.engine", ACTOR_MAX_MODEL_LEN), "actor.concurrency=24", "actor.sim_timeout_s=20",
-        f"actor.sim_wait_s={SIM_WAIT_S}", "actor.weights_poll_s=2",
-        *engine("sim.engine", 2048), "sim.max_tokens=40", "sim.max_retries=1",
+        f'run.dir="{root / "run"}"',
+        f"bus.ack_wait_s={ACK_WAIT_S}",
+        f"bus.max_bytes={64 * 2**20}",
+        "rollout.n=3",
+        "rollout.max_new_turns=3",
+        "rollout.max_tokens=24",
+        *engine("actor.engine", ACTOR_MAX_MODEL_LEN),
+        "actor.concurrency=24",
+        "actor.sim_timeout_s=20",
+        f"actor.sim_wait_s={SIM_WAIT_S}",
+        "actor.weights_poll_s=2",
+        *engine("sim.engine", 2048),
+        "sim.max_tokens=40",
+        "sim.max_retries=1",
         # judge temperature 1: the toy judge's verdicts vary, so groups carry a GRPO signal
-        *engine("judge.engine", 1536), "judge.max_tokens=256", "judge.temperature=1.0",
-        "scorer.judge_timeout_s=20", "scorer.retry_delay_s=1", "scorer.retry_max_delay_s=4",
-        f'policy.model="{model}"', f"learner.steps={STEPS}", "learner.checkpoint_every=3",
-        "learner.groups_per_step=2", "learner.max_staleness=2", 'learner.stale_policy="correct"',
+        *engine("judge.engine", 1536),
+        "judge.max_tokens=256",
+        "judge.temperature=1.0",
+        "scorer.judge_timeout_s=20",
+        "scorer.retry_delay_s=1",
+        "scorer.retry_max_delay_s=4",
+        f'policy.model="{model}"',
+        f"learner.steps={STEPS}",
+        "learner.checkpoint_every=3",
+        "learner.groups_per_step=2",
+        "learner.max_staleness=2",
+        'learner.stale_policy="correct"',
         # longer than the simulator outage and its restart: the groups it interrupts are waited for, not timed out
-        "learner.group_timeout_s=900", "learner.micro_batch_tokens=512",
-        "learner.lr=1e-4", "learner.ledger_flush_s=1", "learner.keep_versions=3",
+        "learner.group_timeout_s=900",
+        "learner.micro_batch_tokens=512",
+        "learner.lr=1e-4",
+        "learner.ledger_flush_s=1",
+        "learner.keep_versions=3",
         "learner.eval_every=0",  # the periodic eval (a policy engine per eval) is outside this suite's scope
     ]
     c = Cluster(root, model, run=RUN, sets=sets)
@@ -117,8 +141,10 @@ async def wait_until(pred, what: str, timeout: float, cluster: Cluster, t0: floa
             cluster.note(t0, text)
         if time.monotonic() > deadline:
             not_up = [n for n in cluster.roles if not cluster.is_up(n)]
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (not ready: {not_up})\n"
-                        + "\n".join(cluster.events[-20:]))
+            pytest.fail(
+                f"timed out after {timeout:.0f}s waiting for {what} (not ready: {not_up})\n"
+                + "\n".join(cluster.events[-20:])
+            )
         await asyncio.sleep(0.5)
 
 
@@ -145,8 +171,9 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         await barrier(nc)
         for name in cluster.roles:
             cluster.start(name)
-        await wait_until(lambda: all(cluster.is_up(n) for n in cluster.roles), "every role to be ready", 600, cluster,
-                         t_begin)
+        await wait_until(
+            lambda: all(cluster.is_up(n) for n in cluster.roles), "every role to be ready", 600, cluster, t_begin
+        )
         stats["startup_s"] = round(time.time() - t_begin, 1)
         cluster.note(t_begin, f"all roles ready after {stats['startup_s']}s")
 
@@ -161,8 +188,13 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         phases = stats["phases_s"]
 
         # ---- wind down: every role back, the learner to its last step, then the rest drain ------
-        await wait_until(lambda: all(cluster.is_up(n) for n in cluster.roles if not cluster.roles[n].finished),
-                         "every role to be ready after the chaos", 600, cluster, t0)
+        await wait_until(
+            lambda: all(cluster.is_up(n) for n in cluster.roles if not cluster.roles[n].finished),
+            "every role to be ready after the chaos",
+            600,
+            cluster,
+            t0,
+        )
         phases["all ready"] = round(time.time() - t0, 1)
         cluster.note(t0, "chaos over; all roles ready")
         await wait_until(lambda: learner.finished, f"the learner to stop at its last step ({STEPS})", 1200, cluster, t0)
@@ -190,9 +222,11 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
 
         # ---- the books -------------------------------------------------------------------------
         owed = {key: await unacked(js, RUN, key, settle_s=3 * ACK_WAIT_S) for key in ("tasks", "traj", "scored")}
-        owed_ids = {"tasks": {t.task_id for t in owed["tasks"] if t is not None},
-                    "traj": {t.traj_id for t in owed["traj"] if t is not None},
-                    "scored": {s.traj_id for s in owed["scored"] if s is not None}}
+        owed_ids = {
+            "tasks": {t.task_id for t in owed["tasks"] if t is not None},
+            "traj": {t.traj_id for t in owed["traj"] if t is not None},
+            "scored": {s.traj_id for s in owed["scored"] if s is not None},
+        }
         tasks = await read_channel(js, RUN, "tasks")
         letters, _ = await retrying(lambda: dead.read_since(js, RUN, 1), "reading DEAD")
         run_dir = root / "run"
@@ -204,12 +238,18 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         phases["books"] = round(time.time() - t0, 1)
 
         sim_dead = [dl.reason for _, dl in letters if dl is not None and "simulator unreachable" in dl.reason]
-        stats.update(ledger=ledger.summary(), drop_reasons=dict(list(ledger.reasons.items())[:12]),
-                     ledger_step=state.step if state else None, learner_exit=learner.proc.returncode,
-                     sim_unreachable_dead_letters=len(sim_dead),
-                     crashes={n: r.crashes for n, r in cluster.roles.items() if r.crashes},
-                     tasks_played_to_completion_twice=twice, load_average_at_end=os.getloadavg(),
-                     total_s=round(time.time() - t_begin, 1), events=cluster.events)
+        stats.update(
+            ledger=ledger.summary(),
+            drop_reasons=dict(list(ledger.reasons.items())[:12]),
+            ledger_step=state.step if state else None,
+            learner_exit=learner.proc.returncode,
+            sim_unreachable_dead_letters=len(sim_dead),
+            crashes={n: r.crashes for n, r in cluster.roles.items() if r.crashes},
+            tasks_played_to_completion_twice=twice,
+            load_average_at_end=os.getloadavg(),
+            total_s=round(time.time() - t_begin, 1),
+            events=cluster.events,
+        )
         report = json.dumps(stats, indent=2)
         print("\n" + report, flush=True)
         (root / "faults-report.json").write_text(report)
@@ -223,7 +263,12 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         assert ledger.inconsistent == [], f"inconsistent ledger: {ledger.inconsistent[:20]}"
         assert ledger.past_deadline == [], f"slots held past task_deadline_s: {ledger.past_deadline[:20]}"
         # every issued task trained, dropped with its reason (learner ledger or dead letter), or waiting
-        assert sum(ledger.fates.values()) == ledger.tasks and set(ledger.fates) <= {"trained", "dropped", "dead", "waiting"}
+        assert sum(ledger.fates.values()) == ledger.tasks and set(ledger.fates) <= {
+            "trained",
+            "dropped",
+            "dead",
+            "waiting",
+        }
         assert all(ledger.reasons.get(t) for t, kind in state.done.items() if kind != "trained"), ledger.reasons
         # every poison message refused on arrival and kept in DEAD with its reason
         assert ledger.poison_missing == [] and len(ledger.poison) == len(poison), ledger.poison

@@ -27,7 +27,6 @@ import os
 import time
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from parley.config.run import load_config
@@ -62,22 +61,46 @@ TASK_DEADLINE_S = 7200.0  # the default, named: the books check no slot is held 
 
 def base_sets(root: Path, model: str) -> dict[str, str]:
     def engine(section: str, length: int) -> dict[str, str]:
-        return {f"{section}.model": f'"{model}"', f"{section}.max_model_len": str(length),
-                f"{section}.kv_cache_bytes": str(128 * 2**20)}
+        return {
+            f"{section}.model": f'"{model}"',
+            f"{section}.max_model_len": str(length),
+            f"{section}.kv_cache_bytes": str(128 * 2**20),
+        }
 
     return {
-        "run.dir": f'"{root / "run"}"', "bus.ack_wait_s": str(ACK_WAIT_S), "bus.max_bytes": str(64 * 2**20),
-        "rollout.n": "3", "rollout.max_new_turns": "3", "rollout.max_tokens": "24",
-        **engine("actor.engine", 1024), "actor.concurrency": "12", "actor.sim_timeout_s": "20",
-        "actor.sim_wait_s": "900", "actor.weights_poll_s": "2",
-        **engine("sim.engine", 2048), "sim.max_tokens": "40", "sim.max_retries": "1",
-        **engine("judge.engine", 2048), "judge.max_tokens": "256", "judge.temperature": "1.0",
-        "scorer.judge_timeout_s": "20", "scorer.retry_delay_s": "1", "scorer.retry_max_delay_s": "4",
-        "policy.model": f'"{model}"', "learner.steps": str(STEPS), "learner.checkpoint_every": "1",
-        "learner.groups_per_step": "2", "learner.max_staleness": "2", "learner.stale_policy": '"correct"',
-        "learner.group_timeout_s": "900", "learner.task_deadline_s": str(TASK_DEADLINE_S),
-        "learner.micro_batch_tokens": "512", "learner.lr": "1e-4", "learner.ledger_flush_s": "1",
-        "learner.keep_versions": "3", "learner.eval_every": "0",
+        "run.dir": f'"{root / "run"}"',
+        "bus.ack_wait_s": str(ACK_WAIT_S),
+        "bus.max_bytes": str(64 * 2**20),
+        "rollout.n": "3",
+        "rollout.max_new_turns": "3",
+        "rollout.max_tokens": "24",
+        **engine("actor.engine", 1024),
+        "actor.concurrency": "12",
+        "actor.sim_timeout_s": "20",
+        "actor.sim_wait_s": "900",
+        "actor.weights_poll_s": "2",
+        **engine("sim.engine", 2048),
+        "sim.max_tokens": "40",
+        "sim.max_retries": "1",
+        **engine("judge.engine", 2048),
+        "judge.max_tokens": "256",
+        "judge.temperature": "1.0",
+        "scorer.judge_timeout_s": "20",
+        "scorer.retry_delay_s": "1",
+        "scorer.retry_max_delay_s": "4",
+        "policy.model": f'"{model}"',
+        "learner.steps": str(STEPS),
+        "learner.checkpoint_every": "1",
+        "learner.groups_per_step": "2",
+        "learner.max_staleness": "2",
+        "learner.stale_policy": '"correct"',
+        "learner.group_timeout_s": "900",
+        "learner.task_deadline_s": str(TASK_DEADLINE_S),
+        "learner.micro_batch_tokens": "512",
+        "learner.lr": "1e-4",
+        "learner.ledger_flush_s": "1",
+        "learner.keep_versions": "3",
+        "learner.eval_every": "0",
     }
 
 
@@ -101,7 +124,10 @@ class Run:
             user, password = self.creds[role]
             extra = {}
             if role == "learner":
-                extra = {"PARLEY_EVAL_NATS_USER": self.creds["eval"][0], "PARLEY_EVAL_NATS_PASSWORD": self.creds["eval"][1]}
+                extra = {
+                    "PARLEY_EVAL_NATS_USER": self.creds["eval"][0],
+                    "PARLEY_EVAL_NATS_PASSWORD": self.creds["eval"][1],
+                }
             return {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password, **extra}
 
         c = self.cluster = Cluster(root, model, run=RUN, sets=self.sets, server_conf=conf)
@@ -127,8 +153,10 @@ class Run:
                 self.note(text)
             if time.monotonic() > deadline:
                 not_up = [n for n in self.cluster.roles if not self.cluster.is_up(n)]
-                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (not up: {not_up})\n"
-                            + "\n".join(self.cluster.events[-20:]))
+                pytest.fail(
+                    f"timed out after {timeout:.0f}s waiting for {what} (not up: {not_up})\n"
+                    + "\n".join(self.cluster.events[-20:])
+                )
             await asyncio.sleep(0.5)
 
     async def consumer(self, key: str):
@@ -190,26 +218,37 @@ class Run:
             c.roles[name].held_down = True
 
         owed = {key: await unacked(self.js, RUN, key, settle_s=3 * ACK_WAIT_S) for key in ("tasks", "traj", "scored")}
-        owed_ids = {"tasks": {t.task_id for t in owed["tasks"] if t is not None},
-                    "traj": {t.traj_id for t in owed["traj"] if t is not None},
-                    "scored": {s.traj_id for s in owed["scored"] if s is not None}}
+        owed_ids = {
+            "tasks": {t.task_id for t in owed["tasks"] if t is not None},
+            "traj": {t.traj_id for t in owed["traj"] if t is not None},
+            "scored": {s.traj_id for s in owed["scored"] if s is not None},
+        }
         tasks = await read_channel(self.js, RUN, "tasks")
         letters, _ = await retrying(lambda: dead.read_since(self.js, RUN, 1), "reading DEAD")
         run_dir = self.root / "run"
         state, buffered = load_final_state(run_dir)
-        ledger = settle(tasks, letters, trained_lines(run_dir), state, buffered, owed_ids,
-                        task_deadline_s=TASK_DEADLINE_S)
+        ledger = settle(
+            tasks, letters, trained_lines(run_dir), state, buffered, owed_ids, task_deadline_s=TASK_DEADLINE_S
+        )
         crashes = {n: [x for x in r.crashes if not nats_outage_at_start(x)] for n, r in c.roles.items() if r.crashes}
-        self.stats.update(ledger=ledger.summary(), drop_reasons=dict(list(ledger.reasons.items())[:8]),
-                          ledger_step=state.step if state else None, learner_exit=learner.proc.returncode,
-                          kills={n: r.kills for n, r in c.roles.items()} | {"nats": c.nats_kills},
-                          crashes={n: r.crashes for n, r in c.roles.items() if r.crashes},
-                          tasks_played_to_completion_twice=tasks_played_twice(c),
-                          total_s=round(time.time() - self.t0, 1), load_average_at_end=os.getloadavg(),
-                          events=c.events)
+        self.stats.update(
+            ledger=ledger.summary(),
+            drop_reasons=dict(list(ledger.reasons.items())[:8]),
+            ledger_step=state.step if state else None,
+            learner_exit=learner.proc.returncode,
+            kills={n: r.kills for n, r in c.roles.items()} | {"nats": c.nats_kills},
+            crashes={n: r.crashes for n, r in c.roles.items() if r.crashes},
+            tasks_played_to_completion_twice=tasks_played_twice(c),
+            total_s=round(time.time() - self.t0, 1),
+            load_average_at_end=os.getloadavg(),
+            events=c.events,
+        )
         print("\n" + json.dumps(self.stats, indent=2, default=str), flush=True)
         if os.environ.get("PARLEY_FAULTS_REPORT"):
-            with open(f"{os.environ['PARLEY_FAULTS_REPORT']}.{os.environ.get('PYTEST_CURRENT_TEST', 'x').split(':')[-1].split(' ')[0]}.json", "w") as f:
+            with open(
+                f"{os.environ['PARLEY_FAULTS_REPORT']}.{os.environ.get('PYTEST_CURRENT_TEST', 'x').split(':')[-1].split(' ')[0]}.json",
+                "w",
+            ) as f:
                 json.dump(self.stats, f, indent=2, default=str)
 
         # ---- the suite's invariants ----------------------------------------------------------
@@ -217,7 +256,12 @@ class Run:
         assert ledger.trained_twice == [], f"trained twice: {ledger.trained_twice[:20]}"
         assert ledger.inconsistent == [], f"inconsistent ledger: {ledger.inconsistent[:20]}"
         assert ledger.past_deadline == [], f"slots held past task_deadline_s: {ledger.past_deadline[:20]}"
-        assert sum(ledger.fates.values()) == ledger.tasks and set(ledger.fates) <= {"trained", "dropped", "dead", "waiting"}
+        assert sum(ledger.fates.values()) == ledger.tasks and set(ledger.fates) <= {
+            "trained",
+            "dropped",
+            "dead",
+            "waiting",
+        }
         assert all(ledger.reasons.get(t) for t, kind in state.done.items() if kind != "trained"), ledger.reasons
         assert learner.finished and learner.proc.returncode == 0, learner.crashes
         assert state.step == steps and ledger.steps == steps and ledger.trained > 0, (state.step, ledger.steps)
@@ -271,14 +315,25 @@ async def test_nats_server_restarts_while_the_actor_holds_tasks(small_run):
             await asyncio.sleep(2.5 * ACK_WAIT_S)
             r.cluster.server.start(timeout=NATS_START_S)
             down = time.time() - t_kill
-            await r.wait(lambda: r.cluster.is_up("actor-0") and r.cluster.beat("actor-0").created > t_kill + down,
-                         "the actor's heartbeat after the restart", 120)
+            await r.wait(
+                lambda: r.cluster.is_up("actor-0") and r.cluster.beat("actor-0").created > t_kill + down,
+                "the actor's heartbeat after the restart",
+                120,
+            )
             await asyncio.sleep(2 * ACK_WAIT_S)  # the server's redelivery of what was held
             after = await r.consumer("tasks")
-            restarts.append({"conversations_held": held, "tasks_ack_pending": before.num_ack_pending,
-                             "down_s": round(down, 1), "redelivered_after": after.num_redelivered})
-            r.note(f"nats-server restart {k + 1}: down {down:.0f}s while the actor held {held:.0f} conversations "
-                   f"({before.num_ack_pending} tasks unacked); TASKS redelivered after: {after.num_redelivered}")
+            restarts.append(
+                {
+                    "conversations_held": held,
+                    "tasks_ack_pending": before.num_ack_pending,
+                    "down_s": round(down, 1),
+                    "redelivered_after": after.num_redelivered,
+                }
+            )
+            r.note(
+                f"nats-server restart {k + 1}: down {down:.0f}s while the actor held {held:.0f} conversations "
+                f"({before.num_ack_pending} tasks unacked); TASKS redelivered after: {after.num_redelivered}"
+            )
         r.stats["restarts"] = restarts
         ledger, state, letters = await r.finish(expect_dead=0)
         assert all(x["conversations_held"] > 0 and x["down_s"] > ACK_WAIT_S for x in restarts), restarts
@@ -313,22 +368,30 @@ async def test_a_learner_outage_longer_than_group_timeout_drops_nothing(small_ru
         scored_before = (await r.stream("scored")).messages
         r.cluster.kill("learner")
         r.cluster.roles["learner"].held_down = True
-        r.note(f"learner SIGKILLed holding partial groups {partial}; kept down {outage_s:.0f}s "
-               f"(group_timeout_s={timeout_s:.0f})")
+        r.note(
+            f"learner SIGKILLed holding partial groups {partial}; kept down {outage_s:.0f}s "
+            f"(group_timeout_s={timeout_s:.0f})"
+        )
         await asyncio.sleep(outage_s)
         scored_during = (await r.stream("scored")).messages - scored_before
         pending = (await r.consumer("scored")).num_pending
         r.cluster.roles["learner"].held_down = False
         r.cluster.restart("learner")
         r.note(f"learner resumed after {outage_s:.0f}s; {scored_during} Scored stored meanwhile, {pending} waiting")
-        r.stats["outage"] = {"down_s": outage_s, "group_timeout_s": timeout_s, "partial_groups": list(partial),
-                             "scored_during": scored_during, "scored_waiting_at_resume": pending}
+        r.stats["outage"] = {
+            "down_s": outage_s,
+            "group_timeout_s": timeout_s,
+            "partial_groups": list(partial),
+            "scored_during": scored_during,
+            "scored_waiting_at_resume": pending,
+        }
         ledger, state, letters = await r.finish(expect_dead=0)
         assert scored_during >= 1, "nothing reached SCORED while the learner was down"
         timed_out = {t: state.reasons.get(t) for t, kind in state.done.items() if kind == "timeout"}
         assert timed_out == {}, timed_out
-        assert all(state.done.get(t) in (None, "trained", "zero_advantage", "stale") for t in partial), \
-            {t: state.done.get(t) for t in partial}
+        assert all(state.done.get(t) in (None, "trained", "zero_advantage", "stale") for t in partial), {
+            t: state.done.get(t) for t in partial
+        }
     finally:
         await r.close()
 
@@ -363,8 +426,14 @@ async def test_a_dead_letter_forged_by_a_service_user_frees_no_slot(small_run):
         await r.wait(lambda: actor_holding(r) > 0, "a task in flight", 300)
         tasks = await read_channel(r.js, RUN, "tasks")
         target = tasks[-1]
-        forged = codec.encode(DeadLetter(subject=topology.subject(RUN, "tasks"), reason="forged by a service user",
-                                         consumer="actor-0", payload=codec.encode(target)))
+        forged = codec.encode(
+            DeadLetter(
+                subject=topology.subject(RUN, "tasks"),
+                reason="forged by a service user",
+                consumer="actor-0",
+                payload=codec.encode(target),
+            )
+        )
         refused = {}
         for role in ("services", "sim", "judge"):
             errors: list[str] = []
@@ -375,8 +444,14 @@ async def test_a_dead_letter_forged_by_a_service_user_frees_no_slot(small_run):
             import nats
 
             user, password = r.creds[role]
-            nc = await nats.connect(r.cluster.url, name=f"forger-{role}", user=user, password=password,
-                                    error_cb=on_error, allow_reconnect=False)
+            nc = await nats.connect(
+                r.cluster.url,
+                name=f"forger-{role}",
+                user=user,
+                password=password,
+                error_cb=on_error,
+                allow_reconnect=False,
+            )
             try:
                 try:
                     await nc.jetstream().publish(topology.subject(RUN, "dead"), forged, timeout=3)
@@ -418,8 +493,16 @@ async def test_two_megabyte_trajectories(small_run, tmp_path):
     scorer, with 24 slots, starts only once 24 trajectories wait in TRAJ (48 MB: fetched by count
     alone, one burst): nothing is cut off, lost or dead-lettered."""
     items = two_megabyte_items(tmp_path / "items-2mb.jsonl")
-    r = small_run({"data.path": f'"{items}"', "rollout.sim_prompt": '"lazy_summary"', "rollout.n": "4",
-                   "actor.concurrency": "24", "scorer.concurrency": "24", "bus.max_bytes": str(2 * 2**30)})
+    r = small_run(
+        {
+            "data.path": f'"{items}"',
+            "rollout.sim_prompt": '"lazy_summary"',
+            "rollout.n": "4",
+            "actor.concurrency": "24",
+            "scorer.concurrency": "24",
+            "bus.max_bytes": str(2 * 2**30),
+        }
+    )
     try:
         await r.start(hold=("scorer",))
         want = 24

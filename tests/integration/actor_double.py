@@ -35,8 +35,12 @@ async def main(stop: asyncio.Event, url: str, run: str, ident: str, play_s: floa
         counters["tasks"] += 1
 
     def beat() -> Heartbeat:
-        return Heartbeat(role="actor", id=ident, state="busy" if held else "ready",
-                         counters={"tasks": float(counters["tasks"]), "in_flight": float(held)})
+        return Heartbeat(
+            role="actor",
+            id=ident,
+            state="busy" if held else "ready",
+            counters={"tasks": float(counters["tasks"]), "in_flight": float(held)},
+        )
 
     beats = asyncio.create_task(status.heartbeat_loop(nc, run, beat, stop, every=0.5))
     await PullWorker(js, run, "tasks", play, bus=BUS, name=ident, fetch_timeout=0.5).run_until(stop)

@@ -124,4 +124,6 @@ def operator_setup(name: str = "parley-test") -> OperatorSetup:
         },
         acc,
     )  # fmt: skip
-    return OperatorSetup(operator_jwt, public(sys_acc), system_jwt, public(acc), account_jwt, user_jwt, user.seed.decode())
+    return OperatorSetup(
+        operator_jwt, public(sys_acc), system_jwt, public(acc), account_jwt, user_jwt, user.seed.decode()
+    )

@@ -36,7 +36,9 @@ async def test_actor_pool_grows_under_a_backlog_and_shrinks_when_it_drains(js, n
     sup = Supervisor(tmp_path / "run")
 
     def spawn(name: str) -> None:
-        sup.start(name, [sys.executable, "-m", "tests.integration.actor_double", nats_server.url, RUN, name, str(PLAY_S)])
+        sup.start(
+            name, [sys.executable, "-m", "tests.integration.actor_double", nats_server.url, RUN, name, str(PLAY_S)]
+        )
 
     async def retire(name: str) -> None:
         assert await asyncio.to_thread(sup.retire, name) == 0  # a retired actor drains and exits cleanly

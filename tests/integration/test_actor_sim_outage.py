@@ -15,8 +15,8 @@ from parley.actors.actor import Actor
 from parley.config.run import RunConfig
 from parley.protocol import codec, topology
 from parley.protocol.bus import PullWorker, publish
-from parley.protocol.messages import ChatMessage, SimReply, Task
 from parley.protocol.connect import barrier
+from parley.protocol.messages import ChatMessage, SimReply, Task
 from tests.unit.test_rollout import EngineDouble
 
 pytestmark = [pytest.mark.integration]
@@ -54,8 +54,9 @@ async def test_actor_waits_out_a_simulator_outage_without_spending_deliveries(js
     task = Task(task_id=f"{RUN}-g000000", run=RUN, item_id="i", n=1, prefix=[ChatMessage("user", "A toast, please.")])
     await publish(js, RUN, "tasks", task)
     stop = asyncio.Event()
-    worker = asyncio.create_task(PullWorker(js, RUN, "tasks", handle, bus=BUS, name="actor-t", fetch_timeout=0.5)
-                                 .run_until(stop))
+    worker = asyncio.create_task(
+        PullWorker(js, RUN, "tasks", handle, bus=BUS, name="actor-t", fetch_timeout=0.5).run_until(stop)
+    )
     try:
         # The outage: no responder, for longer than the deliveries the task has (2 x 1 s ack_wait).
         t0 = time.monotonic()

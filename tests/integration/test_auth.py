@@ -24,10 +24,10 @@ from parley.protocol import codec, examples, status, topology
 from parley.protocol.bus import PullWorker, dead_letter, publish
 from parley.protocol.connect import NatsUnreachable, barrier, connect, inbox_prefix
 from parley.protocol.messages import Heartbeat, JudgeReply, JudgeRequest, SimReply, SimRequest, WeightVersion
-from tests import factories
 from parley.weights.common import current_version
 from parley.weights.config import ObjstoreWeights
 from parley.weights.registry import fetch_version, publish_version
+from tests import factories
 
 pytestmark = pytest.mark.integration
 RUN = "authrun"
@@ -221,7 +221,9 @@ async def test_no_role_can_read_another_roles_inbox(which, request, caplog):
 async def test_verify_only_names_what_is_missing(secured):
     admin = await secured.connect("admin")
     try:
-        with pytest.raises(topology.TopologyError, match="stream PARLEY_never_made_TASKS of run 'never_made' does not exist"):
+        with pytest.raises(
+            topology.TopologyError, match="stream PARLEY_never_made_TASKS of run 'never_made' does not exist"
+        ):
             await topology.ensure_topology(admin.jetstream(), "never_made", create=False)
         await topology.ensure_topology(admin.jetstream(), RUN, FAST)
         await topology.ensure_topology(admin.jetstream(), RUN, FAST, create=False)
@@ -342,8 +344,8 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
 
 
 async def test_services_may_answer_for_as_long_as_the_config_lets_requesters_wait(tmp_path, caplog):
-    from parley.deploy.permissions import response_window_s
     from parley.config.run import load_config
+    from parley.deploy.permissions import response_window_s
 
     cfg = load_config(None, ["actor.sim_timeout_s=400", "scorer.judge_timeout_s=30"])
     assert response_window_s(cfg) >= 400
@@ -388,12 +390,40 @@ def make_tls(d) -> tuple[str, str, str]:
     def ssl(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-        "-subj", "/CN=parley test CA")
+    ssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=parley test CA",
+    )
     ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.pem", "-days", "1", "-extfile", "san.ext")
+    ssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+    )
     return str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key")
 
 
@@ -431,6 +461,7 @@ async def test_the_reference_service_answers_the_scorer_and_nobody_else_may_ask_
     caplog.set_level(logging.WARNING, logger="parley.nats")
     conns = {role: await secured.connect(role) for role in ("scorer", "reference", "actor", "judge")}
     try:
+
         async def answer(msg):
             codec.decode("reference.request", msg.data)
             await msg.respond(codec.encode(ReferenceReply(ok=True, model="toy")))

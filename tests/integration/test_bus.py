@@ -57,7 +57,9 @@ KILLED_CONSUMER = textwrap.dedent(
 async def test_unacked_message_of_a_killed_consumer_goes_to_another(js, nats_server):
     await topology.ensure_topology(js, RUN, FAST)
     await publish(js, RUN, "traj", examples.trajectory(RUN))
-    doomed = subprocess.Popen([sys.executable, "-c", KILLED_CONSUMER, nats_server.url], stdout=subprocess.PIPE, text=True)
+    doomed = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CONSUMER, nats_server.url], stdout=subprocess.PIPE, text=True
+    )
     line = await asyncio.to_thread(doomed.stdout.readline)
     assert line.startswith("fetched")
     doomed.kill()  # SIGKILL while holding the message unacked
@@ -435,7 +437,7 @@ async def test_copies_a_dead_holder_absorbed_do_not_count_against_the_worker_aft
     task_b = asyncio.create_task(b.run_until(stop_b))
     try:
         await asyncio.wait_for(stop_b.wait(), timeout=20)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     stop_b.set()
     await asyncio.wait_for(task_b, timeout=10)

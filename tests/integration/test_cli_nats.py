@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -52,7 +51,10 @@ def test_unreachable_nats_fails_fast_with_the_url(tmp_path):
     env = {**os.environ, "PARLEY_LOG": "ERROR"}
     out = subprocess.run(
         [*PARLEY, "selfcheck", "--external", "--nats", "nats://127.0.0.1:1", "--set", "nats.connect_timeout_s=2"],
-        capture_output=True, text=True, timeout=60, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert out.returncode == 3
     assert "nats://127.0.0.1:1" in out.stderr
@@ -68,15 +70,25 @@ def test_a_server_store_without_room_for_the_runs_streams_fails_with_the_setting
     server.start()
     try:
         env = {**os.environ, "PARLEY_LOG": "ERROR"}
-        out = subprocess.run([*PARLEY, "selfcheck", "--external", "--nats", server.url],
-                             capture_output=True, text=True, timeout=120, env=env)
+        out = subprocess.run(
+            [*PARLEY, "selfcheck", "--external", "--nats", server.url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert out.returncode == 4, out.stderr[-2000:]
         assert "Traceback" not in out.stderr
         line = next(x for x in out.stderr.splitlines() if x.startswith("parley: "))
         assert "insufficient storage" in line and "[bus] max_bytes = 1073741824" in line
         assert "5.0 GiB" in line and "--set bus.max_bytes=" in line
-        out = subprocess.run([*PARLEY, "selfcheck", "--external", "--nats", server.url, "--set", "bus.max_bytes=8388608"],
-                             capture_output=True, text=True, timeout=120, env=env)
+        out = subprocess.run(
+            [*PARLEY, "selfcheck", "--external", "--nats", server.url, "--set", "bus.max_bytes=8388608"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
     finally:
         server.stop()

@@ -46,7 +46,7 @@ async def _until_ready(js, deadline: float) -> None:
         try:
             await topology.ensure_topology(js, RUN, R3)
             return
-        except (APIError, topology.TopologyError, asyncio.TimeoutError):
+        except (TimeoutError, APIError, topology.TopologyError):
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.5)

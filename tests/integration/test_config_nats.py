@@ -67,8 +67,13 @@ def test_ca_file_from_the_config_reaches_selfcheck_replay_and_top(tls_server):
     assert out.returncode == 0, out.stderr
     assert "1 conversations" in out.stdout
 
-    top = subprocess.Popen([*PARLEY, "top", "--config", str(config)], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=role_env(auth_dir, "actor"))
+    top = subprocess.Popen(
+        [*PARLEY, "top", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=role_env(auth_dir, "actor"),
+    )
     try:
         with pytest.raises(subprocess.TimeoutExpired):  # connected: it watches until told to stop
             top.wait(8)
@@ -85,12 +90,17 @@ async def test_ca_file_from_the_config_reaches_a_role(tls_server):
     out = parley("selfcheck", "--external", "--config", str(config), "--run", RUN, env=role_env(auth_dir, "admin"))
     assert out.returncode == 0, out.stderr
     admin = read_env_file(auth_dir / "admin.env")
-    watcher = await connect(url, name="watcher", user=admin["PARLEY_NATS_USER"],
-                            password=admin["PARLEY_NATS_PASSWORD"], ca_file=ca)
+    watcher = await connect(
+        url, name="watcher", user=admin["PARLEY_NATS_USER"], password=admin["PARLEY_NATS_PASSWORD"], ca_file=ca
+    )
     seen = asyncio.Queue()
     await watcher.subscribe(topology.status_subject(RUN, "scorer", "*"), cb=seen.put)
-    scorer = subprocess.Popen([*PARLEY, "scorer", "--config", str(config), "--id", "scorer-cfg"],
-                              stderr=subprocess.PIPE, text=True, env=role_env(auth_dir, "scorer"))
+    scorer = subprocess.Popen(
+        [*PARLEY, "scorer", "--config", str(config), "--id", "scorer-cfg"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=role_env(auth_dir, "scorer"),
+    )
     try:
         msg = await asyncio.wait_for(seen.get(), timeout=60)
         assert b"scorer-cfg" in msg.data
@@ -167,8 +177,9 @@ def test_a_creds_file_from_the_config_logs_in_to_an_operator_mode_server(operato
     assert "1 conversations" in out.stdout
 
 
-@pytest.mark.parametrize("command", [["selfcheck", "--external", "--run", OP_RUN], ["replay", "--stream", "scored"]],
-                         ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    "command", [["selfcheck", "--external", "--run", OP_RUN], ["replay", "--stream", "scored"]], ids=lambda c: c[0]
+)
 def test_without_the_creds_file_the_operator_mode_server_refuses(operator_server, command):
     _, without, _ = operator_server
     out = parley(*command, "--config", str(without), env=bare_env())

@@ -20,8 +20,9 @@ BUS = topology.BusSettings(max_bytes=16 * 1024**2)
 
 
 def feeder(js, state=None) -> Feeder:
-    return Feeder(js, RUN, load_items()[:5], RolloutConfig(n=2), max_staleness=1, groups_per_step=2, seed=3,
-                  state=state)
+    return Feeder(
+        js, RUN, load_items()[:5], RolloutConfig(n=2), max_staleness=1, groups_per_step=2, seed=3, state=state
+    )
 
 
 async def issue_until(f: Feeder, count: int) -> None:
@@ -39,7 +40,10 @@ async def issue_until(f: Feeder, count: int) -> None:
 async def stored_ids(js) -> list[str]:
     name = topology.stream_name(RUN, "tasks")
     info = (await js.stream_info(name)).state
-    return [codec.decode("tasks", (await js.get_msg(name, s)).data).task_id for s in range(info.first_seq, info.last_seq + 1)]
+    return [
+        codec.decode("tasks", (await js.get_msg(name, s)).data).task_id
+        for s in range(info.first_seq, info.last_seq + 1)
+    ]
 
 
 async def test_a_feeder_without_a_ledger_adopts_the_published_tasks_and_issues_after_them(js):
@@ -75,8 +79,9 @@ async def test_a_resumed_feeder_adopts_only_the_tail_its_ledger_did_not_record(j
     assert await third.adopt_published() == 0 and third.state.next_index == 4 and not third.state.in_flight
 
 
-async def test_a_learner_killed_before_its_first_ledger_write_resumes_its_published_tasks(js, nats_server, tiny_model,
-                                                                                           tmp_path):
+async def test_a_learner_killed_before_its_first_ledger_write_resumes_its_published_tasks(
+    js, nats_server, tiny_model, tmp_path
+):
     """The real `parley learner`: it publishes its first tasks, is SIGKILLed before any ledger write
     (no sample arrived), and `--resume` adopts those tasks instead of issuing them again."""
     import os

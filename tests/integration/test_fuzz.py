@@ -46,8 +46,12 @@ from parley.protocol.messages import (
 )
 from tests import factories
 
-pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module"),
-              pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.e2e,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(600),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 RUN, LRUN = "fuzz", "fuzzl"  # actor + scorer + services; the learner on its own run
@@ -71,8 +75,12 @@ class System:
         self.logs[name] = log
         with log.open("ab") as out:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "parley.deploy.cli", *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env={**os.environ, "PARLEY_LOG": "INFO", "PYTHONUNBUFFERED": "1"},
+                [sys.executable, "-m", "parley.deploy.cli", *argv],
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PARLEY_LOG": "INFO", "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,
             )
 
@@ -139,29 +147,58 @@ async def system(tmp_path_factory, tiny_model):
     model = str(tiny_model)
 
     def engine(section: str, length: int) -> list[str]:
-        return [f'{section}.model="{model}"', f"{section}.max_model_len={length}",
-                f"{section}.kv_cache_bytes={128 * 2**20}"]
+        return [
+            f'{section}.model="{model}"',
+            f"{section}.max_model_len={length}",
+            f"{section}.kv_cache_bytes={128 * 2**20}",
+        ]
 
     common = [f"bus.max_bytes={BUS.max_bytes}", f"bus.ack_wait_s={BUS.ack_wait_s}", f'run.dir="{root / "run"}"']
     roles = {  # name: (command and options, config overrides)
-        "services": (["services", "--run", RUN, "--id", "svc"],
-                     [*engine("sim.engine", 1536), *engine("judge.engine", 1536), "judge.max_tokens=256",
-                      "sim.max_tokens=48", "sim.max_retries=1"]),
-        "actor": (["actor", "--run", RUN, "--id", "actor-f"],
-                  [*engine("actor.engine", 1024), "actor.concurrency=4", "actor.weights_poll_s=0.5",
-                   "actor.sim_timeout_s=60"]),
-        "scorer": (["scorer", "--run", RUN, "--id", "scorer-f"],
-                   ["scorer.retry_delay_s=1", "scorer.retry_max_delay_s=2", "scorer.judge_timeout_s=60"]),
-        "learner": (["learner", "--run", LRUN],
-                    [f'policy.model="{model}"', "rollout.n=2", "learner.groups_per_step=1",
-                     "learner.micro_batch_tokens=256", "learner.steps=0", f'run.dir="{root / "learner"}"']),
+        "services": (
+            ["services", "--run", RUN, "--id", "svc"],
+            [
+                *engine("sim.engine", 1536),
+                *engine("judge.engine", 1536),
+                "judge.max_tokens=256",
+                "sim.max_tokens=48",
+                "sim.max_retries=1",
+            ],
+        ),
+        "actor": (
+            ["actor", "--run", RUN, "--id", "actor-f"],
+            [
+                *engine("actor.engine", 1024),
+                "actor.concurrency=4",
+                "actor.weights_poll_s=0.5",
+                "actor.sim_timeout_s=60",
+            ],
+        ),
+        "scorer": (
+            ["scorer", "--run", RUN, "--id", "scorer-f"],
+            ["scorer.retry_delay_s=1", "scorer.retry_max_delay_s=2", "scorer.judge_timeout_s=60"],
+        ),
+        "learner": (
+            ["learner", "--run", LRUN],
+            [
+                f'policy.model="{model}"',
+                "rollout.n=2",
+                "learner.groups_per_step=1",
+                "learner.micro_batch_tokens=256",
+                "learner.steps=0",
+                f'run.dir="{root / "learner"}"',
+            ],
+        ),
     }
     for name, (argv, sets) in roles.items():
         s.start(name, [*argv, "--nats", url, *(x for kv in [*common, *sets] for x in ("--set", kv))])
     try:
         want = ("actor", "scorer", "sim", "judge", "learner")
-        await s.wait(lambda: all((hb := s.beat(r)) is not None and hb.state in ("ready", "busy") for r in want),
-                     "every role to report ready", timeout=300)
+        await s.wait(
+            lambda: all((hb := s.beat(r)) is not None and hb.state in ("ready", "busy") for r in want),
+            "every role to report ready",
+            timeout=300,
+        )
         yield s
     finally:
         s.stop()
@@ -171,9 +208,13 @@ async def system(tmp_path_factory, tiny_model):
 
 # -- the stream consumers -------------------------------------------------------------------------
 
+
 def _valid(key: str, run: str):
-    return {"tasks": examples.task(run, "t-valid"), "traj": examples.trajectory(run, "t-valid"),
-            "scored": examples.scored(run)}[key]
+    return {
+        "tasks": examples.task(run, "t-valid"),
+        "traj": examples.trajectory(run, "t-valid"),
+        "scored": examples.scored(run),
+    }[key]
 
 
 def fuzz_payloads(key: str, run: str, max_payload: int) -> dict[str, bytes]:
@@ -214,8 +255,11 @@ def _matches(dl: DeadLetter, payload: bytes) -> bool:
     if dl.payload == payload:
         return True
     # A near-limit payload is kept cut, with the whole one's digest in the reason.
-    return len(dl.payload) < len(payload) and payload.startswith(dl.payload) and \
-        hashlib.sha256(payload).hexdigest() in dl.reason
+    return (
+        len(dl.payload) < len(payload)
+        and payload.startswith(dl.payload)
+        and hashlib.sha256(payload).hexdigest() in dl.reason
+    )
 
 
 async def dead_letters(js, run: str) -> list[DeadLetter]:
@@ -275,8 +319,14 @@ async def test_bad_messages_are_dead_lettered_with_reasons_and_counted(system):
         assert dl.reason.strip(), (key, name)
         assert dl.consumer.startswith(idents[key]), (key, name, dl.consumer)
         # garbage fails at decode; well-formed but impossible messages are refused by the role, saying why
-        expect = {"bad-mode": "mode=", "zero-samples": "n=0", "other-run": "someone-else", "no-reference": "reference",
-                  "mask-mismatch": "loss_mask", "sample-out-of-range": "sample index 99"}.get(name, "decode error")
+        expect = {
+            "bad-mode": "mode=",
+            "zero-samples": "n=0",
+            "other-run": "someone-else",
+            "no-reference": "reference",
+            "mask-mismatch": "loss_mask",
+            "sample-out-of-range": "sample index 99",
+        }.get(name, "decode error")
         assert expect in dl.reason, (key, name, dl.reason)
         if name == "near-limit-junk":
             assert "cut to its first" in dl.reason
@@ -284,8 +334,7 @@ async def test_bad_messages_are_dead_lettered_with_reasons_and_counted(system):
     # Counted in each role's heartbeat, and nothing is left pending or unacknowledged.
     for key, (run, role) in CONSUMER_OF.items():
         n = sum(1 for k, _ in sent if k == key)
-        await s.wait(lambda: s.dead(role, key) >= before[key] + n,
-                     f"{role} heartbeat to count {n} dead.{key}")
+        await s.wait(lambda: s.dead(role, key) >= before[key] + n, f"{role} heartbeat to count {n} dead.{key}")
         durable = topology.CHANNELS[key].durable
 
         async def drained():
@@ -299,6 +348,7 @@ async def test_bad_messages_are_dead_lettered_with_reasons_and_counted(system):
 
 
 # -- the request/reply services -------------------------------------------------------------------
+
 
 async def test_model_output_with_lone_surrogates_still_makes_a_reply():
     """Bad input from the model side: a JSON "\\udxxx" escape decodes to a lone surrogate, which
@@ -320,14 +370,18 @@ async def test_services_answer_malformed_requests_with_an_error(system):
     judge_ok = codec.encode(JudgeRequest(op="extract", messages=convo))
     near_limit = rng.randbytes(s.nc.max_payload - 1024)
     sim_bad = {
-        "empty": b"", "garbage": rng.randbytes(64), "truncated": sim_ok[: len(sim_ok) // 2],
+        "empty": b"",
+        "garbage": rng.randbytes(64),
+        "truncated": sim_ok[: len(sim_ok) // 2],
         "judge-request": judge_ok,
         "unknown-variant": codec.encode(SimRequest(prompt="shouty", messages=convo)),
         "path-variant": codec.encode(SimRequest(prompt="../../etc/passwd", messages=convo)),
         "near-limit-junk": near_limit,
     }
     judge_bad = {
-        "empty": b"", "garbage": rng.randbytes(64), "truncated": judge_ok[: len(judge_ok) // 2],
+        "empty": b"",
+        "garbage": rng.randbytes(64),
+        "truncated": judge_ok[: len(judge_ok) // 2],
         "sim-request": codec.encode(SimRequest(prompt="lazy_full", messages=convo)),
         "near-limit-junk": near_limit,
     }
@@ -353,11 +407,14 @@ async def test_services_answer_malformed_requests_with_an_error(system):
     assert not reply.ok and "request op" in reply.error
 
     n_sim = 1 + len(sim_bad)  # +1: the request with no reply subject
-    await s.wait(lambda: s.counter("sim", "bad_request") >= sim_before + n_sim,
-                 f"sim heartbeat to count {n_sim} bad requests")
+    await s.wait(
+        lambda: s.counter("sim", "bad_request") >= sim_before + n_sim, f"sim heartbeat to count {n_sim} bad requests"
+    )
     n_judge = 1 + len(topology.JUDGE_OPS) * len(judge_bad)
-    await s.wait(lambda: s.counter("judge", "bad_request") >= judge_before + n_judge,
-                 f"judge heartbeat to count {n_judge} bad requests")
+    await s.wait(
+        lambda: s.counter("judge", "bad_request") >= judge_before + n_judge,
+        f"judge heartbeat to count {n_judge} bad requests",
+    )
 
     # Both still serve a good request.
     reply = codec.decode("sim.reply", (await s.nc.request(topology.SIM_SUBJECT, sim_ok, timeout=120)).data)
@@ -368,6 +425,7 @@ async def test_services_answer_malformed_requests_with_an_error(system):
 
 
 # -- weight announcements -------------------------------------------------------------------------
+
 
 async def test_bad_weight_announcements_are_refused_and_counted(system, tiny_model, tmp_path):
     from parley.weights.config import ObjstoreWeights
@@ -402,8 +460,10 @@ async def test_bad_weight_announcements_are_refused_and_counted(system, tiny_mod
     ]
     for i, wv in enumerate(bad, start=1):
         await kv.put(topology.WEIGHTS_KEY, codec.encode(wv))
-        await s.wait(lambda i=i: s.counter("actor", "refused_versions") >= i,
-                     f"the actor to refuse version {wv.version} ({i} refused)")
+        await s.wait(
+            lambda i=i: s.counter("actor", "refused_versions") >= i,
+            f"the actor to refuse version {wv.version} ({i} refused)",
+        )
         assert actor_version() == 3
     assert s.procs["actor"].poll() is None
     log = s.tail("actor", 200_000)
@@ -418,10 +478,17 @@ async def test_bad_weight_announcements_are_refused_and_counted(system, tiny_mod
 
 # -- still alive, still working -------------------------------------------------------------------
 
+
 def _tiny_scored(run: str, task: str, sample: int) -> Scored:
     traj = factories.trajectory(
-        run, task, sample, item_id="fuzz-item", messages=[("user", "hi"), ("assistant", "hello")],
-        token_ids=[5, 6, 7, 8, 9], loss_mask=[0, 0, 1, 1, 1], turns=[factories.turn(2, [-1.0, -2.0, -0.5])],
+        run,
+        task,
+        sample,
+        item_id="fuzz-item",
+        messages=[("user", "hi"), ("assistant", "hello")],
+        token_ids=[5, 6, 7, 8, 9],
+        loss_mask=[0, 0, 1, 1, 1],
+        turns=[factories.turn(2, [-1.0, -2.0, -0.5])],
         reference="hello",
     )
     return factories.scored(traj, {"bleu": 0.5})

@@ -37,14 +37,22 @@ async def test_replay_of_steps_the_streams_no_longer_hold(js, nc, tmp_path):
 
     root = archive_dir(run_dir)
     names = sorted(p.name for p in root.iterdir())
-    assert names == ["step000001-dropped.parquet", "step000001-trained.parquet", "step000002-trained.parquet",
-                     "step000003-trained.parquet"]
+    assert names == [
+        "step000001-dropped.parquet",
+        "step000001-trained.parquet",
+        "step000002-trained.parquet",
+        "step000003-trained.parquet",
+    ]
     assert {s.traj_id for s in read_log(root / "step000001-trained.parquet")} == step1
     assert [s.task_id for s in read_log(root / "step000001-dropped.parquet")] == [f"{run}-g000001"] * 2
 
     proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "parley.deploy.cli", "replay", str(run_dir), "--weights", "bleu=1"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        subprocess.run,
+        [sys.executable, "-m", "parley.deploy.cli", "replay", str(run_dir), "--weights", "bleu=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "14 conversations" in proc.stdout  # 3 steps x 2 groups x 2 samples, and the flat group

@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-from parley.config.run import RunConfig
 from parley.config.learner import LearnerConfig, RolloutConfig
+from parley.config.run import RunConfig
+from parley.evaluation.selection import select_best
 from parley.protocol import topology
 from parley.protocol.bus import publish
-from parley.evaluation.selection import select_best
 from tests.integration.test_learner_fates import TrainerDouble
 from tests.integration.test_learner_resume import BUS, make_scored, toy  # noqa: F401 (toy: the fixture)
 from tests.unit.test_periodic_eval import PlantedEval
@@ -34,9 +34,17 @@ async def test_learner_stops_early_on_a_significant_regression(js, nc, toy, tmp_
     (base / "tokenizer.json").write_text("{}")
     run_dir = tmp_path / "run"
     cfg = RunConfig(
-        bus=BUS, rollout=RolloutConfig(n=N),
-        learner=LearnerConfig(steps=STEPS, groups_per_step=1, max_staleness=STEPS, eval_every=1, eval_items=12,
-                              early_stop=True, ledger_flush_s=0.5),
+        bus=BUS,
+        rollout=RolloutConfig(n=N),
+        learner=LearnerConfig(
+            steps=STEPS,
+            groups_per_step=1,
+            max_staleness=STEPS,
+            eval_every=1,
+            eval_items=12,
+            early_stop=True,
+            ledger_flush_s=0.5,
+        ),
     )
     cfg.run.name, cfg.run.dir = RUN, str(run_dir)
     await topology.ensure_topology(js, RUN, BUS)

@@ -14,9 +14,9 @@ import time
 import msgspec
 import pytest
 
+from parley.config.learner import LearnerConfig, RolloutConfig
 from parley.config.run import RunConfig
 from parley.learner.checkpoint import read_state
-from parley.config.learner import LearnerConfig, RolloutConfig
 from parley.protocol import codec, topology
 from parley.protocol.bus import Poison, PullWorker, publish
 from parley.protocol.messages import ABANDONED_STALE, Scored, Task
@@ -33,13 +33,24 @@ def scored_for(task: Task, sample: int, *, flat: bool = False, pad: int = 0) -> 
     differ within the group unless `flat` (then it is skipped as zero advantage); `pad` characters
     of conversation make it bigger on the wire."""
     traj = factories.trajectory(
-        task.run, task.task_id, sample, item_id=task.item_id, messages=[("user", "x" * pad), ("assistant", "ok")],
-        token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], reference=task.reference,
-        turns=[factories.turn(2, [-0.5, -0.5], task.admitted_version)], assistant_tokens=2,
+        task.run,
+        task.task_id,
+        sample,
+        item_id=task.item_id,
+        messages=[("user", "x" * pad), ("assistant", "ok")],
+        token_ids=[1, 2, 3, 4],
+        loss_mask=[0, 0, 1, 1],
+        reference=task.reference,
+        turns=[factories.turn(2, [-0.5, -0.5], task.admitted_version)],
+        assistant_tokens=2,
     )
     reward = 0.5 if flat else 0.25 + 0.5 * sample
-    return factories.scored(traj, {"bleu": reward, "interactivity": reward, "token_amount": 0.002},
-                            weights={"bleu": 1.0}, document="the document")
+    return factories.scored(
+        traj,
+        {"bleu": reward, "interactivity": reward, "token_amount": 0.002},
+        weights={"bleu": 1.0},
+        document="the document",
+    )
 
 
 class SnapshotDouble:
@@ -86,9 +97,18 @@ class TrainerDouble:
 def abandoned_for(task: Task, sample: int) -> Scored:
     """What a real actor and scorer publish for a sample stopped before its first turn because its
     group could no longer be trained: no turn, no reward, terminated ABANDONED_STALE."""
-    traj = factories.trajectory(task.run, task.task_id, sample, item_id=task.item_id, messages=[("user", "x")],
-                                token_ids=[1, 2], loss_mask=[0, 0], reference=task.reference, turns=[],
-                                terminated=ABANDONED_STALE)
+    traj = factories.trajectory(
+        task.run,
+        task.task_id,
+        sample,
+        item_id=task.item_id,
+        messages=[("user", "x")],
+        token_ids=[1, 2],
+        loss_mask=[0, 0],
+        reference=task.reference,
+        turns=[],
+        terminated=ABANDONED_STALE,
+    )
     return factories.scored(traj, {}, weights={}, total=0.0)
 
 
@@ -114,8 +134,9 @@ class ActorDouble:
         await msg.ack()  # "lose": acked, never answered, never dead-lettered
 
     def start(self, stop: asyncio.Event) -> asyncio.Task:
-        worker = PullWorker(self.js, self.run, "tasks", self.handle, bus=self.bus, name="actor-double", concurrency=8,
-                            fetch_timeout=0.5)
+        worker = PullWorker(
+            self.js, self.run, "tasks", self.handle, bus=self.bus, name="actor-double", concurrency=8, fetch_timeout=0.5
+        )
         return asyncio.create_task(worker.run_until(stop))
 
 
@@ -137,8 +158,15 @@ async def drive(js, nc, cfg, fate, *, resume=False, trainer=None, timeout=120.0,
     """Run the Learner with the actor double until its step budget; returns (learner, actor)."""
     from parley.learner.service import Learner
 
-    learner = Learner(cfg, js, nc, trainer or TrainerDouble(), model_dir=base_model(cfg.run_dir.parent),
-                      resume=resume, steps=cfg.learner.steps)
+    learner = Learner(
+        cfg,
+        js,
+        nc,
+        trainer or TrainerDouble(),
+        model_dir=base_model(cfg.run_dir.parent),
+        resume=resume,
+        steps=cfg.learner.steps,
+    )
     halt = asyncio.Event()
     actor = ActorDouble(js, cfg.run.name, fate, bus=cfg.bus, pad=pad)
     job = actor.start(halt)
@@ -195,16 +223,16 @@ async def test_abandoned_samples_drop_their_groups_as_stale_and_free_their_slots
 
 async def test_lost_tasks_are_given_up_at_their_deadline(js, nc, tmp_path):
     run, run_dir = "deadline", tmp_path / "run"
-    cfg = make_cfg(run, run_dir, steps=1, groups_per_step=4, max_staleness=0, group_timeout_s=1.0,
-                   task_deadline_s=2.0)
+    cfg = make_cfg(run, run_dir, steps=1, groups_per_step=4, max_staleness=0, group_timeout_s=1.0, task_deadline_s=2.0)
     await topology.ensure_topology(js, run, BUS)
     await drive(js, nc, cfg, lambda i: "lose" if i < 4 else "answer")
 
     state = read_state(run_dir)
     lost = [f"{run}-g{i:06d}" for i in range(4)]
     assert [state.done[t] for t in lost] == ["deadline"] * 4
-    assert all(state.reasons[t].startswith("deadline: 0/2 samples ") and "task_deadline_s=2" in state.reasons[t]
-               for t in lost)
+    assert all(
+        state.reasons[t].startswith("deadline: 0/2 samples ") and "task_deadline_s=2" in state.reasons[t] for t in lost
+    )
 
 
 async def test_resume_does_not_restore_a_stall(js, nc, tmp_path):
@@ -260,7 +288,8 @@ async def test_admission_waits_for_the_announced_version(js, nc, tmp_path):
     worker = actor.start(halt)
     try:
         held, code = await asyncio.wait_for(
-            asyncio.gather(check_while_held(), learner_box[0].run(asyncio.Event())), timeout=120)
+            asyncio.gather(check_while_held(), learner_box[0].run(asyncio.Event())), timeout=120
+        )
     finally:
         trainer.release.set()
         halt.set()
@@ -287,8 +316,14 @@ def test_a_resumed_deadline_does_not_count_the_time_the_learner_was_down(tmp_pat
 
     run_dir = tmp_path / "run"
     cfg = make_cfg("down", run_dir, steps=1, groups_per_step=2, max_staleness=0)
-    ckpt.write_state(run_dir, ckpt.LearnerState(in_flight=["down-g000000", "down-g000001"], next_index=2,
-                                                issued=[ckpt.IssuedTask(task_id="down-g000000", at=0.0, version=0)]))
+    ckpt.write_state(
+        run_dir,
+        ckpt.LearnerState(
+            in_flight=["down-g000000", "down-g000001"],
+            next_index=2,
+            issued=[ckpt.IssuedTask(task_id="down-g000000", at=0.0, version=0)],
+        ),
+    )
     state = ckpt.read_state(run_dir)
     state.saved -= 3 * 3600.0  # written at issue time + 1 s, then three hours down
     state.issued[0].at = state.saved - 1.0
@@ -313,8 +348,9 @@ def test_only_a_real_sample_of_an_issued_task_gives_it_up(tmp_path):
     def letter(sample: int) -> DeadLetter:
         s = scored_for(task, 0)
         s.sample = s.trajectory.sample = sample
-        return DeadLetter(subject=topology.subject("one", "scored"), reason="refused", consumer="learner-x",
-                          payload=codec.encode(s))
+        return DeadLetter(
+            subject=topology.subject("one", "scored"), reason="refused", consumer="learner-x", payload=codec.encode(s)
+        )
 
     learner.fates.on_dead(letter(7))  # outside 0..n-1: a bogus sample, not a lost one
     assert "one-g000000" in learner.feeder.state.in_flight
@@ -336,13 +372,20 @@ def test_a_resumed_group_timeout_does_not_count_the_time_the_learner_was_down(tm
     cfg = make_cfg("away", run_dir, steps=1, groups_per_step=1, max_staleness=0, group_timeout_s=600.0)
     task = Task(task_id="away-g000000", run="away", item_id="item-0", n=N)
     saved = time.time() - 3 * 3600.0  # three hours down, far past the 600 s timeout
-    ckpt.Ledger(run_dir).write(ckpt.LearnerState(
-        in_flight=[task.task_id], next_index=1,
-        groups=[ckpt.GroupState(task_id=task.task_id, first_seen=saved - 10.0, samples=[scored_for(task, 0)])]))
+    ckpt.Ledger(run_dir).write(
+        ckpt.LearnerState(
+            in_flight=[task.task_id],
+            next_index=1,
+            groups=[ckpt.GroupState(task_id=task.task_id, first_seen=saved - 10.0, samples=[scored_for(task, 0)])],
+        )
+    )
     state = ckpt.read_state(run_dir)
     state.saved = saved
-    (ckpt.learner_dir(run_dir) / ckpt.STATE_FILE).write_bytes(msgspec.msgpack.encode(
-        msgspec.structs.replace(state, groups=[msgspec.structs.replace(g, samples=[]) for g in state.groups])))
+    (ckpt.learner_dir(run_dir) / ckpt.STATE_FILE).write_bytes(
+        msgspec.msgpack.encode(
+            msgspec.structs.replace(state, groups=[msgspec.structs.replace(g, samples=[]) for g in state.groups])
+        )
+    )
     learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
     assert task.task_id in learner.grouper.buffer
     assert learner.grouper.expire() == []  # 10 s of uptime, not three hours
@@ -361,9 +404,15 @@ async def test_a_resumed_learner_reads_its_backlog_before_it_times_groups_out(js
     cfg = make_cfg("backlog", run_dir, steps=1, groups_per_step=1, max_staleness=0, group_timeout_s=1.0)
     await topology.ensure_topology(js, cfg.run.name, cfg.bus)
     task = Task(task_id="backlog-g000000", run="backlog", item_id="item-0", n=N)
-    ckpt.Ledger(run_dir).write(ckpt.LearnerState(
-        in_flight=[task.task_id], next_index=1,
-        groups=[ckpt.GroupState(task_id=task.task_id, first_seen=time.time() - 30.0, samples=[scored_for(task, 0)])]))
+    ckpt.Ledger(run_dir).write(
+        ckpt.LearnerState(
+            in_flight=[task.task_id],
+            next_index=1,
+            groups=[
+                ckpt.GroupState(task_id=task.task_id, first_seen=time.time() - 30.0, samples=[scored_for(task, 0)])
+            ],
+        )
+    )
     for i in range(1, N):  # the samples actors finished while the learner was away
         await publish(js, cfg.run.name, "scored", scored_for(task, i))
     learner = Learner(cfg, js, nc, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
@@ -384,13 +433,20 @@ def test_a_letter_read_before_its_task_is_in_flight_frees_the_task_once_it_is(tm
     cfg = make_cfg("early", tmp_path / "run", steps=1, groups_per_step=2, max_staleness=0)
     learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)
     task = Task(task_id="early-g000000", run="early", item_id="i", n=N)
-    dl = DeadLetter(subject=topology.subject("early", "tasks"), reason="poison: no such item", consumer="actor-x",
-                    payload=codec.encode(task))
+    dl = DeadLetter(
+        subject=topology.subject("early", "tasks"),
+        reason="poison: no such item",
+        consumer="actor-x",
+        payload=codec.encode(task),
+    )
     learner.fates.take([(5, dl)], nxt=6)  # read while the task is not in flight yet
     assert learner.state.dead_seq == 5 and learner.fates.next_seq == 6
     learner.feeder.state.in_flight[task.task_id] = Issued(at=time.time(), version=0)  # the feeder records it
     assert learner.fates.overdue() == []  # the loop's pass applies the kept letter
     assert task.task_id not in learner.feeder.state.in_flight
     assert learner.grouper.done[task.task_id] == "dead"
-    assert learner.state.reasons[task.task_id] == "dead: its Task was dead-lettered by actor-x (tasks): poison: no such item"
+    assert (
+        learner.state.reasons[task.task_id]
+        == "dead: its Task was dead-lettered by actor-x (tasks): poison: no such item"
+    )
     assert learner.state.dead_seq == 6 and learner.fates.early == {}

@@ -18,8 +18,8 @@ from parley.weights.registry import fetch_version
 from tests.integration.test_learner_resume import (  # noqa: F401 - toy is a fixture
     BUS,
     GROUPS_PER_STEP,
-    N,
     STEPS,
+    N,
     finish,
     make_scored,
     start_learner,
@@ -81,7 +81,9 @@ async def test_hostile_scored_values_are_dead_lettered_and_the_weights_stay_fini
     assert sorted(trained) == sorted(s.traj_id for s in honest)
     dead_stream = topology.stream_name(RUN, "dead")
     info = await js.stream_info(dead_stream)
-    letters = [codec.decode("dead", (await js.get_msg(dead_stream, seq)).data) for seq in range(1, info.state.messages + 1)]
+    letters = [
+        codec.decode("dead", (await js.get_msg(dead_stream, seq)).data) for seq in range(1, info.state.messages + 1)
+    ]
     reasons = {codec.decode("scored", d.payload).traj_id: d.reason for d in letters}
     assert set(reasons) == set(poison)
     for traj_id, (_, needle) in poison.items():
@@ -99,9 +101,9 @@ async def test_a_step_the_trainer_skips_is_dead_lettered_and_training_goes_on(js
     are final in the ledger as "nonfinite", no step or version is counted for it, and later groups train."""
     import asyncio
 
+    from parley.config.learner import LearnerConfig, RolloutConfig
     from parley.config.run import RunConfig
     from parley.learner.checkpoint import read_state
-    from parley.config.learner import LearnerConfig, RolloutConfig
     from parley.learner.service import Learner
     from tests.integration.test_learner_early_stop import TrainerDouble
 
@@ -119,8 +121,11 @@ async def test_a_step_the_trainer_skips_is_dead_lettered_and_training_goes_on(js
     base = tmp_path / "base"
     base.mkdir()
     (base / "config.json").write_text((model_path / "config.json").read_text())
-    cfg = RunConfig(bus=BUS, rollout=RolloutConfig(n=N),
-                    learner=LearnerConfig(steps=steps, groups_per_step=1, max_staleness=steps, ledger_flush_s=0.5))
+    cfg = RunConfig(
+        bus=BUS,
+        rollout=RolloutConfig(n=N),
+        learner=LearnerConfig(steps=steps, groups_per_step=1, max_staleness=steps, ledger_flush_s=0.5),
+    )
     cfg.run.name, cfg.run.dir = run, str(tmp_path / "run")
     await topology.ensure_topology(js, run, BUS)
     for g in range(steps + 1):
@@ -134,7 +139,9 @@ async def test_a_step_the_trainer_skips_is_dead_lettered_and_training_goes_on(js
     assert (await current_version(js, run)).version == steps
     dead_stream = topology.stream_name(run, "dead")
     info = await js.stream_info(dead_stream)
-    letters = [codec.decode("dead", (await js.get_msg(dead_stream, seq)).data) for seq in range(1, info.state.messages + 1)]
+    letters = [
+        codec.decode("dead", (await js.get_msg(dead_stream, seq)).data) for seq in range(1, info.state.messages + 1)
+    ]
     first = "task-00"  # the oldest complete group is taken first
     assert sorted(codec.decode("scored", d.payload).traj_id for d in letters) == [f"{first}/{i}" for i in range(N)]
     assert all("not finite, so it was skipped" in d.reason for d in letters)

@@ -72,8 +72,10 @@ async def test_an_old_ledger_with_inline_samples_resumes(tmp_path):
     run_dir = tmp_path / "run"
     cfg = make_cfg("old", run_dir, steps=1, groups_per_step=2, max_staleness=0)
     samples = [scored_for(task("old", 0), 0), scored_for(task("old", 0), 1), scored_for(task("old", 1), 0)]
-    groups = [ckpt.GroupState(task_id="old-g000000", first_seen=1.0, completed=2.0, samples=samples[:2]),
-              ckpt.GroupState(task_id="old-g000001", first_seen=1.0, samples=samples[2:])]
+    groups = [
+        ckpt.GroupState(task_id="old-g000000", first_seen=1.0, completed=2.0, samples=samples[:2]),
+        ckpt.GroupState(task_id="old-g000001", first_seen=1.0, samples=samples[2:]),
+    ]
     ckpt.record_base_model(run_dir, base_model(tmp_path))
     ckpt.write_state(run_dir, ckpt.LearnerState(groups=groups))
     learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
@@ -114,8 +116,10 @@ def window_samples(task_id: str):
 
 
 def expected_groups(k: int) -> list[ckpt.GroupState]:
-    return [ckpt.GroupState(task_id=f"kill-g{i:06d}", first_seen=float(i), samples=window_samples(f"kill-g{i:06d}"))
-            for i in range(max(0, k - WINDOW), k)]
+    return [
+        ckpt.GroupState(task_id=f"kill-g{i:06d}", first_seen=float(i), samples=window_samples(f"kill-g{i:06d}"))
+        for i in range(max(0, k - WINDOW), k)
+    ]
 
 
 def test_sigkill_during_writes_and_compactions_loses_no_buffered_sample(tmp_path):
@@ -124,11 +128,11 @@ def test_sigkill_during_writes_and_compactions_loses_no_buffered_sample(tmp_path
     rng = random.Random(7)
     seen_logs, last = set(), 0
     for round_ in range(6):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(run_dir)], cwd=REPO, env=env,
-                                stderr=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(run_dir)], cwd=REPO, env=env, stderr=subprocess.PIPE)
         t0 = time.monotonic()
-        while (not ckpt.has_state(run_dir) or ckpt.read_state(run_dir).next_index <= last + 3) \
-                and time.monotonic() - t0 < 60:
+        while (
+            not ckpt.has_state(run_dir) or ckpt.read_state(run_dir).next_index <= last + 3
+        ) and time.monotonic() - t0 < 60:
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 0.4))  # somewhere in a write, an fsync or a compaction
@@ -164,8 +168,11 @@ async def test_a_damaged_or_missing_sample_log_stops_the_resume_with_its_name(tm
     data = bytearray(log.read_bytes())
     data[-5] ^= 0xFF  # one byte of the second sample
     log.write_bytes(bytes(data))
-    with pytest.raises(ckpt.LedgerError, match=r"samples-000001\.log: the ledger names a sample of damaged-g000000 "
-                                               r"at offset \d+, but its checksum does not match"):
+    with pytest.raises(
+        ckpt.LedgerError,
+        match=r"samples-000001\.log: the ledger names a sample of damaged-g000000 "
+        r"at offset \d+, but its checksum does not match",
+    ):
         Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
     log.unlink()
     with pytest.raises(ckpt.LedgerError, match=r"sample log is missing; restore learner/"):

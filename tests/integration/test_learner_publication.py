@@ -95,8 +95,9 @@ async def announced(js, run: str) -> list[int]:
 async def run_learner(js, nc, cfg, trainer, transport, stop: asyncio.Event | None = None, tmp_path=None):
     from parley.learner.service import Learner
 
-    learner = Learner(cfg, transport, nc, trainer, model_dir=base_model(cfg.run_dir.parent), resume=False,
-                      steps=cfg.learner.steps)
+    learner = Learner(
+        cfg, transport, nc, trainer, model_dir=base_model(cfg.run_dir.parent), resume=False, steps=cfg.learner.steps
+    )
     halt = asyncio.Event()
     worker = ActorDouble(js, cfg.run.name, lambda i: "answer").start(halt)
     try:
@@ -136,8 +137,15 @@ async def test_a_version_overtaken_while_waiting_is_never_announced(js, nc, tmp_
     async def gate(version):
         if version == 1:  # slow: versions 2 and 3 are both taken while version 1 uploads
             t0 = time.monotonic()
-            while not (box and box[0].state.step == 3 and box[0].publisher.waiting is not None
-                       and box[0].publisher.waiting.version == 3) and time.monotonic() - t0 < 30:
+            while (
+                not (
+                    box
+                    and box[0].state.step == 3
+                    and box[0].publisher.waiting is not None
+                    and box[0].publisher.waiting.version == 3
+                )
+                and time.monotonic() - t0 < 30
+            ):
                 await asyncio.sleep(0.05)
 
     slow = SlowUploads(monkeypatch, gate)
@@ -175,13 +183,17 @@ class RealWeightsTrainer(TrainerDouble):
 
             n = sum(c == "train_step" for c in self.calls)
             self.calls.append(op)
-            return WeightSnapshot({"w": torch.full((256, 256), float(n)), "b": torch.arange(64.0) + n},
-                                  '{"model_type": "double"}')
+            return WeightSnapshot(
+                {"w": torch.full((256, 256), float(n)), "b": torch.arange(64.0) + n}, '{"model_type": "double"}'
+            )
         return super().__call__(op, *args)
 
 
-@pytest.mark.parametrize("make", [lambda shared: ObjstoreWeights(), lambda shared: SharedDirWeights(dir=str(shared))],
-                         ids=["objstore", "shared_dir"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda shared: ObjstoreWeights(), lambda shared: SharedDirWeights(dir=str(shared))],
+    ids=["objstore", "shared_dir"],
+)
 async def test_each_version_is_hashed_once(js, nc, tmp_path, monkeypatch, make):
     import nats.js.object_store
 
@@ -295,14 +307,21 @@ async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(
 
     run = f"packedpub-{kind}"
     cfg = make_cfg(run, tmp_path / "run", steps=5, groups_per_step=1, max_staleness=1, keep_versions=10)
-    cfg.weights = (ObjstoreWeights(full_every=3, delta_format="packed") if kind == "objstore" else
-                   SharedDirWeights(dir=str(tmp_path / "shared"), full_every=3, delta_format="packed"))
+    cfg.weights = (
+        ObjstoreWeights(full_every=3, delta_format="packed")
+        if kind == "objstore"
+        else SharedDirWeights(dir=str(tmp_path / "shared"), full_every=3, delta_format="packed")
+    )
     settings, transport = cfg.weights, registry.of(cfg.weights)
     await topology.ensure_topology(js, run, BUS)
     await run_learner(js, nc, cfg, PackedTrainer(), js)
 
-    final = {wv.version: wv for wv in (codec.decode("weights", v) for v in await key_history(js, run, topology.WEIGHTS_KEY))}
-    early = [codec.decode("weights", v) for v in await key_history(js, run, topology.WEIGHTS_EARLY_KEY)]  # none: shared_dir
+    final = {
+        wv.version: wv for wv in (codec.decode("weights", v) for v in await key_history(js, run, topology.WEIGHTS_KEY))
+    }
+    early = [
+        codec.decode("weights", v) for v in await key_history(js, run, topology.WEIGHTS_EARLY_KEY)
+    ]  # none: shared_dir
     # a version overtaken while its upload waited is never announced (learner.publication), on a busy
     # machine now and then; the deltas are counted at packing, in step order, all the same
     assert 5 in final and len(final) >= 4
@@ -310,7 +329,8 @@ async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(
     with_delta = sorted(v for v in final if final[v].delta is not None)
     assert with_delta == [v for v in sorted(final) if v in (1, 2, 4, 5)]  # v0: nothing before it; v3 full only
     assert [(e.version, e.sha256, e.full_pending) for e in early] == (
-        [(v, table_digest(final[v].packed), True) for v in with_delta] if kind == "objstore" else [])
+        [(v, table_digest(final[v].packed), True) for v in with_delta] if kind == "objstore" else []
+    )
     checked = 0
     for v in with_delta:
         delta = final[v].delta
@@ -324,8 +344,10 @@ async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(
         held = Mirror()
         held.fill(load_file(base_dir / "model.safetensors"), final[v - 1].packed, "cpu")
         held.apply(blob.read_bytes(), final[v].packed)  # checked against v's table inside
-        full = load_file(await registry.fetch_version(js, run, final[v], tmp_path / f"full{v}", settings=settings)
-                         / "model.safetensors")
+        full = load_file(
+            await registry.fetch_version(js, run, final[v], tmp_path / f"full{v}", settings=settings)
+            / "model.safetensors"
+        )
         assert all(t.equal(full[n]) for n, t in held.named())
     assert checked >= 1
 

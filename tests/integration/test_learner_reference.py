@@ -43,18 +43,21 @@ class RecordingTrainerDouble(TrainerDouble):  # test double: keeps the samples o
 
 
 async def test_scored_with_bad_reference_logprobs_is_dead_lettered(js, nc, toy, tmp_path):
-    from parley.config.run import RunConfig
     from parley.config.learner import LearnerConfig, RolloutConfig
     from parley.config.policy import PolicySection
+    from parley.config.run import RunConfig
     from parley.learner.service import Learner
 
     model_path, tok, model = toy
     base = tmp_path / "base"
     base.mkdir()
     (base / "config.json").write_text((model_path / "config.json").read_text())
-    cfg = RunConfig(bus=BUS, rollout=RolloutConfig(n=N), policy=PolicySection(reference="service"),
-                    learner=LearnerConfig(steps=STEPS, groups_per_step=1, max_staleness=STEPS, ledger_flush_s=0.5,
-                                          kl_coef=0.001))
+    cfg = RunConfig(
+        bus=BUS,
+        rollout=RolloutConfig(n=N),
+        policy=PolicySection(reference="service"),
+        learner=LearnerConfig(steps=STEPS, groups_per_step=1, max_staleness=STEPS, ledger_flush_s=0.5, kl_coef=0.001),
+    )
     cfg.run.name, cfg.run.dir = RUN, str(tmp_path / "run")
     await topology.ensure_topology(js, RUN, BUS)
 
@@ -84,7 +87,9 @@ async def test_scored_with_bad_reference_logprobs_is_dead_lettered(js, nc, toy, 
 
     dead_stream = topology.stream_name(RUN, "dead")
     info = await js.stream_info(dead_stream)
-    letters = [codec.decode("dead", (await js.get_msg(dead_stream, seq)).data) for seq in range(1, info.state.messages + 1)]
+    letters = [
+        codec.decode("dead", (await js.get_msg(dead_stream, seq)).data) for seq in range(1, info.state.messages + 1)
+    ]
     reasons = {codec.decode("scored", d.payload).traj_id: d.reason for d in letters}
     assert set(reasons) == set(poison)
     for traj_id, (_, needle) in poison.items():

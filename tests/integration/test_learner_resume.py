@@ -21,8 +21,8 @@ from parley.learner.checkpoint import read_state
 from parley.protocol import topology
 from parley.protocol.bus import publish
 from parley.protocol.messages import Scored
-from tests import factories
 from parley.weights.common import current_version
+from tests import factories
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -30,8 +30,14 @@ REPO = Path(__file__).resolve().parents[2]
 N, GROUPS_PER_STEP, STEPS = 3, 2, 3
 # Small streams: the test server reserves max_bytes per stream, and two runs of 8 GiB ones do not fit.
 BUS = topology.BusSettings(max_bytes=64 * 1024**2, ack_wait_s=4.0)
-PHRASES = ["Sure, what is the post about?", "Here is a first draft of the letter.", "Could you tell me the tone?",
-           "Thanks! I kept your structure.", "The recipe needs two cups of flour.", "Yes, that works."]
+PHRASES = [
+    "Sure, what is the post about?",
+    "Here is a first draft of the letter.",
+    "Could you tell me the tone?",
+    "Thanks! I kept your structure.",
+    "The recipe needs two cups of flour.",
+    "Yes, that works.",
+]
 
 
 def make_scored(tok, model, run: str, group: int, sample: int) -> Scored:
@@ -50,9 +56,16 @@ def make_scored(tok, model, run: str, group: int, sample: int) -> Scored:
         conv.add_assistant(gen, "stop", lps)
         if t == 0:
             conv.add_user("Go on.")
-    traj = factories.trajectory(run, task, sample, item_id=f"item-{group}",
-                                messages=[(m["role"], m["content"]) for m in conv.messages],
-                                token_ids=conv.token_ids, loss_mask=conv.loss_mask, turns=turns)
+    traj = factories.trajectory(
+        run,
+        task,
+        sample,
+        item_id=f"item-{group}",
+        messages=[(m["role"], m["content"]) for m in conv.messages],
+        token_ids=conv.token_ids,
+        loss_mask=conv.loss_mask,
+        turns=turns,
+    )
     return factories.scored(traj, {"bleu": rng.random()})
 
 
@@ -68,8 +81,14 @@ def toy(tiny_model):
 
 def start_learner(url: str, run: str, run_dir: Path, model: Path, log: Path, resume: bool = False) -> subprocess.Popen:
     sets = [
-        f'run.dir="{run_dir}"', f'policy.model="{model}"', f"rollout.n={N}", f"learner.groups_per_step={GROUPS_PER_STEP}",
-        'learner.stale_policy="correct"', "learner.lr=1e-4", "learner.micro_batch_tokens=256", f"bus.ack_wait_s={BUS.ack_wait_s}",
+        f'run.dir="{run_dir}"',
+        f'policy.model="{model}"',
+        f"rollout.n={N}",
+        f"learner.groups_per_step={GROUPS_PER_STEP}",
+        'learner.stale_policy="correct"',
+        "learner.lr=1e-4",
+        "learner.micro_batch_tokens=256",
+        f"bus.ack_wait_s={BUS.ack_wait_s}",
         f"bus.max_bytes={BUS.max_bytes}",
         "learner.ledger_flush_s=0.5",
         "learner.eval_every=0",  # no sim/judge services here; the periodic eval has its own tests
@@ -137,8 +156,11 @@ async def test_sigkilled_learner_resumes_exactly(js, nats_server, toy, tmp_path)
 
     def step1_and_partial_recorded():
         state = read_state(run_dir) if (run_dir / "learner" / "state.msgpack").is_file() else None
-        return (state is not None and state.step == 1
-                and any(g.task_id == "task-05" and len(g.samples) == 2 for g in state.groups))
+        return (
+            state is not None
+            and state.step == 1
+            and any(g.task_id == "task-05" and len(g.samples) == 2 for g in state.groups)
+        )
 
     await wait_for(step1_and_partial_recorded, 120, "step 1 and the partial group in the ledger", proc, log)
     proc.send_signal(signal.SIGKILL)

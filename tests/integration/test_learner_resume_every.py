@@ -19,7 +19,7 @@ import pytest
 from parley.protocol import codec, topology
 from parley.protocol.bus import publish
 from parley.protocol.connect import barrier
-from tests.integration.test_learner_resume import BUS, N, REPO, finish, make_scored, toy, trained_lines, wait_for  # noqa: F401 (toy: a fixture)
+from tests.integration.test_learner_resume import BUS, REPO, N, finish, make_scored, toy, trained_lines, wait_for  # noqa: F401 (toy: a fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -28,18 +28,29 @@ GROUPS_PER_STEP, STEPS, EVERY = 2, 4, 2  # checkpoints after steps 2 and 4; the 
 
 def start(url: str, run: str, run_dir: Path, model: Path, log: Path, resume: bool = False) -> subprocess.Popen:
     sets = [
-        f'run.dir="{run_dir}"', f'policy.model="{model}"', f"rollout.n={N}", f"learner.groups_per_step={GROUPS_PER_STEP}",
-        f"learner.checkpoint_every={EVERY}", "learner.max_staleness=1", 'learner.stale_policy="correct"',
-        "learner.lr=1e-3", "learner.micro_batch_tokens=256", 'learner.dtype="float32"', "learner.ledger_flush_s=0.5",
-        "learner.eval_every=0", f"bus.ack_wait_s={BUS.ack_wait_s}", f"bus.max_bytes={BUS.max_bytes}",
+        f'run.dir="{run_dir}"',
+        f'policy.model="{model}"',
+        f"rollout.n={N}",
+        f"learner.groups_per_step={GROUPS_PER_STEP}",
+        f"learner.checkpoint_every={EVERY}",
+        "learner.max_staleness=1",
+        'learner.stale_policy="correct"',
+        "learner.lr=1e-3",
+        "learner.micro_batch_tokens=256",
+        'learner.dtype="float32"',
+        "learner.ledger_flush_s=0.5",
+        "learner.eval_every=0",
+        f"bus.ack_wait_s={BUS.ack_wait_s}",
+        f"bus.max_bytes={BUS.max_bytes}",
     ]
     cmd = [sys.executable, "-m", "parley.deploy.cli", "learner", "--nats", url, "--run", run, "--steps", str(STEPS)]
     for s in sets:
         cmd += ["--set", s]
     if resume:
         cmd.append("--resume")
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PARLEY_LOG": "INFO"}, stdout=log.open("a"),
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env={**os.environ, "PARLEY_LOG": "INFO"}, stdout=log.open("a"), stderr=subprocess.STDOUT
+    )
 
 
 class StandInActor:

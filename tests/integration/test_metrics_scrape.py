@@ -32,8 +32,11 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def value(samples, name: str, **labels) -> float | None:
@@ -56,16 +59,40 @@ async def test_learner_metrics_endpoint_shows_steps_rewards_and_dead_letters(js,
     model_path, tok, model = toy
     await topology.ensure_topology(js, RUN, BUS)
     run_dir, log = tmp_path / "run", tmp_path / "learner.log"
-    sets = [f'run.dir="{run_dir}"', f'policy.model="{model_path}"', f"rollout.n={N}", "learner.groups_per_step=1",
-            "learner.micro_batch_tokens=256", f"bus.max_bytes={BUS.max_bytes}", "learner.eval_every=0",
-            "learner.ledger_flush_s=0.5", "learner.max_staleness=4"]
-    cmd = [sys.executable, "-m", "parley.deploy.cli", "learner", "--nats", nats_server.url, "--run", RUN, "--steps", "5",
-           "--metrics-port", "0", "--metrics-host", "127.0.0.1"]
+    sets = [
+        f'run.dir="{run_dir}"',
+        f'policy.model="{model_path}"',
+        f"rollout.n={N}",
+        "learner.groups_per_step=1",
+        "learner.micro_batch_tokens=256",
+        f"bus.max_bytes={BUS.max_bytes}",
+        "learner.eval_every=0",
+        "learner.ledger_flush_s=0.5",
+        "learner.max_staleness=4",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "parley.deploy.cli",
+        "learner",
+        "--nats",
+        nats_server.url,
+        "--run",
+        RUN,
+        "--steps",
+        "5",
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+    ]
     for s in sets:
         cmd += ["--set", s]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PARLEY_LOG": "INFO"}, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env={**os.environ, "PARLEY_LOG": "INFO"}, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
     try:
+
         def endpoint():
             m = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", log.read_text())
             return m.group(1) if m else None
@@ -80,6 +107,7 @@ async def test_learner_metrics_endpoint_shows_steps_rewards_and_dead_letters(js,
                 except OSError:
                     return None
                 return samples if pred(samples) else None
+
             return check
 
         before = await until(scraped(lambda s: value(s, "parley_learner_step", **labels) == 0.0), "step 0", proc, log)
@@ -98,11 +126,21 @@ async def test_learner_metrics_endpoint_shows_steps_rewards_and_dead_letters(js,
         await js.publish(topology.subject(RUN, "scored"), b"\x93 not a Scored")
         for i in range(N):
             await publish(js, RUN, "scored", make_scored(tok, model, RUN, 7, i))
-        second = await until(scraped(lambda s: value(s, "parley_learner_step", **labels) == 2.0 and value(
-            s, "parley_dead_letters_total", channel="scored", reason="undecodable") == 1.0), "step 2 and a dead letter",
-            proc, log)
+        second = await until(
+            scraped(
+                lambda s: (
+                    value(s, "parley_learner_step", **labels) == 2.0
+                    and value(s, "parley_dead_letters_total", channel="scored", reason="undecodable") == 1.0
+                )
+            ),
+            "step 2 and a dead letter",
+            proc,
+            log,
+        )
         assert value(second, "parley_learner_reward", term="bleu") != reward1  # another group, other rewards
-        assert value(second, "parley_learner_trained_tokens_total") > value(first, "parley_learner_trained_tokens_total")
+        assert value(second, "parley_learner_trained_tokens_total") > value(
+            first, "parley_learner_trained_tokens_total"
+        )
         assert value(second, "parley_policy_version", **labels) == 2.0
         assert value(second, "parley_role_state", **labels) == 1.0
         unnamed = sorted(dict(ls)["key"] for (n, ls) in second if n == "parley_heartbeat_value")

@@ -60,7 +60,9 @@ def test_versions_arrive_checked_and_stale_or_bad_ones_are_refused(monkeypatch):
         got, reason = receiver.fetch(s1, 1, "cpu")
         assert got == [] and "version 1 is no longer held" in reason
 
-        bad = msgspec.structs.replace(s2, tensors=[s2.tensors[0], msgspec.structs.replace(s2.tensors[1], checksum=[0, 0, 0])])
+        bad = msgspec.structs.replace(
+            s2, tensors=[s2.tensors[0], msgspec.structs.replace(s2.tensors[1], checksum=[0, 0, 0])]
+        )
         got, reason = receiver.fetch(bad, 2, "cpu")
         assert got == [] and reason == "checksum mismatch in 1 of 2 tensors (first: norm.weight)"
         assert len(sender.actors) == 1
@@ -80,8 +82,9 @@ def test_bad_addresses_name_the_fix():
     with pytest.raises(ConfigError, match=r"\[weights\] address"):  # the old keys: the same check
         load_config(None, ["learner.transport=nccl"])
     assert NcclWeights(address="10.0.0.1:29600").address == "10.0.0.1:29600"
-    assert load_config(None, ["learner.transport=nccl", 'learner.nccl_address="10.0.0.1:29600"']).weights \
-        == NcclWeights(address="10.0.0.1:29600")
+    assert load_config(
+        None, ["learner.transport=nccl", 'learner.nccl_address="10.0.0.1:29600"']
+    ).weights == NcclWeights(address="10.0.0.1:29600")
 
 
 @pytest.mark.parametrize("instance", [True, False], ids=["announced", "older-learner"])
@@ -90,6 +93,7 @@ def test_a_receiver_serves_the_version_of_a_restarted_learner_at_the_same_addres
     receiver sees the new instance in the announcement (or, from an older learner that announces
     none, its store gone) and joins the new store and group, and serves the resumed version at its
     first fetch."""
+
     def announced(source):
         return source if instance else msgspec.structs.replace(source, instance="")
 
@@ -168,6 +172,7 @@ class LaggingGroup:
 
 def lagging_sender(monkeypatch, lag_s, timeout_s):
     import parley.weights.nccl as nccl
+
     groups, real = [], nccl.pair_group
 
     def pair_group(store, rank, backend, timeout):
@@ -181,8 +186,9 @@ def lagging_sender(monkeypatch, lag_s, timeout_s):
     pub = IpcPublisher(hold_s=5.0)
     released = []  # at each release: had every send ended?
     release = pub.release
-    monkeypatch.setattr(pub, "release", lambda buf: (released.append(all(w.is_completed() for w in groups[0].works)),
-                                                     release(buf)))
+    monkeypatch.setattr(
+        pub, "release", lambda buf: (released.append(all(w.is_completed() for w in groups[0].works)), release(buf))
+    )
     return NcclSender(pub, f"127.0.0.1:{free_port()}", "gloo", timeout_s=timeout_s), groups, released
 
 

@@ -22,16 +22,16 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from parley.tasks.data import load_items
+from parley.config.scorer import JudgeConfig, ScorerConfig
 from parley.deploy.natsserver import NatsServer
 from parley.protocol import bus, codec, examples, topology
 from parley.protocol.connect import connect
 from parley.protocol.messages import ChatMessage, FutureRollout, Trajectory
-from parley.config.scorer import JudgeConfig, ScorerConfig
-from parley.scorer.judge import Judge, judge_service
 from parley.rewards.reward import default_weights, total_reward
 from parley.rollout.judge import JudgeClient
+from parley.scorer.judge import Judge, judge_service
 from parley.scorer.scorer import Scorer
+from parley.tasks.data import load_items
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -123,7 +123,10 @@ def trajectories(run: str, n: int, *, futures_every: int = 0) -> list[Trajectory
         traj.futures = []
         if futures_every and i % futures_every == 0:
             traj.futures = [
-                FutureRollout(messages=[ChatMessage("user", "yes, finish it"), ChatMessage("assistant", item.reference)], assistant_tokens=300),
+                FutureRollout(
+                    messages=[ChatMessage("user", "yes, finish it"), ChatMessage("assistant", item.reference)],
+                    assistant_tokens=300,
+                ),
                 FutureRollout(messages=[ChatMessage("user", "make it shorter")], assistant_tokens=0),
             ]
         out.append(traj)
@@ -238,8 +241,21 @@ async def test_two_scorers_score_every_trajectory_exactly_once(server, judge, nc
     parley = Path(sys.executable).with_name("parley")
     log_file = tmp_path / "scorer-b.log"
     cmd = [
-        str(parley), "scorer", "--nats", server.url, "--run", run, "--id", "scorer-b", "--concurrency", "2",
-        "--set", "scorer.retry_delay_s=0.5", "--set", "scorer.retry_max_delay_s=1.0", *SMALL,
+        str(parley),
+        "scorer",
+        "--nats",
+        server.url,
+        "--run",
+        run,
+        "--id",
+        "scorer-b",
+        "--concurrency",
+        "2",
+        "--set",
+        "scorer.retry_delay_s=0.5",
+        "--set",
+        "scorer.retry_max_delay_s=1.0",
+        *SMALL,
     ]
     with open(log_file, "w") as log:
         other = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PARLEY_LOG": "INFO"})

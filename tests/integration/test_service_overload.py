@@ -16,7 +16,6 @@ from collections import Counter
 import nats.errors
 import pytest
 
-from parley.rollout.sim import SimClient, SimUnreachable
 from parley.config.run import load_config
 from parley.deploy.credentials import generate_credentials, server_auth_conf
 from parley.deploy.natsserver import NatsServer
@@ -26,6 +25,7 @@ from parley.protocol import codec, topology
 from parley.protocol.bus import Retry
 from parley.protocol.connect import barrier, connect, inbox_prefix
 from parley.protocol.messages import SimReply, SimRequest
+from parley.rollout.sim import SimClient, SimUnreachable
 
 pytestmark = pytest.mark.integration
 RUN = "overload"
@@ -40,7 +40,9 @@ DISTINCT = 60  # requests (each then re-sent by the client while unanswered)
 def secured(tmp_path):
     cfg = load_config(None, [f"actor.sim_timeout_s={TIMEOUT_S}", f"scorer.judge_timeout_s={TIMEOUT_S}"])
     creds = generate_credentials(RUN, tmp_path / "auth", response_window=response_window_s(cfg))
-    server = NatsServer(tmp_path / "nats", port=0, extra_conf=server_auth_conf(creds, response_window=response_window_s(cfg)))
+    server = NatsServer(
+        tmp_path / "nats", port=0, extra_conf=server_auth_conf(creds, response_window=response_window_s(cfg))
+    )
     server.start()
     yield server, creds
     server.stop()
@@ -49,8 +51,10 @@ def secured(tmp_path):
 async def test_services_at_three_times_their_capacity_never_compute_twice(secured, caplog):
     server, creds = secured
     caplog.set_level(logging.WARNING, logger="parley.nats")
-    conns = {role: await connect(server.url, name=role, user=creds[role][0], password=creds[role][1])
-             for role in ("sim", "actor", "admin")}
+    conns = {
+        role: await connect(server.url, name=role, user=creds[role][0], password=creds[role][1])
+        for role in ("sim", "actor", "admin")
+    }
     computed: Counter[int] = Counter()
 
     async def slow_backend_double(data: bytes) -> bytes:  # test double of an engine that falls behind
@@ -67,8 +71,13 @@ async def test_services_at_three_times_their_capacity_never_compute_twice(secure
 
     await conns["admin"].subscribe(f"{inbox_prefix(creds['actor'][0])}.>", cb=spy)
     await barrier(conns["admin"])
-    service = Service(conns["sim"], {topology.SIM_SUBJECT: slow_backend_double}, queue=topology.SIM_QUEUE,
-                      concurrency=SLOTS, name="sim-overload")
+    service = Service(
+        conns["sim"],
+        {topology.SIM_SUBJECT: slow_backend_double},
+        queue=topology.SIM_QUEUE,
+        concurrency=SLOTS,
+        name="sim-overload",
+    )
     await service.start()
     # Requesters give up after about four timed-out requests (sim_wait_s), as before the actor waited outages out.
     client = SimClient(conns["actor"], timeout_s=TIMEOUT_S, wait_s=4 * TIMEOUT_S, attempts=4, backoff_s=0.2)
@@ -111,6 +120,7 @@ async def sim_service(secured, backend, *, concurrency: int):
         await service.stop()
         await sim.close()
         await actor.close()
+
 
 async def test_a_resent_request_joins_the_computation_under_way(secured):
     from parley.protocol.request import request
@@ -188,9 +198,8 @@ async def test_a_service_whose_clock_is_ten_minutes_ahead_still_answers(secured,
     deadlines it dropped every request as expired, and each actor's SimUnreachable poisoned its task)."""
     import time as real_time
 
-    from parley import engines  # noqa: F401
-
     import parley.engines.service  # noqa: F401
+    from parley import engines  # noqa: F401
     from parley.protocol.request import request
 
     async def backend_double(data: bytes) -> bytes:
@@ -215,6 +224,7 @@ def test_the_answer_cache_is_bounded_by_bytes(monkeypatch):
     """Kept answers are bounded by their bytes, not only by their count: 1,000 reference replies of a
     32k-token conversation (128 KiB each) keep at most ANSWER_BYTES_KEPT."""
     import parley.engines.service as svc
+
     service = Service(object(), {}, queue="q")
     reply = bytes(4 * 32768)
     for i in range(1000):

@@ -52,13 +52,21 @@ async def until(condition, timeout: float = 5.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(secured, engine: EngineDouble, *, subject: str = topology.SIM_SUBJECT, service_role: str = "sim",
-                  requester_role: str = "actor", concurrency: int = 4):
+async def serving(
+    secured,
+    engine: EngineDouble,
+    *,
+    subject: str = topology.SIM_SUBJECT,
+    service_role: str = "sim",
+    requester_role: str = "actor",
+    concurrency: int = 4,
+):
     """A Service on `subject` over `engine` as `service_role`, and a `requester_role` connection."""
     server, creds = secured
     svc_nc = await connect(server.url, name=service_role, user=creds[service_role][0], password=creds[service_role][1])
-    req_nc = await connect(server.url, name=requester_role, user=creds[requester_role][0],
-                           password=creds[requester_role][1])
+    req_nc = await connect(
+        server.url, name=requester_role, user=creds[requester_role][0], password=creds[requester_role][1]
+    )
     service = Service(svc_nc, {subject: engine.handle}, queue="withdraw-test", concurrency=concurrency)
     await service.start()
     try:
@@ -131,19 +139,25 @@ async def test_a_computation_shared_with_a_second_requester_goes_on_and_answers_
         assert engine.started == [b"q"] and engine.ended == {b"q": "done"} and service.counters["cancelled"] == 0
 
 
-@pytest.mark.parametrize(("requester", "service_role", "subject"), [
-    ("scorer", "judge", topology.judge_subject("extract")),
-    ("eval", "services", topology.judge_subject("interactivity")),
-    ("eval", "sim", topology.SIM_SUBJECT),
-    ("scorer", "reference", topology.reference_subject("tiny")),
-])
-async def test_every_requester_may_withdraw_and_every_service_hears_it(secured, caplog, requester, service_role,
-                                                                        subject):
+@pytest.mark.parametrize(
+    ("requester", "service_role", "subject"),
+    [
+        ("scorer", "judge", topology.judge_subject("extract")),
+        ("eval", "services", topology.judge_subject("interactivity")),
+        ("eval", "sim", topology.SIM_SUBJECT),
+        ("scorer", "reference", topology.reference_subject("tiny")),
+    ],
+)
+async def test_every_requester_may_withdraw_and_every_service_hears_it(
+    secured, caplog, requester, service_role, subject
+):
     """The permissions of every requesting role and every service role carry the withdrawals."""
     caplog.set_level(logging.WARNING, logger="parley.nats")
     engine = EngineDouble(reply=lambda data: codec.encode(JudgeReply(ok=True)))
-    async with serving(secured, engine, subject=subject, service_role=service_role,
-                       requester_role=requester) as (service, nc):
+    async with serving(secured, engine, subject=subject, service_role=service_role, requester_role=requester) as (
+        service,
+        nc,
+    ):
         if service_role == "judge":  # the scorer's own client
             asking = asyncio.create_task(JudgeClient(nc, timeout=60).ask("extract", []))
         else:

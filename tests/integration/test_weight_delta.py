@@ -25,8 +25,11 @@ from parley.weights.config import ObjstoreWeights, SharedDirWeights
 
 pytestmark = pytest.mark.integration
 RUN = "dtest"
-SHAPES = {"model.embed_tokens.weight": (512, 256), "model.layers.0.mlp.up_proj.weight": (256, 512),
-          "model.norm.weight": (256,)}
+SHAPES = {
+    "model.embed_tokens.weight": (512, 256),
+    "model.layers.0.mlp.up_proj.weight": (256, 512),
+    "model.norm.weight": (256,),
+}
 
 
 class Learner:
@@ -50,7 +53,9 @@ class Learner:
         from safetensors.torch import save_file
 
         d.mkdir(parents=True, exist_ok=True)
-        save_file({n: t.to(torch.bfloat16) for n, t in self.master.items()}, str(d / MODEL_FILE), metadata={"format": "pt"})
+        save_file(
+            {n: t.to(torch.bfloat16) for n, t in self.master.items()}, str(d / MODEL_FILE), metadata={"format": "pt"}
+        )
         (d / CONFIG_FILE).write_text(json.dumps({"model_type": "llama"}))
         return d
 
@@ -75,8 +80,10 @@ def learner_weights(js, tmp_path, settings, keep=3):
     return Weights(lc, settings, js, None, RUN, tmp_path / "run", None, Publisher(), feeder)
 
 
-SETTINGS = {"objstore": lambda tmp: ObjstoreWeights(full_every=4),
-            "shared_dir": lambda tmp: SharedDirWeights(dir=str(tmp / "shared"), full_every=4)}
+SETTINGS = {
+    "objstore": lambda tmp: ObjstoreWeights(full_every=4),
+    "shared_dir": lambda tmp: SharedDirWeights(dir=str(tmp / "shared"), full_every=4),
+}
 
 
 @pytest.mark.parametrize("kind", SETTINGS)
@@ -158,11 +165,13 @@ async def test_a_corrupted_delta_is_refused_with_the_served_weights_untouched(js
     forged = tmp_path / "forged.delta"
     size = deltas.build(served, other / MODEL_FILE, forged, wv.delta.base_sha256, wv.sha256)
     await store.put(wv.delta.location, forged.read_bytes())
-    lie = msgspec.structs.replace(wv, delta=msgspec.structs.replace(
-        wv.delta, sha256=file_digest(forged)[0], bytes=size))
+    lie = msgspec.structs.replace(
+        wv, delta=msgspec.structs.replace(wv.delta, sha256=file_digest(forged)[0], bytes=size)
+    )
     refused = COUNTERS["weights.delta_refused"]
-    path = await follower._fetch(js, RUN, lie, tmp_path / "actor" / "v2", settings=settings,
-                                 base=(served_sha, served.parent))
+    path = await follower._fetch(
+        js, RUN, lie, tmp_path / "actor" / "v2", settings=settings, base=(served_sha, served.parent)
+    )
     assert COUNTERS["weights.delta_refused"] == refused + 1  # refused, then the full version fetched
     assert file_digest(path / MODEL_FILE)[0] == file_digest(wdirs[2] / MODEL_FILE)[0]
     assert file_digest(served)[0] == served_sha  # the served file was never written
@@ -256,8 +265,9 @@ async def test_an_actor_with_the_base_serves_a_delta_version_before_its_full_cop
     assert not await follower.check()  # the same version, served already: nothing to do
 
 
-async def test_an_actor_without_the_base_gets_the_full_copy_of_an_early_version_once_uploaded(js, tmp_path,
-                                                                                              monkeypatch):
+async def test_an_actor_without_the_base_gets_the_full_copy_of_an_early_version_once_uploaded(
+    js, tmp_path, monkeypatch
+):
     _, _, wdir, task, held = await _early_v2(js, tmp_path, monkeypatch)
     fresh = EngineDouble()
     follower = WeightFollower(js, RUN, fresh, dest_root=tmp_path / "fresh", settings=ObjstoreWeights(full_every=10))

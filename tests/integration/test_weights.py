@@ -67,7 +67,9 @@ async def test_objstore_round_trip_announce_and_prune(js, tmp_path):
 async def test_republishing_a_lower_version_moves_the_key_back(js, tmp_path):
     await topology.ensure_topology(js, RUN)
     await publish_version(js, RUN, 3, step=3, state_dir=write_state(tmp_path / "a", 1, 0.1), settings=ObjstoreWeights())
-    again = await publish_version(js, RUN, 2, step=2, state_dir=write_state(tmp_path / "b", 2, 0.1), settings=ObjstoreWeights())
+    again = await publish_version(
+        js, RUN, 2, step=2, state_dir=write_state(tmp_path / "b", 2, 0.1), settings=ObjstoreWeights()
+    )
     assert (await current_version(js, RUN)) == again
 
 
@@ -77,7 +79,12 @@ async def test_shared_dir_transport_verifies_in_place(js, tmp_path):
     settings = SharedDirWeights(dir=str(shared))
     for v in range(3):
         wv = await publish_version(
-            js, RUN, v, step=v, state_dir=write_state(tmp_path / f"s{v}", v, 0.5), settings=settings,
+            js,
+            RUN,
+            v,
+            step=v,
+            state_dir=write_state(tmp_path / f"s{v}", v, 0.5),
+            settings=settings,
             keep=2,
         )
     assert sorted(p.name[:7] for p in (shared / RUN).iterdir()) == ["v000001", "v000002"]
@@ -92,8 +99,7 @@ async def test_shared_dir_locations_outside_the_configured_root_are_refused(js, 
     await topology.ensure_topology(js, RUN)
     shared = tmp_path / "shared"
     settings = SharedDirWeights(dir=str(shared))
-    wv = await publish_version(js, RUN, 1, step=1, state_dir=write_state(tmp_path / "s", 1, 0.1),
-                               settings=settings)
+    wv = await publish_version(js, RUN, 1, step=1, state_dir=write_state(tmp_path / "s", 1, 0.1), settings=settings)
     elsewhere = write_state(tmp_path / "attacker", 2, 0.1)  # a valid version, but not where versions live
     (shared / RUN / "escape").symlink_to(elsewhere)
     for location in (str(elsewhere), "../../attacker", f"{shared / RUN}/../../attacker", "escape", ".", "/"):
@@ -102,7 +108,9 @@ async def test_shared_dir_locations_outside_the_configured_root_are_refused(js, 
             await fetch_version(js, RUN, forged, tmp_path / "unused", settings=settings)
     for files in (["../config.json"], [MODEL_FILE], [".."]):
         with pytest.raises(WeightVerifyError, match="extra file name"):
-            await fetch_version(js, RUN, msgspec.structs.replace(wv, files=files), tmp_path / "unused", settings=settings)
+            await fetch_version(
+                js, RUN, msgspec.structs.replace(wv, files=files), tmp_path / "unused", settings=settings
+            )
     with pytest.raises(WeightVerifyError, match="no shared directory configured"):
         await fetch_version(js, RUN, wv, tmp_path / "unused")
     # A relative location is taken under the root, like the absolute one the learner announces.
@@ -112,18 +120,26 @@ async def test_shared_dir_locations_outside_the_configured_root_are_refused(js, 
 
 async def test_objstore_extra_objects_must_be_plain_files_beside_the_model(js, tmp_path):
     await topology.ensure_topology(js, RUN)
-    wv = await publish_version(js, RUN, 1, step=1, state_dir=write_state(tmp_path / "s", 1, 0.1), settings=ObjstoreWeights())
+    wv = await publish_version(
+        js, RUN, 1, step=1, state_dir=write_state(tmp_path / "s", 1, 0.1), settings=ObjstoreWeights()
+    )
     folder = wv.location.rsplit("/", 1)[0]
     # An extra object named like the model would overwrite the verified blob with an unverified one.
-    for files, match in (([f"{folder}/{MODEL_FILE}"], "extra file name"), ([f"{folder}/.."], "extra file name"),
-                         (["v000009-00/config.json"], "not beside")):
+    for files, match in (
+        ([f"{folder}/{MODEL_FILE}"], "extra file name"),
+        ([f"{folder}/.."], "extra file name"),
+        (["v000009-00/config.json"], "not beside"),
+    ):
         with pytest.raises(WeightVerifyError, match=match):
             await fetch_version(js, RUN, msgspec.structs.replace(wv, files=files), tmp_path / "actor")
     assert not (tmp_path / "actor" / MODEL_FILE).exists()
 
 
-@pytest.mark.parametrize("make", [lambda shared: ObjstoreWeights(), lambda shared: SharedDirWeights(dir=str(shared))],
-                         ids=["objstore", "shared_dir"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda shared: ObjstoreWeights(), lambda shared: SharedDirWeights(dir=str(shared))],
+    ids=["objstore", "shared_dir"],
+)
 async def test_republishing_a_version_leaves_what_actors_load_alone(js, tmp_path, make):
     """A resumed learner publishes version 2 again: the first publication (an actor may be loading it,
     or serves it) is not rewritten, and a version an actor serves is not pruned."""
@@ -131,8 +147,16 @@ async def test_republishing_a_version_leaves_what_actors_load_alone(js, tmp_path
     settings = make(tmp_path / "shared")
 
     async def pub(v, seed, protect=frozenset()):
-        return await publish_version(js, RUN, v, step=v, state_dir=write_state(tmp_path / f"s{v}-{seed}", seed, 0.1),
-                                     settings=settings, keep=1, protect=protect)
+        return await publish_version(
+            js,
+            RUN,
+            v,
+            step=v,
+            state_dir=write_state(tmp_path / f"s{v}-{seed}", seed, 0.1),
+            settings=settings,
+            keep=1,
+            protect=protect,
+        )
 
     first = await pub(2, seed=1)
     served = await fetch_version(js, RUN, first, tmp_path / "actor-first", settings=settings)
@@ -159,8 +183,13 @@ async def test_served_versions_come_from_the_actors_heartbeats(nc):
 
     served = ServedVersions(nc, RUN)
     await served.start()
-    for ident, version, state in (("a0", 3, "busy"), ("a1", 5, "ready"), ("a2", 7, "ready"), ("a2", 7, "stopping"),
-                                  ("a3", -1, "starting")):
+    for ident, version, state in (
+        ("a0", 3, "busy"),
+        ("a1", 5, "ready"),
+        ("a2", 7, "ready"),
+        ("a2", 7, "stopping"),
+        ("a3", -1, "starting"),
+    ):
         await status.send(nc, RUN, Heartbeat(role="actor", id=ident, state=state, version=version))
     await status.send(nc, RUN, Heartbeat(role="learner", id="l", state="ready", version=9))  # not an actor
     for _ in range(100):
@@ -191,8 +220,12 @@ async def test_learner_publication_waits_out_a_nats_outage(nats_server, tmp_path
             await asyncio.to_thread(nats_server.start)  # same store dir, same port
 
         restart = asyncio.create_task(restart_later())
-        wv = await retry_unreachable(lambda: publish_version(js, RUN, 1, 1, state, ObjstoreWeights()), what="publish v1",
-                             give_up_s=120.0, first_delay_s=0.5)
+        wv = await retry_unreachable(
+            lambda: publish_version(js, RUN, 1, 1, state, ObjstoreWeights()),
+            what="publish v1",
+            give_up_s=120.0,
+            first_delay_s=0.5,
+        )
         await restart
         assert wv.version == 1
         assert (await current_version(js, RUN)).sha256 == wv.sha256
@@ -224,8 +257,10 @@ async def test_a_pipelined_upload_is_an_object_any_client_reads_and_replaces_the
     assert got.data == first and got.info.chunks == 13
     sha, size = await objstore._put_object(js, RUN, "v1/blob", second)
     assert (await store.get("v1/blob")).data == second
-    assert await objstore._get_object(js, RUN, "v1/blob", tmp_path / "out") == (hashlib.sha256(second).hexdigest(),
-                                                                                 len(second))
+    assert await objstore._get_object(js, RUN, "v1/blob", tmp_path / "out") == (
+        hashlib.sha256(second).hexdigest(),
+        len(second),
+    )
     assert (await js.stream_info(stream)).state.messages == 8 + 1  # the first upload's 13 chunks purged
 
 
@@ -251,8 +286,9 @@ async def test_a_refused_chunk_fails_the_upload_and_leaves_nothing_behind(js, mo
     assert (await js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=bucket))).state.messages == 0
 
 
-async def test_a_prune_whose_purge_times_out_still_announces_and_the_next_prune_purges_the_chunks(js, tmp_path,
-                                                                                               monkeypatch):
+async def test_a_prune_whose_purge_times_out_still_announces_and_the_next_prune_purges_the_chunks(
+    js, tmp_path, monkeypatch
+):
     """Pruning is cleanup after the announcement. The H200's failure (an 8 GB object's purge outlasted
     nats.py's 5 s API timeout, 2026-12-04) as the store sees it: the old object's meta is published as
     deleted (it leaves the listing, so no prune sees it again), then the purge of its chunk subject times
@@ -288,8 +324,12 @@ async def test_a_prune_whose_purge_times_out_still_announces_and_the_next_prune_
 
     monkeypatch.setattr(JetStreamManager, "_api_request", chunk_purge_times_out_once)
     failed = COUNTERS["weights.prune_failed"]
-    published = [await publish_version(js, run, v, v, write_state(tmp_path / f"s{v}", seed=v, mib=0.5),
-                                       ObjstoreWeights(), keep=1) for v in range(2)]
+    published = [
+        await publish_version(
+            js, run, v, v, write_state(tmp_path / f"s{v}", seed=v, mib=0.5), ObjstoreWeights(), keep=1
+        )
+        for v in range(2)
+    ]
     assert await current_version(js, run) == published[1]  # announced although its prune failed
     assert COUNTERS["weights.prune_failed"] == failed + 1
     assert len(timed_out) == 1
@@ -301,8 +341,9 @@ async def test_a_prune_whose_purge_times_out_still_announces_and_the_next_prune_
             await store.get_info(name)
     assert await chunks_of(timed_out[0]) > 1
 
-    latest = await publish_version(js, run, 2, 2, write_state(tmp_path / "s2", seed=2, mib=0.5), ObjstoreWeights(),
-                                   keep=1)
+    latest = await publish_version(
+        js, run, 2, 2, write_state(tmp_path / "s2", seed=2, mib=0.5), ObjstoreWeights(), keep=1
+    )
     assert COUNTERS["weights.prune_failed"] == failed + 1
     assert await chunks_of(timed_out[0]) == 0
     for old in published:
@@ -319,8 +360,9 @@ async def test_a_prune_whose_purge_times_out_still_announces_and_the_next_prune_
 
 
 @pytest.mark.parametrize("stored", [False, True], ids=["meta_not_stored", "meta_stored"])
-async def test_a_prune_whose_deleted_meta_times_out_purges_nothing_then_the_next_prune_finishes_it(js, tmp_path,
-                                                                                                   monkeypatch, stored):
+async def test_a_prune_whose_deleted_meta_times_out_purges_nothing_then_the_next_prune_finishes_it(
+    js, tmp_path, monkeypatch, stored
+):
     """A prune's publish of the deleted meta that times out purges no chunk (nats.py's ObjectStore.delete
     purges in a `finally`: the chunks of an object perhaps still listed). Either the meta was not
     stored (the object is still listed, whole) or it was (the object is out of the listing, its chunks
@@ -353,8 +395,12 @@ async def test_a_prune_whose_deleted_meta_times_out_purges_nothing_then_the_next
 
     monkeypatch.setattr(JetStreamContext, "publish", deleted_meta_times_out_once)
     failed = COUNTERS["weights.prune_failed"]
-    published = [await publish_version(js, run, v, v, write_state(tmp_path / f"s{v}", seed=v, mib=0.5),
-                                       ObjstoreWeights(), keep=1) for v in range(2)]
+    published = [
+        await publish_version(
+            js, run, v, v, write_state(tmp_path / f"s{v}", seed=v, mib=0.5), ObjstoreWeights(), keep=1
+        )
+        for v in range(2)
+    ]
     assert await current_version(js, run) == published[1]
     assert COUNTERS["weights.prune_failed"] == failed + 1
     name, nuid = timed_out[0]["name"], timed_out[0]["nuid"]

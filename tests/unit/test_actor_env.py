@@ -7,11 +7,11 @@ import asyncio
 
 from parley.actors.actor import user_client
 from parley.config.actor import ActorConfig
-from parley.rollout.conversation import PolicySettings, run_conversation
-from parley.rollout.sim import SimClient
 from parley.config.run import load_config
 from parley.environments.base import LocalUser
 from parley.environments.hidden_goal import Goal
+from parley.rollout.conversation import PolicySettings, run_conversation
+from parley.rollout.sim import SimClient
 from tests.unit.test_env_hidden_goal import ScriptedEngine  # the scripted policy double
 
 PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
@@ -31,12 +31,18 @@ def test_hidden_goal_plays_its_user_in_the_actor(tiny_model):
     assert isinstance(user, LocalUser)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     task = env.tasks.task(PIZZA, run="r", task_id="r-g000000", n=2, rollout=cfg.rollout, seed=1, version=0)
-    engine = ScriptedEngine(tok, ["Which size and crust?", "And the topping?", "FINAL: size=large, crust=thin, topping=ham"])
-    traj = asyncio.run(run_conversation(engine, user, task, 0, lambda: 0, tokenizer=tok,
-                                        policy=PolicySettings(max_model_len=2048)))
+    engine = ScriptedEngine(
+        tok, ["Which size and crust?", "And the topping?", "FINAL: size=large, crust=thin, topping=ham"]
+    )
+    traj = asyncio.run(
+        run_conversation(engine, user, task, 0, lambda: 0, tokenizer=tok, policy=PolicySettings(max_model_len=2048))
+    )
     assert traj.terminated == "sim_done" and traj.sim_prompt == "hidden_goal"
     assert [m.content for m in traj.messages if m.role == "user"] == [
-        "I want to order a pizza.", "size: large, crust: thin.", "topping: ham."]
+        "I want to order a pizza.",
+        "size: large, crust: thin.",
+        "topping: ham.",
+    ]
     assert env.reward.evaluate(traj) == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 3.0}
 
 

@@ -20,15 +20,21 @@ SCALINGS = [2.0, 2.0, 4.0, 1.0, 0.37, 2.0, 3.0, 1.5]  # 0.37: no bfloat16, the r
 
 def _staged() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
-    return {f"m{i}": (torch.randn(8, 64, generator=gen).to(torch.bfloat16),
-                      torch.randn(96, 8, generator=gen).to(torch.bfloat16)) for i in range(len(SCALINGS))}
+    return {
+        f"m{i}": (
+            torch.randn(8, 64, generator=gen).to(torch.bfloat16),
+            torch.randn(96, 8, generator=gen).to(torch.bfloat16),
+        )
+        for i in range(len(SCALINGS))
+    }
 
 
 def _model(staged) -> SimpleNamespace:
     """What from_lora_tensors builds from staged tensors of the engine's device and dtype: the staged
     tensors themselves, not copies."""
-    loras = {name: LoRALayerWeights(name, 8, 8 * s, a, b, scaling=s)
-             for (name, (a, b)), s in zip(staged.items(), SCALINGS)}
+    loras = {
+        name: LoRALayerWeights(name, 8, 8 * s, a, b, scaling=s) for (name, (a, b)), s in zip(staged.items(), SCALINGS)
+    }
     loras["no_b"] = LoRALayerWeights("no_b", 8, 16.0, staged["m0"][0], None, scaling=2.0)
     return SimpleNamespace(loras=loras)
 

@@ -16,10 +16,19 @@ from parley.protocol.messages import ChatMessage, EvalRecord
 
 def record(condition, item, bleu, inter, tokens):
     return EvalRecord(
-        eval_id=f"{condition}/{item}/0", condition=condition, item_id=item, model=f"model-{condition}",
-        system_prompt="", sim_prompt="lazy_full", sim_model="sim", judge_model="judge", seed=0,
-        messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")], reference="ref",
-        assistant_tokens=tokens, metrics={"bleu": bleu, "interactivity": inter},
+        eval_id=f"{condition}/{item}/0",
+        condition=condition,
+        item_id=item,
+        model=f"model-{condition}",
+        system_prompt="",
+        sim_prompt="lazy_full",
+        sim_model="sim",
+        judge_model="judge",
+        seed=0,
+        messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")],
+        reference="ref",
+        assistant_tokens=tokens,
+        metrics={"bleu": bleu, "interactivity": inter},
     )
 
 
@@ -27,9 +36,12 @@ def fixture_table():
     # Two items. "short" only writes fewer tokens (1000 fewer an item: +0.1 MR from the token term
     # alone); "better" gains 0.2 BLEU an item and writes 500 more tokens (-0.05 MR from tokens).
     recs = [
-        record("v0", "a", 0.30, 0.60, 2000), record("v0", "b", 0.40, 0.50, 3000),
-        record("short", "a", 0.30, 0.60, 1000), record("short", "b", 0.40, 0.50, 2000),
-        record("better", "a", 0.50, 0.60, 2500), record("better", "b", 0.60, 0.50, 3500),
+        record("v0", "a", 0.30, 0.60, 2000),
+        record("v0", "b", 0.40, 0.50, 3000),
+        record("short", "a", 0.30, 0.60, 1000),
+        record("short", "b", 0.40, 0.50, 2000),
+        record("better", "a", 0.50, 0.60, 2500),
+        record("better", "b", 0.60, 0.50, 3500),
     ]
     return summarize(recs, "v0")
 
@@ -39,7 +51,11 @@ def test_fraction_versions_take_the_newest_kept_version_at_or_below_each_fractio
     assert collab_table.fraction_versions(kept, 60) == {"25%": 15, "50%": 30, "75%": 45, "100%": 60}
     # a run cut by its wall budget at step 37, checkpoints every 5 (35 kept): 9, 18, 28, 37
     assert collab_table.fraction_versions([0, 5, 10, 15, 20, 25, 30, 35, 37], 37) == {
-        "25%": 5, "50%": 15, "75%": 25, "100%": 37}
+        "25%": 5,
+        "50%": 15,
+        "75%": 25,
+        "100%": 37,
+    }
     with pytest.raises(ValueError, match="no kept version at or below 2"):
         collab_table.fraction_versions([5], 8)
 
@@ -58,7 +74,9 @@ def test_flags_name_each_metrics_winner_and_whether_tokens_dominate_the_mr_gain(
 
 
 def test_rounded_ties_count_expected_levels_on_the_rubrics_grid_of_ninths():
-    d = collab_table.discrimination({1: [[{"interactivity": 4.1 / 9}, {"interactivity": 3.9 / 9}, {"interactivity": 5 / 9}]]})
+    d = collab_table.discrimination(
+        {1: [[{"interactivity": 4.1 / 9}, {"interactivity": 3.9 / 9}, {"interactivity": 5 / 9}]]}
+    )
     assert d["interactivity_pair_ties"] == 0.0
     assert d["interactivity_pair_ties_rounded"] == pytest.approx(1 / 3)  # 4.1 and 3.9 both round to level 4
 
@@ -68,7 +86,12 @@ def test_table_json_carries_n_means_and_paired_intervals():
     assert rows["v0"]["n"] == 2 and rows["v0"]["diff_vs_base"] == {}
     d = rows["short"]["diff_vs_base"]["tokens_k"]
     # both items 1.0 k fewer: a constant difference, zero-width interval (evaluation.benchmark's rule)
-    assert (d["diff"], d["ci_low"], d["ci_high"], d["n"]) == (pytest.approx(-1.0), pytest.approx(-1.0), pytest.approx(-1.0), 2)
+    assert (d["diff"], d["ci_low"], d["ci_high"], d["n"]) == (
+        pytest.approx(-1.0),
+        pytest.approx(-1.0),
+        pytest.approx(-1.0),
+        2,
+    )
     assert rows["better"]["means"]["bleu"] == pytest.approx(0.55)
 
 
@@ -83,9 +106,11 @@ def test_leakage_flag_fails_only_on_shared_reference_targets(tmp_path):
 def test_discrimination_counts_same_interactivity_pairs_and_within_group_std():
     s = lambda i, b: {"interactivity": i, "bleu": b}  # noqa: E731
     groups = {
-        1: [[s(0.5, 0.1), s(0.5, 0.3), s(0.5, 0.2)],   # all tied: 3 of 3 pairs, a flat group
-            [s(0.2, 0.0), s(0.8, 0.0)]],               # 0 of 1 pair; BLEU std 0
-        2: [[s(1.0, 0.4), s(1.0, 0.4)]],               # 1 of 1 pair, flat; no signal at all
+        1: [
+            [s(0.5, 0.1), s(0.5, 0.3), s(0.5, 0.2)],  # all tied: 3 of 3 pairs, a flat group
+            [s(0.2, 0.0), s(0.8, 0.0)],
+        ],  # 0 of 1 pair; BLEU std 0
+        2: [[s(1.0, 0.4), s(1.0, 0.4)]],  # 1 of 1 pair, flat; no signal at all
     }
     d = collab_table.discrimination(groups)
     assert d["pairs"] == 5 and d["interactivity_pair_ties"] == pytest.approx(4 / 5)
@@ -104,7 +129,9 @@ def test_replay_compare_pairs_the_final_versions_items_across_judges():
     again = [record("v60", "a", 0.3, 0.4, 1000), record("v60", "b", 0.4, 0.1, 1000)]
     c = collab_table.replay_compare(orig, again, "v60")
     assert c["n"] == 2
-    assert c["interactivity"]["original"] == pytest.approx(0.4) and c["interactivity"]["replayed"] == pytest.approx(0.25)
+    assert c["interactivity"]["original"] == pytest.approx(0.4) and c["interactivity"]["replayed"] == pytest.approx(
+        0.25
+    )
     assert c["interactivity"]["diff"] == pytest.approx(-0.15)
     assert c["interactivity"]["pearson_r"] == pytest.approx(1.0)
     assert math.isnan(c["bleu"]["pearson_r"]) is False and c["bleu"]["diff"] == pytest.approx(0.0)

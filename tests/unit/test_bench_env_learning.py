@@ -11,14 +11,35 @@ from parley.config.run import ConfigError, check_training, default_config_path, 
 
 
 def test_the_benchmarks_overrides_are_a_run_that_trains_at_its_temperature():
-    args = env_learning.parse_args(["--seeds", "1", "--steps", "15", "--train-temperature", "0.7", "--nudge", "slots",
-                                    "--answer", "mentions", "--kl-coef", "0", "--lr", "1e-4"])
+    args = env_learning.parse_args(
+        [
+            "--seeds",
+            "1",
+            "--steps",
+            "15",
+            "--train-temperature",
+            "0.7",
+            "--nudge",
+            "slots",
+            "--answer",
+            "mentions",
+            "--kl-coef",
+            "0",
+            "--lr",
+            "1e-4",
+        ]
+    )
     assert args.temperature == 0.7  # the eval samples the distribution that was trained, unless told otherwise
     cfg = load_config(default_config_path(), env_learning.overrides(args, seed=1))
     check_training(cfg)
     assert cfg.env.name == "hidden_goal"
     assert cfg.env.options == {"n_items": 120, "seed": 1, "nudge": "slots", "answer": "mentions"}
-    assert (cfg.actor.sampling.temperature, cfg.learner.lr, cfg.learner.kl_coef, cfg.data.split_seed) == (0.7, 1e-4, 0.0, 1)
+    assert (cfg.actor.sampling.temperature, cfg.learner.lr, cfg.learner.kl_coef, cfg.data.split_seed) == (
+        0.7,
+        1e-4,
+        0.0,
+        1,
+    )
     assert cfg.learner.eval_metric == "goal_match" and cfg.learner.checkpoint_every == 15
     assert env_learning.parse_args(["--temperature", "1.0", "--train-temperature", "0.7"]).temperature == 1.0
 

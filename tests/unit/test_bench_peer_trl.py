@@ -46,18 +46,31 @@ def test_trls_config_is_parleys_loss_and_schedule():
     assert (kw["num_generations"], kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"]) == (8, 8, 1)
     assert (kw["max_steps"], kw["max_completion_length"], kw["learning_rate"]) == (7, 32, 1e-4)
     assert (kw["epsilon"], kw["epsilon_high"], kw["vllm_importance_sampling_clip_max"]) == (0.1, 0.3, 4.0)
-    assert (kw["beta"], kw["loss_type"], kw["scale_rewards"], kw["lr_scheduler_type"]) == (0.0, "dapo", "group", "constant")
-    assert (kw["vllm_mode"], kw["use_vllm"], kw["shuffle_dataset"], kw["num_iterations"]) == ("colocate", True, False, 1)
+    assert (kw["beta"], kw["loss_type"], kw["scale_rewards"], kw["lr_scheduler_type"]) == (
+        0.0,
+        "dapo",
+        "group",
+        "constant",
+    )
+    assert (kw["vllm_mode"], kw["use_vllm"], kw["shuffle_dataset"], kw["num_iterations"]) == (
+        "colocate",
+        True,
+        False,
+        1,
+    )
     assert (kw["temperature"], kw["top_p"], kw["max_grad_norm"], kw["gradient_checkpointing"]) == (0.7, 1.0, 1.0, False)
     assert "vllm_mode" not in peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", vllm=False)
     clipped = peer_trl.load_recipe(None, ['learner.behaviour_correction="clip"', "learner.dual_clip=5.0"])
     assert peer_trl.trl_kwargs(clipped, output_dir="/tmp/x")["vllm_importance_sampling_clip_max"] == 5.0
 
 
-@pytest.mark.parametrize("sets, match", [
-    (["learner.adv_std=\"population\""], "TRL divides by the sample std only"),
-    (["learner.loss_agg=\"seq-mean-token-sum\""], "has no TRL loss_type"),
-])
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (['learner.adv_std="population"'], "TRL divides by the sample std only"),
+        (['learner.loss_agg="seq-mean-token-sum"'], "has no TRL loss_type"),
+    ],
+)
 def test_what_trl_cannot_match_is_refused_with_the_setting(sets, match):
     with pytest.raises(ValueError, match=match):
         peer_trl.trl_kwargs(peer_trl.load_recipe(None, sets), output_dir="/tmp/x")
@@ -139,10 +152,14 @@ def test_the_rollout_hook_plays_parley_conversations_in_batches_and_returns_parl
     late = engine.batches[2] if len(engine.batches) > 2 else 0
     assert engine.batches == [8, 8] + ([late] if late else [])  # every round of turns is one engine call
     assert sorted(out["parley_total"]) == sorted([1 - 3 * 0.05] * late + [1 - 2 * 0.05] * (8 - late))
-    opening = tok.apply_chat_template([{"role": "system", "content": task.system_prompt},
-                                       {"role": "user", "content": task.prefix[0].content}],
-                                      tokenize=False, add_generation_prompt=True)
-    for prompt, completion, mask, lps in zip(out["prompt_ids"], out["completion_ids"], out["env_mask"], out["logprobs"]):
+    opening = tok.apply_chat_template(
+        [{"role": "system", "content": task.system_prompt}, {"role": "user", "content": task.prefix[0].content}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    for prompt, completion, mask, lps in zip(
+        out["prompt_ids"], out["completion_ids"], out["env_mask"], out["logprobs"]
+    ):
         assert prompt == tok.encode(opening, add_special_tokens=False)
         assert len(completion) == len(mask) == len(lps)
         assert [lp != 0.0 for lp in lps] == [bool(m) for m in mask]  # behaviour log-probs exactly on trained tokens
@@ -155,26 +172,45 @@ def test_the_rollout_hook_plays_parley_conversations_in_batches_and_returns_parl
 def _write_runs(out: Path) -> None:
     """A parley run and a TRL run of three steps each, launched 100 s apart on the device clock."""
     out.mkdir()
-    (out / "p_clock.json").write_text(json.dumps({
-        "parley_start": 1000.0, "parley_start_local": "2026-12-02 10:00:00.000000000", "parley_end": 1060.0,
-        "trl_start": 1100.0, "trl_end": 1150.0}))
-    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "trained_tokens": 100 * s}) + "\n" for s in (1, 2, 3)))
+    (out / "p_clock.json").write_text(
+        json.dumps(
+            {
+                "parley_start": 1000.0,
+                "parley_start_local": "2026-12-02 10:00:00.000000000",
+                "parley_end": 1060.0,
+                "trl_start": 1100.0,
+                "trl_end": 1150.0,
+            }
+        )
+    )
+    (out / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "trained_tokens": 100 * s}) + "\n" for s in (1, 2, 3))
+    )
     (out / "parley_steps.log").write_text(
         "2026-12-02 10:00:30,000 learner INFO parley.learner.stepper: step 1: loss 0.1, 1 groups\n"
         "2026-12-02 10:00:30,500 learner INFO parley.learner.periodic: eval: version 0 ...\n"
         "2026-12-02 10:00:31,000 learner INFO parley.learner.stepper: step 2: loss 0.1, 1 groups\n"
-        "2026-12-02 10:00:32,000 learner INFO parley.learner.stepper: step 3: loss 0.1, 1 groups\n")
+        "2026-12-02 10:00:32,000 learner INFO parley.learner.stepper: step 3: loss 0.1, 1 groups\n"
+    )
     (out / "eval_history.jsonl").write_text(
-        json.dumps({"version": 0, "step": 0, "n": 24, "seconds": 20.0, "goal_match": 0.1, "created": 1040.0}) + "\n"
-        + json.dumps({"version": 3, "step": 3, "n": 24, "seconds": 2.0, "goal_match": 0.5, "created": 1050.0}) + "\n")
+        json.dumps({"version": 0, "step": 0, "n": 24, "seconds": 20.0, "goal_match": 0.1, "created": 1040.0})
+        + "\n"
+        + json.dumps({"version": 3, "step": 3, "n": 24, "seconds": 2.0, "goal_match": 0.5, "created": 1050.0})
+        + "\n"
+    )
     # TRL's step 3 trained one group of equal rewards (flat): its tokens carry no gradient
-    steps = [{"step": s, "t_end": 1100.0 + t, "trained_tokens": 100 * s, "conversations": 8, "flat_groups": int(s == 3)}
-             for s, t in ((1, 20.0), (2, 24.0), (3, 28.0))]
-    evals = [{"version": 0, "n": 24, "seconds": 1.0, "t_end": 1110.0, "goal_match": 0.1},
-             {"version": 2, "n": 24, "seconds": 1.0, "t_end": 1125.0, "goal_match": 0.2},
-             {"version": 3, "n": 24, "seconds": 2.0, "t_end": 1130.0, "goal_match": 0.3}]
-    (out / "peer_trl.json").write_text(json.dumps({"recipe": {"steps": 3, "n": 8}, "settings": [], "steps": steps, "evals": evals,
-                                                   "ended_at": 1131.0}))
+    steps = [
+        {"step": s, "t_end": 1100.0 + t, "trained_tokens": 100 * s, "conversations": 8, "flat_groups": int(s == 3)}
+        for s, t in ((1, 20.0), (2, 24.0), (3, 28.0))
+    ]
+    evals = [
+        {"version": 0, "n": 24, "seconds": 1.0, "t_end": 1110.0, "goal_match": 0.1},
+        {"version": 2, "n": 24, "seconds": 1.0, "t_end": 1125.0, "goal_match": 0.2},
+        {"version": 3, "n": 24, "seconds": 2.0, "t_end": 1130.0, "goal_match": 0.3},
+    ]
+    (out / "peer_trl.json").write_text(
+        json.dumps({"recipe": {"steps": 3, "n": 8}, "settings": [], "steps": steps, "evals": evals, "ended_at": 1131.0})
+    )
 
 
 def test_the_comparison_reads_both_runs_steady_state_and_rewards_at_equal_wall_time(tmp_path):
@@ -182,12 +218,26 @@ def test_the_comparison_reads_both_runs_steady_state_and_rewards_at_equal_wall_t
     res = peer_compare.compare(tmp_path / "out")
     p, t = res["parley"], res["trl"]
     # parley: steps end 30, 31, 32 s after launch; steps 2-3 trained 500 tokens in 2 s
-    assert (p["first_step_end_s"], p["wall_s_per_step"], p["trained_tokens_per_s"], p["total_s"]) == (30.0, 1.0, 250.0, 60.0)
-    assert (t["first_step_end_s"], t["wall_s_per_step"], t["trained_tokens_per_s"], t["total_s"]) == (20.0, 4.0, 62.5, 31.0)
+    assert (p["first_step_end_s"], p["wall_s_per_step"], p["trained_tokens_per_s"], p["total_s"]) == (
+        30.0,
+        1.0,
+        250.0,
+        60.0,
+    )
+    assert (t["first_step_end_s"], t["wall_s_per_step"], t["trained_tokens_per_s"], t["total_s"]) == (
+        20.0,
+        4.0,
+        62.5,
+        31.0,
+    )
     assert t["wall_s_per_step_without_eval"] == 3.5  # the v2 eval ran between steps 2 and 3, the v3 one after
     assert res["speedup_trained_tokens_per_s"] == 4.0
     # with signal only: parley's 500 tokens in 2 s against TRL's step 2 alone, 200 tokens in 8 s
-    assert (p["signal_tokens_per_s"], t["signal_tokens_per_s"], res["speedup_signal_tokens_per_s"]) == (250.0, 25.0, 10.0)
+    assert (p["signal_tokens_per_s"], t["signal_tokens_per_s"], res["speedup_signal_tokens_per_s"]) == (
+        250.0,
+        25.0,
+        10.0,
+    )
     assert res["runs"]["same_call"] is True
     assert [(r["t_s"], r["parley"], r["trl"]) for r in res["at_equal_wall_time"]] == [
         (10.0, None, {"version": 0, "goal_match": 0.1}),
@@ -209,11 +259,17 @@ def test_the_comparison_reads_when_each_of_parleys_roles_came_ready(tmp_path):
         "ready after 3.1 s: scorer-0\n"
         "waiting for: actor-0, learner\n"
         "ready after 21.0 s: actor-0, learner\n"
-        "all roles ready in 21.0 s\n")
+        "all roles ready in 21.0 s\n"
+    )
     res = peer_compare.compare(tmp_path / "out")
-    assert res["parley_startup"] == {"roles_ready_s": {"scorer-0": 3.1, "actor-0": 21.0, "learner": 21.0}, "all_ready_s": 21.0}
-    assert ("parley's roles ready, s from their launch: scorer-0 3.1, actor-0 21.0, learner 21.0; all 21.0 "
-            "(step 1 ended 30.0 s after parley's launch)") in peer_compare.render(res)
+    assert res["parley_startup"] == {
+        "roles_ready_s": {"scorer-0": 3.1, "actor-0": 21.0, "learner": 21.0},
+        "all_ready_s": 21.0,
+    }
+    assert (
+        "parley's roles ready, s from their launch: scorer-0 3.1, actor-0 21.0, learner 21.0; all 21.0 "
+        "(step 1 ended 30.0 s after parley's launch)"
+    ) in peer_compare.render(res)
 
 
 def test_trls_side_may_come_from_another_call_of_the_part(tmp_path):
@@ -237,8 +293,15 @@ def test_a_steady_state_needs_two_steps():
 
 
 def test_with_truncated_is_both_train_the_same_capped_weight_and_nothing_is_clipped():
-    cfg = peer_trl.load_recipe(None, ["learner.behaviour_correction=\"truncated_is\"", "learner.is_cap=2.0",
-                                      "learner.checkpoint_every=30", "learner.steps=30"])
+    cfg = peer_trl.load_recipe(
+        None,
+        [
+            'learner.behaviour_correction="truncated_is"',
+            "learner.is_cap=2.0",
+            "learner.checkpoint_every=30",
+            "learner.steps=30",
+        ],
+    )
     kw = peer_trl.trl_kwargs(cfg, output_dir="-")
     assert kw["vllm_importance_sampling_mode"] == "token_truncate"
     assert kw["vllm_importance_sampling_clip_max"] == 2.0
@@ -261,42 +324,59 @@ def test_the_comparison_also_reads_rewards_from_each_ones_first_step_end(tmp_pat
 
 
 def test_parleys_step_breakdown_is_the_medians_of_steps_2_to_n_and_of_the_actors_task_lines():
-    metrics = [{"step": 1, "wait_s": 90.0, "train_s": 19.0, "publish_s": 0.5},
-               {"step": 2, "wait_s": 0.9, "train_s": 0.3, "publish_s": 0.02},
-               {"step": 3, "wait_s": 0.7, "train_s": 0.2, "publish_s": 0.04, "checkpoint_s": 2.0},
-               {"step": 4, "wait_s": 0.8, "train_s": 0.4, "publish_s": 0.03, "checkpoint_s": 2.1}]
-    lines = ["2026-12-02 10:00:31,000 actor-0 INFO parley.actors.actor: task gpu1-t000002: 8 samples stored in 1.20s "
-             "(900 assistant tokens generated so far)",
-             "2026-12-02 10:00:32,000 actor-0 INFO parley.actors.actor: task gpu1-t000003: 8 samples stored in 0.80s "
-             "(1800 assistant tokens generated so far); a sample's mean: play 0.500s, generate 0.300s, simulator "
-             "0.100s, rest 0.100s",
-             "2026-12-02 10:00:32,100 actor-0 INFO parley.actors.follow: now serving weights version 3 (was 2)",
-             "2026-12-02 10:00:32,200 actor-0 INFO parley.rollout: task gpu1-t000004: stopped after 1 messages: a "
-             "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
-             "2026-12-02 10:00:32,300 actor-0 INFO parley.rollout: task gpu1-t000004: stopped after 0 messages: a "
-             "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
-             "2026-12-02 10:00:32,400 actor-0 INFO parley.rollout: task gpu1-t000005: turn cut after 3 messages: a "
-             "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
-             "2026-12-02 10:00:32,500 actor-0 INFO parley.rollout: task gpu1-t000006: simulator call cut after 2 "
-             "messages: a trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0"]
+    metrics = [
+        {"step": 1, "wait_s": 90.0, "train_s": 19.0, "publish_s": 0.5},
+        {"step": 2, "wait_s": 0.9, "train_s": 0.3, "publish_s": 0.02},
+        {"step": 3, "wait_s": 0.7, "train_s": 0.2, "publish_s": 0.04, "checkpoint_s": 2.0},
+        {"step": 4, "wait_s": 0.8, "train_s": 0.4, "publish_s": 0.03, "checkpoint_s": 2.1},
+    ]
+    lines = [
+        "2026-12-02 10:00:31,000 actor-0 INFO parley.actors.actor: task gpu1-t000002: 8 samples stored in 1.20s "
+        "(900 assistant tokens generated so far)",
+        "2026-12-02 10:00:32,000 actor-0 INFO parley.actors.actor: task gpu1-t000003: 8 samples stored in 0.80s "
+        "(1800 assistant tokens generated so far); a sample's mean: play 0.500s, generate 0.300s, simulator "
+        "0.100s, rest 0.100s",
+        "2026-12-02 10:00:32,100 actor-0 INFO parley.actors.follow: now serving weights version 3 (was 2)",
+        "2026-12-02 10:00:32,200 actor-0 INFO parley.rollout: task gpu1-t000004: stopped after 1 messages: a "
+        "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
+        "2026-12-02 10:00:32,300 actor-0 INFO parley.rollout: task gpu1-t000004: stopped after 0 messages: a "
+        "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
+        "2026-12-02 10:00:32,400 actor-0 INFO parley.rollout: task gpu1-t000005: turn cut after 3 messages: a "
+        "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
+        "2026-12-02 10:00:32,500 actor-0 INFO parley.rollout: task gpu1-t000006: simulator call cut after 2 "
+        "messages: a trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
+    ]
     assert peer_compare.step_breakdown(metrics, lines) == {
-        "wait_s": 0.8, "train_s": 0.3, "publish_s": 0.03, "checkpoints_before_the_last_step": 1,
-        "task_play_s": 1.0, "tasks_played": 2, "conversations_stopped": 2, "generations_cut": 1,
+        "wait_s": 0.8,
+        "train_s": 0.3,
+        "publish_s": 0.03,
+        "checkpoints_before_the_last_step": 1,
+        "task_play_s": 1.0,
+        "tasks_played": 2,
+        "conversations_stopped": 2,
+        "generations_cut": 1,
         "simulator_calls_cut": 1,
         # the second line's split (since 2026-12-05; the first, older line has none)
-        "sample_play_s": 0.5, "sample_generate_s": 0.3, "sample_simulator_s": 0.1, "sample_rest_s": 0.1}
+        "sample_play_s": 0.5,
+        "sample_generate_s": 0.3,
+        "sample_simulator_s": 0.1,
+        "sample_rest_s": 0.1,
+    }
 
 
 def test_where_parleys_training_went_is_read_when_its_steps_recorded_it():
     """The learner's phases of train_s (learner.steplog.PHASES, recorded since 2026-12-05 night): their
     medians over steps 2..N join the breakdown; runs from before carry none and get none."""
     phases = {"forward_s": 0.05, "backward_s": 0.1, "readback_s": 0.01, "optimizer_s": 0.08, "release_s": 0.02}
-    metrics = [{"step": 1, "train_s": 9.0, **{k: 1.0 for k in phases}},
-               *({"step": s, "train_s": 0.3, **{k: v * s / 2 for k, v in phases.items()}} for s in (2, 3, 4))]
+    metrics = [
+        {"step": 1, "train_s": 9.0, **{k: 1.0 for k in phases}},
+        *({"step": s, "train_s": 0.3, **{k: v * s / 2 for k, v in phases.items()}} for s in (2, 3, 4)),
+    ]
     got = peer_compare.step_breakdown(metrics, [])
     assert {k: got[k] for k in phases} == pytest.approx({k: v * 1.5 for k, v in phases.items()})  # steps 2-4: step 3
-    assert "forward_s" not in peer_compare.step_breakdown([{k: v for k, v in m.items() if k not in phases}
-                                                          for m in metrics], [])
+    assert "forward_s" not in peer_compare.step_breakdown(
+        [{k: v for k, v in m.items() if k not in phases} for m in metrics], []
+    )
 
 
 def test_the_settings_table_names_what_part_p_gave_parley_alone(tmp_path):
@@ -304,17 +384,23 @@ def test_the_settings_table_names_what_part_p_gave_parley_alone(tmp_path):
     engines row names the actors that ran, and a row lists the parley-only settings."""
     _write_runs(tmp_path / "out")
     peer = json.loads((tmp_path / "out" / "peer_trl.json").read_text())
-    peer["settings"] = [{"setting": "engines", "parley": "2 actor vLLM engines and an eval engine", "trl": "one",
-                         "same": "no"}]
+    peer["settings"] = [
+        {"setting": "engines", "parley": "2 actor vLLM engines and an eval engine", "trl": "one", "same": "no"}
+    ]
     (tmp_path / "out" / "peer_trl.json").write_text(json.dumps(peer))
     assert peer_compare.compare(tmp_path / "out")["settings"] == peer["settings"]  # older clocks: as it was
     clock = json.loads((tmp_path / "out" / "p_clock.json").read_text())
-    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": "learner.oversample_groups=2",
-                                                               "actors": 1}))
+    (tmp_path / "out" / "p_clock.json").write_text(
+        json.dumps({**clock, "parley_sets": "learner.oversample_groups=2", "actors": 1})
+    )
     rows = peer_compare.compare(tmp_path / "out")["settings"]
     assert rows[0]["parley"].startswith("1 actor vLLM engines")
-    assert rows[1] == {"setting": "parley only (PARLEY_SETS, not in TRL's run)", "parley": "learner.oversample_groups=2",
-                       "trl": "-", "same": "no"}
+    assert rows[1] == {
+        "setting": "parley only (PARLEY_SETS, not in TRL's run)",
+        "parley": "learner.oversample_groups=2",
+        "trl": "-",
+        "same": "no",
+    }
     (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_steps": 36, "trl_steps": 30}))
     rows = peer_compare.compare(tmp_path / "out")["settings"]  # PARLEY_STEPS: for equal wall time
     assert rows[-1] == {"setting": "steps (PARLEY_STEPS)", "parley": "36", "trl": "30", "same": "no"}
@@ -327,8 +413,12 @@ def test_a_lag_given_to_parley_alone_is_the_one_its_lag_row_names(tmp_path):
     parley ran at lag 0, as TRL does, not the shared recipe's lag of 1."""
     _write_runs(tmp_path / "out")
     peer = json.loads((tmp_path / "out" / "peer_trl.json").read_text())
-    lag_row = {"setting": "policy lag", "parley": "async: groups up to max_staleness = 1 versions old (older: drop)",
-               "trl": "synchronous: every group from the current weights", "same": "no"}
+    lag_row = {
+        "setting": "policy lag",
+        "parley": "async: groups up to max_staleness = 1 versions old (older: drop)",
+        "trl": "synchronous: every group from the current weights",
+        "same": "no",
+    }
     peer["settings"] = [lag_row]
     (tmp_path / "out" / "peer_trl.json").write_text(json.dumps(peer))
     clock = json.loads((tmp_path / "out" / "p_clock.json").read_text())
@@ -361,12 +451,24 @@ def test_calls_at_several_seeds_are_summed_up_by_their_means_and_paired_differen
     res = peer_compare.over_seeds([tmp_path / "s0", tmp_path / "s1"])
     assert [r["seed"] for r in res["calls"]] == [0, 1]
     assert [r["difference"] for r in res["calls"]] == [0.2, -0.2]  # parley's last is 0.5 in both
-    assert res["means"] == {"ratio": 4.0, "signal_ratio": 10.0, "ratio_without_trls_eval": 3.5, "steps_ratio": 4.0,
-                            "steps_ratio_without_trls_eval": 3.5, "parley_last": 0.5, "trl_last": 0.5, "difference": 0.0,
-                            # 8 s after each one's step 1 (TRL's step 3): parley's v3 had ended 2 s after its step 1
-                            "parley_at_trls_end": 0.5, "trl_at_trls_end": 0.5, "difference_at_trls_end": 0.0,
-                            "calls_at_trls_end": 2}
-    assert res["goal_met_by_the_means"] is True and res["goal_met_at_equal_training_time"] is True  # 4x at an equal mean
+    assert res["means"] == {
+        "ratio": 4.0,
+        "signal_ratio": 10.0,
+        "ratio_without_trls_eval": 3.5,
+        "steps_ratio": 4.0,
+        "steps_ratio_without_trls_eval": 3.5,
+        "parley_last": 0.5,
+        "trl_last": 0.5,
+        "difference": 0.0,
+        # 8 s after each one's step 1 (TRL's step 3): parley's v3 had ended 2 s after its step 1
+        "parley_at_trls_end": 0.5,
+        "trl_at_trls_end": 0.5,
+        "difference_at_trls_end": 0.0,
+        "calls_at_trls_end": 2,
+    }
+    assert (
+        res["goal_met_by_the_means"] is True and res["goal_met_at_equal_training_time"] is True
+    )  # 4x at an equal mean
     single = peer_compare.ROOT / "bench" / "results" / "peer_trl_h200.json"  # --out's default --json
     before = single.stat().st_mtime_ns
     assert peer_compare.main(["--over", str(tmp_path / "s0"), str(tmp_path / "s1")]) == 0
@@ -383,25 +485,41 @@ def test_with_more_steps_parley_counts_the_version_it_had_trained_when_trls_run_
     count, though it is parley's last. When an eval result came in does not matter."""
     _seeded_runs(tmp_path / "p", 1, 0.3, parley_steps=5, trl_steps=3)
     ends = {k: 30 + 3 * (k - 1) for k in range(1, 6)}  # parley's steps end 30, 33, ..., 42 s after launch
-    (tmp_path / "p" / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "trained_tokens": 1000}) + "\n" for k in ends))
-    (tmp_path / "p" / "parley_steps.log").write_text("".join(
-        f"2026-12-02 10:00:{t:02d},000 learner INFO parley.learner.stepper: step {k}: loss 0.1, 1 groups\n"
-        for k, t in ends.items()))
+    (tmp_path / "p" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": k, "trained_tokens": 1000}) + "\n" for k in ends)
+    )
+    (tmp_path / "p" / "parley_steps.log").write_text(
+        "".join(
+            f"2026-12-02 10:00:{t:02d},000 learner INFO parley.learner.stepper: step {k}: loss 0.1, 1 groups\n"
+            for k, t in ends.items()
+        )
+    )
     # every result in late (50-60 s after launch, after parley's last step): they count by their versions
-    (tmp_path / "p" / "eval_history.jsonl").write_text("".join(json.dumps(
-        {"version": v, "step": v, "n": 24, "seconds": 1.0, "goal_match": g, "created": 1000.0 + t}) + "\n"
-        for v, g, t in ((0, 0.1, 50.0), (3, 0.5, 55.0), (5, 0.9, 60.0))))
+    (tmp_path / "p" / "eval_history.jsonl").write_text(
+        "".join(
+            json.dumps({"version": v, "step": v, "n": 24, "seconds": 1.0, "goal_match": g, "created": 1000.0 + t})
+            + "\n"
+            for v, g, t in ((0, 0.1, 50.0), (3, 0.5, 55.0), (5, 0.9, 60.0))
+        )
+    )
     res = peer_compare.compare(tmp_path / "p")
-    assert res["at_trls_last_version"] == {"t_s": 8.0, "parley": {"version": 3, "goal_match": 0.5},
-                                           "trl": {"version": 3, "goal_match": 0.3}, "difference": 0.2}
-    assert ("held-out goal_match at equal training time, 8.0 s after each one's step 1 (the end of TRL's last "
-            "evaluated step): parley v3 0.500, TRL v3 0.300, parley - TRL +0.200") in peer_compare.render(res)
+    assert res["at_trls_last_version"] == {
+        "t_s": 8.0,
+        "parley": {"version": 3, "goal_match": 0.5},
+        "trl": {"version": 3, "goal_match": 0.3},
+        "difference": 0.2,
+    }
+    assert (
+        "held-out goal_match at equal training time, 8.0 s after each one's step 1 (the end of TRL's last "
+        "evaluated step): parley v3 0.500, TRL v3 0.300, parley - TRL +0.200"
+    ) in peer_compare.render(res)
     seeds = peer_compare.over_seeds([tmp_path / "p"])
     assert seeds["calls"][0]["difference"] == 0.6  # each one's last: parley's v5 against TRL's v3
     assert seeds["means"]["difference_at_trls_end"] == 0.2 and seeds["goal_met_at_equal_training_time"] is True
     # a call where parley had evaluated no version trained by then counts against the goal
-    (tmp_path / "p" / "eval_history.jsonl").write_text(json.dumps(
-        {"version": 5, "step": 5, "n": 24, "seconds": 1.0, "goal_match": 0.9, "created": 1045.0}) + "\n")
+    (tmp_path / "p" / "eval_history.jsonl").write_text(
+        json.dumps({"version": 5, "step": 5, "n": 24, "seconds": 1.0, "goal_match": 0.9, "created": 1045.0}) + "\n"
+    )
     late = peer_compare.over_seeds([tmp_path / "p"])
     assert late["calls"][0]["at_trls_end"]["parley"] is None and late["means"]["calls_at_trls_end"] == 0
     assert late["goal_met_by_the_means"] is True and late["goal_met_at_equal_training_time"] is False
@@ -423,7 +541,9 @@ def test_a_parley_call_run_alone_is_paired_with_another_calls_trl_at_the_same_se
         peer_compare.main(["--over", f"{tmp_path / 'p1'}={tmp_path / 't2'}"])
     assert "ran seed 1 but its TRL side" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one pair by --out and --trl-out: the same check
-        peer_compare.main(["--out", str(tmp_path / "p1"), "--trl-out", str(tmp_path / "t2"), "--json", str(tmp_path / "x.json")])
+        peer_compare.main(
+            ["--out", str(tmp_path / "p1"), "--trl-out", str(tmp_path / "t2"), "--json", str(tmp_path / "x.json")]
+        )
     assert "ran seed 1 but its TRL side" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
 
 
@@ -433,7 +553,8 @@ def test_the_tokens_ratio_is_the_steps_ratio_times_what_each_policy_wrote_a_step
     leaves the second (2026-12-05: 313 against 721 a step at seed 2 gave 0.68x at 1.56x the steps/s)."""
     _write_runs(tmp_path / "out")
     (tmp_path / "out" / "metrics.jsonl").write_text(
-        "".join(json.dumps({"step": s, "trained_tokens": 50 * s}) + "\n" for s in (1, 2, 3)))
+        "".join(json.dumps({"step": s, "trained_tokens": 50 * s}) + "\n" for s in (1, 2, 3))
+    )
     res = peer_compare.compare(tmp_path / "out")
     # parley: steps 2-3 trained 250 tokens in 2 s (125 a step); TRL: 500 tokens in 8 s (250 a step)
     assert (res["parley"]["trained_tokens_per_step"], res["trl"]["trained_tokens_per_step"]) == (125.0, 250.0)
@@ -443,7 +564,10 @@ def test_the_tokens_ratio_is_the_steps_ratio_times_what_each_policy_wrote_a_step
     assert res["speedup_trained_tokens_per_s_without_trls_eval"] == 1.75
     text = peer_compare.render(res)
     assert "| trained tokens a step (steps 2..N) | 125 | 250 |" in text
-    assert "parley / TRL steps/s, one group a step on both: 4.00x (3.50x against TRL's steps without its inline eval)" in text
+    assert (
+        "parley / TRL steps/s, one group a step on both: 4.00x (3.50x against TRL's steps without its inline eval)"
+        in text
+    )
 
 
 def test_a_behaviour_correction_given_to_parley_alone_is_the_one_its_rows_name(tmp_path):
@@ -461,12 +585,15 @@ def test_a_behaviour_correction_given_to_parley_alone_is_the_one_its_rows_name(t
     rows = {r["setting"]: r for r in peer_compare.compare(tmp_path / "out")["settings"]}
     before = {r["setting"]: r for r in recipe}
     assert before["clip range"]["same"] == "yes" and before["clip range"]["parley"].startswith("none")
-    assert rows["clip range"]["parley"] == ("[1 - 0.2, 1 + 0.3] on exp(logp - logp_behaviour) "
-                                            "(PARLEY_SETS: behaviour_correction = clip)")
+    assert rows["clip range"]["parley"] == (
+        "[1 - 0.2, 1 + 0.3] on exp(logp - logp_behaviour) (PARLEY_SETS: behaviour_correction = clip)"
+    )
     assert "dual clip 3.0 for A < 0" in rows["behaviour mismatch"]["parley"]
     assert rows["clip range"]["same"].startswith("no") and rows["behaviour mismatch"]["same"].startswith("no")
     assert rows["behaviour mismatch"]["trl"] == before["behaviour mismatch"]["trl"]
-    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": 'learner.behaviour_correction="truncated_is"'}))
+    (tmp_path / "out" / "p_clock.json").write_text(
+        json.dumps({**clock, "parley_sets": 'learner.behaviour_correction="truncated_is"'})
+    )
     rows = {r["setting"]: r for r in peer_compare.compare(tmp_path / "out")["settings"]}
     assert rows["clip range"] == before["clip range"]  # the recipe's own correction: its rows as they were
 
@@ -487,17 +614,33 @@ def test_parleys_steps_end_when_its_learner_recorded_them_not_after_the_last_che
     parley_start shares."""
     _write_runs(tmp_path / "out")
     # steps end 30, 31 and 32 s after the launch (+ 0.01 s of publish); the log's step-3 line is at 36 s
-    (tmp_path / "out" / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "trained_tokens": 100 * s, "ended_at": 1000.0 + t, "publish_s": 0.01,
-                    **({"checkpoint_s": 3.5} if s == 3 else {})}) + "\n"
-        for s, t in ((1, 29.99), (2, 30.99), (3, 31.99))))
+    (tmp_path / "out" / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "step": s,
+                    "trained_tokens": 100 * s,
+                    "ended_at": 1000.0 + t,
+                    "publish_s": 0.01,
+                    **({"checkpoint_s": 3.5} if s == 3 else {}),
+                }
+            )
+            + "\n"
+            for s, t in ((1, 29.99), (2, 30.99), (3, 31.99))
+        )
+    )
     (tmp_path / "out" / "parley_steps.log").write_text(
         "2026-12-02 10:00:30,000 learner INFO parley.learner.stepper: step 1: loss 0.1, 1 groups\n"
         "2026-12-02 10:00:31,000 learner INFO parley.learner.stepper: step 2: loss 0.1, 1 groups\n"
-        "2026-12-02 10:00:36,000 learner INFO parley.learner.stepper: step 3: loss 0.1, 1 groups\n")
+        "2026-12-02 10:00:36,000 learner INFO parley.learner.stepper: step 3: loss 0.1, 1 groups\n"
+    )
     p = peer_compare.compare(tmp_path / "out")["parley"]
     assert (p["first_step_end_s"], p["last_step_end_s"], p["wall_s_per_step"], p["trained_tokens_per_s"]) == (
-        30.0, 32.0, 1.0, 250.0)
+        30.0,
+        32.0,
+        1.0,
+        250.0,
+    )
     # timed by the log lines, as before 2026-12-05 evening: the final checkpoint's 4 s were in
     old = peer_compare.compare(tmp_path / "out", timed_by="log")["parley"]
     assert (old["last_step_end_s"], old["wall_s_per_step"]) == (36.0, 3.0)

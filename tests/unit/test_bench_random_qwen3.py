@@ -44,12 +44,18 @@ def test_the_tokenizer_covers_every_id_and_ends_a_turn_with_eos(mini, tok):
 
 
 def test_a_rendered_conversation_round_trips(tok):
-    msgs = [{"role": "system", "content": "t1 t2"}, {"role": "user", "content": "t5 t6 t151935"},
-            {"role": "assistant", "content": "t9 <|im_start|> t10"}, {"role": "user", "content": "t7"}]
+    msgs = [
+        {"role": "system", "content": "t1 t2"},
+        {"role": "user", "content": "t5 t6 t151935"},
+        {"role": "assistant", "content": "t9 <|im_start|> t10"},
+        {"role": "user", "content": "t7"},
+    ]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|> system t1 t2 <|im_end|> <|im_start|> user t5 t6 t151935 <|im_end|> "
-                    "<|im_start|> assistant t9 <|im_start|> t10 <|im_end|> <|im_start|> user t7 <|im_end|> "
-                    "<|im_start|> assistant")
+    assert text == (
+        "<|im_start|> system t1 t2 <|im_end|> <|im_start|> user t5 t6 t151935 <|im_end|> "
+        "<|im_start|> assistant t9 <|im_start|> t10 <|im_end|> <|im_start|> user t7 <|im_end|> "
+        "<|im_start|> assistant"
+    )
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[:7] == [QWEN3_IM_START, 151646, 1, 2, QWEN3_EOS, QWEN3_IM_START, 151647]
     assert tok.decode(ids) == text and tok.encode(tok.decode(ids), add_special_tokens=False) == ids

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from parley.protocol.messages import ChatMessage, EvalRecord
 from parley.evaluation.benchmark import mean_interval, paired_stats, summarize, to_markdown, write_table
+from parley.protocol.messages import ChatMessage, EvalRecord
 
 # The reference benchmark's published rows: (condition, BLEU, interactivity, tokens (k), MR).
 PUBLISHED = [
@@ -23,10 +23,19 @@ PUBLISHED = [
 
 def record(condition, item, bleu, inter, tokens, seed=0, **kw):
     return EvalRecord(
-        eval_id=f"{condition}/{item}/{seed}", condition=condition, item_id=item, model=f"model-{condition}",
-        system_prompt="", sim_prompt="lazy_full", sim_model="sim", judge_model="judge", seed=seed,
-        messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")], reference="ref",
-        assistant_tokens=tokens, metrics={"bleu": bleu, "interactivity": inter, **kw},
+        eval_id=f"{condition}/{item}/{seed}",
+        condition=condition,
+        item_id=item,
+        model=f"model-{condition}",
+        system_prompt="",
+        sim_prompt="lazy_full",
+        sim_model="sim",
+        judge_model="judge",
+        seed=seed,
+        messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")],
+        reference="ref",
+        assistant_tokens=tokens,
+        metrics={"bleu": bleu, "interactivity": inter, **kw},
     )
 
 
@@ -133,8 +142,18 @@ def test_summarize_errors_name_the_problem():
     with pytest.raises(ValueError, match="baseline condition 'nope'.*base"):
         summarize(recs, baseline="nope")
     unscored = EvalRecord(
-        eval_id="x", condition="base", item_id="b", model="m", system_prompt="", sim_prompt="lazy_full",
-        sim_model="s", judge_model="j", seed=0, messages=[], reference="r", assistant_tokens=5,
+        eval_id="x",
+        condition="base",
+        item_id="b",
+        model="m",
+        system_prompt="",
+        sim_prompt="lazy_full",
+        sim_model="s",
+        judge_model="j",
+        seed=0,
+        messages=[],
+        reference="r",
+        assistant_tokens=5,
     )
     with pytest.raises(ValueError, match="record 'x'.*no 'bleu' metric"):
         summarize([*recs, unscored], baseline="base")

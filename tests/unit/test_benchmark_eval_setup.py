@@ -2,8 +2,8 @@
 
 import pytest
 
-from parley.tasks.data import load_items
 from parley.evaluation.runner import EvalSettings, make_tasks, parse_condition
+from parley.tasks.data import load_items
 
 
 def test_parse_condition_forms(tmp_path):
@@ -17,13 +17,16 @@ def test_parse_condition_forms(tmp_path):
     assert (step.model, step.system_prompt) == ("runs/x/ckpt/v50", "Ask one question at a time.")
 
 
-@pytest.mark.parametrize("bad,match", [
-    ("base", "must look like name=MODEL_OR_CHECKPOINT"),
-    ("=smol", "must look like"),
-    ("a b=smol", "may hold only letters"),
-    ("base=smol,temperature=0", "option 'temperature=0' not understood"),
-    ("base=smol,system_prompt=missing", "neither a file nor a bundled prompt"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ("base", "must look like name=MODEL_OR_CHECKPOINT"),
+        ("=smol", "must look like"),
+        ("a b=smol", "may hold only letters"),
+        ("base=smol,temperature=0", "option 'temperature=0' not understood"),
+        ("base=smol,system_prompt=missing", "neither a file nor a bundled prompt"),
+    ],
+)
 def test_parse_condition_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         parse_condition(bad)
@@ -41,8 +44,8 @@ def test_tasks_start_from_scratch_with_condition_free_ids():
 
 def test_eval_items_against_training_data(tmp_path):
     from parley.config.learner import DataConfig
-    from parley.evaluation.runner import eval_items
     from parley.evaluation.leakage import LeakageError, guard_overlap
+    from parley.evaluation.runner import eval_items
 
     train, held = eval_items(DataConfig(eval_fraction=0.25), None)  # the config's per-reference split
     assert len(train) + len(held) == 60 and len(held) == 15  # round(60 x 0.25)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from parley.rollout.chat import ChatTokens
 from parley.engines.models import ensure_model
+from parley.rollout.chat import ChatTokens
 
 # Written to behave like Qwen3's template with thinking off: the generation prompt carries an
 # empty think block, the last assistant turn after the last user message keeps it, earlier

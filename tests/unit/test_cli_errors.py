@@ -27,10 +27,18 @@ CASES = [
     (["actor", "--set", "actor.engine.dtype=int8"], ["actor.engine.dtype = 'int8'", "float32", "bfloat16"]),
     (["actor", "--set", "rollout.n=1"], ["rollout.n = 1", "an int >= 2 and <= 1024", "GRPO needs a group"]),
     # a run that trains recomputes the distribution it sampled from (config.run.check_training)
-    (["learner", "--set", "actor.sampling.temperature=0"], ["actor.sampling.temperature=0", "temperature >= 1e-05", "greedily"]),
-    (["up", "--set", "actor.sampling.top_p=0.9"], ["actor.sampling.top_p=0.9", "top_p = 1.0", "actor.sampling.temperature"]),
-    (["learner", "--set", "actor.sampling.temperature=0.7", "--set", "policy.reference=service"],
-     ["actor.sampling.temperature=0.7", "policy.reference='service'", "raw model", "reference='local'"]),
+    (
+        ["learner", "--set", "actor.sampling.temperature=0"],
+        ["actor.sampling.temperature=0", "temperature >= 1e-05", "greedily"],
+    ),
+    (
+        ["up", "--set", "actor.sampling.top_p=0.9"],
+        ["actor.sampling.top_p=0.9", "top_p = 1.0", "actor.sampling.temperature"],
+    ),
+    (
+        ["learner", "--set", "actor.sampling.temperature=0.7", "--set", "policy.reference=service"],
+        ["actor.sampling.temperature=0.7", "policy.reference='service'", "raw model", "reference='local'"],
+    ),
     (["scorer", "--set", "bus.replicas=2"], ["bus.replicas = 2", "one of 1, 3, 5"]),
     (["actor", "--set", "bus.ack_wait_s=0"], ["bus.ack_wait_s = 0", "a float > 0"]),
     (["actor", "--set", "actor.nope=1"], ["actor.nope: unknown key", "[actor] has no 'nope'"]),
@@ -58,8 +66,9 @@ CASES = [
 def parley(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     # The same entry point as the `parley` script; prog name set so messages read "parley <role>".
     code = "import sys; sys.argv[0] = 'parley'; from parley.deploy.cli import main; main()"
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize("argv,fragments", CASES, ids=[" ".join(a) for a, _ in CASES])
@@ -93,8 +102,12 @@ def test_bad_values_fail_before_heavy_imports():
         "from parley.deploy.cli import main\n"
         "main()\n"
     )
-    for argv in (["actor", "--set", "actor.engine.model=no-such-model"], ["learner", "--set", "learner.loss_agg=x"],
-                 ["sim", "--backend", "foo"], ["scorer", "--set", "scorer.bleu_variant=foo"]):
+    for argv in (
+        ["actor", "--set", "actor.engine.model=no-such-model"],
+        ["learner", "--set", "learner.loss_agg=x"],
+        ["sim", "--backend", "foo"],
+        ["scorer", "--set", "scorer.bleu_variant=foo"],
+    ):
         out = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, out.stderr
         assert "heavy: []" in out.stdout, f"{argv}: {out.stdout}"

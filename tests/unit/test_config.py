@@ -19,9 +19,9 @@ def test_every_shipped_config_parses(path, caplog):
 
 
 def test_one_sampling_struct_serves_the_actor_the_eval_and_the_conversation_loop():
-    from parley.rollout.conversation import PolicySettings
     from parley.evaluation.runner import EvalSettings
     from parley.protocol.messages import Sampling
+    from parley.rollout.conversation import PolicySettings
 
     for holder in (RunConfig().actor, EvalSettings(), PolicySettings(max_model_len=64)):
         assert type(holder.sampling) is Sampling, holder
@@ -37,7 +37,9 @@ def test_overrides_and_dump_round_trip():
 
 
 def test_unknown_key_is_rejected_with_its_path():
-    with pytest.raises(ConfigError, match=r"default.toml: actor.engine.bogus: unknown key \(\[actor.engine\] has no 'bogus'\)"):
+    with pytest.raises(
+        ConfigError, match=r"default.toml: actor.engine.bogus: unknown key \(\[actor.engine\] has no 'bogus'\)"
+    ):
         load_config(None, ["actor.engine.bogus=1"])
 
 
@@ -45,8 +47,10 @@ def test_unknown_key_is_rejected_with_its_path():
     "override,needle",
     [
         ("sim.backend=foo", "sim.backend = 'foo': expected one of 'openai', 'vllm'$"),
-        ("learner.loss_agg=mean", "learner.loss_agg = 'mean': expected one of 'seq-mean-token-mean', "
-                                  "'seq-mean-token-sum', 'token-mean'$"),
+        (
+            "learner.loss_agg=mean",
+            "learner.loss_agg = 'mean': expected one of 'seq-mean-token-mean', 'seq-mean-token-sum', 'token-mean'$",
+        ),
         ("bus.replicas=2", "bus.replicas = 2: expected one of 1, 3, 5$"),
         ("run.name=a.b", r"run.name = 'a.b': expected a str matching .* \(use 1-64 of A-Z a-z 0-9 _ -\)$"),
         ("rollout.n=1", r"default.toml: rollout.n = 1: expected an int >= 2 and <= 1024 \(GRPO needs a group\)$"),
@@ -71,7 +75,7 @@ def test_a_relative_shared_dir_is_made_absolute_once_at_load(tmp_path, monkeypat
     cfg = load_config(None, ['weights={kind="shared_dir", dir="weights/shared"}'])
     assert cfg.weights == SharedDirWeights(dir=str(tmp_path / "weights" / "shared"))
     monkeypatch.chdir("/")  # a child started elsewhere from the dumped config reads the same directory
-    assert "[weights]\nkind = \"shared_dir\"" in dump_config(cfg)
+    assert '[weights]\nkind = "shared_dir"' in dump_config(cfg)
     assert convert_config(tomllib.loads(dump_config(cfg))).weights == cfg.weights
 
 
@@ -81,10 +85,14 @@ def test_a_relative_shared_dir_is_made_absolute_once_at_load(tmp_path, monkeypat
         ([], ObjstoreWeights()),
         (["learner.transport=objstore"], ObjstoreWeights()),
         (["learner.transport=shared_dir", "learner.shared_dir=/srv/w"], SharedDirWeights(dir="/srv/w")),
-        (["learner.transport=cuda_ipc", "learner.ipc_hold_s=12.5", "learner.ipc_buffers=3"],
-         CudaIpcWeights(hold_s=12.5, max_buffers=3)),
-        (["learner.transport=nccl", 'learner.nccl_address="10.0.0.1:29600"', "learner.ipc_hold_s=9"],
-         NcclWeights(address="10.0.0.1:29600", hold_s=9.0)),
+        (
+            ["learner.transport=cuda_ipc", "learner.ipc_hold_s=12.5", "learner.ipc_buffers=3"],
+            CudaIpcWeights(hold_s=12.5, max_buffers=3),
+        ),
+        (
+            ["learner.transport=nccl", 'learner.nccl_address="10.0.0.1:29600"', "learner.ipc_hold_s=9"],
+            NcclWeights(address="10.0.0.1:29600", hold_s=9.0),
+        ),
         # keys that had no effect on the chosen transport are dropped, as they were ignored before
         (["learner.ipc_hold_s=5", "learner.shared_dir=/srv/w"], ObjstoreWeights()),
     ],
@@ -105,7 +113,9 @@ def test_old_and_new_weight_keys_together_name_the_new_key(tmp_path):
 
 @pytest.mark.parametrize("override", ["learner.transport=ftp", 'weights={kind="ftp"}'])
 def test_an_unknown_weights_kind_names_the_known_ones(override):
-    with pytest.raises(ConfigError, match=r"'ftp' not allowed; use one of \('objstore', 'shared_dir', 'cuda_ipc', 'nccl'\)"):
+    with pytest.raises(
+        ConfigError, match=r"'ftp' not allowed; use one of \('objstore', 'shared_dir', 'cuda_ipc', 'nccl'\)"
+    ):
         load_config(None, [override])
 
 
@@ -115,8 +125,11 @@ def test_a_weights_option_of_another_kind_is_refused_with_its_path():
 
 
 def test_a_reference_service_without_kl_fails_at_load_naming_both_keys():
-    with pytest.raises(ConfigError, match=r"policy.reference='service' with learner.kl_coef=0.0.*learner.kl_coef > 0 "
-                                          r"or policy.reference = \"local\""):
+    with pytest.raises(
+        ConfigError,
+        match=r"policy.reference='service' with learner.kl_coef=0.0.*learner.kl_coef > 0 "
+        r"or policy.reference = \"local\"",
+    ):
         load_config(None, ["policy.reference=service", "learner.kl_coef=0"])
     assert load_config(None, ["policy.reference=service"]).policy.reference == "service"  # kl_coef 0.001
 
@@ -152,8 +165,9 @@ def test_an_old_file_loads_with_its_keys_under_their_new_names(tmp_path, caplog)
 
 
 def test_old_keys_in_overrides_are_read_under_their_new_names():
-    cfg = load_config(None, ["learner.model=tiny", "actor.temperature=0.5",
-                             "actor.engine.chat_template_kwargs.enable_thinking=false"])
+    cfg = load_config(
+        None, ["learner.model=tiny", "actor.temperature=0.5", "actor.engine.chat_template_kwargs.enable_thinking=false"]
+    )
     assert cfg.policy.model == "tiny" and cfg.actor.sampling.temperature == 0.5
     assert cfg.actor.engine.template_kwargs == {"enable_thinking": False}
 
@@ -161,6 +175,9 @@ def test_old_keys_in_overrides_are_read_under_their_new_names():
 def test_an_old_key_beside_its_new_name_fails_naming_both(tmp_path):
     path = tmp_path / "both.toml"
     path.write_text('[learner]\nmodel = "tiny"\n[policy]\nmodel = "smol"\n')
-    with pytest.raises(ConfigError, match=r"both.toml: both learner.model and policy.model are set; learner.model is "
-                                          r"the old name of policy.model: keep only policy.model"):
+    with pytest.raises(
+        ConfigError,
+        match=r"both.toml: both learner.model and policy.model are set; learner.model is "
+        r"the old name of policy.model: keep only policy.model",
+    ):
         load_config(path)

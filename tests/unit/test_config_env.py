@@ -42,8 +42,15 @@ def test_hidden_goal_takes_its_own_defaults():
 
 
 def test_explicit_values_are_kept_when_the_environment_allows_them():
-    cfg = load_config(None, ["env.name=hidden_goal", "scorer.weights={goal_match = 2.0}", "learner.eval_metric=exact",
-                             "scorer.clamps={assistant_turns = [0.0, 3.0]}"])
+    cfg = load_config(
+        None,
+        [
+            "env.name=hidden_goal",
+            "scorer.weights={goal_match = 2.0}",
+            "learner.eval_metric=exact",
+            "scorer.clamps={assistant_turns = [0.0, 3.0]}",
+        ],
+    )
     assert cfg.scorer.weights == {"goal_match": 2.0} and cfg.learner.eval_metric == "exact"
     assert convert_config(tomllib.loads(dump_config(cfg))) == cfg
 
@@ -52,23 +59,40 @@ def test_explicit_values_are_kept_when_the_environment_allows_them():
     "overrides,needle",
     [
         (["env.name=no_such_env"], r"unknown environment 'no_such_env'; known: collabllm_medium, hidden_goal"),
-        (["env.name=hidden_goal", "scorer.weights={bleu = 1.0, goal_match = 1.0}"],
-         r"scorer.weights: unknown reward metric 'bleu' for environment 'hidden_goal'; its metrics are "
-         r"\['goal_match', 'exact', 'assistant_turns'\]"),
-        (["scorer.clamps={goal_match = [0.0, 1.0]}"], r"scorer.clamps: unknown reward metric 'goal_match' for "
-                                                      r"environment 'collabllm_medium'"),
-        (["env.name=hidden_goal", "rollout.sim_prompt=lazy_full"],
-         r"rollout.sim_prompt='lazy_full': environment 'hidden_goal' plays a programmatic user"),
-        (["env.name=hidden_goal", "learner.eval_metric=mr"],
-         r"learner.eval_metric='mr' is not a selectable metric of environment 'hidden_goal'; use one of "
-         r"\['goal_match', 'exact'\]"),
-        (["learner.eval_metric=tokens_k"], r"learner.eval_metric='tokens_k' is not a selectable metric of environment "
-                                           r"'collabllm_medium'; use one of \['bleu', 'interactivity', 'mr'\]"),
-        (['env.options={bleu_variant = "sacrebleu"}'], r"env.options.bleu_variant='sacrebleu' differs from "
-                                                       r"scorer.bleu_variant='char'.*remove env.options.bleu_variant"),
+        (
+            ["env.name=hidden_goal", "scorer.weights={bleu = 1.0, goal_match = 1.0}"],
+            r"scorer.weights: unknown reward metric 'bleu' for environment 'hidden_goal'; its metrics are "
+            r"\['goal_match', 'exact', 'assistant_turns'\]",
+        ),
+        (
+            ["scorer.clamps={goal_match = [0.0, 1.0]}"],
+            r"scorer.clamps: unknown reward metric 'goal_match' for "
+            r"environment 'collabllm_medium'",
+        ),
+        (
+            ["env.name=hidden_goal", "rollout.sim_prompt=lazy_full"],
+            r"rollout.sim_prompt='lazy_full': environment 'hidden_goal' plays a programmatic user",
+        ),
+        (
+            ["env.name=hidden_goal", "learner.eval_metric=mr"],
+            r"learner.eval_metric='mr' is not a selectable metric of environment 'hidden_goal'; use one of "
+            r"\['goal_match', 'exact'\]",
+        ),
+        (
+            ["learner.eval_metric=tokens_k"],
+            r"learner.eval_metric='tokens_k' is not a selectable metric of environment "
+            r"'collabllm_medium'; use one of \['bleu', 'interactivity', 'mr'\]",
+        ),
+        (
+            ['env.options={bleu_variant = "sacrebleu"}'],
+            r"env.options.bleu_variant='sacrebleu' differs from "
+            r"scorer.bleu_variant='char'.*remove env.options.bleu_variant",
+        ),
         (["env.name=hidden_goal", "env.options={n_items = 500}"], r"n_items=500 must be in 1..203"),
-        (["env.name=hidden_goal", "env.options={rounds = 2}"],
-         r"environment 'hidden_goal' .* rejected options \{'rounds': 2\}"),
+        (
+            ["env.name=hidden_goal", "env.options={rounds = 2}"],
+            r"environment 'hidden_goal' .* rejected options \{'rounds': 2\}",
+        ),
     ],
 )
 def test_bad_environment_settings_fail_at_load_naming_the_value(overrides, needle):
@@ -127,8 +151,8 @@ def test_up_with_env_alone_lays_the_environments_preset_over_the_default_and_set
 def test_an_environment_that_needs_options_has_no_preset_and_is_left_to_the_config(monkeypatch):
     """A plug-in whose factory needs options cannot be built before --set gives them: `parley up --env`
     takes no preset for it instead of refusing the run (the config's load builds it with the options)."""
-    from parley.environments import registry
     from parley.deploy.up_cli import env_preset
+    from parley.environments import registry
 
     def needs_options(name, options=None):
         raise ValueError(f"environment {name!r} (pkg:factory) rejected options {{}}: missing 'size'")

@@ -24,15 +24,29 @@ GIB = 1024**3
 
 def stand_in(tmp_path: Path) -> Path:
     """A directory with random_qwen3('4b')'s config.json keys the plan reads, and nothing else."""
-    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="qwen3", vocab_size=QWEN3_VOCAB,
-                                                          tie_word_embeddings=True, **QWEN3_SHAPES["4b"])))
+    (tmp_path / "config.json").write_text(
+        json.dumps(dict(model_type="qwen3", vocab_size=QWEN3_VOCAB, tie_word_embeddings=True, **QWEN3_SHAPES["4b"]))
+    )
     return tmp_path
 
 
 def test_the_dry_run_exits_0_and_fits_the_h200(tmp_path):
     model = stand_in(tmp_path)
-    out = CliRunner().invoke(app, ["up", "--config", str(GPU1_4B), "--dry-run", "--set", "up.gpu_memory_gib=140.4",
-                                   "--set", f"policy.model={model}", "--set", f"actor.engine.model={model}"])
+    out = CliRunner().invoke(
+        app,
+        [
+            "up",
+            "--config",
+            str(GPU1_4B),
+            "--dry-run",
+            "--set",
+            "up.gpu_memory_gib=140.4",
+            "--set",
+            f"policy.model={model}",
+            "--set",
+            f"actor.engine.model={model}",
+        ],
+    )
     assert out.exit_code == 0, out.output
     dumped = tomllib.loads(out.stdout)  # the plan comes as comments
     assert dumped["env"]["name"] == "random_words" and dumped["weights"]["kind"] == "cuda_ipc"

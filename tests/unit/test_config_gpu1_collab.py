@@ -19,7 +19,10 @@ def test_the_collab_run_has_the_issues_shape_and_the_embedded_default_scoring():
     assert cfg.env.name == "collabllm_medium"
     assert lc.steps >= 50 and lc.eval_every == 10 and lc.eval_items >= 24
     assert (cfg.scorer.extract, cfg.scorer.bleu_variant, cfg.scorer.interactivity) == (
-        "last_document", "char", "rubric_expected")
+        "last_document",
+        "char",
+        "rubric_expected",
+    )
     assert cfg.sim.engine.model == cfg.judge.engine.model == cfg.policy.model == "smol"
 
 

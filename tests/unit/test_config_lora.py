@@ -10,7 +10,9 @@ from parley.config.run import ConfigError, check_training, load_config
 def test_lora_needs_actors_that_load_adapters_of_its_rank():
     with pytest.raises(ConfigError, match="max_lora_rank = 8"):
         check_training(load_config(None, ["learner.lora.enabled=true", "learner.lora.rank=8"]))
-    check_training(load_config(None, ["learner.lora.enabled=true", "learner.lora.rank=8", "actor.engine.max_lora_rank=8"]))
+    check_training(
+        load_config(None, ["learner.lora.enabled=true", "learner.lora.rank=8", "actor.engine.max_lora_rank=8"])
+    )
 
 
 def test_lora_refuses_compiled_layers_with_the_reason():
@@ -24,8 +26,11 @@ def test_lora_is_off_by_default():
 
 def test_lora_travels_by_the_file_transports_or_cuda_ipc_and_refuses_nccl():
     lora = ["learner.lora.enabled=true", "learner.lora.rank=8", "actor.engine.max_lora_rank=8"]
-    for kind in (['weights.kind="objstore"'], ['weights.kind="cuda_ipc"'],
-                 ['weights.kind="shared_dir"', 'weights.dir="/tmp/w"']):
+    for kind in (
+        ['weights.kind="objstore"'],
+        ['weights.kind="cuda_ipc"'],
+        ['weights.kind="shared_dir"', 'weights.dir="/tmp/w"'],
+    ):
         check_training(load_config(None, [*lora, *kind]))
     with pytest.raises(ConfigError, match="kind='nccl'.*cuda_ipc"):
         check_training(load_config(None, [*lora, 'weights.kind="nccl"', 'weights.address="10.0.0.1:29600"']))

@@ -67,7 +67,8 @@ def test_checksums_refuse_a_changed_byte_a_moved_row_and_a_partial_copy():
     flipped = buf.clone()
     flipped[layout[1].offset + 3] ^= 0x10
     assert cuda_ipc.mismatch(announced, cuda_ipc.checksums(flipped, layout)) == (
-        "checksum mismatch in 1 of 3 tensors (first: model.norm.weight)")
+        "checksum mismatch in 1 of 3 tensors (first: model.norm.weight)"
+    )
 
     # two rows of the embedding swapped: every value is still there, only the order changed
     swapped = buf.clone()
@@ -76,7 +77,7 @@ def test_checksums_refuse_a_changed_byte_a_moved_row_and_a_partial_copy():
     assert "model.embed_tokens.weight" in cuda_ipc.mismatch(announced, cuda_ipc.checksums(swapped, layout))
 
     partial = buf.clone()
-    partial[layout[2].offset + 512:] = 0  # the copy stopped half-way through the last tensor
+    partial[layout[2].offset + 512 :] = 0  # the copy stopped half-way through the last tensor
     assert "1 of 3" in cuda_ipc.mismatch(announced, cuda_ipc.checksums(partial, layout))
     assert cuda_ipc.mismatch(announced[:2], cuda_ipc.checksums(buf, layout)) == "3 checksums for 2 announced tensors"
 
@@ -91,11 +92,30 @@ def test_pack_refuses_tensors_it_was_not_planned_for():
 
 
 def announcement(tensors) -> WeightVersion:
-    ipc = CudaIpcBuffer(device_uuid="GPU-0", storage_handle=b"\x01" * 64, storage_size=1 << 20, storage_offset=512,
-                        ref_counter_handle=b"/torch_1_2", ref_counter_offset=3, event_handle=b"\x02" * 64,
-                        event_sync_required=True, nbytes=768, hold_s=30.0, tensors=tensors)
-    return WeightVersion(version=4, step=4, transport="cuda_ipc", location="cuda:GPU-0",
-                         sha256=cuda_ipc.table_digest(tensors), bytes=768, created=1.0, run="r", ipc=ipc)
+    ipc = CudaIpcBuffer(
+        device_uuid="GPU-0",
+        storage_handle=b"\x01" * 64,
+        storage_size=1 << 20,
+        storage_offset=512,
+        ref_counter_handle=b"/torch_1_2",
+        ref_counter_offset=3,
+        event_handle=b"\x02" * 64,
+        event_sync_required=True,
+        nbytes=768,
+        hold_s=30.0,
+        tensors=tensors,
+    )
+    return WeightVersion(
+        version=4,
+        step=4,
+        transport="cuda_ipc",
+        location="cuda:GPU-0",
+        sha256=cuda_ipc.table_digest(tensors),
+        bytes=768,
+        created=1.0,
+        run="r",
+        ipc=ipc,
+    )
 
 
 def test_announcement_round_trips_and_older_ones_still_decode():
@@ -114,8 +134,16 @@ def test_announcement_round_trips_and_older_ones_still_decode():
         run: str = ""
         files: list[str] = []
 
-    old = OldWeightVersion(version=1, step=1, transport="objstore", location="v000001/model.safetensors",
-                           sha256="0" * 64, bytes=10, created=0.0, files=["v000001/config.json"])
+    old = OldWeightVersion(
+        version=1,
+        step=1,
+        transport="objstore",
+        location="v000001/model.safetensors",
+        sha256="0" * 64,
+        bytes=10,
+        created=0.0,
+        files=["v000001/config.json"],
+    )
     decoded = codec.decode("weights", msgspec.msgpack.encode(old))
     assert decoded.ipc is None and decoded.files == ["v000001/config.json"]
 
@@ -139,10 +167,12 @@ def test_file_paths_refuse_the_gpu_transport():
 @pytest.fixture
 def clock(monkeypatch):
     """The publisher's monotonic clock, set by hand: clock(t0) returns [t], advanced by the test."""
+
     def start(t0: float) -> list[float]:
         now = [t0]
         monkeypatch.setattr("parley.weights.cuda_ipc.time.monotonic", lambda: now[0])
         return now
+
     return start
 
 
@@ -203,7 +233,7 @@ def _adapter_like(flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     out, at = {}, 0
     for name, shape in shapes.items():
         n = shape[0] * shape[1]
-        out[name] = flat[at: at + n].view(shape)
+        out[name] = flat[at : at + n].view(shape)
         at += n
     return sorted(out.items())
 
@@ -215,7 +245,12 @@ def test_tensors_end_to_end_in_one_storage_are_planned_in_that_order_and_filled_
     a tensor is elsewhere (its parameter re-pointed) the fill copies tensor by tensor again."""
     flat = torch.randn(768, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     tensors = _adapter_like(flat)
-    assert [n for n, _ in tensors] == ["l0.k.A", "l0.k.B", "l0.q.A", "l0.q.B"] and cuda_ipc.one_run(tensors) == [2, 3, 0, 1]
+    assert [n for n, _ in tensors] == ["l0.k.A", "l0.k.B", "l0.q.A", "l0.q.B"] and cuda_ipc.one_run(tensors) == [
+        2,
+        3,
+        0,
+        1,
+    ]
     pub = IpcPublisher(hold_s=0.0, max_buffers=1)
     per_tensor = []
     real_pack = cuda_ipc.pack
@@ -308,8 +343,12 @@ def test_a_receive_for_keeping_copies_the_buffer_and_a_direct_one_reads_the_lear
     # an adapter staged for later (own=True) must not be a view into the learner's buffer, which the
     # learner refills once its hold is over; a direct load within the hold reads the buffer itself
     tensors, layout, buf = packed()
-    ipc = msgspec.structs.replace(announcement(cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))).ipc,
-                                  nbytes=buf.numel(), hold_s=60.0, filled_at=time.time())
+    ipc = msgspec.structs.replace(
+        announcement(cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))).ipc,
+        nbytes=buf.numel(),
+        hold_s=60.0,
+        filled_at=time.time(),
+    )
     monkeypatch.setattr(cuda_ipc, "_open", lambda _ipc: buf)
     state: dict = {}
     direct, reason = cuda_ipc.receive(ipc, torch.device("cpu"), state)
@@ -326,8 +365,9 @@ def test_a_receive_for_keeping_copies_the_buffer_and_a_direct_one_reads_the_lear
 
 def test_after_load_finds_a_buffer_changed_past_its_hold():
     _, layout, buf = packed()
-    ipc = msgspec.structs.replace(announcement(cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))).ipc,
-                                  hold_s=4.0, filled_at=1000.0)
+    ipc = msgspec.structs.replace(
+        announcement(cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout))).ipc, hold_s=4.0, filled_at=1000.0
+    )
     state = {"direct": (buf, ipc, 1004.0)}
     assert cuda_ipc.after_load(state, now=1005.0) is None and state == {}  # late, but unchanged
     buf[layout[2].offset] ^= 0x01
@@ -351,14 +391,16 @@ def test_learner_config_and_cpu_trainer_refuse_bad_ipc_settings():
 
 def test_whole_buffer_sums_equal_the_per_tensor_definition():
     g = torch.Generator().manual_seed(1)
-    tensors = [(f"t{i}", torch.randn(int(torch.randint(1, 3000, (1,), generator=g)), generator=g).to(torch.bfloat16))
-               for i in range(20)]
+    tensors = [
+        (f"t{i}", torch.randn(int(torch.randint(1, 3000, (1,), generator=g)), generator=g).to(torch.bfloat16))
+        for i in range(20)
+    ]
     layout, total = cuda_ipc.plan(tensors)
     buf = torch.zeros(total, dtype=torch.uint8)
     cuda_ipc.pack(tensors, buf, layout)
     for e, (s1, s2, _) in zip(layout, cuda_ipc.checksums(buf, layout)):
         size = -(-cuda_ipc._nbytes(e) // cuda_ipc.ALIGN) * cuda_ipc.ALIGN
-        words = buf[e.offset: e.offset + size].view(torch.int32).view(-1, 64).to(torch.int64)
+        words = buf[e.offset : e.offset + size].view(torch.int32).view(-1, 64).to(torch.int64)
         assert s1 == int(words.sum())
         assert s2 == int((words.sum(1) * torch.arange(1, words.shape[0] + 1)).sum())
 
@@ -463,8 +505,13 @@ def test_the_fused_triton_checksum_gives_torchs_sums_exactly():
 
     pytest.importorskip("triton")
     root = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-c", _FUSED_SCRIPT, root], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", _FUSED_SCRIPT, root],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True", "True"]
 
@@ -503,8 +550,9 @@ def test_the_last_version_skipped_for_held_buffers_is_published_before_the_learn
     assert time.monotonic() - t < 1.5
 
 
-def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_and_written_for_export(tmp_path,
-                                                                                                       monkeypatch):
+def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_and_written_for_export(
+    tmp_path, monkeypatch
+):
     """[learner.lora] with cuda_ipc: Weights.publish packs the adapter alone (the driver's
     pack_adapter), hands an announcement job to the publisher, and writes the adapter's files under
     the version's weights directory (the periodic eval and parley export read them): after the
@@ -555,8 +603,9 @@ def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_a
         return 0.0  # weights_writable_in
 
     publisher, feeder = PublisherDouble(), FeederDouble()
-    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, feeder,
-                      adapter_base="b" * 32)
+    weights = Weights(
+        LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, feeder, adapter_base="b" * 32
+    )
 
     async def publish_and_announce(version, **kw):
         published = await weights.publish(version, **kw)
@@ -582,11 +631,19 @@ def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_a
     monkeypatch.undo()  # the real publish_adapter_gpu below
 
     _, layout, buf = packed()
-    source = cuda_ipc.CudaIpcBuffer(device_uuid="GPU-x", storage_handle=b"h", storage_size=buf.numel(),
-                                    storage_offset=0, ref_counter_handle=b"r", ref_counter_offset=0, event_handle=b"",
-                                    event_sync_required=False,
-                                    nbytes=buf.numel(), hold_s=2.0,
-                                    tensors=cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout)))
+    source = cuda_ipc.CudaIpcBuffer(
+        device_uuid="GPU-x",
+        storage_handle=b"h",
+        storage_size=buf.numel(),
+        storage_offset=0,
+        ref_counter_handle=b"r",
+        ref_counter_offset=0,
+        event_handle=b"",
+        event_sync_required=False,
+        nbytes=buf.numel(),
+        hold_s=2.0,
+        tensors=cuda_ipc.with_checksums(layout, cuda_ipc.checksums(buf, layout)),
+    )
 
     sent = []
 
@@ -621,8 +678,13 @@ def test_an_adapter_reader_opens_each_learner_buffer_once(monkeypatch):
     monkeypatch.setattr(cuda_ipc, "_kept", {})
 
     def ipc_of(handle: bytes, counter: int):
-        return msgspec.structs.replace(announcement(table).ipc, storage_handle=handle, ref_counter_offset=counter,
-                                       nbytes=buf.numel(), filled_at=0.0)
+        return msgspec.structs.replace(
+            announcement(table).ipc,
+            storage_handle=handle,
+            ref_counter_offset=counter,
+            nbytes=buf.numel(),
+            filled_at=0.0,
+        )
 
     for counter, handle in enumerate([b"a", b"b", b"a", b"b", b"a"]):
         kept, reason = cuda_ipc.receive(ipc_of(handle, counter), torch.device("cpu"), {}, own=True)
@@ -637,15 +699,15 @@ def test_an_adapter_reader_opens_each_learner_buffer_once(monkeypatch):
     assert opened[-1] == b"a" and 99 not in released
     # a kept mapping that disagrees with an announcement's checksums is not its word: no refusal, the
     # mapping is dropped and the next try opens the handle again
-    wrong = msgspec.structs.replace(ipc_of(b"a", 100), tensors=[msgspec.structs.replace(t, checksum=[0, 0, 0])
-                                                                  for t in table])
+    wrong = msgspec.structs.replace(
+        ipc_of(b"a", 100), tensors=[msgspec.structs.replace(t, checksum=[0, 0, 0]) for t in table]
+    )
     with pytest.raises(WeightUnavailable, match="opened afresh"):
         cuda_ipc.receive(wrong, torch.device("cpu"), {}, own=True)
     assert (b"a", wrong.storage_offset) not in cuda_ipc._kept
     n = len(opened)
     cuda_ipc.receive(ipc_of(b"a", 101), torch.device("cpu"), {}, own=True)
     assert len(opened) == n + 1
-
 
 
 def test_the_learner_hands_its_cache_back_only_when_the_actors_would_run_short():
@@ -660,8 +722,9 @@ def test_the_learner_hands_its_cache_back_only_when_the_actors_would_run_short()
     assert cache_release_needed(3 * gib - 1, gib) and not cache_release_needed(3 * gib, gib)
 
 
-@pytest.mark.parametrize("setting,free_gib,released", [("release", 100, True), ("keep_when_room", 100, False),
-                                                       ("keep_when_room", 1, True)])
+@pytest.mark.parametrize(
+    "setting,free_gib,released", [("release", 100, True), ("keep_when_room", 100, False), ("keep_when_room", 1, True)]
+)
 def test_gpu_cache_decides_whether_the_step_hands_its_cache_back(monkeypatch, setting, free_gib, released):
     """Trainer._release_cache on a bare Trainer (no model), torch.cuda's memory calls replaced by doubles."""
     from parley.config.learner import LearnerConfig
@@ -674,6 +737,12 @@ def test_gpu_cache_decides_whether_the_step_hands_its_cache_back(monkeypatch, se
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free_gib << 30, 141 << 30))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
     t = Trainer.__new__(Trainer)
-    t.cfg, t.release_cache, t.sender, t.n_params, t.device = LearnerConfig(gpu_cache=setting), True, None, 135_000_000, "cuda:0"
+    t.cfg, t.release_cache, t.sender, t.n_params, t.device = (
+        LearnerConfig(gpu_cache=setting),
+        True,
+        None,
+        135_000_000,
+        "cuda:0",
+    )
     assert t._release_cache() is not None
     assert calls == (["empty"] if released else [])

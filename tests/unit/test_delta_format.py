@@ -19,8 +19,12 @@ from parley.weights.registry import wants_delta
 
 def two_versions(tmp_path, changed: float = 0.01):
     rng = np.random.default_rng(0)
-    a = {"f32": rng.standard_normal((64, 33), dtype=np.float32), "u16": rng.integers(0, 2**16, 999, dtype=np.uint16),
-         "i8": rng.integers(-128, 127, 77, dtype=np.int8), "f64": rng.standard_normal(5)}
+    a = {
+        "f32": rng.standard_normal((64, 33), dtype=np.float32),
+        "u16": rng.integers(0, 2**16, 999, dtype=np.uint16),
+        "i8": rng.integers(-128, 127, 77, dtype=np.int8),
+        "f64": rng.standard_normal(5),
+    }
     b = {k: v.copy() for k, v in a.items()}
     for v in b.values():
         flat = v.reshape(-1)
@@ -73,8 +77,17 @@ def test_a_wrong_or_damaged_delta_is_refused_and_leaves_nothing(tmp_path, damage
     assert file_digest(a)[0] == sa
 
 
-OLD = dict(version=3, step=3, transport="objstore", location="v000003-ab/model.safetensors", sha256="a" * 64,
-           bytes=10, created=1.0, run="r", files=["v000003-ab/config.json"])
+OLD = dict(
+    version=3,
+    step=3,
+    transport="objstore",
+    location="v000003-ab/model.safetensors",
+    sha256="a" * 64,
+    bytes=10,
+    created=1.0,
+    run="r",
+    files=["v000003-ab/config.json"],
+)
 
 
 def test_old_announcements_decode_without_a_delta():
@@ -96,10 +109,15 @@ def test_old_announcements_decode_without_a_delta():
 def test_an_old_actor_reads_a_delta_version_as_its_full_copy():
     """An actor decoding without the field (msgspec ignores unknown fields) gets location, sha256 and
     bytes of the full copy: it fetches that, never the delta."""
-    new = WeightVersion(**OLD, delta=WeightDelta(base_version=2, base_sha256="b" * 64,
-                                                 location="v000003-ab/model.delta", sha256="c" * 64, bytes=3))
-    old_view = msgspec.msgpack.decode(codec.encode(new), type=msgspec.defstruct(
-        "Old", [(k, type(v)) for k, v in OLD.items()], kw_only=True))
+    new = WeightVersion(
+        **OLD,
+        delta=WeightDelta(
+            base_version=2, base_sha256="b" * 64, location="v000003-ab/model.delta", sha256="c" * 64, bytes=3
+        ),
+    )
+    old_view = msgspec.msgpack.decode(
+        codec.encode(new), type=msgspec.defstruct("Old", [(k, type(v)) for k, v in OLD.items()], kw_only=True)
+    )
     assert (old_view.location, old_view.sha256, old_view.bytes) == (OLD["location"], OLD["sha256"], OLD["bytes"])
 
 

@@ -28,14 +28,16 @@ ROLE_COMMANDS = ("sim", "judge", "actor", "scorer", "learner", "services", "refe
 
 def role_env(role: str) -> set[str]:
     """What a role's process reads to log in and serve metrics."""
-    return {USER_ENV, PASSWORD_ENV, METRICS_PORT_ENV} | ({EVAL_USER_ENV, EVAL_PASSWORD_ENV} if role == "learner" else set())
+    return {USER_ENV, PASSWORD_ENV, METRICS_PORT_ENV} | (
+        {EVAL_USER_ENV, EVAL_PASSWORD_ENV} if role == "learner" else set()
+    )
 
 
 def parley_argv(words: list[str]) -> list[str] | None:
     """The arguments of the `parley` CLI inside a command line (`parley X ...`, `--module parley.deploy.cli X ...`)."""
     for i, w in enumerate(words):
         if w == "parley" or (w == "parley.deploy.cli" and i and words[i - 1] == "--module"):
-            return words[i + 1:]
+            return words[i + 1 :]
     return None
 
 
@@ -152,10 +154,14 @@ def test_compose_roles_get_what_they_read(tmp_path):
             continue
         svc = services[name.split()[1]]
         (env_file,) = [svc["env_file"]] if isinstance(svc["env_file"], str) else svc["env_file"]
-        generated = dict(line.split("=", 1) for line in (tmp_path / Path(env_file).name).read_text().splitlines() if "=" in line)
+        generated = dict(
+            line.split("=", 1) for line in (tmp_path / Path(env_file).name).read_text().splitlines() if "=" in line
+        )
         missing = role_env(role) - set(env) - set(generated)
         assert not missing, f"{name} does not get {sorted(missing)}"
-        assert env[METRICS_PORT_ENV] in {str(p) for p in svc.get("expose", [])}, f"{name} does not expose its metrics port"
+        assert env[METRICS_PORT_ENV] in {str(p) for p in svc.get("expose", [])}, (
+            f"{name} does not expose its metrics port"
+        )
         assert "PARLEY_NATS_URL" in env
 
 
@@ -169,9 +175,13 @@ def test_k8s_roles_get_what_they_read():
         keys = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in where["container"]["env"] if "valueFrom" in e}
         assert keys[USER_ENV] == f"{role}-user" and keys[PASSWORD_ENV] == f"{role}-password", name
         ports = {p["name"]: p["containerPort"] for p in where["container"].get("ports", [])}
-        assert str(ports.get("metrics")) == env[METRICS_PORT_ENV], f"{name}: no container port 'metrics' = {env[METRICS_PORT_ENV]}"
+        assert str(ports.get("metrics")) == env[METRICS_PORT_ENV], (
+            f"{name}: no container port 'metrics' = {env[METRICS_PORT_ENV]}"
+        )
         annotations = where["doc"]["spec"]["template"]["metadata"].get("annotations", {})
-        assert annotations.get("prometheus.io/port") == env[METRICS_PORT_ENV], f"{name}: the pod does not say where to scrape"
+        assert annotations.get("prometheus.io/port") == env[METRICS_PORT_ENV], (
+            f"{name}: the pod does not say where to scrape"
+        )
 
 
 def test_slurm_roles_run_as_their_user_on_their_own_metrics_port():

@@ -38,7 +38,11 @@ def known_commands() -> set[str]:
     from parley.deploy.cli import app
 
     groups = command_groups()
-    return DESIGN_COMMANDS | {c.name for c in app.registered_commands} | {f"{g} {c}" for g, cs in groups.items() for c in cs}
+    return (
+        DESIGN_COMMANDS
+        | {c.name for c in app.registered_commands}
+        | {f"{g} {c}" for g, cs in groups.items() for c in cs}
+    )
 
 
 def parley_commands(text: str) -> list[str]:

@@ -116,9 +116,18 @@ def test_a_dead_term_of_a_3_step_run_shows_in_the_closing_table_and_the_live_vie
     rows = []
     for step in range(1, 4):
         stats = {"bleu": dead, "interactivity": alive}
-        rows.append({"step": step, "version": step, "reward_mean": 0.4, "no_signal_terms": monitor.update(stats),
-                     "reward_terms": {k: {"mean": v.mean, "within_group_std": v.within_group_std,
-                                          "corr_with_total": v.corr_with_total} for k, v in stats.items()}})
+        rows.append(
+            {
+                "step": step,
+                "version": step,
+                "reward_mean": 0.4,
+                "no_signal_terms": monitor.update(stats),
+                "reward_terms": {
+                    k: {"mean": v.mean, "within_group_std": v.within_group_std, "corr_with_total": v.corr_with_total}
+                    for k, v in stats.items()
+                },
+            }
+        )
         assert live_counters(rows[-1])["reward.bleu.NO_SIGNAL"] == 1.0
         assert "reward.interactivity.NO_SIGNAL" not in live_counters(rows[-1])
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

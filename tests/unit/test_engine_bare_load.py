@@ -71,7 +71,8 @@ def test_the_cpu_build_and_a_layer_that_processes_its_weights_need_the_layer_wis
     assert "CPU build repacks" in bare_load_refusal(Model())
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     assert bare_load_refusal(Model(second=ProcessesAfterLoading())) == (
-        "proj processes its weights after loading (ProcessesAfterLoading)")
+        "proj processes its weights after loading (ProcessesAfterLoading)"
+    )
 
 
 class Runner:
@@ -95,10 +96,18 @@ class Worker(WorkerExtension):
 
 
 def announcement() -> bytes:
-    src = NcclSource(address="learner:29600", backend="gloo", nbytes=256, hold_s=5.0,
-                     tensors=[IpcTensor(name="w", dtype="float32", shape=[4], offset=0, checksum=[1, 1, 1])])
-    return codec.encode(registry.TRANSPORTS["nccl"].announcement(src, version=2, step=2, sha256="0" * 64,
-                                                                bytes=256, created=0.0, run="r", files=[]))
+    src = NcclSource(
+        address="learner:29600",
+        backend="gloo",
+        nbytes=256,
+        hold_s=5.0,
+        tensors=[IpcTensor(name="w", dtype="float32", shape=[4], offset=0, checksum=[1, 1, 1])],
+    )
+    return codec.encode(
+        registry.TRANSPORTS["nccl"].announcement(
+            src, version=2, step=2, sha256="0" * 64, bytes=256, created=0.0, run="r", files=[]
+        )
+    )
 
 
 @pytest.fixture

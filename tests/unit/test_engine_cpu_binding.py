@@ -57,8 +57,8 @@ def test_parley_up_counts_the_engines_it_runs_at_once(tmp_path):
 
     assert count([]) == 3  # the embedded default: the actor's, the services' (sim + judge share one), the eval child's
     assert count(["up.actors=2", "learner.eval_every=0"]) == 3
-    assert count(["judge.engine.model=\"tiny\""]) == 4  # sim and judge on different models: one engine each
-    assert count(["env.name=\"hidden_goal\""]) == 2  # no simulator, no judge
+    assert count(['judge.engine.model="tiny"']) == 4  # sim and judge on different models: one engine each
+    assert count(['env.name="hidden_goal"']) == 2  # no simulator, no judge
 
 
 def test_an_unbound_single_worker_engine_runs_its_worker_in_the_engine_core():

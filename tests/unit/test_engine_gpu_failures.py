@@ -19,10 +19,18 @@ from parley.weights.common import WeightUnavailable, WeightVerifyError
 
 
 def announcement(version: int = 2) -> bytes:
-    src = NcclSource(address="learner:29600", backend="gloo", nbytes=256, hold_s=5.0,
-                     tensors=[IpcTensor(name="w", dtype="bfloat16", shape=[128], offset=0, checksum=[1, 1, 1])])
-    return codec.encode(registry.TRANSPORTS["nccl"].announcement(src, version=version, step=version, sha256="0" * 64,
-                                                                bytes=256, created=0.0, run="r", files=[]))
+    src = NcclSource(
+        address="learner:29600",
+        backend="gloo",
+        nbytes=256,
+        hold_s=5.0,
+        tensors=[IpcTensor(name="w", dtype="bfloat16", shape=[128], offset=0, checksum=[1, 1, 1])],
+    )
+    return codec.encode(
+        registry.TRANSPORTS["nccl"].announcement(
+            src, version=version, step=version, sha256="0" * 64, bytes=256, created=0.0, run="r", files=[]
+        )
+    )
 
 
 class WorkerDouble(WorkerExtension):
@@ -68,13 +76,17 @@ def test_a_receive_that_breaks_passes_and_a_mismatch_refuses(monkeypatch):
 
     monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state: broken(wv, state))
     assert WorkerDouble().parley_load_gpu(announcement()) == (
-        UNAVAILABLE, "version 2: receiving from learner:29600 failed: Connection reset by peer")
+        UNAVAILABLE,
+        "version 2: receiving from learner:29600 failed: Connection reset by peer",
+    )
     engine = engine_of(WorkerDouble())
     with pytest.raises(WeightUnavailable, match="Connection reset"):
         asyncio.run(engine.load_gpu(announcement(), hold_s=5.0, version=2))
     assert engine.version == 1
 
-    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state, own=False: ([], "checksum mismatch in 1 of 1 tensors"))
+    monkeypatch.setattr(
+        type(nccl), "receive", lambda self, wv, state, own=False: ([], "checksum mismatch in 1 of 1 tensors")
+    )
     assert WorkerDouble().parley_load_gpu(announcement()) == (REFUSED, "version 2: checksum mismatch in 1 of 1 tensors")
     with pytest.raises(WeightVerifyError, match="checksum mismatch"):
         asyncio.run(engine_of(WorkerDouble()).load_gpu(announcement(), hold_s=5.0, version=2))
@@ -88,8 +100,9 @@ def test_one_workers_mismatch_refuses_whatever_the_others_say():
         def parley_load_gpu(self, announcement):
             return self.said
 
-    engine = engine_of(Says((UNAVAILABLE, "version 2: out of memory")), Says(None),
-                       Says((REFUSED, "version 2: checksum mismatch")))
+    engine = engine_of(
+        Says((UNAVAILABLE, "version 2: out of memory")), Says(None), Says((REFUSED, "version 2: checksum mismatch"))
+    )
     with pytest.raises(WeightVerifyError, match="checksum mismatch"):
         asyncio.run(engine.load_gpu(announcement(), hold_s=5.0, version=2))
 
@@ -108,7 +121,9 @@ def test_the_checksum_is_prepared_once_before_the_first_load_outside_its_time_bo
     before the first load, not inside the hold-time-bounded load: a first compile of a second or two
     would otherwise eat a short hold (gpu-1.toml: 2 s)."""
     nccl = registry.TRANSPORTS["nccl"]
-    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state, own=False: ([], "checksum mismatch in 1 of 1 tensors"))
+    monkeypatch.setattr(
+        type(nccl), "receive", lambda self, wv, state, own=False: ([], "checksum mismatch in 1 of 1 tensors")
+    )
     engine = engine_of(WorkerDouble())
     for _ in range(2):
         with pytest.raises(WeightVerifyError):
@@ -144,7 +159,9 @@ def test_an_adapter_from_a_gpu_buffer_that_fails_changes_nothing_served(monkeypa
     assert e._llm.calls == ["parley_prepare_gpu_load", "parley_stage_adapter", "remove_lora", "parley_unstage_adapter"]
     assert not e.adapters and e.version == 1
 
-    monkeypatch.setattr(type(nccl), "receive", lambda self, wv, state, own=False: ([], "checksum mismatch in 1 of 1 tensors"))
+    monkeypatch.setattr(
+        type(nccl), "receive", lambda self, wv, state, own=False: ([], "checksum mismatch in 1 of 1 tensors")
+    )
     e = engine()
     with pytest.raises(WeightVerifyError, match="checksum mismatch"):
         asyncio.run(e.load_adapter_gpu(adapter, 2, hold_s=5.0))

@@ -8,13 +8,13 @@ import asyncio
 
 import pytest
 
+from parley.config.learner import DataConfig, RolloutConfig
 from parley.config.run import load_config
+from parley.config.scorer import ScorerConfig
 from parley.environments.base import find_overlap, leaking
 from parley.environments.collabllm import NAME, environment
-from parley.config.learner import DataConfig, LearnerConfig, RolloutConfig
 from parley.protocol import examples
 from parley.rewards.reward import REWARD_METRICS, default_weights
-from parley.config.scorer import ScorerConfig
 from parley.rollout.score import score_trajectory
 from parley.tasks import data as tasks_data
 from tests import factories
@@ -24,17 +24,27 @@ LEVELS = {"understanding": 3, "clarification": 1, "suggestions": 2}
 
 
 def _traj():
-    return factories.trajectory(reference=REFERENCE, futures=[], assistant_tokens=420,
-                                messages=[("user", "help me with a blog post"),
-                                          ("assistant", "A Week in Lisbon\n\nThe trams climb the hills.")])
+    return factories.trajectory(
+        reference=REFERENCE,
+        futures=[],
+        assistant_tokens=420,
+        messages=[
+            ("user", "help me with a blog post"),
+            ("assistant", "A Week in Lisbon\n\nThe trams climb the hills."),
+        ],
+    )
 
 
 def test_reward_is_the_scorers():
     env = environment()
     assert env.reward.names == REWARD_METRICS
     # the weights a run reads when [scorer] weights is left out (the embedded default no longer names them)
-    assert env.reward.default_weights() == default_weights() == load_config().scorer.weights == {
-        "bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}
+    assert (
+        env.reward.default_weights()
+        == default_weights()
+        == load_config().scorer.weights
+        == {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}
+    )
     assert env.reward.judge_ops == ("extract", "interactivity") and env.needs_judge and env.needs_simulator
 
 
@@ -96,8 +106,12 @@ def test_eval_tasks_are_the_benchmarks():
     env = environment()
     items = tasks_data.load_items()[:3]
     settings = EvalSettings(seeds=2, max_new_turns=10, assistant_max_tokens=512, sim_prompt="lazy_summary")
-    rollout = RolloutConfig(max_new_turns=settings.max_new_turns, max_tokens=settings.assistant_max_tokens,
-                            sim_prompt=settings.sim_prompt)
-    ours = [env.eval_task(it, run=settings.run, task_id=f"eval/{it.item_id}/{k}", n=1, rollout=rollout, seed=k, version=0)
-            for it in items for k in range(settings.seeds)]
+    rollout = RolloutConfig(
+        max_new_turns=settings.max_new_turns, max_tokens=settings.assistant_max_tokens, sim_prompt=settings.sim_prompt
+    )
+    ours = [
+        env.eval_task(it, run=settings.run, task_id=f"eval/{it.item_id}/{k}", n=1, rollout=rollout, seed=k, version=0)
+        for it in items
+        for k in range(settings.seeds)
+    ]
     assert ours == make_tasks(items, settings)

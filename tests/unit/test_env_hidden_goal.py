@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from parley.config.learner import DataConfig, RolloutConfig
 from parley.environments.base import LocalUser, find_overlap, leaking
 from parley.environments.hidden_goal import (
     NAME,
@@ -22,7 +23,6 @@ from parley.environments.hidden_goal import (
     system_prompt,
     world,
 )
-from parley.config.learner import DataConfig, RolloutConfig
 from parley.protocol.messages import ChatMessage
 from parley.rewards.reward import total_reward
 from tests import factories
@@ -39,8 +39,17 @@ def assistant(text):
 
 
 def conv(*messages, goal=PIZZA):
-    return factories.trajectory("r", "t", 0, item_id=goal.item_id, messages=list(messages), token_ids=[],
-                                loss_mask=[], turns=[], reference=goal.hidden())
+    return factories.trajectory(
+        "r",
+        "t",
+        0,
+        item_id=goal.item_id,
+        messages=list(messages),
+        token_ids=[],
+        loss_mask=[],
+        turns=[],
+        reference=goal.hidden(),
+    )
 
 
 def answered(reply: str) -> dict[str, str]:
@@ -67,14 +76,18 @@ def test_the_user_answers_every_question_truthfully_and_nothing_more():
 def test_the_user_opens_nudges_and_stops_at_the_final_answer():
     hidden = PIZZA.hidden()
     assert respond([], hidden).message == "I want to order a pizza."
-    assert respond([user("I want to order a pizza."), assistant("Sure, happy to help!")], hidden).message == world().nudge
+    assert (
+        respond([user("I want to order a pizza."), assistant("Sure, happy to help!")], hidden).message == world().nudge
+    )
     # a value or a cue word is a question about its slot too
     assert answered(respond([assistant("Thin or stuffed?")], hidden).message) == {"crust": "thin"}
     assert answered(respond([assistant("Anything on top?")], hidden).message) == {"topping": "ham"}
     done = respond([assistant("FINAL: size=large, crust=thin, topping=ham")], hidden)
     assert done.done and done.message == world().thanks
     # the user answers the assistant's last message, not an earlier one
-    assert respond([assistant("What size?"), user("size: large."), assistant("Great.")], hidden).message == world().nudge
+    assert (
+        respond([assistant("What size?"), user("size: large."), assistant("Great.")], hidden).message == world().nudge
+    )
 
 
 def test_a_hidden_state_that_is_not_a_goal_is_named():
@@ -91,8 +104,12 @@ def test_reward_values_by_hand():
     assert weights == {"goal_match": 1.0, "assistant_turns": -TURN_COST}
 
     ask_all = assistant("Which size, crust and topping?")
-    best = conv(user("I want to order a pizza."), ask_all, user("size: large, crust: thin, topping: ham."),
-                assistant("FINAL: size=large, crust=thin, topping=ham"))
+    best = conv(
+        user("I want to order a pizza."),
+        ask_all,
+        user("size: large, crust: thin, topping: ham."),
+        assistant("FINAL: size=large, crust=thin, topping=ham"),
+    )
     m = env.reward.evaluate(best)
     assert m == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 2.0}
     assert total_reward(m, weights) == pytest.approx(1.0 - 2 * 0.05)  # 0.9
@@ -104,8 +121,16 @@ def test_reward_values_by_hand():
     assert total_reward(m, weights) == pytest.approx(1 / 3 - 0.05)
 
     # one question per turn: right, but four turns
-    slow = conv(user("."), assistant("Size?"), user("size: large."), assistant("Crust?"), user("crust: thin."),
-                assistant("Topping?"), user("topping: ham."), assistant("FINAL: size=large, crust=thin, topping=ham"))
+    slow = conv(
+        user("."),
+        assistant("Size?"),
+        user("size: large."),
+        assistant("Crust?"),
+        user("crust: thin."),
+        assistant("Topping?"),
+        user("topping: ham."),
+        assistant("FINAL: size=large, crust=thin, topping=ham"),
+    )
     assert total_reward(env.reward.evaluate(slow), weights) == pytest.approx(1.0 - 4 * 0.05)
 
 
@@ -167,7 +192,13 @@ def test_a_task_carries_the_opening_and_the_hidden_goal():
     assert json.loads(t.reference) == {"domain": "pizza", "goal": {"size": "large", "crust": "thin", "topping": "ham"}}
     assert t.system_prompt == system_prompt(world().domains["pizza"])
     assert "FINAL: size=<size>, crust=<crust>, topping=<topping>" in t.system_prompt
-    assert (t.sim_prompt, t.item_id, t.n, t.max_new_turns, t.admitted_version) == (NAME, "pizza/large.thin.ham", 4, 8, 3)
+    assert (t.sim_prompt, t.item_id, t.n, t.max_new_turns, t.admitted_version) == (
+        NAME,
+        "pizza/large.thin.ham",
+        4,
+        8,
+        3,
+    )
     assert not env.needs_judge and not env.needs_simulator
     # the benchmark plays a held-out goal exactly as training plays one
     e = env.eval_task(PIZZA, run="r", task_id="eval/x/0", n=1, rollout=rollout, seed=0, version=0)
@@ -201,11 +232,16 @@ def test_the_actor_loop_plays_the_user_in_process(tiny_model):
     env = environment(n_items=4)
     task = env.tasks.task(PIZZA, run="r", task_id="t", n=2, rollout=RolloutConfig(max_new_turns=8), seed=1, version=0)
     engine = ScriptedEngine(tok, ["What size, crust and topping?", "FINAL: size=large, crust=thin, topping=ham"])
-    traj = asyncio.run(run_conversation(engine, LocalUser(env.user), task, 0, lambda: 0, tokenizer=tok,
-                                        policy=PolicySettings(max_model_len=2048)))
+    traj = asyncio.run(
+        run_conversation(
+            engine, LocalUser(env.user), task, 0, lambda: 0, tokenizer=tok, policy=PolicySettings(max_model_len=2048)
+        )
+    )
     assert traj.terminated == "sim_done"
     assert [m.content for m in traj.messages if m.role == "user"] == [
-        "I want to order a pizza.", "size: large, crust: thin, topping: ham."]
+        "I want to order a pizza.",
+        "size: large, crust: thin, topping: ham.",
+    ]
     assert env.reward.evaluate(traj) == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 2.0}
 
 
@@ -216,7 +252,11 @@ def test_the_default_options_are_the_plain_world():
     env = environment(n_items=4)
     said = [user("I want to order a pizza."), assistant("A large thin ham pizza, then.")]
     # the plain world reads a message naming values as a question about those slots, and rewards no final line
-    assert answered(env.user.respond(said, PIZZA.hidden()).message) == {"size": "large", "crust": "thin", "topping": "ham"}
+    assert answered(env.user.respond(said, PIZZA.hidden()).message) == {
+        "size": "large",
+        "crust": "thin",
+        "topping": "ham",
+    }
     assert env.reward.evaluate(conv(*said))["goal_match"] == 0.0
     assert env.user.respond([user("."), assistant("Hello!")], PIZZA.hidden()).message == "What do you need to know?"
 
@@ -224,12 +264,20 @@ def test_the_default_options_are_the_plain_world():
 def test_the_slots_nudge_names_the_slots_not_asked_yet():
     hidden = PIZZA.hidden()
     nudge = dict(nudge="slots")
-    assert respond([user("I want to order a pizza."), assistant("Hello!")], hidden, **nudge).message == \
-        "Ask me about the size, crust and topping."
-    assert respond([assistant("What size?"), user("size: large."), assistant("Great.")], hidden, **nudge).message == \
-        "Ask me about the crust and topping."
-    assert respond([assistant("Size and crust?"), user("size: large, crust: thin."), assistant("Great.")], hidden,
-                   **nudge).message == "Ask me about the topping."
+    assert (
+        respond([user("I want to order a pizza."), assistant("Hello!")], hidden, **nudge).message
+        == "Ask me about the size, crust and topping."
+    )
+    assert (
+        respond([assistant("What size?"), user("size: large."), assistant("Great.")], hidden, **nudge).message
+        == "Ask me about the crust and topping."
+    )
+    assert (
+        respond(
+            [assistant("Size and crust?"), user("size: large, crust: thin."), assistant("Great.")], hidden, **nudge
+        ).message
+        == "Ask me about the topping."
+    )
     # every slot was asked about: the plain nudge; a question is still answered as in the plain world
     asked_all = [assistant("Size, crust, topping?"), user("size: large, crust: thin, topping: ham."), assistant("Ok.")]
     assert respond(asked_all, hidden, **nudge).message == world().nudge
@@ -270,18 +318,29 @@ def test_under_mentions_a_message_naming_one_value_per_slot_ends_the_conversatio
     assert done.done and done.message == world().thanks
     assert respond([assistant("FINAL: size=large")], hidden, **opts).done  # a final line still ends it
     # two values of a slot, or a slot not named: a question, answered as in the plain world
-    assert answered(respond([assistant("Large or small, thin, ham?")], hidden, **opts).message) == \
-        {"size": "large", "crust": "thin", "topping": "ham"}
-    assert answered(respond([assistant("A large thin one?")], hidden, **opts).message) == {"size": "large", "crust": "thin"}
+    assert answered(respond([assistant("Large or small, thin, ham?")], hidden, **opts).message) == {
+        "size": "large",
+        "crust": "thin",
+        "topping": "ham",
+    }
+    assert answered(respond([assistant("A large thin one?")], hidden, **opts).message) == {
+        "size": "large",
+        "crust": "thin",
+    }
 
 
 def test_reward_under_mentions_by_hand():
     env = environment(n_items=4, nudge="slots", answer="mentions")
     weights = env.reward.default_weights()
     assert weights == {"goal_match": 1.0, "assistant_turns": -TURN_COST}  # the same reward terms
-    c = conv(user("I want to order a pizza."), assistant("Hello!"), user("Ask me about the size, crust and topping."),
-             assistant("Which size, crust and topping?"), user("size: large, crust: thin, topping: ham."),
-             assistant("A large pizza, thin crust, topping ham, coming up."))
+    c = conv(
+        user("I want to order a pizza."),
+        assistant("Hello!"),
+        user("Ask me about the size, crust and topping."),
+        assistant("Which size, crust and topping?"),
+        user("size: large, crust: thin, topping: ham."),
+        assistant("A large pizza, thin crust, topping ham, coming up."),
+    )
     m = env.reward.evaluate(c)
     assert m == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 3.0}
     assert total_reward(m, weights) == pytest.approx(1.0 - 3 * 0.05)  # 0.85
@@ -297,16 +356,22 @@ def test_unknown_option_values_are_refused_with_the_choices():
 def test_the_options_resolve_through_the_registry_and_the_actor_loop(tiny_model):
     from transformers import AutoTokenizer
 
-    from parley.rollout.conversation import PolicySettings, run_conversation
     from parley.environments import registry
+    from parley.rollout.conversation import PolicySettings, run_conversation
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     env = registry.load(NAME, {"n_items": 4, "nudge": "slots", "answer": "mentions"})
     task = env.tasks.task(PIZZA, run="r", task_id="t", n=1, rollout=RolloutConfig(max_new_turns=8), seed=1, version=0)
     engine = ScriptedEngine(tok, ["Hello! How can I help?", "Size, crust, topping?", "Large, thin, ham. Coming up!"])
-    traj = asyncio.run(run_conversation(engine, LocalUser(env.user), task, 0, lambda: 0, tokenizer=tok,
-                                        policy=PolicySettings(max_model_len=2048)))
+    traj = asyncio.run(
+        run_conversation(
+            engine, LocalUser(env.user), task, 0, lambda: 0, tokenizer=tok, policy=PolicySettings(max_model_len=2048)
+        )
+    )
     assert traj.terminated == "sim_done"
     assert [m.content for m in traj.messages if m.role == "user"] == [
-        "I want to order a pizza.", "Ask me about the size, crust and topping.", "size: large, crust: thin, topping: ham."]
+        "I want to order a pizza.",
+        "Ask me about the size, crust and topping.",
+        "size: large, crust: thin, topping: ham.",
+    ]
     assert env.reward.evaluate(traj) == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 3.0}

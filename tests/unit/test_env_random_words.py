@@ -48,8 +48,9 @@ def test_low_words_are_the_ones_whose_crc32_is_below_the_threshold():
 def test_reward_values_by_hand():
     env = environment(n_items=4)
     assert env.reward.default_weights() == {"low_share": 1.0}
-    conv = Conversation([user(f"{LOW} {LOW} {LOW}"), assistant(f"{LOW} {HIGH}\n{HIGH} {HIGH}"), user(LOW),
-                         assistant(f"  {LOW}  ")])
+    conv = Conversation(
+        [user(f"{LOW} {LOW} {LOW}"), assistant(f"{LOW} {HIGH}\n{HIGH} {HIGH}"), user(LOW), assistant(f"  {LOW}  ")]
+    )
     m = env.reward.evaluate(conv)
     assert m == {"low_share": pytest.approx(2 / 5), "assistant_words": 5.0}  # the user's words do not count
     assert total_reward(m, env.reward.default_weights()) == pytest.approx(0.4)
@@ -102,14 +103,16 @@ def test_items_and_split_come_from_the_seed():
     assert generate(20, seed=3) == generate(20, seed=3) and generate(20, seed=3) != generate(20, seed=4)
     env = environment(n_items=100, seed=1)
     train, held = env.tasks.train_eval(DataConfig(eval_fraction=0.2, split_seed=5))
-    assert (len(train), len(held)) == (80, 20) and (train, held) == env.tasks.train_eval(DataConfig(eval_fraction=0.2,
-                                                                                                    split_seed=5))
+    assert (len(train), len(held)) == (80, 20) and (train, held) == env.tasks.train_eval(
+        DataConfig(eval_fraction=0.2, split_seed=5)
+    )
     # the leakage guard: one key kind, reported only, never shared by this split
     assert env.tasks.leaks == () and find_overlap(env.tasks, train, held) == {"item": []}
     assert guard_environment(env.tasks, train, held, allow=False, run_dir=None) == {"item": []}
     # an item on both sides (a split not made by item) is reported, never refused: no label can leak
-    assert guard_environment(env.tasks, train, held + train[:1], allow=False, run_dir=None)["item"] == \
-        [(train[0].item_id, train[0].item_id)]
+    assert guard_environment(env.tasks, train, held + train[:1], allow=False, run_dir=None)["item"] == [
+        (train[0].item_id, train[0].item_id)
+    ]
     with pytest.raises(ValueError, match=f"{NAME} draws its items from a seed"):
         env.tasks.train_eval(DataConfig(path="data.jsonl"))
 
@@ -148,8 +151,10 @@ def test_up_env_random_words_dry_run_takes_the_preset():
     assert out.exit_code == 0, out.output
     assert f"environment {NAME}'s preset" in out.stderr
     dumped = tomllib.loads(out.stdout)
-    assert dumped["env"] == {"name": NAME, "options": {"n_items": 200, "seed": 0, "turns": 3, "user_words": 32,
-                                                       "threshold": 0.5}}
+    assert dumped["env"] == {
+        "name": NAME,
+        "options": {"n_items": 200, "seed": 0, "turns": 3, "user_words": 32, "threshold": 0.5},
+    }
     assert dumped["scorer"]["weights"] == {"low_share": 1.0} and dumped["learner"]["eval_metric"] == "low_share"
     assert (dumped["rollout"]["n"], dumped["rollout"]["max_new_turns"], dumped["learner"]["steps"]) == (8, 5, 10)
 
@@ -182,9 +187,20 @@ def play_group(env, tok, ids, *, n=8, max_tokens=384, turns=3):
     task = env.tasks.task(item, run="r", task_id="r-g000001", n=n, rollout=rollout, seed=7, version=0)
 
     async def group():
-        return await asyncio.gather(*(run_conversation(RandomEngine(ids), LocalUser(env.user), task, k, lambda: 0,
-                                                       tokenizer=tok, policy=PolicySettings(max_model_len=8192))
-                                      for k in range(n)))
+        return await asyncio.gather(
+            *(
+                run_conversation(
+                    RandomEngine(ids),
+                    LocalUser(env.user),
+                    task,
+                    k,
+                    lambda: 0,
+                    tokenizer=tok,
+                    policy=PolicySettings(max_model_len=8192),
+                )
+                for k in range(n)
+            )
+        )
 
     return asyncio.run(group())
 
@@ -221,8 +237,9 @@ def test_a_group_of_random_text_on_the_toy_models_bpe_tokenizer(tiny_model):
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     env = environment(n_items=4, turns=2, user_words=16)
-    trajs = play_group(env, tok, [i for i in range(len(tok)) if i not in set(tok.all_special_ids)], turns=2,
-                       max_tokens=128)
+    trajs = play_group(
+        env, tok, [i for i in range(len(tok)) if i not in set(tok.all_special_ids)], turns=2, max_tokens=128
+    )
     for traj in trajs:
         assert traj.terminated == "sim_done" and traj.assistant_tokens == 2 * 128
         assert len(traj.messages[0].content.split()) == 16 and traj.prompt_tokens > 16  # BPE splits "t123"

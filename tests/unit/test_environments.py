@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from parley.config.learner import DataConfig
 from parley.environments import registry
 from parley.environments.base import (
     Conversation,
@@ -27,7 +28,6 @@ from parley.environments.base import (
     leaking,
     split_by_key,
 )
-from parley.config.learner import DataConfig
 from parley.protocol.messages import ChatMessage, JudgeReply
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,11 @@ def test_bundled_environments_resolve_by_name(this_checkout):
         env = registry.load(name)
         assert env.name == name
         assert registry.record(name).as_dict() == {
-            "name": name, "distribution": "parley-grpo", "version": "0.1.0", "entry_point": pyproject_entries()[name]}
+            "name": name,
+            "distribution": "parley-grpo",
+            "version": "0.1.0",
+            "entry_point": pyproject_entries()[name],
+        }
 
 
 def test_options_reach_the_environment(this_checkout):
@@ -76,7 +80,7 @@ def test_an_unknown_name_lists_the_known_ones(this_checkout):
         registry.load("hiden_goal")
 
 
-PLANTED = '''
+PLANTED = """
 import dataclasses
 from parley.environments.hidden_goal import environment
 
@@ -86,14 +90,18 @@ NOT_AN_ENV = 3
 
 def misnamed():
     return dataclasses.replace(environment(n_items=4), name="something_else")
-'''
+"""
 
 
 @pytest.mark.parametrize(
     "value, error, match",
     [
         ("planted_envs:NOT_AN_ENV", TypeError, "is a int, not an Environment or a function returning one"),
-        ("planted_envs:misnamed", ValueError, "built an environment named 'something_else'; the two names must be the same"),
+        (
+            "planted_envs:misnamed",
+            ValueError,
+            "built an environment named 'something_else'; the two names must be the same",
+        ),
     ],
 )
 def test_a_bad_entry_point_is_named(tmp_path, monkeypatch, value, error, match):
@@ -135,16 +143,21 @@ def test_reward_refuses_duplicate_names_and_an_all_zero_total():
 
 
 def test_reward_evaluates_pure_and_judge_metrics_and_asks_each_op_once():
-    reward = Reward(metrics=(
-        JudgeMetric("doc_len", op="extract", value=lambda r, c: len(r.document), weight=1.0),
-        JudgeMetric("doc_words", op="extract", value=lambda r, c: len(r.document.split())),
-        PureMetric("turns", compute=lambda c: len(c.messages), weight=-0.5),
-    ))
+    reward = Reward(
+        metrics=(
+            JudgeMetric("doc_len", op="extract", value=lambda r, c: len(r.document), weight=1.0),
+            JudgeMetric("doc_words", op="extract", value=lambda r, c: len(r.document.split())),
+            PureMetric("turns", compute=lambda c: len(c.messages), weight=-0.5),
+        )
+    )
     conv = Conversation(messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")])
     assert reward.judge_ops == ("extract",)
     assert reward.default_weights() == {"doc_len": 1.0, "turns": -0.5}
     assert reward.evaluate(conv, {"extract": JudgeReply(ok=True, document="two words")}) == {
-        "doc_len": 9.0, "doc_words": 2.0, "turns": 2.0}
+        "doc_len": 9.0,
+        "doc_words": 2.0,
+        "turns": 2.0,
+    }
     with pytest.raises(ValueError, match=r"judge replies for \['extract'\] are missing"):
         reward.evaluate(conv)
 
@@ -165,8 +178,9 @@ def test_eval_protocol_selects_only_what_the_table_shows():
 def test_eval_columns_must_be_metrics_or_derived():
     env = registry_free_hidden_goal()
     with pytest.raises(ValueError, match=r"eval columns \['mr'\] are neither reward metrics"):
-        dataclasses.replace(env, eval=EvalProtocol(columns=("goal_match", "mr"), select="goal_match",
-                                                   selectable=("goal_match",)))
+        dataclasses.replace(
+            env, eval=EvalProtocol(columns=("goal_match", "mr"), select="goal_match", selectable=("goal_match",))
+        )
 
 
 def registry_free_hidden_goal():
@@ -185,8 +199,12 @@ class _It:
     prompt: str
 
 
-SOURCE = TaskSource(train_eval=lambda data: ([], []), task=None,
-                    leakage_keys=lambda it: {"target": it.target, "prompt": it.prompt}, leaks=("target",))
+SOURCE = TaskSource(
+    train_eval=lambda data: ([], []),
+    task=None,
+    leakage_keys=lambda it: {"target": it.target, "prompt": it.prompt},
+    leaks=("target",),
+)
 
 
 def test_split_by_key_keeps_each_key_on_one_side():
@@ -217,8 +235,13 @@ def test_env_section_names_the_environment_and_its_options(this_checkout):
     assert EnvConfig().load().name == "collabllm_medium"
     cfg = msgspec.toml.decode(b'name = "hidden_goal"\noptions = { n_items = 12, seed = 4 }\n', type=EnvConfig)
     assert len(cfg.load().tasks.train_eval(DataConfig(eval_fraction=0.25))[1]) == 3
-    assert cfg.record() == {"name": "hidden_goal", "distribution": "parley-grpo", "version": "0.1.0",
-                            "entry_point": "parley.environments.hidden_goal:environment", "options": {"n_items": 12, "seed": 4}}
+    assert cfg.record() == {
+        "name": "hidden_goal",
+        "distribution": "parley-grpo",
+        "version": "0.1.0",
+        "entry_point": "parley.environments.hidden_goal:environment",
+        "options": {"n_items": 12, "seed": 4},
+    }
     with pytest.raises(msgspec.ValidationError, match="env.name='hidden goal' is not an environment name"):
         msgspec.convert({"name": "hidden goal"}, EnvConfig)
     with pytest.raises(msgspec.ValidationError, match="unknown field `nmae`"):

@@ -12,12 +12,12 @@ import re
 
 import pytest
 
+from parley.config.learner import DataConfig
+from parley.config.scorer import ScorerConfig
 from parley.environments.hidden_goal import NAME, Goal, environment, final_answer, world
 from parley.evaluation.benchmark import summarize, to_markdown
 from parley.evaluation.runner import Condition, EvalServices, EvalSettings, Policy, make_tasks, run_eval
-from parley.config.learner import DataConfig
 from parley.protocol.messages import ChatMessage, EvalRecord
-from parley.config.scorer import ScorerConfig
 from tests.unit.test_environments import this_checkout  # noqa: F401  (fixture: this checkout's entry points)
 
 PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
@@ -74,7 +74,14 @@ def test_eval_tasks_are_the_environments():
     t = tasks[0]
     assert t.prefix == [ChatMessage("user", "I want to order a pizza.")] and t.reference == PIZZA.hidden()
     assert "FINAL: size=<size>, crust=<crust>, topping=<topping>" in t.system_prompt
-    assert (t.sim_prompt, t.split, t.mode, t.max_new_turns, t.max_tokens, t.n) == (NAME, "eval", "conversation", 8, 64, 1)
+    assert (t.sim_prompt, t.split, t.mode, t.max_new_turns, t.max_tokens, t.n) == (
+        NAME,
+        "eval",
+        "conversation",
+        8,
+        64,
+        1,
+    )
 
 
 def test_hidden_goal_is_played_and_scored_without_simulator_or_judge(tiny_model):
@@ -93,7 +100,9 @@ def test_hidden_goal_is_played_and_scored_without_simulator_or_judge(tiny_model)
     assert ask.messages[0].role == "system" and "FINAL:" in ask.messages[0].content and ask.system_prompt == ""
     assert guess.messages[0].content == GUESS
     assert [m.content for m in ask.messages if m.role == "user"] == [
-        "I want to order a pizza.", "size: large, crust: thin, topping: ham."]
+        "I want to order a pizza.",
+        "size: large, crust: thin, topping: ham.",
+    ]
     assert ask.sim_model == f"programmatic:{NAME}" and ask.judge_model == "" and ask.sim_prompt == NAME
     assert ask.metrics == {"goal_match": 1.0, "exact": 1.0, "assistant_turns": 2.0}
     # pizza guessed small/thin/mushroom: only the crust is right
@@ -113,9 +122,21 @@ def test_hidden_goal_is_played_and_scored_without_simulator_or_judge(tiny_model)
 def test_columns_of_another_environment_are_named_when_missing():
     from parley.evaluation.benchmark import record_value
 
-    rec = EvalRecord(eval_id="v0/x/0", condition="v0", item_id="x", model="m", system_prompt="", sim_prompt=NAME,
-                     sim_model="", judge_model="", seed=0, messages=[], reference="", assistant_tokens=3,
-                     metrics={"goal_match": 0.5})
+    rec = EvalRecord(
+        eval_id="v0/x/0",
+        condition="v0",
+        item_id="x",
+        model="m",
+        system_prompt="",
+        sim_prompt=NAME,
+        sim_model="",
+        judge_model="",
+        seed=0,
+        messages=[],
+        reference="",
+        assistant_tokens=3,
+        metrics={"goal_match": 0.5},
+    )
     env = environment(n_items=4)
     assert record_value(rec, "goal_match", env) == 0.5
     with pytest.raises(ValueError, match="has no 'exact' metric"):
@@ -128,11 +149,25 @@ def test_columns_of_another_environment_are_named_when_missing():
 
 
 def hidden_goal_records(version, match, turns):
-    return [EvalRecord(eval_id=f"v{version}/g{k}/0", condition=f"v{version}", item_id=f"g{k}", model="m",
-                       system_prompt="", sim_prompt=NAME, sim_model="", judge_model="", seed=0, messages=[],
-                       reference="", assistant_tokens=10, version=version,
-                       metrics={"goal_match": m, "exact": float(m == 1.0), "assistant_turns": t})
-            for k, (m, t) in enumerate(zip(match, turns))]
+    return [
+        EvalRecord(
+            eval_id=f"v{version}/g{k}/0",
+            condition=f"v{version}",
+            item_id=f"g{k}",
+            model="m",
+            system_prompt="",
+            sim_prompt=NAME,
+            sim_model="",
+            judge_model="",
+            seed=0,
+            messages=[],
+            reference="",
+            assistant_tokens=10,
+            version=version,
+            metrics={"goal_match": m, "exact": float(m == 1.0), "assistant_turns": t},
+        )
+        for k, (m, t) in enumerate(zip(match, turns))
+    ]
 
 
 @pytest.fixture
@@ -140,11 +175,16 @@ def hidden_goal_run(tmp_path):
     from parley.evaluation.evallog import write_parquet
 
     # v1 matches most of the goal (and has the most exact answers); v2 matches less with fewer turns
-    plan = {0: ([0.0, 1 / 3, 0.0, 1 / 3], [1, 1, 1, 1]), 1: ([1.0, 2 / 3, 1.0, 1.0], [3, 2, 3, 3]),
-            2: ([1 / 3, 2 / 3, 1 / 3, 1.0], [1, 2, 1, 2])}
+    plan = {
+        0: ([0.0, 1 / 3, 0.0, 1 / 3], [1, 1, 1, 1]),
+        1: ([1.0, 2 / 3, 1.0, 1.0], [3, 2, 3, 3]),
+        2: ([1 / 3, 2 / 3, 1 / 3, 1.0], [1, 2, 1, 2]),
+    }
     for v, (match, turns) in plan.items():
         write_parquet(hidden_goal_records(v, match, turns), tmp_path / "eval" / f"v{v}" / "records.parquet")
-    (tmp_path / "eval" / "config.toml").write_text('[env]\nname = "hidden_goal"\noptions = { n_items = 40, seed = 3 }\n')
+    (tmp_path / "eval" / "config.toml").write_text(
+        '[env]\nname = "hidden_goal"\noptions = { n_items = 40, seed = 3 }\n'
+    )
     return tmp_path
 
 
@@ -186,8 +226,15 @@ def test_summary_lines_hold_every_column(tmp_path, this_checkout):
 
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "config.toml").write_text('[env]\nname = "hidden_goal"\n')
-    lines = [json.dumps({"version": v, "items": {f"g{k}": {"goal_match": m + 0.1 * k, "exact": 0.0, "assistant_turns": 2}
-                                                 for k in range(3)}}) for v, m in ((0, 0.1), (4, 0.5))]
+    lines = [
+        json.dumps(
+            {
+                "version": v,
+                "items": {f"g{k}": {"goal_match": m + 0.1 * k, "exact": 0.0, "assistant_turns": 2} for k in range(3)},
+            }
+        )
+        for v, m in ((0, 0.1), (4, 0.5))
+    ]
     (tmp_path / "eval" / "summary.jsonl").write_text("\n".join(lines) + "\n")
     assert select_best(tmp_path).version == 4
     (tmp_path / "eval" / "summary.jsonl").write_text('{"version": 1, "items": {"a": {"goal_match": 1}}}\n')
@@ -202,16 +249,31 @@ def test_reweight_recomputes_the_pure_metrics():
     from parley.evaluation.evallog import reweight
 
     env = environment(n_items=4)
-    messages = [ChatMessage("user", "I want to order a pizza."), ChatMessage("assistant", "Size, crust, topping?"),
-                ChatMessage("user", "size: large, crust: thin, topping: ham."),
-                ChatMessage("assistant", "FINAL: size=large, crust=thick, topping=ham")]
-    rec = EvalRecord(eval_id="a/p/0", condition="a", item_id=PIZZA.item_id, model="m", system_prompt="",
-                     sim_prompt=NAME, sim_model="", judge_model="", seed=0, messages=messages,
-                     reference=PIZZA.hidden(), assistant_tokens=20,
-                     metrics={"goal_match": 0.0, "exact": 1.0, "assistant_turns": 9.0})  # stale values
+    messages = [
+        ChatMessage("user", "I want to order a pizza."),
+        ChatMessage("assistant", "Size, crust, topping?"),
+        ChatMessage("user", "size: large, crust: thin, topping: ham."),
+        ChatMessage("assistant", "FINAL: size=large, crust=thick, topping=ham"),
+    ]
+    rec = EvalRecord(
+        eval_id="a/p/0",
+        condition="a",
+        item_id=PIZZA.item_id,
+        model="m",
+        system_prompt="",
+        sim_prompt=NAME,
+        sim_model="",
+        judge_model="",
+        seed=0,
+        messages=messages,
+        reference=PIZZA.hidden(),
+        assistant_tokens=20,
+        metrics={"goal_match": 0.0, "exact": 1.0, "assistant_turns": 9.0},
+    )  # stale values
     [out] = reweight([rec], {"goal_match": 1.0, "assistant_turns": -0.1}, env=env)
-    assert out.metrics == pytest.approx({"goal_match": 2 / 3, "exact": 0.0, "assistant_turns": 2.0,
-                                         "reward": 2 / 3 - 0.2})
+    assert out.metrics == pytest.approx(
+        {"goal_match": 2 / 3, "exact": 0.0, "assistant_turns": 2.0, "reward": 2 / 3 - 0.2}
+    )
     assert final_answer(messages[-1].content) == {"size": {"large"}, "crust": {"thick"}, "topping": {"ham"}}
 
 
@@ -229,12 +291,12 @@ def test_an_items_file_is_refused_for_a_seeded_environment():
 
 
 def test_periodic_eval_of_hidden_goal_stores_every_column_and_the_environment(tmp_path, this_checkout):
-    from parley.config.run import RunConfig
     from parley.config.env import EnvConfig
+    from parley.config.learner import LearnerConfig
+    from parley.config.run import RunConfig
     from parley.evaluation.periodic import PeriodicEval
     from parley.evaluation.selection import run_environment, select_best
     from parley.learner import checkpoint as ckpt
-    from parley.config.learner import LearnerConfig
     from tests.unit.test_periodic_eval import play
 
     base = tmp_path / "base"
@@ -242,7 +304,9 @@ def test_periodic_eval_of_hidden_goal_stores_every_column_and_the_environment(tm
     (base / "config.json").write_text("{}")
     run_dir = tmp_path / "run"
     ckpt.record_base_model(run_dir, base)
-    cfg = RunConfig(env=EnvConfig(name=NAME, options={"n_items": 30}), learner=LearnerConfig(eval_every=1, eval_items=4))
+    cfg = RunConfig(
+        env=EnvConfig(name=NAME, options={"n_items": 30}), learner=LearnerConfig(eval_every=1, eval_items=4)
+    )
     cfg.run.dir = str(run_dir)
     assert cfg.learner.eval_metric == "goal_match"  # the environment's choice, resolved by the config
     plan = {0: ([0.0, 1 / 3, 0.0, 0.0], [3, 3, 3, 3]), 1: ([1.0, 1.0, 2 / 3, 1.0], [2, 2, 2, 3])}
@@ -288,7 +352,9 @@ def test_parley_eval_refuses_a_simulator_prompt_for_a_programmatic_user(this_che
 
     from parley.deploy.cli import app
 
-    out = CliRunner().invoke(app, ["eval", "-C", "base=x", "--user-sim-prompt", "lazy_full", "--set", "env.name=hidden_goal"])
+    out = CliRunner().invoke(
+        app, ["eval", "-C", "base=x", "--user-sim-prompt", "lazy_full", "--set", "env.name=hidden_goal"]
+    )
     assert out.exit_code == 2, out.output
     assert "programmatic user" in out.output
 
@@ -299,8 +365,9 @@ def test_parley_eval_guards_collabllm_with_the_learners_guard(this_checkout, tmp
 
     from parley.deploy.cli import app
 
-    out = CliRunner().invoke(app, ["eval", "-C", "base=x", "--items", "bundled", "--out", str(tmp_path),
-                                   "--set", "data.eval_fraction=0.25"])
+    out = CliRunner().invoke(
+        app, ["eval", "-C", "base=x", "--items", "bundled", "--out", str(tmp_path), "--set", "data.eval_fraction=0.25"]
+    )
     assert out.exit_code == 1, out.output
     assert "share 45 reference targets" in out.output and "--allow-overlap" in out.output  # the 60 - 15 train items
 

@@ -14,8 +14,15 @@ from parley.evaluation.runner import SwappingPolicies
 def qwen3(hidden=64):
     from transformers import Qwen3Config
 
-    return Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return Qwen3Config(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
 
 
 def checkpoint(path, hidden=64, template="{{ messages }}", origin="a", whole=False):
@@ -38,8 +45,10 @@ def test_checkpoints_of_one_base_share_a_key_and_other_shapes_or_tokenizers_do_n
     wider = checkpoint(tmp_path / "wide", hidden=128)
     templated = checkpoint(tmp_path / "tpl", template="{{ other }}")
     whole = checkpoint(tmp_path / "v50", whole=True)  # the learner's kept weights of a version
-    assert json.loads((tmp_path / "v50" / "config.json").read_text()).keys() != json.loads(
-        (tmp_path / "v0" / "config.json").read_text()).keys()
+    assert (
+        json.loads((tmp_path / "v50" / "config.json").read_text()).keys()
+        != json.loads((tmp_path / "v0" / "config.json").read_text()).keys()
+    )
     assert weights_swap_key(a) == weights_swap_key(b) == weights_swap_key(whole) is not None
     assert weights_swap_key(wider) != weights_swap_key(a)
     assert weights_swap_key(templated) != weights_swap_key(a)
@@ -76,8 +85,15 @@ def test_the_engine_is_started_once_per_base_and_each_checkpoint_is_swapped_in(t
         return seen
 
     seen = asyncio.run(play())
-    assert events == [("start", v0), ("reload", v30), ("shutdown", v0), ("start", other), ("shutdown", other),
-                      ("start", "smol"), ("shutdown", "smol")]
+    assert events == [
+        ("start", v0),
+        ("reload", v30),
+        ("shutdown", v0),
+        ("start", other),
+        ("shutdown", other),
+        ("start", "smol"),
+        ("shutdown", "smol"),
+    ]
     assert seen[0].engine is seen[1].engine and seen[2].engine is not seen[0].engine
     assert all(p.close is None for p in seen)  # the conditions leave the engine to the next one
     assert (policies.starts, policies.swaps) == (3, 1)

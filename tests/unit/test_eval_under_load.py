@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from parley.config.scorer import ScorerConfig
 from parley.evaluation.commands import report
 from parley.evaluation.runner import (
     EvalServices,
@@ -25,7 +26,6 @@ from parley.evaluation.runner import (
 )
 from parley.protocol.bus import Retry
 from parley.protocol.messages import JudgeReply, SimReply
-from parley.config.scorer import ScorerConfig
 from parley.rollout.judge import JudgeFailed, JudgeUnavailable
 from parley.tasks.data import load_items
 from tests.unit.test_rollout import EngineDouble
@@ -76,7 +76,9 @@ class JudgeDouble:
 
     async def interactivity(self, messages, *, seed=0):
         await asyncio.sleep(0)
-        return JudgeReply(ok=True, levels={"understanding": 2, "clarification": 2, "suggestions": 2}, raw="{}", model="judge-double")
+        return JudgeReply(
+            ok=True, levels={"understanding": 2, "clarification": 2, "suggestions": 2}, raw="{}", model="judge-double"
+        )
 
 
 def evaluate(tok, judge, sim=None, scorer=None, attempts=3, n_items=3):
@@ -87,7 +89,9 @@ def evaluate(tok, judge, sim=None, scorer=None, attempts=3, n_items=3):
     async def open_policy(model):
         return Policy(engine=engine, tokenizer=tok, version=0)
 
-    services = EvalServices(open_policy=open_policy, sim=sim or SimDouble(), judge=judge, scorer_cfg=scorer or ScorerConfig(**FAST))
+    services = EvalServices(
+        open_policy=open_policy, sim=sim or SimDouble(), judge=judge, scorer_cfg=scorer or ScorerConfig(**FAST)
+    )
     settings = EvalSettings(assistant_max_tokens=32, max_new_turns=4, concurrency=2, judge_attempts=attempts)
     missing: list[NotScored] = []
     records = asyncio.run(run_eval([parse_condition("v0=tiny")], items, settings, services, on_missing=missing.append))
@@ -109,7 +113,9 @@ def test_a_slow_judge_is_waited_for_and_every_item_scored(tok):
 
 
 def test_a_judge_that_stays_away_is_reported_per_item_after_the_bound(tok):
-    items, records, missing = evaluate(tok, JudgeDouble(unavailable=None), scorer=ScorerConfig(judge_wait_s=0.02, **FAST))
+    items, records, missing = evaluate(
+        tok, JudgeDouble(unavailable=None), scorer=ScorerConfig(judge_wait_s=0.02, **FAST)
+    )
     assert len(records) == len(items) and not any(r.metrics for r in records)  # played, kept, unscored
     assert sorted(m.item_id for m in missing) == sorted(i.item_id for i in items)
     assert all(m.stage == "judge" and "JudgeUnavailable" in m.reason and "judge_wait_s=0s" in m.reason for m in missing)
@@ -123,7 +129,11 @@ def test_a_failed_verdict_is_asked_again_with_a_new_seed(tok):
     judge = JudgeDouble(failing=5)
     _, records, missing = evaluate(tok, judge, attempts=2, n_items=1)
     assert not records[0].metrics
-    assert "JudgeFailed" in missing[0].reason and "Unterminated string" in missing[0].reason and "verdict 2 of 2" in missing[0].reason
+    assert (
+        "JudgeFailed" in missing[0].reason
+        and "Unterminated string" in missing[0].reason
+        and "verdict 2 of 2" in missing[0].reason
+    )
 
 
 def test_a_silent_simulator_costs_only_its_item(tok):
@@ -146,7 +156,9 @@ async def test_score_within_bounds_raises_the_last_error_with_the_bound():
 
 
 def test_an_eval_that_scored_nothing_reports_why_and_exits_3(tok, tmp_path, capsys):
-    items, records, missing = evaluate(tok, JudgeDouble(unavailable=None), scorer=ScorerConfig(judge_wait_s=0.0, **FAST))
+    items, records, missing = evaluate(
+        tok, JudgeDouble(unavailable=None), scorer=ScorerConfig(judge_wait_s=0.0, **FAST)
+    )
     code = report(records, missing, len(items), "v0", tmp_path)
     err = capsys.readouterr().err
     assert code == 3
@@ -162,7 +174,9 @@ def test_a_partly_scored_eval_has_a_table_and_names_the_rest(tok, tmp_path, caps
     _, records, missing = evaluate(tok, JudgeDouble(), sim=SimDouble(absent={items[0].reference}))
     assert report(records, missing, 3, "v0", tmp_path) == 0
     captured = capsys.readouterr()
-    assert "1 of 3 conversations not scored" in captured.err and f"v0/{items[0].item_id}/0 (conversation)" in captured.err
+    assert (
+        "1 of 3 conversations not scored" in captured.err and f"v0/{items[0].item_id}/0 (conversation)" in captured.err
+    )
     assert "| v0 |" in captured.out and (tmp_path / "table.md").is_file()
 
 
@@ -183,7 +197,9 @@ def test_periodic_eval_quotes_the_per_item_reasons(tmp_path):
     pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=scored_nothing)
     outcome = asyncio.run(pe.evaluate(EvalJob(version=0, step=0, model="tiny")))
     assert not outcome.ok
-    assert outcome.error.startswith("no conversation scored (1 not): v0/item-1/0 (judge): JudgeUnavailable: no answer in 300s")
+    assert outcome.error.startswith(
+        "no conversation scored (1 not): v0/item-1/0 (judge): JudgeUnavailable: no answer in 300s"
+    )
     assert outcome.unscored == ["v0/item-1/0 (judge): JudgeUnavailable: no answer in 300s"]
     assert (run_dir / "eval" / "v0.failed" / "unscored.jsonl").is_file()
     assert json.loads((run_dir / "eval" / "v0.failed" / "unscored.jsonl").read_text())["stage"] == "judge"

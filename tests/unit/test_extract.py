@@ -47,7 +47,9 @@ def test_the_newest_draft_wins_over_a_longer_earlier_one():
 
 
 def test_a_closing_remark_after_the_draft_keeps_the_draft():
-    messages = conv("write about lisbon", DRAFT, "thanks", "You're welcome! I changed the title as you asked. Anything else?")
+    messages = conv(
+        "write about lisbon", DRAFT, "thanks", "You're welcome! I changed the title as you asked. Anything else?"
+    )
     assert last_document(messages) == DRAFT
 
 

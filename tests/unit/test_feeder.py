@@ -57,8 +57,16 @@ def _rounds(oversample: int, signal, s: int = 1, steps: int = 30) -> tuple[int, 
         while may_admit(len(in_flight), consumed, version, s, 1, oversample):
             task = f"g{index}"
             for sample in (0, 1):
-                traj = factories.trajectory("r", task, sample, item_id="i", messages=[], token_ids=[1, 2, 3],
-                                            loss_mask=[0, 1, 1], turns=[factories.turn(1, [-0.1, -0.2], version)])
+                traj = factories.trajectory(
+                    "r",
+                    task,
+                    sample,
+                    item_id="i",
+                    messages=[],
+                    token_ids=[1, 2, 3],
+                    loss_mask=[0, 1, 1],
+                    turns=[factories.turn(1, [-0.1, -0.2], version)],
+                )
                 grouper.add(factories.scored(traj, {"bleu": float(sample) if signal(index) else 0.5}))
             in_flight.add(task)
             index += 1
@@ -99,12 +107,20 @@ def test_task_ids_and_item_order_are_deterministic():
 
 
 def test_feeder_state_accounting(tmp_path):
-    from parley.tasks.data import load_items
     from parley.config.learner import RolloutConfig
+    from parley.tasks.data import load_items
 
     items = load_items()[:3]
-    f = Feeder(None, "r1", items, RolloutConfig(n=3), max_staleness=0, groups_per_step=2, seed=1,
-               state=FeederState(next_index=2, in_flight={"r1-g000000": Issued(0.0, 0), "r1-g000001": Issued(0.0, 0)}))
+    f = Feeder(
+        None,
+        "r1",
+        items,
+        RolloutConfig(n=3),
+        max_staleness=0,
+        groups_per_step=2,
+        seed=1,
+        state=FeederState(next_index=2, in_flight={"r1-g000000": Issued(0.0, 0), "r1-g000001": Issued(0.0, 0)}),
+    )
     assert not f.is_open()
     assert f.mark_consumed("r1-g000000") and not f.mark_consumed("r1-g000000")
     assert not f.mark_consumed("someone-else")
@@ -127,11 +143,19 @@ def test_feeder_refuses_an_empty_split():
 def test_dropped_groups_give_their_slot_back_instead_of_shrinking_the_window():
     # Regression: counting dropped/skipped groups as consumed shrank the window for good and, at
     # max_staleness 0, one zero-advantage group stopped admission for the rest of the run.
-    from parley.tasks.data import load_items
     from parley.config.learner import RolloutConfig
+    from parley.tasks.data import load_items
 
-    f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=2, seed=1,
-               state=FeederState(next_index=2, in_flight={"r1-g000000": Issued(0.0, 0), "r1-g000001": Issued(0.0, 0)}))
+    f = Feeder(
+        None,
+        "r1",
+        load_items()[:3],
+        RolloutConfig(n=2),
+        max_staleness=0,
+        groups_per_step=2,
+        seed=1,
+        state=FeederState(next_index=2, in_flight={"r1-g000000": Issued(0.0, 0), "r1-g000001": Issued(0.0, 0)}),
+    )
     assert not f.is_open()
     assert f.mark_consumed("r1-g000000", trained=False)  # skipped: zero advantage
     assert f.state.consumed == 0 and f.is_open()  # its slot is refilled at the same version
@@ -143,8 +167,15 @@ def test_overdue_lists_tasks_past_their_deadline_oldest_first():
     from parley.config.learner import RolloutConfig
     from parley.tasks.data import load_items
 
-    f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=2,
-               state=FeederState(next_index=3, in_flight={"a": Issued(100.0, 0), "b": Issued(50.0, 0), "c": Issued(190.0, 1)}))
+    f = Feeder(
+        None,
+        "r1",
+        load_items()[:3],
+        RolloutConfig(n=2),
+        max_staleness=0,
+        groups_per_step=2,
+        state=FeederState(next_index=3, in_flight={"a": Issued(100.0, 0), "b": Issued(50.0, 0), "c": Issued(190.0, 1)}),
+    )
     assert f.overdue(30.0, now=200.0) == [("b", 150.0), ("a", 100.0)]
     assert f.overdue(300.0, now=200.0) == []
     assert f.mark_consumed("b", trained=False) == Issued(50.0, 0)
@@ -157,13 +188,30 @@ def test_a_run_of_n_steps_issues_no_group_its_last_step_will_not_train():
     from parley.config.learner import RolloutConfig
     from parley.tasks.data import load_items
 
-    f = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=1, groups_per_step=2, steps=3,
-               state=FeederState(next_index=6, consumed=4, in_flight={"r1-g000004": Issued(0.0, 2), "r1-g000005": Issued(0.0, 2)}))
+    f = Feeder(
+        None,
+        "r1",
+        load_items()[:3],
+        RolloutConfig(n=2),
+        max_staleness=1,
+        groups_per_step=2,
+        steps=3,
+        state=FeederState(
+            next_index=6, consumed=4, in_flight={"r1-g000004": Issued(0.0, 2), "r1-g000005": Issued(0.0, 2)}
+        ),
+    )
     f.set_version(2)
     assert may_admit(2, 4, 2, 1, 2) and f.all_issued() and not f.is_open()  # the gate alone would admit
     assert f.mark_consumed("r1-g000004", trained=False)  # dropped (stale): its slot is needed again
     assert not f.all_issued() and f.is_open()
-    unbounded = Feeder(None, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=1, groups_per_step=2,
-                       state=FeederState(next_index=6, consumed=4, in_flight={"a": Issued(0.0, 2), "b": Issued(0.0, 2)}))
+    unbounded = Feeder(
+        None,
+        "r1",
+        load_items()[:3],
+        RolloutConfig(n=2),
+        max_staleness=1,
+        groups_per_step=2,
+        state=FeederState(next_index=6, consumed=4, in_flight={"a": Issued(0.0, 2), "b": Issued(0.0, 2)}),
+    )
     unbounded.set_version(2)
     assert unbounded.is_open()  # steps = 0: no last step

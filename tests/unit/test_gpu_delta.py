@@ -14,9 +14,12 @@ def _versions(steps: int, lr: float, seed: int = 0):
     learner publishes them: [(buffer, layout with checksums)]. Some weights sit at zero so that a
     step moves them across it (a jump of the 16-bit pattern: an exception in the format)."""
     g = torch.Generator().manual_seed(seed)
-    master = {"embed.weight": torch.randn(300, 64, generator=g) * 0.02,
-              "layer.0.q.weight": torch.randn(64, 64, generator=g) * 0.02,
-              "norm.weight": torch.ones(64), "odd.bias": torch.zeros(37)}
+    master = {
+        "embed.weight": torch.randn(300, 64, generator=g) * 0.02,
+        "layer.0.q.weight": torch.randn(64, 64, generator=g) * 0.02,
+        "norm.weight": torch.ones(64),
+        "odd.bias": torch.zeros(37),
+    }
     layout, size = cuda_ipc.plan((n, t.to(torch.bfloat16)) for n, t in master.items())
     out = []
     for k in range(steps + 1):
@@ -139,8 +142,10 @@ def test_in_chunks_the_delta_is_the_same_bytes_and_a_failure_in_a_late_chunk_put
 
 def _named(seed: int):
     g = torch.Generator().manual_seed(seed)
-    return [("a", (torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16)),
-            ("b", torch.ones(8, dtype=torch.bfloat16))]
+    return [
+        ("a", (torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16)),
+        ("b", torch.ones(8, dtype=torch.bfloat16)),
+    ]
 
 
 def test_packed_versions_chain_with_deltas_encoded_later_and_files_from_the_buffer():

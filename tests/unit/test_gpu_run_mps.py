@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _part_m(tmp_path: Path, path: str) -> tuple[subprocess.CompletedProcess, str]:
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PATH": path, "MPS_PART": "NO_SUCH_PART"}
-    res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "M"], env=env, capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+    res = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_run.sh"), "M"], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     return res, (out / "mps.log").read_text()
 
 
@@ -34,4 +35,3 @@ def test_without_the_daemon_part_m_says_so_and_runs_nothing(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "no nvidia-cuda-mps-control on PATH" in log
     assert "usage:" not in res.stderr  # MPS_PART was never reached
-

@@ -32,10 +32,18 @@ def fake_smi(bin_dir: Path, pid: int) -> None:
 def test_samples_name_each_process_by_its_childs_session(tmp_path, monkeypatch):
     # a child in a session of its own, as runtime.supervisor starts them, and a grandchild in it (a vLLM
     # EngineCore counts for the actor that started it)
-    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
-                              "print(p.pid, flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+            "print(p.pid, flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         grandchild = int(child.stdout.readline())
         (tmp_path / "bin").mkdir()

@@ -39,11 +39,23 @@ def test_the_folders_hold_every_file_once_within_the_room(tmp_path):
 
 def test_the_calls_end_with_whl_and_carry_the_smol_checksum_with_a_piece(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    files(tmp_path, {".gpu/parts/site.part1-of-2": 90, ".gpu/parts/site.part2-of-2": 20,
-                     ".gpu/smol/w.whl.part1-of-2": 50, ".gpu/smol/w.whl.part2-of-2": 45, ".gpu/smol/SHA256SUMS": 1,
-                     ".whl/a.whl": 5})
-    units = [".gpu/parts/site.part1-of-2", ".gpu/parts/site.part2-of-2", ".gpu/smol/w.whl.part1-of-2",
-             ".gpu/smol/w.whl.part2-of-2"]
+    files(
+        tmp_path,
+        {
+            ".gpu/parts/site.part1-of-2": 90,
+            ".gpu/parts/site.part2-of-2": 20,
+            ".gpu/smol/w.whl.part1-of-2": 50,
+            ".gpu/smol/w.whl.part2-of-2": 45,
+            ".gpu/smol/SHA256SUMS": 1,
+            ".whl/a.whl": 5,
+        },
+    )
+    units = [
+        ".gpu/parts/site.part1-of-2",
+        ".gpu/parts/site.part2-of-2",
+        ".gpu/smol/w.whl.part1-of-2",
+        ".gpu/smol/w.whl.part2-of-2",
+    ]
     pack.calls(100, "CALLS", units)
     calls = [json.loads(line) for line in Path("CALLS").read_text().splitlines()]
     assert all(c[0] == ".gpu/tools" and len(c) <= 8 for c in calls)

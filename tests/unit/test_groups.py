@@ -14,9 +14,16 @@ from tests import factories
 
 
 def scored(task: str, sample: int, reward: float, version: int = 0) -> Scored:
-    traj = factories.trajectory("r", task, sample, item_id="i", messages=[], token_ids=[1, 2, 3, 4, 5, 6],
-                                loss_mask=[0, 0, 1, 1, 0, 1],
-                                turns=[factories.turn(2, [-0.1, -0.2], version), factories.turn(5, [-0.3], version + 1)])
+    traj = factories.trajectory(
+        "r",
+        task,
+        sample,
+        item_id="i",
+        messages=[],
+        token_ids=[1, 2, 3, 4, 5, 6],
+        loss_mask=[0, 0, 1, 1, 0, 1],
+        turns=[factories.turn(2, [-0.1, -0.2], version), factories.turn(5, [-0.3], version + 1)],
+    )
     return factories.scored(traj, {"bleu": reward})
 
 
@@ -158,9 +165,17 @@ def test_behaviour_alignment_and_version():
 
 def as_lists(traj: Trajectory) -> Trajectory:
     """The same trajectory as an older producer wrote it (token arrays as lists)."""
-    turns = [msgspec.structs.replace(t, logprobs=arrays.turn_logprobs(t).tolist(), logprobs_f32=b"") for t in traj.turns]
-    return msgspec.structs.replace(traj, token_ids=arrays.token_ids(traj).tolist(), loss_mask=arrays.loss_mask(traj).tolist(),
-                                   token_ids_i32=b"", loss_mask_u8=b"", turns=turns)
+    turns = [
+        msgspec.structs.replace(t, logprobs=arrays.turn_logprobs(t).tolist(), logprobs_f32=b"") for t in traj.turns
+    ]
+    return msgspec.structs.replace(
+        traj,
+        token_ids=arrays.token_ids(traj).tolist(),
+        loss_mask=arrays.loss_mask(traj).tolist(),
+        token_ids_i32=b"",
+        loss_mask_u8=b"",
+        turns=turns,
+    )
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "lists"])
@@ -193,7 +208,10 @@ def test_bad_trajectories_are_named(change, message, packed):
     [
         (dict(token_ids_i32=b"\x01\x00\x00"), r"a/0: token_ids_i32 holds 3 bytes, not a whole number of int32"),
         (dict(loss_mask=[0, -1, 1, 1, 0, 1], loss_mask_u8=b""), r"a/0: loss_mask holds -1, outside uint8"),
-        (dict(token_ids=[1, 2**40, 3, 4, 5, 6], token_ids_i32=b""), r"a/0: token_ids holds 1099511627776, outside int32"),
+        (
+            dict(token_ids=[1, 2**40, 3, 4, 5, 6], token_ids_i32=b""),
+            r"a/0: token_ids holds 1099511627776, outside int32",
+        ),
     ],
 )
 def test_token_arrays_that_cannot_be_read_are_bad(change, message):
@@ -239,6 +257,7 @@ def test_freshest_order_trains_the_newest_behaviour_first_and_drops_what_it_pass
     learner version 5, the step trains version 5's (lag 0) where "oldest" trains version 4's (lag 1);
     the group passed over stays while it may still be trained and is dropped as stale at the next
     step, even though that step finds a fresher group first. A flat group is skipped either way."""
+
     def fill(g):
         for i in range(3):
             g.add(scored("flat", i, 0.5, version=3), now=0)
@@ -271,8 +290,9 @@ def test_an_unknown_group_order_is_refused():
 def abandoned(task: str, sample: int, version: int = 0, turns: bool = True) -> Scored:
     """A sample its actor stopped (terminated ABANDONED_STALE): passed on unjudged, total 0."""
     s = scored(task, sample, 0.0, version)
-    traj = msgspec.structs.replace(s.trajectory, terminated=ABANDONED_STALE, actor="a1",
-                                   **({} if turns else {"turns": []}))
+    traj = msgspec.structs.replace(
+        s.trajectory, terminated=ABANDONED_STALE, actor="a1", **({} if turns else {"turns": []})
+    )
     return msgspec.structs.replace(s, trajectory=traj, metrics={}, weights={}, total=0.0)
 
 

@@ -39,8 +39,9 @@ def test_group_advantages_sample_std_is_the_default_and_exact():
     # where the population std sqrt(2/3) gives -sqrt(1.5), 0, sqrt(1.5).
     rewards = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 4.0]], dtype=torch.float64)
     # group 1: mean 4/3, sample std sqrt((16/9 + 16/9 + 64/9) / 2) = 4 / sqrt(3)
-    expected = torch.tensor([[-1.0, 0.0, 1.0], [-1 / math.sqrt(3), -1 / math.sqrt(3), 2 / math.sqrt(3)]],
-                            dtype=torch.float64)
+    expected = torch.tensor(
+        [[-1.0, 0.0, 1.0], [-1 / math.sqrt(3), -1 / math.sqrt(3), 2 / math.sqrt(3)]], dtype=torch.float64
+    )
     assert_close(group_advantages(rewards, eps=0.0), expected)
     assert_close(group_advantages(rewards, eps=0.0, std="sample"), expected)
     # the two conventions differ by sqrt(n / (n - 1)) exactly
@@ -62,9 +63,7 @@ def test_group_advantages_match_numpy_float64():
     rng = np.random.default_rng(0)
     rewards = rng.normal(size=(6, 8))
     eps = 1e-6
-    expected = (rewards - rewards.mean(axis=1, keepdims=True)) / (
-        rewards.std(axis=1, ddof=0, keepdims=True) + eps
-    )
+    expected = (rewards - rewards.mean(axis=1, keepdims=True)) / (rewards.std(axis=1, ddof=0, keepdims=True) + eps)
     got = group_advantages(torch.tensor(rewards, dtype=torch.float32), eps=eps, std="population")
     assert_close(got.double(), torch.from_numpy(expected), rtol=1e-5, atol=1e-5)
     got64 = group_advantages(torch.from_numpy(rewards), eps=eps, std="population")
@@ -222,7 +221,14 @@ def test_grpo_loss_composes_parts():
     lengths = [3, 4]
     for mode in LOSS_AGG:
         loss, stats = grpo_loss(
-            logp, old, adv, mask, lengths, ref_logp=ref, kl_coef=0.05, agg_mode=mode,
+            logp,
+            old,
+            adv,
+            mask,
+            lengths,
+            ref_logp=ref,
+            kl_coef=0.05,
+            agg_mode=mode,
         )
         pg, _ = policy_loss(logp, old, adv, mask)
         expected = aggregate(pg + 0.05 * kl_k3(logp, ref), mask, lengths, mode)

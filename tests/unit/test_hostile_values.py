@@ -10,7 +10,6 @@ import msgspec
 import pytest
 
 from parley.actors.follow import MAX_WEIGHT_BYTES, announcement_problem
-from parley.rollout.conversation import check_task_limits
 from parley.config.learner import RolloutConfig
 from parley.config.run import ConfigError, load_config
 from parley.learner.groups import BadTrajectory, Grouper, check_hostile_values, check_trajectory
@@ -18,6 +17,7 @@ from parley.protocol import arrays, examples
 from parley.protocol.bus import Poison
 from parley.protocol.messages import TASK_MAX_N, WeightVersion
 from parley.rewards.reward import hostile_reward
+from parley.rollout.conversation import check_task_limits
 from tests.unit.test_groups import scored
 
 VOCAB = 100
@@ -26,20 +26,29 @@ NAN, INF = math.nan, math.inf
 
 def test_an_honest_sample_passes():
     check_hostile_values(scored("t", 0, 0.5), VOCAB)
-    assert hostile_reward({"bleu": 1.0, "interactivity": 0.0, "token_amount": 3.2},
-                          {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}, 1.0 - 0.32) is None
+    assert (
+        hostile_reward(
+            {"bleu": 1.0, "interactivity": 0.0, "token_amount": 3.2},
+            {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1},
+            1.0 - 0.32,
+        )
+        is None
+    )
 
 
-@pytest.mark.parametrize("metrics, weights, total, needle", [
-    ({"bleu": 0.5}, {"bleu": 1.0}, NAN, "total reward nan is not finite"),
-    ({"bleu": 0.5}, {"bleu": 1.0}, INF, "total reward inf is not finite"),
-    ({"bleu": NAN}, {"bleu": 1.0}, 0.5, "metric bleu=nan is not finite"),
-    ({"bleu": 7.0}, {"bleu": 1.0}, 0.5, "metric bleu=7.0 is outside [0, 1]"),
-    ({"token_amount": -1.0}, {"token_amount": -0.1}, 0.1, "outside [0, 1000]"),
-    ({"bleu": 0.5}, {"bleu": INF}, 0.5, "weight bleu=inf"),
-    ({"bleu": 0.5}, {"bleu": 1.0}, 1e30, "exceeds what its metrics and weights can reach"),
-    ({"custom": NAN}, {"custom": 1.0}, 0.0, "metric custom=nan is not finite"),
-])
+@pytest.mark.parametrize(
+    "metrics, weights, total, needle",
+    [
+        ({"bleu": 0.5}, {"bleu": 1.0}, NAN, "total reward nan is not finite"),
+        ({"bleu": 0.5}, {"bleu": 1.0}, INF, "total reward inf is not finite"),
+        ({"bleu": NAN}, {"bleu": 1.0}, 0.5, "metric bleu=nan is not finite"),
+        ({"bleu": 7.0}, {"bleu": 1.0}, 0.5, "metric bleu=7.0 is outside [0, 1]"),
+        ({"token_amount": -1.0}, {"token_amount": -0.1}, 0.1, "outside [0, 1000]"),
+        ({"bleu": 0.5}, {"bleu": INF}, 0.5, "weight bleu=inf"),
+        ({"bleu": 0.5}, {"bleu": 1.0}, 1e30, "exceeds what its metrics and weights can reach"),
+        ({"custom": NAN}, {"custom": 1.0}, 0.0, "metric custom=nan is not finite"),
+    ],
+)
 def test_hostile_rewards_are_refused_with_the_value(metrics, weights, total, needle):
     s = msgspec.structs.replace(scored("t", 0, 0.5), metrics=metrics, weights=weights, total=total)
     with pytest.raises(BadTrajectory, match="t/0: ") as e:
@@ -106,12 +115,15 @@ def test_a_refused_step_makes_its_groups_final_and_untrained():
     assert g.add(scored("t", 0, 0.1)) == "late"  # a redelivered sample of it is not trained later
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("n", TASK_MAX_N + 1, f"n={TASK_MAX_N + 1} exceeds {TASK_MAX_N}"),
-    ("max_new_turns", 10**9, "max_new_turns=1000000000 exceeds"),
-    ("max_tokens", 4097, "max_tokens=4097 exceeds 4096 (this actor's max_model_len)"),
-    ("futures", 10**6, "futures=1000000 exceeds"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("n", TASK_MAX_N + 1, f"n={TASK_MAX_N + 1} exceeds {TASK_MAX_N}"),
+        ("max_new_turns", 10**9, "max_new_turns=1000000000 exceeds"),
+        ("max_tokens", 4097, "max_tokens=4097 exceeds 4096 (this actor's max_model_len)"),
+        ("futures", 10**6, "futures=1000000 exceeds"),
+    ],
+)
 def test_absurd_task_sizes_are_poison_at_the_actor(field, value, needle):
     task = msgspec.structs.replace(examples.task("r"), **{field: value})
     with pytest.raises(Poison, match="task ") as e:
@@ -127,16 +139,26 @@ def test_the_feeder_config_is_held_to_the_same_task_bounds():
     assert msgspec.convert({"n": TASK_MAX_N}, RolloutConfig).n == TASK_MAX_N
 
 
-@pytest.mark.parametrize("change, needle", [
-    ({"bytes": 0}, "bytes=0 is outside"),
-    ({"bytes": MAX_WEIGHT_BYTES + 1}, "is outside 1.."),
-    ({"version": -5}, "version=-5"),
-    ({"files": ["v1/x"] * 65}, "65 extra files"),
-    ({"sha256": "../../../../tmp/x" + "0" * 47}, "is not 64 hex digits"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"bytes": 0}, "bytes=0 is outside"),
+        ({"bytes": MAX_WEIGHT_BYTES + 1}, "is outside 1.."),
+        ({"version": -5}, "version=-5"),
+        ({"files": ["v1/x"] * 65}, "65 extra files"),
+        ({"sha256": "../../../../tmp/x" + "0" * 47}, "is not 64 hex digits"),
+    ],
+)
 def test_absurd_weight_announcements_are_refused(change, needle):
-    good = WeightVersion(version=1, step=1, transport="objstore", location="v000001-ab/model.safetensors",
-                         sha256="a" * 64, bytes=1000, created=0.0)
+    good = WeightVersion(
+        version=1,
+        step=1,
+        transport="objstore",
+        location="v000001-ab/model.safetensors",
+        sha256="a" * 64,
+        bytes=1000,
+        created=0.0,
+    )
     assert announcement_problem(good) is None
     assert needle in announcement_problem(msgspec.structs.replace(good, **change))
 

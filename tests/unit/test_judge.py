@@ -4,14 +4,13 @@ backend test double, and the request/reply routes' error replies."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
+from parley.config.scorer import JudgeConfig
 from parley.protocol import codec, topology
 from parley.protocol.messages import ChatMessage, JudgeReply, JudgeRequest
-from parley.config.scorer import JudgeConfig
-import math
-
 from parley.rewards.metrics import INTERACTIVITY_KEYS
 from parley.scorer.judge import (
     EXPECTED_TOP_LOGPROBS,
@@ -96,13 +95,19 @@ def test_3level_schema_and_verdicts():
     props = SCHEMAS["interactivity_3level"]["properties"]
     assert props["interactivity"]["enum"] == [0.0, 0.5, 1.0]
     assert SCHEMAS["interactivity_3level"]["required"] == ["thought", "interactivity"]
-    for raw, score in [('{"thought": "asked about tone", "interactivity": 1}', 1.0),
-                       ('{"thought": "one question", "interactivity": 0.5}', 0.5),
-                       ('{"thought": "guessed", "interactivity": 0}', 0.0)]:
+    for raw, score in [
+        ('{"thought": "asked about tone", "interactivity": 1}', 1.0),
+        ('{"thought": "one question", "interactivity": 0.5}', 0.5),
+        ('{"thought": "guessed", "interactivity": 0}', 0.0),
+    ]:
         r = parse_verdict("interactivity_3level", raw)
         assert r.ok and r.score == score and r.levels == {}
-    for raw in ['{"thought": "x", "interactivity": 0.7}', '{"interactivity": 1}', '{"thought": "x", "interactivity": true}',
-                '{"thought": "cut off']:
+    for raw in [
+        '{"thought": "x", "interactivity": 0.7}',
+        '{"interactivity": 1}',
+        '{"thought": "x", "interactivity": true}',
+        '{"thought": "cut off',
+    ]:
         with pytest.raises(ValueError, match="not a valid interactivity_3level reply"):
             parse_verdict("interactivity_3level", raw)
 
@@ -117,7 +122,9 @@ class ScriptedBackend:
         self.calls: list[dict] = []
 
     async def chat_json(self, messages, schema, *, max_tokens, temperature, seed):
-        self.calls.append(dict(messages=messages, schema=schema, max_tokens=max_tokens, temperature=temperature, seed=seed))
+        self.calls.append(
+            dict(messages=messages, schema=schema, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        )
         out = self.outputs.pop(0)
         if isinstance(out, Exception):
             raise out
@@ -194,8 +201,10 @@ async def test_routes_answer_bad_requests_with_an_error_reply():
     assert set(routes) == {topology.judge_subject(op) for op in topology.JUDGE_OPS}
     bad = codec.decode("judge.reply", await routes[topology.judge_subject("extract")](b"\x93garbage"))
     assert not bad.ok and "not a JudgeRequest" in bad.error
-    good = codec.decode("judge.reply", await routes[topology.judge_subject("extract")](
-        codec.encode(JudgeRequest(op="extract", messages=CONV))))
+    good = codec.decode(
+        "judge.reply",
+        await routes[topology.judge_subject("extract")](codec.encode(JudgeRequest(op="extract", messages=CONV))),
+    )
     assert good.ok and good.document == "d"
     crashed = codec.decode("judge.reply", error_reply("parley.svc.judge.extract", b"", RuntimeError("boom")))
     assert crashed == JudgeReply(ok=False, error="judge crashed on parley.svc.judge.extract: RuntimeError: boom")
@@ -276,8 +285,10 @@ async def test_expected_interactivity_carries_the_distribution_and_its_expected_
     assert reply.levels == {"understanding": 2, "clarification": 1, "suggestions": 0}  # what it wrote
     assert set(reply.distribution) == {"understanding", "clarification", "suggestions"}
     assert reply.score == pytest.approx((2.2 + 0.75 + 1.5) / 9)  # 0.49444, not the written levels' 3/9
-    assert all(c["top_logprobs"] == EXPECTED_TOP_LOGPROBS and c["schema"] is SCHEMAS["interactivity_expected"]
-               for c in backend.calls)
+    assert all(
+        c["top_logprobs"] == EXPECTED_TOP_LOGPROBS and c["schema"] is SCHEMAS["interactivity_expected"]
+        for c in backend.calls
+    )
     # through the wire: the scorer reads the distribution back
     back = codec.decode("judge.reply", codec.encode(reply))
     assert back.distribution == reply.distribution
@@ -293,9 +304,11 @@ async def test_expected_interactivity_decodes_the_levels_only():
     raw = "".join(t for t, _ in levels_only)
     assert json.loads(raw) == {"understanding": 2, "clarification": 1, "suggestions": 0}
     short = await Judge(TokensBackend([(raw, levels_only)]), JudgeConfig()).handle(
-        "interactivity_expected", JudgeRequest(op="interactivity_expected", messages=CONV))
+        "interactivity_expected", JudgeRequest(op="interactivity_expected", messages=CONV)
+    )
     full_raw = "".join(t for t, _ in _expected_tokens())
     full = await Judge(TokensBackend([(full_raw, _expected_tokens())]), JudgeConfig()).handle(
-        "interactivity_expected", JudgeRequest(op="interactivity_expected", messages=CONV))
+        "interactivity_expected", JudgeRequest(op="interactivity_expected", messages=CONV)
+    )
     assert short.ok and short.score == full.score == pytest.approx((2.2 + 0.75 + 1.5) / 9)
     assert short.distribution == full.distribution

@@ -80,9 +80,11 @@ def violations(root: Path = ROOT) -> list[str]:
         for path in sorted((root / top).rglob("*.py")):
             rel = path.relative_to(root)
             if top != "weights":
-                bad += [f"{rel}:{line}: compares with the transport name {', '.join(map(repr, names))} "
-                        "(outside weights/, ask the transport: weights.registry)"
-                        for line, names in transport_compares(path)]
+                bad += [
+                    f"{rel}:{line}: compares with the transport name {', '.join(map(repr, names))} "
+                    "(outside weights/, ask the transport: weights.registry)"
+                    for line, names in transport_compares(path)
+                ]
             for line, mod in imports_of(path, root):
                 if mod.split(".")[0] in OURS:
                     bad.append(f"{rel}:{line}: import of {mod} by its bare name (import parley.{mod})")
@@ -120,7 +122,11 @@ def test_no_forbidden_imports():
         ("protocol", "from parley.engines.engine import PolicyEngine", "protocol/ imports nothing of ours"),
         ("tasks", "import parley.scorer.judge", "neutral tasks/ imports role scorer/"),
         ("evaluation", "from parley.actors.sim import Simulator", "neutral evaluation/ imports role actors/"),
-        ("evaluation", "def f():\n    from parley.scorer.judge import Judge", "neutral evaluation/ imports role scorer/"),
+        (
+            "evaluation",
+            "def f():\n    from parley.scorer.judge import Judge",
+            "neutral evaluation/ imports role scorer/",
+        ),
         ("evaluation", "import parley.learner.checkpoint", "neutral evaluation/ imports role learner/"),
         ("rollout", "from parley.actors.sim import FALLBACK_MESSAGE", "neutral rollout/ imports role actors/"),
         ("rollout", "from parley.scorer.config import ScorerConfig", "neutral rollout/ imports role scorer/"),
@@ -130,11 +136,19 @@ def test_no_forbidden_imports():
         ("protocol", "from vllm import LLM", "protocol/ imports no vllm"),
         ("protocol", "import deepspeed.zero", "protocol/ imports no deepspeed"),
         ("learner", "if cfg.kind == 'cuda_ipc':\n    pass", "compares with the transport name 'cuda_ipc'"),
-        ("actors", "ok = wv.transport != \"objstore\"", "compares with the transport name 'objstore'"),
-        ("engines", "gpu = kind in (\"cuda_ipc\", \"nccl\")", "compares with the transport name 'cuda_ipc'"),
+        ("actors", 'ok = wv.transport != "objstore"', "compares with the transport name 'objstore'"),
+        ("engines", 'gpu = kind in ("cuda_ipc", "nccl")', "compares with the transport name 'cuda_ipc'"),
         ("deploy", "x = 'shared_dir' not in kinds", "compares with the transport name 'shared_dir'"),
-        ("config", "from parley.evaluation.selection import REWARD_REFUSED", "neutral config/ imports evaluation/, which is not below it"),
-        ("engines", "from parley.config.run import RunConfig", "neutral engines/ imports config/, which is not below it"),
+        (
+            "config",
+            "from parley.evaluation.selection import REWARD_REFUSED",
+            "neutral config/ imports evaluation/, which is not below it",
+        ),
+        (
+            "engines",
+            "from parley.config.run import RunConfig",
+            "neutral engines/ imports config/, which is not below it",
+        ),
         ("tasks", "from parley.rewards.reward import mr", "neutral tasks/ imports rewards/, which is not below it"),
         ("learner", "from config.run import RunConfig", "import of config.run by its bare name"),
         ("deploy", "def f():\n    import weights.registry", "import of weights.registry by its bare name"),
@@ -152,12 +166,20 @@ def test_a_forbidden_import_is_named(tmp_path, top, line, expect):
 def test_allowed_imports_pass(tmp_path):
     for t in OURS:
         (tmp_path / t).mkdir()
-    (tmp_path / "learner" / "ok.py").write_text("from parley.protocol import bus\nfrom parley.tasks.data import Item\nfrom parley.rewards import diagnostics\n")
-    (tmp_path / "evaluation" / "ok.py").write_text("from parley.rollout.conversation import run_conversation\nfrom parley.rollout.score import score_trajectory\n")
-    (tmp_path / "rollout" / "ok.py").write_text("from parley.environments.base import Reward\nfrom parley.protocol.bus import Retry\n")
+    (tmp_path / "learner" / "ok.py").write_text(
+        "from parley.protocol import bus\nfrom parley.tasks.data import Item\nfrom parley.rewards import diagnostics\n"
+    )
+    (tmp_path / "evaluation" / "ok.py").write_text(
+        "from parley.rollout.conversation import run_conversation\nfrom parley.rollout.score import score_trajectory\n"
+    )
+    (tmp_path / "rollout" / "ok.py").write_text(
+        "from parley.environments.base import Reward\nfrom parley.protocol.bus import Retry\n"
+    )
     (tmp_path / "actors" / "ok.py").write_text("from parley.rollout.conversation import run_conversation\n")
     (tmp_path / "scorer" / "ok.py").write_text("from parley.rollout.score import score_trajectory\n")
-    (tmp_path / "deploy" / "ok.py").write_text("from parley.learner.service import run\nfrom parley.actors.actor import run\n")
+    (tmp_path / "deploy" / "ok.py").write_text(
+        "from parley.learner.service import run\nfrom parley.actors.actor import run\n"
+    )
     # inside weights/ a transport may name itself; elsewhere naming one without comparing is fine
     (tmp_path / "weights" / "ok.py").write_text("import torch\nGPU = kind in ('cuda_ipc', 'nccl')\n")
     (tmp_path / "learner" / "ok2.py").write_text("DEFAULT = 'objstore'\nlog.info('%s', 'nccl')\n")
@@ -183,8 +205,12 @@ def reach(start: Path, root: Path = ROOT) -> dict[str, str]:
         tree = ast.parse(path.read_text(), filename=str(path))
         found = [mod for _, mod in imports_of(path, root)]
         # `from pkg import mod` names a module too
-        found += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
-                  and not n.level for a in n.names]
+        found += [
+            f"{n.module}.{a.name}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module and not n.level
+            for a in n.names
+        ]
         for mod in found:
             if mod.startswith("parley.") and mod not in seen and (f := _module_file(mod, root)):
                 seen[mod] = here
@@ -207,5 +233,7 @@ def test_reach_follows_imports_through_neutral_packages(tmp_path):
     (tmp_path / "learner" / "a.py").write_text("def f():\n    from parley.evaluation import periodic\n")
     (tmp_path / "evaluation" / "periodic.py").write_text("from parley.scorer.judge import Judge\n")
     (tmp_path / "scorer" / "judge.py").write_text("")
-    assert reach(tmp_path / "learner" / "a.py", tmp_path) == {"parley.evaluation.periodic": "parley.learner.a",
-                                                               "parley.scorer.judge": "parley.evaluation.periodic"}
+    assert reach(tmp_path / "learner" / "a.py", tmp_path) == {
+        "parley.evaluation.periodic": "parley.learner.a",
+        "parley.scorer.judge": "parley.evaluation.periodic",
+    }

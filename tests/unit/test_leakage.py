@@ -5,14 +5,17 @@ import json
 
 import pytest
 
-from parley.tasks.data import load_items, split_items
 from parley.evaluation.leakage import OVERLAP_FILE, LeakageError, guard_overlap
+from parley.tasks.data import load_items, split_items
 
 
 def row(conv_id, prompt, reference):
     return {
-        "conv_id": conv_id, "turn_id": 0, "prompt": [{"role": "user", "content": prompt}],
-        "single_turn_prompt": prompt, "single_turn_completion": reference,
+        "conv_id": conv_id,
+        "turn_id": 0,
+        "prompt": [{"role": "user", "content": prompt}],
+        "single_turn_prompt": prompt,
+        "single_turn_completion": reference,
     }
 
 
@@ -22,18 +25,24 @@ def write_jsonl(path, rows):
 
 
 def planted(tmp_path):
-    train = write_jsonl(tmp_path / "train.jsonl", [
-        row("t0", "write a post about bees", "Bees\n\nBees make honey in summer."),
-        row("t1", "a speech for the garden", "Garden speech\n\nThank you all for coming."),
-        row("t2", "notes on bread", "Bread\n\nFlour, water, salt and time."),
-    ])
-    held = write_jsonl(tmp_path / "eval.jsonl", [
-        # The same reference as t0 up to case, spacing and punctuation: a leak.
-        row("e0", "tell people about bees", "BEES\n\nbees   make honey, in summer"),
-        # The same prompt as t2 but another target: reported, not a leak.
-        row("e1", "notes on bread", "Rye\n\nA darker loaf."),
-        row("e2", "a cover letter", "Dear team\n\nI would like to apply."),
-    ])
+    train = write_jsonl(
+        tmp_path / "train.jsonl",
+        [
+            row("t0", "write a post about bees", "Bees\n\nBees make honey in summer."),
+            row("t1", "a speech for the garden", "Garden speech\n\nThank you all for coming."),
+            row("t2", "notes on bread", "Bread\n\nFlour, water, salt and time."),
+        ],
+    )
+    held = write_jsonl(
+        tmp_path / "eval.jsonl",
+        [
+            # The same reference as t0 up to case, spacing and punctuation: a leak.
+            row("e0", "tell people about bees", "BEES\n\nbees   make honey, in summer"),
+            # The same prompt as t2 but another target: reported, not a leak.
+            row("e1", "notes on bread", "Rye\n\nA darker loaf."),
+            row("e2", "a cover letter", "Dear team\n\nI would like to apply."),
+        ],
+    )
     return load_items(train), load_items(held)
 
 

@@ -13,14 +13,29 @@ from bench.learner_poison import cache_verdict, main
 
 
 def run(mode: str, losses, fingerprint_shift: float = 0.0) -> dict:
-    return {"gpu_cache": mode, "fill": f"gpu_cache={mode}",
-            "steps": [{"loss": x, "grad_norm": 1.0, "entropy": 0.9, "skipped": 0.0,
-                       "fingerprint": [100.0 + fingerprint_shift, -3.0]} for x in losses]}
+    return {
+        "gpu_cache": mode,
+        "fill": f"gpu_cache={mode}",
+        "steps": [
+            {
+                "loss": x,
+                "grad_norm": 1.0,
+                "entropy": 0.9,
+                "skipped": 0.0,
+                "fingerprint": [100.0 + fingerprint_shift, -3.0],
+            }
+            for x in losses
+        ],
+    }
 
 
 def test_a_difference_within_what_repeats_differ_by_does_not_move_the_steps():
-    runs = [run("release", [0.5, 0.4]), run("release", [0.5, 0.4 + 1e-3]),
-            run("keep_when_room", [0.5, 0.4 + 2e-3]), run("keep_when_room", [0.5, 0.4])]
+    runs = [
+        run("release", [0.5, 0.4]),
+        run("release", [0.5, 0.4 + 1e-3]),
+        run("keep_when_room", [0.5, 0.4 + 2e-3]),
+        run("keep_when_room", [0.5, 0.4]),
+    ]
     v = cache_verdict(runs)
     # the noise is the larger pair's (keep's 2e-3, release's 1e-3)
     assert v["noise"]["loss"] == pytest.approx(2e-3) and v["diff"]["loss"] == pytest.approx(2e-3)
@@ -28,13 +43,21 @@ def test_a_difference_within_what_repeats_differ_by_does_not_move_the_steps():
 
 
 def test_a_difference_past_four_times_the_noise_or_a_nan_in_one_setting_moves_the_steps():
-    far = [run("release", [0.5, 0.4]), run("release", [0.5, 0.4]),
-           run("keep_when_room", [0.5, 0.4], fingerprint_shift=0.5), run("keep_when_room", [0.5, 0.4], 0.5)]
+    far = [
+        run("release", [0.5, 0.4]),
+        run("release", [0.5, 0.4]),
+        run("keep_when_room", [0.5, 0.4], fingerprint_shift=0.5),
+        run("keep_when_room", [0.5, 0.4], 0.5),
+    ]
     v = cache_verdict(far)
     assert v["noise"]["weights_rel"] == 0.0 and v["diff"]["weights_rel"] == pytest.approx(0.005)
     assert v["cache_moves_steps"] is True
-    nan = [run("release", [0.5, 0.4]), run("release", [0.5, 0.4]),
-           run("keep_when_room", [0.5, math.nan]), run("keep_when_room", [0.5, math.nan])]
+    nan = [
+        run("release", [0.5, 0.4]),
+        run("release", [0.5, 0.4]),
+        run("keep_when_room", [0.5, math.nan]),
+        run("keep_when_room", [0.5, math.nan]),
+    ]
     assert cache_verdict(nan)["cache_moves_steps"] is True
 
 

@@ -56,20 +56,31 @@ def test_the_feeder_issues_the_environments_tasks_and_the_run_records_it(tmp_pat
     tasks = [learner.feeder.task(i) for i in range(len(train))]
     assert {t.item_id for t in tasks} == {g.item_id for g in train}  # one epoch: every training goal, no held-out one
     openings = {d.opening for d in hidden_goal.world().domains.values()}
-    assert all(t.sim_prompt == "hidden_goal" and [m.content for m in t.prefix] in ([o] for o in openings) for t in tasks)
+    assert all(
+        t.sim_prompt == "hidden_goal" and [m.content for m in t.prefix] in ([o] for o in openings) for t in tasks
+    )
     assert hidden_goal.parse_hidden(tasks[0].reference)[1]  # the hidden goal travels as the reference
     record = json.loads((tmp_path / "run" / "environment.json").read_text())
     assert {k: record[k] for k in ("name", "distribution", "entry_point", "options")} == {
-        "name": "hidden_goal", "distribution": "parley-grpo", "entry_point": "parley.environments.hidden_goal:environment",
-        "options": {"n_items": 12, "seed": 3}}
+        "name": "hidden_goal",
+        "distribution": "parley-grpo",
+        "entry_point": "parley.environments.hidden_goal:environment",
+        "options": {"n_items": 12, "seed": 3},
+    }
     assert record["version"]
 
 
-@pytest.mark.parametrize("changed,needle", [
-    (("env.name=collabllm_medium",), r"name 'hidden_goal' -> 'collabllm_medium'"),
-    (("env.name=hidden_goal", "env.options={n_items = 13, seed = 3}"), r"options \{'n_items': 12, 'seed': 3\} -> "
-                                                                       r"\{'n_items': 13, 'seed': 3\}"),
-])
+@pytest.mark.parametrize(
+    "changed,needle",
+    [
+        (("env.name=collabllm_medium",), r"name 'hidden_goal' -> 'collabllm_medium'"),
+        (
+            ("env.name=hidden_goal", "env.options={n_items = 13, seed = 3}"),
+            r"options \{'n_items': 12, 'seed': 3\} -> "
+            r"\{'n_items': 13, 'seed': 3\}",
+        ),
+    ],
+)
 def test_resume_under_another_environment_is_refused(tmp_path, changed, needle):
     run_dir = tmp_path / "run"
     _learner(_cfg(run_dir, *HIDDEN), tmp_path)
@@ -92,8 +103,11 @@ def test_the_leakage_guard_refuses_the_environments_leaking_kind(tmp_path):
     env = hidden_goal.environment(n_items=6, seed=0)
     goals = hidden_goal.generate(6, 0)
     train, held = goals[:4], goals[3:]  # goals[3] on both sides
-    with pytest.raises(LeakageError, match=rf"share 1 goal targets \(train {goals[3].item_id} = eval {goals[3].item_id}\)"
-                                           r".*--allow-overlap"):
+    with pytest.raises(
+        LeakageError,
+        match=rf"share 1 goal targets \(train {goals[3].item_id} = eval {goals[3].item_id}\)"
+        r".*--allow-overlap",
+    ):
         guard_environment(env.tasks, train, held, False, tmp_path)
     assert not (tmp_path / OVERLAP_FILE).exists()
     guard_environment(env.tasks, train, held, True, tmp_path)

@@ -38,8 +38,8 @@ def test_compaction_unlinks_the_old_log_only_after_the_directory_is_synced(tmp_p
     the directory fsync that makes the new state.msgpack (naming the new log) durable."""
     from pathlib import Path
 
-    from tests.integration.test_learner_fates import scored_for
     from parley.protocol.messages import Task
+    from tests.integration.test_learner_fates import scored_for
 
     events: list[str] = []
     real_fsync, real_unlink = os.fsync, Path.unlink

@@ -37,8 +37,14 @@ def gpu1_total(total: float, *, services: bool, actor_kv_gib: float = 4.0) -> fl
     a 1 GiB CUDA context each, and the learner (cuda_ipc actors load from its buffers: no copy). The total does not enter: the
     engines' KV caches are explicit (it is a parameter only to say so)."""
     del total
-    learner = (16 * SMOL_PARAMS + 2 * SMOL_PARAMS + 3 * SMOL_PACKED + 5e8 * 2  # states, reference, 3 buffers, bucket
-               + 16384 * (30 * SMOL_ACT_LAYER + 8 * 576) + 4 * 4 * 1024 * 49152) / GIB + 1.0
+    learner = (
+        16 * SMOL_PARAMS
+        + 2 * SMOL_PARAMS
+        + 3 * SMOL_PACKED
+        + 5e8 * 2  # states, reference, 3 buffers, bucket
+        + 16384 * (30 * SMOL_ACT_LAYER + 8 * 576)
+        + 4 * 4 * 1024 * 49152
+    ) / GIB + 1.0
     engine = 2 * SMOL_PARAMS / GIB + 1.0 + 1.0  # weights, working memory, context
     engines = 3 * (engine + actor_kv_gib)
     return engines + learner + ((engine + 6.0) if services else 0.0)
@@ -57,8 +63,13 @@ def test_the_smol_shape_is_known_without_building_it():
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU: its total is detected")
 def test_gpu1_dry_run_exits_0_on_a_cpu_machine_and_prints_the_plan():
     code = "import sys; sys.argv[0] = 'parley'; from parley.deploy.cli import main; main()"
-    proc = subprocess.run([sys.executable, "-c", code, "up", "--config", str(GPU1), "--dry-run"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "up", "--config", str(GPU1), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     dumped = tomllib.loads(proc.stdout)  # the plan comes as comments: the output is still a config file
     assert dumped["weights"]["kind"] == "cuda_ipc" and dumped["actor"]["engine"]["enforce_eager"] is False
@@ -84,9 +95,16 @@ def test_a_small_gpu_is_refused_with_the_overflow_and_the_knobs():
     msg = out.stderr
     assert f"need {need:.2f} GiB, more than the {usable:.2f} GiB usable" in msg
     assert f"{need - usable:.2f} GiB over; nothing was started" in msg
-    for knob in ("actor.engine.kv_cache_bytes = 4294967296", "up.actors = 2", "sim.engine.kv_cache_bytes = 6442450944",
-                 "learner.micro_batch_tokens = 16384", "learner.gradient_checkpointing = true",
-                 "weights.max_buffers = 3", "learner.eval_every = 5", "up.gpu_memory_gib = 24"):
+    for knob in (
+        "actor.engine.kv_cache_bytes = 4294967296",
+        "up.actors = 2",
+        "sim.engine.kv_cache_bytes = 6442450944",
+        "learner.micro_batch_tokens = 16384",
+        "learner.gradient_checkpointing = true",
+        "weights.max_buffers = 3",
+        "learner.eval_every = 5",
+        "up.gpu_memory_gib = 24",
+    ):
         assert knob in msg, knob
 
 
@@ -95,8 +113,10 @@ def test_a_larger_actor_kv_cache_is_refused_naming_what_the_actors_take():
     assert out.exit_code == 2
     need, usable = gpu1_total(80, services=True, actor_kv_gib=20.0), 80 * 0.95
     assert f"{need - usable:.2f} GiB over" in out.stderr
-    assert f"actor.engine.kv_cache_bytes = {20 * GIB} (each of the 2 actors' engines and the periodic eval's: " \
-           f"3 x 20.00 GiB of KV cache)" in out.stderr
+    assert (
+        f"actor.engine.kv_cache_bytes = {20 * GIB} (each of the 2 actors' engines and the periodic eval's: "
+        f"3 x 20.00 GiB of KV cache)" in out.stderr
+    )
 
 
 def test_a_gpu_memory_utilization_share_is_planned_as_that_share_of_the_gpu():
@@ -106,13 +126,16 @@ def test_a_gpu_memory_utilization_share_is_planned_as_that_share_of_the_gpu():
     engine_kv = 2 * SMOL_PARAMS / GIB + 1.0 + 4.0  # what each explicit-KV actor engine counted (not the context)
     need = base - 3 * engine_kv + 3 * 0.3 * 140.4
     assert f"{need - 140.4 * 0.95:.2f} GiB over" in out.stderr
-    assert f"actor.engine.gpu_memory_utilization = 0.3 (each of the 2 actors' engines and the periodic eval's: " \
-           f"3 x {0.3 * 140.4:.2f} GiB)" in out.stderr
+    assert (
+        f"actor.engine.gpu_memory_utilization = 0.3 (each of the 2 actors' engines and the periodic eval's: "
+        f"3 x {0.3 * 140.4:.2f} GiB)" in out.stderr
+    )
 
 
 def test_up_refuses_before_it_starts_anything(monkeypatch):
-    from parley import deploy  # noqa: F401
     import parley.deploy.up  # noqa: F401
+    from parley import deploy  # noqa: F401
+
     def started(*a, **k):
         raise AssertionError("up_main ran: the plan should have refused first")
 
@@ -123,8 +146,17 @@ def test_up_refuses_before_it_starts_anything(monkeypatch):
 
 def test_each_term_of_a_small_shape_by_hand(tmp_path):
     """An untied llama-shaped model read from its config.json, and tiny (Qwen3: q/k norms) under the learner."""
-    config = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100, tie_word_embeddings=False)
+    config = dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=100,
+        tie_word_embeddings=False,
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
     shape = model_shape(str(tmp_path))
     assert shape == Shape.of(config)
@@ -139,8 +171,16 @@ def test_each_term_of_a_small_shape_by_hand(tmp_path):
     tiny_act = 12 * 128 + 4 * (4 + 2) * 32 + 4 * 4 + 8 * 256 + 6 * (4 + 2) * 32
     assert tiny.layer_activation_bytes() == tiny_act == 5520
 
-    cfg = load_config(GPU1, ["policy.model=tiny", "actor.engine.model=tiny", "learner.micro_batch_tokens=2048",
-                             "actor.engine.max_model_len=4096", "learner.logit_chunk_tokens=512"])
+    cfg = load_config(
+        GPU1,
+        [
+            "policy.model=tiny",
+            "actor.engine.model=tiny",
+            "learner.micro_batch_tokens=2048",
+            "actor.engine.max_model_len=4096",
+            "learner.logit_chunk_tokens=512",
+        ],
+    )
     terms = {t.what.split(":")[0]: t.gib * GIB for t in learner_terms(cfg, tiny)}
     n, t = 557_824, 4096  # the longest micro-batch: one whole 4096-token trajectory
     packed = 2 * n + 4 * 192  # in bf16 the 4 q/k norms (64 B) are padded to 256 B
@@ -152,8 +192,10 @@ def test_each_term_of_a_small_shape_by_hand(tmp_path):
     assert terms["logits"] == pytest.approx(4 * 4 * 512 * 2048)
     assert terms["CUDA context"] == pytest.approx(GIB)
 
-    ckpt = {t.what.split(":")[0]: t.gib * GIB
-            for t in learner_terms(load_config(GPU1, ["learner.gradient_checkpointing=true"]), model_shape("smol"))}
+    ckpt = {
+        t.what.split(":")[0]: t.gib * GIB
+        for t in learner_terms(load_config(GPU1, ["learner.gradient_checkpointing=true"]), model_shape("smol"))
+    }
     assert ckpt["activations"] == pytest.approx(16384 * (30 * 2 * 576 + SMOL_ACT_LAYER + 8 * 576))
 
 
@@ -185,8 +227,10 @@ def test_packed_deltas_are_planned_on_the_learner_and_on_every_actor():
 
     learner, actors = terms(['weights.delta_format="packed"', "weights.full_every=10"])
     assert learner['packed versions (weights.delta_format = "packed")'] == pytest.approx(2 * packed)
-    assert actors and all(a['its packed copy of the served weights (weights.delta_format = "packed")']
-                          == pytest.approx(packed) for a in actors)
+    assert actors and all(
+        a['its packed copy of the served weights (weights.delta_format = "packed")'] == pytest.approx(packed)
+        for a in actors
+    )
     for sets in (['weights.delta_format="file"', "weights.full_every=10"], ['weights.delta_format="packed"']):
         learner, actors = terms(sets)
         assert not any(k.startswith("packed versions") for k in learner)

@@ -9,9 +9,9 @@ import sacrebleu
 
 from parley.rewards.metrics import (
     BLEU_VARIANTS,
+    INTERACTIVITY_3LEVEL,
     bleu,
     char_bleu,
-    INTERACTIVITY_3LEVEL,
     interactivity_from_3level,
     interactivity_from_distribution,
     interactivity_from_levels,
@@ -29,9 +29,7 @@ def test_bleu_is_sacrebleu_score_over_100():
 
 def test_bleu_hand_case():
     # Same length (BP = 1); clipped precisions 5/6, 3/5, 2/4, 1/3 -> (1/12) ** (1/4).
-    assert bleu("the cat sat on the mat", "the cat sat on a mat") == pytest.approx(
-        (1.0 / 12.0) ** 0.25, abs=1e-9
-    )
+    assert bleu("the cat sat on the mat", "the cat sat on a mat") == pytest.approx((1.0 / 12.0) ** 0.25, abs=1e-9)
 
 
 def test_bleu_empty_document_is_zero():
@@ -72,8 +70,14 @@ def test_char_bleu_hand_case_with_brevity_penalty():
 
 NLTK_CASES = [
     ("A short memo about the budget.", "A short memo about the budget."),
-    ("The launch moves to Friday; update your plans.", "Dear team, the launch moves to Friday. Please update your plans."),
-    ("Three Days in Lisbon", "Three Days in Lisbon: Hills, Tiles and Too Many Pastries\n\nI landed in Lisbon on a gray morning."),
+    (
+        "The launch moves to Friday; update your plans.",
+        "Dear team, the launch moves to Friday. Please update your plans.",
+    ),
+    (
+        "Three Days in Lisbon",
+        "Three Days in Lisbon: Hills, Tiles and Too Many Pastries\n\nI landed in Lisbon on a gray morning.",
+    ),
     ("abcd", "abce"),
     ("abc", "xyz"),
     ("ab", "abcd"),
@@ -100,7 +104,9 @@ def test_char_bleu_on_bundled_documents_equals_nltk():
     for a in items:
         for b in items:
             hyp = b.reference[: len(b.reference) // 2]  # also exercises the brevity penalty
-            assert char_bleu(hyp, a.reference) == pytest.approx(float(nltk_bleu.sentence_bleu([a.reference], hyp)), rel=1e-12)
+            assert char_bleu(hyp, a.reference) == pytest.approx(
+                float(nltk_bleu.sentence_bleu([a.reference], hyp)), rel=1e-12
+            )
 
 
 def test_char_bleu_counts_spaces_as_characters():
@@ -125,15 +131,9 @@ def test_token_amount_is_thousands():
 
 
 def test_interactivity_from_levels():
-    assert interactivity_from_levels(
-        {"understanding": 3, "clarification": 3, "suggestions": 3}
-    ) == pytest.approx(1.0)
-    assert interactivity_from_levels(
-        {"understanding": 1, "clarification": 2, "suggestions": 3}
-    ) == pytest.approx(2 / 3)
-    assert interactivity_from_levels(
-        {"understanding": 0, "clarification": 0, "suggestions": 0}
-    ) == 0.0
+    assert interactivity_from_levels({"understanding": 3, "clarification": 3, "suggestions": 3}) == pytest.approx(1.0)
+    assert interactivity_from_levels({"understanding": 1, "clarification": 2, "suggestions": 3}) == pytest.approx(2 / 3)
+    assert interactivity_from_levels({"understanding": 0, "clarification": 0, "suggestions": 0}) == 0.0
 
 
 def test_interactivity_missing_key_raises():
@@ -169,13 +169,22 @@ def test_interactivity_from_distribution_is_the_mean_expected_level_over_3():
     assert interactivity_from_distribution({k: {"1": 1.0} for k in dist}) == pytest.approx(1 / 3)
 
 
-@pytest.mark.parametrize("dist, match", [
-    ({"understanding": {"1": 1.0}, "clarification": {"1": 1.0}}, "'suggestions' missing"),
-    ({"understanding": {"4": 1.0}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}}, r"levels \['4'\]"),
-    ({"understanding": {"1": 0.7}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}}, "not a distribution"),
-    ({"understanding": {"1": 1.5, "2": -0.5}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}}, "not a distribution"),
-    ({"understanding": {"1": float("nan")}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}}, "not a distribution"),
-])
+@pytest.mark.parametrize(
+    "dist, match",
+    [
+        ({"understanding": {"1": 1.0}, "clarification": {"1": 1.0}}, "'suggestions' missing"),
+        ({"understanding": {"4": 1.0}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}}, r"levels \['4'\]"),
+        ({"understanding": {"1": 0.7}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}}, "not a distribution"),
+        (
+            {"understanding": {"1": 1.5, "2": -0.5}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}},
+            "not a distribution",
+        ),
+        (
+            {"understanding": {"1": float("nan")}, "clarification": {"1": 1.0}, "suggestions": {"1": 1.0}},
+            "not a distribution",
+        ),
+    ],
+)
 def test_interactivity_from_distribution_refuses_what_is_not_one(dist, match):
     with pytest.raises(ValueError, match=match):
         interactivity_from_distribution(dist)

@@ -60,22 +60,30 @@ def test_families_follow_prometheus_naming():
     assert len(names) == len(set(names))
 
 
-@pytest.mark.parametrize("role, key, name, labels", [
-    ("actor", "trajectories", "parley_actor_trajectories_total", {}),
-    ("actor", "dead.tasks.poison", "parley_dead_letters_total", {"channel": "tasks", "reason": "poison"}),
-    ("learner", "dead.scored.undecodable", "parley_dead_letters_total", {"channel": "scored", "reason": "undecodable"}),
-    ("learner", "step", "parley_learner_step", {}),
-    ("learner", "reward.total", "parley_learner_reward", {"term": "total"}),
-    ("learner", "reward.bleu.group_std", "parley_learner_reward_group_std", {"term": "bleu"}),
-    ("learner", "tasks.waiting", "parley_tasks_waiting", {}),
-    ("learner", "eval.mr", "parley_learner_eval", {"metric": "mr"}),
-    ("learner", "eval.queued", "parley_learner_eval_queued", {}),
-    ("scorer", "judge_retry", "parley_scorer_retries_total", {"service": "judge"}),
-    ("judge", "interactivity.ok", "parley_judge_ops_total", {"op": "interactivity", "result": "ok"}),
-    ("sim", "served", "parley_service_requests_total", {"outcome": "served"}),
-    ("scorer", "in_flight", "parley_in_flight", {}),
-    ("scorer", "something_new", "parley_heartbeat_value", {"key": "something_new"}),
-])
+@pytest.mark.parametrize(
+    "role, key, name, labels",
+    [
+        ("actor", "trajectories", "parley_actor_trajectories_total", {}),
+        ("actor", "dead.tasks.poison", "parley_dead_letters_total", {"channel": "tasks", "reason": "poison"}),
+        (
+            "learner",
+            "dead.scored.undecodable",
+            "parley_dead_letters_total",
+            {"channel": "scored", "reason": "undecodable"},
+        ),
+        ("learner", "step", "parley_learner_step", {}),
+        ("learner", "reward.total", "parley_learner_reward", {"term": "total"}),
+        ("learner", "reward.bleu.group_std", "parley_learner_reward_group_std", {"term": "bleu"}),
+        ("learner", "tasks.waiting", "parley_tasks_waiting", {}),
+        ("learner", "eval.mr", "parley_learner_eval", {"metric": "mr"}),
+        ("learner", "eval.queued", "parley_learner_eval_queued", {}),
+        ("scorer", "judge_retry", "parley_scorer_retries_total", {"service": "judge"}),
+        ("judge", "interactivity.ok", "parley_judge_ops_total", {"op": "interactivity", "result": "ok"}),
+        ("sim", "served", "parley_service_requests_total", {"outcome": "served"}),
+        ("scorer", "in_flight", "parley_in_flight", {}),
+        ("scorer", "something_new", "parley_heartbeat_value", {"key": "something_new"}),
+    ],
+)
 def test_heartbeat_keys_map_to_families(role, key, name, labels):
     family, extra = metrics.family_of(role, key)
     assert (family.name, extra) == (name, labels)
@@ -87,16 +95,47 @@ def test_collector_exposes_the_latest_heartbeat_of_each_role():
     collector = metrics.HeartbeatCollector()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    collector.observe("r1", Heartbeat(role="actor", id="actor-0", state="busy", version=3,
-                                      counters={"trajectories": 5.0, "dead.tasks.poison": 1.0}, created=1.5))
-    collector.observe("r1", Heartbeat(role="actor", id="actor-0", state="ready", version=4,
-                                      counters={"trajectories": 7.0, "dead.tasks.poison": 1.0}, created=2.5))
-    collector.observe("r1", Heartbeat(role="learner", id="learner", state="ready", version=4,
-                                      counters={"step": 4.0, "reward.total": 0.25}, created=2.0))
+    collector.observe(
+        "r1",
+        Heartbeat(
+            role="actor",
+            id="actor-0",
+            state="busy",
+            version=3,
+            counters={"trajectories": 5.0, "dead.tasks.poison": 1.0},
+            created=1.5,
+        ),
+    )
+    collector.observe(
+        "r1",
+        Heartbeat(
+            role="actor",
+            id="actor-0",
+            state="ready",
+            version=4,
+            counters={"trajectories": 7.0, "dead.tasks.poison": 1.0},
+            created=2.5,
+        ),
+    )
+    collector.observe(
+        "r1",
+        Heartbeat(
+            role="learner",
+            id="learner",
+            state="ready",
+            version=4,
+            counters={"step": 4.0, "reward.total": 0.25},
+            created=2.0,
+        ),
+    )
     text = generate_latest(registry).decode()
     from prometheus_client.parser import text_string_to_metric_families
 
-    got = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text) for x in f.samples}
+    got = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for f in text_string_to_metric_families(text)
+        for x in f.samples
+    }
     base = {"run": "r1", "role": "actor", "instance": "actor-0"}
 
     def at(name, **labels):

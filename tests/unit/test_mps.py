@@ -54,7 +54,10 @@ def test_the_daemon_starts_with_the_runs_folders_and_is_told_to_quit(tmp_path, m
     assert env["CUDA_MPS_LOG_DIRECTORY"] == str(tmp_path / "run" / "mps") and (tmp_path / "run" / "mps").is_dir()
     mps.stop()
     mps.stop()  # idempotent: one quit
-    assert [(c["args"], c["stdin"], c["pipe"]) for c in calls_of(calls)] == [(["-d"], "", str(pipe)), ([], "quit\n", str(pipe))]
+    assert [(c["args"], c["stdin"], c["pipe"]) for c in calls_of(calls)] == [
+        (["-d"], "", str(pipe)),
+        ([], "quit\n", str(pipe)),
+    ]
     assert not pipe.exists()
 
 
@@ -62,8 +65,11 @@ def test_a_cuda_process_that_cannot_run_under_the_daemon_refuses_the_run_and_qui
     calls = double(tmp_path, monkeypatch)
     probe = [sys.executable, "-c", "import sys; sys.exit('CUDA error: all CUDA-capable devices are busy')"]
     mps = MpsDaemon(tmp_path / "run", probe=probe)
-    with pytest.raises(MpsError, match=r"could not run under it \(exit code 1: CUDA error: all CUDA-capable devices "
-                                       r"are busy;.*gpu_share = \"plain\""):
+    with pytest.raises(
+        MpsError,
+        match=r"could not run under it \(exit code 1: CUDA error: all CUDA-capable devices "
+        r"are busy;.*gpu_share = \"plain\"",
+    ):
         mps.start()
     assert [c["stdin"] for c in calls_of(calls)] == ["", "quit\n"]  # started, then told to quit
     with pytest.raises(MpsError, match="not started"):
@@ -78,15 +84,27 @@ def test_a_daemon_that_does_not_start_is_an_error_with_its_output(tmp_path, monk
 
 def test_without_the_binary_the_error_names_it_and_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(MpsError, match=f"needs {BINARY}.*set \\[up\\] gpu_share = \"plain\""):
+    with pytest.raises(MpsError, match=f'needs {BINARY}.*set \\[up\\] gpu_share = "plain"'):
         MpsDaemon(tmp_path / "run")
 
 
 def test_parley_up_refuses_mps_before_any_work_where_the_binary_is_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     run_dir = tmp_path / "run"
-    out = CliRunner().invoke(app, ["up", "--config", str(GPU1), "--set", 'up.gpu_share="mps"', "--set",
-                                   "up.gpu_memory_gib=80", "--run-dir", str(run_dir)])
+    out = CliRunner().invoke(
+        app,
+        [
+            "up",
+            "--config",
+            str(GPU1),
+            "--set",
+            'up.gpu_share="mps"',
+            "--set",
+            "up.gpu_memory_gib=80",
+            "--run-dir",
+            str(run_dir),
+        ],
+    )
     assert out.exit_code == 2 and f"needs {BINARY}" in out.output
     assert not run_dir.exists()  # refused before the run directory, nats-server or any role
     # a dry run (perhaps on another machine than the run) says so in a note and exits 0
@@ -117,7 +135,9 @@ def test_every_child_parley_up_starts_carries_the_daemons_variables(tmp_path, mo
     try:
         for name in ("actor-0", "scorer-0", "learner", "services"):
             env = child_env(name, creds, 1, mps.env())
-            assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(mps.pipe_dir) and env["CUDA_MPS_LOG_DIRECTORY"] == str(mps.log_dir)
+            assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(mps.pipe_dir) and env["CUDA_MPS_LOG_DIRECTORY"] == str(
+                mps.log_dir
+            )
         assert "CUDA_MPS_PIPE_DIRECTORY" not in child_env("actor-0", creds, 1)  # gpu_share = "plain"
         assert child_env("learner", creds, 1)["PARLEY_NATS_USER"] == "learner"
     finally:

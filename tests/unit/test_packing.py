@@ -78,8 +78,15 @@ def test_packed_batch_matches_the_token_by_token_layout():
     for i in range(20):
         n = rng.choice([1, 2, rng.randint(3, 400)])
         mask = [rng.random() < 0.5 for _ in range(n)]  # token 0 marked too: it must be left out
-        samples.append(Sample(f"s{i}", [rng.randint(0, 150_000) for _ in range(n)], mask,
-                              [-rng.random() if m else 0.0 for m in mask], advantage=rng.uniform(-2, 2)))
+        samples.append(
+            Sample(
+                f"s{i}",
+                [rng.randint(0, 150_000) for _ in range(n)],
+                mask,
+                [-rng.random() if m else 0.0 for m in mask],
+                advantage=rng.uniform(-2, 2),
+            )
+        )
     batch = build_batch(samples)
     ids, pos, src, tgt, seq, beh, adv = _reference_batch(samples)
     assert batch.input_ids.tolist() == [ids] and batch.position_ids.tolist() == [pos]

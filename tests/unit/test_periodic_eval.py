@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from parley.config.run import RunConfig
-from parley.learner import checkpoint as ckpt
 from parley.config.learner import LearnerConfig
-from parley.evaluation.periodic import PeriodicEval, eval_argv, evaluated, model_dir
+from parley.config.run import RunConfig
 from parley.evaluation.evallog import write_parquet
+from parley.evaluation.periodic import PeriodicEval, eval_argv, evaluated, model_dir
+from parley.learner import checkpoint as ckpt
 from tests.unit.test_select import version_records
 
 
@@ -100,10 +100,13 @@ def test_failed_eval_is_set_aside_and_training_goes_on(tmp_path):
     assert pe.counters()["eval.failed"] == 1.0
 
 
-@pytest.mark.parametrize(("plan", "stops"), [
-    ({0: (0.45, 0.83, 2.9), 2: (0.48, 0.82, 2.1), 4: (0.40, 0.60, 2.1)}, True),  # v4 falls well below v2
-    ({0: (0.45, 0.83, 2.9), 2: (0.48, 0.82, 2.1), 4: (0.49, 0.82, 2.0)}, False),  # keeps improving
-])
+@pytest.mark.parametrize(
+    ("plan", "stops"),
+    [
+        ({0: (0.45, 0.83, 2.9), 2: (0.48, 0.82, 2.1), 4: (0.40, 0.60, 2.1)}, True),  # v4 falls well below v2
+        ({0: (0.45, 0.83, 2.9), 2: (0.48, 0.82, 2.1), 4: (0.49, 0.82, 2.0)}, False),  # keeps improving
+    ],
+)
 def test_early_stop_on_a_significant_regression_only(tmp_path, plan, stops):
     cfg, run_dir = make_run(tmp_path, early_stop=True, early_stop_alpha=0.05)
     for v in (2, 4):
@@ -139,7 +142,10 @@ def test_eval_argv_is_the_benchmark_command_following_versions(tmp_path):
     assert "--services nats --follow" in joined and "-C" not in argv
     assert "--n-items 3" in joined and f"--max-new-turns {cfg.rollout.max_new_turns}" in joined
     assert json.loads(job_line(EvalJob(3, 3, "/m/v3"), tmp_path / "out")) == {
-        "version": 3, "model": "/m/v3", "out": str(tmp_path / "out")}
+        "version": 3,
+        "model": "/m/v3",
+        "out": str(tmp_path / "out"),
+    }
     # the child reads the same configuration the learner runs with
     assert "eval_every = 2" in pe.config_path.read_text()
 

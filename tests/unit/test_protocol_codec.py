@@ -41,8 +41,11 @@ V1_TURNS = [(4, [-0.5, -1.25, -0.125], 3), (11, [-2.0, -0.0625], 4)]
 
 
 def _token_values(traj: Trajectory):
-    return (arrays.token_ids(traj).tolist(), arrays.loss_mask(traj).tolist(),
-            [(t.start, arrays.turn_logprobs(t).tolist(), t.version) for t in traj.turns])
+    return (
+        arrays.token_ids(traj).tolist(),
+        arrays.loss_mask(traj).tolist(),
+        [(t.start, arrays.turn_logprobs(t).tolist(), t.version) for t in traj.turns],
+    )
 
 
 def test_trajectory_of_the_list_schema_decodes():
@@ -60,8 +63,14 @@ def test_packed_trajectory_reads_the_same_values_in_fewer_bytes():
     old_bytes = (DATA / "trajectory_v1.msgpack").read_bytes()
     old = codec.decode("traj", old_bytes)
     turns = [msgspec.structs.replace(t, logprobs=[], logprobs_f32=arrays.pack_logprobs(t.logprobs)) for t in old.turns]
-    new = msgspec.structs.replace(old, token_ids=[], loss_mask=[], token_ids_i32=arrays.pack_ids(old.token_ids),
-                                  loss_mask_u8=arrays.pack_mask(old.loss_mask), turns=turns)
+    new = msgspec.structs.replace(
+        old,
+        token_ids=[],
+        loss_mask=[],
+        token_ids_i32=arrays.pack_ids(old.token_ids),
+        loss_mask_u8=arrays.pack_mask(old.loss_mask),
+        turns=turns,
+    )
     new_bytes = codec.encode(new)
     back = codec.decode("traj", new_bytes)
     assert back == new and _token_values(back) == _token_values(old) == (V1_IDS, V1_MASK, V1_TURNS)

@@ -61,7 +61,9 @@ def run_dir_with_base(tmp_path):
     return tmp_path / "run"
 
 
-@pytest.mark.parametrize("settings", [CudaIpcWeights(), NcclWeights(address="127.0.0.1:29600")], ids=["cuda_ipc", "nccl"])
+@pytest.mark.parametrize(
+    "settings", [CudaIpcWeights(), NcclWeights(address="127.0.0.1:29600")], ids=["cuda_ipc", "nccl"]
+)
 @pytest.mark.parametrize("held", [False, True], ids=["packed", "every-buffer-held"])
 async def test_a_gpu_transport_writes_the_versions_an_eval_needs(tmp_path, settings, held):
     run_dir = run_dir_with_base(tmp_path)

@@ -31,14 +31,17 @@ def test_good_reference_logprobs_pass_and_are_read_as_sent():
     np.testing.assert_array_equal(arrays.ref_logprobs(s), np.array(GOOD, np.float32))
 
 
-@pytest.mark.parametrize("values,needle", [
-    (None, "no reference log-probs (ref_logp_f32) while policy.reference='service'"),
-    (GOOD[:-1], "5 reference log-probs for 6 tokens"),
-    (GOOD + [-1.0], "7 reference log-probs for 6 tokens"),
-    ([0.0, -1.0, math.nan, -1.0, -1.0, -1.0], "reference log-prob 2 is nan"),
-    ([0.0, -1.0, -1.0, -math.inf, -1.0, -1.0], "reference log-prob 3 is -inf"),
-    ([0.0, -1.0, -1.0, -1.0, 0.5, -1.0], "reference log-prob 4 is 0.5"),
-])
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        (None, "no reference log-probs (ref_logp_f32) while policy.reference='service'"),
+        (GOOD[:-1], "5 reference log-probs for 6 tokens"),
+        (GOOD + [-1.0], "7 reference log-probs for 6 tokens"),
+        ([0.0, -1.0, math.nan, -1.0, -1.0, -1.0], "reference log-prob 2 is nan"),
+        ([0.0, -1.0, -1.0, -math.inf, -1.0, -1.0], "reference log-prob 3 is -inf"),
+        ([0.0, -1.0, -1.0, -1.0, 0.5, -1.0], "reference log-prob 4 is 0.5"),
+    ],
+)
 def test_bad_reference_logprobs_are_refused_with_the_reason(values, needle):
     s = scored("t", 0, 0.5) if values is None else with_ref(values)
     with pytest.raises(BadTrajectory, match=r"^t/0: " + re.escape(needle)):
@@ -74,8 +77,8 @@ def test_a_batch_gathers_the_reference_of_its_trained_tokens():
 
 
 def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
-    from parley.deploy.permissions import role_permissions
     from parley.config.run import load_config
+    from parley.deploy.permissions import role_permissions
     from parley.deploy.up import plan_children, ready_children
     from parley.protocol import topology
     from parley.protocol.messages import Heartbeat
@@ -90,7 +93,10 @@ def test_up_starts_the_reference_service_only_when_the_run_uses_it(tmp_path):
     assert list(plan).index("reference") < list(plan).index("scorer-0")  # up before anyone asks it
     assert "reference" in ready_children([Heartbeat(role="reference", id="reference", state="ready")])
     perms = role_permissions("r")
-    assert topology.REFERENCE_SUBJECTS in perms["reference"]["subscribe"]["allow"] and perms["reference"]["allow_responses"]
+    assert (
+        topology.REFERENCE_SUBJECTS in perms["reference"]["subscribe"]["allow"]
+        and perms["reference"]["allow_responses"]
+    )
     assert topology.REFERENCE_SUBJECTS in perms["scorer"]["publish"]["allow"]
 
 

@@ -26,9 +26,7 @@ def test_clamp_applies_to_metric_before_weighting():
     # token_amount clamped to 1.0, then weighted by -0.1.
     assert total_reward(metrics, default_weights(), clamps) == pytest.approx(0.5 + 0.8 - 0.1)
     assert weighted_terms(metrics, default_weights(), clamps)["token_amount"] == pytest.approx(-0.1)
-    assert total_reward(metrics, default_weights(), clamps={"bleu": (0.0, 0.25)}) == pytest.approx(
-        0.25 + 0.8 - 0.3
-    )
+    assert total_reward(metrics, default_weights(), clamps={"bleu": (0.0, 0.25)}) == pytest.approx(0.25 + 0.8 - 0.3)
 
 
 def test_bad_clamp_raises():
@@ -53,7 +51,9 @@ def test_average_futures_per_metric_mean():
 def test_average_futures_then_clamp_acts_on_average():
     futures = [{"token_amount": 0.5}, {"token_amount": 2.5}]
     # Average 1.5 -> clamped 1.0 -> -0.1 (clamping each future first would give -0.075).
-    assert total_reward(average_futures(futures), {"token_amount": -0.1}, {"token_amount": (0.0, 1.0)}) == pytest.approx(-0.1)
+    assert total_reward(
+        average_futures(futures), {"token_amount": -0.1}, {"token_amount": (0.0, 1.0)}
+    ) == pytest.approx(-0.1)
 
 
 def test_average_futures_rejects_empty_and_mismatched():

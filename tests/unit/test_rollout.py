@@ -13,12 +13,11 @@ import nats.errors
 import pytest
 
 from parley.engines.engine import GenOut
-from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, derive_seed, run_conversation
-from parley.rollout.sim import SimClient, SimUnreachable
-from parley.rollout.sim import FALLBACK_MESSAGE
 from parley.protocol import arrays, codec
 from parley.protocol.bus import Poison
 from parley.protocol.messages import ABANDONED_STALE, ChatMessage, SimReply, SimRequest, Task
+from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, derive_seed, run_conversation
+from parley.rollout.sim import FALLBACK_MESSAGE, SimClient, SimUnreachable
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +58,19 @@ class SimClientDouble:
 
 def task(**kw) -> Task:
     base = dict(
-        task_id="t1", run="r", item_id="item/0", n=2, prefix=[ChatMessage("user", "help me write a toast")],
-        reference="REF", title="Toast", summary="a toast", system_prompt="You help people write.",
-        sim_prompt="lazy_full", max_new_turns=6, max_tokens=32, seed=5,
+        task_id="t1",
+        run="r",
+        item_id="item/0",
+        n=2,
+        prefix=[ChatMessage("user", "help me write a toast")],
+        reference="REF",
+        title="Toast",
+        summary="a toast",
+        system_prompt="You help people write.",
+        sim_prompt="lazy_full",
+        max_new_turns=6,
+        max_tokens=32,
+        seed=5,
     )
     return Task(**{**base, **kw})
 
@@ -93,16 +102,27 @@ def assert_consistent(tok, traj):
 
 def test_conversation_until_the_simulator_is_done(tok):
     engine = EngineDouble(tok, ["Who is the toast for?", "Here is a draft toast."])
-    sim = SimClientDouble([SimReply(message="my sister, keep it short"), SimReply(message="perfect, thanks", done=True)])
+    sim = SimClientDouble(
+        [SimReply(message="my sister, keep it short"), SimReply(message="perfect, thanks", done=True)]
+    )
     versions = iter([3, 4, 4])
     traj = play(tok, engine, sim, task(), sample=1, version_fn=lambda: next(versions))
     assert traj.terminated == "sim_done"
     assert [m.role for m in traj.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert traj.messages[0].content == "You help people write."
-    assert [m.content for m in traj.messages if m.role == "assistant"] == ["Who is the toast for?", "Here is a draft toast."]
+    assert [m.content for m in traj.messages if m.role == "assistant"] == [
+        "Who is the toast for?",
+        "Here is a draft toast.",
+    ]
     assert [t.version for t in traj.turns] == [3, 4]
     assert all(t.trained and t.finish_reason == "stop" for t in traj.turns)
-    assert (traj.traj_id, traj.sample, traj.mode, traj.actor, traj.model) == ("t1/1", 1, "conversation", "a1", "tiny-double")
+    assert (traj.traj_id, traj.sample, traj.mode, traj.actor, traj.model) == (
+        "t1/1",
+        1,
+        "conversation",
+        "a1",
+        "tiny-double",
+    )
     assert traj.seed == derive_seed("t1", 5, 1) and traj.sim_fallbacks == []
     assert set(traj.timings) == {"generate", "sim", "total"}
     assert_consistent(tok, traj)
@@ -134,10 +154,12 @@ def test_empty_prefix_lets_the_simulator_open_and_budget_ends_on_an_assistant_tu
 
 def test_simulator_fallbacks_are_recorded_by_message_index(tok):
     engine = EngineDouble(tok, ["Tell me more.", "Draft one.", "Draft two."])
-    sim = SimClientDouble([
-        SimReply(message=FALLBACK_MESSAGE, fallback=True, error="not JSON"),
-        SimReply(message="add a joke"),
-    ])
+    sim = SimClientDouble(
+        [
+            SimReply(message=FALLBACK_MESSAGE, fallback=True, error="not JSON"),
+            SimReply(message="add a joke"),
+        ]
+    )
     traj = play(tok, engine, sim, task(max_new_turns=5))
     assert traj.sim_fallbacks == [3]
     assert traj.messages[3] == ChatMessage("user", FALLBACK_MESSAGE)
@@ -157,10 +179,13 @@ def test_max_model_len_ends_the_conversation(tok):
     engine = EngineDouble(tok, ["A reply of a good number of tokens, more than a few for sure."])
     sim = SimClientDouble([SimReply(message="go on")] * 10)
     t = task(max_new_turns=20)
-    opening = len(tok.apply_chat_template(
-        [{"role": "system", "content": t.system_prompt}, {"role": "user", "content": t.prefix[0].content}],
-        tokenize=True, add_generation_prompt=True,
-    ))
+    opening = len(
+        tok.apply_chat_template(
+            [{"role": "system", "content": t.system_prompt}, {"role": "user", "content": t.prefix[0].content}],
+            tokenize=True,
+            add_generation_prompt=True,
+        )
+    )
     traj = play(tok, engine, sim, t, max_model_len=opening + 40)
     assert traj.terminated == "max_model_len"
     assert arrays.token_ids(traj).size <= opening + 40 + 2  # at most the untrained closing of a cut turn beyond
@@ -171,7 +196,9 @@ def test_max_model_len_ends_the_conversation(tok):
 def test_next_turn_trains_one_turn_and_samples_futures(tok):
     prefix = [ChatMessage("user", "help me"), ChatMessage("assistant", "With what?"), ChatMessage("user", "a toast")]
     engine = EngineDouble(tok, ["Who is it for?", "Draft.", "Another draft."])
-    sim = SimClientDouble([SimReply(message="my sister"), SimReply(message="my friend"), SimReply(message="bye", done=True)])
+    sim = SimClientDouble(
+        [SimReply(message="my sister"), SimReply(message="my friend"), SimReply(message="bye", done=True)]
+    )
     traj = play(tok, engine, sim, task(mode="next_turn", prefix=prefix, futures=3, future_turns=2))
     assert traj.mode == "next_turn" and traj.terminated == "max_new_turns"
     assert len(traj.turns) == 1 and traj.turns[0].trained
@@ -183,7 +210,7 @@ def test_next_turn_trains_one_turn_and_samples_futures(tok):
     assert lengths == [len(main), len(main) + 2, len(main) + 2]  # the "done" future stops at once
     for f in traj.futures:
         assert f.messages[: len(main)] == main
-        extra = f.messages[len(main):]
+        extra = f.messages[len(main) :]
         assert [m.role for m in extra] in ([], ["user", "assistant"])
         assert f.assistant_tokens == sum(
             len(tok.encode(m.content, add_special_tokens=False)) + 1 for m in extra if m.role == "assistant"
@@ -191,8 +218,13 @@ def test_next_turn_trains_one_turn_and_samples_futures(tok):
 
 
 def test_unplayable_tasks_are_poison():
-    for bad in (task(mode="monologue"), task(n=0), task(max_tokens=0), task(prefix=[], max_new_turns=1),
-                task(prefix=[ChatMessage("tool", "x")])):
+    for bad in (
+        task(mode="monologue"),
+        task(n=0),
+        task(max_tokens=0),
+        task(prefix=[], max_new_turns=1),
+        task(prefix=[ChatMessage("tool", "x")]),
+    ):
         with pytest.raises(Poison):
             check_task(bad)
     check_task(task(max_new_turns=1))  # prefix ends with the user: one assistant turn fits
@@ -223,7 +255,9 @@ def test_sim_client_waits_out_an_outage_instead_of_giving_the_task_back():
 def test_sim_client_gives_the_task_up_after_sim_wait_s_with_the_reason():
     nc = OutageNcDouble(down=10**9)
     client = SimClient(nc, timeout_s=1.0, wait_s=0.05, backoff_s=0.01, max_backoff_s=0.01)
-    with pytest.raises(SimUnreachable, match=r"user simulator unreachable on parley.svc.sim for \d+s \(sim_wait_s=0.05"):
+    with pytest.raises(
+        SimUnreachable, match=r"user simulator unreachable on parley.svc.sim for \d+s \(sim_wait_s=0.05"
+    ):
         asyncio.run(client.ask(SimRequest(prompt="lazy_full", messages=[])))
     assert isinstance(SimUnreachable("x"), Poison)  # dead-lettered with that reason, not retried
 
@@ -283,8 +317,14 @@ def test_next_turn_skips_its_futures_once_its_group_can_no_longer_be_trained(tok
     announced = [5]
     engine = AnnouncingEngineDouble(tok, ["Who is it for?"], announced, at=1, to=6)
     sim = SimClientDouble([SimReply(message="my sister")] * 3)
-    traj = play(tok, engine, sim, task(mode="next_turn", prefix=prefix, futures=3, future_turns=2),
-                version_fn=lambda: 5, watch=StaleWatch(lambda: announced[0], max_staleness=0))
+    traj = play(
+        tok,
+        engine,
+        sim,
+        task(mode="next_turn", prefix=prefix, futures=3, future_turns=2),
+        version_fn=lambda: 5,
+        watch=StaleWatch(lambda: announced[0], max_staleness=0),
+    )
     assert traj.terminated == ABANDONED_STALE and traj.futures == [] and len(engine.calls) == 1 and not sim.requests
 
 
@@ -318,8 +358,9 @@ def test_a_generation_running_when_the_group_becomes_untrainable_is_cut_and_left
     assert len(sim.requests) == 1
     # the cut turn is not in the tokens: the trajectory still reads back as its messages
     msgs = [{"role": m.role, "content": m.content} for m in traj.messages]
-    assert tok.decode(arrays.token_ids(traj).tolist()) == tok.apply_chat_template(msgs, tokenize=False,
-                                                                                     add_generation_prompt=True)
+    assert tok.decode(arrays.token_ids(traj).tolist()) == tok.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
 
 
 def _follower(tmp_path, version=0):
@@ -357,8 +398,11 @@ async def _hang_until_cancelled(double) -> None:
 
 def _play_within(tok, engine, sim, t, watch, version_fn=lambda: 0, timeout_s=20.0):
     policy = PolicySettings(max_model_len=2048, model="tiny-double", actor="a1")
-    return asyncio.run(asyncio.wait_for(
-        run_conversation(engine, sim, t, 0, version_fn, tokenizer=tok, policy=policy, watch=watch), timeout_s))
+    return asyncio.run(
+        asyncio.wait_for(
+            run_conversation(engine, sim, t, 0, version_fn, tokenizer=tok, policy=policy, watch=watch), timeout_s
+        )
+    )
 
 
 def test_a_generation_is_cut_when_the_announcement_arrives_not_at_the_next_poll(tok, tmp_path, monkeypatch):
@@ -436,8 +480,13 @@ def test_the_stop_and_cut_lines_are_the_ones_part_ps_breakdown_counts(tok, tmp_p
     caplog.set_level(logging.INFO, logger="parley.rollout")
     announced = [0]
     engine = AnnouncingEngineDouble(tok, ["Who is it for?", "Draft."], announced, at=1, to=2)
-    play(tok, engine, SimClientDouble([SimReply(message="my sister")] * 3), task(),
-         watch=StaleWatch(lambda: announced[0], max_staleness=1))  # stopped at the boundary
+    play(
+        tok,
+        engine,
+        SimClientDouble([SimReply(message="my sister")] * 3),
+        task(),
+        watch=StaleWatch(lambda: announced[0], max_staleness=1),
+    )  # stopped at the boundary
     follower = _follower(tmp_path)
 
     def announce():

@@ -29,12 +29,15 @@ def test_top_p_travels_with_the_trajectory_and_old_messages_decode_as_top_p_1():
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=Trajectory).top_p == 1.0
 
 
-@pytest.mark.parametrize("fields, words", [
-    ({"top_p": 0.9}, "top_p 0.9"),
-    ({"temperature": 5e-6}, "temperature 5e-06 is not a finite number >= 1e-05"),
-    ({"temperature": float("nan")}, "temperature nan"),
-    ({"temperature": 1e-30}, "temperature 1e-30"),
-])
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"top_p": 0.9}, "top_p 0.9"),
+        ({"temperature": 5e-6}, "temperature 5e-06 is not a finite number >= 1e-05"),
+        ({"temperature": float("nan")}, "temperature nan"),
+        ({"temperature": 1e-30}, "temperature 1e-30"),
+    ],
+)
 def test_intake_refuses_log_probs_it_cannot_recompute(fields, words):
     with pytest.raises(BadTrajectory, match=words):
         check_hostile_values(_scored(**fields), vocab_size=16)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 
+from parley.config.scorer import ScorerConfig
 from parley.protocol import examples
 from parley.protocol.messages import ChatMessage, FutureRollout
-from parley.config.scorer import ScorerConfig
 from parley.rewards.metrics import bleu, char_bleu
 from parley.rewards.reward import default_weights
 from parley.rollout.judge import JudgeFailed, JudgeUnavailable
@@ -20,8 +19,9 @@ REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shine
 def judge_double(levels_by_len=None, **kw) -> JudgeDouble:
     """The extracted document is the last assistant message of the conversation it is shown, and the
     interactivity levels come from a table keyed by the number of messages."""
-    return JudgeDouble(model="fake", levels_by_len=levels_by_len, score=0.123,
-                       raw=lambda doc: f'{{"document": "{doc[:10]}"}}', **kw)
+    return JudgeDouble(
+        model="fake", levels_by_len=levels_by_len, score=0.123, raw=lambda doc: f'{{"document": "{doc[:10]}"}}', **kw
+    )
 
 
 def _traj(**kw):
@@ -52,7 +52,12 @@ async def test_one_conversation_metrics_and_total():
     expected = scored.metrics["bleu"] + 6 / 9 - 0.1 * 0.4
     assert scored.total == pytest.approx(expected)
     assert scored.weights == default_weights()  # [scorer] weights {} = the reward's default weights
-    assert (scored.traj_id, scored.task_id, scored.sample, scored.run) == (traj.traj_id, traj.task_id, traj.sample, "unit")
+    assert (scored.traj_id, scored.task_id, scored.sample, scored.run) == (
+        traj.traj_id,
+        traj.task_id,
+        traj.sample,
+        "unit",
+    )
     assert scored.trajectory == traj and scored.scorer == "s-1" and scored.judge_model == "fake"
     assert [o.op for o in scored.judge] == ["extract", "interactivity"] and all(o.ok for o in scored.judge)
     assert {"extract", "interactivity", "total"} <= set(scored.timings)
@@ -67,7 +72,9 @@ async def test_char_bleu_variant():
 async def test_futures_are_averaged_per_metric_before_weighting():
     traj = _traj(
         futures=[
-            FutureRollout(messages=[ChatMessage("user", "shorter"), ChatMessage("assistant", REFERENCE)], assistant_tokens=100),
+            FutureRollout(
+                messages=[ChatMessage("user", "shorter"), ChatMessage("assistant", REFERENCE)], assistant_tokens=100
+            ),
             FutureRollout(messages=[ChatMessage("user", "ok")], assistant_tokens=0),
         ]
     )
@@ -161,10 +168,12 @@ async def test_seed_goes_to_the_judge():
 
 async def test_last_document_extractor_asks_no_judge_for_the_document():
     draft = "A Week in Lisbon\n\n" + "The trams climb the hills while the river shines below us all day. " * 3
-    traj = _traj(messages=[
-        ChatMessage("user", "can you help me with a blog post"),
-        ChatMessage("assistant", "Sure! Here is a draft:\n\n" + draft + "\n\nLet me know what you think!"),
-    ])
+    traj = _traj(
+        messages=[
+            ChatMessage("user", "can you help me with a blog post"),
+            ChatMessage("assistant", "Sure! Here is a draft:\n\n" + draft + "\n\nLet me know what you think!"),
+        ]
+    )
     judge = judge_double()
     scored = await score_trajectory(traj, judge, ScorerConfig(extract="last_document"))
     assert scored.document == draft.strip()

@@ -30,7 +30,7 @@ def test_saturated_length_term_in_scored_groups_is_flagged_and_bleu_is_not():
         stats = diagnose_groups(groups)  # the clamps each Scored recorded
         assert stats["length"].mean == pytest.approx(-1.0)
         assert stats["length"].within_group_std == 0.0
-        assert stats["bleu"].within_group_std == pytest.approx(0.08 * (5 ** 0.5) / 2)  # std of 0, .08, .16, .24
+        assert stats["bleu"].within_group_std == pytest.approx(0.08 * (5**0.5) / 2)  # std of 0, .08, .16, .24
         assert stats["bleu"].corr_with_total == pytest.approx(1.0)  # the total moves only with bleu
         flagged = monitor.update(stats)
     assert flagged == ["length"]

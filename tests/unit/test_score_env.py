@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from parley.config.scorer import ScorerConfig
 from parley.environments import hidden_goal
 from parley.environments.base import JudgeMetric, PureMetric, Reward
 from parley.protocol.messages import ChatMessage, JudgeReply
-from parley.config.scorer import ScorerConfig
 from parley.rollout.judge import JudgeFailed
 from parley.rollout.score import Unscorable, score_trajectory
 from tests import factories
@@ -30,9 +30,15 @@ class NoJudge:
 
 async def test_hidden_goal_is_scored_without_a_judge():
     reward = hidden_goal.environment(n_items=4).reward
-    traj = _traj([ChatMessage("user", "I want to order a pizza."), ChatMessage("assistant", "Size, crust, topping?"),
-                  ChatMessage("user", "size: large, crust: thin, topping: ham."),
-                  ChatMessage("assistant", "FINAL: size=large, crust=thick, topping=ham")], PIZZA.hidden())
+    traj = _traj(
+        [
+            ChatMessage("user", "I want to order a pizza."),
+            ChatMessage("assistant", "Size, crust, topping?"),
+            ChatMessage("user", "size: large, crust: thin, topping: ham."),
+            ChatMessage("assistant", "FINAL: size=large, crust=thick, topping=ham"),
+        ],
+        PIZZA.hidden(),
+    )
     for judge in (None, NoJudge()):
         scored = await score_trajectory(traj, judge, ScorerConfig(), reward=reward)
         assert scored.metrics == pytest.approx({"goal_match": 2 / 3, "exact": 0.0, "assistant_turns": 2.0})
@@ -43,8 +49,13 @@ async def test_hidden_goal_is_scored_without_a_judge():
 
 async def test_configured_weights_and_clamps_apply_to_the_environments_metrics():
     reward = hidden_goal.environment(n_items=4).reward
-    traj = _traj([ChatMessage("user", "I want to order a pizza."),
-                  ChatMessage("assistant", "FINAL: size=large, crust=thin, topping=ham")], PIZZA.hidden())
+    traj = _traj(
+        [
+            ChatMessage("user", "I want to order a pizza."),
+            ChatMessage("assistant", "FINAL: size=large, crust=thin, topping=ham"),
+        ],
+        PIZZA.hidden(),
+    )
     cfg = ScorerConfig(weights={"exact": 2.0, "assistant_turns": -1.0}, clamps={"assistant_turns": [0.0, 0.5]})
     scored = await score_trajectory(traj, None, cfg, reward=reward)
     assert scored.total == pytest.approx(2.0 * 1.0 - 1.0 * 0.5)

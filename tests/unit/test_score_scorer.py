@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from parley.config.scorer import ScorerConfig
 from parley.protocol import bus, codec, examples, topology
 from parley.protocol.messages import ABANDONED_STALE, JudgeReply
-from parley.config.scorer import ScorerConfig
 from parley.rollout.judge import JudgeUnavailable
 from parley.scorer.scorer import Scorer
 from tests.factories import JudgeDouble
@@ -19,8 +19,12 @@ CFG = ScorerConfig(retry_delay_s=0.01, retry_max_delay_s=0.02, judge_wait_s=0.05
 
 def judge_double(**kw) -> JudgeDouble:
     """A fixed document and levels, or a failure reply, or unreachable."""
-    return JudgeDouble(model="fake", document="A Week in Lisbon", levels={"understanding": 2, "clarification": 2,
-                                                                        "suggestions": 2}, **kw)
+    return JudgeDouble(
+        model="fake",
+        document="A Week in Lisbon",
+        levels={"understanding": 2, "clarification": 2, "suggestions": 2},
+        **kw,
+    )
 
 
 def _traj(**kw):
@@ -89,8 +93,9 @@ class FlakyJudgeDouble(JudgeDouble):
     """Unreachable for the first `down` calls, then answers as judge_double()."""
 
     def __init__(self, down: int):
-        super().__init__(model="fake", document="A Week in Lisbon",
-                         levels={"understanding": 2, "clarification": 2, "suggestions": 2})
+        super().__init__(
+            model="fake", document="A Week in Lisbon", levels={"understanding": 2, "clarification": 2, "suggestions": 2}
+        )
         self.down = down
 
     async def extract(self, messages, *, seed=0):

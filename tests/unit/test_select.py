@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from parley.deploy.cli import app
-from parley.protocol.messages import ChatMessage, EvalRecord
 from parley.evaluation.evallog import write_parquet
 from parley.evaluation.selection import SelectionError, VersionEval, load_versions, regressed, select_best
+from parley.protocol.messages import ChatMessage, EvalRecord
 
 N_ITEMS = 12
 
@@ -22,14 +22,27 @@ def version_records(version, bleu, inter, tokens, noise_seed):
     rng = np.random.default_rng(noise_seed)
     recs = []
     for k in range(N_ITEMS):
-        recs.append(EvalRecord(
-            eval_id=f"v{version}/item-{k}", condition=f"v{version}", item_id=f"item-{k}", model="m",
-            system_prompt="", sim_prompt="lazy_full", sim_model="s", judge_model="j", seed=k,
-            messages=[ChatMessage("user", "write it")], reference="ref", version=version,
-            assistant_tokens=int(tokens * 1000 + rng.integers(-50, 50)),
-            metrics={"bleu": float(bleu + item_effect[k] + rng.normal(0, 0.005)),
-                     "interactivity": float(inter + rng.normal(0, 0.005))},
-        ))
+        recs.append(
+            EvalRecord(
+                eval_id=f"v{version}/item-{k}",
+                condition=f"v{version}",
+                item_id=f"item-{k}",
+                model="m",
+                system_prompt="",
+                sim_prompt="lazy_full",
+                sim_model="s",
+                judge_model="j",
+                seed=k,
+                messages=[ChatMessage("user", "write it")],
+                reference="ref",
+                version=version,
+                assistant_tokens=int(tokens * 1000 + rng.integers(-50, 50)),
+                metrics={
+                    "bleu": float(bleu + item_effect[k] + rng.normal(0, 0.005)),
+                    "interactivity": float(inter + rng.normal(0, 0.005)),
+                },
+            )
+        )
     return recs
 
 
@@ -85,7 +98,10 @@ def test_cli_select_refuses_reward_in_one_line_and_names_best(run_dir):
 def test_summary_jsonl_versions(tmp_path):
     lines = []
     for v, shift in [(0, 0.0), (1, 0.05), (2, 0.02)]:
-        items = {f"i{k}": {"bleu": 0.4 + shift + 0.01 * k, "interactivity": 0.8, "tokens_k": 2.0 + 0.1 * (k % 2)} for k in range(5)}
+        items = {
+            f"i{k}": {"bleu": 0.4 + shift + 0.01 * k, "interactivity": 0.8, "tokens_k": 2.0 + 0.1 * (k % 2)}
+            for k in range(5)
+        }
         lines.append(json.dumps({"version": v, "step": v * 10, "items": items}))
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "summary.jsonl").write_text("\n".join(lines) + "\n")
@@ -94,7 +110,9 @@ def test_summary_jsonl_versions(tmp_path):
     assert sel.mean == pytest.approx(0.45 + 0.02)
     assert sel.vs_first.mean_diff == pytest.approx(0.05)
     (tmp_path / "eval" / "summary.jsonl").write_text('{"version": 3, "items": {"a": {"bleu": 0.1}}}\n')
-    with pytest.raises(SelectionError, match="summary.jsonl:1: item 'a' needs numeric bleu, interactivity and tokens_k"):
+    with pytest.raises(
+        SelectionError, match="summary.jsonl:1: item 'a' needs numeric bleu, interactivity and tokens_k"
+    ):
         load_versions(tmp_path)
 
 

@@ -7,8 +7,6 @@ import asyncio
 
 import pytest
 
-from parley.engines.backend import BackendError
-from parley.config.actor import SimConfig
 from parley.actors.sim import (
     FALLBACK_MESSAGE,
     SIM_SCHEMA,
@@ -21,6 +19,8 @@ from parley.actors.sim import (
     sim_messages,
     swap_roles,
 )
+from parley.config.actor import SimConfig
+from parley.engines.backend import BackendError
 from parley.protocol import codec
 from parley.protocol.messages import ChatMessage, SimReply, SimRequest
 
@@ -36,7 +36,9 @@ class ScriptedBackendDouble:
         self.calls = []
 
     async def chat_json(self, messages, schema, *, max_tokens, temperature, seed):
-        self.calls.append(dict(messages=messages, schema=schema, max_tokens=max_tokens, temperature=temperature, seed=seed))
+        self.calls.append(
+            dict(messages=messages, schema=schema, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        )
         out = self.outputs.pop(0)
         if isinstance(out, Exception):
             raise out
@@ -153,7 +155,13 @@ def test_malformed_output_is_retried_with_a_new_seed():
     backend = ScriptedBackendDouble(['{"message": "trunc', '{"message": "who is it for? my sister", "done": false}'])
     sim = Simulator(backend, SimConfig(max_retries=3, max_tokens=64, temperature=0.5))
     r = reply_of(sim, request(max_tokens=256))
-    assert (r.message, r.done, r.fallback, r.attempts, r.model) == ("who is it for? my sister", False, False, 2, "scripted-double")
+    assert (r.message, r.done, r.fallback, r.attempts, r.model) == (
+        "who is it for? my sister",
+        False,
+        False,
+        2,
+        "scripted-double",
+    )
     assert [c["seed"] for c in backend.calls] == [11, 12]
     assert all(c["schema"] == SIM_SCHEMA for c in backend.calls)
     assert {c["max_tokens"] for c in backend.calls} == {64}  # the service's cap wins

@@ -27,11 +27,14 @@ def test_packed_logprobs_are_taken_at_each_samples_temperature(model):
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 5, 9)]
     gens = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (6, 8, 4)]
     temps = [0.7, 1.0, 1.6]
-    samples = [Sample(f"s{i}", p + x, [0] * len(p) + [1] * len(x), [0.0] * (len(p) + len(x)), 0.0, temperature=t)
-               for i, (p, x, t) in enumerate(zip(prompts, gens, temps))]
+    samples = [
+        Sample(f"s{i}", p + x, [0] * len(p) + [1] * len(x), [0.0] * (len(p) + len(x)), 0.0, temperature=t)
+        for i, (p, x, t) in enumerate(zip(prompts, gens, temps))
+    ]
     ours, entropy = token_logprobs(model, build_batch(samples), chunk=5, grad=False)
-    want = torch.tensor([lp for p, x, t in zip(prompts, gens, temps)
-                         for lp in reference_logprobs(model, p, x, temperature=t)])
+    want = torch.tensor(
+        [lp for p, x, t in zip(prompts, gens, temps) for lp in reference_logprobs(model, p, x, temperature=t)]
+    )
     torch.testing.assert_close(ours, want, atol=1e-5, rtol=0)
     # the raw distribution is measurably another one: ignoring the temperature cannot pass
     raw = torch.tensor([lp for p, x in zip(prompts, gens) for lp in reference_logprobs(model, p, x)])

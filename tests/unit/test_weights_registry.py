@@ -13,18 +13,25 @@ from parley.weights.config import KINDS, CudaIpcWeights, NcclWeights, ObjstoreWe
 
 def test_every_configured_kind_has_its_transport():
     assert tuple(registry.TRANSPORTS) == KINDS
-    for settings in (ObjstoreWeights(), SharedDirWeights(dir="/srv/w"), CudaIpcWeights(),
-                     NcclWeights(address="10.0.0.1:29600")):
+    for settings in (
+        ObjstoreWeights(),
+        SharedDirWeights(dir="/srv/w"),
+        CudaIpcWeights(),
+        NcclWeights(address="10.0.0.1:29600"),
+    ):
         assert registry.of(settings).kind == type(settings).__struct_config__.tag
     assert registry.get("carrier-pigeon") is None
 
 
-@pytest.mark.parametrize("settings, gpu, needs_cuda, shares_device", [
-    (ObjstoreWeights(), False, False, False),
-    (SharedDirWeights(dir="/srv/w"), False, False, False),
-    (CudaIpcWeights(), True, True, True),  # the actors' engines open rank 0's own GPU memory
-    (NcclWeights(address="h:1"), True, False, False),  # gloo where rank 0 has no GPU; actors on other GPUs
-])
+@pytest.mark.parametrize(
+    "settings, gpu, needs_cuda, shares_device",
+    [
+        (ObjstoreWeights(), False, False, False),
+        (SharedDirWeights(dir="/srv/w"), False, False, False),
+        (CudaIpcWeights(), True, True, True),  # the actors' engines open rank 0's own GPU memory
+        (NcclWeights(address="h:1"), True, False, False),  # gloo where rank 0 has no GPU; actors on other GPUs
+    ],
+)
 def test_each_transport_says_what_it_needs(settings, gpu, needs_cuda, shares_device):
     t = registry.of(settings)
     assert (t.gpu, t.needs_cuda, t.shares_device) == (gpu, needs_cuda, shares_device)
@@ -32,9 +39,19 @@ def test_each_transport_says_what_it_needs(settings, gpu, needs_cuda, shares_dev
 
 def test_a_gpu_announcement_is_made_by_the_transport_of_its_source():
     tensors = [IpcTensor(name="w", dtype="bfloat16", shape=[128], offset=0, checksum=[1, 2, 3])]
-    ipc = CudaIpcBuffer(device_uuid="GPU-1", storage_handle=b"h", storage_size=256, storage_offset=0,
-                        ref_counter_handle=b"r", ref_counter_offset=0, event_handle=b"", event_sync_required=False,
-                        nbytes=256, hold_s=5.0, tensors=tensors)
+    ipc = CudaIpcBuffer(
+        device_uuid="GPU-1",
+        storage_handle=b"h",
+        storage_size=256,
+        storage_offset=0,
+        ref_counter_handle=b"r",
+        ref_counter_offset=0,
+        event_handle=b"",
+        event_sync_required=False,
+        nbytes=256,
+        hold_s=5.0,
+        tensors=tensors,
+    )
     nccl = NcclSource(address="learner:29600", backend="gloo", nbytes=256, hold_s=5.0, tensors=tensors)
     a, b = registry.gpu_announcement("r", 1, 1, ipc), registry.gpu_announcement("r", 2, 2, nccl)
     assert (a.location, a.ipc, a.nccl) == ("cuda:GPU-1", ipc, None)
@@ -56,7 +73,9 @@ def test_a_transport_asked_for_the_other_family_names_what_to_use():
     bug, refused with the kind and the call to use instead."""
     with pytest.raises(TypeError, match="'objstore' moves files and cannot pack a GPU buffer; use publish_version"):
         registry.get("objstore").sender(ObjstoreWeights(), "cpu")
-    with pytest.raises(TypeError, match="'cuda_ipc' moves a GPU buffer and cannot upload files; use publish_gpu_version"):
+    with pytest.raises(
+        TypeError, match="'cuda_ipc' moves a GPU buffer and cannot upload files; use publish_gpu_version"
+    ):
         import asyncio
 
         asyncio.run(registry.get("cuda_ipc").upload(None, "r", "p", None, [], CudaIpcWeights()))

@@ -63,9 +63,21 @@ def similarity(conv) -> float:
 
 def task(item: Phrase, *, run, task_id, n, rollout, seed, version, split="train") -> Task:
     phrase = item.item_id
-    return Task(task_id=task_id, run=run, item_id=phrase, n=n, prefix=[ChatMessage("user", respond([], phrase).message)],
-                reference=phrase, sim_prompt="parrot", max_new_turns=rollout.max_new_turns,
-                max_tokens=rollout.max_tokens, seed=seed, admitted_version=version, split=split, created=time.time())
+    return Task(
+        task_id=task_id,
+        run=run,
+        item_id=phrase,
+        n=n,
+        prefix=[ChatMessage("user", respond([], phrase).message)],
+        reference=phrase,
+        sim_prompt="parrot",
+        max_new_turns=rollout.max_new_turns,
+        max_tokens=rollout.max_tokens,
+        seed=seed,
+        admitted_version=version,
+        split=split,
+        created=time.time(),
+    )
 
 
 ENVIRONMENT = Environment(
@@ -73,10 +85,13 @@ ENVIRONMENT = Environment(
     description="parrot: repeat the user's phrase (programmatic user, exact reward)",
     tasks=TaskSource(
         train_eval=lambda data: split_by_key(phrases(), lambda p: p.item_id, data.eval_fraction, data.split_seed),
-        task=task, leakage_keys=lambda p: {"phrase": p.item_id}, leaks=("phrase",),
+        task=task,
+        leakage_keys=lambda p: {"phrase": p.item_id},
+        leaks=("phrase",),
     ),
     user=ProgrammaticUser(name="parrot", respond=respond),
-    reward=Reward(metrics=(PureMetric("echo", compute=echo, weight=1.0),
-                           PureMetric("similarity", compute=similarity, weight=0.5))),
+    reward=Reward(
+        metrics=(PureMetric("echo", compute=echo, weight=1.0), PureMetric("similarity", compute=similarity, weight=0.5))
+    ),
     eval=EvalProtocol(columns=("echo", "similarity"), select="echo", selectable=("echo", "similarity")),
 )
