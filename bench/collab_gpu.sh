@@ -40,7 +40,7 @@ case "${1:-}" in
     rm -rf "$RUN"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     # the model (SmolLM2; BUILD=tiny for the smoke run) built before the clock of the run starts (a minute on a fresh machine)
-    step build_model 150 "$PY" -c "from engines.models import ensure_model; ensure_model('${BUILD:-smol}')"
+    step build_model 150 "$PY" -c "from parley.engines.models import ensure_model; ensure_model('${BUILD:-smol}')"
     # the wall budget (SIGINT: the learner stops after its step; `plan` then picks from what was kept)
     step up "${LIMIT_S:-530}" timeout -s INT "${BUDGET_S:-480}" "$PY" -m parley.deploy.cli up --config "$CONFIG" \
         --no-live --run-dir "$RUN" --steps "$STEPS" --set "learner.eval_items=$ITEMS" "${EXTRA[@]}"

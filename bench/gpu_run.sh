@@ -56,7 +56,7 @@ B)
 K)
     # issue 26: the learner's cache A/B of 2026-12-05 (docs/gpu.md "Side by side with TRL") asked
     # whether a step reads memory it never wrote; bench/learner_poison.py answers it (exit 1: it does)
-    step build_smol 150 python3 -c "from engines.models import ensure_model; ensure_model('smol')"
+    step build_smol 150 python3 -c "from parley.engines.models import ensure_model; ensure_model('smol')"
     grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
     step poison "${LIMIT_S:-400}" python3 bench/learner_poison.py --model smol --steps "${STEPS:-4}" \
         --json "$OUT/learner_poison.json"
@@ -139,7 +139,7 @@ P)
         --set 'learner.behaviour_correction="truncated_is"' --set learner.checkpoint_every=1000
         --set "learner.seed=${SEED:-0}")
     # SmolLM2 built before either clock starts (a minute on the first call of a machine)
-    step build_smol 150 python3 -c "from engines.models import ensure_model; ensure_model('smol')"
+    step build_smol 150 python3 -c "from parley.engines.models import ensure_model; ensure_model('smol')"
     grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
     # the staged site holds no bytecode: each process compiles what it imports the first time, and on a
     # machine's first call that falls first on parley's start-up, TRL running second (2026-12-05: the
