@@ -102,14 +102,17 @@ T)
     # (RUN/gpu); after each run `parley report` draws the timeline and bench/gpu_summary.py writes the
     # figures: $OUT/summary_4b_s<S>.json, $OUT/gpu_4b_s<S>.png.
     BUDGET_S=${BUDGET_S:-420}
+    CONFIG=${CONFIG:-deploy/configs/gpu-1-4b.toml}
+    EXTRA=()  # PARLEY_SETS: more settings, space-separated KEY=VALUE (e.g. "learner.lora.enabled=true")
+    for kv in ${PARLEY_SETS:-}; do EXTRA+=(--set "$kv"); done
     step build4b 150 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
     for S in ${STALENESS:-1}; do
         RUN=/tmp/run-4b-s$S
         rm -rf "$RUN"
         step "up_4b_s$S" "$((BUDGET_S + 40))" timeout -s INT "$BUDGET_S" python3 -m parley.deploy.cli up \
-            --config deploy/configs/gpu-1-4b.toml --no-live --run-dir "$RUN" --steps 1000 \
+            --config "$CONFIG" --no-live --run-dir "$RUN" --steps 1000 \
             --set learner.checkpoint_every=1000 --set "learner.max_staleness=$S" \
-            --set "actor.engine.model=\"$MODEL\"" --set "policy.model=\"$MODEL\""
+            --set "actor.engine.model=\"$MODEL\"" --set "policy.model=\"$MODEL\"" ${EXTRA[@]+"${EXTRA[@]}"}
         python3 -m parley.deploy.cli report "$RUN" >/dev/null 2>&1 && cp "$RUN/report/gpu.png" "$OUT/gpu_4b_s$S.png"
         python3 bench/gpu_summary.py "$RUN" --json "$OUT/summary_4b_s$S.json" | head -c 1500
         grep -h -i -E "refused|out of memory|OutOfMemory|not published|recompile_limit" "$RUN"/logs/*.log | head -n 20 \
