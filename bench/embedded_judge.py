@@ -8,7 +8,7 @@ sacreBLEU and character BLEU of both against the reference, and interactivity on
 the 3-level scale, and the rubric by expected level (`rubric_expected`). Prints one JSON row per
 conversation, the share of BLEU > 0 and each interactivity scale's within-pair std. Run by hand:
 
-    PYTHONPATH=. python bench/embedded_judge.py > bench/results/embedded_judge_smol.txt
+    PYTHONPATH=. python bench/embedded_judge.py > bench/results/raw/embedded_judge_smol.txt
     PYTHONPATH=. python bench/embedded_judge.py --interactivity-only   # no extraction (faster)
 
 Nothing in parley imports this file. Results and what they decided: docs/rewards.md.

@@ -8,7 +8,7 @@ to vLLM from memory; the last version is then also loaded from its files and onc
 and the log-probs of the same sampled tokens are compared (`check`: files vs memory, read against
 memory vs memory again).
 
-  python bench/lora.py --model tiny --out bench/results/lora_cpu_tiny.json   # the toy model, CPU
+  python bench/lora.py --model tiny --out bench/results/raw/lora_cpu_tiny.json   # the toy model, CPU
   python bench/lora.py --model /path/to/SmolLM2 --device cpu
   python bench/lora.py --model qwen3-4b --device cuda    # bench.common.random_qwen3("4b")
   python bench/lora.py --model /tmp/m4b --device cuda --transport cuda_ipc

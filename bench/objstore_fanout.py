@@ -8,7 +8,7 @@ and the server's CPU seconds (from /proc) per GB sent. Prints JSON (and writes i
 Readers are processes because actors are: one Python client tops out at one core. On a small VM the
 readers and the server share the cores, so the ratios between cases (one run) are the figure.
 
-    .venv/bin/python bench/objstore_fanout.py --readers 1 4 16 --json bench/results/objstore_fanout_cpu.json
+    .venv/bin/python bench/objstore_fanout.py --readers 1 4 16 --json bench/results/raw/objstore_fanout_cpu.json
 """
 
 from __future__ import annotations

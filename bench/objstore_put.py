@@ -6,7 +6,7 @@ nats-server in a temporary directory, the same file of --mb random bytes, the sa
 Prints one line per upload and JSON (and writes it with --json). On a shared VM compare the two in
 the same run.
 
-    .venv/bin/python bench/objstore_put.py --mb 256 --repeats 3 --json bench/results/objstore_put_cpu.json
+    .venv/bin/python bench/objstore_put.py --mb 256 --repeats 3 --json bench/results/raw/objstore_put_cpu.json
 """
 
 from __future__ import annotations

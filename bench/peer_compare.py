@@ -2,7 +2,7 @@
 in OUT: parley's metrics.jsonl, eval_history.jsonl and parley_steps.log (the learner's step and eval
 lines), TRL's peer_trl.json (bench/peer_trl.py) and p_clock.json (when each run was launched).
 
-    python bench/peer_compare.py --out gpu-out --json bench/results/peer_trl_h200.json
+    python bench/peer_compare.py --out gpu-out --json bench/results/raw/peer_trl.json
     python bench/peer_compare.py --over OUT_SEED0 OUT_SEED1 OUT_SEED2 --json SEEDS.json  # one command, seeds
 
 It prints trained tokens/s and wall s/step (steady state: from the end of step 1 to the end of the
@@ -636,7 +636,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--json",
         type=Path,
-        default=ROOT / "bench" / "results" / "peer_trl_h200.json",
+        default=ROOT / "bench" / "results" / "raw" / "peer_trl.json",  # raw output stays out of git
         help="where the comparison goes (default for --out: %(default)s; --over writes only where told)",
     )
     p.add_argument("--date", default="", help="the date of the run, recorded in the JSON")
@@ -679,6 +679,7 @@ def main(argv=None) -> int:
     command = "bash bench/gpu_run.sh P; python bench/peer_compare.py --out OUT" + (
         " --trl-out OTHER_OUT" if args.trl_out else ""
     )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"command": command, **res}, indent=1) + "\n")
     print(f"wrote {args.json}")
     return 0

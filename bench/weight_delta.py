@@ -17,7 +17,7 @@ saves them, so most bf16 values do not change from one version to the next.
    actor holds the verified version, `full_stored` step end -> the full copy stored and announced on
    WEIGHTS_KEY. Medians over the steps.
 
-    .venv/bin/python bench/weight_delta.py --model smol --lrs 1e-6 1e-5 --steps 4 --json bench/results/weight_delta_cpu.json
+    .venv/bin/python bench/weight_delta.py --model smol --lrs 1e-6 1e-5 --steps 4 --json bench/results/raw/weight_delta_cpu.json
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """CUDA MPS for `parley up` on one GPU (`[up] gpu_share = "mps"`).
 
 Without MPS the GPU time-slices the kernels of the processes that share it: while the learner's step
-runs, an actor's decode step waits for its turn, which is why a group took 0.31-0.53 s to play beside
-the learner against TRL's 0.27-0.39 s in one process (2026-12-05, docs/gpu.md). Under MPS the processes'
+runs, an actor's decode step waits for its turn, which is why a group took longer to play beside the
+learner than TRL's in one process (docs/gpu.md, "Time to target against TRL"). Under MPS the processes'
 kernels go through one server and may run side by side.
 
 `parley up` starts a control daemon of its own for the run (`nvidia-cuda-mps-control -d`, the NVIDIA

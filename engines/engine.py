@@ -32,8 +32,8 @@ from parley.engines.worker import REFUSED, STAGED_ADAPTER_PATH
 MiB = 1 << 20
 
 # vLLM names each ZeroMQ socket between an engine's client and its engine core by a uuid in
-# $VLLM_RPC_BASE_PATH (the temp directory when unset), and a killed engine leaves them there: the CI
-# machine's /tmp held 1,536 of them on 2026-12-05, about a hundred more at every run of the tests.
+# $VLLM_RPC_BASE_PATH (the temp directory when unset), and a killed engine leaves them there: they pile
+# up at every run of the tests (the CI machine's count: docs/benchmarks.md, "Observations behind the code").
 RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
 SOCKET_PATH_MAX = 107  # sun_path's 108 bytes, less the NUL
 
@@ -248,8 +248,8 @@ class PolicyEngine:
         # Counts whole-weight swaps; every prompt carries it as vLLM's cache_salt, so a swap needs no
         # prefix-cache reset: new requests never match blocks computed by the weights before it, and
         # requests in flight keep their KV instead of being preempted and recomputed (a reset with
-        # running requests preempts them all). On the H200 generation during a cuda_ipc update kept
-        # 98-99% of its tokens/s with it (2026-12-04, docs/gpu.md). An adapter is part of vLLM's own
+        # running requests preempts them all). With it, generation during a cuda_ipc update keeps its
+        # tokens/s (docs/benchmarks.md, "Weight path"). An adapter is part of vLLM's own
         # block hash already.
         self._weights_epoch = 0
         self.packed_name: str | None = None  # table digest of the workers' packed copy (keep_packed), None: none

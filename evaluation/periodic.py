@@ -117,8 +117,8 @@ def _die_with_parent_hook():
 class FollowingChild:
     """The learner's one `parley eval --follow` child: started at the first eval (and again after it
     exits), it keeps its policy engine and loads each version's weights in place, so a version's eval
-    costs its conversations and not an engine start (59-75 s a version on the H200 before, most of it
-    start-up). A reader drains its output all the time (a full pipe would stop it): what it prints
+    costs its conversations and not an engine start (most of a version's eval before: docs/benchmarks.md,
+    "Observations behind the code"). A reader drains its output all the time (a full pipe would stop it): what it prints
     while a job runs goes to that job's eval.log, the rest to `log_path`."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path):

@@ -210,9 +210,9 @@ def cache_release_needed(free_bytes: int, version_bytes: int) -> bool:
     """Under [learner] gpu_cache = "keep_when_room": whether a learner that shares its GPU with the
     actors must still hand its cached blocks back after a step: when the GPU's free memory is under
     RELEASE_VERSIONS copies of a version plus 1 GiB of working room, what actors copying the next
-    version need (at the 4B shape on the H200 the cached peak left 0.9 GiB free, and every actor's copy
-    of 7.5 GiB was refused). Releasing costs every step: the driver frees the blocks and the next step
-    allocates them again (for SmolLM2 on the H200, 1.1-2.2 GiB each step, 2026-12-03..05)."""
+    version need (at the 4B shape the cached peak left too little free for an actor's copy of a
+    version, and every one was refused). Releasing costs every step: the driver frees the blocks and the
+    next step allocates them again (docs/gpu.md, "The memory plan", has the figures)."""
     return free_bytes < RELEASE_VERSIONS * version_bytes + (1 << 30)
 
 
@@ -263,8 +263,8 @@ class Trainer:
             ref = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype, attn_implementation="sdpa")
             attention.use(ref, attn)
             # compiled exactly when the policy is: the same kernels on the same weights give a step-0 KL
-            # of exactly 0 (a compiled reference beside an eager ZeRO-3 policy differed by up to 0.06 in
-            # bf16 log-probs on the H200)
+            # of exactly 0 (a compiled reference beside an eager ZeRO-3 policy differs in bf16 log-probs:
+            # docs/benchmarks.md, "Learner step on the GPU")
             compile_layers(ref, cfg.compile, device, cfg.zero_stage)
             self.reference = ref.to(device).eval().requires_grad_(False)
 
@@ -309,9 +309,9 @@ class Trainer:
         # rank 0's packer of weight buffers for the GPU transports (no file on that path)
         self.sender = transport.sender(weights, device) if self.rank == 0 and transport.gpu else None
         # On a GPU the actors' engines share (cuda_ipc), the memory this step cached is handed back
-        # after it: PyTorch keeps the peak of a step reserved, and on the H200 at the 4B shape that
-        # left 0.9 GiB free, so no actor could copy the next version (7.5 GiB) and every one was
-        # refused. The next step allocates it again (docs/gpu.md, "Train on one GPU"). Under gpu_cache =
+        # after it: PyTorch keeps the peak of a step reserved, and at the 4B shape that left too
+        # little free for an actor to copy the next version, so every one was refused. The next step
+        # allocates it again (docs/gpu.md, "The memory plan"). Under gpu_cache =
         # "keep_when_room" only when the GPU runs short (cache_release_needed).
         self.release_cache = transport.shares_device and getattr(device, "type", str(device)) == "cuda"
         # for the step's model FLOPs (learner.flops): parameters once each (a tied lm_head once; ZeRO-3's
@@ -495,8 +495,8 @@ class Trainer:
     def warm_up(self) -> float:
         """One zero-weighted forward and backward of a small micro-batch (two sequences), run before the
         first step while the learner waits for its first groups: the compiled layers are traced and
-        compiled, and the kernels chosen, off the first step's path (on the H200 the first step of
-        SmolLM2 took 14.8 s against 0.3 s for the next ones). The gradient it leaves is exactly zero
+        compiled, and the kernels chosen, off the first step's path (the first compiled step is many
+        times a later one: docs/benchmarks.md, "Learner step on the GPU"). The gradient it leaves is exactly zero
         and no optimizer step follows, so the first step trains as it would without it. Every rank
         makes it (the ZeRO reductions in backward). Returns its seconds."""
         t0 = time.perf_counter()

@@ -1,8 +1,8 @@
 """Scratch directories that do not outlive their process for long. A process removes its own on the
 way out, but one that is killed (SIGKILL, the OOM killer, a crash of the interpreter) cannot: a
 killed actor leaves its copy of the served weights in the temp directory (a model's size: 8 GB at the
-4B shape in bf16), one more at every crash its supervisor restarts it from (the CI machine held 41
-actor and selfcheck directories of killed processes, 2026-12-05). So each scratch directory
+4B shape in bf16), one more at every crash its supervisor restarts it from (the CI machine's count:
+docs/benchmarks.md, "Observations behind the code"). So each scratch directory
 names its host and process, `parley-<kind>-<host>-<pid>-<label>-<random>`, and making one first
 removes every directory of that kind on this host whose process is gone.
 

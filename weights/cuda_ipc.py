@@ -99,8 +99,9 @@ def views(buffer: Tensor, entries: Iterable[IpcTensor]) -> list[Tensor]:
     """view() of each entry, in one pass: one typed view of the whole buffer per dtype, then one
     as_strided per tensor instead of a slice and two views (each a Python call into torch). A
     version's tensors are viewed on every pack and receive: for the 504 tensors of the 4B shape's
-    rank-16 adapter this takes 1.0 ms against view()'s 3.5 ms on the CI machine (2026-12-04), of an
-    adapter's 0.05 s from step end to added. An entry outside the buffer raises ValueError."""
+    rank-16 adapter this is a few times faster than view() (docs/benchmarks.md, "Weight path"), and it
+    counts against an adapter's 0.05 s goal from step end to added. An entry outside the buffer raises
+    ValueError."""
     import torch
 
     size, base = buffer.numel(), buffer.storage_offset()
@@ -134,8 +135,8 @@ def pack(
 
     Every shape and dtype is checked first, then all tensors go in one multi-tensor copy
     (torch._foreach_copy_): one call, not a Python call and kernel launch per tensor (~400 for the
-    4B shape, ~500 for its rank-16 adapter). On the H200 the copy of the 4B shape takes 0.011 s
-    either way (2026-12-03, docs/gpu.md), so this saves launches, not bandwidth.
+    4B shape, ~500 for its rank-16 adapter). The copy of the 4B shape takes as long either way
+    (docs/benchmarks.md, "Weight path"), so this saves launches, not bandwidth.
 
     `dsts`: views(buffer, layout) made earlier, by a caller that has itself checked that `named`
     has the layout's names, shapes and dtypes in order (IpcPublisher.fill, which keeps both per
@@ -645,13 +646,12 @@ class IpcPublisher:
         """pack without the export: (the buffer now holding `version`, its tensor table with
         checksums), or None when no buffer may be written (the version is skipped, and logged)."""
         # planned at the first fill; later ones compare each tensor's name, shape and dtype with
-        # that plan's (the layout follows from them) and copy into views kept per buffer. For the 504
-        # tensors of the 4B shape's rank-16 adapter on the CI machine, plan() took 0.6 ms and views()
-        # 1.0 ms a version, and 30 fills took about 5 ms less each (median) without them and pack()'s
-        # own checks (2026-12-04), against the adapter's goal of 0.05 s from step end to added
+        # that plan's (the layout follows from them) and copy into views kept per buffer: planning and
+        # viewing the 4B shape's rank-16 adapter anew each version costs milliseconds, against the
+        # adapter's goal of 0.05 s from step end to added (docs/benchmarks.md, "Weight path").
         # Tensors that lie end to end in one storage (the adapter's, under ZeRO-1/2) are planned in that
         # order: with no padding between them the fill is one copy of their span, not one per tensor
-        # (the 504 copies of the 4B shape's adapter took 7-12 ms on the H200, 2026-12-04).
+        # (one copy per tensor was launch-bound on the GPU: docs/benchmarks.md, "Weight path").
         if self.layout is None:
             self._order = one_run(named)
         if self._order is not None:
@@ -711,7 +711,7 @@ class CudaIpc(Transport):
 
     def sender(self, settings, device) -> IpcPublisher:
         # the checksum chosen (the fused kernel compiled and checked) at start, not in the first
-        # version's pack: that took 0.57 s of version 1's 0.59 s on the H200 (2026-12-03)
+        # version's pack, where it was most of version 1's pack (docs/benchmarks.md, "Weight path")
         prepare_checksums(device)
         return IpcPublisher(settings.hold_s, settings.max_buffers)
 

@@ -104,8 +104,8 @@ def encode(base: Tensor, target: Tensor, base_name: str, target_name: str, max_s
 
 # Blocks encoded and applied at a time: the temporaries (int64 positions of the changed words, their
 # int32 differences) are bounded by a chunk's 67M words (about 1.5 GB at most) instead of growing with
-# the delta: a 1.16 GB delta of the 4B shape (lr 1e-5) ran the actor's GPU out of memory applied in
-# one piece beside a learner (bench/weight_path.py --grads, 2026-12-04).
+# the delta: a delta of the 4B shape at lr 1e-5 ran the actor's GPU out of memory when applied in
+# one piece beside a learner (docs/benchmarks.md, "Weight path").
 CHUNK_BLOCKS = 1 << 18
 
 

@@ -44,19 +44,18 @@ from parley.weights.delta import DELTA_FILE
 
 log = logging.getLogger("parley.weights")
 
-# Object-store chunks: big enough that per-message overhead vanishes (150-250 MB/s measured with
-# 1-4 MiB), small enough to stay under the server's max_payload (1 MiB on a stock server).
+# Object-store chunks: big enough that per-message overhead vanishes (docs/benchmarks.md, "Observations
+# behind the code"), small enough to stay under the server's max_payload (1 MiB on a stock server).
 MAX_CHUNK = 4 * 1024 * 1024
 _PAYLOAD_HEADROOM = 16 * 1024
 PUT_WINDOW = 8  # chunk publishes of one upload awaiting their acks at once (_put_object)
 PUT_ACK_S = 30.0  # the longest wait for one chunk's ack before an upload gives up
 
-# Purging an object's chunks (a stream purge filtered to its chunk subject) takes time with its size:
-# 0.33 s for 1 GiB, 0.76 s for 2, 2.5 s for 4 and 3.7 s for 8 GiB (256 to 2,048 chunks of 4 MiB) on the
-# 2-core VM's local disk (2026-12-05); on the H200 machine an 8 GB object's purge outlasted nats.py's
-# 5 s API timeout (2026-12-04). The wait is PURGE_FLOOR_S (twice that 5 s: a small object's purge is
+# Purging an object's chunks (a stream purge filtered to its chunk subject) takes time with its size,
+# and an 8 GB object's purge can outlast nats.py's 5 s API timeout (docs/benchmarks.md, "Weight path",
+# has the figures). The wait is PURGE_FLOOR_S (twice that 5 s: a small object's purge is
 # a round trip, but the server may be busy storing the next version's chunks) plus PURGE_S_PER_GIB per
-# GiB (ten times the VM's 0.46 s/GiB, for a slower or busier disk), at most PURGE_MAX_S: the prune runs
+# GiB (ten times what the 2-core VM's disk took a GiB, for a slower or busier disk), at most PURGE_MAX_S: the prune runs
 # inside the learner's publication, and the next version's publication waits behind it. A purge that
 # still outlasts it is made again at the next prune (_delete_object, _purge_left), so a short wait
 # costs a second purge, never chunks left behind.
@@ -185,8 +184,8 @@ class Objstore(Transport):
                 try:
                     await _delete_object(js, bucket, info)
                 except _DeleteIncomplete as e:
-                    # The version is announced already (purging an 8 GB object's 2,000 chunks outlasted
-                    # nats.py's API timeout on the H200, 2026-12-04).
+                    # The version is announced already (purging an 8 GB object's 2,000 chunks can
+                    # outlast nats.py's API timeout).
                     COUNTERS["weights.prune_failed"] += 1
                     log.warning("pruning %s: %s", info.name, e)
 
@@ -226,7 +225,7 @@ async def _put_object(js, run: str, name: str, data: Path | bytes) -> tuple[str,
     layout (NATS ADR-20, as nats.py's ObjectStore.put writes it: the chunks on a fresh subject, then
     the meta message with a rollup, then the chunks of an older object of that name purged), so any
     client reads it back, ObjectStore.get and _get_object alike. Unlike ObjectStore.put, which waits
-    for each chunk's ack before it reads the next (about 100 MB/s on the 2-core VM), up to
+    for each chunk's ack before it reads the next (docs/benchmarks.md has both rates), up to
     PUT_WINDOW chunks are acked at once, and the next chunk is read and hashed in a thread while
     they are. Chunks go out in order on one connection, so the stream holds them in order. Returns
     (sha256 hex, bytes). A chunk not acked within PUT_ACK_S, or refused, purges what was sent and raises."""
