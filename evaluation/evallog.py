@@ -5,6 +5,7 @@ metrics recomputed, CollabLLM's BLEU from the stored document, stored interactiv
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -42,7 +43,8 @@ _LISTS = {
 _RENAMED = {"Scored": {"weights": "reward_weights"}}
 
 
-def _columns(cls: type, lists: bool = True) -> list:
+@functools.cache  # per Struct type: read and written once per nested Struct of every row
+def _columns(cls: type, lists: bool = True) -> tuple:
     """(field, column, dtype) for each stored field of a Struct: dtype is the packed array's element
     type for a field stored as an Arrow list, else None. lists=False: the layout before, field = column."""
     arrays = _LISTS.get(cls.__name__, {}) if lists else {}
@@ -54,7 +56,7 @@ def _columns(cls: type, lists: bool = True) -> list:
             out.append((f, *arrays[f.encode_name]))
         elif f.encode_name not in replaced:
             out.append((f, renamed.get(f.encode_name, f.encode_name), None))
-    return out
+    return tuple(out)
 
 
 def _to_columns(value, t):
@@ -70,7 +72,7 @@ def _to_columns(value, t):
             for f, column, dtype in _columns(cls):
                 if dtype is not None:
                     packed = value.get(f.encode_name)
-                    out[column] = np.frombuffer(packed, dtype).tolist() if packed else list(value.get(column) or [])
+                    out[column] = np.frombuffer(packed, dtype) if packed else list(value.get(column) or [])
                 elif f.encode_name in value:
                     out[column] = _to_columns(value[f.encode_name], f.type)
             return out
