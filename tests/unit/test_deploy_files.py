@@ -478,3 +478,32 @@ def test_k8s_manifests_pass_kubernetes_validate():
     kv = pytest.importorskip("kubernetes_validate")
     for d in kustomize(K8S):
         kv.validate(d, "1.30.0", strict=True)
+
+
+def test_the_slurm_cleanup_waits_for_a_draining_role_within_grace(tmp_path):
+    """The script's cleanup: SIGTERM, then up to GRACE seconds for the roles to exit (the learner's last
+    upload), SIGKILL only for what is left; a role that drains in 2 s finishes its work."""
+    import sys
+    import time
+
+    text = (DEPLOY / "slurm" / "run.sbatch").read_text()
+    (cleanup,) = re.findall(r"^cleanup\(\) \{.*?^\}", text, re.S | re.M)
+    role = (
+        "import pathlib, signal, sys, time\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "def drain(*a):\n"
+        "    time.sleep(2); (d / 'done').write_text('drained'); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, drain)\n"
+        "(d / 'ready').touch()\n"
+        "time.sleep(60)\n"
+    )
+    (tmp_path / "role.py").write_text(role)
+    script = (
+        f"GRACE=30\n{cleanup}\npids=()\n{sys.executable} {tmp_path}/role.py {tmp_path} &\npids+=($!)\n"
+        f"until [ -f {tmp_path}/ready ]; do sleep 0.1; done\ncleanup\n"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "done").read_text() == "drained"
+    assert time.monotonic() - t0 < 20  # it left once the role had stopped, not after GRACE
