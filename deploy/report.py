@@ -91,10 +91,9 @@ def optim_figure(rows: list[dict], *, title: str):
     fig, axes = _pyplot().subplots(len(panels), 1, figsize=(7, 3.2 * len(panels)), sharex=True, squeeze=False)
     colors = ("tab:blue", "tab:orange")
     for ax, panel in zip(axes[:, 0], panels):
-        for i, (key, label, pts) in enumerate(panel):
-            if not pts:
-                continue
-            target = ax if i == 0 else ax.twinx()
+        drawn = [(i, key, label, pts) for i, (key, label, pts) in enumerate(panel) if pts]
+        for n, (i, key, label, pts) in enumerate(drawn):
+            target = ax if n == 0 else ax.twinx()  # the left axis first, so no axis is left unlabelled
             target.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=colors[i], label=key)
             target.set_ylabel(label, color=colors[i])
             target.tick_params(axis="y", colors=colors[i])

@@ -35,6 +35,9 @@ def test_kl_and_entropy_on_their_own_axes():
 def test_a_panel_without_data_is_left_out():
     fig = report.optim_figure([{"step": 1, "kl_mean": 0.0, "entropy": 2.9}], title="t")
     assert len(fig.get_axes()) == 2
+    # entropy alone (no KL in the rows): on the left axis, labelled, no empty axis beside it
+    [ax] = report.optim_figure([{"step": 1, "entropy": 2.9}], title="t").get_axes()
+    assert ax.get_ylabel().startswith("policy entropy") and ax.get_xlabel() == "training step"
     assert report.optim_figure([{"step": 1, "reward_mean": 0.5}], title="t") is None
 
 
