@@ -296,6 +296,12 @@ class HeartbeatCollector:
     def __init__(self):
         self._lock = threading.Lock()
         self._latest: dict[tuple[str, str], tuple[str, object]] = {}  # (role, id) -> (run, Heartbeat)
+        # set on SIGTERM/SIGINT (runtime.process): the roles drain and their heartbeats stop while the
+        # learner may still upload for minutes; live, not ready, until the process exits
+        self.stopping = False
+
+    def begin_stop(self) -> None:
+        self.stopping = True
 
     def observe(self, run: str, hb) -> None:
         """protocol.status's observer: called in the event loop for every heartbeat sent."""
@@ -340,6 +346,8 @@ class HeartbeatCollector:
         now = time.time() if now is None else now
         with self._lock:
             beats = sorted(self._latest.items())
+        if self.stopping:
+            return True, False, "stopping: draining after a stop signal\n"
         if not beats:
             return True, False, "no heartbeat yet: not connected to NATS\n"
         live, ready, lines = True, True, []

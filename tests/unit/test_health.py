@@ -81,3 +81,14 @@ def test_a_running_role_that_falls_silent_is_not_live():
     # a role still loading its model (state "starting") may block its event loop that long
     c.observe("run1", Heartbeat(role="learner", id="learner", state="starting", created=now - STALE_S - 1))
     assert c.health(now)[:2] == (True, False)
+
+
+def test_a_role_draining_after_a_stop_signal_stays_live_and_is_not_ready():
+    """After SIGTERM the heartbeats end while the learner may still upload for minutes: a liveness
+    probe must not kill it for that."""
+    c = HeartbeatCollector()
+    now = time.time()
+    c.observe("run1", Heartbeat(role="learner", id="learner", state="ready", created=now - 10 * STALE_S))
+    c.begin_stop()
+    live, ready, detail = c.health(now)
+    assert live and not ready and "stopping" in detail
