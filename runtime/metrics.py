@@ -2,8 +2,9 @@
 (protocol.status.send) becomes its latest metrics, so `parley top` and a Prometheus scrape read the
 same numbers, built in one place (each role's `heartbeat()`). `serve(port)` starts the endpoint; the
 `parley <role>` commands call it for `--metrics-port`. The same port answers /healthz and /readyz,
-read from the same heartbeats (HeartbeatCollector.health), for a liveness and a readiness probe. FAMILIES names every series a heartbeat key
-becomes; deploy/grafana/parley.json queries only those (tests/unit/test_metrics_export.py).
+read from the same heartbeats (HeartbeatCollector.health), for a liveness and a readiness probe.
+FAMILIES names every series a heartbeat key becomes; deploy/grafana/parley.json queries only those
+(tests/unit/test_metrics_export.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,11 @@ import yaml
 from parley.deploy.credentials import generate_credentials, k8s_secret, read_env_file
 
 ROOT = Path(__file__).resolve().parents[2]
-SHOW = f"{sys.executable} -c 'import json, os; print(json.dumps({{k: v for k, v in os.environ.items() if k.startswith(\"PARLEY_\")}}))'"
+# a child process printing the PARLEY_ variables it was given
+SHOW = (
+    f"{sys.executable} -c 'import json, os; "
+    'print(json.dumps({k: v for k, v in os.environ.items() if k.startswith("PARLEY_")}))\''
+)
 
 
 def child_env(script: str) -> dict[str, str]:
