@@ -95,7 +95,7 @@ def start_metrics(port: int | None, host: str, who: str) -> None:
             err=True,
         )
         raise typer.Exit(2) from None
-    typer.echo(f"parley {who}: metrics on http://{host}:{bound}/metrics", err=True)
+    typer.echo(f"parley {who}: metrics on http://{host}:{bound}/metrics (and /healthz, /readyz)", err=True)
 
 
 def run_main(entry, *args) -> None:

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import secrets
+import shlex
 from pathlib import Path
 
 from parley.deploy.natsserver import write_private
@@ -77,21 +78,29 @@ def generate_credentials(
     creds = {role: (user_name(run, role), secrets.token_urlsafe(24)) for role in roles}
     write_private(out / "auth.conf", server_auth_conf(creds, run, response_window=response_window))
     for role, (user, password) in creds.items():
-        text = f"PARLEY_NATS_USER={user}\nPARLEY_NATS_PASSWORD={password}\n"
+        env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password}
         if role == "learner" and "eval" in creds:
-            text += f"PARLEY_EVAL_NATS_USER={creds['eval'][0]}\nPARLEY_EVAL_NATS_PASSWORD={creds['eval'][1]}\n"
-        write_private(out / f"{role}.env", text)
+            env |= {"PARLEY_EVAL_NATS_USER": creds["eval"][0], "PARLEY_EVAL_NATS_PASSWORD": creds["eval"][1]}
+        write_private(out / f"{role}.env", env_file_text(env))
     return creds
 
 
+def env_file_text(env: dict[str, str]) -> str:
+    """`export KEY=VALUE` lines: `source FILE` in a shell hands them to the commands it starts (without
+    `export` they stay shell variables), and Docker Compose's env_file reads the same lines. Values
+    are quoted for the shell where they need it (user names and token_urlsafe passwords do not)."""
+    return "".join(f"export {key}={shlex.quote(value)}\n" for key, value in env.items())
+
+
 def read_env_file(path: str | Path) -> dict[str, str]:
-    """KEY=VALUE lines of a <role>.env file, for starting a role with its credentials."""
+    """KEY=VALUE lines of a <role>.env file (`export ` before them or not), for starting a role with
+    its credentials."""
     env = {}
     for line in Path(path).read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            env[key.strip()] = value.strip()
+            key, _, value = line.removeprefix("export ").partition("=")
+            env[key.strip()] = next(iter(shlex.split(value)), "")  # as the shell reads it: quotes removed
     return env
 
 

@@ -67,9 +67,19 @@ def up_cmd(
             help="Environment to train, by entry-point name (overrides env.name; e.g. hidden_goal). Without --config, the environment's preset is laid over the embedded default (before --set).",
         ),
     ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            help="Start the run in this run directory again where it stopped: its config.toml (--set and --steps on top), its NATS store, the learner's ledger and checkpoint.",
+        ),
+    ] = None,
     dry: DryRunOpt = False,
 ) -> None:
     extra = []
+    if resume is not None:
+        config = resume_source(resume, config, run_dir, env)
+        run_dir = resume.resolve()
     if env is not None:
         extra.append(f'env.name="{env}"')
     if steps is not None:
@@ -108,7 +118,23 @@ def up_cmd(
     from parley.deploy.up import up_main
 
     show_live = cfg.up.live and sys.stdout.isatty() if live is None else live
-    run_async_main(up_main, cfg, show_live)
+    run_async_main(up_main, cfg, show_live, resume is not None)
+
+
+def resume_source(run_dir: Path, config: Path | None, other_dir: Path | None, env: str | None) -> Path:
+    """The config file `parley up --resume RUN_DIR` starts from; exit 2 with one line when the
+    directory holds no run or another source of the config is named beside it."""
+    from parley.deploy.up import resume_config_path
+
+    for flag, given in (("--config", config), ("--run-dir", other_dir), ("--env", env)):
+        if given is not None:
+            typer.echo(f"parley up: --resume {run_dir} takes its config from there; drop {flag} {given}", err=True)
+            raise typer.Exit(2)
+    try:
+        return resume_config_path(run_dir)
+    except ValueError as e:
+        typer.echo(f"parley up: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def check_gpu_share(cfg, dry: bool) -> str:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from parley.deploy.common import METRICS_PORT_ENV
-from parley.deploy.credentials import generate_credentials
+from parley.deploy.credentials import generate_credentials, read_env_file
 from parley.evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
 from parley.protocol.connect import PASSWORD_ENV, USER_ENV
 
@@ -154,9 +154,8 @@ def test_compose_roles_get_what_they_read(tmp_path):
             continue
         svc = services[name.split()[1]]
         (env_file,) = [svc["env_file"]] if isinstance(svc["env_file"], str) else svc["env_file"]
-        generated = dict(
-            line.split("=", 1) for line in (tmp_path / Path(env_file).name).read_text().splitlines() if "=" in line
-        )
+        # `export KEY=VALUE` lines: compose's env_file drops the `export` as read_env_file does
+        generated = read_env_file(tmp_path / Path(env_file).name)
         missing = role_env(role) - set(env) - set(generated)
         assert not missing, f"{name} does not get {sorted(missing)}"
         assert env[METRICS_PORT_ENV] in {str(p) for p in svc.get("expose", [])}, (
