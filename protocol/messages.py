@@ -348,6 +348,9 @@ class JudgeRequest(msgspec.Struct, kw_only=True):
     op: str  # one of topology.JUDGE_OPS
     messages: list[ChatMessage]
     seed: int = 0
+    # the first attempt's sampling temperature; -1: the service's own ([judge] temperature). The
+    # scorer's second verdicts ([scorer] audit_temperature) sample where the judge is greedy.
+    temperature: float = -1.0
 
 
 class JudgeReply(msgspec.Struct, kw_only=True):
