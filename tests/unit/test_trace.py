@@ -1,7 +1,8 @@
 """`parley trace TRAJ_ID` on a run directory written the way the learner writes one: samples of the
-embedded default's environment (CollabLLM medium) scored by rollout.score with the judge test double,
-then the learner's own writers (StepLog's trained.jsonl, checkpoint.write_archive, the Ledger).
-The step ledger entry has the shape learner.stepper.Stepper.trained_entry gives it."""
+embedded default (its environment, CollabLLM medium, and its [scorer]) scored by rollout.score with
+a judge test double, then the learner's own writers (StepLog's trained.jsonl,
+checkpoint.write_archive, the Ledger). The step ledger entry has the shape
+learner.stepper.Stepper.trained_entry gives it."""
 
 from __future__ import annotations
 
@@ -10,15 +11,37 @@ import asyncio
 import msgspec
 from typer.testing import CliRunner
 
-from parley.config.scorer import ScorerConfig
+from parley.config.run import load_config
 from parley.deploy.cli import app
 from parley.learner import checkpoint as ckpt
 from parley.learner.steplog import StepLog
-from parley.protocol.messages import ChatMessage
+from parley.protocol.messages import ChatMessage, FutureRollout, JudgeReply
 from parley.rollout.score import score_trajectory
 from tests.factories import JudgeDouble, trajectory, turn
 
-DOC = "A Week in Lisbon. The trams climb the hills at dawn."
+DOC = (
+    "A Week in Lisbon. The trams climb the hills at dawn, and the city wakes slowly around them. "
+    "We walked from Alfama to Belem, ate custard tarts, and watched the river turn gold at night."
+)
+EMBEDDED = load_config()  # the embedded default: char BLEU of the last draft, the rubric by expectation
+
+
+class JudgeExpectedDouble(JudgeDouble):
+    """Test double of the embedded default's judge: `interactivity_expected` answers a level
+    distribution (what a local vLLM judge reads from its log-probs), raw JSON as the judge writes it."""
+
+    async def ask(self, op, messages, *, seed=0):
+        if op != "interactivity_expected":
+            return await super().ask(op, messages, seed=seed)
+        self.calls.append((op, len(messages)))
+        dist = {k: {"2": 0.5, "3": 0.5} for k in ("understanding", "clarification", "suggestions")}
+        raw = '{"understanding": 3, "clarification": 2, "suggestions": 3}'
+        return JudgeReply(ok=True, levels={}, distribution=dist, raw=raw, model="smollm2-judge")
+
+
+def _score(traj):
+    reward = EMBEDDED.env.load().reward
+    return asyncio.run(score_trajectory(traj, JudgeExpectedDouble(), EMBEDDED.scorer, reward=reward, scorer="scorer-a"))
 
 
 def _sample(task_id: str, sample: int, versions=(3, 4), fallback: bool = False):
@@ -46,8 +69,7 @@ def _sample(task_id: str, sample: int, versions=(3, 4), fallback: bool = False):
         seed=11 + sample,
         futures=[],
     )
-    judge = JudgeDouble(document=DOC, raw=lambda doc: f'{{"document": "{doc}"}}')
-    return asyncio.run(score_trajectory(traj, judge, ScorerConfig(), scorer="scorer-a"))
+    return _score(traj)
 
 
 def _run_dir(tmp_path):
@@ -101,10 +123,10 @@ def test_trace_prints_a_trained_samples_lineage(tmp_path):
     assert "[user] lisbon, a week there, the trams" in out
     assert "simulator call 2: said the user is done" in out
     # every judge call with its request's seed and its answer
-    assert "judge calls (model judge-double):" in out
-    assert f"extract on the conversation (seed {s.trajectory.seed}, 1 attempt(s)): ok" in out
-    assert f'answer: {{"document": "{DOC}"}}' in out
-    assert "interactivity on the conversation" in out
+    assert "judge calls (model smollm2-judge):" in out
+    assert f"interactivity_expected on the conversation (seed {s.trajectory.seed}, 1 attempt(s)): ok" in out
+    assert 'answer: {"understanding": 3, "clarification": 2, "suggestions": 3}' in out
+    assert f"document: {DOC}" in out
     # the score term by term, summing to the total
     assert f"score: total {s.total:.6g} (scorer scorer-a)" in out
     for name, w in s.weights.items():
@@ -154,3 +176,40 @@ def test_older_samples_without_recorded_prefix_or_seeds_still_trace(tmp_path):
     assert "prompt (2 message(s) from the task, up to the first generated turn" in out
     assert "seed not recorded" in out
     assert ChatMessage("user", "lisbon, a week there, the trams").content in out
+
+
+def test_a_next_turn_sample_shows_each_future_and_the_judge_call_on_it(tmp_path):
+    """The recipe's unit: one trained turn after the dataset's prefix, scored over sampled futures
+    (actors store each future as the whole branch: the conversation, then its own messages)."""
+    main = [
+        ChatMessage("user", "can you help me with a blog post"),
+        ChatMessage("assistant", "Sure - what is it about?"),
+        ChatMessage("user", "lisbon"),
+        ChatMessage("assistant", "What should it cover?"),
+    ]
+    futures = [
+        FutureRollout(messages=[*main, ChatMessage("user", f"the trams {k}"), ChatMessage("assistant", DOC)])
+        for k in range(2)
+    ]
+    traj = trajectory(
+        task_id="t-0005",
+        messages=main,
+        token_ids=list(range(30)),
+        loss_mask=[0] * 25 + [1] * 5,
+        turns=[turn(25, [-0.5] * 5, version=7)],
+        prefix_messages=3,
+        mode="next_turn",
+        futures=futures,
+        terminated="max_new_turns",
+    )
+    s = _score(traj)
+    ckpt.write_archive(tmp_path, 8, [s], [])
+    StepLog(tmp_path, tensorboard=False).write(8, {}, {"version": 8, "traj_ids": [s.traj_id], "not_trained": {}})
+    out = _trace(tmp_path, "t-0005/0").output
+    assert "prompt (3 message(s) from the task" in out
+    assert "3 policy version 7: 5 tokens, finish stop" in out
+    assert "future 1 (scored, not trained" in out
+    assert "simulator: [user] the trams 1" in out
+    assert out.count("simulator: [user] can you help") == 0  # the branch's shared part is not repeated
+    assert "interactivity_expected on future 0" in out and "interactivity_expected on future 1" in out
+    assert "TRAINED by optimizer step 8 (against version 7" in out
