@@ -1,5 +1,5 @@
 """Commands owned by deploy/: `parley nats` and `parley selfcheck`; and the registry of all roles
-(and of `parley auth`, deploy/cli_auth.py)."""
+(and of `parley auth`, deploy/cli_auth.py; `parley trace`, deploy/cli_trace.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def register(app: typer.Typer) -> None:
         "parley.deploy.cli_learner",
         "parley.deploy.up_cli",
         "parley.deploy.cli_auth",
+        "parley.deploy.cli_trace",
     ):
         try:
             mod = __import__(module, fromlist=["register"])

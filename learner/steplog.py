@@ -13,6 +13,8 @@ from pathlib import Path
 
 from parley.learner.checkpoint import truncate_jsonl
 
+TRAINED_FILE = "trained.jsonl"  # in the run directory; `parley trace` reads it too
+
 # where a step's train_s goes, host seconds, each a metric of the step (learner.trainer train_step):
 # building each micro-batch and its forward, loss and loss statistics (these read values back, so the
 # forward's GPU work is inside); backward; reading the micro-batch's statistics back (waits for the
@@ -38,7 +40,7 @@ class StepLog:
             tracker.axis("eval/*", "eval/version")  # an eval finishes steps after its version was trained
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
-        self.trained_path = self.dir / "trained.jsonl"
+        self.trained_path = self.dir / TRAINED_FILE
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -420,6 +420,7 @@ async def _run(p: _Player, task: Task, sample: int, policy: PolicySettings, t0: 
         timings={**{k: round(v, 4) for k, v in p.timings.items()}, "total": round(time.perf_counter() - t0, 4)},
         created=time.time(),
         adapter=p.engine.adapter_name(p.pinned) if p.pinned is not None else "",
+        prefix_messages=len(task.prefix) + bool(task.system_prompt),  # run_conversation's opening
     )
     return traj
 

@@ -117,6 +117,46 @@ FAMILIES: tuple[Family, ...] = (
     _f(
         "parley_scorer_waits_total", r"(?P<service>judge|reference)_wait", "Waits for an unreachable service.", "scorer"
     ),
+    # the judge's reliability (rewards.reliability, [scorer] audit_*)
+    _f(
+        "parley_scorer_judge_agreement",
+        r"judge_audit\.agreement",
+        "Share of second verdicts within audit_tolerance of the first (recent window).",
+        "scorer",
+    ),
+    _f(
+        "parley_scorer_judge_metric_agreement",
+        r"judge_audit\.agreement\.(?P<metric>[a-z0-9_]+)",
+        "Judge agreement of one judge metric (recent window).",
+        "scorer",
+    ),
+    _f(
+        "parley_scorer_judge_drift",
+        r"judge_audit\.drift",
+        "Judge agreement on the newest policy version's samples minus on the oldest's.",
+        "scorer",
+    ),
+    _f("parley_scorer_judge_gap", r"judge_audit\.gap", "Mean first minus second verdict (recent window).", "scorer"),
+    _f(
+        "parley_scorer_judge_flagged",
+        r"judge_audit\.flagged",
+        "1 while judge agreement is below audit_min_agreement.",
+        "scorer",
+    ),
+    _f("parley_scorer_judge_flags_total", r"judge_audit\.flags", "Times judge agreement fell below the bar.", "scorer"),
+    _f("parley_scorer_judge_audits_total", r"judge_audit\.audited", "Trajectories given a second verdict.", "scorer"),
+    _f(
+        "parley_scorer_judge_audit_failures_total",
+        r"judge_audit\.failed",
+        "Second verdicts that could not be had (not retried).",
+        "scorer",
+    ),
+    _f(
+        "parley_scorer_judge_tie_share",
+        r"judge\.tie_share",
+        "Share of same-group sample pairs whose judge metrics tie (no advantage between them).",
+        "scorer",
+    ),
     # services: sim, judge, reference (engines/service.py and each service's handler)
     _f(
         "parley_service_requests_total",
