@@ -228,3 +228,52 @@ async def test_no_role_can_make_the_server_publish_or_capture_for_it(server, rol
     finally:
         await attacker.close()
         await admin.close()
+
+
+class CountingFollower:
+    """Test double around the real WeightFollower: counts the key reads (check) instead of loading."""
+
+    @staticmethod
+    def make(js):
+        from types import SimpleNamespace
+
+        from parley.actors.follow import WeightFollower
+
+        class Counting(WeightFollower):
+            checks = 0
+
+            async def check(self) -> bool:
+                type(self).checks += 1
+                return False
+
+        return Counting(js, RUN, SimpleNamespace(version=0), dest_root="/nonexistent", poll_s=60.0)
+
+
+async def test_an_actor_hears_a_new_weights_announcement_without_a_watcher(server, caplog):
+    """The follower no longer makes a KV watcher (an ordered push consumer, refused to the actor now):
+    the learner's put of the key wakes it as a core message, long before its poll (60 s here)."""
+    actor, learner = await server.connect("actor"), await server.connect("learner")
+    stop = asyncio.Event()
+    try:
+        follower = CountingFollower.make(actor.jetstream())
+        task = asyncio.create_task(follower.run_until(stop))
+        for _ in range(50):  # the first read, and the watchers' subscriptions in place
+            await asyncio.sleep(0.05)
+        await barrier(actor)
+        assert type(follower).checks == 1
+        kv = await learner.jetstream().key_value(topology.kv_bucket(RUN))
+        for key in (topology.WEIGHTS_KEY, topology.WEIGHTS_EARLY_KEY):
+            seen = type(follower).checks
+            await kv.put(key, b"announcement")
+            for _ in range(40):
+                if type(follower).checks > seen:
+                    break
+                await asyncio.sleep(0.05)
+            assert type(follower).checks == seen + 1, key
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        assert not [r for r in caplog.records if "permissions violation" in r.getMessage().lower()]
+    finally:
+        stop.set()
+        await actor.close()
+        await learner.close()
