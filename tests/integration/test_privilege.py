@@ -277,3 +277,41 @@ async def test_an_actor_hears_a_new_weights_announcement_without_a_watcher(serve
         stop.set()
         await actor.close()
         await learner.close()
+
+
+async def test_a_service_answers_only_into_an_inbox(server, caplog):
+    """A service may answer any reply subject once (allow_responses): a requester that names a run's
+    SCORED or DEAD (or another run's) as its reply would have the service publish there for it. The
+    service answers inboxes only; the honest request still gets its answer."""
+    from parley.engines.service import Service
+
+    async def echo(data: bytes) -> bytes:
+        return data
+
+    sim, actor, admin = await server.connect("sim"), await server.connect("actor"), await server.connect("admin")
+    service = Service(sim, {topology.SIM_SUBJECT: echo}, queue=topology.SIM_QUEUE, concurrency=2)
+    await service.start()
+    try:
+        landed = []
+
+        async def on_target(msg):
+            landed.append(msg.subject)
+
+        targets = [t for t in _targets() if t != topology.SIM_SUBJECT]
+        for target in targets:
+            await admin.subscribe(target, cb=on_target)
+        await barrier(admin)
+        before = await _snapshot(admin.jetstream())
+        payload = codec.encode(factories.scored(examples.trajectory(RUN, task_id="via-sim"), {"bleu": 1.0}))
+        for target in targets:
+            await actor.publish(topology.SIM_SUBJECT, payload, reply=target)
+        honest = await actor.request(topology.SIM_SUBJECT, b"hello", timeout=5)
+        assert honest.data == b"hello"
+        await asyncio.sleep(1.0)
+        assert landed == []
+        assert await _snapshot(admin.jetstream()) == before
+        assert sum("not an inbox" in r.getMessage() for r in caplog.records) == len(targets)
+    finally:
+        await service.stop(grace_s=2)
+        for nc in (sim, actor, admin):
+            await nc.close()
