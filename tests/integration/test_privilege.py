@@ -315,3 +315,43 @@ async def test_a_service_answers_only_into_an_inbox(server, caplog):
         await service.stop(grace_s=2)
         for nc in (sim, actor, admin):
             await nc.close()
+
+
+async def test_api_answers_sent_into_a_channel_are_never_a_message(server):
+    """The one path permissions do not close: the reply subject of a JetStream API request is not
+    checked, so a role may have the server publish its answer onto a channel subject. A direct get
+    answers with the stored message's raw bytes (a forged Scored in the held KV, which the actor may
+    write), and on this server it never lands; the other answers are JSON, which lands but no
+    channel decoder accepts (the consumer dead-letters it as undecodable): noise, never a message."""
+    actor, admin = await server.connect("actor"), await server.connect("admin")
+    try:
+        ajs = admin.jetstream()
+        held, held_stream = topology.held_bucket(RUN), f"KV_{topology.held_bucket(RUN)}"
+        forged = codec.encode(factories.scored(examples.trajectory(RUN, task_id="via-api"), {"bleu": 1.0}))
+        await actor.jetstream().publish(f"$KV.{held}.via-api", forged)
+        keys = ("scored", "dead", "tasks")
+        channels = [(run, key) for run in (RUN, OTHER) for key in keys]
+        counts = {c: (await ajs.stream_info(topology.stream_name(*c))).state.last_seq for c in channels}
+        for run, key in channels:
+            reply = topology.subject(run, key)
+            requests = [
+                (f"{API}.DIRECT.GET.{held_stream}", json.dumps({"last_by_subj": f"$KV.{held}.via-api"}).encode()),
+                (f"{API}.DIRECT.GET.{held_stream}.$KV.{held}.via-api", b""),
+                (f"{API}.STREAM.MSG.GET.{held_stream}", json.dumps({"last_by_subj": f"$KV.{held}.via-api"}).encode()),
+                (f"{API}.STREAM.INFO.{held_stream}", b""),
+            ]
+            for subject, body in requests:
+                await actor.publish(subject, body, reply=reply)
+        await barrier(actor)
+        await asyncio.sleep(1.0)
+        for run, key in channels:
+            name = topology.stream_name(run, key)
+            last = (await ajs.stream_info(name)).state.last_seq
+            for seq in range(counts[(run, key)] + 1, last + 1):
+                data = (await ajs.get_msg(name, seq)).data
+                assert data != forged, f"the raw forged message landed in {name}"
+                with pytest.raises(Exception):  # noqa: B017 - any decode error: not a message of the channel
+                    codec.decode(key, data)
+    finally:
+        await actor.close()
+        await admin.close()
