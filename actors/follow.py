@@ -456,24 +456,21 @@ class WeightFollower:
         return False
 
     async def _watch(self, stop: asyncio.Event, key: str) -> None:
-        # The watcher only wakes the poll loop early; reading and loading happen in one place.
+        # The put of an announcement only wakes the poll loop early; reading and loading happen in one
+        # place. A core subscription to the key's subject, not a KV watcher: a watcher is an ordered
+        # push consumer, which no workload role may create (deploy/permissions.py). A put missed while
+        # reconnecting is caught by the poll.
+        async def wake(_msg) -> None:
+            self._wake.set()
+
         while not stop.is_set():
             try:
-                kv = await self.js.key_value(topology.kv_bucket(self.run))
-                watcher = await kv.watch(key, include_history=False)
+                sub = await self.js._nc.subscribe(topology.weights_key_subject(self.run, key), cb=wake)
                 try:
-                    while not stop.is_set():
-                        try:
-                            entry = await watcher.updates(timeout=max(self.poll_s, 1.0))
-                        except Exception as e:  # noqa: BLE001 - nats TimeoutError: nothing new
-                            if type(e).__name__ != "TimeoutError":
-                                raise
-                            continue
-                        if entry is not None:
-                            self._wake.set()
+                    await stop.wait()
                 finally:
                     with contextlib.suppress(Exception):
-                        await watcher.stop()
+                        await sub.unsubscribe()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the poll loop covers us meanwhile

@@ -5,6 +5,7 @@ Secret made of them. `parley up`, `parley auth` and the deploy files (docs/opera
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -16,11 +17,56 @@ from parley.deploy.natsserver import write_private
 from parley.deploy.permissions import ROLES, response_window_s, role_permissions, user_name
 from parley.protocol import topology
 
+# nats-server stores a password as a bcrypt hash and checks the client's plaintext against it (each
+# connect costs the server one hash: 2^cost rounds, about 0.1 s at 10).
+BCRYPT_COST = 10
+
+
+@functools.lru_cache(maxsize=256)
+def hash_password(password: str, cost: int = BCRYPT_COST) -> str:
+    """A bcrypt hash of `password` ($2b$<cost>$...) for auth.conf: the `bcrypt` package if installed,
+    else the system's libcrypt (libxcrypt, present on glibc systems), through ctypes. Remembered per
+    password, so writing auth.conf and the server's config from the same credentials hashes once."""
+    try:
+        import bcrypt  # not a dependency: used when an operator has it
+    except ImportError:
+        bcrypt = None
+    if bcrypt is not None:
+        return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=cost)).decode()
+    lib = _libcrypt()
+    salt = lib.crypt_gensalt(b"$2b$", cost, None, 0)
+    hashed = lib.crypt(password.encode(), salt) if salt else None
+    if not hashed or not hashed.startswith(b"$2b$"):
+        raise RuntimeError(
+            "the system's libcrypt cannot make bcrypt hashes; install the bcrypt package (pip install bcrypt) "
+            "to write auth.conf"
+        )
+    return hashed.decode()
+
+
+def _libcrypt():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("crypt")
+    if name is None:
+        raise RuntimeError(
+            "no bcrypt for auth.conf: neither the bcrypt package nor libcrypt is installed; "
+            "pip install bcrypt (or install libcrypt1)"
+        )
+    lib = ctypes.CDLL(name)
+    lib.crypt_gensalt.restype = ctypes.c_char_p
+    lib.crypt_gensalt.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p, ctypes.c_int]
+    lib.crypt.restype = ctypes.c_char_p
+    lib.crypt.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    return lib
+
 
 def server_auth_conf(
     creds: dict[str, tuple[str, str]], run: str | None = None, *, response_window: float | None = None
 ) -> str:
-    """The `authorization { users = [...] }` block for nats-server, one user per role of `creds`.
+    """The `authorization { users = [...] }` block for nats-server, one user per role of `creds`, each
+    password stored as its bcrypt hash.
 
     `run` defaults to the run named in the user names that generate_credentials made;
     `response_window` (seconds a service may take to answer) to response_window_s() of the defaults.
@@ -42,7 +88,9 @@ def server_auth_conf(
             # One reply per request, allowed for the whole window (not the server's default 2 minutes).
             body["allow_responses"] = {"max": 1, "expires": f"{math.ceil(window)}s"}
         # JSON strings are valid nats-server config strings; quoting keeps `$JS...` from reading as a variable.
-        fields = f"user: {json.dumps(user)}, password: {json.dumps(password)}, permissions: {json.dumps(body)}"
+        # Only the hash: the plaintext lives in <role>.env, which the server never reads.
+        hashed = hash_password(password)
+        fields = f"user: {json.dumps(user)}, password: {json.dumps(hashed)}, permissions: {json.dumps(body)}"
         users.append(f"    {{{fields}}}")
     return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
 
