@@ -160,7 +160,7 @@ class Weights:
             # eval exports this version next or it was held back (then no announcement comes soon)
             write = None
             try:
-                snap = await asyncio.to_thread(self.driver, "adapter_snapshot")
+                snap = await asyncio.to_thread(self.driver.adapter_snapshot)
                 if write_now or self.held is not None:
                     await asyncio.to_thread(self._write_adapter, snap, version)
                 else:
@@ -170,7 +170,7 @@ class Weights:
                     files.set_result(write)
             return self.held is None
         if self.base:  # [learner.lora]: only the adapter travels
-            snap = await asyncio.to_thread(self.driver, "adapter_snapshot")
+            snap = await asyncio.to_thread(self.driver.adapter_snapshot)
             wdir = ckpt.weights_dir(self.run_dir, version)
             await asyncio.to_thread(lora.write_adapter, *snap, wdir)
             self.publisher.submit(
@@ -196,7 +196,7 @@ class Weights:
             # full file from the buffers (learner.weights_io.PackedSnapshot). Deltas are counted here, in
             # step order (uploads finish later): one version in full_every goes out full only.
             share = self.settings.delta_max_share if registry.wants_delta(self.settings, self._since_packed) else None
-            table, snap = await asyncio.to_thread(self.driver, "pack_versions", version, share)
+            table, snap = await asyncio.to_thread(self.driver.pack_versions, version, share)
             packed = (table, snap.pending)
             if snap.pending.pack_waited_s > 0.05:  # the version before was still being read from its buffer
                 self.publisher.counters["packed_waited"] += 1
@@ -208,7 +208,7 @@ class Weights:
                 )
             self._since_packed = self._since_packed + 1 if snap.pending.base_version is not None else 0
         else:
-            snap = await asyncio.to_thread(self.driver, "weights_snapshot")
+            snap = await asyncio.to_thread(self.driver.weights_snapshot)
         wdir = ckpt.weights_dir(self.run_dir, version)
         if write_now:
             await asyncio.to_thread(snap.write, wdir)
@@ -230,7 +230,7 @@ class Weights:
         is still held back (the loop waits no longer than that), else None."""
         if self.held is None:
             return None
-        wait = await asyncio.to_thread(self.driver, "weights_writable_in")
+        wait = await asyncio.to_thread(self.driver.weights_writable_in)
         if wait > 0:
             return wait
         version, self.held = self.held, None
@@ -253,12 +253,12 @@ class Weights:
         may be written (nothing was packed). `files` (an adapter): resolves to what writes the version's
         files after its announcement, or None when they are written already."""
         if self.base:
-            source, conf = await asyncio.to_thread(self.driver, "pack_adapter", version)
+            source, conf = await asyncio.to_thread(self.driver.pack_adapter, version)
             if source is None:
                 return False
             self.publisher.submit(Publication(version, lambda: self.announce_adapter_gpu(version, source, conf, files)))
             return True
-        source = await asyncio.to_thread(self.driver, "pack_weights", version)
+        source = await asyncio.to_thread(self.driver.pack_weights, version)
         if source is None:
             return False
         self.publisher.submit(Publication(version, lambda: self.announce_gpu(version, source)))
@@ -288,7 +288,7 @@ class Weights:
         """A GPU transport: write `version` to its weights directory as the file transports do, for
         the periodic eval's export (evaluation.periodic, learner.checkpoint.export_version), also when
         no buffer was free for it; the oldest are pruned as the file transports' are."""
-        snap = await asyncio.to_thread(self.driver, "weights_snapshot")
+        snap = await asyncio.to_thread(self.driver.weights_snapshot)
         await asyncio.to_thread(snap.write, ckpt.weights_dir(self.run_dir, version))
         await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
 

@@ -182,7 +182,7 @@ class Learner:
             if not st.last():  # the feeder and consumers already run: actors get tasks meanwhile
                 log.info(
                     "warm-up before the first step: %.1f s (a zero-weighted forward and backward)",
-                    await asyncio.to_thread(self.driver, "warm_up"),
+                    await asyncio.to_thread(self.driver.warm_up),
                 )
             while not stop.is_set() and not st.last():
                 for t in background:
@@ -279,7 +279,7 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
             return await learner.run(stop)
         finally:
             if driver is not None:
-                driver("stop")
+                driver.stop()
 
 
 def follower(cfg: RunConfig) -> None:

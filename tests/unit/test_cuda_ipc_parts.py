@@ -19,6 +19,7 @@ from parley.weights import common, cuda_ipc, registry
 from parley.weights.common import WeightUnavailable
 from parley.weights.config import CudaIpcWeights
 from parley.weights.cuda_ipc import IpcPublisher
+from tests.driver_double import DriverDouble
 
 
 def named() -> list[tuple[str, torch.Tensor]]:
@@ -426,7 +427,9 @@ def test_a_version_whose_buffers_are_all_held_is_counted_and_never_announced(tmp
         return packs[version]
 
     feeder, publisher = FeederDouble(), Publisher()
-    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, feeder)
+    weights = Weights(
+        LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, DriverDouble.of(driver), publisher, feeder
+    )
     assert asyncio.run(weights.publish(3)) is False
     assert calls == [("pack_weights", 3)] and not publisher.busy() and feeder.version is None
     assert publisher.counters["skipped_held"] == 1 and publisher.counters["published"] == 0
@@ -460,7 +463,9 @@ def test_a_version_skipped_for_held_buffers_is_published_once_a_buffer_frees_wit
         return "source" if state["free"] else None
 
     publisher = PublisherDouble()
-    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, None)
+    weights = Weights(
+        LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, DriverDouble.of(driver), publisher, None
+    )
     assert asyncio.run(weights.retry_held()) is None and calls == []  # nothing held back: no trainer call
     assert asyncio.run(weights.publish(3)) is False
     assert asyncio.run(weights.retry_held()) == 1.5  # still held: not packed, the loop waits that long at most
@@ -540,7 +545,9 @@ def test_the_last_version_skipped_for_held_buffers_is_published_before_the_learn
         return "source" if left <= 0 else None
 
     publisher = PublisherDouble()
-    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, None)
+    weights = Weights(
+        LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, DriverDouble.of(driver), publisher, None
+    )
     assert asyncio.run(weights.publish(30)) is False
     assert asyncio.run(weights.flush_held(2.0)) is True and publisher.submitted == [30]
     free_at[0] = float("inf")  # every buffer being sent from, for good
@@ -604,7 +611,16 @@ def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_a
 
     publisher, feeder = PublisherDouble(), FeederDouble()
     weights = Weights(
-        LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, feeder, adapter_base="b" * 32
+        LearnerConfig(),
+        CudaIpcWeights(),
+        None,
+        None,
+        "r",
+        tmp_path,
+        DriverDouble.of(driver),
+        publisher,
+        feeder,
+        adapter_base="b" * 32,
     )
 
     async def publish_and_announce(version, **kw):

@@ -13,6 +13,7 @@ import pytest
 from parley.learner import checkpoint as ckpt
 from parley.learner.publication import Weights
 from parley.weights.config import CudaIpcWeights, NcclWeights
+from tests.driver_double import DriverDouble
 
 
 class SnapshotDouble:
@@ -28,7 +29,7 @@ class SnapshotDouble:
         return out
 
 
-class DriverDouble:
+class TrainerDriverDouble(DriverDouble):
     """learner.ranks.Driver's calls that publish makes: pack_weights (the GPU transport's pack: a
     source to announce, or None when every buffer is held) and weights_snapshot."""
 
@@ -67,7 +68,7 @@ def run_dir_with_base(tmp_path):
 @pytest.mark.parametrize("held", [False, True], ids=["packed", "every-buffer-held"])
 async def test_a_gpu_transport_writes_the_versions_an_eval_needs(tmp_path, settings, held):
     run_dir = run_dir_with_base(tmp_path)
-    driver, publisher = DriverDouble(held), PublisherDouble()
+    driver, publisher = TrainerDriverDouble(held), PublisherDouble()
     w = Weights(SimpleNamespace(keep_versions=3), settings, None, None, "r", run_dir, driver, publisher, feeder=None)
 
     assert await w.publish(1) is not held  # no eval due: packed only, nothing on disk
