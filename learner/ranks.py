@@ -18,7 +18,7 @@ from parley.learner.trainer import Trainer
 
 if TYPE_CHECKING:
     from parley.learner.packing import Sample
-    from parley.learner.weights_io import WeightSnapshot
+    from parley.weights.snapshot import WeightSnapshot
 
 # Every rank has just replayed "stop" when it reaches the last barrier: one still missing after this is
 # gone or stuck (and would otherwise hold the others until DeepSpeed's process-group timeout, 10 minutes).

@@ -16,12 +16,12 @@ from parley.learner import envrecord
 from parley.learner.feeder import Feeder
 from parley.learner.groups import Grouper, Taken, behaviour_logprobs
 from parley.learner.intake import Intake
-from parley.learner.publication import Weights
 from parley.learner.runstate import RunState
 from parley.learner.steplog import StepLog
 from parley.learner.watchers import Evals
 from parley.protocol import arrays, codec, topology
 from parley.protocol.bus import dead_letter, retry_unreachable
+from parley.weights.publish import Weights
 
 log = logging.getLogger("parley.learner")
 

@@ -55,7 +55,7 @@ def scored_for(task: Task, sample: int, *, flat: bool = False, pad: int = 0) -> 
 
 
 class SnapshotDouble:
-    """Stands in for learner.weights_io.WeightSnapshot: writes a few bytes as model.safetensors.
+    """Stands in for weights.snapshot.WeightSnapshot: writes a few bytes as model.safetensors.
     Writing the weights directory of version `hold` blocks until `release` is set."""
 
     def __init__(self, data: bytes, trainer: TrainerDouble):
