@@ -277,7 +277,7 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
             js = conns["actor"].jetstream()
             wv = await current_version(js, run)
             weights = await fetch_version(js, run, wv, tmp_path / "actor-weights")
-            kv = await js.key_value(topology.kv_bucket(run))  # actors also watch the key (actors/follow.py)
+            kv = await js.key_value(topology.kv_bucket(run))  # actors also watch the key (weights/follow.py)
             watcher = await kv.watch(topology.WEIGHTS_KEY, include_history=False)
             got["watched"] = codec.decode("weights", (await watcher.updates(timeout=5)).value).version
             await watcher.stop()
