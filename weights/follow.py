@@ -23,6 +23,7 @@ import contextlib
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -74,13 +75,14 @@ class WeightFollower:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()  # set (and replaced) when what is served changes or a version is refused
-        self.served_dir: Path | None = Path(base_dir) if base_dir else None  # the weights loaded now
-        self.served_gpu: WeightVersion | None = None  # ... or the GPU-transport version loaded now
+        self.served_dir: Path | None = Path(base_dir) if base_dir else None  # the files loaded now (or last)
+        # how to load again what is served now, after a load failed half-way: set by the payload kind
+        # that loaded it (weights.payloads); at first, the files the engine started from
+        self.put_back: Callable[[], Awaitable[None]] = self.reload_served_dir
         # [weights] delta_format = "packed": (version, table digest) of the packed version served now (its
-        # early and full announcements name it by different sha256s), whether the engine's packed copy
-        # is what it serves from, and the versions whose packed delta failed (their full copy is fetched)
+        # early and full announcements name it by different sha256s), and the versions whose packed
+        # delta failed (their full copy is fetched)
         self._serving_packed: tuple[int, str] | None = None
-        self.served_packed = False
         self.delta_failed: set[tuple[int, str]] = set()
         self._bad_revision = 0
         self._base_dir = Path(base_dir) if base_dir else None  # the base an adapter version must name
@@ -205,23 +207,18 @@ class WeightFollower:
         # A load that failed half-way may have replaced some tensors already: serving on
         # without reloading what we had would stamp turns of a mixed model with the old version.
         try:
-            if self.served_packed:  # served from the engine's packed copy, which still holds it
-                await self.engine.restore_packed(self.engine.version)
-                return
-            if self.served_gpu is not None:
-                # the learner may have overwritten that buffer since: then its checksums refuse it
-                served = self.served_gpu
-                source = registry.get(served.transport).source(served)
-                await self.engine.load_gpu(codec.encode(served), hold_s=source.hold_s, version=self.engine.version)
-                return
-            if self.served_dir is None:
-                raise RuntimeError("no record of the served weights")
-            await self.engine.reload_weights(self.served_dir, version=self.engine.version)
+            await self.put_back()
         except Exception as e:
             raise WeightsBroken(
                 f"weights version {wv.version} failed to load ({type(error).__name__}: {error}) and the served "
                 f"weights could not be restored ({e}); stopping rather than serve a mixed model"
             ) from e
+
+    async def reload_served_dir(self) -> None:
+        """Reload the served files (the engine's start, or the file version loaded last)."""
+        if self.served_dir is None:
+            raise RuntimeError("no record of the served weights")
+        await self.engine.reload_weights(self.served_dir, version=self.engine.version)
 
     def gpu_failed(self, wv: WeightVersion, reason: str, passes: bool) -> bool:
         """A GPU-transport load that failed is tried again at the next polls, with back-off (poll_s x 2^k,

@@ -209,8 +209,7 @@ class Full(_Files):
             return f.refuse(wv, f"reload failed: {type(e).__name__}: {e}", dest)
         log.info("now serving weights version %d (was %d, step %d)", wv.version, old, wv.step)
         f.served_now(wv)
-        f.served_gpu = None
-        f.served_packed = False
+        f.put_back = f.reload_served_dir
         if (
             packed_on(f.settings, f.engine) and wv.packed
         ):  # the next version's packed delta applies to a copy of this one
@@ -324,8 +323,8 @@ class PackedDelta(Full):
             delta.bytes / 1e6,
         )
         f.served_now(wv)
-        f.served_gpu = None
-        f.served_packed = True
+        # the engine's packed copy still holds it
+        f.put_back = lambda: f.engine.restore_packed(f.engine.version)
         return True
 
 
@@ -444,8 +443,15 @@ class GpuWeights(_Gpu):
         f.failing.pop(wv.version, None)
         log.info("now serving weights version %d (was %d, step %d, %s)", wv.version, old, wv.step, wv.transport)
         f.served_now(wv)
-        f.served_gpu = wv
+        f.put_back = partial(self.load_again, f, wv)
         return True
+
+    @staticmethod
+    async def load_again(f: WeightFollower, wv: WeightVersion) -> None:
+        """Put back `wv`, served from its buffer: the learner may have overwritten that buffer since,
+        then its checksums refuse it."""
+        source = registry.get(wv.transport).source(wv)
+        await f.engine.load_gpu(codec.encode(wv), hold_s=source.hold_s, version=f.engine.version)
 
 
 class AdapterGpu(_Gpu):

@@ -33,7 +33,7 @@ class EngineDouble:
 
     async def load_gpu(self, announcement, hold_s, version):
         self.calls.append(("gpu", version))
-        if "gpu" in self.fail:
+        if "gpu" in self.fail and version != self.version:  # putting back the one served passes
             raise self.fail["gpu"]
         self.version = version
 
@@ -131,3 +131,13 @@ async def test_a_gpu_buffer_version_that_fails_is_refused_or_tried_again(tmp_pat
     if not refused:  # its back-off waited out, the next try loads it
         f.retry_at.clear()
         assert await f._load(gpu_version(2)) and engine.version == 2 and 2 not in f.failing
+
+
+async def test_a_gpu_load_that_fails_half_way_puts_back_the_gpu_version_served(tmp_path):
+    """Served from a GPU buffer: what is put back is that version's buffer (its checksums refuse it
+    if the learner has overwritten it since), not the files the engine started from."""
+    f, engine = follower(tmp_path)
+    assert await f._load(gpu_version(2)) and engine.version == 2
+    engine.fail["gpu"] = TimeoutError("past its hold time")
+    assert not await f._load(gpu_version(3))
+    assert engine.calls == [("gpu", 2), ("gpu", 3), ("gpu", 2)] and engine.version == 2 and 3 in f.failing
