@@ -9,8 +9,10 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def version_dir(root: Path, version: int) -> Path:

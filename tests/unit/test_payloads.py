@@ -77,3 +77,19 @@ def test_the_actor_side_takes_its_kind_from_the_announcement(wv, settings, engin
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
 def test_every_kind_has_a_publish_half_and_a_load_half(kind):
     assert kind.publish is not payloads.Payload.publish and kind.load is not payloads.Payload.load
+
+
+def test_the_weight_paths_ends_load_without_torch():
+    """The learner's control half (learner.checkpoint, the publication) and the actor's follower import
+    weights/ without torch: torch comes in only where weights are taken, packed or loaded."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys; import parley.learner.checkpoint, parley.weights.publish, parley.weights.follow; "
+        "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60).stdout
+    assert out.strip() == "[]", out
