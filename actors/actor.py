@@ -16,7 +16,6 @@ import shutil
 import time
 from collections import Counter
 
-from parley.actors.follow import WeightFollower, WeightsBroken
 from parley.config.run import RunConfig
 from parley.environments.base import Environment, LocalUser, ProgrammaticUser
 from parley.protocol import bus, status
@@ -24,6 +23,7 @@ from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Task
 from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
 from parley.rollout.sim import SimClient
 from parley.runtime.scratch import scratch_dir
+from parley.weights.follow import WeightFollower, WeightsBroken
 
 # How long a task admitted at a version the engine does not serve yet waits for that version to load.
 ADMITTED_VERSION_WAIT_S = 120.0

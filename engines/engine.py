@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parley.engines.worker import REFUSED, STAGED_ADAPTER_PATH
+from parley.weights.worker import REFUSED, STAGED_ADAPTER_PATH
 
 MiB = 1 << 20
 
@@ -134,7 +134,7 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         logprobs_mode="processed_logprobs" if settings.sampled_logprobs else "raw_logprobs",
         disable_log_stats=True,
         # adds parley_reload_weights to vLLM's workers (resolved by name in the workers)
-        worker_extension_cls="parley.engines.worker.WorkerExtension",
+        worker_extension_cls="parley.weights.worker.WorkerExtension",
     )
     if settings.kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_bytes)

@@ -390,7 +390,7 @@ def weights_swap_key(model: str | os.PathLike) -> str | None:
     if not (d / "config.json").is_file():
         return None
     # Through transformers' config class: save_pretrained writes only what differs from the defaults,
-    # the learner's weight files the whole config (learner/weights_io.py), and both mean the same model.
+    # the learner's weight files the whole config (weights/snapshot.py), and both mean the same model.
     from transformers import AutoConfig
 
     full = AutoConfig.from_pretrained(str(d)).to_dict()

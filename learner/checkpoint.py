@@ -22,6 +22,7 @@ import msgspec
 
 from parley.protocol.messages import Scored
 from parley.weights.lora import ADAPTER_CONFIG, ADAPTER_FILE
+from parley.weights.snapshot import prune_versions, version_dir
 
 STATE_FILE = "state.msgpack"
 WEIGHT_FILES = ("model.safetensors", "config.json")
@@ -85,9 +86,14 @@ def ckpt_dir(run_dir: str | Path) -> Path:
     return learner_dir(run_dir) / "ckpt"
 
 
+def versions_dir(run_dir: str | Path) -> Path:
+    """Where the publication writes each version's weights (weights.snapshot.version_dir)."""
+    return learner_dir(run_dir) / "weights"
+
+
 def weights_dir(run_dir: str | Path, version: int) -> Path:
     """Where the weights of `version` are written before publication (kept for export)."""
-    return learner_dir(run_dir) / "weights" / f"v{version:06d}"
+    return version_dir(versions_dir(run_dir), version)
 
 
 def step_tag(step: int) -> str:
@@ -343,12 +349,7 @@ def prune_checkpoints(run_dir: str | Path, keep: int, current: str) -> None:
 
 
 def prune_weights(run_dir: str | Path, keep: int) -> None:
-    root = learner_dir(run_dir) / "weights"
-    if not root.is_dir():
-        return
-    versions = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("v")), reverse=True)
-    for p in versions[keep:]:
-        shutil.rmtree(p, ignore_errors=True)
+    prune_versions(versions_dir(run_dir), keep)
 
 
 def truncate_jsonl(path: Path, max_step: int) -> int:

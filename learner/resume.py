@@ -47,7 +47,7 @@ def restore(
     if changed:
         raise LearnerStateError(f"--resume: {changed}")
     if saved.tag:
-        driver("load_checkpoint", ckpt.ckpt_dir(run_dir), saved.tag)
+        driver.load_checkpoint(ckpt.ckpt_dir(run_dir), saved.tag)
     state.step = state.ckpt_step = saved.step
     state.tag = saved.tag
     grouper.done = dict(saved.done)

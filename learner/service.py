@@ -1,6 +1,6 @@
 """The learner process on rank 0. `Learner` builds its parts and routes between them: the intake
 (learner.intake: SCORED handler, ledger, acks), the stepper (learner.stepper: the GRPO step and its
-logs), weight publication (learner.publication) and the watchers (learner.watchers: dead letters and
+logs), weight publication (weights.publish) and the watchers (learner.watchers: dead letters and
 deadlines, backlog, periodic eval); its loop polls the background tasks and re-raises their errors,
 and it builds the heartbeat. parley.deploy.cli_learner calls `run()`.
 
@@ -26,7 +26,6 @@ from parley.learner import resume as start
 from parley.learner.feeder import Feeder
 from parley.learner.groups import Grouper
 from parley.learner.intake import Intake, policy_limits
-from parley.learner.publication import Publisher, Weights
 from parley.learner.resume import LearnerStateError
 from parley.learner.runstate import RunState
 from parley.learner.steplog import StepLog
@@ -36,6 +35,7 @@ from parley.protocol import status
 from parley.protocol.bus import COUNTERS, PullWorker
 from parley.protocol.messages import Heartbeat
 from parley.weights import lora
+from parley.weights.publish import Publisher, Weights
 
 log = logging.getLogger("parley.learner")
 
@@ -108,7 +108,7 @@ class Learner:
             flush_s=self.lc.ledger_flush_s,
             started=started,
         )
-        self.weights = Weights(
+        self.weights = weights_publication(
             self.lc,
             cfg.weights,
             js,
@@ -182,7 +182,7 @@ class Learner:
             if not st.last():  # the feeder and consumers already run: actors get tasks meanwhile
                 log.info(
                     "warm-up before the first step: %.1f s (a zero-weighted forward and backward)",
-                    await asyncio.to_thread(self.driver, "warm_up"),
+                    await asyncio.to_thread(self.driver.warm_up),
                 )
             while not stop.is_set() and not st.last():
                 for t in background:
@@ -253,6 +253,27 @@ class Learner:
         )
 
 
+def weights_publication(
+    lc, settings, js, nc, run_name: str, run_dir, driver, publisher: Publisher, feeder, adapter_base: str = ""
+) -> Weights:
+    """The weight path's learner side for this run (weights.publish.Weights): versions taken from the
+    trainer through `driver`, written under the run's learner directory (learner.checkpoint.weights_dir),
+    the newest keep_versions kept."""
+    return Weights(
+        settings,
+        js,
+        nc,
+        run_name,
+        driver,
+        publisher,
+        feeder,
+        versions_dir=ckpt.versions_dir(run_dir),
+        keep=lc.keep_versions,
+        adapter_base=adapter_base,
+        adapter_rank=lc.lora.rank if adapter_base else 0,
+    )
+
+
 async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
     """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps."""
     from parley.engines.models import ensure_model
@@ -279,7 +300,7 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
             return await learner.run(stop)
         finally:
             if driver is not None:
-                driver("stop")
+                driver.stop()
 
 
 def follower(cfg: RunConfig) -> None:

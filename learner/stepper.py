@@ -16,12 +16,12 @@ from parley.learner import envrecord
 from parley.learner.feeder import Feeder
 from parley.learner.groups import Grouper, Taken, behaviour_logprobs
 from parley.learner.intake import Intake
-from parley.learner.publication import Weights
 from parley.learner.runstate import RunState
 from parley.learner.steplog import StepLog
 from parley.learner.watchers import Evals
 from parley.protocol import arrays, codec, topology
 from parley.protocol.bus import dead_letter, retry_unreachable
+from parley.weights.publish import Weights
 
 log = logging.getLogger("parley.learner")
 
@@ -66,7 +66,7 @@ class Stepper:
         st.phase = "busy"
         samples = self.samples(taken)
         try:
-            stats = await asyncio.to_thread(self.driver, "train_step", samples)
+            stats = await asyncio.to_thread(self.driver.train_step, samples)
         except BaseException:
             self.grouper.untake(taken)  # not trained: the ledger must keep them buffered
             raise
@@ -98,7 +98,7 @@ class Stepper:
         if st.step % self.lc.checkpoint_every == 0 or last:
             t0 = time.perf_counter()
             tag = ckpt.step_tag(st.step)
-            await asyncio.to_thread(self.driver, "save_checkpoint", ckpt.ckpt_dir(self.run_dir), tag)
+            await asyncio.to_thread(self.driver.save_checkpoint, ckpt.ckpt_dir(self.run_dir), tag)
             envrecord.write(ckpt.ckpt_dir(self.run_dir) / tag, self.env_record)
             st.ckpt_step, st.tag = st.step, tag
             st.uncommitted.clear()

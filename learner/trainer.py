@@ -23,9 +23,9 @@ from parley.learner.logprobs import PackedPolicy, token_logprobs
 from parley.learner.lora import adapter_config, adapter_params, adapter_state, add_adapters, base_only
 from parley.learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
 from parley.learner.steplog import PHASES
-from parley.learner.weights_io import PackedSnapshot, WeightSnapshot, hf_tensors, hf_weights, write_weights
 from parley.weights import registry
 from parley.weights.config import ObjstoreWeights, WeightsConfig
+from parley.weights.snapshot import PackedSnapshot, WeightSnapshot, hf_tensors, hf_weights, write_weights
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -605,7 +605,7 @@ class Trainer:
     def pack_versions(self, version: int, max_share: float | None):
         """[weights] delta_format = "packed": the trained weights packed on the device they train on
         (weights.gpu_delta.PackedVersions, two buffers kept on rank 0), in place of weights_snapshot.
-        (the packed table, its learner.weights_io.PackedSnapshot: the delta against the version
+        (the packed table, its weights.snapshot.PackedSnapshot: the delta against the version
         packed before, unless this is the first or `max_share` is None, and the full file, both taken
         from the buffers by the publication) on rank 0, None on the other ranks (which take part in
         the ZeRO-3 gather)."""

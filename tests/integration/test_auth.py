@@ -285,7 +285,7 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
             js = conns["actor"].jetstream()
             wv = await current_version(js, run)
             weights = await fetch_version(js, run, wv, tmp_path / "actor-weights")
-            # actors also hear the key's puts (actors/follow.py); the learner announces once more
+            # actors also hear the key's puts (weights/follow.py); the learner announces once more
             heard = asyncio.get_running_loop().create_future()
 
             async def on_put(m):

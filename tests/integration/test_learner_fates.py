@@ -21,6 +21,7 @@ from parley.protocol import codec, topology
 from parley.protocol.bus import Poison, PullWorker, publish
 from parley.protocol.messages import ABANDONED_STALE, Scored, Task
 from tests import factories
+from tests.driver_double import DriverDouble
 
 pytestmark = [pytest.mark.integration]
 
@@ -54,7 +55,7 @@ def scored_for(task: Task, sample: int, *, flat: bool = False, pad: int = 0) -> 
 
 
 class SnapshotDouble:
-    """Stands in for learner.weights_io.WeightSnapshot: writes a few bytes as model.safetensors.
+    """Stands in for weights.snapshot.WeightSnapshot: writes a few bytes as model.safetensors.
     Writing the weights directory of version `hold` blocks until `release` is set."""
 
     def __init__(self, data: bytes, trainer: TrainerDouble):
@@ -73,7 +74,7 @@ class SnapshotDouble:
         return self.written
 
 
-class TrainerDouble:
+class TrainerDouble(DriverDouble):
     """Stands in for learner.ranks.Driver: the calls the Learner makes, with files where it expects them.
     `hold` blocks writing the weights of that version until `release` is set; `step_s` is each step's duration."""
 

@@ -366,9 +366,9 @@ def test_a_generation_running_when_the_group_becomes_untrainable_is_cut_and_left
 
 
 def _follower(tmp_path, version=0):
-    """A real actors.follow.WeightFollower (no bus: nothing here reads it) over an engine at `version`:
+    """A real weights.follow.WeightFollower (no bus: nothing here reads it) over an engine at `version`:
     its `announced` setter and announcement() event are what the actor's StaleWatch waits on."""
-    from parley.actors.follow import WeightFollower
+    from parley.weights.follow import WeightFollower
 
     return WeightFollower(None, "r", types.SimpleNamespace(version=version), dest_root=tmp_path)
 
