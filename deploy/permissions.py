@@ -98,7 +98,7 @@ def _read_stream(stream: str) -> list[str]:
 
 def weights_wakeups(run: str) -> list[str]:
     """The weights KV's announcement subjects, which an actor hears as core messages: the put of a
-    new version wakes its follower (actors/follow.py) without a KV watcher (an ordered consumer)."""
+    new version wakes its follower (weights/follow.py) without a KV watcher (an ordered consumer)."""
     return [topology.weights_key_subject(run, key) for key in (topology.WEIGHTS_KEY, topology.WEIGHTS_EARLY_KEY)]
 
 

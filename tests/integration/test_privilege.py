@@ -237,7 +237,7 @@ class CountingFollower:
     def make(js):
         from types import SimpleNamespace
 
-        from parley.actors.follow import WeightFollower
+        from parley.weights.follow import WeightFollower
 
         class Counting(WeightFollower):
             checks = 0
