@@ -287,11 +287,31 @@ def read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
 
 
+def _is_section(key: str) -> bool:
+    """Whether dotted `key` names a section (a Struct, merged key by key) rather than a value that
+    happens to be a table ([scorer] weights, [env] options, template_kwargs: replaced whole)."""
+    typ: Any = _run_type()
+    for part in key.split("."):
+        typ, _ = _unwrap(typ, "")
+        if isinstance(typ, mi.UnionType):  # a tagged union such as [weights]: its kinds share the keys
+            typ = next((t for t in typ.types if isinstance(t, mi.StructType)), None)
+        if not isinstance(typ, mi.StructType):
+            return False
+        typ = next((f.type for f in typ.fields if f.encode_name == part), None)
+    typ, _ = _unwrap(typ, "")
+    return isinstance(typ, mi.StructType) or (
+        isinstance(typ, mi.UnionType) and any(isinstance(t, mi.StructType) for t in typ.types)
+    )
+
+
 def _lay_over(base: dict, top: dict, origin: Origin, source: str, prefix: str = "") -> None:
-    """Lay `top` over `base` key by key (tables merge, values replace), noting each key's source."""
+    """Lay `top` over `base` key by key (sections merge, values replace), noting each key's source."""
     for k, v in top.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and isinstance(base.get(k), dict) and v:
+        if isinstance(v, dict) and _is_section(key):  # key by key, so each key's source is known
+            if not isinstance(base.get(k), dict):
+                base[k] = {}
+                origin.pop(key, None)
             _lay_over(base[k], v, origin, source, key + ".")
             continue
         base[k] = v
@@ -391,10 +411,25 @@ def explain(e: msgspec.ValidationError, data: dict, source: str, origin: Origin 
         field = text.split("`")[1]
         full = f"{key}.{field}" if key else field
         where = source_of(full, origin, source)
+        node = data
+        for s in steps:
+            node = node.get(s) if isinstance(node, dict) else None
+        kinds = _union_kinds(typ)
+        if kinds and isinstance(node, dict) and node.get(kinds[0]) in kinds[1]:
+            tag_field, by_tag = kinds
+            typ = by_tag[node[tag_field]]
+            elsewhere = sorted(t for t, st in by_tag.items() if field in _field_names(st))
+            if elsewhere:
+                return (
+                    f"{where}: {full}: unknown key for {tag_field} = {node[tag_field]!r}; it is a key of "
+                    f"{tag_field} = {' or '.join(map(repr, elsewhere))}"
+                )
         known = _field_names(typ)
         close = difflib.get_close_matches(field, known, n=1, cutoff=0.6)
+        if close and not key:
+            return f"{where}: [{field}]: unknown section; did you mean {close[0]!r}?"
         if close:
-            return f"{where}: {full}: unknown {'key' if key else 'section'}; did you mean {(key + '.' if key else '') + close[0]!r}?"
+            return f"{where}: {full}: unknown key; did you mean {key + '.' + close[0]!r}?"
         listed = ", ".join(known[:12]) + (f", ... ({len(known)} in all)" if len(known) > 12 else "")
         if not key:
             return f"{where}: [{field}]: unknown section; the sections are {listed}"
@@ -403,7 +438,7 @@ def explain(e: msgspec.ValidationError, data: dict, source: str, origin: Origin 
     if text.startswith("Object missing required field"):
         return f"{where}: [{key}] needs the key {text.split('`')[1]!r}"
     if not (text.startswith("Expected") or text.startswith("Invalid enum value")):
-        return f"{where}: {e}"  # a section's __post_init__ said what is wrong, and how to fix it
+        return f"{where}: {text}"  # a section's __post_init__ said what is wrong, and how to fix it
     value, found = data, True
     for s in steps:
         try:
@@ -418,6 +453,16 @@ def explain(e: msgspec.ValidationError, data: dict, source: str, origin: Origin 
     if got and allowed:
         what += f", got {got}"
     return f"{head}: {what}" + (f" ({hint})" if hint else "")
+
+
+def _union_kinds(typ: Any) -> tuple[str, dict[str, Any]] | None:
+    """A tagged union's tag field and its Structs by tag value, or None."""
+    if not isinstance(typ, mi.UnionType):
+        return None
+    structs = [t for t in typ.types if isinstance(t, mi.StructType) and t.tag_field]
+    if not structs:
+        return None
+    return structs[0].tag_field, {t.tag: t for t in structs}
 
 
 def _field_names(typ: Any) -> list[str]:

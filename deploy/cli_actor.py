@@ -51,11 +51,14 @@ def _bad_config(message: str) -> None:
 
 
 def _check_model(field: str, value: str) -> None:
-    """Fail before any engine starts (a minute on CPU) when the model cannot be found."""
-    from parley.engines.models import KNOWN_MODELS
+    """Fail before any engine starts (a minute on CPU) when the model cannot be found: a built-in name,
+    a checkpoint directory or a Hub id (the local HF cache, else its config.json is fetched)."""
+    from parley.engines.models import ModelNotFound, check_model
 
-    if value not in KNOWN_MODELS and not Path(value).expanduser().is_dir():
-        _bad_config(f"{field}={value!r} is neither {' nor '.join(KNOWN_MODELS)} nor an existing checkpoint directory")
+    try:
+        check_model(value)
+    except ModelNotFound as e:
+        _bad_config(f"{field}={value!r}: {e}")
 
 
 def actor_cmd(

@@ -79,7 +79,7 @@ def learner_cmd(
 def export_cmd(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/<name>).")],
     out: Annotated[Path, typer.Argument(help="Directory to write the HF checkpoint to.")],
-    version: Annotated[int, typer.Option("--version", "-v", help="Weights version (= optimizer step) to export.")],
+    version: Annotated[int, typer.Option("--version", help="Weights version (= optimizer step) to export.")],
     merge: Annotated[
         bool,
         typer.Option(

@@ -145,10 +145,15 @@ def selfcheck_cmd(
     embedded: Annotated[
         bool, typer.Option("--embedded/--external", help="Start a throw-away nats-server for the check.")
     ] = True,
+    dry: DryRunOpt = False,
 ) -> None:
     """Create the run's topology, publish one of every message type, read each back, compare."""
     setup_logging("selfcheck")
     cfg = resolve(config, sets, nats=nats, run=run or "selfcheck")
+    if dry:
+        dry_run(
+            cfg, notes="selfcheck: " + ("a throw-away nats-server" if embedded else f"the server at {cfg.nats.url}")
+        )
     server = store = None
     if embedded:
         from parley.deploy.natsserver import NatsServer

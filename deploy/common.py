@@ -99,24 +99,33 @@ def check_inputs(cfg) -> tuple[list[str], dict[str, Path]]:
     (engines.models.check_model: the local Hugging Face cache first, a Hub id's config.json
     downloaded where a network is), and the data files exist. Returns one line per problem, and the
     directories of the models given by Hub id (for the memory plan, which reads their config.json)."""
-    from parley.engines.models import ModelNotFound, check_model, hub_id
-
-    problems: list[str] = []
     hub_dirs: dict[str, Path] = {}
-    for field, value in model_fields(cfg).items():
-        try:
-            path = check_model(value)
-        except ModelNotFound as e:
-            problems.append(f"{field}: {e}")
-            continue
-        if path is not None and hub_id(value):
-            hub_dirs[value] = path
+    problems = check_models(model_fields(cfg), hub_dirs)
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and value != "bundled" and not Path(value).expanduser().is_file():
             problems.append(f'{key}={value!r}: no such file; give a CollabLLM .parquet or .jsonl file (or "bundled")')
         elif value and value != "bundled" and Path(value).suffix not in (".parquet", ".jsonl", ".json"):
             problems.append(f"{key}={value!r}: has suffix {Path(value).suffix!r}; use a .parquet or .jsonl file")
     return problems, hub_dirs
+
+
+def check_models(
+    fields: dict[str, str], hub_dirs: dict[str, Path] | None = None, read_config: bool = True
+) -> list[str]:
+    """One line per model field (name -> value) that does not resolve (engines.models.check_model);
+    the directories of those given by Hub id go into `hub_dirs`."""
+    from parley.engines.models import ModelNotFound, check_model, hub_id
+
+    problems = []
+    for field, value in fields.items():
+        try:
+            path = check_model(value, read_config=read_config)
+        except ModelNotFound as e:
+            problems.append(f"{field}: {e}")
+            continue
+        if path is not None and hub_id(value) and hub_dirs is not None:
+            hub_dirs[value] = path
+    return problems
 
 
 def refuse(who: str, problems: list[str]) -> None:

@@ -433,7 +433,7 @@ def _unknown(value: str) -> ModelNotFound:
     )
 
 
-def check_model(name_or_path: str | os.PathLike) -> Path | None:
+def check_model(name_or_path: str | os.PathLike, read_config: bool = True) -> Path | None:
     """What the start checks ask of a model field, before anything is built or started: a built-in
     name (None: built on first use), or the directory holding its readable config.json (a Hub id's
     from the cache, else config.json alone is downloaded). Raises ModelNotFound, one line."""
@@ -442,8 +442,10 @@ def check_model(name_or_path: str | os.PathLike) -> Path | None:
         return None
     hub = hub_id(value)
     path = _hub_snapshot(*hub, config_only=True) if hub else Path(value).expanduser()
-    if not hub and not path.is_dir():
+    if not hub and not (value and path.is_dir()):
         raise _unknown(value)
+    if not read_config:  # e.g. an eval condition's LoRA adapter directory holds no config.json
+        return path
     config = path / "config.json"
     try:
         loaded = json.loads(config.read_text())
