@@ -78,9 +78,9 @@ def actor_cmd(
     """Pull tasks of the run, play every sample, publish one trajectory per sample, follow weight versions."""
     extra = [f"actor.concurrency={concurrency}"] if concurrency is not None else []
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
+    _check_model("actor.engine.model", cfg.actor.engine.model)  # under --dry-run too: every start check
     if dry:
         dry_run(cfg)
-    _check_model("actor.engine.model", cfg.actor.engine.model)
     ident = ident or f"actor-{os.getpid()}"
     setup_logging(ident)
     start_metrics(metrics_port, metrics_host, "actor")
@@ -122,12 +122,12 @@ def sim_cmd(
     if concurrency is not None:
         extra.append(f"sim.concurrency={concurrency}")
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
-    if dry:
-        dry_run(cfg)
-    if cfg.sim.backend == "vllm":
+    if cfg.sim.backend == "vllm":  # under --dry-run too: every start check
         _check_model("sim.engine.model", cfg.sim.engine.model)
     elif not cfg.sim.model_name:
         _bad_config("sim.model_name is empty; with backend='openai' name the served model (--model-name)")
+    if dry:
+        dry_run(cfg)
     ident = ident or f"sim-{os.getpid()}"
     setup_logging(ident)
     start_metrics(metrics_port, metrics_host, "sim")

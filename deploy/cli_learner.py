@@ -19,7 +19,9 @@ from parley.deploy.common import (
     NatsOpt,
     RunOpt,
     SetOpt,
+    check_inputs,
     dry_run,
+    refuse,
     resolve,
     run_main,
     setup_logging,
@@ -65,6 +67,9 @@ def learner_cmd(
     if allow_overlap:
         extra.append("data.allow_overlap=true")
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra, training=True)
+    problems, _ = check_inputs(cfg, fields={"policy.model": cfg.policy.model})
+    if problems:  # under --dry-run too: every start check
+        refuse("learner", problems)
     if dry:
         dry_run(cfg)
     rank = int(os.environ.get("RANK", "0"))

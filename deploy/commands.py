@@ -18,7 +18,9 @@ from parley.deploy.common import (
     NatsOpt,
     RunOpt,
     SetOpt,
+    check_models,
     dry_run,
+    refuse,
     resolve,
     run_async_main,
     run_main,
@@ -94,6 +96,9 @@ def reference_cmd(
     import os
 
     cfg = resolve(config, sets, nats=nats, run=run)
+    problems = check_models({"policy.model": cfg.policy.model})
+    if problems:  # under --dry-run too: every start check
+        refuse("reference", problems)
     if dry:
         dry_run(cfg)
     from parley.deploy.reference import run

@@ -93,14 +93,15 @@ def model_fields(cfg) -> dict[str, str]:
     return fields
 
 
-def check_inputs(cfg) -> tuple[list[str], dict[str, Path]]:
+def check_inputs(cfg, fields: dict[str, str] | None = None) -> tuple[list[str], dict[str, Path]]:
     """The start checks of what a run reads, made before anything is created or started (and under
     --dry-run): every model field names something that resolves and whose config.json loads
     (engines.models.check_model: the local Hugging Face cache first, a Hub id's config.json
-    downloaded where a network is), and the data files exist. Returns one line per problem, and the
+    downloaded where a network is), and the data files exist. fields: the model fields to check
+    (default: all the run loads, model_fields). Returns one line per problem, and the
     directories of the models given by Hub id (for the memory plan, which reads their config.json)."""
     hub_dirs: dict[str, Path] = {}
-    problems = check_models(model_fields(cfg), hub_dirs)
+    problems = check_models(model_fields(cfg) if fields is None else fields, hub_dirs)
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and value != "bundled" and not Path(value).expanduser().is_file():
             problems.append(f'{key}={value!r}: no such file; give a CollabLLM .parquet or .jsonl file (or "bundled")')

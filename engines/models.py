@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -400,21 +401,57 @@ def _hub_snapshot(repo: str, rev: str | None, config_only: bool) -> Path:
             return Path(snapshot_download(repo, revision=rev, allow_patterns=HUB_FILES, local_files_only=True))
         except Exception:  # noqa: BLE001 - not (wholly) in the cache: fetch it below
             pass
+    if not _offline() and (unreachable := _hub_unreachable()):
+        raise ModelNotFound(
+            f"model {label!r} is not in the local Hugging Face cache and could not be downloaded ({unreachable}); "
+            f"{_fetch_hint(repo, rev)}"
+        )
     if _offline():
         raise ModelNotFound(
             f"model {label!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {_fetch_hint(repo, rev)}"
         )
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # its retry warnings would bury the one line below
     try:
         if config_only:
             return Path(hf_hub_download(repo, "config.json", revision=rev)).parent
         _log(f"downloading {label} from the Hugging Face Hub")
         return Path(snapshot_download(repo, revision=rev, allow_patterns=HUB_FILES))
     except Exception as e:  # noqa: BLE001 - no network, no such repository or revision, no access
-        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        why = str(e).strip().splitlines()[0].split(". ")[0][:160] if str(e).strip() else type(e).__name__
         raise ModelNotFound(
             f"model {label!r} is not in the local Hugging Face cache and could not be downloaded ({why}); "
             f"{_fetch_hint(repo, rev)}"
         ) from None
+    finally:
+        hub_log.setLevel(level)
+
+
+def _hub_unreachable() -> str:
+    """Why the Hub cannot be reached at all ("" when its host resolves): a machine without a network is
+    told at once, not after huggingface_hub's retries."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    answer: list[str] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(url.hostname or "", url.port or 443, type=socket.SOCK_STREAM)
+            answer.append("")
+        except OSError as e:
+            answer.append(f"no network: {url.hostname} does not resolve ({e.strerror or e})")
+
+    # a resolver without a network may take its whole timeout to say so; 3 s is plenty where one is
+    t = threading.Thread(target=lookup, daemon=True)
+    t.start()
+    t.join(3.0)
+    return answer[0] if answer else f"no network: {url.hostname} did not resolve within 3 s"
 
 
 def _unknown(value: str) -> ModelNotFound:
