@@ -430,7 +430,8 @@ def explain(e: msgspec.ValidationError, data: dict, source: str, origin: Origin 
             return f"{where}: [{field}]: unknown section; did you mean {close[0]!r}?"
         if close:
             return f"{where}: {full}: unknown key; did you mean {key + '.' + close[0]!r}?"
-        listed = ", ".join(known[:12]) + (f", ... ({len(known)} in all)" if len(known) > 12 else "")
+        cap = 20 if not key else 12  # every section; a section's first keys
+        listed = ", ".join(known[:cap]) + (f", ... ({len(known)} in all)" if len(known) > cap else "")
         if not key:
             return f"{where}: [{field}]: unknown section; the sections are {listed}"
         return f"{where}: {full}: unknown key; [{key}] has {listed}"
