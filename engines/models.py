@@ -461,11 +461,11 @@ def _unknown(value: str) -> ModelNotFound:
         )
     if value.startswith(("/", ".", "~")) or value.count("/") > 1 or os.sep in value and not HUB_ID.match(value):
         return ModelNotFound(
-            f"model {value!r}: no such checkpoint directory; give an existing one, {' or '.join(KNOWN_MODELS)}, "
+            f"model {value!r}: no such checkpoint directory; give an existing one, one of {', '.join(KNOWN_MODELS)} "
             "or a Hub id such as Qwen/Qwen3-0.6B"
         )
     return ModelNotFound(
-        f"model {value!r} is neither {' nor '.join(KNOWN_MODELS)}, an existing checkpoint directory nor a Hub id "
+        f"model {value!r} is not one of {', '.join(KNOWN_MODELS)}, an existing checkpoint directory or a Hub id "
         "(ORG/NAME or ORG/NAME@REVISION, e.g. Qwen/Qwen3-0.6B)"
     )
 

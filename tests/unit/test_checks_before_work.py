@@ -160,7 +160,7 @@ def test_a_refused_start_creates_nothing(tmp_path):
     assert out.returncode == 2, out.stderr
     assert lines(out.stderr) == [
         "parley up: policy.model: model '/no/such/model': no such checkpoint directory; give an existing one, "
-        "tiny or smol, or a Hub id such as Qwen/Qwen3-0.6B"
+        "one of tiny, smol or a Hub id such as Qwen/Qwen3-0.6B"
     ]
     assert not run_dir.exists() and list(tmp_path.iterdir()) == []
 
@@ -181,6 +181,6 @@ def test_eval_replay_and_selfcheck_take_dry_run(tmp_path):
     out = parley("eval", "-C", "base=/no/such/ckpt", "--dry-run", cwd=tmp_path)
     assert out.returncode == 2 and lines(out.stderr) == [
         "parley eval: --condition base: model '/no/such/ckpt': no such checkpoint directory; give an existing "
-        "one, tiny or smol, or a Hub id such as Qwen/Qwen3-0.6B"
+        "one, one of tiny, smol or a Hub id such as Qwen/Qwen3-0.6B"
     ], out.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written: no runs/, no overlap file
