@@ -44,7 +44,7 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     judge_concurrency: Annotated[int, Meta(ge=1)] = 16  # judge requests in flight from one scorer
     # first back-off when the judge is down or fails; doubles each time
     retry_delay_s: Annotated[float, Meta(gt=0)] = 5.0
-    retry_max_delay_s: float = 30.0
+    retry_max_delay_s: Annotated[float, Meta(gt=0)] = 30.0
     # While the judge (or the reference service) is unreachable a trajectory is held and asked again
     # (its deliveries are not spent: a restart can take minutes); after this long it is nak'ed and
     # counts one delivery.

@@ -19,7 +19,9 @@ from parley.deploy.common import (
     NatsOpt,
     RunOpt,
     SetOpt,
+    check_inputs,
     dry_run,
+    refuse,
     resolve,
     run_main,
     setup_logging,
@@ -65,6 +67,9 @@ def learner_cmd(
     if allow_overlap:
         extra.append("data.allow_overlap=true")
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra, training=True)
+    problems, _ = check_inputs(cfg, fields={"policy.model": cfg.policy.model})
+    if problems:  # under --dry-run too: every start check
+        refuse("learner", problems)
     if dry:
         dry_run(cfg)
     rank = int(os.environ.get("RANK", "0"))
@@ -79,7 +84,7 @@ def learner_cmd(
 def export_cmd(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/<name>).")],
     out: Annotated[Path, typer.Argument(help="Directory to write the HF checkpoint to.")],
-    version: Annotated[int, typer.Option("--version", "-v", help="Weights version (= optimizer step) to export.")],
+    version: Annotated[int, typer.Option("--version", help="Weights version (= optimizer step) to export.")],
     merge: Annotated[
         bool,
         typer.Option(

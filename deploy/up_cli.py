@@ -14,7 +14,9 @@ from parley.deploy.common import (
     NatsOpt,
     RunOpt,
     SetOpt,
+    check_inputs,
     dry_run,
+    refuse,
     resolve,
     run_async_main,
     setup_logging,
@@ -76,28 +78,28 @@ def up_cmd(
     ] = None,
     dry: DryRunOpt = False,
 ) -> None:
-    extra = []
+    extra: list[tuple[str, str]] = []
     if resume is not None:
         config = resume_source(resume, config, run_dir, env)
         run_dir = resume.resolve()
     if env is not None:
-        extra.append(f'env.name="{env}"')
+        extra.append((f'env.name="{env}"', f"--env {env}"))
     if steps is not None:
-        extra.append(f"learner.steps={steps}")
+        extra.append((f"learner.steps={steps}", f"--steps {steps}"))
     if actors == "auto":
-        extra.append("up.autoscale=true")
+        extra.append(("up.autoscale=true", "--actors auto"))
     elif actors is not None:
         if not actors.isdigit():
             typer.echo(f'parley up: --actors {actors!r}: give a number or "auto"', err=True)
             raise typer.Exit(2)
-        extra.append(f"up.actors={actors}")
+        extra.append((f"up.actors={actors}", f"--actors {actors}"))
     for key, value in (("min_actors", min_actors), ("max_actors", max_actors)):
         if value is not None:
-            extra.append(f"up.{key}={value}")
+            extra.append((f"up.{key}={value}", f"--{key.replace('_', '-')} {value}"))
     if scorers is not None:
-        extra.append(f"up.scorers={scorers}")
+        extra.append((f"up.scorers={scorers}", f"--scorers {scorers}"))
     if run_dir is not None:
-        extra.append(f'run.dir="{run_dir}"')
+        extra.append((f'run.dir="{run_dir}"', f"--run-dir {run_dir}"))
     preset = env_preset(env) if env is not None and config is None else ()
     if preset:
         typer.echo(
@@ -105,13 +107,19 @@ def up_cmd(
             err=True,
         )
     cfg = resolve(config, [*preset, *(sets or [])], extra=extra, training=True)
-    share = check_gpu_share(cfg, dry=dry)
-    if dry:
-        dry_run(cfg, notes="\n".join(n for n in (check_memory(cfg, dry=True), share) if n))
+    # Every check a start makes, made here for --dry-run and a real start alike, before the run
+    # directory, nats-server or any model build or download (deploy/up.py starts those).
+    problems, hub_dirs = check_inputs(cfg)
     if cfg.learner.steps < 1:
-        typer.echo("parley up: --steps must be >= 1 (up stops after the learner's last step)", err=True)
-        raise typer.Exit(2)
-    plan = check_memory(cfg, dry=False)
+        problems.insert(
+            0, f"learner.steps={cfg.learner.steps}: up stops after the learner's last step; give --steps >= 1"
+        )
+    if problems:
+        refuse("up", problems)
+    share = check_gpu_share(cfg, dry=dry)
+    plan = check_memory(planned(cfg, hub_dirs), dry=dry)
+    if dry:
+        dry_run(cfg, notes="\n".join(n for n in (plan, share) if n))
     if plan:
         typer.echo(plan)
     setup_logging("up", "WARNING")
@@ -135,6 +143,20 @@ def resume_source(run_dir: Path, config: Path | None, other_dir: Path | None, en
     except ValueError as e:
         typer.echo(f"parley up: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def planned(cfg, hub_dirs: dict[str, Path]):
+    """`cfg` as the memory plan reads it: a model given by Hub id as its local directory (the plan
+    reads the shape from config.json; the run itself keeps the id)."""
+    if not hub_dirs:
+        return cfg
+    import copy
+
+    out = copy.deepcopy(cfg)
+    out.policy.model = str(hub_dirs.get(out.policy.model, out.policy.model))
+    for section in (out.actor, out.sim, out.judge):
+        section.engine.model = str(hub_dirs.get(section.engine.model, section.engine.model))
+    return out
 
 
 def check_gpu_share(cfg, dry: bool) -> str:
@@ -162,15 +184,13 @@ def check_gpu_share(cfg, dry: bool) -> str:
 def check_memory(cfg, dry: bool) -> str:
     """The GPU memory plan (deploy/memory.py) as text, made before anything starts; "" for a config
     that puts nothing on a GPU. A run that does not fit is refused here (exit code 2), under --dry-run
-    too; a plan that cannot be made refuses the run, and only says so under --dry-run."""
+    too, and so is one that cannot be made."""
     from parley.deploy.memory import PlanError, make_plan
 
     try:
         plan = make_plan(cfg)
     except PlanError as e:
-        typer.echo(f"parley up: {'no' if dry else 'cannot make the'} GPU memory plan: {e}", err=True)
-        if dry:
-            return ""
+        typer.echo(f"parley up: cannot make the GPU memory plan: {e}", err=True)
         raise typer.Exit(2) from None
     if plan is None:
         return ""
