@@ -75,6 +75,10 @@ class LearnerState(msgspec.Struct, kw_only=True):
     dead_seq: int = 1  # next DEAD stream sequence to read; the letters before it are reflected above
     reasons: dict[str, str] = {}  # task_id -> why it was not trained (every done kind but "trained")
     sample_log: str = ""  # the sample log file (in learner_dir) that GroupState.refs point into
+    # Training steps begun over each buffered task's group and not finished (learner.stepper counts one
+    # before each step and rejects the groups at [learner] max_step_attempts); only buffered tasks.
+    attempts: dict[str, int] = {}
+    step_error: str = ""  # the last failed step's error, for the reason its groups are rejected with
 
 
 def learner_dir(run_dir: str | Path) -> Path:

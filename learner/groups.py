@@ -197,7 +197,7 @@ class Outcome:
     """A group that left the buffer without being trained, and why."""
 
     task_id: str
-    kind: str  # "timeout" | "stale" | "zero_advantage" | "dead" | "deadline" | "nonfinite"
+    kind: str  # "timeout" | "stale" | "zero_advantage" | "dead" | "deadline" | "nonfinite" | "step_failed"
     reason: str
     samples: list[str]  # traj_ids
     group: Group | None = None  # what was buffered of it, for the archive
@@ -394,20 +394,19 @@ class Grouper:
             if t.correct:
                 self.counters["corrected"] -= 1
 
-    def reject(self, taken: list[Taken], reason: str) -> list[Outcome]:
-        """Groups of a step the trainer refused to apply (non-finite loss or gradient): final, never
-        trained, like a dropped group (kind "nonfinite")."""
+    def reject(self, taken: list[Taken], reason: str, kind: str = "nonfinite") -> list[Outcome]:
+        """Groups of a step the trainer refused to apply (kind "nonfinite": non-finite loss or gradient)
+        or that failed max_step_attempts times (kind "step_failed"): final, never trained, like a
+        dropped group."""
         out = []
         for t in taken:
-            self.done[t.group.task_id] = "nonfinite"
+            self.done[t.group.task_id] = kind
             self.counters["trained"] -= 1
             if t.correct:
                 self.counters["corrected"] -= 1
-            self.counters["nonfinite"] += 1
+            self.counters[kind] += 1
             log.error("group %s %s", t.group.task_id, reason)
-            out.append(
-                Outcome(t.group.task_id, "nonfinite", reason, [s.traj_id for s in t.group.ordered()], group=t.group)
-            )
+            out.append(Outcome(t.group.task_id, kind, reason, [s.traj_id for s in t.group.ordered()], group=t.group))
         return out
 
     def _finish(self, g: Group, kind: str, reason: str) -> Outcome:

@@ -102,6 +102,10 @@ class Intake:
             if issued is not None:
                 in_flight[g.task_id] = issued
                 consumed -= 1
+        for g in self.state.in_step:  # taken for the step under way: buffered until it is trained
+            done.pop(g.task_id, None)
+            groups.append(g)
+        buffered = {g.task_id for g in groups}
         return ckpt.LearnerState(
             step=self.state.ckpt_step,
             tag=self.state.tag,
@@ -117,6 +121,8 @@ class Intake:
             issued=[ckpt.IssuedTask(task_id=t, at=i.at, version=i.version) for t, i in sorted(in_flight.items())],
             dead_seq=self.state.dead_seq,
             reasons=dict(self.state.reasons),
+            attempts={t: n for t, n in self.state.attempts.items() if t in buffered},
+            step_error=self.state.step_error,
         )
 
     def flush_due(self) -> bool:

@@ -53,6 +53,8 @@ def restore(
     grouper.done = dict(saved.done)
     state.reasons = dict(saved.reasons)
     state.dead_seq = saved.dead_seq
+    state.attempts.update(saved.attempts)
+    state.step_error = saved.step_error
     grouper.counters.update(saved.counters)
     # Timeouts and deadlines count only while a learner runs: the time it was down is added to each
     # buffered group's first sample and to each issue time (below), so the samples actors produced

@@ -24,6 +24,9 @@ class RunState:
     reasons: dict[str, str] = field(default_factory=dict)  # task_id -> why it was not trained (kept in the ledger)
     dead_seq: int = 1  # next DEAD stream sequence to read
     counters: Counter[str] = field(default_factory=Counter)
+    in_step: list[Group] = field(default_factory=list)  # the groups of the step being trained (still buffered)
+    attempts: Counter[str] = field(default_factory=Counter)  # task_id -> steps begun over its group, unfinished
+    step_error: str = ""  # the last failed step's error
     phase: str = "starting"  # what the heartbeat says the learner is doing
 
     def last(self) -> bool:
