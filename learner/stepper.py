@@ -1,5 +1,5 @@
 """The learner's step: take `groups_per_step` trainable groups, train on them, then publish, checkpoint,
-queue the periodic eval, write the step logs and the ledger, archive, prune; a step the trainer
+queue the periodic eval, write the step logs and the archive, then the ledger, prune; a step the trainer
 refused (not finite) dead-letters its samples instead. Owns the step logs, the reward-signal monitor
 and the last step's live counters. Built by learner.service, whose loop calls `try_step`.
 """
@@ -131,6 +131,8 @@ class Stepper:
             tag = ckpt.step_tag(st.step)
             await asyncio.to_thread(self.driver, "save_checkpoint", ckpt.ckpt_dir(self.run_dir), tag)
             envrecord.write(ckpt.ckpt_dir(self.run_dir) / tag, self.env_record)
+            # durable before a ledger write names it: after a power cut the ledger's tag must hold a model
+            await asyncio.to_thread(ckpt.fsync_tree, ckpt.ckpt_dir(self.run_dir) / tag)
             st.ckpt_step, st.tag = st.step, tag
             st.uncommitted.clear()
             stats["checkpoint_s"] = time.perf_counter() - t0
@@ -146,12 +148,12 @@ class Stepper:
         self.steplog.log_evals(self.evals.finished())
         self.tokens_total += float(stats.get("tokens", 0.0))
         self.live = live_counters(metrics) | {"train.tokens_total": self.tokens_total}
-        dropped = [s for o in st.since_step if o.group is not None for s in o.group.ordered()]
         st.since_step = []
-        await self.intake.flush()
-        # After the ledger: an archived step is one the ledger vouches for (a resume removes later ones).
+        # The archive before the ledger, as the checkpoint and the step lines: whatever the ledger
+        # names is durable; what a kill leaves beyond the ledger's step a resume removes and redoes.
         trained = [s for t in taken for s in t.group.ordered()]
-        await asyncio.to_thread(ckpt.write_archive, self.run_dir, st.step, trained, dropped)
+        await asyncio.to_thread(ckpt.write_archive, self.run_dir, st.step, trained)
+        await self.intake.flush()
         if st.tag == ckpt.step_tag(st.step):
             ckpt.prune_checkpoints(self.run_dir, self.lc.keep_checkpoints, st.tag)
         log.info(
