@@ -145,6 +145,22 @@ def held_bucket(run: str) -> str:
     return f"parley_{check_run(run)}_held"
 
 
+def lease_bucket(run: str) -> str:
+    """KV of the run's learner lease (learner.lease): one key, LEASE_KEY, whose revision is the
+    holder's fencing token; the bucket's TTL (LEASE_TTL_S) ends the lease of a holder that died."""
+    return f"parley_{check_run(run)}_lease"
+
+
+LEASE_KEY = "learner"
+LEASE_TTL_S = 15.0  # a learner that stops renewing (killed) loses the lease this long after its last renewal
+
+
+def lease_config(run: str, bus: BusSettings) -> api.KeyValueConfig:
+    return api.KeyValueConfig(
+        bucket=lease_bucket(run), history=1, ttl=LEASE_TTL_S, replicas=bus.replicas, storage=api.StorageType.FILE
+    )
+
+
 def held_key(key: str, stream_seq: int) -> str:
     return f"{key}.{stream_seq}"
 
@@ -268,6 +284,7 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
         api.KeyValueConfig(
             bucket=held_bucket(run), history=1, ttl=bus.max_age_s, replicas=bus.replicas, storage=api.StorageType.FILE
         ),
+        lease_config(run, bus),  # one learner per run (learner.lease)
     )
     for kv_config in kv_buckets:
         try:
