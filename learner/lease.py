@@ -22,8 +22,12 @@ from parley.protocol.topology import LEASE_KEY, LEASE_TTL_S
 log = logging.getLogger(__name__)
 
 
-class LeaseHeld(RuntimeError):
-    """Another learner holds (and renews) the run's lease."""
+class LeaseError(RuntimeError):
+    """The learner may not start on this run (learner.service.main exits 2 with its one line)."""
+
+
+class LeaseHeld(LeaseError):
+    """Another learner holds (and renews) the run's lease, or the run's streams are an older learner's."""
 
 
 class LeaseLost(RuntimeError):
@@ -39,7 +43,15 @@ class Lease:
     async def acquire(self) -> int:
         """Take the lease, waiting out a holder that stopped renewing (killed: its key expires within
         the TTL); LeaseHeld at once when the holder renews meanwhile. Returns the revision."""
-        self._kv = await self.js.key_value(topology.lease_bucket(self.run))
+        from nats.js.errors import BucketNotFoundError
+
+        try:
+            self._kv = await self.js.key_value(topology.lease_bucket(self.run))
+        except BucketNotFoundError:
+            raise LeaseError(
+                f"KV bucket {topology.lease_bucket(self.run)} (the learner lease) does not exist: create the run's "
+                "topology with this version (`parley up`, the topology job, or a learner allowed to create it)"
+            ) from None
         deadline = time.monotonic() + self.ttl_s + 2.0
         seen = None
         while True:

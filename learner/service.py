@@ -262,7 +262,7 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
     """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps; 2 when
     another learner holds the run (learner.lease) or a fresh start meets an older run's streams."""
     from parley.engines.models import ensure_model
-    from parley.learner.lease import Lease, LeaseHeld, check_fresh_streams
+    from parley.learner.lease import Lease, LeaseError, check_fresh_streams
     from parley.learner.ranks import Driver
     from parley.learner.trainer import Trainer
     from parley.runtime.role import role_connection
@@ -277,7 +277,7 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
             await lease.acquire()
             if not resume:
                 await check_fresh_streams(js, cfg.run.name, reset_streams)
-        except LeaseHeld as e:
+        except LeaseError as e:
             await lease.release()
             log.error("%s", e)
             return 2

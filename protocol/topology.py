@@ -284,8 +284,9 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
         api.KeyValueConfig(
             bucket=held_bucket(run), history=1, ttl=bus.max_age_s, replicas=bus.replicas, storage=api.StorageType.FILE
         ),
-        lease_config(run, bus),  # one learner per run (learner.lease)
     )
+    if create:  # one learner per run (learner.lease); only the learner uses it, so the others never look it up
+        kv_buckets += (lease_config(run, bus),)
     for kv_config in kv_buckets:
         try:
             await _manage(f"looking up KV bucket {kv_config.bucket}", js.key_value(kv_config.bucket))
