@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import shutil
 import time
 from collections import Counter
@@ -331,6 +332,7 @@ class Weights:
                     write=None if packed is None else lambda: snap.write(wdir),
                 ),
                 what=f"publishing weights version {version}",
+                give_up_s=math.inf,  # as long as NATS is away (docs/reliability.md)
             )
         finally:
             if pending is not None:
@@ -355,6 +357,7 @@ class Weights:
                 protect=self.served.versions(),
             ),
             what=f"publishing adapter version {version}",
+            give_up_s=math.inf,  # as long as NATS is away (docs/reliability.md)
         )
         await asyncio.to_thread(ckpt.prune_weights, self.run_dir, self.lc.keep_versions)
         self.feeder.set_version(version)
@@ -377,6 +380,7 @@ class Weights:
                 adapter_config=adapter_config,
             ),
             what=f"announcing adapter version {version}",
+            give_up_s=math.inf,  # as long as NATS is away (docs/reliability.md)
         )
         self.feeder.set_version(version)
         log.info("published adapter version %d (%.2f MB, %s)", version, wv.bytes / 1e6, wv.transport)
@@ -395,6 +399,7 @@ class Weights:
         wv = await retry_unreachable(
             lambda: registry.publish_gpu_version(self.js, self.run_name, version, version, source),
             what=f"announcing weights version {version}",
+            give_up_s=math.inf,  # as long as NATS is away (docs/reliability.md)
         )
         self.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)

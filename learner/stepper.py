@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 
@@ -206,6 +207,7 @@ class Stepper:
                         cause=kind,
                     ),
                     what=f"dead-lettering {s.traj_id}",
+                    give_up_s=math.inf,  # as long as NATS is away (docs/reliability.md)
                 )
         self.state.phase = "ready"
         self.wait_since = time.monotonic()
