@@ -165,32 +165,32 @@ async def test_outcomes_since_the_last_checkpoint_survive_a_resume(tmp_path):
 async def test_a_ledger_write_grows_with_the_open_work_not_the_history(tmp_path):
     """Every task that finished (trained, or skipped with a reason) is recorded once: under the
     watermark in state.msgpack, its reason once in the append-only reasons log. So the step's own
-    ledger write stays the same size at task 40 as at task 400 (before: the whole `done` and
+    ledger write stays the same size at task 40 as at task 240 (before: the whole `done` and
     `reasons` maps, every write); and a resume still knows each finished task and its reason."""
     run_dir = tmp_path / "run"
     learner = learner_for(run_dir, tmp_path, resume=False)
     state_sizes = {}
-    for i in range(0, 400, 2):
+    for i in range(0, 240, 2):
         add_group(learner, i, flat=True)  # skipped, with a reason
         add_group(learner, i + 1)  # trained
         assert await learner.stepper.try_step()
         state_sizes[i] = (ckpt.learner_dir(run_dir) / ckpt.STATE_FILE).stat().st_size
-    assert state_sizes[398] <= state_sizes[40] + 16, (state_sizes[40], state_sizes[398])
+    assert state_sizes[238] <= state_sizes[40] + 16, (state_sizes[40], state_sizes[238])
     reasons_path = ckpt.learner_dir(run_dir) / ckpt.REASONS_FILE
     state = ckpt.read_state(run_dir)
     assert dict.__len__(msgspec.msgpack.decode((ckpt.learner_dir(run_dir) / ckpt.STATE_FILE).read_bytes())["done"]) == 0
-    assert state.done_below == 400 and state.step == 200
-    assert all(f"books-g{i:06d}" in state.done for i in range(400)) and "books-g000400" not in state.done
-    assert state.done["books-g000398"] == "zero_advantage" and len(state.reasons) == 200
+    assert state.done_below == 240 and state.step == 120
+    assert all(f"books-g{i:06d}" in state.done for i in range(240)) and "books-g000240" not in state.done
+    assert state.done["books-g000238"] == "zero_advantage" and len(state.reasons) == 120
     # the reasons log: one line per skipped task, appended once
-    assert len(reasons_path.read_text().splitlines()) == 200
+    assert len(reasons_path.read_text().splitlines()) == 120
 
     learner.intake.ledger.close()
     resumed = learner_for(run_dir, tmp_path, resume=True)
     late = scored_for(task("books", 17), 0)
     assert resumed.grouper.add(late) == "late"  # finished under the watermark: not a new group
-    add_group(resumed, 400)
-    add_group(resumed, 401)
+    add_group(resumed, 240)
+    add_group(resumed, 241)
     assert await resumed.stepper.try_step()
-    assert len(reasons_path.read_text().splitlines()) == 200  # nothing written again
-    assert ckpt.read_state(run_dir).done_below == 401
+    assert len(reasons_path.read_text().splitlines()) == 120  # nothing written again
+    assert ckpt.read_state(run_dir).done_below == 241
