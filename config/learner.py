@@ -135,6 +135,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # DeepSpeed checkpoints kept in the run dir (0 = all; export needs them)
     keep_checkpoints: Annotated[int, Meta(ge=0, description="0 keeps all")] = 2
     logit_chunk_tokens: Positive = 1024  # trained positions per lm_head chunk (bounds fp32 logits memory)
+    # A training step over the same groups that failed this many times (an exception such as a CUDA
+    # out-of-memory on one long sample, or a kill during the step) is not tried again: its groups are
+    # rejected with the error and dead-lettered, so a deterministic failure does not crash-loop the
+    # learner (every --resume takes the same groups first). Counted in the ledger, across resumes.
+    max_step_attempts: Annotated[int, Meta(ge=1, le=100)] = 3
     # while waiting for data, record newly received samples this often, then ack
     ledger_flush_s: Annotated[float, Meta(gt=0)] = 2.0
     # Periodic eval on the held-out split (evaluation.periodic): version 0, every eval_every-th version

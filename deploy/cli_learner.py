@@ -45,6 +45,13 @@ def learner_cmd(
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the run directory's learner state and checkpoint.")
     ] = False,
+    reset_streams: Annotated[
+        bool,
+        typer.Option(
+            "--reset-streams",
+            help="A fresh start over a run name whose streams hold an older learner's work: purge them first.",
+        ),
+    ] = False,
     steps: Annotated[
         int | None,
         typer.Option("--steps", help="Stop once this many optimizer steps are done in total; overrides learner.steps."),
@@ -78,7 +85,9 @@ def learner_cmd(
         start_metrics(metrics_port, metrics_host, "learner")
     from parley.learner.service import run as learner_run
 
-    run_main(learner_run, cfg, resume, rank)
+    if reset_streams and resume:
+        raise typer.BadParameter("--reset-streams purges the run's streams; --resume continues them: pass one")
+    run_main(learner_run, cfg, resume, rank, reset_streams)
 
 
 def export_cmd(

@@ -23,8 +23,8 @@ import msgspec
 from parley.config.run import RunConfig
 from parley.learner import checkpoint as ckpt
 from parley.learner import resume as start
-from parley.learner.feeder import Feeder
-from parley.learner.groups import Grouper
+from parley.learner.feeder import Feeder, task_id
+from parley.learner.groups import Finished, Grouper
 from parley.learner.intake import Intake, policy_limits
 from parley.learner.resume import LearnerStateError
 from parley.learner.runstate import RunState
@@ -57,6 +57,7 @@ class Learner:
             timeout_s=self.lc.group_timeout_s,
             order=self.lc.group_order,
         )
+        self.grouper.done = Finished(task_id(self.run_name, 0).removesuffix("000000"))  # the watermark's tasks
         self.state = RunState(steps=steps)
         from parley.runtime.tracking import open_tracker
 
@@ -69,6 +70,7 @@ class Learner:
         self.env = env = cfg.env.load()  # the environment this run trains
         env_record = cfg.env.record()  # which environment (distribution, version, options) trains
         self.resumed = resume  # also when the ledger was never written (learner.resume.restore starts fresh then)
+        self.lease_job: asyncio.Task | None = None  # main()'s renewal of the run's lease, polled with the others
         if resume:
             feeder_state = start.restore(
                 self.run_dir,
@@ -175,6 +177,8 @@ class Learner:
             **self.evals.tasks(halt),
         }
         background = [asyncio.create_task(job, name=name) for name, job in jobs.items()]
+        # a lost lease stops the learner here, as a crashed task does
+        watched = background + ([self.lease_job] if self.lease_job is not None else [])
         if self.evals.due(st.step, last=st.last()):
             await self.evals.submit(st.step)
         st.phase = "ready"
@@ -185,7 +189,7 @@ class Learner:
                     await asyncio.to_thread(self.driver.warm_up),
                 )
             while not stop.is_set() and not st.last():
-                for t in background:
+                for t in watched:
                     if t.done():
                         t.result()  # re-raise a crashed background task here
                         raise RuntimeError(f"background task {t.get_name()} stopped")
@@ -218,7 +222,8 @@ class Learner:
             no_more_tasks.set()
             self.feeder.wake()
             await asyncio.gather(*background, return_exceptions=True)
-            await self.intake.flush()
+            if self.lease_job is None or not self.lease_job.done():  # fenced: no write once another may hold the run
+                await self.intake.flush()
             self.intake.ledger.close()
             self.stepper.steplog.close(self.evals.finished())
         log.info("stopped after step %d", st.step)
@@ -274,9 +279,11 @@ def weights_publication(
     )
 
 
-async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
-    """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps."""
+async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams: bool = False) -> int:
+    """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps; 2 when
+    another learner holds the run (learner.lease) or a fresh start meets an older run's streams."""
     from parley.engines.models import ensure_model
+    from parley.learner.lease import Lease, LeaseError, check_fresh_streams
     from parley.learner.ranks import Driver
     from parley.learner.trainer import Trainer
     from parley.runtime.role import role_connection
@@ -286,6 +293,17 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
         nc,
         js,
     ):
+        lease = Lease(js, cfg.run.name, f"{socket.gethostname()}-{os.getpid()}")
+        try:  # before anything is loaded or written: a second learner leaves the run as it is
+            await lease.acquire()
+            if not resume:
+                await check_fresh_streams(js, cfg.run.name, reset_streams)
+        except LeaseError as e:
+            await lease.release()
+            log.error("%s", e)
+            return 2
+        released = asyncio.Event()
+        keeping = asyncio.create_task(lease.keep(released), name="lease")  # renewed from now on, loading included
         try:
             model_dir = await asyncio.to_thread(ensure_model, cfg.policy.model)
             trainer = await asyncio.to_thread(
@@ -297,10 +315,14 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
             except (LearnerStateError, ckpt.LedgerError) as e:
                 log.error("%s", e)
                 return 2
+            learner.lease_job = keeping
             return await learner.run(stop)
         finally:
             if driver is not None:
                 driver.stop()
+            released.set()
+            await asyncio.gather(keeping, return_exceptions=True)
+            await lease.release()
 
 
 def follower(cfg: RunConfig) -> None:
@@ -326,7 +348,7 @@ def check_leakage(cfg: RunConfig) -> str | None:
     return None
 
 
-def run(cfg: RunConfig, resume: bool, rank: int = 0) -> int:
+def run(cfg: RunConfig, resume: bool, rank: int = 0, reset_streams: bool = False) -> int:
     """`parley learner`'s entry on every rank: the leakage guard, then rank 0 serves the run and the
     other ranks follow its training calls. Returns the exit code; a rank of several (under a launcher)
     ends its process with it instead (learner.ranks.leave_process says why)."""
@@ -340,7 +362,7 @@ def run(cfg: RunConfig, resume: bool, rank: int = 0) -> int:
     else:
         from parley.runtime.process import run_async
 
-        code = run_async(main, cfg, resume)
+        code = run_async(main, cfg, resume, reset_streams)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from parley.learner.ranks import leave_process
 

@@ -152,6 +152,22 @@ def held_bucket(run: str) -> str:
     return f"parley_{check_run(run)}_held"
 
 
+def lease_bucket(run: str) -> str:
+    """KV of the run's learner lease (learner.lease): one key, LEASE_KEY, whose revision is the
+    holder's fencing token; the bucket's TTL (LEASE_TTL_S) ends the lease of a holder that died."""
+    return f"parley_{check_run(run)}_lease"
+
+
+LEASE_KEY = "learner"
+LEASE_TTL_S = 15.0  # a learner that stops renewing (killed) loses the lease this long after its last renewal
+
+
+def lease_config(run: str, bus: BusSettings) -> api.KeyValueConfig:
+    return api.KeyValueConfig(
+        bucket=lease_bucket(run), history=1, ttl=LEASE_TTL_S, replicas=bus.replicas, storage=api.StorageType.FILE
+    )
+
+
 def held_key(key: str, stream_seq: int) -> str:
     return f"{key}.{stream_seq}"
 
@@ -280,6 +296,8 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
             bucket=held_bucket(run), history=1, ttl=bus.max_age_s, replicas=bus.replicas, storage=api.StorageType.FILE
         ),
     )
+    if create:  # one learner per run (learner.lease); only the learner uses it, so the others never look it up
+        kv_buckets += (lease_config(run, bus),)
     for kv_config in kv_buckets:
         try:
             await _manage(f"looking up KV bucket {kv_config.bucket}", js.key_value(kv_config.bucket))

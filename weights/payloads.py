@@ -20,6 +20,7 @@ Which medium carries the bytes is the transport's (weights.registry). A publish 
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import re
 import shutil
@@ -173,6 +174,7 @@ class Full(_Files):
                     write=None if packed is None else lambda: snap.write(wdir),
                 ),
                 what=f"publishing weights version {version}",
+                give_up_s=math.inf,  # as long as NATS is away (docs/reliability.md)
             )
         finally:
             if pending is not None:
@@ -355,6 +357,7 @@ class Adapter(_Files):
                 protect=w.served.versions(),
             ),
             what=f"publishing adapter version {version}",
+            give_up_s=math.inf,  # as long as NATS is away (docs/reliability.md)
         )
         await asyncio.to_thread(w.prune)
         w.feeder.set_version(version)
@@ -420,6 +423,7 @@ class GpuWeights(_Gpu):
         wv = await retry_unreachable(
             lambda: registry.publish_gpu_version(w.js, w.run_name, version, version, source),
             what=f"announcing weights version {version}",
+            give_up_s=math.inf,  # as long as NATS is away (docs/reliability.md)
         )
         w.feeder.set_version(version)  # announced: tasks admitted from now on are sampled with it
         log.info("published weights version %d (%.1f MB, %s)", version, wv.bytes / 1e6, wv.transport)
@@ -500,6 +504,7 @@ class AdapterGpu(_Gpu):
                 adapter_config=adapter_config,
             ),
             what=f"announcing adapter version {version}",
+            give_up_s=math.inf,  # as long as NATS is away (docs/reliability.md)
         )
         w.feeder.set_version(version)
         log.info("published adapter version %d (%.2f MB, %s)", version, wv.bytes / 1e6, wv.transport)
