@@ -49,7 +49,7 @@ def learner_cmd(
         bool,
         typer.Option(
             "--reset-streams",
-            help="A fresh start over a run name whose streams hold an older learner's work: purge them first.",
+            help="A fresh start over a run name whose streams hold an older learner's work: purge them first (with access control on, this needs the admin credential).",
         ),
     ] = False,
     steps: Annotated[

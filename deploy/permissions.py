@@ -51,6 +51,12 @@ def _held_stream(run: str) -> str:
     return KV_STREAM_TEMPLATE.format(bucket=topology.held_bucket(run))
 
 
+def _lease_stream(run: str) -> str:
+    from nats.js.client import KV_STREAM_TEMPLATE
+
+    return KV_STREAM_TEMPLATE.format(bucket=topology.lease_bucket(run))
+
+
 def _obj_stream(run: str) -> str:
     from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
@@ -178,6 +184,9 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
         ]
         publish += [f"{API}.CONSUMER.INFO.{topology.stream_name(run, key)}.*" for key in topology.CHANNELS]
         publish += [f"{API}.STREAM.INFO.{topology.stream_name(run, key)}" for key in topology.CHANNELS]
+        # One learner per run (learner.lease): create, renew and delete its key in the lease KV. Purging
+        # the run's streams (`parley learner --reset-streams`) is the admin credential's, not the learner's.
+        publish += [f"$KV.{topology.lease_bucket(run)}.>", *_read_stream(_lease_stream(run))]
     elif role == "eval":
         publish += [topology.subject(run, "eval"), *_with_withdrawals(topology.SIM_SUBJECT), *_read_weights(run)]
         publish += _with_withdrawals(*(topology.judge_subject(op) for op in topology.JUDGE_OPS))

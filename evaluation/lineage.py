@@ -86,9 +86,12 @@ def find(traj_id: str, archive: Path, trained_log: Path, ledger: LedgerView | No
     # A resumed run trains steps again and rewrites their lines: the last mention is the one that holds.
     trained_at = next((ln for ln in reversed(lines) if traj_id in ln.get("traj_ids", ())), None)
     dropped_at = next((ln for ln in reversed(lines) if task_id in (ln.get("not_trained") or {})), None)
-    files = sorted(archive.glob("step*.parquet")) if archive.is_dir() else []
+    files = sorted([*archive.glob("step*.parquet"), *archive.glob("dropped-*.parquet")]) if archive.is_dir() else []
+    dropped_files = [p for p in files if p.name.startswith("dropped-")]  # numbered by ledger write, not step
 
     def archived(step: int, kind: str) -> Scored | None:
+        if kind == "dropped":
+            return _find_in(dropped_files, traj_id)
         name = f"step{step:06d}-{kind}.parquet"
         return _find_in([p for p in files if p.name == name], traj_id)
 
@@ -106,7 +109,7 @@ def find(traj_id: str, archive: Path, trained_log: Path, ledger: LedgerView | No
             traj_id, buffered, Fate("buffered", reason=f"waiting in the learner's buffer at step {ledger.step}")
         )
     # Groups dropped after the last step are only in the ledger (and in the archive once a step follows).
-    scored = _find_in([p for p in files if p.name.endswith("-dropped.parquet")], traj_id)
+    scored = _find_in(dropped_files, traj_id)
     if task_id in ledger.done:
         kind = ledger.done[task_id]
         reason = ledger.reasons.get(task_id, "")

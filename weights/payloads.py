@@ -20,8 +20,8 @@ Which medium carries the bytes is the transport's (weights.registry). A publish 
 from __future__ import annotations
 
 import asyncio
-import math
 import logging
+import math
 import re
 import shutil
 from functools import partial

@@ -88,7 +88,7 @@ READER = textwrap.dedent(
 
 
 def test_the_archive_reads_as_numbers_without_parley(tmp_path):
-    [path] = write_archive(tmp_path, 1, [scored(0), scored(1)], [])
+    path = write_archive(tmp_path, 1, [scored(0), scored(1)])
     done = subprocess.run([sys.executable, "-c", READER, str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
@@ -105,7 +105,7 @@ def test_the_archive_reads_as_numbers_without_parley(tmp_path):
 
 def test_parley_reads_back_what_it_wrote(tmp_path):
     samples = [scored(0), scored(1)]
-    [path] = write_archive(tmp_path, 1, samples, [])
+    path = write_archive(tmp_path, 1, samples)
     assert read_log(path) == samples
 
 

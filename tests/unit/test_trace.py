@@ -90,7 +90,8 @@ def _run_dir(tmp_path):
             "not_trained": {"t-0002": stale},
         },
     )
-    ckpt.write_archive(tmp_path, 4, trained, dropped)
+    ckpt.write_archive(tmp_path, 4, trained)
+    ckpt.write_dropped(tmp_path, 0, dropped)
     ledger = ckpt.Ledger(tmp_path)
     ledger.write(
         ckpt.LearnerState(
@@ -170,7 +171,7 @@ def test_older_samples_without_recorded_prefix_or_seeds_still_trace(tmp_path):
         trajectory=msgspec.structs.replace(s.trajectory, prefix_messages=-1),
         judge=[msgspec.structs.replace(o, seed=-1) for o in s.judge],
     )
-    ckpt.write_archive(tmp_path, 1, [old], [])
+    ckpt.write_archive(tmp_path, 1, [old])
     StepLog(tmp_path, tensorboard=False).write(1, {}, {"version": 1, "traj_ids": [old.traj_id], "not_trained": {}})
     out = _trace(tmp_path, "t-0001/0").output
     assert "prompt (2 message(s) from the task, up to the first generated turn" in out
@@ -203,7 +204,7 @@ def test_a_next_turn_sample_shows_each_future_and_the_judge_call_on_it(tmp_path)
         terminated="max_new_turns",
     )
     s = _score(traj)
-    ckpt.write_archive(tmp_path, 8, [s], [])
+    ckpt.write_archive(tmp_path, 8, [s])
     StepLog(tmp_path, tensorboard=False).write(8, {}, {"version": 8, "traj_ids": [s.traj_id], "not_trained": {}})
     out = _trace(tmp_path, "t-0005/0").output
     assert "prompt (3 message(s) from the task" in out
