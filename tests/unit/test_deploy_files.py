@@ -294,9 +294,15 @@ def kustomize(folder: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
-def k8s_run_config():
+def k8s_run_config(tmp_path_factory=None):
+    """The ConfigMap's run.toml as the roles read it: through load_config, laid over the embedded default."""
+    import tempfile
+
     (cm,) = load_all(K8S / "configmap.yaml")
-    return convert_config(tomllib.loads(cm["data"]["run.toml"]), source="k8s/configmap.yaml")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "run.toml"
+        path.write_text(cm["data"]["run.toml"])
+        return load_config(path)
 
 
 def test_keda_scales_the_actor_deployment_on_the_tasks_consumer():

@@ -97,9 +97,9 @@ def _run_dir(tmp_path):
         ckpt.LearnerState(
             step=4,
             done={"t-0001": "trained", "t-0002": "stale", "t-0004": "dead"},
-            reasons={"t-0002": stale, "t-0004": "t-0004/0: judge failed 5 times"},
             groups=[ckpt.GroupState(task_id="t-0003", first_seen=1.0, samples=[buffered])],
-        )
+        ),
+        reasons=[("t-0002", "stale", stale), ("t-0004", "dead", "t-0004/0: judge failed 5 times")],
     )
     ledger.close()
     return tmp_path, trained[1]
