@@ -15,6 +15,7 @@ LOSS_AGG = get_args(LossAgg)
 Attention = Literal["auto", "sdpa", "varlen"]  # learner.attention
 ATTENTIONS = get_args(Attention)
 Compile = Literal["auto", "off", "layers"]  # learner.trainer.compile_layers
+Offload = Literal["none", "cpu"]  # learner.offload_optimizer
 Positive = Annotated[int, Meta(ge=1)]
 
 
@@ -110,6 +111,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     micro_batch_tokens: Positive = 4096  # token budget of a packed micro-batch
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
     gradient_checkpointing: bool = False
+    # Where the optimizer's state lives: "none" on the GPU beside the weights; "cpu" the fp32 master
+    # weights, Adam's m and v and the fp32 gradients in host memory and the Adam step on the host's
+    # cores (DeepSpeed ZeRO-Offload, learner.trainer.ds_config), so a GPU holds only the training-dtype
+    # weights: at the 4B shape 45 GiB of GPU memory become host memory. Needs zero_stage 1-3.
+    offload_optimizer: Offload = "none"
     # attention over packed micro-batches: auto = flash varlen on CUDA (SDPA if unusable), SDPA on CPU;
     # sdpa = transformers' block-diagonal mask; varlen = per-sequence kernel (flash on CUDA, an SDPA call
     # per sequence on CPU)
@@ -146,6 +152,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)  # [learner.lora]; off by default
 
     def __post_init__(self) -> None:
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError(
+                f'[learner] offload_optimizer = "{self.offload_optimizer}" with zero_stage = 0: DeepSpeed offloads '
+                "the optimizer state of ZeRO stages 1-3 only; set zero_stage = 2 (one GPU: the same "
+                'mixed-precision Adam) or offload_optimizer = "none"'
+            )
         if self.lora.enabled and self.compile == "layers":
             # peft swaps every targeted Linear for a LoRA layer holding a dict of adapters and a
             # disable flag the reference flips per forward: a compiled layer guards on that state and
