@@ -116,7 +116,7 @@ class Shape:
         if unknown:
             raise PlanError(
                 f"[learner.lora] target_modules {unknown}: the plan sizes adapters on {sorted(dims)} only; "
-                "adapt those, or plan with up.gpu_memory_gib on a GPU where it was measured"
+                "set learner.lora.target_modules to some of them"
             )
         layer = [n for t in targets for n in (rank * dims[t][0], dims[t][1] * rank)]
         return layer * self.layers
