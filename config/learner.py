@@ -110,7 +110,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grad_clip: float = 1.0
     micro_batch_tokens: Positive = 4096  # token budget of a packed micro-batch
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
-    gradient_checkpointing: bool = False
+    # Layers recomputed in backward (a third more compute, a layer's activations kept instead of all):
+    # "auto" lets `parley up`'s memory plan choose, off when the activations without recompute fit the GPU
+    # (deploy.memory.make_plan); a learner started otherwise takes "auto" as on.
+    gradient_checkpointing: bool | Literal["auto"] = False
     # Where the optimizer's state lives: "none" on the GPU beside the weights; "cpu" the fp32 master
     # weights, Adam's m and v and the fp32 gradients in host memory and the Adam step on the host's
     # cores (DeepSpeed ZeRO-Offload, learner.trainer.ds_config), so a GPU holds only the training-dtype

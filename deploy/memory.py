@@ -198,6 +198,8 @@ class Plan:
     total: float | None  # the GPU's GiB; None = unknown
     source: str  # where the total comes from
     knobs: tuple[str, ...]  # what to turn when it does not fit
+    # settings the plan chose, as (dotted key, value): learner.gradient_checkpointing = "auto"'s choice
+    chosen: tuple[tuple[str, object], ...] = ()
     fixes: tuple[Fix, ...] = ()  # changes planned to fit (only when this plan does not)
 
     @property
@@ -239,6 +241,8 @@ class Plan:
                 f"({1 - HEADROOM:.0%} of {self.total:.1f}): "
                 + (f"{left:.2f} GiB to spare" if left >= 0 else f"{-left:.2f} GiB over")
             )
+        for key, value in self.chosen:
+            lines.append(f'  chosen by this plan: {key} = {_toml(value)} (it was "auto")')
         host = sum(p.host_gib for p in self.procs)
         if host:
             lines.append(f"  {'host memory (not on the GPU)':<34}{host:>18.2f} GiB")
@@ -595,12 +599,22 @@ def make_plan(cfg: RunConfig) -> Plan | None:
     else torch.cuda. Raises PlanError when a model's shape cannot be read."""
     if not uses_gpu(cfg):
         return None
-    procs = processes(cfg)
     if cfg.up.gpu_memory_gib > 0:
         total, source = cfg.up.gpu_memory_gib, "up.gpu_memory_gib"
     else:
         total, source = detect_gpu_gib(), "torch.cuda, device 0"
-    plan = Plan(tuple(procs), total, source, tuple(knobs(cfg, procs, total)) if total is not None else ())
+    chosen: tuple = ()
+    if cfg.learner.gradient_checkpointing == "auto":
+        # off when everything fits without recompute (the step is a third cheaper), else on; on while
+        # the GPU's total is unknown
+        off = _changed(cfg, {"learner.gradient_checkpointing": False})
+        procs = processes(off)
+        need = sum(p.gib for p in procs) + sum(p.share for p in procs) * (total or 0.0)
+        recompute = total is None or need > total * (1 - HEADROOM)
+        chosen = (("learner.gradient_checkpointing", recompute),)
+        cfg = _changed(cfg, dict(chosen))
+    procs = processes(cfg)
+    plan = Plan(tuple(procs), total, source, tuple(knobs(cfg, procs, total)) if total is not None else (), chosen)
     if plan.fits is False:
         plan = replace(plan, fixes=tuple(fixes(cfg, total)))
     return plan

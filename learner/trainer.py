@@ -293,7 +293,7 @@ class Trainer:
             self.reference = model
         self.compiled = compile_layers(model, "off" if self.peft is not None else cfg.compile, device, cfg.zero_stage)
         model.config.use_cache = False
-        if cfg.gradient_checkpointing:
+        if cfg.gradient_checkpointing in (True, "auto"):  # "auto" unresolved by `parley up`: on, the safe side
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         warmup = cfg.warmup_steps
 

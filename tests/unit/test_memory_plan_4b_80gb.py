@@ -141,3 +141,19 @@ def test_offload_needs_a_zero_stage():
         load_config(None, ['learner.offload_optimizer="cpu"', "learner.zero_stage=0"])
     with pytest.raises(ConfigError, match=r"offload_optimizer"):
         load_config(None, ['learner.offload_optimizer="gpu"'])
+
+
+def test_auto_checkpointing_is_off_where_the_activations_fit_and_the_children_get_the_choice(tmp_path):
+    model = stand_in(tmp_path)
+    lora = CONFIGS / "gpu-1-4b-lora.toml"
+    for tokens, recompute in ((4096, False), (8192, True)):  # 22.03 GiB of activations fit beside the rest; 44 do not
+        sets = ('learner.gradient_checkpointing="auto"', f"learner.micro_batch_tokens={tokens}")
+        out = up(lora, model, H100, *sets)
+        assert out.exit_code == 0, out.output
+        flag = "true" if recompute else "false"
+        assert f'chosen by this plan: learner.gradient_checkpointing = {flag} (it was "auto")' in out.stdout
+        assert tomllib.loads(out.stdout)["learner"]["gradient_checkpointing"] is recompute  # what up's children read
+        explicit = up(lora, model, H100, f"learner.gradient_checkpointing={flag}", sets[1])
+        assert plan_line(explicit.stdout) == plan_line(out.stdout)
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        load_config(None, ['learner.gradient_checkpointing="sometimes"'])
