@@ -98,6 +98,10 @@ class Actor:
                 "weights.load_s": f.load_s,
             }
         )
+        counts = getattr(self.engine, "counts", None)  # a test's scripted engine has no scheduler
+        if counts is not None:
+            # requests vLLM preempted (KV cache short of the conversations in flight): each recomputes its prefix
+            counters["engine.preemptions"] = float(counts.preemptions)
         state = "busy" if self.state == "ready" and self.in_flight else self.state
         return Heartbeat(role="actor", id=self.ident, state=state, version=self.engine.version, counters=counters)
 

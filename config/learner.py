@@ -15,6 +15,7 @@ LOSS_AGG = get_args(LossAgg)
 Attention = Literal["auto", "sdpa", "varlen"]  # learner.attention
 ATTENTIONS = get_args(Attention)
 Compile = Literal["auto", "off", "layers"]  # learner.trainer.compile_layers
+Offload = Literal["none", "cpu"]  # learner.offload_optimizer
 Positive = Annotated[int, Meta(ge=1)]
 
 
@@ -113,7 +114,15 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grad_clip: Annotated[float, Meta(ge=0.0, description="0 = no clipping")] = 1.0  # DeepSpeed's gradient_clipping
     micro_batch_tokens: Positive = 4096  # token budget of a packed micro-batch
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
-    gradient_checkpointing: bool = False
+    # Layers recomputed in backward (a third more compute, a layer's activations kept instead of all):
+    # "auto" lets `parley up`'s memory plan choose, off when the activations without recompute fit the GPU
+    # (deploy.memory.make_plan); a learner started otherwise takes "auto" as on.
+    gradient_checkpointing: bool | Literal["auto"] = False
+    # Where the optimizer's state lives: "none" on the GPU beside the weights; "cpu" the fp32 master
+    # weights, Adam's m and v and the fp32 gradients in host memory and the Adam step on the host's
+    # cores (DeepSpeed ZeRO-Offload, learner.trainer.ds_config), so a GPU holds only the training-dtype
+    # weights: at the 4B shape 45 GiB of GPU memory become host memory. Needs zero_stage 1-3.
+    offload_optimizer: Offload = "none"
     # attention over packed micro-batches: auto = flash varlen on CUDA (SDPA if unusable), SDPA on CPU;
     # sdpa = transformers' block-diagonal mask; varlen = per-sequence kernel (flash on CUDA, an SDPA call
     # per sequence on CPU)
@@ -159,6 +168,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"[learner] dual_clip={self.dual_clip}: the dual clip caps a negative advantage's loss at "
                 "dual_clip times it, so it must be > 1; set it > 1 (3.0 is the default) or 0 for off"
+            )
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError(
+                f'[learner] offload_optimizer = "{self.offload_optimizer}" with zero_stage = 0: DeepSpeed offloads '
+                "the optimizer state of ZeRO stages 1-3 only; set zero_stage = 2 (one GPU: the same "
+                'mixed-precision Adam) or offload_optimizer = "none"'
             )
         if self.lora.enabled and self.compile == "layers":
             # peft swaps every targeted Linear for a LoRA layer holding a dict of adapters and a

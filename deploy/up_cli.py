@@ -199,6 +199,12 @@ def check_memory(cfg, dry: bool) -> str:
         raise typer.Exit(2)
     if plan.fits is None and not dry:
         typer.echo("parley up: the GPU memory plan is not checked (GPU total unknown: set up.gpu_memory_gib)", err=True)
+    for key, value in plan.chosen:  # what the plan chose ("auto"), into the config every child is given
+        *path, leaf = key.split(".")
+        section = cfg
+        for name in path:
+            section = getattr(section, name)
+        setattr(section, leaf, value)
     return plan.render()
 
 

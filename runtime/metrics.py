@@ -80,6 +80,12 @@ FAMILIES: tuple[Family, ...] = (
         "actor",
     ),
     _f("parley_actor_version_lag", r"weights\.lag", "Announced version minus the version served.", "actor"),
+    _f(
+        "parley_actor_engine_preemptions_total",
+        r"engine\.preemptions",
+        "Requests the actor's vLLM engine preempted for lack of KV cache (each recomputes its prefix).",
+        "actor",
+    ),
     _f("parley_actor_weights_loads_total", r"weights\.loads", "Weight versions loaded into the engine.", "actor"),
     _f(
         "parley_actor_weights_load_seconds",
