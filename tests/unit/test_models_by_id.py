@@ -109,8 +109,8 @@ def test_what_reads_as_a_hub_id(value, expected):
 
 def test_every_preset_plans_its_gpu_from_an_offline_cache(tmp_path):
     """deploy/configs/qwen3-*.toml: the cache holds each preset's published config.json (no weights);
-    the plan is made from it, and fits the GPU its header names, except 8B (LoRA, which the plan does
-    not count yet: it plans Adam over all 8.2B weights and refuses)."""
+    the plan is made from it, and fits the GPU its header names (8B as a LoRA adapter, whose frozen
+    base the plan counts once and whose optimizer state is the adapter's)."""
     import json
 
     from parley.engines.models import MODEL_SHAPES
@@ -121,7 +121,7 @@ def test_every_preset_plans_its_gpu_from_an_offline_cache(tmp_path):
             src.mkdir(parents=True)
             (src / "config.json").write_text(json.dumps(shape))
             lay_out_cache(tmp_path / "hf", repo, src)
-    for name, gib, fits in (("0.6b", 80, True), ("1.7b", 80, True), ("4b", 141, True), ("8b", 141, False)):
+    for name, gib, fits in (("0.6b", 80, True), ("1.7b", 80, True), ("4b", 141, True), ("8b", 141, True)):
         out = parley(
             "up",
             "--config",
