@@ -22,10 +22,10 @@ Positive = Annotated[int, Meta(ge=1)]
 class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[data]: where tasks come from and how train/eval are split (per reference document)."""
 
-    path: Annotated[str, Meta(min_length=1)] = "bundled"  # "bundled" or a CollabLLM parquet/jsonl file
+    path: Annotated[str, Meta(min_length=1)] = "bundled"  # "bundled", a CollabLLM parquet/jsonl file or Hub dataset id
     eval_fraction: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.25
     split_seed: int = 0
-    eval_path: str = ""  # a separate eval file instead of a split
+    eval_path: str = ""  # a separate eval file (or Hub dataset id, ORG/NAME#test) instead of a split
     allow_overlap: bool = False  # start even if train and eval share reference targets
 
 

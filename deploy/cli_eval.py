@@ -52,9 +52,16 @@ def _fail(cmd: str, message: str, code: int = 2):
 
 
 def data_check_cmd(
-    eval_: Annotated[str, typer.Option("--eval", help="Eval data: 'bundled' or a CollabLLM .parquet/.jsonl file.")],
+    eval_: Annotated[
+        str,
+        typer.Option(
+            "--eval",
+            help="Eval data: 'bundled', a CollabLLM .parquet/.jsonl file or a Hub dataset id (ORG/NAME[@REV][#SPLIT]).",
+        ),
+    ],
     train: Annotated[
-        str, typer.Option("--train", help="Training data: 'bundled' or a CollabLLM .parquet/.jsonl file.")
+        str,
+        typer.Option("--train", help="Training data: 'bundled', a CollabLLM .parquet/.jsonl file or a Hub dataset id."),
     ] = "bundled",
 ) -> None:
     """Exit 1 when the files share reference targets (label leakage); shared prompts alone are reported."""

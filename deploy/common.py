@@ -97,17 +97,35 @@ def check_inputs(cfg, fields: dict[str, str] | None = None) -> tuple[list[str], 
     """The start checks of what a run reads, made before anything is created or started (and under
     --dry-run): every model field names something that resolves and whose config.json loads
     (engines.models.check_model: the local Hugging Face cache first, a Hub id's config.json
-    downloaded where a network is), and the data files exist. fields: the model fields to check
+    downloaded where a network is), and the data files exist or the data ids resolve (check_data). fields: the model fields to check
     (default: all the run loads, model_fields). Returns one line per problem, and the
     directories of the models given by Hub id (for the memory plan, which reads their config.json)."""
     hub_dirs: dict[str, Path] = {}
     problems = check_models(model_fields(cfg) if fields is None else fields, hub_dirs)
-    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if value and value != "bundled" and not Path(value).expanduser().is_file():
-            problems.append(f'{key}={value!r}: no such file; give a CollabLLM .parquet or .jsonl file (or "bundled")')
+    problems += check_data(cfg.data)
+    return problems, hub_dirs
+
+
+def check_data(data) -> list[str]:
+    """One line per [data] value that names nothing readable: a file that does not exist or has another
+    suffix, or a Hub dataset id whose split's Parquet files are neither in the local HF cache nor
+    downloadable (tasks.data.dataset_files; fetched into the cache where a network is)."""
+    from parley.tasks.data import DataNotFound, dataset_files, hub_dataset
+
+    problems = []
+    for key, value in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+        if value and value != "bundled" and hub_dataset(value):
+            try:
+                dataset_files(value)
+            except DataNotFound as e:
+                problems.append(f"{key}: {e}")
+        elif value and value != "bundled" and not Path(value).expanduser().is_file():
+            problems.append(
+                f'{key}={value!r}: no such file; give a CollabLLM .parquet or .jsonl file, a Hub dataset id (ORG/NAME) or "bundled"'
+            )
         elif value and value != "bundled" and Path(value).suffix not in (".parquet", ".jsonl", ".json"):
             problems.append(f"{key}={value!r}: has suffix {Path(value).suffix!r}; use a .parquet or .jsonl file")
-    return problems, hub_dirs
+    return problems
 
 
 def check_models(

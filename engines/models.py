@@ -13,7 +13,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -22,12 +21,13 @@ import time
 import zipfile
 from pathlib import Path
 
+from parley.tasks.hub import HUB_ID, first_line
+from parley.tasks.hub import offline as _offline
+from parley.tasks.hub import unreachable as _hub_unreachable
+
 # The names ensure_model() builds; anything else is an existing directory or a Hub id.
 KNOWN_MODELS = ("tiny", "smol")
 
-# A Hub id: "ORG/NAME", optionally "@REVISION" (a branch, tag or commit). An existing local directory
-# of the same spelling wins: "Qwen/Qwen3-0.6B" is a Hub id only where no such directory exists here.
-HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@(?P<rev>[A-Za-z0-9_./-]+))?$")
 # What a checkpoint needs of a Hub repository (not its other formats: GGUF, ONNX, original/ weights)
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
 
@@ -382,10 +382,6 @@ def _fetch_hint(repo: str, rev: str | None) -> str:
     )
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _hub_snapshot(repo: str, rev: str | None, config_only: bool) -> Path:
     """The local snapshot directory of a Hub model: from the local HF cache first (no network), else
     downloaded (only config.json when `config_only`: what the start checks read)."""
@@ -419,39 +415,13 @@ def _hub_snapshot(repo: str, rev: str | None, config_only: bool) -> Path:
         _log(f"downloading {label} from the Hugging Face Hub")
         return Path(snapshot_download(repo, revision=rev, allow_patterns=HUB_FILES))
     except Exception as e:  # noqa: BLE001 - no network, no such repository or revision, no access
-        why = str(e).strip().splitlines()[0].split(". ")[0][:160] if str(e).strip() else type(e).__name__
+        why = first_line(e)
         raise ModelNotFound(
             f"model {label!r} is not in the local Hugging Face cache and could not be downloaded ({why}); "
             f"{_fetch_hint(repo, rev)}"
         ) from None
     finally:
         hub_log.setLevel(level)
-
-
-def _hub_unreachable() -> str:
-    """Why the Hub cannot be reached at all ("" when its host resolves): a machine without a network is
-    told at once, not after huggingface_hub's retries."""
-    import socket
-    import threading
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    url = urlparse(constants.ENDPOINT)
-    answer: list[str] = []
-
-    def lookup() -> None:
-        try:
-            socket.getaddrinfo(url.hostname or "", url.port or 443, type=socket.SOCK_STREAM)
-            answer.append("")
-        except OSError as e:
-            answer.append(f"no network: {url.hostname} does not resolve ({e.strerror or e})")
-
-    # a resolver without a network may take its whole timeout to say so; 3 s is plenty where one is
-    t = threading.Thread(target=lookup, daemon=True)
-    t.start()
-    t.join(3.0)
-    return answer[0] if answer else f"no network: {url.hostname} did not resolve within 3 s"
 
 
 def _unknown(value: str) -> ModelNotFound:

@@ -1,8 +1,10 @@
 """The CollabLLM medium task data: loading, per-reference splits, leakage checks, tasks.
 
 Reads the public `collabllm-multiturn-medium(-large)` parquet schema (prompt, single_turn_prompt,
-single_turn_completion, single_turn_metadata, conv_id, turn_id) or the same records as JSONL; the
-bundled file `tasks/datasets/medium.jsonl` is ours. Used by the learner's feeder, eval and
+single_turn_completion, single_turn_metadata, conv_id, turn_id) from a local file, the same records as
+JSONL, or a Hub dataset by id ("ORG/NAME[@REV][#SPLIT]": its Parquet files, the local HF cache
+first); the bundled file `tasks/datasets/medium.jsonl` is ours. Rows that repeat a reference
+document are dropped on load (dedupe_by_reference says which is kept). Used by the learner's feeder, eval and
 `parley data check`; `task_from_item` turns an item into the Task the actors play.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import re
 import time
@@ -18,6 +21,9 @@ from importlib import resources
 from pathlib import Path
 
 from parley.protocol.messages import ChatMessage, Task
+from parley.tasks.hub import HUB_ID, first_line, offline, unreachable
+
+log = logging.getLogger(__name__)
 
 # The simulator prompt CollabLLM tasks are played under when [rollout].sim_prompt is "" (the
 # environment's own: environments/collabllm.py).
@@ -57,6 +63,86 @@ def bundled_path() -> Path:
     return Path(str(resources.files("parley.tasks") / "datasets" / "medium.jsonl"))
 
 
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+class DataNotFound(ValueError):
+    """A data value naming no file and no Hub dataset this machine has or can fetch; one line naming
+    the value and the fix."""
+
+
+def hub_dataset(value: str) -> tuple[str, str | None, str] | None:
+    """(repo, revision, split) when `value` reads as a Hub dataset id, "ORG/NAME[@REV][#SPLIT]" (split
+    default "train"), and no local path of that spelling exists; a value ending in a data file's
+    suffix is always a path (a missing file is told as one, not looked for on the Hub)."""
+    spec, _, split = str(value).partition("#")
+    m = HUB_ID.match(spec)
+    if m is None or Path(value).expanduser().exists() or Path(spec).suffix in DATA_SUFFIXES:
+        return None
+    return m.group("repo"), m.group("rev"), split or "train"
+
+
+def _fetch_hint(repo: str, rev: str | None) -> str:
+    cmd = f"huggingface-cli download --repo-type dataset {repo}" + (f" --revision {rev}" if rev else "")
+    return (
+        f"fetch it with `{cmd}` on a machine with a network (or point HF_HOME at a cache that holds it), "
+        "or give a local .parquet/.jsonl file"
+    )
+
+
+def _dataset_snapshot(repo: str, rev: str | None) -> Path:
+    """The local snapshot directory of a Hub dataset's Parquet files: the local HF cache first (no
+    network), else downloaded. Raises DataNotFound, one line."""
+    from huggingface_hub import snapshot_download
+
+    label = repo + (f"@{rev}" if rev else "")
+    kw = dict(repo_type="dataset", revision=rev, allow_patterns=["*.parquet", "*.md", "*.json"])
+    try:
+        return Path(snapshot_download(repo, local_files_only=True, **kw))
+    except Exception:  # noqa: BLE001 - not in the cache: fetch it below
+        pass
+    why = "HF_HUB_OFFLINE is set" if offline() else unreachable()
+    if not why:
+        hub_log = logging.getLogger("huggingface_hub")
+        level = hub_log.level
+        hub_log.setLevel(logging.ERROR)  # its retry warnings would bury the one line below
+        try:
+            log.info("downloading dataset %s from the Hugging Face Hub", label)
+            return Path(snapshot_download(repo, **kw))
+        except Exception as e:  # noqa: BLE001 - no such repository or revision, no access, network gone
+            why = f"could not be downloaded ({first_line(e)})"
+        finally:
+            hub_log.setLevel(level)
+    elif not offline():
+        why = f"could not be downloaded ({why})"
+    raise DataNotFound(f"dataset {label!r} is not in the local Hugging Face cache and {why}; {_fetch_hint(repo, rev)}")
+
+
+def dataset_files(value: str) -> list[Path]:
+    """The Parquet files of a Hub dataset id's split (see hub_dataset), in name order: files named
+    SPLIT.parquet or SPLIT-*.parquet, or under a folder named SPLIT (the Hub's layouts). Raises
+    DataNotFound when the id does not resolve or has no such split."""
+    repo, rev, split = hub_dataset(value) or (None, None, "")
+    if repo is None:
+        raise DataNotFound(f"{value!r} is not a Hub dataset id (ORG/NAME, ORG/NAME@REVISION, optional #SPLIT)")
+    snap = _dataset_snapshot(repo, rev)
+    files = sorted(p for p in snap.rglob("*.parquet"))
+
+    def split_of(p: Path) -> str:
+        rel = p.relative_to(snap).parts
+        folder = next((part for part in rel[:-1] if part not in ("data", "default")), "")
+        return folder or re.split(r"[-.]", p.name, maxsplit=1)[0]
+
+    chosen = [p for p in files if split_of(p) == split]
+    if not chosen:
+        splits = sorted({split_of(p) for p in files})
+        raise DataNotFound(
+            f"dataset {value!r} has no Parquet files of split {split!r} (its splits: {splits or 'none'}); "
+            f"name one as {repo}#SPLIT"
+        )
+    return chosen
+
+
 def _records(path: Path) -> list[dict]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -86,16 +172,27 @@ def _metadata(raw) -> dict:
     return dict(raw or {})
 
 
-def load_items(path: str | Path = BUNDLED) -> list[Item]:
-    """Read a CollabLLM medium file (or "bundled"); rows without a reference document are skipped."""
-    p = bundled_path() if str(path) == BUNDLED else Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"data file {p} does not exist; use 'bundled' or a CollabLLM .parquet/.jsonl path")
+def load_items(path: str | Path = BUNDLED, dedupe: bool = True) -> list[Item]:
+    """Read CollabLLM medium data: "bundled", a .parquet/.jsonl file or a Hub dataset id (hub_dataset).
+    Rows without a reference document are skipped; with `dedupe`, one row per reference document is
+    kept (dedupe_by_reference) and the number dropped is logged."""
+    hub = hub_dataset(str(path)) if str(path) != BUNDLED else None
+    if hub is not None:
+        sources = dataset_files(str(path))
+        label = str(path)
+    else:
+        p = bundled_path() if str(path) == BUNDLED else Path(path)
+        if not p.exists():
+            raise FileNotFoundError(
+                f"data file {p} does not exist; use 'bundled', a CollabLLM .parquet/.jsonl path or a Hub dataset id"
+            )
+        sources, label = [p], str(p)
+    records = [r for src in sources for r in _records(src)]
     items = []
-    for i, r in enumerate(_records(p)):
+    for i, r in enumerate(records):
         missing = [k for k in ("prompt", "single_turn_completion") if k not in r]
         if missing:
-            raise ValueError(f"{p}: record {i} lacks {missing}; is this the collabllm-multiturn-medium schema?")
+            raise ValueError(f"{label}: record {i} lacks {missing}; is this the collabllm-multiturn-medium schema?")
         reference = (r.get("single_turn_completion") or "").strip()
         if not reference:
             continue
@@ -112,7 +209,33 @@ def load_items(path: str | Path = BUNDLED) -> list[Item]:
                 metadata=meta,
             )
         )
-    return items
+    if not dedupe:
+        return items
+    kept = dedupe_by_reference(items)
+    if len(kept) < len(items):
+        log.info(
+            "data %s: %d rows, %d reference documents: dropped %d rows that repeat a document "
+            "(kept each document's shortest prefix)",
+            label,
+            len(items),
+            len(kept),
+            len(items) - len(kept),
+        )
+    return kept
+
+
+def dedupe_by_reference(items: list[Item]) -> list[Item]:
+    """One item per reference document, in the order documents first appear: the one with the shortest
+    prefix (fewest messages; then the lowest item_id). The public multiturn data has a row per turn of a
+    conversation, all with the conversation's document; the shortest prefix is the conversation's
+    opening, the start a whole-conversation rollout and the card's eval play from, and choosing by
+    content rather than row order gives the same item whatever order the files list the rows in."""
+    best: dict[str, Item] = {}
+    for it in items:
+        cur = best.get(it.reference_key)
+        if cur is None or (len(it.prefix), it.item_id) < (len(cur.prefix), cur.item_id):
+            best[it.reference_key] = it
+    return list(best.values())
 
 
 def split_items(items: list[Item], eval_fraction: float, seed: int = 0) -> tuple[list[Item], list[Item]]:
