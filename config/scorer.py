@@ -12,7 +12,7 @@ from msgspec import Meta
 
 from parley.engines.config import ServiceBackend
 from parley.rewards.extract import EXTRACTORS
-from parley.rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
+from parley.rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES, TokenAmount
 
 
 class JudgeConfig(ServiceBackend, kw_only=True, forbid_unknown_fields=True):
@@ -52,6 +52,9 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # [policy] reference = "service": one reference-service request per trajectory; waits for an
     # unreachable service as for the judge (judge_wait_s), spending no delivery.
     reference_timeout_s: Annotated[float, Meta(gt=0)] = 300.0
+    # how token_amount is counted (rewards.metrics.TokenAmount): "assistant_tokens_k" (the paper's,
+    # assistant tokens / 1000) | "future_words" (verl's recipe: words after the dataset prefix, unscaled)
+    token_amount: TokenAmount = "assistant_tokens_k"
 
     def __post_init__(self) -> None:
         if self.bleu_variant not in BLEU_VARIANTS:
