@@ -18,7 +18,7 @@ from parley.learner.groups import Grouper, Taken, behaviour_logprobs
 from parley.learner.intake import Intake
 from parley.learner.publication import Weights
 from parley.learner.runstate import RunState
-from parley.learner.steplog import StepLog
+from parley.learner.steplog import PHASES, StepLog
 from parley.learner.watchers import Evals
 from parley.protocol import arrays, codec, topology
 from parley.protocol.bus import dead_letter, retry_unreachable
@@ -64,14 +64,8 @@ class Stepper:
             return False
         wait_s = time.monotonic() - self.wait_since
         st.phase = "busy"
-        samples = self.samples(taken)
-        try:
-            stats = await asyncio.to_thread(self.driver, "train_step", samples)
-        except BaseException:
-            self.grouper.untake(taken)  # not trained: the ledger must keep them buffered
-            raise
-        if stats.get("skipped"):
-            await self.refuse_step(taken, stats)
+        taken, stats = await self.train(taken)
+        if not taken:  # the trainer refused the step's first update
             return True
         admitted_at = st.step  # the version the groups were trained against
         st.step += 1
@@ -135,6 +129,31 @@ class Stepper:
         self.wait_since = time.monotonic()
         st.phase = "ready"
         return True
+
+    async def train(self, taken: list[Taken]) -> tuple[list[Taken], dict]:
+        """Train the step's groups in `updates_per_step` optimizer updates, each on a mini-batch of whole
+        groups in their order with a loss of its own (verl's ppo_mini_batch_size); advantages are each
+        group's, so the split changes none. An update the trainer refuses (not finite) refuses its groups,
+        and the groups after it go back untried. Returns the groups trained and the step's stats."""
+        size = -(-len(taken) // self.lc.updates_per_step)
+        minis = [taken[i : i + size] for i in range(0, len(taken), size)]
+        trained: list[Taken] = []
+        per_update: list[dict] = []
+        for i, mini in enumerate(minis):
+            try:
+                stats = await asyncio.to_thread(self.driver, "train_step", self.samples(mini))
+            except BaseException:
+                # the process stops: the ledger must keep them all buffered (a resume trains them again
+                # from the last checkpoint, the updates already made included)
+                self.grouper.untake(taken)
+                raise
+            if stats.get("skipped"):
+                self.grouper.untake([t for later in minis[i + 1 :] for t in later])
+                await self.refuse_step(mini, stats)
+                break
+            trained += mini
+            per_update.append(stats)
+        return trained, merge_updates(per_update)
 
     async def refuse_step(self, taken: list[Taken], stats: dict) -> None:
         """The trainer did not apply a step (its loss or gradient norm was not finite): the weights are
@@ -244,6 +263,33 @@ TRAIN_LIVE = {
     "publish_s": "publish_s",
     "checkpoint_s": "checkpoint_s",
 }
+
+
+# the trainer's stats (learner.trainer.Trainer.train_step) that add up over a step's updates; of the
+# others, *_max take the largest, LAST the last update's, the rest the mean weighted by trained tokens
+_SUMMED = ("tokens", "trained_tokens", "sequences", "micro_batches", "train_s", *PHASES)
+_LAST = ("lr", "cache_released_gib", "reserved_gib")
+
+
+def merge_updates(per_update: list[dict]) -> dict:
+    """One step's stats from those of its optimizer updates; "updates" counts them."""
+    if len(per_update) <= 1:
+        return {**(per_update[0] if per_update else {}), "updates": float(len(per_update))}
+    out: dict = {}
+    weights = [u.get("trained_tokens", 1.0) for u in per_update]
+    for key in dict.fromkeys(k for u in per_update for k in u):
+        values = [(u[key], w) for u, w in zip(per_update, weights) if key in u]
+        if key in _SUMMED:
+            out[key] = sum(v for v, _ in values)
+        elif key in _LAST:
+            out[key] = values[-1][0]
+        elif key.endswith("_max") or key == "peak_allocated_gib":
+            out[key] = max(v for v, _ in values)
+        else:
+            out[key] = sum(v * w for v, w in values) / max(sum(w for _, w in values), 1e-12)
+    out["tokens_per_s"] = out["tokens"] / out["train_s"] if out.get("train_s") else 0.0
+    out["updates"] = float(len(per_update))
+    return out
 
 
 def live_counters(metrics: dict) -> dict[str, float]:
