@@ -40,6 +40,9 @@ class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # run name: prefixes every subject, stream and bucket
     name: Annotated[str, msgspec.Meta(pattern=RUN_NAME.pattern, description="use 1-64 of A-Z a-z 0-9 _ -")] = "local"
     dir: str = ""  # run directory; "" = runs/<name>
+    # a named preset (deploy/configs/recipes/<name>.toml, e.g. "verl-collabllm") laid under this file:
+    # what the file and --set say wins (config.run.lay_recipe; docs/recipe.md); "" = none
+    recipe: str = ""
 
 
 class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -257,7 +260,9 @@ def default_config_path() -> Path:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read `path` (default: the embedded default), apply overrides, validate."""
+    """Read `path` (default: the embedded default), apply overrides, validate. A recipe ([run] recipe,
+    from the file or an override) goes over the embedded default, but under a file that is given."""
+    embedded = not path
     path = Path(path) if path else default_config_path()
     try:
         data = tomllib.loads(path.read_text())
@@ -266,14 +271,62 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     translate(data, str(path))
+    if embedded:
+        named: dict = {}
+        for o in overrides or []:
+            if renamed_key(o.partition("=")[0].strip()) == "run.recipe":
+                apply_override(named, o)
+        name = named.get("run", {}).get("recipe") or data.get("run", {}).get("recipe", "")
+        if name:
+            data = _lay(data, translate(recipe_data(name, str(path)), f"recipe {name}"), _run_type())
     for o in overrides or []:
         apply_override(data, o)
     return convert_config(data, source=str(path))
 
 
+def recipes_dir() -> Path:
+    return Path(str(resources.files("parley.deploy") / "configs" / "recipes"))
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.toml"))
+
+
+def recipe_data(name: str, source: str = "<config>") -> dict:
+    """The settings recipe `name` fixes, as a TOML document (deploy/configs/recipes/NAME.toml)."""
+    if name not in recipe_names():
+        raise ConfigError(
+            f'{source}: run.recipe = {name!r}: no such recipe; use one of {recipe_names()} (or "" for none)'
+        )
+    return tomllib.loads((recipes_dir() / f"{name}.toml").read_text())
+
+
+def lay_recipe(data: dict, source: str = "<config>") -> dict:
+    """`data` laid over the recipe its [run] recipe names (unchanged when it names none): a key of the
+    recipe that `data` does not give is the recipe's; a section merges key by key; any other value
+    (a weights table included) is taken whole from `data` when it gives it."""
+    run = data.get("run")
+    name = run.get("recipe", "") if isinstance(run, dict) else ""
+    if not name:
+        return data
+    return _lay(translate(recipe_data(name, source), f"recipe {name}"), data, _run_type())
+
+
+def _lay(base: dict, top: dict, typ: Any) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        field = next((f for f in getattr(typ, "fields", ()) if f.encode_name == k), None)
+        sub, _ = _unwrap(field.type, "") if field is not None else (None, "")
+        if isinstance(sub, mi.StructType) and isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _lay(out[k], v, sub)
+        else:
+            out[k] = v
+    return out
+
+
 def convert_config(data: dict, source: str = "<config>") -> RunConfig:
     try:
-        data = upgrade(translate(data, source))  # old keys under their new names
+        data = upgrade(lay_recipe(translate(data, source), source))  # old keys under their new names
     except ConfigError:
         raise
     except ValueError as e:  # weights.config.upgrade: the old [learner] weight keys beside [weights]

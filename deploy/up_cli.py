@@ -67,9 +67,18 @@ def up_cmd(
             help="Environment to train, by entry-point name (overrides env.name; e.g. hidden_goal). Without --config, the environment's preset is laid over the embedded default (before --set).",
         ),
     ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe",
+            help="A named preset of training settings (overrides run.recipe; e.g. verl-collabllm, docs/recipe.md): laid over the embedded default, or under --config FILE's own keys; --set wins.",
+        ),
+    ] = None,
     dry: DryRunOpt = False,
 ) -> None:
     extra = []
+    if recipe is not None:
+        extra.append(f'run.recipe="{recipe}"')
     if env is not None:
         extra.append(f'env.name="{env}"')
     if steps is not None:
