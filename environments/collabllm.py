@@ -21,12 +21,14 @@ from parley.protocol.messages import JudgeReply, Task
 from parley.rewards.extract import EXTRACTORS, last_document
 from parley.rewards.metrics import (
     BLEU_VARIANTS,
+    EXTRACT_QUOTES,
     INTERACTIVITY_SCALES,
     TOKEN_AMOUNTS,
     future_words,
     interactivity_from_3level,
     interactivity_from_distribution,
     interactivity_from_levels,
+    quoted,
 )
 from parley.rewards.metrics import token_amount as tokens_k  # the parameter token_amount names the variant
 from parley.rewards.reward import default_weights, mr
@@ -36,7 +38,7 @@ NAME = "collabllm_medium"
 
 # The options that say how CollabLLM is scored. A run sets them in [scorer] (bleu_variant, extract,
 # interactivity; `parley replay --scoring` names sets of them), and config/run.py passes them here.
-SCORING_OPTIONS = ("bleu_variant", "extract", "interactivity", "token_amount")
+SCORING_OPTIONS = ("bleu_variant", "extract", "interactivity", "token_amount", "extract_quotes")
 # Named scoring variants (`parley replay --scoring NAME`): the [scorer] settings they fix. "collabllm" is
 # the paper's scoring: character BLEU as NLTK computes it, the 3-level interactivity judge, and the
 # document copied out by the judge, assistant tokens in thousands. "verl-collabllm" is verl's recipe
@@ -47,12 +49,14 @@ SCORING_VARIANTS: dict[str, dict[str, str]] = {
         "interactivity": "3level",
         "extract": "judge",
         "token_amount": "assistant_tokens_k",
+        "extract_quotes": "keep",
     },
     "verl-collabllm": {
         "bleu_variant": "char",
         "interactivity": "rubric",
         "extract": "judge",
         "token_amount": "future_words",
+        "extract_quotes": "single",
     },
 }
 
@@ -114,18 +118,21 @@ def environment(
     extract: str = "judge",
     interactivity: str = "rubric",
     token_amount: str = "assistant_tokens_k",
+    extract_quotes: str = "keep",
 ) -> Environment:
     """CollabLLM medium, scored as [scorer] says: `bleu_variant` sacrebleu | char; `extract` judge (the
     judge copies the document out) | last_document (rewards/extract.py, no judge call); `interactivity`
     rubric (levels 0..3 on three criteria) | rubric_expected (the same rubric, each criterion's expected
     level under the judge's own distribution over the level tokens) | 3level (CollabLLM's 1 / 0.5 / 0);
     `token_amount` assistant_tokens_k (assistant tokens / 1000) | future_words (the words after the
-    dataset prefix, user and assistant, as verl's recipe counts them)."""
+    dataset prefix, user and assistant, as verl's recipe counts them); `extract_quotes` keep | single
+    (the document's double quotes written as single ones before BLEU, as verl's recipe asks its judge)."""
     for name, value, allowed in (
         ("bleu_variant", bleu_variant, tuple(BLEU_VARIANTS)),
         ("extract", extract, EXTRACTORS),
         ("interactivity", interactivity, tuple(INTERACTIVITY_SCALES)),
         ("token_amount", token_amount, TOKEN_AMOUNTS),
+        ("extract_quotes", extract_quotes, EXTRACT_QUOTES),
     ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} not allowed; use one of {allowed}")
@@ -133,10 +140,10 @@ def environment(
     weights = default_weights()
 
     def bleu_of_reply(reply: JudgeReply, conv: Finished) -> float:
-        return bleu_fn(reply.document, conv.reference)
+        return bleu_fn(quoted(reply.document, extract_quotes), conv.reference)
 
     def bleu_of_draft(conv: Finished) -> float:
-        return bleu_fn(last_document(conv.messages), conv.reference)
+        return bleu_fn(quoted(last_document(conv.messages), extract_quotes), conv.reference)
 
     def rubric(reply: JudgeReply, conv: Finished) -> float:
         return interactivity_from_levels(reply.levels)  # the levels are the verdict, not reply.score

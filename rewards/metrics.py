@@ -100,6 +100,17 @@ def future_words(contents: Iterable[str]) -> float:
 TokenAmount = Literal["assistant_tokens_k", "future_words"]
 TOKEN_AMOUNTS = get_args(TokenAmount)
 
+# [scorer] extract_quotes: the document BLEU compares as extracted ("keep"), or with every double quote
+# written as a single one ("single"): verl's recipe tells its extracting judge to do so
+# (recipe/collabllm/metrics/bleu_score.py) and compares the result with the untouched reference.
+ExtractQuotes = Literal["keep", "single"]
+EXTRACT_QUOTES = get_args(ExtractQuotes)
+
+
+def quoted(document: str, quotes: str) -> str:
+    """`document` as [scorer] extract_quotes says BLEU sees it."""
+    return document.replace('"', "'") if quotes == "single" else document
+
 
 INTERACTIVITY_KEYS = ("understanding", "clarification", "suggestions")
 _MAX_LEVEL = 3

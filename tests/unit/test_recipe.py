@@ -74,6 +74,7 @@ def test_the_resolved_config_is_the_table(how):
         "extract": "judge",
         "interactivity": "rubric",
         "token_amount": "future_words",
+        "extract_quotes": "single",
     }
 
 

@@ -59,3 +59,15 @@ def test_new_from_is_the_trained_turn_in_next_turn_mode_and_the_first_reply_in_c
 def test_an_unknown_variant_is_refused_with_the_allowed_names():
     with pytest.raises(ConfigError, match="token_amount.*assistant_tokens_k.*future_words"):
         load_config(overrides=['scorer.token_amount="words"'])
+
+
+def test_single_quotes_write_the_documents_double_quotes_as_single_before_bleu():
+    from parley.protocol.messages import JudgeReply
+
+    reference = "She said 'go' and left."
+    reply = JudgeReply(ok=True, document='She said "go" and left.')
+    conv = Conversation(messages=[ChatMessage("assistant", "x")], reference=reference)
+    keep, single = (collabllm.environment(bleu_variant="char", extract_quotes=q) for q in ("keep", "single"))
+    bleu = {id(env): next(m for m in env.reward.metrics if m.name == "bleu") for env in (keep, single)}
+    assert bleu[id(single)].value(reply, conv) == pytest.approx(1.0)
+    assert bleu[id(keep)].value(reply, conv) < 1.0
