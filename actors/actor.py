@@ -16,7 +16,6 @@ import shutil
 import time
 from collections import Counter
 
-from parley.actors.follow import WeightFollower, WeightsBroken
 from parley.config.run import RunConfig
 from parley.environments.base import Environment, LocalUser, ProgrammaticUser
 from parley.protocol import bus, status
@@ -24,6 +23,7 @@ from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Task
 from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
 from parley.rollout.sim import SimClient
 from parley.runtime.scratch import scratch_dir
+from parley.weights.follow import WeightFollower, WeightsBroken
 
 # How long a task admitted at a version the engine does not serve yet waits for that version to load.
 ADMITTED_VERSION_WAIT_S = 120.0
@@ -98,6 +98,10 @@ class Actor:
                 "weights.load_s": f.load_s,
             }
         )
+        counts = getattr(self.engine, "counts", None)  # a test's scripted engine has no scheduler
+        if counts is not None:
+            # requests vLLM preempted (KV cache short of the conversations in flight): each recomputes its prefix
+            counters["engine.preemptions"] = float(counts.preemptions)
         state = "busy" if self.state == "ready" and self.in_flight else self.state
         return Heartbeat(role="actor", id=self.ident, state=state, version=self.engine.version, counters=counters)
 

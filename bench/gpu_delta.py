@@ -44,10 +44,10 @@ async def run(args) -> dict:
     from bench.weight_delta import GradMaster
     from parley.deploy.natsserver import NatsServer
     from parley.engines.models import ensure_model
-    from parley.learner.weights_io import hf_tensors
     from parley.protocol import topology
     from parley.protocol.connect import connect
     from parley.weights import cuda_ipc, gpu_delta, objstore
+    from parley.weights.snapshot import hf_tensors
 
     model_dir = Path(args.model) if Path(args.model).is_dir() else Path(ensure_model(args.model))
     m = GradMaster(model_dir)

@@ -105,6 +105,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="> 0: the learner trains a LoRA adapter of this rank ([learner.lora], alpha 2 x rank); 0: full",
     )
     p.add_argument(
+        "--offload-optimizer",
+        default="none",
+        choices=["none", "cpu"],
+        help="learner.offload_optimizer: cpu keeps master weights, Adam state and fp32 gradients in host memory",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="learner.gradient_checkpointing = true (layers recomputed)",
+    )
+    p.add_argument(
         "--tiny", action="store_true", help="2-layer, 4k-vocab model in fp32: runs on CPU (gloo) in about a minute"
     )
     p.add_argument("--out", default=None, help="JSON path (default $OUT/learner_gpu.json when OUT is set)")
@@ -529,6 +540,8 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
         dtype="float32" if args.tiny else "auto",
         compile="off" if args.lora_rank else compile_mode,
         lora=LoraSettings(enabled=args.lora_rank > 0, rank=max(args.lora_rank, 1), alpha=2.0 * max(args.lora_rank, 1)),
+        offload_optimizer=args.offload_optimizer,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     tag = f"[zero{zero} compile={compile_mode}{'' if ref == 'local' else ' ref ' + ref}]"
     samples = draw_samples(args, model_config(args).vocab_size)

@@ -178,7 +178,7 @@ CACHE_AB = ("release", "release", "keep_when_room", "keep_when_room")
 
 def run_cache(model_dir: str, gpu_cache: str, steps: int, zero: int, dtype: str, **learner) -> dict:
     """One Trainer as the live learner on a GPU it shares with actors (CUDA only): [weights] kind
-    cuda_ipc, a version packed after every step (Trainer.pack_weights, as learner.publication does),
+    cuda_ipc, a version packed after every step (Trainer.pack_weights, as weights.publish does),
     [learner] gpu_cache as given, and nothing of ours between steps (the weights' fingerprints are
     summed on the device and read when the run ends). Rows as run_fill's, with
     each step's cache_released_gib."""

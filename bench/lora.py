@@ -43,7 +43,6 @@ def _model(name: str, work: Path) -> Path:
 async def main(args) -> dict:
     import torch
 
-    from parley.actors.follow import WeightFollower
     from parley.config.learner import LearnerConfig, LoraSettings
     from parley.deploy.natsserver import NatsServer
     from parley.engines.engine import EngineSettings, PolicyEngine
@@ -53,6 +52,7 @@ async def main(args) -> dict:
     from parley.protocol.connect import connect
     from parley.weights import lora
     from parley.weights.config import CudaIpcWeights, ObjstoreWeights
+    from parley.weights.follow import WeightFollower
 
     os.environ.setdefault("LOCAL_RANK", "0")
     work = Path(tempfile.mkdtemp(prefix="bench-lora-"))
@@ -101,7 +101,7 @@ async def main(args) -> dict:
                 await asyncio.sleep(trainer.weights_writable_in())  # a buffer past its hold (none skipped)
                 torch.cuda.synchronize()
             t0 = time.perf_counter()  # the step's end
-            if gpu:  # learner.publication.Weights._submit_gpu's path: pack, then announce
+            if gpu:  # weights.publish.Weights._submit_gpu's path: pack, then announce
                 source, conf = trainer.pack_adapter(version)
                 t_packed = time.perf_counter()
                 wv = await lora.publish_adapter_gpu(

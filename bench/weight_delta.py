@@ -101,7 +101,7 @@ class GradMaster:
         self.opt.zero_grad(set_to_none=True)
 
     def write(self, d: Path) -> Path:
-        from parley.learner.weights_io import hf_tensors, write_weights
+        from parley.weights.snapshot import hf_tensors, write_weights
 
         state = {n: t.detach().to("cpu", self.torch.bfloat16).contiguous() for n, t in hf_tensors(self.model)}
         return write_weights(state, self.model.config, d)

@@ -59,9 +59,9 @@ async def one_model(js, name: str, transport: str, repeats: int, work: Path) -> 
     from transformers import AutoModelForCausalLM
 
     from parley.engines.models import ensure_model
-    from parley.learner.weights_io import hf_weights, write_weights
     from parley.protocol import codec, topology
     from parley.weights.registry import fetch_version, publish_version
+    from parley.weights.snapshot import hf_weights, write_weights
 
     run = f"bench-{name}-{transport}".replace("_", "-")
     settings = file_settings(transport, work)
@@ -228,10 +228,10 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
     """One update through the real follower: step end -> (pack | save) -> announce -> the follower
     loads it -> the engine serves `version` with generation resumed. Seconds per phase.
     objstore_packed: the learner's packed delta (weights.gpu_delta, `packer`) announced early and the
-    full copy written and uploaded after it, as learner.publication does; `full_stored` is step end ->
+    full copy written and uploaded after it, as weights.publish does; `full_stored` is step end ->
     that copy announced."""
-    from parley.learner.weights_io import hf_tensors, hf_weights, write_weights
     from parley.weights import registry
+    from parley.weights.snapshot import hf_tensors, hf_weights, write_weights
 
     if transport in PACKED:
         return await packed_update(js, run, transport, version, model, work, follower, timed, packer)
@@ -284,8 +284,8 @@ async def gpu_update(js, run, transport, version, model, pub, work, follower, ti
 async def packed_update(js, run, transport, version, model, work, follower, timed, packer) -> dict:
     import shutil
 
-    from parley.learner.weights_io import hf_tensors, write_weights
     from parley.weights import registry
+    from parley.weights.snapshot import hf_tensors, write_weights
 
     settings = packed_settings(transport, work)
     timed.marks.clear()
@@ -296,7 +296,7 @@ async def packed_update(js, run, transport, version, model, work, follower, time
     state_dir = work / "learner" / f"v{version}"
     encoded: dict = {}
 
-    async def publication():  # learner.publication.Weights.upload: encode, publish, the file from the buffer
+    async def publication():  # weights.publish.Weights.upload: encode, publish, the file from the buffer
         try:
             blob, base_version, base = await asyncio.to_thread(pending.encode)
             encoded["blob"], encoded["s"] = blob, time.perf_counter() - t_ready
@@ -315,7 +315,7 @@ async def packed_update(js, run, transport, version, model, work, follower, time
             pending.discard()
 
     def buffers_free() -> float:  # when nothing reads the learner's buffers any more: a learner whose step
-        pending.done.wait(600)  # is shorter than this waits at its next pack (learner.publication's packed_waited)
+        pending.done.wait(600)  # is shorter than this waits at its next pack (weights.publish's packed_waited)
         return time.perf_counter()
 
     publish = asyncio.create_task(publication())
@@ -372,13 +372,13 @@ async def gpu_main(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from bench.common import random_qwen3
-    from parley.actors.follow import WeightFollower
     from parley.deploy.natsserver import NatsServer
     from parley.engines.engine import EngineSettings, PolicyEngine
-    from parley.learner.weights_io import hf_tensors
     from parley.protocol import topology
     from parley.protocol.connect import connect
     from parley.weights.cuda_ipc import IpcPublisher
+    from parley.weights.follow import WeightFollower
+    from parley.weights.snapshot import hf_tensors
 
     if args.build:
         t = time.perf_counter()

@@ -31,11 +31,11 @@ class ActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     concurrency: Annotated[int, Meta(ge=1)] = 8  # conversations in flight
     # the behaviour policy; training needs temperature > 0 and top_p = 1 (config.run.check_training)
     sampling: Sampling = msgspec.field(default_factory=Sampling)
-    sim_timeout_s: float = 180.0  # one simulator request
+    sim_timeout_s: Annotated[float, Meta(gt=0)] = 180.0  # one simulator request
     # While the simulator is unreachable a conversation waits for it (the task held, its deliveries
     # not spent: a simulator restart can take minutes); after this long the task is dead-lettered.
     sim_wait_s: Annotated[float, Meta(ge=0, description="0 gives a task up at the first outage")] = 900.0
-    weights_poll_s: float = 5.0  # poll the weights key as well as watching it
+    weights_poll_s: Annotated[float, Meta(gt=0)] = 5.0  # poll the weights key as well as watching it
     # Stop a training conversation (at its next turn boundary, or cutting its running generation or
     # simulator call) once the learner can no longer train its group ([learner] stale_policy "drop" and
     # a turn of its task lagging the announced version by more than max_staleness): published as far

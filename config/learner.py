@@ -15,13 +15,14 @@ LOSS_AGG = get_args(LossAgg)
 Attention = Literal["auto", "sdpa", "varlen"]  # learner.attention
 ATTENTIONS = get_args(Attention)
 Compile = Literal["auto", "off", "layers"]  # learner.trainer.compile_layers
+Offload = Literal["none", "cpu"]  # learner.offload_optimizer
 Positive = Annotated[int, Meta(ge=1)]
 
 
 class DataConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[data]: where tasks come from and how train/eval are split (per reference document)."""
 
-    path: str = "bundled"  # "bundled" or a CollabLLM parquet/jsonl file
+    path: Annotated[str, Meta(min_length=1)] = "bundled"  # "bundled" or a CollabLLM parquet/jsonl file
     eval_fraction: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.25
     split_seed: int = 0
     eval_path: str = ""  # a separate eval file instead of a split
@@ -35,12 +36,12 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # samples per task (GRPO group size). The upper bounds are the Task's: actors refuse tasks beyond
     # them (rollout.conversation.check_task_limits), so a run fails here, not there.
     n: Annotated[int, Meta(ge=2, le=TASK_MAX_N, description="GRPO needs a group")] = 4
-    max_new_turns: Annotated[int, Meta(le=TASK_MAX_NEW_TURNS)] = 6
-    max_tokens: int = 256  # per assistant turn
+    max_new_turns: Annotated[int, Meta(ge=1, le=TASK_MAX_NEW_TURNS)] = 6
+    max_tokens: Annotated[int, Meta(ge=1)] = 256  # per assistant turn
     sim_prompt: str = ""  # a named simulator prompt; "" = the environment's (config/run.py resolves it)
     system_prompt: str = ""  # a file path or "" for none
-    futures: Annotated[int, Meta(le=TASK_MAX_FUTURES)] = 0  # next_turn: sampled futures per sample
-    future_turns: Annotated[int, Meta(le=TASK_MAX_NEW_TURNS)] = 2
+    futures: Annotated[int, Meta(ge=0, le=TASK_MAX_FUTURES)] = 0  # next_turn: sampled futures per sample
+    future_turns: Annotated[int, Meta(ge=1, le=TASK_MAX_NEW_TURNS)] = 2
 
 
 # peft's names for the Linear layers of a Qwen3 / Llama decoder layer: every projection
@@ -68,7 +69,9 @@ class LoraSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[learner]: feeder, grouping, GRPO, DeepSpeed, weights and checkpoints."""
 
-    steps: int = 3  # stop after this many optimizer steps (0 = run forever)
+    steps: Annotated[int, Meta(ge=0, description="0 = run forever")] = (
+        3  # stop after this many optimizer steps (0 = run forever)
+    )
     groups_per_step: Positive = 2
     max_staleness: Annotated[int, Meta(ge=0)] = 1  # versions a group may lag behind the learner
     # Groups issued beyond the staleness gate's limit (learner.feeder.may_admit), so that groups that
@@ -86,14 +89,16 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # An issued task that has not become a complete group this long after it was issued is given up
     # (its admission slot freed, the reason in the ledger): the backstop for fates the DEAD stream
     # does not tell (a letter that lost its payload or aged out). Counts learner uptime, across resumes.
-    task_deadline_s: float = 7200.0
-    lr: float = 1e-6
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    kl_coef: float = 0.001  # low-variance (k3) KL to the frozen reference ([policy] reference says which)
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float = 3.0
+    task_deadline_s: Annotated[float, Meta(gt=0)] = 7200.0
+    lr: Annotated[float, Meta(gt=0.0)] = 1e-6
+    warmup_steps: Annotated[int, Meta(ge=0, description="0 = no warm-up")] = 0
+    weight_decay: Annotated[float, Meta(ge=0.0)] = 0.0
+    kl_coef: Annotated[float, Meta(ge=0.0, description="0 = no KL term")] = (
+        0.001  # low-variance (k3) KL to the frozen reference ([policy] reference says which)
+    )
+    clip_low: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.2  # the ratio is clipped below at 1 - clip_low
+    clip_high: Annotated[float, Meta(ge=0.0)] = 0.28
+    dual_clip: Annotated[float, Meta(ge=0.0, description="0 = off, else > 1")] = 3.0  # learner/grpo.py
     # How a token's lag behind the policy that sampled it is corrected (learner/grpo.py): "clip" takes
     # the PPO clip (clip_low, clip_high, dual_clip) on exp(logp - mu) against the actor's behaviour
     # log-probs mu; "truncated_is" weights each token's gradient by min(exp(logp - mu), is_cap) and
@@ -106,10 +111,18 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # 2026-12, sqrt(n / (n - 1)) larger advantages: 1.15x at n = 4, 1.07x at n = 8).
     adv_std: Literal["sample", "population"] = "sample"
     zero_stage: Literal[0, 1, 2, 3] = 2
-    grad_clip: float = 1.0
+    grad_clip: Annotated[float, Meta(ge=0.0, description="0 = no clipping")] = 1.0  # DeepSpeed's gradient_clipping
     micro_batch_tokens: Positive = 4096  # token budget of a packed micro-batch
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
-    gradient_checkpointing: bool = False
+    # Layers recomputed in backward (a third more compute, a layer's activations kept instead of all):
+    # "auto" lets `parley up`'s memory plan choose, off when the activations without recompute fit the GPU
+    # (deploy.memory.make_plan); a learner started otherwise takes "auto" as on.
+    gradient_checkpointing: bool | Literal["auto"] = False
+    # Where the optimizer's state lives: "none" on the GPU beside the weights; "cpu" the fp32 master
+    # weights, Adam's m and v and the fp32 gradients in host memory and the Adam step on the host's
+    # cores (DeepSpeed ZeRO-Offload, learner.trainer.ds_config), so a GPU holds only the training-dtype
+    # weights: at the 4B shape 45 GiB of GPU memory become host memory. Needs zero_stage 1-3.
+    offload_optimizer: Offload = "none"
     # attention over packed micro-batches: auto = flash varlen on CUDA (SDPA if unusable), SDPA on CPU;
     # sdpa = transformers' block-diagonal mask; varlen = per-sequence kernel (flash on CUDA, an SDPA call
     # per sequence on CPU)
@@ -131,6 +144,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # DeepSpeed checkpoints kept in the run dir (0 = all; export needs them)
     keep_checkpoints: Annotated[int, Meta(ge=0, description="0 keeps all")] = 2
     logit_chunk_tokens: Positive = 1024  # trained positions per lm_head chunk (bounds fp32 logits memory)
+    # A training step over the same groups that failed this many times (an exception such as a CUDA
+    # out-of-memory on one long sample, or a kill during the step) is not tried again: its groups are
+    # rejected with the error and dead-lettered, so a deterministic failure does not crash-loop the
+    # learner (every --resume takes the same groups first). Counted in the ledger, across resumes.
+    max_step_attempts: Annotated[int, Meta(ge=1, le=100)] = 3
     # while waiting for data, record newly received samples this often, then ack
     ledger_flush_s: Annotated[float, Meta(gt=0)] = 2.0
     # Periodic eval on the held-out split (evaluation.periodic): version 0, every eval_every-th version
@@ -142,13 +160,24 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     eval_metric: str = ""
     early_stop: bool = False  # stop training when eval_metric regresses significantly
     early_stop_alpha: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.05  # one-sided paired t test level of that regression
-    eval_wait_s: float = 3600.0  # after the last step, how long to wait for the queued evals
+    eval_wait_s: Annotated[float, Meta(ge=0.0)] = 3600.0  # after the last step, how long to wait for the queued evals
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)  # [learner.lora]; off by default
     # optimizer updates per step: the step's groups split in order into this many mini-batches of whole
     # groups, each its own loss and optimizer step (verl's ppo_mini_batch_size = groups_per_step / this)
     updates_per_step: Positive = 1
 
     def __post_init__(self) -> None:
+        if 0 < self.dual_clip <= 1:
+            raise ValueError(
+                f"[learner] dual_clip={self.dual_clip}: the dual clip caps a negative advantage's loss at "
+                "dual_clip times it, so it must be > 1; set it > 1 (3.0 is the default) or 0 for off"
+            )
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError(
+                f'[learner] offload_optimizer = "{self.offload_optimizer}" with zero_stage = 0: DeepSpeed offloads '
+                "the optimizer state of ZeRO stages 1-3 only; set zero_stage = 2 (one GPU: the same "
+                'mixed-precision Adam) or offload_optimizer = "none"'
+            )
         if self.lora.enabled and self.compile == "layers":
             # peft swaps every targeted Linear for a LoRA layer holding a dict of adapters and a
             # disable flag the reference flips per forward: a compiled layer guards on that state and

@@ -6,7 +6,7 @@ serves it. Decoded by config/run.py beside the roles' sections.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
@@ -20,5 +20,7 @@ REFERENCES = get_args(Reference)
 class PolicySection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[policy]: the trained model and its reference (used when [learner] kl_coef > 0)."""
 
-    model: str = "smol"  # same names as [actor.engine].model
+    # a local checkpoint directory, a built-in name (tiny, smol) or a Hugging Face Hub id with an optional
+    # revision ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B@main"): engines/models.py resolves it
+    model: Annotated[str, msgspec.Meta(min_length=1, description="a path, tiny, smol or a Hub id")] = "smol"
     reference: Reference = "local"

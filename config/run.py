@@ -9,6 +9,7 @@ new names. Overrides are dotted `section.key=value` strings (values parsed as TO
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
 import tomllib
@@ -40,8 +41,8 @@ class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # run name: prefixes every subject, stream and bucket
     name: Annotated[str, msgspec.Meta(pattern=RUN_NAME.pattern, description="use 1-64 of A-Z a-z 0-9 _ -")] = "local"
     dir: str = ""  # run directory; "" = runs/<name>
-    # a named preset (deploy/configs/recipes/<name>.toml, e.g. "verl-collabllm") laid under this file:
-    # what the file and --set say wins (config.run.lay_recipe; docs/recipe.md); "" = none
+    # a named preset (deploy/configs/recipes/<name>.toml, e.g. "verl-collabllm") laid over the embedded
+    # default and under the file that names it: the file's keys and --set win (docs/recipe.md); "" = none
     recipe: str = ""
 
 
@@ -49,7 +50,7 @@ class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[nats]: how roles reach the bus."""
 
     url: str = "nats://127.0.0.1:4222"  # comma-separated for a cluster
-    connect_timeout_s: float = 10.0  # first connect only; later drops reconnect forever
+    connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # first connect only; later drops reconnect forever
     creds: str = ""  # .creds file (else PARLEY_NATS_CREDS)
     ca_file: str = ""  # TLS CA (else PARLEY_NATS_CA)
 
@@ -57,7 +58,7 @@ class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[up]: the local supervisor."""
 
-    actors: int = 1
+    actors: Annotated[int, msgspec.Meta(ge=1)] = 1
     # `--actors auto`: start min_actors, then add and remove actors on the TASKS consumer's waiting
     # messages, one actor per tasks_per_actor of them, within [min_actors, max_actors] (deploy/autoscale.py)
     autoscale: bool = False
@@ -65,7 +66,7 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_actors: Annotated[int, msgspec.Meta(ge=1)] = 4
     tasks_per_actor: Annotated[int, msgspec.Meta(ge=0, description="0 = actor.concurrency // rollout.n")] = 0
     scale_down_after_s: Annotated[float, msgspec.Meta(ge=0.0)] = 60.0  # the backlog stays low this long first
-    scorers: int = 1
+    scorers: Annotated[int, msgspec.Meta(ge=1)] = 1
     live: bool = True  # live terminal view (off when stdout is not a terminal)
     # every child serves Prometheus metrics on a free port of 127.0.0.1, printed and written to
     # RUN_DIR/prometheus-targets.json (a file_sd_configs file)
@@ -239,9 +240,15 @@ def _parse_value(text: str):
         return text  # bare words are strings: actor.engine.model=smol
 
 
-def apply_override(data: dict, override: str) -> None:
+# Where each key's value came from (dotted key -> "path/to/file.toml", "--set k=v", "PARLEY_RUN"):
+# an error names the source of the bad value, not the file it happens to be laid over.
+Origin = dict[str, str]
+
+
+def apply_override(data: dict, override: str, origin: Origin | None = None, source: str = "") -> None:
+    source = source or f"--set {override}"
     if "=" not in override:
-        raise ConfigError(f"override {override!r} must look like section.key=value")
+        raise ConfigError(f"{source}: {override!r} must look like section.key=value")
     key, _, text = override.partition("=")
     new = renamed_key(key.strip())
     if new != key.strip():
@@ -251,37 +258,99 @@ def apply_override(data: dict, override: str) -> None:
     for p in parts[:-1]:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: {p!r} is not a section")
+            raise ConfigError(f"{source}: {p!r} is not a section")
     node[parts[-1]] = _parse_value(text.strip())
+    if origin is not None:
+        for k in [k for k in origin if k == new or k.startswith(new + ".")]:
+            del origin[k]
+        origin[new] = source
 
 
 def default_config_path() -> Path:
     return Path(str(resources.files("parley.deploy") / "configs" / "default.toml"))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read `path` (default: the embedded default), apply overrides, validate. A recipe ([run] recipe,
-    from the file or an override) goes over the embedded default, but under a file that is given."""
-    embedded = not path
-    path = Path(path) if path else default_config_path()
+def read_toml(path: Path) -> dict:
+    """A config file as a dict; a missing file, a directory or bad TOML is a one-line ConfigError."""
+    if path.is_dir():
+        files = sorted(p.name for p in path.glob("*.toml"))[:4]
+        raise ConfigError(
+            f"--config {path} is a directory; give a TOML file"
+            + (f", e.g. {path / files[0]} (it holds {', '.join(files)})" if files else "")
+        )
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not a text (UTF-8) file; give a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    translate(data, str(path))
-    if embedded:
-        named: dict = {}
-        for o in overrides or []:
-            if renamed_key(o.partition("=")[0].strip()) == "run.recipe":
-                apply_override(named, o)
-        name = named.get("run", {}).get("recipe") or data.get("run", {}).get("recipe", "")
-        if name:
-            data = _lay(data, translate(recipe_data(name, str(path)), f"recipe {name}"), _run_type())
+
+
+def _is_section(key: str) -> bool:
+    """Whether dotted `key` names a section (a Struct, merged key by key) rather than a value that
+    happens to be a table ([scorer] weights, [env] options, template_kwargs: replaced whole)."""
+    typ: Any = _run_type()
+    for part in key.split("."):
+        typ, _ = _unwrap(typ, "")
+        if isinstance(typ, mi.UnionType):  # a tagged union such as [weights]: its kinds share the keys
+            typ = next((t for t in typ.types if isinstance(t, mi.StructType)), None)
+        if not isinstance(typ, mi.StructType):
+            return False
+        typ = next((f.type for f in typ.fields if f.encode_name == part), None)
+    typ, _ = _unwrap(typ, "")
+    return isinstance(typ, mi.StructType) or (
+        isinstance(typ, mi.UnionType) and any(isinstance(t, mi.StructType) for t in typ.types)
+    )
+
+
+def _lay_over(base: dict, top: dict, origin: Origin, source: str, prefix: str = "") -> None:
+    """Lay `top` over `base` key by key (sections merge, values replace), noting each key's source."""
+    for k, v in top.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and _is_section(key):  # key by key, so each key's source is known
+            if not isinstance(base.get(k), dict):
+                base[k] = {}
+                origin.pop(key, None)
+            _lay_over(base[k], v, origin, source, key + ".")
+            continue
+        base[k] = v
+        for old in [o for o in origin if o.startswith(key + ".")]:
+            del origin[old]
+        origin[key] = source
+
+
+Override = str | tuple[str, str]  # "section.key=value", or with the source to name in errors
+
+
+def load_config(path: str | Path | None = None, overrides: list[Override] | None = None) -> RunConfig:
+    """Read the embedded default, lay `path` over it (a file says only what differs from the
+    default: one source of defaults), apply overrides, validate.
+
+    The embedded default (deploy/configs/default.toml) is the one set of defaults a file is read
+    against; the Structs' own defaults only serve sections built in code (tests, benchmarks)."""
+    default = default_config_path()
+    path = Path(path) if path else default
+    data: dict = {}
+    origin: Origin = {}
+    top = translate(read_toml(path), str(path))
+    # a recipe ([run] recipe, named by the file or an override) goes over the embedded default and
+    # under the file: the file's own keys and the overrides win (docs/recipe.md)
+    name = recipe_named(top, overrides or [])
+    recipe = [(translate(recipe_data(name, str(path)), f"recipe {name}"), f"recipe {name}")] if name else []
+    if path.resolve() != default.resolve():
+        layers = [(translate(read_toml(default), str(default)), str(default)), *recipe, (top, str(path))]
+    else:
+        layers = [(top, str(path)), *recipe]
+    for layer, source in layers:
+        _lay_over(data, layer, origin, source)
     for o in overrides or []:
-        apply_override(data, o)
-    return convert_config(data, source=str(path))
+        text, source = o if isinstance(o, tuple) else (o, "")
+        apply_override(data, text, origin, source)
+    return convert_config(data, source=str(path), origin=origin)
 
 
 def recipes_dir() -> Path:
@@ -301,32 +370,19 @@ def recipe_data(name: str, source: str = "<config>") -> dict:
     return tomllib.loads((recipes_dir() / f"{name}.toml").read_text())
 
 
-def lay_recipe(data: dict, source: str = "<config>") -> dict:
-    """`data` laid over the recipe its [run] recipe names (unchanged when it names none): a key of the
-    recipe that `data` does not give is the recipe's; a section merges key by key; any other value
-    (a weights table included) is taken whole from `data` when it gives it."""
-    run = data.get("run")
-    name = run.get("recipe", "") if isinstance(run, dict) else ""
-    if not name:
-        return data
-    return _lay(translate(recipe_data(name, source), f"recipe {name}"), data, _run_type())
+def recipe_named(top: dict, overrides: list[Override]) -> str:
+    """The recipe a config file (`top`) and its overrides name; the last override naming one wins."""
+    named: dict = {"run": {"recipe": top.get("run", {}).get("recipe", "")}}
+    for o in overrides:
+        text = o[0] if isinstance(o, tuple) else o
+        if renamed_key(text.partition("=")[0].strip()) == "run.recipe":
+            apply_override(named, text)
+    return named["run"]["recipe"]
 
 
-def _lay(base: dict, top: dict, typ: Any) -> dict:
-    out = dict(base)
-    for k, v in top.items():
-        field = next((f for f in getattr(typ, "fields", ()) if f.encode_name == k), None)
-        sub, _ = _unwrap(field.type, "") if field is not None else (None, "")
-        if isinstance(sub, mi.StructType) and isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _lay(out[k], v, sub)
-        else:
-            out[k] = v
-    return out
-
-
-def convert_config(data: dict, source: str = "<config>") -> RunConfig:
+def convert_config(data: dict, source: str = "<config>", origin: Origin | None = None) -> RunConfig:
     try:
-        data = upgrade(lay_recipe(translate(data, source), source))  # old keys under their new names
+        data = upgrade(translate(data, source))  # old keys under their new names
     except ConfigError:
         raise
     except ValueError as e:  # weights.config.upgrade: the old [learner] weight keys beside [weights]
@@ -334,7 +390,20 @@ def convert_config(data: dict, source: str = "<config>") -> RunConfig:
     try:
         return msgspec.convert(data, RunConfig)
     except msgspec.ValidationError as e:
-        raise ConfigError(explain(e, data, source)) from None
+        raise ConfigError(explain(e, data, source, origin or {})) from None
+
+
+def source_of(key: str, origin: Origin, fallback: str) -> str:
+    """Who set `key` (dotted): the source of the key itself or of the nearest section above it; for a
+    section, the sources of what was set in it (the embedded default's last)."""
+    parts = key.split(".") if key else []
+    for n in range(len(parts), 0, -1):
+        if (k := ".".join(parts[:n])) in origin:
+            return origin[k]
+    below = sorted({v for k, v in origin.items() if not key or k.startswith(key + ".")})
+    default = str(default_config_path())
+    named = [s for s in below if s != default] or below
+    return " / ".join(named) or fallback
 
 
 _STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\[\.\.\.\]")
@@ -346,31 +415,23 @@ def _run_type() -> mi.Type:
     return mi.type_info(RunConfig)
 
 
-def explain(e: msgspec.ValidationError, data: dict, source: str) -> str:
+def explain(e: msgspec.ValidationError, data: dict, source: str, origin: Origin | None = None) -> str:
     """msgspec's message ("Expected `int` >= 2 - at `$.rollout.n`") as one line that also gives the
-    value, the whole allowed range and the field's hint: "FILE: rollout.n = 1: expected an int >= 2
-    and <= 1024 (GRPO needs a group)". Errors raised by a section's own checks pass unchanged."""
+    value's source, the whole allowed range and the field's hint: "--set rollout.n=1: rollout.n = 1:
+    expected an int >= 2 and <= 1024 (GRPO needs a group)". An unknown key gets the closest known
+    one. Errors raised by a section's own checks pass unchanged, after their source."""
+    origin = origin or {}
     text, sep, at = str(e).rpartition(" - at `")
-    if not sep:
-        return f"{source}: {e}"
+    if not sep:  # at the top level msgspec names no path
+        text, at = str(e), "$"
+        if not text.startswith("Object contains unknown field"):
+            return f"{source_of('', origin, source)}: {e}"
     steps = [
         m.group(1) if m.group(1) is not None else (int(m.group(2)) if m.group(2) else None)
         for m in _STEP.finditer(at.rstrip("`"))
     ]
     key = ".".join(str(s) if isinstance(s, str) else f"[{'...' if s is None else s}]" for s in steps)
     key = key.replace(".[", "[")
-    if text.startswith("Object contains unknown field"):
-        field = text.split("`")[1]
-        return f"{source}: {key + '.' if key else ''}{field}: unknown key ([{key or 'the top level'}] has no {field!r})"
-    if not (text.startswith("Expected") or text.startswith("Invalid enum value")):
-        return f"{source}: {e}"  # a section's __post_init__ said what is wrong, and how to fix it
-    value, found = data, True
-    for s in steps:
-        try:
-            value = value[s]
-        except (KeyError, IndexError, TypeError):
-            found = False
-            break
     typ, hint = _run_type(), ""
     for s in steps:
         typ, hint = _unwrap(typ, hint)
@@ -384,13 +445,74 @@ def explain(e: msgspec.ValidationError, data: dict, source: str) -> str:
             typ = None
         hint = ""
     typ, hint = _unwrap(typ, hint)
+    if text.startswith("Object contains unknown field"):
+        field = text.split("`")[1]
+        full = f"{key}.{field}" if key else field
+        where = source_of(full, origin, source)
+        node = data
+        for s in steps:
+            node = node.get(s) if isinstance(node, dict) else None
+        kinds = _union_kinds(typ)
+        if kinds and isinstance(node, dict) and node.get(kinds[0]) in kinds[1]:
+            tag_field, by_tag = kinds
+            typ = by_tag[node[tag_field]]
+            elsewhere = sorted(t for t, st in by_tag.items() if field in _field_names(st))
+            if elsewhere:
+                return (
+                    f"{where}: {full}: unknown key for {tag_field} = {node[tag_field]!r}; it is a key of "
+                    f"{tag_field} = {' or '.join(map(repr, elsewhere))}"
+                )
+        known = _field_names(typ)
+        close = difflib.get_close_matches(field, known, n=1, cutoff=0.6)
+        if close and not key:
+            return f"{where}: [{field}]: unknown section; did you mean {close[0]!r}?"
+        if close:
+            return f"{where}: {full}: unknown key; did you mean {key + '.' + close[0]!r}?"
+        cap = 20 if not key else 12  # every section; a section's first keys
+        listed = ", ".join(known[:cap]) + (f", ... ({len(known)} in all)" if len(known) > cap else "")
+        if not key:
+            return f"{where}: [{field}]: unknown section; the sections are {listed}"
+        return f"{where}: {full}: unknown key; [{key}] has {listed}"
+    where = source_of(key, origin, source)
+    if text.startswith("Object missing required field"):
+        return f"{where}: [{key}] needs the key {text.split('`')[1]!r}"
+    if not (text.startswith("Expected") or text.startswith("Invalid enum value")):
+        return f"{where}: {text}"  # a section's __post_init__ said what is wrong, and how to fix it
+    value, found = data, True
+    for s in steps:
+        try:
+            value = value[s]
+        except (KeyError, IndexError, TypeError):
+            found = False
+            break
     allowed = _allowed(typ)
-    head = f"{source}: {key} = {value!r}" if found else f"{source}: {key}"
+    head = f"{where}: {key} = {value!r}" if found else f"{where}: {key}"
     got = text.split(", got ", 1)[1] if ", got " in text else ""
     what = f"expected {allowed}" if allowed else text[0].lower() + text[1:]
     if got and allowed:
         what += f", got {got}"
     return f"{head}: {what}" + (f" ({hint})" if hint else "")
+
+
+def _union_kinds(typ: Any) -> tuple[str, dict[str, Any]] | None:
+    """A tagged union's tag field and its Structs by tag value, or None."""
+    if not isinstance(typ, mi.UnionType):
+        return None
+    structs = [t for t in typ.types if isinstance(t, mi.StructType) and t.tag_field]
+    if not structs:
+        return None
+    return structs[0].tag_field, {t.tag: t for t in structs}
+
+
+def _field_names(typ: Any) -> list[str]:
+    """The keys a section takes (for a tagged union such as [weights], those of all its kinds)."""
+    if isinstance(typ, mi.StructType):
+        return [f.encode_name for f in typ.fields]
+    if isinstance(typ, mi.UnionType):
+        names = {f.encode_name for t in typ.types if isinstance(t, mi.StructType) for f in t.fields}
+        tags = {t.tag_field for t in typ.types if isinstance(t, mi.StructType) and t.tag_field}
+        return sorted(names | tags)
+    return []
 
 
 def _unwrap(typ: Any, hint: str) -> tuple[Any, str]:
@@ -409,6 +531,8 @@ def _allowed(typ: Any) -> str:
         return " ".join([name, " and ".join(bounds)]) if bounds else f"`{'int' if name == 'an int' else 'float'}`"
     if isinstance(typ, mi.StrType) and typ.pattern:
         return f"a str matching {typ.pattern!r}"
+    if isinstance(typ, mi.StrType) and typ.min_length:
+        return "a non-empty str" if typ.min_length == 1 else f"a str of at least {typ.min_length} characters"
     return ""
 
 

@@ -44,7 +44,7 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     judge_concurrency: Annotated[int, Meta(ge=1)] = 16  # judge requests in flight from one scorer
     # first back-off when the judge is down or fails; doubles each time
     retry_delay_s: Annotated[float, Meta(gt=0)] = 5.0
-    retry_max_delay_s: float = 30.0
+    retry_max_delay_s: Annotated[float, Meta(gt=0)] = 30.0
     # While the judge (or the reference service) is unreachable a trajectory is held and asked again
     # (its deliveries are not spent: a restart can take minutes); after this long it is nak'ed and
     # counts one delivery.
@@ -52,6 +52,19 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # [policy] reference = "service": one reference-service request per trajectory; waits for an
     # unreachable service as for the judge (judge_wait_s), spending no delivery.
     reference_timeout_s: Annotated[float, Meta(gt=0)] = 300.0
+    # The judge's reliability, watched while training (rewards.reliability): this share of judged
+    # trajectories (chosen by id, the same on every replica) is judged a second time, by the same
+    # judge at another seed, sampled at audit_temperature (a greedy judge asked again greedily
+    # would only repeat itself). The second verdict is stored (Scored.audit), never rewarded.
+    audit_fraction: Annotated[float, Meta(ge=0.0, le=1.0, description="0 = no second verdicts")] = 0.0
+    audit_temperature: Annotated[float, Meta(ge=0.0)] = 0.7
+    # two verdicts of a judge metric agree when they differ by at most this much (metrics are 0..1)
+    audit_tolerance: Annotated[float, Meta(ge=0.0)] = 0.1
+    # flagged (a warning and judge_audit.flagged = 1) while agreement over the last audit_window
+    # audited values is below this, once audit_min_samples were audited; 0 = never flagged
+    audit_min_agreement: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.8
+    audit_window: Annotated[int, Meta(ge=1)] = 200
+    audit_min_samples: Annotated[int, Meta(ge=1)] = 20
     # how token_amount is counted (rewards.metrics.TokenAmount): "assistant_tokens_k" (the paper's,
     # assistant tokens / 1000) | "future_words" (verl's recipe: words after the dataset prefix, unscaled)
     token_amount: TokenAmount = "assistant_tokens_k"

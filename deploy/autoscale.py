@@ -1,5 +1,5 @@
 """`parley up --actors auto`: actor children added and removed on the signal KEDA scales the actor
-Deployment on in a cluster (deploy/k8s/actor-scaledobject.yaml): the TASKS consumer's waiting
+Deployment on in a cluster (deploy/k8s/keda/actor-scaledobject.yaml): the TASKS consumer's waiting
 messages, tasks no actor has taken. Like KEDA's HPA, the pool wants ceil(waiting / per_actor)
 actors within [low, high]; it adds one at a time and not while an added one is still starting (its
 engine loads for a while and the backlog cannot fall before it plays), and removes the newest one

@@ -14,6 +14,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help texts are plain text: they name config sections as "[policy]", which Rich markup would eat
+    # (the mode is handed down to every sub-command and sub-group).
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 

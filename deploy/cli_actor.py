@@ -51,11 +51,14 @@ def _bad_config(message: str) -> None:
 
 
 def _check_model(field: str, value: str) -> None:
-    """Fail before any engine starts (a minute on CPU) when the model cannot be found."""
-    from parley.engines.models import KNOWN_MODELS
+    """Fail before any engine starts (a minute on CPU) when the model cannot be found: a built-in name,
+    a checkpoint directory or a Hub id (the local HF cache, else its config.json is fetched)."""
+    from parley.engines.models import ModelNotFound, check_model
 
-    if value not in KNOWN_MODELS and not Path(value).expanduser().is_dir():
-        _bad_config(f"{field}={value!r} is neither {' nor '.join(KNOWN_MODELS)} nor an existing checkpoint directory")
+    try:
+        check_model(value)
+    except ModelNotFound as e:
+        _bad_config(f"{field}={value!r}: {e}")
 
 
 def actor_cmd(
@@ -75,9 +78,9 @@ def actor_cmd(
     """Pull tasks of the run, play every sample, publish one trajectory per sample, follow weight versions."""
     extra = [f"actor.concurrency={concurrency}"] if concurrency is not None else []
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
+    _check_model("actor.engine.model", cfg.actor.engine.model)  # under --dry-run too: every start check
     if dry:
         dry_run(cfg)
-    _check_model("actor.engine.model", cfg.actor.engine.model)
     ident = ident or f"actor-{os.getpid()}"
     setup_logging(ident)
     start_metrics(metrics_port, metrics_host, "actor")
@@ -119,12 +122,12 @@ def sim_cmd(
     if concurrency is not None:
         extra.append(f"sim.concurrency={concurrency}")
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
-    if dry:
-        dry_run(cfg)
-    if cfg.sim.backend == "vllm":
+    if cfg.sim.backend == "vllm":  # under --dry-run too: every start check
         _check_model("sim.engine.model", cfg.sim.engine.model)
     elif not cfg.sim.model_name:
         _bad_config("sim.model_name is empty; with backend='openai' name the served model (--model-name)")
+    if dry:
+        dry_run(cfg)
     ident = ident or f"sim-{os.getpid()}"
     setup_logging(ident)
     start_metrics(metrics_port, metrics_host, "sim")

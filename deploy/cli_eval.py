@@ -11,7 +11,20 @@ from typing import Annotated
 
 import typer
 
-from parley.deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_async_main, setup_logging
+from parley.deploy.common import (
+    ConfigOpt,
+    DryRunOpt,
+    NatsOpt,
+    RunOpt,
+    SetOpt,
+    check_models,
+    dry_run,
+    model_fields,
+    refuse,
+    resolve,
+    run_async_main,
+    setup_logging,
+)
 
 data_app = typer.Typer(help="Dataset tools: leakage checks between training and eval data.", no_args_is_help=True)
 
@@ -153,6 +166,7 @@ def replay_cmd(
     sets: SetOpt = None,
     nats: NatsOpt = None,
     run: RunOpt = None,
+    dry: DryRunOpt = False,
 ) -> None:
     """Without --judge nothing is generated or judged: BLEU is recomputed from each stored document,
     interactivity and token counts are reused, and the reward column applies the weights."""
@@ -183,6 +197,10 @@ def replay_cmd(
             records += read_records(path)
         except (FileNotFoundError, ValueError, TypeError) as e:
             _fail("replay", str(e))
+    if dry:
+        dry_run(
+            cfg, notes=f"replay: {len(records)} logged records" + (f", then the {stream!r} stream" if stream else "")
+        )
     from parley.evaluation.commands import replay
 
     run_async_main(replay, cfg, records, stream, judge, baseline, out, scoring)
@@ -254,6 +272,7 @@ def eval_cmd(
     sets: SetOpt = None,
     nats: NatsOpt = None,
     run: RunOpt = None,
+    dry: DryRunOpt = False,
 ) -> None:
     """Every condition plays the same items from scratch (the simulated user speaks first) with the same
     simulator seeds; each conversation is judged, stored in records.parquet (and on the run's EVAL stream
@@ -310,10 +329,20 @@ def eval_cmd(
         held = held[:n_items] if n_items > 0 else held
         if not held:
             raise ValueError("no eval items: pass --items FILE, or set [data] eval_path or eval_fraction > 0")
-        # the learner's guard (learner.service), over the environment's leakage keys
-        guard_environment(env.tasks, train, held, allow_overlap or cfg.data.allow_overlap, out)
+        # the learner's guard (learner.service), over the environment's leakage keys (a dry run writes nothing)
+        guard_environment(env.tasks, train, held, allow_overlap or cfg.data.allow_overlap, None if dry else out)
     except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
         _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
+    fields = {f"--condition {c.name}": c.model for c in conds}
+    if services == "local":  # the simulator's and judge's engines start here
+        fields |= {k: v for k, v in model_fields(cfg).items() if k.startswith(("sim.", "judge."))}
+    problems = check_models(fields, read_config=False)
+    if problems:
+        refuse("eval", problems)
+    if dry:
+        dry_run(
+            cfg, notes=f"eval: conditions {', '.join(names) or '(--follow)'} on {len(held)} held-out items; out {out}"
+        )
     setup_logging("eval")
     if follow:
         from parley.evaluation.commands import follow as follow_versions

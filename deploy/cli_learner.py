@@ -19,7 +19,9 @@ from parley.deploy.common import (
     NatsOpt,
     RunOpt,
     SetOpt,
+    check_inputs,
     dry_run,
+    refuse,
     resolve,
     run_main,
     setup_logging,
@@ -43,6 +45,13 @@ def learner_cmd(
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the run directory's learner state and checkpoint.")
     ] = False,
+    reset_streams: Annotated[
+        bool,
+        typer.Option(
+            "--reset-streams",
+            help="A fresh start over a run name whose streams hold an older learner's work: purge them first (with access control on, this needs the admin credential).",
+        ),
+    ] = False,
     steps: Annotated[
         int | None,
         typer.Option("--steps", help="Stop once this many optimizer steps are done in total; overrides learner.steps."),
@@ -65,6 +74,9 @@ def learner_cmd(
     if allow_overlap:
         extra.append("data.allow_overlap=true")
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra, training=True)
+    problems, _ = check_inputs(cfg, fields={"policy.model": cfg.policy.model})
+    if problems:  # under --dry-run too: every start check
+        refuse("learner", problems)
     if dry:
         dry_run(cfg)
     rank = int(os.environ.get("RANK", "0"))
@@ -73,13 +85,15 @@ def learner_cmd(
         start_metrics(metrics_port, metrics_host, "learner")
     from parley.learner.service import run as learner_run
 
-    run_main(learner_run, cfg, resume, rank)
+    if reset_streams and resume:
+        raise typer.BadParameter("--reset-streams purges the run's streams; --resume continues them: pass one")
+    run_main(learner_run, cfg, resume, rank, reset_streams)
 
 
 def export_cmd(
     run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/<name>).")],
     out: Annotated[Path, typer.Argument(help="Directory to write the HF checkpoint to.")],
-    version: Annotated[int, typer.Option("--version", "-v", help="Weights version (= optimizer step) to export.")],
+    version: Annotated[int, typer.Option("--version", help="Weights version (= optimizer step) to export.")],
     merge: Annotated[
         bool,
         typer.Option(

@@ -1,5 +1,5 @@
 """Commands owned by deploy/: `parley nats` and `parley selfcheck`; and the registry of all roles
-(and of `parley auth`, deploy/cli_auth.py)."""
+(and of `parley auth`, deploy/cli_auth.py; `parley trace`, deploy/cli_trace.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from parley.deploy.common import (
     NatsOpt,
     RunOpt,
     SetOpt,
+    check_models,
     dry_run,
+    refuse,
     resolve,
     run_async_main,
     run_main,
@@ -42,6 +44,7 @@ def register(app: typer.Typer) -> None:
         "parley.deploy.cli_learner",
         "parley.deploy.up_cli",
         "parley.deploy.cli_auth",
+        "parley.deploy.cli_trace",
     ):
         try:
             mod = __import__(module, fromlist=["register"])
@@ -94,6 +97,9 @@ def reference_cmd(
     import os
 
     cfg = resolve(config, sets, nats=nats, run=run)
+    problems = check_models({"policy.model": cfg.policy.model})
+    if problems:  # under --dry-run too: every start check
+        refuse("reference", problems)
     if dry:
         dry_run(cfg)
     from parley.deploy.reference import run
@@ -145,10 +151,15 @@ def selfcheck_cmd(
     embedded: Annotated[
         bool, typer.Option("--embedded/--external", help="Start a throw-away nats-server for the check.")
     ] = True,
+    dry: DryRunOpt = False,
 ) -> None:
     """Create the run's topology, publish one of every message type, read each back, compare."""
     setup_logging("selfcheck")
     cfg = resolve(config, sets, nats=nats, run=run or "selfcheck")
+    if dry:
+        dry_run(
+            cfg, notes="selfcheck: " + ("a throw-away nats-server" if embedded else f"the server at {cfg.nats.url}")
+        )
     server = store = None
     if embedded:
         from parley.deploy.natsserver import NatsServer

@@ -50,18 +50,25 @@ def resolve(
     *,
     nats: str | None = None,
     run: str | None = None,
-    extra: list[str] | None = None,
+    extra: list[str | tuple[str, str]] | None = None,
     training: bool = False,
 ):
-    """Load and validate the run config with CLI overrides; exits with a one-line error on bad input.
+    """Load and validate the run config with CLI overrides; exits with a one-line error on bad input
+    that names where the bad value came from (the file, `--set k=v`, an option or its environment
+    variable). extra: more overrides, each "section.key=value" or (that, the option that gave it).
     training: also the checks of a run that trains (config.run.check_training)."""
+    import os
+
     from parley.config.run import ConfigError, check_training, load_config
 
-    overrides = list(sets or [])
-    if nats:
-        overrides.append(f'nats.url="{nats}"')
-    if run:
-        overrides.append(f'run.name="{run}"')
+    overrides: list[str | tuple[str, str]] = list(sets or [])
+    for value, key, option, env in (
+        (nats, "nats.url", "--nats", "PARLEY_NATS_URL"),
+        (run, "run.name", "--run", "PARLEY_RUN"),
+    ):
+        if value:
+            source = env if os.environ.get(env) == value else f"{option} {value}"
+            overrides.append((f'{key}="{value}"', source))
     overrides += extra or []
     try:
         cfg = load_config(config, overrides)
@@ -71,6 +78,62 @@ def resolve(
     except ConfigError as e:
         typer.echo(f"parley: bad configuration: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def model_fields(cfg) -> dict[str, str]:
+    """The model fields a run's processes load (field -> value): the policy (also the KL's reference
+    model), the actors' engine, and the simulator's and judge's when the environment uses them and
+    they run a local engine."""
+    env = cfg.env.load()
+    fields = {"policy.model": cfg.policy.model, "actor.engine.model": cfg.actor.engine.model}
+    for section, needed in (("sim", env.needs_simulator), ("judge", env.needs_judge)):
+        backend = getattr(cfg, section)
+        if needed and backend.backend == "vllm":
+            fields[f"{section}.engine.model"] = backend.engine.model
+    return fields
+
+
+def check_inputs(cfg, fields: dict[str, str] | None = None) -> tuple[list[str], dict[str, Path]]:
+    """The start checks of what a run reads, made before anything is created or started (and under
+    --dry-run): every model field names something that resolves and whose config.json loads
+    (engines.models.check_model: the local Hugging Face cache first, a Hub id's config.json
+    downloaded where a network is), and the data files exist. fields: the model fields to check
+    (default: all the run loads, model_fields). Returns one line per problem, and the
+    directories of the models given by Hub id (for the memory plan, which reads their config.json)."""
+    hub_dirs: dict[str, Path] = {}
+    problems = check_models(model_fields(cfg) if fields is None else fields, hub_dirs)
+    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if value and value != "bundled" and not Path(value).expanduser().is_file():
+            problems.append(f'{key}={value!r}: no such file; give a CollabLLM .parquet or .jsonl file (or "bundled")')
+        elif value and value != "bundled" and Path(value).suffix not in (".parquet", ".jsonl", ".json"):
+            problems.append(f"{key}={value!r}: has suffix {Path(value).suffix!r}; use a .parquet or .jsonl file")
+    return problems, hub_dirs
+
+
+def check_models(
+    fields: dict[str, str], hub_dirs: dict[str, Path] | None = None, read_config: bool = True
+) -> list[str]:
+    """One line per model field (name -> value) that does not resolve (engines.models.check_model);
+    the directories of those given by Hub id go into `hub_dirs`."""
+    from parley.engines.models import ModelNotFound, check_model, hub_id
+
+    problems = []
+    for field, value in fields.items():
+        try:
+            path = check_model(value, read_config=read_config)
+        except ModelNotFound as e:
+            problems.append(f"{field}: {e}")
+            continue
+        if path is not None and hub_id(value) and hub_dirs is not None:
+            hub_dirs[value] = path
+    return problems
+
+
+def refuse(who: str, problems: list[str]) -> None:
+    """Print each problem on its own line and exit 2 (nothing has been started)."""
+    for p in problems:
+        typer.echo(f"parley {who}: {p}", err=True)
+    raise typer.Exit(2)
 
 
 def dry_run(cfg, notes: str = "") -> None:
@@ -95,7 +158,7 @@ def start_metrics(port: int | None, host: str, who: str) -> None:
             err=True,
         )
         raise typer.Exit(2) from None
-    typer.echo(f"parley {who}: metrics on http://{host}:{bound}/metrics", err=True)
+    typer.echo(f"parley {who}: metrics on http://{host}:{bound}/metrics (and /healthz, /readyz)", err=True)
 
 
 def run_main(entry, *args) -> None:

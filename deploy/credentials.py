@@ -5,21 +5,68 @@ Secret made of them. `parley up`, `parley auth` and the deploy files (docs/opera
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import secrets
+import shlex
 from pathlib import Path
 
 from parley.deploy.natsserver import write_private
 from parley.deploy.permissions import ROLES, response_window_s, role_permissions, user_name
 from parley.protocol import topology
 
+# nats-server stores a password as a bcrypt hash and checks the client's plaintext against it (each
+# connect costs the server one hash: 2^cost rounds, about 0.1 s at 10).
+BCRYPT_COST = 10
+
+
+@functools.lru_cache(maxsize=256)
+def hash_password(password: str, cost: int = BCRYPT_COST) -> str:
+    """A bcrypt hash of `password` ($2b$<cost>$...) for auth.conf: the `bcrypt` package if installed,
+    else the system's libcrypt (libxcrypt, present on glibc systems), through ctypes. Remembered per
+    password, so writing auth.conf and the server's config from the same credentials hashes once."""
+    try:
+        import bcrypt  # not a dependency: used when an operator has it
+    except ImportError:
+        bcrypt = None
+    if bcrypt is not None:
+        return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=cost)).decode()
+    lib = _libcrypt()
+    salt = lib.crypt_gensalt(b"$2b$", cost, None, 0)
+    hashed = lib.crypt(password.encode(), salt) if salt else None
+    if not hashed or not hashed.startswith(b"$2b$"):
+        raise RuntimeError(
+            "the system's libcrypt cannot make bcrypt hashes; install the bcrypt package (pip install bcrypt) "
+            "to write auth.conf"
+        )
+    return hashed.decode()
+
+
+def _libcrypt():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("crypt")
+    if name is None:
+        raise RuntimeError(
+            "no bcrypt for auth.conf: neither the bcrypt package nor libcrypt is installed; "
+            "pip install bcrypt (or install libcrypt1)"
+        )
+    lib = ctypes.CDLL(name)
+    lib.crypt_gensalt.restype = ctypes.c_char_p
+    lib.crypt_gensalt.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p, ctypes.c_int]
+    lib.crypt.restype = ctypes.c_char_p
+    lib.crypt.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    return lib
+
 
 def server_auth_conf(
     creds: dict[str, tuple[str, str]], run: str | None = None, *, response_window: float | None = None
 ) -> str:
-    """The `authorization { users = [...] }` block for nats-server, one user per role of `creds`.
+    """The `authorization { users = [...] }` block for nats-server, one user per role of `creds`, each
+    password stored as its bcrypt hash.
 
     `run` defaults to the run named in the user names that generate_credentials made;
     `response_window` (seconds a service may take to answer) to response_window_s() of the defaults.
@@ -41,7 +88,9 @@ def server_auth_conf(
             # One reply per request, allowed for the whole window (not the server's default 2 minutes).
             body["allow_responses"] = {"max": 1, "expires": f"{math.ceil(window)}s"}
         # JSON strings are valid nats-server config strings; quoting keeps `$JS...` from reading as a variable.
-        fields = f"user: {json.dumps(user)}, password: {json.dumps(password)}, permissions: {json.dumps(body)}"
+        # Only the hash: the plaintext lives in <role>.env, which the server never reads.
+        hashed = hash_password(password)
+        fields = f"user: {json.dumps(user)}, password: {json.dumps(hashed)}, permissions: {json.dumps(body)}"
         users.append(f"    {{{fields}}}")
     return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
 
@@ -77,21 +126,29 @@ def generate_credentials(
     creds = {role: (user_name(run, role), secrets.token_urlsafe(24)) for role in roles}
     write_private(out / "auth.conf", server_auth_conf(creds, run, response_window=response_window))
     for role, (user, password) in creds.items():
-        text = f"PARLEY_NATS_USER={user}\nPARLEY_NATS_PASSWORD={password}\n"
+        env = {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password}
         if role == "learner" and "eval" in creds:
-            text += f"PARLEY_EVAL_NATS_USER={creds['eval'][0]}\nPARLEY_EVAL_NATS_PASSWORD={creds['eval'][1]}\n"
-        write_private(out / f"{role}.env", text)
+            env |= {"PARLEY_EVAL_NATS_USER": creds["eval"][0], "PARLEY_EVAL_NATS_PASSWORD": creds["eval"][1]}
+        write_private(out / f"{role}.env", env_file_text(env))
     return creds
 
 
+def env_file_text(env: dict[str, str]) -> str:
+    """`export KEY=VALUE` lines: `source FILE` in a shell hands them to the commands it starts (without
+    `export` they stay shell variables), and Docker Compose's env_file reads the same lines. Values
+    are quoted for the shell where they need it (user names and token_urlsafe passwords do not)."""
+    return "".join(f"export {key}={shlex.quote(value)}\n" for key, value in env.items())
+
+
 def read_env_file(path: str | Path) -> dict[str, str]:
-    """KEY=VALUE lines of a <role>.env file, for starting a role with its credentials."""
+    """KEY=VALUE lines of a <role>.env file (`export ` before them or not), for starting a role with
+    its credentials."""
     env = {}
     for line in Path(path).read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            env[key.strip()] = value.strip()
+            key, _, value = line.removeprefix("export ").partition("=")
+            env[key.strip()] = next(iter(shlex.split(value)), "")  # as the shell reads it: quotes removed
     return env
 
 

@@ -125,7 +125,32 @@ def render(snap: Snapshot, run: str, title: str = ""):
         for k, v in sorted(learner.counters.items()):
             if k.startswith(("reward.", "staleness")):
                 progress.add_row(k, _fmt(v))
+    judge_rows, flagged = judge_reliability(snap)
+    for k, v in judge_rows:
+        progress.add_row(k, v)
+    if flagged:
+        progress.caption = "\n".join(flagged)
     return Group(roles, streams, progress)
+
+
+JUDGE_KEYS = ("judge_audit.agreement", "judge.tie_share", "judge_audit.drift", "judge_audit.audited")
+
+
+def judge_reliability(snap: Snapshot) -> tuple[list[tuple[str, str]], list[str]]:
+    """The scorers' judge reliability ([scorer] audit_*): a row per scorer and number, and a line per
+    scorer whose judge agreement is below its bar."""
+    rows, flagged = [], []
+    for key in sorted(snap.roles):
+        hb = snap.roles[key]
+        if hb.role != "scorer":
+            continue
+        rows += [(f"{k} ({hb.id})", _fmt(hb.counters[k])) for k in JUDGE_KEYS if k in hb.counters]
+        if hb.counters.get("judge_audit.flagged"):
+            flagged.append(
+                f"JUDGE UNRELIABLE on {hb.id}: agreement {_fmt(hb.counters.get('judge_audit.agreement', 0.0))} "
+                "below [scorer] audit_min_agreement"
+            )
+    return rows, flagged
 
 
 def backlog_warnings(snap: Snapshot) -> list[str]:

@@ -3,6 +3,11 @@ share (every child sees the same first GPU), computed from the run config and th
 config.json before any child starts. deploy/up_cli.py prints it (also under --dry-run) and refuses a
 run that does not fit. Computed, not measured: docs/gpu.md, "Train on one GPU".
 
+The plan knows what each learner configuration holds: full fine-tuning's states on the GPU, the
+optimizer state on the host (learner.offload_optimizer = "cpu", listed apart, not counted against the
+GPU), or a LoRA adapter's beside the frozen base ([learner.lora]). A run that does not fit is refused
+with the changes that do fit, each planned here with its figures (Plan.fixes).
+
 A config that puts nothing on a GPU by its own words (no vLLM engine with a gpu_memory_utilization,
 no [weights] transport that needs CUDA) is not planned: the CPU configs run as before.
 """
@@ -12,9 +17,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import msgspec
+
+from parley.config.learner import LORA_TARGETS
 from parley.config.run import RunConfig
 from parley.deploy.services import service_children, shared_engine
 from parley.engines.config import EngineConfig
@@ -90,9 +98,41 @@ class Shape:
     def params(self) -> int:
         return sum(self.tensors())
 
-    def packed_bytes(self, dtype_bytes: int) -> int:
-        """The cuda_ipc / nccl buffer of these weights: each tensor padded to ALIGN (weights.cuda_ipc.plan)."""
-        return sum(-(-n * dtype_bytes // ALIGN) * ALIGN for n in self.tensors())
+    def lora_tensors(self, rank: int, targets) -> list[int]:
+        """Elements of every tensor of a rank-`rank` LoRA adapter on the named Linear layers of each
+        decoder layer (peft's A: rank x in, B: out x rank). A target that is not one of a dense
+        decoder's seven projections is a PlanError naming it."""
+        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        dims = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        unknown = [t for t in targets if t not in dims]
+        if unknown:
+            raise PlanError(
+                f"[learner.lora] target_modules {unknown}: the plan sizes adapters on {sorted(dims)} only; "
+                "set learner.lora.target_modules to some of them"
+            )
+        layer = [n for t in targets for n in (rank * dims[t][0], dims[t][1] * rank)]
+        return layer * self.layers
+
+    def lora_params(self, rank: int, targets) -> int:
+        return sum(self.lora_tensors(rank, targets))
+
+    @property
+    def largest(self) -> int:
+        """Elements of the largest tensor (the embedding, at every shape the plan has met)."""
+        return max(self.tensors())
+
+    def packed_bytes(self, dtype_bytes: int, tensors: list[int] | None = None) -> int:
+        """The cuda_ipc / nccl buffer of these weights (or of `tensors`, an adapter's): each tensor
+        padded to ALIGN (weights.cuda_ipc.plan)."""
+        return sum(-(-n * dtype_bytes // ALIGN) * ALIGN for n in (self.tensors() if tensors is None else tensors))
 
     def layer_activation_bytes(self) -> int:
         """What one decoder layer keeps for backward per token, in bf16 (eager; compiled layers may
@@ -126,6 +166,7 @@ class Term:
     what: str  # the term, with its formula's numbers
     gib: float = 0.0  # a fixed size
     share: float = 0.0  # a share of the GPU's total (a vLLM engine's gpu_memory_utilization)
+    host: bool = False  # held in host memory, not on the GPU: listed, not counted against the GPU
 
     def at(self, total: float | None) -> float | None:
         if self.share and total is None:
@@ -140,11 +181,15 @@ class Proc:
 
     @property
     def gib(self) -> float:
-        return sum(t.gib for t in self.terms)
+        return sum(t.gib for t in self.terms if not t.host)
 
     @property
     def share(self) -> float:
-        return sum(t.share for t in self.terms)
+        return sum(t.share for t in self.terms if not t.host)
+
+    @property
+    def host_gib(self) -> float:
+        return sum(t.gib for t in self.terms if t.host)
 
 
 @dataclass(frozen=True)
@@ -153,6 +198,9 @@ class Plan:
     total: float | None  # the GPU's GiB; None = unknown
     source: str  # where the total comes from
     knobs: tuple[str, ...]  # what to turn when it does not fit
+    # settings the plan chose, as (dotted key, value): learner.gradient_checkpointing = "auto"'s choice
+    chosen: tuple[tuple[str, object], ...] = ()
+    fixes: tuple[Fix, ...] = ()  # changes planned to fit (only when this plan does not)
 
     @property
     def need(self) -> float | None:
@@ -177,7 +225,12 @@ class Plan:
         lines = [head]
         for p in self.procs:
             lines.append(f"  {p.name:<34}{_size(p.gib, p.share, self.total):>22}")
-            lines += [f"    {_size(t.gib, t.share, self.total):>12}  {t.what}" for t in p.terms]
+            lines += [
+                f"    {_size(t.gib, t.share, self.total):>12}  "
+                + ("(host, not on the GPU) " if t.host else "")
+                + t.what
+                for t in p.terms
+            ]
         gib, share = sum(p.gib for p in self.procs), sum(p.share for p in self.procs)
         if self.total is None:
             lines.append(f"  {'all processes':<34}{_size(gib, share, None):>22}")
@@ -188,6 +241,11 @@ class Plan:
                 f"({1 - HEADROOM:.0%} of {self.total:.1f}): "
                 + (f"{left:.2f} GiB to spare" if left >= 0 else f"{-left:.2f} GiB over")
             )
+        for key, value in self.chosen:
+            lines.append(f'  chosen by this plan: {key} = {_toml(value)} (it was "auto")')
+        host = sum(p.host_gib for p in self.procs)
+        if host:
+            lines.append(f"  {'host memory (not on the GPU)':<34}{host:>18.2f} GiB")
         return "\n".join(lines)
 
     def refusal(self) -> str:
@@ -195,8 +253,37 @@ class Plan:
             f"parley up: the processes on the GPU need {self.need:.2f} GiB, more than the {self.usable:.2f} GiB "
             f"usable ({1 - HEADROOM:.0%} of the GPU's {self.total:.1f} GiB, {self.source}): "
             f"{self.need - self.usable:.2f} GiB over; nothing was started\n{self.render()}\n"
-            "to fit, turn one of:\n" + "\n".join(f"  {k}" for k in self.knobs)
+            + self.fixes_text()
+            + "or turn one of:\n"
+            + "\n".join(f"  {k}" for k in self.knobs)
         )
+
+    def fixes_text(self) -> str:
+        fit = [f for f in self.fixes if f.need <= self.usable]
+        if fit:
+            return "changes that fit, each planned as above (give them as --set):\n" + "".join(
+                f"  {f.sets()}  -> {f.need:.2f} GiB of {self.usable:.2f} usable{f.note}\n" for f in fit
+            )
+        tried = "".join(f"  {f.sets()}  -> {f.need:.2f} GiB\n" for f in self.fixes)
+        return "no change of the learner's alone fits; planned:\n" + tried if tried else ""
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A change of the config (dotted keys, as `--set` takes them) and what the plan needs with it."""
+
+    changes: tuple[tuple[str, object], ...]
+    need: float  # GiB on the GPU with the change
+    note: str = ""  # what else it costs (host memory)
+
+    def sets(self) -> str:
+        return " ".join(f"--set {k}={_toml(v)}" for k, v in self.changes)
+
+
+def _toml(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return f'"{v}"' if isinstance(v, str) else str(v)
 
 
 def _size(gib: float, share: float, total: float | None) -> str:
@@ -233,8 +320,19 @@ def engine_terms(ec: EngineConfig, shape_of) -> list[Term]:
             )
         ]
     shape, b = shape_of(ec.model), 4 if ec.dtype == "float32" else 2
+    slots = []
+    if ec.max_lora_rank > 0:  # vLLM stacks max_loras adapters of max_lora_rank on every projection it can adapt
+        a = shape.lora_params(ec.max_lora_rank, LORA_TARGETS)
+        slots = [
+            Term(
+                f"its LoRA slots: max_loras {ec.max_loras} x {b} B x {_m(a)} params (rank {ec.max_lora_rank}, "
+                "every projection)",
+                _gib(ec.max_loras * b * a),
+            )
+        ]
     return [
         Term(f"vLLM engine {ec.model} weights: {b} B x {_m(shape.params)} params", _gib(b * shape.params)),
+        *slots,
         Term(
             f"its KV cache: kv_cache_bytes {ec.kv_cache_bytes} (explicit: vLLM does not profile, so the GPU's "
             "other processes starting beside it do not shrink it)",
@@ -280,38 +378,66 @@ def activation_terms(cfg: RunConfig, shape: Shape, checkpointing: bool) -> list[
 
 
 def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
-    """The learner (one rank, DeepSpeed ZeRO 1-3 on one GPU; stage 0 is counted alike, an upper bound):
-    per parameter its weights (p B, the training dtype), gradients (p B: the gradient partition in the
-    training dtype, DeepSpeed's default when grad_accum_dtype is unset), fp32 master weights (4 B)
-    and AdamW's m and v (fp32, on the master weights: 8 B); the frozen local reference (p B); rank
-    0's publication buffers; the gradient bucket; the larger of a micro-batch's activations and the
-    optimizer step's temporaries (the flat gradient and its fp32 copy, p + 4 B, after the
-    activations are freed); the CUDA context."""
+    """The learner (one rank, DeepSpeed ZeRO 1-3 on one GPU; stage 0 is counted alike, an upper bound).
+    Per trained parameter (every weight, or under [learner.lora] the adapter's, beside the frozen base
+    in the training dtype, p B): its weights (p B), gradients (p B: the gradient partition in the
+    training dtype, DeepSpeed's default when grad_accum_dtype is unset), fp32 master weights (4 B) and
+    AdamW's m and v (fp32: 8 B). With learner.offload_optimizer = "cpu" only the weights stay on the GPU:
+    master, m, v and the fp32 gradients are in pinned host memory with the gradients accumulated across
+    micro-batches and the weights' staging copy (p B each), and the GPU keeps two transfer buffers of
+    the largest tensor. Then the frozen local reference (p B x every weight; under LoRA the base itself
+    is the reference), rank 0's publication buffers (of the adapter alone under LoRA), the gradient
+    bucket, the larger of a micro-batch's activations and the optimizer step's temporaries on the GPU
+    (the flat gradient and its fp32 copy, p + 4 B a trained parameter, after the activations are freed;
+    none with the step on the host), the CUDA context."""
     lc, p, n = cfg.learner, learner_dtype_bytes(cfg), shape.params
-    terms = [
-        Term(
-            f"weights + gradients + fp32 master + Adam m, v: ({p} + {p} + 4 + 8) B x {_m(n)} params",
-            _gib((2 * p + 12) * n),
-        )
-    ]
-    if lc.kl_coef > 0 and cfg.policy.reference == "local":
-        terms.append(Term(f"frozen reference (policy.reference = local): {p} B x {_m(n)} params", _gib(p * n)))
-    transport = registry.of(cfg.weights)
-    if transport.gpu:
-        k, packed = cfg.weights.max_buffers, shape.packed_bytes(p)
+    lora, offload = lc.lora.enabled, lc.offload_optimizer == "cpu"
+    adapter = shape.lora_tensors(lc.lora.rank, lc.lora.target_modules) if lora else None
+    k = sum(adapter) if lora else n  # trained parameters
+    of = f"{_m(k)} adapter params (rank {lc.lora.rank})" if lora else f"{_m(k)} params"
+    terms = []
+    if lora:
         terms.append(
             Term(
-                f"{transport.kind} buffers: weights.max_buffers {k} x {_gib(packed):.2f} GiB "
-                f"(the weights in {p} B, a tied lm_head once)",
-                _gib(k * packed),
+                f"frozen base weights ([learner.lora]: no gradient, no optimizer state): {p} B x {_m(n)} params",
+                _gib(p * n),
+            )
+        )
+    if offload:
+        terms += [
+            Term(f"trained weights: {p} B x {of}", _gib(p * k)),
+            Term(
+                f'fp32 master + Adam m, v + fp32 gradients (learner.offload_optimizer = "cpu"): (4 + 8 + 4) B x {of}, '
+                f"and the gradients accumulated across micro-batches and the weights' staging copy: 2 x {p} B x {_m(k)}",
+                _gib((16 + 2 * p) * k),
+                host=True,
+            ),
+            Term(
+                f"offload transfer buffers: 2 x {p} B x the largest trained tensor ({_m(max(adapter or [shape.largest]))})",
+                _gib(2 * p * max(adapter or [shape.largest])),
+            ),
+        ]
+    else:
+        terms.append(
+            Term(f"weights + gradients + fp32 master + Adam m, v: ({p} + {p} + 4 + 8) B x {of}", _gib((2 * p + 12) * k))
+        )
+    if lc.kl_coef > 0 and cfg.policy.reference == "local" and not lora:
+        terms.append(Term(f"frozen reference (policy.reference = local): {p} B x {_m(n)} params", _gib(p * n)))
+    transport = registry.of(cfg.weights)
+    what = f"the adapter in {p} B" if lora else f"the weights in {p} B, a tied lm_head once"
+    if transport.gpu:
+        kb, packed = cfg.weights.max_buffers, shape.packed_bytes(p, adapter)
+        terms.append(
+            Term(
+                f"{transport.kind} buffers: weights.max_buffers {kb} x {_gib(packed):.2f} GiB ({what})",
+                _gib(kb * packed),
             )
         )
     elif packed_deltas(cfg):
         packed = shape.packed_bytes(p)
         terms.append(
             Term(
-                f'packed versions (weights.delta_format = "packed"): 2 x {_gib(packed):.2f} GiB '
-                f"(the weights in {p} B, a tied lm_head once)",
+                f'packed versions (weights.delta_format = "packed"): 2 x {_gib(packed):.2f} GiB ({what})',
                 _gib(2 * packed),
             )
         )
@@ -324,10 +450,10 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
         )
     act = activation_terms(cfg, shape, lc.gradient_checkpointing)
     step = Term(
-        f"optimizer step temporaries: ({p} + 4) B x {_m(n)} params (more than a micro-batch's activations here)",
-        _gib((p + 4) * n),
+        f"optimizer step temporaries: ({p} + 4) B x {of} (more than a micro-batch's activations here)",
+        _gib((p + 4) * k),
     )
-    terms += act if sum(t.gib for t in act) >= step.gib else [step]
+    terms += act if offload or sum(t.gib for t in act) >= step.gib else [step]
     return [*terms, Term("CUDA context", CUDA_CONTEXT_GIB)]
 
 
@@ -473,9 +599,71 @@ def make_plan(cfg: RunConfig) -> Plan | None:
     else torch.cuda. Raises PlanError when a model's shape cannot be read."""
     if not uses_gpu(cfg):
         return None
-    procs = processes(cfg)
     if cfg.up.gpu_memory_gib > 0:
         total, source = cfg.up.gpu_memory_gib, "up.gpu_memory_gib"
     else:
         total, source = detect_gpu_gib(), "torch.cuda, device 0"
-    return Plan(tuple(procs), total, source, tuple(knobs(cfg, procs, total)) if total is not None else ())
+    chosen: tuple = ()
+    if cfg.learner.gradient_checkpointing == "auto":
+        # off when everything fits without recompute (the step is a third cheaper), else on; on while
+        # the GPU's total is unknown
+        off = _changed(cfg, {"learner.gradient_checkpointing": False})
+        procs = processes(off)
+        need = sum(p.gib for p in procs) + sum(p.share for p in procs) * (total or 0.0)
+        recompute = total is None or need > total * (1 - HEADROOM)
+        chosen = (("learner.gradient_checkpointing", recompute),)
+        cfg = _changed(cfg, dict(chosen))
+    procs = processes(cfg)
+    plan = Plan(tuple(procs), total, source, tuple(knobs(cfg, procs, total)) if total is not None else (), chosen)
+    if plan.fits is False:
+        plan = replace(plan, fixes=tuple(fixes(cfg, total)))
+    return plan
+
+
+def _changed(cfg, changes: dict[str, object]):
+    """`cfg` with each dotted key set to its value (as `--set key=value` would): every section rebuilt
+    once with all of its changes, so its checks see them together."""
+    fields: dict[str, dict[str, object]] = {}
+    for key, value in changes.items():
+        head, _, rest = key.partition(".")
+        fields.setdefault(head, {})[rest] = value
+    return msgspec.structs.replace(
+        cfg, **{head: _changed(getattr(cfg, head), sub) if "" not in sub else sub[""] for head, sub in fields.items()}
+    )
+
+
+def _learner_changes(cfg: RunConfig) -> list[tuple[tuple[str, object], ...]]:
+    """The changes of the learner's memory the plan tries when a run does not fit, fewest first:
+    the optimizer state on the host, a LoRA adapter instead of every weight, layers recomputed in
+    backward, and each of the first two with the third. Each change carries what it needs besides
+    (ZeRO 1-3 for the offload; compile not "layers" and an actor that serves the rank for LoRA)."""
+    lc, out = cfg.learner, []
+    offload: tuple = ()
+    if lc.offload_optimizer == "none" and not lc.lora.enabled:
+        offload = ((("learner.zero_stage", 2),) if lc.zero_stage == 0 else ()) + (("learner.offload_optimizer", "cpu"),)
+    lora: tuple = ()
+    transport = registry.of(cfg.weights)
+    if not lc.lora.enabled and transport.carries_adapters and not packed_deltas(cfg):
+        lora = (("learner.lora.enabled", True),)
+        lora += (("learner.compile", "auto"),) if lc.compile == "layers" else ()
+        rank = lc.lora.rank
+        lora += (("actor.engine.max_lora_rank", rank),) if cfg.actor.engine.max_lora_rank < rank else ()
+    ckpt = () if lc.gradient_checkpointing else (("learner.gradient_checkpointing", True),)
+    for change in (offload, lora, ckpt):
+        if change:
+            out.append(change)
+    if ckpt:
+        out += [c + ckpt for c in (offload, lora) if c]
+    return out
+
+
+def fixes(cfg: RunConfig, total: float) -> list[Fix]:
+    """Each of _learner_changes planned in full at `total` GiB: what the GPU needs with it, and the
+    host memory it takes when it moves state there."""
+    out = []
+    for change in _learner_changes(cfg):
+        procs = processes(_changed(cfg, dict(change)))
+        need = sum(p.gib for p in procs) + sum(p.share for p in procs) * total
+        host = sum(p.host_gib for p in procs)
+        out.append(Fix(change, need, f" (and {host:.2f} GiB of host memory)" if host else ""))
+    return out

@@ -12,9 +12,24 @@ from parley.protocol.connect import inbox_prefix
 ROLES = ("actor", "scorer", "learner", "sim", "judge", "services", "reference", "eval", "admin")
 # `services` is one process serving both sim and judge (what `parley up` starts when they share a model).
 COMBINED = {"services": ("sim", "judge")}
-# Only these may create or change streams, consumers and buckets; the others only verify them
-# (ensure_topology looks first and changes nothing that is already right).
-TOPOLOGY_OWNERS = ("admin", "learner")
+# Only the set-up credential creates or changes streams, consumers and buckets (`parley up`, `parley auth
+# topology`: the compose topology service, the k8s Job); every workload role only verifies them
+# (ensure_topology looks first and changes nothing that is already right). The server checks the API
+# subject of a request, not its body: a user that may create or update a stream may point it at any
+# subject (another run's, the services'), and one that may create a consumer may make it a push
+# consumer whose deliver_subject is any subject, which the server then publishes to without checking
+# the user's rights. So no workload role may send STREAM.CREATE/UPDATE or any CONSUMER.CREATE: each
+# reads through the admin's durable pull consumers and direct gets only (docs/operations.md).
+TOPOLOGY_OWNERS = ("admin",)
+# The JetStream API requests that make or change something the server then publishes from, or that
+# capture subjects: no role but the admin may send one (tests/integration/test_privilege.py).
+FORBIDDEN_API = (
+    "STREAM.CREATE",
+    "STREAM.UPDATE",
+    "CONSUMER.CREATE",
+    "CONSUMER.DURABLE.CREATE",
+    "STREAM.RESTORE",
+)
 
 API = "$JS.API"  # nats.js.api.DEFAULT_PREFIX, spelled here so that importing this module stays light
 # Sentinel run name used to build the permissions of run="*": topology names are spelled with it, then
@@ -34,6 +49,12 @@ def _held_stream(run: str) -> str:
     from nats.js.client import KV_STREAM_TEMPLATE
 
     return KV_STREAM_TEMPLATE.format(bucket=topology.held_bucket(run))
+
+
+def _lease_stream(run: str) -> str:
+    from nats.js.client import KV_STREAM_TEMPLATE
+
+    return KV_STREAM_TEMPLATE.format(bucket=topology.lease_bucket(run))
 
 
 def _obj_stream(run: str) -> str:
@@ -65,21 +86,26 @@ def _consume(run: str, key: str) -> list[str]:
 
 
 def _read_stream(stream: str) -> list[str]:
-    """Read a stream's messages: get by sequence or last-by-subject, and ordered (ephemeral) consumers.
+    """Read a stream's messages: get by sequence or last-by-subject (direct or through the API).
 
-    `CONSUMER.CREATE.<stream>` without a name token only creates ephemeral consumers (the server
-    refuses a durable name there), so a reader cannot reconfigure a role's shared durable consumer.
-    Flow-control replies of ordered consumers go to `$JS.FC.<stream>.>`.
+    No consumer of any kind: an ephemeral consumer (`CONSUMER.CREATE.<stream>`, what ordered
+    consumers, KV watchers and the object store's get and list make) may be a push consumer with
+    any deliver_subject, and the server would deliver the stream's messages there (into another
+    stream: a forged Scored, a forged dead letter) without checking the user's publish rights.
     """
     return [
         f"{API}.STREAM.INFO.{stream}",
         f"{API}.STREAM.MSG.GET.{stream}",
         f"{API}.DIRECT.GET.{stream}",
         f"{API}.DIRECT.GET.{stream}.>",
-        f"{API}.CONSUMER.CREATE.{stream}",
         f"{API}.CONSUMER.INFO.{stream}.*",
-        f"$JS.FC.{stream}.>",
     ]
+
+
+def weights_wakeups(run: str) -> list[str]:
+    """The weights KV's announcement subjects, which an actor hears as core messages: the put of a
+    new version wakes its follower (weights/follow.py) without a KV watcher (an ordered consumer)."""
+    return [topology.weights_key_subject(run, key) for key in (topology.WEIGHTS_KEY, topology.WEIGHTS_EARLY_KEY)]
 
 
 def _read_weights(run: str) -> list[str]:
@@ -91,24 +117,6 @@ def _write_weights(run: str) -> list[str]:
     # put/update the KV key; put and delete objects (replacing or deleting an object purges its chunks).
     bucket_kv, bucket_obj = topology.kv_bucket(run), topology.object_bucket(run)
     return [f"$KV.{bucket_kv}.>", f"$O.{bucket_obj}.>", f"{API}.STREAM.PURGE.{_obj_stream(run)}"]
-
-
-def _own_topology(run: str) -> list[str]:
-    """Create and update the run's streams, their durable consumers, the KV bucket and the object store."""
-    subjects = []
-    streams = [topology.stream_name(run, key) for key in topology.CHANNELS]
-    streams += [_kv_stream(run), _held_stream(run), _obj_stream(run)]
-    for stream in streams:
-        subjects += [f"{API}.STREAM.CREATE.{stream}", f"{API}.STREAM.UPDATE.{stream}"]
-    for key, channel in topology.CHANNELS.items():
-        if channel.durable:
-            stream = topology.stream_name(run, key)
-            subjects += [
-                f"{API}.CONSUMER.CREATE.{stream}.{channel.durable}",
-                f"{API}.CONSUMER.CREATE.{stream}.{channel.durable}.>",  # with a filter subject
-                f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{channel.durable}",  # nats.py's form for durable_name
-            ]
-    return subjects
 
 
 def own_inbox(user: str) -> str:
@@ -159,6 +167,7 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
     if role == "actor":
         publish += [topology.subject(run, "traj"), *_with_withdrawals(topology.SIM_SUBJECT), *_consume(run, "tasks")]
         publish += _read_weights(run)
+        subscribe += weights_wakeups(run)
     elif role == "scorer":
         publish += [topology.subject(run, "scored"), *_consume(run, "traj")]
         publish += _with_withdrawals(*(topology.judge_subject(op) for op in topology.JUDGE_OPS))
@@ -175,6 +184,9 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
         ]
         publish += [f"{API}.CONSUMER.INFO.{topology.stream_name(run, key)}.*" for key in topology.CHANNELS]
         publish += [f"{API}.STREAM.INFO.{topology.stream_name(run, key)}" for key in topology.CHANNELS]
+        # One learner per run (learner.lease): create, renew and delete its key in the lease KV. Purging
+        # the run's streams (`parley learner --reset-streams`) is the admin credential's, not the learner's.
+        publish += [f"$KV.{topology.lease_bucket(run)}.>", *_read_stream(_lease_stream(run))]
     elif role == "eval":
         publish += [topology.subject(run, "eval"), *_with_withdrawals(topology.SIM_SUBJECT), *_read_weights(run)]
         publish += _with_withdrawals(*(topology.judge_subject(op) for op in topology.JUDGE_OPS))
@@ -190,13 +202,57 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
         responses = True
     else:
         raise ValueError(f"unknown role {role!r}; known: {ROLES}")
-    if role in TOPOLOGY_OWNERS:
-        publish += _own_topology(run)
     rules: Permissions = {"publish": {"allow": _unique(publish)}, "subscribe": {"allow": _unique(subscribe)}}
     if responses:
         # Services answer on the requester's reply subject only: no blanket publish right on _INBOX.>.
         rules["allow_responses"] = True
     return rules
+
+
+def forbidden_requests(stream: str = "S") -> list[str]:
+    """Concrete subjects of every FORBIDDEN_API request on `stream`, in each form the server accepts."""
+    return [
+        f"{API}.STREAM.CREATE.{stream}",
+        f"{API}.STREAM.UPDATE.{stream}",
+        f"{API}.STREAM.RESTORE.{stream}",
+        f"{API}.CONSUMER.CREATE.{stream}",
+        f"{API}.CONSUMER.CREATE.{stream}.name",
+        f"{API}.CONSUMER.CREATE.{stream}.name.filter.subject",
+        f"{API}.CONSUMER.DURABLE.CREATE.{stream}.name",
+    ]
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether NATS subject pattern `pattern` (with * and >) covers the concrete `subject`."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
+
+
+def makes_topology(pattern: str) -> bool:
+    """Whether publish-allow `pattern` covers any FORBIDDEN_API request (on any stream, in any form):
+    its tokens agree with `$JS.API.<kind>` (wildcards included) and it goes on past it."""
+    tokens = pattern.split(".")
+    for forbidden in FORBIDDEN_API:
+        prefix = [*API.split("."), *forbidden.split(".")]
+        for i, token in enumerate(tokens):
+            if i >= len(prefix) or token == ">":
+                return True
+            if token not in ("*", prefix[i]):
+                break
+    return False
+
+
+def _refuse_topology_rights(role: str, publish: list[str]) -> None:
+    """Privilege by construction: a workload role whose allow-list would let it send a FORBIDDEN_API
+    request (directly or through a wildcard) is a bug in this table, refused before any auth.conf is written."""
+    bad = sorted(p for p in publish if makes_topology(p))
+    if bad:
+        raise AssertionError(f"role {role!r} would be allowed to make or change topology through {bad}")
 
 
 def _with_withdrawals(*subjects: str) -> list[str]:
@@ -228,6 +284,9 @@ def role_permissions(run: str, users: dict[str, str] | None = None) -> dict[str,
         for role, rules in perms.items():
             for side in ("publish", "subscribe"):
                 rules[side]["allow"] = _unique(_wildcard_run(s) for s in rules[side]["allow"])
+    for role, rules in perms.items():
+        if role not in TOPOLOGY_OWNERS:
+            _refuse_topology_rights(role, rules["publish"]["allow"])
     return perms
 
 

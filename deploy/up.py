@@ -34,15 +34,33 @@ def run_dir_for(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def plan_children(cfg: RunConfig, sup: Supervisor, config_path: Path) -> list[tuple[str, list[str]]]:
-    """(name, argv) of every role child, in start order."""
+RUN_CONFIG = "config.toml"  # the resolved config `parley up` writes into the run directory
+
+
+def resume_config_path(run_dir: Path) -> Path:
+    """The config of the run `parley up` left in `run_dir`, to start it again where it stopped (the
+    NATS store under run_dir/nats keeps the streams, the learner's ledger and checkpoint its state);
+    a ValueError naming the directory when it holds none."""
+    path = Path(run_dir) / RUN_CONFIG
+    if not path.is_file():
+        raise ValueError(
+            f"--resume {run_dir}: no {RUN_CONFIG} there, so it is no run directory of `parley up`; "
+            "give the directory `parley up` printed as its run directory"
+        )
+    return path
+
+
+def plan_children(
+    cfg: RunConfig, sup: Supervisor, config_path: Path, resume: bool = False
+) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every role child, in start order; `resume`: the learner continues from its ledger."""
     c = ["--config", str(config_path)]
     children = [(name, sup.parley_argv(name, *c, "--id", name)) for name in service_children(cfg)]
     for i in range(cfg.up.first_actors()):
         children.append((f"actor-{i}", sup.parley_argv("actor", *c, "--id", f"actor-{i}")))
     for i in range(cfg.up.scorers):
         children.append((f"scorer-{i}", sup.parley_argv("scorer", *c, "--id", f"scorer-{i}")))
-    children.append(("learner", sup.parley_argv("learner", *c)))
+    children.append(("learner", sup.parley_argv("learner", *c, *(["--resume"] if resume else []))))
     return children
 
 
@@ -71,7 +89,7 @@ def prepare_models(cfg: RunConfig) -> None:
         print(f"model {name}: {path} ({time.time() - t0:.0f}s)", flush=True)
 
 
-async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
+async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool = False) -> int:
     from parley.deploy.credentials import generate_credentials, server_auth_conf
     from parley.deploy.live import RunWatcher, render, watch
     from parley.deploy.natsserver import NatsServer
@@ -98,7 +116,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
         )
         cfg.nats.creds = cfg.nats.ca_file = ""
 
-    config_path = run_dir / "config.toml"
+    config_path = run_dir / RUN_CONFIG
     config_path.write_text(dump_config(cfg))
     (run_dir / "env").write_text(
         f"export PARLEY_NATS_URL={cfg.nats.url}\nexport PARLEY_RUN={cfg.run.name}\n"
@@ -131,7 +149,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool) -> int:
             )
         await topology.ensure_topology(js, cfg.run.name, cfg.bus)  # first: it may refuse (no room), models take minutes
         await asyncio.to_thread(prepare_models, cfg)
-        children = plan_children(cfg, sup, config_path)
+        children = plan_children(cfg, sup, config_path, resume=resume)
         engines = cpu_engines(cfg, children)
         targets: dict[str, str] = {}  # child -> host:port of its metrics
 

@@ -14,7 +14,9 @@ from parley.deploy.common import (
     NatsOpt,
     RunOpt,
     SetOpt,
+    check_inputs,
     dry_run,
+    refuse,
     resolve,
     run_async_main,
     setup_logging,
@@ -71,32 +73,42 @@ def up_cmd(
         str | None,
         typer.Option(
             "--recipe",
-            help="A named preset of training settings (overrides run.recipe; e.g. verl-collabllm, docs/recipe.md): laid over the embedded default, or under --config FILE's own keys; --set wins.",
+            help="A named preset of training settings (overrides run.recipe; e.g. verl-collabllm, docs/recipe.md): laid over the embedded default, under --config FILE's own keys; --set wins.",
+        ),
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            help="Start the run in this run directory again where it stopped: its config.toml (--set and --steps on top), its NATS store, the learner's ledger and checkpoint.",
         ),
     ] = None,
     dry: DryRunOpt = False,
 ) -> None:
-    extra = []
+    extra: list[tuple[str, str]] = []
+    if resume is not None:
+        config = resume_source(resume, config, run_dir, env)
+        run_dir = resume.resolve()
     if recipe is not None:
-        extra.append(f'run.recipe="{recipe}"')
+        extra.append((f'run.recipe="{recipe}"', f"--recipe {recipe}"))
     if env is not None:
-        extra.append(f'env.name="{env}"')
+        extra.append((f'env.name="{env}"', f"--env {env}"))
     if steps is not None:
-        extra.append(f"learner.steps={steps}")
+        extra.append((f"learner.steps={steps}", f"--steps {steps}"))
     if actors == "auto":
-        extra.append("up.autoscale=true")
+        extra.append(("up.autoscale=true", "--actors auto"))
     elif actors is not None:
         if not actors.isdigit():
             typer.echo(f'parley up: --actors {actors!r}: give a number or "auto"', err=True)
             raise typer.Exit(2)
-        extra.append(f"up.actors={actors}")
+        extra.append((f"up.actors={actors}", f"--actors {actors}"))
     for key, value in (("min_actors", min_actors), ("max_actors", max_actors)):
         if value is not None:
-            extra.append(f"up.{key}={value}")
+            extra.append((f"up.{key}={value}", f"--{key.replace('_', '-')} {value}"))
     if scorers is not None:
-        extra.append(f"up.scorers={scorers}")
+        extra.append((f"up.scorers={scorers}", f"--scorers {scorers}"))
     if run_dir is not None:
-        extra.append(f'run.dir="{run_dir}"')
+        extra.append((f'run.dir="{run_dir}"', f"--run-dir {run_dir}"))
     preset = env_preset(env) if env is not None and config is None else ()
     if preset:
         typer.echo(
@@ -104,20 +116,56 @@ def up_cmd(
             err=True,
         )
     cfg = resolve(config, [*preset, *(sets or [])], extra=extra, training=True)
-    share = check_gpu_share(cfg, dry=dry)
-    if dry:
-        dry_run(cfg, notes="\n".join(n for n in (check_memory(cfg, dry=True), share) if n))
+    # Every check a start makes, made here for --dry-run and a real start alike, before the run
+    # directory, nats-server or any model build or download (deploy/up.py starts those).
+    problems, hub_dirs = check_inputs(cfg)
     if cfg.learner.steps < 1:
-        typer.echo("parley up: --steps must be >= 1 (up stops after the learner's last step)", err=True)
-        raise typer.Exit(2)
-    plan = check_memory(cfg, dry=False)
+        problems.insert(
+            0, f"learner.steps={cfg.learner.steps}: up stops after the learner's last step; give --steps >= 1"
+        )
+    if problems:
+        refuse("up", problems)
+    share = check_gpu_share(cfg, dry=dry)
+    plan = check_memory(planned(cfg, hub_dirs), dry=dry)
+    if dry:
+        dry_run(cfg, notes="\n".join(n for n in (plan, share) if n))
     if plan:
         typer.echo(plan)
     setup_logging("up", "WARNING")
     from parley.deploy.up import up_main
 
     show_live = cfg.up.live and sys.stdout.isatty() if live is None else live
-    run_async_main(up_main, cfg, show_live)
+    run_async_main(up_main, cfg, show_live, resume is not None)
+
+
+def resume_source(run_dir: Path, config: Path | None, other_dir: Path | None, env: str | None) -> Path:
+    """The config file `parley up --resume RUN_DIR` starts from; exit 2 with one line when the
+    directory holds no run or another source of the config is named beside it."""
+    from parley.deploy.up import resume_config_path
+
+    for flag, given in (("--config", config), ("--run-dir", other_dir), ("--env", env)):
+        if given is not None:
+            typer.echo(f"parley up: --resume {run_dir} takes its config from there; drop {flag} {given}", err=True)
+            raise typer.Exit(2)
+    try:
+        return resume_config_path(run_dir)
+    except ValueError as e:
+        typer.echo(f"parley up: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def planned(cfg, hub_dirs: dict[str, Path]):
+    """`cfg` as the memory plan reads it: a model given by Hub id as its local directory (the plan
+    reads the shape from config.json; the run itself keeps the id)."""
+    if not hub_dirs:
+        return cfg
+    import copy
+
+    out = copy.deepcopy(cfg)
+    out.policy.model = str(hub_dirs.get(out.policy.model, out.policy.model))
+    for section in (out.actor, out.sim, out.judge):
+        section.engine.model = str(hub_dirs.get(section.engine.model, section.engine.model))
+    return out
 
 
 def check_gpu_share(cfg, dry: bool) -> str:
@@ -145,15 +193,13 @@ def check_gpu_share(cfg, dry: bool) -> str:
 def check_memory(cfg, dry: bool) -> str:
     """The GPU memory plan (deploy/memory.py) as text, made before anything starts; "" for a config
     that puts nothing on a GPU. A run that does not fit is refused here (exit code 2), under --dry-run
-    too; a plan that cannot be made refuses the run, and only says so under --dry-run."""
+    too, and so is one that cannot be made."""
     from parley.deploy.memory import PlanError, make_plan
 
     try:
         plan = make_plan(cfg)
     except PlanError as e:
-        typer.echo(f"parley up: {'no' if dry else 'cannot make the'} GPU memory plan: {e}", err=True)
-        if dry:
-            return ""
+        typer.echo(f"parley up: cannot make the GPU memory plan: {e}", err=True)
         raise typer.Exit(2) from None
     if plan is None:
         return ""
@@ -162,6 +208,12 @@ def check_memory(cfg, dry: bool) -> str:
         raise typer.Exit(2)
     if plan.fits is None and not dry:
         typer.echo("parley up: the GPU memory plan is not checked (GPU total unknown: set up.gpu_memory_gib)", err=True)
+    for key, value in plan.chosen:  # what the plan chose ("auto"), into the config every child is given
+        *path, leaf = key.split(".")
+        section = cfg
+        for name in path:
+            section = getattr(section, name)
+        setattr(section, leaf, value)
     return plan.render()
 
 

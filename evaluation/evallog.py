@@ -5,14 +5,17 @@ metrics recomputed, CollabLLM's BLEU from the stored document, stored interactiv
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import msgspec
 import msgspec.inspect as mi
+import numpy as np
 
 from parley.environments.base import Environment, PureMetric
+from parley.protocol.arrays import IDS, LOGPROBS, MASK
 from parley.protocol.messages import ABANDONED_STALE, EvalRecord, JudgeReply, Scored
 from parley.rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
 from parley.rewards.reward import total_reward
@@ -22,6 +25,58 @@ _TYPE_KEY = b"parley.type"
 _LOG_TYPES: dict[str, type] = {"EvalRecord": EvalRecord, "Scored": Scored}
 # Columns whose type has no natural Arrow form are stored as msgspec JSON text (exact for floats too).
 _JSON_KEY = b"parley.encoding"
+# Files written with _LISTS under this key store the packed arrays as Arrow lists; files without it
+# (written before) hold the wire form's byte fields and are read as they are.
+_LAYOUT_KEY = b"parley.layout"
+_LISTS_LAYOUT = b"lists"
+
+# The wire's packed little-endian arrays (protocol.arrays) as Arrow list columns any Parquet reader
+# (duckdb, pandas, polars) reads as numbers: struct name -> {wire field: (column, dtype)}. Each column
+# takes the name of the list field of schemas v0-v1 that the packed field replaced, so that empty
+# list field is not written beside it.
+_LISTS = {
+    "Trajectory": {"token_ids_i32": ("token_ids", IDS), "loss_mask_u8": ("loss_mask", MASK)},
+    "AssistantTurn": {"logprobs_f32": ("logprobs", LOGPROBS)},
+    "Scored": {"ref_logp_f32": ("ref_logprobs", LOGPROBS)},
+}
+# Column names that say what a field holds outside the Struct's context.
+_RENAMED = {"Scored": {"weights": "reward_weights"}}
+
+
+@functools.cache  # per Struct type: read and written once per nested Struct of every row
+def _columns(cls: type, lists: bool = True) -> tuple:
+    """(field, column, dtype) for each stored field of a Struct: dtype is the packed array's element
+    type for a field stored as an Arrow list, else None. lists=False: the layout before, field = column."""
+    arrays = _LISTS.get(cls.__name__, {}) if lists else {}
+    renamed = _RENAMED.get(cls.__name__, {}) if lists else {}
+    replaced = {column for column, _ in arrays.values()}
+    out = []
+    for f in mi.type_info(cls).fields:
+        if f.encode_name in arrays:
+            out.append((f, *arrays[f.encode_name]))
+        elif f.encode_name not in replaced:
+            out.append((f, renamed.get(f.encode_name, f.encode_name), None))
+    return tuple(out)
+
+
+def _to_columns(value, t):
+    """A to_builtins value laid out as the archive stores it: packed arrays unpacked into lists (a
+    v0-v1 list field taken as it is), fields renamed."""
+    match t:
+        case mi.ListType(item_type=it):
+            return [_to_columns(v, it) for v in value]
+        case mi.DictType(value_type=vt):
+            return {k: _to_columns(v, vt) for k, v in value.items()}
+        case mi.StructType(cls=cls):
+            out = {}
+            for f, column, dtype in _columns(cls):
+                if dtype is not None:
+                    packed = value.get(f.encode_name)
+                    out[column] = np.frombuffer(packed, dtype) if packed else list(value.get(column) or [])
+                elif f.encode_name in value:
+                    out[column] = _to_columns(value[f.encode_name], f.type)
+            return out
+    return value
 
 
 def _arrow_type(t):
@@ -45,39 +100,55 @@ def _arrow_type(t):
         case mi.DictType(key_type=mi.StrType(), value_type=value):
             inner = _arrow_type(value)
             return None if inner is None else pa.map_(pa.string(), inner)
-        case mi.StructType(fields=fields):
-            inner = [(f.encode_name, _arrow_type(f.type)) for f in fields]
+        case mi.StructType(cls=cls):
+            inner = [
+                (column, _arrow_type(f.type) if dtype is None else _list_type(dtype))
+                for f, column, dtype in _columns(cls)
+            ]
             return None if any(a is None for _, a in inner) else pa.struct(inner)
     return None
+
+
+def _list_type(dtype: np.dtype):
+    import pyarrow as pa
+
+    return pa.list_(pa.from_numpy_dtype(dtype))
 
 
 def _schema(cls: type):
     import pyarrow as pa
 
     fields = []
-    for f in mi.type_info(cls).fields:
-        arrow = _arrow_type(f.type)
+    for f, column, dtype in _columns(cls):
+        arrow = _arrow_type(f.type) if dtype is None else _list_type(dtype)
         fields.append(
-            pa.field(f.encode_name, pa.string(), metadata={_JSON_KEY: b"json"})
-            if arrow is None
-            else pa.field(f.encode_name, arrow)
+            pa.field(column, pa.string(), metadata={_JSON_KEY: b"json"}) if arrow is None else pa.field(column, arrow)
         )
-    return pa.schema(fields, metadata={_TYPE_KEY: cls.__name__.encode()})
+    return pa.schema(fields, metadata={_TYPE_KEY: cls.__name__.encode(), _LAYOUT_KEY: _LISTS_LAYOUT})
 
 
-def _maps_to_dicts(value, t):
-    """Arrow hands maps back as lists of (key, value) pairs; turn them into dicts, recursively."""
+def _field_value(value, t, dtype, lists: bool):
+    """One stored column's value as its Struct field takes it: a list column packed again."""
+    if dtype is not None:
+        return np.asarray(value, dtype=dtype).tobytes()
+    return _maps_to_dicts(value, t, lists)
+
+
+def _maps_to_dicts(value, t, lists: bool = True):
+    """Arrow hands maps back as lists of (key, value) pairs; turn them into dicts, recursively, and
+    structs back into their fields (lists: the archive's layout, see _columns)."""
     match t:
         case mi.DictType(value_type=vt):
-            return {k: _maps_to_dicts(v, vt) for k, v in value}
+            return {k: _maps_to_dicts(v, vt, lists) for k, v in value}
         case mi.ListType(item_type=it):
-            return [_maps_to_dicts(v, it) for v in value]
-        case mi.StructType(fields=fields):
-            # null: a field the writer omitted (omit_defaults Structs); msgspec.convert fills its default
+            return [_maps_to_dicts(v, it, lists) for v in value]
+        case mi.StructType(cls=cls):
+            # null: a field the writer omitted (omit_defaults Structs); msgspec.convert fills its default;
+            # an empty list column: the packed field's default (b"")
             return {
-                f.encode_name: _maps_to_dicts(value[f.encode_name], f.type)
-                for f in fields
-                if value.get(f.encode_name) is not None
+                f.encode_name: _field_value(value[column], f.type, dtype, lists)
+                for f, column, dtype in _columns(cls, lists)
+                if value.get(column) is not None and (dtype is None or len(value[column]))
             }
     return value
 
@@ -96,7 +167,8 @@ def write_parquet(records: Sequence[msgspec.Struct], path: str | Path) -> Path:
         )
     schema = _schema(cls)
     # bytes stay bytes for Arrow's binary columns (to_builtins would write them as base64 text)
-    rows = msgspec.to_builtins(list(records), builtin_types=(bytes,))
+    struct = mi.type_info(cls)
+    rows = [_to_columns(row, struct) for row in msgspec.to_builtins(list(records), builtin_types=(bytes,))]
     for field in schema:
         if field.metadata and field.metadata.get(_JSON_KEY) == b"json":
             for row in rows:
@@ -120,15 +192,22 @@ def _read_parquet(path: Path) -> list:
             f"{path} is not a parley log (schema metadata parley.type={name!r}); write it with evaluation.evallog.write_parquet"
         )
     cls = _LOG_TYPES[name]
-    info = {f.encode_name: f.type for f in mi.type_info(cls).fields}
+    lists = meta.get(_LAYOUT_KEY) == _LISTS_LAYOUT  # else a file written before the layout had lists
+    columns = {column: (f, dtype) for f, column, dtype in _columns(cls, lists)}
     json_cols = {f.name for f in table.schema if f.metadata and f.metadata.get(_JSON_KEY) == b"json"}
     out = []
     for row in table.to_pylist():
         # Columns this code does not know (a newer writer) are dropped; missing ones take defaults.
-        row = {
-            k: (json.loads(v) if k in json_cols else _maps_to_dicts(v, info[k])) for k, v in row.items() if k in info
-        }
-        out.append(msgspec.convert(row, cls))
+        fields = {}
+        for k, v in row.items():
+            if k not in columns:
+                continue
+            f, dtype = columns[k]
+            if k in json_cols:
+                fields[f.encode_name] = json.loads(v)
+            elif dtype is None or v:
+                fields[f.encode_name] = _field_value(v, f.type, dtype, lists)
+        out.append(msgspec.convert(fields, cls))
     return out
 
 

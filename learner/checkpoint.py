@@ -20,10 +20,13 @@ from pathlib import Path
 
 import msgspec
 
+from parley.learner.groups import Finished
 from parley.protocol.messages import Scored
 from parley.weights.lora import ADAPTER_CONFIG, ADAPTER_FILE
+from parley.weights.snapshot import prune_versions, version_dir
 
 STATE_FILE = "state.msgpack"
+REASONS_FILE = "reasons.jsonl"  # why each task was not trained, one JSON line each, append-only
 WEIGHT_FILES = ("model.safetensors", "config.json")
 # The sample log's generations: samples-000001.log, ... (a compaction starts the next one).
 SAMPLE_LOG_PREFIX, SAMPLE_LOG_SUFFIX = "samples-", ".log"
@@ -75,6 +78,20 @@ class LearnerState(msgspec.Struct, kw_only=True):
     dead_seq: int = 1  # next DEAD stream sequence to read; the letters before it are reflected above
     reasons: dict[str, str] = {}  # task_id -> why it was not trained (every done kind but "trained")
     sample_log: str = ""  # the sample log file (in learner_dir) that GroupState.refs point into
+    # The archive's dropped-NNNNNNNN.parquet files below this number hold the samples of groups the
+    # ledger records as finished untrained; those from it on were written before a write that never came.
+    archive_seq: int = 0
+    # `done` holds only the finished tasks above this watermark (and tasks not issued by the feeder):
+    # every feeder task of a lower index is finished (learner.groups.Finished)
+    done_below: int = 0
+    done_prefix: str = ""  # the feeder's task ids are this + a 6-digit index (learner.feeder.task_id)
+    # The reasons log (REASONS_FILE, append-only) holds `reasons` of this many bytes; `reasons` itself
+    # is written only by ledgers from before it (read_state fills it, and `done`'s kinds, from the log)
+    reasons_bytes: int = 0
+    # Training steps begun over each buffered task's group and not finished (learner.stepper counts one
+    # before each step and rejects the groups at [learner] max_step_attempts); only buffered tasks.
+    attempts: dict[str, int] = {}
+    step_error: str = ""  # the last failed step's error, for the reason its groups are rejected with
 
 
 def learner_dir(run_dir: str | Path) -> Path:
@@ -85,9 +102,14 @@ def ckpt_dir(run_dir: str | Path) -> Path:
     return learner_dir(run_dir) / "ckpt"
 
 
+def versions_dir(run_dir: str | Path) -> Path:
+    """Where the publication writes each version's weights (weights.snapshot.version_dir)."""
+    return learner_dir(run_dir) / "weights"
+
+
 def weights_dir(run_dir: str | Path, version: int) -> Path:
     """Where the weights of `version` are written before publication (kept for export)."""
-    return learner_dir(run_dir) / "weights" / f"v{version:06d}"
+    return version_dir(versions_dir(run_dir), version)
 
 
 def step_tag(step: int) -> str:
@@ -102,6 +124,24 @@ def fsync_dir(d: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Make every file under `root` (a DeepSpeed checkpoint) and every entry of its directories
+    durable, and `root`'s own entry in its parent: the ledger may name it only after this."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            fsync_file(Path(d) / name)
+        fsync_dir(Path(d))
+    fsync_dir(root.parent)
 
 
 def write_state(run_dir: str | Path, state: LearnerState) -> Path:
@@ -136,6 +176,8 @@ def read_state(run_dir: str | Path) -> LearnerState | None:
         state = msgspec.msgpack.decode(path.read_bytes(), type=LearnerState)
         try:
             _resolve_samples(learner_dir(run_dir), state)
+            _read_reasons(learner_dir(run_dir), state)
+            _watermark(state)
         except FileNotFoundError as e:
             if attempt == 4:
                 raise LedgerError(
@@ -148,6 +190,29 @@ def read_state(run_dir: str | Path) -> LearnerState | None:
 
 class LedgerError(RuntimeError):
     """The ledger names a sample that its sample log does not hold intact."""
+
+
+def _read_reasons(d: Path, state: LearnerState) -> None:
+    """Fill state.reasons, and state.done's kinds of those tasks, from the reasons log's vouched bytes."""
+    if not state.reasons_bytes:
+        return
+    path = d / REASONS_FILE
+    with path.open("rb") as f:
+        data = f.read(state.reasons_bytes)
+    if len(data) < state.reasons_bytes:
+        raise LedgerError(
+            f"{path} holds {len(data)} bytes, the ledger names {state.reasons_bytes}; the run directory was "
+            "changed or damaged: restore learner/ from a copy, or start a fresh run (another run name)"
+        )
+    for line in data.splitlines():
+        entry = json.loads(line)
+        state.reasons[entry["task"]] = entry["reason"]
+        state.done.setdefault(entry["task"], entry["kind"])
+
+
+def _watermark(state: LearnerState) -> None:
+    """state.done as a learner.groups.Finished: `in` also answers for the tasks under the watermark."""
+    state.done = Finished(state.done_prefix, state.done_below, state.done)
 
 
 def _resolve_samples(d: Path, state: LearnerState) -> None:
@@ -203,6 +268,7 @@ class Ledger:
         self.refs: dict[tuple[str, int], tuple[int, int, Scored]] = {}
         self.dead_bytes = 0  # records in the current log no state refers to any more
         self.bytes_written = 0
+        self.reasons_bytes = 0  # the reasons log's length as the last write vouched for it
         self.compactions = 0
 
     def _generations(self) -> list[Path]:
@@ -231,6 +297,12 @@ class Ledger:
         state = read_state(self.run_dir)
         if state is None:
             return None
+        self.reasons_bytes = state.reasons_bytes
+        reasons = self.dir / REASONS_FILE
+        if reasons.is_file() and reasons.stat().st_size > self.reasons_bytes:
+            with reasons.open("r+b") as f:  # lines after the ledger's: its tasks are not finished for it
+                f.truncate(self.reasons_bytes)
+                os.fsync(f.fileno())
         if state.sample_log and (self.dir / state.sample_log).is_file():
             self.log_name = state.sample_log
             self._f = (self.dir / self.log_name).open("ab")
@@ -253,9 +325,24 @@ class Ledger:
         self.bytes_written += size
         return off, size, s
 
-    def write(self, state: LearnerState) -> Path:
+    def write(self, state: LearnerState, reasons: list[tuple[str, str, str]] = ()) -> Path:
         """Record `state` (its groups' samples given inline, as the service builds it): new samples
-        go to the log, state.msgpack gets their offsets."""
+        go to the log, state.msgpack gets their offsets; `reasons` ((task, kind, reason) of the tasks
+        finished untrained since the last write) are appended to the reasons log, durable first."""
+        if reasons:
+            path = self.dir / REASONS_FILE
+            self.dir.mkdir(parents=True, exist_ok=True)
+            new = not path.exists()
+            data = "".join(json.dumps({"task": t, "kind": k, "reason": r}) + "\n" for t, k, r in reasons).encode()
+            with path.open("ab") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if new:
+                fsync_dir(self.dir)
+            self.reasons_bytes += len(data)
+            self.bytes_written += len(data)
+        state = msgspec.structs.replace(state, reasons={}, reasons_bytes=self.reasons_bytes)
         if self._f is None:
             self._start_generation()
         live: dict[tuple[str, int], tuple[int, int, Scored]] = {}
@@ -299,31 +386,47 @@ def archive_dir(run_dir: str | Path) -> Path:
     return learner_dir(run_dir) / "archive"
 
 
-def write_archive(run_dir: str | Path, step: int, trained: list[Scored], dropped: list[Scored]) -> list[Path]:
-    """Keep the samples of a step's trained groups, and of the groups dropped or given up since the
-    previous step, as Parquet logs: the streams forget old messages (max_bytes, max_age), the archive
-    does not. A step trained again after a resume replaces its files."""
+def write_archive(run_dir: str | Path, step: int, trained: list[Scored]) -> Path | None:
+    """Keep the samples of a step's trained groups as a Parquet log (the streams forget old messages,
+    max_bytes and max_age; the archive does not), durable before the ledger write that vouches for the
+    step. A step trained again after a resume replaces its file."""
+    return _write_durable(archive_dir(run_dir) / f"{step_tag(step)}-trained.parquet", trained)
+
+
+def write_dropped(run_dir: str | Path, seq: int, dropped: list[Scored]) -> Path | None:
+    """Keep the samples of groups that left the learner untrained (dropped, skipped, rejected) as
+    archive/dropped-{seq}.parquet, durable before the ledger write that records them finished (and
+    names archive_seq = seq + 1): a resume removes the files of later numbers (truncate_archive), so
+    each group is archived once whatever the kill."""
+    return _write_durable(archive_dir(run_dir) / f"dropped-{seq:08d}.parquet", dropped)
+
+
+def _write_durable(path: Path, samples: list[Scored]) -> Path | None:
     from parley.evaluation.evallog import write_parquet
 
-    root = archive_dir(run_dir)
-    out = []
-    for kind, samples in (("trained", trained), ("dropped", dropped)):
-        path = root / f"{step_tag(step)}-{kind}.parquet"
-        if samples:
-            out.append(write_parquet(samples, path))
-        else:
-            path.unlink(missing_ok=True)
-    return out
+    if not samples:
+        path.unlink(missing_ok=True)
+        return None
+    write_parquet(samples, path)  # written beside and renamed
+    fsync_file(path)
+    fsync_dir(path.parent)
+    return path
 
 
-def truncate_archive(run_dir: str | Path, max_step: int) -> int:
-    """On resume: remove the archive of steps after the ledger's (they are trained again); returns files removed."""
+def truncate_archive(run_dir: str | Path, max_step: int, archive_seq: int | None = None) -> int:
+    """On resume: remove the archive of steps after the ledger's (they are trained again), and the
+    dropped groups' files from `archive_seq` on (the ledger never recorded those groups finished:
+    they come back buffered and leave again); returns files removed."""
     root = archive_dir(run_dir)
     if not root.is_dir():
         return 0
     gone = 0
     for p in root.glob("step*.parquet"):
         if p.name[4:10].isdigit() and int(p.name[4:10]) > max_step:
+            p.unlink()
+            gone += 1
+    for p in root.glob("dropped-*.parquet"):
+        if archive_seq is not None and p.name[8:16].isdigit() and int(p.name[8:16]) >= archive_seq:
             p.unlink()
             gone += 1
     return gone
@@ -343,12 +446,7 @@ def prune_checkpoints(run_dir: str | Path, keep: int, current: str) -> None:
 
 
 def prune_weights(run_dir: str | Path, keep: int) -> None:
-    root = learner_dir(run_dir) / "weights"
-    if not root.is_dir():
-        return
-    versions = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("v")), reverse=True)
-    for p in versions[keep:]:
-        shutil.rmtree(p, ignore_errors=True)
+    prune_versions(versions_dir(run_dir), keep)
 
 
 def truncate_jsonl(path: Path, max_step: int) -> int:
@@ -369,8 +467,12 @@ def truncate_jsonl(path: Path, max_step: int) -> int:
         else:
             dropped += 1
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    with tmp.open("w") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
     return dropped
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import re
 import time
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from parley.environments.base import TaskBuilder
 from parley.protocol import codec, topology
-from parley.protocol.bus import publish
+from parley.protocol.bus import publish, retry_unreachable
 from parley.protocol.messages import Task
 from parley.tasks.data import task_from_item
 
@@ -230,7 +231,13 @@ class Feeder:
                     )
                     self.paused = False
                 task = self.task(s.next_index)
-                await publish(self.js, self.run_name, "tasks", task)
+                # As every role's publishes (docs/reliability.md): retried for as long as NATS is away,
+                # not given up after publish's own attempts (about 100 s), which ended the learner.
+                await retry_unreachable(
+                    lambda task=task: publish(self.js, self.run_name, "tasks", task),
+                    what=f"publishing task {task.task_id}",
+                    give_up_s=math.inf,
+                )
                 # Only after the store acknowledged it: a checkpoint never claims an unpublished task.
                 s.in_flight[task.task_id] = Issued(at=time.time(), version=task.admitted_version)
                 s.next_index += 1

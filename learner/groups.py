@@ -197,10 +197,44 @@ class Outcome:
     """A group that left the buffer without being trained, and why."""
 
     task_id: str
-    kind: str  # "timeout" | "stale" | "zero_advantage" | "dead" | "deadline" | "nonfinite"
+    kind: str  # "timeout" | "stale" | "zero_advantage" | "dead" | "deadline" | "nonfinite" | "step_failed"
     reason: str
     samples: list[str]  # traj_ids
     group: Group | None = None  # what was buffered of it, for the archive
+
+
+class Finished(dict):
+    """task_id -> kind ("trained" or an Outcome kind) of every finished task, where the feeder's
+    tasks `prefix` + index of index < `below` (the watermark) are finished without an entry: the
+    ledger holds the watermark and the exceptions above it, so a write costs the open work, not
+    the run's history (the kinds of the tasks under the watermark that were not trained are in the
+    reasons log, learner.checkpoint.Ledger)."""
+
+    def __init__(self, prefix: str = "", below: int = 0, entries: dict[str, str] | None = None):
+        super().__init__(entries or {})
+        self.prefix, self.below = prefix, below
+
+    def index(self, task_id: str) -> int | None:
+        tail = task_id[len(self.prefix) :]
+        if not (self.prefix and task_id.startswith(self.prefix) and tail.isdigit()):
+            return None
+        return int(tail) if tail == f"{int(tail):06d}" else None  # learner.feeder.task_id's spelling only
+
+    def __contains__(self, task_id) -> bool:
+        if dict.__contains__(self, task_id):
+            return True
+        i = self.index(task_id) if isinstance(task_id, str) else None
+        return i is not None and i < self.below
+
+    def advance(self, hold: set[str]) -> None:
+        """Move the watermark over every consecutive finished task, forgetting their entries;
+        never over one of `hold` (trained after the last checkpoint: not finished for the ledger)."""
+        while True:
+            t = f"{self.prefix}{self.below:06d}"
+            if not self.prefix or t in hold or not dict.__contains__(self, t):
+                return
+            del self[t]
+            self.below += 1
 
 
 class Grouper:
@@ -223,7 +257,7 @@ class Grouper:
         self.stale_policy = stale_policy
         self.timeout_s = timeout_s
         self.buffer: dict[str, Group] = {}
-        self.done: dict[str, str] = {}  # task_id -> "trained" or an Outcome kind
+        self.done: Finished = Finished()  # task_id -> "trained" or an Outcome kind (learner.service sets its prefix)
         self.counters: Counter[str] = Counter()
 
     # -- intake ---------------------------------------------------------------------------------
@@ -394,20 +428,19 @@ class Grouper:
             if t.correct:
                 self.counters["corrected"] -= 1
 
-    def reject(self, taken: list[Taken], reason: str) -> list[Outcome]:
-        """Groups of a step the trainer refused to apply (non-finite loss or gradient): final, never
-        trained, like a dropped group (kind "nonfinite")."""
+    def reject(self, taken: list[Taken], reason: str, kind: str = "nonfinite") -> list[Outcome]:
+        """Groups of a step the trainer refused to apply (kind "nonfinite": non-finite loss or gradient)
+        or that failed max_step_attempts times (kind "step_failed"): final, never trained, like a
+        dropped group."""
         out = []
         for t in taken:
-            self.done[t.group.task_id] = "nonfinite"
+            self.done[t.group.task_id] = kind
             self.counters["trained"] -= 1
             if t.correct:
                 self.counters["corrected"] -= 1
-            self.counters["nonfinite"] += 1
+            self.counters[kind] += 1
             log.error("group %s %s", t.group.task_id, reason)
-            out.append(
-                Outcome(t.group.task_id, "nonfinite", reason, [s.traj_id for s in t.group.ordered()], group=t.group)
-            )
+            out.append(Outcome(t.group.task_id, kind, reason, [s.traj_id for s in t.group.ordered()], group=t.group))
         return out
 
     def _finish(self, g: Group, kind: str, reason: str) -> Outcome:

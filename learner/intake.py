@@ -44,6 +44,8 @@ class Intake:
         self.reference_service = reference_service  # Scored messages carry the reference's log-probs
         self.ack_wait_s, self.flush_s = ack_wait_s, flush_s
         self.pending: list = []  # received messages not yet covered by a ledger write
+        self.unarchived: list[Outcome] = []  # groups finished untrained since the last ledger write
+        self.run_dir = ledger.run_dir
         self.last_flush = started
         self.ledger_bytes = 0  # bytes the last ledger write wrote
         self._data = asyncio.Event()
@@ -83,6 +85,8 @@ class Intake:
     def consume(self, outcomes: list[Outcome]) -> list[Outcome]:
         """Groups that leave untrained: their tasks free their admission slots, their reasons are kept."""
         for o in outcomes:
+            if o.group is not None:
+                self.unarchived.append(o)
             self.feeder.mark_consumed(o.task_id, trained=False)
             self.state.reasons[o.task_id] = o.reason
             self.state.counters[f"groups.{o.kind}"] += 1
@@ -91,7 +95,10 @@ class Intake:
     # -- the ledger -----------------------------------------------------------------------------
 
     def snapshot(self) -> ckpt.LearnerState:
-        """The ledger as of the last checkpoint: groups trained after it count as still buffered."""
+        """The ledger as of the last checkpoint: groups trained after it count as still buffered.
+        Finished tasks below the watermark are not listed (learner.groups.Finished)."""
+        hold = {g.task_id for g, _ in self.state.uncommitted} | {g.task_id for g in self.state.in_step}
+        self.grouper.done.advance(hold)
         done = dict(self.grouper.done)
         groups = list(self.grouper.buffer.values())
         in_flight = dict(self.feeder.state.in_flight)
@@ -102,6 +109,10 @@ class Intake:
             if issued is not None:
                 in_flight[g.task_id] = issued
                 consumed -= 1
+        for g in self.state.in_step:  # taken for the step under way: buffered until it is trained
+            done.pop(g.task_id, None)
+            groups.append(g)
+        buffered = {g.task_id for g in groups}
         return ckpt.LearnerState(
             step=self.state.ckpt_step,
             tag=self.state.tag,
@@ -116,7 +127,11 @@ class Intake:
             ],
             issued=[ckpt.IssuedTask(task_id=t, at=i.at, version=i.version) for t, i in sorted(in_flight.items())],
             dead_seq=self.state.dead_seq,
-            reasons=dict(self.state.reasons),
+            done_below=self.grouper.done.below,
+            done_prefix=self.grouper.done.prefix,
+            attempts={t: n for t, n in self.state.attempts.items() if t in buffered},
+            step_error=self.state.step_error,
+            archive_seq=self.state.archive_seq,
         )
 
     def flush_due(self) -> bool:
@@ -126,9 +141,18 @@ class Intake:
     async def flush(self) -> None:
         """Write the ledger, then ack every message it now accounts for."""
         msgs, self.pending = self.pending, []
-        state = self.snapshot()  # taken together with the swap above: nothing slips between them
+        dropped, self.unarchived = self.unarchived, []
+        reasons, self.state.reasons = self.state.reasons, {}
+        # kinds before the snapshot's watermark forgets them
+        reasons = [(t, self.grouper.done.get(t, ""), r) for t, r in reasons.items()]
+        state = self.snapshot()  # taken together with the swaps above: nothing slips between them
+        if dropped:  # their samples are archived before the ledger records them finished
+            samples = [s for o in dropped for s in o.group.ordered()]
+            await asyncio.to_thread(ckpt.write_dropped, self.run_dir, self.state.archive_seq, samples)
+            self.state.archive_seq += 1
+            state.archive_seq = self.state.archive_seq
         before = self.ledger.bytes_written
-        await asyncio.to_thread(self.ledger.write, state)
+        await asyncio.to_thread(self.ledger.write, state, reasons)
         self.ledger_bytes = self.ledger.bytes_written - before
         self.last_flush = time.monotonic()
         for m in msgs:

@@ -7,37 +7,82 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import torch
 
+from parley.learner.trainer import Trainer
+
 if TYPE_CHECKING:
-    from parley.learner.trainer import Trainer
+    from parley.learner.packing import Sample
+    from parley.weights.snapshot import WeightSnapshot
 
 # Every rank has just replayed "stop" when it reaches the last barrier: one still missing after this is
 # gone or stuck (and would otherwise hold the others until DeepSpeed's process-group timeout, 10 minutes).
 LEAVE_TIMEOUT_S = 120
+STOP = "stop"  # what Driver.stop broadcasts: no Trainer method has this name
+R = TypeVar("R")
 
 
 class Driver:
-    """Rank 0 calls the Trainer through this. With several ranks each call is broadcast first, so
-    the ranks running `follow()` make the same (collective) call with the same arguments."""
+    """Rank 0 calls the Trainer through this, one typed method per Trainer call. With several ranks
+    each call is broadcast first (the Trainer method's name and its arguments), so the ranks running
+    `follow()` make the same (collective) call with the same arguments. The weight path reaches the
+    trainer only through its weights.publish.WeightSource methods."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self.world = torch.distributed.get_world_size()
 
-    def __call__(self, name: str, *args):
+    def _run(self, method: Callable[..., R], *args) -> R:
+        """`method` (a Trainer method) on this rank's trainer, after every other rank was told to make it."""
+        self._tell(method.__name__, args)
+        return getattr(self.trainer, method.__name__)(*args)  # as follow() replays it
+
+    def _tell(self, name: str, args: tuple) -> None:
         if torch.cuda.is_available():
             # the current GPU is per thread, and rank 0 calls from asyncio's worker threads
             torch.cuda.set_device(self.trainer.device)
         if self.world > 1:
             torch.distributed.broadcast_object_list([(name, args)], src=0)
-        if name == "stop":
-            leave_together()
-            return None
-        return getattr(self.trainer, name)(*args)
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        return self._run(Trainer.train_step, samples)
+
+    def warm_up(self) -> float:
+        return self._run(Trainer.warm_up)
+
+    def save_checkpoint(self, ckpt_dir: str | Path, tag: str) -> None:
+        return self._run(Trainer.save_checkpoint, ckpt_dir, tag)
+
+    def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> None:
+        return self._run(Trainer.load_checkpoint, ckpt_dir, tag)
+
+    def weights_snapshot(self) -> WeightSnapshot | None:
+        return self._run(Trainer.weights_snapshot)
+
+    def adapter_snapshot(self) -> tuple[dict, dict] | None:
+        return self._run(Trainer.adapter_snapshot)
+
+    def pack_adapter(self, version: int):
+        return self._run(Trainer.pack_adapter, version)
+
+    def pack_weights(self, version: int):
+        return self._run(Trainer.pack_weights, version)
+
+    def pack_versions(self, version: int, max_share: float | None):
+        return self._run(Trainer.pack_versions, version, max_share)
+
+    def weights_writable_in(self) -> float:
+        return self._run(Trainer.weights_writable_in)
+
+    def stop(self) -> None:
+        """The last call: every rank leaves together (the ranks in `follow()` return)."""
+        self._tell(STOP, ())
+        leave_together()
 
 
 def follow(trainer: Trainer) -> None:
@@ -46,7 +91,7 @@ def follow(trainer: Trainer) -> None:
         box = [None]
         torch.distributed.broadcast_object_list(box, src=0)
         name, args = box[0]
-        if name == "stop":
+        if name == STOP:
             leave_together()
             return
         getattr(trainer, name)(*args)

@@ -12,7 +12,7 @@ import time
 from parley.learner import checkpoint as ckpt
 from parley.learner import envrecord
 from parley.learner.feeder import FeederState, Issued
-from parley.learner.groups import Group, Grouper
+from parley.learner.groups import Finished, Group, Grouper, Outcome
 from parley.learner.runstate import RunState
 from parley.learner.steplog import StepLog
 
@@ -47,12 +47,15 @@ def restore(
     if changed:
         raise LearnerStateError(f"--resume: {changed}")
     if saved.tag:
-        driver("load_checkpoint", ckpt.ckpt_dir(run_dir), saved.tag)
+        driver.load_checkpoint(ckpt.ckpt_dir(run_dir), saved.tag)
     state.step = state.ckpt_step = saved.step
     state.tag = saved.tag
-    grouper.done = dict(saved.done)
-    state.reasons = dict(saved.reasons)
+    grouper.done = Finished(grouper.done.prefix, saved.done_below, saved.done)
+    if not saved.reasons_bytes:  # a ledger from before the reasons log: its reasons go there with the next write
+        state.reasons = dict(saved.reasons)
     state.dead_seq = saved.dead_seq
+    state.attempts.update(saved.attempts)
+    state.step_error = saved.step_error
     grouper.counters.update(saved.counters)
     # Timeouts and deadlines count only while a learner runs: the time it was down is added to each
     # buffered group's first sample and to each issue time (below), so the samples actors produced
@@ -62,7 +65,15 @@ def restore(
     for g in saved.groups:
         grouper.restore(Group(g.task_id, g.first_seen + down, {s.sample: s for s in g.samples}, g.completed))
     steplog.truncate(saved.step)
-    ckpt.truncate_archive(run_dir, saved.step)
+    state.archive_seq = saved.archive_seq
+    ckpt.truncate_archive(run_dir, saved.step, saved.archive_seq)
+    # Groups the ledger records as finished untrained whose step line was cut above (after the
+    # checkpoint, checkpoint_every > 1) or never written (finished after the last step): the next
+    # step's line reports them, so trained.jsonl keeps every outcome across the resume.
+    reported = steplog.reported()
+    state.since_step = [
+        Outcome(t, saved.done.get(t, "dropped"), reason, []) for t, reason in saved.reasons.items() if t not in reported
+    ]
     log.info(
         "resumed at step %d (checkpoint %s): %d buffered groups, %d finished tasks, feeder at task %d",
         saved.step,

@@ -21,9 +21,14 @@ class RunState:
     tag: str = ""
     uncommitted: list[tuple[Group, Issued | None]] = field(default_factory=list)  # trained after the last checkpoint
     since_step: list[Outcome] = field(default_factory=list)  # groups dropped/skipped since the last step
-    reasons: dict[str, str] = field(default_factory=dict)  # task_id -> why it was not trained (kept in the ledger)
+    # task_id -> why it was not trained, since the last ledger write (which appends them to its reasons log)
+    reasons: dict[str, str] = field(default_factory=dict)
     dead_seq: int = 1  # next DEAD stream sequence to read
     counters: Counter[str] = field(default_factory=Counter)
+    in_step: list[Group] = field(default_factory=list)  # the groups of the step being trained (still buffered)
+    attempts: Counter[str] = field(default_factory=Counter)  # task_id -> steps begun over its group, unfinished
+    step_error: str = ""  # the last failed step's error
+    archive_seq: int = 0  # the next archive/dropped-NNNNNNNN.parquet
     phase: str = "starting"  # what the heartbeat says the learner is doing
 
     def last(self) -> bool:

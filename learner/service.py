@@ -1,6 +1,6 @@
 """The learner process on rank 0. `Learner` builds its parts and routes between them: the intake
 (learner.intake: SCORED handler, ledger, acks), the stepper (learner.stepper: the GRPO step and its
-logs), weight publication (learner.publication) and the watchers (learner.watchers: dead letters and
+logs), weight publication (weights.publish) and the watchers (learner.watchers: dead letters and
 deadlines, backlog, periodic eval); its loop polls the background tasks and re-raises their errors,
 and it builds the heartbeat. parley.deploy.cli_learner calls `run()`.
 
@@ -23,10 +23,9 @@ import msgspec
 from parley.config.run import RunConfig
 from parley.learner import checkpoint as ckpt
 from parley.learner import resume as start
-from parley.learner.feeder import Feeder
-from parley.learner.groups import Grouper
+from parley.learner.feeder import Feeder, task_id
+from parley.learner.groups import Finished, Grouper
 from parley.learner.intake import Intake, policy_limits
-from parley.learner.publication import Publisher, Weights
 from parley.learner.resume import LearnerStateError
 from parley.learner.runstate import RunState
 from parley.learner.steplog import StepLog
@@ -36,6 +35,7 @@ from parley.protocol import status
 from parley.protocol.bus import COUNTERS, PullWorker
 from parley.protocol.messages import Heartbeat
 from parley.weights import lora
+from parley.weights.publish import Publisher, Weights
 
 log = logging.getLogger("parley.learner")
 
@@ -57,6 +57,7 @@ class Learner:
             timeout_s=self.lc.group_timeout_s,
             order=self.lc.group_order,
         )
+        self.grouper.done = Finished(task_id(self.run_name, 0).removesuffix("000000"))  # the watermark's tasks
         self.state = RunState(steps=steps)
         from parley.runtime.tracking import open_tracker
 
@@ -69,6 +70,7 @@ class Learner:
         self.env = env = cfg.env.load()  # the environment this run trains
         env_record = cfg.env.record()  # which environment (distribution, version, options) trains
         self.resumed = resume  # also when the ledger was never written (learner.resume.restore starts fresh then)
+        self.lease_job: asyncio.Task | None = None  # main()'s renewal of the run's lease, polled with the others
         if resume:
             feeder_state = start.restore(
                 self.run_dir,
@@ -108,7 +110,7 @@ class Learner:
             flush_s=self.lc.ledger_flush_s,
             started=started,
         )
-        self.weights = Weights(
+        self.weights = weights_publication(
             self.lc,
             cfg.weights,
             js,
@@ -175,6 +177,8 @@ class Learner:
             **self.evals.tasks(halt),
         }
         background = [asyncio.create_task(job, name=name) for name, job in jobs.items()]
+        # a lost lease stops the learner here, as a crashed task does
+        watched = background + ([self.lease_job] if self.lease_job is not None else [])
         if self.evals.due(st.step, last=st.last()):
             await self.evals.submit(st.step)
         st.phase = "ready"
@@ -182,10 +186,10 @@ class Learner:
             if not st.last():  # the feeder and consumers already run: actors get tasks meanwhile
                 log.info(
                     "warm-up before the first step: %.1f s (a zero-weighted forward and backward)",
-                    await asyncio.to_thread(self.driver, "warm_up"),
+                    await asyncio.to_thread(self.driver.warm_up),
                 )
             while not stop.is_set() and not st.last():
-                for t in background:
+                for t in watched:
                     if t.done():
                         t.result()  # re-raise a crashed background task here
                         raise RuntimeError(f"background task {t.get_name()} stopped")
@@ -218,7 +222,8 @@ class Learner:
             no_more_tasks.set()
             self.feeder.wake()
             await asyncio.gather(*background, return_exceptions=True)
-            await self.intake.flush()
+            if self.lease_job is None or not self.lease_job.done():  # fenced: no write once another may hold the run
+                await self.intake.flush()
             self.intake.ledger.close()
             self.stepper.steplog.close(self.evals.finished())
         log.info("stopped after step %d", st.step)
@@ -253,9 +258,32 @@ class Learner:
         )
 
 
-async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
-    """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps."""
+def weights_publication(
+    lc, settings, js, nc, run_name: str, run_dir, driver, publisher: Publisher, feeder, adapter_base: str = ""
+) -> Weights:
+    """The weight path's learner side for this run (weights.publish.Weights): versions taken from the
+    trainer through `driver`, written under the run's learner directory (learner.checkpoint.weights_dir),
+    the newest keep_versions kept."""
+    return Weights(
+        settings,
+        js,
+        nc,
+        run_name,
+        driver,
+        publisher,
+        feeder,
+        versions_dir=ckpt.versions_dir(run_dir),
+        keep=lc.keep_versions,
+        adapter_base=adapter_base,
+        adapter_rank=lc.lora.rank if adapter_base else 0,
+    )
+
+
+async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams: bool = False) -> int:
+    """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps; 2 when
+    another learner holds the run (learner.lease) or a fresh start meets an older run's streams."""
     from parley.engines.models import ensure_model
+    from parley.learner.lease import Lease, LeaseError, check_fresh_streams
     from parley.learner.ranks import Driver
     from parley.learner.trainer import Trainer
     from parley.runtime.role import role_connection
@@ -265,6 +293,17 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
         nc,
         js,
     ):
+        lease = Lease(js, cfg.run.name, f"{socket.gethostname()}-{os.getpid()}")
+        try:  # before anything is loaded or written: a second learner leaves the run as it is
+            await lease.acquire()
+            if not resume:
+                await check_fresh_streams(js, cfg.run.name, reset_streams)
+        except LeaseError as e:
+            await lease.release()
+            log.error("%s", e)
+            return 2
+        released = asyncio.Event()
+        keeping = asyncio.create_task(lease.keep(released), name="lease")  # renewed from now on, loading included
         try:
             model_dir = await asyncio.to_thread(ensure_model, cfg.policy.model)
             trainer = await asyncio.to_thread(
@@ -276,10 +315,14 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool) -> int:
             except (LearnerStateError, ckpt.LedgerError) as e:
                 log.error("%s", e)
                 return 2
+            learner.lease_job = keeping
             return await learner.run(stop)
         finally:
             if driver is not None:
-                driver("stop")
+                driver.stop()
+            released.set()
+            await asyncio.gather(keeping, return_exceptions=True)
+            await lease.release()
 
 
 def follower(cfg: RunConfig) -> None:
@@ -305,7 +348,7 @@ def check_leakage(cfg: RunConfig) -> str | None:
     return None
 
 
-def run(cfg: RunConfig, resume: bool, rank: int = 0) -> int:
+def run(cfg: RunConfig, resume: bool, rank: int = 0, reset_streams: bool = False) -> int:
     """`parley learner`'s entry on every rank: the leakage guard, then rank 0 serves the run and the
     other ranks follow its training calls. Returns the exit code; a rank of several (under a launcher)
     ends its process with it instead (learner.ranks.leave_process says why)."""
@@ -319,7 +362,7 @@ def run(cfg: RunConfig, resume: bool, rank: int = 0) -> int:
     else:
         from parley.runtime.process import run_async
 
-        code = run_async(main, cfg, resume)
+        code = run_async(main, cfg, resume, reset_streams)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from parley.learner.ranks import leave_process
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
-from parley.learner.checkpoint import truncate_jsonl
+from parley.learner.checkpoint import fsync_dir, truncate_jsonl
+
+TRAINED_FILE = "trained.jsonl"  # in the run directory; `parley trace` reads it too
 
 # where a step's train_s goes, host seconds, each a metric of the step (learner.trainer train_step):
 # building each micro-batch and its forward, loss and loss statistics (these read values back, so the
@@ -38,12 +41,22 @@ class StepLog:
             tracker.axis("eval/*", "eval/version")  # an eval finishes steps after its version was trained
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
-        self.trained_path = self.dir / "trained.jsonl"
+        self.trained_path = self.dir / TRAINED_FILE
+        self._new_file = not self.trained_path.exists()  # its directory entry is made durable once
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.dir / "tb"))
+
+    def reported(self) -> set[str]:
+        """Every task a kept trained.jsonl line reports not trained (on resume, after truncate)."""
+        out: set[str] = set()
+        if self.trained_path.is_file():
+            for line in self.trained_path.read_text().splitlines():
+                if line.strip():
+                    out.update(json.loads(line).get("not_trained", {}))
+        return out
 
     def truncate(self, step: int) -> None:
         """On resume: forget steps after the checkpointed one (they are trained again)."""
@@ -55,6 +68,10 @@ class StepLog:
         with self.trained_path.open("a") as f:
             f.write(json.dumps({"step": step, **trained}) + "\n")
             f.flush()
+            os.fsync(f.fileno())  # durable before the ledger write that vouches for the step
+        if self._new_file:
+            fsync_dir(self.dir)
+            self._new_file = False
         with self.metrics_path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
             f.flush()

@@ -1,5 +1,5 @@
 """The learner's step: take `groups_per_step` trainable groups, train on them, then publish, checkpoint,
-queue the periodic eval, write the step logs and the ledger, archive, prune; a step the trainer
+queue the periodic eval, write the step logs and the archive, then the ledger, prune; a step the trainer
 refused (not finite) dead-letters its samples instead. Owns the step logs, the reward-signal monitor
 and the last step's live counters. Built by learner.service, whose loop calls `try_step`.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 
@@ -16,12 +17,12 @@ from parley.learner import envrecord
 from parley.learner.feeder import Feeder
 from parley.learner.groups import Grouper, Taken, behaviour_logprobs
 from parley.learner.intake import Intake
-from parley.learner.publication import Weights
 from parley.learner.runstate import RunState
 from parley.learner.steplog import PHASES, StepLog
 from parley.learner.watchers import Evals
 from parley.protocol import arrays, codec, topology
 from parley.protocol.bus import dead_letter, retry_unreachable
+from parley.weights.publish import Weights
 
 log = logging.getLogger("parley.learner")
 
@@ -63,9 +64,48 @@ class Stepper:
         if not taken:
             return False
         wait_s = time.monotonic() - self.wait_since
+        failed = max(st.attempts[t.group.task_id] for t in taken)
+        if failed >= self.lc.max_step_attempts:
+            await self.refuse_step(taken, {}, failed=failed)
+            return True
         st.phase = "busy"
-        taken, stats = await self.train(taken)
-        if not taken:  # the trainer refused the step's first update
+        # The attempt is durable before the step may kill the process (an OOM, a CUDA fault, the
+        # kernel's OOM killer): otherwise every resume would take the same groups first, for ever.
+        st.in_step = [t.group for t in taken]
+        for t in taken:
+            st.attempts[t.group.task_id] += 1
+        await self.intake.flush()
+        try:
+            trained, stats, refused, refused_stats, untried = await self.train(taken)
+        except BaseException as e:
+            # The trainer's state after a failure inside its step is not known (gradients of some
+            # micro-batches may be accumulated), so the process ends here, and a resume starts from
+            # the checkpoint; the groups stay buffered with their attempt counted.
+            st.in_step = []
+            self.grouper.untake(taken)
+            if isinstance(e, Exception):
+                st.step_error = f"{'out of memory: ' if out_of_memory(e) else ''}{type(e).__name__}: {e}"[:500]
+                await self.intake.flush()
+                if out_of_memory(e):
+                    log.error(
+                        "step %d failed out of memory over %s (attempt %d of %d; at %d its groups are "
+                        "rejected and dead-lettered): %s",
+                        st.step + 1,
+                        [t.group.task_id for t in taken],
+                        max(st.attempts[t.group.task_id] for t in taken),
+                        self.lc.max_step_attempts,
+                        self.lc.max_step_attempts,
+                        e,
+                    )
+            raise
+        st.in_step, st.step_error = [], ""
+        for t in taken:
+            st.attempts.pop(t.group.task_id, None)
+        if refused:  # an update the trainer did not apply: its groups refused, the later ones untried
+            self.grouper.untake(untried)
+            await self.refuse_step(refused, refused_stats)
+        taken = trained
+        if not taken:
             return True
         admitted_at = st.step  # the version the groups were trained against
         st.step += 1
@@ -92,8 +132,10 @@ class Stepper:
         if st.step % self.lc.checkpoint_every == 0 or last:
             t0 = time.perf_counter()
             tag = ckpt.step_tag(st.step)
-            await asyncio.to_thread(self.driver, "save_checkpoint", ckpt.ckpt_dir(self.run_dir), tag)
+            await asyncio.to_thread(self.driver.save_checkpoint, ckpt.ckpt_dir(self.run_dir), tag)
             envrecord.write(ckpt.ckpt_dir(self.run_dir) / tag, self.env_record)
+            # durable before a ledger write names it: after a power cut the ledger's tag must hold a model
+            await asyncio.to_thread(ckpt.fsync_tree, ckpt.ckpt_dir(self.run_dir) / tag)
             st.ckpt_step, st.tag = st.step, tag
             st.uncommitted.clear()
             stats["checkpoint_s"] = time.perf_counter() - t0
@@ -109,12 +151,12 @@ class Stepper:
         self.steplog.log_evals(self.evals.finished())
         self.tokens_total += float(stats.get("tokens", 0.0))
         self.live = live_counters(metrics) | {"train.tokens_total": self.tokens_total}
-        dropped = [s for o in st.since_step if o.group is not None for s in o.group.ordered()]
         st.since_step = []
-        await self.intake.flush()
-        # After the ledger: an archived step is one the ledger vouches for (a resume removes later ones).
+        # The archive before the ledger, as the checkpoint and the step lines: whatever the ledger
+        # names is durable; what a kill leaves beyond the ledger's step a resume removes and redoes.
         trained = [s for t in taken for s in t.group.ordered()]
-        await asyncio.to_thread(ckpt.write_archive, self.run_dir, st.step, trained, dropped)
+        await asyncio.to_thread(ckpt.write_archive, self.run_dir, st.step, trained)
+        await self.intake.flush()
         if st.tag == ckpt.step_tag(st.step):
             ckpt.prune_checkpoints(self.run_dir, self.lc.keep_checkpoints, st.tag)
         log.info(
@@ -130,41 +172,46 @@ class Stepper:
         st.phase = "ready"
         return True
 
-    async def train(self, taken: list[Taken]) -> tuple[list[Taken], dict]:
+    async def train(self, taken: list[Taken]) -> tuple[list[Taken], dict, list[Taken], dict, list[Taken]]:
         """Train the step's groups in `updates_per_step` optimizer updates, each on a mini-batch of whole
         groups in their order with a loss of its own (verl's ppo_mini_batch_size); advantages are each
-        group's, so the split changes none. An update the trainer refuses (not finite) refuses its groups,
-        and the groups after it go back untried. Returns the groups trained and the step's stats."""
+        group's, so the split changes none. Stops at an update the trainer did not apply (not finite).
+        Returns the groups trained and the step's stats (merged over the updates), then the refused
+        mini-batch with its stats and the groups after it, not tried."""
         size = -(-len(taken) // self.lc.updates_per_step)
         minis = [taken[i : i + size] for i in range(0, len(taken), size)]
         trained: list[Taken] = []
         per_update: list[dict] = []
         for i, mini in enumerate(minis):
-            try:
-                stats = await asyncio.to_thread(self.driver, "train_step", self.samples(mini))
-            except BaseException:
-                # the process stops: the ledger must keep them all buffered (a resume trains them again
-                # from the last checkpoint, the updates already made included)
-                self.grouper.untake(taken)
-                raise
+            stats = await asyncio.to_thread(self.driver.train_step, self.samples(mini))
             if stats.get("skipped"):
-                self.grouper.untake([t for later in minis[i + 1 :] for t in later])
-                await self.refuse_step(mini, stats)
-                break
+                return trained, merge_updates(per_update), mini, stats, [t for later in minis[i + 1 :] for t in later]
             trained += mini
             per_update.append(stats)
-        return trained, merge_updates(per_update)
+        return trained, merge_updates(per_update), [], {}, []
 
-    async def refuse_step(self, taken: list[Taken], stats: dict) -> None:
-        """The trainer did not apply a step (its loss or gradient norm was not finite): the weights are
-        as before, its groups are final (kind "nonfinite", in the ledger with the next write) and each
-        of their samples goes to DEAD with the reason, for an operator to look at."""
-        reason = (
-            f"not trained: the step over these groups had loss {stats.get('loss', float('nan')):.4g} and "
-            f"grad norm {stats.get('grad_norm', float('nan')):.4g}; not finite, so it was skipped"
-        )
-        self.state.since_step += self.intake.consume(self.grouper.reject(taken, reason))
-        self.state.counters["steps.skipped"] += 1
+    async def refuse_step(self, taken: list[Taken], stats: dict, failed: int = 0) -> None:
+        """The trainer did not apply a step (its loss or gradient norm was not finite), or a step over
+        these groups failed `failed` (= max_step_attempts) times: the weights are as before, its groups
+        are final (kind "nonfinite" or "step_failed", in the ledger with the next write) and each of
+        their samples goes to DEAD with the reason, for an operator to look at."""
+        if failed:
+            kind = "step_failed"
+            reason = (
+                f"not trained: a training step over these groups failed {failed} times "
+                f"([learner] max_step_attempts); last error: {self.state.step_error or 'none recorded (killed)'}"
+            )
+            for t in taken:
+                self.state.attempts.pop(t.group.task_id, None)
+            self.state.step_error = ""
+        else:
+            kind = "nonfinite"
+            reason = (
+                f"not trained: the step over these groups had loss {stats.get('loss', float('nan')):.4g} and "
+                f"grad norm {stats.get('grad_norm', float('nan')):.4g}; not finite, so it was skipped"
+            )
+        self.state.since_step += self.intake.consume(self.grouper.reject(taken, reason, kind))
+        self.state.counters["steps.skipped" if kind == "nonfinite" else "steps.failed"] += 1
         subject = topology.subject(self.run_name, "scored")
         for t in taken:
             for s in t.group.ordered():
@@ -177,9 +224,10 @@ class Stepper:
                         consumer=self.consumer,
                         payload=codec.encode(s),
                         max_bytes=self.cfg.bus.max_msg_bytes,
-                        cause="nonfinite",
+                        cause=kind,
                     ),
                     what=f"dead-lettering {s.traj_id}",
+                    give_up_s=math.inf,  # as long as NATS is away (docs/reliability.md)
                 )
         self.state.phase = "ready"
         self.wait_since = time.monotonic()
@@ -250,6 +298,12 @@ class Stepper:
             "corrected": [t.group.task_id for t in taken if t.correct],
             "not_trained": {o.task_id: o.reason for o in self.state.since_step},
         }
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """A device out-of-memory error: torch.OutOfMemoryError (a RuntimeError; torch.cuda's before
+    torch 2.5) or an older torch's RuntimeError saying "out of memory"."""
+    return isinstance(e, RuntimeError) and (type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e))
 
 
 # The step's numbers the heartbeat carries as train.<name> (runtime.metrics names their series).

@@ -23,9 +23,9 @@ from parley.learner.logprobs import PackedPolicy, token_logprobs
 from parley.learner.lora import adapter_config, adapter_params, adapter_state, add_adapters, base_only
 from parley.learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
 from parley.learner.steplog import PHASES
-from parley.learner.weights_io import PackedSnapshot, WeightSnapshot, hf_tensors, hf_weights, write_weights
 from parley.weights import registry
 from parley.weights.config import ObjstoreWeights, WeightsConfig
+from parley.weights.snapshot import PackedSnapshot, WeightSnapshot, hf_tensors, hf_weights, write_weights
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -105,6 +105,15 @@ def ds_config(cfg: LearnerConfig, dtype: torch.dtype) -> dict:
         # DeepSpeed's default buckets hold 5e8 elements (2 GB in fp32 each): sized for GPUs. On a
         # CPU machine beside vLLM engines that is the difference between fitting and the OOM killer.
         zero.update(reduce_bucket_size=int(5e7), allgather_bucket_size=int(5e7))
+    offload = cfg.offload_optimizer == "cpu"
+    if offload:
+        # ZeRO-Offload: the fp32 master weights, Adam's m and v and the fp32 gradients in pinned host
+        # memory, the step on the host. The optimizer stays torch's AdamW ("torch_adam" below): with an
+        # optimizer named in this config DeepSpeed takes it as given (zero_force_ds_cpu_optimizer only
+        # refuses a client-built one), and DeepSpeedCPUAdam would be JIT-compiled at the first start,
+        # which needs a C++ compiler on the GPU machine and leaves a lock file behind when killed
+        # (skip_cpu_shm_build says what that costs). torch's fused AdamW has a CPU kernel: one pass.
+        zero.update(offload_optimizer={"device": "cpu", "pin_memory": True})
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -122,7 +131,7 @@ def ds_config(cfg: LearnerConfig, dtype: torch.dtype) -> dict:
                 "weight_decay": cfg.weight_decay,
                 "betas": [0.9, 0.999],
                 "torch_adam": True,
-                "fused": torch.cuda.is_available(),
+                "fused": torch.cuda.is_available() or offload,
             },
         },
         "steps_per_print": 1 << 30,
@@ -284,7 +293,7 @@ class Trainer:
             self.reference = model
         self.compiled = compile_layers(model, "off" if self.peft is not None else cfg.compile, device, cfg.zero_stage)
         model.config.use_cache = False
-        if cfg.gradient_checkpointing:
+        if cfg.gradient_checkpointing in (True, "auto"):  # "auto" unresolved by `parley up`: on, the safe side
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         warmup = cfg.warmup_steps
 
@@ -605,7 +614,7 @@ class Trainer:
     def pack_versions(self, version: int, max_share: float | None):
         """[weights] delta_format = "packed": the trained weights packed on the device they train on
         (weights.gpu_delta.PackedVersions, two buffers kept on rank 0), in place of weights_snapshot.
-        (the packed table, its learner.weights_io.PackedSnapshot: the delta against the version
+        (the packed table, its weights.snapshot.PackedSnapshot: the delta against the version
         packed before, unless this is the first or `max_share` is None, and the full file, both taken
         from the buffers by the publication) on rank 0, None on the other ranks (which take part in
         the ZeRO-3 gather)."""

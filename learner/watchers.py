@@ -132,7 +132,7 @@ class Fates:
 class Backlog:
     """The share of each stream's max_bytes its unconsumed messages fill (protocol.backlog), for the
     heartbeat, and a warning when one nears the limit; and the TASKS consumer's counts (`tasks`), the
-    signal actors scale on (KEDA in deploy/k8s/actor-scaledobject.yaml, `parley up --actors auto`)."""
+    signal actors scale on (KEDA in deploy/k8s/keda/actor-scaledobject.yaml, `parley up --actors auto`)."""
 
     def __init__(self, js, run_name: str):
         self.js, self.run_name = js, run_name

@@ -33,7 +33,7 @@ log = logging.getLogger("parley.bus")
 # Process-wide counters shown in heartbeats and the live view ("dead.traj.poison": 3, ...).
 COUNTERS: Counter[str] = Counter()
 # Why a message was dead-lettered, as counted ("dead.<channel>.<cause>"); the full reason is in the letter.
-DEAD_CAUSES = ("undecodable", "max_deliver", "poison", "nonfinite")
+DEAD_CAUSES = ("undecodable", "max_deliver", "poison", "nonfinite", "step_failed")
 
 
 class Poison(Exception):

@@ -135,6 +135,9 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_p: float = 1.0
     # the LoRA adapter that produced every turn ("" = whole weights): "<base identity>@<version>"
     adapter: str = ""
+    # how many of `messages` came with the task (system prompt + dataset prefix); every user message
+    # after them is a simulator answer. -1: not recorded (older actors)
+    prefix_messages: int = -1
 
 
 class JudgeOutput(msgspec.Struct, kw_only=True):
@@ -145,6 +148,11 @@ class JudgeOutput(msgspec.Struct, kw_only=True):
     attempts: int = 1
     ok: bool = True
     error: str = ""
+    # the request besides the op: the seed it was asked with, and which conversation of
+    # rollout.score.conversations (0: the trajectory itself, k: future k) it judged. -1: not recorded
+    seed: int = -1
+    conversation: int = 0
+    model: str = ""
 
 
 class Scored(msgspec.Struct, kw_only=True):
@@ -172,6 +180,10 @@ class Scored(msgspec.Struct, kw_only=True):
     # the whole recipe of `total`, so a reader (the learner's per-term diagnostics, a replay) needs
     # no scorer configuration. Empty: no clamp (and in older messages).
     clamps: dict[str, list[float]] = {}
+    # [scorer] audit_fraction: the same conversations judged a second time (by the audit judge, or the
+    # same judge at another seed), for the judge's reliability; never part of `total`. Empty: not audited.
+    audit: list[JudgeOutput] = []
+    audit_metrics: dict[str, float] = {}  # the judge metrics the second verdict gives
 
 
 class IpcTensor(msgspec.Struct, frozen=True, array_like=True):
@@ -336,6 +348,9 @@ class JudgeRequest(msgspec.Struct, kw_only=True):
     op: str  # one of topology.JUDGE_OPS
     messages: list[ChatMessage]
     seed: int = 0
+    # the first attempt's sampling temperature; -1: the service's own ([judge] temperature). The
+    # scorer's second verdicts ([scorer] audit_temperature) sample where the judge is greedy.
+    temperature: float = -1.0
 
 
 class JudgeReply(msgspec.Struct, kw_only=True):

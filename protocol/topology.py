@@ -1,8 +1,9 @@
 """Subject names and the JetStream topology of a run: streams, durable consumers, KV, object store.
 
 Every role calls `ensure_topology(js, run, bus)` at start; it is idempotent (create or update) and
-only asks the server for changes when something is missing or differs, so roles whose NATS user may
-not manage streams (deploy/permissions.py) pass once an admin or the learner has set the run up.
+only asks the server for changes when something is missing or differs. With access control only the
+set-up credential (admin: `parley up`, `parley auth topology`) may make or change anything
+(deploy/permissions.py); every role, the learner included, passes once the run is set up and changes nothing.
 Nothing outside protocol/ spells a subject, stream or bucket name: use the helpers here.
 """
 
@@ -138,11 +139,33 @@ def object_bucket(run: str) -> str:
     return f"parley_{check_run(run)}_blobs"
 
 
+def weights_key_subject(run: str, key: str) -> str:
+    """The subject a put of weights KV key `key` is published on (NATS ADR-8: $KV.<bucket>.<key>): an
+    actor hears announcements there as core messages, with no KV watcher (a consumer it may not make)."""
+    return f"$KV.{kv_bucket(run)}.{key}"
+
+
 def held_bucket(run: str) -> str:
     """KV of the copies a consumer absorbed while it held a message (protocol.bus.PullWorker), keyed
     by held_key: a worker that gets the message after the holder died subtracts them from the server's
     delivery count, as the holder would have."""
     return f"parley_{check_run(run)}_held"
+
+
+def lease_bucket(run: str) -> str:
+    """KV of the run's learner lease (learner.lease): one key, LEASE_KEY, whose revision is the
+    holder's fencing token; the bucket's TTL (LEASE_TTL_S) ends the lease of a holder that died."""
+    return f"parley_{check_run(run)}_lease"
+
+
+LEASE_KEY = "learner"
+LEASE_TTL_S = 15.0  # a learner that stops renewing (killed) loses the lease this long after its last renewal
+
+
+def lease_config(run: str, bus: BusSettings) -> api.KeyValueConfig:
+    return api.KeyValueConfig(
+        bucket=lease_bucket(run), history=1, ttl=LEASE_TTL_S, replicas=bus.replicas, storage=api.StorageType.FILE
+    )
 
 
 def held_key(key: str, stream_seq: int) -> str:
@@ -214,9 +237,9 @@ async def _manage(what: str, call, room: str = ""):
     except nats.errors.TimeoutError:
         # A request the user has no permission for is dropped by the server and simply times out.
         raise TopologyError(
-            f"{what}: no answer from JetStream; if this NATS user may not do that (only admin and learner "
-            "manage streams, and each user only sees its own run; see docs/operations.md), start the learner "
-            "or `parley up` first, or check the run name and credentials"
+            f"{what}: no answer from JetStream; if this NATS user may not do that (only the admin user makes "
+            "streams, consumers and buckets, and each user only sees its own run; see docs/operations.md), run "
+            "`parley auth topology` with admin.env (or `parley up`) first, or check the run name and credentials"
         ) from None
     except APIError as e:
         if e.err_code not in _NO_ROOM:
@@ -246,7 +269,9 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
         except NotFoundError:
             have = None
         if have is None and not create:
-            raise TopologyError(f"stream {cfg.name} of run {run!r} does not exist; start the learner or `parley up`")
+            raise TopologyError(
+                f"stream {cfg.name} of run {run!r} does not exist; run `parley auth topology` (admin) or `parley up`"
+            )
         if create and (have is None or _differs(have, cfg, _STREAM_FIELDS)):
             try:
                 await _manage(f"creating stream {cfg.name}", js.add_stream(cfg), room)
@@ -260,7 +285,9 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
             except NotFoundError:
                 have_c = None
             if have_c is None and not create:
-                raise TopologyError(f"consumer {channel.durable} on {cfg.name} does not exist; start the learner first")
+                raise TopologyError(
+                    f"consumer {channel.durable} on {cfg.name} does not exist; run `parley auth topology` (admin) first"
+                )
             if create and (have_c is None or _differs(have_c, want, _CONSUMER_FIELDS)):
                 await _manage(f"creating consumer {channel.durable} on {cfg.name}", js.add_consumer(cfg.name, want))
     kv_buckets = (  # the weights announcements; the held KV's counts matter while their message is unsettled
@@ -269,18 +296,24 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
             bucket=held_bucket(run), history=1, ttl=bus.max_age_s, replicas=bus.replicas, storage=api.StorageType.FILE
         ),
     )
+    if create:  # one learner per run (learner.lease); only the learner uses it, so the others never look it up
+        kv_buckets += (lease_config(run, bus),)
     for kv_config in kv_buckets:
         try:
             await _manage(f"looking up KV bucket {kv_config.bucket}", js.key_value(kv_config.bucket))
         except BucketNotFoundError:
             if not create:
-                raise TopologyError(f"KV bucket {kv_config.bucket} does not exist; start the learner first") from None
+                raise TopologyError(
+                    f"KV bucket {kv_config.bucket} does not exist; run `parley auth topology` (admin) first"
+                ) from None
             await _manage(f"creating KV bucket {kv_config.bucket}", js.create_key_value(kv_config))
     ob_name = object_bucket(run)
     try:
         await _manage(f"looking up object store {ob_name}", js.object_store(ob_name))
     except BucketNotFoundError:
         if not create:
-            raise TopologyError(f"object store {ob_name} does not exist; start the learner first") from None
+            raise TopologyError(
+                f"object store {ob_name} does not exist; run `parley auth topology` (admin) first"
+            ) from None
         ob_config = api.ObjectStoreConfig(bucket=ob_name, replicas=bus.replicas, storage=api.StorageType.FILE)
         await _manage(f"creating object store {ob_name}", js.create_object_store(ob_name, config=ob_config))

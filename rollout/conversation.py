@@ -76,7 +76,7 @@ class StaleWatch:
     (the engine aborts the request) and its partial turn left out.
 
     A running call is cut as soon as what decides changes: a sibling's trained turn of an older version
-    (`saw`), or a new announcement when `changed` is given (actors.follow.Follower.announcement: an
+    (`saw`), or a new announcement when `changed` is given (weights.follow.Follower.announcement: an
     event set when `announced()` next changes). The watch is also read every POLL_S, for an
     `announced` that signals nothing (a generation on the GPU takes a few tenths of a second: a poll
     alone would let much of it run)."""
@@ -420,6 +420,7 @@ async def _run(p: _Player, task: Task, sample: int, policy: PolicySettings, t0: 
         timings={**{k: round(v, 4) for k, v in p.timings.items()}, "total": round(time.perf_counter() - t0, 4)},
         created=time.time(),
         adapter=p.engine.adapter_name(p.pinned) if p.pinned is not None else "",
+        prefix_messages=len(task.prefix) + bool(task.system_prompt),  # run_conversation's opening
     )
     return traj
 

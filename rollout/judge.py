@@ -26,11 +26,13 @@ class Judge(Protocol):
 
 
 class JudgeClient:
-    """The judge service over NATS request/reply, with at most `concurrency` requests in flight."""
+    """The judge service over NATS request/reply, with at most `concurrency` requests in flight.
+    `temperature` (None: the service's own) is asked of every request: the scorer's second verdicts."""
 
-    def __init__(self, nc, *, timeout: float, concurrency: int = 16):
+    def __init__(self, nc, *, timeout: float, concurrency: int = 16, temperature: float | None = None):
         self.nc = nc
         self.timeout = timeout
+        self.temperature = -1.0 if temperature is None else temperature
         self._slots = asyncio.Semaphore(concurrency)
 
     async def ask(self, op: str, messages: Sequence[ChatMessage], *, seed: int = 0) -> JudgeReply:
@@ -41,7 +43,7 @@ class JudgeClient:
         from parley.protocol.request import request
 
         subject = topology.judge_subject(op)
-        data = codec.encode(JudgeRequest(op=op, messages=list(messages), seed=seed))
+        data = codec.encode(JudgeRequest(op=op, messages=list(messages), seed=seed, temperature=self.temperature))
         async with self._slots:
             try:
                 msg = await request(

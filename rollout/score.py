@@ -71,7 +71,14 @@ def scorer_reward(cfg) -> Reward:
 
 
 async def _judge_one(
-    judge: Judge | None, messages, tokens: int, traj: Trajectory, reward: Reward, seed: int, timings: dict[str, float]
+    judge: Judge | None,
+    messages,
+    tokens: int,
+    traj: Trajectory,
+    reward: Reward,
+    seed: int,
+    timings: dict[str, float],
+    conversation: int = 0,
 ):
     """Metrics of one conversation, the document the reward judged, the judge model, raw outputs."""
 
@@ -83,7 +90,19 @@ async def _judge_one(
 
     ops = reward.judge_ops  # () for an environment without judge metrics: no judge call at all
     replies = dict(zip(ops, await _all(*(timed(op) for op in ops))))
-    outputs = [JudgeOutput(op=op, raw=r.raw, attempts=r.attempts, ok=r.ok, error=r.error) for op, r in replies.items()]
+    outputs = [
+        JudgeOutput(
+            op=op,
+            raw=r.raw,
+            attempts=r.attempts,
+            ok=r.ok,
+            error=r.error,
+            seed=seed,
+            conversation=conversation,
+            model=r.model,
+        )
+        for op, r in replies.items()
+    ]
     for op, reply in replies.items():
         _checked(reply, op, traj.traj_id)
     conv = Conversation(messages=messages, reference=traj.reference, assistant_tokens=tokens, new_from=new_from(traj))
@@ -124,7 +143,9 @@ async def score_trajectory(
         raise Unscorable(f"trajectory {traj.traj_id} has no reference document; the judge's metrics need one")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    results = await _all(*(_judge_one(judge, m, n, traj, reward, seed, timings) for m, n in conversations(traj)))
+    results = await _all(
+        *(_judge_one(judge, m, n, traj, reward, seed, timings, k) for k, (m, n) in enumerate(conversations(traj)))
+    )
     timings["total"] = time.perf_counter() - t0
 
     # Each metric is averaged over the futures before weighting, so a clamp bounds the average.

@@ -1,8 +1,10 @@
 """Prometheus metrics of a role process, fed by its own heartbeats: every Heartbeat the process sends
 (protocol.status.send) becomes its latest metrics, so `parley top` and a Prometheus scrape read the
 same numbers, built in one place (each role's `heartbeat()`). `serve(port)` starts the endpoint; the
-`parley <role>` commands call it for `--metrics-port`. FAMILIES names every series a heartbeat key
-becomes; deploy/grafana/parley.json queries only those (tests/unit/test_metrics_export.py).
+`parley <role>` commands call it for `--metrics-port`. The same port answers /healthz and /readyz,
+read from the same heartbeats (HeartbeatCollector.health), for a liveness and a readiness probe.
+FAMILIES names every series a heartbeat key becomes; deploy/grafana/parley.json queries only those
+(tests/unit/test_metrics_export.py).
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ FAMILIES: tuple[Family, ...] = (
         "actor",
     ),
     _f("parley_actor_version_lag", r"weights\.lag", "Announced version minus the version served.", "actor"),
+    _f(
+        "parley_actor_engine_preemptions_total",
+        r"engine\.preemptions",
+        "Requests the actor's vLLM engine preempted for lack of KV cache (each recomputes its prefix).",
+        "actor",
+    ),
     _f("parley_actor_weights_loads_total", r"weights\.loads", "Weight versions loaded into the engine.", "actor"),
     _f(
         "parley_actor_weights_load_seconds",
@@ -114,6 +122,46 @@ FAMILIES: tuple[Family, ...] = (
     ),
     _f(
         "parley_scorer_waits_total", r"(?P<service>judge|reference)_wait", "Waits for an unreachable service.", "scorer"
+    ),
+    # the judge's reliability (rewards.reliability, [scorer] audit_*)
+    _f(
+        "parley_scorer_judge_agreement",
+        r"judge_audit\.agreement",
+        "Share of second verdicts within audit_tolerance of the first (recent window).",
+        "scorer",
+    ),
+    _f(
+        "parley_scorer_judge_metric_agreement",
+        r"judge_audit\.agreement\.(?P<metric>[a-z0-9_]+)",
+        "Judge agreement of one judge metric (recent window).",
+        "scorer",
+    ),
+    _f(
+        "parley_scorer_judge_drift",
+        r"judge_audit\.drift",
+        "Judge agreement on the newest policy version's samples minus on the oldest's.",
+        "scorer",
+    ),
+    _f("parley_scorer_judge_gap", r"judge_audit\.gap", "Mean first minus second verdict (recent window).", "scorer"),
+    _f(
+        "parley_scorer_judge_flagged",
+        r"judge_audit\.flagged",
+        "1 while judge agreement is below audit_min_agreement.",
+        "scorer",
+    ),
+    _f("parley_scorer_judge_flags_total", r"judge_audit\.flags", "Times judge agreement fell below the bar.", "scorer"),
+    _f("parley_scorer_judge_audits_total", r"judge_audit\.audited", "Trajectories given a second verdict.", "scorer"),
+    _f(
+        "parley_scorer_judge_audit_failures_total",
+        r"judge_audit\.failed",
+        "Second verdicts that could not be had (not retried).",
+        "scorer",
+    ),
+    _f(
+        "parley_scorer_judge_tie_share",
+        r"judge\.tie_share",
+        "Share of same-group sample pairs whose judge metrics tie (no advantage between them).",
+        "scorer",
     ),
     # services: sim, judge, reference (engines/service.py and each service's handler)
     _f(
@@ -295,6 +343,12 @@ class HeartbeatCollector:
     def __init__(self):
         self._lock = threading.Lock()
         self._latest: dict[tuple[str, str], tuple[str, object]] = {}  # (role, id) -> (run, Heartbeat)
+        # set on SIGTERM/SIGINT (runtime.process): the roles drain and their heartbeats stop while the
+        # learner may still upload for minutes; live, not ready, until the process exits
+        self.stopping = False
+
+    def begin_stop(self) -> None:
+        self.stopping = True
 
     def observe(self, run: str, hb) -> None:
         """protocol.status's observer: called in the event loop for every heartbeat sent."""
@@ -328,20 +382,79 @@ class HeartbeatCollector:
                 add(f, base, extra, value)
         yield from out.values()
 
+    def health(self, now: float | None = None) -> tuple[bool, bool, str]:
+        """(live, ready, one line per (role, id)) from the latest heartbeats. Ready: every role this
+        process announced has connected to NATS (its first heartbeat, "starting", goes out over the
+        connection) and started its work loop (a state past "starting"), and none is "stopping".
+        Live: no role that reached its work loop has been silent for STALE_S (its event loop is stuck);
+        a role still starting may block while it loads its model, so it is live."""
+        import time
+
+        now = time.time() if now is None else now
+        with self._lock:
+            beats = sorted(self._latest.items())
+        if self.stopping:
+            return True, False, "stopping: draining after a stop signal\n"
+        if not beats:
+            return True, False, "no heartbeat yet: not connected to NATS\n"
+        live, ready, lines = True, True, []
+        for (role, ident), (_, hb) in beats:
+            age = now - hb.created
+            stuck = hb.state not in NOT_STARTED and age > STALE_S
+            live = live and not stuck
+            ready = ready and hb.state not in NOT_STARTED and hb.state != "stopping" and not stuck
+            lines.append(f"{role} {ident}: {hb.state}, last heartbeat {age:.1f}s ago{' (stuck)' if stuck else ''}")
+        return live, ready, "".join(line + "\n" for line in lines)
+
+
+# Heartbeat states before a role's work loop runs, and how long a running role may stay silent (its
+# heartbeat goes every 2 s, protocol.status) before /healthz calls the process stuck.
+NOT_STARTED = ("starting",)
+STALE_S = 120.0
 
 COLLECTOR = HeartbeatCollector()
 
 
-def serve(port: int, host: str = "0.0.0.0") -> int:
-    """Serve /metrics on `host`:`port` (0 = a free port) from a daemon thread; returns the port.
-    From now on every heartbeat this process sends is also its metrics."""
-    from prometheus_client import CollectorRegistry, start_http_server
+def app(registry, collector: HeartbeatCollector = COLLECTOR):
+    """The WSGI app of a role's endpoint: /healthz (liveness), /readyz (readiness), anything else the
+    Prometheus exposition of `registry` (as prometheus_client's own server does)."""
+    from prometheus_client import make_wsgi_app
+
+    metrics = make_wsgi_app(registry)
+
+    def serve(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path not in ("/healthz", "/readyz"):
+            return metrics(environ, start_response)
+        live, ready, detail = collector.health()
+        ok = live if path == "/healthz" else ready
+        start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain; charset=utf-8")])
+        return [detail.encode()]
+
+    return serve
+
+
+def serve(port: int, host: str = "0.0.0.0", collector: HeartbeatCollector = COLLECTOR) -> int:
+    """Serve /metrics, /healthz and /readyz on `host`:`port` (0 = a free port) from a daemon thread;
+    returns the port. From now on every heartbeat this process sends is also its metrics and health."""
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import CollectorRegistry
 
     from parley.protocol import status
 
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format, *args):  # probes every few seconds would flood the role's log
+            pass
+
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(COLLECTOR)
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    if COLLECTOR.observe not in status.OBSERVERS:
-        status.OBSERVERS.append(COLLECTOR.observe)
+    registry.register(collector)
+    server = make_server(host, port, app(registry, collector), server_class=Server, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, name="parley-metrics", daemon=True).start()
+    if collector.observe not in status.OBSERVERS:
+        status.OBSERVERS.append(collector.observe)
     return server.server_port

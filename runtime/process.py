@@ -37,10 +37,17 @@ def run_async(main, *args) -> int:
         runner = asyncio.run
 
     async def wrapper():
+        from parley.runtime.metrics import COLLECTOR
+
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def stopping() -> None:
+            COLLECTOR.begin_stop()  # /healthz stays live while the role drains (its heartbeats end)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stopping)
         return await main(stop, *args)
 
     from parley.protocol.connect import NatsUnreachable

@@ -306,9 +306,8 @@ class Judge:
         attempts = 1 + self.cfg.max_retries
         for attempt in range(1, attempts + 1):
             # The first try uses the configured temperature; retries sample so they can differ.
-            temperature = (
-                self.cfg.temperature if attempt == 1 else max(self.cfg.temperature, self.cfg.retry_temperature)
-            )
+            first = self.cfg.temperature if req.temperature < 0 else req.temperature
+            temperature = first if attempt == 1 else max(first, self.cfg.retry_temperature)
             seed = (req.seed + attempt - 1) % 2**31
             try:
                 if op == "interactivity_expected":

@@ -1,6 +1,8 @@
 """`parley scorer`: pulls trajectories from TRAJ, has the judge service score them, stores Scored in SCORED.
 With [policy] reference = "service" it also asks the reference service for each trajectory's
-reference log-probs (scorer/reference.py) and puts them into the Scored.
+reference log-probs (scorer/reference.py) and puts them into the Scored. With [scorer] audit_fraction a
+share of trajectories is judged a second time (Scored.audit) and the judge's agreement, tie share and
+drift across policy versions go into the heartbeat (rewards.reliability), flagged when agreement is low.
 
 Replicas share the durable consumer "scorer", so N scorers split the work; a trajectory is acked
 only after its Scored is stored. While the judge is unreachable it waits (held, kept alive); when
@@ -20,14 +22,18 @@ import msgspec
 
 from parley.config.run import RunConfig
 from parley.config.scorer import ScorerConfig
-from parley.environments.base import Reward
+from parley.environments.base import JudgeMetric, Reward
 from parley.protocol import bus, status, topology
 from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Scored, Trajectory
+from parley.rewards.reliability import JudgeReliability, audited
 from parley.rollout.judge import Judge, JudgeFailed, JudgeUnavailable
-from parley.rollout.score import Unscorable, _all, score_trajectory
+from parley.rollout.score import Unscorable, _all, score_trajectory, scorer_reward
 from parley.scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
 
 log = logging.getLogger("parley.scorer")
+
+# A second verdict's seed is the first's shifted by this: never a seed the first or its retries use.
+AUDIT_SEED_SHIFT = 1_000_003
 
 
 class Scorer:
@@ -43,6 +49,7 @@ class Scorer:
         ident: str,
         reward: Reward | None = None,
         reference: ReferenceClient | None = None,
+        audit_judge: Judge | None = None,
     ):
         self.nc, self.js = nc, nc.jetstream()
         self.run, self.judge, self.cfg, self.bus, self.ident = run, judge, cfg, bus_settings, ident
@@ -50,6 +57,17 @@ class Scorer:
             reward  # the environment's; None = the reward the [scorer] settings describe (rollout.score.scorer_reward)
         )
         self.reference = reference  # [policy] reference = "service": ask it for every trajectory
+        # [scorer] audit_fraction: who gives the second verdicts (default: the judge itself, at another seed)
+        self.audit_judge = audit_judge or judge
+        judge_metrics = [m.name for m in (reward or scorer_reward(cfg)).metrics if isinstance(m, JudgeMetric)]
+        self.reliability = JudgeReliability(
+            judge_metrics,
+            tolerance=cfg.audit_tolerance,
+            min_agreement=cfg.audit_min_agreement,
+            window=cfg.audit_window,
+            min_samples=cfg.audit_min_samples,
+            name=ident,
+        )
         self.counters: Counter[str] = Counter()
         self.in_flight = 0
         self._stop = asyncio.Event()  # set by run_until's stop
@@ -77,6 +95,9 @@ class Scorer:
         # Stored (or already stored by an earlier delivery: same Msg-Id) - only now is the work done.
         await msg.ack()
         self.counters["duplicate" if ack.duplicate else "scored"] += 1
+        if not ack.duplicate and scored.metrics:
+            version = max((t.version for t in traj.turns), default=-1)
+            self.reliability.observe(traj.task_id, version, scored.metrics, scored.audit_metrics or None)
         log.info(
             "scored %s: total %.4f %s (%.1fs)",
             traj.traj_id,
@@ -129,16 +150,43 @@ class Scorer:
             delivered,
             lambda: score_trajectory(traj, self.judge, self.cfg, reward=self.reward, scorer=self.ident, seed=seed),
         )
-        if self.reference is None:
-            return await judged
 
         async def reference() -> tuple[bytes, float]:
             t0 = time.perf_counter()
             packed = await self._waiting("reference", traj, delivered, lambda: self.reference.logprobs(traj))
             return packed, time.perf_counter() - t0
 
-        scored, (ref, ref_s) = await _all(judged, reference())
-        return msgspec.structs.replace(scored, ref_logp_f32=ref, timings={**scored.timings, "reference": ref_s})
+        parts = {"scored": judged}
+        if self.reference is not None:
+            parts["reference"] = reference()
+        if self.reliability.metrics and audited(traj.traj_id, self.cfg.audit_fraction):
+            parts["audit"] = self._second_verdict(traj, seed)
+        done = dict(zip(parts, await _all(*parts.values())))
+        scored = done["scored"]
+        if "reference" in done:
+            ref, ref_s = done["reference"]
+            scored = msgspec.structs.replace(scored, ref_logp_f32=ref, timings={**scored.timings, "reference": ref_s})
+        if (second := done.get("audit")) is not None:
+            kept = {m: v for m, v in second.metrics.items() if m in self.reliability.metrics}
+            scored = msgspec.structs.replace(scored, audit=second.judge, audit_metrics=kept)
+        return scored
+
+    async def _second_verdict(self, traj: Trajectory, seed: int) -> Scored | None:
+        """The audit's verdict on `traj` ([scorer] audit_fraction), or None when it could not be had:
+        an audit never holds up, fails or retries the trajectory's own scoring."""
+        try:
+            return await score_trajectory(
+                traj,
+                self.audit_judge,
+                self.cfg,
+                reward=self.reward,
+                scorer=self.ident,
+                seed=(seed + AUDIT_SEED_SHIFT) % 2**31,
+            )
+        except (JudgeUnavailable, JudgeFailed, Unscorable) as e:
+            self.counters["judge_audit.failed"] += 1
+            log.info("%s: no second verdict on %s: %s", self.ident, traj.traj_id, e)
+            return None
 
     async def _waiting(self, what: str, traj: Trajectory, delivered: int, call):
         """`await call()`, asked again while its service is unreachable (JudgeUnavailable,
@@ -169,6 +217,7 @@ class Scorer:
     def heartbeat(self) -> Heartbeat:
         counters = {k: float(v) for k, v in (self.counters + bus.COUNTERS).items()}
         counters["in_flight"] = float(self.in_flight)
+        counters |= self.reliability.counters()
         return Heartbeat(role="scorer", id=self.ident, state="busy" if self.in_flight else "ready", counters=counters)
 
     async def run_until(self, stop: asyncio.Event, *, fetch_timeout: float = 2.0) -> None:
@@ -209,6 +258,15 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
             if env.needs_judge
             else None
         )
+        # second verdicts: the same judge service, sampled ([scorer] audit_temperature) at another seed
+        audit_judge = None
+        if judge is not None and cfg.scorer.audit_fraction > 0:
+            audit_judge = JudgeClient(
+                nc,
+                timeout=cfg.scorer.judge_timeout_s,
+                concurrency=cfg.scorer.judge_concurrency,
+                temperature=cfg.scorer.audit_temperature,
+            )
         # The learner's setting decides (one place for the fact): it trains on what we put in ref_logp_f32.
         reference = None
         if cfg.policy.reference == "service":
@@ -225,8 +283,24 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
             list(env.reward.judge_ops) or "none",
             f", reference log-probs of {cfg.policy.model}" if reference else "",
         )
+        if audit_judge is not None:
+            log.info(
+                "%s: second verdicts on %.0f%% of trajectories at temperature %g; flagged below %.2f agreement",
+                ident,
+                100 * cfg.scorer.audit_fraction,
+                cfg.scorer.audit_temperature,
+                cfg.scorer.audit_min_agreement,
+            )
         await Scorer(
-            nc, cfg.run.name, judge, cfg.scorer, cfg.bus, ident, reward=env.reward, reference=reference
+            nc,
+            cfg.run.name,
+            judge,
+            cfg.scorer,
+            cfg.bus,
+            ident,
+            reward=env.reward,
+            reference=reference,
+            audit_judge=audit_judge,
         ).run_until(stop)
     return 0
 

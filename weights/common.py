@@ -267,7 +267,7 @@ class Transport:
     def loaded(self, wv: WeightVersion, state: dict) -> str | None:
         """In the engine's worker, after the received tensors were loaded: None, or why the loaded
         weights cannot be trusted (the source changed while it was read); the engine then raises and
-        the actor restores what it served (actors.follow)."""
+        the actor restores what it served (weights.follow)."""
         return None
 
     def _other_family(self, what: str, instead: str) -> TypeError:

@@ -21,6 +21,7 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 from nats.js.object_store import (
     MSG_ROLLUP_SUBJECT,
+    OBJ_ALL_META_PRE_TEMPLATE,
     OBJ_CHUNKS_PRE_TEMPLATE,
     OBJ_DIGEST_TEMPLATE,
     OBJ_META_PRE_TEMPLATE,
@@ -173,7 +174,7 @@ class Objstore(Transport):
         store = await js.object_store(bucket)
         await _purge_left(js, store, bucket)
         try:
-            infos = await store.list(ignore_deletes=True)
+            infos = await list_objects(js, bucket)
         except NotFoundError:
             return
         live = [i for i in infos if not i.deleted]
@@ -464,6 +465,29 @@ async def _get_object(js, run: str, name: str, out: Path) -> tuple[str, int]:
             f"object {name}: the bytes read do not match the store's digest/size (changed while reading?)"
         )
     return sha, size
+
+
+async def list_objects(js, bucket: str) -> list[api.ObjectInfo]:
+    """Every object's latest meta (deleted ones included), read with direct gets, next by subject.
+
+    Not the client's store.list(): that is a KV-style watcher, an ordered push consumer, which the
+    learner may not create (a push consumer delivers wherever its creator says; deploy/permissions.py).
+    Each object's meta subject keeps only its last message (the bucket rolls meta up), so one pass
+    over the meta subjects in stream order is the listing.
+    """
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    metas = OBJ_ALL_META_PRE_TEMPLATE.format(bucket=bucket)
+    infos: dict[str, api.ObjectInfo] = {}
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=metas, next=True, direct=True)
+        except NotFoundError:
+            break
+        info = api.ObjectInfo.from_response(json.loads(msg.data))
+        infos[info.name] = info
+        seq = msg.seq + 1
+    return list(infos.values())
 
 
 def _store_sha_hex(digest: str | None) -> str:

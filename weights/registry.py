@@ -2,7 +2,7 @@
 the learner publishes (`publish_version` for files, `publish_gpu_version` for a packed buffer),
 the actor fetches (`fetch_version`) or its engine receives (`get(kind).receive`). Callers ask a
 transport what it needs (`gpu`, `needs_cuda`) instead of comparing kinds.
-Used by learner.service, learner.trainer, actors.follow, engines.engine and bench/.
+Used by the payload kinds (weights.payloads), learner.trainer, engines.engine and bench/.
 """
 
 from __future__ import annotations
@@ -327,7 +327,7 @@ async def fetch_version(
     if transport is None:
         raise WeightVerifyError(f"version {wv.version}: unknown transport {wv.transport!r}; known: {tuple(TRANSPORTS)}")
     dest_dir = Path(dest_dir)
-    if wv.delta is not None and wv.delta.format == "file" and not transport.gpu:  # "packed": actors.follow
+    if wv.delta is not None and wv.delta.format == "file" and not transport.gpu:  # "packed": weights.follow
         if base is not None and base[0] == wv.delta.base_sha256 and (Path(base[1]) / MODEL_FILE).is_file():
             try:
                 return await _apply_delta(js, run, transport, wv, Path(base[1]), dest_dir, settings)

@@ -11,11 +11,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from parley.actors.follow import GPU_ATTEMPTS, WeightFollower, WeightsBroken
 from parley.protocol import codec, topology
 from parley.protocol.messages import WeightVersion
 from parley.weights import common, registry
 from parley.weights.config import ObjstoreWeights
+from parley.weights.follow import GPU_ATTEMPTS, WeightFollower, WeightsBroken
 
 pytestmark = pytest.mark.integration
 RUN = "follow"

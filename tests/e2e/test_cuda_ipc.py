@@ -30,8 +30,8 @@ def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refus
     import torch
     from transformers import AutoModelForCausalLM
 
-    from parley.learner.weights_io import hf_tensors, hf_weights, write_weights
     from parley.weights.cuda_ipc import IpcPublisher
+    from parley.weights.snapshot import hf_tensors, hf_weights, write_weights
 
     base = build_tiny(tmp_path / "tiny")
     # fp32 as the other toy-model tests (the toy's head_dim 32 has no FlashAttention-3 kernel); the

@@ -336,12 +336,12 @@ def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
 
     import msgspec
 
-    from parley.learner.weights_io import hf_tensors
     from parley.protocol import codec
     from parley.weights.common import WeightVerifyError
     from parley.weights.cuda_ipc import IpcPublisher
     from parley.weights.nccl import NcclSender
     from parley.weights.registry import gpu_announcement
+    from parley.weights.snapshot import hf_tensors
 
     prompt = ctx.prompt("Describe the new bridge.")
 
@@ -391,15 +391,15 @@ def test_packed_deltas_carry_a_version_chain_and_a_corrupted_one_is_served_from_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from parley.actors.follow import WeightFollower
-    from parley.learner.weights_io import hf_tensors
     from parley.protocol import topology
     from parley.protocol.bus import COUNTERS
     from parley.protocol.connect import connect
     from parley.weights import registry
     from parley.weights.config import ObjstoreWeights, SharedDirWeights
     from parley.weights.cuda_ipc import table_digest
+    from parley.weights.follow import WeightFollower
     from parley.weights.gpu_delta import PackedVersions
+    from parley.weights.snapshot import hf_tensors
 
     prompt = ctx.prompt("Describe the packed bridge.")
     settings = (

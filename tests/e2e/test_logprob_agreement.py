@@ -17,8 +17,8 @@ import torch
 
 from parley.learner.logprobs import token_logprobs
 from parley.learner.packing import Sample, build_batch
-from parley.learner.weights_io import hf_weights, write_weights
 from parley.rollout.chat import ChatTokens
+from parley.weights.snapshot import hf_weights, write_weights
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -31,7 +31,6 @@ def _learner_logprobs(trainer, ids: list[int], start: int, base: bool = False) -
 
 
 async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tiny_model, js, tmp_path):
-    from parley.actors.follow import WeightFollower
     from parley.config.learner import LearnerConfig, LoraSettings
     from parley.engines.engine import EngineSettings, PolicyEngine
     from parley.learner.lora import adapter_state
@@ -40,6 +39,7 @@ async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tin
     from parley.protocol import topology
     from parley.weights import lora
     from parley.weights.config import ObjstoreWeights
+    from parley.weights.follow import WeightFollower
 
     await topology.ensure_topology(js, RUN)
     cfg = LearnerConfig(
@@ -143,7 +143,6 @@ async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_
     conversation started after plays on 2. The user is hidden_goal's own (environments.base.LocalUser)."""
     from transformers import AutoTokenizer
 
-    from parley.actors.follow import WeightFollower
     from parley.config.run import load_config
     from parley.engines.engine import EngineSettings, PolicyEngine
     from parley.environments.base import LocalUser
@@ -152,6 +151,7 @@ async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_
     from parley.rollout.conversation import PolicySettings, run_conversation
     from parley.weights import lora
     from parley.weights.config import ObjstoreWeights
+    from parley.weights.follow import WeightFollower
 
     await topology.ensure_topology(js, RUN)
     base = lora.base_identity(tiny_model)
@@ -213,7 +213,7 @@ async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_
 async def test_an_adapter_handed_over_in_memory_serves_what_the_same_adapter_from_files_serves(tiny_model, tmp_path):
     """The in-memory path of a cuda_ipc adapter version (PolicyEngine.load_adapter_gpu without the GPU
     buffer: the worker stages the tensors, vLLM's LoRA manager builds the adapter from them through
-    engines.worker._stage_hook): a real vLLM engine serves the same tokens and log-probs on it as on
+    weights.worker._stage_hook): a real vLLM engine serves the same tokens and log-probs on it as on
     the same adapter loaded from its files, both differ from the base, and replacing it unstages it."""
     import json
 

@@ -40,8 +40,8 @@ class RecordingDriver:
     def __init__(self, trainer: Trainer):
         self.trainer, self.calls = trainer, []
 
-    def __call__(self, name, samples):
-        stats = getattr(self.trainer, name)(samples)
+    def train_step(self, samples):
+        stats = self.trainer.train_step(samples)
         self.calls.append(([s.traj_id for s in samples], stats))
         return stats
 
@@ -58,7 +58,9 @@ def _step(lc: LearnerConfig, driver) -> tuple[list, dict]:
         None, cfg, None, driver, grouper=grouper, feeder=None, intake=None, weights=None, evals=None,
         steplog=None, env_record=None, consumer="test", started=0.0,
     )  # fmt: skip
-    return asyncio.run(stepper.train(taken))
+    trained, stats, refused, _, untried = asyncio.run(stepper.train(taken))
+    assert not refused and not untried
+    return trained, stats
 
 
 def test_two_updates_per_step_make_two_optimizer_steps_on_half_the_groups_each(tiny_model):

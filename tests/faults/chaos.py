@@ -737,7 +737,7 @@ def settle(
     if steps != list(range(1, len(steps) + 1)) or (state is not None and state.step != len(steps)):
         led.inconsistent.append(f"trained.jsonl steps {steps} vs ledger step {state.step if state else None}")
 
-    done = dict(state.done) if state is not None else {}
+    done = state.done if state is not None else {}  # a learner.groups.Finished: tasks under its watermark too
     in_flight = set(state.in_flight) if state is not None else set()
     read_up_to = state.dead_seq if state is not None else 1  # the learner has applied letters before this
     dead_tasks: dict[str, str] = {}

@@ -81,7 +81,11 @@ def test_generated_credentials_are_private_files(secured):
 def test_server_config_with_passwords_is_private(secured, tmp_path):
     """`parley up` hands server_auth_conf to NatsServer, which writes it into RUN_DIR/nats/nats-server.conf."""
     conf = secured.server.store_dir / "nats-server.conf"
-    assert secured.creds["actor"][1] in conf.read_text()
+    # Only bcrypt hashes of the passwords: the plaintext is in the roles' .env files alone.
+    for name in (conf, secured.auth_dir / "auth.conf"):
+        text = name.read_text()
+        assert not any(password in text for _, password in secured.creds.values()), name
+        assert text.count('password: "$2b$10$') == len(secured.creds), name
     assert stat.S_IMODE(os.stat(conf).st_mode) == 0o600
     # A config left behind world-readable by an older version is made private when rewritten.
     again = NatsServer(tmp_path / "nats", extra_conf=server_auth_conf(secured.creds))
@@ -100,7 +104,7 @@ def test_permissions_are_derived_from_the_topology():
     for role in set(ROLES) - {"admin"}:  # only the consuming roles dead-letter (the learner acts on letters)
         assert ">" not in pub[role]
         assert (topology.subject(RUN, "dead") in pub[role]) == (role in DEAD_LETTERERS), role
-        assert not any(s.startswith("$JS.API.STREAM.CREATE") for s in pub[role]) or role == "learner"
+        assert not any(s.startswith(("$JS.API.STREAM.CREATE", "$JS.API.CONSUMER.CREATE")) for s in pub[role]), role
     assert perms["sim"]["allow_responses"] and "_INBOX.>" not in pub["sim"]
     for role in set(ROLES) - {"admin"}:  # each its own inboxes, nobody every inbox
         assert f"{inbox_prefix(f'parley-{RUN}-{role}')}.>" in perms[role]["subscribe"]["allow"]
@@ -243,8 +247,12 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
     stop = asyncio.Event()
     try:
         learner = conns["learner"].jetstream()
-        await topology.ensure_topology(learner, run, FAST)  # the learner owns the topology
-        for role in ("actor", "scorer", "eval"):  # the others find it in place and change nothing
+        admin = await secured.connect("admin")
+        try:  # the set-up credential makes the topology (`parley up`, `parley auth topology`)
+            await topology.ensure_topology(admin.jetstream(), run, FAST)
+        finally:
+            await admin.close()
+        for role in ("learner", "actor", "scorer", "eval"):  # the roles find it in place and change nothing
             await topology.ensure_topology(conns[role].jetstream(), run, FAST)
 
         # services answer on the requester's reply subject (allow_responses), nothing else
@@ -277,10 +285,19 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
             js = conns["actor"].jetstream()
             wv = await current_version(js, run)
             weights = await fetch_version(js, run, wv, tmp_path / "actor-weights")
-            kv = await js.key_value(topology.kv_bucket(run))  # actors also watch the key (actors/follow.py)
-            watcher = await kv.watch(topology.WEIGHTS_KEY, include_history=False)
-            got["watched"] = codec.decode("weights", (await watcher.updates(timeout=5)).value).version
-            await watcher.stop()
+            # actors also hear the key's puts (weights/follow.py); the learner announces once more
+            heard = asyncio.get_running_loop().create_future()
+
+            async def on_put(m):
+                if not heard.done():
+                    heard.set_result(m.data)
+
+            sub = await conns["actor"].subscribe(topology.weights_key_subject(run, topology.WEIGHTS_KEY), cb=on_put)
+            await barrier(conns["actor"])
+            kv = await learner.key_value(topology.kv_bucket(run))
+            await kv.put(topology.WEIGHTS_KEY, (await kv.get(topology.WEIGHTS_KEY)).value)
+            got["watched"] = codec.decode("weights", await asyncio.wait_for(heard, 5)).version
+            await sub.unsubscribe()
             reply = await conns["actor"].request(
                 topology.SIM_SUBJECT, codec.encode(SimRequest(prompt="lazy_full", messages=task.prefix)), timeout=5
             )

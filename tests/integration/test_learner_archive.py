@@ -38,13 +38,13 @@ async def test_replay_of_steps_the_streams_no_longer_hold(js, nc, tmp_path):
     root = archive_dir(run_dir)
     names = sorted(p.name for p in root.iterdir())
     assert names == [
-        "step000001-dropped.parquet",
+        "dropped-00000000.parquet",
         "step000001-trained.parquet",
         "step000002-trained.parquet",
         "step000003-trained.parquet",
     ]
     assert {s.traj_id for s in read_log(root / "step000001-trained.parquet")} == step1
-    assert [s.task_id for s in read_log(root / "step000001-dropped.parquet")] == [f"{run}-g000001"] * 2
+    assert [s.task_id for s in read_log(root / "dropped-00000000.parquet")] == [f"{run}-g000001"] * 2
 
     proc = await asyncio.to_thread(
         subprocess.run,

@@ -173,13 +173,13 @@ async def test_a_version_overtaken_while_waiting_is_never_announced(js, nc, tmp_
 
 
 class RealWeightsTrainer(TrainerDouble):
-    """TrainerDouble whose snapshots are real learner.weights_io.WeightSnapshot (safetensors files)."""
+    """TrainerDouble whose snapshots are real weights.snapshot.WeightSnapshot (safetensors files)."""
 
     def __call__(self, op, *args):
         if op == "weights_snapshot":
             import torch
 
-            from parley.learner.weights_io import WeightSnapshot
+            from parley.weights.snapshot import WeightSnapshot
 
             n = sum(c == "train_step" for c in self.calls)
             self.calls.append(op)
@@ -275,7 +275,7 @@ class PackedTrainer(TrainerDouble):
     def __call__(self, op, *args):
         import torch
 
-        from parley.learner.weights_io import PackedSnapshot, WeightSnapshot
+        from parley.weights.snapshot import PackedSnapshot, WeightSnapshot
 
         if op == "train_step":
             flat = self.w.view(-1)
@@ -322,7 +322,7 @@ async def test_packed_deltas_are_announced_early_and_chain_to_the_full_versions(
     early = [
         codec.decode("weights", v) for v in await key_history(js, run, topology.WEIGHTS_EARLY_KEY)
     ]  # none: shared_dir
-    # a version overtaken while its upload waited is never announced (learner.publication), on a busy
+    # a version overtaken while its upload waited is never announced (weights.publish), on a busy
     # machine now and then; the deltas are counted at packing, in step order, all the same
     assert 5 in final and len(final) >= 4
     assert all(wv.packed for wv in final.values())

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -113,6 +114,19 @@ async def test_learner_metrics_endpoint_shows_steps_rewards_and_dead_letters(js,
         before = await until(scraped(lambda s: value(s, "parley_learner_step", **labels) == 0.0), "step 0", proc, log)
         assert value(before, "parley_learner_reward", term="total") is None  # no step, no reward yet
         assert value(before, "parley_dead_letters_total", channel="scored", reason="undecodable") is None
+
+        def probe(path: str) -> int | None:
+            try:
+                with urllib.request.urlopen(url.removesuffix("/metrics") + path, timeout=5) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+            except OSError:
+                return None
+
+        # the probes of deploy/k8s: ready once connected and in its work loop, live throughout
+        await until(lambda: probe("/readyz") == 200 or None, "/readyz 200", proc, log)
+        assert probe("/healthz") == 200
 
         # Rewards differ within the group (make_scored's bleu), so it trains.
         for i in range(N):

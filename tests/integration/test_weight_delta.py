@@ -1,5 +1,5 @@
 """Delta versions over the file transports against a real nats-server: the learner's publication
-(learner.publication.Weights) sends v1 full and v2..v4 as deltas, an actor's WeightFollower
+(weights.publish.Weights) sends v1 full and v2..v4 as deltas, an actor's WeightFollower
 rebuilds each from the version it serves and serves it only when the result is the full file bit
 for bit; without the base, or with a bad delta, it fetches the full version and its served files
 are never written."""
@@ -15,13 +15,14 @@ import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
-from parley.actors.follow import WeightFollower
-from parley.learner.publication import Publisher, Weights
+from parley.learner.service import weights_publication
 from parley.protocol import topology
 from parley.protocol.bus import COUNTERS
 from parley.weights import delta as deltas
 from parley.weights.common import CONFIG_FILE, MODEL_FILE, WeightUnavailable, current_version, file_digest
 from parley.weights.config import ObjstoreWeights, SharedDirWeights
+from parley.weights.follow import WeightFollower
+from parley.weights.publish import Publisher
 
 pytestmark = pytest.mark.integration
 RUN = "dtest"
@@ -60,7 +61,7 @@ class Learner:
         return d
 
 
-class Snap:  # learner.weights_io.WeightSnapshot, already written
+class Snap:  # weights.snapshot.WeightSnapshot, already written
     def write(self, d):
         return d
 
@@ -77,7 +78,7 @@ class EngineDouble:
 def learner_weights(js, tmp_path, settings, keep=3):
     lc = SimpleNamespace(keep_versions=keep)
     feeder = SimpleNamespace(set_version=lambda v: None)
-    return Weights(lc, settings, js, None, RUN, tmp_path / "run", None, Publisher(), feeder)
+    return weights_publication(lc, settings, js, None, RUN, tmp_path / "run", None, Publisher(), feeder)
 
 
 SETTINGS = {
@@ -98,7 +99,7 @@ async def test_a_delta_chain_reproduces_each_full_version_bit_for_bit(js, tmp_pa
     for v in range(1, 6):
         learner.step(1e-6)
         wdir = learner.write(tmp_path / "run" / "learner" / "weights" / f"v{v:06d}")
-        await pub.upload(v, Snap(), wdir)
+        await pub.payload.upload(pub, v, Snap(), wdir)
         wv = await current_version(js, RUN)
         announced.append(wv)
         assert await follower.check()
@@ -107,7 +108,7 @@ async def test_a_delta_chain_reproduces_each_full_version_bit_for_bit(js, tmp_pa
     assert [wv.delta.base_version for wv in announced[1:4]] == [1, 2, 3]
     assert all(wv.delta.bytes < 0.1 * wv.bytes for wv in announced[1:4]), [wv.delta.bytes for wv in announced[1:4]]
     assert COUNTERS["weights.delta_applied"] - applied == 3
-    served = follower._served
+    served = follower.served_dir
     assert served.is_relative_to(tmp_path / "actor") or kind == "shared_dir"
     assert json.loads((served / CONFIG_FILE).read_text()) == {"model_type": "llama"}
     # only the served version is kept on the actor's disk
@@ -120,7 +121,7 @@ async def test_an_actor_without_the_base_fetches_the_full_version(js, tmp_path):
     pub, learner = learner_weights(js, tmp_path, settings), Learner()
     for v in (1, 2):
         learner.step(1e-5)
-        await pub.upload(v, Snap(), learner.write(tmp_path / "run" / "learner" / "weights" / f"v{v:06d}"))
+        await pub.payload.upload(pub, v, Snap(), learner.write(tmp_path / "run" / "learner" / "weights" / f"v{v:06d}"))
     wv = await current_version(js, RUN)
     assert wv.delta is not None and wv.delta.base_version == 1
     want = file_digest(tmp_path / "run" / "learner" / "weights" / "v000002" / MODEL_FILE)[0]
@@ -135,7 +136,7 @@ async def test_an_actor_without_the_base_fetches_the_full_version(js, tmp_path):
     lost = EngineDouble()
     follower = WeightFollower(js, RUN, lost, dest_root=tmp_path / "lost", settings=settings)
     v1 = msgspec.structs.replace(wv, version=1, sha256=wv.delta.base_sha256, delta=None)
-    follower.serving, follower._served = (1, v1.sha256), tmp_path / "lost" / "gone"
+    follower.serving, follower.served_dir = (1, v1.sha256), tmp_path / "lost" / "gone"
     assert await follower.check()
     assert lost.loads == [(2, want)] and COUNTERS["weights.delta_no_base"] == no_base + 2
 
@@ -149,14 +150,14 @@ async def test_a_corrupted_delta_is_refused_with_the_served_weights_untouched(js
     follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", settings=settings)
     learner.step(1e-5)
     wdirs[1] = learner.write(tmp_path / "run" / "learner" / "weights" / "v000001")
-    await pub.upload(1, Snap(), wdirs[1])
+    await pub.payload.upload(pub, 1, Snap(), wdirs[1])
     assert await follower.check()
-    served = follower._served / MODEL_FILE
+    served = follower.served_dir / MODEL_FILE
     served_sha = file_digest(served)[0]
 
     learner.step(1e-5)
     wdirs[2] = learner.write(tmp_path / "run" / "learner" / "weights" / "v000002")
-    await pub.upload(2, Snap(), wdirs[2])
+    await pub.payload.upload(pub, 2, Snap(), wdirs[2])
     wv = await current_version(js, RUN)
     store = await js.object_store(topology.object_bucket(RUN))
     # A delta that is well formed and says it rebuilds version 2, but rebuilds other weights: only the
@@ -169,7 +170,7 @@ async def test_a_corrupted_delta_is_refused_with_the_served_weights_untouched(js
         wv, delta=msgspec.structs.replace(wv.delta, sha256=file_digest(forged)[0], bytes=size)
     )
     refused = COUNTERS["weights.delta_refused"]
-    path = await follower._fetch(
+    path = await follower.fetch(
         js, RUN, lie, tmp_path / "actor" / "v2", settings=settings, base=(served_sha, served.parent)
     )
     assert COUNTERS["weights.delta_refused"] == refused + 1  # refused, then the full version fetched
@@ -180,7 +181,7 @@ async def test_a_corrupted_delta_is_refused_with_the_served_weights_untouched(js
     # version is refused and the actor serves version 1 from the same, unchanged files.
     await store.delete(wv.location)
     assert not await follower.check()
-    assert 2 in follower.refused and engine.version == 1 and follower._served == served.parent
+    assert 2 in follower.refused and engine.version == 1 and follower.served_dir == served.parent
     assert COUNTERS["weights.delta_refused"] == refused + 2
     assert file_digest(served)[0] == served_sha
 
@@ -199,7 +200,7 @@ async def test_no_delta_when_it_is_over_delta_max_share(js, tmp_path):
         d.mkdir(parents=True)
         save_file({n: t.to(torch.float32) for n, t in learner.master.items()}, str(d / MODEL_FILE))
         (d / CONFIG_FILE).write_text("{}")
-        await pub.upload(v, Snap(), d)
+        await pub.payload.upload(pub, v, Snap(), d)
     assert (await current_version(js, RUN)).delta is None
 
 
@@ -233,12 +234,12 @@ async def _early_v2(js, tmp_path, monkeypatch, lr=1e-6):
     engine = EngineDouble()
     follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", settings=settings)
     learner.step(lr)
-    await pub.upload(1, Snap(), learner.write(tmp_path / "run" / "learner" / "weights" / "v000001"))
+    await pub.payload.upload(pub, 1, Snap(), learner.write(tmp_path / "run" / "learner" / "weights" / "v000001"))
     assert await follower.check() and engine.version == 1
     held = HeldUpload(monkeypatch)
     learner.step(lr)
     wdir = learner.write(tmp_path / "run" / "learner" / "weights" / "v000002")
-    task = asyncio.create_task(pub.upload(2, Snap(), wdir))
+    task = asyncio.create_task(pub.payload.upload(pub, 2, Snap(), wdir))
     await asyncio.wait_for(held.started.wait(), 10)  # the delta is stored and announced early by now
     return follower, engine, wdir, task, held
 
@@ -301,7 +302,7 @@ async def test_the_wait_for_an_early_full_copy_is_bounded_and_not_a_refusal(js, 
 
 async def test_a_corrupted_early_delta_is_refused_and_the_full_copy_served_once_uploaded(js, tmp_path, monkeypatch):
     follower, engine, wdir, task, held = await _early_v2(js, tmp_path, monkeypatch, lr=1e-5)
-    served = follower._served / MODEL_FILE
+    served = follower.served_dir / MODEL_FILE
     served_sha = file_digest(served)[0]
     early = await follower._read()
     store = await js.object_store(topology.object_bucket(RUN))

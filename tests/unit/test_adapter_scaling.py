@@ -1,4 +1,4 @@
-"""engines.worker.scaled_in_place: an adapter staged in memory has each module's LoRA scaling folded
+"""weights.worker.scaled_in_place: an adapter staged in memory has each module's LoRA scaling folded
 into its B matrix before vLLM's manager adds it, in one multi-tensor multiply per scaling value the
 dtype holds exactly (one multiply per module otherwise), with exactly the numbers vLLM's own
 LoRALayerWeights.optimize gives (what an adapter loaded from its files gets), and without touching
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
 
-from parley.engines.worker import scaled_in_place
+from parley.weights.worker import scaled_in_place
 
 SCALINGS = [2.0, 2.0, 4.0, 1.0, 0.37, 2.0, 3.0, 1.5]  # 0.37: no bfloat16, the rest exact
 

@@ -336,7 +336,7 @@ def test_parleys_step_breakdown_is_the_medians_of_steps_2_to_n_and_of_the_actors
         "2026-12-02 10:00:32,000 actor-0 INFO parley.actors.actor: task gpu1-t000003: 8 samples stored in 0.80s "
         "(1800 assistant tokens generated so far); a sample's mean: play 0.500s, generate 0.300s, simulator "
         "0.100s, rest 0.100s",
-        "2026-12-02 10:00:32,100 actor-0 INFO parley.actors.follow: now serving weights version 3 (was 2)",
+        "2026-12-02 10:00:32,100 actor-0 INFO parley.weights.follow: now serving weights version 3 (was 2)",
         "2026-12-02 10:00:32,200 actor-0 INFO parley.rollout: task gpu1-t000004: stopped after 1 messages: a "
         "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
         "2026-12-02 10:00:32,300 actor-0 INFO parley.rollout: task gpu1-t000004: stopped after 0 messages: a "

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 # (argv after `parley`, fragments the one stderr line must contain)
 CASES = [
     # config values, via --set
-    (["actor", "--set", "actor.concurrency=0"], ["default.toml", "actor.concurrency = 0", "an int >= 1"]),
+    (["actor", "--set", "actor.concurrency=0"], ["--set actor.concurrency=0:", "actor.concurrency = 0", "an int >= 1"]),
     (["learner", "--set", "learner.loss_agg=x"], ["learner.loss_agg = 'x'", "token-mean", "seq-mean-token-sum"]),
     (["learner", "--set", "learner.zero_stage=5"], ["learner.zero_stage = 5", "one of 0, 1, 2, 3"]),
     (["learner", "--set", "learner.transport=ftp"], ["transport='ftp'", "objstore", "shared_dir"]),
@@ -41,7 +41,7 @@ CASES = [
     ),
     (["scorer", "--set", "bus.replicas=2"], ["bus.replicas = 2", "one of 1, 3, 5"]),
     (["actor", "--set", "bus.ack_wait_s=0"], ["bus.ack_wait_s = 0", "a float > 0"]),
-    (["actor", "--set", "actor.nope=1"], ["actor.nope: unknown key", "[actor] has no 'nope'"]),
+    (["actor", "--set", "actor.nope=1"], ["actor.nope: unknown key", "[actor] has engine, concurrency"]),
     (["actor", "--set", "actor.concurrency=abc"], ["actor.concurrency = 'abc'", "expected an int >= 1, got `str`"]),
     (["actor", "--set", "actor.sampling.top_p=2"], ["actor.sampling.top_p = 2", "a float > 0.0 and <= 1.0"]),
     (["actor", "--set", "actor"], ["'actor'", "section.key=value"]),

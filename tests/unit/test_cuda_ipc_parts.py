@@ -19,6 +19,7 @@ from parley.weights import common, cuda_ipc, registry
 from parley.weights.common import WeightUnavailable
 from parley.weights.config import CudaIpcWeights
 from parley.weights.cuda_ipc import IpcPublisher
+from tests.driver_double import DriverDouble
 
 
 def named() -> list[tuple[str, torch.Tensor]]:
@@ -406,11 +407,12 @@ def test_whole_buffer_sums_equal_the_per_tensor_definition():
 
 
 def test_a_version_whose_buffers_are_all_held_is_counted_and_never_announced(tmp_path):
-    """learner.publication.Weights with a GPU transport: a pack that returns None (IpcPublisher.fill
+    """weights.publish.Weights with a GPU transport: a pack that returns None (IpcPublisher.fill
     found every buffer held) submits nothing, so nothing is announced and the feeder's version stays;
     the heartbeat's weights.skipped_held counts it. Test doubles for the driver and feeder."""
     from parley.config.learner import LearnerConfig
-    from parley.learner.publication import Publisher, Weights
+    from parley.learner.service import weights_publication
+    from parley.weights.publish import Publisher
 
     class FeederDouble:
         version = None
@@ -426,7 +428,9 @@ def test_a_version_whose_buffers_are_all_held_is_counted_and_never_announced(tmp
         return packs[version]
 
     feeder, publisher = FeederDouble(), Publisher()
-    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, feeder)
+    weights = weights_publication(
+        LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, DriverDouble.of(driver), publisher, feeder
+    )
     assert asyncio.run(weights.publish(3)) is False
     assert calls == [("pack_weights", 3)] and not publisher.busy() and feeder.version is None
     assert publisher.counters["skipped_held"] == 1 and publisher.counters["published"] == 0
@@ -441,7 +445,7 @@ def test_a_version_skipped_for_held_buffers_is_published_once_a_buffer_frees_wit
     from collections import Counter
 
     from parley.config.learner import LearnerConfig
-    from parley.learner.publication import Weights
+    from parley.learner.service import weights_publication
 
     class PublisherDouble:
         def __init__(self):
@@ -460,7 +464,9 @@ def test_a_version_skipped_for_held_buffers_is_published_once_a_buffer_frees_wit
         return "source" if state["free"] else None
 
     publisher = PublisherDouble()
-    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, None)
+    weights = weights_publication(
+        LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, DriverDouble.of(driver), publisher, None
+    )
     assert asyncio.run(weights.retry_held()) is None and calls == []  # nothing held back: no trainer call
     assert asyncio.run(weights.publish(3)) is False
     assert asyncio.run(weights.retry_held()) == 1.5  # still held: not packed, the loop waits that long at most
@@ -522,7 +528,7 @@ def test_the_last_version_skipped_for_held_buffers_is_published_before_the_learn
     from collections import Counter
 
     from parley.config.learner import LearnerConfig
-    from parley.learner.publication import Weights
+    from parley.learner.service import weights_publication
 
     class PublisherDouble:
         def __init__(self):
@@ -540,7 +546,9 @@ def test_the_last_version_skipped_for_held_buffers_is_published_before_the_learn
         return "source" if left <= 0 else None
 
     publisher = PublisherDouble()
-    weights = Weights(LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, None)
+    weights = weights_publication(
+        LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, DriverDouble.of(driver), publisher, None
+    )
     assert asyncio.run(weights.publish(30)) is False
     assert asyncio.run(weights.flush_held(2.0)) is True and publisher.submitted == [30]
     free_at[0] = float("inf")  # every buffer being sent from, for good
@@ -563,7 +571,7 @@ def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_a
     from collections import Counter
 
     from parley.learner import checkpoint as ckpt
-    from parley.learner.publication import Weights
+    from parley.learner.service import weights_publication
     from parley.weights import lora
 
     class PublisherDouble:
@@ -603,8 +611,17 @@ def test_an_adapter_version_under_cuda_ipc_is_packed_announced_with_its_config_a
         return 0.0  # weights_writable_in
 
     publisher, feeder = PublisherDouble(), FeederDouble()
-    weights = Weights(
-        LearnerConfig(), CudaIpcWeights(), None, None, "r", tmp_path, driver, publisher, feeder, adapter_base="b" * 32
+    weights = weights_publication(
+        LearnerConfig(),
+        CudaIpcWeights(),
+        None,
+        None,
+        "r",
+        tmp_path,
+        DriverDouble.of(driver),
+        publisher,
+        feeder,
+        adapter_base="b" * 32,
     )
 
     async def publish_and_announce(version, **kw):

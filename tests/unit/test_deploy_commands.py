@@ -7,8 +7,10 @@ port) and, where it has its own network, the metrics port it serves."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import pytest
 import yaml
 
 from parley.deploy.common import METRICS_PORT_ENV
-from parley.deploy.credentials import generate_credentials
+from parley.deploy.credentials import generate_credentials, read_env_file
 from parley.evaluation.periodic import EVAL_PASSWORD_ENV, EVAL_USER_ENV
 from parley.protocol.connect import PASSWORD_ENV, USER_ENV
 
@@ -86,6 +88,30 @@ def slurm_commands() -> list[tuple[str, list[str], str]]:
     return out
 
 
+_MODELS = re.compile(r"/models/([A-Za-z0-9._-]+)")
+
+
+def _models_root() -> Path:
+    """A folder standing in for the deployments' /models volume: each model named there as a
+    directory with a minimal transformers config.json (the start checks read model_type)."""
+    root = Path(tempfile.gettempdir()) / f"parley-test-models-{os.getpid()}"
+    for text in [
+        REFERENCE_RUN.read_text(),
+        *(f.read_text() for f in DEPLOY.rglob("*") if f.suffix in (".yaml", ".sbatch")),
+    ]:
+        for name in _MODELS.findall(text):
+            (root / name).mkdir(parents=True, exist_ok=True)
+            (root / name / "config.json").write_text('{"model_type": "qwen3"}')
+    return root
+
+
+def _local_models(run_file: Path) -> Path:
+    text = _MODELS.sub(lambda m: str(_models_root() / m.group(1)), run_file.read_text())
+    out = _models_root() / f"run-{run_file.parent.name}-{run_file.name}"
+    out.write_text(text)
+    return out
+
+
 def dry_run(argv: list[str], run_file: Path, env: dict[str, str]) -> None:
     """Run `parley ARGV` with --dry-run (or, for a command without it, parse it) on `run_file` for
     /config/run.toml and the shell's $CONFIG, $MP; fails with the CLI's message."""
@@ -94,6 +120,10 @@ def dry_run(argv: list[str], run_file: Path, env: dict[str, str]) -> None:
 
     from parley.deploy.cli import app
 
+    # The deployments read their models from /models (a volume there); the start checks want each one
+    # to exist with a config.json, so here they are laid out under a folder of the test's.
+    run_file = _local_models(run_file)
+    argv = [_MODELS.sub(lambda m: str(_models_root() / m.group(1)), a) for a in argv]
     argv = [str(run_file) if a in ("/config/run.toml", "$CONFIG") else "9400" if a == "$MP" else a for a in argv]
     group = get_command(app)
     ctx = group.make_context("parley", list(argv), resilient_parsing=True)
@@ -154,9 +184,8 @@ def test_compose_roles_get_what_they_read(tmp_path):
             continue
         svc = services[name.split()[1]]
         (env_file,) = [svc["env_file"]] if isinstance(svc["env_file"], str) else svc["env_file"]
-        generated = dict(
-            line.split("=", 1) for line in (tmp_path / Path(env_file).name).read_text().splitlines() if "=" in line
-        )
+        # `export KEY=VALUE` lines: compose's env_file drops the `export` as read_env_file does
+        generated = read_env_file(tmp_path / Path(env_file).name)
         missing = role_env(role) - set(env) - set(generated)
         assert not missing, f"{name} does not get {sorted(missing)}"
         assert env[METRICS_PORT_ENV] in {str(p) for p in svc.get("expose", [])}, (

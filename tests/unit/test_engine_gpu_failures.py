@@ -11,11 +11,11 @@ import asyncio
 import pytest
 
 from parley.engines.engine import PolicyEngine
-from parley.engines.worker import REFUSED, UNAVAILABLE, WorkerExtension
 from parley.protocol import codec
 from parley.protocol.messages import IpcTensor, NcclSource
 from parley.weights import registry
 from parley.weights.common import WeightUnavailable, WeightVerifyError
+from parley.weights.worker import REFUSED, UNAVAILABLE, WorkerExtension
 
 
 def announcement(version: int = 2) -> bytes:

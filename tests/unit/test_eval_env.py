@@ -381,20 +381,20 @@ def test_parley_report_charts_the_runs_own_eval_columns(hidden_goal_run, this_ch
 
     seen = {}
 
-    original = report._line_chart
+    original = report.eval_figure
 
-    def chart(series, path, **kw):  # a spy on the real chart: what each PNG was drawn from
-        seen[path.name] = series
-        return original(series, path, **kw)
+    def chart(series, **kw):  # a spy on the real chart: what the eval PNG was drawn from
+        seen["eval.png"] = series
+        return original(series, **kw)
 
     rows = [{"step": 1, "version": 1, "loss": 0.1, "reward_terms": {"goal_match": {"mean": 0.5}}}]
     (hidden_goal_run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    report._line_chart = chart
+    report.eval_figure = chart
     try:
         written = report.write_report(hidden_goal_run, hidden_goal_run / "report")
     finally:
-        report._line_chart = original
+        report.eval_figure = original
     assert [p.name for p in written] == ["rewards.png", "kl.png", "eval.png"]
     assert all(p.stat().st_size > 1000 for p in written)
     assert set(seen["eval.png"]) == {"goal_match", "exact", "assistant_turns"}
-    assert seen["eval.png"]["goal_match"][1] == (1, pytest.approx((1.0 + 2 / 3 + 1.0 + 1.0) / 4))
+    assert seen["eval.png"]["goal_match"][1][:2] == (1, pytest.approx((1.0 + 2 / 3 + 1.0 + 1.0) / 4))

@@ -215,3 +215,51 @@ def test_a_run_of_n_steps_issues_no_group_its_last_step_will_not_train():
     )
     unbounded.set_version(2)
     assert unbounded.is_open()  # steps = 0: no last step
+
+
+async def test_the_feeder_publishes_through_an_outage_longer_than_publish_retries(monkeypatch):
+    """A NATS outage of 150 s (simulated clock): the feeder keeps retrying the task's publish and
+    issues it once the server answers. Before, publish gave up after its 8 attempts (about 100 s of
+    outage) and the exception ended the learner."""
+    import asyncio
+
+    import nats
+
+    from parley.config.learner import RolloutConfig
+    from parley.protocol import bus
+    from parley.tasks.data import load_items
+
+    clock = [0.0]
+    real_sleep = asyncio.sleep
+
+    async def sleep(s):  # test double of asyncio.sleep: the simulated clock moves, nothing waits
+        clock[0] += s
+        await real_sleep(0)
+
+    class OutageJetStream:
+        """Test double of a JetStream context whose server is away for the first 150 s."""
+
+        def __init__(self):
+            self.stored = []
+
+        async def publish(self, subject, data, headers=None, timeout=None):
+            clock[0] += 10.0 if clock[0] < 150.0 else 0.0  # each publish waits for its timeout meanwhile
+            if clock[0] < 150.0:
+                raise nats.errors.TimeoutError
+            self.stored.append(subject)
+
+    monkeypatch.setattr(bus.asyncio, "sleep", sleep)
+    monkeypatch.setattr(bus.time, "monotonic", lambda: clock[0])
+    js = OutageJetStream()
+    f = Feeder(js, "r1", load_items()[:3], RolloutConfig(n=2), max_staleness=0, groups_per_step=1, steps=1)
+    f.set_version(0)
+    stop = asyncio.Event()
+    job = asyncio.create_task(f.run(stop))
+    for _ in range(1000):
+        if f.state.in_flight:
+            break
+        await real_sleep(0)
+    stop.set()
+    f.wake()
+    await asyncio.wait_for(job, 5)
+    assert clock[0] >= 150.0 and js.stored == ["parley.r1.tasks"] and set(f.state.in_flight) == {"r1-g000000"}

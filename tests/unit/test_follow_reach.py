@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from parley.actors.follow import WeightFollower
+from parley.weights.follow import WeightFollower
 
 
 class EngineDouble:
@@ -53,7 +53,7 @@ async def test_reach_returns_when_the_follower_serves_the_version_not_at_its_nex
     async def load_later():
         await asyncio.sleep(0.2)
         engine.version = 2  # the engine's load sets its version, then the follower records it
-        follower._served_now(
+        follower.served_now(
             WeightVersion(
                 run="r", version=2, step=2, sha256="ab" * 32, location="", transport="cuda_ipc", bytes=0, created=0.0
             )
@@ -75,7 +75,7 @@ async def test_a_refusal_wakes_reach_at_once(tmp_path):
         await asyncio.sleep(0.2)
         from parley.protocol.messages import WeightVersion
 
-        follower._refuse(
+        follower.refuse(
             WeightVersion(
                 run="r", version=3, step=3, sha256="cd" * 32, location="", transport="cuda_ipc", bytes=0, created=0.0
             ),

@@ -9,7 +9,6 @@ import math
 import msgspec
 import pytest
 
-from parley.actors.follow import MAX_WEIGHT_BYTES, announcement_problem
 from parley.config.learner import RolloutConfig
 from parley.config.run import ConfigError, load_config
 from parley.learner.groups import BadTrajectory, Grouper, check_hostile_values, check_trajectory
@@ -18,6 +17,7 @@ from parley.protocol.bus import Poison
 from parley.protocol.messages import TASK_MAX_N, WeightVersion
 from parley.rewards.reward import hostile_reward
 from parley.rollout.conversation import check_task_limits
+from parley.weights.payloads import MAX_WEIGHT_BYTES, announcement_problem
 from tests.unit.test_groups import scored
 
 VOCAB = 100

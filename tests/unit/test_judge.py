@@ -148,6 +148,17 @@ async def test_judge_retries_malformed_output_then_succeeds():
     assert "ASSISTANT: A Week in Lisbon" in prompt and "${conversation}" not in prompt
 
 
+async def test_a_request_may_ask_its_first_attempt_sampled():
+    """The scorer's second verdicts ([scorer] audit_temperature) sample where the judge is greedy."""
+    backend = ScriptedBackend(["not json", GOOD, GOOD])
+    judge = Judge(backend, JudgeConfig(temperature=0.0, retry_temperature=0.7, max_retries=3))
+    req = JudgeRequest(op="interactivity", messages=CONV, seed=10, temperature=0.9)
+    assert (await judge.handle("interactivity", req)).ok
+    assert [c["temperature"] for c in backend.calls] == [0.9, 0.9]
+    assert (await judge.handle("interactivity", JudgeRequest(op="interactivity", messages=CONV))).ok
+    assert backend.calls[-1]["temperature"] == 0.0  # -1, the default: the service's own
+
+
 async def test_judge_reports_failure_after_max_retries():
     backend = ScriptedBackend(['{"document": "a'] * 3)
     judge = Judge(backend, JudgeConfig(max_retries=2))

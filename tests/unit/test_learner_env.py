@@ -16,9 +16,10 @@ from parley.learner import checkpoint as ckpt
 from parley.learner import envrecord
 from parley.learner.resume import LearnerStateError
 from parley.learner.service import Learner, check_leakage
+from tests.driver_double import DriverDouble
 
 
-class TrainerDouble:
+class TrainerDouble(DriverDouble):
     """Stands in for learner.ranks.Driver: records calls, makes the checkpoint directory it is asked for."""
 
     def __init__(self):

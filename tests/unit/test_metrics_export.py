@@ -81,6 +81,16 @@ def test_families_follow_prometheus_naming():
         ("judge", "interactivity.ok", "parley_judge_ops_total", {"op": "interactivity", "result": "ok"}),
         ("sim", "served", "parley_service_requests_total", {"outcome": "served"}),
         ("scorer", "in_flight", "parley_in_flight", {}),
+        ("scorer", "judge_audit.agreement", "parley_scorer_judge_agreement", {}),
+        (
+            "scorer",
+            "judge_audit.agreement.interactivity",
+            "parley_scorer_judge_metric_agreement",
+            {"metric": "interactivity"},
+        ),
+        ("scorer", "judge_audit.flagged", "parley_scorer_judge_flagged", {}),
+        ("scorer", "judge_audit.drift", "parley_scorer_judge_drift", {}),
+        ("scorer", "judge.tie_share", "parley_scorer_judge_tie_share", {}),
         ("scorer", "something_new", "parley_heartbeat_value", {"key": "something_new"}),
     ],
 )

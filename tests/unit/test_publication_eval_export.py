@@ -1,4 +1,4 @@
-"""learner.publication.Weights.publish under a GPU transport (cuda_ipc, nccl): a version an eval
+"""weights.publish.Weights.publish under a GPU transport (cuda_ipc, nccl): a version an eval
 needs (write_now, learner.stepper's eval_due) is also written to the learner's weights directory, so
 evaluation.periodic's export (learner.checkpoint.export_version) finds it; before, such versions were
 only packed into GPU buffers and the export's FileNotFoundError left them unevaluated. A test double
@@ -11,12 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from parley.learner import checkpoint as ckpt
-from parley.learner.publication import Weights
+from parley.learner.service import weights_publication
 from parley.weights.config import CudaIpcWeights, NcclWeights
+from tests.driver_double import DriverDouble
 
 
 class SnapshotDouble:
-    """Stands in for learner.weights_io.WeightSnapshot: writes the version's two files."""
+    """Stands in for weights.snapshot.WeightSnapshot: writes the version's two files."""
 
     def __init__(self, data: bytes):
         self.data = data
@@ -28,7 +29,7 @@ class SnapshotDouble:
         return out
 
 
-class DriverDouble:
+class TrainerDriverDouble(DriverDouble):
     """learner.ranks.Driver's calls that publish makes: pack_weights (the GPU transport's pack: a
     source to announce, or None when every buffer is held) and weights_snapshot."""
 
@@ -67,8 +68,10 @@ def run_dir_with_base(tmp_path):
 @pytest.mark.parametrize("held", [False, True], ids=["packed", "every-buffer-held"])
 async def test_a_gpu_transport_writes_the_versions_an_eval_needs(tmp_path, settings, held):
     run_dir = run_dir_with_base(tmp_path)
-    driver, publisher = DriverDouble(held), PublisherDouble()
-    w = Weights(SimpleNamespace(keep_versions=3), settings, None, None, "r", run_dir, driver, publisher, feeder=None)
+    driver, publisher = TrainerDriverDouble(held), PublisherDouble()
+    w = weights_publication(
+        SimpleNamespace(keep_versions=3), settings, None, None, "r", run_dir, driver, publisher, feeder=None
+    )
 
     assert await w.publish(1) is not held  # no eval due: packed only, nothing on disk
     assert not ckpt.weights_dir(run_dir, 1).exists() and ("weights_snapshot",) not in driver.calls

@@ -124,6 +124,7 @@ def test_conversation_until_the_simulator_is_done(tok):
         "tiny-double",
     )
     assert traj.seed == derive_seed("t1", 5, 1) and traj.sim_fallbacks == []
+    assert traj.prefix_messages == 2  # the task's system prompt and opening: the rest was played (parley trace)
     assert set(traj.timings) == {"generate", "sim", "total"}
     assert_consistent(tok, traj)
     # the simulator sees the conversation without the assistant's system prompt
@@ -141,6 +142,7 @@ def test_empty_prefix_lets_the_simulator_open_and_budget_ends_on_an_assistant_tu
     # the opening ignores "done"; 4 messages: user, assistant, user, assistant
     assert [m.role for m in traj.messages] == ["user", "assistant", "user", "assistant"]
     assert traj.messages[0].content == "write a poem"
+    assert traj.prefix_messages == 0  # the simulator's opening is its answer, not the task's
     assert traj.terminated == "max_new_turns"
     assert_consistent(tok, traj)
 
@@ -364,9 +366,9 @@ def test_a_generation_running_when_the_group_becomes_untrainable_is_cut_and_left
 
 
 def _follower(tmp_path, version=0):
-    """A real actors.follow.WeightFollower (no bus: nothing here reads it) over an engine at `version`:
+    """A real weights.follow.WeightFollower (no bus: nothing here reads it) over an engine at `version`:
     its `announced` setter and announcement() event are what the actor's StaleWatch waits on."""
-    from parley.actors.follow import WeightFollower
+    from parley.weights.follow import WeightFollower
 
     return WeightFollower(None, "r", types.SimpleNamespace(version=version), dest_root=tmp_path)
 

@@ -52,3 +52,28 @@ def test_only_the_consuming_roles_may_write_dead_letters(tmp_path, run):
     dead = topology.subject("r", "dead").replace(".r.", f".{run}.")  # parley.<run>.dead
     writers = sorted(role for role, (user, _) in creds.items() if dead in users[user][0] or ">" in users[user][0])
     assert writers == ["actor", "admin", "learner", "scorer"]
+
+
+@pytest.mark.parametrize("run", ["prod", "*"])
+def test_no_workload_role_may_make_or_change_topology(run, tmp_path):
+    """From the generated server config: no user but admin may send a stream or consumer create or
+    update in any form (a push consumer's deliver_subject, a stream's subjects, mirror, sources and
+    republish are in the request body, which the server does not check against the user's rights)."""
+    from parley.deploy.permissions import FORBIDDEN_API, forbidden_requests, subject_matches
+
+    creds = generate_credentials(run, tmp_path / "auth")
+    users = published_by(server_auth_conf(creds, run))
+    probes = forbidden_requests("PARLEY_prod_SCORED") + forbidden_requests("KV_parley_prod_held")
+    assert {p.split(".")[2] + "." + p.split(".")[3] for p in probes} >= {f for f in FORBIDDEN_API if "DURABLE" not in f}
+    for role, (user, _) in creds.items():
+        allowed = [p for p in probes for s in users[user][0] if subject_matches(s, p)]
+        assert bool(allowed) == (role == "admin"), (role, allowed[:3])
+
+
+def test_a_table_that_would_allow_topology_is_refused(monkeypatch):
+    from parley.deploy import permissions
+
+    real = permissions._read_stream
+    monkeypatch.setattr(permissions, "_read_stream", lambda s: [*real(s), f"{permissions.API}.CONSUMER.CREATE.{s}"])
+    with pytest.raises(AssertionError, match="would be allowed to make or change topology"):
+        permissions.role_permissions("prod")

@@ -224,7 +224,7 @@ def test_rollout_side_modules_import_without_torch_or_vllm():
 
     code = (
         "import sys, parley.deploy.cli_actor, parley.actors.sim, parley.engines.service, parley.engines.backend, "
-        "parley.rollout.conversation, parley.rollout.sim, parley.actors.follow, parley.actors.actor; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+        "parley.rollout.conversation, parley.rollout.sim, parley.weights.follow, parley.actors.actor; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -6,10 +6,28 @@ themselves (weights.cuda_ipc.IpcPublisher)."""
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+def version_dir(root: Path, version: int) -> Path:
+    """Where the learner writes `version`'s files under `root` (kept for export until pruned)."""
+    return Path(root) / f"v{version:06d}"
+
+
+def prune_versions(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` version directories under `root`."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    versions = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("v")), reverse=True)
+    for p in versions[keep:]:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def hf_tensors(model) -> list[tuple[str, Tensor]]:

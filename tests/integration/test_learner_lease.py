@@ -1,0 +1,87 @@
+"""One learner per run: the lease in the run's lease KV (learner.lease) on a real nats-server. A second
+learner refuses while the first renews; the lease of a learner that was killed expires and a resume
+takes it; a learner whose lease was taken notices at its next renewal. The real `parley learner`
+command refuses with one line while another learner holds the run, and a fresh start refuses an
+older run's streams unless --reset-streams purges them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parley.learner.lease import Lease, LeaseHeld, LeaseLost, check_fresh_streams
+from parley.protocol import topology
+from parley.protocol.bus import publish
+from parley.protocol.messages import Task
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parents[2]
+BUS = topology.BusSettings(max_bytes=4 * 1024**2)
+
+
+def learner_cmd(url: str, run: str, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "parley.deploy.cli", "learner", "--nats", url, "--run", run, *extra]
+    cmd += ["--set", f'run.dir="{run_dir}"', "--set", f"bus.max_bytes={BUS.max_bytes}"]
+    cmd += ["--set", f'policy.model="{run_dir / "no-model"}"']  # refused before any model is looked at
+    return subprocess.run(cmd, cwd=REPO, env=os.environ, capture_output=True, text=True, timeout=90)
+
+
+async def test_a_second_learner_refuses_and_a_dead_ones_lease_expires(js, nats_server, tmp_path):
+    run = "leased"
+    await topology.ensure_topology(js, run, BUS)
+    first = Lease(js, run, "first-learner")
+    await first.acquire()
+    halt = asyncio.Event()
+    renewing = asyncio.create_task(first.keep(halt))
+
+    t0 = time.monotonic()
+    with pytest.raises(LeaseHeld, match=r"run 'leased' already has a learner \(first-learner"):
+        await Lease(js, run, "second-learner").acquire()
+    assert time.monotonic() - t0 < topology.LEASE_TTL_S  # refused once a renewal was seen, not after the TTL
+
+    # the real command, while the first renews: exit 2, one line naming the holder
+    proc = await asyncio.to_thread(learner_cmd, nats_server.url, run, tmp_path / "run2")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    refusals = [line for line in proc.stderr.splitlines() if "already has a learner" in line]
+    assert len(refusals) == 1 and "first-learner" in refusals[0], proc.stderr[-3000:]
+    assert not (tmp_path / "run2" / "learner").exists()  # nothing written for the refused one
+
+    # killed: renewals stop, nothing released; the next learner waits for the TTL and takes it
+    halt.set()
+    await renewing
+    t0 = time.monotonic()
+    third = Lease(js, run, "resumed-learner")
+    await third.acquire()
+    waited = time.monotonic() - t0
+    assert 0 < waited <= topology.LEASE_TTL_S + 3, waited
+    with pytest.raises(LeaseLost, match="was lost"):
+        await first.renew()  # a stale first learner would stop here, before moving the weights key back
+    await third.release()
+    await Lease(js, run, "next").acquire()  # released: taken at once
+
+
+async def test_a_fresh_start_refuses_an_older_runs_streams_unless_reset(js, nats_server, tmp_path):
+    run = "reused"
+    await topology.ensure_topology(js, run, BUS)
+    await publish(js, run, "tasks", Task(task_id=f"{run}-g000000", run=run, item_id="item-0", n=2))
+
+    proc = await asyncio.to_thread(learner_cmd, nats_server.url, run, tmp_path / "run")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "older learner's streams" in line]
+    assert len(lines) == 1 and "PARLEY_reused_TASKS holds 1 messages" in lines[0], proc.stderr[-3000:]
+    assert "--reset-streams" in lines[0]
+    # the refused learner released its lease: the next one need not wait
+    await Lease(js, run, "check").acquire()
+
+    with pytest.raises(LeaseHeld, match="older learner's streams"):
+        await check_fresh_streams(js, run, reset=False)
+    await check_fresh_streams(js, run, reset=True)
+    assert (await js.stream_info(topology.stream_name(run, "tasks"))).state.messages == 0
+    await check_fresh_streams(js, run, reset=False)  # nothing left to refuse
