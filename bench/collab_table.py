@@ -22,12 +22,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parley.evaluation.benchmark import METRICS, Table, item_values, paired_stats, summarize  # noqa: E402
+from parley.evaluation.benchmark import (  # noqa: E402
+    METRICS,
+    Table,
+    flags,
+    item_values,
+    paired_stats,
+    summarize,
+)
 
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 # lower is better for tokens (k); higher for the others
-LOWER_BETTER = {"tokens_k"}
-TOKEN_WEIGHT = 0.1  # MR = BLEU + interactivity - 0.1 x tokens (k) (docs/benchmark.md)
 TIE_EPS = 1e-9
 # The rubric's grid: three criteria of 0..3 levels, summed and divided by 9. Under rubric_expected a
 # conversation's value is an expectation, so exact ties are rare; the rounded ties say how often the
@@ -72,31 +77,6 @@ def table_json(table: Table) -> list[dict]:
             }
         )
     return rows
-
-
-def flags(table: Table) -> dict:
-    """Which arm wins each metric; for each arm against the baseline, how much of MR's difference is the
-    token term's (-0.1 x d tokens) and whether it dominates (more than half of a positive MR gain)."""
-    wins = {}
-    for m in table.metrics:
-        best = (min if m in LOWER_BETTER else max)(table.rows, key=lambda r: r.means[m])
-        wins[m] = best.condition
-    token = {}
-    for r in table.rows:
-        if not r.diffs or "mr" not in r.diffs:
-            continue
-        d_mr = r.diffs["mr"].mean_diff
-        tok = -TOKEN_WEIGHT * r.diffs["tokens_k"].mean_diff
-        rest = r.diffs["bleu"].mean_diff + r.diffs["interactivity"].mean_diff
-        token[r.condition] = {
-            "mr_diff": d_mr,
-            "token_term": tok,
-            "bleu_plus_interactivity": rest,
-            "token_share": tok / d_mr if d_mr != 0 else math.nan,
-            "dominated_by_tokens": bool(d_mr > 0 and tok > 0.5 * d_mr),
-        }
-    arms = {r.condition: [m for m, c in wins.items() if c == r.condition] for r in table.rows}
-    return {"wins_by_metric": wins, "metrics_won_by_arm": arms, "mr_token_term": token}
 
 
 def leakage(eval_dir: Path) -> dict:

@@ -162,6 +162,9 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     early_stop_alpha: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.05  # one-sided paired t test level of that regression
     eval_wait_s: Annotated[float, Meta(ge=0.0)] = 3600.0  # after the last step, how long to wait for the queued evals
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)  # [learner.lora]; off by default
+    # optimizer updates per step: the step's groups split in order into this many mini-batches of whole
+    # groups, each its own loss and optimizer step (verl's ppo_mini_batch_size = groups_per_step / this)
+    updates_per_step: Positive = 1
 
     def __post_init__(self) -> None:
         if 0 < self.dual_clip <= 1:
@@ -204,6 +207,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"[learner] oversample_groups={self.oversample_groups} with stale_policy={self.stale_policy!r}: an "
                 "extra group that comes back when no earlier one was skipped lags more than max_staleness and "
                 'would be trained; set stale_policy = "drop" or oversample_groups = 0'
+            )
+        if self.groups_per_step % self.updates_per_step:
+            raise ValueError(
+                f"[learner] updates_per_step={self.updates_per_step} must divide groups_per_step="
+                f"{self.groups_per_step}: every update trains a mini-batch of as many whole groups; "
+                "set updates_per_step to a divisor of groups_per_step"
             )
         if self.publish_every > self.max_staleness + 1:
             raise ValueError(

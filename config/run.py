@@ -41,6 +41,9 @@ class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # run name: prefixes every subject, stream and bucket
     name: Annotated[str, msgspec.Meta(pattern=RUN_NAME.pattern, description="use 1-64 of A-Z a-z 0-9 _ -")] = "local"
     dir: str = ""  # run directory; "" = runs/<name>
+    # a named preset (deploy/configs/recipes/<name>.toml, e.g. "verl-collabllm") laid over the embedded
+    # default and under the file that names it: the file's keys and --set win (docs/recipe.md); "" = none
+    recipe: str = ""
 
 
 class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -333,13 +336,48 @@ def load_config(path: str | Path | None = None, overrides: list[Override] | None
     path = Path(path) if path else default
     data: dict = {}
     origin: Origin = {}
+    top = translate(read_toml(path), str(path))
+    # a recipe ([run] recipe, named by the file or an override) goes over the embedded default and
+    # under the file: the file's own keys and the overrides win (docs/recipe.md)
+    name = recipe_named(top, overrides or [])
+    recipe = [(translate(recipe_data(name, str(path)), f"recipe {name}"), f"recipe {name}")] if name else []
     if path.resolve() != default.resolve():
-        _lay_over(data, translate(read_toml(default), str(default)), origin, str(default))
-    _lay_over(data, translate(read_toml(path), str(path)), origin, str(path))
+        layers = [(translate(read_toml(default), str(default)), str(default)), *recipe, (top, str(path))]
+    else:
+        layers = [(top, str(path)), *recipe]
+    for layer, source in layers:
+        _lay_over(data, layer, origin, source)
     for o in overrides or []:
         text, source = o if isinstance(o, tuple) else (o, "")
         apply_override(data, text, origin, source)
     return convert_config(data, source=str(path), origin=origin)
+
+
+def recipes_dir() -> Path:
+    return Path(str(resources.files("parley.deploy") / "configs" / "recipes"))
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.toml"))
+
+
+def recipe_data(name: str, source: str = "<config>") -> dict:
+    """The settings recipe `name` fixes, as a TOML document (deploy/configs/recipes/NAME.toml)."""
+    if name not in recipe_names():
+        raise ConfigError(
+            f'{source}: run.recipe = {name!r}: no such recipe; use one of {recipe_names()} (or "" for none)'
+        )
+    return tomllib.loads((recipes_dir() / f"{name}.toml").read_text())
+
+
+def recipe_named(top: dict, overrides: list[Override]) -> str:
+    """The recipe a config file (`top`) and its overrides name; the last override naming one wins."""
+    named: dict = {"run": {"recipe": top.get("run", {}).get("recipe", "")}}
+    for o in overrides:
+        text = o[0] if isinstance(o, tuple) else o
+        if renamed_key(text.partition("=")[0].strip()) == "run.recipe":
+            apply_override(named, text)
+    return named["run"]["recipe"]
 
 
 def convert_config(data: dict, source: str = "<config>", origin: Origin | None = None) -> RunConfig:

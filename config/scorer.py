@@ -12,7 +12,7 @@ from msgspec import Meta
 
 from parley.engines.config import ServiceBackend
 from parley.rewards.extract import EXTRACTORS
-from parley.rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES
+from parley.rewards.metrics import BLEU_VARIANTS, INTERACTIVITY_SCALES, ExtractQuotes, TokenAmount
 
 
 class JudgeConfig(ServiceBackend, kw_only=True, forbid_unknown_fields=True):
@@ -65,6 +65,12 @@ class ScorerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     audit_min_agreement: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.8
     audit_window: Annotated[int, Meta(ge=1)] = 200
     audit_min_samples: Annotated[int, Meta(ge=1)] = 20
+    # how token_amount is counted (rewards.metrics.TokenAmount): "assistant_tokens_k" (the paper's,
+    # assistant tokens / 1000) | "future_words" (verl's recipe: words after the dataset prefix, unscaled)
+    token_amount: TokenAmount = "assistant_tokens_k"
+    # the extracted document's double quotes for BLEU (rewards.metrics.ExtractQuotes): "keep" | "single"
+    # (every " written ', as verl's recipe asks its extracting judge; applied here after extraction)
+    extract_quotes: ExtractQuotes = "keep"
 
     def __post_init__(self) -> None:
         if self.bleu_variant not in BLEU_VARIANTS:

@@ -69,6 +69,13 @@ def up_cmd(
             help="Environment to train, by entry-point name (overrides env.name; e.g. hidden_goal). Without --config, the environment's preset is laid over the embedded default (before --set).",
         ),
     ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe",
+            help="A named preset of training settings (overrides run.recipe; e.g. verl-collabllm, docs/recipe.md): laid over the embedded default, under --config FILE's own keys; --set wins.",
+        ),
+    ] = None,
     resume: Annotated[
         Path | None,
         typer.Option(
@@ -82,6 +89,8 @@ def up_cmd(
     if resume is not None:
         config = resume_source(resume, config, run_dir, env)
         run_dir = resume.resolve()
+    if recipe is not None:
+        extra.append((f'run.recipe="{recipe}"', f"--recipe {recipe}"))
     if env is not None:
         extra.append((f'env.name="{env}"', f"--env {env}"))
     if steps is not None:

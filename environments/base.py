@@ -33,6 +33,9 @@ class Conversation:
     messages: Sequence[ChatMessage]
     reference: str = ""
     assistant_tokens: int = 0
+    # index of the first message the policy's sample added (the dataset prefix and system prompt come
+    # before it); a metric that counts only what the sample added reads it (0 on a Finished without it)
+    new_from: int = 0
 
 
 # ---- task source -----------------------------------------------------------------------------

@@ -21,12 +21,16 @@ from parley.protocol.messages import JudgeReply, Task
 from parley.rewards.extract import EXTRACTORS, last_document
 from parley.rewards.metrics import (
     BLEU_VARIANTS,
+    EXTRACT_QUOTES,
     INTERACTIVITY_SCALES,
+    TOKEN_AMOUNTS,
+    future_words,
     interactivity_from_3level,
     interactivity_from_distribution,
     interactivity_from_levels,
-    token_amount,
+    quoted,
 )
+from parley.rewards.metrics import token_amount as tokens_k  # the parameter token_amount names the variant
 from parley.rewards.reward import default_weights, mr
 from parley.tasks.data import SIM_PROMPT, Item, load_items, split_items, task_from_item, train_eval_items
 
@@ -34,12 +38,26 @@ NAME = "collabllm_medium"
 
 # The options that say how CollabLLM is scored. A run sets them in [scorer] (bleu_variant, extract,
 # interactivity; `parley replay --scoring` names sets of them), and config/run.py passes them here.
-SCORING_OPTIONS = ("bleu_variant", "extract", "interactivity")
+SCORING_OPTIONS = ("bleu_variant", "extract", "interactivity", "token_amount", "extract_quotes")
 # Named scoring variants (`parley replay --scoring NAME`): the [scorer] settings they fix. "collabllm" is
 # the paper's scoring: character BLEU as NLTK computes it, the 3-level interactivity judge, and the
-# document copied out by the judge. Token amount is the same in both (docs/rewards.md).
+# document copied out by the judge, assistant tokens in thousands. "verl-collabllm" is verl's recipe
+# (docs/recipe.md): character BLEU, the three-criteria rubric, words after the dataset prefix.
 SCORING_VARIANTS: dict[str, dict[str, str]] = {
-    "collabllm": {"bleu_variant": "char", "interactivity": "3level", "extract": "judge"},
+    "collabllm": {
+        "bleu_variant": "char",
+        "interactivity": "3level",
+        "extract": "judge",
+        "token_amount": "assistant_tokens_k",
+        "extract_quotes": "keep",
+    },
+    "verl-collabllm": {
+        "bleu_variant": "char",
+        "interactivity": "rubric",
+        "extract": "judge",
+        "token_amount": "future_words",
+        "extract_quotes": "single",
+    },
 }
 
 
@@ -50,7 +68,7 @@ def _leakage_keys(item: Item) -> Mapping[str, str]:
 
 def _tokens_k(metrics: Mapping[str, float], record: Finished) -> float:
     # the table's tokens (k) come from the record's own assistant tokens, not the (futures-averaged) metric
-    return token_amount(record.assistant_tokens)
+    return tokens_k(record.assistant_tokens)
 
 
 def _mr(metrics: Mapping[str, float], record: Finished) -> float:
@@ -95,15 +113,26 @@ def _document(conv: Finished, replies: Mapping[str, JudgeReply]) -> str:
     return replies["extract"].document if "extract" in replies else last_document(conv.messages)
 
 
-def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interactivity: str = "rubric") -> Environment:
+def environment(
+    bleu_variant: str = "sacrebleu",
+    extract: str = "judge",
+    interactivity: str = "rubric",
+    token_amount: str = "assistant_tokens_k",
+    extract_quotes: str = "keep",
+) -> Environment:
     """CollabLLM medium, scored as [scorer] says: `bleu_variant` sacrebleu | char; `extract` judge (the
     judge copies the document out) | last_document (rewards/extract.py, no judge call); `interactivity`
     rubric (levels 0..3 on three criteria) | rubric_expected (the same rubric, each criterion's expected
-    level under the judge's own distribution over the level tokens) | 3level (CollabLLM's 1 / 0.5 / 0)."""
+    level under the judge's own distribution over the level tokens) | 3level (CollabLLM's 1 / 0.5 / 0);
+    `token_amount` assistant_tokens_k (assistant tokens / 1000) | future_words (the words after the
+    dataset prefix, user and assistant, as verl's recipe counts them); `extract_quotes` keep | single
+    (the document's double quotes written as single ones before BLEU, as verl's recipe asks its judge)."""
     for name, value, allowed in (
         ("bleu_variant", bleu_variant, tuple(BLEU_VARIANTS)),
         ("extract", extract, EXTRACTORS),
         ("interactivity", interactivity, tuple(INTERACTIVITY_SCALES)),
+        ("token_amount", token_amount, TOKEN_AMOUNTS),
+        ("extract_quotes", extract_quotes, EXTRACT_QUOTES),
     ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} not allowed; use one of {allowed}")
@@ -111,10 +140,10 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
     weights = default_weights()
 
     def bleu_of_reply(reply: JudgeReply, conv: Finished) -> float:
-        return bleu_fn(reply.document, conv.reference)
+        return bleu_fn(quoted(reply.document, extract_quotes), conv.reference)
 
     def bleu_of_draft(conv: Finished) -> float:
-        return bleu_fn(last_document(conv.messages), conv.reference)
+        return bleu_fn(quoted(last_document(conv.messages), extract_quotes), conv.reference)
 
     def rubric(reply: JudgeReply, conv: Finished) -> float:
         return interactivity_from_levels(reply.levels)  # the levels are the verdict, not reply.score
@@ -131,6 +160,12 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
         else PureMetric("bleu", compute=bleu_of_draft, weight=weights["bleu"])
     )
     inter_op = INTERACTIVITY_SCALES[interactivity]
+
+    def amount(conv: Finished) -> float:
+        if token_amount == "future_words":
+            return future_words(m.content for m in conv.messages[getattr(conv, "new_from", 0) :])
+        return tokens_k(conv.assistant_tokens)
+
     inter_value = {"rubric": rubric, "rubric_expected": rubric_expected, "3level": three_level}[interactivity]
 
     return Environment(
@@ -148,11 +183,7 @@ def environment(bleu_variant: str = "sacrebleu", extract: str = "judge", interac
             metrics=(
                 bleu,
                 JudgeMetric("interactivity", op=inter_op, value=inter_value, weight=weights["interactivity"]),
-                PureMetric(
-                    "token_amount",
-                    compute=lambda conv: token_amount(conv.assistant_tokens),
-                    weight=weights["token_amount"],
-                ),
+                PureMetric("token_amount", compute=amount, weight=weights["token_amount"]),
             ),
             document=_document,
         ),

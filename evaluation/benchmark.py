@@ -209,6 +209,67 @@ def summarize(
     return Table(baseline=baseline, metrics=list(metrics), rows=rows)
 
 
+LOWER_BETTER = {"tokens_k"}  # the columns where less is better
+TOKEN_WEIGHT = 0.1  # MR = BLEU + interactivity - 0.1 x tokens (k) (rewards.reward.mr)
+_MR_TERMS = ("bleu", "interactivity", "tokens_k", "mr")
+DOMINANT_SHARE = 0.5  # a positive MR gain is flagged when more than this share of it is the token term
+
+
+def flags(table: Table) -> dict:
+    """Which arm wins each metric; for each arm against the baseline, how much of MR's difference is the
+    token term's (-0.1 x d tokens) and whether it dominates (more than half of a positive MR gain: a gain
+    bought by writing less, not by better documents or more interaction)."""
+    wins = {}
+    for m in table.metrics:
+        best = (min if m in LOWER_BETTER else max)(table.rows, key=lambda r: r.means[m])
+        wins[m] = best.condition
+    token = {}
+    for r in table.rows:
+        if not all(m in r.diffs for m in _MR_TERMS):
+            continue
+        d_mr = r.diffs["mr"].mean_diff
+        tok = -TOKEN_WEIGHT * r.diffs["tokens_k"].mean_diff
+        rest = r.diffs["bleu"].mean_diff + r.diffs["interactivity"].mean_diff
+        token[r.condition] = {
+            "mr_diff": d_mr,
+            "token_term": tok,
+            "bleu_plus_interactivity": rest,
+            "token_share": tok / d_mr if d_mr != 0 else math.nan,
+            "dominated_by_tokens": bool(d_mr > 0 and tok > DOMINANT_SHARE * d_mr),
+        }
+    arms = {r.condition: [m for m, c in wins.items() if c == r.condition] for r in table.rows}
+    return {"wins_by_metric": wins, "metrics_won_by_arm": arms, "mr_token_term": token}
+
+
+def flags_markdown(table: Table) -> str:
+    """`flags` as text under the table: each metric's winner and, where the table has MR and its terms,
+    MR's difference to the baseline split into BLEU + interactivity and the token term, flagged where
+    the token term dominates a gain. "" for a table with one condition."""
+    if len(table.rows) < 2:
+        return ""
+    f = flags(table)
+    wins = ", ".join(
+        f"{LABELS.get(m, m)} `{c}`" + (" (lowest)" if m in LOWER_BETTER else "") for m, c in f["wins_by_metric"].items()
+    )
+    lines = [f"Best mean of each metric: {wins}."]
+    if f["mr_token_term"]:
+        lines += [
+            "",
+            f"MR's difference to `{table.baseline}` by term (token term = -{TOKEN_WEIGHT:g} x d tokens (k)):",
+            "",
+            "| condition | MR diff | BLEU + interactivity | token term | token share | flag |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for cond, t in f["mr_token_term"].items():
+            share = "nan" if math.isnan(t["token_share"]) else f"{100 * t['token_share']:.0f}%"
+            flag = "MR gain dominated by the token term" if t["dominated_by_tokens"] else ""
+            lines.append(
+                f"| {cond} | {_signed(t['mr_diff'])} | {_signed(t['bleu_plus_interactivity'])} "
+                f"| {_signed(t['token_term'])} | {share} | {flag} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def _num(x: float, digits: int = 4) -> str:
     if math.isnan(x):
         return "nan"

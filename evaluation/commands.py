@@ -6,6 +6,7 @@ or through a fleet of actors and scorers (evaluation/fleet.py), and `report` wri
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ class InProcess:
 async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None) -> int:
     """`parley replay` after its options: re-judge (`judge`) or re-weight the records (and those of the
     run's stored `stream`), print the table and write it to `out`. The exit code."""
-    from parley.evaluation.benchmark import METRICS, summarize, to_markdown, write_table
+    from parley.evaluation.benchmark import METRICS, flags_markdown, summarize, to_markdown, write_table
     from parley.evaluation.evallog import (
         as_records,
         read_stream,
@@ -92,6 +93,8 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
         _err(f"parley replay: {e}")
         return 2
     _out(to_markdown(table))
+    if text := flags_markdown(table):
+        _out(text)
     weights = ", ".join(f"{k}={v:g}" for k, v in sc.weights.items())
     scales = sc.interactivity if judge else "/".join(sorted({stored_interactivity_scale(r) for r in records}))
     _out(
@@ -258,7 +261,7 @@ def report(records, missing, expected: int, baseline: str, out, env=None) -> int
     """Write the records, the per-conversation report of what was not scored, and the table of what was.
     Exit 0 with a table (some conversations may be unscored, each named); 3 when nothing was scored:
     no table then, and no traceback, only the reasons."""
-    from parley.evaluation.benchmark import summarize, to_markdown, write_table
+    from parley.evaluation.benchmark import flags, flags_markdown, summarize, to_markdown, write_table
     from parley.evaluation.evallog import write_parquet
     from parley.evaluation.runner import write_unscored
 
@@ -283,7 +286,11 @@ def report(records, missing, expected: int, baseline: str, out, env=None) -> int
         _err(f"parley eval: no table: {e}")
         return 3
     paths = write_table(table, out)
+    paths["flags"] = out / "flags.json"
+    paths["flags"].write_text(json.dumps(flags(table), indent=2, allow_nan=True) + "\n")
     _out(to_markdown(table))
+    if text := flags_markdown(table):
+        _out(text)
     _out(f"wrote {path}, {unscored_path}, " + ", ".join(str(p) for p in paths.values()))
     return 0
 

@@ -18,7 +18,7 @@ from parley.learner.feeder import Feeder
 from parley.learner.groups import Grouper, Taken, behaviour_logprobs
 from parley.learner.intake import Intake
 from parley.learner.runstate import RunState
-from parley.learner.steplog import StepLog
+from parley.learner.steplog import PHASES, StepLog
 from parley.learner.watchers import Evals
 from parley.protocol import arrays, codec, topology
 from parley.protocol.bus import dead_letter, retry_unreachable
@@ -69,7 +69,6 @@ class Stepper:
             await self.refuse_step(taken, {}, failed=failed)
             return True
         st.phase = "busy"
-        samples = self.samples(taken)
         # The attempt is durable before the step may kill the process (an OOM, a CUDA fault, the
         # kernel's OOM killer): otherwise every resume would take the same groups first, for ever.
         st.in_step = [t.group for t in taken]
@@ -77,7 +76,7 @@ class Stepper:
             st.attempts[t.group.task_id] += 1
         await self.intake.flush()
         try:
-            stats = await asyncio.to_thread(self.driver.train_step, samples)
+            trained, stats, refused, refused_stats, untried = await self.train(taken)
         except BaseException as e:
             # The trainer's state after a failure inside its step is not known (gradients of some
             # micro-batches may be accumulated), so the process ends here, and a resume starts from
@@ -102,8 +101,11 @@ class Stepper:
         st.in_step, st.step_error = [], ""
         for t in taken:
             st.attempts.pop(t.group.task_id, None)
-        if stats.get("skipped"):
-            await self.refuse_step(taken, stats)
+        if refused:  # an update the trainer did not apply: its groups refused, the later ones untried
+            self.grouper.untake(untried)
+            await self.refuse_step(refused, refused_stats)
+        taken = trained
+        if not taken:
             return True
         admitted_at = st.step  # the version the groups were trained against
         st.step += 1
@@ -169,6 +171,24 @@ class Stepper:
         self.wait_since = time.monotonic()
         st.phase = "ready"
         return True
+
+    async def train(self, taken: list[Taken]) -> tuple[list[Taken], dict, list[Taken], dict, list[Taken]]:
+        """Train the step's groups in `updates_per_step` optimizer updates, each on a mini-batch of whole
+        groups in their order with a loss of its own (verl's ppo_mini_batch_size); advantages are each
+        group's, so the split changes none. Stops at an update the trainer did not apply (not finite).
+        Returns the groups trained and the step's stats (merged over the updates), then the refused
+        mini-batch with its stats and the groups after it, not tried."""
+        size = -(-len(taken) // self.lc.updates_per_step)
+        minis = [taken[i : i + size] for i in range(0, len(taken), size)]
+        trained: list[Taken] = []
+        per_update: list[dict] = []
+        for i, mini in enumerate(minis):
+            stats = await asyncio.to_thread(self.driver.train_step, self.samples(mini))
+            if stats.get("skipped"):
+                return trained, merge_updates(per_update), mini, stats, [t for later in minis[i + 1 :] for t in later]
+            trained += mini
+            per_update.append(stats)
+        return trained, merge_updates(per_update), [], {}, []
 
     async def refuse_step(self, taken: list[Taken], stats: dict, failed: int = 0) -> None:
         """The trainer did not apply a step (its loss or gradient norm was not finite), or a step over
@@ -297,6 +317,33 @@ TRAIN_LIVE = {
     "publish_s": "publish_s",
     "checkpoint_s": "checkpoint_s",
 }
+
+
+# the trainer's stats (learner.trainer.Trainer.train_step) that add up over a step's updates; of the
+# others, *_max take the largest, LAST the last update's, the rest the mean weighted by trained tokens
+_SUMMED = ("tokens", "trained_tokens", "sequences", "micro_batches", "train_s", *PHASES)
+_LAST = ("lr", "cache_released_gib", "reserved_gib")
+
+
+def merge_updates(per_update: list[dict]) -> dict:
+    """One step's stats from those of its optimizer updates; "updates" counts them."""
+    if len(per_update) <= 1:
+        return {**(per_update[0] if per_update else {}), "updates": float(len(per_update))}
+    out: dict = {}
+    weights = [u.get("trained_tokens", 1.0) for u in per_update]
+    for key in dict.fromkeys(k for u in per_update for k in u):
+        values = [(u[key], w) for u, w in zip(per_update, weights) if key in u]
+        if key in _SUMMED:
+            out[key] = sum(v for v, _ in values)
+        elif key in _LAST:
+            out[key] = values[-1][0]
+        elif key.endswith("_max") or key == "peak_allocated_gib":
+            out[key] = max(v for v, _ in values)
+        else:
+            out[key] = sum(v * w for v, w in values) / max(sum(w for _, w in values), 1e-12)
+    out["tokens_per_s"] = out["tokens"] / out["train_s"] if out.get("train_s") else 0.0
+    out["updates"] = float(len(per_update))
+    return out
 
 
 def live_counters(metrics: dict) -> dict[str, float]:

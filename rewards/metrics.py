@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 import sys
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Literal, get_args
 
 
 def bleu(document: str, reference: str) -> float:
@@ -83,6 +84,32 @@ BLEU_VARIANTS: dict[str, Callable[[str, str], float]] = {
 def token_amount(n_assistant_tokens: int) -> float:
     """Assistant tokens over the whole conversation, in thousands (the "tokens_k" metric)."""
     return n_assistant_tokens / 1000.0
+
+
+def future_words(contents: Iterable[str]) -> float:
+    """Whitespace-separated words of these messages, user and assistant alike, unscaled: what verl's
+    CollabLLM recipe calls token_amount (recipe/collabllm/metrics/token_amount.py counts the words of
+    every message after the dataset prompt: the trained turn and its future)."""
+    return float(sum(len(c.split()) for c in contents))
+
+
+# [scorer] token_amount: how the token_amount metric is counted. "assistant_tokens_k": the policy's
+# assistant tokens over 1000 (CollabLLM's paper: assistant tokens in thousands); "future_words": the words
+# of the conversation after the dataset prefix, unscaled (verl's recipe; at weight -0.1 and a clamp of
+# the weighted term to [-1, 1] it saturates for any reply of ten words or more, docs/recipe.md).
+TokenAmount = Literal["assistant_tokens_k", "future_words"]
+TOKEN_AMOUNTS = get_args(TokenAmount)
+
+# [scorer] extract_quotes: the document BLEU compares as extracted ("keep"), or with every double quote
+# written as a single one ("single"): verl's recipe tells its extracting judge to do so
+# (recipe/collabllm/metrics/bleu_score.py) and compares the result with the untouched reference.
+ExtractQuotes = Literal["keep", "single"]
+EXTRACT_QUOTES = get_args(ExtractQuotes)
+
+
+def quoted(document: str, quotes: str) -> str:
+    """`document` as [scorer] extract_quotes says BLEU sees it."""
+    return document.replace('"', "'") if quotes == "single" else document
 
 
 INTERACTIVITY_KEYS = ("understanding", "clarification", "suggestions")

@@ -26,8 +26,9 @@ def default_weights() -> dict[str, float]:
 
 
 # What an honest scorer can produce for each metric: BLEU and the rubric score are fractions;
-# token_amount is thousands of assistant tokens (a million would be far beyond any context).
-METRIC_RANGES = {"bleu": (0.0, 1.0), "interactivity": (0.0, 1.0), "token_amount": (0.0, 1000.0)}
+# token_amount is thousands of assistant tokens, or words ([scorer] token_amount = "future_words"):
+# a million of either would be far beyond any context.
+METRIC_RANGES = {"bleu": (0.0, 1.0), "interactivity": (0.0, 1.0), "token_amount": (0.0, 1e6)}
 MAX_WEIGHT = 1e6  # |weight| beyond this is no reward design, only an overflow waiting to happen
 
 

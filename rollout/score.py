@@ -37,6 +37,15 @@ def conversations(traj: Trajectory) -> list[tuple[list[ChatMessage], int]]:
     return [(list(traj.messages) + list(f.messages), traj.assistant_tokens + f.assistant_tokens) for f in traj.futures]
 
 
+def new_from(traj: Trajectory) -> int:
+    """Index of the trajectory's first message its sample added: next_turn mode plays one turn after the
+    prefix (the last message of the trajectory, its futures after it); conversation mode starts after
+    the opening user message, so the first assistant message."""
+    if traj.mode == "next_turn":
+        return max(0, len(traj.messages) - 1)
+    return next((i for i, m in enumerate(traj.messages) if m.role == "assistant"), len(traj.messages))
+
+
 def _checked(reply: JudgeReply, op: str, traj_id: str) -> JudgeReply:
     if not reply.ok:
         raise JudgeFailed(
@@ -96,7 +105,7 @@ async def _judge_one(
     ]
     for op, reply in replies.items():
         _checked(reply, op, traj.traj_id)
-    conv = Conversation(messages=messages, reference=traj.reference, assistant_tokens=tokens)
+    conv = Conversation(messages=messages, reference=traj.reference, assistant_tokens=tokens, new_from=new_from(traj))
     try:
         metrics = reward.evaluate(conv, replies)
     except ValueError as e:

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from parley.config.run import ConfigError, default_config_path, load_config
+from parley.config.run import ConfigError, default_config_path, load_config, recipe_data
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,7 +116,10 @@ def test_every_shipped_config_loads_and_keeps_the_default_where_it_is_silent(nam
     path = REPO / "deploy" / "configs" / name
     cfg = msgspec.to_builtins(load_config(path))
     default = dict(_leaves(msgspec.to_builtins(load_config(default_config_path()))))
-    written = {k for k, _ in _leaves(tomllib.loads(path.read_text()))}
+    data = tomllib.loads(path.read_text())
+    written = {k for k, _ in _leaves(data)}
+    if recipe := data.get("run", {}).get("recipe"):  # the recipe's keys are the file's (docs/recipe.md)
+        written |= {k for k, _ in _leaves(recipe_data(recipe))}
     # what the environment fills in from other keys ([scorer] weights, [env] options, sim_prompt, eval_metric)
     derived = ("env.", "scorer.weights", "rollout.sim_prompt", "learner.eval_metric")
     silent = {

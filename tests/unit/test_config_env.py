@@ -18,7 +18,13 @@ def test_the_embedded_default_is_collabllm_scored_as_its_scorer_section_says():
     cfg = load_config()
     assert cfg.env.name == "collabllm_medium"
     # default.toml's [scorer]: the embedded judge cannot copy documents out (docs/rewards.md)
-    assert cfg.env.options == {"bleu_variant": "char", "extract": "last_document", "interactivity": "rubric_expected"}
+    assert cfg.env.options == {
+        "bleu_variant": "char",
+        "extract": "last_document",
+        "interactivity": "rubric_expected",
+        "token_amount": "assistant_tokens_k",
+        "extract_quotes": "keep",
+    }
     assert cfg.scorer.weights == {"bleu": 1.0, "interactivity": 1.0, "token_amount": -0.1}
     assert (cfg.rollout.sim_prompt, cfg.learner.eval_metric) == ("lazy_full", "mr")
     env = cfg.env.load()

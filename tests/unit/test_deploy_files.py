@@ -281,7 +281,9 @@ def test_reference_run_file_is_the_design_reference():
     assert cfg.sim.backend == "openai" and cfg.judge.backend == "openai"
     assert "9B" in cfg.sim.model_name.upper() and "27B" in cfg.judge.model_name.upper()
     assert (cfg.learner.groups_per_step, cfg.rollout.n, cfg.learner.lr, cfg.learner.kl_coef) == (16, 8, 1e-6, 0.001)
-    assert (cfg.rollout.max_tokens, cfg.rollout.max_new_turns, cfg.learner.zero_stage) == (4096, 14, 2)
+    # the recipe's trained turn (verl's data.max_response_length); the eval plays 14 messages
+    assert (cfg.rollout.max_tokens, cfg.rollout.max_new_turns, cfg.learner.zero_stage) == (2048, 14, 2)
+    assert cfg.run.recipe == "verl-collabllm" and cfg.rollout.mode == "next_turn"
 
 
 def kustomize(folder: Path) -> list[dict]:

@@ -43,7 +43,7 @@ def test_an_honest_sample_passes():
         ({"bleu": 0.5}, {"bleu": 1.0}, INF, "total reward inf is not finite"),
         ({"bleu": NAN}, {"bleu": 1.0}, 0.5, "metric bleu=nan is not finite"),
         ({"bleu": 7.0}, {"bleu": 1.0}, 0.5, "metric bleu=7.0 is outside [0, 1]"),
-        ({"token_amount": -1.0}, {"token_amount": -0.1}, 0.1, "outside [0, 1000]"),
+        ({"token_amount": -1.0}, {"token_amount": -0.1}, 0.1, "outside [0, 1e+06]"),
         ({"bleu": 0.5}, {"bleu": INF}, 0.5, "weight bleu=inf"),
         ({"bleu": 0.5}, {"bleu": 1.0}, 1e30, "exceeds what its metrics and weights can reach"),
         ({"custom": NAN}, {"custom": 1.0}, 0.0, "metric custom=nan is not finite"),
