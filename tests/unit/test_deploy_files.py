@@ -482,10 +482,16 @@ def test_k8s_kustomization_renders():
     assert {"ConfigMap", "Deployment", "StatefulSet", "Job", "PersistentVolumeClaim"} <= kinds
 
 
-def test_k8s_manifests_pass_kubernetes_validate():
-    kv = pytest.importorskip("kubernetes_validate")
-    for d in kustomize(K8S):
-        kv.validate(d, "1.30.0", strict=True)
+@pytest.mark.parametrize("version", ["1.30.0", "1.37.0"])
+def test_k8s_manifests_pass_kubernetes_validate(version):
+    """Every rendered manifest against the Kubernetes schema of the oldest and the newest release we
+    name, strict (no field the schema does not know); kubernetes-validate is in the test extra."""
+    import kubernetes_validate as kv
+
+    docs = kustomize(K8S)
+    assert docs
+    for d in docs:
+        kv.validate(d, version, strict=True)
 
 
 def test_the_slurm_cleanup_waits_for_a_draining_role_within_grace(tmp_path):
