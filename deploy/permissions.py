@@ -75,6 +75,7 @@ def _verify_topology(run: str) -> list[str]:
         f"{API}.STREAM.INFO.{_kv_stream(run)}",
         f"{API}.STREAM.INFO.{_held_stream(run)}",
         f"{API}.STREAM.INFO.{_obj_stream(run)}",
+        f"{API}.STREAM.INFO.{_lease_stream(run)}",  # the learner's lease KV is part of the run's topology
     ]
     return subjects
 
