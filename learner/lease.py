@@ -5,13 +5,16 @@ does not inherit an older run's streams. learner.service's `main` calls both.
 The key is created only if absent (KV create), so of two learners one wins; the other refuses with
 one line naming the holder. A holder renews it (KV update on the revision it holds, so a lost lease
 is noticed: the revision is its fencing token) every TTL / 4; one that was killed stops renewing and
-the bucket's TTL removes the key, so a --resume after a kill waits at most LEASE_TTL_S.
+the bucket's TTL removes the key, so a --resume after a kill waits at most LEASE_TTL_S; on the host
+where the killed learner ran (its holder name is host-pid) the key is taken over at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
@@ -32,6 +35,26 @@ class LeaseHeld(LeaseError):
 
 class LeaseLost(RuntimeError):
     """The lease this learner held was taken by another (it could not renew for a whole TTL)."""
+
+
+def holder_name() -> str:
+    """Who holds the lease: this host and process (learner.service writes it into the key)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _died_here(holder: str) -> bool:
+    """True when `holder` names a process of this host that no longer exists (a learner killed here,
+    then resumed here). Another host's holder, or one whose process lives, is waited for."""
+    host, _, pid = holder.rpartition("-")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 class Lease:
@@ -66,6 +89,15 @@ class Lease:
             except (KeyNotFoundError, NotFoundError):
                 continue  # expired or released between the two calls
             holder = (entry.value or b"").decode(errors="replace")
+            if _died_here(holder):
+                # its process is gone from this host: take the key over now (delete on the revision seen,
+                # so a renewal that raced in wins) rather than wait out the TTL
+                try:
+                    await self._kv.delete(LEASE_KEY, last=entry.revision)
+                    log.warning("run %s: learner %s no longer runs on this host; taking its lease", self.run, holder)
+                except KeyWrongLastSequenceError:
+                    pass
+                continue
             if seen is None:
                 seen = entry.revision
                 log.warning(

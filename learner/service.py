@@ -283,7 +283,7 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
     """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps; 2 when
     another learner holds the run (learner.lease) or a fresh start meets an older run's streams."""
     from parley.engines.models import ensure_model
-    from parley.learner.lease import Lease, LeaseError, check_fresh_streams
+    from parley.learner.lease import Lease, LeaseError, check_fresh_streams, holder_name
     from parley.learner.ranks import Driver
     from parley.learner.trainer import Trainer
     from parley.runtime.role import role_connection
@@ -293,7 +293,7 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
         nc,
         js,
     ):
-        lease = Lease(js, cfg.run.name, f"{socket.gethostname()}-{os.getpid()}")
+        lease = Lease(js, cfg.run.name, holder_name())
         try:  # before anything is loaded or written: a second learner leaves the run as it is
             await lease.acquire()
             if not resume:

@@ -86,3 +86,32 @@ async def test_a_fresh_start_refuses_an_older_runs_streams_unless_reset(js, nats
     await check_fresh_streams(js, run, reset=True)
     assert (await js.stream_info(topology.stream_name(run, "tasks"))).state.messages == 0
     await check_fresh_streams(js, run, reset=False)  # nothing left to refuse
+
+
+async def test_a_lease_of_a_learner_that_died_on_this_host_is_taken_at_once(js, tmp_path):
+    """A resume on the host where the learner was killed need not wait out the TTL: the holder's name
+    (host-pid) names a process that no longer exists there. One that still runs is waited for."""
+    import socket
+
+    from parley.learner.lease import holder_name
+
+    run = "died"
+    await topology.ensure_topology(js, run, BUS)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = Lease(js, run, f"{socket.gethostname()}-{gone.pid}")
+    await dead.acquire()  # killed: it never renews nor releases
+    t0 = time.monotonic()
+    await Lease(js, run, holder_name()).acquire()
+    assert time.monotonic() - t0 < 3.0  # not the TTL's 15 s
+
+    run = "alive"
+    await topology.ensure_topology(js, run, BUS)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        await Lease(js, run, f"{socket.gethostname()}-{live.pid}").acquire()  # alive, but not renewing
+        t0 = time.monotonic()
+        await Lease(js, run, holder_name()).acquire()
+        assert time.monotonic() - t0 >= topology.LEASE_TTL_S - 1  # waited for the key to expire
+    finally:
+        live.kill()
