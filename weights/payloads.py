@@ -19,6 +19,7 @@ Which medium carries the bytes is the transport's (weights.registry). A publish 
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import math
@@ -45,16 +46,16 @@ class WeightsBroken(RuntimeError):
     """A version failed to load and the served weights could not be put back: the actor must stop."""
 
 
-class Payload:
+class Payload(abc.ABC):
     """One kind of payload. `publish`: take `version` now (before the next step changes it) and hand
     its upload and announcement to the publisher; False when it was not published (a GPU buffer
     still held). `load`: load the announced `wv` into the follower's engine."""
 
-    async def publish(self, w: Weights, version: int, write_now: bool) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def publish(self, w: Weights, version: int, write_now: bool) -> bool: ...
 
-    async def load(self, f: WeightFollower, wv: WeightVersion) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def load(self, f: WeightFollower, wv: WeightVersion) -> bool: ...
 
 
 def for_config(settings, adapter: bool) -> Payload:
@@ -103,8 +104,8 @@ class _Files(Payload):
             return f.refuse(wv, f"announcement refused: {problem}", None)
         return await self.load_into(f, wv, f.dest_root / f"v{wv.version:06d}-{wv.sha256[:12]}")
 
-    async def load_into(self, f: WeightFollower, wv: WeightVersion, dest: Path) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def load_into(self, f: WeightFollower, wv: WeightVersion, dest: Path) -> bool: ...
 
 
 class Full(_Files):
@@ -395,8 +396,8 @@ class _Gpu(Payload):
     `submit` packs and hands the announcement to the publisher, False when every buffer is still
     held (then Weights.retry_held calls it again once one may be written)."""
 
-    async def submit(self, w: Weights, version: int, files: asyncio.Future | None = None) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def submit(self, w: Weights, version: int, files: asyncio.Future | None = None) -> bool: ...
 
 
 class GpuWeights(_Gpu):
