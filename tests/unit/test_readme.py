@@ -37,3 +37,12 @@ def test_command_list_is_the_cli():
 def test_short_enough_to_read_in_two_minutes():
     words = len(re.sub(r"```.*?```", "", README, flags=re.S).split())
     assert words < 1000, words
+
+
+def test_ci_runs_the_readmes_test_command():
+    """The second of the README's two commands is the one .ci/run runs, word for word."""
+    section = README.split("## Two commands", 1)[1].split("##", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert [b.strip() for b in blocks] == ["make run", "make test"]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert blocks[1].strip() in ci
