@@ -183,3 +183,24 @@ class EngineDouble:
             raise
         self.ended[data] = "done"
         return self.reply(data)
+
+
+def eval_record(condition: str, item: str, bleu: float, inter: float, tokens: int):
+    """An EvalRecord of one item under `condition` with the CollabLLM metrics and its assistant tokens."""
+    from parley.protocol.messages import ChatMessage, EvalRecord
+
+    return EvalRecord(
+        eval_id=f"{condition}/{item}/0",
+        condition=condition,
+        item_id=item,
+        model=f"model-{condition}",
+        system_prompt="",
+        sim_prompt="lazy_full",
+        sim_model="sim",
+        judge_model="judge",
+        seed=0,
+        messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")],
+        reference="ref",
+        assistant_tokens=tokens,
+        metrics={"bleu": bleu, "interactivity": inter},
+    )

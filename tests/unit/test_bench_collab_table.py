@@ -11,25 +11,7 @@ import pytest
 
 from bench import collab_table
 from parley.evaluation.benchmark import summarize
-from parley.protocol.messages import ChatMessage, EvalRecord
-
-
-def record(condition, item, bleu, inter, tokens):
-    return EvalRecord(
-        eval_id=f"{condition}/{item}/0",
-        condition=condition,
-        item_id=item,
-        model=f"model-{condition}",
-        system_prompt="",
-        sim_prompt="lazy_full",
-        sim_model="sim",
-        judge_model="judge",
-        seed=0,
-        messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")],
-        reference="ref",
-        assistant_tokens=tokens,
-        metrics={"bleu": bleu, "interactivity": inter},
-    )
+from tests.factories import eval_record as record
 
 
 def fixture_table():

@@ -9,26 +9,7 @@ import pytest
 
 from parley.evaluation.benchmark import flags, flags_markdown, summarize
 from parley.evaluation.commands import report
-from parley.protocol.messages import ChatMessage, EvalRecord
-
-
-def record(condition, item, bleu, inter, tokens):
-    return EvalRecord(
-        eval_id=f"{condition}/{item}/0",
-        condition=condition,
-        item_id=item,
-        model=f"model-{condition}",
-        system_prompt="",
-        sim_prompt="lazy_full",
-        sim_model="sim",
-        judge_model="judge",
-        seed=0,
-        messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")],
-        reference="ref",
-        assistant_tokens=tokens,
-        metrics={"bleu": bleu, "interactivity": inter},
-    )
-
+from tests.factories import eval_record as record
 
 # "short" only writes 1000 fewer tokens an item (+0.1 MR, all of it the token term); "better" gains
 # 0.2 BLEU an item and writes 500 more tokens (-0.05 MR from the token term)
