@@ -10,6 +10,8 @@ import platform
 import time
 from pathlib import Path
 
+from parley.engines.models import MODEL_SHAPES
+
 
 def run(coro_fn, *args):
     """(result, seconds) of `coro_fn(*args)` on uvloop, or asyncio where uvloop is missing."""
@@ -33,7 +35,16 @@ def report(title: str, details: str, seconds: float, table: str, data, json_path
 
 
 # Qwen3 shapes for GPU benches built from a config with random weights (no hub on the GPU machine;
-# random init runs at the speed of trained weights). "mini" is for tests: seconds to build on a CPU.
+# random init runs at the speed of trained weights): the published ones are engines.models' (one home
+# for a model's shape); "mini" is for tests: seconds to build on a CPU.
+_LAYOUT = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 QWEN3_SHAPES = {
     "mini": dict(
         hidden_size=64,
@@ -43,22 +54,10 @@ QWEN3_SHAPES = {
         num_key_value_heads=2,
         head_dim=32,
     ),
-    "0.6b": dict(
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-    ),
-    "4b": dict(
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-    ),
+    **{
+        size: {k: MODEL_SHAPES[f"Qwen/Qwen3-{hub}"][k] for k in _LAYOUT}
+        for size, hub in (("0.6b", "0.6B"), ("4b", "4B"))
+    },
 }
 QWEN3_VOCAB = 151936
 # The word-level tokenizer's vocabulary: "t<id>" for every id but these, which keep Qwen3's own ids for
