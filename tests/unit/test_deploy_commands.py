@@ -7,6 +7,7 @@ port) and, where it has its own network, the metrics port it serves."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -91,6 +92,7 @@ def slurm_commands() -> list[tuple[str, list[str], str]]:
 _MODELS = re.compile(r"/models/([A-Za-z0-9._-]+)")
 
 
+@functools.cache
 def _models_root() -> Path:
     """A folder standing in for the deployments' /models volume: each model named there as a
     directory with a minimal transformers config.json (the start checks read model_type)."""
