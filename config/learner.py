@@ -178,14 +178,15 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "the optimizer state of ZeRO stages 1-3 only; set zero_stage = 2 (one GPU: the same "
                 'mixed-precision Adam) or offload_optimizer = "none"'
             )
-        if self.lora.enabled and self.compile == "layers":
+        if self.lora.enabled and self.compile == "layers" and self.kl_coef > 0:
             # peft swaps every targeted Linear for a LoRA layer holding a dict of adapters and a
-            # disable flag the reference flips per forward: a compiled layer guards on that state and
-            # recompiles, so compiled layers give no speed here and have not been checked for equal log-probs
+            # disable flag the KL reference flips per forward: a compiled layer guards on that state and
+            # recompiles at every flip. Without a KL term nothing flips it, and compiled LoRA layers
+            # give the eager ones' log-probs and gradients (tests/e2e/test_learner_compile.py)
             raise ValueError(
-                '[learner] compile = "layers" with [learner.lora] enabled is not supported: the '
-                "reference flips the adapters off per forward, which a compiled layer would "
-                'recompile for; set compile = "auto" (off with LoRA) or "off"'
+                f'[learner] compile = "layers" with [learner.lora] enabled and kl_coef = {self.kl_coef}: the '
+                "KL reference flips the adapters off per forward, which a compiled layer would "
+                'recompile for; set kl_coef = 0, or compile = "auto" (off with LoRA) or "off"'
             )
         if self.eval_metric.lower() in TRAINING_REWARD_NAMES:  # whatever the environment, with the reason
             raise ValueError(f"eval_metric {self.eval_metric}: {REWARD_REFUSED}")

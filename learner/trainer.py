@@ -291,7 +291,10 @@ class Trainer:
         self._packed = None  # pack_versions's weights.gpu_delta.PackedVersions on rank 0, built at its first call
         if self.peft is not None and cfg.kl_coef > 0 and reference == "local":
             self.reference = model
-        self.compiled = compile_layers(model, "off" if self.peft is not None else cfg.compile, device, cfg.zero_stage)
+        # With LoRA only an explicit "layers" compiles (config.learner allows it without a KL reference,
+        # which would flip the adapters per forward); "auto" stays off until measured on a GPU
+        mode = cfg.compile if self.peft is None or cfg.compile == "layers" else "off"
+        self.compiled = compile_layers(model, mode, device, cfg.zero_stage)
         model.config.use_cache = False
         if cfg.gradient_checkpointing in (True, "auto"):  # "auto" unresolved by `parley up`: on, the safe side
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

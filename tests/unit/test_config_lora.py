@@ -15,9 +15,12 @@ def test_lora_needs_actors_that_load_adapters_of_its_rank():
     )
 
 
-def test_lora_refuses_compiled_layers_with_the_reason():
-    with pytest.raises(Exception, match="compile"):
-        load_config(None, ["learner.lora.enabled=true", "learner.compile=layers"])
+def test_lora_refuses_compiled_layers_beside_a_kl_reference_with_the_reason():
+    with pytest.raises(Exception, match="kl_coef = 0.01: the KL reference flips the adapters"):
+        load_config(None, ["learner.lora.enabled=true", "learner.compile=layers", "learner.kl_coef=0.01"])
+    # no KL term: nothing flips the adapters, compiled layers are allowed
+    cfg = load_config(None, ["learner.lora.enabled=true", "learner.compile=layers", "learner.kl_coef=0"])
+    assert cfg.learner.compile == "layers"
 
 
 def test_lora_is_off_by_default():
