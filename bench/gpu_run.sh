@@ -115,6 +115,9 @@ T)
             --set "actor.engine.model=\"$MODEL\"" --set "policy.model=\"$MODEL\"" ${EXTRA[@]+"${EXTRA[@]}"}
         python3 -m parley.deploy.cli report "$RUN" >/dev/null 2>&1 && cp "$RUN/report/gpu.png" "$OUT/gpu_4b_s$S.png"
         python3 bench/gpu_summary.py "$RUN" --json "$OUT/summary_4b_s$S.json" | head -c 1500
+        # the learner's per-step phases (forward, backward, readback, optimizer, release) live in the
+        # metrics: a few hundred KB, kept so a step's time can be taken apart after the lease
+        cp "$RUN/metrics.jsonl" "$OUT/metrics_4b_s$S.jsonl" 2>/dev/null
         grep -h -i -E "refused|out of memory|OutOfMemory|not published|recompile_limit" "$RUN"/logs/*.log | head -n 20 \
             >>"$OUT/problems_4b.log"
     done
