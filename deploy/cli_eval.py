@@ -402,6 +402,7 @@ def eval_cmd(
         dry_run(cfg, notes=notes)
     if proto is not None:
         typer.echo(f"parley eval: {protocols.describe(proto, conds, baseline, len(held))}", err=True)
+        protocols.write_record(proto, conds, baseline, len(held), out)
     setup_logging("eval")
     if follow:
         from parley.evaluation.commands import follow as follow_versions

@@ -6,8 +6,11 @@ any work starts; docs/benchmark.md gives the table that tests/unit/test_eval_pro
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from parley.evaluation.runner import Condition
 from parley.tasks.data import system_prompt_text
@@ -142,6 +145,24 @@ def describe(p: Protocol, conditions: Sequence[Condition], baseline: str, n_item
         f"{p.assistant_max_tokens} tokens per assistant turn, thinking {_shown(p.enable_thinking)}, "
         f"{n_items} items (one per reference document) x {p.seeds} seed(s); arms {arms}; baseline {baseline}"
     )
+
+
+PROTOCOL_FILE = "protocol.json"
+
+
+def write_record(p: Protocol, conditions: Sequence[Condition], baseline: str, n_items: int, out) -> Path:
+    """OUT/protocol.json beside the table: the protocol a table was measured under, so a reader of the
+    directory (or of a table copied out of it) can tell the card's benchmark from another setting."""
+    path = Path(out) / PROTOCOL_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        **dataclasses.asdict(p),
+        "n_items": n_items,
+        "baseline": baseline,
+        "arms": [{"name": c.name, "model": c.model, "system_prompt": c.system_prompt_file} for c in conditions],
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
 
 
 def check_n(n: int, available: int, source: str, asked: str = "") -> None:

@@ -8,6 +8,7 @@ the simulator and the judge (the card's 14 messages of 4096 tokens are too slow 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -205,3 +206,10 @@ def test_parley_eval_with_the_card_protocol_plays_the_arms_and_prints_the_winner
     assert "Best mean of each metric:" in out.output
     assert re.search(r"\| v50 \| .*\| MR gain dominated by the token term \|", out.output), out.output
     assert (tmp_path / "flags.json").is_file() and (tmp_path / "table.md").is_file()
+    record = json.loads((tmp_path / "protocol.json").read_text())
+    assert record["name"] == "card" and record["n_items"] == 2 and record["max_new_turns"] == 14
+    assert [(a["name"], a["model"], a["system_prompt"]) for a in record["arms"]] == [
+        ("base", "tiny", ""),
+        ("v50", "smol", ""),
+        ("proact", "tiny", "proact"),
+    ]
