@@ -237,7 +237,7 @@ def eval_cmd(
         int | None,
         typer.Option(
             "--n-items",
-            help="Use the first N eval items (default: all; --protocol card: 100); more than there are is refused.",
+            help="Use the first N eval items (0 or left out: all; --protocol card: 100); more than there are is refused.",
         ),
     ] = None,
     seeds: Annotated[
@@ -380,10 +380,13 @@ def eval_cmd(
         train, held = eval_items(cfg.data, items, env)
         if not held:
             raise ValueError("no eval items: pass --items FILE, or set [data] eval_path or eval_fraction > 0")
-        if n_items is not None:
-            if n_items < 1:
-                raise ValueError(f"--n-items {n_items}: expected N >= 1 (leave it out for all eval items)")
-            protocols.check_n(n_items, len(held), f"--items {items}" if items else "the eval split of [data]", asked)
+        if n_items is not None and n_items < 0:
+            raise ValueError(f"--n-items {n_items}: expected N >= 0 (0 or left out: all eval items)")
+        if n_items:
+            # --follow is the periodic eval's child: its [learner] eval_items is "at most", as it always was
+            if not follow:
+                source = f"--items {items}" if items else "the eval split of [data]"
+                protocols.check_n(n_items, len(held), source, asked)
             held = held[:n_items]
         # the learner's guard (learner.service), over the environment's leakage keys (a dry run writes nothing)
         guard_environment(env.tasks, train, held, allow_overlap or cfg.data.allow_overlap, None if dry else out)

@@ -113,6 +113,11 @@ def test_the_command_checks_n_against_the_deduplicated_items_before_work(tmp_pat
     assert out.exit_code == 2 and "--max-new-turns 10 conflicts with --protocol card (14)" in out.output
     out = cli("-C", "base=tiny", "--n-items", "40", "--dry-run")  # without a protocol too: no silent shortfall
     assert out.exit_code == 2 and "--n-items 40: the eval split of [data] holds 15 eval items" in out.output
+    out = cli("-C", "base=tiny", "--n-items", "0", "--dry-run")  # 0: all of them, as before
+    assert out.exit_code == 0 and "on 15 held-out items" in out.output, out.output
+    # the periodic eval's child: [learner] eval_items is "at most" (a run is not stopped at its first eval)
+    out = cli("--follow", "--services", "nats", "--n-items", "40", "--dry-run")
+    assert out.exit_code == 0 and "on 15 held-out items" in out.output, out.output
     out = cli("--protocol", "card", "-C", "base=tiny", "-C", "v50=tiny", "--n-items", "4", "--dry-run")
     assert out.exit_code == 0, out.output
     assert "# eval: conditions base, v50, proact on 4 held-out items" in out.output
