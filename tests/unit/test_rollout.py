@@ -543,3 +543,7 @@ def test_a_next_turn_sample_is_judged_with_its_conversation_once_per_future(tok)
     for _, messages in judge.seen:
         assert messages[: len(main)] == main and len(messages) == len(main) + 2
         assert [m.role for m in messages[len(main) :]] == ["user", "assistant"]
+    # the recipe's token_amount counts the words the sample added: the trained turn ("Who is it for?", 4)
+    # and each future's own two messages (4), not the conversation a second time
+    scored = asyncio.run(score_trajectory(traj, judge, ScorerConfig(token_amount="future_words")))
+    assert scored.metrics["token_amount"] == 8.0
