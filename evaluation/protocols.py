@@ -89,8 +89,13 @@ def apply(
     the baseline's model. Raises ValueError with a one-line message naming the value and the fix."""
     for key, value in given.items():
         if value is not None and value != getattr(p, key):
+            if isinstance(value, bool):  # a switch: name the one given, "--thinking", not "on"
+                given_text = ("--" if value else "--no-") + FLAGS[key].split("/")[0].removeprefix("--")
+                own = f"{FLAGS[key].split('/')[0].removeprefix('--')} {_shown(getattr(p, key))}"
+            else:
+                given_text, own = f"{FLAGS[key]} {_shown(value)}", _shown(getattr(p, key))
             raise ValueError(
-                f"{FLAGS[key]} {_shown(value)} conflicts with --protocol {p.name} ({_shown(getattr(p, key))}); "
+                f"{given_text} conflicts with --protocol {p.name} ({own}); "
                 f"leave it out, or drop --protocol to run other settings"
             )
     if baseline is not None and baseline != p.baseline:

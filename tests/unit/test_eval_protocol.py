@@ -69,7 +69,7 @@ def test_the_arms_are_base_the_versions_and_proact_on_the_base_model():
 
 REFUSED = [
     (dict(max_new_turns=10), ["base=m"], None, None, "--max-new-turns 10 conflicts with --protocol card (14)"),
-    (dict(enable_thinking=True), ["base=m"], None, None, "--thinking/--no-thinking on conflicts with"),
+    (dict(enable_thinking=True), ["base=m"], None, None, "--thinking conflicts with --protocol card (thinking off)"),
     (dict(sim_prompt="cooperative"), ["base=m"], None, None, "--user-sim-prompt 'cooperative' conflicts with"),
     ({}, ["v50=ckpt"], None, None, "needs the base model as -C base=MODEL (conditions given: ['v50'])"),
     ({}, ["base=m", "proact=m,system_prompt=proactive"], None, None, "adds the 'proact' arm itself"),
