@@ -224,24 +224,42 @@ def eval_cmd(
     items: Annotated[
         str | None, typer.Option("--items", help="Eval items file (default: the config's eval split).")
     ] = None,
+    protocol: Annotated[
+        str | None,
+        typer.Option(
+            "--protocol",
+            help="A named benchmark that fixes the settings and the arms: card = the CollabLLM model card's "
+            "(the simulator opens, 14 messages, 4096 tokens, lazy_full, thinking off, n = 100; arms -C base=MODEL, "
+            "any -C versions, and proact added on the base model; docs/benchmark.md).",
+        ),
+    ] = None,
     n_items: Annotated[
-        int, typer.Option("--n-items", help="Use the first N eval items (0 = all; the reference uses 100).")
-    ] = 0,
-    seeds: Annotated[int, typer.Option("--seeds", help="Simulator seeds per item, the same for every condition.")] = 1,
+        int | None,
+        typer.Option(
+            "--n-items",
+            help="Use the first N eval items (0 or left out: all; --protocol card: 100); more than there are is refused.",
+        ),
+    ] = None,
+    seeds: Annotated[
+        int | None, typer.Option("--seeds", help="Simulator seeds per item, the same for every condition (default 1).")
+    ] = None,
     sim_prompt: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--user-sim-prompt",
             help="lazy_full | lazy_summary | cooperative (default: the environment's; an environment with a programmatic user takes none).",
         ),
-    ] = "",
-    max_tokens: Annotated[int, typer.Option("--assistant-max-tokens", help="Tokens per assistant turn.")] = 4096,
+    ] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option("--assistant-max-tokens", help="Tokens per assistant turn (default 4096).")
+    ] = None,
     max_new_turns: Annotated[
-        int, typer.Option("--max-new-turns", help="Messages (user and assistant) per conversation.")
-    ] = 14,
+        int | None, typer.Option("--max-new-turns", help="Messages (user and assistant) per conversation (default 14).")
+    ] = None,
     thinking: Annotated[
-        bool, typer.Option("--thinking/--no-thinking", help="Chat-template thinking for the policy.")
-    ] = False,
+        bool | None,
+        typer.Option("--thinking/--no-thinking", help="Chat-template thinking for the policy (default off)."),
+    ] = None,
     temperature: Annotated[
         float | None,
         typer.Option(
@@ -297,6 +315,8 @@ def eval_cmd(
             "--follow reads its versions from standard input and plays them through the NATS services: "
             "leave out -C and pass --services nats",
         )
+    if follow and protocol:
+        _fail("eval", "--follow plays the periodic eval's versions under [rollout]; leave out --protocol")
     if not follow and not conditions:
         _fail("eval", "no condition: pass -C name=MODEL_OR_CHECKPOINT (repeatable), or --follow")
     conditions = conditions or []
@@ -304,6 +324,28 @@ def eval_cmd(
         env = cfg.env.load()
     except ValueError as e:
         _fail("eval", str(e))
+    from parley.evaluation import protocols
+
+    fixed = dict(
+        sim_prompt=sim_prompt,
+        max_new_turns=max_new_turns,
+        assistant_max_tokens=max_tokens,
+        enable_thinking=thinking,
+        seeds=seeds,
+    )
+    proto = None
+    if protocol is not None:
+        try:
+            proto = protocols.protocol(protocol)
+        except ValueError as e:
+            _fail("eval", str(e))
+        if env.name != proto.environment:
+            _fail(
+                "eval",
+                f"--protocol {protocol} is the benchmark of environment {proto.environment!r}; this run's is "
+                f"{env.name!r} (set [env] name, or drop --protocol)",
+            )
+    sim_prompt = sim_prompt or ""
     if sim_prompt and not env.needs_simulator:
         _fail(
             "eval",
@@ -317,15 +359,18 @@ def eval_cmd(
     out = out or cfg.run_dir / ("eval" if follow else "benchmark")
     try:
         conds = [parse_condition(c) for c in conditions]
+        asked = ""
+        if proto is not None:  # the protocol's settings and arms, checked against what was given
+            asked = f"--n-items {n_items}" if n_items is not None else f"--protocol {proto.name} (n = {proto.n_items})"
+            applied = protocols.apply(proto, fixed, conds, baseline, n_items)
+            fixed, conds, baseline, n_items = applied.settings, applied.conditions, applied.baseline, applied.n_items
         names = [c.name for c in conds]
         if baseline is not None and baseline not in names:
             raise ValueError(f"--baseline {baseline!r} is not one of the conditions {names}")
+        defaults = dict(assistant_max_tokens=4096, max_new_turns=14, seeds=1, enable_thinking=False)
         settings = EvalSettings(
-            sim_prompt=sim_prompt,
-            assistant_max_tokens=max_tokens,
-            max_new_turns=max_new_turns,
-            seeds=seeds,
-            enable_thinking=thinking,
+            **{k: defaults[k] if fixed[k] is None else fixed[k] for k in defaults},
+            sim_prompt=fixed["sim_prompt"] or "",
             concurrency=concurrency,
             run=cfg.run.name,
             sampling=cfg.actor.sampling
@@ -333,9 +378,16 @@ def eval_cmd(
             else msgspec.structs.replace(cfg.actor.sampling, temperature=temperature),
         )
         train, held = eval_items(cfg.data, items, env)
-        held = held[:n_items] if n_items > 0 else held
         if not held:
             raise ValueError("no eval items: pass --items FILE, or set [data] eval_path or eval_fraction > 0")
+        if n_items is not None and n_items < 0:
+            raise ValueError(f"--n-items {n_items}: expected N >= 0 (0 or left out: all eval items)")
+        if n_items:
+            # --follow is the periodic eval's child: its [learner] eval_items is "at most", as it always was
+            if not follow:
+                source = f"--items {items}" if items else "the eval split of [data]"
+                protocols.check_n(n_items, len(held), source, asked)
+            held = held[:n_items]
         # the learner's guard (learner.service), over the environment's leakage keys (a dry run writes nothing)
         guard_environment(env.tasks, train, held, allow_overlap or cfg.data.allow_overlap, None if dry else out)
     except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
@@ -346,10 +398,14 @@ def eval_cmd(
     problems = check_models(fields, read_config=False)
     if problems:
         refuse("eval", problems)
+    notes = f"eval: conditions {', '.join(names) or '(--follow)'} on {len(held)} held-out items; out {out}"
+    if proto is not None:
+        notes += "\n" + protocols.describe(proto, conds, baseline, len(held))
     if dry:
-        dry_run(
-            cfg, notes=f"eval: conditions {', '.join(names) or '(--follow)'} on {len(held)} held-out items; out {out}"
-        )
+        dry_run(cfg, notes=notes)
+    if proto is not None:
+        typer.echo(f"parley eval: {protocols.describe(proto, conds, baseline, len(held))}", err=True)
+        protocols.write_record(proto, conds, baseline, len(held), out)
     setup_logging("eval")
     if follow:
         from parley.evaluation.commands import follow as follow_versions

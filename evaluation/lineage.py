@@ -20,6 +20,7 @@ from parley.evaluation.evallog import read_log
 from parley.protocol import arrays
 from parley.protocol.messages import ChatMessage, JudgeOutput, Scored
 from parley.rewards.reward import weighted_terms
+from parley.rollout.score import future_messages
 
 
 class TraceError(LookupError):
@@ -138,11 +139,6 @@ def _msg(m: ChatMessage, width: int) -> str:
     return f"[{m.role}] {_text(m.content, width)}"
 
 
-def _own_messages(main: list[ChatMessage], future: list[ChatMessage]) -> list[ChatMessage]:
-    """A future's messages after the conversation it continues (actors store the whole branch)."""
-    return future[len(main) :] if future[: len(main)] == main else future
-
-
 def _judged(out: JudgeOutput, has_futures: bool) -> str:
     return f"future {out.conversation}" if has_futures else "the conversation"
 
@@ -196,7 +192,7 @@ def render(lin: Lineage, width: int = 300) -> str:
     if t.terminated == "sim_done":
         lines.append(f"  simulator call {sim_calls + 1}: said the user is done (not part of the conversation)")
     for k, f in enumerate(t.futures):
-        own = _own_messages(msgs, list(f.messages))
+        own = future_messages(t, f)
         lines.append(f"future {k} (scored, not trained; {f.assistant_tokens} assistant tokens):")
         for m in own:
             who = "simulator" if m.role == "user" else "policy"

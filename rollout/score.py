@@ -13,7 +13,7 @@ from typing import Protocol
 
 from parley.config.env import default_scored_as
 from parley.environments.base import Conversation, Reward
-from parley.protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
+from parley.protocol.messages import ChatMessage, FutureRollout, JudgeOutput, JudgeReply, Scored, Trajectory
 from parley.rewards.reward import average_futures, total_reward
 from parley.rollout.judge import Judge, JudgeFailed
 
@@ -29,12 +29,23 @@ class ScoringSettings(Protocol):
     clamps: dict[str, list[float]]  # metric -> [low, high]
 
 
+def future_messages(traj: Trajectory, future: FutureRollout) -> list[ChatMessage]:
+    """The messages a future added after the conversation. Actors store each future as its whole
+    branch (a fork of the conversation, then its own messages), so the conversation is cut off here;
+    a future holding only its own messages (built by hand) is taken as it is."""
+    main, own = list(traj.messages), list(future.messages)
+    return own[len(main) :] if main and own[: len(main)] == main else own
+
+
 def conversations(traj: Trajectory) -> list[tuple[list[ChatMessage], int]]:
-    """What gets judged: the conversation itself, or one per sampled future (trajectory + future),
-    each with the assistant tokens it holds."""
+    """What gets judged: the conversation itself, or one per sampled future (the conversation once,
+    then that future's own messages), each with the assistant tokens it holds."""
     if not traj.futures:
         return [(list(traj.messages), traj.assistant_tokens)]
-    return [(list(traj.messages) + list(f.messages), traj.assistant_tokens + f.assistant_tokens) for f in traj.futures]
+    return [
+        (list(traj.messages) + future_messages(traj, f), traj.assistant_tokens + f.assistant_tokens)
+        for f in traj.futures
+    ]
 
 
 def new_from(traj: Trajectory) -> int:

@@ -502,3 +502,48 @@ def test_the_stop_and_cut_lines_are_the_ones_part_ps_breakdown_counts(tok, tmp_p
     _play_within(tok, EngineDouble(tok, ["Who is it for?"]), sim, task(prefix=[]), watch)  # simulator call cut
     counts = peer_compare.step_breakdown([], [r.getMessage() for r in caplog.records])
     assert (counts["conversations_stopped"], counts["generations_cut"], counts["simulator_calls_cut"]) == (1, 1, 1)
+
+
+class RecordingJudgeDouble:
+    """Test double of rollout.judge.Judge: records the messages of every call, answers a fixed verdict."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, list[ChatMessage]]] = []
+
+    async def ask(self, op, messages, *, seed=0):
+        from parley.protocol.messages import JudgeReply
+
+        self.seen.append((op, list(messages)))
+        last = next(m.content for m in reversed(messages) if m.role == "assistant")
+        raw = (
+            f'{{"document": "{last}"}}'
+            if op == "extract"
+            else '{"understanding": 1, "clarification": 1, "suggestions": 1}'
+        )
+        levels = {} if op == "extract" else {"understanding": 1, "clarification": 1, "suggestions": 1}
+        return JudgeReply(ok=True, raw=raw, document=last, levels=levels, model="judge-double")
+
+
+def test_a_next_turn_sample_is_judged_with_its_conversation_once_per_future(tok):
+    """The actor stores each future as the whole branch (the conversation, then its own messages); the
+    judge must see the conversation once, followed by the future's own messages."""
+    from parley.config.scorer import ScorerConfig
+    from parley.rollout.score import conversations, score_trajectory
+
+    prefix = [ChatMessage("user", "help me"), ChatMessage("assistant", "With what?"), ChatMessage("user", "a toast")]
+    engine = EngineDouble(tok, ["Who is it for?", "Draft one.", "Draft two."])
+    sim = SimClientDouble([SimReply(message="my sister"), SimReply(message="my friend")])
+    traj = play(tok, engine, sim, task(mode="next_turn", prefix=prefix, futures=2, future_turns=2))
+    main = list(traj.messages)
+    own = sorted(([m.content for m in conv[len(main) :]] for conv, _ in conversations(traj)))
+    assert own == [["my friend", "Draft two."], ["my sister", "Draft one."]]
+    judge = RecordingJudgeDouble()
+    asyncio.run(score_trajectory(traj, judge, ScorerConfig()))
+    assert len(judge.seen) == 4  # extract and interactivity on each of the 2 futures
+    for _, messages in judge.seen:
+        assert messages[: len(main)] == main and len(messages) == len(main) + 2
+        assert [m.role for m in messages[len(main) :]] == ["user", "assistant"]
+    # the recipe's token_amount counts the words the sample added: the trained turn ("Who is it for?", 4)
+    # and each future's own two messages (4), not the conversation a second time
+    scored = asyncio.run(score_trajectory(traj, judge, ScorerConfig(token_amount="future_words")))
+    assert scored.metrics["token_amount"] == 8.0
