@@ -91,7 +91,9 @@ class AssistantTurn(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class FutureRollout(msgspec.Struct, kw_only=True):
-    """A sampled continuation after the trained turn (next_turn mode), scored only."""
+    """A sampled continuation after the trained turn (next_turn mode), scored only. Actors store the
+    whole branch (the conversation up to and including the trained turn, then the continuation);
+    rollout.score.future_messages takes the continuation's own messages from it."""
 
     messages: list[ChatMessage]
     assistant_tokens: int = 0
