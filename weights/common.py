@@ -195,6 +195,33 @@ def checkpoint_elements(model_dir: Path) -> int:
     return total
 
 
+def extras_sha256(state_dir: Path, extras: list[str]) -> list[str]:
+    """The whole-file sha256 of each extra file of a version (WeightVersion.file_sha256), in order."""
+    return [file_digest(Path(state_dir) / name)[0] for name in extras]
+
+
+def extra_digests(wv: WeightVersion) -> dict[str, str]:
+    """Plain file name -> announced sha256 of each extra file of `wv`; WeightVerifyError when the
+    announcement does not give one for every file (an announcement from before whole-file checksums)."""
+    if len(wv.file_sha256) != len(wv.files):
+        raise WeightVerifyError(
+            f"version {wv.version}: {len(wv.files)} extra files ({', '.join(wv.files)}) but "
+            f"{len(wv.file_sha256)} checksums announced; refused (a learner older than whole-file "
+            "checksums published it: run the learner of this release)"
+        )
+    return {f.rpartition("/")[2]: sha for f, sha in zip(wv.files, wv.file_sha256, strict=True)}
+
+
+def check_extra(wv: WeightVersion, name: str, sha: str, where: Path | str) -> None:
+    """The extra file `name` of `wv`, read as `sha` from `where`, is the one announced, or WeightVerifyError."""
+    want = extra_digests(wv).get(name)
+    if sha != want:
+        raise WeightVerifyError(
+            f"version {wv.version}: {name} at {where} has sha256 {sha[:16]}.., announced "
+            f"{(want or 'none')[:16]}..; refused (changed or corrupted after it was published)"
+        )
+
+
 def verify_file(path: Path, wv: WeightVersion) -> None:
     sha, size = file_digest(path)
     if sha != wv.sha256 or size != wv.bytes:

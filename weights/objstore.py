@@ -38,6 +38,8 @@ from parley.weights.common import (
     WeightStoreTooSmall,
     WeightUnavailable,
     WeightVerifyError,
+    check_extra,
+    extra_digests,
     old_versions,
     plain_name,
     verify_file,
@@ -168,8 +170,14 @@ class Objstore(Transport):
                     f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused"
                 )
             extras.append((obj, plain_name(wv, name)))
+        extra_digests(wv)  # every file announced with its checksum, before any is fetched
         for obj, name in extras:
-            await _get_object(js, run, obj, dest / name)
+            try:
+                sha, _ = await _get_object(js, run, obj, dest / name)
+                check_extra(wv, name, sha, obj)
+            except BaseException:
+                (dest / name).unlink(missing_ok=True)
+                raise
 
     async def prune(self, js, run, settings, keep, current, protect):
         """Delete the objects of old versions (_delete_object), after purging again the chunks of
@@ -222,6 +230,7 @@ class Objstore(Transport):
                     f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused"
                 )
             plain_name(wv, obj.rpartition("/")[2])
+        extra_digests(wv)
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         part = dest / f"{MODEL_FILE}.part"
