@@ -73,9 +73,19 @@ async def test_object_store_and_kv_buckets_have_max_bytes(js, tmp_path):
     with pytest.raises(RuntimeError, match="refused by the server"):
         await objstore._put_object(js, RUN, "v000001/model.safetensors", b"y" * (16 * 1024**2))
     assert await chunk_subjects(js) == {}
-    # the learner's start says so before any training: one version does not fit
+    # the learner's start says so before any training: one version (4 Mi fp32 elements) does not fit
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from parley.config.run import load_config
+    from parley.learner.service import weights_at_start
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": np.zeros(4 * 1024**2, dtype=np.float32)}, str(model / "model.safetensors"))
+    cfg = load_config(None, [f'run.name="{RUN}"', 'learner.dtype="float32"'])
     with pytest.raises(objstore.WeightStoreTooSmall, match="blobs_max_bytes"):
-        await objstore.Objstore().at_start(js, RUN, version_bytes=16 * 1024**2)
+        await weights_at_start(js, cfg, model)
 
     # a KV put beyond its bucket's max_bytes is refused
     kv = await js.key_value(topology.kv_bucket(RUN))
