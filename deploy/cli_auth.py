@@ -71,6 +71,7 @@ async def _topology(stop, cfg, wait: float) -> int:
 
     from nats.js.errors import APIError
 
+    from parley.deploy.common import topology_bus
     from parley.protocol.connect import NatsUnreachable
     from parley.protocol.topology import TopologyError
     from parley.runtime.role import role_connection
@@ -79,7 +80,9 @@ async def _topology(stop, cfg, wait: float) -> int:
     deadline = loop.time() + wait
     while True:
         try:
-            async with role_connection(cfg.nats, name="parley-topology", run=cfg.run.name, bus=cfg.bus, topology=True):
+            async with role_connection(
+                cfg.nats, name="parley-topology", run=cfg.run.name, bus=topology_bus(cfg), topology=True
+            ):
                 break
         except (NatsUnreachable, TopologyError, APIError) as e:
             # A cluster that is still electing its JetStream leader answers 503 for a few seconds.

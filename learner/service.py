@@ -34,7 +34,8 @@ from parley.learner.watchers import Backlog, Evals, Fates
 from parley.protocol import status
 from parley.protocol.bus import COUNTERS, PullWorker
 from parley.protocol.messages import Heartbeat
-from parley.weights import lora
+from parley.weights import lora, registry
+from parley.weights.common import WeightStoreTooSmall, checkpoint_elements
 from parley.weights.publish import Publisher, Weights
 
 log = logging.getLogger("parley.learner")
@@ -279,6 +280,18 @@ def weights_publication(
     )
 
 
+async def weights_at_start(js, cfg: RunConfig, model_dir) -> None:
+    """The weight transport's start (weights.common.Transport.at_start) with the size of one version
+    of whole weights in the learner's dtype (an adapter's is not checked: it is a small share)."""
+    from parley.learner.trainer import resolve_dtype
+
+    nbytes = 0
+    if not cfg.learner.lora.enabled:
+        elements = await asyncio.to_thread(checkpoint_elements, model_dir)
+        nbytes = elements * resolve_dtype(cfg.learner.dtype).itemsize
+    await registry.of(cfg.weights).at_start(js, cfg.run.name, nbytes)
+
+
 async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams: bool = False) -> int:
     """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps; 2 when
     another learner holds the run (learner.lease) or a fresh start meets an older run's streams."""
@@ -306,10 +319,17 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
         keeping = asyncio.create_task(lease.keep(released), name="lease")  # renewed from now on, loading included
         try:
             model_dir = await asyncio.to_thread(ensure_model, cfg.policy.model)
+            try:  # before the model is built: an earlier learner's half-done upload frees its room
+                await weights_at_start(js, cfg, model_dir)
+            except WeightStoreTooSmall as e:
+                log.error("%s", e)
+                return 2
             trainer = await asyncio.to_thread(
                 Trainer, cfg.learner, model_dir, reference=cfg.policy.reference, weights=cfg.weights
             )
             driver = Driver(trainer)
+            if cfg.learner.lora.enabled:  # every base shard hashed once, off the loop (the lease renews meanwhile)
+                await asyncio.to_thread(lora.base_identity, model_dir)
             try:
                 learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
             except (LearnerStateError, ckpt.LedgerError) as e:

@@ -297,6 +297,9 @@ class WeightVersion(msgspec.Struct, kw_only=True):
     # layout (offsets, checksums; weights.cuda_ipc) that its packed delta rebuilds and that an actor
     # keeping a packed copy of what it serves checks it against. [] otherwise.
     packed: list[IpcTensor] = []
+    # sha256 (hex) of each of `files`, in order, of the whole file: an actor refuses a version whose
+    # extra file (config.json, adapter_config.json) differs or has none (weights.common.extra_digests)
+    file_sha256: list[str] = []
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):

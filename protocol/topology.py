@@ -16,7 +16,9 @@ from typing import Annotated, Literal
 import msgspec
 import nats.errors
 from nats.js import api
+from nats.js.client import KV_STREAM_TEMPLATE
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -84,6 +86,13 @@ class BusSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # server cuts off a client whose unsent bytes pass its max_pending (64 MiB, deploy/natsserver.py)
     # as a slow consumer, and 64 slots of 2 MB trajectories would be twice that in one burst.
     fetch_max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024**2
+    # The weights object store's limit (every stored version's files; a put beyond it is refused, so a
+    # learner killed mid-upload cannot fill the server's disk). 0: the set-up command (`parley up`,
+    # `parley auth topology`) derives it from the policy model's size x the versions kept
+    # (deploy.common.topology_bus); DEFAULT_BLOBS_MAX_BYTES where nothing derived it.
+    blobs_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Each KV bucket's limit (the weights announcements, the held counts, the lease): small messages.
+    kv_max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -164,7 +173,12 @@ LEASE_TTL_S = 15.0  # a learner that stops renewing (killed) loses the lease thi
 
 def lease_config(run: str, bus: BusSettings) -> api.KeyValueConfig:
     return api.KeyValueConfig(
-        bucket=lease_bucket(run), history=1, ttl=LEASE_TTL_S, replicas=bus.replicas, storage=api.StorageType.FILE
+        bucket=lease_bucket(run),
+        history=1,
+        ttl=LEASE_TTL_S,
+        replicas=bus.replicas,
+        storage=api.StorageType.FILE,
+        max_bytes=bus.kv_max_bytes,
     )
 
 
@@ -199,6 +213,13 @@ def consumer_config(durable: str, bus: BusSettings) -> api.ConsumerConfig:
         max_deliver=-1,
         max_ack_pending=bus.max_ack_pending,
     )
+
+
+DEFAULT_BLOBS_MAX_BYTES = 4 * 1024**3  # BusSettings.blobs_max_bytes = 0 that nothing derived
+
+
+def blobs_max_bytes(bus: BusSettings) -> int:
+    return bus.blobs_max_bytes or DEFAULT_BLOBS_MAX_BYTES
 
 
 class TopologyError(RuntimeError):
@@ -291,9 +312,20 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
             if create and (have_c is None or _differs(have_c, want, _CONSUMER_FIELDS)):
                 await _manage(f"creating consumer {channel.durable} on {cfg.name}", js.add_consumer(cfg.name, want))
     kv_buckets = (  # the weights announcements; the held KV's counts matter while their message is unsettled
-        api.KeyValueConfig(bucket=kv_bucket(run), history=16, replicas=bus.replicas, storage=api.StorageType.FILE),
         api.KeyValueConfig(
-            bucket=held_bucket(run), history=1, ttl=bus.max_age_s, replicas=bus.replicas, storage=api.StorageType.FILE
+            bucket=kv_bucket(run),
+            history=16,
+            replicas=bus.replicas,
+            storage=api.StorageType.FILE,
+            max_bytes=bus.kv_max_bytes,
+        ),
+        api.KeyValueConfig(
+            bucket=held_bucket(run),
+            history=1,
+            ttl=bus.max_age_s,
+            replicas=bus.replicas,
+            storage=api.StorageType.FILE,
+            max_bytes=bus.kv_max_bytes,
         ),
     )
     if create:  # one learner per run (learner.lease); only the learner uses it, so the others never look it up
@@ -306,7 +338,10 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
                 raise TopologyError(
                     f"KV bucket {kv_config.bucket} does not exist; run `parley auth topology` (admin) first"
                 ) from None
-            await _manage(f"creating KV bucket {kv_config.bucket}", js.create_key_value(kv_config))
+            await _manage(f"creating KV bucket {kv_config.bucket}", js.create_key_value(kv_config), room)
+            continue
+        if create:
+            await _bound_bucket(js, KV_STREAM_TEMPLATE.format(bucket=kv_config.bucket), kv_config.max_bytes, room)
     ob_name = object_bucket(run)
     try:
         await _manage(f"looking up object store {ob_name}", js.object_store(ob_name))
@@ -315,5 +350,22 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
             raise TopologyError(
                 f"object store {ob_name} does not exist; run `parley auth topology` (admin) first"
             ) from None
-        ob_config = api.ObjectStoreConfig(bucket=ob_name, replicas=bus.replicas, storage=api.StorageType.FILE)
-        await _manage(f"creating object store {ob_name}", js.create_object_store(ob_name, config=ob_config))
+        ob_config = api.ObjectStoreConfig(
+            bucket=ob_name, replicas=bus.replicas, storage=api.StorageType.FILE, max_bytes=blobs_max_bytes(bus)
+        )
+        await _manage(f"creating object store {ob_name}", js.create_object_store(ob_name, config=ob_config), room)
+    else:
+        if create:
+            await _bound_bucket(js, OBJ_STREAM_TEMPLATE.format(bucket=ob_name), bus.blobs_max_bytes, room)
+
+
+async def _bound_bucket(js, stream: str, max_bytes: int, room: str) -> None:
+    """A bucket made before it had a limit, or with another one than an explicit `max_bytes`, gets
+    it. 0 (a role whose [bus] nothing derived, deploy.common.topology_bus) accepts any limit the
+    set-up command gave, and gives DEFAULT_BLOBS_MAX_BYTES to a bucket that has none."""
+    have = (await _manage(f"looking up stream {stream}", js.stream_info(stream))).config
+    if not max_bytes:
+        max_bytes = have.max_bytes if (have.max_bytes or -1) > 0 else DEFAULT_BLOBS_MAX_BYTES
+    if have.max_bytes != max_bytes:
+        have.max_bytes = max_bytes
+        await _manage(f"setting max_bytes={max_bytes} on {stream}", js.update_stream(have), room)

@@ -48,6 +48,10 @@ class WeightUnavailable(Exception):
         self.reason = reason
 
 
+class WeightStoreTooSmall(RuntimeError):
+    """The run's weight store cannot hold one version of this learner's weights (a start-up error)."""
+
+
 class VersionConflict(RuntimeError):
     """Another writer changed the weights key between our read and our compare-and-set."""
 
@@ -176,6 +180,48 @@ class ServedVersions:
                 await self._sub.unsubscribe()
 
 
+def checkpoint_elements(model_dir: Path) -> int:
+    """The tensor elements of a checkpoint's *.safetensors files, read from their headers (no weights)."""
+    import json
+    import math
+    import struct
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total
+
+
+def extras_sha256(state_dir: Path, extras: list[str]) -> list[str]:
+    """The whole-file sha256 of each extra file of a version (WeightVersion.file_sha256), in order."""
+    return [file_digest(Path(state_dir) / name)[0] for name in extras]
+
+
+def extra_digests(wv: WeightVersion) -> dict[str, str]:
+    """Plain file name -> announced sha256 of each extra file of `wv`; WeightVerifyError when the
+    announcement does not give one for every file (an announcement from before whole-file checksums)."""
+    if len(wv.file_sha256) != len(wv.files):
+        raise WeightVerifyError(
+            f"version {wv.version}: {len(wv.files)} extra files ({', '.join(wv.files)}) but "
+            f"{len(wv.file_sha256)} checksums announced; refused (a learner older than whole-file "
+            "checksums published it: run the learner of this release)"
+        )
+    return {f.rpartition("/")[2]: sha for f, sha in zip(wv.files, wv.file_sha256, strict=True)}
+
+
+def check_extra(wv: WeightVersion, name: str, sha: str, where: Path | str) -> None:
+    """The extra file `name` of `wv`, read as `sha` from `where`, is the one announced, or WeightVerifyError."""
+    want = extra_digests(wv).get(name)
+    if sha != want:
+        raise WeightVerifyError(
+            f"version {wv.version}: {name} at {where} has sha256 {sha[:16]}.., announced "
+            f"{(want or 'none')[:16]}..; refused (changed or corrupted after it was published)"
+        )
+
+
 def verify_file(path: Path, wv: WeightVersion) -> None:
     sha, size = file_digest(path)
     if sha != wv.sha256 or size != wv.bytes:
@@ -219,6 +265,11 @@ class Transport:
     async def prune(self, js, run: str, settings, keep: int, current: int, protect: set[int]) -> None:
         """Remove stored versions beyond `keep`, never `current` or one in `protect`."""
         raise self._other_family("prune stored files", "nothing: a GPU buffer is reused, not stored")
+
+    async def at_start(self, js, run: str, version_bytes: int) -> None:
+        """The learner's start, before its first publication: what an earlier learner of the run left
+        half done is cleaned up, and a store that cannot hold one version of `version_bytes` (0:
+        unknown) raises WeightStoreTooSmall. Nothing to do for most transports."""
 
     async def upload_delta(self, js, run: str, prefix: str, path: Path, settings) -> tuple[str, str]:
         """Store the delta file `path` beside the version `prefix` just uploaded: (location, sha256)."""

@@ -21,25 +21,65 @@ import time
 from pathlib import Path
 
 from parley.protocol.messages import LoraAdapter, WeightVersion
-from parley.weights.common import MODEL_FILE, announce, fresh_prefix
+from parley.weights.common import MODEL_FILE, announce, extras_sha256, fresh_prefix
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's config of the adapter: rank, alpha, target modules
 ADAPTER_FILE = "adapter_model.safetensors"  # the name vLLM's LoRA loader reads the tensors from
-_HEAD_BYTES = 1 << 20  # of each weight file: its safetensors header and the first tensors' bytes
+# Whole-file digests of base shards already hashed, by (path, size, mtime, ctime): in this process, and
+# in DIGEST_CACHE across processes, so a restarted learner or actor does not read 8 GB again. A file
+# rewritten in place changes its mtime and ctime, and ctime cannot be set back by a user.
+_DIGESTS: dict[tuple[str, int, int, int], str] = {}
+DIGEST_CACHE = "file-sha256.json"
+
+
+def _digest_cache_path() -> Path:
+    base = os.environ.get("PARLEY_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "parley") / DIGEST_CACHE
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of the whole file (streamed), cached by (resolved path, size, mtime_ns, ctime_ns)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in _DIGESTS:
+        return _DIGESTS[key]
+    cache_file = _digest_cache_path()
+    try:
+        cached = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(key[0]) if isinstance(cached, dict) else None
+    if isinstance(entry, list) and len(entry) == 4 and entry[:3] == list(key[1:]) and isinstance(entry[3], str):
+        _DIGESTS[key] = entry[3]
+        return entry[3]
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    _DIGESTS[key] = digest = h.hexdigest()
+    try:  # a cache that cannot be written (read-only home) only costs the next process a re-read
+        cached = cached if isinstance(cached, dict) else {}
+        cached[key[0]] = [*key[1:], digest]
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(cached))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass
+    return digest
 
 
 def base_identity(model_dir: str | Path) -> str:
     """The identity of a base model directory, the same wherever the files lie: sha256 over its
-    config.json (parsed, keys sorted) and, per *.safetensors file by name, its size and its first MiB
-    (the header naming every tensor, then the first tensors' bytes). Cheap at any model size (no full
-    read), and two bases that differ in architecture, layout or weights differ here."""
+    config.json (parsed, keys sorted) and, per *.safetensors file by name, its size and the sha256
+    of the whole file (file_sha256: read once, then cached). Two bases that differ in architecture,
+    layout or any weight byte differ here. Reads every shard the first time (seconds per GB): call
+    it off the event loop."""
     d = Path(model_dir)
     h = hashlib.sha256()
     h.update(json.dumps(json.loads((d / "config.json").read_text()), sort_keys=True).encode())
     for f in sorted(d.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}:".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(_HEAD_BYTES))
+        h.update(f"{f.name}:{f.stat().st_size}:{file_sha256(f)}:".encode())
     return h.hexdigest()[:32]
 
 
@@ -113,6 +153,7 @@ async def publish_adapter(
         raise FileNotFoundError(f"{d} lacks {MODEL_FILE} or {ADAPTER_CONFIG}; write it with write_adapter first")
     extras = sorted(p.name for p in d.iterdir() if p.is_file() and p.name != MODEL_FILE)
     location, sha, size, files = await transport.upload(js, run, fresh_prefix(version), d, extras, settings)
+    file_sha256 = extras_sha256(d, extras)
     wv = WeightVersion(
         version=version,
         step=step,
@@ -123,6 +164,7 @@ async def publish_adapter(
         created=time.time(),
         run=run,
         files=files,
+        file_sha256=file_sha256,
         adapter=LoraAdapter(base=base, rank=rank),
     )
     await announce(js, run, wv)

@@ -35,8 +35,11 @@ from parley.weights.common import (
     MODEL_FILE,
     VERSION_DIR,
     Transport,
+    WeightStoreTooSmall,
     WeightUnavailable,
     WeightVerifyError,
+    check_extra,
+    extra_digests,
     old_versions,
     plain_name,
     verify_file,
@@ -68,6 +71,11 @@ PURGE_MAX_S = 120.0
 # bytes)}, purged again by the next prune of that bucket before anything else. In the module, so that
 # it lasts between the publications of a learner process (the transport object is one for all runs).
 _UNPURGED: dict[str, dict[str, tuple[str, str, int]]] = {}
+
+# A chunk subject that no listed object names (a learner killed during an upload leaves one; nothing
+# else would ever purge it) is an orphan once its newest chunk is this old: an upload that is alive
+# stores a chunk at least every PUT_ACK_S or gives up and purges its own, so the margin is generous.
+ORPHAN_AGE_S = 4 * PUT_ACK_S
 
 
 def chunk_size(js) -> int:
@@ -162,8 +170,14 @@ class Objstore(Transport):
                     f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused"
                 )
             extras.append((obj, plain_name(wv, name)))
+        extra_digests(wv)  # every file announced with its checksum, before any is fetched
         for obj, name in extras:
-            await _get_object(js, run, obj, dest / name)
+            try:
+                sha, _ = await _get_object(js, run, obj, dest / name)
+                check_extra(wv, name, sha, obj)
+            except BaseException:
+                (dest / name).unlink(missing_ok=True)
+                raise
 
     async def prune(self, js, run, settings, keep, current, protect):
         """Delete the objects of old versions (_delete_object), after purging again the chunks of
@@ -177,6 +191,7 @@ class Objstore(Transport):
             infos = await list_objects(js, bucket)
         except NotFoundError:
             return
+        await purge_orphans(js, bucket)
         live = [i for i in infos if not i.deleted]
         old = old_versions([VERSION_DIR.match(i.name) for i in live], keep, current, protect)
         for info in live:
@@ -190,6 +205,20 @@ class Objstore(Transport):
                     COUNTERS["weights.prune_failed"] += 1
                     log.warning("pruning %s: %s", info.name, e)
 
+    async def at_start(self, js, run, version_bytes):
+        """Orphan chunks of an earlier learner purged (purge_orphans); the store's max_bytes checked
+        against one version (the learner then needs room for it beside the kept ones)."""
+        bucket = topology.object_bucket(run)
+        await purge_orphans(js, bucket)
+        limit = (await js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=bucket))).config.max_bytes or -1
+        if version_bytes and 0 < limit < version_bytes:
+            raise WeightStoreTooSmall(
+                f"the weights object store {bucket} holds at most {limit} bytes (its max_bytes) but one version "
+                f"of this policy is about {version_bytes} bytes: set [bus] blobs_max_bytes to at least "
+                f"{version_bytes} x ([learner] keep_versions + 2) (or 0 to derive it) and run "
+                "`parley auth topology` (admin) or `parley up` again"
+            )
+
     async def fetch(self, js, run, wv, dest, settings, rehash):
         """The files are written into `dest` (created); the received bytes are hashed as they are
         written and checked against the announcement, so the file on disk is the learner's
@@ -201,6 +230,7 @@ class Objstore(Transport):
                     f"version {wv.version}: extra object {obj!r} is not beside {wv.location!r}; refused"
                 )
             plain_name(wv, obj.rpartition("/")[2])
+        extra_digests(wv)
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         part = dest / f"{MODEL_FILE}.part"
@@ -419,6 +449,52 @@ async def _purge_left(js, store, bucket: str) -> None:
         del left[chunks]
     if left == {}:
         _UNPURGED.pop(bucket, None)
+
+
+async def purge_orphans(js, bucket: str, min_age_s: float | None = None) -> int:
+    """Purge every chunk subject of `bucket` that no live (not deleted) object names and whose newest
+    chunk is at least `min_age_s` old: what a learner killed during an upload, or during a delete
+    whose purge never came, left behind (the in-memory _UNPURGED dies with that process). Called at
+    the learner's start (Objstore.at_start) and by every prune. The chunk subjects are listed first
+    and the objects after, so an upload that stores its meta in between is seen as live; one still
+    sending chunks is younger than min_age_s. Failures are logged and counted (weights.prune_failed):
+    the next prune tries again. Returns the number of subjects purged. min_age_s: ORPHAN_AGE_S."""
+    min_age_s = ORPHAN_AGE_S if min_age_s is None else min_age_s
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    prefix = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj="")
+    try:
+        subjects = (await js.stream_info(stream, subjects_filter=prefix + ">")).state.subjects or {}
+        live = {i.nuid for i in await list_objects(js, bucket) if not i.deleted}
+    except NotFoundError:
+        return 0
+    except (TimeoutError, NatsTimeoutError, APIError) as e:
+        COUNTERS["weights.prune_failed"] += 1
+        log.warning(
+            "listing the chunks of %s for orphans failed (%s: %s); tried at the next prune", bucket, type(e).__name__, e
+        )
+        return 0
+    purged = 0
+    for chunks, count in subjects.items():
+        if chunks.removeprefix(prefix) in live:
+            continue
+        try:
+            last = await js.get_last_msg(stream, chunks, direct=True)
+        except NotFoundError:  # purged meanwhile
+            continue
+        age = (datetime.now(UTC) - last.time).total_seconds() if last.time else float("inf")
+        if age < min_age_s:
+            continue
+        try:
+            await _purge_chunks(js, bucket, chunks, count * len(last.data or b""))
+        except (TimeoutError, NatsTimeoutError, APIError) as e:
+            COUNTERS["weights.prune_failed"] += 1
+            log.warning(
+                "purging orphan chunks %s failed (%s: %s); tried at the next prune", chunks, type(e).__name__, e
+            )
+            continue
+        log.info("purged %d orphan chunks (%s, no object names them, the newest %.0f s old)", count, chunks, age)
+        purged += 1
+    return purged
 
 
 async def _get_object(js, run: str, name: str, out: Path) -> tuple[str, int]:

@@ -368,7 +368,7 @@ class Adapter(_Files):
         """Checked against this engine's base and rank limit, fetched and verified, then loaded beside
         the base under a new adapter id (the base is not reloaded). Adapters of older versions stay
         loaded while conversations use them (the actor drops them)."""
-        problem = f.adapter_problem(wv)
+        problem = await asyncio.to_thread(f.adapter_problem, wv)  # the first one hashes the base's files
         if problem:
             return f.refuse(wv, f"adapter refused: {problem}", None)
         try:
@@ -518,7 +518,7 @@ class AdapterGpu(_Gpu):
         tensors out of the buffer once their checksums match and hands them to vLLM beside the base
         (no file, no pause). Nothing served changes when it fails: a mismatch is refused for good, a
         failure that passes is tried again (WeightFollower.gpu_failed)."""
-        problem = f.adapter_problem(wv)
+        problem = await asyncio.to_thread(f.adapter_problem, wv)  # the first one hashes the base's files
         if problem:
             return f.refuse(wv, f"adapter refused: {problem}", None)
         source = registry.get(wv.transport).source(wv)
@@ -567,6 +567,8 @@ def announcement_problem(wv: WeightVersion) -> str | None:
         return f"bytes={wv.bytes} is outside 1..{MAX_WEIGHT_BYTES}"
     if len(wv.files) > MAX_WEIGHT_FILES:
         return f"{len(wv.files)} extra files (at most {MAX_WEIGHT_FILES})"
+    if len(wv.file_sha256) > MAX_WEIGHT_FILES:
+        return f"{len(wv.file_sha256)} extra file checksums (at most {MAX_WEIGHT_FILES})"
     return None
 
 

@@ -25,6 +25,7 @@ from parley.weights.common import (
     WeightVerifyError,
     announce,
     announce_early,
+    extras_sha256,
     file_digest,
     fresh_prefix,
 )
@@ -116,12 +117,14 @@ async def publish_version(
         delta = await _upload_delta(js, run, transport, prefix, model, sha, size, base, settings)
         if delta is not None:
             files = await transport.upload_extras(js, run, prefix, state_dir, extras)
+            file_sha256 = await asyncio.to_thread(extras_sha256, state_dir, extras)
             early = WeightVersion(
                 location=transport.full_location(prefix),
                 sha256=sha,
                 bytes=size,
                 created=time.time(),
                 files=files,
+                file_sha256=file_sha256,
                 delta=delta,
                 full_pending=True,
                 **common,
@@ -139,11 +142,19 @@ async def publish_version(
             wv = msgspec.structs.replace(early, full_pending=False)
     if wv is None:
         location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
+        file_sha256 = await asyncio.to_thread(extras_sha256, state_dir, extras)
         delta = None
         if base and not transport.delta_first:
             delta = await _upload_delta(js, run, transport, prefix, model, sha, size, base, settings)
         wv = WeightVersion(
-            location=location, sha256=sha, bytes=size, created=time.time(), files=files, delta=delta, **common
+            location=location,
+            sha256=sha,
+            bytes=size,
+            created=time.time(),
+            files=files,
+            file_sha256=file_sha256,
+            delta=delta,
+            **common,
         )
         await announce(js, run, wv)
         if on_announced is not None:
@@ -256,10 +267,18 @@ async def _publish_packed(
         await asyncio.to_thread(write)
     _, extras = _files_of(state_dir)
     location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
+    file_sha256 = await asyncio.to_thread(extras_sha256, state_dir, extras)
     if blob is not None and not transport.delta_first:  # shared_dir: the delta goes into the version's folder
         delta = await upload_delta()
     wv = WeightVersion(
-        location=location, sha256=sha, bytes=size, created=time.time(), files=files, delta=delta, **common
+        location=location,
+        sha256=sha,
+        bytes=size,
+        created=time.time(),
+        files=files,
+        file_sha256=file_sha256,
+        delta=delta,
+        **common,
     )
     await announce(js, run, wv)
     if on_announced is not None and not announced:

@@ -18,6 +18,8 @@ from parley.weights.common import (
     VERSION_DIR,
     Transport,
     WeightVerifyError,
+    check_extra,
+    extra_digests,
     file_digest,
     old_versions,
     plain_name,
@@ -91,8 +93,14 @@ class SharedDir(Transport):
 
     async def fetch_extras(self, js, run, wv, dest, settings):
         src = resolve_location(wv, _dir(settings), run)
+        extra_digests(wv)
         for name in (plain_name(wv, f) for f in wv.files):
             await asyncio.to_thread(shutil.copyfile, src / name, dest / name)
+            try:
+                check_extra(wv, name, (await asyncio.to_thread(file_digest, dest / name))[0], src / name)
+            except WeightVerifyError:
+                (dest / name).unlink(missing_ok=True)
+                raise
 
     async def prune(self, js, run, settings, keep, current, protect):
         root = shared_root(_dir(settings), run)
@@ -110,6 +118,9 @@ class SharedDir(Transport):
         for name in [MODEL_FILE, *(plain_name(wv, f) for f in wv.files)]:
             if not (src / name).is_file():
                 raise WeightVerifyError(f"version {wv.version}: {src / name} is missing (pruned or not shared?)")
+        extra_digests(wv)
+        for name in (plain_name(wv, f) for f in wv.files):
+            check_extra(wv, name, (await asyncio.to_thread(file_digest, src / name))[0], src / name)
         await asyncio.to_thread(verify_file, src / MODEL_FILE, wv)
         return src
 
