@@ -13,6 +13,7 @@ from parley.learner.intake import FOREIGN
 from parley.protocol import dead, topology
 from parley.protocol.bus import publish
 from parley.protocol.messages import Task
+from parley.runtime.metrics import family_of
 from tests.integration.test_learner_fates import BUS, N, drive, make_cfg, not_trained, scored_for
 
 pytestmark = [pytest.mark.integration]
@@ -42,7 +43,9 @@ async def test_scored_of_tasks_not_in_flight_are_dead_lettered_not_trained(js, n
     learner, _ = await drive(js, nc, cfg, lambda i: "answer")
 
     assert learner.state.step == 2
-    assert learner.state.counters["scored.foreign"] == 2 * N
+    assert learner.heartbeat().counters["scored.foreign"] == 2 * N
+    family, labels = family_of("learner", "scored.foreign")  # as /metrics shows it
+    assert (family.name, labels) == ("parley_learner_scored_total", {"result": "foreign"})
     assert "forge-x" not in learner.grouper.done and "forge-x" not in learner.grouper.buffer
     assert not_trained(run_dir) == {}  # forge-g000001 (issued after step 1) was trained, not dropped as dead
     assert learner.state.counters["groups.dead"] == 0
