@@ -149,6 +149,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # rejected with the error and dead-lettered, so a deterministic failure does not crash-loop the
     # learner (every --resume takes the same groups first). Counted in the ledger, across resumes.
     max_step_attempts: Annotated[int, Meta(ge=1, le=100)] = 3
+    # Train Scored samples of tasks this learner has not issued (not in flight, not finished): off, so
+    # a role that can write into SCORED cannot choose the training data; such samples are refused and
+    # dead-lettered (counted as scored.foreign). On only to train samples made elsewhere (a replay).
+    accept_foreign_scored: bool = False
     # while waiting for data, record newly received samples this often, then ack
     ledger_flush_s: Annotated[float, Meta(gt=0)] = 2.0
     # Periodic eval on the held-out split (evaluation.periodic): version 0, every eval_every-th version

@@ -52,7 +52,7 @@ class IssuedTask(msgspec.Struct, kw_only=True):
     """When an in-flight task was issued and the announced version it was admitted at."""
 
     task_id: str
-    at: float  # unix seconds: the task deadline counts from here, across resumes
+    at: float  # unix seconds (against LearnerState.saved): the task deadline counts from here, across resumes
     version: int  # Task.admitted_version
 
 
@@ -72,6 +72,8 @@ class LearnerState(msgspec.Struct, kw_only=True):
     done: dict[str, str] = {}  # task_id -> "trained" | "timeout" | "stale" | "zero_advantage" | "dead" | "deadline"
     groups: list[GroupState] = []
     counters: dict[str, int] = {}
+    # The wall-clock moment the times above were read against (learner.intake.snapshot): a resume
+    # takes `saved - first_seen` as a group's age, and so on; write_state sets it when it is 0.
     saved: float = 0.0
     # New fields go last (older ledgers decode with the defaults):
     issued: list[IssuedTask] = []  # feeder: issue time and admitted version of each in_flight task
@@ -149,7 +151,7 @@ def write_state(run_dir: str | Path, state: LearnerState) -> Path:
     leaves the old or the new one, and once this returns the new one is the one that stays."""
     d = learner_dir(run_dir)
     d.mkdir(parents=True, exist_ok=True)
-    state.saved = time.time()
+    state.saved = state.saved or time.time()
     path = d / STATE_FILE
     tmp = d / f".{STATE_FILE}.tmp"
     with tmp.open("wb") as f:

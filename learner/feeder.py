@@ -66,7 +66,9 @@ def item_order(n_items: int, index: int, seed: int) -> int:
 class Issued:
     """When a task was issued and at which announced version (its Task.admitted_version)."""
 
-    at: float  # unix seconds, so a resumed learner keeps counting the task's deadline
+    # time.monotonic() at issue: the deadline is not moved by a wall clock that jumps; the ledger keeps
+    # it as wall-clock time, so a resumed learner keeps counting the task's deadline (learner.intake)
+    at: float
     version: int
 
 
@@ -117,6 +119,9 @@ class Feeder:
         self.state = state or FeederState()
         self.version = 0
         self.paused = False
+        # the task being published: in flight for the intake already (learner.intake.Intake.foreign),
+        # since its samples could in principle come back before the store's acknowledgement does
+        self.publishing = ""
         self._wake = asyncio.Event()
 
     def task(self, index: int) -> Task:
@@ -162,7 +167,7 @@ class Feeder:
             if index < s.next_index:
                 break
             found[index] = task
-        now = time.time()
+        now = time.monotonic()
         for index, task in sorted(found.items()):
             if task.task_id not in s.in_flight:
                 s.in_flight[task.task_id] = Issued(at=now, version=task.admitted_version)
@@ -176,6 +181,10 @@ class Feeder:
                 s.next_index,
             )
         return len(found)
+
+    def issued(self, task: str) -> bool:
+        """Whether `task` was issued by this feeder and is not finished (or is being published now)."""
+        return task in self.state.in_flight or task == self.publishing
 
     def all_issued(self) -> bool:
         """Every group the run's last step needs is in flight or trained."""
@@ -204,8 +213,8 @@ class Feeder:
         return issued
 
     def overdue(self, deadline_s: float, now: float | None = None) -> list[tuple[str, float]]:
-        """Issued tasks older than `deadline_s`, oldest first, with their age in seconds."""
-        now = time.time() if now is None else now
+        """Issued tasks older than `deadline_s` (by time.monotonic()), oldest first, with their age in seconds."""
+        now = time.monotonic() if now is None else now
         late = [(t, now - i.at) for t, i in self.state.in_flight.items() if now - i.at > deadline_s]
         return sorted(late, key=lambda x: -x[1])
 
@@ -231,6 +240,7 @@ class Feeder:
                     )
                     self.paused = False
                 task = self.task(s.next_index)
+                self.publishing = task.task_id
                 # As every role's publishes (docs/reliability.md): retried for as long as NATS is away,
                 # not given up after publish's own attempts (about 100 s), which ended the learner.
                 await retry_unreachable(
@@ -239,7 +249,8 @@ class Feeder:
                     give_up_s=math.inf,
                 )
                 # Only after the store acknowledged it: a checkpoint never claims an unpublished task.
-                s.in_flight[task.task_id] = Issued(at=time.time(), version=task.admitted_version)
+                s.in_flight[task.task_id] = Issued(at=time.monotonic(), version=task.admitted_version)
+                self.publishing = ""
                 s.next_index += 1
                 continue
             if not self.paused and self.all_issued():

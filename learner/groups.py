@@ -164,9 +164,11 @@ class Group:
     """The samples of one task seen so far."""
 
     task_id: str
-    first_seen: float  # unix time of the first sample (the timeout counts from here)
+    # time.monotonic() of the first sample (the timeout counts from here): a wall clock that jumps
+    # would time groups out early or never; the ledger keeps it as wall-clock time (learner.intake)
+    first_seen: float
     samples: dict[int, Scored] = field(default_factory=dict)
-    completed: float = 0.0  # unix time the last sample arrived; FIFO order of complete groups
+    completed: float = 0.0  # time.monotonic() the last sample arrived; FIFO order of complete groups
 
     def min_version(self) -> int:
         return min(behaviour_version(s.trajectory) for s in self.samples.values())
@@ -272,7 +274,7 @@ class Grouper:
         if scored.task_id in self.done:
             self.counters["late"] += 1
             return "late"
-        now = time.time() if now is None else now
+        now = time.monotonic() if now is None else now
         group = self.buffer.setdefault(scored.task_id, Group(scored.task_id, first_seen=now))
         if scored.sample in group.samples:
             self.counters["duplicate"] += 1
@@ -295,8 +297,8 @@ class Grouper:
         )
 
     def expire(self, now: float | None = None) -> list[Outcome]:
-        """Drop partial groups older than timeout_s, each with a logged reason."""
-        now = time.time() if now is None else now
+        """Drop partial groups older than timeout_s (by time.monotonic()), each with a logged reason."""
+        now = time.monotonic() if now is None else now
         out = []
         for g in list(self.buffer.values()):
             age = now - g.first_seen
@@ -319,7 +321,7 @@ class Grouper:
         if g is not None and (len(g.samples) == self.n or sample in g.samples):
             return None
         if g is None:
-            g = self.buffer[task_id] = Group(task_id, first_seen=time.time())
+            g = self.buffer[task_id] = Group(task_id, first_seen=time.monotonic())
         return self._finish(g, kind, reason)
 
     def take(self, k: int, learner_version: int) -> tuple[list[Taken], list[Outcome]]:

@@ -23,6 +23,10 @@ from parley.learner.runstate import RunState
 from parley.protocol.bus import Poison
 from parley.protocol.messages import ABANDONED_STALE
 
+# How the reason of a dead letter for a Scored of a task this learner did not issue begins: such a
+# letter says nothing of an issued task's fate (learner.watchers.Fates ignores it).
+FOREIGN = "not in flight"
+
 
 class Intake:
     def __init__(
@@ -37,8 +41,10 @@ class Intake:
         ack_wait_s: float,
         flush_s: float,
         started: float,
+        accept_foreign: bool = False,
     ):
         self.state, self.grouper, self.feeder, self.ledger = state, grouper, feeder, ledger
+        self.accept_foreign = accept_foreign  # [learner] accept_foreign_scored
         # token ids beyond the vocabulary and conversations beyond the positions are refused here
         self.vocab_size, self.max_positions = limits
         self.reference_service = reference_service  # Scored messages carry the reference's log-probs
@@ -51,7 +57,14 @@ class Intake:
         self._data = asyncio.Event()
 
     async def on_scored(self, scored, msg) -> None:
-        """PullWorker handler: buffer the sample; its ack waits for the next ledger write."""
+        """PullWorker handler: buffer the sample; its ack waits for the next ledger write. A sample of
+        a task this learner did not issue is dead-lettered (`foreign`) unless accept_foreign."""
+        why = self.foreign(scored.task_id)
+        if why:
+            if not self.accept_foreign:
+                self.state.counters["scored.foreign"] += 1
+                raise Poison(why)
+            self.state.counters["scored.foreign_accepted"] += 1
         try:
             if scored.trajectory.terminated != ABANDONED_STALE:
                 # what training needs; a sample its actor abandoned (no turn, maybe, and no reward or
@@ -65,6 +78,21 @@ class Intake:
         self.pending.append(msg)
         if result == "complete" or (result == "added" and self.grouper.doomed(scored.task_id, self.state.step)):
             self._data.set()  # a step may be taken, or a doomed group dropped (its slot freed) at once
+
+    def foreign(self, task_id: str) -> str:
+        """Why a Scored of `task_id` is not this learner's to train, or "" when it is: its task is in
+        flight (issued by the feeder, restored by a resume, or adopted from the TASKS stream before
+        the SCORED consumer starts: a buffered group's task is in flight until it leaves), or finished
+        (then the grouper ignores it as late: a straggler or a redelivery, never trained, and not
+        worth a dead letter). Anything else was never issued by this learner: a role that can write
+        into SCORED would otherwise choose what is trained."""
+        if self.feeder.issued(task_id) or task_id in self.grouper.done:
+            return ""
+        return (
+            f"{FOREIGN}: task {task_id!r} was not issued by this learner of run {self.feeder.run_name!r} "
+            "(not in flight, not finished), so its samples are not trained; set [learner] "
+            "accept_foreign_scored = true only to train samples made elsewhere"
+        )
 
     async def wait_for_data(self, timeout: float) -> None:
         """Until a group completes (on_scored) or `timeout` seconds pass."""
@@ -96,7 +124,16 @@ class Intake:
 
     def snapshot(self) -> ckpt.LearnerState:
         """The ledger as of the last checkpoint: groups trained after it count as still buffered.
-        Finished tasks below the watermark are not listed (learner.groups.Finished)."""
+        Finished tasks below the watermark are not listed (learner.groups.Finished).
+        The timers run on time.monotonic(), which means nothing to another process or after a
+        reboot: the ledger holds them as wall-clock times against one reading of the wall clock
+        (`saved`), so a resume takes back their ages (learner.resume), whatever the wall clock did
+        meanwhile, and the time the learner was down does not count."""
+        wall, mono = time.time(), time.monotonic()
+
+        def stamp(t: float) -> float:  # a monotonic time as the wall-clock time of the same moment
+            return wall - (mono - t)
+
         hold = {g.task_id for g, _ in self.state.uncommitted} | {g.task_id for g in self.state.in_step}
         self.grouper.done.advance(hold)
         done = dict(self.grouper.done)
@@ -122,16 +159,24 @@ class Intake:
             done=done,
             counters=dict(self.grouper.counters),
             groups=[
-                ckpt.GroupState(task_id=g.task_id, first_seen=g.first_seen, completed=g.completed, samples=g.ordered())
+                ckpt.GroupState(
+                    task_id=g.task_id,
+                    first_seen=stamp(g.first_seen),
+                    completed=stamp(g.completed) if g.completed else 0.0,
+                    samples=g.ordered(),
+                )
                 for g in groups
             ],
-            issued=[ckpt.IssuedTask(task_id=t, at=i.at, version=i.version) for t, i in sorted(in_flight.items())],
+            issued=[
+                ckpt.IssuedTask(task_id=t, at=stamp(i.at), version=i.version) for t, i in sorted(in_flight.items())
+            ],
             dead_seq=self.state.dead_seq,
             done_below=self.grouper.done.below,
             done_prefix=self.grouper.done.prefix,
             attempts={t: n for t, n in self.state.attempts.items() if t in buffered},
             step_error=self.state.step_error,
             archive_seq=self.state.archive_seq,
+            saved=wall,
         )
 
     def flush_due(self) -> bool:

@@ -57,13 +57,19 @@ def restore(
     state.attempts.update(saved.attempts)
     state.step_error = saved.step_error
     grouper.counters.update(saved.counters)
-    # Timeouts and deadlines count only while a learner runs: the time it was down is added to each
-    # buffered group's first sample and to each issue time (below), so the samples actors produced
-    # meanwhile (waiting in SCORED) are read before any group is timed out or any task given up.
-    now = time.time()
-    down = max(0.0, now - saved.saved)
+    # Timeouts and deadlines count only while a learner runs: each buffered group's first sample and
+    # each issue time come back at the age they had when the ledger was written (ages against its
+    # `saved`, one wall-clock reading, so no wall-clock jump counts), on this process's monotonic
+    # clock; the samples actors produced meanwhile (waiting in SCORED) are read before any group is
+    # timed out or any task given up.
+    now = time.monotonic()
+
+    def since(t: float) -> float:  # a ledger's wall-clock time as the monotonic time of its age
+        return now - max(0.0, saved.saved - t)
+
     for g in saved.groups:
-        grouper.restore(Group(g.task_id, g.first_seen + down, {s.sample: s for s in g.samples}, g.completed))
+        completed = since(g.completed) if g.completed else 0.0
+        grouper.restore(Group(g.task_id, since(g.first_seen), {s.sample: s for s in g.samples}, completed))
     steplog.truncate(saved.step)
     state.archive_seq = saved.archive_seq
     ckpt.truncate_archive(run_dir, saved.step, saved.archive_seq)
@@ -83,6 +89,6 @@ def restore(
         saved.next_index,
     )
     # A ledger from before issue records were kept counts each in-flight task's deadline from now.
-    issued = {i.task_id: Issued(at=i.at + down, version=i.version) for i in saved.issued}
+    issued = {i.task_id: Issued(at=since(i.at), version=i.version) for i in saved.issued}
     in_flight = {t: issued.get(t) or Issued(at=now, version=saved.step) for t in saved.in_flight}
     return FeederState(next_index=saved.next_index, in_flight=in_flight, consumed=saved.consumed)

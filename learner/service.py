@@ -110,6 +110,7 @@ class Learner:
             ack_wait_s=cfg.bus.ack_wait_s,
             flush_s=self.lc.ledger_flush_s,
             started=started,
+            accept_foreign=self.lc.accept_foreign_scored,
         )
         self.weights = weights_publication(
             self.lc,

@@ -16,7 +16,7 @@ from nats.js.errors import APIError
 from parley.learner import checkpoint as ckpt
 from parley.learner.feeder import Feeder
 from parley.learner.groups import Grouper, Outcome
-from parley.learner.intake import Intake
+from parley.learner.intake import FOREIGN, Intake
 from parley.learner.runstate import RunState
 from parley.protocol import backlog, dead
 from parley.protocol.bus import UNREACHABLE
@@ -101,6 +101,10 @@ class Fates:
         ref = dead.task_ref(self.run_name, dl)
         if ref is None or ref.task_id in self.grouper.done:
             return "ignored"  # not about a task of this run, or about one already finished
+        if ref.key == "scored" and dl.reason.startswith(FOREIGN):
+            # the intake refused it because its task was not issued: were it kept as "early", a
+            # forged sample of a task id the feeder issues later would give that task up
+            return "ignored"
         if ref.task_id not in self.feeder.state.in_flight:
             return "early"
         if ref.sample is not None and not 0 <= ref.sample < self.grouper.n:

@@ -1,9 +1,16 @@
 """The `nccl` weight transport between the learner's rank 0 and actors on other GPUs or hosts.
 
 Rank 0 runs a TCPStore at [weights] address. An actor's vLLM worker joins it once: it takes a
-number k from the store and both sides build a two-rank process group of their own (rank 0 =
-the learner, rank 1 = this worker) under the store prefix `actor<k>`; no global process group,
-so actors join and leave without touching the learner's training group. Per version the worker
+number k from the store and proves it read the announcement (`join_proof`: an HMAC of k and its
+name keyed with the announced NcclSource.instance, which only a reader of the run's NATS-protected
+weights KV knows; the store, open to anyone who reaches the port, sees the proof, never the key,
+and a proof is good for its own k only); rank 0 admits it (`actor<k>/admit` = "ok" or why not) and
+both sides build a two-rank process group of their own (rank 0 = the learner, rank 1 = this worker)
+under the store prefix `actor<k>`; no global process group, so actors join and leave without
+touching the learner's training group. Joins are bounded: at most `max_joining` groups being built
+at once and `max_actors` served, a join's group built and its first request made within
+JOIN_TIMEOUT_S, and a joined worker beats (`beat`, every BEAT_S) so that rank 0 drops the group of
+one that died within `dead_s` rather than hold its thread and communicator until idle_s. Per version the worker
 asks (`req<n>` = version), rank 0 answers (`ack<n>` = "ok" or why not) and sends the packed buffer
 (weights.cuda_ipc's layout, the same per-tensor checksums) which the worker receives into its
 own memory, checks, and only then loads. Every wait has a timeout on the host (finish: NCCL's
@@ -18,10 +25,14 @@ engines.engine's WorkerExtension (through `Nccl.receive`).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
 import secrets
 import threading
 import time
+from collections import Counter
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -34,7 +45,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("parley.nccl")
 
-JOIN_TIMEOUT_S = 60.0  # building a group: both sides connect within this
+JOIN_TIMEOUT_S = 60.0  # a join: admitted, its group built by both sides and its first request made within this
+BEAT_S = 5.0  # a joined worker adds to its `beat` key this often, while it keeps its group
+DEAD_S = 30.0  # rank 0 drops the group of a worker whose beat has not moved for this long (it died)
+MAX_JOINING = 4  # groups being built at once; a join beyond them is refused (the worker asks again later)
+MAX_ACTORS = 64  # workers served at once (a thread and a communicator each on the training GPU)
+
+
+def join_proof(secret: str, k: int, name: str) -> str:
+    """What join number `k` of worker `name` writes to show it knows the announced secret."""
+    return hmac.new(secret.encode(), f"join:{k}:{name}".encode(), hashlib.sha256).hexdigest()
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -125,6 +145,7 @@ class Receiver:
         self.store = None  # this actor's PrefixStore
         self.group = None
         self.n = 0  # the next request number
+        self._beating: threading.Event | None = None  # set to stop the beat of the group joined last
 
     def _current(self, source: NcclSource) -> bool:
         """Whether the joined group can serve `source`: the same learner store (address and instance),
@@ -139,14 +160,33 @@ class Receiver:
     def _join(self, source: NcclSource) -> None:
         import torch.distributed as dist
 
+        self._stop_beat()
+        if not source.instance:
+            raise RuntimeError(
+                f"the learner at {source.address} announces no join secret (NcclSource.instance): it runs "
+                "an older parley; run the learner and the actors of one version"
+            )
         host, port = parse_address(source.address)
         root = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=JOIN_TIMEOUT_S))
         k = root.add("joins", 1)
-        root.set(f"join{k}", self.name)
-        self.store = dist.PrefixStore(f"actor{k}", root)  # keys "actor<k>/<key>"
+        root.set(f"join{k}", json.dumps({"name": self.name, "proof": join_proof(source.instance, k, self.name)}))
+        store = dist.PrefixStore(f"actor{k}", root)  # keys "actor<k>/<key>"
+        if not store_wait(store, "admit", JOIN_TIMEOUT_S):
+            raise TimeoutError(f"the learner at {source.address} did not admit join {k} in {JOIN_TIMEOUT_S:.0f} s")
+        admit = store.get("admit").decode()
+        if admit != "ok":
+            raise RuntimeError(f"the learner at {source.address} refused join {k}: {admit}")
+        self.store = store
         self.group = pair_group(self.store, 1, source.backend, JOIN_TIMEOUT_S)
         self.address, self.instance, self.n = source.address, source.instance, 0
+        self._beating = threading.Event()
+        threading.Thread(target=beat, args=(host, port, k, self._beating), name=f"nccl-beat{k}", daemon=True).start()
         log.info("joined the learner's weight sender at %s as actor %d", source.address, k)
+
+    def _stop_beat(self) -> None:
+        if self._beating is not None:
+            self._beating.set()
+            self._beating = None
 
     def fetch(self, source: NcclSource, version: int, device) -> tuple[list[tuple[str, Tensor]], str | None]:
         """(name, tensor) views into a received and checked copy of `version`, or ([], reason).
@@ -172,6 +212,7 @@ class Receiver:
             if isinstance(e, TimeoutError):
                 abort(self.group)  # the receive may still be writing `staged`: stop it before it is freed
             self.group = None
+            self._stop_beat()
             raise
         reason = mismatch(source.tensors, checksums(staged, source.tensors))
         if reason:
@@ -179,27 +220,67 @@ class Receiver:
         return list(zip([e.name for e in source.tensors], views(staged, source.tensors))), None
 
 
+def beat(host: str, port: int, k: int, stop: threading.Event) -> None:
+    """A joined worker's heartbeat (a thread of its own, on a store connection of its own): adds to
+    `actor<k>/beat` every BEAT_S until `stop`. When the worker dies, so does its beat, and rank 0
+    drops its group (NcclSender: dead_s)."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.PrefixStore(
+            f"actor{k}", dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+        )
+        while True:
+            store.add("beat", 1)
+            if stop.wait(BEAT_S):
+                return
+    except (RuntimeError, TimeoutError) as e:  # the store is gone (the learner stopped): nothing to beat for
+        log.debug("nccl beat of join %d stopped: %s", k, e)
+
+
 class NcclSender:
     """Rank 0's side of transport nccl (this module): a TCPStore at `address`, a thread that
     accepts actors as they join, and one thread per actor that answers its requests from the
     publisher's held buffers over that actor's own two-rank group. The training loop only fills
-    buffers (pack); sends happen beside it and never wait on it. An actor whose send fails or
-    times out is dropped (it joins again for its next version); one silent for `idle_s` too.
-    The threads block in store waits (no polling); close() wakes each with a stop marker."""
+    buffers (pack); sends happen beside it and never wait on it. A join without the proof of the
+    announced secret is refused, so is one beyond `max_joining` groups being built or `max_actors`
+    served (this module's docstring). An actor whose send fails or times out is dropped (it joins
+    again for its next version); one whose beat stopped for `dead_s` (it died), one that made no
+    first request within JOIN_TIMEOUT_S, and one silent for `idle_s` too. The threads block in store
+    waits (slices of dead_s); close() wakes each with a stop marker."""
 
-    def __init__(self, publisher: IpcPublisher, address: str, backend: str, timeout_s: float, idle_s: float = 3600.0):
+    def __init__(
+        self,
+        publisher: IpcPublisher,
+        address: str,
+        backend: str,
+        timeout_s: float,
+        idle_s: float = 3600.0,
+        *,
+        dead_s: float | None = None,
+        max_joining: int | None = None,
+        max_actors: int | None = None,
+    ):
         import torch
         import torch.distributed as dist
 
         host, port = parse_address(address)
         self.pub, self.address, self.backend = publisher, address, backend
         self.timeout_s, self.idle_s = timeout_s, idle_s
-        self.instance = secrets.token_hex(6)  # announced (NcclSource.instance): receivers of an older store join again
+        # None: this module's bounds (DEAD_S, MAX_JOINING, MAX_ACTORS) as they are when the sender is built
+        self.dead_s = DEAD_S if dead_s is None else dead_s
+        self.max_joining = MAX_JOINING if max_joining is None else max_joining
+        self.max_actors = MAX_ACTORS if max_actors is None else max_actors
+        # Announced (NcclSource.instance) in the NATS-protected weights KV: the join secret (join_proof),
+        # and receivers of an older store see another one and join again.
+        self.instance = secrets.token_hex(16)
         self.device = torch.cuda.current_device() if backend == "nccl" else None
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta_s(timeout_s))
         # A blocked wait holds its store connection: each thread waits on a connection of its own.
         self._connect = lambda: dist.TCPStore(host, port, is_master=False, timeout=timedelta_s(timeout_s))
         self.actors: dict[int, str] = {}  # joined actor number -> its name, while served
+        self.joining = 0  # admitted joins whose group is being built
+        self.counters: Counter[str] = Counter()  # joins admitted, refused (with why); groups dropped
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._next_join = 1  # the join key the accept thread waits for
@@ -243,15 +324,60 @@ class NcclSender:
         k = 1
         while True:
             store.wait([f"join{k}"], timedelta_s(1e6))  # close() sets a stop marker
-            name = store.get(f"join{k}").decode()
+            raw = store.get(f"join{k}")
             with self._lock:
                 if self._stop.is_set():
                     return
                 self._next_join = k + 1
-                t = threading.Thread(target=self._serve, args=(k, name), name=f"nccl-actor{k}", daemon=True)
-                self._threads.append(t)
-            t.start()
+                name, why = self._admit(k, raw)
+                if not why:
+                    self.joining += 1
+                    t = threading.Thread(target=self._serve, args=(k, name), name=f"nccl-actor{k}", daemon=True)
+                    self._threads.append(t)
+            if why:
+                self.counters["refused"] += 1
+                log.warning("weights: refused nccl join %d (%s): %s", k, name or "?", why)
+                store.set(f"actor{k}/admit", why)
+            else:
+                self.counters["admitted"] += 1
+                store.set(f"actor{k}/admit", "ok")
+                t.start()
             k += 1
+
+    def _admit(self, k: int, raw: bytes) -> tuple[str, str]:
+        """(the joining worker's name, "" to admit join `k` or why it is refused). Under self._lock."""
+        try:
+            join = json.loads(raw)
+            name, proof = join["name"], join["proof"]
+            if not (isinstance(name, str) and isinstance(proof, str)):
+                raise TypeError("name and proof are strings")
+        except (ValueError, TypeError, KeyError) as e:
+            return "", f"not a join of this parley ({type(e).__name__}: {str(e)[:100]}); the actors run another version"
+        name = name[:200]
+        if not hmac.compare_digest(proof, join_proof(self.instance, k, name)):
+            return name, "wrong proof: the joining process has not read this learner's announcement"
+        if self.joining >= self.max_joining:
+            return name, f"{self.joining} joins under way (at most {self.max_joining}); ask again later"
+        if len(self.actors) + self.joining >= self.max_actors:
+            return name, f"{len(self.actors)} actors served (at most {self.max_actors}); ask again later"
+        return name, ""
+
+    def _wait_request(self, store, n: int) -> bool:
+        """Wait for request `n` in slices of dead_s: True when it came; TimeoutError when the worker's
+        beat stopped (it died), when a join made no first request within JOIN_TIMEOUT_S, or after
+        idle_s without a request."""
+        limit = JOIN_TIMEOUT_S if n == 0 else self.idle_s
+        deadline = time.monotonic() + limit
+        seen = store.add("beat", 0)
+        while not store_wait(store, f"req{n}", min(self.dead_s, max(deadline - time.monotonic(), 0.0))):
+            now = store.add("beat", 0)
+            if time.monotonic() >= deadline:
+                what = "first request" if n == 0 else "request"
+                raise TimeoutError(f"no {what} for {limit:.0f} s")
+            if now == seen:
+                raise TimeoutError(f"no beat for {self.dead_s:.0f} s: the worker died")
+            seen = now
+        return True
 
     def _serve(self, k: int, name: str) -> None:
         import torch
@@ -259,12 +385,15 @@ class NcclSender:
 
         if self.device is not None:
             torch.cuda.set_device(self.device)  # per thread
-        store = dist.PrefixStore(f"actor{k}", self._connect())  # keys "actor<k>/<key>"
         try:
+            store = dist.PrefixStore(f"actor{k}", self._connect())  # keys "actor<k>/<key>"
             group = pair_group(store, 0, self.backend, JOIN_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - that actor never completed its join; the others go on
             log.warning("weights: actor %d (%s) did not complete its join: %s", k, name, e)
             return
+        finally:
+            with self._lock:
+                self.joining -= 1
         self.actors[k] = name
         log.info("weights: actor %d (%s) joined the nccl sender", k, name)
         n = 0
@@ -274,10 +403,9 @@ class NcclSender:
                     if self._stop.is_set():
                         return
                     self._next_req[k] = n
-                # Blocks until the actor asks (or close() marks stop); an actor silent for idle_s
-                # is dropped and joins again when it next asks.
-                if not store_wait(store, f"req{n}", self.idle_s):
-                    raise TimeoutError(f"no request for {self.idle_s:.0f} s")
+                # Blocks until the actor asks (or close() marks stop); an actor that died, or silent
+                # for idle_s, is dropped and joins again when it next asks.
+                self._wait_request(store, n)
                 req = store.get(f"req{n}").decode()
                 if req == "stop":
                     return
@@ -299,6 +427,7 @@ class NcclSender:
                 n += 1
         except Exception as e:  # noqa: BLE001 - that actor is dropped; it joins again for its next version
             log.warning("weights: actor %d (%s) dropped from the nccl sender: %s", k, name, e)
+            self.counters["dropped"] += 1
             try:  # tells the actor to join again (Receiver._current) rather than ask a thread that is gone
                 store.set("dropped", str(e))
             except Exception:  # noqa: BLE001 - the store itself broke: the actor finds it gone

@@ -44,6 +44,7 @@ async def test_learner_stops_early_on_a_significant_regression(js, nc, toy, tmp_
             eval_items=12,
             early_stop=True,
             ledger_flush_s=0.5,
+            accept_foreign_scored=True,  # its samples are synthetic: no feeder issued their tasks
         ),
     )
     cfg.run.name, cfg.run.dir = RUN, str(run_dir)

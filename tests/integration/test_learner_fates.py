@@ -390,7 +390,7 @@ def test_a_resumed_group_timeout_does_not_count_the_time_the_learner_was_down(tm
     learner = Learner(cfg, None, None, TrainerDouble(), model_dir=base_model(tmp_path), resume=True, steps=1)
     assert task.task_id in learner.grouper.buffer
     assert learner.grouper.expire() == []  # 10 s of uptime, not three hours
-    later = learner.grouper.expire(now=time.time() + 600.0)
+    later = learner.grouper.expire(now=time.monotonic() + 600.0)
     assert [o.task_id for o in later] == [task.task_id]  # the timeout itself still works
 
 
@@ -444,7 +444,7 @@ def test_a_letter_read_before_its_task_is_in_flight_frees_the_task_once_it_is(tm
     )
     learner.fates.take([(5, dl)], nxt=6)  # read while the task is not in flight yet
     assert learner.state.dead_seq == 5 and learner.fates.next_seq == 6
-    learner.feeder.state.in_flight[task.task_id] = Issued(at=time.time(), version=0)  # the feeder records it
+    learner.feeder.state.in_flight[task.task_id] = Issued(at=time.monotonic(), version=0)  # the feeder records it
     assert learner.fates.overdue() == []  # the loop's pass applies the kept letter
     assert task.task_id not in learner.feeder.state.in_flight
     assert learner.grouper.done[task.task_id] == "dead"

@@ -124,7 +124,9 @@ async def test_a_step_the_trainer_skips_is_dead_lettered_and_training_goes_on(js
     cfg = RunConfig(
         bus=BUS,
         rollout=RolloutConfig(n=N),
-        learner=LearnerConfig(steps=steps, groups_per_step=1, max_staleness=steps, ledger_flush_s=0.5),
+        learner=LearnerConfig(
+            steps=steps, groups_per_step=1, max_staleness=steps, ledger_flush_s=0.5, accept_foreign_scored=True
+        ),
     )
     cfg.run.name, cfg.run.dir = run, str(tmp_path / "run")
     await topology.ensure_topology(js, run, BUS)

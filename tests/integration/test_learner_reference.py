@@ -56,7 +56,14 @@ async def test_scored_with_bad_reference_logprobs_is_dead_lettered(js, nc, toy, 
         bus=BUS,
         rollout=RolloutConfig(n=N),
         policy=PolicySection(reference="service"),
-        learner=LearnerConfig(steps=STEPS, groups_per_step=1, max_staleness=STEPS, ledger_flush_s=0.5, kl_coef=0.001),
+        learner=LearnerConfig(
+            steps=STEPS,
+            groups_per_step=1,
+            max_staleness=STEPS,
+            ledger_flush_s=0.5,
+            kl_coef=0.001,
+            accept_foreign_scored=True,  # its samples are synthetic: no feeder issued their tasks
+        ),
     )
     cfg.run.name, cfg.run.dir = RUN, str(tmp_path / "run")
     await topology.ensure_topology(js, RUN, BUS)

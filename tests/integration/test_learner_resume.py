@@ -91,6 +91,7 @@ def start_learner(url: str, run: str, run_dir: Path, model: Path, log: Path, res
         f"bus.ack_wait_s={BUS.ack_wait_s}",
         f"bus.max_bytes={BUS.max_bytes}",
         "learner.ledger_flush_s=0.5",
+        "learner.accept_foreign_scored=true",  # its samples are synthetic: no feeder issued their tasks
         "learner.eval_every=0",  # no sim/judge services here; the periodic eval has its own tests
     ]
     cmd = [sys.executable, "-m", "parley.deploy.cli", "learner", "--nats", url, "--run", run, "--steps", str(STEPS)]

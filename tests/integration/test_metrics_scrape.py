@@ -69,6 +69,7 @@ async def test_learner_metrics_endpoint_shows_steps_rewards_and_dead_letters(js,
         f"bus.max_bytes={BUS.max_bytes}",
         "learner.eval_every=0",
         "learner.ledger_flush_s=0.5",
+        "learner.accept_foreign_scored=true",  # its samples are synthetic: no feeder issued their tasks
         "learner.max_staleness=4",
     ]
     cmd = [
