@@ -697,10 +697,10 @@ UNUSED_BLOBS_MAX_BYTES = 64 * 1024**2
 
 
 def blobs_max_bytes(cfg: RunConfig) -> int:
-    """[bus] blobs_max_bytes when 0: with [weights] kind = "objstore", room for the kept versions
+    """[bus] blobs_max_bytes when 0: with a transport that stores versions on the bus (objstore), room for the kept versions
     (keep_versions), the one being uploaded, and one more (a delete whose purge is still running); 0
     when version_bytes is unknown. Other kinds store nothing there: UNUSED_BLOBS_MAX_BYTES."""
-    if cfg.weights.__struct_config__.tag != "objstore":
+    if not registry.of(cfg.weights).stores_on_bus:
         return UNUSED_BLOBS_MAX_BYTES
     one = version_bytes(cfg)
     return one * (cfg.learner.keep_versions + 2) if one else 0

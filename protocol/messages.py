@@ -233,8 +233,10 @@ class NcclSource(msgspec.Struct, kw_only=True):
     nbytes: int
     hold_s: float  # as CudaIpcBuffer.hold_s: the learner leaves a filled buffer unchanged this long
     tensors: list[IpcTensor] = []
-    # The sender's store, one per learner process: another one (a restarted learner, maybe at the
-    # same address) makes a receiver join again. "" from older learners: then a dead store does.
+    # The sender's store, one per learner process (128 random bits): another one (a restarted learner,
+    # maybe at the same address) makes a receiver join again. It is also the join secret: a join proves
+    # it read this announcement (weights.nccl), so only a process with the run's bus rights can join.
+    # An announcement without it is refused.
     instance: str = ""
 
 

@@ -254,6 +254,9 @@ class Transport:
     # a delta version is stored and announced (early key) before its full copy is uploaded; such a
     # transport also has full_location(prefix), upload_extras and upload_model (weights.objstore)
     delta_first: bool = False
+    # versions are stored in the run's object store on the bus (sized by deploy.memory.blobs_max_bytes;
+    # the other kinds leave it empty)
+    stores_on_bus: bool = False
 
     async def upload(
         self, js, run: str, prefix: str, state_dir: Path, extras: list[str], settings

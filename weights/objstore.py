@@ -92,6 +92,7 @@ def purge_timeout_s(size: int) -> float:
 
 class Objstore(Transport):
     kind = "objstore"
+    stores_on_bus = True
     delta_first = True  # the full upload (seconds to a minute) runs after the delta is announced
 
     def full_location(self, prefix: str) -> str:
