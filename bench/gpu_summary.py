@@ -1,9 +1,9 @@
 """The figures of a `parley up` run on one GPU (issue 26 2b and 2c), read from its run directory:
 steps per hour, trained and generated tokens per second, the learner's share of the wall time spent
 in its step, the GPU's utilization, step end -> serving per version, peak GPU memory (in all and per
-role), and the learner's MFU in the live run.
+role), and the learner's MFU in the live run; with --target, the time from launch to a target reward.
 
-    python3 bench/gpu_summary.py RUN_DIR [--json OUT] [--peak-tflops 989.4]
+    python3 bench/gpu_summary.py RUN_DIR [--json OUT] [--peak-tflops 989.4] [--target 0.05]
 
 Reads RUN_DIR/metrics.jsonl (each step's `ended_at`, `train_s`, `trained_tokens`,
 `model_tflops_per_s`), RUN_DIR/logs/actor-*.log (the actors' "now serving weights version N" and
@@ -12,6 +12,14 @@ Reads RUN_DIR/metrics.jsonl (each step's `ended_at`, `train_s`, `trained_tokens`
 end to the last's, so start-up (engines, compile, the first groups) is reported apart, as the time
 to the first step. The peak is the H200 SXM's dense bf16 figure from NVIDIA's datasheet (989.4
 TFLOPS); pass the measured matmul peak (bench/learner_gpu.py prints it) to divide by that instead.
+
+--target R: the wall time from launch to the first step whose training reward (metrics.jsonl's
+`reward_mean`, the weighted total the groups were trained on) reaches R, and, where the periodic eval
+ran (RUN_DIR/eval/history.jsonl), to the first evaluated version whose held-out mean of the run's
+eval_metric reaches R: both when that version's step ended and when its eval result came in; then
+each reward at the end (the last step's, and the last evaluated version's). Launch is the time
+`parley up` wrote RUN_DIR/config.toml (before any role starts), or --launched (epoch seconds) where
+another clock started the run. A target not reached is null.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parley.deploy.gpu_samples import read_samples  # noqa: E402
+from parley.deploy.up import RUN_CONFIG  # noqa: E402  (the resolved config `parley up` writes at launch)
 
 H200_BF16_DENSE_TFLOPS = 989.4
 _LOGTIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
@@ -42,13 +51,77 @@ def log_time(line: str) -> float | None:
 
 
 def _rows(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
+    return _jsonl(run / "metrics.jsonl")
+
+
+def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def summarize(run: Path, peak_tflops: float = H200_BF16_DENSE_TFLOPS) -> dict:
+def _eval_metric(run: Path) -> str | None:
+    """The run's resolved [learner] eval_metric, from the config `parley up` wrote (None without one)."""
+    import tomllib
+
+    path = run / RUN_CONFIG
+    return tomllib.loads(path.read_text()).get("learner", {}).get("eval_metric") if path.exists() else None
+
+
+def time_to_target(
+    run: Path, rows: list[dict], target: float, launched: float | None = None, eval_metric: str | None = None
+) -> dict:
+    """Seconds from launch to the first step whose training reward reaches `target`, and to the first
+    evaluated version whose held-out `eval_metric` (the run's own by default) reaches it; the rewards
+    at the end. `rows`: metrics.jsonl's steps with their ended_at, in order."""
+    if launched is None:
+        config = run / RUN_CONFIG
+        if not config.exists():
+            raise ValueError(f"{run}: no {RUN_CONFIG} to date the launch by; pass --launched EPOCH_SECONDS")
+        launched = config.stat().st_mtime
+    ended = {int(r["step"]): r["ended_at"] for r in rows}
+    trained = [r for r in rows if isinstance(r.get("reward_mean"), (int, float))]
+    hit = next((r for r in trained if r["reward_mean"] >= target), None)
+    out: dict = {
+        "target": target,
+        "launched": launched,
+        "train_reached_step": int(hit["step"]) if hit else None,
+        "train_reached_s": round(hit["ended_at"] - launched, 1) if hit else None,
+        "train_reward_end": trained[-1]["reward_mean"] if trained else None,
+        "train_end_s": round(trained[-1]["ended_at"] - launched, 1) if trained else None,
+    }
+    metric = eval_metric or _eval_metric(run)
+    evals = sorted(
+        (e for e in _jsonl(run / "eval" / "history.jsonl") if isinstance(e.get(metric), (int, float))),
+        key=lambda e: e["version"],
+    )
+    if evals:
+        # version 0 is the base model: there before any step
+        first = next((e for e in evals if e[metric] >= target), None)
+        version_s = None
+        if first is not None:
+            version_s = 0.0 if first["version"] == 0 else ended.get(int(first["version"]))
+            version_s = None if version_s is None else round(max(version_s - launched, 0.0), 1)
+        out.update(
+            eval_metric=metric,
+            held_out_reached_version=first["version"] if first else None,
+            held_out_reached_s=version_s,  # when the version that reached it had been trained
+            held_out_result_s=round(first["created"] - launched, 1) if first else None,  # when its eval came in
+            held_out_end=evals[-1][metric],
+            held_out_end_version=evals[-1]["version"],
+        )
+    return out
+
+
+def summarize(
+    run: Path,
+    peak_tflops: float = H200_BF16_DENSE_TFLOPS,
+    target: float | None = None,
+    launched: float | None = None,
+    eval_metric: str | None = None,
+) -> dict:
     rows = [r for r in _rows(run) if isinstance(r.get("ended_at"), (int, float))]
     out: dict = {"run_dir": str(run), "steps": len(rows)}
+    if target is not None:
+        out["time_to_target"] = time_to_target(run, rows, target, launched, eval_metric)
     serving: dict[int, list[float]] = {}
     generated: list[tuple[float, int]] = []
     for log in sorted((run / "logs").glob("actor-*.log")):
@@ -126,8 +199,11 @@ def main() -> None:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
+    ap.add_argument("--target", type=float, help="a reward: report the time from launch to it")
+    ap.add_argument("--launched", type=float, help="launch time, epoch seconds (default: RUN_DIR/config.toml's)")
+    ap.add_argument("--eval-metric", help="the held-out column (default: the run's [learner] eval_metric)")
     args = ap.parse_args()
-    out = summarize(args.run_dir, args.peak_tflops)
+    out = summarize(args.run_dir, args.peak_tflops, args.target, args.launched, args.eval_metric)
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

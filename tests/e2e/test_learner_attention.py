@@ -38,6 +38,13 @@ def test_position_restarts_give_a_block_diagonal_mask(arch):
     attention.check_packing_isolated(configs()[arch])  # does not refuse
 
 
+def test_the_guard_checks_a_model_whose_pad_id_is_beyond_its_small_copys_vocabulary():
+    """bench.common.random_qwen3's pad id is 151643: the guard's small copy (64 ids) must not keep it."""
+    config = configs()["qwen3"]
+    config.pad_token_id = 90
+    attention.check_packing_isolated(config)
+
+
 def test_learner_refuses_to_pack_where_transformers_would_not_separate(monkeypatch):
     """A transformers whose masks ignore the restarts (as releases before packed-sequence detection
     did) is simulated by making the detection find one sequence: the guard must see the leak."""

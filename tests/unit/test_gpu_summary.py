@@ -49,3 +49,43 @@ def test_figures_of_a_small_run(tmp_path):
     assert out["generated_tokens_per_s"] == 250.0  # 4000 tokens in 16 s
     assert out["live_mfu_median"] == 0.5 and out["versions_skipped_held"] == [2]
     assert out["staleness_hist"] == {"1": 12}
+
+
+def test_time_to_target_from_launch_in_training_and_held_out(tmp_path):
+    """Launch is config.toml's time; the first step (and the first evaluated version) at or above the
+    target gives the time; the rewards at the end are the last step's and the last eval's."""
+    import os
+
+    import pytest
+
+    t0 = 1_800_000_000.0
+    (tmp_path / "config.toml").write_text('[learner]\neval_metric = "low_share"\n')
+    os.utime(tmp_path / "config.toml", (t0, t0))
+    rewards = {1: 0.01, 2: 0.03, 3: 0.06, 4: 0.05, 5: 0.08}
+    rows = [{"step": s, "ended_at": t0 + 60 + 10 * s, "train_s": 4.0, "reward_mean": r} for s, r in rewards.items()]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval").mkdir()
+    evals = [(0, 0.004, 65), (2, 0.03, 95), (4, 0.055, 120)]  # version, held-out low_share, result time
+    (tmp_path / "eval" / "history.jsonl").write_text(
+        "".join(
+            json.dumps({"version": v, "step": v, "n": 20, "low_share": m, "assistant_words": 9.0, "created": t0 + c})
+            + "\n"
+            for v, m, c in evals
+        )
+    )
+    out = summarize(tmp_path, target=0.05)["time_to_target"]
+    assert out["launched"] == pytest.approx(t0)
+    assert (out["train_reached_step"], out["train_reached_s"]) == (3, 90.0)  # step 3 ended 90 s after launch
+    assert (out["train_reward_end"], out["train_end_s"]) == (0.08, 110.0)
+    assert out["eval_metric"] == "low_share" and out["held_out_reached_version"] == 4
+    assert (out["held_out_reached_s"], out["held_out_result_s"]) == (100.0, 120.0)
+    assert (out["held_out_end"], out["held_out_end_version"]) == (0.055, 4)
+
+    # not reached: null times, the ends still reported; another clock's launch
+    out = summarize(tmp_path, target=0.5, launched=t0 + 10)["time_to_target"]
+    assert out["train_reached_s"] is None and out["held_out_reached_s"] is None and out["train_end_s"] == 100.0
+    assert out["held_out_end"] == 0.055
+    # without config.toml the launch must be given
+    (tmp_path / "config.toml").unlink()
+    with pytest.raises(ValueError, match="pass --launched"):
+        summarize(tmp_path, target=0.05)
