@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parley.deploy.gpu_samples import read_samples  # noqa: E402
 from parley.deploy.up import RUN_CONFIG  # noqa: E402  (the resolved config `parley up` writes at launch)
+from parley.learner.steplog import PHASES  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.4
 _LOGTIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
@@ -156,6 +157,14 @@ def summarize(
         train_s_median=round(statistics.median(r["train_s"] for r in steady), 2),
         wait_s_median=round(statistics.median(r.get("wait_s", 0.0) for r in steady), 2),
     )
+    # where the learner's step goes (learner.steplog.PHASES: host seconds, medians over the window)
+    phases = {
+        k: round(statistics.median(r[k] for r in steady), 2)
+        for k in PHASES
+        if all(isinstance(r.get(k), (int, float)) for r in steady)
+    }
+    if phases:
+        out["learner_phase_s_median"] = phases
     tflops = [r["model_tflops_per_s"] for r in steady if isinstance(r.get("model_tflops_per_s"), (int, float))]
     if tflops:
         out.update(

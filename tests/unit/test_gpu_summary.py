@@ -31,6 +31,8 @@ def test_figures_of_a_small_run(tmp_path):
             "model_tflops_per_s": 494.7,
             "staleness_hist": {"1": 4},
             "publish_skipped_held": float(s == 2),
+            "forward_s": 1.0 + s,
+            "optimizer_s": 0.5,
         }
         for s in (1, 2, 3)
     ]
@@ -49,6 +51,8 @@ def test_figures_of_a_small_run(tmp_path):
     assert out["generated_tokens_per_s"] == 250.0  # 4000 tokens in 16 s
     assert out["live_mfu_median"] == 0.5 and out["versions_skipped_held"] == [2]
     assert out["staleness_hist"] == {"1": 12}
+    # the phases the steps recorded, medians over the window (steps 2 and 3); absent ones left out
+    assert out["learner_phase_s_median"] == {"forward_s": 3.5, "optimizer_s": 0.5}
 
 
 def test_time_to_target_from_launch_in_training_and_held_out(tmp_path):
