@@ -44,6 +44,8 @@ def serve() -> None:
                 out.close()
                 _die_with_parent()
                 os.environ.update(life["env"])
+                if life["env"].get(JOURNAL_ENV):
+                    journal_durability(life["env"][JOURNAL_ENV])
                 fd = os.open(life["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
@@ -52,13 +54,50 @@ def serve() -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
             except BaseException as e:  # noqa: BLE001 - reported as the life's exit code
-                print(f"life failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                import traceback
+
+                print(f"life failed: {type(e).__name__}: {e}", file=sys.stderr)
+                traceback.print_exc()
+                sys.stderr.flush()
                 code = 1
             os._exit(code)
         print(json.dumps({"started": pid}), file=out, flush=True)
         _, status = os.waitpid(pid, 0)
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         print(json.dumps({"pid": pid, "code": code}), file=out, flush=True)
+
+
+JOURNAL_ENV = "PARLEY_TEST_FSYNC_JOURNAL"
+
+
+def journal_durability(path: str) -> None:
+    """Record, in this process, what a power cut would keep: every fsync of a regular file (its path and
+    size then) and every rename, appended to the journal at `path` as JSON lines, written straight to
+    the file so a SIGKILL right after loses none (tests/faults/test_kill_power.py replays them)."""
+    import stat
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def note(event: dict) -> None:
+        os.write(fd, (json.dumps(event) + "\n").encode())
+
+    def fsync(f) -> None:
+        real_fsync(f)
+        n = f if isinstance(f, int) else f.fileno()
+        st = os.fstat(n)
+        if stat.S_ISREG(st.st_mode):
+            note({"fsync": os.readlink(f"/proc/self/fd/{n}"), "size": st.st_size})
+
+    def replace(src, dst, **kw) -> None:
+        real_replace(src, dst, **kw)
+        note({"rename": os.path.abspath(src), "to": os.path.abspath(dst)})
+
+    def rename(src, dst, **kw) -> None:
+        real_rename(src, dst, **kw)
+        note({"rename": os.path.abspath(src), "to": os.path.abspath(dst)})
+
+    os.fsync, os.replace, os.rename = fsync, replace, rename
 
 
 def _die_with_parent() -> None:
