@@ -25,15 +25,24 @@ def serve() -> None:
     # the answers go on a copy of stdout; fd 1 goes to stderr, so what a library prints is no answer
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    import accelerate  # noqa: F401
     import deepspeed  # noqa: F401 - imported before the forks, so no life pays for it
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401 - deepspeed.initialize's optimizer check imports it, and with it torch._inductor
+    import pyarrow.parquet  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
+    import torch.utils.tensorboard  # noqa: F401
     import transformers  # noqa: F401
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
 
     import parley.deploy.cli
+    import parley.evaluation.evallog
+    import parley.evaluation.leakage
+    import parley.learner.lease
     import parley.learner.ranks
     import parley.learner.service
-    import parley.learner.trainer  # noqa: F401
+    import parley.learner.trainer
+    import parley.rewards.diagnostics
+    import parley.runtime.tracking  # noqa: F401 - the modules a learner life imports, found by listing them
 
     print(json.dumps({"ready": os.getpid()}), file=out, flush=True)
     for line in sys.stdin:
@@ -121,12 +130,14 @@ class Lives:
             text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
         )
-        ready = self.proc.stdout.readline()
-        if not ready:
-            raise RuntimeError(f"tests.faults.lives did not start (exit {self.proc.wait()})")
+        self.ready = False  # its imports run while the test prepares (start() waits for them)
 
     def start(self, argv: list[str], env: dict[str, str], log: Path) -> int:
         """Start a life; its pid."""
+        if not self.ready:
+            if not self.proc.stdout.readline():
+                raise RuntimeError(f"tests.faults.lives did not start (exit {self.proc.wait()})")
+            self.ready = True
         self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())["started"]
