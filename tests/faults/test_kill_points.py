@@ -13,6 +13,8 @@ answering them; every life is forked from one process that imported the learner'
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -43,6 +45,7 @@ KILLS = ["held:2", "acks", "step", "published", "checkpoint", "ledger"]
 # trained.jsonl lines beyond the ledger's step at the kill (written before the ledger names them;
 # the resume cuts them)
 LINES_AHEAD = {"archive": 1}
+LIFE_S = 90  # a life takes 2-25 s on two busy cores; one that stalls fails the test with the books
 
 
 def argv(url: str, run_dir: Path, model: Path, resume: bool) -> list[str]:
@@ -123,15 +126,15 @@ async def run_chain(root: Path, model: Path, url: str, kills: list[str], after_k
             started = time.monotonic()
             pid = lives.start(argv(url, run_dir, model, resume=i > 0), life_env, log)
             wait = asyncio.create_task(asyncio.to_thread(lives.wait))
-            done, _ = await asyncio.wait({wait, actor.worker}, timeout=240, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({wait, actor.worker}, timeout=LIFE_S, return_when=asyncio.FIRST_COMPLETED)
             actor.check()
-            if wait not in done:
-                import os
-                import signal
-
+            if wait not in done:  # stalled (a lost group is given up only at task_deadline_s): the books say why
                 os.kill(pid, signal.SIGKILL)
                 await wait
-                pytest.fail(f"life {i} ({point or 'to the end'}) took over 240 s:\n{log.read_text()[mark:][-4000:]}")
+                out["stalled"] = (
+                    f"life {i} ({point or 'to the end'}) took over {LIFE_S} s:\n{log.read_text()[mark:][-3000:]}"
+                )
+                break
             text = log.read_text()[mark:]
             state = read_state(run_dir)
             out["lives"][point or "end"] = {
@@ -171,6 +174,9 @@ async def run_chain(root: Path, model: Path, url: str, kills: list[str], after_k
 @pytest.mark.parametrize("kill", KILLS)
 def test_a_learner_killed_at_a_named_point_resumes_with_its_books_whole(chain, kill):
     point = kill.split(":")[0]
+    assert "stalled" not in chain, (
+        f"{chain['stalled']}\nbooks: {chain['books'].summary()}, lost {chain['books'].lost[:10]}"
+    )
     names = [*KILLS, None]
     at = chain["lives"][kill]
     after = chain["lives"][names[names.index(kill) + 1] or "end"]
@@ -194,6 +200,9 @@ def test_a_learner_killed_at_a_named_point_resumes_with_its_books_whole(chain, k
 
 
 def test_the_chain_ends_with_every_step_trained_once_in_all_three_books(chain):
+    assert "stalled" not in chain, (
+        f"{chain['stalled']}\nbooks: {chain['books'].summary()}, lost {chain['books'].lost[:10]}"
+    )
     assert chain["lives"]["end"]["code"] == 0, chain["lives"]["end"]["log"][-3000:]
     lines, state, archive = chain["lines"], chain["state"], chain["archived"]
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1)) and state.step == STEPS

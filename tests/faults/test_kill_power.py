@@ -104,6 +104,7 @@ def power_chain(tmp_path_factory, tiny_model):
 @pytest.mark.parametrize("kill", POWER_KILLS)
 def test_a_power_loss_after_a_named_kill_point_loses_nothing_and_trains_nothing_twice(power_chain, kill):
     point = kill.split(":")[0]
+    assert "stalled" not in power_chain, f"{power_chain['stalled']}\nbooks: {power_chain['books'].summary()}"
     at = power_chain["lives"][kill]
     assert at["code"] == -9 and f"PARLEY_KILL_AT: killed at {point} (" in at["log"], at["log"][-3000:]
     assert power_chain["lives"]["end"]["code"] == 0, power_chain["lives"]["end"]["log"][-3000:]
