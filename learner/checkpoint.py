@@ -136,6 +136,20 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def write_durable_text(path: Path, text: str) -> Path:
+    """Write a small file so that a power cut leaves the old or the new content, never an empty one
+    (beside, fsynced, renamed, the directory fsynced): a file a resume reads must be durable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
 def fsync_tree(root: Path) -> None:
     """Make every file under `root` (a DeepSpeed checkpoint) and every entry of its directories
     durable, and `root`'s own entry in its parent: the ledger may name it only after this."""
@@ -483,9 +497,8 @@ def truncate_jsonl(path: Path, max_step: int) -> int:
 
 
 def record_base_model(run_dir: str | Path, model_dir: str | Path) -> None:
-    d = learner_dir(run_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "base_model").write_text(str(Path(model_dir).resolve()) + "\n")
+    # durable: after a power cut, --resume and export read it
+    write_durable_text(learner_dir(run_dir) / "base_model", str(Path(model_dir).resolve()) + "\n")
 
 
 def base_model(run_dir: str | Path) -> Path:

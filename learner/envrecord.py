@@ -10,14 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from parley.learner.checkpoint import write_durable_text
+
 FILE = "environment.json"
 
 
 def write(directory: str | Path, record: dict[str, Any]) -> Path:
-    path = Path(directory) / FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    return path
+    # durable: a resume after a power cut reads it (an empty file stopped every --resume)
+    return write_durable_text(Path(directory) / FILE, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def read(directory: str | Path) -> dict[str, Any] | None:

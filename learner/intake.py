@@ -22,6 +22,7 @@ from parley.learner.groups import BadTrajectory, Grouper, Outcome, check_hostile
 from parley.learner.runstate import RunState
 from parley.protocol.bus import Poison
 from parley.protocol.messages import ABANDONED_STALE
+from parley.runtime import killpoints
 
 # How the reason of a dead letter for a Scored of a task this learner did not issue begins: such a
 # letter says nothing of an issued task's fate (learner.watchers.Fates ignores it).
@@ -76,6 +77,7 @@ class Intake:
             raise Poison(str(e)) from None
         self.state.counters[f"scored.{result}"] += 1
         self.pending.append(msg)
+        killpoints.reached("held")
         if result == "complete" or (result == "added" and self.grouper.doomed(scored.task_id, self.state.step)):
             self._data.set()  # a step may be taken, or a doomed group dropped (its slot freed) at once
 
@@ -200,6 +202,7 @@ class Intake:
         await asyncio.to_thread(self.ledger.write, state, reasons)
         self.ledger_bytes = self.ledger.bytes_written - before
         self.last_flush = time.monotonic()
+        killpoints.reached("acks")
         for m in msgs:
             with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is ignored as late/duplicate
                 await m.ack()

@@ -300,8 +300,18 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
     from parley.learner.lease import Lease, LeaseError, check_fresh_streams, holder_name
     from parley.learner.ranks import Driver
     from parley.learner.trainer import Trainer
+    from parley.runtime import killpoints
     from parley.runtime.role import role_connection
 
+    try:  # PARLEY_KILL_AT, read once: the crash-consistency tests' named kill points (runtime.killpoints)
+        killpoints.arm()
+    except killpoints.KillPointError as e:
+        log.error("%s", e)
+        return 2
+    if killpoints.armed("upload"):
+        from parley.weights import objstore
+
+        objstore.chunks_stored = lambda name: killpoints.reached("upload")
     driver = None
     async with role_connection(cfg.nats, name="parley-learner", run=cfg.run.name, bus=cfg.bus, topology=True) as (
         nc,

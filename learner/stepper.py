@@ -22,6 +22,7 @@ from parley.learner.steplog import PHASES, StepLog
 from parley.learner.watchers import Evals
 from parley.protocol import arrays, codec, topology
 from parley.protocol.bus import dead_letter, retry_unreachable
+from parley.runtime import killpoints
 from parley.weights.publish import Weights
 
 log = logging.getLogger("parley.learner")
@@ -75,6 +76,7 @@ class Stepper:
         for t in taken:
             st.attempts[t.group.task_id] += 1
         await self.intake.flush()
+        killpoints.reached("step")
         try:
             trained, stats, refused, refused_stats, untried = await self.train(taken)
         except BaseException as e:
@@ -129,16 +131,19 @@ class Stepper:
                 time.perf_counter() - t0
             )  # on the step's path: the CPU copy (and the file, for an eval)
             stats["publish_skipped_held"] = 0.0 if published else 1.0
+            killpoints.reached("published")
         if st.step % self.lc.checkpoint_every == 0 or last:
             t0 = time.perf_counter()
             tag = ckpt.step_tag(st.step)
             await asyncio.to_thread(self.driver.save_checkpoint, ckpt.ckpt_dir(self.run_dir), tag)
             envrecord.write(ckpt.ckpt_dir(self.run_dir) / tag, self.env_record)
+            killpoints.reached("checkpoint_write")
             # durable before a ledger write names it: after a power cut the ledger's tag must hold a model
             await asyncio.to_thread(ckpt.fsync_tree, ckpt.ckpt_dir(self.run_dir) / tag)
             st.ckpt_step, st.tag = st.step, tag
             st.uncommitted.clear()
             stats["checkpoint_s"] = time.perf_counter() - t0
+            killpoints.reached("checkpoint")
         # after the checkpoint: an unpublished version is exported from it
         if eval_due:
             t0 = time.perf_counter()
@@ -156,7 +161,9 @@ class Stepper:
         # names is durable; what a kill leaves beyond the ledger's step a resume removes and redoes.
         trained = [s for t in taken for s in t.group.ordered()]
         await asyncio.to_thread(ckpt.write_archive, self.run_dir, st.step, trained)
+        killpoints.reached("archive")
         await self.intake.flush()
+        killpoints.reached("ledger")
         if st.tag == ckpt.step_tag(st.step):
             ckpt.prune_checkpoints(self.run_dir, self.lc.keep_checkpoints, st.tag)
         log.info(

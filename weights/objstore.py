@@ -252,6 +252,12 @@ class Objstore(Transport):
         return dest
 
 
+def chunks_stored(name: str) -> None:
+    """Called by _put_object when every chunk of an upload is stored and no meta names them yet: a
+    no-op that the learner replaces with its kill point there (runtime.killpoints "upload"; a
+    neutral package may not import runtime, so the learner, above both, connects them)."""
+
+
 async def _put_object(js, run: str, name: str, data: Path | bytes) -> tuple[str, int]:
     """Store `data` (a file, or bytes) as object `name` in the run's object store, in the store's own
     layout (NATS ADR-20, as nats.py's ObjectStore.put writes it: the chunks on a fresh subject, then
@@ -310,6 +316,7 @@ async def _put_object(js, run: str, name: str, data: Path | bytes) -> tuple[str,
                     await ack()
             while acked < sent:
                 await ack()
+        chunks_stored(name)  # every chunk stored, no meta names them yet
         digest = h.digest()
         info = api.ObjectInfo(
             name=name,

@@ -778,7 +778,8 @@ def settle(
     for task, n in sorted(n_of.items()):
         if task not in done and task not in in_flight and state is not None:
             led.inconsistent.append(f"task {task} is in TASKS but the learner's ledger neither issued nor finished it")
-        kind = done.get(task)
+        # under the ledger's watermark a task has no entry: trained (the reasons log gives the others' kinds)
+        kind = done.get(task) or ("trained" if task in done else None)
         if kind not in (None, "trained"):
             reason = not_trained.get(task) or (state.reasons.get(task) if state is not None else None)
             if reason:

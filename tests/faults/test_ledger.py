@@ -196,3 +196,15 @@ def test_a_slot_held_past_its_deadline_is_caught():
         ).past_deadline
         == []
     )
+
+
+def test_tasks_under_the_ledgers_watermark_count_as_trained():
+    # read_state gives done as a Finished: tasks under done_below have no entry (trained), those the
+    # reasons log names have their kind; before, settle called every trained task under it inconsistent
+    from parley.learner.groups import Finished
+
+    lines = [{"step": 1, "traj_ids": ["r-g000000/0", "r-g000000/1"], "not_trained": {"r-g000001": "zero advantage"}}]
+    state = LearnerState(step=1, done=Finished("r-g", 2, {"r-g000001": "zero_advantage"}), in_flight=[])
+    led = settle(tasks(2), [], lines, state, buffered_ids=set(), unacked_ids={})
+    assert led.inconsistent == [] and led.lost == []
+    assert led.fates == {"trained": 1, "dropped": 1} and led.trained == 2
