@@ -218,6 +218,9 @@ class Scorer:
         counters = {k: float(v) for k, v in (self.counters + bus.COUNTERS).items()}
         counters["in_flight"] = float(self.in_flight)
         counters |= self.reliability.counters()
+        budget = getattr(self.judge, "budget", None)  # rollout.budget.BudgetedJudge: the run's judge-call limits
+        if budget is not None:
+            counters |= budget.counters()
         return Heartbeat(role="scorer", id=self.ident, state="busy" if self.in_flight else "ready", counters=counters)
 
     async def run_until(self, stop: asyncio.Event, *, fetch_timeout: float = 2.0) -> None:
@@ -267,6 +270,18 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
                 concurrency=cfg.scorer.judge_concurrency,
                 temperature=cfg.scorer.audit_temperature,
             )
+        if judge is not None:
+            # this scorer's share of the run's judge-call limits (second verdicts count too): calls past it wait
+            from parley.rollout.budget import BudgetedJudge, CallBudget
+
+            ro, scorers = cfg.rollout, cfg.up.scorers
+            budget = CallBudget(
+                "judge_budget",
+                CallBudget.share(ro.judge_call_budget, scorers),
+                CallBudget.share(ro.judge_calls_per_s, scorers),
+            )
+            judge = BudgetedJudge(judge, budget)
+            audit_judge = BudgetedJudge(audit_judge, budget) if audit_judge is not None else None
         # The learner's setting decides (one place for the fact): it trains on what we put in ref_logp_f32.
         reference = None
         if cfg.policy.reference == "service":
