@@ -33,9 +33,10 @@ class InProcess:
     judge: Callable[[Any], Any]
 
 
-async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None) -> int:
-    """`parley replay` after its options: re-judge (`judge`) or re-weight the records (and those of the
-    run's stored `stream`), print the table and write it to `out`. The exit code."""
+async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None, other_judge=None) -> int:
+    """`parley replay` after its options: re-judge (`judge`: the judge service on the bus; or
+    `other_judge`, a judge the caller built, e.g. on an OpenAI-compatible endpoint) or re-weight the
+    records (and those of the run's stored `stream`), print the table and write it to `out`. The exit code."""
     from parley.evaluation.benchmark import METRICS, flags_markdown, summarize, to_markdown, write_table
     from parley.evaluation.evallog import (
         as_records,
@@ -47,7 +48,8 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
     )
 
     nc = None
-    if stream or judge:
+    judge = judge or other_judge is not None
+    if stream or (judge and other_judge is None):
         from parley.runtime.role import connect_nats
 
         nc = await connect_nats(cfg.nats, name="parley-replay")
@@ -64,7 +66,7 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
             from parley.rollout.judge import JudgeClient, JudgeFailed, JudgeUnavailable
             from parley.rollout.score import Unscorable
 
-            client = JudgeClient(nc, timeout=sc.judge_timeout_s, concurrency=sc.judge_concurrency)
+            client = other_judge or JudgeClient(nc, timeout=sc.judge_timeout_s, concurrency=sc.judge_concurrency)
             try:
                 records = await rejudge(records, client, sc)
             except (JudgeUnavailable, JudgeFailed, Unscorable) as e:
@@ -106,6 +108,38 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
         paths["records"] = write_parquet(records, Path(out) / "records.parquet")
         _out("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+async def replay_deterministic(stop, cfg, archive: Path) -> int:
+    """`parley replay --deterministic RUN_DIR`: the run's archived samples (`archive`, the learner's
+    archive of RUN_DIR) played again with the configured policy ([actor.engine], the weights of version
+    0) and the logged simulator and judge answers (evaluation/replay.py); the exit code is 0 only when
+    every replayed sample matched."""
+    from parley.engines.backend import open_engine
+    from parley.evaluation.replay import logged_samples
+    from parley.evaluation.replay import replay_deterministic as replay_all
+
+    try:
+        records = logged_samples(archive)
+    except FileNotFoundError as e:
+        _err(f"parley replay: {e}")
+        return 2
+    engine, tokenizer, path = open_engine(cfg.actor.engine, sampled_logprobs=True)  # blocks while vLLM loads
+    try:
+        report = await replay_all(
+            records,
+            engine,
+            tokenizer,
+            max_model_len=cfg.actor.engine.max_model_len,
+            rollout=cfg.rollout,
+            reward=cfg.env.load().reward,
+            version=engine.version,
+        )
+    finally:
+        engine.shutdown()
+    _out(report.describe())
+    _out(f"policy {cfg.actor.engine.model} ({path}) at version {engine.version}; {len(records)} logged samples")
+    return 0 if report.ok else 1
 
 
 async def run_eval(

@@ -97,6 +97,17 @@ class FutureRollout(msgspec.Struct, kw_only=True):
     assistant_tokens: int = 0
 
 
+class SimCall(msgspec.Struct, kw_only=True):
+    """One simulator call of a sample, as its answer came back (in the order asked; futures' after the
+    main branch's): what `parley replay --deterministic` answers the same request with, found by `key`
+    (rollout.conversation.sim_call_key of the SimRequest)."""
+
+    key: str
+    message: str
+    done: bool = False
+    fallback: bool = False
+
+
 class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One finished sample of a Task. actor -> scorer (and replay, learner via Scored)."""
 
@@ -138,6 +149,8 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     # how many of `messages` came with the task (system prompt + dataset prefix); every user message
     # after them is a simulator answer. -1: not recorded (older actors)
     prefix_messages: int = -1
+    # every simulator call's answer, for a deterministic replay (empty: older actors)
+    sim_calls: list[SimCall] = []
 
 
 class JudgeOutput(msgspec.Struct, kw_only=True):
@@ -153,6 +166,12 @@ class JudgeOutput(msgspec.Struct, kw_only=True):
     seed: int = -1
     conversation: int = 0
     model: str = ""
+    # the verdict as the scorer read it (JudgeReply's fields), so a replay can answer the same request
+    # without the judge: the extracted document, the rubric levels, the score and the level distribution
+    document: str = ""
+    levels: dict[str, int] = {}
+    score: float = 0.0
+    distribution: dict[str, dict[str, float]] = {}
 
 
 class Scored(msgspec.Struct, kw_only=True):

@@ -100,6 +100,10 @@ async def _judge_one(
             seed=seed,
             conversation=conversation,
             model=r.model,
+            document=r.document,
+            levels=dict(r.levels),
+            score=r.score,
+            distribution={k: dict(v) for k, v in r.distribution.items()},
         )
         for op, r in replies.items()
     ]
