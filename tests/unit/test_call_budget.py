@@ -157,3 +157,13 @@ def test_openai_calls_are_counted_in_tokens_and_cost():
     svc.usage = backend.usage
     beat = svc.heartbeat("sim", "sim-0")
     assert beat.counters["backend.prompt_tokens"] == 4000 and beat.counters["backend.usd"] == pytest.approx(0.005)
+
+
+def test_budget_and_usage_counters_are_named_metric_families():
+    from parley.runtime.metrics import family_of
+
+    family, labels = family_of("actor", "sim_budget.waits")
+    assert family.name == "parley_call_budget_waits_total" and labels == {"budget": "sim_budget"}
+    assert family_of("scorer", "judge_budget.left")[0].name == "parley_call_budget_left"
+    assert family_of("judge", "backend.prompt_tokens")[0].name == "parley_backend_tokens_total"
+    assert family_of("sim", "backend.usd")[0].name == "parley_backend_cost_usd_total"
