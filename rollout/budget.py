@@ -6,8 +6,10 @@ spent (`CallBudget.wait_open`); the scorer wraps its judge in `BudgetedJudge`.
 The run's budget is split evenly over the processes that spend it (`CallBudget.share`): each actor
 holds budget / [up] actors of the simulator calls, each scorer budget / [up] scorers of the judge
 calls, with no counter shared over the bus. An idle actor's unspent share is therefore not lent to a
-busy one; the run as a whole never passes the budget. A spent budget is reopened by raising it
-(`raise_to`), e.g. from a test or an operator hook; the calls waiting on it then proceed.
+busy one. A share counts from its process's start: a restarted actor or scorer holds a fresh share, so
+the run stays within the budget only while no process restarts (a counter shared on the bus would need
+a KV key every actor may write, which deploy/permissions.py does not grant). A spent share is reopened
+by raising it (`raise_to`); the calls waiting on it then proceed.
 """
 
 from __future__ import annotations
