@@ -266,7 +266,16 @@ def _deterministic(logs, config, sets, nats, run, dry) -> None:
     setup_logging("replay")
     from parley.evaluation.commands import replay_deterministic
 
-    run_async_main(replay_deterministic, cfg, archive_dir(logs[0]))
+    run_dir = logs[0]
+
+    def weights_of(version: int) -> Path | None:
+        """The weights the learner kept of `version` (safetensors), while it still holds them."""
+        from parley.learner.checkpoint import weights_dir
+
+        path = weights_dir(run_dir, version)
+        return path if any(path.glob("*.safetensors")) else None
+
+    run_async_main(replay_deterministic, cfg, archive_dir(run_dir), weights_of)
 
 
 def eval_cmd(

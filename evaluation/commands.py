@@ -110,11 +110,11 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None,
     return 0
 
 
-async def replay_deterministic(stop, cfg, archive: Path) -> int:
+async def replay_deterministic(stop, cfg, archive: Path, weights_of=None) -> int:
     """`parley replay --deterministic RUN_DIR`: the run's archived samples (`archive`, the learner's
-    archive of RUN_DIR) played again with the configured policy ([actor.engine], the weights of version
-    0) and the logged simulator and judge answers (evaluation/replay.py); the exit code is 0 only when
-    every replayed sample matched."""
+    archive of RUN_DIR) played again with the configured policy ([actor.engine] for version 0, then each
+    version whose weights `weights_of(version)` finds in RUN_DIR) and the logged simulator and judge
+    answers (evaluation/replay.py); the exit code is 0 only when every replayed sample matched."""
     from parley.engines.backend import open_engine
     from parley.evaluation.replay import logged_samples
     from parley.evaluation.replay import replay_deterministic as replay_all
@@ -133,12 +133,12 @@ async def replay_deterministic(stop, cfg, archive: Path) -> int:
             max_model_len=cfg.actor.engine.max_model_len,
             rollout=cfg.rollout,
             reward=cfg.env.load().reward,
-            version=engine.version,
+            weights_of=weights_of,
         )
     finally:
         engine.shutdown()
     _out(report.describe())
-    _out(f"policy {cfg.actor.engine.model} ({path}) at version {engine.version}; {len(records)} logged samples")
+    _out(f"policy {cfg.actor.engine.model} ({path}); {len(records)} logged samples")
     return 0 if report.ok else 1
 
 

@@ -31,10 +31,14 @@ class TransformersEngineDouble:
     """Test double of engines.engine.PolicyEngine.generate: the model in transformers, each token
     sampled at `temperature` from a torch generator seeded with the request's seed."""
 
-    version = 0
+    def __init__(self, model, version: int = 0):
+        self.model, self.version = model, version
 
-    def __init__(self, model):
-        self.model = model
+    async def reload_weights(self, weights_dir, version=None):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype="float32").eval()
+        self.version = self.version if version is None else version
 
     async def generate(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=None):
         import torch
@@ -103,16 +107,19 @@ def _task(task_id: str, **kw) -> Task:
     return Task(**{**base, **kw})
 
 
-def _run_dir(tmp_path, engine, tok):
+def _run_dir(tmp_path, engine, tok, tasks=None):
     """The tiny run: 2 conversations and a next_turn sample with 2 futures, scored and archived."""
     policy = PolicySettings(max_model_len=MAX_MODEL_LEN, sampling=Sampling(temperature=1.0))
     reward = EMBEDDED.env.load().reward
+    tasks = tasks or (_task("t-0001"), _task("t-0002", mode="next_turn", futures=2, n=1))
 
     async def main():
         scored = []
-        for t in (_task("t-0001"), _task("t-0002", mode="next_turn", futures=2, n=1)):
+        for t in tasks:
             for i in range(t.n):
-                traj = await run_conversation(engine, SimulatorDouble(), t, i, lambda: 0, tokenizer=tok, policy=policy)
+                traj = await run_conversation(
+                    engine, SimulatorDouble(), t, i, lambda: engine.version, tokenizer=tok, policy=policy
+                )
                 scored.append(await score_trajectory(traj, JudgeExpectedDouble(), EMBEDDED.scorer, reward=reward))
         return scored
 
@@ -121,7 +128,7 @@ def _run_dir(tmp_path, engine, tok):
     return tmp_path
 
 
-def _replay(records, engine, tok):
+def _replay(records, engine, tok, weights_of=None):
     return asyncio.run(
         replay_deterministic(
             records,
@@ -130,6 +137,7 @@ def _replay(records, engine, tok):
             max_model_len=MAX_MODEL_LEN,
             rollout=ROLLOUT,
             reward=EMBEDDED.env.load().reward,
+            weights_of=weights_of,
         )
     )
 
@@ -175,3 +183,22 @@ def test_replay_cli_refuses_what_it_cannot_replay(tmp_path):
     assert res.exit_code == 2 and "--deterministic takes one run directory (holding learner/archive/)" in res.output
     res = CliRunner().invoke(app, ["replay", str(tmp_path), "--judge-url", "http://127.0.0.1:9/v1"])
     assert res.exit_code == 2 and "--judge-url and --judge-model go together" in res.output
+
+
+def test_a_later_versions_samples_replay_with_the_weights_the_run_kept(logged, toy, tiny_model, tmp_path):
+    from tests.factories import perturbed_model
+
+    model, tok = toy
+    v1 = tmp_path / "weights" / "v000001"
+    perturbed_model(tiny_model, seed=5, scale=0.5).save_pretrained(v1)
+    engine_v1 = TransformersEngineDouble(model, version=0)
+    asyncio.run(engine_v1.reload_weights(v1, version=1))  # what an actor serving version 1 played with
+    later = logged_samples(ckpt.archive_dir(_run_dir(tmp_path / "run", engine_v1, tok, tasks=[_task("t-0009", n=1)])))
+    assert {t.version for t in later[0].trajectory.turns} == {1}
+    records = [*later, *logged()]  # the order of the log, not of the versions
+    report = _replay(records, TransformersEngineDouble(model), tok, weights_of=lambda v: v1 if v == 1 else None)
+    assert report.ok and report.count("match") == 4, report.describe()
+    assert [o.traj_id for o in report.outcomes] == [r.traj_id for r in records]
+    report = _replay(records, TransformersEngineDouble(model), tok)  # the run kept no weights of version 1
+    assert report.count("match") == 3 and report.count("skipped") == 1
+    assert "t-0009/0: SKIPPED: the weights of version 1 are not in the run directory" in report.describe()
