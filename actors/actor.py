@@ -22,8 +22,8 @@ from parley.protocol import bus, status
 from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Task
 from parley.rollout.budget import BudgetedUser, CallBudget
 from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
-from parley.rollout.sim import SimClient
 from parley.runtime.scratch import scratch_dir
+from parley.services.sim.client import SimClient
 from parley.weights.follow import WeightFollower, WeightsBroken
 
 # How long a task admitted at a version the engine does not serve yet waits for that version to load.

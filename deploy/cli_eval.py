@@ -444,12 +444,12 @@ def _in_process(cfg):
     from parley.evaluation.commands import InProcess
 
     def simulator(backend):
-        from parley.actors.sim import Simulator
+        from parley.services.sim.server import Simulator
 
         return Simulator(backend, cfg.sim)
 
     def judge(backend):
-        from parley.scorer.judge import Judge
+        from parley.services.judge.server import Judge
 
         return Judge(backend, cfg.judge)
 

@@ -26,7 +26,7 @@ def _err(message: str) -> None:
 @dataclass(frozen=True)
 class InProcess:
     """The simulator and judge `--services local` runs in this process, built by the caller from a
-    backend (deploy/ builds actors.sim.Simulator and scorer.judge.Judge: evaluation/ imports no role).
+    backend (deploy/ builds services.sim.server.Simulator and services.judge.server.Judge: evaluation/ imports no role).
     simulator(backend) answers `reply(SimRequest)`, judge(backend) answers `handle(op, JudgeRequest)`."""
 
     simulator: Callable[[Any], Any]
@@ -63,8 +63,8 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None,
         sc = cfg.scorer
         clamps = {k: (v[0], v[1]) for k, v in sc.clamps.items()}
         if judge:
-            from parley.rollout.judge import JudgeClient, JudgeFailed, JudgeUnavailable
             from parley.rollout.score import Unscorable
+            from parley.services.judge.client import JudgeClient, JudgeFailed, JudgeUnavailable
 
             client = other_judge or JudgeClient(nc, timeout=sc.judge_timeout_s, concurrency=sc.judge_concurrency)
             try:
@@ -169,8 +169,8 @@ async def run_eval(
     from parley.evaluation.runner import EvalServices, NotScored, SwappingPolicies
     from parley.evaluation.runner import run_eval as play_conditions
     from parley.protocol.bus import Poison, Retry
-    from parley.rollout.judge import LocalJudge
-    from parley.rollout.sim import LocalSim
+    from parley.services.judge.client import LocalJudge
+    from parley.services.sim.client import LocalSim
 
     env = env or cfg.env.load()
     nc = sim = judge = None
@@ -178,9 +178,9 @@ async def run_eval(
     if services in ("nats", "fleet"):
         from parley.protocol import topology
         from parley.protocol.bus import publish
-        from parley.rollout.judge import JudgeClient
-        from parley.rollout.sim import SimClient
         from parley.runtime.role import connect_nats
+        from parley.services.judge.client import JudgeClient
+        from parley.services.sim.client import SimClient
 
         nc = await connect_nats(cfg.nats, name="parley-eval")
         js = nc.jetstream()
@@ -275,7 +275,7 @@ async def run_eval(
             return 130
         try:
             records = work.result()
-        # Retry / Poison: the simulator service answered garbage or stayed unreachable (rollout.sim.SimClient)
+        # Retry / Poison: the simulator service answered garbage or stayed unreachable (services.sim.client.SimClient)
         except (FleetError, Retry, Poison) as e:
             if done:
                 write_parquet(done, Path(out) / "records.parquet")

@@ -383,7 +383,7 @@ def _stored(rec: EvalRecord, name: str, interactivity: str | None) -> float:
 
 
 async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]:
-    """Re-score with another judge (a rollout.judge.Judge, e.g. JudgeClient over NATS) and the weights,
+    """Re-score with another judge (a services.judge.client.Judge, e.g. JudgeClient over NATS) and the weights,
     clamps and BLEU variant of `cfg` (a ScorerConfig); nothing is generated. "reward" = the weighted total."""
     import asyncio
 
@@ -408,7 +408,7 @@ async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]
             sim_prompt=rec.sim_prompt,
             model=rec.model,
         )
-        # Failures propagate as rollout.judge's / rollout.score's errors, which name the record (traj_id = eval_id).
+        # Failures propagate as services.judge.client's / rollout.score's errors, which name the record (traj_id = eval_id).
         scored = await score_trajectory(traj, judge, cfg, scorer="replay")
         return msgspec.structs.replace(
             rec,

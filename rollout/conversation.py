@@ -1,5 +1,5 @@
 """One sample of a Task, played out: the policy writes the assistant turns (token-in/token-out,
-with behaviour log-probs and the policy version of each turn), the user side (rollout.sim) writes
+with behaviour log-probs and the policy version of each turn), the user side (services.sim.client) writes
 the user turns. Called by the actor for every sample and by the eval for every benchmark
 conversation; returns the Trajectory.
 
@@ -40,7 +40,7 @@ from parley.protocol.messages import (
     Trajectory,
 )
 from parley.rollout.chat import ChatTokens
-from parley.rollout.sim import FALLBACK_MESSAGE, UserSide
+from parley.services.sim.client import FALLBACK_MESSAGE, UserSide
 
 log = logging.getLogger("parley.rollout")
 

@@ -1,6 +1,6 @@
 """`parley scorer`: pulls trajectories from TRAJ, has the judge service score them, stores Scored in SCORED.
 With [policy] reference = "service" it also asks the reference service for each trajectory's
-reference log-probs (scorer/reference.py) and puts them into the Scored. With [scorer] audit_fraction a
+reference log-probs (services/reference/client.py) and puts them into the Scored. With [scorer] audit_fraction a
 share of trajectories is judged a second time (Scored.audit) and the judge's agreement, tie share and
 drift across policy versions go into the heartbeat (rewards.reliability), flagged when agreement is low.
 
@@ -26,9 +26,9 @@ from parley.environments.base import JudgeMetric, Reward
 from parley.protocol import bus, status, topology
 from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Scored, Trajectory
 from parley.rewards.reliability import JudgeReliability, audited
-from parley.rollout.judge import Judge, JudgeFailed, JudgeUnavailable
 from parley.rollout.score import Unscorable, _all, score_trajectory, scorer_reward
-from parley.scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
+from parley.services.judge.client import Judge, JudgeFailed, JudgeUnavailable
+from parley.services.reference.client import ReferenceClient, ReferenceFailed, ReferenceUnavailable
 
 log = logging.getLogger("parley.scorer")
 
@@ -247,8 +247,8 @@ class Scorer:
 
 async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
     """`parley scorer`: connect, make sure the run's topology exists, score until SIGINT/SIGTERM."""
-    from parley.rollout.judge import JudgeClient
     from parley.runtime.role import role_connection
+    from parley.services.judge.client import JudgeClient
 
     async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus, topology=True) as (
         nc,

@@ -23,7 +23,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("actors", "scorer", "learner")
-NEUTRAL = ("config", "engines", "weights", "tasks", "rewards", "runtime", "rollout", "evaluation", "environments")
+NEUTRAL = (
+    "config",
+    "engines",
+    "weights",
+    "tasks",
+    "rewards",
+    "runtime",
+    "services",
+    "rollout",
+    "evaluation",
+    "environments",
+)
 OURS = (*ROLES, *NEUTRAL, "protocol", "deploy")
 HEAVY = ("torch", "vllm", "deepspeed")  # none of these under protocol/
 TRANSPORT_NAMES = {"objstore", "shared_dir", "cuda_ipc", "nccl"}  # compared only inside weights/
@@ -33,6 +44,7 @@ FLOORS = (
     ("tasks", "rewards", "runtime", "weights"),
     ("engines", "environments"),
     ("config",),
+    ("services",),
     ("rollout",),
     ("evaluation",),
 )
@@ -120,15 +132,22 @@ def test_no_forbidden_imports():
         ("learner", "from parley.actors.actor import Actor", "role learner/ imports role actors/"),
         ("scorer", "from parley.deploy.common import resolve", "must not import the launcher deploy/"),
         ("protocol", "from parley.engines.engine import PolicyEngine", "protocol/ imports nothing of ours"),
-        ("tasks", "import parley.scorer.judge", "neutral tasks/ imports role scorer/"),
-        ("evaluation", "from parley.actors.sim import Simulator", "neutral evaluation/ imports role actors/"),
+        ("tasks", "import parley.scorer.scorer", "neutral tasks/ imports role scorer/"),
+        ("evaluation", "from parley.actors.actor import Actor", "neutral evaluation/ imports role actors/"),
         (
             "evaluation",
-            "def f():\n    from parley.scorer.judge import Judge",
+            "def f():\n    from parley.scorer.scorer import Scorer",
             "neutral evaluation/ imports role scorer/",
         ),
         ("evaluation", "import parley.learner.checkpoint", "neutral evaluation/ imports role learner/"),
-        ("rollout", "from parley.actors.sim import FALLBACK_MESSAGE", "neutral rollout/ imports role actors/"),
+        ("rollout", "from parley.actors.actor import Actor", "neutral rollout/ imports role actors/"),
+        ("services", "from parley.scorer.scorer import Scorer", "neutral services/ imports role scorer/"),
+        ("services", "from parley.deploy.up import up", "services/ must not import the launcher deploy/"),
+        (
+            "services",
+            "from parley.rollout.conversation import run_conversation",
+            "neutral services/ imports rollout/, which is not below it",
+        ),
         ("rollout", "from parley.scorer.config import ScorerConfig", "neutral rollout/ imports role scorer/"),
         ("rollout", "from parley.deploy.config import RunConfig", "rollout/ must not import the launcher deploy/"),
         ("actors", "def f():\n    from parley.learner import grpo", "role actors/ imports role learner/"),
@@ -176,6 +195,11 @@ def test_allowed_imports_pass(tmp_path):
         "from parley.environments.base import Reward\nfrom parley.protocol.bus import Retry\n"
     )
     (tmp_path / "actors" / "ok.py").write_text("from parley.rollout.conversation import run_conversation\n")
+    # a service is below the conversation loop and the roles, above config/ and engines/
+    (tmp_path / "rollout" / "ok2.py").write_text("from parley.services.sim.client import SimClient\n")
+    (tmp_path / "services" / "ok.py").write_text(
+        "from parley.config.scorer import JudgeConfig\nfrom parley.engines.service import Service\n"
+    )
     (tmp_path / "scorer" / "ok.py").write_text("from parley.rollout.score import score_trajectory\n")
     (tmp_path / "deploy" / "ok.py").write_text(
         "from parley.learner.service import run\nfrom parley.actors.actor import run\n"
@@ -231,9 +255,9 @@ def test_reach_follows_imports_through_neutral_packages(tmp_path):
     for t in OURS:
         (tmp_path / t).mkdir()
     (tmp_path / "learner" / "a.py").write_text("def f():\n    from parley.evaluation import periodic\n")
-    (tmp_path / "evaluation" / "periodic.py").write_text("from parley.scorer.judge import Judge\n")
-    (tmp_path / "scorer" / "judge.py").write_text("")
+    (tmp_path / "evaluation" / "periodic.py").write_text("from parley.scorer.scorer import Scorer\n")
+    (tmp_path / "scorer" / "scorer.py").write_text("")
     assert reach(tmp_path / "learner" / "a.py", tmp_path) == {
         "parley.evaluation.periodic": "parley.learner.a",
-        "parley.scorer.judge": "parley.evaluation.periodic",
+        "parley.scorer.scorer": "parley.evaluation.periodic",
     }

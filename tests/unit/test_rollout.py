@@ -17,7 +17,7 @@ from parley.protocol import arrays, codec
 from parley.protocol.bus import Poison
 from parley.protocol.messages import ABANDONED_STALE, ChatMessage, SimReply, SimRequest, Task
 from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, derive_seed, run_conversation
-from parley.rollout.sim import FALLBACK_MESSAGE, SimClient, SimUnreachable
+from parley.services.sim.client import FALLBACK_MESSAGE, SimClient, SimUnreachable
 
 
 @pytest.fixture(scope="module")

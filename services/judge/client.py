@@ -1,6 +1,6 @@
 """The judge as a scorer of one trajectory asks it: one entry, `await ask(op, messages, seed=...)`,
 for every operation (topology.JUDGE_OPS: extract, interactivity, ...). `JudgeClient` asks the
-judge service over NATS request/reply (the service is scorer/judge.py); `LocalJudge` asks a judge
+judge service over NATS request/reply (the service is services/judge/server.py); `LocalJudge` asks a judge
 in this process. rollout.score calls it; the scorer role, the eval and replay build one.
 """
 
@@ -60,7 +60,7 @@ class JudgeClient:
 
 
 class LocalJudge:
-    """The judge in this process (a scorer.judge.Judge, or anything with its `handle(op, JudgeRequest)`)."""
+    """The judge in this process (a services.judge.server.Judge, or anything with its `handle(op, JudgeRequest)`)."""
 
     def __init__(self, judge):
         self.judge = judge

@@ -1,6 +1,6 @@
 """The reference service over NATS request/reply, as the scorer asks it ([policy] reference =
 "service"): one request per trajectory, its reply turned into Scored.ref_logp_f32. The service is
-engines/reference.py behind `parley reference`."""
+services/reference/server.py behind `parley reference`."""
 
 from __future__ import annotations
 
