@@ -20,9 +20,9 @@ from parley.config.run import RunConfig
 from parley.environments.base import Environment, LocalUser, ProgrammaticUser
 from parley.protocol import bus, status
 from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Task
-from parley.rollout.budget import BudgetedUser, CallBudget
 from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
 from parley.runtime.scratch import scratch_dir
+from parley.services.budget import BudgetedUser, CallBudget
 from parley.services.sim.client import SimClient
 from parley.weights.follow import WeightFollower, WeightsBroken
 
@@ -62,7 +62,7 @@ class Actor:
         self.ident = ident
         self.concurrency = concurrency or cfg.actor.concurrency
         self._slots = asyncio.Semaphore(self.concurrency)
-        # this actor's share of the run's simulator-call limits: calls past it wait (rollout.budget)
+        # this actor's share of the run's simulator-call limits: calls past it wait (services.budget)
         ro, actors = cfg.rollout, cfg.up.first_actors()
         self.sim_budget = CallBudget(
             "sim_budget", CallBudget.share(ro.sim_call_budget, actors), CallBudget.share(ro.sim_calls_per_s, actors)

@@ -240,12 +240,12 @@ def replay_cmd(
 
 def _openai_judge(cfg, url: str, model: str):
     """The judge at an OpenAI-compatible `url` serving `model`, asked in this process with the run's
-    [judge] settings and prompts (scorer.judge.Judge behind rollout.judge.LocalJudge)."""
+    [judge] settings and prompts (services.judge.server.Judge behind services.judge.client.LocalJudge)."""
     import msgspec
 
     from parley.engines.backend import OpenAIBackend
-    from parley.rollout.judge import LocalJudge
-    from parley.scorer.judge import Judge
+    from parley.services.judge.client import LocalJudge
+    from parley.services.judge.server import Judge
 
     try:
         backend_cfg = msgspec.structs.replace(cfg.judge, backend="openai", base_url=url, model_name=model)

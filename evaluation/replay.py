@@ -57,7 +57,7 @@ def conversation_key(messages: Sequence[ChatMessage]) -> str:
 
 
 class RecordedUser:
-    """The simulator as a sample's log answered it (rollout.sim.UserSide)."""
+    """The simulator as a sample's log answered it (services.sim.client.UserSide)."""
 
     def __init__(self, traj_id: str, calls: Sequence[SimCall]):
         self.traj_id = traj_id
@@ -80,7 +80,7 @@ class RecordedUser:
 
 
 class RecordedJudge:
-    """The judge as a sample's log answered it (rollout.judge.Judge): each verdict found by its
+    """The judge as a sample's log answered it (services.judge.client.Judge): each verdict found by its
     operation, the conversation it judged and the seed it was asked with."""
 
     def __init__(self, scored: Scored):

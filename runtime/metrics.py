@@ -163,7 +163,7 @@ FAMILIES: tuple[Family, ...] = (
         "Share of same-group sample pairs whose judge metrics tie (no advantage between them).",
         "scorer",
     ),
-    # call budgets (rollout/budget.py): the actor's simulator share, the scorer's judge share
+    # call budgets (services/budget.py): the actor's simulator share, the scorer's judge share
     _f(
         "parley_call_budget_calls_total",
         r"(?P<budget>sim_budget|judge_budget)\.calls",

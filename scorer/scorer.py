@@ -218,7 +218,7 @@ class Scorer:
         counters = {k: float(v) for k, v in (self.counters + bus.COUNTERS).items()}
         counters["in_flight"] = float(self.in_flight)
         counters |= self.reliability.counters()
-        budget = getattr(self.judge, "budget", None)  # rollout.budget.BudgetedJudge: the run's judge-call limits
+        budget = getattr(self.judge, "budget", None)  # services.budget.BudgetedJudge: the run's judge-call limits
         if budget is not None:
             counters |= budget.counters()
         return Heartbeat(role="scorer", id=self.ident, state="busy" if self.in_flight else "ready", counters=counters)
@@ -272,7 +272,7 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
             )
         if judge is not None:
             # this scorer's share of the run's judge-call limits (second verdicts count too): calls past it wait
-            from parley.rollout.budget import BudgetedJudge, CallBudget
+            from parley.services.budget import BudgetedJudge, CallBudget
 
             ro, scorers = cfg.rollout, cfg.up.scorers
             budget = CallBudget(

@@ -7,6 +7,8 @@
 - `reference/`: the reference log-probs (`parley reference`): server.py runs the frozen initial
   policy, client.py is how a scorer asks it.
 - `combined.py`: `parley services`, the simulator and the judge in one process on one engine.
+- `budget.py`: per-run limits on simulator and judge calls (a count budget, a rate limit) that make
+  their callers wait; the actor and the scorer wrap their clients in it.
 
 A neutral package below the roles: it imports protocol/, config/, engines/, rewards/ and runtime/,
 never a role or deploy/ (tests/unit/test_layout.py). The `parley` commands in deploy/ only parse

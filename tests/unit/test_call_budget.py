@@ -1,4 +1,4 @@
-"""rollout.budget: a spent simulator/judge call budget makes calls wait (never fail) and they resume
+"""services.budget: a spent simulator/judge call budget makes calls wait (never fail) and they resume
 once it is raised; a rate limit holds calls back and releases them; the actor's share of a run's
 budget; and a next_turn sample's futures observed playing at the same time (each future's simulator
 call is in flight together). The simulator is `SimulatorDouble`, a test double of the simulator
@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from parley.protocol.messages import ChatMessage, JudgeReply, SimReply, SimRequest
-from parley.rollout.budget import BudgetedJudge, BudgetedUser, CallBudget
+from parley.services.budget import BudgetedJudge, BudgetedUser, CallBudget
 from tests.unit.test_rollout import EngineDouble, play, task
 
 

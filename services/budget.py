@@ -108,7 +108,7 @@ class CallBudget:
 
 
 class BudgetedUser:
-    """A user side (rollout.sim.UserSide) whose calls pass `budget` first."""
+    """A user side (services.sim.client.UserSide) whose calls pass `budget` first."""
 
     def __init__(self, user, budget: CallBudget):
         self.user, self.budget = user, budget
@@ -123,7 +123,7 @@ class BudgetedUser:
 
 
 class BudgetedJudge:
-    """A judge (rollout.judge.Judge) whose calls pass `budget` first."""
+    """A judge (services.judge.client.Judge) whose calls pass `budget` first."""
 
     def __init__(self, judge, budget: CallBudget):
         self.judge, self.budget = judge, budget
