@@ -202,3 +202,14 @@ def test_a_later_versions_samples_replay_with_the_weights_the_run_kept(logged, t
     report = _replay(records, TransformersEngineDouble(model), tok)  # the run kept no weights of version 1
     assert report.count("match") == 3 and report.count("skipped") == 1
     assert "t-0009/0: SKIPPED: the weights of version 1 are not in the run directory" in report.describe()
+
+
+def test_another_judge_on_an_openai_endpoint_is_built_from_the_runs_judge_settings():
+    from parley.deploy.cli_eval import _openai_judge
+    from parley.services.judge.client import LocalJudge
+
+    judge = _openai_judge(EMBEDDED, "http://127.0.0.1:9/v1", "other-judge")
+    assert isinstance(judge, LocalJudge)
+    backend = judge.judge.backend
+    assert backend.model_name == "other-judge" and str(backend.client.base_url).startswith("http://127.0.0.1:9/v1")
+    assert judge.judge.cfg.temperature == EMBEDDED.judge.temperature  # the run's [judge] settings, prompts
