@@ -167,3 +167,54 @@ def test_budget_and_usage_counters_are_named_metric_families():
     assert family_of("scorer", "judge_budget.left")[0].name == "parley_call_budget_left"
     assert family_of("judge", "backend.prompt_tokens")[0].name == "parley_backend_tokens_total"
     assert family_of("sim", "backend.usd")[0].name == "parley_backend_cost_usd_total"
+
+
+def test_an_actor_whose_simulator_share_is_spent_takes_no_new_task(tmp_path):
+    """Actor.handle waits before it plays a task while the actor's share of [rollout] sim_call_budget
+    (over [up] actors) is spent, and plays it once the share is raised. The engine, the message and the
+    sample are test doubles; nothing is asked of NATS."""
+    from parley.actors.actor import Actor
+    from parley.config.run import load_config
+    from parley.protocol.messages import Task
+
+    cfg = load_config(None, ["rollout.sim_call_budget=4", "up.actors=2"])
+    engine = SimpleEngineDouble()
+    played, acked = [], []
+
+    class MsgDouble:
+        async def ack(self):
+            acked.append(True)
+
+        async def in_progress(self):
+            pass
+
+    async def main():
+        actor = Actor(None, None, cfg, engine, tokenizer=None, ident="actor-0", weights_dir=tmp_path)
+        assert actor.sim_budget.budget == 2  # its share of the run's 4 calls
+
+        async def sample(task, i, watch=None):
+            played.append(i)
+            await actor.sim.ask(_req(i))
+            return {}
+
+        actor._sample = sample
+        actor.sim.user = SimulatorDouble()
+        t = Task(task_id="t-1", run=cfg.run.name, item_id="i", n=2)
+        await actor.handle(t, MsgDouble())  # spends the share
+        assert played == [0, 1] and actor.sim_budget.spent
+        second = asyncio.create_task(actor.handle(Task(task_id="t-2", run=cfg.run.name, item_id="i", n=2), MsgDouble()))
+        await asyncio.sleep(0.1)
+        assert played == [0, 1] and not second.done()  # not started: no sample of it is playing
+        assert actor.heartbeat().counters["sim_budget.left"] == 0
+        actor.sim_budget.raise_to(4)
+        await asyncio.wait_for(second, 2)
+        assert played == [0, 1, 0, 1] and len(acked) == 2
+
+    asyncio.run(main())
+
+
+class SimpleEngineDouble:
+    """Test double of the policy engine, for an Actor that plays no conversation itself."""
+
+    version = 0
+    settings = type("Settings", (), {"model": "tiny"})()
