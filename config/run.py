@@ -27,6 +27,7 @@ from parley.config.learner import DataConfig, LearnerConfig, RolloutConfig
 from parley.config.policy import PolicySection
 from parley.config.scorer import JudgeConfig, ScorerConfig
 from parley.environments.base import Environment, ProgrammaticUser
+from parley.errors import ConfigError
 from parley.protocol.messages import GREEDY_BELOW
 from parley.protocol.topology import RUN_NAME, BusSettings
 from parley.runtime.toml import to_toml
@@ -182,10 +183,6 @@ def resolve_environment(cfg: RunConfig) -> Environment:
             f'{env.name!r}; use one of {list(env.eval.selectable)} (or "" for {env.eval.select!r})'
         )
     return env
-
-
-class ConfigError(ValueError):
-    """A bad config file or override; the message is one line naming the field."""
 
 
 # Keys of earlier releases -> where they live now. A file or --set that uses one still loads: the

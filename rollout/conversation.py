@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from parley.errors import ParleyError
 from parley.protocol import arrays
 from parley.protocol.bus import Poison, Retry
 from parley.protocol.messages import (
@@ -113,7 +114,7 @@ class StaleWatch:
         )
 
 
-class _Abandoned(Exception):
+class _Abandoned(ParleyError):
     """A call cut because its task's group can no longer be trained (StaleWatch); `what` was cut
     ("turn": a generation, "simulator call")."""
 
