@@ -26,6 +26,7 @@ from parley.config.learner import LORA_TARGETS
 from parley.config.run import RunConfig
 from parley.engines.config import EngineConfig
 from parley.engines.models import MODEL_SHAPES
+from parley.errors import ConfigError
 from parley.services.combined import service_children, shared_engine
 from parley.weights import registry
 from parley.weights.cuda_ipc import ALIGN
@@ -45,7 +46,7 @@ LOGIT_COPIES = 4
 FP32 = 4
 
 
-class PlanError(ValueError):
+class PlanError(ConfigError):
     """The plan cannot be made (a model's shape is unknown); the message names the model and the fix."""
 
 

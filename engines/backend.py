@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from parley.engines.config import EngineConfig, ServiceBackend
+from parley.errors import Refused
 
 log = logging.getLogger("parley.backend")
 
 
-class BackendError(RuntimeError):
+class BackendError(Refused, RuntimeError):
     """The backend produced no text for this request; the message says why."""
 
 

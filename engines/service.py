@@ -44,6 +44,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
+from parley.errors import ConfigError
 from parley.protocol import status
 from parley.protocol.connect import barrier
 from parley.protocol.messages import Heartbeat
@@ -437,7 +438,7 @@ class Service:
             ) from self.failure
 
 
-class BadServiceConfig(ValueError):
+class BadServiceConfig(ConfigError):
     """Raised by a `serve_backend` builder when the backend cannot serve the configured work."""
 
 

@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parley.errors import ParleyError
 from parley.evaluation.evallog import read_log
 from parley.protocol import arrays
 from parley.protocol.messages import ChatMessage, JudgeOutput, Scored
 from parley.rewards.reward import weighted_terms
 
 
-class TraceError(LookupError):
+class TraceError(ParleyError, LookupError):
     """The run directory does not know the trajectory (or holds nothing to trace)."""
 
 

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import msgspec
 
+from parley.errors import ParleyError
 from parley.protocol import arrays
 from parley.protocol.messages import (
     ABANDONED_STALE,
@@ -48,7 +49,7 @@ def logged_samples(archive: Path) -> list[Scored]:
     return [r for p in files for r in read_log(p) if isinstance(r, Scored)]
 
 
-class ReplayMiss(LookupError):
+class ReplayMiss(ParleyError, LookupError):
     """The log holds no answer to a simulator or judge request of the replay."""
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from parley.errors import BadMessage
 from parley.protocol import arrays
 from parley.protocol.messages import ABANDONED_STALE, GREEDY_BELOW, Scored, Trajectory
 
@@ -23,7 +24,7 @@ log = logging.getLogger("parley.learner.groups")
 ZERO_SPREAD = 1e-6
 
 
-class BadTrajectory(ValueError):
+class BadTrajectory(BadMessage):
     """A trajectory the learner can never train on; the consumer dead-letters it with this reason."""
 
 

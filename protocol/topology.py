@@ -18,6 +18,8 @@ import nats.errors
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 
+from parley.errors import StateError
+
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 # Services are shared by every run on a cluster: one simulator or judge fleet serves them all.
@@ -201,7 +203,7 @@ def consumer_config(durable: str, bus: BusSettings) -> api.ConsumerConfig:
     )
 
 
-class TopologyError(RuntimeError):
+class TopologyError(StateError):
     """The run's topology is missing or differs and this connection could not (or may not) fix it."""
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from parley.errors import ParleyError
 from parley.protocol import arrays
 from parley.protocol.bus import Poison, Retry
 from parley.protocol.messages import (
@@ -124,7 +125,7 @@ class StaleWatch:
         )
 
 
-class _Abandoned(Exception):
+class _Abandoned(ParleyError):
     """A call cut because its task's group can no longer be trained (StaleWatch); `what` was cut
     ("turn": a generation, "simulator call")."""
 

@@ -13,12 +13,13 @@ from typing import Protocol
 
 from parley.config.env import default_scored_as
 from parley.environments.base import Conversation, Reward
+from parley.errors import BadMessage
 from parley.protocol.messages import ChatMessage, JudgeOutput, JudgeReply, Scored, Trajectory
 from parley.rewards.reward import average_futures, total_reward
 from parley.services.judge.client import Judge, JudgeFailed
 
 
-class Unscorable(ValueError):
+class Unscorable(BadMessage):
     """The trajectory itself cannot be scored (e.g. no reference document); retrying won't help."""
 
 

@@ -10,14 +10,15 @@ import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
+from parley.errors import Refused, Unavailable
 from parley.protocol.messages import ChatMessage, JudgeReply, JudgeRequest
 
 
-class JudgeUnavailable(RuntimeError):
+class JudgeUnavailable(Unavailable, RuntimeError):
     """Nobody answered (no service, or it timed out): retry later, score nothing."""
 
 
-class JudgeFailed(RuntimeError):
+class JudgeFailed(Refused, RuntimeError):
     """The judge answered but could not give a usable verdict; never scored as 0."""
 
 

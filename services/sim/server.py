@@ -24,6 +24,7 @@ import msgspec
 from parley.config.actor import SimConfig
 from parley.config.run import RunConfig
 from parley.engines.backend import Backend, BackendError
+from parley.errors import BadMessage
 from parley.protocol import codec, topology
 from parley.protocol.messages import ChatMessage, SimReply, SimRequest
 from parley.services.sim.client import FALLBACK_MESSAGE
@@ -40,7 +41,7 @@ SIM_SCHEMA = {
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-class BadRequest(ValueError):
+class BadRequest(BadMessage):
     """A request the simulator cannot serve (unknown prompt variant, undecodable bytes)."""
 
 

@@ -11,7 +11,9 @@
 - a neutral package imports one on its own floor or above it (FLOORS, docs/architecture.md): the
   neutral packages form no cycle, so each can be read, tested and moved with what is below it,
 - a package of ours is imported by its bare folder name (`import config`) instead of under the one
-  import name, `parley.config` (the folders sit at the root; installed they live under parley/).
+  import name, `parley.config` (the folders sit at the root; installed they live under parley/),
+- a package imports from parley/ anything but parley.errors (the Python API sits on top, the error
+  tree below everything, protocol/ included), or parley/errors.py imports anything of ours.
 """
 
 from __future__ import annotations
@@ -101,6 +103,12 @@ def violations(root: Path = ROOT) -> list[str]:
                 if mod.split(".")[0] in OURS:
                     bad.append(f"{rel}:{line}: import of {mod} by its bare name (import parley.{mod})")
                     continue
+                if (mod == "parley" or mod.startswith("parley.")) and mod.split(".")[1:2] != ["errors"]:
+                    if mod == "parley" or mod.split(".")[1] not in OURS:
+                        bad.append(
+                            f"{rel}:{line}: import of {mod} (of parley/ only parley.errors is below the packages)"
+                        )
+                        continue
                 mod = mod.removeprefix("parley.")
                 head = mod.split(".")[0]
                 if top == "protocol" and head in HEAVY:
@@ -118,6 +126,13 @@ def violations(root: Path = ROOT) -> list[str]:
                     bad.append(f"{where} (neutral {top}/ imports role {head}/)")
                 elif top in NEUTRAL and head in NEUTRAL and FLOOR[head] >= FLOOR[top]:
                     bad.append(f"{where} (neutral {top}/ imports {head}/, which is not below it: see FLOORS)")
+    tree = root / "parley" / "errors.py"
+    if tree.is_file():
+        bad += [
+            f"parley/errors.py:{line}: import of {mod} (the error tree imports nothing of ours)"
+            for line, mod in imports_of(tree, root)
+            if mod.split(".")[0] in (*OURS, "parley")
+        ]
     return bad
 
 
@@ -171,6 +186,8 @@ def test_no_forbidden_imports():
         ("tasks", "from parley.rewards.reward import mr", "neutral tasks/ imports rewards/, which is not below it"),
         ("learner", "from config.run import RunConfig", "import of config.run by its bare name"),
         ("deploy", "def f():\n    import weights.registry", "import of weights.registry by its bare name"),
+        ("learner", "from parley import up", "of parley/ only parley.errors is below the packages"),
+        ("scorer", "import parley", "of parley/ only parley.errors is below the packages"),
     ],
 )
 def test_a_forbidden_import_is_named(tmp_path, top, line, expect):
@@ -207,6 +224,10 @@ def test_allowed_imports_pass(tmp_path):
     # inside weights/ a transport may name itself; elsewhere naming one without comparing is fine
     (tmp_path / "weights" / "ok.py").write_text("import torch\nGPU = kind in ('cuda_ipc', 'nccl')\n")
     (tmp_path / "learner" / "ok2.py").write_text("DEFAULT = 'objstore'\nlog.info('%s', 'nccl')\n")
+    # the error tree is below everything, protocol/ included
+    (tmp_path / "protocol" / "ok.py").write_text("from parley.errors import ProtocolError\n")
+    (tmp_path / "parley").mkdir()
+    (tmp_path / "parley" / "errors.py").write_text("from __future__ import annotations\n")
     assert violations(tmp_path) == []
 
 
@@ -248,6 +269,15 @@ def test_the_learner_reaches_no_other_role(start):
     and every neutral package, never arrive at actors/ or scorer/."""
     bad = {m: by for m, by in reach(ROOT / start).items() if m.split(".")[1] in ROLES and m.split(".")[1] != "learner"}
     assert not bad, f"{start} reaches " + ", ".join(f"{m} (imported by {by})" for m, by in sorted(bad.items()))
+
+
+def test_the_error_tree_imports_nothing_of_ours(tmp_path):
+    for t in OURS:
+        (tmp_path / t).mkdir()
+    (tmp_path / "parley").mkdir()
+    (tmp_path / "parley" / "errors.py").write_text("from parley.protocol import codec\n")
+    bad = violations(tmp_path)
+    assert len(bad) == 1 and "parley/errors.py:1" in bad[0] and "imports nothing of ours" in bad[0], bad
 
 
 def test_reach_follows_imports_through_neutral_packages(tmp_path):
