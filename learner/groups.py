@@ -76,8 +76,8 @@ def check_hostile_values(
     micro-batch of its own whatever the budget, and its activations the memory); with `reference`
     ([policy] reference = "service") missing reference log-probs, or ones of the wrong length, not
     finite or positive (check_reference).
-    Kept apart from check_trajectory, which checks the token layout. Reads the packed or the old
-    list fields alike (protocol.arrays), as arrays."""
+    Kept apart from check_trajectory, which checks the token layout. Reads the packed fields
+    (protocol.arrays) as arrays."""
     from parley.rewards.reward import hostile_reward
 
     traj = scored.trajectory

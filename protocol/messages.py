@@ -1,11 +1,10 @@
 """Every message parley puts on the wire, as msgspec Structs encoded with msgpack.
 
 Each Struct names its producer and consumer. Schema evolution follows msgspec's rules: new
-fields go last and carry defaults; fields are never reordered, renamed or retyped. Encoded
-Trajectories from older schemas are kept in tests/data and decoded by the tests.
+fields go last and carry defaults; fields are never reordered, renamed or retyped.
 
 Token arrays (ids, loss mask, behaviour log-probs) travel packed in bin fields; protocol.arrays
-packs and reads them (and the list fields older producers wrote). Nothing else touches them.
+packs and reads them. Nothing else touches them.
 """
 
 from __future__ import annotations
@@ -76,14 +75,11 @@ class Task(msgspec.Struct, kw_only=True):
 ABANDONED_STALE = "stale"
 
 
-# omit_defaults on the two hot, large Structs: the list fields that today's producers leave empty
-# (and other defaults) are not written; the decoder fills them back in.
+# omit_defaults on the two hot, large Structs: defaults are not written; the decoder fills them back in.
 class AssistantTurn(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One generated assistant turn inside a Trajectory."""
 
     start: int  # offset of the first generated token in the trajectory's token ids
-    # schemas v0-v1: behaviour log-prob of each generated token; now empty (see logprobs_f32)
-    logprobs: list[float] = []
     version: int  # policy version that generated this turn
     finish_reason: str  # "stop" | "length" | "abort"
     trained: bool = True  # next_turn mode trains only the first turn
@@ -117,9 +113,6 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     run: str
     item_id: str
     messages: list[ChatMessage]
-    # schemas v0-v1 carried the token arrays as lists; now empty (see token_ids_i32, loss_mask_u8)
-    token_ids: list[int] = []
-    loss_mask: list[int] = []
     turns: list[AssistantTurn]
     reference: str = ""
     prompt_tokens: int = 0  # tokens before the first assistant turn
