@@ -21,8 +21,9 @@ from parley.environments.base import Environment, LocalUser, ProgrammaticUser
 from parley.protocol import bus, status
 from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Task
 from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
-from parley.rollout.sim import SimClient
 from parley.runtime.scratch import scratch_dir
+from parley.services.budget import BudgetedUser, CallBudget
+from parley.services.sim.client import SimClient
 from parley.weights.follow import WeightFollower, WeightsBroken
 
 # How long a task admitted at a version the engine does not serve yet waits for that version to load.
@@ -61,7 +62,12 @@ class Actor:
         self.ident = ident
         self.concurrency = concurrency or cfg.actor.concurrency
         self._slots = asyncio.Semaphore(self.concurrency)
-        self.sim = user_client(cfg.env.load(), nc, cfg.actor)
+        # this actor's share of the run's simulator-call limits: calls past it wait (services.budget)
+        ro, actors = cfg.rollout, cfg.up.first_actors()
+        self.sim_budget = CallBudget(
+            "sim_budget", CallBudget.share(ro.sim_call_budget, actors), CallBudget.share(ro.sim_calls_per_s, actors)
+        )
+        self.sim = BudgetedUser(user_client(cfg.env.load(), nc, cfg.actor), self.sim_budget)
         self.follower = WeightFollower(
             js,
             self.run,
@@ -90,6 +96,7 @@ class Actor:
             refused_versions=float(len(f.refused)),
             sim_waits=float(getattr(self.sim, "waits", 0)),
         )  # a LocalUser never waits
+        counters.update(self.sim_budget.counters())
         counters.update(
             {
                 "weights.announced": float(f.announced),
@@ -126,6 +133,8 @@ class Actor:
                         self.engine.version,
                         ADMITTED_VERSION_WAIT_S,
                     )
+            # a spent simulator budget: no new task is started (the worker's slots fill, so none is fetched)
+            await self.sim_budget.wait_open()
             watch = self.stale_watch(task)
             try:
                 async with asyncio.TaskGroup() as tg:

@@ -69,6 +69,7 @@ class TimedRollouts:
         await msg.ack()
 
     async def _sample(self, task, i: int) -> None:
+        from parley.protocol import arrays
         from parley.protocol.bus import publish
         from parley.protocol.messages import AssistantTurn, Scored, Trajectory
 
@@ -84,9 +85,13 @@ class TimedRollouts:
             run=self.run,
             item_id=task.item_id,
             messages=[],
-            token_ids=[1, 2, 3, 4],
-            loss_mask=[0, 0, 1, 1],
-            turns=[AssistantTurn(start=2, logprobs=[-0.5, -0.7], version=version, finish_reason="stop")],
+            token_ids_i32=arrays.pack_ids([1, 2, 3, 4]),
+            loss_mask_u8=arrays.pack_mask([0, 0, 1, 1]),
+            turns=[
+                AssistantTurn(
+                    start=2, logprobs_f32=arrays.pack_logprobs([-0.5, -0.7]), version=version, finish_reason="stop"
+                )
+            ],
             reference=task.reference,
         )
         reward = random.Random(task.seed * 31 + i).random()  # distinct within a group: every group has signal

@@ -68,7 +68,7 @@ class ZeroCostPolicy:
 
 
 class ZeroCostSim:
-    """Test double for rollout.sim.SimClient: the user's opening message, at once."""
+    """Test double for services.sim.client.SimClient: the user's opening message, at once."""
 
     waits = 0  # requests that found the simulator unreachable: never here
 
@@ -77,10 +77,10 @@ class ZeroCostSim:
 
 
 class ZeroCostJudge:
-    """Test double for the judge (rollout.judge.Judge): a fixed document and rubric levels that
+    """Test double for the judge (services.judge.client.Judge): a fixed document and rubric levels that
     vary with the seed (so groups have reward spread), at once."""
 
-    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+    async def ask(self, op, messages, *, seed=0):  # services.judge.client.Judge: one entry, by op
         return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed: int = 0) -> JudgeReply:

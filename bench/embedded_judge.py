@@ -29,8 +29,8 @@ async def main() -> None:
     from parley.protocol.messages import ChatMessage
     from parley.rewards.extract import last_document
     from parley.rewards.metrics import bleu, char_bleu
-    from parley.rollout.judge import LocalJudge
-    from parley.scorer.judge import Judge
+    from parley.services.judge.client import LocalJudge
+    from parley.services.judge.server import Judge
     from parley.tasks.data import load_items
 
     cfg = load_config("deploy/configs/default.toml")

@@ -444,7 +444,7 @@ def phase_plain(args) -> None:
 
 
 def fill_service_reference(args, samples, dtype_name: str) -> float:
-    """What the reference service (engines/reference.py) computes, put into every sample's `ref`
+    """What the reference service (services/reference/server.py) computes, put into every sample's `ref`
     before the Trainer exists (so outside the timing, and before ZeRO-3's loading hook): the saved
     initial weights loaded plainly, one forward per trajectory with the shared log-prob function.
     The model is freed afterwards, so the training GPU holds no reference. Returns the seconds taken."""

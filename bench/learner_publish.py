@@ -49,6 +49,7 @@ class TimedDriver:
 
 
 def scored_samples(tok, run: str, groups: int, n: int, tokens: int):
+    from parley.protocol import arrays
     from parley.protocol.messages import AssistantTurn, ChatMessage, Scored, Trajectory
 
     words = tok.encode("Here is a first draft of the letter, with the tone you asked for. ", add_special_tokens=False)
@@ -64,9 +65,16 @@ def scored_samples(tok, run: str, groups: int, n: int, tokens: int):
                 run=run,
                 item_id=f"item-{g}",
                 messages=[ChatMessage("user", "Write the letter."), ChatMessage("assistant", "...")],
-                token_ids=prompt + reply,
-                loss_mask=[0] * len(prompt) + [1] * len(reply),
-                turns=[AssistantTurn(start=len(prompt), logprobs=[-2.0] * len(reply), version=0, finish_reason="stop")],
+                token_ids_i32=arrays.pack_ids(prompt + reply),
+                loss_mask_u8=arrays.pack_mask([0] * len(prompt) + [1] * len(reply)),
+                turns=[
+                    AssistantTurn(
+                        start=len(prompt),
+                        logprobs_f32=arrays.pack_logprobs([-2.0] * len(reply)),
+                        version=0,
+                        finish_reason="stop",
+                    )
+                ],
             )
             reward = 0.1 + 0.8 * i / max(1, n - 1)
             out.append(

@@ -3,7 +3,7 @@ process so both see the same machine load. Run by hand (bench/README.md); nothin
 
 Two Trainers of one model (`--model`, default the embedded toy; "smol" for SmolLM2-135M) train on the
 same CollabLLM-like packed batch (bench/learner_gpu.py's draw_samples); the "service" one gets each
-sample's reference log-probs beforehand from engines.reference.ReferenceModel, the reference
+sample's reference log-probs beforehand from services.reference.server.ReferenceModel, the reference
 service's own model class (that time is reported apart: it is spent off the learner). The steps
 alternate local, service, local, ... and the medians and their ratio are printed as JSON.
 """
@@ -39,8 +39,8 @@ def main() -> int:
     from bench.learner_gpu import draw_samples
     from parley.config.learner import LearnerConfig
     from parley.engines.models import build_tiny, ensure_model
-    from parley.engines.reference import ReferenceModel
     from parley.learner.trainer import Trainer
+    from parley.services.reference.server import ReferenceModel
 
     model_dir = (
         build_tiny(Path(tempfile.mkdtemp(prefix="parley_refbench_")) / "tiny")

@@ -42,6 +42,13 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     system_prompt: str = ""  # a file path or "" for none
     futures: Annotated[int, Meta(ge=0, le=TASK_MAX_FUTURES)] = 0  # next_turn: sampled futures per sample
     future_turns: Annotated[int, Meta(ge=1, le=TASK_MAX_NEW_TURNS)] = 2
+    # Per-run limits on simulator and judge calls (services.budget): calls past them WAIT (the actors
+    # stop taking tasks) instead of failing. Split evenly: each actor holds 1/[up] actors of the
+    # simulator's, each scorer 1/[up] scorers of the judge's. 0 = unlimited.
+    sim_call_budget: Annotated[int, Meta(ge=0, description="simulator calls per run; 0 = unlimited")] = 0
+    judge_call_budget: Annotated[int, Meta(ge=0, description="judge calls per run; 0 = unlimited")] = 0
+    sim_calls_per_s: Annotated[float, Meta(ge=0.0, description="simulator calls per second; 0 = unlimited")] = 0.0
+    judge_calls_per_s: Annotated[float, Meta(ge=0.0, description="judge calls per second; 0 = unlimited")] = 0.0
 
 
 # peft's names for the Linear layers of a Qwen3 / Llama decoder layer: every projection

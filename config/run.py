@@ -3,14 +3,12 @@
 Every `parley` command calls `load_config(path, overrides)`; each role's entry takes the RunConfig
 and reads its own sections and the shared ones ([run], [env], [nats], [bus], [policy]). Unknown
 keys are rejected with their path, bad values fail here (before any work) with one line naming the
-key, the value, what is allowed and the fix. Keys of earlier releases (RENAMED) are read under their
-new names. Overrides are dotted `section.key=value` strings (values parsed as TOML, else text).
+key, the value, what is allowed and the fix. Overrides are dotted `section.key=value` strings (values parsed as TOML, else text).
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
 import re
 import tomllib
 from functools import cache
@@ -27,12 +25,11 @@ from parley.config.learner import DataConfig, LearnerConfig, RolloutConfig
 from parley.config.policy import PolicySection
 from parley.config.scorer import JudgeConfig, ScorerConfig
 from parley.environments.base import Environment, ProgrammaticUser
+from parley.errors import ConfigError
 from parley.protocol.messages import GREEDY_BELOW
 from parley.protocol.topology import RUN_NAME, BusSettings
 from parley.runtime.toml import to_toml
-from parley.weights.config import ObjstoreWeights, WeightsConfig, upgrade
-
-log = logging.getLogger("parley.config")
+from parley.weights.config import ObjstoreWeights, WeightsConfig, check_kind
 
 
 class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -184,55 +181,6 @@ def resolve_environment(cfg: RunConfig) -> Environment:
     return env
 
 
-class ConfigError(ValueError):
-    """A bad config file or override; the message is one line naming the field."""
-
-
-# Keys of earlier releases -> where they live now. A file or --set that uses one still loads: the
-# key is moved once, here, before decoding (a warning names the new key); giving both is an error.
-RENAMED: dict[str, str] = {
-    "learner.model": "policy.model",
-    "learner.reference": "policy.reference",
-    "actor.temperature": "actor.sampling.temperature",
-    "actor.top_p": "actor.sampling.top_p",
-    **{f"{s}.engine.chat_template_kwargs": f"{s}.engine.template_kwargs" for s in ("actor", "sim", "judge")},
-}
-
-
-def renamed_key(key: str) -> str:
-    """`key` (dotted, maybe below a renamed key) under its current name."""
-    for old, new in RENAMED.items():
-        if key == old or key.startswith(old + "."):
-            return new + key[len(old) :]
-    return key
-
-
-def translate(data: dict, source: str = "<config>") -> dict:
-    """Move every old key of `data` (a decoded TOML document) to its new name, in place."""
-    for old, new in RENAMED.items():
-        *old_parents, old_leaf = old.split(".")
-        node = data
-        for p in old_parents:
-            node = node.get(p) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or old_leaf not in node:
-            continue
-        *new_parents, new_leaf = new.split(".")
-        target = data
-        for p in new_parents:
-            target = target.setdefault(p, {})
-            if not isinstance(target, dict):
-                raise ConfigError(
-                    f"{source}: {'.'.join(new_parents)} must be a section (it holds {new}, the new name of {old})"
-                )
-        if new_leaf in target:
-            raise ConfigError(
-                f"{source}: both {old} and {new} are set; {old} is the old name of {new}: keep only {new}"
-            )
-        target[new_leaf] = node.pop(old_leaf)
-        log.warning("%s: %s is now %s; read as such (rename it in the file)", source, old, new)
-    return data
-
-
 def _parse_value(text: str):
     try:
         return tomllib.loads(f"v = {text}")["v"]
@@ -250,9 +198,7 @@ def apply_override(data: dict, override: str, origin: Origin | None = None, sour
     if "=" not in override:
         raise ConfigError(f"{source}: {override!r} must look like section.key=value")
     key, _, text = override.partition("=")
-    new = renamed_key(key.strip())
-    if new != key.strip():
-        log.warning("--set %s: %s is now %s; read as such", override, key.strip(), new)
+    new = key.strip()
     parts = new.split(".")
     node = data
     for p in parts[:-1]:
@@ -336,13 +282,13 @@ def load_config(path: str | Path | None = None, overrides: list[Override] | None
     path = Path(path) if path else default
     data: dict = {}
     origin: Origin = {}
-    top = translate(read_toml(path), str(path))
+    top = read_toml(path)
     # a recipe ([run] recipe, named by the file or an override) goes over the embedded default and
     # under the file: the file's own keys and the overrides win (docs/recipe.md)
     name = recipe_named(top, overrides or [])
-    recipe = [(translate(recipe_data(name, str(path)), f"recipe {name}"), f"recipe {name}")] if name else []
+    recipe = [(recipe_data(name, str(path)), f"recipe {name}")] if name else []
     if path.resolve() != default.resolve():
-        layers = [(translate(read_toml(default), str(default)), str(default)), *recipe, (top, str(path))]
+        layers = [(read_toml(default), str(default)), *recipe, (top, str(path))]
     else:
         layers = [(top, str(path)), *recipe]
     for layer, source in layers:
@@ -375,17 +321,15 @@ def recipe_named(top: dict, overrides: list[Override]) -> str:
     named: dict = {"run": {"recipe": top.get("run", {}).get("recipe", "")}}
     for o in overrides:
         text = o[0] if isinstance(o, tuple) else o
-        if renamed_key(text.partition("=")[0].strip()) == "run.recipe":
+        if text.partition("=")[0].strip() == "run.recipe":
             apply_override(named, text)
     return named["run"]["recipe"]
 
 
 def convert_config(data: dict, source: str = "<config>", origin: Origin | None = None) -> RunConfig:
     try:
-        data = upgrade(translate(data, source))  # old keys under their new names
-    except ConfigError:
-        raise
-    except ValueError as e:  # weights.config.upgrade: the old [learner] weight keys beside [weights]
+        check_kind(data)
+    except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
     try:
         return msgspec.convert(data, RunConfig)

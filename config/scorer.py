@@ -1,6 +1,6 @@
 """Typed configuration of `parley judge` ([judge]) and `parley scorer` ([scorer]).
 
-Decoded by config/run.py; read by scorer/judge.py, scorer/scorer.py and rollout/score.py.
+Decoded by config/run.py; read by services/judge/server.py, scorer/scorer.py and rollout/score.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,13 @@ and DeepSpeed are imported inside the commands, so `parley --help` answers at on
 
 from __future__ import annotations
 
+import logging
+
 import typer
+
+from parley.errors import ParleyError
+
+log = logging.getLogger(__name__)
 
 app = typer.Typer(
     name="parley",
@@ -51,9 +57,21 @@ def run(argv: list[str] | None = None) -> int:
     except typer.Abort:
         print("parley: aborted", file=sys.stderr)
         return 1
+    except ParleyError as e:
+        # Raised on purpose, its message names the value and the fix: one line, the traceback only
+        # in the debug log.
+        log.debug("%s escaped the command", type(e).__name__, exc_info=True)
+        print(f"parley: {one_line(e)}", file=sys.stderr)
+        return e.exit_code
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return code if isinstance(code, int) else 0
+
+
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (a grep of a role's log finds all of it); its class name when
+    it has no message."""
+    return " / ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
 
 
 def main() -> None:

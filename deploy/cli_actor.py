@@ -1,5 +1,5 @@
 """`parley actor`, `parley sim` and `parley models {tiny,smol}`: option parsing only. The roles' entry
-functions (actors.actor.run, actors.sim.run) are imported when a command runs, so `parley --help`
+functions (actors.actor.run, services.sim.server.run) are imported when a command runs, so `parley --help`
 never imports torch or vLLM."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def sim_cmd(
     ident = ident or f"sim-{os.getpid()}"
     setup_logging(ident)
     start_metrics(metrics_port, metrics_host, "sim")
-    from parley.actors.sim import run as sim_run
+    from parley.services.sim.server import run as sim_run
 
     run_main(sim_run, cfg, ident)
 

@@ -163,6 +163,25 @@ def replay_cmd(
             help="Re-judge every conversation with the judge service on --nats (else reuse stored verdicts).",
         ),
     ] = False,
+    judge_url: Annotated[
+        str | None,
+        typer.Option(
+            "--judge-url",
+            help="Re-judge with another judge: an OpenAI-compatible endpoint (e.g. http://host:8000/v1), asked "
+            "from this process with the [judge] prompts; needs --judge-model.",
+        ),
+    ] = None,
+    judge_model: Annotated[
+        str | None, typer.Option("--judge-model", help="The model name the --judge-url endpoint serves.")
+    ] = None,
+    deterministic: Annotated[
+        bool,
+        typer.Option(
+            "--deterministic",
+            help="Play the run (a run directory) again with the policy of [actor.engine] and the logged simulator "
+            "and judge answers; check the policy's tokens match token for token. Exit 1 on a difference.",
+        ),
+    ] = False,
     baseline: Annotated[
         str | None, typer.Option("--baseline", help="Condition the others are compared with (default: the first).")
     ] = None,
@@ -177,6 +196,11 @@ def replay_cmd(
 ) -> None:
     """Without --judge nothing is generated or judged: BLEU is recomputed from each stored document,
     interactivity and token counts are reused, and the reward column applies the weights."""
+    if deterministic:
+        _deterministic(logs, config, sets, nats, run, dry)
+        return
+    if bool(judge_url) != bool(judge_model):
+        _fail("replay", "--judge-url and --judge-model go together: the endpoint and the model name it serves")
     extra = [_weight_override(weights)] if weights else []
     if scoring is not None:  # the run's environment names its variants
         env = resolve(config, sets, nats=nats, run=run, extra=extra).env.load()
@@ -210,7 +234,48 @@ def replay_cmd(
         )
     from parley.evaluation.commands import replay
 
-    run_async_main(replay, cfg, records, stream, judge, baseline, out, scoring)
+    other = _openai_judge(cfg, judge_url, judge_model) if judge_url else None
+    run_async_main(replay, cfg, records, stream, judge, baseline, out, scoring, other)
+
+
+def _openai_judge(cfg, url: str, model: str):
+    """The judge at an OpenAI-compatible `url` serving `model`, asked in this process with the run's
+    [judge] settings and prompts (services.judge.server.Judge behind services.judge.client.LocalJudge)."""
+    import msgspec
+
+    from parley.engines.backend import OpenAIBackend
+    from parley.services.judge.client import LocalJudge
+    from parley.services.judge.server import Judge
+
+    try:
+        backend_cfg = msgspec.structs.replace(cfg.judge, backend="openai", base_url=url, model_name=model)
+        return LocalJudge(Judge(OpenAIBackend(backend_cfg), backend_cfg))
+    except (TypeError, ValueError) as e:
+        _fail("replay", f"--judge-url {url!r} --judge-model {model!r}: {e}")
+
+
+def _deterministic(logs, config, sets, nats, run, dry) -> None:
+    """`parley replay --deterministic RUN_DIR`: evaluation.commands.replay_deterministic."""
+    from parley.learner.checkpoint import archive_dir
+
+    if not logs or len(logs) != 1 or not archive_dir(logs[0]).is_dir():
+        _fail("replay", f"--deterministic takes one run directory (holding learner/archive/), got {logs or []}")
+    cfg = resolve(config, sets, nats=nats, run=run)
+    if dry:
+        dry_run(cfg, notes=f"replay --deterministic: {logs[0]}")
+    setup_logging("replay")
+    from parley.evaluation.commands import replay_deterministic
+
+    run_dir = logs[0]
+
+    def weights_of(version: int) -> Path | None:
+        """The weights the learner kept of `version` (safetensors), while it still holds them."""
+        from parley.learner.checkpoint import weights_dir
+
+        path = weights_dir(run_dir, version)
+        return path if any(path.glob("*.safetensors")) else None
+
+    run_async_main(replay_deterministic, cfg, archive_dir(run_dir), weights_of)
 
 
 def eval_cmd(
@@ -435,12 +500,12 @@ def _in_process(cfg):
     from parley.evaluation.commands import InProcess
 
     def simulator(backend):
-        from parley.actors.sim import Simulator
+        from parley.services.sim.server import Simulator
 
         return Simulator(backend, cfg.sim)
 
     def judge(backend):
-        from parley.scorer.judge import Judge
+        from parley.services.judge.server import Judge
 
         return Judge(backend, cfg.judge)
 

@@ -1,4 +1,4 @@
-"""`parley judge` and `parley scorer`: option parsing only; the roles live in scorer/judge.py and
+"""`parley judge` and `parley scorer`: option parsing only; the roles live in services/judge/server.py and
 scorer/scorer.py and are imported when a command runs, so `parley --help` stays light."""
 
 from __future__ import annotations
@@ -55,7 +55,17 @@ def judge_cmd(
 ) -> None:
     """Serve the judge on parley.svc.judge.{extract,interactivity} until Ctrl-C / SIGTERM."""
     _launch(
-        "judge", "parley.scorer.judge", concurrency, config, sets, nats, run, dry, ident, metrics_port, metrics_host
+        "judge",
+        "parley.services.judge.server",
+        concurrency,
+        config,
+        sets,
+        nats,
+        run,
+        dry,
+        ident,
+        metrics_port,
+        metrics_host,
     )
 
 

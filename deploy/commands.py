@@ -71,7 +71,7 @@ def services_cmd(
     cfg = resolve(config, sets, nats=nats, run=run)
     if dry:
         dry_run(cfg)
-    from parley.deploy.services import check_shareable, run
+    from parley.services.combined import check_shareable, run
 
     try:
         check_shareable(cfg)
@@ -102,7 +102,7 @@ def reference_cmd(
         refuse("reference", problems)
     if dry:
         dry_run(cfg)
-    from parley.deploy.reference import run
+    from parley.services.reference.server import run
 
     setup_logging(ident or "reference")
     start_metrics(metrics_port, metrics_host, "reference")

@@ -24,9 +24,10 @@ import msgspec
 
 from parley.config.learner import LORA_TARGETS
 from parley.config.run import RunConfig
-from parley.deploy.services import service_children, shared_engine
 from parley.engines.config import EngineConfig
 from parley.engines.models import MODEL_SHAPES
+from parley.errors import ConfigError
+from parley.services.combined import service_children, shared_engine
 from parley.weights import registry
 from parley.weights.cuda_ipc import ALIGN
 
@@ -45,7 +46,7 @@ LOGIT_COPIES = 4
 FP32 = 4
 
 
-class PlanError(ValueError):
+class PlanError(ConfigError):
     """The plan cannot be made (a model's shape is unknown); the message names the model and the fix."""
 
 
@@ -458,7 +459,7 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
 
 
 def reference_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
-    """`parley reference` (engines/reference.py): the frozen weights in the learner's dtype, and one
+    """`parley reference` (services/reference/server.py): the frozen weights in the learner's dtype, and one
     trajectory's forward without grad: one layer's temporaries and one lm_head chunk's logits."""
     p, t = learner_dtype_bytes(cfg), cfg.actor.engine.max_model_len
     chunk = min(cfg.learner.logit_chunk_tokens, t)

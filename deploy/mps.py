@@ -22,13 +22,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from parley.errors import Unavailable
+
 BINARY = "nvidia-cuda-mps-control"
 FIX = 'set [up] gpu_share = "plain" (the GPU time-slices the processes instead)'
 # a CUDA process of our own under the daemon: its server starts with the first client
 CUDA_PROBE = [sys.executable, "-c", "import torch; torch.zeros(1, device='cuda').sum().item()"]
 
 
-class MpsError(RuntimeError):
+class MpsError(Unavailable, RuntimeError):
     """MPS cannot serve this run; the message names what failed and the fix."""
 
 

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from parley.config.run import RunConfig, dump_config
-from parley.deploy.services import service_children
 from parley.engines.engine import CPU_ENGINES_ENV
 from parley.protocol.backlog import WARN_SHARE
 from parley.runtime.supervisor import Supervisor
+from parley.services.combined import service_children
 
 log = logging.getLogger("parley.up")
 READY_STATES = ("ready", "busy")

@@ -20,15 +20,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
 from parley.engines.config import EngineConfig, ServiceBackend
+from parley.errors import Refused
 
 log = logging.getLogger("parley.backend")
 
 
-class BackendError(RuntimeError):
+class BackendError(Refused, RuntimeError):
     """The backend produced no text for this request; the message says why."""
 
 
@@ -189,6 +191,9 @@ class OpenAIBackend:
         self.model_name = cfg.model_name
         # e.g. {enable_thinking = false} for Qwen3 behind vllm serve
         self.template_kwargs = dict(cfg.engine.template_kwargs)
+        self.price = (cfg.usd_per_mtok_in, cfg.usd_per_mtok_out)
+        # per-call accounting from the responses' `usage` fields; the service's heartbeat shows it as backend.*
+        self.usage: Counter[str] = Counter()
 
     async def chat_json(self, messages, schema, *, max_tokens, temperature, seed) -> str:
         import openai
@@ -209,9 +214,22 @@ class OpenAIBackend:
             )
         except openai.APIError as e:
             raise BackendError(f"{self.client.base_url} ({self.model_name}): {type(e).__name__}: {e}") from None
+        self.account(getattr(resp, "usage", None))
         if not resp.choices:
             raise BackendError(f"{self.client.base_url} returned no choices")
         return resp.choices[0].message.content or ""
+
+    def account(self, usage) -> None:
+        """Count one answered call: its prompt and completion tokens as the endpoint reports them, and
+        their cost at [*] usd_per_mtok_in / _out. An endpoint that reports no usage is counted as such."""
+        self.usage["calls"] += 1
+        if usage is None:
+            self.usage["calls_without_usage"] += 1
+            return
+        tin, tout = int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
+        self.usage["prompt_tokens"] += tin
+        self.usage["completion_tokens"] += tout
+        self.usage["usd"] += (tin * self.price[0] + tout * self.price[1]) / 1e6
 
     async def chat_json_tokens(self, messages, schema, *, max_tokens, temperature, seed, top_logprobs: int):
         raise BackendError(

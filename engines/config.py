@@ -45,6 +45,9 @@ class ServiceBackend(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     temperature: float = 0.7
     max_tokens: int = 256
     timeout_s: float = 120.0
+    # openai backend: the endpoint's price, for the cost counter (backend.usd); 0 = not counted
+    usd_per_mtok_in: Annotated[float, Meta(ge=0.0)] = 0.0  # per million prompt tokens
+    usd_per_mtok_out: Annotated[float, Meta(ge=0.0)] = 0.0  # per million completion tokens
 
     def __post_init__(self) -> None:
         if self.backend == "openai" and not self.base_url:

@@ -1,7 +1,7 @@
 """Log-probs of chosen tokens under a transformers causal LM without full-vocabulary logits: only
 the positions that predict them go through lm_head, a chunk at a time. The one definition shared by
 the learner (its policy and its local reference, learner/logprobs.py) and the reference service
-(engines/reference.py), so both compute a reference log-prob the same way."""
+(services/reference/server.py), so both compute a reference log-prob the same way."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from parley.errors import ConfigError
 from parley.tasks.hub import HUB_ID, first_line
 from parley.tasks.hub import offline as _offline
 from parley.tasks.hub import unreachable as _hub_unreachable
@@ -403,7 +404,7 @@ def _file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-class ModelNotFound(ValueError):
+class ModelNotFound(ConfigError):
     """A model field that names nothing this machine has or can fetch; the message is one line
     naming the value and the fix."""
 

@@ -44,6 +44,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
+from parley.errors import ConfigError
 from parley.protocol import status
 from parley.protocol.connect import barrier
 from parley.protocol.messages import Heartbeat
@@ -168,6 +169,8 @@ class Service:
         self._tasks: set[asyncio.Task] = set()
         self._subs = []
         self.latency_s = 0.0  # moving average, for the heartbeat
+        # the backend's call accounting (engines.backend.OpenAIBackend.usage), set by serve_backend
+        self.usage: Counter | None = None
         # By (subject, request id): the computations under way, and recent answers.
         self._joining: dict[tuple[str, str], _Computation] = {}
         # By (subject, send id): the requests received and not yet answered or dropped, which a
@@ -407,6 +410,7 @@ class Service:
     def heartbeat(self, role: str, ident: str, state: str = "ready") -> Heartbeat:
         counters = {k: float(v) for k, v in self.counters.items()}
         counters.update(in_flight=float(self.in_flight), latency_s=round(self.latency_s, 3))
+        counters.update({f"backend.{k}": float(v) for k, v in (self.usage or {}).items()})
         return Heartbeat(role=role, id=ident, state=("busy" if self.in_flight else state), counters=counters)
 
     async def run_until(
@@ -434,7 +438,7 @@ class Service:
             ) from self.failure
 
 
-class BadServiceConfig(ValueError):
+class BadServiceConfig(ConfigError):
     """Raised by a `serve_backend` builder when the backend cannot serve the configured work."""
 
 
@@ -473,6 +477,8 @@ async def serve_backend(
             except BadServiceConfig as e:
                 log.error("bad configuration: %s", e)
                 return 2
+            for svc, *_ in served:
+                svc.usage = getattr(backend, "usage", None)
             tasks = [
                 asyncio.create_task(svc.run_until(stop, run=cfg.run.name, role=role, ident=rid, grace_s=grace))
                 for svc, role, rid, grace in served

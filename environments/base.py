@@ -110,7 +110,7 @@ def leaking(source: TaskSource, train: Sequence[Any], held: Sequence[Any]) -> di
 @dataclass(frozen=True)
 class SimulatorUser:
     """The user is the LLM simulator service (`parley sim`), run under this named prompt
-    (actors/prompts/sim/<prompt>.txt) unless [rollout].sim_prompt names another."""
+    (services/sim/prompts/<prompt>.txt) unless [rollout].sim_prompt names another."""
 
     prompt: str
 
@@ -140,7 +140,7 @@ UserSide = SimulatorUser | ProgrammaticUser
 
 class LocalUser:
     """A ProgrammaticUser behind the simulator client's interface (`await ask(SimRequest) -> SimReply`),
-    so the conversation loop that asks rollout.sim.SimClient can ask this instead, unchanged."""
+    so the conversation loop that asks services.sim.client.SimClient can ask this instead, unchanged."""
 
     def __init__(self, user: ProgrammaticUser):
         self.user = user

@@ -26,16 +26,17 @@ def _err(message: str) -> None:
 @dataclass(frozen=True)
 class InProcess:
     """The simulator and judge `--services local` runs in this process, built by the caller from a
-    backend (deploy/ builds actors.sim.Simulator and scorer.judge.Judge: evaluation/ imports no role).
+    backend (deploy/ builds services.sim.server.Simulator and services.judge.server.Judge: evaluation/ imports no role).
     simulator(backend) answers `reply(SimRequest)`, judge(backend) answers `handle(op, JudgeRequest)`."""
 
     simulator: Callable[[Any], Any]
     judge: Callable[[Any], Any]
 
 
-async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None) -> int:
-    """`parley replay` after its options: re-judge (`judge`) or re-weight the records (and those of the
-    run's stored `stream`), print the table and write it to `out`. The exit code."""
+async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None, other_judge=None) -> int:
+    """`parley replay` after its options: re-judge (`judge`: the judge service on the bus; or
+    `other_judge`, a judge the caller built, e.g. on an OpenAI-compatible endpoint) or re-weight the
+    records (and those of the run's stored `stream`), print the table and write it to `out`. The exit code."""
     from parley.evaluation.benchmark import METRICS, flags_markdown, summarize, to_markdown, write_table
     from parley.evaluation.evallog import (
         as_records,
@@ -47,7 +48,8 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
     )
 
     nc = None
-    if stream or judge:
+    judge = judge or other_judge is not None
+    if stream or (judge and other_judge is None):
         from parley.runtime.role import connect_nats
 
         nc = await connect_nats(cfg.nats, name="parley-replay")
@@ -61,10 +63,10 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
         sc = cfg.scorer
         clamps = {k: (v[0], v[1]) for k, v in sc.clamps.items()}
         if judge:
-            from parley.rollout.judge import JudgeClient, JudgeFailed, JudgeUnavailable
             from parley.rollout.score import Unscorable
+            from parley.services.judge.client import JudgeClient, JudgeFailed, JudgeUnavailable
 
-            client = JudgeClient(nc, timeout=sc.judge_timeout_s, concurrency=sc.judge_concurrency)
+            client = other_judge or JudgeClient(nc, timeout=sc.judge_timeout_s, concurrency=sc.judge_concurrency)
             try:
                 records = await rejudge(records, client, sc)
             except (JudgeUnavailable, JudgeFailed, Unscorable) as e:
@@ -108,6 +110,38 @@ async def replay(stop, cfg, records, stream, judge, baseline, out, scoring=None)
     return 0
 
 
+async def replay_deterministic(stop, cfg, archive: Path, weights_of=None) -> int:
+    """`parley replay --deterministic RUN_DIR`: the run's archived samples (`archive`, the learner's
+    archive of RUN_DIR) played again with the configured policy ([actor.engine] for version 0, then each
+    version whose weights `weights_of(version)` finds in RUN_DIR) and the logged simulator and judge
+    answers (evaluation/replay.py); the exit code is 0 only when every replayed sample matched."""
+    from parley.engines.backend import open_engine
+    from parley.evaluation.replay import logged_samples
+    from parley.evaluation.replay import replay_deterministic as replay_all
+
+    try:
+        records = logged_samples(archive)
+    except FileNotFoundError as e:
+        _err(f"parley replay: {e}")
+        return 2
+    engine, tokenizer, path = open_engine(cfg.actor.engine, sampled_logprobs=True)  # blocks while vLLM loads
+    try:
+        report = await replay_all(
+            records,
+            engine,
+            tokenizer,
+            max_model_len=cfg.actor.engine.max_model_len,
+            rollout=cfg.rollout,
+            reward=cfg.env.load().reward,
+            weights_of=weights_of,
+        )
+    finally:
+        engine.shutdown()
+    _out(report.describe())
+    _out(f"policy {cfg.actor.engine.model} ({path}); {len(records)} logged samples")
+    return 0 if report.ok else 1
+
+
 async def run_eval(
     stop,
     cfg,
@@ -135,8 +169,8 @@ async def run_eval(
     from parley.evaluation.runner import EvalServices, NotScored, SwappingPolicies
     from parley.evaluation.runner import run_eval as play_conditions
     from parley.protocol.bus import Poison, Retry
-    from parley.rollout.judge import LocalJudge
-    from parley.rollout.sim import LocalSim
+    from parley.services.judge.client import LocalJudge
+    from parley.services.sim.client import LocalSim
 
     env = env or cfg.env.load()
     nc = sim = judge = None
@@ -144,9 +178,9 @@ async def run_eval(
     if services in ("nats", "fleet"):
         from parley.protocol import topology
         from parley.protocol.bus import publish
-        from parley.rollout.judge import JudgeClient
-        from parley.rollout.sim import SimClient
         from parley.runtime.role import connect_nats
+        from parley.services.judge.client import JudgeClient
+        from parley.services.sim.client import SimClient
 
         nc = await connect_nats(cfg.nats, name="parley-eval")
         js = nc.jetstream()
@@ -241,7 +275,7 @@ async def run_eval(
             return 130
         try:
             records = work.result()
-        # Retry / Poison: the simulator service answered garbage or stayed unreachable (rollout.sim.SimClient)
+        # Retry / Poison: the simulator service answered garbage or stayed unreachable (services.sim.client.SimClient)
         except (FleetError, Retry, Poison) as e:
             if done:
                 write_parquet(done, Path(out) / "records.parquet")

@@ -25,15 +25,10 @@ _TYPE_KEY = b"parley.type"
 _LOG_TYPES: dict[str, type] = {"EvalRecord": EvalRecord, "Scored": Scored}
 # Columns whose type has no natural Arrow form are stored as msgspec JSON text (exact for floats too).
 _JSON_KEY = b"parley.encoding"
-# Files written with _LISTS under this key store the packed arrays as Arrow lists; files without it
-# (written before) hold the wire form's byte fields and are read as they are.
-_LAYOUT_KEY = b"parley.layout"
-_LISTS_LAYOUT = b"lists"
 
 # The wire's packed little-endian arrays (protocol.arrays) as Arrow list columns any Parquet reader
 # (duckdb, pandas, polars) reads as numbers: struct name -> {wire field: (column, dtype)}. Each column
-# takes the name of the list field of schemas v0-v1 that the packed field replaced, so that empty
-# list field is not written beside it.
+# is named for what it holds, without the wire's dtype suffix.
 _LISTS = {
     "Trajectory": {"token_ids_i32": ("token_ids", IDS), "loss_mask_u8": ("loss_mask", MASK)},
     "AssistantTurn": {"logprobs_f32": ("logprobs", LOGPROBS)},
@@ -44,24 +39,23 @@ _RENAMED = {"Scored": {"weights": "reward_weights"}}
 
 
 @functools.cache  # per Struct type: read and written once per nested Struct of every row
-def _columns(cls: type, lists: bool = True) -> tuple:
+def _columns(cls: type) -> tuple:
     """(field, column, dtype) for each stored field of a Struct: dtype is the packed array's element
-    type for a field stored as an Arrow list, else None. lists=False: the layout before, field = column."""
-    arrays = _LISTS.get(cls.__name__, {}) if lists else {}
-    renamed = _RENAMED.get(cls.__name__, {}) if lists else {}
-    replaced = {column for column, _ in arrays.values()}
+    type for a field stored as an Arrow list, else None."""
+    arrays = _LISTS.get(cls.__name__, {})
+    renamed = _RENAMED.get(cls.__name__, {})
     out = []
     for f in mi.type_info(cls).fields:
         if f.encode_name in arrays:
             out.append((f, *arrays[f.encode_name]))
-        elif f.encode_name not in replaced:
+        else:
             out.append((f, renamed.get(f.encode_name, f.encode_name), None))
     return tuple(out)
 
 
 def _to_columns(value, t):
-    """A to_builtins value laid out as the archive stores it: packed arrays unpacked into lists (a
-    v0-v1 list field taken as it is), fields renamed."""
+    """A to_builtins value laid out as the archive stores it: packed arrays unpacked into lists,
+    fields renamed."""
     match t:
         case mi.ListType(item_type=it):
             return [_to_columns(v, it) for v in value]
@@ -72,7 +66,7 @@ def _to_columns(value, t):
             for f, column, dtype in _columns(cls):
                 if dtype is not None:
                     packed = value.get(f.encode_name)
-                    out[column] = np.frombuffer(packed, dtype) if packed else list(value.get(column) or [])
+                    out[column] = np.frombuffer(packed, dtype) if packed else []
                 elif f.encode_name in value:
                     out[column] = _to_columns(value[f.encode_name], f.type)
             return out
@@ -124,30 +118,30 @@ def _schema(cls: type):
         fields.append(
             pa.field(column, pa.string(), metadata={_JSON_KEY: b"json"}) if arrow is None else pa.field(column, arrow)
         )
-    return pa.schema(fields, metadata={_TYPE_KEY: cls.__name__.encode(), _LAYOUT_KEY: _LISTS_LAYOUT})
+    return pa.schema(fields, metadata={_TYPE_KEY: cls.__name__.encode()})
 
 
-def _field_value(value, t, dtype, lists: bool):
+def _field_value(value, t, dtype):
     """One stored column's value as its Struct field takes it: a list column packed again."""
     if dtype is not None:
         return np.asarray(value, dtype=dtype).tobytes()
-    return _maps_to_dicts(value, t, lists)
+    return _maps_to_dicts(value, t)
 
 
-def _maps_to_dicts(value, t, lists: bool = True):
+def _maps_to_dicts(value, t):
     """Arrow hands maps back as lists of (key, value) pairs; turn them into dicts, recursively, and
-    structs back into their fields (lists: the archive's layout, see _columns)."""
+    structs back into their fields (the archive's layout, see _columns)."""
     match t:
         case mi.DictType(value_type=vt):
-            return {k: _maps_to_dicts(v, vt, lists) for k, v in value}
+            return {k: _maps_to_dicts(v, vt) for k, v in value}
         case mi.ListType(item_type=it):
-            return [_maps_to_dicts(v, it, lists) for v in value]
+            return [_maps_to_dicts(v, it) for v in value]
         case mi.StructType(cls=cls):
             # null: a field the writer omitted (omit_defaults Structs); msgspec.convert fills its default;
             # an empty list column: the packed field's default (b"")
             return {
-                f.encode_name: _field_value(value[column], f.type, dtype, lists)
-                for f, column, dtype in _columns(cls, lists)
+                f.encode_name: _field_value(value[column], f.type, dtype)
+                for f, column, dtype in _columns(cls)
                 if value.get(column) is not None and (dtype is None or len(value[column]))
             }
     return value
@@ -192,8 +186,7 @@ def _read_parquet(path: Path) -> list:
             f"{path} is not a parley log (schema metadata parley.type={name!r}); write it with evaluation.evallog.write_parquet"
         )
     cls = _LOG_TYPES[name]
-    lists = meta.get(_LAYOUT_KEY) == _LISTS_LAYOUT  # else a file written before the layout had lists
-    columns = {column: (f, dtype) for f, column, dtype in _columns(cls, lists)}
+    columns = {column: (f, dtype) for f, column, dtype in _columns(cls)}
     json_cols = {f.name for f in table.schema if f.metadata and f.metadata.get(_JSON_KEY) == b"json"}
     out = []
     for row in table.to_pylist():
@@ -206,7 +199,7 @@ def _read_parquet(path: Path) -> list:
             if k in json_cols:
                 fields[f.encode_name] = json.loads(v)
             elif dtype is None or v:
-                fields[f.encode_name] = _field_value(v, f.type, dtype, lists)
+                fields[f.encode_name] = _field_value(v, f.type, dtype)
         out.append(msgspec.convert(fields, cls))
     return out
 
@@ -383,7 +376,7 @@ def _stored(rec: EvalRecord, name: str, interactivity: str | None) -> float:
 
 
 async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]:
-    """Re-score with another judge (a rollout.judge.Judge, e.g. JudgeClient over NATS) and the weights,
+    """Re-score with another judge (a services.judge.client.Judge, e.g. JudgeClient over NATS) and the weights,
     clamps and BLEU variant of `cfg` (a ScorerConfig); nothing is generated. "reward" = the weighted total."""
     import asyncio
 
@@ -399,8 +392,6 @@ async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]
             run="replay",
             item_id=rec.item_id,
             messages=list(rec.messages),
-            token_ids=[],
-            loss_mask=[],
             turns=[],
             reference=rec.reference,
             assistant_tokens=rec.assistant_tokens,
@@ -408,7 +399,7 @@ async def rejudge(records: Sequence[EvalRecord], judge, cfg) -> list[EvalRecord]
             sim_prompt=rec.sim_prompt,
             model=rec.model,
         )
-        # Failures propagate as rollout.judge's / rollout.score's errors, which name the record (traj_id = eval_id).
+        # Failures propagate as services.judge.client's / rollout.score's errors, which name the record (traj_id = eval_id).
         scored = await score_trajectory(traj, judge, cfg, scorer="replay")
         return msgspec.structs.replace(
             rec,

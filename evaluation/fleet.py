@@ -25,6 +25,7 @@ from pathlib import Path
 
 import msgspec
 
+from parley.errors import ParleyError
 from parley.evaluation.runner import Condition
 from parley.protocol import dead, topology
 from parley.protocol.messages import EvalRecord, Scored, Task, Trajectory
@@ -32,7 +33,7 @@ from parley.protocol.messages import EvalRecord, Scored, Task, Trajectory
 log = logging.getLogger("parley.eval.fleet")
 
 
-class FleetError(RuntimeError):
+class FleetError(ParleyError, RuntimeError):
     """A role of a condition's fleet failed; the message carries its last log lines."""
 
 

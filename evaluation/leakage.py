@@ -14,6 +14,7 @@ from pathlib import Path
 
 from parley.environments.base import TaskSource
 from parley.environments.base import find_overlap as find_environment_overlap
+from parley.errors import ConfigError
 from parley.tasks.data import Item, Overlap, find_overlap
 
 log = logging.getLogger("parley.leakage")
@@ -22,7 +23,7 @@ OVERLAP_FILE = "overlap.json"
 _EXAMPLES = 3  # pairs named in an error message
 
 
-class LeakageError(ValueError):
+class LeakageError(ConfigError):
     """Train and eval share reference targets and overlap was not allowed."""
 
 

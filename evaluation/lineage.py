@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parley.errors import ParleyError
 from parley.evaluation.evallog import read_log
 from parley.protocol import arrays
 from parley.protocol.messages import ChatMessage, JudgeOutput, Scored
@@ -23,7 +24,7 @@ from parley.rewards.reward import weighted_terms
 from parley.rollout.score import future_messages
 
 
-class TraceError(LookupError):
+class TraceError(ParleyError, LookupError):
     """The run directory does not know the trajectory (or holds nothing to trace)."""
 
 

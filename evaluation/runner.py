@@ -2,7 +2,7 @@
 system prompt) plays the same items with the same simulator seeds, through the conversation loop the
 actors run (rollout.conversation) and the scoring the scorers run (rollout.score), and yields one
 EvalRecord per conversation. The simulator and judge are whatever implements their interfaces
-(rollout.sim, rollout.judge): the NATS services, or in-process ones. What is played and scored is the
+(services.sim.client, services.judge.client): the NATS services, or in-process ones. What is played and scored is the
 run's environment (environments/): its held-out items and eval tasks, its user (a programmatic one runs
 here, in-process) and its reward; the default environment unless told otherwise.
 """
@@ -22,7 +22,7 @@ import msgspec
 from parley.config.env import default_environment
 from parley.environments.base import Environment, LocalUser, ProgrammaticUser
 from parley.protocol.messages import EvalRecord, Sampling, SimReply, SimRequest, Task
-from parley.rollout.sim import UserSide
+from parley.services.sim.client import UserSide
 from parley.tasks.data import system_prompt_text
 
 log = logging.getLogger("parley.eval")
@@ -248,7 +248,7 @@ class SwappingPolicies:
 class EvalServices:
     open_policy: Callable[[str], Awaitable[Policy]]  # model name or checkpoint dir -> Policy
     sim: UserSide
-    judge: Any  # rollout.judge.Judge; None when the environment's reward asks no judge operation
+    judge: Any  # services.judge.client.Judge; None when the environment's reward asks no judge operation
     scorer_cfg: Any  # config.scorer.ScorerConfig: the BLEU variant (weights only feed Scored.total)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The run's environment (its [env]); None: the default environment, scored as scorer_cfg says
@@ -269,8 +269,8 @@ async def score_within_bounds(traj, judge, scorer_cfg, attempts: int, reward=Non
     does not answer within [scorer] judge_timeout_s, ask again with [scorer]'s back-off until
     [scorer] judge_wait_s have passed since the first try; after a failed verdict, ask again with a
     fresh seed, `attempts` verdicts in all. Then the last error is raised (the caller reports it)."""
-    from parley.rollout.judge import JudgeFailed, JudgeUnavailable
     from parley.rollout.score import score_trajectory
+    from parley.services.judge.client import JudgeFailed, JudgeUnavailable
 
     t0 = time.monotonic()
     failed = waits = 0
@@ -311,8 +311,8 @@ async def play_condition(
     every record left unscored are passed to `on_missing` with the reason."""
     from parley.protocol.bus import Retry
     from parley.rollout.conversation import PolicySettings, run_conversation
-    from parley.rollout.judge import JudgeFailed, JudgeUnavailable
     from parley.rollout.score import Unscorable
+    from parley.services.judge.client import JudgeFailed, JudgeUnavailable
 
     policy_settings = PolicySettings(
         max_model_len=policy.engine.settings.max_model_len,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from parley.config.env import default_environment
 from parley.environments.base import Environment
+from parley.errors import ConfigError
 from parley.evaluation.benchmark import METRICS, PairedStats, item_values, mean_interval, paired_stats
 from parley.rewards.reward import REWARD_REFUSED, TRAINING_REWARD_NAMES, mr
 
@@ -25,7 +26,7 @@ SUMMARY_FILE = "summary.jsonl"
 CONFIG_FILE = "config.toml"  # RUN_DIR/eval/config.toml: the run's configuration, [env] included (periodic.py)
 
 
-class SelectionError(ValueError):
+class SelectionError(ConfigError):
     """A selection request that cannot be answered (bad metric, nothing evaluated)."""
 
 

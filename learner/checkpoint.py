@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 
+from parley.errors import StateError
 from parley.learner.groups import Finished
 from parley.protocol.messages import Scored
 from parley.weights.lora import ADAPTER_CONFIG, ADAPTER_FILE
@@ -204,7 +205,7 @@ def read_state(run_dir: str | Path) -> LearnerState | None:
     return None
 
 
-class LedgerError(RuntimeError):
+class LedgerError(StateError):
     """The ledger names a sample that its sample log does not hold intact."""
 
 

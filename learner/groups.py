@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from parley.errors import BadMessage
 from parley.protocol import arrays
 from parley.protocol.messages import ABANDONED_STALE, GREEDY_BELOW, Scored, Trajectory
 
@@ -23,7 +24,7 @@ log = logging.getLogger("parley.learner.groups")
 ZERO_SPREAD = 1e-6
 
 
-class BadTrajectory(ValueError):
+class BadTrajectory(BadMessage):
     """A trajectory the learner can never train on; the consumer dead-letters it with this reason."""
 
 
@@ -75,8 +76,8 @@ def check_hostile_values(
     micro-batch of its own whatever the budget, and its activations the memory); with `reference`
     ([policy] reference = "service") missing reference log-probs, or ones of the wrong length, not
     finite or positive (check_reference).
-    Kept apart from check_trajectory, which checks the token layout. Reads the packed or the old
-    list fields alike (protocol.arrays), as arrays."""
+    Kept apart from check_trajectory, which checks the token layout. Reads the packed fields
+    (protocol.arrays) as arrays."""
     from parley.rewards.reward import hostile_reward
 
     traj = scored.trajectory

@@ -19,13 +19,14 @@ import time
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
+from parley.errors import StateError
 from parley.protocol import topology
 from parley.protocol.topology import LEASE_KEY, LEASE_TTL_S
 
 log = logging.getLogger(__name__)
 
 
-class LeaseError(RuntimeError):
+class LeaseError(StateError):
     """The learner may not start on this run (learner.service.main exits 2 with its one line)."""
 
 
@@ -33,7 +34,7 @@ class LeaseHeld(LeaseError):
     """Another learner holds (and renews) the run's lease, or the run's streams are an older learner's."""
 
 
-class LeaseLost(RuntimeError):
+class LeaseLost(StateError):
     """The lease this learner held was taken by another (it could not renew for a whole TTL)."""
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
+from parley.errors import StateError
 from parley.learner import checkpoint as ckpt
 from parley.learner import envrecord
 from parley.learner.feeder import FeederState, Issued
@@ -19,7 +20,7 @@ from parley.learner.steplog import StepLog
 log = logging.getLogger("parley.learner")
 
 
-class LearnerStateError(RuntimeError):
+class LearnerStateError(StateError):
     """The run directory's learner state does not fit the command (fresh start over an old run)."""
 
 

@@ -3,10 +3,7 @@
 Token ids, the loss mask and behaviour log-probs travel as msgpack bin fields holding packed
 little-endian arrays (int32 ids, uint8 mask, float32 log-probs): msgpack decodes a bin field with
 one copy and numpy views it without another, where a list of Python numbers cost 3-9 bytes and
-one Python object per token at every decode. Schemas before the packed fields (tests/data
-trajectory_v0/v1.msgpack) carried the same values as lists (`token_ids`, `loss_mask`,
-`AssistantTurn.logprobs`); the readers here accept either, so producers write `pack_*` and every
-consumer reads `token_ids` / `loss_mask` / `turn_logprobs`, never the fields themselves. The
+one Python object per token at every decode. Producers write `pack_*` and every consumer reads `token_ids` / `loss_mask` / `turn_logprobs`, never the fields themselves. The
 reference log-probs ([policy] reference = "service": ReferenceRequest/Reply, Scored.ref_logp_f32)
 travel the same way and are read with `request_ids`, `reference_logprobs` and `ref_logprobs`.
 """
@@ -54,56 +51,47 @@ def pack_logprobs(logprobs: Sequence[float] | np.ndarray) -> bytes:
     return _pack(logprobs, LOGPROBS)
 
 
-def _view(packed: bytes, old: list, dtype: np.dtype, owner: str, field: str, old_field: str) -> np.ndarray:
-    """A read-only view of the packed field, or the older schema's list as an array."""
-    if packed:
-        if len(packed) % dtype.itemsize:
-            raise ValueError(
-                f"{owner}: {field} holds {len(packed)} bytes, not a whole number of {dtype} "
-                f"values; pack it with protocol.arrays"
-            )
-        return np.frombuffer(packed, dtype=dtype)
-    if not old or dtype.kind == "f":
-        return np.asarray(old, dtype=dtype)
-    lo, hi, info = min(old), max(old), np.iinfo(dtype)
-    if lo < info.min or hi > info.max:
+def _view(packed: bytes, dtype: np.dtype, owner: str, field: str) -> np.ndarray:
+    """A read-only view of the packed field."""
+    if len(packed) % dtype.itemsize:
         raise ValueError(
-            f"{owner}: {old_field} holds {lo if lo < info.min else hi}, outside {dtype} ({info.min}..{info.max})"
+            f"{owner}: {field} holds {len(packed)} bytes, not a whole number of {dtype} "
+            f"values; pack it with protocol.arrays"
         )
-    return np.asarray(old, dtype=dtype)
+    return np.frombuffer(packed, dtype=dtype)
 
 
 def token_ids(traj: Trajectory) -> np.ndarray:
     """(T,) int32: the whole conversation's token ids."""
-    return _view(traj.token_ids_i32, traj.token_ids, IDS, traj.traj_id, "token_ids_i32", "token_ids")
+    return _view(traj.token_ids_i32, IDS, traj.traj_id, "token_ids_i32")
 
 
 def loss_mask(traj: Trajectory) -> np.ndarray:
     """(T,) uint8: 1 on trained tokens."""
-    return _view(traj.loss_mask_u8, traj.loss_mask, MASK, traj.traj_id, "loss_mask_u8", "loss_mask")
+    return _view(traj.loss_mask_u8, MASK, traj.traj_id, "loss_mask_u8")
 
 
 def turn_logprobs(turn: AssistantTurn) -> np.ndarray:
     """(n,) float32: the behaviour log-prob of each token the turn generated."""
-    return _view(turn.logprobs_f32, turn.logprobs, LOGPROBS, f"turn at {turn.start}", "logprobs_f32", "logprobs")
+    return _view(turn.logprobs_f32, LOGPROBS, f"turn at {turn.start}", "logprobs_f32")
 
 
 def generated(turn: AssistantTurn) -> int:
     """How many tokens the turn generated (one log-prob each)."""
-    return len(turn.logprobs_f32) // LOGPROBS.itemsize if turn.logprobs_f32 else len(turn.logprobs)
+    return len(turn.logprobs_f32) // LOGPROBS.itemsize
 
 
 def ref_logprobs(scored: Scored) -> np.ndarray:
     """(T,) float32: the reference log-prob of each token given its prefix (0.0 at token 0); empty
     when the scorer sent none."""
-    return _view(scored.ref_logp_f32, [], LOGPROBS, scored.traj_id, "ref_logp_f32", "ref_logp_f32")
+    return _view(scored.ref_logp_f32, LOGPROBS, scored.traj_id, "ref_logp_f32")
 
 
 def request_ids(packed: bytes) -> np.ndarray:
     """(T,) int32 of a ReferenceRequest's token_ids_i32."""
-    return _view(packed, [], IDS, "reference request", "token_ids_i32", "token_ids_i32")
+    return _view(packed, IDS, "reference request", "token_ids_i32")
 
 
 def reference_logprobs(packed: bytes, owner: str) -> np.ndarray:
     """(T-1,) float32 of a ReferenceReply's logp_f32."""
-    return _view(packed, [], LOGPROBS, owner, "logp_f32", "logp_f32")
+    return _view(packed, LOGPROBS, owner, "logp_f32")

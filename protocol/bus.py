@@ -25,6 +25,7 @@ from nats.js.errors import (
     ServiceUnavailableError,
 )
 
+from parley.errors import ProtocolError
 from parley.protocol import codec, topology
 from parley.protocol.messages import DeadLetter
 
@@ -36,11 +37,11 @@ COUNTERS: Counter[str] = Counter()
 DEAD_CAUSES = ("undecodable", "max_deliver", "poison", "nonfinite", "step_failed")
 
 
-class Poison(Exception):
+class Poison(ProtocolError):
     """Raised by a handler for a message that can never succeed: it is dead-lettered, not retried."""
 
 
-class Retry(Exception):
+class Retry(ProtocolError):
     """Raised by a handler for a transient failure: the message is nak'ed with `delay` seconds."""
 
     def __init__(self, reason: str, delay: float = 5.0):

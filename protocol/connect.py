@@ -16,6 +16,8 @@ from pathlib import Path
 
 import nats
 
+from parley.errors import Unavailable
+
 log = logging.getLogger("parley.nats")
 
 # What every role reads from its environment to log in (deploy/credentials.py writes them per role).
@@ -23,8 +25,8 @@ USER_ENV, PASSWORD_ENV = "PARLEY_NATS_USER", "PARLEY_NATS_PASSWORD"
 CREDS_ENV, CA_ENV = "PARLEY_NATS_CREDS", "PARLEY_NATS_CA"
 
 
-class NatsUnreachable(ConnectionError):
-    pass
+class NatsUnreachable(Unavailable, ConnectionError):
+    """NATS cannot be reached or refuses this connection; a role exits 3 (runtime.process)."""
 
 
 def inbox_prefix(user: str | None) -> str:

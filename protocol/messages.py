@@ -1,11 +1,10 @@
 """Every message parley puts on the wire, as msgspec Structs encoded with msgpack.
 
 Each Struct names its producer and consumer. Schema evolution follows msgspec's rules: new
-fields go last and carry defaults; fields are never reordered, renamed or retyped. Encoded
-Trajectories from older schemas are kept in tests/data and decoded by the tests.
+fields go last and carry defaults; fields are never reordered, renamed or retyped.
 
 Token arrays (ids, loss mask, behaviour log-probs) travel packed in bin fields; protocol.arrays
-packs and reads them (and the list fields older producers wrote). Nothing else touches them.
+packs and reads them. Nothing else touches them.
 """
 
 from __future__ import annotations
@@ -76,14 +75,11 @@ class Task(msgspec.Struct, kw_only=True):
 ABANDONED_STALE = "stale"
 
 
-# omit_defaults on the two hot, large Structs: the list fields that today's producers leave empty
-# (and other defaults) are not written; the decoder fills them back in.
+# omit_defaults on the two hot, large Structs: defaults are not written; the decoder fills them back in.
 class AssistantTurn(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One generated assistant turn inside a Trajectory."""
 
     start: int  # offset of the first generated token in the trajectory's token ids
-    # schemas v0-v1: behaviour log-prob of each generated token; now empty (see logprobs_f32)
-    logprobs: list[float] = []
     version: int  # policy version that generated this turn
     finish_reason: str  # "stop" | "length" | "abort"
     trained: bool = True  # next_turn mode trains only the first turn
@@ -99,6 +95,17 @@ class FutureRollout(msgspec.Struct, kw_only=True):
     assistant_tokens: int = 0
 
 
+class SimCall(msgspec.Struct, kw_only=True):
+    """One simulator call of a sample, as its answer came back (in the order asked; futures' after the
+    main branch's): what `parley replay --deterministic` answers the same request with, found by `key`
+    (rollout.conversation.sim_call_key of the SimRequest)."""
+
+    key: str
+    message: str
+    done: bool = False
+    fallback: bool = False
+
+
 class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One finished sample of a Task. actor -> scorer (and replay, learner via Scored)."""
 
@@ -108,9 +115,6 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     run: str
     item_id: str
     messages: list[ChatMessage]
-    # schemas v0-v1 carried the token arrays as lists; now empty (see token_ids_i32, loss_mask_u8)
-    token_ids: list[int] = []
-    loss_mask: list[int] = []
     turns: list[AssistantTurn]
     reference: str = ""
     prompt_tokens: int = 0  # tokens before the first assistant turn
@@ -140,6 +144,8 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
     # how many of `messages` came with the task (system prompt + dataset prefix); every user message
     # after them is a simulator answer. -1: not recorded (older actors)
     prefix_messages: int = -1
+    # every simulator call's answer, for a deterministic replay (empty: older actors)
+    sim_calls: list[SimCall] = []
 
 
 class JudgeOutput(msgspec.Struct, kw_only=True):
@@ -155,6 +161,12 @@ class JudgeOutput(msgspec.Struct, kw_only=True):
     seed: int = -1
     conversation: int = 0
     model: str = ""
+    # the verdict as the scorer read it (JudgeReply's fields), so a replay can answer the same request
+    # without the judge: the extracted document, the rubric levels, the score and the level distribution
+    document: str = ""
+    levels: dict[str, int] = {}
+    score: float = 0.0
+    distribution: dict[str, dict[str, float]] = {}
 
 
 class Scored(msgspec.Struct, kw_only=True):

@@ -1,7 +1,7 @@
 """Request/reply with the shared services (user simulator, judge, reference): each request carries
 how long its requester waits and an id in its headers.
 
-Requesters (rollout.sim.SimClient, rollout.judge.JudgeClient, the eval) send through `request()`;
+Requesters (services.sim.client.SimClient, services.judge.client.JudgeClient, the eval) send through `request()`;
 the service scaffolding (engines/service.py) reads `wait_and_id()` to drop work whose requester
 has stopped waiting, and to let a re-sent request join the computation already under way.
 

@@ -20,6 +20,8 @@ from nats.js.client import KV_STREAM_TEMPLATE
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
+from parley.errors import StateError
+
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 # Services are shared by every run on a cluster: one simulator or judge fleet serves them all.
@@ -222,7 +224,7 @@ def blobs_max_bytes(bus: BusSettings) -> int:
     return bus.blobs_max_bytes or DEFAULT_BLOBS_MAX_BYTES
 
 
-class TopologyError(RuntimeError):
+class TopologyError(StateError):
     """The run's topology is missing or differs and this connection could not (or may not) fix it."""
 
 

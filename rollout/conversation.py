@@ -1,5 +1,5 @@
 """One sample of a Task, played out: the policy writes the assistant turns (token-in/token-out,
-with behaviour log-probs and the policy version of each turn), the user side (rollout.sim) writes
+with behaviour log-probs and the policy version of each turn), the user side (services.sim.client) writes
 the user turns. Called by the actor for every sample and by the eval for every benchmark
 conversation; returns the Trajectory.
 
@@ -21,6 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from parley.errors import ParleyError
 from parley.protocol import arrays
 from parley.protocol.bus import Poison, Retry
 from parley.protocol.messages import (
@@ -32,12 +35,13 @@ from parley.protocol.messages import (
     ChatMessage,
     FutureRollout,
     Sampling,
+    SimCall,
     SimRequest,
     Task,
     Trajectory,
 )
 from parley.rollout.chat import ChatTokens
-from parley.rollout.sim import FALLBACK_MESSAGE, UserSide
+from parley.services.sim.client import FALLBACK_MESSAGE, UserSide
 
 log = logging.getLogger("parley.rollout")
 
@@ -49,6 +53,14 @@ def derive_seed(*parts: object) -> int:
     across samples of a group (which must differ) and across turns."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def sim_call_key(req: SimRequest) -> str:
+    """The identity of a simulator request for a replay: the prompt variant, the conversation so far and
+    the call's seed (derived from the sample's seed and the call's place in it). The task's constant
+    fields (reference, title, summary) are left out: the same sample asks them of every call."""
+    body = msgspec.json.encode([req.prompt, [(m.role, m.content) for m in req.messages], req.seed])
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
 @dataclass
@@ -113,7 +125,7 @@ class StaleWatch:
         )
 
 
-class _Abandoned(Exception):
+class _Abandoned(ParleyError):
     """A call cut because its task's group can no longer be trained (StaleWatch); `what` was cut
     ("turn": a generation, "simulator call")."""
 
@@ -142,6 +154,7 @@ class _Player:
         self.seed = seed
         self.turns: list[AssistantTurn] = []
         self.sim_fallbacks: list[int] = []
+        self.sim_calls: list[SimCall] = []  # every answer the simulator gave, for a replay
         self.timings = {"generate": 0.0, "sim": 0.0}
         self.n_calls = 0  # engine + sim calls: makes every call's seed distinct
         # an engine serving LoRA adapter versions (engines.engine.PolicyEngine.load_adapter): the version
@@ -247,6 +260,9 @@ class _Player:
             reply = await self._unless_abandoned(self.sim.ask(req), "simulator call")
         finally:
             self.timings["sim"] += time.perf_counter() - t0
+        self.sim_calls.append(
+            SimCall(key=sim_call_key(req), message=reply.message, done=reply.done, fallback=reply.fallback)
+        )
         if reply.done and not opening:
             return "sim_done"  # the closing "thanks" is not part of the conversation
         text = reply.message
@@ -343,13 +359,15 @@ async def run_conversation(
     tokenizer,
     policy: PolicySettings,
     watch: StaleWatch | None = None,
+    seed: int | None = None,
 ) -> Trajectory:
     """Play sample `sample` of `task` and return its Trajectory (not yet published). With `watch`
     (shared by the task's samples) it stops early once the task's group can no longer be trained,
-    terminated ABANDONED_STALE."""
+    terminated ABANDONED_STALE. `seed`: the sample's seed as a Trajectory records it (a replay's);
+    default: derived from the task's."""
     check_task(task)
     t0 = time.perf_counter()
-    seed = derive_seed(task.task_id, task.seed, sample)
+    seed = derive_seed(task.task_id, task.seed, sample) if seed is None else seed
     opening = ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else []) + [
         {"role": m.role, "content": m.content} for m in task.prefix
     ]
@@ -384,6 +402,7 @@ async def _run(p: _Player, task: Task, sample: int, policy: PolicySettings, t0: 
             for f in branches:
                 p.timings["generate"] += f.timings["generate"]
                 p.timings["sim"] += f.timings["sim"]
+                p.sim_calls += f.sim_calls
             if any(f.terminated == ABANDONED_STALE for f in branches):
                 terminated = ABANDONED_STALE  # cut futures would be scored as if complete
             futures = [
@@ -421,6 +440,7 @@ async def _run(p: _Player, task: Task, sample: int, policy: PolicySettings, t0: 
         created=time.time(),
         adapter=p.engine.adapter_name(p.pinned) if p.pinned is not None else "",
         prefix_messages=len(task.prefix) + bool(task.system_prompt),  # run_conversation's opening
+        sim_calls=p.sim_calls,
     )
     return traj
 

@@ -1,6 +1,6 @@
 """Scoring one trajectory: judge calls, metrics, the futures average and the weighted total.
 
-`score_trajectory` is pure apart from the judge it is given (rollout.judge), so the scorer role,
+`score_trajectory` is pure apart from the judge it is given (services.judge.client), so the scorer role,
 eval and replay all reuse it. The metrics are the run's environment's (`parley.environments.base.Reward`): the judge operations its
 judge metrics name are asked, then the reward evaluates the conversation with their replies.
 """
@@ -13,12 +13,13 @@ from typing import Protocol
 
 from parley.config.env import default_scored_as
 from parley.environments.base import Conversation, Reward
+from parley.errors import BadMessage
 from parley.protocol.messages import ChatMessage, FutureRollout, JudgeOutput, JudgeReply, Scored, Trajectory
 from parley.rewards.reward import average_futures, total_reward
-from parley.rollout.judge import Judge, JudgeFailed
+from parley.services.judge.client import Judge, JudgeFailed
 
 
-class Unscorable(ValueError):
+class Unscorable(BadMessage):
     """The trajectory itself cannot be scored (e.g. no reference document); retrying won't help."""
 
 
@@ -111,6 +112,10 @@ async def _judge_one(
             seed=seed,
             conversation=conversation,
             model=r.model,
+            document=r.document,
+            levels=dict(r.levels),
+            score=r.score,
+            distribution={k: dict(v) for k, v in r.distribution.items()},
         )
         for op, r in replies.items()
     ]

@@ -163,6 +163,49 @@ FAMILIES: tuple[Family, ...] = (
         "Share of same-group sample pairs whose judge metrics tie (no advantage between them).",
         "scorer",
     ),
+    # call budgets (services/budget.py): the actor's simulator share, the scorer's judge share
+    _f(
+        "parley_call_budget_calls_total",
+        r"(?P<budget>sim_budget|judge_budget)\.calls",
+        "Simulator / judge calls let through this process's share of the run's budget.",
+        "actor",
+        "scorer",
+    ),
+    _f(
+        "parley_call_budget_waits_total",
+        r"(?P<budget>sim_budget|judge_budget)\.waits",
+        "Calls held back by the budget or the rate limit (they wait, never fail).",
+        "actor",
+        "scorer",
+    ),
+    _f(
+        "parley_call_budget_wait_seconds_total",
+        r"(?P<budget>sim_budget|judge_budget)\.wait_s",
+        "Seconds calls waited on the budget or the rate limit.",
+        "actor",
+        "scorer",
+    ),
+    _f(
+        "parley_call_budget_left",
+        r"(?P<budget>sim_budget|judge_budget)\.left",
+        "Calls left of this process's share (-1: no count limit).",
+        "actor",
+        "scorer",
+    ),
+    # services' backends: an OpenAI-compatible endpoint's usage fields (engines/backend.py)
+    _f(
+        "parley_backend_calls_total",
+        r"backend\.(?P<kind>calls|calls_without_usage)",
+        "Endpoint calls answered (and those whose response reported no usage).",
+        *SERVICES,
+    ),
+    _f(
+        "parley_backend_tokens_total",
+        r"backend\.(?P<kind>prompt|completion)_tokens",
+        "Prompt / completion tokens the endpoint reported.",
+        *SERVICES,
+    ),
+    _f("parley_backend_cost_usd_total", r"backend\.usd", "Cost at [sim|judge] usd_per_mtok_in / _out.", *SERVICES),
     # services: sim, judge, reference (engines/service.py and each service's handler)
     _f(
         "parley_service_requests_total",

@@ -1,6 +1,6 @@
 """`parley scorer`: pulls trajectories from TRAJ, has the judge service score them, stores Scored in SCORED.
 With [policy] reference = "service" it also asks the reference service for each trajectory's
-reference log-probs (scorer/reference.py) and puts them into the Scored. With [scorer] audit_fraction a
+reference log-probs (services/reference/client.py) and puts them into the Scored. With [scorer] audit_fraction a
 share of trajectories is judged a second time (Scored.audit) and the judge's agreement, tie share and
 drift across policy versions go into the heartbeat (rewards.reliability), flagged when agreement is low.
 
@@ -26,9 +26,9 @@ from parley.environments.base import JudgeMetric, Reward
 from parley.protocol import bus, status, topology
 from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Scored, Trajectory
 from parley.rewards.reliability import JudgeReliability, audited
-from parley.rollout.judge import Judge, JudgeFailed, JudgeUnavailable
 from parley.rollout.score import Unscorable, _all, score_trajectory, scorer_reward
-from parley.scorer.reference import ReferenceClient, ReferenceFailed, ReferenceUnavailable
+from parley.services.judge.client import Judge, JudgeFailed, JudgeUnavailable
+from parley.services.reference.client import ReferenceClient, ReferenceFailed, ReferenceUnavailable
 
 log = logging.getLogger("parley.scorer")
 
@@ -218,6 +218,9 @@ class Scorer:
         counters = {k: float(v) for k, v in (self.counters + bus.COUNTERS).items()}
         counters["in_flight"] = float(self.in_flight)
         counters |= self.reliability.counters()
+        budget = getattr(self.judge, "budget", None)  # services.budget.BudgetedJudge: the run's judge-call limits
+        if budget is not None:
+            counters |= budget.counters()
         return Heartbeat(role="scorer", id=self.ident, state="busy" if self.in_flight else "ready", counters=counters)
 
     async def run_until(self, stop: asyncio.Event, *, fetch_timeout: float = 2.0) -> None:
@@ -244,8 +247,8 @@ class Scorer:
 
 async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
     """`parley scorer`: connect, make sure the run's topology exists, score until SIGINT/SIGTERM."""
-    from parley.rollout.judge import JudgeClient
     from parley.runtime.role import role_connection
+    from parley.services.judge.client import JudgeClient
 
     async with role_connection(cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus, topology=True) as (
         nc,
@@ -267,6 +270,18 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
                 concurrency=cfg.scorer.judge_concurrency,
                 temperature=cfg.scorer.audit_temperature,
             )
+        if judge is not None:
+            # this scorer's share of the run's judge-call limits (second verdicts count too): calls past it wait
+            from parley.services.budget import BudgetedJudge, CallBudget
+
+            ro, scorers = cfg.rollout, cfg.up.scorers
+            budget = CallBudget(
+                "judge_budget",
+                CallBudget.share(ro.judge_call_budget, scorers),
+                CallBudget.share(ro.judge_calls_per_s, scorers),
+            )
+            judge = BudgetedJudge(judge, budget)
+            audit_judge = BudgetedJudge(audit_judge, budget) if audit_judge is not None else None
         # The learner's setting decides (one place for the fact): it trains on what we put in ref_logp_f32.
         reference = None
         if cfg.policy.reference == "service":

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from parley.errors import ConfigError
 from parley.protocol.messages import ChatMessage, Task
 from parley.tasks.hub import HUB_ID, first_line, offline, unreachable
 
@@ -66,7 +67,7 @@ def bundled_path() -> Path:
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
-class DataNotFound(ValueError):
+class DataNotFound(ConfigError):
     """A data value naming no file and no Hub dataset this machine has or can fetch; one line naming
     the value and the fix."""
 

@@ -117,13 +117,13 @@ class JudgeDouble:
         return JudgeReply(ok=False, attempts=self.attempts, error=f"attempt {self.attempts}: {why}", model=self.model)
 
     async def ask(self, op: str, messages, *, seed=0) -> JudgeReply:
-        """rollout.judge.Judge's one entry: the operation by name."""
+        """services.judge.client.Judge's one entry: the operation by name."""
         if op not in ("extract", "interactivity", "interactivity_3level"):
             raise ValueError(f"JudgeDouble has no operation {op!r}")
         return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed=0):
-        from parley.rollout.judge import JudgeUnavailable
+        from parley.services.judge.client import JudgeUnavailable
 
         self.calls.append(("extract", len(messages)))
         if self.unavailable:

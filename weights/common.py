@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from parley.errors import ConfigError, ProtocolError, StateError, Unavailable
 from parley.protocol import codec, topology
 from parley.protocol.messages import WeightVersion
 
@@ -29,7 +30,7 @@ CONFIG_FILE = "config.json"
 VERSION_DIR = re.compile(r"^v(\d{6,})(?:-[0-9a-f]+)?(?:/|$)")
 
 
-class WeightVerifyError(Exception):
+class WeightVerifyError(ProtocolError):
     """Fetched weights do not match their announcement (sha256 or size) or are missing."""
 
     def __init__(self, reason: str):
@@ -37,7 +38,7 @@ class WeightVerifyError(Exception):
         self.reason = reason
 
 
-class WeightUnavailable(Exception):
+class WeightUnavailable(Unavailable):
     """A GPU-transport version that could not be got this time, for a reason that passes (the buffer
     would not open, the receive broke or timed out, out of memory): nothing of the served weights
     changed, and the actor tries it again with back-off while it is announced. Only a WeightVerifyError
@@ -48,11 +49,11 @@ class WeightUnavailable(Exception):
         self.reason = reason
 
 
-class WeightStoreTooSmall(RuntimeError):
+class WeightStoreTooSmall(ConfigError, RuntimeError):
     """The run's weight store cannot hold one version of this learner's weights (a start-up error)."""
 
 
-class VersionConflict(RuntimeError):
+class VersionConflict(StateError):
     """Another writer changed the weights key between our read and our compare-and-set."""
 
 

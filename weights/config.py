@@ -1,6 +1,6 @@
 """How the learner's weights reach the actors, as configured: `[weights]`, a tagged union on
 `kind` with each transport's own fields. config.learner embeds it; the transports (weights.registry)
-read it on both sides. `upgrade_learner` turns the old flat keys of `[learner]` into this table.
+read it on both sides.
 """
 
 from __future__ import annotations
@@ -91,39 +91,9 @@ class NcclWeights(_Packed, tag="nccl"):
 WeightsConfig = ObjstoreWeights | SharedDirWeights | CudaIpcWeights | NcclWeights
 KINDS = tuple(t.__struct_config__.tag for t in (ObjstoreWeights, SharedDirWeights, CudaIpcWeights, NcclWeights))
 
-# The flat [learner] keys of older config files and the [weights] field each became.
-LEGACY_KEYS = {"shared_dir": "dir", "ipc_hold_s": "hold_s", "ipc_buffers": "max_buffers", "nccl_address": "address"}
-_FIELDS = {
-    t.__struct_config__.tag: set(t.__struct_fields__)
-    for t in (ObjstoreWeights, SharedDirWeights, CudaIpcWeights, NcclWeights)
-}
 
-
-def upgrade(data: dict) -> dict:
-    """A whole config file's tables with the old weight keys moved into the shared [weights] table:
-    the flat [learner] keys of older files (`transport`, `shared_dir`, `ipc_hold_s`, `ipc_buffers`,
-    `nccl_address`) under their new names. An old key the chosen kind has no field for had no effect
-    and is dropped. Given both forms, it refuses naming the new keys. An unknown kind is refused
-    with the known ones."""
+def check_kind(data: dict) -> None:
+    """Refuse an unknown [weights] kind of a whole config file's tables, naming the known ones."""
     table = data.get("weights")
     if isinstance(table, dict) and "kind" in table and table["kind"] not in KINDS:
         raise ValueError(f"[weights] kind={table['kind']!r} not allowed; use one of {KINDS}")
-    section = data.get("learner")
-    old = [k for k in ("transport", *LEGACY_KEYS) if isinstance(section, dict) and k in section]
-    if not old:
-        return data
-    if "weights" in data:
-        raise ValueError(
-            f"[learner] sets {', '.join(old)} (the old form) and [weights] is set too; "
-            f"move them into [weights] (transport -> kind, "
-            + ", ".join(f"{k} -> {v}" for k, v in LEGACY_KEYS.items())
-            + ")"
-        )
-    kind = section.get("transport", "objstore")
-    if kind not in KINDS:
-        raise ValueError(f"transport={kind!r} not allowed; use one of {KINDS} (now [weights] kind)")
-    table = {"kind": kind}
-    for k, new in LEGACY_KEYS.items():
-        if k in section and new in _FIELDS[kind]:
-            table[new] = section[k]
-    return {**data, "learner": {k: v for k, v in section.items() if k not in old}, "weights": table}

@@ -29,6 +29,7 @@ from nats.js.object_store import (
 )
 from nats.nuid import NUID
 
+from parley.errors import ParleyError
 from parley.protocol import topology
 from parley.protocol.bus import COUNTERS
 from parley.weights.common import (
@@ -359,7 +360,7 @@ async def _put_object(js, run: str, name: str, data: Path | bytes) -> tuple[str,
     return digest.hex(), total
 
 
-class _DeleteIncomplete(Exception):
+class _DeleteIncomplete(ParleyError):
     """_delete_object did not finish; the message says what is left and what the next prune does."""
 
 

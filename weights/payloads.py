@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parley.errors import StateError
 from parley.protocol import codec
 from parley.protocol.bus import COUNTERS, UNREACHABLE, retry_unreachable
 from parley.protocol.messages import WeightVersion
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class WeightsBroken(RuntimeError):
+class WeightsBroken(StateError):
     """A version failed to load and the served weights could not be put back: the actor must stop."""
 
 

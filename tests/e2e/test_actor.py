@@ -25,7 +25,7 @@ from parley.deploy.natsserver import NatsServer
 from parley.protocol import arrays, codec, topology
 from parley.protocol.bus import publish
 from parley.protocol.connect import connect
-from parley.rollout.sim import FALLBACK_MESSAGE
+from parley.services.sim.client import FALLBACK_MESSAGE
 from parley.tasks.data import load_items, task_from_item
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.shared_engine("raw")]

@@ -115,15 +115,15 @@ def test_a_cancelled_generation_is_aborted_in_the_engine_and_the_engine_serves_o
 
 def test_a_simulator_request_withdrawn_by_its_cancelled_actor_is_aborted_in_the_engine(ctx, nats_server, monkeypatch):
     """The whole chain of a withdrawal: an actor's SimClient.ask cancelled (StaleWatch) withdraws its
-    request on the bus; the simulator service (engines/service.py over actors/sim.py and a LocalBackend
+    request on the bus; the simulator service (engines/service.py over services/sim/server.py and a LocalBackend
     on the shared engine) cancels the computation nobody awaits, and vLLM aborts the request, long
     before the requester's 300 s wait would have let the service drop it."""
-    from parley.actors.sim import Simulator
     from parley.config.actor import SimConfig
     from parley.engines.backend import LocalBackend
     from parley.protocol.connect import connect
     from parley.protocol.messages import ChatMessage, SimRequest
-    from parley.rollout.sim import SimClient
+    from parley.services.sim.client import SimClient
+    from parley.services.sim.server import Simulator
 
     llm = ctx.engine._llm
     aborted = []
@@ -240,7 +240,7 @@ def test_expected_interactivity_reply_carries_the_judges_distribution(ctx):
     from parley.engines.backend import LocalBackend
     from parley.protocol.messages import ChatMessage, JudgeRequest
     from parley.rewards.metrics import INTERACTIVITY_KEYS
-    from parley.scorer.judge import Judge
+    from parley.services.judge.server import Judge
 
     judge = Judge(
         LocalBackend(ctx.engine, ctx.tok, model_name="tiny", owns_engine=False),

@@ -21,7 +21,6 @@ RUN = "evale2e"
 def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model, nats_server, engines, tiny_engine):
     from transformers import AutoTokenizer
 
-    from parley.actors.sim import Simulator
     from parley.config.actor import SimConfig
     from parley.config.scorer import JudgeConfig, ScorerConfig
     from parley.deploy.cli import app
@@ -32,9 +31,10 @@ def test_eval_two_conditions_then_replay_without_generation(tmp_path, tiny_model
     from parley.protocol import topology
     from parley.protocol.bus import publish
     from parley.protocol.connect import connect
-    from parley.rollout.judge import JudgeClient
-    from parley.rollout.sim import SimClient
-    from parley.scorer.judge import Judge, judge_service
+    from parley.services.judge.client import JudgeClient
+    from parley.services.judge.server import Judge, judge_service
+    from parley.services.sim.client import SimClient
+    from parley.services.sim.server import Simulator
     from parley.tasks.data import load_items
 
     items = load_items("bundled")[:2]

@@ -67,7 +67,7 @@ def sampled_trajectories(model, prompt_lens: list[int], n: int, new: int, seed: 
 @contextlib.asynccontextmanager
 async def reference_up(url: str, model_dir):
     """The reference service on its own connection, as `parley reference` runs it."""
-    from parley.engines.reference import ReferenceModel, reference_service
+    from parley.services.reference.server import ReferenceModel, reference_service
 
     conn = await connect(url, name="reference-test")
     ref = ReferenceModel(NAME, model_dir, dtype="auto", chunk=64)
@@ -82,7 +82,7 @@ async def reference_up(url: str, model_dir):
 
 async def service_logprobs(nc, trajs: list[Trajectory]) -> dict[str, np.ndarray]:
     """What the scorer puts into Scored.ref_logp_f32, per trajectory."""
-    from parley.scorer.reference import ReferenceClient
+    from parley.services.reference.client import ReferenceClient
 
     client = ReferenceClient(nc, model=NAME, timeout=120)
     packed = await asyncio.gather(*(client.logprobs(t) for t in trajs))
@@ -98,7 +98,7 @@ def plain_model(model_dir):
 async def test_service_logprobs_equal_the_learners_own_reference(nc, nats_server, tiny_model):
     from parley.learner.logprobs import token_logprobs
     from parley.learner.trainer import Trainer
-    from parley.scorer.reference import ReferenceClient, ReferenceUnavailable
+    from parley.services.reference.client import ReferenceClient, ReferenceUnavailable
 
     trajs = sampled_trajectories(plain_model(tiny_model), [5, 11, 23], 3, 14, seed=3)
     async with reference_up(nats_server.url, tiny_model):
@@ -207,8 +207,8 @@ async def test_service_reference_trains_like_the_local_one(nc, nats_server, tiny
 async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc, js, nats_server, tiny_model):
     from parley.config.scorer import ScorerConfig
     from parley.protocol import bus, codec, topology
-    from parley.scorer.reference import ReferenceClient
     from parley.scorer.scorer import Scorer
+    from parley.services.reference.client import ReferenceClient
 
     run = "refscore"
     settings = topology.BusSettings(ack_wait_s=30.0, max_deliver=2, max_bytes=16 * 2**20)
@@ -256,10 +256,10 @@ async def test_scorer_waits_for_the_reference_service_and_stores_its_logprobs(nc
 
 
 async def test_the_service_refuses_what_it_cannot_answer_with_the_reason(tiny_model):
-    from parley.engines.reference import ReferenceModel, reference_routes
     from parley.learner.intake import policy_limits
     from parley.protocol import codec, topology
     from parley.protocol.messages import ReferenceRequest
+    from parley.services.reference.server import ReferenceModel, reference_routes
 
     vocab, positions = policy_limits(tiny_model)
     ref = ReferenceModel(NAME, tiny_model, chunk=64)

@@ -13,12 +13,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import nats.errors
 import pytest
 
-from parley.actors.sim import FALLBACK_MESSAGE, SIM_SCHEMA, Simulator
 from parley.config.actor import SimConfig
 from parley.engines.backend import OpenAIBackend, make_backend
 from parley.engines.config import EngineConfig
 from parley.protocol import codec, topology
 from parley.protocol.messages import ChatMessage, SimRequest
+from parley.services.sim.server import FALLBACK_MESSAGE, SIM_SCHEMA, Simulator
 
 pytestmark = pytest.mark.integration
 

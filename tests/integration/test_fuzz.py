@@ -354,8 +354,8 @@ async def test_bad_messages_are_dead_lettered_with_reasons_and_counted(system):
 async def test_model_output_with_lone_surrogates_still_makes_a_reply():
     """Bad input from the model side: a JSON "\\udxxx" escape decodes to a lone surrogate, which
     msgpack cannot encode; the judge used to fail the whole reply on it (seen under the fault suite)."""
-    from parley.actors.sim import parse_reply
-    from parley.scorer.judge import parse_verdict
+    from parley.services.judge.server import parse_verdict
+    from parley.services.sim.server import parse_reply
 
     reply = parse_verdict("extract", '{"document": "Dear Ann,\\udeea thanks"}')
     assert codec.decode("judge.reply", codec.encode(reply)).document == "Dear Ann,? thanks"

@@ -79,12 +79,12 @@ def test_bad_addresses_name_the_fix():
         parse_address("nowhere")
     with pytest.raises(ValueError, match=r"\[weights\] address"):
         NcclWeights()
-    with pytest.raises(ConfigError, match=r"\[weights\] address"):  # the old keys: the same check
-        load_config(None, ["learner.transport=nccl"])
+    with pytest.raises(ConfigError, match=r"\[weights\] address"):
+        load_config(None, ['weights={kind="nccl"}'])
     assert NcclWeights(address="10.0.0.1:29600").address == "10.0.0.1:29600"
-    assert load_config(
-        None, ["learner.transport=nccl", 'learner.nccl_address="10.0.0.1:29600"']
-    ).weights == NcclWeights(address="10.0.0.1:29600")
+    assert load_config(None, ['weights={kind="nccl", address="10.0.0.1:29600"}']).weights == NcclWeights(
+        address="10.0.0.1:29600"
+    )
 
 
 def test_a_receiver_serves_the_version_of_a_restarted_learner_at_the_same_address():

@@ -11,16 +11,16 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from parley.engines.reference import reference_service
 from parley.protocol import arrays, examples
 from parley.protocol.messages import ReferenceReply
-from parley.scorer.reference import ReferenceClient
+from parley.services.reference.client import ReferenceClient
+from parley.services.reference.server import reference_service
 
 pytestmark = pytest.mark.integration
 
 
 class ReferenceModelDouble:
-    """Answers like engines.reference.ReferenceModel for `model_name`, with log-probs of -1."""
+    """Answers like services.reference.server.ReferenceModel for `model_name`, with log-probs of -1."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name

@@ -28,9 +28,9 @@ from parley.protocol import bus, codec, examples, topology
 from parley.protocol.connect import connect
 from parley.protocol.messages import ChatMessage, FutureRollout, Trajectory
 from parley.rewards.reward import default_weights, total_reward
-from parley.rollout.judge import JudgeClient
-from parley.scorer.judge import Judge, judge_service
 from parley.scorer.scorer import Scorer
+from parley.services.judge.client import JudgeClient
+from parley.services.judge.server import Judge, judge_service
 from parley.tasks.data import load_items
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]

@@ -25,7 +25,7 @@ from parley.protocol import codec, topology
 from parley.protocol.bus import Retry
 from parley.protocol.connect import barrier, connect, inbox_prefix
 from parley.protocol.messages import SimReply, SimRequest
-from parley.rollout.sim import SimClient, SimUnreachable
+from parley.services.sim.client import SimClient, SimUnreachable
 
 pytestmark = pytest.mark.integration
 RUN = "overload"

@@ -24,8 +24,8 @@ from parley.protocol import codec, topology
 from parley.protocol.connect import connect
 from parley.protocol.messages import JudgeReply, SimReply, SimRequest
 from parley.protocol.request import request
-from parley.rollout.judge import JudgeClient
-from parley.rollout.sim import SimClient
+from parley.services.judge.client import JudgeClient
+from parley.services.sim.client import SimClient
 from tests.factories import EngineDouble
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ from parley.config.run import load_config
 from parley.environments.base import LocalUser
 from parley.environments.hidden_goal import Goal
 from parley.rollout.conversation import PolicySettings, run_conversation
-from parley.rollout.sim import SimClient
+from parley.services.sim.client import SimClient
 from tests.unit.test_env_hidden_goal import ScriptedEngine  # the scripted policy double
 
 PIZZA = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))

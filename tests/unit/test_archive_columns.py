@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -16,7 +15,6 @@ from parley.learner.checkpoint import write_archive
 from parley.protocol import arrays
 from parley.protocol.messages import AssistantTurn, ChatMessage, Scored, Trajectory
 
-DATA = Path(__file__).parents[1] / "data"
 TOKENS = [151644, 872, 198, 9707, 0, 2147483647]
 MASK = [0, 0, 0, 1, 1, 1]
 LOGPROBS = [[-0.125, -2.5], [-0.0009765625]]
@@ -118,9 +116,3 @@ def test_empty_arrays_come_back_empty(tmp_path, empty):
         turns = [msgspec.structs.replace(t, logprobs_f32=b"") for t in s.trajectory.turns]
         s = msgspec.structs.replace(s, trajectory=msgspec.structs.replace(s.trajectory, turns=turns))
     assert read_log(write_parquet([s], tmp_path / "s.parquet")) == [s]
-
-
-def test_a_file_of_the_layout_before_is_still_read():
-    """tests/data/archive_before_lists.parquet: scored(0) and scored(1) as the archive wrote them before
-    the list columns (the wire's byte fields under the Struct's names, empty lists beside them)."""
-    assert read_log(DATA / "archive_before_lists.parquet") == [scored(0), scored(1)]

@@ -57,15 +57,9 @@ def eval_record(condition, k, *, inter=0.5, tokens=1234, **kw):
     )
 
 
-def scored(version=2, packed=True):
-    # packed: token arrays as today's producers write them; else as the list schemas v0-v1 did
-    tokens = (
-        dict(token_ids_i32=arrays.pack_ids([1, 2, 3, 4]), loss_mask_u8=arrays.pack_mask([0, 0, 1, 1]))
-        if packed
-        else dict(token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1])
-    )
-    lps = [[-0.1, -0.2], [-0.3]]
-    lps = [dict(logprobs_f32=arrays.pack_logprobs(x)) if packed else dict(logprobs=x) for x in lps]
+def scored(version=2):
+    tokens = dict(token_ids_i32=arrays.pack_ids([1, 2, 3, 4]), loss_mask_u8=arrays.pack_mask([0, 0, 1, 1]))
+    lps = [dict(logprobs_f32=arrays.pack_logprobs(x)) for x in [[-0.1, -0.2], [-0.3]]]
     traj = Trajectory(
         traj_id="t1/0",
         task_id="t1",
@@ -123,13 +117,11 @@ def test_parquet_round_trip_is_exact(tmp_path):
     assert read_records(write_jsonl(recs, tmp_path / "records.jsonl")) == recs
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "lists"])
-def test_scored_round_trip_and_conversion(tmp_path, packed):
-    s = scored(packed=packed)
-    # the Parquet log stores the arrays as lists of numbers and reads them back packed (the form
-    # today's producers write), so a v0-v1 Scored comes back equal in its arrays
+def test_scored_round_trip_and_conversion(tmp_path):
+    s = scored()
+    # the Parquet log stores the arrays as lists of numbers and reads them back packed
     [back] = read_log(write_parquet([s], tmp_path / "scored.parquet"))
-    assert back == scored(packed=True)
+    assert back == s
     assert read_log(write_jsonl([s], tmp_path / "scored.jsonl")) == [s]
     rec = read_records(tmp_path / "scored.parquet")[0]
     assert rec == from_scored(s)
@@ -321,7 +313,7 @@ def test_the_learner_archive_is_one_log_per_step_and_a_resume_forgets_later_step
 def test_a_conversation_its_actor_abandoned_is_no_record(tmp_path):
     """The learner's archive keeps abandoned samples (cut short, never judged, total 0) with their
     dropped groups; a replay must neither judge half a conversation nor average its empty reward."""
-    s = scored(packed=True)
+    s = scored()
     cut = msgspec.structs.replace(
         s,
         traj_id="t/1",

@@ -6,16 +6,15 @@ from pathlib import Path
 import pytest
 
 from parley.config.run import ConfigError, RunConfig, convert_config, dump_config, load_config
-from parley.weights.config import CudaIpcWeights, NcclWeights, ObjstoreWeights, SharedDirWeights
+from parley.weights.config import SharedDirWeights
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # Run configs ship under deploy/ (environments/ and tests/data hold other TOML files: data, packages).
 @pytest.mark.parametrize("path", sorted((ROOT / "deploy").rglob("*.toml")))
-def test_every_shipped_config_parses(path, caplog):
+def test_every_shipped_config_parses(path):
     assert isinstance(load_config(path), RunConfig)
-    assert "is now" not in caplog.text  # and uses no key of an earlier release (config.run.RENAMED)
 
 
 def test_one_sampling_struct_serves_the_actor_the_eval_and_the_conversation_loop():
@@ -72,6 +71,17 @@ def test_bad_values_name_the_field_and_the_allowed_values(override, needle):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize(
+    "override",
+    ["learner.transport=nccl", "learner.shared_dir=/srv/w", "learner.model=smol", "actor.temperature=0.7"],
+)
+def test_keys_no_release_ever_had_are_unknown(override):
+    """Nothing was released before [weights], [policy] and actor.sampling: their earlier names are
+    plain unknown keys, refused with their path like any other."""
+    with pytest.raises(ConfigError, match=override.partition("=")[0].replace(".", r"\.")):
+        load_config(None, [override])
+
+
 def test_a_relative_shared_dir_is_made_absolute_once_at_load(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, ['weights={kind="shared_dir", dir="weights/shared"}'])
@@ -81,39 +91,7 @@ def test_a_relative_shared_dir_is_made_absolute_once_at_load(tmp_path, monkeypat
     assert convert_config(tomllib.loads(dump_config(cfg))).weights == cfg.weights
 
 
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        ([], ObjstoreWeights()),
-        (["learner.transport=objstore"], ObjstoreWeights()),
-        (["learner.transport=shared_dir", "learner.shared_dir=/srv/w"], SharedDirWeights(dir="/srv/w")),
-        (
-            ["learner.transport=cuda_ipc", "learner.ipc_hold_s=12.5", "learner.ipc_buffers=3"],
-            CudaIpcWeights(hold_s=12.5, max_buffers=3),
-        ),
-        (
-            ["learner.transport=nccl", 'learner.nccl_address="10.0.0.1:29600"', "learner.ipc_hold_s=9"],
-            NcclWeights(address="10.0.0.1:29600", hold_s=9.0),
-        ),
-        # keys that had no effect on the chosen transport are dropped, as they were ignored before
-        (["learner.ipc_hold_s=5", "learner.shared_dir=/srv/w"], ObjstoreWeights()),
-    ],
-)
-def test_old_flat_weight_keys_load_as_learner_weights(old, new):
-    """Config files written before [weights] (transport, shared_dir, ipc_hold_s, ipc_buffers,
-    nccl_address in [learner]) load to the same configuration as the new table."""
-    assert load_config(None, old).weights == new
-
-
-def test_old_and_new_weight_keys_together_name_the_new_key(tmp_path):
-    path = tmp_path / "both.toml"
-    path.write_text('[learner]\ntransport = "objstore"\n\n[weights]\nkind = "objstore"\n')
-    with pytest.raises(ConfigError, match=r"sets transport .*\[weights\].*transport -> kind") as e:
-        load_config(path)
-    assert "\n" not in str(e.value)
-
-
-@pytest.mark.parametrize("override", ["learner.transport=ftp", 'weights={kind="ftp"}'])
+@pytest.mark.parametrize("override", ['weights={kind="ftp"}'])
 def test_an_unknown_weights_kind_names_the_known_ones(override):
     with pytest.raises(
         ConfigError, match=r"'ftp' not allowed; use one of \('objstore', 'shared_dir', 'cuda_ipc', 'nccl'\)"
@@ -136,52 +114,3 @@ def test_a_reference_service_without_kl_fails_at_load_naming_both_keys():
     ):
         load_config(None, ["policy.reference=service", "learner.kl_coef=0"])
     assert load_config(None, ["policy.reference=service"]).policy.reference == "service"  # kl_coef 0.001
-
-
-OLD_FILE = """
-[actor]
-temperature = 0.7
-top_p = 0.9
-[actor.engine]
-chat_template_kwargs = { enable_thinking = false }
-[judge.engine]
-chat_template_kwargs = { enable_thinking = true }
-[learner]
-model = "tiny"
-reference = "service"
-"""
-
-
-def test_an_old_file_loads_with_its_keys_under_their_new_names(tmp_path, caplog):
-    path = tmp_path / "old.toml"
-    path.write_text(OLD_FILE)
-    cfg = load_config(path)
-    assert (cfg.actor.sampling.temperature, cfg.actor.sampling.top_p) == (0.7, 0.9)
-    assert cfg.actor.engine.template_kwargs == {"enable_thinking": False}
-    assert cfg.judge.engine.template_kwargs == {"enable_thinking": True} and cfg.sim.engine.template_kwargs == {}
-    assert (cfg.policy.model, cfg.policy.reference) == ("tiny", "service")
-    assert "learner.model is now policy.model" in caplog.text
-    import tomllib
-
-    dumped = tomllib.loads(dump_config(cfg))  # written back under the new names only
-    assert "model" not in dumped["learner"] and "temperature" not in dumped["actor"]
-    assert dumped["policy"]["model"] == "tiny" and dumped["actor"]["sampling"]["top_p"] == 0.9
-
-
-def test_old_keys_in_overrides_are_read_under_their_new_names():
-    cfg = load_config(
-        None, ["learner.model=tiny", "actor.temperature=0.5", "actor.engine.chat_template_kwargs.enable_thinking=false"]
-    )
-    assert cfg.policy.model == "tiny" and cfg.actor.sampling.temperature == 0.5
-    assert cfg.actor.engine.template_kwargs == {"enable_thinking": False}
-
-
-def test_an_old_key_beside_its_new_name_fails_naming_both(tmp_path):
-    path = tmp_path / "both.toml"
-    path.write_text('[learner]\nmodel = "tiny"\n[policy]\nmodel = "smol"\n')
-    with pytest.raises(
-        ConfigError,
-        match=r"both.toml: both learner.model and policy.model are set; learner.model is "
-        r"the old name of policy.model: keep only policy.model",
-    ):
-        load_config(path)

@@ -26,7 +26,7 @@ from parley.evaluation.runner import (
 )
 from parley.protocol.bus import Retry
 from parley.protocol.messages import JudgeReply, SimReply
-from parley.rollout.judge import JudgeFailed, JudgeUnavailable
+from parley.services.judge.client import JudgeFailed, JudgeUnavailable
 from parley.tasks.data import load_items
 from tests.unit.test_rollout import EngineDouble
 
@@ -62,7 +62,7 @@ class JudgeDouble:
         if self.unavailable is None or self.calls <= self.unavailable:
             raise JudgeUnavailable("judge on parley.svc.judge.extract did not answer within 300s")
 
-    async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+    async def ask(self, op, messages, *, seed=0):  # services.judge.client.Judge: one entry, by op
         return await getattr(self, op)(messages, seed=seed)
 
     async def extract(self, messages, *, seed=0):

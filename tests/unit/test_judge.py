@@ -12,7 +12,7 @@ from parley.config.scorer import JudgeConfig
 from parley.protocol import codec, topology
 from parley.protocol.messages import ChatMessage, JudgeReply, JudgeRequest
 from parley.rewards.metrics import INTERACTIVITY_KEYS
-from parley.scorer.judge import (
+from parley.services.judge.server import (
     EXPECTED_TOP_LOGPROBS,
     SCHEMAS,
     Judge,

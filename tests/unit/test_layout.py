@@ -11,7 +11,9 @@
 - a neutral package imports one on its own floor or above it (FLOORS, docs/architecture.md): the
   neutral packages form no cycle, so each can be read, tested and moved with what is below it,
 - a package of ours is imported by its bare folder name (`import config`) instead of under the one
-  import name, `parley.config` (the folders sit at the root; installed they live under parley/).
+  import name, `parley.config` (the folders sit at the root; installed they live under parley/),
+- a package imports from parley/ anything but parley.errors (the Python API sits on top, the error
+  tree below everything, protocol/ included), or parley/errors.py imports anything of ours.
 """
 
 from __future__ import annotations
@@ -23,7 +25,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("actors", "scorer", "learner")
-NEUTRAL = ("config", "engines", "weights", "tasks", "rewards", "runtime", "rollout", "evaluation", "environments")
+NEUTRAL = (
+    "config",
+    "engines",
+    "weights",
+    "tasks",
+    "rewards",
+    "runtime",
+    "services",
+    "rollout",
+    "evaluation",
+    "environments",
+)
 OURS = (*ROLES, *NEUTRAL, "protocol", "deploy")
 HEAVY = ("torch", "vllm", "deepspeed")  # none of these under protocol/
 TRANSPORT_NAMES = {"objstore", "shared_dir", "cuda_ipc", "nccl"}  # compared only inside weights/
@@ -33,6 +46,7 @@ FLOORS = (
     ("tasks", "rewards", "runtime", "weights"),
     ("engines", "environments"),
     ("config",),
+    ("services",),
     ("rollout",),
     ("evaluation",),
 )
@@ -89,6 +103,12 @@ def violations(root: Path = ROOT) -> list[str]:
                 if mod.split(".")[0] in OURS:
                     bad.append(f"{rel}:{line}: import of {mod} by its bare name (import parley.{mod})")
                     continue
+                if (mod == "parley" or mod.startswith("parley.")) and mod.split(".")[1:2] != ["errors"]:
+                    if mod == "parley" or mod.split(".")[1] not in OURS:
+                        bad.append(
+                            f"{rel}:{line}: import of {mod} (of parley/ only parley.errors is below the packages)"
+                        )
+                        continue
                 mod = mod.removeprefix("parley.")
                 head = mod.split(".")[0]
                 if top == "protocol" and head in HEAVY:
@@ -106,6 +126,13 @@ def violations(root: Path = ROOT) -> list[str]:
                     bad.append(f"{where} (neutral {top}/ imports role {head}/)")
                 elif top in NEUTRAL and head in NEUTRAL and FLOOR[head] >= FLOOR[top]:
                     bad.append(f"{where} (neutral {top}/ imports {head}/, which is not below it: see FLOORS)")
+    tree = root / "parley" / "errors.py"
+    if tree.is_file():
+        bad += [
+            f"parley/errors.py:{line}: import of {mod} (the error tree imports nothing of ours)"
+            for line, mod in imports_of(tree, root)
+            if mod.split(".")[0] in (*OURS, "parley")
+        ]
     return bad
 
 
@@ -120,15 +147,22 @@ def test_no_forbidden_imports():
         ("learner", "from parley.actors.actor import Actor", "role learner/ imports role actors/"),
         ("scorer", "from parley.deploy.common import resolve", "must not import the launcher deploy/"),
         ("protocol", "from parley.engines.engine import PolicyEngine", "protocol/ imports nothing of ours"),
-        ("tasks", "import parley.scorer.judge", "neutral tasks/ imports role scorer/"),
-        ("evaluation", "from parley.actors.sim import Simulator", "neutral evaluation/ imports role actors/"),
+        ("tasks", "import parley.scorer.scorer", "neutral tasks/ imports role scorer/"),
+        ("evaluation", "from parley.actors.actor import Actor", "neutral evaluation/ imports role actors/"),
         (
             "evaluation",
-            "def f():\n    from parley.scorer.judge import Judge",
+            "def f():\n    from parley.scorer.scorer import Scorer",
             "neutral evaluation/ imports role scorer/",
         ),
         ("evaluation", "import parley.learner.checkpoint", "neutral evaluation/ imports role learner/"),
-        ("rollout", "from parley.actors.sim import FALLBACK_MESSAGE", "neutral rollout/ imports role actors/"),
+        ("rollout", "from parley.actors.actor import Actor", "neutral rollout/ imports role actors/"),
+        ("services", "from parley.scorer.scorer import Scorer", "neutral services/ imports role scorer/"),
+        ("services", "from parley.deploy.up import up", "services/ must not import the launcher deploy/"),
+        (
+            "services",
+            "from parley.rollout.conversation import run_conversation",
+            "neutral services/ imports rollout/, which is not below it",
+        ),
         ("rollout", "from parley.scorer.config import ScorerConfig", "neutral rollout/ imports role scorer/"),
         ("rollout", "from parley.deploy.config import RunConfig", "rollout/ must not import the launcher deploy/"),
         ("actors", "def f():\n    from parley.learner import grpo", "role actors/ imports role learner/"),
@@ -152,6 +186,8 @@ def test_no_forbidden_imports():
         ("tasks", "from parley.rewards.reward import mr", "neutral tasks/ imports rewards/, which is not below it"),
         ("learner", "from config.run import RunConfig", "import of config.run by its bare name"),
         ("deploy", "def f():\n    import weights.registry", "import of weights.registry by its bare name"),
+        ("learner", "from parley import up", "of parley/ only parley.errors is below the packages"),
+        ("scorer", "import parley", "of parley/ only parley.errors is below the packages"),
     ],
 )
 def test_a_forbidden_import_is_named(tmp_path, top, line, expect):
@@ -176,6 +212,11 @@ def test_allowed_imports_pass(tmp_path):
         "from parley.environments.base import Reward\nfrom parley.protocol.bus import Retry\n"
     )
     (tmp_path / "actors" / "ok.py").write_text("from parley.rollout.conversation import run_conversation\n")
+    # a service is below the conversation loop and the roles, above config/ and engines/
+    (tmp_path / "rollout" / "ok2.py").write_text("from parley.services.sim.client import SimClient\n")
+    (tmp_path / "services" / "ok.py").write_text(
+        "from parley.config.scorer import JudgeConfig\nfrom parley.engines.service import Service\n"
+    )
     (tmp_path / "scorer" / "ok.py").write_text("from parley.rollout.score import score_trajectory\n")
     (tmp_path / "deploy" / "ok.py").write_text(
         "from parley.learner.service import run\nfrom parley.actors.actor import run\n"
@@ -183,6 +224,10 @@ def test_allowed_imports_pass(tmp_path):
     # inside weights/ a transport may name itself; elsewhere naming one without comparing is fine
     (tmp_path / "weights" / "ok.py").write_text("import torch\nGPU = kind in ('cuda_ipc', 'nccl')\n")
     (tmp_path / "learner" / "ok2.py").write_text("DEFAULT = 'objstore'\nlog.info('%s', 'nccl')\n")
+    # the error tree is below everything, protocol/ included
+    (tmp_path / "protocol" / "ok.py").write_text("from parley.errors import ProtocolError\n")
+    (tmp_path / "parley").mkdir()
+    (tmp_path / "parley" / "errors.py").write_text("from __future__ import annotations\n")
     assert violations(tmp_path) == []
 
 
@@ -226,14 +271,23 @@ def test_the_learner_reaches_no_other_role(start):
     assert not bad, f"{start} reaches " + ", ".join(f"{m} (imported by {by})" for m, by in sorted(bad.items()))
 
 
+def test_the_error_tree_imports_nothing_of_ours(tmp_path):
+    for t in OURS:
+        (tmp_path / t).mkdir()
+    (tmp_path / "parley").mkdir()
+    (tmp_path / "parley" / "errors.py").write_text("from parley.protocol import codec\n")
+    bad = violations(tmp_path)
+    assert len(bad) == 1 and "parley/errors.py:1" in bad[0] and "imports nothing of ours" in bad[0], bad
+
+
 def test_reach_follows_imports_through_neutral_packages(tmp_path):
     """The walk above can fail: a learner module that reaches a role through evaluation/ is found."""
     for t in OURS:
         (tmp_path / t).mkdir()
     (tmp_path / "learner" / "a.py").write_text("def f():\n    from parley.evaluation import periodic\n")
-    (tmp_path / "evaluation" / "periodic.py").write_text("from parley.scorer.judge import Judge\n")
-    (tmp_path / "scorer" / "judge.py").write_text("")
+    (tmp_path / "evaluation" / "periodic.py").write_text("from parley.scorer.scorer import Scorer\n")
+    (tmp_path / "scorer" / "scorer.py").write_text("")
     assert reach(tmp_path / "learner" / "a.py", tmp_path) == {
         "parley.evaluation.periodic": "parley.learner.a",
-        "parley.scorer.judge": "parley.evaluation.periodic",
+        "parley.scorer.scorer": "parley.evaluation.periodic",
     }

@@ -59,7 +59,10 @@ def test_every_package_is_under_parley(installed):
     for name in MAPPED:
         assert (installed / "parley" / name / "__init__.py").is_file(), name
     assert (installed / "parley" / "deploy" / "configs" / "default.toml").is_file()
-    assert (installed / "parley" / "actors" / "prompts").is_dir()
+    # each service's prompts travel with it
+    assert (installed / "parley" / "services" / "sim" / "prompts" / "cooperative.txt").is_file()
+    assert (installed / "parley" / "services" / "sim" / "opening.txt").is_file()
+    assert (installed / "parley" / "services" / "judge" / "prompts" / "interactivity.txt").is_file()
 
 
 def test_the_package_list_names_every_folder():

@@ -1,4 +1,4 @@
-"""The reference service computes one forward at a time (engines.reference.ReferenceModel._lock), and
+"""The reference service computes one forward at a time (services.reference.server.ReferenceModel._lock), and
 a forward cannot be stopped once begun: when the request it answers is cancelled (its requester
 withdrew it, engines/service.py), the lock must stay held until the forward ends, or the next
 request's forward starts beside it on the device (two 4B forwards where the plan has room for one)."""
@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from parley.engines.reference import ReferenceModel
+from parley.services.reference.server import ReferenceModel
 
 
 class SlowForwardDouble(ReferenceModel):

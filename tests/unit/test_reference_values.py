@@ -105,7 +105,7 @@ def test_an_evals_scorer_asks_no_reference_service(tmp_path):
     from parley.evaluation.fleet import scorer_args
 
     path = tmp_path / "run.toml"
-    path.write_text('[learner]\nreference = "service"\n')
+    path.write_text('[policy]\nreference = "service"\n')
     args = scorer_args(["--config", str(path), "--set", 'run.name="r-eval"'], "base")
     assert args[0] == "scorer"
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]

@@ -9,8 +9,8 @@ from parley.protocol import examples
 from parley.protocol.messages import ChatMessage, FutureRollout
 from parley.rewards.metrics import bleu, char_bleu
 from parley.rewards.reward import default_weights
-from parley.rollout.judge import JudgeFailed, JudgeUnavailable
 from parley.rollout.score import Unscorable, conversations, score_trajectory
+from parley.services.judge.client import JudgeFailed, JudgeUnavailable
 from tests.factories import JudgeDouble
 
 REFERENCE = "A Week in Lisbon\n\nThe trams climb the hills while the river shines below."

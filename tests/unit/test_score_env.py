@@ -10,8 +10,8 @@ from parley.config.scorer import ScorerConfig
 from parley.environments import hidden_goal
 from parley.environments.base import JudgeMetric, PureMetric, Reward
 from parley.protocol.messages import ChatMessage, JudgeReply
-from parley.rollout.judge import JudgeFailed
 from parley.rollout.score import Unscorable, score_trajectory
+from parley.services.judge.client import JudgeFailed
 from tests import factories
 
 PIZZA = hidden_goal.Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
@@ -90,7 +90,7 @@ async def test_a_pure_metric_that_cannot_read_the_conversation_is_unscorable_not
 
 async def test_a_verdict_the_judge_metric_cannot_read_is_judge_failed():
     class Judge:
-        async def ask(self, op, messages, *, seed=0):  # rollout.judge.Judge: one entry, by op
+        async def ask(self, op, messages, *, seed=0):  # services.judge.client.Judge: one entry, by op
             return await getattr(self, op)(messages, seed=seed)
 
         async def interactivity(self, messages, *, seed=0):

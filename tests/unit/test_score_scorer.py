@@ -10,8 +10,8 @@ import pytest
 from parley.config.scorer import ScorerConfig
 from parley.protocol import bus, codec, examples, topology
 from parley.protocol.messages import ABANDONED_STALE, JudgeReply
-from parley.rollout.judge import JudgeUnavailable
 from parley.scorer.scorer import Scorer
+from parley.services.judge.client import JudgeUnavailable
 from tests.factories import JudgeDouble
 
 CFG = ScorerConfig(retry_delay_s=0.01, retry_max_delay_s=0.02, judge_wait_s=0.05)

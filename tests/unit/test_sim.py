@@ -7,7 +7,11 @@ import asyncio
 
 import pytest
 
-from parley.actors.sim import (
+from parley.config.actor import SimConfig
+from parley.engines.backend import BackendError
+from parley.protocol import codec
+from parley.protocol.messages import ChatMessage, SimReply, SimRequest
+from parley.services.sim.server import (
     FALLBACK_MESSAGE,
     SIM_SCHEMA,
     BadRequest,
@@ -19,10 +23,6 @@ from parley.actors.sim import (
     sim_messages,
     swap_roles,
 )
-from parley.config.actor import SimConfig
-from parley.engines.backend import BackendError
-from parley.protocol import codec
-from parley.protocol.messages import ChatMessage, SimReply, SimRequest
 
 
 class ScriptedBackendDouble:
@@ -223,8 +223,8 @@ def test_rollout_side_modules_import_without_torch_or_vllm():
     import sys
 
     code = (
-        "import sys, parley.deploy.cli_actor, parley.actors.sim, parley.engines.service, parley.engines.backend, "
-        "parley.rollout.conversation, parley.rollout.sim, parley.weights.follow, parley.actors.actor; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+        "import sys, parley.deploy.cli_actor, parley.services.sim.server, parley.engines.service, parley.engines.backend, "
+        "parley.rollout.conversation, parley.services.sim.client, parley.weights.follow, parley.actors.actor; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

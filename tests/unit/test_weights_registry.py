@@ -8,7 +8,7 @@ import pytest
 
 from parley.protocol.messages import CudaIpcBuffer, IpcTensor, NcclSource
 from parley.weights import registry
-from parley.weights.config import KINDS, CudaIpcWeights, NcclWeights, ObjstoreWeights, SharedDirWeights, upgrade
+from parley.weights.config import KINDS, CudaIpcWeights, NcclWeights, ObjstoreWeights, SharedDirWeights
 
 
 def test_every_configured_kind_has_its_transport():
@@ -58,14 +58,6 @@ def test_a_gpu_announcement_is_made_by_the_transport_of_its_source():
     assert (b.location, b.nccl, b.ipc) == ("nccl://learner:29600", nccl, None)
     assert registry.get(a.transport).source(a) is ipc and registry.get(b.transport).source(b) is nccl
     assert a.sha256 == b.sha256  # the digest of the same tensor table
-
-
-def test_upgrading_old_keys_leaves_the_callers_table_alone():
-    old = {"learner": {"steps": 3, "transport": "cuda_ipc", "ipc_hold_s": 4.0}}
-    assert upgrade(old) == {"learner": {"steps": 3}, "weights": {"kind": "cuda_ipc", "hold_s": 4.0}}
-    assert old == {"learner": {"steps": 3, "transport": "cuda_ipc", "ipc_hold_s": 4.0}}
-    new = {"learner": {"steps": 3}, "weights": {"kind": "objstore"}}
-    assert upgrade(new) is new
 
 
 def test_a_transport_asked_for_the_other_family_names_what_to_use():

@@ -55,9 +55,9 @@ def service_children(cfg) -> list[str]:
 
 
 async def main(stop: asyncio.Event, cfg, ident: str) -> int:
-    from parley.actors.sim import Simulator
     from parley.engines.service import serve_backend
-    from parley.scorer.judge import Judge, judge_service
+    from parley.services.judge.server import Judge, judge_service
+    from parley.services.sim.server import Simulator
 
     _, engine_cfg = shared_engine(cfg)
     backend_cfg = type(cfg.sim)(**{**{f: getattr(cfg.sim, f) for f in cfg.sim.__struct_fields__}, "engine": engine_cfg})

@@ -2,7 +2,7 @@
 
 `Judge` answers JudgeRequests with any backend from engines/backend.py (JSON-schema-constrained
 decoding, validation, retries); `parley judge` (deploy/cli_scorer.py) serves it on NATS through
-`serve_judge`; scorers reach it with rollout.judge.JudgeClient.
+`serve_judge`; scorers reach it with services.judge.client.JudgeClient.
 """
 
 from __future__ import annotations
@@ -114,13 +114,13 @@ _SEPARATOR = "\n\n"
 
 
 def load_prompts() -> dict[str, string.Template]:
-    """The judge prompt templates (scorer/prompts/*.txt), each with one ${conversation} slot."""
+    """The judge prompt templates (services/judge/prompts/*.txt), each with one ${conversation} slot."""
     prompts = {}
     for op, name in PROMPT_FILES.items():
-        text = (resources.files("parley.scorer") / "prompts" / name).read_text(encoding="utf-8")
+        text = (resources.files("parley.services.judge") / "prompts" / name).read_text(encoding="utf-8")
         template = string.Template(text)
         if "conversation" not in template.get_identifiers():
-            raise ValueError(f"judge prompt scorer/prompts/{name} has no ${{conversation}} slot")
+            raise ValueError(f"judge prompt services/judge/prompts/{name} has no ${{conversation}} slot")
         prompts[op] = template
     return prompts
 

@@ -1,7 +1,9 @@
-"""The reference service's backend: a frozen copy of the policy's initial weights that answers
-"the log-prob of each token given its prefix" for whole trajectories, so the learner's training GPUs
-run no reference forward ([policy] reference = "service"). `parley reference` (deploy/reference.py)
-serves it on its model's subject (topology.reference_subject) through engines.service; scorers ask it once per trajectory.
+"""The reference service: a frozen copy of the policy's initial weights that answers "the log-prob
+of each token given its prefix" for whole trajectories, so the learner's training GPUs run no
+reference forward ([policy] reference = "service"). `parley reference` runs `run` below, serving it
+on its model's subject (topology.reference_subject) through engines.service; scorers ask it once per
+trajectory through services.reference.client. Started by `parley up` when the run uses it, or by
+hand on any machine that reaches the bus (a GPU of its own, or the CPU).
 
 The log-probs come from engines.logprobs, the function the learner computes its own (local)
 reference with, on a plain transformers model loaded from the same checkpoint the learner loads:
@@ -153,3 +155,31 @@ def reference_service(nc, ref: ReferenceModel, *, name: str = "reference", concu
         name=name,
         counters=counters,
     )
+
+
+async def main(stop: asyncio.Event, cfg, ident: str) -> int:
+    """Serve until `stop`. It loads what the learner loads: [policy] model through ensure_model, in
+    [learner] dtype, lm_head in chunks of [learner] logit_chunk_tokens."""
+    from parley.engines.models import ensure_model
+    from parley.engines.service import serve_backend
+
+    lc, model = cfg.learner, cfg.policy.model
+
+    def make():
+        ref = ReferenceModel(model, ensure_model(model), dtype=lc.dtype, chunk=lc.logit_chunk_tokens)
+        log.info("%s: reference %s (%s) on %s in %s", ident, model, ref.model_dir, ref.device, ref.dtype)
+        return ref
+
+    def build(nc, ref):
+        return [(reference_service(nc, ref, name=ident), "reference", ident, 30.0)]
+
+    return await serve_backend(
+        stop, cfg, ident=ident, roles=[("reference", ident)], backend_cfg=None, build=build, make=make
+    )
+
+
+def run(cfg, ident: str) -> int:
+    """`parley reference`'s entry: serve until SIGINT/SIGTERM; returns the exit code."""
+    from parley.runtime.process import run_async
+
+    return run_async(main, cfg, ident)

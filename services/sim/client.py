@@ -1,5 +1,5 @@
 """The user side of a conversation as the conversation loop asks it (`await ask(SimRequest) -> SimReply`):
-`SimClient`, the simulator service over NATS request/reply (the service is actors/sim.py), and
+`SimClient`, the simulator service over NATS request/reply (the service is services/sim/server.py), and
 `LocalSim`, a simulator in this process (the eval's small runs). Used by rollout.conversation's
 callers: the actor, the eval and the benchmarks.
 """
@@ -119,7 +119,7 @@ class SimClient:
 
 
 class LocalSim:
-    """The user simulator in this process (an actors.sim.Simulator, or anything with its
+    """The user simulator in this process (an services.sim.server.Simulator, or anything with its
     `reply(SimRequest)`), for small runs without NATS."""
 
     def __init__(self, simulator):

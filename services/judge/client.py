@@ -1,6 +1,6 @@
 """The judge as a scorer of one trajectory asks it: one entry, `await ask(op, messages, seed=...)`,
 for every operation (topology.JUDGE_OPS: extract, interactivity, ...). `JudgeClient` asks the
-judge service over NATS request/reply (the service is scorer/judge.py); `LocalJudge` asks a judge
+judge service over NATS request/reply (the service is services/judge/server.py); `LocalJudge` asks a judge
 in this process. rollout.score calls it; the scorer role, the eval and replay build one.
 """
 
@@ -10,14 +10,15 @@ import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
+from parley.errors import Refused, Unavailable
 from parley.protocol.messages import ChatMessage, JudgeReply, JudgeRequest
 
 
-class JudgeUnavailable(RuntimeError):
+class JudgeUnavailable(Unavailable, RuntimeError):
     """Nobody answered (no service, or it timed out): retry later, score nothing."""
 
 
-class JudgeFailed(RuntimeError):
+class JudgeFailed(Refused, RuntimeError):
     """The judge answered but could not give a usable verdict; never scored as 0."""
 
 
@@ -60,7 +61,7 @@ class JudgeClient:
 
 
 class LocalJudge:
-    """The judge in this process (a scorer.judge.Judge, or anything with its `handle(op, JudgeRequest)`)."""
+    """The judge in this process (a services.judge.server.Judge, or anything with its `handle(op, JudgeRequest)`)."""
 
     def __init__(self, judge):
         self.judge = judge

@@ -1,6 +1,6 @@
 """The reference service over NATS request/reply, as the scorer asks it ([policy] reference =
 "service"): one request per trajectory, its reply turned into Scored.ref_logp_f32. The service is
-engines/reference.py behind `parley reference`."""
+services/reference/server.py behind `parley reference`."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import asyncio
 
 import numpy as np
 
+from parley.errors import Refused, Unavailable
 from parley.protocol import arrays
 from parley.protocol.messages import Trajectory
 
 
-class ReferenceUnavailable(RuntimeError):
+class ReferenceUnavailable(Unavailable, RuntimeError):
     """Nobody answered (no service, or it timed out): wait and ask again; spends no delivery."""
 
 
-class ReferenceFailed(RuntimeError):
+class ReferenceFailed(Refused, RuntimeError):
     """The service answered but gave no usable log-probs (wrong model, a refused request)."""
 
 

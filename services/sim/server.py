@@ -3,7 +3,7 @@ topology.SIM_SUBJECT (queue group SIM_QUEUE) by `parley sim`; actors call it onc
 
 The simulator sees the conversation with roles swapped (it is the "assistant" of its own chat, so
 the policy's messages reach it as "user"), under a system prompt rendered from a variant file in
-actors/prompts/sim/. It must answer {"message": str, "done": bool}; malformed output is retried,
+services/sim/prompts/. It must answer {"message": str, "done": bool}; malformed output is retried,
 then replaced by a neutral stand-in flagged fallback=True. A request never goes unanswered.
 """
 
@@ -24,9 +24,10 @@ import msgspec
 from parley.config.actor import SimConfig
 from parley.config.run import RunConfig
 from parley.engines.backend import Backend, BackendError
+from parley.errors import BadMessage
 from parley.protocol import codec, topology
 from parley.protocol.messages import ChatMessage, SimReply, SimRequest
-from parley.rollout.sim import FALLBACK_MESSAGE
+from parley.services.sim.client import FALLBACK_MESSAGE
 
 log = logging.getLogger("parley.sim")
 
@@ -40,22 +41,23 @@ SIM_SCHEMA = {
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-class BadRequest(ValueError):
+class BadRequest(BadMessage):
     """A request the simulator cannot serve (unknown prompt variant, undecodable bytes)."""
 
 
 def prompts_dir() -> Path:
-    return Path(str(resources.files("parley.actors") / "prompts"))
+    """The prompt variants' folder, beside this module (installed: parley/services/sim/prompts)."""
+    return Path(str(resources.files("parley.services.sim") / "prompts"))
 
 
 def prompt_names() -> list[str]:
-    """The prompt variants: every actors/prompts/sim/<name>.txt."""
-    return sorted(p.stem for p in (prompts_dir() / "sim").glob("*.txt"))
+    """The prompt variants: every services/sim/prompts/<name>.txt."""
+    return sorted(p.stem for p in prompts_dir().glob("*.txt"))
 
 
 @cache
 def load_prompt(name: str) -> string.Template:
-    path = prompts_dir() / "sim" / f"{name}.txt"
+    path = prompts_dir() / f"{name}.txt"
     if not _NAME.match(name) or not path.is_file():
         raise BadRequest(f"unknown user-simulator prompt {name!r}; known: {', '.join(prompt_names())}")
     return string.Template(path.read_text())
@@ -63,7 +65,7 @@ def load_prompt(name: str) -> string.Template:
 
 @cache
 def opening_note() -> str:
-    return (prompts_dir() / "sim_opening.txt").read_text().strip()
+    return (prompts_dir().parent / "opening.txt").read_text().strip()
 
 
 def swap_roles(messages: list[ChatMessage]) -> list[dict[str, str]]:
