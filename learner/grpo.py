@@ -16,7 +16,9 @@ import torch
 from torch import Tensor
 
 from parley.config.learner import LOSS_AGG, LearnerConfig
-from parley.learner.packing import PackedBatch
+from parley.learner.groups import Taken, behaviour_logprobs
+from parley.learner.packing import PackedBatch, Sample
+from parley.protocol import arrays
 
 # exp() of a log-ratio beyond this overflows float32 or turns 0 * inf into NaN;
 # tokens that far off-policy are clipped anyway, so bounding them loses nothing useful.
@@ -333,3 +335,27 @@ def batch_loss(
         correction=cfg.behaviour_correction,
         is_cap=cfg.is_cap,
     )
+
+
+def samples_of(taken: Sequence[Taken], *, scale: bool, std: str, ref: bool) -> list[Sample]:
+    """A step's groups as the trainer takes them: every sample with its group-relative advantage
+    (`scale`, `std`: [learner] scale_advantages, adv_std) and, when `ref` ([policy] reference =
+    "service"), the reference log-probs its Scored carries."""
+    rewards = torch.tensor([t.group.rewards() for t in taken], dtype=torch.float64)  # (G, n)
+    adv = group_advantages(rewards, scale=scale, std=std)  # (G, n)
+    out = []
+    for gi, t in enumerate(taken):
+        for si, s in enumerate(t.group.ordered()):
+            traj = s.trajectory
+            out.append(
+                Sample(
+                    s.traj_id,
+                    arrays.token_ids(traj),
+                    arrays.loss_mask(traj),
+                    behaviour_logprobs(traj),
+                    float(adv[gi, si]),
+                    ref=arrays.ref_logprobs(s) if ref else None,
+                    temperature=traj.temperature,
+                )
+            )
+    return out

@@ -15,12 +15,12 @@ from collections import Counter
 from parley.learner import checkpoint as ckpt
 from parley.learner import envrecord
 from parley.learner.feeder import Feeder
-from parley.learner.groups import Grouper, Taken, behaviour_logprobs
+from parley.learner.groups import Grouper, Taken
 from parley.learner.intake import Intake
 from parley.learner.runstate import RunState
 from parley.learner.steplog import PHASES, StepLog
 from parley.learner.watchers import Evals
-from parley.protocol import arrays, codec, topology
+from parley.protocol import codec, topology
 from parley.protocol.bus import dead_letter, retry_unreachable
 from parley.runtime import killpoints
 from parley.weights.publish import Weights
@@ -240,29 +240,12 @@ class Stepper:
         self.wait_since = time.monotonic()
 
     def samples(self, taken: list[Taken]):
-        import torch
+        # the compute half builds them (torch), imported here so the control half loads no torch
+        from parley.learner.grpo import samples_of
 
-        from parley.learner.grpo import group_advantages
-        from parley.learner.packing import Sample
-
-        rewards = torch.tensor([t.group.rewards() for t in taken], dtype=torch.float64)  # (G, n)
-        adv = group_advantages(rewards, scale=self.lc.scale_advantages, std=self.lc.adv_std)  # (G, n)
-        out = []
-        for gi, t in enumerate(taken):
-            for si, s in enumerate(t.group.ordered()):
-                traj = s.trajectory
-                out.append(
-                    Sample(
-                        s.traj_id,
-                        arrays.token_ids(traj),
-                        arrays.loss_mask(traj),
-                        behaviour_logprobs(traj),
-                        float(adv[gi, si]),
-                        ref=arrays.ref_logprobs(s) if self.cfg.policy.reference == "service" else None,
-                        temperature=traj.temperature,
-                    )
-                )
-        return out
+        return samples_of(
+            taken, scale=self.lc.scale_advantages, std=self.lc.adv_std, ref=self.cfg.policy.reference == "service"
+        )
 
     # -- reporting ------------------------------------------------------------------------------
 

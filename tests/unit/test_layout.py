@@ -291,3 +291,88 @@ def test_reach_follows_imports_through_neutral_packages(tmp_path):
         "parley.evaluation.periodic": "parley.learner.a",
         "parley.scorer.scorer": "parley.evaluation.periodic",
     }
+
+
+# The learner's two halves (docs/architecture.md): the control half meets the bus and imports no torch;
+# the compute half runs the model and imports no NATS (nor the control half, which would bring it
+# in); plain modules, the bookkeeping both read, import neither. Every learner module is in one list.
+LEARNER_CONTROL = ("feeder", "intake", "lease", "resume", "runstate", "service", "stepper", "watchers")
+LEARNER_COMPUTE = ("attention", "checkpoint", "grpo", "logprobs", "lora", "packing", "ranks", "steplog", "trainer")
+LEARNER_PLAIN = ("__init__", "envrecord", "flops", "groups")
+TORCH = ("torch", "deepspeed", "transformers", "vllm", "peft", "flash_attn")
+# the parts of protocol/ that talk to NATS (messages, arrays and codec are plain data)
+NATS = (
+    "nats",
+    "parley.protocol.bus",
+    "parley.protocol.connect",
+    "parley.protocol.dead",
+    "parley.protocol.topology",
+    "parley.protocol.request",
+    "parley.protocol.backlog",
+    "parley.protocol.status",
+)
+
+
+def learner_half_violations(root: Path = ROOT) -> list[str]:
+    half_of = {
+        **{m: "control" for m in LEARNER_CONTROL},
+        **{m: "compute" for m in LEARNER_COMPUTE},
+        **{m: "plain" for m in LEARNER_PLAIN},
+    }
+    bad = []
+    for path in sorted((root / "learner").rglob("*.py")):
+        rel = path.relative_to(root)
+        half = half_of.get(path.relative_to(root / "learner").with_suffix("").as_posix())
+        if half is None:
+            bad.append(
+                f"{rel}: in no half of the learner (name it in LEARNER_CONTROL, LEARNER_COMPUTE or LEARNER_PLAIN)"
+            )
+            continue
+        for line, mod in imports_of(path, root):
+            where = f"{rel}:{line}: import of {mod}"
+            if mod.split(".")[0] in TORCH and half != "compute":
+                bad.append(f"{where} (the learner's {half} half imports no torch)")
+            if any(mod == n or mod.startswith(n + ".") for n in NATS) and half != "control":
+                bad.append(f"{where} (the learner's {half} half imports no NATS)")
+            inner = half_of.get(mod.removeprefix("parley.learner.")) if mod.startswith("parley.learner.") else None
+            if half != "control" and inner == "control":
+                bad.append(f"{where} (the learner's {half} half imports its control half)")
+            if half == "plain" and inner == "compute":
+                bad.append(f"{where} (the learner's plain modules import neither half)")
+    return bad
+
+
+def test_the_learners_control_and_compute_halves_stay_apart():
+    bad = learner_half_violations()
+    assert not bad, "the learner's halves:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "module, line, expect",
+    [
+        ("feeder", "import torch", "the learner's control half imports no torch"),
+        ("stepper", "def f():\n    import torch", "the learner's control half imports no torch"),
+        ("trainer", "from parley.protocol.bus import publish", "the learner's compute half imports no NATS"),
+        ("packing", "def f():\n    import nats.errors", "the learner's compute half imports no NATS"),
+        ("grpo", "from parley.learner.feeder import Feeder", "the learner's compute half imports its control half"),
+        ("groups", "import deepspeed", "the learner's plain half imports no torch"),
+        ("groups", "from parley.learner.packing import Sample", "the learner's plain modules import neither half"),
+        ("newpart", "x = 1", "in no half of the learner"),
+    ],
+)
+def test_a_learner_module_in_the_wrong_half_is_named(tmp_path, module, line, expect):
+    (tmp_path / "learner").mkdir()
+    (tmp_path / "learner" / f"{module}.py").write_text(line + "\n")
+    bad = learner_half_violations(tmp_path)
+    assert len(bad) == 1 and expect in bad[0] and f"learner/{module}.py" in bad[0], bad
+
+
+def test_the_halves_allow_what_they_are_for(tmp_path):
+    (tmp_path / "learner").mkdir()
+    (tmp_path / "learner" / "service.py").write_text(
+        "from parley.protocol.bus import PullWorker\ndef f():\n    from parley.learner.trainer import Trainer\n"
+    )
+    (tmp_path / "learner" / "trainer.py").write_text(
+        "import torch\nfrom parley.protocol.messages import Scored\nfrom parley.learner.groups import Taken\n"
+    )
+    assert learner_half_violations(tmp_path) == []
