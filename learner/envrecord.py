@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from parley.learner.checkpoint import write_durable_text
+from parley.runtime.durable import write_durable_text
 
 FILE = "environment.json"
 

@@ -12,7 +12,8 @@ import math
 import os
 from pathlib import Path
 
-from parley.learner.checkpoint import fsync_dir, truncate_jsonl
+from parley.learner.checkpoint import truncate_jsonl
+from parley.runtime.durable import fsync_dir
 
 TRAINED_FILE = "trained.jsonl"  # in the run directory; `parley trace` reads it too
 

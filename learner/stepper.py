@@ -23,6 +23,7 @@ from parley.learner.watchers import Evals
 from parley.protocol import codec, topology
 from parley.protocol.bus import dead_letter, retry_unreachable
 from parley.runtime import killpoints
+from parley.runtime.durable import fsync_tree
 from parley.weights.publish import Weights
 
 log = logging.getLogger("parley.learner")
@@ -139,7 +140,7 @@ class Stepper:
             envrecord.write(ckpt.ckpt_dir(self.run_dir) / tag, self.env_record)
             killpoints.reached("checkpoint_write")
             # durable before a ledger write names it: after a power cut the ledger's tag must hold a model
-            await asyncio.to_thread(ckpt.fsync_tree, ckpt.ckpt_dir(self.run_dir) / tag)
+            await asyncio.to_thread(fsync_tree, ckpt.ckpt_dir(self.run_dir) / tag)
             st.ckpt_step, st.tag = st.step, tag
             st.uncommitted.clear()
             stats["checkpoint_s"] = time.perf_counter() - t0

@@ -15,6 +15,8 @@ import logging
 import os
 import signal
 
+from parley.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 ENV = "PARLEY_KILL_AT"
@@ -35,7 +37,7 @@ _armed: tuple[str, int] | None = None
 _count = 0
 
 
-class KillPointError(ValueError):
+class KillPointError(ConfigError):
     """PARLEY_KILL_AT names no point, or a count that is not a positive integer."""
 
 

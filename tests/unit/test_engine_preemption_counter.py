@@ -60,6 +60,7 @@ def test_the_heartbeat_carries_the_count_and_the_metrics_name_it():
         follower=follower,
         engine=SimpleNamespace(version=2, counts=counts),
         sim=object(),
+        sim_budget=SimpleNamespace(counters=dict),  # no [rollout] sim_call_budget: nothing to count
         in_flight=0,
         state="ready",
         ident="a0",
