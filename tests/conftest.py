@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One OpenMP thread for this process's torch and for every process the tests start (vLLM engines and
+# their engine cores, learners, `parley up`'s roles): the tests run several of those at once on two
+# cores (and `make test` two workers), and with torch's default of one thread per core each one's
+# threads spin at every barrier waiting for a thread another process has descheduled; a vLLM CPU
+# engine's test took about twice the CPU time so. Set before anything imports torch, for every run
+# (one file alone computes as under `make test`); a caller's OMP_NUM_THREADS stands.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from parley.deploy.natsserver import NatsServer
 

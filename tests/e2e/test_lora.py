@@ -7,14 +7,63 @@ and the log-probs vLLM reports for the adapter's samples are the learner's with 
 from __future__ import annotations
 
 import pytest
+import pytest_asyncio
 import torch
 
 from tests.e2e.test_logprob_agreement import TOL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+# The three engine tests share one LoRA engine (its start-up is most of each test's time on CPU), so
+# they and its fixtures run on the module's event loop: vLLM's AsyncLLM belongs to the loop it started on.
+on_the_engines_loop = pytest.mark.asyncio(loop_scope="module")
 
 RUN = "loratest"
 RANK = 8
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def lora_engine(tiny_model):
+    """One vLLM engine serving LoRA adapters of the toy model (up to two beside the base) for the module."""
+    from parley.engines.engine import EngineSettings, PolicyEngine
+
+    engine = PolicyEngine(
+        EngineSettings(
+            model=str(tiny_model),
+            max_model_len=1024,
+            kv_cache_bytes=64 << 20,
+            sampled_logprobs=True,
+            max_lora_rank=RANK,
+            max_loras=2,
+        )
+    )
+    yield engine
+    engine.shutdown()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def engine(lora_engine):
+    """The module's engine as a fresh one is: the base alone (version 0), no adapter loaded, staged or
+    pinned. Each test gets it so, and leaves whatever it loaded to be removed here."""
+    e = lora_engine
+    assert e.version == e.base_version and not e.adapters and not e._users and not e._staged
+    yield e
+    await e._settled()
+    for request in list(e.adapters.values()):
+        await e._remove_lora(request)
+    e.adapters.clear()
+    e._users.clear()
+    e.version = e.base_version
+    assert not e._staged
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def js(nats_server):
+    """tests/conftest.py's JetStream context, on the module's event loop (where the shared engine runs)."""
+    from parley.protocol.connect import connect
+
+    nc = await connect(nats_server.url, name="pytest")
+    yield nc.jetstream()
+    await nc.close()
 
 
 def _learner_logprobs(trainer, ids: list[int], start: int, base: bool = False) -> torch.Tensor:
@@ -30,9 +79,9 @@ def _learner_logprobs(trainer, ids: list[int], start: int, base: bool = False) -
     return lp.double()
 
 
-async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tiny_model, js, tmp_path):
+@on_the_engines_loop
+async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tiny_model, js, engine, tmp_path):
     from parley.config.learner import LearnerConfig, LoraSettings
-    from parley.engines.engine import EngineSettings, PolicyEngine
     from parley.learner.lora import adapter_state
     from parley.learner.packing import Sample
     from parley.learner.trainer import Trainer
@@ -55,16 +104,6 @@ async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tin
     trained = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
 
-    engine = PolicyEngine(
-        EngineSettings(
-            model=str(tiny_model),
-            max_model_len=512,
-            kv_cache_bytes=64 << 20,
-            sampled_logprobs=True,
-            max_lora_rank=RANK,
-            max_loras=2,
-        )
-    )
     try:
         # one GRPO step on samples of the base (vLLM, version 0), rewards favouring the longer replies
         prompt = list(range(10, 22))
@@ -115,7 +154,6 @@ async def test_adapter_step_published_and_served_by_vllm_matches_the_learner(tin
         assert not await follower.check()
         assert "base" in follower.refused[2] and engine.version == 1
     finally:
-        engine.shutdown()
         trainer.close()
 
 
@@ -137,14 +175,14 @@ def _random_adapter(model_dir, out, seed: int):
     return lora.write_adapter(*adapter_state(peft), out)
 
 
-async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_model, js, tmp_path):
+@on_the_engines_loop
+async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_model, js, engine, tmp_path):
     """A conversation that started on adapter version 1 plays every turn on 1 while the actor loads
     version 2 in the middle of it; version 1 stays loaded until that conversation ends, then goes; a
     conversation started after plays on 2. The user is hidden_goal's own (environments.base.LocalUser)."""
     from transformers import AutoTokenizer
 
     from parley.config.run import load_config
-    from parley.engines.engine import EngineSettings, PolicyEngine
     from parley.environments.base import LocalUser
     from parley.environments.hidden_goal import Goal
     from parley.protocol import topology
@@ -160,57 +198,47 @@ async def test_a_conversation_keeps_its_start_version_while_the_next_loads(tiny_
     env = cfg.env.load()
     tok = AutoTokenizer.from_pretrained(tiny_model)
     goal = Goal("pizza", (("size", "large"), ("crust", "thin"), ("topping", "ham")))
-    engine = PolicyEngine(
-        EngineSettings(
-            model=str(tiny_model),
-            max_model_len=1024,
-            kv_cache_bytes=64 << 20,
-            sampled_logprobs=True,
-            max_lora_rank=RANK,
-            max_loras=2,
-        )
+    follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", base_dir=tiny_model)
+    await lora.publish_adapter(js, RUN, 1, 1, adapters[1], ObjstoreWeights(), base=base, rank=RANK)
+    assert await follower.check() and engine.version == 1
+    during: list[set[int]] = []
+
+    class NextVersionMidway:
+        """hidden_goal's user, except that before its second answer the learner publishes version 2
+        and the actor loads it (the conversation is open, one assistant turn played on version 1)."""
+
+        def __init__(self):
+            self.user, self.asked = LocalUser(env.user), 0
+
+        async def ask(self, req):
+            self.asked += 1
+            if self.asked == 2:
+                await lora.publish_adapter(js, RUN, 2, 2, adapters[2], ObjstoreWeights(), base=base, rank=RANK)
+                assert await follower.check(), follower.refused
+                during.append(set(engine.adapters))
+            return await self.user.ask(req)
+
+    policy = PolicySettings(max_model_len=1024)
+    task = env.tasks.task(goal, run=RUN, task_id=f"{RUN}-g0", n=2, rollout=cfg.rollout, seed=1, version=1)
+    first = await run_conversation(
+        engine, NextVersionMidway(), task, 0, lambda: engine.version, tokenizer=tok, policy=policy
     )
-    try:
-        follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", base_dir=tiny_model)
-        await lora.publish_adapter(js, RUN, 1, 1, adapters[1], ObjstoreWeights(), base=base, rank=RANK)
-        assert await follower.check() and engine.version == 1
-        during: list[set[int]] = []
+    assert during == [{1, 2}]  # version 2 loaded beside 1 while the conversation was open
+    assert len(first.turns) >= 3 and {t.version for t in first.turns} == {1}
+    assert first.adapter.startswith("v1-")
+    assert set(engine.adapters) == {2}  # no open conversation uses version 1 any more: unloaded
 
-        class NextVersionMidway:
-            """hidden_goal's user, except that before its second answer the learner publishes version 2
-            and the actor loads it (the conversation is open, one assistant turn played on version 1)."""
-
-            def __init__(self):
-                self.user, self.asked = LocalUser(env.user), 0
-
-            async def ask(self, req):
-                self.asked += 1
-                if self.asked == 2:
-                    await lora.publish_adapter(js, RUN, 2, 2, adapters[2], ObjstoreWeights(), base=base, rank=RANK)
-                    assert await follower.check(), follower.refused
-                    during.append(set(engine.adapters))
-                return await self.user.ask(req)
-
-        policy = PolicySettings(max_model_len=1024)
-        task = env.tasks.task(goal, run=RUN, task_id=f"{RUN}-g0", n=2, rollout=cfg.rollout, seed=1, version=1)
-        first = await run_conversation(
-            engine, NextVersionMidway(), task, 0, lambda: engine.version, tokenizer=tok, policy=policy
-        )
-        assert during == [{1, 2}]  # version 2 loaded beside 1 while the conversation was open
-        assert len(first.turns) >= 3 and {t.version for t in first.turns} == {1}
-        assert first.adapter.startswith("v1-")
-        assert set(engine.adapters) == {2}  # no open conversation uses version 1 any more: unloaded
-
-        task2 = env.tasks.task(goal, run=RUN, task_id=f"{RUN}-g1", n=2, rollout=cfg.rollout, seed=2, version=2)
-        second = await run_conversation(
-            engine, LocalUser(env.user), task2, 0, lambda: engine.version, tokenizer=tok, policy=policy
-        )
-        assert second.turns and {t.version for t in second.turns} == {2} and second.adapter.startswith("v2-")
-    finally:
-        engine.shutdown()
+    task2 = env.tasks.task(goal, run=RUN, task_id=f"{RUN}-g1", n=2, rollout=cfg.rollout, seed=2, version=2)
+    second = await run_conversation(
+        engine, LocalUser(env.user), task2, 0, lambda: engine.version, tokenizer=tok, policy=policy
+    )
+    assert second.turns and {t.version for t in second.turns} == {2} and second.adapter.startswith("v2-")
 
 
-async def test_an_adapter_handed_over_in_memory_serves_what_the_same_adapter_from_files_serves(tiny_model, tmp_path):
+@on_the_engines_loop
+async def test_an_adapter_handed_over_in_memory_serves_what_the_same_adapter_from_files_serves(
+    tiny_model, engine, tmp_path
+):
     """The in-memory path of a cuda_ipc adapter version (PolicyEngine.load_adapter_gpu without the GPU
     buffer: the worker stages the tensors, vLLM's LoRA manager builds the adapter from them through
     weights.worker._stage_hook): a real vLLM engine serves the same tokens and log-probs on it as on
@@ -219,48 +247,34 @@ async def test_an_adapter_handed_over_in_memory_serves_what_the_same_adapter_fro
 
     from safetensors.torch import load_file
 
-    from parley.engines.engine import EngineSettings, PolicyEngine
     from parley.weights import lora
     from parley.weights.common import MODEL_FILE
 
     adir = _random_adapter(tiny_model, tmp_path / "v1", seed=5)
     tensors = load_file(str(adir / MODEL_FILE))
     config = json.loads((adir / lora.ADAPTER_CONFIG).read_text())
-    engine = PolicyEngine(
-        EngineSettings(
-            model=str(tiny_model),
-            max_model_len=512,
-            kv_cache_bytes=64 << 20,
-            sampled_logprobs=True,
-            max_lora_rank=RANK,
-            max_loras=2,
-        )
-    )
-    try:
-        prompt = list(range(10, 30))
-        base = await engine.generate(prompt, max_tokens=16, seed=7)
-        await engine.load_adapter(lora.as_vllm_adapter(adir), 1)
-        engine.pin(1)  # kept while version 2 loads, so both serve side by side
-        await engine.load_adapter_tensors(tensors, config, 2)
-        assert set(engine.adapters) == {1, 2} and engine.version == 2
-        files = await engine.generate(prompt, max_tokens=16, seed=7, version=1)
-        memory = await engine.generate(prompt, max_tokens=16, seed=7, version=2)
-        assert memory.token_ids == files.token_ids
-        diff = max(abs(a - b) for a, b in zip(memory.logprobs, files.logprobs))
-        assert diff < TOL, f"in memory vs from files: {diff:.2e}"
-        n = min(len(base.logprobs), len(files.logprobs))
-        moved = max(abs(a - b) for a, b in zip(base.logprobs[:n], files.logprobs[:n]))
-        assert base.token_ids != files.token_ids or moved > 100 * TOL  # the adapter changed what is served
-        await engine.unpin(1)
-        staged = set(engine._staged)
-        await engine.load_adapter_tensors(tensors, config, 3)  # replaces 2: it is removed and unstaged
-        assert set(engine.adapters) == {3}  # at once
-        await engine._settled()  # removed from vLLM in the background, off the version's path to serving
-        assert len(staged) == 1 and not staged & engine._staged
-        again = await engine.generate(prompt, max_tokens=16, seed=7)
-        assert again.token_ids == files.token_ids
-    finally:
-        engine.shutdown()
+    prompt = list(range(10, 30))
+    base = await engine.generate(prompt, max_tokens=16, seed=7)
+    await engine.load_adapter(lora.as_vllm_adapter(adir), 1)
+    engine.pin(1)  # kept while version 2 loads, so both serve side by side
+    await engine.load_adapter_tensors(tensors, config, 2)
+    assert set(engine.adapters) == {1, 2} and engine.version == 2
+    files = await engine.generate(prompt, max_tokens=16, seed=7, version=1)
+    memory = await engine.generate(prompt, max_tokens=16, seed=7, version=2)
+    assert memory.token_ids == files.token_ids
+    diff = max(abs(a - b) for a, b in zip(memory.logprobs, files.logprobs))
+    assert diff < TOL, f"in memory vs from files: {diff:.2e}"
+    n = min(len(base.logprobs), len(files.logprobs))
+    moved = max(abs(a - b) for a, b in zip(base.logprobs[:n], files.logprobs[:n]))
+    assert base.token_ids != files.token_ids or moved > 100 * TOL  # the adapter changed what is served
+    await engine.unpin(1)
+    staged = set(engine._staged)
+    await engine.load_adapter_tensors(tensors, config, 3)  # replaces 2: it is removed and unstaged
+    assert set(engine.adapters) == {3}  # at once
+    await engine._settled()  # removed from vLLM in the background, off the version's path to serving
+    assert len(staged) == 1 and not staged & engine._staged
+    again = await engine.generate(prompt, max_tokens=16, seed=7)
+    assert again.token_ids == files.token_ids
 
 
 def test_merged_export_computes_what_base_plus_adapter_computes(tiny_model, tmp_path):
