@@ -209,9 +209,11 @@ class Objstore(Transport):
 
     async def at_start(self, js, run, version_bytes):
         """Orphan chunks of an earlier learner purged (purge_orphans); the store's max_bytes checked
-        against one version (the learner then needs room for it beside the kept ones)."""
+        against one version (the learner then needs room for it beside the kept ones). Called under
+        the run's lease (learner.service takes it first): no other learner can be uploading, so every
+        chunk no object names is an orphan whatever its age, even one a learner killed a second ago left."""
         bucket = topology.object_bucket(run)
-        await purge_orphans(js, bucket)
+        await purge_orphans(js, bucket, min_age_s=0.0)
         limit = (await js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=bucket))).config.max_bytes or -1
         if version_bytes and 0 < limit < version_bytes:
             raise WeightStoreTooSmall(

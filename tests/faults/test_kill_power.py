@@ -117,6 +117,5 @@ def test_a_power_loss_after_a_named_kill_point_loses_nothing_and_trains_nothing_
     assert sorted(power_chain["archived"].elements()) == sorted(trained), "the archive differs from trained.jsonl"
 
 
-@pytest.mark.xfail(reason="issue 57 item 3: orphan chunks of a killed upload are not purged at the learner's start yet")
 def test_a_learner_killed_during_an_upload_leaves_no_orphan_chunks(power_chain):
     assert power_chain["orphan_chunks"] == 0
