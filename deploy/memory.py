@@ -27,6 +27,7 @@ from parley.config.run import RunConfig
 from parley.engines.config import EngineConfig
 from parley.engines.models import MODEL_SHAPES
 from parley.errors import ConfigError
+from parley.protocol import topology
 from parley.services.combined import service_children, shared_engine
 from parley.weights import registry
 from parley.weights.cuda_ipc import ALIGN
@@ -691,17 +692,11 @@ def version_bytes(cfg: RunConfig) -> int:
     return int(full * _VERSION_OVERHEAD) + _VERSION_SLACK
 
 
-# The weights object store of a run whose versions travel another way (cuda_ipc, nccl, shared_dir):
-# nothing is stored in it, and JetStream reserves a bucket's max_bytes on its disk at creation (a
-# 4B-sized reservation was refused on a 64 GB disk: "insufficient storage resources")
-UNUSED_BLOBS_MAX_BYTES = 64 * 1024**2
-
-
 def blobs_max_bytes(cfg: RunConfig) -> int:
     """[bus] blobs_max_bytes when 0: with a transport that stores versions on the bus (objstore), room for the kept versions
     (keep_versions), the one being uploaded, and one more (a delete whose purge is still running); 0
-    when version_bytes is unknown. Other kinds store nothing there: UNUSED_BLOBS_MAX_BYTES."""
+    when version_bytes is unknown. Other kinds store nothing there: topology.UNUSED_BLOBS_MAX_BYTES."""
     if not registry.of(cfg.weights).stores_on_bus:
-        return UNUSED_BLOBS_MAX_BYTES
+        return topology.UNUSED_BLOBS_MAX_BYTES
     one = version_bytes(cfg)
     return one * (cfg.learner.keep_versions + 2) if one else 0

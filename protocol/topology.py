@@ -94,7 +94,7 @@ class BusSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (deploy.common.topology_bus); DEFAULT_BLOBS_MAX_BYTES where nothing derived it.
     blobs_max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Each KV bucket's limit (the weights announcements, the held counts, the lease): small messages.
-    kv_max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 * 1024**2
+    kv_max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 8 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -218,10 +218,20 @@ def consumer_config(durable: str, bus: BusSettings) -> api.ConsumerConfig:
 
 
 DEFAULT_BLOBS_MAX_BYTES = 4 * 1024**3  # BusSettings.blobs_max_bytes = 0 that nothing derived
+# The weights object store of a run that stores no versions in it (versions over cuda_ipc, nccl or a
+# shared directory; an eval's condition runs): JetStream reserves a bucket's max_bytes on its disk at
+# creation, so a model-sized reservation nothing uses can leave no room for the run (a 4B run's ~41 GB
+# on the lent GPU machine's 64 GB disk; nats-server here refused 100 GB on a 74 GB disk)
+UNUSED_BLOBS_MAX_BYTES = 8 * 1024**2
 
 
 def blobs_max_bytes(bus: BusSettings) -> int:
     return bus.blobs_max_bytes or DEFAULT_BLOBS_MAX_BYTES
+
+
+def without_blobs(bus: BusSettings) -> BusSettings:
+    """`bus` for a run that stores no weights versions on the bus (UNUSED_BLOBS_MAX_BYTES)."""
+    return msgspec.structs.replace(bus, blobs_max_bytes=bus.blobs_max_bytes or UNUSED_BLOBS_MAX_BYTES)
 
 
 class TopologyError(StateError):
@@ -283,7 +293,9 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
     bus = bus or BusSettings()
     room = (
         f"the server reserves each stream's [bus] max_bytes = {bus.max_bytes} bytes on its store up front, "
-        f"{len(CHANNELS)} streams a run ({len(CHANNELS) * bus.max_bytes / 2**30:.1f} GiB)"
+        f"{len(CHANNELS)} streams a run ({len(CHANNELS) * bus.max_bytes / 2**30:.1f} GiB), and [bus] "
+        f"kv_max_bytes = {bus.kv_max_bytes} for each of 3 KV buckets and [bus] blobs_max_bytes = "
+        f"{blobs_max_bytes(bus)} for the weights object store"
     )
     for key, channel in CHANNELS.items():
         cfg = stream_config(run, key, bus)

@@ -24,6 +24,6 @@ def test_a_run_whose_versions_travel_another_way_reserves_no_model_sized_store()
     # JetStream reserves max_bytes at creation: the 4B shape's kept versions (~41 GB) would be refused
     # on the lent GPU machine's 64 GB disk although cuda_ipc stores nothing in the object store
     cfg = load_config(None, ['policy.model="Qwen/Qwen3-4B"', 'weights.kind="cuda_ipc"'])
-    assert topology_bus(cfg).blobs_max_bytes == 64 * 1024**2
+    assert topology_bus(cfg).blobs_max_bytes == 8 * 1024**2  # topology.UNUSED_BLOBS_MAX_BYTES
     stored = load_config(None, ['policy.model="Qwen/Qwen3-4B"', 'weights.kind="objstore"'])
     assert topology_bus(stored).blobs_max_bytes > 16 * 1024**3
