@@ -397,6 +397,7 @@ def test_weight_versions_are_followed_and_a_corrupt_blob_is_refused(ctx, tmp_pat
             created=time.time(),
             run=run,
             files=extras,
+            file_sha256=wv1.file_sha256,  # the good extras' checksums: only the blob is bad
         )
         kv = await ctx.js.key_value(topology.kv_bucket(run))
         await kv.put(topology.WEIGHTS_KEY, codec.encode(wv2))
