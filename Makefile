@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint test-fast faults clean
+.PHONY: setup run test lint test-fast test-extended faults clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,12 @@ run: setup
 # Two workers, so the tests that wait on nats-server timeouts overlap the CPU-bound engine and learner
 # tests; `--dist loadscope` is refined in tests/conftest.py (whole modules; the shared engines on one worker).
 test: setup lint
-	$(BIN)/pytest -q -ra --durations=25 -m "not faults" -n 2 --dist loadscope
+	$(BIN)/pytest -q -ra --durations=25 -m "not faults and not extended" -n 2 --dist loadscope
+
+# The extended tier: whole-system checks too long for `make test`'s 12 minutes on 2 cores
+# (docs/operations.md, "The test suite", names each and what only it covers)
+test-extended: setup
+	$(BIN)/pytest -q -ra --durations=10 -m extended -n 2 --dist loadscope
 
 # ruff: the checks and the format of pyproject's [tool.ruff]; `make test` runs it first
 lint: setup

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.extended, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "fleete2e"
 

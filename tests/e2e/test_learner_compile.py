@@ -77,6 +77,7 @@ def test_compiled_layers_match_eager_on_cpu():
         torch.testing.assert_close(g_c[n], g_e[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
+@pytest.mark.extended  # about 50 s of inductor: make test-extended
 @pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor on CPU needs a C compiler"
 )

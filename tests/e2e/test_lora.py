@@ -314,6 +314,7 @@ def _lora_steps(model_dir, zero: int, checkpointing: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.extended  # about 40 s: make test-extended
 @pytest.mark.timeout(900)
 def test_an_adapter_trains_the_same_under_zero_3_and_gradient_checkpointing(tiny_model):
     """[learner.lora] with ZeRO-3 (partitioned base and adapter) and with gradient checkpointing (the
