@@ -186,7 +186,7 @@ async def _selfcheck(stop, cfg) -> int:
     failures = 0
     async with role_connection(cfg.nats, name="parley-selfcheck") as (nc, js):
         t0 = time.perf_counter()
-        await topology.ensure_topology(js, cfg.run.name, topology.without_blobs(cfg.bus))  # publishes no weights
+        await topology.ensure_topology(js, cfg.run.name, cfg.bus, stores_versions=False)  # publishes no weights
         for key, msg in examples.channel_examples(cfg.run.name).items():
             ack = await publish(js, cfg.run.name, key, msg)
             back = await js.get_msg(topology.stream_name(cfg.run.name, key), ack.seq)

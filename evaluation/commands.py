@@ -184,7 +184,7 @@ async def run_eval(
 
         nc = await connect_nats(cfg.nats, name="parley-eval")
         js = nc.jetstream()
-        await topology.ensure_topology(js, cfg.run.name, topology.without_blobs(cfg.bus))  # no versions stored
+        await topology.ensure_topology(js, cfg.run.name, cfg.bus, stores_versions=False)
         # an environment without an LLM user or judge metrics asks no such service
         if env.needs_simulator:
             sim = SimClient(nc, timeout_s=cfg.actor.sim_timeout_s, wait_s=cfg.actor.sim_wait_s)

@@ -116,7 +116,7 @@ async def play_condition_fleet(
 
     run = condition_run(cfg.run.name, cond.name)
     await delete_run(js, run)  # a fresh run: nothing left over from an earlier eval of this condition
-    await topology.ensure_topology(js, run, topology.without_blobs(cfg.bus))  # its actor loads from disk
+    await topology.ensure_topology(js, run, cfg.bus, stores_versions=False)  # its actor loads from disk
     by_id = {t.task_id: msgspec.structs.replace(t, run=run, system_prompt=cond.system_prompt) for t in tasks}
     records: dict[str, EvalRecord] = {}
     lost: dict[str, str] = {}

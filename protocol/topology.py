@@ -229,11 +229,6 @@ def blobs_max_bytes(bus: BusSettings) -> int:
     return bus.blobs_max_bytes or DEFAULT_BLOBS_MAX_BYTES
 
 
-def without_blobs(bus: BusSettings) -> BusSettings:
-    """`bus` for a run that stores no weights versions on the bus (UNUSED_BLOBS_MAX_BYTES)."""
-    return msgspec.structs.replace(bus, blobs_max_bytes=bus.blobs_max_bytes or UNUSED_BLOBS_MAX_BYTES)
-
-
 class TopologyError(StateError):
     """The run's topology is missing or differs and this connection could not (or may not) fix it."""
 
@@ -284,11 +279,15 @@ async def _manage(what: str, call, room: str = ""):
         ) from None
 
 
-async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, create: bool = True) -> None:
+async def ensure_topology(
+    js, run: str, bus: BusSettings | None = None, *, create: bool = True, stores_versions: bool = True
+) -> None:
     """Create or update every stream, durable consumer, the weights and held KVs and the blob store of a run.
 
     What already exists with the wanted settings is only looked at (INFO requests). create=False
     only checks that everything exists and raises TopologyError naming what is missing.
+    stores_versions=False (selfcheck, an eval): a blob store this call creates, with [bus]
+    blobs_max_bytes = 0, reserves UNUSED_BLOBS_MAX_BYTES; one that exists keeps its limit.
     """
     bus = bus or BusSettings()
     room = (
@@ -364,8 +363,9 @@ async def ensure_topology(js, run: str, bus: BusSettings | None = None, *, creat
             raise TopologyError(
                 f"object store {ob_name} does not exist; run `parley auth topology` (admin) first"
             ) from None
+        size = blobs_max_bytes(bus) if stores_versions or bus.blobs_max_bytes else UNUSED_BLOBS_MAX_BYTES
         ob_config = api.ObjectStoreConfig(
-            bucket=ob_name, replicas=bus.replicas, storage=api.StorageType.FILE, max_bytes=blobs_max_bytes(bus)
+            bucket=ob_name, replicas=bus.replicas, storage=api.StorageType.FILE, max_bytes=size
         )
         await _manage(f"creating object store {ob_name}", js.create_object_store(ob_name, config=ob_config), room)
     else:
