@@ -6,6 +6,7 @@ weights.cuda_ipc, weights.nccl), weights.registry, and the learner's publication
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
@@ -199,6 +200,15 @@ def checkpoint_elements(model_dir: Path) -> int:
 def extras_sha256(state_dir: Path, extras: list[str]) -> list[str]:
     """The whole-file sha256 of each extra file of a version (WeightVersion.file_sha256), in order."""
     return [file_digest(Path(state_dir) / name)[0] for name in extras]
+
+
+async def upload_files(transport, js, run: str, prefix: str, state_dir: Path, extras: list[str], settings) -> dict:
+    """Store a version's files through `transport` (Transport.upload) and return the announcement's
+    fields for them: location, sha256, bytes, files, each extra file's whole-file checksum
+    (file_sha256) and the time (created)."""
+    location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
+    file_sha256 = await asyncio.to_thread(extras_sha256, state_dir, extras)
+    return dict(location=location, sha256=sha, bytes=size, files=files, file_sha256=file_sha256, created=time.time())
 
 
 def extra_digests(wv: WeightVersion) -> dict[str, str]:

@@ -17,11 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 
 from parley.protocol.messages import LoraAdapter, WeightVersion
-from parley.weights.common import MODEL_FILE, announce, extras_sha256, fresh_prefix
+from parley.weights.common import MODEL_FILE, announce, fresh_prefix, upload_files
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's config of the adapter: rank, alpha, target modules
 ADAPTER_FILE = "adapter_model.safetensors"  # the name vLLM's LoRA loader reads the tensors from
@@ -152,20 +151,14 @@ async def publish_adapter(
     if not (d / MODEL_FILE).is_file() or not (d / ADAPTER_CONFIG).is_file():
         raise FileNotFoundError(f"{d} lacks {MODEL_FILE} or {ADAPTER_CONFIG}; write it with write_adapter first")
     extras = sorted(p.name for p in d.iterdir() if p.is_file() and p.name != MODEL_FILE)
-    location, sha, size, files = await transport.upload(js, run, fresh_prefix(version), d, extras, settings)
-    file_sha256 = extras_sha256(d, extras)
+    stored = await upload_files(transport, js, run, fresh_prefix(version), d, extras, settings)
     wv = WeightVersion(
         version=version,
         step=step,
         transport=transport.kind,
-        location=location,
-        sha256=sha,
-        bytes=size,
-        created=time.time(),
         run=run,
-        files=files,
-        file_sha256=file_sha256,
         adapter=LoraAdapter(base=base, rank=rank),
+        **stored,
     )
     await announce(js, run, wv)
     await transport.prune(js, run, settings, keep, current=version, protect=set(protect))

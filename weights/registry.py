@@ -28,6 +28,7 @@ from parley.weights.common import (
     extras_sha256,
     file_digest,
     fresh_prefix,
+    upload_files,
 )
 from parley.weights.config import WeightsConfig
 from parley.weights.cuda_ipc import CudaIpc
@@ -141,21 +142,13 @@ async def publish_version(
                 )
             wv = msgspec.structs.replace(early, full_pending=False)
     if wv is None:
-        location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
-        file_sha256 = await asyncio.to_thread(extras_sha256, state_dir, extras)
+        stored = await upload_files(transport, js, run, prefix, state_dir, extras, settings)
         delta = None
         if base and not transport.delta_first:
-            delta = await _upload_delta(js, run, transport, prefix, model, sha, size, base, settings)
-        wv = WeightVersion(
-            location=location,
-            sha256=sha,
-            bytes=size,
-            created=time.time(),
-            files=files,
-            file_sha256=file_sha256,
-            delta=delta,
-            **common,
-        )
+            delta = await _upload_delta(
+                js, run, transport, prefix, model, stored["sha256"], stored["bytes"], base, settings
+            )
+        wv = WeightVersion(**stored, delta=delta, **common)
         await announce(js, run, wv)
         if on_announced is not None:
             on_announced(wv)
@@ -266,20 +259,10 @@ async def _publish_packed(
     if write is not None:
         await asyncio.to_thread(write)
     _, extras = _files_of(state_dir)
-    location, sha, size, files = await transport.upload(js, run, prefix, state_dir, extras, settings)
-    file_sha256 = await asyncio.to_thread(extras_sha256, state_dir, extras)
+    stored = await upload_files(transport, js, run, prefix, state_dir, extras, settings)
     if blob is not None and not transport.delta_first:  # shared_dir: the delta goes into the version's folder
         delta = await upload_delta()
-    wv = WeightVersion(
-        location=location,
-        sha256=sha,
-        bytes=size,
-        created=time.time(),
-        files=files,
-        file_sha256=file_sha256,
-        delta=delta,
-        **common,
-    )
+    wv = WeightVersion(**stored, delta=delta, **common)
     await announce(js, run, wv)
     if on_announced is not None and not announced:
         on_announced(wv)
