@@ -625,6 +625,17 @@ async def unacked(js, run: str, key: str, settle_s: float) -> list:
     return list(got.values())
 
 
+async def owed_ids(js, run: str, settle_s: float) -> dict[str, set[str]]:
+    """The ids each channel's durable still owes (unacked): task ids of TASKS, trajectory ids of TRAJ
+    and SCORED, junk left out; what `settle` counts as waiting."""
+    owed = {key: await unacked(js, run, key, settle_s=settle_s) for key in ("tasks", "traj", "scored")}
+    return {
+        "tasks": {t.task_id for t in owed["tasks"] if t is not None},
+        "traj": {t.traj_id for t in owed["traj"] if t is not None},
+        "scored": {s.traj_id for s in owed["scored"] if s is not None},
+    }
+
+
 async def publish_poison(js, run: str, poison: dict[str, bytes]) -> None:
     """Publish each payload straight to the run's TASKS subject, as a hostile or broken producer
     would (no feeder, no codec check); a Msg-Id per label, so a retried publish is stored once."""

@@ -34,13 +34,13 @@ from tests.faults.chaos import (
     build_deepspeed_ops,
     load_final_state,
     nats_outage_at_start,
+    owed_ids,
     publish_poison,
     read_channel,
     retrying,
     settle,
     tasks_played_twice,
     trained_lines,
-    unacked,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.integration, pytest.mark.e2e, pytest.mark.timeout(2400)]
@@ -221,19 +221,14 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         cluster.note(t0, f"every role stopped; drained={stats['drained']}")
 
         # ---- the books -------------------------------------------------------------------------
-        owed = {key: await unacked(js, RUN, key, settle_s=3 * ACK_WAIT_S) for key in ("tasks", "traj", "scored")}
-        owed_ids = {
-            "tasks": {t.task_id for t in owed["tasks"] if t is not None},
-            "traj": {t.traj_id for t in owed["traj"] if t is not None},
-            "scored": {s.traj_id for s in owed["scored"] if s is not None},
-        }
+        owed = await owed_ids(js, RUN, settle_s=3 * ACK_WAIT_S)
         tasks = await read_channel(js, RUN, "tasks")
         letters, _ = await retrying(lambda: dead.read_since(js, RUN, 1), "reading DEAD")
         run_dir = root / "run"
         state, buffered = load_final_state(run_dir)
         lines = trained_lines(run_dir)
         deadline_s = load_config(None, cluster.sets).learner.task_deadline_s
-        ledger = settle(tasks, letters, lines, state, buffered, owed_ids, poison=poison, task_deadline_s=deadline_s)
+        ledger = settle(tasks, letters, lines, state, buffered, owed, poison=poison, task_deadline_s=deadline_s)
         twice = tasks_played_twice(cluster)
         phases["books"] = round(time.time() - t0, 1)
 

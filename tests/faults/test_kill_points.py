@@ -24,7 +24,7 @@ import pytest
 from parley.learner import checkpoint as ckpt
 from parley.learner.checkpoint import read_state
 from parley.protocol import dead, topology
-from tests.faults.chaos import load_final_state, read_channel, settle, trained_lines, unacked
+from tests.faults.chaos import load_final_state, owed_ids, read_channel, settle, trained_lines
 from tests.faults.lives import Lives
 from tests.integration.test_learner_resume import N, toy  # noqa: F401 (toy: a fixture)
 from tests.integration.test_learner_resume_every import StandInActor
@@ -152,16 +152,11 @@ async def run_chain(root: Path, model: Path, url: str, kills: list[str], after_k
     finally:
         lives.close()
         await actor.stop()
-    owed = {key: await unacked(js, RUN, key, settle_s=3 * ACK_WAIT_S) for key in ("tasks", "traj", "scored")}
-    owed_ids = {
-        "tasks": {t.task_id for t in owed["tasks"] if t is not None},
-        "traj": {t.traj_id for t in owed["traj"] if t is not None},
-        "scored": {s.traj_id for s in owed["scored"] if s is not None},
-    }
+    owed = await owed_ids(js, RUN, settle_s=3 * ACK_WAIT_S)
     tasks = await read_channel(js, RUN, "tasks")
     letters, _ = await dead.read_since(js, RUN, 1)
     state, buffered = load_final_state(run_dir)
-    out["books"] = settle(tasks, letters, trained_lines(run_dir), state, buffered, owed_ids)
+    out["books"] = settle(tasks, letters, trained_lines(run_dir), state, buffered, owed)
     out["state"] = state
     out["archived"] = archived(run_dir)
     out["lines"] = trained_lines(run_dir)
