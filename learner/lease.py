@@ -117,9 +117,23 @@ class Lease:
 
     async def renew(self) -> None:
         """Write the key again on the revision held (the TTL counts from here); LeaseLost if another
-        learner took it meanwhile."""
+        learner took it meanwhile. A key that expired with nobody else writing it (a NATS outage longer
+        than the TTL: the restarted server drops it; a renewal held up as long) is taken back with
+        create, which fails if another learner wrote it first: the revision stays the fence."""
         try:
             self.revision = await self._kv.update(LEASE_KEY, self.holder.encode(), last=self.revision)
+            return
+        except (KeyWrongLastSequenceError, KeyNotFoundError) as e:
+            lost = e
+        try:
+            self.revision = await self._kv.create(LEASE_KEY, self.holder.encode())
+            log.warning(
+                "run %s: the learner lease had expired unrenewed (%s); nobody else held it: taken back (revision %d)",
+                self.run,
+                lost,
+                self.revision,
+            )
+            return
         except (KeyWrongLastSequenceError, KeyNotFoundError) as e:
             raise LeaseLost(
                 f"run {self.run!r}: the learner lease (revision {self.revision}) was lost ({e}); another learner "

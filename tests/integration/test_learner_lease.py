@@ -115,3 +115,23 @@ async def test_a_lease_of_a_learner_that_died_on_this_host_is_taken_at_once(js, 
         assert lease_module._died_here(f"{socket.gethostname()}-{gone.pid}")
     finally:
         live.kill()
+
+
+async def test_a_lease_that_expired_with_nobody_else_is_taken_back_at_the_next_renewal(js):
+    """A NATS outage longer than the TTL (the restarted server has dropped the key) or a renewal held
+    up as long: nobody else wrote the key, so the holder takes it back instead of stopping (make faults'
+    nats-server restarts of 20 s stopped the learner with exit 4 at each). Another learner's key is
+    still a lost lease."""
+    run = "expired"
+    await topology.ensure_topology(js, run, BUS)
+    kv = await js.key_value(topology.lease_bucket(run))
+    lease = Lease(js, run, "holder")
+    first = await lease.acquire()
+    await kv.purge(topology.LEASE_KEY)  # what the TTL does to a key nobody renewed
+    await lease.renew()
+    assert lease.revision > first and (await kv.get(topology.LEASE_KEY)).value == b"holder"
+    await kv.purge(topology.LEASE_KEY)
+    other = Lease(js, run, "other")
+    await other.acquire()  # the key is free: taken at once
+    with pytest.raises(LeaseLost, match="was lost"):
+        await lease.renew()
