@@ -185,12 +185,13 @@ class EngineDouble:
         return self.reply(data)
 
 
-def eval_record(condition: str, item: str, bleu: float, inter: float, tokens: int):
-    """An EvalRecord of one item under `condition` with the CollabLLM metrics and its assistant tokens."""
+def eval_record(condition: str, item: str, bleu: float, inter: float, tokens: int, seed: int = 0, **metrics):
+    """An EvalRecord of one item under `condition` with the CollabLLM metrics (and any others) and its
+    assistant tokens."""
     from parley.protocol.messages import ChatMessage, EvalRecord
 
     return EvalRecord(
-        eval_id=f"{condition}/{item}/0",
+        eval_id=f"{condition}/{item}/{seed}",
         condition=condition,
         item_id=item,
         model=f"model-{condition}",
@@ -198,9 +199,9 @@ def eval_record(condition: str, item: str, bleu: float, inter: float, tokens: in
         sim_prompt="lazy_full",
         sim_model="sim",
         judge_model="judge",
-        seed=0,
+        seed=seed,
         messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")],
         reference="ref",
         assistant_tokens=tokens,
-        metrics={"bleu": bleu, "interactivity": inter},
+        metrics={"bleu": bleu, "interactivity": inter, **metrics},
     )

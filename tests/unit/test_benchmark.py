@@ -9,7 +9,8 @@ import pytest
 import scipy.stats
 
 from parley.evaluation.benchmark import mean_interval, paired_stats, summarize, to_markdown, write_table
-from parley.protocol.messages import ChatMessage, EvalRecord
+from parley.protocol.messages import EvalRecord
+from tests.factories import eval_record
 
 # The reference benchmark's published rows: (condition, BLEU, interactivity, tokens (k), MR).
 PUBLISHED = [
@@ -22,21 +23,7 @@ PUBLISHED = [
 
 
 def record(condition, item, bleu, inter, tokens, seed=0, **kw):
-    return EvalRecord(
-        eval_id=f"{condition}/{item}/{seed}",
-        condition=condition,
-        item_id=item,
-        model=f"model-{condition}",
-        system_prompt="",
-        sim_prompt="lazy_full",
-        sim_model="sim",
-        judge_model="judge",
-        seed=seed,
-        messages=[ChatMessage("user", "hi"), ChatMessage("assistant", "hello")],
-        reference="ref",
-        assistant_tokens=tokens,
-        metrics={"bleu": bleu, "interactivity": inter, **kw},
-    )
+    return eval_record(condition, item, bleu, inter, tokens, seed, **kw)
 
 
 def published_records():
