@@ -72,8 +72,9 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_memory_gib: Annotated[float, msgspec.Meta(ge=0.0, description="0 = detect")] = 0.0
     # how the processes on one GPU share its compute: "plain", the GPU time-slices their kernels; "mps",
     # `parley up` starts a CUDA MPS daemon for the run and every child's kernels go through its server
-    # (deploy/mps.py; needs nvidia-cuda-mps-control, checked before anything starts)
-    gpu_share: Literal["plain", "mps"] = "plain"
+    # (deploy/mps.py; needs nvidia-cuda-mps-control, checked before anything starts); "auto", MPS where
+    # the run puts something on a GPU and the daemon can serve it, plain otherwise (said at start)
+    gpu_share: Literal["auto", "plain", "mps"] = "auto"
 
     def __post_init__(self) -> None:
         if self.min_actors > self.max_actors:

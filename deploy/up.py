@@ -124,11 +124,11 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
         f"# a role started by hand also needs its credentials: source {run_dir / 'auth'}/<role>.env\n"
     )
     sup = Supervisor(run_dir)
-    from parley.deploy.mps import MpsDaemon, MpsError
-
-    mps = MpsDaemon(run_dir) if cfg.up.gpu_share == "mps" else None  # started in the try below
     from parley.deploy.gpu_samples import GpuSampler
     from parley.deploy.memory import uses_gpu
+    from parley.deploy.mps import MpsError, start_for
+
+    mps = None  # the run's MPS daemon, started in the try below (gpu_share "mps", or "auto" where it can serve)
 
     sampler = GpuSampler.start_if_gpu(
         uses_gpu(cfg), run_dir, lambda: {c.proc.pid: c.name for c in sup.children if c.proc is not None}
@@ -138,16 +138,15 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
     js = nc.jetstream()
     code = 1
     try:
-        if mps is not None:  # before any role: an image where MPS cannot serve is refused here
-            try:
-                await asyncio.to_thread(mps.start)
-            except MpsError as e:
-                print(f"parley up: {e}", file=sys.stderr, flush=True)
-                return 2
-            print(
-                f"CUDA MPS: daemon started (pipes {mps.pipe_dir}, logs {mps.log_dir}); every child runs under it",
-                flush=True,
-            )
+        # before any role: under "mps" an image where MPS cannot serve is refused here, under "auto" the
+        # GPU time-slices instead
+        try:
+            mps, line = await asyncio.to_thread(start_for, cfg.up.gpu_share, run_dir, uses_gpu(cfg))
+        except MpsError as e:
+            print(f"parley up: {e}", file=sys.stderr, flush=True)
+            return 2
+        if line:
+            print(line, flush=True)
         await topology.ensure_topology(
             js, cfg.run.name, topology_bus(cfg)
         )  # first: it may refuse (no room), models take minutes
@@ -231,7 +230,7 @@ def child_env(
     name: str, creds: dict[str, tuple[str, str]], engines: int, mps_env: dict[str, str] | None = None
 ) -> dict[str, str]:
     """What `parley up` adds to child `name`'s environment: its role's NATS user, the count of CPU
-    engines on this host, the run's MPS daemon (`[up] gpu_share = "mps"`: every child's CUDA calls go
+    engines on this host, the run's MPS daemon (`[up] gpu_share`, deploy/mps.py: every child's CUDA calls go
     through it, and so do its own children's: the learner's eval engine, vLLM's engine cores), and for
     the learner the eval role's user (its periodic eval child plays the eval role)."""
     role = name.split("-")[0]

@@ -171,23 +171,30 @@ def planned(cfg, hub_dirs: dict[str, Path]):
 def check_gpu_share(cfg, dry: bool) -> str:
     """`[up] gpu_share = "mps"` is checked before anything starts: the config must put something on a
     GPU and the MPS daemon's binary must be here (deploy/mps.py; a run is refused with exit code 2).
-    Under --dry-run a missing binary is a note (the dry run may be on another machine than the run)."""
-    if cfg.up.gpu_share != "mps":
+    Under --dry-run a missing binary is a note (the dry run may be on another machine than the run).
+    "auto" refuses nothing: the note says which sharing a GPU run here gets."""
+    share = cfg.up.gpu_share
+    if share == "plain":
         return ""
     from parley.deploy.memory import uses_gpu
     from parley.deploy.mps import BINARY, FIX, MpsError, binary
 
     if not uses_gpu(cfg):
+        if share == "auto":
+            return ""
         typer.echo(f'parley up: [up] gpu_share = "mps", but this config puts nothing on a GPU; {FIX}', err=True)
         raise typer.Exit(2)
     try:
         where = binary()
     except MpsError as e:
+        if share == "auto":
+            return f'GPU sharing: plain (gpu_share = "auto" and {BINARY} is not on this machine\'s PATH)'
         if dry:
             return f"GPU sharing: MPS; {BINARY} is not on this machine's PATH, so `parley up` here would refuse"
         typer.echo(f"parley up: {e}", err=True)
         raise typer.Exit(2) from None
-    return f"GPU sharing: MPS, a daemon of the run's own ({where} -d), every child's kernels through its server"
+    how = ' (gpu_share = "auto"; plain if a CUDA process cannot run under it)' if share == "auto" else ""
+    return f"GPU sharing: MPS{how}, a daemon of the run's own ({where} -d), every child's kernels through its server"
 
 
 def check_memory(cfg, dry: bool) -> str:

@@ -142,3 +142,33 @@ def test_every_child_parley_up_starts_carries_the_daemons_variables(tmp_path, mo
         assert child_env("learner", creds, 1)["PARLEY_NATS_USER"] == "learner"
     finally:
         mps.stop()
+
+
+def test_auto_takes_mps_where_the_daemon_serves_and_plain_otherwise_saying_why(tmp_path, monkeypatch):
+    from parley.deploy.mps import start_for
+
+    assert start_for("auto", tmp_path / "cpu", gpu=False) == (None, "")  # nothing on a GPU: nothing to share
+    assert start_for("plain", tmp_path / "plain", gpu=True) == (None, "")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no binary: plain, said so
+    mps, line = start_for("auto", tmp_path / "none", gpu=True)
+    assert mps is None and f'plain (gpu_share = "auto" and {BINARY} is not on PATH)' in line
+    calls = double(tmp_path, monkeypatch)
+    fails = [sys.executable, "-c", "import sys; sys.exit('CUDA error: all CUDA-capable devices are busy')"]
+    mps, line = start_for("auto", tmp_path / "busy", gpu=True, probe=fails)
+    assert mps is None and "MPS cannot serve" in line and "devices are busy" in line
+    assert [c["stdin"] for c in calls_of(calls)] == ["", "quit\n"]  # the daemon it tried was told to quit
+    with pytest.raises(MpsError, match="devices are busy"):  # asked for by name, the same is a refusal
+        start_for("mps", tmp_path / "named", gpu=True, probe=fails)
+    mps, line = start_for("auto", tmp_path / "ok", gpu=True, probe=[sys.executable, "-c", "pass"])
+    assert mps is not None and line.startswith('CUDA MPS (gpu_share = "auto"): daemon started')
+    mps.stop()
+
+
+def test_a_gpu_run_shares_by_auto_by_default_and_the_dry_run_says_which(monkeypatch):
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no MPS binary on this machine
+    dry = CliRunner().invoke(app, ["up", "--config", str(GPU1), "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert f'# GPU sharing: plain (gpu_share = "auto" and {BINARY} is not on this machine\'s PATH)' in dry.output
+    assert 'gpu_share = "auto"' in dry.output
+    cpu = CliRunner().invoke(app, ["up", "--config", str(TINY), "--dry-run"])
+    assert cpu.exit_code == 0 and "GPU sharing" not in cpu.output  # nothing on a GPU: nothing said
