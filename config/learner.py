@@ -135,7 +135,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # per sequence on CPU)
     attention: Attention = "auto"
     # torch.compile of each decoder layer (attention itself stays eager): auto = on CUDA with ZeRO 0-2,
-    # off on CPU and under ZeRO-3 (its parameter hooks run inside the layer); layers = always; off = never
+    # off on CPU, under ZeRO-3 (its parameter hooks run inside the layer) and with LoRA and a KL term
+    # (learner.trainer.compile_mode); layers = always; off = never
     compile: Compile = "auto"
     # A learner that shares its GPU with the actors (cuda_ipc) and PyTorch's cache of the step's memory:
     # "release" hands it back to the driver after every step (the actors copy versions out of what is
@@ -197,7 +198,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 f'[learner] compile = "layers" with [learner.lora] enabled and kl_coef = {self.kl_coef}: the '
                 "KL reference flips the adapters off per forward, which a compiled layer would "
-                'recompile for; set kl_coef = 0, or compile = "auto" (off with LoRA) or "off"'
+                'recompile for; set kl_coef = 0, or compile = "auto" (off with LoRA and a KL term) or "off"'
             )
         if self.eval_metric.lower() in TRAINING_REWARD_NAMES:  # whatever the environment, with the reason
             raise ValueError(f"eval_metric {self.eval_metric}: {REWARD_REFUSED}")

@@ -192,6 +192,17 @@ def restore_computed_buffers(model, dtype: torch.dtype) -> int:
     return differed
 
 
+def compile_mode(cfg: LearnerConfig) -> str:
+    """[learner] compile as compile_layers reads it for this learner: with LoRA and a KL term "auto" is
+    off, since the KL reference flips the adapters off per forward and a compiled layer recompiles at
+    every flip (config.learner refuses an explicit "layers" there). Without a KL term compiled LoRA
+    layers give the eager ones' log-probs and gradients (tests/e2e/test_learner_compile.py), and at the
+    4B shape they cut the step (docs/gpu.md, "Throughput against the floor")."""
+    if cfg.compile == "auto" and cfg.lora.enabled and cfg.kl_coef > 0:
+        return "off"
+    return cfg.compile
+
+
 def compile_layers(model, mode: str, device: torch.device, zero_stage: int) -> bool:
     """torch.compile each decoder layer of `model` in place ([learner] compile). The norms, rotary
     embedding, residual adds and SwiGLU around the matmuls fuse into fewer kernels; the attention
@@ -291,10 +302,7 @@ class Trainer:
         self._packed = None  # pack_versions's weights.gpu_delta.PackedVersions on rank 0, built at its first call
         if self.peft is not None and cfg.kl_coef > 0 and reference == "local":
             self.reference = model
-        # With LoRA only an explicit "layers" compiles (config.learner allows it without a KL reference,
-        # which would flip the adapters per forward); "auto" stays off until measured on a GPU
-        mode = cfg.compile if self.peft is None or cfg.compile == "layers" else "off"
-        self.compiled = compile_layers(model, mode, device, cfg.zero_stage)
+        self.compiled = compile_layers(model, compile_mode(cfg), device, cfg.zero_stage)
         model.config.use_cache = False
         if cfg.gradient_checkpointing in (True, "auto"):  # "auto" unresolved by `parley up`: on, the safe side
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
