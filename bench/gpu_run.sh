@@ -120,6 +120,8 @@ T)
         cp "$RUN/metrics.jsonl" "$OUT/metrics_4b_s$S.jsonl" 2>/dev/null
         grep -h -i -E "refused|out of memory|OutOfMemory|not published|recompile_limit" "$RUN"/logs/*.log | head -n 20 \
             >>"$OUT/problems_4b.log"
+        # the actors' preempted requests (up's progress line says them once there are any: KV short of demand)
+        echo "s$S: $(grep -o 'preempted [0-9]*' "$OUT/up_4b_s$S.log" | tail -n 1 || true)" >>"$OUT/problems_4b.log"
     done
     ;;
 P)

@@ -356,6 +356,11 @@ def progress_line(snap) -> str:
                 f"last eval v{int(c['eval.version'])}: "
                 + ", ".join(f"{k[5:]} {c[k]:.3f}" for k in (["eval.mr"] if "eval.mr" in c else shown[:2]))
             )
+    # requests the actors' engines preempted (KV cache short of the conversations in flight: each
+    # recomputes its prefix), so a run whose KV is sized under its demand says so while it runs
+    preempted = sum(hb.counters.get("engine.preemptions", 0.0) for hb in snap.roles.values() if hb.role == "actor")
+    if preempted:
+        parts.append(f"preempted {int(preempted)}")
     # A stream about to drop work its consumer has not had (protocol.backlog).
     parts += [f"BACKLOG {key} {row.backlog:.0%} of max_bytes" for key, row in s.items() if row.backlog >= WARN_SHARE]
     return " | ".join(parts)

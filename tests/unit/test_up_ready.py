@@ -54,3 +54,21 @@ async def test_a_failed_child_ends_the_wait_at_once(capsys):
     watcher = SimpleNamespace(snap=SimpleNamespace(roles={}))
     assert not await asyncio.wait_for(up._wait_ready(sup, watcher, asyncio.Event(), timeout=60.0), 1.0)
     assert "all roles ready" not in capsys.readouterr().out
+
+
+def test_the_progress_line_counts_the_actors_preempted_requests():
+    from parley.deploy.live import Snapshot
+    from parley.protocol.messages import Heartbeat
+
+    def snap(*preempted):
+        roles = {
+            f"actor/actor-{i}": Heartbeat(
+                role="actor", id=f"actor-{i}", state="busy", counters={"engine.preemptions": float(n)}
+            )
+            for i, n in enumerate(preempted)
+        }
+        roles["learner/learner"] = Heartbeat(role="learner", id="learner", state="busy", counters={"step": 3.0})
+        return Snapshot(roles=roles)
+
+    assert "preempted" not in up.progress_line(snap(0, 0))  # KV sized to the demand: nothing said
+    assert "| preempted 7" in up.progress_line(snap(3, 4))  # summed over the actors
