@@ -92,8 +92,9 @@ class LearnerState(msgspec.Struct, kw_only=True):
     # The reasons log (REASONS_FILE, append-only) holds `reasons` of this many bytes; `reasons` itself
     # is written only by ledgers from before it (read_state fills it, and `done`'s kinds, from the log)
     reasons_bytes: int = 0
-    # Training steps begun over each buffered task's group and not finished (learner.stepper counts one
-    # before each step and rejects the groups at [learner] max_step_attempts); only buffered tasks.
+    # Training steps begun over each buffered task's group whose training failed or never returned
+    # (learner.stepper counts one before the training and takes it back with a ledger write as soon as
+    # the training returns; it rejects the groups at [learner] max_step_attempts); only buffered tasks.
     attempts: dict[str, int] = {}
     step_error: str = ""  # the last failed step's error, for the reason its groups are rejected with
 
