@@ -92,8 +92,9 @@ class LearnerState(msgspec.Struct, kw_only=True):
     # The reasons log (REASONS_FILE, append-only) holds `reasons` of this many bytes; `reasons` itself
     # is written only by ledgers from before it (read_state fills it, and `done`'s kinds, from the log)
     reasons_bytes: int = 0
-    # Training steps begun over each buffered task's group and not finished (learner.stepper counts one
-    # before each step and rejects the groups at [learner] max_step_attempts); only buffered tasks.
+    # Training steps begun over each buffered task's group whose training failed or never returned
+    # (learner.stepper counts one before the training and takes it back with a ledger write as soon as
+    # the training returns; it rejects the groups at [learner] max_step_attempts); only buffered tasks.
     attempts: dict[str, int] = {}
     step_error: str = ""  # the last failed step's error, for the reason its groups are rejected with
 
@@ -558,10 +559,13 @@ def safe_load(path, map_location="cpu", weights_only=None, **kwargs):
         with torch.serialization.safe_globals(_deepspeed_records()):
             return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # torch's message is a page of advice to load it anyway; its WeightsUnpickler line says what was refused
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = next((line for line in lines if line.startswith("WeightsUnpickler error:")), lines[0] if lines else "")
+        first = why.split(" was not an allowed global", 1)[0] or type(e).__name__
         raise UnsafeCheckpoint(
             f"{path} holds more than tensors and DeepSpeed's records ({first}); refused without loading it. "
-            "Export a checkpoint this run's learner wrote, or rebuild the file from a trusted copy"
+            "Use a checkpoint this run's learner wrote: restore the file from a trusted copy"
         ) from None
 
 

@@ -20,6 +20,7 @@ from parley.learner import checkpoint as ckpt
 from parley.learner.feeder import Feeder
 from parley.learner.groups import BadTrajectory, Grouper, Outcome, check_hostile_values, check_trajectory
 from parley.learner.runstate import RunState
+from parley.protocol import arrays
 from parley.protocol.bus import Poison
 from parley.protocol.messages import ABANDONED_STALE
 from parley.runtime import killpoints
@@ -43,8 +44,11 @@ class Intake:
         flush_s: float,
         started: float,
         accept_foreign: bool = False,
+        memory_bound: tuple[int, str] | None = None,
     ):
         self.state, self.grouper, self.feeder, self.ledger = state, grouper, feeder, ledger
+        # (the longest sequence the learner's memory plan holds, where that figure comes from): learner.intake.memory_bound
+        self.memory_bound = memory_bound
         self.accept_foreign = accept_foreign  # [learner] accept_foreign_scored
         # token ids beyond the vocabulary and conversations beyond the positions are refused here
         self.vocab_size, self.max_positions = limits
@@ -72,6 +76,7 @@ class Intake:
                 # reference log-probs) only drops its group as stale, never reaching the GPU
                 check_trajectory(scored.trajectory)
                 check_hostile_values(scored, self.vocab_size, self.max_positions, reference=self.reference_service)
+                check_fits_memory(scored, self.memory_bound)
             result = self.grouper.add(scored)
         except BadTrajectory as e:
             raise Poison(str(e)) from None
@@ -206,6 +211,33 @@ class Intake:
         for m in msgs:
             with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is ignored as late/duplicate
                 await m.ack()
+
+
+def memory_bound(cfg) -> tuple[int, str]:
+    """The longest sequence the learner's memory plan holds, and where that figure comes from. The plan
+    (deploy.memory.micro_batch_tokens) sizes a micro-batch's activations for the larger of [learner]
+    micro_batch_tokens and [actor.engine] max_model_len: learner.packing.pack_by_tokens gives a
+    sequence longer than the budget a micro-batch of its own, so without this bound only the policy's
+    positions would limit a micro-batch, and one long sample could run the learner out of memory at
+    every attempt of its step."""
+    budget, model_len = cfg.learner.micro_batch_tokens, cfg.actor.engine.max_model_len
+    return max(budget, model_len), (
+        f"the larger of [learner] micro_batch_tokens={budget} and [actor.engine] max_model_len={model_len}"
+    )
+
+
+def check_fits_memory(scored, bound: tuple[int, str] | None) -> None:
+    """BadTrajectory (a dead letter, at the intake) for a conversation longer than `bound` (memory_bound)."""
+    if bound is None:
+        return
+    limit, source = bound
+    n = arrays.token_ids(scored.trajectory).size
+    if n > limit:
+        raise BadTrajectory(
+            f"{scored.traj_id}: {n} tokens, more than the {limit} one micro-batch of the learner's memory plan "
+            f"holds ({source}); raise learner.micro_batch_tokens to at least {n} where the memory plan "
+            "(parley up --dry-run) still fits, or make the conversations shorter"
+        )
 
 
 def policy_limits(model_dir) -> tuple[int, int | None]:

@@ -25,7 +25,7 @@ from parley.learner import checkpoint as ckpt
 from parley.learner import resume as start
 from parley.learner.feeder import Feeder, task_id
 from parley.learner.groups import Finished, Grouper
-from parley.learner.intake import Intake, policy_limits
+from parley.learner.intake import Intake, memory_bound, policy_limits
 from parley.learner.resume import LearnerStateError
 from parley.learner.runstate import RunState
 from parley.learner.steplog import StepLog
@@ -111,6 +111,7 @@ class Learner:
             flush_s=self.lc.ledger_flush_s,
             started=started,
             accept_foreign=self.lc.accept_foreign_scored,
+            memory_bound=memory_bound(cfg),
         )
         self.weights = weights_publication(
             self.lc,

@@ -109,6 +109,7 @@ class Stepper:
             await self.refuse_step(refused, refused_stats)
         taken = trained
         if not taken:
+            await self.intake.flush()  # the attempts taken back (a kill now is no failed step)
             return True
         admitted_at = st.step  # the version the groups were trained against
         st.step += 1
@@ -118,6 +119,11 @@ class Stepper:
             st.uncommitted.append((t.group, issued))
             if issued is not None:
                 admission_lag[str(admitted_at - issued.version)] += 1
+        # The training is over: a ledger write takes the attempt back before the publication and the
+        # checkpoint, so a kill from here on (a node loss, an operator's SIGKILL during the checkpoint)
+        # is no failed step; the groups are still buffered for that ledger (state.uncommitted) until
+        # the checkpoint write vouches for them. Only a death inside train() keeps its attempt counted.
+        await self.intake.flush()
         # The feeder's version moves in publish(), once the actors have been told of the new weights.
         stats["wait_s"] = wait_s
         stats["admission_lag_hist"] = dict(admission_lag)
@@ -207,7 +213,7 @@ class Stepper:
             kind = "step_failed"
             reason = (
                 f"not trained: a training step over these groups failed {failed} times "
-                f"([learner] max_step_attempts); last error: {self.state.step_error or 'none recorded (killed)'}"
+                f"([learner] max_step_attempts); last error: {self.state.step_error or 'none recorded (the learner died inside the training)'}"
             )
             for t in taken:
                 self.state.attempts.pop(t.group.task_id, None)

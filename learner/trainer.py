@@ -657,6 +657,14 @@ class Trainer:
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
 
     def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> None:
+        """--resume: the checkpoint `tag` into the engine (weights, optimizer, scheduler). Every file is
+        read through learner.checkpoint.safe_load (DeepSpeed's own engine unpickles with
+        weights_only=False: a pickle planted in the run directory would run code as it loads), so a
+        file holding more than tensors and DeepSpeed's records raises UnsafeCheckpoint naming it."""
+        from parley.learner.checkpoint import safe_load
+
+        # DeepSpeed reads every checkpoint file of a (non-universal) load through this one method
+        self.engine.checkpoint_engine.load = safe_load
         path, _ = self.engine.load_checkpoint(
             str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )

@@ -25,7 +25,7 @@ POINTS = {
     "held": "a Scored sample is buffered and its message held unacked; no ledger write records it yet",
     "acks": "a ledger write is durable; the messages it records are not acked yet",
     "step": "the step's groups are taken and their attempt is in the ledger; training has not begun",
-    "published": "the step is trained and its weights version handed to the publisher; no checkpoint yet",
+    "published": "the step is trained (a ledger write took its attempt back) and its weights version handed to the publisher; no checkpoint yet",
     "checkpoint_write": "the DeepSpeed checkpoint files are written but not fsynced; the ledger names the previous one",
     "checkpoint": "the checkpoint is durable; the step's trained.jsonl line, archive and ledger write are not",
     "archive": "the step's trained.jsonl line and archive are durable; its ledger write is not",

@@ -112,16 +112,10 @@ def as_vllm_adapter(version_dir: str | Path) -> Path:
 
 def write_adapter(state: dict, adapter_config: dict, out_dir: str | Path) -> Path:
     """The adapter's tensors (peft names) as MODEL_FILE and its config as ADAPTER_CONFIG in out_dir:
-    what publish_adapter uploads."""
-    from safetensors.torch import save_file
+    what publish_adapter uploads; durable when this returns (weights.snapshot.write_version_files)."""
+    from parley.weights.snapshot import write_version_files
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"{MODEL_FILE}.tmp"
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / MODEL_FILE)
-    (out / ADAPTER_CONFIG).write_text(config_json(adapter_config))
-    return out
+    return write_version_files(out_dir, MODEL_FILE, state, {ADAPTER_CONFIG: config_json(adapter_config)})
 
 
 async def publish_adapter(

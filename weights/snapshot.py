@@ -73,15 +73,45 @@ def write_weights(state: dict[str, Tensor], config, out_dir: str | Path) -> Path
 
 
 def _write(state: dict[str, Tensor], config_json: str, out_dir: str | Path) -> Path:
+    return write_version_files(out_dir, "model.safetensors", state, {"config.json": config_json})
+
+
+def write_version_files(
+    out_dir: str | Path, tensors_name: str, state: dict[str, Tensor], texts: dict[str, str]
+) -> Path:
+    """A version's files in out_dir, durable when this returns: each written beside, fsynced and
+    renamed, the text files (configs) first and the tensors file last, then the directory and its
+    parent fsynced. The learner keeps these directories for `parley export`, which lists a version by
+    its tensors file (learner.checkpoint.available_versions): after a power cut that file is whole, with
+    its configs beside it, or absent; without the fsyncs the renames could reach the disk before the
+    data and leave an empty file listed as a version."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
-    (out / "config.json").write_text(config_json)
+    for name, text in texts.items():
+        tmp = out / f".{name}.tmp"
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out / name)
+    tmp = out / f"{tensors_name}.tmp"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+    _fsync_path(tmp)
+    os.replace(tmp, out / tensors_name)
+    _fsync_path(out)  # the renames
+    _fsync_path(out.parent)  # the version directory's own entry
     return out
+
+
+def _fsync_path(path: Path) -> None:
+    # runtime.durable has these helpers, but weights/ sits on runtime's floor (no import between them)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass

@@ -114,3 +114,37 @@ async def test_a_step_killed_during_training_counts_as_an_attempt(tmp_path):
     state = read_state(run_dir)
     assert state.attempts == {"killed-g000000": 1}
     assert [g.task_id for g in state.groups] == ["killed-g000000"] and "killed-g000000" not in state.done
+
+
+async def test_a_kill_after_the_training_is_no_failed_attempt(tmp_path):
+    """A kill after the training returned (during the publication, the checkpoint write, ...) says
+    nothing about the step: the ledger holds no attempt for its groups, which stay buffered for the
+    resume to train. Before, the attempt stayed counted until the step's last ledger write, and three
+    such kills rejected the groups as step_failed."""
+    from parley.learner.service import Learner
+    from tests.integration.test_learner_fates import scored_for
+    from tests.integration.test_learner_ledger import task
+
+    run_dir = tmp_path / "run"
+    cfg = make_cfg("killed", run_dir, steps=1, groups_per_step=1, max_staleness=0)
+
+    class KilledAfterDouble(TrainerDouble):
+        """Test double: the step trains, then the process dies as the weights are taken for publication."""
+
+        def __call__(self, op, *args):
+            if op == "weights_snapshot":
+                raise SystemExit("killed after the training (test double)")
+            return super().__call__(op, *args)
+
+    driver = KilledAfterDouble()
+    learner = Learner(cfg, None, None, driver, model_dir=base_model(tmp_path), resume=False, steps=1)
+    for sample in range(2):
+        learner.grouper.add(scored_for(task("killed", 0), sample))
+    await learner.intake.flush()
+    with pytest.raises(SystemExit):
+        await learner.stepper.try_step()
+    assert driver.calls.count("train_step") == 1
+    state = read_state(run_dir)
+    assert state.attempts == {}
+    assert state.step == 0 and [g.task_id for g in state.groups] == ["killed-g000000"]
+    assert "killed-g000000" not in state.done
