@@ -7,6 +7,8 @@
 #     bash bench/collab_gpu.sh train 1    # or in two calls on the same warm machine (the run directory
 #     bash bench/collab_gpu.sh eval 1     #   lives under /tmp on the device)
 #     bash bench/collab_gpu.sh combine    # the seeds' summaries paired by seed (also run after each eval)
+#     bash bench/collab_gpu.sh all        # every seed of SEEDS (default "1 2 3"), one after another: a machine
+#                                         #   without the device's 10-minute limit per command
 #     bash bench/collab_gpu.sh --dry-run seed 1   # CPU: prints the commands, runs parley's own --dry-run
 # Each eval writes $OUT/<config>_seed<SEED>.json (the table, flags and the differences that decide; <config>
 # is CONFIG's file name) and, over every seed summary in $SUMMARIES (kept on the warm machine),
@@ -37,13 +39,13 @@ fi
 MODE=${1:-}
 SEED=${2:-}
 usage() {
-    echo "usage: bash bench/collab_gpu.sh [--dry-run] seed|train|eval SEED | combine" >&2
+    echo "usage: bash bench/collab_gpu.sh [--dry-run] seed|train|eval SEED | combine | all" >&2
     exit 2
 }
 case "$MODE" in
 seed | train | eval)
     [[ "$SEED" =~ ^[0-9]+$ ]] || { echo "[collab_gpu] $MODE needs a seed, a whole number (got '${SEED}')" >&2; usage; } ;;
-combine) ;;
+combine | all) ;;
 *) usage ;;
 esac
 OUT=${OUT:-gpu-out}
@@ -58,6 +60,7 @@ TAG=$(basename "$CONFIG" .toml)  # names the summaries: the two configurations' 
 SUMMARIES=${SUMMARIES:-/tmp/collab-summaries/$TAG}  # one configuration's seeds
 STEPS=${STEPS:-60}
 N_ITEMS=${N_ITEMS:-60}
+SEEDS=${SEEDS:-1 2 3}  # the training seeds of the decision: `all` runs them, `combine` names those missing
 BASE_MODEL=${BASE_MODEL:-${BUILD:-smol}}  # the untrained policy: [policy] model of CONFIG
 if [ "$MODE" = seed ]; then  # both in one 10-minute call
     BUDGET_S=${BUDGET_S:-240} LIMIT_S=${LIMIT_S:-280} EVAL_LIMIT_S=${EVAL_LIMIT_S:-240}
@@ -147,7 +150,7 @@ combine() {
     [ "$DRY" = 1 ] && { echo "[collab_gpu] would combine $SUMMARIES/${TAG}_seed*.json -> $OUT/${TAG}_combined.json"; return 0; }
     local files=("$SUMMARIES/${TAG}"_seed*.json)
     [ -e "${files[0]}" ] || { echo "[collab_gpu] no seed summary in $SUMMARIES yet" >&2; return 1; }
-    "$PY" bench/collab_table.py combine --json "$OUT/${TAG}_combined.json" "${files[@]}"
+    "$PY" bench/collab_table.py combine --json "$OUT/${TAG}_combined.json" --expect "$SEEDS" "${files[@]}"
 }
 
 rc=0
@@ -156,6 +159,16 @@ seed) preflight && train && evaluate && combine || rc=$? ;;
 train) preflight && train || rc=$? ;;
 eval) evaluate && combine || rc=$? ;;
 combine) combine || rc=$? ;;
+all)
+    for s in $SEEDS; do
+        [[ "$s" =~ ^[0-9]+$ ]] || { echo "[collab_gpu] SEEDS='$SEEDS': $s is not a whole number" >&2; exit 2; }
+    done
+    for s in $SEEDS; do  # each seed as its own command: its own logs, limits and summary
+        args=(seed "$s")
+        [ "$DRY" = 1 ] && args=(--dry-run seed "$s")
+        bash "$0" "${args[@]}" || rc=$?
+    done
+    ;;
 esac
-[ "$DRY" = 0 ] && [ "$MODE" != combine ] && tar -czf "$OUT/logs_$MODE$SEED.tar.gz" -C "$LOGS" . 2>/dev/null
+[ "$DRY" = 0 ] && [ "$MODE" != combine ] && [ "$MODE" != all ] && tar -czf "$OUT/logs_$MODE$SEED.tar.gz" -C "$LOGS" . 2>/dev/null
 exit $rc

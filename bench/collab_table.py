@@ -279,7 +279,7 @@ def seed_summary(records: list, *, seed: int, protocol: dict, run: dict) -> dict
     }
 
 
-def combine(summaries: list[dict]) -> dict:
+def combine(summaries: list[dict], expect: list[int] | None = None) -> dict:
     """The seeds paired by seed: per comparison and metric, the per-seed differences of the arms' means
     and a paired t over the seeds (df = seeds - 1), plus the item pairs of every seed pooled (items are
     paired within a seed only). Refuses summaries of different configurations, protocols or item sets."""
@@ -335,6 +335,8 @@ def combine(summaries: list[dict]) -> dict:
                     y.append(s["items"][b][i][m])
             pooled[m] = _stats(paired_stats(x, y))
         out["pooled_items"][name] = pooled
+    # the seeds asked for (SEEDS) that have no summary yet: a combination of fewer is provisional
+    out["missing_seeds"] = sorted(set(expect or []) - set(out["seeds"]))
     fvp = out["across_seeds"]["final_vs_proact"]["mr"]
     out["training_beats_proact"] = bool(len(summaries) > 1 and fvp["ci_low"] > 0)
     return out
@@ -369,9 +371,11 @@ def _seed(args) -> None:
 
 
 def _combine(args) -> None:
-    out = combine([json.loads(Path(p).read_text()) for p in args.summaries])
+    expect = [int(x) for x in args.expect.split()] if args.expect else None
+    out = combine([json.loads(Path(p).read_text()) for p in args.summaries], expect)
     Path(args.json).write_text(json.dumps(out, indent=1, default=float))
-    print(json.dumps({k: out[k] for k in ("seeds", "across_seeds", "training_beats_proact")}, indent=1, default=float))
+    keys = ("seeds", "missing_seeds", "across_seeds", "training_beats_proact")
+    print(json.dumps({k: out[k] for k in keys}, indent=1, default=float))
 
 
 def main(argv=None) -> None:
@@ -404,6 +408,7 @@ def main(argv=None) -> None:
     a.set_defaults(fn=_seed)
     a = sub.add_parser("combine")
     a.add_argument("--json", required=True)
+    a.add_argument("--expect", default="", help='the seeds asked for, e.g. "1 2 3" (those missing are listed)')
     a.add_argument("summaries", nargs="+")
     a.set_defaults(fn=_combine)
     args = p.parse_args(argv)

@@ -134,7 +134,8 @@ def test_seeds_are_paired_by_seed():
         out["by_seed"]["2"]["means"]["base"]["bleu"] + 0.08
     )
     assert out["training_beats_proact"] is True
-    assert collab_table.combine([summary(1, 0.10, 0.04)])["training_beats_proact"] is False  # one seed decides nothing
+    one = collab_table.combine([summary(1, 0.10, 0.04)], expect=[1, 2, 3])
+    assert one["training_beats_proact"] is False and one["missing_seeds"] == [2, 3]  # one seed decides nothing
 
 
 def test_combine_refuses_mixed_configurations_and_repeated_seeds():
