@@ -12,7 +12,7 @@
 #     bash bench/collab_gpu.sh --dry-run seed 1   # CPU: prints the commands, runs parley's own --dry-run
 # Each eval writes $OUT/<config>_seed<SEED>.json (the table, flags and the differences that decide; <config>
 # is CONFIG's file name) and, over every seed summary in $SUMMARIES (kept on the warm machine),
-# $OUT/<config>_combined.json;
+# $OUT/<config>_combined.json (and the table as $OUT/<config>_table_s<SEED>.md);
 # on the development machine `python bench/collab_table.py combine --json OUT.json FILES...` does the same
 # over the files the calls brought back.
 #
@@ -137,7 +137,7 @@ evaluate() {
     step eval "$EVAL_LIMIT_S" "$PY" -m parley.deploy.cli "${EVAL_ARGS[@]}"
     local rc=$?
     [ "$DRY" = 1 ] && return 0
-    cp "$EV/table.md" "$OUT/eval_table_s$SEED.md" 2>/dev/null
+    cp "$EV/table.md" "$OUT/${TAG}_table_s$SEED.md" 2>/dev/null
     cp "$EV/table.csv" "$EV/flags.json" "$EV/protocol.json" "$EV/unscored.jsonl" "$LOGS/" 2>/dev/null
     [ -f "$EV/records.parquet" ] || { echo "[collab_gpu] the eval wrote no records (rc=$rc)" >&2; return 1; }
     "$PY" bench/collab_table.py seed --run "$RUN" --eval "$EV" --seed "$SEED" --config "$CONFIG" \
