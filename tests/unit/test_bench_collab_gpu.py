@@ -38,6 +38,7 @@ def script(tmp_path, *args, **env):
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=full, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.extended  # two parley dry runs in a subprocess: 5-12 s on 2 cores, past make test's room
 def test_dry_run_of_a_seed_checks_the_card_eval_it_would_run(tmp_path):
     r = script(tmp_path, "--dry-run", "seed", "3", SMOKE="1", N_ITEMS="24")
     assert r.returncode == 0, r.stdout + r.stderr
