@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from parley.protocol import codec, topology
 from parley.protocol.messages import BudgetUpdate, ChatMessage, JudgeReply, SimReply, SimRequest
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class CallBudget:
         self.wait_s = 0.0  # seconds callers spent waiting
         self._burst = max(1.0, per_s)
         self._tokens, self._t = self._burst, clock()
-        self._changed = asyncio.Event()  # set when the budget is raised
+        self._changed = asyncio.Event()  # set when the budget or the rate changes (waiters look again)
         self._logged_spent = False
 
     @classmethod
@@ -173,8 +174,6 @@ async def follow_updates(nc, run: str, kind: str, budget: CallBudget):
     """Apply every operator's BudgetUpdate for run `run` to `budget` (its `kind`: "sim" or "judge"
     fields); returns the subscription (unsubscribe to stop). The permissions let only the admin user
     publish on the subject, so whatever arrives there is the operator's."""
-    from parley.protocol import codec, topology
-
     if kind not in ("sim", "judge"):
         raise ValueError(f"budget kind {kind!r}: use 'sim' or 'judge'")
 
@@ -187,7 +186,7 @@ async def follow_updates(nc, run: str, kind: str, budget: CallBudget):
         old = (budget.budget, budget.per_s)
         if budget.update(getattr(update, f"{kind}_call_budget"), getattr(update, f"{kind}_calls_per_s")):
             log.warning(
-                "%s: limits changed by the operator: %d calls -> %d, %g calls/s -> %g (this process's share of %d)",
+                "%s: limits changed by the operator: %d calls -> %d, %g calls/s -> %g (this process's share, one of %d)",
                 budget.name,
                 *(old[0], budget.budget, old[1], budget.per_s),
                 budget.processes,
