@@ -503,24 +503,43 @@ async def test_the_reference_service_answers_the_scorer_and_nobody_else_may_ask_
 
 
 async def test_only_the_admin_can_change_a_runs_call_budget(secured, caplog, monkeypatch):
-    """The actor and the scorer hear the operator's BudgetUpdate on the run's control subject and apply
-    their share (services.budget.follow_updates); neither may publish one itself (a workload role would
-    lift its own budget), so the server refuses theirs and nobody hears it. The operator's is sent as
+    """A running scorer (the real Scorer, its judge a test double behind its BudgetedJudge) and an actor's
+    simulator budget hear the operator's BudgetUpdate on the run's control subject and apply their share
+    (services.budget.follow_updates); neither role may publish one itself (a workload role would lift its
+    own budget), so the server refuses theirs and nobody hears it. The operator's is sent as
     `parley auth budget` sends it (deploy/cli_auth.publish_budget), which says so when it is refused.
     (Users of every run: tests/unit/test_budget_update.py checks their table.)"""
     from parley.config.run import load_config
+    from parley.config.scorer import ScorerConfig
     from parley.deploy.cli_auth import publish_budget
     from parley.protocol.messages import BudgetUpdate
-    from parley.services.budget import CallBudget, follow_updates
+    from parley.scorer.scorer import Scorer
+    from parley.services.budget import BudgetedJudge, CallBudget, follow_updates
 
+    class JudgeDouble:
+        async def ask(self, op, messages, *, seed=0):
+            return JudgeReply(ok=True, score=1.0)
+
+    admin = await secured.connect("admin")
+    await topology.ensure_topology(admin.jetstream(), RUN, FAST)
+    await admin.close()
     actor, scorer = await secured.connect("actor"), await secured.connect("scorer")
     subject = topology.control_subject(RUN, "budget")
+    stop = asyncio.Event()
+    sim = CallBudget.of_run("sim_budget", 4, 0.0, processes=2)
+    judge = CallBudget.of_run("judge_budget", 4, 0.0, processes=1)
+    scoring = asyncio.create_task(
+        Scorer(scorer, RUN, BudgetedJudge(JudgeDouble(), judge), ScorerConfig(), FAST, "scorer-t").run_until(
+            stop, fetch_timeout=0.5
+        )
+    )
     try:
-        sim = CallBudget.of_run("sim_budget", 4, 0.0, processes=2)
-        judge = CallBudget.of_run("judge_budget", 4, 0.0, processes=1)
         await follow_updates(actor, RUN, "sim", sim)  # a subscription the server allows
-        await follow_updates(scorer, RUN, "judge", judge)
         await barrier(actor)
+        for _ in range(100):  # the scorer subscribes as it starts
+            if any(sub.subject == subject for sub in scorer._subs.values()):
+                break
+            await asyncio.sleep(0.02)
         await barrier(scorer)
 
         forged = codec.encode(BudgetUpdate(sim_call_budget=10**6, judge_call_budget=10**6))
@@ -547,5 +566,7 @@ async def test_only_the_admin_can_change_a_runs_call_budget(secured, caplog, mon
             await asyncio.sleep(0.05)
         assert (sim.budget, sim.per_s, judge.budget, judge.per_s) == (5, 0.0, 4, 3.0)
     finally:
+        stop.set()
+        await asyncio.wait_for(scoring, 10)
         await actor.close()
         await scorer.close()
