@@ -10,6 +10,7 @@ and replayed from the start; Msg-Ids (traj:<task>/<sample>) keep its trajectorie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -22,7 +23,7 @@ from parley.protocol import bus, status
 from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Task
 from parley.rollout.conversation import PolicySettings, StaleWatch, check_task, check_task_limits, run_conversation
 from parley.runtime.scratch import scratch_dir
-from parley.services.budget import BudgetedUser, CallBudget
+from parley.services.budget import BudgetedUser, CallBudget, follow_updates
 from parley.services.sim.client import SimClient
 from parley.weights.follow import WeightFollower, WeightsBroken
 
@@ -64,9 +65,7 @@ class Actor:
         self._slots = asyncio.Semaphore(self.concurrency)
         # this actor's share of the run's simulator-call limits: calls past it wait (services.budget)
         ro, actors = cfg.rollout, cfg.up.first_actors()
-        self.sim_budget = CallBudget(
-            "sim_budget", CallBudget.share(ro.sim_call_budget, actors), CallBudget.share(ro.sim_calls_per_s, actors)
-        )
+        self.sim_budget = CallBudget.of_run("sim_budget", ro.sim_call_budget, ro.sim_calls_per_s, actors)
         self.sim = BudgetedUser(user_client(cfg.env.load(), nc, cfg.actor), self.sim_budget)
         self.follower = WeightFollower(
             js,
@@ -201,6 +200,8 @@ class Actor:
             # enough tasks to keep every conversation slot busy, plus one waiting in line
             concurrency=worker_concurrency or max(1, self.concurrency // n) + 1,
         )
+        # the operator's changes to the run's limits (`parley auth budget`), applied to this actor's share
+        control = await follow_updates(self.nc, self.run, "sim", self.sim_budget)
         self.state = "ready"
         jobs = [
             asyncio.create_task(worker.run_until(stop), name="tasks"),
@@ -217,6 +218,8 @@ class Actor:
         finally:
             for j in jobs:
                 j.cancel()
+            with contextlib.suppress(Exception):  # a connection already closed has no subscription left
+                await control.unsubscribe()
             self.state = "stopping"
             await status.send(self.nc, self.run, self.heartbeat())
 

@@ -1,10 +1,15 @@
-"""The card's table for a CollabLLM-medium run (issue 31, bench/collab_gpu.sh phase 2), from the outputs
-of `parley eval`, `parley select` and `parley replay`; and the judge's discrimination on the run, from the
-learner's archive of trained groups. The statistics are evaluation.benchmark's; this only arranges them.
+"""The card's table for a CollabLLM-medium run, from the outputs of `parley eval`, `parley select` and
+`parley replay`; and the judge's discrimination on the run, from the learner's archive of trained groups.
+The statistics are evaluation.benchmark's; this only arranges them.
 
     python bench/collab_table.py plan RUN_DIR                 # versions to evaluate: 0, 25/50/75/100 %, selected
     python bench/collab_table.py pick RECORDS COND OUT        # one condition's records, for `parley replay`
     python bench/collab_table.py build --run RUN_DIR --eval EVAL_DIR [--replay DIR] --json OUT.json
+    python bench/collab_table.py seed --run RUN_DIR --eval EVAL_DIR --seed S --config C --json OUT.json
+    python bench/collab_table.py combine --json OUT.json SEED.json...   # the seeds paired by seed
+
+`seed` and `combine` are bench/collab_gpu.sh's (issue 60): one training seed's `parley eval --protocol card`
+(arms base, final, proact) and the seeds together.
 """
 
 from __future__ import annotations
@@ -213,6 +218,166 @@ def _build(args) -> None:
     print(json.dumps({k: out[k] for k in ("plan", "flags")}, indent=1, default=float))
 
 
+# bench/collab_gpu.sh's arms (evaluation.protocols.CARD: base, the versions given, proact) and the
+# comparisons that decide: does training gain over the base model, and over prompting it
+ARMS = ("base", "final", "proact")
+COMPARISONS = {
+    "final_vs_base": ("final", "base"),
+    "proact_vs_base": ("proact", "base"),
+    "final_vs_proact": ("final", "proact"),
+}
+
+
+def _stats(s) -> dict:
+    return {"diff": s.mean_diff, "ci_low": s.ci_low, "ci_high": s.ci_high, "p": s.p, "n": s.n}
+
+
+def compare_items(items: dict[str, dict[str, dict[str, float]]], metrics=METRICS) -> dict:
+    """arm -> item -> metric values: each comparison's paired difference over the items both arms have."""
+    out = {}
+    for name, (a, b) in COMPARISONS.items():
+        shared = sorted(set(items.get(a, {})) & set(items.get(b, {})))
+        if not shared:
+            raise ValueError(f"{name}: no item scored in both arms {a!r} and {b!r}; arms present: {sorted(items)}")
+        out[name] = {
+            m: _stats(paired_stats([items[a][i][m] for i in shared], [items[b][i][m] for i in shared])) for m in metrics
+        }
+    return out
+
+
+def seed_summary(records: list, *, seed: int, protocol: dict, run: dict) -> dict:
+    """One training seed's card eval: the table, its flags, the per-item values of each arm (what
+    `combine` pairs) and the comparisons that decide."""
+    table = summarize(records, "base")
+    by_arm = defaultdict(list)
+    for r in records:
+        by_arm[r.condition].append(r)
+    missing = [a for a in ARMS if a not in by_arm]
+    if missing:
+        raise ValueError(f"seed {seed}: no record of arm(s) {missing}; the eval has {sorted(by_arm)}")
+    items = {a: item_values(by_arm[a], METRICS) for a in ARMS}
+    return {
+        "seed": seed,
+        "run": run,
+        "protocol": {
+            k: protocol.get(k)
+            for k in (
+                "name",
+                "environment",
+                "sim_prompt",
+                "max_new_turns",
+                "assistant_max_tokens",
+                "enable_thinking",
+                "seeds",
+                "n_items",
+            )
+        },
+        "table": table_json(table),
+        "flags": flags(table),
+        "compare": compare_items(items),
+        "items": items,
+    }
+
+
+def combine(summaries: list[dict], expect: list[int] | None = None) -> dict:
+    """The seeds paired by seed: per comparison and metric, the per-seed differences of the arms' means
+    and a paired t over the seeds (df = seeds - 1), plus the item pairs of every seed pooled (items are
+    paired within a seed only). Refuses summaries of different configurations, protocols or item sets."""
+    if not summaries:
+        raise ValueError("combine: no seed summary given")
+    first = summaries[0]
+    seeds = [s["seed"] for s in summaries]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"combine: seeds {seeds} repeat; give each seed's summary once")
+    for s in summaries[1:]:
+        for key in ("config", "eval_config"):
+            if s["run"].get(key) != first["run"].get(key):
+                raise ValueError(
+                    f"combine: seed {s['seed']} ran {key} {s['run'].get(key)!r}, seed {first['seed']} "
+                    f"{first['run'].get(key)!r}; combine one configuration's seeds at a time"
+                )
+        if s["protocol"] != first["protocol"]:
+            raise ValueError(
+                f"combine: seed {s['seed']}'s protocol {s['protocol']} differs from seed {first['seed']}'s {first['protocol']}"
+            )
+        if set(s["items"]["base"]) != set(first["items"]["base"]):
+            raise ValueError(f"combine: seed {s['seed']} was evaluated on other items than seed {first['seed']}")
+    summaries = sorted(summaries, key=lambda s: s["seed"])
+    out = {
+        "seeds": [s["seed"] for s in summaries],
+        "run": first["run"],
+        "protocol": first["protocol"],
+        "by_seed": {},
+        "across_seeds": {},
+        "pooled_items": {},
+    }
+    means = {
+        s["seed"]: {a: {m: float(np.mean([v[m] for v in s["items"][a].values()])) for m in METRICS} for a in ARMS}
+        for s in summaries
+    }
+    for s in summaries:
+        out["by_seed"][str(s["seed"])] = {
+            "means": means[s["seed"]],
+            "compare": s["compare"],
+            "final_version": s["run"].get("final_version"),
+        }
+    for name, (a, b) in COMPARISONS.items():
+        out["across_seeds"][name] = {
+            m: _stats(paired_stats([means[s][a][m] for s in out["seeds"]], [means[s][b][m] for s in out["seeds"]]))
+            for m in METRICS
+        }
+        pooled = {}
+        for m in METRICS:
+            x, y = [], []
+            for s in summaries:
+                for i in sorted(set(s["items"][a]) & set(s["items"][b])):
+                    x.append(s["items"][a][i][m])
+                    y.append(s["items"][b][i][m])
+            pooled[m] = _stats(paired_stats(x, y))
+        out["pooled_items"][name] = pooled
+    # the seeds asked for (SEEDS) that have no summary yet: a combination of fewer is provisional
+    out["missing_seeds"] = sorted(set(expect or []) - set(out["seeds"]))
+    fvp = out["across_seeds"]["final_vs_proact"]["mr"]
+    out["training_beats_proact"] = bool(len(summaries) > 1 and fvp["ci_low"] > 0)
+    return out
+
+
+def _seed(args) -> None:
+    from parley.config.run import load_config
+    from parley.evaluation.evallog import read_records
+
+    ev = Path(args.eval)
+    protocol = json.loads((ev / "protocol.json").read_text())
+    cfg = load_config(args.config)
+    eval_cfg = load_config(args.eval_config or args.config)
+    sc = eval_cfg.scorer
+    run = {
+        "config": args.config,
+        "recipe": cfg.run.recipe,
+        "eval_config": args.eval_config or args.config,
+        "eval_scoring": {"bleu_variant": sc.bleu_variant, "extract": sc.extract, "interactivity": sc.interactivity},
+        "steps_asked": args.steps,
+        "final_version": args.version,
+        "run_dir": args.run,
+        "leakage": leakage(ev),
+    }
+    out = seed_summary(read_records(ev / "records.parquet"), seed=args.seed, protocol=protocol, run=run)
+    Path(args.json).write_text(json.dumps(out, indent=1, default=float))
+    print(
+        json.dumps(
+            {"seed": args.seed, "compare_mr": {k: v["mr"] for k, v in out["compare"].items()}}, indent=1, default=float
+        )
+    )
+
+
+def _combine(args) -> None:
+    expect = [int(x) for x in args.expect.split()] if args.expect else None
+    out = combine([json.loads(Path(p).read_text()) for p in args.summaries], expect)
+    Path(args.json).write_text(json.dumps(out, indent=1, default=float))
+    keys = ("seeds", "missing_seeds", "across_seeds", "training_beats_proact")
+    print(json.dumps({k: out[k] for k in keys}, indent=1, default=float))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -231,6 +396,21 @@ def main(argv=None) -> None:
     a.add_argument("--replay", default="")
     a.add_argument("--json", required=True)
     a.set_defaults(fn=_build)
+    a = sub.add_parser("seed")
+    a.add_argument("--run", required=True)
+    a.add_argument("--eval", required=True)
+    a.add_argument("--seed", type=int, required=True)
+    a.add_argument("--config", required=True)
+    a.add_argument("--eval-config", default="")
+    a.add_argument("--version", type=int, required=True)
+    a.add_argument("--steps", type=int, default=0)
+    a.add_argument("--json", required=True)
+    a.set_defaults(fn=_seed)
+    a = sub.add_parser("combine")
+    a.add_argument("--json", required=True)
+    a.add_argument("--expect", default="", help='the seeds asked for, e.g. "1 2 3" (those missing are listed)')
+    a.add_argument("summaries", nargs="+")
+    a.set_defaults(fn=_combine)
     args = p.parse_args(argv)
     args.fn(args)
 

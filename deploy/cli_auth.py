@@ -29,6 +29,11 @@ def register(app: typer.Typer) -> None:
     )(topology_cmd)
     auth.command("permissions", help="Print what every role may publish and subscribe to, as JSON.")(permissions_cmd)
     auth.command(
+        "budget",
+        help="Change a running run's simulator and judge call limits (run totals, as [rollout]'s) as the "
+        "admin user: every actor and scorer takes its share at once; calls waiting on a spent budget go on.",
+    )(budget_cmd)
+    auth.command(
         "k8s-secret", help="Print a Kubernetes Secret of a credentials directory (see deploy/k8s/secret.yaml)."
     )(k8s_secret_cmd)
     app.add_typer(auth, name="auth")
@@ -93,6 +98,79 @@ async def _topology(stop, cfg, wait: float) -> int:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=2.0)
     typer.echo(f"topology of run {cfg.run.name!r} is in place on {cfg.nats.url}")
+    return 0
+
+
+def budget_cmd(
+    sim_calls: Annotated[
+        int | None, typer.Option("--sim-calls", min=0, help="Simulator calls per run (0 = unlimited).")
+    ] = None,
+    judge_calls: Annotated[
+        int | None, typer.Option("--judge-calls", min=0, help="Judge calls per run (0 = unlimited).")
+    ] = None,
+    sim_rate: Annotated[
+        float | None, typer.Option("--sim-rate", min=0.0, help="Simulator calls per second (0 = unlimited).")
+    ] = None,
+    judge_rate: Annotated[
+        float | None, typer.Option("--judge-rate", min=0.0, help="Judge calls per second (0 = unlimited).")
+    ] = None,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    nats: NatsOpt = None,
+    run: RunOpt = None,
+) -> None:
+    """Publish a BudgetUpdate on the run's control subject with the config's [nats] (the admin's
+    PARLEY_NATS_USER / PASSWORD from admin.env: no other user may publish there). The processes running
+    now apply it; one started later reads [rollout] again, so set the config too. Exit 3 if NATS is unreachable."""
+    from parley.protocol.messages import BudgetUpdate
+
+    update = BudgetUpdate(
+        sim_call_budget=sim_calls, judge_call_budget=judge_calls, sim_calls_per_s=sim_rate, judge_calls_per_s=judge_rate
+    )
+    if all(v is None for v in (sim_calls, judge_calls, sim_rate, judge_rate)):
+        typer.echo(
+            "parley auth budget: nothing to change; give --sim-calls, --judge-calls, --sim-rate or --judge-rate",
+            err=True,
+        )
+        raise typer.Exit(2)
+    cfg = resolve(config, sets, nats=nats, run=run)
+    setup_logging("auth", "WARNING")
+    run_async_main(publish_budget, cfg, update)
+
+
+async def publish_budget(stop, cfg, update) -> int:
+    import time
+
+    import msgspec
+
+    from parley.protocol import codec, topology
+    from parley.protocol.connect import NatsUnreachable, barrier
+    from parley.runtime.role import connect_nats
+
+    try:
+        nc = await connect_nats(cfg.nats, name="parley-budget")
+    except NatsUnreachable as e:
+        typer.echo(f"parley auth budget: {e}", err=True)
+        return 3
+    try:
+        update.created = time.time()
+        subject = topology.control_subject(cfg.run.name, "budget")
+        await nc.publish(subject, codec.encode(update))
+        # a round trip: the server has the message, or has refused it (nats.py keeps the refusal as
+        # last_error; the publish itself does not fail)
+        await barrier(nc)
+        refused = nc.last_error is not None and "permissions violation" in str(nc.last_error).lower()
+    finally:
+        await nc.drain()
+    if refused:
+        typer.echo(
+            f"parley auth budget: NATS refused the update on {subject} (permissions violation): only the admin user "
+            "may publish it; run with the admin's PARLEY_NATS_USER / PARLEY_NATS_PASSWORD (admin.env)",
+            err=True,
+        )
+        return 4
+    changed = {k: v for k, v in msgspec.structs.asdict(update).items() if v is not None and k != "created"}
+    typer.echo(f"run {cfg.run.name!r}: sent {changed} on {subject}")
     return 0
 
 

@@ -140,6 +140,13 @@ def _count_held(run: str) -> list[str]:
     return [f"$KV.{topology.held_bucket(run)}.>", *_read_stream(_held_stream(run))]
 
 
+# The roles that hold a share of the run's call limits and take the operator's changes to them from the
+# control subject; only the admin may publish there (CONTROL_PUBLISHERS), or a role that may publish a
+# control could lift its own budget, or stop every other process's calls.
+BUDGET_FOLLOWERS = ("actor", "scorer")
+CONTROL_PUBLISHERS = ("admin",)
+
+
 def _everyone(run: str, role: str, user: str) -> tuple[list[str], list[str]]:
     """Every role verifies the topology, sends its own heartbeats and reads everyone's; the consuming
     roles also dead-letter and count the copies they absorb."""
@@ -165,6 +172,8 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
         return merged
     publish, subscribe = _everyone(run, role, user)
     responses = False
+    if role in BUDGET_FOLLOWERS:  # the operator's new call limits (`parley auth budget`, services.budget)
+        subscribe.append(topology.control_subject(run, "budget"))
     if role == "actor":
         publish += [topology.subject(run, "traj"), *_with_withdrawals(topology.SIM_SUBJECT), *_consume(run, "tasks")]
         publish += _read_weights(run)
@@ -288,7 +297,19 @@ def role_permissions(run: str, users: dict[str, str] | None = None) -> dict[str,
     for role, rules in perms.items():
         if role not in TOPOLOGY_OWNERS:
             _refuse_topology_rights(role, rules["publish"]["allow"])
+        if role not in CONTROL_PUBLISHERS:
+            _refuse_control_rights(role, rules["publish"]["allow"], run)
     return perms
+
+
+def _refuse_control_rights(role: str, publish: list[str], run: str) -> None:
+    """Privilege by construction: a role other than the admin that could publish an operator's control
+    (on this run's subject or, through a wildcard, any run's) is a bug in this table."""
+    # a user of every run holds its rules with `*` for the run: any concrete run's subject tests them
+    subjects = [topology.control_subject(_ANY_RUN if run == "*" else run, what) for what in topology.CONTROLS]
+    bad = sorted({p for p in publish for s in subjects if subject_matches(p, s)})
+    if bad:
+        raise AssertionError(f"role {role!r} would be allowed to publish operator controls through {bad}")
 
 
 def user_name(run: str, role: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from parley.protocol.messages import (
+    BudgetUpdate,
     DeadLetter,
     EvalRecord,
     Heartbeat,
@@ -42,6 +43,7 @@ OTHER_TYPES: dict[str, type] = {
     "reference.reply": ReferenceReply,
     "weights": WeightVersion,
     "status": Heartbeat,
+    "control.budget": BudgetUpdate,
 }
 
 _encoder = msgspec.msgpack.Encoder()

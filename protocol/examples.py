@@ -5,6 +5,7 @@ from __future__ import annotations
 from parley.protocol.arrays import pack_ids, pack_logprobs, pack_mask
 from parley.protocol.messages import (
     AssistantTurn,
+    BudgetUpdate,
     ChatMessage,
     DeadLetter,
     EvalRecord,
@@ -144,4 +145,5 @@ def other_examples() -> dict:
             version=1, step=1, transport="objstore", location="v000001", sha256="0" * 64, bytes=10, created=T0
         ),
         "status": Heartbeat(role="actor", id="actor-0", state="ready", version=1, counters={"traj": 3.0}, created=T0),
+        "control.budget": BudgetUpdate(sim_call_budget=1000, judge_calls_per_s=2.5, created=T0),
     }

@@ -427,3 +427,16 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     version: int = -1
     counters: dict[str, float] = {}
     created: float = 0.0
+
+
+class BudgetUpdate(msgspec.Struct, kw_only=True):
+    """An operator's new simulator and judge call limits for a run (`parley auth budget`), as run totals
+    like [rollout] sim_call_budget etc.: each actor and scorer takes its share (services.budget). None
+    leaves a limit as it is; 0 makes it unlimited. admin -> parley.<run>.control.budget -> actors
+    (simulator) and scorers (judge), core NATS (not stored); only the admin user may publish there."""
+
+    sim_call_budget: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    judge_call_budget: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    sim_calls_per_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    judge_calls_per_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    created: float = 0.0

@@ -136,6 +136,18 @@ def status_subject(run: str, role: str = "*", ident: str = "*") -> str:
     return f"parley.{check_run(run)}.status.{role}.{ident}"
 
 
+# Operator commands to a run's roles (core NATS, not stored): what each may say, and who acts on it
+CONTROLS = ("budget",)  # protocol.messages.BudgetUpdate -> actors and scorers (services.budget)
+
+
+def control_subject(run: str, what: str) -> str:
+    """parley.<run>.control.<what>: only the admin user may publish here (deploy/permissions.py), the
+    roles that act on `what` subscribe; no workload role can change another's limits."""
+    if what not in CONTROLS:
+        raise ValueError(f"unknown control {what!r}; known: {CONTROLS}")
+    return f"parley.{check_run(run)}.control.{what}"
+
+
 def judge_subject(op: str) -> str:
     if op not in JUDGE_OPS:
         raise ValueError(f"unknown judge op {op!r}; allowed: {JUDGE_OPS}")

@@ -236,9 +236,18 @@ class Scorer:
             fetch_timeout=fetch_timeout,
         )
         beats = asyncio.create_task(status.heartbeat_loop(self.nc, self.run, self.heartbeat, stop))
+        control = None
+        if (budget := getattr(self.judge, "budget", None)) is not None:
+            # the operator's changes to the run's judge-call limits (`parley auth budget`), this scorer's share
+            from parley.services.budget import follow_updates
+
+            control = await follow_updates(self.nc, self.run, "judge", budget)
         try:
             await worker.run_until(stop)
         finally:
+            if control is not None:
+                with contextlib.suppress(Exception):  # a connection already closed has no subscription left
+                    await control.unsubscribe()
             await status.send(self.nc, self.run, Heartbeat(role="scorer", id=self.ident, state="stopping"))
             beats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -275,11 +284,7 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str) -> int:
             from parley.services.budget import BudgetedJudge, CallBudget
 
             ro, scorers = cfg.rollout, cfg.up.scorers
-            budget = CallBudget(
-                "judge_budget",
-                CallBudget.share(ro.judge_call_budget, scorers),
-                CallBudget.share(ro.judge_calls_per_s, scorers),
-            )
+            budget = CallBudget.of_run("judge_budget", ro.judge_call_budget, ro.judge_calls_per_s, scorers)
             judge = BudgetedJudge(judge, budget)
             audit_judge = BudgetedJudge(audit_judge, budget) if audit_judge is not None else None
         # The learner's setting decides (one place for the fact): it trains on what we put in ref_logp_f32.

@@ -500,3 +500,73 @@ async def test_the_reference_service_answers_the_scorer_and_nobody_else_may_ask_
     finally:
         for nc in conns.values():
             await nc.close()
+
+
+async def test_only_the_admin_can_change_a_runs_call_budget(secured, caplog, monkeypatch):
+    """A running scorer (the real Scorer, its judge a test double behind its BudgetedJudge) and an actor's
+    simulator budget hear the operator's BudgetUpdate on the run's control subject and apply their share
+    (services.budget.follow_updates); neither role may publish one itself (a workload role would lift its
+    own budget), so the server refuses theirs and nobody hears it. The operator's is sent as
+    `parley auth budget` sends it (deploy/cli_auth.publish_budget), which says so when it is refused.
+    (Users of every run: tests/unit/test_budget_update.py checks their table.)"""
+    from parley.config.run import load_config
+    from parley.config.scorer import ScorerConfig
+    from parley.deploy.cli_auth import publish_budget
+    from parley.protocol.messages import BudgetUpdate
+    from parley.scorer.scorer import Scorer
+    from parley.services.budget import BudgetedJudge, CallBudget, follow_updates
+
+    class JudgeDouble:
+        async def ask(self, op, messages, *, seed=0):
+            return JudgeReply(ok=True, score=1.0)
+
+    admin = await secured.connect("admin")
+    await topology.ensure_topology(admin.jetstream(), RUN, FAST)
+    await admin.close()
+    actor, scorer = await secured.connect("actor"), await secured.connect("scorer")
+    subject = topology.control_subject(RUN, "budget")
+    stop = asyncio.Event()
+    sim = CallBudget.of_run("sim_budget", 4, 0.0, processes=2)
+    judge = CallBudget.of_run("judge_budget", 4, 0.0, processes=1)
+    scoring = asyncio.create_task(
+        Scorer(scorer, RUN, BudgetedJudge(JudgeDouble(), judge), ScorerConfig(), FAST, "scorer-t").run_until(
+            stop, fetch_timeout=0.5
+        )
+    )
+    try:
+        await follow_updates(actor, RUN, "sim", sim)  # a subscription the server allows
+        await barrier(actor)
+        for _ in range(100):  # the scorer subscribes as it starts
+            if any(sub.subject == subject for sub in scorer._subs.values()):
+                break
+            await asyncio.sleep(0.02)
+        await barrier(scorer)
+
+        forged = codec.encode(BudgetUpdate(sim_call_budget=10**6, judge_call_budget=10**6))
+        for nc in (actor, scorer):
+            await nc.publish(subject, forged)
+            await barrier(nc)
+        await asyncio.sleep(0.3)
+        assert (sim.budget, judge.budget) == (2, 4)  # refused by the server: nobody heard it
+        assert sum(subject in v for v in violations(caplog)) >= 2
+
+        cfg = load_config(None, [f'nats.url="{secured.server.url}"', f'run.name="{RUN}"'])
+        for role, rc in (("actor", 4), ("admin", 0)):
+            user, password = secured.creds[role]
+            monkeypatch.setenv("PARLEY_NATS_USER", user)
+            monkeypatch.setenv("PARLEY_NATS_PASSWORD", password)
+            update = BudgetUpdate(sim_call_budget=10 if role == "admin" else 10**6, judge_calls_per_s=3.0)
+            assert await publish_budget(asyncio.Event(), cfg, update) == rc, role
+            if role == "actor":
+                await asyncio.sleep(0.3)
+                assert (sim.budget, judge.per_s) == (2, 0.0)  # `parley auth budget` as the actor: refused
+        for _ in range(50):
+            if (sim.budget, judge.per_s) == (5, 3.0):
+                break
+            await asyncio.sleep(0.05)
+        assert (sim.budget, sim.per_s, judge.budget, judge.per_s) == (5, 0.0, 4, 3.0)
+    finally:
+        stop.set()
+        await asyncio.wait_for(scoring, 10)
+        await actor.close()
+        await scorer.close()
