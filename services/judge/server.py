@@ -1,7 +1,7 @@
 """The judge: extracts the final document of a conversation and rates the assistant's interactivity.
 
 `Judge` answers JudgeRequests with any backend from engines/backend.py (JSON-schema-constrained
-decoding, validation, retries); `parley judge` (deploy/cli_scorer.py) serves it on NATS through
+decoding, validation, retries); `parley judge` (deploy/cli_services.py) serves it on NATS through
 `serve_judge`; scorers reach it with services.judge.client.JudgeClient.
 """
 
