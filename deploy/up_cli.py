@@ -214,8 +214,12 @@ def env_preset(name: str) -> tuple[str, ...]:
         return ()
 
 
-def top_cmd(nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, sets: SetOpt = None) -> None:
+def top_cmd(
+    nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, sets: SetOpt = None, dry: DryRunOpt = False
+) -> None:
     cfg = resolve(config, sets, nats=nats, run=run)
+    if dry:
+        dry_run(cfg, notes=f"top: the run {cfg.run.name!r} on {cfg.nats.url}")
     setup_logging("top", "WARNING")
 
     async def main(stop, cfg):
