@@ -31,7 +31,7 @@ from parley.rewards.metrics import (
     interactivity_from_levels,
 )
 
-log = logging.getLogger("parley.judge")
+log = logging.getLogger(__name__)
 
 PROMPT_FILES = {
     "extract": "extract_document.txt",

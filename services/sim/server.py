@@ -29,7 +29,7 @@ from parley.protocol import codec, topology
 from parley.protocol.messages import ChatMessage, SimReply, SimRequest
 from parley.services.sim.client import FALLBACK_MESSAGE
 
-log = logging.getLogger("parley.sim")
+log = logging.getLogger(__name__)
 
 SIM_SCHEMA = {
     "type": "object",
