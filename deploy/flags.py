@@ -83,12 +83,14 @@ class Flag:
 def flag(key: str, name: str | None = None, *, param: str | None = None, help: str = "", envvar=None) -> Flag:
     """The option for config key `key`; its name defaults to the field's (`--max-actors` for
     up.max_actors). `help` replaces the field's comment where the command means something narrower."""
-    owner, leaf = _owner(key)
-    info = next(f for f in mi.type_info(owner).fields if f.name == leaf)
-    ftype = info.type.type if isinstance(info.type, mi.Metadata) else info.type
+    owner, info = _field(key)
+    leaf = info.name
+    # the leaf's own annotation alone (a whole section's type_info would walk every nested Struct)
+    ftype = mi.type_info(info.type)
+    ftype = ftype.type if isinstance(ftype, mi.Metadata) else ftype
     if type(ftype) not in _SCALARS:
         raise TypeError(f"{key}: a {type(ftype).__name__} field has no option; use --set {key}=...")
-    default = info.default if info.default is not mi.NODEFAULT else info.default_factory()
+    default = info.default if info.default is not msgspec.NODEFAULT else info.default_factory()
     return Flag(
         key=key,
         name=name or "--" + leaf.replace("_", "-"),
@@ -103,41 +105,50 @@ def flag(key: str, name: str | None = None, *, param: str | None = None, help: s
     )
 
 
-def _owner(key: str) -> tuple[type, str]:
-    """The Struct class that holds key's last part, walked down from RunConfig."""
+def _field(key: str) -> tuple[type, msgspec.structs.FieldInfo]:
+    """The Struct class that holds key's last part, walked down from RunConfig, and that field."""
     from parley.config.run import RunConfig
 
-    *path, leaf = key.split(".")
-    cls = RunConfig
-    for part in path:
-        cls = next(f for f in mi.type_info(cls).fields if f.name == part).type.cls
-    return cls, leaf
+    cls, info = RunConfig, None
+    for part in key.split("."):
+        if info is not None:
+            cls = info.type
+        info = next((f for f in msgspec.structs.fields(cls) if f.name == part), None)
+        if info is None:
+            raise KeyError(f"{key}: {cls.__name__} has no field {part!r}")
+    return cls, info
 
 
 @cache
-def _comments(cls: type) -> dict[str, str]:
-    """Each field of `cls` (as written in its own class body) -> its comment: the comment on its
-    lines, else the comment lines right above it, else its Meta description."""
+def _module_comments(module: str) -> dict[str, dict[str, str]]:
+    """Each class of `module` -> each field written in its body -> its comment: the comment on the
+    field's lines, else the comment lines right above it. One read and parse per module."""
+    import sys
+
     try:
-        lines, _ = inspect.getsourcelines(cls)
-    except (OSError, TypeError):
+        source = inspect.getsource(sys.modules[module])
+    except (OSError, TypeError, KeyError):
         return {}
-    source = inspect.cleandoc("\n" + "".join(lines)) if lines[0][:1].isspace() else "".join(lines)
-    by_line: dict[int, str] = {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            by_line[tok.start[0]] = tok.string.lstrip("#").strip()
-    out = {}
-    body = ast.parse(source).body[0].body
-    for node in body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+    lines = source.splitlines()
+    by_line = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    out: dict[str, dict[str, str]] = {}
+    for cls in ast.parse(source).body:
+        if not isinstance(cls, ast.ClassDef):
             continue
-        inline = [by_line[n] for n in range(node.lineno, node.end_lineno + 1) if n in by_line]
-        above, n = [], node.lineno - 1
-        while n in by_line and source.splitlines()[n - 1].lstrip().startswith("#"):
-            above.insert(0, by_line[n])
-            n -= 1
-        out[node.target.id] = " ".join(inline or above)
+        fields = out.setdefault(cls.name, {})
+        for node in cls.body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            inline = [by_line[n] for n in range(node.lineno, node.end_lineno + 1) if n in by_line]
+            above, n = [], node.lineno - 1
+            while n in by_line and lines[n - 1].lstrip().startswith("#"):
+                above.insert(0, by_line[n])
+                n -= 1
+            fields[node.target.id] = " ".join(inline or above)
     return out
 
 
@@ -146,7 +157,7 @@ def field_doc(cls: type, name: str) -> str:
     with its Meta description when it has one."""
     for klass in cls.__mro__:
         if name in vars(klass).get("__annotations__", {}):
-            doc = _comments(klass).get(name, "")
+            doc = _module_comments(klass.__module__).get(klass.__qualname__, {}).get(name, "")
             break
     else:
         doc = ""
