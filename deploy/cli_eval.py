@@ -425,9 +425,12 @@ def eval_cmd(
         names = [c.name for c in conds]
         if baseline is not None and baseline not in names:
             raise ValueError(f"--baseline {baseline!r} is not one of the conditions {names}")
-        defaults = dict(assistant_max_tokens=4096, max_new_turns=14, seeds=1, enable_thinking=False)
-        settings = EvalSettings(
-            **{k: defaults[k] if fixed[k] is None else fixed[k] for k in defaults},
+        settings = EvalSettings(  # what neither the options nor --protocol fix stays EvalSettings' default
+            **{
+                k: fixed[k]
+                for k in ("assistant_max_tokens", "max_new_turns", "seeds", "enable_thinking")
+                if fixed[k] is not None
+            },
             sim_prompt=fixed["sim_prompt"] or "",
             concurrency=concurrency,
             run=cfg.run.name,
