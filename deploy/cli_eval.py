@@ -328,7 +328,9 @@ def eval_cmd(
         bool | None,
         typer.Option("--thinking/--no-thinking", help="Chat-template thinking for the policy (default off)."),
     ] = None,
-    concurrency: Annotated[int, typer.Option("--concurrency", help="Conversations of one condition in flight.")] = 8,
+    concurrency: Annotated[
+        int | None, typer.Option("--concurrency", help="Conversations of one condition in flight (default 8).")
+    ] = None,
     services: Annotated[
         str,
         typer.Option(
@@ -431,8 +433,8 @@ def eval_cmd(
                 for k in ("assistant_max_tokens", "max_new_turns", "seeds", "enable_thinking")
                 if fixed[k] is not None
             },
+            **({} if concurrency is None else {"concurrency": concurrency}),
             sim_prompt=fixed["sim_prompt"] or "",
-            concurrency=concurrency,
             run=cfg.run.name,
             sampling=cfg.actor.sampling,
         )

@@ -135,6 +135,21 @@ def test_a_flag_clashing_with_a_parameter_is_refused():
         with_flags(flag("actor.concurrency"))(cmd)
 
 
+def test_evals_help_gives_the_benchmarks_own_defaults():
+    """parley eval's settings are the benchmark's (evaluation.runner.EvalSettings), not config keys:
+    the defaults its help names are EvalSettings' (the command passes only what was given)."""
+    from parley.evaluation.runner import EvalSettings
+
+    for name, field in (
+        ("--seeds", "seeds"),
+        ("--assistant-max-tokens", "assistant_max_tokens"),
+        ("--max-new-turns", "max_new_turns"),
+        ("--concurrency", "concurrency"),
+    ):
+        assert f"(default {getattr(EvalSettings, field)})" in click_option(("eval",), name).help, name
+    assert "(default off)" in click_option(("eval",), "--thinking").help and not EvalSettings.enable_thinking
+
+
 def every_command():
     cmd = typer.main.get_command(app)
     ctx = click.Context(cmd)
