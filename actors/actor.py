@@ -30,7 +30,7 @@ from parley.weights.follow import WeightFollower, WeightsBroken
 # How long a task admitted at a version the engine does not serve yet waits for that version to load.
 ADMITTED_VERSION_WAIT_S = 120.0
 
-log = logging.getLogger("parley.actor")
+log = logging.getLogger(__name__)
 
 
 def user_client(env: Environment, nc, actor_cfg) -> SimClient | LocalUser:

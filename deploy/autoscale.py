@@ -14,7 +14,7 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-log = logging.getLogger("parley.up")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

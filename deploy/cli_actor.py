@@ -1,6 +1,6 @@
-"""`parley actor`, `parley sim` and `parley models {tiny,smol}`: option parsing only. The roles' entry
-functions (actors.actor.run, services.sim.server.run) are imported when a command runs, so `parley --help`
-never imports torch or vLLM."""
+"""`parley actor` and `parley models {tiny,smol}`: option parsing only. The role's entry function
+(actors.actor.run) is imported when the command runs, so `parley --help` never imports torch or vLLM;
+`parley sim` is deploy/cli_services.py's."""
 
 from __future__ import annotations
 
@@ -18,12 +18,10 @@ from parley.deploy.common import (
     NatsOpt,
     RunOpt,
     SetOpt,
-    dry_run,
+    launch,
     resolve,
-    run_main,
-    setup_logging,
-    start_metrics,
 )
+from parley.deploy.flags import flag, with_flags
 
 IdOpt = Annotated[str | None, typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<pid>).")]
 
@@ -32,9 +30,6 @@ def register(app: typer.Typer) -> None:
     app.command(
         "actor", help="Rollout actor: play tasks with the policy and the user simulator, publish trajectories."
     )(actor_cmd)
-    app.command(
-        "sim", help="User-simulator service (NATS request/reply) on a local vLLM engine or an OpenAI-compatible URL."
-    )(sim_cmd)
     models = typer.Typer(help="Build the models parley runs without a model hub.", no_args_is_help=True)
     models.command("tiny", help="Write the random 2-layer toy Qwen3 with a ChatML tokenizer (seconds).")(
         models_tiny_cmd
@@ -61,6 +56,7 @@ def _check_model(field: str, value: str) -> None:
         _bad_config(f"{field}={value!r}: {e}")
 
 
+@with_flags(flag("actor.concurrency", help="Conversations in flight over all tasks"))
 def actor_cmd(
     config: ConfigOpt = None,
     sets: SetOpt = None,
@@ -68,72 +64,14 @@ def actor_cmd(
     run: RunOpt = None,
     dry: DryRunOpt = False,
     ident: IdOpt = None,
-    concurrency: Annotated[
-        int | None,
-        typer.Option("--concurrency", help="Conversations in flight over all tasks; overrides actor.concurrency."),
-    ] = None,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = "0.0.0.0",
+    flagged=(),
 ) -> None:
     """Pull tasks of the run, play every sample, publish one trajectory per sample, follow weight versions."""
-    extra = [f"actor.concurrency={concurrency}"] if concurrency is not None else []
-    cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
+    cfg = resolve(config, sets, nats=nats, run=run, extra=flagged)
     _check_model("actor.engine.model", cfg.actor.engine.model)  # under --dry-run too: every start check
-    if dry:
-        dry_run(cfg)
-    ident = ident or f"actor-{os.getpid()}"
-    setup_logging(ident)
-    start_metrics(metrics_port, metrics_host, "actor")
-    from parley.actors.actor import run as actor_run
-
-    run_main(actor_run, cfg, ident)
-
-
-def sim_cmd(
-    config: ConfigOpt = None,
-    sets: SetOpt = None,
-    nats: NatsOpt = None,
-    run: RunOpt = None,
-    dry: DryRunOpt = False,
-    ident: IdOpt = None,
-    user_sim_prompt: Annotated[
-        str | None,
-        typer.Option("--user-sim-prompt", help="Prompt variant for requests that name none; overrides sim.prompt."),
-    ] = None,
-    backend: Annotated[str | None, typer.Option("--backend", help="vllm | openai; overrides sim.backend.")] = None,
-    base_url: Annotated[
-        str | None, typer.Option("--base-url", help="OpenAI-compatible endpoint, e.g. http://host:8000/v1.")
-    ] = None,
-    model_name: Annotated[str | None, typer.Option("--model-name", help="Model name the endpoint serves.")] = None,
-    concurrency: Annotated[int | None, typer.Option("--concurrency", help="Requests handled at once.")] = None,
-    metrics_port: MetricsPortOpt = None,
-    metrics_host: MetricsHostOpt = "0.0.0.0",
-) -> None:
-    """Serve the user simulator on parley.svc.sim (queue group "sim") until Ctrl-C / SIGTERM."""
-    extra = []
-    for key, value in (
-        ("prompt", user_sim_prompt),
-        ("backend", backend),
-        ("base_url", base_url),
-        ("model_name", model_name),
-    ):
-        if value is not None:
-            extra.append(f'sim.{key}="{value}"')
-    if concurrency is not None:
-        extra.append(f"sim.concurrency={concurrency}")
-    cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
-    if cfg.sim.backend == "vllm":  # under --dry-run too: every start check
-        _check_model("sim.engine.model", cfg.sim.engine.model)
-    elif not cfg.sim.model_name:
-        _bad_config("sim.model_name is empty; with backend='openai' name the served model (--model-name)")
-    if dry:
-        dry_run(cfg)
-    ident = ident or f"sim-{os.getpid()}"
-    setup_logging(ident)
-    start_metrics(metrics_port, metrics_host, "sim")
-    from parley.services.sim.server import run as sim_run
-
-    run_main(sim_run, cfg, ident)
+    launch("actor", "parley.actors.actor", cfg, dry, ident or f"actor-{os.getpid()}", metrics_port, metrics_host)
 
 
 def models_tiny_cmd(

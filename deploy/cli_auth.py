@@ -11,7 +11,17 @@ from typing import Annotated
 
 import typer
 
-from parley.deploy.common import ConfigOpt, NatsOpt, RunOpt, SetOpt, resolve, run_async_main, setup_logging
+from parley.deploy.common import (
+    ConfigOpt,
+    DryRunOpt,
+    NatsOpt,
+    RunOpt,
+    SetOpt,
+    dry_run,
+    resolve,
+    run_async_main,
+    setup_logging,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -44,12 +54,15 @@ def credentials_cmd(
     out_dir: Annotated[Path, typer.Argument(help="Where to write auth.conf and <role>.env (mode 0600).")],
     config: ConfigOpt = None,
     sets: SetOpt = None,
+    dry: DryRunOpt = False,
 ) -> None:
     """A fresh user and password per role; the services' reply window covers the config's request timeouts."""
     from parley.deploy.credentials import generate_credentials
     from parley.deploy.permissions import response_window_s
 
     cfg = resolve(config, sets)
+    if dry:
+        dry_run(cfg, notes=f"auth credentials: users of run {run!r} into {out_dir}")
     creds = generate_credentials(run, out_dir, response_window=response_window_s(cfg))
     typer.echo(f"wrote {out_dir / 'auth.conf'} and {', '.join(f'{r}.env' for r in creds)}")
 
@@ -62,10 +75,13 @@ def topology_cmd(
     wait: Annotated[
         float, typer.Option("--wait", help="Seconds to keep retrying while NATS / JetStream starts.")
     ] = 120.0,
+    dry: DryRunOpt = False,
 ) -> None:
     """Connect with the config's [nats] (the admin's PARLEY_NATS_USER / PASSWORD from admin.env) and
     create or check the run's topology; exit 3 if NATS is not ready within --wait seconds."""
     cfg = resolve(config, sets, nats=nats, run=run)
+    if dry:
+        dry_run(cfg, notes=f"auth topology: run {cfg.run.name!r} on {cfg.nats.url}")
     setup_logging("auth", "WARNING")
     run_async_main(_topology, cfg, wait)
 

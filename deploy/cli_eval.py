@@ -25,6 +25,7 @@ from parley.deploy.common import (
     run_async_main,
     setup_logging,
 )
+from parley.deploy.flags import flag, with_flags
 
 data_app = typer.Typer(help="Dataset tools: leakage checks between training and eval data.", no_args_is_help=True)
 
@@ -127,6 +128,7 @@ def _weight_override(text: str) -> str:
     return "scorer.weights={" + ", ".join(pairs) + "}"
 
 
+@with_flags(flag("scorer.bleu_variant", help="BLEU for the replayed rewards; after --scoring's"))
 def replay_cmd(
     logs: Annotated[
         list[Path] | None,
@@ -145,9 +147,6 @@ def replay_cmd(
             "--weights",
             help="Reward weights, e.g. bleu=1,interactivity=1,token_amount=-0.1 (default: the config's scorer.weights).",
         ),
-    ] = None,
-    bleu_variant: Annotated[
-        str | None, typer.Option("--bleu-variant", help="sacrebleu | char (default: the config's scorer.bleu_variant).")
     ] = None,
     scoring: Annotated[
         str | None,
@@ -193,6 +192,7 @@ def replay_cmd(
     nats: NatsOpt = None,
     run: RunOpt = None,
     dry: DryRunOpt = False,
+    flagged=(),
 ) -> None:
     """Without --judge nothing is generated or judged: BLEU is recomputed from each stored document,
     interactivity and token counts are reused, and the reward column applies the weights."""
@@ -209,8 +209,7 @@ def replay_cmd(
             allowed = f"use one of {', '.join(variants)}" if variants else f"environment {env.name!r} names none"
             _fail("replay", f"--scoring {scoring!r} not allowed; {allowed} (or leave it out for the config's [scorer])")
         extra += [f'scorer.{k}="{v}"' for k, v in variants[scoring].items()]
-    if bleu_variant:  # after --scoring: an explicit variant wins
-        extra.append(f'scorer.bleu_variant="{bleu_variant}"')
+    extra += flagged  # after --scoring: an explicit --bleu-variant wins
     cfg = resolve(config, sets, nats=nats, run=run, extra=extra)
     if not logs and not stream:
         _fail("replay", "nothing to replay: give log files and/or --stream eval|scored")
@@ -278,6 +277,10 @@ def _deterministic(logs, config, sets, nats, run, dry) -> None:
     run_async_main(replay_deterministic, cfg, archive_dir(run_dir), weights_of)
 
 
+@with_flags(
+    flag("actor.sampling.temperature", help="Policy sampling temperature"),
+    flag("data.allow_overlap", help="Run even if eval items share reference targets with the training data"),
+)
 def eval_cmd(
     conditions: Annotated[
         list[str] | None,
@@ -325,13 +328,9 @@ def eval_cmd(
         bool | None,
         typer.Option("--thinking/--no-thinking", help="Chat-template thinking for the policy (default off)."),
     ] = None,
-    temperature: Annotated[
-        float | None,
-        typer.Option(
-            "--temperature", help="Policy sampling temperature (default: the config's actor.sampling.temperature)."
-        ),
+    concurrency: Annotated[
+        int | None, typer.Option("--concurrency", help="Conversations of one condition in flight (default 8).")
     ] = None,
-    concurrency: Annotated[int, typer.Option("--concurrency", help="Conversations of one condition in flight.")] = 8,
     services: Annotated[
         str,
         typer.Option(
@@ -339,10 +338,6 @@ def eval_cmd(
             help="local: simulator and judge engines in this process; nats: the running `parley sim` / `parley judge` services; fleet: as nats, and each condition is played by a `parley actor` and scored by a `parley scorer` started for it.",
         ),
     ] = "local",
-    allow_overlap: Annotated[
-        bool,
-        typer.Option("--allow-overlap", help="Run even if eval items share reference targets with the training data."),
-    ] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Output directory (default: RUN_DIR/benchmark).")] = None,
     policy_version: Annotated[
         int,
@@ -363,15 +358,15 @@ def eval_cmd(
     nats: NatsOpt = None,
     run: RunOpt = None,
     dry: DryRunOpt = False,
+    flagged=(),
 ) -> None:
     """Every condition plays the same items from scratch (the simulated user speaks first) with the same
     simulator seeds; each conversation is judged, stored in records.parquet (and on the run's EVAL stream
     with --services nats), and the table with paired statistics is printed and written."""
-    import msgspec
 
     from parley.config.actor import SIM_PROMPTS
 
-    cfg = resolve(config, sets, nats=nats, run=run)
+    cfg = resolve(config, sets, nats=nats, run=run, extra=flagged)
     if services not in ("local", "nats", "fleet"):
         _fail("eval", f"--services {services!r} not allowed; use local, nats or fleet")
     if follow and (conditions or services != "nats"):
@@ -432,15 +427,16 @@ def eval_cmd(
         names = [c.name for c in conds]
         if baseline is not None and baseline not in names:
             raise ValueError(f"--baseline {baseline!r} is not one of the conditions {names}")
-        defaults = dict(assistant_max_tokens=4096, max_new_turns=14, seeds=1, enable_thinking=False)
-        settings = EvalSettings(
-            **{k: defaults[k] if fixed[k] is None else fixed[k] for k in defaults},
+        settings = EvalSettings(  # what neither the options nor --protocol fix stays EvalSettings' default
+            **{
+                k: fixed[k]
+                for k in ("assistant_max_tokens", "max_new_turns", "seeds", "enable_thinking")
+                if fixed[k] is not None
+            },
+            **({} if concurrency is None else {"concurrency": concurrency}),
             sim_prompt=fixed["sim_prompt"] or "",
-            concurrency=concurrency,
             run=cfg.run.name,
-            sampling=cfg.actor.sampling
-            if temperature is None
-            else msgspec.structs.replace(cfg.actor.sampling, temperature=temperature),
+            sampling=cfg.actor.sampling,
         )
         train, held = eval_items(cfg.data, items, env)
         if not held:
@@ -454,7 +450,7 @@ def eval_cmd(
                 protocols.check_n(n_items, len(held), source, asked)
             held = held[:n_items]
         # the learner's guard (learner.service), over the environment's leakage keys (a dry run writes nothing)
-        guard_environment(env.tasks, train, held, allow_overlap or cfg.data.allow_overlap, None if dry else out)
+        guard_environment(env.tasks, train, held, cfg.data.allow_overlap, None if dry else out)
     except (ValueError, FileNotFoundError) as e:  # LeakageError is a ValueError
         _fail("eval", str(e), code=1 if isinstance(e, LeakageError) else 2)
     fields = {f"--condition {c.name}": c.model for c in conds}

@@ -27,6 +27,7 @@ from parley.deploy.common import (
     setup_logging,
     start_metrics,
 )
+from parley.deploy.flags import flag, with_flags
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +37,10 @@ def register(app: typer.Typer) -> None:
     app.command("export", help="Write one weights version of a learner run as a standalone HF checkpoint.")(export_cmd)
 
 
+@with_flags(
+    flag("learner.steps", help="Stop once this many optimizer steps are done in total"),
+    flag("data.allow_overlap", help="Start even if train and eval share reference targets (recorded in the run)"),
+)
 def learner_cmd(
     config: ConfigOpt = None,
     sets: SetOpt = None,
@@ -52,28 +57,16 @@ def learner_cmd(
             help="A fresh start over a run name whose streams hold an older learner's work: purge them first (with access control on, this needs the admin credential).",
         ),
     ] = False,
-    steps: Annotated[
-        int | None,
-        typer.Option("--steps", help="Stop once this many optimizer steps are done in total; overrides learner.steps."),
-    ] = None,
-    allow_overlap: Annotated[
-        bool,
-        typer.Option(
-            "--allow-overlap", help="Start even if train and eval share reference targets (recorded in the run)."
-        ),
-    ] = False,
     metrics_port: MetricsPortOpt = None,
     metrics_host: MetricsHostOpt = "0.0.0.0",
+    flagged=(),
 ) -> None:
     """Run the learner until `steps` steps are done (exit 0) or Ctrl-C / SIGTERM (state saved).
 
     Several GPUs: start it under the deepspeed launcher or torchrun (docs/learner.md); rank 0
     talks to NATS and the other ranks follow its training calls.
     """
-    extra = [f"learner.steps={steps}"] if steps is not None else []
-    if allow_overlap:
-        extra.append("data.allow_overlap=true")
-    cfg = resolve(config, sets, nats=nats, run=run, extra=extra, training=True)
+    cfg = resolve(config, sets, nats=nats, run=run, extra=flagged, training=True)
     problems, _ = check_inputs(cfg, fields={"policy.model": cfg.policy.model})
     if problems:  # under --dry-run too: every start check
         refuse("learner", problems)

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from parley.deploy.common import ConfigOpt, RunOpt, SetOpt, resolve
+from parley.deploy.common import ConfigOpt, DryRunOpt, RunOpt, SetOpt, dry_run, resolve
 
 
 def register(app: typer.Typer) -> None:
@@ -34,13 +34,17 @@ def trace_cmd(
     config: ConfigOpt = None,
     sets: SetOpt = None,
     run: RunOpt = None,
+    dry: DryRunOpt = False,
 ) -> None:
     """Reads the run directory only; nothing is asked of NATS."""
     from parley.evaluation.lineage import LedgerView, TraceError, find, render
     from parley.learner.checkpoint import LedgerError, archive_dir, read_state
     from parley.learner.steplog import TRAINED_FILE
 
-    run_dir = run_dir or resolve(config, sets, run=run).run_dir
+    cfg = resolve(config, sets, run=run) if dry or run_dir is None else None
+    run_dir = run_dir or cfg.run_dir
+    if dry:
+        dry_run(cfg, notes=f"trace: {traj_id} in {run_dir}")
     if not run_dir.is_dir():
         typer.echo(f"parley trace: run directory {run_dir} does not exist; pass the learner's with --run-dir", err=True)
         raise typer.Exit(2)

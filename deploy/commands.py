@@ -13,32 +13,22 @@ import typer
 from parley.deploy.common import (
     ConfigOpt,
     DryRunOpt,
-    MetricsHostOpt,
-    MetricsPortOpt,
     NatsOpt,
     RunOpt,
     SetOpt,
-    check_models,
     dry_run,
-    refuse,
     resolve,
     run_async_main,
-    run_main,
     setup_logging,
-    start_metrics,
 )
 
 
 def register(app: typer.Typer) -> None:
     app.command("nats", help="Run the real nats-server with JetStream (prints its URL).")(nats_cmd)
     app.command("selfcheck", help="Round-trip every message type through a NATS server and report.")(selfcheck_cmd)
-    app.command("services", help="User simulator and judge in one process sharing one local engine.")(services_cmd)
-    app.command(
-        "reference",
-        help='Reference service: the frozen initial policy\'s per-token log-probs ([policy] reference = "service").',
-    )(reference_cmd)
     for module in (
         "parley.deploy.cli_actor",
+        "parley.deploy.cli_services",
         "parley.deploy.cli_scorer",
         "parley.deploy.cli_eval",
         "parley.deploy.cli_learner",
@@ -53,60 +43,6 @@ def register(app: typer.Typer) -> None:
                 raise
             continue
         mod.register(app)
-
-
-def services_cmd(
-    config: ConfigOpt = None,
-    sets: SetOpt = None,
-    nats: NatsOpt = None,
-    run: RunOpt = None,
-    ident: Annotated[str | None, typer.Option("--id", help="Instance id (default services-<pid>).")] = None,
-    dry: DryRunOpt = False,
-    metrics_port: MetricsPortOpt = None,
-    metrics_host: MetricsHostOpt = "0.0.0.0",
-) -> None:
-    """Serve parley.svc.sim and parley.svc.judge.* from one engine until Ctrl-C / SIGTERM."""
-    import os
-
-    cfg = resolve(config, sets, nats=nats, run=run)
-    if dry:
-        dry_run(cfg)
-    from parley.services.combined import check_shareable, run
-
-    try:
-        check_shareable(cfg)
-    except ValueError as e:
-        typer.echo(f"parley services: {e}", err=True)
-        raise typer.Exit(2) from None
-    setup_logging(ident or "services")
-    start_metrics(metrics_port, metrics_host, "services")
-    run_main(run, cfg, ident or f"services-{os.getpid()}")
-
-
-def reference_cmd(
-    config: ConfigOpt = None,
-    sets: SetOpt = None,
-    nats: NatsOpt = None,
-    run: RunOpt = None,
-    ident: Annotated[str | None, typer.Option("--id", help="Instance id (default reference-<pid>).")] = None,
-    dry: DryRunOpt = False,
-    metrics_port: MetricsPortOpt = None,
-    metrics_host: MetricsHostOpt = "0.0.0.0",
-) -> None:
-    """Serve parley.svc.reference (log-probs of [policy] model's initial weights) until Ctrl-C / SIGTERM."""
-    import os
-
-    cfg = resolve(config, sets, nats=nats, run=run)
-    problems = check_models({"policy.model": cfg.policy.model})
-    if problems:  # under --dry-run too: every start check
-        refuse("reference", problems)
-    if dry:
-        dry_run(cfg)
-    from parley.services.reference.server import run
-
-    setup_logging(ident or "reference")
-    start_metrics(metrics_port, metrics_host, "reference")
-    run_main(run, cfg, ident or f"reference-{os.getpid()}")
 
 
 def nats_cmd(

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from parley.deploy.flags import flag
 from parley.runtime.process import setup_logging  # noqa: F401  (re-exported for the commands)
 
 ConfigOpt = Annotated[
@@ -20,12 +21,11 @@ SetOpt = Annotated[
     list[str] | None, typer.Option("--set", "-s", help="Override a config value: section.key=value (repeatable).")
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved configuration and exit.")]
-NatsOpt = Annotated[
-    str | None, typer.Option("--nats", help="NATS URL; overrides the config's nats.url.", envvar="PARLEY_NATS_URL")
-]
-RunOpt = Annotated[
-    str | None, typer.Option("--run", help="Run name; overrides the config's run.name.", envvar="PARLEY_RUN")
-]
+# --nats and --run: generated from [nats] url and [run] name (deploy/flags.py); resolve() takes them
+NATS = flag("nats.url", "--nats", help="NATS URL", envvar="PARLEY_NATS_URL")
+RUN = flag("run.name", "--run", help="Run name", envvar="PARLEY_RUN")
+NatsOpt = NATS.annotation()
+RunOpt = RUN.annotation()
 # Off unless asked: an endpoint nobody scrapes is an open port for nothing, and one fixed default port
 # collides as soon as two roles share a host; `parley up` asks each child for one (deploy/up.py).
 METRICS_PORT_ENV = "PARLEY_METRICS_PORT"  # the deploy files set it (9400) beside a port named "metrics"
@@ -62,13 +62,10 @@ def resolve(
     from parley.config.run import ConfigError, check_training, load_config
 
     overrides: list[str | tuple[str, str]] = list(sets or [])
-    for value, key, option, env in (
-        (nats, "nats.url", "--nats", "PARLEY_NATS_URL"),
-        (run, "run.name", "--run", "PARLEY_RUN"),
-    ):
+    for value, option in ((nats, NATS), (run, RUN)):
         if value:
-            source = env if os.environ.get(env) == value else f"{option} {value}"
-            overrides.append((f'{key}="{value}"', source))
+            text, source = option.override(value)
+            overrides.append((text, option.envvar if os.environ.get(option.envvar) == value else source))
     overrides += extra or []
     try:
         cfg = load_config(config, overrides)
@@ -198,6 +195,30 @@ def run_main(entry, *args) -> None:
     code = entry(*args)
     if code:
         raise typer.Exit(int(code))
+
+
+def launch(
+    role: str,
+    module: str,
+    cfg,
+    dry: bool,
+    ident: str,
+    metrics_port: int | None = None,
+    metrics_host: str = "0.0.0.0",
+    problems: list[str] | None = None,
+) -> None:
+    """The end of a role command: refuse the start `problems` (under --dry-run too), print the
+    config under --dry-run, else log as `ident`, serve metrics and call `module.run(cfg, ident)`
+    (imported only now, so that `parley --help` stays light)."""
+    import importlib
+
+    if problems:
+        refuse(role, problems)
+    if dry:
+        dry_run(cfg)
+    setup_logging(ident)
+    start_metrics(metrics_port, metrics_host, role)
+    run_main(importlib.import_module(module).run, cfg, ident)
 
 
 def run_async_main(main, *args) -> None:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-log = logging.getLogger("parley.up")
+log = logging.getLogger(__name__)
 
 SAMPLES_HEADER = "time,util_pct,mem_used_mib,mem_total_mib\n"
 APPS_HEADER = "time,pid,role,used_mib\n"

@@ -24,7 +24,7 @@ from parley.protocol.backlog import WARN_SHARE
 from parley.runtime.supervisor import Supervisor
 from parley.services.combined import service_children
 
-log = logging.getLogger("parley.up")
+log = logging.getLogger(__name__)
 READY_STATES = ("ready", "busy")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -21,6 +22,7 @@ from parley.deploy.common import (
     run_async_main,
     setup_logging,
 )
+from parley.deploy.flags import flag, with_flags
 
 
 def register(app: typer.Typer) -> None:
@@ -34,12 +36,25 @@ def register(app: typer.Typer) -> None:
     )(report_cmd)
 
 
+@with_flags(
+    flag("learner.steps", help="Stop after this many GRPO steps"),
+    flag("up.min_actors", help="--actors auto: the fewest"),
+    flag("up.max_actors", help="--actors auto: the most"),
+    flag("up.scorers", help="Scorers to start"),
+    flag("run.dir", "--run-dir", help="Run directory (default runs/<name>-<time>)"),
+    flag(
+        "env.name",
+        "--env",
+        help="Environment to train, by entry-point name (e.g. hidden_goal). Without --config, the environment's preset is laid over the embedded default (before --set)",
+    ),
+    flag(
+        "run.recipe",
+        help="A named preset of training settings (e.g. verl-collabllm, docs/recipe.md): laid over the embedded default, under --config FILE's own keys; --set wins",
+    ),
+)
 def up_cmd(
     config: ConfigOpt = None,
     sets: SetOpt = None,
-    steps: Annotated[
-        int | None, typer.Option("--steps", help="Stop after this many GRPO steps (overrides learner.steps).")
-    ] = None,
     actors: Annotated[
         str | None,
         typer.Option(
@@ -48,34 +63,12 @@ def up_cmd(
             '"auto": between --min-actors and --max-actors on the TASKS backlog.',
         ),
     ] = None,
-    min_actors: Annotated[
-        int | None, typer.Option("--min-actors", help="--actors auto: the fewest (overrides up.min_actors).")
-    ] = None,
-    max_actors: Annotated[
-        int | None, typer.Option("--max-actors", help="--actors auto: the most (overrides up.max_actors).")
-    ] = None,
-    scorers: Annotated[int | None, typer.Option("--scorers", help="Scorers to start (overrides up.scorers).")] = None,
-    run_dir: Annotated[
-        Path | None, typer.Option("--run-dir", help="Run directory (default runs/<name>-<time>).")
-    ] = None,
+    run_dir=None,
     live: Annotated[
         bool | None,
         typer.Option("--live/--no-live", help="Live terminal view (default: on when stdout is a terminal)."),
     ] = None,
-    env: Annotated[
-        str | None,
-        typer.Option(
-            "--env",
-            help="Environment to train, by entry-point name (overrides env.name; e.g. hidden_goal). Without --config, the environment's preset is laid over the embedded default (before --set).",
-        ),
-    ] = None,
-    recipe: Annotated[
-        str | None,
-        typer.Option(
-            "--recipe",
-            help="A named preset of training settings (overrides run.recipe; e.g. verl-collabllm, docs/recipe.md): laid over the embedded default, under --config FILE's own keys; --set wins.",
-        ),
-    ] = None,
+    env=None,
     resume: Annotated[
         Path | None,
         typer.Option(
@@ -84,17 +77,12 @@ def up_cmd(
         ),
     ] = None,
     dry: DryRunOpt = False,
+    flagged=(),
 ) -> None:
-    extra: list[tuple[str, str]] = []
+    extra: list[tuple[str, str]] = list(flagged)
     if resume is not None:
         config = resume_source(resume, config, run_dir, env)
-        run_dir = resume.resolve()
-    if recipe is not None:
-        extra.append((f'run.recipe="{recipe}"', f"--recipe {recipe}"))
-    if env is not None:
-        extra.append((f'env.name="{env}"', f"--env {env}"))
-    if steps is not None:
-        extra.append((f"learner.steps={steps}", f"--steps {steps}"))
+        extra.append((f"run.dir={json.dumps(str(resume.resolve()))}", f"--resume {resume}"))
     if actors == "auto":
         extra.append(("up.autoscale=true", "--actors auto"))
     elif actors is not None:
@@ -102,13 +90,6 @@ def up_cmd(
             typer.echo(f'parley up: --actors {actors!r}: give a number or "auto"', err=True)
             raise typer.Exit(2)
         extra.append((f"up.actors={actors}", f"--actors {actors}"))
-    for key, value in (("min_actors", min_actors), ("max_actors", max_actors)):
-        if value is not None:
-            extra.append((f"up.{key}={value}", f"--{key.replace('_', '-')} {value}"))
-    if scorers is not None:
-        extra.append((f"up.scorers={scorers}", f"--scorers {scorers}"))
-    if run_dir is not None:
-        extra.append((f'run.dir="{run_dir}"', f"--run-dir {run_dir}"))
     preset = env_preset(env) if env is not None and config is None else ()
     if preset:
         typer.echo(
@@ -143,9 +124,9 @@ def resume_source(run_dir: Path, config: Path | None, other_dir: Path | None, en
     directory holds no run or another source of the config is named beside it."""
     from parley.deploy.up import resume_config_path
 
-    for flag, given in (("--config", config), ("--run-dir", other_dir), ("--env", env)):
+    for option, given in (("--config", config), ("--run-dir", other_dir), ("--env", env)):
         if given is not None:
-            typer.echo(f"parley up: --resume {run_dir} takes its config from there; drop {flag} {given}", err=True)
+            typer.echo(f"parley up: --resume {run_dir} takes its config from there; drop {option} {given}", err=True)
             raise typer.Exit(2)
     try:
         return resume_config_path(run_dir)
@@ -240,8 +221,12 @@ def env_preset(name: str) -> tuple[str, ...]:
         return ()
 
 
-def top_cmd(nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, sets: SetOpt = None) -> None:
+def top_cmd(
+    nats: NatsOpt = None, run: RunOpt = None, config: ConfigOpt = None, sets: SetOpt = None, dry: DryRunOpt = False
+) -> None:
     cfg = resolve(config, sets, nats=nats, run=run)
+    if dry:
+        dry_run(cfg, notes=f"top: the run {cfg.run.name!r} on {cfg.nats.url}")
     setup_logging("top", "WARNING")
 
     async def main(stop, cfg):

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from parley.engines.config import EngineConfig, ServiceBackend
 from parley.errors import Refused
 
-log = logging.getLogger("parley.backend")
+log = logging.getLogger(__name__)
 
 
 class BackendError(Refused, RuntimeError):

@@ -63,7 +63,7 @@ def engine_socket_dir(environ=os.environ) -> str | None:
     path = str(scratch_dir("vllm"))
     if len(path) + 1 + len(str(uuid.uuid4())) > SOCKET_PATH_MAX:
         os.rmdir(path)
-        logging.getLogger("parley.engine").warning(
+        logging.getLogger(__name__).warning(
             "engine sockets stay in vLLM's default directory: %s/<uuid> would pass the %d bytes a Unix "
             "socket's path may have (set %s to a short directory to move them)",
             path,

@@ -51,7 +51,7 @@ from parley.protocol.messages import Heartbeat
 from parley.protocol.request import is_resend, request_id, send_id, wait_and_id, withdrawal
 from parley.protocol.topology import withdraw_subject
 
-log = logging.getLogger("parley.service")
+log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes], Awaitable[bytes]]
 OnError = Callable[[str, bytes, BaseException], bytes]

@@ -339,7 +339,7 @@ async def fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, o
     from parley.evaluation.runner import NotScored, make_tasks
     from parley.runtime.toml import to_toml
 
-    log = logging.getLogger("parley.eval")
+    log = logging.getLogger(__name__)
 
     fleet_dir = Path(out) / "fleet"
     fleet_dir.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from parley.evaluation.runner import Condition
 from parley.protocol import dead, topology
 from parley.protocol.messages import EvalRecord, Scored, Task, Trajectory
 
-log = logging.getLogger("parley.eval.fleet")
+log = logging.getLogger(__name__)
 
 
 class FleetError(ParleyError, RuntimeError):

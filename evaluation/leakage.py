@@ -17,7 +17,7 @@ from parley.environments.base import find_overlap as find_environment_overlap
 from parley.errors import ConfigError
 from parley.tasks.data import Item, Overlap, find_overlap
 
-log = logging.getLogger("parley.leakage")
+log = logging.getLogger(__name__)
 
 OVERLAP_FILE = "overlap.json"
 _EXAMPLES = 3  # pairs named in an error message

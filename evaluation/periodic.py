@@ -24,7 +24,7 @@ from pathlib import Path
 
 from parley.evaluation.runner import read_unscored
 
-log = logging.getLogger("parley.learner.eval")
+log = logging.getLogger(__name__)
 
 # A learner started by `parley up` gets the eval role's NATS credentials in these variables and hands
 # them to its eval child as PARLEY_NATS_USER / PASSWORD (the learner's own user may not call sim/judge).

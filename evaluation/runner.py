@@ -25,7 +25,7 @@ from parley.protocol.messages import EvalRecord, Sampling, SimReply, SimRequest,
 from parley.services.sim.client import UserSide
 from parley.tasks.data import system_prompt_text
 
-log = logging.getLogger("parley.eval")
+log = logging.getLogger(__name__)
 
 CONDITION_FORM = "name=MODEL_OR_CHECKPOINT[,system_prompt=FILE]"
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from parley.config.learner import ATTENTIONS
 
-log = logging.getLogger("parley.learner")
+log = logging.getLogger(__name__)
 
 VARLEN = "parley_varlen"  # the name our packed attention is registered under in transformers
 

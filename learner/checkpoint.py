@@ -37,7 +37,7 @@ _RECORD = struct.Struct("<II")  # a sample log record: payload length, crc32 of 
 # ones and this many bytes: each sample is then written about twice at most, amortised.
 COMPACT_MIN_BYTES = 64 * 1024 * 1024
 
-log = logging.getLogger("parley.learner")
+log = logging.getLogger(__name__)
 
 
 class GroupState(msgspec.Struct, kw_only=True):

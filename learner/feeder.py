@@ -27,7 +27,7 @@ from parley.protocol.bus import publish, retry_unreachable
 from parley.protocol.messages import Task
 from parley.tasks.data import task_from_item
 
-log = logging.getLogger("parley.learner.feeder")
+log = logging.getLogger(__name__)
 
 
 def admission_limit(version: int, max_staleness: int, groups_per_step: int) -> int:

@@ -18,7 +18,7 @@ from parley.errors import BadMessage
 from parley.protocol import arrays
 from parley.protocol.messages import ABANDONED_STALE, GREEDY_BELOW, Scored, Trajectory
 
-log = logging.getLogger("parley.learner.groups")
+log = logging.getLogger(__name__)
 
 # Rewards closer than this inside a group give no GRPO signal: such a group is skipped, not trained.
 ZERO_SPREAD = 1e-6

@@ -17,7 +17,7 @@ from parley.learner.groups import Finished, Group, Grouper, Outcome
 from parley.learner.runstate import RunState
 from parley.learner.steplog import StepLog
 
-log = logging.getLogger("parley.learner")
+log = logging.getLogger(__name__)
 
 
 class LearnerStateError(StateError):

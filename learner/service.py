@@ -38,7 +38,7 @@ from parley.weights import lora, registry
 from parley.weights.common import WeightStoreTooSmall, checkpoint_elements
 from parley.weights.publish import Publisher, Weights
 
-log = logging.getLogger("parley.learner")
+log = logging.getLogger(__name__)
 
 
 class Learner:

@@ -26,7 +26,7 @@ from parley.runtime import killpoints
 from parley.runtime.durable import fsync_tree
 from parley.weights.publish import Weights
 
-log = logging.getLogger("parley.learner")
+log = logging.getLogger(__name__)
 
 
 class Stepper:

@@ -21,7 +21,7 @@ from parley.learner.runstate import RunState
 from parley.protocol import backlog, dead
 from parley.protocol.bus import UNREACHABLE
 
-log = logging.getLogger("parley.learner")
+log = logging.getLogger(__name__)
 
 EARLY_KEPT = 4096  # letters kept for tasks not in flight yet (the oldest go first beyond it)
 

@@ -29,7 +29,7 @@ from parley.errors import ProtocolError
 from parley.protocol import codec, topology
 from parley.protocol.messages import DeadLetter
 
-log = logging.getLogger("parley.bus")
+log = logging.getLogger(__name__)
 
 # Process-wide counters shown in heartbeats and the live view ("dead.traj.poison": 3, ...).
 COUNTERS: Counter[str] = Counter()

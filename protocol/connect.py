@@ -18,7 +18,7 @@ import nats
 
 from parley.errors import Unavailable
 
-log = logging.getLogger("parley.nats")
+log = logging.getLogger(__name__)
 
 # What every role reads from its environment to log in (deploy/credentials.py writes them per role).
 USER_ENV, PASSWORD_ENV = "PARLEY_NATS_USER", "PARLEY_NATS_PASSWORD"

@@ -23,7 +23,7 @@ import secrets
 
 from parley.protocol.topology import withdraw_subject
 
-log = logging.getLogger("parley.request")
+log = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "Parley-Timeout"  # seconds the requester waits for the reply, counted from when it sends
 ID_HEADER = "Parley-Request-Id"  # equal for a request and its re-sends

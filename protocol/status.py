@@ -15,7 +15,7 @@ from collections.abc import Callable
 from parley.protocol import codec, topology
 from parley.protocol.messages import Heartbeat
 
-log = logging.getLogger("parley.status")
+log = logging.getLogger(__name__)
 
 # Called with (run, heartbeat) for every heartbeat this process sends; runtime.metrics.serve adds its own.
 OBSERVERS: list[Callable[[str, Heartbeat], None]] = []

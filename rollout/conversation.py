@@ -43,7 +43,7 @@ from parley.protocol.messages import (
 from parley.rollout.chat import ChatTokens
 from parley.services.sim.client import FALLBACK_MESSAGE, UserSide
 
-log = logging.getLogger("parley.rollout")
+log = logging.getLogger(__name__)
 
 MODES = ("conversation", "next_turn")
 

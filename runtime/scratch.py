@@ -19,7 +19,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-log = logging.getLogger("parley.scratch")
+log = logging.getLogger(__name__)
 
 
 def _host() -> str:

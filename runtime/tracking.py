@@ -12,7 +12,7 @@ import os
 import secrets
 from pathlib import Path
 
-log = logging.getLogger("parley.tracking")
+log = logging.getLogger(__name__)
 
 
 def wandb_mode() -> str:

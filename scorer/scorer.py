@@ -30,7 +30,7 @@ from parley.rollout.score import Unscorable, _all, score_trajectory, scorer_rewa
 from parley.services.judge.client import Judge, JudgeFailed, JudgeUnavailable
 from parley.services.reference.client import ReferenceClient, ReferenceFailed, ReferenceUnavailable
 
-log = logging.getLogger("parley.scorer")
+log = logging.getLogger(__name__)
 
 # A second verdict's seed is the first's shifted by this: never a seed the first or its retries use.
 AUDIT_SEED_SHIFT = 1_000_003

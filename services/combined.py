@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 
-log = logging.getLogger("parley.services")
+log = logging.getLogger(__name__)
 
 
 def check_shareable(cfg) -> None:

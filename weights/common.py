@@ -22,7 +22,7 @@ from parley.errors import ConfigError, ProtocolError, StateError, Unavailable
 from parley.protocol import codec, topology
 from parley.protocol.messages import WeightVersion
 
-log = logging.getLogger("parley.weights")
+log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

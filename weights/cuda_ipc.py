@@ -35,7 +35,7 @@ from parley.weights.common import Transport, WeightUnavailable
 if TYPE_CHECKING:
     from torch import Tensor
 
-log = logging.getLogger("parley.weights")
+log = logging.getLogger(__name__)
 
 ALIGN = 256  # bytes; every tensor starts on this boundary and its checksummed region is padded to it
 _ROW = ALIGN // 4  # int32 words per checksum row

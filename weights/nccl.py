@@ -43,7 +43,7 @@ from parley.weights.cuda_ipc import IpcPublisher, checksums, mismatch, views
 if TYPE_CHECKING:
     from torch import Tensor
 
-log = logging.getLogger("parley.nccl")
+log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 60.0  # a join: admitted, its group built by both sides and its first request made within this
 BEAT_S = 5.0  # a joined worker adds to its `beat` key this often, while it keeps its group

@@ -47,7 +47,7 @@ from parley.weights.common import (
 )
 from parley.weights.delta import DELTA_FILE
 
-log = logging.getLogger("parley.weights")
+log = logging.getLogger(__name__)
 
 # Object-store chunks: big enough that per-message overhead vanishes (docs/benchmarks.md, "Observations
 # behind the code"), small enough to stay under the server's max_payload (1 MiB on a stock server).

@@ -36,7 +36,7 @@ from parley.weights.nccl import Nccl
 from parley.weights.objstore import Objstore
 from parley.weights.shared_dir import SharedDir
 
-log = logging.getLogger("parley.weights")
+log = logging.getLogger(__name__)
 
 TRANSPORTS: dict[str, Transport] = {t.kind: t for t in (Objstore(), SharedDir(), CudaIpc(), Nccl())}
 

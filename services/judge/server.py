@@ -1,7 +1,7 @@
 """The judge: extracts the final document of a conversation and rates the assistant's interactivity.
 
 `Judge` answers JudgeRequests with any backend from engines/backend.py (JSON-schema-constrained
-decoding, validation, retries); `parley judge` (deploy/cli_scorer.py) serves it on NATS through
+decoding, validation, retries); `parley judge` (deploy/cli_services.py) serves it on NATS through
 `serve_judge`; scorers reach it with services.judge.client.JudgeClient.
 """
 
@@ -31,7 +31,7 @@ from parley.rewards.metrics import (
     interactivity_from_levels,
 )
 
-log = logging.getLogger("parley.judge")
+log = logging.getLogger(__name__)
 
 PROMPT_FILES = {
     "extract": "extract_document.txt",

@@ -23,7 +23,7 @@ import numpy as np
 from parley.protocol import arrays, codec, topology
 from parley.protocol.messages import ReferenceReply
 
-log = logging.getLogger("parley.reference")
+log = logging.getLogger(__name__)
 
 
 class ReferenceModel:

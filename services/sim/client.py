@@ -19,7 +19,7 @@ from parley.protocol.bus import Poison, Retry
 from parley.protocol.messages import SimReply, SimRequest
 from parley.protocol.request import request
 
-log = logging.getLogger("parley.rollout")
+log = logging.getLogger(__name__)
 
 # What the user "says" when the simulator failed: neutral, so the policy is neither helped nor
 # misled; the actor records its position in Trajectory.sim_fallbacks.

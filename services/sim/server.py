@@ -29,7 +29,7 @@ from parley.protocol import codec, topology
 from parley.protocol.messages import ChatMessage, SimReply, SimRequest
 from parley.services.sim.client import FALLBACK_MESSAGE
 
-log = logging.getLogger("parley.sim")
+log = logging.getLogger(__name__)
 
 SIM_SCHEMA = {
     "type": "object",
@@ -213,6 +213,23 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, default_prompt: 
         return [(sim.service(nc), "sim", ident, cfg.sim.timeout_s)]
 
     return await serve_backend(stop, cfg, ident=ident, roles=[("sim", ident)], backend_cfg=cfg.sim, build=build)
+
+
+def start_problems(cfg: RunConfig) -> list[str]:
+    """What stops the simulator before it starts (and `parley sim --dry-run` refuses), one line each:
+    a local engine whose model does not resolve, an OpenAI-compatible endpoint named without the
+    model it serves. Checked before any engine starts, which takes a minute on CPU."""
+    from parley.engines.models import ModelNotFound, check_model
+
+    if cfg.sim.backend == "openai":
+        if cfg.sim.model_name:
+            return []
+        return ["sim.model_name is empty; with backend='openai' name the served model (--model-name)"]
+    try:
+        check_model(cfg.sim.engine.model)
+    except ModelNotFound as e:
+        return [f"sim.engine.model={cfg.sim.engine.model!r}: {e}"]
+    return []
 
 
 def run(cfg: RunConfig, ident: str) -> int:

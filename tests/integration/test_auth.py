@@ -186,7 +186,7 @@ async def test_no_role_can_read_another_roles_inbox(which, request, caplog):
     """A scorer's judge reply and its pull deliveries arrive under its own inbox prefix; an actor (or the
     simulator user every run shares) subscribing to that prefix or to `_INBOX.>` is refused and sees nothing."""
     secured = request.getfixturevalue("secured" if which == "run-scoped" else "secured_any_run")
-    caplog.set_level(logging.WARNING, logger="parley.nats")
+    caplog.set_level(logging.WARNING, logger="parley.protocol.connect")
     conns = {role: await secured.connect(role) for role in ("scorer", "judge", "actor", "sim")}
     try:
         scorer_user = secured.creds["scorer"][0]
@@ -242,7 +242,7 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
     run = f"job_{which.replace('-', '_')}"
     if which == "run-scoped":
         run = RUN  # run-scoped users only see their own run
-    caplog.set_level(logging.WARNING, logger="parley.nats")
+    caplog.set_level(logging.WARNING, logger="parley.protocol.connect")
     conns = {role: await secured.connect(role) for role in ("learner", "actor", "scorer", "sim", "judge", "eval")}
     stop = asyncio.Event()
     try:
@@ -372,7 +372,7 @@ async def test_services_may_answer_for_as_long_as_the_config_lets_requesters_wai
     assert f'"expires": "{response_window_s(cfg):.0f}s"' in (tmp_path / "auth" / "auth.conf").read_text()
 
     # The server holds a service to the window it is given: with 2 s, an answer after 3 s is refused.
-    caplog.set_level(logging.WARNING, logger="parley.nats")
+    caplog.set_level(logging.WARNING, logger="parley.protocol.connect")
     server = NatsServer(tmp_path / "nats", port=0, extra_conf=server_auth_conf(creds, response_window=2.0))
     server.start()
     sim = actor = None
@@ -475,7 +475,7 @@ async def test_the_reference_service_answers_the_scorer_and_nobody_else_may_ask_
     answers the scorer; an actor may not ask it, and the judge user may not serve it."""
     from parley.protocol.messages import ReferenceReply, ReferenceRequest
 
-    caplog.set_level(logging.WARNING, logger="parley.nats")
+    caplog.set_level(logging.WARNING, logger="parley.protocol.connect")
     conns = {role: await secured.connect(role) for role in ("scorer", "reference", "actor", "judge")}
     try:
 

@@ -194,7 +194,7 @@ async def test_large_messages_are_fetched_within_the_byte_budget_and_the_consume
 
     from parley.deploy.natsserver import NatsServer
 
-    caplog.set_level(logging.WARNING, logger="parley.nats")
+    caplog.set_level(logging.WARNING, logger="parley.protocol.connect")
     server = NatsServer(tmp_path / "nats", port=0, extra_conf="max_pending: 8388608")
     server.start()
     nc = await connect(server.url, name="big")

@@ -50,7 +50,7 @@ def secured(tmp_path):
 
 async def test_services_at_three_times_their_capacity_never_compute_twice(secured, caplog):
     server, creds = secured
-    caplog.set_level(logging.WARNING, logger="parley.nats")
+    caplog.set_level(logging.WARNING, logger="parley.protocol.connect")
     conns = {
         role: await connect(server.url, name=role, user=creds[role][0], password=creds[role][1])
         for role in ("sim", "actor", "admin")

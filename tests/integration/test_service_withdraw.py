@@ -85,7 +85,7 @@ def violations(caplog) -> list[str]:
 async def test_an_actor_cancelled_mid_request_stops_the_simulator_computation(secured, caplog):
     """The actor's SimClient.ask cancelled while the simulator computes its answer (what StaleWatch
     does to a stale group's simulator call): the handler is cancelled, no answer is computed."""
-    caplog.set_level(logging.WARNING, logger="parley.nats")
+    caplog.set_level(logging.WARNING, logger="parley.protocol.connect")
     engine = EngineDouble(reply=lambda data: codec.encode(SimReply(message="never read")))
     async with serving(secured, engine) as (service, actor):
         sim = SimClient(actor, timeout_s=60, wait_s=600)
@@ -102,7 +102,7 @@ async def test_an_actor_cancelled_mid_request_stops_the_simulator_computation(se
 
 
 async def test_a_queued_request_withdrawn_is_never_computed(secured, caplog):
-    caplog.set_level(logging.WARNING, logger="parley.nats")
+    caplog.set_level(logging.WARNING, logger="parley.protocol.connect")
     engine = EngineDouble()
     async with serving(secured, engine, concurrency=1) as (service, actor):
         first = asyncio.create_task(request(actor, topology.SIM_SUBJECT, b"first", timeout=60))
@@ -152,7 +152,7 @@ async def test_every_requester_may_withdraw_and_every_service_hears_it(
     secured, caplog, requester, service_role, subject
 ):
     """The permissions of every requesting role and every service role carry the withdrawals."""
-    caplog.set_level(logging.WARNING, logger="parley.nats")
+    caplog.set_level(logging.WARNING, logger="parley.protocol.connect")
     engine = EngineDouble(reply=lambda data: codec.encode(JudgeReply(ok=True)))
     async with serving(secured, engine, subject=subject, service_role=service_role, requester_role=requester) as (
         service,

@@ -188,7 +188,7 @@ def _write_runs(out: Path) -> None:
     )
     (out / "parley_steps.log").write_text(
         "2026-12-02 10:00:30,000 learner INFO parley.learner.stepper: step 1: loss 0.1, 1 groups\n"
-        "2026-12-02 10:00:30,500 learner INFO parley.learner.periodic: eval: version 0 ...\n"
+        "2026-12-02 10:00:30,500 learner INFO parley.evaluation.periodic: eval: version 0 ...\n"
         "2026-12-02 10:00:31,000 learner INFO parley.learner.stepper: step 2: loss 0.1, 1 groups\n"
         "2026-12-02 10:00:32,000 learner INFO parley.learner.stepper: step 3: loss 0.1, 1 groups\n"
     )
@@ -337,13 +337,13 @@ def test_parleys_step_breakdown_is_the_medians_of_steps_2_to_n_and_of_the_actors
         "(1800 assistant tokens generated so far); a sample's mean: play 0.500s, generate 0.300s, simulator "
         "0.100s, rest 0.100s",
         "2026-12-02 10:00:32,100 actor-0 INFO parley.weights.follow: now serving weights version 3 (was 2)",
-        "2026-12-02 10:00:32,200 actor-0 INFO parley.rollout: task gpu1-t000004: stopped after 1 messages: a "
+        "2026-12-02 10:00:32,200 actor-0 INFO parley.rollout.conversation: task gpu1-t000004: stopped after 1 messages: a "
         "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
-        "2026-12-02 10:00:32,300 actor-0 INFO parley.rollout: task gpu1-t000004: stopped after 0 messages: a "
+        "2026-12-02 10:00:32,300 actor-0 INFO parley.rollout.conversation: task gpu1-t000004: stopped after 0 messages: a "
         "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
-        "2026-12-02 10:00:32,400 actor-0 INFO parley.rollout: task gpu1-t000005: turn cut after 3 messages: a "
+        "2026-12-02 10:00:32,400 actor-0 INFO parley.rollout.conversation: task gpu1-t000005: turn cut after 3 messages: a "
         "trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
-        "2026-12-02 10:00:32,500 actor-0 INFO parley.rollout: task gpu1-t000006: simulator call cut after 2 "
+        "2026-12-02 10:00:32,500 actor-0 INFO parley.rollout.conversation: task gpu1-t000006: simulator call cut after 2 "
         "messages: a trained turn of version 2 lags the announced version 3 by 1 > max_staleness 0",
     ]
     assert peer_compare.step_breakdown(metrics, lines) == {

@@ -39,10 +39,10 @@ def test_figures_of_a_small_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "actor-0.log").write_text(
-        f"{stamp(t0 + 10.25)} actor INFO parley.actor: now serving weights version 1 (was 0, step 1, cuda_ipc)\n"
-        f"{stamp(t0 + 12)} actor INFO parley.actor: task t1: 8 samples stored in 3.0s (1000 assistant tokens generated so far)\n"
-        f"{stamp(t0 + 30.5)} actor INFO parley.actor: now serving weights version 3 (was 1, step 3, cuda_ipc)\n"
-        f"{stamp(t0 + 28)} actor INFO parley.actor: task t2: 8 samples stored in 3.0s (5000 assistant tokens generated so far)\n"
+        f"{stamp(t0 + 10.25)} actor INFO parley.weights.payloads: now serving weights version 1 (was 0, step 1, cuda_ipc)\n"
+        f"{stamp(t0 + 12)} actor INFO parley.actors.actor: task t1: 8 samples stored in 3.0s (1000 assistant tokens generated so far)\n"
+        f"{stamp(t0 + 30.5)} actor INFO parley.weights.payloads: now serving weights version 3 (was 1, step 3, cuda_ipc)\n"
+        f"{stamp(t0 + 28)} actor INFO parley.actors.actor: task t2: 8 samples stored in 3.0s (5000 assistant tokens generated so far)\n"
     )
     out = summarize(tmp_path, peak_tflops=989.4)
     assert out["steps"] == 3 and out["window_s"] == 20.0 and out["steps_per_hour"] == 360.0

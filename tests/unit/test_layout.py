@@ -13,7 +13,9 @@
 - a package of ours is imported by its bare folder name (`import config`) instead of under the one
   import name, `parley.config` (the folders sit at the root; installed they live under parley/),
 - a package imports from parley/ anything but parley.errors (the Python API sits on top, the error
-  tree below everything, protocol/ included), or parley/errors.py imports anything of ours.
+  tree below everything, protocol/ included), or parley/errors.py imports anything of ours,
+- a module names its logger with a literal "parley..." string instead of `getLogger(__name__)` (the
+  name then follows the module; another library's logger, e.g. "huggingface_hub", is named as it is).
 """
 
 from __future__ import annotations
@@ -88,6 +90,20 @@ def transport_compares(path: Path) -> list[tuple[int, list[str]]]:
     return out
 
 
+def literal_loggers(path: Path) -> list[tuple[int, str]]:
+    """(line, name) for every getLogger call given a literal name of ours ("parley" or below it)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        func, arg = node.func, node.args[0]
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if called == "getLogger" and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            if arg.value == "parley" or arg.value.startswith("parley."):
+                out.append((node.lineno, arg.value))
+    return out
+
+
 def violations(root: Path = ROOT) -> list[str]:
     bad = []
     for top in OURS:
@@ -99,6 +115,10 @@ def violations(root: Path = ROOT) -> list[str]:
                     "(outside weights/, ask the transport: weights.registry)"
                     for line, names in transport_compares(path)
                 ]
+            bad += [
+                f"{rel}:{line}: logger named {name!r}; name it logging.getLogger(__name__)"
+                for line, name in literal_loggers(path)
+            ]
             for line, mod in imports_of(path, root):
                 if mod.split(".")[0] in OURS:
                     bad.append(f"{rel}:{line}: import of {mod} by its bare name (import parley.{mod})")
@@ -188,6 +208,8 @@ def test_no_forbidden_imports():
         ("deploy", "def f():\n    import weights.registry", "import of weights.registry by its bare name"),
         ("learner", "from parley import up", "of parley/ only parley.errors is below the packages"),
         ("scorer", "import parley", "of parley/ only parley.errors is below the packages"),
+        ("weights", 'log = logging.getLogger("parley.weights")', "name it logging.getLogger(__name__)"),
+        ("deploy", "def f():\n    getLogger('parley').info('x')", "logger named 'parley'"),
     ],
 )
 def test_a_forbidden_import_is_named(tmp_path, top, line, expect):
@@ -224,6 +246,9 @@ def test_allowed_imports_pass(tmp_path):
     # inside weights/ a transport may name itself; elsewhere naming one without comparing is fine
     (tmp_path / "weights" / "ok.py").write_text("import torch\nGPU = kind in ('cuda_ipc', 'nccl')\n")
     (tmp_path / "learner" / "ok2.py").write_text("DEFAULT = 'objstore'\nlog.info('%s', 'nccl')\n")
+    (tmp_path / "tasks" / "ok.py").write_text(
+        "log = logging.getLogger(__name__)\nhub = logging.getLogger('huggingface_hub')\nw = getLogger('vllm.parley')\n"
+    )
     # the error tree is below everything, protocol/ included
     (tmp_path / "protocol" / "ok.py").write_text("from parley.errors import ProtocolError\n")
     (tmp_path / "parley").mkdir()
