@@ -134,6 +134,7 @@ def budget_cmd(
     sets: SetOpt = None,
     nats: NatsOpt = None,
     run: RunOpt = None,
+    dry: DryRunOpt = False,
 ) -> None:
     """Publish a BudgetUpdate on the run's control subject with the config's [nats] (the admin's
     PARLEY_NATS_USER / PASSWORD from admin.env: no other user may publish there). The processes running
@@ -150,8 +151,17 @@ def budget_cmd(
         )
         raise typer.Exit(2)
     cfg = resolve(config, sets, nats=nats, run=run)
+    if dry:
+        dry_run(cfg, notes=f"auth budget: {msgspec_text(update)} on run {cfg.run.name!r} at {cfg.nats.url}")
     setup_logging("auth", "WARNING")
     run_async_main(publish_budget, cfg, update)
+
+
+def msgspec_text(update) -> str:
+    """The update's given fields, as the operator typed them."""
+    import msgspec
+
+    return ", ".join(f"{k} {v}" for k, v in msgspec.structs.asdict(update).items() if v is not None)
 
 
 async def publish_budget(stop, cfg, update) -> int:
