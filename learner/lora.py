@@ -82,16 +82,19 @@ def merged_tensors(model, layers: dict | None = None) -> Iterator[tuple[str, Ten
 
 
 def merged_weight(layer, weight: Tensor) -> Tensor:
-    """`weight` (the base Linear's) plus every active adapter's scaling * B @ A, in weight's dtype."""
-
-    out = weight.float()
+    """`weight` (the base Linear's) plus every active adapter's scaling * B @ A, in weight's dtype: one
+    fp32 tensor of the weight's size alive (the delta, the weight added into it), then the result."""
+    out = None
     for name in layer.active_adapters:
         if name not in layer.lora_A:
             continue
-        a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
-        delta = (b.detach().float() @ a.detach().float()) * layer.scaling[name]
-        out = out + (delta.T if layer.fan_in_fan_out else delta)
-    return out.to(weight.dtype)
+        a, b = layer.lora_A[name].weight.detach(), layer.lora_B[name].weight.detach()
+        delta = (b.float() @ a.float()).mul_(layer.scaling[name])
+        delta = delta.T if layer.fan_in_fan_out else delta
+        out = delta if out is None else out.add_(delta)
+    if out is None:
+        return weight
+    return out.add_(weight).to(weight.dtype)  # delta + W: the same sum as peft's W + delta, bit for bit
 
 
 def base_only(peft_model):
