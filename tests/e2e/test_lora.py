@@ -397,11 +397,13 @@ def test_an_adapter_trains_the_same_under_zero_3_and_gradient_checkpointing(tiny
         forward redone in backward, adapters and all): two steps give the loss, gradient norm and KL of
         ZeRO-2 without checkpointing, every adapter weight moves and no base weight does, and the adapter's
     parameters found once before the steps (what pack_adapter sends) hold what peft saves after them, and
-        under ZeRO-2 lie end to end in one storage (so a cuda_ipc fill copies them at once). The first step's
+        under ZeRO-2 lie end to end in one storage (so a cuda_ipc fill copies them at once); the whole
+        weights with the adapter merged in (serve = "merged") are peft's merge of it. The first step's
         KL is 0 (the reference is the base, the adapter's B starts at zero); the second's is not."""
     plain = _lora_steps(tiny_model, 2, False)
     assert plain["adapter"] and plain["changed"] == plain["adapter"]
     assert plain["cached_matches"]  # learner.lora.adapter_params, found before the steps, reads what peft saves after
+    assert plain["merged_matches"]  # the learner's merged weights are peft's merge_and_unload of its adapter
     # ZeRO-2 keeps the adapter's parameters end to end in one flat buffer after the steps: what makes
     # a cuda_ipc adapter version one copy (weights.cuda_ipc.one_run, IpcPublisher.fill)
     assert plain["end_to_end"]
@@ -410,6 +412,7 @@ def test_an_adapter_trains_the_same_under_zero_3_and_gradient_checkpointing(tiny
         other = _lora_steps(tiny_model, zero, checkpointing)
         assert other["changed"] == plain["adapter"], (zero, checkpointing)
         assert other["cached_matches"], (zero, checkpointing)
+        assert other["merged_matches"], (zero, checkpointing)  # also gathered from ZeRO-3's partitions
         for key in ("loss", "grad_norm"):  # the first step: the same up to fp32 summation order
             assert other[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), (zero, checkpointing, key)
         # after one AdamW update, a coordinate whose gradient is near Adam's eps (1e-8) moves by
