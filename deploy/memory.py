@@ -403,8 +403,7 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
     with serve = "merged"), the gradient bucket, the largest of a micro-batch's activations, the
     optimizer step's temporaries on the GPU (the flat gradient and its fp32 copy, p + 4 B a trained
     parameter, after the activations are freed; none with the step on the host) and, with serve =
-    "merged", the merge's (after the step: the merged projections packed at once, or one at a time on
-    its way to the host), the CUDA context."""
+    "merged", the merge's (after the step: one projection at a time), the CUDA context."""
     lc, p, n = cfg.learner, learner_dtype_bytes(cfg), shape.params
     lora, offload, merged = lc.lora.enabled, lc.offload_optimizer == "cpu", lc.lora.merged
     adapter = shape.lora_tensors(lc.lora.rank, lc.lora.target_modules) if lora else None
@@ -474,27 +473,29 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
     )
     peaks = [act] if offload else [act, [step]]
     if merged:  # after the step, when its activations and temporaries are freed
-        peaks.append([merge_term(cfg, shape, p)])
+        peaks.append([merge_term(cfg, shape)])
     terms += max(peaks, key=lambda ts: sum(t.gib for t in ts))
     return [*terms, Term("CUDA context", CUDA_CONTEXT_GIB)]
 
 
-def merge_term(cfg: RunConfig, shape: Shape, p: int) -> Term:
-    """[learner.lora] serve = "merged": what merging each version takes beside the weights
-    (learner.lora.merged_weight: W + scaling * B @ A summed in one fp32 tensor). Into a GPU buffer
-    (cuda_ipc, nccl, packed deltas) every merged projection is made before the pack (p B each, one fp32
-    sum alive at a time); to the host (a file transport) one projection at a time."""
-    adapted = shape.adapted_tensors(cfg.learner.lora.target_modules)
+def merge_term(cfg: RunConfig, shape: Shape) -> Term:
+    """[learner.lora] serve = "merged": what merging each version takes beside the weights, one
+    projection at a time (learner.lora.merged_sum: W + scaling * B @ A summed in one fp32 tensor).
+    Into a GPU buffer (cuda_ipc, nccl, packed deltas) each is merged in the buffer itself
+    (learner.lora.merge_into); on its way to the host (a file transport) it is also rounded to the
+    training dtype (p B) before the copy."""
+    largest = max(shape.adapted_tensors(cfg.learner.lora.target_modules))
     if registry.of(cfg.weights).gpu or packed_deltas(cfg):
         return Term(
-            f'merging the adapter (learner.lora.serve = "merged"): the merged projections packed at once, '
-            f"{p} B x {_m(sum(adapted))} params, and the largest one's fp32 sum",
-            _gib(p * sum(adapted) + FP32 * max(adapted)),
+            f'merging the adapter (learner.lora.serve = "merged"): in the publication buffer, one projection '
+            f"at a time: its fp32 sum ({_m(largest)} params)",
+            _gib(FP32 * largest),
         )
+    p = learner_dtype_bytes(cfg)
     return Term(
         f'merging the adapter (learner.lora.serve = "merged"): one projection at a time to the host, '
-        f"its fp32 sum and its {p} B copy ({_m(max(adapted))} params)",
-        _gib((FP32 + p) * max(adapted)),
+        f"its fp32 sum and its {p} B copy ({_m(largest)} params)",
+        _gib((FP32 + p) * largest),
     )
 
 

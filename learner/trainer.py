@@ -27,6 +27,7 @@ from parley.learner.lora import (
     add_adapters,
     base_only,
     lora_layers,
+    merge_into,
     merged_tensors,
 )
 from parley.learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
@@ -564,6 +565,14 @@ class Trainer:
             merged_tensors(self.module, self._lora_layers) if self.peft is not None else iter(hf_tensors(self.module))
         )
 
+    def _to_pack(self):
+        """(the tensors a packed buffer copies, what then finishes it in place or None): hf_tensors, or
+        under [learner.lora] the base's tensors and the merge of each adapter into its projection's copy
+        in the buffer (learner.lora.merge_into: no merged copy of the model beside it)."""
+        if self.peft is None:
+            return hf_tensors(self.module), None
+        return merge_into(self.module, self._lora_layers)
+
     def weights_snapshot(self) -> WeightSnapshot | None:
         """hf_state_dict with the model's config on rank 0 (None on the others): the learner publishes
         it in the background while the next step runs."""
@@ -637,9 +646,8 @@ class Trainer:
         with gather:
             if self.rank:
                 return None
-            # under [learner.lora] (serve = "merged") the merged projections are made here, all at once
-            # (the buffer's fill takes a list), and freed once packed
-            return self.sender.pack(list(self.policy_tensors()), version)
+            named, finish = self._to_pack()
+            return self.sender.pack(named, version, finish=finish)
 
     def pack_versions(self, version: int, max_share: float | None):
         """[weights] delta_format = "packed": the trained weights packed on the device they train on
@@ -664,7 +672,8 @@ class Trainer:
                 return None
             if self._packed is None:
                 self._packed = PackedVersions()
-            table, pending = self._packed.pack(list(self.policy_tensors()), version, max_share)
+            named, finish = self._to_pack()
+            table, pending = self._packed.pack(named, version, max_share, finish=finish)
             return table, PackedSnapshot(pending, self.module.config.to_json_string())
 
     def weights_writable_in(self) -> float:

@@ -1,7 +1,8 @@
 """[learner.lora] serve = "merged" through the run's ordinary full-weight path, against a real
 nats-server: the learner (a real Trainer on the toy model, one GRPO step of a LoRA adapter) publishes
-each version as whole weights with the adapter merged in (weights.payloads.Full / Delta over the
-object store), an actor's WeightFollower fetches them (v2 rebuilt from its delta against v1), and the
+each version as whole weights with the adapter merged in (weights.payloads.Delta or PackedDelta over
+the object store), an actor's WeightFollower fetches them (v2 rebuilt from its file delta against v1,
+or its full file where the delta is packed), and the
 weights it loads compute the log-probs the learner computes with the adapter, and that the adapter
 itself gives when served on the base (peft from the adapter's files, what the "adapter" path
 serves). The engine is a double that loads the fetched checkpoint with transformers (vLLM serving a
@@ -47,7 +48,10 @@ def _logprobs(model, ids: list[int], start: int) -> torch.Tensor:
     return lp.double()
 
 
-async def test_merged_versions_are_served_as_whole_weights_with_the_adapters_log_probs(js, tiny_model, tmp_path):
+@pytest.mark.parametrize("delta_format", ["file", "packed"])
+async def test_merged_versions_are_served_as_whole_weights_with_the_adapters_log_probs(
+    js, tiny_model, tmp_path, delta_format
+):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -71,14 +75,16 @@ async def test_merged_versions_are_served_as_whole_weights_with_the_adapters_log
         dtype="float32",
         lora=LoraSettings(enabled=True, rank=8, alpha=16.0, serve="merged"),
     )
-    settings = ObjstoreWeights(full_every=4)  # v1 full, v2 also as a delta against v1
+    # v1 full, v2 also as a delta against v1: a file delta from the written files, or a packed one from
+    # the learner's packed buffers (the adapters merged into them: learner.lora.merge_into)
+    settings = ObjstoreWeights(full_every=4, delta_format=delta_format)
     trainer = Trainer(lc, tiny_model, weights=settings)
     try:
         publisher = Publisher()
         feeder = SimpleNamespace(set_version=lambda v: None)
         # learner.service builds it so: no adapter base with serve = "merged"
         w = weights_publication(lc, settings, js, None, RUN, tmp_path / "run", trainer, publisher, feeder)
-        assert type(w.payload) is payloads.Delta
+        assert type(w.payload) is (payloads.Delta if delta_format == "file" else payloads.PackedDelta)
         engine = TransformersEngineDouble()
         follower = WeightFollower(js, RUN, engine, dest_root=tmp_path / "actor", settings=settings)
         ids = list(range(10, 60))
@@ -91,7 +97,13 @@ async def test_merged_versions_are_served_as_whole_weights_with_the_adapters_log
             wv = await current_version(js, RUN)
             assert (wv.version, wv.sha256) == follower.serving
             assert wv.adapter is None  # whole weights, loaded as full fine-tuning's are
-            assert (wv.delta is not None) == (version == 2)
+            if delta_format == "file":
+                assert (wv.delta is not None) == (version == 2)
+                if wv.delta is not None:
+                    print(f"v{version}: its file delta is {wv.delta.bytes / wv.bytes:.0%} of the version")
+            else:  # a rank-r update changes every element of every adapted projection: its packed delta
+                # (every changed element) is past delta_max_share and the version goes full only
+                assert wv.delta is None
 
             ours = _logprobs(trainer.module, ids, 10)  # the learner's policy: base + adapter
             with base_only(trainer.peft):

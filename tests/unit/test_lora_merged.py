@@ -59,3 +59,33 @@ def test_merged_refuses_a_target_that_is_no_linear_layer(tiny_model):
     with pytest.raises(ValueError, match='serve = "merged".*Embedding.*target Linear layers only'):
         _adapted(tiny_model, settings)
     _adapted(tiny_model, LoraSettings(enabled=True, rank=4, target_modules=["q_proj", "embed_tokens"]))
+
+
+def test_merged_into_a_packed_buffer_is_merged_tensors_bit_for_bit(tiny_model):
+    """The GPU paths (cuda_ipc, nccl, packed deltas) copy the base's tensors into their buffer and merge
+    each adapter into its projection's copy there (learner.lora.merge_into, the buffers' `finish`):
+    the buffer holds what merged_tensors gives, its checksums are of the merged bytes, and the trained
+    module is untouched. On the CPU (the buffers are allocated where the tensors are)."""
+    from parley.config.learner import LoraSettings
+    from parley.learner.lora import merge_into, merged_tensors
+    from parley.weights.cuda_ipc import IpcPublisher, checksums, views
+    from parley.weights.gpu_delta import PackedVersions
+
+    model, _ = _adapted(tiny_model, LoraSettings(enabled=True, rank=8, alpha=16.0, serve="merged"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = dict(merged_tensors(model))
+
+    pub = IpcPublisher(hold_s=0.0, max_buffers=1)
+    named, finish = merge_into(model)
+    buf, table = pub.fill(named, 1, finish)
+    packed = PackedVersions()
+    named, finish = merge_into(model)
+    table2, pending = packed.pack(named, 1, None, finish=finish)
+    for layout, data in ((pub.layout, buf), (packed.layout, packed.buffers[packed.last])):
+        got = dict(zip([e.name for e in layout], views(data, layout)))
+        assert sorted(got) == sorted(expected)
+        assert all(torch.equal(got[n], t) for n, t in expected.items())
+    assert [e.checksum for e in table] == checksums(buf, pub.layout)  # summed after the merge
+    pending.discard()
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
