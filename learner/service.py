@@ -340,9 +340,8 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
                 Trainer, cfg.learner, model_dir, reference=cfg.policy.reference, weights=cfg.weights
             )
             driver = Driver(trainer)
-            if (
-                cfg.learner.lora.adapter_versions
-            ):  # every base shard hashed once, off the loop (the lease renews meanwhile)
+            # adapter versions name their base: every base shard hashed once, off the loop (the lease renews)
+            if cfg.learner.lora.adapter_versions:
                 await asyncio.to_thread(lora.base_identity, model_dir)
             try:
                 learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
