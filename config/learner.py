@@ -57,14 +57,29 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 class LoraSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """[learner.lora]: train a LoRA adapter (peft) on the frozen base instead of every weight. The
-    reference for KL is then the base itself (the adapter disabled): no second copy is loaded. Actors
-    serve each version as a vLLM LoRA adapter (weights.lora)."""
+    reference for KL is then the base itself (the adapter disabled): no second copy is loaded. How
+    actors serve each version (`serve`): "adapter", the adapter alone travels and their engines serve
+    it as a vLLM LoRA adapter beside the base (weights.lora); "merged", the learner merges it into
+    whole weights (W + alpha / rank * B @ A per adapted projection, learner.lora.merged_tensors) and
+    publishes those like full fine-tuning's versions, to plain engines (no vLLM LoRA): the adapter's
+    decode cost traded for a whole-weight transfer each version."""
 
     enabled: bool = False
     rank: Annotated[int, Meta(ge=1, le=512)] = 16
     alpha: Annotated[float, Meta(gt=0)] = 32.0  # the adapter's output is scaled by alpha / rank
     dropout: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.0
     target_modules: list[str] = msgspec.field(default_factory=lambda: list(LORA_TARGETS))
+    serve: Literal["adapter", "merged"] = "adapter"
+
+    @property
+    def merged(self) -> bool:
+        """Whether versions travel as whole weights with the adapter merged in (serve = "merged")."""
+        return self.enabled and self.serve == "merged"
+
+    @property
+    def adapter_versions(self) -> bool:
+        """Whether versions travel as the adapter alone (enabled, serve = "adapter")."""
+        return self.enabled and self.serve == "adapter"
 
     def __post_init__(self) -> None:
         if self.enabled and not self.target_modules:

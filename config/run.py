@@ -494,13 +494,21 @@ def check_training(cfg: RunConfig) -> None:
     nothing and may sample as it likes.
     """
     lr = cfg.learner.lora
-    if lr.enabled and cfg.actor.engine.max_lora_rank < lr.rank:
+    if lr.merged and cfg.actor.engine.max_lora_rank > 0:
+        # the versions are whole weights: vLLM's LoRA slots would cost GPU memory and decode time
+        # (its LoRA kernels run on every projection) and never be used
+        raise ConfigError(
+            f'[learner.lora] serve = "merged" with actor.engine.max_lora_rank={cfg.actor.engine.max_lora_rank}: '
+            "the actors get whole weights with the adapter merged in and need no LoRA; set "
+            'actor.engine.max_lora_rank = 0, or learner.lora.serve = "adapter"'
+        )
+    if lr.adapter_versions and cfg.actor.engine.max_lora_rank < lr.rank:
         raise ConfigError(
             f"[learner.lora] rank={lr.rank} but actor.engine.max_lora_rank="
             f"{cfg.actor.engine.max_lora_rank}: the actors could not load the adapters; set "
             f"actor.engine.max_lora_rank = {lr.rank}"
         )
-    if lr.enabled:
+    if lr.adapter_versions:  # merged versions are whole weights: every transport and delta format carries them
         from parley.weights import registry
 
         transport = registry.of(cfg.weights)

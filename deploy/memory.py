@@ -104,6 +104,18 @@ class Shape:
         """Elements of every tensor of a rank-`rank` LoRA adapter on the named Linear layers of each
         decoder layer (peft's A: rank x in, B: out x rank). A target that is not one of a dense
         decoder's seven projections is a PlanError naming it."""
+        dims = self._projections(targets)
+        layer = [n for t in targets for n in (rank * dims[t][0], dims[t][1] * rank)]
+        return layer * self.layers
+
+    def adapted_tensors(self, targets) -> list[int]:
+        """Elements of every base weight the named Linear layers hold, in every decoder layer: what
+        [learner.lora] serve = "merged" makes anew for each version (learner.lora.merged_tensors)."""
+        dims = self._projections(targets)
+        return [dims[t][0] * dims[t][1] for t in targets] * self.layers
+
+    def _projections(self, targets) -> dict[str, tuple[int, int]]:
+        """(in, out) features of a dense decoder's seven projections; a PlanError names another target."""
         h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
         dims = {
             "q_proj": (h, q),
@@ -120,8 +132,7 @@ class Shape:
                 f"[learner.lora] target_modules {unknown}: the plan sizes adapters on {sorted(dims)} only; "
                 "set learner.lora.target_modules to some of them"
             )
-        layer = [n for t in targets for n in (rank * dims[t][0], dims[t][1] * rank)]
-        return layer * self.layers
+        return dims
 
     def lora_params(self, rank: int, targets) -> int:
         return sum(self.lora_tensors(rank, targets))
@@ -388,12 +399,13 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
     master, m, v and the fp32 gradients are in pinned host memory with the gradients accumulated across
     micro-batches and the weights' staging copy (p B each), and the GPU keeps two transfer buffers of
     the largest tensor. Then the frozen local reference (p B x every weight; under LoRA the base itself
-    is the reference), rank 0's publication buffers (of the adapter alone under LoRA), the gradient
-    bucket, the larger of a micro-batch's activations and the optimizer step's temporaries on the GPU
-    (the flat gradient and its fp32 copy, p + 4 B a trained parameter, after the activations are freed;
-    none with the step on the host), the CUDA context."""
+    is the reference), rank 0's publication buffers (of the adapter alone under LoRA, of whole weights
+    with serve = "merged"), the gradient bucket, the largest of a micro-batch's activations, the
+    optimizer step's temporaries on the GPU (the flat gradient and its fp32 copy, p + 4 B a trained
+    parameter, after the activations are freed; none with the step on the host) and, with serve =
+    "merged", the merge's (after the step: one projection at a time), the CUDA context."""
     lc, p, n = cfg.learner, learner_dtype_bytes(cfg), shape.params
-    lora, offload = lc.lora.enabled, lc.offload_optimizer == "cpu"
+    lora, offload, merged = lc.lora.enabled, lc.offload_optimizer == "cpu", lc.lora.merged
     adapter = shape.lora_tensors(lc.lora.rank, lc.lora.target_modules) if lora else None
     k = sum(adapter) if lora else n  # trained parameters
     of = f"{_m(k)} adapter params (rank {lc.lora.rank})" if lora else f"{_m(k)} params"
@@ -426,9 +438,13 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
     if lc.kl_coef > 0 and cfg.policy.reference == "local" and not lora:
         terms.append(Term(f"frozen reference (policy.reference = local): {p} B x {_m(n)} params", _gib(p * n)))
     transport = registry.of(cfg.weights)
-    what = f"the adapter in {p} B" if lora else f"the weights in {p} B, a tied lm_head once"
+    what = f"the weights in {p} B, a tied lm_head once"
+    if merged:
+        what += ', the adapter merged in: learner.lora.serve = "merged"'
+    elif lora:
+        what = f"the adapter in {p} B"
     if transport.gpu:
-        kb, packed = cfg.weights.max_buffers, shape.packed_bytes(p, adapter)
+        kb, packed = cfg.weights.max_buffers, shape.packed_bytes(p, None if merged else adapter)
         terms.append(
             Term(
                 f"{transport.kind} buffers: weights.max_buffers {kb} x {_gib(packed):.2f} GiB ({what})",
@@ -455,8 +471,32 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
         f"optimizer step temporaries: ({p} + 4) B x {of} (more than a micro-batch's activations here)",
         _gib((p + 4) * k),
     )
-    terms += act if offload or sum(t.gib for t in act) >= step.gib else [step]
+    peaks = [act] if offload else [act, [step]]
+    if merged:  # after the step, when its activations and temporaries are freed
+        peaks.append([merge_term(cfg, shape)])
+    terms += max(peaks, key=lambda ts: sum(t.gib for t in ts))
     return [*terms, Term("CUDA context", CUDA_CONTEXT_GIB)]
+
+
+def merge_term(cfg: RunConfig, shape: Shape) -> Term:
+    """[learner.lora] serve = "merged": what merging each version takes beside the weights, one
+    projection at a time (learner.lora.merged_sum: W + scaling * B @ A summed in one fp32 tensor).
+    Into a GPU buffer (cuda_ipc, nccl, packed deltas) each is merged in the buffer itself
+    (learner.lora.merge_into); on its way to the host (a file transport) it is also rounded to the
+    training dtype (p B) before the copy."""
+    largest = max(shape.adapted_tensors(cfg.learner.lora.target_modules))
+    if registry.of(cfg.weights).gpu or packed_deltas(cfg):
+        return Term(
+            f'merging the adapter (learner.lora.serve = "merged"): in the publication buffer, one projection '
+            f"at a time: its fp32 sum ({_m(largest)} params)",
+            _gib(FP32 * largest),
+        )
+    p = learner_dtype_bytes(cfg)
+    return Term(
+        f'merging the adapter (learner.lora.serve = "merged"): one projection at a time to the host, '
+        f"its fp32 sum and its {p} B copy ({_m(largest)} params)",
+        _gib((FP32 + p) * largest),
+    )
 
 
 def reference_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
@@ -638,18 +678,23 @@ def _learner_changes(cfg: RunConfig) -> list[tuple[tuple[str, object], ...]]:
     """The changes of the learner's memory the plan tries when a run does not fit, fewest first:
     the optimizer state on the host, a LoRA adapter instead of every weight, layers recomputed in
     backward, and each of the first two with the third. Each change carries what it needs besides
-    (ZeRO 1-3 for the offload; compile not "layers" and an actor that serves the rank for LoRA)."""
+    (ZeRO 1-3 for the offload; compile not "layers" and an actor that serves the rank for LoRA, or
+    serve = "merged" where the transport or the delta format carries whole weights only)."""
     lc, out = cfg.learner, []
     offload: tuple = ()
     if lc.offload_optimizer == "none" and not lc.lora.enabled:
         offload = ((("learner.zero_stage", 2),) if lc.zero_stage == 0 else ()) + (("learner.offload_optimizer", "cpu"),)
     lora: tuple = ()
     transport = registry.of(cfg.weights)
-    if not lc.lora.enabled and transport.carries_adapters and not packed_deltas(cfg):
+    if not lc.lora.enabled:
         lora = (("learner.lora.enabled", True),)
         lora += (("learner.compile", "auto"),) if lc.compile == "layers" else ()
         rank = lc.lora.rank
-        lora += (("actor.engine.max_lora_rank", rank),) if cfg.actor.engine.max_lora_rank < rank else ()
+        if transport.carries_adapters and not packed_deltas(cfg):
+            lora += (("actor.engine.max_lora_rank", rank),) if cfg.actor.engine.max_lora_rank < rank else ()
+        else:  # whole weights travel here (nccl, packed deltas): the adapter merged into them, to plain engines
+            lora += (("learner.lora.serve", "merged"),)
+            lora += (("actor.engine.max_lora_rank", 0),) if cfg.actor.engine.max_lora_rank else ()
     ckpt = () if lc.gradient_checkpointing else (("learner.gradient_checkpointing", True),)
     for change in (offload, lora, ckpt):
         if change:

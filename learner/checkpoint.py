@@ -483,9 +483,10 @@ def available_versions(run_dir: str | Path) -> list[int]:
 def export_version(run_dir: str | Path, version: int, out: str | Path, merge: bool = False) -> Path:
     """Write version `version` of a run as a standalone HF checkpoint (weights, config, tokenizer).
 
-    A LoRA run's version ([learner.lora]: its weights directory holds an adapter) is written as the
-    adapter (adapter_model.safetensors + adapter_config.json, peft's layout), or with `merge` as the
-    base with the adapter merged in (learner.lora.export_merged).
+    A LoRA run's version ([learner.lora] serve = "adapter": its weights directory holds an adapter)
+    is written as the adapter (adapter_model.safetensors + adapter_config.json, peft's layout), or
+    with `merge` as the base with the adapter merged in (learner.lora.export_merged). With serve =
+    "merged" the directory holds whole weights, written as full fine-tuning's are.
 
     Sources, first found: the kept weights directory of that version, the DeepSpeed checkpoint
     of that step (consolidated to full weights), or for version 0 the base model itself.

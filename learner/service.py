@@ -123,7 +123,7 @@ class Learner:
             driver,
             self.publisher,
             self.feeder,
-            adapter_base=lora.base_identity(model_dir) if self.lc.lora.enabled else "",
+            adapter_base=lora.base_identity(model_dir) if self.lc.lora.adapter_versions else "",
         )
         self.fates = Fates(
             self.state,
@@ -284,11 +284,12 @@ def weights_publication(
 
 async def weights_at_start(js, cfg: RunConfig, model_dir) -> None:
     """The weight transport's start (weights.common.Transport.at_start) with the size of one version
-    of whole weights in the learner's dtype (an adapter's is not checked: it is a small share)."""
+    of whole weights in the learner's dtype (an adapter's is not checked: it is a small share; a merged
+    one is whole weights)."""
     from parley.learner.trainer import resolve_dtype
 
     nbytes = 0
-    if not cfg.learner.lora.enabled:
+    if not cfg.learner.lora.adapter_versions:
         elements = await asyncio.to_thread(checkpoint_elements, model_dir)
         nbytes = elements * resolve_dtype(cfg.learner.dtype).itemsize
     await registry.of(cfg.weights).at_start(js, cfg.run.name, nbytes)
@@ -340,7 +341,8 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
                 Trainer, cfg.learner, model_dir, reference=cfg.policy.reference, weights=cfg.weights
             )
             driver = Driver(trainer)
-            if cfg.learner.lora.enabled:  # every base shard hashed once, off the loop (the lease renews meanwhile)
+            # adapter versions name their base: every base shard hashed once, off the loop (the lease renews)
+            if cfg.learner.lora.adapter_versions:
                 await asyncio.to_thread(lora.base_identity, model_dir)
             try:
                 learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)

@@ -20,7 +20,16 @@ from parley.learner import attention, grpo
 from parley.learner.flops import shape_of as flops_shape
 from parley.learner.flops import train_flops
 from parley.learner.logprobs import PackedPolicy, token_logprobs
-from parley.learner.lora import adapter_config, adapter_params, adapter_state, add_adapters, base_only
+from parley.learner.lora import (
+    adapter_config,
+    adapter_params,
+    adapter_state,
+    add_adapters,
+    base_only,
+    lora_layers,
+    merge_into,
+    merged_tensors,
+)
 from parley.learner.packing import PackedBatch, Sample, build_batch, pack_by_tokens, shard_by_tokens
 from parley.learner.steplog import PHASES
 from parley.weights import registry
@@ -296,6 +305,7 @@ class Trainer:
         attention.use(model, attn)
         # [learner.lora]: adapters in place; the frozen base (adapters off) is the local reference
         self.peft = add_adapters(model, cfg.lora) if cfg.lora.enabled else None
+        self._lora_layers = lora_layers(model) if self.peft is not None else {}  # merged_tensors's, found once
         self._adapter = (
             None  # _adapter_tensors's (trained parameters, (saved name, parameter) list or None), found once
         )
@@ -539,13 +549,37 @@ class Trainer:
     def hf_state_dict(self) -> dict[str, Tensor]:
         """hf_weights of the trained model on rank 0, {} on the other ranks: only rank 0 writes the
         weights, so only it pays for a CPU copy of the whole model. Every rank must call it (under
-        ZeRO-3 the parameters are gathered first, a collective)."""
+        ZeRO-3 the parameters are gathered first, a collective). Under [learner.lora] the policy's
+        weights with the adapter merged in (policy_tensors), merged and copied one tensor at a time."""
         import deepspeed
+
+        def copied() -> dict[str, Tensor]:
+            if self.rank:
+                return {}
+            if self.peft is None:
+                return hf_weights(self.module)
+            return {name: t.to("cpu", copy=True).contiguous() for name, t in self.policy_tensors()}
 
         if self.cfg.zero_stage == 3:
             with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
-                return hf_weights(self.module) if self.rank == 0 else {}
-        return hf_weights(self.module) if self.rank == 0 else {}
+                return copied()
+        return copied()
+
+    def policy_tensors(self):
+        """The policy's whole weights under the checkpoint's names, where they are: hf_tensors, or under
+        [learner.lora] the base's with the adapter merged in (learner.lora.merged_tensors: a new tensor
+        per adapted projection, made as it is taken). Call it where every parameter is whole."""
+        return (
+            merged_tensors(self.module, self._lora_layers) if self.peft is not None else iter(hf_tensors(self.module))
+        )
+
+    def _to_pack(self):
+        """(the tensors a packed buffer copies, what then finishes it in place or None): hf_tensors, or
+        under [learner.lora] the base's tensors and the merge of each adapter into its projection's copy
+        in the buffer (learner.lora.merge_into: no merged copy of the model beside it)."""
+        if self.peft is None:
+            return hf_tensors(self.module), None
+        return merge_into(self.module, self._lora_layers)
 
     def weights_snapshot(self) -> WeightSnapshot | None:
         """hf_state_dict with the model's config on rank 0 (None on the others): the learner publishes
@@ -620,7 +654,8 @@ class Trainer:
         with gather:
             if self.rank:
                 return None
-            return self.sender.pack(hf_tensors(self.module), version)
+            named, finish = self._to_pack()
+            return self.sender.pack(named, version, finish=finish)
 
     def pack_versions(self, version: int, max_share: float | None):
         """[weights] delta_format = "packed": the trained weights packed on the device they train on
@@ -645,7 +680,8 @@ class Trainer:
                 return None
             if self._packed is None:
                 self._packed = PackedVersions()
-            table, pending = self._packed.pack(hf_tensors(self.module), version, max_share)
+            named, finish = self._to_pack()
+            table, pending = self._packed.pack(named, version, max_share, finish=finish)
             return table, PackedSnapshot(pending, self.module.config.to_json_string())
 
     def weights_writable_in(self) -> float:

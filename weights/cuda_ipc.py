@@ -630,10 +630,11 @@ class IpcPublisher:
     def close(self) -> None:
         """Nothing to stop: the buffers live as long as the learner."""
 
-    def pack(self, named: list[tuple[str, Tensor]], version: int):
+    def pack(self, named: list[tuple[str, Tensor]], version: int, finish=None):
         """Copy `named` (GPU tensors) into a free buffer, checksum it on the GPU and export it:
-        the protocol.messages.CudaIpcBuffer to announce, or None when every buffer is still held."""
-        filled = self.fill(named, version)
+        the protocol.messages.CudaIpcBuffer to announce, or None when every buffer is still held.
+        `finish`: as fill's."""
+        filled = self.fill(named, version, finish)
         if filled is None:
             return None
         buf, tensors = filled
@@ -642,9 +643,12 @@ class IpcPublisher:
         self.fill_s["export"] = time.perf_counter() - t0  # torch's IPC export: handle, reference counter, event
         return exported
 
-    def fill(self, named: list[tuple[str, Tensor]], version: int):
+    def fill(self, named: list[tuple[str, Tensor]], version: int, finish=None):
         """pack without the export: (the buffer now holding `version`, its tensor table with
-        checksums), or None when no buffer may be written (the version is skipped, and logged)."""
+        checksums), or None when no buffer may be written (the version is skipped, and logged).
+        `finish`: called with the buffer's views by name after the copy and before the checksums, to
+        change the copied tensors in place (learner.lora.merge_into: [learner.lora] serve = "merged"
+        merges each adapter into its projection there, with no merged copy of the model beside it)."""
         # planned at the first fill; later ones compare each tensor's name, shape and dtype with
         # that plan's (the layout follows from them) and copy into views kept per buffer: planning and
         # viewing the 4B shape's rank-16 adapter anew each version costs milliseconds, against the
@@ -690,6 +694,10 @@ class IpcPublisher:
                 if buf.views is None:
                     buf.views = views(buf.data, self.layout)
                 pack(named, buf.data, self.layout, dsts=buf.views)
+            if finish is not None:
+                if buf.views is None:
+                    buf.views = views(buf.data, self.layout)
+                finish({e.name: v for e, v in zip(self.layout, buf.views)})
             if (
                 buf.data.is_cuda
             ):  # the copies' own time, apart from the checksum's (what a fill costs: bench/weight_path.py)

@@ -250,13 +250,15 @@ class PackedVersions:
         self.version: int | None = None  # ... and its number
         self.pending: PendingVersion | None = None  # the version whose publication may still read a buffer
 
-    def pack(self, named, version: int, max_share: float | None) -> tuple[list[IpcTensor], PendingVersion]:
+    def pack(self, named, version: int, max_share: float | None, finish=None) -> tuple[list[IpcTensor], PendingVersion]:
         """Pack `named` ((checkpoint name, tensor), the same names every version) as `version`;
         returns its table with checksums and what its publication reads from the buffers (a delta
-        against the version packed before unless this is the first one or `max_share` is None)."""
+        against the version packed before unless this is the first one or `max_share` is None).
+        `finish`: called with the buffer's views by name after the copy, before the checksums
+        (weights.cuda_ipc.IpcPublisher.fill's)."""
         import torch
 
-        from parley.weights.cuda_ipc import checksums, pack, plan, with_checksums
+        from parley.weights.cuda_ipc import checksums, pack, plan, views, with_checksums
 
         named = list(named)
         if self.layout is None:
@@ -268,6 +270,8 @@ class PackedVersions:
         waited = time.perf_counter() - t0
         cur = 1 - self.last if self.last >= 0 else 0
         pack(named, self.buffers[cur], self.layout)
+        if finish is not None:
+            finish({e.name: v for e, v in zip(self.layout, views(self.buffers[cur], self.layout))})
         table = with_checksums(self.layout, checksums(self.buffers[cur], self.layout))
         self.tables[cur] = table
         base = (

@@ -288,10 +288,11 @@ class NcclSender:
         self._threads = [threading.Thread(target=self._accept, name="nccl-accept", daemon=True)]
         self._threads[0].start()
 
-    def pack(self, named: list[tuple[str, Tensor]], version: int):
+    def pack(self, named: list[tuple[str, Tensor]], version: int, finish=None):
         """Fill a held buffer with `version`: the protocol.messages.NcclSource to announce, or None
-        when every buffer is still held (IpcPublisher.fill: the version is not published)."""
-        filled = self.pub.fill(named, version)
+        when every buffer is still held (IpcPublisher.fill: the version is not published; `finish`
+        as there)."""
+        filled = self.pub.fill(named, version, finish)
         if filled is None:
             return None
         _, tensors = filled

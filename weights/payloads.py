@@ -61,8 +61,9 @@ class Payload(abc.ABC):
 
 def for_config(settings, adapter: bool) -> Payload:
     """The kind the learner publishes every version as: [weights] (`settings`) and whether only a
-    LoRA adapter travels ([learner.lora] on). A fresh instance: a publish half keeps what the next
-    version needs (the base of its delta)."""
+    LoRA adapter travels ([learner.lora] serve = "adapter"; with serve = "merged" the versions are
+    whole weights, the adapter merged in by the trainer's WeightSource). A fresh instance: a publish
+    half keeps what the next version needs (the base of its delta)."""
     gpu = registry.of(settings).gpu
     if adapter:
         return AdapterGpu() if gpu else Adapter()

@@ -144,9 +144,10 @@ class Weights:
     ) -> None:
         """`settings`: the run's [weights] (weights.config), the transport every version takes.
         `versions_dir`: where each version's files are written (weights.snapshot.version_dir; kept
-        for export), all but the newest `keep` pruned. `adapter_base`: [learner.lora] on, the base's
-        identity (weights.lora.base_identity) each adapter version names, and `adapter_rank` its
-        rank; "" publishes whole weights."""
+        for export), all but the newest `keep` pruned. `adapter_base`: [learner.lora] serve =
+        "adapter", the base's identity (weights.lora.base_identity) each adapter version names, and
+        `adapter_rank` its rank; "" publishes whole weights (also serve = "merged": the source's
+        weights then have the adapter merged in)."""
         self.settings, self.js, self.run_name, self.source = settings, js, run_name, source
         self.publisher, self.feeder = publisher, feeder
         self.versions_dir, self.keep = Path(versions_dir), keep

@@ -67,6 +67,25 @@ def main(model_dir: str, zero: int, checkpointing: bool) -> None:
         end_to_end = cached is not None and one_run([(n, p.detach()) for n, p in cached]) is not None
     changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
     adapter = sorted(n for n in before if "lora_" in n)
+    # serve = "merged": the learner's whole weights (every rank in the gather; rank 0 merges) are
+    # what peft's merge_and_unload of the same adapter leaves (learner.lora.export_merged)
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from parley.learner.lora import export_merged
+    from parley.weights import lora
+
+    merged = trainer.hf_state_dict()
+    snapshot = trainer.adapter_snapshot()
+    trainer.close()  # no ZeRO-3 loading hook left: export_merged's from_pretrained loads a plain model
+    with tempfile.TemporaryDirectory() as tmp:
+        adir = lora.write_adapter(*snapshot, Path(tmp) / "adapter")
+        export_merged(model_dir, adir, Path(tmp) / "merged")
+        peft_merged = load_file(Path(tmp) / "merged" / "model.safetensors")
+    merged_matches = sorted(merged) == sorted(peft_merged) and all(
+        torch.equal(merged[n], t) for n, t in peft_merged.items()
+    )
     print(
         json.dumps(
             {
@@ -78,6 +97,7 @@ def main(model_dir: str, zero: int, checkpointing: bool) -> None:
                 "changed": changed,
                 "adapter": adapter,
                 "cached_matches": cached_matches,
+                "merged_matches": merged_matches,
                 "end_to_end": end_to_end,
             }
         )

@@ -96,20 +96,35 @@ def test_ipc_version_serves_what_the_file_version_serves_and_a_bad_copy_is_refus
         loop.close()
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["full", "lora-merged"])
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_trainer_packs_what_it_would_save(tiny_model, zero_stage):
+def test_trainer_packs_what_it_would_save(tiny_model, zero_stage, merged):
     """Trainer.pack_weights (ZeRO-3: gathered first) fills rank 0's shared buffer with exactly the
-    tensors save_weights writes, and the announced checksums are those of the buffer."""
+    tensors save_weights writes, and the announced checksums are those of the buffer. With
+    [learner.lora] serve = "merged" (one step trained, so the adapter is not zero) those are the
+    base checkpoint's tensors with the adapter merged in, merged inside the buffer (learner.lora.merge_into)."""
     import torch
 
-    from parley.config.learner import LearnerConfig
+    from parley.config.learner import LearnerConfig, LoraSettings
     from parley.learner.trainer import Trainer
     from parley.weights import cuda_ipc
     from parley.weights.config import CudaIpcWeights
+    from tests.e2e.ranks_step import step_samples
 
-    trainer = Trainer(LearnerConfig(zero_stage=zero_stage, kl_coef=0.0), tiny_model, weights=CudaIpcWeights())
+    lora = LoraSettings(enabled=merged, rank=8, serve="merged")
+    cfg = LearnerConfig(zero_stage=zero_stage, kl_coef=0.0, lr=1e-2, lora=lora)
+    trainer = Trainer(cfg, tiny_model, weights=CudaIpcWeights())
     try:
+        if merged:
+            trainer.train_step(step_samples())
         expected = trainer.hf_state_dict()
+        if merged:  # the base checkpoint's names, and the adapted projections moved off the base
+            from safetensors.torch import load_file
+
+            base = load_file(str(tiny_model / "model.safetensors"))
+            assert sorted(expected) == sorted(base)
+            moved = [n for n in base if not torch.equal(expected[n], base[n].to(expected[n].dtype))]
+            assert moved and all(n.endswith("_proj.weight") for n in moved)
         ipc = trainer.pack_weights(1)
         assert [t.name for t in ipc.tensors] == list(expected) and ipc.nbytes == trainer.sender.total
         (buf,) = [b.data for b in trainer.sender.buffers if b.version == 1]

@@ -277,6 +277,82 @@ async def test_an_adapter_handed_over_in_memory_serves_what_the_same_adapter_fro
     assert again.token_ids == files.token_ids
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def plain_engine(tiny_model):
+    """A vLLM engine of the toy model without LoRA (max_lora_rank 0): what serves merged versions."""
+    from parley.engines.engine import EngineSettings, PolicyEngine
+
+    engine = PolicyEngine(
+        EngineSettings(model=str(tiny_model), max_model_len=1024, kv_cache_bytes=64 << 20, sampled_logprobs=True)
+    )
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.extended  # starts a second vLLM engine (no LoRA) beside the module's: make test-extended
+@on_the_engines_loop
+async def test_merged_versions_served_by_a_plain_engine_match_the_adapter_served(
+    tiny_model, js, engine, plain_engine, tmp_path
+):
+    """[learner.lora] serve = "merged": the learner trains its adapter one step, publishes whole weights
+    with it merged in through the object store (the full-weight path), an actor's follower loads them
+    into a vLLM engine without LoRA, and what that engine samples and reports is what the LoRA engine
+    serving the same adapter samples and reports, and the learner's log-probs with the adapter."""
+    from types import SimpleNamespace
+
+    from parley.config.learner import LearnerConfig, LoraSettings
+    from parley.learner.service import weights_publication
+    from parley.learner.trainer import Trainer
+    from parley.protocol import topology
+    from parley.weights import lora
+    from parley.weights.config import ObjstoreWeights
+    from parley.weights.follow import WeightFollower
+    from parley.weights.publish import Publisher
+    from tests.e2e.ranks_step import step_samples
+
+    run = "loramerged"
+    await topology.ensure_topology(js, run)
+    lc = LearnerConfig(
+        zero_stage=2,
+        lr=2e-2,
+        kl_coef=0.0,
+        micro_batch_tokens=256,
+        lora=LoraSettings(enabled=True, rank=RANK, alpha=16.0, serve="merged"),
+    )
+    settings = ObjstoreWeights()
+    trainer = Trainer(lc, tiny_model, weights=settings)
+    try:
+        trainer.train_step(step_samples())
+        publisher = Publisher()
+        feeder = SimpleNamespace(set_version=lambda v: None)
+        w = weights_publication(lc, settings, js, None, run, tmp_path / "run", trainer, publisher, feeder)
+        assert await w.publish(1)
+        await publisher.drain()
+        follower = WeightFollower(js, run, plain_engine, dest_root=tmp_path / "actor", settings=settings)
+        assert await follower.check(), follower.refused
+        assert plain_engine.version == 1 and not plain_engine.adapters
+
+        adir = lora.write_adapter(*trainer.adapter_snapshot(), tmp_path / "adapter")
+        await engine.load_adapter(lora.as_vllm_adapter(adir), 1)  # the same adapter, served by vLLM's LoRA
+
+        prompt = list(range(10, 22))
+        merged = await plain_engine.generate(prompt, max_tokens=16, seed=7)
+        adapter = await engine.generate(prompt, max_tokens=16, seed=7)
+        ids = prompt + merged.token_ids
+        ours = _learner_logprobs(trainer, ids, len(prompt))
+        served = torch.tensor(merged.logprobs, dtype=torch.float64)
+        moved = (ours - _learner_logprobs(trainer, ids, len(prompt), base=True)).abs().max().item()
+        diff = (ours - served).abs().max().item()
+        print(f"merged: learner vs vLLM max {diff:.2e}; adapter vs base {moved:.2e}")
+        assert moved > 100 * TOL  # the adapter changed the model, so agreeing means merging it
+        assert diff < TOL
+        assert adapter.token_ids == merged.token_ids
+        served_adapter = torch.tensor(adapter.logprobs, dtype=torch.float64)
+        assert (served_adapter - served).abs().max().item() < TOL
+    finally:
+        trainer.close()
+
+
 def test_merged_export_computes_what_base_plus_adapter_computes(tiny_model, tmp_path):
     """export_merged (`parley export --merge`): a plain HF checkpoint whose logits are the base's with the adapter."""
     from peft import PeftModel
@@ -321,11 +397,13 @@ def test_an_adapter_trains_the_same_under_zero_3_and_gradient_checkpointing(tiny
         forward redone in backward, adapters and all): two steps give the loss, gradient norm and KL of
         ZeRO-2 without checkpointing, every adapter weight moves and no base weight does, and the adapter's
     parameters found once before the steps (what pack_adapter sends) hold what peft saves after them, and
-        under ZeRO-2 lie end to end in one storage (so a cuda_ipc fill copies them at once). The first step's
+        under ZeRO-2 lie end to end in one storage (so a cuda_ipc fill copies them at once); the whole
+        weights with the adapter merged in (serve = "merged") are peft's merge of it. The first step's
         KL is 0 (the reference is the base, the adapter's B starts at zero); the second's is not."""
     plain = _lora_steps(tiny_model, 2, False)
     assert plain["adapter"] and plain["changed"] == plain["adapter"]
     assert plain["cached_matches"]  # learner.lora.adapter_params, found before the steps, reads what peft saves after
+    assert plain["merged_matches"]  # the learner's merged weights are peft's merge_and_unload of its adapter
     # ZeRO-2 keeps the adapter's parameters end to end in one flat buffer after the steps: what makes
     # a cuda_ipc adapter version one copy (weights.cuda_ipc.one_run, IpcPublisher.fill)
     assert plain["end_to_end"]
@@ -334,6 +412,7 @@ def test_an_adapter_trains_the_same_under_zero_3_and_gradient_checkpointing(tiny
         other = _lora_steps(tiny_model, zero, checkpointing)
         assert other["changed"] == plain["adapter"], (zero, checkpointing)
         assert other["cached_matches"], (zero, checkpointing)
+        assert other["merged_matches"], (zero, checkpointing)  # also gathered from ZeRO-3's partitions
         for key in ("loss", "grad_norm"):  # the first step: the same up to fp32 summation order
             assert other[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), (zero, checkpointing, key)
         # after one AdamW update, a coordinate whose gradient is near Adam's eps (1e-8) moves by

@@ -50,3 +50,22 @@ def test_lora_refuses_packed_deltas_with_the_fix():
 def test_an_unknown_delta_format_names_the_two_there_are():
     with pytest.raises(Exception, match="'file'.*'packed'"):
         load_config(None, ['weights.kind="objstore"', 'weights.delta_format="zstd"'])
+
+
+def test_merged_versions_need_a_plain_actor_engine_and_travel_by_any_full_weight_path():
+    merged = ["learner.lora.enabled=true", "learner.lora.rank=8", 'learner.lora.serve="merged"']
+    assert load_config(None, merged).learner.lora.merged
+    assert load_config().learner.lora.serve == "adapter"
+    with pytest.raises(ConfigError, match='serve = "merged" with actor.engine.max_lora_rank=8.*max_lora_rank = 0'):
+        check_training(load_config(None, [*merged, "actor.engine.max_lora_rank=8"]))
+    # whole weights: nccl and packed deltas, refused for adapters, carry them
+    for kind in (
+        ['weights.kind="objstore"', "weights.full_every=4"],
+        ['weights.kind="objstore"', "weights.full_every=4", 'weights.delta_format="packed"'],
+        ['weights.kind="cuda_ipc"'],
+        ['weights.kind="nccl"', 'weights.address="10.0.0.1:29600"'],
+        ['weights.kind="shared_dir"', 'weights.dir="/tmp/w"'],
+    ):
+        check_training(load_config(None, [*merged, *kind]))
+    with pytest.raises(Exception, match="serve"):
+        load_config(None, [*merged[:2], 'learner.lora.serve="both"'])

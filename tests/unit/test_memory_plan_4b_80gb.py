@@ -34,6 +34,7 @@ H, INTER, Q, KV = (
 )
 # rank 16 on q k v o gate up down: A is 16 x in, B is out x 16
 ADAPTER = 36 * 16 * ((H + Q) + 2 * (H + KV) + (Q + H) + 2 * (H + INTER) + (INTER + H))
+LORA7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def up(config: Path, model: Path, total: float, *sets: str):
@@ -159,3 +160,73 @@ def test_auto_checkpointing_is_off_where_the_activations_fit_and_the_children_ge
         assert plan_line(explicit.stdout) == plan_line(out.stdout)
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         load_config(None, ['learner.gradient_checkpointing="sometimes"'])
+
+
+def with_weights(name: str, out: Path, weights: str) -> Path:
+    """deploy/configs/`name` with its [weights] section (the last) replaced by `weights`, written to `out`."""
+    text = (CONFIGS / name).read_text()
+    out.write_text(text[: text.index("\n[weights]\n")] + "\n[weights]\n" + weights)
+    return out
+
+
+def test_merged_lora_versions_plan_whole_weight_buffers_a_merge_and_a_plain_actor(tmp_path):
+    """[learner.lora] serve = "merged": the learner's cuda_ipc buffer holds whole bf16 weights (not the
+    adapter), the merge after the step is planned (one projection at a time, in the buffer or on its
+    way to the host), and the actor's engine keeps no LoRA slots."""
+    from parley.deploy.memory import merge_term, processes
+
+    model = stand_in(tmp_path)
+    shape = model_shape(str(model))
+    n, proj = shape.params, sum(shape.adapted_tensors(LORA7))
+    assert proj == 36 * (H * Q + 2 * H * KV + Q * H + 3 * H * INTER)  # every projection of every layer
+    base = [f"policy.model={model}", f"actor.engine.model={model}", "learner.gradient_checkpointing=false"]
+    merged = [*base, 'learner.lora.serve="merged"', "actor.engine.max_lora_rank=0"]
+
+    objstore = with_weights("gpu-1-4b-lora.toml", tmp_path / "objstore.toml", 'kind = "objstore"\n')
+
+    def terms(sets, config=CONFIGS / "gpu-1-4b-lora.toml"):
+        cfg = load_config(config, sets)
+        return cfg, {t.what.split(":")[0]: t for t in learner_terms(cfg, shape)}
+
+    _, adapter = terms(base)
+    cfg, whole = terms(merged)
+    assert cfg.weights.max_buffers == 1
+    assert adapter["cuda_ipc buffers"].gib * GIB == pytest.approx(2 * ADAPTER, rel=1e-3)
+    assert whole["cuda_ipc buffers"].gib * GIB == pytest.approx(2 * n, rel=1e-3)  # whole weights travel
+    assert "merged in" in whole["cuda_ipc buffers"].what
+    # the merge after the step, one projection at a time, is far below the step's activations
+    assert "activations" in whole and not any(k.startswith("merging") for k in whole)
+    assert merge_term(cfg, shape).gib * GIB == pytest.approx(4 * H * INTER)  # in the buffer: one fp32 sum
+    actor = next(p for p in processes(cfg) if p.name == "actor-0")
+    assert not any("LoRA" in t.what for t in actor.terms)
+    with_slots = next(p for p in processes(load_config(CONFIGS / "gpu-1-4b-lora.toml", base)) if p.name == "actor-0")
+    assert any("LoRA slots" in t.what for t in with_slots.terms)
+    cfg, files = terms(merged, objstore)
+    assert merge_term(cfg, shape).gib * GIB == pytest.approx((4 + 2) * H * INTER)  # to the host: + its bf16 copy
+    assert "cuda_ipc buffers" not in files and "activations" in files
+
+    out = up(CONFIGS / "gpu-1-4b-lora.toml", model, H100, *merged[3:])
+    assert out.exit_code == 0, out.output
+    assert "its LoRA slots" not in out.stdout and 'the adapter merged in: learner.lora.serve = "merged"' in out.stdout
+
+
+def test_where_only_whole_weights_travel_the_lora_change_merges_the_adapter(tmp_path):
+    """Packed deltas and nccl carry no adapter: the plan's LoRA change for a run that does not fit is
+    the adapter merged into whole weights (no LoRA slots asked of the actor), planned like the others."""
+    from parley.deploy.memory import _learner_changes, fixes, processes
+
+    model = stand_in(tmp_path)
+    for weights in (
+        'kind = "objstore"\nfull_every = 4\ndelta_format = "packed"\n',
+        'kind = "nccl"\naddress = "127.0.0.1:29600"\n',
+    ):
+        config = with_weights("gpu-1-4b.toml", tmp_path / "w.toml", weights)
+        cfg = load_config(config, [f"policy.model={model}", f"actor.engine.model={model}"])
+        merged = (("learner.lora.enabled", True), ("learner.compile", "auto"), ("learner.lora.serve", "merged"))
+        assert merged in _learner_changes(cfg)
+        assert not any(k == "actor.engine.max_lora_rank" for c in _learner_changes(cfg) for k, _ in c)
+        planned = {f.changes: f.need for f in fixes(cfg, H100)}
+        full = sum(p.gib for p in processes(cfg))  # what full fine-tuning needs (no engine takes a share here)
+        assert 0 < planned[merged] < full - 40  # full fine-tuning's states gone, whole-weight buffers kept
+    cfg = load_config(CONFIGS / "gpu-1-4b.toml", [f"policy.model={model}", f"actor.engine.model={model}"])
+    assert not any(("learner.lora.serve", "merged") in c for c in _learner_changes(cfg))  # cuda_ipc carries adapters
