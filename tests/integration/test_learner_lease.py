@@ -149,7 +149,7 @@ async def test_the_lease_is_renewed_while_the_event_loop_is_blocked(js, nats_ser
     from parley.protocol.connect import connect
 
     run = "blocked"
-    ttl = 2.0
+    ttl = 1.0
     await js.create_key_value(config=dataclasses.replace(topology.lease_config(run, BUS), ttl=ttl))
     lease = Lease(js, run, "busy-learner", ttl_s=ttl, connect=lambda: connect(nats_server.url, name="lease-test"))
     first = await lease.acquire()
