@@ -206,8 +206,15 @@ class Lease:
         if nc is None:
             return
         try:
-            kv = await nc.jetstream().key_value(topology.lease_bucket(self.run))
-            await self._renewing(kv, stop.is_set)
+            kv = None
+            while kv is None and not stop.is_set():
+                try:
+                    kv = await nc.jetstream().key_value(topology.lease_bucket(self.run))
+                except Exception as e:  # noqa: BLE001 - as a failed renewal: retried, the TTL decides
+                    log.warning("run %s: the learner lease's bucket could not be read (%s); retrying", self.run, e)
+                    await asyncio.sleep(1.0)
+            if kv is not None:
+                await self._renewing(kv, stop.is_set)
         finally:
             with contextlib.suppress(Exception):
                 await nc.close()

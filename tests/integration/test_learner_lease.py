@@ -184,3 +184,20 @@ async def test_the_lease_is_renewed_while_the_event_loop_is_blocked(js, nats_ser
     assert entry.value == b"busy-learner" and entry.revision == lease.revision
     await lease.release()
     await Lease(js, run, "next", ttl_s=ttl).acquire()  # released: taken at once
+
+
+async def test_a_lease_lost_on_the_renewal_thread_stops_keep_on_the_learners_loop(js, nats_server):
+    """learner.service watches keep()'s task: a LeaseLost raised on the renewal thread must end it."""
+    from parley.protocol.connect import connect
+
+    run = "taken"
+    ttl = 1.0
+    await js.create_key_value(config=dataclasses.replace(topology.lease_config(run, BUS), ttl=ttl))
+    lease = Lease(js, run, "first", ttl_s=ttl, connect=lambda: connect(nats_server.url, name="lease-test"))
+    await lease.acquire()
+    keeping = asyncio.create_task(lease.keep(asyncio.Event()))
+    kv = await js.key_value(topology.lease_bucket(run))
+    await kv.purge(topology.LEASE_KEY)
+    await kv.create(topology.LEASE_KEY, b"another-learner")  # taken meanwhile, as after a long outage
+    with pytest.raises(LeaseLost, match="was lost"):
+        await asyncio.wait_for(keeping, timeout=5 * ttl)
