@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from parley.environments.base import TaskBuilder
 from parley.protocol import codec, topology
-from parley.protocol.bus import publish, retry_unreachable
+from parley.protocol.bus import Repeated, publish, retry_unreachable
 from parley.protocol.messages import Task
 from parley.tasks.data import task_from_item
 
@@ -241,13 +241,27 @@ class Feeder:
                     self.paused = False
                 task = self.task(s.next_index)
                 self.publishing = task.task_id
+                sends = 0
+
+                async def send(task=task):
+                    nonlocal sends
+                    sends += 1  # a repeat after a call that failed may be that call's own message
+                    return await publish(self.js, self.run_name, "tasks", task, sent_before=sends > 1, fresh=True)
+
                 # As every role's publishes (docs/reliability.md): retried for as long as NATS is away,
                 # not given up after publish's own attempts (about 100 s), which ended the learner.
-                await retry_unreachable(
-                    lambda task=task: publish(self.js, self.run_name, "tasks", task),
-                    what=f"publishing task {task.task_id}",
-                    give_up_s=math.inf,
-                )
+                try:
+                    await retry_unreachable(send, what=f"publishing task {task.task_id}", give_up_s=math.inf)
+                except Repeated as e:
+                    # Its id was stored before (an earlier learner of this run, or messages of the stream
+                    # aged out or purged while the dedupe window remembers them): that message is not
+                    # this one and may never be delivered, so counted in flight it would hold a slot until
+                    # task_deadline_s. The next index is issued instead; a Scored of the old message is
+                    # foreign to this learner (learner.intake).
+                    log.warning("task %s not issued: %s; issuing the next index instead", task.task_id, e)
+                    self.publishing = ""
+                    s.next_index += 1
+                    continue
                 # Only after the store acknowledged it: a checkpoint never claims an unpublished task.
                 s.in_flight[task.task_id] = Issued(at=time.monotonic(), version=task.admitted_version)
                 self.publishing = ""

@@ -7,15 +7,23 @@ one line naming the holder. A holder renews it (KV update on the revision it hol
 is noticed: the revision is its fencing token) every TTL / 4; one that was killed stops renewing and
 the bucket's TTL removes the key, so a --resume after a kill waits at most LEASE_TTL_S; on the host
 where the killed learner ran (its holder name is host-pid) the key is taken over at once.
+
+The renewals run on a thread of their own, with their own event loop and NATS connection (`connect`):
+the learner's loop is held for longer than the TTL by synchronous work (Learner's construction loads
+the training split on it), and renewals on that loop expired the key of a learner that was alive.
+A killed process renews nothing, so the TTL still frees the lease of a dead learner.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Awaitable, Callable
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
@@ -59,8 +67,15 @@ def _died_here(holder: str) -> bool:
 
 
 class Lease:
-    def __init__(self, js, run: str, holder: str, ttl_s: float = LEASE_TTL_S):
+    """`connect`: opens the renewals' own NATS connection (on their thread; the caller's `js` is bound to
+    its loop). Without it the renewals run on the caller's loop, and a loop held longer than the TTL
+    loses the lease (tests only)."""
+
+    def __init__(
+        self, js, run: str, holder: str, ttl_s: float = LEASE_TTL_S, connect: Callable[[], Awaitable] | None = None
+    ):
         self.js, self.run, self.holder, self.ttl_s = js, run, holder, ttl_s
+        self.connect = connect
         self.revision = 0  # the fencing token: the key's revision this learner wrote last
         self._kv = None
 
@@ -115,18 +130,20 @@ class Lease:
                 )
             await asyncio.sleep(min(1.0, self.ttl_s / 8))
 
-    async def renew(self) -> None:
+    async def renew(self, kv=None) -> None:
         """Write the key again on the revision held (the TTL counts from here); LeaseLost if another
         learner took it meanwhile. A key that expired with nobody else writing it (a NATS outage longer
         than the TTL: the restarted server drops it; a renewal held up as long) is taken back with
-        create, which fails if another learner wrote it first: the revision stays the fence."""
+        create, which fails if another learner wrote it first: the revision stays the fence. `kv`: the
+        bucket on the renewal thread's connection (the caller's by default)."""
+        kv = kv or self._kv
         try:
-            self.revision = await self._kv.update(LEASE_KEY, self.holder.encode(), last=self.revision)
+            self.revision = await kv.update(LEASE_KEY, self.holder.encode(), last=self.revision)
             return
         except (KeyWrongLastSequenceError, KeyNotFoundError) as e:
             lost = e
         try:
-            self.revision = await self._kv.create(LEASE_KEY, self.holder.encode())
+            self.revision = await kv.create(LEASE_KEY, self.holder.encode())
             log.warning(
                 "run %s: the learner lease had expired unrenewed (%s); nobody else held it: taken back (revision %d)",
                 self.run,
@@ -141,17 +158,77 @@ class Lease:
             ) from None
 
     async def keep(self, halt: asyncio.Event) -> None:
-        """Renew every TTL / 4 until `halt` (a background task of the learner: LeaseLost stops it).
-        A renewal that fails for a connection outage is retried: only a lost lease ends it."""
-        every = self.ttl_s / 4
-        while not halt.is_set():
-            try:
-                await asyncio.wait_for(halt.wait(), timeout=every)
+        """Renew every TTL / 4 until `halt` (a background task of the learner: LeaseLost stops it), on
+        the renewal thread when `connect` was given. A renewal that fails for a connection outage is
+        retried: only a lost lease ends it."""
+        if self.connect is None:
+            await self._renewing(self._kv, halt.is_set)
+            return
+        stop = threading.Event()
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+
+        def settle(error: BaseException | None) -> None:
+            if done.done():
                 return
-            except TimeoutError:
-                pass
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+        def thread() -> None:
+            error = None
             try:
-                await self.renew()
+                asyncio.run(self._on_own_connection(stop))
+            except BaseException as e:  # noqa: BLE001 - handed to the learner's loop: LeaseLost ends it there
+                error = e
+            with contextlib.suppress(RuntimeError):  # the learner's loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(settle, error)
+
+        threading.Thread(target=thread, name=f"lease-{self.run}", daemon=True).start()
+        halted = asyncio.create_task(halt.wait())
+        try:
+            await asyncio.wait({done, halted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.set()
+            halted.cancel()
+        await done  # the thread's last renewal is over (release() writes on the revision it left)
+
+    async def _on_own_connection(self, stop: threading.Event) -> None:
+        """The renewal thread's loop: its own connection (retried while NATS is away), then renewals."""
+        nc = None
+        while nc is None and not stop.is_set():
+            try:
+                nc = await self.connect()
+            except Exception as e:  # noqa: BLE001 - NATS away: the lease may still be renewed in time
+                log.warning("run %s: the learner lease's connection failed (%s); retrying", self.run, e)
+                await asyncio.sleep(1.0)
+        if nc is None:
+            return
+        try:
+            kv = None
+            while kv is None and not stop.is_set():
+                try:
+                    kv = await nc.jetstream().key_value(topology.lease_bucket(self.run))
+                except Exception as e:  # noqa: BLE001 - as a failed renewal: retried, the TTL decides
+                    log.warning("run %s: the learner lease's bucket could not be read (%s); retrying", self.run, e)
+                    await asyncio.sleep(1.0)
+            if kv is not None:
+                await self._renewing(kv, stop.is_set)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    async def _renewing(self, kv, stopped: Callable[[], bool]) -> None:
+        every, hop = self.ttl_s / 4, min(0.1, self.ttl_s / 40)
+        while not stopped():
+            due = time.monotonic() + every
+            while time.monotonic() < due:
+                if stopped():
+                    return
+                await asyncio.sleep(min(hop, max(due - time.monotonic(), 0)))
+            try:
+                await self.renew(kv)
             except LeaseLost:
                 raise
             except Exception as e:  # noqa: BLE001 - an outage: the next round tries again

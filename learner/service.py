@@ -303,7 +303,7 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
     from parley.learner.ranks import Driver
     from parley.learner.trainer import Trainer
     from parley.runtime import killpoints
-    from parley.runtime.role import role_connection
+    from parley.runtime.role import connect_nats, role_connection
 
     try:  # PARLEY_KILL_AT, read once: the crash-consistency tests' named kill points (runtime.killpoints)
         killpoints.arm()
@@ -319,7 +319,10 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
         nc,
         js,
     ):
-        lease = Lease(js, cfg.run.name, holder_name())
+        # renewed on a thread and connection of its own: the loop is held longer than the TTL by loading
+        lease = Lease(
+            js, cfg.run.name, holder_name(), connect=lambda: connect_nats(cfg.nats, name="parley-learner-lease")
+        )
         try:  # before anything is loaded or written: a second learner leaves the run as it is
             await lease.acquire()
             if not resume:

@@ -92,15 +92,38 @@ async def retry_unreachable(
             delay = min(delay * 2, 30.0)
 
 
-async def publish(js, run: str, key: str, msg: msgspec.Struct, *, attempts: int = 8, timeout: float = 10.0):
-    """Store `msg` on channel `key` exactly once (by Msg-Id); retries timeouts and lost connections."""
+class Repeated(ProtocolError):
+    """A publish asked to be fresh (`fresh=True`) that the server dropped as a repeat: a message with its
+    Msg-Id was stored before this call, within the stream's duplicate window, so this one goes nowhere."""
+
+
+async def publish(
+    js,
+    run: str,
+    key: str,
+    msg: msgspec.Struct,
+    *,
+    attempts: int = 8,
+    timeout: float = 10.0,
+    sent_before: bool = False,
+    fresh: bool = False,
+):
+    """Store `msg` on channel `key` exactly once (by Msg-Id); retries timeouts and lost connections.
+
+    A PubAck with duplicate=True means the server kept an earlier message with this Msg-Id and dropped
+    this one. After an attempt of this call (or of a caller's earlier call: `sent_before`) timed out,
+    that earlier message is our own: counted as `duplicate.<key>.retry`, harmless. Otherwise it was
+    stored by someone before this call (a role that died after publishing, a redelivered piece of
+    work done again, an earlier learner of the run): counted as `duplicate.<key>.earlier`, and raised
+    as Repeated when the caller needs its message to go out (`fresh`: the feeder's tasks)."""
     data = codec.encode(msg)
-    headers = {"Nats-Msg-Id": codec.msg_id(msg)}
+    msg_id = codec.msg_id(msg)
+    headers = {"Nats-Msg-Id": msg_id}
     subj = topology.subject(run, key)
     delay = 0.25
     for attempt in range(1, attempts + 1):
         try:
-            return await js.publish(subj, data, headers=headers, timeout=timeout)
+            ack = await js.publish(subj, data, headers=headers, timeout=timeout)
         except PUBLISH_TRANSIENT as e:
             # A timed-out publish may still have been stored; the Msg-Id makes the retry harmless.
             if attempt == attempts:
@@ -108,6 +131,19 @@ async def publish(js, run: str, key: str, msg: msgspec.Struct, *, attempts: int 
             log.warning("publish to %s failed (%s), retry %d/%d", subj, type(e).__name__, attempt, attempts)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+            continue
+        if getattr(ack, "duplicate", False):
+            ours = sent_before or attempt > 1
+            COUNTERS[f"duplicate.{key}.{'retry' if ours else 'earlier'}"] += 1
+            if not ours:
+                reason = (
+                    f"{subj}: the server dropped message {msg_id!r} as a repeat of {ack.stream} seq {ack.seq}, "
+                    "stored before this publish within the stream's duplicate window"
+                )
+                if fresh:
+                    raise Repeated(reason)
+                log.info("%s (already there: nothing to do)", reason)
+        return ack
 
 
 # Room left in a dead letter for its subject, reason, consumer and headers beside the payload.

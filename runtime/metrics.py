@@ -344,6 +344,12 @@ FAMILIES: tuple[Family, ...] = (
         "Messages this process dead-lettered, by the channel they came from and why (protocol/bus.py).",
     ),
     _f(
+        "parley_publish_duplicates_total",
+        r"duplicate\.(?P<channel>[a-z]+)\.(?P<origin>retry|earlier)",
+        "Publishes the server dropped as repeats (Nats-Msg-Id) of this call's own timed-out attempt (retry) "
+        "or of a message stored before it (earlier; the learner's feeder re-issues such a task).",
+    ),
+    _f(
         "parley_in_flight",
         r"in_flight",
         "Work in progress (conversations, trajectories, requests; the learner: admitted tasks).",

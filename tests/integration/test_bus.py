@@ -488,3 +488,25 @@ async def test_a_message_published_while_a_worker_waits_is_handled_before_its_fe
     await asyncio.wait_for(run, timeout=15)
     assert len(handled_at) == 2, "the second message was not handled within 10 s"
     assert handled_at[1] - sent_at < 1.5, f"handled {handled_at[1] - sent_at:.2f} s after it was published"
+
+
+async def test_a_pubacks_duplicate_flag_is_counted_as_a_retry_of_ours_or_a_repeat_of_an_earlier_message(js):
+    """The server drops a message whose Msg-Id it stored within the duplicate window and says so in the
+    PubAck (duplicate=True). After an attempt of ours timed out that is our own message (counted
+    `duplicate.<channel>.retry`); otherwise it was stored before this publish (`.earlier`), and a
+    publisher whose message must go out (fresh=True: the feeder's tasks) gets Repeated."""
+    from parley.protocol.bus import COUNTERS, Repeated
+
+    await topology.ensure_topology(js, RUN, FAST)
+    task = examples.task(RUN)
+    before = {k: COUNTERS[f"duplicate.tasks.{k}"] for k in ("retry", "earlier")}
+    first = await publish(js, RUN, "tasks", task, fresh=True)
+    assert not first.duplicate
+    again = await publish(js, RUN, "tasks", task)  # e.g. a redelivered piece of work done again
+    assert again.duplicate and again.seq == first.seq
+    await publish(js, RUN, "tasks", task, sent_before=True)  # a retry after a call of ours failed
+    with pytest.raises(Repeated, match=r"dropped message .* as a repeat of PARLEY_itest_TASKS seq \d+"):
+        await publish(js, RUN, "tasks", task, fresh=True)
+    after = {k: COUNTERS[f"duplicate.tasks.{k}"] - before[k] for k in ("retry", "earlier")}
+    assert after == {"retry": 1, "earlier": 2}, after
+    assert (await js.stream_info(topology.stream_name(RUN, "tasks"))).state.messages == 1

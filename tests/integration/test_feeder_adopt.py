@@ -124,3 +124,24 @@ async def test_a_learner_killed_before_its_first_ledger_write_resumes_its_publis
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+async def test_a_task_the_server_drops_as_a_repeat_is_issued_under_the_next_id_not_counted_in_flight(js):
+    """--reset-streams purges TASKS, but the server's dedupe window (bus.duplicate_window_s) still
+    remembers the Msg-Ids of the older learner's tasks: a fresh feeder publishing g000000 again gets a
+    PubAck with duplicate=True and nothing is stored. Counted in flight, such a task would hold a slot
+    that no actor ever fills, until task_deadline_s; it is counted as a repeat and the next index is
+    issued instead, so every task in flight is one the stream holds."""
+    from parley.learner.lease import check_fresh_streams
+    from parley.protocol.bus import COUNTERS
+
+    await topology.ensure_topology(js, RUN, BUS)
+    await issue_until(feeder(js), 4)  # an older learner of this run
+    await check_fresh_streams(js, RUN, reset=True)  # the new one's --reset-streams
+    before = COUNTERS["duplicate.tasks.earlier"]
+    fresh = feeder(js, FeederState())
+    await issue_until(fresh, 8)
+    stored = await stored_ids(js)
+    assert sorted(fresh.state.in_flight) == stored, (sorted(fresh.state.in_flight), stored)
+    assert stored == [task_id(RUN, i) for i in range(4, 8)] and fresh.state.next_index == 8
+    assert COUNTERS["duplicate.tasks.earlier"] - before == 4

@@ -7,6 +7,7 @@ older run's streams unless --reset-streams purges them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -135,3 +136,68 @@ async def test_a_lease_that_expired_with_nobody_else_is_taken_back_at_the_next_r
     await other.acquire()  # the key is free: taken at once
     with pytest.raises(LeaseLost, match="was lost"):
         await lease.renew()
+
+
+async def test_the_lease_is_renewed_while_the_event_loop_is_blocked(js, nats_server):
+    """The learner's loop can be held for longer than the TTL by synchronous work (Learner's
+    construction loads the training split on it: 40 s for 60 items of 2 MB reference documents in
+    make faults' 2 MB run, where the first renewal after it found the key expired). The renewals run
+    on their own thread and connection: another learner trying meanwhile is refused, and the revision
+    (the fencing token) moves while the loop does nothing."""
+    import threading
+
+    from parley.protocol.connect import connect
+
+    run = "blocked"
+    ttl = 1.0
+    await js.create_key_value(config=dataclasses.replace(topology.lease_config(run, BUS), ttl=ttl))
+    lease = Lease(js, run, "busy-learner", ttl_s=ttl, connect=lambda: connect(nats_server.url, name="lease-test"))
+    first = await lease.acquire()
+    halt = asyncio.Event()
+    keeping = asyncio.create_task(lease.keep(halt))
+    await asyncio.sleep(0.2)  # the renewals have started
+
+    outcome: list[str] = []
+
+    async def second_learner() -> None:
+        nc = await connect(nats_server.url, name="second-learner")
+        try:
+            await Lease(nc.jetstream(), run, "second-learner", ttl_s=ttl).acquire()
+            outcome.append("taken")
+        except LeaseHeld:
+            outcome.append("refused")
+        finally:
+            await nc.close()
+
+    other = threading.Thread(target=asyncio.run, args=(second_learner(),))
+    t0 = time.monotonic()
+    other.start()
+    other.join(timeout=3 * ttl + 10)  # blocks this loop, as a long synchronous load does
+    time.sleep(max(0.0, 2.5 * ttl - (time.monotonic() - t0)))  # and longer than a TTL in all
+    moved = lease.revision - first  # read before any await: only another thread could have moved it
+    assert outcome == ["refused"], outcome
+    assert moved >= 3, f"revision moved by {moved} while the loop was blocked {time.monotonic() - t0:.1f} s"
+    halt.set()
+    await keeping
+    kv = await js.key_value(topology.lease_bucket(run))
+    entry = await kv.get(topology.LEASE_KEY)
+    assert entry.value == b"busy-learner" and entry.revision == lease.revision
+    await lease.release()
+    await Lease(js, run, "next", ttl_s=ttl).acquire()  # released: taken at once
+
+
+async def test_a_lease_lost_on_the_renewal_thread_stops_keep_on_the_learners_loop(js, nats_server):
+    """learner.service watches keep()'s task: a LeaseLost raised on the renewal thread must end it."""
+    from parley.protocol.connect import connect
+
+    run = "taken"
+    ttl = 1.0
+    await js.create_key_value(config=dataclasses.replace(topology.lease_config(run, BUS), ttl=ttl))
+    lease = Lease(js, run, "first", ttl_s=ttl, connect=lambda: connect(nats_server.url, name="lease-test"))
+    await lease.acquire()
+    keeping = asyncio.create_task(lease.keep(asyncio.Event()))
+    kv = await js.key_value(topology.lease_bucket(run))
+    await kv.purge(topology.LEASE_KEY)
+    await kv.create(topology.LEASE_KEY, b"another-learner")  # taken meanwhile, as after a long outage
+    with pytest.raises(LeaseLost, match="was lost"):
+        await asyncio.wait_for(keeping, timeout=5 * ttl)

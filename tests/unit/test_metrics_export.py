@@ -71,6 +71,18 @@ def test_families_follow_prometheus_naming():
             "parley_dead_letters_total",
             {"channel": "scored", "reason": "undecodable"},
         ),
+        (
+            "learner",
+            "duplicate.tasks.earlier",
+            "parley_publish_duplicates_total",
+            {"channel": "tasks", "origin": "earlier"},
+        ),
+        (
+            "scorer",
+            "duplicate.scored.retry",
+            "parley_publish_duplicates_total",
+            {"channel": "scored", "origin": "retry"},
+        ),
         ("learner", "step", "parley_learner_step", {}),
         ("learner", "reward.total", "parley_learner_reward", {"term": "total"}),
         ("learner", "reward.bleu.group_std", "parley_learner_reward_group_std", {"term": "bleu"}),
