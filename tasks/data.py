@@ -10,6 +10,7 @@ document are dropped on load (dedupe_by_reference says which is kept). Used by t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -54,8 +55,12 @@ class Item:
         return text_key(self.single_turn_prompt or " ".join(m.content for m in self.prefix))
 
 
+@functools.lru_cache(maxsize=16384)
 def text_key(text: str) -> str:
-    """Hash of normalized text (case, whitespace and punctuation folded): the unit of overlap."""
+    """Hash of normalized text (case, whitespace and punctuation folded): the unit of overlap. Cached:
+    Item.reference_key is asked for several times per item (dedupe, split, leakage check), and with
+    documents of megabytes each normalization takes a fifth of a second; the learner built its split on
+    its event loop for a minute."""
     norm = re.sub(r"[^\w]+", " ", text.lower()).strip()
     return hashlib.sha256(norm.encode()).hexdigest()[:24]
 
