@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+# extended tier (make test-extended): two whole `parley up` runs; the entry-point discovery of an
+# installed environment (tests/unit/test_env_plugin.py) and hidden_goal's children without a simulator
+# or judge (tests/unit/test_engine_cpu_binding.py) are held in `make test` by unit tests
+pytestmark = [pytest.mark.e2e, pytest.mark.extended, pytest.mark.timeout(1500)]
 ROOT = Path(__file__).resolve().parents[2]
 PARROT = ROOT / "tests" / "data" / "parley_env_parrot"
 

@@ -10,6 +10,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from nats.js.api import PubAck
 
 from parley.config.scorer import ScorerConfig
 from parley.deploy.live import Snapshot, judge_reliability, render
@@ -62,7 +63,9 @@ class FakeJetStream:
     async def publish(self, subject, data, headers, timeout):
         duplicate = headers["Nats-Msg-Id"] in self.stored
         self.stored.setdefault(headers["Nats-Msg-Id"], data)
-        return SimpleNamespace(duplicate=duplicate, seq=len(self.stored))
+        return PubAck(
+            stream="SCORED", seq=list(self.stored).index(headers["Nats-Msg-Id"]) + 1, duplicate=duplicate or None
+        )
 
 
 def _scorer(judge, cfg=AUDIT):

@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from nats.js.api import PubAck
 
 from parley.config.scorer import ScorerConfig
 from parley.protocol import bus, codec, examples, topology
@@ -59,7 +60,7 @@ class FakeJetStream:
         msg_id = headers["Nats-Msg-Id"]
         duplicate = msg_id in self.stored
         self.stored.setdefault(msg_id, data)
-        return SimpleNamespace(duplicate=duplicate, seq=len(self.stored))
+        return PubAck(stream="SCORED", seq=list(self.stored).index(msg_id) + 1, duplicate=duplicate or None)
 
 
 def _scorer(judge, cfg=CFG):
