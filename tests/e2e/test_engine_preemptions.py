@@ -10,7 +10,9 @@ import pytest
 
 from parley.engines.engine import EngineSettings, PolicyEngine
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+# extended tier: a whole vLLM engine start; the counter itself is held in `make test` by
+# tests/unit/test_engine_preemption_counter.py (vLLM's real stat logger fed its own iteration stats)
+pytestmark = [pytest.mark.e2e, pytest.mark.extended, pytest.mark.timeout(300)]
 
 KV_BLOCK = 16 * 1024  # the toy model's KV in fp32: 2 (K, V) x 2 layers x 2 kv heads x 32 x 4 B = 1 KiB a token
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+# extended tier (make test-extended): the scripts measure, the product does not import them; each is
+# started whole with its own nats-server, about a minute together
+pytestmark = [pytest.mark.integration, pytest.mark.extended]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -115,13 +115,15 @@ async def test_ca_file_from_the_config_reaches_a_role(tls_server):
     "command",
     [
         ["selfcheck", "--external"],
-        ["replay", "--stream", "scored"],
-        ["top"],
-        ["auth", "topology", "--wait", "0"],
+        # one command of each way in stays in `make test` (a tool, the eval, a role, the learner); the rest
+        # connect through the same deploy.common.resolve and runtime.role paths: extended tier
+        pytest.param(["replay", "--stream", "scored"], marks=pytest.mark.extended),
+        pytest.param(["top"], marks=pytest.mark.extended),
+        pytest.param(["auth", "topology", "--wait", "0"], marks=pytest.mark.extended),
         ["eval", "--services", "nats", "--condition", "base=tiny", "--n-items", "1"],
-        ["scorer", "--id", "scorer-creds"],
+        pytest.param(["scorer", "--id", "scorer-creds"], marks=pytest.mark.extended),
         ["actor", "--id", "actor-creds"],
-        ["sim", "--id", "sim-creds"],
+        pytest.param(["sim", "--id", "sim-creds"], marks=pytest.mark.extended),
         ["learner"],
     ],
     ids=lambda c: c[0],
