@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +12,7 @@ import typer
 from parley.deploy.common import (
     ConfigOpt,
     DryRunOpt,
+    IdOpt,
     MetricsHostOpt,
     MetricsPortOpt,
     NatsOpt,
@@ -22,8 +22,6 @@ from parley.deploy.common import (
     resolve,
 )
 from parley.deploy.flags import flag, with_flags
-
-IdOpt = Annotated[str | None, typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<pid>).")]
 
 
 def register(app: typer.Typer) -> None:
@@ -71,7 +69,7 @@ def actor_cmd(
     """Pull tasks of the run, play every sample, publish one trajectory per sample, follow weight versions."""
     cfg = resolve(config, sets, nats=nats, run=run, extra=flagged)
     _check_model("actor.engine.model", cfg.actor.engine.model)  # under --dry-run too: every start check
-    launch("actor", "parley.actors.actor", cfg, dry, ident or f"actor-{os.getpid()}", metrics_port, metrics_host)
+    launch("actor", "parley.actors.actor", cfg, dry, ident, metrics_port, metrics_host)
 
 
 def models_tiny_cmd(

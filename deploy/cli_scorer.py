@@ -3,15 +3,12 @@ command runs, so `parley --help` stays light."""
 
 from __future__ import annotations
 
-import os
-import socket
-from typing import Annotated
-
 import typer
 
 from parley.deploy.common import (
     ConfigOpt,
     DryRunOpt,
+    IdOpt,
     MetricsHostOpt,
     MetricsPortOpt,
     NatsOpt,
@@ -22,17 +19,9 @@ from parley.deploy.common import (
 )
 from parley.deploy.flags import flag, with_flags
 
-IdOpt = Annotated[
-    str | None, typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<host>-<pid>).")
-]
-
 
 def register(app: typer.Typer) -> None:
     app.command("scorer", help="Score trajectories (TRAJ) with the judge and publish rewards (SCORED).")(scorer_cmd)
-
-
-def default_id(role: str) -> str:
-    return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
 @with_flags(flag("scorer.concurrency"))
@@ -49,4 +38,4 @@ def scorer_cmd(
 ) -> None:
     """Pull trajectories of the run, score them through the judge service, publish Scored."""
     cfg = resolve(config, sets, nats=nats, run=run, extra=flagged)
-    launch("scorer", "parley.scorer.scorer", cfg, dry, ident or default_id("scorer"), metrics_port, metrics_host)
+    launch("scorer", "parley.scorer.scorer", cfg, dry, ident, metrics_port, metrics_host)

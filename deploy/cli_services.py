@@ -5,15 +5,12 @@ services/judge, services/reference, services/combined.py) and are imported when 
 
 from __future__ import annotations
 
-import os
-from typing import Annotated
-
 import typer
 
-from parley.deploy.cli_scorer import default_id
 from parley.deploy.common import (
     ConfigOpt,
     DryRunOpt,
+    IdOpt,
     MetricsHostOpt,
     MetricsPortOpt,
     NatsOpt,
@@ -24,8 +21,6 @@ from parley.deploy.common import (
     resolve,
 )
 from parley.deploy.flags import flag, with_flags
-
-IdOpt = Annotated[str | None, typer.Option("--id", help="Instance id in heartbeats and logs (default: <role>-<pid>).")]
 
 
 def register(app: typer.Typer) -> None:
@@ -64,7 +59,6 @@ def sim_cmd(
     from parley.services.sim.server import start_problems
 
     cfg = resolve(config, sets, nats=nats, run=run, extra=flagged)
-    ident = ident or f"sim-{os.getpid()}"
     launch("sim", "parley.services.sim.server", cfg, dry, ident, metrics_port, metrics_host, start_problems(cfg))
 
 
@@ -82,7 +76,7 @@ def judge_cmd(
 ) -> None:
     """Serve the judge on parley.svc.judge.{extract,interactivity} until Ctrl-C / SIGTERM."""
     cfg = resolve(config, sets, nats=nats, run=run, extra=flagged)
-    launch("judge", "parley.services.judge.server", cfg, dry, ident or default_id("judge"), metrics_port, metrics_host)
+    launch("judge", "parley.services.judge.server", cfg, dry, ident, metrics_port, metrics_host)
 
 
 def services_cmd(
@@ -104,7 +98,6 @@ def services_cmd(
         check_shareable(cfg)
     except ValueError as e:
         problems.append(str(e))
-    ident = ident or f"services-{os.getpid()}"
     launch("services", "parley.services.combined", cfg, dry, ident, metrics_port, metrics_host, problems)
 
 
@@ -121,5 +114,4 @@ def reference_cmd(
     """Serve parley.svc.reference (log-probs of [policy] model's initial weights) until Ctrl-C / SIGTERM."""
     cfg = resolve(config, sets, nats=nats, run=run)
     problems = check_models({"policy.model": cfg.policy.model})  # under --dry-run too: every start check
-    ident = ident or f"reference-{os.getpid()}"
     launch("reference", "parley.services.reference.server", cfg, dry, ident, metrics_port, metrics_host, problems)

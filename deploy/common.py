@@ -197,18 +197,31 @@ def run_main(entry, *args) -> None:
         raise typer.Exit(int(code))
 
 
+IdOpt = Annotated[
+    str | None, typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<host>-<pid>).")
+]
+
+
+def default_id(role: str) -> str:
+    """A replica's id when --id is not given: unique across the hosts of a run."""
+    import os
+    import socket
+
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
 def launch(
     role: str,
     module: str,
     cfg,
     dry: bool,
-    ident: str,
+    ident: str | None,
     metrics_port: int | None = None,
     metrics_host: str = "0.0.0.0",
     problems: list[str] | None = None,
 ) -> None:
     """The end of a role command: refuse the start `problems` (under --dry-run too), print the
-    config under --dry-run, else log as `ident`, serve metrics and call `module.run(cfg, ident)`
+    config under --dry-run, else log as `ident` (default_id(role) when None), serve metrics and call `module.run(cfg, ident)`
     (imported only now, so that `parley --help` stays light)."""
     import importlib
 
@@ -216,6 +229,7 @@ def launch(
         refuse(role, problems)
     if dry:
         dry_run(cfg)
+    ident = ident or default_id(role)
     setup_logging(ident)
     start_metrics(metrics_port, metrics_host, role)
     run_main(importlib.import_module(module).run, cfg, ident)
