@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parley.runtime.durable import fsync_dir, fsync_file, write_durable_text
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -90,28 +92,14 @@ def write_version_files(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in texts.items():
-        tmp = out / f".{name}.tmp"
-        with tmp.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out / name)
+        write_durable_text(out / name, text)
     tmp = out / f"{tensors_name}.tmp"
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    _fsync_path(tmp)
+    fsync_file(tmp)
     os.replace(tmp, out / tensors_name)
-    _fsync_path(out)  # the renames
-    _fsync_path(out.parent)  # the version directory's own entry
+    fsync_dir(out)  # the rename
+    fsync_dir(out.parent)  # the version directory's own entry
     return out
-
-
-def _fsync_path(path: Path) -> None:
-    # runtime.durable has these helpers, but weights/ sits on runtime's floor (no import between them)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass

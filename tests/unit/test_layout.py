@@ -45,7 +45,8 @@ TRANSPORT_NAMES = {"objstore", "shared_dir", "cuda_ipc", "nccl"}  # compared onl
 # The neutral packages from the ground up (protocol/ below them all, the roles and deploy/ above):
 # a neutral package imports only packages on lower floors. docs/architecture.md draws the same floors.
 FLOORS = (
-    ("tasks", "rewards", "runtime", "weights"),
+    ("runtime",),  # process, metrics, durable files: weights/ writes its versions through runtime.durable
+    ("tasks", "rewards", "weights"),
     ("engines", "environments"),
     ("config",),
     ("services",),
