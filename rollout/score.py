@@ -67,12 +67,26 @@ def _checked(reply: JudgeReply, op: str, traj_id: str) -> JudgeReply:
 
 
 async def _all(*coros) -> list:
-    """Run concurrently; the first failure cancels the rest and is raised as itself (not a group)."""
+    """Run concurrently; the first failure cancels the rest and is raised as itself (not a group). A
+    cancellation of the caller always goes on as CancelledError. (Not a TaskGroup: on Python 3.11 a
+    cancel that arrives while a child fails is dropped for the child's error, and the scorer's wait for
+    an unreachable judge then asked again instead of stopping: a SIGTERM'd scorer ran on for hours.)"""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:  # an environment without judge metrics asks nothing
+        return []
     try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(c) for c in coros]
-    except BaseExceptionGroup as group:
-        raise group.exceptions[0] from None
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+    if failed is not None:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # a cancel of ours meanwhile goes on from here
+        raise failed.exception()
     return [t.result() for t in tasks]
 
 
