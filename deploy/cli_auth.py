@@ -152,12 +152,12 @@ def budget_cmd(
         raise typer.Exit(2)
     cfg = resolve(config, sets, nats=nats, run=run)
     if dry:
-        dry_run(cfg, notes=f"auth budget: {msgspec_text(update)} on run {cfg.run.name!r} at {cfg.nats.url}")
+        dry_run(cfg, notes=f"auth budget: {update_text(update)} on run {cfg.run.name!r} at {cfg.nats.url}")
     setup_logging("auth", "WARNING")
     run_async_main(publish_budget, cfg, update)
 
 
-def msgspec_text(update) -> str:
+def update_text(update) -> str:
     """The update's given fields, as the operator typed them."""
     import msgspec
 

@@ -87,15 +87,27 @@ async def test_a_step_that_runs_out_of_memory_every_time_is_rejected_after_max_a
     assert len(trained) == 2 and poison not in "".join(trained).split('"not_trained"')[0]
 
 
-async def test_a_step_killed_during_training_counts_as_an_attempt(tmp_path):
-    """A kill inside the step (the kernel's OOM killer, a CUDA fault) leaves no exception to catch:
-    the attempt is in the ledger before the step begins."""
+async def killed_in_a_step(tmp_path, driver):
+    """A learner of one group of two samples whose step `driver` ends with SystemExit (a test double's
+    stand-in for the process dying); returns the ledger it left."""
     from parley.learner.service import Learner
     from tests.integration.test_learner_fates import scored_for
     from tests.integration.test_learner_ledger import task
 
     run_dir = tmp_path / "run"
     cfg = make_cfg("killed", run_dir, steps=1, groups_per_step=1, max_staleness=0)
+    learner = Learner(cfg, None, None, driver, model_dir=base_model(tmp_path), resume=False, steps=1)
+    for sample in range(2):
+        learner.grouper.add(scored_for(task("killed", 0), sample))
+    await learner.intake.flush()
+    with pytest.raises(SystemExit):
+        await learner.stepper.try_step()
+    return read_state(run_dir)
+
+
+async def test_a_step_killed_during_training_counts_as_an_attempt(tmp_path):
+    """A kill inside the step (the kernel's OOM killer, a CUDA fault) leaves no exception to catch:
+    the attempt is in the ledger before the step begins."""
 
     class KilledDouble(TrainerDouble):
         """Test double: the step never returns (stands for the process dying inside it)."""
@@ -105,13 +117,7 @@ async def test_a_step_killed_during_training_counts_as_an_attempt(tmp_path):
                 raise SystemExit("killed inside the step (test double)")
             return super().__call__(op, *args)
 
-    learner = Learner(cfg, None, None, KilledDouble(), model_dir=base_model(tmp_path), resume=False, steps=1)
-    for sample in range(2):
-        learner.grouper.add(scored_for(task("killed", 0), sample))
-    await learner.intake.flush()
-    with pytest.raises(SystemExit):
-        await learner.stepper.try_step()
-    state = read_state(run_dir)
+    state = await killed_in_a_step(tmp_path, KilledDouble())
     assert state.attempts == {"killed-g000000": 1}
     assert [g.task_id for g in state.groups] == ["killed-g000000"] and "killed-g000000" not in state.done
 
@@ -121,12 +127,6 @@ async def test_a_kill_after_the_training_is_no_failed_attempt(tmp_path):
     nothing about the step: the ledger holds no attempt for its groups, which stay buffered for the
     resume to train. Before, the attempt stayed counted until the step's last ledger write, and three
     such kills rejected the groups as step_failed."""
-    from parley.learner.service import Learner
-    from tests.integration.test_learner_fates import scored_for
-    from tests.integration.test_learner_ledger import task
-
-    run_dir = tmp_path / "run"
-    cfg = make_cfg("killed", run_dir, steps=1, groups_per_step=1, max_staleness=0)
 
     class KilledAfterDouble(TrainerDouble):
         """Test double: the step trains, then the process dies as the weights are taken for publication."""
@@ -137,14 +137,8 @@ async def test_a_kill_after_the_training_is_no_failed_attempt(tmp_path):
             return super().__call__(op, *args)
 
     driver = KilledAfterDouble()
-    learner = Learner(cfg, None, None, driver, model_dir=base_model(tmp_path), resume=False, steps=1)
-    for sample in range(2):
-        learner.grouper.add(scored_for(task("killed", 0), sample))
-    await learner.intake.flush()
-    with pytest.raises(SystemExit):
-        await learner.stepper.try_step()
+    state = await killed_in_a_step(tmp_path, driver)
     assert driver.calls.count("train_step") == 1
-    state = read_state(run_dir)
     assert state.attempts == {}
     assert state.step == 0 and [g.task_id for g in state.groups] == ["killed-g000000"]
     assert "killed-g000000" not in state.done
