@@ -161,7 +161,8 @@ def update_text(update) -> str:
     """The update's given fields, as the operator typed them."""
     import msgspec
 
-    return ", ".join(f"{k} {v}" for k, v in msgspec.structs.asdict(update).items() if v is not None)
+    given = msgspec.structs.asdict(update).items()
+    return ", ".join(f"{k} {v}" for k, v in given if v is not None and k != "created")  # created: set at send
 
 
 async def publish_budget(stop, cfg, update) -> int:
