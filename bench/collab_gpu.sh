@@ -19,8 +19,9 @@
 # CONFIG defaults to deploy/configs/gpu-1-collab-recipe.toml (recipe "verl-collabllm");
 # CONFIG=deploy/configs/gpu-1-collab.toml runs the current configuration beside it; both are evaluated
 # under EVAL_CONFIG's scoring (default the recipe config's), so their tables compare. Sizes, by env:
-# STEPS (60), N_ITEMS (held-out items, at least 60; the bundled data holds 24, so DATA=FILE names a
-# CollabLLM parquet/jsonl with more, copied onto the device, and EVAL_FRACTION its held-out share),
+# STEPS (60), N_ITEMS (held-out items, at least 60: the bundled data holds out 60 at the configs'
+# eval_fraction 0.4; DATA=FILE names a CollabLLM parquet/jsonl copied onto the device instead, and
+# EVAL_FRACTION its held-out share),
 # BUDGET_S (training's wall budget: SIGINT, the learner stops after its step), LIMIT_S / EVAL_LIMIT_S /
 # EXPORT_LIMIT_S (each step's time limit, bench/step.sh), EXTRA (more --set arguments for every parley
 # command, e.g. EXTRA="--set learner.lr=1e-5"; EVAL_EXTRA for the eval only: the card's 14 messages of up

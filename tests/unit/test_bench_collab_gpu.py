@@ -52,10 +52,11 @@ def test_dry_run_of_a_seed_checks_the_card_eval_it_would_run(tmp_path):
     assert not (tmp_path / "run-s3").exists()  # a dry run trains nothing
 
 
-def test_the_default_size_needs_more_held_out_items_than_the_bundled_data_holds(tmp_path):
-    r = script(tmp_path, "--dry-run", "train", "1")  # N_ITEMS = 60 against the bundled split's 24
+def test_a_held_out_split_smaller_than_the_default_size_is_refused(tmp_path):
+    # N_ITEMS = 60 against the bundled 150 items at 0.1 held out: 15
+    r = script(tmp_path, "--dry-run", "train", "1", EVAL_FRACTION="0.1")
     assert r.returncode == 2
-    assert "holds 24 eval items" in r.stderr and "N_ITEMS, DATA, EVAL_FRACTION" in r.stderr
+    assert "holds 15 eval items" in r.stderr and "N_ITEMS, DATA, EVAL_FRACTION" in r.stderr
 
 
 @pytest.mark.parametrize(

@@ -48,9 +48,9 @@ def test_eval_items_against_training_data(tmp_path):
     from parley.evaluation.runner import eval_items
 
     train, held = eval_items(DataConfig(eval_fraction=0.25), None)  # the config's per-reference split
-    assert len(train) + len(held) == 60 and len(held) == 15  # round(60 x 0.25)
+    assert len(train) + len(held) == 150 and len(held) == 38  # round(150 x 0.25)
     guard_overlap(train, held, allow=False, run_dir=tmp_path)
     train, held = eval_items(DataConfig(eval_fraction=0.25), "bundled")  # the whole file, against its train side
-    assert len(held) == 60
-    with pytest.raises(LeakageError, match="share 45 reference targets"):
+    assert len(held) == 150
+    with pytest.raises(LeakageError, match="share 112 reference targets"):
         guard_overlap(train, held, allow=False, run_dir=tmp_path)

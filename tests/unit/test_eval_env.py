@@ -369,7 +369,7 @@ def test_parley_eval_guards_collabllm_with_the_learners_guard(this_checkout, tmp
         app, ["eval", "-C", "base=x", "--items", "bundled", "--out", str(tmp_path), "--set", "data.eval_fraction=0.25"]
     )
     assert out.exit_code == 1, out.output
-    assert "share 45 reference targets" in out.output and "--allow-overlap" in out.output  # the 60 - 15 train items
+    assert "share 112 reference targets" in out.output and "--allow-overlap" in out.output  # the 150 - 38 train items
 
 
 def test_parley_report_charts_the_runs_own_eval_columns(hidden_goal_run, this_checkout):

@@ -105,19 +105,19 @@ def test_the_command_checks_n_against_the_deduplicated_items_before_work(tmp_pat
     out = cli("--protocol", "card", "-C", "base=tiny", "--dry-run")
     assert out.exit_code == 2
     assert out.output.strip().splitlines() == [
-        "parley eval: --protocol card (n = 100): the eval split of [data] holds 15 eval items (one per reference "
-        "document); pass --n-items 15 or fewer, or --items a larger set (e.g. the public "
+        "parley eval: --protocol card (n = 100): the eval split of [data] holds 38 eval items (one per reference "
+        "document); pass --n-items 38 or fewer, or --items a larger set (e.g. the public "
         "collabllm/collabllm-multiturn-medium Hub dataset)"
     ]
     out = cli("--protocol", "card", "-C", "base=tiny", "--max-new-turns", "10", "--n-items", "2", "--dry-run")
     assert out.exit_code == 2 and "--max-new-turns 10 conflicts with --protocol card (14)" in out.output
-    out = cli("-C", "base=tiny", "--n-items", "40", "--dry-run")  # without a protocol too: no silent shortfall
-    assert out.exit_code == 2 and "--n-items 40: the eval split of [data] holds 15 eval items" in out.output
+    out = cli("-C", "base=tiny", "--n-items", "50", "--dry-run")  # without a protocol too: no silent shortfall
+    assert out.exit_code == 2 and "--n-items 50: the eval split of [data] holds 38 eval items" in out.output
     out = cli("-C", "base=tiny", "--n-items", "0", "--dry-run")  # 0: all of them, as before
-    assert out.exit_code == 0 and "on 15 held-out items" in out.output, out.output
+    assert out.exit_code == 0 and "on 38 held-out items" in out.output, out.output
     # the periodic eval's child: [learner] eval_items is "at most" (a run is not stopped at its first eval)
-    out = cli("--follow", "--services", "nats", "--n-items", "40", "--dry-run")
-    assert out.exit_code == 0 and "on 15 held-out items" in out.output, out.output
+    out = cli("--follow", "--services", "nats", "--n-items", "50", "--dry-run")
+    assert out.exit_code == 0 and "on 38 held-out items" in out.output, out.output
     out = cli("--protocol", "card", "-C", "base=tiny", "-C", "v50=tiny", "--n-items", "4", "--dry-run")
     assert out.exit_code == 0, out.output
     assert "# eval: conditions base, v50, proact on 4 held-out items" in out.output
