@@ -97,11 +97,11 @@ def export_cmd(
 ) -> None:
     """Copy or consolidate version V into OUT with the base model's tokenizer, ready for vLLM or transformers."""
     setup_logging("export")
-    from parley.learner.checkpoint import UnsafeCheckpoint, export_version
+    from parley.learner.checkpoint import CorruptWeights, UnsafeCheckpoint, export_version
 
     try:
         path = export_version(run_dir, version, out, merge=merge)
-    except (FileNotFoundError, UnsafeCheckpoint) as e:
+    except (FileNotFoundError, UnsafeCheckpoint, CorruptWeights) as e:
         typer.echo(f"parley export: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(str(path))

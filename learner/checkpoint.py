@@ -489,40 +489,55 @@ def export_version(run_dir: str | Path, version: int, out: str | Path, merge: bo
     "merged" the directory holds whole weights, written as full fine-tuning's are.
 
     Sources, first found: the kept weights directory of that version, the DeepSpeed checkpoint
-    of that step (consolidated to full weights), or for version 0 the base model itself.
+    of that step (consolidated to full weights), or for version 0 the base model itself. Every
+    safetensors source is checked (check_safetensors) before anything is written: a damaged file
+    raises CorruptWeights and `out` is left as it was.
     """
     run_dir, out = Path(run_dir), Path(out)
     base = base_model(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
     wdir = weights_dir(run_dir, version)
     tag = step_tag(version)
-    if (wdir / ADAPTER_CONFIG).is_file():
-        if merge:
-            from parley.learner.lora import export_merged
-
-            export_merged(base, wdir, out)
-        else:
-            shutil.copyfile(wdir / WEIGHT_FILES[0], out / ADAPTER_FILE)
-            shutil.copyfile(wdir / ADAPTER_CONFIG, out / ADAPTER_CONFIG)
-            return out
-    elif merge:
+    adapter = (wdir / ADAPTER_CONFIG).is_file()
+    if merge and not adapter:
         raise FileNotFoundError(
             f"version {version} of {run_dir} is no LoRA adapter (no {wdir / ADAPTER_CONFIG}); export it without --merge"
         )
-    elif (wdir / WEIGHT_FILES[0]).is_file():
-        for name in WEIGHT_FILES:
-            shutil.copyfile(wdir / name, out / name)
+    if adapter or (wdir / WEIGHT_FILES[0]).is_file():
+        tensors = [wdir / WEIGHT_FILES[0]] + (sorted(base.glob("*.safetensors")) if merge else [])
     elif (ckpt_dir(run_dir) / tag).is_dir():
-        _consolidate(ckpt_dir(run_dir), tag, base, out)
+        tensors = []  # DeepSpeed's files: safe_load refuses what they must not hold
     elif version == 0:
-        for p in base.glob("*.safetensors"):
-            shutil.copyfile(p, out / p.name)
-        shutil.copyfile(base / "config.json", out / "config.json")
+        tensors = sorted(base.glob("*.safetensors"))
     else:
         raise FileNotFoundError(
             f"version {version} of {run_dir} is not kept; available: {available_versions(run_dir)} "
             "(raise [learner] keep_checkpoints / keep_versions to keep more)"
         )
+    for path in tensors:
+        problem = check_safetensors(path)
+        if problem:
+            raise CorruptWeights(
+                f"{path} is damaged ({problem}); nothing was written to {out}. Restore the file from a copy, "
+                f"or export another version (kept: {available_versions(run_dir)})"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    if adapter and merge:
+        from parley.learner.lora import export_merged
+
+        export_merged(base, wdir, out)
+    elif adapter:
+        shutil.copyfile(wdir / WEIGHT_FILES[0], out / ADAPTER_FILE)
+        shutil.copyfile(wdir / ADAPTER_CONFIG, out / ADAPTER_CONFIG)
+        return out
+    elif (wdir / WEIGHT_FILES[0]).is_file():
+        for name in WEIGHT_FILES:
+            shutil.copyfile(wdir / name, out / name)
+    elif (ckpt_dir(run_dir) / tag).is_dir():
+        _consolidate(ckpt_dir(run_dir), tag, base, out)
+    else:
+        for p in base.glob("*.safetensors"):
+            shutil.copyfile(p, out / p.name)
+        shutil.copyfile(base / "config.json", out / "config.json")
     # Tokenizer, chat template and generation config come from the base model: training never changes them.
     for p in base.iterdir():
         if (
@@ -532,6 +547,69 @@ def export_version(run_dir: str | Path, version: int, out: str | Path, merge: bo
         ):
             shutil.copyfile(p, out / p.name)
     return out
+
+
+class CorruptWeights(BadMessage, ValueError):
+    """A safetensors file that its own header does not describe (cut short, overwritten): export
+    refuses it before writing anything, instead of copying it on for a loader to fail on later."""
+
+
+# Bytes per element of the safetensors dtypes torch writes; a dtype not named here has its offsets
+# checked but not its size.
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+_MAX_HEADER = 100_000_000  # the safetensors format's own bound on the JSON header
+
+
+def check_safetensors(path: str | Path) -> str | None:
+    """What is wrong with the safetensors file at `path`, in a few words, or None when its header
+    describes it: an 8-byte header length within the file, a JSON object for the header, and tensors
+    whose [begin, end) byte ranges hold dtype x shape bytes and tile the data after the header exactly,
+    as the safetensors loaders (vLLM's, transformers') require. Reads the header only."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than the 8-byte header length"
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, _MAX_HEADER):
+            return f"header length {n} beyond the file's {size} bytes"
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        return f"header is not JSON: {type(e).__name__} at byte {getattr(e, 'pos', getattr(e, 'start', '?'))}"
+    if not isinstance(header, dict):
+        return f"header is a JSON {type(header).__name__}, not an object"
+    data, ranges = size - 8 - n, []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = t["data_offsets"]
+            shape, dtype = [int(d) for d in t["shape"]], t["dtype"]
+        except (TypeError, KeyError, ValueError):
+            return f"tensor {name!r} has no dtype, shape and [begin, end] data_offsets"
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            return f"tensor {name!r} has data_offsets {t['data_offsets']}"
+        if end > data:
+            return f"tensor {name!r} ends at byte {end} of the data, past its end at {data} (cut short?)"
+        elements = 1
+        for d in shape:
+            elements *= d
+        if dtype in _DTYPE_BYTES and (end - begin) != elements * _DTYPE_BYTES[dtype]:
+            return f"tensor {name!r} ({dtype} {shape}) spans {end - begin} bytes, not {elements * _DTYPE_BYTES[dtype]}"
+        ranges.append((begin, end, name))
+    at = 0
+    for begin, end, name in sorted(ranges):
+        if begin != at:
+            return f"tensor {name!r} starts at byte {begin} of the data, not at {at} where the one before ends"
+        at = end
+    if at != data:
+        return f"the tensors end at byte {at} of the data, the file holds {data}"
+    return None
 
 
 class UnsafeCheckpoint(BadMessage, ValueError):

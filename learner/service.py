@@ -347,8 +347,11 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
             # adapter versions name their base: every base shard hashed once, off the loop (the lease renews)
             if cfg.learner.lora.adapter_versions:
                 await asyncio.to_thread(lora.base_identity, model_dir)
-            try:
-                learner = Learner(cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps)
+            try:  # off the loop: the ledger's resume, the train split and the tracker take long on a big run,
+                # and the loop meanwhile answers the server's pings, watches the lease and hears a SIGTERM
+                learner = await asyncio.to_thread(
+                    Learner, cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps
+                )
             except (LearnerStateError, ckpt.LedgerError) as e:
                 log.error("%s", e)
                 return 2

@@ -205,3 +205,14 @@ def eval_record(condition: str, item: str, bleu: float, inter: float, tokens: in
         assistant_tokens=tokens,
         metrics={"bleu": bleu, "interactivity": inter, **metrics},
     )
+
+
+def safetensors_bytes(data: bytes) -> bytes:
+    """A whole safetensors file holding `data` as one U8 tensor: what a test double writes as a version's
+    model.safetensors (export checks the header first: learner.checkpoint.check_safetensors)."""
+    import json
+    import struct
+
+    header = json.dumps({"data": {"dtype": "U8", "shape": [len(data)], "data_offsets": [0, len(data)]}}).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + data

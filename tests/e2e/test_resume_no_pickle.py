@@ -3,7 +3,9 @@ Trainer.load_checkpoint -> DeepSpeed's engine.load_checkpoint) reads every check
 weights_only=True and DeepSpeed's few records allowed, as `parley export` does. A real checkpoint of
 the toy model (DeepSpeed ZeRO-2 on CPU, one process) with a planted pickle payload (an object whose
 __reduce__ names pathlib.Path.touch: loaded by DeepSpeed's own engine, torch.load(weights_only=False),
-it creates the marker file) is refused with an error naming the file; an honest one still resumes."""
+it creates the marker file) is refused with an error naming the file; an honest one still resumes, and
+every file it reads goes through torch.load with weights_only=True (never DeepSpeed's universal-checkpoint
+loader, which unpickles on its own)."""
 
 from __future__ import annotations
 
@@ -74,11 +76,22 @@ def _fresh_trainer(model):
     return Trainer(LearnerConfig(zero_stage=2, lr=1e-2, kl_coef=0.0, micro_batch_tokens=64), model)
 
 
-def test_an_honest_checkpoint_resumes(trained_run, tiny_model):
+def test_an_honest_checkpoint_resumes(trained_run, tiny_model, monkeypatch):
     run_dir, weights = trained_run
     trainer = _fresh_trainer(tiny_model)
+    # DeepSpeed's universal-checkpoint loader (deepspeed.checkpoint.universal_checkpoint) calls
+    # torch.load(weights_only=False) itself, past checkpoint_engine.load; the resume must never get there.
+    loads, real_load = [], torch.load
+
+    def recording_load(*args, **kwargs):
+        loads.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
     try:
+        assert not trainer.engine.load_universal_checkpoint()
         state = _restore(run_dir, tiny_model, trainer)
+        assert loads and all(w is True for w in loads), loads  # every file through safe_load
         assert state.step == 1 and state.tag == TAG
         loaded = trainer.hf_state_dict()
         assert set(loaded) == set(weights) and all(torch.equal(loaded[k], weights[k]) for k in weights)

@@ -68,7 +68,7 @@ class SnapshotDouble:
                 t.entered.set()
                 t.release.wait(60)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "model.safetensors").write_bytes(self.data)
+            (out / "model.safetensors").write_bytes(factories.safetensors_bytes(self.data))
             (out / "config.json").write_text("{}")
             self.written = out
         return self.written

@@ -13,6 +13,7 @@ from parley.config.run import RunConfig
 from parley.evaluation.evallog import write_parquet
 from parley.evaluation.periodic import PeriodicEval, eval_argv, evaluated, model_dir
 from parley.learner import checkpoint as ckpt
+from tests.factories import safetensors_bytes
 from tests.unit.test_select import version_records
 
 
@@ -31,7 +32,7 @@ def make_run(tmp_path, **learner):
 def publish_weights(run_dir, version):
     w = ckpt.weights_dir(run_dir, version)
     w.mkdir(parents=True)
-    (w / "model.safetensors").write_bytes(b"weights of v%d" % version)
+    (w / "model.safetensors").write_bytes(safetensors_bytes(b"weights of v%d" % version))
     (w / "config.json").write_text("{}")
 
 
@@ -81,7 +82,7 @@ def test_schedule_export_files_and_best_model(tmp_path):
     assert [h["version"] for h in history] == [0, 2, 4, 5] and history[1]["n"] == 12
     # only the best version's model is kept (v2 has the highest MR of the plan)
     assert sorted(p.name for p in (run_dir / "eval" / "models").iterdir()) == ["v2"]
-    assert (model_dir(run_dir, 2) / "model.safetensors").read_bytes() == b"weights of v2"
+    assert (model_dir(run_dir, 2) / "model.safetensors").read_bytes() == safetensors_bytes(b"weights of v2")
     assert (model_dir(run_dir, 2) / "tokenizer.json").exists()
     assert pe.counters()["eval.version"] == 5.0 and pe.counters()["eval.failed"] == 0.0
     assert not pe.regression  # early_stop is off

@@ -14,6 +14,7 @@ from parley.learner import checkpoint as ckpt
 from parley.learner.service import weights_publication
 from parley.weights.config import CudaIpcWeights, NcclWeights
 from tests.driver_double import DriverDouble
+from tests.factories import safetensors_bytes
 
 
 class SnapshotDouble:
@@ -24,7 +25,7 @@ class SnapshotDouble:
 
     def write(self, out):
         out.mkdir(parents=True, exist_ok=True)
-        (out / "model.safetensors").write_bytes(self.data)
+        (out / "model.safetensors").write_bytes(safetensors_bytes(self.data))
         (out / "config.json").write_text("{}")
         return out
 
@@ -79,4 +80,6 @@ async def test_a_gpu_transport_writes_the_versions_an_eval_needs(tmp_path, setti
     assert await w.publish(2, write_now=True) is not held  # an eval is due: packed and written
     assert publisher.submitted == ([] if held else [1, 2])
     out = ckpt.export_version(run_dir, 2, tmp_path / "eval" / "v2")  # what evaluation.periodic's export does
-    assert (out / "model.safetensors").read_bytes() == b"weights of the step" and (out / "tokenizer.json").is_file()
+    assert (out / "model.safetensors").read_bytes() == safetensors_bytes(b"weights of the step") and (
+        out / "tokenizer.json"
+    ).is_file()

@@ -1,0 +1,90 @@
+"""The learner's start leaves its event loop free: `parley learner`'s rank-0 entry (learner.service.main)
+builds the Learner (the ledger's resume, the environment and its train split, the tracker, ...) off the
+loop, so the loop's other work (the NATS client's pings and reads, the lease's watch, a SIGTERM) goes on
+during a long start. The real main() on a real nats-server, with test doubles for the trainer, for one
+slow construction step and for the Learner's run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.integration.test_learner_fates import TrainerDouble, base_model, make_cfg
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+SLOW_S = 1.5
+
+
+def start_with_doubles(nats_server, tmp_path, monkeypatch, run: str):
+    """The run's config for main() with the model, the trainer and the Driver replaced by test doubles."""
+    from parley.engines import models
+    from parley.learner import ranks, trainer
+
+    cfg = make_cfg(run, tmp_path / "run", steps=1)
+    cfg.nats.url = nats_server.url
+    monkeypatch.setattr(models, "ensure_model", lambda name: base_model(tmp_path))
+    monkeypatch.setattr(trainer, "Trainer", lambda *a, **k: TrainerDouble())
+    monkeypatch.setattr(ranks, "Driver", lambda t: t)  # the double answers the Driver's calls itself
+    return cfg
+
+
+async def test_the_loop_keeps_running_while_the_learner_is_built(nats_server, tmp_path, monkeypatch):
+    from parley.learner import resume as start
+    from parley.learner import service
+
+    cfg = start_with_doubles(nats_server, tmp_path, monkeypatch, "slowstart")
+
+    fresh, building = start.fresh, []
+
+    def slow_fresh_double(*args, **kwargs):
+        """Test double for a slow step of the Learner's construction (a large ledger or split to read)."""
+        building.append(time.monotonic())
+        time.sleep(SLOW_S)
+        building.append(time.monotonic())
+        return fresh(*args, **kwargs)
+
+    async def run_double(self, stop) -> int:
+        """Test double for Learner.run: the start is what is measured here."""
+        return 0
+
+    monkeypatch.setattr(start, "fresh", slow_fresh_double)
+    monkeypatch.setattr(service.Learner, "run", run_double)
+
+    ticks: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.05)
+
+    ticking = asyncio.create_task(tick())
+    try:
+        code = await service.main(asyncio.Event(), cfg, resume=False)
+    finally:
+        ticking.cancel()
+    assert code == 0
+    assert len(building) == 2, building  # the slow step ran, once
+    during = [t for t in ticks if building[0] < t < building[1]]
+    # 0.05 s ticks over 1.5 s: about 30 while the loop is free, none while the construction holds it
+    assert len(during) >= 10, f"{len(during)} ticks of the loop while the Learner was built for {SLOW_S} s"
+
+
+async def test_a_refusal_while_the_learner_is_built_is_still_one_line(nats_server, tmp_path, monkeypatch, caplog):
+    from parley.learner import resume as start
+    from parley.learner import service
+
+    cfg = start_with_doubles(nats_server, tmp_path, monkeypatch, "refused")
+
+    def refusing_fresh_double(*args, **kwargs):
+        """Test double for a construction step that refuses the run (as a mismatched ledger does)."""
+        raise start.LearnerStateError("test double: run dir holds another run's ledger; use a new run.dir")
+
+    monkeypatch.setattr(start, "fresh", refusing_fresh_double)
+    with caplog.at_level("ERROR", logger="parley.learner.service"):
+        code = await service.main(asyncio.Event(), cfg, resume=False)
+    assert code == 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "parley.learner.service"]
+    assert lines == ["test double: run dir holds another run's ledger; use a new run.dir"]
