@@ -506,7 +506,8 @@ class PolicyEngine:
         the swap has tokens from both versions (its earlier log-probs stay those of the old
         weights). abort_inflight=True ends them with "abort" instead. Requests started after the
         swap never reuse KV the old weights computed: prompts are salted by weights
-        (_weights_epoch), so no prefix-cache reset is needed.
+        (_weights_epoch), so no prefix-cache reset is needed. Under prefix_cache_across_versions they
+        do (cache_salt): a conversation's next turn takes its history's KV from the cache.
         """
         async with self._reload_lock:
             await self._llm.pause_generation(mode="abort" if abort_inflight else "keep", clear_cache=False)
