@@ -235,3 +235,20 @@ def test_the_progress_line_shows_the_prefix_cache_share_and_its_stale_part():
     assert "| prefix cache 80%" in up.progress_line(snap(800.0, 0.0))
     assert "stale" not in up.progress_line(snap(800.0, 0.0))
     assert "| prefix cache 80% (50% stale)" in up.progress_line(snap(800.0, 400.0))
+
+
+def test_the_learners_step_metrics_say_how_much_it_trained_over_a_stale_prefix():
+    from parley.learner.stepper import stale_prefix
+    from parley.protocol.messages import AssistantTurn
+
+    def sample(*turns):
+        return SimpleNamespace(trajectory=SimpleNamespace(turns=list(turns)))
+
+    fresh = AssistantTurn(start=10, version=1, finish_reason="stop")
+    stale = AssistantTurn(start=30, version=2, finish_reason="stop", stale_prefix_tokens=24)
+    untrained = AssistantTurn(start=50, version=2, finish_reason="stop", trained=False, stale_prefix_tokens=48)
+    assert stale_prefix([[sample(fresh, stale, untrained)], [sample(fresh)]]) == {
+        "stale_prefix_turn_share": 1 / 3,
+        "stale_prefix_token_share": 24 / 50,
+    }
+    assert stale_prefix([]) == {"stale_prefix_turn_share": 0.0, "stale_prefix_token_share": 0.0}
