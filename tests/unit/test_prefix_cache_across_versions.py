@@ -252,3 +252,22 @@ def test_the_learners_step_metrics_say_how_much_it_trained_over_a_stale_prefix()
         "stale_prefix_token_share": 24 / 50,
     }
     assert stale_prefix([]) == {"stale_prefix_turn_share": 0.0, "stale_prefix_token_share": 0.0}
+
+
+def test_an_eval_engine_runs_exact_whatever_the_actors_setting(monkeypatch):
+    """The periodic eval's long-lived engine (FollowingPolicy) measures each version over KV of its own
+    weights: it takes [actor.engine] with the setting off. open_engine is replaced by a recorder."""
+    from parley.engines import backend
+    from parley.evaluation.commands import FollowingPolicy
+
+    opened = []
+
+    def open_engine_recorder(cfg, version=0, sampled_logprobs=False):
+        opened.append(cfg)
+        return SimpleNamespace(shutdown=lambda: None), object(), "path"
+
+    monkeypatch.setattr(backend, "open_engine", open_engine_recorder)
+    cfg = load_config(None, ["actor.engine.prefix_cache_across_versions=true"])
+    asyncio.run(FollowingPolicy(cfg).open("smol", 3))
+    assert [c.prefix_cache_across_versions for c in opened] == [False]
+    assert opened[0].model == "smol"
