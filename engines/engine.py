@@ -382,7 +382,7 @@ class PolicyEngine:
 
     def _track_prefix_epochs(self) -> PrefixEpochs:
         """A PrefixEpochs laid out as this engine's KV cache (vLLM's block size), holding twice as many
-        blocks as the cache does (16 tokens and 65,536 blocks where vLLM does not say)."""
+        blocks as the cache does (where vLLM does not say: blocks of 16 tokens, a cache of 32,768 blocks)."""
         cache = getattr(getattr(self._llm, "vllm_config", None), "cache_config", None)
         block_size = getattr(cache, "block_size", None) or 16
         blocks = getattr(cache, "num_gpu_blocks", None) or 1 << 15
