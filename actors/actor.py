@@ -106,8 +106,9 @@ class Actor:
         )
         counts = getattr(self.engine, "counts", None)  # a test's scripted engine has no scheduler
         if counts is not None:
-            # requests vLLM preempted (KV cache short of the conversations in flight): each recomputes its prefix
-            counters["engine.preemptions"] = float(counts.preemptions)
+            # requests vLLM preempted (KV cache short of the conversations in flight): each recomputes its
+            # prefix; prompt tokens, those from the prefix cache and the ones older weights computed
+            counters.update(counts.counters())
         state = "busy" if self.state == "ready" and self.in_flight else self.state
         return Heartbeat(role="actor", id=self.ident, state=state, version=self.engine.version, counters=counters)
 

@@ -122,6 +122,9 @@ T)
             >>"$OUT/problems_4b.log"
         # the actors' preempted requests (up's progress line says them once there are any: KV short of demand)
         echo "s$S: $(grep -o 'preempted [0-9]*' "$OUT/up_4b_s$S.log" | tail -n 1 || true)" >>"$OUT/problems_4b.log"
+        # the share of the actors' prompt tokens vLLM took from its prefix cache (and, under
+        # actor.engine.prefix_cache_across_versions, the stale part of it): up's progress line
+        echo "s$S: $(grep -o 'prefix cache [0-9]*%[^|]*' "$OUT/up_4b_s$S.log" | tail -n 1 || true)" >>"$OUT/problems_4b.log"
     done
     ;;
 P)

@@ -196,6 +196,11 @@ def summarize(
         for k, v in (r.get("staleness_hist") or {}).items():
             stale[k] = stale.get(k, 0) + int(v)
     out["staleness_hist"] = stale
+    # [actor.engine] prefix_cache_across_versions: trained turns generated over KV older weights computed
+    for key in ("stale_prefix_turn_share", "stale_prefix_token_share"):
+        vals = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
+        if vals:
+            out[f"{key}_mean"] = round(statistics.mean(vals), 3)
     out["groups"] = rows[-1].get("groups")
     out["versions_skipped_held"] = [int(r["step"]) for r in rows if r.get("publish_skipped_held")]
     return out

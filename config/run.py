@@ -131,10 +131,32 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"policy.reference='service' with learner.kl_coef={self.learner.kl_coef}: without a KL term no "
                 'reference is used; set learner.kl_coef > 0 or policy.reference = "local"'
             )
+        check_prefix_cache(self)
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir or f"runs/{self.run.name}")
+
+
+def check_prefix_cache(cfg: RunConfig) -> None:
+    """[*.engine] prefix_cache_across_versions where it can mean something: the actor's engine, whose
+    whole weights are swapped in place. A service's engine never changes weights, and under LoRA adapter
+    versions no conversation changes weights mid-way (each stays on the adapter it started on, and vLLM
+    hashes the adapter into every cached block): the setting would change nothing there."""
+    for section in ("sim", "judge"):
+        if getattr(cfg, section).engine.prefix_cache_across_versions:
+            raise ValueError(
+                f"{section}.engine.prefix_cache_across_versions = true: the {section} engine never swaps its "
+                f"weights, so there is no cache to keep across versions; set it to false (it is an "
+                "[actor.engine] setting)"
+            )
+    if cfg.actor.engine.prefix_cache_across_versions and cfg.learner.lora.adapter_versions:
+        raise ValueError(
+            'actor.engine.prefix_cache_across_versions = true with [learner.lora] serve = "adapter": '
+            "adapter versions keep the prefix cache already (a conversation stays on the adapter it "
+            "started on; a new adapter is a new cache key in vLLM); set it to false, or "
+            'learner.lora.serve = "merged" (whole weights swapped in place)'
+        )
 
 
 def resolve_environment(cfg: RunConfig) -> Environment:

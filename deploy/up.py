@@ -361,6 +361,14 @@ def progress_line(snap) -> str:
     preempted = sum(hb.counters.get("engine.preemptions", 0.0) for hb in snap.roles.values() if hb.role == "actor")
     if preempted:
         parts.append(f"preempted {int(preempted)}")
+    # the share of the actors' prompt tokens vLLM took from its prefix cache (no prefill), and of it the
+    # share older weights computed ([actor.engine] prefix_cache_across_versions)
+    actors = [hb.counters for hb in snap.roles.values() if hb.role == "actor"]
+    prompt = sum(c.get("engine.prompt_tokens", 0.0) for c in actors)
+    if prompt:
+        cached = sum(c.get("engine.cached_tokens", 0.0) for c in actors)
+        stale = sum(c.get("engine.stale_cached_tokens", 0.0) for c in actors)
+        parts.append(f"prefix cache {cached / prompt:.0%}" + (f" ({stale / cached:.0%} stale)" if stale else ""))
     # A stream about to drop work its consumer has not had (protocol.backlog).
     parts += [f"BACKLOG {key} {row.backlog:.0%} of max_bytes" for key, row in s.items() if row.backlog >= WARN_SHARE]
     return " | ".join(parts)

@@ -76,6 +76,7 @@ def engine_settings(cfg: EngineConfig, model_path: str | Path, sampled_logprobs:
         sampled_logprobs=sampled_logprobs,
         max_lora_rank=cfg.max_lora_rank,
         max_loras=cfg.max_loras,
+        prefix_cache_across_versions=cfg.prefix_cache_across_versions,
         extra=cpu_workarounds(cfg.max_model_len),
     )
 

@@ -30,6 +30,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_lora_rank: Annotated[int, Meta(ge=0)] = 0
     # adapters held at once: the newest and those open conversations started on (>= 2 keeps them pinned)
     max_loras: Annotated[int, Meta(ge=1)] = 2
+    # Keep vLLM's prefix cache across whole-weight swaps: a conversation's next turn reuses the KV its
+    # earlier turns left, computed by the weights served then, instead of prefilling its history again
+    # under the new ones. Faster (no re-prefill after each swap); the turn's behaviour log-probs are then
+    # the new weights' over an older version's KV (AssistantTurn.stale_prefix_tokens counts it). Off:
+    # prompts are salted by the weights, and every turn after a swap is exact (docs/learner.md).
+    prefix_cache_across_versions: bool = False
 
 
 class ServiceBackend(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

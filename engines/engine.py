@@ -101,6 +101,8 @@ class EngineSettings:
     # many adapters the engine holds at once (the newest and those open conversations started on)
     max_lora_rank: int = 0
     max_loras: int = 2
+    # keep the prefix cache across whole-weight swaps (EngineConfig.prefix_cache_across_versions)
+    prefix_cache_across_versions: bool = False
     # extra AsyncEngineArgs fields, for what the above does not cover
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -114,7 +116,10 @@ class GenOut:
     # Only when asked for (top_logprobs=k): per position, the sampled token's text and the raw
     # log-probs of the k likeliest tokens by their text (tokens that decode alike are summed).
     top: list[tuple[str, dict[str, float]]] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens vLLM took from its prefix cache (computed earlier, same weights)
+    cached_tokens: int = 0  # prompt tokens vLLM took from its prefix cache (computed by an earlier request)
+    # of those, the tokens whose KV weights older than the request's computed (prefix_cache_across_versions
+    # only; 0 otherwise, where every cached token is the same weights')
+    stale_cached_tokens: int = 0
 
 
 class EngineCounts:
@@ -125,6 +130,29 @@ class EngineCounts:
 
     def __init__(self) -> None:
         self.preemptions = 0
+        # over every finished request: prompt tokens, those vLLM took from its prefix cache, and of
+        # those the ones older weights computed (and the requests that had any: turns over a stale prefix)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.stale_cached_tokens = 0
+        self.stale_prefix_requests = 0
+
+    def prompt(self, prompt_tokens: int, cached: int, stale: int) -> None:
+        """One finished request's prompt: its length, its tokens from the prefix cache, the stale ones."""
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached
+        self.stale_cached_tokens += stale
+        self.stale_prefix_requests += stale > 0
+
+    def counters(self) -> dict[str, float]:
+        """The heartbeat's engine.* counters."""
+        return {
+            "engine.preemptions": float(self.preemptions),
+            "engine.prompt_tokens": float(self.prompt_tokens),
+            "engine.cached_tokens": float(self.cached_tokens),
+            "engine.stale_cached_tokens": float(self.stale_cached_tokens),
+            "engine.stale_prefix_requests": float(self.stale_prefix_requests),
+        }
 
     def record(self, iteration_stats) -> None:
         """One batch of outputs' IterationStats (None when the batch had no output)."""
@@ -154,6 +182,55 @@ def counting_logger(counts: EngineCounts):
             pass
 
     return PreemptionLogger
+
+
+class PrefixEpochs:
+    """Which weights (by PolicyEngine._weights_epoch) computed the KV blocks parley's requests leave in
+    vLLM's prefix cache, under prefix_cache_across_versions, so that each request can say how many of
+    the prompt tokens vLLM took from its cache older weights computed (GenOut.stale_cached_tokens).
+
+    vLLM reports only how many prompt tokens it found cached (a whole number of blocks, from the
+    start); this follows its block layout from outside: a block is keyed by its tokens and all before
+    them (a chained hash, as vLLM's block hash; `key` stands for what else vLLM hashes, the adapter),
+    and is stamped with the epoch of the request that computed it: prompt blocks past the cached ones
+    and the blocks of the generated tokens. A block stamped by none (its request was cancelled, or its
+    stamp aged out of `capacity`) counts as stale: the count errs towards "stale". A request that spans
+    a swap is stamped with the epoch it started in (its later blocks are newer: also erring stale)."""
+
+    def __init__(self, block_size: int, capacity: int):
+        from collections import OrderedDict
+
+        self.block_size = max(1, int(block_size))
+        self.capacity = max(1, int(capacity))
+        self._epochs: OrderedDict[int, int] = OrderedDict()  # chained block hash -> epoch that computed it
+
+    def _chain(self, key: str, tokens: Sequence[int]) -> list[int]:
+        """The chained hash of each whole block of `tokens`."""
+        b, h, out = self.block_size, hash(key), []
+        for i in range(len(tokens) // b):
+            h = hash((h, tuple(tokens[i * b : (i + 1) * b])))
+            out.append(h)
+        return out
+
+    def stale(self, key: str, prompt: Sequence[int], cached: int, epoch: int) -> int:
+        """Of the first `cached` tokens of `prompt` (vLLM's cache hit of a request started in `epoch`),
+        how many KV blocks of an older epoch (or of none known) held."""
+        blocks = self._chain(key, prompt[: cached - cached % self.block_size])
+        old = sum(1 for h in blocks if self._epochs.get(h, -1) < epoch)
+        return min(cached, old * self.block_size)
+
+    def computed(self, key: str, tokens: Sequence[int], cached: int, epoch: int) -> None:
+        """A request started in `epoch` computed the KV of `tokens` (its prompt and its output) past
+        the `cached` tokens it took from the cache; the cached blocks were used (kept as the newest)."""
+        first = cached // self.block_size
+        for i, h in enumerate(self._chain(key, tokens)):
+            if i >= first:
+                self._epochs[h] = epoch
+            elif h not in self._epochs:
+                continue  # from the cache, computed by weights unknown here: stays counted stale
+            self._epochs.move_to_end(h)
+        while len(self._epochs) > self.capacity:
+            self._epochs.popitem(last=False)
 
 
 GPU_START_CHECK = 0.02  # the share of the GPU an engine with an explicit KV size asks to be free at start
@@ -191,6 +268,11 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         # gpu_memory_utilization x the GPU is free (0.9 by default, which a shared GPU never has):
         # the engine asks only that a small share is free, and `parley up` plans the rest.
         kwargs["gpu_memory_utilization"] = GPU_START_CHECK
+    if settings.prefix_cache_across_versions and not settings.extra.get("enable_prefix_caching", True):
+        raise ValueError(
+            "prefix_cache_across_versions = true with enable_prefix_caching = False: there is no prefix "
+            "cache to keep; set prefix_cache_across_versions = false or leave vLLM's prefix cache on"
+        )
     if settings.max_lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras)
     executor = cpu_executor(cpu_bind, settings.tensor_parallel_size) if cpu_bind is not None else None
@@ -288,14 +370,32 @@ class PolicyEngine:
         self.base_version = version  # the version of the base alone, no adapter (before the first one)
         self._next_lora_id = 1
         self._staged: set[int] = set()  # LoRA ids of adapters added from memory (parley_stage_adapter)
-        # Counts whole-weight swaps; every prompt carries it as vLLM's cache_salt, so a swap needs no
-        # prefix-cache reset: new requests never match blocks computed by the weights before it, and
-        # requests in flight keep their KV instead of being preempted and recomputed (a reset with
-        # running requests preempts them all). With it, generation during a cuda_ipc update keeps its
-        # tokens/s (docs/benchmarks.md, "Weight path"). An adapter is part of vLLM's own
-        # block hash already.
+        # Counts whole-weight swaps; every prompt carries it as vLLM's cache_salt (cache_salt()), so a
+        # swap needs no prefix-cache reset: new requests never match blocks computed by the weights
+        # before it, and requests in flight keep their KV instead of being preempted and recomputed (a
+        # reset with running requests preempts them all). With it, generation during a cuda_ipc update
+        # keeps its tokens/s (docs/benchmarks.md, "Weight path"). An adapter is part of vLLM's own
+        # block hash already. Under prefix_cache_across_versions the salt leaves the epoch out.
         self._weights_epoch = 0
+        self._prefix_epochs = self._track_prefix_epochs() if settings.prefix_cache_across_versions else None
         self.packed_name: str | None = None  # table digest of the workers' packed copy (keep_packed), None: none
+
+    def _track_prefix_epochs(self) -> PrefixEpochs:
+        """A PrefixEpochs laid out as this engine's KV cache (vLLM's block size), holding twice as many
+        blocks as the cache does (where vLLM does not say: blocks of 16 tokens, a cache of 32,768 blocks)."""
+        cache = getattr(getattr(self._llm, "vllm_config", None), "cache_config", None)
+        block_size = getattr(cache, "block_size", None) or 16
+        blocks = getattr(cache, "num_gpu_blocks", None) or 1 << 15
+        return PrefixEpochs(block_size, 2 * blocks)
+
+    def cache_salt(self) -> str:
+        """vLLM's cache_salt for a prompt now: it names the weights, so a prompt's cached KV is reused only
+        under the weights that computed it; under prefix_cache_across_versions it names none, and KV
+        computed before a whole-weight swap is reused after it (adapters: vLLM hashes the adapter,
+        whatever the salt)."""
+        if self.settings.prefix_cache_across_versions:
+            return "parley-weights"
+        return f"parley-weights-{self._weights_epoch}"
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -304,8 +404,8 @@ class PolicyEngine:
     ) -> GenOut:
         from vllm.inputs import TokensPrompt
 
-        # the salt names the weights: a prompt's cached KV is reused only under the weights that computed it
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"parley-weights-{self._weights_epoch}")
+        epoch = self._weights_epoch
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=self.cache_salt())
         renderer = getattr(self._llm, "renderer", None)
         if hasattr(renderer, "render_cmpl_async"):
             # vLLM 0.32 wants prompts pre-processed by its renderer (passing a raw prompt is
@@ -331,13 +431,15 @@ class PolicyEngine:
         if len(lps) != len(ids):
             raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
         top = [_top_by_text(tok, pos) for tok, pos in zip(ids, comp.logprobs or [])] if top_logprobs else []
+        cached = int(getattr(final, "num_cached_tokens", None) or 0)
+        stale = 0
+        if self._prefix_epochs is not None:
+            key = lora.lora_name if lora is not None else ""
+            stale = self._prefix_epochs.stale(key, prompt_ids, cached, epoch)
+            self._prefix_epochs.computed(key, [*prompt_ids, *ids[:-1]], cached, epoch)  # the last token has no KV yet
+        self.counts.prompt(len(prompt_ids), cached, stale)
         return GenOut(
-            ids,
-            lps,
-            comp.finish_reason or "abort",
-            comp.text,
-            top,
-            cached_tokens=int(getattr(final, "num_cached_tokens", None) or 0),
+            ids, lps, comp.finish_reason or "abort", comp.text, top, cached_tokens=cached, stale_cached_tokens=stale
         )
 
     def _params(self, max_tokens, temperature, top_p, seed, stop_token_ids, structured=None, top_logprobs=0):
@@ -404,7 +506,8 @@ class PolicyEngine:
         the swap has tokens from both versions (its earlier log-probs stay those of the old
         weights). abort_inflight=True ends them with "abort" instead. Requests started after the
         swap never reuse KV the old weights computed: prompts are salted by weights
-        (_weights_epoch), so no prefix-cache reset is needed.
+        (_weights_epoch), so no prefix-cache reset is needed. Under prefix_cache_across_versions they
+        do (cache_salt): a conversation's next turn takes its history's KV from the cache.
         """
         async with self._reload_lock:
             await self._llm.pause_generation(mode="abort" if abort_inflight else "keep", clear_cache=False)

@@ -115,6 +115,8 @@ async def replay_deterministic(stop, cfg, archive: Path, weights_of=None) -> int
     archive of RUN_DIR) played again with the configured policy ([actor.engine] for version 0, then each
     version whose weights `weights_of(version)` finds in RUN_DIR) and the logged simulator and judge
     answers (evaluation/replay.py); the exit code is 0 only when every replayed sample matched."""
+    import msgspec
+
     from parley.engines.backend import open_engine
     from parley.evaluation.replay import logged_samples
     from parley.evaluation.replay import replay_deterministic as replay_all
@@ -124,7 +126,9 @@ async def replay_deterministic(stop, cfg, archive: Path, weights_of=None) -> int
     except FileNotFoundError as e:
         _err(f"parley replay: {e}")
         return 2
-    engine, tokenizer, path = open_engine(cfg.actor.engine, sampled_logprobs=True)  # blocks while vLLM loads
+    # the replay plays each version over KV of its own: exact, whatever the run's prefix_cache_across_versions
+    exact = msgspec.structs.replace(cfg.actor.engine, prefix_cache_across_versions=False)
+    engine, tokenizer, path = open_engine(exact, sampled_logprobs=True)  # blocks while vLLM loads
     try:
         report = await replay_all(
             records,
@@ -227,8 +231,11 @@ async def run_eval(
     def start_engine(model: str):
         from parley.engines.backend import open_engine
 
-        # The policy engine takes the actor's engine settings with the condition's model or checkpoint.
-        engine, tokenizer, _ = open_engine(msgspec.structs.replace(cfg.actor.engine, model=model))
+        # The policy engine takes the actor's engine settings with the condition's model or checkpoint; a
+        # checkpoint is measured over KV of its own weights (no prefix cache kept across versions).
+        engine, tokenizer, _ = open_engine(
+            msgspec.structs.replace(cfg.actor.engine, model=model, prefix_cache_across_versions=False)
+        )
         return engine, tokenizer
 
     if open_policy is None:  # checkpoints of one base share one engine: their weights are swapped in
@@ -428,7 +435,9 @@ class FollowingPolicy:
         from parley.evaluation.runner import Policy
 
         if self.engine is None:
-            self.engine, self.tokenizer, _ = open_engine(msgspec.structs.replace(self.cfg.actor.engine, model=model))
+            # each version measured over KV of its own weights (no prefix cache kept across versions)
+            engine_cfg = msgspec.structs.replace(self.cfg.actor.engine, model=model, prefix_cache_across_versions=False)
+            self.engine, self.tokenizer, _ = open_engine(engine_cfg)
             self.starts += 1
         elif model != self.model:
             path = await asyncio.to_thread(ensure_model, model)

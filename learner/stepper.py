@@ -277,6 +277,9 @@ class Stepper:
             "no_signal_terms": no_signal,
             "staleness_hist": dict(hist),
             "groups_corrected": sum(t.correct for t in taken),
+            # trained turns generated over a prompt whose KV older weights computed ([actor.engine]
+            # prefix_cache_across_versions; 0 without it): the share, and the share of their prompt tokens
+            **stale_prefix(groups),
             "groups": dict(self.grouper.counters),
             "buffered_groups": len(self.grouper.buffer),
             "feeder": {
@@ -295,6 +298,17 @@ class Stepper:
             "corrected": [t.group.task_id for t in taken if t.correct],
             "not_trained": {o.task_id: o.reason for o in self.state.since_step},
         }
+
+
+def stale_prefix(groups) -> dict[str, float]:
+    """Of a step's trained turns, the share generated over a stale prefix (AssistantTurn.stale_prefix_tokens
+    > 0: KV older weights computed, taken from the prefix cache) and those tokens' share of the turns' prompts."""
+    turns = [u for g in groups for s in g for u in s.trajectory.turns if u.trained]
+    prompts = sum(u.start for u in turns)
+    return {
+        "stale_prefix_turn_share": sum(u.stale_prefix_tokens > 0 for u in turns) / len(turns) if turns else 0.0,
+        "stale_prefix_token_share": sum(u.stale_prefix_tokens for u in turns) / prompts if prompts else 0.0,
+    }
 
 
 def out_of_memory(e: BaseException) -> bool:

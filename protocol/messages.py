@@ -84,6 +84,10 @@ class AssistantTurn(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: str  # "stop" | "length" | "abort"
     trained: bool = True  # next_turn mode trains only the first turn
     logprobs_f32: bytes = b""  # behaviour log-prob of each generated token, float32 LE; one per token
+    # Prompt tokens whose KV older weights than `version` computed ([actor.engine]
+    # prefix_cache_across_versions: earlier turns' KV kept across a swap): the behaviour log-probs are
+    # then `version`'s over a prefix of older versions. 0: the whole prompt was this version's.
+    stale_prefix_tokens: int = 0
 
 
 class FutureRollout(msgspec.Struct, kw_only=True):

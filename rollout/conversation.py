@@ -208,6 +208,7 @@ class _Player:
                 version=version,
                 finish_reason=out.finish_reason,
                 trained=trained,
+                stale_prefix_tokens=getattr(out, "stale_cached_tokens", 0),
             )
         )
         if trained and self.watch is not None:

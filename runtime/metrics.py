@@ -86,6 +86,30 @@ FAMILIES: tuple[Family, ...] = (
         "Requests the actor's vLLM engine preempted for lack of KV cache (each recomputes its prefix).",
         "actor",
     ),
+    _f(
+        "parley_actor_engine_prompt_tokens_total",
+        r"engine\.prompt_tokens",
+        "Prompt tokens of the requests the actor's vLLM engine finished.",
+        "actor",
+    ),
+    _f(
+        "parley_actor_engine_cached_tokens_total",
+        r"engine\.cached_tokens",
+        "Of those, the tokens vLLM took from its prefix cache (no prefill).",
+        "actor",
+    ),
+    _f(
+        "parley_actor_engine_stale_cached_tokens_total",
+        r"engine\.stale_cached_tokens",
+        "Of those, the tokens whose KV older weights computed ([actor.engine] prefix_cache_across_versions).",
+        "actor",
+    ),
+    _f(
+        "parley_actor_engine_stale_prefix_requests_total",
+        r"engine\.stale_prefix_requests",
+        "Requests (turns) generated over a prefix whose KV older weights computed.",
+        "actor",
+    ),
     _f("parley_actor_weights_loads_total", r"weights\.loads", "Weight versions loaded into the engine.", "actor"),
     _f(
         "parley_actor_weights_load_seconds",

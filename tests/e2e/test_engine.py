@@ -328,6 +328,40 @@ def test_a_weight_swap_reuses_no_kv_the_old_weights_computed_and_caching_goes_on
         ctx.run(ctx.engine.reload_weights(ctx.path, version=0))
 
 
+def test_with_prefix_cache_across_versions_a_swap_keeps_the_cache_and_says_it_is_stale(ctx, tmp_path):
+    """[actor.engine] prefix_cache_across_versions: the salt leaves the weights out, so the prompt cached
+    before a swap is taken from vLLM's prefix cache after it (vLLM's cached-token count), every cached
+    token counted stale; the log-probs are the new weights' over the old weights' KV, not a fresh
+    prefill's. The shared engine is switched for this test alone."""
+    import dataclasses
+
+    engine = ctx.engine
+    prompt = ctx.prompt("Tell me about " + "the old mill and the quiet pond beside it, " * 24)
+
+    def greedy():
+        return ctx.run(engine.generate(prompt, max_tokens=8, temperature=0.0))
+
+    settings = engine.settings
+    engine.settings = dataclasses.replace(settings, prefix_cache_across_versions=True)
+    engine._prefix_epochs = engine._track_prefix_epochs()
+    perturbed = factories.perturbed_model(ctx.path, seed=3)
+    new_dir = tmp_path / "v1"
+    perturbed.save_pretrained(new_dir)
+    try:
+        greedy()
+        before = greedy()
+        assert before.cached_tokens > 0 and before.stale_cached_tokens == 0
+        ctx.run(engine.reload_weights(new_dir, version=1))
+        after = greedy()
+        assert after.cached_tokens == before.cached_tokens  # kept across the swap
+        assert after.stale_cached_tokens == after.cached_tokens  # all of it the old weights'
+        ref = reference_logprobs(perturbed, prompt, after.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, after.logprobs)) > TOL  # not a fresh prefill's
+    finally:
+        ctx.run(engine.reload_weights(ctx.path, version=0))
+        engine.settings, engine._prefix_epochs = settings, None
+
+
 def test_nccl_transport_loads_a_version_and_refuses_a_bad_one(ctx, tmp_path):
     """transport nccl end to end on vLLM (gloo where there is no GPU, as the learner picks): this
     process plays rank 0's sender, the engine's worker joins it, receives the packed buffer,

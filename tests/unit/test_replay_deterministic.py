@@ -174,6 +174,17 @@ def test_a_request_the_log_does_not_hold_is_named(logged, toy):
     assert "is not in the log of its 1 recorded call(s)" in report.describe()
 
 
+def test_a_sample_generated_over_a_stale_prefix_is_skipped(logged, toy):
+    """[actor.engine] prefix_cache_across_versions: a turn that attended over KV older weights computed
+    (AssistantTurn.stale_prefix_tokens) is not reproduced by a replay, which says so instead of a mismatch."""
+    model, tok = toy
+    records = logged()
+    records[0].trajectory.turns[-1].stale_prefix_tokens = 16
+    report = _replay(records, TransformersEngineDouble(model), tok)
+    assert report.count("match") == 2 and report.count("skipped") == 1, report.describe()
+    assert "generated over a prefix cached by older weights" in report.describe()
+
+
 def test_replay_cli_refuses_what_it_cannot_replay(tmp_path):
     from typer.testing import CliRunner
 
