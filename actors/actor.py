@@ -93,6 +93,7 @@ class Actor:
                 quota=cfg.learner.groups_per_step * cfg.rollout.n,
                 put_back=lambda: self.follower.put_back(),
                 timeout_s=cfg.actor.phase_timeout_s,
+                announced=lambda: self.follower.announced,
             )
             self.follower.phases = self.phases
         self.counters: Counter[str] = Counter()
@@ -229,6 +230,8 @@ class Actor:
             asyncio.create_task(self.follower.run_until(stop), name="weights"),
             asyncio.create_task(status.heartbeat_loop(self.nc, self.run, self.heartbeat, stop), name="heartbeat"),
         ]
+        if self.phases is not None:  # an engine that failed a sleep or a wake stops the actor
+            jobs.append(asyncio.create_task(self.phases.watch(stop), name="phases"))
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
             stop.set()  # whichever ended first (normally: stop was set), the rest follow

@@ -12,7 +12,10 @@ weights.follow.WeightFollower (before and after every load).
 The sleep is awaited before the step's last trajectory is published: the learner cannot start that
 step (and take the GPU memory the KV cache held) before the engine has let it go. On a platform
 without sleep mode (vLLM's CPU build: engine.can_sleep is False) the phases run the same and
-nothing is freed. Every sleep, wake and wait for one is bounded by `timeout_s`; past it PhaseError.
+nothing is freed. Every sleep, wake and wait for one is bounded by `timeout_s`; past it, or when
+the engine fails a sleep or a wake, PhaseError: the engine is then neither surely awake nor surely
+asleep, so every later conversation gets the same error and `watch` (a job of the actor's) stops the
+actor with it.
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ ACTIVE, SLEEPING, WAKING = "active", "sleeping", "waking"
 
 
 class PhaseError(StateError):
-    """The engine did not sleep or wake within the phase timeout: it needs a look, not a retry."""
+    """The engine did not sleep or wake (within the phase timeout): it needs a restart, not a retry."""
 
 
 class PhaseSchedule:
     """When the actor's engine sleeps and wakes. `engine` has `version`, `can_sleep`,
     `async sleep(level)` and `async wake_up(tags)` (engines.engine.PolicyEngine); `quota` is the
-    conversations a step trains (groups_per_step x n): once that many have ended on the served
-    version and none is in flight, the learner admits no more until it announces the next one.
+    conversations a step trains (groups_per_step x n): once that many have ended on the version the
+    learner announces (`announced`, the engine's version by default) and none is in flight, the
+    learner admits no more until it announces the next one.
     `put_back` loads the served weights again (the follower's): after a level-2 sleep the weights
     are empty until a version is loaded into them."""
 
@@ -50,12 +54,16 @@ class PhaseSchedule:
         quota: int,
         put_back: Callable[[], Awaitable[None]],
         timeout_s: float = 600.0,
+        announced: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if level not in (1, 2):
             raise ValueError(f"sleep level {level}: vLLM's sleep levels are 1 (weights to host) and 2 (discarded)")
         self.engine, self.level, self.quota, self.put_back = engine, level, max(1, quota), put_back
         self.timeout_s, self.clock = timeout_s, clock
+        self.announced = announced or (lambda: engine.version)
+        self.failure: PhaseError | None = None  # a sleep or wake that failed: the actor stops (watch)
+        self._failed = asyncio.Event()
         self.phase = ACTIVE
         self.in_flight = 0  # conversations entered and not yet left
         self.loading = 0  # follower loads between before_load and after_load (no sleep meanwhile)
@@ -103,13 +111,15 @@ class PhaseSchedule:
             await self.sleep()
 
     def _should_sleep(self) -> bool:
-        v = self.engine.version
-        return self.phase == ACTIVE and not self.in_flight and not self.loading and self.ended[v] >= self.quota
+        quota_played = self.ended[self.announced()] >= self.quota
+        return self.phase == ACTIVE and not self.in_flight and not self.loading and quota_played
 
     async def _awake(self) -> None:
         while self.phase != ACTIVE:
+            if self.failure is not None:
+                raise self.failure
             if self.phase == WAKING:  # the follower is loading a version: it wakes the KV cache after
-                await self._bounded(self._active.wait(), "waiting for the engine to wake")
+                await self._bounded(self._active.wait(), "waiting for the engine to wake", fails=False)
                 continue
             async with self._lock:
                 if self.phase != SLEEPING:
@@ -122,6 +132,17 @@ class PhaseSchedule:
                 await self._bounded(self.engine.wake_up(["kv_cache"]), "waking the engine's KV cache")
                 self._enter(ACTIVE)
                 self.counters["wakes_for_task"] += 1
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Until `stop`: raise the PhaseError of a sleep or wake that failed (the actor's job: it stops)."""
+        waits = [asyncio.ensure_future(self._failed.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if self.failure is not None:
+            raise self.failure
 
     # -- the transitions -----------------------------------------------------------------------
 
@@ -152,11 +173,7 @@ class PhaseSchedule:
                 if self.phase != SLEEPING:
                     return
                 self._enter(WAKING)
-                try:
-                    await self._bounded(self.engine.wake_up(["weights"]), "waking the engine's weights")
-                except BaseException:
-                    self._enter(SLEEPING)  # nothing woke; a conversation or the next load tries again
-                    raise
+                await self._bounded(self.engine.wake_up(["weights"]), "waking the engine's weights")
         except BaseException:
             self.loading -= 1
             raise
@@ -185,11 +202,25 @@ class PhaseSchedule:
             self._active.set()
         self.phase = phase
 
-    async def _bounded(self, aw: Awaitable, what: str):
+    async def _bounded(self, aw: Awaitable, what: str, fails: bool = True):
+        """Await `aw` for at most timeout_s. With `fails` (a sleep or a wake of the engine) its failure
+        or timeout is the schedule's: recorded in `failure`, raised to every later conversation."""
+        if self.failure is not None:
+            raise self.failure
         try:
             return await asyncio.wait_for(aw, timeout=self.timeout_s)
         except TimeoutError:
-            raise PhaseError(
+            error = PhaseError(
                 f"{what} took over {self.timeout_s:g} s (phase {self.phase}); is the engine stuck? "
                 "(actor.phase_timeout_s bounds it)"
-            ) from None
+            )
+        except Exception as e:  # noqa: BLE001 - the engine's own failure, with what it was doing
+            if not fails:
+                raise
+            error = PhaseError(f"{what} failed (phase {self.phase}): {type(e).__name__}: {e}")
+            error.__cause__ = e
+        if fails:
+            self.failure = error
+            self._failed.set()
+            log.error("%s; the actor stops", error)
+        raise error

