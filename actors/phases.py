@@ -119,7 +119,7 @@ class PhaseSchedule:
             if self.failure is not None:
                 raise self.failure
             if self.phase == WAKING:  # the follower is loading a version: it wakes the KV cache after
-                await self._bounded(self._active.wait(), "waiting for the engine to wake", fails=False)
+                await self._bounded(self._woken(), "waiting for the engine to wake", fails=False)
                 continue
             async with self._lock:
                 if self.phase != SLEEPING:
@@ -132,6 +132,15 @@ class PhaseSchedule:
                 await self._bounded(self.engine.wake_up(["kv_cache"]), "waking the engine's KV cache")
                 self._enter(ACTIVE)
                 self.counters["wakes_for_task"] += 1
+
+    async def _woken(self) -> None:
+        """Until the engine is awake, or its wake failed (then _awake raises the failure)."""
+        waits = [asyncio.ensure_future(self._active.wait()), asyncio.ensure_future(self._failed.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Until `stop`: raise the PhaseError of a sleep or wake that failed (the actor's job: it stops)."""

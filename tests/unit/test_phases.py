@@ -18,16 +18,19 @@ from parley.weights.follow import WeightFollower
 
 class SleepRecordingEngineDouble:
     """Test double for engines.engine.PolicyEngine's phased surface: `version`, `can_sleep`, sleep(level),
-    wake_up(tags), recording each call in `calls`; `hang` names a call that never returns."""
+    wake_up(tags), recording each call in `calls`; `hang` names a call that never returns, `fail` one
+    that raises."""
 
-    def __init__(self, version: int = 0, can_sleep: bool = True, hang: str = ""):
-        self.version, self.can_sleep, self.hang = version, can_sleep, hang
+    def __init__(self, version: int = 0, can_sleep: bool = True, hang: str = "", fail: str = ""):
+        self.version, self.can_sleep, self.hang, self.fail = version, can_sleep, hang, fail
         self.calls: list[str] = []
         self.settings = SimpleNamespace(model="base")
 
     async def _maybe_hang(self, what: str) -> None:
         if self.hang == what:
             await asyncio.Event().wait()
+        if self.fail == what:
+            raise RuntimeError(f"CUDA error: out of memory ({what})")
 
     async def sleep(self, level: int) -> None:
         await self._maybe_hang("sleep")
@@ -252,6 +255,22 @@ def test_a_wake_that_fails_stops_the_actor_and_every_later_conversation_gets_its
         quiet = PhaseSchedule(SleepRecordingEngineDouble(), level=2, quota=1, put_back=put_back)
         stop.set()
         await asyncio.wait_for(quiet.watch(stop), 1.0)  # stopped without a failure: ends quietly
+
+    asyncio.run(go())
+
+
+def test_a_conversation_waiting_for_a_wake_that_fails_gets_the_failure_at_once():
+    async def go():
+        engine = SleepRecordingEngineDouble(fail="wake kv_cache")
+        p = schedule(engine, quota=1, timeout_s=5.0)
+        await play(p, 1)
+        await p.before_load()
+        waiting = asyncio.create_task(p.enter())
+        await asyncio.sleep(0.01)
+        with pytest.raises(PhaseError, match=r"waking the engine's KV cache failed .*out of memory"):
+            await p.after_load(True)
+        with pytest.raises(PhaseError, match="waking the engine's KV cache failed"):
+            await asyncio.wait_for(waiting, 0.5)  # at once, not after its own 5 s
 
     asyncio.run(go())
 
