@@ -156,3 +156,11 @@ def test_an_engine_with_an_explicit_kv_cache_on_a_gpu_is_planned():
     assert uses_gpu(cfg) and make_plan(load_config(None, ['actor.engine.dtype="bfloat16"', "up.gpu_memory_gib=80"]))
     assert uses_gpu(load_config(TINY, ["up.gpu_memory_gib=80"]))
     assert not uses_gpu(load_config(TINY)) and not uses_gpu(load_config(None))
+
+
+def test_phased_starts_no_mps_daemon(tmp_path):
+    from parley.deploy.mps import start_for
+
+    daemon, line = start_for("phased", tmp_path, True, probe=["false"])  # a probe that would fail: never run
+    assert daemon is None and line.startswith("GPU sharing: phased") and "no MPS daemon" in line
+    assert start_for("phased", tmp_path, False) == (None, "")
