@@ -361,6 +361,11 @@ def progress_line(snap) -> str:
     preempted = sum(hb.counters.get("engine.preemptions", 0.0) for hb in snap.roles.values() if hb.role == "actor")
     if preempted:
         parts.append(f"preempted {int(preempted)}")
+    # [up] gpu_share = "phased": how often the actor's engine slept while the learner stepped, and how long
+    actors = [hb.counters for hb in snap.roles.values() if hb.role == "actor" and "phase.sleeps" in hb.counters]
+    if actors:
+        sleeps, asleep = sum(c["phase.sleeps"] for c in actors), sum(c.get("phase.asleep_s", 0.0) for c in actors)
+        parts.append(f"engine slept {int(sleeps)}x, {asleep:.0f} s")
     # A stream about to drop work its consumer has not had (protocol.backlog).
     parts += [f"BACKLOG {key} {row.backlog:.0%} of max_bytes" for key, row in s.items() if row.backlog >= WARN_SHARE]
     return " | ".join(parts)

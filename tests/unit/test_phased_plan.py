@@ -164,3 +164,16 @@ def test_phased_starts_no_mps_daemon(tmp_path):
     daemon, line = start_for("phased", tmp_path, True, probe=["false"])  # a probe that would fail: never run
     assert daemon is None and line.startswith("GPU sharing: phased") and "no MPS daemon" in line
     assert start_for("phased", tmp_path, False) == (None, "")
+
+
+def test_the_progress_line_says_how_often_and_how_long_the_engine_slept():
+    from parley.deploy import up
+    from parley.deploy.live import Snapshot
+    from parley.protocol.messages import Heartbeat
+
+    def snap(**counters):
+        return Snapshot(roles={"actor/actor-0": Heartbeat(role="actor", id="actor-0", state="busy", counters=counters)})
+
+    assert "slept" not in up.progress_line(snap(tasks=3.0))  # overlapped sharing: nothing said
+    line = up.progress_line(snap(**{"phase.sleeps": 4.0, "phase.wakes": 3.0, "phase.asleep_s": 41.6}))
+    assert "| engine slept 4x, 42 s" in line
