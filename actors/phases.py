@@ -190,17 +190,20 @@ class PhaseSchedule:
     async def after_load(self, loaded: bool) -> None:
         """The follower's load ended (`loaded`: the engine serves the version now). WAKING -> ACTIVE:
         after a level-2 sleep a load that did not happen leaves the weights empty, so the served
-        version is loaded again first; then the KV cache wakes."""
+        version is loaded again first; then the KV cache wakes. A load made awake that kept a sleep
+        from starting (the step's last conversation ended under it) lets it start now."""
         self.loading -= 1
         async with self._lock:
-            if self.phase != WAKING:
+            if self.phase == WAKING:
+                if self.level == 2 and not loaded:
+                    await self._bounded(self.put_back(), "loading the served weights again")
+                await self._bounded(self.engine.wake_up(["kv_cache"]), "waking the engine's KV cache")
+                self._enter(ACTIVE)
+                self.counters["wakes"] += 1
+                log.info("engine awake on version %d", self.engine.version)
                 return
-            if self.level == 2 and not loaded:
-                await self._bounded(self.put_back(), "loading the served weights again")
-            await self._bounded(self.engine.wake_up(["kv_cache"]), "waking the engine's KV cache")
-            self._enter(ACTIVE)
-            self.counters["wakes"] += 1
-            log.info("engine awake on version %d", self.engine.version)
+        if self._should_sleep():
+            await self.sleep()
 
     def _enter(self, phase: str) -> None:
         if phase != ACTIVE and self.phase == ACTIVE:

@@ -113,15 +113,15 @@ def test_conversations_of_an_older_version_do_not_count_toward_the_served_ones()
     asyncio.run(go())
 
 
-def test_never_sleeps_under_a_load():
+def test_never_sleeps_under_a_load_and_sleeps_after_it():
     async def go():
         engine = SleepRecordingEngineDouble()
         p = schedule(engine, quota=1)
         await p.before_load()  # awake: nothing to wake, but no sleep may start until after_load
         await play(p, 1)
         assert p.phase == ACTIVE and engine.calls == []
-        await p.after_load(True)
-        assert p.phase == ACTIVE and engine.calls == []
+        await p.after_load(False)  # the load did not change the version: the step's groups are played
+        assert p.phase == SLEEPING and engine.calls == ["sleep 2"]
 
     asyncio.run(go())
 
