@@ -17,6 +17,7 @@ import shutil
 import time
 from collections import Counter
 
+from parley.actors.phases import PhaseSchedule
 from parley.config.run import RunConfig
 from parley.environments.base import Environment, LocalUser, ProgrammaticUser
 from parley.protocol import bus, status
@@ -83,6 +84,18 @@ class Actor:
             model=cfg.actor.engine.model,
             actor=ident,
         )
+        # [up] gpu_share = "phased": the engine sleeps while the learner steps (actors.phases)
+        self.phases: PhaseSchedule | None = None
+        if cfg.up.gpu_share == "phased":
+            self.phases = PhaseSchedule(
+                engine,
+                level=cfg.actor.sleep_level_served(),
+                quota=cfg.learner.groups_per_step * cfg.rollout.n,
+                put_back=lambda: self.follower.put_back(),
+                timeout_s=cfg.actor.phase_timeout_s,
+                announced=lambda: self.follower.announced,
+            )
+            self.follower.phases = self.phases
         self.counters: Counter[str] = Counter()
         self.in_flight = 0  # conversations being played now
         self.state = "starting"
@@ -109,6 +122,9 @@ class Actor:
             # requests vLLM preempted (KV cache short of the conversations in flight): each recomputes its
             # prefix; prompt tokens, those from the prefix cache and the ones older weights computed
             counters.update(counts.counters())
+        phases = getattr(self, "phases", None)
+        if phases is not None:  # sleeps, wakes and seconds asleep ([up] gpu_share = "phased")
+            counters.update(phases.metrics())
         state = "busy" if self.state == "ready" and self.in_flight else self.state
         return Heartbeat(role="actor", id=self.ident, state=state, version=self.engine.version, counters=counters)
 
@@ -164,6 +180,8 @@ class Actor:
     async def _sample(self, task: Task, sample: int, watch: StaleWatch | None = None) -> dict[str, float]:
         """Play and publish one sample; returns its trajectory's timings."""
         async with self._slots:
+            if self.phases is not None:  # an engine asleep wakes before the conversation starts
+                await self.phases.enter()
             self.in_flight += 1
             try:
                 traj = await run_conversation(
@@ -178,6 +196,10 @@ class Actor:
                 )
             finally:
                 self.in_flight -= 1
+                if self.phases is not None:
+                    # the step's last conversation puts the engine to sleep before its trajectory is
+                    # published: the learner cannot start that step while the KV cache is still held
+                    await self.phases.leave(task.admitted_version)
         self.counters["abandoned_stale"] += traj.terminated == ABANDONED_STALE
         ack = await bus.publish(self.js, self.run, "traj", traj)
         self.counters["trajectories"] += 1
@@ -209,6 +231,8 @@ class Actor:
             asyncio.create_task(self.follower.run_until(stop), name="weights"),
             asyncio.create_task(status.heartbeat_loop(self.nc, self.run, self.heartbeat, stop), name="heartbeat"),
         ]
+        if self.phases is not None:  # an engine that failed a sleep or a wake stops the actor
+            jobs.append(asyncio.create_task(self.phases.watch(stop), name="phases"))
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
             stop.set()  # whichever ended first (normally: stop was set), the rest follow
@@ -287,7 +311,9 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, concurrency: int
     ) as (nc, js):
         t0 = time.perf_counter()
         # the behaviour log-probs are of the distribution sampled at actor.sampling.temperature (the learner's too)
-        engine, tokenizer, path = open_engine(cfg.actor.engine, sampled_logprobs=True)  # blocks while vLLM loads
+        engine, tokenizer, path = open_engine(  # blocks while vLLM loads
+            cfg.actor.engine, sampled_logprobs=True, sleep_mode=cfg.up.gpu_share == "phased"
+        )
         log.info("%s: policy %s (%s) loaded in %.0fs", ident, cfg.actor.engine.model, path, time.perf_counter() - t0)
         # removed below; one a killed actor left is removed by the next actor on this host (runtime.scratch)
         weights_dir = scratch_dir("weights", ident)

@@ -103,7 +103,9 @@ T)
     # figures: $OUT/summary_4b_s<S>.json, $OUT/gpu_4b_s<S>.png.
     BUDGET_S=${BUDGET_S:-420}
     CONFIG=${CONFIG:-deploy/configs/gpu-1-4b.toml}
-    EXTRA=()  # PARLEY_SETS: more settings, space-separated KEY=VALUE (e.g. "learner.lora.enabled=true")
+    # PARLEY_SETS: more settings, space-separated KEY=VALUE (e.g. "learner.lora.enabled=true"); they come
+    # after the part's own --set, so they win (with up.gpu_share="phased" give STALENESS=0, which phased needs)
+    EXTRA=()
     for kv in ${PARLEY_SETS:-}; do EXTRA+=(--set "$kv"); done
     step build4b 150 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
     for S in ${STALENESS:-1}; do
@@ -125,6 +127,9 @@ T)
         # the share of the actors' prompt tokens vLLM took from its prefix cache (and, under
         # actor.engine.prefix_cache_across_versions, the stale part of it): up's progress line
         echo "s$S: $(grep -o 'prefix cache [0-9]*%[^|]*' "$OUT/up_4b_s$S.log" | tail -n 1 || true)" >>"$OUT/problems_4b.log"
+        # up.gpu_share="phased": the actor's sleeps and wakes (actors/phases.py logs each), with how long each sleep took
+        grep -h -E "engine asleep|engine awake|while the engine sleeps" "$RUN"/logs/actor-*.log 2>/dev/null | tail -n 40 \
+            >"$OUT/phases_4b_s$S.log" || true
     done
     ;;
 P)

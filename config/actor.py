@@ -41,3 +41,16 @@ class ActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # a turn of its task lagging the announced version by more than max_staleness): published as far
     # as played (terminated "stale"), never judged or trained. Off: every conversation is played to its end.
     abandon_stale: bool = True
+    # [up] gpu_share = "phased": how deep the engine sleeps while the learner steps (vLLM's sleep levels).
+    # 1 moves its weights to host memory and discards the KV cache; 2 discards both, and the next version
+    # is loaded into empty weights (every version replaces all of them: whole weights, or serve = "merged").
+    # 0 = by what is served: 1 where LoRA adapters are served on the base, else 2 (sleep_level_served).
+    sleep_level: Literal[0, 1, 2] = 0
+    # phased: the longest an engine's sleep, wake or a conversation's wait for the engine to wake may take
+    phase_timeout_s: Annotated[float, Meta(gt=0)] = 600.0
+
+    def sleep_level_served(self) -> int:
+        """The sleep level phased sharing uses (sleep_level, 0 resolved by what the engine serves)."""
+        if self.sleep_level:
+            return self.sleep_level
+        return 1 if self.engine.max_lora_rank > 0 else 2

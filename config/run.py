@@ -73,8 +73,11 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # how the processes on one GPU share its compute: "plain", the GPU time-slices their kernels; "mps",
     # `parley up` starts a CUDA MPS daemon for the run and every child's kernels go through its server
     # (deploy/mps.py; needs nvidia-cuda-mps-control, checked before anything starts); "auto", MPS where
-    # the run puts something on a GPU and the daemon can serve it, plain otherwise (said at start)
-    gpu_share: Literal["auto", "plain", "mps"] = "auto"
+    # the run puts something on a GPU and the daemon can serve it, plain otherwise (said at start);
+    # "phased", the learner and the actor take the GPU in turns: the actor's engine sleeps (frees its
+    # KV cache and weights, [actor] sleep_level) while the learner steps and wakes for the next version
+    # (actors/phases.py; needs learner.max_staleness = 0 and one actor: config.run.check_phased)
+    gpu_share: Literal["auto", "plain", "mps", "phased"] = "auto"
 
     def __post_init__(self) -> None:
         if self.min_actors > self.max_actors:
@@ -515,6 +518,7 @@ def check_training(cfg: RunConfig) -> None:
     is loaded: an eval (whose actors sample at the eval's temperature, evaluation/fleet.py) trains
     nothing and may sample as it likes.
     """
+    check_phased(cfg)
     lr = cfg.learner.lora
     if lr.merged and cfg.actor.engine.max_lora_rank > 0:
         # the versions are whole weights: vLLM's LoRA slots would cost GPU memory and decode time
@@ -565,6 +569,39 @@ def check_training(cfg: RunConfig) -> None:
             "answers log-probs of the raw model, the policy's are at the actor's temperature; set "
             "policy.reference='local' (the learner's own reference is taken at each sample's temperature), "
             "learner.kl_coef=0 or actor.sampling.temperature=1.0"
+        )
+
+
+def check_phased(cfg: RunConfig) -> None:
+    """`[up] gpu_share = "phased"` (actors/phases.py): the actor's engine sleeps once the groups of the
+    step being trained are played and wakes when the learner announces the next version. That leaves
+    the actor nothing to decode while the learner steps only when the staleness gate admits no group
+    on a version before the next one is announced (max_staleness = 0, no oversampled groups), and only
+    when one actor plays every group of a step (its count of them is what tells it to sleep). Level 2
+    discards the engine's weights, which LoRA adapters served on the base need kept."""
+    if cfg.up.gpu_share != "phased":
+        return
+    lc, fix = cfg.learner, 'or [up] gpu_share = "mps"'
+    if lc.max_staleness != 0:
+        raise ConfigError(
+            f'[up] gpu_share = "phased" with learner.max_staleness={lc.max_staleness}: the actor sleeps while the '
+            f"learner steps, so no group may be played on the version being trained; set learner.max_staleness = 0 {fix}"
+        )
+    if lc.oversample_groups:
+        raise ConfigError(
+            f'[up] gpu_share = "phased" with learner.oversample_groups={lc.oversample_groups}: extra groups would '
+            f"be played while the learner steps; set learner.oversample_groups = 0 {fix}"
+        )
+    if cfg.up.most_actors() > 1:
+        raise ConfigError(
+            f'[up] gpu_share = "phased" with {cfg.up.most_actors()} actors: one actor takes turns with the learner '
+            f"(it counts a step's groups to know when to sleep); set up.actors = 1 and up.autoscale = false {fix}"
+        )
+    if cfg.actor.sleep_level == 2 and cfg.actor.engine.max_lora_rank > 0:
+        raise ConfigError(
+            f"actor.sleep_level = 2 with actor.engine.max_lora_rank={cfg.actor.engine.max_lora_rank}: level 2 "
+            "discards the engine's weights, and LoRA adapter versions are served on the base, which is never "
+            "loaded again; set actor.sleep_level = 1 (or 0: chosen by what is served)"
         )
 
 

@@ -8,8 +8,13 @@ optimizer state on the host (learner.offload_optimizer = "cpu", listed apart, no
 GPU), or a LoRA adapter's beside the frozen base ([learner.lora]). A run that does not fit is refused
 with the changes that do fit, each planned here with its figures (Plan.fixes).
 
-A config that puts nothing on a GPU by its own words (no vLLM engine with a gpu_memory_utilization,
-no [weights] transport that needs CUDA) is not planned: the CPU configs run as before.
+A config that puts nothing on a GPU by its own words (no vLLM engine with a gpu_memory_utilization
+or in half precision, no [weights] transport that needs CUDA, no up.gpu_memory_gib) is not planned:
+the CPU configs run as before.
+
+Under [up] gpu_share = "phased" the actor's engine sleeps while the learner steps (actors/phases.py):
+each term says in which phase it is held (GENERATE, TRAIN or both), and the run needs the larger
+phase, not the sum, so the KV cache may take what the learner's step takes only while it steps.
 """
 
 from __future__ import annotations
@@ -180,6 +185,9 @@ class Term:
     gib: float = 0.0  # a fixed size
     share: float = 0.0  # a share of the GPU's total (a vLLM engine's gpu_memory_utilization)
     host: bool = False  # held in host memory, not on the GPU: listed, not counted against the GPU
+    # [up] gpu_share = "phased": held only while the actor generates (GENERATE: the actor's engine
+    # awake) or only while the learner steps (TRAIN); "" = in both
+    phase: str = ""
 
     def at(self, total: float | None) -> float | None:
         if self.share and total is None:
@@ -214,12 +222,13 @@ class Plan:
     # settings the plan chose, as (dotted key, value): learner.gradient_checkpointing = "auto"'s choice
     chosen: tuple[tuple[str, object], ...] = ()
     fixes: tuple[Fix, ...] = ()  # changes planned to fit (only when this plan does not)
+    phased: bool = False  # [up] gpu_share = "phased": the larger of the two phases is needed, not the sum
 
     @property
     def need(self) -> float | None:
         if self.total is None:
             return None
-        return sum(p.gib for p in self.procs) + sum(p.share for p in self.procs) * self.total
+        return gpu_need(self.procs, self.total, self.phased)
 
     @property
     def usable(self) -> float | None:
@@ -241,6 +250,7 @@ class Plan:
             lines += [
                 f"    {_size(t.gib, t.share, self.total):>12}  "
                 + ("(host, not on the GPU) " if t.host else "")
+                + (f"({PHASES[t.phase]} only) " if t.phase else "")
                 + t.what
                 for t in p.terms
             ]
@@ -254,12 +264,27 @@ class Plan:
                 f"({1 - HEADROOM:.0%} of {self.total:.1f}): "
                 + (f"{left:.2f} GiB to spare" if left >= 0 else f"{-left:.2f} GiB over")
             )
+        if self.phased:
+            lines += self.phase_lines()
         for key, value in self.chosen:
             lines.append(f'  chosen by this plan: {key} = {_toml(value)} (it was "auto")')
         host = sum(p.host_gib for p in self.procs)
         if host:
             lines.append(f"  {'host memory (not on the GPU)':<34}{host:>18.2f} GiB")
         return "\n".join(lines)
+
+    def phase_lines(self) -> list[str]:
+        """What each phase of [up] gpu_share = "phased" holds on the GPU."""
+        out = ['  phased ([up] gpu_share = "phased"; the plan needs the larger phase, not the sum):']
+        for phase, what in (
+            ("generate", "the actor's engine awake; the learner between steps (its step's memory released)"),
+            ("train", "the learner's step; the actor's engine asleep (its KV cache and weights off the GPU)"),
+        ):
+            gib = [_size(*_phase_sum(p.terms, phase), self.total) for p in self.procs]
+            at = "" if self.total is None else f"{gpu_need(self.procs, self.total, phase=phase):.2f} GiB"
+            held = ", ".join(f"{p.name} {g}" for p, g in zip(self.procs, gib))
+            out.append(f"    {PHASES[phase]} {at or '(GPU total unknown)'}: {what}: {held}")
+        return out
 
     def refusal(self) -> str:
         return (
@@ -293,6 +318,24 @@ class Fix:
         return " ".join(f"--set {k}={_toml(v)}" for k, v in self.changes)
 
 
+PHASES = {"generate": "GENERATE", "train": "TRAIN"}
+
+
+def _phase_sum(terms, phase: str | None) -> tuple[float, float]:
+    """(GiB, share of the GPU) of the terms on the GPU in `phase` (None: all of them)."""
+    held = [t for t in terms if not t.host and (phase is None or t.phase in ("", phase))]
+    return sum(t.gib for t in held), sum(t.share for t in held)
+
+
+def gpu_need(procs, total: float, phased: bool = False, phase: str | None = None) -> float:
+    """GiB the processes need on a GPU of `total` GiB: the sum of their terms; `phased`, the larger
+    of its two phases (GENERATE, TRAIN); `phase`, that phase's."""
+    if phased:
+        return max(gpu_need(procs, total, phase=ph) for ph in PHASES)
+    gib, share = map(sum, zip((0.0, 0.0), *(_phase_sum(p.terms, phase) for p in procs)))
+    return gib + share * total
+
+
 def _toml(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -321,18 +364,34 @@ def _m(n: int) -> str:
 ENGINE_WORK_GIB = 1.0  # what an engine with an explicit KV size takes beside weights and KV (estimate)
 
 
-def engine_terms(ec: EngineConfig, shape_of) -> list[Term]:
+def engine_terms(ec: EngineConfig, shape_of, sleep_level: int = 0) -> list[Term]:
     """A vLLM engine: with a gpu_memory_utilization, that share of the GPU, which vLLM reserves and
-    fills (weights, activations, KV cache, CUDA graphs); without one, its weights and kv_cache_bytes."""
+    fills (weights, activations, KV cache, CUDA graphs); without one, its weights and kv_cache_bytes.
+    With a `sleep_level` (the actor under [up] gpu_share = "phased") its weights, LoRA slots and KV
+    cache are held in GENERATE only (vLLM's sleep mode allocates them in its own pool and frees it:
+    level 1 keeps the weights in host memory), its working memory in both phases."""
+    gen = "generate" if sleep_level else ""
     if ec.gpu_memory_utilization > 0:
-        return [
+        share = Term(
+            f"vLLM engine {ec.model}: gpu_memory_utilization {ec.gpu_memory_utilization:g} x the GPU "
+            "(weights, activations, KV cache, CUDA graphs)",
+            share=ec.gpu_memory_utilization,
+            phase=gen,
+        )
+        if not sleep_level:
+            return [share]
+        kept = Term(f"asleep (level {sleep_level}): its activations, sampler and CUDA graphs stay", ENGINE_WORK_GIB)
+        return [share, replace(kept, phase="train")]
+    shape, b = shape_of(ec.model), 4 if ec.dtype == "float32" else 2
+    asleep = []
+    if sleep_level == 1:
+        asleep = [
             Term(
-                f"vLLM engine {ec.model}: gpu_memory_utilization {ec.gpu_memory_utilization:g} x the GPU "
-                "(weights, activations, KV cache, CUDA graphs)",
-                share=ec.gpu_memory_utilization,
+                f"its weights while it sleeps (sleep level 1): {b} B x {_m(shape.params)} params",
+                _gib(b * shape.params),
+                host=True,
             )
         ]
-    shape, b = shape_of(ec.model), 4 if ec.dtype == "float32" else 2
     slots = []
     if ec.max_lora_rank > 0:  # vLLM stacks max_loras adapters of max_lora_rank on every projection it can adapt
         a = shape.lora_params(ec.max_lora_rank, LORA_TARGETS)
@@ -341,17 +400,20 @@ def engine_terms(ec: EngineConfig, shape_of) -> list[Term]:
                 f"its LoRA slots: max_loras {ec.max_loras} x {b} B x {_m(a)} params (rank {ec.max_lora_rank}, "
                 "every projection)",
                 _gib(ec.max_loras * b * a),
+                phase=gen,
             )
         ]
     return [
-        Term(f"vLLM engine {ec.model} weights: {b} B x {_m(shape.params)} params", _gib(b * shape.params)),
+        Term(f"vLLM engine {ec.model} weights: {b} B x {_m(shape.params)} params", _gib(b * shape.params), phase=gen),
         *slots,
         Term(
             f"its KV cache: kv_cache_bytes {ec.kv_cache_bytes} (explicit: vLLM does not profile, so the GPU's "
             "other processes starting beside it do not shrink it)",
             _gib(ec.kv_cache_bytes),
+            phase=gen,
         ),
         Term("its activations, sampler and CUDA graphs: an estimate, not measured", ENGINE_WORK_GIB),
+        *asleep,
     ]
 
 
@@ -464,6 +526,7 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
             Term(
                 f"DeepSpeed gradient bucket: reduce_bucket_size {REDUCE_BUCKET_ELEMENTS:,} x {p} B",
                 _gib(REDUCE_BUCKET_ELEMENTS * p),
+                phase="train" if phased_release(cfg) else "",  # allocated at every backward
             )
         )
     act = activation_terms(cfg, shape, lc.gradient_checkpointing)
@@ -474,8 +537,21 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
     peaks = [act] if offload else [act, [step]]
     if merged:  # after the step, when its activations and temporaries are freed
         peaks.append([merge_term(cfg, shape)])
-    terms += max(peaks, key=lambda ts: sum(t.gib for t in ts))
+    peak = max(peaks, key=lambda ts: sum(t.gib for t in ts))
+    if phased_release(cfg):  # released after every step: held while the learner steps only
+        peak = [replace(t, phase="train") for t in peak]
+    terms += peak
     return [*terms, Term("CUDA context", CUDA_CONTEXT_GIB)]
+
+
+def phased_release(cfg: RunConfig) -> bool:
+    """[up] gpu_share = "phased" with a learner that hands its step's memory back after every step
+    (learner.trainer: a transport that shares its GPU, gpu_cache = "release"): its activations, the
+    gradient bucket and the step's temporaries are held in TRAIN only. A learner that keeps its cache
+    holds them in both phases, and the plan counts them so."""
+    return (
+        cfg.up.gpu_share == "phased" and registry.of(cfg.weights).shares_device and cfg.learner.gpu_cache == "release"
+    )
 
 
 def merge_term(cfg: RunConfig, shape: Shape) -> Term:
@@ -534,9 +610,19 @@ def packed_deltas(cfg: RunConfig) -> bool:
 
 
 def uses_gpu(cfg: RunConfig) -> bool:
-    """Whether the config puts something on a GPU by its own words."""
+    """Whether the config puts something on a GPU by its own words: a vLLM engine with a
+    gpu_memory_utilization, or in half precision (a GPU engine given an explicit kv_cache_bytes, as
+    every shipped GPU config's is; the CPU configs' engines are float32), a [weights] transport that
+    needs CUDA, or a GPU size for the plan (up.gpu_memory_gib)."""
     engines = [cfg.actor.engine, *(ec for _, _, ec in _local_engines(cfg))]
-    return any(ec.gpu_memory_utilization > 0 for ec in engines) or registry.of(cfg.weights).needs_cuda
+    return (
+        any(ec.gpu_memory_utilization > 0 or ec.dtype in HALF for ec in engines)
+        or registry.of(cfg.weights).needs_cuda
+        or cfg.up.gpu_memory_gib > 0
+    )
+
+
+HALF = ("bfloat16", "float16")  # engine dtypes of a GPU (EngineConfig.dtype: float32 on CPU)
 
 
 def processes(cfg: RunConfig) -> list[Proc]:
@@ -564,7 +650,8 @@ def processes(cfg: RunConfig) -> list[Proc]:
         staging = [Term('its packed copy of the served weights (weights.delta_format = "packed")', _gib(packed))]
     # (cuda_ipc loads from the learner's buffer itself within the hold time: no copy is planned; a
     # reader that comes later copies it first, and if that does not fit the load is tried again)
-    actor = (*engine_terms(cfg.actor.engine, shape_of), *staging, ctx)
+    level = cfg.actor.sleep_level_served() if cfg.up.gpu_share == "phased" else 0
+    actor = (*engine_terms(cfg.actor.engine, shape_of, level), *staging, ctx)
     procs += [Proc(f"actor-{i}", actor) for i in range(cfg.up.most_actors())]
     if cfg.learner.eval_every > 0:
         procs.append(Proc("eval (periodic, [actor.engine])", (*engine_terms(cfg.actor.engine, shape_of), ctx)))
@@ -646,17 +733,18 @@ def make_plan(cfg: RunConfig) -> Plan | None:
     else:
         total, source = detect_gpu_gib(), "torch.cuda, device 0"
     chosen: tuple = ()
+    phased = cfg.up.gpu_share == "phased"
     if cfg.learner.gradient_checkpointing == "auto":
         # off when everything fits without recompute (the step is a third cheaper), else on; on while
         # the GPU's total is unknown
         off = _changed(cfg, {"learner.gradient_checkpointing": False})
-        procs = processes(off)
-        need = sum(p.gib for p in procs) + sum(p.share for p in procs) * (total or 0.0)
+        need = gpu_need(processes(off), total or 0.0, phased)
         recompute = total is None or need > total * (1 - HEADROOM)
         chosen = (("learner.gradient_checkpointing", recompute),)
         cfg = _changed(cfg, dict(chosen))
     procs = processes(cfg)
-    plan = Plan(tuple(procs), total, source, tuple(knobs(cfg, procs, total)) if total is not None else (), chosen)
+    knobs_ = tuple(knobs(cfg, procs, total)) if total is not None else ()
+    plan = Plan(tuple(procs), total, source, knobs_, chosen, phased=phased)
     if plan.fits is False:
         plan = replace(plan, fixes=tuple(fixes(cfg, total)))
     return plan
@@ -710,7 +798,7 @@ def fixes(cfg: RunConfig, total: float) -> list[Fix]:
     out = []
     for change in _learner_changes(cfg):
         procs = processes(_changed(cfg, dict(change)))
-        need = sum(p.gib for p in procs) + sum(p.share for p in procs) * total
+        need = gpu_need(procs, total, cfg.up.gpu_share == "phased")
         host = sum(p.host_gib for p in procs)
         out.append(Fix(change, need, f" (and {host:.2f} GiB of host memory)" if host else ""))
     return out

@@ -110,8 +110,11 @@ class MpsDaemon:
 def start_for(share: str, run_dir: Path, gpu: bool, probe: list[str] | None = None) -> tuple[MpsDaemon | None, str]:
     """The run's daemon, started, and a line for the operator; (None, line) where the GPU time-slices.
     share "mps" refuses with MpsError where MPS cannot serve; "auto" falls back to plain sharing then,
-    and so does a run that puts nothing on a GPU; "plain" starts nothing."""
-    if share == "plain" or not gpu:
+    and so does a run that puts nothing on a GPU; "plain" starts nothing, nor does "phased" (the
+    learner and the actor take the GPU in turns, actors/phases.py: their kernels never overlap)."""
+    if share == "phased" and gpu:
+        return None, "GPU sharing: phased (the actor's engine sleeps while the learner steps); no MPS daemon"
+    if share in ("plain", "phased") or not gpu:
         return None, ""
     if share == "auto" and shutil.which(BINARY) is None:
         return (

@@ -369,6 +369,11 @@ def progress_line(snap) -> str:
         cached = sum(c.get("engine.cached_tokens", 0.0) for c in actors)
         stale = sum(c.get("engine.stale_cached_tokens", 0.0) for c in actors)
         parts.append(f"prefix cache {cached / prompt:.0%}" + (f" ({stale / cached:.0%} stale)" if stale else ""))
+    # [up] gpu_share = "phased": how often the actor's engine slept while the learner stepped, and how long
+    sleepers = [hb.counters for hb in snap.roles.values() if hb.role == "actor" and "phase.sleeps" in hb.counters]
+    if sleepers:
+        sleeps, asleep = sum(c["phase.sleeps"] for c in sleepers), sum(c.get("phase.asleep_s", 0.0) for c in sleepers)
+        parts.append(f"engine slept {int(sleeps)}x, {asleep:.0f} s")
     # A stream about to drop work its consumer has not had (protocol.backlog).
     parts += [f"BACKLOG {key} {row.backlog:.0%} of max_bytes" for key, row in s.items() if row.backlog >= WARN_SHARE]
     return " | ".join(parts)

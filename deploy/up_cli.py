@@ -153,7 +153,9 @@ def check_gpu_share(cfg, dry: bool) -> str:
     """`[up] gpu_share = "mps"` is checked before anything starts: the config must put something on a
     GPU and the MPS daemon's binary must be here (deploy/mps.py; a run is refused with exit code 2).
     Under --dry-run a missing binary is a note (the dry run may be on another machine than the run).
-    "auto" refuses nothing: the note says which sharing a GPU run here gets."""
+    "auto" refuses nothing: the note says which sharing a GPU run here gets. "phased" (the actor's
+    engine sleeps while the learner steps: actors/phases.py) needs no daemon, and is refused like
+    "mps" for a config with nothing on a GPU (its other checks: config.run.check_phased)."""
     share = cfg.up.gpu_share
     if share == "plain":
         return ""
@@ -163,8 +165,14 @@ def check_gpu_share(cfg, dry: bool) -> str:
     if not uses_gpu(cfg):
         if share == "auto":
             return ""
-        typer.echo(f'parley up: [up] gpu_share = "mps", but this config puts nothing on a GPU; {FIX}', err=True)
+        typer.echo(f'parley up: [up] gpu_share = "{share}", but this config puts nothing on a GPU; {FIX}', err=True)
         raise typer.Exit(2)
+    if share == "phased":
+        level = cfg.actor.sleep_level_served()
+        return (
+            f"GPU sharing: phased, no MPS: the actor's engine sleeps (sleep level {level}) once a step's groups "
+            "are played and wakes for the learner's next version; the learner steps alone meanwhile"
+        )
     try:
         where = binary()
     except MpsError as e:

@@ -58,9 +58,12 @@ class Backend(Protocol):
 # Local engines
 
 
-def engine_settings(cfg: EngineConfig, model_path: str | Path, sampled_logprobs: bool = False):
+def engine_settings(
+    cfg: EngineConfig, model_path: str | Path, sampled_logprobs: bool = False, sleep_mode: bool = False
+):
     """The PolicyEngine settings of an [*.engine] section, for an already resolved checkpoint dir.
-    sampled_logprobs: the policy's convention (engines.engine's docstring); services keep raw ones."""
+    sampled_logprobs: the policy's convention (engines.engine's docstring); services keep raw ones.
+    sleep_mode: vLLM's sleep mode, for an actor under [up] gpu_share = "phased"."""
     from parley.engines.engine import EngineSettings
 
     use_fraction = cfg.gpu_memory_utilization > 0
@@ -77,6 +80,7 @@ def engine_settings(cfg: EngineConfig, model_path: str | Path, sampled_logprobs:
         max_lora_rank=cfg.max_lora_rank,
         max_loras=cfg.max_loras,
         prefix_cache_across_versions=cfg.prefix_cache_across_versions,
+        sleep_mode=sleep_mode,
         extra=cpu_workarounds(cfg.max_model_len),
     )
 
@@ -96,9 +100,10 @@ def cpu_workarounds(max_model_len: int) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
 
 
-def open_engine(cfg: EngineConfig, version: int = 0, sampled_logprobs: bool = False):
+def open_engine(cfg: EngineConfig, version: int = 0, sampled_logprobs: bool = False, sleep_mode: bool = False):
     """Resolve the model ("tiny" | "smol" | dir), start its engine and load its tokenizer.
     sampled_logprobs: report log-probs of the sampling distribution (the actor's policy).
+    sleep_mode: built so that it can sleep (EngineSettings.sleep_mode).
 
     Returns (PolicyEngine, tokenizer, model_path). Blocks for tens of seconds on CPU.
     """
@@ -107,7 +112,7 @@ def open_engine(cfg: EngineConfig, version: int = 0, sampled_logprobs: bool = Fa
 
     path = ensure_model(cfg.model)
     tokenizer = chat_tokenizer(cfg.model, path)
-    engine = PolicyEngine(engine_settings(cfg, path, sampled_logprobs), version=version)
+    engine = PolicyEngine(engine_settings(cfg, path, sampled_logprobs, sleep_mode), version=version)
     return engine, tokenizer, path
 
 

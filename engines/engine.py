@@ -103,6 +103,8 @@ class EngineSettings:
     max_loras: int = 2
     # keep the prefix cache across whole-weight swaps (EngineConfig.prefix_cache_across_versions)
     prefix_cache_across_versions: bool = False
+    # [up] gpu_share = "phased": built with vLLM's sleep mode (sleep/wake_up), where the platform has it
+    sleep_mode: bool = False
     # extra AsyncEngineArgs fields, for what the above does not cover
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -275,11 +277,21 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         )
     if settings.max_lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras)
+    if settings.sleep_mode and sleep_available():
+        kwargs["enable_sleep_mode"] = True
     executor = cpu_executor(cpu_bind, settings.tensor_parallel_size) if cpu_bind is not None else None
     if executor is not None:
         kwargs["distributed_executor_backend"] = executor
     kwargs.update(settings.extra)
     return AsyncEngineArgs(**kwargs)
+
+
+def sleep_available() -> bool:
+    """Whether this platform's vLLM has sleep mode (CUDA, ROCm, XPU; not the CPU build, whose engine
+    refuses enable_sleep_mode at start): vLLM's own answer, current_platform.is_sleep_mode_available."""
+    from vllm.platforms import current_platform
+
+    return bool(getattr(current_platform, "is_sleep_mode_available", lambda: False)())
 
 
 def _top_by_text(sampled: int, pos: dict) -> tuple[str, dict[str, float]]:
@@ -773,6 +785,28 @@ class PolicyEngine:
         request = self.adapters.pop(version, None)
         if request is not None:
             await self._remove_lora(request)
+
+    # -- phased sharing ([up] gpu_share = "phased", actors/phases.py) ------------------------------
+
+    @property
+    def can_sleep(self) -> bool:
+        """Whether sleep() frees GPU memory: built with sleep mode on a platform that has it."""
+        return self.settings.sleep_mode and sleep_available()
+
+    async def sleep(self, level: int) -> None:
+        """Free the engine's GPU memory until wake_up: level 1 moves the weights to host memory and
+        discards the KV cache, level 2 discards both (vLLM's sleep levels). The caller makes sure no
+        request is in flight: vLLM would abort it. vLLM resets its prefix cache here (the KV is gone).
+        A no-op where the engine cannot sleep (can_sleep: the CPU build)."""
+        await self._settled()  # no adapter removal runs into the sleep
+        if self.can_sleep:
+            await self._llm.sleep(level)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Give back what sleep freed: "weights" (after level 2 they hold no version: load one before
+        serving), "kv_cache", or both (None). A no-op where the engine cannot sleep."""
+        if self.can_sleep:
+            await self._llm.wake_up(tags=None if tags is None else list(tags))
 
     def shutdown(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None

@@ -110,6 +110,20 @@ FAMILIES: tuple[Family, ...] = (
         "Requests (turns) generated over a prefix whose KV older weights computed.",
         "actor",
     ),
+    _f(
+        "parley_actor_phase_sleeps_total",
+        r"phase\.sleeps",
+        'Times the actor\'s engine went to sleep while the learner stepped ([up] gpu_share = "phased").',
+        "actor",
+    ),
+    _f("parley_actor_phase_wakes_total", r"phase\.wakes", "Times the actor's engine woke from its sleep.", "actor"),
+    _f(
+        "parley_actor_phase_asleep_seconds_total",
+        r"phase\.asleep_s",
+        "Seconds the actor's engine spent asleep or waking.",
+        "actor",
+    ),
+    _f("parley_actor_phase_asleep", r"phase\.asleep", "1 while the actor's engine sleeps or wakes, else 0.", "actor"),
     _f("parley_actor_weights_loads_total", r"weights\.loads", "Weight versions loaded into the engine.", "actor"),
     _f(
         "parley_actor_weights_load_seconds",

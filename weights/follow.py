@@ -88,6 +88,9 @@ class WeightFollower:
         self._base_dir = Path(base_dir) if base_dir else None  # the base an adapter version must name
         self._base_id: str | None = None  # its weights.lora.base_identity, computed at the first adapter
         self.adapter_dirs: dict[int, Path] = {}  # adapter version -> its fetched directory
+        # [up] gpu_share = "phased": the actor's phase schedule (actors.phases.PhaseSchedule), told before
+        # and after every load so that a sleeping engine wakes its weights, then the load, then its KV
+        self.phases = None
 
     @property
     def version(self) -> int:
@@ -189,7 +192,14 @@ class WeightFollower:
                     "weights key moved back from version %d to %d; following it", self.engine.version, wv.version
                 )
             t0 = time.perf_counter()
-            loaded = await self._load(wv)
+            loaded = False
+            if self.phases is not None:  # an engine asleep ([up] gpu_share = "phased") wakes its weights first
+                await self.phases.before_load()
+            try:
+                loaded = await self._load(wv)
+            finally:
+                if self.phases is not None:  # ... and its KV cache after
+                    await self.phases.after_load(loaded)
             if loaded:
                 self.load_s = time.perf_counter() - t0
             return loaded
