@@ -191,7 +191,8 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
             "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "$SETS_JSON" "${ACTORS:-1}" "${PARLEY_STEPS:-$STEPS}" "$STEPS" "${SEED:-0}" \
             "${GPU_ID%%, *}" "${GPU_ID#*, }" "$ENV_NAME" "$CONFIG" "$TRL_OPTS" >"$OUT/p_clock.json"
     }
-    rm -rf "$RUN" /tmp/peer-trl
+    TRL_WORK=${TRL_WORK:-/tmp/peer-trl}  # TRL's output_dir (nothing is saved there)
+    rm -rf "$RUN" "$TRL_WORK"
     P0=$(clock) P1=null T1=null T2=null
     # ACTORS policy engines (default 1: a group of 8 conversations of 32-token turns keeps one engine
     # far from busy, and each engine more is one more start-up beside the others)
@@ -232,7 +233,7 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
         [ "$CONFIG" = deploy/configs/gpu-1.toml ] || TRL_ENV=
         # shellcheck disable=SC2086  # TRL_OPTS: words
         step peer_trl "$LEFT" python3 bench/peer_trl.py --config "$CONFIG" --env "$TRL_ENV" \
-            "${RECIPE[@]}" --steps "$STEPS" $TRL_OPTS --work /tmp/peer-trl --json "$OUT/peer_trl.json"
+            "${RECIPE[@]}" --steps "$STEPS" $TRL_OPTS --work "$TRL_WORK" --json "$OUT/peer_trl.json"
     else
         echo "[gpu_run] peer_trl: skipped, ${LEFT} s left of LIMIT_S=$LIMIT_S" | tee "$OUT/peer_trl.log"
     fi
@@ -382,10 +383,11 @@ TT4)
     NAME=p4_${SIDE}_s$SEED
     [ -e "$OUT/$NAME.tgz" ] && NAME=p4_${SIDE}_s${SEED}_$SECONDS
     if [ "$SIDE" = parley ]; then ONLY=(TRL=0 PARLEY=1); else ONLY=(TRL=1 PARLEY=0); fi
-    env "${ONLY[@]}" OUT="$OUT/$NAME" SEED=$SEED CONFIG=deploy/configs/gpu-1-4b.toml ENV_NAME=random_words \
-        STEPS=${STEPS:-40} PARLEY_STEPS=${PARLEY_STEPS:-${STEPS:-40}} EVAL_EVERY=${EVAL_EVERY:-5} \
-        LIMIT_S=${LIMIT_S:-540} PARLEY_S=${PARLEY_S:-500} TRL_ARGS=${TRL_ARGS:---micro-batch 4} \
-        PARLEY_SETS=${PARLEY_SETS:-} bash "$0" P | grep -E '^\[gpu_run\]|Traceback'
+    # env's arguments are words: each value quoted
+    env "${ONLY[@]}" OUT="$OUT/$NAME" SEED="$SEED" CONFIG=deploy/configs/gpu-1-4b.toml ENV_NAME=random_words \
+        STEPS="${STEPS:-20}" PARLEY_STEPS="${PARLEY_STEPS:-${STEPS:-20}}" EVAL_EVERY="${EVAL_EVERY:-5}" \
+        LIMIT_S="${LIMIT_S:-540}" PARLEY_S="${PARLEY_S:-500}" TRL_ARGS="${TRL_ARGS:---micro-batch 4}" \
+        PARLEY_SETS="${PARLEY_SETS:-}" bash "$0" P | grep -E '^\[gpu_run\]|Traceback'
     tar czf "$OUT/$NAME.tgz" -C "$OUT/$NAME" . && rm -rf "${OUT:?}/$NAME"
     echo "[gpu_run] TT4: $SIDE seed $SEED ended at ${SECONDS} s ($NAME.tgz)"
     ;;
