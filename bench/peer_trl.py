@@ -245,8 +245,9 @@ def trl_kwargs(
         importance_sampling_level="token",
         mask_truncated_completions=False,
         gradient_checkpointing=lc.gradient_checkpointing,
-        # GRPOTrainer loads a model path in float32 unless model_init_kwargs names a dtype
-        model_init_kwargs={"dtype": dtype},
+        # GRPOTrainer loads a model path in float32 unless model_init_kwargs names a dtype; the CPU smoke
+        # run (no GPU) keeps float32, as its data path is what it checks
+        model_init_kwargs={"dtype": dtype if gpu else "float32"},
         bf16=gpu,
         use_cpu=not gpu,
         logging_steps=1,

@@ -655,7 +655,8 @@ def test_trl_runs_at_its_best_bf16_weights_and_sleep_mode_with_its_defaults_else
     assert (kw["vllm_enable_sleep_mode"], kw["vllm_gpu_memory_utilization"]) == (True, 0.3)  # 0.3: TRL's default
     plain = peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", dtype="float32", sleep=False)
     assert plain["model_init_kwargs"] == {"dtype": "float32"} and plain["vllm_enable_sleep_mode"] is False
-    assert peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", gpu=False)["vllm_enable_sleep_mode"] is False  # CUDA only
+    cpu = peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", gpu=False)
+    assert cpu["vllm_enable_sleep_mode"] is False and cpu["model_init_kwargs"] == {"dtype": "float32"}  # CUDA only
     with pytest.raises(ValueError, match="float16"):
         peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", dtype="float16")
     rows = {r["setting"]: r for r in peer_trl.settings_rows(cfg)}
