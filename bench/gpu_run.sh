@@ -25,6 +25,8 @@
 #                                # SmolLM2's steps with PyTorch's cache filled with 0, NaN, 1e4; then
 #                                # the live learner's steps with the cache handed back and kept
 #     bash bench/gpu_run.sh M    # issue 26: part PS (MPS_PART) with up.gpu_share="mps", if the image has MPS
+#     bash bench/gpu_run.sh TT   # issue 56: time to target, parley then TRL at its best, ONE seed (SEED) a call
+#     bash bench/gpu_run.sh TT4  # the same at the 4B shape, one side (SIDE=parley|trl) a call
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -148,15 +150,29 @@ P)
     PARLEY_S=${PARLEY_S:-330}
     RUN=${RUN_DIR:-/tmp/run-peer}
     T0=$SECONDS
+    # issue 56: the same part at the 4B shape (part TT4): CONFIG, ENV_NAME=random_words and its list RW,
+    # the random-weight model MODEL built instead of SmolLM2; PARLEY=0 runs TRL alone (TRL=0 parley alone)
+    CONFIG=${CONFIG:-deploy/configs/gpu-1.toml}
+    ENV_NAME=${ENV_NAME:-hidden_goal}
     HG=(--set 'env.options={n_items = 120, seed = 0, nudge = "slots", answer = "mentions"}'
         --set data.eval_fraction=0.2 --set rollout.n=8 --set rollout.max_tokens=32 --set rollout.max_new_turns=6
         --set actor.sampling.temperature=0.7 --set learner.groups_per_step=1 --set "learner.lr=${LR:-1e-4}"
         --set learner.kl_coef=0.0 --set "learner.eval_every=$EVAL_EVERY" --set learner.eval_items=24
         --set 'learner.behaviour_correction="truncated_is"' --set learner.checkpoint_every=1000
         --set "learner.seed=${SEED:-0}")
-    # SmolLM2 built before either clock starts (a minute on the first call of a machine)
-    step build_smol 150 python3 -c "from parley.engines.models import ensure_model; ensure_model('smol')"
-    grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
+    # gpu-1-4b.toml's [env] comment: from random weights lr 2.5e-4 reaches low_share 0.55 by learning
+    RW=(--set "learner.lr=${LR:-2.5e-4}" --set learner.kl_coef=0.0 --set "learner.eval_every=$EVAL_EVERY"
+        --set learner.eval_items=24 --set 'learner.behaviour_correction="truncated_is"'
+        --set learner.checkpoint_every=1000 --set "learner.seed=${SEED:-0}"
+        --set "actor.engine.model=\"$MODEL\"" --set "policy.model=\"$MODEL\"")
+    if [ "$ENV_NAME" = random_words ]; then RECIPE=("${RW[@]}"); else RECIPE=("${HG[@]}"); fi
+    # the model built before either clock starts (SmolLM2: a minute on the first call of a machine)
+    if [ "$ENV_NAME" = random_words ]; then
+        step build4b 150 python3 -c "from bench.common import random_qwen3; random_qwen3('4b', '$MODEL')"
+    else
+        step build_smol 150 python3 -c "from parley.engines.models import ensure_model; ensure_model('smol')"
+        grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
+    fi
     # the staged site holds no bytecode: each process compiles what it imports the first time, and on a
     # machine's first call that falls first on parley's start-up, TRL running second (2026-12-05: the
     # actor's engine began 83 s after launch on the first call). Both clocks start after this import
@@ -171,11 +187,20 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     SETS_JSON=${PARLEY_SETS:-}
     SETS_JSON=${SETS_JSON//\\/\\\\}  # a JSON string: backslashes, then quotes (group_order="freshest")
     SETS_JSON=${SETS_JSON//\"/\\\"}
+    # the card both ran on: bench/peer_compare.py pairs two calls only on one GPU (its uuid)
+    GPU_ID=$(nvidia-smi --query-gpu=name,uuid --format=csv,noheader 2>/dev/null | head -n 1)
+    # TRL's own options (bench/peer_trl.py): TRL_DTYPE (bfloat16; float32 is GRPOTrainer's default),
+    # TRL_SLEEP=0 for no vLLM sleep mode, TRL_ARGS more (e.g. "--micro-batch 4" at the 4B shape)
+    TRL_OPTS="--trl-dtype ${TRL_DTYPE:-bfloat16}"
+    if [ "${TRL_SLEEP:-1}" = 0 ]; then TRL_OPTS="$TRL_OPTS --no-sleep"; fi
+    if [ -n "${TRL_ARGS:-}" ]; then TRL_OPTS="$TRL_OPTS $TRL_ARGS"; fi
     write_clock() {  # the launch and end of each run, as far as known (a cut call still leaves the file)
-        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s, "parley_steps": %s, "trl_steps": %s, "seed": %s}\n' \
-            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "$SETS_JSON" "${ACTORS:-1}" "${PARLEY_STEPS:-$STEPS}" "$STEPS" "${SEED:-0}" >"$OUT/p_clock.json"
+        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s, "parley_steps": %s, "trl_steps": %s, "seed": %s, "gpu_name": "%s", "gpu_uuid": "%s", "gpus": 1, "env": "%s", "config": "%s", "trl_options": "%s"}\n' \
+            "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "$SETS_JSON" "${ACTORS:-1}" "${PARLEY_STEPS:-$STEPS}" "$STEPS" "${SEED:-0}" \
+            "${GPU_ID%%, *}" "${GPU_ID#*, }" "$ENV_NAME" "$CONFIG" "$TRL_OPTS" >"$OUT/p_clock.json"
     }
-    rm -rf "$RUN" /tmp/peer-trl
+    TRL_WORK=${TRL_WORK:-/tmp/peer-trl}  # TRL's output_dir (nothing is saved there)
+    rm -rf "$RUN" "$TRL_WORK"
     P0=$(clock) P1=null T1=null T2=null
     # ACTORS policy engines (default 1: a group of 8 conversations of 32-token turns keeps one engine
     # far from busy, and each engine more is one more start-up beside the others)
@@ -184,8 +209,13 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     # PARLEY_STEPS (default STEPS): parley's steps, for a comparison at equal wall time (TRL runs STEPS)
     EXTRA=()
     for kv in ${PARLEY_SETS:-}; do EXTRA+=(--set "$kv"); done
-    step up_peer "$PARLEY_S" python3 -m parley.deploy.cli up --config deploy/configs/gpu-1.toml --env hidden_goal \
-        --no-live --run-dir "$RUN" --steps "${PARLEY_STEPS:-$STEPS}" "${HG[@]}" --set "up.actors=${ACTORS:-1}" ${EXTRA[@]+"${EXTRA[@]}"}
+    if [ "${PARLEY:-1}" = 0 ]; then  # PARLEY=0: TRL alone (the 4B shape: one side a call, part TT4)
+        echo "[gpu_run] up_peer: skipped, PARLEY=0" | tee "$OUT/up_peer.log"
+        P0=null
+    else
+        step up_peer "$PARLEY_S" python3 -m parley.deploy.cli up --config "$CONFIG" --env "$ENV_NAME" \
+            --no-live --run-dir "$RUN" --steps "${PARLEY_STEPS:-$STEPS}" "${RECIPE[@]}" --set "up.actors=${ACTORS:-1}" ${EXTRA[@]+"${EXTRA[@]}"}
+    fi
     P1=$(clock)
     cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
     cp "$RUN/eval/history.jsonl" "$OUT/eval_history.jsonl" 2>/dev/null
@@ -197,7 +227,7 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     # the engine's init took 9 s of the actor's 70 s to ready, and the log kept nothing of the rest)
     ACTOR_PAT='stored in|now serving|loaded in [0-9]|admitted at version|recompile|stopped after|turn cut after|simulator call cut after|Model loading took|torch.compile took|Graph capturing finished|init engine \(profile|warmup run took'
     { sed -n '1,/Model loading took/p' "$RUN"/logs/actor-0.log | head -n 150 | grep -v -E "$ACTOR_PAT"
-      grep -h -E "$ACTOR_PAT" "$RUN"/logs/actor-*.log; } >"$OUT/parley_actor.log" 2>/dev/null
+      grep -H -E "$ACTOR_PAT" "$RUN"/logs/actor-*.log; } >"$OUT/parley_actor.log" 2>/dev/null  # -H: each actor's count
     grep -h -i 'recompile' "$RUN"/logs/learner.log | head -n 5 >>"$OUT/parley_steps.log" 2>/dev/null
     LEFT=$((LIMIT_S - (SECONDS - T0) - 10))
     T1=$(clock)
@@ -205,8 +235,13 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     if [ "${TRL:-1}" = 0 ]; then  # TRL=0: parley alone (compare with an earlier call's TRL: --trl-out)
         echo "[gpu_run] peer_trl: skipped, TRL=0" | tee "$OUT/peer_trl.log"
     elif [ "$LEFT" -ge 60 ]; then
-        step peer_trl "$LEFT" python3 bench/peer_trl.py --config deploy/configs/gpu-1.toml --env hidden_goal \
-            "${HG[@]}" --steps "$STEPS" --work /tmp/peer-trl --json "$OUT/peer_trl.json"
+        # `parley up --config` leaves the environment's preset out, peer_trl.py lays it under its sets unless
+        # --env '': HG repeats hidden_goal's, other configs (the 4B shape) stand as written for both
+        TRL_ENV=$ENV_NAME
+        [ "$CONFIG" = deploy/configs/gpu-1.toml ] || TRL_ENV=
+        # shellcheck disable=SC2086  # TRL_OPTS: words
+        step peer_trl "$LEFT" python3 bench/peer_trl.py --config "$CONFIG" --env "$TRL_ENV" \
+            "${RECIPE[@]}" --steps "$STEPS" $TRL_OPTS --work "$TRL_WORK" --json "$OUT/peer_trl.json"
     else
         echo "[gpu_run] peer_trl: skipped, ${LEFT} s left of LIMIT_S=$LIMIT_S" | tee "$OUT/peer_trl.log"
     fi
@@ -323,6 +358,47 @@ PS)
         echo "[gpu_run] PS: seed $S ended at ${SECONDS} s ($NAME.tgz)"
     done
     ;;
+TT)
+    # issue 56 item 4, the headline: time from launch to a target held-out reward, parley then TRL back
+    # to back on this GPU, ONE seed a call (SEED, default 0), so that a 30-minute lease runs a few and
+    # seeds from other calls, sessions and machines add up (each pair within its own machine).
+    # Part P with: TRL at its best (bf16 weights, vLLM sleep mode: TRL_DTYPE, TRL_SLEEP, TRL_ARGS),
+    # a held-out eval every EVAL_EVERY=5 versions (the time's resolution), TRL STEPS=40, parley
+    # PARLEY_STEPS=60 (each runs past the target: the reward at the other's end is read too), parley's
+    # best settings on record as PARLEY_SETS (the 2026-12-05 22:59 row of docs/gpu.md), all within
+    # LIMIT_S=500 (parley PARLEY_S=230 of it). Leaves $OUT/p_s<SEED>.tgz; then, over every seed's file:
+    #     python bench/peer_compare.py --target --over p_s0.tgz p_s1.tgz ... --json time_to_target.json
+    SEED=${SEED:-0}
+    NAME=p_s$SEED
+    [ -e "$OUT/$NAME.tgz" ] && NAME=p_s${SEED}_$SECONDS
+    OUT="$OUT/$NAME" SEED=$SEED STEPS=${STEPS:-40} PARLEY_STEPS=${PARLEY_STEPS:-60} EVAL_EVERY=${EVAL_EVERY:-5} \
+        LIMIT_S=${LIMIT_S:-500} PARLEY_S=${PARLEY_S:-230} \
+        PARLEY_SETS=${PARLEY_SETS-learner.oversample_groups=2 learner.group_order=\"freshest\" learner.behaviour_correction=\"clip\" weights.max_buffers=6 weights.hold_s=1.0} \
+        bash "$0" P | grep -E '^\[gpu_run\]|Traceback'
+    tar czf "$OUT/$NAME.tgz" -C "$OUT/$NAME" . && rm -rf "${OUT:?}/$NAME"
+    python3 bench/peer_compare.py --target --over "$OUT/$NAME.tgz" 2>&1 | tail -n 4
+    echo "[gpu_run] TT: seed $SEED ended at ${SECONDS} s ($NAME.tgz)"
+    ;;
+TT4)
+    # issue 56 item 4 at the 4B shape (gpu-1-4b.toml, random_words, random Qwen3-4B weights, lr 2.5e-4,
+    # target low_share 0.55): a side does not fit beside the other in one 10-minute call, so ONE side a
+    # call, SIDE=parley or SIDE=trl, the two of a seed on one warm machine (peer_compare.py refuses a pair
+    # from two GPUs). TRL: bf16 weights, sleep mode, 4 conversations a forward (TRL_ARGS), gradient
+    # checkpointing as the config has it. Leaves $OUT/p4_<SIDE>_s<SEED>.tgz; then
+    #     python bench/peer_compare.py --target --over p4_parley_s0.tgz=p4_trl_s0.tgz ...
+    SEED=${SEED:-0}
+    SIDE=${SIDE:-trl}
+    NAME=p4_${SIDE}_s$SEED
+    [ -e "$OUT/$NAME.tgz" ] && NAME=p4_${SIDE}_s${SEED}_$SECONDS
+    if [ "$SIDE" = parley ]; then ONLY=(TRL=0 PARLEY=1); else ONLY=(TRL=1 PARLEY=0); fi
+    # env's arguments are words: each value quoted
+    env "${ONLY[@]}" OUT="$OUT/$NAME" SEED="$SEED" CONFIG=deploy/configs/gpu-1-4b.toml ENV_NAME=random_words \
+        STEPS="${STEPS:-20}" PARLEY_STEPS="${PARLEY_STEPS:-${STEPS:-20}}" EVAL_EVERY="${EVAL_EVERY:-5}" \
+        LIMIT_S="${LIMIT_S:-540}" PARLEY_S="${PARLEY_S:-500}" TRL_ARGS="${TRL_ARGS:---micro-batch 4}" \
+        PARLEY_SETS="${PARLEY_SETS:-}" bash "$0" P | grep -E '^\[gpu_run\]|Traceback'
+    tar czf "$OUT/$NAME.tgz" -C "$OUT/$NAME" . && rm -rf "${OUT:?}/$NAME"
+    echo "[gpu_run] TT4: $SIDE seed $SEED ended at ${SECONDS} s ($NAME.tgz)"
+    ;;
 M)
     # issue 26 item 1: does the image offer CUDA MPS, and does part PS (or MPS_PART) run faster under it?
     # Without MPS the GPU time-slices the processes' kernels: the actor's decode steps wait while the
@@ -339,7 +415,7 @@ M)
     PARLEY_SETS="${PARLEY_SETS:-} up.gpu_share=\"mps\"" bash "$0" "${MPS_PART:-PS}"
     ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|W1|W2|W3|W4|W5|L|LI|K|M" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|TT|TT4|W1|W2|W3|W4|W5|L|LI|K|M" >&2
     exit 2
     ;;
 esac

@@ -111,6 +111,39 @@ _READY = re.compile(r"^ready after ([0-9.]+) s: (.+)$")
 _ALL_READY = re.compile(r"^all roles ready in ([0-9.]+) s$")
 
 
+# an actor's line for each task it played (actors.actor), its running count of sampled assistant tokens;
+# part P greps the actors' logs with their names (`actor-0.log:...`) since issue 56, older files without
+_GENERATED = re.compile(
+    r"^(?:([^\s:]+):)?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?task \S+: \d+ samples stored in "
+    r"[0-9.]+s \((\d+) assistant tokens generated so far\)"
+)
+
+
+def generated_series(lines: list[str], start_local: str) -> list[tuple[float, int]]:
+    """[(seconds since launch, assistant tokens all actors had sampled by then)], one point per played
+    task, from the actors' task lines: every group played counts, trained, dropped as stale or cut."""
+    t0 = local_time(start_local)
+    events = []
+    for line in lines:
+        m = _GENERATED.match(line)
+        if m:
+            events.append(((local_time(m.group(2)) - t0).total_seconds(), m.group(1) or "", int(m.group(3))))
+    latest_of: dict[str, int] = {}
+    out = []
+    for t, actor, count in sorted(events):
+        latest_of[actor] = max(count, latest_of.get(actor, 0))
+        out.append((round(t, 3), sum(latest_of.values())))
+    return out
+
+
+def tokens_by(series: list[tuple[float, int]], t: float | None) -> int | None:
+    """The series' count at time `t` (0 before its first point); None without a series or a time."""
+    if not series or t is None:
+        return None
+    done = [n for s, n in series if s <= t]
+    return done[-1] if done else 0
+
+
 def _median(xs: list[float]) -> float | None:
     xs = sorted(x for x in xs if x is not None)
     if not xs:
@@ -175,7 +208,7 @@ TIMED_BY = (
 )  # parley's step ends: as its learner recorded them, or its log lines (before 2026-12-05 evening)
 
 
-def parley_side(out: Path, clock: dict, timed_by: str = "recorded") -> dict:
+def parley_side(out: Path, clock: dict, timed_by: str = "recorded", metric: str = METRIC) -> dict:
     metrics = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl")}
     # the learner's log lines, overridden by its recorded step ends (a run from before metrics carried
     # them keeps its lines); timed_by "log": the lines alone, how this file timed parley before 2026-12-05 evening
@@ -198,7 +231,7 @@ def parley_side(out: Path, clock: dict, timed_by: str = "recorded") -> dict:
     evals = [
         {
             **{k: e[k] for k in ("version", "step", "n", "seconds") if k in e},
-            METRIC: e[METRIC],
+            metric: e[metric],
             "t_result": e["created"] - clock["parley_start"],
             "t_version": times.get(e["version"], 0.0),
         }
@@ -210,6 +243,10 @@ def parley_side(out: Path, clock: dict, timed_by: str = "recorded") -> dict:
     return {
         "steps": steps,
         "evals": evals,
+        # every assistant token its actors sampled, by time since launch (dropped and stale groups too)
+        "generated": generated_series(
+            actor_log.read_text().splitlines() if actor_log.exists() else [], clock["parley_start_local"]
+        ),
         "total_s": clock["parley_end"] - clock["parley_start"],
         "breakdown": breakdown,
         "startup": startup(up_log.read_text(errors="replace").splitlines() if up_log.exists() else []),
@@ -261,7 +298,7 @@ def signal_tokens(step: dict, n: int) -> float:
     return step["trained_tokens"] * (1 - step.get("flat_groups", 0) / groups)
 
 
-def trl_side(peer: dict, launched: float) -> dict:
+def trl_side(peer: dict, launched: float, metric: str = METRIC) -> dict:
     n = peer["recipe"]["n"]
     steps = [
         {
@@ -278,7 +315,7 @@ def trl_side(peer: dict, launched: float) -> dict:
             "version": e["version"],
             "n": e["n"],
             "seconds": e["seconds"],
-            METRIC: e[METRIC],
+            metric: e[metric],
             "t_result": e["t_end"] - launched,
             "t_version": ends.get(e["version"], 0.0),
         }
@@ -290,7 +327,22 @@ def trl_side(peer: dict, launched: float) -> dict:
     eval_s = sum(e["seconds"] for e in peer["evals"] if numbers and min(numbers) <= e["version"] < max(numbers))
     # a run cut by its time limit has no end time: its last record is the end
     end = peer.get("ended_at") or max([s["t_end"] for s in peer["steps"]] + [e["t_end"] for e in peer["evals"]])
-    return {"steps": steps, "evals": evals, "inline_eval_s": round(eval_s, 2), "total_s": end - launched}
+    # its rollouts' sampled tokens by the end of each step (peer_trl.py records them since issue 56; a
+    # synchronous trainer discards none); [] for an older record
+    generated, total = [], 0
+    for s in sorted(peer["steps"], key=lambda s: s["t_end"]):
+        if "generated_tokens" not in s:
+            generated = []
+            break
+        total += s["generated_tokens"]
+        generated.append((s["t_end"] - launched, total))
+    return {
+        "steps": steps,
+        "evals": evals,
+        "generated": generated,
+        "inline_eval_s": round(eval_s, 2),
+        "total_s": end - launched,
+    }
 
 
 def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") -> dict:
@@ -306,6 +358,7 @@ def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") 
             f"{out} ran seed {clock.get('seed', 0)} but its TRL side {trl_out} ran seed "
             f"{trl_clock.get('seed', 0)}: pair each parley call with TRL's call at the same SEED"
         )
+    same_card(clock, trl_clock, out, trl_out)
     parley, trl = parley_side(out, clock, timed_by), trl_side(peer, trl_clock["trl_start"])
     ps, ts = steady(parley["steps"]), steady(trl["steps"])
     # TRL's eval runs between its steps; without it its steady state would be this much shorter
@@ -622,6 +675,265 @@ def render_seeds(res: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- time to target (issue 56 item 4): the headline --------------------------------------------
+
+# the held-out column each environment is judged by, and issue 56's target reward on it
+ENV_METRIC = {"hidden_goal": "goal_match", "random_words": "low_share"}
+TARGETS = {"goal_match": 0.8, "low_share": 0.55}
+GOAL_TIME_RATIO = 0.67  # issue 56: parley's time to target at most 0.67x TRL's (1.5x faster)
+MIN_PAIRS = 5  # issue 56: the median over at least 5 paired seeds
+
+
+def same_card(clock: dict, trl_clock: dict, out: Path, trl_out: Path | None, *, strict: bool = False) -> None:
+    """A pair is compared only within one machine: TRL's side from another call must have run on the
+    same GPU (p_clock.json's gpu_uuid, recorded by part P since issue 56). ValueError when the two
+    differ, or, `strict` (time to target), when either call recorded none."""
+    if trl_out is None or trl_out == out:
+        return
+    a, b = clock.get("gpu_uuid"), trl_clock.get("gpu_uuid")
+    if a and b and a != b:
+        raise ValueError(
+            f"{out} ran on GPU {a} ({clock.get('gpu_name', '?')}) but its TRL side {trl_out} on {b} "
+            f"({trl_clock.get('gpu_name', '?')}): a pair is compared only within one machine; pair each with "
+            "a call of its own machine"
+        )
+    if strict and not (a and b):
+        raise ValueError(
+            f"{out} and its TRL side {trl_out} are separate calls and {'neither' if not (a or b) else 'one'} "
+            "recorded its GPU (p_clock.json gpu_uuid): pair a call only with TRL from its own call, or rerun "
+            "with this part P"
+        )
+
+
+def unpack(path: Path) -> Path:
+    """A run folder, or part PS's packed seed (p_s<SEED>.tgz) unpacked into a folder of its own."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    if not path.is_file() or not path.name.endswith((".tgz", ".tar.gz")):
+        raise ValueError(f"{path}: neither a run folder nor a packed seed (.tgz) of bench/gpu_run.sh PS")
+    import tarfile
+    import tempfile
+
+    dest = Path(tempfile.mkdtemp(prefix=f"peer_{path.name.split('.')[0]}_"))
+    with tarfile.open(path) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+def time_to_target(evals: list[dict], target: float, metric: str) -> dict | None:
+    """The first held-out result, in the order they came in, at or above `target`: {t_s (since
+    launch), version, metric}; None when no result reached it."""
+    for e in sorted(evals, key=lambda e: e["t_result"]):
+        if e[metric] >= target:
+            return {"t_s": round(e["t_result"], 1), "version": e["version"], metric: e[metric]}
+    return None
+
+
+def reward_at(evals: list[dict], t: float, metric: str) -> float | None:
+    """The latest held-out result in by `t` (seconds since launch), or None."""
+    e = latest(evals, t)
+    return None if e is None else e[metric]
+
+
+def target_side(side: dict, target: float, metric: str, gpus: int = 1) -> dict:
+    """One side of a pair: time to target from launch, its end (its last held-out result) and the
+    result there, GPU-seconds and sampled tokens to target (all played groups: parley's dropped and
+    stale ones too), trained tokens/s from the end of step 1 as a secondary figure."""
+    evals = sorted(side["evals"], key=lambda e: e["t_result"])
+    hit = time_to_target(evals, target, metric)
+    t = hit["t_s"] if hit else None
+    end = evals[-1] if evals else None
+    end_s = round(end["t_result"], 1) if end else None
+    st = steady(side["steps"]) if len(side["steps"]) >= 2 else None
+    return {
+        "time_to_target_s": t,
+        "target_version": hit["version"] if hit else None,
+        "end_s": end_s,
+        "at_end": end[metric] if end else None,
+        "end_version": end["version"] if end else None,
+        "gpus": gpus,
+        "gpu_s_to_target": None if t is None else round(t * gpus, 1),
+        "generated_tokens_to_target": tokens_by(side.get("generated", []), t),
+        "generated_tokens_to_end": tokens_by(side.get("generated", []), end_s),
+        "trained_tokens_per_s": st["trained_tokens_per_s"] if st else None,
+        "launch_to_step1_s": st["first_step_end_s"] if st else None,
+        "evals": [[round(e["t_result"], 1), e["version"], e[metric]] for e in evals],
+    }
+
+
+def reached(p: float | None, q: float | None) -> str:
+    return {(True, True): "both", (True, False): "parley", (False, True): "trl", (False, False): "neither"}[
+        (p is not None, q is not None)
+    ]
+
+
+def target_pair(out: Path, trl_out: Path | None, target: float | None, timed_by: str = "recorded") -> dict:
+    """One seed's pair, parley from `out` and TRL from `trl_out` (default: the same call), read from
+    launch: each one's time to `target` (default: TARGETS for the environment's metric), the held-out
+    result each had at the other's end, GPU-seconds and sampled tokens to target."""
+    clock = json.loads((out / "p_clock.json").read_text())
+    trl_dir = trl_out or out
+    peer = json.loads((trl_dir / "peer_trl.json").read_text())
+    trl_clock = json.loads((trl_dir / "p_clock.json").read_text())
+    if trl_out is not None and trl_clock.get("seed", 0) != clock.get("seed", 0):
+        raise ValueError(
+            f"{out} ran seed {clock.get('seed', 0)} but its TRL side {trl_out} ran seed {trl_clock.get('seed', 0)}"
+        )
+    same_card(clock, trl_clock, out, trl_out, strict=True)
+    metric = ENV_METRIC.get(peer["recipe"].get("env"), METRIC)
+    target = TARGETS.get(metric) if target is None else target
+    if target is None:
+        raise ValueError(f"no target for {metric}: give --target")
+    parley = parley_side(out, clock, timed_by, metric)
+    trl = trl_side(peer, trl_clock["trl_start"], metric)
+    p = target_side(parley, target, metric, clock.get("gpus", 1))
+    q = target_side(trl, target, metric, trl_clock.get("gpus", 1))
+    how = reached(p["time_to_target_s"], q["time_to_target_s"])
+    p_at_q_end = None if q["end_s"] is None else reward_at(parley["evals"], q["end_s"], metric)
+    q_at_p_end = None if p["end_s"] is None else reward_at(trl["evals"], p["end_s"], metric)
+    return {
+        "out": str(out),
+        "trl_out": str(trl_dir),
+        "same_call": trl_out is None or trl_out == out,
+        "seed": clock.get("seed", 0),
+        "card": {"name": clock.get("gpu_name") or peer.get("device", ""), "uuid": clock.get("gpu_uuid")},
+        "parley_launched": clock.get("parley_start_local", ""),
+        "parley_sets": clock.get("parley_sets", ""),
+        "trl_options": clock.get("trl_options", ""),
+        "metric": metric,
+        "target": target,
+        "reached": how,
+        "ratio": round(p["time_to_target_s"] / q["time_to_target_s"], 4) if how == "both" else None,
+        "parley": p,
+        "trl": q,
+        "parley_at_trls_end": p_at_q_end,
+        "difference_at_trls_end": None
+        if p_at_q_end is None or q["at_end"] is None
+        else round(p_at_q_end - q["at_end"], 4),
+        "trl_at_parleys_end": q_at_p_end,
+    }
+
+
+def median(xs: list[float]) -> float | None:
+    """The median (the mean of the middle two for an even count; inf allowed), None for no values."""
+    xs = sorted(xs)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or x == float("inf") else round(x, 4)
+
+
+def target_stats(rows: list[dict]) -> dict:
+    """The headline over paired seeds, from each row's `reached`, `ratio` (parley / TRL time to target
+    when both reached it), `difference_at_trls_end` and both times: a seed where only parley reached
+    the target counts as ratio 0 (parley the faster, by any margin), one where only TRL did as
+    infinite, one where neither did is left out (the target says nothing there). The goal: at least
+    MIN_PAIRS seeds counted, median ratio <= GOAL_TIME_RATIO, median held-out difference at TRL's end
+    >= 0 (over the seeds that have one)."""
+    ranked = {"both": None, "parley": 0.0, "trl": float("inf")}
+    counted = [r for r in rows if r["reached"] != "neither"]
+    ratios = [r["ratio"] if r["reached"] == "both" else ranked[r["reached"]] for r in counted]
+    inf = float("inf")
+    p_times = [inf if r["parley"]["time_to_target_s"] is None else r["parley"]["time_to_target_s"] for r in rows]
+    q_times = [inf if r["trl"]["time_to_target_s"] is None else r["trl"]["time_to_target_s"] for r in rows]
+    diffs = [r["difference_at_trls_end"] for r in rows if r["difference_at_trls_end"] is not None]
+    m_ratio, m_diff = median(ratios), median(diffs)
+    return {
+        "seeds": len(rows),
+        "seeds_counted": len(counted),
+        "reached": {k: sum(r["reached"] == k for r in rows) for k in ("both", "parley", "trl", "neither")},
+        "median_ratio": _finite(m_ratio),
+        "median_ratio_is_infinite": m_ratio == inf,
+        "median_parley_time_to_target_s": _finite(median(p_times)),
+        "median_trl_time_to_target_s": _finite(median(q_times)),
+        "median_difference_at_trls_end": _finite(m_diff),
+        "goal_met": len(counted) >= MIN_PAIRS
+        and m_ratio is not None
+        and m_ratio <= GOAL_TIME_RATIO
+        and m_diff is not None
+        and m_diff >= 0,
+    }
+
+
+def over_targets(outs: list[Path | tuple[Path, Path]], target: float | None, timed_by: str = "recorded") -> dict:
+    """Paired seeds from any number of calls and sessions (folders or part PS's .tgz files): one row a
+    seed (target_pair), then target_stats. Pairs differ in machine, never within one."""
+    rows = []
+    for item in outs:
+        out, trl_out = item if isinstance(item, tuple) else (item, None)
+        out = unpack(out)
+        rows.append(target_pair(out, None if trl_out is None else unpack(trl_out), target, timed_by))
+    metrics = {(r["metric"], r["target"]) for r in rows}
+    if len(metrics) > 1:
+        raise ValueError(f"the seeds were read by different metrics or targets {sorted(metrics)}: one table each")
+    seeds = [r["seed"] for r in rows]
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"seed(s) {sorted({s for s in seeds if seeds.count(s) > 1})} given twice: one pair a seed")
+    metric, tgt = metrics.pop() if metrics else (METRIC, target)
+    return {
+        "question": f"wall time from launch to held-out {metric} >= {tgt}, parley against TRL, paired by seed",
+        "metric": metric,
+        "target": tgt,
+        "goal": f"median over >= {MIN_PAIRS} paired seeds of parley / TRL time to target <= {GOAL_TIME_RATIO}, "
+        f"and held-out {metric} at TRL's end >= TRL's (median paired difference >= 0)",
+        "pairs": rows,
+        **target_stats(rows),
+    }
+
+
+def _t(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def _r(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _n(x: int | None) -> str:
+    return "-" if x is None else f"{x:,}"
+
+
+def render_targets(res: dict) -> str:
+    m = res["metric"]
+    lines = [
+        f"time from launch to held-out {m} >= {res['target']} (s), parley / TRL, paired by seed; each pair on one GPU",
+        "",
+        f"| seed | card | to target s parley / TRL | ratio | {m} at TRL's end parley / TRL | at parley's end "
+        "parley / TRL | GPU-s to target | sampled tokens to target (parley: all played) | trained tokens/s | "
+        "launch to step 1 s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["pairs"]:
+        p, q = r["parley"], r["trl"]
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else f"- ({r['reached']} reached)"
+        lines.append(
+            f"| {r['seed']} | {r['card']['name'] or '?'} | {_t(p['time_to_target_s'])} / {_t(q['time_to_target_s'])} | "
+            f"{ratio} | {_r(r['parley_at_trls_end'])} / {_r(q['at_end'])} | {_r(p['at_end'])} / "
+            f"{_r(r['trl_at_parleys_end'])} | {_t(p['gpu_s_to_target'])} / {_t(q['gpu_s_to_target'])} | "
+            f"{_n(p['generated_tokens_to_target'])} / {_n(q['generated_tokens_to_target'])} | "
+            f"{_t(p['trained_tokens_per_s'])} / {_t(q['trained_tokens_per_s'])} | "
+            f"{_t(p['launch_to_step1_s'])} / {_t(q['launch_to_step1_s'])} |"
+        )
+    ratio = "inf" if res["median_ratio_is_infinite"] else _r(res["median_ratio"])
+    lines += [
+        "",
+        f"median over {res['seeds_counted']} of {res['seeds']} seeds (reached by both {res['reached']['both']}, "
+        f"parley only {res['reached']['parley']}, TRL only {res['reached']['trl']}, neither "
+        f"{res['reached']['neither']}): parley / TRL time to target {ratio} (goal <= {GOAL_TIME_RATIO}); "
+        f"median time parley {_t(res['median_parley_time_to_target_s'])} s, TRL "
+        f"{_t(res['median_trl_time_to_target_s'])} s; {m} at TRL's end, parley - TRL "
+        f"{'-' if res['median_difference_at_trls_end'] is None else format(res['median_difference_at_trls_end'], '+.3f')}"
+        f"; goal met: {res['goal_met']}"
+        + ("" if res["seeds_counted"] >= MIN_PAIRS else f" (fewer than {MIN_PAIRS} seeds counted)"),
+    ]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
@@ -654,7 +966,35 @@ def main(argv=None) -> int:
         "default), or its log lines, which come after the last step's checkpoint (how this "
         "script timed parley before 2026-12-05 evening, for the old figures)",
     )
+    p.add_argument(
+        "--target",
+        type=float,
+        nargs="?",
+        const=-1.0,
+        default=None,
+        help="the headline of issue 56: time from launch to this held-out reward, paired by seed (--target alone: "
+        f"the environment's, {TARGETS}); OUT may be a folder or part PS's p_s<SEED>.tgz",
+    )
     args = p.parse_args(argv)
+    if args.target is not None:
+        target = None if args.target == -1.0 else args.target
+        if args.trl_out and args.over:
+            p.error("--trl-out goes with --out (one parley call against another call's TRL)")
+        if args.over:
+            pairs = [o.partition("=") for o in args.over]
+            items = [(Path(out), Path(trl)) if trl else Path(out) for out, _, trl in pairs]
+        else:
+            items = [(args.out, args.trl_out) if args.trl_out else args.out]
+        try:
+            res = over_targets(items, target, args.timed_by)
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            p.error(f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
+        print(render_targets(res))
+        if args.json != p.get_default("json") or args.out:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"date": args.date, **res} if args.date else res, indent=1) + "\n")
+            print(f"wrote {args.json}")
+        return 0
     if args.over:
         if args.trl_out:
             p.error("--trl-out goes with --out (one parley call against another call's TRL)")

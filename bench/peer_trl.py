@@ -3,6 +3,7 @@ group size, batch, token budget, learning rate and steps as a `parley up` run of
 
     python bench/peer_trl.py --config deploy/configs/gpu-1.toml --steps 60 --json OUT/peer_trl.json
     python bench/peer_trl.py --dry-run       # the resolved recipe, the TRL config and the settings table
+    python bench/peer_trl.py --trainer async --dry-run   # why TRL's AsyncGRPOTrainer does not run here
     python bench/peer_trl.py --model tiny --steps 2 --eval-every 1 --no-vllm --json /tmp/p.json  # a CPU smoke run
 
 The recipe is read from a parley run config (`--config`, `--set` as `parley up` takes them; defaults:
@@ -21,6 +22,32 @@ items in the same order, same task ids and seeds); the held-out items are parley
 (environment train_eval over [data]) cut to [learner] eval_items, played as `parley eval --follow`
 plays them (evaluation.runner.make_tasks: one conversation per item, seed 0, the actor's sampling).
 TRL's held-out eval runs inline between steps on the same engine; parley's runs beside training.
+
+TRL at its own best on one GPU (issue 56 item 4), from TRL 1.16.0's GRPOConfig (the release staged to
+the device, bench/gpu_stage/README.md): bf16 weights (model_init_kwargs dtype; GRPOTrainer loads float32
+without it; --trl-dtype float32 for that default), vLLM colocated with sleep mode (weights and KV
+handed back at level 2 after each generation and woken with the trainer's weights before the next;
+TRL wakes only the weights before a rollout_func, so ColocatedEngine.wake wakes the KV), TRL's
+vllm_gpu_memory_utilization default 0.3. Padding-free is not in that release's GRPOTrainer
+(padding_free is SFT's and DPO's), so TRL's default stands: SDPA over padded rows. The loss is
+parley's: the rows below say where a setting differs and why.
+
+TRL's asynchronous trainer: TRL 1.16 has one, trl.experimental.async_grpo.AsyncGRPOTrainer
+(generation on a separate `vllm serve` process, lag up to max_staleness, tree-packed training rows;
+its loss is the clipped ratio against vLLM's log-probs, parley's behaviour_correction = "clip").
+`--trainer async` prints why it does not run here (async_blockers): its attention kernel comes from
+the Hugging Face Hub at run time (kernels-community/flash-attn3), which the device cannot reach and no
+package registry carries; its weight sync is an NCCL group with the server, which needs a second GPU;
+and parley's multi-turn conversations would need a rollout worker of our own against its server.
+
+The 4B shape (deploy/configs/gpu-1-4b.toml on random_words): Qwen3-4B has 4.02B parameters. TRL full
+fine-tuning in bf16 holds weights, gradients and AdamW's two states in bf16 (8 B a parameter, 30 GiB)
+plus a micro-batch's activations (gradient checkpointing on, as the config has it; --micro-batch 4,
+parley's 8,192-token micro-batches; a forward over the whole step's 32 padded conversations would
+hold 17.6 GB of bf16 logits alone) and, woken, the engine's bf16 copy (7.5 GiB) and its KV: by this
+count it fits on an 80 GB H100 with sleep mode (not yet run). TRL's default float32 weights hold 16 B a parameter (60 GiB) before the
+engine and activations: not on an 80 GB card; LoRA on both sides (peft's LoraConfig as peft_config,
+parley's [learner.lora]) is the setting that would.
 
 Settings side by side at the defaults (settings_rows(); also in the output JSON under "settings"):
 
@@ -44,10 +71,13 @@ Settings side by side at the defaults (settings_rows(); also in the output JSON 
 | reward | goal_match - 0.05 assistant_turns (parley's scorer) | the same values (reward function = parley's total) | yes |
 | group with equal rewards | skipped: not a step | trained with advantage 0: a step | no |
 | policy lag | async: groups up to max_staleness = 1 versions old (older: drop) | synchronous: every group from the current weights | no |
-| precision, kernels | dtype = bfloat16, DeepSpeed ZeRO-2, compile = layers, attention = varlen (packed rows) | fp32 weights + bf16 autocast, SDPA over padded rows | no |
-| gradient checkpointing | false | gradient_checkpointing = false | yes |
+| weights, optimizer precision | dtype = bfloat16, DeepSpeed ZeRO-2: bf16 weights, fp32 master weights and Adam state | model_init_kwargs dtype = bfloat16, bf16 = true: AdamW on the bf16 weights, no fp32 master (TRL's default without a dtype: float32 weights under bf16 autocast) | no: TRL's best on the GPU has no fp32 master |
+| attention, kernels | attention = varlen (packed rows, no padding), compile = layers | SDPA over padded rows (transformers' default): TRL 1.16's GRPOTrainer has no padding-free option (padding_free is SFTTrainer's and DPOTrainer's); flash kernels come from the Hub, not carried | no |
+| gradient checkpointing | false | gradient_checkpointing = false (TRL's default: true) | yes |
 | checkpoints | only after the last step, outside the timed steps | none (save_strategy = no) | yes (none while timed) |
-| engines | 2 actor vLLM engines and an eval engine (processes), cuda_ipc weights | one vLLM engine in the trainer's process, weights loaded each step | no |
+| engines | 2 actor vLLM engines and an eval engine (processes), cuda_ipc weights | one vLLM engine in the trainer's process (vllm_mode = colocate), weights loaded each step | no |
+| generation memory | each engine keeps its weights and KV while the learner steps (time-sliced GPU) | vllm_gpu_memory_utilization = 0.3 (TRL's default), vllm_enable_sleep_mode = true: weights and KV released (level 2) after each generation, woken for the next one with the trainer's weights | no |
+| trainer | parley's actors, scorer and learner over the bus | trl.GRPOTrainer (synchronous); TRL 1.16's AsyncGRPOTrainer is not run: peer_trl.async_blockers | no |
 
 Two things seen on CPU. TRL sums the reward in float32: a group of equal totals gets a standard
 deviation of float noise (~1e-8), not 0, so its advantages come out ~1e-4 rather than 0. With
@@ -78,8 +108,16 @@ DEFAULT_ENV = "hidden_goal"
 # TRL's loss_type for each parley loss_agg that TRL has: dapo normalizes by the trained tokens of the
 # accumulated batch, grpo averages each sequence's token mean
 TRL_LOSS_TYPE = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
-# a 135M policy on a 140 GiB GPU: weights 0.27 GiB, KV for 8 x 4096 tokens 0.7 GiB; 0.1 leaves vLLM 14 GiB
-GPU_MEMORY_UTILIZATION = 0.1
+# TRL's documented default for vllm_gpu_memory_utilization (GRPOConfig); with sleep mode the engine's
+# share is handed back for each optimizer step, so the default costs the trainer nothing
+GPU_MEMORY_UTILIZATION = 0.3
+# the weights TRL trains: bfloat16 (model_init_kwargs dtype; issue 56: TRL at its best on the GPU) or
+# float32, what GRPOTrainer loads when no dtype is given (then bf16 = true is autocast over fp32 weights)
+TRL_DTYPES = ("bfloat16", "float32")
+DEFAULT_TRL_DTYPE = "bfloat16"
+# "sync": trl.GRPOTrainer; "async": trl.experimental.async_grpo.AsyncGRPOTrainer (async_blockers: what
+# keeps it from running on the device)
+TRAINERS = ("sync", "async")
 
 
 # ---- the recipe: a parley run config ------------------------------------------------------------
@@ -149,9 +187,30 @@ def recipe_dict(cfg) -> dict[str, Any]:
 
 
 def trl_kwargs(
-    cfg, *, output_dir: str, vllm: bool = True, gpu: bool = True, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+    cfg,
+    *,
+    output_dir: str,
+    vllm: bool = True,
+    gpu: bool = True,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    dtype: str = DEFAULT_TRL_DTYPE,
+    sleep: bool = True,
+    micro_batch: int | None = None,
 ) -> dict[str, Any]:
-    """GRPOConfig's arguments for the run `cfg` describes (no TRL import: the unit test reads them)."""
+    """GRPOConfig's arguments for the run `cfg` describes (no TRL import: the unit test reads them).
+    `dtype`: the weights TRL trains (TRL_DTYPES); `sleep`: vLLM's sleep mode for the colocated engine
+    (its weights and KV handed back for each optimizer step; CUDA only); `micro_batch`: conversations a
+    forward (per_device_train_batch_size, the step's rest by gradient accumulation; default: the whole
+    step in one, as at the SmolLM2 shape; the 4B shape needs a few, as parley's micro_batch_tokens)."""
+    if dtype not in TRL_DTYPES:
+        raise ValueError(f"TRL dtype {dtype!r}: use one of {', '.join(TRL_DTYPES)}")
+    step = cfg.rollout.n * cfg.learner.groups_per_step
+    micro = micro_batch or step
+    if micro < 1 or step % micro:
+        raise ValueError(
+            f"micro batch {micro_batch}: must divide the step's {step} conversations "
+            f"(rollout.n x learner.groups_per_step); try {next(d for d in range(min(step, 4), 0, -1) if step % d == 0)}"
+        )
     lc, ro, sampling = cfg.learner, cfg.rollout, cfg.actor.sampling
     if lc.loss_agg not in TRL_LOSS_TYPE:
         raise ValueError(f"learner.loss_agg={lc.loss_agg!r} has no TRL loss_type; use one of {sorted(TRL_LOSS_TYPE)}")
@@ -161,8 +220,8 @@ def trl_kwargs(
         output_dir=output_dir,
         max_steps=lc.steps,
         seed=lc.seed,
-        per_device_train_batch_size=ro.n * lc.groups_per_step,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=step // micro,  # one generation of the step's groups, then its micro-batches
         num_generations=ro.n,
         max_completion_length=ro.max_tokens,
         shuffle_dataset=False,  # the dataset is already in the order parley's feeder issues the tasks
@@ -186,6 +245,9 @@ def trl_kwargs(
         importance_sampling_level="token",
         mask_truncated_completions=False,
         gradient_checkpointing=lc.gradient_checkpointing,
+        # GRPOTrainer loads a model path in float32 unless model_init_kwargs names a dtype; the CPU smoke
+        # run (no GPU) keeps float32, as its data path is what it checks
+        model_init_kwargs={"dtype": dtype if gpu else "float32"},
         bf16=gpu,
         use_cpu=not gpu,
         logging_steps=1,
@@ -199,6 +261,7 @@ def trl_kwargs(
         kw.update(
             vllm_mode="colocate",
             vllm_gpu_memory_utilization=gpu_memory_utilization,
+            vllm_enable_sleep_mode=sleep and gpu,
             vllm_max_model_length=cfg.actor.engine.max_model_len,
             # TRL's per-token correction from vLLM's log-probs to its own, capped: at parley's is_cap
             # when parley trains the same truncated weight (behaviour_correction = "truncated_is"),
@@ -224,6 +287,46 @@ def parley_correction(lc) -> tuple[str, str]:
         f"[1 - {lc.clip_low}, 1 + {lc.clip_high}] on exp(logp - logp_behaviour)",
         f"the clipped ratio above is against vLLM's log-probs; dual clip {lc.dual_clip} for A < 0",
     )
+
+
+# ---- TRL's asynchronous trainer -------------------------------------------------------------------
+
+# what AsyncGRPOTrainer's tree attention loads with kernels.get_kernel (trl/experimental/async_grpo/packing.py)
+ASYNC_KERNEL = "kernels-community/flash-attn3"
+
+
+def hub_cache() -> Path:
+    """Where huggingface_hub keeps downloaded repositories (its HF_HUB_CACHE / HF_HOME rules)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    return Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+
+
+def async_blockers(*, gpus: int, kernel_cached: bool) -> list[str]:
+    """Why TRL 1.16's AsyncGRPOTrainer (trl.experimental.async_grpo) cannot run this comparison here, one
+    reason a line; [] would mean it can. `gpus`: CUDA devices visible; `kernel_cached`: ASYNC_KERNEL in
+    the Hub cache (async_kernel_cached)."""
+    out = []
+    if not kernel_cached:
+        out.append(
+            f"its training attention (tree_fa3) is the Hub kernel {ASYNC_KERNEL}, fetched by kernels.get_kernel "
+            "at run time: the device reaches no network and the kernel is not a PyPI package, so it cannot be staged"
+        )
+    if gpus < 2:
+        out.append(
+            f"it sends weights to a separate `vllm serve` process over an NCCL group, and NCCL takes no two ranks "
+            f"on one GPU ({gpus} visible): it needs one GPU for the server and one for the trainer (a 2-GPU kind), "
+            "so its GPU-seconds are twice its wall time"
+        )
+    out.append(
+        "it plays rollouts through its own worker over the server's HTTP API (rollout_func is GRPOTrainer's "
+        "alone): parley's multi-turn conversations there need a RolloutWorkerProtocol of our own, not written"
+    )
+    return out
+
+
+def async_kernel_cached() -> bool:
+    return (hub_cache() / ("models--" + ASYNC_KERNEL.replace("/", "--"))).is_dir()
 
 
 def _correction_rows(lc, kw: dict[str, Any], row) -> list[dict[str, str]]:
@@ -263,10 +366,11 @@ def _correction_rows(lc, kw: dict[str, Any], row) -> list[dict[str, str]]:
     ]
 
 
-def settings_rows(cfg) -> list[dict[str, str]]:
-    """The loss and schedule settings of both systems, side by side (the docstring's table)."""
+def settings_rows(cfg, *, dtype: str = DEFAULT_TRL_DTYPE, sleep: bool = True) -> list[dict[str, str]]:
+    """The loss and schedule settings of both systems, side by side (the docstring's table), with TRL's
+    weights in `dtype` and its engine's sleep mode on or off (peer_trl.py's --trl-dtype, --no-sleep)."""
     lc, ro, s = cfg.learner, cfg.rollout, cfg.actor.sampling
-    kw = trl_kwargs(cfg, output_dir="-")
+    kw = trl_kwargs(cfg, output_dir="-", dtype=dtype, sleep=sleep)
     reward = weighted_sum(cfg.scorer.weights)
     sched = f"constant (warmup {lc.warmup_steps})"
 
@@ -278,7 +382,8 @@ def settings_rows(cfg) -> list[dict[str, str]]:
         row(
             "batch per optimizer step",
             f"groups_per_step = {lc.groups_per_step} group = {ro.n * lc.groups_per_step} conversations",
-            f"per_device_train_batch_size = {kw['per_device_train_batch_size']}, gradient_accumulation_steps = 1",
+            f"per_device_train_batch_size = {kw['per_device_train_batch_size']}, "
+            f"gradient_accumulation_steps = {kw['gradient_accumulation_steps']}",
             "yes",
         ),
         row(
@@ -351,16 +456,25 @@ def settings_rows(cfg) -> list[dict[str, str]]:
             "no" if lc.max_staleness else "yes",
         ),
         row(
-            "precision, kernels",
-            f"dtype = {lc.dtype}, DeepSpeed ZeRO-{lc.zero_stage}, compile = {lc.compile}, "
-            f"attention = {lc.attention} (packed rows)",
-            "fp32 weights + bf16 autocast, SDPA over padded rows",
+            "weights, optimizer precision",
+            f"dtype = {lc.dtype}, DeepSpeed ZeRO-{lc.zero_stage}: bf16 weights, fp32 master weights and Adam state",
+            f"model_init_kwargs dtype = {dtype}, bf16 = true: AdamW on the bf16 weights, no fp32 master "
+            "(TRL's default without a dtype: float32 weights under bf16 autocast)"
+            if dtype == "bfloat16"
+            else "model_init_kwargs dtype = float32 (TRL's default), bf16 = true: bf16 autocast over fp32 weights",
+            "no: TRL's best on the GPU has no fp32 master" if dtype == "bfloat16" else "no: autocast",
+        ),
+        row(
+            "attention, kernels",
+            f"attention = {lc.attention} (packed rows, no padding), compile = {lc.compile}",
+            "SDPA over padded rows (transformers' default): TRL 1.16's GRPOTrainer has no padding-free option "
+            "(padding_free is SFTTrainer's and DPOTrainer's); flash kernels come from the Hub, not carried",
             "no",
         ),
         row(
             "gradient checkpointing",
             str(lc.gradient_checkpointing).lower(),
-            f"gradient_checkpointing = {str(kw['gradient_checkpointing']).lower()}",
+            f"gradient_checkpointing = {str(kw['gradient_checkpointing']).lower()} (TRL's default: true)",
             "yes",
         ),
         row(
@@ -375,7 +489,25 @@ def settings_rows(cfg) -> list[dict[str, str]]:
         row(
             "engines",
             f"{cfg.up.actors} actor vLLM engines and an eval engine (processes), {cfg.weights.__struct_config__.tag} weights",
-            "one vLLM engine in the trainer's process, weights loaded each step",
+            "one vLLM engine in the trainer's process (vllm_mode = colocate), weights loaded each step",
+            "no",
+        ),
+        row(
+            "generation memory",
+            "each engine keeps its weights and KV while the learner steps (time-sliced GPU)",
+            f"vllm_gpu_memory_utilization = {kw['vllm_gpu_memory_utilization']} (TRL's default), "
+            + (
+                "vllm_enable_sleep_mode = true: weights and KV released (level 2) after each generation, "
+                "woken for the next one with the trainer's weights"
+                if sleep
+                else "vllm_enable_sleep_mode = false (TRL's default): the engine holds its share through the step"
+            ),
+            "no",
+        ),
+        row(
+            "trainer",
+            "parley's actors, scorer and learner over the bus",
+            "trl.GRPOTrainer (synchronous); TRL 1.16's AsyncGRPOTrainer is not run: peer_trl.async_blockers",
             "no",
         ),
     ]
@@ -505,11 +637,37 @@ class ColocatedEngine:
     sent as one llm.generate call once every live conversation waits on one (the programmatic user
     answers at once, so that is once per round of turns)."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, generation=None):
         self.llm = llm
+        # TRL's VLLMGeneration when its engine runs in sleep mode (vllm_enable_sleep_mode), else None
+        self.generation = generation if getattr(generation, "enable_sleep_mode", False) else None
+        self.kv_awake = False
         self.live = 0
         self.pending: list = []
         self.calls = 0
+
+    def wake(self) -> None:
+        """Before playing: in sleep mode, the engine's weights back (TRL's sync_weights wakes them and
+        loads the trainer's current ones, as TRL's own generate does after a level-2 sleep) and its KV
+        cache. TRL wakes only the weights before a rollout_func; the KV is this hook's to wake."""
+        gen = self.generation
+        if gen is None:
+            return
+        if gen._llm_weights_sleeping:
+            gen.sync_weights()
+        if not self.kv_awake:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.kv_awake = True
+
+    def sleep(self) -> None:
+        """After a training rollout: in sleep mode, weights and KV handed back for the optimizer step
+        (level 2, as TRL's generate does; the next wake reloads the trainer's weights)."""
+        gen = self.generation
+        if gen is None:
+            return
+        self.llm.sleep(level=2)
+        gen._llm_weights_sleeping = True
+        self.kv_awake = False
 
     async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, seed, stop_token_ids):
         fut = asyncio.get_running_loop().create_future()
@@ -680,11 +838,13 @@ class Player:
                 ]
             )
 
+        engine.wake()
         return asyncio.run(main())
 
     def rollout(self, prompts: list[str], trainer, engine) -> dict[str, list]:
         t0 = time.time()
         trajs = self.play(engine, group_samples(prompts), self.train_policy, trainer.state.global_step)
+        engine.sleep()  # the optimizer step comes next
         gen_s = time.time() - t0
         terms = [reward_terms(self.cfg, self.env, t) for t in trajs]
         samples = [trl_sample(t) for t in trajs]
@@ -699,6 +859,8 @@ class Player:
                 "score_s": round(time.time() - t0 - gen_s, 4),
                 "conversations": len(trajs),
                 "trained_tokens": sum(sum(s["env_mask"]) for s in samples),
+                # every token the engine sampled (parley's actor counts the same: traj.assistant_tokens)
+                "generated_tokens": sum(t.assistant_tokens for t in trajs),
                 "tokens": sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
                 "reward_mean": sum(totals) / len(totals),
                 "flat_groups": sum(len(set(totals[i : i + n])) == 1 for i in range(0, len(totals), n)),
@@ -775,7 +937,14 @@ def train(cfg, args) -> Record:
     gpu = torch.cuda.is_available()
     vllm = not args.no_vllm
     kwargs = trl_kwargs(
-        cfg, output_dir=str(args.work), vllm=vllm, gpu=gpu, gpu_memory_utilization=args.gpu_memory_utilization
+        cfg,
+        output_dir=str(args.work),
+        vllm=vllm,
+        gpu=gpu,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.trl_dtype,
+        sleep=not args.no_sleep,
+        micro_batch=args.micro_batch,
     )
     versions = {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
     if vllm:
@@ -790,8 +959,9 @@ def train(cfg, args) -> Record:
         "model_path": str(path),
         "engine": "vllm" if vllm else "hf",
         "recipe": recipe_dict(cfg),
+        "trainer": "sync",
         "trl_config": kwargs,
-        "settings": settings_rows(cfg),
+        "settings": settings_rows(cfg, dtype=args.trl_dtype, sleep=vllm and gpu and not args.no_sleep),
         "train_task_ids": [t.task_id for t in items.train],
         "eval_item_ids": [t.item_id for t in items.held],
     }
@@ -800,7 +970,7 @@ def train(cfg, args) -> Record:
     def engine_of(trainer):
         if vllm:
             if not hasattr(trainer, "_peer_engine"):
-                trainer._peer_engine = ColocatedEngine(trainer.vllm_generation.llm)
+                trainer._peer_engine = ColocatedEngine(trainer.vllm_generation.llm, trainer.vllm_generation)
             return trainer._peer_engine
         return HFEngine(trainer.accelerator.unwrap_model(trainer.model), tokenizer)
 
@@ -909,6 +1079,30 @@ def parse_args(argv=None):
         help="TRL's vllm_gpu_memory_utilization (colocated engine's share of the GPU)",
     )
     p.add_argument(
+        "--trl-dtype",
+        choices=TRL_DTYPES,
+        default=DEFAULT_TRL_DTYPE,
+        help="the weights TRL trains (float32: GRPOTrainer's own default, bf16 autocast over them)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="conversations a forward (per_device_train_batch_size; default: the whole step)",
+    )
+    p.add_argument(
+        "--no-sleep",
+        action="store_true",
+        help="vllm_enable_sleep_mode off (TRL's default): the colocated engine keeps its memory through each step",
+    )
+    p.add_argument(
+        "--trainer",
+        choices=TRAINERS,
+        default="sync",
+        help="sync: trl.GRPOTrainer; async: trl.experimental.async_grpo.AsyncGRPOTrainer (refused with the reasons "
+        "while async_blockers names any)",
+    )
+    p.add_argument(
         "--no-vllm",
         action="store_true",
         help="generate with transformers instead of TRL's colocated vLLM (a CPU smoke test of the data path)",
@@ -929,6 +1123,21 @@ def main(argv=None) -> int:
     cfg = load_recipe(
         args.config, args.sets, env=args.env, steps=args.steps, eval_every=args.eval_every, model=args.model
     )
+    try:  # what TRL cannot be given, in one line before anything starts
+        trl_kwargs(cfg, output_dir="-", dtype=args.trl_dtype, micro_batch=args.micro_batch)
+    except ValueError as e:
+        print(f"peer_trl.py: {e}", file=sys.stderr)
+        return 2
+    if args.trainer == "async":
+        gpus = 0
+        if not args.dry_run:
+            import torch
+
+            gpus = torch.cuda.device_count()
+        blockers = async_blockers(gpus=gpus, kernel_cached=async_kernel_cached())
+        if blockers:
+            print("[peer_trl] --trainer async (TRL 1.16 AsyncGRPOTrainer) not run: " + "; ".join(blockers), flush=True)
+            return 0 if args.dry_run else 2
     if args.dry_run:
         print(
             json.dumps(
@@ -939,12 +1148,15 @@ def main(argv=None) -> int:
                         output_dir=str(args.work),
                         vllm=not args.no_vllm,
                         gpu_memory_utilization=args.gpu_memory_utilization,
+                        dtype=args.trl_dtype,
+                        sleep=not args.no_sleep,
+                        micro_batch=args.micro_batch,
                     ),
                 },
                 indent=1,
             )
         )
-        print(settings_markdown(settings_rows(cfg)))
+        print(settings_markdown(settings_rows(cfg, dtype=args.trl_dtype, sleep=not args.no_sleep)))
         return 0
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func's "experimental" notice
     record = train(cfg, args)

@@ -646,3 +646,120 @@ def test_parleys_steps_end_when_its_learner_recorded_them_not_after_the_last_che
     assert (old["last_step_end_s"], old["wall_s_per_step"]) == (36.0, 3.0)
     with pytest.raises(ValueError, match="timed_by 'wall'"):
         peer_compare.compare(tmp_path / "out", timed_by="wall")
+
+
+def test_trl_runs_at_its_best_bf16_weights_and_sleep_mode_with_its_defaults_else():
+    cfg = peer_trl.load_recipe(None, [])
+    kw = peer_trl.trl_kwargs(cfg, output_dir="/tmp/x")
+    assert kw["model_init_kwargs"] == {"dtype": "bfloat16"} and kw["bf16"] is True
+    assert (kw["vllm_enable_sleep_mode"], kw["vllm_gpu_memory_utilization"]) == (True, 0.3)  # 0.3: TRL's default
+    plain = peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", dtype="float32", sleep=False)
+    assert plain["model_init_kwargs"] == {"dtype": "float32"} and plain["vllm_enable_sleep_mode"] is False
+    cpu = peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", gpu=False)
+    assert cpu["vllm_enable_sleep_mode"] is False and cpu["model_init_kwargs"] == {"dtype": "float32"}  # CUDA only
+    with pytest.raises(ValueError, match="float16"):
+        peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", dtype="float16")
+    rows = {r["setting"]: r for r in peer_trl.settings_rows(cfg)}
+    assert "no fp32 master" in rows["weights, optimizer precision"]["trl"]
+    assert "no padding-free option" in rows["attention, kernels"]["trl"]
+    assert "vllm_enable_sleep_mode = true" in rows["generation memory"]["trl"]
+    rows = {r["setting"]: r for r in peer_trl.settings_rows(cfg, dtype="float32", sleep=False)}
+    assert "float32 (TRL's default)" in rows["weights, optimizer precision"]["trl"]
+    assert "vllm_enable_sleep_mode = false" in rows["generation memory"]["trl"]
+
+
+def test_the_4b_shape_trains_its_step_in_micro_batches_and_a_bad_one_is_refused_in_one_line(capsys):
+    # part TT4: the config as written (`parley up --config` lays no preset under it; --env '' here)
+    cfg = peer_trl.load_recipe(ROOT / "deploy" / "configs" / "gpu-1-4b.toml", [], env="")
+    assert (cfg.env.name, cfg.rollout.max_tokens) == ("random_words", 384)
+    kw = peer_trl.trl_kwargs(cfg, output_dir="/tmp/x", micro_batch=4)
+    # 4 groups of 8 a step: 4 conversations a forward, 8 forwards accumulated, one generation of all 32
+    assert (kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"], kw["num_generations"]) == (4, 8, 8)
+    assert kw["gradient_checkpointing"] is True
+    assert peer_trl.main(["--dry-run", "--micro-batch", "3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "peer_trl.py: micro batch 3: must divide the step's 8 conversations (rollout.n x learner.groups_per_step); "
+        "try 4"
+    )
+
+
+class RecordingLLM:
+    """Test double of vllm.LLM's sleep API: records the calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+
+class FakeGeneration:
+    """Test double of TRL 1.16's VLLMGeneration: asleep after its start (level 2), sync_weights wakes
+    the weights and loads the trainer's."""
+
+    def __init__(self, llm, enable_sleep_mode=True):
+        self.llm, self.enable_sleep_mode = llm, enable_sleep_mode
+        self._llm_weights_sleeping = enable_sleep_mode
+
+    def sync_weights(self):
+        self.llm.calls.append(("sync_weights",))
+        self._llm_weights_sleeping = False
+
+
+def test_in_sleep_mode_the_engine_is_woken_with_the_trainers_weights_and_put_back_after_a_rollout():
+    llm = RecordingLLM()
+    engine = peer_trl.ColocatedEngine(llm, FakeGeneration(llm))
+    engine.wake()  # the v0 eval: weights and KV back
+    engine.wake()  # the eval's next round: nothing more
+    engine.sleep()  # after a training rollout: everything handed back for the optimizer step
+    engine.wake()
+    assert llm.calls == [
+        ("sync_weights",),
+        ("wake_up", ("kv_cache",)),
+        ("sleep", 2),
+        ("sync_weights",),
+        ("wake_up", ("kv_cache",)),
+    ]
+    quiet = RecordingLLM()
+    plain = peer_trl.ColocatedEngine(quiet, FakeGeneration(quiet, enable_sleep_mode=False))
+    plain.wake(), plain.sleep()
+    assert quiet.calls == []
+
+
+def test_trls_async_trainer_is_refused_with_its_reasons(capsys, tmp_path, monkeypatch):
+    reasons = peer_trl.async_blockers(gpus=1, kernel_cached=False)
+    assert len(reasons) == 3 and "kernels-community/flash-attn3" in reasons[0] and "NCCL" in reasons[1]
+    assert len(peer_trl.async_blockers(gpus=2, kernel_cached=True)) == 1  # the rollout worker is not written
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert peer_trl.async_kernel_cached() is False
+    (tmp_path / "models--kernels-community--flash-attn3").mkdir()
+    assert peer_trl.async_kernel_cached() is True
+    assert peer_trl.main(["--trainer", "async", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[peer_trl] --trainer async (TRL 1.16 AsyncGRPOTrainer) not run: ") and "NCCL" in out
+
+
+def test_part_tt4_gives_both_the_4b_configs_recipe_at_the_learnable_rate():
+    text = (ROOT / "bench" / "gpu_run.sh").read_text()
+    body = (
+        re.search(r"\n    RW=\((.*?)\)\n", text, re.S)
+        .group(1)
+        .replace("$EVAL_EVERY", "5")
+        .replace("$MODEL", "/tmp/m4b")
+    )
+    body = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", body)
+    words = shlex.split(body)
+    sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    cfg = peer_trl.load_recipe(ROOT / "deploy" / "configs" / "gpu-1-4b.toml", sets, env="")
+    r = peer_trl.recipe_dict(cfg)
+    assert (r["env"], r["lr"], r["eval_every"], r["eval_items"], r["groups_per_step"]) == (
+        "random_words",
+        2.5e-4,
+        5,
+        24,
+        4,
+    )
+    assert (r["model"], r["behaviour_correction"], r["max_tokens"]) == ("/tmp/m4b", "truncated_is", 384)

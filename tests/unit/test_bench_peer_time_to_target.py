@@ -1,0 +1,228 @@
+"""bench/peer_compare.py's headline of issue 56: the wall time from launch to a target held-out reward,
+paired by seed, each pair on one GPU. Every expected figure below is worked out by hand from the
+hand-written records, not recomputed by the code under test."""
+
+from __future__ import annotations
+
+import json
+import math
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from bench import peer_compare
+
+LAUNCH_LOCAL = "2026-12-06 10:00:00.000000000"
+
+
+def _actor_line(actor: int, clock: str, count: int) -> str:
+    return (
+        f"/tmp/run-peer/logs/actor-{actor}.log:2026-12-06 10:00:{clock} actor-{actor} INFO parley.actors.actor: "
+        f"task gpu1-g0000{actor}{clock[:2]}: 8 samples stored in 0.50s ({count} assistant tokens generated so far); "
+        "a sample's mean: play 0.40s, generate 0.38s, simulator 0.00s, rest 0.02s"
+    )
+
+
+def write_pair(out: Path, *, seed: int = 0, uuid: str = "GPU-aaaa", parley: bool = True, trl: bool = True) -> Path:
+    """One call of part TT: parley launched at device time 1000 s, TRL at 1100 s.
+    parley: steps end 30, 31, 32 s after launch; held-out goal_match 0.1 at 20 s, 0.85 at 45 s (v2), 0.9
+    at 50 s (v3); two actors sampled 250 + 80 tokens by 45 s and 250 + 200 by 50 s.
+    TRL: steps end 20, 24, 28 s after its launch, sampling 90, 100, 110 tokens; held-out 0.1 at 10 s,
+    0.7 at 25 s, 0.82 at 30 s (v3)."""
+    out.mkdir(parents=True)
+    clock = {
+        "parley_start": 1000.0,
+        "parley_start_local": LAUNCH_LOCAL,
+        "parley_end": 1060.0,
+        "trl_start": 1100.0,
+        "trl_end": 1135.0,
+        "seed": seed,
+        "gpu_name": "NVIDIA H100 80GB HBM3",
+        "gpu_uuid": uuid,
+        "gpus": 1,
+    }
+    (out / "p_clock.json").write_text(json.dumps(clock))
+    if parley:
+        (out / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "trained_tokens": 100 * s}) + "\n" for s in (1, 2, 3))
+        )
+        (out / "parley_steps.log").write_text(
+            "".join(
+                f"2026-12-06 10:00:{t},000 learner INFO parley.learner.stepper: step {s}: loss 0.1, 1 groups\n"
+                for s, t in ((1, 30), (2, 31), (3, 32))
+            )
+        )
+        (out / "eval_history.jsonl").write_text(
+            "".join(
+                json.dumps({"version": v, "step": v, "n": 24, "seconds": 2.0, "goal_match": g, "created": c}) + "\n"
+                for v, g, c in ((0, 0.1, 1020.0), (2, 0.85, 1045.0), (3, 0.9, 1050.0))
+            )
+        )
+        (out / "parley_actor.log").write_text(
+            "\n".join(
+                [
+                    _actor_line(0, "20,000", 100),
+                    _actor_line(1, "25,000", 80),
+                    _actor_line(0, "44,000", 250),
+                    _actor_line(1, "46,000", 200),
+                ]
+            )
+            + "\n"
+        )
+    if trl:
+        steps = [
+            {"step": s, "t_end": 1100.0 + t, "trained_tokens": 100 * s, "generated_tokens": g, "conversations": 8}
+            for s, t, g in ((1, 20.0, 90), (2, 24.0, 100), (3, 28.0, 110))
+        ]
+        evals = [
+            {"version": v, "n": 24, "seconds": 1.0, "t_end": 1100.0 + t, "goal_match": g}
+            for v, t, g in ((0, 10.0, 0.1), (2, 25.0, 0.7), (3, 30.0, 0.82))
+        ]
+        (out / "peer_trl.json").write_text(
+            json.dumps(
+                {
+                    "recipe": {"env": "hidden_goal", "steps": 3, "n": 8},
+                    "device": "NVIDIA H100 80GB HBM3",
+                    "settings": [],
+                    "steps": steps,
+                    "evals": evals,
+                    "ended_at": 1131.0,
+                }
+            )
+        )
+    return out
+
+
+def test_a_pair_is_read_from_launch_to_the_first_result_at_the_target(tmp_path):
+    row = peer_compare.target_pair(write_pair(tmp_path / "s0"), None, None)
+    p, q = row["parley"], row["trl"]
+    assert (row["metric"], row["target"], row["reached"]) == ("goal_match", 0.8, "both")
+    assert (p["time_to_target_s"], p["target_version"], p["end_s"], p["at_end"]) == (45.0, 2, 50.0, 0.9)
+    assert (q["time_to_target_s"], q["target_version"], q["end_s"], q["at_end"]) == (30.0, 3, 30.0, 0.82)
+    assert row["ratio"] == 1.5  # 45 s against 30 s
+    # at TRL's end, 30 s after each one's launch, parley had its v0 result in (0.1); TRL had 0.82 at 50 s
+    assert (row["parley_at_trls_end"], row["difference_at_trls_end"], row["trl_at_parleys_end"]) == (0.1, -0.72, 0.82)
+    # sampled tokens: parley's two actors, 250 + 80 by 45 s and 250 + 200 by 50 s; TRL 90 + 100 + 110 by 30 s
+    assert (p["generated_tokens_to_target"], p["generated_tokens_to_end"]) == (330, 450)
+    assert (q["generated_tokens_to_target"], q["generated_tokens_to_end"]) == (300, 300)
+    assert (p["gpu_s_to_target"], q["gpu_s_to_target"]) == (45.0, 30.0)
+    # secondary: steps 2-3 trained 500 tokens in 2 s (parley) and in 8 s (TRL); step 1 ended 30 and 20 s in
+    assert (p["trained_tokens_per_s"], q["trained_tokens_per_s"]) == (250.0, 62.5)
+    assert (p["launch_to_step1_s"], q["launch_to_step1_s"]) == (30.0, 20.0)
+    assert row["card"] == {"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-aaaa"} and row["same_call"]
+
+
+def test_a_target_not_reached_is_none_and_a_given_target_replaces_the_environments():
+    evals = [{"t_result": 5.0, "version": 0, "m": 0.2}, {"t_result": 9.0, "version": 1, "m": 0.6}]
+    assert peer_compare.time_to_target(evals, 0.7, "m") is None
+    assert peer_compare.time_to_target(list(reversed(evals)), 0.6, "m") == {"t_s": 9.0, "version": 1, "m": 0.6}
+    assert peer_compare.time_to_target(evals, 0.2, "m") == {"t_s": 5.0, "version": 0, "m": 0.2}
+
+
+def test_generated_tokens_add_each_actors_latest_count():
+    lines = [_actor_line(0, "20,000", 100), _actor_line(1, "25,000", 80), _actor_line(0, "44,000", 250), "noise"]
+    series = peer_compare.generated_series(lines, LAUNCH_LOCAL)
+    assert series == [(20.0, 100), (25.0, 180), (44.0, 330)]
+    assert [peer_compare.tokens_by(series, t) for t in (10.0, 20.0, 30.0, 99.0)] == [0, 100, 180, 330]
+    assert peer_compare.tokens_by([], 5.0) is None and peer_compare.tokens_by(series, None) is None
+    # a log from before part P named each actor: one actor's running count
+    bare = [line.split(":", 1)[1] for line in lines[:1]]
+    assert peer_compare.generated_series(bare, LAUNCH_LOCAL) == [(20.0, 100)]
+
+
+def _row(reached: str, ratio: float | None, p: float | None, q: float | None, diff: float | None) -> dict:
+    return {
+        "reached": reached,
+        "ratio": ratio,
+        "parley": {"time_to_target_s": p},
+        "trl": {"time_to_target_s": q},
+        "difference_at_trls_end": diff,
+    }
+
+
+def test_the_headline_is_the_median_of_five_paired_ratios():
+    rows = [
+        _row("both", 0.5, 50.0, 100.0, 0.01),
+        _row("both", 0.6, 60.0, 100.0, -0.02),
+        _row("both", 0.7, 70.0, 100.0, 0.0),
+        _row("both", 0.8, 96.0, 120.0, 0.03),
+        _row("both", 0.4, 40.0, 100.0, 0.05),
+    ]
+    st = peer_compare.target_stats(rows)
+    # ratios 0.4 0.5 0.6 0.7 0.8 -> 0.6; times 40 50 60 70 96 -> 60, 100 100 100 100 120 -> 100;
+    # differences -0.02 0 0.01 0.03 0.05 -> 0.01
+    assert (st["median_ratio"], st["median_parley_time_to_target_s"], st["median_trl_time_to_target_s"]) == (
+        0.6,
+        60.0,
+        100.0,
+    )
+    assert (st["median_difference_at_trls_end"], st["seeds_counted"], st["goal_met"]) == (0.01, 5, True)
+    # four seeds are too few, whatever their ratios
+    assert peer_compare.target_stats(rows[:4])["goal_met"] is False
+    assert peer_compare.target_stats(rows[:4])["median_ratio"] == 0.65  # (0.6 + 0.7) / 2
+    # a worse held-out reward at TRL's end fails the goal at the same ratios
+    worse = [{**r, "difference_at_trls_end": -0.01} for r in rows]
+    assert peer_compare.target_stats(worse)["goal_met"] is False
+
+
+def test_a_seed_where_one_side_never_reached_the_target_counts_for_the_other():
+    rows = [
+        _row("both", 0.5, 50.0, 100.0, 0.0),
+        _row("trl", None, None, 80.0, -0.1),  # TRL only: infinite ratio
+        _row("parley", None, 70.0, None, 0.2),  # parley only: ratio 0
+        _row("both", 0.9, 90.0, 100.0, 0.0),
+        _row("both", 0.7, 77.0, 110.0, 0.0),
+        _row("neither", None, None, None, 0.0),  # left out of the ratio, not of the times
+    ]
+    st = peer_compare.target_stats(rows)
+    # counted ratios 0 0.5 0.7 0.9 inf -> 0.7 (> 0.67: not met); parley times 50 70 77 90 inf inf -> 83.5,
+    # TRL's 80 100 100 110 inf inf -> 105
+    assert (st["median_ratio"], st["seeds_counted"], st["seeds"], st["goal_met"]) == (0.7, 5, 6, False)
+    assert st["reached"] == {"both": 3, "parley": 1, "trl": 1, "neither": 1}
+    assert (st["median_parley_time_to_target_s"], st["median_trl_time_to_target_s"]) == (83.5, 105.0)
+    # mostly TRL only: the median ratio is infinite, written as None with a flag (strict JSON)
+    st = peer_compare.target_stats([_row("trl", None, None, 1.0, 0.0)] * 3 + rows[:2])
+    assert st["median_ratio"] is None and st["median_ratio_is_infinite"] is True
+    assert peer_compare.median([]) is None and math.isinf(peer_compare.median([1.0, math.inf, math.inf]))
+
+
+def test_seeds_from_several_calls_and_sessions_are_read_from_their_packed_files(tmp_path, capsys):
+    packed = []
+    for seed in (3, 4):
+        folder = write_pair(tmp_path / f"p_s{seed}", seed=seed)
+        with tarfile.open(tmp_path / f"p_s{seed}.tgz", "w:gz") as tar:
+            tar.add(folder, arcname=".")
+        packed.append(str(tmp_path / f"p_s{seed}.tgz"))
+    out = tmp_path / "ttt.json"
+    assert peer_compare.main(["--target", "--over", *packed, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| 3 | NVIDIA H100 80GB HBM3 | 45 / 30 | 1.50x | 0.100 / 0.820 | 0.900 / 0.820 |" in text
+    assert "goal met: False (fewer than 5 seeds counted)" in text
+    res = json.loads(out.read_text())
+    assert [r["seed"] for r in res["pairs"]] == [3, 4] and res["median_ratio"] == 1.5
+    with pytest.raises(SystemExit):  # one seed twice is not two pairs
+        peer_compare.main(["--target", "--over", packed[0], packed[0]])
+    assert "given twice" in capsys.readouterr().err
+
+
+def test_a_pair_from_two_gpus_is_refused(tmp_path, capsys):
+    parley = write_pair(tmp_path / "parley", uuid="GPU-aaaa", trl=False)
+    same = write_pair(tmp_path / "trl_same", uuid="GPU-aaaa", parley=False)
+    other = write_pair(tmp_path / "trl_other", uuid="GPU-bbbb", parley=False)
+    row = peer_compare.target_pair(parley, same, None)
+    assert row["same_call"] is False and row["ratio"] == 1.5
+    with pytest.raises(ValueError, match="compared only within one machine"):
+        peer_compare.target_pair(parley, other, None)
+    assert peer_compare.main(["--target", "--over", f"{parley}={same}"]) == 0
+    with pytest.raises(SystemExit):
+        peer_compare.main(["--target", "--over", f"{parley}={other}"])
+    assert "GPU-aaaa" in capsys.readouterr().err
+    # a call that recorded no GPU pairs only with its own TRL run
+    clock = json.loads((same / "p_clock.json").read_text())
+    (same / "p_clock.json").write_text(json.dumps({k: v for k, v in clock.items() if k != "gpu_uuid"}))
+    with pytest.raises(ValueError, match="recorded its GPU"):
+        peer_compare.target_pair(parley, same, None)
+    # the older comparison (trained tokens/s) refuses two different GPUs too
+    with pytest.raises(ValueError, match="one machine"):
+        peer_compare.same_card({"gpu_uuid": "a"}, {"gpu_uuid": "b"}, Path("x"), Path("y"))

@@ -1,0 +1,84 @@
+"""bench/gpu_run.sh parts TT and TT4 (issue 56: one paired seed, or one side of the 4B shape, a device
+call) with test doubles for python3 and nvidia-smi: what each run is given, and the packed seed file
+bench/peer_compare.py reads (the card it ran on, TRL's options)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run_part(tmp_path: Path, part: str, **env: str) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    # test doubles: python3 records its arguments and does nothing; nvidia-smi names one card
+    (stubs / "python3").write_text('#!/bin/bash\nprintf "%s|" "$@" >>"$STUB_LOG"; echo >>"$STUB_LOG"\n')
+    (stubs / "nvidia-smi").write_text('#!/bin/bash\necho "NVIDIA H100 80GB HBM3, GPU-1234"\n')
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    log, out = tmp_path / "calls.log", tmp_path / "out"
+    full = {
+        **os.environ,
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "STUB_LOG": str(log),
+        "OUT": str(out),
+        "RUN_DIR": str(tmp_path / "run"),
+        "TRL_WORK": str(tmp_path / "trl"),
+        **env,
+    }
+    res = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_run.sh"), part],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    return res, log.read_text().splitlines(), out
+
+
+def _clock(tgz: Path) -> dict:
+    with tarfile.open(tgz) as tar:
+        return json.load(tar.extractfile("./p_clock.json"))
+
+
+def test_part_tt_runs_one_seed_of_parley_then_trl_at_its_best_and_packs_it(tmp_path):
+    res, calls, out = _run_part(tmp_path, "TT", SEED="3")
+    assert res.returncode == 0, res.stderr
+    up = next(c.split("|") for c in calls if "parley.deploy.cli|up|" in c)
+    trl = next(c.split("|") for c in calls if "bench/peer_trl.py" in c)
+    assert up[up.index("--steps") + 1] == "60" and "learner.seed=3" in up and "learner.eval_every=5" in up
+    assert 'learner.group_order="freshest"' in up and 'learner.behaviour_correction="clip"' in up
+    assert trl[trl.index("--steps") + 1] == "40" and trl[trl.index("--env") + 1] == "hidden_goal"
+    assert trl[trl.index("--trl-dtype") + 1] == "bfloat16" and "--no-sleep" not in trl
+    assert 'learner.group_order="freshest"' not in trl  # parley's own settings are parley's alone
+    assert any("bench/peer_compare.py|--target|--over|" in c for c in calls)
+    clock = _clock(out / "p_s3.tgz")
+    assert (clock["seed"], clock["gpu_name"], clock["gpu_uuid"], clock["gpus"]) == (
+        3,
+        "NVIDIA H100 80GB HBM3",
+        "GPU-1234",
+        1,
+    )
+    assert (clock["env"], clock["trl_options"], clock["parley_steps"], clock["trl_steps"]) == (
+        "hidden_goal",
+        "--trl-dtype bfloat16",
+        60,
+        40,
+    )
+
+
+def test_part_tt4_runs_one_side_of_the_4b_shape(tmp_path):
+    res, calls, out = _run_part(tmp_path, "TT4", SEED="1", SIDE="trl", TRL_DTYPE="float32", TRL_SLEEP="0")
+    assert res.returncode == 0, res.stderr
+    assert not any("parley.deploy.cli|up|" in c for c in calls)  # TRL's side alone
+    trl = next(c.split("|") for c in calls if "bench/peer_trl.py" in c)
+    assert trl[trl.index("--config") + 1] == "deploy/configs/gpu-1-4b.toml" and trl[trl.index("--env") + 1] == ""
+    assert "learner.lr=2.5e-4" in trl and 'policy.model="/tmp/m4b"' in trl
+    assert trl[trl.index("--micro-batch") + 1] == "4" and "--no-sleep" in trl
+    assert _clock(out / "p4_trl_s1.tgz")["trl_options"] == "--trl-dtype float32 --no-sleep --micro-batch 4"
