@@ -139,9 +139,15 @@ mountains. She decides to follow the same road, with the letter folded in her co
 # tiny: random Qwen3 + a tokenizer trained on the fly
 
 
-def _corpus_texts(extra_jsonl: Path | None, max_chars: int = 2_000_000) -> list[str]:
+# tiny's vocabulary is trained on the bundled file's first 60 records (bundled-000 .. bundled-059, the
+# file as it was when tiny was first built): records added later must not change tiny's tokenizer, and
+# with it every figure, cached checkpoint and test outcome made with tiny.
+TINY_CORPUS_RECORDS = 60
+
+
+def _corpus_texts(extra_jsonl: Path | None, max_chars: int = 2_000_000, max_records: int | None = None) -> list[str]:
     """The built-in paragraphs plus every string found in extra_jsonl (capped, so a large
-    dataset file does not slow the build down)."""
+    dataset file does not slow the build down; `max_records`: only its first records)."""
     texts = [p for p in _CORPUS.split("\n\n") if p.strip()]
     # chat-template words, so role headers are one token each
     texts += ["system\nuser\nassistant\n"] * 20
@@ -158,7 +164,7 @@ def _corpus_texts(extra_jsonl: Path | None, max_chars: int = 2_000_000) -> list[
             for v in obj:
                 yield from strings(v)
 
-    total = 0
+    total = records = 0
     with extra_jsonl.open(encoding="utf-8") as f:
         for line in f:
             line = line.strip()
@@ -168,6 +174,9 @@ def _corpus_texts(extra_jsonl: Path | None, max_chars: int = 2_000_000) -> list[
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            records += 1
+            if max_records is not None and records > max_records:
+                break
             for s in strings(record):
                 texts.append(s)
                 total += len(s)
@@ -204,22 +213,23 @@ def build_tiny(
     """Write a random 2-layer Qwen3 with a ChatML tokenizer to out_dir and return it.
 
     Deterministic for a given seed and corpus. dataset_jsonl defaults to the bundled
-    tasks/datasets/medium.jsonl (its strings join the tokenizer corpus, so the toy vocabulary
-    covers the task's words); a given file that does not exist is an error, not a smaller vocabulary.
+    tasks/datasets/medium.jsonl, its first TINY_CORPUS_RECORDS records (their strings join the
+    tokenizer corpus, so the toy vocabulary covers the task's words); a given file that does not exist is an error, not a smaller vocabulary.
     """
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    max_records = None
     if dataset_jsonl is None:
         from parley.tasks.data import bundled_path
 
-        dataset_jsonl = bundled_path()
+        dataset_jsonl, max_records = bundled_path(), TINY_CORPUS_RECORDS
     if not Path(dataset_jsonl).is_file():
         raise FileNotFoundError(f"tokenizer corpus {dataset_jsonl} does not exist; pass an existing .jsonl or None")
 
-    raw = _train_tokenizer(_corpus_texts(Path(dataset_jsonl)), vocab_size)
+    raw = _train_tokenizer(_corpus_texts(Path(dataset_jsonl), max_records=max_records), vocab_size)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw,
         eos_token="<|im_end|>",
