@@ -345,10 +345,9 @@ def trl_side(peer: dict, launched: float, metric: str = METRIC) -> dict:
     }
 
 
-def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") -> dict:
-    """`trl_out`: TRL's run from another call of part P (its peer_trl.json and p_clock.json), when
-    parley's side of `out` was re-run alone (TRL=0); both calls' SEED must agree (ValueError).
-    `timed_by`: where parley's step ends come from (parley_side)."""
+def _pair_files(out: Path, trl_out: Path | None) -> tuple[dict, dict, dict]:
+    """parley's clock from `out`, TRL's result and clock from `trl_out` (default: the same call);
+    ValueError when the two calls ran different seeds."""
     clock = json.loads((out / "p_clock.json").read_text())
     trl_dir = trl_out or out
     peer = json.loads((trl_dir / "peer_trl.json").read_text())
@@ -358,6 +357,14 @@ def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") 
             f"{out} ran seed {clock.get('seed', 0)} but its TRL side {trl_out} ran seed "
             f"{trl_clock.get('seed', 0)}: pair each parley call with TRL's call at the same SEED"
         )
+    return clock, peer, trl_clock
+
+
+def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") -> dict:
+    """`trl_out`: TRL's run from another call of part P (its peer_trl.json and p_clock.json), when
+    parley's side of `out` was re-run alone (TRL=0); both calls' SEED must agree (ValueError).
+    `timed_by`: where parley's step ends come from (parley_side)."""
+    clock, peer, trl_clock = _pair_files(out, trl_out)
     same_card(clock, trl_clock, out, trl_out)
     parley, trl = parley_side(out, clock, timed_by), trl_side(peer, trl_clock["trl_start"])
     ps, ts = steady(parley["steps"]), steady(trl["steps"])
@@ -772,14 +779,7 @@ def target_pair(out: Path, trl_out: Path | None, target: float | None, timed_by:
     """One seed's pair, parley from `out` and TRL from `trl_out` (default: the same call), read from
     launch: each one's time to `target` (default: TARGETS for the environment's metric), the held-out
     result each had at the other's end, GPU-seconds and sampled tokens to target."""
-    clock = json.loads((out / "p_clock.json").read_text())
-    trl_dir = trl_out or out
-    peer = json.loads((trl_dir / "peer_trl.json").read_text())
-    trl_clock = json.loads((trl_dir / "p_clock.json").read_text())
-    if trl_out is not None and trl_clock.get("seed", 0) != clock.get("seed", 0):
-        raise ValueError(
-            f"{out} ran seed {clock.get('seed', 0)} but its TRL side {trl_out} ran seed {trl_clock.get('seed', 0)}"
-        )
+    clock, peer, trl_clock = _pair_files(out, trl_out)
     same_card(clock, trl_clock, out, trl_out, strict=True)
     metric = ENV_METRIC.get(peer["recipe"].get("env"), METRIC)
     target = TARGETS.get(metric) if target is None else target
@@ -794,7 +794,7 @@ def target_pair(out: Path, trl_out: Path | None, target: float | None, timed_by:
     q_at_p_end = None if p["end_s"] is None else reward_at(trl["evals"], p["end_s"], metric)
     return {
         "out": str(out),
-        "trl_out": str(trl_dir),
+        "trl_out": str(trl_out or out),
         "same_call": trl_out is None or trl_out == out,
         "seed": clock.get("seed", 0),
         "card": {"name": clock.get("gpu_name") or peer.get("device", ""), "uuid": clock.get("gpu_uuid")},
