@@ -405,7 +405,10 @@ S)
     # issue 56: the correctness checks a phased (up.gpu_share = "phased") or merged-LoRA ([learner.lora]
     # serve = "merged") throughput run rests on, in one short call before it: a broken sleep/wake shows
     # here in minutes, not at the end of a 7-minute run. Writes $OUT/gpu.log, sleep.log, merged.log.
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/gpu.log"
+    {
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+    } 2>&1 | tee "$OUT/gpu.log"
     # fp32 toy-model tests need IEEE float32 in Triton (part A); -s prints the memory each sleep freed
     TRITON_F32_DEFAULT=ieee step sleep "${SLEEP_LIMIT_S:-150}" python3 -m pytest -q -s -p no:cacheprovider -rs \
         -m gpu tests/e2e/test_engine_sleep.py

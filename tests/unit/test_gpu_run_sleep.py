@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_part_s_runs_the_sleep_tests_then_the_merged_ones_and_names_the_card(tmp_path):
     res, calls, out = _run_part(tmp_path, "S")
     assert res.returncode == 0, res.stderr
-    sleep, merged = (c.split("|") for c in calls)
+    assert "import vllm" in calls[0]  # the versions, beside the card, in gpu.log
+    sleep, merged = (c.split("|") for c in calls[1:])
     assert sleep[:2] == ["-m", "pytest"] and "tests/e2e/test_engine_sleep.py" in sleep
     assert sleep[sleep.index("-m", 1) + 1] == "gpu"
     assert "tests/e2e/test_cuda_ipc.py" in merged and merged[merged.index("-k") + 1] == "merged"
