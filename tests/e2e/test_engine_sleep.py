@@ -12,11 +12,13 @@ checks to run before a phased throughput run, in a couple of minutes (bench/gpu_
 
 CUDA graphs on (enforce_eager = false, as deploy/configs/gpu-*.toml): a woken engine replays graphs
 captured before the sleep, so this also checks that the woken memory is mapped where it was.
+SLEEP_TEST_EAGER=1 runs it eager instead, to tell a sleep-mode failure from a graph or compile one.
 Runs only where torch sees a CUDA device (gpu marker); docs/gpu.md, "Tests on a GPU", has the command."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -60,7 +62,7 @@ class Sleepy:
                 max_model_len=1024,
                 kv_cache_bytes=KV_BYTES,
                 json_compact=False,
-                enforce_eager=False,
+                enforce_eager=os.environ.get("SLEEP_TEST_EAGER", "0") == "1",
                 sleep_mode=True,
             )
         )
