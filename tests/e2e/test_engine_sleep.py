@@ -99,7 +99,7 @@ def test_the_engine_can_sleep_here(sleepy):
 
 def test_level_1_gives_back_the_kv_cache_and_wakes_to_the_same_answers(sleepy):
     before = sleepy.greedy()
-    assert sleepy.greedy() == before  # twice awake: the second reads the prefix cache
+    assert close(sleepy.greedy(), before)  # twice awake: the second reads the prefix cache
     free_awake = free_bytes()
     sleepy.run(sleepy.engine.sleep(1))
     freed = free_bytes() - free_awake
