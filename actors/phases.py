@@ -161,8 +161,11 @@ class PhaseSchedule:
             if not self._should_sleep():
                 return
             t0 = self.clock()
-            await self._bounded(self.engine.sleep(self.level), f"putting the engine to sleep (level {self.level})")
+            # SLEEPING from the start: a conversation entering while vLLM frees the memory must not
+            # reach the engine (vLLM aborts it, or it runs on memory being unmapped); it waits for
+            # this lock in _awake, then wakes the engine whole
             self._enter(SLEEPING)
+            await self._bounded(self.engine.sleep(self.level), f"putting the engine to sleep (level {self.level})")
             self.counters["sleeps"] += 1
             log.info(
                 "engine asleep (level %d) after %d conversations on version %d, in %.2f s",

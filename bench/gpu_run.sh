@@ -27,6 +27,8 @@
 #     bash bench/gpu_run.sh M    # issue 26: part PS (MPS_PART) with up.gpu_share="mps", if the image has MPS
 #     bash bench/gpu_run.sh TT   # issue 56: time to target, parley then TRL at its best, ONE seed (SEED) a call
 #     bash bench/gpu_run.sh TT4  # the same at the 4B shape, one side (SIDE=parley|trl) a call
+#     bash bench/gpu_run.sh S    # issue 56, before a phased or merged-LoRA throughput run (~3-4 min): vLLM's
+#                                # sleep/wake under parley's engine and phase schedule, the merged packs
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -399,6 +401,20 @@ TT4)
     tar czf "$OUT/$NAME.tgz" -C "$OUT/$NAME" . && rm -rf "${OUT:?}/$NAME"
     echo "[gpu_run] TT4: $SIDE seed $SEED ended at ${SECONDS} s ($NAME.tgz)"
     ;;
+S)
+    # issue 56: the correctness checks a phased (up.gpu_share = "phased") or merged-LoRA ([learner.lora]
+    # serve = "merged") throughput run rests on, in one short call before it: a broken sleep/wake shows
+    # here in minutes, not at the end of a 7-minute run. Writes $OUT/gpu.log, sleep.log, merged.log.
+    {
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+    } 2>&1 | tee "$OUT/gpu.log"
+    # fp32 toy-model tests need IEEE float32 in Triton (part A); -s prints the memory each sleep freed
+    TRITON_F32_DEFAULT=ieee step sleep "${SLEEP_LIMIT_S:-150}" python3 -m pytest -q -s -p no:cacheprovider -rs \
+        -m gpu tests/e2e/test_engine_sleep.py
+    TRITON_F32_DEFAULT=ieee step merged "${MERGED_LIMIT_S:-90}" python3 -m pytest -q -s -p no:cacheprovider -rs \
+        -m gpu tests/e2e/test_cuda_ipc.py -k merged
+    ;;
 M)
     # issue 26 item 1: does the image offer CUDA MPS, and does part PS (or MPS_PART) run faster under it?
     # Without MPS the GPU time-slices the processes' kernels: the actor's decode steps wait while the
@@ -415,7 +431,7 @@ M)
     PARLEY_SETS="${PARLEY_SETS:-} up.gpu_share=\"mps\"" bash "$0" "${MPS_PART:-PS}"
     ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|TT|TT4|W1|W2|W3|W4|W5|L|LI|K|M" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|TT|TT4|W1|W2|W3|W4|W5|L|LI|K|M|S" >&2
     exit 2
     ;;
 esac

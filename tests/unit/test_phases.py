@@ -180,6 +180,36 @@ def test_a_conversation_that_starts_while_asleep_wakes_the_engine_whole(level, w
     asyncio.run(go())
 
 
+def test_a_conversation_that_starts_while_the_engine_falls_asleep_waits_and_wakes_it_whole():
+    """A group issued again that enters while vLLM is still putting the engine to sleep must not reach
+    the engine then (vLLM would abort it, or run it on memory being unmapped): it waits for the sleep,
+    then wakes the engine whole, as a conversation that starts asleep does."""
+
+    async def go():
+        engine = SleepRecordingEngineDouble()
+        asleep = asyncio.Event()
+        plain_sleep = engine.sleep
+
+        async def slow_sleep(level):
+            await asleep.wait()
+            await plain_sleep(level)
+
+        engine.sleep = slow_sleep
+        p = schedule(engine, quota=1)
+        await p.enter()
+        falling = asyncio.create_task(p.leave(0))
+        await asyncio.sleep(0.01)  # the sleep has begun: vLLM is freeing the memory
+        entered = asyncio.create_task(p.enter())
+        await asyncio.sleep(0.01)
+        assert not entered.done()  # not while the engine goes to sleep
+        asleep.set()
+        await asyncio.wait_for(asyncio.gather(falling, entered), 1.0)
+        assert engine.calls == ["sleep 2", "wake weights", "put back v0", "wake kv_cache"]
+        assert p.phase == ACTIVE and p.in_flight == 1 and p.counters["wakes_for_task"] == 1
+
+    asyncio.run(go())
+
+
 def test_a_conversation_that_starts_while_waking_waits_for_the_kv_cache():
     async def go():
         engine = SleepRecordingEngineDouble()
