@@ -25,7 +25,7 @@ from parley.learner.groups import Finished
 from parley.protocol.messages import Scored
 from parley.runtime.durable import fsync_dir, fsync_file, write_durable_text
 from parley.weights.lora import ADAPTER_CONFIG, ADAPTER_FILE
-from parley.weights.safetensors_header import check_safetensors  # noqa: F401 (export's check, kept under its old name)
+from parley.weights.safetensors_header import check_safetensors
 from parley.weights.snapshot import prune_versions, version_dir
 
 STATE_FILE = "state.msgpack"
