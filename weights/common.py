@@ -183,13 +183,23 @@ class ServedVersions:
 
 
 def checkpoint_elements(model_dir: Path) -> int:
-    """The tensor elements of a checkpoint's *.safetensors files, read from their headers (no weights)."""
+    """The tensor elements of a checkpoint's *.safetensors files, read from their headers (no weights).
+    Each header is checked first (weights.safetensors_header): a short or damaged file is a one-line
+    ConfigError naming it, not a struct or JSON error from deep inside the learner's start."""
     import json
     import math
     import struct
 
+    from parley.weights.safetensors_header import check_safetensors
+
     total = 0
     for path in sorted(Path(model_dir).glob("*.safetensors")):
+        problem = check_safetensors(path)
+        if problem is not None:
+            raise ConfigError(
+                f"{path}: not a readable safetensors file ({problem}); "
+                "re-download or re-copy the model into that directory"
+            )
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
