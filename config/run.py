@@ -27,7 +27,7 @@ from parley.config.scorer import JudgeConfig, ScorerConfig
 from parley.environments.base import Environment, ProgrammaticUser
 from parley.errors import ConfigError
 from parley.protocol.messages import GREEDY_BELOW
-from parley.protocol.topology import RUN_NAME, BusSettings
+from parley.protocol.settings import RUN_NAME, BusSettings
 from parley.runtime.toml import to_toml
 from parley.weights.config import ObjstoreWeights, WeightsConfig, check_kind
 
