@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from parley.learner import checkpoint as ckpt
@@ -24,6 +26,8 @@ from parley.protocol import arrays
 from parley.protocol.bus import Poison
 from parley.protocol.messages import ABANDONED_STALE
 from parley.runtime import killpoints
+
+log = logging.getLogger(__name__)
 
 # How the reason of a dead letter for a Scored of a task this learner did not issue begins: such a
 # letter says nothing of an issued task's fate (learner.watchers.Fates ignores it).
@@ -59,6 +63,9 @@ class Intake:
         self.run_dir = ledger.run_dir
         self.last_flush = started
         self.ledger_bytes = 0  # bytes the last ledger write wrote
+        # the ledger's fence: learner.lease.Lease.holds of the run's lease (learner.service sets it); None: unfenced
+        self.fence: Callable[[], bool] | None = None
+        self.fenced = False  # the last flush found the lease stale and wrote nothing
         self._data = asyncio.Event()
 
     async def on_scored(self, scored, msg) -> None:
@@ -190,8 +197,21 @@ class Intake:
         """Messages wait for a ledger write and the last one is `ledger_flush_s` old."""
         return bool(self.pending) and time.monotonic() - self.last_flush >= self.flush_s
 
-    async def flush(self) -> None:
-        """Write the ledger, then ack every message it now accounts for."""
+    async def flush(self) -> bool:
+        """Write the ledger, then ack every message it now accounts for; False, writing nothing, when the
+        run's lease is not known to be held (`fence`): another learner may hold the run and write its
+        books, so nothing is recorded or acked. The messages stay pending: a renewal that comes (a NATS
+        outage) lets the next flush write them; a lost lease stops the learner (learner.service)."""
+        if self.fence is not None and not self.fence():
+            if not self.fenced:
+                log.warning(
+                    "the run's learner lease was not renewed within its TTL: the ledger is not written "
+                    "(%d messages wait) until a renewal, or the learner stops",
+                    len(self.pending),
+                )
+            self.fenced = True
+            return False
+        self.fenced = False
         msgs, self.pending = self.pending, []
         dropped, self.unarchived = self.unarchived, []
         reasons, self.state.reasons = self.state.reasons, {}
@@ -211,6 +231,7 @@ class Intake:
         for m in msgs:
             with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is ignored as late/duplicate
                 await m.ack()
+        return True
 
 
 def memory_bound(cfg) -> tuple[int, str]:

@@ -77,7 +77,15 @@ class Lease:
         self.js, self.run, self.holder, self.ttl_s = js, run, holder, ttl_s
         self.connect = connect
         self.revision = 0  # the fencing token: the key's revision this learner wrote last
+        self.renewed = 0.0  # time.monotonic() of the last successful take or renewal (written by the renewal thread)
         self._kv = None
+
+    def holds(self) -> bool:
+        """True while the last take or renewal is younger than the TTL less one renewal period: the key
+        cannot have expired (and been taken by another learner) meanwhile. learner.intake asks before
+        each ledger write. Not a proof: a write that starts just before the answer turns stale may
+        still land in the window up to the TTL."""
+        return bool(self.revision) and time.monotonic() - self.renewed < self.ttl_s * 3 / 4
 
     async def acquire(self) -> int:
         """Take the lease, waiting out a holder that stopped renewing (killed: its key expires within
@@ -96,6 +104,7 @@ class Lease:
         while True:
             try:
                 self.revision = await self._kv.create(LEASE_KEY, self.holder.encode())
+                self.renewed = time.monotonic()
                 log.info("learner lease of run %s taken (revision %d)", self.run, self.revision)
                 return self.revision
             except KeyWrongLastSequenceError:
@@ -139,11 +148,13 @@ class Lease:
         kv = kv or self._kv
         try:
             self.revision = await kv.update(LEASE_KEY, self.holder.encode(), last=self.revision)
+            self.renewed = time.monotonic()
             return
         except (KeyWrongLastSequenceError, KeyNotFoundError) as e:
             lost = e
         try:
             self.revision = await kv.create(LEASE_KEY, self.holder.encode())
+            self.renewed = time.monotonic()
             log.warning(
                 "run %s: the learner lease had expired unrenewed (%s); nobody else held it: taken back (revision %d)",
                 self.run,

@@ -35,7 +35,7 @@ from parley.protocol import status
 from parley.protocol.bus import COUNTERS, PullWorker
 from parley.protocol.messages import Heartbeat
 from parley.weights import lora, registry
-from parley.weights.common import WeightStoreTooSmall, checkpoint_elements
+from parley.weights.common import VersionConflict, WeightStoreTooSmall, checkpoint_elements, forget_writes
 from parley.weights.publish import Publisher, Weights
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,9 @@ class Learner:
     async def run(self, stop: asyncio.Event) -> int:
         st = self.state
         await self.weights.served.start()
+        # the weights keys' fence (weights.common): the first announcement reads the key, every later
+        # one writes on this learner's own last revision, so a write by another learner stops this one
+        forget_writes(self.js, self.run_name)
         await self.weights.publish(st.step)  # actors learn the baseline (version 0) or the restored version
         await self.publisher.drain()
         if self.resumed:  # tasks the learner before this one published and its ledger never recorded
@@ -225,8 +228,11 @@ class Learner:
             no_more_tasks.set()
             self.feeder.wake()
             await asyncio.gather(*background, return_exceptions=True)
-            if self.lease_job is None or not self.lease_job.done():  # fenced: no write once another may hold the run
-                await self.intake.flush()
+            # fenced: no write once another may hold the run (a lost lease; a stale one: Intake.fence)
+            if (self.lease_job is None or not self.lease_job.done()) and not await self.intake.flush():
+                log.error(
+                    "the learner lease is stale at stop: the ledger was not written (its messages are redelivered)"
+                )
             self.intake.ledger.close()
             self.stepper.steplog.close(self.evals.finished())
         log.info("stopped after step %d", st.step)
@@ -299,7 +305,7 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
     """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps; 2 when
     another learner holds the run (learner.lease) or a fresh start meets an older run's streams."""
     from parley.engines.models import ensure_model
-    from parley.learner.lease import Lease, LeaseError, check_fresh_streams, holder_name
+    from parley.learner.lease import Lease, LeaseError, LeaseLost, check_fresh_streams, holder_name
     from parley.learner.ranks import Driver
     from parley.learner.trainer import Trainer
     from parley.runtime import killpoints
@@ -356,7 +362,12 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
                 log.error("%s", e)
                 return 2
             learner.lease_job = keeping
-            return await learner.run(stop)
+            learner.intake.fence = lease.holds
+            try:
+                return await learner.run(stop)
+            except (LeaseLost, VersionConflict) as e:  # another learner holds the run now: one line, no traceback
+                log.error("%s", e)
+                return 2
         finally:
             if driver is not None:
                 driver.stop()

@@ -76,7 +76,13 @@ class Stepper:
         st.in_step = [t.group for t in taken]
         for t in taken:
             st.attempts[t.group.task_id] += 1
-        await self.intake.flush()
+        if not await self.intake.flush():  # the lease is stale (Intake.fence): no step whose attempt is unrecorded
+            st.in_step = []
+            for t in taken:
+                st.attempts[t.group.task_id] -= 1
+            self.grouper.untake(taken)
+            st.phase = "ready"
+            return False
         killpoints.reached("step")
         try:
             trained, stats, refused, refused_stats, untried = await self.train(taken)

@@ -13,6 +13,7 @@ import logging
 import re
 import secrets
 import time
+import weakref
 from pathlib import Path
 
 import msgspec
@@ -101,43 +102,81 @@ async def current_version(js, run: str) -> WeightVersion | None:
     return codec.decode("weights", entry.value)
 
 
-async def announce(js, run: str, wv: WeightVersion) -> None:
-    """Point the run's weights key at `wv` by compare-and-set (VersionConflict if another writer
-    moved it meanwhile); a key holding junk is replaced, a move to a lower version logged."""
+# The fence of the weights keys: per JetStream context (one learner's connection) and (run, key), the
+# revision of the key this writer wrote last. Its next write is a compare-and-set on that revision, so a
+# learner that lost the run (paused past the lease's TTL while another learner took the run and
+# announced) fails with VersionConflict instead of moving the key back. A compare-and-set on the
+# revision just read would not: the stale learner reads the other's write and overwrites it.
+_written: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fence(js) -> dict:
+    try:
+        return _written.setdefault(js, {})
+    except TypeError:  # a context that takes no weak reference (a test double): unfenced
+        return {}
+
+
+def forget_writes(js, run: str) -> None:
+    """A learner starts on `run` (after taking its lease): its first announcement on each key reads the
+    key and writes on that revision (a fresh key, a resumed run's last version, junk); every later one
+    on the revision it wrote itself. learner.service calls it before the first publication."""
+    fence = _fence(js)
+    for key in (topology.WEIGHTS_KEY, topology.WEIGHTS_EARLY_KEY):
+        fence.pop((run, key), None)
+
+
+async def _fenced_write(js, run: str, key: str, wv: WeightVersion) -> None:
     kv = await js.key_value(topology.kv_bucket(run))
     data = codec.encode(wv)
+    fence = _fence(js)
+    last = fence.get((run, key))
     try:
-        entry = await kv.get(topology.WEIGHTS_KEY)
-    except KeyNotFoundError:
-        entry = None
-    try:
+        if last is not None:  # ours was the last write, or someone else's came since: VersionConflict
+            fence[(run, key)] = await kv.update(key, data, last=last)
+            return
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            entry = None
         if entry is None or not entry.value:
-            await kv.create(topology.WEIGHTS_KEY, data)
+            fence[(run, key)] = await kv.create(key, data)
+            return
+        try:
+            previous = codec.decode("weights", entry.value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            # Someone else wrote junk there; what we publish replaces it (actors skip junk meanwhile).
+            log.warning("weights key %s of run %r held no WeightVersion (%s); replacing it", key, run, e)
         else:
-            try:
-                previous = codec.decode("weights", entry.value)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                # Someone else wrote junk there; what we publish replaces it (actors skip junk meanwhile).
-                log.warning("weights key of run %r held no WeightVersion (%s); replacing it", run, e)
-            else:
-                if previous.version > wv.version:
-                    log.warning(
-                        "weights key moves back from version %d to %d (resumed learner)", previous.version, wv.version
-                    )
-            await kv.update(topology.WEIGHTS_KEY, data, last=entry.revision)
+            if previous.version > wv.version:
+                log.warning(
+                    "weights key %s moves back from version %d to %d (resumed learner)",
+                    key,
+                    previous.version,
+                    wv.version,
+                )
+        fence[(run, key)] = await kv.update(key, data, last=entry.revision)
     except KeyWrongLastSequenceError as e:
         raise VersionConflict(
-            f"the weights key of run {run!r} changed while publishing version {wv.version}; "
-            "is a second learner running on this run?"
+            f"the weights key {key!r} of run {run!r} was written by another learner since this one's last "
+            f"announcement (revision {last}); version {wv.version} is not announced and this learner stops: "
+            "another learner holds the run now"
         ) from e
+
+
+async def announce(js, run: str, wv: WeightVersion) -> None:
+    """Point the run's weights key at `wv` by compare-and-set on the revision this learner wrote last
+    (the fence above; VersionConflict if another writer moved it since); a learner's first
+    announcement reads the key instead: a key holding junk is replaced, a move to a lower version logged."""
+    await _fenced_write(js, run, topology.WEIGHTS_KEY, wv)
 
 
 async def announce_early(js, run: str, wv: WeightVersion) -> None:
     """Put `wv` (a delta version whose full copy is still being uploaded, full_pending) on the run's
-    early key (topology.WEIGHTS_EARLY_KEY). No compare-and-set: announce() on WEIGHTS_KEY follows
-    with the same version and does the check; actors take whichever of the two was created last."""
-    kv = await js.key_value(topology.kv_bucket(run))
-    await kv.put(topology.WEIGHTS_EARLY_KEY, codec.encode(wv))
+    early key (topology.WEIGHTS_EARLY_KEY), fenced as announce() is: a learner that lost the run does
+    not move the early key either. announce() on WEIGHTS_KEY follows with the same version; actors take
+    whichever of the two was created last."""
+    await _fenced_write(js, run, topology.WEIGHTS_EARLY_KEY, wv)
 
 
 def old_versions(matches, keep: int, current: int, protect: set[int]) -> set[int]:
