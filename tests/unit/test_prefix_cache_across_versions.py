@@ -174,8 +174,8 @@ def test_each_turn_records_its_stale_prefix_and_version(tiny_model):
 
     from parley.engines.engine import GenOut
     from parley.protocol import codec
-    from parley.protocol.messages import ChatMessage, SimReply, Task
-    from parley.rollout.conversation import PolicySettings, run_conversation
+    from parley.protocol.messages import ChatMessage, SimReply
+    from tests.unit.test_rollout import play, task
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -201,23 +201,9 @@ def test_each_turn_records_its_stale_prefix_and_version(tiny_model):
         async def ask(self, req):
             return self.replies.pop(0)
 
-    t = Task(
-        task_id="t1",
-        run="r",
-        item_id="i/0",
-        n=1,
-        prefix=[ChatMessage("user", "hi")],
-        system_prompt="Be brief.",
-        sim_prompt="lazy_full",
-        max_new_turns=4,
-        max_tokens=16,
-        seed=1,
-    )
+    t = task(n=1, prefix=[ChatMessage("user", "hi")], system_prompt="Be brief.", max_new_turns=4, max_tokens=16, seed=1)
     versions = iter([3, 4])
-    policy = PolicySettings(max_model_len=512, model="tiny-double", actor="a1")
-    traj = asyncio.run(
-        run_conversation(StaleEngineDouble(), SimDouble(), t, 0, lambda: next(versions), tokenizer=tok, policy=policy)
-    )
+    traj = play(tok, StaleEngineDouble(), SimDouble(), t, version_fn=lambda: next(versions), max_model_len=512)
     assert [(turn.version, turn.stale_prefix_tokens) for turn in traj.turns] == [(3, 0), (4, 12)]
     back = codec.decode("traj", codec.encode(traj))
     assert [turn.stale_prefix_tokens for turn in back.turns] == [0, 12]
