@@ -142,25 +142,21 @@ def test_a_version_announced_while_asleep_wakes_the_weights_then_loads_then_wake
     asyncio.run(go())
 
 
-def test_after_a_level_2_sleep_a_load_that_fails_puts_the_served_weights_back_first():
+@pytest.mark.parametrize(
+    "level, after_failure",
+    [
+        (2, ["put back v0", "wake kv_cache"]),  # level 2 discarded the weights: the served ones go back first
+        (1, ["wake kv_cache"]),  # level 1 moved them back from the host: they are still there
+    ],
+)
+def test_after_a_sleep_a_load_that_fails_leaves_the_served_weights(level, after_failure):
     async def go():
         engine = SleepRecordingEngineDouble()
-        p = schedule(engine, level=2, quota=1)
+        p = schedule(engine, level=level, quota=1)
         await play(p, 1)
         assert not await follower_of(engine, p, loads=False).check()
-        assert engine.calls == ["sleep 2", "wake weights", "load v1 failed", "put back v0", "wake kv_cache"]
+        assert engine.calls == [f"sleep {level}", "wake weights", "load v1 failed", *after_failure]
         assert p.phase == ACTIVE
-
-    asyncio.run(go())
-
-
-def test_after_a_level_1_sleep_a_failed_load_keeps_the_weights_it_moved_back():
-    async def go():
-        engine = SleepRecordingEngineDouble()
-        p = schedule(engine, level=1, quota=1)
-        await play(p, 1)
-        assert not await follower_of(engine, p, loads=False).check()
-        assert engine.calls == ["sleep 1", "wake weights", "load v1 failed", "wake kv_cache"]
 
     asyncio.run(go())
 
