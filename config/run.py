@@ -573,36 +573,43 @@ def check_training(cfg: RunConfig) -> None:
 
 
 def check_phased(cfg: RunConfig) -> None:
-    """`[up] gpu_share = "phased"` (actors/phases.py): the actor's engine sleeps once the groups of the
-    step being trained are played and wakes when the learner announces the next version. That leaves
-    the actor nothing to decode while the learner steps only when the staleness gate admits no group
-    on a version before the next one is announced (max_staleness = 0, no oversampled groups), and only
-    when one actor plays every group of a step (its count of them is what tells it to sleep). Level 2
-    discards the engine's weights, which LoRA adapters served on the base need kept."""
-    if cfg.up.gpu_share != "phased":
-        return
+    """`[up] gpu_share = "phased"` (actors/phases.py), refused where phased_refusal names a reason."""
+    if cfg.up.gpu_share == "phased" and (why := phased_refusal(cfg)) is not None:
+        raise ConfigError(why)
+
+
+def phased_refusal(cfg: RunConfig) -> str | None:
+    """Why `[up] gpu_share = "phased"` cannot run this config (one line with the value and the fix),
+    or None; asked whatever gpu_share says, so "auto" (deploy/gpu_share.py) never picks it where it
+    would be refused. The actor's engine sleeps once the groups of the step being trained are played
+    and wakes when the learner announces the next version. That leaves the actor nothing to decode
+    while the learner steps only when the staleness gate admits no group on a version before the next
+    one is announced (max_staleness = 0, no oversampled groups), and only when one actor plays every
+    group of a step (its count of them is what tells it to sleep). Level 2 discards the engine's
+    weights, which LoRA adapters served on the base need kept."""
     lc, fix = cfg.learner, 'or [up] gpu_share = "mps"'
     if lc.max_staleness != 0:
-        raise ConfigError(
+        return (
             f'[up] gpu_share = "phased" with learner.max_staleness={lc.max_staleness}: the actor sleeps while the '
             f"learner steps, so no group may be played on the version being trained; set learner.max_staleness = 0 {fix}"
         )
     if lc.oversample_groups:
-        raise ConfigError(
+        return (
             f'[up] gpu_share = "phased" with learner.oversample_groups={lc.oversample_groups}: extra groups would '
             f"be played while the learner steps; set learner.oversample_groups = 0 {fix}"
         )
     if cfg.up.most_actors() > 1:
-        raise ConfigError(
+        return (
             f'[up] gpu_share = "phased" with {cfg.up.most_actors()} actors: one actor takes turns with the learner '
             f"(it counts a step's groups to know when to sleep); set up.actors = 1 and up.autoscale = false {fix}"
         )
     if cfg.actor.sleep_level == 2 and cfg.actor.engine.max_lora_rank > 0:
-        raise ConfigError(
+        return (
             f"actor.sleep_level = 2 with actor.engine.max_lora_rank={cfg.actor.engine.max_lora_rank}: level 2 "
             "discards the engine's weights, and LoRA adapter versions are served on the base, which is never "
             "loaded again; set actor.sleep_level = 1 (or 0: chosen by what is served)"
         )
+    return None
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -19,6 +19,7 @@ phase, not the sum, so the KV cache may take what the learner's step takes only 
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -711,6 +712,7 @@ def knobs(cfg: RunConfig, procs: list[Proc], total: float) -> list[str]:
     return out
 
 
+@functools.cache  # asked once a process: gpu_share = "auto" plans twice before the plan that is shown
 def detect_gpu_gib() -> float | None:
     """The first visible GPU's total memory in GiB, asked of torch.cuda in a short child process (so
     `parley up` itself holds no CUDA context for the whole run); None without CUDA."""

@@ -31,6 +31,10 @@ from parley.errors import Unavailable
 
 BINARY = "nvidia-cuda-mps-control"
 FIX = 'set [up] gpu_share = "plain" (the GPU time-slices the processes instead)'
+MISSING = (
+    f'[up] gpu_share = "mps" needs {BINARY} (the NVIDIA driver\'s utilities) on PATH, and it is not there; '
+    f"install them or {FIX}"
+)
 # a CUDA process of our own under the daemon: its server starts with the first client
 CUDA_PROBE = [sys.executable, "-c", "import torch; torch.zeros(1, device='cuda').sum().item()"]
 
@@ -43,10 +47,7 @@ def binary() -> str:
     """The daemon's path, or MpsError naming what is missing and the fix."""
     found = shutil.which(BINARY)
     if found is None:
-        raise MpsError(
-            f'[up] gpu_share = "mps" needs {BINARY} (the NVIDIA driver\'s utilities) on PATH, and it '
-            f"is not there; install them or {FIX}"
-        )
+        raise MpsError(MISSING)
     return found
 
 
@@ -107,25 +108,25 @@ class MpsDaemon:
         self.pipe_dir = None
 
 
-def start_for(share: str, run_dir: Path, gpu: bool, probe: list[str] | None = None) -> tuple[MpsDaemon | None, str]:
-    """The run's daemon, started, and a line for the operator; (None, line) where the GPU time-slices.
-    share "mps" refuses with MpsError where MPS cannot serve; "auto" falls back to plain sharing then,
-    and so does a run that puts nothing on a GPU; "plain" starts nothing, nor does "phased" (the
-    learner and the actor take the GPU in turns, actors/phases.py: their kernels never overlap)."""
-    if share == "phased" and gpu:
-        return None, "GPU sharing: phased (the actor's engine sleeps while the learner steps); no MPS daemon"
-    if share in ("plain", "phased") or not gpu:
-        return None, ""
-    if share == "auto" and shutil.which(BINARY) is None:
-        return (
-            None,
-            f'GPU sharing: plain (gpu_share = "auto" and {BINARY} is not on PATH); the GPU time-slices the processes',
-        )
+def start_for(
+    share: str, run_dir: Path, gpu: bool, probe: list[str] | None = None, sleep_level: int | None = None
+) -> tuple[MpsDaemon | None, str]:
+    """The run's daemon, started, and a line for the operator; (None, line) where the GPU time-slices
+    or is taken in turns. Which sharing is deploy/gpu_share.decide's (the same rule the check before
+    start applied, which also resolved "auto" to "phased" where that wins): "mps" refuses with
+    MpsError where MPS cannot serve; "auto" falls back to plain sharing then, and so does a run that
+    puts nothing on a GPU; "plain" starts nothing, nor does "phased" (the learner and the actor take
+    the GPU in turns, actors/phases.py: their kernels never overlap)."""
+    from parley.deploy.gpu_share import Facts, decide
+
+    chosen = decide(Facts(share=share, uses_gpu=gpu, mps_binary=shutil.which(BINARY), sleep_level=sleep_level))
+    if chosen.mode != "mps":
+        return None, chosen.line
     mps = MpsDaemon(run_dir, probe=probe)
     try:
         mps.start()
     except MpsError as e:
-        if share != "auto":
+        if not chosen.fallback:
             raise
         return None, f'GPU sharing: plain (gpu_share = "auto" and MPS cannot serve: {e})'
     how = ' (gpu_share = "auto")' if share == "auto" else ""

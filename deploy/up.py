@@ -89,7 +89,9 @@ def prepare_models(cfg: RunConfig) -> None:
         print(f"model {name}: {path} ({time.time() - t0:.0f}s)", flush=True)
 
 
-async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool = False) -> int:
+async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool = False, share_key: str = "") -> int:
+    """`share_key`: the workload's fingerprint (deploy/gpu_share.fingerprint): a run on a GPU that ends
+    well keeps its trained tokens/s under it, with the sharing it had, for gpu_share = "auto"."""
     from parley.deploy.common import topology_bus
     from parley.deploy.credentials import generate_credentials, server_auth_conf
     from parley.deploy.live import RunWatcher, render, watch
@@ -141,7 +143,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
         # before any role: under "mps" an image where MPS cannot serve is refused here, under "auto" the
         # GPU time-slices instead
         try:
-            mps, line = await asyncio.to_thread(start_for, cfg.up.gpu_share, run_dir, uses_gpu(cfg))
+            mps, line = await asyncio.to_thread(
+                start_for, cfg.up.gpu_share, run_dir, uses_gpu(cfg), None, cfg.actor.sleep_level_served()
+            )
         except MpsError as e:
             print(f"parley up: {e}", file=sys.stderr, flush=True)
             return 2
@@ -210,6 +214,12 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
             sampler.stop()  # before the closing report draws its samples
         if code == 0:
             code = _closing(cfg, run_dir)
+        if code == 0 and share_key and uses_gpu(cfg):
+            from parley.deploy.gpu_share import record_run
+
+            used = "phased" if cfg.up.gpu_share == "phased" else "mps" if mps is not None else "plain"
+            if line := await asyncio.to_thread(record_run, share_key, used, run_dir):
+                print(line, flush=True)
         return code
     finally:
         if sampler is not None:

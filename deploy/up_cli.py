@@ -106,7 +106,12 @@ def up_cmd(
         )
     if problems:
         refuse("up", problems)
-    share = check_gpu_share(cfg, dry=dry)
+    # the workload's fingerprint, taken before the plan settles any "auto" of the config: the run's
+    # measurement is kept by it at the end (a resumed run's steps span two starts: none is kept)
+    from parley.deploy.gpu_share import fingerprint
+
+    key = fingerprint(cfg) if resume is None else ""
+    share = check_gpu_share(cfg, dry=dry, hub_dirs=hub_dirs, key=key)
     plan = check_memory(planned(cfg, hub_dirs), dry=dry)
     if dry:
         dry_run(cfg, notes="\n".join(n for n in (plan, share) if n))
@@ -116,7 +121,7 @@ def up_cmd(
     from parley.deploy.up import up_main
 
     show_live = cfg.up.live and sys.stdout.isatty() if live is None else live
-    run_async_main(up_main, cfg, show_live, resume is not None)
+    run_async_main(up_main, cfg, show_live, *((True,) if resume is not None else (False, key)))
 
 
 def resume_source(run_dir: Path, config: Path | None, other_dir: Path | None, env: str | None) -> Path:
@@ -149,41 +154,22 @@ def planned(cfg, hub_dirs: dict[str, Path]):
     return out
 
 
-def check_gpu_share(cfg, dry: bool) -> str:
-    """`[up] gpu_share = "mps"` is checked before anything starts: the config must put something on a
-    GPU and the MPS daemon's binary must be here (deploy/mps.py; a run is refused with exit code 2).
-    Under --dry-run a missing binary is a note (the dry run may be on another machine than the run).
-    "auto" refuses nothing: the note says which sharing a GPU run here gets. "phased" (the actor's
-    engine sleeps while the learner steps: actors/phases.py) needs no daemon, and is refused like
-    "mps" for a config with nothing on a GPU (its other checks: config.run.check_phased)."""
-    share = cfg.up.gpu_share
-    if share == "plain":
-        return ""
-    from parley.deploy.memory import uses_gpu
-    from parley.deploy.mps import BINARY, FIX, MpsError, binary
+def check_gpu_share(cfg, dry: bool, hub_dirs: dict[str, Path] | None = None, key: str = "") -> str:
+    """Which GPU sharing the run gets, decided before anything starts (deploy/gpu_share.decide, the
+    rule deploy/mps.start_for applies again at the start), as the line to print. "mps" and "phased"
+    with nothing on a GPU are refused (exit code 2), and so is "mps" without the MPS daemon's binary,
+    which under --dry-run is a note (the dry run may be on another machine than the run). "auto"
+    refuses nothing; where it takes phased sharing, `cfg` says so from here on (the memory plan, the
+    config every child is given). `key`: the workload's fingerprint, for earlier runs' measurements."""
+    from parley.deploy.gpu_share import decide, facts_of
 
-    if not uses_gpu(cfg):
-        if share == "auto":
-            return ""
-        typer.echo(f'parley up: [up] gpu_share = "{share}", but this config puts nothing on a GPU; {FIX}', err=True)
+    chosen = decide(facts_of(cfg, key=key, plan_cfg=planned(cfg, hub_dirs or {})))
+    if chosen.refusal and not (dry and chosen.here):
+        typer.echo(f"parley up: {chosen.refusal}", err=True)
         raise typer.Exit(2)
-    if share == "phased":
-        level = cfg.actor.sleep_level_served()
-        return (
-            f"GPU sharing: phased, no MPS: the actor's engine sleeps (sleep level {level}) once a step's groups "
-            "are played and wakes for the learner's next version; the learner steps alone meanwhile"
-        )
-    try:
-        where = binary()
-    except MpsError as e:
-        if share == "auto":
-            return f'GPU sharing: plain (gpu_share = "auto" and {BINARY} is not on this machine\'s PATH)'
-        if dry:
-            return f"GPU sharing: MPS; {BINARY} is not on this machine's PATH, so `parley up` here would refuse"
-        typer.echo(f"parley up: {e}", err=True)
-        raise typer.Exit(2) from None
-    how = ' (gpu_share = "auto"; plain if a CUDA process cannot run under it)' if share == "auto" else ""
-    return f"GPU sharing: MPS{how}, a daemon of the run's own ({where} -d), every child's kernels through its server"
+    if chosen.mode == "phased":
+        cfg.up.gpu_share = "phased"
+    return chosen.line
 
 
 def check_memory(cfg, dry: bool) -> str:

@@ -393,11 +393,16 @@ def build_smol(out_dir: str | os.PathLike, wheel_dir: str | os.PathLike | None =
 # name resolution + cache
 
 
+def cache_dir() -> Path:
+    """The user's parley cache: $PARLEY_CACHE, or ~/.cache/parley (built models here, and what
+    deploy/gpu_share.py measured)."""
+    base = os.environ.get("PARLEY_CACHE")
+    return Path(base) if base else Path.home() / ".cache" / "parley"
+
+
 def _cache_root() -> Path:
     """$PARLEY_CACHE/models, or ~/.cache/parley/models."""
-    base = os.environ.get("PARLEY_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "parley"
-    return root / "models"
+    return cache_dir() / "models"
 
 
 _BUILDERS = {"tiny": build_tiny, "smol": build_smol}

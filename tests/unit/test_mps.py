@@ -151,7 +151,7 @@ def test_auto_takes_mps_where_the_daemon_serves_and_plain_otherwise_saying_why(t
     assert start_for("plain", tmp_path / "plain", gpu=True) == (None, "")
     monkeypatch.setenv("PATH", str(tmp_path))  # no binary: plain, said so
     mps, line = start_for("auto", tmp_path / "none", gpu=True)
-    assert mps is None and f'plain (gpu_share = "auto" and {BINARY} is not on PATH)' in line
+    assert mps is None and f'plain (gpu_share = "auto" and {BINARY} is not on this machine\'s PATH)' in line
     calls = double(tmp_path, monkeypatch)
     fails = [sys.executable, "-c", "import sys; sys.exit('CUDA error: all CUDA-capable devices are busy')"]
     mps, line = start_for("auto", tmp_path / "busy", gpu=True, probe=fails)
