@@ -72,8 +72,9 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu_memory_gib: Annotated[float, msgspec.Meta(ge=0.0, description="0 = detect")] = 0.0
     # how the processes on one GPU share its compute: "plain", the GPU time-slices their kernels; "mps",
     # `parley up` starts a CUDA MPS daemon for the run and every child's kernels go through its server
-    # (deploy/mps.py; needs nvidia-cuda-mps-control, checked before anything starts); "auto", MPS where
-    # the run puts something on a GPU and the daemon can serve it, plain otherwise (said at start);
+    # (deploy/mps.py; needs nvidia-cuda-mps-control, checked before anything starts); "auto", phased
+    # where it is allowed and only its memory plan fits or earlier runs of this workload on this GPU
+    # measured it faster, else MPS where the daemon can serve, plain otherwise (deploy/gpu_share.py; said at start);
     # "phased", the learner and the actor take the GPU in turns: the actor's engine sleeps (frees its
     # KV cache and weights, [actor] sleep_level) while the learner steps and wakes for the next version
     # (actors/phases.py; needs learner.max_staleness = 0 and one actor: config.run.check_phased)

@@ -13,7 +13,8 @@ daemon, so that an image where MPS cannot serve (a container without the needed 
 exclusive mode) is refused at start with the error, not found later in a role's log.
 
 Under "auto" a GPU run takes MPS where the daemon's binary is on PATH and the probe runs, and plain
-sharing otherwise, with one line saying why (`start_for`): at the 4B shape with a LoRA learner the
+sharing otherwise (unless deploy/gpu_share.py's rule takes phased sharing), with one line saying why
+(`start_for`): at the 4B shape with a LoRA learner the
 learner's step beside the actor went from 16.1 s time-sliced to 9.7 s under MPS (docs/gpu.md,
 "Throughput against the floor"), and on SmolLM2 MPS changed nothing measurable.
 """

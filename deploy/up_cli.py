@@ -163,7 +163,8 @@ def check_gpu_share(cfg, dry: bool, hub_dirs: dict[str, Path] | None = None, key
     config every child is given). `key`: the workload's fingerprint, for earlier runs' measurements."""
     from parley.deploy.gpu_share import decide, facts_of
 
-    chosen = decide(facts_of(cfg, key=key, plan_cfg=planned(cfg, hub_dirs or {})))
+    plan_cfg = planned(cfg, hub_dirs or {}) if cfg.up.gpu_share == "auto" else None  # only "auto" plans here
+    chosen = decide(facts_of(cfg, key=key, plan_cfg=plan_cfg))
     if chosen.refusal and not (dry and chosen.here):
         typer.echo(f"parley up: {chosen.refusal}", err=True)
         raise typer.Exit(2)
