@@ -29,7 +29,7 @@ from parley.errors import ConfigError
 from parley.protocol.messages import GREEDY_BELOW
 from parley.protocol.settings import RUN_NAME, BusSettings
 from parley.runtime.toml import to_toml
-from parley.weights.config import ObjstoreWeights, WeightsConfig, check_kind
+from parley.weights.config import ObjstoreWeights, WeightsConfig, check_kind, from_gpu_buffer
 
 
 class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -578,7 +578,8 @@ def check_phased(cfg: RunConfig) -> None:
     the actor nothing to decode while the learner steps only when the staleness gate admits no group
     on a version before the next one is announced (max_staleness = 0, no oversampled groups), and only
     when one actor plays every group of a step (its count of them is what tells it to sleep). Level 2
-    discards the engine's weights, which LoRA adapters served on the base need kept."""
+    discards the engine's weights, which LoRA adapters served on the base need kept, and which a version
+    that came in the learner's GPU buffer cannot refill once that buffer holds the next version."""
     if cfg.up.gpu_share != "phased":
         return
     lc, fix = cfg.learner, 'or [up] gpu_share = "mps"'
@@ -602,6 +603,14 @@ def check_phased(cfg: RunConfig) -> None:
             f"actor.sleep_level = 2 with actor.engine.max_lora_rank={cfg.actor.engine.max_lora_rank}: level 2 "
             "discards the engine's weights, and LoRA adapter versions are served on the base, which is never "
             "loaded again; set actor.sleep_level = 1 (or 0: chosen by what is served)"
+        )
+    if cfg.actor.sleep_level == 2 and from_gpu_buffer(cfg.weights):
+        kind = type(cfg.weights).__struct_config__.tag
+        raise ConfigError(
+            f'actor.sleep_level = 2 with weights.kind = "{kind}": level 2 discards the engine\'s weights, and a '
+            "version that came in the learner's GPU buffer cannot be loaded again once the next version is packed "
+            "into it (a group issued again while asleep, or a wake whose new version fails to load, would stop "
+            "the actor); set actor.sleep_level = 1 (or 0: chosen by what is served)"
         )
 
 

@@ -168,7 +168,7 @@ def check_gpu_share(cfg, dry: bool) -> str:
         typer.echo(f'parley up: [up] gpu_share = "{share}", but this config puts nothing on a GPU; {FIX}', err=True)
         raise typer.Exit(2)
     if share == "phased":
-        level = cfg.actor.sleep_level_served()
+        level = cfg.actor.sleep_level_served(cfg.weights)
         return (
             f"GPU sharing: phased, no MPS: the actor's engine sleeps (sleep level {level}) once a step's groups "
             "are played and wakes for the learner's next version; the learner steps alone meanwhile"
