@@ -89,7 +89,7 @@ class Actor:
         if cfg.up.gpu_share == "phased":
             self.phases = PhaseSchedule(
                 engine,
-                level=cfg.actor.sleep_level_served(),
+                level=cfg.actor.sleep_level_served(cfg.weights),
                 quota=cfg.learner.groups_per_step * cfg.rollout.n,
                 put_back=lambda: self.follower.put_back(),
                 timeout_s=cfg.actor.phase_timeout_s,

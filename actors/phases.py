@@ -44,7 +44,8 @@ class PhaseSchedule:
     learner announces (`announced`, the engine's version by default) and none is in flight, the
     learner admits no more until it announces the next one.
     `put_back` loads the served weights again (the follower's): after a level-2 sleep the weights
-    are empty until a version is loaded into them."""
+    are empty until a version is loaded into them. Level 2 is taken only where put_back needs nothing
+    from the learner (files: config.actor.ActorConfig.sleep_level_served, config.run.check_phased)."""
 
     def __init__(
         self,

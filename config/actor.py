@@ -13,6 +13,7 @@ from msgspec import Meta
 
 from parley.engines.config import EngineConfig, ServiceBackend
 from parley.protocol.messages import Sampling
+from parley.weights.config import from_gpu_buffer
 
 SimPrompt = Literal["lazy_full", "lazy_summary", "cooperative"]
 SIM_PROMPTS = get_args(SimPrompt)
@@ -44,13 +45,18 @@ class ActorConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # [up] gpu_share = "phased": how deep the engine sleeps while the learner steps (vLLM's sleep levels).
     # 1 moves its weights to host memory and discards the KV cache; 2 discards both, and the next version
     # is loaded into empty weights (every version replaces all of them: whole weights, or serve = "merged").
-    # 0 = by what is served: 1 where LoRA adapters are served on the base, else 2 (sleep_level_served).
+    # 0 = by what is served and how it travels: 1 where LoRA adapters are served on the base or versions
+    # come in the learner's GPU buffer (cuda_ipc, nccl), else 2 (sleep_level_served).
     sleep_level: Literal[0, 1, 2] = 0
     # phased: the longest an engine's sleep, wake or a conversation's wait for the engine to wake may take
     phase_timeout_s: Annotated[float, Meta(gt=0)] = 600.0
 
-    def sleep_level_served(self) -> int:
-        """The sleep level phased sharing uses (sleep_level, 0 resolved by what the engine serves)."""
+    def sleep_level_served(self, weights) -> int:
+        """The sleep level phased sharing uses: sleep_level, 0 resolved by what the engine serves and
+        how the run's versions travel (`weights`, its [weights]). Level 2 only where the served version
+        can be loaded again without the learner (a group issued again while asleep wakes the engine on
+        it; so does a wake whose new version fails to load): from files, not from the learner's GPU
+        buffer, which the next version overwrites (weights.config.from_gpu_buffer)."""
         if self.sleep_level:
             return self.sleep_level
-        return 1 if self.engine.max_lora_rank > 0 else 2
+        return 1 if self.engine.max_lora_rank > 0 or from_gpu_buffer(weights) else 2

@@ -29,7 +29,7 @@ from parley.errors import ConfigError
 from parley.protocol.messages import GREEDY_BELOW
 from parley.protocol.settings import RUN_NAME, BusSettings
 from parley.runtime.toml import to_toml
-from parley.weights.config import ObjstoreWeights, WeightsConfig, check_kind
+from parley.weights.config import ObjstoreWeights, WeightsConfig, check_kind, from_gpu_buffer
 
 
 class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -587,7 +587,8 @@ def phased_refusal(cfg: RunConfig) -> str | None:
     while the learner steps only when the staleness gate admits no group on a version before the next
     one is announced (max_staleness = 0, no oversampled groups), and only when one actor plays every
     group of a step (its count of them is what tells it to sleep). Level 2 discards the engine's
-    weights, which LoRA adapters served on the base need kept."""
+    weights, which LoRA adapters served on the base need kept, and which a version that came in the
+    learner's GPU buffer cannot refill once that buffer holds the next version."""
     lc, fix = cfg.learner, 'or [up] gpu_share = "mps"'
     if lc.max_staleness != 0:
         return (
@@ -609,6 +610,14 @@ def phased_refusal(cfg: RunConfig) -> str | None:
             f"actor.sleep_level = 2 with actor.engine.max_lora_rank={cfg.actor.engine.max_lora_rank}: level 2 "
             "discards the engine's weights, and LoRA adapter versions are served on the base, which is never "
             "loaded again; set actor.sleep_level = 1 (or 0: chosen by what is served)"
+        )
+    if cfg.actor.sleep_level == 2 and from_gpu_buffer(cfg.weights):
+        kind = type(cfg.weights).__struct_config__.tag
+        return (
+            f'actor.sleep_level = 2 with weights.kind = "{kind}": level 2 discards the engine\'s weights, and a '
+            "version that came in the learner's GPU buffer cannot be loaded again once the next version is packed "
+            "into it (a group issued again while asleep, or a wake whose new version fails to load, would stop "
+            "the actor); set actor.sleep_level = 1 (or 0: chosen by what is served)"
         )
     return None
 

@@ -332,7 +332,7 @@ def facts_of(cfg, key: str = "", plan_cfg=None) -> Facts:
         uses_gpu=gpu,
         mps_binary=shutil.which(BINARY),
         phased_refusal=phased_refusal(cfg),
-        sleep_level=cfg.actor.sleep_level_served(),
+        sleep_level=cfg.actor.sleep_level_served(cfg.weights),
     )
     if cfg.up.gpu_share != "auto" or not gpu:
         return facts

@@ -651,7 +651,7 @@ def processes(cfg: RunConfig) -> list[Proc]:
         staging = [Term('its packed copy of the served weights (weights.delta_format = "packed")', _gib(packed))]
     # (cuda_ipc loads from the learner's buffer itself within the hold time: no copy is planned; a
     # reader that comes later copies it first, and if that does not fit the load is tried again)
-    level = cfg.actor.sleep_level_served() if cfg.up.gpu_share == "phased" else 0
+    level = cfg.actor.sleep_level_served(cfg.weights) if cfg.up.gpu_share == "phased" else 0
     actor = (*engine_terms(cfg.actor.engine, shape_of, level), *staging, ctx)
     procs += [Proc(f"actor-{i}", actor) for i in range(cfg.up.most_actors())]
     if cfg.learner.eval_every > 0:

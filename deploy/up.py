@@ -144,7 +144,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
         # GPU time-slices instead
         try:
             mps, line = await asyncio.to_thread(
-                start_for, cfg.up.gpu_share, run_dir, uses_gpu(cfg), None, cfg.actor.sleep_level_served()
+                start_for, cfg.up.gpu_share, run_dir, uses_gpu(cfg), None, cfg.actor.sleep_level_served(cfg.weights)
             )
         except MpsError as e:
             print(f"parley up: {e}", file=sys.stderr, flush=True)

@@ -362,6 +362,9 @@ class PolicyEngine:
     """
 
     _removing: asyncio.Task | None = None  # adapters a new version replaced, being removed (_adopt_adapter)
+    # what sleep() freed and wake_up has not given back yet ("weights", "kv_cache"): a load made meanwhile
+    # leaves vLLM's scheduler paused (_resume)
+    _asleep: frozenset[str] = frozenset()
 
     def __init__(self, settings: EngineSettings, version: int = 0):
         from vllm.platforms import current_platform
@@ -527,7 +530,7 @@ class PolicyEngine:
                 await self._llm.collective_rpc("parley_reload_weights", kwargs={"weights_path": str(weights_dir)})
             finally:
                 self._weights_epoch += 1  # also after a failed reload: the weights may be mixed
-                await self._llm.resume_generation()
+                await self._resume()
             if version is not None:
                 self.version = version
 
@@ -559,7 +562,7 @@ class PolicyEngine:
                     ) from None
             finally:
                 self._weights_epoch += 1  # also after a failure: the weights may be mixed until restored
-                await self._llm.resume_generation()
+                await self._resume()
             bad = [r for r in reasons if r]
             refused = [why for kind, why in bad if kind == REFUSED]
             if refused:  # one worker's mismatch refuses the version, whatever the others say
@@ -619,7 +622,7 @@ class PolicyEngine:
                 await self._llm.collective_rpc("parley_packed_load", kwargs={"version": version})
             finally:
                 self._weights_epoch += 1  # also after a failure: the weights may be mixed until restored
-                await self._llm.resume_generation()
+                await self._resume()
             self.packed_name = table_digest(codec.decode("weights", announcement).packed)
             self.version = version
 
@@ -632,12 +635,20 @@ class PolicyEngine:
                 await self._llm.collective_rpc("parley_packed_load", kwargs={"version": version, "revert": revert})
             finally:
                 self._weights_epoch += 1
-                await self._llm.resume_generation()
+                await self._resume()
             self.version = version
 
     async def drop_packed(self) -> None:
         self.packed_name = None
         await self._llm.collective_rpc("parley_packed_drop")
+
+    async def _resume(self) -> None:
+        """Resume generation after a load's pause, unless part of the engine still sleeps ([up] gpu_share
+        = "phased" wakes the weights, loads a version, then wakes the KV cache): vLLM's resume_generation
+        unpauses the scheduler whatever sleeps, and a request queued meanwhile would then run on KV cache
+        memory that is not mapped. vLLM's own wake_up resumes the scheduler once nothing sleeps."""
+        if not self._asleep:
+            await self._llm.resume_generation()
 
     async def _prepare_gpu_load(self) -> None:
         if not getattr(self, "_gpu_load_prepared", False):  # once, outside the hold-time bound of a load
@@ -796,17 +807,22 @@ class PolicyEngine:
     async def sleep(self, level: int) -> None:
         """Free the engine's GPU memory until wake_up: level 1 moves the weights to host memory and
         discards the KV cache, level 2 discards both (vLLM's sleep levels). The caller makes sure no
-        request is in flight: vLLM would abort it. vLLM resets its prefix cache here (the KV is gone).
+        request is in flight: vLLM would abort it. One added while the engine sleeps waits in vLLM's
+        queue until both are awake again (its scheduler stays paused: _resume, wake_up). vLLM resets
+        its prefix cache here (the KV is gone).
         A no-op where the engine cannot sleep (can_sleep: the CPU build)."""
         await self._settled()  # no adapter removal runs into the sleep
         if self.can_sleep:
+            self._asleep = frozenset(("weights", "kv_cache"))  # before: a sleep that fails half-way may have freed them
             await self._llm.sleep(level)
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Give back what sleep freed: "weights" (after level 2 they hold no version: load one before
-        serving), "kv_cache", or both (None). A no-op where the engine cannot sleep."""
+        serving), "kv_cache", or both (None). A no-op where the engine cannot sleep. vLLM resumes its
+        scheduler (paused by the sleep, and by any load made since: _resume) once both are awake."""
         if self.can_sleep:
             await self._llm.wake_up(tags=None if tags is None else list(tags))
+            self._asleep = frozenset() if tags is None else self._asleep - set(tags)
 
     def shutdown(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None

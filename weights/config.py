@@ -89,6 +89,16 @@ class NcclWeights(_Packed, tag="nccl"):
 
 
 WeightsConfig = ObjstoreWeights | SharedDirWeights | CudaIpcWeights | NcclWeights
+
+
+def from_gpu_buffer(settings) -> bool:
+    """Whether versions travel in the learner's packed GPU buffers (cuda_ipc, nccl), not as files. A
+    version served from one cannot be fetched again once the learner has packed a newer one into that
+    buffer: IpcPublisher refills the oldest buffer out of its hold, so with steps longer than hold_s
+    the next version goes into the served one's buffer whatever max_buffers is."""
+    return isinstance(settings, _Packed)
+
+
 KINDS = tuple(t.__struct_config__.tag for t in (ObjstoreWeights, SharedDirWeights, CudaIpcWeights, NcclWeights))
 
 

@@ -112,6 +112,15 @@ def test_a_learner_that_keeps_its_cache_holds_its_step_in_both_phases():
             ["actor.sleep_level=2", "actor.engine.max_lora_rank=16"],
             ["actor.sleep_level = 2 with actor.engine.max_lora_rank=16", "set actor.sleep_level = 1"],
         ),
+        # the served version's only copy is the learner's buffer, which the next version refills: with
+        # two buffers too (test_level_2_cannot_refill_a_version_from_the_learners_buffer_after_the_next)
+        *(
+            (
+                ["actor.sleep_level=2", f"weights.max_buffers={k}"],
+                ['actor.sleep_level = 2 with weights.kind = "cuda_ipc"', "set actor.sleep_level = 1"],
+            )
+            for k in (1, 2)
+        ),
     ],
 )
 def test_phased_is_refused_in_one_line_naming_the_value_and_the_fix(sets, words):
@@ -125,11 +134,34 @@ def test_phased_is_refused_in_one_line_naming_the_value_and_the_fix(sets, words)
     assert out.exit_code == 2 and words[0] in out.output
 
 
-def test_the_sleep_level_follows_what_is_served():
-    assert load_config(None, PHASED).actor.sleep_level_served() == 2  # whole weights: level 2
-    lora = load_config(None, [*PHASED, "actor.engine.max_lora_rank=16"])
-    assert lora.actor.sleep_level_served() == 1  # adapters on the base: the base is kept (level 1)
-    assert load_config(None, [*PHASED, "actor.sleep_level=1"]).actor.sleep_level_served() == 1
+def test_the_sleep_level_follows_what_is_served_and_how_it_travels():
+    def level(*sets):
+        files = any(s.startswith("weights.kind") for s in sets)  # no max_buffers: a key of GPU transports
+        cfg = load_config(None, [s for s in PHASED if not (files and s.startswith("weights."))] + list(sets))
+        return cfg.actor.sleep_level_served(cfg.weights)
+
+    # whole weights as files: level 2, the served files are loaded again when needed
+    assert level('weights.kind="objstore"') == 2
+    assert level('weights.kind="shared_dir"', 'weights.dir="/tmp/w"') == 2
+    # whole weights in the learner's GPU buffer: level 1, the served version is kept in host memory
+    assert level() == 1 and level("weights.max_buffers=2") == 1
+    assert level('weights.kind="objstore"', "actor.engine.max_lora_rank=16") == 1  # adapters on the base
+    assert level('weights.kind="objstore"', "actor.sleep_level=1") == 1
+
+
+def test_level_2_cannot_refill_a_version_from_the_learners_buffer_after_the_next():
+    """Why check_phased refuses level 2 with a GPU transport, whatever max_buffers: a phased step is
+    longer than the hold time, and the learner packs the next version into the oldest buffer out of
+    its hold, the served version's. A level-2 engine woken on the served version (a group issued again
+    while asleep; a wake whose new version fails to load) finds it gone, as load_again would."""
+    from parley.weights.cuda_ipc import IpcPublisher
+    from tests.unit.test_cuda_ipc_parts import named
+
+    for max_buffers in (1, 2):
+        pub = IpcPublisher(hold_s=0.0, max_buffers=max_buffers)  # hold_s 0: every step outlasts it
+        pub.fill(named(), 1)  # the version the actor serves, then sleeps on
+        pub.fill(named(), 2)  # the learner's step ends: the next version is packed
+        assert pub.take(1) is None and len(pub.buffers) == 1, max_buffers
 
 
 def test_parley_up_refuses_phased_for_a_config_with_nothing_on_a_gpu():
@@ -142,7 +174,7 @@ def test_parley_up_refuses_phased_for_a_config_with_nothing_on_a_gpu():
 def test_the_phased_dry_run_says_how_the_gpu_is_shared():
     out = CliRunner().invoke(app, ["up", "--dry-run", *(a for s in PHASED for a in ("--set", s))])
     assert out.exit_code == 0, out.output
-    assert "# GPU sharing: phased" in out.output and "sleep level 2" in out.output
+    assert "# GPU sharing: phased" in out.output and "sleep level 1" in out.output  # cuda_ipc: level 1
 
 
 def test_an_engine_with_an_explicit_kv_cache_on_a_gpu_is_planned():
