@@ -298,6 +298,16 @@ def record(key: str, mode: str, gpu: str, run_dir: Path, rows: list[dict], path:
     return entry
 
 
+STOPPED = 130  # up's exit code when the operator (or a wall budget's SIGINT) stopped the run
+
+
+def measured_end(code: int) -> bool:
+    """Whether a run that ended with `code` measured its sharing: one that finished (0), and one the
+    operator stopped (130; a benchmark's wall budget stops its runs that way), whose steps up to the
+    stop are as steady as a finished run's. A run that failed is no measurement."""
+    return code in (0, STOPPED)
+
+
 def record_run(key: str, mode: str, run_dir: Path) -> str:
     """What `parley up` calls at the end of a run on a GPU: its metrics.jsonl recorded (`record`) as
     the evidence of `mode`; a line for the operator ("" where there is no GPU name to key it by)."""

@@ -214,9 +214,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
             sampler.stop()  # before the closing report draws its samples
         if code == 0:
             code = _closing(cfg, run_dir)
-        if code == 0 and share_key and uses_gpu(cfg):
-            from parley.deploy.gpu_share import record_run
+        from parley.deploy.gpu_share import measured_end, record_run
 
+        if share_key and uses_gpu(cfg) and measured_end(code):
             used = "phased" if cfg.up.gpu_share == "phased" else "mps" if mps is not None else "plain"
             if line := await asyncio.to_thread(record_run, share_key, used, run_dir):
                 print(line, flush=True)

@@ -261,3 +261,10 @@ def test_a_corrupt_evidence_file_warns_and_auto_decides_as_without_it(monkeypatc
     # the next run's record sets the bad file aside and begins a new one
     assert record("k1", "mps", GPU, tmp_path, steps_rows([(0, 0), (10.0, 1000)])) is not None
     assert (tmp_path / "gpu_share.json.bad").exists() and [m.mode for m in read_evidence("k1")[0]] == ["mps"]
+
+
+@pytest.mark.parametrize(("code", "kept"), [(0, True), (130, True), (1, False), (2, False), (3, False)])
+def test_a_run_stopped_by_its_operator_is_a_measurement_and_a_failed_one_is_not(code, kept):
+    # a benchmark's wall budget stops `parley up` with SIGINT (exit 130): its steps up to the stop are
+    # as steady as a finished run's, and the H100 runs of bench/gpu_run.sh T were all stopped this way
+    assert gpu_share.measured_end(code) is kept
