@@ -134,6 +134,14 @@ T)
         # up.gpu_share="phased": the actor's sleeps and wakes (actors/phases.py logs each), with how long each sleep took
         grep -h -E "engine asleep|engine awake|while the engine sleeps" "$RUN"/logs/actor-*.log 2>/dev/null | tail -n 40 \
             >"$OUT/phases_4b_s$S.log" || true
+        # where the launch-to-first-step time goes (issue 56: launch to first step against TRL's): vLLM's own
+        # start-up lines (weights loaded, compile and its cache, CUDA graphs, KV) beside up's "ready after"
+        # line of each role, into the same small file
+        {
+            grep -h -E "ready after|all roles ready" "$OUT/up_4b_s$S.log"
+            grep -h -E "Model loading took|torch.compile|compile.*cache|Graph capturing finished|init engine|KV cache" \
+                "$RUN"/logs/actor-*.log 2>/dev/null | head -n 20
+        } >>"$OUT/phases_4b_s$S.log" || true
     done
     ;;
 P)
