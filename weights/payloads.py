@@ -574,8 +574,8 @@ class AdapterGpu(_Gpu):
 # what a WeightsBroken after a GPU-buffer load says would have kept the served version at hand
 HOLD_HINT = (
     "the learner refills a buffer once [weights] hold_s has passed since its fill, so the served version "
-    "survives the next one's load only with hold_s above a learner step plus an actor's load and "
-    "max_buffers >= 2 (one more packed model on the learner's GPU)"
+    "survives the next one's load only with max_buffers >= 2 and hold_s above a learner step plus an "
+    "actor's load (one more packed model on the learner's GPU; a hold over max_buffers steps skips versions)"
 )
 
 # the load halves keep no state of their own: one instance of each serves every follower
