@@ -365,6 +365,10 @@ class PolicyEngine:
     # what sleep() freed and wake_up has not given back yet ("weights", "kv_cache"): a load made meanwhile
     # leaves vLLM's scheduler paused (_resume)
     _asleep: frozenset[str] = frozenset()
+    # a load failed after changing weights and no whole version has been loaded since: generation stays
+    # paused (_resume), so no token of a mixed model is stamped with the version it had; the caller
+    # loads a whole version next (weights.follow: the new one once more, or the served one) or stops
+    _mixed: bool = False
 
     def __init__(self, settings: EngineSettings, version: int = 0):
         from vllm.platforms import current_platform
@@ -526,10 +530,13 @@ class PolicyEngine:
         """
         async with self._reload_lock:
             await self._llm.pause_generation(mode="abort" if abort_inflight else "keep", clear_cache=False)
+            loaded = False
             try:
                 await self._llm.collective_rpc("parley_reload_weights", kwargs={"weights_path": str(weights_dir)})
+                loaded = True
             finally:
                 self._weights_epoch += 1  # also after a failed reload: the weights may be mixed
+                self._mixed = not loaded
                 await self._resume()
             if version is not None:
                 self.version = version
@@ -549,6 +556,7 @@ class PolicyEngine:
             await self._llm.pause_generation(
                 mode="keep", clear_cache=False
             )  # salted prompts: no reset (reload_weights)
+            reasons = None
             try:
                 try:
                     reasons = await asyncio.wait_for(
@@ -562,6 +570,10 @@ class PolicyEngine:
                     ) from None
             finally:
                 self._weights_epoch += 1  # also after a failure: the weights may be mixed until restored
+                if reasons is None:  # raised (or timed out) after weights may have changed
+                    self._mixed = True
+                elif not any(reasons):  # a whole version; a refusal (reasons) changed nothing
+                    self._mixed = False
                 await self._resume()
             bad = [r for r in reasons if r]
             refused = [why for kind, why in bad if kind == REFUSED]
@@ -618,10 +630,13 @@ class PolicyEngine:
                 refused = [why for kind, why in bad if kind == REFUSED]
                 raise WeightVerifyError(refused[0]) if refused else WeightUnavailable(bad[0][1])
             await self._llm.pause_generation(mode="keep", clear_cache=False)
+            loaded = False
             try:
                 await self._llm.collective_rpc("parley_packed_load", kwargs={"version": version})
+                loaded = True
             finally:
                 self._weights_epoch += 1  # also after a failure: the weights may be mixed until restored
+                self._mixed = not loaded
                 await self._resume()
             self.packed_name = table_digest(codec.decode("weights", announcement).packed)
             self.version = version
@@ -631,10 +646,13 @@ class PolicyEngine:
         `revert`, after a failed load_packed_delta, what the copy held before that delta."""
         async with self._reload_lock:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
+            loaded = False
             try:
                 await self._llm.collective_rpc("parley_packed_load", kwargs={"version": version, "revert": revert})
+                loaded = True
             finally:
                 self._weights_epoch += 1
+                self._mixed = not loaded
                 await self._resume()
             self.version = version
 
@@ -646,8 +664,10 @@ class PolicyEngine:
         """Resume generation after a load's pause, unless part of the engine still sleeps ([up] gpu_share
         = "phased" wakes the weights, loads a version, then wakes the KV cache): vLLM's resume_generation
         unpauses the scheduler whatever sleeps, and a request queued meanwhile would then run on KV cache
-        memory that is not mapped. vLLM's own wake_up resumes the scheduler once nothing sleeps."""
-        if not self._asleep:
+        memory that is not mapped. vLLM's own wake_up resumes the scheduler once nothing sleeps. Nor
+        while the weights are mixed (_mixed): requests kept across the failed load wait for the whole
+        version loaded next."""
+        if not self._asleep and not self._mixed:
             await self._llm.resume_generation()
 
     async def _prepare_gpu_load(self) -> None:

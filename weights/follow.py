@@ -213,15 +213,21 @@ class WeightFollower:
             self._base_id = lora.base_identity(self._base_dir) if self._base_dir is not None else ""
         return lora.adapter_problem(wv, self._base_id, getattr(self.engine.settings, "max_lora_rank", 0))
 
-    async def restore(self, wv: WeightVersion, error: Exception) -> None:
-        # A load that failed half-way may have replaced some tensors already: serving on
-        # without reloading what we had would stamp turns of a mixed model with the old version.
+    async def restore(
+        self, wv: WeightVersion, error: Exception, again: Exception | None = None, hint: str = ""
+    ) -> None:
+        """Put the served version back after `wv` failed to load half-way (`error`; `again`: its second
+        try's, when it had one). A load that failed half-way may have replaced some tensors already:
+        serving on without reloading what we had would stamp turns of a mixed model with the old
+        version. When that fails too, WeightsBroken names both versions, what failed and `hint`."""
         try:
             await self.put_back()
         except Exception as e:
+            second = "" if again is None else f", and again at a second try ({type(again).__name__}: {again})"
             raise WeightsBroken(
-                f"weights version {wv.version} failed to load ({type(error).__name__}: {error}) and the served "
-                f"weights could not be restored ({e}); stopping rather than serve a mixed model"
+                f"weights version {wv.version} failed to load ({type(error).__name__}: {error}){second}; the served "
+                f"version {self.engine.version} could not be restored ({e}); stopping rather than serve a mixed "
+                f"model" + (f" ({hint})" if hint else "")
             ) from e
 
     async def reload_served_dir(self) -> None:

@@ -444,14 +444,41 @@ class GpuWeights(_Gpu):
             return f.refuse(wv, f"verification failed: {e}", None)
         except WeightUnavailable as e:  # it passes, nothing changed: tried again while announced
             return f.gpu_failed(wv, f"unavailable: {e}", passes=True)
-        except Exception as e:  # noqa: BLE001 - tried again, after putting the served weights back
-            await f.restore(wv, e)
-            return f.gpu_failed(wv, f"reload failed: {type(e).__name__}: {e}", passes=passes(e))
+        except Exception as e:  # noqa: BLE001 - half-way: loaded again, or the served weights put back
+            again = await self.load_once_more(f, wv, e)
+            if again is not None:
+                await f.restore(wv, e, again=again, hint=HOLD_HINT)
+                return f.gpu_failed(wv, f"reload failed: {type(e).__name__}: {e}", passes=passes(e))
         f.failing.pop(wv.version, None)
         log.info("now serving weights version %d (was %d, step %d, %s)", wv.version, old, wv.step, wv.transport)
         f.served_now(wv)
         f.put_back = partial(self.load_again, f, wv)
         return True
+
+    @staticmethod
+    async def load_once_more(f: WeightFollower, wv: WeightVersion, error: Exception) -> Exception | None:
+        """After a load of `wv` that failed half-way (the engine's weights may be mixed): load `wv` once
+        more, from the buffer it was announced in (None: served now), before the served version is put
+        back. The learner refills a buffer only after its hold, so `wv`'s is the one most likely still
+        to hold it, while the served version's may not: with steps longer than hold_s the learner packs
+        each version into the buffer the one before it was served from, whatever max_buffers is
+        (IpcPublisher), and putting that one back failed its checksums and stopped the actor. Its
+        checksums refuse `wv` too if the buffer changed since; the engine bounds the try by hold_s."""
+        log.warning(
+            "weights version %d failed half-way (%s: %s); loading it once more before putting version %d back",
+            wv.version,
+            type(error).__name__,
+            error,
+            f.engine.version,
+        )
+        COUNTERS["weights.gpu_load_again"] += 1
+        source = registry.get(wv.transport).source(wv)
+        try:
+            await f.engine.load_gpu(codec.encode(wv), hold_s=source.hold_s, version=wv.version)
+        except Exception as e:  # noqa: BLE001 - the caller puts the served version back, or stops
+            log.warning("weights version %d failed again (%s: %s)", wv.version, type(e).__name__, e)
+            return e
+        return None
 
     @staticmethod
     async def load_again(f: WeightFollower, wv: WeightVersion) -> None:
@@ -543,6 +570,13 @@ class AdapterGpu(_Gpu):
         f.served_now(wv)
         return True
 
+
+# what a WeightsBroken after a GPU-buffer load says would have kept the served version at hand
+HOLD_HINT = (
+    "the learner refills a buffer once [weights] hold_s has passed since its fill, so the served version "
+    "survives the next one's load only with max_buffers >= 2 and hold_s above a learner step plus an "
+    "actor's load (one more packed model on the learner's GPU; a hold over max_buffers steps skips versions)"
+)
 
 # the load halves keep no state of their own: one instance of each serves every follower
 FULL, DELTA, PACKED_DELTA, ADAPTER = Full(), Delta(), PackedDelta(), Adapter()

@@ -120,7 +120,8 @@ async def test_follower_loads_refuses_follows_back_and_stops_when_broken(js, tmp
 class IpcEngineDouble(ReloadEngineDouble):
     """Test double that also takes cuda_ipc / nccl versions: `refuse` makes the next load_gpu fail its
     checksums (nothing changed), `unavailable` fail to get the buffer (it passes; nothing changed),
-    `break_ipc` fail half-way with `break_error` (a restore is needed)."""
+    `break_ipc` fail half-way with `break_error` (a restore is needed). `held`: the versions whose
+    bytes the learner's buffers still hold (None: every one); another fails its checksums."""
 
     def __init__(self):
         super().__init__()
@@ -129,11 +130,14 @@ class IpcEngineDouble(ReloadEngineDouble):
         self.unavailable = 0
         self.break_ipc = 0
         self.break_error = "CUDA error: an illegal memory access was encountered"
+        self.held: set[int] | None = None
 
     async def load_gpu(self, announcement, hold_s, version=None):
         wv = codec.decode("weights", announcement)
         assert hold_s == (wv.ipc or wv.nccl).hold_s
         self.ipc_loads.append(wv.version)
+        if self.held is not None and wv.version not in self.held:
+            raise common.WeightVerifyError(f"version {wv.version}: checksum mismatch in 1 of 1 tensors (first: w)")
         if self.refuse:
             self.refuse -= 1
             raise common.WeightVerifyError("checksum mismatch in 1 of 1 tensors (first: w)")
@@ -167,15 +171,16 @@ def ipc_buffer(tag: int):
 
 async def test_a_gpu_load_that_fails_is_tried_again_and_the_version_served(js, tmp_path):
     """Out of memory while the learner steps on the same GPU (seen on the H200 at the 4B shape): the
-    load fails, the served weights are put back, and the next poll loads the version. Refusing it for
-    good (as before) left the actor on an old version for the rest of the run."""
+    load fails (and fails again when loaded once more at once), the served weights are put back, and
+    the next poll loads the version. Refusing it for good (as before) left the actor on an old version
+    for the rest of the run."""
     run = "follow-ipc-retry"
     await topology.ensure_topology(js, run, BUS)
     engine = IpcEngineDouble()
     f = WeightFollower(js, run, engine, dest_root=tmp_path / "fetched", poll_s=0.3, base_dir=tmp_path / "base")
     await registry.publish_gpu_version(js, run, 1, 1, ipc_buffer(1))
     assert await f.check() and engine.version == 1
-    engine.break_ipc = GPU_ATTEMPTS - 1
+    engine.break_ipc = 2 * (GPU_ATTEMPTS - 1)  # each check: its load and the load once more break
     await registry.publish_gpu_version(js, run, 2, 2, ipc_buffer(2))
     for _ in range(GPU_ATTEMPTS - 1):
         assert not await f.check() and engine.version == 1
@@ -183,7 +188,7 @@ async def test_a_gpu_load_that_fails_is_tried_again_and_the_version_served(js, t
         assert not await f.check() and engine.ipc_loads[-1] == 1  # within its backoff: not tried
         f.retry_at.clear()  # the backoff (poll_s x 2^k) has passed
     assert await f.check() and engine.version == 2 and 2 not in f.failing and not f.refused
-    assert engine.ipc_loads == [1] + [2, 1] * (GPU_ATTEMPTS - 1) + [2]
+    assert engine.ipc_loads == [1] + [2, 2, 1] * (GPU_ATTEMPTS - 1) + [2]
 
 
 async def test_a_gpu_load_failing_for_a_passing_reason_is_tried_past_gpu_attempts_and_served(js, tmp_path):
@@ -196,7 +201,7 @@ async def test_a_gpu_load_failing_for_a_passing_reason_is_tried_past_gpu_attempt
     f = WeightFollower(js, run, engine, dest_root=tmp_path / "fetched", poll_s=0.3, base_dir=tmp_path / "base")
     await registry.publish_gpu_version(js, run, 1, 1, ipc_buffer(1))
     assert await f.check() and engine.version == 1
-    engine.break_ipc, engine.break_error = GPU_ATTEMPTS + 1, "CUDA out of memory. Tried to allocate 2.00 GiB"
+    engine.break_ipc, engine.break_error = 2 * (GPU_ATTEMPTS + 1), "CUDA out of memory. Tried to allocate 2.00 GiB"
     await registry.publish_gpu_version(js, run, 2, 2, ipc_buffer(2))
     for _ in range(GPU_ATTEMPTS + 1):
         assert not await f.check() and engine.version == 1
@@ -209,9 +214,34 @@ async def test_a_gpu_load_failing_for_a_passing_reason_is_tried_past_gpu_attempt
         f.retry_at.clear()
     assert list(f.failures.values()) == [2 * GPU_ATTEMPTS + 2]
     assert await f.check() and engine.version == 2 and 2 not in f.failing and not f.refused
-    # a GPU load that failed half-way was undone each time (the served version loaded again); one
-    # that did not get its buffer changed nothing
-    assert engine.ipc_loads == [1] + [2, 1] * (GPU_ATTEMPTS + 1) + [2] * (GPU_ATTEMPTS + 1) + [2]
+    # a GPU load that failed half-way was loaded once more, then undone each time (the served version
+    # loaded again); one that did not get its buffer changed nothing
+    assert engine.ipc_loads == [1] + [2, 2, 1] * (GPU_ATTEMPTS + 1) + [2] * (GPU_ATTEMPTS + 1) + [2]
+
+
+async def test_a_gpu_load_that_fails_half_way_over_one_buffer_serves_the_new_version(js, tmp_path):
+    """[weights] max_buffers = 1, steps longer than hold_s (deploy/configs/gpu-1-4b.toml): the learner
+    packs each version into the buffer the one served came from. A load that fails half-way is loaded
+    once more from that buffer and served (version and heartbeat say so), not stopped on a put-back
+    of the overwritten version; when it fails again, the actor stops with one line naming both."""
+    run = "follow-ipc-one-buffer"
+    await topology.ensure_topology(js, run, BUS)
+    engine = IpcEngineDouble()
+    f = WeightFollower(js, run, engine, dest_root=tmp_path / "fetched", poll_s=0.3, base_dir=tmp_path / "base")
+    engine.held = {1}
+    await registry.publish_gpu_version(js, run, 1, 1, ipc_buffer(1))
+    assert await f.check() and engine.version == 1
+    engine.held, engine.break_ipc = {2}, 1
+    await registry.publish_gpu_version(js, run, 2, 2, ipc_buffer(1))
+    assert await f.check() and engine.version == 2 and f.serving[0] == 2 and f.version == 2
+    assert engine.ipc_loads == [1, 2, 2] and not f.failing and not f.refused and not f.failures
+    assert not await f.check()  # served: not loaded again
+
+    engine.held, engine.break_ipc = {3}, 2
+    await registry.publish_gpu_version(js, run, 3, 3, ipc_buffer(1))
+    with pytest.raises(WeightsBroken, match=r"version 3 failed to load .* second try .* served version 2 could not"):
+        await asyncio.wait_for(f.run_until(asyncio.Event()), timeout=10)
+    assert engine.ipc_loads == [1, 2, 2, 3, 3, 2] and engine.version == 2
 
 
 async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a_restore(js, tmp_path):
@@ -238,13 +268,14 @@ async def test_follower_loads_cuda_ipc_versions_and_refuses_a_bad_copy_without_a
     f.retry_at.clear()
     assert not await f.check() and engine.ipc_loads == [1, 2]  # refused: not tried again
 
-    # a load that fails half-way is undone by loading the served cuda_ipc version again
-    engine.break_ipc = GPU_ATTEMPTS
+    # a load that fails half-way, also when loaded once more, is undone by loading the served
+    # cuda_ipc version again
+    engine.break_ipc = 2 * GPU_ATTEMPTS
     await registry.publish_gpu_version(js, run, 3, 3, ipc_buffer(3))
     for _ in range(GPU_ATTEMPTS):
         assert not await f.check()
         f.retry_at.clear()
-    assert engine.ipc_loads[-2 * GPU_ATTEMPTS :] == [3, 1] * GPU_ATTEMPTS and engine.version == 1
+    assert engine.ipc_loads[-3 * GPU_ATTEMPTS :] == [3, 3, 1] * GPU_ATTEMPTS and engine.version == 1
     assert "reload failed" in f.refused[3]
 
     # the next file version is followed as before

@@ -249,3 +249,85 @@ def test_a_replaced_adapter_is_removed_after_the_new_one_serves_and_before_the_n
         assert llm.calls[5:] == ["remove 3"] and set(e.adapters) == {1, 4}
 
     asyncio.run(main())
+
+
+def test_a_load_that_fails_half_way_keeps_generation_paused_until_a_whole_version_is_loaded():
+    """A worker that raises mid-load may have changed weights: vLLM's scheduler stays paused (requests
+    kept across the load wait) rather than generate tokens of a mixed model stamped with the old
+    version, through a load that is refused (nothing changed, still mixed), until a whole version is
+    loaded (the follower loads the new one once more or puts the served one back). A load that fails
+    before changing anything resumes at once, as before. Test doubles for AsyncLLM and the worker."""
+
+    class Pausing(LLMDouble):
+        paused = False
+
+        async def pause_generation(self, **kw):
+            self.paused = True
+
+        async def resume_generation(self):
+            self.paused = False
+
+    class Worker(WorkerExtension):
+        said: list = []
+
+        def parley_load_gpu(self, announcement):
+            said = self.said.pop(0)
+            if isinstance(said, Exception):
+                raise said
+            return said
+
+    worker = Worker()
+    engine = engine_of(worker)
+    engine._llm = llm = Pausing([worker])
+    worker.said = [(REFUSED, "version 2: checksum mismatch"), RuntimeError("CUDA error: illegal memory access")]
+    worker.said += [(REFUSED, "version 1: checksum mismatch"), None]
+
+    async def go():
+        with pytest.raises(WeightVerifyError):  # nothing changed: generation goes on
+            await engine.load_gpu(announcement(2), hold_s=5.0, version=2)
+        assert not llm.paused and engine.version == 1
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await engine.load_gpu(announcement(2), hold_s=5.0, version=2)
+        assert llm.paused and engine.version == 1  # mixed: no token until a whole version is in
+        with pytest.raises(WeightVerifyError):
+            await engine.load_gpu(announcement(1), hold_s=5.0, version=1)
+        assert llm.paused
+        await engine.load_gpu(announcement(2), hold_s=5.0, version=2)
+        assert not llm.paused and engine.version == 2
+
+    asyncio.run(go())
+
+
+def test_a_file_reload_that_fails_half_way_keeps_generation_paused_until_one_succeeds():
+    """The same for a version loaded from files (reload_weights; the follower reloads the served files
+    next). Test doubles for AsyncLLM and the worker."""
+
+    class Pausing(LLMDouble):
+        paused = False
+
+        async def pause_generation(self, **kw):
+            self.paused = True
+
+        async def resume_generation(self):
+            self.paused = False
+
+    class Worker(WorkerExtension):
+        fail = True
+
+        def parley_reload_weights(self, weights_path):
+            if self.fail:
+                raise RuntimeError("size mismatch for model.embed_tokens.weight")
+
+    worker = Worker()
+    engine = engine_of(worker)
+    engine._llm = llm = Pausing([worker])
+
+    async def go():
+        with pytest.raises(RuntimeError, match="size mismatch"):
+            await engine.reload_weights("/w/v2", version=2)
+        assert llm.paused and engine.version == 1
+        worker.fail = False
+        await engine.reload_weights("/w/v1", version=1)
+        assert not llm.paused and engine.version == 1
+
+    asyncio.run(go())
