@@ -240,7 +240,7 @@ pair_up_sets() {
     fi
     [[ "$gib" =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "[collab_gpu] GPU_GIB=$gib: a number of GiB, e.g. 79.19" >&2; return 2; }
     PAIR_GIB=$gib
-    PAIR_SHARE=$(awk -v g="$gib" 'BEGIN { printf "%.2f", g / 2 }')
+    PAIR_SHARE=$("$PY" -c "import sys; print(f'{float(sys.argv[1]) / 2:.2f}')" "$gib")
     PAIR_SETS="--set up.gpu_memory_gib=$PAIR_SHARE --set up.gpu_share=\"plain\" --set learner.eval_every=0 --set learner.keep_checkpoints=2"
 }
 
