@@ -7,9 +7,13 @@ The statistics are evaluation.benchmark's; this only arranges them.
     python bench/collab_table.py build --run RUN_DIR --eval EVAL_DIR [--replay DIR] --json OUT.json
     python bench/collab_table.py seed --run RUN_DIR --eval EVAL_DIR --seed S --config C --json OUT.json
     python bench/collab_table.py combine --json OUT.json SEED.json...   # the seeds paired by seed
+    python bench/collab_table.py trained --run RUN_DIR --rc RC --wall-s S --budget-s B --steps N --json OUT.json
+    python bench/collab_table.py pair --mode train --seed S --side A,TAG,CONFIG,RC,RUN_DIR ... --json OUT.json
 
-`seed` and `combine` are bench/collab_gpu.sh's (issue 60): one training seed's `parley eval --protocol card`
-(arms base, final, proact) and the seeds together.
+`seed`, `combine`, `trained` and `pair` are bench/collab_gpu.sh's (issue 60): one training seed's
+`parley eval --protocol card` (arms base, final, proact), the seeds together, how far a training got
+(the steps it trained, and whether the wall budget stopped it before its steps) and the two
+configurations that shared one GPU in one call.
 """
 
 from __future__ import annotations
@@ -279,6 +283,56 @@ def seed_summary(records: list, *, seed: int, protocol: dict, run: dict) -> dict
     }
 
 
+def steps_done(run_dir: str | Path) -> int:
+    """The last step the learner wrote to RUN_DIR/metrics.jsonl (one line a step, numbered from 1); 0
+    for a run that trained no step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
+
+
+def training_record(
+    run_dir: str | Path, *, rc: int, wall_s: float, budget_s: float, steps: int, shared: bool = False, sets=()
+) -> dict:
+    """How a `parley up` of bench/collab_gpu.sh ended: the steps it trained of those asked, and why it
+    stopped: "steps" (all of them), "budget" (the wall budget's SIGINT, or the step's limit, came first:
+    timeout's 124, up's own 130 on SIGINT), "failed" (any other exit). A run stopped by its budget is
+    shorter than asked; its summary says so rather than reading as a run of `steps` steps (two runs
+    sharing one GPU step more slowly than one alone)."""
+    done = steps_done(run_dir)
+    if done >= steps > 0:
+        stopped = "steps"
+    elif rc in (124, 130):
+        stopped = "budget"
+    else:
+        stopped = "failed"
+    return {
+        "steps_asked": steps,
+        "steps_done": done,
+        "stopped": stopped,
+        "up_rc": rc,
+        "wall_s": wall_s,
+        "budget_s": budget_s,
+        "shared_gpu": shared,
+        "up_sets": list(sets),
+    }
+
+
+def training_line(t: dict) -> str:
+    head = f"training: {t['steps_done']} of {t['steps_asked']} steps in {t['wall_s']:.0f} s"
+    if t["stopped"] == "steps":
+        return head + f"{' (on a GPU shared with another run)' if t['shared_gpu'] else ''}"
+    if t["stopped"] == "budget":
+        return (
+            f"{head}: the wall budget (BUDGET_S {t['budget_s']:.0f} s) stopped it "
+            f"{t['steps_asked'] - t['steps_done']} steps short of STEPS{' on a shared GPU' if t['shared_gpu'] else ''}"
+            "; its summary says stopped = budget"
+        )
+    return f"{head}: parley up failed (exit code {t['up_rc']})"
+
+
 def combine(summaries: list[dict], expect: list[int] | None = None) -> dict:
     """The seeds paired by seed: per comparison and metric, the per-seed differences of the arms' means
     and a paired t over the seeds (df = seeds - 1), plus the item pairs of every seed pooled (items are
@@ -320,6 +374,7 @@ def combine(summaries: list[dict], expect: list[int] | None = None) -> dict:
             "means": means[s["seed"]],
             "compare": s["compare"],
             "final_version": s["run"].get("final_version"),
+            "training": s["run"].get("training"),
         }
     for name, (a, b) in COMPARISONS.items():
         out["across_seeds"][name] = {
@@ -337,6 +392,10 @@ def combine(summaries: list[dict], expect: list[int] | None = None) -> dict:
         out["pooled_items"][name] = pooled
     # the seeds asked for (SEEDS) that have no summary yet: a combination of fewer is provisional
     out["missing_seeds"] = sorted(set(expect or []) - set(out["seeds"]))
+    # seeds whose training stopped before its steps (the wall budget, a failure): shorter runs, named
+    out["short_seeds"] = [
+        s["seed"] for s in summaries if (s["run"].get("training") or {}).get("stopped", "steps") != "steps"
+    ]
     fvp = out["across_seeds"]["final_vs_proact"]["mr"]
     out["training_beats_proact"] = bool(len(summaries) > 1 and fvp["ci_low"] > 0)
     return out
@@ -361,6 +420,8 @@ def _seed(args) -> None:
         "run_dir": args.run,
         "leakage": leakage(ev),
     }
+    if args.train and Path(args.train).is_file():  # written by `trained` after the run's `parley up`
+        run["training"] = json.loads(Path(args.train).read_text())
     out = seed_summary(read_records(ev / "records.parquet"), seed=args.seed, protocol=protocol, run=run)
     Path(args.json).write_text(json.dumps(out, indent=1, default=float))
     print(
@@ -374,8 +435,53 @@ def _combine(args) -> None:
     expect = [int(x) for x in args.expect.split()] if args.expect else None
     out = combine([json.loads(Path(p).read_text()) for p in args.summaries], expect)
     Path(args.json).write_text(json.dumps(out, indent=1, default=float))
-    keys = ("seeds", "missing_seeds", "across_seeds", "training_beats_proact")
+    keys = ("seeds", "missing_seeds", "short_seeds", "across_seeds", "training_beats_proact")
     print(json.dumps({k: out[k] for k in keys}, indent=1, default=float))
+
+
+def _trained(args) -> None:
+    t = training_record(
+        args.run,
+        rc=args.rc,
+        wall_s=args.wall_s,
+        budget_s=args.budget_s,
+        steps=args.steps,
+        shared=args.shared,
+        sets=args.sets.split(),
+    )
+    Path(args.json).write_text(json.dumps(t, indent=1))
+    print(f"[collab_gpu] {training_line(t)}")
+
+
+def pair_report(mode: str, seed: int, sides: list[dict], **facts) -> dict:
+    """Both sides of a pair call (bench/collab_gpu.sh train-pair / eval-pair): each one's configuration,
+    exit code and training record (RUN_DIR/collab_train.json, where its training wrote one)."""
+    out = {"mode": mode, "seed": seed, **facts, "sides": {}}
+    for side in sides:
+        record = Path(side["run_dir"]) / "collab_train.json"
+        side = {**side, "training": json.loads(record.read_text()) if record.is_file() else None}
+        out["sides"][side.pop("name")] = side
+    return out
+
+
+def _pair(args) -> None:
+    sides = []
+    for spec in args.side:
+        name, tag, config, rc, run_dir = spec.split(",", 4)
+        sides.append({"name": name, "tag": tag, "config": config, "rc": int(rc), "run_dir": run_dir})
+    facts = {
+        "wall_s": args.wall_s,
+        "gpu_gib": args.gpu_gib,
+        "share_gib": args.share_gib,
+        "up_sets": args.up_sets.split(),
+    }
+    out = pair_report(args.mode, args.seed, sides, **facts)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    for name, side in out["sides"].items():
+        t = side["training"]
+        how = training_line(t) if t else "training: no record (no run trained in its run directory)"
+        how = "a dry run: nothing trained or evaluated" if args.dry else how
+        print(f"[collab_gpu] {args.mode} seed {args.seed} side {name} {side['tag']}: exit code {side['rc']}; {how}")
 
 
 def main(argv=None) -> None:
@@ -404,8 +510,30 @@ def main(argv=None) -> None:
     a.add_argument("--eval-config", default="")
     a.add_argument("--version", type=int, required=True)
     a.add_argument("--steps", type=int, default=0)
+    a.add_argument("--train", default="", help="the run's training record (`trained`), where it has one")
     a.add_argument("--json", required=True)
     a.set_defaults(fn=_seed)
+    a = sub.add_parser("trained")
+    a.add_argument("--run", required=True)
+    a.add_argument("--rc", type=int, required=True)
+    a.add_argument("--wall-s", type=float, required=True)
+    a.add_argument("--budget-s", type=float, required=True)
+    a.add_argument("--steps", type=int, required=True)
+    a.add_argument("--shared", action="store_true", help="the run shared its GPU with another (a pair call)")
+    a.add_argument("--sets", default="", help="the --set arguments its parley up had beside the config's")
+    a.add_argument("--json", required=True)
+    a.set_defaults(fn=_trained)
+    a = sub.add_parser("pair")
+    a.add_argument("--mode", required=True)
+    a.add_argument("--seed", type=int, required=True)
+    a.add_argument("--side", action="append", required=True, help="NAME,TAG,CONFIG,RC,RUN_DIR (once a side)")
+    a.add_argument("--wall-s", type=float, default=0.0)
+    a.add_argument("--gpu-gib", type=float, default=0.0)
+    a.add_argument("--share-gib", type=float, default=0.0)
+    a.add_argument("--up-sets", default="")
+    a.add_argument("--dry", action="store_true", help="the pair's dry run: its sides ran nothing")
+    a.add_argument("--json", required=True)
+    a.set_defaults(fn=_pair)
     a = sub.add_parser("combine")
     a.add_argument("--json", required=True)
     a.add_argument("--expect", default="", help='the seeds asked for, e.g. "1 2 3" (those missing are listed)')
