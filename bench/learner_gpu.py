@@ -92,6 +92,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: --budget-tokens); one Trainer per phase, the values as its variants",
     )
     p.add_argument(
+        "--recompute-micro-batch-tokens",
+        default=None,
+        help="the micro_batch_tokens values of the phases with gradient checkpointing on (default: "
+        "--micro-batch-tokens): recompute is what lets the larger ones fit",
+    )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="the saved model the learner phases load: built there when it holds none (random weights "
+        "of the bench's shape), kept afterwards, so later invocations skip the build",
+    )
+    p.add_argument(
         "--sequences",
         type=int,
         default=0,
@@ -170,6 +182,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.mbt_list = []
     if not args.mbt_list or any(m < 1 for m in args.mbt_list):
         errors.append(f"--micro-batch-tokens={args.micro_batch_tokens!r}: use comma-separated token counts >= 1")
+    try:
+        args.gc_mbt_list = [
+            int(m)
+            for m in (args.recompute_micro_batch_tokens or ",".join(map(str, args.mbt_list))).split(",")
+            if m.strip()
+        ]
+    except ValueError:
+        args.gc_mbt_list = []
+    if not args.gc_mbt_list or any(m < 1 for m in args.gc_mbt_list):
+        errors.append(
+            f"--recompute-micro-batch-tokens={args.recompute_micro_batch_tokens!r}: use comma-separated token counts >= 1"
+        )
     if not args.gc_list or any(g not in ("off", "on") for g in args.gc_list):
         errors.append(
             f"--gradient-checkpointing={args.gradient_checkpointing!r}: use a comma-separated subset of off, on"
@@ -641,10 +665,13 @@ def summarize_profile(
     }
 
 
-def profile_step(step, device, out_dir: str | None = None, name: str = "step") -> dict:
+def profile_step(
+    step, device, out_dir: str | None = None, name: str = "step", summary_file: bool = True, trace: bool = True
+) -> dict:
     """One step under torch.profiler, summarised (summarize_profile). With `out_dir`: the summary as
-    <out_dir>/profile_<name>.json and, once per directory, the Chrome trace gzipped as
-    trace_<name>.json.gz when it is under TRACE_MAX_BYTES (else dropped, and the summary says so)."""
+    <out_dir>/profile_<name>.json (with `summary_file`) and, with `trace` and once per directory, the
+    Chrome trace gzipped as trace_<name>.json.gz when it is under TRACE_MAX_BYTES (else dropped, and the
+    summary says so)."""
     import gzip
 
     from torch.profiler import ProfilerActivity, profile
@@ -660,7 +687,7 @@ def profile_step(step, device, out_dir: str | None = None, name: str = "step") -
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        if not any(out.glob("trace_*.json.gz")):
+        if trace and not any(out.glob("trace_*.json.gz")):
             raw = out / f"trace_{name}.json"
             prof.export_chrome_trace(str(raw))
             gz = out / f"trace_{name}.json.gz"
@@ -674,8 +701,18 @@ def profile_step(step, device, out_dir: str | None = None, name: str = "step") -
                 gz.unlink()
             else:
                 summary["trace"] = gz.name
-        (out / f"profile_{name}.json").write_text(json.dumps(summary, indent=1))
+        if summary_file:
+            (out / f"profile_{name}.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def projected_peak(fitted: tuple[int, float] | None, persistent: float | None, mbt: int) -> float | None:
+    """GiB a micro-batch of `mbt` tokens would peak at, from the largest that ran ((tokens, peak GiB)) and
+    the memory held before any step (weights, optimizer state): the activations scale with the tokens.
+    None without a measurement (CPU, or nothing ran yet)."""
+    if fitted is None or persistent is None or mbt <= fitted[0]:
+        return None
+    return persistent + (fitted[1] - persistent) * mbt / fitted[0]
 
 
 def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local", gc: bool = False) -> None:
@@ -690,10 +727,11 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     from parley.learner.packing import build_batch, pack_by_tokens, shard_by_tokens
     from parley.learner.trainer import Trainer
 
+    mbts = args.gc_mbt_list if gc else args.mbt_list
     # compiled LoRA layers are refused only beside a KL term (config.learner; learner.trainer.compile_mode)
     cfg = LearnerConfig(
         zero_stage=zero,
-        micro_batch_tokens=args.mbt_list[0],
+        micro_batch_tokens=mbts[0],
         **({} if args.logit_chunk is None else {"logit_chunk_tokens": args.logit_chunk}),
         kl_coef=args.kl_coef,
         lr=1e-6,
@@ -733,7 +771,7 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     # forward is collective, and ranks with different batches would call lm_head a different number
     # of times (one parameter all-gather each): the collectives mismatch and NCCL hangs.
     shard0 = [samples[i] for i in shard_by_tokens(lengths, world)[0]]
-    first = pack_by_tokens([len(s.token_ids) for s in shard0], min(args.mbt_list))[0]
+    first = pack_by_tokens([len(s.token_ids) for s in shard0], min(mbts))[0]
     probe = build_batch([shard0[j] for j in first], device)
     models = [trainer.module] + ([trainer.reference] if trainer.reference is not None else [])
 
@@ -753,7 +791,9 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
         "ref_fill_s": ref_fill_s,
     }
     last = None
-    variants = [(attn, mbt) for attn in args.attn_list for mbt in args.mbt_list]
+    variants = [(attn, mbt) for attn in args.attn_list for mbt in mbts]
+    total_gib = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else None
+    fitted: dict[str, tuple[int, float]] = {}  # attention -> (micro-batch tokens, peak GiB) of its largest run
     best: tuple | None = None  # (median s/step, variant) of the fastest variant: the one profiled
     checked: set[str] = set()  # attentions whose agreement with SDPA was checked
     for attn, mbt in variants:
@@ -778,15 +818,20 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
             "kl_coef": args.kl_coef,
             "trained_tokens": int(sum(s.n_trained for s in samples)),
         }
-        # every rank must take the same branch (the steps are collective): rank 0 decides
-        go = [
-            last is None
-            or time.time() + last * (args.warmup + args.steps + (args.profile is not None)) * 1.2 <= args._deadline
-        ]
+        # every rank must take the same branch (the steps are collective): rank 0 decides. A micro-batch
+        # size whose projected peak (from the largest that ran) passes the GPU's memory is not tried:
+        # an out-of-memory costs a step's time and leaves the cache fragmented for the next variant
+        need = projected_peak(fitted.get(attn), persistent, mbt)
+        why = None
+        if need is not None and total_gib is not None and need > 0.97 * total_gib:
+            why = f"would not fit: {need:.0f} GiB projected of {total_gib:.0f}"
+        elif last is not None and time.time() + last * (args.warmup + args.steps + 1) * 1.2 > args._deadline:
+            why = "time budget"
+        go = [why]
         if world > 1:
             torch.distributed.broadcast_object_list(go, src=0)
-        if not go[0]:
-            row["skipped"] = "time budget"
+        if go[0] is not None:
+            row["skipped"] = go[0]
         else:
             try:
                 if attn == "sdpa":
@@ -822,6 +867,8 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
                 row["first_step_stats"] = {k: v for k, v in first.items() if isinstance(v, float)}
                 row["last_step_stats"] = {k: v for k, v in stats.items() if isinstance(v, float)}
                 last = statistics.median(row["step_s"])
+                if row.get("peak_gib") is not None and mbt >= fitted.get(attn, (0, 0.0))[0]:
+                    fitted[attn] = (mbt, row["peak_gib"])
                 if best is None or last < best[0]:
                     best = (last, attn, mbt, step)
             except Exception as e:
@@ -842,7 +889,22 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
             use_attention(m, "sdpa" if attn == "sdpa" else VARLEN)
         name = f"zero{zero}_{compile_mode}" + ("_recompute" if gc else "") + ("" if ref == "local" else f"_{ref}")
         try:
-            prof = profile_step(step, device, args.profile or None, name)
+            prof = profile_step(step, device, args.profile or None, name, trace=False)
+            if args.profile and not any(Path(args.profile).glob("trace_*.json.gz")):
+                # the trace of a whole 4B step is tens of MB gzipped: that of its first two micro-batches
+                # (the samples that fill them, one more optimizer step) is what comes back
+                few, n = [], 0
+                for s in samples:
+                    if n + len(s.token_ids) > 2 * mbt and few:
+                        break
+                    few.append(s)
+                    n += len(s.token_ids)
+                small = profile_step(
+                    lambda: trainer.train_step(few), device, args.profile, name + "_2mb", summary_file=False
+                )
+                prof["trace"] = small.get("trace")
+                prof["trace_step"] = {"tokens": n, "wall_s": small["wall_s"], "idle_share": small["idle_share"]}
+                (Path(args.profile) / f"profile_{name}.json").write_text(json.dumps(prof, indent=1))
         except Exception as e:  # the timings stand without it
             prof = {"error": f"{type(e).__name__}: {e}"}
         extra["profile"] = {"attention": attn, "micro_batch_tokens": mbt, **prof}
@@ -1147,9 +1209,10 @@ def main() -> int:
             Path(out).write_text(json.dumps(report, indent=1))
             Path(out).with_suffix(".md").write_text(report["table_md"] + "\n")
 
-    model_dir = tempfile.mkdtemp(prefix="parley_bench_model_")
+    model_dir = args.model_dir or tempfile.mkdtemp(prefix="parley_bench_model_")
+    have = args.model_dir is not None and (Path(model_dir) / "config.json").is_file()
     try:
-        phases = ["plain"] if not args.skip_plain else (["build"] if args.zero_stages else [])
+        phases = ["plain"] if not args.skip_plain else (["build"] if args.zero_stages and not have else [])
         phases += [
             f"zero{z}"
             + ("" if c == "auto" else f":{c}")
@@ -1172,7 +1235,8 @@ def main() -> int:
                 break
             write()
     finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
+        if args.model_dir is None:
+            shutil.rmtree(model_dir, ignore_errors=True)
     write()
     print("\n" + report["table_md"], flush=True)
     if out:
