@@ -339,7 +339,8 @@ LP)
     #   lp_sweep: compiled layers (what "auto" gives this config); no recompute at MBT (4,096 as shipped,
     #             8,192), recompute at GC_MBT (16,384, 32,768: without it their activations pass 80 GB);
     #             a size whose projected peak passes the GPU's memory is skipped, not run out of memory
-    #   lp_eager: the same without compiled layers at EAGER_MBT, with what is left of LP_S
+    #   lp_eager: the same without compiled layers at EAGER_MBT, with what is left of LP_S (LP_SECOND:
+    #             other settings in their place, e.g. LP_SECOND="--compile layers --zero 0")
     # Leaves 5 files: lp_sweep.log, learner_lp.json, lp_eager.log, learner_lp_eager.json (tokens/s, MFU
     # against 989.4 at 4 N a token, peak GiB per row; each phase's profile in "phases") and lp_profile.tgz
     # (the profile summaries, and the gzipped trace of the first phase's first two micro-batches).
@@ -356,7 +357,8 @@ LP)
         --out "$OUT/learner_lp.json"
     LEFT=$((LP_S - SECONDS))
     if [ "$LEFT" -ge 90 ]; then
-        step lp_eager "$LEFT" python3 bench/learner_gpu.py "${SHAPE[@]}" --compile off \
+        # shellcheck disable=SC2086  # LP_SECOND: words, after SHAPE's (the last of an option wins)
+        step lp_eager "$LEFT" python3 bench/learner_gpu.py "${SHAPE[@]}" ${LP_SECOND:---compile off} \
             --micro-batch-tokens "${EAGER_MBT:-8192}" --budget-s $((LEFT - 10)) --out "$OUT/learner_lp_eager.json"
     else
         echo "[gpu_run] lp_eager: skipped, ${LEFT} s left of LP_S=$LP_S" | tee "$OUT/lp_eager.log"

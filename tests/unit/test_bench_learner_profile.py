@@ -132,3 +132,12 @@ def test_a_lora_row_counts_4n_a_token_and_one_denominator():
     assert full["flops"] - lora["flops"] == pytest.approx(2 * n * sum(lengths))
     assert lora["mfu_6n_datasheet"] == pytest.approx(full["mfu_datasheet"])
     assert lora["mfu_datasheet"] == pytest.approx(lora["flops"] / 10.0 / 989.4e12)
+
+
+def test_a_micro_batch_projected_past_the_gpu_is_not_tried():
+    """Activations scale with the tokens: from 4,096 tokens peaking at 30 GiB over 8 GiB held before any
+    step, 8,192 would take 52 and 32,768 184 (skipped on an 80 GB card); nothing measured, no projection."""
+    assert lg.projected_peak((4096, 30.0), 8.0, 8192) == pytest.approx(52.0)
+    assert lg.projected_peak((4096, 30.0), 8.0, 32768) == pytest.approx(184.0)
+    assert lg.projected_peak(None, 8.0, 8192) is None and lg.projected_peak((4096, 30.0), None, 8192) is None
+    assert lg.projected_peak((8192, 50.0), 8.0, 4096) is None  # smaller than one that ran

@@ -96,3 +96,12 @@ def test_part_lp_skips_the_eager_run_when_too_little_time_is_left_and_takes_othe
     assert _opt(sweep, "--micro-batch-tokens") == "2048" and _opt(sweep, "--recompute-micro-batch-tokens") == "65536"
     assert _opt(sweep, "--budget-s") == "45"
     assert "lp_eager: skipped" in (out / "lp_eager.log").read_text()
+
+
+def test_part_lp_second_run_takes_other_settings(tmp_path):
+    """LP_SECOND replaces the eager run's settings: the last of an option given twice wins in argparse."""
+    res, calls, _ = _run_lp(tmp_path, LP_SECOND="--compile layers --zero 0")
+    assert res.returncode == 0, res.stderr
+    second = calls[1]
+    assert second[len(second) - 1 - second[::-1].index("--zero") + 1] == "0"
+    assert second[len(second) - 1 - second[::-1].index("--compile") + 1] == "layers"
