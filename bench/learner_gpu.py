@@ -605,18 +605,22 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return busy / 1e6
 
 
-def profile_records(prof, device_type: str) -> tuple[list[tuple[str, float]], list[tuple[float, float]]]:
+def profile_records(prof, device_type: str) -> tuple[list, list, list]:
     """From a torch.profiler run: ([(name, seconds)] one per kernel launch or operator, [(start_us, end_us)]
-    of the device's busy intervals). On CUDA the kernels (and memcpy/memset) with their device time; on
-    CPU, where there are no kernels, every operator's self time, and the top-level operators' spans."""
+    of the device's busy intervals, [(name, seconds)] of the host's CUDA runtime calls). On CUDA the
+    kernels (and memcpy/memset) with their device time, and every cuda*/cu* runtime call (launches,
+    copies, synchronizations: where the host waits); on CPU, where there are no kernels, every operator's
+    self time and the top-level operators' spans, and no runtime calls."""
     import torch
 
-    records, intervals = [], []
+    records, intervals, runtime = [], [], []
     if device_type == "cuda":
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 records.append((e.name, float(e.device_time) / 1e6))
                 intervals.append((e.time_range.start, e.time_range.end))
+            elif e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
+                runtime.append((e.name, (e.time_range.end - e.time_range.start) / 1e6))
     else:
         for e in prof.events():
             if e.device_type != torch.autograd.DeviceType.CPU:
@@ -625,15 +629,21 @@ def profile_records(prof, device_type: str) -> tuple[list[tuple[str, float]], li
                 records.append((e.name, float(e.self_cpu_time_total) / 1e6))
             if e.cpu_parent is None:
                 intervals.append((e.time_range.start, e.time_range.end))
-    return records, intervals
+    return records, intervals, runtime
 
 
 def summarize_profile(
-    records: list[tuple[str, float]], intervals: list[tuple[float, float]], wall_s: float, top: int = 25
+    records: list[tuple[str, float]],
+    intervals: list[tuple[float, float]],
+    wall_s: float,
+    runtime: list[tuple[str, float]] = (),
+    top: int = 25,
 ) -> dict:
     """A profiled step in a few numbers: the `top` kernels by total time (with launch counts and kind),
     seconds and share of the step's wall time per kind (KINDS), and the device's idle time (wall less
-    the union of its busy intervals): launch gaps, host syncs, Python between kernels."""
+    the union of its busy intervals): launch gaps, host syncs, Python between kernels. With the host's
+    runtime calls: the 8 with the most time (count, seconds) and how often the host waited on the GPU
+    (`host_syncs`: *Synchronize calls, each one a drained queue)."""
     by_name: dict[str, list] = {}
     for name, t in records:
         r = by_name.setdefault(name, [0.0, 0])
@@ -649,6 +659,11 @@ def summarize_profile(
     idle = max(0.0, wall_s - busy)
     wall = max(wall_s, 1e-12)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    calls: dict[str, list] = {}
+    for name, t in runtime:
+        r = calls.setdefault(name, [0, 0.0])
+        r[0] += 1
+        r[1] += t
     return {
         "wall_s": wall_s,
         "kernel_s": sum(t for t, _ in by_name.values()),
@@ -662,6 +677,8 @@ def summarize_profile(
         "top": [
             {"kernel": k[:160], "s": t, "count": c, "share": t / wall, "kind": kernel_kind(k)} for k, (t, c) in ranked
         ],
+        "host_syncs": sum(c for n, (c, _) in calls.items() if "Synchronize" in n),
+        "host_runtime": {n: {"count": c, "s": t} for n, (c, t) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]},
     }
 
 
@@ -683,7 +700,8 @@ def profile_step(
         step()
         _sync(device)
     wall = time.perf_counter() - t0
-    summary = summarize_profile(*profile_records(prof, device.type), wall)
+    records, intervals, runtime = profile_records(prof, device.type)
+    summary = summarize_profile(records, intervals, wall, runtime)
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -911,7 +929,8 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
         if "error" not in prof:
             print(
                 f"{tag} profile of one step ({attn}, micro-batches of {mbt}): wall {prof['wall_s']:.3f} s, GPU busy "
-                f"{prof['busy_s']:.3f} s, idle {prof['idle_share']:.0%}, {prof['launches']} launches; by kind: "
+                f"{prof['busy_s']:.3f} s, idle {prof['idle_share']:.0%}, {prof['launches']} launches, "
+                f"{prof['host_syncs']} host syncs; by kind: "
                 + ", ".join(f"{k} {v:.0%}" for k, v in prof["kinds_share"].items()),
                 flush=True,
             )

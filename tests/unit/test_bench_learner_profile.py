@@ -51,13 +51,17 @@ def test_busy_time_is_the_union_of_overlapping_intervals():
 def test_summary_counts_launches_ranks_kernels_and_says_the_idle_share():
     records = [("gemm_a", 0.4), ("gemm_a", 0.4), ("flash_fwd", 0.2), ("exp_kernel", 0.1)]
     intervals = [(0.0, 400_000.0), (400_000.0, 800_000.0), (900_000.0, 1_100_000.0), (1_100_000.0, 1_200_000.0)]
-    s = lg.summarize_profile(records, intervals, wall_s=1.5, top=2)
+    runtime = [("cudaLaunchKernel", 1e-5)] * 4 + [("cudaStreamSynchronize", 0.2), ("cudaDeviceSynchronize", 0.1)]
+    s = lg.summarize_profile(records, intervals, wall_s=1.5, runtime=runtime, top=2)
     assert s["launches"] == 4 and s["busy_s"] == pytest.approx(1.1)
     assert s["idle_s"] == pytest.approx(0.4) and s["idle_share"] == pytest.approx(0.4 / 1.5)
     assert [t["kernel"] for t in s["top"]] == ["gemm_a", "flash_fwd"] and s["top"][0]["count"] == 2
     assert s["kinds_s"] == pytest.approx({"matmul": 0.8, "attention": 0.2, "elementwise": 0.1})
     assert s["kinds_launches"] == {"matmul": 2, "attention": 1, "elementwise": 1}
     assert s["kinds_share"]["matmul"] == pytest.approx(0.8 / 1.5)
+    # the host waited twice on the GPU; the runtime calls ranked by time
+    assert s["host_syncs"] == 2 and list(s["host_runtime"])[0] == "cudaStreamSynchronize"
+    assert s["host_runtime"]["cudaLaunchKernel"] == {"count": 4, "s": pytest.approx(4e-5)}
 
 
 def test_a_real_cpu_profile_of_a_tiny_lm_step_is_summarised(tmp_path):
