@@ -334,7 +334,7 @@ LP)
     # random weights, ZeRO-2, varlen flash attention, a rank-16 adapter, kl_coef 0), one step = its 8 groups
     # of 8 random_words conversations (SEQUENCES=64 of 1,816 tokens, 1,536 trained: 116,224 tokens). Each
     # phase builds one Trainer and runs its micro-batch sizes as variants (1 warm-up + STEPS steps each),
-    # then one more step of its fastest under torch.profiler: top kernels with counts, the step's time by
+    # then its fastest on a quarter of the step under torch.profiler: top kernels with counts, the time by
     # kind (matmul, attention, softmax_ce, elementwise, memcpy, ...) and the GPU's idle share.
     #   lp_sweep: compiled layers (what "auto" gives this config); no recompute at MBT (4,096 as shipped,
     #             8,192), recompute at GC_MBT (16,384, 32,768: without it their activations pass 80 GB);
@@ -344,8 +344,8 @@ LP)
     # Leaves 5 files: lp_sweep.log, learner_lp.json, lp_eager.log, learner_lp_eager.json (tokens/s, MFU
     # against 989.4 at 4 N a token, peak GiB per row; each phase's profile in "phases") and lp_profile.tgz
     # (the profile summaries, and the gzipped trace of the first phase's first two micro-batches).
-    LP_S=${LP_S:-470}
-    SWEEP_S=${SWEEP_S:-330}
+    LP_S=${LP_S:-475}
+    SWEEP_S=${SWEEP_S:-370}
     MODEL_DIR=${LP_MODEL_DIR:-/tmp/lp_model}
     SHAPE=(--zero 2 --attn varlen --skip-plain --lora-rank 16 --kl-coef 0 --sequences "${SEQUENCES:-64}"
         --seq-tokens 1816 --seq-trained 1536 --seq-turns 4 --steps "${STEPS:-2}" --warmup 1

@@ -901,34 +901,49 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
             _save(args._result, rows, extra)
     # the phase's fastest variant once more, under the profiler (one rank: a profile of rank 0 alone)
     if args.profile is not None and best is not None and world == 1 and time.time() + 3 * best[0] < args._deadline:
-        _, attn, mbt, step = best
+        _, attn, mbt, _ = best
         trainer.cfg.micro_batch_tokens = mbt
         for m in models:
             use_attention(m, "sdpa" if attn == "sdpa" else VARLEN)
         name = f"zero{zero}_{compile_mode}" + ("_recompute" if gc else "") + ("" if ref == "local" else f"_{ref}")
+
+        def first(tokens: int) -> tuple[list, int]:
+            """The samples from the start that fill `tokens` (at least one)."""
+            few, n = [], 0
+            for s in samples:
+                if n + len(s.token_ids) > tokens and few:
+                    break
+                few.append(s)
+                n += len(s.token_ids)
+            return few, n
+
+        total = sum(lengths)
+        # a quarter of the step (at least 4 micro-batches, at most all of it), one more optimizer step: the
+        # same micro-batches and kernels as the timed steps, and a profiler's event processing (host time
+        # a few times the step's on the 4B shape) a quarter as long
+        part, part_tokens = first(min(total, max(total // 4, 4 * mbt)))
         try:
-            prof = profile_step(step, device, args.profile or None, name, trace=False)
+            prof = profile_step(lambda: trainer.train_step(part), device, None, name)
+            prof["profiled_tokens"] = part_tokens
             if args.profile and not any(Path(args.profile).glob("trace_*.json.gz")):
                 # the trace of a whole 4B step is tens of MB gzipped: that of its first two micro-batches
                 # (the samples that fill them, one more optimizer step) is what comes back
-                few, n = [], 0
-                for s in samples:
-                    if n + len(s.token_ids) > 2 * mbt and few:
-                        break
-                    few.append(s)
-                    n += len(s.token_ids)
+                few, n = first(2 * mbt)
                 small = profile_step(
                     lambda: trainer.train_step(few), device, args.profile, name + "_2mb", summary_file=False
                 )
                 prof["trace"] = small.get("trace")
                 prof["trace_step"] = {"tokens": n, "wall_s": small["wall_s"], "idle_share": small["idle_share"]}
-                (Path(args.profile) / f"profile_{name}.json").write_text(json.dumps(prof, indent=1))
+            if args.profile:
+                out = Path(args.profile)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"profile_{name}.json").write_text(json.dumps(prof, indent=1))
         except Exception as e:  # the timings stand without it
             prof = {"error": f"{type(e).__name__}: {e}"}
         extra["profile"] = {"attention": attn, "micro_batch_tokens": mbt, **prof}
         if "error" not in prof:
             print(
-                f"{tag} profile of one step ({attn}, micro-batches of {mbt}): wall {prof['wall_s']:.3f} s, GPU busy "
+                f"{tag} profile of {prof['profiled_tokens']:,} tokens ({attn}, micro-batches of {mbt}): wall {prof['wall_s']:.3f} s, GPU busy "
                 f"{prof['busy_s']:.3f} s, idle {prof['idle_share']:.0%}, {prof['launches']} launches, "
                 f"{prof['host_syncs']} host syncs; by kind: "
                 + ", ".join(f"{k} {v:.0%}" for k, v in prof["kinds_share"].items()),

@@ -80,7 +80,7 @@ def test_part_lp_sweeps_compiled_micro_batches_then_eager_at_the_lora_configs_st
     assert _opt(eager, "--compile") == "off" and _opt(eager, "--micro-batch-tokens") == "8192"
     # each bench stops inside its step's limit; the eager one in what the sweep left of LP_S (the test
     # doubles take no time: all of it)
-    assert int(_opt(sweep, "--budget-s")) < 330 and int(_opt(eager, "--budget-s")) < 470
+    assert int(_opt(sweep, "--budget-s")) < 370 and int(_opt(eager, "--budget-s")) < 475
     assert "[gpu_run] lp_sweep: rc=0" in res.stdout and "[gpu_run] lp_eager: rc=0" in res.stdout
     files = sorted(p.name for p in out.iterdir())
     assert files == ["learner_lp.json", "learner_lp_eager.json", "lp_eager.log", "lp_profile.tgz", "lp_sweep.log"]
