@@ -789,7 +789,8 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     # forward is collective, and ranks with different batches would call lm_head a different number
     # of times (one parameter all-gather each): the collectives mismatch and NCCL hangs.
     shard0 = [samples[i] for i in shard_by_tokens(lengths, world)[0]]
-    first = pack_by_tokens([len(s.token_ids) for s in shard0], min(mbts))[0]
+    # at most 4,096 tokens: SDPA's (T, T) mask over a recompute phase's 32k tokens would cost more than the check
+    first = pack_by_tokens([len(s.token_ids) for s in shard0], min(*mbts, 4096))[0]
     probe = build_batch([shard0[j] for j in first], device)
     models = [trainer.module] + ([trainer.reference] if trainer.reference is not None else [])
 
