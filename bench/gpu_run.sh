@@ -19,6 +19,8 @@
 #                                # real follower and engine, [weights] delta_format = "packed"
 #     bash bench/gpu_run.sh L    # issue 29: the learner at the 4B shape, full against a rank-16 LoRA adapter,
 #                                # then adapter step end -> serving at the 4B shape
+#     bash bench/gpu_run.sh LP   # issue 56: where the 4B LoRA learner's step goes, alone on the GPU: micro-batch
+#                                # sizes with and without recompute, compiled layers or not, a profiled step
 #     bash bench/gpu_run.sh LI   # issue 29: adapter step end -> serving at the 4B shape in GPU memory
 #                                # (cuda_ipc), then through the object store in the same call
 #     bash bench/gpu_run.sh K    # issue 26: does the learner's step read GPU memory it never wrote?
@@ -316,7 +318,8 @@ W5)
     ;;
 L)
     # issue 29 in one call: the learner at the 4B shape (bench.common.random_qwen3 inside), ZeRO-2, varlen,
-    # compile off in both (compiled layers are refused with LoRA): full fine-tuning, then a rank-16
+    # compile off in both (as run for issue 29; compiled LoRA layers are refused only beside a KL term:
+    # part LP runs them): full fine-tuning, then a rank-16
     # adapter on every linear layer (tokens/s, peak GPU memory); then adapter step end -> serving at the
     # 4B shape (the learner's adapter snapshot, the object store of a real nats-server, the actor's
     # fetch + verify, vLLM add_lora, one token on it) in what is left of LIMIT_S
@@ -333,6 +336,44 @@ L)
     else
         echo "[gpu_run] lora_serving: skipped, ${LEFT} s left of LIMIT_S=$LIMIT_S"
     fi
+    ;;
+LP)
+    # issue 56: the learner of gpu-1-4b-lora.toml alone on this GPU (bench/learner_gpu.py: the 4B shape,
+    # random weights, ZeRO-2, varlen flash attention, a rank-16 adapter, kl_coef 0), one step = its 8 groups
+    # of 8 random_words conversations (SEQUENCES=64 of 1,816 tokens, 1,536 trained: 116,224 tokens). Each
+    # phase builds one Trainer and runs its micro-batch sizes as variants (1 warm-up + STEPS steps each),
+    # then its fastest on a quarter of the step under torch.profiler: top kernels with counts, the time by
+    # kind (matmul, attention, softmax_ce, elementwise, memcpy, ...) and the GPU's idle share.
+    #   lp_sweep: compiled layers (what "auto" gives this config); no recompute at MBT (4,096 as shipped,
+    #             8,192), recompute at GC_MBT (16,384, 32,768: without it their activations pass 80 GB);
+    #             a size whose projected peak passes the GPU's memory is skipped, not run out of memory
+    #   lp_eager: the same without compiled layers at EAGER_MBT, with what is left of LP_S (LP_SECOND:
+    #             other settings in their place, e.g. LP_SECOND="--compile layers --zero 0")
+    # Leaves 5 files: lp_sweep.log, learner_lp.json, lp_eager.log, learner_lp_eager.json (tokens/s, MFU
+    # against 989.4 at 4 N a token, peak GiB per row; each phase's profile in "phases") and lp_profile.tgz
+    # (the profile summaries, and the gzipped trace of the first phase's first two micro-batches).
+    LP_S=${LP_S:-475}
+    SWEEP_S=${SWEEP_S:-370}
+    MODEL_DIR=${LP_MODEL_DIR:-/tmp/lp_model}
+    SHAPE=(--zero 2 --attn varlen --skip-plain --lora-rank 16 --kl-coef 0 --sequences "${SEQUENCES:-64}"
+        --seq-tokens 1816 --seq-trained 1536 --seq-turns 4 --steps "${STEPS:-2}" --warmup 1
+        --model-dir "$MODEL_DIR" --profile "$OUT/lp_profile")
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    step lp_sweep "$SWEEP_S" python3 bench/learner_gpu.py "${SHAPE[@]}" --compile layers \
+        --gradient-checkpointing off,on --micro-batch-tokens "${MBT:-4096,8192}" \
+        --recompute-micro-batch-tokens "${GC_MBT:-16384,32768}" --budget-s $((SWEEP_S - 15)) \
+        --out "$OUT/learner_lp.json"
+    LEFT=$((LP_S - SECONDS))
+    if [ "$LEFT" -ge 90 ]; then
+        # shellcheck disable=SC2086  # LP_SECOND: words, after SHAPE's (the last of an option wins)
+        step lp_eager "$LEFT" python3 bench/learner_gpu.py "${SHAPE[@]}" ${LP_SECOND:---compile off} \
+            --micro-batch-tokens "${EAGER_MBT:-8192}" --budget-s $((LEFT - 10)) --out "$OUT/learner_lp_eager.json"
+    else
+        echo "[gpu_run] lp_eager: skipped, ${LEFT} s left of LP_S=$LP_S" | tee "$OUT/lp_eager.log"
+    fi
+    rm -f "$OUT"/learner_lp*.md  # each JSON holds its table (table_md); the logs print it
+    [ -d "$OUT/lp_profile" ] && tar czf "$OUT/lp_profile.tgz" -C "$OUT" lp_profile && rm -rf "${OUT:?}/lp_profile"
+    rm -rf "$MODEL_DIR"
     ;;
 LI)
     # issue 29: a rank-16 adapter on every linear layer of the 4B shape, VERSIONS versions: packed into
@@ -439,7 +480,7 @@ M)
     PARLEY_SETS="${PARLEY_SETS:-} up.gpu_share=\"mps\"" bash "$0" "${MPS_PART:-PS}"
     ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|TT|TT4|W1|W2|W3|W4|W5|L|LI|K|M|S" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|TT|TT4|W1|W2|W3|W4|W5|L|LP|LI|K|M|S" >&2
     exit 2
     ;;
 esac

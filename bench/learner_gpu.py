@@ -44,6 +44,7 @@ VARLEN = "parley_varlen"  # learner.attention.VARLEN (kept here so --help import
 ATTN_CHOICES = ("sdpa", "varlen")
 REF_CHOICES = ("local", "service")  # config.policy.REFERENCES
 GiB = 2**30
+DATASHEET_TFLOPS = 989.4  # dense bf16, H100 SXM and H200: the docs' one MFU denominator
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,10 +77,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--profile",
-        action="store_true",
-        help="after each learner phase's first variant, one more step under torch.profiler: "
-        "the top kernels by device time and the time per kernel kind",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="after each learner phase's variants, one more step of its fastest under torch.profiler: the "
+        "top kernels by device time with counts, the share of the step per kernel kind and the GPU's idle "
+        "gaps (in the JSON; with DIR also DIR/profile_<phase>.json, and one gzipped trace under 5 MiB)",
     )
+    p.add_argument(
+        "--micro-batch-tokens",
+        default=None,
+        help="[learner] micro_batch_tokens values to run in each learner phase, comma-separated "
+        "(default: --budget-tokens); one Trainer per phase, the values as its variants",
+    )
+    p.add_argument(
+        "--recompute-micro-batch-tokens",
+        default=None,
+        help="the micro_batch_tokens values of the phases with gradient checkpointing on (default: "
+        "--micro-batch-tokens): recompute is what lets the larger ones fit",
+    )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="the saved model the learner phases load: built there when it holds none (random weights "
+        "of the bench's shape), kept afterwards, so later invocations skip the build",
+    )
+    p.add_argument(
+        "--sequences",
+        type=int,
+        default=0,
+        help="> 0: the step is this many sequences of --seq-tokens each (--seq-trained of them trained, "
+        "in --seq-turns turns) instead of the CollabLLM-like draw: gpu-1-4b-lora.toml's random_words "
+        "step is 8 groups x 8 = 64 sequences of 1,816 tokens, 1,536 trained",
+    )
+    p.add_argument("--seq-tokens", type=int, default=1816, help="tokens of each sequence with --sequences")
+    p.add_argument("--seq-trained", type=int, default=1536, help="trained tokens of each sequence with --sequences")
+    p.add_argument("--seq-turns", type=int, default=4, help="user/assistant turns of each sequence with --sequences")
+    p.add_argument("--logit-chunk", type=int, default=None, help="[learner] logit_chunk_tokens (default: the config's)")
     p.add_argument("--skip-plain", action="store_true", help="leave out the plain PyTorch step")
     p.add_argument("--gpus", type=int, default=1, help="ranks for the learner phases (torch.distributed.run when > 1)")
     p.add_argument("--kl-coef", type=float, default=0.001, help="learner kl_coef; > 0 adds the reference forward")
@@ -112,8 +147,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--gradient-checkpointing",
-        action="store_true",
-        help="learner.gradient_checkpointing = true (layers recomputed)",
+        nargs="?",
+        const="on",
+        default="off",
+        help="learner.gradient_checkpointing values to run, comma-separated of off, on (one learner phase "
+        "each; the flag alone: on)",
     )
     p.add_argument(
         "--tiny", action="store_true", help="2-layer, 4k-vocab model in fp32: runs on CPU (gloo) in about a minute"
@@ -136,7 +174,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.attn_list = [a.strip() for a in args.attn.split(",") if a.strip()]
     args.ref_list = [r.strip() for r in args.ref.split(",") if r.strip()]
     args.compile_list = [c.strip() for c in args.compile.split(",") if c.strip()]
+    args.gc_list = [g.strip() for g in args.gradient_checkpointing.split(",") if g.strip()]
     errors = []
+    try:
+        args.mbt_list = [int(m) for m in (args.micro_batch_tokens or str(args.budget_tokens)).split(",") if m.strip()]
+    except ValueError:
+        args.mbt_list = []
+    if not args.mbt_list or any(m < 1 for m in args.mbt_list):
+        errors.append(f"--micro-batch-tokens={args.micro_batch_tokens!r}: use comma-separated token counts >= 1")
+    try:
+        args.gc_mbt_list = [
+            int(m)
+            for m in (args.recompute_micro_batch_tokens or ",".join(map(str, args.mbt_list))).split(",")
+            if m.strip()
+        ]
+    except ValueError:
+        args.gc_mbt_list = []
+    if not args.gc_mbt_list or any(m < 1 for m in args.gc_mbt_list):
+        errors.append(
+            f"--recompute-micro-batch-tokens={args.recompute_micro_batch_tokens!r}: use comma-separated token counts >= 1"
+        )
+    if not args.gc_list or any(g not in ("off", "on") for g in args.gc_list):
+        errors.append(
+            f"--gradient-checkpointing={args.gradient_checkpointing!r}: use a comma-separated subset of off, on"
+        )
+    if args.sequences and not 0 < args.seq_trained < args.seq_tokens:
+        errors.append(
+            f"--seq-trained={args.seq_trained} must be between 1 and --seq-tokens={args.seq_tokens} - 1 "
+            "(the first token of a sequence is never trained)"
+        )
+    if args.sequences and args.seq_turns < 1:
+        errors.append(f"--seq-turns={args.seq_turns} must be >= 1")
     if not args.ref_list or any(r not in REF_CHOICES for r in args.ref_list):
         errors.append(f"--ref={args.ref!r}: use a comma-separated subset of {list(REF_CHOICES)}")
     if "service" in args.ref_list and args.kl_coef <= 0:
@@ -147,8 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         errors.append(f"--attn={args.attn!r}: use a comma-separated subset of {list(ATTN_CHOICES)}")
     if not args.compile_list or any(c not in ("auto", "off", "layers") for c in args.compile_list):
         errors.append(f"--compile={args.compile!r}: use a comma-separated subset of auto, off, layers")
-    for name in ("layers", "budget_tokens", "step_tokens", "steps", "gpus"):
-        if getattr(args, name) < 1:
+    for name in ("layers", "budget_tokens", "step_tokens", "steps", "gpus", "sequences"):
+        if getattr(args, name) < (0 if name == "sequences" else 1):
             errors.append(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.warmup < 0:
         errors.append(f"--warmup={args.warmup} must be >= 0")
@@ -240,15 +308,39 @@ def conversation_mask(n: int, rng: random.Random) -> list[int]:
     return mask
 
 
+def fixed_mask(n: int, trained: int, turns: int) -> list[int]:
+    """Loss mask of an n-token conversation of `turns` turns, each a user part (0) then an assistant part
+    (1), `trained` tokens trained in all (random_words: 4 turns of 70 user then 384 assistant tokens)."""
+    mask: list[int] = []
+    for t in range(turns):
+        a = trained * (t + 1) // turns - trained * t // turns
+        u = (n - trained) * (t + 1) // turns - (n - trained) * t // turns
+        mask += [0] * u + [1] * a
+    return mask
+
+
 def draw_samples(args, vocab: int):
-    """Trajectories of budget/8 .. budget tokens (lognormal, median 3/8 of the budget: 1k-8k with the
+    """With --sequences: that many sequences of --seq-tokens (fixed_mask). Otherwise trajectories of
+    budget/8 .. budget tokens (lognormal, median 3/8 of the budget: 1k-8k with the
     default 8192) until step_tokens are drawn; random token ids (speed does not depend on them),
     behaviour log-probs of a uniform policy (what a random-init model gives, so ratios stay near 1)."""
     from parley.learner.packing import Sample
 
     rng = random.Random(args.seed)
-    lo, hi, median = max(16, args.budget_tokens // 8), args.budget_tokens, 0.375 * args.budget_tokens
     uniform = -math.log(vocab)
+    if args.sequences:
+        mask = fixed_mask(args.seq_tokens, args.seq_trained, args.seq_turns)
+        return [
+            Sample(
+                f"bench/{i}",
+                [rng.randrange(vocab) for _ in range(args.seq_tokens)],
+                mask,
+                [uniform if m else 0.0 for m in mask],
+                rng.gauss(0.0, 1.0),
+            )
+            for i in range(args.sequences)
+        ]
+    lo, hi, median = max(16, args.budget_tokens // 8), args.budget_tokens, 0.375 * args.budget_tokens
     samples, total = [], 0
     while total < args.step_tokens:
         n = int(min(hi, max(lo, rng.lognormvariate(math.log(median), 0.6))))
@@ -473,53 +565,175 @@ def fill_service_reference(args, samples, dtype_name: str) -> float:
     return time.perf_counter() - t0
 
 
-def kernel_kind(name: str) -> str:
-    """A coarse kind of a CUDA kernel, from its name, for the profile's time shares."""
-    n = name.lower()
+# Kinds of device time in a profiled step, tried in this order against a kernel's (or, on CPU, an
+# operator's) lower-cased name; the first that matches names its kind, "elementwise" otherwise.
+KINDS = (
     # attention first: flash kernels carry cutlass types in their names
-    for kind, keys in (
-        ("attention", ("flash", "fmha", "attn")),
-        ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul")),
-        ("communication", ("nccl",)),
-        ("copy", ("memcpy", "memset", "copy")),
-        ("reduction", ("reduce", "softmax", "norm")),
-        ("triton (compiled)", ("triton",)),
-    ):
+    ("attention", ("flash", "fmha", "attn", "scaled_dot_product")),
+    # the log-probs over the vocabulary: log_softmax and its backward, the gather of the targets'
+    # log-probs and the scatter of its backward (a (chunk, vocab) fp32 tensor each)
+    ("softmax_ce", ("softmax", "logsumexp", "cross_entropy", "nll_loss", "gather", "scatter")),
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "gemv", "aten::mm", "aten::addmm")),
+    ("communication", ("nccl", "all_reduce", "allreduce")),
+    ("memcpy", ("memcpy", "memset")),  # DMA copies (host <-> device, device <-> device) and fills
+    ("optimizer", ("multi_tensor_apply", "adam")),
+    ("compiled_fused", ("triton",)),  # compiled layers' fused norms, rotary, SwiGLU, residual adds
+    ("cast_copy", ("copy", "contiguous", "clone")),  # dtype casts (the logits' .float()), layout copies
+    ("reduction", ("reduce", "norm", "sum", "mean")),
+)
+TRACE_MAX_BYTES = 5 * 2**20  # a gzipped trace larger than this is not kept (the device tool brings back little)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind (KINDS) of a CUDA kernel or CPU operator, from its name."""
+    n = name.lower()
+    for kind, keys in KINDS:
         if any(k in n for k in keys):
             return kind
-    return "elementwise/other"
+    return "elementwise"
 
 
-def profile_step(step, device) -> dict:
-    """One step under torch.profiler: the 25 kernels with the most device time and the share of each
-    kernel kind (kernel_kind) in the device time."""
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (start_us, end_us) intervals: the device's busy time, where
+    kernels of several streams overlap."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    return busy / 1e6
+
+
+def profile_records(prof, device_type: str) -> tuple[list, list, list]:
+    """From a torch.profiler run: ([(name, seconds)] one per kernel launch or operator, [(start_us, end_us)]
+    of the device's busy intervals, [(name, seconds)] of the host's CUDA runtime calls). On CUDA the
+    kernels (and memcpy/memset) with their device time, and every cuda*/cu* runtime call (launches,
+    copies, synchronizations: where the host waits); on CPU, where there are no kernels, every operator's
+    self time and the top-level operators' spans, and no runtime calls."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    _sync(device)
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        _sync(device)
-    wall = time.perf_counter() - t0
-    kernels: dict[str, float] = {}
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[evt.name] = kernels.get(evt.name, 0.0) + float(evt.device_time) / 1e6
-    busy = sum(kernels.values())
+    records, intervals, runtime = [], [], []
+    if device_type == "cuda":
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                records.append((e.name, float(e.device_time) / 1e6))
+                intervals.append((e.time_range.start, e.time_range.end))
+            elif e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
+                runtime.append((e.name, (e.time_range.end - e.time_range.start) / 1e6))
+    else:
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CPU:
+                continue
+            if e.self_cpu_time_total > 0:
+                records.append((e.name, float(e.self_cpu_time_total) / 1e6))
+            if e.cpu_parent is None:
+                intervals.append((e.time_range.start, e.time_range.end))
+    return records, intervals, runtime
+
+
+def summarize_profile(
+    records: list[tuple[str, float]],
+    intervals: list[tuple[float, float]],
+    wall_s: float,
+    runtime: list[tuple[str, float]] = (),
+    top: int = 25,
+) -> dict:
+    """A profiled step in a few numbers: the `top` kernels by total time (with launch counts and kind),
+    seconds and share of the step's wall time per kind (KINDS), and the device's idle time (wall less
+    the union of its busy intervals): launch gaps, host syncs, Python between kernels. With the host's
+    runtime calls: the 8 with the most time (count, seconds) and how often the host waited on the GPU
+    (`host_syncs`: *Synchronize calls, each one a drained queue)."""
+    by_name: dict[str, list] = {}
+    for name, t in records:
+        r = by_name.setdefault(name, [0.0, 0])
+        r[0] += t
+        r[1] += 1
     kinds: dict[str, float] = {}
-    for name, t in kernels.items():
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    counts: dict[str, int] = {}
+    for name, (t, c) in by_name.items():
+        k = kernel_kind(name)
+        kinds[k] = kinds.get(k, 0.0) + t
+        counts[k] = counts.get(k, 0) + c
+    busy = busy_seconds(intervals)
+    idle = max(0.0, wall_s - busy)
+    wall = max(wall_s, 1e-12)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    calls: dict[str, list] = {}
+    for name, t in runtime:
+        r = calls.setdefault(name, [0, 0.0])
+        r[0] += 1
+        r[1] += t
     return {
-        "wall_s": wall,
-        "kernel_s": busy,
+        "wall_s": wall_s,
+        "kernel_s": sum(t for t, _ in by_name.values()),
+        "busy_s": busy,
+        "idle_s": idle,
+        "idle_share": idle / wall,
+        "launches": sum(c for _, c in by_name.values()),
         "kinds_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-        "top": [{"kernel": k[:160], "s": t, "kind": kernel_kind(k)} for k, t in top],
+        "kinds_share": {k: v / wall for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "kinds_launches": counts,
+        "top": [
+            {"kernel": k[:160], "s": t, "count": c, "share": t / wall, "kind": kernel_kind(k)} for k, (t, c) in ranked
+        ],
+        "host_syncs": sum(c for n, (c, _) in calls.items() if "Synchronize" in n),
+        "host_runtime": {n: {"count": c, "s": t} for n, (c, t) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]},
     }
 
 
-def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local") -> None:
+def profile_step(
+    step, device, out_dir: str | None = None, name: str = "step", summary_file: bool = True, trace: bool = True
+) -> dict:
+    """One step under torch.profiler, summarised (summarize_profile). With `out_dir`: the summary as
+    <out_dir>/profile_<name>.json (with `summary_file`) and, with `trace` and once per directory, the
+    Chrome trace gzipped as trace_<name>.json.gz when it is under TRACE_MAX_BYTES (else dropped, and the
+    summary says so)."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    wall = time.perf_counter() - t0
+    records, intervals, runtime = profile_records(prof, device.type)
+    summary = summarize_profile(records, intervals, wall, runtime)
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if trace and not any(out.glob("trace_*.json.gz")):
+            raw = out / f"trace_{name}.json"
+            prof.export_chrome_trace(str(raw))
+            gz = out / f"trace_{name}.json.gz"
+            with open(raw, "rb") as src, gzip.open(gz, "wb", compresslevel=6) as dst:
+                shutil.copyfileobj(src, dst)
+            raw.unlink()
+            if gz.stat().st_size > TRACE_MAX_BYTES:
+                summary["trace"] = (
+                    f"dropped: {gz.stat().st_size / 2**20:.1f} MiB gzipped > {TRACE_MAX_BYTES / 2**20:.0f}"
+                )
+                gz.unlink()
+            else:
+                summary["trace"] = gz.name
+        if summary_file:
+            (out / f"profile_{name}.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def projected_peak(fitted: tuple[int, float] | None, persistent: float | None, mbt: int) -> float | None:
+    """GiB a micro-batch of `mbt` tokens would peak at, from the largest that ran ((tokens, peak GiB)) and
+    the memory held before any step (weights, optimizer state): the activations scale with the tokens.
+    None without a measurement (CPU, or nothing ran yet)."""
+    if fitted is None or persistent is None or mbt <= fitted[0]:
+        return None
+    return persistent + (fitted[1] - persistent) * mbt / fitted[0]
+
+
+def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local", gc: bool = False) -> None:
     """parley's learner as it trains: Trainer(LearnerConfig) from the saved weights, then
     Trainer.train_step(samples) (packing, chunked log-probs of trained tokens, reference forward
     (ref "local") or the samples' reference log-probs (ref "service"), GRPO loss, DeepSpeed backward
@@ -531,19 +745,22 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     from parley.learner.packing import build_batch, pack_by_tokens, shard_by_tokens
     from parley.learner.trainer import Trainer
 
+    mbts = args.gc_mbt_list if gc else args.mbt_list
+    # compiled LoRA layers are refused only beside a KL term (config.learner; learner.trainer.compile_mode)
     cfg = LearnerConfig(
         zero_stage=zero,
-        micro_batch_tokens=args.budget_tokens,
+        micro_batch_tokens=mbts[0],
+        **({} if args.logit_chunk is None else {"logit_chunk_tokens": args.logit_chunk}),
         kl_coef=args.kl_coef,
         lr=1e-6,
         seed=args.seed,
         dtype="float32" if args.tiny else "auto",
-        compile="off" if args.lora_rank else compile_mode,
+        compile=compile_mode,
         lora=LoraSettings(enabled=args.lora_rank > 0, rank=max(args.lora_rank, 1), alpha=2.0 * max(args.lora_rank, 1)),
         offload_optimizer=args.offload_optimizer,
-        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=gc,
     )
-    tag = f"[zero{zero} compile={compile_mode}{'' if ref == 'local' else ' ref ' + ref}]"
+    tag = f"[zero{zero} compile={compile_mode}{' recompute' if gc else ''}{'' if ref == 'local' else ' ref ' + ref}]"
     samples = draw_samples(args, model_config(args).vocab_size)
     ref_fill_s = None
     if ref == "service":
@@ -572,7 +789,8 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     # forward is collective, and ranks with different batches would call lm_head a different number
     # of times (one parameter all-gather each): the collectives mismatch and NCCL hangs.
     shard0 = [samples[i] for i in shard_by_tokens(lengths, world)[0]]
-    first = pack_by_tokens([len(s.token_ids) for s in shard0], args.budget_tokens)[0]
+    # at most 4,096 tokens: SDPA's (T, T) mask over a recompute phase's 32k tokens would cost more than the check
+    first = pack_by_tokens([len(s.token_ids) for s in shard0], min(*mbts, 4096))[0]
     probe = build_batch([shard0[j] for j in first], device)
     models = [trainer.module] + ([trainer.reference] if trainer.reference is not None else [])
 
@@ -592,14 +810,25 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
         "ref_fill_s": ref_fill_s,
     }
     last = None
-    for attn in args.attn_list:
+    variants = [(attn, mbt) for attn in args.attn_list for mbt in mbts]
+    total_gib = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else None
+    fitted: dict[str, tuple[int, float]] = {}  # attention -> (micro-batch tokens, peak GiB) of its largest run
+    best: tuple | None = None  # (median s/step, variant) of the fastest variant: the one profiled
+    checked: set[str] = set()  # attentions whose agreement with SDPA was checked
+    for attn, mbt in variants:
+        trainer.cfg.micro_batch_tokens = mbt  # read at every train_step (its packing)
         row = {
             "phase": f"learner ZeRO-{zero}"
             + ("" if compile_mode == "auto" else f" compile={compile_mode}")
+            + (" recompute" if gc else "")
             + ("" if ref == "local" else f", ref {ref}"),
             "zero": zero,
             "compile": compile_mode,
             "compiled": trainer.compiled,
+            "gradient_checkpointing": gc,
+            "micro_batch_tokens": mbt,
+            "logit_chunk_tokens": cfg.logit_chunk_tokens,
+            "lora_rank": args.lora_rank,
             "layout": "packed",
             "attention": attn,
             "ref": ref,
@@ -608,12 +837,20 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
             "kl_coef": args.kl_coef,
             "trained_tokens": int(sum(s.n_trained for s in samples)),
         }
-        # every rank must take the same branch (the steps are collective): rank 0 decides
-        go = [last is None or time.time() + last * (args.warmup + args.steps) * 1.2 <= args._deadline]
+        # every rank must take the same branch (the steps are collective): rank 0 decides. A micro-batch
+        # size whose projected peak (from the largest that ran) passes the GPU's memory is not tried:
+        # an out-of-memory costs a step's time and leaves the cache fragmented for the next variant
+        need = projected_peak(fitted.get(attn), persistent, mbt)
+        why = None
+        if need is not None and total_gib is not None and need > 0.97 * total_gib:
+            why = f"would not fit: {need:.0f} GiB projected of {total_gib:.0f}"
+        elif last is not None and time.time() + last * (args.warmup + args.steps + 1) * 1.2 > args._deadline:
+            why = "time budget"
+        go = [why]
         if world > 1:
             torch.distributed.broadcast_object_list(go, src=0)
-        if not go[0]:
-            row["skipped"] = "time budget"
+        if go[0] is not None:
+            row["skipped"] = go[0]
         else:
             try:
                 if attn == "sdpa":
@@ -624,6 +861,8 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
                     for m in models:
                         use_attention(m, VARLEN)
                     row.update(attention=kernel, attention_note=why)
+                if attn != "sdpa" and attn not in checked:
+                    checked.add(attn)
                     # same weights, both attentions: the packed kernel must be a drop-in for SDPA
                     use_attention(trainer.module, "sdpa")
                     ref_lp = probe_logp()
@@ -647,16 +886,10 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
                 row["first_step_stats"] = {k: v for k, v in first.items() if isinstance(v, float)}
                 row["last_step_stats"] = {k: v for k, v in stats.items() if isinstance(v, float)}
                 last = statistics.median(row["step_s"])
-                if args.profile and "profile" not in extra and world == 1:
-                    extra["profile"] = prof = profile_step(step, device)
-                    print(
-                        f"{tag} profile of one step ({attn}): wall {prof['wall_s']:.3f} s, kernels "
-                        f"{prof['kernel_s']:.3f} s; by kind: "
-                        + ", ".join(f"{k} {v:.3f} s" for k, v in prof["kinds_s"].items()),
-                        flush=True,
-                    )
-                    for t in prof["top"]:
-                        print(f"{tag}   {t['s'] * 1e3:8.1f} ms  {t['kind']:<18} {t['kernel'][:110]}", flush=True)
+                if row.get("peak_gib") is not None and mbt >= fitted.get(attn, (0, 0.0))[0]:
+                    fitted[attn] = (mbt, row["peak_gib"])
+                if best is None or last < best[0]:
+                    best = (last, attn, mbt, step)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"
                 if world > 1:
@@ -667,6 +900,63 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
             print(f"{tag} {_brief(row)}", flush=True)
             rows.append(row)
             _save(args._result, rows, extra)
+    # the phase's fastest variant once more, under the profiler (one rank: a profile of rank 0 alone)
+    if args.profile is not None and best is not None and world == 1 and time.time() + 3 * best[0] < args._deadline:
+        _, attn, mbt, _ = best
+        trainer.cfg.micro_batch_tokens = mbt
+        for m in models:
+            use_attention(m, "sdpa" if attn == "sdpa" else VARLEN)
+        name = f"zero{zero}_{compile_mode}" + ("_recompute" if gc else "") + ("" if ref == "local" else f"_{ref}")
+
+        def first(tokens: int) -> tuple[list, int]:
+            """The samples from the start that fill `tokens` (at least one)."""
+            few, n = [], 0
+            for s in samples:
+                if n + len(s.token_ids) > tokens and few:
+                    break
+                few.append(s)
+                n += len(s.token_ids)
+            return few, n
+
+        total = sum(lengths)
+        # a quarter of the step (at least 4 micro-batches, at most all of it), one more optimizer step: the
+        # same micro-batches and kernels as the timed steps, and a profiler's event processing (host time
+        # a few times the step's on the 4B shape) a quarter as long
+        part, part_tokens = first(min(total, max(total // 4, 4 * mbt)))
+        try:
+            prof = profile_step(lambda: trainer.train_step(part), device, None, name)
+            prof["profiled_tokens"] = part_tokens
+            if args.profile and not any(Path(args.profile).glob("trace_*.json.gz")):
+                # the trace of a whole 4B step is tens of MB gzipped: that of its first two micro-batches
+                # (the samples that fill them, one more optimizer step) is what comes back
+                few, n = first(2 * mbt)
+                small = profile_step(
+                    lambda: trainer.train_step(few), device, args.profile, name + "_2mb", summary_file=False
+                )
+                prof["trace"] = small.get("trace")
+                prof["trace_step"] = {"tokens": n, "wall_s": small["wall_s"], "idle_share": small["idle_share"]}
+            if args.profile:
+                out = Path(args.profile)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"profile_{name}.json").write_text(json.dumps(prof, indent=1))
+        except Exception as e:  # the timings stand without it
+            prof = {"error": f"{type(e).__name__}: {e}"}
+        extra["profile"] = {"attention": attn, "micro_batch_tokens": mbt, **prof}
+        if "error" not in prof:
+            print(
+                f"{tag} profile of {prof['profiled_tokens']:,} tokens ({attn}, micro-batches of {mbt}): wall {prof['wall_s']:.3f} s, GPU busy "
+                f"{prof['busy_s']:.3f} s, idle {prof['idle_share']:.0%}, {prof['launches']} launches, "
+                f"{prof['host_syncs']} host syncs; by kind: "
+                + ", ".join(f"{k} {v:.0%}" for k, v in prof["kinds_share"].items()),
+                flush=True,
+            )
+            for t in prof["top"]:
+                print(
+                    f"{tag}   {t['s'] * 1e3:8.1f} ms {t['count']:6d}x  {t['kind']:<15} {t['kernel'][:100]}", flush=True
+                )
+        else:
+            print(f"{tag} profile failed: {prof['error']}", flush=True)
+        _save(args._result, rows, extra)
 
 
 def _brief(row: dict) -> str:
@@ -805,6 +1095,11 @@ def compute(rows: list[dict], shape: dict, n_params: int, peak_tflops: float) ->
         t = statistics.median(r["step_s"])
         tokens = sum(r["lengths"])
         policy = train_flops(shape, n_params, r["lengths"])
+        full = policy
+        if r.get("lora_rank"):
+            # a LoRA learner computes no weight gradients for the frozen base: 4 N a token, not 6 N
+            # (the adapter's own FLOPs, under 1% at rank 16, not counted); attention keeps its term
+            policy -= 2 * n_params * tokens
         # the reference forward, when the learner runs it (ref "service" computed it before the step)
         ref = policy / 3 if r.get("kl_coef", 0) > 0 and r.get("ref", "local") == "local" else 0.0
         denom = t * peak_tflops * 1e12 * r["world"]
@@ -816,6 +1111,10 @@ def compute(rows: list[dict], shape: dict, n_params: int, peak_tflops: float) ->
             tflops_per_gpu=(policy + ref) / t / 1e12 / r["world"],
             mfu=(policy + ref) / denom,
             policy_mfu=policy / denom,
+            flops_basis="4N (LoRA)" if r.get("lora_rank") else "6N",
+            # one denominator for the docs: the datasheet's dense bf16 rate (H100 SXM and H200)
+            mfu_datasheet=(policy + ref) / (t * DATASHEET_TFLOPS * 1e12 * r["world"]),
+            mfu_6n_datasheet=(full + ref) / (t * DATASHEET_TFLOPS * 1e12 * r["world"]),
         )
     plain = {r["attention"]: r for r in rows if r["phase"] == "plain" and r["layout"] == "packed" and "mfu" in r}
     for r in rows:
@@ -856,22 +1155,25 @@ def table(report: dict) -> str:
         f"{report['batch']['trained_fraction']:.0%} trained, "
         f"micro-batch budget {report['batch']['budget_tokens']}",
         "",
-        "| run | layout | attention | GPUs | micro-batches | s/step | tokens/s | TFLOP/s/GPU | MFU | policy MFU "
-        "| MFU / plain | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | layout | attention | GPUs | micro-batch tokens | micro-batches | s/step | tokens/s | TFLOP/s/GPU "
+        "| MFU | policy MFU | MFU / plain | MFU (989.4, FLOPs basis) | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
-        head = f"| {r['phase']} | {r['layout']} | {r['attention']} | {r['world']} | {r.get('micro_batches', '')} |"
+        head = (
+            f"| {r['phase']} | {r['layout']} | {r['attention']} | {r['world']} | {r.get('micro_batch_tokens', '')} "
+            f"| {r.get('micro_batches', '')} |"
+        )
         if "mfu" not in r:
             why = r.get("error") or f"skipped: {r.get('skipped', 'no result')}"
-            lines.append(f"{head} {why} | | | | | | |")
+            lines.append(f"{head} {why} | | | | | | | |")
             continue
         ratio = f"{r['vs_plain']['mfu_ratio']:.2f} (vs {r['vs_plain']['attention']})" if "vs_plain" in r else ""
         policy = f"{r['policy_mfu']:.1%}" if r["policy_mfu"] != r["mfu"] else ""
         mem = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else ""
         lines.append(
             f"{head} {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
-            f"{r['mfu']:.1%} | {policy} | {ratio} | {mem} |"
+            f"{r['mfu']:.1%} | {policy} | {ratio} | {r['mfu_datasheet']:.1%} ({r['flops_basis']}) | {mem} |"
         )
     for r in report["rows"]:
         if "vs_ref_local" in r:
@@ -894,10 +1196,11 @@ def main() -> int:
             phase_build(args)
         elif args._phase == "plain":
             phase_plain(args)
-        else:  # "zero<stage>[:<compile>][-<ref>]"
-            head, _, ref = args._phase.removeprefix("zero").partition("-")
+        else:  # "zero<stage>[:<compile>][-<ref>][+gc]"
+            name, _, gc = args._phase.partition("+")
+            head, _, ref = name.removeprefix("zero").partition("-")
             stage, _, mode = head.partition(":")
-            phase_learner(args, int(stage), mode or "auto", ref or "local")
+            phase_learner(args, int(stage), mode or "auto", ref or "local", gc == "gc")
         return 0
 
     start = time.time()
@@ -941,12 +1244,17 @@ def main() -> int:
             Path(out).write_text(json.dumps(report, indent=1))
             Path(out).with_suffix(".md").write_text(report["table_md"] + "\n")
 
-    model_dir = tempfile.mkdtemp(prefix="parley_bench_model_")
+    model_dir = args.model_dir or tempfile.mkdtemp(prefix="parley_bench_model_")
+    have = args.model_dir is not None and (Path(model_dir) / "config.json").is_file()
     try:
-        phases = ["plain"] if not args.skip_plain else (["build"] if args.zero_stages else [])
+        phases = ["plain"] if not args.skip_plain else (["build"] if args.zero_stages and not have else [])
         phases += [
-            f"zero{z}" + ("" if c == "auto" else f":{c}") + ("" if ref == "local" else f"-{ref}")
+            f"zero{z}"
+            + ("" if c == "auto" else f":{c}")
+            + ("" if ref == "local" else f"-{ref}")
+            + ("+gc" if g == "on" else "")
             for z in args.zero_stages
+            for g in args.gc_list
             for c in args.compile_list
             for ref in args.ref_list
         ]
@@ -962,7 +1270,8 @@ def main() -> int:
                 break
             write()
     finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
+        if args.model_dir is None:
+            shutil.rmtree(model_dir, ignore_errors=True)
     write()
     print("\n" + report["table_md"], flush=True)
     if out:

@@ -15,7 +15,11 @@ def _logp_entropy(lm_head, hidden: Tensor, targets: Tensor, inv_temp: Tensor | N
         logits = logits * inv_temp[:, None]  # the sampling distribution at temperature T: softmax(logits / T)
     logp_all = torch.log_softmax(logits, dim=-1)  # (n, V)
     logp = logp_all.gather(1, targets[:, None])[:, 0]  # (n,)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
+    # Reported, never trained: without a graph it saves nothing for backward, so the checkpoint's
+    # recompute in backward stops after the gather (its last saved tensor) instead of computing the
+    # exp, product and sum over the (n, V) fp32 log-probs again
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
     return logp, entropy
 
 
