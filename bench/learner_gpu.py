@@ -281,11 +281,12 @@ def count_params(s: dict) -> int:
     return s["layers"] * layer + s["vocab"] * h + h
 
 
-def train_flops(s: dict, n_params: int, lengths: list[int]) -> float:
-    """Forward + backward model FLOPs of sequences of these lengths (learner.flops, module docstring)."""
+def train_flops(s: dict, n_params: int, lengths: list[int], frozen_base: bool = False) -> float:
+    """Forward + backward model FLOPs of sequences of these lengths (learner.flops, module docstring);
+    `frozen_base`: a LoRA learner's, 4 N a token."""
     from parley.learner.flops import train_flops as flops
 
-    return flops(n_params, s["layers"], s["heads"], s["head_dim"], lengths)
+    return flops(n_params, s["layers"], s["heads"], s["head_dim"], lengths, frozen_base=frozen_base)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1094,12 +1095,9 @@ def compute(rows: list[dict], shape: dict, n_params: int, peak_tflops: float) ->
             continue
         t = statistics.median(r["step_s"])
         tokens = sum(r["lengths"])
-        policy = train_flops(shape, n_params, r["lengths"])
-        full = policy
-        if r.get("lora_rank"):
-            # a LoRA learner computes no weight gradients for the frozen base: 4 N a token, not 6 N
-            # (the adapter's own FLOPs, under 1% at rank 16, not counted); attention keeps its term
-            policy -= 2 * n_params * tokens
+        # a LoRA learner computes no weight gradients for the frozen base: 4 N a token (learner.flops)
+        policy = train_flops(shape, n_params, r["lengths"], frozen_base=bool(r.get("lora_rank")))
+        full = train_flops(shape, n_params, r["lengths"])
         # the reference forward, when the learner runs it (ref "service" computed it before the step)
         ref = policy / 3 if r.get("kl_coef", 0) > 0 and r.get("ref", "local") == "local" else 0.0
         denom = t * peak_tflops * 1e12 * r["world"]

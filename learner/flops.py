@@ -6,6 +6,11 @@ Per sequence of s tokens, training (forward + backward) = 6 * N * s + 6 * L * Hq
 model FLOPs, recomputation not counted; N = parameters with a tied embedding counted once; the
 second term is causal attention, 12 * L * Hq * d * s^2 / 2). Packed sequences attend only within
 themselves, so the attention term is summed per sequence. A forward alone is a third of that.
+
+With a frozen base (a LoRA learner: [learner.lora]) no weight gradients are computed for the base, so
+its linear layers cost 4 * N a token (forward, and the backward to the activations), not 6 * N; the
+adapter's own FLOPs (under 1% at rank 16) are not counted, and attention, which has no weights, keeps
+its term. bench/floor.py counts a LoRA floor the same way: one denominator for the doc's MFU figures.
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def train_flops(n_params: int, layers: int, heads: int, head_dim: int, lengths: Iterable[int]) -> float:
+def train_flops(
+    n_params: int, layers: int, heads: int, head_dim: int, lengths: Iterable[int], *, frozen_base: bool
+) -> float:
     attn = layers * heads * head_dim
-    return float(sum(6 * n_params * n + 6 * attn * n * n for n in lengths))
+    per_token = (4 if frozen_base else 6) * n_params
+    return float(sum(per_token * n + 6 * attn * n * n for n in lengths))
 
 
 def shape_of(config) -> tuple[int, int, int]:

@@ -460,7 +460,12 @@ class Trainer:
         phase["release_s"] = time.perf_counter() - t
         elapsed = time.perf_counter() - t0
         total_tokens = sum(len(s.token_ids) for s in samples)
-        flops = train_flops(self.n_params, *flops_shape(self.module.config), (len(s.token_ids) for s in samples))
+        flops = train_flops(
+            self.n_params,
+            *flops_shape(self.module.config),
+            (len(s.token_ids) for s in samples),
+            frozen_base=self.peft is not None,
+        )
         stats.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             skipped=0.0 if applied else 1.0,  # learner.stepper dead-letters a skipped step's groups
