@@ -216,3 +216,31 @@ def safetensors_bytes(data: bytes) -> bytes:
     header = json.dumps({"data": {"dtype": "U8", "shape": [len(data)], "data_offsets": [0, len(data)]}}).encode()
     header += b" " * (-len(header) % 8)
     return struct.pack("<Q", len(header)) + header + data
+
+
+def run_gpu_part(tmp_path, part: str, python: str, smi: str, **env: str):
+    """`bash bench/gpu_run.sh PART` with test doubles on PATH: `python` is the script python3 runs as (it
+    appends its arguments, "|"-joined, to $STUB_LOG), `smi` the line nvidia-smi prints. Returns the
+    completed process, the calls python3 recorded (one line each) and $OUT."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    (stubs / "python3").write_text(python)
+    (stubs / "nvidia-smi").write_text(f'#!/bin/bash\necho "{smi}"\n')
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    log, out = tmp_path / "calls.log", tmp_path / "out"
+    full = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(log), "OUT": str(out), **env}
+    res = subprocess.run(
+        ["bash", str(root / "bench" / "gpu_run.sh"), part],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+    )
+    return res, (log.read_text().splitlines() if log.exists() else []), out

@@ -61,6 +61,18 @@ class LLMDouble:
         return all([w.remove_lora(lora_id) for w in self.workers if hasattr(w, "remove_lora")])
 
 
+class PausingLLMDouble(LLMDouble):
+    """LLMDouble that remembers whether vLLM's scheduler is paused."""
+
+    paused = False
+
+    async def pause_generation(self, **kw):
+        self.paused = True
+
+    async def resume_generation(self):
+        self.paused = False
+
+
 def engine_of(*workers) -> PolicyEngine:
     engine = PolicyEngine.__new__(PolicyEngine)  # no vLLM
     engine.version, engine._llm, engine._reload_lock = 1, LLMDouble(workers), asyncio.Lock()
@@ -258,15 +270,6 @@ def test_a_load_that_fails_half_way_keeps_generation_paused_until_a_whole_versio
     loaded (the follower loads the new one once more or puts the served one back). A load that fails
     before changing anything resumes at once, as before. Test doubles for AsyncLLM and the worker."""
 
-    class Pausing(LLMDouble):
-        paused = False
-
-        async def pause_generation(self, **kw):
-            self.paused = True
-
-        async def resume_generation(self):
-            self.paused = False
-
     class Worker(WorkerExtension):
         said: list = []
 
@@ -278,7 +281,7 @@ def test_a_load_that_fails_half_way_keeps_generation_paused_until_a_whole_versio
 
     worker = Worker()
     engine = engine_of(worker)
-    engine._llm = llm = Pausing([worker])
+    engine._llm = llm = PausingLLMDouble([worker])
     worker.said = [(REFUSED, "version 2: checksum mismatch"), RuntimeError("CUDA error: illegal memory access")]
     worker.said += [(REFUSED, "version 1: checksum mismatch"), None]
 
@@ -302,15 +305,6 @@ def test_a_file_reload_that_fails_half_way_keeps_generation_paused_until_one_suc
     """The same for a version loaded from files (reload_weights; the follower reloads the served files
     next). Test doubles for AsyncLLM and the worker."""
 
-    class Pausing(LLMDouble):
-        paused = False
-
-        async def pause_generation(self, **kw):
-            self.paused = True
-
-        async def resume_generation(self):
-            self.paused = False
-
     class Worker(WorkerExtension):
         fail = True
 
@@ -320,7 +314,7 @@ def test_a_file_reload_that_fails_half_way_keeps_generation_paused_until_one_suc
 
     worker = Worker()
     engine = engine_of(worker)
-    engine._llm = llm = Pausing([worker])
+    engine._llm = llm = PausingLLMDouble([worker])
 
     async def go():
         with pytest.raises(RuntimeError, match="size mismatch"):

@@ -4,12 +4,11 @@ bounded, and the few files the part leaves."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.factories import run_gpu_part
 
 # test double of python3: records its arguments; writes what bench/learner_gpu.py would (--out's JSON and
 # .md, a summary under --profile's folder)
@@ -27,31 +26,10 @@ done
 
 
 def _run_lp(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[list[str]], Path]:
-    stubs = tmp_path / "stubs"
-    stubs.mkdir()
-    (stubs / "python3").write_text(FAKE_PYTHON)
-    (stubs / "nvidia-smi").write_text('#!/bin/bash\necho "NVIDIA H100 80GB HBM3, 81559 MiB"\n')
-    for f in stubs.iterdir():
-        f.chmod(0o755)
-    log, out = tmp_path / "calls.log", tmp_path / "out"
-    full = {
-        **os.environ,
-        "PATH": f"{stubs}:{os.environ['PATH']}",
-        "STUB_LOG": str(log),
-        "OUT": str(out),
-        "LP_MODEL_DIR": str(tmp_path / "model"),
-        **env,
-    }
-    res = subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu_run.sh"), "LP"],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
+    res, lines, out = run_gpu_part(
+        tmp_path, "LP", FAKE_PYTHON, "NVIDIA H100 80GB HBM3, 81559 MiB", LP_MODEL_DIR=str(tmp_path / "model"), **env
     )
-    calls = [c.rstrip("|").split("|") for c in log.read_text().splitlines()] if log.exists() else []
-    return res, calls, out
+    return res, [c.rstrip("|").split("|") for c in lines], out
 
 
 def _opt(call: list[str], name: str) -> str:

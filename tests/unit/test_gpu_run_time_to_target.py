@@ -5,41 +5,24 @@ bench/peer_compare.py reads (the card it ran on, TRL's options)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.factories import run_gpu_part
 
 
 def _run_part(tmp_path: Path, part: str, **env: str) -> tuple[subprocess.CompletedProcess, list[str], Path]:
-    stubs = tmp_path / "stubs"
-    stubs.mkdir()
     # test doubles: python3 records its arguments and does nothing; nvidia-smi names one card
-    (stubs / "python3").write_text('#!/bin/bash\nprintf "%s|" "$@" >>"$STUB_LOG"; echo >>"$STUB_LOG"\n')
-    (stubs / "nvidia-smi").write_text('#!/bin/bash\necho "NVIDIA H100 80GB HBM3, GPU-1234"\n')
-    for f in stubs.iterdir():
-        f.chmod(0o755)
-    log, out = tmp_path / "calls.log", tmp_path / "out"
-    full = {
-        **os.environ,
-        "PATH": f"{stubs}:{os.environ['PATH']}",
-        "STUB_LOG": str(log),
-        "OUT": str(out),
-        "RUN_DIR": str(tmp_path / "run"),
-        "TRL_WORK": str(tmp_path / "trl"),
+    return run_gpu_part(
+        tmp_path,
+        part,
+        '#!/bin/bash\nprintf "%s|" "$@" >>"$STUB_LOG"; echo >>"$STUB_LOG"\n',
+        "NVIDIA H100 80GB HBM3, GPU-1234",
+        RUN_DIR=str(tmp_path / "run"),
+        TRL_WORK=str(tmp_path / "trl"),
         **env,
-    }
-    res = subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu_run.sh"), part],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
     )
-    return res, log.read_text().splitlines(), out
 
 
 def _clock(tgz: Path) -> dict:
