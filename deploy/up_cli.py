@@ -112,7 +112,7 @@ def up_cmd(
 
     key = fingerprint(cfg) if resume is None else ""
     share = check_gpu_share(cfg, dry=dry, hub_dirs=hub_dirs, key=key)
-    plan = check_memory(planned(cfg, hub_dirs), dry=dry)
+    plan = check_memory(cfg, dry=dry, hub_dirs=hub_dirs)
     if dry:
         dry_run(cfg, notes="\n".join(n for n in (plan, share) if n))
     if plan:
@@ -173,14 +173,16 @@ def check_gpu_share(cfg, dry: bool, hub_dirs: dict[str, Path] | None = None, key
     return chosen.line
 
 
-def check_memory(cfg, dry: bool) -> str:
+def check_memory(cfg, dry: bool, hub_dirs: dict[str, Path] | None = None) -> str:
     """The GPU memory plan (deploy/memory.py) as text, made before anything starts; "" for a config
     that puts nothing on a GPU. A run that does not fit is refused here (exit code 2), under --dry-run
-    too, and so is one that cannot be made."""
+    too, and so is one that cannot be made. The plan reads models given by Hub id from `hub_dirs`
+    (planned: a copy of `cfg`); what it chooses for an "auto" setting goes into `cfg` itself, the config
+    every child is given."""
     from parley.deploy.memory import PlanError, make_plan
 
     try:
-        plan = make_plan(cfg)
+        plan = make_plan(planned(cfg, hub_dirs or {}))
     except PlanError as e:
         typer.echo(f"parley up: cannot make the GPU memory plan: {e}", err=True)
         raise typer.Exit(2) from None

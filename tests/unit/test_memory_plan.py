@@ -235,3 +235,42 @@ def test_packed_deltas_are_planned_on_the_learner_and_on_every_actor():
         learner, actors = terms(sets)
         assert not any(k.startswith("packed versions") for k in learner)
         assert not any("packed copy" in k for a in actors for k in a)
+
+
+def test_what_the_plan_chooses_reaches_the_config_of_a_model_given_by_hub_id(tmp_path, monkeypatch):
+    """A model given by Hub id is planned from its local directory (a copy of the config that names it
+    there); what the plan chooses for an "auto" setting must still reach the config the children are
+    given (the dry run prints it): it went into the copy, and the learner was given "auto"."""
+    import parley.deploy.up_cli as up_cli
+
+    shape = dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=100,
+        tie_word_embeddings=False,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    hub = "SomeOrg/some-model"
+    # the Hub check's answer (test double: no download): the id is known, here is its directory
+    monkeypatch.setattr(up_cli, "check_inputs", lambda cfg: ([], {hub: tmp_path}))
+    out = up(
+        "--dry-run",
+        "--set",
+        f'policy.model="{hub}"',
+        "--set",
+        f'actor.engine.model="{hub}"',
+        "--set",
+        'learner.gradient_checkpointing="auto"',
+        "--set",
+        "up.gpu_memory_gib=80",
+    )
+    assert out.exit_code == 0, out.output
+    printed = tomllib.loads(out.stdout[out.stdout.index("[run]") :]) if "[run]" in out.stdout else None
+    assert printed is not None, out.stdout
+    assert printed["learner"]["gradient_checkpointing"] is False  # everything fits without recompute on 80 GiB
+    assert printed["policy"]["model"] == hub  # the run keeps the id; only the plan read the directory
