@@ -54,7 +54,8 @@ NOT_WORKLOAD = (
 
 
 class Measured(msgspec.Struct, frozen=True, kw_only=True):
-    """One finished run's evidence: its sharing and trained tokens/s over the steady window."""
+    """One run's evidence (finished, or stopped by its operator: measured_end): its sharing and trained
+    tokens/s over the steady window."""
 
     mode: Literal["plain", "mps", "phased"]
     tokens_per_s: float  # trained tokens / s from the end of the first step to the end of the last
