@@ -79,10 +79,11 @@ async def test_a_learner_whose_run_was_taken_over_exits_with_one_line_and_writes
 
         await wait_for(recorded, 90, "the first learner's ledger to record two samples", proc, err)
         first_version = (await current_version(js, run)).version  # its baseline, announced at start
-        ledger_before = (learner_dir(run_dir) / "state.msgpack").read_bytes()
 
         # paused past the TTL (a long GC, a stalled host): its renewals stop, the key expires
         proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(0.5)  # stopped for sure, then its ledger as it left it (written by rename)
+        ledger_before = (learner_dir(run_dir) / "state.msgpack").read_bytes()
         t0 = time.monotonic()
         js_u = other.jetstream()
         await Lease(js_u, run, "usurper-learner").acquire()  # waits out the TTL, as a real second learner does
