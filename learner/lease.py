@@ -163,10 +163,17 @@ class Lease:
             )
             return
         except (KeyWrongLastSequenceError, KeyNotFoundError) as e:
-            raise LeaseLost(
-                f"run {self.run!r}: the learner lease (revision {self.revision}) was lost ({e}); another learner "
-                "may run now, so this one stops without writing more"
-            ) from None
+            lost = e
+        held, self.revision = self.revision, 0  # not ours: holds() says so, release() leaves the key alone
+        holder = "another learner"
+        with contextlib.suppress(Exception):  # who took it, for the operator: the line stands without it
+            holder += f", {(await kv.get(LEASE_KEY)).value.decode(errors='replace')},"
+        raise LeaseLost(
+            f"run {self.run!r}: the learner lease (revision {held}) was lost to {holder} after it went unrenewed "
+            f"for its {self.ttl_s:.0f} s TTL (this process paused or cut off from NATS; {lost}); this learner stops "
+            "without writing more, leaving the run's books to that one: let it run, or stop it and start this one "
+            "again with --resume"
+        ) from None
 
     async def keep(self, halt: asyncio.Event) -> None:
         """Renew every TTL / 4 until `halt` (a background task of the learner: LeaseLost stops it), on
