@@ -167,7 +167,7 @@ class Lease:
         held, self.revision = self.revision, 0  # not ours: holds() says so, release() leaves the key alone
         holder = "another learner"
         with contextlib.suppress(Exception):  # who took it, for the operator: the line stands without it
-            holder += f", {(await kv.get(LEASE_KEY)).value.decode(errors='replace')},"
+            holder += f", {(await asyncio.wait_for(kv.get(LEASE_KEY), 5.0)).value.decode(errors='replace')},"
         raise LeaseLost(
             f"run {self.run!r}: the learner lease (revision {held}) was lost to {holder} after it went unrenewed "
             f"for its {self.ttl_s:.0f} s TTL (this process paused or cut off from NATS; {lost}); this learner stops "
