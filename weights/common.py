@@ -157,11 +157,23 @@ async def _fenced_write(js, run: str, key: str, wv: WeightVersion) -> None:
                 )
         fence[(run, key)] = await kv.update(key, data, last=entry.revision)
     except KeyWrongLastSequenceError as e:
+        since = f"this one's last announcement (revision {last})" if last is not None else "this one read it"
         raise VersionConflict(
-            f"the weights key {key!r} of run {run!r} was written by another learner since this one's last "
-            f"announcement (revision {last}); version {wv.version} is not announced and this learner stops: "
-            "another learner holds the run now"
+            f"the weights key {key!r} of run {run!r} was written by another learner since {since}"
+            f"{await _holding(kv, key)}; version {wv.version} is not announced and this learner stops without "
+            "writing more, leaving the run to that one: let it run, or stop it and start this one again with "
+            "--resume"
         ) from e
+
+
+async def _holding(kv, key: str) -> str:
+    """ ", it now announces version N" for a VersionConflict's line; "" where the key cannot be read in a
+    few seconds or holds no WeightVersion (the line stands without it)."""
+    try:
+        entry = await asyncio.wait_for(kv.get(key), 5.0)
+        return f", it now announces version {codec.decode('weights', entry.value).version}"
+    except Exception:  # noqa: BLE001 - only for the operator's line
+        return ""
 
 
 async def announce(js, run: str, wv: WeightVersion) -> None:

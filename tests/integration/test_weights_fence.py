@@ -52,8 +52,11 @@ async def test_a_stale_learner_cannot_move_the_weights_key_back(js, nats_server,
             await write(js, run, wv(v, full_pending=early))
         forget_writes(js_b, run)  # B took the run (A paused past the TTL) and resumes from v1
         await write(js_b, run, wv(1, full_pending=early))
-        with pytest.raises(VersionConflict, match="written by another learner"):
+        with pytest.raises(VersionConflict, match="written by another learner") as refused:
             await write(js, run, wv(4, full_pending=early))  # A wakes: refused
+        # one line that says what the key holds now and what the operator does about it
+        said = str(refused.value)
+        assert "it now announces version 1" in said and "--resume" in said and "revision" in said, said
         assert await read(js, run) == 1
         await write(js_b, run, wv(2, full_pending=early))  # B goes on
         assert await read(js, run) == 2
