@@ -29,7 +29,7 @@
 #     bash bench/gpu_run.sh M    # issue 26: part PS (MPS_PART) with up.gpu_share="mps", if the image has MPS
 #     bash bench/gpu_run.sh TT   # issue 56: time to target, parley then TRL at its best, ONE seed (SEED) a call
 #     bash bench/gpu_run.sh TT4  # the same at the 4B shape, one side (SIDE=parley|trl) a call
-#     bash bench/gpu_run.sh S    # issue 56, before a phased or merged-LoRA throughput run (~3-4 min): vLLM's
+#     bash bench/gpu_run.sh S    # issue 56, before a phased or merged-LoRA throughput run (~4-6 min): vLLM's
 #                                # sleep/wake under parley's engine and phase schedule, the merged packs
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
@@ -461,7 +461,7 @@ S)
     # fp32 toy-model tests need IEEE float32 in Triton (part A); -s prints the memory each sleep freed
     TRITON_F32_DEFAULT=ieee step sleep "${SLEEP_LIMIT_S:-150}" python3 -m pytest -q -s -p no:cacheprovider -rs \
         -m gpu tests/e2e/test_engine_sleep.py
-    TRITON_F32_DEFAULT=ieee step merged "${MERGED_LIMIT_S:-90}" python3 -m pytest -q -s -p no:cacheprovider -rs \
+    TRITON_F32_DEFAULT=ieee step merged "${MERGED_LIMIT_S:-240}" python3 -m pytest -q -s -p no:cacheprovider -rs \
         -m gpu tests/e2e/test_cuda_ipc.py -k merged
     ;;
 M)
