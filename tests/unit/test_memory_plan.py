@@ -50,6 +50,20 @@ def gpu1_total(total: float, *, services: bool, actor_kv_gib: float = 4.0) -> fl
     return engines + learner + ((engine + 6.0) if services else 0.0)
 
 
+# an untied llama-shaped model small enough to work by hand (its config.json)
+LLAMA_SHAPE = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=100,
+    tie_word_embeddings=False,
+)
+
+
 def up(*args: str):
     return CliRunner().invoke(app, ["up", "--config", str(GPU1), *args])
 
@@ -146,17 +160,7 @@ def test_up_refuses_before_it_starts_anything(monkeypatch):
 
 def test_each_term_of_a_small_shape_by_hand(tmp_path):
     """An untied llama-shaped model read from its config.json, and tiny (Qwen3: q/k norms) under the learner."""
-    config = dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=100,
-        tie_word_embeddings=False,
-    )
+    config = LLAMA_SHAPE
     (tmp_path / "config.json").write_text(json.dumps(config))
     shape = model_shape(str(tmp_path))
     assert shape == Shape.of(config)
@@ -243,18 +247,7 @@ def test_what_the_plan_chooses_reaches_the_config_of_a_model_given_by_hub_id(tmp
     given (the dry run prints it): it went into the copy, and the learner was given "auto"."""
     import parley.deploy.up_cli as up_cli
 
-    shape = dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=100,
-        tie_word_embeddings=False,
-    )
-    (tmp_path / "config.json").write_text(json.dumps(shape))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_SHAPE))
     hub = "SomeOrg/some-model"
     # the Hub check's answer (test double: no download): the id is known, here is its directory
     monkeypatch.setattr(up_cli, "check_inputs", lambda cfg: ([], {hub: tmp_path}))
