@@ -439,7 +439,7 @@ class GpuWeights(_Gpu):
             return f.refuse(wv, f"verification failed: announced as {wv.transport} without its source", None)
         old = f.engine.version
         try:
-            await f.engine.load_gpu(codec.encode(wv), hold_s=source.hold_s, version=wv.version)
+            await self.from_buffer(f, wv, wv.version)
         except WeightVerifyError as e:  # a mismatch: refused for good, nothing changed
             return f.refuse(wv, f"verification failed: {e}", None)
         except WeightUnavailable as e:  # it passes, nothing changed: tried again while announced
@@ -472,9 +472,8 @@ class GpuWeights(_Gpu):
             f.engine.version,
         )
         COUNTERS["weights.gpu_load_again"] += 1
-        source = registry.get(wv.transport).source(wv)
         try:
-            await f.engine.load_gpu(codec.encode(wv), hold_s=source.hold_s, version=wv.version)
+            await GpuWeights.from_buffer(f, wv, wv.version)
         except Exception as e:  # noqa: BLE001 - the caller puts the served version back, or stops
             log.warning("weights version %d failed again (%s: %s)", wv.version, type(e).__name__, e)
             return e
@@ -484,8 +483,14 @@ class GpuWeights(_Gpu):
     async def load_again(f: WeightFollower, wv: WeightVersion) -> None:
         """Put back `wv`, served from its buffer: the learner may have overwritten that buffer since,
         then its checksums refuse it."""
+        await GpuWeights.from_buffer(f, wv, f.engine.version)
+
+    @staticmethod
+    async def from_buffer(f: WeightFollower, wv: WeightVersion, version: int) -> None:
+        """Load `wv` from the learner's buffer it was announced in, bounded by that buffer's hold, and
+        serve it as `version`."""
         source = registry.get(wv.transport).source(wv)
-        await f.engine.load_gpu(codec.encode(wv), hold_s=source.hold_s, version=f.engine.version)
+        await f.engine.load_gpu(codec.encode(wv), hold_s=source.hold_s, version=version)
 
 
 class AdapterGpu(_Gpu):
