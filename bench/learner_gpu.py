@@ -281,12 +281,22 @@ def count_params(s: dict) -> int:
     return s["layers"] * layer + s["vocab"] * h + h
 
 
-def train_flops(s: dict, n_params: int, lengths: list[int], frozen_base: bool = False) -> float:
+def train_flops(
+    s: dict, n_params: int, lengths: list[int], frozen_base: bool = False, reference_forward: bool = False
+) -> float:
     """Forward + backward model FLOPs of sequences of these lengths (learner.flops, module docstring);
-    `frozen_base`: a LoRA learner's, 4 N a token."""
+    `frozen_base`: a LoRA learner's, 4 N a token; `reference_forward`: plus a local reference's forward."""
     from parley.learner.flops import train_flops as flops
 
-    return flops(n_params, s["layers"], s["heads"], s["head_dim"], lengths, frozen_base=frozen_base)
+    return flops(
+        n_params,
+        s["layers"],
+        s["heads"],
+        s["head_dim"],
+        lengths,
+        frozen_base=frozen_base,
+        reference_forward=reference_forward,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1098,8 +1108,10 @@ def compute(rows: list[dict], shape: dict, n_params: int, peak_tflops: float) ->
         # a LoRA learner computes no weight gradients for the frozen base: 4 N a token (learner.flops)
         policy = train_flops(shape, n_params, r["lengths"], frozen_base=bool(r.get("lora_rank")))
         full = train_flops(shape, n_params, r["lengths"])
-        # the reference forward, when the learner runs it (ref "service" computed it before the step)
-        ref = policy / 3 if r.get("kl_coef", 0) > 0 and r.get("ref", "local") == "local" else 0.0
+        # the reference forward, when the learner runs it (ref "service" computed it before the step): a
+        # forward's 2 N a token whatever the policy trains (a third of full fine-tuning's, not of LoRA's 4 N)
+        local_ref = r.get("kl_coef", 0) > 0 and r.get("ref", "local") == "local"
+        ref = (train_flops(shape, n_params, r["lengths"], reference_forward=True) - full) if local_ref else 0.0
         denom = t * peak_tflops * 1e12 * r["world"]
         r.update(
             s_per_step=t,

@@ -11,6 +11,11 @@ With a frozen base (a LoRA learner: [learner.lora]) no weight gradients are comp
 its linear layers cost 4 * N a token (forward, and the backward to the activations), not 6 * N; the
 adapter's own FLOPs (under 1% at rank 16) are not counted, and attention, which has no weights, keeps
 its term. bench/floor.py counts a LoRA floor the same way: one denominator for the doc's MFU figures.
+
+A frozen local reference (a KL term with [policy] reference = "local"; under LoRA the base with the
+adapters off) runs one forward over the same tokens: a third of full fine-tuning's count, 2 * N a token
+plus the causal attention's forward, whatever the policy trains. With reference = "service" the samples
+bring their reference log-probs and the step runs no such forward.
 """
 
 from __future__ import annotations
@@ -19,11 +24,23 @@ from collections.abc import Iterable
 
 
 def train_flops(
-    n_params: int, layers: int, heads: int, head_dim: int, lengths: Iterable[int], *, frozen_base: bool
+    n_params: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    lengths: Iterable[int],
+    *,
+    frozen_base: bool,
+    reference_forward: bool,
 ) -> float:
+    """A step's model FLOPs: the policy's forward and backward, and the local reference's forward when
+    `reference_forward` (the module docstring)."""
     attn = layers * heads * head_dim
     per_token = (4 if frozen_base else 6) * n_params
-    return float(sum(per_token * n + 6 * attn * n * n for n in lengths))
+    lengths = list(lengths)
+    policy = sum(per_token * n + 6 * attn * n * n for n in lengths)
+    reference = sum(2 * n_params * n + 2 * attn * n * n for n in lengths) if reference_forward else 0
+    return float(policy + reference)
 
 
 def shape_of(config) -> tuple[int, int, int]:

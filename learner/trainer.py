@@ -465,6 +465,7 @@ class Trainer:
             *flops_shape(self.module.config),
             (len(s.token_ids) for s in samples),
             frozen_base=self.peft is not None,
+            reference_forward=self.reference is not None,
         )
         stats.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
@@ -477,7 +478,7 @@ class Trainer:
             train_s=elapsed,
             **phase,
             tokens_per_s=total_tokens / elapsed,
-            # the policy's training FLOPs per second per rank (learner.flops; a local reference's forward not counted)
+            # the step's model FLOPs per second per rank (learner.flops: the policy's, and a local reference's forward)
             model_tflops_per_s=flops / elapsed / 1e12 / torch.distributed.get_world_size(),
         )
         if released is not None:
