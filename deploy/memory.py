@@ -406,7 +406,7 @@ def kv_demand_notes(cfg: RunConfig) -> list[str]:
     need = -(-demand * per // MIB) * MIB
     fp8 = ""
     if ec.kv_cache_dtype == "auto":
-        fp8 = f', or actor.engine.kv_cache_dtype = "fp8" {kv_dtype_bytes(ec)}x as many tokens in the same bytes'
+        fp8 = f'; actor.engine.kv_cache_dtype = "fp8" would hold {kv_dtype_bytes(ec)}x as many tokens in the same bytes'
     return [
         f"warning: each actor's KV cache holds {held:,} tokens ({held // ec.max_model_len} conversations of "
         f"max_model_len {ec.max_model_len}), less than the {demand:,} its actor.concurrency {cfg.actor.concurrency} "
