@@ -111,7 +111,23 @@ T)
     # of BUDGET_S seconds a run (stopped then: no final 52 GiB checkpoint on the 64 GiB disk), once per
     # max_staleness in STALENESS (default "1"; 2c: "1 0 2"). `parley up` samples the GPU itself
     # (RUN/gpu); after each run `parley report` draws the timeline and bench/gpu_summary.py writes the
-    # figures: $OUT/summary_4b_s<S>.json, $OUT/gpu_4b_s<S>.png.
+    # figures: $OUT/summary_4b_s<S>.json, $OUT/gpu_4b_s<S>.png; its "behaviour_gap" beside the trained
+    # tokens/s (the KV cache's format, logp_mismatch, the ratio and the clip's share) says what a faster
+    # setting costs in off-policy-ness.
+    # Issue 56, the KV cache in fp8 ([actor.engine] kv_cache_dtype; not yet run on a GPU): the best setting on
+    # record (docs/gpu.md, "Merged weights instead of the adapter") with the KV in fp8, whose 23.5 GiB then
+    # hold 342,243 tokens, all 128 conversations whole (128 x 1,824 = 233,472; in bf16, 171,121):
+    #   STALENESS=1 PARLEY_SETS='learner.lora.serve="merged" actor.engine.max_lora_rank=0 learner.groups_per_step=8
+    #   actor.concurrency=128 actor.engine.kv_cache_bytes=25232932864 learner.gradient_checkpointing=false
+    #   actor.engine.kv_cache_dtype="fp8"' CONFIG=deploy/configs/gpu-1-4b-lora.toml BUDGET_S=380 bash bench/gpu_run.sh T
+    # and twice the conversations in the same bytes: 256 in flight need 16 groups a step at lag 1 (admission
+    # lets (lag + 1) x groups_per_step groups of 8 out), and the plan warns that 256 whole ones (466,944
+    # tokens) could outgrow the cache (half-way on average they fit):
+    #   STALENESS=1 PARLEY_SETS='learner.lora.serve="merged" actor.engine.max_lora_rank=0 learner.groups_per_step=16
+    #   actor.concurrency=256 actor.engine.kv_cache_bytes=25232932864 learner.gradient_checkpointing=false
+    #   actor.engine.kv_cache_dtype="fp8"' CONFIG=deploy/configs/gpu-1-4b-lora.toml BUDGET_S=380 bash bench/gpu_run.sh T
+    # (each PARLEY_SETS on one line; the same without kv_cache_dtype is the bf16 baseline to rerun in the same
+    # lease; bench/logprob_gpu.py --kv-cache-dtype fp8 measures fp8's share of the gap alone, beside part B's).
     BUDGET_S=${BUDGET_S:-420}
     CONFIG=${CONFIG:-deploy/configs/gpu-1-4b.toml}
     # PARLEY_SETS: more settings, space-separated KEY=VALUE (e.g. "learner.lora.enabled=true"); they come

@@ -1,5 +1,6 @@
 """The figures of a `parley up` run on one GPU (issue 26 2b and 2c), read from its run directory:
-steps per hour, trained and generated tokens per second, the learner's share of the wall time spent
+steps per hour, trained and generated tokens per second (and beside them the behaviour/learner log-prob
+gap: the KV cache's format, logp_mismatch, the importance ratio, the clip's share), the learner's share of the wall time spent
 in its step, the GPU's utilization, step end -> serving per version, peak GPU memory (in all and per
 role), and the learner's MFU in the live run; with --target, the time from launch to a target reward.
 
@@ -65,6 +66,31 @@ def _eval_metric(run: Path) -> str | None:
 
     path = run / RUN_CONFIG
     return tomllib.loads(path.read_text()).get("learner", {}).get("eval_metric") if path.exists() else None
+
+
+# The gap between the behaviour log-probs the actor's vLLM returned and the learner's, per step
+# (learner.trainer's logp_mismatch: mean |learner - behaviour| over trained tokens; learner.grpo's importance
+# ratio and the shares of tokens its clip, dual clip or is_cap bound): the off-policy cost of what makes the
+# actor faster (lag, [actor.engine] kv_cache_dtype = "fp8", a stale prefix), read beside the tokens/s it buys.
+GAP_MEANS = ("logp_mismatch", "ratio_mean", "clip_frac", "dual_clip_frac", "is_cap_frac")
+
+
+def behaviour_gap(run: Path, steady: list[dict]) -> dict:
+    """The run's KV cache format and the gap's figures over the steady steps: each of GAP_MEANS's mean
+    (those the steps recorded) and the largest ratio_max."""
+    import tomllib
+
+    path = run / RUN_CONFIG
+    engine = tomllib.loads(path.read_text()).get("actor", {}).get("engine", {}) if path.exists() else {}
+    out: dict = {"kv_cache_dtype": engine.get("kv_cache_dtype", "auto")}
+    for key in GAP_MEANS:
+        vals = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
+        if vals:
+            out[f"{key}_mean"] = round(statistics.mean(vals), 4)
+    peaks = [r["ratio_max"] for r in steady if isinstance(r.get("ratio_max"), (int, float))]
+    if peaks:
+        out["ratio_max"] = round(max(peaks), 3)
+    return out
 
 
 def time_to_target(
@@ -152,6 +178,7 @@ def summarize(
         first_step_ended_s_after_first_gpu_sample=round(t1 - samples[0][0], 1) if samples else None,
         steps_per_hour=round(len(steady) / window * 3600, 1),
         trained_tokens_per_s=round(trained / window, 1),
+        behaviour_gap=behaviour_gap(run, steady),  # beside the tokens/s: what the speed costs in off-policy-ness
         tokens_per_s_all=round(sum(r.get("tokens", 0.0) for r in steady) / window, 1),
         learner_step_share=round(sum(r.get("train_s", 0.0) for r in steady) / window, 3),
         train_s_median=round(statistics.median(r["train_s"] for r in steady), 2),

@@ -7,6 +7,7 @@ importance ratio exp(learner - behaviour); writes JSON with --json. Run by hand 
 machine (docs/gpu.md has the command); nothing in parley imports this file.
 
     python3 bench/logprob_gpu.py --model /tmp/m4b --build 4b --json $OUT/logprob_gpu.json
+    python3 bench/logprob_gpu.py --model /tmp/m4b --kv-cache-dtype fp8 --json $OUT/logprob_gpu_fp8.json  # fp8 KV
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parley.engines.config import KVCacheDtype  # noqa: E402  (no torch, no vLLM: --help stays fast)
 
 
 def stats(d) -> dict:
@@ -55,6 +59,7 @@ async def sample(args, prompts):
         gpu_memory_utilization=args.gpu_mem,
         enforce_eager=args.eager,
         json_compact=False,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     t0 = time.perf_counter()
     engine = PolicyEngine(settings)
@@ -112,6 +117,7 @@ def main(args) -> dict:
         "samples": len(samples),
         "engine_start_s": start,
         "eager": args.eager,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
     }
@@ -166,6 +172,12 @@ if __name__ == "__main__":
     )
     p.add_argument("--gpu-mem", type=float, default=0.5)
     p.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs / torch.compile")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=get_args(KVCacheDtype),
+        default="auto",
+        help="vLLM's KV cache format ([actor.engine] kv_cache_dtype): fp8's share of the gap to the learner",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args()
     r = main(a)

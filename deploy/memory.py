@@ -224,6 +224,7 @@ class Plan:
     chosen: tuple[tuple[str, object], ...] = ()
     fixes: tuple[Fix, ...] = ()  # changes planned to fit (only when this plan does not)
     phased: bool = False  # [up] gpu_share = "phased": the larger of the two phases is needed, not the sum
+    notes: tuple[str, ...] = ()  # warnings that refuse nothing (kv_demand_notes)
 
     @property
     def need(self) -> float | None:
@@ -272,6 +273,7 @@ class Plan:
         host = sum(p.host_gib for p in self.procs)
         if host:
             lines.append(f"  {'host memory (not on the GPU)':<34}{host:>18.2f} GiB")
+        lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
 
     def phase_lines(self) -> list[str]:
@@ -363,6 +365,54 @@ def _m(n: int) -> str:
 
 
 ENGINE_WORK_GIB = 1.0  # what an engine with an explicit KV size takes beside weights and KV (estimate)
+MIB = 1024**2
+
+
+def kv_token_bytes(shape: Shape, ec: EngineConfig) -> int:
+    """Bytes one token takes in an engine's KV cache: K and V (2) of every layer's kv heads, each head_dim
+    values in the KV dtype: 1 B for vLLM's fp8 formats, else ("auto") the engine's dtype."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * kv_dtype_bytes(ec)
+
+
+def kv_dtype_bytes(ec: EngineConfig) -> int:
+    if ec.kv_cache_dtype != "auto":
+        return 1
+    return 4 if ec.dtype == "float32" else 2
+
+
+def kv_capacity(shape: Shape, ec: EngineConfig) -> str:
+    """The tokens an explicit kv_cache_bytes holds, with the formula of a token's bytes."""
+    per = kv_token_bytes(shape, ec)
+    return (
+        f'{ec.kv_cache_bytes // per:,} tokens of {per:,} B (kv_cache_dtype "{ec.kv_cache_dtype}": 2 x {shape.layers} '
+        f"layers x {shape.kv_heads} kv heads x {shape.head_dim} x {kv_dtype_bytes(ec)} B)"
+    )
+
+
+def kv_demand_notes(cfg: RunConfig) -> list[str]:
+    """A warning when an actor's explicit KV cache holds fewer tokens than its conversations in flight
+    can: actor.concurrency conversations (each one request at a time, none shared with the simulator or
+    the judge, which run on engines of their own) of up to max_model_len tokens. vLLM then preempts
+    requests when they grow (their KV given up and recomputed later: the actor's preemption counter),
+    which a user may accept; the plan says so and what would hold them all."""
+    ec = cfg.actor.engine
+    if ec.gpu_memory_utilization > 0:
+        return []  # vLLM sizes the cache from the share; the plan does not know how much
+    shape = model_shape(ec.model)
+    per, demand = kv_token_bytes(shape, ec), cfg.actor.concurrency * ec.max_model_len
+    held = ec.kv_cache_bytes // per
+    if held >= demand:
+        return []
+    need = -(-demand * per // MIB) * MIB
+    fp8 = ""
+    if ec.kv_cache_dtype == "auto":
+        fp8 = f'; actor.engine.kv_cache_dtype = "fp8" would hold {kv_dtype_bytes(ec)}x as many tokens in the same bytes'
+    return [
+        f"warning: each actor's KV cache holds {held:,} tokens ({held // ec.max_model_len} conversations of "
+        f"max_model_len {ec.max_model_len}), less than the {demand:,} its actor.concurrency {cfg.actor.concurrency} "
+        f"conversations can hold: vLLM may preempt (and recompute) requests; actor.engine.kv_cache_bytes = {need} "
+        f"would hold them all{fp8}"
+    ]
 
 
 def engine_terms(ec: EngineConfig, shape_of, sleep_level: int = 0) -> list[Term]:
@@ -408,8 +458,8 @@ def engine_terms(ec: EngineConfig, shape_of, sleep_level: int = 0) -> list[Term]
         Term(f"vLLM engine {ec.model} weights: {b} B x {_m(shape.params)} params", _gib(b * shape.params), phase=gen),
         *slots,
         Term(
-            f"its KV cache: kv_cache_bytes {ec.kv_cache_bytes} (explicit: vLLM does not profile, so the GPU's "
-            "other processes starting beside it do not shrink it)",
+            f"its KV cache: kv_cache_bytes {ec.kv_cache_bytes}, {kv_capacity(shape, ec)} (explicit: vLLM does "
+            "not profile, so the GPU's other processes starting beside it do not shrink it)",
             _gib(ec.kv_cache_bytes),
             phase=gen,
         ),
@@ -655,7 +705,8 @@ def processes(cfg: RunConfig) -> list[Proc]:
     actor = (*engine_terms(cfg.actor.engine, shape_of, level), *staging, ctx)
     procs += [Proc(f"actor-{i}", actor) for i in range(cfg.up.most_actors())]
     if cfg.learner.eval_every > 0:
-        procs.append(Proc("eval (periodic, [actor.engine])", (*engine_terms(cfg.actor.engine, shape_of), ctx)))
+        exact = msgspec.structs.replace(cfg.actor.engine, kv_cache_dtype="auto")  # as evaluation.commands opens it
+        procs.append(Proc("eval (periodic, [actor.engine])", (*engine_terms(exact, shape_of), ctx)))
     procs.append(Proc("learner", tuple(learner_terms(cfg, policy))))
     return procs
 
@@ -746,7 +797,7 @@ def make_plan(cfg: RunConfig) -> Plan | None:
         cfg = _changed(cfg, dict(chosen))
     procs = processes(cfg)
     knobs_ = tuple(knobs(cfg, procs, total)) if total is not None else ()
-    plan = Plan(tuple(procs), total, source, knobs_, chosen, phased=phased)
+    plan = Plan(tuple(procs), total, source, knobs_, chosen, phased=phased, notes=tuple(kv_demand_notes(cfg)))
     if plan.fits is False:
         plan = replace(plan, fixes=tuple(fixes(cfg, total)))
     return plan

@@ -72,6 +72,7 @@ def engine_settings(
         dtype=cfg.dtype,
         max_model_len=cfg.max_model_len,
         kv_cache_bytes=None if use_fraction else cfg.kv_cache_bytes,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         gpu_memory_utilization=cfg.gpu_memory_utilization if use_fraction else None,
         tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed,

@@ -11,6 +11,9 @@ from msgspec import Meta
 
 Backend = Literal["vllm", "openai"]
 BACKENDS = get_args(Backend)
+# How vLLM stores the KV cache: "auto" in the model's dtype, or one of vLLM's fp8 formats (half of bf16's
+# bytes a token: twice the tokens in the same kv_cache_bytes, half the bytes each decode step reads)
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -20,6 +23,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # float32 on CPU; bfloat16 on GPU
     max_model_len: Annotated[int, Meta(ge=64)] = 4096
     kv_cache_bytes: int = 512 * 1024**2  # explicit KV size; use this on CPU
+    # the KV cache's format ("auto": the model's dtype; "fp8": 1 B a value): the behaviour log-probs are
+    # the fp8 cache's, a larger gap to the learner's, which its ratio clip corrects (docs/gpu.md)
+    kv_cache_dtype: KVCacheDtype = "auto"
     # > 0: a fraction instead of kv_cache_bytes (GPU)
     gpu_memory_utilization: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.0
     tensor_parallel_size: int = 1

@@ -87,6 +87,8 @@ class EngineSettings:
     dtype: str = "float32"
     max_model_len: int = 4096
     kv_cache_bytes: int | None = 512 * MiB
+    # the KV cache's format (EngineConfig.kv_cache_dtype): "auto" leaves vLLM's default, the model's dtype
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1
     seed: int = 0
@@ -256,6 +258,8 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
     )
     if settings.kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_bytes)
+    if settings.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = settings.kv_cache_dtype
     if settings.json_compact:
         from vllm.config import StructuredOutputsConfig
 

@@ -232,9 +232,12 @@ async def run_eval(
         from parley.engines.backend import open_engine
 
         # The policy engine takes the actor's engine settings with the condition's model or checkpoint; a
-        # checkpoint is measured over KV of its own weights (no prefix cache kept across versions).
+        # checkpoint is measured over KV of its own weights (no prefix cache kept across versions), in the
+        # model's dtype (an fp8 KV cache is the actor's trade of speed for exactness, not the weights' score).
         engine, tokenizer, _ = open_engine(
-            msgspec.structs.replace(cfg.actor.engine, model=model, prefix_cache_across_versions=False)
+            msgspec.structs.replace(
+                cfg.actor.engine, model=model, prefix_cache_across_versions=False, kv_cache_dtype="auto"
+            )
         )
         return engine, tokenizer
 
@@ -435,8 +438,11 @@ class FollowingPolicy:
         from parley.evaluation.runner import Policy
 
         if self.engine is None:
-            # each version measured over KV of its own weights (no prefix cache kept across versions)
-            engine_cfg = msgspec.structs.replace(self.cfg.actor.engine, model=model, prefix_cache_across_versions=False)
+            # each version measured over KV of its own weights (no prefix cache kept across versions), in the
+            # model's dtype (whatever the actor's kv_cache_dtype: the eval scores the weights)
+            engine_cfg = msgspec.structs.replace(
+                self.cfg.actor.engine, model=model, prefix_cache_across_versions=False, kv_cache_dtype="auto"
+            )
             self.engine, self.tokenizer, _ = open_engine(engine_cfg)
             self.starts += 1
         elif model != self.model:

@@ -53,7 +53,9 @@ def test_the_dry_run_exits_0_and_fits_the_h200(tmp_path):
     # actor 7.49 weights + 12.02 KV + 1 + 1; learner 59.94 states + 7.49 (one buffer) + 0.93 + 22.48 + 1
     assert "113.36 GiB, of 133.38 usable (95% of 140.4): 20.02 GiB to spare" in out.stdout
     rows = [m.group(1) for m in re.finditer(r"^#   (\S+)", out.stdout, re.MULTILINE)]  # processes, not their terms
-    assert rows == ["actor-0", "learner", "all"]  # a programmatic user: no sim/judge engine; no periodic eval
+    # a programmatic user: no sim/judge engine; no periodic eval; and the KV cache's warning (64 in flight)
+    assert rows == ["actor-0", "learner", "all", "warning:"]
+    assert "warning: each actor's KV cache holds 87,552 tokens (48 conversations" in out.stdout
 
 
 def test_the_numbers_follow_from_the_shape_and_the_lengths():

@@ -33,6 +33,9 @@ def test_figures_of_a_small_run(tmp_path):
             "publish_skipped_held": float(s == 2),
             "forward_s": 1.0 + s,
             "optimizer_s": 0.5,
+            "logp_mismatch": 0.01 * s,
+            "ratio_max": 1.5 + s,
+            "clip_frac": 0.1,
         }
         for s in (1, 2, 3)
     ]
@@ -53,6 +56,15 @@ def test_figures_of_a_small_run(tmp_path):
     assert out["staleness_hist"] == {"1": 12}
     # the phases the steps recorded, medians over the window (steps 2 and 3); absent ones left out
     assert out["learner_phase_s_median"] == {"forward_s": 3.5, "optimizer_s": 0.5}
+    # the behaviour/learner gap over the window (steps 2 and 3), beside the tokens/s; no config: "auto" KV
+    assert out["behaviour_gap"] == {
+        "kv_cache_dtype": "auto",
+        "logp_mismatch_mean": 0.025,
+        "clip_frac_mean": 0.1,
+        "ratio_max": 4.5,
+    }
+    keys = list(out)
+    assert keys.index("behaviour_gap") == keys.index("trained_tokens_per_s") + 1
 
 
 def test_time_to_target_from_launch_in_training_and_held_out(tmp_path):
@@ -93,3 +105,16 @@ def test_time_to_target_from_launch_in_training_and_held_out(tmp_path):
     (tmp_path / "config.toml").unlink()
     with pytest.raises(ValueError, match="pass --launched"):
         summarize(tmp_path, target=0.05)
+
+
+def test_the_gap_names_the_runs_kv_cache_format(tmp_path):
+    from gpu_summary import RUN_CONFIG, behaviour_gap
+
+    (tmp_path / RUN_CONFIG).write_text('[actor.engine]\nkv_cache_dtype = "fp8"\n')
+    steady = [{"logp_mismatch": 0.02, "is_cap_frac": 0.001, "ratio_max": 2.0}]
+    assert behaviour_gap(tmp_path, steady) == {
+        "kv_cache_dtype": "fp8",
+        "logp_mismatch_mean": 0.02,
+        "is_cap_frac_mean": 0.001,
+        "ratio_max": 2.0,
+    }
