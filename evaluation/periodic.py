@@ -169,6 +169,8 @@ class FollowingChild:
         if self.answer is not None and not self.answer.done():
             self.answer.set_result(1 if code is None else 128 - code if code < 0 else code or 1)
             log.error("eval: its child exited with %s in the middle of a version", code)
+        elif code and proc is self.proc:  # not ended by close(): e.g. one started early that failed to start
+            log.error("eval: its child exited with %s between versions (its output: %s)", code, self.log_path)
 
     async def run(self, job: EvalJob, out: Path) -> int:
         """Play `job` into `out`; the child's exit code for it (that of a child that died on it)."""

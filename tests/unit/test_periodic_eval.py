@@ -263,3 +263,29 @@ async def test_a_test_double_launcher_starts_no_child(tmp_path):
     await pe.start()
     assert pe.child is None and not (run_dir / "eval" / "follow.log").exists()
     await pe.close()
+
+
+async def test_a_child_started_early_that_exits_is_reported_and_started_again_at_the_first_job(tmp_path, caplog):
+    import os
+    import sys
+
+    from parley.evaluation.periodic import EvalJob, FollowingChild
+
+    broken = tmp_path / "broken.py"
+    broken.write_text('import sys\nprint("engine did not open", flush=True)\nsys.exit(5)\n')
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = FollowingChild([sys.executable, str(broken)], env, tmp_path / "follow.log")
+    with caplog.at_level("ERROR", logger="parley.evaluation.periodic"):
+        await child.start()
+        await asyncio.wait_for(asyncio.shield(child.reader), 20.0)
+    assert not child.running
+    assert [r.getMessage() for r in caplog.records] == [
+        f"eval: its child exited with 5 between versions (its output: {tmp_path / 'follow.log'})"
+    ]
+    script = tmp_path / "double.py"
+    script.write_text(FOLLOW_DOUBLE)
+    child.argv = [sys.executable, str(script)]
+    out = tmp_path / "o0"
+    out.mkdir()
+    assert await child.run(EvalJob(0, 0, "base"), out) == 0 and child.starts == 2
+    await child.close()
