@@ -417,10 +417,21 @@ async def fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, o
 DONE_MARK = "parley-eval-done "
 
 
+class OpenInterrupted(BaseException):
+    """A SIGTERM / SIGINT while FollowingPolicy.open_first blocks in vLLM's start. A BaseException, as
+    KeyboardInterrupt is: no `except Exception` on the way swallows it, and vLLM's start, interrupted,
+    shuts down the engine-core process it had started."""
+
+
+def _raise_interrupted(signum, frame):
+    raise OpenInterrupted(signum)
+
+
 class FollowingPolicy:
-    """One policy engine for a sequence of versions: started from the first job's model, then each
-    version's weights are loaded in place (engines.engine.PolicyEngine.reload_weights, the actors'
-    shared_dir path), so an eval costs its conversations, not an engine start."""
+    """One policy engine for a sequence of versions: opened before the first job (`open_first`, the run's
+    policy model) or else by the first job's model, then each version's weights are loaded in place
+    (engines.engine.PolicyEngine.reload_weights, the actors' shared_dir path), so an eval costs its
+    conversations, not an engine start."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -428,28 +439,61 @@ class FollowingPolicy:
         self.model = ""  # what the engine holds now
         self.starts = self.loads = 0
 
+    def _start(self, model: str) -> None:
+        import msgspec
+
+        from parley.engines import backend
+
+        # each version measured over KV of its own weights (no prefix cache kept across versions), in the
+        # model's dtype (whatever the actor's kv_cache_dtype: the eval scores the weights)
+        engine_cfg = msgspec.structs.replace(
+            self.cfg.actor.engine, model=model, prefix_cache_across_versions=False, kv_cache_dtype="auto"
+        )
+        self.engine, self.tokenizer, _ = backend.open_engine(engine_cfg)  # blocks while vLLM loads
+        self.model = model
+        self.starts += 1
+
+    def open_first(self, model: str) -> float:
+        """Open the engine on `model` before any job (`follow`: the run's policy model, which version 0
+        is, so its job loads nothing and a later version loads in place); the seconds it took. Blocks
+        while vLLM loads: a SIGTERM or SIGINT meanwhile raises OpenInterrupted out of vLLM's start (it
+        cleans up), so a learner that ends its child is not kept waiting for the load. An engine that
+        does not open is reported once on standard error; the first job then opens it, as without this,
+        and fails with the reason if it fails again."""
+        import signal
+        import threading
+
+        t0 = time.perf_counter()
+        before = {}
+        if threading.current_thread() is threading.main_thread():  # only there can a handler be set
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(sig) is not None:  # None: set outside Python, it could not be put back
+                    before[sig] = signal.signal(sig, _raise_interrupted)
+        try:
+            self._start(model)
+        except Exception as e:  # vLLM's own errors are of every kind; the first job tries again
+            _err(
+                f"parley eval --follow: the policy engine on {model} did not open before the first version "
+                f"({type(e).__name__}: {e}); each version opens it again and fails with the reason if it fails"
+            )
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+        return time.perf_counter() - t0
+
     async def open(self, model: str, version: int):
         import asyncio
 
-        import msgspec
-
-        from parley.engines.backend import open_engine
         from parley.engines.models import ensure_model
         from parley.evaluation.runner import Policy
 
         if self.engine is None:
-            # each version measured over KV of its own weights (no prefix cache kept across versions), in the
-            # model's dtype (whatever the actor's kv_cache_dtype: the eval scores the weights)
-            engine_cfg = msgspec.structs.replace(
-                self.cfg.actor.engine, model=model, prefix_cache_across_versions=False, kv_cache_dtype="auto"
-            )
-            self.engine, self.tokenizer, _ = open_engine(engine_cfg)
-            self.starts += 1
+            self._start(model)
         elif model != self.model:
             path = await asyncio.to_thread(ensure_model, model)
             await self.engine.reload_weights(path, version=version, abort_inflight=True)
             self.loads += 1
-        self.model = model
+            self.model = model
 
         async def keep():  # the engine outlives the job
             return None
@@ -469,7 +513,11 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     {"version": N, "model": MODEL_OR_CHECKPOINT, "out": DIR}, through the NATS services with one
     long-lived policy engine (FollowingPolicy), and answer each on standard output with DONE_MARK and
     {"version": N, "code": EXIT_CODE} (the codes of `parley eval`). Ends at end of input (0) or on stop.
-    The learner's periodic eval (evaluation.periodic) runs it as its child."""
+    The learner's periodic eval (evaluation.periodic) runs it as its child, started before the learner
+    builds its model: the engine is opened on the run's policy model ([policy] model, version 0's
+    job) before the first line is read, so the first result does not wait for an engine start. End of
+    input while it opens ends the child once the engine is up (the line is read after it); a SIGTERM
+    or SIGINT ends it at once (130)."""
     import asyncio
     import json
 
@@ -479,6 +527,15 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     policy = FollowingPolicy(cfg)
     read_line = read_line or (lambda: asyncio.to_thread(sys.stdin.readline))
     try:
+        try:
+            seconds = policy.open_first(cfg.policy.model)
+        except OpenInterrupted:
+            _err("parley eval --follow: stopped while its policy engine opened")
+            return 130
+        if policy.engine is not None:
+            _err(
+                f"parley eval --follow: policy engine on {cfg.policy.model} open in {seconds:.1f}s, before any version"
+            )
         while not stop.is_set():
             line = await read_line()
             if not line:

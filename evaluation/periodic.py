@@ -115,8 +115,9 @@ def _die_with_parent_hook():
 
 
 class FollowingChild:
-    """The learner's one `parley eval --follow` child: started at the first eval (and again after it
-    exits), it keeps its policy engine and loads each version's weights in place, so a version's eval
+    """The learner's one `parley eval --follow` child: started with the learner (`start`; at the first
+    eval where the learner did not, and again after it exits), it opens its policy engine at once,
+    keeps it and loads each version's weights in place, so a version's eval
     costs its conversations and not an engine start (most of a version's eval before: docs/benchmarks.md,
     "Observations behind the code"). A reader drains its output all the time (a full pipe would stop it): what it prints
     while a job runs goes to that job's eval.log, the rest to `log_path`."""
@@ -128,6 +129,15 @@ class FollowingChild:
         self.sink = None  # the file the reader writes to now
         self.answer: asyncio.Future | None = None  # the running job's exit code
         self.starts = 0
+
+    @property
+    def running(self) -> bool:
+        return not (self.proc is None or self.proc.returncode is not None or self.reader is None or self.reader.done())
+
+    async def start(self) -> None:
+        """Start the child unless it runs."""
+        if not self.running:
+            await self._start()
 
     async def _start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
@@ -159,11 +169,12 @@ class FollowingChild:
         if self.answer is not None and not self.answer.done():
             self.answer.set_result(1 if code is None else 128 - code if code < 0 else code or 1)
             log.error("eval: its child exited with %s in the middle of a version", code)
+        elif code and proc is self.proc:  # not ended by close(): e.g. one started early that failed to start
+            log.error("eval: its child exited with %s between versions (its output: %s)", code, self.log_path)
 
     async def run(self, job: EvalJob, out: Path) -> int:
         """Play `job` into `out`; the child's exit code for it (that of a child that died on it)."""
-        if self.proc is None or self.proc.returncode is not None or self.reader is None or self.reader.done():
-            await self._start()
+        await self.start()
         self.answer = asyncio.get_running_loop().create_future()
         try:
             with (out / "eval.log").open("ab") as job_log:
@@ -223,7 +234,9 @@ class PeriodicEval:
     at once (they may be pruned before its turn comes) and queues it. `run(halt)` works through the
     queue; each finished eval is read back, logged, kept as the best model or deleted, and checked for
     a regression. `export` writes a version as a checkpoint (the learner passes its own); `launch` is
-    the child-process launcher (a test double in unit tests).
+    the child-process launcher (a test double in unit tests). `start()` starts the child before any
+    version is queued (the learner calls it before it builds its model); `close()` ends it where `run`
+    never ran (a learner that fails to start).
     """
 
     def __init__(self, cfg, run_dir: str | Path, *, export: Exporter, launch: Launcher | None = None):
@@ -246,6 +259,7 @@ class PeriodicEval:
         self.regression = ""  # why training should stop; "" while it should not
         self._changed = asyncio.Event()  # an eval finished (drain re-checks)
         self.child: FollowingChild | None = None
+        self.own_child = launch is None  # the real child, which start() may start before any job
         self.launch = launch or self._launch_child
 
     # -- scheduling -------------------------------------------------------------------------------
@@ -301,8 +315,7 @@ class PeriodicEval:
         try:
             await self._work(halt)
         finally:
-            if self.child is not None:
-                await self.child.close()
+            await self.close()
 
     async def _work(self, halt: asyncio.Event) -> None:
         while not halt.is_set():
@@ -357,7 +370,7 @@ class PeriodicEval:
         if self.busy:
             log.warning("eval: stopping with version %s unfinished and %d queued", self.current, self.queue.qsize())
 
-    async def _launch_child(self, job: EvalJob, out: Path) -> int:
+    def _following_child(self) -> FollowingChild:
         if self.child is None:
             env = dict(os.environ)
             if os.environ.get(EVAL_USER_ENV):
@@ -365,8 +378,29 @@ class PeriodicEval:
                 env["PARLEY_NATS_PASSWORD"] = os.environ.get(EVAL_PASSWORD_ENV, "")
             env.setdefault("PYTHONUNBUFFERED", "1")
             self.child = FollowingChild(eval_argv(self.cfg, self.config_path, self.root), env, self.root / "follow.log")
+        return self.child
+
+    async def start(self) -> None:
+        """Start the eval child now, before any version is queued: it opens its policy engine while the
+        learner builds its model, so version 0's result does not wait for an engine start after the
+        learner's first step (docs/benchmark.md, "Periodic eval and early stop"). Nothing with a
+        launcher of the caller's (a test double). A child that does not start is reported and tried
+        again at the first version, as without this."""
+        if not self.own_child:
+            return
+        try:
+            await self._following_child().start()
+        except OSError as e:
+            log.error("eval: its child did not start (%s); the first version tries again", e)
+
+    async def close(self) -> None:
+        """End the eval child where `run` never ran or has ended (idempotent)."""
+        if self.child is not None:
+            await self.child.close()
+
+    async def _launch_child(self, job: EvalJob, out: Path) -> int:
         log.info("eval: version %d (log %s)", job.version, out / "eval.log")
-        return await self.child.run(job, out)
+        return await self._following_child().run(job, out)
 
     async def evaluate(self, job: EvalJob) -> EvalOutcome:
         """Play one version into a partial directory, then move it into place as eval/v<N>."""

@@ -45,7 +45,19 @@ class Learner:
     """Rank 0's learner: builds the parts over one `RunState` (a resume fills it from the ledger
     first), runs their background tasks and the loop, and answers the heartbeat."""
 
-    def __init__(self, cfg: RunConfig, js, nc, driver, *, model_dir, resume: bool, steps: int, eval_launch=None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        js,
+        nc,
+        driver,
+        *,
+        model_dir,
+        resume: bool,
+        steps: int,
+        eval_launch=None,
+        evals: Evals | None = None,
+    ):
         started = time.monotonic()
         self.cfg, self.lc, self.js, self.nc, self.driver = cfg, cfg.learner, js, nc, driver
         self.run_name, self.run_dir = cfg.run.name, cfg.run_dir
@@ -99,7 +111,8 @@ class Learner:
             steps=steps,
             oversample=self.lc.oversample_groups,
         )
-        self.evals = Evals(cfg, self.run_dir, launch=eval_launch)
+        # main() builds them before the model, to start the eval child early (early_evals)
+        self.evals = evals if evals is not None else Evals(cfg, self.run_dir, launch=eval_launch)
         self.intake = Intake(
             self.state,
             self.grouper,
@@ -301,6 +314,19 @@ async def weights_at_start(js, cfg: RunConfig, model_dir) -> None:
     await registry.of(cfg.weights).at_start(js, cfg.run.name, nbytes)
 
 
+async def early_evals(cfg: RunConfig, resume: bool) -> Evals | None:
+    """The periodic eval with its child started, for a fresh run that has one: the child opens its policy
+    engine while the model is built, not after the first step (docs/benchmark.md, "Periodic eval and
+    early stop"). None for a resumed run (its child starts at its first due version, as it always did:
+    its versions may all be evaluated) and where the Learner is going to refuse the run directory (a
+    learner state there: nothing of that run is touched)."""
+    if resume or cfg.learner.eval_every <= 0 or ckpt.has_state(cfg.run_dir):
+        return None
+    evals = await asyncio.to_thread(Evals, cfg, cfg.run_dir)
+    await evals.start()
+    return evals
+
+
 async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams: bool = False) -> int:
     """`parley learner` on rank 0 (and the only rank on CPU); 0 after cfg.learner.steps steps; 2 when
     another learner holds the run (learner.lease) or a fresh start meets an older run's streams."""
@@ -339,8 +365,10 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
             return 2
         released = asyncio.Event()
         keeping = asyncio.create_task(lease.keep(released), name="lease")  # renewed from now on, loading included
+        evals = None  # ended below on every way out; Learner.run's eval task ends it when it ran
         try:
             model_dir = await asyncio.to_thread(ensure_model, cfg.policy.model)
+            evals = await early_evals(cfg, resume)
             try:  # before the model is built: an earlier learner's half-done upload frees its room
                 await weights_at_start(js, cfg, model_dir)
             except WeightStoreTooSmall as e:
@@ -356,7 +384,15 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
             try:  # off the loop: the ledger's resume, the train split and the tracker take long on a big run,
                 # and the loop meanwhile answers the server's pings, watches the lease and hears a SIGTERM
                 learner = await asyncio.to_thread(
-                    Learner, cfg, js, nc, driver, model_dir=model_dir, resume=resume, steps=cfg.learner.steps
+                    Learner,
+                    cfg,
+                    js,
+                    nc,
+                    driver,
+                    model_dir=model_dir,
+                    resume=resume,
+                    steps=cfg.learner.steps,
+                    evals=evals,
                 )
             except (LearnerStateError, ckpt.LedgerError) as e:
                 log.error("%s", e)
@@ -369,6 +405,8 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
                 log.error("%s", e)
                 return 2
         finally:
+            if evals is not None:  # a child started early must not outlive a learner that failed to start
+                await evals.close()
             if driver is not None:
                 driver.stop()
             released.set()

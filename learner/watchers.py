@@ -189,6 +189,16 @@ class Evals:
     def on(self) -> bool:
         return self.periodic is not None
 
+    async def start(self) -> None:
+        """Start the eval child before the first version (it opens its engine meanwhile)."""
+        if self.on:
+            await self.periodic.start()
+
+    async def close(self) -> None:
+        """End the eval child: a learner that stops before its loop runs (whose task would)."""
+        if self.on:
+            await self.periodic.close()
+
     def tasks(self, halt: asyncio.Event) -> dict[str, Coroutine]:
         """The background tasks to run beside training, by name."""
         return {"periodic-eval": self.periodic.run(halt)} if self.on else {}

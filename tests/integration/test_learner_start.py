@@ -88,3 +88,72 @@ async def test_a_refusal_while_the_learner_is_built_is_still_one_line(nats_serve
     assert code == 2
     lines = [r.getMessage() for r in caplog.records if r.name == "parley.learner.service"]
     assert lines == ["test double: run dir holds another run's ledger; use a new run.dir"]
+
+
+# A test double of `parley eval --follow`: says it is up (with its pid) and what ended it.
+EVAL_CHILD_DOUBLE = r"""
+import os, sys
+print(f"child up {os.getpid()}", flush=True)
+for line in sys.stdin:
+    pass
+print("end of input", flush=True)
+"""
+
+
+def trainer_raises_double(*args, **kwargs):
+    """Test double for a Trainer build that fails (out of GPU memory at start)."""
+    raise RuntimeError("test double: CUDA out of memory while the model was built")
+
+
+def learner_refused_double(*args, **kwargs):
+    """Test double for a construction step that refuses the run (as a mismatched ledger does)."""
+    from parley.learner.resume import LearnerStateError
+
+    raise LearnerStateError("test double: run dir holds another run's ledger; use a new run.dir")
+
+
+@pytest.mark.parametrize("failure", ["trainer", "refused"])
+async def test_an_eval_child_started_early_ends_with_a_learner_that_fails_to_start(
+    nats_server, tmp_path, monkeypatch, failure
+):
+    """The eval child starts before the model is built (learner.service.early_evals); a learner whose
+    Trainer build raises, or that refuses the run (exit 2), ends it (end of input) before it returns."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from parley.evaluation import periodic
+    from parley.learner import resume as start
+    from parley.learner import service, trainer
+
+    cfg = start_with_doubles(nats_server, tmp_path, monkeypatch, f"evalchild{failure}")
+    cfg.learner.eval_every = 1
+    script = tmp_path / "eval_child_double.py"
+    script.write_text(EVAL_CHILD_DOUBLE)
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    monkeypatch.setattr(periodic, "eval_argv", lambda cfg, config_path, out: [sys.executable, str(script)])
+    if failure == "trainer":
+        monkeypatch.setattr(trainer, "Trainer", trainer_raises_double)
+        with pytest.raises(RuntimeError, match="test double: CUDA out of memory"):
+            await service.main(asyncio.Event(), cfg, resume=False)
+    else:
+        monkeypatch.setattr(start, "fresh", learner_refused_double)
+        assert await service.main(asyncio.Event(), cfg, resume=False) == 2
+    seen = (tmp_path / "run" / "eval" / "follow.log").read_text().splitlines()
+    assert seen[0].startswith("child up ") and seen[1:] == ["end of input"]  # started, then ended by the learner
+    pid = int(seen[0].split()[-1])
+    with pytest.raises(ProcessLookupError):  # gone, and reaped
+        os.kill(pid, 0)
+
+
+async def test_a_resumed_learner_or_a_refused_run_dir_starts_no_eval_child_early(tmp_path):
+    from parley.learner import checkpoint as ckpt
+    from parley.learner import service
+    from tests.integration.test_learner_fates import make_cfg
+
+    cfg = make_cfg("early", tmp_path / "run", steps=1, eval_every=1)
+    assert await service.early_evals(cfg, resume=True) is None
+    ckpt.learner_dir(cfg.run_dir).mkdir(parents=True)
+    (ckpt.learner_dir(cfg.run_dir) / ckpt.STATE_FILE).write_bytes(b"")  # a learner state: the Learner refuses
+    assert await service.early_evals(cfg, resume=False) is None
+    assert not (cfg.run_dir / "eval").exists()  # nothing of that run touched

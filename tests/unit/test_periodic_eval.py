@@ -208,3 +208,84 @@ def test_up_summary_of_the_evaluated_versions(tmp_path):
     assert "best by mr: v3" in text and "stopped early: mr of version 5 is below" in text
     assert (tmp_path / "eval" / "table.md").exists()
     assert "periodic eval is off" in eval_text(RunConfig(), tmp_path)
+
+
+async def wait_for_text(path: Path, text: str, timeout_s: float = 20.0) -> str:
+    """The file's text once it holds `text` (the test double's output reaches it through the reader)."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if path.is_file() and text in (seen := path.read_text()):
+            return seen
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{text!r} not in {path} after {timeout_s}s")
+
+
+async def test_the_child_starts_at_start_and_not_at_the_first_job(tmp_path, monkeypatch):
+    """PeriodicEval.start() starts the real launcher's child (FOLLOW_DOUBLE in place of `parley eval
+    --follow`, through eval_argv) before any version is queued; the first job then goes to that child,
+    and run's end closes it."""
+    import sys
+
+    from parley.evaluation import periodic
+
+    script = tmp_path / "double.py"
+    script.write_text(FOLLOW_DOUBLE)
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    monkeypatch.setattr(periodic, "eval_argv", lambda cfg, config_path, out: [sys.executable, str(script)])
+    cfg, run_dir = make_run(tmp_path)
+    pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version)
+    await pe.start()
+    follow_log = run_dir / "eval" / "follow.log"
+    await wait_for_text(follow_log, "child up\n")  # up with no job queued
+    assert pe.child.starts == 1 and pe.child.running
+    await pe.start()  # started once
+    assert pe.child.starts == 1
+
+    halt = asyncio.Event()
+    runner = asyncio.create_task(pe.run(halt))
+    await pe.submit(0, 0)
+    await pe.drain(30.0, asyncio.Event())
+    halt.set()
+    await runner
+    # the double writes no records, so v0 is set aside as failed: what matters is who played it
+    assert [o.version for o in pe.outcomes] == [0]
+    assert (run_dir / "eval" / "v0.failed" / "eval.log").read_text() == "playing v0\n"
+    assert pe.child.starts == 1 and pe.child.proc is None  # the job went to the child started early; run closed it
+    assert follow_log.read_text() == "child up\nend of input\n"
+
+
+async def test_a_test_double_launcher_starts_no_child(tmp_path):
+    cfg, run_dir = make_run(tmp_path)
+    double = PlantedEval({0: (0.45, 0.83, 2.9)})
+    pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=double)
+    await pe.start()
+    assert pe.child is None and not (run_dir / "eval" / "follow.log").exists()
+    await pe.close()
+
+
+async def test_a_child_started_early_that_exits_is_reported_and_started_again_at_the_first_job(tmp_path, caplog):
+    import os
+    import sys
+
+    from parley.evaluation.periodic import EvalJob, FollowingChild
+
+    broken = tmp_path / "broken.py"
+    broken.write_text('import sys\nprint("engine did not open", flush=True)\nsys.exit(5)\n')
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = FollowingChild([sys.executable, str(broken)], env, tmp_path / "follow.log")
+    with caplog.at_level("ERROR", logger="parley.evaluation.periodic"):
+        await child.start()
+        await asyncio.wait_for(asyncio.shield(child.reader), 20.0)
+    assert not child.running
+    assert [r.getMessage() for r in caplog.records] == [
+        f"eval: its child exited with 5 between versions (its output: {tmp_path / 'follow.log'})"
+    ]
+    script = tmp_path / "double.py"
+    script.write_text(FOLLOW_DOUBLE)
+    child.argv = [sys.executable, str(script)]
+    out = tmp_path / "o0"
+    out.mkdir()
+    assert await child.run(EvalJob(0, 0, "base"), out) == 0 and child.starts == 2
+    await child.close()

@@ -1,0 +1,143 @@
+"""`parley eval --follow` (evaluation.commands.follow) opens its policy engine on the run's policy model
+before it reads its first job: version 0's job (that model) then loads nothing and a later version loads
+in place; an engine that does not open is reported once and the jobs are still answered; a SIGTERM while
+it opens ends it at once. The real FollowingPolicy with test doubles for vLLM's engine (open_engine),
+for the per-version eval (run_eval) and for standard input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from parley.config.run import load_config
+from parley.engines import backend
+from parley.evaluation import commands
+
+
+class EngineDouble:
+    """Test double of engines.engine.PolicyEngine: records its in-place loads and its shutdown."""
+
+    def __init__(self, events):
+        self.events = events
+
+    async def reload_weights(self, path, version, abort_inflight=False):
+        self.events.append(("reload", str(path), version))
+
+    def shutdown(self):
+        self.events.append(("shutdown",))
+
+
+def doubles(monkeypatch, events, lines, open_engine=None):
+    """open_engine, run_eval and standard input replaced; `lines` are what read_line returns in turn."""
+
+    def open_engine_recorder(cfg, version=0, sampled_logprobs=False, sleep_mode=False):
+        events.append(("open", cfg.model))
+        return EngineDouble(events), object(), "path"
+
+    async def run_eval_double(stop, cfg, conds, held, settings, services, baseline, out, policy_version=-1, env=None, in_process=None, open_policy=None):  # fmt: skip
+        policy = await open_policy(conds[0].model)  # what evaluation.runner does for each model
+        events.append(("played", conds[0].model, policy.version))
+        return 0
+
+    async def read_line_double():
+        events.append(("read",))
+        return lines.pop(0)
+
+    monkeypatch.setattr(backend, "open_engine", open_engine or open_engine_recorder)
+    monkeypatch.setattr(commands, "run_eval", run_eval_double)
+    return read_line_double
+
+
+def job(version, model, out) -> str:
+    return json.dumps({"version": version, "model": str(model), "out": str(out)}) + "\n"
+
+
+async def test_the_engine_opens_before_the_first_line_and_version_0_loads_nothing(monkeypatch, tmp_path, capsys):
+    cfg = load_config(None, [])
+    v2 = tmp_path / "models" / "v2"
+    v2.mkdir(parents=True)
+    (v2 / "config.json").write_text("{}")
+    events: list[tuple] = []
+    lines = [job(0, cfg.policy.model, tmp_path / "o0"), job(2, v2, tmp_path / "o2"), ""]
+    read_line = doubles(monkeypatch, events, lines)
+
+    code = await commands.follow(asyncio.Event(), cfg, [], None, env=object(), read_line=read_line)
+
+    assert code == 0
+    assert events == [
+        ("open", cfg.policy.model),  # before any line is read
+        ("read",),
+        ("played", cfg.policy.model, 0),  # version 0 is the model the engine holds: no load
+        ("read",),
+        ("reload", str(v2), 2),  # a later version: in place
+        ("played", str(v2), 2),
+        ("read",),
+        ("shutdown",),
+    ]
+    out, err = capsys.readouterr()
+    assert [json.loads(x.removeprefix(commands.DONE_MARK)) for x in out.splitlines()] == [
+        {"version": 0, "code": 0},
+        {"version": 2, "code": 0},
+    ]
+    assert f"policy engine on {cfg.policy.model} open in" in err
+    assert "engine starts 1, in-place loads 0" in err and "engine starts 1, in-place loads 1" in err
+
+
+async def test_an_engine_that_does_not_open_is_reported_once_and_the_job_is_still_answered(monkeypatch, tmp_path, capsys):  # fmt: skip
+    cfg = load_config(None, [])
+    events: list[tuple] = []
+    tries = []
+
+    def fails_once_double(engine_cfg, version=0, sampled_logprobs=False, sleep_mode=False):
+        """Test double of open_engine: the first open fails (the GPU busy at start), the next works."""
+        tries.append(engine_cfg.model)
+        if len(tries) == 1:
+            raise RuntimeError("test double: CUDA out of memory")
+        return EngineDouble(events), object(), "path"
+
+    lines = [job(0, cfg.policy.model, tmp_path / "o0"), ""]
+    read_line = doubles(monkeypatch, events, lines, open_engine=fails_once_double)
+    code = await commands.follow(asyncio.Event(), cfg, [], None, env=object(), read_line=read_line)
+    assert code == 0 and tries == [cfg.policy.model, cfg.policy.model]
+    out, err = capsys.readouterr()
+    said = [x for x in err.splitlines() if "did not open" in x]
+    assert len(said) == 1
+    assert f"policy engine on {cfg.policy.model} did not open before the first version" in said[0]
+    assert "RuntimeError: test double: CUDA out of memory" in said[0]
+    assert json.loads(out.strip().removeprefix(commands.DONE_MARK)) == {"version": 0, "code": 0}
+
+
+@pytest.fixture
+def sigterm_guard():
+    """SIGTERM to a no-op around the test, so a SIGTERM the code under test did not catch fails the
+    test instead of ending pytest."""
+    before = signal.signal(signal.SIGTERM, lambda *a: None)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+async def test_a_sigterm_while_the_engine_opens_ends_follow_at_once(monkeypatch, tmp_path, capsys, sigterm_guard):
+    cfg = load_config(None, [])
+    events: list[tuple] = []
+
+    def terminated_while_loading_double(engine_cfg, version=0, sampled_logprobs=False, sleep_mode=False):
+        """Test double of a vLLM start that gets SIGTERM (its learner ends the child) in the middle."""
+        events.append(("opening",))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        events.append(("opened",))
+        return EngineDouble(events), object(), "path"
+
+    read_line = doubles(monkeypatch, events, [""], open_engine=terminated_while_loading_double)
+    t0 = time.monotonic()
+    code = await commands.follow(asyncio.Event(), cfg, [], None, env=object(), read_line=read_line)
+    assert code == 130
+    assert time.monotonic() - t0 < 5  # interrupted, not waited out
+    assert events == [("opening",)]  # no line read, no engine left
+    assert "stopped while its policy engine opened" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is not commands._raise_interrupted  # put back
