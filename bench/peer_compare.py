@@ -106,8 +106,9 @@ _PLAYED = re.compile(r"task \S+: \d+ samples stored in ([0-9.]+)s")
 _SPLIT = re.compile(r"a sample's mean: play ([0-9.]+)s, generate ([0-9.]+)s, simulator ([0-9.]+)s, rest (-?[0-9.]+)s")
 # rollout.conversation's lines for a conversation stopped at a turn boundary or with a call cut
 _STOPPED = re.compile(r"task \S+: (stopped|turn cut|simulator call cut) after \d+ messages: ")
-# `parley up`'s start-up lines (deploy.up._wait_ready), counted from its roles' launch
-_READY = re.compile(r"^ready after ([0-9.]+) s: (.+)$")
+# `parley up`'s start-up lines (deploy.up._wait_ready), counted from its roles' launch; since issue 56 each
+# ends with the seconds since up's own start (deploy.common.stamped), older logs without
+_READY = re.compile(r"^ready after ([0-9.]+) s: (.+?)(?: \[\+[0-9.]+ s\])?$")
 _ALL_READY = re.compile(r"^all roles ready in ([0-9.]+) s$")
 
 

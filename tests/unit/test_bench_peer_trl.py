@@ -258,7 +258,7 @@ def test_the_comparison_reads_when_each_of_parleys_roles_came_ready(tmp_path):
         "waiting for: actor-0, learner, scorer-0\n"
         "ready after 3.1 s: scorer-0\n"
         "waiting for: actor-0, learner\n"
-        "ready after 21.0 s: actor-0, learner\n"
+        "ready after 21.0 s: actor-0, learner [+32.5 s]\n"  # stamped since issue 56 (deploy.common.stamped)
         "all roles ready in 21.0 s\n"
     )
     res = peer_compare.compare(tmp_path / "out")
