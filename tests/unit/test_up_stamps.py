@@ -34,3 +34,25 @@ def test_the_model_lines_are_stamped(monkeypatch, capsys, tmp_path):
     up.prepare_models(load_config(None, []))
     lines = capsys.readouterr().out.splitlines()
     assert lines and all(re.fullmatch(r"model \S+: \S+ \([0-9]+s\) \[\+[0-9.]+ s\]", line) for line in lines), lines
+
+
+def test_the_memory_plans_head_is_stamped_before_anything_starts(monkeypatch):
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from parley.deploy.cli import app
+
+    async def up_main_double(stop, cfg, live, *rest):  # test double: the run itself is not started
+        return 0
+
+    monkeypatch.setattr(up, "up_main", up_main_double)
+    gpu1 = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "gpu-1.toml"
+    out = CliRunner().invoke(
+        app,
+        ["up", "--config", str(gpu1), "--set", "up.gpu_memory_gib=80", "--set", 'up.gpu_share="plain"', "--no-live"],
+    )
+    assert out.exit_code == 0, out.output
+    head = next(line for line in out.output.splitlines() if line.startswith("GPU memory plan"))
+    assert re.search(r"GPU total 80\.0 GiB \(up\.gpu_memory_gib\) \[\+[0-9.]+ s\]$", head), head
+    assert any(line.startswith("  actor-0") for line in out.output.splitlines())  # the rest of the plan as before
