@@ -740,13 +740,13 @@ def _torch_gpu_gib() -> float | None:
 
 def make_plan(cfg: RunConfig) -> Plan | None:
     """The plan of this config (None when it puts nothing on a GPU); the total from up.gpu_memory_gib,
-    else torch.cuda. Raises PlanError when a model's shape cannot be read."""
+    else the CUDA driver (detect_gpu_gib). Raises PlanError when a model's shape cannot be read."""
     if not uses_gpu(cfg):
         return None
     if cfg.up.gpu_memory_gib > 0:
         total, source = cfg.up.gpu_memory_gib, "up.gpu_memory_gib"
     else:
-        total, source = detect_gpu_gib(), "torch.cuda, device 0"
+        total, source = detect_gpu_gib(), "the CUDA driver, device 0"  # torch.cuda's total_memory, the same figure
     chosen: tuple = ()
     phased = cfg.up.gpu_share == "phased"
     if cfg.learner.gradient_checkpointing == "auto":
