@@ -255,7 +255,7 @@ def test_the_comparison_reads_when_each_of_parleys_roles_came_ready(tmp_path):
     _write_runs(tmp_path / "out")
     (tmp_path / "out" / "up_peer.log").write_text(
         "GPU memory plan (computed from the config and the models' config.json, not measured): GPU total 79.2 GiB "
-        "(torch.cuda, device 0) [+1.4 s]\n"
+        "(the CUDA driver, device 0) [+1.4 s]\n"
         "run directory: /tmp/run-peer [+1.5 s]\n"
         'CUDA MPS (gpu_share = "auto"): daemon started (pipes /tmp/p, logs /tmp/run-peer/mps) [+2.6 s]\n'
         "started actor-0: pid 5526, log /tmp/run-peer/logs/actor-0.log [+2.9 s]\n"
