@@ -245,17 +245,18 @@ def run_async_main(main, *args) -> None:
 
 
 def process_age() -> float:
-    """Seconds since this process started (Linux: /proc/self/stat's start tick against /proc/uptime), so a
-    launcher's clock and ours agree on the start: the interpreter's start and our imports count too.
-    Elsewhere, seconds since this module was imported."""
+    """Seconds since this process started (Linux: /proc/self/stat's start tick against the boot-time clock
+    it counts on), so a launcher's clock and ours agree on the start: the interpreter's start and our
+    imports count too. Elsewhere, or where the two disagree, seconds since this module was imported."""
     try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
         import os
 
-        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return time.monotonic() - _IMPORTED
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        age = -1.0
+    since_import = time.monotonic() - _IMPORTED
+    return age if age >= since_import else since_import
 
 
 def stamped(line: str) -> str:
