@@ -217,6 +217,10 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
         print('warm_imports: not imported:', m, type(e).__name__, e)"
     grep -q 'not imported' "$OUT/warm_imports.log" || rm -f "$OUT/warm_imports.log"
     clock() { date '+%s.%N|%F %T.%N'; }
+    # START_METHOD (issue 56; default empty: as the environment says): how parley's vLLM engines start
+    # their engine core, "fork" or "spawn" (actor.engine.start_method, docs/gpu.md); one of parley's
+    # settings, so p_clock.json's parley_sets records it and TRL's run does not see it
+    if [ -n "${START_METHOD:-}" ]; then PARLEY_SETS="${PARLEY_SETS:-} actor.engine.start_method=\"$START_METHOD\""; fi
     SETS_JSON=${PARLEY_SETS:-}
     SETS_JSON=${SETS_JSON//\\/\\\\}  # a JSON string: backslashes, then quotes (group_order="freshest")
     SETS_JSON=${SETS_JSON//\"/\\\"}
@@ -438,7 +442,10 @@ TT)
     # a held-out eval every EVAL_EVERY=5 versions (the time's resolution), TRL STEPS=40, parley
     # PARLEY_STEPS=60 (each runs past the target: the reward at the other's end is read too), parley's
     # best settings on record as PARLEY_SETS (the 2026-12-05 22:59 row of docs/gpu.md), all within
-    # LIMIT_S=500 (parley PARLEY_S=230 of it). Leaves $OUT/p_s<SEED>.tgz; then, over every seed's file:
+    # LIMIT_S=500 (parley PARLEY_S=230 of it). START_METHOD (fork | spawn; default empty: unchanged) adds
+    # actor.engine.start_method to parley's settings: `START_METHOD=fork SEED=3 bash bench/gpu_run.sh TT`
+    # against a seed without it compares launch to step 1 with and without the engine core's second
+    # import of torch and vLLM. Leaves $OUT/p_s<SEED>.tgz; then, over every seed's file:
     #     python bench/peer_compare.py --target --over p_s0.tgz p_s1.tgz ... --json time_to_target.json
     SEED=${SEED:-0}
     NAME=p_s$SEED

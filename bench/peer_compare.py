@@ -106,9 +106,11 @@ _PLAYED = re.compile(r"task \S+: \d+ samples stored in ([0-9.]+)s")
 _SPLIT = re.compile(r"a sample's mean: play ([0-9.]+)s, generate ([0-9.]+)s, simulator ([0-9.]+)s, rest (-?[0-9.]+)s")
 # rollout.conversation's lines for a conversation stopped at a turn boundary or with a call cut
 _STOPPED = re.compile(r"task \S+: (stopped|turn cut|simulator call cut) after \d+ messages: ")
-# `parley up`'s start-up lines (deploy.up._wait_ready), counted from its roles' launch
-_READY = re.compile(r"^ready after ([0-9.]+) s: (.+)$")
+# `parley up`'s start-up lines (deploy.up._wait_ready), counted from its roles' launch; since issue 56 each
+# ends with the seconds since up's own start (deploy.common.stamped), older logs without
+_READY = re.compile(r"^ready after ([0-9.]+) s: (.+?)(?: \[\+[0-9.]+ s\])?$")
 _ALL_READY = re.compile(r"^all roles ready in ([0-9.]+) s$")
+_STAMP = re.compile(r"^(.+?) \[\+([0-9.]+) s\]$")
 
 
 # an actor's line for each task it played (actors.actor), its running count of sampled assistant tokens;
@@ -183,13 +185,19 @@ def startup(up_lines: list[str]) -> dict:
     `parley up`'s output, part P's up_peer.log); {} for a log from before those lines were printed."""
     roles: dict[str, float] = {}
     out: dict = {}
+    stamps: dict[str, float] = {}  # each stamped line's head -> seconds since up's own start (issue 56)
     for line in up_lines:
+        if (m := _STAMP.match(line.strip())) and not line.startswith("ready after "):
+            head = m.group(1).split(":", 1)[0].split(" (", 1)[0]
+            stamps.setdefault(head, float(m.group(2)))
         if m := _READY.match(line.strip()):
             roles.update((name, float(m.group(1))) for name in m.group(2).split(", "))
         elif m := _ALL_READY.match(line.strip()):
             out["all_ready_s"] = float(m.group(1))
     if roles:
         out["roles_ready_s"] = roles
+    if stamps:
+        out["since_launch_s"] = stamps
     return out
 
 
@@ -544,6 +552,14 @@ def render(res: dict) -> str:
                 + ", ".join(f"{k} {v}" for k, v in res["parley_startup"].get("roles_ready_s", {}).items())
                 + f"; all {res['parley_startup'].get('all_ready_s', '-')} (step 1 ended {p['first_step_end_s']:.1f} s "
                 "after parley's launch)",
+                *(
+                    [
+                        "parley up's start-up lines, s from its launch: "
+                        + ", ".join(f"{k} {v}" for k, v in res["parley_startup"]["since_launch_s"].items())
+                    ]
+                    if "since_launch_s" in res["parley_startup"]
+                    else []
+                ),
                 "",
             ]
             if res.get("parley_startup")

@@ -6,6 +6,7 @@ The role commands (deploy/cli_*.py) call `resolve()`, then a role's plain entry 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +27,7 @@ NATS = flag("nats.url", "--nats", help="NATS URL", envvar="PARLEY_NATS_URL")
 RUN = flag("run.name", "--run", help="Run name", envvar="PARLEY_RUN")
 NatsOpt = NATS.annotation()
 RunOpt = RUN.annotation()
+_IMPORTED = time.monotonic()  # process_age's origin where /proc is not there
 # Off unless asked: an endpoint nobody scrapes is an open port for nothing, and one fixed default port
 # collides as soon as two roles share a host; `parley up` asks each child for one (deploy/up.py).
 METRICS_PORT_ENV = "PARLEY_METRICS_PORT"  # the deploy files set it (9400) beside a port named "metrics"
@@ -240,3 +242,24 @@ def run_async_main(main, *args) -> None:
     from parley.runtime.process import run_async
 
     run_main(run_async, main, *args)
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc/self/stat's start tick against the boot-time clock
+    it counts on), so a launcher's clock and ours agree on the start: the interpreter's start and our
+    imports count too. Elsewhere, or where the two disagree, seconds since this module was imported."""
+    try:
+        import os
+
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        age = -1.0
+    since_import = time.monotonic() - _IMPORTED
+    return age if age >= since_import else since_import
+
+
+def stamped(line: str) -> str:
+    """`line` with the seconds since the command started, as `parley up` prints each start-up line (where
+    a launch's seconds go before its first step: preflight, nats-server, MPS, models, each child)."""
+    return f"{line} [+{process_age():.1f} s]"

@@ -11,6 +11,7 @@ import math
 import os
 import secrets
 import shlex
+import threading
 from pathlib import Path
 
 from parley.deploy.natsserver import write_private
@@ -33,9 +34,14 @@ def hash_password(password: str, cost: int = BCRYPT_COST) -> str:
         bcrypt = None
     if bcrypt is not None:
         return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=cost)).decode()
+    import ctypes
+
     lib = _libcrypt()
-    salt = lib.crypt_gensalt(b"$2b$", cost, None, 0)
-    hashed = lib.crypt(password.encode(), salt) if salt else None
+    with _GENSALT:  # crypt_gensalt answers in a static buffer; crypt_r below in one of this call's own
+        salt = lib.crypt_gensalt(b"$2b$", cost, None, 0)
+    # struct crypt_data: 32 KiB in libxcrypt, 128 KiB in glibc's old libcrypt; zeroed, as its first use wants
+    data = ctypes.create_string_buffer(256 * 1024)
+    hashed = lib.crypt_r(password.encode(), salt, data) if salt else None
     if not hashed or not hashed.startswith(b"$2b$"):
         raise RuntimeError(
             "the system's libcrypt cannot make bcrypt hashes; install the bcrypt package (pip install bcrypt) "
@@ -44,6 +50,7 @@ def hash_password(password: str, cost: int = BCRYPT_COST) -> str:
     return hashed.decode()
 
 
+@functools.cache  # loaded once (find_library asks ldconfig), whichever thread comes first
 def _libcrypt():
     import ctypes
     import ctypes.util
@@ -57,9 +64,22 @@ def _libcrypt():
     lib = ctypes.CDLL(name)
     lib.crypt_gensalt.restype = ctypes.c_char_p
     lib.crypt_gensalt.argtypes = [ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p, ctypes.c_int]
-    lib.crypt.restype = ctypes.c_char_p
-    lib.crypt.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    lib.crypt_r.restype = ctypes.c_char_p
+    lib.crypt_r.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p]
     return lib
+
+
+_GENSALT = threading.Lock()
+
+
+def hash_passwords(passwords: list[str]) -> list[str]:
+    """hash_password of each, side by side: one bcrypt hash is about 0.07 s of one core (ctypes and the
+    bcrypt package release the GIL while they hash), and `parley up` hashes one a role before its
+    nats-server can start."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(passwords), os.cpu_count() or 1))) as pool:
+        return list(pool.map(hash_password, passwords))
 
 
 def server_auth_conf(
@@ -78,7 +98,8 @@ def server_auth_conf(
         raise ValueError(f"response_window={window} must be > 0 (seconds a service may take to answer)")
     perms = role_permissions(run, {role: user for role, (user, _) in creds.items()})
     users = []
-    for role, (user, password) in creds.items():
+    hashes = dict(zip(creds, hash_passwords([password for _, password in creds.values()]), strict=True))
+    for role, (user, _password) in creds.items():
         rules = perms[role]
         body = {
             "publish": {"allow": rules["publish"]["allow"]},
@@ -89,7 +110,7 @@ def server_auth_conf(
             body["allow_responses"] = {"max": 1, "expires": f"{math.ceil(window)}s"}
         # JSON strings are valid nats-server config strings; quoting keeps `$JS...` from reading as a variable.
         # Only the hash: the plaintext lives in <role>.env, which the server never reads.
-        hashed = hash_password(password)
+        hashed = hashes[role]
         fields = f"user: {json.dumps(user)}, password: {json.dumps(hashed)}, permissions: {json.dumps(body)}"
         users.append(f"    {{{fields}}}")
     return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"

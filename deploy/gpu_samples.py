@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from parley.deploy.common import stamped
+
 log = logging.getLogger(__name__)
 
 SAMPLES_HEADER = "time,util_pct,mem_used_mib,mem_total_mib\n"
@@ -54,7 +56,9 @@ class GpuSampler:
         sampler = cls(run_dir, sessions)
         sampler.start()
         print(
-            f"GPU samples: {sampler.dir} (nvidia-smi every {sampler.interval_s:g} s; `parley report` draws them)",
+            stamped(
+                f"GPU samples: {sampler.dir} (nvidia-smi every {sampler.interval_s:g} s; `parley report` draws them)"
+            ),
             flush=True,
         )
         return sampler

@@ -347,8 +347,12 @@ def facts_of(cfg, key: str = "", plan_cfg=None) -> Facts:
     )
     if cfg.up.gpu_share != "auto" or not gpu:
         return facts
-    fit = plan_fit(plan_cfg if plan_cfg is not None else cfg) if facts.phased_refusal is None else None
-    name = gpu_name()
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:  # nvidia-smi beside the plan's own question to the driver
+        asked = pool.submit(gpu_name)
+        fit = plan_fit(plan_cfg if plan_cfg is not None else cfg) if facts.phased_refusal is None else None
+        name = asked.result()
     evidence, note = read_evidence(key) if key and name else ((), "")
     return replace(facts, fit=fit, gpu=name, evidence=evidence, evidence_note=note)
 

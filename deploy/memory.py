@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -38,6 +39,7 @@ from parley.services.combined import service_children, shared_engine
 from parley.weights import registry
 from parley.weights.cuda_ipc import ALIGN
 
+log = logging.getLogger(__name__)
 GIB = 1024**3
 HEADROOM = 0.05  # of the GPU kept free: allocator fragmentation, and the plan's own error
 # Per process that holds GPU memory: a torch process's CUDA context with its kernels loaded is about
@@ -765,8 +767,19 @@ def knobs(cfg: RunConfig, procs: list[Proc], total: float) -> list[str]:
 
 @functools.cache  # asked once a process: gpu_share = "auto" plans twice before the plan that is shown
 def detect_gpu_gib() -> float | None:
-    """The first visible GPU's total memory in GiB, asked of torch.cuda in a short child process (so
-    `parley up` itself holds no CUDA context for the whole run); None without CUDA."""
+    """The first visible GPU's total memory in GiB, asked of the CUDA driver in a short child process
+    (deploy/cuda_driver: no import of torch, and `parley up` itself holds no CUDA context for the whole
+    run); None without CUDA. Where the driver cannot say, torch.cuda is asked as before."""
+    from parley.deploy.cuda_driver import total_bytes
+
+    total = total_bytes()
+    if total is None or isinstance(total, int):
+        return total / GIB if total else None
+    log.warning("the CUDA driver could not give the GPU's total memory (%s); asking torch.cuda", total)
+    return _torch_gpu_gib()
+
+
+def _torch_gpu_gib() -> float | None:
     code = "import torch; print(torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0)"
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
@@ -778,13 +791,13 @@ def detect_gpu_gib() -> float | None:
 
 def make_plan(cfg: RunConfig) -> Plan | None:
     """The plan of this config (None when it puts nothing on a GPU); the total from up.gpu_memory_gib,
-    else torch.cuda. Raises PlanError when a model's shape cannot be read."""
+    else the CUDA driver (detect_gpu_gib). Raises PlanError when a model's shape cannot be read."""
     if not uses_gpu(cfg):
         return None
     if cfg.up.gpu_memory_gib > 0:
         total, source = cfg.up.gpu_memory_gib, "up.gpu_memory_gib"
     else:
-        total, source = detect_gpu_gib(), "torch.cuda, device 0"
+        total, source = detect_gpu_gib(), "the CUDA driver, device 0"  # torch.cuda's total_memory, the same figure
     chosen: tuple = ()
     phased = cfg.up.gpu_share == "phased"
     if cfg.learner.gradient_checkpointing == "auto":

@@ -28,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from parley.deploy import cuda_driver
 from parley.errors import Unavailable
 
 BINARY = "nvidia-cuda-mps-control"
@@ -36,7 +37,11 @@ MISSING = (
     f'[up] gpu_share = "mps" needs {BINARY} (the NVIDIA driver\'s utilities) on PATH, and it is not there; '
     f"install them or {FIX}"
 )
-# a CUDA process of our own under the daemon: its server starts with the first client
+# a CUDA process of our own under the daemon: its server starts with the first client. First a context
+# and a little work through the driver (deploy/cuda_driver: no import of torch); where that fails, the
+# torch process that was the only probe before has the last word, so the driver's probe costs no
+# verdict, only seconds saved where it passes
+DRIVER_PROBE = cuda_driver.argv("context")
 CUDA_PROBE = [sys.executable, "-c", "import torch; torch.zeros(1, device='cuda').sum().item()"]
 
 
@@ -59,7 +64,7 @@ class MpsDaemon:
         self.binary = binary()
         self.log_dir = Path(run_dir) / "mps"
         self.pipe_dir: Path | None = None
-        self.probe = CUDA_PROBE if probe is None else probe
+        self.probes = [DRIVER_PROBE, CUDA_PROBE] if probe is None else [probe]  # the first that passes
         self.timeout_s = timeout_s
 
     def env(self) -> dict[str, str]:
@@ -88,7 +93,10 @@ class MpsDaemon:
                 f"{BINARY} -d exited with code {started.returncode}: "
                 f"{(started.stderr or started.stdout).strip()[-400:]}; {FIX}"
             )
-        probe = self._run(self.probe, "a CUDA process under MPS")
+        for argv in self.probes:
+            probe = self._run(argv, "a CUDA process under MPS")
+            if probe.returncode == 0:
+                break
         if probe.returncode != 0:
             tail = (probe.stderr or probe.stdout).strip().splitlines()[-3:]
             self.stop()

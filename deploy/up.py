@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from parley.config.run import RunConfig, dump_config
+from parley.deploy.common import stamped
 from parley.engines.engine import CPU_ENGINES_ENV
 from parley.protocol.backlog import WARN_SHARE
 from parley.runtime.supervisor import Supervisor
@@ -86,7 +87,7 @@ def prepare_models(cfg: RunConfig) -> None:
     for name in sorted(names):
         t0 = time.time()
         path = ensure_model(name)
-        print(f"model {name}: {path} ({time.time() - t0:.0f}s)", flush=True)
+        print(stamped(f"model {name}: {path} ({time.time() - t0:.0f}s)"), flush=True)
 
 
 async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool = False, share_key: str = "") -> int:
@@ -103,13 +104,13 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
     run_dir = run_dir_for(cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(run_dir)
-    print(f"run directory: {run_dir}", flush=True)
+    print(stamped(f"run directory: {run_dir}"), flush=True)
 
     window = response_window_s(cfg)  # services may answer for as long as this config's requesters wait
     creds = generate_credentials(cfg.run.name, run_dir / "auth", response_window=window)
     server = NatsServer(run_dir / "nats", port=0, extra_conf=server_auth_conf(creds, response_window=window))
     cfg.nats.url = server.start()
-    print(f"nats-server: {cfg.nats.url} (store {server.store_dir})", flush=True)
+    print(stamped(f"nats-server: {cfg.nats.url} (store {server.store_dir})"), flush=True)
     if cfg.nats.creds or cfg.nats.ca_file:
         # They are for another server: this one has a user and password per role (auth/) and no TLS.
         print(
@@ -150,7 +151,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
             print(f"parley up: {e}", file=sys.stderr, flush=True)
             return 2
         if line:
-            print(line, flush=True)
+            print(stamped(line), flush=True)
         await topology.ensure_topology(
             js, cfg.run.name, topology_bus(cfg)
         )  # first: it may refuse (no room), models take minutes
@@ -168,7 +169,10 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
                 where = f", metrics http://{targets[name]}/metrics"
                 write_scrape_targets(run_dir, cfg.run.name, targets)
             sup.start(name, argv, env=env, config_text=dump_config(cfg))
-            print(f"started {name}: pid {sup.get(name).proc.pid}, log {sup.get(name).log_path}{where}", flush=True)
+            print(
+                stamped(f"started {name}: pid {sup.get(name).proc.pid}, log {sup.get(name).log_path}{where}"),
+                flush=True,
+            )
 
         for name, argv in children:
             start(name, argv)
@@ -190,9 +194,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
                 [n for n, _ in children if n.startswith("actor-")],
             )
             p = pool.policy
-            print(f"actors: auto, {p.low}..{p.high}, one per {p.per_actor} waiting tasks", flush=True)
+            print(stamped(f"actors: auto, {p.low}..{p.high}, one per {p.per_actor} waiting tasks"), flush=True)
         if targets:
-            print(f"scrape targets (Prometheus file_sd_configs): {run_dir / SCRAPE_TARGETS}", flush=True)
+            print(stamped(f"scrape targets (Prometheus file_sd_configs): {run_dir / SCRAPE_TARGETS}"), flush=True)
 
         watcher = RunWatcher(nc, cfg.run.name)
         await watcher.start()
@@ -299,7 +303,7 @@ async def _wait_ready(sup: Supervisor, watcher, stop: asyncio.Event, timeout: fl
         ready = ready_children(watcher.snap.roles.values()) & expected
         new = sorted(ready - came)
         if new:
-            print(f"ready after {time.monotonic() - t0:.1f} s: {', '.join(new)}", flush=True)
+            print(stamped(f"ready after {time.monotonic() - t0:.1f} s: {', '.join(new)}"), flush=True)
         came |= ready
         missing = sorted(expected - ready)
         if not missing:

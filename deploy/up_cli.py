@@ -21,6 +21,7 @@ from parley.deploy.common import (
     resolve,
     run_async_main,
     setup_logging,
+    stamped,
 )
 from parley.deploy.flags import flag, with_flags
 
@@ -115,8 +116,9 @@ def up_cmd(
     plan = check_memory(cfg, dry=dry, hub_dirs=hub_dirs)
     if dry:
         dry_run(cfg, notes="\n".join(n for n in (plan, share) if n))
-    if plan:
-        typer.echo(plan)
+    if plan:  # its head line stamped: the preflight's seconds (imports, checks, GPU sharing, the plan)
+        head, _, rest = plan.partition("\n")
+        typer.echo(stamped(head) + ("\n" + rest if rest else ""))
     setup_logging("up", "WARNING")
     from parley.deploy.up import up_main
 

@@ -82,6 +82,7 @@ def engine_settings(
         max_loras=cfg.max_loras,
         prefix_cache_across_versions=cfg.prefix_cache_across_versions,
         sleep_mode=sleep_mode,
+        start_method=cfg.start_method,
         extra=cpu_workarounds(cfg.max_model_len),
     )
 

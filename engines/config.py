@@ -14,6 +14,12 @@ BACKENDS = get_args(Backend)
 # How vLLM stores the KV cache: "auto" in the model's dtype, or one of vLLM's fp8 formats (half of bf16's
 # bytes a token: twice the tokens in the same kv_cache_bytes, half the bytes each decode step reads)
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+# How vLLM starts an engine's engine-core process (engines.engine.start_method_choice): "env" leaves it
+# to VLLM_WORKER_MULTIPROC_METHOD (vLLM's default: fork), "fork" skips the engine core's second import
+# of torch and vLLM, "spawn" is needed where one process holds several engines (with fork the second
+# failed to initialize CUDA on the H200, docs/gpu.md)
+StartMethod = Literal["env", "fork", "spawn"]
+START_METHODS = get_args(StartMethod)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -42,6 +48,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the new weights' over an older version's KV (AssistantTurn.stale_prefix_tokens counts it). Off:
     # prompts are salted by the weights, and every turn after a swap is exact (docs/learner.md).
     prefix_cache_across_versions: bool = False
+    # how vLLM starts the engine-core process (StartMethod above; docs/configuration.md's [actor.engine])
+    start_method: StartMethod = "env"
 
 
 class ServiceBackend(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parley.engines.config import START_METHODS
+from parley.errors import ConfigError
 from parley.weights.worker import REFUSED, STAGED_ADAPTER_PATH
 
 MiB = 1 << 20
@@ -107,8 +109,74 @@ class EngineSettings:
     prefix_cache_across_versions: bool = False
     # [up] gpu_share = "phased": built with vLLM's sleep mode (sleep/wake_up), where the platform has it
     sleep_mode: bool = False
+    # how vLLM starts the engine-core process: "env", "fork" or "spawn" (start_method_choice)
+    start_method: str = "env"
     # extra AsyncEngineArgs fields, for what the above does not cover
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"  # vLLM reads it when it starts the engine-core process
+
+
+@dataclass(frozen=True)
+class StartMethodChoice:
+    """What an engine's start_method does to the process environment before vLLM starts the engine core:
+    `value` for START_METHOD_ENV (None: left as it is), the method vLLM will use, and the line to log
+    (`warn`: the method asked for is not the one vLLM will use)."""
+
+    value: str | None
+    method: str
+    line: str
+    warn: bool = False
+
+
+def start_method_choice(setting: str, current: str | None, cuda_initialized: bool, cpu: bool) -> StartMethodChoice:
+    """The engine-core start method of `setting` ([*.engine] start_method), with VLLM_WORKER_MULTIPROC_METHOD
+    at `current` (None: unset), decided as vLLM will then decide it (vllm.utils.system_utils's
+    _maybe_force_spawn: spawn where CUDA is initialized in the process; the CPU platform always spawns).
+    "fork" saves the engine core its own import of torch and vLLM; where CUDA is already initialized vLLM
+    would take spawn silently instead, so that is refused (ConfigError) rather than paid unnoticed."""
+    if setting not in START_METHODS:
+        raise ConfigError(f"start_method = {setting!r}: expected one of {', '.join(map(repr, START_METHODS))}")
+    if setting == "fork" and cuda_initialized and not cpu:
+        raise ConfigError(
+            'start_method = "fork" ([actor.engine] or the engine\'s section): CUDA is already initialized in '
+            f"this process (pid {os.getpid()}), so vLLM would start the engine core with spawn instead; set "
+            'start_method = "spawn" (or "env")'
+        )
+    value = None if setting == "env" else setting
+    asked = value or current or "fork"  # vLLM's default where the variable is unset
+    if setting != "env":
+        why = f'start_method = "{setting}"'
+    else:
+        why = f"{START_METHOD_ENV}={current}" if current else "vLLM's default"
+    if cpu and asked != "spawn":
+        return StartMethodChoice(
+            value,
+            "spawn",
+            f"engine core start method: spawn, not {asked} ({why}): vLLM's CPU platform always spawns",
+            warn=setting == "fork",
+        )
+    if asked != "spawn" and cuda_initialized:
+        line = f"engine core start method: spawn, not {asked} ({why}): CUDA is initialized in this process"
+        return StartMethodChoice(value, "spawn", line, warn=True)
+    return StartMethodChoice(value, asked, f"engine core start method: {asked} ({why})")
+
+
+def apply_start_method(setting: str, environ=os.environ) -> StartMethodChoice:
+    """start_method_choice for this process (its CUDA state and platform), applied to `environ` and
+    logged; called right before the engine is made."""
+    import logging
+
+    import torch
+    from vllm.platforms import current_platform
+
+    cuda = bool(torch.cuda._is_compiled() and torch.cuda.is_initialized())
+    choice = start_method_choice(setting, environ.get(START_METHOD_ENV), cuda, current_platform.is_cpu())
+    if choice.value is not None:
+        environ[START_METHOD_ENV] = choice.value
+    logging.getLogger(__name__).log(logging.WARNING if choice.warn else logging.INFO, choice.line)
+    return choice
 
 
 @dataclass
@@ -380,6 +448,7 @@ class PolicyEngine:
 
         cpu_bind = share_cpu_cores() if current_platform.is_cpu() else None
         engine_socket_dir()
+        apply_start_method(settings.start_method)
         self.settings = settings
         self.version = version
         self.counts = EngineCounts()

@@ -254,21 +254,30 @@ def test_the_comparison_reads_both_runs_steady_state_and_rewards_at_equal_wall_t
 def test_the_comparison_reads_when_each_of_parleys_roles_came_ready(tmp_path):
     _write_runs(tmp_path / "out")
     (tmp_path / "out" / "up_peer.log").write_text(
-        "started actor-0: pid 5526, log /tmp/run-peer/logs/actor-0.log\n"
+        "GPU memory plan (computed from the config and the models' config.json, not measured): GPU total 79.2 GiB "
+        "(the CUDA driver, device 0) [+1.4 s]\n"
+        "run directory: /tmp/run-peer [+1.5 s]\n"
+        'CUDA MPS (gpu_share = "auto"): daemon started (pipes /tmp/p, logs /tmp/run-peer/mps) [+2.6 s]\n'
+        "started actor-0: pid 5526, log /tmp/run-peer/logs/actor-0.log [+2.9 s]\n"
         "waiting for: actor-0, learner, scorer-0\n"
         "ready after 3.1 s: scorer-0\n"
         "waiting for: actor-0, learner\n"
-        "ready after 21.0 s: actor-0, learner\n"
+        "ready after 21.0 s: actor-0, learner [+32.5 s]\n"  # stamped since issue 56 (deploy.common.stamped)
         "all roles ready in 21.0 s\n"
     )
     res = peer_compare.compare(tmp_path / "out")
     assert res["parley_startup"] == {
         "roles_ready_s": {"scorer-0": 3.1, "actor-0": 21.0, "learner": 21.0},
         "all_ready_s": 21.0,
+        "since_launch_s": {"GPU memory plan": 1.4, "run directory": 1.5, "CUDA MPS": 2.6, "started actor-0": 2.9},
     }
     assert (
         "parley's roles ready, s from their launch: scorer-0 3.1, actor-0 21.0, learner 21.0; all 21.0 "
         "(step 1 ended 30.0 s after parley's launch)"
+    ) in peer_compare.render(res)
+    assert (
+        "parley up's start-up lines, s from its launch: GPU memory plan 1.4, run directory 1.5, CUDA MPS 2.6, "
+        "started actor-0 2.9"
     ) in peer_compare.render(res)
 
 

@@ -65,3 +65,20 @@ def test_part_tt4_runs_one_side_of_the_4b_shape(tmp_path):
     assert "learner.lr=2.5e-4" in trl and 'policy.model="/tmp/m4b"' in trl
     assert trl[trl.index("--micro-batch") + 1] == "4" and "--no-sleep" in trl
     assert _clock(out / "p4_trl_s1.tgz")["trl_options"] == "--trl-dtype float32 --no-sleep --micro-batch 4"
+
+
+def test_start_method_sets_the_actors_engine_core_start_for_parley_alone(tmp_path):
+    """START_METHOD=fork (issue 56): parley's actors fork their engine core (actor.engine.start_method),
+    recorded with parley's settings; TRL's run is not given it. Unset: nothing changes."""
+    (tmp_path / "fork").mkdir()
+    (tmp_path / "env").mkdir()
+    res, calls, out = _run_part(tmp_path / "fork", "TT", SEED="3", START_METHOD="fork")
+    assert res.returncode == 0, res.stderr
+    up = next(c.split("|") for c in calls if "parley.deploy.cli|up|" in c)
+    trl = next(c.split("|") for c in calls if "bench/peer_trl.py" in c)
+    assert up[up.index('actor.engine.start_method="fork"') - 1] == "--set"
+    assert 'learner.group_order="freshest"' in up  # beside the part's own settings, not instead of them
+    assert not any("actor.engine.start_method" in a for a in trl)
+    assert 'actor.engine.start_method="fork"' in _clock(out / "p_s3.tgz")["parley_sets"]
+    res, calls, _ = _run_part(tmp_path / "env", "TT", SEED="3")
+    assert res.returncode == 0 and not any("actor.engine.start_method" in c for c in calls)

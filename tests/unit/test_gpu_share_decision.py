@@ -250,3 +250,27 @@ def test_a_run_stopped_by_its_operator_is_a_measurement_and_a_failed_one_is_not(
     # a benchmark's wall budget stops `parley up` with SIGINT (exit 130): its steps up to the stop are
     # as steady as a finished run's, and the H100 runs of bench/gpu_run.sh T were all stopped this way
     assert gpu_share.measured_end(code) is kept
+
+
+def test_the_gpus_name_is_asked_beside_the_plans_question_to_the_driver(monkeypatch):
+    """Under "auto" on a GPU, nvidia-smi's name and the memory plan's GPU total (deploy/cuda_driver) are two
+    child processes before any work starts: asked side by side, the check waits for the slower only."""
+    import time
+
+    from parley.deploy import memory
+
+    def slow_name():  # test double of nvidia-smi's answer, as slow as one on a machine without persistence
+        time.sleep(1.0)
+        return GPU
+
+    def slow_total():  # test double of the driver's answer
+        time.sleep(1.0)
+        return 10.0
+
+    monkeypatch.setattr(gpu_share, "gpu_name", slow_name)
+    monkeypatch.setattr(memory, "detect_gpu_gib", slow_total)
+    cfg = load_config(None, [kv for kv in FITS_ONLY_PHASED if not kv.startswith("up.gpu_memory_gib=")])
+    t0 = time.monotonic()
+    facts = gpu_share.facts_of(cfg)
+    assert facts.gpu == GPU and facts.fit is not None  # both answers were used
+    assert time.monotonic() - t0 < 1.7

@@ -4,6 +4,7 @@ start on one GPU) and how long the wait took, and returns False at once when a c
 from __future__ import annotations
 
 import asyncio
+import re
 from types import SimpleNamespace
 
 from parley.deploy import up
@@ -42,7 +43,9 @@ async def test_each_child_is_reported_as_it_comes_ready_then_the_whole_wait(caps
     await task
     lines = capsys.readouterr().out.splitlines()
     ready = [line for line in lines if line.startswith("ready after ")]
-    assert [line.split(": ", 1)[1] for line in ready] == ["scorer-0", "actor-0, learner"], lines
+    # each ends with the seconds since the command started (deploy.common.stamped)
+    assert all(re.search(r" \[\+[0-9]+\.[0-9] s\]$", line) for line in ready), lines
+    assert [line.split(": ", 1)[1].rsplit(" [+", 1)[0] for line in ready] == ["scorer-0", "actor-0, learner"], lines
     first, second = (float(line.split()[2]) for line in ready)
     assert 0.04 <= first < second and second >= 0.14, lines
     assert lines[-1].startswith("all roles ready in ") and float(lines[-1].split()[4]) >= second, lines
