@@ -185,6 +185,8 @@ P)
     T0=$SECONDS
     # issue 56: the same part at the 4B shape (part TT4): CONFIG, ENV_NAME=random_words and its list RW,
     # the random-weight model MODEL built instead of SmolLM2; PARLEY=0 runs TRL alone (TRL=0 parley alone)
+    ORDER=${ORDER:-parley}  # checked before any work; what it does: below, where the two sides run
+    case "$ORDER" in parley|trl) ;; *) echo "[gpu_run] ORDER=$ORDER: expected parley or trl" >&2; exit 2;; esac
     CONFIG=${CONFIG:-deploy/configs/gpu-1.toml}
     ENV_NAME=${ENV_NAME:-hidden_goal}
     HG=(--set 'env.options={n_items = 120, seed = 0, nudge = "slots", answer = "mentions"}'
@@ -232,58 +234,75 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     if [ "${TRL_SLEEP:-1}" = 0 ]; then TRL_OPTS="$TRL_OPTS --no-sleep"; fi
     if [ -n "${TRL_ARGS:-}" ]; then TRL_OPTS="$TRL_OPTS $TRL_ARGS"; fi
     write_clock() {  # the launch and end of each run, as far as known (a cut call still leaves the file)
-        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s, "parley_steps": %s, "trl_steps": %s, "seed": %s, "gpu_name": "%s", "gpu_uuid": "%s", "gpus": 1, "env": "%s", "config": "%s", "trl_options": "%s"}\n' \
+        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s, "parley_steps": %s, "trl_steps": %s, "seed": %s, "gpu_name": "%s", "gpu_uuid": "%s", "gpus": 1, "env": "%s", "config": "%s", "trl_options": "%s", "order": "%s"}\n' \
             "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "$SETS_JSON" "${ACTORS:-1}" "${PARLEY_STEPS:-$STEPS}" "$STEPS" "${SEED:-0}" \
-            "${GPU_ID%%, *}" "${GPU_ID#*, }" "$ENV_NAME" "$CONFIG" "$TRL_OPTS" >"$OUT/p_clock.json"
+            "${GPU_ID%%, *}" "${GPU_ID#*, }" "$ENV_NAME" "$CONFIG" "$TRL_OPTS" "${ORDER:-parley}" >"$OUT/p_clock.json"
     }
     TRL_WORK=${TRL_WORK:-/tmp/peer-trl}  # TRL's output_dir (nothing is saved there)
     rm -rf "$RUN" "$TRL_WORK"
-    P0=$(clock) P1=null T1=null T2=null
-    # ACTORS policy engines (default 1: a group of 8 conversations of 32-token turns keeps one engine
-    # far from busy, and each engine more is one more start-up beside the others)
-    # PARLEY_SETS: parley-only settings to try, space-separated KEY=VALUE (e.g. "weights.max_buffers=6
-    # weights.hold_s=1.0"): not part of the shared recipe, so TRL's run does not see them
-    # PARLEY_STEPS (default STEPS): parley's steps, for a comparison at equal wall time (TRL runs STEPS)
-    EXTRA=()
-    for kv in ${PARLEY_SETS:-}; do EXTRA+=(--set "$kv"); done
-    if [ "${PARLEY:-1}" = 0 ]; then  # PARLEY=0: TRL alone (the 4B shape: one side a call, part TT4)
-        echo "[gpu_run] up_peer: skipped, PARLEY=0" | tee "$OUT/up_peer.log"
-        P0=null
+    P0=null P1=null T1=null T2=null
+    # ORDER (parley | trl; default parley, part TT alternates by seed): which side runs first. The
+    # machine's first vLLM start meets cold compile and import caches; with one order always, one side
+    # always meets them (2026-12-06, seed 0: parley's launch to step 1 113.9 s cold, 60.7-72.9 s warm)
+    parley_side() {  # $1: its time limit
+        # ACTORS policy engines (default 1: a group of 8 conversations of 32-token turns keeps one engine
+        # far from busy, and each engine more is one more start-up beside the others)
+        # PARLEY_SETS: parley-only settings to try, space-separated KEY=VALUE (e.g. "weights.max_buffers=6
+        # weights.hold_s=1.0"): not part of the shared recipe, so TRL's run does not see them
+        # PARLEY_STEPS (default STEPS): parley's steps, for a comparison at equal wall time (TRL runs STEPS)
+        EXTRA=()
+        for kv in ${PARLEY_SETS:-}; do EXTRA+=(--set "$kv"); done
+        P0=$(clock)
+        if [ "${PARLEY:-1}" = 0 ]; then  # PARLEY=0: TRL alone (the 4B shape: one side a call, part TT4)
+            echo "[gpu_run] up_peer: skipped, PARLEY=0" | tee "$OUT/up_peer.log"
+            P0=null
+        else
+            step up_peer "$1" python3 -m parley.deploy.cli up --config "$CONFIG" --env "$ENV_NAME" \
+                --no-live --run-dir "$RUN" --steps "${PARLEY_STEPS:-$STEPS}" "${RECIPE[@]}" --set "up.actors=${ACTORS:-1}" ${EXTRA[@]+"${EXTRA[@]}"}
+        fi
+        P1=$(clock)
+        cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+        cp "$RUN/eval/history.jsonl" "$OUT/eval_history.jsonl" 2>/dev/null
+        cp "$RUN/mps/control.log" "$OUT/mps_control.log" 2>/dev/null  # up.gpu_share="mps" (part M) only
+        grep -h -E ': step [0-9]+: loss|eval: version' "$RUN/logs/learner.log" >"$OUT/parley_steps.log" 2>/dev/null
+        # where a step's time goes: each task's play time and each version's load on the actors, with times
+        # and where its start-up goes (vLLM's own timing lines: loading, torch.compile, CUDA graphs, engine init)
+        # and, first, the actor's start-up lines up to its engine's first timing line (2026-12-05, a warm call:
+        # the engine's init took 9 s of the actor's 70 s to ready, and the log kept nothing of the rest)
+        ACTOR_PAT='stored in|now serving|loaded in [0-9]|admitted at version|recompile|stopped after|turn cut after|simulator call cut after|Model loading took|torch.compile took|Graph capturing finished|init engine \(profile|warmup run took'
+        { sed -n '1,/Model loading took/p' "$RUN"/logs/actor-0.log | head -n 150 | grep -v -E "$ACTOR_PAT"
+          grep -H -E "$ACTOR_PAT" "$RUN"/logs/actor-*.log; } >"$OUT/parley_actor.log" 2>/dev/null  # -H: each actor's count
+        grep -h -i 'recompile' "$RUN"/logs/learner.log | head -n 5 >>"$OUT/parley_steps.log" 2>/dev/null
+        write_clock
+    }
+    trl_side() {  # $1: its time limit
+        T1=$(clock)
+        write_clock
+        if [ "${TRL:-1}" = 0 ]; then  # TRL=0: parley alone (compare with an earlier call's TRL: --trl-out)
+            echo "[gpu_run] peer_trl: skipped, TRL=0" | tee "$OUT/peer_trl.log"
+        elif [ "$1" -ge 60 ]; then
+            # `parley up --config` leaves the environment's preset out, peer_trl.py lays it under its sets unless
+            # --env '': HG repeats hidden_goal's, other configs (the 4B shape) stand as written for both
+            TRL_ENV=$ENV_NAME
+            [ "$CONFIG" = deploy/configs/gpu-1.toml ] || TRL_ENV=
+            # shellcheck disable=SC2086  # TRL_OPTS: words
+            step peer_trl "$1" python3 bench/peer_trl.py --config "$CONFIG" --env "$TRL_ENV" \
+                "${RECIPE[@]}" --steps "$STEPS" $TRL_OPTS --work "$TRL_WORK" --json "$OUT/peer_trl.json"
+        else
+            echo "[gpu_run] peer_trl: skipped, ${1} s left of LIMIT_S=$LIMIT_S" | tee "$OUT/peer_trl.log"
+        fi
+        T2=$(clock)
+        write_clock
+    }
+    if [ "$ORDER" = trl ]; then
+        # TRL first leaves PARLEY_S for parley; parley then gets what is left of LIMIT_S, at most PARLEY_S
+        trl_side $((LIMIT_S - PARLEY_S - (SECONDS - T0) - 10))
+        LEFT=$((LIMIT_S - (SECONDS - T0) - 10))
+        parley_side $((LEFT < PARLEY_S ? LEFT : PARLEY_S))
     else
-        step up_peer "$PARLEY_S" python3 -m parley.deploy.cli up --config "$CONFIG" --env "$ENV_NAME" \
-            --no-live --run-dir "$RUN" --steps "${PARLEY_STEPS:-$STEPS}" "${RECIPE[@]}" --set "up.actors=${ACTORS:-1}" ${EXTRA[@]+"${EXTRA[@]}"}
+        parley_side "$PARLEY_S"
+        trl_side $((LIMIT_S - (SECONDS - T0) - 10))
     fi
-    P1=$(clock)
-    cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
-    cp "$RUN/eval/history.jsonl" "$OUT/eval_history.jsonl" 2>/dev/null
-    cp "$RUN/mps/control.log" "$OUT/mps_control.log" 2>/dev/null  # up.gpu_share="mps" (part M) only
-    grep -h -E ': step [0-9]+: loss|eval: version' "$RUN/logs/learner.log" >"$OUT/parley_steps.log" 2>/dev/null
-    # where a step's time goes: each task's play time and each version's load on the actors, with times
-    # and where its start-up goes (vLLM's own timing lines: loading, torch.compile, CUDA graphs, engine init)
-    # and, first, the actor's start-up lines up to its engine's first timing line (2026-12-05, a warm call:
-    # the engine's init took 9 s of the actor's 70 s to ready, and the log kept nothing of the rest)
-    ACTOR_PAT='stored in|now serving|loaded in [0-9]|admitted at version|recompile|stopped after|turn cut after|simulator call cut after|Model loading took|torch.compile took|Graph capturing finished|init engine \(profile|warmup run took'
-    { sed -n '1,/Model loading took/p' "$RUN"/logs/actor-0.log | head -n 150 | grep -v -E "$ACTOR_PAT"
-      grep -H -E "$ACTOR_PAT" "$RUN"/logs/actor-*.log; } >"$OUT/parley_actor.log" 2>/dev/null  # -H: each actor's count
-    grep -h -i 'recompile' "$RUN"/logs/learner.log | head -n 5 >>"$OUT/parley_steps.log" 2>/dev/null
-    LEFT=$((LIMIT_S - (SECONDS - T0) - 10))
-    T1=$(clock)
-    write_clock
-    if [ "${TRL:-1}" = 0 ]; then  # TRL=0: parley alone (compare with an earlier call's TRL: --trl-out)
-        echo "[gpu_run] peer_trl: skipped, TRL=0" | tee "$OUT/peer_trl.log"
-    elif [ "$LEFT" -ge 60 ]; then
-        # `parley up --config` leaves the environment's preset out, peer_trl.py lays it under its sets unless
-        # --env '': HG repeats hidden_goal's, other configs (the 4B shape) stand as written for both
-        TRL_ENV=$ENV_NAME
-        [ "$CONFIG" = deploy/configs/gpu-1.toml ] || TRL_ENV=
-        # shellcheck disable=SC2086  # TRL_OPTS: words
-        step peer_trl "$LEFT" python3 bench/peer_trl.py --config "$CONFIG" --env "$TRL_ENV" \
-            "${RECIPE[@]}" --steps "$STEPS" $TRL_OPTS --work "$TRL_WORK" --json "$OUT/peer_trl.json"
-    else
-        echo "[gpu_run] peer_trl: skipped, ${LEFT} s left of LIMIT_S=$LIMIT_S" | tee "$OUT/peer_trl.log"
-    fi
-    T2=$(clock)
-    write_clock
     ;;
 W1)
     # the 4B shape (bench.common.random_qwen3), cuda_ipc x4 steady (every tensor changed each version;
@@ -435,8 +454,8 @@ PS)
     done
     ;;
 TT)
-    # issue 56 item 4, the headline: time from launch to a target held-out reward, parley then TRL back
-    # to back on this GPU, ONE seed a call (SEED, default 0), so that a 30-minute lease runs a few and
+    # issue 56 item 4, the headline: time from launch to a target held-out reward, parley and TRL back
+    # to back on this GPU (even seeds parley first, odd seeds TRL first: ORDER), ONE seed a call (SEED, default 0), so that a 30-minute lease runs a few and
     # seeds from other calls, sessions and machines add up (each pair within its own machine).
     # Part P with: TRL at its best (bf16 weights, vLLM sleep mode: TRL_DTYPE, TRL_SLEEP, TRL_ARGS),
     # a held-out eval every EVAL_EVERY=5 versions (the time's resolution), TRL STEPS=40, parley
@@ -450,7 +469,10 @@ TT)
     SEED=${SEED:-0}
     NAME=p_s$SEED
     [ -e "$OUT/$NAME.tgz" ] && NAME=p_s${SEED}_$SECONDS
-    OUT="$OUT/$NAME" SEED=$SEED STEPS=${STEPS:-40} PARLEY_STEPS=${PARLEY_STEPS:-60} EVAL_EVERY=${EVAL_EVERY:-5} \
+    # even seeds parley first, odd seeds TRL first (ORDER overrides): neither side always meets a
+    # machine's cold caches (seeds 0-2 of 2026-12-06 ran parley first)
+    if [ $((SEED % 2)) = 0 ]; then ORDER=${ORDER:-parley}; else ORDER=${ORDER:-trl}; fi
+    OUT="$OUT/$NAME" SEED=$SEED ORDER=$ORDER STEPS=${STEPS:-40} PARLEY_STEPS=${PARLEY_STEPS:-60} EVAL_EVERY=${EVAL_EVERY:-5} \
         LIMIT_S=${LIMIT_S:-500} PARLEY_S=${PARLEY_S:-230} \
         PARLEY_SETS=${PARLEY_SETS-learner.oversample_groups=2 learner.group_order=\"freshest\" learner.behaviour_correction=\"clip\" weights.max_buffers=6 weights.hold_s=1.0} \
         bash "$0" P | grep -E '^\[gpu_run\]|Traceback'

@@ -56,6 +56,32 @@ def test_part_tt_runs_one_seed_of_parley_then_trl_at_its_best_and_packs_it(tmp_p
     )
 
 
+def test_part_tt_alternates_which_side_runs_first_by_seed(tmp_path):
+    """A machine's first vLLM start meets cold caches: even seeds run parley first, odd seeds TRL first
+    (ORDER overrides), and the seed's clock file says which; each side keeps its own time limit."""
+    runs = {}
+    for seed, order in (("4", None), ("5", None), ("6", "trl")):
+        (tmp_path / seed).mkdir()
+        env = {"SEED": seed} | ({"ORDER": order} if order else {})
+        res, calls, out = _run_part(tmp_path / seed, "TT", **env)
+        assert res.returncode == 0, res.stderr
+        first = next(i for i, c in enumerate(calls) if "parley.deploy.cli|up|" in c or "bench/peer_trl.py" in c)
+        runs[seed] = ("parley" if "parley.deploy.cli|up|" in calls[first] else "trl", _clock(out / f"p_s{seed}.tgz"))
+    assert {s: (first, clock["order"]) for s, (first, clock) in runs.items()} == {
+        "4": ("parley", "parley"),
+        "5": ("trl", "trl"),
+        "6": ("trl", "trl"),
+    }
+    clock = runs["5"][1]  # TRL first: its launch before parley's, both recorded
+    assert clock["trl_start"] <= clock["parley_start"] <= clock["parley_end"]
+
+
+def test_part_p_refuses_an_unknown_order(tmp_path):
+    res, calls, _ = _run_part(tmp_path, "P", ORDER="both")
+    assert res.returncode == 2 and "ORDER=both: expected parley or trl" in res.stderr
+    assert calls == []  # before any work: no model built, nothing imported
+
+
 def test_part_tt4_runs_one_side_of_the_4b_shape(tmp_path):
     res, calls, out = _run_part(tmp_path, "TT4", SEED="1", SIDE="trl", TRL_DTYPE="float32", TRL_SLEEP="0")
     assert res.returncode == 0, res.stderr
