@@ -757,7 +757,7 @@ def phase_learner(args, zero: int, compile_mode: str = "auto", ref: str = "local
     from parley.learner.trainer import Trainer
 
     mbts = args.gc_mbt_list if gc else args.mbt_list
-    # compiled LoRA layers are refused only beside a KL term (config.learner; learner.trainer.compile_mode)
+    # compiled LoRA layers are refused only beside a KL term (config.learner, compile_mode)
     cfg = LearnerConfig(
         zero_stage=zero,
         micro_batch_tokens=mbts[0],

@@ -14,7 +14,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 LOSS_AGG = get_args(LossAgg)
 Attention = Literal["auto", "sdpa", "varlen"]  # learner.attention
 ATTENTIONS = get_args(Attention)
-Compile = Literal["auto", "off", "layers"]  # learner.trainer.compile_layers
+Compile = Literal["auto", "off", "layers"]  # compiles_layers
 Offload = Literal["none", "cpu"]  # learner.offload_optimizer
 Positive = Annotated[int, Meta(ge=1)]
 
@@ -151,7 +151,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     attention: Attention = "auto"
     # torch.compile of each decoder layer (attention itself stays eager): auto = on CUDA with ZeRO 0-2,
     # off on CPU, under ZeRO-3 (its parameter hooks run inside the layer) and with LoRA and a KL term
-    # (learner.trainer.compile_mode); layers = always; off = never
+    # (compile_mode, compiles_layers); layers = always; off = never
     compile: Compile = "auto"
     # A learner that shares its GPU with the actors (cuda_ipc) and PyTorch's cache of the step's memory:
     # "release" hands it back to the driver after every step (the actors copy versions out of what is
@@ -248,3 +248,22 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "tasks are admitted on the announced version, so the learner could never get further ahead "
                 "than that and would stop; publish more often or raise max_staleness"
             )
+
+
+def compile_mode(cfg: LearnerConfig) -> str:
+    """[learner] compile as this learner reads it: with LoRA and a KL term "auto" is off, since the KL
+    reference flips the adapters off per forward and a compiled layer recompiles at every flip (the
+    config refuses an explicit "layers" there). Without a KL term compiled LoRA layers give the eager
+    ones' log-probs and gradients (tests/e2e/test_learner_compile.py), and at the 4B shape they cut the
+    step (docs/gpu.md, "Throughput against the floor")."""
+    if cfg.compile == "auto" and cfg.lora.enabled and cfg.kl_coef > 0:
+        return "off"
+    return cfg.compile
+
+
+def compiles_layers(mode: str, cuda: bool, zero_stage: int) -> bool:
+    """Whether compile `mode` (compile_mode's) compiles the decoder layers: "layers" always, "off" never,
+    "auto" on CUDA under ZeRO 0-2 only (ZeRO-3 gathers parameters in module hooks, which compiled layers
+    would trace). learner.trainer.compile_layers acts on it; deploy.memory plans the activations that
+    compiled layers keep by it, before start."""
+    return mode == "layers" or (mode == "auto" and cuda and zero_stage != 3)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 
-from parley.config.learner import LORA_TARGETS
+from parley.config.learner import LORA_TARGETS, compile_mode, compiles_layers
 from parley.config.run import RunConfig
 from parley.engines.config import EngineConfig
 from parley.engines.models import MODEL_SHAPES
@@ -155,14 +155,43 @@ class Shape:
         padded to ALIGN (weights.cuda_ipc.plan)."""
         return sum(-(-n * dtype_bytes // ALIGN) * ALIGN for n in (self.tensors() if tensors is None else tensors))
 
-    def layer_activation_bytes(self) -> int:
-        """What one decoder layer keeps for backward per token, in bf16 (eager; compiled layers may
-        recompute some of it): each of the two RMSNorms its fp32 input and bf16 output (6h); flash
-        attention q and its output (2 x 2 nq d), k and v (2 x 2 nkv d), the fp32 log-sum-exp (4 nq);
-        Qwen3's q/k norms 6 (nq + nkv) d; SwiGLU the gate, its SiLU, up and their product (4 x 2i)."""
-        h, d = self.hidden, self.head_dim
-        out = 12 * h + 4 * (self.heads + self.kv_heads) * d + 4 * self.heads + 8 * self.intermediate
-        return out + (6 * (self.heads + self.kv_heads) * d if self.qk_norm else 0)
+    def layer_activation_bytes(self, compiled: bool = False, lora_rank: int = 0, lora_targets=()) -> int:
+        """What one decoder layer keeps for backward per token, in bf16 (fp32 where the layer computes
+        in it): what autograd saves for the gradients that are asked for. Both ways flash attention
+        keeps q and its output (2 x 2 nq d), k and v (2 x 2 nkv d) and the fp32 log-sum-exp (4 nq);
+        each RMSNorm its fp32 1/rms (4 a token, 4 a head for Qwen3's q/k norms); and under
+        [learner.lora] each adapted projection its rank-r intermediate (2 r: lora_B's input; lora_A's
+        is the base projection's input, counted already).
+
+        Eager: each of the two RMSNorms its fp32 copy of the input (4h) and its output (2h: the
+        projections' input), and where its weight trains (full fine-tuning, not LoRA) the normalised
+        input its weight's gradient needs (2h); Qwen3's q/k norms alike, 4 (nq + nkv) d, + 2 (nq + nkv) d
+        where they train (their output goes into the rotary embedding, which keeps none); SwiGLU the
+        gate, its SiLU, up and their product (4 x 2i).
+
+        Compiled ([learner] compile, learner.trainer.compile_layers): inductor's partitioner recomputes
+        cheap pointwise work in backward from what it keeps. Each RMSNorm keeps its bf16 input (2h:
+        the fp32 copy and the normalised input are recomputed from it and 1/rms) and its output (2h,
+        a matmul's input); q and k before their norms (2 (nq + nkv) d, matmul outputs); SwiGLU the gate,
+        up and their product (3 x 2i: the SiLU is recomputed from the gate). Matmuls are never recomputed.
+
+        Counted from saved-tensor hooks on one Qwen3-4B-shaped layer (eager and compiled, bf16, with
+        and without a rank-16 adapter): exactly these bytes; on the GPU the LoRA learner's peaks agree
+        (docs/gpu.md, "The memory plan")."""
+        h, i, d, nq, nkv = self.hidden, self.intermediate, self.head_dim, self.heads, self.kv_heads
+        trains_norms = lora_rank == 0
+        attention = 4 * (nq + nkv) * d + 4 * nq
+        rms = 2 * 4 + (4 * (nq + nkv) if self.qk_norm else 0)  # fp32 1/rms, a token (and a q/k head)
+        adapter = 2 * lora_rank * len(lora_targets)
+        if compiled:
+            norms = 2 * (2 * h + 2 * h)
+            qk = 2 * (nq + nkv) * d if self.qk_norm else 0
+            mlp = 3 * 2 * i
+        else:
+            norms = 2 * (4 * h + 2 * h + (2 * h if trains_norms else 0))
+            qk = ((4 + (2 if trains_norms else 0)) * (nq + nkv) * d) if self.qk_norm else 0
+            mlp = 4 * 2 * i
+        return norms + qk + attention + mlp + rms + adapter
 
 
 def model_shape(name: str) -> Shape:
@@ -480,21 +509,32 @@ def micro_batch_tokens(cfg: RunConfig) -> int:
     return max(cfg.learner.micro_batch_tokens, cfg.actor.engine.max_model_len)
 
 
+def compiled_layers(cfg: RunConfig) -> bool:
+    """Whether the learner compiles its decoder layers (config.learner.compiles_layers, the rule
+    learner.trainer acts on), on CUDA: the plan counts the learner on the GPU (uses_gpu)."""
+    lc = cfg.learner
+    return compiles_layers(compile_mode(lc), uses_gpu(cfg), lc.zero_stage)
+
+
 def activation_terms(cfg: RunConfig, shape: Shape, checkpointing: bool) -> list[Term]:
     """The peak of one micro-batch's forward and backward: T tokens of layer activations (without
     gradient checkpointing every layer's; with it each layer's bf16 input and one layer's, recomputed)
     plus the final norm and the trained positions' hidden states (8h per token), and one lm_head
-    chunk's fp32 logits: LOGIT_COPIES x 4 B x chunk x vocab."""
-    t, h, layer = micro_batch_tokens(cfg), shape.hidden, shape.layer_activation_bytes()
+    chunk's fp32 logits: LOGIT_COPIES x 4 B x chunk x vocab. A layer's count is what it keeps compiled
+    or eager, with or without an adapter (Shape.layer_activation_bytes)."""
+    lc, compiled = cfg.learner, compiled_layers(cfg)
+    lora = (lc.lora.rank, lc.lora.target_modules) if lc.lora.enabled else (0, ())
+    t, h, layer = micro_batch_tokens(cfg), shape.hidden, shape.layer_activation_bytes(compiled, *lora)
+    kind = ("compiled" if compiled else "eager") + (f", rank-{lc.lora.rank} adapter" if lc.lora.enabled else "")
     if checkpointing:
         per_token = shape.layers * 2 * h + layer + 8 * h
         how = (
-            f"{t} tokens x ({shape.layers} layers x {2 * h} B layer inputs + one layer's {layer} B + {8 * h} B) "
-            "(gradient checkpointing)"
+            f"{t} tokens x ({shape.layers} layers x {2 * h} B layer inputs + one layer's {layer} B ({kind}) + "
+            f"{8 * h} B) (gradient checkpointing)"
         )
     else:
         per_token = shape.layers * layer + 8 * h
-        how = f"{t} tokens x ({shape.layers} layers x {layer} B + {8 * h} B) (no gradient checkpointing)"
+        how = f"{t} tokens x ({shape.layers} layers x {layer} B ({kind}) + {8 * h} B) (no gradient checkpointing)"
     chunk = min(cfg.learner.logit_chunk_tokens, t)
     return [
         Term(f"activations: {how}", _gib(t * per_token)),

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from parley.config.learner import LearnerConfig
+from parley.config.learner import LearnerConfig, compile_mode, compiles_layers
 from parley.config.policy import Reference
 from parley.learner import attention, grpo
 from parley.learner.flops import shape_of as flops_shape
@@ -201,25 +201,14 @@ def restore_computed_buffers(model, dtype: torch.dtype) -> int:
     return differed
 
 
-def compile_mode(cfg: LearnerConfig) -> str:
-    """[learner] compile as compile_layers reads it for this learner: with LoRA and a KL term "auto" is
-    off, since the KL reference flips the adapters off per forward and a compiled layer recompiles at
-    every flip (config.learner refuses an explicit "layers" there). Without a KL term compiled LoRA
-    layers give the eager ones' log-probs and gradients (tests/e2e/test_learner_compile.py), and at the
-    4B shape they cut the step (docs/gpu.md, "Throughput against the floor")."""
-    if cfg.compile == "auto" and cfg.lora.enabled and cfg.kl_coef > 0:
-        return "off"
-    return cfg.compile
-
-
 def compile_layers(model, mode: str, device: torch.device, zero_stage: int) -> bool:
     """torch.compile each decoder layer of `model` in place ([learner] compile). The norms, rotary
     embedding, residual adds and SwiGLU around the matmuls fuse into fewer kernels; the attention
     function stays eager (learner.attention.packed_attention is excluded from tracing: a graph break
-    per layer). One dynamic-shape graph serves every layer and every micro-batch length. "auto" compiles
-    on CUDA under ZeRO 0-2 only: ZeRO-3 gathers parameters in module hooks, which compiled layers
-    would trace. Returns whether the layers were compiled."""
-    if mode == "off" or (mode == "auto" and (device.type != "cuda" or zero_stage == 3)):
+    per layer). One dynamic-shape graph serves every layer and every micro-batch length. Which modes
+    compile where: config.learner.compiles_layers ("auto" on CUDA under ZeRO 0-2 only). Returns
+    whether the layers were compiled."""
+    if not compiles_layers(mode, device.type == "cuda", zero_stage):
         return False
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):

@@ -1,4 +1,4 @@
-"""learner.trainer.compile_mode: what [learner] compile means for a given learner. "auto" compiles LoRA
+"""config.learner.compile_mode: what [learner] compile means for a given learner. "auto" compiles LoRA
 layers where nothing flips their adapters (no KL term), and stays off where the KL reference would
 flip them per forward (a recompile at every flip)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from parley.config.learner import compile_mode
 from parley.config.run import load_config
-from parley.learner.trainer import compile_mode
 
 
 @pytest.mark.parametrize(

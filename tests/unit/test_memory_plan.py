@@ -28,7 +28,11 @@ GIB = 1024**3
 SMOL_LAYER = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536 + 2 * 576  # q o, k v, gate up down, 2 norms
 SMOL_PARAMS = 49152 * 576 + 30 * SMOL_LAYER + 576
 SMOL_PACKED = 2 * SMOL_PARAMS + 61 * 128  # bf16; each of the 61 norms (1152 B) padded to 1280 B
-SMOL_ACT_LAYER = 2 * 6 * 576 + 4 * (9 + 3) * 64 + 4 * 9 + 8 * 1536  # bytes a token per layer
+# bytes a token per layer (Shape.layer_activation_bytes), full fine-tuning: eager, each norm its fp32 input,
+# normalised input and output (8h), attention q k v out (4 x 12 heads x 64) and lse, SwiGLU 4 x 2i, 1/rms;
+# compiled (gpu-1.toml's compile = "layers"), each norm its bf16 input and output (4h), SwiGLU 3 x 2i
+SMOL_ACT_LAYER = 2 * 8 * 576 + 4 * (9 + 3) * 64 + 4 * 9 + 8 * 1536 + 2 * 4
+SMOL_ACT_COMPILED = 2 * 4 * 576 + 4 * (9 + 3) * 64 + 4 * 9 + 6 * 1536 + 2 * 4
 
 
 def gpu1_total(total: float, *, services: bool, actor_kv_gib: float = 4.0) -> float:
@@ -42,7 +46,7 @@ def gpu1_total(total: float, *, services: bool, actor_kv_gib: float = 4.0) -> fl
         + 2 * SMOL_PARAMS
         + 3 * SMOL_PACKED
         + 5e8 * 2  # states, reference, 3 buffers, bucket
-        + 16384 * (30 * SMOL_ACT_LAYER + 8 * 576)
+        + 16384 * (30 * SMOL_ACT_COMPILED + 8 * 576)
         + 4 * 4 * 1024 * 49152
     ) / GIB + 1.0
     engine = 2 * SMOL_PARAMS / GIB + 1.0 + 1.0  # weights, working memory, context
@@ -71,7 +75,8 @@ def up(*args: str):
 def test_the_smol_shape_is_known_without_building_it():
     smol = model_shape("smol")
     assert smol.params == SMOL_PARAMS == 134_515_008  # SmolLM2-135M's published count
-    assert smol.packed_bytes(2) == SMOL_PACKED and smol.layer_activation_bytes() == SMOL_ACT_LAYER == 22_308
+    assert smol.packed_bytes(2) == SMOL_PACKED and smol.layer_activation_bytes() == SMOL_ACT_LAYER == 24_620
+    assert smol.layer_activation_bytes(compiled=True) == SMOL_ACT_COMPILED == 16_940
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU: its total is detected")
@@ -167,13 +172,17 @@ def test_each_term_of_a_small_shape_by_hand(tmp_path):
     layer = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64  # q k v o, gate up down, 2 norms
     assert shape.params == 100 * 64 + 2 * layer + 64 + 100 * 64 == 86_848  # embedding, layers, norm, lm_head
     assert shape.packed_bytes(2) == 2 * 86_848 + 5 * 128  # the 5 norms of 128 B padded to 256 B
-    assert shape.layer_activation_bytes() == 12 * 64 + 4 * (4 + 2) * 16 + 4 * 4 + 8 * 128 == 2192
+    assert shape.layer_activation_bytes() == 16 * 64 + 4 * (4 + 2) * 16 + 4 * 4 + 8 * 128 + 8 == 2456
 
     tiny = model_shape("tiny")
     tiny_layer = 128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 256 + 2 * 128 + 2 * 32  # + q_norm, k_norm
     assert tiny.params == 2048 * 128 + 2 * tiny_layer + 128 == 557_824
-    tiny_act = 12 * 128 + 4 * (4 + 2) * 32 + 4 * 4 + 8 * 256 + 6 * (4 + 2) * 32
-    assert tiny.layer_activation_bytes() == tiny_act == 5520
+    # eager: the q/k norms' fp32 inputs and normalised inputs, 6 (nq + nkv) d, and their 1/rms a head
+    tiny_eager = 16 * 128 + 4 * (4 + 2) * 32 + 4 * 4 + 8 * 256 + 6 * (4 + 2) * 32 + 8 + 4 * (4 + 2)
+    assert tiny.layer_activation_bytes() == tiny_eager == 6064
+    # compiled (gpu-1.toml): q and k before their norms, 2 (nq + nkv) d
+    tiny_act = 8 * 128 + 4 * (4 + 2) * 32 + 4 * 4 + 6 * 256 + 2 * (4 + 2) * 32 + 8 + 4 * (4 + 2)
+    assert tiny.layer_activation_bytes(compiled=True) == tiny_act == 3760
 
     cfg = load_config(
         GPU1,
@@ -200,7 +209,7 @@ def test_each_term_of_a_small_shape_by_hand(tmp_path):
         t.what.split(":")[0]: t.gib * GIB
         for t in learner_terms(load_config(GPU1, ["learner.gradient_checkpointing=true"]), model_shape("smol"))
     }
-    assert ckpt["activations"] == pytest.approx(16384 * (30 * 2 * 576 + SMOL_ACT_LAYER + 8 * 576))
+    assert ckpt["activations"] == pytest.approx(16384 * (30 * 2 * 576 + SMOL_ACT_COMPILED + 8 * 576))
 
 
 def test_an_unreadable_model_is_a_plan_error_naming_it():
