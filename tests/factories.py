@@ -244,3 +244,20 @@ def run_gpu_part(tmp_path, part: str, python: str, smi: str, **env: str):
         cwd=root,
     )
     return res, (log.read_text().splitlines() if log.exists() else []), out
+
+
+class EngineArgsDouble:
+    """Test double for vLLM's AsyncEngineArgs (its module is slow to import): keeps the fields given."""
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+
+def stub_engine_args(monkeypatch) -> None:
+    """engines.engine._engine_args builds EngineArgsDouble instead of vLLM's AsyncEngineArgs."""
+    import sys
+    import types
+
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    arg_utils.AsyncEngineArgs = EngineArgsDouble
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)

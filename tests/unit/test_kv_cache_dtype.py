@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -60,16 +58,9 @@ def test_the_setting_is_checked_at_load():
 def test_vllm_is_given_the_setting_only_when_not_auto(monkeypatch):
     from parley.engines import backend
     from parley.engines import engine as eng
+    from tests.factories import stub_engine_args
 
-    class EngineArgsDouble:
-        """Test double for vLLM's AsyncEngineArgs (its module is slow to import): keeps the fields given."""
-
-        def __init__(self, **fields):
-            self.fields = fields
-
-    arg_utils = types.ModuleType("vllm.engine.arg_utils")
-    arg_utils.AsyncEngineArgs = EngineArgsDouble
-    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
+    stub_engine_args(monkeypatch)
     monkeypatch.setattr(backend, "cpu_workarounds", lambda max_model_len: {})
     for dtype, given in (("auto", None), ("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2")):
         settings = backend.engine_settings(EngineConfig(kv_cache_dtype=dtype), "m")

