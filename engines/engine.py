@@ -130,12 +130,18 @@ class StartMethodChoice:
     warn: bool = False
 
 
-def start_method_choice(setting: str, current: str | None, cuda_initialized: bool, cpu: bool) -> StartMethodChoice:
+def start_method_choice(
+    setting: str, current: str | None, cuda_initialized: bool, cpu: bool, earlier_engines: int = 0
+) -> StartMethodChoice:
     """The engine-core start method of `setting` ([*.engine] start_method), with VLLM_WORKER_MULTIPROC_METHOD
     at `current` (None: unset), decided as vLLM will then decide it (vllm.utils.system_utils's
     _maybe_force_spawn: spawn where CUDA is initialized in the process; the CPU platform always spawns).
     "fork" saves the engine core its own import of torch and vLLM; where CUDA is already initialized vLLM
-    would take spawn silently instead, so that is refused (ConfigError) rather than paid unnoticed."""
+    would take spawn silently instead, so that is refused (ConfigError) rather than paid unnoticed. A process's
+    engines after its first (`earlier_engines` > 0) are spawned whatever the setting: with fork the second
+    engine of one process failed to initialize CUDA on the H200 (docs/gpu.md), where vLLM saw nothing to
+    force spawn for; the first engine of the actor or of the eval child, the one on the path to step 1,
+    keeps fork."""
     if setting not in START_METHODS:
         raise ConfigError(f"start_method = {setting!r}: expected one of {', '.join(map(repr, START_METHODS))}")
     if setting == "fork" and cuda_initialized and not cpu:
@@ -143,6 +149,14 @@ def start_method_choice(setting: str, current: str | None, cuda_initialized: boo
             'start_method = "fork" ([actor.engine] or the engine\'s section): CUDA is already initialized in '
             f"this process (pid {os.getpid()}), so vLLM would start the engine core with spawn instead; set "
             'start_method = "spawn" (or "env")'
+        )
+    if setting == "fork" and earlier_engines > 0 and not cpu:
+        return StartMethodChoice(
+            "spawn",
+            "spawn",
+            f'engine core start method: spawn, not fork (start_method = "fork"): this process started '
+            f"{earlier_engines} engine(s) before, and a second forked engine of one process fails to initialize CUDA",
+            warn=True,
         )
     value = None if setting == "env" else setting
     asked = value or current or "fork"  # vLLM's default where the variable is unset
@@ -163,16 +177,23 @@ def start_method_choice(setting: str, current: str | None, cuda_initialized: boo
     return StartMethodChoice(value, asked, f"engine core start method: {asked} ({why})")
 
 
+_engines_made = 0  # engines this process has asked vLLM for (apply_start_method)
+
+
 def apply_start_method(setting: str, environ=os.environ) -> StartMethodChoice:
-    """start_method_choice for this process (its CUDA state and platform), applied to `environ` and
-    logged; called right before the engine is made."""
+    """start_method_choice for this process (its CUDA state, platform and engines before this one),
+    applied to `environ` and logged; called right before each engine is made."""
     import logging
 
     import torch
     from vllm.platforms import current_platform
 
+    global _engines_made
     cuda = bool(torch.cuda._is_compiled() and torch.cuda.is_initialized())
-    choice = start_method_choice(setting, environ.get(START_METHOD_ENV), cuda, current_platform.is_cpu())
+    choice = start_method_choice(
+        setting, environ.get(START_METHOD_ENV), cuda, current_platform.is_cpu(), earlier_engines=_engines_made
+    )
+    _engines_made += 1
     if choice.value is not None:
         environ[START_METHOD_ENV] = choice.value
     logging.getLogger(__name__).log(logging.WARNING if choice.warn else logging.INFO, choice.line)

@@ -69,3 +69,15 @@ def test_the_choice_is_applied_to_the_environment_and_logged(caplog):
     untouched = {START_METHOD_ENV: "spawn"}
     apply_start_method("env", untouched)
     assert untouched == {START_METHOD_ENV: "spawn"}
+
+
+def test_a_process_s_later_engines_are_spawned_whatever_the_setting():
+    # with fork the second engine of one process failed to initialize CUDA (docs/gpu.md), where vLLM
+    # saw no reason to spawn: only a process's first engine (the actor's, the eval child's) forks
+    first = start_method_choice("fork", "spawn", cuda_initialized=False, cpu=False, earlier_engines=0)
+    second = start_method_choice("fork", "fork", cuda_initialized=False, cpu=False, earlier_engines=1)
+    assert (first.value, first.method, first.warn) == ("fork", "fork", False)
+    assert (second.value, second.method, second.warn) == ("spawn", "spawn", True)
+    assert "started 1 engine(s) before" in second.line
+    # "env" and "spawn" are left as they were: the operator's variable decides
+    assert start_method_choice("env", "fork", cuda_initialized=False, cpu=False, earlier_engines=1).value is None
