@@ -21,7 +21,9 @@ from parley.protocol.bus import publish
 from parley.protocol.connect import barrier
 from tests.integration.test_learner_resume import BUS, REPO, N, finish, make_scored, toy, trained_lines, wait_for  # noqa: F401 (toy: a fixture)
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+# the extended tier (docs/operations.md, "The test suite"): test_learner_resume.py keeps the exact resume
+# of a SIGKILLed learner in `make test`; this one adds a kill after a step no checkpoint covers
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(900)]
 
 GROUPS_PER_STEP, STEPS, EVERY = 2, 4, 2  # checkpoints after steps 2 and 4; the kill comes after step 3
 
