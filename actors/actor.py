@@ -312,7 +312,10 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, concurrency: int
         t0 = time.perf_counter()
         # the behaviour log-probs are of the distribution sampled at actor.sampling.temperature (the learner's too)
         engine, tokenizer, path = open_engine(  # blocks while vLLM loads
-            cfg.actor.engine, sampled_logprobs=True, sleep_mode=cfg.up.gpu_share == "phased"
+            cfg.actor.engine,
+            sampled_logprobs=True,
+            sleep_mode=cfg.up.gpu_share == "phased",
+            requests=concurrency or cfg.actor.concurrency,  # one request a conversation in flight
         )
         log.info("%s: policy %s (%s) loaded in %.0fs", ident, cfg.actor.engine.model, path, time.perf_counter() - t0)
         # removed below; one a killed actor left is removed by the next actor on this host (runtime.scratch)

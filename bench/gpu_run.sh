@@ -126,12 +126,15 @@ T)
     #   STALENESS=1 PARLEY_SETS='learner.lora.serve="merged" actor.engine.max_lora_rank=0 learner.groups_per_step=8
     #   actor.concurrency=128 actor.engine.kv_cache_bytes=16500000000 learner.gradient_checkpointing=false
     #   actor.engine.kv_cache_dtype="fp8"' CONFIG=deploy/configs/gpu-1-4b-lora.toml BUDGET_S=380 bash bench/gpu_run.sh T
-    # and twice the conversations in the same bytes: 256 in flight need 16 groups a step at lag 1 (admission
+    # and twice the conversations in the same bytes (vLLM now runs all 256: [actor.engine] max_num_seqs follows
+    # actor.concurrency past vLLM's fallback of 128): 256 in flight need 16 groups a step at lag 1 (admission
     # lets (lag + 1) x groups_per_step groups of 8 out), and the plan warns that 256 whole ones (466,944
     # tokens) could outgrow the cache (half-way on average they fit):
     #   STALENESS=1 PARLEY_SETS='learner.lora.serve="merged" actor.engine.max_lora_rank=0 learner.groups_per_step=16
     #   actor.concurrency=256 actor.engine.kv_cache_bytes=25232932864 learner.gradient_checkpointing=false
     #   learner.micro_batch_tokens=4096 actor.engine.kv_cache_dtype="fp8"' CONFIG=deploy/configs/gpu-1-4b-lora.toml BUDGET_S=380 bash bench/gpu_run.sh T
+    # vLLM's step token budget (2048 tokens unless told, prefill chunks and decodes together): the best
+    # setting on record with actor.engine.max_num_batched_tokens=8192 added, beside the same without.
     # (each PARLEY_SETS on one line; the same without kv_cache_dtype is the bf16 baseline to rerun in the same
     # lease; bench/logprob_gpu.py --kv-cache-dtype fp8 measures fp8's share of the gap alone, beside part B's).
     BUDGET_S=${BUDGET_S:-420}

@@ -58,15 +58,38 @@ class Backend(Protocol):
 # Local engines
 
 
+# vLLM's SchedulerConfig.DEFAULT_MAX_NUM_SEQS: the sequences an engine made from AsyncEngineArgs runs at
+# once unless told (vLLM 0.24 and 0.32; its tuned H100/H200 defaults are for its LLM class and server only)
+VLLM_FALLBACK_MAX_NUM_SEQS = 128
+
+
+def max_num_seqs(cfg: EngineConfig, requests: int) -> int | None:
+    """The engine's max_num_seqs: the section's when set; else, for a role that keeps `requests` in flight,
+    that many where vLLM's fallback would hold fewer (beyond it the extra requests would wait in vLLM's
+    queue while the role counts them as running); else None, vLLM's own."""
+    if cfg.max_num_seqs:
+        return cfg.max_num_seqs
+    return requests if requests > VLLM_FALLBACK_MAX_NUM_SEQS else None
+
+
 def engine_settings(
-    cfg: EngineConfig, model_path: str | Path, sampled_logprobs: bool = False, sleep_mode: bool = False
+    cfg: EngineConfig,
+    model_path: str | Path,
+    sampled_logprobs: bool = False,
+    sleep_mode: bool = False,
+    requests: int = 0,
 ):
     """The PolicyEngine settings of an [*.engine] section, for an already resolved checkpoint dir.
     sampled_logprobs: the policy's convention (engines.engine's docstring); services keep raw ones.
-    sleep_mode: vLLM's sleep mode, for an actor under [up] gpu_share = "phased"."""
+    sleep_mode: vLLM's sleep mode, for an actor under [up] gpu_share = "phased".
+    requests: the most requests the role keeps in flight on it (max_num_seqs); 0: not known."""
     from parley.engines.engine import EngineSettings
 
     use_fraction = cfg.gpu_memory_utilization > 0
+    extra = cpu_workarounds(cfg.max_model_len)
+    batched = cfg.max_num_batched_tokens or None
+    if batched is not None and "max_num_batched_tokens" in extra:  # CPU: whole prompts in one step
+        batched = max(batched, extra["max_num_batched_tokens"])
     return EngineSettings(
         model=str(model_path),
         dtype=cfg.dtype,
@@ -83,7 +106,9 @@ def engine_settings(
         prefix_cache_across_versions=cfg.prefix_cache_across_versions,
         sleep_mode=sleep_mode,
         start_method=cfg.start_method,
-        extra=cpu_workarounds(cfg.max_model_len),
+        max_num_seqs=max_num_seqs(cfg, requests),
+        max_num_batched_tokens=batched,
+        extra={k: v for k, v in extra.items() if not (k == "max_num_batched_tokens" and batched is not None)},
     )
 
 
@@ -102,10 +127,13 @@ def cpu_workarounds(max_model_len: int) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
 
 
-def open_engine(cfg: EngineConfig, version: int = 0, sampled_logprobs: bool = False, sleep_mode: bool = False):
+def open_engine(
+    cfg: EngineConfig, version: int = 0, sampled_logprobs: bool = False, sleep_mode: bool = False, requests: int = 0
+):
     """Resolve the model ("tiny" | "smol" | dir), start its engine and load its tokenizer.
     sampled_logprobs: report log-probs of the sampling distribution (the actor's policy).
     sleep_mode: built so that it can sleep (EngineSettings.sleep_mode).
+    requests: the most requests the caller keeps in flight on it (engine_settings).
 
     Returns (PolicyEngine, tokenizer, model_path). Blocks for tens of seconds on CPU.
     """
@@ -114,7 +142,7 @@ def open_engine(cfg: EngineConfig, version: int = 0, sampled_logprobs: bool = Fa
 
     path = ensure_model(cfg.model)
     tokenizer = chat_tokenizer(cfg.model, path)
-    engine = PolicyEngine(engine_settings(cfg, path, sampled_logprobs, sleep_mode), version=version)
+    engine = PolicyEngine(engine_settings(cfg, path, sampled_logprobs, sleep_mode, requests), version=version)
     return engine, tokenizer, path
 
 
@@ -254,6 +282,6 @@ def make_backend(cfg: ServiceBackend) -> Backend:
     if cfg.backend == "openai":
         return OpenAIBackend(cfg)
     if cfg.backend == "vllm":
-        engine, tokenizer, path = open_engine(cfg.engine)
+        engine, tokenizer, path = open_engine(cfg.engine, requests=cfg.concurrency)
         return LocalBackend(engine, tokenizer, model_name=cfg.engine.model, template_kwargs=cfg.engine.template_kwargs)
     raise ValueError(f"backend={cfg.backend!r} not allowed; use 'vllm' or 'openai'")

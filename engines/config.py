@@ -48,8 +48,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the new weights' over an older version's KV (AssistantTurn.stale_prefix_tokens counts it). Off:
     # prompts are salted by the weights, and every turn after a swap is exact (docs/learner.md).
     prefix_cache_across_versions: bool = False
-    # how vLLM starts the engine-core process (StartMethod above; docs/configuration.md's [actor.engine])
+    # how vLLM starts the engine-core process (StartMethod above; docs/gpu.md, "Environment on a GPU machine")
     start_method: StartMethod = "env"
+    # vLLM's scheduler. An engine made as parley makes it gets vLLM's library fallbacks, not its tuned
+    # H100/H200 defaults: 128 sequences at once and 2048 tokens a step (prefill chunks and decodes).
+    # max_num_seqs 0: enough for the requests the role keeps in flight (the actor's concurrency, a
+    # service's concurrency), never fewer than vLLM's 128; max_num_batched_tokens 0: vLLM's 2048
+    # (on CPU at least max_model_len: prompts are prefilled whole there, engines.backend.cpu_workarounds)
+    max_num_seqs: Annotated[int, Meta(ge=0)] = 0
+    max_num_batched_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 class ServiceBackend(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

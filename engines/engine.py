@@ -111,6 +111,9 @@ class EngineSettings:
     sleep_mode: bool = False
     # how vLLM starts the engine-core process: "env", "fork" or "spawn" (start_method_choice)
     start_method: str = "env"
+    # vLLM's scheduler limits (EngineConfig.max_num_seqs / max_num_batched_tokens); None: vLLM's default
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     # extra AsyncEngineArgs fields, for what the above does not cover
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -349,6 +352,10 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_bytes)
     if settings.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = settings.kv_cache_dtype
+    if settings.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = settings.max_num_seqs
+    if settings.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
     if settings.json_compact:
         from vllm.config import StructuredOutputsConfig
 
