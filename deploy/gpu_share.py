@@ -360,13 +360,13 @@ def facts_of(cfg, key: str = "", plan_cfg=None) -> Facts:
 def plan_fit(cfg) -> Fit | None:
     """Both memory plans where the overlapped one does not fit (None where it fits, or the GPU's total
     or a model's shape is unknown: the plan's own check says so later)."""
-    from parley.deploy.memory import PlanError, _changed, make_plan
+    from parley.deploy.memory import PlanError, make_plan, with_settings
 
     try:
         over = make_plan(cfg)
         if over is None or over.fits is not False:
             return None
-        phased = make_plan(_changed(cfg, {"up.gpu_share": "phased", "up.gpu_memory_gib": over.total}))
+        phased = make_plan(with_settings(cfg, {"up.gpu_share": "phased", "up.gpu_memory_gib": over.total}))
     except PlanError:
         return None
     return Fit(usable=over.usable, overlapped=over.need, phased=phased.need)

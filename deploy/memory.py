@@ -843,11 +843,11 @@ def make_plan(cfg: RunConfig) -> Plan | None:
     if cfg.learner.gradient_checkpointing == "auto":
         # off when everything fits without recompute (the step is a third cheaper), else on; on while
         # the GPU's total is unknown
-        off = _changed(cfg, {"learner.gradient_checkpointing": False})
+        off = with_settings(cfg, {"learner.gradient_checkpointing": False})
         need = gpu_need(processes(off), total or 0.0, phased)
         recompute = total is None or need > total * (1 - HEADROOM)
         chosen = (("learner.gradient_checkpointing", recompute),)
-        cfg = _changed(cfg, dict(chosen))
+        cfg = with_settings(cfg, dict(chosen))
     procs = processes(cfg)
     knobs_ = tuple(knobs(cfg, procs, total)) if total is not None else ()
     plan = Plan(tuple(procs), total, source, knobs_, chosen, phased=phased, notes=tuple(kv_demand_notes(cfg)))
@@ -856,7 +856,7 @@ def make_plan(cfg: RunConfig) -> Plan | None:
     return plan
 
 
-def _changed(cfg, changes: dict[str, object]):
+def with_settings(cfg, changes: dict[str, object]):
     """`cfg` with each dotted key set to its value (as `--set key=value` would): every section rebuilt
     once with all of its changes, so its checks see them together."""
     fields: dict[str, dict[str, object]] = {}
@@ -864,7 +864,8 @@ def _changed(cfg, changes: dict[str, object]):
         head, _, rest = key.partition(".")
         fields.setdefault(head, {})[rest] = value
     return msgspec.structs.replace(
-        cfg, **{head: _changed(getattr(cfg, head), sub) if "" not in sub else sub[""] for head, sub in fields.items()}
+        cfg,
+        **{head: with_settings(getattr(cfg, head), sub) if "" not in sub else sub[""] for head, sub in fields.items()},
     )
 
 
@@ -903,7 +904,7 @@ def fixes(cfg: RunConfig, total: float) -> list[Fix]:
     host memory it takes when it moves state there."""
     out = []
     for change in _learner_changes(cfg):
-        procs = processes(_changed(cfg, dict(change)))
+        procs = processes(with_settings(cfg, dict(change)))
         need = gpu_need(procs, total, cfg.up.gpu_share == "phased")
         host = sum(p.host_gib for p in procs)
         out.append(Fix(change, need, f" (and {host:.2f} GiB of host memory)" if host else ""))
