@@ -781,6 +781,8 @@ def target_side(side: dict, target: float, metric: str, gpus: int = 1) -> dict:
         "generated_tokens_to_end": tokens_by(side.get("generated", []), end_s),
         "trained_tokens_per_s": st["trained_tokens_per_s"] if st else None,
         "launch_to_step1_s": st["first_step_end_s"] if st else None,
+        # the first held-out result in hand (parley: its eval child's first; TRL: its inline v0)
+        "first_result_s": round(evals[0]["t_result"], 1) if evals else None,
         "evals": [[round(e["t_result"], 1), e["version"], e[metric]] for e in evals],
     }
 
@@ -921,8 +923,8 @@ def render_targets(res: dict) -> str:
         "",
         f"| seed | card | to target s parley / TRL | ratio | {m} at TRL's end parley / TRL | at parley's end "
         "parley / TRL | GPU-s to target | sampled tokens to target (parley: all played) | trained tokens/s | "
-        "launch to step 1 s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "launch to step 1 s | first held-out result s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["pairs"]:
         p, q = r["parley"], r["trl"]
@@ -933,7 +935,8 @@ def render_targets(res: dict) -> str:
             f"{_r(r['trl_at_parleys_end'])} | {_t(p['gpu_s_to_target'])} / {_t(q['gpu_s_to_target'])} | "
             f"{_n(p['generated_tokens_to_target'])} / {_n(q['generated_tokens_to_target'])} | "
             f"{_t(p['trained_tokens_per_s'])} / {_t(q['trained_tokens_per_s'])} | "
-            f"{_t(p['launch_to_step1_s'])} / {_t(q['launch_to_step1_s'])} |"
+            f"{_t(p['launch_to_step1_s'])} / {_t(q['launch_to_step1_s'])} | "
+            f"{_t(p.get('first_result_s'))} / {_t(q.get('first_result_s'))} |"
         )
     ratio = "inf" if res["median_ratio_is_infinite"] else _r(res["median_ratio"])
     lines += [

@@ -110,6 +110,8 @@ def test_a_pair_is_read_from_launch_to_the_first_result_at_the_target(tmp_path):
     # secondary: steps 2-3 trained 500 tokens in 2 s (parley) and in 8 s (TRL); step 1 ended 30 and 20 s in
     assert (p["trained_tokens_per_s"], q["trained_tokens_per_s"]) == (250.0, 62.5)
     assert (p["launch_to_step1_s"], q["launch_to_step1_s"]) == (30.0, 20.0)
+    # the first held-out result in hand, each side's earliest eval (parley's eval child starts its engine)
+    assert (p["first_result_s"], q["first_result_s"]) == (20.0, 10.0)  # parley's v0 at 20 s, TRL's at 10 s
     assert row["card"] == {"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-aaaa"} and row["same_call"]
 
 
