@@ -47,6 +47,7 @@ def test_one_rank_starts_from_the_saved_weights(tiny_model, zero, dtype):
     check(start_figures(tiny_model, zero, dtype), dtype)
 
 
+@pytest.mark.extended  # docs/operations.md, "The test suite": one rank's start stays in make test
 @pytest.mark.parametrize("zero", [2, 3])
 def test_two_ranks_start_from_the_saved_weights(tiny_model, zero, tmp_path):
     from tests.e2e.test_learner_ranks import free_port
