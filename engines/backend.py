@@ -88,8 +88,9 @@ def engine_settings(
     use_fraction = cfg.gpu_memory_utilization > 0
     extra = cpu_workarounds(cfg.max_model_len)
     batched = cfg.max_num_batched_tokens or None
-    if batched is not None and "max_num_batched_tokens" in extra:  # CPU: whole prompts in one step
-        batched = max(batched, extra["max_num_batched_tokens"])
+    whole_prompt = extra.pop("max_num_batched_tokens", None)  # CPU: prompts prefilled whole, in one step
+    if whole_prompt is not None:
+        batched = max(batched or 0, whole_prompt)
     return EngineSettings(
         model=str(model_path),
         dtype=cfg.dtype,
@@ -108,7 +109,7 @@ def engine_settings(
         start_method=cfg.start_method,
         max_num_seqs=max_num_seqs(cfg, requests),
         max_num_batched_tokens=batched,
-        extra={k: v for k, v in extra.items() if not (k == "max_num_batched_tokens" and batched is not None)},
+        extra=extra,
     )
 
 
