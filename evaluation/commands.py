@@ -6,6 +6,7 @@ or through a fleet of actors and scorers (evaluation/fleet.py), and `report` wri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -508,6 +509,41 @@ class FollowingPolicy:
             self.engine = None
 
 
+async def _stdin_line() -> str:
+    """The next line of standard input ("" at its end), read by a daemon thread: a stopped `follow` returns
+    while the read still waits, and the process exits without joining it (a to_thread read would hold the
+    interpreter's exit until the learner wrote a line or closed the pipe)."""
+    import asyncio
+    import threading
+
+    loop = asyncio.get_running_loop()
+    got = loop.create_future()
+
+    def read() -> None:
+        line = sys.stdin.readline()
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for it
+            loop.call_soon_threadsafe(lambda: got.done() or got.set_result(line))
+
+    threading.Thread(target=read, name="eval-follow-stdin", daemon=True).start()
+    return await got
+
+
+async def _unless_stopped(awaitable, stop):
+    """`awaitable`'s result, or None (it cancelled) when `stop` is set first."""
+    import asyncio
+
+    task = asyncio.ensure_future(awaitable)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
+
+
 async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     """`parley eval --follow`: play one version per line of standard input, a JSON object
     {"version": N, "model": MODEL_OR_CHECKPOINT, "out": DIR}, through the NATS services with one
@@ -517,7 +553,7 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     builds its model: the engine is opened on the run's policy model ([policy] model, version 0's
     job) before the first line is read, so the first result does not wait for an engine start. End of
     input while it opens ends the child once the engine is up (the line is read after it); a SIGTERM
-    or SIGINT ends it at once (130)."""
+    or SIGINT ends it at once (130), while the engine opens or while it waits for a job."""
     import asyncio
     import json
 
@@ -525,7 +561,7 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
 
     env = env or cfg.env.load()
     policy = FollowingPolicy(cfg)
-    read_line = read_line or (lambda: asyncio.to_thread(sys.stdin.readline))
+    read_line = read_line or _stdin_line
     try:
         try:
             seconds = policy.open_first(cfg.policy.model)
@@ -537,7 +573,9 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
                 f"parley eval --follow: policy engine on {cfg.policy.model} open in {seconds:.1f}s, before any version"
             )
         while not stop.is_set():
-            line = await read_line()
+            line = await _unless_stopped(read_line(), stop)
+            if line is None:  # a SIGTERM or SIGINT while it waited for a job
+                return 130
             if not line:
                 return 0
             if not line.strip():

@@ -141,3 +141,59 @@ async def test_a_sigterm_while_the_engine_opens_ends_follow_at_once(monkeypatch,
     assert events == [("opening",)]  # no line read, no engine left
     assert "stopped while its policy engine opened" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is not commands._raise_interrupted  # put back
+
+
+async def test_a_sigterm_while_it_waits_for_a_job_ends_follow_at_once(monkeypatch, tmp_path, capsys):
+    """The learner has queued nothing yet (its first step is minutes away) and the child is stopped: it
+    must not wait for a line that may never come."""
+    cfg = load_config(None, [])
+    events: list[tuple] = []
+    doubles(monkeypatch, events, [])
+    never = asyncio.Event()
+
+    async def read_line_double():
+        """Test double of standard input with no job on it yet."""
+        events.append(("read",))
+        await never.wait()
+        return ""
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.2, stop.set)  # what run_async's SIGTERM handler does
+    code = await asyncio.wait_for(
+        commands.follow(stop, cfg, [], None, env=object(), read_line=read_line_double), timeout=5
+    )
+    assert code == 130
+    assert events == [("open", cfg.policy.model), ("read",), ("shutdown",)]  # the engine is closed
+    assert capsys.readouterr().out == ""  # no job answered
+
+
+def test_standard_input_is_read_by_a_thread_that_does_not_hold_the_exit(monkeypatch):
+    """The default read_line: a line comes back, and the thread that waits for one is a daemon."""
+    import io
+    import threading
+
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"version": 0}\n'))
+    assert asyncio.run(commands._stdin_line()) == '{"version": 0}\n'
+    entered = threading.Event()
+    seen = []
+
+    class Blocking(io.StringIO):
+        def readline(self, *a):
+            seen.append(threading.current_thread())
+            entered.set()
+            time.sleep(0.5)
+            return ""
+
+    monkeypatch.setattr("sys.stdin", Blocking())
+
+    async def stopped_while_reading():
+        stop = asyncio.Event()
+        waiting = asyncio.ensure_future(commands._unless_stopped(commands._stdin_line(), stop))
+        assert await asyncio.to_thread(entered.wait, 5)
+        t0 = time.monotonic()
+        stop.set()
+        return await waiting, time.monotonic() - t0
+
+    line, seconds = asyncio.run(stopped_while_reading())
+    assert line is None and seconds < 0.4  # returned while the read still waited
+    assert seen[0].daemon and seen[0].name == "eval-follow-stdin"
