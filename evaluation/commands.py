@@ -554,7 +554,6 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     job) before the first line is read, so the first result does not wait for an engine start. End of
     input while it opens ends the child once the engine is up (the line is read after it); a SIGTERM
     or SIGINT ends it at once (130), while the engine opens or while it waits for a job."""
-    import asyncio
     import json
 
     from parley.evaluation.runner import Condition
