@@ -940,8 +940,18 @@ class PolicyEngine:
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Give back what sleep freed: "weights" (after level 2 they hold no version: load one before
         serving), "kv_cache", or both (None). A no-op where the engine cannot sleep. vLLM resumes its
-        scheduler (paused by the sleep, and by any load made since: _resume) once both are awake."""
+        scheduler (paused by the sleep, and by any load made since: _resume) once both are awake, so a
+        wake that would leave nothing asleep while the weights are mixed (_mixed: a load failed half-way
+        and nothing whole was loaded since) is refused with a RuntimeError: the requests vLLM holds
+        would run on a mixed model, which _resume never allows either."""
         if self.can_sleep:
+            rest = frozenset() if tags is None else self._asleep - set(tags)
+            if self._mixed and not rest:
+                raise RuntimeError(
+                    f"not waking the engine ({', '.join(tags or ('all',))}): its weights are mixed after a load "
+                    f"that failed half-way (served version {self.version} not restored), and once awake vLLM "
+                    "resumes its scheduler on them"
+                )
             await self._llm.wake_up(tags=None if tags is None else list(tags))
             self._asleep = frozenset() if tags is None else self._asleep - set(tags)
 

@@ -197,9 +197,13 @@ class WeightFollower:
                 await self.phases.before_load()
             try:
                 loaded = await self._load(wv)
-            finally:
-                if self.phases is not None:  # ... and its KV cache after
-                    await self.phases.after_load(loaded)
+            except BaseException:
+                if self.phases is not None:  # ... and its KV cache after; the load's own error is the one
+                    with contextlib.suppress(Exception):  # raised (a failed wake is the schedule's failure too)
+                        await self.phases.after_load(False)
+                raise
+            if self.phases is not None:
+                await self.phases.after_load(loaded)
             if loaded:
                 self.load_s = time.perf_counter() - t0
             return loaded

@@ -158,3 +158,51 @@ def test_no_conversation_reaches_the_engine_before_its_kv_cache_wakes():
         assert llm.calls[:2] == ["sleep 2", "wake weights"] and llm.calls[-1] == "wake kv_cache"
 
     asyncio.run(go())
+
+
+class LoadFailsHalfWayLLMDouble(SleepingSchedulerLLMDouble):
+    """Test double of vLLM whose weight load raises after some tensors changed (the worker's
+    parley_reload_weights failing half-way: out of memory, a broken file)."""
+
+    async def collective_rpc(self, method, kwargs=None):
+        self.calls.append(method)
+        if method == "parley_reload_weights":
+            raise RuntimeError("test double: CUDA error: out of memory while loading")
+        return [None]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_load_that_fails_half_way_while_the_kv_cache_sleeps_is_never_woken_into(level):
+    """The KV cache's wake would make vLLM resume its scheduler on mixed weights: refused, and the
+    request vLLM holds does not run (the follower's restore, or the actor's stop, comes next)."""
+
+    async def go():
+        engine = engine_double()
+        engine._llm = llm = LoadFailsHalfWayLLMDouble()
+        await engine.sleep(level)
+        llm.add("queued while asleep")
+        await engine.wake_up(["weights"])  # as PhaseSchedule.before_load
+        with pytest.raises(RuntimeError, match="out of memory while loading"):
+            await engine.reload_weights("/w/v1", version=1)
+        with pytest.raises(RuntimeError, match="weights are mixed after a load that failed half-way"):
+            await engine.wake_up(["kv_cache"])  # as PhaseSchedule.after_load(False)
+        assert llm.ran == [] and llm.paused and "wake kv_cache" not in llm.calls
+        assert engine.version == 0
+
+    asyncio.run(go())
+
+
+def test_once_a_whole_version_is_loaded_again_the_kv_cache_wakes():
+    async def go():
+        engine = engine_double()
+        engine._llm = llm = LoadFailsHalfWayLLMDouble()
+        await engine.sleep(1)
+        llm.add("queued while asleep")
+        await engine.wake_up(["weights"])
+        with pytest.raises(RuntimeError):
+            await engine.reload_weights("/w/v1", version=1)
+        await engine.load_gpu(announcement(0), hold_s=5.0, version=0)  # the follower's restore: whole
+        await engine.wake_up(["kv_cache"])
+        assert llm.ran == [("queued while asleep", True)]
+
+    asyncio.run(go())

@@ -161,6 +161,33 @@ def test_after_a_sleep_a_load_that_fails_leaves_the_served_weights(level, after_
     asyncio.run(go())
 
 
+def test_a_load_that_raises_while_asleep_reports_its_own_error_when_the_wake_after_it_fails_too():
+    """The follower's load raised (its restore failed: weights.payloads.WeightsBroken) and the KV cache's
+    wake after it is refused (the engine's weights are mixed): the actor stops on the load's error, which
+    says what failed, and the schedule records the wake's failure for every later conversation."""
+    from parley.weights.payloads import WeightsBroken
+
+    async def go():
+        engine = SleepRecordingEngineDouble(fail="wake kv_cache")
+        p = schedule(engine, level=1, quota=1)
+        await play(p, 1)
+        f = follower_of(engine, p)
+
+        async def broken(wv):
+            engine.calls.append("load v1 failed, served version not restored")
+            raise WeightsBroken("test double: version 1 failed to load; version 0 could not be restored")
+
+        f._load = broken
+        with pytest.raises(WeightsBroken, match="could not be restored"):
+            await f.check()
+        assert engine.calls == ["sleep 1", "wake weights", "load v1 failed, served version not restored"]
+        assert isinstance(p.failure, PhaseError) and "waking the engine's KV cache failed" in str(p.failure)
+        with pytest.raises(PhaseError):
+            await p.enter()
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize(
     "level, woken", [(2, ["wake weights", "put back v0", "wake kv_cache"]), (1, ["wake weights", "wake kv_cache"])]
 )
