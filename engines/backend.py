@@ -109,6 +109,7 @@ def engine_settings(
         start_method=cfg.start_method,
         max_num_seqs=max_num_seqs(cfg, requests),
         max_num_batched_tokens=batched,
+        load_timeout_s=cfg.load_timeout_s,
         extra=extra,
     )
 

@@ -57,6 +57,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (on CPU at least max_model_len: prompts are prefilled whole there, engines.backend.cpu_workarounds)
     max_num_seqs: Annotated[int, Meta(ge=0)] = 0
     max_num_batched_tokens: Annotated[int, Meta(ge=0)] = 0
+    # One weights version's load into the engine (a file reload, a packed delta, an adapter, putting the
+    # served weights back): past it the load raises TimeoutError naming this key, the follower puts the
+    # served weights back (bounded too) or stops the actor, instead of generation paused for good behind
+    # an engine that hangs. A GPU-buffer load is bounded by the learner's hold time instead.
+    load_timeout_s: Annotated[float, Meta(gt=0)] = 600.0
 
 
 class ServiceBackend(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

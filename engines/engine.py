@@ -114,6 +114,8 @@ class EngineSettings:
     # vLLM's scheduler limits (EngineConfig.max_num_seqs / max_num_batched_tokens); None: vLLM's default
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    # the most one weights load may take (EngineConfig.load_timeout_s)
+    load_timeout_s: float = 600.0
     # extra AsyncEngineArgs fields, for what the above does not cover
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -633,7 +635,9 @@ class PolicyEngine:
             await self._llm.pause_generation(mode="abort" if abort_inflight else "keep", clear_cache=False)
             loaded = False
             try:
-                await self._llm.collective_rpc("parley_reload_weights", kwargs={"weights_path": str(weights_dir)})
+                await self._bounded_rpc(
+                    "parley_reload_weights", f"reloading the weights from {weights_dir}", weights_path=str(weights_dir)
+                )
                 loaded = True
             finally:
                 self._weights_epoch += 1  # also after a failed reload: the weights may be mixed
@@ -698,8 +702,11 @@ class PolicyEngine:
         self.packed_name = None
         async with self._reload_lock:
             await self._prepare_gpu_load()  # the checksum kernel compiled before, not inside, the first fill
-            reasons = await self._llm.collective_rpc(
-                "parley_packed_fill", kwargs={"announcement": announcement, "weights_path": str(weights_dir)}
+            reasons = await self._bounded_rpc(
+                "parley_packed_fill",
+                "filling the packed copy of the weights",
+                announcement=announcement,
+                weights_path=str(weights_dir),
             )
         bad = [r for r in reasons if r]
         if bad:
@@ -722,18 +729,23 @@ class PolicyEngine:
         from parley.weights.cuda_ipc import table_digest
 
         async with self._reload_lock:
-            reasons = await self._llm.collective_rpc(
-                "parley_packed_stage", kwargs={"announcement": announcement, "delta_path": str(delta_path)}
+            reasons = await self._bounded_rpc(
+                "parley_packed_stage",
+                f"applying the packed delta {delta_path}",
+                announcement=announcement,
+                delta_path=str(delta_path),
             )
             bad = [r for r in reasons if r]
-            if bad:
-                await self._llm.collective_rpc("parley_packed_revert")  # the workers whose stage took
+            if bad:  # the workers whose stage took go back
+                await self._bounded_rpc("parley_packed_revert", "reverting the packed delta")
                 refused = [why for kind, why in bad if kind == REFUSED]
                 raise WeightVerifyError(refused[0]) if refused else WeightUnavailable(bad[0][1])
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             loaded = False
             try:
-                await self._llm.collective_rpc("parley_packed_load", kwargs={"version": version})
+                await self._bounded_rpc(
+                    "parley_packed_load", f"loading version {version} from the packed copy", version=version
+                )
                 loaded = True
             finally:
                 self._weights_epoch += 1  # also after a failure: the weights may be mixed until restored
@@ -749,7 +761,12 @@ class PolicyEngine:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             loaded = False
             try:
-                await self._llm.collective_rpc("parley_packed_load", kwargs={"version": version, "revert": revert})
+                await self._bounded_rpc(
+                    "parley_packed_load",
+                    f"loading version {version} again from the packed copy",
+                    version=version,
+                    revert=revert,
+                )
                 loaded = True
             finally:
                 self._weights_epoch += 1
@@ -759,7 +776,22 @@ class PolicyEngine:
 
     async def drop_packed(self) -> None:
         self.packed_name = None
-        await self._llm.collective_rpc("parley_packed_drop")
+        await self._bounded_rpc("parley_packed_drop", "dropping the packed copy")
+
+    async def _bounded_rpc(self, method: str, what: str, **kwargs):
+        """The workers' `method` (weights.worker.WorkerExtension), bounded as _bounded bounds it."""
+        return await self._bounded(self._llm.collective_rpc(method, kwargs=kwargs), what)
+
+    async def _bounded(self, aw, what: str):
+        """`aw`, a step of a weights load, at most load_timeout_s: a TimeoutError past it says what was being
+        done and the key that bounds it (a hung worker would otherwise keep generation paused for good)."""
+        limit = self.settings.load_timeout_s
+        try:
+            return await asyncio.wait_for(aw, timeout=limit)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{what} took over {limit:g} s ([actor.engine] load_timeout_s); is the engine stuck?"
+            ) from None
 
     async def _resume(self) -> None:
         """Resume generation after a load's pause, unless part of the engine still sleeps ([up] gpu_share
@@ -785,7 +817,7 @@ class PolicyEngine:
         await self._settled()
         request = LoRARequest(f"v{version}-{self._next_lora_id}", self._next_lora_id, str(adapter_dir))
         self._next_lora_id += 1
-        if not await self._llm.add_lora(request):
+        if not await self._bounded(self._llm.add_lora(request), f"adding adapter version {version} from {adapter_dir}"):
             raise RuntimeError(f"vLLM did not load the adapter of version {version} from {adapter_dir}")
         await self._adopt_adapter(request, version)
 
@@ -818,15 +850,18 @@ class PolicyEngine:
         await self._settled()
         lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
         request = LoRARequest(f"v{version}-{lora_id}", lora_id, f"{STAGED_ADAPTER_PATH}{lora_id}")
+        stage = self._llm.collective_rpc(
+            "parley_stage_adapter", kwargs={"lora_id": lora_id, "lora_name": request.lora_name, **source}
+        )
         try:
-            reasons = await asyncio.wait_for(
-                self._llm.collective_rpc(
-                    "parley_stage_adapter", kwargs={"lora_id": lora_id, "lora_name": request.lora_name, **source}
-                ),
-                timeout=hold_s,
-            )
+            if hold_s is None:  # tensors of this process: the load's own bound
+                reasons = await self._bounded(stage, f"staging adapter version {version}")
+            else:
+                reasons = await asyncio.wait_for(stage, timeout=hold_s)
         except TimeoutError:
             await self._forget(request)
+            if hold_s is None:
+                raise
             raise TimeoutError(
                 f"copying adapter version {version} out of the learner's GPU buffer took over "
                 f"{hold_s:.0f} s (its hold time); is the engine stuck?"
@@ -849,7 +884,7 @@ class PolicyEngine:
 
     async def _unstage(self, lora_id: int) -> None:
         self._staged.discard(lora_id)
-        await self._llm.collective_rpc("parley_unstage_adapter", kwargs={"lora_id": lora_id})
+        await self._bounded_rpc("parley_unstage_adapter", f"unstaging adapter {lora_id}", lora_id=lora_id)
 
     async def _adopt_adapter(self, request, version: int) -> None:
         """`request` (added to vLLM) now serves `version`, the newest; what it replaces goes: the

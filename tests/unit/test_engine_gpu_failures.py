@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from parley.engines.engine import PolicyEngine
+from parley.engines.engine import EngineSettings, PolicyEngine
 from parley.protocol import codec
 from parley.protocol.messages import IpcTensor, NcclSource
 from parley.weights import registry
@@ -77,6 +77,7 @@ def engine_of(*workers) -> PolicyEngine:
     engine = PolicyEngine.__new__(PolicyEngine)  # no vLLM
     engine.version, engine._llm, engine._reload_lock = 1, LLMDouble(workers), asyncio.Lock()
     engine._weights_epoch = 0
+    engine.settings = EngineSettings(model="double")
     return engine
 
 

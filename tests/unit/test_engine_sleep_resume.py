@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from parley.actors.phases import ACTIVE, PhaseSchedule
-from parley.engines.engine import PolicyEngine
+from parley.engines.engine import EngineSettings, PolicyEngine
 from tests.unit.test_engine_gpu_failures import announcement
 
 
@@ -70,7 +70,7 @@ def engine_double() -> PolicyEngine:
     engine = PolicyEngine.__new__(PolicyEngine)  # no vLLM
     engine.version, engine._llm, engine._reload_lock = 0, SleepingSchedulerLLMDouble(), asyncio.Lock()
     engine._weights_epoch, engine._removing = 0, None
-    engine.settings = SimpleNamespace(sleep_mode=True, max_lora_rank=0)
+    engine.settings = EngineSettings(model="double", sleep_mode=True)
     engine.packed_name = None
     return engine
 

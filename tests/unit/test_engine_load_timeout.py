@@ -1,0 +1,76 @@
+"""Every step of a weights load into a PolicyEngine is bounded by [actor.engine] load_timeout_s: a worker
+that hangs in a file reload, a packed load or an adapter's add raises TimeoutError naming what it was
+doing and the key, generation stays paused on the weights that may be mixed (the follower puts the
+served ones back, bounded the same way, or stops the actor), instead of the actor waiting for good.
+No vLLM: a test double plays AsyncLLM whose worker calls never return."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from parley.config.run import load_config
+from parley.engines.backend import engine_settings
+from parley.engines.engine import EngineSettings
+from tests.unit.test_engine_sleep_resume import SleepingSchedulerLLMDouble, engine_double
+
+
+class HangingWorkerLLMDouble(SleepingSchedulerLLMDouble):
+    """Test double of vLLM whose worker RPCs and adapter adds never return (a stuck engine core)."""
+
+    async def collective_rpc(self, method, kwargs=None):
+        self.calls.append(method)
+        await asyncio.Event().wait()
+
+    async def add_lora(self, request):
+        self.calls.append("add_lora")
+        await asyncio.Event().wait()
+
+
+def hanging_engine(limit: float):
+    engine = engine_double()
+    engine._llm = HangingWorkerLLMDouble()
+    engine.settings = EngineSettings(model="double", load_timeout_s=limit)
+    engine._next_lora_id = 1
+    return engine
+
+
+def test_a_reload_that_hangs_ends_with_a_timeout_and_generation_stays_paused():
+    async def go():
+        engine = hanging_engine(0.2)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"reloading the weights from /w/v1 took over 0.2 s \(\[actor.engine\] load_timeout_s\)"):  # fmt: skip
+            await engine.reload_weights("/w/v1", version=1)
+        assert time.monotonic() - t0 < 2
+        assert engine._llm.paused and engine._mixed and engine.version == 0  # no request runs on mixed weights
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "load, what",
+    [
+        (lambda e: e.load_packed_delta(b"announcement", "/w/delta", version=1), "applying the packed delta"),
+        (lambda e: e.restore_packed(0), "loading version 0 again from the packed copy"),
+        (lambda e: e.load_adapter("/w/adapter", version=1), "adding adapter version 1"),
+    ],
+)
+def test_every_other_load_that_hangs_ends_with_a_timeout(load, what, monkeypatch):
+    monkeypatch.setattr("parley.engines.engine.PolicyEngine._settled", lambda self: asyncio.sleep(0))
+    pytest.importorskip("vllm")
+
+    async def go():
+        engine = hanging_engine(0.2)
+        with pytest.raises(TimeoutError, match=what):
+            await asyncio.wait_for(load(engine), timeout=5)
+
+    asyncio.run(go())
+
+
+def test_the_bound_comes_from_the_engine_section():
+    cfg = load_config(None, ["actor.engine.load_timeout_s=42"])
+    assert engine_settings(cfg.actor.engine, "/m").load_timeout_s == 42
+    with pytest.raises(Exception, match="load_timeout_s"):
+        load_config(None, ["actor.engine.load_timeout_s=0"])
