@@ -528,22 +528,6 @@ async def _stdin_line() -> str:
     return await got
 
 
-async def _unless_stopped(awaitable, stop):
-    """`awaitable`'s result, or None (it cancelled) when `stop` is set first."""
-    import asyncio
-
-    task = asyncio.ensure_future(awaitable)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    return None
-
-
 async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     """`parley eval --follow`: play one version per line of standard input, a JSON object
     {"version": N, "model": MODEL_OR_CHECKPOINT, "out": DIR}, through the NATS services with one
@@ -557,6 +541,7 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     import json
 
     from parley.evaluation.runner import Condition
+    from parley.runtime.process import Stopped, unless_stopped
 
     env = env or cfg.env.load()
     policy = FollowingPolicy(cfg)
@@ -572,8 +557,9 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
                 f"parley eval --follow: policy engine on {cfg.policy.model} open in {seconds:.1f}s, before any version"
             )
         while not stop.is_set():
-            line = await _unless_stopped(read_line(), stop)
-            if line is None:  # a SIGTERM or SIGINT while it waited for a job
+            try:
+                line = await unless_stopped(read_line(), stop)
+            except Stopped:  # a SIGTERM or SIGINT while it waited for a job
                 return 130
             if not line:
                 return 0

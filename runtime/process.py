@@ -7,6 +7,7 @@ role's plain entry function (config in, exit code out) calls it; deploy/ calls t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -14,6 +15,28 @@ import sys
 
 EXIT_NATS_UNREACHABLE = 3
 EXIT_TOPOLOGY = 4
+
+
+class Stopped(Exception):
+    """unless_stopped: the stop came first; the work was cancelled and has ended."""
+
+
+async def unless_stopped(aw, stop: asyncio.Event):
+    """`aw`'s result, unless `stop` (run_async's SIGINT/SIGTERM event) is set first: then `aw` is
+    cancelled, waited for until it has ended, and Stopped is raised."""
+    work = asyncio.ensure_future(aw)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise Stopped
+    return work.result()
 
 
 def setup_logging(role: str, level: str | None = None) -> None:

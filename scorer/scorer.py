@@ -27,6 +27,7 @@ from parley.protocol import bus, status, topology
 from parley.protocol.messages import ABANDONED_STALE, Heartbeat, Scored, Trajectory
 from parley.rewards.reliability import JudgeReliability, audited
 from parley.rollout.score import Unscorable, _all, score_trajectory, scorer_reward
+from parley.runtime.process import Stopped, unless_stopped
 from parley.services.judge.client import Judge, JudgeFailed, JudgeUnavailable
 from parley.services.reference.client import ReferenceClient, ReferenceFailed, ReferenceUnavailable
 
@@ -109,18 +110,10 @@ class Scorer:
     async def _unless_stopping(self, coro):
         """Await `coro`, but on shutdown give the message back at once (nak, no delay) instead of
         holding it through a long judge call or wait: another replica can take it now."""
-        work = asyncio.ensure_future(coro)
-        stopping = asyncio.ensure_future(self._stop.wait())
         try:
-            await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-        if work.done():
-            return work.result()
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
-        raise bus.Retry("scorer stopping; handed back", delay=0.0)
+            return await unless_stopped(coro, self._stop)
+        except Stopped:
+            raise bus.Retry("scorer stopping; handed back", delay=0.0) from None
 
     async def _score(self, traj: Trajectory, delivered: int):
         """score_trajectory and, with a reference client, the trajectory's reference log-probs
