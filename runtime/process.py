@@ -26,15 +26,17 @@ async def unless_stopped(aw, stop: asyncio.Event):
     cancelled, waited for until it has ended, and Stopped is raised."""
     work = asyncio.ensure_future(aw)
     stopping = asyncio.ensure_future(stop.wait())
+    cut = False
     try:
         await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    finally:  # also when this task is cancelled: the work does not outlive it
         stopping.cancel()
         if not work.done():
+            cut = True
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await work
-    if work.cancelled():
+    if cut:  # whatever the work made of its cancellation
         raise Stopped
     return work.result()
 
