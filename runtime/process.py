@@ -13,11 +13,13 @@ import os
 import signal
 import sys
 
+from parley.errors import ParleyError
+
 EXIT_NATS_UNREACHABLE = 3
 EXIT_TOPOLOGY = 4
 
 
-class Stopped(Exception):
+class Stopped(ParleyError):
     """unless_stopped: the stop came first; the work was cancelled and has ended."""
 
 
