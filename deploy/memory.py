@@ -747,8 +747,11 @@ def processes(cfg: RunConfig) -> list[Proc]:
     actor = (*engine_terms(cfg.actor.engine, shape_of, level), *staging, ctx)
     procs += [Proc(f"actor-{i}", actor) for i in range(cfg.up.most_actors())]
     if cfg.learner.eval_every > 0:
-        exact = msgspec.structs.replace(cfg.actor.engine, kv_cache_dtype="auto")  # as evaluation.commands opens it
-        procs.append(Proc("eval (periodic, [actor.engine])", (*engine_terms(exact, shape_of), ctx)))
+        from parley.evaluation.commands import eval_engine
+
+        procs.append(
+            Proc("eval (periodic, [actor.engine])", (*engine_terms(eval_engine(cfg.actor.engine), shape_of), ctx))
+        )
     procs.append(Proc("learner", tuple(learner_terms(cfg, policy))))
     return procs
 

@@ -16,6 +16,21 @@ from pathlib import Path
 from typing import Any
 
 
+def eval_engine(actor_engine, model: str | None = None):
+    """The [actor.engine] section as the eval's policy engine opens it, on `model` (None: the actor's):
+    each version or checkpoint measured over KV of its own weights (no prefix cache kept across versions)
+    and in the model's dtype (an fp8 KV cache is the actor's trade of speed for exactness, not the weights'
+    score). deploy.memory plans the periodic eval's engine from it too."""
+    import msgspec
+
+    return msgspec.structs.replace(
+        actor_engine,
+        model=actor_engine.model if model is None else model,
+        prefix_cache_across_versions=False,
+        kv_cache_dtype="auto",
+    )
+
+
 def _out(message: str) -> None:
     print(message, flush=True)
 
@@ -167,8 +182,6 @@ async def run_eval(
     the checkpoints of that base swapped into it; `follow` keeps one engine that follows versions)."""
     import asyncio
 
-    import msgspec
-
     from parley.evaluation.evallog import write_parquet
     from parley.evaluation.fleet import FleetError
     from parley.evaluation.runner import EvalServices, NotScored, SwappingPolicies
@@ -232,14 +245,8 @@ async def run_eval(
     def start_engine(model: str):
         from parley.engines.backend import open_engine
 
-        # The policy engine takes the actor's engine settings with the condition's model or checkpoint; a
-        # checkpoint is measured over KV of its own weights (no prefix cache kept across versions), in the
-        # model's dtype (an fp8 KV cache is the actor's trade of speed for exactness, not the weights' score).
-        engine, tokenizer, _ = open_engine(
-            msgspec.structs.replace(
-                cfg.actor.engine, model=model, prefix_cache_across_versions=False, kv_cache_dtype="auto"
-            )
-        )
+        # the actor's engine settings with the condition's model or checkpoint (eval_engine)
+        engine, tokenizer, _ = open_engine(eval_engine(cfg.actor.engine, model))
         return engine, tokenizer
 
     if open_policy is None:  # checkpoints of one base share one engine: their weights are swapped in
@@ -355,9 +362,10 @@ async def fleet(nc, js, cfg, conds, held, settings, out, policy_version, stop, o
     fleet_dir = Path(out) / "fleet"
     fleet_dir.mkdir(parents=True, exist_ok=True)
     config_path = fleet_dir / "config.toml"
-    # The actors sample as the in-process modes do: the eval's temperature, top_p, thinking and concurrency.
+    # The actors sample as the in-process modes do: the eval's engine (eval_engine), temperature, top_p,
+    # thinking and concurrency.
     engine = msgspec.structs.replace(
-        cfg.actor.engine,
+        eval_engine(cfg.actor.engine),
         template_kwargs={**cfg.actor.engine.template_kwargs, "enable_thinking": settings.enable_thinking},
     )
     actor = msgspec.structs.replace(
@@ -441,15 +449,9 @@ class FollowingPolicy:
         self.starts = self.loads = 0
 
     def _start(self, model: str) -> None:
-        import msgspec
-
         from parley.engines import backend
 
-        # each version measured over KV of its own weights (no prefix cache kept across versions), in the
-        # model's dtype (whatever the actor's kv_cache_dtype: the eval scores the weights)
-        engine_cfg = msgspec.structs.replace(
-            self.cfg.actor.engine, model=model, prefix_cache_across_versions=False, kv_cache_dtype="auto"
-        )
+        engine_cfg = eval_engine(self.cfg.actor.engine, model)
         self.engine, self.tokenizer, _ = backend.open_engine(engine_cfg)  # blocks while vLLM loads
         self.model = model
         self.starts += 1

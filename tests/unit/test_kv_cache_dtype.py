@@ -134,3 +134,36 @@ def test_the_plan_warns_where_the_conversations_in_flight_outgrow_the_kv_cache(t
     # 466,944 x 73,728 B = 34,426,847,232 B = 32,832 MiB
     assert "actor.engine.kv_cache_bytes = 34426847232 would hold them all" in out.output
     assert 'kv_cache_dtype = "fp8" would' not in out.output
+
+
+def test_every_eval_engine_keeps_the_models_dtype_the_fleets_and_the_plans_too(tmp_path):
+    """evaluation.commands.eval_engine is the one home of the eval's engine: the fleet's actors get it in
+    the config they are started with, and the memory plan counts the periodic eval's engine by it."""
+    import msgspec
+
+    from parley.config.run import RunConfig
+    from parley.deploy.memory import processes
+    from parley.evaluation import commands
+    from parley.evaluation.runner import EvalSettings
+
+    cfg = load_config(None, ['actor.engine.kv_cache_dtype="fp8"', "actor.engine.prefix_cache_across_versions=true"])
+    assert commands.eval_engine(cfg.actor.engine, "v3").kv_cache_dtype == "auto"
+    assert commands.eval_engine(cfg.actor.engine).model == cfg.actor.engine.model
+
+    asyncio.run(commands.fleet(None, None, cfg, [], [], EvalSettings(), tmp_path, 0, asyncio.Event(), None, None))
+    written = msgspec.toml.decode((tmp_path / "fleet" / "config.toml").read_bytes(), type=RunConfig)
+    assert written.actor.engine.kv_cache_dtype == "auto"
+    assert written.actor.engine.prefix_cache_across_versions is False
+
+    gpu = load_config(
+        None,
+        [
+            'actor.engine.kv_cache_dtype="fp8"',
+            'actor.engine.dtype="bfloat16"',
+            "learner.eval_every=5",
+            "up.gpu_memory_gib=80",
+        ],
+    )
+    plan = {p.name: [t.what for t in p.terms if "KV cache" in t.what] for p in processes(gpu)}
+    assert 'kv_cache_dtype "fp8"' in plan["actor-0"][0]
+    assert 'kv_cache_dtype "auto"' in plan["eval (periodic, [actor.engine])"][0]
