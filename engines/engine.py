@@ -663,16 +663,12 @@ class PolicyEngine:
             )  # salted prompts: no reset (reload_weights)
             reasons = None
             try:
-                try:
-                    reasons = await asyncio.wait_for(
-                        self._llm.collective_rpc("parley_load_gpu", kwargs={"announcement": announcement}),
-                        timeout=hold_s,
-                    )
-                except TimeoutError:
-                    raise TimeoutError(
-                        f"loading weights from the learner's GPU buffer took over {hold_s:.0f} s (its hold "
-                        "time); is the engine stuck, or the learner unreachable?"
-                    ) from None
+                reasons = await self._bounded_rpc(
+                    "parley_load_gpu",
+                    "loading weights from the learner's GPU buffer",
+                    hold_s,
+                    announcement=announcement,
+                )
             finally:
                 self._weights_epoch += 1  # also after a failure: the weights may be mixed until restored
                 if reasons is None:  # raised (or timed out) after weights may have changed
@@ -778,20 +774,23 @@ class PolicyEngine:
         self.packed_name = None
         await self._bounded_rpc("parley_packed_drop", "dropping the packed copy")
 
-    async def _bounded_rpc(self, method: str, what: str, **kwargs):
+    async def _bounded_rpc(self, method: str, what: str, hold_s: float | None = None, **kwargs):
         """The workers' `method` (weights.worker.WorkerExtension), bounded as _bounded bounds it."""
-        return await self._bounded(self._llm.collective_rpc(method, kwargs=kwargs), what)
+        return await self._bounded(self._llm.collective_rpc(method, kwargs=kwargs), what, hold_s)
 
-    async def _bounded(self, aw, what: str):
-        """`aw`, a step of a weights load, at most load_timeout_s: a TimeoutError past it says what was being
-        done and the key that bounds it (a hung worker would otherwise keep generation paused for good)."""
-        limit = self.settings.load_timeout_s
+    async def _bounded(self, aw, what: str, hold_s: float | None = None):
+        """`aw`, a step of a weights load, at most load_timeout_s, or `hold_s` (the learner's hold time on a
+        GPU buffer): a TimeoutError past it says what was being done and what bounds it (a hung worker
+        would otherwise keep generation paused for good)."""
+        limit = self.settings.load_timeout_s if hold_s is None else hold_s
         try:
             return await asyncio.wait_for(aw, timeout=limit)
         except TimeoutError:
-            raise TimeoutError(
-                f"{what} took over {limit:g} s ([actor.engine] load_timeout_s); is the engine stuck?"
-            ) from None
+            if hold_s is None:
+                why = "[actor.engine] load_timeout_s); is the engine stuck?"
+            else:
+                why = "the learner's hold time); is the engine stuck, or the learner unreachable?"
+            raise TimeoutError(f"{what} took over {limit:g} s ({why}") from None
 
     async def _resume(self) -> None:
         """Resume generation after a load's pause, unless part of the engine still sleeps ([up] gpu_share
@@ -805,7 +804,7 @@ class PolicyEngine:
 
     async def _prepare_gpu_load(self) -> None:
         if not getattr(self, "_gpu_load_prepared", False):  # once, outside the hold-time bound of a load
-            await self._llm.collective_rpc("parley_prepare_gpu_load")
+            await self._bounded_rpc("parley_prepare_gpu_load", "preparing the GPU-buffer loads (the checksum kernel)")
             self._gpu_load_prepared = True
 
     async def load_adapter(self, adapter_dir: str | Path, version: int) -> None:
@@ -850,23 +849,16 @@ class PolicyEngine:
         await self._settled()
         lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
         request = LoRARequest(f"v{version}-{lora_id}", lora_id, f"{STAGED_ADAPTER_PATH}{lora_id}")
-        stage = self._llm.collective_rpc(
-            "parley_stage_adapter", kwargs={"lora_id": lora_id, "lora_name": request.lora_name, **source}
-        )
         try:
-            if hold_s is None:  # tensors of this process: the load's own bound
-                reasons = await self._bounded(stage, f"staging adapter version {version}")
-            else:
-                reasons = await asyncio.wait_for(stage, timeout=hold_s)
-        except TimeoutError:
-            await self._forget(request)
-            if hold_s is None:
-                raise
-            raise TimeoutError(
-                f"copying adapter version {version} out of the learner's GPU buffer took over "
-                f"{hold_s:.0f} s (its hold time); is the engine stuck?"
-            ) from None
-        except BaseException:  # the add failed in a worker (it unstaged there); the others may hold it
+            reasons = await self._bounded_rpc(
+                "parley_stage_adapter",
+                f"staging adapter version {version}" + ("" if hold_s is None else " out of the learner's GPU buffer"),
+                hold_s,
+                lora_id=lora_id,
+                lora_name=request.lora_name,
+                **source,
+            )
+        except BaseException:  # the add failed in a worker (it unstaged there) or timed out; the others may hold it
             await self._forget(request)
             raise
         bad = [r for r in reasons if r]

@@ -55,6 +55,7 @@ def test_a_reload_that_hangs_ends_with_a_timeout_and_generation_stays_paused():
         (lambda e: e.load_packed_delta(b"announcement", "/w/delta", version=1), "applying the packed delta"),
         (lambda e: e.restore_packed(0), "loading version 0 again from the packed copy"),
         (lambda e: e.load_adapter("/w/adapter", version=1), "adding adapter version 1"),
+        (lambda e: e.keep_packed(b"announcement", "/w/v1"), "preparing the GPU-buffer loads"),
     ],
 )
 def test_every_other_load_that_hangs_ends_with_a_timeout(load, what, monkeypatch):
@@ -74,3 +75,39 @@ def test_the_bound_comes_from_the_engine_section():
     assert engine_settings(cfg.actor.engine, "/m").load_timeout_s == 42
     with pytest.raises(Exception, match="load_timeout_s"):
         load_config(None, ["actor.engine.load_timeout_s=0"])
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_a_gpu_buffer_load_is_bounded_by_the_learners_hold_time_not_the_load_timeout(adapter, monkeypatch):
+    """A cuda_ipc / nccl version (whole weights or an adapter) waits at most the learner's hold time, far
+    below load_timeout_s: past it the buffer may be overwritten. An adapter's staging is forgotten again."""
+    from tests.unit.test_engine_gpu_failures import announcement
+
+    monkeypatch.setattr("parley.engines.engine.PolicyEngine._settled", lambda self: asyncio.sleep(0))
+    if adapter:
+        pytest.importorskip("vllm")
+
+    async def go():
+        engine = hanging_engine(600.0)
+        engine._gpu_load_prepared = True  # its one-time preparation is load_timeout_s's (above)
+        engine._staged, engine._llm.remove_lora = set(), lambda lora_id: asyncio.sleep(0)
+        forgot = []
+
+        async def forget(request):
+            forgot.append(request.lora_int_id)
+
+        engine._forget = forget
+        load = (
+            engine.load_adapter_gpu(announcement(1), version=1, hold_s=0.2)
+            if adapter
+            else engine.load_gpu(announcement(1), hold_s=0.2, version=1)
+        )
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"took over 0.2 s \(the learner's hold time\)"):
+            await load
+        assert time.monotonic() - t0 < 2
+        assert forgot == ([1] if adapter else [])
+        if not adapter:
+            assert engine._mixed and engine._llm.paused and engine.version == 0
+
+    asyncio.run(go())
