@@ -233,6 +233,9 @@ class Actor:
         ]
         if self.phases is not None:  # an engine that failed a sleep or a wake stops the actor
             jobs.append(asyncio.create_task(self.phases.watch(stop), name="phases"))
+        watch = getattr(self.engine, "watch", None)  # a test's scripted engine has none
+        if watch is not None:  # an engine that died or stalls stops the actor: its tasks go to another
+            jobs.append(asyncio.create_task(watch(stop), name="engine"))
         try:
             done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
             stop.set()  # whichever ended first (normally: stop was set), the rest follow

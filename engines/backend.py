@@ -35,9 +35,10 @@ class BackendError(Refused, RuntimeError):
 
 
 def is_fatal(exc: BaseException) -> bool:
-    """True for errors after which a backend serves nothing more (vLLM's engine core died); a
-    service then stops rather than answer every request with a fallback."""
-    return type(exc).__name__ == "EngineDeadError"
+    """True for errors after which a backend serves nothing more (vLLM's engine core died, or
+    PolicyEngine.watch found it dead or stalled: EngineFailed); a service then stops rather than
+    answer every request with a fallback."""
+    return type(exc).__name__ in ("EngineDeadError", "EngineFailed")
 
 
 class Backend(Protocol):
@@ -110,6 +111,7 @@ def engine_settings(
         max_num_seqs=max_num_seqs(cfg, requests),
         max_num_batched_tokens=batched,
         load_timeout_s=cfg.load_timeout_s,
+        stall_timeout_s=cfg.stall_timeout_s,
         extra=extra,
     )
 
@@ -205,6 +207,10 @@ class LocalBackend:
             ids, schema, max_tokens=min(max_tokens, room), temperature=temperature, seed=seed, top_logprobs=top_logprobs
         )
         return out.text, out.top
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Until `stop`; raises EngineFailed once the engine has died or stalls (PolicyEngine.watch)."""
+        await self.engine.watch(stop)
 
     async def close(self) -> None:
         if self._owns_engine:

@@ -62,6 +62,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # served weights back (bounded too) or stops the actor, instead of generation paused for good behind
     # an engine that hangs. A GPU-buffer load is bounded by the learner's hold time instead.
     load_timeout_s: Annotated[float, Meta(gt=0)] = 600.0
+    # The longest requests may wait on the engine while it takes no step (and parley did not pause it
+    # for a load or a sleep): past it the role stops with EngineFailed and its unfinished work is handed
+    # on, instead of every request held behind a hung engine core (engines.engine.PolicyEngine.watch).
+    # Above the longest step the engine may take: a prefill of max_num_batched_tokens, a fresh engine's
+    # first request (seconds on CPU), a new JSON schema's grammar.
+    stall_timeout_s: Annotated[float, Meta(gt=0)] = 300.0
 
 
 class ServiceBackend(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -18,9 +18,11 @@ In fp32 the behaviour log-prob equals what the learner's forward pass gives for 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from parley.engines.config import START_METHODS
-from parley.errors import ConfigError
+from parley.errors import ConfigError, StateError
 from parley.weights.worker import REFUSED, STAGED_ADAPTER_PATH
 
 MiB = 1 << 20
@@ -116,6 +118,8 @@ class EngineSettings:
     max_num_batched_tokens: int | None = None
     # the most one weights load may take (EngineConfig.load_timeout_s)
     load_timeout_s: float = 600.0
+    # the longest requests may wait on an engine that takes no step (EngineConfig.stall_timeout_s)
+    stall_timeout_s: float = 300.0
     # extra AsyncEngineArgs fields, for what the above does not cover
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -234,6 +238,9 @@ class EngineCounts:
         self.cached_tokens = 0
         self.stale_cached_tokens = 0
         self.stale_prefix_requests = 0
+        # batches of outputs the engine core has sent (every step that produced or reported anything):
+        # PolicyEngine.watch's evidence that the engine is stepping
+        self.steps = 0
 
     def prompt(self, prompt_tokens: int, cached: int, stale: int) -> None:
         """One finished request's prompt: its length, its tokens from the prefix cache, the stale ones."""
@@ -254,6 +261,7 @@ class EngineCounts:
 
     def record(self, iteration_stats) -> None:
         """One batch of outputs' IterationStats (None when the batch had no output)."""
+        self.steps += 1
         if iteration_stats is not None:
             self.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
 
@@ -454,6 +462,11 @@ def cpu_executor(bind: str, tensor_parallel_size: int) -> str | None:
     return IN_CORE_EXECUTOR if bind == CPU_BIND_DEFAULT and tensor_parallel_size == 1 else None
 
 
+class EngineFailed(StateError):
+    """The engine serves nothing more: vLLM's engine core died, or it held requests without taking a step
+    for [*.engine] stall_timeout_s (PolicyEngine.watch). The role stops; its unfinished work is handed on."""
+
+
 class PolicyEngine:
     """One vLLM engine. Construction blocks while vLLM loads the model (tens of seconds on CPU)
     and spawns its engine-core process; call it from the process's main module guarded by
@@ -464,6 +477,8 @@ class PolicyEngine:
     """
 
     _removing: asyncio.Task | None = None  # adapters a new version replaced, being removed (_adopt_adapter)
+    _requests = 0  # generate/generate_json calls waiting on vLLM now
+    _loading = 0  # weights-load steps (_bounded) running now: the engine core may not step meanwhile
     # what sleep() freed and wake_up has not given back yet ("weights", "kv_cache"): a load made meanwhile
     # leaves vLLM's scheduler paused (_resume)
     _asleep: frozenset[str] = frozenset()
@@ -483,6 +498,7 @@ class PolicyEngine:
         self.version = version
         self.counts = EngineCounts()
         logger = counting_logger(self.counts)
+        self._steps_counted = logger is not None  # watch() can tell a stalled engine from a busy one
         self._llm = AsyncLLM.from_engine_args(
             _engine_args(settings, cpu_bind), stat_loggers=[logger] if logger is not None else None
         )
@@ -537,8 +553,12 @@ class PolicyEngine:
         lora = self.adapters.get(self.version if version is None else version)
         if version is not None and lora is None and version != self.base_version:
             raise KeyError(f"adapter version {version} is not loaded (loaded: {sorted(self.adapters)})")
-        async for out in self._llm.generate(prompt, params, uuid.uuid4().hex, lora_request=lora):
-            final = out
+        self._requests += 1
+        try:
+            async for out in self._llm.generate(prompt, params, uuid.uuid4().hex, lora_request=lora):
+                final = out
+        finally:
+            self._requests -= 1
         if final is None or not final.outputs:
             return GenOut([], [], "abort", "")
         if final.prompt_token_ids is not None and list(final.prompt_token_ids) != list(prompt_ids):
@@ -783,6 +803,7 @@ class PolicyEngine:
         GPU buffer): a TimeoutError past it says what was being done and what bounds it (a hung worker
         would otherwise keep generation paused for good)."""
         limit = self.settings.load_timeout_s if hold_s is None else hold_s
+        self._loading += 1
         try:
             return await asyncio.wait_for(aw, timeout=limit)
         except TimeoutError:
@@ -791,6 +812,8 @@ class PolicyEngine:
             else:
                 why = "the learner's hold time); is the engine stuck, or the learner unreachable?"
             raise TimeoutError(f"{what} took over {limit:g} s ({why}") from None
+        finally:
+            self._loading -= 1
 
     async def _resume(self) -> None:
         """Resume generation after a load's pause, unless part of the engine still sleeps ([up] gpu_share
@@ -981,6 +1004,39 @@ class PolicyEngine:
                 )
             await self._llm.wake_up(tags=None if tags is None else list(tags))
             self._asleep = frozenset() if tags is None else self._asleep - set(tags)
+
+    # -- liveness -------------------------------------------------------------------------------
+
+    def paused_here(self) -> bool:
+        """Whether parley itself keeps the engine from stepping now: a weights load (bounded on its own by
+        load_timeout_s or the learner's hold time), a sleep, weights mixed by a failed load."""
+        return self._reload_lock.locked() or self._loading > 0 or bool(self._asleep) or self._mixed
+
+    async def watch(self, stop: asyncio.Event, tick_s: float | None = None) -> None:
+        """Until `stop`: raise EngineFailed once vLLM's engine core has died, or once requests have waited on
+        the engine for stall_timeout_s while it took no step and parley did not pause it (paused_here). A
+        hung engine core (a GPU kernel that never returns, a wedged worker) otherwise holds every request,
+        and the conversations and tasks behind them, until the learner's group timeout or for good; a dead
+        one fails each request as it comes, and its role would go on taking work it cannot do. The role
+        stops instead, and its unfinished work is handed on (the actor's tasks are redelivered)."""
+        limit = self.settings.stall_timeout_s
+        tick = tick_s if tick_s is not None else min(5.0, limit / 4)
+        steps, since = self.counts.steps, time.monotonic()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=tick)
+            if stop.is_set() or self._llm is None:
+                return
+            if getattr(self._llm, "errored", False):
+                raise EngineFailed(f"the engine of {self.settings.model} has died (vLLM's engine core is gone)")
+            now = time.monotonic()
+            if self.counts.steps != steps or not self._requests or self.paused_here() or not self._steps_counted:
+                steps, since = self.counts.steps, now
+            elif now - since > limit:
+                raise EngineFailed(
+                    f"the engine of {self.settings.model} held {self._requests} requests for {now - since:.0f} s "
+                    f"without taking a step ([*.engine] stall_timeout_s = {limit:g}); is its GPU or worker hung?"
+                )
 
     def shutdown(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None

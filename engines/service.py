@@ -460,8 +460,8 @@ async def serve_backend(
     and `parley reference`: connect, announce every (role, id) as starting, load the backend (a
     local engine blocks here while it loads), serve what `build(nc, backend)` returns until `stop`,
     close the backend. The backend is make_backend(backend_cfg), or `make()` for one that is not an
-    LLM engine (the reference model). One service failing (its engine died) stops the others and
-    is raised: the process exits non-zero. A BadServiceConfig from `build` is logged and gives exit code 2."""
+    LLM engine (the reference model). One service failing (its engine died), or the local engine found
+    dead or stalled (its `watch`), stops the others and is raised: the process exits non-zero. A BadServiceConfig from `build` is logged and gives exit code 2."""
     from parley.engines.backend import make_backend
     from parley.runtime.role import role_connection
 
@@ -483,6 +483,9 @@ async def serve_backend(
                 asyncio.create_task(svc.run_until(stop, run=cfg.run.name, role=role, ident=rid, grace_s=grace))
                 for svc, role, rid, grace in served
             ]
+            watch = getattr(backend, "watch", None)  # a local engine that dies or stalls stops the services
+            if watch is not None:
+                tasks.append(asyncio.create_task(watch(stop)))
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)

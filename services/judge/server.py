@@ -21,6 +21,7 @@ import msgspec
 
 from parley.config.run import RunConfig
 from parley.config.scorer import JudgeConfig
+from parley.engines.backend import is_fatal
 from parley.protocol import topology
 from parley.protocol.messages import ChatMessage, JudgeReply, JudgeRequest
 from parley.rewards.metrics import (
@@ -330,6 +331,8 @@ class Judge:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - backend errors and bad output alike are retried, then reported
+                if is_fatal(e):  # the engine is gone: no retry can answer, the service stops (judge_service)
+                    raise
                 errors.append(f"attempt {attempt}: {type(e).__name__}: {e}")
                 log.warning("judge %s attempt %d/%d failed: %s", op, attempt, attempts, e)
                 continue
@@ -383,6 +386,7 @@ def judge_service(nc, judge: Judge, *, name: str = "judge"):
         on_error=error_reply,
         name=name,
         counters=counters,
+        fatal=is_fatal,
     )
 
 

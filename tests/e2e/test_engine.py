@@ -113,6 +113,48 @@ def test_a_cancelled_generation_is_aborted_in_the_engine_and_the_engine_serves_o
     assert 0 < len(out.token_ids) <= 8
 
 
+def test_the_watch_lets_a_stepping_engine_run_and_fails_one_that_holds_a_request_without_a_step(ctx):
+    """PolicyEngine.watch on vLLM itself: its evidence that the engine steps is vLLM's stat logger, called
+    at every batch the engine core sends (EngineCounts.steps). A generation longer than the stall bound
+    runs through; a scheduler paused behind parley's back (as a hung engine core holds requests) with a
+    request waiting fails the watch past the bound; resumed, the engine serves the request on."""
+    import dataclasses
+    import time
+
+    from parley.engines.engine import EngineFailed
+
+    engine, settings = ctx.engine, ctx.engine.settings
+
+    async def go():
+        # a fresh engine's first request waits seconds for its first step (the CPU build's warm-up); the
+        # stall bound in use is minutes (EngineConfig.stall_timeout_s), this test's 0.3 s is for after it
+        await engine.generate(ctx.prompt("Hello."), max_tokens=4, seed=3)
+        stop = asyncio.Event()
+        watch = asyncio.ensure_future(engine.watch(stop, tick_s=0.02))
+        steps, t0 = engine.counts.steps, time.monotonic()
+        out = await engine.generate(ctx.prompt("Write a long story."), max_tokens=200, seed=3)
+        took, stepped = time.monotonic() - t0, engine.counts.steps - steps
+        assert not watch.done(), watch  # a long generation is not a stall
+        stop.set()
+        await watch
+        await engine._llm.pause_generation(mode="keep", clear_cache=False)  # parley does not know
+        try:
+            held = asyncio.ensure_future(engine.generate(ctx.prompt("Tell me about item 2."), max_tokens=8, seed=4))
+            with pytest.raises(EngineFailed, match="held 1 requests for"):
+                await asyncio.wait_for(engine.watch(asyncio.Event(), tick_s=0.02), timeout=30)
+        finally:
+            await engine._llm.resume_generation()
+        return out, took, stepped, await asyncio.wait_for(held, timeout=60)
+
+    engine.settings = dataclasses.replace(settings, stall_timeout_s=0.3)
+    try:
+        out, took, stepped, after = ctx.run(go())
+    finally:
+        engine.settings = settings
+    assert took > 0.3 and stepped >= len(out.token_ids) // 2, (took, stepped, len(out.token_ids))
+    assert 0 < len(after.token_ids) <= 8
+
+
 def test_a_simulator_request_withdrawn_by_its_cancelled_actor_is_aborted_in_the_engine(ctx, nats_server, monkeypatch):
     """The whole chain of a withdrawal: an actor's SimClient.ask cancelled (StaleWatch) withdraws its
     request on the bus; the simulator service (engines/service.py over services/sim/server.py and a LocalBackend

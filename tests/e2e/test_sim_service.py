@@ -165,3 +165,25 @@ async def test_openai_backend_sends_a_json_schema_request(nc, monkeypatch):
     assert body["response_format"]["json_schema"]["schema"] == SIM_SCHEMA
     assert body["chat_template_kwargs"] == {"enable_thinking": False}
     assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant"]
+
+
+async def test_a_dead_backend_stops_the_judge_instead_of_answering_failures_forever(nc):
+    """The judge retried an engine that had died as it retries a malformed verdict, answered ok=False,
+    and kept its place in the queue group: every scorer's request failed there for good while the
+    process looked alive. Now a fatal error is not retried and the service stops (a fresh judge, or a
+    replica, answers the requester's retry)."""
+    from parley.config.scorer import JudgeConfig
+    from parley.protocol.messages import JudgeRequest
+    from parley.services.judge.server import Judge, judge_service
+
+    backend = SlowBackendDouble("dead", delay=0.0, fail=EngineDeadError("engine core died"))
+    service = judge_service(nc, Judge(backend, JudgeConfig(max_retries=3)), name="j1")
+    stop = asyncio.Event()
+    runner = asyncio.create_task(service.run_until(stop, run="judgetest", role="judge", ident="j1"))
+    await asyncio.sleep(0.2)
+    request = codec.encode(JudgeRequest(op="extract", messages=[ChatMessage("user", "hi")]))
+    with pytest.raises(nats.errors.TimeoutError):  # no ok=False verdict to retry against a dead engine
+        await nc.request(topology.judge_subject("extract"), request, timeout=1.0)
+    assert backend.calls == 1  # not retried
+    with pytest.raises(RuntimeError, match="backend failed: EngineDeadError"):
+        await asyncio.wait_for(runner, 5)
