@@ -17,6 +17,7 @@ from parley.errors import ParleyError
 
 EXIT_NATS_UNREACHABLE = 3
 EXIT_TOPOLOGY = 4
+_at_fork = False  # _forget_parents_wakeup_fd registered (once a process)
 
 
 class Stopped(ParleyError):
@@ -54,8 +55,19 @@ def setup_logging(role: str, level: str | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _forget_parents_wakeup_fd() -> None:
+    """In a forked child: let go of the parent's signal wakeup fd. Python keeps it across a fork (3.11;
+    asyncio drops it from 3.12), so every signal the child then got was also written to the parent's
+    event loop, which ran its own handler: vLLM's SIGTERM to a forked engine core as the engine shuts
+    down set the parent's stop, and a `parley eval` that closes one engine to open another (a second
+    model shape) ended as if interrupted."""
+    with contextlib.suppress(ValueError):  # not the main thread: no wakeup fd to drop
+        signal.set_wakeup_fd(-1)
+
+
 def run_async(main, *args) -> int:
-    """Run `main(stop, *args)` to completion; its return value (None = 0) is the exit code."""
+    """Run `main(stop, *args)` to completion; its return value (None = 0) is the exit code. A child
+    forked meanwhile does not pass its signals on to this process (_forget_parents_wakeup_fd)."""
     try:
         import uvloop
 
@@ -76,6 +88,11 @@ def run_async(main, *args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping)
         return await main(stop, *args)
+
+    global _at_fork
+    if not _at_fork:
+        os.register_at_fork(after_in_child=_forget_parents_wakeup_fd)
+        _at_fork = True
 
     from parley.protocol.connect import NatsUnreachable
     from parley.protocol.topology import TopologyError
