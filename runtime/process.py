@@ -59,8 +59,8 @@ def _forget_parents_wakeup_fd() -> None:
     """In a forked child: let go of the parent's signal wakeup fd. Python keeps it across a fork (3.11;
     asyncio drops it from 3.12), so every signal the child then got was also written to the parent's
     event loop, which ran its own handler: vLLM's SIGTERM to a forked engine core as the engine shuts
-    down set the parent's stop, and a `parley eval` that closes one engine to open another (a second
-    model shape) ended as if interrupted."""
+    down set the parent's stop (on a GPU, where the first engine of a process is forked: a `parley eval`
+    that closes one engine to open another, for a second model shape, would end as if interrupted)."""
     with contextlib.suppress(ValueError):  # not the main thread: no wakeup fd to drop
         signal.set_wakeup_fd(-1)
 
