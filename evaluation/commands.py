@@ -540,6 +540,7 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     job) before the first line is read, so the first result does not wait for an engine start. End of
     input while it opens ends the child once the engine is up (the line is read after it); a SIGTERM
     or SIGINT ends it at once (130), while the engine opens or while it waits for a job."""
+    import asyncio
     import json
 
     from parley.evaluation.runner import Condition
@@ -548,6 +549,11 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     env = env or cfg.env.load()
     policy = FollowingPolicy(cfg)
     read_line = read_line or _stdin_line
+    # `halt`: the stop, or the engine found dead or stalled (_watch_engine): a hung engine would hold
+    # a version's conversations until the learner's drain gives up; the child exits 4 instead, and the
+    # learner's next version starts a fresh one
+    halt, failed = asyncio.Event(), []
+    watch = asyncio.ensure_future(_watch_engine(policy, stop, halt, failed))
     try:
         try:
             seconds = policy.open_first(cfg.policy.model)
@@ -558,11 +564,11 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
             _err(
                 f"parley eval --follow: policy engine on {cfg.policy.model} open in {seconds:.1f}s, before any version"
             )
-        while not stop.is_set():
+        while not halt.is_set():
             try:
-                line = await unless_stopped(read_line(), stop)
-            except Stopped:  # a SIGTERM or SIGINT while it waited for a job
-                return 130
+                line = await unless_stopped(read_line(), halt)
+            except Stopped:  # a SIGTERM or SIGINT while it waited for a job (or the engine failed)
+                return _engine_failed(failed) or 130
             if not line:
                 return 0
             if not line.strip():
@@ -584,7 +590,7 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
                 return await policy.open(m, version)
 
             code = await run_eval(
-                stop,
+                halt,
                 cfg,
                 [Condition(name=name, model=model)],
                 held,
@@ -596,13 +602,54 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
                 env,
                 open_policy=open_policy,
             )
+            code = _engine_failed(failed) or code
             _err(
                 f"parley eval --follow: version {version} done in {time.perf_counter() - t0:.1f}s (exit {code}; "
                 f"engine starts {policy.starts}, in-place loads {policy.loads})"
             )
             _out(DONE_MARK + json.dumps({"version": version, "code": code}))
-            if code == 130:
-                return 130
-        return 130
+            if code == 130 or failed:
+                return code
+        return _engine_failed(failed) or 130
     finally:
+        halt.set()
+        await asyncio.gather(watch, return_exceptions=True)
         await policy.close()
+
+
+async def _watch_engine(policy: FollowingPolicy, stop, halt, failed: list) -> None:
+    """`parley eval --follow`'s watch on its policy engine (engines.engine.PolicyEngine.watch) while it is
+    open, until `halt`: EngineFailed is kept in `failed` and sets `halt`; so does `stop`."""
+    import asyncio
+    import contextlib
+
+    from parley.engines.engine import EngineFailed
+
+    async def relay() -> None:
+        await stop.wait()
+        halt.set()
+
+    relaying = asyncio.ensure_future(relay())
+    try:
+        while not halt.is_set():
+            watch = getattr(policy.engine, "watch", None)  # None: not open yet (the first job opens it)
+            try:
+                if watch is not None:
+                    await watch(halt)
+            except EngineFailed as e:
+                failed.append(e)
+                halt.set()
+                return
+            with contextlib.suppress(TimeoutError):  # not open, or closed under the watch: look again
+                await asyncio.wait_for(halt.wait(), timeout=1.0)
+    finally:
+        relaying.cancel()
+
+
+def _engine_failed(failed: list) -> int | None:
+    """The exit code of an engine the watch found dead or stalled (EngineFailed's, 4), said on standard
+    error; None while none failed."""
+    if not failed:
+        return None
+    _err(f"parley eval --follow: {failed[0]}; exiting (the learner starts a fresh child for its next version)")
+    return type(failed[0]).exit_code

@@ -200,3 +200,42 @@ def test_standard_input_is_read_by_a_thread_that_does_not_hold_the_exit(monkeypa
     seconds = asyncio.run(stopped_while_reading())
     assert seconds < 0.4  # returned while the read still waited
     assert seen[0].daemon and seen[0].name == "eval-follow-stdin"
+
+
+async def test_an_engine_found_stalled_ends_the_version_and_the_child_with_exit_4(monkeypatch, tmp_path, capsys):
+    """A policy engine that hangs while a version is played held that version (and every later one) until
+    the learner's drain gave up: the engine's watch (engines.engine.PolicyEngine.watch) now ends the
+    version and the child with EngineFailed's exit code, 4; the learner starts a fresh child for its next
+    version (evaluation.periodic.FollowingChild)."""
+    from parley.engines.engine import EngineFailed
+
+    cfg = load_config(None, [])
+    events: list[tuple] = []
+
+    class StallingEngineDouble(EngineDouble):
+        """Test double of PolicyEngine whose watch finds it stalled a moment into the first version."""
+
+        async def watch(self, stop):
+            await asyncio.sleep(0.2)
+            raise EngineFailed("test double: held 1 requests for 300 s without taking a step")
+
+    def open_stalling(engine_cfg, version=0, sampled_logprobs=False, sleep_mode=False):
+        events.append(("open", engine_cfg.model))
+        return StallingEngineDouble(events), object(), "path"
+
+    async def hung_run_eval(stop, cfg, conds, *args, **kwargs):
+        """Test double of run_eval on a hung engine: nothing finishes until it is stopped (then 130)."""
+        events.append(("playing", conds[0].model))
+        await stop.wait()
+        return 130
+
+    read_line = doubles(monkeypatch, events, [job(0, cfg.policy.model, tmp_path / "o0"), ""], open_engine=open_stalling)
+    monkeypatch.setattr(commands, "run_eval", hung_run_eval)
+    code = await asyncio.wait_for(
+        commands.follow(asyncio.Event(), cfg, [], None, env=object(), read_line=read_line), 10
+    )
+    assert code == 4
+    assert events == [("open", cfg.policy.model), ("read",), ("playing", cfg.policy.model), ("shutdown",)]
+    out, err = capsys.readouterr()
+    assert [json.loads(x.removeprefix(commands.DONE_MARK)) for x in out.splitlines()] == [{"version": 0, "code": 4}]
+    assert "without taking a step; exiting" in err
