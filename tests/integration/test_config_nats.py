@@ -120,7 +120,9 @@ async def test_ca_file_from_the_config_reaches_a_role(tls_server):
         pytest.param(["replay", "--stream", "scored"], marks=pytest.mark.extended),
         pytest.param(["top"], marks=pytest.mark.extended),
         pytest.param(["auth", "topology", "--wait", "0"], marks=pytest.mark.extended),
-        ["eval", "--services", "nats", "--condition", "base=tiny", "--n-items", "1"],
+        pytest.param(
+            ["eval", "--services", "nats", "--condition", "base=tiny", "--n-items", "1"], marks=pytest.mark.extended
+        ),
         pytest.param(["scorer", "--id", "scorer-creds"], marks=pytest.mark.extended),
         ["actor", "--id", "actor-creds"],
         pytest.param(["sim", "--id", "sim-creds"], marks=pytest.mark.extended),
@@ -180,7 +182,13 @@ def test_a_creds_file_from_the_config_logs_in_to_an_operator_mode_server(operato
 
 
 @pytest.mark.parametrize(
-    "command", [["selfcheck", "--external", "--run", OP_RUN], ["replay", "--stream", "scored"]], ids=lambda c: c[0]
+    "command",
+    [
+        ["selfcheck", "--external", "--run", OP_RUN],
+        # the same deploy.common.resolve path as selfcheck: extended tier
+        pytest.param(["replay", "--stream", "scored"], marks=pytest.mark.extended),
+    ],
+    ids=lambda c: c[0],
 )
 def test_without_the_creds_file_the_operator_mode_server_refuses(operator_server, command):
     _, without, _ = operator_server
