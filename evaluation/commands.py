@@ -249,9 +249,13 @@ async def run_eval(
         engine, tokenizer, _ = open_engine(eval_engine(cfg.actor.engine, model))
         return engine, tokenizer
 
+    local: list = []  # what names this process's local engines, for their watch (watch_engines)
     if open_policy is None:  # checkpoints of one base share one engine: their weights are swapped in
         open_policy = SwappingPolicies(start_engine, version=policy_version)
         closers.append(open_policy.close)
+        local.append(lambda p=open_policy: p.engine)
+    if services == "local":
+        local += [lambda b=b: getattr(b, "engine", None) for b in (sim_backend, judge_backend) if b is not None]
 
     svc = EvalServices(
         open_policy=open_policy,
@@ -281,16 +285,18 @@ async def run_eval(
                 f"[actor] sim_timeout_s={sim.timeout_s:.0f}s per message; what is still missing then is reported"
             )
         work = asyncio.create_task(play_conditions(conds, held, settings, svc, on_record, missing.append))
-    stopped = asyncio.create_task(stop.wait())
+    # `halt`: the stop, or a local engine found dead or stalled (watch_engines)
+    halt, failed = asyncio.Event(), []
+    stopped = asyncio.create_task(watch_engines(lambda: [get() for get in local], stop, halt, failed))
     try:
         await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done() or stop.is_set():  # Ctrl-C / SIGTERM: keep what is finished, skip the table
+        if not work.done() or halt.is_set():  # Ctrl-C / SIGTERM: keep what is finished, skip the table
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             if done:
                 path = write_parquet(done, Path(out) / "records.parquet")
                 _err(f"parley eval: interrupted; {len(done)} finished conversations in {path}")
-            return 130
+            return _engine_failed(failed, "parley eval", "run it again; the finished conversations are kept") or 130
         try:
             records = work.result()
         # Retry / Poison: the simulator service answered garbage or stayed unreachable (services.sim.client.SimClient)
@@ -301,7 +307,8 @@ async def run_eval(
             _err(f"parley eval: {e}{hint}")
             return 1
     finally:
-        stopped.cancel()
+        halt.set()
+        await asyncio.gather(stopped, return_exceptions=True)
         for close in closers:
             await close()
         if nc is not None:
@@ -549,11 +556,11 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
     env = env or cfg.env.load()
     policy = FollowingPolicy(cfg)
     read_line = read_line or _stdin_line
-    # `halt`: the stop, or the engine found dead or stalled (_watch_engine): a hung engine would hold
+    # `halt`: the stop, or the engine found dead or stalled (watch_engines): a hung engine would hold
     # a version's conversations until the learner's drain gives up; the child exits 4 instead, and the
     # learner's next version starts a fresh one
     halt, failed = asyncio.Event(), []
-    watch = asyncio.ensure_future(_watch_engine(policy, stop, halt, failed))
+    watch = asyncio.ensure_future(watch_engines(lambda: [policy.engine], stop, halt, failed))
     try:
         try:
             seconds = policy.open_first(cfg.policy.model)
@@ -617,11 +624,12 @@ async def follow(stop, cfg, held, settings, env=None, read_line=None) -> int:
         await policy.close()
 
 
-async def _watch_engine(policy: FollowingPolicy, stop, halt, failed: list) -> None:
-    """`parley eval --follow`'s watch on its policy engine (engines.engine.PolicyEngine.watch) while it is
-    open, until `halt`: EngineFailed is kept in `failed` and sets `halt`; so does `stop`."""
+async def watch_engines(engines, stop, halt, failed: list) -> None:
+    """Watch the local engines `engines()` names (engines.engine.PolicyEngine.watch; None for one not
+    open yet, or remote), each as it opens, until `halt`: the first EngineFailed is kept in `failed` and
+    sets `halt`; so does `stop`. What `parley eval` and `parley eval --follow` play on a local engine
+    then ends with exit 4 instead of waiting on an engine that died or hangs."""
     import asyncio
-    import contextlib
 
     from parley.engines.engine import EngineFailed
 
@@ -629,10 +637,9 @@ async def _watch_engine(policy: FollowingPolicy, stop, halt, failed: list) -> No
         await stop.wait()
         halt.set()
 
-    relaying = asyncio.ensure_future(relay())
-    try:
+    async def one(k: int) -> None:
         while not halt.is_set():
-            watch = getattr(policy.engine, "watch", None)  # None: not open yet (the first job opens it)
+            watch = getattr(engines()[k], "watch", None)
             try:
                 if watch is not None:
                     await watch(halt)
@@ -640,16 +647,24 @@ async def _watch_engine(policy: FollowingPolicy, stop, halt, failed: list) -> No
                 failed.append(e)
                 halt.set()
                 return
-            with contextlib.suppress(TimeoutError):  # not open, or closed under the watch: look again
+            # not open yet, or closed under the watch (another model's engine opens next): look again
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(halt.wait(), timeout=1.0)
+
+    jobs = [asyncio.ensure_future(relay()), *(asyncio.ensure_future(one(k)) for k in range(len(engines())))]
+    try:
+        await halt.wait()
     finally:
-        relaying.cancel()
+        for j in jobs:
+            j.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
 
 
-def _engine_failed(failed: list) -> int | None:
-    """The exit code of an engine the watch found dead or stalled (EngineFailed's, 4), said on standard
+def _engine_failed(failed: list, command: str = "parley eval --follow", then: str = "") -> int | None:
+    """The exit code of an engine watch_engines found dead or stalled (EngineFailed's, 4), said on standard
     error; None while none failed."""
     if not failed:
         return None
-    _err(f"parley eval --follow: {failed[0]}; exiting (the learner starts a fresh child for its next version)")
+    then = then or "the learner starts a fresh child for its next version"
+    _err(f"{command}: {failed[0]}; exiting ({then})")
     return type(failed[0]).exit_code

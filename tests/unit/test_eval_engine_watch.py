@@ -1,0 +1,66 @@
+"""`parley eval` watches the local engines it plays on (evaluation.commands.watch_engines over
+engines.engine.PolicyEngine.watch): a policy engine that hangs while a condition is played ends the eval
+with EngineFailed's exit code, 4, and the reason on standard error, instead of the eval waiting for good.
+The real run_eval with test doubles for vLLM's engine (open_engine) and for the per-condition play."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from parley.config.run import load_config
+from parley.engines import backend
+from parley.engines.engine import EngineFailed
+from parley.evaluation import commands, runner
+from parley.evaluation.runner import Condition
+
+
+class StallingEngineDouble:
+    """Test double of PolicyEngine whose watch finds it stalled a moment after it opened."""
+
+    def __init__(self):
+        self.closed = False
+
+    async def watch(self, stop):
+        await asyncio.sleep(0.2)
+        raise EngineFailed("test double: held 4 requests for 300 s without taking a step")
+
+    def shutdown(self):
+        self.closed = True
+
+
+async def test_a_policy_engine_found_stalled_ends_the_eval_with_exit_4(monkeypatch, tmp_path, capsys):
+    cfg = load_config(None, [])
+    engines = []
+
+    def open_engine_double(engine_cfg, version=0, sampled_logprobs=False, sleep_mode=False):
+        engines.append(StallingEngineDouble())
+        return engines[-1], object(), "path"
+
+    async def hung_play(conds, held, settings, svc, on_record, on_missing):
+        """Test double of evaluation.runner.run_eval on a hung engine: opens the policy, finishes nothing."""
+        await svc.open_policy(conds[0].model)
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(backend, "open_engine", open_engine_double)
+    monkeypatch.setattr(runner, "run_eval", hung_play)
+    no_services = SimpleNamespace(needs_simulator=False, needs_judge=False)  # a programmatic user, no judge
+    code = await asyncio.wait_for(
+        commands.run_eval(
+            asyncio.Event(),
+            cfg,
+            [Condition(name="base", model=cfg.policy.model)],
+            [],
+            None,
+            "local",
+            "base",
+            tmp_path,
+            env=no_services,
+            in_process=object(),
+        ),
+        10,
+    )
+    assert code == 4
+    assert len(engines) == 1 and engines[0].closed
+    err = capsys.readouterr().err
+    assert "parley eval: test double: held 4 requests for 300 s without taking a step; exiting" in err
