@@ -461,7 +461,8 @@ async def serve_backend(
     local engine blocks here while it loads), serve what `build(nc, backend)` returns until `stop`,
     close the backend. The backend is make_backend(backend_cfg), or `make()` for one that is not an
     LLM engine (the reference model). One service failing (its engine died), or the local engine found
-    dead or stalled (its `watch`), stops the others and is raised: the process exits non-zero. A BadServiceConfig from `build` is logged and gives exit code 2."""
+    dead or stalled (its `watch`), stops the others and is raised: the process exits non-zero. A
+    BadServiceConfig from `build` is logged and gives exit code 2."""
     from parley.engines.backend import make_backend
     from parley.runtime.role import role_connection
 

@@ -306,6 +306,17 @@ async def run_eval(
             hint = "" if isinstance(e, FleetError) else "; is `parley sim` (or `parley services`) running on this NATS?"
             _err(f"parley eval: {e}{hint}")
             return 1
+        except Exception as e:
+            from parley.engines.backend import is_fatal
+
+            if not is_fatal(e):
+                raise
+            # a local engine (the in-process judge's or simulator's) died under a conversation before
+            # its watch saw it: the same end as the watch's
+            if done:
+                write_parquet(done, Path(out) / "records.parquet")
+            failed.append(e)
+            return _engine_failed(failed, "parley eval", "run it again; the finished conversations are kept")
     finally:
         halt.set()
         await asyncio.gather(stopped, return_exceptions=True)
@@ -661,10 +672,13 @@ async def watch_engines(engines, stop, halt, failed: list) -> None:
 
 
 def _engine_failed(failed: list, command: str = "parley eval --follow", then: str = "") -> int | None:
-    """The exit code of an engine watch_engines found dead or stalled (EngineFailed's, 4), said on standard
-    error; None while none failed."""
+    """The exit code of an engine watch_engines found dead or stalled, or that died under a conversation
+    (EngineFailed's, 4), said on standard error; None while none failed."""
+    from parley.engines.engine import EngineFailed
+
     if not failed:
         return None
     then = then or "the learner starts a fresh child for its next version"
-    _err(f"{command}: {failed[0]}; exiting ({then})")
-    return type(failed[0]).exit_code
+    e = failed[0]
+    _err(f"{command}: {e if isinstance(e, EngineFailed) else f'{type(e).__name__}: {e}'}; exiting ({then})")
+    return EngineFailed.exit_code

@@ -64,3 +64,36 @@ async def test_a_policy_engine_found_stalled_ends_the_eval_with_exit_4(monkeypat
     assert len(engines) == 1 and engines[0].closed
     err = capsys.readouterr().err
     assert "parley eval: test double: held 4 requests for 300 s without taking a step; exiting" in err
+
+
+async def test_an_engine_that_dies_under_a_conversation_ends_the_eval_with_exit_4(monkeypatch, tmp_path, capsys):
+    """The in-process judge no longer answers a dead engine with failed verdicts (it stops, as the service
+    does): the error reaches run_eval before the watch's next look, and ends the eval the same way."""
+
+    class EngineDeadError(RuntimeError):
+        """Stands in for vllm.v1.engine.exceptions.EngineDeadError (backend.is_fatal matches by name)."""
+
+    async def dying_play(conds, held, settings, svc, on_record, on_missing):
+        """Test double of evaluation.runner.run_eval whose judge's engine died under the first conversation."""
+        raise EngineDeadError("EngineCore encountered an issue")
+
+    monkeypatch.setattr(runner, "run_eval", dying_play)
+    cfg = load_config(None, [])
+    no_services = SimpleNamespace(needs_simulator=False, needs_judge=False)
+    code = await asyncio.wait_for(
+        commands.run_eval(
+            asyncio.Event(),
+            cfg,
+            [Condition(name="base", model=cfg.policy.model)],
+            [],
+            None,
+            "local",
+            "base",
+            tmp_path,
+            env=no_services,
+            in_process=object(),
+        ),
+        10,
+    )
+    assert code == 4
+    assert "parley eval: EngineDeadError: EngineCore encountered an issue; exiting" in capsys.readouterr().err
