@@ -29,6 +29,17 @@ class StallingEngineDouble:
         self.closed = True
 
 
+async def eval_base(cfg, out):
+    """`parley eval` of the policy model alone, in this process, in an environment that asks no simulator
+    or judge (a programmatic user); its exit code, or TimeoutError past 10 s."""
+    no_services = SimpleNamespace(needs_simulator=False, needs_judge=False)
+    conds = [Condition(name="base", model=cfg.policy.model)]
+    run = commands.run_eval(
+        asyncio.Event(), cfg, conds, [], None, "local", "base", out, env=no_services, in_process=object()
+    )
+    return await asyncio.wait_for(run, 10)
+
+
 async def test_a_policy_engine_found_stalled_ends_the_eval_with_exit_4(monkeypatch, tmp_path, capsys):
     cfg = load_config(None, [])
     engines = []
@@ -44,22 +55,7 @@ async def test_a_policy_engine_found_stalled_ends_the_eval_with_exit_4(monkeypat
 
     monkeypatch.setattr(backend, "open_engine", open_engine_double)
     monkeypatch.setattr(runner, "run_eval", hung_play)
-    no_services = SimpleNamespace(needs_simulator=False, needs_judge=False)  # a programmatic user, no judge
-    code = await asyncio.wait_for(
-        commands.run_eval(
-            asyncio.Event(),
-            cfg,
-            [Condition(name="base", model=cfg.policy.model)],
-            [],
-            None,
-            "local",
-            "base",
-            tmp_path,
-            env=no_services,
-            in_process=object(),
-        ),
-        10,
-    )
+    code = await eval_base(cfg, tmp_path)
     assert code == 4
     assert len(engines) == 1 and engines[0].closed
     err = capsys.readouterr().err
@@ -79,21 +75,6 @@ async def test_an_engine_that_dies_under_a_conversation_ends_the_eval_with_exit_
 
     monkeypatch.setattr(runner, "run_eval", dying_play)
     cfg = load_config(None, [])
-    no_services = SimpleNamespace(needs_simulator=False, needs_judge=False)
-    code = await asyncio.wait_for(
-        commands.run_eval(
-            asyncio.Event(),
-            cfg,
-            [Condition(name="base", model=cfg.policy.model)],
-            [],
-            None,
-            "local",
-            "base",
-            tmp_path,
-            env=no_services,
-            in_process=object(),
-        ),
-        10,
-    )
+    code = await eval_base(cfg, tmp_path)
     assert code == 4
     assert "parley eval: EngineDeadError: EngineCore encountered an issue; exiting" in capsys.readouterr().err
