@@ -1022,6 +1022,7 @@ class PolicyEngine:
         limit = self.settings.stall_timeout_s
         tick = tick_s if tick_s is not None else min(5.0, limit / 4)
         steps, since = self.counts.steps, time.monotonic()
+        last = since
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=tick)
@@ -1030,7 +1031,16 @@ class PolicyEngine:
             if getattr(self._llm, "errored", False):
                 raise EngineFailed(f"the engine of {self.settings.model} has died (vLLM's engine core is gone)")
             now = time.monotonic()
-            if self.counts.steps != steps or not self._requests or self.paused_here() or not self._steps_counted:
+            # a tick far later than asked: this process did not run (SIGSTOP, a suspended machine, a blocked
+            # loop), and the engine's outputs wait unread; not the engine's stall
+            late, last = now - last > 2 * tick + 1.0, now
+            if (
+                late
+                or self.counts.steps != steps
+                or not self._requests
+                or self.paused_here()
+                or not self._steps_counted
+            ):
                 steps, since = self.counts.steps, now
             elif now - since > limit:
                 raise EngineFailed(

@@ -98,6 +98,27 @@ def test_an_engine_that_steps_slowly_a_long_request_an_idle_engine_and_a_load_ar
     asyncio.run(go())
 
 
+def test_a_pause_of_this_process_longer_than_the_bound_is_not_a_stall():
+    """SIGSTOP (or a loop blocked) past the bound: the first tick after it comes late and the engine's
+    outputs are still unread; the watch starts its count again there instead of failing the engine."""
+
+    async def go():
+        engine = watched_engine(0.3, steps=1000)
+        engine._llm.hung = True
+        request = asyncio.ensure_future(generate(engine))
+        await asyncio.sleep(0.05)  # in _run
+        watch = asyncio.ensure_future(engine.watch(asyncio.Event(), tick_s=0.05))
+        await asyncio.sleep(0.06)
+        time.sleep(1.5)  # this process does not run, for 5x the bound
+        t0 = time.monotonic()
+        with pytest.raises(EngineFailed):
+            await asyncio.wait_for(watch, timeout=5)  # a real stall still fails, a bound after the pause
+        assert time.monotonic() - t0 >= 0.3
+        request.cancel()
+
+    asyncio.run(go())
+
+
 def test_a_dead_engine_core_fails_the_watch_at_once_and_is_fatal_to_a_service():
     async def go():
         engine = watched_engine(300.0)
