@@ -17,7 +17,6 @@ from parley.errors import ParleyError
 
 EXIT_NATS_UNREACHABLE = 3
 EXIT_TOPOLOGY = 4
-_at_fork = False  # _forget_parents_wakeup_fd registered (once a process)
 
 
 class Stopped(ParleyError):
@@ -65,9 +64,13 @@ def _forget_parents_wakeup_fd() -> None:
         signal.set_wakeup_fd(-1)
 
 
+os.register_at_fork(after_in_child=_forget_parents_wakeup_fd)  # once, as this module is imported
+
+
 def run_async(main, *args) -> int:
     """Run `main(stop, *args)` to completion; its return value (None = 0) is the exit code. A child
-    forked meanwhile does not pass its signals on to this process (_forget_parents_wakeup_fd)."""
+    forked meanwhile does not pass its signals on to this process (_forget_parents_wakeup_fd, registered
+    when this module is imported)."""
     try:
         import uvloop
 
@@ -88,11 +91,6 @@ def run_async(main, *args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping)
         return await main(stop, *args)
-
-    global _at_fork
-    if not _at_fork:
-        os.register_at_fork(after_in_child=_forget_parents_wakeup_fd)
-        _at_fork = True
 
     from parley.protocol.connect import NatsUnreachable
     from parley.protocol.topology import TopologyError
