@@ -70,11 +70,12 @@ def test_every_other_load_that_hangs_ends_with_a_timeout(load, what, monkeypatch
     asyncio.run(go())
 
 
-def test_the_bound_comes_from_the_engine_section():
-    cfg = load_config(None, ["actor.engine.load_timeout_s=42"])
-    assert engine_settings(cfg.actor.engine, "/m").load_timeout_s == 42
-    with pytest.raises(Exception, match="load_timeout_s"):
-        load_config(None, ["actor.engine.load_timeout_s=0"])
+@pytest.mark.parametrize("key", ["load_timeout_s", "stall_timeout_s"])  # stall: PolicyEngine.watch's bound
+def test_the_bound_comes_from_the_engine_section(key):
+    cfg = load_config(None, [f"actor.engine.{key}=42"])
+    assert getattr(engine_settings(cfg.actor.engine, "/m"), key) == 42
+    with pytest.raises(Exception, match=key):
+        load_config(None, [f"actor.engine.{key}=0"])
 
 
 @pytest.mark.parametrize("adapter", [False, True])

@@ -13,8 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")  # PolicyEngine._run builds vLLM's prompt type
 
-from parley.config.run import load_config
-from parley.engines.backend import engine_settings, is_fatal
+from parley.engines.backend import is_fatal
 from parley.engines.engine import EngineCounts, EngineFailed, EngineSettings
 from tests.unit.test_engine_sleep_resume import engine_double
 
@@ -128,10 +127,3 @@ def test_a_dead_engine_core_fails_the_watch_at_once_and_is_fatal_to_a_service():
         assert is_fatal(caught.value)
 
     asyncio.run(go())
-
-
-def test_the_stall_bound_comes_from_the_engine_section():
-    cfg = load_config(None, ["actor.engine.stall_timeout_s=42"])
-    assert engine_settings(cfg.actor.engine, "/m").stall_timeout_s == 42
-    with pytest.raises(Exception, match="stall_timeout_s"):
-        load_config(None, ["actor.engine.stall_timeout_s=0"])
