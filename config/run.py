@@ -64,6 +64,12 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tasks_per_actor: Annotated[int, msgspec.Meta(ge=0, description="0 = actor.concurrency // rollout.n")] = 0
     scale_down_after_s: Annotated[float, msgspec.Meta(ge=0.0)] = 60.0  # the backlog stays low this long first
     scorers: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # a failed actor, scorer or services child is started again (the same command, its log continued,
+    # after 1, 2, 4 ... s) at most `restarts` times in any `restart_window_s`; the bus gives its unsettled
+    # messages to another worker. The learner's failure, exit code 2 (a config error, which the same
+    # command meets again) or one restart too many stops the run (runtime/supervisor.py). 0 = never.
+    restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    restart_window_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
     live: bool = True  # live terminal view (off when stdout is not a terminal)
     # every child serves Prometheus metrics on a free port of 127.0.0.1, printed and written to
     # RUN_DIR/prometheus-targets.json (a file_sd_configs file)

@@ -22,7 +22,7 @@ from parley.config.run import RunConfig, dump_config
 from parley.deploy.common import stamped
 from parley.engines.engine import CPU_ENGINES_ENV
 from parley.protocol.backlog import WARN_SHARE
-from parley.runtime.supervisor import Supervisor
+from parley.runtime.supervisor import RestartPolicy, Supervisor
 from parley.services.combined import service_children
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
         f"export PARLEY_NATS_URL={cfg.nats.url}\nexport PARLEY_RUN={cfg.run.name}\n"
         f"# a role started by hand also needs its credentials: source {run_dir / 'auth'}/<role>.env\n"
     )
-    sup = Supervisor(run_dir)
+    sup = Supervisor(run_dir, restart_policy(cfg))
     from parley.deploy.gpu_samples import GpuSampler
     from parley.deploy.memory import uses_gpu
     from parley.deploy.mps import MpsError, start_for
@@ -201,7 +201,7 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
         watcher = RunWatcher(nc, cfg.run.name)
         await watcher.start()
         if not await _wait_ready(sup, watcher, stop, timeout=1800.0):
-            return _report_failure(sup.failed()) if sup.failed() else 130
+            return _report_failure(failed) if (failed := sup.check(say)) else 130
 
         view_stop = asyncio.Event()
         viewer = asyncio.create_task(watch(nc, cfg.run.name, view_stop)) if live else None
@@ -238,6 +238,29 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
 
 
 SCRAPE_TARGETS = "prometheus-targets.json"
+
+
+def restart_policy(cfg: RunConfig) -> RestartPolicy:
+    """Which failed children `parley up` starts again ([up] restarts): actors, scorers and services,
+    except the actors while [rollout] sim_call_budget is set and the scorers while judge_call_budget is
+    (each process holds a share of the budget from its start, services/budget.py: one started again
+    would spend a fresh share, past the run's budget)."""
+    ro, roles, held = cfg.rollout, set(RestartPolicy.roles), []
+    for role, key, budget in (
+        ("actor", "sim_call_budget", ro.sim_call_budget),
+        ("scorer", "judge_call_budget", ro.judge_call_budget),
+    ):
+        if budget:
+            roles.discard(role)
+            held.append(
+                (
+                    role,
+                    f"[rollout] {key} = {budget} is set, and each {role} started again would spend a fresh share of it",
+                )
+            )
+    return RestartPolicy(
+        limit=cfg.up.restarts, window_s=cfg.up.restart_window_s, roles=frozenset(roles), held=tuple(held)
+    )
 
 
 def child_env(
@@ -298,7 +321,7 @@ async def _wait_ready(sup: Supervisor, watcher, stop: asyncio.Event, timeout: fl
     last = ""
     came: set[str] = set()
     while time.monotonic() < deadline and not stop.is_set():
-        if sup.failed():
+        if sup.check(say):
             return False
         ready = ready_children(watcher.snap.roles.values()) & expected
         new = sorted(ready - came)
@@ -321,7 +344,7 @@ async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool
     learner = sup.get("learner")
     last_line, last_t = "", 0.0
     while not stop.is_set():
-        failed = sup.failed()
+        failed = sup.check(say)
         if failed:
             return _report_failure(failed)
         if learner.returncode == 0:
@@ -393,8 +416,15 @@ def progress_line(snap) -> str:
     return " | ".join(parts)
 
 
+def say(line: str) -> None:
+    """A line of the supervisor's (a child failed, started again) on up's output, its first line stamped."""
+    first, _, rest = line.partition("\n")
+    print(stamped(first) + (f"\n{rest}" if rest else ""), flush=True)
+
+
 def _report_failure(child) -> int:
-    print(f"\n{child.name} exited with code {child.returncode}; its last log lines:\n", flush=True)
+    why = f" (not started again: {child.why_not})" if child.why_not else ""
+    print(f"\n{child.name} exited with code {child.returncode}{why}; its last log lines:\n", flush=True)
     print(child.tail(30), flush=True)
     return 1
 

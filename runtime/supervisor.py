@@ -1,8 +1,10 @@
 """Child-process management for `parley up`: start roles, record how, watch them, stop them all.
 
 Each role is a `parley <role>` child in its own process group, with its exact command, resolved
-config and log written into the run directory. A role that exits non-zero stops the whole run,
-and the supervisor shows that role's last log lines.
+config and log written into the run directory. A role that exits non-zero stops the whole run, and
+the supervisor shows that role's last log lines, unless a `RestartPolicy` lets it start that child
+again: the stateless workers (actors, scorers, services), whose unsettled messages the bus gives to
+another worker, a bounded number of times.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     started: float = 0.0
+    restarts: list[float] = field(default_factory=list)  # time.monotonic() of each start again
+    restart_due: float | None = None  # failed, to start again at this time.monotonic()
+    why_not: str = ""  # failed, and why it was not started again
 
     @property
     def alive(self) -> bool:
@@ -43,11 +48,52 @@ class Child:
             return "(no log)"
 
 
-class Supervisor:
-    """Starts and stops the run's children; `check()` reports the first one that failed."""
+NEVER_RESTARTED = frozenset({2})
+"""Exit codes a child is not started again after: 2 is a ConfigError (parley.errors), which the same
+command meets again."""
 
-    def __init__(self, run_dir: Path):
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Which failed children the supervisor starts again: those of `roles`, at most `limit` times in
+    any `window_s` (a child that fails more often than that stops the run), after a backoff of
+    `backoff_s` doubled by each restart in the window (1, 2, 4 ... s; at most 30), never after an exit
+    code of NEVER_RESTARTED. limit 0 starts nothing again."""
+
+    limit: int = 3
+    window_s: float = 600.0
+    roles: frozenset[str] = frozenset({"actor", "scorer", "services"})
+    backoff_s: float = 1.0
+    held: tuple[tuple[str, str], ...] = ()  # (role, why) of roles left out of `roles` on purpose
+
+    def why_not(self, child: Child, now: float) -> str | None:
+        """None where `child`, failed, may start again; else why not (one phrase)."""
+        role = child.name.split("-")[0]
+        if role not in self.roles:
+            return dict(self.held).get(role, f"{role} is not restarted")
+        if child.returncode in NEVER_RESTARTED:
+            return f"exit code {child.returncode} is a config error, which a restart meets again"
+        if self.limit == 0:
+            return "[up] restarts = 0"
+        if (n := self.recent(child, now)) >= self.limit:
+            return f"started again {n} times in the last {self.window_s:.0f} s ([up] restarts = {self.limit})"
+        return None
+
+    def recent(self, child: Child, now: float) -> int:
+        """Restarts of `child` within the window before `now`."""
+        return sum(1 for t in child.restarts if now - t < self.window_s)
+
+    def backoff(self, child: Child, now: float) -> float:
+        return min(30.0, self.backoff_s * 2.0 ** self.recent(child, now))
+
+
+class Supervisor:
+    """Starts and stops the run's children; `failed()` reports the first one that failed, and
+    `check()` first starts again those a RestartPolicy allows."""
+
+    def __init__(self, run_dir: Path, restart: RestartPolicy | None = None):
         self.run_dir = run_dir
+        self.restart = restart or RestartPolicy(limit=0)
         self.children: list[Child] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (run_dir / "roles").mkdir(parents=True, exist_ok=True)
@@ -68,9 +114,14 @@ class Supervisor:
         )
         if config_text is not None:
             (roles / f"{name}.toml").write_text(config_text)
+        self._spawn(child)
+        self.children.append(child)
+        return child
+
+    def _spawn(self, child: Child) -> None:
         log = child.log_path.open("ab")
         child.proc = subprocess.Popen(
-            argv,
+            child.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -79,14 +130,44 @@ class Supervisor:
         )
         log.close()
         child.started = time.time()
-        self.children.append(child)
-        return child
 
     def failed(self) -> Child | None:
         for c in self.children:
             rc = c.returncode
             if rc not in (None, 0):
                 return c
+        return None
+
+    def check(self, say=print) -> Child | None:
+        """The first failed child that the restart policy does not start again (the run stops; its
+        `why_not` says why), or None. A failed child the policy allows is started again once its
+        backoff has passed, with the same command and environment, its log continued; `say` gets a
+        line when it fails and when it starts again. What the dead child's own children left (a vLLM
+        engine core holding GPU memory) is killed first: they share its process group."""
+        policy, now = self.restart, time.monotonic()
+        for c in self.children:
+            rc = c.returncode
+            if rc in (None, 0):
+                continue
+            if c.restart_due is None:
+                if (why := policy.why_not(c, now)) is not None:
+                    c.why_not = why
+                    return c
+                c.restart_due = now + policy.backoff(c, now)
+                say(
+                    f"{c.name} exited with code {rc}; starting it again in {c.restart_due - now:.1f} s "
+                    f"({policy.recent(c, now) + 1} of at most {policy.limit} in {policy.window_s:.0f} s); "
+                    f"its last log lines:\n{c.tail(10)}"
+                )
+                _signal_group(c.proc, signal.SIGKILL)
+            if now >= c.restart_due:
+                c.proc.wait()
+                with c.log_path.open("a") as log:
+                    log.write(f"\n--- parley up: {c.name} exited with code {rc}; started again ---\n")
+                c.restarts.append(now)
+                c.restart_due = None
+                self._spawn(c)
+                say(f"started {c.name} again: pid {c.proc.pid}")
         return None
 
     def get(self, name: str) -> Child | None:

@@ -17,7 +17,7 @@ class SupervisorDouble:
         self.children = [SimpleNamespace(name=n) for n in names]
         self._failed = failed or []
 
-    def failed(self):
+    def check(self, say=print):
         return self._failed
 
 

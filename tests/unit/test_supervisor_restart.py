@@ -1,0 +1,207 @@
+"""runtime.supervisor.RestartPolicy with real child processes: `parley up` starts a failed actor,
+scorer or services child again (bounded, with a backoff), kills what the dead child left in its
+process group first, and stops the run for the learner, a config error (exit 2) or one restart too
+many. Before it, any child's failure stopped the whole run."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from parley.runtime.supervisor import Child, RestartPolicy, Supervisor
+
+FAST = dict(backoff_s=0.05, window_s=60.0)
+
+
+def fails_once(marker: Path, code: int = 4) -> list[str]:
+    """A child that exits `code` at its first start (no marker yet) and runs for a minute after."""
+    script = (
+        "import pathlib, sys, time\n"
+        f"m = pathlib.Path({str(marker)!r})\n"
+        "if not m.exists():\n"
+        "    m.write_text('x'); print('first start: failing', flush=True); sys.exit(" + str(code) + ")\n"
+        "print('second start: running', flush=True); time.sleep(60)\n"
+    )
+    return [sys.executable, "-c", script]
+
+
+def always_fails(code: int) -> list[str]:
+    return [sys.executable, "-c", f"import sys; sys.exit({code})"]
+
+
+def settle(sup: Supervisor, lines: list[str], seconds: float = 5.0, until=lambda: False):
+    """check() every 20 ms until it returns a child, `until()` holds, or `seconds` pass."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if (failed := sup.check(lines.append)) is not None:
+            return failed
+        if until():
+            return None
+        time.sleep(0.02)
+    return None
+
+
+def test_a_failed_actor_is_started_again_with_its_log_continued(tmp_path):
+    sup = Supervisor(tmp_path, RestartPolicy(limit=3, **FAST))
+    child = sup.start("actor-0", fails_once(tmp_path / "marker"))
+    first = child.proc.pid
+    lines: list[str] = []
+    try:
+        assert settle(sup, lines, until=lambda: child.proc.pid != first and child.alive) is None
+        assert child.alive and child.proc.pid != first, lines
+        assert len(child.restarts) == 1
+        assert lines[0].startswith("actor-0 exited with code 4; starting it again in 0.1 s (1 of at most 3"), lines
+        assert "first start: failing" in lines[0]  # the dead child's last log lines are shown
+        assert lines[-1] == f"started actor-0 again: pid {child.proc.pid}"
+        deadline = time.monotonic() + 5
+        while "second start" not in child.log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        log = child.log_path.read_text()
+        assert log.index("first start") < log.index("started again ---") < log.index("second start: running"), log
+        assert sup.check(lines.append) is None  # running: nothing more to do
+    finally:
+        sup.stop_all(timeout=5)
+
+
+@pytest.mark.parametrize("name", ["scorer-0", "services"])
+def test_scorers_and_services_are_started_again_too(tmp_path, name):
+    sup = Supervisor(tmp_path, RestartPolicy(limit=1, **FAST))
+    child = sup.start(name, fails_once(tmp_path / "marker", code=1))
+    try:
+        assert settle(sup, [], until=lambda: bool(child.restarts) and child.alive) is None
+        assert len(child.restarts) == 1 and child.alive
+    finally:
+        sup.stop_all(timeout=5)
+
+
+def test_one_restart_too_many_in_the_window_stops_the_run(tmp_path):
+    sup = Supervisor(tmp_path, RestartPolicy(limit=2, **FAST))
+    child = sup.start("actor-1", always_fails(3))
+    lines: list[str] = []
+    failed = settle(sup, lines)
+    assert failed is child and len(child.restarts) == 2, lines
+    assert child.why_not == "started again 2 times in the last 60 s ([up] restarts = 2)"
+    # the backoff doubled: 0.05 s before the first start again, 0.1 s before the second
+    assert child.restarts[1] - child.restarts[0] >= 0.1
+
+
+def test_restarts_older_than_the_window_are_forgotten(tmp_path):
+    policy = RestartPolicy(limit=1, window_s=0.3, backoff_s=0.01)
+    child = Child("actor-0", [], tmp_path / "actor-0.log")
+    child.restarts = [time.monotonic() - 1.0]  # one restart, long before the window
+    assert policy.why_not(child, time.monotonic()) is None
+    child.restarts.append(time.monotonic())
+    assert policy.why_not(child, time.monotonic()) is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "why"),
+    [
+        ("learner", 1, "learner is not restarted"),
+        ("actor-0", 2, "exit code 2 is a config error, which a restart meets again"),
+    ],
+)
+def test_the_learner_and_a_config_error_stop_the_run_at_once(tmp_path, name, code, why):
+    sup = Supervisor(tmp_path, RestartPolicy(limit=3, **FAST))
+    child = sup.start(name, always_fails(code))
+    lines: list[str] = []
+    assert settle(sup, lines) is child
+    assert child.why_not == why and not child.restarts and not lines
+
+
+def test_without_a_policy_nothing_starts_again(tmp_path):
+    sup = Supervisor(tmp_path)  # what `parley eval`'s fleet and the tests' supervisors use
+    child = sup.start("actor-0", always_fails(4))
+    assert settle(sup, []) is child and child.why_not == "[up] restarts = 0" and not child.restarts
+
+
+def test_what_the_dead_child_left_in_its_process_group_is_killed_before_it_starts_again(tmp_path):
+    """An actor that dies leaves its vLLM engine core (a grandchild in its process group, holding the
+    GPU's memory): the new actor's engine must not start beside it."""
+    pidfile = tmp_path / "grandchild.pid"
+    marker = tmp_path / "marker"
+    script = (
+        "import pathlib, subprocess, sys, time\n"
+        f"m = pathlib.Path({str(marker)!r})\n"
+        "if not m.exists():\n"
+        "    m.write_text('x')\n"
+        "    p = subprocess.Popen(['sleep', '300'])\n"
+        f"    pathlib.Path({str(pidfile)!r}).write_text(str(p.pid))\n"
+        "    sys.exit(4)\n"
+        "time.sleep(60)\n"
+    )
+    sup = Supervisor(tmp_path, RestartPolicy(limit=1, **FAST))
+    child = sup.start("actor-0", [sys.executable, "-c", script])
+    try:
+        assert settle(sup, [], until=lambda: bool(child.restarts)) is None
+        grandchild = int(pidfile.read_text())
+        deadline = time.monotonic() + 5
+        while _alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(grandchild)
+    finally:
+        sup.stop_all(timeout=5)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie (killed, not yet reaped by init) is gone
+    except FileNotFoundError:
+        return False
+
+
+async def test_parley_ups_main_loop_runs_on_through_an_actors_failure(tmp_path, capsys):
+    """deploy.up._until_done with real children: actor-0 fails once, the learner ends its run (exit 0)
+    later. Before the restart policy the loop returned 1 at the actor's exit."""
+    from parley.deploy import up
+    from parley.deploy.live import Snapshot
+
+    class WatcherDouble:
+        """Test double: the live view's snapshots, empty."""
+
+        async def poll(self):
+            return Snapshot()
+
+    sup = Supervisor(tmp_path, RestartPolicy(limit=3, **FAST))
+    actor = sup.start("actor-0", fails_once(tmp_path / "marker"))
+    sup.start("learner", [sys.executable, "-c", "import time; time.sleep(2.5)"])
+    try:
+        code = await asyncio.wait_for(up._until_done(sup, asyncio.Event(), WatcherDouble(), quiet=True), 20)
+    finally:
+        sup.stop_all(timeout=5)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert len(actor.restarts) == 1
+    assert "actor-0 exited with code 4; starting it again" in out and "started actor-0 again" in out, out
+
+
+def test_up_takes_the_policy_from_its_config_section():
+    from parley.config.run import RunConfig, UpSection
+
+    up = RunConfig().up
+    assert (up.restarts, up.restart_window_s) == (3, 600.0)
+    with pytest.raises(msgspec.ValidationError, match="restarts"):
+        msgspec.convert({"restarts": -1}, UpSection)
+
+
+def test_a_role_holding_a_share_of_a_call_budget_is_not_started_again():
+    """Each actor holds a share of [rollout] sim_call_budget from its start, each scorer of
+    judge_call_budget: one started again would spend a fresh share, past the run's budget."""
+    from parley.config.run import RunConfig
+    from parley.deploy.up import restart_policy
+
+    cfg = RunConfig()
+    assert restart_policy(cfg).roles == {"actor", "scorer", "services"}
+    cfg.rollout.sim_call_budget = 500
+    policy = restart_policy(cfg)
+    assert policy.roles == {"scorer", "services"} and policy.limit == 3
+    why = policy.why_not(Child("actor-0", [], Path("actor-0.log")), time.monotonic())
+    assert why == "[rollout] sim_call_budget = 500 is set, and each actor started again would spend a fresh share of it"
+    cfg.rollout.judge_call_budget = 80
+    assert restart_policy(cfg).roles == {"services"}
