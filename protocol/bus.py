@@ -259,6 +259,7 @@ class PullWorker:
         self.dead_retry_s = dead_retry_s  # a dead letter that could not be stored is tried again after this
         self.subject = topology.subject(run, key)
         self._slots = asyncio.Semaphore(concurrency)
+        self._unslotted = 0  # handlers running on messages a fetch brought beyond its slots (run_until)
         self._freed = asyncio.Event()  # a handler gave its slot back
         self._tasks: set[asyncio.Task] = set()
         self._last_error: dict[str, str] = {}
@@ -324,6 +325,11 @@ class PullWorker:
                     await asyncio.sleep(1.0)
                 for _ in range(free - len(msgs)):
                     self._slots.release()
+                # nats.py's fetch also returns what an earlier fetch's request delivered after that fetch
+                # had given up waiting (its whole pending queue): more messages than slots taken. Their
+                # handlers run (the messages are here) but give back no slot, so `concurrency` holds again
+                # once they are done instead of growing by them for good.
+                self._unslotted += max(0, len(msgs) - free)
                 self._sizes.extend(len(m.data) for m in msgs)
                 for m in msgs:
                     t = asyncio.create_task(self._handle(m))
@@ -370,14 +376,12 @@ class PullWorker:
                 with contextlib.suppress(Exception):  # lost again: it comes back again, and is settled again
                     await (m.ack() if how == "ack" else m.term())
             finally:
-                self._slots.release()
-                self._freed.set()
+                self._give_back_slot()
             return
         if seq in self._held:  # delivered again while a handler here holds it: that handler acks it
             self._absorbed[seq] += 1
             self.stats["absorbed"] += 1
-            self._slots.release()
-            self._freed.set()
+            self._give_back_slot()
             await self._count_absorbed(seq)
             return
         self._held.add(seq)
@@ -385,8 +389,16 @@ class PullWorker:
             await self._handle_one(m)
         finally:
             self._held.discard(seq)
-            self._slots.release()
-            self._freed.set()
+            self._give_back_slot()
+
+    def _give_back_slot(self) -> None:
+        """A handler is done: its slot back to the fetch loop, unless it ran on a message beyond the
+        slots its fetch took (run_until), which took none."""
+        if self._unslotted:
+            self._unslotted -= 1
+            return
+        self._slots.release()
+        self._freed.set()
 
     async def _handle_one(self, m) -> None:
         self.stats["delivered"] += 1

@@ -184,7 +184,7 @@ async def test_sigkilled_server_keeps_stored_messages(nats_server):
 
 async def test_large_messages_are_fetched_within_the_byte_budget_and_the_consumer_is_not_cut_off(tmp_path, caplog):
     """24 trajectories of 2 MB each and a worker with 24 slots, against a server whose max_pending
-    is 8 MiB: fetching by count alone asks for 48 MB in one burst and the server cuts the client off
+    is 16 MiB: fetching by count alone asks for 48 MB in one burst and the server cuts the client off
     as a slow consumer (its messages come back after ack_wait, each delivery spent); fetching within
     fetch_max_bytes keeps every burst under the limit: every message is handled on its first delivery."""
     import contextlib
@@ -195,7 +195,11 @@ async def test_large_messages_are_fetched_within_the_byte_budget_and_the_consume
     from parley.deploy.natsserver import NatsServer
 
     caplog.set_level(logging.WARNING, logger="parley.protocol.connect")
-    server = NatsServer(tmp_path / "nats", port=0, extra_conf="max_pending: 8388608")
+    # 16 MiB against fetches of at most 6 MiB: fetching by count (48 MB at once) is cut off three times
+    # over, while a burst that comes late (a client starved past its fetch timeout reads an earlier
+    # fetch's messages beside the next one's) still fits. Under 8 MiB the suite's CPU load on 2 cores
+    # made that overlap cut the client off (2026-12-07); the defaults keep 4x (16 MiB, 64 MiB).
+    server = NatsServer(tmp_path / "nats", port=0, extra_conf="max_pending: 16777216")
     server.start()
     nc = await connect(server.url, name="big")
     try:
