@@ -201,7 +201,9 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
         watcher = RunWatcher(nc, cfg.run.name)
         await watcher.start()
         if not await _wait_ready(sup, watcher, stop, timeout=1800.0):
-            return _report_failure(failed) if (failed := sup.check(say)) else 130
+            return (
+                _report_failure(failed) if (failed := sup.check(say, ready_since(watcher.snap.roles.values()))) else 130
+            )
 
         view_stop = asyncio.Event()
         viewer = asyncio.create_task(watch(nc, cfg.run.name, view_stop)) if live else None
@@ -303,10 +305,15 @@ def write_scrape_targets(run_dir: Path, run: str, targets: dict[str, str]) -> No
 
 def ready_children(heartbeats) -> set[str]:
     """Names of children (as up names them) whose heartbeat says ready or busy."""
-    up = {hb.id for hb in heartbeats if hb.state in READY_STATES}
-    up |= {hb.role for hb in heartbeats if hb.role == "learner" and hb.state in READY_STATES}
-    if {"services-sim", "services-judge"} <= up:
-        up.add("services")
+    return set(ready_since(heartbeats))
+
+
+def ready_since(heartbeats) -> dict[str, float]:
+    """Child name (as up names them) -> when its latest heartbeat that says ready or busy was sent."""
+    up = {hb.id: hb.created for hb in heartbeats if hb.state in READY_STATES}
+    up |= {hb.role: hb.created for hb in heartbeats if hb.role == "learner" and hb.state in READY_STATES}
+    if {"services-sim", "services-judge"} <= up.keys():
+        up["services"] = min(up["services-sim"], up["services-judge"])
     return up
 
 
@@ -321,7 +328,7 @@ async def _wait_ready(sup: Supervisor, watcher, stop: asyncio.Event, timeout: fl
     last = ""
     came: set[str] = set()
     while time.monotonic() < deadline and not stop.is_set():
-        if sup.check(say):
+        if sup.check(say, ready_since(watcher.snap.roles.values())):
             return False
         ready = ready_children(watcher.snap.roles.values()) & expected
         new = sorted(ready - came)
@@ -344,7 +351,7 @@ async def _until_done(sup: Supervisor, stop: asyncio.Event, watcher, quiet: bool
     learner = sup.get("learner")
     last_line, last_t = "", 0.0
     while not stop.is_set():
-        failed = sup.check(say)
+        failed = sup.check(say, ready_since(watcher.snap.roles.values()))
         if failed:
             return _report_failure(failed)
         if learner.returncode == 0:

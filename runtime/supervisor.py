@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class Child:
     restarts: list[float] = field(default_factory=list)  # time.monotonic() of each start again
     restart_due: float | None = None  # failed, to start again at this time.monotonic()
     why_not: str = ""  # failed, and why it was not started again
+    came_ready: bool = False  # said it was ready since its latest start (Supervisor.check's `ready`)
 
     @property
     def alive(self) -> bool:
@@ -51,6 +53,10 @@ class Child:
 NEVER_RESTARTED = frozenset({2})
 """Exit codes a child is not started again after: 2 is a ConfigError (parley.errors), which the same
 command meets again."""
+
+TRANSIENT = frozenset({3})
+"""Exit codes after which a child that never came ready is started again all the same: 3 is Unavailable
+(parley.errors: NATS or a service not reachable yet; asking again later may succeed)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ class RestartPolicy:
             return dict(self.held).get(role, f"{role} is not restarted")
         if child.returncode in NEVER_RESTARTED:
             return f"exit code {child.returncode} is a config error, which a restart meets again"
+        if not child.came_ready and child.returncode not in TRANSIENT:
+            return "it failed before it came ready: a start-up failure, which a restart most likely meets again"
         if self.limit == 0:
             return "[up] restarts = 0"
         if (n := self.recent(child, now)) >= self.limit:
@@ -119,6 +127,7 @@ class Supervisor:
         return child
 
     def _spawn(self, child: Child) -> None:
+        child.came_ready = False
         log = child.log_path.open("ab")
         child.proc = subprocess.Popen(
             child.argv,
@@ -138,13 +147,18 @@ class Supervisor:
                 return c
         return None
 
-    def check(self, say=print) -> Child | None:
+    def check(self, say=print, ready: Mapping[str, float] | None = None) -> Child | None:
         """The first failed child that the restart policy does not start again (the run stops; its
         `why_not` says why), or None. A failed child the policy allows is started again once its
         backoff has passed, with the same command and environment, its log continued; `say` gets a
         line when it fails and when it starts again. What the dead child's own children left (a vLLM
-        engine core holding GPU memory) is killed first: they share its process group."""
+        engine core holding GPU memory) is killed first: they share its process group. `ready`: child
+        name -> time.time() of its latest heartbeat that said ready; one sent before the child's latest
+        start (its previous life) does not count."""
         policy, now = self.restart, time.monotonic()
+        for c in self.children:
+            if not c.came_ready and (ready or {}).get(c.name, 0.0) >= c.started:
+                c.came_ready = True
         for c in self.children:
             rc = c.returncode
             if rc in (None, 0):

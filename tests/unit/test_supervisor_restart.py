@@ -34,11 +34,13 @@ def always_fails(code: int) -> list[str]:
     return [sys.executable, "-c", f"import sys; sys.exit({code})"]
 
 
-def settle(sup: Supervisor, lines: list[str], seconds: float = 5.0, until=lambda: False):
-    """check() every 20 ms until it returns a child, `until()` holds, or `seconds` pass."""
+def settle(sup: Supervisor, lines: list[str], seconds: float = 5.0, until=lambda: False, ready=True):
+    """check() every 20 ms until it returns a child, `until()` holds, or `seconds` pass; with `ready`
+    every child's heartbeat says ready now (each came ready once started), else none ever did."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if (failed := sup.check(lines.append)) is not None:
+        said = {c.name: time.time() for c in sup.children} if ready else {}
+        if (failed := sup.check(lines.append, said)) is not None:
             return failed
         if until():
             return None
@@ -63,7 +65,7 @@ def test_a_failed_actor_is_started_again_with_its_log_continued(tmp_path):
             time.sleep(0.02)
         log = child.log_path.read_text()
         assert log.index("first start") < log.index("started again ---") < log.index("second start: running"), log
-        assert sup.check(lines.append) is None  # running: nothing more to do
+        assert sup.check(lines.append, {"actor-0": time.time()}) is None  # running: nothing more to do
     finally:
         sup.stop_all(timeout=5)
 
@@ -92,7 +94,7 @@ def test_one_restart_too_many_in_the_window_stops_the_run(tmp_path):
 
 def test_restarts_older_than_the_window_are_forgotten(tmp_path):
     policy = RestartPolicy(limit=1, window_s=0.3, backoff_s=0.01)
-    child = Child("actor-0", [], tmp_path / "actor-0.log")
+    child = Child("actor-0", [], tmp_path / "actor-0.log", came_ready=True)
     child.restarts = [time.monotonic() - 1.0]  # one restart, long before the window
     assert policy.why_not(child, time.monotonic()) is None
     child.restarts.append(time.monotonic())
@@ -112,6 +114,38 @@ def test_the_learner_and_a_config_error_stop_the_run_at_once(tmp_path, name, cod
     lines: list[str] = []
     assert settle(sup, lines) is child
     assert child.why_not == why and not child.restarts and not lines
+
+
+@pytest.mark.parametrize(("code", "again"), [(1, False), (4, False), (3, True)])
+def test_a_child_that_fails_before_it_came_ready_is_started_again_only_when_its_exit_says_transient(
+    tmp_path, code, again
+):
+    """A start-up failure (a model, a memory plan, a GPU) meets the next start the same way, and each
+    engine start costs a minute: the run stops at once. Exit 3 (Unavailable: NATS or a service not up
+    yet) may pass at the next start."""
+    sup = Supervisor(tmp_path, RestartPolicy(limit=3, **FAST))
+    child = sup.start("actor-0", fails_once(tmp_path / "marker", code=code))
+    try:
+        failed = settle(sup, [], ready=False, until=lambda: bool(child.restarts) and child.alive)
+        if again:
+            assert failed is None and len(child.restarts) == 1
+        else:
+            assert failed is child and not child.restarts
+            assert child.why_not.startswith("it failed before it came ready"), child.why_not
+    finally:
+        sup.stop_all(timeout=5)
+
+
+def test_a_heartbeat_from_before_the_latest_start_does_not_count_as_ready(tmp_path):
+    """The live view keeps the dead process's last heartbeat: it must not make the new one's
+    start-up failure look like a failure after ready."""
+    sup = Supervisor(tmp_path, RestartPolicy(limit=3, **FAST))
+    child = sup.start("actor-0", always_fails(4))
+    stale = time.time() - 1.0  # sent before this start
+    deadline = time.monotonic() + 5
+    while (failed := sup.check([].append, {"actor-0": stale})) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert failed is child and not child.restarts and not child.came_ready
 
 
 def test_without_a_policy_nothing_starts_again(tmp_path):
@@ -161,12 +195,18 @@ async def test_parley_ups_main_loop_runs_on_through_an_actors_failure(tmp_path, 
     later. Before the restart policy the loop returned 1 at the actor's exit."""
     from parley.deploy import up
     from parley.deploy.live import Snapshot
+    from parley.protocol.messages import Heartbeat
 
     class WatcherDouble:
-        """Test double: the live view's snapshots, empty."""
+        """Test double: the live view, in which actor-0's heartbeat says ready, sent now."""
+
+        @property
+        def snap(self):
+            beat = Heartbeat(role="actor", id="actor-0", state="ready", created=time.time())
+            return Snapshot(roles={"actor/actor-0": beat})
 
         async def poll(self):
-            return Snapshot()
+            return self.snap
 
     sup = Supervisor(tmp_path, RestartPolicy(limit=3, **FAST))
     actor = sup.start("actor-0", fails_once(tmp_path / "marker"))

@@ -17,13 +17,13 @@ class SupervisorDouble:
         self.children = [SimpleNamespace(name=n) for n in names]
         self._failed = failed or []
 
-    def check(self, say=print):
+    def check(self, say=print, ready=None):
         return self._failed
 
 
 def beat(name: str, state: str = "ready"):
     role = name.split("-")[0]
-    return SimpleNamespace(id=name, role=role, state=state)
+    return SimpleNamespace(id=name, role=role, state=state, created=0.0)
 
 
 async def test_each_child_is_reported_as_it_comes_ready_then_the_whole_wait(capsys):
