@@ -475,19 +475,27 @@ TT)
     # against a seed without it compares launch to step 1 with and without the engine core's second
     # import of torch and vLLM. Leaves $OUT/p_s<SEED>.tgz; then, over every seed's file:
     #     python bench/peer_compare.py --target --over p_s0.tgz p_s1.tgz ... --json time_to_target.json
+    # SIDE=parley or SIDE=trl: one side a call (each about half as long: a machine taken back mid-call
+    # loses less), the two of a seed on one warm machine; leaves $OUT/p_<SIDE>_s<SEED>.tgz, paired with
+    #     python bench/peer_compare.py --target --over p_parley_s3.tgz=p_trl_s3.tgz ...
     SEED=${SEED:-0}
-    NAME=p_s$SEED
-    [ -e "$OUT/$NAME.tgz" ] && NAME=p_s${SEED}_$SECONDS
+    case "${SIDE:-}" in
+    "") NAME=p_s$SEED T_ON=${TRL:-1} P_ON=${PARLEY:-1} ;;
+    parley) NAME=p_parley_s$SEED T_ON=0 P_ON=1 ;;
+    trl) NAME=p_trl_s$SEED T_ON=1 P_ON=0 ;;
+    *) echo "[gpu_run] SIDE=$SIDE: expected parley, trl or nothing" >&2; exit 2 ;;
+    esac
+    [ -e "$OUT/$NAME.tgz" ] && NAME=${NAME}_$SECONDS
     # even seeds parley first, odd seeds TRL first (ORDER overrides): neither side always meets a
     # machine's cold caches (seeds 0-2 of 2026-12-06 ran parley first)
     if [ $((SEED % 2)) = 0 ]; then ORDER=${ORDER:-parley}; else ORDER=${ORDER:-trl}; fi
-    OUT="$OUT/$NAME" SEED=$SEED ORDER=$ORDER STEPS=${STEPS:-40} PARLEY_STEPS=${PARLEY_STEPS:-60} EVAL_EVERY=${EVAL_EVERY:-5} \
+    TRL=$T_ON PARLEY=$P_ON OUT="$OUT/$NAME" SEED=$SEED ORDER=$ORDER STEPS=${STEPS:-40} PARLEY_STEPS=${PARLEY_STEPS:-60} EVAL_EVERY=${EVAL_EVERY:-5} \
         LIMIT_S=${LIMIT_S:-500} PARLEY_S=${PARLEY_S:-230} \
         PARLEY_SETS=${PARLEY_SETS-learner.oversample_groups=2 learner.group_order=\"freshest\" learner.behaviour_correction=\"clip\" weights.max_buffers=6 weights.hold_s=1.0} \
         bash "$0" P | grep -E '^\[gpu_run\]|Traceback'
     tar czf "$OUT/$NAME.tgz" -C "$OUT/$NAME" . && rm -rf "${OUT:?}/$NAME"
-    python3 bench/peer_compare.py --target --over "$OUT/$NAME.tgz" 2>&1 | tail -n 4
-    echo "[gpu_run] TT: seed $SEED ended at ${SECONDS} s ($NAME.tgz)"
+    [ -z "${SIDE:-}" ] && python3 bench/peer_compare.py --target --over "$OUT/$NAME.tgz" 2>&1 | tail -n 4
+    echo "[gpu_run] TT: seed $SEED ${SIDE:-both sides} ended at ${SECONDS} s ($NAME.tgz)"
     ;;
 TT4)
     # issue 56 item 4 at the 4B shape (gpu-1-4b.toml, random_words, random Qwen3-4B weights, lr 2.5e-4,
