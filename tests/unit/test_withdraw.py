@@ -195,11 +195,13 @@ async def test_a_computation_a_joined_resend_still_awaits_goes_on_for_it(served)
 async def test_a_computation_whose_other_requester_stopped_waiting_is_cancelled(served):
     """A joined request whose wait has run out is not awaited either: the last withdrawal cuts."""
     nc, engine, service = served
-    expired, gone = sent(b"q", "s1", wait=0.001), sent(b"q", "s2")
+    # a wait long enough to be started within under a loaded machine's scheduling (1 ms expired
+    # before the start under `make test` on 2 cores, 2026-12-07), short enough to run out after it
+    expired, gone = sent(b"q", "s1", wait=0.3), sent(b"q", "s2")
     await nc.deliver(SUBJECT, expired)
     await settle()
     assert engine.started == [b"q"]
-    await asyncio.sleep(0.01)  # the first one's requester no longer waits
+    await asyncio.sleep(0.35)  # the first one's requester no longer waits
     await nc.deliver(SUBJECT, gone)
     await settle()
     await nc.deliver(WITHDRAW, withdrawal(gone))
