@@ -64,7 +64,9 @@ class RestartPolicy:
     """Which failed children the supervisor starts again: those of `roles`, at most `limit` times in
     any `window_s` (a child that fails more often than that stops the run), after a backoff of
     `backoff_s` doubled by each restart in the window (1, 2, 4 ... s; at most 30), never after an exit
-    code of NEVER_RESTARTED. limit 0 starts nothing again."""
+    code of NEVER_RESTARTED, and not when the child failed before it came ready (a start-up failure: a
+    model, a memory plan or a GPU that the next start meets the same way, each engine start costing a
+    minute) unless its exit code is TRANSIENT. limit 0 starts nothing again."""
 
     limit: int = 3
     window_s: float = 600.0
