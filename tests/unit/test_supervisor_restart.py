@@ -88,8 +88,18 @@ def test_one_restart_too_many_in_the_window_stops_the_run(tmp_path):
     failed = settle(sup, lines)
     assert failed is child and len(child.restarts) == 2, lines
     assert child.why_not == "started again 2 times in the last 60 s ([up] restarts = 2)"
-    # the backoff doubled: 0.05 s before the first start again, 0.1 s before the second
-    assert child.restarts[1] - child.restarts[0] >= 0.1
+
+
+def test_the_backoff_doubles_with_each_restart_in_the_window_up_to_30_s(tmp_path):
+    policy = RestartPolicy(limit=10, window_s=60.0, backoff_s=1.0)
+    child = Child("actor-0", [], tmp_path / "actor-0.log", came_ready=True)
+    now = time.monotonic()
+    waits = []
+    for _ in range(7):
+        waits.append(policy.backoff(child, now))
+        child.restarts.append(now)
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert policy.backoff(child, now + 61.0) == 1.0  # the window has forgotten them
 
 
 def test_restarts_older_than_the_window_are_forgotten(tmp_path):
