@@ -76,6 +76,8 @@ class RestartPolicy:
 
     def why_not(self, child: Child, now: float) -> str | None:
         """None where `child`, failed, may start again; else why not (one phrase)."""
+        if self.limit == 0:
+            return "[up] restarts = 0"
         role = child.name.split("-")[0]
         if role not in self.roles:
             return dict(self.held).get(role, f"{role} is not restarted")
@@ -83,8 +85,6 @@ class RestartPolicy:
             return f"exit code {child.returncode} is a config error, which a restart meets again"
         if not child.came_ready and child.returncode not in TRANSIENT:
             return "it failed before it came ready: a start-up failure, which a restart most likely meets again"
-        if self.limit == 0:
-            return "[up] restarts = 0"
         if (n := self.recent(child, now)) >= self.limit:
             return f"started again {n} times in the last {self.window_s:.0f} s ([up] restarts = {self.limit})"
         return None

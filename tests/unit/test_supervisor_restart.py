@@ -158,10 +158,13 @@ def test_a_heartbeat_from_before_the_latest_start_does_not_count_as_ready(tmp_pa
     assert failed is child and not child.restarts and not child.came_ready
 
 
-def test_without_a_policy_nothing_starts_again(tmp_path):
+@pytest.mark.parametrize("came_ready", [True, False])
+def test_without_a_policy_nothing_starts_again(tmp_path, came_ready):
+    """The reason names the setting, whatever else would also hold the child back."""
     sup = Supervisor(tmp_path)  # what `parley eval`'s fleet and the tests' supervisors use
     child = sup.start("actor-0", always_fails(4))
-    assert settle(sup, []) is child and child.why_not == "[up] restarts = 0" and not child.restarts
+    assert settle(sup, [], ready=came_ready) is child
+    assert child.why_not == "[up] restarts = 0" and not child.restarts
 
 
 def test_what_the_dead_child_left_in_its_process_group_is_killed_before_it_starts_again(tmp_path):
