@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from parley.protocol import codec, topology
+from parley.protocol import status, topology
 from parley.protocol.backlog import WARN_SHARE, unconsumed_share, warning
 from parley.protocol.messages import Heartbeat
 
@@ -48,12 +48,7 @@ class RunWatcher:
         self._sub = None
 
     async def start(self) -> None:
-        async def on_status(msg):
-            with contextlib.suppress(Exception):
-                hb = codec.decode("status", msg.data)
-                self.snap.roles[f"{hb.role}/{hb.id}"] = hb
-
-        self._sub = await self.nc.subscribe(topology.status_subject(self.run, "*", "*"), cb=on_status)
+        self._sub = await status.keep_latest(self.nc, self.run, self.snap.roles)
 
     async def poll(self) -> Snapshot:
         for key, channel in topology.CHANNELS.items():

@@ -21,12 +21,13 @@ from pathlib import Path
 from parley.config.run import RunConfig, dump_config
 from parley.deploy.common import stamped
 from parley.engines.engine import CPU_ENGINES_ENV
+from parley.protocol import status
 from parley.protocol.backlog import WARN_SHARE
+from parley.protocol.status import READY_STATES
 from parley.runtime.supervisor import RestartPolicy, Supervisor
 from parley.services.combined import service_children
 
 log = logging.getLogger(__name__)
-READY_STATES = ("ready", "busy")
 
 
 def run_dir_for(cfg: RunConfig) -> Path:
@@ -244,25 +245,10 @@ SCRAPE_TARGETS = "prometheus-targets.json"
 
 def restart_policy(cfg: RunConfig) -> RestartPolicy:
     """Which failed children `parley up` starts again ([up] restarts): actors, scorers and services,
-    except the actors while [rollout] sim_call_budget is set and the scorers while judge_call_budget is
-    (each process holds a share of the budget from its start, services/budget.py: one started again
-    would spend a fresh share, past the run's budget)."""
-    ro, roles, held = cfg.rollout, set(RestartPolicy.roles), []
-    for role, key, budget in (
-        ("actor", "sim_call_budget", ro.sim_call_budget),
-        ("scorer", "judge_call_budget", ro.judge_call_budget),
-    ):
-        if budget:
-            roles.discard(role)
-            held.append(
-                (
-                    role,
-                    f"[rollout] {key} = {budget} is set, and each {role} started again would spend a fresh share of it",
-                )
-            )
-    return RestartPolicy(
-        limit=cfg.up.restarts, window_s=cfg.up.restart_window_s, roles=frozenset(roles), held=tuple(held)
-    )
+    except the roles holding a share of a call budget (config.restarts.restart_policy says which)."""
+    from parley.config.restarts import restart_policy as policy_of
+
+    return policy_of(cfg, RestartPolicy.roles)
 
 
 def child_env(
@@ -309,8 +295,9 @@ def ready_children(heartbeats) -> set[str]:
 
 
 def ready_since(heartbeats) -> dict[str, float]:
-    """Child name (as up names them) -> when its latest heartbeat that says ready or busy was sent."""
-    up = {hb.id: hb.created for hb in heartbeats if hb.state in READY_STATES}
+    """Child name (as up names them) -> when its latest heartbeat that says ready or busy was sent
+    (protocol.status.ready_since, with the learner under its role and the combined services child)."""
+    up = status.ready_since(heartbeats)
     up |= {hb.role: hb.created for hb in heartbeats if hb.role == "learner" and hb.state in READY_STATES}
     if {"services-sim", "services-judge"} <= up.keys():
         up["services"] = min(up["services-sim"], up["services-judge"])
