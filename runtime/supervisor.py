@@ -169,9 +169,10 @@ class Supervisor:
                 if (why := policy.why_not(c, now)) is not None:
                     c.why_not = why
                     return c
-                c.restart_due = now + policy.backoff(c, now)
+                wait = policy.backoff(c, now)
+                c.restart_due = now + wait
                 say(
-                    f"{c.name} exited with code {rc}; starting it again in {c.restart_due - now:.1f} s "
+                    f"{c.name} exited with code {rc}; starting it again in {wait:.1f} s "
                     f"({policy.recent(c, now) + 1} of at most {policy.limit} in {policy.window_s:.0f} s); "
                     f"its last log lines:\n{c.tail(10)}"
                 )
