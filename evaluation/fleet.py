@@ -9,6 +9,13 @@ an EvalRecord. A trajectory the scorer dead-letters (the judge failed) becomes a
 task the actor dead-letters is reported as lost. The tasks are `parley.evaluation.runner.make_tasks`' (one per
 item and seed, the same ids in every condition's run), so every condition meets the same simulator
 seeds, exactly as in the in-process modes.
+
+A role that fails is started again as `parley up` starts its actors and scorers again: under the run
+config's [up] restarts and restart_window_s (config.restarts.restart_policy, so a role that holds a
+share of a call budget is not), once its heartbeat on the condition's run said ready since its start;
+its unsettled tasks and trajectories go to the role started again after `ack_wait`. Any other failure
+ends the condition with FleetError, naming why the role was not started again. A task played twice
+(redelivered) still makes one record, and a task both scored and dead-lettered counts as scored.
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ import msgspec
 
 from parley.errors import ParleyError
 from parley.evaluation.runner import Condition
-from parley.protocol import dead, topology
-from parley.protocol.messages import EvalRecord, Scored, Task, Trajectory
+from parley.protocol import dead, status, topology
+from parley.protocol.messages import EvalRecord, Heartbeat, Scored, Task, Trajectory
 
 log = logging.getLogger(__name__)
+
+FLEET_ROLES = ("actor", "scorer")  # the children a condition's fleet starts (and may start again)
 
 
 class FleetError(ParleyError, RuntimeError):
@@ -111,6 +120,7 @@ async def play_condition_fleet(
 ) -> tuple[list[EvalRecord], list[str]]:
     """Play `tasks` with `cond` through an actor and a scorer on the condition's own run.
     Returns (records in task order, ids of tasks lost to a dead-lettered task)."""
+    from parley.config.restarts import restart_policy
     from parley.protocol.bus import PullWorker, publish
     from parley.runtime.supervisor import Supervisor
 
@@ -124,9 +134,10 @@ async def play_condition_fleet(
 
     async def keep(task: Task, traj: Trajectory, scored: Scored | None) -> None:
         if task.task_id in records:
-            return  # a redelivery
+            return  # a redelivery, or the task played again after its actor was started again
         rec = record_of(cond, task, traj, scored, sim_model=fs.sim_model, version=fs.policy_version)
         records[task.task_id] = rec
+        lost.pop(task.task_id, None)  # dead-lettered by an actor after its trajectory went out: not lost
         progressed.set()
         if on_record is not None:
             await on_record(rec)
@@ -137,9 +148,23 @@ async def play_condition_fleet(
             await keep(task, scored.trajectory, scored)
         await msg.ack()
 
-    sup = Supervisor(fs.logs_dir)
+    sup = Supervisor(fs.logs_dir, restart_policy(cfg, FLEET_ROLES))
     c = ["--config", str(fs.config_path), "--set", f"run.name={json.dumps(run)}"]
     ident = re.sub(r"[^A-Za-z0-9_-]", "-", cond.name)
+    # The roles' heartbeats on the condition's run, subscribed to before they start: a role that fails
+    # after it said ready is started again (Supervisor.check); child name -> the role's --id.
+    beats: dict[str, Heartbeat] = {}
+    beat_sub = await status.keep_latest(nc, run, beats)
+    await nc.flush()
+    ids = {f"actor-{ident}": f"eval-actor-{ident}", f"scorer-{ident}": f"eval-scorer-{ident}"}
+
+    def ready() -> dict[str, float]:
+        said = status.ready_since(list(beats.values()))
+        return {name: said[i] for name, i in ids.items() if i in said}
+
+    def say(line: str) -> None:
+        log.warning("condition %s: %s", cond.name, line)
+
     roles = [
         sup.start(
             f"actor-{ident}",
@@ -167,33 +192,38 @@ async def play_condition_fleet(
         for t in by_id.values():
             await publish(js, run, "tasks", t)
         dead_seq, last_note = 1, time.monotonic()
-        while len(records) + len(lost) < len(by_id):
+        while len(records.keys() | lost.keys()) < len(by_id):
             if stop.is_set():
                 break
-            failed = sup.failed()
+            failed = sup.check(say, ready())
             if failed is not None:
                 raise FleetError(
-                    f"{failed.name} of condition {cond.name} exited {failed.returncode}; "
-                    f"its last log lines:\n{failed.tail(20)}"
+                    f"{failed.name} of condition {cond.name} exited {failed.returncode} "
+                    f"(not started again: {failed.why_not}); its last log lines:\n{failed.tail(20)}"
                 )
             if consumer.done():
                 consumer.result()
                 raise FleetError("the Scored consumer stopped")
-            dead_seq = await _read_dead(js, run, dead_seq, by_id, keep, lost)
+            dead_seq = await _read_dead(js, run, dead_seq, by_id, keep, records, lost)
             if time.monotonic() - last_note >= fs.progress_s:
                 log.info(
                     "condition %s: %d/%d conversations scored or set aside",
                     cond.name,
-                    len(records) + len(lost),
+                    len(records.keys() | lost.keys()),
                     len(by_id),
                 )
                 last_note = time.monotonic()
             progressed.clear()
+            # a role waiting for its start again is started once its backoff has passed, not up to 2 s later
+            due = [ch.restart_due for ch in sup.children if ch.restart_due is not None]
+            wait_s = min([2.0, *(max(0.05, t - time.monotonic()) for t in due)])
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(progressed.wait(), timeout=2.0)
+                await asyncio.wait_for(progressed.wait(), timeout=wait_s)
     finally:
         halt.set()
         await asyncio.gather(consumer, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await beat_sub.unsubscribe()
         await asyncio.to_thread(sup.stop_all)
         with contextlib.suppress(Exception):
             await delete_run(js, run)
@@ -202,8 +232,11 @@ async def play_condition_fleet(
     return [records[t] for t in by_id if t in records], sorted(lost)
 
 
-async def _read_dead(js, run: str, seq: int, by_id: dict[str, Task], keep, lost: dict[str, str]) -> int:
-    """Dead letters since `seq`: a trajectory becomes an unscored record, a task is lost. Returns the next seq."""
+async def _read_dead(
+    js, run: str, seq: int, by_id: dict[str, Task], keep, records: dict[str, EvalRecord], lost: dict[str, str]
+) -> int:
+    """Dead letters since `seq`: a trajectory becomes an unscored record, a task not yet recorded is
+    lost. Returns the next seq."""
     letters, seq = await dead.read_since(js, run, seq)
     for _, dl in letters:
         ref = dead.task_ref(run, dl) if dl is not None else None
@@ -212,6 +245,6 @@ async def _read_dead(js, run: str, seq: int, by_id: dict[str, Task], keep, lost:
         if ref.key == "traj":
             log.warning("%s not scored (%s); kept unscored", ref.message.traj_id, dl.reason)
             await keep(by_id[ref.task_id], ref.message, None)
-        elif ref.key == "tasks":
+        elif ref.key == "tasks" and ref.task_id not in records:  # a task already scored is not lost
             lost[ref.task_id] = f"dead-lettered by {dl.consumer}: {dl.reason}"
     return seq
