@@ -4,7 +4,9 @@ Each role is a `parley <role>` child in its own process group, with its exact co
 config and log written into the run directory. A role that exits non-zero stops the whole run, and
 the supervisor shows that role's last log lines, unless a `RestartPolicy` lets it start that child
 again: the stateless workers (actors, scorers, services), whose unsettled messages the bus gives to
-another worker, a bounded number of times.
+another worker, a bounded number of times, and the roles its caller adds (`parley up` adds the learner,
+which it starts again with another command, `Child.restart_argv`, once it has a state to resume from,
+`Child.restart_check`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,10 @@ class Child:
     restart_due: float | None = None  # failed, to start again at this time.monotonic()
     why_not: str = ""  # failed, and why it was not started again
     came_ready: bool = False  # said it was ready since its latest start (Supervisor.check's `ready`)
+    restart_argv: list[str] | None = None  # the command of its starts again; None = `argv`
+    # asked before each start again the policy allows: None where it may start, else why not (one
+    # phrase), e.g. a learner with no state yet to resume from
+    restart_check: Callable[[], str | None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -66,7 +72,8 @@ class RestartPolicy:
     `backoff_s` doubled by each restart in the window (1, 2, 4 ... s; at most 30), never after an exit
     code of NEVER_RESTARTED, and not when the child failed before it came ready (a start-up failure: a
     model, a memory plan or a GPU that the next start meets the same way, each engine start costing a
-    minute) unless its exit code is TRANSIENT. limit 0 starts nothing again."""
+    minute) unless its exit code is TRANSIENT, nor while the child's own `restart_check` says why not.
+    limit 0 starts nothing again."""
 
     limit: int = 3
     window_s: float = 600.0
@@ -85,6 +92,8 @@ class RestartPolicy:
             return f"exit code {child.returncode} is a config error, which a restart meets again"
         if not child.came_ready and child.returncode not in TRANSIENT:
             return "it failed before it came ready: a start-up failure, which a restart most likely meets again"
+        if child.restart_check is not None and (why := child.restart_check()):
+            return why
         if (n := self.recent(child, now)) >= self.limit:
             return f"started again {n} times in the last {self.window_s:.0f} s ([up] restarts = {self.limit})"
         return None
@@ -112,15 +121,31 @@ class Supervisor:
         return [sys.executable, "-m", "parley.deploy.cli", *args]
 
     def start(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None, config_text: str | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        config_text: str | None = None,
+        *,
+        restart_argv: list[str] | None = None,
+        restart_check: Callable[[], str | None] | None = None,
     ) -> Child:
-        child = Child(name=name, argv=argv, log_path=self.run_dir / "logs" / f"{name}.log", env=env or {})
+        """Start child `name`; `restart_argv` and `restart_check` as Child's (for its starts again)."""
+        child = Child(
+            name=name,
+            argv=argv,
+            log_path=self.run_dir / "logs" / f"{name}.log",
+            env=env or {},
+            restart_argv=restart_argv,
+            restart_check=restart_check,
+        )
         roles = self.run_dir / "roles"
         (roles / f"{name}.cmd").write_text(
             " ".join(f"{k}={shlex.quote(v)}" for k, v in child.env.items() if not k.endswith("PASSWORD"))
             + (" " if child.env else "")
             + shlex.join(argv)
             + "\n"
+            + (f"# started again as: {shlex.join(restart_argv)}\n" if restart_argv not in (None, argv) else "")
         )
         if config_text is not None:
             (roles / f"{name}.toml").write_text(config_text)
@@ -128,11 +153,11 @@ class Supervisor:
         self.children.append(child)
         return child
 
-    def _spawn(self, child: Child) -> None:
+    def _spawn(self, child: Child, again: bool = False) -> None:
         child.came_ready = False
         log = child.log_path.open("ab")
         child.proc = subprocess.Popen(
-            child.argv,
+            child.restart_argv if again and child.restart_argv is not None else child.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -152,7 +177,8 @@ class Supervisor:
     def check(self, say=print, ready: Mapping[str, float] | None = None) -> Child | None:
         """The first failed child that the restart policy does not start again (the run stops; its
         `why_not` says why), or None. A failed child the policy allows is started again once its
-        backoff has passed, with the same command and environment, its log continued; `say` gets a
+        backoff has passed, with the same command (its `restart_argv` where it has one) and environment,
+        its log continued; `say` gets a
         line when it fails and when it starts again. What the dead child's own children left (a vLLM
         engine core holding GPU memory) is killed first: they share its process group. `ready`: child
         name -> time.time() of its latest heartbeat that said ready; one sent before the child's latest
@@ -183,8 +209,9 @@ class Supervisor:
                     log.write(f"\n--- parley up: {c.name} exited with code {rc}; started again ---\n")
                 c.restarts.append(now)
                 c.restart_due = None
-                self._spawn(c)
-                say(f"started {c.name} again: pid {c.proc.pid}")
+                self._spawn(c, again=True)
+                how = f" as: {shlex.join(c.restart_argv)}" if c.restart_argv not in (None, c.argv) else ""
+                say(f"started {c.name} again: pid {c.proc.pid}{how}")
         return None
 
     def get(self, name: str) -> Child | None:
