@@ -82,6 +82,12 @@ class RunWatcher:
                 await self._sub.unsubscribe()
 
 
+def learner_beat(snap: Snapshot) -> Heartbeat | None:
+    """The learner's latest heartbeat. Its id is host-pid, so after the learner was started again the
+    snapshot also holds the last heartbeat of the one before, under another key."""
+    return max((hb for hb in snap.roles.values() if hb.role == "learner"), key=lambda hb: hb.created, default=None)
+
+
 def render(snap: Snapshot, run: str, title: str = ""):
     """A rich renderable of the snapshot."""
     from rich.console import Group
@@ -107,7 +113,7 @@ def render(snap: Snapshot, run: str, title: str = ""):
     if warnings:
         streams.caption = "\n".join(warnings)
 
-    learner = next((hb for hb in snap.roles.values() if hb.role == "learner"), None)
+    learner = learner_beat(snap)
     progress = Table(title="learning", expand=True)
     progress.add_column("metric")
     progress.add_column("value", justify="right")

@@ -297,8 +297,12 @@ def ready_children(heartbeats) -> set[str]:
 def ready_since(heartbeats) -> dict[str, float]:
     """Child name (as up names them) -> when its latest heartbeat that says ready or busy was sent
     (protocol.status.ready_since, with the learner under its role and the combined services child)."""
+    heartbeats = list(heartbeats)
     up = status.ready_since(heartbeats)
-    up |= {hb.role: hb.created for hb in heartbeats if hb.role == "learner" and hb.state in READY_STATES}
+    # the learner's id is host-pid: one started again beats under another id than the one before
+    learner = [hb.created for hb in heartbeats if hb.role == "learner" and hb.state in READY_STATES]
+    if learner:
+        up["learner"] = max(learner)
     if {"services-sim", "services-judge"} <= up.keys():
         up["services"] = min(up["services-sim"], up["services-judge"])
     return up
@@ -367,7 +371,9 @@ _EVAL_BOOKKEEPING = ("eval.queued", "eval.running", "eval.version", "eval.failed
 
 
 def progress_line(snap) -> str:
-    learner = next((hb for hb in snap.roles.values() if hb.role == "learner"), None)
+    from parley.deploy.live import learner_beat
+
+    learner = learner_beat(snap)  # the learner started again's, not the last of the one before
     s = snap.streams
     parts = [
         f"step {int(learner.counters.get('step', 0)) if learner else '-'}",

@@ -75,3 +75,24 @@ def test_the_progress_line_counts_the_actors_preempted_requests():
 
     assert "preempted" not in up.progress_line(snap(0, 0))  # KV sized to the demand: nothing said
     assert "| preempted 7" in up.progress_line(snap(3, 4))  # summed over the actors
+
+
+def test_after_the_learner_was_started_again_its_new_heartbeats_count_not_the_last_of_the_one_before():
+    """The learner's id is host-pid, so the live view keeps the dead learner's last heartbeat under
+    another key beside the new one's: the progress line (step, version, eval bookkeeping) and the ready
+    map take the latest. Before, the progress line showed the dead learner's step for the rest of the run."""
+    from parley.deploy.live import Snapshot
+    from parley.protocol.messages import Heartbeat
+
+    before = Heartbeat(
+        role="learner", id="h-100", state="ready", version=7, counters={"step": 7.0, "eval.queued": 2.0}, created=10.0
+    )
+    again = Heartbeat(
+        role="learner", id="h-200", state="busy", version=5, counters={"step": 5.0, "eval.queued": 0.0}, created=20.0
+    )
+    snap = Snapshot(roles={"learner/h-100": before, "learner/h-200": again})
+    line = up.progress_line(snap)
+    assert line.startswith("step 5 | version 5 |") and "eval idle, 0 queued" in line, line
+    assert up.ready_since(snap.roles.values())["learner"] == 20.0
+    snap.roles["learner/h-200"] = Heartbeat(role="learner", id="h-200", state="starting", created=21.0)
+    assert up.ready_since(snap.roles.values())["learner"] == 10.0  # from before its start: check() ignores it
