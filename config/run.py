@@ -66,8 +66,11 @@ class UpSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scorers: Annotated[int, msgspec.Meta(ge=1)] = 1
     # a failed actor, scorer or services child is started again (the same command, its log continued,
     # after 1, 2, 4 ... s) at most `restarts` times in any `restart_window_s`; the bus gives its unsettled
-    # messages to another worker. The learner's failure, exit code 2 (a config error, which the same
-    # command meets again) or one restart too many stops the run (runtime/supervisor.py). 0 = never.
+    # messages to another worker. A failed learner is started again with --resume once it has written its
+    # ledger (RUN_DIR/learner/state.msgpack). Exit code 2 (a config error, which the same command meets
+    # again), a failure before the child said ready, a learner with no ledger yet or one restart too
+    # many stops the run (runtime/supervisor.py, deploy/up.py). `parley eval --services fleet` starts its
+    # actors and scorers again under the same two settings. 0 = never.
     restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
     restart_window_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
     live: bool = True  # live terminal view (off when stdout is not a terminal)

@@ -2,10 +2,11 @@
 
 Starts nats-server, the sim + judge services (each only if the run's environment needs it: an LLM
 simulated user, judge metrics; and the reference service when [policy] reference = "service"), N
-actors, M scorers and the learner; waits for each
-to report ready; shows the live view; stops everything on Ctrl-C or when a role fails (showing its
-last log lines); after the learner's last step (and its periodic evals) prints the reward summary, the
-eval table of the evaluated versions and the version `parley select` names.
+actors, M scorers and the learner; waits for each to report ready; shows the live view; starts a
+failed role again where [up] restarts allows (the learner with --resume), else stops everything
+(showing its last log lines), as on Ctrl-C; after the learner's last step (and its periodic evals)
+prints the reward summary, the eval table of the evaluated versions and the version `parley select`
+names.
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ async def up_main(stop: asyncio.Event, cfg: RunConfig, live: bool, resume: bool 
                 argv = [*argv, "--metrics-port", targets[name].split(":")[1], "--metrics-host", "127.0.0.1"]
                 where = f", metrics http://{targets[name]}/metrics"
                 write_scrape_targets(run_dir, cfg.run.name, targets)
-            sup.start(name, argv, env=env, config_text=dump_config(cfg))
+            again = learner_restart(run_dir, argv) if name == "learner" else {}
+            sup.start(name, argv, env=env, config_text=dump_config(cfg), **again)
             print(
                 stamped(f"started {name}: pid {sup.get(name).proc.pid}, log {sup.get(name).log_path}{where}"),
                 flush=True,
@@ -245,10 +247,29 @@ SCRAPE_TARGETS = "prometheus-targets.json"
 
 def restart_policy(cfg: RunConfig) -> RestartPolicy:
     """Which failed children `parley up` starts again ([up] restarts): actors, scorers and services,
-    except the roles holding a share of a call budget (config.restarts.restart_policy says which)."""
+    except the roles holding a share of a call budget (config.restarts.restart_policy says which), and
+    the learner, with --resume, while it has a state to resume from (`learner_restart`)."""
     from parley.config.restarts import restart_policy as policy_of
 
-    return policy_of(cfg, RestartPolicy.roles)
+    return policy_of(cfg, RestartPolicy.roles | {"learner"})
+
+
+def learner_restart(run_dir: Path, argv: list[str]) -> dict:
+    """How `parley up` starts a failed learner again (Supervisor.start's `restart_argv`, `restart_check`):
+    its command with --resume, so that it continues from its ledger and checkpoint, and only once the
+    run directory holds that ledger. Before its first write (it writes once it has received samples or
+    stepped) a start again would begin afresh and issue the same task ids again; the run stops instead.
+    The learner's eval child and its engine's processes share its process group, which the supervisor
+    kills before the start again; the learner started again starts its own eval child."""
+
+    def resumable() -> str | None:
+        from parley.learner.checkpoint import has_state, learner_dir
+
+        if has_state(run_dir):
+            return None
+        return f"no learner state in {learner_dir(run_dir)} yet to resume from (it is written once samples arrive)"
+
+    return {"restart_argv": argv if "--resume" in argv else [*argv, "--resume"], "restart_check": resumable}
 
 
 def child_env(

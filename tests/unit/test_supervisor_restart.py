@@ -1,7 +1,9 @@
 """runtime.supervisor.RestartPolicy with real child processes: `parley up` starts a failed actor,
 scorer or services child again (bounded, with a backoff), kills what the dead child left in its
-process group first, and stops the run for the learner, a config error (exit 2) or one restart too
-many. Before it, any child's failure stopped the whole run."""
+process group first, starts a learner that failed after it came ready again with --resume once the run
+directory holds its ledger, and stops the run for a learner with nothing to resume from, a config error
+(exit 2) or one restart too many. Before it, any child's failure stopped the whole run; before the
+learner's restart, the learner's failure always did."""
 
 from __future__ import annotations
 
@@ -250,11 +252,108 @@ def test_a_role_holding_a_share_of_a_call_budget_is_not_started_again():
     from parley.deploy.up import restart_policy
 
     cfg = RunConfig()
-    assert restart_policy(cfg).roles == {"actor", "scorer", "services"}
+    assert restart_policy(cfg).roles == {"actor", "scorer", "services", "learner"}
     cfg.rollout.sim_call_budget = 500
     policy = restart_policy(cfg)
-    assert policy.roles == {"scorer", "services"} and policy.limit == 3
+    assert policy.roles == {"scorer", "services", "learner"} and policy.limit == 3
     why = policy.why_not(Child("actor-0", [], Path("actor-0.log")), time.monotonic())
     assert why == "[rollout] sim_call_budget = 500 is set, and each actor started again would spend a fresh share of it"
     cfg.rollout.judge_call_budget = 80
-    assert restart_policy(cfg).roles == {"services"}
+    assert restart_policy(cfg).roles == {"services", "learner"}
+
+
+def learner_double(argv_log: Path, marker: Path) -> list[str]:
+    """Test double for `parley learner`: appends its arguments to `argv_log` at each start; its first
+    start exits 4 (a crash after it came ready), a start with --resume runs 1 s and exits 0 (its last
+    step done), a start again without --resume exits 5."""
+    script = (
+        "import pathlib, sys, time\n"
+        f"pathlib.Path({str(argv_log)!r}).open('a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        f"m = pathlib.Path({str(marker)!r})\n"
+        "if not m.exists():\n"
+        "    m.write_text('x'); print('learner double: failing', flush=True); sys.exit(4)\n"
+        "if '--resume' not in sys.argv:\n"
+        "    sys.exit(5)\n"
+        "print('learner double: resumed', flush=True); time.sleep(1.0)\n"
+    )
+    return [sys.executable, "-c", script, "--config", "config.toml"]
+
+
+class LearnerWatcherDouble:
+    """Test double: the live view, in which the learner's heartbeat says ready, sent now (under the id
+    of whichever learner process runs: host-pid, as the learner names itself)."""
+
+    def __init__(self, sup):
+        self.sup = sup
+
+    @property
+    def snap(self):
+        from parley.deploy.live import Snapshot
+        from parley.protocol.messages import Heartbeat
+
+        ident = f"host-{self.sup.get('learner').proc.pid}"
+        return Snapshot(
+            roles={f"learner/{ident}": Heartbeat(role="learner", id=ident, state="ready", created=time.time())}
+        )
+
+    async def poll(self):
+        return self.snap
+
+
+@pytest.mark.parametrize("ledger", [True, False])
+async def test_parley_up_starts_a_learner_that_failed_after_it_came_ready_again_with_resume(tmp_path, capsys, ledger):
+    """deploy.up with a real learner child (a test double): it fails once after its heartbeat said ready.
+    With the learner's ledger in the run directory up starts it again with --resume (its log and
+    roles/learner.cmd say so) and the run ends when it exits 0; without one the run stops, saying
+    there is nothing to resume from. Before, the learner's failure always stopped the run."""
+    import dataclasses
+
+    from parley.config.run import RunConfig
+    from parley.deploy import up
+    from parley.learner.checkpoint import LearnerState, write_state
+
+    if ledger:
+        write_state(tmp_path, LearnerState(step=2))
+    policy = dataclasses.replace(up.restart_policy(RunConfig()), backoff_s=0.05)
+    sup = Supervisor(tmp_path, policy)
+    argv = learner_double(tmp_path / "argv.log", tmp_path / "marker")
+    learner = sup.start("learner", argv, **up.learner_restart(tmp_path, argv))
+    try:
+        code = await asyncio.wait_for(up._until_done(sup, asyncio.Event(), LearnerWatcherDouble(sup), quiet=True), 20)
+    finally:
+        sup.stop_all(timeout=5)
+    out = capsys.readouterr().out
+    starts = (tmp_path / "argv.log").read_text().splitlines()
+    if ledger:
+        assert code == 0, out
+        assert starts == ["--config config.toml", "--config config.toml --resume"], starts
+        assert len(learner.restarts) == 1 and learner.returncode == 0
+        assert "learner exited with code 4; starting it again" in out, out
+        assert f"started learner again: pid {learner.proc.pid} as: " in out and out.rstrip().endswith("--resume"), out
+        log = learner.log_path.read_text()
+        assert log.index("failing") < log.index("started again ---") < log.index("learner double: resumed"), log
+        cmd = (tmp_path / "roles" / "learner.cmd").read_text()
+        assert "\n# started again as: " in cmd and cmd.rstrip().endswith("--config config.toml --resume"), cmd
+    else:
+        assert code == 1 and starts == ["--config config.toml"] and not learner.restarts, out
+        assert (
+            learner.why_not
+            == f"no learner state in {tmp_path / 'learner'} yet to resume from (it is written once samples arrive)"
+        )
+        assert f"learner exited with code 4 (not started again: {learner.why_not})" in out, out
+
+
+@pytest.mark.parametrize(("code", "why"), [(2, "exit code 2 is a config error"), (4, "it failed before it came ready")])
+def test_a_learner_is_not_started_again_after_a_config_error_or_before_it_came_ready(tmp_path, code, why):
+    """Its ledger there or not: exit 2 (a config error, a lease another learner holds) and a start-up
+    failure meet the next start the same way."""
+    from parley.config.run import RunConfig
+    from parley.deploy import up
+    from parley.learner.checkpoint import LearnerState, write_state
+
+    write_state(tmp_path, LearnerState(step=2))
+    sup = Supervisor(tmp_path, up.restart_policy(RunConfig()))
+    argv = always_fails(code)
+    learner = sup.start("learner", argv, **up.learner_restart(tmp_path, argv))
+    assert settle(sup, [], ready=code == 2) is learner
+    assert learner.why_not.startswith(why) and not learner.restarts
