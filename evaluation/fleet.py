@@ -154,8 +154,6 @@ async def play_condition_fleet(
     # The roles' heartbeats on the condition's run, subscribed to before they start: a role that fails
     # after it said ready is started again (Supervisor.check); child name -> the role's --id.
     beats: dict[str, Heartbeat] = {}
-    beat_sub = await status.keep_latest(nc, run, beats)
-    await nc.flush()
     ids = {f"actor-{ident}": f"eval-actor-{ident}", f"scorer-{ident}": f"eval-scorer-{ident}"}
 
     def ready() -> dict[str, float]:
@@ -165,30 +163,33 @@ async def play_condition_fleet(
     def say(line: str) -> None:
         log.warning("condition %s: %s", cond.name, line)
 
-    roles = [
-        sup.start(
-            f"actor-{ident}",
-            sup.parley_argv(
-                "actor", *c, "--set", f"actor.engine.model={json.dumps(cond.model)}", "--id", f"eval-actor-{ident}"
-            ),
-            env=fs.env,
-        ),
-        sup.start(f"scorer-{ident}", sup.parley_argv(*scorer_args(c, ident)), env=fs.env),
-    ]
-    log.info(
-        "condition %s: run %s, actor pid %d, scorer pid %d (logs in %s)",
-        cond.name,
-        run,
-        roles[0].proc.pid,
-        roles[1].proc.pid,
-        sup.run_dir / "logs",
-    )
     halt = asyncio.Event()
-    worker = PullWorker(
-        js, run, "scored", on_scored, bus=cfg.bus, name=f"eval-{ident}", concurrency=16, fetch_timeout=1.0
-    )
-    consumer = asyncio.create_task(worker.run_until(halt), name="scored")
+    beat_sub = consumer = None
     try:
+        beat_sub = await status.keep_latest(nc, run, beats)
+        await nc.flush()
+        roles = [
+            sup.start(
+                f"actor-{ident}",
+                sup.parley_argv(
+                    "actor", *c, "--set", f"actor.engine.model={json.dumps(cond.model)}", "--id", f"eval-actor-{ident}"
+                ),
+                env=fs.env,
+            ),
+            sup.start(f"scorer-{ident}", sup.parley_argv(*scorer_args(c, ident)), env=fs.env),
+        ]
+        log.info(
+            "condition %s: run %s, actor pid %d, scorer pid %d (logs in %s)",
+            cond.name,
+            run,
+            roles[0].proc.pid,
+            roles[1].proc.pid,
+            sup.run_dir / "logs",
+        )
+        worker = PullWorker(
+            js, run, "scored", on_scored, bus=cfg.bus, name=f"eval-{ident}", concurrency=16, fetch_timeout=1.0
+        )
+        consumer = asyncio.create_task(worker.run_until(halt), name="scored")
         for t in by_id.values():
             await publish(js, run, "tasks", t)
         dead_seq, last_note = 1, time.monotonic()
@@ -221,9 +222,11 @@ async def play_condition_fleet(
                 await asyncio.wait_for(progressed.wait(), timeout=wait_s)
     finally:
         halt.set()
-        await asyncio.gather(consumer, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await beat_sub.unsubscribe()
+        if consumer is not None:
+            await asyncio.gather(consumer, return_exceptions=True)
+        if beat_sub is not None:
+            with contextlib.suppress(Exception):
+                await beat_sub.unsubscribe()
         await asyncio.to_thread(sup.stop_all)
         with contextlib.suppress(Exception):
             await delete_run(js, run)

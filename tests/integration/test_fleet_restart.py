@@ -118,3 +118,29 @@ async def test_a_failure_the_policy_does_not_start_again_ends_the_condition_nami
     assert message.startswith(f"actor-base of condition base exited {code} (not started again: {why}"), message
     assert f"exiting with code {code}" in message  # its last log lines
     assert "started again ---" not in text(fs.logs_dir / "logs" / "actor-base.log")
+
+
+async def test_a_role_that_cannot_start_leaves_no_process_and_no_subscription_behind(
+    tmp_path, nats_server, nc, js, monkeypatch
+):
+    """The scorer's start raises after the actor's has begun: the actor is stopped and the heartbeat
+    subscription closed (before, both were made outside the condition's try and outlived it)."""
+    cfg, tasks, fs = setup(tmp_path, nats_server.url)
+    run = condition_run(cfg.run.name, COND.name)
+    fleet_of_doubles(monkeypatch, nats_server.url, run)
+    started: list[Supervisor] = []
+    real_start = Supervisor.start
+
+    def start(self, name, argv, env=None, config_text=None, **kw):
+        if name.startswith("scorer"):
+            raise OSError(f"cannot start {name} (test double)")
+        started.append(self)
+        return real_start(self, name, argv, env, config_text, **kw)
+
+    monkeypatch.setattr(Supervisor, "start", start)
+    with pytest.raises(OSError, match="cannot start scorer-base"):
+        await asyncio.wait_for(play_condition_fleet(nc, js, cfg, COND, tasks, fs, asyncio.Event()), 30)
+    (sup,) = started
+    assert [c.alive for c in sup.children] == [False]  # the actor double did not outlive the condition
+    beat_subject = topology.status_subject(run, "*", "*")
+    assert beat_subject not in [sub.subject for sub in nc._subs.values()]  # the heartbeat subscription is closed
