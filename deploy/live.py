@@ -97,8 +97,11 @@ def render(snap: Snapshot, run: str, title: str = ""):
     for col in ("role", "id", "state", "version", "activity"):
         roles.add_column(col)
     now = time.time()
+    latest_learner = learner_beat(snap)
     for key in sorted(snap.roles):
         hb = snap.roles[key]
+        if hb.role == "learner" and hb is not latest_learner:
+            continue  # the last heartbeat of a learner since started again (another id: host-pid)
         state = hb.state if now - hb.created < STALE_AFTER_S else f"lost ({now - hb.created:.0f}s)"
         counters = ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(hb.counters.items()) if not k.startswith("reward."))
         roles.add_row(hb.role, hb.id, state, str(hb.version), counters)

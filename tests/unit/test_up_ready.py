@@ -96,3 +96,28 @@ def test_after_the_learner_was_started_again_its_new_heartbeats_count_not_the_la
     assert up.ready_since(snap.roles.values())["learner"] == 20.0
     snap.roles["learner/h-200"] = Heartbeat(role="learner", id="h-200", state="starting", created=21.0)
     assert up.ready_since(snap.roles.values())["learner"] == 10.0  # from before its start: check() ignores it
+
+
+def test_the_live_view_lists_only_the_latest_learner():
+    """After the learner was started again the view's roles table shows the new learner alone. Before,
+    the dead one's last heartbeat stayed beside it as a "lost" row for the rest of the run."""
+    import time
+
+    from rich.console import Console
+
+    from parley.deploy.live import Snapshot, render
+    from parley.protocol.messages import Heartbeat
+
+    now = time.time()
+    snap = Snapshot(
+        roles={
+            "actor/actor-0": Heartbeat(role="actor", id="actor-0", state="busy", created=now),
+            "learner/h-100": Heartbeat(role="learner", id="h-100", state="busy", created=now - 60),
+            "learner/h-200": Heartbeat(role="learner", id="h-200", state="busy", created=now),
+        }
+    )
+    console = Console(width=200, record=True)
+    console.print(render(snap, "unit").renderables[0])
+    table = console.export_text()
+    assert "h-200" in table and "actor-0" in table
+    assert "h-100" not in table and "lost" not in table, table
