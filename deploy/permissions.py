@@ -186,9 +186,12 @@ def _role_rules(run: str, role: str, user: str) -> Permissions:
     elif role == "learner":
         publish += [topology.subject(run, "tasks"), *_consume(run, "scored")]
         publish += [*_read_weights(run), *_write_weights(run)]
-        # It may re-read what it trained on, read the dead letters (the fates of the tasks it issued),
-        # and see how far every shared consumer has got and how full every stream is (backlog).
+        # It may re-read what it trained on, read back the tasks it published (a resumed learner adopts
+        # those its ledger did not record, learner.feeder.adopt_published), read the dead letters (the
+        # fates of the tasks it issued), and see how far every shared consumer has got and how full every
+        # stream is (backlog).
         publish += [
+            *_read_stream(topology.stream_name(run, "tasks")),
             *_read_stream(topology.stream_name(run, "scored")),
             *_read_stream(topology.stream_name(run, "dead")),
         ]

@@ -278,6 +278,14 @@ async def test_every_role_can_do_its_job(which, request, tmp_path, caplog):
             (state / "config.json").write_text('{"model_type": "qwen3"}')
             await publish_version(learner, run, v, step=v, state_dir=state, settings=ObjstoreWeights(), keep=1)
         await publish(learner, run, "tasks", examples.task(run, "job-1"))
+        # a resumed learner reads back the tasks it published (Feeder.adopt_published, by sequence);
+        # "job-1" is not one of a feeder's task ids, so none is adopted
+        from parley.config.learner import RolloutConfig
+        from parley.learner.feeder import Feeder
+        from parley.tasks.data import load_items
+
+        resumed = Feeder(learner, run, load_items()[:1], RolloutConfig(n=1), max_staleness=1, groups_per_step=1, seed=0)
+        assert await resumed.adopt_published() == 0
 
         got = {}
 
