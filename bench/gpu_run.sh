@@ -232,6 +232,11 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     # their engine core, "fork" or "spawn" (actor.engine.start_method, docs/gpu.md); one of parley's
     # settings, so p_clock.json's parley_sets records it and TRL's run does not see it
     if [ -n "${START_METHOD:-}" ]; then PARLEY_SETS="${PARLEY_SETS:-} actor.engine.start_method=\"$START_METHOD\""; fi
+    # START_STACKS_S (issue 56; default empty: off): every N seconds while one of parley's engines starts,
+    # its process's Python stacks in its log (PARLEY_START_STACKS_S, engines.engine.start_stacks), to see
+    # where a slow start waits (2026-12-07: 32 s before vLLM resolved the model); the actor's whole log and
+    # the eval child's first log then come back too (actor_full.log, eval_v0.log)
+    if [ -n "${START_STACKS_S:-}" ]; then export PARLEY_START_STACKS_S=$START_STACKS_S; fi
     SETS_JSON=${PARLEY_SETS:-}
     SETS_JSON=${SETS_JSON//\\/\\\\}  # a JSON string: backslashes, then quotes (group_order="freshest")
     SETS_JSON=${SETS_JSON//\"/\\\"}
@@ -282,6 +287,10 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
         { sed -n '1,/Model loading took/p' "$RUN"/logs/actor-0.log | head -n 150 | grep -v -E "$ACTOR_PAT"
           grep -H -E "$ACTOR_PAT" "$RUN"/logs/actor-*.log; } >"$OUT/parley_actor.log" 2>/dev/null  # -H: each actor's count
         grep -h -i 'recompile' "$RUN"/logs/learner.log | head -n 5 >>"$OUT/parley_steps.log" 2>/dev/null
+        if [ -n "${START_STACKS_S:-}" ]; then
+            cp "$RUN/logs/actor-0.log" "$OUT/actor_full.log" 2>/dev/null
+            cp "$RUN/eval/v0/eval.log" "$OUT/eval_v0.log" 2>/dev/null
+        fi
         write_clock
     }
     trl_side() {  # $1: its time limit

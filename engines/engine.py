@@ -448,6 +448,37 @@ def share_cpu_cores(environ=os.environ, cpus: int | None = None) -> str:
     return bind
 
 
+START_STACKS_ENV = "PARLEY_START_STACKS_S"
+
+
+@contextlib.contextmanager
+def start_stacks(environ=os.environ, file=None):
+    """While vLLM makes an engine (a minute or more on a GPU, most of a run's start): with
+    PARLEY_START_STACKS_S=N set, every thread's Python stack is written to stderr (the role's log) every
+    N seconds, so a slow or stuck start shows where it waits. Unset or empty: nothing. Only this process's
+    threads: the engine core's own start logs from its process."""
+    import faulthandler
+    import sys
+
+    raw = environ.get(START_STACKS_ENV, "")
+    if not raw:
+        yield
+        return
+    try:
+        every = float(raw)
+        if not math.isfinite(every) or every <= 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(
+            f"{START_STACKS_ENV}={raw!r}: seconds between stack dumps while an engine starts, a number > 0 (or unset)"
+        ) from None
+    faulthandler.dump_traceback_later(every, repeat=True, file=file or sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 # vLLM's CPU build runs the model in a worker process of its own, spawned by the engine-core process
 # (itself spawned), so that it can set up OpenMP thread binding before torch starts. An unbound engine
 # (CPU_BIND_DEFAULT) has no binding to set up: its one worker runs inside the engine core, with the same
@@ -499,9 +530,10 @@ class PolicyEngine:
         self.counts = EngineCounts()
         logger = counting_logger(self.counts)
         self._steps_counted = logger is not None  # watch() can tell a stalled engine from a busy one
-        self._llm = AsyncLLM.from_engine_args(
-            _engine_args(settings, cpu_bind), stat_loggers=[logger] if logger is not None else None
-        )
+        with start_stacks():
+            self._llm = AsyncLLM.from_engine_args(
+                _engine_args(settings, cpu_bind), stat_loggers=[logger] if logger is not None else None
+            )
         self._reload_lock = asyncio.Lock()
         self.adapters: dict[int, Any] = {}  # version -> its vLLM LoRARequest, loaded (load_adapter)
         self._users: dict[int, int] = {}  # adapter version -> open conversations started on it (pin)

@@ -108,3 +108,36 @@ def test_start_method_sets_the_actors_engine_core_start_for_parley_alone(tmp_pat
     assert 'actor.engine.start_method="fork"' in _clock(out / "p_s3.tgz")["parley_sets"]
     res, calls, _ = _run_part(tmp_path / "env", "TT", SEED="3")
     assert res.returncode == 0 and not any("actor.engine.start_method" in c for c in calls)
+
+
+def test_start_stacks_reach_parleys_engines_and_bring_back_the_actors_whole_log(tmp_path):
+    """START_STACKS_S=5 (issue 56): parley's roles start their engines with PARLEY_START_STACKS_S=5 (every
+    thread's stack in the role's log every 5 s while vLLM makes the engine), and the seed's file carries
+    the actor's whole log and the eval child's first one. Unset: neither."""
+    # test double for python3: records its arguments and the variable; as `parley up` it leaves the logs
+    python = (
+        "#!/bin/bash\n"
+        'printf "%s|" "$@" >>"$STUB_LOG"; printf "stacks=%s" "${PARLEY_START_STACKS_S:-}" >>"$STUB_LOG"; echo >>"$STUB_LOG"\n'
+        'if [ "$3" = up ]; then mkdir -p "$RUN_DIR/logs" "$RUN_DIR/eval/v0"\n'
+        '  echo "actor log" >"$RUN_DIR/logs/actor-0.log"; echo "eval log" >"$RUN_DIR/eval/v0/eval.log"; fi\n'
+    )
+    outs = {}
+    for name, env in (("on", {"START_STACKS_S": "5"}), ("off", {})):
+        (tmp_path / name).mkdir()
+        res, calls, out = run_gpu_part(
+            tmp_path / name,
+            "TT",
+            python,
+            "NVIDIA H100 80GB HBM3, GPU-1234",
+            RUN_DIR=str(tmp_path / name / "run"),
+            TRL_WORK=str(tmp_path / name / "trl"),
+            SEED="2",
+            **env,
+        )
+        assert res.returncode == 0, res.stderr
+        up = next(c for c in calls if "parley.deploy.cli|up|" in c)
+        with tarfile.open(out / "p_s2.tgz") as tar:
+            outs[name] = (up.rsplit("|", 1)[1], sorted(n for n in tar.getnames() if n.endswith((".log",))))
+    assert outs["on"][0] == "stacks=5" and outs["off"][0] == "stacks="
+    assert {"./actor_full.log", "./eval_v0.log"} <= set(outs["on"][1])
+    assert not {"./actor_full.log", "./eval_v0.log"} & set(outs["off"][1])
