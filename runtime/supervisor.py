@@ -41,6 +41,11 @@ class Child:
     restart_check: Callable[[], str | None] | None = None
 
     @property
+    def other_argv_again(self) -> list[str] | None:
+        """Its command for a start again where that differs from its first (`restart_argv`), else None."""
+        return self.restart_argv if self.restart_argv not in (None, self.argv) else None
+
+    @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -145,7 +150,7 @@ class Supervisor:
             + (" " if child.env else "")
             + shlex.join(argv)
             + "\n"
-            + (f"# started again as: {shlex.join(restart_argv)}\n" if restart_argv not in (None, argv) else "")
+            + (f"# started again as: {shlex.join(again)}\n" if (again := child.other_argv_again) else "")
         )
         if config_text is not None:
             (roles / f"{name}.toml").write_text(config_text)
@@ -157,7 +162,7 @@ class Supervisor:
         child.came_ready = False
         log = child.log_path.open("ab")
         child.proc = subprocess.Popen(
-            child.restart_argv if again and child.restart_argv is not None else child.argv,
+            (again and child.other_argv_again) or child.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -210,7 +215,7 @@ class Supervisor:
                 c.restarts.append(now)
                 c.restart_due = None
                 self._spawn(c, again=True)
-                how = f" as: {shlex.join(c.restart_argv)}" if c.restart_argv not in (None, c.argv) else ""
+                how = f" as: {shlex.join(other)}" if (other := c.other_argv_again) else ""
                 say(f"started {c.name} again: pid {c.proc.pid}{how}")
         return None
 

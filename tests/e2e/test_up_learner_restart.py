@@ -29,7 +29,7 @@ def test_a_learner_killed_mid_run_is_started_again_with_resume_and_the_run_ends_
     argv = [sys.executable, "-m", "parley.deploy.cli", "up", "--config", str(ROOT / "deploy/configs/tiny.toml")]
     argv += ["--steps", str(STEPS), "--no-live", "--run-dir", str(run_dir), "--set", "learner.eval_every=0"]
     with out_path.open("w") as out:
-        up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=dict(os.environ))
+        up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         learner_log = run_dir / "logs" / "learner.log"
         deadline = time.monotonic() + 600

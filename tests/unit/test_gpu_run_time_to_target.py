@@ -137,7 +137,7 @@ def test_start_stacks_reach_parleys_engines_and_bring_back_the_actors_whole_log(
         assert res.returncode == 0, res.stderr
         up = next(c for c in calls if "parley.deploy.cli|up|" in c)
         with tarfile.open(out / "p_s2.tgz") as tar:
-            outs[name] = (up.rsplit("|", 1)[1], sorted(n for n in tar.getnames() if n.endswith((".log",))))
+            outs[name] = (up.rsplit("|", 1)[1], sorted(n for n in tar.getnames() if n.endswith(".log")))
     assert outs["on"][0] == "stacks=5" and outs["off"][0] == "stacks="
     assert {"./actor_full.log", "./eval_v0.log"} <= set(outs["on"][1])
     assert not {"./actor_full.log", "./eval_v0.log"} & set(outs["off"][1])
