@@ -476,8 +476,10 @@ TT)
     # to back on this GPU (even seeds parley first, odd seeds TRL first: ORDER), ONE seed a call (SEED, default 0), so that a 30-minute lease runs a few and
     # seeds from other calls, sessions and machines add up (each pair within its own machine).
     # Part P with: TRL at its best (bf16 weights, vLLM sleep mode: TRL_DTYPE, TRL_SLEEP, TRL_ARGS),
-    # a held-out eval every EVAL_EVERY=5 versions (the time's resolution), TRL STEPS=40, parley
-    # PARLEY_STEPS=60 (each runs past the target: the reward at the other's end is read too), parley's
+    # a held-out eval every EVAL_EVERY=5 versions (the time's resolution), TRL STEPS=80, parley
+    # PARLEY_STEPS=120 (on a warm H100 each side's last eval then comes near 2 minutes from launch; at
+    # 40 and 60 of 2026-12-07 both ended near 68 s, and a side that ended before the other reached the
+    # target bounds the ratio only weakly: bench/peer_compare.py ratio_bounds), parley's
     # best settings on record as PARLEY_SETS (the 2026-12-05 22:59 row of docs/gpu.md), all within
     # LIMIT_S=500 (parley PARLEY_S=230 of it). START_METHOD (fork | spawn; default empty: unchanged) adds
     # actor.engine.start_method to parley's settings: `START_METHOD=fork SEED=3 bash bench/gpu_run.sh TT`
@@ -498,7 +500,7 @@ TT)
     # even seeds parley first, odd seeds TRL first (ORDER overrides): neither side always meets a
     # machine's cold caches (seeds 0-2 of 2026-12-06 ran parley first)
     if [ $((SEED % 2)) = 0 ]; then ORDER=${ORDER:-parley}; else ORDER=${ORDER:-trl}; fi
-    TRL=$T_ON PARLEY=$P_ON OUT="$OUT/$NAME" SEED=$SEED ORDER=$ORDER STEPS=${STEPS:-40} PARLEY_STEPS=${PARLEY_STEPS:-60} EVAL_EVERY=${EVAL_EVERY:-5} \
+    TRL=$T_ON PARLEY=$P_ON OUT="$OUT/$NAME" SEED=$SEED ORDER=$ORDER STEPS=${STEPS:-80} PARLEY_STEPS=${PARLEY_STEPS:-120} EVAL_EVERY=${EVAL_EVERY:-5} \
         LIMIT_S=${LIMIT_S:-500} PARLEY_S=${PARLEY_S:-230} \
         PARLEY_SETS=${PARLEY_SETS-learner.oversample_groups=2 learner.group_order=\"freshest\" learner.behaviour_correction=\"clip\" weights.max_buffers=6 weights.hold_s=1.0} \
         bash "$0" P | grep -E '^\[gpu_run\]|Traceback'

@@ -810,7 +810,7 @@ def target_pair(out: Path, trl_out: Path | None, target: float | None, timed_by:
     how = reached(p["time_to_target_s"], q["time_to_target_s"])
     p_at_q_end = None if q["end_s"] is None else reward_at(parley["evals"], q["end_s"], metric)
     q_at_p_end = None if p["end_s"] is None else reward_at(trl["evals"], p["end_s"], metric)
-    return {
+    row = {
         "out": str(out),
         "trl_out": str(trl_out or out),
         "same_call": trl_out is None or trl_out == out,
@@ -831,6 +831,10 @@ def target_pair(out: Path, trl_out: Path | None, target: float | None, timed_by:
         else round(p_at_q_end - q["at_end"], 4),
         "trl_at_parleys_end": q_at_p_end,
     }
+    b = ratio_bounds(row)
+    # [at least, at most] (None: no upper bound), or None where neither reached the target
+    row["ratio_bounds"] = None if b is None else [_finite(b[0]), _finite(b[1])]
+    return row
 
 
 def median(xs: list[float]) -> float | None:
@@ -846,33 +850,56 @@ def _finite(x: float | None) -> float | None:
     return None if x is None or x == float("inf") else round(x, 4)
 
 
-def target_stats(rows: list[dict]) -> dict:
-    """The headline over paired seeds, from each row's `reached`, `ratio` (parley / TRL time to target
-    when both reached it), `difference_at_trls_end` and both times: a seed where only parley reached
-    the target counts as ratio 0 (parley the faster, by any margin), one where only TRL did as
-    infinite, one where neither did is left out (the target says nothing there). The goal: at least
-    MIN_PAIRS seeds counted, median ratio <= GOAL_TIME_RATIO, median held-out difference at TRL's end
-    >= 0 (over the seeds that have one)."""
-    ranked = {"both": None, "parley": 0.0, "trl": float("inf")}
-    counted = [r for r in rows if r["reached"] != "neither"]
-    ratios = [r["ratio"] if r["reached"] == "both" else ranked[r["reached"]] for r in counted]
+def ratio_bounds(row: dict) -> tuple[float, float] | None:
+    """What one seed says of parley / TRL time to target, as (at least, at most); inf for no upper
+    bound, None where neither side reached the target (the seed says nothing of the ratio). A side that
+    did not reach it is censored at its last held-out result (`end_s`): its time to target is later
+    than that, if it comes at all. So where only parley reached the target, the ratio is below parley's
+    time over TRL's end (a TRL run that ended early bounds it only weakly), and where only TRL did, it
+    is above parley's end over TRL's time."""
+    p, q = row["parley"], row["trl"]
+    pt, qt = p["time_to_target_s"], q["time_to_target_s"]
     inf = float("inf")
+    if pt is not None and qt is not None:
+        return (pt / qt, pt / qt) if qt > 0 else (inf, inf)
+    if pt is not None:
+        return (0.0, pt / q["end_s"] if q.get("end_s") else inf)
+    if qt is not None:
+        return (p["end_s"] / qt if p.get("end_s") and qt > 0 else 0.0, inf)
+    return None
+
+
+def target_stats(rows: list[dict]) -> dict:
+    """The headline over paired seeds, from each row's `reached`, both sides' times to target and ends
+    (ratio_bounds) and `difference_at_trls_end`: the median ratio at least (each seed at its lower
+    bound) and at most (each at its upper bound); they are equal when both sides reached the target
+    in every counted seed. A seed where neither did is left out of the ratio (it says nothing there).
+    The goal is judged on the upper bound: at least MIN_PAIRS seeds counted, median ratio at most
+    <= GOAL_TIME_RATIO, median held-out difference at TRL's end >= 0 (over the seeds that have one).
+    A side that stops before the other reaches the target thus cannot win the goal by stopping."""
+    inf = float("inf")
+    bounds = [b for b in map(ratio_bounds, rows) if b is not None]
+    low, high = median([b[0] for b in bounds]), median([b[1] for b in bounds])
     p_times = [inf if r["parley"]["time_to_target_s"] is None else r["parley"]["time_to_target_s"] for r in rows]
     q_times = [inf if r["trl"]["time_to_target_s"] is None else r["trl"]["time_to_target_s"] for r in rows]
     diffs = [r["difference_at_trls_end"] for r in rows if r["difference_at_trls_end"] is not None]
-    m_ratio, m_diff = median(ratios), median(diffs)
+    m_diff = median(diffs)
     return {
         "seeds": len(rows),
-        "seeds_counted": len(counted),
+        "seeds_counted": len(bounds),
         "reached": {k: sum(r["reached"] == k for r in rows) for k in ("both", "parley", "trl", "neither")},
-        "median_ratio": _finite(m_ratio),
-        "median_ratio_is_infinite": m_ratio == inf,
+        # the exact median where every counted seed has both times, else None (see the bounds)
+        "median_ratio": _finite(low) if low == high else None,
+        "median_ratio_is_infinite": low == high == inf,
+        "median_ratio_at_least": _finite(low),
+        "median_ratio_at_most": _finite(high),
+        "median_ratio_at_most_is_infinite": high == inf,
         "median_parley_time_to_target_s": _finite(median(p_times)),
         "median_trl_time_to_target_s": _finite(median(q_times)),
         "median_difference_at_trls_end": _finite(m_diff),
-        "goal_met": len(counted) >= MIN_PAIRS
-        and m_ratio is not None
-        and m_ratio <= GOAL_TIME_RATIO
+        "goal_met": len(bounds) >= MIN_PAIRS
+        and high is not None
+        and high <= GOAL_TIME_RATIO
         and m_diff is not None
         and m_diff >= 0,
     }
@@ -916,6 +943,18 @@ def _n(x: int | None) -> str:
     return "-" if x is None else f"{x:,}"
 
 
+def _ratio_cell(r: dict) -> str:
+    """A seed's parley / TRL ratio: exact where both reached the target, else its bound and who reached it."""
+    if r["ratio"] is not None:
+        return f"{r['ratio']:.2f}x"
+    b = r.get("ratio_bounds")
+    if r["reached"] == "parley" and b and b[1] is not None:
+        return f"< {b[1]:.2f}x (parley reached)"
+    if r["reached"] == "trl" and b and b[0]:
+        return f"> {b[0]:.2f}x (trl reached)"
+    return f"- ({r['reached']} reached)"
+
+
 def render_targets(res: dict) -> str:
     m = res["metric"]
     lines = [
@@ -928,7 +967,7 @@ def render_targets(res: dict) -> str:
     ]
     for r in res["pairs"]:
         p, q = r["parley"], r["trl"]
-        ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else f"- ({r['reached']} reached)"
+        ratio = _ratio_cell(r)
         lines.append(
             f"| {r['seed']} | {r['card']['name'] or '?'} | {_t(p['time_to_target_s'])} / {_t(q['time_to_target_s'])} | "
             f"{ratio} | {_r(r['parley_at_trls_end'])} / {_r(q['at_end'])} | {_r(p['at_end'])} / "
@@ -938,7 +977,11 @@ def render_targets(res: dict) -> str:
             f"{_t(p['launch_to_step1_s'])} / {_t(q['launch_to_step1_s'])} | "
             f"{_t(p.get('first_result_s'))} / {_t(q.get('first_result_s'))} |"
         )
-    ratio = "inf" if res["median_ratio_is_infinite"] else _r(res["median_ratio"])
+    if res["median_ratio"] is not None or res["median_ratio_is_infinite"]:
+        ratio = "inf" if res["median_ratio_is_infinite"] else _r(res["median_ratio"])
+    else:  # some seed is censored: the median lies between its bounds; the goal reads the upper one
+        most = "inf" if res["median_ratio_at_most_is_infinite"] else _r(res["median_ratio_at_most"])
+        ratio = f"between {_r(res['median_ratio_at_least'])} and {most}"
     lines += [
         "",
         f"median over {res['seeds_counted']} of {res['seeds']} seeds (reached by both {res['reached']['both']}, "

@@ -133,12 +133,21 @@ def test_generated_tokens_add_each_actors_latest_count():
     assert peer_compare.generated_series(bare, LAUNCH_LOCAL) == [(20.0, 100)]
 
 
-def _row(reached: str, ratio: float | None, p: float | None, q: float | None, diff: float | None) -> dict:
+def _row(
+    reached: str,
+    ratio: float | None,
+    p: float | None,
+    q: float | None,
+    diff: float | None,
+    p_end: float | None = None,
+    q_end: float | None = None,
+) -> dict:
+    """One seed's row as target_pair writes it; p_end / q_end: each side's last held-out result (s)."""
     return {
         "reached": reached,
         "ratio": ratio,
-        "parley": {"time_to_target_s": p},
-        "trl": {"time_to_target_s": q},
+        "parley": {"time_to_target_s": p, "end_s": p_end},
+        "trl": {"time_to_target_s": q, "end_s": q_end},
         "difference_at_trls_end": diff,
     }
 
@@ -171,22 +180,51 @@ def test_the_headline_is_the_median_of_five_paired_ratios():
 def test_a_seed_where_one_side_never_reached_the_target_counts_for_the_other():
     rows = [
         _row("both", 0.5, 50.0, 100.0, 0.0),
-        _row("trl", None, None, 80.0, -0.1),  # TRL only: infinite ratio
-        _row("parley", None, 70.0, None, 0.2),  # parley only: ratio 0
+        _row("trl", None, None, 80.0, -0.1, p_end=100.0),  # parley not there by 100 s: ratio > 1.25
+        _row("parley", None, 70.0, None, 0.2, q_end=140.0),  # TRL not there by 140 s: ratio < 0.5
         _row("both", 0.9, 90.0, 100.0, 0.0),
         _row("both", 0.7, 77.0, 110.0, 0.0),
         _row("neither", None, None, None, 0.0),  # left out of the ratio, not of the times
     ]
     st = peer_compare.target_stats(rows)
-    # counted ratios 0 0.5 0.7 0.9 inf -> 0.7 (> 0.67: not met); parley times 50 70 77 90 inf inf -> 83.5,
-    # TRL's 80 100 100 110 inf inf -> 105
+    # lower bounds 0.5 1.25 0 0.9 0.7 -> 0.7; upper 0.5 inf 0.5 0.9 0.7 -> 0.7: the median is known
+    # (0.7 > 0.67: not met); parley times 50 70 77 90 inf inf -> 83.5, TRL's 80 100 100 110 inf inf -> 105
     assert (st["median_ratio"], st["seeds_counted"], st["seeds"], st["goal_met"]) == (0.7, 5, 6, False)
+    assert (st["median_ratio_at_least"], st["median_ratio_at_most"]) == (0.7, 0.7)
     assert st["reached"] == {"both": 3, "parley": 1, "trl": 1, "neither": 1}
     assert (st["median_parley_time_to_target_s"], st["median_trl_time_to_target_s"]) == (83.5, 105.0)
-    # mostly TRL only: the median ratio is infinite, written as None with a flag (strict JSON)
-    st = peer_compare.target_stats([_row("trl", None, None, 1.0, 0.0)] * 3 + rows[:2])
-    assert st["median_ratio"] is None and st["median_ratio_is_infinite"] is True
+    # mostly TRL only: no upper bound on the median, written as None with a flag (strict JSON)
+    st = peer_compare.target_stats([_row("trl", None, None, 50.0, 0.0, p_end=60.0)] * 3 + rows[:2])
+    # lower bounds 1.2 1.2 1.2 0.5 1.25 -> 1.2; upper inf inf inf 0.5 inf -> inf
+    assert (st["median_ratio"], st["median_ratio_at_least"], st["median_ratio_at_most"]) == (None, 1.2, None)
+    assert st["median_ratio_at_most_is_infinite"] is True and st["goal_met"] is False
     assert peer_compare.median([]) is None and math.isinf(peer_compare.median([1.0, math.inf, math.inf]))
+
+
+def test_a_side_that_stopped_before_the_other_reached_the_target_does_not_win_the_goal():
+    """2026-12-07 (H100): TRL's runs (40 steps) ended at about 68 s; parley reached the target at 58-63
+    s in four seeds where TRL never did. Such a seed bounds the ratio by parley's time over TRL's end,
+    not at 0: the median of five such pairs is not <= 0.67 because the peer stopped early."""
+    rows = [
+        _row("both", 0.5, 50.0, 100.0, 0.1),
+        _row("parley", None, 61.0, None, 0.4, q_end=68.0),  # < 0.897
+        _row("parley", None, 58.0, None, 0.4, q_end=68.0),  # < 0.853
+        _row("parley", None, 60.0, None, 0.3, q_end=70.0),  # < 0.857
+        _row("both", 0.6, 60.0, 100.0, -0.1),
+    ]
+    st = peer_compare.target_stats(rows)
+    # lower bounds 0.5 0 0 0 0.6 -> 0; upper 0.5 0.897 0.853 0.857 0.6 -> 0.853 (58 / 68 = 0.85294)
+    assert (st["median_ratio"], st["median_ratio_at_least"], st["median_ratio_at_most"]) == (None, 0.0, 0.8529)
+    assert st["goal_met"] is False
+    # the same times against a TRL that ran on to 200 s without reaching it: parley's 61 / 200 etc.
+    long = [_row("parley", None, t, None, 0.3, q_end=200.0) for t in (61.0, 58.0, 60.0)]
+    st = peer_compare.target_stats([rows[0], *long, rows[4]])
+    # upper bounds 0.5 0.305 0.29 0.3 0.6 -> 0.305... sorted 0.29 0.3 0.305 0.5 0.6 -> 0.305
+    assert (st["median_ratio_at_most"], st["goal_met"]) == (0.305, True)
+    # neither reached: no bounds; TRL only with no end for parley: no better lower bound than 0
+    assert peer_compare.ratio_bounds(_row("neither", None, None, None, None)) is None
+    assert peer_compare.ratio_bounds(_row("trl", None, None, 40.0, None)) == (0.0, math.inf)
+    assert peer_compare.ratio_bounds(_row("trl", None, None, 40.0, None, p_end=90.0)) == (2.25, math.inf)
 
 
 def test_seeds_from_several_calls_and_sessions_are_read_from_their_packed_files(tmp_path, capsys):

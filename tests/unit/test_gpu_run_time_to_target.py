@@ -35,9 +35,9 @@ def test_part_tt_runs_one_seed_of_parley_then_trl_at_its_best_and_packs_it(tmp_p
     assert res.returncode == 0, res.stderr
     up = next(c.split("|") for c in calls if "parley.deploy.cli|up|" in c)
     trl = next(c.split("|") for c in calls if "bench/peer_trl.py" in c)
-    assert up[up.index("--steps") + 1] == "60" and "learner.seed=3" in up and "learner.eval_every=5" in up
+    assert up[up.index("--steps") + 1] == "120" and "learner.seed=3" in up and "learner.eval_every=5" in up
     assert 'learner.group_order="freshest"' in up and 'learner.behaviour_correction="clip"' in up
-    assert trl[trl.index("--steps") + 1] == "40" and trl[trl.index("--env") + 1] == "hidden_goal"
+    assert trl[trl.index("--steps") + 1] == "80" and trl[trl.index("--env") + 1] == "hidden_goal"
     assert trl[trl.index("--trl-dtype") + 1] == "bfloat16" and "--no-sleep" not in trl
     assert 'learner.group_order="freshest"' not in trl  # parley's own settings are parley's alone
     assert any("bench/peer_compare.py|--target|--over|" in c for c in calls)
@@ -51,8 +51,8 @@ def test_part_tt_runs_one_seed_of_parley_then_trl_at_its_best_and_packs_it(tmp_p
     assert (clock["env"], clock["trl_options"], clock["parley_steps"], clock["trl_steps"]) == (
         "hidden_goal",
         "--trl-dtype bfloat16",
-        60,
-        40,
+        120,
+        80,
     )
 
 
