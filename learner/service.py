@@ -332,8 +332,6 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
     another learner holds the run (learner.lease) or a fresh start meets an older run's streams."""
     from parley.engines.models import ensure_model
     from parley.learner.lease import Lease, LeaseError, LeaseLost, check_fresh_streams, holder_name
-    from parley.learner.ranks import Driver
-    from parley.learner.trainer import Trainer
     from parley.runtime import killpoints
     from parley.runtime.role import connect_nats, role_connection
 
@@ -369,6 +367,11 @@ async def main(stop: asyncio.Event, cfg: RunConfig, resume: bool, reset_streams:
         try:
             model_dir = await asyncio.to_thread(ensure_model, cfg.policy.model)
             evals = await early_evals(cfg, resume)
+            # torch and the trainer only now: the eval child imports vLLM and opens its engine meanwhile
+            # (on an H100 the learner's imports had held its start 7.7 s behind the actor's)
+            from parley.learner.ranks import Driver
+            from parley.learner.trainer import Trainer
+
             try:  # before the model is built: an earlier learner's half-done upload frees its room
                 await weights_at_start(js, cfg, model_dir)
             except WeightStoreTooSmall as e:

@@ -157,3 +157,57 @@ async def test_a_resumed_learner_or_a_refused_run_dir_starts_no_eval_child_early
     (ckpt.learner_dir(cfg.run_dir) / ckpt.STATE_FILE).write_bytes(b"")  # a learner state: the Learner refuses
     assert await service.early_evals(cfg, resume=False) is None
     assert not (cfg.run_dir / "eval").exists()  # nothing of that run touched
+
+
+# Run in a fresh interpreter (this one has torch imported already): the real main() up to the eval
+# child's start, with a test double for early_evals that says whether torch was imported by then.
+TORCH_AT_EVAL_START = r"""
+import asyncio, sys
+from pathlib import Path
+
+from parley.engines import models
+from parley.learner import service
+from tests.integration.test_learner_fates import base_model, make_cfg
+
+
+class Stop(Exception):
+    pass
+
+
+async def early_evals_double(cfg, resume):
+    print("torch imported when the eval child starts:", "torch" in sys.modules, flush=True)
+    raise Stop
+
+
+tmp = Path(sys.argv[2])
+cfg = make_cfg("evalfirst", tmp / "run", steps=1, eval_every=1)
+cfg.nats.url = sys.argv[1]
+models.ensure_model = lambda name: base_model(tmp)
+service.early_evals = early_evals_double
+try:
+    asyncio.run(service.main(asyncio.Event(), cfg, resume=False))
+except Stop:
+    pass
+"""
+
+
+def test_the_eval_child_starts_before_the_learner_imports_torch(nats_server, tmp_path):
+    """The eval child imports vLLM and opens its engine (tens of seconds on a GPU machine); the learner
+    starts it before importing torch and the trainer (2026-12-07, H100: the child started 7.7 s after the
+    actor, and v0's result came 8 s after step 1, with later versions queued behind it)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "torch_at_eval_start.py"
+    script.write_text(TORCH_AT_EVAL_START)
+    res = subprocess.run(
+        [sys.executable, str(script), nats_server.url, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert "torch imported when the eval child starts: False" in res.stdout, res.stdout + res.stderr[-2000:]
