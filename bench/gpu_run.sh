@@ -237,6 +237,13 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     # where a slow start waits (2026-12-07: 32 s before vLLM resolved the model); the actor's whole log and
     # the eval child's first log then come back too (actor_full.log, eval_v0.log)
     if [ -n "${START_STACKS_S:-}" ]; then export PARLEY_START_STACKS_S=$START_STACKS_S; fi
+    # IMPORT_TIMES=1 (issue 56; default off): parley's `parley up` and so every role under
+    # PYTHONPROFILEIMPORTTIME=1 (each import's own and cumulative microseconds on stderr, in the role's
+    # log; TRL's run is not touched), and the actor's, the learner's and the eval child's whole logs come
+    # back: where the actor's 19.5 s from its first line to its engine's start went on the warm H100 of
+    # 2026-12-07 (8 s on the 2-core CPU machine); `python bench/import_times.py actor_full.log` reads them
+    PROFILE_IMPORTS=()
+    if [ "${IMPORT_TIMES:-0}" = 1 ]; then PROFILE_IMPORTS=(env PYTHONPROFILEIMPORTTIME=1); fi
     SETS_JSON=${PARLEY_SETS:-}
     SETS_JSON=${SETS_JSON//\\/\\\\}  # a JSON string: backslashes, then quotes (group_order="freshest")
     SETS_JSON=${SETS_JSON//\"/\\\"}
@@ -271,7 +278,7 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
             echo "[gpu_run] up_peer: skipped, PARLEY=0" | tee "$OUT/up_peer.log"
             P0=null
         else
-            step up_peer "$1" python3 -m parley.deploy.cli up --config "$CONFIG" --env "$ENV_NAME" \
+            step up_peer "$1" ${PROFILE_IMPORTS[@]+"${PROFILE_IMPORTS[@]}"} python3 -m parley.deploy.cli up --config "$CONFIG" --env "$ENV_NAME" \
                 --no-live --run-dir "$RUN" --steps "${PARLEY_STEPS:-$STEPS}" "${RECIPE[@]}" --set "up.actors=${ACTORS:-1}" ${EXTRA[@]+"${EXTRA[@]}"}
         fi
         P1=$(clock)
@@ -287,9 +294,13 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
         { sed -n '1,/Model loading took/p' "$RUN"/logs/actor-0.log | head -n 150 | grep -v -E "$ACTOR_PAT"
           grep -H -E "$ACTOR_PAT" "$RUN"/logs/actor-*.log; } >"$OUT/parley_actor.log" 2>/dev/null  # -H: each actor's count
         grep -h -i 'recompile' "$RUN"/logs/learner.log | head -n 5 >>"$OUT/parley_steps.log" 2>/dev/null
-        if [ -n "${START_STACKS_S:-}" ]; then
+        if [ -n "${START_STACKS_S:-}" ] || [ "${IMPORT_TIMES:-0}" = 1 ]; then
             cp "$RUN/logs/actor-0.log" "$OUT/actor_full.log" 2>/dev/null
             cp "$RUN/eval/v0/eval.log" "$OUT/eval_v0.log" 2>/dev/null
+        fi
+        if [ "${IMPORT_TIMES:-0}" = 1 ]; then
+            cp "$RUN/logs/learner.log" "$OUT/learner_full.log" 2>/dev/null
+            cp "$RUN/eval/follow.log" "$OUT/eval_follow.log" 2>/dev/null
         fi
         write_clock
     }

@@ -141,3 +141,31 @@ def test_start_stacks_reach_parleys_engines_and_bring_back_the_actors_whole_log(
     assert outs["on"][0] == "stacks=5" and outs["off"][0] == "stacks="
     assert {"./actor_full.log", "./eval_v0.log"} <= set(outs["on"][1])
     assert not {"./actor_full.log", "./eval_v0.log"} & set(outs["off"][1])
+
+
+def test_import_times_profile_parleys_roles_only_and_bring_back_their_logs(tmp_path):
+    """IMPORT_TIMES=1 (issue 56): `parley up` (and so every role) runs under PYTHONPROFILEIMPORTTIME=1,
+    TRL's run does not, and the seed's file carries the actor's, the learner's and the eval child's logs."""
+    python = (
+        "#!/bin/bash\n"
+        'printf "%s|" "$@" >>"$STUB_LOG"; printf "importtime=%s" "${PYTHONPROFILEIMPORTTIME:-}" >>"$STUB_LOG"; echo >>"$STUB_LOG"\n'
+        'if [ "$3" = up ]; then mkdir -p "$RUN_DIR/logs" "$RUN_DIR/eval/v0"\n'
+        '  for f in logs/actor-0.log logs/learner.log eval/v0/eval.log eval/follow.log; do echo x >"$RUN_DIR/$f"; done; fi\n'
+    )
+    res, calls, out = run_gpu_part(
+        tmp_path,
+        "TT",
+        python,
+        "NVIDIA H100 80GB HBM3, GPU-1234",
+        RUN_DIR=str(tmp_path / "run"),
+        TRL_WORK=str(tmp_path / "trl"),
+        SEED="2",
+        IMPORT_TIMES="1",
+    )
+    assert res.returncode == 0, res.stderr
+    up = next(c for c in calls if "parley.deploy.cli|up|" in c)
+    trl = next(c for c in calls if "bench/peer_trl.py" in c)
+    assert up.endswith("importtime=1") and trl.endswith("importtime=")
+    with tarfile.open(out / "p_s2.tgz") as tar:
+        logs = {n for n in tar.getnames() if n.endswith(".log")}
+    assert {"./actor_full.log", "./learner_full.log", "./eval_v0.log", "./eval_follow.log"} <= logs
