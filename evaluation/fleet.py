@@ -15,7 +15,8 @@ config's [up] restarts and restart_window_s (config.restarts.restart_policy, so 
 share of a call budget is not), once its heartbeat on the condition's run said ready since its start;
 its unsettled tasks and trajectories go to the role started again after `ack_wait`. Any other failure
 ends the condition with FleetError, naming why the role was not started again. A task played twice
-(redelivered) still makes one record, and a task both scored and dead-lettered counts as scored.
+(redelivered) still makes one record, and a task both scored and dead-lettered counts as scored,
+whichever the eval reads first (a Scored that comes after every task has its record is not waited for).
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ async def play_condition_fleet(
     on_record: Callable[[EvalRecord], Awaitable[None]] | None = None,
 ) -> tuple[list[EvalRecord], list[str]]:
     """Play `tasks` with `cond` through an actor and a scorer on the condition's own run.
-    Returns (records in task order, ids of tasks lost to a dead-lettered task)."""
+    Returns (records in task order, ids of tasks lost to a dead-lettered task). `on_record` gets each
+    record once, as the results hold it: a scored one when it comes, an unscored one at the condition's
+    end (also an interrupted one's), since until then a Scored of its task replaces it."""
     from parley.config.restarts import restart_policy
     from parley.protocol.bus import PullWorker, publish
     from parley.runtime.supervisor import Supervisor
@@ -129,16 +132,21 @@ async def play_condition_fleet(
     await topology.ensure_topology(js, run, cfg.bus, stores_versions=False)  # its actor loads from disk
     by_id = {t.task_id: msgspec.structs.replace(t, run=run, system_prompt=cond.system_prompt) for t in tasks}
     records: dict[str, EvalRecord] = {}
+    unscored: set[str] = set()  # tasks whose record is a dead-lettered trajectory's, until a Scored replaces it
     lost: dict[str, str] = {}
     progressed = asyncio.Event()
 
     async def keep(task: Task, traj: Trajectory, scored: Scored | None) -> None:
-        if task.task_id in records:
+        if task.task_id in records and (scored is None or task.task_id not in unscored):
             return  # a redelivery, or the task played again after its actor was started again
         rec = record_of(cond, task, traj, scored, sim_model=fs.sim_model, version=fs.policy_version)
         records[task.task_id] = rec
         lost.pop(task.task_id, None)  # dead-lettered by an actor after its trajectory went out: not lost
         progressed.set()
+        if scored is None:  # passed on at the condition's end, unless a Scored of the task comes first
+            unscored.add(task.task_id)
+            return
+        unscored.discard(task.task_id)
         if on_record is not None:
             await on_record(rec)
 
@@ -230,6 +238,9 @@ async def play_condition_fleet(
         await asyncio.to_thread(sup.stop_all)
         with contextlib.suppress(Exception):
             await delete_run(js, run)
+        if on_record is not None:  # no Scored replaces these now; also when interrupted (the eval keeps them)
+            for task_id in [t for t in records if t in unscored]:
+                await on_record(records[task_id])
     for task_id, reason in lost.items():
         log.error("condition %s: task %s lost: %s", cond.name, task_id, reason)
     return [records[t] for t in by_id if t in records], sorted(lost)
