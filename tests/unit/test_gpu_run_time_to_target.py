@@ -94,11 +94,12 @@ def test_part_tt4_runs_one_side_of_the_4b_shape(tmp_path):
 
 
 def test_start_method_sets_the_actors_engine_core_start_for_parley_alone(tmp_path):
-    """START_METHOD=fork (issue 56): parley's actors fork their engine core (actor.engine.start_method),
-    recorded with parley's settings; TRL's run is not given it. Unset: nothing changes."""
+    """START_METHOD (issue 56; part TT's default fork): parley's actors fork their engine core
+    (actor.engine.start_method), recorded with parley's settings; TRL's run is not given it. Set empty:
+    the environment's start method, nothing added."""
     (tmp_path / "fork").mkdir()
     (tmp_path / "env").mkdir()
-    res, calls, out = _run_part(tmp_path / "fork", "TT", SEED="3", START_METHOD="fork")
+    res, calls, out = _run_part(tmp_path / "fork", "TT", SEED="3")
     assert res.returncode == 0, res.stderr
     up = next(c.split("|") for c in calls if "parley.deploy.cli|up|" in c)
     trl = next(c.split("|") for c in calls if "bench/peer_trl.py" in c)
@@ -106,7 +107,7 @@ def test_start_method_sets_the_actors_engine_core_start_for_parley_alone(tmp_pat
     assert 'learner.group_order="freshest"' in up  # beside the part's own settings, not instead of them
     assert not any("actor.engine.start_method" in a for a in trl)
     assert 'actor.engine.start_method="fork"' in _clock(out / "p_s3.tgz")["parley_sets"]
-    res, calls, _ = _run_part(tmp_path / "env", "TT", SEED="3")
+    res, calls, _ = _run_part(tmp_path / "env", "TT", SEED="3", START_METHOD="")
     assert res.returncode == 0 and not any("actor.engine.start_method" in c for c in calls)
 
 
