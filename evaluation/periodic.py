@@ -276,19 +276,62 @@ class PeriodicEval:
             model = self.cfg.policy.model
         else:
             out = model_dir(self.run_dir, version)
+            # written aside, then renamed: a models/v<N> is whole, so a learner started again can play it
+            part = out.with_name(f".{out.name}.export")
             t0 = time.perf_counter()
             try:
-                await asyncio.to_thread(self.export, self.run_dir, version, out)
+                shutil.rmtree(part, ignore_errors=True)
+                await asyncio.to_thread(self.export, self.run_dir, version, part)
+                shutil.rmtree(out, ignore_errors=True)
+                part.rename(out)
             except (OSError, RuntimeError) as e:  # e.g. disk full: that version goes unevaluated, training goes on
+                shutil.rmtree(part, ignore_errors=True)
                 log.error("eval: version %d not queued, its export failed: %s", version, e)
                 self.outcomes.append(EvalOutcome(version, ok=False, error=f"export: {e}"))
                 return
             log.info("eval: exported version %d to %s in %.1fs", version, out, time.perf_counter() - t0)
             model = str(out)
-        self.queued.add(version)
+        self._queue(EvalJob(version=version, step=step, model=model))
+
+    def _queue(self, job: EvalJob) -> None:
+        self.queued.add(job.version)
         self.unfinished += 1
-        self.queue.put_nowait(EvalJob(version=version, step=step, model=model))
-        log.info("eval: version %d queued (%d waiting)", version, self.queue.qsize())
+        self.queue.put_nowait(job)
+        log.info("eval: version %d queued (%d waiting)", job.version, self.queue.qsize())
+
+    def requeue_unfinished(self, upto: int) -> list[int]:
+        """At a learner's start: queue again the versions up to `upto` (the step it starts from) whose
+        eval an earlier learner of the run queued and did not finish (it failed, was stopped, or its
+        drain timed out): each has its exported model (models/v<N>, whole: submit renames it into
+        place), or is version 0, played from the policy model (also where no learner queued it: an
+        earlier one ran without the eval). A version past `upto` belongs to steps
+        the run is about to train again, so its model is deleted; an export cut short is deleted; a
+        version whose eval failed (v<N>.failed) is not played again. Returns the versions queued."""
+        models = self.root / "models"
+        found: dict[int, str] = {}
+        if self.lc.eval_every > 0 and self._unplayed(0):  # the baseline every selection reads
+            found[0] = self.cfg.policy.model
+        for d in sorted(models.iterdir()) if models.is_dir() else []:
+            if d.name.startswith("."):  # an export cut short
+                shutil.rmtree(d, ignore_errors=True)
+                continue
+            try:
+                version = int(d.name[1:])
+            except ValueError:
+                continue
+            if version > upto:
+                log.info("eval: version %d's exported model is from steps trained again now; deleted", version)
+                shutil.rmtree(d, ignore_errors=True)
+            elif self._unplayed(version):
+                found[version] = str(d)
+        for version in sorted(found):
+            log.warning("eval: version %d was queued by an earlier learner and not finished; played now", version)
+            self._queue(EvalJob(version=version, step=version, model=found[version]))
+        return sorted(found)
+
+    def _unplayed(self, version: int) -> bool:
+        failed = version_dir(self.run_dir, version).with_name(f"v{version}.failed")
+        return not (evaluated(self.run_dir, version) or failed.exists() or version in self.queued)
 
     def counters(self) -> dict[str, float]:
         """For the learner's heartbeat: the last finished eval's means, what runs and what waits."""

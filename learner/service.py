@@ -198,6 +198,8 @@ class Learner:
         background = [asyncio.create_task(job, name=name) for name, job in jobs.items()]
         # a lost lease stops the learner here, as a crashed task does
         watched = background + ([self.lease_job] if self.lease_job is not None else [])
+        if self.resumed:  # what an earlier learner's eval left unfinished comes first (oldest first)
+            self.evals.requeue_unfinished(st.step)
         if self.evals.due(st.step, last=st.last()):
             await self.evals.submit(st.step)
         st.phase = "ready"

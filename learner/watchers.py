@@ -210,6 +210,10 @@ class Evals:
         """Queue `step`'s version (its weights are exported now)."""
         await self.periodic.submit(step, step)
 
+    def requeue_unfinished(self, step: int) -> list[int]:
+        """At the start: the versions up to `step` an earlier learner queued and did not finish, queued again."""
+        return self.periodic.requeue_unfinished(step) if self.on else []
+
     def regression(self) -> str:
         """Why training should stop early; "" while it should not."""
         return self.periodic.regression if self.on else ""

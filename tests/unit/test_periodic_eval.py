@@ -11,7 +11,7 @@ import pytest
 from parley.config.learner import LearnerConfig
 from parley.config.run import RunConfig
 from parley.evaluation.evallog import write_parquet
-from parley.evaluation.periodic import PeriodicEval, eval_argv, evaluated, model_dir
+from parley.evaluation.periodic import EvalJob, PeriodicEval, eval_argv, evaluated, model_dir
 from parley.learner import checkpoint as ckpt
 from tests.factories import safetensors_bytes
 from tests.unit.test_select import version_records
@@ -289,3 +289,68 @@ async def test_a_child_started_early_that_exits_is_reported_and_started_again_at
     out.mkdir()
     assert await child.run(EvalJob(0, 0, "base"), out) == 0 and child.starts == 2
     await child.close()
+
+
+def test_evals_an_earlier_learner_left_unfinished_are_played_by_the_next(tmp_path):
+    """A learner that stops (killed, or its drain timed out) leaves queued versions with their exported
+    models and no records; the learner started again with --resume plays them first. Versions past the
+    step it resumes from are steps it trains again (their models are deleted), an export cut short is
+    deleted, and a version whose eval failed is not played again."""
+    cfg, run_dir = make_run(tmp_path)
+    for v in (2, 4, 6, 8):
+        publish_weights(run_dir, v)
+    first = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=PlantedEval({0: (0.45, 0.83, 2.9)}, fail={4}))
+
+    async def queue_then_stop():
+        for v in (0, 2, 4, 6, 8):
+            await first.submit(v, v)
+        await first.evaluate(EvalJob(version=0, step=0, model=cfg.policy.model))  # played
+        await first.evaluate(EvalJob(version=4, step=4, model=str(model_dir(run_dir, 4))))  # failed
+
+    asyncio.run(queue_then_stop())  # the learner dies here: v2, v6 and v8 queued, not played
+    assert evaluated(run_dir, 0) and not any(evaluated(run_dir, v) for v in (2, 4, 6, 8))
+    (run_dir / "eval" / "models" / ".v7.export").mkdir()  # an export cut short by the kill
+
+    plan = {v: (0.45 + v / 100, 0.8, 2.0) for v in (2, 6)}
+    double = PlantedEval(plan)
+    again = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=double)
+    assert again.requeue_unfinished(6) == [2, 6]  # resumed from step 6: v8 is trained again
+    asyncio.run(play(again, [], last=None))
+    assert [(j.version, j.model) for j in double.jobs] == [
+        (2, str(model_dir(run_dir, 2))),
+        (6, str(model_dir(run_dir, 6))),
+    ]
+    assert evaluated(run_dir, 2) and evaluated(run_dir, 6)
+    assert not model_dir(run_dir, 8).exists() and not (run_dir / "eval" / "models" / ".v7.export").exists()
+    assert again.requeue_unfinished(6) == []  # nothing left over a second time
+
+
+def test_version_0_cut_short_is_played_again_from_the_policy_model(tmp_path):
+    cfg, run_dir = make_run(tmp_path)
+    first = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=PlantedEval({}))
+    asyncio.run(first.submit(0, 0))  # queued, then the learner died
+    double = PlantedEval({0: (0.45, 0.83, 2.9)})
+    again = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=double)
+    assert again.requeue_unfinished(3) == [0]
+    asyncio.run(play(again, [], last=None))
+    assert [(j.version, j.model) for j in double.jobs] == [(0, cfg.policy.model)] and evaluated(run_dir, 0)
+
+
+def test_an_export_is_renamed_into_place_whole(tmp_path):
+    """submit writes a version's model aside and renames it: an export that fails leaves no models/v<N>."""
+    cfg, run_dir = make_run(tmp_path)
+    publish_weights(run_dir, 2)
+
+    def export_that_dies_midway(run_dir, version, out):
+        """Test double for an export that wrote one file, then failed (disk full)."""
+        Path(out).mkdir(parents=True)
+        (Path(out) / "config.json").write_text("{}")
+        raise OSError("test double: no space left on device")
+
+    pe = PeriodicEval(cfg, run_dir, export=export_that_dies_midway, launch=PlantedEval({}))
+    asyncio.run(pe.submit(2, 2))
+    assert not model_dir(run_dir, 2).exists() and list((run_dir / "eval" / "models").iterdir()) == []
+    assert pe.outcomes[0].error == "export: test double: no space left on device"
+    pe.export = ckpt.export_version
+    asyncio.run(pe.submit(2, 2))
+    assert (model_dir(run_dir, 2) / "model.safetensors").read_bytes() == safetensors_bytes(b"weights of v2")
