@@ -250,6 +250,40 @@ def last_error(log: Path) -> str:
     return found[-1][:300] if found else "(no exception in the log)"
 
 
+def up_credentials(root: Path, run: str, cfg=None) -> tuple[dict[str, tuple[str, str]], str]:
+    """Every role's NATS user, made as `parley up` makes them (deploy.up.up_main: generate_credentials
+    under root/auth, services answering for response_window_s(cfg)), and the server's authorization
+    block for them (NatsServer's extra_conf). ({role: (user, password)}, block)."""
+    from parley.deploy.credentials import generate_credentials, server_auth_conf
+    from parley.deploy.permissions import response_window_s
+
+    window = response_window_s(cfg)
+    creds = generate_credentials(run, root / "auth", response_window=window)
+    return creds, server_auth_conf(creds, response_window=window)
+
+
+def up_env(role: str, creds: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """What `parley up` adds to a `role` child's environment for NATS (deploy.up.child_env): its role's
+    user, and the learner's eval user too. Not up's count of CPU engines: the suite's engines share the
+    cores as they did before it ran under auth."""
+    from parley.deploy.up import child_env
+    from parley.engines.engine import CPU_ENGINES_ENV
+
+    env = child_env(role, creds, 1)
+    del env[CPU_ENGINES_ENV]
+    return env
+
+
+REFUSED = re.compile(r"^.*permissions violation.*$", re.M | re.I)
+
+
+def refusals(text: str) -> list[str]:
+    """The lines of a role's log where the server refused it something (a grant missing from
+    deploy/permissions.py: the role then times out, retries or gives up, so a test that waits on it
+    fails late and far from the cause)."""
+    return [m.group(0)[:400] for m in REFUSED.finditer(text)]
+
+
 def nats_outage_at_start(crash: str) -> bool:
     """A role that met no NATS server while starting (it is restarted, as any supervisor would)."""
     return ": nats.errors." in crash or "could not connect to NATS" in crash or "NatsUnreachable" in crash

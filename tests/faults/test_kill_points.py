@@ -8,6 +8,11 @@ Sized for the default test command (not marked faults): real nats-server, the re
 command line on the toy model (fp32, CPU), its feeder issuing the tasks and a stand-in actor
 answering them; every life is forked from one process that imported the learner's modules once
 (tests.faults.lives), so a life costs its model load and steps, not the imports.
+
+The server checks users as `parley up`'s does: each life logs in as the learner's user with the
+learner's permissions (deploy/credentials.py, passed as deploy.up.child_env passes them), so a
+resume that needs a grant the learner lacks fails here (one did: reading back TASKS). The stand-in
+actor and the books use the admin user. Every server refusal in a life's log fails the chain.
 """
 
 from __future__ import annotations
@@ -24,7 +29,16 @@ import pytest
 from parley.learner import checkpoint as ckpt
 from parley.learner.checkpoint import read_state
 from parley.protocol import dead, topology
-from tests.faults.chaos import load_final_state, owed_ids, read_channel, settle, trained_lines
+from tests.faults.chaos import (
+    load_final_state,
+    owed_ids,
+    read_channel,
+    refusals,
+    settle,
+    trained_lines,
+    up_credentials,
+    up_env,
+)
 from tests.faults.lives import Lives
 from tests.integration.test_learner_resume import N, toy  # noqa: F401 (toy: a fixture)
 from tests.integration.test_learner_resume_every import StandInActor
@@ -89,18 +103,22 @@ def chain(tmp_path_factory, tiny_model):
     from parley.deploy.natsserver import NatsServer  # as tests/conftest.py's nats_server
 
     root = tmp_path_factory.mktemp("kills")
-    server = NatsServer(root / "nats", port=0)
+    creds, conf = up_credentials(root, RUN)
+    server = NatsServer(root / "nats", port=0, extra_conf=conf)
     server.start()
     try:
-        return asyncio.run(run_chain(root, tiny_model, server.url, KILLS))
+        return asyncio.run(run_chain(root, tiny_model, server.url, creds, KILLS))
     finally:
         server.stop()
 
 
-async def run_chain(root: Path, model: Path, url: str, kills: list[str], after_kill=None, env=None) -> dict:
+async def run_chain(
+    root: Path, model: Path, url: str, creds: dict, kills: list[str], after_kill=None, env=None
+) -> dict:
     """One run, one learner life per point of `kills` (PARLEY_KILL_AT), each resumed, then a last
-    life to the end; `after_kill(run_dir, point)` runs after each kill, before the next life; `env`
-    is added to every life's. {"lives": {point: ...}, "books": settle(...), ...}."""
+    life to the end, each as the learner's user of `creds` (up_credentials), the test as the admin;
+    `after_kill(run_dir, point)` runs after each kill, before the next life; `env` is added to every
+    life's. {"lives": {point: ...}, "books": settle(...), "refused": {point: lines}, ...}."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -113,15 +131,15 @@ async def run_chain(root: Path, model: Path, url: str, kills: list[str], after_k
         AutoTokenizer.from_pretrained(model),
         AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(),
     )
-    out: dict = {"lives": {}}
-    nc = await connect(url, name="kill-points")
+    out: dict = {"lives": {}, "refused": {}}
+    nc = await connect(url, name="kill-points", user=creds["admin"][0], password=creds["admin"][1])
     js = nc.jetstream()
     await topology.ensure_topology(js, RUN, BUS)
     actor = await StandInActor(nc, js, toy_parts, RUN).start()
     run_dir, log = root / "run", root / "learner.log"
     try:
         for i, point in enumerate([*kills, None]):
-            life_env = {"PARLEY_LOG": "INFO", "PARLEY_KILL_AT": point or "", **(env or {})}
+            life_env = {"PARLEY_LOG": "INFO", "PARLEY_KILL_AT": point or "", **up_env("learner", creds), **(env or {})}
             mark = len(log.read_text()) if log.exists() else 0
             started = time.monotonic()
             pid = lives.start(argv(url, run_dir, model, resume=i > 0), life_env, log)
@@ -131,11 +149,12 @@ async def run_chain(root: Path, model: Path, url: str, kills: list[str], after_k
             if wait not in done:  # stalled (a lost group is given up only at task_deadline_s): the books say why
                 os.kill(pid, signal.SIGKILL)
                 await wait
-                out["stalled"] = (
-                    f"life {i} ({point or 'to the end'}) took over {LIFE_S} s:\n{log.read_text()[mark:][-3000:]}"
-                )
-                break
             text = log.read_text()[mark:]
+            if refused := refusals(text):
+                out["refused"][point or "end"] = refused
+            if wait not in done:
+                out["stalled"] = f"life {i} ({point or 'to the end'}) took over {LIFE_S} s:\n{text[-3000:]}"
+                break
             state = read_state(run_dir)
             out["lives"][point or "end"] = {
                 "code": wait.result(),
@@ -164,6 +183,10 @@ async def run_chain(root: Path, model: Path, url: str, kills: list[str], after_k
     out["total_s"] = round(time.monotonic() - t0, 1)
     print(f"\nkill points: {[(p, life['s']) for p, life in out['lives'].items()]}, {out['total_s']} s in all")
     return out
+
+
+def test_the_server_refused_no_life_anything(chain):
+    assert chain["refused"] == {}, f"the learner's user lacks a grant (deploy/permissions.py): {chain['refused']}"
 
 
 @pytest.mark.parametrize("kill", KILLS)
