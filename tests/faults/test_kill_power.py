@@ -7,6 +7,8 @@ size) and every rename (tests.faults.lives.journal_durability), and before the n
 of the run directory is cut to what its last fsync made durable (a rename carries it to the new
 name; a file never fsynced is cut to nothing). Not simulated: directory entries (a rename or a new
 file whose directory was not fsynced is kept), and nats-server's own store (it is not cut).
+
+Under `parley up`'s users, as the kill points' chain: each life the learner's, the test the admin.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults.chaos import up_credentials
 from tests.faults.lives import JOURNAL_ENV
-from tests.faults.test_kill_points import run_chain
+from tests.faults.test_kill_points import RUN, run_chain
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -54,12 +57,12 @@ def cut_to_durable(run_dir: Path, journal: Path) -> dict:
     return {"cut": cut, "bytes": lost}
 
 
-async def orphan_chunks(url: str, run: str) -> int:
+async def orphan_chunks(url: str, run: str, admin: tuple[str, str]) -> int:
     """Chunk messages in the run's object store that no object's meta names (a killed upload's)."""
     from parley.protocol import topology
     from parley.protocol.connect import connect
 
-    nc = await connect(url, name="orphans")
+    nc = await connect(url, name="orphans", user=admin[0], password=admin[1])
     try:
         js = nc.jetstream()
         bucket = topology.object_bucket(run)
@@ -80,7 +83,8 @@ def power_chain(tmp_path_factory, tiny_model):
 
     root = tmp_path_factory.mktemp("power")
     journal = root / "fsync.journal"
-    server = NatsServer(root / "nats", port=0)
+    creds, conf = up_credentials(root, RUN)
+    server = NatsServer(root / "nats", port=0, extra_conf=conf)
     server.start()
     try:
         out = asyncio.run(
@@ -88,12 +92,13 @@ def power_chain(tmp_path_factory, tiny_model):
                 root,
                 tiny_model,
                 server.url,
+                creds,
                 POWER_KILLS,
                 after_kill=lambda run_dir, point: cut_to_durable(run_dir, journal),
                 env={JOURNAL_ENV: str(journal)},
             )
         )
-        out["orphan_chunks"] = asyncio.run(orphan_chunks(server.url, "kills"))
+        out["orphan_chunks"] = asyncio.run(orphan_chunks(server.url, RUN, creds["admin"]))
         print(f"\npower losses: {[(p, life.get('after_kill')) for p, life in out['lives'].items()]}")
         print(f"orphan chunks in the object store at the end: {out['orphan_chunks']}")
         return out
@@ -115,6 +120,12 @@ def test_a_power_loss_after_a_named_kill_point_loses_nothing_and_trains_nothing_
     lines = power_chain["lines"]
     trained = [t for line in lines for t in line["traj_ids"]]
     assert sorted(power_chain["archived"].elements()) == sorted(trained), "the archive differs from trained.jsonl"
+
+
+def test_the_server_refused_no_life_anything(power_chain):
+    assert power_chain["refused"] == {}, (
+        f"the learner's user lacks a grant (deploy/permissions.py): {power_chain['refused']}"
+    )
 
 
 def test_a_learner_killed_during_an_upload_leaves_no_orphan_chunks(power_chain):
