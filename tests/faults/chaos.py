@@ -78,6 +78,9 @@ class Cluster:
         self.roles: dict[str, Role] = {}
         self.beats: dict[tuple[str, str], Heartbeat] = {}
         self.events: list[str] = []  # what the chaos loop did, with times
+        self.refused: dict[str, list[str]] = {}  # role -> the server's refusals in its log (scan_refusals)
+        self.orphan_replies: dict[str, list[str]] = {}  # role -> replies refused after a restart (orphan_reply)
+        self._scanned: dict[str, int] = {}  # role -> bytes of its log scanned so far
 
     # -- processes --------------------------------------------------------------------------------
 
@@ -166,7 +169,7 @@ class Cluster:
     def reap(self) -> list[str]:
         """Restart roles that exited on their own (a supervisor would), except a learner that
         exited 0 (it trained its last step); returns what happened, one line each."""
-        said = []
+        said = self.scan_refusals()
         for r in self.roles.values():
             if r.proc is None or r.held_down or r.proc.poll() is None:
                 continue
@@ -181,6 +184,46 @@ class Cluster:
             self.server.start(timeout=NATS_START_S)
             said.append("CRASH nats-server exited; restarted")
         return said
+
+    def scan_refusals(self) -> list[str]:
+        """Read what the roles logged since the last scan for the server's refusals (`refusals`), kept
+        in self.refused; one line per role that has new ones."""
+        said = []
+        for r in self.roles.values():
+            if not r.log.exists():
+                continue
+            with r.log.open("rb") as f:
+                f.seek(self._scanned.get(r.name, 0))
+                new = f.read()
+            new = new[: new.rfind(b"\n") + 1]  # a line still being written waits for the next scan
+            self._scanned[r.name] = self._scanned.get(r.name, 0) + len(new)
+            found = refusals(new.decode(errors="replace"))
+            for line in found:
+                kept = self.orphan_replies if self.orphan_reply(line) else self.refused
+                kept.setdefault(r.name, []).append(line)
+            if found:
+                said.append(f"REFUSED {r.name}: {found[0]}")
+        return said
+
+    def orphan_reply(self, refusal: str) -> bool:
+        """Whether a refusal is a service's answer refused because nats-server restarted between the
+        request and the answer: a service may answer only requests the server delivered to it
+        (allow_responses), and a restarted server knows none of the old ones. The requester times out
+        and asks again; no grant is missing. Such a refusal names a reply inbox and comes within a
+        response window (response_window_s) after a restart; its log line's time says when."""
+        if not ORPHAN_REPLY.search(refusal):
+            return False
+        try:
+            at = time.mktime(time.strptime(refusal[:19], "%Y-%m-%d %H:%M:%S"))
+        except ValueError:
+            return False
+        from parley.config.run import load_config
+        from parley.deploy.permissions import response_window_s
+
+        window = response_window_s(load_config(None, self.sets))
+        log = self.server.log_file.read_text(errors="replace") if self.server.log_file.exists() else ""
+        ready = [time.mktime(time.strptime(m.group(1), "%Y/%m/%d %H:%M:%S")) for m in SERVER_READY.finditer(log)]
+        return any(0 <= at - t <= window for t in ready[1:])  # the first start: no request was lost yet
 
     def stop_all(self) -> None:
         for name in self.roles:
@@ -275,6 +318,8 @@ def up_env(role: str, creds: dict[str, tuple[str, str]]) -> dict[str, str]:
 
 
 REFUSED = re.compile(r"^.*permissions violation.*$", re.M | re.I)
+ORPHAN_REPLY = re.compile(r'permissions violation for publish to "_inbox', re.I)
+SERVER_READY = re.compile(r"\] (\d{4}/\d\d/\d\d \d\d:\d\d:\d\d)\.\d+ \[INF\] Server is ready")
 
 
 def refusals(text: str) -> list[str]:
@@ -394,6 +439,8 @@ class Chaos:
             now = time.time()
             for text in self.cluster.reap():
                 self.note(text)
+            if self.cluster.refused:  # a missing grant: the books would only show its consequences, later
+                raise AssertionError(f"the server refused roles (deploy/permissions.py): {self.cluster.refused}")
             el = now - self.t0
             done = (
                 self.phase == "kills"

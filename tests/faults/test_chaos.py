@@ -7,6 +7,10 @@ feeder published is trained exactly once, dropped with a recorded reason, or sti
 stream or the learner's ledger; every poison task is in DEAD with its reason. 0 lost, 0 trained
 twice. The figures of a run and how to read them: docs/reliability.md.
 
+Every role runs as its own NATS user with `parley up`'s permissions (up_credentials, up_env), the
+test as the admin; a refusal in any role's log fails the run (a learner restarted with --resume
+that lacks a grant crashes on it over and over, which would read as NATS outages at start).
+
 Run: make faults   (= .venv/bin/pytest -m faults tests/faults -s)
 Environment: PARLEY_FAULTS_SEED (default 8), PARLEY_FAULTS_REPORT (write the summary JSON there).
 """
@@ -41,6 +45,8 @@ from tests.faults.chaos import (
     settle,
     tasks_played_twice,
     trained_lines,
+    up_credentials,
+    up_env,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.integration, pytest.mark.e2e, pytest.mark.timeout(2400)]
@@ -77,7 +83,7 @@ def poison_tasks() -> dict[str, bytes]:
     }
 
 
-def cluster_for(root, model: str) -> Cluster:
+def cluster_for(root, model: str) -> tuple[Cluster, dict[str, tuple[str, str]]]:
     def engine(section: str, length: int) -> list[str]:
         return [
             f'{section}.model="{model}"',
@@ -124,14 +130,15 @@ def cluster_for(root, model: str) -> Cluster:
         "learner.keep_versions=3",
         "learner.eval_every=0",  # the periodic eval (a policy engine per eval) is outside this suite's scope
     ]
-    c = Cluster(root, model, run=RUN, sets=sets)
-    c.add("sim", "sim", ["sim", "--run", RUN, "--id", "sim"])
-    c.add("judge", "judge", ["judge", "--run", RUN, "--id", "judge"])
-    c.add("actor-0", "actor", ["actor", "--run", RUN, "--id", "actor-0"])
-    c.add("actor-1", "actor", ["actor", "--run", RUN, "--id", "actor-1"])
-    c.add("scorer", "scorer", ["scorer", "--run", RUN, "--id", "scorer"])
-    c.add("learner", "learner", ["learner", "--run", RUN])
-    return c
+    creds, conf = up_credentials(root, RUN, load_config(None, sets))
+    c = Cluster(root, model, run=RUN, sets=sets, server_conf=conf)
+    c.add("sim", "sim", ["sim", "--run", RUN, "--id", "sim"], env=up_env("sim", creds))
+    c.add("judge", "judge", ["judge", "--run", RUN, "--id", "judge"], env=up_env("judge", creds))
+    c.add("actor-0", "actor", ["actor", "--run", RUN, "--id", "actor-0"], env=up_env("actor", creds))
+    c.add("actor-1", "actor", ["actor", "--run", RUN, "--id", "actor-1"], env=up_env("actor", creds))
+    c.add("scorer", "scorer", ["scorer", "--run", RUN, "--id", "scorer"], env=up_env("scorer", creds))
+    c.add("learner", "learner", ["learner", "--run", RUN], env=up_env("learner", creds))
+    return c, creds
 
 
 async def wait_until(pred, what: str, timeout: float, cluster: Cluster, t0: float) -> None:
@@ -139,6 +146,8 @@ async def wait_until(pred, what: str, timeout: float, cluster: Cluster, t0: floa
     while not pred():
         for text in cluster.reap():
             cluster.note(t0, text)
+        if cluster.refused:
+            pytest.fail(f"waiting for {what}: the server refused roles (deploy/permissions.py): {cluster.refused}")
         if time.monotonic() > deadline:
             not_up = [n for n in cluster.roles if not cluster.is_up(n)]
             pytest.fail(
@@ -150,13 +159,13 @@ async def wait_until(pred, what: str, timeout: float, cluster: Cluster, t0: floa
 
 async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("chaos")
-    cluster = cluster_for(root, str(tiny_model))
+    cluster, creds = cluster_for(root, str(tiny_model))
     rng = random.Random(SEED)
     stats: dict = {"seed": SEED, "steps_asked": STEPS, "load_average_at_start": os.getloadavg()}
     stats["deepspeed_op_build_s"] = round(build_deepspeed_ops(), 1)  # before the clock: no role waits on it
     t_begin = time.time()
     cluster.url = cluster.server.start(timeout=NATS_START_S)
-    nc = await connect(cluster.url, name="chaos-observer")
+    nc = await connect(cluster.url, name="chaos-observer", user=creds["admin"][0], password=creds["admin"][1])
     js = nc.jetstream()
     learner = cluster.roles["learner"]
     poison = poison_tasks()
@@ -230,6 +239,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         deadline_s = load_config(None, cluster.sets).learner.task_deadline_s
         ledger = settle(tasks, letters, lines, state, buffered, owed, poison=poison, task_deadline_s=deadline_s)
         twice = tasks_played_twice(cluster)
+        cluster.scan_refusals()
         phases["books"] = round(time.time() - t0, 1)
 
         sim_dead = [dl.reason for _, dl in letters if dl is not None and "simulator unreachable" in dl.reason]
@@ -240,6 +250,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
             learner_exit=learner.proc.returncode,
             sim_unreachable_dead_letters=len(sim_dead),
             crashes={n: r.crashes for n, r in cluster.roles.items() if r.crashes},
+            refused=cluster.refused,
             tasks_played_to_completion_twice=twice,
             load_average_at_end=os.getloadavg(),
             total_s=round(time.time() - t_begin, 1),
@@ -253,6 +264,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
                 f.write(report)
 
         # ---- what must hold --------------------------------------------------------------------
+        assert cluster.refused == {}, f"the server refused roles (deploy/permissions.py): {cluster.refused}"
         assert ledger.lost == [], f"lost samples: {ledger.lost[:20]}"
         assert ledger.trained_twice == [], f"trained twice: {ledger.trained_twice[:20]}"
         assert ledger.inconsistent == [], f"inconsistent ledger: {ledger.inconsistent[:20]}"
