@@ -1,8 +1,9 @@
 """The faults of issue 28, each on its own small real run (nats-server, `parley services` = simulator
 + judge on one toy engine, one `parley actor`, `parley scorer`, `parley learner` on CPU), each as
 short as its hard case allows, each settled with the suite's books (`chaos.settle`): 0 lost, 0
-trained twice, an inconsistent ledger 0 times, and no task still held in flight past
-`learner.task_deadline_s`.
+trained twice, an inconsistent ledger 0 times, no task still held in flight past
+`learner.task_deadline_s`, and no refusal by the server in any role's log: every role runs as its
+own NATS user with `parley up`'s permissions (chaos.up_credentials, up_env), the test as the admin.
 
 - a nats-server restart, longer than `bus.ack_wait_s`, while the actor holds tasks (twice, with
   `bus.max_deliver = 2`): the copies the server delivers again are absorbed, no task is played twice
@@ -11,8 +12,8 @@ trained twice, an inconsistent ledger 0 times, and no task still held in flight 
   partial group: nothing is timed out for the time it was away;
 - the simulator + judge process with its wall clock 10 minutes ahead (tests/faults/clock_ahead.py):
   no request expires, nothing is dead-lettered;
-- a dead letter naming an in-flight task, forged by the service users (auth on): the server refuses
-  it, the task is not abandoned;
+- a dead letter naming an in-flight task, forged by the service users: the server refuses it, the
+  task is not abandoned;
 - 2 MB trajectories (2 MB reference documents), 24 of them waiting for a scorer with 24 slots: each
   fetch stays within `bus.fetch_max_bytes`, the scorer is not cut off, nothing is lost.
 
@@ -30,8 +31,6 @@ from pathlib import Path
 import pytest
 
 from parley.config.run import load_config
-from parley.deploy.credentials import generate_credentials
-from parley.deploy.permissions import response_window_s
 from parley.learner.checkpoint import read_state
 from parley.protocol import codec, dead, topology
 from parley.protocol.connect import barrier, connect
@@ -48,6 +47,8 @@ from tests.faults.chaos import (
     tasks_played_twice,
     trained_lines,
     unacked,
+    up_credentials,
+    up_env,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.integration, pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -109,34 +110,24 @@ def base_sets(root: Path, model: str) -> dict[str, str]:
 class Run:
     """One small run: the cluster, the observer's connection, what the fault noted."""
 
-    def __init__(self, root: Path, model: str, over: dict[str, str], *, auth: bool, svc_module: str):
+    def __init__(self, root: Path, model: str, over: dict[str, str], *, svc_module: str):
         self.root = root
         sets = base_sets(root, model) | over
         self.sets = [f"{k}={v}" for k, v in sets.items()]
         self.cfg = load_config(None, self.sets)
-        self.creds: dict[str, tuple[str, str]] = {}
-        conf = None
-        if auth:
-            self.creds = generate_credentials(RUN, root / "auth", response_window=response_window_s(self.cfg))
-            conf = (root / "auth" / "auth.conf").read_text()
-
-        def env(role: str) -> dict[str, str]:
-            if not auth:
-                return {}
-            user, password = self.creds[role]
-            extra = {}
-            if role == "learner":
-                extra = {
-                    "PARLEY_EVAL_NATS_USER": self.creds["eval"][0],
-                    "PARLEY_EVAL_NATS_PASSWORD": self.creds["eval"][1],
-                }
-            return {"PARLEY_NATS_USER": user, "PARLEY_NATS_PASSWORD": password, **extra}
-
+        self.creds, conf = up_credentials(root, RUN, self.cfg)
         c = self.cluster = Cluster(root, model, run=RUN, sets=self.sets, server_conf=conf)
-        c.add("svc", "services", ["services", "--run", RUN, "--id", "svc"], env=env("services"), module=svc_module)
-        c.add("actor-0", "actor", ["actor", "--run", RUN, "--id", "actor-0"], env=env("actor"))
-        c.add("scorer", "scorer", ["scorer", "--run", RUN, "--id", "scorer"], env=env("scorer"))
-        c.add("learner", "learner", ["learner", "--run", RUN], env=env("learner"))
+        creds = self.creds
+        c.add(
+            "svc",
+            "services",
+            ["services", "--run", RUN, "--id", "svc"],
+            env=up_env("services", creds),
+            module=svc_module,
+        )
+        c.add("actor-0", "actor", ["actor", "--run", RUN, "--id", "actor-0"], env=up_env("actor", creds))
+        c.add("scorer", "scorer", ["scorer", "--run", RUN, "--id", "scorer"], env=up_env("scorer", creds))
+        c.add("learner", "learner", ["learner", "--run", RUN], env=up_env("learner", creds))
         self.stats: dict = {"load_average_at_start": os.getloadavg()}
         self.t0 = 0.0
         self.nc = self.js = None
@@ -145,7 +136,7 @@ class Run:
         self.cluster.note(self.t0, text)
 
     async def connect(self, role: str = "admin", name: str = "faults28-observer"):
-        user, password = self.creds.get(role, (None, None))
+        user, password = self.creds[role]
         return await connect(self.cluster.url, name=name, user=user, password=password)
 
     async def wait(self, pred, what: str, timeout: float) -> None:
@@ -153,6 +144,10 @@ class Run:
         while not pred():
             for text in self.cluster.reap():
                 self.note(text)
+            if self.cluster.refused:
+                pytest.fail(
+                    f"waiting for {what}: the server refused roles (deploy/permissions.py): {self.cluster.refused}"
+                )
             if time.monotonic() > deadline:
                 not_up = [n for n in self.cluster.roles if not self.cluster.is_up(n)]
                 pytest.fail(
@@ -233,6 +228,7 @@ class Run:
             tasks, letters, trained_lines(run_dir), state, buffered, owed_ids, task_deadline_s=TASK_DEADLINE_S
         )
         crashes = {n: [x for x in r.crashes if not nats_outage_at_start(x)] for n, r in c.roles.items() if r.crashes}
+        c.scan_refusals()
         self.stats.update(
             ledger=ledger.summary(),
             drop_reasons=dict(list(ledger.reasons.items())[:8]),
@@ -240,6 +236,7 @@ class Run:
             learner_exit=learner.proc.returncode,
             kills={n: r.kills for n, r in c.roles.items()} | {"nats": c.nats_kills},
             crashes={n: r.crashes for n, r in c.roles.items() if r.crashes},
+            refused=c.refused,
             tasks_played_to_completion_twice=tasks_played_twice(c),
             total_s=round(time.time() - self.t0, 1),
             load_average_at_end=os.getloadavg(),
@@ -254,6 +251,7 @@ class Run:
                 json.dump(self.stats, f, indent=2, default=str)
 
         # ---- the suite's invariants ----------------------------------------------------------
+        assert c.refused == {}, f"the server refused roles (deploy/permissions.py): {c.refused}"
         assert ledger.lost == [], f"lost samples: {ledger.lost[:20]}"
         assert ledger.trained_twice == [], f"trained twice: {ledger.trained_twice[:20]}"
         assert ledger.inconsistent == [], f"inconsistent ledger: {ledger.inconsistent[:20]}"
@@ -284,8 +282,8 @@ class Run:
 async def small_run(tmp_path_factory, tiny_model):
     runs = []
 
-    def make(over: dict[str, str] | None = None, *, auth: bool = False, svc_module: str = "parley.deploy.cli") -> Run:
-        r = Run(tmp_path_factory.mktemp("f28"), str(tiny_model), over or {}, auth=auth, svc_module=svc_module)
+    def make(over: dict[str, str] | None = None, *, svc_module: str = "parley.deploy.cli") -> Run:
+        r = Run(tmp_path_factory.mktemp("f28"), str(tiny_model), over or {}, svc_module=svc_module)
         runs.append(r)
         return r
 
@@ -433,10 +431,9 @@ async def test_a_service_whose_clock_is_ten_minutes_ahead_loses_nothing(small_ru
 
 
 async def test_a_dead_letter_forged_by_a_service_user_frees_no_slot(small_run):
-    """Auth on, every role its own NATS user. Once a task is in flight, the services, sim and judge
-    users each publish a DeadLetter naming it (on the run's dead subject, through JetStream and plain):
+    """Once a task is in flight, the services, sim and judge users each publish a DeadLetter naming it (on the run's dead subject, through JetStream and plain):
     the server refuses every one, DEAD holds none of them, and the task is not abandoned."""
-    r = small_run(auth=True)
+    r = small_run()
     try:
         await r.start()
         await r.wait(lambda: actor_holding(r) > 0, "a task in flight", 300)
