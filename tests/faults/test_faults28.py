@@ -59,6 +59,9 @@ STEPS = 3
 # The restart fault: both restart cycles (~40 s each, ~20 s of it training) must find tasks in play. 12
 # steps were over before the second one on an idle machine; each restart also checks that steps remain.
 RESTART_STEPS = 36
+# The outage fault kills the learner at the first partial group its ledger shows: with 3 steps, an idle
+# machine trained them all 8 s after the roles were up and the test never saw one (2026-12-07).
+OUTAGE_STEPS = 12
 TASK_DEADLINE_S = 7200.0  # the default, named: the books check no slot is held past it
 
 
@@ -362,7 +365,8 @@ async def test_a_learner_outage_longer_than_group_timeout_drops_nothing(small_ru
     is timed out for the time it was away."""
     timeout_s, outage_s = 30.0, 80.0
     assert outage_s > timeout_s + 30
-    r = small_run({"learner.group_timeout_s": str(timeout_s)})
+    r = small_run({"learner.group_timeout_s": str(timeout_s), "learner.steps": str(OUTAGE_STEPS)})
+    learner = r.cluster.roles["learner"]
     try:
         await r.start()
         run_dir, n = r.root / "run", r.cfg.rollout.n
@@ -378,7 +382,10 @@ async def test_a_learner_outage_longer_than_group_timeout_drops_nothing(small_ru
             partial[:] = [g.task_id for g in (st.groups if st else []) if 0 < len(g.samples) < n]
             return bool(partial)
 
-        await r.wait(buffers_partial, "the learner's ledger to buffer a partial group", 600)
+        await r.wait(
+            lambda: learner.finished or buffers_partial(), "the learner's ledger to buffer a partial group", 600
+        )
+        assert not learner.finished, f"the learner trained its {OUTAGE_STEPS} steps with no partial group seen"
         scored_before = (await r.stream("scored")).messages
         r.cluster.kill("learner")
         r.cluster.roles["learner"].held_down = True
