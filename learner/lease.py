@@ -164,10 +164,29 @@ class Lease:
             return
         except (KeyWrongLastSequenceError, KeyNotFoundError) as e:
             lost = e
+        entry = None
+        with contextlib.suppress(Exception):  # who holds it: the line stands without it
+            entry = await asyncio.wait_for(kv.get(LEASE_KEY), 5.0)
+        if entry is not None and entry.value == self.holder.encode():
+            # Our own name: an earlier renewal of ours, stored after we gave up on its answer (sent while
+            # cut off from NATS, flushed on the reconnect). Nobody else writes this name, so the key is
+            # still ours, a revision on: renew on that one (seen under make faults' nats-server restarts).
+            with contextlib.suppress(KeyWrongLastSequenceError, KeyNotFoundError):
+                self.revision = await kv.update(LEASE_KEY, self.holder.encode(), last=entry.revision)
+                self.renewed = time.monotonic()
+                log.warning(
+                    "run %s: the learner lease was at revision %d, written by this learner's own renewal after "
+                    "its answer was lost (%s); renewed on it (revision %d)",
+                    self.run,
+                    entry.revision,
+                    lost,
+                    self.revision,
+                )
+                return
         held, self.revision = self.revision, 0  # not ours: holds() says so, release() leaves the key alone
         holder = "another learner"
-        with contextlib.suppress(Exception):  # who took it, for the operator: the line stands without it
-            holder += f", {(await asyncio.wait_for(kv.get(LEASE_KEY), 5.0)).value.decode(errors='replace')},"
+        if entry is not None:  # who took it, for the operator
+            holder += f", {(entry.value or b'').decode(errors='replace')},"
         raise LeaseLost(
             f"run {self.run!r}: the learner lease (revision {held}) was lost to {holder} after it went unrenewed "
             f"for its {self.ttl_s:.0f} s TTL (this process paused or cut off from NATS; {lost}); this learner stops "

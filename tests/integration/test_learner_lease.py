@@ -138,6 +138,25 @@ async def test_a_lease_that_expired_with_nobody_else_is_taken_back_at_the_next_r
         await lease.renew()
 
 
+async def test_a_renewal_stored_after_its_answer_was_lost_keeps_the_lease(js):
+    """A renewal sent while the learner was cut off from NATS times out, and the reconnect then flushes
+    it: the key holds this learner's own name one revision past the one it holds. That is still its
+    lease (make faults' chaos run stopped a live learner with exit 2, 'lost to' itself)."""
+    run = "own-renewal"
+    await topology.ensure_topology(js, run, BUS)
+    kv = await js.key_value(topology.lease_bucket(run))
+    lease = Lease(js, run, "holder")
+    first = await lease.acquire()
+    late = await kv.update(topology.LEASE_KEY, b"holder", last=first)  # the flushed renewal
+    await lease.renew()
+    assert lease.holds() and lease.revision > late
+    assert (await kv.get(topology.LEASE_KEY)).revision == lease.revision
+    await kv.update(topology.LEASE_KEY, b"other", last=lease.revision)  # another's name: lost, as before
+    with pytest.raises(LeaseLost, match="lost to another learner, other,"):
+        await lease.renew()
+    assert not lease.holds()
+
+
 async def test_the_lease_is_renewed_while_the_event_loop_is_blocked(js, nats_server):
     """The learner's loop can be held for longer than the TTL by synchronous work (Learner's
     construction loads the training split on it: 40 s for 60 items of 2 MB reference documents in
