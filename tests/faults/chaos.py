@@ -198,11 +198,15 @@ class Cluster:
             new = new[: new.rfind(b"\n") + 1]  # a line still being written waits for the next scan
             self._scanned[r.name] = self._scanned.get(r.name, 0) + len(new)
             found = refusals(new.decode(errors="replace"))
-            for line in found:
-                kept = self.orphan_replies if self.orphan_reply(line) else self.refused
-                kept.setdefault(r.name, []).append(line)
-            if found:
-                said.append(f"REFUSED {r.name}: {found[0]}")
+            orphans = [line for line in found if self.orphan_reply(line)]
+            others = [line for line in found if line not in orphans]
+            for kept, lines, what in (
+                (self.orphan_replies, orphans, "replies refused after a nats-server restart"),
+                (self.refused, others, "REFUSED by the server"),
+            ):
+                if lines:
+                    kept.setdefault(r.name, []).extend(lines)
+                    said.append(f"{r.name}: {len(lines)} {what}, the first: {lines[0]}")
         return said
 
     def orphan_reply(self, refusal: str) -> bool:

@@ -251,6 +251,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
             sim_unreachable_dead_letters=len(sim_dead),
             crashes={n: r.crashes for n, r in cluster.roles.items() if r.crashes},
             refused=cluster.refused,
+            replies_refused_after_a_restart={n: len(x) for n, x in cluster.orphan_replies.items()},
             tasks_played_to_completion_twice=twice,
             load_average_at_end=os.getloadavg(),
             total_s=round(time.time() - t_begin, 1),

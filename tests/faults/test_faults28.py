@@ -240,6 +240,7 @@ class Run:
             kills={n: r.kills for n, r in c.roles.items()} | {"nats": c.nats_kills},
             crashes={n: r.crashes for n, r in c.roles.items() if r.crashes},
             refused=c.refused,
+            replies_refused_after_a_restart={n: len(x) for n, x in c.orphan_replies.items()},
             tasks_played_to_completion_twice=tasks_played_twice(c),
             total_s=round(time.time() - self.t0, 1),
             load_average_at_end=os.getloadavg(),
