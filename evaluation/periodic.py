@@ -61,6 +61,22 @@ def model_dir(run_dir: str | Path, version: int) -> Path:
     return eval_root(run_dir) / "models" / f"v{version}"
 
 
+def failed_dir(run_dir: str | Path, version: int) -> Path:
+    """Where a version's failed eval is set aside (its log), so that it is not played again."""
+    return eval_root(run_dir) / f"v{version}.failed"
+
+
+def exported_models(run_dir: str | Path) -> dict[int, Path]:
+    """The exported models in eval/models by version (an export still being written is not one)."""
+    root = eval_root(run_dir) / "models"
+    out = {}
+    for d in root.iterdir() if root.is_dir() else []:
+        with contextlib.suppress(ValueError):
+            if not d.name.startswith("."):
+                out[int(d.name[1:])] = d
+    return out
+
+
 def evaluated(run_dir: str | Path, version: int) -> bool:
     return (version_dir(run_dir, version) / "records.parquet").is_file()
 
@@ -308,17 +324,12 @@ class PeriodicEval:
         the run is about to train again, so its model is deleted; an export cut short is deleted; a
         version whose eval failed (v<N>.failed) is not played again. Returns the versions queued."""
         models = self.root / "models"
+        for d in models.glob(".*.export"):  # an export cut short
+            shutil.rmtree(d, ignore_errors=True)
         found: dict[int, str] = {}
         if self.lc.eval_every > 0 and self._unplayed(0):  # the baseline every selection reads
             found[0] = self.cfg.policy.model
-        for d in sorted(models.iterdir()) if models.is_dir() else []:
-            if d.name.startswith("."):  # an export cut short
-                shutil.rmtree(d, ignore_errors=True)
-                continue
-            try:
-                version = int(d.name[1:])
-            except ValueError:
-                continue
+        for version, d in exported_models(self.run_dir).items():
             if version > upto:
                 log.info("eval: version %d's exported model is from steps trained again now; deleted", version)
                 shutil.rmtree(d, ignore_errors=True)
@@ -330,8 +341,8 @@ class PeriodicEval:
         return sorted(found)
 
     def _unplayed(self, version: int) -> bool:
-        failed = version_dir(self.run_dir, version).with_name(f"v{version}.failed")
-        return not (evaluated(self.run_dir, version) or failed.exists() or version in self.queued)
+        failed = failed_dir(self.run_dir, version).exists()
+        return not (evaluated(self.run_dir, version) or failed or version in self.queued)
 
     def counters(self) -> dict[str, float]:
         """For the learner's heartbeat: the last finished eval's means, what runs and what waits."""
@@ -456,7 +467,7 @@ class PeriodicEval:
         seconds = time.perf_counter() - t0
         unscored = [m.describe() for m in read_unscored(partial)]
         if code != 0 or not (partial / "records.parquet").is_file():
-            failed = final.with_name(final.name + ".failed")
+            failed = failed_dir(self.run_dir, job.version)
             if code == 3:  # `parley eval` ran to the end, but scored nothing: say why, per conversation
                 error = f"no conversation scored ({len(unscored)} not): " + "; ".join(unscored)
             else:
@@ -535,13 +546,6 @@ class PeriodicEval:
     def _keep_only_model(self, best: int) -> None:
         """Evaluated versions' exported models are deleted except the best one's; versions still waiting
         for their eval keep theirs until it is done."""
-        root = self.root / "models"
-        if not root.is_dir():
-            return
-        for d in root.iterdir():
-            try:
-                version = int(d.name[1:])
-            except ValueError:
-                continue
+        for version, d in exported_models(self.run_dir).items():
             if version != best and evaluated(self.run_dir, version):
                 shutil.rmtree(d, ignore_errors=True)
