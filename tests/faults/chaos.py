@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from parley.config.run import load_config
 from parley.deploy.natsserver import NatsServer, free_port
 from parley.learner.checkpoint import read_state
 from parley.protocol import codec, topology
@@ -221,7 +222,6 @@ class Cluster:
             at = time.mktime(time.strptime(refusal[:19], "%Y-%m-%d %H:%M:%S"))
         except ValueError:
             return False
-        from parley.config.run import load_config
         from parley.deploy.permissions import response_window_s
 
         window = response_window_s(load_config(None, self.sets))
@@ -370,6 +370,9 @@ class Schedule:
        as in 2;
     4. a kill every `kill_every_s` among the actors, the scorer, the learner and nats-server until
        each of them was killed in this phase's bag and `min_kills` + 2 kills in all (or `max_s`).
+
+    Besides, in whatever phase: the learner's first kill once it is past its first checkpoint with
+    steps left to train (`learner_kill_due`), so it is killed however fast it trains.
     """
 
     ack_wait_s: float
@@ -385,6 +388,16 @@ class Schedule:
     @property
     def stall_s(self) -> float:
         return 3 * self.ack_wait_s  # long enough for the stalled actor's tasks to be redelivered
+
+
+def learner_kill_due(step: int | None, kills: int, *, past_step: int, last_step: int) -> bool:
+    """Whether the chaos kills the learner now, by its progress: `step` is what its current process's
+    heartbeat reports (None: none yet), `kills` how often it was killed so far. Its first kill comes
+    as soon as it is past `past_step` (its first checkpoint: the resume loads one and trains again the
+    steps after it) and before `last_step`, at which it stops by itself. Not by the schedule's clock:
+    on an idle machine it trained all its 40 steps within the first 35 s of the chaos, during the
+    stall, and the kill phase began at 491 s, so it was never killed (2026-12-07)."""
+    return kills == 0 and step is not None and past_step < step < last_step
 
 
 async def retrying(call, what: str, attempts: int = 60):
@@ -414,6 +427,9 @@ class Chaos:
         self.load: dict[str, float] = {}  # phase boundary -> 1-minute load average
         self.bag: list[str] = []
         self.t0 = self.next_kill = self.last_poll = 0.0
+        lc = load_config(None, cluster.sets).learner
+        self.learner_steps = (lc.checkpoint_every, lc.steps)  # learner_kill_due's past_step and last_step
+        self.learner_steps_at_kills: list[int | None] = []  # the learner's heartbeat step at each of its kills
 
     def note(self, text: str) -> None:
         self.cluster.note(self.t0, text)
@@ -456,6 +472,7 @@ class Chaos:
                 self.mark("end")
                 return
             await self._stall(now, el)
+            await self._learner_progress()
             await self._sim_outage(now)
             await self._outage(now)
             if not done and now >= self.next_kill and self.phase != "stall" and self.sim["state"] != "pending":
@@ -629,6 +646,27 @@ class Chaos:
         if victim in self.bag:
             self.bag.remove(victim)
         phase = self.phase
+        await self._kill_and_restart(victim)
+        every = self.s.kill_every_s if phase == "kills" else self.s.outage_kill_every_s
+        self.next_kill = time.time() + self.rng.uniform(*every)
+
+    async def _learner_progress(self) -> None:
+        # The learner's first kill by its progress (learner_kill_due), in whatever phase, the stall's too.
+        c = self.cluster
+        hb = c.beat("learner")
+        past_step, last_step = self.learner_steps
+        due = learner_kill_due(
+            hb.version if hb else None, c.roles["learner"].kills, past_step=past_step, last_step=last_step
+        )
+        if due and c.is_up("learner"):
+            await self._kill_and_restart("learner", f" of {last_step}, by its progress (past step {past_step})")
+
+    async def _kill_and_restart(self, victim: str, why: str = "") -> None:
+        c, phase = self.cluster, self.phase
+        if victim == "learner":
+            hb = c.beat("learner")
+            self.learner_steps_at_kills.append(hb.version if hb else None)
+            why = f" at step {hb.version if hb else '?'}{why}"
         c.kill(victim)
         self.kills += 1
         self.by_phase[phase] += 1
@@ -640,9 +678,7 @@ class Chaos:
             self.note(f"kill #{self.kills} ({phase}): nats-server (restarted on the same store and port)")
         else:
             c.restart(victim)
-            self.note(f"kill #{self.kills} ({phase}): {victim} (restarted)")
-        every = self.s.kill_every_s if phase == "kills" else self.s.outage_kill_every_s
-        self.next_kill = time.time() + self.rng.uniform(*every)
+            self.note(f"kill #{self.kills} ({phase}): {victim}{why} (restarted)")
 
     def summary(self) -> dict:
         kills = {name: r.kills for name, r in self.cluster.roles.items()} | {"nats": self.cluster.nats_kills}
@@ -652,6 +688,7 @@ class Chaos:
             "kills": kills,
             "kills_total": sum(kills.values()),
             "kills_by_phase": dict(self.by_phase),
+            "learner_steps_at_kills": list(self.learner_steps_at_kills),
             "phases_s": dict(self.phases),
             "load_average": dict(self.load),
             "stall": stall,
