@@ -55,6 +55,7 @@ class Role:
     kills: int = 0
     crashes: list[str] = field(default_factory=list)  # exits we did not cause: "code N: last log line"
     stalled: bool = False
+    resumed: float = 0.0  # unix time of the latest SIGCONT: the heartbeats before it are of a stopped process
     held_down: bool = False  # kept down on purpose (an outage, or stopped)
     finished: bool = False  # exited 0 on its own after its work (the learner at its last step)
     env: dict[str, str] = field(default_factory=dict)  # its NATS user, when the server checks them
@@ -153,6 +154,7 @@ class Cluster:
     def resume(self, name: str) -> None:
         _signal_group(self.roles[name].proc, signal.SIGCONT)
         self.roles[name].stalled = False
+        self.roles[name].resumed = time.time()  # after the signal: no heartbeat of the stopped process counts
 
     def terminate(self, name: str, timeout: float = 60.0) -> int:
         """SIGTERM (the role drains and saves), SIGKILL if it hangs; returns the exit code."""
@@ -242,11 +244,14 @@ class Cluster:
         self.beats[(hb.role, hb.id)] = hb
 
     def beat(self, name: str) -> Heartbeat | None:
-        """The latest heartbeat of the role's current process."""
+        """The latest heartbeat of the role's current process, sent since it started or was last
+        resumed: a stalled (SIGSTOPped) process's last heartbeat says what it held when it stopped
+        (18 conversations in flight once, 0.1 s after its SIGCONT, when it held none: 2026-12-07)."""
         r = self.roles[name]
+        since = max(r.started, r.resumed)
         if r.kind == "services":  # one process, two heartbeats (<id>-sim, <id>-judge): the older one speaks
             found = [self.beats.get((k, f"{name}-{k}")) for k in ("sim", "judge")]
-            if any(hb is None or hb.created < r.started for hb in found):
+            if any(hb is None or hb.created < since for hb in found):
                 return None
             return min(found, key=lambda h: h.created)
         if r.kind == "learner":  # its id is <host>-<pid>
@@ -258,7 +263,7 @@ class Cluster:
         else:
             found = [hb for (role, ident), hb in self.beats.items() if role == r.kind and ident == name]
         hb = max(found, key=lambda h: h.created) if found else None
-        return hb if hb is not None and hb.created >= r.started else None
+        return hb if hb is not None and hb.created >= since else None
 
     def is_up(self, name: str) -> bool:
         if name == "nats":
@@ -400,6 +405,17 @@ def learner_kill_due(step: int | None, kills: int, *, past_step: int, last_step:
     return kills == 0 and step is not None and past_step < step < last_step
 
 
+def holds_work(in_flight: dict[str, float | None], tasks_ack_pending: int) -> bool:
+    """Whether the actors named in `in_flight` hold conversations, by fresh state: each one's
+    conversations in flight from its heartbeat since its process started or was resumed (None: no
+    heartbeat since, so unknown; Cluster.beat), and the TASKS consumer's unacknowledged tasks now,
+    the server's word (a heartbeat is up to 2 s old, and a task finished meanwhile is acked). On the
+    idle machine of 2026-12-07 the simulator outage began on a stalled actor's last heartbeat (18
+    conversations in flight) with 0 tasks unacknowledged, and saw 0 sim waits."""
+    known = list(in_flight.values())
+    return None not in known and sum(known) > 0 and tasks_ack_pending > 0
+
+
 async def retrying(call, what: str, attempts: int = 60):
     """A JetStream request from the observer, retried while nats-server restarts."""
     last = None
@@ -493,10 +509,13 @@ class Chaos:
         c, st = self.cluster, self.stall
         if st["state"] == "pending" and el >= self.s.stall_at_s:
             hb = c.beat("actor-0")
-            if c.is_up("actor-1") and hb and hb.state in READY and hb.counters.get("in_flight", 0) > 0:
-                st.update(state="stalled", since=now, holding=hb.counters["in_flight"], max_redelivered=0)
+            holding = hb.counters.get("in_flight", 0.0) if hb and hb.state in READY else None
+            # the server's word only when the heartbeat says actor-0 holds some
+            pending = (await self._consumer("tasks")).num_ack_pending if holding and c.is_up("actor-1") else 0
+            if c.is_up("actor-1") and holds_work({"actor-0": holding}, pending):
+                st.update(state="stalled", since=now, holding=holding, tasks_ack_pending=pending, max_redelivered=0)
                 c.stall("actor-0")
-                self.note(f"SIGSTOP actor-0 (holding {hb.counters['in_flight']:.0f} conversations)")
+                self.note(f"SIGSTOP actor-0 (holding {holding:.0f} conversations; {pending} tasks unacked)")
             elif el > 120:
                 st["state"] = "skipped: actor-0 held no work for 2 minutes"
                 self.note(st["state"])
@@ -552,8 +571,10 @@ class Chaos:
                     f"scorer judge_wait retries: {out['scorer_judge_waits']:.0f}"
                 )
 
-    def _actor_counter(self, name: str) -> dict[str, float]:
-        return {a: (hb.counters.get(name, 0.0) if (hb := self.cluster.beat(a)) else 0.0) for a in ACTORS}
+    def _actor_counter(self, name: str, missing: float | None = 0.0) -> dict[str, float | None]:
+        """An actor counter from each actor's heartbeat since its process started or was resumed
+        (`missing` where there is none)."""
+        return {a: (hb.counters.get(name, 0.0) if (hb := self.cluster.beat(a)) else missing) for a in ACTORS}
 
     async def _sim_outage(self, now: float) -> None:
         # The simulator down for minutes while the actors hold their conversations: they must wait
@@ -563,12 +584,15 @@ class Chaos:
             if self.phase != "sim outage":
                 return
             out.setdefault("ready_since", now)
-            holding = self._actor_counter("in_flight")
-            if not c.is_up("sim") or (
-                sum(holding.values()) == 0 and now - out["ready_since"] < self.s.sim_outage_wait_s
-            ):
+            if not c.is_up("sim"):
                 return
-            tasks = await self._consumer("tasks")
+            holding = self._actor_counter("in_flight", missing=None)
+            tasks = await self._consumer("tasks") if any(holding.values()) else None
+            held = tasks is not None and holds_work(holding, tasks.num_ack_pending)
+            if not held and now - out["ready_since"] < self.s.sim_outage_wait_s:
+                return
+            tasks = tasks or await self._consumer("tasks")
+            holding = {a: v or 0.0 for a, v in holding.items()}
             out.update(
                 state="down",
                 since=now,

@@ -1,15 +1,17 @@
 """When the chaos kills the learner: by its progress, in whatever phase, so a learner that trains all
 its steps before the kill phase is still killed once with steps left (on an idle machine the chaos
 run's learner trained its 40 steps within the first 35 s, during the stall, and the kill phase began
-at 491 s: 'a role was never killed: learner 0', 2026-12-07). Pure unit tests (no server, no model),
-so they run in the default CI command."""
+at 491 s: 'a role was never killed: learner 0', 2026-12-07). And that the stall and the simulator
+outage begin on fresh state (holds_work, Cluster.beat). Pure unit tests (no server, no model), so
+they run in the default CI command."""
 
 from __future__ import annotations
 
 import random
+import time
 
 from parley.protocol.messages import Heartbeat
-from tests.faults.chaos import Chaos, Role, Schedule, learner_kill_due
+from tests.faults.chaos import Chaos, Cluster, Role, Schedule, holds_work, learner_kill_due
 
 STEPS, CHECKPOINT_EVERY = 40, 3
 
@@ -19,6 +21,33 @@ def test_the_learner_is_due_once_past_its_first_checkpoint_with_steps_left():
     assert due == list(range(CHECKPOINT_EVERY + 1, STEPS))
     assert not learner_kill_due(None, 0, past_step=CHECKPOINT_EVERY, last_step=STEPS)  # no heartbeat yet
     assert not learner_kill_due(10, 1, past_step=CHECKPOINT_EVERY, last_step=STEPS)  # killed already
+
+
+def test_work_is_held_only_by_fresh_heartbeats_and_the_servers_unacked_tasks():
+    assert holds_work({"actor-0": 9.0, "actor-1": 0.0}, tasks_ack_pending=4)
+    # what the idle run of 2026-12-07 began the simulator outage on: the stalled actor's last heartbeat
+    assert not holds_work({"actor-0": 18.0, "actor-1": 0.0}, tasks_ack_pending=0)
+    assert not holds_work({"actor-0": None, "actor-1": 3.0}, tasks_ack_pending=4)  # actor-0: no beat since its SIGCONT
+    assert not holds_work({"actor-0": 0.0, "actor-1": 0.0}, tasks_ack_pending=4)
+
+
+def test_a_stopped_actors_last_heartbeat_is_not_its_state_after_it_is_resumed(tmp_path, monkeypatch):
+    import tests.faults.chaos as chaos
+
+    monkeypatch.setattr(chaos, "_signal_group", lambda proc, sig: None)  # no process: the bookkeeping only
+    c = Cluster(tmp_path, "model", run="r", sets=[])
+    c.add("actor-0", "actor", [])
+    now = time.time()
+    c.roles["actor-0"].started = now - 10
+    busy = Heartbeat(role="actor", id="actor-0", state="busy", counters={"in_flight": 18.0}, created=now - 1)
+    c.on_beat(busy)
+    assert c.beat("actor-0") is busy
+    c.stall("actor-0")
+    c.resume("actor-0")
+    assert c.beat("actor-0") is None  # its last heartbeat (18 in flight) is from before the stop
+    fresh = Heartbeat(role="actor", id="actor-0", state="ready", counters={"in_flight": 0.0}, created=time.time())
+    c.on_beat(fresh)
+    assert c.beat("actor-0") is fresh
 
 
 class FastLearner:
