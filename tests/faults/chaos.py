@@ -60,6 +60,7 @@ class Role:
     finished: bool = False  # exited 0 on its own after its work (the learner at its last step)
     env: dict[str, str] = field(default_factory=dict)  # its NATS user, when the server checks them
     module: str = "parley.deploy.cli"  # what `python -m` runs (tests.faults.clock_ahead: the same, its clock moved)
+    sets: list[str] = field(default_factory=list)  # its own --set overrides, after the run's (the learner's last step)
 
     @property
     def alive(self) -> bool:
@@ -107,7 +108,7 @@ class Cluster:
             *extra,
             "--nats",
             self.url,
-            *(x for s in self.sets for x in ("--set", s)),
+            *(x for s in [*self.sets, *r.sets] for x in ("--set", s)),
         ]
         with r.log.open("ab") as out:
             banner = f"\n===== start {r.starts + 1} at {time.strftime('%H:%M:%S')}: {' '.join(cmd[3:6])} ...\n"
@@ -134,8 +135,9 @@ class Cluster:
         # The learner comes back from its ledger and checkpoint; every other role just starts again.
         self.start(name, *(["--resume"] if self.roles[name].kind == "learner" else []))
 
-    def kill(self, name: str) -> None:
-        """SIGKILL, as a crash or an OOM kill would."""
+    def kill(self, name: str, *, count: bool = True) -> None:
+        """SIGKILL, as a crash or an OOM kill would. count=False: not one of the chaos's kills (the
+        learner's at the end of the schedule, to give it its last step: Chaos.end_learner)."""
         if name == "nats":
             self.server.kill()
             self.nats_kills += 1
@@ -145,7 +147,7 @@ class Cluster:
             self.resume(name)
         _signal_group(r.proc, signal.SIGKILL)
         r.proc.wait()
-        r.kills += 1
+        r.kills += count
 
     def stall(self, name: str) -> None:
         _signal_group(self.roles[name].proc, signal.SIGSTOP)
@@ -230,6 +232,11 @@ class Cluster:
         log = self.server.log_file.read_text(errors="replace") if self.server.log_file.exists() else ""
         ready = [time.mktime(time.strptime(m.group(1), "%Y/%m/%d %H:%M:%S")) for m in SERVER_READY.finditer(log)]
         return any(0 <= at - t <= window for t in ready[1:])  # the first start: no request was lost yet
+
+    def checkpointed_step(self) -> int:
+        """The step of the learner's ledger (its last checkpoint), which a --resume trains on from."""
+        state = read_state(load_config(None, self.sets).run_dir)
+        return state.step if state is not None else 0
 
     def stop_all(self) -> None:
         for name in self.roles:
@@ -378,6 +385,11 @@ class Schedule:
 
     Besides, in whatever phase: the learner's first kill once it is past its first checkpoint with
     steps left to train (`learner_kill_due`), so it is killed however fast it trains.
+
+    The learner trains with no last step (learner.steps = 0) through all of it, so every phase has
+    work in flight however fast the machine is; when the schedule ends it is given one
+    (`Chaos.end_learner`: killed, restarted with --resume and learner.steps = its checkpointed step +
+    `steps_after`) and stops there by itself.
     """
 
     ack_wait_s: float
@@ -389,6 +401,7 @@ class Schedule:
     max_s: float = 1200.0
     kill_every_s: tuple[float, float] = (10.0, 15.0)
     outage_kill_every_s: tuple[float, float] = (20.0, 30.0)
+    steps_after: int = 8  # the learner's steps after the schedule, from its checkpointed step (end_learner)
 
     @property
     def stall_s(self) -> float:
@@ -399,10 +412,10 @@ def learner_kill_due(step: int | None, kills: int, *, past_step: int, last_step:
     """Whether the chaos kills the learner now, by its progress: `step` is what its current process's
     heartbeat reports (None: none yet), `kills` how often it was killed so far. Its first kill comes
     as soon as it is past `past_step` (its first checkpoint: the resume loads one and trains again the
-    steps after it) and before `last_step`, at which it stops by itself. Not by the schedule's clock:
-    on an idle machine it trained all its 40 steps within the first 35 s of the chaos, during the
-    stall, and the kill phase began at 491 s, so it was never killed (2026-12-07)."""
-    return kills == 0 and step is not None and past_step < step < last_step
+    steps after it) and before `last_step`, at which it stops by itself (0: none, it trains on). Not
+    by the schedule's clock: on an idle machine it trained all its 40 steps within the first 35 s of
+    the chaos, during the stall, and the kill phase began at 491 s, so it was never killed (2026-12-07)."""
+    return kills == 0 and step is not None and past_step < step and (last_step == 0 or step < last_step)
 
 
 def holds_work(in_flight: dict[str, float | None], tasks_ack_pending: int) -> bool:
@@ -446,6 +459,7 @@ class Chaos:
         lc = load_config(None, cluster.sets).learner
         self.learner_steps = (lc.checkpoint_every, lc.steps)  # learner_kill_due's past_step and last_step
         self.learner_steps_at_kills: list[int | None] = []  # the learner's heartbeat step at each of its kills
+        self.learner_end: dict = {}  # end_learner: how the learner was given its last step
 
     def note(self, text: str) -> None:
         self.cluster.note(self.t0, text)
@@ -683,7 +697,34 @@ class Chaos:
             hb.version if hb else None, c.roles["learner"].kills, past_step=past_step, last_step=last_step
         )
         if due and c.is_up("learner"):
-            await self._kill_and_restart("learner", f" of {last_step}, by its progress (past step {past_step})")
+            of = f" of {last_step}" if last_step else ""
+            await self._kill_and_restart("learner", f"{of}, by its progress (past step {past_step})")
+
+    def end_learner(self) -> int:
+        """When the schedule is over: give the learner, which trained with no last step through it
+        (learner.steps = 0), its last step: SIGKILL, then --resume with learner.steps = its checkpointed
+        step + `steps_after`, so it trains that many steps after the chaos and stops by itself. Not one
+        of the chaos's kills (they are counted and checked without it). The last step; a learner
+        configured with one keeps it (nothing done)."""
+        c, r = self.cluster, self.cluster.roles["learner"]
+        if self.learner_steps[1] or r.finished:
+            return self.learner_steps[1]
+        hb = c.beat("learner")
+        c.kill("learner", count=False)
+        checkpointed = c.checkpointed_step()
+        last = checkpointed + self.s.steps_after
+        r.sets = [*r.sets, f"learner.steps={last}"]  # its every start from now on, a crash's restart too
+        c.restart("learner")
+        self.learner_end = {
+            "step_at_kill": hb.version if hb else None,
+            "checkpointed_step": checkpointed,
+            "last_step": last,
+        }
+        self.note(
+            f"the schedule is over: learner (at step {hb.version if hb else '?'}) killed and restarted with "
+            f"--resume from step {checkpointed} to stop at step {last} (learner.steps={last}; not counted as a kill)"
+        )
+        return last
 
     async def _kill_and_restart(self, victim: str, why: str = "") -> None:
         c, phase = self.cluster, self.phase
@@ -713,6 +754,7 @@ class Chaos:
             "kills_total": sum(kills.values()),
             "kills_by_phase": dict(self.by_phase),
             "learner_steps_at_kills": list(self.learner_steps_at_kills),
+            "learner_end": dict(self.learner_end),
             "phases_s": dict(self.phases),
             "load_average": dict(self.load),
             "stall": stall,

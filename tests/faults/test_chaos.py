@@ -2,7 +2,8 @@
 moments, an actor stalled (SIGSTOP) until its task goes to the other actor, the user simulator
 down for 5 minutes while the actors hold their conversations, the judge down for 45 s, and poison
 tasks published straight to TASKS; the bus at its default max_deliver, the learner checkpointing
-every 3 steps and stopping at its last step. Then the books are settled: every (task, sample) the
+every 3 steps, training with no last step through the schedule, then given one (its checkpointed
+step + 8, by a kill and a --resume) and stopping there. Then the books are settled: every (task, sample) the
 feeder published is trained exactly once, dropped with a recorded reason, or still waiting in a
 stream or the learner's ledger; every poison task is in DEAD with its reason. 0 lost, 0 trained
 twice. The figures of a run and how to read them: docs/reliability.md.
@@ -55,11 +56,12 @@ RUN = "chaos"
 SEED = int(os.environ.get("PARLEY_FAULTS_SEED", "8"))
 ACK_WAIT_S = 8.0
 SCHEDULE = Schedule(ack_wait_s=ACK_WAIT_S)
-# learner.steps: the learner stops with exit 0 after its last step. Enough steps that it is still
-# training through the whole schedule (the judge outage with trajectories arriving): on an idle machine
-# 8 steps were over 50 s into it (2026-12-02), and 40 within 35 s (2026-12-07). Its kill does not wait
-# on that: the chaos kills it once it is past its first checkpoint, in whatever phase (learner_kill_due).
-STEPS = 40
+# learner.steps = 0: the learner trains with no last step through the whole schedule, so every phase
+# has work in flight however fast the machine is (a fixed count was not: on an idle machine 8 steps
+# were over 50 s into it, 2026-12-02, and 40 within 35 s, 2026-12-07, long before the judge outage
+# and the kill phase). When the schedule is over the chaos gives it its last step (Chaos.end_learner:
+# its checkpointed step + SCHEDULE.steps_after, restarted with --resume), where it stops with exit 0.
+STEPS = 0
 ACTOR_MAX_MODEL_LEN = 1024
 # A conversation waits this long for an unreachable simulator before its task is given up: the
 # 300 s outage plus up to ~4 minutes for the restarted simulator's engine to load on this loaded
@@ -162,7 +164,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
     root = tmp_path_factory.mktemp("chaos")
     cluster, creds = cluster_for(root, str(tiny_model))
     rng = random.Random(SEED)
-    stats: dict = {"seed": SEED, "steps_asked": STEPS, "load_average_at_start": os.getloadavg()}
+    stats: dict = {"seed": SEED, "learner_steps": STEPS, "load_average_at_start": os.getloadavg()}
     stats["deepspeed_op_build_s"] = round(build_deepspeed_ops(), 1)  # before the clock: no role waits on it
     t_begin = time.time()
     cluster.url = cluster.server.start(timeout=NATS_START_S)
@@ -192,6 +194,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         cluster.note(t_begin, f"published {len(poison)} poison messages straight to TASKS: {sorted(poison)}")
         chaos = Chaos(cluster, js, rng, SCHEDULE)
         await chaos.run()
+        last_step = chaos.end_learner()  # killed and resumed with learner.steps = its checkpointed step + 8
         stats.update(chaos.summary())
         t0 = chaos.t0
         stall, outage, sim_outage = chaos.stall, chaos.outage, chaos.sim
@@ -207,7 +210,9 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         )
         phases["all ready"] = round(time.time() - t0, 1)
         cluster.note(t0, "chaos over; all roles ready")
-        await wait_until(lambda: learner.finished, f"the learner to stop at its last step ({STEPS})", 1200, cluster, t0)
+        await wait_until(
+            lambda: learner.finished, f"the learner to stop at its last step ({last_step})", 1200, cluster, t0
+        )
         phases["learner at its last step"] = round(time.time() - t0, 1)
         cluster.note(t0, "the learner exited 0 after its last step; draining the actors and the scorer")
 
@@ -243,11 +248,22 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         cluster.scan_refusals()
         phases["books"] = round(time.time() - t0, 1)
 
+        # the streams' use against bus.max_bytes (LIMITS, discard OLD: a message discarded for room
+        # would read as a sample lost or trained with no task): the run trains as long as the schedule lasts
+        streams = {}
+        for key in topology.CHANNELS:
+            info = await retrying(lambda k=key: js.stream_info(topology.stream_name(RUN, k)), "stream info")
+            streams[key] = {
+                "messages": info.state.messages,
+                "bytes": info.state.bytes,
+                "first_seq": info.state.first_seq,
+            }
         sim_dead = [dl.reason for _, dl in letters if dl is not None and "simulator unreachable" in dl.reason]
         stats.update(
             ledger=ledger.summary(),
             drop_reasons=dict(list(ledger.reasons.items())[:12]),
             ledger_step=state.step if state else None,
+            streams=streams,
             learner_exit=learner.proc.returncode,
             sim_unreachable_dead_letters=len(sim_dead),
             crashes={n: r.crashes for n, r in cluster.roles.items() if r.crashes},
@@ -283,11 +299,14 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         assert ledger.poison_missing == [] and len(ledger.poison) == len(poison), ledger.poison
         # training reached its last step: the learner stopped there by itself, with the ledger and trained.jsonl at it
         assert learner.finished and learner.proc.returncode == 0, learner.crashes
-        assert state.step == STEPS and ledger.steps == STEPS and ledger.trained > 0, (state.step, ledger.steps)
+        # the last step: the one it was given when the schedule ended (its checkpointed step + steps_after)
+        assert last_step == stats["learner_end"]["checkpointed_step"] + SCHEDULE.steps_after, stats["learner_end"]
+        assert state.step == last_step and ledger.steps == last_step and ledger.trained > 0, (state.step, ledger.steps)
+        # the chaos's kills (not end_learner's)
         assert stats["kills_total"] >= SCHEDULE.min_kills, stats["kills"]
         assert all(v >= 1 for v in stats["kills"].values()), f"a role was never killed: {stats['kills']}"
         steps_at_kills = stats["learner_steps_at_kills"]
-        assert any(s is not None and s < STEPS for s in steps_at_kills), (
+        assert any(s is not None and s < last_step for s in steps_at_kills), (
             f"the learner was never killed with steps left to train: {steps_at_kills}"
         )
         assert stall["state"] == "done" and stall["max_redelivered"] >= 1, f"the stalled actor's tasks stayed: {stall}"
