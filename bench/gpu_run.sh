@@ -217,9 +217,13 @@ P)
         step build_smol 150 python3 -c "from parley.engines.models import ensure_model; ensure_model('smol')"
         grep -q Traceback "$OUT/build_smol.log" || rm -f "$OUT/build_smol.log"
     fi
-    # the staged site holds no bytecode: each process compiles what it imports the first time, and on a
-    # machine's first call that falls first on parley's start-up, TRL running second (2026-12-05: the
-    # actor's engine began 83 s after launch on the first call). Both clocks start after this import
+    # Both clocks start after this import: on a machine's first call the first imports read cold files,
+    # and that fell on parley's start-up, TRL running second (2026-12-05: the actor's engine began 83 s
+    # after launch on the first call). The site's bytecode is stage.sh's (the device sets
+    # PYTHONDONTWRITEBYTECODE=1, so nothing is written at import; before 2026-12-07 every process
+    # compiled all it imported at every start); the checkout's, parley's own modules, is written here,
+    # as a pip install of parley would have it (the checkout comes anew with every call)
+    python3 -m compileall -q -j 0 -x '/[.]' . >/dev/null 2>&1 || echo "[gpu_run] compileall: some of the checkout did not compile"
     step warm_imports 150 python3 -c "import importlib
 for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.engine.core', 'vllm.v1.worker.gpu_model_runner'):
     try:
