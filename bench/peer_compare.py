@@ -728,6 +728,13 @@ def same_card(clock: dict, trl_clock: dict, out: Path, trl_out: Path | None, *, 
         )
 
 
+def staged_bytecode(clock: dict) -> bool:
+    """Whether the call's site had its Python bytecode (p_clock.json "bytecode", recorded by bench/gpu_run.sh
+    since 2026-12-07). A call from before then recorded nothing and had none: the device writes no bytecode
+    at import and the site was staged without it (docs/gpu.md, "Bytecode on the device")."""
+    return bool(clock.get("bytecode", False))
+
+
 def unpack(path: Path) -> Path:
     """A run folder, or part PS's packed seed (p_s<SEED>.tgz) unpacked into a folder of its own."""
     path = Path(path)
@@ -799,6 +806,13 @@ def target_pair(out: Path, trl_out: Path | None, target: float | None, timed_by:
     result each had at the other's end, GPU-seconds and sampled tokens to target."""
     clock, peer, trl_clock = _pair_files(out, trl_out)
     same_card(clock, trl_clock, out, trl_out, strict=True)
+    bytecode = staged_bytecode(clock)
+    if staged_bytecode(trl_clock) != bytecode:
+        raise ValueError(
+            f"{out} ran {'with' if bytecode else 'without'} Python bytecode in its site but its TRL side "
+            f"{trl_out} {'without' if bytecode else 'with'} (p_clock.json bytecode): launches differ by seconds "
+            "a process; pair each call with TRL from its own call"
+        )
     metric = ENV_METRIC.get(peer["recipe"].get("env"), METRIC)
     target = TARGETS.get(metric) if target is None else target
     if target is None:
@@ -819,6 +833,7 @@ def target_pair(out: Path, trl_out: Path | None, target: float | None, timed_by:
         "parley_launched": clock.get("parley_start_local", ""),
         "parley_sets": clock.get("parley_sets", ""),
         "trl_options": clock.get("trl_options", ""),
+        "bytecode": bytecode,
         "metric": metric,
         "target": target,
         "reached": how,
@@ -916,6 +931,12 @@ def over_targets(outs: list[Path | tuple[Path, Path]], target: float | None, tim
     metrics = {(r["metric"], r["target"]) for r in rows}
     if len(metrics) > 1:
         raise ValueError(f"the seeds were read by different metrics or targets {sorted(metrics)}: one table each")
+    kinds = {r["bytecode"]: r["seed"] for r in rows}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"seed {kinds[True]} ran with Python bytecode in its site and seed {kinds[False]} without "
+            "(p_clock.json bytecode): launches differ by seconds a process, so they are not pooled; one table each"
+        )
     seeds = [r["seed"] for r in rows]
     if len(set(seeds)) < len(seeds):
         raise ValueError(f"seed(s) {sorted({s for s in seeds if seeds.count(s) > 1})} given twice: one pair a seed")

@@ -24,7 +24,15 @@ def _actor_line(actor: int, clock: str, count: int) -> str:
     )
 
 
-def write_pair(out: Path, *, seed: int = 0, uuid: str = "GPU-aaaa", parley: bool = True, trl: bool = True) -> Path:
+def write_pair(
+    out: Path,
+    *,
+    seed: int = 0,
+    uuid: str = "GPU-aaaa",
+    parley: bool = True,
+    trl: bool = True,
+    bytecode: bool | None = None,
+) -> Path:
     """One call of part TT: parley launched at device time 1000 s, TRL at 1100 s.
     parley: steps end 30, 31, 32 s after launch; held-out goal_match 0.1 at 20 s, 0.85 at 45 s (v2), 0.9
     at 50 s (v3); two actors sampled 250 + 80 tokens by 45 s and 250 + 200 by 50 s.
@@ -42,6 +50,8 @@ def write_pair(out: Path, *, seed: int = 0, uuid: str = "GPU-aaaa", parley: bool
         "gpu_uuid": uuid,
         "gpus": 1,
     }
+    if bytecode is not None:  # None: a call from before 2026-12-07, which recorded nothing
+        clock["bytecode"] = bytecode
     (out / "p_clock.json").write_text(json.dumps(clock))
     if parley:
         (out / "metrics.jsonl").write_text(
@@ -266,3 +276,24 @@ def test_a_pair_from_two_gpus_is_refused(tmp_path, capsys):
     # the older comparison (trained tokens/s) refuses two different GPUs too
     with pytest.raises(ValueError, match="one machine"):
         peer_compare.same_card({"gpu_uuid": "a"}, {"gpu_uuid": "b"}, Path("x"), Path("y"))
+
+
+def test_seeds_with_and_without_bytecode_are_not_pooled(tmp_path, capsys):
+    # the device compiled every import at every start until 2026-12-07 (no .pyc in the site): those seeds'
+    # launches are seconds slower a process, so a table pools seeds of one kind only
+    old = write_pair(tmp_path / "p_s5", seed=5)  # recorded nothing: staged without bytecode
+    without = write_pair(tmp_path / "p_s6", seed=6, bytecode=False)
+    with_ = write_pair(tmp_path / "p_s14", seed=14, bytecode=True)
+    assert peer_compare.target_pair(old, None, None)["bytecode"] is False
+    assert peer_compare.target_pair(with_, None, None)["bytecode"] is True
+    assert peer_compare.main(["--target", "--over", str(old), str(without)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        peer_compare.main(["--target", "--over", str(old), str(with_)])
+    err = capsys.readouterr().err
+    assert "seed 14 ran with Python bytecode" in err and "seed 5 without" in err
+    # nor is a call's parley paired with another call's TRL of the other kind
+    trl_with = write_pair(tmp_path / "trl_14", seed=14, parley=False, bytecode=True)
+    parley_without = write_pair(tmp_path / "parley_14", seed=14, trl=False, bytecode=False)
+    with pytest.raises(ValueError, match="without Python bytecode"):
+        peer_compare.target_pair(parley_without, trl_with, None)

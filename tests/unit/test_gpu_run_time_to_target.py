@@ -54,6 +54,11 @@ def test_part_tt_runs_one_seed_of_parley_then_trl_at_its_best_and_packs_it(tmp_p
         120,
         80,
     )
+    # the checkout is byte-compiled before either clock, and whether the site had its bytecode is recorded
+    # (the python3 double answers nothing: false)
+    compiled = next(i for i, c in enumerate(calls) if c.startswith("-m|compileall|"))
+    assert compiled < min(i for i, c in enumerate(calls) if "parley.deploy.cli|up|" in c or "bench/peer_trl.py" in c)
+    assert clock["bytecode"] is False
 
 
 def test_part_tt_alternates_which_side_runs_first_by_seed(tmp_path):
