@@ -74,6 +74,7 @@ class Cluster:
 
     def __init__(self, root: Path, model: str, *, run: str, sets: list[str], server_conf: str | None = None):
         self.root, self.model, self.run, self.sets = root, model, run, sets
+        self.cfg = load_config(None, sets)  # the run's config, as every role reads it (before a role's own sets)
         (root / "logs").mkdir(parents=True, exist_ok=True)
         self.server = NatsServer(root / "nats", port=free_port(), extra_conf=server_conf or "")
         self.url = ""
@@ -203,7 +204,8 @@ class Cluster:
             new = new[: new.rfind(b"\n") + 1]  # a line still being written waits for the next scan
             self._scanned[r.name] = self._scanned.get(r.name, 0) + len(new)
             found = refusals(new.decode(errors="replace"))
-            orphans = [line for line in found if self.orphan_reply(line)]
+            restarts = self.server_restarts() if any(ORPHAN_REPLY.search(line) for line in found) else []
+            orphans = [line for line in found if self.orphan_reply(line, restarts)]
             others = [line for line in found if line not in orphans]
             for kept, lines, what in (
                 (self.orphan_replies, orphans, "replies refused after a nats-server restart"),
@@ -214,12 +216,19 @@ class Cluster:
                     said.append(f"{r.name}: {len(lines)} {what}, the first: {lines[0]}")
         return said
 
-    def orphan_reply(self, refusal: str) -> bool:
+    def server_restarts(self) -> list[float]:
+        """When nats-server said ready after a restart (its log's times; the first start is not one)."""
+        log = self.server.log_file.read_text(errors="replace") if self.server.log_file.exists() else ""
+        ready = [time.mktime(time.strptime(m.group(1), "%Y/%m/%d %H:%M:%S")) for m in SERVER_READY.finditer(log)]
+        return ready[1:]  # the first start: no request was lost yet
+
+    def orphan_reply(self, refusal: str, restarts: list[float]) -> bool:
         """Whether a refusal is a service's answer refused because nats-server restarted between the
         request and the answer: a service may answer only requests the server delivered to it
         (allow_responses), and a restarted server knows none of the old ones. The requester times out
         and asks again; no grant is missing. Such a refusal names a reply inbox and comes within a
-        response window (response_window_s) after a restart; its log line's time says when."""
+        response window (response_window_s) after one of `restarts` (server_restarts); its log line's
+        time says when."""
         if not ORPHAN_REPLY.search(refusal):
             return False
         try:
@@ -228,14 +237,12 @@ class Cluster:
             return False
         from parley.deploy.permissions import response_window_s
 
-        window = response_window_s(load_config(None, self.sets))
-        log = self.server.log_file.read_text(errors="replace") if self.server.log_file.exists() else ""
-        ready = [time.mktime(time.strptime(m.group(1), "%Y/%m/%d %H:%M:%S")) for m in SERVER_READY.finditer(log)]
-        return any(0 <= at - t <= window for t in ready[1:])  # the first start: no request was lost yet
+        window = response_window_s(self.cfg)
+        return any(0 <= at - t <= window for t in restarts)
 
     def checkpointed_step(self) -> int:
         """The step of the learner's ledger (its last checkpoint), which a --resume trains on from."""
-        state = read_state(load_config(None, self.sets).run_dir)
+        state = read_state(self.cfg.run_dir)
         return state.step if state is not None else 0
 
     def stop_all(self) -> None:
@@ -456,7 +463,7 @@ class Chaos:
         self.load: dict[str, float] = {}  # phase boundary -> 1-minute load average
         self.bag: list[str] = []
         self.t0 = self.next_kill = self.last_poll = 0.0
-        lc = load_config(None, cluster.sets).learner
+        lc = cluster.cfg.learner
         self.learner_steps = (lc.checkpoint_every, lc.steps)  # learner_kill_due's past_step and last_step
         self.learner_steps_at_kills: list[int | None] = []  # the learner's heartbeat step at each of its kills
         self.learner_end: dict = {}  # end_learner: how the learner was given its last step

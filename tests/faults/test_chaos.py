@@ -242,7 +242,7 @@ async def test_kills_outages_and_poison_lose_nothing_and_train_nothing_twice(tmp
         run_dir = root / "run"
         state, buffered = load_final_state(run_dir)
         lines = trained_lines(run_dir)
-        deadline_s = load_config(None, cluster.sets).learner.task_deadline_s
+        deadline_s = cluster.cfg.learner.task_deadline_s
         ledger = settle(tasks, letters, lines, state, buffered, owed, poison=poison, task_deadline_s=deadline_s)
         twice = tasks_played_twice(cluster)
         cluster.scan_refusals()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 
+from parley.config.run import load_config
 from parley.protocol.messages import Heartbeat
 from tests.faults.chaos import Chaos, Cluster, Role, Schedule, holds_work, learner_kill_due
 
@@ -64,6 +65,7 @@ class FastLearner:
 
     def __init__(self, step_s: float = 35 / STEPS, restart_s: float = 20.0, steps: int = STEPS):
         self.sets = [f"learner.steps={steps}", f"learner.checkpoint_every={CHECKPOINT_EVERY}"]
+        self.cfg = load_config(None, self.sets)
         self.roles = {"learner": Role("learner", "learner", [], log=None)}
         self.steps = steps  # its last step; 0: none
         self.step_s, self.restart_s = step_s, restart_s
