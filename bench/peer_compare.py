@@ -884,6 +884,30 @@ def ratio_bounds(row: dict) -> tuple[float, float] | None:
     return None
 
 
+def launch_stats(rows: list[dict]) -> dict:
+    """Issue 56's launch goal over paired seeds: launch to the end of step 1, each side's median and the
+    median of parley - TRL over the seeds where both sides have it (the goal: <= 0, parley no slower),
+    and in how many of them parley was no slower. Empty where no seed has both."""
+    pairs = [
+        (r["parley"].get("launch_to_step1_s"), r["trl"].get("launch_to_step1_s"))
+        for r in rows
+        if r["parley"].get("launch_to_step1_s") is not None and r["trl"].get("launch_to_step1_s") is not None
+    ]
+    if not pairs:
+        return {}
+    diff = median([p - q for p, q in pairs])
+    return {
+        "launch_to_step1_s": {
+            "seeds": len(pairs),
+            "parley_median": _finite(median([p for p, _ in pairs])),
+            "trl_median": _finite(median([q for _, q in pairs])),
+            "paired_difference_median": _finite(diff),
+            "parley_no_slower_in": sum(p <= q for p, q in pairs),
+            "goal_met": diff <= 0,
+        }
+    }
+
+
 def target_stats(rows: list[dict]) -> dict:
     """The headline over paired seeds, from each row's `reached`, both sides' times to target and ends
     (ratio_bounds) and `difference_at_trls_end`: the median ratio at least (each seed at its lower
@@ -900,6 +924,7 @@ def target_stats(rows: list[dict]) -> dict:
     diffs = [r["difference_at_trls_end"] for r in rows if r["difference_at_trls_end"] is not None]
     m_diff = median(diffs)
     return {
+        **launch_stats(rows),
         "seeds": len(rows),
         "seeds_counted": len(bounds),
         "reached": {k: sum(r["reached"] == k for r in rows) for k in ("both", "parley", "trl", "neither")},
@@ -1014,6 +1039,14 @@ def render_targets(res: dict) -> str:
         f"; goal met: {res['goal_met']}"
         + ("" if res["seeds_counted"] >= MIN_PAIRS else f" (fewer than {MIN_PAIRS} seeds counted)"),
     ]
+    launch = res.get("launch_to_step1_s")
+    if launch:
+        lines.append(
+            f"launch to step 1 over {launch['seeds']} seeds: median parley {launch['parley_median']:.1f} s, TRL "
+            f"{launch['trl_median']:.1f} s; paired parley - TRL median {launch['paired_difference_median']:+.1f} s, "
+            f"parley no slower in {launch['parley_no_slower_in']} of {launch['seeds']} (goal <= 0: "
+            f"{'met' if launch['goal_met'] else 'not met'})"
+        )
     return "\n".join(lines)
 
 

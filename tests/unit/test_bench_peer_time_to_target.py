@@ -187,6 +187,37 @@ def test_the_headline_is_the_median_of_five_paired_ratios():
     assert peer_compare.target_stats(worse)["goal_met"] is False
 
 
+def test_the_launch_goal_is_the_median_paired_difference_to_step_one():
+    """Launch to the end of step 1, paired by seed: the goal is parley no slower than TRL in the median
+    of the differences, not in the difference of the medians."""
+
+    def launch(p: float | None, q: float | None) -> dict:
+        row = _row("both", 1.0, 60.0, 60.0, 0.0)
+        row["parley"]["launch_to_step1_s"], row["trl"]["launch_to_step1_s"] = p, q
+        return row
+
+    rows = [launch(84.0, 61.0), launch(46.0, 49.0), launch(39.0, 43.0), launch(44.0, 40.0), launch(35.0, 40.0)]
+    st = peer_compare.target_stats(rows)["launch_to_step1_s"]
+    # differences +23 -3 -4 +4 -5 -> -3; parley 35 39 44 46 84 -> 44; TRL 40 40 43 49 61 -> 43
+    assert st == {
+        "seeds": 5,
+        "parley_median": 44.0,
+        "trl_median": 43.0,
+        "paired_difference_median": -3.0,
+        "parley_no_slower_in": 3,
+        "goal_met": True,
+    }
+    # a seed without TRL's step 1 is left out; a slower median difference fails the goal
+    st = peer_compare.target_stats([launch(50.0, 40.0), launch(41.0, 40.0), launch(30.0, None)])["launch_to_step1_s"]
+    assert (st["seeds"], st["paired_difference_median"], st["parley_no_slower_in"], st["goal_met"]) == (
+        2,
+        5.5,
+        0,
+        False,
+    )
+    assert "launch_to_step1_s" not in peer_compare.target_stats([launch(None, 40.0)])
+
+
 def test_a_seed_where_one_side_never_reached_the_target_counts_for_the_other():
     rows = [
         _row("both", 0.5, 50.0, 100.0, 0.0),
