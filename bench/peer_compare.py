@@ -962,6 +962,16 @@ def over_targets(outs: list[Path | tuple[Path, Path]], target: float | None, tim
             f"seed {kinds[True]} ran with Python bytecode in its site and seed {kinds[False]} without "
             "(p_clock.json bytecode): launches differ by seconds a process, so they are not pooled; one table each"
         )
+    arms: dict[str, int] = {}
+    for r in rows:  # parley's settings, in any order: one arm a table
+        key = " ".join(f"{k}={v}" for k, v in sorted(parley_sets(r.get("parley_sets") or "").items()))
+        arms.setdefault(key, r["seed"])
+    if len(arms) > 1:
+        (a, sa), (b, sb) = list(arms.items())[:2]
+        raise ValueError(
+            f"seeds {sa} and {sb} ran parley with different settings (p_clock.json parley_sets {a!r} and "
+            f"{b!r}): two arms, not one sample; one table each"
+        )
     seeds = [r["seed"] for r in rows]
     if len(set(seeds)) < len(seeds):
         raise ValueError(f"seed(s) {sorted({s for s in seeds if seeds.count(s) > 1})} given twice: one pair a seed")

@@ -328,3 +328,28 @@ def test_seeds_with_and_without_bytecode_are_not_pooled(tmp_path, capsys):
     parley_without = write_pair(tmp_path / "parley_14", seed=14, trl=False, bytecode=False)
     with pytest.raises(ValueError, match="without Python bytecode"):
         peer_compare.target_pair(parley_without, trl_with, None)
+
+
+def test_seeds_of_parley_with_different_settings_are_not_pooled(tmp_path, capsys):
+    """A launch change is measured as its own arm (TORCH_COMPILE=0 adds actor.engine.torch_compile=false
+    to parley_sets): its seeds are not pooled with seeds of the settings before it."""
+
+    def with_sets(out: Path, sets: str) -> Path:
+        clock = json.loads((out / "p_clock.json").read_text())
+        (out / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": sets}))
+        return out
+
+    base = 'learner.oversample_groups=2 actor.engine.start_method="fork"'
+    a = with_sets(write_pair(tmp_path / "p_s1", seed=1, bytecode=True), base)
+    # the same settings in another order are the same arm
+    b = with_sets(
+        write_pair(tmp_path / "p_s2", seed=2, bytecode=True),
+        'actor.engine.start_method="fork" learner.oversample_groups=2',
+    )
+    c = with_sets(write_pair(tmp_path / "p_s3", seed=3, bytecode=True), base + " actor.engine.torch_compile=false")
+    assert peer_compare.main(["--target", "--over", str(a), str(b)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        peer_compare.main(["--target", "--over", str(a), str(b), str(c)])
+    err = capsys.readouterr().err
+    assert "seeds 1 and 3 ran parley with different settings" in err and "torch_compile=false" in err
