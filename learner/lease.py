@@ -6,7 +6,8 @@ The key is created only if absent (KV create), so of two learners one wins; the 
 one line naming the holder. A holder renews it (KV update on the revision it holds, so a lost lease
 is noticed: the revision is its fencing token) every TTL / 4; one that was killed stops renewing and
 the bucket's TTL removes the key, so a --resume after a kill waits at most LEASE_TTL_S; on the host
-where the killed learner ran (its holder name is host-pid) the key is taken over at once.
+and in the PID namespace where the killed learner ran (its holder name is host-pid@scope, holder_name)
+the key is taken over at once.
 
 The renewals run on a thread of their own, with their own event loop and NATS connection (`connect`):
 the learner's loop is held for longer than the TTL by synchronous work (Learner's construction loads
@@ -24,6 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
@@ -46,16 +48,36 @@ class LeaseLost(StateError):
     """The lease this learner held was taken by another (it could not renew for a whole TTL)."""
 
 
-def holder_name() -> str:
-    """Who holds the lease: this host and process (learner.service writes it into the key)."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+def pid_scope() -> str:
+    """Where this process's pid means something: the kernel's boot and the PID namespace
+    (`<boot id>.<namespace inode>`), "" where /proc does not say. Two containers with one host name (host
+    networking, a fixed `hostname:`) have pids of different namespaces; two machines may share a host
+    name and even a namespace inode (every root namespace has the same one), never a boot id."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ns = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return ""
+    inode = ns[ns.find("[") + 1 : ns.rfind("]")]
+    return f"{boot}.{inode}" if boot and inode.isdigit() else ""
+
+
+def holder_name(pid: int | None = None) -> str:
+    """Who holds the lease: this host, the process and where its pid means something
+    (`<host>-<pid>@<pid_scope>`; learner.service writes it into the key). pid: another process of
+    this host and namespace (tests)."""
+    return f"{socket.gethostname()}-{os.getpid() if pid is None else pid}@{pid_scope()}"
 
 
 def _died_here(holder: str) -> bool:
-    """True when `holder` names a process of this host that no longer exists (a learner killed here,
-    then resumed here). Another host's holder, or one whose process lives, is waited for."""
-    host, _, pid = holder.rpartition("-")
-    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+    """True when `holder` names a process of this host and PID namespace that no longer exists (a
+    learner killed here, then resumed here). Another host's or namespace's holder (a container beside
+    this one under the same host name), one of a scope nobody could read or of a name from before
+    scopes, and one whose process lives, are waited for (the TTL frees a dead one's lease)."""
+    name, _, scope = holder.partition("@")
+    host, _, pid = name.rpartition("-")
+    here = pid_scope()
+    if not here or scope != here or host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
         return False
     try:
         os.kill(int(pid), 0)

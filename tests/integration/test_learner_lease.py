@@ -100,7 +100,7 @@ async def test_a_lease_of_a_learner_that_died_on_this_host_is_taken_at_once(js, 
     await topology.ensure_topology(js, run, BUS)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = Lease(js, run, f"{socket.gethostname()}-{gone.pid}")
+    dead = Lease(js, run, holder_name(gone.pid))
     await dead.acquire()  # killed: it never renews nor releases
     t0 = time.monotonic()
     await Lease(js, run, holder_name()).acquire()
@@ -111,11 +111,33 @@ async def test_a_lease_of_a_learner_that_died_on_this_host_is_taken_at_once(js, 
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert not lease_module._died_here(f"{socket.gethostname()}-{live.pid}")
-        assert not lease_module._died_here(f"another-host-{gone.pid}")
-        assert lease_module._died_here(f"{socket.gethostname()}-{gone.pid}")
+        assert not lease_module._died_here(holder_name(live.pid))
+        assert not lease_module._died_here(holder_name(gone.pid).replace(socket.gethostname(), "another-host", 1))
+        assert lease_module._died_here(holder_name(gone.pid))
     finally:
         live.kill()
+
+
+def test_a_holder_of_the_same_host_name_in_another_pid_namespace_is_not_taken_over():
+    """Two learners in containers that share a host name (host networking, a fixed `hostname:`) see
+    each other's pids as absent: a pid of another namespace says nothing of that process. Only a holder
+    of this boot and PID namespace is checked here; others, and a name without a scope, wait out the TTL."""
+    import socket
+
+    from parley.learner import lease as lease_module
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    here = lease_module.pid_scope()
+    assert here and here == lease_module.holder_name().split("@", 1)[1]
+    boot, ns = here.rsplit(".", 1)
+    host = socket.gethostname()
+    assert lease_module._died_here(f"{host}-{gone.pid}@{here}")
+    # the same host name and pid, another container's namespace (same kernel) or another machine's boot
+    assert not lease_module._died_here(f"{host}-{gone.pid}@{boot}.{int(ns) + 1}")
+    assert not lease_module._died_here(f"{host}-{gone.pid}@00000000-0000-0000-0000-000000000000.{ns}")
+    # a name as learners wrote it before scopes (host-pid): nothing says which namespace it was
+    assert not lease_module._died_here(f"{host}-{gone.pid}")
 
 
 async def test_a_lease_that_expired_with_nobody_else_is_taken_back_at_the_next_renewal(js):
