@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import ssl
+import weakref
 from pathlib import Path
 
 import nats
@@ -44,6 +45,40 @@ def inbox_prefix(user: str | None) -> str:
     return f"_INBOX_{safe}"
 
 
+class Reconnects:
+    """The reconnects of one connection, for a wait that must start over when the server it waits on may
+    be a new one (protocol.request: a restarted nats-server refuses the answers to requests the old one
+    delivered). `next()`: a future done at the connection's next reconnect."""
+
+    def __init__(self) -> None:
+        self._waiting: set[asyncio.Future] = set()
+        self.count = 0
+
+    def next(self) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.add(fut)
+        fut.add_done_callback(self._waiting.discard)
+        return fut
+
+    def fire(self) -> None:
+        self.count += 1
+        for fut in list(self._waiting):
+            if not fut.done():
+                fut.set_result(self.count)
+
+
+_RECONNECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reconnects(nc) -> Reconnects | None:
+    """The Reconnects of a connection `connect()` opened; None for any other (a test double, a plain
+    nats.connect), whose waits then do not start over."""
+    try:
+        return _RECONNECTS.get(nc)
+    except TypeError:  # not weakly referenceable
+        return None
+
+
 def _tls_context(ca_file: str | None) -> ssl.SSLContext | None:
     if not ca_file:
         return None
@@ -72,8 +107,11 @@ async def connect(
     async def on_disconnect():
         log.warning("%s: disconnected from NATS %s", name, url)
 
+    back = Reconnects()
+
     async def on_reconnect():
         log.warning("%s: reconnected to NATS %s", name, url)
+        back.fire()
 
     errors: list[str] = []  # the server's reason when the first connect is refused (bad credentials)
 
@@ -99,7 +137,9 @@ async def connect(
     if creds:
         kwargs.update(user_credentials=creds)
     try:
-        return await asyncio.wait_for(nats.connect(**kwargs), timeout=first_timeout)
+        nc = await asyncio.wait_for(nats.connect(**kwargs), timeout=first_timeout)
+        _RECONNECTS[nc] = back
+        return nc
     except (TimeoutError, OSError, nats.errors.NoServersError) as e:
         if any("authorization violation" in err.lower() for err in errors):
             what = (

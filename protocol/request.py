@@ -5,6 +5,13 @@ Requesters (services.sim.client.SimClient, services.judge.client.JudgeClient, th
 the service scaffolding (engines/service.py) reads `wait_and_id()` to drop work whose requester
 has stopped waiting, and to let a re-sent request join the computation already under way.
 
+A request whose connection comes back while it waits (nats-server restarted, or the requester moved to
+another node) is sent again at once, as a re-send, for the rest of its wait: a restarted server refuses a
+service's answer to a request the old server delivered (the permission to answer, allow_responses, is
+granted per delivery and not kept), so the first send's answer would never come and the requester would
+wait out its whole timeout. The re-send joins the computation under way, or gets its remembered answer
+(engines/service.py); where nothing was lost it costs one duplicate request.
+
 A requester cancelled while it waits (an actor cutting a conversation whose group went stale) stops
 waiting before its timeout: `request()` then withdraws the request (`withdraw()`), a core-NATS
 message on topology.withdraw_subject(subject) with an empty payload and two headers, the request's
@@ -21,6 +28,9 @@ import logging
 import math
 import secrets
 
+import nats.errors
+
+from parley.protocol.connect import reconnects
 from parley.protocol.topology import withdraw_subject
 
 log = logging.getLogger(__name__)
@@ -38,6 +48,8 @@ SEND_HEADER = "Parley-Send-Id"
 # still awaited. The requester's share of the wait spent in transit is not counted, which can only
 # make the service keep a request a little longer than its requester waits: never shorter.
 MAX_WAIT_S = 86400.0  # a header beyond a day is a bad value, not a wait
+# after a reconnect, the pause before asking again a service that is not back yet (times the tries so far)
+RESEND_POLL_S = 0.1
 
 
 def request_id(subject: str, data: bytes) -> str:
@@ -51,16 +63,49 @@ def request_id(subject: str, data: bytes) -> str:
 async def request(nc, subject: str, data: bytes, *, timeout: float, resend: bool = False):
     """nc.request with the wait (the timeout), the id and a send id in the headers; `resend`: this
     payload's previous send timed out here (the service may answer with what it computed for that one).
-    Cancelled while it waits, it withdraws the request, then lets the cancellation go on."""
-    rid, send = request_id(subject, data), secrets.token_hex(8)
-    headers = {TIMEOUT_HEADER: f"{timeout:.3f}", ID_HEADER: rid, SEND_HEADER: send}
-    if resend:
-        headers[RESEND_HEADER] = "1"
-    try:
-        return await nc.request(subject, data, timeout=timeout, headers=headers)
-    except asyncio.CancelledError:
-        await withdraw(nc, subject, rid, send)
-        raise
+    Sent again as a re-send, for the rest of the wait, when the connection reconnects meanwhile (the
+    module's docstring); the whole wait stays `timeout`. Cancelled while it waits, it withdraws the
+    request, then lets the cancellation go on."""
+    loop = asyncio.get_running_loop()
+    rid, deadline, watch = request_id(subject, data), loop.time() + timeout, reconnects(nc)
+    after_reconnect = 0  # sends since the connection came back while this request waited
+    while True:
+        left, send = deadline - loop.time(), secrets.token_hex(8)
+        if left <= 0:
+            raise nats.errors.TimeoutError
+        headers = {TIMEOUT_HEADER: f"{left:.3f}", ID_HEADER: rid, SEND_HEADER: send}
+        if resend:
+            headers[RESEND_HEADER] = "1"
+        reply = asyncio.ensure_future(nc.request(subject, data, timeout=left, headers=headers))
+        back = watch.next() if watch is not None else None
+        try:
+            await asyncio.wait([reply] if back is None else [reply, back], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            reply.cancel()
+            if back is not None:
+                back.cancel()
+            await withdraw(nc, subject, rid, send)
+            raise
+        if back is not None:
+            back.cancel()
+        if reply.done():
+            if after_reconnect and isinstance(reply.exception(), nats.errors.NoRespondersError):
+                # the service's own connection is not back yet (its subscription comes with it): ask again
+                # shortly, within this request's wait, rather than hand the caller an outage it did not have
+                after_reconnect += 1
+                await asyncio.sleep(min(RESEND_POLL_S * after_reconnect, max(0.0, deadline - loop.time())))
+                continue
+            return reply.result()
+        reply.cancel()  # its answer may be refused by the server that came back: ask that server
+        reply.add_done_callback(_retrieve)
+        log.info("request %s on %s: the connection came back while it waited; sent again", rid[:12], subject)
+        resend, after_reconnect = True, 1
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Read a dropped send's outcome, so that asyncio does not report it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def withdraw(nc, subject: str, rid: str, send: str) -> None:
