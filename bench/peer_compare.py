@@ -245,12 +245,24 @@ def parley_side(out: Path, clock: dict, timed_by: str = "recorded", metric: str 
         }
         for e in read_jsonl(out / "eval_history.jsonl")
     ]
+    # what the held-out evals cost the learner's path (learner.stepper): on a step whose version is
+    # evaluated, the weights written for the eval (its publish_s beyond a usual step's) at the step's
+    # end, then the export, after it; the eval itself runs beside, in the eval child
+    usual = median([m["publish_s"] for m in metrics.values() if "publish_s" in m and "eval_export_s" not in m]) or 0.0
+    inline = []
+    for n, m in sorted(metrics.items()):
+        if "eval_export_s" in m and n in times:
+            inline.append((times[n], max(0.0, m.get("publish_s", 0.0) - usual), True))
+            inline.append((times[n], m["eval_export_s"], False))
     actor_log = out / "parley_actor.log"
     breakdown = step_breakdown(list(metrics.values()), actor_log.read_text().splitlines() if actor_log.exists() else [])
     up_log = out / "up_peer.log"
     return {
         "steps": steps,
         "evals": evals,
+        # (t, seconds, inside): held-out eval work on the training path, by the end of the step it
+        # follows (inside: counted in that step's end already)
+        "inline_evals": inline,
         # every assistant token its actors sampled, by time since launch (dropped and stale groups too)
         "generated": generated_series(
             actor_log.read_text().splitlines() if actor_log.exists() else [], clock["parley_start_local"]
@@ -347,6 +359,8 @@ def trl_side(peer: dict, launched: float, metric: str = METRIC) -> dict:
     return {
         "steps": steps,
         "evals": evals,
+        # TRL evaluates version k after step k's end, before step k + 1 (v0 before step 1)
+        "inline_evals": [(ends.get(e["version"], 0.0), e["seconds"], False) for e in peer["evals"]],
         "generated": generated,
         "inline_eval_s": round(eval_s, 2),
         "total_s": end - launched,
@@ -766,6 +780,21 @@ def reward_at(evals: list[dict], t: float, metric: str) -> float | None:
     return None if e is None else e[metric]
 
 
+def eval_free(side: dict, version: int | None) -> float | None:
+    """When `version`'s training step ended, less the held-out eval work the side did on its training
+    path before it (side["inline_evals"]): TRL's in-process evals, parley's weights written for its
+    eval child and their export. A secondary figure, as if evaluating took no time and nothing else
+    moved: it answers a skeptic's "the peer loses by its evals", not the user's wall time."""
+    if version is None:
+        return None
+    ends = {s["step"]: s["t"] for s in side["steps"]}
+    t = ends.get(version, 0.0 if version == 0 else None)
+    if t is None:
+        return None
+    cost = sum(sec for at, sec, inside in side.get("inline_evals", []) if at < t or (inside and at <= t))
+    return round(t - cost, 1)
+
+
 def target_side(side: dict, target: float, metric: str, gpus: int = 1) -> dict:
     """One side of a pair: time to target from launch, its end (its last held-out result) and the
     result there, GPU-seconds and sampled tokens to target (all played groups: parley's dropped and
@@ -788,6 +817,9 @@ def target_side(side: dict, target: float, metric: str, gpus: int = 1) -> dict:
         "generated_tokens_to_end": tokens_by(side.get("generated", []), end_s),
         "trained_tokens_per_s": st["trained_tokens_per_s"] if st else None,
         "launch_to_step1_s": st["first_step_end_s"] if st else None,
+        # the same two times from the target's (end's) training step, less the evals on the path (eval_free)
+        "eval_free_time_to_target_s": eval_free(side, hit["version"]) if hit else None,
+        "eval_free_end_s": eval_free(side, end["version"]) if end else None,
         # the first held-out result in hand (parley: its eval child's first; TRL: its inline v0)
         "first_result_s": round(evals[0]["t_result"], 1) if evals else None,
         "evals": [[round(e["t_result"], 1), e["version"], e[metric]] for e in evals],
@@ -849,7 +881,18 @@ def target_pair(out: Path, trl_out: Path | None, target: float | None, timed_by:
     b = ratio_bounds(row)
     # [at least, at most] (None: no upper bound), or None where neither reached the target
     row["ratio_bounds"] = None if b is None else [_finite(b[0]), _finite(b[1])]
+    e = eval_free_bounds(row)
+    row["eval_free_ratio_bounds"] = None if e is None else [_finite(e[0]), _finite(e[1])]
     return row
+
+
+def eval_free_bounds(row: dict) -> tuple[float, float] | None:
+    """ratio_bounds over each side's eval-free times (eval_free)."""
+
+    def side(x: dict) -> dict:
+        return {"time_to_target_s": x.get("eval_free_time_to_target_s"), "end_s": x.get("eval_free_end_s")}
+
+    return ratio_bounds({"parley": side(row["parley"]), "trl": side(row["trl"])})
 
 
 def median(xs: list[float]) -> float | None:
@@ -923,8 +966,16 @@ def target_stats(rows: list[dict]) -> dict:
     q_times = [inf if r["trl"]["time_to_target_s"] is None else r["trl"]["time_to_target_s"] for r in rows]
     diffs = [r["difference_at_trls_end"] for r in rows if r["difference_at_trls_end"] is not None]
     m_diff = median(diffs)
+    free = [b for b in (r.get("eval_free_ratio_bounds") for r in rows) if b is not None]
+    free = [(lo, inf if hi is None else hi) for lo, hi in free]
     return {
         **launch_stats(rows),
+        # the secondary figure: the same medians over eval-free times (eval_free); not the goal's
+        "eval_free": {
+            "seeds_counted": len(free),
+            "median_ratio_at_least": _finite(median([b[0] for b in free])),
+            "median_ratio_at_most": _finite(median([b[1] for b in free])),
+        },
         "seeds": len(rows),
         "seeds_counted": len(bounds),
         "reached": {k: sum(r["reached"] == k for r in rows) for k in ("both", "parley", "trl", "neither")},
@@ -1049,6 +1100,14 @@ def render_targets(res: dict) -> str:
         f"; goal met: {res['goal_met']}"
         + ("" if res["seeds_counted"] >= MIN_PAIRS else f" (fewer than {MIN_PAIRS} seeds counted)"),
     ]
+    free = res.get("eval_free")
+    if free and free["seeds_counted"]:
+        lo, hi = free["median_ratio_at_least"], free["median_ratio_at_most"]
+        ratio = _r(lo) if lo == hi else f"between {_r(lo)} and {'inf' if hi is None else _r(hi)}"
+        lines.append(
+            f"eval-free (each side's target step, less the held-out eval work on its training path; not the "
+            f"goal): median parley / TRL {ratio} over {free['seeds_counted']} seeds"
+        )
     launch = res.get("launch_to_step1_s")
     if launch:
         lines.append(

@@ -353,3 +353,30 @@ def test_seeds_of_parley_with_different_settings_are_not_pooled(tmp_path, capsys
         peer_compare.main(["--target", "--over", str(a), str(b), str(c)])
     err = capsys.readouterr().err
     assert "seeds 1 and 3 ran parley with different settings" in err and "torch_compile=false" in err
+
+
+def test_the_eval_free_figure_takes_each_sides_eval_work_off_its_training_path(tmp_path):
+    """A skeptic's question: does the peer lose by its evals? TRL evaluates in its own process between
+    steps; parley writes the weights for its eval child and exports them on the learner's path. Each
+    side's eval-free time is its target version's step end less that work before it."""
+    out = write_pair(tmp_path / "p", seed=1, bytecode=True)
+    # step 1's version is evaluated: its publish took 0.6 s against a usual 0.1 s, its export 0.3 s
+    (out / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "trained_tokens": 100 * s, **extra}) + "\n"
+            for s, extra in (
+                (1, {"publish_s": 0.6, "eval_export_s": 0.3}),
+                (2, {"publish_s": 0.1}),
+                (3, {"publish_s": 0.1}),
+            )
+        )
+    )
+    row = peer_compare.target_pair(out, None, None)
+    # parley reached 0.85 with v2, whose step ended at 31 s (its log line): less 0.5 + 0.3 s -> 30.2
+    # TRL reached 0.82 with v3, whose step ended at 28 s: less its v0 and v2 evals (1 s each) -> 26.0
+    assert row["parley"]["eval_free_time_to_target_s"] == 30.2
+    assert row["trl"]["eval_free_time_to_target_s"] == 26.0
+    assert row["eval_free_ratio_bounds"] == [1.1615, 1.1615]  # 30.2 / 26; the headline's is 45 / 30
+    assert row["ratio"] == 1.5
+    st = peer_compare.target_stats([row])["eval_free"]
+    assert st == {"seeds_counted": 1, "median_ratio_at_least": 1.1615, "median_ratio_at_most": 1.1615}
