@@ -137,12 +137,15 @@ class Stepper:
 
         last = st.last()
         eval_due = self.evals.due(st.step, last=last)
+        eval_write = None  # a GPU payload's copy for the eval: written and exported behind the next step
         if st.step % self.lc.publish_every == 0 or last:
             t0 = time.perf_counter()
-            published = await self.weights.publish(st.step, write_now=eval_due)
+            if eval_due:
+                eval_write = await self.weights.eval_copy(st.step)
+            published = await self.weights.publish(st.step, write_now=eval_due and eval_write is None)
             stats["publish_s"] = (
                 time.perf_counter() - t0
-            )  # on the step's path: the CPU copy (and the file, for an eval)
+            )  # on the step's path: the CPU copy (the file for an eval: a file payload's; a GPU payload's goes behind)
             stats["publish_skipped_held"] = 0.0 if published else 1.0
             killpoints.reached("published")
         if st.step % self.lc.checkpoint_every == 0 or last:
@@ -160,7 +163,7 @@ class Stepper:
         # after the checkpoint: an unpublished version is exported from it
         if eval_due:
             t0 = time.perf_counter()
-            await self.evals.submit(st.step)
+            await self.evals.submit(st.step, eval_write)
             stats["eval_export_s"] = time.perf_counter() - t0
         # The step's lines go out before the ledger that vouches for them: a resume drops lines
         # beyond the ledger's step, never misses one.

@@ -206,9 +206,10 @@ class Evals:
     def due(self, step: int, last: bool) -> bool:
         return self.on and self.periodic.due(step, last=last)
 
-    async def submit(self, step: int) -> None:
-        """Queue `step`'s version (its weights are exported now)."""
-        await self.periodic.submit(step, step)
+    async def submit(self, step: int, write=None) -> None:
+        """Queue `step`'s version (its weights are exported now, or behind training with `write`:
+        PeriodicEval.submit)."""
+        await self.periodic.submit(step, step, write)
 
     def requeue_unfinished(self, step: int) -> list[int]:
         """At the start: the versions up to `step` an earlier learner queued and did not finish, queued again."""

@@ -218,8 +218,18 @@ class Weights:
         periodic eval's export (evaluation.periodic, learner.checkpoint.export_version), also when
         no buffer was free for it; the oldest are pruned as the file payloads' are."""
         snap = await asyncio.to_thread(self.source.weights_snapshot)
-        await asyncio.to_thread(snap.write, self.version_dir(version))
-        await asyncio.to_thread(self.prune)
+        await asyncio.to_thread(self.write_eval_copy, snap, version)
+
+    async def eval_copy(self, version: int) -> Callable[[], object] | None:
+        """`version`'s copy for the eval that exports it next, taken now, with the call that writes its
+        files behind training (payloads.Payload.eval_copy); None where `publish(write_now=True)` writes
+        them on the step's path instead."""
+        return await self.payload.eval_copy(self, version)
+
+    def write_eval_copy(self, snap, version: int) -> None:
+        """Write a GPU payload's copy of `version` (a WeightSnapshot) to its weights directory, the oldest pruned."""
+        snap.write(self.version_dir(version))
+        self.prune()
 
     def write_adapter(self, snap: tuple[dict, dict], version: int) -> None:
         """An adapter version's files under its weights directory, the oldest pruned (keep)."""

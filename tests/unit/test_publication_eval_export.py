@@ -83,3 +83,42 @@ async def test_a_gpu_transport_writes_the_versions_an_eval_needs(tmp_path, setti
     assert (out / "model.safetensors").read_bytes() == safetensors_bytes(b"weights of the step") and (
         out / "tokenizer.json"
     ).is_file()
+
+
+@pytest.mark.parametrize(
+    "settings", [CudaIpcWeights(), NcclWeights(address="127.0.0.1:29600")], ids=["cuda_ipc", "nccl"]
+)
+async def test_a_gpu_transport_copies_an_evals_version_now_and_writes_it_behind(tmp_path, settings):
+    """learner.stepper on an eval's step: the copy is taken on the step's path (before the next step
+    changes the weights), the file written later by the call it returns (evaluation.periodic runs it
+    behind training); publish then writes nothing itself."""
+    run_dir = run_dir_with_base(tmp_path)
+    driver, publisher = TrainerDriverDouble(), PublisherDouble()
+    w = weights_publication(
+        SimpleNamespace(keep_versions=3), settings, None, None, "r", run_dir, driver, publisher, feeder=None
+    )
+    write = await w.eval_copy(2)
+    assert ("weights_snapshot",) in driver.calls and not ckpt.weights_dir(run_dir, 2).exists()
+    assert await w.publish(2, write_now=False) is True
+    assert not ckpt.weights_dir(run_dir, 2).exists()
+    write()
+    out = ckpt.export_version(run_dir, 2, tmp_path / "eval" / "v2")
+    assert (out / "model.safetensors").read_bytes() == safetensors_bytes(b"weights of the step")
+
+
+async def test_a_file_transport_writes_an_evals_version_on_the_path_as_its_upload_needs_it(tmp_path):
+    from parley.weights.config import ObjstoreWeights
+
+    run_dir = run_dir_with_base(tmp_path)
+    w = weights_publication(
+        SimpleNamespace(keep_versions=3),
+        ObjstoreWeights(),
+        None,
+        None,
+        "r",
+        run_dir,
+        TrainerDriverDouble(),
+        PublisherDouble(),
+        feeder=None,
+    )
+    assert await w.eval_copy(2) is None  # the stepper then publishes with write_now
