@@ -555,7 +555,8 @@ TT4)
 S)
     # issue 56: the correctness checks a phased (up.gpu_share = "phased") or merged-LoRA ([learner.lora]
     # serve = "merged") throughput run rests on, in one short call before it: a broken sleep/wake shows
-    # here in minutes, not at the end of a 7-minute run. Writes $OUT/gpu.log, sleep.log, merged.log.
+    # here in minutes, not at the end of a 7-minute run; and the engine without torch.compile before
+    # TORCH_COMPILE=0 seeds. Writes $OUT/gpu.log, sleep.log, merged.log, compile.log.
     {
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
         python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
@@ -565,6 +566,9 @@ S)
         -m gpu tests/e2e/test_engine_sleep.py
     TRITON_F32_DEFAULT=ieee step merged "${MERGED_LIMIT_S:-240}" python3 -m pytest -q -s -p no:cacheprovider -rs \
         -m gpu tests/e2e/test_cuda_ipc.py -k merged
+    # [*.engine] torch_compile = false (TORCH_COMPILE=0 of part TT): the eager engine's tokens, also after a reload
+    TRITON_F32_DEFAULT=ieee step compile "${COMPILE_LIMIT_S:-200}" python3 -m pytest -q -s -p no:cacheprovider -rs \
+        -m gpu tests/e2e/test_engine_compile.py
     ;;
 M)
     # issue 26 item 1: does the image offer CUDA MPS, and does part PS (or MPS_PART) run faster under it?
