@@ -89,7 +89,11 @@ async def request(nc, subject: str, data: bytes, *, timeout: float, resend: bool
         if back is not None:
             back.cancel()
         if reply.done():
-            if after_reconnect and isinstance(reply.exception(), nats.errors.NoRespondersError):
+            if (
+                after_reconnect
+                and not reply.cancelled()
+                and isinstance(reply.exception(), nats.errors.NoRespondersError)
+            ):
                 # the service's own connection is not back yet (its subscription comes with it): ask again
                 # shortly, within this request's wait, rather than hand the caller an outage it did not have
                 after_reconnect += 1
