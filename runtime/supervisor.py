@@ -172,13 +172,6 @@ class Supervisor:
         log.close()
         child.started = time.time()
 
-    def failed(self) -> Child | None:
-        for c in self.children:
-            rc = c.returncode
-            if rc not in (None, 0):
-                return c
-        return None
-
     def check(self, say=print, ready: Mapping[str, float] | None = None) -> Child | None:
         """The first failed child that the restart policy does not start again (the run stops; its
         `why_not` says why), or None. A failed child the policy allows is started again once its
