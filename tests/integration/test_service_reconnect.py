@@ -25,17 +25,10 @@ from parley.protocol import topology
 from parley.protocol.connect import connect
 from parley.protocol.request import request
 from tests.factories import EngineDouble
+from tests.integration.test_service_withdraw import until
 
 pytestmark = pytest.mark.integration
 RUN = "reconnect"
-
-
-async def until(condition, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 async def test_a_request_sent_before_a_server_restart_is_answered_after_it_without_waiting_its_timeout(

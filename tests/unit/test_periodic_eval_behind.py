@@ -6,6 +6,7 @@ eval child is a test double (PlantedEval); the writes are real files."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 from parley.evaluation.periodic import PeriodicEval, evaluated, failed_dir, model_dir, owed_marker
@@ -32,44 +33,46 @@ class WriteDouble:
         self.done.set()
 
 
-async def test_the_export_runs_behind_the_step_and_the_version_is_played_after_it(tmp_path):
+@contextlib.asynccontextmanager
+async def running(tmp_path):
+    """A PeriodicEval over the test double's evals, its queue worked through until the block ends."""
     cfg, run_dir = make_run(tmp_path)
     double = PlantedEval(PLAN)
     pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=double)
     halt = asyncio.Event()
     runner = asyncio.create_task(pe.run(halt))
-    await pe.submit(0, 0)
-    go = threading.Event()
-    write = WriteDouble(run_dir, 2, go)
-    # submit returns while the weights are still being written: the step's path does not wait
-    await asyncio.wait_for(pe.submit(2, 2, write), timeout=2)
-    assert owed_marker(run_dir, 2).is_file() and pe.busy and not model_dir(run_dir, 2).exists()
-    assert pe.due(2) is False  # submitted: not due again
-    go.set()
-    await pe.drain(30.0, asyncio.Event())  # waits for the write, the export and the eval
-    halt.set()
-    await runner
+    try:
+        yield pe, run_dir, double
+    finally:
+        await pe.drain(30.0, asyncio.Event())  # waits for the writes, the exports and the evals
+        halt.set()
+        await runner
+
+
+async def test_the_export_runs_behind_the_step_and_the_version_is_played_after_it(tmp_path):
+    async with running(tmp_path) as (pe, run_dir, double):
+        await pe.submit(0, 0)
+        go = threading.Event()
+        write = WriteDouble(run_dir, 2, go)
+        # submit returns while the weights are still being written: the step's path does not wait
+        await asyncio.wait_for(pe.submit(2, 2, write), timeout=2)
+        assert owed_marker(run_dir, 2).is_file() and pe.busy and not model_dir(run_dir, 2).exists()
+        assert pe.due(2) is False  # submitted: not due again
+        go.set()
     assert write.thread is not threading.main_thread()
     assert [j.version for j in double.jobs] == [0, 2] and evaluated(run_dir, 2)
     assert not owed_marker(run_dir, 2).exists()  # exported: nothing owed
 
 
 async def test_a_second_export_waits_for_the_first(tmp_path):
-    cfg, run_dir = make_run(tmp_path)
-    double = PlantedEval(PLAN)
-    pe = PeriodicEval(cfg, run_dir, export=ckpt.export_version, launch=double)
-    halt = asyncio.Event()
-    runner = asyncio.create_task(pe.run(halt))
-    go = threading.Event()
-    await pe.submit(2, 2, WriteDouble(run_dir, 2, go))
-    second = asyncio.create_task(pe.submit(4, 4, WriteDouble(run_dir, 4)))
-    await asyncio.sleep(0.2)
-    assert not second.done()  # one CPU copy of the weights waits at most
-    go.set()
-    await asyncio.wait_for(second, timeout=10)
-    await pe.drain(30.0, asyncio.Event())
-    halt.set()
-    await runner
+    async with running(tmp_path) as (pe, run_dir, double):
+        go = threading.Event()
+        await pe.submit(2, 2, WriteDouble(run_dir, 2, go))
+        second = asyncio.create_task(pe.submit(4, 4, WriteDouble(run_dir, 4)))
+        await asyncio.sleep(0.2)
+        assert not second.done()  # one CPU copy of the weights waits at most
+        go.set()
+        await asyncio.wait_for(second, timeout=10)
     assert [j.version for j in double.jobs] == [2, 4]
 
 
