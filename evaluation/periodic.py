@@ -324,16 +324,25 @@ class PeriodicEval:
             await asyncio.wait({self._behind})
 
     async def _export_behind(self, version: int, step: int, write: Callable[[], object], mark: Path) -> None:
+        """submit's write and export, behind training. Nothing here may stop training: a failure (a full
+        disk, a damaged file, a bug) leaves that version unevaluated, with its reason among the outcomes."""
         queued = False
         try:
             try:
                 await asyncio.to_thread(write)
-            except (OSError, RuntimeError) as e:  # e.g. disk full: that version goes unevaluated, training goes on
-                log.error("eval: version %d not queued, its weights were not written: %s", version, e)
-                self.outcomes.append(EvalOutcome(version, ok=False, error=f"export: {e}"))
+            except Exception as e:  # noqa: BLE001 - the version goes unevaluated, training goes on
+                log.error(
+                    "eval: version %d not queued, its weights were not written: %s: %s", version, type(e).__name__, e
+                )
+                self.outcomes.append(EvalOutcome(version, ok=False, error=f"export: {type(e).__name__}: {e}"))
                 mark.unlink(missing_ok=True)
                 return
-            model = await self._export(version)
+            try:
+                model = await self._export(version)
+            except Exception as e:  # noqa: BLE001 - e.g. CorruptWeights; _export records OSError itself
+                log.error("eval: version %d not queued, its export failed: %s: %s", version, type(e).__name__, e)
+                self.outcomes.append(EvalOutcome(version, ok=False, error=f"export: {type(e).__name__}: {e}"))
+                model = None
             mark.unlink(missing_ok=True)  # exported (models/v<N> is whole), or failed and recorded
             if model is not None:
                 self._queue(EvalJob(version=version, step=step, model=model), counted=True)

@@ -112,3 +112,17 @@ def test_an_owed_version_whose_weights_are_gone_is_set_aside_with_the_reason(tmp
     assert "owed an eval, but its weights were not kept" in reason
     assert not owed_marker(run_dir, 2).exists() and not owed_marker(run_dir, 6).exists()
     assert not failed_dir(run_dir, 6).exists()
+
+
+async def test_a_write_that_fails_behind_training_leaves_the_version_unevaluated_with_its_reason(tmp_path):
+    def broken() -> None:  # e.g. a rank without the snapshot: None.write
+        raise AttributeError("'NoneType' object has no attribute 'write'")
+
+    async with running(tmp_path) as (pe, run_dir, double):
+        await pe.submit(2, 2, broken)
+        await pe.settle()
+        await pe.submit(4, 4, WriteDouble(run_dir, 4))  # the next version is not held up by it
+    assert [j.version for j in double.jobs] == [4]
+    assert [(o.version, o.ok) for o in pe.outcomes if o.version == 2] == [(2, False)]
+    assert "AttributeError" in next(o.error for o in pe.outcomes if o.version == 2)
+    assert not owed_marker(run_dir, 2).exists() and pe.unfinished == 0
