@@ -265,10 +265,15 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     # launches with and without it differ by seconds a process (docs/gpu.md, "Bytecode on the device"),
     # so bench/peer_compare.py --target pools seeds of one kind only
     BYTECODE=$(python3 -c "import importlib.util as u, os; s = u.find_spec('vllm'); print(str(bool(s and s.origin and os.path.exists(u.cache_from_source(s.origin)))).lower())" 2>/dev/null || echo false)
+    # which code parley ran (the device's copy of the tree has no .git): a digest of the package's sources,
+    # configs and prompts, so bench/peer_compare.py --target pools seeds of one code only
+    CODE=$(find parley actors config deploy engines environments evaluation learner protocol rewards rollout runtime \
+        scorer services tasks weights -type f \( -name '*.py' -o -name '*.toml' -o -name '*.txt' \) \
+        -not -path '*/__pycache__/*' 2>/dev/null | LC_ALL=C sort | xargs -d '\n' sha256sum 2>/dev/null | sha256sum | cut -c1-12)
     write_clock() {  # the launch and end of each run, as far as known (a cut call still leaves the file)
-        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s, "parley_steps": %s, "trl_steps": %s, "seed": %s, "gpu_name": "%s", "gpu_uuid": "%s", "gpus": 1, "env": "%s", "config": "%s", "trl_options": "%s", "order": "%s", "bytecode": %s}\n' \
+        printf '{"parley_start": %s, "parley_start_local": "%s", "parley_end": %s, "trl_start": %s, "trl_end": %s, "parley_sets": "%s", "actors": %s, "parley_steps": %s, "trl_steps": %s, "seed": %s, "gpu_name": "%s", "gpu_uuid": "%s", "gpus": 1, "env": "%s", "config": "%s", "trl_options": "%s", "order": "%s", "bytecode": %s, "code": "%s"}\n' \
             "${P0%%|*}" "${P0#*|}" "${P1%%|*}" "${T1%%|*}" "${T2%%|*}" "$SETS_JSON" "${ACTORS:-1}" "${PARLEY_STEPS:-$STEPS}" "$STEPS" "${SEED:-0}" \
-            "${GPU_ID%%, *}" "${GPU_ID#*, }" "$ENV_NAME" "$CONFIG" "$TRL_OPTS" "${ORDER:-parley}" "${BYTECODE:-false}" >"$OUT/p_clock.json"
+            "${GPU_ID%%, *}" "${GPU_ID#*, }" "$ENV_NAME" "$CONFIG" "$TRL_OPTS" "${ORDER:-parley}" "${BYTECODE:-false}" "${CODE:-}" >"$OUT/p_clock.json"
     }
     TRL_WORK=${TRL_WORK:-/tmp/peer-trl}  # TRL's output_dir (nothing is saved there)
     rm -rf "$RUN" "$TRL_WORK"

@@ -866,6 +866,8 @@ def target_pair(out: Path, trl_out: Path | None, target: float | None, timed_by:
         "parley_sets": clock.get("parley_sets", ""),
         "trl_options": clock.get("trl_options", ""),
         "bytecode": bytecode,
+        # a digest of parley's sources as the call ran them (gpu_run.sh part P); "" for a call from before
+        "code": clock.get("code", ""),
         "metric": metric,
         "target": target,
         "reached": how,
@@ -1012,6 +1014,13 @@ def over_targets(outs: list[Path | tuple[Path, Path]], target: float | None, tim
         raise ValueError(
             f"seed {kinds[True]} ran with Python bytecode in its site and seed {kinds[False]} without "
             "(p_clock.json bytecode): launches differ by seconds a process, so they are not pooled; one table each"
+        )
+    codes = {r.get("code", ""): r["seed"] for r in rows}
+    if len(codes) > 1:
+        (a, sa), (b, sb) = list(codes.items())[:2]
+        raise ValueError(
+            f"seeds {sa} and {sb} ran different parley code (p_clock.json code {a or 'unrecorded'!r} and "
+            f"{b or 'unrecorded'!r}): a speed claim is one version's; one table each"
         )
     arms: dict[str, int] = {}
     for r in rows:  # parley's settings, in any order: one arm a table

@@ -380,3 +380,27 @@ def test_the_eval_free_figure_takes_each_sides_eval_work_off_its_training_path(t
     assert row["ratio"] == 1.5
     st = peer_compare.target_stats([row])["eval_free"]
     assert st == {"seeds_counted": 1, "median_ratio_at_least": 1.1615, "median_ratio_at_most": 1.1615}
+
+
+def test_seeds_of_different_parley_code_are_not_pooled(tmp_path, capsys):
+    """A speed claim is one version's: a call records a digest of parley's sources (p_clock.json code),
+    and seeds of two digests, or of one and a call from before digests, are two tables."""
+
+    def with_code(out: Path, code: str | None) -> Path:
+        clock = json.loads((out / "p_clock.json").read_text())
+        if code is not None:
+            clock["code"] = code
+        (out / "p_clock.json").write_text(json.dumps(clock))
+        return out
+
+    a = with_code(write_pair(tmp_path / "p_s1", seed=1, bytecode=True), "0a1b2c3d4e5f")
+    b = with_code(write_pair(tmp_path / "p_s2", seed=2, bytecode=True), "0a1b2c3d4e5f")
+    c = with_code(write_pair(tmp_path / "p_s3", seed=3, bytecode=True), "ffffffffffff")
+    old = with_code(write_pair(tmp_path / "p_s4", seed=4, bytecode=True), None)
+    assert peer_compare.main(["--target", "--over", str(a), str(b)]) == 0
+    capsys.readouterr()
+    for other, text in ((c, "'ffffffffffff'"), (old, "'unrecorded'")):
+        with pytest.raises(SystemExit):
+            peer_compare.main(["--target", "--over", str(a), str(other)])
+        err = capsys.readouterr().err
+        assert "ran different parley code" in err and text in err

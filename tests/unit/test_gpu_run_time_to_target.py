@@ -59,6 +59,8 @@ def test_part_tt_runs_one_seed_of_parley_then_trl_at_its_best_and_packs_it(tmp_p
     compiled = next(i for i, c in enumerate(calls) if c.startswith("-m|compileall|"))
     assert compiled < min(i for i, c in enumerate(calls) if "parley.deploy.cli|up|" in c or "bench/peer_trl.py" in c)
     assert clock["bytecode"] is False
+    # and which code parley ran: a digest of the package's sources (the device's copy has no .git)
+    assert len(clock["code"]) == 12 and int(clock["code"], 16) >= 0
 
 
 def test_part_tt_alternates_which_side_runs_first_by_seed(tmp_path):
