@@ -63,6 +63,9 @@ class Measured(msgspec.Struct, frozen=True, kw_only=True):
     gpu: str  # the GPU's model name (nvidia-smi), e.g. "NVIDIA H100 80GB HBM3"
     run_dir: str
     measured: str  # UTC, when the run ended
+    # of the groups that came back in time over the window, the share trained rather than skipped for
+    # equal rewards (signal_share); None for a record from before it was kept
+    signal_share: float | None = None
 
     def figure(self) -> str:
         return f"{self.mode} {self.tokens_per_s:,.0f} trained tokens/s ({self.run_dir}, steps 2..{self.steps}, {self.measured})"
@@ -152,6 +155,13 @@ def _auto(f: Facts) -> Decision:
         return Decision("phased", _phased_line(f.sleep_level, why) + f.evidence_note)
     if phased is not None and over is not None:
         measured = f"measured on {f.gpu}: {phased.figure()} against {over.figure()}"
+        if not comparable(phased, over):
+            return overlapped(
+                f"; not compared: the {phased.mode} run trained {phased.signal_share:.0%} of its groups back in "
+                f"time, the {over.mode} run {over.signal_share:.0%} (the rest had equal rewards): they were at "
+                f"different stages of learning, which moves trained tokens/s more than sharing does ({measured}); "
+                f'run both again over the same steps to compare, or set gpu_share = "phased"'
+            )
         if phased.tokens_per_s > over.tokens_per_s:
             return Decision("phased", _phased_line(f.sleep_level, f'gpu_share = "auto", faster {measured}'))
         return overlapped(f"; not phased, slower {measured}")
@@ -264,6 +274,34 @@ def steady(rows: list[dict]) -> tuple[float, int] | None:
     return sum(r["trained_tokens"] for r in steps[1:]) / span, len(steps)
 
 
+def signal_share(rows: list[dict]) -> float | None:
+    """Of the groups that came back in time between the first step's end and the last's, the share
+    trained; the rest had equal rewards and were skipped (the learner's cumulative `groups` counts in
+    metrics.jsonl). It falls as the policy masters its task: trained tokens/s then falls with it
+    whatever the sharing (SmolLM2 hidden_goal on an H100, 2026-12-07: 0.07 in a run that learned in 50
+    steps and went on to 112, against 0.38-0.82 in the others). None where the rows do not say."""
+    counted = sorted((r for r in rows if isinstance(r.get("groups"), dict)), key=lambda r: r.get("step", 0))
+    if len(counted) < 2:
+        return None
+    first, last = counted[0]["groups"], counted[-1]["groups"]
+    trained = last.get("trained", 0) - first.get("trained", 0)
+    equal = last.get("zero_advantage", 0) - first.get("zero_advantage", 0)
+    return round(trained / (trained + equal), 3) if trained + equal > 0 else None
+
+
+# Two runs whose signal shares differ by more than this factor were at different stages of learning:
+# their trained tokens/s say more about that than about their sharing, so "auto" does not compare them
+COMPARABLE_SIGNAL = 2.0
+
+
+def comparable(a: Measured, b: Measured) -> bool:
+    """Whether two runs' trained tokens/s may be compared (COMPARABLE_SIGNAL); a record without its share says nothing against it."""
+    if a.signal_share is None or b.signal_share is None:
+        return True
+    low, high = sorted((a.signal_share, b.signal_share))
+    return high <= COMPARABLE_SIGNAL * low
+
+
 def record(key: str, mode: str, gpu: str, run_dir: Path, rows: list[dict], path: Path | None = None) -> Measured | None:
     """Keep what this run measured (None where it has no steady window) as the latest of its sharing
     for its fingerprint on this GPU model. A file that cannot be read is set aside (.bad), not lost."""
@@ -278,6 +316,7 @@ def record(key: str, mode: str, gpu: str, run_dir: Path, rows: list[dict], path:
         gpu=gpu,
         run_dir=str(run_dir),
         measured=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        signal_share=signal_share(rows),
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:  # two runs ending at once

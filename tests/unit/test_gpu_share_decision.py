@@ -280,3 +280,41 @@ def test_the_gpus_name_is_asked_beside_the_plans_question_to_the_driver(monkeypa
     assert facts.gpu == GPU and facts.fit is not None  # both answers were used
     (a0, a1), (b0, b1) = spans["name"], spans["total"]
     assert a0 < b1 and b0 < a1  # each asked while the other was waiting: side by side, not one after the other
+
+
+def test_runs_at_different_stages_of_learning_are_not_compared():
+    """A run whose groups stopped carrying signal (the policy has its task: equal rewards, skipped) steps
+    slower whatever the sharing: SmolLM2 on an H100, 2026-12-07, recorded mps at 314 trained tokens/s
+    in such a run against 891-1,394 in the others. Two runs whose signal shares differ more than twice
+    are not compared; "auto" keeps the usual sharing and says why."""
+
+    def share(mode: str, tokens: float, signal: float | None) -> Measured:
+        return Measured(
+            mode=mode, tokens_per_s=tokens, steps=120, gpu=GPU, run_dir=f"runs/{mode}", measured="2026-12-07 14:24 UTC",
+            signal_share=signal,
+        )  # fmt: skip
+
+    saturated_mps = share("mps", 314.0, 0.07)
+    d = decide(auto(mps_binary=MPS, gpu=GPU, evidence=(share("phased", 900.0, 0.40), saturated_mps)))
+    assert d.mode == "mps" and "not compared: the phased run trained 40% of its groups" in d.line, d.line
+    assert "the mps run 7%" in d.line and 'set gpu_share = "phased"' in d.line
+    # within a factor of two they are compared as before: 0.40 against 0.80 is the limit
+    d = decide(auto(mps_binary=MPS, gpu=GPU, evidence=(share("phased", 900.0, 0.40), share("mps", 800.0, 0.80))))
+    assert d.mode == "phased"
+    d = decide(auto(mps_binary=MPS, gpu=GPU, evidence=(share("phased", 900.0, 0.39), share("mps", 800.0, 0.80))))
+    assert d.mode == "mps" and "not compared" in d.line
+    # a record from before the share was kept says nothing against comparing
+    assert (
+        decide(auto(mps_binary=MPS, gpu=GPU, evidence=(share("phased", 900.0, None), saturated_mps))).mode == "phased"
+    )
+
+
+def test_the_signal_share_is_read_from_the_learners_group_counts_over_the_window():
+    rows = [
+        {"step": 1, "groups": {"trained": 1, "stale": 0, "zero_advantage": 0}},
+        {"step": 50, "groups": {"trained": 50, "stale": 30, "zero_advantage": 40}},
+        {"step": 112, "groups": {"trained": 112, "stale": 43, "zero_advantage": 1404}},
+    ]
+    # from step 1's counts to the last: 111 trained, 1404 equal rewards (stale ones came back too late to count)
+    assert gpu_share.signal_share(rows) == round(111 / 1515, 3) == 0.073
+    assert gpu_share.signal_share(rows[:1]) is None and gpu_share.signal_share([{"step": 1}, {"step": 2}]) is None
