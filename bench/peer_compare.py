@@ -931,8 +931,9 @@ def ratio_bounds(row: dict) -> tuple[float, float] | None:
 
 def launch_stats(rows: list[dict]) -> dict:
     """Issue 56's launch goal over paired seeds: launch to the end of step 1, each side's median and the
-    median of parley - TRL over the seeds where both sides have it (the goal: <= 0, parley no slower),
-    and in how many of them parley was no slower. Empty where no seed has both."""
+    median of parley - TRL over the seeds where both sides have it (the goal: <= 0, parley no slower,
+    over at least MIN_PAIRS seeds), and in how many of them parley was no slower. Empty where no seed
+    has both."""
     pairs = [
         (r["parley"].get("launch_to_step1_s"), r["trl"].get("launch_to_step1_s"))
         for r in rows
@@ -948,7 +949,7 @@ def launch_stats(rows: list[dict]) -> dict:
             "trl_median": _finite(median([q for _, q in pairs])),
             "paired_difference_median": _finite(diff),
             "parley_no_slower_in": sum(p <= q for p, q in pairs),
-            "goal_met": diff <= 0,
+            "goal_met": len(pairs) >= MIN_PAIRS and diff <= 0,
         }
     }
 

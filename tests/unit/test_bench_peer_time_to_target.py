@@ -216,6 +216,8 @@ def test_the_launch_goal_is_the_median_paired_difference_to_step_one():
         False,
     )
     assert "launch_to_step1_s" not in peer_compare.target_stats([launch(None, 40.0)])
+    # faster in four seeds is too few, as for the headline
+    assert peer_compare.target_stats(rows[1:])["launch_to_step1_s"]["goal_met"] is False
 
 
 def test_a_seed_where_one_side_never_reached_the_target_counts_for_the_other():
