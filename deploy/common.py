@@ -200,16 +200,23 @@ def run_main(entry, *args) -> None:
 
 
 IdOpt = Annotated[
-    str | None, typer.Option("--id", help="Replica id in heartbeats and logs (default: <role>-<host>-<pid>).")
+    str | None,
+    typer.Option(
+        "--id", help="Replica id in heartbeats and logs (default: <role>-<host>-<pid>-<4 random hex digits>)."
+    ),
 ]
 
 
 def default_id(role: str) -> str:
-    """A replica's id when --id is not given: unique across the hosts of a run."""
+    """A replica's id when --id is not given: unique across the hosts of a run. The host and pid alone
+    are not: containers that share the node's host name (host networking) each run their command as a
+    low pid, often 1, so two replicas on one node had one id in heartbeats and in the samples they
+    recorded. A few random digits set them apart."""
     import os
+    import secrets
     import socket
 
-    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
 def launch(
