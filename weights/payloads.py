@@ -412,14 +412,15 @@ class _Gpu(Payload):
 
 class GpuWeights(_Gpu):
     async def eval_copy(self, w: Weights, version: int) -> Callable[[], object]:
-        """The weights travel in GPU buffers, so a file is written only for the eval: the CPU copy now,
-        the file (write_for_eval's, 0.45 s of a SmolLM2 step's end on an H100, 2026-12-07) behind."""
+        """The weights travel in GPU buffers, so a file is written only for the eval (the periodic eval's
+        export reads the weights directory, also where no buffer was free for the version): the CPU copy
+        now, the file (0.45 s of a SmolLM2 step's end on an H100, 2026-12-07) behind."""
         snap = await asyncio.to_thread(w.source.weights_snapshot)
         return partial(w.write_eval_copy, snap, version)
 
     async def publish(self, w: Weights, version: int, write_now: bool) -> bool:
-        if write_now:  # the eval's export reads the weights directory: a GPU buffer is no file
-            await w.write_for_eval(version)
+        if write_now:  # the eval's copy written now, on the caller's path
+            await asyncio.to_thread(await self.eval_copy(w, version))
         w.held = None  # this version's weights replace any skipped one's
         if not await self.submit(w, version):  # every buffer still held: retry_held packs it later
             w.publisher.counters["skipped_held"] += 1

@@ -213,13 +213,6 @@ class Weights:
             await asyncio.sleep(min(max(wait or 0.0, 0.01), left, 1.0))
         return True
 
-    async def write_for_eval(self, version: int) -> None:
-        """A GPU payload: write `version` to its weights directory as the file payloads do, for the
-        periodic eval's export (evaluation.periodic, learner.checkpoint.export_version), also when
-        no buffer was free for it; the oldest are pruned as the file payloads' are."""
-        snap = await asyncio.to_thread(self.source.weights_snapshot)
-        await asyncio.to_thread(self.write_eval_copy, snap, version)
-
     async def eval_copy(self, version: int) -> Callable[[], object] | None:
         """`version`'s copy for the eval that exports it next, taken now, with the call that writes its
         files behind training (payloads.Payload.eval_copy); None where `publish(write_now=True)` writes
@@ -227,7 +220,8 @@ class Weights:
         return await self.payload.eval_copy(self, version)
 
     def write_eval_copy(self, snap, version: int) -> None:
-        """Write a GPU payload's copy of `version` (a WeightSnapshot) to its weights directory, the oldest pruned."""
+        """Write a GPU payload's copy of `version` (a WeightSnapshot) to its weights directory, as the file
+        payloads do, for the eval's export (learner.checkpoint.export_version); the oldest are pruned."""
         snap.write(self.version_dir(version))
         self.prune()
 
