@@ -330,17 +330,14 @@ class PeriodicEval:
         try:
             try:
                 await asyncio.to_thread(write)
+                model = await self._export(version)  # None: failed, recorded by _export
             except Exception as e:  # noqa: BLE001 - the version goes unevaluated, training goes on
                 log.error(
-                    "eval: version %d not queued, its weights were not written: %s: %s", version, type(e).__name__, e
+                    "eval: version %d not queued, its weights not written or exported: %s: %s",
+                    version,
+                    type(e).__name__,
+                    e,
                 )
-                self.outcomes.append(EvalOutcome(version, ok=False, error=f"export: {type(e).__name__}: {e}"))
-                mark.unlink(missing_ok=True)
-                return
-            try:
-                model = await self._export(version)
-            except Exception as e:  # noqa: BLE001 - e.g. CorruptWeights; _export records OSError itself
-                log.error("eval: version %d not queued, its export failed: %s: %s", version, type(e).__name__, e)
                 self.outcomes.append(EvalOutcome(version, ok=False, error=f"export: {type(e).__name__}: {e}"))
                 model = None
             mark.unlink(missing_ok=True)  # exported (models/v<N> is whole), or failed and recorded

@@ -52,7 +52,6 @@ class Reconnects:
 
     def __init__(self) -> None:
         self._waiting: set[asyncio.Future] = set()
-        self.count = 0
 
     def next(self) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
@@ -61,10 +60,9 @@ class Reconnects:
         return fut
 
     def fire(self) -> None:
-        self.count += 1
         for fut in list(self._waiting):
             if not fut.done():
-                fut.set_result(self.count)
+                fut.set_result(None)
 
 
 _RECONNECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
