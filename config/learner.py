@@ -127,6 +127,13 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # clips nothing (TRL's and verl's "truncated importance sampling").
     behaviour_correction: Literal["clip", "truncated_is"] = "clip"
     is_cap: Annotated[float, Meta(ge=1.0)] = 3.0
+    # A step whose mean |learner - behaviour| token log-prob (its logp_mismatch) exceeds this many nats
+    # is flagged: one warning line in the learner's log, "behaviour_gap": true in metrics.jsonl and
+    # train.behaviour_gap in the live view. The actor then sampled from a model other than the one the
+    # learner trains (an engine setting that computes it differently, weights not applied). Lag and
+    # bf16 stay far below it: on an H100 (2026-12-07, SmolLM2, hidden_goal) every step of a healthy run
+    # was <= 0.52, while an engine that was wrong gave 1.6-3.8 on a fifth to two fifths of its steps.
+    behaviour_gap_alarm: Annotated[float, Meta(ge=0.0, description="nats; 0 = off")] = 1.0
     loss_agg: LossAgg = "token-mean"
     scale_advantages: bool = True  # divide by the group std
     # Which group std: "sample" (n - 1, verl's and TRL's GRPO) or "population" (n; parley before

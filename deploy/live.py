@@ -132,6 +132,12 @@ def render(snap: Snapshot, run: str, title: str = ""):
     judge_rows, flagged = judge_reliability(snap)
     for k, v in judge_rows:
         progress.add_row(k, v)
+    if learner and learner.counters.get("train.behaviour_gap"):
+        flagged.append(
+            f"BEHAVIOUR GAP: the last step's behaviour log-probs were "
+            f"{_fmt(learner.counters.get('train.logp_mismatch', float('nan')))} nats a token from the learner's "
+            "([learner] behaviour_gap_alarm): the learner's log says what to check"
+        )
     if flagged:
         progress.caption = "\n".join(flagged)
     return Group(roles, streams, progress)

@@ -274,9 +274,13 @@ class Stepper:
         totals = [s.total for g in groups for s in g]
         hist = Counter(str(t.staleness) for t in taken)
         mean = sum(totals) / len(totals)
+        gap = behaviour_gap(stats, self.lc.behaviour_gap_alarm)
+        if gap:
+            log.warning("step %d: %s", self.state.step, gap)
         return {
             "version": self.state.step,
             **stats,
+            **({"behaviour_gap": True} if gap else {}),
             "reward_mean": mean,
             "reward_std": (sum((x - mean) ** 2 for x in totals) / len(totals)) ** 0.5,
             "reward_terms": {
@@ -309,6 +313,19 @@ class Stepper:
         }
 
 
+def behaviour_gap(stats: dict, alarm: float) -> str | None:
+    """Why a step's behaviour log-probs cannot be the trained model's ([learner] behaviour_gap_alarm),
+    or None: its logp_mismatch (mean |learner - behaviour| over trained tokens) above `alarm` nats."""
+    gap = stats.get("logp_mismatch")
+    if not alarm or gap is None or not gap > alarm:
+        return None
+    return (
+        f"the actor's behaviour log-probs differ from the learner's by {gap:.2f} nats a token on average "
+        f"(behaviour_gap_alarm {alarm:g}): the actor sampled from another model than the one trained; check "
+        "the actor engine's settings (kv_cache_dtype, its vLLM compilation) and that its weight updates apply"
+    )
+
+
 def stale_prefix(groups) -> dict[str, float]:
     """Of a step's trained turns, the share generated over a stale prefix (AssistantTurn.stale_prefix_tokens
     > 0: KV older weights computed, taken from the prefix cache) and those tokens' share of the turns' prompts."""
@@ -336,6 +353,7 @@ TRAIN_LIVE = {
     "wait_s": "wait_s",
     "publish_s": "publish_s",
     "checkpoint_s": "checkpoint_s",
+    "logp_mismatch": "logp_mismatch",
 }
 
 
@@ -378,6 +396,8 @@ def live_counters(metrics: dict) -> dict[str, float]:
         out[f"reward.{term}.group_std"] = float(st["within_group_std"])
     for term in metrics.get("no_signal_terms") or []:
         out[f"reward.{term}.NO_SIGNAL"] = 1.0
+    if metrics.get("behaviour_gap"):
+        out["train.behaviour_gap"] = 1.0
     hist = metrics.get("staleness_hist") or {}
     if hist:
         n = sum(hist.values())

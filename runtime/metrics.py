@@ -272,6 +272,18 @@ FAMILIES: tuple[Family, ...] = (
     _f("parley_learner_loss", r"train\.loss", "Loss of the last step.", "learner"),
     _f("parley_learner_kl", r"train\.kl", "Mean KL to the reference in the last step.", "learner"),
     _f("parley_learner_grad_norm", r"train\.grad_norm", "Gradient norm of the last step.", "learner"),
+    _f(
+        "parley_learner_logp_mismatch",
+        r"train\.logp_mismatch",
+        "Last step's mean |learner - behaviour| token log-prob (nats).",
+        "learner",
+    ),
+    _f(
+        "parley_learner_behaviour_gap",
+        r"train\.behaviour_gap",
+        "1 when the last step's logp_mismatch exceeded [learner] behaviour_gap_alarm.",
+        "learner",
+    ),
     _f("parley_learner_checkpoint_seconds", r"train\.checkpoint_s", "Seconds the last checkpoint took.", "learner"),
     _f(
         "parley_learner_weights_publish_seconds",

@@ -11,6 +11,7 @@ from parley.config.learner import LearnerConfig
 from parley.learner.grpo import group_advantages
 from parley.learner.packing import Sample
 from parley.learner.steplog import PHASES
+from parley.learner.stepper import behaviour_gap
 from parley.learner.trainer import Trainer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -76,6 +77,7 @@ def test_one_step_changes_every_parameter_and_weights_round_trip(tiny_model, tmp
     assert stats["micro_batches"] == 4  # 8 x 22 tokens at a 64-token budget: two per micro-batch
     assert stats["grad_norm"] == pytest.approx(whole_batch_grad_norm(tiny_model, batch), rel=1e-4)
     assert stats["logp_mismatch"] < 1e-4  # on-policy: the learner sees what the sampler saw
+    assert behaviour_gap(stats, LearnerConfig().behaviour_gap_alarm) is None
     # where train_s went: every phase took time, and together they are the step less its sharding and packing
     phases = [stats[k] for k in PHASES]
     assert all(v > 0 for v in phases[:4]) and stats["release_s"] >= 0, dict(zip(PHASES, phases))
@@ -88,6 +90,18 @@ def test_one_step_changes_every_parameter_and_weights_round_trip(tiny_model, tmp
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, trainer.module(input_ids=ids).logits)
+
+
+def test_behaviour_log_probs_of_another_model_are_measured_and_flagged(tiny_model):
+    """What an actor engine that computes the model wrongly records (here: every token's log-prob 3 nats
+    off) is the step's logp_mismatch, and [learner] behaviour_gap_alarm's default flags it."""
+    trainer = Trainer(LearnerConfig(zero_stage=0, lr=1e-3, kl_coef=0.0, micro_batch_tokens=64), tiny_model)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 2000, (PROMPT,), generator=gen).tolist() for _ in range(2)]
+    ids, lps = sample(trainer.module, prompts, 4, gen)
+    stats = trainer.train_step(samples_for(ids, lps - 3.0, torch.rand(2, 4, generator=gen)))
+    assert stats["logp_mismatch"] == pytest.approx(3.0, abs=1e-3)
+    assert "by 3.00 nats" in behaviour_gap(stats, LearnerConfig().behaviour_gap_alarm)
 
 
 def test_zero3_accumulates_exactly_and_exports(tiny_model, tmp_path):

@@ -14,20 +14,17 @@ from tests.unit.test_gpu_run_time_to_target import _run_part
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_part_s_runs_the_sleep_tests_then_the_merged_ones_then_the_compile_one_and_names_the_card(tmp_path):
+def test_part_s_runs_the_sleep_tests_then_the_merged_ones_and_names_the_card(tmp_path):
     res, calls, out = _run_part(tmp_path, "S")
     assert res.returncode == 0, res.stderr
     assert "import vllm" in calls[0]  # the versions, beside the card, in gpu.log
-    sleep, merged, compile_ = (c.split("|") for c in calls[1:])
+    sleep, merged = (c.split("|") for c in calls[1:])
     assert sleep[:2] == ["-m", "pytest"] and "tests/e2e/test_engine_sleep.py" in sleep
     assert sleep[sleep.index("-m", 1) + 1] == "gpu"
     assert "tests/e2e/test_cuda_ipc.py" in merged and merged[merged.index("-k") + 1] == "merged"
-    # the engine without torch.compile (TORCH_COMPILE=0 of part TT), its GPU test only
-    assert "tests/e2e/test_engine_compile.py" in compile_ and compile_[compile_.index("-m", 1) + 1] == "gpu"
     assert "H100" in (out / "gpu.log").read_text()
-    assert {p.name for p in out.iterdir()} >= {"gpu.log", "sleep.log", "merged.log", "compile.log"}
+    assert {p.name for p in out.iterdir()} >= {"gpu.log", "sleep.log", "merged.log"}
     assert "[gpu_run] sleep: rc=0" in res.stdout and "[gpu_run] merged: rc=0" in res.stdout
-    assert "[gpu_run] compile: rc=0" in res.stdout
 
 
 def test_the_sleep_test_file_is_gpu_marked_and_skips_here():
