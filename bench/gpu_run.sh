@@ -236,9 +236,6 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     # their engine core, "fork" or "spawn" (actor.engine.start_method, docs/gpu.md); one of parley's
     # settings, so p_clock.json's parley_sets records it and TRL's run does not see it
     if [ -n "${START_METHOD:-}" ]; then PARLEY_SETS="${PARLEY_SETS:-} actor.engine.start_method=\"$START_METHOD\""; fi
-    # TORCH_COMPILE=0 (issue 56; default: vLLM's torch.compile): parley's actor and eval engines with full
-    # CUDA graphs and no torch.compile (actor.engine.torch_compile=false), recorded in parley_sets too
-    if [ "${TORCH_COMPILE:-1}" = 0 ]; then PARLEY_SETS="${PARLEY_SETS:-} actor.engine.torch_compile=false"; fi
     # START_STACKS_S (issue 56; default empty: off): every N seconds while one of parley's engines starts,
     # its process's Python stacks in its log (PARLEY_START_STACKS_S, engines.engine.start_stacks), to see
     # where a slow start waits (2026-12-07: 32 s before vLLM resolved the model); the actor's whole log and
@@ -512,8 +509,7 @@ TT)
     # whose policy has its task steps slowly after, so 230 s let one seed's call take 399 s; 170 s keeps a
     # lease at five seeds). START_METHOD (fork | spawn; default fork, as every seed of
     # 2026-12-07; START_METHOD= leaves the environment's) adds actor.engine.start_method to parley's
-    # settings: `START_METHOD=spawn SEED=3 bash bench/gpu_run.sh TT`; TORCH_COMPILE=0 adds
-    # actor.engine.torch_compile=false (part P)
+    # settings: `START_METHOD=spawn SEED=3 bash bench/gpu_run.sh TT`
     # against a seed without it compares launch to step 1 with and without the engine core's second
     # import of torch and vLLM. Leaves $OUT/p_s<SEED>.tgz; then, over every seed's file:
     #     python bench/peer_compare.py --target --over p_s0.tgz p_s1.tgz ... --json time_to_target.json
@@ -562,8 +558,7 @@ TT4)
 S)
     # issue 56: the correctness checks a phased (up.gpu_share = "phased") or merged-LoRA ([learner.lora]
     # serve = "merged") throughput run rests on, in one short call before it: a broken sleep/wake shows
-    # here in minutes, not at the end of a 7-minute run; and the engine without torch.compile before
-    # TORCH_COMPILE=0 seeds. Writes $OUT/gpu.log, sleep.log, merged.log, compile.log.
+    # here in minutes, not at the end of a 7-minute run. Writes $OUT/gpu.log, sleep.log, merged.log.
     {
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
         python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
@@ -573,9 +568,6 @@ S)
         -m gpu tests/e2e/test_engine_sleep.py
     TRITON_F32_DEFAULT=ieee step merged "${MERGED_LIMIT_S:-240}" python3 -m pytest -q -s -p no:cacheprovider -rs \
         -m gpu tests/e2e/test_cuda_ipc.py -k merged
-    # [*.engine] torch_compile = false (TORCH_COMPILE=0 of part TT): the eager engine's tokens, also after a reload
-    TRITON_F32_DEFAULT=ieee step compile "${COMPILE_LIMIT_S:-200}" python3 -m pytest -q -s -p no:cacheprovider -rs \
-        -m gpu tests/e2e/test_engine_compile.py
     ;;
 M)
     # issue 26 item 1: does the image offer CUDA MPS, and does part PS (or MPS_PART) run faster under it?

@@ -8,6 +8,11 @@ machine (docs/gpu.md has the command); nothing in parley imports this file.
 
     python3 bench/logprob_gpu.py --model /tmp/m4b --build 4b --json $OUT/logprob_gpu.json
     python3 bench/logprob_gpu.py --model /tmp/m4b --kv-cache-dtype fp8 --json $OUT/logprob_gpu_fp8.json  # fp8 KV
+    python3 bench/logprob_gpu.py --model smol --no-torch-compile --json $OUT/logprob_nocompile.json
+    python3 bench/logprob_gpu.py --model smol --no-torch-compile --cudagraph-mode FULL_DECODE_ONLY
+
+The prompts (--n of them, --plen tokens each) go in at once, more tokens than one step's budget, so
+vLLM's chunked prefill mixes prefill and decode in its steps, as the actor's do.
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ async def sample(args, prompts):
         enforce_eager=args.eager,
         json_compact=False,
         kv_cache_dtype=args.kv_cache_dtype,
+        # vLLM's compilation mode NONE (0) with CUDA graphs of the given kind (FULL: of mixed prefill and
+        # decode steps too where the attention backend replays them; FULL_DECODE_ONLY: decode steps)
+        extra={"compilation_config": {"mode": 0, "cudagraph_mode": args.cudagraph_mode}}
+        if args.no_torch_compile
+        else {},
     )
     t0 = time.perf_counter()
     engine = PolicyEngine(settings)
@@ -98,14 +108,17 @@ def main(args) -> dict:
     import torch
 
     from bench.common import random_qwen3
+    from parley.engines.models import ensure_model
     from parley.learner.packing import Sample
 
     if args.build:
         t0 = time.perf_counter()
         random_qwen3(args.build, args.model)
         print(f"[logprob] built {args.build} checkpoint in {args.model} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    args.model = str(ensure_model(args.model))
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(10, 150000, size=args.plen).tolist() for _ in range(args.n)]
+    prompts = [rng.integers(10, vocab - 10, size=args.plen).tolist() for _ in range(args.n)]
     outs, start = asyncio.run(sample(args, prompts))
     behaviour = torch.tensor([lp for o in outs for lp in o.logprobs], dtype=torch.float64)
     samples = []
@@ -117,9 +130,11 @@ def main(args) -> dict:
         "samples": len(samples),
         "engine_start_s": start,
         "eager": args.eager,
+        "torch_compile": not args.no_torch_compile,
+        "cudagraph_mode": args.cudagraph_mode if args.no_torch_compile else None,
         "kv_cache_dtype": args.kv_cache_dtype,
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     }
     try:
         import vllm
@@ -162,7 +177,7 @@ def table(r: dict) -> str:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint directory (built there with --build)")
+    p.add_argument("--model", required=True, help="checkpoint directory (built there with --build), or tiny / smol")
     p.add_argument("--build", choices=["0.6b", "4b"], default=None, help="build a random Qwen3 of this shape first")
     p.add_argument("--n", type=int, default=64, help="sampled sequences")
     p.add_argument("--plen", type=int, default=128, help="prompt tokens")
@@ -172,6 +187,16 @@ if __name__ == "__main__":
     )
     p.add_argument("--gpu-mem", type=float, default=0.5)
     p.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs / torch.compile")
+    p.add_argument(
+        "--no-torch-compile",
+        action="store_true",
+        help="vLLM without torch.compile (compilation mode NONE), with --cudagraph-mode's CUDA graphs",
+    )
+    p.add_argument(
+        "--cudagraph-mode",
+        default="FULL",
+        help="with --no-torch-compile: vLLM's cudagraph_mode (FULL, FULL_DECODE_ONLY, ...)",
+    )
     p.add_argument(
         "--kv-cache-dtype",
         choices=get_args(KVCacheDtype),

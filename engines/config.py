@@ -37,14 +37,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tensor_parallel_size: int = 1
     seed: int = 0
     enforce_eager: bool = True
-    # With enforce_eager = false: true (vLLM's default) compiles the model with torch.compile (Inductor)
-    # and captures piecewise and full CUDA graphs; false compiles nothing and captures full CUDA graphs of
-    # the whole model over vLLM's own kernels (mixed prefill and decode steps too where the attention
-    # backend allows it, FlashAttention 3 on Hopper; else decode steps only), so the engine starts
-    # sooner: on a warm H100 SmolLM2's engine spent 7 s of a 16 s start in torch.compile with its cache
-    # warm (Dynamo's tracing 4.7 s, loading the compiled graphs 1.9 s), a cold one 16-19 s (docs/gpu.md).
-    # Steps larger than the captured sizes run eagerly.
-    torch_compile: bool = True
     template_kwargs: dict[str, bool | str | int] = {}  # chat-template options, e.g. {enable_thinking = false} for Qwen3
     # LoRA adapter versions ([learner.lora]): the highest adapter rank served (0 = no LoRA, whole weights)
     max_lora_rank: Annotated[int, Meta(ge=0)] = 0
@@ -76,14 +68,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Above the longest step the engine may take: a prefill of max_num_batched_tokens, a fresh engine's
     # first request (seconds on CPU), a new JSON schema's grammar.
     stall_timeout_s: Annotated[float, Meta(gt=0)] = 300.0
-
-    def __post_init__(self) -> None:
-        if not self.torch_compile and self.enforce_eager:
-            raise ValueError(
-                "torch_compile = false with enforce_eager = true: an eager engine compiles nothing and "
-                "captures no CUDA graphs already; set enforce_eager = false for CUDA graphs without "
-                "torch.compile, or leave torch_compile = true"
-            )
 
 
 class ServiceBackend(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -97,8 +97,6 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     seed: int = 0
     enforce_eager: bool = True
-    # with enforce_eager False: vLLM's torch.compile (True) or full CUDA graphs alone (EngineConfig.torch_compile)
-    torch_compile: bool = True
     # JSON-constrained output without optional whitespace (small models otherwise spend their
     # token budget on spaces and newlines). vLLM only offers this engine-wide, with the
     # xgrammar (or guidance) backend, so it pins backend="xgrammar".
@@ -360,11 +358,6 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         # adds parley_reload_weights to vLLM's workers (resolved by name in the workers)
         worker_extension_cls="parley.weights.worker.WorkerExtension",
     )
-    if not settings.enforce_eager and not settings.torch_compile:
-        # vLLM's compilation mode NONE (0); "FULL" asks for full graphs of mixed steps too, which vLLM
-        # narrows to decode steps (FULL_DECODE_ONLY, with a warning) where the attention backend cannot
-        # replay them (vllm/config/compilation.py, resolve_cudagraph_mode_and_sizes)
-        kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL"}
     if settings.kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_bytes)
     if settings.kv_cache_dtype != "auto":

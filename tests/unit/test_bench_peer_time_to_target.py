@@ -333,8 +333,8 @@ def test_seeds_with_and_without_bytecode_are_not_pooled(tmp_path, capsys):
 
 
 def test_seeds_of_parley_with_different_settings_are_not_pooled(tmp_path, capsys):
-    """A launch change is measured as its own arm (TORCH_COMPILE=0 adds actor.engine.torch_compile=false
-    to parley_sets): its seeds are not pooled with seeds of the settings before it."""
+    """A launch change is measured as its own arm (START_METHOD=spawn adds actor.engine.start_method to
+    parley_sets): its seeds are not pooled with seeds of the settings before it."""
 
     def with_sets(out: Path, sets: str) -> Path:
         clock = json.loads((out / "p_clock.json").read_text())
@@ -348,13 +348,15 @@ def test_seeds_of_parley_with_different_settings_are_not_pooled(tmp_path, capsys
         write_pair(tmp_path / "p_s2", seed=2, bytecode=True),
         'actor.engine.start_method="fork" learner.oversample_groups=2',
     )
-    c = with_sets(write_pair(tmp_path / "p_s3", seed=3, bytecode=True), base + " actor.engine.torch_compile=false")
+    c = with_sets(
+        write_pair(tmp_path / "p_s3", seed=3, bytecode=True), base + " actor.engine.prefix_cache_across_versions=true"
+    )
     assert peer_compare.main(["--target", "--over", str(a), str(b)]) == 0
     capsys.readouterr()
     with pytest.raises(SystemExit):
         peer_compare.main(["--target", "--over", str(a), str(b), str(c)])
     err = capsys.readouterr().err
-    assert "seeds 1 and 3 ran parley with different settings" in err and "torch_compile=false" in err
+    assert "seeds 1 and 3 ran parley with different settings" in err and "prefix_cache_across_versions=true" in err
 
 
 def test_the_eval_free_figure_takes_each_sides_eval_work_off_its_training_path(tmp_path):
