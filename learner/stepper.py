@@ -396,8 +396,8 @@ def live_counters(metrics: dict) -> dict[str, float]:
         out[f"reward.{term}.group_std"] = float(st["within_group_std"])
     for term in metrics.get("no_signal_terms") or []:
         out[f"reward.{term}.NO_SIGNAL"] = 1.0
-    if metrics.get("behaviour_gap"):
-        out["train.behaviour_gap"] = 1.0
+    if "logp_mismatch" in metrics:  # 0 or 1 on every step that measured it: a gauge that also falls back
+        out["train.behaviour_gap"] = float(bool(metrics.get("behaviour_gap")))
     hist = metrics.get("staleness_hist") or {}
     if hist:
         n = sum(hist.values())
