@@ -134,6 +134,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # bf16 stay far below it: on an H100 (2026-12-07, SmolLM2, hidden_goal) every step of a healthy run
     # was <= 0.52, while an engine that was wrong gave 1.6-3.8 on a fifth to two fifths of its steps.
     behaviour_gap_alarm: Annotated[float, Meta(ge=0.0, description="nats; 0 = off")] = 1.0
+    # After this many flagged steps of one learner process the learner stops with that reason (exit code
+    # 2, a config error, which `parley up` does not restart), once the last of them is durable: training
+    # on another model's samples does not learn (on the H100 the wrong engine's runs flagged their
+    # 10th step at steps 43 and 78 of 120, and never reached the target). 0 = warn only, never stop.
+    behaviour_gap_stop: Annotated[int, Meta(ge=0, description="0 = never")] = 10
     loss_agg: LossAgg = "token-mean"
     scale_advantages: bool = True  # divide by the group std
     # Which group std: "sample" (n - 1, verl's and TRL's GRPO) or "population" (n; parley before

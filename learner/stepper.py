@@ -12,6 +12,7 @@ import math
 import time
 from collections import Counter
 
+from parley.errors import ConfigError
 from parley.learner import checkpoint as ckpt
 from parley.learner import envrecord
 from parley.learner.feeder import Feeder
@@ -58,6 +59,7 @@ class Stepper:
         self.monitor = SignalMonitor()
         self.live: dict[str, float] = {}  # last step's reward terms, staleness and timings, for the heartbeat
         self.tokens_total = 0.0  # tokens trained on by this process (a counter for the metrics)
+        self.gap_steps = 0  # steps of this process flagged by [learner] behaviour_gap_alarm
 
     async def try_step(self) -> bool:
         st = self.state
@@ -193,7 +195,20 @@ class Stepper:
         )
         self.wait_since = time.monotonic()
         st.phase = "ready"
+        self.stop_on_gaps()
         return True
+
+    def stop_on_gaps(self) -> None:
+        """After a step that is durable (its lines, archive and ledger): ConfigError (exit code 2, which
+        `parley up` does not restart) once [learner] behaviour_gap_stop steps of this process were flagged."""
+        limit = self.lc.behaviour_gap_stop
+        if limit and self.gap_steps >= limit:
+            raise ConfigError(
+                f"{self.gap_steps} steps (the last: step {self.state.step}) had behaviour log-probs more than "
+                f"{self.lc.behaviour_gap_alarm:g} nats a token from the learner's ([learner] behaviour_gap_alarm): "
+                "the actors sample from another model than the one trained; fix the actor engine's settings or "
+                f"its weight updates, or set [learner] behaviour_gap_stop = 0 (now {limit}) to train on regardless"
+            )
 
     async def train(self, taken: list[Taken]) -> tuple[list[Taken], dict, list[Taken], dict, list[Taken]]:
         """Train the step's groups in `updates_per_step` optimizer updates, each on a mini-batch of whole
@@ -276,6 +291,7 @@ class Stepper:
         mean = sum(totals) / len(totals)
         gap = behaviour_gap(stats, self.lc.behaviour_gap_alarm)
         if gap:
+            self.gap_steps += 1
             log.warning("step %d: %s", self.state.step, gap)
         return {
             "version": self.state.step,

@@ -1,8 +1,9 @@
 """A step whose behaviour log-probs cannot be the trained model's is flagged ([learner]
 behaviour_gap_alarm): the learner's log warns once for it, metrics.jsonl marks it, and the heartbeat,
-Prometheus and the live view carry it. On an H100 (2026-12-07) an actor engine that computed the
-model wrongly gave steps 1.6-3.8 nats apart, which trained on in silence. The real Learner on a real
-nats-server, with a test-double trainer that reports such a gap on its second step."""
+Prometheus and the live view carry it; at [learner] behaviour_gap_stop flagged steps the learner stops
+with that reason (a config error: `parley up` does not restart it). On an H100 (2026-12-07) an actor
+engine that computed the model wrongly gave steps 1.6-3.8 nats apart, which trained on in silence.
+The real Learner on a real nats-server, with a test-double trainer that reports such gaps."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import logging
 import pytest
 
 from parley.deploy.live import Snapshot, render
+from parley.errors import ConfigError
 from parley.protocol import topology
 from parley.runtime import metrics
 from tests.integration.test_learner_fates import BUS, TrainerDouble, drive, make_cfg
+from tests.integration.test_learner_step_failure import run_once
 
 pytestmark = [pytest.mark.integration]
 
@@ -63,3 +66,18 @@ async def test_the_alarm_at_zero_is_off(js, nc, tmp_path, caplog):
     assert "behaviour_gap" not in json.loads((run_dir / "metrics.jsonl").read_text())
     assert not [r for r in caplog.records if "behaviour log-probs" in r.getMessage()]
     assert learner.heartbeat().counters["train.behaviour_gap"] == 0.0
+
+
+async def test_the_learner_stops_at_behaviour_gap_stop_flagged_steps_after_the_last_is_durable(js, nc, tmp_path):
+    run, run_dir = "gapstop", tmp_path / "run"
+    cfg = make_cfg(run, run_dir, steps=6, groups_per_step=1, max_staleness=1, behaviour_gap_stop=2)
+    await topology.ensure_topology(js, run, BUS)
+    ended = await run_once(js, nc, cfg, WrongEngineTrainerDouble([3.1, 0.2, 2.4, 0.1, 0.1, 0.1]), resume=False)
+    assert isinstance(ended, ConfigError) and ended.exit_code == 2
+    text = str(ended)
+    assert text.startswith("2 steps (the last: step 3) had behaviour log-probs more than 1 nats")
+    assert "behaviour_gap_stop = 0 (now 2)" in text and "\n" not in text
+    # the third step's lines were written before the stop
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("behaviour_gap", False) for r in rows] == [True, False, True]
+    assert len((run_dir / "trained.jsonl").read_text().splitlines()) == 3
