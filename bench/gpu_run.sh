@@ -303,7 +303,9 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
         # and where its start-up goes (vLLM's own timing lines: loading, torch.compile, CUDA graphs, engine init)
         # and, first, the actor's start-up lines up to its engine's first timing line (2026-12-05, a warm call:
         # the engine's init took 9 s of the actor's 70 s to ready, and the log kept nothing of the rest)
-        ACTOR_PAT='stored in|now serving|loaded in [0-9]|admitted at version|recompile|stopped after|turn cut after|simulator call cut after|Model loading took|torch.compile took|Graph capturing finished|init engine \(profile|warmup run took'
+        # vLLM 0.24 keeps torch.compile's result as an AOT artefact (VLLM_USE_AOT_COMPILE, on with torch >= 2.10):
+        # "Directly load AOT" on a start that reused it, "Compiling model again" or "saved AOT" on one that did not
+        ACTOR_PAT='stored in|now serving|loaded in [0-9]|admitted at version|recompile|stopped after|turn cut after|simulator call cut after|Model loading took|torch.compile took|Directly load AOT|Compiling model again|saved AOT|Graph capturing finished|init engine \(profile|warmup run took'
         { sed -n '1,/Model loading took/p' "$RUN"/logs/actor-0.log | head -n 150 | grep -v -E "$ACTOR_PAT"
           grep -H -E "$ACTOR_PAT" "$RUN"/logs/actor-*.log; } >"$OUT/parley_actor.log" 2>/dev/null  # -H: each actor's count
         grep -h -i 'recompile' "$RUN"/logs/learner.log | head -n 5 >>"$OUT/parley_steps.log" 2>/dev/null
