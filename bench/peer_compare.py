@@ -25,9 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python bench/peer_compare.py`
     sys.path.insert(0, str(ROOT))
-from parley.learner.steplog import PHASES  # noqa: E402
+from parley.config.learner import LearnerConfig  # noqa: E402
+from parley.learner.steplog import PHASES, behaviour_gap  # noqa: E402
 
 METRIC = "goal_match"
+GAP_ALARM = LearnerConfig().behaviour_gap_alarm  # nats: a step's logp_mismatch past it is flagged
 GOAL = 1.5  # issue 26: parley at least 1.5x TRL's trained tokens/s at equal or better held-out reward
 # the learner's end-of-step line (learner.stepper) under runtime.process's log format
 _STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?: step (\d+): loss")
@@ -269,6 +271,9 @@ def parley_side(out: Path, clock: dict, timed_by: str = "recorded", metric: str 
         ),
         "total_s": clock["parley_end"] - clock["parley_start"],
         "breakdown": breakdown,
+        # steps whose behaviour log-probs were far from the learner's ([learner] behaviour_gap_alarm's
+        # default, also for runs from before the learner flagged them): the actor sampled another model
+        "behaviour_gap_steps": [n for n, m in sorted(metrics.items()) if behaviour_gap(m, GAP_ALARM)],
         "startup": startup(up_log.read_text(errors="replace").splitlines() if up_log.exists() else []),
     }
 
@@ -817,6 +822,9 @@ def target_side(side: dict, target: float, metric: str, gpus: int = 1) -> dict:
         "generated_tokens_to_end": tokens_by(side.get("generated", []), end_s),
         "trained_tokens_per_s": st["trained_tokens_per_s"] if st else None,
         "launch_to_step1_s": st["first_step_end_s"] if st else None,
+        # parley: its steps flagged for a behaviour gap, and how many steps it recorded (TRL: none kept)
+        "behaviour_gap_steps": side.get("behaviour_gap_steps"),
+        "steps": len(side["steps"]),
         # the same two times from the target's (end's) training step, less the evals on the path (eval_free)
         "eval_free_time_to_target_s": eval_free(side, hit["version"]) if hit else None,
         "eval_free_end_s": eval_free(side, end["version"]) if end else None,
@@ -1118,6 +1126,15 @@ def render_targets(res: dict) -> str:
             f"eval-free (each side's target step, less the held-out eval work on its training path; not the "
             f"goal): median parley / TRL {ratio} over {free['seeds_counted']} seeds"
         )
+    for r in res["pairs"]:
+        flagged = r["parley"].get("behaviour_gap_steps")
+        if flagged:
+            lines.append(
+                f"seed {r['seed']}: {len(flagged)} of {r['parley']['steps']} parley steps had behaviour log-probs "
+                f"more than {GAP_ALARM:g} nats a token from the learner's (first at step {flagged[0]}): its actors "
+                "sampled another model than the one trained, so the seed does not measure parley's learning "
+                "([learner] behaviour_gap_alarm)"
+            )
     launch = res.get("launch_to_step1_s")
     if launch:
         lines.append(

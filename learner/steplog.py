@@ -25,6 +25,19 @@ TRAINED_FILE = "trained.jsonl"  # in the run directory; `parley trace` reads it 
 PHASES = ("forward_s", "backward_s", "readback_s", "optimizer_s", "release_s")
 
 
+def behaviour_gap(stats: dict, alarm: float) -> str | None:
+    """Why a step's behaviour log-probs cannot be the trained model's ([learner] behaviour_gap_alarm),
+    or None: its logp_mismatch (mean |learner - behaviour| over trained tokens) above `alarm` nats."""
+    gap = stats.get("logp_mismatch")
+    if not alarm or gap is None or not gap > alarm:
+        return None
+    return (
+        f"the actor's behaviour log-probs differ from the learner's by {gap:.2f} nats a token on average "
+        f"(behaviour_gap_alarm {alarm:g}): the actor sampled from another model than the one trained; check "
+        "the actor engine's settings (kv_cache_dtype, its vLLM compilation) and that its weight updates apply"
+    )
+
+
 def _flatten(prefix: str, value, out: dict[str, float]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():

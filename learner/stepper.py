@@ -19,7 +19,7 @@ from parley.learner.feeder import Feeder
 from parley.learner.groups import Grouper, Taken
 from parley.learner.intake import Intake
 from parley.learner.runstate import RunState
-from parley.learner.steplog import PHASES, StepLog
+from parley.learner.steplog import PHASES, StepLog, behaviour_gap
 from parley.learner.watchers import Evals
 from parley.protocol import codec, topology
 from parley.protocol.bus import dead_letter, retry_unreachable
@@ -327,19 +327,6 @@ class Stepper:
             "corrected": [t.group.task_id for t in taken if t.correct],
             "not_trained": {o.task_id: o.reason for o in self.state.since_step},
         }
-
-
-def behaviour_gap(stats: dict, alarm: float) -> str | None:
-    """Why a step's behaviour log-probs cannot be the trained model's ([learner] behaviour_gap_alarm),
-    or None: its logp_mismatch (mean |learner - behaviour| over trained tokens) above `alarm` nats."""
-    gap = stats.get("logp_mismatch")
-    if not alarm or gap is None or not gap > alarm:
-        return None
-    return (
-        f"the actor's behaviour log-probs differ from the learner's by {gap:.2f} nats a token on average "
-        f"(behaviour_gap_alarm {alarm:g}): the actor sampled from another model than the one trained; check "
-        "the actor engine's settings (kv_cache_dtype, its vLLM compilation) and that its weight updates apply"
-    )
 
 
 def stale_prefix(groups) -> dict[str, float]:

@@ -10,8 +10,7 @@ import torch
 from parley.config.learner import LearnerConfig
 from parley.learner.grpo import group_advantages
 from parley.learner.packing import Sample
-from parley.learner.steplog import PHASES
-from parley.learner.stepper import behaviour_gap
+from parley.learner.steplog import PHASES, behaviour_gap
 from parley.learner.trainer import Trainer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

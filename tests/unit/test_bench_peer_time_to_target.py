@@ -408,3 +408,23 @@ def test_seeds_of_different_parley_code_are_not_pooled(tmp_path, capsys):
             peer_compare.main(["--target", "--over", str(a), str(other)])
         err = capsys.readouterr().err
         assert "ran different parley code" in err and text in err
+
+
+def test_a_seed_whose_actors_sampled_another_model_is_named_under_the_table(tmp_path, capsys):
+    """Steps whose behaviour log-probs were far from the learner's (logp_mismatch above [learner]
+    behaviour_gap_alarm's default, as the 2026-12-07 engine without torch.compile gave: 2.9 nats) are
+    counted for each seed and named under the table, also for a run from before the learner flagged them."""
+    healthy = write_pair(tmp_path / "p_s1", seed=1, bytecode=True)
+    wrong = write_pair(tmp_path / "p_s2", seed=2, bytecode=True)
+    (wrong / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "trained_tokens": 100 * s, "logp_mismatch": gap}) + "\n"
+            for s, gap in ((1, 0.05), (2, 2.9), (3, 3.4))
+        )
+    )
+    assert peer_compare.main(["--target", "--over", str(healthy), str(wrong)]) == 0
+    text = capsys.readouterr().out
+    assert "seed 2: 2 of 3 parley steps had behaviour log-probs more than 1 nats" in text
+    assert "(first at step 2)" in text and "seed 1:" not in text
+    res = peer_compare.over_targets([healthy, wrong], None)
+    assert [r["parley"]["behaviour_gap_steps"] for r in res["pairs"]] == [[], [2, 3]]
