@@ -205,6 +205,8 @@ if __name__ == "__main__":
     )
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.cudagraph_mode != "FULL" and not a.no_torch_compile:
+        p.error(f"--cudagraph-mode {a.cudagraph_mode} is read with --no-torch-compile only: add it, or drop the mode")
     r = main(a)
     print(table(r))
     print(json.dumps({k: v for k, v in r.items() if not isinstance(v, dict)}))

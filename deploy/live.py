@@ -135,7 +135,7 @@ def render(snap: Snapshot, run: str, title: str = ""):
     if learner and learner.counters.get("train.behaviour_gap"):
         flagged.append(
             f"BEHAVIOUR GAP: the last step's behaviour log-probs were "
-            f"{_fmt(learner.counters.get('train.logp_mismatch', float('nan')))} nats a token from the learner's "
+            f"{_fmt(learner.counters['train.logp_mismatch'])} nats a token from the learner's "
             "([learner] behaviour_gap_alarm): the learner's log says what to check"
         )
     if flagged:
