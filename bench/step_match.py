@@ -422,7 +422,7 @@ def trl_side(args, batch: dict, micro: int, out: Path) -> None:
 
 
 def fmt(c: dict) -> str:
-    return f"cos {c['cos']:.6f}  |b|/|a| {c['ratio']:.6f}  max|a-b| {c['max_abs']:.3g}  |a-b|/|a| {c['rel']:.3g}"
+    return f"cos {c['cos']:.6f} (1-cos {1 - c['cos']:.2g})  |b|/|a| {c['ratio']:.6f}  max|a-b| {c['max_abs']:.3g}  |a-b|/|a| {c['rel']:.3g}"
 
 
 def summarize(p: dict, t: dict, max_norm: float, lr: float) -> dict[str, Any]:
@@ -521,12 +521,12 @@ def table(label: str, s: dict) -> str:
     )
     L.append(f"micro-batches      parley {s['micro_batches']['parley']:.0f}  trl {s['micro_batches']['trl']}")
     L.append(
-        f"grad  parley vs trl     {fmt(s['grad']['overall'])}  worst {s['grad']['worst']} cos {s['grad']['worst_cos']:.4f}"
+        f"grad  parley vs trl     {fmt(s['grad']['overall'])}  worst {s['grad']['worst']} 1-cos {1 - s['grad']['worst_cos']:.2g}"
     )
     L.append(f"grad  plain vs parley   {fmt(s['grad_parley_vs_plain']['overall'])}")
     L.append(f"grad  plain vs trl      {fmt(s['grad_trl_vs_plain']['overall'])}")
     L.append(
-        f"dθ    parley vs trl     {fmt(s['dtheta']['overall'])}  worst {s['dtheta']['worst']} cos {s['dtheta']['worst_cos']:.4f}"
+        f"dθ    parley vs trl     {fmt(s['dtheta']['overall'])}  worst {s['dtheta']['worst']} 1-cos {1 - s['dtheta']['worst_cos']:.2g}"
     )
     L.append(f"dθ    adam(g) vs parley {fmt(s['dtheta_parley_vs_adam_prediction'])}")
     L.append(f"dθ    adam(g) vs trl    {fmt(s['dtheta_trl_vs_adam_prediction'])}")
