@@ -1,9 +1,9 @@
 """One GRPO step of parley's learner beside one of TRL's GRPOTrainer, on the same batch from the same
 weights, on CPU: do the two optimizer steps agree?
 
-    python bench/step_match.py --json bench/results/raw/step_match.json       # tiny model, fp32, both sides
-    python bench/step_match.py --micro-batch-tokens 16384 64 --trl-micro-batch 8 2   # accumulation checked too
-    python bench/step_match.py --model smol --dtype bfloat16                  # SmolLM2, bf16 weights
+    python bench/step_match.py --json bench/results/raw/step_match_smol.json  # SmolLM2, fp32, ~6 min on 2 cores
+    python bench/step_match.py --micro-batch-tokens 64 --trl-micro-batch 2    # several micro-batches a side
+    python bench/step_match.py --dtype bfloat16                               # bf16 weights on both sides
 
 (PYTHONPATH: the repository, then a site with TRL 1.16 and datasets, after the venv's own packages.)
 
@@ -11,7 +11,9 @@ What it does.
 1. The batch: one group of rollout.n hidden_goal conversations played on CPU from the initial weights
    by parley's conversation loop (bench/peer_trl.py's Player on HFEngine: transformers' generate, fp32,
    the recipe's sampling), scored by parley's scorer. Tasks are the feeder's, in its order; the first
-   group whose rewards are not all equal is taken (--groups caps the tries). Written once (batch.pkl).
+   group whose rewards are not all equal is taken (--groups caps the tries). Written once per model
+   (WORK/batch-MODEL.pkl; --fresh plays it again). The random `tiny` model never reaches a goal, so all
+   its groups score alike (-0.15): --model smol (the default) is the one that gives a batch.
 2. parley: the real learner, learner.trainer.Trainer(LearnerConfig) on DeepSpeed (gloo, one process),
    with the recipe's [learner] (bench/peer_trl.load_recipe: hidden_goal's preset, behaviour_correction
    = "truncated_is") but dtype = --dtype and compile off; samples by learner.grpo.samples_of from the
@@ -553,12 +555,11 @@ def child(args, side: str, value: int, out: Path) -> None:
 def parse_args(argv=None):
     from bench.peer_trl import DEFAULT_CONFIG, DEFAULT_ENV
 
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0] + " Run: python bench/step_match.py [--model tiny|smol] [--json OUT]",
-        epilog="The whole description is this file's docstring (bench/step_match.py).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--model", default="tiny", help="tiny | smol | a checkpoint dir")
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p.add_argument("--model", default="smol", help="smol | tiny | a checkpoint dir")
     p.add_argument(
         "--dtype",
         choices=DTYPES,
