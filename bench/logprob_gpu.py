@@ -13,6 +13,16 @@ machine (docs/gpu.md has the command); nothing in parley imports this file.
 
 The prompts (--n of them, --plen tokens each) go in at once, more tokens than one step's budget, so
 vLLM's chunked prefill mixes prefill and decode in its steps, as the actor's do.
+
+--reload: the same after a weight swap in the running engine, as an actor's is between versions. The
+engine first samples the prompts on the weights it started with (graphs and caches exercised), then
+loads a perturbed copy of them in place (PolicyEngine.reload_weights: each weight times 1 + --noise x a
+standard normal, written beside the checkpoint) and samples again; the learner's log-probs are
+recomputed under the perturbed weights, and also under the original ones (`original_bf16_vs_vllm`): an
+engine that still samples from its old weights after the swap is nearer the original than the copy.
+
+    python3 bench/logprob_gpu.py --model smol --reload --json $OUT/logprob_reload.json
+    python3 bench/logprob_gpu.py --model smol --no-torch-compile --reload --json $OUT/logprob_nocompile_reload.json
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ def stats(d) -> dict:
     }
 
 
-async def sample(args, prompts):
+async def sample(args, prompts, reload_dir=None):
     from parley.engines.engine import EngineSettings, PolicyEngine
 
     settings = EngineSettings(
@@ -74,16 +84,47 @@ async def sample(args, prompts):
     t0 = time.perf_counter()
     engine = PolicyEngine(settings)
     start = time.perf_counter() - t0
-    try:
-        outs = await asyncio.gather(
+
+    async def play():
+        return await asyncio.gather(
             *[engine.generate(p, max_tokens=args.tokens, seed=i) for i, p in enumerate(prompts)]
         )
+
+    try:
+        outs = await play()
+        if reload_dir is not None:  # the swap an actor makes between versions, then the measured round
+            t1 = time.perf_counter()
+            await engine.reload_weights(reload_dir, version=1)
+            print(f"[logprob] loaded the perturbed weights in {time.perf_counter() - t1:.2f} s", flush=True)
+            outs = await play()
     finally:
         engine.shutdown()
     return outs, start
 
 
-def learner_logprobs(args, samples, dtype):
+def perturbed_copy(model_dir: str, dest: Path, noise: float, seed: int = 0) -> Path:
+    """A copy of checkpoint `model_dir` in `dest` with every floating-point weight w replaced by
+    w * (1 + noise * N(0, 1)) (bf16, as the engine serves it), tokenizer files alongside."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in model.state_dict().values():  # tied weights are one tensor: perturbed once
+            if t.is_floating_point():
+                t.mul_(1 + noise * torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    for f in Path(model_dir).iterdir():  # tokenizer and chat template: the engine reads them from here too
+        if f.is_file() and not (dest / f.name).exists() and f.suffix != ".safetensors":
+            shutil.copy2(f, dest / f.name)
+    return dest
+
+
+def learner_logprobs(args, samples, dtype, model_dir=None):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -91,7 +132,8 @@ def learner_logprobs(args, samples, dtype):
     from parley.learner.packing import build_batch, pack_by_tokens
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    model_dir = model_dir or args.model
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     out = [None] * len(samples)
     for group in pack_by_tokens([len(s.token_ids) for s in samples], args.budget):
         batch = build_batch([samples[i] for i in group], device)
@@ -119,7 +161,12 @@ def main(args) -> dict:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, vocab - 10, size=args.plen).tolist() for _ in range(args.n)]
-    outs, start = asyncio.run(sample(args, prompts))
+    reload_dir = None
+    if args.reload:
+        import tempfile
+
+        reload_dir = perturbed_copy(args.model, Path(tempfile.mkdtemp(prefix="logprob_reload_")), args.noise)
+    outs, start = asyncio.run(sample(args, prompts, reload_dir))
     behaviour = torch.tensor([lp for o in outs for lp in o.logprobs], dtype=torch.float64)
     samples = []
     for i, (p, o) in enumerate(zip(prompts, outs)):
@@ -133,6 +180,7 @@ def main(args) -> dict:
         "torch_compile": not args.no_torch_compile,
         "cudagraph_mode": args.cudagraph_mode if args.no_torch_compile else None,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "reload": f"perturbed copy, noise {args.noise}" if args.reload else None,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     }
@@ -142,8 +190,10 @@ def main(args) -> dict:
         result["vllm"] = vllm.__version__
     except ImportError:  # pragma: no cover
         pass
-    lp16 = learner_logprobs(args, samples, torch.bfloat16)
-    lp32 = learner_logprobs(args, samples, torch.float32)
+    lp16 = learner_logprobs(args, samples, torch.bfloat16, reload_dir)
+    lp32 = learner_logprobs(args, samples, torch.float32, reload_dir)
+    if reload_dir is not None:  # which weights did the engine sample from after the swap?
+        result["original_bf16_vs_vllm"] = stats(learner_logprobs(args, samples, torch.bfloat16) - behaviour)
     result["learner_bf16_vs_vllm"] = stats(lp16 - behaviour)
     result["learner_fp32_vs_vllm"] = stats(lp32 - behaviour)
     result["learner_bf16_vs_fp32"] = stats(lp16 - lp32)
@@ -165,7 +215,9 @@ def table(r: dict) -> str:
         "ratio outside [0.8, 1.28] |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key in ("learner_bf16_vs_vllm", "learner_fp32_vs_vllm", "learner_bf16_vs_fp32"):
+    for key in ("learner_bf16_vs_vllm", "learner_fp32_vs_vllm", "learner_bf16_vs_fp32", "original_bf16_vs_vllm"):
+        if key not in r:
+            continue
         s = r[key]
         lines.append(
             f"| {key} | {s['tokens']} | {s['mean']:+.4f} | {s['std']:.4f} | {s['mean_abs']:.4f} | "
@@ -203,10 +255,18 @@ if __name__ == "__main__":
         default="auto",
         help="vLLM's KV cache format ([actor.engine] kv_cache_dtype): fp8's share of the gap to the learner",
     )
+    p.add_argument(
+        "--reload",
+        action="store_true",
+        help="sample once, load a perturbed copy of the weights in place (as between versions), sample again, compare",
+    )
+    p.add_argument("--noise", type=float, default=0.05, help="with --reload: the perturbation's relative size")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.cudagraph_mode != "FULL" and not a.no_torch_compile:
         p.error(f"--cudagraph-mode {a.cudagraph_mode} is read with --no-torch-compile only: add it, or drop the mode")
+    if a.noise <= 0 and a.reload:
+        p.error(f"--noise {a.noise}: a perturbation must be > 0 to tell the two weights apart")
     r = main(a)
     print(table(r))
     print(json.dumps({k: v for k, v in r.items() if not isinstance(v, dict)}))
