@@ -15,9 +15,11 @@ The prompts (--n of them, --plen tokens each) go in at once, more tokens than on
 vLLM's chunked prefill mixes prefill and decode in its steps, as the actor's do.
 
 --reload: the same after a weight swap in the running engine, as an actor's is between versions. The
-engine first samples the prompts on the weights it started with (graphs and caches exercised), then
-loads a perturbed copy of them in place (PolicyEngine.reload_weights: each weight times 1 + --noise x a
-standard normal, written beside the checkpoint) and samples again; the learner's log-probs are
+engine first samples --n other prompts on the weights it started with (graphs and caches exercised;
+the measured prompts then take nothing from the prefix cache), then loads a perturbed copy of them in
+place (each weight times 1 + --noise x a standard normal; by default through the workers' load of
+named tensors, the path an actor's GPU-buffer and packed versions take, or with --reload-path file
+through PolicyEngine.reload_weights) and samples the measured prompts. The learner's log-probs are
 recomputed under the perturbed weights, and also under the original ones (`original_bf16_vs_vllm`): an
 engine that still samples from its old weights after the swap is nearer the original than the copy.
 
@@ -63,7 +65,7 @@ def stats(d) -> dict:
     }
 
 
-async def sample(args, prompts, reload_dir=None):
+async def sample(args, prompts, reload_dir=None, warm=None):
     from parley.engines.engine import EngineSettings, PolicyEngine
 
     settings = EngineSettings(
@@ -85,21 +87,37 @@ async def sample(args, prompts, reload_dir=None):
     engine = PolicyEngine(settings)
     start = time.perf_counter() - t0
 
-    async def play():
-        return await asyncio.gather(
-            *[engine.generate(p, max_tokens=args.tokens, seed=i) for i, p in enumerate(prompts)]
-        )
+    async def play(ps):
+        return await asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i) for i, p in enumerate(ps)])
 
     try:
-        outs = await play()
-        if reload_dir is not None:  # the swap an actor makes between versions, then the measured round
+        if reload_dir is None:
+            outs = await play(prompts)
+        else:  # a round on the starting weights, the swap an actor makes between versions, the measured round
+            await play(warm)  # other prompts: the measured round takes nothing from the prefix cache
             t1 = time.perf_counter()
-            await engine.reload_weights(reload_dir, version=1)
-            print(f"[logprob] loaded the perturbed weights in {time.perf_counter() - t1:.2f} s", flush=True)
-            outs = await play()
+            if args.reload_path == "file":
+                await engine.reload_weights(reload_dir, version=1)
+                how = "file (vLLM's layer-wise reload)"
+            else:  # the actors' path from the learner's buffers: named tensors handed to the worker's load
+                how = await engine._llm.collective_rpc(_bare_load, args=(str(reload_dir),))
+                engine._weights_epoch += 1  # as a version load does: prompts salted anew
+            print(f"[logprob] loaded the perturbed weights in {time.perf_counter() - t1:.2f} s: {how}", flush=True)
+            outs = await play(prompts)
     finally:
         engine.shutdown()
     return outs, start
+
+
+def _bare_load(worker, path: str) -> str:
+    """In the engine's worker (collective_rpc sends this function, VLLM_ALLOW_INSECURE_SERIALIZATION=1):
+    the checkpoint's tensors, on the model's device, through parley's worker load of named tensors
+    (weights.worker.WorkerExtension._parley_load_named), as a version from the learner's buffers."""
+    from safetensors.torch import load_file
+
+    device = next(worker.model_runner.get_model().parameters()).device
+    named = [(k, v.to(device)) for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()]
+    return worker._parley_load_named(named, 1)
 
 
 def perturbed_copy(model_dir: str, dest: Path, noise: float, seed: int = 0) -> Path:
@@ -161,12 +179,17 @@ def main(args) -> dict:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, vocab - 10, size=args.plen).tolist() for _ in range(args.n)]
+    warm = [rng.integers(10, vocab - 10, size=args.plen).tolist() for _ in range(args.n)]
     reload_dir = None
     if args.reload:
+        import os
         import tempfile
 
+        if args.reload_path == "bare":  # the engine core takes a function (_bare_load) only so
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
         reload_dir = perturbed_copy(args.model, Path(tempfile.mkdtemp(prefix="logprob_reload_")), args.noise)
-    outs, start = asyncio.run(sample(args, prompts, reload_dir))
+    outs, start = asyncio.run(sample(args, prompts, reload_dir, warm))
     behaviour = torch.tensor([lp for o in outs for lp in o.logprobs], dtype=torch.float64)
     samples = []
     for i, (p, o) in enumerate(zip(prompts, outs)):
@@ -180,7 +203,7 @@ def main(args) -> dict:
         "torch_compile": not args.no_torch_compile,
         "cudagraph_mode": args.cudagraph_mode if args.no_torch_compile else None,
         "kv_cache_dtype": args.kv_cache_dtype,
-        "reload": f"perturbed copy, noise {args.noise}" if args.reload else None,
+        "reload": f"perturbed copy, noise {args.noise}, {args.reload_path} path" if args.reload else None,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     }
@@ -261,6 +284,13 @@ if __name__ == "__main__":
         help="sample once, load a perturbed copy of the weights in place (as between versions), sample again, compare",
     )
     p.add_argument("--noise", type=float, default=0.05, help="with --reload: the perturbation's relative size")
+    p.add_argument(
+        "--reload-path",
+        choices=["bare", "file"],
+        default="bare",
+        help="with --reload: the tensors through the workers' load (the actors' path from the learner's "
+        "buffers; default) or the checkpoint files through vLLM's layer-wise reload",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.cudagraph_mode != "FULL" and not a.no_torch_compile:
