@@ -457,12 +457,23 @@ def settings_rows(cfg, *, dtype: str = DEFAULT_TRL_DTYPE, sleep: bool = True) ->
         ),
         row(
             "weights, optimizer precision",
-            f"dtype = {lc.dtype}, DeepSpeed ZeRO-{lc.zero_stage}: bf16 weights, fp32 master weights and Adam state",
+            f"dtype = {lc.dtype}, DeepSpeed ZeRO-{lc.zero_stage}: bf16 weights, "
+            + (
+                'bf16 master weights and Adam state (master_dtype = "bfloat16")'
+                if lc.master_dtype == "bfloat16"
+                else "fp32 master weights and Adam state"
+            ),
             f"model_init_kwargs dtype = {dtype}, bf16 = true: AdamW on the bf16 weights, no fp32 master "
             "(TRL's default without a dtype: float32 weights under bf16 autocast)"
             if dtype == "bfloat16"
             else "model_init_kwargs dtype = float32 (TRL's default), bf16 = true: bf16 autocast over fp32 weights",
-            "no: TRL's best on the GPU has no fp32 master" if dtype == "bfloat16" else "no: autocast",
+            (
+                "yes: bf16 state on both sides"
+                if lc.master_dtype == "bfloat16"
+                else "no: TRL's best on the GPU has no fp32 master"
+            )
+            if dtype == "bfloat16"
+            else "no: autocast",
         ),
         row(
             "attention, kernels",

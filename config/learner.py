@@ -157,6 +157,15 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # cores (DeepSpeed ZeRO-Offload, learner.trainer.ds_config), so a GPU holds only the training-dtype
     # weights: at the 4B shape 45 GiB of GPU memory become host memory. Needs zero_stage 1-3.
     offload_optimizer: Offload = "none"
+    # The optimizer's copy of the trained weights, the gradients it steps with and Adam's m and v:
+    # "float32" (mixed precision: 4 + 2 + 8 B a parameter beside the bf16 weights) or "bfloat16"
+    # (DeepSpeed's bf16_master_weights_and_grads and bf16_optimizer_states: 2 + 2 + 4 B, what TRL's bf16
+    # weights train with), so full fine-tuning at the 4B shape fits an 80 GB GPU without the host.
+    # The cost: an update smaller than half a bf16 step of its weight (about 0.4% of it) rounds to
+    # nothing, step after step; at lr 1e-4 on SmolLM2 one step kept 0.45 of the update AdamW computed
+    # (bench/results/step_match/summary.json), and at the recipe's lr 1e-6 most weights would not move.
+    # Needs dtype bfloat16 (or auto on a GPU), zero_stage 1-3 and offload_optimizer = "none".
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
     # attention over packed micro-batches: auto = flash varlen on CUDA (SDPA if unusable), SDPA on CPU;
     # sdpa = transformers' block-diagonal mask; varlen = per-sequence kernel (flash on CUDA, an SDPA call
     # per sequence on CPU)
@@ -217,6 +226,22 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "the optimizer state of ZeRO stages 1-3 only; set zero_stage = 2 (one GPU: the same "
                 'mixed-precision Adam) or offload_optimizer = "none"'
             )
+        if self.master_dtype == "bfloat16":
+            why = (
+                'dtype = "float32"'
+                if self.dtype == "float32"
+                else "zero_stage = 0 (DeepSpeed keeps bf16 master weights in ZeRO stages 1-3 only)"
+                if self.zero_stage == 0
+                else f'offload_optimizer = "{self.offload_optimizer}" (the host step keeps fp32 state)'
+                if self.offload_optimizer != "none"
+                else ""
+            )
+            if why:
+                raise ValueError(
+                    f'[learner] master_dtype = "bfloat16" with {why}: bf16 master weights need bf16 training '
+                    '(dtype = "bfloat16" or "auto" on a GPU), zero_stage 1-3 and offload_optimizer = "none"; '
+                    'change that, or set master_dtype = "float32"'
+                )
         if self.lora.enabled and self.compile == "layers" and self.kl_coef > 0:
             # peft swaps every targeted Linear for a LoRA layer holding a dict of adapters and a
             # disable flag the KL reference flips per forward: a compiled layer guards on that state and

@@ -550,14 +550,16 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
     Per trained parameter (every weight, or under [learner.lora] the adapter's, beside the frozen base
     in the training dtype, p B): its weights (p B), gradients (p B: the gradient partition in the
     training dtype, DeepSpeed's default when grad_accum_dtype is unset), fp32 master weights (4 B) and
-    AdamW's m and v (fp32: 8 B). With learner.offload_optimizer = "cpu" only the weights stay on the GPU:
+    AdamW's m and v (fp32: 8 B); with learner.master_dtype = "bfloat16" the master copy and m and v in
+    bf16 (2 + 4 B). With learner.offload_optimizer = "cpu" only the weights stay on the GPU:
     master, m, v and the fp32 gradients are in pinned host memory with the gradients accumulated across
     micro-batches and the weights' staging copy (p B each), and the GPU keeps two transfer buffers of
     the largest tensor. Then the frozen local reference (p B x every weight; under LoRA the base itself
     is the reference), rank 0's publication buffers (of the adapter alone under LoRA, of whole weights
     with serve = "merged"), the gradient bucket, the largest of a micro-batch's activations, the
     optimizer step's temporaries on the GPU (the flat gradient and its fp32 copy, p + 4 B a trained
-    parameter, after the activations are freed; none with the step on the host) and, with serve =
+    parameter, p B with a bf16 master, after the activations are freed; none with the step on the
+    host) and, with serve =
     "merged", the merge's (after the step: one projection at a time), the CUDA context."""
     lc, p, n = cfg.learner, learner_dtype_bytes(cfg), shape.params
     lora, offload, merged = lc.lora.enabled, lc.offload_optimizer == "cpu", lc.lora.merged
@@ -586,6 +588,14 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
                 _gib(2 * p * max(adapter or [shape.largest])),
             ),
         ]
+    elif lc.master_dtype == "bfloat16":
+        terms.append(
+            Term(
+                f'weights + gradients + bf16 master + Adam m, v in bf16 (learner.master_dtype = "bfloat16"): '
+                f"({p} + {p} + 2 + 4) B x {of}",
+                _gib((2 * p + 6) * k),
+            )
+        )
     else:
         terms.append(
             Term(f"weights + gradients + fp32 master + Adam m, v: ({p} + {p} + 4 + 8) B x {of}", _gib((2 * p + 12) * k))
@@ -623,9 +633,12 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
             )
         )
     act = activation_terms(cfg, shape, lc.gradient_checkpointing)
+    # the flat gradient partition, then its copy in the master's dtype: none when that is bf16 already
+    # (DeepSpeed's step converts it with .to(master dtype), which returns the same tensor)
+    copy = 0 if lc.master_dtype == "bfloat16" and p == 2 else 4
     step = Term(
-        f"optimizer step temporaries: ({p} + 4) B x {of} (more than a micro-batch's activations here)",
-        _gib((p + 4) * k),
+        f"optimizer step temporaries: ({p} + {copy}) B x {of} (more than a micro-batch's activations here)",
+        _gib((p + copy) * k),
     )
     peaks = [act] if offload else [act, [step]]
     if merged:  # after the step, when its activations and temporaries are freed
@@ -875,13 +888,20 @@ def with_settings(cfg, changes: dict[str, object]):
 def _learner_changes(cfg: RunConfig) -> list[tuple[tuple[str, object], ...]]:
     """The changes of the learner's memory the plan tries when a run does not fit, fewest first:
     the optimizer state on the host, a LoRA adapter instead of every weight, layers recomputed in
-    backward, and each of the first two with the third. Each change carries what it needs besides
+    backward, the optimizer's state in bf16 (learner.master_dtype: updates below half a bf16 step are
+    lost), and each of the others with recompute. Each change carries what it needs besides
     (ZeRO 1-3 for the offload; compile not "layers" and an actor that serves the rank for LoRA, or
     serve = "merged" where the transport or the delta format carries whole weights only)."""
     lc, out = cfg.learner, []
     offload: tuple = ()
+    stage: tuple = (("learner.zero_stage", 2),) if lc.zero_stage == 0 else ()
     if lc.offload_optimizer == "none" and not lc.lora.enabled:
-        offload = ((("learner.zero_stage", 2),) if lc.zero_stage == 0 else ()) + (("learner.offload_optimizer", "cpu"),)
+        # the host's step keeps fp32 state: a bf16 master goes back to fp32 with it
+        fp32 = (("learner.master_dtype", "float32"),) if lc.master_dtype == "bfloat16" else ()
+        offload = stage + (("learner.offload_optimizer", "cpu"),) + fp32
+    master: tuple = ()
+    if lc.master_dtype == "float32" and lc.offload_optimizer == "none" and lc.dtype != "float32":
+        master = stage + (("learner.master_dtype", "bfloat16"),)
     lora: tuple = ()
     transport = registry.of(cfg.weights)
     if not lc.lora.enabled:
@@ -894,11 +914,11 @@ def _learner_changes(cfg: RunConfig) -> list[tuple[tuple[str, object], ...]]:
             lora += (("learner.lora.serve", "merged"),)
             lora += (("actor.engine.max_lora_rank", 0),) if cfg.actor.engine.max_lora_rank else ()
     ckpt = () if lc.gradient_checkpointing else (("learner.gradient_checkpointing", True),)
-    for change in (offload, lora, ckpt):
+    for change in (offload, lora, ckpt, master):
         if change:
             out.append(change)
     if ckpt:
-        out += [c + ckpt for c in (offload, lora) if c]
+        out += [c + ckpt for c in (offload, lora, master) if c]
     return out
 
 

@@ -130,7 +130,14 @@ def ds_config(cfg: LearnerConfig, dtype: torch.dtype) -> dict:
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": zero,
         # check_grad_overflow: a non-finite gradient skips the step (see Trainer._apply_if_finite).
-        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True},
+        # master_dtype bfloat16: the optimizer's partition of the weights, its gradients and Adam's state in
+        # bf16 ([learner] master_dtype says what that costs)
+        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True}
+        | (
+            {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+            if cfg.master_dtype == "bfloat16"
+            else {}
+        ),
         "optimizer": {
             "type": "AdamW",
             # torch's AdamW: DeepSpeed's own CPU/fused kernels need a compiler toolchain (CPU) or
@@ -255,6 +262,12 @@ class Trainer:
                 f"[weights] kind={transport.kind!r} shares GPU memory, but this learner has no "
                 "CUDA device; use kind objstore or shared_dir"
             )
+        dtype = resolve_dtype(cfg.dtype)
+        if cfg.master_dtype == "bfloat16" and dtype != torch.bfloat16:  # dtype "auto" on a machine without CUDA
+            raise ValueError(
+                f'[learner] master_dtype = "bfloat16" but this learner trains in {dtype} (dtype = "{cfg.dtype}" '
+                'without a GPU): set dtype = "bfloat16", or master_dtype = "float32"'
+            )
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -262,7 +275,7 @@ class Trainer:
         init_distributed()
         self.cfg = cfg
         self.model_dir = Path(model_dir)
-        self.dtype = resolve_dtype(cfg.dtype)
+        self.dtype = dtype
         torch.manual_seed(cfg.seed)
         conf = ds_config(cfg, self.dtype)
         device = (

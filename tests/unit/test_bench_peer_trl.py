@@ -672,9 +672,13 @@ def test_trl_runs_at_its_best_bf16_weights_and_sleep_mode_with_its_defaults_else
     assert "no fp32 master" in rows["weights, optimizer precision"]["trl"]
     assert "no padding-free option" in rows["attention, kernels"]["trl"]
     assert "vllm_enable_sleep_mode = true" in rows["generation memory"]["trl"]
+    assert rows["weights, optimizer precision"]["same"].startswith("no")  # parley's fp32 master by default
     rows = {r["setting"]: r for r in peer_trl.settings_rows(cfg, dtype="float32", sleep=False)}
     assert "float32 (TRL's default)" in rows["weights, optimizer precision"]["trl"]
     assert "vllm_enable_sleep_mode = false" in rows["generation memory"]["trl"]
+    bf16 = peer_trl.load_recipe(None, ['learner.master_dtype="bfloat16"'])  # parley's state in bf16 too
+    row = {r["setting"]: r for r in peer_trl.settings_rows(bf16)}["weights, optimizer precision"]
+    assert 'master_dtype = "bfloat16"' in row["parley"] and row["same"].startswith("yes")
 
 
 def test_the_4b_shape_trains_its_step_in_micro_batches_and_a_bad_one_is_refused_in_one_line(capsys):

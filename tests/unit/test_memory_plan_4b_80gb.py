@@ -232,3 +232,45 @@ def test_where_only_whole_weights_travel_the_lora_change_merges_the_adapter(tmp_
         assert 0 < planned[merged] < full - 40  # full fine-tuning's states gone, whole-weight buffers kept
     cfg = load_config(CONFIGS / "gpu-1-4b.toml", [f"policy.model={model}", f"actor.engine.model={model}"])
     assert not any(("learner.lora.serve", "merged") in c for c in _learner_changes(cfg))  # cuda_ipc carries adapters
+
+
+def test_bf16_master_weights_halve_full_fine_tuning_and_fit_the_4b_shape_on_an_h100(tmp_path):
+    """learner.master_dtype = "bfloat16": weights, gradients, the master copy and Adam's m and v at 2 + 2 + 2 + 4
+    B a parameter (fp32's 16), and the step's temporaries the flat gradient alone (.to(bf16) copies nothing):
+    gpu-1-4b.toml then fits an 80 GB H100 with 11 GiB of KV instead of 12. Its refusal's offload change
+    takes the master back to fp32 (the host's step keeps fp32 state), as printed and accepted."""
+    model = stand_in(tmp_path)
+    shape = model_shape(str(model))
+    n = shape.params
+    sets = [f"policy.model={model}", f"actor.engine.model={model}", 'learner.master_dtype="bfloat16"']
+    terms = {t.what.split(":")[0]: t for t in learner_terms(load_config(CONFIGS / "gpu-1-4b.toml", sets), shape)}
+    states = 'weights + gradients + bf16 master + Adam m, v in bf16 (learner.master_dtype = "bfloat16")'
+    assert terms[states].gib * GIB == pytest.approx(10 * n)
+    assert terms["optimizer step temporaries"].gib * GIB == pytest.approx(2 * n)
+    assert "weights + gradients + fp32 master + Adam m, v" not in terms
+
+    out = up(CONFIGS / "gpu-1-4b.toml", model, H100, 'learner.master_dtype="bfloat16"')
+    assert out.exit_code == 2 and "75.89 GiB, more than the 75.24 GiB usable" in out.stderr
+    offload = '--set learner.offload_optimizer="cpu" --set learner.master_dtype="float32"'
+    assert offload in out.stderr
+    again = up(CONFIGS / "gpu-1-4b.toml", model, H100, *shlex.split(offload)[1::2])
+    assert again.exit_code == 0, again.output
+
+    fits = up(
+        CONFIGS / "gpu-1-4b.toml",
+        model,
+        H100,
+        'learner.master_dtype="bfloat16"',
+        "actor.engine.kv_cache_bytes=11811160064",
+    )
+    assert fits.exit_code == 0, fits.output
+    need, usable = plan_line(fits.stdout)
+    assert need == pytest.approx(74.87, abs=0.01) and usable == 75.24
+
+
+def test_a_full_fine_tuning_run_that_does_not_fit_is_offered_bf16_master_weights_where_they_fit(tmp_path):
+    out = up(CONFIGS / "gpu-1-4b.toml", stand_in(tmp_path), 82.0)
+    assert out.exit_code == 2
+    fixes = re.findall(r"^  ((?:--set \S+ ?)+) +-> ([\d.]+) GiB of ([\d.]+) usable", out.stderr, re.MULTILINE)
+    master = [f for f in fixes if 'learner.master_dtype="bfloat16"' in f[0]]
+    assert master and float(master[0][1]) <= float(master[0][2]), out.stderr
