@@ -84,3 +84,36 @@ def test_bf16_master_weights_and_adam_state_train_the_steps_the_fp32_master_does
     assert got[1]["skipped"] == 0.0 and got[1]["grad_norm"] == pytest.approx(ref[1]["grad_norm"], rel=0.05)
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(moved) >= len(before) // 2, f"only {moved} moved"
+
+
+def test_a_checkpoint_of_bf16_master_weights_resumes_the_same_next_step(tiny_model, tmp_path):
+    """--resume loads the bf16 master and Adam state back (DeepSpeed's checkpoint through safe_load): the step
+    after the resume moves the weights exactly as the uninterrupted run's second step does."""
+    stats, trainer, _, _ = steps(tiny_model, "bfloat16")  # two steps
+    trainer.close()
+    cfg = LearnerConfig(
+        zero_stage=2,
+        lr=1e-3,
+        kl_coef=0.0,
+        micro_batch_tokens=64,
+        logit_chunk_tokens=8,
+        dtype="bfloat16",
+        master_dtype="bfloat16",
+    )
+    first = Trainer(cfg, tiny_model)
+    try:
+        first.train_step(step_samples())
+        first.save_checkpoint(tmp_path / "ckpt", "step1")
+        first.train_step(step_samples())
+        straight = {k: v.detach().clone() for k, v in first.hf_state_dict().items()}
+    finally:
+        first.close()
+    resumed = Trainer(cfg, tiny_model)
+    try:
+        resumed.load_checkpoint(tmp_path / "ckpt", "step1")
+        again = resumed.train_step(step_samples())
+        assert again["grad_norm"] == pytest.approx(stats[1]["grad_norm"], rel=1e-6)
+        after = resumed.hf_state_dict()
+        assert all(torch.equal(after[k], straight[k]) for k in straight)
+    finally:
+        resumed.close()
