@@ -25,6 +25,15 @@ engine that still samples from its old weights after the swap is nearer the orig
 
     python3 bench/logprob_gpu.py --model smol --reload --json $OUT/logprob_reload.json
     python3 bench/logprob_gpu.py --model smol --no-torch-compile --reload --json $OUT/logprob_nocompile_reload.json
+
+--prefix: the same for a conversation's next turn. A first round plays --n other prompts; each measured
+prompt is one of those sequences (prompt and output) plus --plen // 4 new tokens, so vLLM prefills it
+from its prefix cache and computes only the new tokens over the cached context, in steps that mix
+that prefill with decodes (full CUDA graphs replay such steps whole under --no-torch-compile
+--cudagraph-mode FULL; the compiled engine runs their attention outside its graphs). The JSON counts
+the prompt tokens taken from the cache.
+
+    python3 bench/logprob_gpu.py --model smol --no-torch-compile --prefix --json $OUT/logprob_nocompile_prefix.json
 """
 
 from __future__ import annotations
@@ -65,13 +74,16 @@ def stats(d) -> dict:
     }
 
 
-async def sample(args, prompts, reload_dir=None, warm=None):
+async def sample(args, prompts, reload_dir=None, warm=None, vocab=0):
+    import numpy as np
+
     from parley.engines.engine import EngineSettings, PolicyEngine
 
     settings = EngineSettings(
         model=args.model,
         dtype="bfloat16",
-        max_model_len=args.plen + args.tokens + 8,
+        # --prefix: a first round's sequence, its extension and a second output
+        max_model_len=args.plen + args.tokens + 8 + ((args.plen // 4 or 1) + args.tokens if args.prefix else 0),
         kv_cache_bytes=None,
         gpu_memory_utilization=args.gpu_mem,
         enforce_eager=args.eager,
@@ -91,7 +103,16 @@ async def sample(args, prompts, reload_dir=None, warm=None):
         return await asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i) for i, p in enumerate(ps)])
 
     try:
-        if reload_dir is None:
+        if args.prefix:  # a conversation's next turn: each measured prompt extends a first round's sequence,
+            # whose KV the prefix cache holds (the same weights, no salt change), by --plen // 4 new tokens
+            first = await play(warm)
+            rng = np.random.default_rng(1)
+            prompts = [
+                w + list(o.token_ids) + rng.integers(10, vocab - 10, size=max(1, args.plen // 4)).tolist()
+                for w, o in zip(warm, first)
+            ]
+            outs = await play(prompts)
+        elif reload_dir is None:
             outs = await play(prompts)
         else:  # a round on the starting weights, the swap an actor makes between versions, the measured round
             await play(warm)  # other prompts: the measured round takes nothing from the prefix cache
@@ -106,7 +127,7 @@ async def sample(args, prompts, reload_dir=None, warm=None):
             outs = await play(prompts)
     finally:
         engine.shutdown()
-    return outs, start
+    return outs, start, prompts
 
 
 def _bare_load(worker, path: str) -> str:
@@ -189,7 +210,7 @@ def main(args) -> dict:
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
         reload_dir = perturbed_copy(args.model, Path(tempfile.mkdtemp(prefix="logprob_reload_")), args.noise)
-    outs, start = asyncio.run(sample(args, prompts, reload_dir, warm))
+    outs, start, prompts = asyncio.run(sample(args, prompts, reload_dir, warm, vocab))
     behaviour = torch.tensor([lp for o in outs for lp in o.logprobs], dtype=torch.float64)
     samples = []
     for i, (p, o) in enumerate(zip(prompts, outs)):
@@ -204,6 +225,10 @@ def main(args) -> dict:
         "cudagraph_mode": args.cudagraph_mode if args.no_torch_compile else None,
         "kv_cache_dtype": args.kv_cache_dtype,
         "reload": f"perturbed copy, noise {args.noise}, {args.reload_path} path" if args.reload else None,
+        "prefix": args.prefix,
+        # prompt tokens the measured round took from vLLM's prefix cache (--prefix: a first round's sequences)
+        "cached_prompt_tokens": sum(o.cached_tokens for o in outs),
+        "prompt_tokens": sum(len(p) for p in prompts),
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     }
@@ -291,10 +316,20 @@ if __name__ == "__main__":
         help="with --reload: the tensors through the workers' load (the actors' path from the learner's "
         "buffers; default) or the checkpoint files through vLLM's layer-wise reload",
     )
+    p.add_argument(
+        "--prefix",
+        action="store_true",
+        help="measure a next turn: each prompt extends a first round's sequence, whose KV the prefix cache "
+        "holds (prefill over cached context, as a conversation's later turns)",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.cudagraph_mode != "FULL" and not a.no_torch_compile:
         p.error(f"--cudagraph-mode {a.cudagraph_mode} is read with --no-torch-compile only: add it, or drop the mode")
+    if a.prefix and a.reload:
+        p.error(
+            "--prefix and --reload: a swap salts the prompts anew, so the next turn would take nothing from the cache; give one"
+        )
     if a.noise <= 0 and a.reload:
         p.error(f"--noise {a.noise}: a perturbation must be > 0 to tell the two weights apart")
     r = main(a)
