@@ -28,10 +28,10 @@ engine that still samples from its old weights after the swap is nearer the orig
 
 --prefix: the same for a conversation's next turn. A first round plays --n other prompts; each measured
 prompt is one of those sequences (prompt and output) plus --plen // 4 new tokens, so vLLM prefills it
-from its prefix cache and computes only the new tokens over the cached context, in steps that mix
-that prefill with decodes (full CUDA graphs replay such steps whole under --no-torch-compile
---cudagraph-mode FULL; the compiled engine runs their attention outside its graphs). The JSON counts
-the prompt tokens taken from the cache.
+from its prefix cache and computes only the new tokens over the cached context; the measured prompts go
+in 5 ms apart, so those prefills share steps with the earlier ones' decodes (full CUDA graphs replay
+such steps whole under --no-torch-compile --cudagraph-mode FULL; the compiled engine runs their
+attention outside its graphs). The JSON counts the prompt tokens taken from the cache.
 
     python3 bench/logprob_gpu.py --model smol --no-torch-compile --prefix --json $OUT/logprob_nocompile_prefix.json
 """
@@ -99,8 +99,12 @@ async def sample(args, prompts, reload_dir=None, warm=None, vocab=0):
     engine = PolicyEngine(settings)
     start = time.perf_counter() - t0
 
-    async def play(ps):
-        return await asyncio.gather(*[engine.generate(p, max_tokens=args.tokens, seed=i) for i, p in enumerate(ps)])
+    async def play(ps, stagger_s: float = 0.0):
+        async def one(i, p):
+            await asyncio.sleep(i * stagger_s)  # staggered: a prompt's prefill lands beside others' decodes
+            return await engine.generate(p, max_tokens=args.tokens, seed=i)
+
+        return await asyncio.gather(*[one(i, p) for i, p in enumerate(ps)])
 
     try:
         if args.prefix:  # a conversation's next turn: each measured prompt extends a first round's sequence,
@@ -111,7 +115,7 @@ async def sample(args, prompts, reload_dir=None, warm=None, vocab=0):
                 w + list(o.token_ids) + rng.integers(10, vocab - 10, size=max(1, args.plen // 4)).tolist()
                 for w, o in zip(warm, first)
             ]
-            outs = await play(prompts)
+            outs = await play(prompts, stagger_s=0.005)
         elif reload_dir is None:
             outs = await play(prompts)
         else:  # a round on the starting weights, the swap an actor makes between versions, the measured round
