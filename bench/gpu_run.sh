@@ -31,6 +31,9 @@
 #     bash bench/gpu_run.sh TT4  # the same at the 4B shape, one side (SIDE=parley|trl) a call
 #     bash bench/gpu_run.sh S    # issue 56, before a phased or merged-LoRA throughput run (~4-6 min): vLLM's
 #                                # sleep/wake under parley's engine and phase schedule, the merged packs
+#     bash bench/gpu_run.sh LC   # issue 56: SmolLM2's behaviour log-probs against the learner's for a next
+#                                # turn over cached context and after an in-place weight swap, with and
+#                                # without vLLM's torch.compile (~4-5 min): is an engine without it right?
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -571,6 +574,24 @@ S)
     TRITON_F32_DEFAULT=ieee step merged "${MERGED_LIMIT_S:-240}" python3 -m pytest -q -s -p no:cacheprovider -rs \
         -m gpu tests/e2e/test_cuda_ipc.py -k merged
     ;;
+LC)
+    # issue 56: an engine without vLLM's torch.compile trained on wrong behaviour log-probs (2026-12-07,
+    # seeds 19 and 21) and matched on fresh weights; its start is about 10 s shorter. The two things the
+    # fresh-weights check lacked, each with and without compile (bench/logprob_gpu.py --prefix, --reload),
+    # then FULL_DECODE_ONLY without compile. One JSON and one log a run: $OUT/lc_<name>.json, lc_<name>.log.
+    {
+        nvidia-smi --query-gpu=name,uuid --format=csv,noheader
+        python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+    } 2>&1 | tee "$OUT/gpu.log"
+    for run in "nocompile_prefix --no-torch-compile --prefix" "nocompile_reload --no-torch-compile --reload" \
+        "compiled_prefix --prefix" "compiled_reload --reload" \
+        "nocompile_decode_only_prefix --no-torch-compile --cudagraph-mode FULL_DECODE_ONLY --prefix"; do
+        read -r name flags <<<"$run"
+        # shellcheck disable=SC2086  # the flags are words
+        STEP_TAIL=6 step "lc_$name" "${LC_LIMIT_S:-110}" python3 bench/logprob_gpu.py --model smol $flags \
+            --json "$OUT/lc_$name.json"
+    done
+    ;;
 M)
     # issue 26 item 1: does the image offer CUDA MPS, and does part PS (or MPS_PART) run faster under it?
     # Without MPS the GPU time-slices the processes' kernels: the actor's decode steps wait while the
@@ -587,7 +608,7 @@ M)
     PARLEY_SETS="${PARLEY_SETS:-} up.gpu_share=\"mps\"" bash "$0" "${MPS_PART:-PS}"
     ;;
 *)
-    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|TT|TT4|W1|W2|W3|W4|W5|L|LP|LI|K|M|S" >&2
+    echo "usage: bash bench/gpu_run.sh A|B|C|U|T|P|PS|TT|TT4|W1|W2|W3|W4|W5|L|LP|LI|K|M|S|LC" >&2
     exit 2
     ;;
 esac
