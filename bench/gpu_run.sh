@@ -579,6 +579,7 @@ LC)
     # seeds 19 and 21) and matched on fresh weights; its start is about 10 s shorter. The two things the
     # fresh-weights check lacked, each with and without compile (bench/logprob_gpu.py --prefix, --reload),
     # then FULL_DECODE_ONLY without compile. One JSON and one log a run: $OUT/lc_<name>.json, lc_<name>.log.
+    # A run took 65-67 s on a warm H100 (2026-12-07); the first compiled one may build its compile cache.
     {
         nvidia-smi --query-gpu=name,uuid --format=csv,noheader
         python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
@@ -588,7 +589,7 @@ LC)
         "nocompile_decode_only_prefix --no-torch-compile --cudagraph-mode FULL_DECODE_ONLY --prefix"; do
         read -r name flags <<<"$run"
         # shellcheck disable=SC2086  # the flags are words
-        STEP_TAIL=6 step "lc_$name" "${LC_LIMIT_S:-110}" python3 bench/logprob_gpu.py --model smol $flags \
+        STEP_TAIL=6 step "lc_$name" "${LC_LIMIT_S:-140}" python3 bench/logprob_gpu.py --model smol $flags \
             --json "$OUT/lc_$name.json"
     done
     ;;
