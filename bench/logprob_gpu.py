@@ -146,8 +146,8 @@ def _bare_load(worker, path: str) -> str:
 
 
 def perturbed_copy(model_dir: str, dest: Path, noise: float, seed: int = 0) -> Path:
-    """A copy of checkpoint `model_dir` in `dest` with every floating-point weight w replaced by
-    w * (1 + noise * N(0, 1)) (bf16, as the engine serves it), tokenizer files alongside."""
+    """A copy of checkpoint `model_dir` in `dest` with every weight w replaced by w * (1 + noise * N(0, 1))
+    (bf16, as the engine serves it), tokenizer files alongside."""
     import shutil
 
     import torch
@@ -156,9 +156,8 @@ def perturbed_copy(model_dir: str, dest: Path, noise: float, seed: int = 0) -> P
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for t in model.state_dict().values():  # tied weights are one tensor: perturbed once
-            if t.is_floating_point():
-                t.mul_(1 + noise * torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
+        for t in model.parameters():  # parameters() gives a tied weight once: perturbed once
+            t.mul_(1 + noise * torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest)
     for f in Path(model_dir).iterdir():  # tokenizer and chat template: the engine reads them from here too
