@@ -227,15 +227,15 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 'mixed-precision Adam) or offload_optimizer = "none"'
             )
         if self.master_dtype == "bfloat16":
-            why = (
-                'dtype = "float32"'
-                if self.dtype == "float32"
-                else "zero_stage = 0 (DeepSpeed keeps bf16 master weights in ZeRO stages 1-3 only)"
-                if self.zero_stage == 0
-                else f'offload_optimizer = "{self.offload_optimizer}" (the host step keeps fp32 state)'
-                if self.offload_optimizer != "none"
-                else ""
+            refusals = (
+                (self.dtype == "float32", 'dtype = "float32"'),
+                (self.zero_stage == 0, "zero_stage = 0 (DeepSpeed keeps bf16 master weights in ZeRO stages 1-3 only)"),
+                (
+                    self.offload_optimizer != "none",
+                    f'offload_optimizer = "{self.offload_optimizer}" (the host step keeps fp32 state)',
+                ),
             )
+            why = next((reason for bad, reason in refusals if bad), "")
             if why:
                 raise ValueError(
                     f'[learner] master_dtype = "bfloat16" with {why}: bf16 master weights need bf16 training '

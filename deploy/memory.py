@@ -635,7 +635,7 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
     act = activation_terms(cfg, shape, lc.gradient_checkpointing)
     # the flat gradient partition, then its copy in the master's dtype: none when that is bf16 already
     # (DeepSpeed's step converts it with .to(master dtype), which returns the same tensor)
-    copy = 0 if lc.master_dtype == "bfloat16" and p == 2 else 4
+    copy = 0 if lc.master_dtype == "bfloat16" else 4  # a bf16 master needs bf16 training (config.learner)
     step = Term(
         f"optimizer step temporaries: ({p} + {copy}) B x {of} (more than a micro-batch's activations here)",
         _gib((p + copy) * k),

@@ -49,8 +49,9 @@ def test_a_learner_that_would_train_in_fp32_refuses_bf16_master_weights_before_l
         Trainer(LearnerConfig(master_dtype="bfloat16", kl_coef=0.0), tiny_model)
 
 
-def steps(model_dir, master: str) -> tuple[list[dict], Trainer, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    cfg = LearnerConfig(
+def bf16_config(master: str) -> LearnerConfig:
+    """bf16 training, ZeRO-2, several micro-batches a step; the master copy and Adam state in `master`."""
+    return LearnerConfig(
         zero_stage=2,
         lr=1e-3,
         kl_coef=0.0,
@@ -59,7 +60,10 @@ def steps(model_dir, master: str) -> tuple[list[dict], Trainer, dict[str, torch.
         dtype="bfloat16",
         master_dtype=master,
     )
-    trainer = Trainer(cfg, model_dir)
+
+
+def steps(model_dir, master: str) -> tuple[list[dict], Trainer, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    trainer = Trainer(bf16_config(master), model_dir)
     before = {k: v.detach().clone() for k, v in trainer.hf_state_dict().items()}
     stats = [trainer.train_step(step_samples()) for _ in range(2)]
     return stats, trainer, before, {k: v.detach().clone() for k, v in trainer.hf_state_dict().items()}
@@ -89,22 +93,12 @@ def test_bf16_master_weights_and_adam_state_train_the_steps_the_fp32_master_does
 def test_a_checkpoint_of_bf16_master_weights_resumes_the_same_next_step(tiny_model, tmp_path):
     """--resume loads the bf16 master and Adam state back (DeepSpeed's checkpoint through safe_load): the step
     after the resume moves the weights exactly as the uninterrupted run's second step does."""
-    stats, trainer, _, _ = steps(tiny_model, "bfloat16")  # two steps
-    trainer.close()
-    cfg = LearnerConfig(
-        zero_stage=2,
-        lr=1e-3,
-        kl_coef=0.0,
-        micro_batch_tokens=64,
-        logit_chunk_tokens=8,
-        dtype="bfloat16",
-        master_dtype="bfloat16",
-    )
+    cfg = bf16_config("bfloat16")
     first = Trainer(cfg, tiny_model)
     try:
         first.train_step(step_samples())
         first.save_checkpoint(tmp_path / "ckpt", "step1")
-        first.train_step(step_samples())
+        second = first.train_step(step_samples())
         straight = {k: v.detach().clone() for k, v in first.hf_state_dict().items()}
     finally:
         first.close()
@@ -112,7 +106,7 @@ def test_a_checkpoint_of_bf16_master_weights_resumes_the_same_next_step(tiny_mod
     try:
         resumed.load_checkpoint(tmp_path / "ckpt", "step1")
         again = resumed.train_step(step_samples())
-        assert again["grad_norm"] == pytest.approx(stats[1]["grad_norm"], rel=1e-6)
+        assert again["grad_norm"] == pytest.approx(second["grad_norm"], rel=1e-6)
         after = resumed.hf_state_dict()
         assert all(torch.equal(after[k], straight[k]) for k in straight)
     finally:
