@@ -309,10 +309,12 @@ async def main(stop: asyncio.Event, cfg: RunConfig, ident: str, concurrency: int
     # timestamped: with the launch time it tells the process's imports from its connection and engine start
     log.info("%s: started; connecting, then loading the policy %s", ident, cfg.actor.engine.model)
     hello = [Heartbeat(role="actor", id=ident, state="starting")]
+    t_connect = time.perf_counter()
     async with role_connection(
         cfg.nats, name=f"parley-{ident}", run=cfg.run.name, bus=cfg.bus, topology=True, hello=hello
     ) as (nc, js):
         t0 = time.perf_counter()
+        log.info("%s: connected in %.1fs", ident, t0 - t_connect)
         # the behaviour log-probs are of the distribution sampled at actor.sampling.temperature (the learner's too)
         engine, tokenizer, path = open_engine(  # blocks while vLLM loads
             cfg.actor.engine,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
@@ -141,11 +142,26 @@ def open_engine(
 
     Returns (PolicyEngine, tokenizer, model_path). Blocks for tens of seconds on CPU.
     """
-    from parley.engines.engine import PolicyEngine
     from parley.engines.models import ensure_model
 
+    t0 = time.perf_counter()
     path = ensure_model(cfg.model)
+    t1 = time.perf_counter()
     tokenizer = chat_tokenizer(cfg.model, path)
+    t2 = time.perf_counter()
+    import vllm.v1.engine.async_llm  # noqa: F401  (timed here: the start's largest import, seconds)
+
+    from parley.engines.engine import PolicyEngine
+
+    t3 = time.perf_counter()
+    # where an engine's start goes before vLLM's own lines (a warm GPU launch spent 17-22 s here, 2026-12-07)
+    log.info(
+        "engine %s: checkpoint resolved in %.1fs, tokenizer %.1fs, vLLM imported %.1fs",
+        cfg.model,
+        t1 - t0,
+        t2 - t1,
+        t3 - t2,
+    )
     engine = PolicyEngine(engine_settings(cfg, path, sampled_logprobs, sleep_mode, requests), version=version)
     return engine, tokenizer, path
 
