@@ -312,6 +312,8 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
         { sed -n '1,/Model loading took/p' "$RUN"/logs/actor-0.log | head -n 150 | grep -v -E "$ACTOR_PAT"
           grep -H -E "$ACTOR_PAT" "$RUN"/logs/actor-*.log; } >"$OUT/parley_actor.log" 2>/dev/null  # -H: each actor's count
         grep -h -i 'recompile' "$RUN"/logs/learner.log | head -n 5 >>"$OUT/parley_steps.log" 2>/dev/null
+        # the eval child's engine starts beside the actor's at launch: its start-up lines, to set beside the actor's
+        head -n 120 "$RUN/eval/follow.log" >"$OUT/eval_follow_head.log" 2>/dev/null
         if [ -n "${START_STACKS_S:-}" ] || [ "${IMPORT_TIMES:-0}" = 1 ]; then
             cp "$RUN/logs/actor-0.log" "$OUT/actor_full.log" 2>/dev/null
             cp "$RUN/eval/v0/eval.log" "$OUT/eval_v0.log" 2>/dev/null
