@@ -239,6 +239,10 @@ for m in ('torch', 'transformers', 'deepspeed', 'peft', 'trl', 'vllm', 'vllm.v1.
     # their engine core, "fork" or "spawn" (actor.engine.start_method, docs/gpu.md); one of parley's
     # settings, so p_clock.json's parley_sets records it and TRL's run does not see it
     if [ -n "${START_METHOD:-}" ]; then PARLEY_SETS="${PARLEY_SETS:-} actor.engine.start_method=\"$START_METHOD\""; fi
+    # TORCH_COMPILE=0 (issue 56; default: vLLM's torch.compile): parley's actor and eval engines without
+    # torch.compile, with full CUDA graphs of decode steps only (actor.engine.torch_compile=false; part LC
+    # checked its log-probs), recorded in parley_sets too
+    if [ "${TORCH_COMPILE:-1}" = 0 ]; then PARLEY_SETS="${PARLEY_SETS:-} actor.engine.torch_compile=false"; fi
     # START_STACKS_S (issue 56; default empty: off): every N seconds while one of parley's engines starts,
     # its process's Python stacks in its log (PARLEY_START_STACKS_S, engines.engine.start_stacks), to see
     # where a slow start waits (2026-12-07: 32 s before vLLM resolved the model); the actor's whole log and
@@ -516,7 +520,8 @@ TT)
     # whose policy has its task steps slowly after, so 230 s let one seed's call take 399 s; 170 s keeps a
     # lease at five seeds). START_METHOD (fork | spawn; default fork, as every seed of
     # 2026-12-07; START_METHOD= leaves the environment's) adds actor.engine.start_method to parley's
-    # settings: `START_METHOD=spawn SEED=3 bash bench/gpu_run.sh TT`
+    # settings: `START_METHOD=spawn SEED=3 bash bench/gpu_run.sh TT`; TORCH_COMPILE=0 adds
+    # actor.engine.torch_compile=false (part P)
     # against a seed without it compares launch to step 1 with and without the engine core's second
     # import of torch and vLLM. Leaves $OUT/p_s<SEED>.tgz; then, over every seed's file:
     #     python bench/peer_compare.py --target --over p_s0.tgz p_s1.tgz ... --json time_to_target.json

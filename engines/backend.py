@@ -103,6 +103,7 @@ def engine_settings(
         tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed,
         enforce_eager=cfg.enforce_eager,
+        torch_compile=cfg.torch_compile,
         sampled_logprobs=sampled_logprobs,
         max_lora_rank=cfg.max_lora_rank,
         max_loras=cfg.max_loras,

@@ -37,6 +37,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tensor_parallel_size: int = 1
     seed: int = 0
     enforce_eager: bool = True
+    # With enforce_eager = false: true (vLLM's default) compiles the model with torch.compile (Inductor)
+    # and captures piecewise and full CUDA graphs; false compiles nothing and captures full CUDA graphs of
+    # decode steps alone over vLLM's own kernels (steps with a prefill run eagerly), so the engine starts
+    # sooner: on a warm H100 SmolLM2's compiled engine spent 12-21 s in its init (torch.compile 7-8 s
+    # with its cache warm, a kernel warm-up after the graphs up to 16 s), the uncompiled one 3.6 s
+    # (docs/gpu.md, "An engine without torch.compile"). Not full graphs of mixed steps: there a prefill
+    # over cached context (a conversation's next turn) came out up to 15 nats off the learner's log-probs.
+    torch_compile: bool = True
     template_kwargs: dict[str, bool | str | int] = {}  # chat-template options, e.g. {enable_thinking = false} for Qwen3
     # LoRA adapter versions ([learner.lora]): the highest adapter rank served (0 = no LoRA, whole weights)
     max_lora_rank: Annotated[int, Meta(ge=0)] = 0
@@ -68,6 +76,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Above the longest step the engine may take: a prefill of max_num_batched_tokens, a fresh engine's
     # first request (seconds on CPU), a new JSON schema's grammar.
     stall_timeout_s: Annotated[float, Meta(gt=0)] = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.torch_compile and self.enforce_eager:
+            raise ValueError(
+                "torch_compile = false with enforce_eager = true: an eager engine compiles nothing and "
+                "captures no CUDA graphs already; set enforce_eager = false for decode CUDA graphs without "
+                "torch.compile, or leave torch_compile = true"
+            )
 
 
 class ServiceBackend(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

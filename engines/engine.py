@@ -97,6 +97,8 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     seed: int = 0
     enforce_eager: bool = True
+    # with enforce_eager False: vLLM's torch.compile (True) or decode CUDA graphs alone (EngineConfig.torch_compile)
+    torch_compile: bool = True
     # JSON-constrained output without optional whitespace (small models otherwise spend their
     # token budget on spaces and newlines). vLLM only offers this engine-wide, with the
     # xgrammar (or guidance) backend, so it pins backend="xgrammar".
@@ -342,6 +344,15 @@ class PrefixEpochs:
 GPU_START_CHECK = 0.02  # the share of the GPU an engine with an explicit KV size asks to be free at start
 
 
+# An engine without torch.compile: vLLM's compilation mode NONE (0) with full CUDA graphs of decode steps
+# only. Not "FULL" (mixed prefill and decode steps in the graphs too, which FlashAttention 3 allows on
+# Hopper): on an H100 (2026-12-07, bench/logprob_gpu.py --prefix and --reload) such graphs put a prefill
+# over cached context up to 15 nats off the learner's log-probs (7% of tokens' ratios outside [0.8, 1.28]),
+# and two training runs on them never reached their target; decode-only graphs matched as the compiled
+# engine does.
+NO_COMPILE = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
 def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
     """AsyncEngineArgs for settings; cpu_bind is the CPU thread binding on a CPU platform, None on GPU."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -358,6 +369,8 @@ def _engine_args(settings: EngineSettings, cpu_bind: str | None = None):
         # adds parley_reload_weights to vLLM's workers (resolved by name in the workers)
         worker_extension_cls="parley.weights.worker.WorkerExtension",
     )
+    if not settings.enforce_eager and not settings.torch_compile:
+        kwargs["compilation_config"] = dict(NO_COMPILE)
     if settings.kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_bytes)
     if settings.kv_cache_dtype != "auto":
