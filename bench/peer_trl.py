@@ -76,6 +76,7 @@ Settings side by side at the defaults (settings_rows(); also in the output JSON 
 | gradient checkpointing | false | gradient_checkpointing = false (TRL's default: true) | yes |
 | checkpoints | only after the last step, outside the timed steps | none (save_strategy = no) | yes (none while timed) |
 | engines | 2 actor vLLM engines and an eval engine (processes), cuda_ipc weights | one vLLM engine in the trainer's process (vllm_mode = colocate), weights loaded each step | no |
+| vLLM compilation | torch.compile with piecewise and full CUDA graphs (vLLM's default; [actor.engine] torch_compile = true) | vLLM's default, torch.compile with piecewise and full CUDA graphs: TRL 1.16's colocate mode passes no compilation setting to its engine | yes |
 | generation memory | each engine keeps its weights and KV while the learner steps (time-sliced GPU) | vllm_gpu_memory_utilization = 0.3 (TRL's default), vllm_enable_sleep_mode = true: weights and KV released (level 2) after each generation, woken for the next one with the trainer's weights | no |
 | trainer | parley's actors, scorer and learner over the bus | trl.GRPOTrainer (synchronous); TRL 1.16's AsyncGRPOTrainer is not run: peer_trl.async_blockers | no |
 
@@ -502,6 +503,15 @@ def settings_rows(cfg, *, dtype: str = DEFAULT_TRL_DTYPE, sleep: bool = True) ->
             f"{cfg.up.actors} actor vLLM engines and an eval engine (processes), {cfg.weights.__struct_config__.tag} weights",
             "one vLLM engine in the trainer's process (vllm_mode = colocate), weights loaded each step",
             "no",
+        ),
+        row(
+            "vLLM compilation",
+            "torch.compile with piecewise and full CUDA graphs (vLLM's default; [actor.engine] torch_compile = true)"
+            if cfg.actor.engine.torch_compile
+            else "no torch.compile, full CUDA graphs of decode steps only ([actor.engine] torch_compile = false)",
+            "vLLM's default, torch.compile with piecewise and full CUDA graphs: TRL 1.16's colocate mode "
+            "passes no compilation setting to its engine",
+            "yes" if cfg.actor.engine.torch_compile else "no: parley's engines start sooner",
         ),
         row(
             "generation memory",

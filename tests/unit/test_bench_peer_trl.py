@@ -681,6 +681,17 @@ def test_trl_runs_at_its_best_bf16_weights_and_sleep_mode_with_its_defaults_else
     assert 'master_dtype = "bfloat16"' in row["parley"] and row["same"].startswith("yes")
 
 
+def test_the_vllm_compilation_row_follows_the_actors_engine():
+    """TRL 1.16's colocate engine compiles (vLLM's default); parley's engines without torch.compile are a
+    difference the table names."""
+    row = {r["setting"]: r for r in peer_trl.settings_rows(peer_trl.load_recipe(None, []))}["vLLM compilation"]
+    assert row["same"] == "yes" and "torch_compile = true" in row["parley"]
+    assert "passes no compilation setting" in row["trl"]
+    sets = ["actor.engine.torch_compile=false", "actor.engine.enforce_eager=false"]
+    row = {r["setting"]: r for r in peer_trl.settings_rows(peer_trl.load_recipe(None, sets))}["vLLM compilation"]
+    assert row["same"].startswith("no") and "decode steps only" in row["parley"]
+
+
 def test_the_4b_shape_trains_its_step_in_micro_batches_and_a_bad_one_is_refused_in_one_line(capsys):
     # part TT4: the config as written (`parley up --config` lays no preset under it; --env '' here)
     cfg = peer_trl.load_recipe(ROOT / "deploy" / "configs" / "gpu-1-4b.toml", [], env="")
