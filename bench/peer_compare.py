@@ -449,8 +449,8 @@ def compare(out: Path, trl_out: Path | None = None, timed_by: str = "recorded") 
 def parley_settings(rows: list[dict], clock: dict, recipe_correction: str | None = None) -> list[dict]:
     """peer_trl.py's settings table (the shared recipe as both read it) with what part P gave parley
     alone (p_clock.json: PARLEY_SETS and ACTORS, recorded since 2026-12-03): the engines row names the
-    actors that ran, the policy-lag, clip-range and behaviour-mismatch rows the lag and the behaviour
-    correction parley ran with (`recipe_correction`: the one the recipe gave both), and a last row lists
+    actors that ran, the policy-lag, vLLM-compilation, clip-range and behaviour-mismatch rows the lag, the
+    engines' compilation and the behaviour correction parley ran with (`recipe_correction`: the one the recipe gave both), and a last row lists
     the parley-only settings."""
     rows = [dict(r) for r in rows]
     if "actors" in clock:
@@ -464,6 +464,11 @@ def parley_settings(rows: list[dict], clock: dict, recipe_correction: str | None
             if r["setting"] == "policy lag":
                 r["parley"] = re.sub(r"max_staleness = \d+", f"max_staleness = {n} (PARLEY_SETS)", r["parley"])
                 r["same"] = "no" if n else "yes"
+    if sets.get("actor.engine.torch_compile") == "false":  # the recipe's row names vLLM's compiled default
+        for r in rows:
+            if r["setting"] == "vLLM compilation":
+                r["parley"] = "no torch.compile, full CUDA graphs of decode steps only (PARLEY_SETS)"
+                r["same"] = "no: parley's engines start sooner"
     mode = sets.get("learner.behaviour_correction", "").strip('"')
     if mode and mode != recipe_correction:  # the recipe's rows name the correction both were given
         rows = _parley_correction(rows, mode, sets)

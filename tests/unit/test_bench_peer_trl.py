@@ -442,6 +442,24 @@ def test_a_lag_given_to_parley_alone_is_the_one_its_lag_row_names(tmp_path):
     assert peer_compare.compare(tmp_path / "out")["settings"][0] == lag_row  # no lag given: the recipe's row
 
 
+def test_engines_without_torch_compile_given_to_parley_alone_are_named_in_the_compilation_row(tmp_path):
+    """TORCH_COMPILE=0 (PARLEY_SETS actor.engine.torch_compile=false): TRL's table names the recipe's
+    compiled engine on both sides; the compared table says parley's ran without."""
+    _write_runs(tmp_path / "out")
+    peer = json.loads((tmp_path / "out" / "peer_trl.json").read_text())
+    recipe_row = {r["setting"]: r for r in peer_trl.settings_rows(peer_trl.load_recipe(None, []))}["vLLM compilation"]
+    peer["settings"] = [recipe_row]
+    (tmp_path / "out" / "peer_trl.json").write_text(json.dumps(peer))
+    clock = json.loads((tmp_path / "out" / "p_clock.json").read_text())
+    sets = 'actor.engine.start_method="fork" actor.engine.torch_compile=false'
+    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": sets}))
+    row = peer_compare.compare(tmp_path / "out")["settings"][0]
+    assert "decode steps only (PARLEY_SETS)" in row["parley"] and row["same"].startswith("no")
+    assert row["trl"] == recipe_row["trl"]
+    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": sets.split()[0]}))
+    assert peer_compare.compare(tmp_path / "out")["settings"][0] == recipe_row  # compiled: the recipe's row
+
+
 def _seeded_runs(out: Path, seed: int, trl_last: float, **clock_fields) -> None:
     """`_write_runs` at `seed` (p_clock.json), TRL's last held-out goal_match set to `trl_last`."""
     _write_runs(out)
