@@ -377,6 +377,14 @@ def _pair_files(out: Path, trl_out: Path | None) -> tuple[dict, dict, dict]:
     ValueError when the two calls ran different seeds."""
     clock = json.loads((out / "p_clock.json").read_text())
     trl_dir = trl_out or out
+    if not (trl_dir / "peer_trl.json").is_file():
+        what = "TRL's side" if trl_out is not None else "parley's side only"
+        raise ValueError(
+            f"{trl_dir} holds {what}, no peer_trl.json (a SIDE=parley or TRL=0 call): pair each parley file with "
+            "its seed's TRL file, --over p_parley_sS.tgz=p_trl_sS.tgz (--trl-out for --out)"
+            if trl_out is None
+            else f"{trl_dir}, given as {what}, has no peer_trl.json: give the TRL call's file (SIDE=trl, p_trl_sS.tgz)"
+        )
     peer = json.loads((trl_dir / "peer_trl.json").read_text())
     trl_clock = json.loads((trl_dir / "p_clock.json").read_text())
     if trl_out is not None and trl_clock.get("seed", 0) != clock.get("seed", 0):
@@ -1017,9 +1025,13 @@ def over_targets(outs: list[Path | tuple[Path, Path]], target: float | None, tim
     seed (target_pair), then target_stats. Pairs differ in machine, never within one."""
     rows = []
     for item in outs:
-        out, trl_out = item if isinstance(item, tuple) else (item, None)
-        out = unpack(out)
-        rows.append(target_pair(out, None if trl_out is None else unpack(trl_out), target, timed_by))
+        given, trl_given = item if isinstance(item, tuple) else (item, None)
+        out, trl_out = unpack(given), None if trl_given is None else unpack(trl_given)
+        try:
+            rows.append(target_pair(out, trl_out, target, timed_by))
+        except ValueError as e:  # name the files as given, not the folders they were unpacked into
+            named = {str(out): str(given), **({} if trl_out is None else {str(trl_out): str(trl_given)})}
+            raise ValueError(re.sub("|".join(map(re.escape, named)), lambda m: named[m.group(0)], str(e))) from e
     metrics = {(r["metric"], r["target"]) for r in rows}
     if len(metrics) > 1:
         raise ValueError(f"the seeds were read by different metrics or targets {sorted(metrics)}: one table each")

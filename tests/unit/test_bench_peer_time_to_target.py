@@ -289,6 +289,23 @@ def test_seeds_from_several_calls_and_sessions_are_read_from_their_packed_files(
     assert "given twice" in capsys.readouterr().err
 
 
+def test_a_side_alone_is_refused_naming_the_file_given_and_how_to_pair_it(tmp_path, capsys):
+    """SIDE=parley packs parley's side alone (p_parley_sS.tgz): one line that names that file, not the
+    folder it was unpacked into, and the pairing to give; a TRL file without TRL's run likewise."""
+    parley = write_pair(tmp_path / "p_parley_s3", seed=3, trl=False)
+    with tarfile.open(tmp_path / "p_parley_s3.tgz", "w:gz") as tar:
+        tar.add(parley, arcname=".")
+    given = str(tmp_path / "p_parley_s3.tgz")
+    with pytest.raises(SystemExit):
+        peer_compare.main(["--target", "--over", given])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{given} holds parley's side only, no peer_trl.json" in err
+    assert "--over p_parley_sS.tgz=p_trl_sS.tgz" in err
+    with pytest.raises(SystemExit):
+        peer_compare.main(["--target", "--over", f"{given}={given}"])
+    assert "has no peer_trl.json: give the TRL call's file" in capsys.readouterr().err
+
+
 def test_a_pair_from_two_gpus_is_refused(tmp_path, capsys):
     parley = write_pair(tmp_path / "parley", uuid="GPU-aaaa", trl=False)
     same = write_pair(tmp_path / "trl_same", uuid="GPU-aaaa", parley=False)
