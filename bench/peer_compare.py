@@ -458,8 +458,8 @@ def parley_settings(rows: list[dict], clock: dict, recipe_correction: str | None
     """peer_trl.py's settings table (the shared recipe as both read it) with what part P gave parley
     alone (p_clock.json: PARLEY_SETS and ACTORS, recorded since 2026-12-03): the engines row names the
     actors that ran, the policy-lag, vLLM-compilation, clip-range and behaviour-mismatch rows the lag, the
-    engines' compilation and the behaviour correction parley ran with (`recipe_correction`: the one the recipe gave both), and a last row lists
-    the parley-only settings."""
+    engines' compilation and the behaviour correction parley ran with (`recipe_correction`: the one the
+    recipe gave both), and a last row lists the parley-only settings."""
     rows = [dict(r) for r in rows]
     if "actors" in clock:
         for r in rows:
