@@ -417,47 +417,47 @@ def test_the_settings_table_names_what_part_p_gave_parley_alone(tmp_path):
     assert all(r["setting"] != "steps (PARLEY_STEPS)" for r in peer_compare.compare(tmp_path / "out")["settings"])
 
 
+def _row_under_sets(out: Path, row: dict):
+    """`_write_runs` with TRL's settings table cut to `row`; returns compared(PARLEY_SETS) -> the
+    compared table's row for that call's p_clock.json with those parley_sets."""
+    _write_runs(out)
+    peer = json.loads((out / "peer_trl.json").read_text())
+    (out / "peer_trl.json").write_text(json.dumps({**peer, "settings": [row]}))
+    clock = json.loads((out / "p_clock.json").read_text())
+
+    def compared(sets: str) -> dict:
+        (out / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": sets}))
+        return peer_compare.compare(out)["settings"][0]
+
+    return compared
+
+
 def test_a_lag_given_to_parley_alone_is_the_one_its_lag_row_names(tmp_path):
     """PARLEY_SETS with learner.max_staleness=0 (the lag-0 runs of 2026-12-05): the policy-lag row says
     parley ran at lag 0, as TRL does, not the shared recipe's lag of 1."""
-    _write_runs(tmp_path / "out")
-    peer = json.loads((tmp_path / "out" / "peer_trl.json").read_text())
     lag_row = {
         "setting": "policy lag",
         "parley": "async: groups up to max_staleness = 1 versions old (older: drop)",
         "trl": "synchronous: every group from the current weights",
         "same": "no",
     }
-    peer["settings"] = [lag_row]
-    (tmp_path / "out" / "peer_trl.json").write_text(json.dumps(peer))
-    clock = json.loads((tmp_path / "out" / "p_clock.json").read_text())
-    sets = 'learner.max_staleness=0 learner.oversample_groups=2 learner.group_order="freshest"'
-    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": sets}))
-    row = peer_compare.compare(tmp_path / "out")["settings"][0]
+    compared = _row_under_sets(tmp_path / "out", lag_row)
+    row = compared('learner.max_staleness=0 learner.oversample_groups=2 learner.group_order="freshest"')
     assert "max_staleness = 0 (PARLEY_SETS)" in row["parley"] and row["same"] == "yes"
-    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": "learner.max_staleness=2"}))
-    row = peer_compare.compare(tmp_path / "out")["settings"][0]
+    row = compared("learner.max_staleness=2")
     assert "max_staleness = 2 (PARLEY_SETS)" in row["parley"] and row["same"] == "no"
-    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": "learner.oversample_groups=2"}))
-    assert peer_compare.compare(tmp_path / "out")["settings"][0] == lag_row  # no lag given: the recipe's row
+    assert compared("learner.oversample_groups=2") == lag_row  # no lag given: the recipe's row
 
 
 def test_engines_without_torch_compile_given_to_parley_alone_are_named_in_the_compilation_row(tmp_path):
     """TORCH_COMPILE=0 (PARLEY_SETS actor.engine.torch_compile=false): TRL's table names the recipe's
     compiled engine on both sides; the compared table says parley's ran without."""
-    _write_runs(tmp_path / "out")
-    peer = json.loads((tmp_path / "out" / "peer_trl.json").read_text())
     recipe_row = {r["setting"]: r for r in peer_trl.settings_rows(peer_trl.load_recipe(None, []))}["vLLM compilation"]
-    peer["settings"] = [recipe_row]
-    (tmp_path / "out" / "peer_trl.json").write_text(json.dumps(peer))
-    clock = json.loads((tmp_path / "out" / "p_clock.json").read_text())
-    sets = 'actor.engine.start_method="fork" actor.engine.torch_compile=false'
-    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": sets}))
-    row = peer_compare.compare(tmp_path / "out")["settings"][0]
+    compared = _row_under_sets(tmp_path / "out", recipe_row)
+    row = compared('actor.engine.start_method="fork" actor.engine.torch_compile=false')
     assert "decode steps only (PARLEY_SETS)" in row["parley"] and row["same"].startswith("no")
     assert row["trl"] == recipe_row["trl"]
-    (tmp_path / "out" / "p_clock.json").write_text(json.dumps({**clock, "parley_sets": sets.split()[0]}))
-    assert peer_compare.compare(tmp_path / "out")["settings"][0] == recipe_row  # compiled: the recipe's row
+    assert compared('actor.engine.start_method="fork"') == recipe_row  # compiled: the recipe's row
 
 
 def _seeded_runs(out: Path, seed: int, trl_last: float, **clock_fields) -> None:
