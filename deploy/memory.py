@@ -559,8 +559,8 @@ def learner_terms(cfg: RunConfig, shape: Shape) -> list[Term]:
     with serve = "merged"), the gradient bucket, the largest of a micro-batch's activations, the
     optimizer step's temporaries on the GPU (the flat gradient and its fp32 copy, p + 4 B a trained
     parameter, p B with a bf16 master, after the activations are freed; none with the step on the
-    host) and, with serve =
-    "merged", the merge's (after the step: one projection at a time), the CUDA context."""
+    host) and, with serve = "merged", the merge's (after the step: one projection at a time), the CUDA
+    context."""
     lc, p, n = cfg.learner, learner_dtype_bytes(cfg), shape.params
     lora, offload, merged = lc.lora.enabled, lc.offload_optimizer == "cpu", lc.lora.merged
     adapter = shape.lora_tensors(lc.lora.rank, lc.lora.target_modules) if lora else None
