@@ -32,8 +32,8 @@
 #     bash bench/gpu_run.sh S    # issue 56, before a phased or merged-LoRA throughput run (~4-6 min): vLLM's
 #                                # sleep/wake under parley's engine and phase schedule, the merged packs
 #     bash bench/gpu_run.sh LC   # issue 56: SmolLM2's behaviour log-probs against the learner's for a next
-#                                # turn over cached context and after an in-place weight swap, with and
-#                                # without vLLM's torch.compile (~4-5 min): is an engine without it right?
+#                                # turn over cached context and after an in-place weight swap, compiled and
+#                                # [*.engine] torch_compile = false, full graphs as the control (~6-7 min)
 # Expects vLLM and the project's other dependencies importable (docs/gpu.md: install), a CUDA GPU,
 # and $OUT (defaults to ./gpu-out). Each step has its own time limit so one hang leaves the others.
 set -uo pipefail
@@ -582,23 +582,28 @@ S)
         -m gpu tests/e2e/test_cuda_ipc.py -k merged
     ;;
 LC)
-    # issue 56: an engine without vLLM's torch.compile trained on wrong behaviour log-probs (2026-12-07,
-    # seeds 19 and 21) and matched on fresh weights; its start is about 10 s shorter. The two things the
-    # fresh-weights check lacked, each with and without compile (bench/logprob_gpu.py --prefix, --reload),
-    # then FULL_DECODE_ONLY without compile. One JSON and one log a run: $OUT/lc_<name>.json, lc_<name>.log.
-    # A run took 65-67 s on a warm H100 (2026-12-07); the first compiled one may build its compile cache.
+    # issue 56: [*.engine] torch_compile = false (compilation mode NONE, CUDA graphs of decode steps only)
+    # against the compiled default, for a next turn over cached context and after an in-place weight swap
+    # (bench/logprob_gpu.py --prefix, --reload), and full graphs of mixed steps (FULL) on the next turn as
+    # the control that must fail (2026-12-07, H100: 7.0% of ratios outside the clip, up to 15 nats; the
+    # cause of seeds 19 and 21). One JSON a run, $OUT/lc_<name>.json; the runs' logs packed in
+    # $OUT/lc_logs.tgz (the device brings back 8 files a call). A run took 50-110 s on an H100; the first
+    # compiled one builds its compile cache.
     {
         nvidia-smi --query-gpu=name,uuid --format=csv,noheader
         python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
     } 2>&1 | tee "$OUT/gpu.log"
-    for run in "nocompile_prefix --no-torch-compile --prefix" "nocompile_reload --no-torch-compile --reload" \
+    mkdir -p "$OUT/lc_logs"
+    for run in "nocompile_prefix --no-torch-compile --cudagraph-mode FULL_DECODE_ONLY --prefix" \
+        "nocompile_reload --no-torch-compile --cudagraph-mode FULL_DECODE_ONLY --reload" \
         "compiled_prefix --prefix" "compiled_reload --reload" \
-        "nocompile_decode_only_prefix --no-torch-compile --cudagraph-mode FULL_DECODE_ONLY --prefix"; do
+        "full_graphs_prefix --no-torch-compile --cudagraph-mode FULL --prefix"; do
         read -r name flags <<<"$run"
         # shellcheck disable=SC2086  # the flags are words
-        STEP_TAIL=6 step "lc_$name" "${LC_LIMIT_S:-140}" python3 bench/logprob_gpu.py --model smol $flags \
-            --json "$OUT/lc_$name.json"
+        STEP_LOGS=$OUT/lc_logs STEP_TAIL=6 step "lc_$name" "${LC_LIMIT_S:-140}" python3 bench/logprob_gpu.py \
+            --model smol $flags --json "$OUT/lc_$name.json"
     done
+    tar czf "$OUT/lc_logs.tgz" -C "$OUT" lc_logs && rm -rf "${OUT:?}/lc_logs"
     ;;
 M)
     # issue 26 item 1: does the image offer CUDA MPS, and does part PS (or MPS_PART) run faster under it?
