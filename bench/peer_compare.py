@@ -1020,12 +1020,36 @@ def target_stats(rows: list[dict]) -> dict:
     }
 
 
+def earlier_pairs(path: Path) -> list[dict]:
+    """The pairs of a comparison this script wrote with --target --json: seeds of an earlier session,
+    whose packed files may be gone, pooled under the same checks as freshly read ones."""
+    try:
+        res = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a comparison written by --target --json ({e})") from e
+    pairs = res.get("pairs") if isinstance(res, dict) else None
+    if (
+        not isinstance(pairs, list)
+        or not pairs
+        or "metric" not in res
+        or not all(isinstance(r, dict) and "ratio" in r for r in pairs)
+    ):
+        raise ValueError(
+            f"{path} holds no time-to-target pairs: give a JSON written by peer_compare.py --target --json, "
+            "or the calls' folders or .tgz files"
+        )
+    return pairs
+
+
 def over_targets(outs: list[Path | tuple[Path, Path]], target: float | None, timed_by: str = "recorded") -> dict:
     """Paired seeds from any number of calls and sessions (folders or part PS's .tgz files): one row a
     seed (target_pair), then target_stats. Pairs differ in machine, never within one."""
     rows = []
     for item in outs:
         given, trl_given = item if isinstance(item, tuple) else (item, None)
+        if trl_given is None and str(given).endswith(".json"):  # an earlier comparison's pairs, as written
+            rows.extend(earlier_pairs(Path(given)))
+            continue
         out, trl_out = unpack(given), None if trl_given is None else unpack(trl_given)
         try:
             rows.append(target_pair(out, trl_out, target, timed_by))
@@ -1202,7 +1226,8 @@ def main(argv=None) -> int:
         const=-1.0,
         default=None,
         help="the headline of issue 56: time from launch to this held-out reward, paired by seed (--target alone: "
-        f"the environment's, {TARGETS}); OUT may be a folder or part PS's p_s<SEED>.tgz",
+        f"the environment's, {TARGETS}); OUT may be a folder, part PS's p_s<SEED>.tgz, or a JSON an earlier "
+        "--target --json wrote (its pairs are pooled with the rest)",
     )
     args = p.parse_args(argv)
     if args.target is not None:

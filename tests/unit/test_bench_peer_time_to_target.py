@@ -445,3 +445,39 @@ def test_a_seed_whose_actors_sampled_another_model_is_named_under_the_table(tmp_
     assert "(first at step 2)" in text and "seed 1:" not in text
     res = peer_compare.over_targets([healthy, wrong], None)
     assert [r["parley"]["behaviour_gap_steps"] for r in res["pairs"]] == [[], [2, 3]]
+
+
+def test_an_earlier_comparisons_json_pools_its_seeds_with_new_ones(tmp_path, capsys):
+    """A session's packed files stay on its machine; the JSON it wrote (--target --json) carries its
+    pairs, so a later session's seeds pool with them under the same checks (one seed once, one code)."""
+    packed = []
+    for seed in (3, 4, 5):
+        folder = write_pair(tmp_path / f"p_s{seed}", seed=seed)
+        with tarfile.open(tmp_path / f"p_s{seed}.tgz", "w:gz") as tar:
+            tar.add(folder, arcname=".")
+        packed.append(str(tmp_path / f"p_s{seed}.tgz"))
+    earlier = tmp_path / "earlier.json"
+    assert peer_compare.main(["--target", "--over", *packed[:2], "--json", str(earlier), "--date", "2026-12-08"]) == 0
+    capsys.readouterr()
+    pooled = tmp_path / "pooled.json"
+    assert peer_compare.main(["--target", "--over", str(earlier), packed[2], "--json", str(pooled)]) == 0
+    text = capsys.readouterr().out
+    assert "median over 3 of 3 seeds" in text
+    assert "| 3 | NVIDIA H100 80GB HBM3 | 45 / 30 | 1.50x | 0.100 / 0.820 | 0.900 / 0.820 |" in text
+    res = json.loads(pooled.read_text())
+    assert [r["seed"] for r in res["pairs"]] == [3, 4, 5] and res["median_ratio"] == 1.5
+    with pytest.raises(SystemExit):  # seed 3 is in the earlier JSON already
+        peer_compare.main(["--target", "--over", str(earlier), packed[0]])
+    assert "given twice" in capsys.readouterr().err
+    other_code = tmp_path / "p_s6"
+    write_pair(other_code, seed=6)
+    clock = json.loads((other_code / "p_clock.json").read_text())
+    (other_code / "p_clock.json").write_text(json.dumps({**clock, "code": "ffffffffffff"}))
+    with pytest.raises(SystemExit):
+        peer_compare.main(["--target", "--over", str(earlier), str(other_code)])
+    assert "ran different parley code" in capsys.readouterr().err
+    not_pairs = tmp_path / "summary.json"
+    not_pairs.write_text(json.dumps({"runs": []}))
+    with pytest.raises(SystemExit):
+        peer_compare.main(["--target", "--over", str(not_pairs)])
+    assert f"{not_pairs} holds no time-to-target pairs" in capsys.readouterr().err
