@@ -1042,13 +1042,20 @@ def earlier_pairs(path: Path) -> list[dict]:
 
 
 def over_targets(outs: list[Path | tuple[Path, Path]], target: float | None, timed_by: str = "recorded") -> dict:
-    """Paired seeds from any number of calls and sessions (folders or part PS's .tgz files): one row a
-    seed (target_pair), then target_stats. Pairs differ in machine, never within one."""
+    """Paired seeds from any number of calls and sessions (folders or part PS's .tgz files, or the pairs
+    of an earlier --target --json: earlier_pairs): one row a seed (target_pair), then target_stats. Pairs
+    differ in machine, never within one."""
     rows = []
     for item in outs:
         given, trl_given = item if isinstance(item, tuple) else (item, None)
         if trl_given is None and str(given).endswith(".json"):  # an earlier comparison's pairs, as written
-            rows.extend(earlier_pairs(Path(given)))
+            earlier = earlier_pairs(Path(given))
+            if target is not None and any(r["target"] != target for r in earlier):
+                raise ValueError(
+                    f"{given} was read at target {earlier[0]['target']}, not the {target} given: its pairs keep "
+                    "the target they were read at (rerun over the calls' files for another)"
+                )
+            rows.extend(earlier)
             continue
         out, trl_out = unpack(given), None if trl_given is None else unpack(trl_given)
         try:

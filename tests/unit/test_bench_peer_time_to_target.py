@@ -476,6 +476,9 @@ def test_an_earlier_comparisons_json_pools_its_seeds_with_new_ones(tmp_path, cap
     with pytest.raises(SystemExit):
         peer_compare.main(["--target", "--over", str(earlier), str(other_code)])
     assert "ran different parley code" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # its pairs were read at the environment's 0.8
+        peer_compare.main(["--target", "0.9", "--over", str(earlier)])
+    assert "was read at target 0.8, not the 0.9 given" in capsys.readouterr().err
     not_pairs = tmp_path / "summary.json"
     not_pairs.write_text(json.dumps({"runs": []}))
     with pytest.raises(SystemExit):
